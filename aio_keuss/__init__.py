@@ -1,0 +1,58 @@
+"""aio-keuss: asyncio-native queues over the databases you already run.
+
+    async with aio_keuss.connect("memory") as factory:
+        q = await factory.queue("jobs")
+        await q.push({"a": 1})
+        msg = await q.reserve(timeout=5)
+        await q.ok(msg)
+"""
+
+from .backends import backend_names
+from .backends.base import Capabilities, KoResult, Sizes
+from .consumer import Consumer
+from .errors import (
+    BackendError,
+    ClosedError,
+    ConfigError,
+    InvalidDelayError,
+    InvalidHeadersError,
+    InvalidIdError,
+    InvalidInputError,
+    InvalidPayloadError,
+    InvalidQueueNameError,
+    KeussConnectionError,
+    KeussError,
+    MissingDependencyError,
+    NotSupportedError,
+)
+from .factory import Factory, connect
+from .message import Message
+from .queue import Queue
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "BackendError",
+    "Capabilities",
+    "ClosedError",
+    "ConfigError",
+    "Consumer",
+    "Factory",
+    "InvalidDelayError",
+    "InvalidHeadersError",
+    "InvalidIdError",
+    "InvalidInputError",
+    "InvalidPayloadError",
+    "InvalidQueueNameError",
+    "KeussConnectionError",
+    "KeussError",
+    "KoResult",
+    "Message",
+    "MissingDependencyError",
+    "NotSupportedError",
+    "Queue",
+    "Sizes",
+    "__version__",
+    "backend_names",
+    "connect",
+]

@@ -1,0 +1,190 @@
+"""``connect()`` and the Factory: one backend connection, its signal bus and stats store,
+and the queues opened through them."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Generator
+from types import TracebackType
+from typing import Any
+
+from .backends import load_backend
+from .backends.base import Backend, Capabilities
+from .errors import ClosedError, ConfigError
+from .options import QUEUE_OPTION_NAMES, DeadletterOptions, QueueOptions, check_queue_name
+from .queue import Queue
+from .signal.base import SignalBus
+from .signal.local import LocalSignalBus
+from .stats.base import StatsStore
+from .stats.memory import MemoryStats
+
+_FACTORY_OPTIONS = frozenset({"signal", "stats", "deadletter", "signal_debounce"})
+
+
+class Factory:
+    """Opens queues of one backend; close it (or use ``async with``) to release everything."""
+
+    def __init__(
+        self,
+        backend: Backend,
+        signal: SignalBus,
+        stats: StatsStore,
+        defaults: QueueOptions,
+        deadletter: DeadletterOptions | None,
+    ) -> None:
+        self.backend = backend
+        self.signal = signal
+        self.stats_store = stats
+        self.defaults = defaults
+        self.deadletter = deadletter
+        self._queues: dict[str, Queue] = {}
+        self._opening: dict[str, asyncio.Future[Queue]] = {}
+        self._closed = False
+
+    @property
+    def capabilities(self) -> Capabilities:
+        return self.backend.capabilities
+
+    @property
+    def backend_name(self) -> str:
+        return self.backend.name
+
+    async def queue(self, name: str, **options: Any) -> Queue:
+        """The queue called ``name``, created on first use. One Queue object per name and
+        factory: asking again with different options is an error."""
+        if self._closed:
+            raise ClosedError("factory is closed")
+        check_queue_name(name)
+        queue_options = self.defaults.updated(options)
+        found = self._queues.get(name)
+        if found is None:
+            found = await self._open_queue(name, queue_options)
+        if options and found.options != queue_options:
+            raise ConfigError(f"queue {name!r} is already open with {found.options}")
+        if self.deadletter is not None and self.deadletter.queue not in self._queues:
+            await self._open_queue(self.deadletter.queue, self.defaults)
+        return found
+
+    async def _open_queue(self, name: str, options: QueueOptions) -> Queue:
+        opening = self._opening.get(name)
+        if opening is not None:  # opened concurrently: share the one being made
+            return await asyncio.shield(opening)
+        future: asyncio.Future[Queue] = asyncio.get_running_loop().create_future()
+        self._opening[name] = future
+        try:
+            store = await self.backend.store(name, options)
+            queue = Queue(
+                name, options, store, self.capabilities, self.signal, self.stats_store,
+                self.deadletter,
+            )
+            await queue._open()
+            await self.stats_store.save_options(name, options.as_dict())
+        except BaseException as exc:
+            future.set_exception(exc)
+            future.exception()  # retrieved: the awaiting callers re-raise it themselves
+            raise
+        finally:
+            del self._opening[name]
+        self._queues[name] = queue
+        future.set_result(queue)
+        return queue
+
+    async def list(self) -> dict[str, dict[str, Any]]:
+        """Queues known to this backend (from any process) with their options."""
+        return await self.stats_store.queues()
+
+    async def close(self) -> None:
+        """Drain and close every queue, then the stats store, signal bus and connection."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            for queue in list(self._queues.values()):
+                await queue.close()
+        finally:
+            try:
+                await self.stats_store.close()
+                await self.signal.close()
+            finally:
+                await self.backend.close()
+
+    async def __aenter__(self) -> Factory:
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.close()
+
+
+class _Connecting:
+    """What ``connect`` returns: ``await`` it, or use it as ``async with``."""
+
+    def __init__(self, backend: str, options: dict[str, Any]) -> None:
+        self._backend = backend
+        self._options = options
+        self._factory: Factory | None = None
+
+    def __await__(self) -> Generator[Any, None, Factory]:
+        return _open_factory(self._backend, self._options).__await__()
+
+    async def __aenter__(self) -> Factory:
+        self._factory = await _open_factory(self._backend, self._options)
+        return self._factory
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if self._factory is not None:
+            await self._factory.close()
+
+
+def connect(backend: str = "memory", **options: Any) -> _Connecting:
+    """Connect to a backend by name (see ``aio_keuss.backend_names()``).
+
+    Options: the backend's own (``url``, ``client``, ...), any queue option as a default for
+    every queue (``reserve_delay``, ``poll_interval``, ``dedup_window``, ``max_batch``),
+    ``deadletter={"max_ko": 3, "queue": "__deadletter__"}``, ``signal`` / ``stats``
+    (``"local"`` / ``"memory"`` to keep them in-process; default: the backend's database),
+    and ``signal_debounce`` (seconds, default 0.05).
+    """
+    return _Connecting(backend, options)
+
+
+async def _open_factory(backend_name: str, options: dict[str, Any]) -> Factory:
+    backend_class = load_backend(backend_name)
+    known = _FACTORY_OPTIONS | QUEUE_OPTION_NAMES | set(backend_class.options)
+    unknown = set(options) - known
+    if unknown:
+        raise ConfigError(
+            f"unknown option(s) for backend {backend_name!r}: {', '.join(sorted(unknown))}"
+        )
+    defaults = QueueOptions().updated({k: v for k, v in options.items() if k in QUEUE_OPTION_NAMES})
+    deadletter = DeadletterOptions.parse(options.get("deadletter"))
+    debounce = options.get("signal_debounce", 0.05)
+    if isinstance(debounce, bool) or not isinstance(debounce, int | float) or not 0 <= debounce < 60:
+        raise ConfigError(f"signal_debounce must be seconds in [0, 60), not {debounce!r}")
+    signal_kind = options.get("signal")
+    stats_kind = options.get("stats")
+    if signal_kind not in (None, "local"):
+        raise ConfigError(f"signal must be 'local' or left out, not {signal_kind!r}")
+    if stats_kind not in (None, "memory"):
+        raise ConfigError(f"stats must be 'memory' or left out, not {stats_kind!r}")
+
+    backend = backend_class({k: v for k, v in options.items() if k in backend_class.options})
+    await backend.open()
+    try:
+        signal = LocalSignalBus(debounce) if signal_kind else backend.signal_bus(debounce)
+        stats = MemoryStats() if stats_kind else backend.stats_store()
+        await signal.open()
+        try:
+            await stats.open()
+        except BaseException:
+            await signal.close()
+            raise
+    except BaseException:
+        await backend.close()
+        raise
+    return Factory(backend, signal, stats, defaults, deadletter)

@@ -1,0 +1,487 @@
+"""The generic queue layer, written once for every backend.
+
+Read top to bottom: validation of what comes in, the coalesced primitives, the consumer wait
+loop, then acknowledgement, administration and shutdown. A :class:`Store` only answers
+batch-shaped atomic primitives; everything about waiting, signalling, counting, pausing and
+deadlettering happens here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from collections.abc import AsyncIterator, Awaitable, Sequence
+from datetime import datetime
+from typing import TYPE_CHECKING, Any
+
+from .backends.base import (
+    Ack,
+    Capabilities,
+    DeadletterPlan,
+    Entry,
+    Fetched,
+    KoResult,
+    Nack,
+    Sizes,
+    Store,
+    Stored,
+)
+from .coalesce import Coalescer
+from .errors import ClosedError, InvalidIdError, InvalidInputError, NotSupportedError
+from .message import (
+    Headers,
+    Message,
+    Payload,
+    check_id,
+    decode_headers,
+    decode_payload,
+    encode_headers,
+    encode_payload,
+    to_datetime,
+)
+from .options import DeadletterOptions, QueueOptions, check_seconds, check_timeout
+
+if TYPE_CHECKING:
+    from .consumer import Consumer, Handler
+    from .signal.base import Signal, SignalBus
+    from .stats.base import StatsStore
+
+MIN_WAIT = 0.005
+"""Shortest sleep of the wait loop: it never spins, even when a store reports a mature time
+in the past (clock skew between client and server) without handing anything out."""
+
+FetchResult = tuple[list[Stored], float | None]
+
+
+def new_id() -> str:
+    """Time-ordered (nanoseconds, hex) plus 48 random bits: unique across processes."""
+    return f"{time.time_ns():x}{os.urandom(6).hex()}"
+
+
+class Queue:
+    """One named queue of a factory; get it with ``await factory.queue(name)``."""
+
+    def __init__(
+        self,
+        name: str,
+        options: QueueOptions,
+        store: Store,
+        capabilities: Capabilities,
+        signal: SignalBus,
+        stats: StatsStore,
+        deadletter: DeadletterOptions | None,
+    ) -> None:
+        self.name = name
+        self.options = options
+        self.capabilities = capabilities
+        self._store = store
+        self._signal = signal
+        self._stats = stats
+        self._deadletter = (
+            DeadletterPlan(deadletter.max_ko, deadletter.queue, name)
+            if deadletter is not None and deadletter.queue != name
+            else None
+        )
+        self._paused = False
+        self._wake = asyncio.Event()
+        self._drains = 0
+        self._closed = False
+        self._background: set[asyncio.Task[Any]] = set()
+        batch, depth = options.max_batch, store.batch_concurrency
+        self._inserts: Coalescer[list[Entry], list[bool]] = Coalescer(
+            self._insert_batch, max_batch=batch, weight=len, concurrency=depth
+        )
+        self._gets: Coalescer[int, FetchResult] = Coalescer(
+            self._get_batch, max_batch=batch, weight=int, concurrency=depth,
+            on_orphan=self._put_back_popped,
+        )
+        self._reserves: Coalescer[int, FetchResult] = Coalescer(
+            self._reserve_batch, max_batch=batch, weight=int, concurrency=depth,
+            on_orphan=self._put_back_reserved,
+        )
+        self._commits: Coalescer[Ack, bool] = Coalescer(
+            self._commit_batch, max_batch=batch, concurrency=depth
+        )
+        self._rollbacks: Coalescer[Nack, KoResult] = Coalescer(
+            self._rollback_batch, max_batch=batch, concurrency=depth
+        )
+        self._unsubscribe = signal.subscribe(name, self._on_signal)
+
+    async def _open(self) -> None:
+        self._paused = await self._stats.is_paused(self.name)
+
+    def __repr__(self) -> str:
+        return f"<Queue {self.name!r}>"
+
+    # producing ------------------------------------------------------------------------
+
+    async def push(
+        self,
+        payload: Payload,
+        *,
+        delay: float = 0.0,
+        headers: Headers | None = None,
+        id: str | None = None,
+    ) -> str:
+        """Queue one message; returns its id (the given one, even when deduplicated)."""
+        entry = self._entry(payload, self._delay(delay), encode_headers(headers), id)
+        await self._inserts.submit([entry])
+        return entry.id
+
+    async def push_many(
+        self,
+        payloads: Sequence[Payload],
+        *,
+        delay: float = 0.0,
+        headers: Headers | None = None,
+        ids: Sequence[str] | None = None,
+    ) -> list[str]:
+        """Queue many messages in order with as few round trips as ``max_batch`` allows."""
+        self._check_open()
+        if isinstance(payloads, str | bytes | bytearray | dict) or not isinstance(
+            payloads, Sequence
+        ):
+            raise InvalidInputError("push_many takes a sequence (list, tuple) of payloads")
+        if ids is not None and (isinstance(ids, str) or len(ids) != len(payloads)):
+            raise InvalidInputError("ids must be a sequence as long as payloads")
+        seconds = self._delay(delay)
+        encoded_headers = encode_headers(headers)
+        entries = [
+            self._entry(payload, seconds, encoded_headers, None if ids is None else ids[i])
+            for i, payload in enumerate(payloads)
+        ]
+        size = self.options.max_batch
+        chunks = [entries[i : i + size] for i in range(0, len(entries), size)]
+        await asyncio.gather(*(self._inserts.submit(chunk) for chunk in chunks))
+        return [entry.id for entry in entries]
+
+    def _delay(self, delay: float) -> float:
+        seconds = check_seconds(delay, "delay")
+        if seconds > 0:
+            self._require("delay")
+        return seconds
+
+    def _entry(
+        self, payload: Payload, delay: float, headers: bytes, message_id: str | None
+    ) -> Entry:
+        self._check_open()
+        blob = encode_payload(payload)
+        if message_id is None:
+            return Entry(new_id(), blob, headers, delay)
+        self._require("idempotent")
+        return Entry(check_id(message_id), blob, headers, delay, dedup=True)
+
+    async def _insert_batch(self, requests: list[list[Entry]]) -> list[list[bool]]:
+        entries = [entry for request in requests for entry in request]
+        flags = await self._store.insert(entries)
+        inserted = [entry for entry, flag in zip(entries, flags, strict=True) if flag]
+        if inserted:
+            self._stats.incr(self.name, "put", len(inserted))
+            now = time.time()
+            self._signal.insert(
+                self.name, min(e.mature if e.mature is not None else now + e.delay for e in inserted)
+            )
+        results, start = [], 0
+        for request in requests:
+            results.append(flags[start : start + len(request)])
+            start += len(request)
+        return results
+
+    # consuming ------------------------------------------------------------------------
+
+    async def pop(self, timeout: float | None = None) -> Message | None:
+        """Take one message, at-most-once; None when ``timeout`` passes (or on drain/close)."""
+        messages = await self._consume(self._gets, 1, timeout, "pop", "get")
+        return messages[0] if messages else None
+
+    async def pop_many(self, n: int, timeout: float | None = None) -> list[Message]:
+        """Take up to ``n`` (at most ``max_batch``) messages; waits only while none is ready."""
+        return await self._consume(self._gets, n, timeout, "pop", "get")
+
+    async def reserve(self, timeout: float | None = None) -> Message | None:
+        """Reserve one message, at-least-once: ``ok`` it, ``ko`` it, or it comes back after
+        ``reserve_delay`` with one more try."""
+        messages = await self._consume(self._reserves, 1, timeout, "reserve", "reserve")
+        return messages[0] if messages else None
+
+    async def reserve_many(self, n: int, timeout: float | None = None) -> list[Message]:
+        """Reserve up to ``n`` (at most ``max_batch``); waits only while none is ready."""
+        return await self._consume(self._reserves, n, timeout, "reserve", "reserve")
+
+    async def _consume(
+        self,
+        source: Coalescer[int, FetchResult],
+        n: int,
+        timeout: float | None,
+        capability: str,
+        counter: str,
+    ) -> list[Message]:
+        self._check_open()
+        self._require(capability)
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise InvalidInputError(f"n must be a positive int, not {n!r}")
+        stored = await self._wait_for(source, min(n, self.options.max_batch), check_timeout(timeout))
+        if stored:
+            self._stats.incr(self.name, counter, len(stored))
+        return [
+            Message(s.id, decode_payload(s.payload), decode_headers(s.headers), s.tries,
+                    to_datetime(s.mature))
+            for s in stored
+        ]
+
+    async def _wait_for(
+        self, source: Coalescer[int, FetchResult], n: int, timeout: float | None
+    ) -> list[Stored]:
+        """The wait loop (DESIGN.md §5): try, then sleep until a signal, the next mature
+        time, the poll interval or the timeout, whichever comes first."""
+        loop = asyncio.get_running_loop()
+        deadline = None if timeout is None else loop.time() + timeout
+        drains = self._drains
+        backoff = MIN_WAIT
+        while not self._closed and self._drains == drains:
+            wake = self._wake  # taken before trying, so a push meanwhile is not missed
+            next_mature = None
+            if not self._paused:
+                stored, next_mature = await source.submit(n)
+                if stored:
+                    return stored
+            wait = self.options.poll_interval
+            if next_mature is not None:
+                until = next_mature - time.time()
+                if until > 0:
+                    wait, backoff = min(wait, max(until, MIN_WAIT)), MIN_WAIT
+                else:
+                    wait, backoff = min(wait, backoff), backoff * 2
+            if deadline is not None:
+                remaining = deadline - loop.time()
+                if remaining <= 0:
+                    break
+                wait = min(wait, remaining)
+            if not await _wait_event(wake, wait) and self._paused:
+                self._paused = await self._stats.is_paused(self.name)  # a lost resume
+        return []
+
+    async def _get_batch(self, requests: list[int]) -> list[FetchResult]:
+        return _share(requests, await self._store.get(sum(requests)))
+
+    async def _reserve_batch(self, requests: list[int]) -> list[FetchResult]:
+        fetched = await self._store.reserve(sum(requests), self.options.reserve_delay)
+        return _share(requests, fetched)
+
+    def _put_back_popped(self, _: int, result: FetchResult) -> None:
+        """A popped batch whose caller was cancelled goes back where it was."""
+        if result[0]:
+            entries = [
+                Entry(s.id, s.payload, s.headers, tries=s.tries, mature=s.mature)
+                for s in result[0]
+            ]
+            self._in_background(self._put_back(self._store.insert(entries)))
+
+    def _put_back_reserved(self, _: int, result: FetchResult) -> None:
+        """Reserved for a cancelled caller: released at once, costing no try."""
+        if result[0]:
+            nacks = [Nack(s.id, s.tries, 0.0, count_try=False) for s in result[0]]
+            self._in_background(self._put_back(self._store.rollback(nacks, None)))
+
+    async def _release(self, message: Message) -> None:
+        """Give back a reservation whose handler was cancelled, costing no try."""
+        nack = Nack(message.id, message.tries, 0.0, count_try=False)
+        await self._put_back(self._store.rollback([nack], None))
+
+    async def _put_back(self, work: Awaitable[Any]) -> None:
+        await work
+        self._signal.insert(self.name, time.time())
+
+    def __aiter__(self) -> AsyncIterator[Message]:
+        return self.messages()
+
+    async def messages(self, timeout: float | None = None) -> AsyncIterator[Message]:
+        """Iterate reserved messages (popped ones on a backend without reserve); the loop ends
+        on drain, close, or after ``timeout`` seconds with nothing. Reserved messages must be
+        ``ok``-ed or ``ko``-ed by the caller."""
+        take = self.reserve if self.capabilities.reserve else self.pop
+        while not self._closed:
+            message = await take(timeout)
+            if message is None:
+                return
+            yield message
+
+    def consume(
+        self,
+        handler: Handler,
+        concurrency: int = 1,
+        *,
+        retry_delay: float = 1.0,
+        max_retry_delay: float = 60.0,
+    ) -> Consumer:
+        """Start ``concurrency`` workers: reserve -> handler -> ok; an exception -> ko with
+        exponential backoff. Stop with ``await consumer.stop()`` or ``async with``."""
+        from .consumer import Consumer
+
+        return Consumer(self, handler, concurrency, retry_delay, max_retry_delay)
+
+    # acknowledging --------------------------------------------------------------------
+
+    async def ok(self, message: Message | str) -> bool:
+        """Commit a reservation; True if it was reserved and is now gone."""
+        self._check_open()
+        self._require("reserve")
+        return await self._commits.submit(Ack(*_target(message)))
+
+    async def ko(self, message: Message | str, delay: float | None = None) -> KoResult:
+        """Roll a reservation back (due again after ``delay``), or deadletter it past max_ko."""
+        self._check_open()
+        self._require("reserve")
+        seconds = 0.0 if delay is None else self._delay(delay)
+        return await self._rollbacks.submit(Nack(*_target(message), seconds))
+
+    async def _commit_batch(self, acks: list[Ack]) -> list[bool]:
+        results = await self._store.commit(acks)
+        self._stats.incr(self.name, "commit", sum(results))
+        return results
+
+    async def _rollback_batch(self, nacks: list[Nack]) -> list[KoResult]:
+        results = await self._store.rollback(nacks, self._deadletter)
+        back = [n for n, r in zip(nacks, results, strict=True) if r is KoResult.ROLLED_BACK]
+        moved = results.count(KoResult.DEADLETTERED)
+        now = time.time()
+        if back:
+            self._stats.incr(self.name, "rollback", len(back))
+            self._signal.insert(self.name, now + min(n.delay for n in back))
+        if moved and self._deadletter is not None:
+            self._stats.incr(self.name, "deadletter", moved)
+            self._stats.incr(self._deadletter.queue, "put", moved)
+            self._signal.insert(self._deadletter.queue, now)
+        return results
+
+    async def remove(self, message: Message | str) -> bool:
+        """Delete a message that is not under an active reservation."""
+        self._check_open()
+        self._require("remove")
+        (removed,) = await self._store.remove([_target(message)[0]])
+        return removed
+
+    # observing and administering ------------------------------------------------------
+
+    async def sizes(self) -> Sizes:
+        self._check_open()
+        return await self._store.sizes()
+
+    async def size(self) -> int:
+        """Messages deliverable now."""
+        return (await self.sizes()).size
+
+    async def total_size(self) -> int:
+        return (await self.sizes()).total
+
+    async def sched_size(self) -> int:
+        """Messages waiting for their mature time."""
+        return (await self.sizes()).scheduled
+
+    async def resv_size(self) -> int:
+        """Messages under an active reservation."""
+        return (await self.sizes()).reserved
+
+    async def next_mature_t(self) -> datetime | None:
+        self._check_open()
+        mature = await self._store.next_mature()
+        return None if mature is None else to_datetime(mature)
+
+    async def pause(self) -> None:
+        """Stop deliveries in every process until ``resume``; pushes still go in."""
+        self._check_open()
+        await self._stats.set_paused(self.name, True)
+        self._signal.paused(self.name, True)
+
+    async def resume(self) -> None:
+        self._check_open()
+        await self._stats.set_paused(self.name, False)
+        self._signal.paused(self.name, False)
+
+    async def is_paused(self) -> bool:
+        self._check_open()
+        self._paused = await self._stats.is_paused(self.name)
+        return self._paused
+
+    async def stats(self) -> dict[str, int]:
+        """Counters of every process: put, get, reserve, commit, rollback, deadletter."""
+        self._check_open()
+        return await self._stats.counters(self.name)
+
+    async def drain(self) -> None:
+        """Write out what is buffered, and return every waiting pop / reserve (None)."""
+        self._check_open()
+        await self._store.flush()
+        self._drains += 1
+        self._wake_all()
+
+    async def close(self) -> None:
+        """Drain, then refuse further calls; the factory closes its queues for you."""
+        if self._closed:
+            return
+        await self.drain()
+        self._closed = True
+        self._wake_all()
+        self._unsubscribe()
+        for coalescer in (self._inserts, self._gets, self._reserves, self._commits, self._rollbacks):
+            await coalescer.wait_idle()
+        while self._background:
+            await asyncio.gather(*self._background, return_exceptions=True)
+        await self._store.close()
+
+    # internals ------------------------------------------------------------------------
+
+    def _on_signal(self, signal: Signal) -> None:
+        if signal.kind == "pause":
+            self._paused = True
+            return
+        if signal.kind == "resume":
+            self._paused = False
+        if not self._paused:
+            self._wake_all()
+
+    def _wake_all(self) -> None:
+        self._wake.set()
+        self._wake = asyncio.Event()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ClosedError(f"queue {self.name!r} is closed")
+
+    def _require(self, capability: str) -> None:
+        if not getattr(self.capabilities, capability):
+            raise NotSupportedError(f"queue {self.name!r}: this backend has no {capability}")
+
+    def _in_background(self, work: Awaitable[Any]) -> None:
+        task = asyncio.ensure_future(work)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+
+def _share(requests: list[int], fetched: Fetched) -> list[FetchResult]:
+    """Hand a batch's messages to the requests in order; all see the same next mature."""
+    results, start = [], 0
+    for wanted in requests:
+        results.append((fetched.messages[start : start + wanted], fetched.next_mature))
+        start += wanted
+    return results
+
+
+def _target(message: Message | str) -> tuple[str, int | None]:
+    """(id, tries) of what to acknowledge; tries guards against a stale holder."""
+    if isinstance(message, Message):
+        return message.id, message.tries
+    if isinstance(message, str):
+        return check_id(message), None
+    raise InvalidIdError(f"expected a Message or a message id, not {type(message).__name__}")
+
+
+async def _wait_event(event: asyncio.Event, timeout: float) -> bool:
+    try:
+        async with asyncio.timeout(timeout):
+            await event.wait()
+    except TimeoutError:
+        return False
+    return True
+

@@ -1,0 +1,141 @@
+"""Wake-up and pause signals between queue objects, in this process and in others.
+
+The generic half lives here, once: subscribers in this process are told at once; other
+processes are told through a transport (Redis pub/sub, LISTEN/NOTIFY, ...) that a subclass
+provides with :meth:`SignalBus._publish` and by calling :meth:`SignalBus._receive`.
+
+Insertion events for a queue are debounced per queue: the first one of a burst goes out at
+once, later ones within the window are folded into one trailing event carrying the earliest
+mature time, sent when the window closes, so the last event of a burst is never dropped.
+Signals are hints: a lost one costs a consumer at most its poll interval.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Literal
+
+import orjson
+
+log = logging.getLogger("aio_keuss.signal")
+
+SignalKind = Literal["insert", "pause", "resume"]
+
+
+@dataclass(frozen=True, slots=True)
+class Signal:
+    queue: str
+    kind: SignalKind
+    mature: float | None = None
+
+
+Listener = Callable[[Signal], None]
+
+
+class SignalBus:
+    """In-process delivery plus debounced publishing; the base class alone is local-only."""
+
+    def __init__(self, debounce: float = 0.05) -> None:
+        self.debounce = debounce
+        self.origin = os.urandom(8).hex()
+        self._listeners: dict[str, set[Listener]] = {}
+        self._windows: dict[str, float | None] = {}
+        self._publishing: set[asyncio.Task[None]] = set()
+        self._closed = False
+
+    async def open(self) -> None:
+        """Start the transport's listener, if any."""
+
+    async def close(self) -> None:
+        self._closed = True
+        if self._publishing:
+            await asyncio.gather(*self._publishing, return_exceptions=True)
+
+    def subscribe(self, queue: str, listener: Listener) -> Callable[[], None]:
+        self._listeners.setdefault(queue, set()).add(listener)
+
+        def unsubscribe() -> None:
+            listeners = self._listeners.get(queue)
+            if listeners is not None:
+                listeners.discard(listener)
+                if not listeners:
+                    del self._listeners[queue]
+
+        return unsubscribe
+
+    def insert(self, queue: str, mature: float) -> None:
+        """Announce messages in ``queue`` maturing at ``mature``; never blocks."""
+        self._deliver(Signal(queue, "insert", mature))
+        if not self.remote:
+            return
+        if queue in self._windows:
+            pending = self._windows[queue]
+            self._windows[queue] = mature if pending is None else min(pending, mature)
+            return
+        self._open_window(queue)
+        self._send(Signal(queue, "insert", mature))
+
+    def paused(self, queue: str, paused: bool) -> None:
+        """Announce a pause or resume; never debounced."""
+        signal = Signal(queue, "pause" if paused else "resume")
+        self._deliver(signal)
+        self._send(signal)
+
+    # transport side -------------------------------------------------------------------
+
+    async def _publish(self, payload: bytes) -> None:
+        """Send one encoded signal to other processes; the local bus has none to tell."""
+
+    def _receive(self, payload: bytes | str) -> None:
+        """Feed a signal from the transport; our own echoes are dropped (already delivered)."""
+        try:
+            data = orjson.loads(payload)
+            if data["o"] == self.origin:
+                return
+            self._deliver(Signal(data["q"], data["k"], data.get("m")))
+        except (orjson.JSONDecodeError, KeyError, TypeError, ValueError):
+            log.warning("ignoring malformed signal %r", payload)
+
+    @property
+    def remote(self) -> bool:
+        """Whether this bus reaches other processes (worth debouncing and publishing)."""
+        return type(self)._publish is not SignalBus._publish
+
+    # internals --------------------------------------------------------------------------
+
+    def _deliver(self, signal: Signal) -> None:
+        for listener in tuple(self._listeners.get(signal.queue, ())):
+            try:
+                listener(signal)
+            except Exception:  # a listener's bug must not stop the others
+                log.exception("signal listener failed")
+
+    def _open_window(self, queue: str) -> None:
+        self._windows[queue] = None
+        asyncio.get_running_loop().call_later(self.debounce, self._close_window, queue)
+
+    def _close_window(self, queue: str) -> None:
+        pending = self._windows.pop(queue, None)
+        if pending is not None and not self._closed:
+            self._open_window(queue)
+            self._send(Signal(queue, "insert", pending))
+
+    def _send(self, signal: Signal) -> None:
+        if self._closed or not self.remote:
+            return
+        payload = orjson.dumps(
+            {"o": self.origin, "q": signal.queue, "k": signal.kind, "m": signal.mature}
+        )
+        task = asyncio.get_running_loop().create_task(self._publish_quietly(payload))
+        self._publishing.add(task)
+        task.add_done_callback(self._publishing.discard)
+
+    async def _publish_quietly(self, payload: bytes) -> None:
+        try:
+            await self._publish(payload)
+        except Exception as exc:  # a lost signal costs latency, never correctness
+            log.debug("signal publish failed: %s", exc)
