@@ -10,6 +10,10 @@ from .base import Backend, Capabilities, Store
 # name -> (module, class, extra that installs its driver)
 _REGISTRY: dict[str, tuple[str, str, str | None]] = {
     "memory": ("aio_keuss.backends.memory", "MemoryBackend", None),
+    "redis-list": ("aio_keuss.backends.redis_list", "RedisListBackend", "redis"),
+    "redis-oq": ("aio_keuss.backends.redis_oq", "RedisOQBackend", "redis"),
+    "redis-reliable": ("aio_keuss.backends.redis_reliable", "RedisReliableBackend", "redis"),
+    "postgres": ("aio_keuss.backends.postgres", "PostgresBackend", "postgres"),
 }
 
 

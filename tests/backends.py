@@ -1,0 +1,84 @@
+"""The registry the conformance suite runs over: one entry per backend.
+
+Each entry gives the ``connect`` options for one test (its own Redis key prefix or PostgreSQL
+schema, so tests never see each other's data) and a cleanup that removes what the test made.
+Adding a backend = one Store module + one entry here.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import uuid
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from aio_keuss.backends import load_backend
+
+REDIS_URL = os.environ.get("AK_REDIS_URL", "redis://127.0.0.1:6379/0")
+POSTGRES_URL = os.environ.get("AK_POSTGRES_URL", "postgresql://postgres@127.0.0.1:5432/test")
+
+
+@dataclass(frozen=True)
+class BackendCase:
+    name: str
+    options: Callable[[str], dict[str, Any]]
+    """connect() options for a test, given a unique token for its keys / schema."""
+    cleanup: Callable[[dict[str, Any]], Awaitable[None]] | None = None
+    shared: bool = True
+    """Whether two factories with the same options see the same queues."""
+    marks: tuple[Any, ...] = field(default=())
+
+    def available(self) -> str | None:
+        """None when usable, else why the suite skips it."""
+        try:
+            load_backend(self.name)
+        except ImportError as exc:
+            return f"{self.name}: {exc}"
+        return None
+
+
+def _no_options(_: str) -> dict[str, Any]:
+    return {}
+
+
+async def _drop_redis_prefix(options: dict[str, Any]) -> None:
+    redis = importlib.import_module("redis.asyncio")
+    client = redis.Redis.from_url(options.get("url", REDIS_URL))
+    try:
+        keys = [key async for key in client.scan_iter(match=options["prefix"] + ":*", count=1000)]
+        for start in range(0, len(keys), 500):
+            await client.delete(*keys[start : start + 500])
+    finally:
+        await client.aclose()
+
+
+async def _drop_postgres_schema(options: dict[str, Any]) -> None:
+    asyncpg = importlib.import_module("asyncpg")
+    connection = await asyncpg.connect(options.get("url", POSTGRES_URL))
+    try:
+        await connection.execute(f'DROP SCHEMA IF EXISTS "{options["schema"]}" CASCADE')
+    finally:
+        await connection.close()
+
+
+def _redis(token: str) -> dict[str, Any]:
+    return {"url": REDIS_URL, "prefix": f"akt-{token}"}
+
+
+def _postgres(token: str) -> dict[str, Any]:
+    return {"url": POSTGRES_URL, "schema": f"akt_{token}"}
+
+
+CASES: list[BackendCase] = [
+    BackendCase("memory", _no_options, shared=False),
+    BackendCase("redis-list", _redis, _drop_redis_prefix),
+    BackendCase("redis-oq", _redis, _drop_redis_prefix),
+    BackendCase("redis-reliable", _redis, _drop_redis_prefix),
+    BackendCase("postgres", _postgres, _drop_postgres_schema),
+]
+
+
+def new_token() -> str:
+    return uuid.uuid4().hex[:12]

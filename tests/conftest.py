@@ -1,0 +1,59 @@
+from __future__ import annotations
+
+import sys
+from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+import aio_keuss  # noqa: E402
+from backends import CASES, BackendCase, new_token  # noqa: E402
+
+Connect = Callable[..., Awaitable[aio_keuss.Factory]]
+
+
+@pytest.fixture(params=CASES, ids=lambda case: case.name)
+def case(request: pytest.FixtureRequest) -> BackendCase:
+    backend: BackendCase = request.param
+    reason = backend.available()
+    if reason:
+        pytest.skip(reason)
+    return backend
+
+
+@pytest.fixture
+async def connect(case: BackendCase) -> AsyncIterator[Connect]:
+    """Open factories on the case's backend, all sharing one test's keys; closed after."""
+    options = case.options(new_token())
+    opened: list[aio_keuss.Factory] = []
+
+    async def _connect(**extra: Any) -> aio_keuss.Factory:
+        factory = await aio_keuss.connect(case.name, **{**options, **extra})
+        opened.append(factory)
+        return factory
+
+    yield _connect
+    for factory in opened:
+        await factory.close()
+    if case.cleanup is not None:
+        await case.cleanup(options)
+
+
+@pytest.fixture
+async def factory(connect: Connect) -> aio_keuss.Factory:
+    return await connect(poll_interval=5.0)
+
+
+@pytest.fixture
+async def queue(factory: aio_keuss.Factory) -> aio_keuss.Queue:
+    return await factory.queue("q1")
+
+
+def needs(factory: aio_keuss.Factory, *capabilities: str) -> None:
+    """Skip when the backend does not claim a capability the test exercises."""
+    missing = [c for c in capabilities if not getattr(factory.capabilities, c)]
+    if missing:
+        pytest.skip(f"{factory.backend_name} lacks {', '.join(missing)}")
