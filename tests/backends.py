@@ -28,7 +28,15 @@ class BackendCase:
     cleanup: Callable[[dict[str, Any]], Awaitable[None]] | None = None
     shared: bool = True
     """Whether two factories with the same options see the same queues."""
+    label: str | None = None
+    """Test id when one backend runs in several set-ups (e.g. on Redis Cluster)."""
+    setup: Callable[[], str | None] | None = None
+    """Run before the case's first test (start a server); returns a skip reason or None."""
     marks: tuple[Any, ...] = field(default=())
+
+    @property
+    def id(self) -> str:
+        return self.label or self.name
 
     def available(self) -> str | None:
         """None when usable, else why the suite skips it."""
@@ -36,7 +44,14 @@ class BackendCase:
             load_backend(self.name)
         except ImportError as exc:
             return f"{self.name}: {exc}"
+        if self.setup is not None:
+            if self.id not in _SETUP_DONE:
+                _SETUP_DONE[self.id] = self.setup()
+            return _SETUP_DONE[self.id]
         return None
+
+
+_SETUP_DONE: dict[str, str | None] = {}
 
 
 def _no_options(_: str) -> dict[str, Any]:

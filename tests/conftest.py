@@ -15,7 +15,7 @@ from backends import CASES, BackendCase, new_token  # noqa: E402
 Connect = Callable[..., Awaitable[aio_keuss.Factory]]
 
 
-@pytest.fixture(params=CASES, ids=lambda case: case.name)
+@pytest.fixture(params=CASES, ids=lambda case: case.id)
 def case(request: pytest.FixtureRequest) -> BackendCase:
     backend: BackendCase = request.param
     reason = backend.available()

@@ -39,6 +39,9 @@ class Capabilities:
     remove: bool = True
     idempotent: bool = True
     """push with an explicit ``id`` is deduplicated within the dedup window."""
+    reservation_expiry: bool = True
+    """a reservation neither ok-ed nor ko-ed within ``reserve_delay`` is delivered again
+    (redis-reliable instead recovers the reservations of consumers that died)."""
     shared: bool = True
     """other processes see the same queues (false for the in-process memory backend)."""
 
