@@ -1,10 +1,10 @@
 """aio-keuss: asyncio-native queues over the databases you already run.
 
-    async with aio_keuss.connect("memory") as factory:
-        q = await factory.queue("jobs")
-        await q.push({"a": 1})
-        msg = await q.reserve(timeout=5)
-        await q.ok(msg)
+async with aio_keuss.connect("memory") as factory:
+    q = await factory.queue("jobs")
+    await q.push({"a": 1})
+    msg = await q.reserve(timeout=5)
+    await q.ok(msg)
 """
 
 from .backends import backend_names

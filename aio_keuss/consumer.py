@@ -55,7 +55,9 @@ class Consumer:
         return self
 
     async def __aexit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None,
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
         await self.stop()
@@ -104,9 +106,15 @@ class Consumer:
             if self._reserve:
                 await asyncio.shield(self.queue._release(message))
             raise
-        except Exception:
+        except Exception as exc:
             self.failed += 1
-            log.exception("handler failed on message %s (tries %d)", message.id, message.tries)
+            log.warning(
+                "handler failed on message %s (tries %d): %r",
+                message.id,
+                message.tries,
+                exc,
+                exc_info=log.isEnabledFor(logging.DEBUG),
+            )
             if self._reserve:
                 delay = min(self._retry_delay * 2**message.tries, self._max_retry_delay)
                 await self.queue.ko(message, delay=delay if self.queue.capabilities.delay else None)

@@ -24,8 +24,7 @@ class MissingDependencyError(ConfigError, ImportError):
 
     def __init__(self, extra: str, module: str) -> None:
         super().__init__(
-            f"the {extra!r} backend needs the {module!r} package: "
-            f"pip install 'aio-keuss[{extra}]'"
+            f"the {extra!r} backend needs the {module!r} package: pip install 'aio-keuss[{extra}]'"
         )
         self.extra = extra
 

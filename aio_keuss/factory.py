@@ -74,7 +74,12 @@ class Factory:
         try:
             store = await self.backend.store(name, options)
             queue = Queue(
-                name, options, store, self.capabilities, self.signal, self.stats_store,
+                name,
+                options,
+                store,
+                self.capabilities,
+                self.signal,
+                self.stats_store,
                 self.deadletter,
             )
             await queue._open()
@@ -112,7 +117,9 @@ class Factory:
         return self
 
     async def __aexit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None,
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
         await self.close()
@@ -134,7 +141,9 @@ class _Connecting:
         return self._factory
 
     async def __aexit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None,
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
         if self._factory is not None:
@@ -164,7 +173,11 @@ async def _open_factory(backend_name: str, options: dict[str, Any]) -> Factory:
     defaults = QueueOptions().updated({k: v for k, v in options.items() if k in QUEUE_OPTION_NAMES})
     deadletter = DeadletterOptions.parse(options.get("deadletter"))
     debounce = options.get("signal_debounce", 0.05)
-    if isinstance(debounce, bool) or not isinstance(debounce, int | float) or not 0 <= debounce < 60:
+    if (
+        isinstance(debounce, bool)
+        or not isinstance(debounce, int | float)
+        or not 0 <= debounce < 60
+    ):
         raise ConfigError(f"signal_debounce must be seconds in [0, 60), not {debounce!r}")
     signal_kind = options.get("signal")
     stats_kind = options.get("stats")

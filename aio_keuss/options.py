@@ -92,7 +92,9 @@ class DeadletterOptions:
         if value is None:
             return None
         if not isinstance(value, dict):
-            raise ConfigError("deadletter must be a dict like {'max_ko': 3, 'queue': '__deadletter__'}")
+            raise ConfigError(
+                "deadletter must be a dict like {'max_ko': 3, 'queue': '__deadletter__'}"
+            )
         unknown = set(value) - {"max_ko", "queue"}
         if unknown:
             raise ConfigError(f"unknown deadletter option(s): {', '.join(sorted(unknown))}")

@@ -93,11 +93,17 @@ class Queue:
             self._insert_batch, max_batch=batch, weight=len, concurrency=depth
         )
         self._gets: Coalescer[int, FetchResult] = Coalescer(
-            self._get_batch, max_batch=batch, weight=int, concurrency=depth,
+            self._get_batch,
+            max_batch=batch,
+            weight=int,
+            concurrency=depth,
             on_orphan=self._put_back_popped,
         )
         self._reserves: Coalescer[int, FetchResult] = Coalescer(
-            self._reserve_batch, max_batch=batch, weight=int, concurrency=depth,
+            self._reserve_batch,
+            max_batch=batch,
+            weight=int,
+            concurrency=depth,
             on_orphan=self._put_back_reserved,
         )
         self._commits: Coalescer[Ack, bool] = Coalescer(
@@ -180,7 +186,8 @@ class Queue:
             self._stats.incr(self.name, "put", len(inserted))
             now = time.time()
             self._signal.insert(
-                self.name, min(e.mature if e.mature is not None else now + e.delay for e in inserted)
+                self.name,
+                min(e.mature if e.mature is not None else now + e.delay for e in inserted),
             )
         results, start = [], 0
         for request in requests:
@@ -221,12 +228,19 @@ class Queue:
         self._require(capability)
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
             raise InvalidInputError(f"n must be a positive int, not {n!r}")
-        stored = await self._wait_for(source, min(n, self.options.max_batch), check_timeout(timeout))
+        stored = await self._wait_for(
+            source, min(n, self.options.max_batch), check_timeout(timeout)
+        )
         if stored:
             self._stats.incr(self.name, counter, len(stored))
         return [
-            Message(s.id, decode_payload(s.payload), decode_headers(s.headers), s.tries,
-                    to_datetime(s.mature))
+            Message(
+                s.id,
+                decode_payload(s.payload),
+                decode_headers(s.headers),
+                s.tries,
+                to_datetime(s.mature),
+            )
             for s in stored
         ]
 
@@ -273,8 +287,7 @@ class Queue:
         """A popped batch whose caller was cancelled goes back where it was."""
         if result[0]:
             entries = [
-                Entry(s.id, s.payload, s.headers, tries=s.tries, mature=s.mature)
-                for s in result[0]
+                Entry(s.id, s.payload, s.headers, tries=s.tries, mature=s.mature) for s in result[0]
             ]
             self._in_background(self._put_back(self._store.insert(entries)))
 
@@ -424,7 +437,13 @@ class Queue:
         self._closed = True
         self._wake_all()
         self._unsubscribe()
-        for coalescer in (self._inserts, self._gets, self._reserves, self._commits, self._rollbacks):
+        for coalescer in (
+            self._inserts,
+            self._gets,
+            self._reserves,
+            self._commits,
+            self._rollbacks,
+        ):
             await coalescer.wait_idle()
         while self._background:
             await asyncio.gather(*self._background, return_exceptions=True)
@@ -484,4 +503,3 @@ async def _wait_event(event: asyncio.Event, timeout: float) -> bool:
     except TimeoutError:
         return False
     return True
-

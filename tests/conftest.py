@@ -9,8 +9,9 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-import aio_keuss  # noqa: E402
-from backends import CASES, BackendCase, new_token  # noqa: E402
+from backends import CASES, BackendCase, new_token
+
+import aio_keuss
 
 Connect = Callable[..., Awaitable[aio_keuss.Factory]]
 

@@ -13,10 +13,10 @@ from datetime import UTC, datetime
 from typing import Any
 
 import pytest
+from conftest import Connect, needs
 
 import aio_keuss
 from aio_keuss import KoResult, Message
-from conftest import Connect, needs
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -96,9 +96,7 @@ async def test_timeout_returns_none_on_time(queue: aio_keuss.Queue, op: str) -> 
 
 
 @pytest.mark.parametrize("op", ["pop", "reserve", "pop_many", "reserve_many"])
-async def test_cancelling_a_waiting_consumer_loses_nothing(
-    queue: aio_keuss.Queue, op: str
-) -> None:
+async def test_cancelling_a_waiting_consumer_loses_nothing(queue: aio_keuss.Queue, op: str) -> None:
     if "reserve" in op and not queue.capabilities.reserve:
         pytest.skip("no reserve")
     args: tuple[Any, ...] = (10,) if op.endswith("many") else ()
@@ -153,7 +151,10 @@ async def test_reserve_then_ok(queue: aio_keuss.Queue) -> None:
     message = await queue.reserve(timeout=1)
     assert message is not None
     assert (message.id, message.payload, message.headers, message.tries) == (
-        mid, {"job": 1}, {"k": "v"}, 0,
+        mid,
+        {"job": 1},
+        {"k": "v"},
+        0,
     )
     assert await queue.resv_size() == 1 or not queue.capabilities.reservation_expiry
     assert await queue.size() == 0
@@ -558,7 +559,9 @@ BAD_PUSHES: list[tuple[str, dict[str, Any], type[Exception]]] = [
 ]
 
 
-@pytest.mark.parametrize("kwargs,error", [b[1:] for b in BAD_PUSHES], ids=[b[0] for b in BAD_PUSHES])
+@pytest.mark.parametrize(
+    "kwargs,error", [b[1:] for b in BAD_PUSHES], ids=[b[0] for b in BAD_PUSHES]
+)
 async def test_bad_push_raises_typed_error_and_writes_nothing(
     queue: aio_keuss.Queue, kwargs: dict[str, Any], error: type[Exception]
 ) -> None:

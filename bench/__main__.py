@@ -1,0 +1,270 @@
+"""`make bench BACKEND=name`: Keuss's published scenarios plus concurrency, bulk and latency.
+
+Rows (msgs/s): push, pop, and push then reserve+ok with 3 concurrent clients (Keuss's table,
+100,000 messages), the same with 32 clients, bulk push_many / reserve_many of 1,000, and the
+push -> consume latency (p50 / p99) at a low rate. Each row runs on a fresh queue. Progress
+goes to stderr; the table (or, with --json, one JSON record per row) to stdout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import asdict, dataclass
+from datetime import UTC, datetime
+from typing import Any
+
+import aio_keuss
+
+# Keuss 2.0.6 on this machine kind, from ../shared/PERFORMANCE.md: push, pop, reserve+commit.
+KEUSS: dict[str, tuple[int | None, int | None, int | None]] = {
+    "redis-list": (33_842, 27_631, None),
+    "redis-oq": (22_722, 23_705, 8_024),
+    "postgres": (4_232, 2_513, 1_464),
+    "mongo": (6_250, 3_333, 1_960),
+    "bucket-mongo": (33_333, 16_666, 25_000),
+    "bucket-redis": (33_333, 16_666, 25_000),
+    "bucket-postgres": (33_333, 16_666, 25_000),
+}
+DEFAULT_OPTIONS: dict[str, dict[str, Any]] = {
+    "redis-list": {"url": "redis://127.0.0.1:6379/0", "prefix": "akbench"},
+    "redis-oq": {"url": "redis://127.0.0.1:6379/0", "prefix": "akbench"},
+    "redis-reliable": {"url": "redis://127.0.0.1:6379/0", "prefix": "akbench"},
+    "postgres": {"url": "postgresql://postgres@127.0.0.1:5432/test", "schema": "akbench"},
+}
+PAYLOAD = {"id": 0, "user": "someone@example.com", "items": [1, 2, 3], "note": "x" * 120}
+
+
+@dataclass
+class Row:
+    backend: str
+    scenario: str
+    clients: int
+    messages: int
+    seconds: float
+    rate: float
+    keuss: int | None = None
+    p50_ms: float | None = None
+    p99_ms: float | None = None
+
+
+def progress(text: str) -> None:
+    print(text, file=sys.stderr, flush=True)
+
+
+async def run_clients(clients: int, total: int, work: Callable[[int], Awaitable[int]]) -> float:
+    """Split ``total`` over ``clients`` tasks; each calls ``work(share)``; returns seconds."""
+    shares = [total // clients + (1 if i < total % clients else 0) for i in range(clients)]
+    start = time.perf_counter()
+    done = await asyncio.gather(*(work(share) for share in shares))
+    elapsed = time.perf_counter() - start
+    if sum(done) != total:
+        raise RuntimeError(f"expected {total} messages, handled {sum(done)}")
+    return elapsed
+
+
+class Bench:
+    def __init__(self, backend: str, options: dict[str, Any], messages: int) -> None:
+        self.backend = backend
+        self.options = options
+        self.messages = messages
+        self.rows: list[Row] = []
+        self._queue_no = 0
+        self._run = os.urandom(3).hex()
+
+    async def fresh_queue(self, factory: aio_keuss.Factory) -> aio_keuss.Queue:
+        self._queue_no += 1
+        return await factory.queue(f"bench-{self._run}-{self._queue_no}")
+
+    def record(
+        self,
+        scenario: str,
+        clients: int,
+        messages: int,
+        seconds: float,
+        keuss: int | None = None,
+        **extra: Any,
+    ) -> None:
+        row = Row(
+            self.backend,
+            scenario,
+            clients,
+            messages,
+            round(seconds, 3),
+            round(messages / seconds),
+            keuss,
+            **extra,
+        )
+        self.rows.append(row)
+        progress(f"  {scenario:<24} clients={clients:<3} {row.rate:>10,.0f} msgs/s")
+
+    async def run(self, client_counts: list[int], latency_messages: int) -> None:
+        keuss = KEUSS.get(self.backend, (None, None, None))
+        async with aio_keuss.connect(self.backend, **self.options) as factory:
+            caps = factory.capabilities
+            for clients in client_counts:
+                progress(f"{self.backend}: {self.messages:,} messages, {clients} clients")
+                q = await self.fresh_queue(factory)
+                await self.push(q, clients, "push", keuss[0] if clients == 3 else None)
+                if caps.pop:
+                    await self.pop(q, clients, keuss[1] if clients == 3 else None)
+                if caps.reserve:
+                    q = await self.fresh_queue(factory)
+                    await q.push_many([PAYLOAD] * self.messages)
+                    await self.reserve_ok(q, clients, keuss[2] if clients == 3 else None)
+            progress(f"{self.backend}: bulk, batches of 1,000")
+            await self.bulk(factory, caps)
+            progress(f"{self.backend}: latency at a low rate")
+            await self.latency(factory, caps, latency_messages)
+
+    async def push(self, q: aio_keuss.Queue, clients: int, name: str, keuss: int | None) -> None:
+        async def work(share: int) -> int:
+            for _ in range(share):
+                await q.push(PAYLOAD)
+            return share
+
+        self.record(
+            name, clients, self.messages, await run_clients(clients, self.messages, work), keuss
+        )
+
+    async def pop(self, q: aio_keuss.Queue, clients: int, keuss: int | None) -> None:
+        async def work(share: int) -> int:
+            for _ in range(share):
+                if await q.pop(timeout=10) is None:
+                    raise RuntimeError("pop timed out")
+            return share
+
+        self.record(
+            "pop", clients, self.messages, await run_clients(clients, self.messages, work), keuss
+        )
+
+    async def reserve_ok(self, q: aio_keuss.Queue, clients: int, keuss: int | None) -> None:
+        async def work(share: int) -> int:
+            for _ in range(share):
+                message = await q.reserve(timeout=10)
+                if message is None or not await q.ok(message):
+                    raise RuntimeError("reserve timed out or ok failed")
+            return share
+
+        seconds = await run_clients(clients, self.messages, work)
+        self.record("reserve+ok", clients, self.messages, seconds, keuss)
+
+    async def bulk(self, factory: aio_keuss.Factory, caps: aio_keuss.Capabilities) -> None:
+        q = await self.fresh_queue(factory)
+        batch = [PAYLOAD] * 1000
+
+        async def push_work(share: int) -> int:
+            for start in range(0, share, 1000):
+                await q.push_many(batch[: min(1000, share - start)])
+            return share
+
+        self.record(
+            "bulk push_many", 3, self.messages, await run_clients(3, self.messages, push_work)
+        )
+
+        async def take_work(share: int) -> int:
+            got = 0
+            while got < share:
+                if caps.reserve:
+                    messages = await q.reserve_many(min(1000, share - got), timeout=10)
+                    await asyncio.gather(*(q.ok(m) for m in messages))
+                else:
+                    messages = await q.pop_many(min(1000, share - got), timeout=10)
+                if not messages:
+                    raise RuntimeError("bulk take timed out")
+                got += len(messages)
+            return got
+
+        name = "bulk reserve_many+ok" if caps.reserve else "bulk pop_many"
+        self.record(name, 3, self.messages, await run_clients(3, self.messages, take_work))
+
+    async def latency(
+        self, factory: aio_keuss.Factory, caps: aio_keuss.Capabilities, count: int
+    ) -> None:
+        q = await self.fresh_queue(factory)
+        sent: dict[int, float] = {}
+        delays: list[float] = []
+
+        async def consume() -> None:
+            while len(delays) < count:
+                message = await (q.reserve(timeout=10) if caps.reserve else q.pop(timeout=10))
+                if message is None:
+                    raise RuntimeError("latency consumer timed out")
+                delays.append(time.perf_counter() - sent[message.payload])
+                if caps.reserve:
+                    await q.ok(message)
+
+        consumer = asyncio.create_task(consume())
+        await asyncio.sleep(0.2)
+        start = time.perf_counter()
+        for i in range(count):
+            sent[i] = time.perf_counter()
+            await q.push(i)
+            await asyncio.sleep(0.002)  # a low rate: a few hundred per second
+        await consumer
+        seconds = time.perf_counter() - start
+        cuts = statistics.quantiles(delays, n=100)
+        self.record(
+            "push->consume latency",
+            1,
+            count,
+            seconds,
+            p50_ms=round(cuts[49] * 1000, 3),
+            p99_ms=round(cuts[98] * 1000, 3),
+        )
+
+
+def print_table(rows: list[Row]) -> None:
+    print(
+        f"\naio-keuss bench — {datetime.now(UTC):%Y-%m-%d %H:%M} UTC, "
+        f"{platform.node()} ({os.cpu_count()} cores, Python {platform.python_version()})"
+    )
+    header = (
+        f"| {'backend':<15} | {'scenario':<22} | {'clients':>7} | {'msgs':>8} | "
+        f"{'msgs/s':>9} | {'Keuss':>7} | {'p50 ms':>7} | {'p99 ms':>7} |"
+    )
+    print(header)
+    print("|" + "|".join("-" * (len(cell)) for cell in header.split("|")[1:-1]) + "|")
+    for r in rows:
+        keuss = f"{r.keuss:,}" if r.keuss else ""
+        p50 = f"{r.p50_ms:.2f}" if r.p50_ms is not None else ""
+        p99 = f"{r.p99_ms:.2f}" if r.p99_ms is not None else ""
+        print(
+            f"| {r.backend:<15} | {r.scenario:<22} | {r.clients:>7} | {r.messages:>8,} | "
+            f"{r.rate:>9,.0f} | {keuss:>7} | {p50:>7} | {p99:>7} |"
+        )
+
+
+async def main() -> None:
+    parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__)
+    parser.add_argument("--backend", default="memory", help="backend name(s), comma-separated")
+    parser.add_argument("--messages", type=int, default=100_000)
+    parser.add_argument("--clients", default="3,32", help="client counts, comma-separated")
+    parser.add_argument("--latency-messages", type=int, default=2_000)
+    parser.add_argument("--url", help="server URL (default: the local test servers)")
+    parser.add_argument("--json", action="store_true", help="one JSON record per row")
+    args = parser.parse_args()
+    rows: list[Row] = []
+    for backend in args.backend.split(","):
+        options = dict(DEFAULT_OPTIONS.get(backend, {}))
+        if args.url:
+            options["url"] = args.url
+        bench = Bench(backend, options, args.messages)
+        await bench.run([int(c) for c in args.clients.split(",")], args.latency_messages)
+        rows.extend(bench.rows)
+    if args.json:
+        for row in rows:
+            print(json.dumps(asdict(row)))
+    else:
+        print_table(rows)
+
+
+if __name__ == "__main__":
+    asyncio.run(main())
