@@ -2,7 +2,7 @@
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
-EXTRAS ?= test,dev,redis,postgres,mongo
+EXTRAS ?= test,dev,redis,postgres,mongo,spark
 BACKEND ?= memory
 BENCH_ARGS ?=
 
