@@ -76,6 +76,7 @@ class Consumer:
         for task in late:
             task.cancel()
         await asyncio.gather(*self._workers, return_exceptions=True)
+        self.queue._consumers.discard(self)
 
     async def _work(self) -> None:
         task = asyncio.current_task()
@@ -95,7 +96,10 @@ class Consumer:
                 self._waiting.discard(task)
             if message is None:  # only on drain or close, as there is no timeout
                 return
-            await self._handle(message)
+            try:
+                await self._handle(message)
+            except ClosedError:
+                return
 
     async def _handle(self, message: Message) -> None:
         try:

@@ -88,6 +88,7 @@ class Queue:
         self._drains = 0
         self._closed = False
         self._background: set[asyncio.Task[Any]] = set()
+        self._consumers: set[Consumer] = set()
         batch, depth = options.max_batch, store.batch_concurrency
         self._inserts: Coalescer[list[Entry], list[bool]] = Coalescer(
             self._insert_batch, max_batch=batch, weight=len, concurrency=depth
@@ -332,7 +333,10 @@ class Queue:
         exponential backoff. Stop with ``await consumer.stop()`` or ``async with``."""
         from .consumer import Consumer
 
-        return Consumer(self, handler, concurrency, retry_delay, max_retry_delay)
+        self._check_open()
+        consumer = Consumer(self, handler, concurrency, retry_delay, max_retry_delay)
+        self._consumers.add(consumer)
+        return consumer
 
     # acknowledging --------------------------------------------------------------------
 
@@ -433,6 +437,8 @@ class Queue:
         """Drain, then refuse further calls; the factory closes its queues for you."""
         if self._closed:
             return
+        for consumer in list(self._consumers):  # their in-flight handlers finish first
+            await consumer.stop()
         await self.drain()
         self._closed = True
         self._wake_all()

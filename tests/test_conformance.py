@@ -771,3 +771,22 @@ def _factory_of(queue: aio_keuss.Queue) -> Any:
         backend_name = "this backend"
 
     return _Caps()
+
+
+async def test_factory_close_stops_consumers_first(connect: Connect) -> None:
+    factory = await connect(poll_interval=5.0)
+    needs(factory, "reserve")
+    q = await factory.queue("jobs")
+    finished: list[Any] = []
+    started = asyncio.Event()
+
+    async def handler(message: Message) -> None:
+        started.set()
+        await asyncio.sleep(0.2)
+        finished.append(message.payload)
+
+    q.consume(handler, concurrency=2)
+    await q.push("in flight")
+    await asyncio.wait_for(started.wait(), 5)
+    await factory.close()  # lets the running handler finish and ok its message
+    assert finished == ["in flight"]
