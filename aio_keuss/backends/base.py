@@ -54,6 +54,9 @@ class Entry:
     a message with that id is queued or was pushed within the queue's dedup window.
     ``mature`` (absolute) overrides ``delay``; it is used to put back a popped message whose
     caller was cancelled, keeping its place in the queue.
+
+    A store may replace ``id`` of an entry without ``dedup`` during ``insert`` (a bucket store
+    encodes bucket and slot in it); the queue layer reads the ids back after the insert.
     """
 
     id: str
