@@ -2,36 +2,34 @@
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
-EXTRAS ?= test,dev,redis,postgres,mongo,spark
+TEST_EXTRAS ?= test,dev,redis,postgres,mongo,spark
 BACKEND ?= memory
 BENCH_ARGS ?=
 
-.PHONY: demo test lint bench services venv clean
+.PHONY: demo test lint bench services clean
 
-$(VENV)/.installed-$(subst ,,$(EXTRAS)): pyproject.toml
+# One stamp per set of extras, so `make demo` installs little and `make test` everything.
+$(VENV)/.stamp-%: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[$(EXTRAS)]'
-	rm -f $(VENV)/.installed-*
+	$(PY) -m pip install -q -e '.[$*]'
 	touch $@
 
-venv: $(VENV)/.installed-$(subst ,,$(EXTRAS))
-
-demo: venv
+demo: $(VENV)/.stamp-test
 	$(PY) examples/demo.py
 
 services:
 	bash tests/services.sh
 
-test: venv services
+test: $(VENV)/.stamp-$(TEST_EXTRAS) services
 	$(PY) -m pytest -q -p no:cacheprovider
 
-lint: venv
+lint: $(VENV)/.stamp-$(TEST_EXTRAS)
 	$(PY) -m ruff check aio_keuss tests bench examples
 	$(PY) -m ruff format --check aio_keuss
 	$(PY) -m mypy aio_keuss
 
-bench: venv
+bench: $(VENV)/.stamp-$(TEST_EXTRAS) services
 	$(PY) -m bench --backend $(BACKEND) $(BENCH_ARGS)
 
 clean:
