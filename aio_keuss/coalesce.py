@@ -58,18 +58,12 @@ class Coalescer(Generic[Req, Res]):
             await asyncio.gather(*self._tasks, return_exceptions=True)
 
     def _schedule(self) -> None:
+        # The batch task's first step runs on the next loop iteration, by which time every
+        # task that was ready in this one has added its request.
         if not self._scheduled and self._pending and self._running < self._concurrency:
             self._scheduled = True
-            asyncio.get_running_loop().call_soon(self._start)
-
-    def _start(self) -> None:
-        self._scheduled = False
-        while self._pending and self._running < self._concurrency:
-            batch = self._take_batch()
-            if not batch:
-                return
             self._running += 1
-            task = asyncio.get_running_loop().create_task(self._run(batch))
+            task = asyncio.get_running_loop().create_task(self._run())
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
 
@@ -89,7 +83,17 @@ class Coalescer(Generic[Req, Res]):
             total += weight
         return batch
 
-    async def _run(self, batch: list[tuple[Req, asyncio.Future[Res]]]) -> None:
+    async def _run(self) -> None:
+        self._scheduled = False
+        batch = self._take_batch()
+        try:
+            if batch:
+                await self._send(batch)
+        finally:
+            self._running -= 1
+            self._schedule()
+
+    async def _send(self, batch: list[tuple[Req, asyncio.Future[Res]]]) -> None:
         try:
             results = await self._run_batch([request for request, _ in batch])
         except Exception as exc:
@@ -106,9 +110,6 @@ class Coalescer(Generic[Req, Res]):
                     self._orphan(request, result)
                 else:
                     future.set_result(result)
-        finally:
-            self._running -= 1
-            self._schedule()
 
     def _orphan(self, request: Req, result: Res) -> None:
         if self._on_orphan is not None:

@@ -85,6 +85,8 @@ def encode_headers(headers: Headers | None) -> bytes:
 
 
 def decode_headers(blob: bytes | str) -> Headers:
+    if blob == EMPTY_HEADERS or blob == "{}":
+        return {}
     decoded: Headers = orjson.loads(blob)
     return decoded
 

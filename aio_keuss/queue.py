@@ -9,6 +9,7 @@ deadlettering happens here.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import os
 import time
 from collections.abc import AsyncIterator, Awaitable, Sequence
@@ -54,9 +55,22 @@ in the past (clock skew between client and server) without handing anything out.
 FetchResult = tuple[list[Stored], float | None]
 
 
+_id_prefix = os.urandom(5).hex()
+_id_counter = itertools.count()
+
+
+def _new_id_prefix() -> None:
+    global _id_prefix, _id_counter
+    _id_prefix, _id_counter = os.urandom(5).hex(), itertools.count()
+
+
+os.register_at_fork(after_in_child=_new_id_prefix)  # a forked child must not reuse ours
+
+
 def new_id() -> str:
-    """Time-ordered (nanoseconds, hex) plus 48 random bits: unique across processes."""
-    return f"{time.time_ns():x}{os.urandom(6).hex()}"
+    """Time-ordered (nanoseconds, hex), then a per-process random prefix and a counter:
+    unique across processes without a system call per id."""
+    return f"{time.time_ns():x}{_id_prefix}{next(_id_counter):x}"
 
 
 class Queue:
@@ -85,6 +99,7 @@ class Queue:
         )
         self._paused = False
         self._wake = asyncio.Event()
+        self._armed = 0  # consumers between taking ``_wake`` and finishing their wait
         self._drains = 0
         self._closed = False
         self._background: set[asyncio.Task[Any]] = set()
@@ -258,7 +273,11 @@ class Queue:
             wake = self._wake  # taken before trying, so a push meanwhile is not missed
             next_mature = None
             if not self._paused:
-                stored, next_mature = await source.submit(n)
+                self._armed += 1
+                try:
+                    stored, next_mature = await source.submit(n)
+                finally:
+                    self._armed -= 1
                 if stored:
                     return stored
             wait = self.options.poll_interval
@@ -273,7 +292,12 @@ class Queue:
                 if remaining <= 0:
                     break
                 wait = min(wait, remaining)
-            if not await _wait_event(wake, wait) and self._paused:
+            self._armed += 1
+            try:
+                woken = await _wait_event(wake, wait)
+            finally:
+                self._armed -= 1
+            if not woken and self._paused:
                 self._paused = await self._stats.is_paused(self.name)  # a lost resume
         return []
 
@@ -467,8 +491,9 @@ class Queue:
             self._wake_all()
 
     def _wake_all(self) -> None:
-        self._wake.set()
-        self._wake = asyncio.Event()
+        if self._armed or self._closed:  # nobody holds the event otherwise: keep it
+            self._wake.set()
+            self._wake = asyncio.Event()
 
     def _check_open(self) -> None:
         if self._closed:

@@ -1,0 +1,379 @@
+"""redis-reliable specifics, on a real Redis: key layout, tries, the stale-holder guard,
+deadletter into another queue, and recovery of the reservations of consumers that die
+(processes killed with SIGKILL), including two processes recovering at once."""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import os
+import signal
+import sys
+from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+from backends import REDIS_URL, _drop_redis_prefix, new_token
+
+import aio_keuss
+from aio_keuss.backends import load_backend
+from aio_keuss.backends.base import Entry, KoResult, Sizes
+
+try:
+    import redis.asyncio as aioredis
+except ImportError:  # pragma: no cover
+    pytest.skip("redis is not installed", allow_module_level=True)
+
+try:
+    load_backend("redis-reliable")
+except ImportError as exc:  # pragma: no cover
+    pytest.skip(str(exc), allow_module_level=True)
+
+ROOT = Path(__file__).resolve().parent.parent
+TTL = 1.0
+"""heartbeat_ttl in these tests: a killed consumer is recovered within ~1.5 s."""
+
+
+def _bus_options() -> dict[str, Any]:
+    """In-process signals / stats until the Redis ones exist; the Redis ones once they do."""
+    options: dict[str, Any] = {}
+    if importlib.util.find_spec("aio_keuss.signal.redis") is None:
+        options["signal"] = "local"
+    if importlib.util.find_spec("aio_keuss.stats.redis") is None:
+        options["stats"] = "memory"
+    return options
+
+
+Connect = Callable[..., Awaitable[aio_keuss.Factory]]
+
+
+@pytest.fixture
+async def prefix() -> AsyncIterator[str]:
+    name = f"akt-rr-{new_token()}"
+    yield name
+    await _drop_redis_prefix({"url": REDIS_URL, "prefix": name})
+
+
+@pytest.fixture
+async def redis(prefix: str) -> AsyncIterator[aioredis.Redis]:
+    client = aioredis.Redis.from_url(REDIS_URL)
+    yield client
+    await client.aclose()
+
+
+@pytest.fixture
+async def connect(prefix: str) -> AsyncIterator[Connect]:
+    opened: list[aio_keuss.Factory] = []
+
+    async def _connect(**extra: Any) -> aio_keuss.Factory:
+        options = {"url": REDIS_URL, "prefix": prefix, "heartbeat_ttl": TTL,
+                   "poll_interval": 0.2, **_bus_options(), **extra}
+        factory = await aio_keuss.connect("redis-reliable", **options)
+        opened.append(factory)
+        return factory
+
+    yield _connect
+    for factory in opened:
+        await factory.close()
+
+
+def key(prefix: str, queue: str, *parts: str) -> str:
+    return ":".join((prefix, "{" + queue + "}", *parts))
+
+
+async def test_push_pop_reserve_ok_ko_and_key_layout(
+    connect: Connect, redis: aioredis.Redis, prefix: str
+) -> None:
+    q = await (await connect()).queue("q1")
+    first = await q.push({"n": 1}, headers={"h": "v"})
+    await q.push_many([2, b"three"])
+    assert await redis.llen(key(prefix, "q1", "pending")) == 3
+    assert await redis.hget(key(prefix, "q1", "msg", first), "t") == b"0"
+
+    popped = await q.pop(timeout=1)
+    assert popped is not None and popped.id == first and popped.payload == {"n": 1}
+    assert popped.headers == {"h": "v"} and popped.tries == 0
+    assert not await redis.exists(key(prefix, "q1", "msg", first))
+
+    reserved = await q.reserve(timeout=1)
+    assert reserved is not None and reserved.payload == 2
+    store = q._store
+    processing = key(prefix, "q1", "processing", store.consumer)  # type: ignore[attr-defined]
+    assert await redis.lrange(processing, 0, -1) == [reserved.id.encode()]
+    assert await redis.sismember(key(prefix, "q1", "consumers"), store.consumer)  # type: ignore[attr-defined]
+    assert await redis.exists(key(prefix, "q1", "heartbeat", store.consumer))  # type: ignore[attr-defined]
+
+    assert await q.ko(reserved) == KoResult.ROLLED_BACK
+    assert await redis.llen(processing) == 0
+    # a ko goes to the far end: b"three" is delivered before the retried message
+    nxt = await q.reserve(timeout=1)
+    assert nxt is not None and nxt.payload == b"three"
+    again = await q.reserve(timeout=1)
+    assert again is not None and again.id == reserved.id and again.tries == 1
+    assert await q.ok(nxt) and await q.ok(again)
+    assert not await q.ok(again)
+    assert await redis.get(key(prefix, "q1", "processed")) == b"2"
+    assert await redis.llen(processing) == 0
+
+
+async def test_ko_counts_tries_and_stale_ok_is_refused(connect: Connect) -> None:
+    q = await (await connect()).queue("q1")
+    await q.push("x")
+    first = await q.reserve(timeout=1)
+    assert first is not None and first.tries == 0
+    assert await q.ko(first)
+    second = await q.reserve(timeout=1)
+    assert second is not None and second.tries == 1
+    assert not await q.ok(first)  # the holder of the earlier delivery is stale
+    assert not await q.ko(first)
+    assert await q.ok(second)
+    assert not await q.ok(second.id)  # gone
+
+
+async def test_ok_by_another_consumer_is_refused(connect: Connect) -> None:
+    """A reservation belongs to the store (consumer) that made it."""
+    q1 = await (await connect()).queue("q1")
+    q2 = await (await connect()).queue("q1")
+    await q1.push("x")
+    message = await q1.reserve(timeout=1)
+    assert message is not None
+    assert not await q2.ok(message)
+    assert not await q2.ko(message)
+    assert await q1.ok(message)
+
+
+async def test_sizes_count_every_consumers_reservations(connect: Connect) -> None:
+    q1 = await (await connect()).queue("q1")
+    q2 = await (await connect()).queue("q1")
+    await q1.push_many(list(range(5)))
+    assert await q1.sizes() == Sizes(5, 5, 0, 0)
+    assert await q1.next_mature_t() is not None
+    a = await q1.reserve_many(2, timeout=1)
+    b = await q2.reserve(timeout=1)
+    assert len(a) == 2 and b is not None
+    sizes = await q2.sizes()
+    assert (sizes.size, sizes.reserved, sizes.scheduled, sizes.total) == (2, 3, 0, 5)
+    for m in a:
+        assert await q1.ok(m)
+    assert await q2.ok(b)
+    assert [m.payload for m in await q1.pop_many(10, timeout=1)] == [3, 4]
+    assert await q1.sizes() == Sizes(0, 0, 0, 0)
+    assert await q1.next_mature_t() is None
+
+
+async def test_idempotent_push(connect: Connect) -> None:
+    q = await (await connect(dedup_window=60)).queue("q1")
+    assert await q.push(1, id="order-17") == "order-17"
+    assert await q.push(2, id="order-17") == "order-17"
+    assert await q.size() == 1
+    message = await q.pop(timeout=1)
+    assert message is not None and message.payload == 1
+    await q.push(3, id="order-17")  # still within the window after it was consumed
+    assert await q.size() == 0
+
+
+async def test_cancelled_pop_put_back_keeps_its_turn(connect: Connect) -> None:
+    q = await (await connect()).queue("q1")
+    store = q._store
+    await q.push_many(["a", "b", "c"])
+    fetched = await store.get(2)
+    assert [s.payload for s in fetched.messages] == [b'J"a"', b'J"b"']
+    entries = [
+        Entry(s.id, s.payload, s.headers, tries=s.tries, mature=s.mature)
+        for s in fetched.messages
+    ]
+    assert await store.insert(entries) == [True, True]
+    assert [m.payload for m in await q.pop_many(3, timeout=1)] == ["a", "b", "c"]
+
+
+async def test_deadletter_moves_to_another_queue(
+    connect: Connect, redis: aioredis.Redis, prefix: str
+) -> None:
+    factory = await connect(deadletter={"max_ko": 1, "queue": "dlq"})
+    q = await factory.queue("q1")
+    mid = await q.push({"p": 1}, headers={"k": "v"})
+    m = await q.reserve(timeout=1)
+    assert m is not None and await q.ko(m) == KoResult.ROLLED_BACK
+    m = await q.reserve(timeout=1)
+    assert m is not None and m.tries == 1
+    assert await q.ko(m) == KoResult.DEADLETTERED
+    assert await q.sizes() == Sizes(0, 0, 0, 0)
+    assert await redis.lrange(key(prefix, "q1", "failed"), 0, -1) == [mid.encode()]
+    assert await redis.get(key(prefix, "q1", "failed-count")) == b"1"
+    dead = await (await factory.queue("dlq")).pop(timeout=1)
+    assert dead is not None and dead.id == mid and dead.payload == {"p": 1} and dead.tries == 0
+    assert dead.headers["k"] == "v"
+    assert dead.headers["x-dl-from-queue"] == "q1"
+    assert dead.headers["x-dl-tries"] == 2
+    assert isinstance(dead.headers["x-dl-t"], str)
+
+
+async def test_close_unregisters_a_consumer_that_holds_nothing(
+    connect: Connect, redis: aioredis.Redis, prefix: str
+) -> None:
+    factory = await connect()
+    q = await factory.queue("q1")
+    await q.push(1)
+    m = await q.reserve(timeout=1)
+    assert m is not None and await q.ok(m)
+    consumer = q._store.consumer  # type: ignore[attr-defined]
+    assert await redis.exists(key(prefix, "q1", "heartbeat", consumer))
+    await factory.close()
+    assert not await redis.exists(key(prefix, "q1", "heartbeat", consumer))
+    assert not await redis.sismember(key(prefix, "q1", "consumers"), consumer)
+
+
+# -- consumers in other processes -----------------------------------------------------------
+
+_HOLDER = """
+import asyncio, sys
+import aio_keuss
+
+async def main() -> None:
+    factory = await aio_keuss.connect(
+        "redis-reliable", url=sys.argv[1], prefix=sys.argv[2], heartbeat_ttl=float(sys.argv[4]),
+        signal="local", stats="memory",
+    )
+    queue = await factory.queue("q1")
+    messages = await queue.reserve_many(int(sys.argv[3]), timeout=5)
+    print(" ".join(m.id for m in messages), flush=True)
+    await asyncio.sleep(3600)  # holds them until killed
+
+asyncio.run(main())
+"""
+
+_RECOVERER = """
+import asyncio, sys
+from aio_keuss.backends.redis_reliable import RedisReliableBackend
+from aio_keuss.options import QueueOptions
+
+async def main() -> None:
+    backend = RedisReliableBackend(
+        {"url": sys.argv[1], "prefix": sys.argv[2], "heartbeat_ttl": 1.0}
+    )
+    await backend.open()
+    store = await backend.store("q1", QueueOptions())
+    print("ready", flush=True)
+    sys.stdin.readline()  # start together
+    moved = 0
+    for _ in range(30):
+        moved += await store.recover()
+    print(moved, flush=True)
+    await store.close()
+    await backend.close()
+
+asyncio.run(main())
+"""
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    return env
+
+
+async def _spawn(script: Path, *args: str) -> asyncio.subprocess.Process:
+    return await asyncio.create_subprocess_exec(
+        sys.executable, str(script), *args, env=_env(),
+        stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
+    )
+
+
+async def _holder_killed(tmp_path: Path, prefix: str, n: int) -> list[str]:
+    """A consumer process reserves ``n`` messages and dies holding them (SIGKILL)."""
+    script = tmp_path / "holder.py"
+    script.write_text(_HOLDER)
+    child = await _spawn(script, REDIS_URL, prefix, str(n), str(TTL))
+    try:
+        assert child.stdout is not None
+        line = await asyncio.wait_for(child.stdout.readline(), 20)
+    finally:
+        child.send_signal(signal.SIGKILL)
+        await child.wait()
+    ids = line.decode().split()
+    assert len(ids) == n
+    return ids
+
+
+async def test_killed_consumer_message_is_delivered_once_more(
+    connect: Connect, tmp_path: Path
+) -> None:
+    q = await (await connect()).queue("q1")
+    mid = await q.push({"job": 1})
+    assert await _holder_killed(tmp_path, q._store._backend.prefix, 1) == [mid]  # type: ignore[attr-defined]
+    assert await q.resv_size() == 1  # still held by the dead consumer
+
+    other = await (await connect()).queue("q1")
+    got = await asyncio.gather(q.reserve(timeout=6), other.reserve(timeout=6))
+    delivered = [m for m in got if m is not None]
+    assert len(delivered) == 1, got
+    assert delivered[0].id == mid and delivered[0].tries == 1
+    holder = q if got[0] is not None else other
+    assert await holder.ok(delivered[0])
+    # and never again
+    assert await asyncio.gather(q.reserve(timeout=2.5), other.reserve(timeout=2.5)) == [None, None]
+    assert await q.sizes() == Sizes(0, 0, 0, 0)
+
+
+async def test_two_processes_recovering_at_once_do_not_duplicate(
+    connect: Connect, tmp_path: Path, redis: aioredis.Redis, prefix: str
+) -> None:
+    q = await (await connect()).queue("q1")
+    n = 300
+    pushed = await q.push_many(list(range(n)))
+    held = await _holder_killed(tmp_path, prefix, n)
+    assert sorted(held) == sorted(pushed)
+    await asyncio.sleep(TTL + 0.3)  # its heartbeat is gone
+
+    script = tmp_path / "recoverer.py"
+    script.write_text(_RECOVERER)
+    children = [await _spawn(script, REDIS_URL, prefix) for _ in range(2)]
+    for child in children:
+        assert child.stdout is not None
+        assert (await asyncio.wait_for(child.stdout.readline(), 20)).strip() == b"ready"
+    for child in children:
+        assert child.stdin is not None
+        child.stdin.write(b"go\n")
+        await child.stdin.drain()
+    moved = []
+    for child in children:
+        out, _ = await asyncio.wait_for(child.communicate(), 30)
+        moved.append(int(out.split()[-1]))
+    assert sum(moved) == n, moved
+
+    assert await redis.scard(key(prefix, "q1", "consumers")) == 0
+    messages = await q.pop_many(n + 10, timeout=1)
+    assert sorted(m.id for m in messages) == sorted(pushed)
+    assert {m.tries for m in messages} == {1}
+    assert [m.payload for m in messages] == list(range(n))  # oldest first, as before
+    assert await q.size() == 0
+
+
+async def test_on_redis_cluster_deadletter_crosses_slots() -> None:
+    """On a cluster the deadletter queue lives in another slot: the three-step move."""
+    import redis_cluster
+
+    reason = redis_cluster.start_redis_cluster()
+    if reason:
+        pytest.skip(reason)
+    options = {"url": redis_cluster.CLUSTER_URL, "cluster": True,
+               "prefix": f"akt-rr-{new_token()}"}
+    try:
+        async with aio_keuss.connect(
+            "redis-reliable", heartbeat_ttl=TTL, deadletter={"max_ko": 0, "queue": "dlq"},
+            **options,
+        ) as factory:
+            q = await factory.queue("q1")
+            mid = await q.push({"a": 1}, headers={"k": "v"})
+            await q.push(2)
+            m = await q.reserve(timeout=1)
+            assert m is not None and await q.ko(m) == KoResult.DEADLETTERED
+            dead = await (await factory.queue("dlq")).pop(timeout=1)
+            assert dead is not None and dead.id == mid and dead.tries == 0
+            assert dead.headers["x-dl-tries"] == 1 and dead.headers["k"] == "v"
+            m = await q.reserve(timeout=1)
+            assert m is not None and await q.ok(m)
+            assert await q.sizes() == Sizes(0, 0, 0, 0)
+    finally:
+        await redis_cluster._drop_redis_cluster_prefix(options)
