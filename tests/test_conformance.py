@@ -790,3 +790,19 @@ async def test_factory_close_stops_consumers_first(connect: Connect) -> None:
     await asyncio.wait_for(started.wait(), 5)
     await factory.close()  # lets the running handler finish and ok its message
     assert finished == ["in flight"]
+
+
+async def test_deadletter_twice_with_the_same_id_keeps_both(connect: Connect) -> None:
+    factory = await connect(deadletter={"max_ko": 0}, poll_interval=5.0)
+    needs(factory, "reserve", "idempotent")
+    q = await factory.queue("work", dedup_window=0.01)
+    dl = await factory.queue("__deadletter__")
+    for round_ in range(3):
+        await asyncio.sleep(0.05)  # past the dedup window: the same id may come again
+        await q.push({"round": round_}, id="same-order")
+        message = await q.reserve(timeout=5)
+        assert message is not None
+        assert await q.ko(message) == KoResult.DEADLETTERED
+    dead = await _drain_all(dl)
+    assert sorted(m.payload["round"] for m in dead) == [0, 1, 2]
+    assert len({m.id for m in dead}) == 3

@@ -189,10 +189,12 @@ class MemoryStore(Store):
             if deadletter is not None and nack.count_try and tries > deadletter.max_ko:
                 del self._data.records[record.id]
                 headers = append_headers(record.headers, deadletter.headers(tries, now))
+                target = self._backend.data(deadletter.queue)
                 moved = Entry(record.id, record.payload, headers)
-                if not self._insert_into(self._backend.data(deadletter.queue), [moved], now)[0]:
-                    moved.id = f"{record.id}.dl{tries}"  # already there from an earlier life
-                    self._insert_into(self._backend.data(deadletter.queue), [moved], now)
+                suffix = 0
+                while not self._insert_into(target, [moved], now)[0]:
+                    suffix += 1  # the id is there already, from an earlier life: rename
+                    moved.id = f"{record.id}.dl{tries}" + (f".{suffix}" if suffix > 1 else "")
                 results.append(KoResult.DEADLETTERED)
                 continue
             record.tries = tries

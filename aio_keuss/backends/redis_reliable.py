@@ -230,8 +230,12 @@ for i = 6, #ARGV, 3 do
         local headers
         if b[2] == '{}' then headers = '{' .. extra .. '}'
         else headers = string.sub(b[2], 1, -2) .. ',' .. extra .. '}' end
-        local dl_id = id
-        if redis.call('EXISTS', dl .. 'msg:' .. id) == 1 then dl_id = id .. '.dl' .. tries end
+        local dl_id, clash = id, 0
+        while redis.call('EXISTS', dl .. 'msg:' .. dl_id) == 1 do
+          clash = clash + 1
+          dl_id = id .. '.dl' .. tries
+          if clash > 1 then dl_id = dl_id .. '.' .. clash end
+        end
         stamp = stamp or now()
         redis.call('HSET', dl .. 'msg:' .. dl_id, 'p', b[1], 'h', headers, 't', 0, 'm', stamp)
         redis.call('LPUSH', KEYS[5], dl_id)
@@ -478,12 +482,21 @@ class RedisReliableStore(Store):
 
         with redis_errors_translated():
             flags = await self._scripts.insert(keys=[dl_pending], args=args_of(entries))
-            clashes = [
-                Entry(f"{e.id}.dl{d[4]}", e.payload, e.headers)
-                for e, d, flag in zip(entries, deferred, flags, strict=True) if flag != 1
+            pending = [
+                (e, f"{e.id}.dl{d[4]}")
+                for e, d, flag in zip(entries, deferred, flags, strict=True)
+                if flag != 1
             ]
-            if clashes:  # already there from an earlier life of the message
-                await self._scripts.insert(keys=[dl_pending], args=args_of(clashes))
+            clash = 1
+            while pending:  # already there from an earlier life of the message: rename
+                renamed = [Entry(name, e.payload, e.headers) for e, name in pending]
+                flags = await self._scripts.insert(keys=[dl_pending], args=args_of(renamed))
+                clash += 1
+                pending = [
+                    (e, f"{name.rsplit('.', 1)[0] if clash > 2 else name}.{clash}")
+                    for (e, name), flag in zip(pending, flags, strict=True)
+                    if flag != 1
+                ]
             args: list[Any] = [self._backend.failed_max, self._base]
             args += [mid for _, mid, _, _, _ in deferred]
             await self._scripts.drop_deadlettered(

@@ -1,0 +1,371 @@
+"""PostgreSQL-specific behaviour: several OS processes, a server restart, LISTEN/NOTIFY
+wake-ups across processes, schema creation races, and the single-statement deadletter move.
+
+Each test works in its own schema, dropped afterwards. Runs against the server of
+``AK_POSTGRES_URL`` (default: 127.0.0.1:5432, database ``test``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+from backends import POSTGRES_URL, new_token
+
+import aio_keuss
+from aio_keuss import KoResult
+
+asyncpg = pytest.importorskip("asyncpg")
+
+pytestmark = pytest.mark.timeout(180)
+
+ROOT = Path(__file__).resolve().parent.parent
+
+Open = Callable[..., Awaitable[aio_keuss.Factory]]
+
+
+async def _server_up() -> bool:
+    try:
+        connection = await asyncpg.connect(POSTGRES_URL, timeout=3)
+    except (OSError, asyncpg.PostgresError, TimeoutError):
+        return False
+    await connection.close()
+    return True
+
+
+@pytest.fixture
+async def schema() -> AsyncIterator[str]:
+    if not await _server_up():
+        pytest.skip(f"no PostgreSQL at {POSTGRES_URL}")
+    name = f"akt_{new_token()}"
+    yield name
+    for _ in range(50):  # the restart test may leave the server still starting up
+        try:
+            connection = await asyncpg.connect(POSTGRES_URL, timeout=3)
+            break
+        except (OSError, asyncpg.PostgresError, TimeoutError):
+            await asyncio.sleep(0.2)
+    else:
+        return
+    try:
+        await connection.execute(f'DROP SCHEMA IF EXISTS "{name}" CASCADE')
+    finally:
+        await connection.close()
+
+
+@pytest.fixture
+async def open_factory(schema: str) -> AsyncIterator[Open]:
+    """Factories on the test's schema, closed after the test."""
+    opened: list[aio_keuss.Factory] = []
+
+    async def _open(**options: Any) -> aio_keuss.Factory:
+        factory = await aio_keuss.connect("postgres", url=POSTGRES_URL, schema=schema, **options)
+        opened.append(factory)
+        return factory
+
+    yield _open
+    for factory in opened:
+        with contextlib.suppress(aio_keuss.KeussError):
+            await factory.close()
+
+
+# a worker in another OS process ---------------------------------------------------------
+
+_WORKER = r"""
+import asyncio, json, sys, time
+import aio_keuss
+
+async def main(url, schema, mode, queue, quiet):
+    async with aio_keuss.connect("postgres", url=url, schema=schema, poll_interval=30.0) as f:
+        q = await f.queue(queue)
+        if mode == "wake":
+            print("ready", flush=True)
+            message = await q.pop(timeout=20)
+            print(json.dumps({"latency": time.time() - message.payload}), flush=True)
+            return
+        ids = []
+        print("ready", flush=True)
+        while True:
+            if mode == "pop":
+                batch = await q.pop_many(50, timeout=quiet)
+            else:
+                batch = await q.reserve_many(50, timeout=quiet)
+                oks = await asyncio.gather(*(q.ok(m) for m in batch))
+                assert all(oks), "an ok failed"
+            if not batch:
+                break
+            ids.extend(m.id for m in batch)
+        print(json.dumps({"ids": ids}), flush=True)
+
+asyncio.run(main(*sys.argv[1:5], float(sys.argv[5])))
+"""
+
+
+async def _spawn(schema: str, mode: str, queue: str, quiet: float = 1.0) -> Any:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    process = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-c",
+        _WORKER,
+        POSTGRES_URL,
+        schema,
+        mode,
+        queue,
+        str(quiet),
+        stdout=subprocess.PIPE,
+        env=env,
+    )
+    assert process.stdout is not None
+    line = await asyncio.wait_for(process.stdout.readline(), 30)
+    assert line.strip() == b"ready", line
+    return process
+
+
+async def _result(process: Any) -> dict[str, Any]:
+    out, _ = await asyncio.wait_for(process.communicate(), 120)
+    assert process.returncode == 0
+    result: dict[str, Any] = json.loads(out.decode().strip().splitlines()[-1])
+    return result
+
+
+# tests ----------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+async def test_two_processes_share_10000_messages_exactly_once(
+    open_factory: Open, schema: str
+) -> None:
+    factory = await open_factory()
+    q = await factory.queue("shared")
+    pushed = set(await q.push_many(list(range(10_000))))
+    reserving = await _spawn(schema, "reserve", "shared")
+    popping = await _spawn(schema, "pop", "shared")
+    one, two = await _result(reserving), await _result(popping)
+    got_one, got_two = one["ids"], two["ids"]
+    assert len(got_one) + len(got_two) == 10_000
+    assert set(got_one) | set(got_two) == pushed
+    assert not set(got_one) & set(got_two)
+    assert got_one and got_two  # both really competed
+    assert await q.total_size() == 0
+
+
+async def test_consumer_in_another_process_wakes_on_push(open_factory: Open, schema: str) -> None:
+    factory = await open_factory(poll_interval=30.0)
+    q = await factory.queue("wake")
+    waiter = await _spawn(schema, "wake", "wake")
+    await asyncio.sleep(0.3)  # the worker is waiting in pop
+    await q.push(time.time())
+    result = await _result(waiter)
+    # poll_interval is 30 s: only the NOTIFY explains a fast wake (typically a few ms).
+    assert result["latency"] < 0.5
+
+
+async def test_stats_and_list_from_a_second_factory(open_factory: Open) -> None:
+    one = await open_factory()
+    q = await one.queue("counted", reserve_delay=7.0)
+    await q.push_many(["a", "b", "c"])
+    message = await q.reserve()
+    assert message is not None and await q.ok(message)
+    await q.pop()
+    await one.stats_store.flush()
+    two = await open_factory()
+    listed = await two.list()
+    assert listed["counted"]["reserve_delay"] == 7.0
+    stats = await (await two.queue("counted")).stats()
+    assert stats["put"] == 3 and stats["reserve"] == 1 and stats["commit"] == 1
+    assert stats["get"] == 1
+    await two.stats_store.reset("counted")
+    assert (await q.stats())["put"] == 0
+
+
+async def test_concurrent_schema_creation(open_factory: Open) -> None:
+    factories = await asyncio.gather(*(open_factory() for _ in range(6)))
+    queues = [await f.queue("race") for f in factories]
+    await queues[0].push("x")
+    assert await queues[-1].size() == 1
+
+
+async def test_idempotent_push_refused_after_consumption(open_factory: Open) -> None:
+    factory = await open_factory(dedup_window=60.0)
+    q = await factory.queue("dedup")
+    await q.push("first", id="order-1")
+    await q.push("again", id="order-1")
+    assert await q.total_size() == 1
+    message = await q.pop()
+    assert message is not None and message.payload == "first"
+    await q.push("after", id="order-1")  # consumed, but within the window
+    assert await q.total_size() == 0
+    # duplicates inside one batch: the first wins
+    await q.push_many(["x", "y"], ids=["twin", "twin"])
+    assert [m.payload for m in await q.pop_many(10)] == ["x"]
+
+
+async def test_dedup_window_expiry_and_purge(open_factory: Open, schema: str) -> None:
+    factory = await open_factory(dedup_window=0.2)
+    q = await factory.queue("dedup")
+    await q.push_many(list(range(5)), ids=[f"k{i}" for i in range(5)])
+    assert len(await q.pop_many(10)) == 5
+    await asyncio.sleep(0.3)
+    await q.push("back", id="k0")  # window over: accepted; the expired rows get purged
+    assert await q.total_size() == 1
+    connection = await asyncpg.connect(POSTGRES_URL)
+    try:
+        left = await connection.fetchval(f'SELECT count(*) FROM "{schema}".dedup')
+    finally:
+        await connection.close()
+    assert left == 1
+
+
+async def test_deadletter_is_one_atomic_move(open_factory: Open, schema: str) -> None:
+    factory = await open_factory(deadletter={"max_ko": 1, "queue": "dead"})
+    q = await factory.queue("work")
+    dead = await factory.queue("dead")
+    await dead.push("squatter", id="m1")  # the same id is already in the deadletter queue
+    await q.push({"n": 1}, id="m1", headers={"k": "v"})
+    connection = await asyncpg.connect(POSTGRES_URL)
+    try:
+        seq = await connection.fetchval(
+            f"""SELECT seq FROM "{schema}".messages WHERE queue = 'work' AND id = 'm1'"""
+        )
+        for expected in (KoResult.ROLLED_BACK, KoResult.DEADLETTERED):
+            message = await q.reserve(timeout=5)
+            assert message is not None
+            assert await q.ko(message) == expected
+        row = await connection.fetchrow(
+            f'SELECT queue, id, tries, reserved FROM "{schema}".messages WHERE seq = $1', seq
+        )
+    finally:
+        await connection.close()
+    # the very same row changed queue (one UPDATE), renamed since "m1" was taken there
+    assert dict(row) == {"queue": "dead", "id": "m1.dl2", "tries": 0, "reserved": False}
+    assert await q.total_size() == 0
+    moved = {m.id: m for m in await dead.pop_many(10)}
+    assert set(moved) == {"m1", "m1.dl2"}
+    headers = moved["m1.dl2"].headers
+    assert headers["k"] == "v" and headers["x-dl-from-queue"] == "work"
+    assert headers["x-dl-tries"] == 2 and headers["x-dl-t"].endswith("+00:00")
+    assert moved["m1.dl2"].payload == {"n": 1}
+
+
+async def test_bad_options_and_unreachable_server() -> None:
+    with pytest.raises(aio_keuss.ConfigError):
+        await aio_keuss.connect("postgres", url=POSTGRES_URL, schema='bad"; drop')
+    with pytest.raises(aio_keuss.KeussConnectionError):
+        await aio_keuss.connect("postgres", url="postgresql://postgres@127.0.0.1:1/test")
+
+
+async def test_user_pool_is_used_and_left_open(schema: str) -> None:
+    pool = await asyncpg.create_pool(POSTGRES_URL, min_size=1, max_size=3)
+    try:
+        async with aio_keuss.connect("postgres", pool=pool, schema=schema) as factory:
+            q = await factory.queue("p")
+            await q.push("via pool")
+            assert (await q.pop()).payload == "via pool"  # type: ignore[union-attr]
+        assert await pool.fetchval("SELECT 1") == 1
+    finally:
+        await pool.close()
+
+
+def _restart_command() -> list[str] | None:
+    if shutil.which("pg_ctlcluster") is None or not Path("/etc/postgresql").is_dir():
+        return None
+    versions = sorted(os.listdir("/etc/postgresql"))
+    if not versions or not POSTGRES_URL.startswith("postgresql://postgres@127.0.0.1:5432/"):
+        return None
+    return ["pg_ctlcluster", "--skip-systemctl-redirect", versions[-1], "main", "restart"]
+
+
+@pytest.mark.slow
+async def test_server_restart_loses_no_acknowledged_push(open_factory: Open) -> None:
+    command = _restart_command()
+    if command is None or os.geteuid() != 0:
+        pytest.skip("needs root and a local pg_ctlcluster-managed server")
+    producer = await open_factory(poll_interval=30.0)
+    consumer = await open_factory(poll_interval=30.0)
+    qp, qc = await producer.queue("durable"), await consumer.queue("durable")
+    acked: list[int] = []
+    errors = 0
+    stop = asyncio.Event()
+
+    async def push_forever(worker: int) -> None:
+        nonlocal errors
+        i = 0
+        while not stop.is_set():
+            payload = worker * 1_000_000 + i
+            i += 1  # a failed push may still have committed: never reuse its payload
+            try:
+                await qp.push(payload)
+            except aio_keuss.KeussConnectionError:
+                errors += 1
+                await asyncio.sleep(0.05)
+                continue
+            acked.append(payload)
+
+    pushers = [asyncio.create_task(push_forever(w)) for w in range(3)]
+    await asyncio.sleep(0.5)
+    before = len(acked)
+    restart = await asyncio.create_subprocess_exec(
+        *command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
+    assert await asyncio.wait_for(restart.wait(), 60) == 0
+    deadline = time.monotonic() + 30
+    while len(acked) < before + 200 and time.monotonic() < deadline:  # noqa: ASYNC110
+        await asyncio.sleep(0.1)  # the pushers recover by themselves
+    stop.set()
+    await asyncio.gather(*pushers)
+    assert len(acked) >= before + 200, "pushes did not recover after the restart"
+
+    # the other factory's listener reconnected: a push wakes it without the 30 s poll
+    wp, wc = await producer.queue("after-restart"), await consumer.queue("after-restart")
+    await asyncio.sleep(1.0)
+    while True:
+        try:
+            await wc.size()  # the consumer's pool may still hold dead connections
+            await wp.size()
+            break
+        except aio_keuss.KeussConnectionError:
+            await asyncio.sleep(0.1)
+    waiter = asyncio.create_task(wc.pop(timeout=20))
+    await asyncio.sleep(0.3)
+    started = time.monotonic()
+    await wp.push("woken")
+    got = await asyncio.wait_for(waiter, 25)
+    assert got is not None and got.payload == "woken"
+    assert time.monotonic() - started < 2.0
+
+    consumed: list[int] = []
+    while True:
+        try:
+            batch = await qc.pop_many(1000, timeout=0)
+        except aio_keuss.KeussConnectionError:
+            continue
+        if not batch:
+            break
+        consumed.extend(m.payload for m in batch)
+    assert set(acked) <= set(consumed)  # nothing acknowledged was lost
+    assert len(consumed) == len(set(consumed))
+    assert errors > 0  # the restart was really felt
+
+
+async def test_relaxed_acks_behave_the_same(open_factory: Open) -> None:
+    factory = await open_factory(durable_acks=False)
+    q = await factory.queue("relaxed")
+    await q.push_many(["a", "b"])
+    first = await q.reserve()
+    assert first is not None and await q.ko(first) == KoResult.ROLLED_BACK
+    again = await q.reserve_many(2)
+    assert sorted(m.payload for m in again) == ["a", "b"]
+    assert all([await q.ok(m) for m in again])
+    assert await q.total_size() == 0
+    with pytest.raises(aio_keuss.ConfigError):
+        await open_factory(durable_acks="no")
