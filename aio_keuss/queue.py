@@ -165,8 +165,10 @@ class Queue:
             payloads, Sequence
         ):
             raise InvalidInputError("push_many takes a sequence (list, tuple) of payloads")
-        if ids is not None and (isinstance(ids, str) or len(ids) != len(payloads)):
-            raise InvalidInputError("ids must be a sequence as long as payloads")
+        if ids is not None:
+            if isinstance(ids, str) or len(ids) != len(payloads):
+                raise InvalidInputError("ids must be a sequence as long as payloads")
+            ids = [check_id(message_id) for message_id in ids]
         seconds = self._delay(delay)
         encoded_headers = encode_headers(headers)
         entries = [
@@ -191,8 +193,9 @@ class Queue:
         blob = encode_payload(payload)
         if message_id is None:
             return Entry(new_id(), blob, headers, delay)
+        checked = check_id(message_id)  # bad input first, whatever the backend can do
         self._require("idempotent")
-        return Entry(check_id(message_id), blob, headers, delay, dedup=True)
+        return Entry(checked, blob, headers, delay, dedup=True)
 
     async def _insert_batch(self, requests: list[list[Entry]]) -> list[list[bool]]:
         entries = [entry for request in requests for entry in request]

@@ -14,6 +14,8 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from redis_cluster import _drop_redis_cluster_prefix, _redis_cluster, start_redis_cluster
+
 from aio_keuss.backends import load_backend
 
 REDIS_URL = os.environ.get("AK_REDIS_URL", "redis://127.0.0.1:6379/0")
@@ -86,12 +88,26 @@ def _postgres(token: str) -> dict[str, Any]:
     return {"url": POSTGRES_URL, "schema": f"akt_{token}"}
 
 
+# Bucket backends flush on timers: short ones keep the suite fast.
+_BUCKET_FAST: dict[str, Any] = {"bucket_max_wait": 0.02, "state_flush_period": 0.05}
+
 CASES: list[BackendCase] = [
     BackendCase("memory", _no_options, shared=False),
     BackendCase("redis-list", _redis, _drop_redis_prefix),
     BackendCase("redis-oq", _redis, _drop_redis_prefix),
+    BackendCase(
+        "redis-oq",
+        _redis_cluster,
+        _drop_redis_cluster_prefix,
+        label="redis-oq-cluster",
+        setup=start_redis_cluster,
+    ),
     BackendCase("redis-reliable", _redis, _drop_redis_prefix),
     BackendCase("postgres", _postgres, _drop_postgres_schema),
+    BackendCase("bucket-redis", lambda t: {**_redis(t), **_BUCKET_FAST}, _drop_redis_prefix),
+    BackendCase(
+        "bucket-postgres", lambda t: {**_postgres(t), **_BUCKET_FAST}, _drop_postgres_schema
+    ),
 ]
 
 

@@ -14,6 +14,8 @@ _REGISTRY: dict[str, tuple[str, str, str | None]] = {
     "redis-oq": ("aio_keuss.backends.redis_oq", "RedisOQBackend", "redis"),
     "redis-reliable": ("aio_keuss.backends.redis_reliable", "RedisReliableBackend", "redis"),
     "postgres": ("aio_keuss.backends.postgres", "PostgresBackend", "postgres"),
+    "bucket-redis": ("aio_keuss.backends.bucket_redis", "RedisBucketBackend", "redis"),
+    "bucket-postgres": ("aio_keuss.backends.bucket_postgres", "PostgresBucketBackend", "postgres"),
 }
 
 

@@ -261,8 +261,14 @@ WITH nack AS (
 ), moved AS (
     UPDATE {s}.messages m
     SET queue = $7,
-        id = CASE WHEN EXISTS (SELECT 1 FROM {s}.messages x WHERE x.queue = $7 AND x.id = m.id)
-                  THEN m.id || '.dl' || h.failed || '.' || m.seq ELSE m.id END,
+        id = CASE
+               WHEN NOT EXISTS (SELECT 1 FROM {s}.messages x WHERE x.queue = $7 AND x.id = m.id)
+                 THEN m.id
+               WHEN NOT EXISTS (SELECT 1 FROM {s}.messages x
+                                WHERE x.queue = $7 AND x.id = m.id || '.dl' || h.failed)
+                 THEN m.id || '.dl' || h.failed
+               ELSE m.id || '.dl' || h.failed || '.' || m.seq
+             END,
         tries = 0, reserved = false, mature = extract(epoch from now())::float8,
         headers = CASE WHEN m.headers = '\\x7b7d'::bytea THEN '\\x7b'::bytea
                        ELSE substring(m.headers FROM 1 FOR length(m.headers) - 1) || '\\x2c'::bytea

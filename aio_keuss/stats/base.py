@@ -8,7 +8,6 @@ writes a batch of increments. Stores that live in this process apply them at onc
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from abc import ABC, abstractmethod
 from collections import defaultdict
@@ -30,16 +29,18 @@ class StatsStore(ABC):
             lambda: defaultdict(int)
         )
         self._flusher: asyncio.Task[None] | None = None
+        self._closing = False
 
     async def open(self) -> None:
         if self.flush_interval is not None:
             self._flusher = asyncio.get_running_loop().create_task(self._flush_forever())
 
     async def close(self) -> None:
+        self._closing = True
         if self._flusher is not None:
             self._flusher.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._flusher
+            # Bounded: a driver that swallows the cancellation must not hang close().
+            await asyncio.wait({self._flusher}, timeout=2.0)
             self._flusher = None
         await self.flush()
 
@@ -70,7 +71,7 @@ class StatsStore(ABC):
 
     async def _flush_forever(self) -> None:
         assert self.flush_interval is not None
-        while True:
+        while not self._closing:
             await asyncio.sleep(self.flush_interval)
             try:
                 await self.flush()

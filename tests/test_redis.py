@@ -1,0 +1,220 @@
+"""Redis-specific behaviour of redis-oq, redis-list, the Redis signal bus and stats store.
+
+Runs against the real server at AK_REDIS_URL; every test uses its own key prefix and deletes
+its keys afterwards.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import pytest
+import redis.asyncio as aioredis
+from backends import REDIS_URL, _drop_redis_prefix, new_token
+
+import aio_keuss
+
+Open = Callable[..., Awaitable[aio_keuss.Factory]]
+
+
+@pytest.fixture
+async def prefix() -> AsyncIterator[str]:
+    token = f"akr-{new_token()}"
+    yield token
+    await _drop_redis_prefix({"url": REDIS_URL, "prefix": token})
+
+
+@pytest.fixture
+async def open_factory(prefix: str) -> AsyncIterator[Open]:
+    opened: list[aio_keuss.Factory] = []
+
+    async def _open(backend: str = "redis-oq", **options: Any) -> aio_keuss.Factory:
+        factory = await aio_keuss.connect(backend, url=REDIS_URL, prefix=prefix, **options)
+        opened.append(factory)
+        return factory
+
+    yield _open
+    for factory in opened:
+        await factory.close()
+
+
+async def test_old_message_is_not_reserved_twice(open_factory: Open) -> None:
+    """Keuss set the deadline to old score + delay: a message older than reserve_delay was
+    mature again at once. The deadline must be now + reserve_delay."""
+    factory = await open_factory()
+    q = await factory.queue("old", reserve_delay=5.0)
+    client = aioredis.Redis.from_url(REDIS_URL)
+    try:
+        await q.push("x")
+        zset = factory.backend.key("old", "z")  # type: ignore[attr-defined]
+        (member,) = await client.zrange(zset, 0, -1)
+        await client.zadd(zset, {member: time.time() - 3600})  # pushed an hour ago
+    finally:
+        await client.aclose()
+    first = await q.reserve(timeout=1)
+    assert first is not None
+    assert await q.reserve(timeout=0.3) is None
+    assert await q.resv_size() == 1
+    assert await q.ok(first)
+
+
+async def test_reserve_delay_counts_from_now(open_factory: Open) -> None:
+    factory = await open_factory()
+    q = await factory.queue("deadline", reserve_delay=0.4)
+    await q.push("x")
+    before = time.time()
+    assert await q.reserve(timeout=1) is not None
+    nmt = await q.next_mature_t()
+    assert nmt is not None and before + 0.3 < nmt.timestamp() < time.time() + 0.5
+    again = await q.reserve(timeout=3)
+    assert again is not None and again.tries == 1
+
+
+_CONSUMER = textwrap.dedent(
+    """
+    import asyncio, sys, time
+    import aio_keuss
+
+    async def main() -> None:
+        async with aio_keuss.connect(
+            "redis-oq", url=sys.argv[1], prefix=sys.argv[2], poll_interval=30.0
+        ) as factory:
+            q = await factory.queue("xproc")
+            print("ready", flush=True)
+            message = await q.pop(timeout=20)
+            print("got", time.time() - message.payload, flush=True)
+
+    asyncio.run(main())
+    """
+)
+
+
+async def test_consumer_in_another_process_wakes_on_push(open_factory: Open, prefix: str) -> None:
+    process = await asyncio.create_subprocess_exec(
+        sys.executable, "-c", _CONSUMER, REDIS_URL, prefix, stdout=subprocess.PIPE
+    )
+    assert process.stdout is not None
+    try:
+        ready = await asyncio.wait_for(process.stdout.readline(), 20)
+        assert ready.strip() == b"ready"
+        await asyncio.sleep(0.3)  # the consumer is now asleep for up to poll_interval=30
+        factory = await open_factory()
+        q = await factory.queue("xproc")
+        await q.push(time.time())
+        line = await asyncio.wait_for(process.stdout.readline(), 10)
+        word, latency = line.split()
+        assert word == b"got" and float(latency) < 0.5  # only the signal explains this
+    finally:
+        if process.returncode is None:
+            process.kill()
+        await process.wait()
+
+
+async def test_signal_listener_survives_connection_kill(open_factory: Open) -> None:
+    producer = await open_factory(signal_debounce=0.0)
+    consumer_factory = await open_factory(poll_interval=30.0)
+    consumer = await consumer_factory.queue("revive")
+    q = await producer.queue("revive")
+    killer = aioredis.Redis.from_url(REDIS_URL)
+    try:
+        await killer.client_kill_filter(_type="pubsub")
+        await asyncio.sleep(3.0)  # the listener backs off (cap 2 s) and subscribes again
+        waiting = asyncio.ensure_future(consumer.pop(timeout=10))
+        await asyncio.sleep(0.2)
+        start = time.monotonic()
+        await q.push("after")
+        message = await waiting
+        assert message is not None and message.payload == "after"
+        assert time.monotonic() - start < 1.0
+    finally:
+        await killer.aclose()
+
+
+async def test_stats_and_list_seen_from_a_second_factory(open_factory: Open) -> None:
+    first = await open_factory()
+    q = await first.queue("counted", reserve_delay=7.0)
+    await q.push_many([1, 2, 3])
+    assert await q.pop() is not None
+    await asyncio.sleep(0.3)  # flushed every 0.1 s
+    second = await open_factory()
+    stats = await second.stats_store.counters("counted")
+    assert stats["put"] == 3 and stats["get"] == 1
+    queues = await second.list()
+    assert queues["counted"]["reserve_delay"] == 7.0
+    await second.stats_store.reset("counted")
+    assert (await second.stats_store.counters("counted"))["put"] == 0
+
+
+async def test_redis_list_refuses_delay_and_reserve_before_writing(open_factory: Open) -> None:
+    factory = await open_factory("redis-list")
+    q = await factory.queue("plain")
+    with pytest.raises(aio_keuss.NotSupportedError):
+        await q.push(1, delay=1.0)
+    with pytest.raises(aio_keuss.NotSupportedError):
+        await q.reserve(timeout=0)
+    with pytest.raises(aio_keuss.NotSupportedError):
+        await q.push(1, id="mine")
+    assert await q.total_size() == 0
+
+
+@pytest.mark.parametrize("backend", ["redis-oq", "redis-list"])
+async def test_binary_payloads_round_trip(open_factory: Open, backend: str) -> None:
+    factory = await open_factory(backend)
+    q = await factory.queue("bin")
+    blobs = [bytes(range(256)), b"", b"\x00\r\n{}\xff" * 100, "é\u2028".encode()]
+    await q.push_many(blobs, headers={"k": "\u00e9"})
+    got = await q.pop_many(10, timeout=1)
+    assert [m.payload for m in got] == blobs
+    assert all(m.headers == {"k": "\u00e9"} for m in got)
+
+
+@pytest.mark.parametrize("backend", ["redis-oq", "redis-list"])
+async def test_large_push_many(open_factory: Open, backend: str) -> None:
+    factory = await open_factory(backend, max_batch=10_000)
+    q = await factory.queue("big")
+    ids = await q.push_many([{"n": i} for i in range(10_000)])
+    assert len(set(ids)) == 10_000
+    assert await q.size() == 10_000
+    got = await q.pop_many(10_000, timeout=1)
+    assert [m.payload["n"] for m in got] == list(range(10_000))
+
+
+async def test_deadletter_moves_atomically_with_headers(open_factory: Open) -> None:
+    factory = await open_factory(deadletter={"max_ko": 1, "queue": "dl"})
+    q = await factory.queue("work")
+    dl = await factory.queue("dl")
+    await q.push("p", headers={"a": 1})
+    for _ in range(2):
+        message = await q.reserve(timeout=1)
+        assert message is not None
+        await q.ko(message)
+    assert await q.total_size() == 0
+    moved = await dl.pop(timeout=1)
+    assert moved is not None and moved.payload == "p" and moved.tries == 0
+    assert moved.headers["a"] == 1 and moved.headers["x-dl-from-queue"] == "work"
+    assert moved.headers["x-dl-tries"] == 2 and "x-dl-t" in moved.headers
+
+
+async def test_user_client_uses_redis_py_path(prefix: str) -> None:
+    client = aioredis.Redis.from_url(REDIS_URL)
+    try:
+        async with aio_keuss.connect("redis-oq", client=client, prefix=prefix) as factory:
+            q = await factory.queue("mine")
+            await q.push({"a": 1}, delay=0.1)
+            message = await q.reserve(timeout=2)
+            assert message is not None and await q.ok(message)
+            assert await q.next_mature_t() is None
+        assert await client.ping()  # not closed: the user owns it
+    finally:
+        await client.aclose()
+
+
+async def test_connection_refused_is_typed() -> None:
+    with pytest.raises(aio_keuss.KeussConnectionError):
+        await aio_keuss.connect("redis-oq", url="redis://127.0.0.1:1/0")
