@@ -46,7 +46,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
 import logging
 import math
 import os
@@ -55,13 +54,10 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import orjson
-import redis.asyncio as aioredis
-from redis.asyncio.cluster import RedisCluster
-from redis.exceptions import NoScriptError, ResponseError
 
 from ..errors import ConfigError
 from ..message import append_headers
-from ._redis import RedisBackend, RedisClient, redis_errors_translated
+from ._redis import RedisBackend, Script, redis_errors_translated
 from .base import (
     Ack,
     Capabilities,
@@ -370,8 +366,6 @@ class RedisReliableStore(Store):
         self._ttl_ms = str(max(1, round(self._ttl * 1000)))
         self._tasks: list[asyncio.Task[None]] = []
         self._scripts = backend.scripts
-        client = backend.client
-        self._lane = _Lane(client) if isinstance(client, aioredis.Redis) else None
 
     # producing ---------------------------------------------------------------------------
 
@@ -383,14 +377,14 @@ class RedisReliableStore(Store):
                 "" if e.mature is None else repr(e.mature),
             )
         with redis_errors_translated():
-            flags = await self._scripts.insert([self._pending], args, self._lane)
+            flags = await self._scripts.insert([self._pending], args)
         return [flag == 1 for flag in flags]
 
     # consuming ---------------------------------------------------------------------------
 
     async def get(self, n: int) -> Fetched:
         with redis_errors_translated():
-            flat = await self._scripts.get([self._pending], [self._base, n], self._lane)
+            flat = await self._scripts.get([self._pending], [self._base, n])
         return Fetched(_stored(flat, 1), time.time() if flat[0] else None)
 
     async def reserve(self, n: int, reserve_delay: float) -> Fetched:
@@ -401,7 +395,7 @@ class RedisReliableStore(Store):
         keys = [self._pending, self._processing, self._consumers, self._heartbeat]
         with redis_errors_translated():
             flat = await self._scripts.reserve(
-                keys, [self._base, n, self.consumer, self._ttl_ms], self._lane
+                keys, [self._base, n, self.consumer, self._ttl_ms]
             )
         return Fetched(_stored(flat, 1), time.time() if flat[0] else None)
 
@@ -413,7 +407,7 @@ class RedisReliableStore(Store):
             args += (ack.id, "" if ack.tries is None else ack.tries)
         with redis_errors_translated():
             keys = [self._processing, self._processed]
-            flags = await self._scripts.commit(keys, args, self._lane)
+            flags = await self._scripts.commit(keys, args)
         return [flag == 1 for flag in flags]
 
     async def rollback(
@@ -438,7 +432,7 @@ class RedisReliableStore(Store):
             head += (nack.id, tries, "1" if nack.count_try else "0")
         keys = [self._pending, self._processing, self._failed, self._failed_count, dl_pending]
         with redis_errors_translated():
-            codes = await self._scripts.rollback(keys, head, self._lane)
+            codes = await self._scripts.rollback(keys, head)
         results: list[KoResult] = []
         deferred: list[tuple[int, str, bytes, bytes, int]] = []
         i = 0
@@ -588,8 +582,6 @@ class RedisReliableStore(Store):
         for task in tasks:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
-        if self._lane is not None:
-            await self._lane.close()
         if tasks:
             with redis_errors_translated():
                 await self._scripts.retire(
@@ -598,86 +590,29 @@ class RedisReliableStore(Store):
                 )
 
 
-class _Script:
-    """One Lua script, run by SHA; loaded again if the server lost it (restart, FLUSH).
-
-    Lighter than redis-py's ``Script`` object: the hot path is one ``execute_command``.
-    """
-
-    __slots__ = ("_client", "sha", "source")
-
-    def __init__(self, client: RedisClient, source: str) -> None:
-        self._client = client
-        self.source = source
-        self.sha = hashlib.sha1(source.encode(), usedforsecurity=False).hexdigest()
-
-    async def __call__(
-        self, keys: Sequence[str], args: Sequence[Any], lane: _Lane | None = None
-    ) -> Any:
-        if lane is not None:
-            return await lane.run(self, keys, args)
-        try:
-            return await self._client.execute_command("EVALSHA", self.sha, len(keys), *keys, *args)
-        except NoScriptError:
-            await self._client.script_load(self.source)
-            return await self._client.execute_command("EVALSHA", self.sha, len(keys), *keys, *args)
-
-
-class _Lane:
-    """A connection of one store's own for its scripts (not in cluster mode).
-
-    Why: going through the client's pool costs a pool checkout, retry wrapper and command
-    parsing on every call; with the queue layer already folding concurrent calls into one
-    script call, that overhead is a good part of each round trip (measured ~12 % more
-    msgs/s). The connection is made from the client's own settings (host, db, auth, TLS),
-    always returning bytes. A call interrupted mid-way (connection lost, cancelled) drops
-    the connection, which reconnects on the next call, so no reply is ever read out of turn.
-    """
-
-    def __init__(self, client: aioredis.Redis) -> None:
-        pool = client.connection_pool
-        self._connection = pool.connection_class(
-            **{**pool.connection_kwargs, "decode_responses": False}
-        )
-        self._lock = asyncio.Lock()
-
-    async def run(self, script: _Script, keys: Sequence[str], args: Sequence[Any]) -> Any:
-        connection = self._connection
-        async with self._lock:
-            try:
-                try:
-                    await connection.send_command("EVALSHA", script.sha, len(keys), *keys, *args)
-                    return await connection.read_response()
-                except NoScriptError:  # the reply was read: the connection is in step
-                    await connection.send_command("SCRIPT", "LOAD", script.source)
-                    await connection.read_response()
-                    await connection.send_command("EVALSHA", script.sha, len(keys), *keys, *args)
-                    return await connection.read_response()
-            except ResponseError:
-                raise
-            except BaseException:
-                await connection.disconnect(nowait=True)
-                raise
-
-    async def close(self) -> None:
-        async with self._lock:
-            await self._connection.disconnect()
-
-
 class _Scripts:
-    """The Lua scripts of this backend, by name."""
+    """The Lua scripts of this backend, by name, each run by SHA on the backend's connection
+    (its pipelined fast lane when it has one)."""
 
-    def __init__(self, client: RedisClient) -> None:
-        self.insert = _Script(client, _INSERT)
-        self.get = _Script(client, _GET)
-        self.reserve = _Script(client, _RESERVE)
-        self.commit = _Script(client, _COMMIT)
-        self.rollback = _Script(client, _ROLLBACK)
-        self.drop_deadlettered = _Script(client, _DROP_DEADLETTERED)
-        self.sizes = _Script(client, _SIZES)
-        self.dead = _Script(client, _DEAD)
-        self.recover = _Script(client, _RECOVER)
-        self.retire = _Script(client, _RETIRE)
+    def __init__(self, backend: RedisBackend) -> None:
+        def bind(source: str) -> Callable[..., Awaitable[Any]]:
+            script = Script(source)
+
+            async def run(keys: Sequence[str], args: Sequence[Any]) -> Any:
+                return await backend.run_script(script, keys, args)
+
+            return run
+
+        self.insert = bind(_INSERT)
+        self.get = bind(_GET)
+        self.reserve = bind(_RESERVE)
+        self.commit = bind(_COMMIT)
+        self.rollback = bind(_ROLLBACK)
+        self.drop_deadlettered = bind(_DROP_DEADLETTERED)
+        self.sizes = bind(_SIZES)
+        self.dead = bind(_DEAD)
+        self.recover = bind(_RECOVER)
+        self.retire = bind(_RETIRE)
 
 
 class RedisReliableBackend(RedisBackend):
@@ -710,8 +645,7 @@ class RedisReliableBackend(RedisBackend):
         if isinstance(failed_max, bool) or not isinstance(failed_max, int) or failed_max < 1:
             raise ConfigError(f"failed_max must be a positive int, not {failed_max!r}")
         self.failed_max: int = failed_max
-        self.cluster = isinstance(self.client, RedisCluster)
-        self.scripts = _Scripts(self.client)
+        self.scripts = _Scripts(self)
 
     async def store(self, queue: str, options: QueueOptions) -> Store:
         return RedisReliableStore(queue, options, self)
