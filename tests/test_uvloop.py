@@ -5,9 +5,9 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+from backends import BackendCase, new_token
 
 import aio_keuss
-from backends import BackendCase, new_token
 
 uvloop = pytest.importorskip("uvloop")
 

@@ -1,0 +1,1130 @@
+"""Bucket stores (Keuss's bucket-mongo-safe, seed 000): many messages per storage unit.
+
+Written once for every database. A database contributes only a :class:`BucketStorage`: a
+handful of atomic operations over *whole buckets* (insert, lease, write state, census),
+see ``bucket_redis.py`` and ``bucket_postgres.py``. Everything else is here.
+
+Why buckets: a per-message queue is bound by one storage operation per message. Packing up
+to ``bucket_max_size`` messages in one storage unit turns a push, pop or commit into a
+fraction of a round trip; the bottleneck moves to this process's CPU.
+
+Storage unit (one bucket):
+
+- ``id`` (time-ordered), the queue, ``score``, ``owner`` (lease token, ``""`` when free),
+  ``count``, ``remaining`` (slots not done), ``blob`` and ``state``.
+- ``blob``: every message, written once and never changed. Binary framing, little endian::
+
+      u32 count | u32 payload_len[count] | u32 headers_len[count] | payloads... | headers...
+
+- ``state``: fixed width per slot, laid out column-wise so each column is one ``array``
+  copy (no per-slot Python work) and any slot can still be patched in place::
+
+      u8 state[count] | u32 tries[count] | f64 mature[count]
+
+  state 0 = available, 1 = done, 2 = handed out (reserved).
+- ``score``: when the bucket is worth leasing. Free: a lower bound of the earliest mature
+  time of its available slots (exact when this module writes it). Leased: the lease deadline.
+
+A message id is ``f"{bucket_id}-{slot}"``, assigned by the store when it is pushed (so
+user-chosen, idempotent ids are not supported).
+
+Push: entries go to an in-memory *push bucket* (one for "ready now", one per 50 ms of
+mature time for delayed entries, so a delayed ko never holds fresh pushes). A push bucket is
+written as ONE storage unit when full, after ``bucket_max_wait``, or — in the default durable
+mode — as soon as the event loop went one iteration without new entries for it while pushers
+wait for it: sequential producers are not held for ``bucket_max_wait``, concurrent ones still
+share one write. A push returns only once its bucket is durable. ``ack_on_buffer=True`` is
+Keuss's trade-off instead: a push returns when buffered, and is lost if the process dies
+before the flush (a failed flush is retried a few times, then logged).
+
+Pop / reserve: serve from buckets leased into memory. Leasing atomically takes free buckets
+(and buckets whose lease expired) with ``score <= now``, sets ``owner`` to this store's token
+and ``score`` to ``now + reject_timeout_grace``. A bucket leased while it still had an owner
+means its previous holder died (or stalled past its lease): its handed-out slots become
+available again with one more try. Each slot keeps its own mature time and is never served
+before it. Pop is at-most-once even across a crash: the state of the touched buckets is
+written (one coalesced round trip) before the messages are returned; if that write finds the
+lease lost, those messages are not returned (their new holder will deliver them). Reserve
+marks slots handed out with an in-memory deadline (now + reserve_delay); that state is
+persisted lazily by the state flusher. ok / ko only change memory.
+
+State flusher, every ``min(state_flush_period, reject_timeout_grace / 3)``: writes the state
+of every leased bucket that changed and renews every lease (score = now + grace) that needs
+it; deletes buckets with nothing left; releases buckets with nothing deliverable and nothing
+reserved (and, after ``IDLE_RELEASE`` seconds unused, buckets nobody here serves from) with
+score = earliest mature time of their available slots. Writes are conditional on the lease
+token, so a holder whose lease was taken over never overwrites the new holder's state, and
+writes of one bucket are serialized (a later snapshot always contains the earlier changes).
+
+What a crash can cost (at-least-once holds; pop stays at-most-once):
+- reservations not yet persisted come back with their old ``tries`` count;
+- oks not yet persisted come back (delivered again);
+- a deadletter move writes the message to the deadletter queue first and then marks the slot
+  done: a crash between the two leaves a duplicate, never a loss.
+
+Clock: every time here is this process's clock (``time.time()``), also for leases; processes
+sharing a queue need synchronized clocks (NTP), as with Keuss.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import heapq
+import logging
+import math
+import os
+import sys
+import time
+from abc import ABC, abstractmethod
+from array import array
+from collections.abc import Collection, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from itertools import accumulate
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from ..errors import ConfigError, InvalidInputError
+from ..message import append_headers
+from .base import (
+    Ack,
+    Capabilities,
+    DeadletterPlan,
+    Entry,
+    Fetched,
+    KoResult,
+    Nack,
+    Sizes,
+    Store,
+    Stored,
+)
+
+if TYPE_CHECKING:
+    from ..options import QueueOptions
+
+log = logging.getLogger(__name__)
+
+AVAILABLE, DONE, HANDED_OUT = 0, 1, 2
+
+CAPABILITIES = Capabilities(idempotent=False)
+"""pop, reserve, delay, remove and reservation expiry; no user-chosen (idempotent) ids."""
+
+BUCKET_OPTIONS: Mapping[str, Any] = {
+    "bucket_max_size": 1024,
+    "bucket_max_wait": 0.5,
+    "state_flush_period": 0.5,
+    "reject_delta_base": 10.0,
+    "reject_delta_factor": None,
+    "reject_timeout_grace": None,
+    "ack_on_buffer": False,
+}
+"""Backend options of every bucket backend, in SECONDS (Keuss's are milliseconds).
+
+- ``bucket_max_size``: most messages in one bucket (Keuss: 1024).
+- ``bucket_max_wait``: longest a push bucket fills before it is written (Keuss: 500 ms).
+- ``state_flush_period``: how often leased buckets' state is written (Keuss: 500 ms).
+- ``reject_delta_base`` / ``reject_delta_factor``: retry delay ``base + factor * tries`` for a
+  ko without a delay (Keuss: 10 s and reserve_delay, or 30 s). The queue layer currently
+  always passes a delay (0.0 when the user gave none), so this applies only to a store call
+  whose ``Nack.delay`` is None.
+- ``reject_timeout_grace``: lease length; a dead holder's buckets come back after it
+  (default reserve_delay * 0.8, at least ``MIN_GRACE``).
+- ``ack_on_buffer``: acknowledge a push when buffered (Keuss's trade-off), not when durable.
+"""
+
+READY_KEY = -1
+"""Push-bucket key of entries mature at insert time; delayed ones are keyed by 50 ms slot."""
+DELAY_GRANULE = 0.05
+MIN_GRACE = 0.1
+IDLE_RELEASE = 5.0
+"""Seconds a leased bucket with deliverable messages may sit unused before it is released
+for other processes (a process that stopped consuming must not hold messages for ever)."""
+LEASE_MAX_BUCKETS = 16
+"""Most buckets one lease takes; it stops earlier once their messages cover the request."""
+WRITE_MAX_BUCKETS = 16
+"""Most push buckets in one insert round trip."""
+PUSH_WRITERS = 4
+"""Insert round trips in flight at once per store."""
+ACK_ON_BUFFER_RETRIES = 5
+
+_LITTLE = sys.byteorder == "little"
+_U32 = "I" if array("I").itemsize == 4 else "L"
+
+
+def _to_le(values: array[Any]) -> bytes:
+    if _LITTLE:
+        return values.tobytes()
+    swapped = array(values.typecode, values)  # pragma: no cover - big-endian hosts
+    swapped.byteswap()  # pragma: no cover
+    return swapped.tobytes()  # pragma: no cover
+
+
+def _from_le(typecode: str, data: bytes | memoryview) -> array[Any]:
+    values = array(typecode)
+    values.frombytes(data)
+    if not _LITTLE:  # pragma: no cover - big-endian hosts
+        values.byteswap()
+    return values
+
+
+def encode_blob(payloads: Sequence[bytes], headers: Sequence[bytes]) -> bytes:
+    """Frame the messages of one bucket (see the module docstring)."""
+    count = len(payloads)
+    lengths = array(_U32, [count])
+    lengths.extend(len(p) for p in payloads)
+    lengths.extend(len(h) for h in headers)
+    return b"".join((_to_le(lengths), *payloads, *headers))
+
+
+def decode_blob(blob: bytes) -> tuple[int, list[int], list[int]]:
+    """(count, payload offsets, headers offsets): slot i's payload is
+    ``blob[p[i]:p[i+1]]`` and its headers ``blob[h[i]:h[i+1]]``."""
+    (count,) = _from_le(_U32, blob[:4])
+    lengths = _from_le(_U32, blob[4 : 4 + 8 * count])
+    start = 4 + 8 * count
+    payload_offsets = list(accumulate(lengths[:count], initial=start))
+    header_offsets = list(accumulate(lengths[count:], initial=payload_offsets[-1]))
+    return count, payload_offsets, header_offsets
+
+
+def encode_state(states: bytes | bytearray, tries: array[int], mature: array[float]) -> bytes:
+    return b"".join((bytes(states), _to_le(tries), _to_le(mature)))
+
+
+def decode_state(blob: bytes, count: int) -> tuple[bytearray, array[int], array[float]]:
+    view = memoryview(blob)
+    states = bytearray(view[:count])
+    tries = _from_le(_U32, view[count : 5 * count])
+    mature = _from_le("d", view[5 * count : 13 * count])
+    return states, tries, mature
+
+
+# --- what a database provides -----------------------------------------------------------
+
+
+@dataclass(slots=True)
+class NewBucket:
+    """A bucket to insert: free, all slots available."""
+
+    id: str
+    score: float
+    count: int
+    blob: bytes
+    state: bytes
+
+
+@dataclass(slots=True)
+class LeasedBucket:
+    """A bucket a lease took: its content and who held it before (``""``: nobody)."""
+
+    id: str
+    blob: bytes
+    state: bytes
+    previous_owner: str
+
+
+@dataclass(slots=True)
+class Lease:
+    """What a lease took, and the lowest score left in storage after it (for the wait loop;
+    it may be one of this store's own lease deadlines, which only bounds a sleep)."""
+
+    buckets: list[LeasedBucket]
+    next_score: float | None
+
+
+KEEP, RELEASE, DELETE = "k", "r", "d"
+
+
+@dataclass(slots=True)
+class StateWrite:
+    """Write back a leased bucket, only if ``owner`` is still the writer's token.
+
+    ``mode``: KEEP (stay leased, score = lease deadline), RELEASE (owner = "", score = when
+    it is next worth leasing) or DELETE (nothing left). ``state`` None keeps the stored state
+    (a lease renewal only).
+    """
+
+    id: str
+    mode: str
+    score: float
+    remaining: int
+    state: bytes | None
+
+
+@dataclass(slots=True)
+class Census:
+    """Sums over the buckets of a queue that the asking store does not hold.
+
+    A free bucket counts as ready when its score has passed, else scheduled; a bucket leased
+    by someone else counts as reserved until its lease expires (then ready).
+    """
+
+    ready: int
+    scheduled: int
+    reserved: int
+    min_score: float | None
+
+
+class BucketStorage(ABC):
+    """The atomic bucket operations one database provides; each is one round trip.
+
+    Every method takes the queue name: a deadletter move inserts into another queue.
+    """
+
+    @abstractmethod
+    async def insert_buckets(self, queue: str, buckets: Sequence[NewBucket]) -> None:
+        """Insert free buckets (owner ``""``), durably, all or none."""
+
+    @abstractmethod
+    async def lease(
+        self,
+        queue: str,
+        token: str,
+        now: float,
+        deadline: float,
+        want: int,
+        max_buckets: int,
+        ids: Sequence[str] | None = None,
+    ) -> Lease:
+        """Atomically take buckets: set owner = token, score = deadline.
+
+        Without ``ids``: buckets with ``score <= now`` in (score, id) order, stopping once
+        their ``remaining`` adds up to ``want`` or ``max_buckets`` were taken. With ``ids``:
+        those of them that are free (whatever their score) or whose lease expired.
+        """
+
+    @abstractmethod
+    async def write(self, queue: str, token: str, writes: Sequence[StateWrite]) -> list[bool]:
+        """Apply each write whose bucket is still owned by ``token``; one flag per write,
+        false when the lease was lost (taken over, or the bucket is gone)."""
+
+    @abstractmethod
+    async def census(self, queue: str, exclude: Collection[str], now: float) -> Census:
+        """Sizes and earliest score of the buckets not in ``exclude`` (the asker's own)."""
+
+
+# --- options ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class BucketSettings:
+    bucket_max_size: int
+    bucket_max_wait: float
+    state_flush_period: float
+    reject_delta_base: float
+    reject_delta_factor: float | None
+    reject_timeout_grace: float | None
+    ack_on_buffer: bool
+
+    @classmethod
+    def parse(cls, settings: Mapping[str, Any]) -> BucketSettings:
+        """Validate the bucket options of a backend's settings (ConfigError when bad)."""
+        size = settings["bucket_max_size"]
+        if isinstance(size, bool) or not isinstance(size, int) or not 1 <= size <= 65536:
+            raise ConfigError(f"bucket_max_size must be an int in 1..65536, not {size!r}")
+        ack = settings["ack_on_buffer"]
+        if not isinstance(ack, bool):
+            raise ConfigError(f"ack_on_buffer must be a bool, not {ack!r}")
+
+        def seconds(key: str, optional: bool = False, positive: bool = False) -> Any:
+            value = settings[key]
+            if value is None and optional:
+                return None
+            if (
+                isinstance(value, bool)
+                or not isinstance(value, int | float)
+                or not math.isfinite(value)
+                or value < 0
+                or (positive and value == 0)
+            ):
+                raise ConfigError(f"{key} must be a finite number of seconds >= 0, not {value!r}")
+            return float(value)
+
+        return cls(
+            bucket_max_size=size,
+            bucket_max_wait=seconds("bucket_max_wait"),
+            state_flush_period=seconds("state_flush_period", positive=True),
+            reject_delta_base=seconds("reject_delta_base"),
+            reject_delta_factor=seconds("reject_delta_factor", optional=True),
+            reject_timeout_grace=seconds("reject_timeout_grace", optional=True),
+            ack_on_buffer=ack,
+        )
+
+
+_bucket_prefix = os.urandom(4).hex()
+_bucket_counter = 0
+
+
+def _reseed_after_fork() -> None:
+    global _bucket_prefix, _bucket_counter
+    _bucket_prefix, _bucket_counter = os.urandom(4).hex(), 0
+
+
+os.register_at_fork(after_in_child=_reseed_after_fork)
+
+
+def new_bucket_id() -> str:
+    """Time-ordered (so equal scores lease oldest first), unique across processes."""
+    global _bucket_counter
+    _bucket_counter += 1
+    return f"{time.time_ns():016x}{_bucket_prefix}{_bucket_counter:x}"
+
+
+def split_id(message_id: str) -> tuple[str, int] | None:
+    """(bucket id, slot) of a message id, or None when it is not one of ours."""
+    bucket_id, dash, slot = message_id.rpartition("-")
+    if not dash or not bucket_id or not slot.isdigit() or len(slot) > 6:
+        return None
+    return bucket_id, int(slot)
+
+
+# --- push side --------------------------------------------------------------------------
+
+
+class _PushBucket:
+    """A bucket being filled in memory; ``written`` resolves when it is durable."""
+
+    __slots__ = (
+        "checking",
+        "flush_at",
+        "headers",
+        "id",
+        "key",
+        "mature",
+        "payloads",
+        "timer",
+        "tries",
+        "written",
+    )
+
+    def __init__(self, key: int, loop: asyncio.AbstractEventLoop) -> None:
+        self.id = new_bucket_id()
+        self.key = key
+        self.payloads: list[bytes] = []
+        self.headers: list[bytes] = []
+        self.mature = array("d")
+        self.tries = array(_U32)
+        self.written: asyncio.Future[None] = loop.create_future()
+        self.timer: asyncio.TimerHandle | None = None
+        self.checking = False
+        self.flush_at = 0.0
+
+    def add(self, entry: Entry, mature: float) -> int:
+        slot = len(self.payloads)
+        self.payloads.append(entry.payload)
+        self.headers.append(entry.headers)
+        self.mature.append(mature)
+        self.tries.append(entry.tries)
+        return slot
+
+    def encode(self) -> NewBucket:
+        count = len(self.payloads)
+        state = encode_state(bytes(count), self.tries, self.mature)
+        blob = encode_blob(self.payloads, self.headers)
+        return NewBucket(self.id, min(self.mature), count, blob, state)
+
+
+# --- pull side --------------------------------------------------------------------------
+
+
+class _Leased:
+    """A bucket this store holds: the messages plus the authoritative slot state.
+
+    ``version`` counts changes; ``persisted`` is the version last written. ``writing`` is
+    the write in flight, so writes of one bucket never overtake each other.
+    """
+
+    __slots__ = (
+        "blob",
+        "count",
+        "deadline",
+        "gone",
+        "headers_at",
+        "id",
+        "last_used",
+        "lease_until",
+        "live",
+        "lost",
+        "mature",
+        "payload_at",
+        "persisted",
+        "remaining",
+        "seq",
+        "states",
+        "tries",
+        "version",
+        "writing",
+    )
+
+    def __init__(self, row: LeasedBucket, seq: int, now: float) -> None:
+        self.id = row.id
+        self.seq = seq
+        self.blob = row.blob
+        self.count, self.payload_at, self.headers_at = decode_blob(row.blob)
+        self.states, self.tries, self.mature = decode_state(row.state, self.count)
+        self.deadline: dict[int, float] = {}
+        self.version = self.persisted = 0
+        # A slot stored as handed out is nobody's live reservation any more (its holder
+        # died, or lost the lease): that delivery was a failed try.
+        if HANDED_OUT in self.states:
+            for slot, state in enumerate(self.states):
+                if state == HANDED_OUT:
+                    self.states[slot] = AVAILABLE
+                    self.tries[slot] += 1
+            self.version = 1
+        self.remaining = self.count - self.states.count(DONE)
+        self.writing: asyncio.Future[None] | None = None
+        self.live = True  # served from
+        self.gone = False  # released or deleted in storage: no more writes
+        self.lost = False  # someone else took the lease over
+        self.last_used = now
+        self.lease_until = 0.0
+
+    def __lt__(self, other: _Leased) -> bool:  # heap ties (never reached in practice)
+        return self.seq < other.seq
+
+    def message(self, slot: int, tries: int, mature: float) -> Stored:
+        p, h = self.payload_at, self.headers_at
+        blob = self.blob
+        return Stored(
+            f"{self.id}-{slot}",
+            blob[p[slot] : p[slot + 1]],
+            blob[h[slot] : h[slot + 1]],
+            tries,
+            mature,
+        )
+
+    def snapshot(self) -> bytes:
+        return encode_state(self.states, self.tries, self.mature)
+
+    def next_available(self) -> float | None:
+        """Earliest mature time of an available slot (the score when released)."""
+        matures = [m for m, s in zip(self.mature, self.states, strict=True) if s == AVAILABLE]
+        return min(matures) if matures else None
+
+    def is_idle(self, now: float) -> tuple[bool, bool]:
+        """(has deliverable now, has reserved)."""
+        deliverable = reserved = False
+        for slot, state in enumerate(self.states):
+            if state == AVAILABLE:
+                if self.mature[slot] <= now:
+                    deliverable = True
+            elif state == HANDED_OUT:
+                reserved = True
+        return deliverable, reserved
+
+
+_Entry = tuple[float, int, int, _Leased]
+"""(time, bucket seq, slot, bucket): a ready heap entry (mature) or a held one (deadline)."""
+
+
+class BucketStore(Store):
+    """The bucket logic over any :class:`BucketStorage` (see the module docstring)."""
+
+    batch_concurrency: ClassVar[int] = 64
+    """Many insert batches in flight share a push bucket; serving is mostly in memory."""
+
+    def __init__(
+        self,
+        name: str,
+        options: QueueOptions,
+        storage: BucketStorage,
+        settings: BucketSettings,
+    ) -> None:
+        super().__init__(name, options)
+        self._storage = storage
+        self._settings = settings
+        grace = settings.reject_timeout_grace
+        self._grace = max(MIN_GRACE, options.reserve_delay * 0.8 if grace is None else grace)
+        self._period = min(settings.state_flush_period, self._grace / 3)
+        factor = settings.reject_delta_factor
+        self._delta_factor = (options.reserve_delay or 30.0) if factor is None else factor
+        self._token = os.urandom(8).hex()
+        self._closed = False
+        # push side
+        self._filling: dict[int, _PushBucket] = {}
+        self._sealed: list[_PushBucket] = []
+        self._in_flight: set[_PushBucket] = set()  # sealed, insert round trip under way
+        self._writers = 0
+        self._writer_tasks: set[asyncio.Task[None]] = set()
+        # pull side
+        self._held_buckets: dict[str, _Leased] = {}
+        self._seq = 0
+        self._ready: list[_Entry] = []
+        self._held: list[_Entry] = []
+        self._leasing: asyncio.Future[None] | None = None
+        self._storage_next: float | None = None
+        self._flusher: asyncio.Task[None] | None = None
+
+    # push ---------------------------------------------------------------------------
+
+    async def insert(self, entries: Sequence[Entry]) -> list[bool]:
+        if not entries:
+            return []
+        loop = asyncio.get_running_loop()
+        now = time.time()
+        size = self._settings.bucket_max_size
+        touched: dict[int, _PushBucket] = {}
+        for entry in entries:
+            if entry.dedup:
+                raise InvalidInputError("bucket backends do not support user-chosen ids")
+            mature = entry.mature if entry.mature is not None else now + entry.delay
+            key = READY_KEY if mature <= now else int(mature / DELAY_GRANULE)
+            bucket = self._filling.get(key)
+            if bucket is None:
+                bucket = self._filling[key] = _PushBucket(key, loop)
+                bucket.flush_at = now + self._settings.bucket_max_wait
+                bucket.timer = loop.call_later(self._settings.bucket_max_wait, self._seal, bucket)
+            entry.id = f"{bucket.id}-{bucket.add(entry, mature)}"
+            touched[id(bucket)] = bucket
+            if len(bucket.payloads) >= size:
+                self._seal(bucket)
+        if self._settings.ack_on_buffer:
+            return [True] * len(entries)
+        for bucket in touched.values():
+            if not bucket.checking and self._filling.get(bucket.key) is bucket:
+                bucket.checking = True
+                loop.call_soon(self._seal_when_quiet, bucket, len(bucket.payloads))
+        await asyncio.gather(*(asyncio.shield(b.written) for b in touched.values()))
+        return [True] * len(entries)
+
+    def _seal_when_quiet(self, bucket: _PushBucket, seen: int) -> None:
+        """Durable mode: write a push bucket once a loop iteration added nothing to it."""
+        if self._filling.get(bucket.key) is not bucket:
+            return
+        if len(bucket.payloads) == seen:
+            self._seal(bucket)
+        else:
+            asyncio.get_running_loop().call_soon(
+                self._seal_when_quiet, bucket, len(bucket.payloads)
+            )
+
+    def _seal(self, bucket: _PushBucket) -> None:
+        if self._filling.get(bucket.key) is not bucket:
+            return
+        del self._filling[bucket.key]
+        if bucket.timer is not None:
+            bucket.timer.cancel()
+        self._sealed.append(bucket)
+        if self._writers < PUSH_WRITERS:
+            self._writers += 1
+            task = asyncio.get_running_loop().create_task(self._write_sealed())
+            self._writer_tasks.add(task)
+            task.add_done_callback(self._writer_tasks.discard)
+
+    async def _write_sealed(self) -> None:
+        """Write sealed push buckets, several per round trip, until none is left."""
+        try:
+            while self._sealed:
+                batch, self._sealed = (
+                    self._sealed[:WRITE_MAX_BUCKETS],
+                    self._sealed[WRITE_MAX_BUCKETS:],
+                )
+                self._in_flight.update(batch)
+                try:
+                    await self._write_push_buckets(batch)
+                finally:
+                    self._in_flight.difference_update(batch)
+        finally:
+            self._writers -= 1
+
+    async def _write_push_buckets(self, batch: list[_PushBucket]) -> None:
+        encoded = [b.encode() for b in batch]
+        attempts = ACK_ON_BUFFER_RETRIES if self._settings.ack_on_buffer else 1
+        for attempt in range(attempts):
+            try:
+                await self._storage.insert_buckets(self.name, encoded)
+            except Exception as exc:
+                if attempt + 1 < attempts:
+                    await asyncio.sleep(0.1 * 2**attempt)
+                    continue
+                if self._settings.ack_on_buffer:
+                    log.error(
+                        "queue %r: %d buffered messages lost, their bucket was not written: %s",
+                        self.name,
+                        sum(b.count for b in encoded),
+                        exc,
+                    )
+                for bucket in batch:
+                    bucket.written.set_exception(exc)
+                    bucket.written.exception()  # retrieved: the pushers re-raise it
+                return
+            for bucket in batch:
+                bucket.written.set_result(None)
+            return
+
+    async def flush(self) -> None:
+        """Write every push bucket now, then the state of every leased bucket."""
+        for bucket in list(self._filling.values()):
+            self._seal(bucket)
+        pending = list(self._sealed)
+        waits = [asyncio.shield(b.written) for b in pending]
+        while self._writer_tasks:
+            await asyncio.gather(*self._writer_tasks, return_exceptions=True)
+        await asyncio.gather(*waits)
+        await self._sync(list(self._held_buckets.values()))
+
+    # lease ---------------------------------------------------------------------------
+
+    async def _lease(self, want: int, ids: Sequence[str] | None = None) -> list[_Leased]:
+        """Take more buckets into memory; concurrent callers share one lease in flight."""
+        if ids is None and self._leasing is not None:
+            await asyncio.shield(self._leasing)
+            return []
+        future = asyncio.get_running_loop().create_future()
+        if ids is None:
+            self._leasing = future
+        try:
+            now = time.time()
+            lease = await self._storage.lease(
+                self.name, self._token, now, now + self._grace, want, LEASE_MAX_BUCKETS, ids
+            )
+            if ids is None:
+                self._storage_next = lease.next_score
+            taken = []
+            for row in lease.buckets:
+                if row.id in self._held_buckets:  # our own lease had expired: ours still
+                    self._held_buckets[row.id].lease_until = now + self._grace
+                    continue
+                self._seq += 1
+                bucket = _Leased(row, self._seq, now)
+                bucket.lease_until = now + self._grace
+                self._held_buckets[bucket.id] = bucket
+                ready = [
+                    (bucket.mature[slot], bucket.seq, slot, bucket)
+                    for slot, state in enumerate(bucket.states)
+                    if state == AVAILABLE
+                ]
+                if len(ready) > 64:
+                    self._ready.extend(ready)
+                    heapq.heapify(self._ready)
+                else:
+                    for item in ready:
+                        heapq.heappush(self._ready, item)
+                taken.append(bucket)
+            if taken:
+                self._start_flusher()
+            return taken
+        finally:
+            if ids is None:
+                self._leasing = None
+            future.set_result(None)
+
+    # pop / reserve -------------------------------------------------------------------
+
+    def _serve(
+        self, n: int, now: float, reserve_delay: float | None, touched: dict[str, _Leased]
+    ) -> list[Stored]:
+        """Hand out up to ``n`` deliverable slots from memory, earliest first.
+
+        ``reserve_delay`` None = pop (slots done), else reserve (handed out until
+        now + reserve_delay). An expired reservation counts as a try.
+        """
+        ready, held = self._ready, self._held
+        out: list[Stored] = []
+        while len(out) < n:
+            self._clean_tops()
+            take_ready = bool(ready) and ready[0][0] <= now
+            take_held = bool(held) and held[0][0] <= now
+            if take_ready and take_held:
+                take_ready = ready[0][0] <= held[0][0]
+            if take_ready:
+                mature, _, slot, bucket = heapq.heappop(ready)
+                tries = bucket.tries[slot]
+            elif take_held:
+                mature, _, slot, bucket = heapq.heappop(held)
+                tries = bucket.tries[slot] + 1
+                bucket.tries[slot] = tries
+            else:
+                break
+            if reserve_delay is None:
+                bucket.states[slot] = DONE
+                bucket.deadline.pop(slot, None)
+                bucket.remaining -= 1
+            else:
+                bucket.states[slot] = HANDED_OUT
+                deadline = now + reserve_delay
+                bucket.deadline[slot] = deadline
+                heapq.heappush(held, (deadline, bucket.seq, slot, bucket))
+            bucket.version += 1
+            bucket.last_used = now
+            touched[bucket.id] = bucket
+            out.append(bucket.message(slot, tries, mature))
+        return out
+
+    def _clean_tops(self) -> None:
+        """Drop stale heap heads: a slot's state or time changed since it was pushed, or its
+        bucket left memory (heap entries are deleted lazily)."""
+        ready, held = self._ready, self._held
+        while ready:
+            mature, _, slot, bucket = ready[0]
+            if bucket.live and bucket.states[slot] == AVAILABLE and bucket.mature[slot] == mature:
+                break
+            heapq.heappop(ready)
+        while held:
+            deadline, _, slot, bucket = held[0]
+            live = bucket.live and bucket.states[slot] == HANDED_OUT
+            if live and bucket.deadline.get(slot) == deadline:
+                break
+            heapq.heappop(held)
+
+    def _memory_next(self) -> float | None:
+        """Earliest time something held in memory becomes deliverable."""
+        self._clean_tops()
+        times = [h[0][0] for h in (self._ready, self._held) if h]
+        return min(times) if times else None
+
+    def _next_mature(self) -> float | None:
+        """For the wait loop. With ``ack_on_buffer`` a push is signalled before its bucket
+        is written: buffered buckets count from when they will be written, so consumers of
+        this process do not sleep through their arrival."""
+        times = [t for t in (self._memory_next(), self._storage_next) if t is not None]
+        times += [max(b.flush_at, min(b.mature)) for b in self._filling.values()]
+        times += [min(b.mature) for b in (*self._sealed, *self._in_flight)]
+        return min(times) if times else None
+
+    async def _fetch(
+        self, n: int, reserve_delay: float | None, touched: dict[str, _Leased]
+    ) -> list[Stored]:
+        out = self._serve(n, time.time(), reserve_delay, touched)
+        if len(out) < n and not self._closed:
+            await self._lease(n - len(out))
+            out += self._serve(n - len(out), time.time(), reserve_delay, touched)
+        return out
+
+    async def get(self, n: int) -> Fetched:
+        touched: dict[str, _Leased] = {}
+        out = await self._fetch(n, None, touched)
+        if out:
+            try:
+                await self._sync(touched.values())
+            except BaseException:
+                self._unpop(out, touched)
+                raise
+            if any(b.lost for b in touched.values()):
+                # a bucket whose lease was lost meanwhile: its new holder delivers those
+                out = [m for m in out if not touched[m.id.rpartition("-")[0]].lost]
+        return Fetched(out, self._next_mature())
+
+    def _unpop(self, messages: list[Stored], touched: dict[str, _Leased]) -> None:
+        """The pop's state write failed: its slots are available again, as they were."""
+        for message in messages:
+            bucket_id, _, slot_text = message.id.rpartition("-")
+            bucket, slot = touched[bucket_id], int(slot_text)
+            if not bucket.live or bucket.states[slot] != DONE:
+                continue
+            bucket.states[slot] = AVAILABLE
+            bucket.remaining += 1
+            bucket.version += 1
+            heapq.heappush(self._ready, (bucket.mature[slot], bucket.seq, slot, bucket))
+
+    async def reserve(self, n: int, reserve_delay: float) -> Fetched:
+        out = await self._fetch(n, reserve_delay, {})
+        return Fetched(out, self._next_mature())
+
+    # acknowledge ---------------------------------------------------------------------
+
+    def _handed_out(self, message_id: str, tries: int | None) -> tuple[_Leased, int] | None:
+        parsed = split_id(message_id)
+        if parsed is None:
+            return None
+        bucket = self._held_buckets.get(parsed[0])
+        slot = parsed[1]
+        if bucket is None or slot >= bucket.count or bucket.states[slot] != HANDED_OUT:
+            return None
+        if tries is not None and bucket.tries[slot] != tries:
+            return None  # a stale holder: the message was handed to someone else since
+        return bucket, slot
+
+    async def commit(self, acks: Sequence[Ack]) -> list[bool]:
+        results = []
+        for ack in acks:
+            found = self._handed_out(ack.id, ack.tries)
+            if found is not None:
+                bucket, slot = found
+                bucket.states[slot] = DONE
+                del bucket.deadline[slot]
+                bucket.remaining -= 1
+                bucket.version += 1
+            results.append(found is not None)
+        return results
+
+    def ko_delay(self, delay: float | None, tries: int) -> float:
+        """The given delay, or Keuss's polynomial when none was given."""
+        if delay is not None:
+            return delay
+        return self._settings.reject_delta_base + self._delta_factor * tries
+
+    async def rollback(
+        self, nacks: Sequence[Nack], deadletter: DeadletterPlan | None
+    ) -> list[KoResult]:
+        now = time.time()
+        results: list[KoResult] = []
+        moving: list[tuple[int, _Leased, int, int]] = []
+        for nack in nacks:
+            found = self._handed_out(nack.id, nack.tries)
+            if found is None:
+                results.append(KoResult.MISSING)
+                continue
+            bucket, slot = found
+            tries = bucket.tries[slot] + (1 if nack.count_try else 0)
+            if deadletter is not None and nack.count_try and tries > deadletter.max_ko:
+                moving.append((len(results), bucket, slot, tries))
+                results.append(KoResult.DEADLETTERED)
+                continue
+            del bucket.deadline[slot]
+            bucket.states[slot] = AVAILABLE
+            bucket.tries[slot] = tries
+            mature = now + self.ko_delay(nack.delay, tries)
+            bucket.mature[slot] = mature
+            bucket.version += 1
+            heapq.heappush(self._ready, (mature, bucket.seq, slot, bucket))
+            results.append(KoResult.ROLLED_BACK)
+        if moving and deadletter is not None:
+            await self._deadletter(moving, deadletter, now)
+        return results
+
+    async def _deadletter(
+        self, moving: list[tuple[int, _Leased, int, int]], plan: DeadletterPlan, now: float
+    ) -> None:
+        """Write the messages into the deadletter queue (durable), then mark them done here:
+        a crash in between leaves a duplicate, never a loss."""
+        payloads, headers = [], []
+        for _, bucket, slot, tries in moving:
+            stored = bucket.message(slot, tries, now)
+            payloads.append(stored.payload)
+            headers.append(append_headers(stored.headers, plan.headers(tries, now)))
+        count = len(payloads)
+        await self._storage.insert_buckets(
+            plan.queue,
+            [
+                NewBucket(
+                    new_bucket_id(),
+                    now,
+                    count,
+                    encode_blob(payloads, headers),
+                    encode_state(bytes(count), array(_U32, [0] * count), array("d", [now] * count)),
+                )
+            ],
+        )
+        touched = {}
+        for _, bucket, slot, _ in moving:
+            if bucket.states[slot] == HANDED_OUT:
+                bucket.states[slot] = DONE
+                bucket.deadline.pop(slot, None)
+                bucket.remaining -= 1
+                bucket.version += 1
+                touched[bucket.id] = bucket
+        await self._sync(list(touched.values()))
+
+    async def remove(self, ids: Sequence[str]) -> list[bool]:
+        now = time.time()
+        parsed = [split_id(i) for i in ids]
+        elsewhere = sorted(
+            {p[0] for p in parsed if p is not None and p[0] not in self._held_buckets}
+        )
+        borrowed = await self._lease(0, elsewhere) if elsewhere else []
+        for bucket in borrowed:  # leased only for this: released by the next flush if unused
+            bucket.last_used = -math.inf
+        results = []
+        touched = {}
+        for p in parsed:
+            found = None if p is None else self._held_buckets.get(p[0])
+            if p is None or found is None or p[1] >= found.count:
+                results.append(False)
+                continue
+            bucket, slot = found, p[1]
+            state = bucket.states[slot]
+            if state == DONE or (state == HANDED_OUT and bucket.deadline.get(slot, now) > now):
+                results.append(False)
+                continue
+            bucket.states[slot] = DONE
+            bucket.deadline.pop(slot, None)
+            bucket.remaining -= 1
+            bucket.version += 1
+            touched[bucket.id] = bucket
+            results.append(True)
+        if touched:
+            await self._sync(list(touched.values()))
+        return results
+
+    # state persistence ---------------------------------------------------------------
+
+    async def _sync(
+        self, buckets: Iterable[_Leased], final: Mapping[str, str] | None = None
+    ) -> None:
+        """Make the current version of each bucket durable (and renew its lease).
+
+        ``final`` maps bucket id -> RELEASE / DELETE for buckets leaving memory (the caller
+        already stopped serving from them). Writes of one bucket are serialized: a caller
+        finding a write in flight waits for it, then writes only if its changes came later.
+        """
+        final = final or {}
+        targets = {b: b.version for b in buckets}
+        while True:
+            for bucket, version in list(targets.items()):
+                if (
+                    bucket.gone
+                    or bucket.lost
+                    or (bucket.id not in final and bucket.persisted >= version)
+                ):
+                    del targets[bucket]
+            if not targets:
+                return
+            busy = {b.writing for b in targets if b.writing is not None}
+            if busy:
+                await asyncio.gather(*(asyncio.shield(f) for f in busy), return_exceptions=True)
+                continue
+            await self._write(list(targets), final)
+
+    async def _write(self, buckets: list[_Leased], final: Mapping[str, str]) -> None:
+        """One round trip writing several buckets; see :class:`StateWrite`."""
+        future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        now = time.time()
+        writes, versions = [], []
+        for bucket in buckets:
+            bucket.writing = future
+            versions.append(bucket.version)
+            mode = DELETE if bucket.remaining == 0 else final.get(bucket.id, KEEP)
+            if mode == DELETE:
+                writes.append(StateWrite(bucket.id, DELETE, now, 0, None))
+            elif mode == RELEASE:
+                score = bucket.next_available()
+                writes.append(
+                    StateWrite(
+                        bucket.id,
+                        RELEASE,
+                        now if score is None else score,
+                        bucket.remaining,
+                        bucket.snapshot(),
+                    )
+                )
+            else:
+                dirty = bucket.version > bucket.persisted
+                writes.append(
+                    StateWrite(
+                        bucket.id,
+                        KEEP,
+                        now + self._grace,
+                        bucket.remaining,
+                        bucket.snapshot() if dirty else None,
+                    )
+                )
+        try:
+            flags = await self._storage.write(self.name, self._token, writes)
+        finally:
+            for bucket in buckets:
+                bucket.writing = None
+            future.set_result(None)
+        for bucket, write, version, kept in zip(buckets, writes, versions, flags, strict=True):
+            if not kept:
+                if not bucket.lost:
+                    log.warning("queue %r: lease of bucket %s was lost", self.name, bucket.id)
+                bucket.lost = True
+                self._forget(bucket)
+                continue
+            bucket.persisted = max(bucket.persisted, version)
+            if write.mode == KEEP:
+                bucket.lease_until = write.score
+            else:
+                bucket.gone = True
+                self._forget(bucket)
+
+    def _forget(self, bucket: _Leased) -> None:
+        bucket.live = False
+        if self._held_buckets.get(bucket.id) is bucket:
+            del self._held_buckets[bucket.id]
+
+    def _start_flusher(self) -> None:
+        if self._flusher is None or self._flusher.done():
+            self._flusher = asyncio.get_running_loop().create_task(self._flush_state_loop())
+
+    async def _flush_state_loop(self) -> None:
+        while self._held_buckets and not self._closed:
+            await asyncio.sleep(self._period)
+            try:
+                await self._flush_state()
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # the next period tries again
+                log.warning("queue %r: state flush failed: %s", self.name, exc)
+
+    async def _flush_state(self, release_all: bool = False) -> None:
+        """Persist changed state, renew leases, delete finished and release idle buckets.
+
+        ``release_all`` (close): every bucket goes back, reservations without a try.
+        """
+        now = time.time()
+        renew_before = now + self._grace / 2
+        keep: list[_Leased] = []
+        final: dict[str, str] = {}
+        for bucket in list(self._held_buckets.values()):
+            if bucket.writing is not None and not release_all:
+                continue  # a write of it is in flight, and renews its lease
+            if bucket.remaining == 0:
+                final[bucket.id] = DELETE
+            elif release_all:
+                final[bucket.id] = RELEASE
+            else:
+                deliverable, reserved = bucket.is_idle(now)
+                if not reserved and (not deliverable or now - bucket.last_used > IDLE_RELEASE):
+                    final[bucket.id] = RELEASE
+                elif bucket.version > bucket.persisted or bucket.lease_until < renew_before:
+                    keep.append(bucket)
+        leaving = [self._held_buckets[i] for i in final]
+        for bucket in leaving:
+            if release_all:  # close: reservations go back without a try
+                for slot in bucket.deadline:
+                    bucket.states[slot] = AVAILABLE
+                bucket.deadline.clear()
+                bucket.version += 1
+            self._forget(bucket)  # no longer served from; the write below gives it back
+        if keep or leaving:
+            await self._sync([*keep, *leaving], final)
+
+    # sizes ---------------------------------------------------------------------------
+
+    async def sizes(self) -> Sizes:
+        mine = dict(self._held_buckets)
+        census = await self._storage.census(self.name, mine.keys(), time.time())
+        now = time.time()
+        ready, scheduled, reserved = census.ready, census.scheduled, census.reserved
+        for bucket in mine.values():  # final state even if released meanwhile
+            mature, deadline = bucket.mature, bucket.deadline
+            for slot, state in enumerate(bucket.states):
+                if state == AVAILABLE:
+                    if mature[slot] <= now:
+                        ready += 1
+                    else:
+                        scheduled += 1
+                elif state == HANDED_OUT:
+                    if deadline[slot] <= now:
+                        ready += 1
+                    else:
+                        reserved += 1
+        for push in [*self._filling.values(), *self._sealed]:  # ack_on_buffer: not yet written
+            for mature_t in push.mature:
+                if mature_t <= now:
+                    ready += 1
+                else:
+                    scheduled += 1
+        return Sizes(ready, ready + scheduled + reserved, scheduled, reserved)
+
+    async def next_mature(self) -> float | None:
+        census = await self._storage.census(self.name, self._held_buckets.keys(), time.time())
+        times = [t for t in (self._memory_next(), census.min_score) if t is not None]
+        times += [min(p.mature) for p in [*self._filling.values(), *self._sealed] if p.mature]
+        return min(times) if times else None
+
+    # shutdown ------------------------------------------------------------------------
+
+    async def close(self) -> None:
+        """Write what is buffered, then give every leased bucket back at once (reserved
+        slots become available without a try), so nothing waits for the grace period."""
+        try:
+            await self.flush()
+            while self._held_buckets:
+                await self._flush_state(release_all=True)
+        finally:
+            self._closed = True
+            if self._flusher is not None:
+                self._flusher.cancel()
+                await asyncio.gather(self._flusher, return_exceptions=True)

@@ -1,0 +1,323 @@
+"""Bucket backends (bucket-redis, bucket-postgres) beyond the conformance suite: what survives
+a process killed with SIGKILL, and many consumer processes sharing one queue.
+
+Producers and consumers run as real child processes (the script below) so a crash is a
+real crash: no finally blocks, no flush, no lease release.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from backends import CASES, BackendCase, new_token
+
+import aio_keuss
+from aio_keuss.backends.bucket import (
+    BucketSettings,
+    decode_blob,
+    decode_state,
+    encode_blob,
+    encode_state,
+    split_id,
+)
+
+pytestmark = pytest.mark.timeout(120)
+
+BUCKET_CASES = [c for c in CASES if c.name.startswith("bucket-")]
+
+# The child: ``python -c CHILD <mode> <backend> <options json> <queue> <arg>``. It prints
+# one JSON line when it reached the point where the parent kills it, then sleeps.
+CHILD = r"""
+import asyncio, json, sys
+import aio_keuss
+
+async def main(mode, backend, options, queue, arg):
+    factory = await aio_keuss.connect(backend, **json.loads(options))
+    q = await factory.queue(queue)
+    if mode == "produce":  # concurrent single pushes, all acknowledged
+        n = int(arg)
+        ids = await asyncio.gather(*(q.push(i) for i in range(n)))
+        print(json.dumps({"acked": len(ids)}), flush=True)
+    elif mode == "reserve":  # reserve some, ok half of them, wait for the state flush
+        got = await q.reserve_many(int(arg), timeout=5)
+        oked = [m.payload for m in got[: len(got) // 2]]
+        for m in got[: len(got) // 2]:
+            assert await q.ok(m)
+        await asyncio.sleep(0.5)
+        held = [m.payload for m in got[len(got) // 2 :]]
+        print(json.dumps({"oked": oked, "held": held}), flush=True)
+    elif mode == "pop":  # pop some and report them at once
+        got = await q.pop_many(int(arg), timeout=5)
+        print(json.dumps({"popped": [m.payload for m in got]}), flush=True)
+    elif mode == "consume":  # reserve + ok until the queue stays empty; ids to a file
+        seen = []
+        while True:
+            got = await q.reserve_many(500, timeout=2)
+            if not got:
+                break
+            results = await asyncio.gather(*(q.ok(m) for m in got))
+            assert all(results)
+            seen.extend(m.payload for m in got)
+        with open(arg, "w") as out:
+            json.dump(seen, out)
+        await factory.close()
+        return
+    await asyncio.sleep(3600)
+
+asyncio.run(main(*sys.argv[1:]))
+"""
+
+
+def _spawn(mode: str, case: BackendCase, options: dict[str, Any], queue: str, arg: str) -> Any:
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parent.parent)}
+    return subprocess.Popen(
+        [sys.executable, "-c", CHILD, mode, case.name, json.dumps(options), queue, arg],
+        stdout=subprocess.PIPE,
+        env=env,
+        text=True,
+    )
+
+
+async def _report(child: Any, timeout: float = 30.0) -> dict[str, Any]:
+    """The child's JSON line; then it is killed with SIGKILL on the spot."""
+    line = await asyncio.wait_for(asyncio.to_thread(child.stdout.readline), timeout)
+    child.send_signal(signal.SIGKILL)
+    child.wait()
+    assert line, "the child died before reporting"
+    report: dict[str, Any] = json.loads(line)
+    return report
+
+
+@pytest.fixture(params=BUCKET_CASES, ids=lambda case: case.id)
+async def bucket_case(
+    request: pytest.FixtureRequest,
+) -> AsyncIterator[tuple[BackendCase, dict[str, Any]]]:
+    case: BackendCase = request.param
+    reason = case.available()
+    if reason:
+        pytest.skip(reason)
+    options = case.options(new_token())
+    yield case, options
+    if case.cleanup is not None:
+        await case.cleanup(options)
+
+
+async def _take_all(q: aio_keuss.Queue, idle: float = 1.0) -> list[aio_keuss.Message]:
+    got: list[aio_keuss.Message] = []
+    while True:
+        batch = await q.reserve_many(1000, timeout=idle)
+        if not batch:
+            return got
+        got.extend(batch)
+        assert all(await asyncio.gather(*(q.ok(m) for m in batch)))
+
+
+# framing ---------------------------------------------------------------------------------
+
+
+def test_blob_and_state_round_trip() -> None:
+    from array import array
+
+    payloads = [b"J{}", b"", b"B\x00\xff" * 100]
+    headers = [b"{}", b'{"k":"v"}', b"{}"]
+    blob = encode_blob(payloads, headers)
+    count, p, h = decode_blob(blob)
+    assert count == 3
+    assert [blob[p[i] : p[i + 1]] for i in range(3)] == payloads
+    assert [blob[h[i] : h[i + 1]] for i in range(3)] == headers
+    state = encode_state(bytes([0, 1, 2]), array("I", [0, 5, 7]), array("d", [1.5, 2.5, 3.5]))
+    assert len(state) == 3 * 13  # fixed width: u8 + u32 + f64 per slot
+    states, tries, mature = decode_state(state, 3)
+    assert (list(states), list(tries), list(mature)) == ([0, 1, 2], [0, 5, 7], [1.5, 2.5, 3.5])
+    assert split_id("0123abc-17") == ("0123abc", 17)
+    assert split_id("no-slot-x") is None and split_id("plain") is None
+
+
+def test_settings_are_validated() -> None:
+    base = {
+        "bucket_max_size": 1024,
+        "bucket_max_wait": 0.5,
+        "state_flush_period": 0.5,
+        "reject_delta_base": 10.0,
+        "reject_delta_factor": None,
+        "reject_timeout_grace": None,
+        "ack_on_buffer": False,
+    }
+    assert BucketSettings.parse(base).bucket_max_size == 1024
+    for key, bad in [
+        ("bucket_max_size", 0),
+        ("bucket_max_size", 1.5),
+        ("bucket_max_wait", -1),
+        ("state_flush_period", 0),
+        ("reject_timeout_grace", float("nan")),
+        ("ack_on_buffer", "yes"),
+    ]:
+        with pytest.raises(aio_keuss.ConfigError):
+            BucketSettings.parse({**base, key: bad})
+
+
+# in-process behaviour --------------------------------------------------------------------
+
+
+async def test_many_messages_share_few_buckets_and_ids_name_them(
+    bucket_case: tuple[BackendCase, dict[str, Any]],
+) -> None:
+    case, options = bucket_case
+    async with aio_keuss.connect(case.name, **options, bucket_max_size=100) as factory:
+        q = await factory.queue("packed")
+        ids = await q.push_many(list(range(250)))
+        buckets = {split_id(i)[0] for i in ids}  # type: ignore[index]
+        assert len(buckets) == 3  # 100 + 100 + 50
+        got = await _take_all(q)
+        assert sorted(m.payload for m in got) == list(range(250))
+        assert await q.total_size() == 0
+
+
+async def test_delayed_slot_is_never_served_early(
+    bucket_case: tuple[BackendCase, dict[str, Any]],
+) -> None:
+    """A ready and a delayed message in one leased bucket: the delayed one waits."""
+    case, options = bucket_case
+    async with aio_keuss.connect(case.name, **options, reserve_delay=5.0) as factory:
+        q = await factory.queue("early")
+        await q.push_many(["a", "b"])
+        first = await q.reserve(timeout=1)
+        assert first is not None
+        await q.ko(first, delay=0.5)  # same bucket as b, now due later
+        second = await q.reserve(timeout=1)
+        assert second is not None and second.payload != first.payload
+        start = time.monotonic()
+        again = await q.reserve(timeout=5)
+        assert again is not None and again.payload == first.payload and again.tries == 1
+        assert time.monotonic() - start >= 0.35
+
+
+async def test_ack_on_buffer_acknowledges_before_the_write(
+    bucket_case: tuple[BackendCase, dict[str, Any]],
+) -> None:
+    case, options = bucket_case
+    async with (
+        aio_keuss.connect(
+            case.name, **{**options, "bucket_max_wait": 0.3}, ack_on_buffer=True
+        ) as factory,
+        aio_keuss.connect(case.name, **options) as other,
+    ):
+        q, seen_by_other = await factory.queue("buffered"), await other.queue("buffered")
+        start = time.monotonic()
+        await q.push("quick")
+        assert time.monotonic() - start < 0.2  # did not wait for bucket_max_wait
+        assert await seen_by_other.total_size() == 0  # buffered, not yet written
+        assert await q.total_size() == 1  # its own buffer counts
+        await q.drain()  # writes it
+        message = await seen_by_other.pop(timeout=2)
+        assert message is not None and message.payload == "quick"
+
+
+async def test_close_gives_leased_buckets_back_at_once(
+    bucket_case: tuple[BackendCase, dict[str, Any]],
+) -> None:
+    """A reservation held at close goes back without a try and without the grace period."""
+    case, options = bucket_case
+    async with aio_keuss.connect(case.name, **options, reserve_delay=60.0) as first:
+        q = await first.queue("handover")
+        await q.push_many(list(range(10)))
+        assert await q.reserve(timeout=1) is not None
+    async with aio_keuss.connect(case.name, **options) as second:
+        got = await _take_all(await second.queue("handover"), idle=0.5)
+        assert sorted(m.payload for m in got) == list(range(10))
+        assert all(m.tries == 0 for m in got)
+
+
+# crashes ---------------------------------------------------------------------------------
+
+
+async def test_killed_producer_loses_no_acknowledged_push(
+    bucket_case: tuple[BackendCase, dict[str, Any]],
+) -> None:
+    case, options = bucket_case
+    # a long max wait: only the durable ack makes these writes happen before the kill
+    child_options = {**options, "bucket_max_wait": 30.0}
+    report = await _report(_spawn("produce", case, child_options, "produced", "300"))
+    assert report == {"acked": 300}
+    async with aio_keuss.connect(case.name, **options) as factory:
+        got = await _take_all(await factory.queue("produced"))
+    assert sorted(m.payload for m in got) == list(range(300))
+
+
+async def test_killed_consumer_reservations_come_back(
+    bucket_case: tuple[BackendCase, dict[str, Any]],
+) -> None:
+    case, options = bucket_case
+    options = {**options, "reject_timeout_grace": 0.5, "reserve_delay": 60.0}
+    async with aio_keuss.connect(case.name, **options) as factory:
+        q = await factory.queue("crash")
+        await q.push_many(list(range(50)))
+        report = await _report(_spawn("reserve", case, options, "crash", "20"))
+        oked, held = set(report["oked"]), set(report["held"])
+        assert len(oked) == 10 and len(held) == 10
+        start = time.monotonic()
+        got = await _take_all(q)
+        payloads = [m.payload for m in got]
+        assert len(payloads) == len(set(payloads))  # none twice
+        assert set(payloads) == set(range(50)) - oked  # none lost, persisted oks stay done
+        assert all(m.tries == 1 for m in got if m.payload in held)  # that delivery was a try
+        assert time.monotonic() - start < 10
+
+
+async def test_pop_is_not_repeated_after_a_consumer_crash(
+    bucket_case: tuple[BackendCase, dict[str, Any]],
+) -> None:
+    case, options = bucket_case
+    # state is never flushed by the timer before the kill: only the pop's own write counts
+    options = {**options, "reject_timeout_grace": 0.5, "state_flush_period": 30.0}
+    async with aio_keuss.connect(case.name, **options) as factory:
+        q = await factory.queue("popped")
+        await q.push_many(list(range(40)))
+        report = await _report(_spawn("pop", case, options, "popped", "15"))
+        popped = report["popped"]
+        assert len(popped) == 15
+        rest = [m.payload for m in await _take_all(q)]
+        assert sorted(popped + rest) == list(range(40))
+
+
+@pytest.mark.slow
+async def test_200k_messages_through_4_consumer_processes_exactly_once(
+    bucket_case: tuple[BackendCase, dict[str, Any]], tmp_path: Path
+) -> None:
+    case, options = bucket_case
+    total = 200_000
+    async with aio_keuss.connect(case.name, **options) as factory:
+        q = await factory.queue("fanout")
+        for start in range(0, total, 10_000):
+            await q.push_many(list(range(start, start + 10_000)))
+        files = [tmp_path / f"consumer-{i}.json" for i in range(4)]
+        children = [_spawn("consume", case, options, "fanout", str(f)) for f in files]
+        started = time.monotonic()
+        try:
+            for child in children:
+                await asyncio.wait_for(asyncio.to_thread(child.wait), 90)
+        finally:
+            for child in children:
+                if child.poll() is None:
+                    child.kill()
+        elapsed = time.monotonic() - started
+        assert all(child.returncode == 0 for child in children)
+        seen: list[int] = []
+        for f in files:
+            mine = json.loads(f.read_text())
+            assert mine, "every consumer got a share"
+            seen.extend(mine)
+        assert len(seen) == total  # no duplicates ...
+        assert sorted(seen) == list(range(total))  # ... and no gaps
+        assert await q.total_size() == 0
+        print(f"{case.id}: {total} reserve+ok in {elapsed:.1f} s by 4 processes")
