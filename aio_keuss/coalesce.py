@@ -56,6 +56,8 @@ class Coalescer(Generic[Req, Res]):
         """Wait for the batches in flight (used on close)."""
         while self._tasks:
             await asyncio.gather(*self._tasks, return_exceptions=True)
+            # A task cancelled before its first step never ran the ``finally`` that removes it.
+            self._tasks = {task for task in self._tasks if not task.done()}
 
     def _schedule(self) -> None:
         # The batch task's first step runs on the next loop iteration, by which time every
@@ -63,9 +65,9 @@ class Coalescer(Generic[Req, Res]):
         if not self._scheduled and self._pending and self._running < self._concurrency:
             self._scheduled = True
             self._running += 1
-            task = asyncio.get_running_loop().create_task(self._run())
-            self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
+            # The task leaves ``_tasks`` itself when it ends (cheaper than a done callback,
+            # which would cost a loop callback per batch).
+            self._tasks.add(asyncio.get_running_loop().create_task(self._run()))
 
     def _take_batch(self) -> list[tuple[Req, asyncio.Future[Res]]]:
         batch: list[tuple[Req, asyncio.Future[Res]]] = []
@@ -91,6 +93,7 @@ class Coalescer(Generic[Req, Res]):
                 await self._send(batch)
         finally:
             self._running -= 1
+            self._tasks.discard(asyncio.current_task())
             self._schedule()
 
     async def _send(self, batch: list[tuple[Req, asyncio.Future[Res]]]) -> None:

@@ -198,9 +198,15 @@ class Queue:
         return Entry(checked, blob, headers, delay, dedup=True)
 
     async def _insert_batch(self, requests: list[list[Entry]]) -> list[list[bool]]:
-        entries = [entry for request in requests for entry in request]
+        if len(requests) == 1:
+            entries = requests[0]
+        else:
+            entries = [entry for request in requests for entry in request]
         flags = await self._store.insert(entries)
-        inserted = [entry for entry, flag in zip(entries, flags, strict=True) if flag]
+        if all(flags):  # the usual case: nothing was a duplicate
+            inserted = entries
+        else:
+            inserted = [entry for entry, flag in zip(entries, flags, strict=True) if flag]
         if inserted:
             self._stats.incr(self.name, "put", len(inserted))
             now = time.time()
@@ -208,6 +214,8 @@ class Queue:
                 self.name,
                 min(e.mature if e.mature is not None else now + e.delay for e in inserted),
             )
+        if len(entries) == len(requests):  # one entry per request (push): no slicing
+            return [[flag] for flag in flags]
         results, start = [], 0
         for request in requests:
             results.append(flags[start : start + len(request)])

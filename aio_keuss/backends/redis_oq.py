@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import orjson
 
+from ..message import EMPTY_HEADERS
 from ._redis import RedisBackend, Script, redis_errors_translated
 from .base import (
     Ack,
@@ -74,13 +75,15 @@ local function first_mature(z)
   local head = redis.call('ZRANGE', z, 0, 0, 'WITHSCORES')
   return head[2] or false
 end
-local function forget(ids)
+-- Delete messages. Each redis.call costs a few µs of script time, so a caller that knows
+-- which of them have headers / tries / a reservation passes those subsets (nil = all).
+local function forget(ids, with_headers, with_tries, held)
   if #ids == 0 then return end
   run_chunked('ZREM', KEYS[1], ids)
   run_chunked('HDEL', KEYS[2], ids)
-  run_chunked('HDEL', KEYS[3], ids)
-  run_chunked('HDEL', KEYS[4], ids)
-  run_chunked('SREM', KEYS[5], ids)
+  run_chunked('HDEL', KEYS[3], with_headers or ids)
+  run_chunked('HDEL', KEYS[4], with_tries or ids)
+  run_chunked('SREM', KEYS[5], held or ids)
 end
 -- The mature ids (up to n, earliest first) with everything a consumer gets; tries of a
 -- message whose reservation expired count that delivery.
@@ -95,21 +98,33 @@ local function take_mature(n, now)
   local stored = read_chunked('HMGET', KEYS[4], ids)
   local held = read_chunked('SMISMEMBER', KEYS[5], ids)
   local tries, expired = {}, {}
+  local with_tries, with_held = {}, {}
   for k = 1, #ids do
     local n_tries = tonumber(stored[k] or 0)
+    if stored[k] then with_tries[#with_tries + 1] = ids[k] end
     if held[k] == 1 then
       n_tries = n_tries + 1
       expired[#expired + 1] = ids[k]
       expired[#expired + 1] = n_tries
+      with_held[#with_held + 1] = ids[k]
     end
     tries[k] = n_tries
   end
-  return ids, read_chunked('HMGET', KEYS[2], ids), read_chunked('HMGET', KEYS[3], ids),
-    tries, matures, expired
+  local headers, with_headers = read_chunked('HMGET', KEYS[3], ids), {}
+  for k = 1, #ids do
+    if headers[k] then with_headers[#with_headers + 1] = ids[k] end
+  end
+  return ids, read_chunked('HMGET', KEYS[2], ids), headers, tries, matures, expired,
+    with_headers, with_tries, with_held
 end
--- Reply: next mature, then ids, payloads, headers, tries, matures (k of each).
-local function fetched_reply(ids, payloads, headers, tries, matures)
-  local reply = {first_mature(KEYS[1])}
+-- Reply: next mature, then ids, payloads, headers (nil = none), tries, matures (k of each).
+-- When all n asked for were found, the queue layer ignores the next mature time (it only
+-- looks at it when nothing was handed out), so ``now`` stands in for it there, sparing a
+-- ZRANGE: a lower bound, which is all a hint has to be.
+local function fetched_reply(n, now, ids, payloads, headers, tries, matures)
+  local head
+  if #ids >= n then head = fmt(now) else head = first_mature(KEYS[1]) end
+  local reply = {head}
   for _, column in ipairs({ids, payloads, headers, tries, matures}) do
     for k = 1, #ids do reply[#reply + 1] = column[k] end
   end
@@ -117,21 +132,30 @@ local function fetched_reply(ids, payloads, headers, tries, matures)
 end
 """
 
-# KEYS: z p h t r d. ARGV: dedup window, then per entry: id, payload, headers, delay,
-# absolute mature ('' = now + delay), tries, dedup ('1' or ''). Reply: 1 / 0 per entry.
+# KEYS: z p h t r d. ARGV: dedup window, then per entry: id, payload, headers ('' = none,
+# read back as {}), delay, absolute mature ('' = now + delay), tries, check ('' = an id the
+# queue generated, unique by construction, so nothing to look up; 'c' = refused while queued;
+# 'd' = also refused within the dedup window). Reply: 1 / 0 per entry.
 _INSERT = """
 local now = server_now()
 local window = tonumber(ARGV[1])
-local ids = {}
-for i = 2, #ARGV, 7 do ids[#ids + 1] = ARGV[i] end
-local queued = read_chunked('ZMSCORE', KEYS[1], ids)
-local purged, seen, flags = false, {}, {}
+local checked = {}
+for i = 2, #ARGV, 7 do
+  if ARGV[i + 6] ~= '' then checked[#checked + 1] = ARGV[i] end
+end
+local queued = {}
+if #checked > 0 then
+  local scores = read_chunked('ZMSCORE', KEYS[1], checked)
+  for k = 1, #checked do
+    if scores[k] then queued[checked[k]] = true end
+  end
+end
+local purged, flags = false, {}
 local zadd, pset, hset, tset, dset = {}, {}, {}, {}, {}
-for k = 1, #ids do
-  local base, id = (k - 1) * 7 + 2, ids[k]
-  local dedup = ARGV[base + 6] == '1'
-  local fresh = not queued[k] and not seen[id]
-  if fresh and dedup then
+for i = 2, #ARGV, 7 do
+  local id, check = ARGV[i], ARGV[i + 6]
+  local fresh = check == '' or not queued[id]
+  if fresh and check == 'd' then
     if not purged then
       redis.call('ZREMRANGEBYSCORE', KEYS[6], '-inf', now)
       purged = true
@@ -139,17 +163,17 @@ for k = 1, #ids do
     fresh = not redis.call('ZSCORE', KEYS[6], id)
   end
   if fresh then
-    seen[id] = true
-    local mature = ARGV[base + 4]
-    if mature == '' then mature = now + tonumber(ARGV[base + 3]) end
+    if check ~= '' then queued[id] = true end  -- a repeat later in this batch is refused
+    local mature = ARGV[i + 4]
+    if mature == '' then mature = now + tonumber(ARGV[i + 3]) end
     zadd[#zadd + 1] = mature; zadd[#zadd + 1] = id
-    pset[#pset + 1] = id; pset[#pset + 1] = ARGV[base + 1]
-    hset[#hset + 1] = id; hset[#hset + 1] = ARGV[base + 2]
-    if ARGV[base + 5] ~= '0' then tset[#tset + 1] = id; tset[#tset + 1] = ARGV[base + 5] end
-    if dedup then dset[#dset + 1] = now + window; dset[#dset + 1] = id end
-    flags[k] = 1
+    pset[#pset + 1] = id; pset[#pset + 1] = ARGV[i + 1]
+    if ARGV[i + 2] ~= '' then hset[#hset + 1] = id; hset[#hset + 1] = ARGV[i + 2] end
+    if ARGV[i + 5] ~= '0' then tset[#tset + 1] = id; tset[#tset + 1] = ARGV[i + 5] end
+    if check == 'd' then dset[#dset + 1] = now + window; dset[#dset + 1] = id end
+    flags[#flags + 1] = 1
   else
-    flags[k] = 0
+    flags[#flags + 1] = 0
   end
 end
 run_chunked('ZADD', KEYS[1], zadd)
@@ -162,15 +186,17 @@ return flags
 
 # KEYS: z p h t r. ARGV: n.
 _GET = """
-local ids, payloads, headers, tries, matures = take_mature(tonumber(ARGV[1]), server_now())
-forget(ids)
-return fetched_reply(ids, payloads, headers, tries, matures)
+local n, now = tonumber(ARGV[1]), server_now()
+local ids, payloads, headers, tries, matures, _, with_headers, with_tries, held =
+  take_mature(n, now)
+forget(ids, with_headers, with_tries, held)
+return fetched_reply(n, now, ids, payloads, headers, tries, matures)
 """
 
 # KEYS: z p h t r. ARGV: n, reserve delay.
 _RESERVE = """
-local now = server_now()
-local ids, payloads, headers, tries, matures, expired = take_mature(tonumber(ARGV[1]), now)
+local n, now = tonumber(ARGV[1]), server_now()
+local ids, payloads, headers, tries, matures, expired = take_mature(n, now)
 if #ids > 0 then
   local deadline, zadd = now + tonumber(ARGV[2]), {}
   for k = 1, #ids do zadd[#zadd + 1] = deadline; zadd[#zadd + 1] = ids[k] end
@@ -178,7 +204,7 @@ if #ids > 0 then
   run_chunked('SADD', KEYS[5], ids)
   run_chunked('HSET', KEYS[4], expired)
 end
-return fetched_reply(ids, payloads, headers, tries, matures)
+return fetched_reply(n, now, ids, payloads, headers, tries, matures)
 """
 
 # KEYS: z p h t r. ARGV: per ack: id, tries held ('' = no guard). Reply: 1 / 0 per ack.
@@ -187,19 +213,20 @@ local ids = {}
 for i = 1, #ARGV, 2 do ids[#ids + 1] = ARGV[i] end
 local held = read_chunked('SMISMEMBER', KEYS[5], ids)
 local stored = read_chunked('HMGET', KEYS[4], ids)
-local gone, done, flags = {}, {}, {}
+local gone, with_tries, done, flags = {}, {}, {}, {}
 for k = 1, #ids do
   local id, guard = ids[k], ARGV[2 * k]
   if held[k] == 1 and not done[id]
       and (guard == '' or tonumber(guard) == tonumber(stored[k] or 0)) then
     done[id] = true
     gone[#gone + 1] = id
+    if stored[k] then with_tries[#with_tries + 1] = id end
     flags[k] = 1
   else
     flags[k] = 0
   end
 end
-forget(gone)
+forget(gone, nil, with_tries, gone)
 return flags
 """
 
@@ -228,7 +255,7 @@ for i = 4, #ARGV, 4 do
     if counted then tries = stored + 1 end
     if mode ~= '' and counted and tries > max_ko then
       local payload = redis.call('HGET', KEYS[2], id)
-      local headers = dl_headers(redis.call('HGET', KEYS[3], id), tries)
+      local headers = dl_headers(redis.call('HGET', KEYS[3], id) or '{}', tries)
       if mode == 'move' then
         forget({id})
         local target, n = id, 0
@@ -305,7 +332,13 @@ def _fetched(reply: list[Any]) -> Fetched:
     head = reply[0]
     k = (len(reply) - 1) // 5
     messages = [
-        Stored(message_id.decode(), payload, headers, tries, float(mature))
+        Stored(
+            message_id.decode(),
+            payload,
+            EMPTY_HEADERS if headers is None else headers,
+            tries,
+            float(mature),
+        )
         for message_id, payload, headers, tries, mature in zip(
             reply[1 : k + 1],
             reply[k + 1 : 2 * k + 1],
@@ -332,26 +365,37 @@ class RedisOQStore(Store):
         super().__init__(name, options)
         self._backend = backend
         self._keys = backend.queue_keys(name)
-        self._dedup_key = backend.key(name, "d")
+        self._insert_keys = [*self._keys, backend.key(name, "d")]
+        self._dedup_window = options.dedup_window
         self._run = backend.run_script
 
     async def insert(self, entries: Sequence[Entry]) -> list[bool]:
-        args: list[Any] = [self.options.dedup_window]
+        return await self._insert(entries, check_all=False)
+
+    async def _insert(self, entries: Sequence[Entry], *, check_all: bool) -> list[bool]:
+        """``check_all``: refuse ids already queued even where the queue generated them."""
+        args: list[Any] = [self._dedup_window]
         extend = args.extend
         for e in entries:
+            if e.dedup:
+                check = "d"
+            elif check_all or e.mature is not None:  # a put-back: its id may be back already
+                check = "c"
+            else:
+                check = ""
             extend(
                 (
                     e.id,
                     e.payload,
-                    e.headers,
+                    b"" if e.headers == EMPTY_HEADERS else e.headers,
                     e.delay,
                     "" if e.mature is None else e.mature,
                     e.tries,
-                    "1" if e.dedup else "",
+                    check,
                 )
             )
         with redis_errors_translated():
-            flags = await self._run(INSERT, [*self._keys, self._dedup_key], args)
+            flags = await self._run(INSERT, self._insert_keys, args)
         return [flag == 1 for flag in flags]
 
     async def get(self, n: int) -> Fetched:
@@ -418,7 +462,7 @@ class RedisOQStore(Store):
                 Entry(_dl_id(m_id, tries + 1, attempt), payload, headers)
                 for m_id, payload, headers, tries in pending
             ]
-            flags = await target.insert(entries)
+            flags = await target._insert(entries, check_all=True)  # fixed ids: look them up
             pending = [m for m, ok in zip(pending, flags, strict=True) if not ok]
             attempt += 1
         await self.commit([Ack(m_id, tries) for m_id, _, _, tries in moved])
