@@ -385,8 +385,9 @@ class Queue:
         """Roll a reservation back (due again after ``delay``), or deadletter it past max_ko."""
         self._check_open()
         self._require("reserve")
-        seconds = 0.0 if delay is None else self._delay(delay)
-        return await self._rollbacks.submit(Nack(*_target(message), seconds))
+        message_id, tries = _target(message)
+        seconds = self._store.default_ko_delay(tries) if delay is None else self._delay(delay)
+        return await self._rollbacks.submit(Nack(message_id, tries, seconds))
 
     async def _commit_batch(self, acks: list[Ack]) -> list[bool]:
         results = await self._store.commit(acks)

@@ -89,7 +89,13 @@ def _postgres(token: str) -> dict[str, Any]:
 
 
 # Bucket backends flush on timers: short ones keep the suite fast.
-_BUCKET_FAST: dict[str, Any] = {"bucket_max_wait": 0.02, "state_flush_period": 0.05}
+# The conformance suite expects a ko without delay to be due at once: no retry polynomial.
+_BUCKET_FAST: dict[str, Any] = {
+    "bucket_max_wait": 0.02,
+    "state_flush_period": 0.05,
+    "reject_delta_base": 0.0,
+    "reject_delta_factor": 0.0,
+}
 
 CASES: list[BackendCase] = [
     BackendCase("memory", _no_options, shared=False),

@@ -202,6 +202,32 @@ async def test_delayed_slot_is_never_served_early(
         assert time.monotonic() - start >= 0.35
 
 
+async def test_ko_without_delay_follows_keuss_retry_polynomial(
+    bucket_case: tuple[BackendCase, dict[str, Any]],
+) -> None:
+    """reject_delta_base + reject_delta_factor * tries, when the ko names no delay."""
+    case, options = bucket_case
+    options = {**options, "reject_delta_base": 0.3, "reject_delta_factor": 0.4}
+    async with aio_keuss.connect(case.name, **options, reserve_delay=5.0) as factory:
+        q = await factory.queue("poly")
+        await q.push("x")
+        first = await q.reserve(timeout=1)
+        assert first is not None and first.tries == 0
+        start = time.monotonic()
+        assert await q.ko(first)  # due after 0.3 + 0.4 * 0 seconds
+        assert await q.reserve(timeout=0.1) is None
+        second = await q.reserve(timeout=5)
+        assert second is not None and second.tries == 1
+        assert time.monotonic() - start >= 0.25
+        start = time.monotonic()
+        assert await q.ko(second)  # due after 0.3 + 0.4 * 1 seconds
+        assert await q.reserve(timeout=0.4) is None
+        third = await q.reserve(timeout=5)
+        assert third is not None and third.tries == 2
+        assert time.monotonic() - start >= 0.6
+        assert await q.ok(third)
+
+
 async def test_ack_on_buffer_acknowledges_before_the_write(
     bucket_case: tuple[BackendCase, dict[str, Any]],
 ) -> None:

@@ -193,6 +193,11 @@ class Store(ABC):
         """Release reservations after their delay, or move them to the deadletter queue."""
         raise NotSupportedError(f"{type(self).__name__} has no reserve")
 
+    def default_ko_delay(self, tries: int | None) -> float:
+        """Delay of a ko that gave none (``tries``: the holder's count, if known). Immediate
+        here; bucket stores use Keuss's ``reject_delta_base + reject_delta_factor * tries``."""
+        return 0.0
+
     async def remove(self, ids: Sequence[str]) -> list[bool]:
         """Delete messages that are not under an active reservation."""
         raise NotSupportedError(f"{type(self).__name__} has no remove")

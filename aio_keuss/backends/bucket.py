@@ -847,11 +847,9 @@ class BucketStore(Store):
             results.append(found is not None)
         return results
 
-    def ko_delay(self, delay: float | None, tries: int) -> float:
-        """The given delay, or Keuss's polynomial when none was given."""
-        if delay is not None:
-            return delay
-        return self._settings.reject_delta_base + self._delta_factor * tries
+    def default_ko_delay(self, tries: int | None) -> float:
+        """Keuss's retry polynomial, for a ko that gave no delay."""
+        return self._settings.reject_delta_base + self._delta_factor * (tries or 0)
 
     async def rollback(
         self, nacks: Sequence[Nack], deadletter: DeadletterPlan | None
@@ -873,7 +871,7 @@ class BucketStore(Store):
             del bucket.deadline[slot]
             bucket.states[slot] = AVAILABLE
             bucket.tries[slot] = tries
-            mature = now + self.ko_delay(nack.delay, tries)
+            mature = now + nack.delay
             bucket.mature[slot] = mature
             bucket.version += 1
             heapq.heappush(self._ready, (mature, bucket.seq, slot, bucket))

@@ -95,7 +95,9 @@ end
 #   id, payload, headers, tries, dedup ('1'/'0'), mature ('' = now, else a put-back's time).
 # A put-back (after a cancelled pop) goes to the consuming end so it is next again; a batch
 # of them is pushed in reverse so the first of the batch ends up first.
-_INSERT = _NOW + """
+_INSERT = (
+    _NOW
+    + """
 local base, window = ARGV[1], tonumber(ARGV[2])
 local stamp = now()
 local out, back = {}, {}
@@ -123,6 +125,7 @@ end
 for j = #back, 1, -1 do redis.call('RPUSH', KEYS[1], back[j]) end
 return out
 """
+)
 
 # KEYS: pending. ARGV: base, n. Returns {left in pending, id, p, h, t, m, id, p, ...}.
 _GET = """
@@ -194,7 +197,9 @@ return out
 #   id, tries ('' = unchecked), count_try ('1'/'0').
 # Returns one code per nack (0 missing, 1 rolled back, 2 deadlettered, 3 deadletter
 # deferred), each 3 followed by its p, h, t so the caller can finish the move.
-_ROLLBACK = _NOW + """
+_ROLLBACK = (
+    _NOW
+    + """
 local base, dl, max_ko, fragment = ARGV[1], ARGV[2], tonumber(ARGV[3]), ARGV[4]
 local failed_max = tonumber(ARGV[5])
 local out, failed = {}, 0
@@ -258,6 +263,7 @@ if failed > 0 then
 end
 return out
 """
+)
 
 # Cluster deadletter, last step. KEYS: processing, failed, failed-count. ARGV: failed_max,
 # base, ids. Drops messages whose copies are now in the deadletter queue.
@@ -373,7 +379,11 @@ class RedisReliableStore(Store):
         args: list[Any] = [self._base, self._window_ms]
         for e in entries:
             args += (
-                e.id, e.payload, e.headers, e.tries, "1" if e.dedup else "0",
+                e.id,
+                e.payload,
+                e.headers,
+                e.tries,
+                "1" if e.dedup else "0",
                 "" if e.mature is None else repr(e.mature),
             )
         with redis_errors_translated():
@@ -394,9 +404,7 @@ class RedisReliableStore(Store):
             self._start()
         keys = [self._pending, self._processing, self._consumers, self._heartbeat]
         with redis_errors_translated():
-            flat = await self._scripts.reserve(
-                keys, [self._base, n, self.consumer, self._ttl_ms]
-            )
+            flat = await self._scripts.reserve(keys, [self._base, n, self.consumer, self._ttl_ms])
         return Fetched(_stored(flat, 1), time.time() if flat[0] else None)
 
     # acknowledging -----------------------------------------------------------------------
@@ -529,8 +537,9 @@ class RedisReliableStore(Store):
             try:
                 await work()
             except Exception:
-                log.warning("redis-reliable %s of %r failed", work.__name__, self.name,
-                            exc_info=True)
+                log.warning(
+                    "redis-reliable %s of %r failed", work.__name__, self.name, exc_info=True
+                )
 
     async def _beat(self) -> None:
         """Keep this consumer alive and registered (re-registered if recovery took it)."""
@@ -565,8 +574,9 @@ class RedisReliableStore(Store):
                         break
                     moved += step
         if moved:
-            log.info("redis-reliable %r: recovered %d message(s) of dead consumers",
-                     self.name, moved)
+            log.info(
+                "redis-reliable %r: recovered %d message(s) of dead consumers", self.name, moved
+            )
         return moved
 
     async def close(self) -> None:
@@ -626,8 +636,13 @@ class RedisReliableBackend(RedisBackend):
 
     name = "redis-reliable"
     capabilities: ClassVar[Capabilities] = Capabilities(
-        pop=True, reserve=True, delay=False, remove=False, idempotent=True,
-        reservation_expiry=False, shared=True,
+        pop=True,
+        reserve=True,
+        delay=False,
+        remove=False,
+        idempotent=True,
+        reservation_expiry=False,
+        shared=True,
     )
     options: ClassVar[dict[str, Any]] = {
         **RedisBackend.options,
