@@ -53,8 +53,8 @@ async def queue(factory: aio_keuss.Factory) -> aio_keuss.Queue:
     return await factory.queue("q1")
 
 
-def needs(factory: aio_keuss.Factory, *capabilities: str) -> None:
+def needs(holder: aio_keuss.Factory | aio_keuss.Queue, *capabilities: str) -> None:
     """Skip when the backend does not claim a capability the test exercises."""
-    missing = [c for c in capabilities if not getattr(factory.capabilities, c)]
+    missing = [c for c in capabilities if not getattr(holder.capabilities, c)]
     if missing:
-        pytest.skip(f"{factory.backend_name} lacks {', '.join(missing)}")
+        pytest.skip(f"this backend lacks {', '.join(missing)}")

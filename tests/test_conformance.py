@@ -268,7 +268,7 @@ async def test_reserve_many_and_ok_many(queue: aio_keuss.Queue) -> None:
 
 
 async def test_remove(queue: aio_keuss.Queue) -> None:
-    needs(_factory_of(queue), "remove", "reserve")
+    needs(queue, "remove", "reserve")
     assert await queue.remove("unknown") is False
     plain = await queue.push("plain")
     assert await queue.remove(plain) is True
@@ -763,14 +763,6 @@ async def test_connect_context_manager_and_list(case: Any) -> None:
 def needs_reserve(queue: aio_keuss.Queue) -> None:
     if not queue.capabilities.reserve:
         pytest.skip("no reserve")
-
-
-def _factory_of(queue: aio_keuss.Queue) -> Any:
-    class _Caps:
-        capabilities = queue.capabilities
-        backend_name = "this backend"
-
-    return _Caps()
 
 
 async def test_factory_close_stops_consumers_first(connect: Connect) -> None:
