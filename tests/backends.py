@@ -14,6 +14,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from mongo_server import MONGO_URL, start_mongo
 from redis_cluster import _drop_redis_cluster_prefix, _redis_cluster, start_redis_cluster
 
 from aio_keuss.backends import load_backend
@@ -80,6 +81,19 @@ async def _drop_postgres_schema(options: dict[str, Any]) -> None:
         await connection.close()
 
 
+async def _drop_mongo_database(options: dict[str, Any]) -> None:
+    pymongo = importlib.import_module("pymongo")
+    client = pymongo.AsyncMongoClient(options.get("url", MONGO_URL))
+    try:
+        await client.drop_database(options["database"])
+    finally:
+        await client.close()
+
+
+def _mongo(token: str) -> dict[str, Any]:
+    return {"url": MONGO_URL, "database": f"akt_{token}"}
+
+
 def _redis(token: str) -> dict[str, Any]:
     return {"url": REDIS_URL, "prefix": f"akt-{token}"}
 
@@ -114,6 +128,8 @@ CASES: list[BackendCase] = [
     BackendCase(
         "bucket-postgres", lambda t: {**_postgres(t), **_BUCKET_FAST}, _drop_postgres_schema
     ),
+    BackendCase("mongo", _mongo, _drop_mongo_database, setup=start_mongo),
+    BackendCase("mongo-history", _mongo, _drop_mongo_database, setup=start_mongo),
 ]
 
 

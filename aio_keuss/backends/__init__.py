@@ -16,6 +16,8 @@ _REGISTRY: dict[str, tuple[str, str, str | None]] = {
     "postgres": ("aio_keuss.backends.postgres", "PostgresBackend", "postgres"),
     "bucket-redis": ("aio_keuss.backends.bucket_redis", "RedisBucketBackend", "redis"),
     "bucket-postgres": ("aio_keuss.backends.bucket_postgres", "PostgresBucketBackend", "postgres"),
+    "mongo": ("aio_keuss.backends.mongo", "MongoQueueBackend", "mongo"),
+    "mongo-history": ("aio_keuss.backends.mongo", "MongoHistoryBackend", "mongo"),
 }
 
 

@@ -1,0 +1,244 @@
+"""MongoDB-specific behaviour of ``mongo`` and ``mongo-history``: wake-ups across OS processes
+through the signal bus, history records and their TTL index, stats from a second factory,
+dedup after consumption, the deadletter move, claims shared by two factories, errors.
+
+Runs on the server of ``tests/mongo_server.py`` (nx-27017 started on demand, or AK_MONGO_URL).
+Tests needing what nx-27017 lacks (capped collections, real transactions) run only when
+``AK_MONGO_URL`` points at a real mongod.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import pytest
+from backends import new_token
+from mongo_server import MONGO_URL, REAL_MONGO_URL, start_mongo
+
+import aio_keuss
+from aio_keuss import KoResult
+
+pymongo = pytest.importorskip("pymongo")
+
+pytestmark = pytest.mark.timeout(120)
+
+Open = Callable[..., Awaitable[aio_keuss.Factory]]
+needs_real_mongod = pytest.mark.skipif(
+    REAL_MONGO_URL is None, reason="needs a real mongod (set AK_MONGO_URL)"
+)
+
+
+@pytest.fixture
+def database() -> str:
+    reason = start_mongo()
+    if reason:
+        pytest.skip(reason)
+    return f"akt_{new_token()}"
+
+
+@pytest.fixture
+async def client(database: str) -> AsyncIterator[Any]:
+    client = pymongo.AsyncMongoClient(MONGO_URL, tz_aware=True)
+    yield client
+    await client.drop_database(database)
+    await client.close()
+
+
+@pytest.fixture
+async def open_factory(database: str, client: Any) -> AsyncIterator[Open]:
+    opened: list[aio_keuss.Factory] = []
+
+    async def _open(backend: str = "mongo", **options: Any) -> aio_keuss.Factory:
+        factory = await aio_keuss.connect(
+            backend, url=MONGO_URL, database=database, **{"poll_interval": 30.0, **options}
+        )
+        opened.append(factory)
+        return factory
+
+    yield _open
+    for factory in opened:
+        await factory.close()
+
+
+_CONSUMER = r"""
+import asyncio, json, sys, time
+import aio_keuss
+
+async def main(url, database):
+    async with aio_keuss.connect("mongo", url=url, database=database, poll_interval=30.0) as f:
+        q = await f.queue("wake")
+        print("ready", flush=True)
+        message = await q.pop(timeout=20)
+        print(json.dumps({"latency": time.time() - message.payload}), flush=True)
+
+asyncio.run(main(*sys.argv[1:]))
+"""
+
+
+async def test_consumer_in_another_process_wakes_on_push(open_factory: Open, database: str) -> None:
+    process = await asyncio.create_subprocess_exec(
+        sys.executable, "-c", _CONSUMER, MONGO_URL, database, stdout=subprocess.PIPE
+    )
+    assert process.stdout is not None
+    try:
+        assert (await asyncio.wait_for(process.stdout.readline(), 30)).strip() == b"ready"
+        await asyncio.sleep(0.3)  # it is waiting now (poll_interval 30 s: only a signal wakes it)
+        q = await (await open_factory()).queue("wake")
+        await q.push(time.time())
+        line = await asyncio.wait_for(process.stdout.readline(), 10)
+        latency = json.loads(line)["latency"]
+        assert latency < 0.5, latency  # functional bound; typically a few ms
+    finally:
+        if process.returncode is None:
+            process.kill()
+        await process.wait()
+
+
+async def test_history_keeps_processed_records_with_a_ttl_index(
+    open_factory: Open, client: Any, database: str
+) -> None:
+    factory = await open_factory("mongo-history", history_ttl=3600)
+    q = await factory.queue("hist")
+    popped_id = await q.push("popped")
+    committed_id = await q.push("committed")
+    await q.push("waiting", delay=60)
+    assert (await q.pop(timeout=1)).id == popped_id  # type: ignore[union-attr]
+    message = await q.reserve(timeout=1)
+    assert message is not None and message.id == committed_id
+    assert await q.ok(message) is True
+    assert (await q.sizes()).total == 1 and await q.size() == 0
+    nmt = await q.next_mature_t()
+    assert nmt is not None and nmt.year < 9999  # processed records do not count
+    coll = client[database]["keuss_history_q_hist"]
+    records = {d["_id"]: d async for d in coll.find({"processed": {"$exists": True}})}
+    assert set(records) == {popped_id, committed_id}
+    assert all(not r["reserved"] for r in records.values())
+    ttl = [i async for i in await coll.list_indexes() if "expireAfterSeconds" in i]
+    assert [(dict(i["key"]), i["expireAfterSeconds"]) for i in ttl] == [({"processed": 1}, 3600)]
+    # an id coming back after the dedup window moves the old record aside, keeping both
+    q2 = await factory.queue("hist2", dedup_window=0.01)
+    await q2.push("first", id="order-1")
+    assert (await q2.pop(timeout=1)).payload == "first"  # type: ignore[union-attr]
+    await asyncio.sleep(0.05)
+    await q2.push("second", id="order-1")
+    assert (await q2.pop(timeout=1)).payload == "second"  # type: ignore[union-attr]
+    kept = [d async for d in client[database]["keuss_history_q_hist2"].find({})]
+    assert len(kept) == 2 and all("processed" in d for d in kept)
+
+
+async def test_stats_and_list_from_a_second_factory(open_factory: Open) -> None:
+    first = await open_factory()
+    q = await first.queue("counted", reserve_delay=42.0)
+    await q.push_many([1, 2, 3])
+    message = await q.reserve(timeout=1)
+    assert message is not None and await q.ok(message)
+    await q.pause()
+    second = await open_factory()
+    await asyncio.sleep(0.25)  # one stats flush (0.1 s) of the first factory
+    listed = await second.list()
+    assert listed["counted"]["reserve_delay"] == 42.0
+    other = await second.queue("counted", reserve_delay=42.0)
+    stats = await other.stats()
+    assert (stats["put"], stats["reserve"], stats["commit"]) == (3, 1, 1)
+    assert await other.is_paused() is True
+
+
+@pytest.mark.parametrize("backend", ["mongo", "mongo-history"])
+async def test_dedup_after_consumption(open_factory: Open, backend: str) -> None:
+    q = await (await open_factory(backend)).queue("dedup")
+    await q.push("once", id="k")
+    message = await q.reserve(timeout=1)
+    assert message is not None and await q.ok(message)
+    await q.push("twice", id="k")  # consumed, but within the dedup window
+    assert await q.total_size() == 0
+    # another factory (another client) is refused too: the window lives in the database
+    other = await (await open_factory(backend)).queue("dedup")
+    await other.push("thrice", id="k")
+    assert await other.total_size() == 0
+
+
+async def test_deadletter_move(open_factory: Open, client: Any, database: str) -> None:
+    factory = await open_factory(deadletter={"max_ko": 1})
+    q = await factory.queue("work")
+    dl = await factory.queue("__deadletter__")
+    mid = await q.push({"poison": 1}, headers={"h": "v"})
+    for expected in (KoResult.ROLLED_BACK, KoResult.DEADLETTERED):
+        message = await q.reserve(timeout=1)
+        assert message is not None
+        assert await q.ko(message) == expected
+    assert await q.total_size() == 0
+    dead = await dl.pop(timeout=1)
+    assert dead is not None and dead.id == mid and dead.tries == 0
+    assert dead.headers["h"] == "v" and dead.headers["x-dl-tries"] == 2
+    leftovers = await client[database]["keuss_q_work"].count_documents({})
+    assert leftovers == 0
+
+
+async def test_two_factories_share_batches_exactly_once(open_factory: Open) -> None:
+    producer = await (await open_factory()).queue("shared")
+    ids = await producer.push_many(list(range(300)))
+    consumers = [await (await open_factory()).queue("shared") for _ in range(2)]
+    got: list[str] = []
+
+    async def take(q: aio_keuss.Queue, reserve: bool) -> None:
+        while True:
+            batch = await (q.reserve_many(25, timeout=0) if reserve else q.pop_many(25, timeout=0))
+            if not batch:
+                return
+            if reserve:
+                assert all(await asyncio.gather(*(q.ok(m) for m in batch)))
+            got.extend(m.id for m in batch)
+
+    await asyncio.gather(take(consumers[0], True), take(consumers[1], False))
+    assert sorted(got) == sorted(ids)
+
+
+async def test_bad_options_and_unreachable_server(database: str) -> None:
+    with pytest.raises(aio_keuss.ConfigError):
+        await aio_keuss.connect("mongo", database="bad name")
+    with pytest.raises(aio_keuss.ConfigError):
+        await aio_keuss.connect("mongo", signal_transport="carrier-pigeon")
+    with pytest.raises(aio_keuss.KeussConnectionError):
+        await aio_keuss.connect(
+            "mongo", url="mongodb://127.0.0.1:1", server_selection_timeout=0.3
+        )
+
+
+async def test_user_client_is_used_and_left_open(client: Any, database: str) -> None:
+    async with aio_keuss.connect("mongo", client=client, database=database) as factory:
+        q = await factory.queue("mine")
+        await q.push("x")
+    assert await client[database]["keuss_q_mine"].count_documents({}) == 1  # still open
+
+
+@needs_real_mongod
+async def test_capped_signal_transport_wakes_another_factory(open_factory: Open) -> None:
+    waiter = await (await open_factory(signal_transport="capped")).queue("capped")
+    pusher = await (await open_factory(signal_transport="capped")).queue("capped")
+    task = asyncio.create_task(waiter.pop(timeout=10))
+    await asyncio.sleep(0.2)
+    start = time.monotonic()
+    await pusher.push("wake")
+    message = await task
+    assert message is not None and time.monotonic() - start < 1.0
+
+
+@needs_real_mongod
+async def test_history_ttl_expires_processed_records(
+    open_factory: Open, client: Any, database: str
+) -> None:
+    q = await (await open_factory("mongo-history", history_ttl=1)).queue("ttl")
+    await q.push("gone soon")
+    assert await q.pop(timeout=1) is not None
+    coll = client[database]["keuss_history_q_ttl"]
+    for _ in range(150):  # the TTL monitor runs every 60 s
+        if await coll.count_documents({}) == 0:
+            return
+        await asyncio.sleep(1)
+    pytest.fail("the processed record was not expired")
