@@ -1,0 +1,364 @@
+"""Blocking mirror of :func:`aio_keuss.connect`, :class:`Factory` and :class:`Queue`.
+
+Why a loop thread and not ``asyncio.run`` per call: the async library keeps connections,
+signal subscriptions and coalescers alive on one event loop. So the whole process shares
+ONE background event-loop thread (anyio's blocking portal); every blocking call submits a
+coroutine to it and waits for the result. Calls made at the same moment by many threads
+land in the same loop and are batched exactly like concurrent tasks would be.
+
+Lifecycle:
+
+* the loop thread starts on the first :func:`connect` (lazily, under a lock, so two threads
+  connecting at once still get one loop);
+* it stops when the last :class:`SyncFactory` closes, and at interpreter exit for factories
+  nobody closed (a Spark executor never does);
+* after ``os.fork()`` the child forgets the parent's loop thread (only the forking thread
+  survives a fork, so that loop is not running there) and starts its own on first use.
+  Factories inherited from the parent raise :class:`ClosedError` in the child.
+
+Errors are the library's own (:class:`InvalidDelayError`, :class:`ClosedError`, ...): the
+portal re-raises in the calling thread whatever the coroutine raised.
+
+    from aio_keuss import sync
+
+    with sync.connect("redis-oq", url="redis://127.0.0.1:6379/0") as factory:
+        q = factory.queue("jobs")
+        q.push({"a": 1})
+        msg = q.reserve(timeout=5)
+        if msg is not None:
+            q.ok(msg)
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import functools
+import os
+import threading
+from collections.abc import Awaitable, Callable, Iterator, Sequence
+from datetime import datetime
+from types import TracebackType
+from typing import Any, TypeVar
+
+from anyio.from_thread import BlockingPortal, start_blocking_portal
+
+from .backends.base import Capabilities, KoResult, Sizes
+from .errors import ClosedError
+from .factory import Factory
+from .factory import connect as _async_connect
+from .message import Headers, Message, Payload
+from .queue import Queue
+
+__all__ = ["SyncFactory", "SyncQueue", "connect"]
+
+T = TypeVar("T")
+
+
+class _Runtime:
+    """The process's one loop thread and who uses it.
+
+    Module state (not per factory) because the point is sharing: every factory and thread of
+    the process talks to the same loop. ``users`` counts open factories; the loop stops when
+    it drops to zero so a closed program leaves no thread behind.
+    """
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.stack: contextlib.ExitStack | None = None
+        self.portal: BlockingPortal | None = None
+        self.users = 0
+        self.open: set[SyncFactory] = set()
+        """Factories not closed yet: strong references, so atexit can still close them."""
+        self.generation = 0
+        """Bumped by a fork: factories of an older generation belong to the parent."""
+
+    def acquire(self) -> tuple[BlockingPortal, int]:
+        """The running portal (started if needed), counted as one more user."""
+        with self.lock:
+            if self.portal is None:
+                stack = contextlib.ExitStack()
+                self.portal = stack.enter_context(start_blocking_portal())
+                self.stack = stack
+            self.users += 1
+            return self.portal, self.generation
+
+    def release(self, generation: int) -> None:
+        """One user fewer; the last one stops the loop thread (and waits for it to end)."""
+        with self.lock:
+            if generation != self.generation:  # opened by the parent before a fork
+                return
+            self.users -= 1
+            if self.users > 0:
+                return
+            stack, self.stack, self.portal = self.stack, None, None
+        if stack is not None:
+            stack.close()
+
+    def shutdown(self) -> None:
+        """At interpreter exit: close forgotten factories (their buffers are flushed and
+        reservations released by the async close), then stop the loop thread."""
+        with self.lock:
+            factories = list(self.open)
+        for factory in factories:
+            with contextlib.suppress(Exception):
+                factory.close()
+        with self.lock:
+            stack, self.stack, self.portal, self.users = self.stack, None, None, 0
+        if stack is not None:
+            stack.close()
+
+    def forget(self) -> None:
+        """In a forked child: the parent's loop thread does not exist here, and a lock held
+        by another parent thread at fork time would never be released. Start afresh, never
+        touching the parent's portal (calling it would block forever).
+
+        The parent's exit stack is kept referenced forever: were it garbage collected, the
+        ``start_blocking_portal`` generator inside would be closed, and its ``finally`` would
+        call the dead portal and join a thread that does not exist here, hanging the child.
+        """
+        _inherited.append((self.stack, self.portal, self.open))
+        self.lock = threading.Lock()
+        self.stack = None
+        self.portal = None
+        self.users = 0
+        self.open = set()
+        self.generation += 1
+
+
+_inherited: list[object] = []
+"""What a forked child got from its parent and must never finalize (see ``forget``)."""
+
+_runtime = _Runtime()
+atexit.register(_runtime.shutdown)
+os.register_at_fork(after_in_child=_runtime.forget)
+
+
+def connect(backend: str = "memory", **options: Any) -> SyncFactory:
+    """Blocking :func:`aio_keuss.connect`: same backends and options. Close the factory (or
+    use ``with``) to release its connections; the loop thread stops with the last one."""
+    portal, generation = _runtime.acquire()
+    try:
+        factory: Factory = portal.call(_open_factory, backend, options)
+    except BaseException:
+        _runtime.release(generation)
+        raise
+    return SyncFactory(factory, portal, generation)
+
+
+async def _open_factory(backend: str, options: dict[str, Any]) -> Factory:
+    return await _async_connect(backend, **options)
+
+
+class SyncFactory:
+    """Blocking :class:`aio_keuss.Factory`; safe to share between threads."""
+
+    def __init__(self, factory: Factory, portal: BlockingPortal, generation: int) -> None:
+        self.factory = factory
+        """The async factory, for code already running on the loop thread (see ``call``)."""
+        self._portal = portal
+        self._generation = generation
+        self._close_lock = threading.Lock()
+        self._closed = False
+        with _runtime.lock:
+            if generation == _runtime.generation:
+                _runtime.open.add(self)
+
+    def __repr__(self) -> str:
+        state = "closed" if self.closed else "open"
+        return f"<SyncFactory {self.factory.backend_name!r} {state}>"
+
+    @property
+    def closed(self) -> bool:
+        """True once closed here, or when inherited across a fork (unusable in the child)."""
+        return self._closed or self._generation != _runtime.generation
+
+    @property
+    def capabilities(self) -> Capabilities:
+        return self.factory.capabilities
+
+    @property
+    def backend_name(self) -> str:
+        return self.factory.backend_name
+
+    def call(self, func: Callable[..., Awaitable[T]], *args: Any) -> T:
+        """Run ``await func(*args)`` on the loop thread and return (or raise) its result.
+
+        Used by every blocking method, and open to callers that want several async calls
+        in one hop (``asyncio.gather`` of many pushes) instead of one hop each.
+        """
+        if self.closed:
+            raise ClosedError("factory is closed" if self._closed else "factory of the parent")
+        try:
+            future = self._portal.start_task_soon(func, *args)
+        except RuntimeError as exc:  # the loop stopped under us: closed by another thread
+            if self.closed:
+                raise ClosedError("factory is closed") from exc
+            raise
+        try:
+            return future.result()
+        except BaseException:
+            # Interrupted (KeyboardInterrupt) while waiting: cancel the task too, so a pop or
+            # reserve does not complete for nobody. Cancelling them never loses a message.
+            # A no-op when the future already holds the coroutine's own exception.
+            future.cancel()
+            raise
+
+    def queue(self, name: str, **options: Any) -> SyncQueue:
+        """Blocking :meth:`Factory.queue`: the queue ``name``, created on first use."""
+        return SyncQueue(self, self.call(functools.partial(self.factory.queue, name, **options)))
+
+    def list(self) -> dict[str, dict[str, Any]]:
+        """Queues known to this backend (from any process) with their options."""
+        return self.call(self.factory.list)
+
+    def close(self) -> None:
+        """Close the async factory (drains its queues); the last factory stops the loop.
+        Idempotent, and a no-op for a factory inherited from the parent of a fork."""
+        with self._close_lock:
+            if self._closed:
+                return
+            self._closed = True
+        if self._generation != _runtime.generation:
+            return
+        with _runtime.lock:
+            _runtime.open.discard(self)
+        try:
+            self._portal.call(self.factory.close)
+        finally:
+            _runtime.release(self._generation)
+
+    def __enter__(self) -> SyncFactory:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+
+class SyncQueue:
+    """Blocking :class:`aio_keuss.Queue`: same arguments, timeouts, results and errors."""
+
+    def __init__(self, factory: SyncFactory, queue: Queue) -> None:
+        self._factory = factory
+        self.queue = queue
+        """The async queue, for coroutines handed to :meth:`SyncFactory.call`."""
+
+    def __repr__(self) -> str:
+        return f"<SyncQueue {self.queue.name!r}>"
+
+    @property
+    def name(self) -> str:
+        return self.queue.name
+
+    @property
+    def capabilities(self) -> Capabilities:
+        return self.queue.capabilities
+
+    def _call(self, func: Callable[..., Awaitable[T]], *args: Any, **kwargs: Any) -> T:
+        if kwargs:
+            return self._factory.call(functools.partial(func, *args, **kwargs))
+        return self._factory.call(func, *args)
+
+    # producing ------------------------------------------------------------------------
+
+    def push(
+        self,
+        payload: Payload,
+        *,
+        delay: float = 0.0,
+        headers: Headers | None = None,
+        id: str | None = None,
+    ) -> str:
+        """Queue one message; returns its id."""
+        return self._call(self.queue.push, payload, delay=delay, headers=headers, id=id)
+
+    def push_many(
+        self,
+        payloads: Sequence[Payload],
+        *,
+        delay: float = 0.0,
+        headers: Headers | None = None,
+        ids: Sequence[str] | None = None,
+    ) -> list[str]:
+        """Queue many messages in order, in as few round trips as ``max_batch`` allows."""
+        return self._call(self.queue.push_many, payloads, delay=delay, headers=headers, ids=ids)
+
+    # consuming ------------------------------------------------------------------------
+
+    def pop(self, timeout: float | None = None) -> Message | None:
+        """Take one message at-most-once; None when ``timeout`` passes (or on drain/close)."""
+        return self._call(self.queue.pop, timeout)
+
+    def pop_many(self, n: int, timeout: float | None = None) -> list[Message]:
+        return self._call(self.queue.pop_many, n, timeout)
+
+    def reserve(self, timeout: float | None = None) -> Message | None:
+        """Reserve one message at-least-once; ``ok`` or ``ko`` it afterwards."""
+        return self._call(self.queue.reserve, timeout)
+
+    def reserve_many(self, n: int, timeout: float | None = None) -> list[Message]:
+        return self._call(self.queue.reserve_many, n, timeout)
+
+    def messages(self, timeout: float | None = None) -> Iterator[Message]:
+        """Reserved messages (popped ones on a backend without reserve) until drain, close,
+        or ``timeout`` seconds with nothing, like :meth:`Queue.messages`."""
+        take = self.reserve if self.capabilities.reserve else self.pop
+        while not self._factory.closed:
+            message = take(timeout)
+            if message is None:
+                return
+            yield message
+
+    def __iter__(self) -> Iterator[Message]:
+        return self.messages()
+
+    # acknowledging --------------------------------------------------------------------
+
+    def ok(self, message: Message | str) -> bool:
+        return self._call(self.queue.ok, message)
+
+    def ko(self, message: Message | str, delay: float | None = None) -> KoResult:
+        return self._call(self.queue.ko, message, delay)
+
+    def remove(self, message: Message | str) -> bool:
+        return self._call(self.queue.remove, message)
+
+    # observing and administering ------------------------------------------------------
+
+    def sizes(self) -> Sizes:
+        return self._call(self.queue.sizes)
+
+    def size(self) -> int:
+        return self._call(self.queue.size)
+
+    def total_size(self) -> int:
+        return self._call(self.queue.total_size)
+
+    def sched_size(self) -> int:
+        return self._call(self.queue.sched_size)
+
+    def resv_size(self) -> int:
+        return self._call(self.queue.resv_size)
+
+    def next_mature_t(self) -> datetime | None:
+        return self._call(self.queue.next_mature_t)
+
+    def pause(self) -> None:
+        self._call(self.queue.pause)
+
+    def resume(self) -> None:
+        self._call(self.queue.resume)
+
+    def is_paused(self) -> bool:
+        return self._call(self.queue.is_paused)
+
+    def stats(self) -> dict[str, int]:
+        return self._call(self.queue.stats)
+
+    def drain(self) -> None:
+        self._call(self.queue.drain)

@@ -1,0 +1,261 @@
+"""The blocking shim: one loop thread per process shared by threads, gone after close,
+fork-safe, same results, timeouts and errors as the async API."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from backends import CASES, BackendCase, new_token
+
+import aio_keuss
+from aio_keuss import sync
+
+SYNC_IDS = ("memory", "redis-oq", "postgres")
+
+# Indirect parametrization of conftest's ``case`` fixture: only these three are set up
+# (the cluster case would otherwise start a Redis Cluster just to be skipped).
+on_backends = pytest.mark.parametrize(
+    "case", [c for c in CASES if c.id in SYNC_IDS], indirect=True, ids=lambda c: c.id
+)
+
+
+@pytest.fixture
+def options(case: BackendCase) -> Iterator[tuple[str, dict[str, Any]]]:
+    """(backend, connect options) for one test, its keys / schema dropped afterwards."""
+    if case.id not in SYNC_IDS:
+        pytest.skip(f"sync tests run on {', '.join(SYNC_IDS)} only")
+    opts = case.options(new_token())
+    yield case.name, opts
+    if case.cleanup is not None:
+        asyncio.run(case.cleanup(opts))
+
+
+def portal_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if "portal" in t.name]
+
+
+@on_backends
+def test_threads_share_one_loop_and_every_message_arrives_once(
+    options: tuple[str, dict[str, Any]],
+) -> None:
+    backend, opts = options
+    producers, per_producer, consumers = 16, 500, 4
+    total = producers * per_producer
+    baseline = threading.active_count()
+    seen: list[str] = []
+    pushed: list[str] = []
+    lock = threading.Lock()
+    errors: list[BaseException] = []
+    produced = threading.Event()
+
+    with sync.connect(backend, **opts) as factory:
+        q = factory.queue("jobs")
+        assert len(portal_threads()) == 1
+
+        def produce(p: int) -> None:
+            try:
+                ids = [q.push({"p": p, "i": i}) for i in range(per_producer)]
+                with lock:
+                    pushed.extend(ids)
+            except BaseException as exc:  # reported by the main thread
+                errors.append(exc)
+
+        def consume() -> None:
+            try:
+                deadline = time.monotonic() + 120
+                while time.monotonic() < deadline:
+                    msg = q.reserve(timeout=0.5)
+                    if msg is None:
+                        with lock:
+                            if produced.is_set() and len(seen) >= total:
+                                return
+                        continue
+                    assert q.ok(msg) is True
+                    with lock:
+                        seen.append(msg.id)
+            except BaseException as exc:
+                errors.append(exc)
+
+        consumer_threads = [threading.Thread(target=consume) for _ in range(consumers)]
+        producer_threads = [threading.Thread(target=produce, args=(p,)) for p in range(producers)]
+        for t in consumer_threads + producer_threads:
+            t.start()
+        for t in producer_threads:
+            t.join()
+        produced.set()
+        for t in consumer_threads:
+            t.join()
+        assert not errors, errors
+        assert len(pushed) == total
+        assert len(seen) == total  # nothing twice ...
+        assert set(seen) == set(pushed)  # ... and nothing missing
+        assert q.total_size() == 0
+        assert len(portal_threads()) == 1  # every thread went through the one loop
+    assert threading.active_count() == baseline
+    assert portal_threads() == []
+
+
+@on_backends
+def test_mirror_of_the_queue_api(options: tuple[str, dict[str, Any]]) -> None:
+    backend, opts = options
+    with sync.connect(backend, **opts) as factory:
+        caps = factory.capabilities
+        q = factory.queue("mirror", reserve_delay=30.0)
+        mid = q.push({"a": 1}, headers={"k": "v"})
+        assert isinstance(mid, str)
+        assert q.size() == 1
+        msg = q.pop(timeout=1)
+        assert msg is not None
+        assert (msg.id, msg.payload, msg.headers, msg.tries) == (mid, {"a": 1}, {"k": "v"}, 0)
+
+        ids = q.push_many([b"x", [1, 2], None])
+        assert len(ids) == 3
+        popped = q.pop_many(10, timeout=1)
+        assert [m.payload for m in popped] == [b"x", [1, 2], None]
+
+        q.push("r")
+        got = q.reserve(timeout=1)
+        assert got is not None
+        assert q.resv_size() == 1
+        assert q.ko(got, 0.0)
+        again = q.reserve(timeout=1)
+        assert again is not None and again.id == got.id and again.tries == 1
+        assert q.ok(again) is True
+        assert q.ok(again) is False
+
+        q.push_many([1, 2])
+        assert [m.payload for m in q.reserve_many(5, timeout=1)] == [1, 2]
+
+        if caps.delay:
+            q.push("later", delay=30.0)
+            assert q.sched_size() == 1
+            assert q.next_mature_t() is not None
+        if caps.remove:
+            rid = q.push("gone")
+            assert q.remove(rid) is True
+            assert q.remove(rid) is False
+
+        q.pause()
+        assert q.is_paused() is True
+        q.resume()
+        assert q.is_paused() is False
+        assert q.stats()["put"] >= 1
+        assert q.sizes().total == q.total_size()
+        assert "mirror" in factory.list()
+
+        # iteration: reserved messages until a timeout with nothing
+        it = factory.queue("iter")
+        it.push_many(["a", "b", "c"])
+        received = []
+        for m in it.messages(timeout=0.3):
+            received.append(m.payload)
+            it.ok(m)
+        assert received == ["a", "b", "c"]
+
+        # drain from another thread ends a blocked ``for msg in q``
+        timer = threading.Timer(0.3, it.drain)
+        timer.start()
+        started = time.monotonic()
+        assert list(it) == []
+        assert time.monotonic() - started < 10
+        timer.join()
+
+
+@on_backends
+def test_timeouts_return_none_on_time(options: tuple[str, dict[str, Any]]) -> None:
+    backend, opts = options
+    with sync.connect(backend, **opts) as factory:
+        q = factory.queue("empty")
+        for call in (q.pop, q.reserve):
+            started = time.monotonic()
+            assert call(0.3) is None
+            assert 0.25 <= time.monotonic() - started < 3
+        started = time.monotonic()
+        assert q.pop_many(5, timeout=0.3) == []
+        assert q.reserve_many(5, timeout=0) == []
+        assert time.monotonic() - started < 3
+
+
+@on_backends
+def test_bad_input_raises_the_library_errors(options: tuple[str, dict[str, Any]]) -> None:
+    backend, opts = options
+    with sync.connect(backend, **opts) as factory:
+        q = factory.queue("bad")
+        with pytest.raises(aio_keuss.InvalidDelayError):
+            q.push(1, delay=-1)
+        with pytest.raises(aio_keuss.InvalidInputError):
+            q.pop_many(0)
+        with pytest.raises(aio_keuss.InvalidPayloadError):
+            q.push(object())  # type: ignore[arg-type]
+        with pytest.raises(aio_keuss.InvalidIdError):
+            q.ok(42)  # type: ignore[arg-type]
+        with pytest.raises(aio_keuss.InvalidQueueNameError):
+            factory.queue("")
+        assert q.push("still fine")  # an error leaves the loop thread usable
+    with pytest.raises(aio_keuss.ClosedError):
+        q.push(1)
+    with pytest.raises(aio_keuss.ClosedError):
+        factory.queue("x")
+    with pytest.raises(aio_keuss.ConfigError):
+        sync.connect("memory", no_such_option=1)
+    assert portal_threads() == []  # a failed connect gives its loop back
+
+
+def test_loop_thread_lives_while_any_factory_is_open() -> None:
+    baseline = threading.active_count()
+    assert portal_threads() == []
+    first = sync.connect("memory")
+    second = sync.connect("memory")
+    assert len(portal_threads()) == 1
+    first.queue("a").push(1)
+    first.close()
+    first.close()  # idempotent
+    assert len(portal_threads()) == 1
+    assert second.queue("b").push(2)
+    second.close()
+    assert portal_threads() == []
+    assert threading.active_count() == baseline
+    with sync.connect("memory") as third:  # and a new one starts again on demand
+        assert third.queue("c").push(3)
+        assert len(portal_threads()) == 1
+    assert threading.active_count() == baseline
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+def test_forked_child_starts_its_own_loop() -> None:
+    with sync.connect("memory") as parent:
+        pq = parent.queue("parent")
+        pq.push("before")
+        assert len(portal_threads()) == 1  # the fork happens with a running portal
+        pid = os.fork()
+        if pid == 0:  # child: never returns into pytest
+            ok = False
+            try:
+                inherited_refused = False
+                try:
+                    pq.push("from child")
+                except aio_keuss.ClosedError:
+                    inherited_refused = True
+                with sync.connect("memory") as child:
+                    q = child.queue("child")
+                    q.push({"child": os.getpid()})
+                    msg = q.pop(timeout=5)
+                    ok = (
+                        inherited_refused
+                        and msg is not None
+                        and msg.payload == {"child": os.getpid()}
+                    )
+                ok = ok and portal_threads() == []
+            finally:
+                os._exit(0 if ok else 1)
+        _, status = os.waitpid(pid, 0)
+        assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0
+        msg = pq.pop(timeout=1)  # the parent's loop is untouched
+        assert msg is not None and msg.payload == "before"
+    assert portal_threads() == []
