@@ -35,3 +35,9 @@ fi
 if ! psql -h 127.0.0.1 -U postgres -d test -c "select 1" >/dev/null 2>&1; then
   psql -h 127.0.0.1 -U postgres -c "create database test" >/dev/null
 fi
+
+# Java for the Spark tests (pyspark runs a JVM); Debian's headless JRE is enough.
+if ! command -v java >/dev/null 2>&1; then
+  echo "installing java"
+  need_package default-jre-headless
+fi

@@ -1,0 +1,116 @@
+"""Spark ``df.write.format("aio_keuss")`` throughput, rows/s, on ``local[2]``.
+
+    .venv/bin/python -m bench.spark_write --backend redis-oq --rows 200000
+    .venv/bin/python -m bench.spark_write --backend postgres --rows 100000
+    .venv/bin/python -m bench.spark_write --backend redis-list --rows 200000  # not idempotent
+
+The DataFrame is cached and counted first, and one warm-up write starts the Python workers,
+so the timed write measures the data source and the backend, not Spark's start-up. Prints
+one row: backend, rows, seconds, rows/s (``--json`` for machines).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+import time
+import uuid
+from typing import Any
+
+REDIS_URL = os.environ.get("AK_REDIS_URL", "redis://127.0.0.1:6379/0")
+POSTGRES_URL = os.environ.get("AK_POSTGRES_URL", "postgresql://postgres@127.0.0.1:5432/test")
+
+
+def backend_options(backend: str, token: str) -> dict[str, Any]:
+    if "postgres" in backend:
+        return {"url": POSTGRES_URL, "schema": f"bench_{token}"}
+    return {"url": REDIS_URL, "prefix": f"bench-{token}"}
+
+
+async def cleanup(backend: str, options: dict[str, Any]) -> None:
+    if "postgres" in backend:
+        import asyncpg
+
+        connection = await asyncpg.connect(options["url"])
+        try:
+            await connection.execute(f'DROP SCHEMA IF EXISTS "{options["schema"]}" CASCADE')
+        finally:
+            await connection.close()
+        return
+    import redis.asyncio
+
+    client = redis.asyncio.Redis.from_url(options["url"])
+    try:
+        keys = [k async for k in client.scan_iter(match=options["prefix"] + ":*", count=1000)]
+        for start in range(0, len(keys), 500):
+            await client.delete(*keys[start : start + 500])
+    finally:
+        await client.aclose()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--backend", default="redis-oq")
+    parser.add_argument("--rows", type=int, default=200_000)
+    parser.add_argument("--partitions", type=int, default=2)
+    parser.add_argument("--batch-size", type=int, default=1000)
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args()
+
+    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
+    from pyspark.sql import SparkSession
+
+    from aio_keuss import spark as keuss_spark
+
+    spark = (
+        SparkSession.builder.master("local[2]")
+        .appName("aio-keuss-bench")
+        .config("spark.ui.enabled", "false")
+        .config("spark.sql.shuffle.partitions", "2")
+        .getOrCreate()
+    )
+    spark.sparkContext.setLogLevel("ERROR")
+    keuss_spark.register(spark)
+    token = uuid.uuid4().hex[:10]
+    options = backend_options(args.backend, token)
+    extra = {"batch_size": args.batch_size}
+    if args.backend == "redis-list":
+        extra["idempotent"] = "false"  # redis-list cannot deduplicate ids
+    df = (
+        spark.range(args.rows, numPartitions=args.partitions)
+        .selectExpr("id", "concat('name-', id) AS name", "id * 2 AS value")
+        .cache()
+    )
+    df.count()
+
+    def write(frame: Any, queue: str) -> float:
+        writer = frame.write.format("aio_keuss").mode("append")
+        for key, value in {"backend": args.backend, "queue": queue, **options, **extra}.items():
+            writer = writer.option(key, str(value))
+        started = time.perf_counter()
+        writer.save()
+        return time.perf_counter() - started
+
+    try:
+        write(spark.range(2000, numPartitions=args.partitions).selectExpr("id"), "warmup")
+        seconds = write(df, "bench")
+    finally:
+        spark.stop()
+        keuss_spark.close_executor_factories()
+        asyncio.run(cleanup(args.backend, options))
+    rate = args.rows / seconds
+    if args.json:
+        print(
+            json.dumps(
+                {"backend": args.backend, "rows": args.rows, "seconds": seconds, "rows_per_s": rate}
+            )
+        )
+    else:
+        print(f"{args.backend:<12} rows {args.rows:>8,}  {seconds:6.2f} s  {rate:>10,.0f} rows/s")
+
+
+if __name__ == "__main__":
+    main()
