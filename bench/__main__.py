@@ -42,6 +42,7 @@ DEFAULT_OPTIONS: dict[str, dict[str, Any]] = {
     "bucket-postgres": {"url": "postgresql://postgres@127.0.0.1:5432/test", "schema": "akbench"},
     "mongo": {"url": "mongodb://127.0.0.1:27017", "database": "akbench"},
     "mongo-history": {"url": "mongodb://127.0.0.1:27017", "database": "akbench"},
+    "bucket-mongo": {"url": "mongodb://127.0.0.1:27017", "database": "akbench"},
 }
 PAYLOAD = {"id": 0, "user": "someone@example.com", "items": [1, 2, 3], "note": "x" * 120}
 

@@ -130,6 +130,12 @@ CASES: list[BackendCase] = [
     ),
     BackendCase("mongo", _mongo, _drop_mongo_database, setup=start_mongo),
     BackendCase("mongo-history", _mongo, _drop_mongo_database, setup=start_mongo),
+    BackendCase(
+        "bucket-mongo",
+        lambda t: {**_mongo(t), **_BUCKET_FAST},
+        _drop_mongo_database,
+        setup=start_mongo,
+    ),
 ]
 
 

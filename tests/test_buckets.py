@@ -1,5 +1,5 @@
-"""Bucket backends (bucket-redis, bucket-postgres) beyond the conformance suite: what survives
-a process killed with SIGKILL, and many consumer processes sharing one queue.
+"""Bucket backends (bucket-redis, bucket-postgres, bucket-mongo) beyond the conformance suite:
+what survives a process killed with SIGKILL, and many consumer processes sharing one queue.
 
 Producers and consumers run as real child processes (the script below) so a crash is a
 real crash: no finally blocks, no flush, no lease release.

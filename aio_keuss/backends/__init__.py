@@ -16,6 +16,7 @@ _REGISTRY: dict[str, tuple[str, str, str | None]] = {
     "postgres": ("aio_keuss.backends.postgres", "PostgresBackend", "postgres"),
     "bucket-redis": ("aio_keuss.backends.bucket_redis", "RedisBucketBackend", "redis"),
     "bucket-postgres": ("aio_keuss.backends.bucket_postgres", "PostgresBucketBackend", "postgres"),
+    "bucket-mongo": ("aio_keuss.backends.bucket_mongo", "MongoBucketBackend", "mongo"),
     "mongo": ("aio_keuss.backends.mongo", "MongoQueueBackend", "mongo"),
     "mongo-history": ("aio_keuss.backends.mongo", "MongoHistoryBackend", "mongo"),
 }
