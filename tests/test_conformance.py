@@ -283,6 +283,17 @@ async def test_remove(queue: aio_keuss.Queue) -> None:
     assert await queue.total_size() == 0
 
 
+async def test_remove_takes_only_the_message_named(queue: aio_keuss.Queue) -> None:
+    needs(queue, "remove")
+    first = await queue.push("first")
+    second = await queue.push("second")
+    third = await queue.push("third")
+    assert await queue.remove(second) is True
+    await queue.drain()  # bucket stores: serve what is held in memory, write the rest
+    left = await queue.pop_many(10, timeout=1)
+    assert [(m.id, m.payload) for m in left] == [(first, "first"), (third, "third")]
+
+
 # payloads -------------------------------------------------------------------------------
 
 PAYLOADS: list[Any] = [

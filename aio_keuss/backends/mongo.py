@@ -469,7 +469,9 @@ class MongoStore(Store):
         free = {"$or": [{"reserved": False}, {"mature": {"$lte": now}}]}
         with mongo_errors_translated():
             counts = await asyncio.gather(
-                *(self._finish({"_id": i, **LIVE, **free}, now) for i in ids)
+                # ``$and``, not sibling fields: nx-27017 ignores a filter's other fields next
+                # to a top-level ``$or`` in writes (it would remove another message).
+                *(self._finish({"$and": [{"_id": i, **LIVE}, free]}, now) for i in ids)
             )
         return [count == 1 for count in counts]
 
