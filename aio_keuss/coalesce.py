@@ -1,46 +1,59 @@
-"""Coalescing: the calls made on one queue within an event-loop tick share one round trip.
+"""Coalescing: concurrent calls on one queue share round trips.
 
-A call never waits for company: the batch is started on the next loop iteration, which
-already holds every call made by tasks that were ready in this one. While a batch is in
-flight (up to ``concurrency`` of them), new calls gather for the next.
+A call that finds a free slot (fewer than ``concurrency`` batches in flight, nobody queued)
+runs its own request at once, in the caller's task: nothing waits for company, the command
+is on the wire in the same loop iteration, and the reply wakes the caller directly. With a
+few clients this pipelines their round trips instead of serialising them. Calls that find
+every slot busy queue up; the next slot to free takes all of them (up to ``max_batch``) as
+one batch, run by a task.
 
-Cancellation: a request cancelled before its batch starts is dropped; one whose caller is
-cancelled after the store did the work has its result handed to ``on_orphan``, so a queue
-can put popped or reserved messages back instead of losing them.
+Cancellation: a queued request cancelled before its batch starts is dropped; one whose
+caller is cancelled after the store did the work has its result handed to ``on_orphan``,
+so a queue can put popped or reserved messages back instead of losing them. A request run
+in the caller's task is only allowed with ``on_orphan`` when the store is *uninterruptible*
+(its primitives await only replies that refuse cancellation, see ``Store.uninterruptible``):
+the caller's cancellation then waits for the reply, the work completes, and the result goes
+to ``on_orphan`` just the same.
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections import deque
-from collections.abc import Awaitable, Callable
-from typing import Generic, TypeVar
+from collections.abc import Callable, Coroutine, Generator
+from typing import Any, Generic, TypeVar
 
 Req = TypeVar("Req")
 Res = TypeVar("Res")
+T = TypeVar("T")
 
 
 class Coalescer(Generic[Req, Res]):
     def __init__(
         self,
-        run: Callable[[list[Req]], Awaitable[list[Res]]],
+        run: Callable[[list[Req]], Coroutine[Any, Any, list[Res]]],
         *,
         max_batch: int,
         weight: Callable[[Req], int] = lambda _: 1,
         concurrency: int = 1,
         on_orphan: Callable[[Req, Res], None] | None = None,
+        uninterruptible: bool = False,
     ) -> None:
         self._run_batch = run
         self._max_batch = max_batch
         self._weight = weight
         self._concurrency = concurrency
         self._on_orphan = on_orphan
+        self._inline = on_orphan is None or uninterruptible
         self._pending: deque[tuple[Req, asyncio.Future[Res]]] = deque()
         self._running = 0
         self._scheduled = False
         self._tasks: set[asyncio.Task[None]] = set()
+        self._inline_done: asyncio.Event | None = None  # set for wait_idle when one ends
 
     async def submit(self, request: Req) -> Res:
+        if self._inline and not self._pending and self._running < self._concurrency:
+            return await self._run_inline(request)
         future: asyncio.Future[Res] = asyncio.get_running_loop().create_future()
         self._pending.append((request, future))
         self._schedule()
@@ -53,11 +66,36 @@ class Coalescer(Generic[Req, Res]):
             raise
 
     async def wait_idle(self) -> None:
-        """Wait for the batches in flight (used on close)."""
-        while self._tasks:
-            await asyncio.gather(*self._tasks, return_exceptions=True)
-            # A task cancelled before its first step never ran the ``finally`` that removes it.
-            self._tasks = {task for task in self._tasks if not task.done()}
+        """Wait for the batches in flight, run by tasks or by callers (used on close)."""
+        while self._tasks or self._running:
+            if self._tasks:
+                await asyncio.gather(*self._tasks, return_exceptions=True)
+                # A task cancelled before its first step never ran the ``finally`` that
+                # removes it.
+                self._tasks = {task for task in self._tasks if not task.done()}
+            else:
+                self._inline_done = asyncio.Event()
+                await self._inline_done.wait()
+
+    async def _run_inline(self, request: Req) -> Res:
+        self._running += 1
+        work = _RunToEnd(self._run_batch([request]))
+        try:
+            (result,) = await work
+        except Exception:
+            if work.held is not None:  # the caller is gone: it gets its cancellation
+                raise work.held from None
+            raise
+        finally:
+            self._running -= 1
+            if self._pending:
+                self._schedule()
+            if self._inline_done is not None:
+                self._inline_done.set()
+        if work.held is not None:  # cancelled once the reply was in: the work is done
+            self._orphan(request, result)
+            raise work.held
+        return result
 
     def _schedule(self) -> None:
         # The batch task's first step runs on the next loop iteration, by which time every
@@ -117,3 +155,36 @@ class Coalescer(Generic[Req, Res]):
     def _orphan(self, request: Req, result: Res) -> None:
         if self._on_orphan is not None:
             self._on_orphan(request, result)
+
+
+class _RunToEnd(Generic[T]):
+    """Awaits a coroutine in the current task, step by step, so that a cancellation thrown
+    in while the awaited future already holds its result (a reply that refused to be
+    cancelled) does not interrupt the work: it is held in ``held`` and the coroutine goes on
+    to the end. Any other cancellation interrupts as usual."""
+
+    __slots__ = ("_coro", "held")
+
+    def __init__(self, coro: Coroutine[Any, Any, T]) -> None:
+        self._coro = coro
+        self.held: asyncio.CancelledError | None = None
+
+    def __await__(self) -> Generator[Any, None, T]:
+        coro = self._coro
+        error: BaseException | None = None
+        while True:
+            try:
+                step = coro.send(None) if error is None else coro.throw(error)
+            except StopIteration as stop:
+                value: T = stop.value
+                return value
+            error = None
+            try:
+                yield step
+            except asyncio.CancelledError as exc:
+                if isinstance(step, asyncio.Future) and step.done() and not step.cancelled():
+                    self.held = exc
+                else:
+                    error = exc
+            except BaseException as exc:  # pragma: no cover - only cancellation is thrown in
+                error = exc

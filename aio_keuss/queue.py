@@ -105,6 +105,7 @@ class Queue:
         self._background: set[asyncio.Task[Any]] = set()
         self._consumers: set[Consumer] = set()
         batch, depth = options.max_batch, store.batch_concurrency
+        uninterruptible = store.uninterruptible
         self._inserts: Coalescer[list[Entry], list[bool]] = Coalescer(
             self._insert_batch, max_batch=batch, weight=len, concurrency=depth
         )
@@ -114,6 +115,7 @@ class Queue:
             weight=int,
             concurrency=depth,
             on_orphan=self._put_back_popped,
+            uninterruptible=uninterruptible,
         )
         self._reserves: Coalescer[int, FetchResult] = Coalescer(
             self._reserve_batch,
@@ -121,6 +123,7 @@ class Queue:
             weight=int,
             concurrency=depth,
             on_orphan=self._put_back_reserved,
+            uninterruptible=uninterruptible,
         )
         self._commits: Coalescer[Ack, bool] = Coalescer(
             self._commit_batch, max_batch=batch, concurrency=depth

@@ -1,5 +1,5 @@
-"""The coalescer: concurrent calls share a batch; a lone call is not delayed; results of
-cancelled callers are handed back."""
+"""The coalescer: a call that finds a free slot runs at once in its own task; calls that find
+every slot busy share the next batch; results of cancelled callers are handed back."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 from aio_keuss.coalesce import Coalescer
 
 
-async def test_calls_of_one_tick_share_one_batch() -> None:
+async def test_first_call_runs_at_once_and_the_rest_share_the_next_batch() -> None:
     batches: list[list[int]] = []
 
     async def run(requests: list[int]) -> list[int]:
@@ -21,7 +21,20 @@ async def test_calls_of_one_tick_share_one_batch() -> None:
     coalescer: Coalescer[int, int] = Coalescer(run, max_batch=100)
     results = await asyncio.gather(*(coalescer.submit(i) for i in range(50)))
     assert results == [i * 10 for i in range(50)]
-    assert batches == [list(range(50))]
+    assert batches == [[0], list(range(1, 50))]
+
+
+async def test_free_slots_run_calls_side_by_side() -> None:
+    batches: list[list[int]] = []
+
+    async def run(requests: list[int]) -> list[int]:
+        batches.append(requests)
+        await asyncio.sleep(0.01)
+        return requests
+
+    coalescer: Coalescer[int, int] = Coalescer(run, max_batch=100, concurrency=3)
+    assert await asyncio.gather(*(coalescer.submit(i) for i in range(5))) == list(range(5))
+    assert batches == [[0], [1], [2], [3, 4]]
 
 
 async def test_max_batch_splits_and_calls_during_flight_form_the_next_batch() -> None:
@@ -37,7 +50,7 @@ async def test_max_batch_splits_and_calls_during_flight_form_the_next_batch() ->
     await asyncio.sleep(0.001)
     second = asyncio.gather(*(coalescer.submit(i) for i in range(6, 8)))
     await asyncio.gather(first, second)
-    assert batches == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert batches == [[0], [1, 2, 3, 4], [5, 6, 7]]
 
 
 async def test_lone_call_runs_on_the_next_loop_iteration() -> None:
@@ -77,16 +90,24 @@ async def test_cancelled_after_the_work_hands_the_result_to_on_orphan() -> None:
 async def test_cancelled_before_sending_is_never_sent() -> None:
     seen: list[list[int]] = []
 
+    release = asyncio.Event()
+
     async def run(requests: list[int]) -> list[int]:
         seen.append(requests)
+        if requests == [0]:
+            await release.wait()
         return requests
 
     coalescer: Coalescer[int, int] = Coalescer(run, max_batch=10)
+    busy = asyncio.create_task(coalescer.submit(0))
+    await asyncio.sleep(0)  # runs in its own task, holding the only slot
     task = asyncio.create_task(coalescer.submit(1))
-    await asyncio.sleep(0)  # submitted, batch not started yet
+    await asyncio.sleep(0)  # queued behind it
     task.cancel()
+    release.set()
+    assert await busy == 0
     assert await coalescer.submit(2) == 2
-    assert seen == [[2]]
+    assert seen == [[0], [2]]
 
 
 async def test_errors_reach_every_caller_of_the_batch() -> None:
@@ -96,3 +117,92 @@ async def test_errors_reach_every_caller_of_the_batch() -> None:
     coalescer: Coalescer[int, int] = Coalescer(run, max_batch=10)
     results = await asyncio.gather(*(coalescer.submit(i) for i in range(3)), return_exceptions=True)
     assert all(isinstance(r, RuntimeError) for r in results)
+
+
+class _Refusing(asyncio.Future[int]):
+    """Like the Redis fast lane's replies: a cancellation waits for the result."""
+
+    def cancel(self, msg: object | None = None) -> bool:
+        return False
+
+
+async def test_uninterruptible_call_cancelled_in_flight_completes_and_is_handed_back() -> None:
+    orphans: list[tuple[int, int]] = []
+    reply = _Refusing()
+    finished: list[int] = []
+
+    async def run(requests: list[int]) -> list[int]:
+        value = await reply
+        finished.append(value)  # the work after the reply still runs
+        return [value]
+
+    coalescer: Coalescer[int, int] = Coalescer(
+        run,
+        max_batch=10,
+        on_orphan=lambda req, res: orphans.append((req, res)),
+        uninterruptible=True,
+    )
+    task = asyncio.create_task(coalescer.submit(1))
+    await asyncio.sleep(0)
+    task.cancel()
+    await asyncio.sleep(0.01)
+    assert not task.done()  # waits for the reply
+    reply.set_result(42)
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert finished == [42]
+    assert orphans == [(1, 42)]
+    await coalescer.wait_idle()
+
+
+async def test_cancellation_of_an_ordinary_await_interrupts_the_call() -> None:
+    orphans: list[tuple[int, int]] = []
+
+    async def run(requests: list[int]) -> list[int]:
+        await asyncio.sleep(10)
+        return requests
+
+    coalescer: Coalescer[int, int] = Coalescer(
+        run,
+        max_batch=10,
+        on_orphan=lambda req, res: orphans.append((req, res)),
+        uninterruptible=True,
+    )
+    task = asyncio.create_task(coalescer.submit(1))
+    await asyncio.sleep(0)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert orphans == []
+    await coalescer.wait_idle()
+
+
+async def test_with_on_orphan_and_interruptible_store_calls_go_through_a_task() -> None:
+    batches: list[list[int]] = []
+
+    async def run(requests: list[int]) -> list[int]:
+        batches.append(requests)
+        await asyncio.sleep(0.01)
+        return requests
+
+    coalescer: Coalescer[int, int] = Coalescer(run, max_batch=10, on_orphan=lambda *_: None)
+    assert await asyncio.gather(*(coalescer.submit(i) for i in range(3))) == [0, 1, 2]
+    assert batches == [[0, 1, 2]]
+
+
+async def test_wait_idle_waits_for_calls_run_by_their_callers() -> None:
+    release = asyncio.Event()
+
+    async def run(requests: list[int]) -> list[int]:
+        await release.wait()
+        return requests
+
+    coalescer: Coalescer[int, int] = Coalescer(run, max_batch=10)
+    call = asyncio.create_task(coalescer.submit(5))
+    await asyncio.sleep(0)
+    idle = asyncio.create_task(coalescer.wait_idle())
+    await asyncio.sleep(0.01)
+    assert not idle.done()
+    release.set()
+    await idle
+    assert await call == 5

@@ -43,6 +43,8 @@ if TYPE_CHECKING:
 
 RedisClient = aioredis.Redis | RedisCluster
 CONNECT_TIMEOUT = 10.0
+CANCEL_GRACE = 10.0
+"""How long a cancelled caller may wait for the reply to a command already sent."""
 
 
 _CONNECTION_ERRORS = (redis_errors.ConnectionError, redis_errors.TimeoutError, OSError)
@@ -77,6 +79,23 @@ def redis_errors_translated() -> _RedisErrorsTranslated:
     return _TRANSLATED
 
 
+class _Reply(asyncio.Future[Any]):
+    """The reply to a command already on the wire. Redis executes the command whatever the
+    caller does, so cancelling the wait would only lose its result (messages a pop took):
+    a cancellation instead takes effect when the reply is in (see ``coalesce._RunToEnd``),
+    or after ``CANCEL_GRACE`` seconds if Redis does not answer."""
+
+    _grace: asyncio.TimerHandle | None = None
+
+    def cancel(self, msg: Any | None = None) -> bool:
+        if not self.done() and self._grace is None:
+            self._grace = self.get_loop().call_later(CANCEL_GRACE, self._give_up, msg)
+        return False
+
+    def _give_up(self, msg: Any | None) -> None:
+        super().cancel(msg)
+
+
 class _LaneProtocol(asyncio.Protocol):
     """Replies come back in request order, so a FIFO of futures is all the bookkeeping."""
 
@@ -84,6 +103,7 @@ class _LaneProtocol(asyncio.Protocol):
         self._reader = hiredis.Reader()
         self._waiting: deque[asyncio.Future[Any]] = deque()
         self.transport: asyncio.Transport | None = None
+        self._loop = asyncio.get_running_loop()
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         # No isinstance check: uvloop's transports do not derive from asyncio's classes.
@@ -118,7 +138,7 @@ class _LaneProtocol(asyncio.Protocol):
     def send(self, packed: bytes) -> asyncio.Future[Any]:
         if self.transport is None or self.transport.is_closing():
             raise redis_errors.ConnectionError("connection to Redis lost")
-        future = asyncio.get_running_loop().create_future()
+        future = _Reply(loop=self._loop)
         self._waiting.append(future)
         self.transport.write(packed)
         return future

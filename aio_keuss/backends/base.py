@@ -164,6 +164,11 @@ class Store(ABC):
     batch_concurrency: ClassVar[int] = 1
     """How many coalesced batches of one kind may be in flight at once on this store."""
 
+    uninterruptible: bool = False
+    """True when the primitives await nothing but replies that refuse cancellation (or
+    nothing at all): a cancelled caller's pop / reserve then still completes, and the queue
+    puts back what it took, so it may run in the caller's own task (see ``coalesce.py``)."""
+
     def __init__(self, name: str, options: QueueOptions) -> None:
         self.name = name
         self.options = options

@@ -109,6 +109,8 @@ def _stored(record: _Record, tries: int, mature: float) -> Stored:
 
 
 class MemoryStore(Store):
+    uninterruptible = True  # nothing is awaited inside a primitive
+
     def __init__(self, name: str, options: QueueOptions, backend: MemoryBackend) -> None:
         super().__init__(name, options)
         self._backend = backend

@@ -57,10 +57,11 @@ def _unpack(element: bytes) -> Stored:
 
 
 class RedisListStore(Store):
-    batch_concurrency: ClassVar[int] = 2
+    batch_concurrency: ClassVar[int] = 4
 
     def __init__(self, name: str, options: QueueOptions, backend: RedisListBackend) -> None:
         super().__init__(name, options)
+        self.uninterruptible = backend.has_fast_lane
         self._execute = backend.execute
         self._key = backend.key(name, "list")
 

@@ -359,10 +359,11 @@ def _dl_id(message_id: str, failed: int, attempt: int) -> str:
 
 
 class RedisOQStore(Store):
-    batch_concurrency: ClassVar[int] = 2
+    batch_concurrency: ClassVar[int] = 4
 
     def __init__(self, name: str, options: QueueOptions, backend: RedisOQBackend) -> None:
         super().__init__(name, options)
+        self.uninterruptible = backend.has_fast_lane
         self._backend = backend
         self._keys = backend.queue_keys(name)
         self._insert_keys = [*self._keys, backend.key(name, "d")]

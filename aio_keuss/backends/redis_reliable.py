@@ -356,6 +356,7 @@ class RedisReliableStore(Store):
 
     def __init__(self, name: str, options: QueueOptions, backend: RedisReliableBackend) -> None:
         super().__init__(name, options)
+        self.uninterruptible = backend.has_fast_lane
         self._backend = backend
         self._client = backend.client
         self.consumer = os.urandom(8).hex()
