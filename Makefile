@@ -6,7 +6,7 @@ TEST_EXTRAS ?= test,dev,redis,postgres,mongo,spark
 BACKEND ?= memory
 BENCH_ARGS ?=
 
-.PHONY: demo test lint bench services clean
+.PHONY: demo test lint bench bench-spark services clean
 
 # One stamp per set of extras, so `make demo` installs little and `make test` everything.
 $(VENV)/.stamp-%: pyproject.toml
@@ -31,6 +31,10 @@ lint: $(VENV)/.stamp-$(TEST_EXTRAS)
 
 bench: $(VENV)/.stamp-$(TEST_EXTRAS) services
 	$(PY) -m bench --backend $(BACKEND) $(BENCH_ARGS)
+
+# Spark df.write into a queue, rows/s (BACKEND=redis-oq|redis-list|postgres|...).
+bench-spark: $(VENV)/.stamp-$(TEST_EXTRAS) services
+	$(PY) -m bench.spark_write --backend $(BACKEND) $(BENCH_ARGS)
 
 clean:
 	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache

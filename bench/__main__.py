@@ -1,5 +1,8 @@
 """`make bench BACKEND=name`: Keuss's published scenarios plus concurrency, bulk and latency.
 
+Runs on uvloop (libuv, the loop Keuss runs on under Node) when it is installed, else on
+asyncio's own loop; ``--loop asyncio`` forces the latter.
+
 Rows (msgs/s): push, pop, and push then reserve+ok with 3 concurrent clients (Keuss's table,
 100,000 messages), the same with 32 clients, bulk push_many / reserve_many of 1,000, and the
 push -> consume latency (p50 / p99) at a low rate. Each row runs on a fresh queue. Progress
@@ -58,6 +61,7 @@ class Row:
     keuss: int | None = None
     p50_ms: float | None = None
     p99_ms: float | None = None
+    loop: str = "asyncio"
 
 
 def progress(text: str) -> None:
@@ -76,8 +80,9 @@ async def run_clients(clients: int, total: int, work: Callable[[int], Awaitable[
 
 
 class Bench:
-    def __init__(self, backend: str, options: dict[str, Any], messages: int) -> None:
+    def __init__(self, backend: str, options: dict[str, Any], messages: int, loop: str) -> None:
         self.backend = backend
+        self.loop = loop
         self.options = options
         self.messages = messages
         self.rows: list[Row] = []
@@ -105,6 +110,7 @@ class Bench:
             round(seconds, 3),
             round(messages / seconds),
             keuss,
+            loop=self.loop,
             **extra,
         )
         self.rows.append(row)
@@ -226,10 +232,11 @@ class Bench:
         )
 
 
-def print_table(rows: list[Row]) -> None:
+def print_table(rows: list[Row], loop: str) -> None:
     print(
         f"\naio-keuss bench — {datetime.now(UTC):%Y-%m-%d %H:%M} UTC, "
-        f"{platform.node()} ({os.cpu_count()} cores, Python {platform.python_version()})"
+        f"{platform.node()} ({os.cpu_count()} cores, Python {platform.python_version()}, "
+        f"{loop} event loop)"
     )
     header = (
         f"| {'backend':<15} | {'scenario':<22} | {'clients':>7} | {'msgs':>8} | "
@@ -247,7 +254,17 @@ def print_table(rows: list[Row]) -> None:
         )
 
 
-async def main() -> None:
+def parse_option(text: str) -> tuple[str, Any]:
+    name, sep, value = text.partition("=")
+    if not sep:
+        raise SystemExit(f"--set takes OPTION=VALUE, not {text!r}")
+    try:
+        return name, json.loads(value)
+    except json.JSONDecodeError:
+        return name, value
+
+
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__)
     parser.add_argument("--backend", default="memory", help="backend name(s), comma-separated")
     parser.add_argument("--messages", type=int, default=100_000)
@@ -255,21 +272,55 @@ async def main() -> None:
     parser.add_argument("--latency-messages", type=int, default=2_000)
     parser.add_argument("--url", help="server URL (default: the local test servers)")
     parser.add_argument("--json", action="store_true", help="one JSON record per row")
-    args = parser.parse_args()
+    parser.add_argument(
+        "--loop",
+        choices=("auto", "asyncio", "uvloop"),
+        default="auto",
+        help="event loop: auto = uvloop (libuv, like Node's) when installed, else asyncio's",
+    )
+    parser.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="OPTION=VALUE",
+        help="a backend option (VALUE as JSON, else a string), e.g. --set ack_on_buffer=true",
+    )
+    return parser.parse_args()
+
+
+def loop_name(choice: str) -> str:
+    if choice != "auto":
+        return choice
+    try:
+        import uvloop  # noqa: F401
+    except ImportError:
+        return "asyncio"
+    return "uvloop"
+
+
+async def main(args: argparse.Namespace, loop: str) -> None:
     rows: list[Row] = []
     for backend in args.backend.split(","):
         options = dict(DEFAULT_OPTIONS.get(backend, {}))
         if args.url:
             options["url"] = args.url
-        bench = Bench(backend, options, args.messages)
+        options.update(parse_option(text) for text in args.set)
+        bench = Bench(backend, options, args.messages, loop)
         await bench.run([int(c) for c in args.clients.split(",")], args.latency_messages)
         rows.extend(bench.rows)
     if args.json:
         for row in rows:
             print(json.dumps(asdict(row)))
     else:
-        print_table(rows)
+        print_table(rows, loop)
 
 
 if __name__ == "__main__":
-    asyncio.run(main())
+    arguments = parse_args()
+    chosen = loop_name(arguments.loop)
+    if chosen == "uvloop":
+        import uvloop
+
+        uvloop.run(main(arguments, chosen))
+    else:
+        asyncio.run(main(arguments, chosen))

@@ -138,6 +138,10 @@ IDLE_RELEASE = 5.0
 """Seconds a leased bucket with deliverable messages may sit unused before it is released
 for other processes (a process that stopped consuming must not hold messages for ever)."""
 LEASE_MAX_BUCKETS = 16
+LEASE_AT_LEAST = 64
+"""Messages a lease asks for even when the caller wants fewer: buckets written by a few
+durable pushers hold a handful of messages each, and a lease round trip per handful would
+halve the pop rate. Buckets held but unused go back after ``IDLE_RELEASE``."""
 """Most buckets one lease takes; it stops earlier once their messages cover the request."""
 WRITE_MAX_BUCKETS = 16
 """Most push buckets in one insert round trip."""
@@ -380,7 +384,9 @@ def split_id(message_id: str) -> tuple[str, int] | None:
 
 
 class _PushBucket:
-    """A bucket being filled in memory; ``written`` resolves when it is durable."""
+    """A bucket being filled in memory; ``written`` resolves when it is durable, and so does
+    each pusher's own future in ``waiters`` (one per pusher rather than a shield of the shared
+    future each: a cancelled pusher cancels only its own)."""
 
     __slots__ = (
         "checking",
@@ -392,6 +398,7 @@ class _PushBucket:
         "payloads",
         "timer",
         "tries",
+        "waiters",
         "written",
     )
 
@@ -403,6 +410,7 @@ class _PushBucket:
         self.mature = array("d")
         self.tries = array(_U32)
         self.written: asyncio.Future[None] = loop.create_future()
+        self.waiters: list[asyncio.Future[None]] = []
         self.timer: asyncio.TimerHandle | None = None
         self.checking = False
         self.flush_at = 0.0
@@ -579,11 +587,16 @@ class BucketStore(Store):
                 self._seal(bucket)
         if self._settings.ack_on_buffer:
             return [True] * len(entries)
+        waiters = []
         for bucket in touched.values():
             if not bucket.checking and self._filling.get(bucket.key) is bucket:
                 bucket.checking = True
                 loop.call_soon(self._seal_when_quiet, bucket, len(bucket.payloads))
-        await asyncio.gather(*(asyncio.shield(b.written) for b in touched.values()))
+            waiter = loop.create_future()
+            bucket.waiters.append(waiter)
+            waiters.append(waiter)
+        for waiter in waiters:
+            await waiter
         return [True] * len(entries)
 
     def _seal_when_quiet(self, bucket: _PushBucket, seen: int) -> None:
@@ -646,9 +659,15 @@ class BucketStore(Store):
                 for bucket in batch:
                     bucket.written.set_exception(exc)
                     bucket.written.exception()  # retrieved: the pushers re-raise it
+                    for waiter in bucket.waiters:
+                        if not waiter.done():
+                            waiter.set_exception(exc)
                 return
             for bucket in batch:
                 bucket.written.set_result(None)
+                for waiter in bucket.waiters:
+                    if not waiter.done():
+                        waiter.set_result(None)
             return
 
     async def flush(self) -> None:
@@ -786,7 +805,7 @@ class BucketStore(Store):
     ) -> list[Stored]:
         out = self._serve(n, time.time(), reserve_delay, touched)
         if len(out) < n and not self._closed:
-            await self._lease(n - len(out))
+            await self._lease(max(n - len(out), LEASE_AT_LEAST))
             out += self._serve(n - len(out), time.time(), reserve_delay, touched)
         return out
 
