@@ -273,6 +273,9 @@ class BucketStorage(ABC):
     Every method takes the queue name: a deadletter move inserts into another queue.
     """
 
+    async def prepare(self) -> None:
+        """Called before each queue's store is made (e.g. to create indexes on first use)."""
+
     @abstractmethod
     async def insert_buckets(self, queue: str, buckets: Sequence[NewBucket]) -> None:
         """Insert free buckets (owner ``""``), durably, all or none."""
@@ -1145,3 +1148,26 @@ class BucketStore(Store):
             if self._flusher is not None:
                 self._flusher.cancel()
                 await asyncio.gather(self._flusher, return_exceptions=True)
+
+
+def bucket_backend_options(base: Mapping[str, Any], *, without: str = "") -> dict[str, Any]:
+    """A database backend's options plus the bucket options, less one that buckets fix."""
+    return {**{k: v for k, v in base.items() if k != without}, **BUCKET_OPTIONS}
+
+
+class BucketBackend:
+    """Mixed in before a database's :class:`Backend`: one :class:`BucketStore` per queue over
+    that database's :class:`BucketStorage`, which ``use_storage`` installs."""
+
+    capabilities: ClassVar[Capabilities] = CAPABILITIES
+    settings: dict[str, Any]
+    bucket_settings: BucketSettings
+    _storage: BucketStorage
+
+    def use_storage(self, storage: BucketStorage) -> None:
+        self.bucket_settings = BucketSettings.parse(self.settings)
+        self._storage = storage
+
+    async def store(self, queue: str, options: QueueOptions) -> Store:
+        await self._storage.prepare()
+        return BucketStore(queue, options, self._storage, self.bucket_settings)

@@ -38,31 +38,25 @@ from __future__ import annotations
 import asyncio
 import os
 from collections.abc import Collection, Sequence
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar
 
 from pymongo import ASCENDING, ReturnDocument, UpdateOne
 from pymongo import errors as mongo_errors
 
 from ._mongo import DUPLICATE_KEY, Document, MongoBackend, mongo_errors_translated
 from ._mongo import Collection as MongoCollection
-from .base import Capabilities, Store
 from .bucket import (
-    BUCKET_OPTIONS,
-    CAPABILITIES,
     DELETE,
     RELEASE,
-    BucketSettings,
+    BucketBackend,
     BucketStorage,
-    BucketStore,
     Census,
     Lease,
     LeasedBucket,
     NewBucket,
     StateWrite,
+    bucket_backend_options,
 )
-
-if TYPE_CHECKING:
-    from ..options import QueueOptions
 
 BY_SCORE = [("queue", ASCENDING), ("score", ASCENDING), ("id", ASCENDING)]
 """The lease index, and the sort of every query on it: with ``queue`` fixed by the filter this
@@ -77,7 +71,7 @@ class MongoBucketStorage(BucketStorage):
         self._coll: MongoCollection = backend.collection("buckets")
         self._indexed: asyncio.Future[None] | None = None
 
-    async def ensure_index(self) -> None:
+    async def prepare(self) -> None:
         """Create the lease index once per backend; concurrent first uses share it."""
         if self._indexed is None:
             self._indexed = asyncio.ensure_future(self._create_index())
@@ -269,24 +263,17 @@ def _leased(doc: Document) -> LeasedBucket:
     return LeasedBucket(doc["_id"], bytes(doc["blob"]), bytes(doc["state"]), doc["owner"])
 
 
-class MongoBucketBackend(MongoBackend):
+class MongoBucketBackend(BucketBackend, MongoBackend):
     """``bucket-mongo``: the MongoDB options (url, client, database, prefix, signal transport,
     server selection timeout) plus the bucket options of
     :data:`aio_keuss.backends.bucket.BUCKET_OPTIONS` (seconds)."""
 
     name = "bucket-mongo"
-    capabilities: ClassVar[Capabilities] = CAPABILITIES
-    options: ClassVar[dict[str, Any]] = {
-        **{k: v for k, v in MongoBackend.options.items() if k != "transactions"},
-        **BUCKET_OPTIONS,
-    }
+    options: ClassVar[dict[str, Any]] = bucket_backend_options(
+        MongoBackend.options, without="transactions"
+    )
 
     def __init__(self, options: dict[str, Any]) -> None:
         # transactions tunes the per-message deadletter move only; buckets never use them
         super().__init__({**options, "transactions": False})
-        self.bucket_settings = BucketSettings.parse(self.settings)
-        self._storage = MongoBucketStorage(self)
-
-    async def store(self, queue: str, options: QueueOptions) -> Store:
-        await self._storage.ensure_index()
-        return BucketStore(queue, options, self._storage, self.bucket_settings)
+        self.use_storage(MongoBucketStorage(self))

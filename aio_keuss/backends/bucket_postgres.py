@@ -17,25 +17,19 @@ caller (see ``bucket.py``).
 from __future__ import annotations
 
 from collections.abc import Collection, Sequence
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar
 
-from .base import Capabilities, Store
 from .bucket import (
-    BUCKET_OPTIONS,
-    CAPABILITIES,
-    BucketSettings,
+    BucketBackend,
     BucketStorage,
-    BucketStore,
     Census,
     Lease,
     LeasedBucket,
     NewBucket,
     StateWrite,
+    bucket_backend_options,
 )
 from .postgres import _SCHEMA_LOCK, PostgresBackend, postgres_errors_translated
-
-if TYPE_CHECKING:
-    from ..options import QueueOptions
 
 _DDL = """
 DO $$ BEGIN
@@ -206,22 +200,19 @@ class PostgresBucketStorage(BucketStorage):
         return Census(int(row[0]), int(row[1]), int(row[2]), row[3])
 
 
-class PostgresBucketBackend(PostgresBackend):
+class PostgresBucketBackend(BucketBackend, PostgresBackend):
     """``bucket-postgres``: the postgres options (url, pool, schema, pool sizes) plus the
     bucket options of :data:`aio_keuss.backends.bucket.BUCKET_OPTIONS` (seconds)."""
 
     name = "bucket-postgres"
-    capabilities: ClassVar[Capabilities] = CAPABILITIES
-    options: ClassVar[dict[str, Any]] = {
-        **{k: v for k, v in PostgresBackend.options.items() if k != "durable_acks"},
-        **BUCKET_OPTIONS,
-    }
+    options: ClassVar[dict[str, Any]] = bucket_backend_options(
+        PostgresBackend.options, without="durable_acks"
+    )
 
     def __init__(self, options: dict[str, Any]) -> None:
         # durable_acks tunes the per-message tables only; bucket state has its own flusher
         super().__init__({**options, "durable_acks": True})
-        self.bucket_settings = BucketSettings.parse(self.settings)
-        self._storage = PostgresBucketStorage(self)
+        self.use_storage(PostgresBucketStorage(self))
 
     async def open(self) -> None:
         await super().open()
@@ -233,6 +224,3 @@ class PostgresBucketBackend(PostgresBackend):
         except BaseException:
             await self.close()
             raise
-
-    async def store(self, queue: str, options: QueueOptions) -> Store:
-        return BucketStore(queue, options, self._storage, self.bucket_settings)

@@ -16,25 +16,19 @@ reach any bucket's field with one HGET. Times come from the caller (see ``bucket
 from __future__ import annotations
 
 from collections.abc import Collection, Sequence
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar
 
 from ._redis import RedisBackend, Script, redis_errors_translated
-from .base import Capabilities, Store
 from .bucket import (
-    BUCKET_OPTIONS,
-    CAPABILITIES,
-    BucketSettings,
+    BucketBackend,
     BucketStorage,
-    BucketStore,
     Census,
     Lease,
     LeasedBucket,
     NewBucket,
     StateWrite,
+    bucket_backend_options,
 )
-
-if TYPE_CHECKING:
-    from ..options import QueueOptions
 
 # KEYS: bz, bb, bs, bo, br. ARGV: (id, score, count, blob, state) per bucket.
 _INSERT = Script("""
@@ -196,18 +190,13 @@ class RedisBucketStorage(BucketStorage):
         return Census(int(ready), int(scheduled), int(reserved), _float(low))
 
 
-class RedisBucketBackend(RedisBackend):
+class RedisBucketBackend(BucketBackend, RedisBackend):
     """``bucket-redis``: the Redis options (url, client, prefix, cluster) plus the bucket
     options of :data:`aio_keuss.backends.bucket.BUCKET_OPTIONS` (seconds)."""
 
     name = "bucket-redis"
-    capabilities: ClassVar[Capabilities] = CAPABILITIES
-    options: ClassVar[dict[str, Any]] = {**RedisBackend.options, **BUCKET_OPTIONS}
+    options: ClassVar[dict[str, Any]] = bucket_backend_options(RedisBackend.options)
 
     def __init__(self, options: dict[str, Any]) -> None:
         super().__init__(options)
-        self.bucket_settings = BucketSettings.parse(self.settings)
-        self._storage = RedisBucketStorage(self)
-
-    async def store(self, queue: str, options: QueueOptions) -> Store:
-        return BucketStore(queue, options, self._storage, self.bucket_settings)
+        self.use_storage(RedisBucketStorage(self))
