@@ -132,6 +132,7 @@ class Queue:
             self._rollback_batch, max_batch=batch, concurrency=depth
         )
         self._unsubscribe = signal.subscribe(name, self._on_signal)
+        store.on_visible(lambda mature: signal.insert(name, mature))
 
     async def _open(self) -> None:
         self._paused = await self._stats.is_paused(self.name)

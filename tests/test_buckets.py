@@ -249,6 +249,29 @@ async def test_ack_on_buffer_acknowledges_before_the_write(
         assert message is not None and message.payload == "quick"
 
 
+async def test_ack_on_buffer_wakes_a_consumer_elsewhere_once_written(
+    bucket_case: tuple[BackendCase, dict[str, Any]],
+) -> None:
+    """The insert signal sent at buffer time comes before other processes can see the
+    message; the one sent after the write must wake them, long before their poll."""
+    case, options = bucket_case
+    async with (
+        aio_keuss.connect(
+            case.name, **{**options, "bucket_max_wait": 0.3}, ack_on_buffer=True
+        ) as factory,
+        aio_keuss.connect(case.name, **options) as other,
+    ):
+        q = await factory.queue("buffered-wake")
+        elsewhere = await other.queue("buffered-wake", poll_interval=30)
+        waiting = asyncio.create_task(elsewhere.pop(timeout=10))
+        await asyncio.sleep(0.2)  # waiting, having found nothing
+        start = time.monotonic()
+        await q.push("written later")
+        message = await waiting
+        assert message is not None and message.payload == "written later"
+        assert time.monotonic() - start < 3  # woken by the write, not by its 30 s poll
+
+
 async def test_close_gives_leased_buckets_back_at_once(
     bucket_case: tuple[BackendCase, dict[str, Any]],
 ) -> None:

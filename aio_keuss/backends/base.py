@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import enum
 from abc import ABC, abstractmethod
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -197,6 +197,12 @@ class Store(ABC):
     ) -> list[KoResult]:
         """Release reservations after their delay, or move them to the deadletter queue."""
         raise NotSupportedError(f"{type(self).__name__} has no reserve")
+
+    def on_visible(self, listener: Callable[[float], None]) -> None:
+        """For stores that acknowledge inserts before other processes can see them
+        (``ack_on_buffer``): ``listener(earliest mature)`` is called once they can, so the
+        queue signals other processes then. Others ignore it: an acknowledged insert is
+        visible everywhere, and the queue signals at acknowledgement."""
 
     def default_ko_delay(self, tries: int | None) -> float:
         """Delay of a ko that gave none (``tries``: the holder's count, if known). Immediate

@@ -77,7 +77,7 @@ import sys
 import time
 from abc import ABC, abstractmethod
 from array import array
-from collections.abc import Collection, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from itertools import accumulate
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -564,6 +564,7 @@ class BucketStore(Store):
         self._leasing: asyncio.Future[None] | None = None
         self._storage_next: float | None = None
         self._flusher: asyncio.Task[None] | None = None
+        self._visible: Callable[[float], None] | None = None
 
     # push ---------------------------------------------------------------------------
 
@@ -601,6 +602,9 @@ class BucketStore(Store):
         for waiter in waiters:
             await waiter
         return [True] * len(entries)
+
+    def on_visible(self, listener: Callable[[float], None]) -> None:
+        self._visible = listener
 
     def _seal_when_quiet(self, bucket: _PushBucket, seen: int) -> None:
         """Durable mode: write a push bucket once a loop iteration added nothing to it."""
@@ -671,6 +675,8 @@ class BucketStore(Store):
                 for waiter in bucket.waiters:
                     if not waiter.done():
                         waiter.set_result(None)
+            if self._settings.ack_on_buffer and self._visible is not None:
+                self._visible(min(b.score for b in encoded))  # now other processes see them
             return
 
     async def flush(self) -> None:
