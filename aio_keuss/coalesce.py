@@ -1,11 +1,14 @@
 """Coalescing: concurrent calls on one queue share round trips.
 
-A call that finds a free slot (fewer than ``concurrency`` batches in flight, nobody queued)
+With ``run_in_caller`` (stores whose round trips pipeline, or that answer from memory), a
+call that finds a free slot (fewer than ``concurrency`` batches in flight, nobody queued)
 runs its own request at once, in the caller's task: nothing waits for company, the command
 is on the wire in the same loop iteration, and the reply wakes the caller directly. With a
 few clients this pipelines their round trips instead of serialising them. Calls that find
 every slot busy queue up; the next slot to free takes all of them (up to ``max_batch``) as
-one batch, run by a task.
+one batch, run by a task. Without it (stores where each call costs a durable commit) every
+call goes through a batch task, started on the next loop iteration, by which time the
+calls of every task ready in this one have joined it.
 
 Cancellation: a queued request cancelled before its batch starts is dropped; one whose
 caller is cancelled after the store did the work has its result handed to ``on_orphan``,
@@ -37,6 +40,7 @@ class Coalescer(Generic[Req, Res]):
         weight: Callable[[Req], int] = lambda _: 1,
         concurrency: int = 1,
         on_orphan: Callable[[Req, Res], None] | None = None,
+        run_in_caller: bool = True,
         uninterruptible: bool = False,
     ) -> None:
         self._run_batch = run
@@ -44,7 +48,7 @@ class Coalescer(Generic[Req, Res]):
         self._weight = weight
         self._concurrency = concurrency
         self._on_orphan = on_orphan
-        self._inline = on_orphan is None or uninterruptible
+        self._inline = run_in_caller and (on_orphan is None or uninterruptible)
         self._pending: deque[tuple[Req, asyncio.Future[Res]]] = deque()
         self._running = 0
         self._scheduled = False

@@ -105,9 +105,13 @@ class Queue:
         self._background: set[asyncio.Task[Any]] = set()
         self._consumers: set[Consumer] = set()
         batch, depth = options.max_batch, store.batch_concurrency
-        uninterruptible = store.uninterruptible
+        in_caller, uninterruptible = store.run_in_caller, store.uninterruptible
         self._inserts: Coalescer[list[Entry], list[bool]] = Coalescer(
-            self._insert_batch, max_batch=batch, weight=len, concurrency=depth
+            self._insert_batch,
+            max_batch=batch,
+            weight=len,
+            concurrency=depth,
+            run_in_caller=in_caller,
         )
         self._gets: Coalescer[int, FetchResult] = Coalescer(
             self._get_batch,
@@ -115,6 +119,7 @@ class Queue:
             weight=int,
             concurrency=depth,
             on_orphan=self._put_back_popped,
+            run_in_caller=in_caller,
             uninterruptible=uninterruptible,
         )
         self._reserves: Coalescer[int, FetchResult] = Coalescer(
@@ -123,13 +128,20 @@ class Queue:
             weight=int,
             concurrency=depth,
             on_orphan=self._put_back_reserved,
+            run_in_caller=in_caller,
             uninterruptible=uninterruptible,
         )
         self._commits: Coalescer[Ack, bool] = Coalescer(
-            self._commit_batch, max_batch=batch, concurrency=depth
+            self._commit_batch,
+            max_batch=batch,
+            concurrency=depth,
+            run_in_caller=in_caller,
         )
         self._rollbacks: Coalescer[Nack, KoResult] = Coalescer(
-            self._rollback_batch, max_batch=batch, concurrency=depth
+            self._rollback_batch,
+            max_batch=batch,
+            concurrency=depth,
+            run_in_caller=in_caller,
         )
         self._unsubscribe = signal.subscribe(name, self._on_signal)
         store.on_visible(lambda mature: signal.insert(name, mature))

@@ -164,6 +164,12 @@ class Store(ABC):
     batch_concurrency: ClassVar[int] = 1
     """How many coalesced batches of one kind may be in flight at once on this store."""
 
+    run_in_caller: bool = False
+    """True when a call that finds a free slot should run at once in its caller's task (see
+    ``coalesce.py``): right where round trips pipeline on one connection or the answer comes
+    from memory; wrong where every call costs a durable commit, which batching shares
+    (PostgreSQL, MongoDB)."""
+
     uninterruptible: bool = False
     """True when the primitives await nothing but replies that refuse cancellation (or
     nothing at all): a cancelled caller's pop / reserve then still completes, and the queue

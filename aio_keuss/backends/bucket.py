@@ -531,6 +531,7 @@ class BucketStore(Store):
     """The bucket logic over any :class:`BucketStorage` (see the module docstring)."""
 
     batch_concurrency: ClassVar[int] = 64
+    run_in_caller = True  # pushes share a bucket write, oks and kos are marks in memory
     """Many insert batches in flight share a push bucket; serving is mostly in memory."""
 
     def __init__(

@@ -109,6 +109,7 @@ def _stored(record: _Record, tries: int, mature: float) -> Stored:
 
 
 class MemoryStore(Store):
+    run_in_caller = True
     uninterruptible = True  # nothing is awaited inside a primitive
 
     def __init__(self, name: str, options: QueueOptions, backend: MemoryBackend) -> None:

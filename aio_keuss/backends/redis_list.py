@@ -61,7 +61,7 @@ class RedisListStore(Store):
 
     def __init__(self, name: str, options: QueueOptions, backend: RedisListBackend) -> None:
         super().__init__(name, options)
-        self.uninterruptible = backend.has_fast_lane
+        self.run_in_caller = self.uninterruptible = backend.has_fast_lane
         self._execute = backend.execute
         self._key = backend.key(name, "list")
 

@@ -363,7 +363,7 @@ class RedisOQStore(Store):
 
     def __init__(self, name: str, options: QueueOptions, backend: RedisOQBackend) -> None:
         super().__init__(name, options)
-        self.uninterruptible = backend.has_fast_lane
+        self.run_in_caller = self.uninterruptible = backend.has_fast_lane
         self._backend = backend
         self._keys = backend.queue_keys(name)
         self._insert_keys = [*self._keys, backend.key(name, "d")]

@@ -349,14 +349,14 @@ class RedisReliableStore(Store):
     object sit in its own processing list until ok / ko, or until recovery after its
     heartbeat stops."""
 
-    batch_concurrency: ClassVar[int] = 1
-    """One batch of a kind at a time: the store's scripts share one connection (``_Lane``),
-    and while a batch is in flight the next calls gather into a bigger one (measured: more
-    msgs/s than 2-4 overlapping smaller batches)."""
+    batch_concurrency: ClassVar[int] = 4
+    """Up to four calls of a kind in flight, pipelined on the fast lane, each run in its
+    caller's task; more calls gather into one batch (measured at 3 clients: about twice the
+    msgs/s of one batch at a time)."""
 
     def __init__(self, name: str, options: QueueOptions, backend: RedisReliableBackend) -> None:
         super().__init__(name, options)
-        self.uninterruptible = backend.has_fast_lane
+        self.run_in_caller = self.uninterruptible = backend.has_fast_lane
         self._backend = backend
         self._client = backend.client
         self.consumer = os.urandom(8).hex()
