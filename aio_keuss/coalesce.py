@@ -83,6 +83,12 @@ class Coalescer(Generic[Req, Res]):
 
     async def _run_inline(self, request: Req) -> Res:
         self._running += 1
+        if self._on_orphan is None:  # nothing to hand back: a plain await is enough
+            try:
+                (result,) = await self._run_batch([request])
+                return result
+            finally:
+                self._ran_inline()
         work = _RunToEnd(self._run_batch([request]))
         try:
             (result,) = await work
@@ -91,15 +97,18 @@ class Coalescer(Generic[Req, Res]):
                 raise work.held from None
             raise
         finally:
-            self._running -= 1
-            if self._pending:
-                self._schedule()
-            if self._inline_done is not None:
-                self._inline_done.set()
+            self._ran_inline()
         if work.held is not None:  # cancelled once the reply was in: the work is done
             self._orphan(request, result)
             raise work.held
         return result
+
+    def _ran_inline(self) -> None:
+        self._running -= 1
+        if self._pending:
+            self._schedule()
+        if self._inline_done is not None:
+            self._inline_done.set()
 
     def _schedule(self) -> None:
         # The batch task's first step runs on the next loop iteration, by which time every
