@@ -22,6 +22,7 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass
 from datetime import UTC, datetime
+from pathlib import Path
 from typing import Any
 
 import aio_keuss
@@ -298,7 +299,20 @@ def loop_name(choice: str) -> str:
     return "uvloop"
 
 
+def ensure_test_mongo() -> None:
+    """The MongoDB backends default to the local test server: start nx-27017 as the test
+    suite does when nothing answers on 127.0.0.1:27017 (stopped when the bench exits)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+    from mongo_server import start_mongo
+
+    reason = start_mongo()
+    if reason is not None:
+        raise SystemExit(reason)
+
+
 async def main(args: argparse.Namespace, loop: str) -> None:
+    if not args.url and any("mongo" in b for b in args.backend.split(",")):
+        ensure_test_mongo()
     rows: list[Row] = []
     for backend in args.backend.split(","):
         options = dict(DEFAULT_OPTIONS.get(backend, {}))
