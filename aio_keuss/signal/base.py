@@ -2,7 +2,10 @@
 
 The generic half lives here, once: subscribers in this process are told at once; other
 processes are told through a transport (Redis pub/sub, LISTEN/NOTIFY, ...) that a subclass
-provides with :meth:`SignalBus._publish` and by calling :meth:`SignalBus._receive`.
+provides with :meth:`SignalBus._publish` and by calling :meth:`SignalBus._receive`. A
+transport that listens in a loop of its own provides :meth:`SignalBus._listen`; the base
+runs it in one task per bus, restarts it with backoff when it fails, and waits in ``open``
+until it listens, so a push right after connect is heard.
 
 Insertion events for a queue are debounced per queue: the first one of a burst goes out at
 once, later ones within the window are folded into one trailing event carrying the earliest
@@ -13,6 +16,7 @@ Signals are hints: a lost one costs a consumer at most its poll interval.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 from collections.abc import Callable
@@ -24,6 +28,11 @@ import orjson
 log = logging.getLogger("aio_keuss.signal")
 
 SignalKind = Literal["insert", "pause", "resume"]
+
+RECONNECT_FIRST = 0.05
+RECONNECT_CAP = 2.0
+OPEN_WAIT = 5.0
+"""Longest ``open`` waits for the listener to be in place."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,14 +55,28 @@ class SignalBus:
         self._windows: dict[str, float | None] = {}
         self._publishing: set[asyncio.Task[None]] = set()
         self._closed = False
+        self._listener: asyncio.Task[None] | None = None
+        self._listening = asyncio.Event()
+        self._backoff = RECONNECT_FIRST
 
     async def open(self) -> None:
-        """Start the transport's listener, if any."""
+        """Start the transport's listener, if it has one, and wait until it listens."""
+        if type(self)._listen is SignalBus._listen:
+            return
+        self._listener = asyncio.get_running_loop().create_task(self._listen_forever())
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(OPEN_WAIT):
+                await self._listening.wait()
 
     async def close(self) -> None:
         self._closed = True
         if self._publishing:
             await asyncio.gather(*self._publishing, return_exceptions=True)
+        if self._listener is not None:
+            self._listener.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._listener
+            self._listener = None
 
     def subscribe(self, queue: str, listener: Listener) -> Callable[[], None]:
         self._listeners.setdefault(queue, set()).add(listener)
@@ -86,6 +109,30 @@ class SignalBus:
         self._send(signal)
 
     # transport side -------------------------------------------------------------------
+
+    async def _listen(self) -> None:
+        """Connect, call :meth:`_listening_now` once listening, then feed :meth:`_receive`
+        until the connection fails (raise) or ends (return); it is then started again."""
+
+    def _listening_now(self) -> None:
+        """The listener is (again) in place. After an outage every local queue is woken,
+        since signals sent meanwhile were missed."""
+        self._backoff = RECONNECT_FIRST
+        if self._listening.is_set():
+            for queue in list(self._listeners):
+                self._deliver(Signal(queue, "insert"))
+        self._listening.set()
+
+    async def _listen_forever(self) -> None:
+        while True:
+            try:
+                await self._listen()
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # any failure means: reconnect
+                log.warning("%s listener failed (%s); retrying", type(self).__name__, exc)
+            await asyncio.sleep(self._backoff)
+            self._backoff = min(self._backoff * 2, RECONNECT_CAP)
 
     async def _publish(self, payload: bytes) -> None:
         """Send one encoded signal to other processes; the local bus has none to tell."""

@@ -18,8 +18,6 @@ signalled meanwhile is lost.
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import logging
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
@@ -28,17 +26,13 @@ from pymongo import CursorType
 from pymongo import errors as mongo_errors
 
 from ..backends._mongo import mongo_errors_translated
-from .base import Signal, SignalBus
+from .base import SignalBus
 
 if TYPE_CHECKING:
     from ..backends._mongo import Collection, MongoBackend
 
 log = logging.getLogger("aio_keuss.signal")
 
-RECONNECT_FIRST = 0.05
-RECONNECT_CAP = 2.0
-OPEN_WAIT = 5.0
-"""Longest ``open`` waits for the listener, so a push right after connect is seen."""
 SIGNAL_TTL = 60
 CAPPED_SIZE = 1 << 20
 NAMESPACE_EXISTS = 48
@@ -51,48 +45,22 @@ class MongoSignalBus(SignalBus):
         self._capped = backend.settings["signal_transport"] == "capped"
         parts = ("signals", "capped") if self._capped else ("signals",)
         self._coll: Collection = backend.collection(*parts)
-        self._listener: asyncio.Task[None] | None = None
-        self._listening = asyncio.Event()
-        self._backoff = RECONNECT_FIRST
-
-    async def open(self) -> None:
-        self._listener = asyncio.get_running_loop().create_task(self._listen_forever())
-        with contextlib.suppress(TimeoutError):
-            async with asyncio.timeout(OPEN_WAIT):
-                await self._listening.wait()
-
-    async def close(self) -> None:
-        await super().close()
-        if self._listener is not None:
-            self._listener.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._listener
-            self._listener = None
 
     async def _publish(self, payload: bytes) -> None:
         with mongo_errors_translated():
             await self._coll.insert_one({"p": payload.decode(), "t": datetime.now(UTC)})
 
-    async def _listen_forever(self) -> None:
-        """Listen; on any failure back off (doubling, capped) and start again."""
-        while True:
-            try:
-                if self._capped:
-                    await self._tail()
-                else:
-                    await self._watch()
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:  # any failure means: reconnect
-                log.warning("mongo signal listener failed (%s); retrying", exc)
-            await asyncio.sleep(self._backoff)
-            self._backoff = min(self._backoff * 2, RECONNECT_CAP)
+    async def _listen(self) -> None:
+        if self._capped:
+            await self._tail()
+        else:
+            await self._watch()
 
     async def _watch(self) -> None:
         await self._coll.create_index("t", expireAfterSeconds=SIGNAL_TTL)
         pipeline = [{"$match": {"operationType": "insert"}}]
         async with await self._coll.watch(pipeline) as stream:
-            self._on_listening()
+            self._listening_now()
             async for change in stream:
                 self._feed(change.get("fullDocument"))
 
@@ -113,7 +81,7 @@ class MongoSignalBus(SignalBus):
         cursor = self._coll.find(
             {"_id": {"$gt": last["_id"]}}, cursor_type=CursorType.TAILABLE_AWAIT
         )
-        self._on_listening()
+        self._listening_now()
         try:
             while cursor.alive:
                 async for doc in cursor:
@@ -126,12 +94,3 @@ class MongoSignalBus(SignalBus):
         payload = doc.get("p") if isinstance(doc, dict) else None
         if isinstance(payload, str | bytes):
             self._receive(payload)
-
-    def _on_listening(self) -> None:
-        """(Re)connected: after an outage wake every local queue, since signals sent
-        meanwhile were missed."""
-        self._backoff = RECONNECT_FIRST
-        if self._listening.is_set():
-            for queue in list(self._listeners):
-                self._deliver(Signal(queue, "insert"))
-        self._listening.set()
