@@ -2,10 +2,15 @@
 
 The generic half lives here, once: subscribers in this process are told at once; other
 processes are told through a transport (Redis pub/sub, LISTEN/NOTIFY, ...) that a subclass
-provides with :meth:`SignalBus._publish` and by calling :meth:`SignalBus._receive`. A
-transport that listens in a loop of its own provides :meth:`SignalBus._listen`; the base
-runs it in one task per bus, restarts it with backoff when it fails, and waits in ``open``
-until it listens, so a push right after connect is heard.
+provides with :meth:`SignalBus._publish` and by calling :meth:`SignalBus._receive`.
+
+A transport that must hold a connection open to hear the others provides
+:meth:`SignalBus._listen`, and the lifecycle around it is the base's, the same for every
+database: one task per bus; ``open`` waits until it listens, so a push made right after
+``connect`` returns is heard (or raises, if it cannot listen at all); a lost connection is
+reopened with capped exponential backoff while consumers keep going on their poll interval,
+and once it listens again every local queue is woken, since what was signalled meanwhile
+went unheard; ``close`` cancels it.
 
 Insertion events for a queue are debounced per queue: the first one of a burst goes out at
 once, later ones within the window are folded into one trailing event carrying the earliest
@@ -16,7 +21,6 @@ Signals are hints: a lost one costs a consumer at most its poll interval.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import os
 from collections.abc import Callable
@@ -56,27 +60,43 @@ class SignalBus:
         self._publishing: set[asyncio.Task[None]] = set()
         self._closed = False
         self._listener: asyncio.Task[None] | None = None
-        self._listening = asyncio.Event()
+        self._listening = asyncio.Event()  # set once the listener has listened
+        self._opening = False  # while ``open`` waits for it
+        self._failing = False
         self._backoff = RECONNECT_FIRST
 
     async def open(self) -> None:
-        """Start the transport's listener, if it has one, and wait until it listens."""
+        """Start the transport's listener, if it has one, and wait until it listens.
+
+        A listener that fails before it ever listened fails ``open`` with its error: the
+        server refused it, or cannot do it (change streams on a standalone MongoDB). One
+        that is merely slow is left to come up while consumers poll.
+        """
         if type(self)._listen is SignalBus._listen:
             return
-        self._listener = asyncio.get_running_loop().create_task(self._listen_forever())
-        with contextlib.suppress(TimeoutError):
-            async with asyncio.timeout(OPEN_WAIT):
-                await self._listening.wait()
+        listener = asyncio.get_running_loop().create_task(self._listen_forever())
+        self._listener = listener
+        listening = asyncio.ensure_future(self._listening.wait())
+        self._opening = True
+        try:
+            await asyncio.wait(
+                (listener, listening), timeout=OPEN_WAIT, return_when=asyncio.FIRST_COMPLETED
+            )
+        except BaseException:
+            await self._stop_listener()
+            raise
+        finally:
+            self._opening = False
+            listening.cancel()
+        if listener.done():
+            self._listener = None
+            listener.result()
 
     async def close(self) -> None:
         self._closed = True
         if self._publishing:
             await asyncio.gather(*self._publishing, return_exceptions=True)
-        if self._listener is not None:
-            self._listener.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._listener
-            self._listener = None
+        await self._stop_listener()
 
     def subscribe(self, queue: str, listener: Listener) -> Callable[[], None]:
         self._listeners.setdefault(queue, set()).add(listener)
@@ -110,29 +130,48 @@ class SignalBus:
 
     # transport side -------------------------------------------------------------------
 
-    async def _listen(self) -> None:
-        """Connect, call :meth:`_listening_now` once listening, then feed :meth:`_receive`
-        until the connection fails (raise) or ends (return); it is then started again."""
+    async def _listen(self, ready: Callable[[], None]) -> None:
+        """Connect, call ``ready()`` once listening, then feed :meth:`_receive` until the
+        connection fails (raise) or ends (return); the base then starts it again.
 
-    def _listening_now(self) -> None:
-        """The listener is (again) in place. After an outage every local queue is woken,
-        since signals sent meanwhile were missed."""
+        Raise aio_keuss errors (translate the driver's): a first attempt's error is what
+        ``open`` raises. The base never calls this one: a bus without it has no listener.
+        """
+
+    def _ready(self) -> None:
+        """The listener is (again) in place. Every local queue is woken, since signals sent
+        while it was away went unheard (on the first call there is no local queue yet)."""
         self._backoff = RECONNECT_FIRST
-        if self._listening.is_set():
-            for queue in list(self._listeners):
-                self._deliver(Signal(queue, "insert"))
+        if self._failing:
+            log.info("%s listener is back", type(self).__name__)
+            self._failing = False
+        for queue in list(self._listeners):
+            self._deliver(Signal(queue, "insert"))
         self._listening.set()
 
     async def _listen_forever(self) -> None:
         while True:
             try:
-                await self._listen()
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:  # any failure means: reconnect
-                log.warning("%s listener failed (%s); retrying", type(self).__name__, exc)
+                await self._listen(self._ready)
+                reason = "connection ended"
+            except Exception as exc:
+                if self._opening and not self._listening.is_set():
+                    raise  # it cannot listen at all: ``open`` raises this
+                reason = str(exc) or type(exc).__name__
+            # one warning per outage, not one per attempt while the server is away
+            level = logging.DEBUG if self._failing else logging.WARNING
+            log.log(level, "%s listener lost (%s); retrying", type(self).__name__, reason)
+            self._failing = True
             await asyncio.sleep(self._backoff)
             self._backoff = min(self._backoff * 2, RECONNECT_CAP)
+
+    async def _stop_listener(self) -> None:
+        listener, self._listener = self._listener, None
+        if listener is not None:
+            listener.cancel()
+            await asyncio.wait((listener,))  # our own caller's cancellation still propagates
+            if not listener.cancelled():
+                listener.exception()  # it failed meanwhile: seen, so not logged at exit
 
     async def _publish(self, payload: bytes) -> None:
         """Send one encoded signal to other processes; the local bus has none to tell."""

@@ -18,7 +18,7 @@ signalled meanwhile is lost.
 
 from __future__ import annotations
 
-import logging
+from collections.abc import Callable
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
@@ -30,8 +30,6 @@ from .base import SignalBus
 
 if TYPE_CHECKING:
     from ..backends._mongo import Collection, MongoBackend
-
-log = logging.getLogger("aio_keuss.signal")
 
 SIGNAL_TTL = 60
 CAPPED_SIZE = 1 << 20
@@ -50,21 +48,22 @@ class MongoSignalBus(SignalBus):
         with mongo_errors_translated():
             await self._coll.insert_one({"p": payload.decode(), "t": datetime.now(UTC)})
 
-    async def _listen(self) -> None:
-        if self._capped:
-            await self._tail()
-        else:
-            await self._watch()
+    async def _listen(self, ready: Callable[[], None]) -> None:
+        with mongo_errors_translated():
+            if self._capped:
+                await self._tail(ready)
+            else:
+                await self._watch(ready)
 
-    async def _watch(self) -> None:
+    async def _watch(self, ready: Callable[[], None]) -> None:
         await self._coll.create_index("t", expireAfterSeconds=SIGNAL_TTL)
         pipeline = [{"$match": {"operationType": "insert"}}]
         async with await self._coll.watch(pipeline) as stream:
-            self._listening_now()
+            ready()
             async for change in stream:
                 self._feed(change.get("fullDocument"))
 
-    async def _tail(self) -> None:
+    async def _tail(self, ready: Callable[[], None]) -> None:
         try:
             await self._backend.db.create_collection(self._coll.name, capped=True, size=CAPPED_SIZE)
         except mongo_errors.CollectionInvalid:
@@ -81,7 +80,7 @@ class MongoSignalBus(SignalBus):
         cursor = self._coll.find(
             {"_id": {"$gt": last["_id"]}}, cursor_type=CursorType.TAILABLE_AWAIT
         )
-        self._listening_now()
+        ready()
         try:
             while cursor.alive:
                 async for doc in cursor:

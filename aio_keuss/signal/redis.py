@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from ..backends._redis import redis_errors_translated
@@ -30,18 +31,19 @@ class RedisSignalBus(SignalBus):
         with redis_errors_translated():
             await self._client.publish(self.channel, payload)
 
-    async def _listen(self) -> None:
+    async def _listen(self, ready: Callable[[], None]) -> None:
         pubsub: Any = self._client.pubsub()
         try:
-            await pubsub.subscribe(self.channel)
-            while True:
-                message = await pubsub.get_message(timeout=None)
-                if message is None:
-                    continue
-                if message["type"] == "message":
-                    self._receive(message["data"])
-                elif message["type"] == "subscribe":
-                    self._listening_now()
+            with redis_errors_translated():
+                await pubsub.subscribe(self.channel)
+                while True:
+                    message = await pubsub.get_message(timeout=None)
+                    if message is None:
+                        continue
+                    if message["type"] == "message":
+                        self._receive(message["data"])
+                    elif message["type"] == "subscribe":
+                        ready()
         finally:
             with contextlib.suppress(Exception):
                 await asyncio.shield(pubsub.aclose())

@@ -1,0 +1,129 @@
+"""The listener lifecycle the signal bus base runs for every transport, on a scripted one
+(no database involved): each bus module relies on it for open, reconnect and close."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+
+import pytest
+
+from aio_keuss.errors import KeussConnectionError
+from aio_keuss.signal import base
+from aio_keuss.signal.base import Signal, SignalBus
+
+
+class ScriptedBus(SignalBus):
+    """Each connection attempt does what the next script word says: ``listen`` (until
+    :meth:`drop`), ``fail`` at once, ``slow`` (listen after a while), or ``stall`` (fail
+    after a while, never having listened)."""
+
+    def __init__(self, *script: str) -> None:
+        super().__init__(debounce=0.0)
+        self.script = list(script)
+        self.backoffs: list[float] = []
+        self.running = 0
+        self._drop = asyncio.Event()
+
+    async def _listen(self, ready: Callable[[], None]) -> None:
+        self.backoffs.append(self._backoff)
+        word = self.script.pop(0) if self.script else "listen"
+        self.running += 1
+        try:
+            if word == "fail":
+                raise KeussConnectionError("refused")
+            if word in ("slow", "stall"):
+                await asyncio.sleep(0.2)
+            if word == "stall":
+                raise KeussConnectionError("gave up")
+            self._drop = asyncio.Event()
+            ready()
+            await self._drop.wait()
+            raise KeussConnectionError("dropped")
+        finally:
+            self.running -= 1
+
+    def drop(self) -> None:
+        self._drop.set()
+
+
+async def _until(condition: Callable[[], bool], within: float = 2.0) -> None:
+    async with asyncio.timeout(within):
+        while not condition():  # noqa: ASYNC110
+            await asyncio.sleep(0.01)
+
+
+async def test_a_bus_without_listener_opens_at_once() -> None:
+    bus = SignalBus()
+    await bus.open()
+    assert bus._listener is None
+    await bus.close()
+
+
+async def test_open_returns_once_listening() -> None:
+    bus = ScriptedBus("slow")
+    await bus.open()
+    assert bus._listening.is_set() and bus.running == 1
+    await bus.close()
+    assert bus.running == 0 and bus._listener is None
+
+
+async def test_a_listener_that_cannot_start_fails_open() -> None:
+    bus = ScriptedBus("fail")
+    with pytest.raises(KeussConnectionError, match="refused"):
+        await bus.open()
+    assert bus.backoffs == [base.RECONNECT_FIRST]  # not retried behind open's back
+    assert bus._listener is None
+    await bus.close()
+
+
+async def test_a_slow_listener_is_left_to_come_up(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(base, "OPEN_WAIT", 0.05)
+    bus = ScriptedBus("stall", "listen")
+    await bus.open()  # gave up waiting: consumers poll meanwhile
+    assert not bus._listening.is_set()
+    await _until(bus._listening.is_set)  # its failure after open was retried, not raised
+    assert len(bus.backoffs) == 2
+    await bus.close()
+
+
+async def test_reconnects_with_capped_backoff_and_wakes_every_queue(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setattr(base, "RECONNECT_CAP", 0.2)
+    bus = ScriptedBus("listen", "fail", "fail", "fail", "listen")
+    await bus.open()
+    woken: list[Signal] = []
+    bus.subscribe("a", woken.append)
+    bus.subscribe("b", woken.append)
+    caplog.set_level(logging.DEBUG, logger="aio_keuss.signal")
+    bus.drop()
+    await _until(lambda: len(bus.backoffs) == 5 and bus.running == 1)
+    assert bus.backoffs == [0.05, 0.1, 0.2, 0.2, 0.2]
+    assert sorted(s.queue for s in woken) == ["a", "b"]  # what was sent meanwhile is lost
+    assert all(s == Signal(s.queue, "insert") for s in woken)
+    assert bus._backoff == base.RECONNECT_FIRST
+    levels = [r.levelno for r in caplog.records if r.name == "aio_keuss.signal"]
+    assert levels.count(logging.WARNING) == 1  # once per outage, not per attempt
+    assert levels[-1] == logging.INFO  # and once when it is back
+    await bus.close()
+    assert bus.running == 0
+
+
+async def test_close_during_backoff_and_cancelled_open_leave_no_task() -> None:
+    bus = ScriptedBus("listen", "fail")
+    await bus.open()
+    bus.drop()
+    await _until(lambda: len(bus.backoffs) == 2)  # now asleep before the third attempt
+    listener = bus._listener
+    await bus.close()
+    assert listener is not None and listener.cancelled()
+
+    stuck = ScriptedBus("slow")
+    opening = asyncio.create_task(stuck.open())
+    await _until(lambda: stuck.running == 1)
+    opening.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await opening
+    assert stuck.running == 0 and stuck._listener is None
