@@ -419,16 +419,7 @@ def push_rows(spec: WriteSpec, rows: Iterable[Any], id_base: str | None) -> int:
 def push_arrow_batches(spec: WriteSpec, batches: Iterable[Any], id_base: str | None) -> int:
     """Like :func:`push_rows` for Arrow record batches: ``to_pylist`` builds the row dicts
     in C, several times faster than Spark's Row objects."""
-    if not spec.idempotent or spec.id_column is not None:
-        id_base = None
-    elif id_base is None:
-        raise ConfigError("idempotent pushes need an id base (job key and partition)")
-    pusher = _Pusher(spec, id_base)
-    for batch in batches:
-        for row in batch.to_pylist():
-            pusher.add(row)
-    pusher.flush()
-    return pusher.pushed
+    return push_rows(spec, (row for batch in batches for row in batch.to_pylist()), id_base)
 
 
 def task_partition() -> int:

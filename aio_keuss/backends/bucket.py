@@ -387,9 +387,9 @@ def split_id(message_id: str) -> tuple[str, int] | None:
 
 
 class _PushBucket:
-    """A bucket being filled in memory; ``written`` resolves when it is durable, and so does
-    each pusher's own future in ``waiters`` (one per pusher rather than a shield of the shared
-    future each: a cancelled pusher cancels only its own)."""
+    """A bucket being filled in memory. Whoever waits for it to be durable (a pusher, a
+    flush) gets a future of its own in ``waiters`` rather than a shield of a shared one: a
+    cancelled waiter cancels only its own."""
 
     __slots__ = (
         "checking",
@@ -402,21 +402,34 @@ class _PushBucket:
         "timer",
         "tries",
         "waiters",
-        "written",
     )
 
-    def __init__(self, key: int, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(self, key: int) -> None:
         self.id = new_bucket_id()
         self.key = key
         self.payloads: list[bytes] = []
         self.headers: list[bytes] = []
         self.mature = array("d")
         self.tries = array(_U32)
-        self.written: asyncio.Future[None] = loop.create_future()
         self.waiters: list[asyncio.Future[None]] = []
         self.timer: asyncio.TimerHandle | None = None
         self.checking = False
         self.flush_at = 0.0
+
+    def written(self) -> asyncio.Future[None]:
+        """A future of the caller's own, resolved (or failed) when the bucket is written."""
+        waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self.waiters.append(waiter)
+        return waiter
+
+    def settle(self, error: Exception | None) -> None:
+        for waiter in self.waiters:
+            if waiter.done():  # its waiter was cancelled
+                continue
+            if error is None:
+                waiter.set_result(None)
+            else:
+                waiter.set_exception(error)
 
     def add(self, entry: Entry, mature: float) -> int:
         slot = len(self.payloads)
@@ -583,7 +596,7 @@ class BucketStore(Store):
             key = READY_KEY if mature <= now else int(mature / DELAY_GRANULE)
             bucket = self._filling.get(key)
             if bucket is None:
-                bucket = self._filling[key] = _PushBucket(key, loop)
+                bucket = self._filling[key] = _PushBucket(key)
                 bucket.flush_at = now + self._settings.bucket_max_wait
                 bucket.timer = loop.call_later(self._settings.bucket_max_wait, self._seal, bucket)
             entry.id = f"{bucket.id}-{bucket.add(entry, mature)}"
@@ -597,9 +610,7 @@ class BucketStore(Store):
             if not bucket.checking and self._filling.get(bucket.key) is bucket:
                 bucket.checking = True
                 loop.call_soon(self._seal_when_quiet, bucket, len(bucket.payloads))
-            waiter = loop.create_future()
-            bucket.waiters.append(waiter)
-            waiters.append(waiter)
+            waiters.append(bucket.written())
         for waiter in waiters:
             await waiter
         return [True] * len(entries)
@@ -665,17 +676,10 @@ class BucketStore(Store):
                         exc,
                     )
                 for bucket in batch:
-                    bucket.written.set_exception(exc)
-                    bucket.written.exception()  # retrieved: the pushers re-raise it
-                    for waiter in bucket.waiters:
-                        if not waiter.done():
-                            waiter.set_exception(exc)
+                    bucket.settle(exc)
                 return
             for bucket in batch:
-                bucket.written.set_result(None)
-                for waiter in bucket.waiters:
-                    if not waiter.done():
-                        waiter.set_result(None)
+                bucket.settle(None)
             if self._settings.ack_on_buffer and self._visible is not None:
                 self._visible(min(b.score for b in encoded))  # now other processes see them
             return
@@ -685,7 +689,7 @@ class BucketStore(Store):
         for bucket in list(self._filling.values()):
             self._seal(bucket)
         pending = list(self._sealed)
-        waits = [asyncio.shield(b.written) for b in pending]
+        waits = [b.written() for b in pending]
         while self._writer_tasks:
             await asyncio.gather(*self._writer_tasks, return_exceptions=True)
         await asyncio.gather(*waits)
