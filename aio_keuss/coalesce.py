@@ -89,7 +89,7 @@ class Coalescer(Generic[Req, Res]):
                 return result
             finally:
                 self._ran_inline()
-        work = _RunToEnd(self._run_batch([request]))
+        work = RunToEnd(self._run_batch([request]))
         try:
             (result,) = await work
         except Exception:
@@ -170,7 +170,7 @@ class Coalescer(Generic[Req, Res]):
             self._on_orphan(request, result)
 
 
-class _RunToEnd(Generic[T]):
+class RunToEnd(Generic[T]):
     """Awaits a coroutine in the current task, step by step, so that a cancellation thrown
     in while the awaited future already holds its result (a reply that refused to be
     cancelled) does not interrupt the work: it is held in ``held`` and the coroutine goes on

@@ -228,6 +228,57 @@ async def test_ko_without_delay_follows_keuss_retry_polynomial(
         assert await q.ok(third)
 
 
+async def test_durable_push_is_visible_elsewhere_once_acknowledged(
+    bucket_case: tuple[BackendCase, dict[str, Any]],
+) -> None:
+    """Every acknowledged push, from few or many concurrent pushers, is already stored:
+    another factory (another process, as far as storage goes) counts it at once."""
+    case, options = bucket_case
+    async with (
+        aio_keuss.connect(case.name, **options) as factory,
+        aio_keuss.connect(case.name, **options) as other,
+    ):
+        q, elsewhere = await factory.queue("durable"), await other.queue("durable")
+        for pushers in (1, 3, 40):
+            before = await elsewhere.total_size()
+            await asyncio.gather(*(q.push(i) for i in range(pushers)))
+            assert await elsewhere.total_size() == before + pushers
+        got = await _take_all(elsewhere)
+        assert len(got) == 44
+
+
+async def test_cancelled_pushers_never_strand_the_ones_sharing_their_write(
+    bucket_case: tuple[BackendCase, dict[str, Any]],
+) -> None:
+    """Pushers cancelled at every point of a shared bucket write: the others are still
+    acknowledged, an acknowledged push is stored, and nothing is stored twice."""
+    case, options = bucket_case
+    async with aio_keuss.connect(case.name, **options) as factory:
+        q = await factory.queue("cancelled-pushers")
+        acknowledged: set[int] = set()
+
+        async def push(value: int) -> None:
+            await q.push(value)
+            acknowledged.add(value)
+
+        value = 0
+        for round_no in range(30):
+            tasks = []
+            for _ in range(8):
+                tasks.append(asyncio.create_task(push(value)))
+                value += 1
+            for _ in range(round_no % 4):  # cancel at a different moment each round
+                await asyncio.sleep(0)
+            for task in tasks[::3]:
+                task.cancel()
+            done = await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), 10)
+            assert all(r is None or isinstance(r, asyncio.CancelledError) for r in done)
+        stored = [m.payload for m in await _take_all(q)]
+        assert len(stored) == len(set(stored))
+        assert acknowledged <= set(stored) <= set(range(value))
+        assert len(acknowledged) >= value // 2
+
+
 async def test_ack_on_buffer_acknowledges_before_the_write(
     bucket_case: tuple[BackendCase, dict[str, Any]],
 ) -> None:

@@ -82,7 +82,7 @@ def redis_errors_translated() -> _RedisErrorsTranslated:
 class _Reply(asyncio.Future[Any]):
     """The reply to a command already on the wire. Redis executes the command whatever the
     caller does, so cancelling the wait would only lose its result (messages a pop took):
-    a cancellation instead takes effect when the reply is in (see ``coalesce._RunToEnd``),
+    a cancellation instead takes effect when the reply is in (see ``coalesce.RunToEnd``),
     or after ``CANCEL_GRACE`` seconds if Redis does not answer."""
 
     _grace: asyncio.TimerHandle | None = None

@@ -29,13 +29,17 @@ A message id is ``f"{bucket_id}-{slot}"``, assigned by the store when it is push
 user-chosen, idempotent ids are not supported).
 
 Push: entries go to an in-memory *push bucket* (one for "ready now", one per 50 ms of
-mature time for delayed entries, so a delayed ko never holds fresh pushes). A push bucket is
-written as ONE storage unit when full, after ``bucket_max_wait``, or — in the default durable
-mode — as soon as the event loop went one iteration without new entries for it while pushers
-wait for it: sequential producers are not held for ``bucket_max_wait``, concurrent ones still
-share one write. A push returns only once its bucket is durable. ``ack_on_buffer=True`` is
-Keuss's trade-off instead: a push returns when buffered, and is lost if the process dies
-before the flush (a failed flush is retried a few times, then logged).
+mature time for delayed entries, so a delayed ko never holds fresh pushes). A push returns
+only once its bucket is durable; up to ``PUSH_WRITERS`` bucket writes are in flight at once.
+A pusher that finds a free write slot has its bucket written at once: by itself, in its own
+task, where the storage's round trips pipeline and refuse cancellation (the Redis fast lane:
+the write is on the wire in the same loop iteration), else by a writer task that starts on
+the next iteration and takes whatever the pushers of this one added. Pushes that find every
+slot busy fill a bucket that the next free writer takes (group commit): a few producers
+are not held for ``bucket_max_wait``, many share one write. ``ack_on_buffer=True`` is
+Keuss's trade-off instead: a push returns when buffered, and a bucket is written when full
+or after ``bucket_max_wait``; it is lost if the process dies before that (a failed write is
+retried a few times, then logged).
 
 Pop / reserve: serve from buckets leased into memory. Leasing atomically takes free buckets
 (and buckets whose lease expired) with ``score <= now``, sets ``owner`` to this store's token
@@ -82,7 +86,8 @@ from dataclasses import dataclass
 from itertools import accumulate
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from ..errors import ConfigError, InvalidInputError
+from ..coalesce import RunToEnd
+from ..errors import ConfigError, InvalidInputError, KeussError
 from ..message import append_headers
 from .base import (
     Ack,
@@ -137,12 +142,12 @@ MIN_GRACE = 0.1
 IDLE_RELEASE = 5.0
 """Seconds a leased bucket with deliverable messages may sit unused before it is released
 for other processes (a process that stopped consuming must not hold messages for ever)."""
-LEASE_MAX_BUCKETS = 16
+LEASE_MAX_BUCKETS = 64
+"""Most buckets one lease takes; it stops earlier once their messages cover the request."""
 LEASE_AT_LEAST = 64
 """Messages a lease asks for even when the caller wants fewer: buckets written by a few
-durable pushers hold a handful of messages each, and a lease round trip per handful would
+durable pushers hold a message or a handful each, and a lease round trip per handful would
 halve the pop rate. Buckets held but unused go back after ``IDLE_RELEASE``."""
-"""Most buckets one lease takes; it stops earlier once their messages cover the request."""
 WRITE_MAX_BUCKETS = 16
 """Most push buckets in one insert round trip."""
 PUSH_WRITERS = 4
@@ -273,6 +278,11 @@ class BucketStorage(ABC):
     Every method takes the queue name: a deadletter move inserts into another queue.
     """
 
+    uninterruptible: bool = False
+    """True when round trips pipeline on one connection and their replies refuse
+    cancellation (see ``Store.uninterruptible``): a pusher may then write its bucket in its
+    own task, since a cancelled pusher still finishes the write its fellows wait for."""
+
     async def prepare(self) -> None:
         """Called before each queue's store is made (e.g. to create indexes on first use)."""
 
@@ -392,7 +402,6 @@ class _PushBucket:
     cancelled waiter cancels only its own."""
 
     __slots__ = (
-        "checking",
         "flush_at",
         "headers",
         "id",
@@ -413,7 +422,6 @@ class _PushBucket:
         self.tries = array(_U32)
         self.waiters: list[asyncio.Future[None]] = []
         self.timer: asyncio.TimerHandle | None = None
-        self.checking = False
         self.flush_at = 0.0
 
     def written(self) -> asyncio.Future[None]:
@@ -569,6 +577,7 @@ class BucketStore(Store):
         self._sealed: list[_PushBucket] = []
         self._in_flight: set[_PushBucket] = set()  # sealed, insert round trip under way
         self._writers = 0
+        self._writer_starting = False
         self._writer_tasks: set[asyncio.Task[None]] = set()
         # pull side
         self._held_buckets: dict[str, _Leased] = {}
@@ -585,9 +594,9 @@ class BucketStore(Store):
     async def insert(self, entries: Sequence[Entry]) -> list[bool]:
         if not entries:
             return []
-        loop = asyncio.get_running_loop()
         now = time.time()
         size = self._settings.bucket_max_size
+        buffered = self._settings.ack_on_buffer
         touched: dict[int, _PushBucket] = {}
         for entry in entries:
             if entry.dedup:
@@ -597,68 +606,106 @@ class BucketStore(Store):
             bucket = self._filling.get(key)
             if bucket is None:
                 bucket = self._filling[key] = _PushBucket(key)
-                bucket.flush_at = now + self._settings.bucket_max_wait
-                bucket.timer = loop.call_later(self._settings.bucket_max_wait, self._seal, bucket)
+                if buffered:
+                    bucket.flush_at = now + self._settings.bucket_max_wait
+                    bucket.timer = asyncio.get_running_loop().call_later(
+                        self._settings.bucket_max_wait, self._seal, bucket
+                    )
             entry.id = f"{bucket.id}-{bucket.add(entry, mature)}"
             touched[id(bucket)] = bucket
             if len(bucket.payloads) >= size:
                 self._seal(bucket)
-        if self._settings.ack_on_buffer:
+        if buffered:
             return [True] * len(entries)
-        waiters = []
-        for bucket in touched.values():
-            if not bucket.checking and self._filling.get(bucket.key) is bucket:
-                bucket.checking = True
-                loop.call_soon(self._seal_when_quiet, bucket, len(bucket.payloads))
-            waiters.append(bucket.written())
+        waiters = [bucket.written() for bucket in touched.values()]
+        own = self._storage.uninterruptible and self._writers < PUSH_WRITERS
+        if own and (mine := [b for b in touched.values() if self._unfill(b)]):
+            await self._write_own(mine)
+        else:
+            self._start_writer()
         for waiter in waiters:
             await waiter
         return [True] * len(entries)
 
+    async def _write_own(self, buckets: list[_PushBucket]) -> None:
+        """Write these push buckets in the caller's task (see ``BucketStorage.uninterruptible``).
+        A cancellation that arrives meanwhile takes effect once the write is done."""
+        self._writers += 1
+        work = RunToEnd(self._write_push_buckets(buckets))
+        try:
+            await work
+        finally:
+            self._writer_done()
+        if work.held is not None:
+            raise work.held
+
     def on_visible(self, listener: Callable[[float], None]) -> None:
         self._visible = listener
 
-    def _seal_when_quiet(self, bucket: _PushBucket, seen: int) -> None:
-        """Durable mode: write a push bucket once a loop iteration added nothing to it."""
+    def _unfill(self, bucket: _PushBucket) -> bool:
+        """Take a bucket out of the filling ones; false if it was already."""
         if self._filling.get(bucket.key) is not bucket:
-            return
-        if len(bucket.payloads) == seen:
-            self._seal(bucket)
-        else:
-            asyncio.get_running_loop().call_soon(
-                self._seal_when_quiet, bucket, len(bucket.payloads)
-            )
-
-    def _seal(self, bucket: _PushBucket) -> None:
-        if self._filling.get(bucket.key) is not bucket:
-            return
+            return False
         del self._filling[bucket.key]
         if bucket.timer is not None:
             bucket.timer.cancel()
-        self._sealed.append(bucket)
-        if self._writers < PUSH_WRITERS:
-            self._writers += 1
-            task = asyncio.get_running_loop().create_task(self._write_sealed())
-            self._writer_tasks.add(task)
-            task.add_done_callback(self._writer_tasks.discard)
+        return True
+
+    def _seal(self, bucket: _PushBucket) -> None:
+        if self._unfill(bucket):
+            self._sealed.append(bucket)
+            self._start_writer()
+
+    def _start_writer(self) -> None:
+        """Start a writer task unless one is about to run (it takes what this loop iteration
+        adds) or every write slot is busy (the next one to free takes it)."""
+        if self._writer_starting or self._writers >= PUSH_WRITERS:
+            return
+        self._writers += 1
+        self._writer_starting = True
+        task = asyncio.get_running_loop().create_task(self._write_sealed())
+        self._writer_tasks.add(task)
+        task.add_done_callback(self._writer_tasks.discard)
+
+    def _writer_done(self) -> None:
+        self._writers -= 1
+        if self._sealed or (self._filling and not self._settings.ack_on_buffer):
+            self._start_writer()
 
     async def _write_sealed(self) -> None:
-        """Write sealed push buckets, several per round trip, until none is left."""
+        """Write push buckets, several per round trip, until none is left. In durable mode
+        every filling bucket is taken too: pushers wait for each."""
         try:
-            while self._sealed:
+            while True:
+                self._writer_starting = False
+                if not self._settings.ack_on_buffer:
+                    for bucket in list(self._filling.values()):
+                        self._seal(bucket)
+                if not self._sealed:
+                    return
                 batch, self._sealed = (
                     self._sealed[:WRITE_MAX_BUCKETS],
                     self._sealed[WRITE_MAX_BUCKETS:],
                 )
-                self._in_flight.update(batch)
-                try:
-                    await self._write_push_buckets(batch)
-                finally:
-                    self._in_flight.difference_update(batch)
+                await self._write_push_buckets(batch)
         finally:
             self._writers -= 1
 
     async def _write_push_buckets(self, batch: list[_PushBucket]) -> None:
+        """Write, then settle every waiter of the batch: with the outcome, or with an error
+        when the write itself is cancelled (loop shutdown), so that no pusher waits for ever."""
+        self._in_flight.update(batch)
+        try:
+            await self._insert_settling(batch)
+        except BaseException:
+            lost = KeussError("push interrupted: its bucket may or may not have been written")
+            for bucket in batch:
+                bucket.settle(lost)
+            raise
+        finally:
+            self._in_flight.difference_update(batch)
+
+    async def _insert_settling(self, batch: list[_PushBucket]) -> None:
         encoded = [b.encode() for b in batch]
         attempts = ACK_ON_BUFFER_RETRIES if self._settings.ack_on_buffer else 1
         for attempt in range(attempts):

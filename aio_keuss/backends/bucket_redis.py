@@ -146,6 +146,10 @@ class RedisBucketStorage(BucketStorage):
     def __init__(self, backend: RedisBackend) -> None:
         self._backend = backend
 
+    @property
+    def uninterruptible(self) -> bool:  # type: ignore[override]
+        return self._backend.has_fast_lane
+
     def _keys(self, queue: str) -> list[str]:
         key = self._backend.key
         return [key(queue, part) for part in ("bz", "bb", "bs", "bo", "br")]
