@@ -170,6 +170,16 @@ class Coalescer(Generic[Req, Res]):
             self._on_orphan(request, result)
 
 
+class Uncancellable(asyncio.Future[None]):
+    """Marks the end of work shared by several callers (a lease, a state write), for them to
+    await directly: a caller's cancellation cannot cancel it for the others, and under
+    :class:`RunToEnd` it takes effect once the work is done, like a reply that refuses to
+    be cancelled. Its owner always completes it."""
+
+    def cancel(self, msg: Any | None = None) -> bool:
+        return False
+
+
 class RunToEnd(Generic[T]):
     """Awaits a coroutine in the current task, step by step, so that a cancellation thrown
     in while the awaited future already holds its result (a reply that refused to be

@@ -22,6 +22,7 @@ import pytest
 from backends import CASES, BackendCase, new_token
 
 import aio_keuss
+from aio_keuss import KeussConnectionError
 from aio_keuss.backends.bucket import (
     BucketSettings,
     decode_blob,
@@ -40,6 +41,7 @@ BUCKET_CASES = [c for c in CASES if c.name.startswith("bucket-")]
 CHILD = r"""
 import asyncio, json, sys
 import aio_keuss
+from aio_keuss import KeussConnectionError
 
 async def main(mode, backend, options, queue, arg):
     factory = await aio_keuss.connect(backend, **json.loads(options))
@@ -277,6 +279,34 @@ async def test_cancelled_pushers_never_strand_the_ones_sharing_their_write(
         assert len(stored) == len(set(stored))
         assert acknowledged <= set(stored) <= set(range(value))
         assert len(acknowledged) >= value // 2
+
+
+async def test_a_failed_lease_gives_back_what_the_pop_took_from_memory(
+    bucket_case: tuple[BackendCase, dict[str, Any]],
+) -> None:
+    """A pop serves what memory holds, then leases for the rest: when that lease fails,
+    the slots already taken are available again (not lost as if popped)."""
+    case, options = bucket_case
+    async with aio_keuss.connect(case.name, **options, bucket_max_size=2) as factory:
+        q = await factory.queue("failed-lease")
+        await q.push_many(["a", "b"])
+        first = await q.pop(timeout=1)  # leases the bucket: "b" stays in memory
+        assert first is not None and first.payload == "a"
+        await q.push_many(["c", "d"])
+        storage = q._store._storage  # type: ignore[attr-defined]
+        real_lease = storage.lease
+
+        async def failing_lease(*args: Any, **kwargs: Any) -> Any:
+            raise KeussConnectionError("injected: the lease round trip failed")
+
+        storage.lease = failing_lease
+        try:
+            with pytest.raises(KeussConnectionError):
+                await q.pop_many(3, timeout=1)
+        finally:
+            storage.lease = real_lease
+        rest = await q.pop_many(10, timeout=1)
+        assert sorted(m.payload for m in rest) == ["b", "c", "d"]
 
 
 async def test_ack_on_buffer_acknowledges_before_the_write(

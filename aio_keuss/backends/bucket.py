@@ -50,7 +50,11 @@ before it. Pop is at-most-once even across a crash: the state of the touched buc
 written (one coalesced round trip) before the messages are returned; if that write finds the
 lease lost, those messages are not returned (their new holder will deliver them). Reserve
 marks slots handed out with an in-memory deadline (now + reserve_delay); that state is
-persisted lazily by the state flusher. ok / ko only change memory.
+persisted lazily by the state flusher. ok / ko only change memory. Where the storage's
+replies refuse cancellation (the Redis fast lane), pops and reserves run in the caller's
+task: callers sharing a lease or a state write await it as an :class:`Uncancellable`, so a
+cancelled caller still completes, and the queue puts back what it took. Slots served before
+a failed lease or state write are made available again, never lost.
 
 State flusher, every ``min(state_flush_period, reject_timeout_grace / 3)``: writes the state
 of every leased bucket that changed and renews every lease (score = now + grace) that needs
@@ -86,7 +90,7 @@ from dataclasses import dataclass
 from itertools import accumulate
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from ..coalesce import RunToEnd
+from ..coalesce import RunToEnd, Uncancellable
 from ..errors import ConfigError, InvalidInputError, KeussError
 from ..message import append_headers
 from .base import (
@@ -152,6 +156,8 @@ WRITE_MAX_BUCKETS = 16
 """Most push buckets in one insert round trip."""
 PUSH_WRITERS = 4
 """Insert round trips in flight at once per store."""
+PIPELINED_CALLS = 4
+"""Calls of one kind in flight at once where they run in the caller's task."""
 ACK_ON_BUFFER_RETRIES = 5
 
 _LITTLE = sys.byteorder == "little"
@@ -552,8 +558,9 @@ class BucketStore(Store):
     """The bucket logic over any :class:`BucketStorage` (see the module docstring)."""
 
     batch_concurrency: ClassVar[int] = 64
+    """Many calls in flight, each held for a durable round trip, share a push bucket or a
+    state write; serving is mostly in memory."""
     run_in_caller = True  # pushes share a bucket write, oks and kos are marks in memory
-    """Many insert batches in flight share a push bucket; serving is mostly in memory."""
 
     def __init__(
         self,
@@ -564,6 +571,13 @@ class BucketStore(Store):
     ) -> None:
         super().__init__(name, options)
         self._storage = storage
+        # Every await of a pop / reserve is a storage reply or an Uncancellable: with a
+        # storage whose replies refuse cancellation, they may run in the caller's task.
+        # There, as on the other Redis stores, a few calls in flight and the rest batched
+        # behind them beats one state write per pop.
+        self.uninterruptible = storage.uninterruptible
+        if self.uninterruptible:
+            self.batch_concurrency = PIPELINED_CALLS  # type: ignore[misc]
         self._settings = settings
         grace = settings.reject_timeout_grace
         self._grace = max(MIN_GRACE, options.reserve_delay * 0.8 if grace is None else grace)
@@ -747,9 +761,9 @@ class BucketStore(Store):
     async def _lease(self, want: int, ids: Sequence[str] | None = None) -> list[_Leased]:
         """Take more buckets into memory; concurrent callers share one lease in flight."""
         if ids is None and self._leasing is not None:
-            await asyncio.shield(self._leasing)
+            await self._leasing
             return []
-        future = asyncio.get_running_loop().create_future()
+        future = Uncancellable()
         if ids is None:
             self._leasing = future
         try:
@@ -866,7 +880,11 @@ class BucketStore(Store):
     ) -> list[Stored]:
         out = self._serve(n, time.time(), reserve_delay, touched)
         if len(out) < n and not self._closed:
-            await self._lease(max(n - len(out), LEASE_AT_LEAST))
+            try:
+                await self._lease(max(n - len(out), LEASE_AT_LEAST))
+            except BaseException:
+                self._unserve(out, touched)  # never handed to the caller
+                raise
             out += self._serve(n - len(out), time.time(), reserve_delay, touched)
         return out
 
@@ -877,22 +895,28 @@ class BucketStore(Store):
             try:
                 await self._sync(touched.values())
             except BaseException:
-                self._unpop(out, touched)
+                self._unserve(out, touched)
                 raise
             if any(b.lost for b in touched.values()):
                 # a bucket whose lease was lost meanwhile: its new holder delivers those
                 out = [m for m in out if not touched[m.id.rpartition("-")[0]].lost]
         return Fetched(out, self._next_mature())
 
-    def _unpop(self, messages: list[Stored], touched: dict[str, _Leased]) -> None:
-        """The pop's state write failed: its slots are available again, as they were."""
+    def _unserve(self, messages: list[Stored], touched: dict[str, _Leased]) -> None:
+        """Served slots that never reached the caller (a lease or the pop's state write
+        failed): available again, as they were."""
         for message in messages:
             bucket_id, _, slot_text = message.id.rpartition("-")
             bucket, slot = touched[bucket_id], int(slot_text)
-            if not bucket.live or bucket.states[slot] != DONE:
+            if not bucket.live:
+                continue
+            if bucket.states[slot] == DONE:
+                bucket.remaining += 1
+            elif bucket.states[slot] == HANDED_OUT:
+                del bucket.deadline[slot]
+            else:
                 continue
             bucket.states[slot] = AVAILABLE
-            bucket.remaining += 1
             bucket.version += 1
             heapq.heappush(self._ready, (bucket.mature[slot], bucket.seq, slot, bucket))
 
@@ -1049,13 +1073,14 @@ class BucketStore(Store):
                 return
             busy = {b.writing for b in targets if b.writing is not None}
             if busy:
-                await asyncio.gather(*(asyncio.shield(f) for f in busy), return_exceptions=True)
+                for future in busy:
+                    await future
                 continue
             await self._write(list(targets), final)
 
     async def _write(self, buckets: list[_Leased], final: Mapping[str, str]) -> None:
         """One round trip writing several buckets; see :class:`StateWrite`."""
-        future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        future = Uncancellable()
         now = time.time()
         writes, versions = [], []
         for bucket in buckets:
