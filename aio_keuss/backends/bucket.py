@@ -878,14 +878,27 @@ class BucketStore(Store):
     async def _fetch(
         self, n: int, reserve_delay: float | None, touched: dict[str, _Leased]
     ) -> list[Stored]:
+        if self.uninterruptible and reserve_delay is not None:
+            # Served from memory, a reserve in the caller's task need not suspend at all (a
+            # pop always does: it writes its state): a consumer loop would then hold the
+            # event loop for a whole bucket, starving the other consumers and everything
+            # else. Yield once, before taking anything.
+            await asyncio.sleep(0)
         out = self._serve(n, time.time(), reserve_delay, touched)
-        if len(out) < n and not self._closed:
+        for _ in range(2):
+            if len(out) >= n or self._closed:
+                break
+            # Waiting for another caller's lease, this one may find its buckets emptied by
+            # others by the time it runs again: then it leases for itself.
+            shared = self._leasing is not None
             try:
                 await self._lease(max(n - len(out), LEASE_AT_LEAST))
             except BaseException:
                 self._unserve(out, touched)  # never handed to the caller
                 raise
             out += self._serve(n - len(out), time.time(), reserve_delay, touched)
+            if not shared:
+                break
         return out
 
     async def get(self, n: int) -> Fetched:
