@@ -309,37 +309,6 @@ async def test_a_failed_lease_gives_back_what_the_pop_took_from_memory(
         assert sorted(m.payload for m in rest) == ["b", "c", "d"]
 
 
-async def test_consumers_share_a_leased_bucket_and_the_loop(
-    bucket_case: tuple[BackendCase, dict[str, Any]],
-) -> None:
-    """Reserves served from memory still let other tasks run: three consumers of big
-    buckets each get a fair share, and a task beside them is not starved."""
-    case, options = bucket_case
-    async with aio_keuss.connect(case.name, **options) as factory:
-        q = await factory.queue("fair")
-        await q.push_many(list(range(3000)))
-        ticks = 0
-        taken = [0, 0, 0]
-
-        async def ticker() -> None:
-            nonlocal ticks
-            while True:
-                ticks += 1
-                await asyncio.sleep(0)
-
-        async def consume(me: int) -> None:
-            while (message := await q.reserve(timeout=1)) is not None:
-                assert await q.ok(message)
-                taken[me] += 1
-
-        beside = asyncio.create_task(ticker())
-        await asyncio.gather(*(consume(i) for i in range(3)))
-        beside.cancel()
-        assert sum(taken) == 3000
-        assert min(taken) >= 300, taken
-        assert ticks >= 1000
-
-
 async def test_ack_on_buffer_acknowledges_before_the_write(
     bucket_case: tuple[BackendCase, dict[str, Any]],
 ) -> None:

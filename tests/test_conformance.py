@@ -114,6 +114,40 @@ async def test_cancelling_a_waiting_consumer_loses_nothing(queue: aio_keuss.Queu
     assert message is not None and message.payload == "precious"
 
 
+@pytest.mark.parametrize("op", ["pop", "reserve"])
+async def test_consumers_share_the_queue_and_the_loop(queue: aio_keuss.Queue, op: str) -> None:
+    """Calls answered from memory still let other tasks run: three consumers each get a
+    fair share, and a task beside them is not starved."""
+    if op == "reserve" and not queue.capabilities.reserve:
+        pytest.skip("no reserve")
+    total = 600
+    await queue.push_many(list(range(total)))
+    ticks = ticks_while_flowing = 0
+    taken = [0, 0, 0]
+
+    async def ticker() -> None:
+        nonlocal ticks
+        while True:
+            ticks += 1
+            await asyncio.sleep(0)
+
+    async def consume(me: int) -> None:
+        nonlocal ticks_while_flowing
+        while (message := await getattr(queue, op)(timeout=1)) is not None:
+            if op == "reserve":
+                assert await queue.ok(message)
+            taken[me] += 1
+            if sum(taken) == total:
+                ticks_while_flowing = ticks
+
+    beside = asyncio.create_task(ticker())
+    await asyncio.gather(*(consume(i) for i in range(3)))
+    beside.cancel()
+    assert sum(taken) == total
+    assert min(taken) >= total // 10, taken
+    assert ticks_while_flowing >= total // 10
+
+
 async def test_cancel_storm_during_traffic_loses_nothing(queue: aio_keuss.Queue) -> None:
     """Consumers cancelled at random points while messages flow: every message is
     either received by someone or still in the queue."""

@@ -8,6 +8,8 @@ primitive runs without awaiting, which is what makes it atomic on one event loop
 
 from __future__ import annotations
 
+import asyncio
+
 import heapq
 import itertools
 import time
@@ -141,6 +143,9 @@ class MemoryStore(Store):
         return results
 
     async def get(self, n: int) -> Fetched:
+        # Nothing here suspends: without this a consumer loop would run until the queue is
+        # empty, starving the other consumers and every other task. Yield before taking.
+        await asyncio.sleep(0)
         data = self._data
         messages = []
         for record in data.take_mature(n, time.time()):
@@ -150,6 +155,7 @@ class MemoryStore(Store):
         return Fetched(messages, data.next_mature())
 
     async def reserve(self, n: int, reserve_delay: float) -> Fetched:
+        await asyncio.sleep(0)  # as in get
         data = self._data
         now = time.time()
         messages = []
