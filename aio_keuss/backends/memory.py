@@ -9,7 +9,6 @@ primitive runs without awaiting, which is what makes it atomic on one event loop
 from __future__ import annotations
 
 import asyncio
-
 import heapq
 import itertools
 import time
