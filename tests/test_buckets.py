@@ -15,6 +15,7 @@ import subprocess
 import sys
 import time
 from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
@@ -309,16 +310,26 @@ async def test_a_failed_lease_gives_back_what_the_pop_took_from_memory(
         assert sorted(m.payload for m in rest) == ["b", "c", "d"]
 
 
-async def test_ack_on_buffer_acknowledges_before_the_write(
-    bucket_case: tuple[BackendCase, dict[str, Any]],
-) -> None:
-    case, options = bucket_case
+@asynccontextmanager
+async def _buffering_beside_durable(
+    case: BackendCase, options: dict[str, Any]
+) -> AsyncIterator[tuple[aio_keuss.Factory, aio_keuss.Factory]]:
+    """A factory acknowledging on buffer (written after 0.3 s), and one standing for
+    another process on the same storage."""
     async with (
         aio_keuss.connect(
             case.name, **{**options, "bucket_max_wait": 0.3}, ack_on_buffer=True
         ) as factory,
         aio_keuss.connect(case.name, **options) as other,
     ):
+        yield factory, other
+
+
+async def test_ack_on_buffer_acknowledges_before_the_write(
+    bucket_case: tuple[BackendCase, dict[str, Any]],
+) -> None:
+    case, options = bucket_case
+    async with _buffering_beside_durable(case, options) as (factory, other):
         q, seen_by_other = await factory.queue("buffered"), await other.queue("buffered")
         start = time.monotonic()
         await q.push("quick")
@@ -336,12 +347,7 @@ async def test_ack_on_buffer_wakes_a_consumer_elsewhere_once_written(
     """The insert signal sent at buffer time comes before other processes can see the
     message; the one sent after the write must wake them, long before their poll."""
     case, options = bucket_case
-    async with (
-        aio_keuss.connect(
-            case.name, **{**options, "bucket_max_wait": 0.3}, ack_on_buffer=True
-        ) as factory,
-        aio_keuss.connect(case.name, **options) as other,
-    ):
+    async with _buffering_beside_durable(case, options) as (factory, other):
         q = await factory.queue("buffered-wake")
         elsewhere = await other.queue("buffered-wake", poll_interval=30)
         waiting = asyncio.create_task(elsewhere.pop(timeout=10))
