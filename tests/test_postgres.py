@@ -11,7 +11,6 @@ import asyncio
 import contextlib
 import json
 import os
-import shutil
 import subprocess
 import sys
 import time
@@ -21,6 +20,7 @@ from typing import Any
 
 import pytest
 from backends import POSTGRES_URL, new_token
+from own_servers import OwnPostgres
 
 import aio_keuss
 from aio_keuss import KoResult
@@ -167,7 +167,7 @@ async def test_consumer_in_another_process_wakes_on_push(open_factory: Open, sch
     await q.push(time.time())
     result = await _result(waiter)
     # poll_interval is 30 s: only the NOTIFY explains a fast wake (typically a few ms).
-    assert result["latency"] < 0.5
+    assert result["latency"] < 15.0
 
 
 async def test_stats_and_list_from_a_second_factory(open_factory: Open) -> None:
@@ -276,20 +276,31 @@ async def test_user_pool_is_used_and_left_open(schema: str) -> None:
         await pool.close()
 
 
-def _restart_command() -> list[str] | None:
-    if shutil.which("pg_ctlcluster") is None or not Path("/etc/postgresql").is_dir():
-        return None
-    versions = sorted(os.listdir("/etc/postgresql"))
-    if not versions or not POSTGRES_URL.startswith("postgresql://postgres@127.0.0.1:5432/"):
-        return None
-    return ["pg_ctlcluster", "--skip-systemctl-redirect", versions[-1], "main", "restart"]
-
-
 @pytest.mark.slow
-async def test_server_restart_loses_no_acknowledged_push(open_factory: Open) -> None:
-    command = _restart_command()
-    if command is None or os.geteuid() != 0:
-        pytest.skip("needs root and a local pg_ctlcluster-managed server")
+async def test_server_restart_loses_no_acknowledged_push() -> None:
+    """A restart of a private server (never the shared one) under three pushers."""
+    try:
+        server = OwnPostgres()
+    except RuntimeError as exc:
+        pytest.skip(str(exc))
+    opened: list[aio_keuss.Factory] = []
+
+    async def open_factory(**options: Any) -> aio_keuss.Factory:
+        factory = await aio_keuss.connect("postgres", url=server.url, schema="restart", **options)
+        opened.append(factory)
+        return factory
+
+    try:
+        server.start()
+        await _restart_under_pushers(server, open_factory)
+    finally:
+        for factory in opened:
+            with contextlib.suppress(aio_keuss.KeussError):
+                await factory.close()
+        server.cleanup()
+
+
+async def _restart_under_pushers(server: OwnPostgres, open_factory: Open) -> None:
     producer = await open_factory(poll_interval=30.0)
     consumer = await open_factory(poll_interval=30.0)
     qp, qc = await producer.queue("durable"), await consumer.queue("durable")
@@ -314,10 +325,8 @@ async def test_server_restart_loses_no_acknowledged_push(open_factory: Open) -> 
     pushers = [asyncio.create_task(push_forever(w)) for w in range(3)]
     await asyncio.sleep(0.5)
     before = len(acked)
-    restart = await asyncio.create_subprocess_exec(
-        *command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
-    )
-    assert await asyncio.wait_for(restart.wait(), 60) == 0
+    await asyncio.to_thread(server.stop)
+    await asyncio.to_thread(server.start)
     deadline = time.monotonic() + 30
     while len(acked) < before + 200 and time.monotonic() < deadline:  # noqa: ASYNC110
         await asyncio.sleep(0.1)  # the pushers recover by themselves
@@ -341,7 +350,7 @@ async def test_server_restart_loses_no_acknowledged_push(open_factory: Open) -> 
     await wp.push("woken")
     got = await asyncio.wait_for(waiter, 25)
     assert got is not None and got.payload == "woken"
-    assert time.monotonic() - started < 2.0
+    assert time.monotonic() - started < 15.0  # woken, not polled: the poll interval is 30 s
 
     consumed: list[int] = []
     while True:
@@ -369,3 +378,54 @@ async def test_relaxed_acks_behave_the_same(open_factory: Open) -> None:
     assert await q.total_size() == 0
     with pytest.raises(aio_keuss.ConfigError):
         await open_factory(durable_acks="no")
+
+
+# statements take exactly what they return, whatever plan is chosen ---------------------
+
+# Planner settings that steer the join between the locking pick and the DELETE / UPDATE
+# into each shape; "fresh statistics" is the default plan right after ANALYZE of an idle
+# queue, which is what autovacuum does by itself.
+_PLANS: dict[str, dict[str, str]] = {
+    "fresh-statistics": {},
+    "nested-loop": {"enable_hashjoin": "off", "enable_mergejoin": "off"},
+    "hash-join": {"enable_nestloop": "off", "enable_mergejoin": "off"},
+    "merge-join": {"enable_nestloop": "off", "enable_hashjoin": "off"},
+    "no-index": {"enable_indexscan": "off", "enable_bitmapscan": "off"},
+    "no-material": {"enable_material": "off", "enable_hashjoin": "off"},
+}
+
+
+@pytest.mark.parametrize("plan", sorted(_PLANS))
+@pytest.mark.parametrize("backend", ["postgres", "bucket-postgres"])
+async def test_pop_and_reserve_take_exactly_what_they_return(
+    schema: str, plan: str, backend: str
+) -> None:
+    pool = await asyncpg.create_pool(
+        POSTGRES_URL, min_size=1, max_size=4, server_settings=_PLANS[plan]
+    )
+    extra: dict[str, Any] = {}
+    if backend == "bucket-postgres":  # one small bucket per push_many chunk: many to lease
+        extra = {"bucket_max_wait": 0.02, "state_flush_period": 0.05, "bucket_max_size": 5}
+    try:
+        factory = await aio_keuss.connect(backend, pool=pool, schema=schema, **extra)
+        try:
+            q = await factory.queue("exact")
+            await pool.execute(f'ANALYZE "{schema}".messages' if backend == "postgres" else
+                               f'ANALYZE "{schema}".buckets')  # fmt: skip
+            await q.push_many(list(range(50)))
+            popped = await q.pop()
+            assert popped is not None
+            assert await q.total_size() == 49
+            taken = await q.pop_many(5)
+            assert len(taken) == 5 and await q.total_size() == 44
+            reserved = await q.reserve_many(3)
+            assert len(reserved) == 3
+            sizes = await q.sizes()
+            assert (sizes.size, sizes.reserved, sizes.total) == (41, 3, 44)
+            rest = await q.pop_many(100, timeout=0)
+            seen = [popped.payload, *(m.payload for m in taken + reserved + rest)]
+            assert sorted(seen) == list(range(50))  # every message accounted for, once
+        finally:
+            await factory.close()
+    finally:
+        await pool.close()

@@ -62,10 +62,11 @@ FROM unnest($2::text[], $3::float8[], $4::int4[], $5::bytea[], $6::bytea[])
 
 # $1 queue, $2 token, $3 now, $4 deadline, $5 want, $6 max buckets. Candidates are locked
 # (skipping ones another lease holds), then the oldest are kept until their remaining
-# messages cover ``want``. One row per leased bucket plus the lowest score left; a single
-# row with a NULL id when nothing was leased.
+# messages cover ``want``. Locking CTEs are MATERIALIZED so they are evaluated exactly once
+# whatever plan is chosen: a lease updates exactly the buckets it returns. One row per leased
+# bucket plus the lowest score left; a single row with a NULL id when nothing was leased.
 _LEASE = """
-WITH candidate AS (
+WITH candidate AS MATERIALIZED (
     SELECT id, score, owner, remaining FROM {s}.buckets
     WHERE queue = $1 AND score <= $3
     ORDER BY score, id
@@ -95,7 +96,7 @@ ORDER BY l.old_score, l.id
 
 # $1 queue, $2 token, $3 now, $4 deadline, $5 ids: the free ones, or those whose lease expired.
 _LEASE_IDS = """
-WITH pick AS (
+WITH pick AS MATERIALIZED (
     SELECT id, owner FROM {s}.buckets
     WHERE queue = $1 AND id = ANY($5::text[]) AND (owner = '' OR score <= $3)
     FOR UPDATE SKIP LOCKED

@@ -31,7 +31,8 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import orjson
 
-from ..errors import ConfigError, MissingDependencyError, translate_errors
+from ..errors import BackendError, ConfigError, MissingDependencyError, translate_errors
+from ..options import brief, without_password
 from .base import (
     Ack,
     Backend,
@@ -57,17 +58,35 @@ if TYPE_CHECKING:
     from ..stats.base import StatsStore
 
 # Driver errors meaning "the server is (or was) out of reach": the caller may retry later.
+# SQLSTATEs from the PostgreSQL manual's "PostgreSQL Error Codes" appendix.
 CONNECTION_ERRORS: tuple[type[BaseException], ...] = (
     asyncpg.exceptions.PostgresConnectionError,  # 08xxx, incl. ConnectionDoesNotExistError
     asyncpg.exceptions.CannotConnectNowError,  # 57P03: starting up / shutting down
     asyncpg.exceptions.AdminShutdownError,  # 57P01: server restarted under us
     asyncpg.exceptions.CrashShutdownError,  # 57P02
+    asyncpg.exceptions.IdleSessionTimeoutError,  # 57P05: the server closed an idle session
+    # 53300: refused at connection start while max_connections are in use; nothing ran,
+    # and a retry succeeds once other clients let go
     asyncpg.exceptions.TooManyConnectionsError,
-    asyncpg.InterfaceError,  # e.g. "connection is closed", "pool is closing"
+    asyncpg.InterfaceError,  # e.g. "connection is closed", "pool is closing" (not misuse below)
     # a connection broken mid-operation can leave asyncpg's protocol in a bad state
     asyncpg.exceptions._base.InternalClientError,
     OSError,  # refused, reset, unreachable
     TimeoutError,  # connect / command timeouts
+)
+
+# asyncpg's InterfaceErrors that say nothing about the connection, so a retry cannot help: a
+# bad connection setting (a ConfigError), an argument it cannot encode, a feature the client
+# or the server lacks (BackendErrors). Looked up by name: not every supported asyncpg has all.
+_CONFIG_ERRORS: tuple[type[BaseException], ...] = tuple(
+    getattr(asyncpg.exceptions._base, name)
+    for name in ("ClientConfigurationError",)
+    if hasattr(asyncpg.exceptions._base, name)
+)
+_MISUSE_ERRORS: tuple[type[BaseException], ...] = tuple(
+    getattr(asyncpg.exceptions._base, name)
+    for name in ("DataError", "UnsupportedClientFeatureError", "UnsupportedServerFeatureError")
+    if hasattr(asyncpg.exceptions._base, name)
 )
 
 _SCHEMA_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,47}")
@@ -135,13 +154,15 @@ WITH entry AS (
     SELECT * FROM unnest($2::text[], $3::bytea[], $4::bytea[], $5::float8[], $6::int4[],
                          $7::float8[], $8::bool[])
            WITH ORDINALITY AS e(id, payload, headers, delay, tries, mature, dedup, ord)
+), expired AS MATERIALIZED (
+    SELECT x.id FROM {s}.dedup x
+    WHERE x.queue = $1 AND x.expires <= extract(epoch from now())::float8
+      AND x.id <> ALL($2::text[])
+    LIMIT 100 FOR UPDATE SKIP LOCKED
 ), purged AS (
     DELETE FROM {s}.dedup d
-    WHERE d.queue = $1 AND d.id IN (
-        SELECT x.id FROM {s}.dedup x
-        WHERE x.queue = $1 AND x.expires <= extract(epoch from now())::float8
-          AND x.id <> ALL($2::text[])
-        LIMIT 100 FOR UPDATE SKIP LOCKED)
+    USING expired x
+    WHERE d.queue = $1 AND d.id = x.id
 ), inserted AS (
     INSERT INTO {s}.messages (queue, id, mature, tries, payload, headers)
     SELECT $1, e.id, coalesce(e.mature, extract(epoch from now())::float8 + e.delay),
@@ -164,18 +185,23 @@ SELECT id FROM inserted
 """
 
 # Pop: delete up to $2 mature messages, earliest first, skipping rows other consumers hold
-# locked. next_mature comes in the same round trip: the statement's snapshot still sees the
+# locked. The pick is MATERIALIZED: a ``LIMIT ... FOR UPDATE SKIP LOCKED`` subquery inlined
+# into the DELETE may be evaluated more than once by some plans (a rescan skips nothing it
+# locked itself, so it can match other rows), and the DELETE would then remove rows it
+# never returns. A materialized CTE is computed exactly once (PostgreSQL manual, "WITH
+# Queries": MATERIALIZED), so the statement deletes exactly the rows it locked and returns.
+# next_mature comes in the same round trip: the statement's snapshot still sees the
 # deleted rows, so they are excluded by id. One row with a NULL id when nothing was taken.
 _GET = """
-WITH taken AS (
+WITH pick AS MATERIALIZED (
+    SELECT id FROM {s}.messages
+    WHERE queue = $1 AND mature <= extract(epoch from now())::float8
+    ORDER BY mature, seq
+    LIMIT $2
+    FOR UPDATE SKIP LOCKED
+), taken AS (
     DELETE FROM {s}.messages m
-    USING (
-        SELECT id FROM {s}.messages
-        WHERE queue = $1 AND mature <= extract(epoch from now())::float8
-        ORDER BY mature, seq
-        LIMIT $2
-        FOR UPDATE SKIP LOCKED
-    ) pick
+    USING pick
     WHERE m.queue = $1 AND m.id = pick.id
     RETURNING m.id, m.payload, m.headers, m.tries + m.reserved::int AS tries, m.mature, m.seq
 ), next AS (
@@ -192,10 +218,11 @@ ORDER BY t.mature, t.seq
 """
 
 # Reserve: up to $2 mature messages get mature = server now + $3 (their deadline) and
-# reserved = true; one whose earlier reservation expired counts that delivery as a try.
+# reserved = true (the pick is MATERIALIZED for the reason given at pop); one whose
+# earlier reservation expired counts that delivery as a try.
 # Consumers see the mature time the message had before (when it became deliverable).
 _RESERVE = """
-WITH pick AS (
+WITH pick AS MATERIALIZED (
     SELECT id, mature, seq FROM {s}.messages
     WHERE queue = $1 AND mature <= extract(epoch from now())::float8 {relax}
     ORDER BY mature, seq
@@ -245,7 +272,7 @@ WITH nack AS (
     SELECT DISTINCT ON (n.id) n.* FROM unnest($2::text[], $3::int4[], $4::float8[], $5::bool[])
            WITH ORDINALITY AS n(id, tries, delay, count_try, ord)
     ORDER BY n.id, n.ord
-), held AS (
+), held AS MATERIALIZED (
     SELECT m.id, m.tries + n.count_try::int AS failed, n.delay,
            ($6::int4 IS NOT NULL AND n.count_try AND m.tries + 1 > $6::int4) AS dead
     FROM {s}.messages m JOIN nack n ON m.queue = $1 AND m.id = n.id
@@ -319,7 +346,12 @@ SELECT mature FROM {s}.messages WHERE queue = $1 ORDER BY mature, seq LIMIT 1
 def postgres_errors_translated() -> Iterator[None]:
     """Connection trouble -> KeussConnectionError; any other server error -> BackendError."""
     with translate_errors(CONNECTION_ERRORS, (asyncpg.PostgresError,)):
-        yield
+        try:
+            yield
+        except _CONFIG_ERRORS as exc:
+            raise ConfigError(f"{type(exc).__name__}: {exc}") from exc
+        except _MISUSE_ERRORS as exc:
+            raise BackendError(f"{type(exc).__name__}: {exc}") from exc
 
 
 def quote_schema(schema: object) -> str:
@@ -477,6 +509,40 @@ class PostgresStore(Store):
         return mature
 
 
+MAX_POOL_SIZE = 10_000
+"""asyncpg sets up a holder per ``max_size`` slot when it opens a pool; far more than any
+server's ``max_connections`` is a typo, refused rather than allocated."""
+
+
+def check_postgres_url(url: object) -> str:
+    """Refuse, before connecting, a URL asyncpg would misread or fail on with a bare
+    ``ValueError``. It takes the PostgreSQL manual's connection URI form ("Connection URIs"):
+    ``postgresql://[user[:password]@][host][:port][,...][/dbname][?param=value&...]``, the
+    scheme ``postgresql://`` or ``postgres://``; each port an int in 1..65535."""
+    if not isinstance(url, str):
+        raise ConfigError(f"url must be a str, not {type(url).__name__}")
+    scheme, slashes, rest = url.partition("://")
+    shown = without_password(url)
+    if not slashes or scheme.lower() not in ("postgresql", "postgres"):
+        raise ConfigError(
+            f"url {shown!r}: expected postgresql:// or postgres:// then the host (see the"
+            " PostgreSQL manual's connection URIs)"
+        )
+    hosts = re.split(r"[/?#]", rest, maxsplit=1)[0].rpartition("@")[2]
+    for host in hosts.split(","):
+        if host.startswith("["):  # an IPv6 address: [::1]:5432
+            address_end = host.find("]")
+            port = host[address_end + 1 :] if address_end > 0 else "?"
+            if port and not port.startswith(":"):
+                raise ConfigError(f"url {shown!r}: malformed IPv6 host {host!r}")
+            port = port[1:]
+        else:
+            port = host.partition(":")[2]
+        if port and not (port.isascii() and port.isdigit() and 1 <= int(port) <= 65535):
+            raise ConfigError(f"url {shown!r}: the port must be an int in 1..65535, not {port!r}")
+    return url
+
+
 class PostgresBackend(Backend):
     """``url=`` (or an existing asyncpg ``pool=``), ``schema=`` (default ``keuss``),
     ``min_pool_size`` / ``max_pool_size`` for a pool this backend makes itself, and
@@ -502,14 +568,17 @@ class PostgresBackend(Backend):
         if not isinstance(durable_acks, bool):
             raise ConfigError(f"durable_acks must be a bool, not {durable_acks!r}")
         self.sql = _Sql(self.quoted_schema, durable_acks)
-        url = self.settings["url"]
-        if not isinstance(url, str):
-            raise ConfigError(f"url must be a str, not {url!r}")
-        self.url: str = url
+        self.url: str = check_postgres_url(self.settings["url"])
         for key in ("min_pool_size", "max_pool_size"):
             value = self.settings[key]
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise ConfigError(f"{key} must be an int >= 0, not {value!r}")
+            if (
+                isinstance(value, bool)
+                or not isinstance(value, int)
+                or not 0 <= value <= MAX_POOL_SIZE
+            ):
+                raise ConfigError(
+                    f"{key} must be an int in [0, {MAX_POOL_SIZE}], not {brief(value)}"
+                )
         if self.settings["max_pool_size"] < max(1, self.settings["min_pool_size"]):
             raise ConfigError("max_pool_size must be >= 1 and >= min_pool_size")
         given = self.settings["pool"]
