@@ -39,36 +39,70 @@ slot busy fill a bucket that the next free writer takes (group commit): a few pr
 are not held for ``bucket_max_wait``, many share one write. ``ack_on_buffer=True`` is
 Keuss's trade-off instead: a push returns when buffered, and a bucket is written when full
 or after ``bucket_max_wait``; it is lost if the process dies before that (a failed write is
-retried a few times, then logged).
+retried a few times, then logged). Such a push waits for nothing, so it yields to the event
+loop every ``PUSH_TURN`` messages (:class:`LoopTurns`; else a producer loop holds the loop: no
+timer fires, no bucket is ever written, every other task starves); and once
+``BUFFERED_BUCKETS`` full buckets' worth of acknowledged messages are not yet written, pushes
+wait for a write (backpressure). What a crash loses is thus at most that, plus the buckets
+still filling (each at most ``bucket_max_size`` messages and ``bucket_max_wait`` old).
+
+Drain writes what is buffered when it starts (not what is pushed meanwhile, so it ends
+while producers keep pushing), then the state of the leased buckets. Close first refuses
+every further call (``ClosedError``), then writes what is buffered and gives every leased
+bucket back.
 
 Pop / reserve: serve from buckets leased into memory. Leasing atomically takes free buckets
 (and buckets whose lease expired) with ``score <= now``, sets ``owner`` to this store's token
 and ``score`` to ``now + reject_timeout_grace``. A bucket leased while it still had an owner
 means its previous holder died (or stalled past its lease): its handed-out slots become
-available again with one more try. Each slot keeps its own mature time and is never served
-before it. Pop is at-most-once even across a crash: the state of the touched buckets is
-written (one coalesced round trip) before the messages are returned; if that write finds the
-lease lost, those messages are not returned (their new holder will deliver them). Reserve
-marks slots handed out with an in-memory deadline (now + reserve_delay); that state is
-persisted lazily by the state flusher. ok / ko only change memory. Where the storage's
-replies refuse cancellation (the Redis fast lane), pops and reserves run in the caller's
-task: callers sharing a lease or a state write await it as an :class:`Uncancellable`, so a
-cancelled caller still completes, and the queue puts back what it took. Slots served before
-a failed lease or state write are made available again, never lost.
+available again with one more try. A holder serves nothing from a bucket whose lease lapsed
+(it could not renew it in time), since another consumer may be serving it by now; an ok on
+such a bucket writes the state before it answers. Each slot keeps its own mature time and
+is never served before it. Pop is at-most-once even across a crash: the state of the touched
+buckets is written (one coalesced round trip) before the messages are returned; if that
+write finds the lease lost, those messages are not returned (their new holder delivers
+them). Reserve marks slots handed out with an in-memory deadline (now + reserve_delay);
+that state is persisted lazily by the state flusher. ok / ko only change memory (but see
+the lapsed lease above). Where the storage's replies refuse cancellation (the Redis fast
+lane), pops and reserves run in the caller's task: callers sharing a lease or a state write
+await it as an :class:`Uncancellable`, so a cancelled caller still completes, and the queue
+puts back what it took. Slots served before a failed lease or state write are made
+available again, never lost.
 
 State flusher, every ``min(state_flush_period, reject_timeout_grace / 3)``: writes the state
 of every leased bucket that changed and renews every lease (score = now + grace) that needs
-it; deletes buckets with nothing left; releases buckets with nothing deliverable and nothing
-reserved (and, after ``IDLE_RELEASE`` seconds unused, buckets nobody here serves from) with
-score = earliest mature time of their available slots. Writes are conditional on the lease
-token, so a holder whose lease was taken over never overwrites the new holder's state, and
-writes of one bucket are serialized (a later snapshot always contains the earlier changes).
+it, changed or not; deletes buckets with nothing left; releases buckets with nothing
+deliverable and nothing reserved (and, after ``IDLE_RELEASE`` seconds unused, buckets nobody
+here serves from) with score = earliest mature time of their available slots; a delete or
+release that failed is tried again. Writes are conditional on the lease token, so a holder
+whose lease was taken over never overwrites the new holder's state, and writes of one bucket
+are serialized (a later snapshot always contains the earlier changes).
 
 What a crash can cost (at-least-once holds; pop stays at-most-once):
 - reservations not yet persisted come back with their old ``tries`` count;
 - oks not yet persisted come back (delivered again);
 - a deadletter move writes the message to the deadletter queue first and then marks the slot
   done: a crash between the two leaves a duplicate, never a loss.
+
+What an outage can cost. A lease is a holder's only claim on a bucket, and it lapses
+``reject_timeout_grace`` (default 0.8 x reserve_delay) after its last renewal; renewing it,
+like writing the state, takes the server. When a holder cannot write for that long (the
+server away or out of reach, its event loop stalled), the next consumer to lease the bucket
+takes it over with the state last written, exactly as if the holder had crashed:
+- its oks, kos and reservations made since that state write are undone, as in a crash: ok-ed
+  messages are delivered again; reserved ones come back with one more try, possibly to
+  another consumer while the first still works on them (a reservation is exclusive until
+  ``reserve_delay`` passes or its holder's lease lapses, whichever comes first);
+- the old holder finds out at its next write (refused: a warning is logged, the bucket is
+  forgotten, and oks of its slots return False), or when it leases the bucket again (it
+  then starts from the stored state, never from its stale copy).
+An ok that returned True is therefore durable once the next state write after it succeeds
+(within one flush period while the server answers), and undone only if the holder cannot
+write from the ok until its lease lapses and another consumer then leases the bucket before
+the holder's write gets through. If the holder writes first (its lease is still its own in
+storage, nobody having leased the bucket), everything it acknowledged is kept. An ok on a
+bucket whose lease already lapsed writes before it answers: True only once written, an
+error while the server is away.
 
 Clock: every time here is this process's clock (``time.time()``), also for leases; processes
 sharing a queue need synchronized clocks (NTP), as with Keuss.
@@ -91,8 +125,10 @@ from itertools import accumulate
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from ..coalesce import RunToEnd, Uncancellable
-from ..errors import ConfigError, InvalidInputError, KeussError
+from ..errors import ClosedError, ConfigError, InvalidDelayError, InvalidInputError, KeussError
 from ..message import append_headers
+from ..options import check_seconds
+from ..tasks import stop_task
 from .base import (
     Ack,
     Capabilities,
@@ -100,6 +136,7 @@ from .base import (
     Entry,
     Fetched,
     KoResult,
+    LoopTurns,
     Nack,
     Sizes,
     Store,
@@ -159,6 +196,12 @@ PUSH_WRITERS = 4
 PIPELINED_CALLS = 4
 """Calls of one kind in flight at once where they run in the caller's task."""
 ACK_ON_BUFFER_RETRIES = 5
+BUFFERED_BUCKETS = 2 * PUSH_WRITERS
+"""``ack_on_buffer``: full buckets' worth of acknowledged, unwritten messages beyond which a
+push waits for a write (backpressure), so that the loss window of a crash stays about this
+many buckets plus those filling (each written within ``bucket_max_wait``)."""
+BUFFERED_AT_LEAST = PUSH_WRITERS * WRITE_MAX_BUCKETS
+"""... and never fewer messages than this, so tiny buckets still share write round trips."""
 
 _LITTLE = sys.byteorder == "little"
 _U32 = "I" if array("I").itemsize == 4 else "L"
@@ -351,15 +394,13 @@ class BucketSettings:
             value = settings[key]
             if value is None and optional:
                 return None
-            if (
-                isinstance(value, bool)
-                or not isinstance(value, int | float)
-                or not math.isfinite(value)
-                or value < 0
-                or (positive and value == 0)
-            ):
-                raise ConfigError(f"{key} must be a finite number of seconds >= 0, not {value!r}")
-            return float(value)
+            try:
+                checked = check_seconds(value, key)  # in [0, MAX_SECONDS], no OverflowError
+            except InvalidDelayError as exc:
+                raise ConfigError(str(exc)) from exc
+            if positive and checked == 0:
+                raise ConfigError(f"{key} must be > 0 seconds, not {value!r}")
+            return checked
 
         return cls(
             bucket_max_size=size,
@@ -519,6 +560,16 @@ class _Leased:
     def __lt__(self, other: _Leased) -> bool:  # heap ties (never reached in practice)
         return self.seq < other.seq
 
+    def follow(self, write: asyncio.Future[None]) -> None:
+        """Writes of this bucket wait for ``write`` (of an earlier copy of it) to end."""
+        self.writing = write
+
+        def ended(_: asyncio.Future[None]) -> None:
+            if self.writing is write:
+                self.writing = None
+
+        write.add_done_callback(ended)
+
     def message(self, slot: int, tries: int, mature: float) -> Stored:
         p, h = self.payload_at, self.headers_at
         blob = self.blob
@@ -593,6 +644,10 @@ class BucketStore(Store):
         self._writers = 0
         self._writer_starting = False
         self._writer_tasks: set[asyncio.Task[None]] = set()
+        self._buffered = 0  # messages pushed and not yet written (or given up on)
+        self._buffer_limit = max(BUFFERED_BUCKETS * settings.bucket_max_size, BUFFERED_AT_LEAST)
+        self._room: list[asyncio.Future[None]] = []  # pushers waiting for the buffer to drain
+        self._turns = LoopTurns()  # ``ack_on_buffer``: a buffered push awaits nothing else
         # pull side
         self._held_buckets: dict[str, _Leased] = {}
         self._seq = 0
@@ -602,15 +657,21 @@ class BucketStore(Store):
         self._storage_next: float | None = None
         self._flusher: asyncio.Task[None] | None = None
         self._visible: Callable[[float], None] | None = None
+        # Buckets that left memory (released or finished) whose final write failed: retried
+        # by the next state flush, else their oks would come back once their lease lapses.
+        self._departing: dict[str, tuple[_Leased, str]] = {}
 
     # push ---------------------------------------------------------------------------
 
     async def insert(self, entries: Sequence[Entry]) -> list[bool]:
         if not entries:
             return []
+        buffered = self._settings.ack_on_buffer
+        if buffered:
+            await self._admit(len(entries))
+        self._check_open()  # after close nothing may be buffered: no one would write it
         now = time.time()
         size = self._settings.bucket_max_size
-        buffered = self._settings.ack_on_buffer
         touched: dict[int, _PushBucket] = {}
         for entry in entries:
             if entry.dedup:
@@ -626,6 +687,7 @@ class BucketStore(Store):
                         self._settings.bucket_max_wait, self._seal, bucket
                     )
             entry.id = f"{bucket.id}-{bucket.add(entry, mature)}"
+            self._buffered += 1
             touched[id(bucket)] = bucket
             if len(bucket.payloads) >= size:
                 self._seal(bucket)
@@ -640,6 +702,35 @@ class BucketStore(Store):
         for waiter in waiters:
             await waiter
         return [True] * len(entries)
+
+    async def _admit(self, count: int) -> None:
+        """``ack_on_buffer``: let the event loop run, and hold the push while the messages
+        acknowledged but not yet written reach the limit (backpressure), until a write
+        makes room. Before buffering: a push cancelled here buffered nothing."""
+        if self._buffered < self._buffer_limit:
+            if self._turns.due(count):
+                await asyncio.sleep(0)
+            return
+        self._turns.reset()
+        for bucket in list(self._filling.values()):  # what fills waits for nothing now
+            self._seal(bucket)
+        loop = asyncio.get_running_loop()
+        while self._buffered >= self._buffer_limit and not self._closed:
+            room: asyncio.Future[None] = loop.create_future()
+            self._room.append(room)
+            await room
+
+    def _make_room(self) -> None:
+        """Wake the pushers held by ``_admit`` (each checks the limit again)."""
+        if self._room and (self._buffered < self._buffer_limit or self._closed):
+            for room in self._room:
+                if not room.done():
+                    room.set_result(None)
+            self._room.clear()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ClosedError(f"queue {self.name!r} is closed")
 
     async def _write_own(self, buckets: list[_PushBucket]) -> None:
         """Write these push buckets in the caller's task (see ``BucketStorage.uninterruptible``).
@@ -718,6 +809,8 @@ class BucketStore(Store):
             raise
         finally:
             self._in_flight.difference_update(batch)
+            self._buffered -= sum(len(bucket.payloads) for bucket in batch)
+            self._make_room()
 
     async def _insert_settling(self, batch: list[_PushBucket]) -> None:
         encoded = [b.encode() for b in batch]
@@ -746,14 +839,19 @@ class BucketStore(Store):
             return
 
     async def flush(self) -> None:
-        """Write every push bucket now, then the state of every leased bucket."""
+        """Write every push bucket buffered now, then the state of every leased bucket.
+
+        Only what is buffered when it starts: while producers keep pushing there is always
+        another bucket to write, and a drain or close must end. A failed write of buffered
+        (``ack_on_buffer``) messages is raised; a durable push's failure is its pusher's."""
         for bucket in list(self._filling.values()):
             self._seal(bucket)
-        pending = list(self._sealed)
-        waits = [b.written() for b in pending]
-        while self._writer_tasks:
-            await asyncio.gather(*self._writer_tasks, return_exceptions=True)
-        await asyncio.gather(*waits)
+        waits = [b.written() for b in (*self._sealed, *self._in_flight)]
+        outcomes = await asyncio.gather(*waits, return_exceptions=True)
+        if self._settings.ack_on_buffer:
+            for outcome in outcomes:
+                if isinstance(outcome, BaseException):
+                    raise outcome
         await self._sync(list(self._held_buckets.values()))
 
     # lease ---------------------------------------------------------------------------
@@ -775,12 +873,31 @@ class BucketStore(Store):
                 self._storage_next = lease.next_score
             taken = []
             for row in lease.buckets:
-                if row.id in self._held_buckets:  # our own lease had expired: ours still
-                    self._held_buckets[row.id].lease_until = now + self._grace
+                mine = self._held_buckets.get(row.id)
+                departing = self._departing.pop(row.id, None)
+                if row.previous_owner == self._token and (mine or departing) is not None:
+                    # our own lease had lapsed, and nobody took it meanwhile: ours still
+                    if mine is not None:
+                        mine.lease_until = now + self._grace
+                    if departing is not None:  # its final write is retried
+                        self._departing[row.id] = departing
                     continue
+                stale_write = None
+                for stale in (mine, departing[0] if departing else None):
+                    if stale is not None:
+                        # Another consumer held the bucket since our lease lapsed: our copy
+                        # is stale (writing it would undo that consumer's work). A write of
+                        # it still in flight may land after this lease (the owner is us
+                        # again): the fresh state is written after it.
+                        stale.lost = True
+                        self._forget(stale)
+                        stale_write = stale.writing or stale_write
                 self._seq += 1
                 bucket = _Leased(row, self._seq, now)
                 bucket.lease_until = now + self._grace
+                if stale_write is not None:
+                    bucket.version = bucket.persisted + 1
+                    bucket.follow(stale_write)
                 self._held_buckets[bucket.id] = bucket
                 ready = [
                     (bucket.mature[slot], bucket.seq, slot, bucket)
@@ -811,24 +928,34 @@ class BucketStore(Store):
 
         ``reserve_delay`` None = pop (slots done), else reserve (handed out until
         now + reserve_delay). An expired reservation counts as a try.
+
+        Nothing is served from a bucket whose lease lapsed (its holder could not renew it,
+        the server being away): another consumer may have leased it meanwhile and be serving
+        the same slots. Its entries wait until the state flusher renews the lease (or finds
+        it lost, and forgets the bucket).
         """
         ready, held = self._ready, self._held
         out: list[Stored] = []
+        lapsed: list[tuple[list[_Entry], _Entry]] = []
         while len(out) < n:
             self._clean_tops()
             take_ready = bool(ready) and ready[0][0] <= now
             take_held = bool(held) and held[0][0] <= now
             if take_ready and take_held:
                 take_ready = ready[0][0] <= held[0][0]
+            if not (take_ready or take_held):
+                break
+            heap = ready if take_ready else held
+            top = heapq.heappop(heap)
+            mature, _, slot, bucket = top
+            if bucket.lease_until <= now:
+                lapsed.append((heap, top))
+                continue
             if take_ready:
-                mature, _, slot, bucket = heapq.heappop(ready)
                 tries = bucket.tries[slot]
-            elif take_held:
-                mature, _, slot, bucket = heapq.heappop(held)
+            else:
                 tries = bucket.tries[slot] + 1
                 bucket.tries[slot] = tries
-            else:
-                break
             if reserve_delay is None:
                 bucket.states[slot] = DONE
                 bucket.deadline.pop(slot, None)
@@ -842,6 +969,8 @@ class BucketStore(Store):
             bucket.last_used = now
             touched[bucket.id] = bucket
             out.append(bucket.message(slot, tries, mature))
+        for heap, entry in lapsed:
+            heapq.heappush(heap, entry)
         return out
 
     def _clean_tops(self) -> None:
@@ -884,6 +1013,7 @@ class BucketStore(Store):
             # event loop for a whole bucket, starving the other consumers and everything
             # else. Yield once, before taking anything.
             await asyncio.sleep(0)
+            self._check_open()
         out = self._serve(n, time.time(), reserve_delay, touched)
         for _ in range(2):
             if len(out) >= n or self._closed:
@@ -902,6 +1032,7 @@ class BucketStore(Store):
         return out
 
     async def get(self, n: int) -> Fetched:
+        self._check_open()
         touched: dict[str, _Leased] = {}
         out = await self._fetch(n, None, touched)
         if out:
@@ -934,6 +1065,7 @@ class BucketStore(Store):
             heapq.heappush(self._ready, (bucket.mature[slot], bucket.seq, slot, bucket))
 
     async def reserve(self, n: int, reserve_delay: float) -> Fetched:
+        self._check_open()
         out = await self._fetch(n, reserve_delay, {})
         return Fetched(out, self._next_mature())
 
@@ -952,7 +1084,15 @@ class BucketStore(Store):
         return bucket, slot
 
     async def commit(self, acks: Sequence[Ack]) -> list[bool]:
-        results = []
+        """Mark the slots done in memory; the state flusher writes them. Where the bucket's
+        lease lapsed (its renewal failed: the server was away), another consumer may take
+        the bucket over with its stored state at any moment, which would undo a mark made
+        only in memory: there the ok writes the state (renewing the lease) before it
+        answers, true only if the lease was still this store's."""
+        self._check_open()
+        results: list[bool] = []
+        now = time.time()
+        lapsed: list[tuple[int, _Leased]] = []
         for ack in acks:
             found = self._handed_out(ack.id, ack.tries)
             if found is not None:
@@ -961,7 +1101,13 @@ class BucketStore(Store):
                 del bucket.deadline[slot]
                 bucket.remaining -= 1
                 bucket.version += 1
+                if bucket.lease_until <= now:
+                    lapsed.append((len(results), bucket))
             results.append(found is not None)
+        if lapsed:
+            await self._sync({bucket for _, bucket in lapsed})
+            for index, bucket in lapsed:
+                results[index] = not bucket.lost
         return results
 
     def default_ko_delay(self, tries: int | None) -> float:
@@ -971,6 +1117,7 @@ class BucketStore(Store):
     async def rollback(
         self, nacks: Sequence[Nack], deadletter: DeadletterPlan | None
     ) -> list[KoResult]:
+        self._check_open()
         now = time.time()
         results: list[KoResult] = []
         moving: list[tuple[int, _Leased, int, int]] = []
@@ -1031,6 +1178,7 @@ class BucketStore(Store):
         await self._sync(list(touched.values()))
 
     async def remove(self, ids: Sequence[str]) -> list[bool]:
+        self._check_open()
         now = time.time()
         parsed = [split_id(i) for i in ids]
         elsewhere = sorted(
@@ -1064,13 +1212,20 @@ class BucketStore(Store):
     # state persistence ---------------------------------------------------------------
 
     async def _sync(
-        self, buckets: Iterable[_Leased], final: Mapping[str, str] | None = None
+        self,
+        buckets: Iterable[_Leased],
+        final: Mapping[str, str] | None = None,
+        renew_before: float = -math.inf,
     ) -> None:
         """Make the current version of each bucket durable (and renew its lease).
 
         ``final`` maps bucket id -> RELEASE / DELETE for buckets leaving memory (the caller
-        already stopped serving from them). Writes of one bucket are serialized: a caller
-        finding a write in flight waits for it, then writes only if its changes came later.
+        already stopped serving from them). A bucket whose lease ends before
+        ``renew_before`` is written even if nothing changed (a renewal): else a holder
+        that changed nothing for a grace period would lose its reservations to the next
+        consumer. Writes of one bucket are serialized: a caller finding a write in flight
+        waits for it, then writes only if its changes came later (or it still needs
+        renewing).
         """
         final = final or {}
         targets = {b: b.version for b in buckets}
@@ -1079,7 +1234,11 @@ class BucketStore(Store):
                 if (
                     bucket.gone
                     or bucket.lost
-                    or (bucket.id not in final and bucket.persisted >= version)
+                    or (
+                        bucket.id not in final
+                        and bucket.persisted >= version
+                        and bucket.lease_until >= renew_before
+                    )
                 ):
                     del targets[bucket]
             if not targets:
@@ -1154,7 +1313,7 @@ class BucketStore(Store):
             self._flusher = asyncio.get_running_loop().create_task(self._flush_state_loop())
 
     async def _flush_state_loop(self) -> None:
-        while self._held_buckets and not self._closed:
+        while (self._held_buckets or self._departing) and not self._closed:
             await asyncio.sleep(self._period)
             try:
                 await self._flush_state()
@@ -1193,8 +1352,20 @@ class BucketStore(Store):
                 bucket.deadline.clear()
                 bucket.version += 1
             self._forget(bucket)  # no longer served from; the write below gives it back
+        for bucket, mode in self._departing.values():
+            leaving.append(bucket)
+            final[bucket.id] = mode
+        self._departing.clear()
         if keep or leaving:
-            await self._sync([*keep, *leaving], final)
+            try:
+                await self._sync([*keep, *leaving], final, renew_before)
+            except BaseException:
+                # Out of memory already: without another try its oks (and the release)
+                # would be undone once its lease lapses.
+                for bucket in leaving:
+                    if not (bucket.gone or bucket.lost):
+                        self._departing[bucket.id] = (bucket, final[bucket.id])
+                raise
 
     # sizes ---------------------------------------------------------------------------
 
@@ -1233,17 +1404,40 @@ class BucketStore(Store):
     # shutdown ------------------------------------------------------------------------
 
     async def close(self) -> None:
-        """Write what is buffered, then give every leased bucket back at once (reserved
-        slots become available without a try), so nothing waits for the grace period."""
+        """Refuse further calls (ClosedError), write what is buffered, then give every
+        leased bucket back at once (reserved slots become available without a try), so
+        nothing waits for the grace period.
+
+        Ends while other tasks keep pushing or acknowledging: they are refused from the
+        start, so there is a last bucket to write. A write that fails is tried again a few
+        times (a short outage); then close raises, and what was not written is a crash's
+        cost (see the module docstring)."""
+        if self._closed:
+            return
+        self._closed = True
+        self._make_room()  # pushers held by backpressure: refused
+        failure: Exception | None = None
         try:
-            await self.flush()
-            while self._held_buckets:
-                await self._flush_state(release_all=True)
+            try:
+                await self.flush()
+            except Exception as exc:  # give the leases back all the same
+                failure = exc
+            while self._writer_tasks:  # no new one starts: nothing is pushed any more
+                await asyncio.gather(*self._writer_tasks, return_exceptions=True)
+            attempt = 0
+            while self._held_buckets or self._departing:
+                try:
+                    await self._flush_state(release_all=True)
+                except Exception:
+                    attempt += 1
+                    if attempt >= ACK_ON_BUFFER_RETRIES:
+                        raise
+                    await asyncio.sleep(0.1 * 2**attempt)
         finally:
-            self._closed = True
             if self._flusher is not None:
-                self._flusher.cancel()
-                await asyncio.gather(self._flusher, return_exceptions=True)
+                await stop_task(self._flusher)
+        if failure is not None:
+            raise failure
 
 
 def bucket_backend_options(base: Mapping[str, Any], *, without: str = "") -> dict[str, Any]:
