@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 
 import orjson
 
@@ -62,3 +63,23 @@ async def test_own_echo_is_ignored_and_others_delivered() -> None:
     bus._receive(b"not json")
     assert got == [Signal("q", "insert", 2.0)]
     await bus.close()
+
+
+class SwallowingBus(SignalBus):
+    """A transport that, like redis-py reconnecting inside its retry loop, catches the first
+    cancellation as a connection error and goes on reading."""
+
+    async def _listen(self, ready: Callable[[], None]) -> None:
+        ready()
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            pass  # the driver's retry took it for a lost connection, and reads on
+        await asyncio.Event().wait()
+
+
+async def test_close_stops_a_listener_that_swallowed_its_cancellation() -> None:
+    bus = SwallowingBus()
+    await bus.open()
+    async with asyncio.timeout(30):  # only keeps a broken run from hanging the suite
+        await bus.close()

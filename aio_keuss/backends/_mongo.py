@@ -32,7 +32,13 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from ..errors import ConfigError, MissingDependencyError, translate_errors
+from ..errors import (
+    ConfigError,
+    KeussConnectionError,
+    MissingDependencyError,
+    translate_errors,
+)
+from ..options import brief, without_password
 from .base import Backend
 
 try:
@@ -56,12 +62,53 @@ CONNECTION_ERRORS: tuple[type[BaseException], ...] = (
 )
 DUPLICATE_KEY = 11000
 
+# Server error codes meaning "not primary, shutting down, or cannot reach a host right now"
+# (names from the MongoDB manual's "Error Codes" reference): what the drivers' retryable
+# reads and writes specifications retry. The operation was refused or interrupted by a state
+# that passes, so it is a connection error. PyMongo raises its NotPrimaryError (one of the
+# ConnectionFailure family above) for most of them on a failed command, but not when they
+# come as a write error, a write concern error or inside a bulk write's details, nor for
+# the network codes a mongos relays from a shard.
+NOT_READY_CODES = frozenset(
+    {
+        6,  # HostUnreachable
+        7,  # HostNotFound
+        89,  # NetworkTimeout
+        91,  # ShutdownInProgress
+        134,  # ReadConcernMajorityNotAvailableYet
+        189,  # PrimarySteppedDown
+        262,  # ExceededTimeLimit
+        9001,  # SocketException
+        10058,  # LegacyNotPrimary
+        10107,  # NotWritablePrimary
+        11600,  # InterruptedAtShutdown
+        11602,  # InterruptedDueToReplStateChange
+        13435,  # NotPrimaryNoSecondaryOk
+        13436,  # NotPrimaryOrSecondary
+    }
+)
+
+
+def _not_ready(exc: mongo_errors.OperationFailure) -> bool:
+    if exc.code in NOT_READY_CODES or exc.has_error_label("RetryableWriteError"):
+        return True
+    if isinstance(exc, mongo_errors.BulkWriteError):
+        details = exc.details or {}
+        errors = [*details.get("writeErrors", ()), *details.get("writeConcernErrors", ())]
+        return any(isinstance(e, dict) and e.get("code") in NOT_READY_CODES for e in errors)
+    return False
+
 
 @contextmanager
 def mongo_errors_translated() -> Iterator[None]:
     """Connection trouble -> KeussConnectionError; any other driver error -> BackendError."""
     with translate_errors(CONNECTION_ERRORS, (mongo_errors.PyMongoError,)):
-        yield
+        try:
+            yield
+        except mongo_errors.OperationFailure as exc:
+            if _not_ready(exc):
+                raise KeussConnectionError(f"{type(exc).__name__}: {exc}") from exc
+            raise
 
 
 _IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,47}")
@@ -80,6 +127,20 @@ def _check_name(value: object, what: str) -> str:
 def collection_part(queue: str) -> str:
     """A queue name as letters, digits and underscores (one-to-one)."""
     return queue.translate(_ESCAPES)
+
+
+def check_mongo_url(url: object) -> str:
+    """Refuse a URL that is not a MongoDB connection string before PyMongo sees it (the
+    MongoDB manual's "Connection Strings": ``mongodb://`` or ``mongodb+srv://``); PyMongo
+    then checks the rest (hosts, ports, options) when the client is made, before connecting,
+    and what it refuses is raised as :class:`ConfigError` too."""
+    if not isinstance(url, str):
+        raise ConfigError(f"url must be a str, not {type(url).__name__}")
+    if not url.startswith(("mongodb://", "mongodb+srv://")):
+        raise ConfigError(
+            f"url {without_password(url)!r}: expected mongodb:// or mongodb+srv:// then the host"
+        )
+    return url
 
 
 class MongoBackend(Backend):
@@ -110,19 +171,27 @@ class MongoBackend(Backend):
         if settings["signal_transport"] not in ("changestream", "capped"):
             raise ConfigError("signal_transport must be 'changestream' or 'capped'")
         timeout = settings["server_selection_timeout"]
-        if isinstance(timeout, bool) or not isinstance(timeout, int | float) or timeout <= 0:
-            raise ConfigError(f"server_selection_timeout must be > 0, not {timeout!r}")
+        # PyMongo takes it in milliseconds, under one billion (its timeout validation)
+        if (
+            isinstance(timeout, bool)
+            or not isinstance(timeout, int | float)
+            or not 0 < timeout < 1e6
+        ):
+            raise ConfigError(
+                f"server_selection_timeout must be seconds in (0, 1e6), not {brief(timeout)}"
+            )
         given = settings["client"]
         if given is not None and not isinstance(given, AsyncMongoClient):
             raise ConfigError(f"client must be a pymongo AsyncMongoClient, not {given!r}")
         self._owns_client = given is None
         if given is None:
-            url = settings["url"]
-            if not isinstance(url, str):
-                raise ConfigError(f"url must be a str, not {url!r}")
-            given = AsyncMongoClient(
-                url, tz_aware=True, serverSelectionTimeoutMS=int(timeout * 1000)
-            )
+            url = check_mongo_url(settings["url"])
+            try:  # PyMongo parses the URL here, before connecting
+                given = AsyncMongoClient(
+                    url, tz_aware=True, serverSelectionTimeoutMS=max(1, int(timeout * 1000))
+                )
+            except (mongo_errors.ConfigurationError, ValueError, TypeError) as exc:
+                raise ConfigError(f"url {without_password(url)!r}: {exc}") from exc
         self.client: AsyncMongoClient[Document] = given
         self.db: AsyncDatabase[Document] = self.client[self.database_name]
         self.transactions = False

@@ -18,6 +18,7 @@ from collections import deque
 from collections.abc import Awaitable, Sequence
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, ClassVar, cast
+from urllib.parse import parse_qs, urlsplit
 
 from ..errors import (
     BackendError,
@@ -26,6 +27,7 @@ from ..errors import (
     KeussError,
     MissingDependencyError,
 )
+from ..options import without_password
 from .base import Backend
 
 try:
@@ -49,6 +51,48 @@ CANCEL_GRACE = 10.0
 
 _CONNECTION_ERRORS = (redis_errors.ConnectionError, redis_errors.TimeoutError, OSError)
 
+# Error replies meaning "this server cannot serve that now": the command was not executed,
+# and the same command succeeds once the server is ready, so they are connection errors (the
+# caller retries) rather than backend errors. From the Redis manual: LOADING while the
+# dataset is loaded at startup; MASTERDOWN from a replica that lost its primary with
+# ``replica-serve-stale-data no``; CLUSTERDOWN while a hash slot is not served; TRYAGAIN
+# while a slot is being resharded; READONLY from a primary a failover turned into a replica;
+# BUSY while a script or function runs past ``busy-reply-threshold``; NOREPLICAS while fewer
+# replicas than ``min-replicas-to-write`` are connected. (OOM, MISCONF and the rest need
+# someone to act: backend errors.) redis-py has classes for some, which the fast lane
+# raises too; the others are recognised by their code.
+_NOT_READY_ERRORS = (
+    redis_errors.ReadOnlyError,
+    redis_errors.ClusterDownError,  # MasterDownError too
+    redis_errors.TryAgainError,
+)
+_RETRYABLE = (*_CONNECTION_ERRORS, *_NOT_READY_ERRORS)
+_NOT_READY_CODES = frozenset(
+    ("LOADING", "MASTERDOWN", "CLUSTERDOWN", "TRYAGAIN", "READONLY", "BUSY", "NOREPLICAS")
+)
+_REPLY_ERRORS: dict[str, type[redis_errors.RedisError]] = {
+    "NOSCRIPT": redis_errors.NoScriptError,
+    "LOADING": redis_errors.BusyLoadingError,
+    "READONLY": redis_errors.ReadOnlyError,
+    "MASTERDOWN": redis_errors.MasterDownError,
+    "CLUSTERDOWN": redis_errors.ClusterDownError,
+    "TRYAGAIN": redis_errors.TryAgainError,
+}
+"""The fast lane's error replies as the redis-py classes redis-py itself would raise."""
+
+
+def _is_connection_error(exc: BaseException) -> bool:
+    if isinstance(exc, _RETRYABLE):
+        return True
+    if isinstance(exc, redis_errors.ResponseError):
+        return str(exc).split(" ", 1)[0] in _NOT_READY_CODES
+    if isinstance(exc, redis_errors.SlotNotCoveredError):
+        return True  # redis-py's cluster client: no node serves the slot (a failover)
+    if isinstance(exc, redis_errors.RedisClusterException):
+        # e.g. "Redis Cluster cannot be connected", raised from the connection error
+        return isinstance(exc.__cause__, _CONNECTION_ERRORS)
+    return False
+
 
 class _RedisErrorsTranslated:
     """``errors.translate_errors`` for redis-py's exception types, as a plain class: it wraps
@@ -65,9 +109,9 @@ class _RedisErrorsTranslated:
     ) -> None:
         if exc is None or isinstance(exc, KeussError):
             return  # nothing raised, or ours already: passes through untouched
-        if isinstance(exc, _CONNECTION_ERRORS):
+        if _is_connection_error(exc):
             raise KeussConnectionError(f"{type(exc).__name__}: {exc}") from exc
-        if isinstance(exc, redis_errors.RedisError):
+        if isinstance(exc, redis_errors.RedisError | redis_errors.RedisClusterException):
             raise BackendError(f"{type(exc).__name__}: {exc}") from exc
 
 
@@ -114,16 +158,25 @@ class _LaneProtocol(asyncio.Protocol):
         try:
             while (reply := self._reader.gets()) is not False:
                 future = self._waiting.popleft()
-                if future.done():  # its caller was cancelled
-                    continue
                 if isinstance(reply, hiredis.ReplyError):
-                    future.set_exception(_response_error(str(reply)))
-                else:
+                    self._reply_error(future, str(reply))
+                elif not future.done():  # done: its caller was cancelled
                     future.set_result(reply)
         except hiredis.ProtocolError as exc:  # pragma: no cover - a broken server
             self._fail(redis_errors.ConnectionError(f"Redis protocol error: {exc}"))
             if self.transport is not None:
                 self.transport.abort()
+
+    def _reply_error(self, future: asyncio.Future[Any], message: str) -> None:
+        error = _response_error(message)
+        if isinstance(error, redis_errors.ReadOnlyError) and self.transport is not None:
+            # A failover made this server a replica. Like redis-py's Sentinel client, drop
+            # the connection so that the caller's retry connects again, to the primary the
+            # address leads to now; what is still in flight was refused or is only a read.
+            transport, self.transport = self.transport, None
+            transport.abort()
+        if not future.done():
+            future.set_exception(error)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.transport = None
@@ -214,10 +267,10 @@ def _pack(args: Sequence[Any]) -> bytes:
     return packed
 
 
-def _response_error(message: str) -> redis_errors.ResponseError:
-    if message.startswith("NOSCRIPT"):
-        return redis_errors.NoScriptError(message)
-    return redis_errors.ResponseError(message)
+def _response_error(message: str) -> redis_errors.RedisError:
+    if message.startswith("ERR max number of clients reached"):
+        return redis_errors.ConnectionError(message)  # as redis-py has it
+    return _REPLY_ERRORS.get(message.split(" ", 1)[0], redis_errors.ResponseError)(message)
 
 
 class Script:
@@ -228,6 +281,59 @@ class Script:
 
         self.text = text.encode()
         self.sha = hashlib.sha1(self.text).hexdigest()
+
+
+_MAX_DB = 2**31 - 1
+
+
+def check_redis_url(url: object, cluster: bool) -> str:
+    """Refuse, before connecting, a URL redis-py would misread or refuse with a bare
+    ``ValueError``: it ignores what it cannot parse, so ``redis:/127.0.0.1:6399`` connected
+    to localhost:6379, and ``redis://host/x`` to database 0.
+
+    Accepted, as redis-py documents them: ``redis://[[user]:password@]host[:port][/db]``,
+    ``rediss://`` the same over TLS, ``unix://[[user]:password@]/path/to.sock``; query
+    arguments as redis-py reads them (``?db=N`` among them). A port is an int in 1..65535, a
+    database index an int >= 0 (Redis Cluster has only database 0).
+    """
+    if not isinstance(url, str):
+        raise ConfigError(f"url must be a str, not {type(url).__name__}")
+    shown = without_password(url)
+
+    def bad(problem: str) -> ConfigError:
+        return ConfigError(f"url {shown!r}: {problem}")
+
+    try:
+        parts = urlsplit(url)
+        port = parts.port  # ValueError when it is not an int in 0..65535
+    except ValueError as exc:
+        raise bad(str(exc)) from exc
+    scheme = parts.scheme  # lower-cased by urlsplit
+    if scheme not in ("redis", "rediss", "unix"):
+        raise bad("the scheme must be redis://, rediss:// or unix://")
+    if url[len(scheme) + 1 : len(scheme) + 3] != "//":
+        raise bad(f"expected {scheme}:// then the host (or for unix://, the socket path)")
+    databases = parse_qs(parts.query, keep_blank_values=True).get("db", [])
+    if scheme == "unix":
+        if cluster:
+            raise bad("Redis Cluster needs a redis:// or rediss:// URL")
+        if parts.hostname or port is not None:
+            raise bad("a unix:// URL takes no host: unix:///path/to/redis.sock")
+        if parts.path in ("", "/"):
+            raise bad("a unix:// URL needs the socket path: unix:///path/to/redis.sock")
+    else:
+        if not parts.hostname:
+            raise bad(f"no host: expected {scheme}://host[:port][/db]")
+        if port == 0:
+            raise bad("port 0 cannot be connected to")
+        if parts.path not in ("", "/"):
+            databases.insert(0, parts.path[1:])
+    for db in databases:
+        if not (db.isascii() and db.isdigit()) or int(db) > _MAX_DB:
+            raise bad(f"the database index must be an int >= 0, not {db!r}")
+        if cluster and int(db) != 0:
+            raise bad("Redis Cluster has only database 0")
+    return url
 
 
 class RedisBackend(Backend):
@@ -252,12 +358,16 @@ class RedisBackend(Backend):
         self._lane = self._make_lane()
 
     def _make_client(self) -> RedisClient:
-        url = self.settings["url"]
-        if not isinstance(url, str):
-            raise ConfigError(f"url must be a str, not {url!r}")
-        if self.settings["cluster"]:
-            return RedisCluster.from_url(url, decode_responses=False)
-        return aioredis.Redis.from_url(url, decode_responses=False)
+        cluster = self.settings["cluster"]
+        if not isinstance(cluster, bool):
+            raise ConfigError(f"cluster must be a bool, not {cluster!r}")
+        url = check_redis_url(self.settings["url"], cluster)
+        try:
+            if cluster:
+                return RedisCluster.from_url(url, decode_responses=False)
+            return aioredis.Redis.from_url(url, decode_responses=False)
+        except ValueError as exc:  # a query argument redis-py cannot read
+            raise ConfigError(f"url: {exc}") from exc
 
     def _make_lane(self) -> _FastLane | None:
         if not self._owns_client or self.cluster:

@@ -45,7 +45,6 @@ queue: a crash in between may leave a duplicate there, never a loss.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import math
 import os
@@ -57,6 +56,8 @@ import orjson
 
 from ..errors import ConfigError
 from ..message import append_headers
+from ..options import check_count
+from ..tasks import stop_task
 from ._redis import RedisBackend, Script, redis_errors_translated
 from .base import (
     Ack,
@@ -589,10 +590,7 @@ class RedisReliableStore(Store):
         """
         tasks, self._tasks = self._tasks, []
         for task in tasks:
-            task.cancel()
-        for task in tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+            await stop_task(task)
         if tasks:
             with redis_errors_translated():
                 await self._scripts.retire(
@@ -657,10 +655,10 @@ class RedisReliableBackend(RedisBackend):
         if isinstance(ttl, bool) or not isinstance(ttl, int | float) or not 0.05 <= ttl < 1e6:
             raise ConfigError(f"heartbeat_ttl must be seconds >= 0.05, not {ttl!r}")
         self.heartbeat_ttl = float(ttl)
-        failed_max = self.settings["failed_max"]
-        if isinstance(failed_max, bool) or not isinstance(failed_max, int) or failed_max < 1:
-            raise ConfigError(f"failed_max must be a positive int, not {failed_max!r}")
-        self.failed_max: int = failed_max
+        # Bounded: the scripts pass it through a Lua number to LTRIM, and Lua prints large
+        # numbers in exponent form, which Redis refuses as "not an integer" (dedup_window,
+        # milliseconds in PX, is kept small enough by the bound on queue options' seconds).
+        self.failed_max: int = check_count(self.settings["failed_max"], "failed_max")
         self.scripts = _Scripts(self)
 
     async def store(self, queue: str, options: QueueOptions) -> Store:

@@ -29,6 +29,8 @@ from typing import Literal
 
 import orjson
 
+from ..tasks import stop_task
+
 log = logging.getLogger("aio_keuss.signal")
 
 SignalKind = Literal["insert", "pause", "resume"]
@@ -37,6 +39,16 @@ RECONNECT_FIRST = 0.05
 RECONNECT_CAP = 2.0
 OPEN_WAIT = 5.0
 """Longest ``open`` waits for the listener to be in place."""
+
+
+def _raise_if_cancelled(cause: BaseException | None) -> None:
+    """Stop a listener that was cancelled (``close``) even if the driver turned the
+    cancellation into an error of its own, or into an ordinary end of the connection (redis-py
+    can, when the server goes away at that moment): retrying then would leave a listener that
+    nobody can stop, and ``close`` waiting for it forever."""
+    task = asyncio.current_task()
+    if task is not None and task.cancelling():
+        raise asyncio.CancelledError from cause
 
 
 @dataclass(frozen=True, slots=True)
@@ -155,9 +167,11 @@ class SignalBus:
                 await self._listen(self._ready)
                 reason = "connection ended"
             except Exception as exc:
+                _raise_if_cancelled(exc)
                 if self._opening and not self._listening.is_set():
                     raise  # it cannot listen at all: ``open`` raises this
                 reason = str(exc) or type(exc).__name__
+            _raise_if_cancelled(None)
             # one warning per outage, not one per attempt while the server is away
             level = logging.DEBUG if self._failing else logging.WARNING
             log.log(level, "%s listener lost (%s); retrying", type(self).__name__, reason)
@@ -168,10 +182,7 @@ class SignalBus:
     async def _stop_listener(self) -> None:
         listener, self._listener = self._listener, None
         if listener is not None:
-            listener.cancel()
-            await asyncio.wait((listener,))  # our own caller's cancellation still propagates
-            if not listener.cancelled():
-                listener.exception()  # it failed meanwhile: seen, so not logged at exit
+            await stop_task(listener)
 
     async def _publish(self, payload: bytes) -> None:
         """Send one encoded signal to other processes; the local bus has none to tell."""

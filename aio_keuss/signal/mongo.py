@@ -14,10 +14,19 @@ The payload is stored as a string (the JSON the base class encodes), not as bina
 server echoes it back as it was. Signals are hints: while the listener is disconnected
 consumers fall back to polling; once it is back every local queue is woken, since what was
 signalled meanwhile is lost.
+
+Both transports wait on the server: a getMore on the stream or the tailable cursor is answered
+when something arrives or after ``maxAwaitTimeMS`` (see "Tailable Cursors" and "Change
+Streams" in the MongoDB manual). A server that ignores that wait and answers an empty batch at
+once (some MongoDB look-alikes do) would make the listener spin, burning a CPU core while the
+factory is idle; so an empty batch answered much sooner than the wait is followed by a pause
+that grows with the time since the last signal (see ``IDLE_SLOPE``). A server that does wait
+is never paused for.
 """
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
@@ -34,6 +43,39 @@ if TYPE_CHECKING:
 SIGNAL_TTL = 60
 CAPPED_SIZE = 1 << 20
 NAMESPACE_EXISTS = 48
+AWAIT_MS = 1000
+"""``maxAwaitTimeMS`` asked of the server: how long a getMore may wait for a signal."""
+IDLE_FIRST = 0.01
+IDLE_SLOPE = 0.2
+IDLE_CAP = 1.0
+"""The pause after an empty batch the server did not wait for: ``IDLE_SLOPE`` times the time
+since the last signal, within [``IDLE_FIRST``, ``IDLE_CAP``] seconds. A signal then waits at
+most a fifth of the silence before it (a second at most) on such a server, and an idle
+factory asks about once a second."""
+
+
+class _Pacing:
+    """Pauses between getMores that a server answered empty without waiting."""
+
+    def __init__(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._asked = self._quiet_since = self._loop.time()
+
+    def ask(self) -> None:
+        """A getMore (or a pass over the cursor) starts now."""
+        self._asked = self._loop.time()
+
+    def got(self) -> None:
+        """A signal came in: the next pauses are short again."""
+        self._quiet_since = self._loop.time()
+
+    async def empty(self) -> None:
+        """The getMore came back empty: pause if the server answered without waiting."""
+        now = self._loop.time()
+        if now - self._asked >= AWAIT_MS / 2000:
+            return  # it waited, as asked: ask again at once
+        quiet = now - self._quiet_since
+        await asyncio.sleep(min(IDLE_CAP, max(IDLE_FIRST, quiet * IDLE_SLOPE)))
 
 
 class MongoSignalBus(SignalBus):
@@ -58,10 +100,17 @@ class MongoSignalBus(SignalBus):
     async def _watch(self, ready: Callable[[], None]) -> None:
         await self._coll.create_index("t", expireAfterSeconds=SIGNAL_TTL)
         pipeline = [{"$match": {"operationType": "insert"}}]
-        async with await self._coll.watch(pipeline) as stream:
+        async with await self._coll.watch(pipeline, max_await_time_ms=AWAIT_MS) as stream:
             ready()
-            async for change in stream:
-                self._feed(change.get("fullDocument"))
+            pacing = _Pacing()
+            while stream.alive:
+                pacing.ask()
+                change = await stream.try_next()  # at most one getMore
+                if change is None:
+                    await pacing.empty()
+                else:
+                    pacing.got()
+                    self._feed(change.get("fullDocument"))
 
     async def _tail(self, ready: Callable[[], None]) -> None:
         try:
@@ -79,12 +128,17 @@ class MongoSignalBus(SignalBus):
         assert last is not None
         cursor = self._coll.find(
             {"_id": {"$gt": last["_id"]}}, cursor_type=CursorType.TAILABLE_AWAIT
-        )
+        ).max_await_time_ms(AWAIT_MS)
         ready()
+        pacing = _Pacing()
         try:
             while cursor.alive:
-                async for doc in cursor:
+                pacing.ask()
+                async for doc in cursor:  # what is buffered, then getMores until an empty one
+                    pacing.got()
                     self._feed(doc)
+                    pacing.ask()
+                await pacing.empty()
         finally:
             await cursor.close()
         raise ConnectionError("tailable cursor died")

@@ -30,7 +30,7 @@ class MemoryStats(StatsStore):
     async def _load_counters(self, queue: str) -> dict[str, int]:
         return dict(self._counters.get(queue, {}))
 
-    async def reset(self, queue: str) -> None:
+    async def _reset(self, queue: str) -> None:
         self._counters.pop(queue, None)
 
     async def set_paused(self, queue: str, paused: bool) -> None:

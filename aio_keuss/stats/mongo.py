@@ -44,8 +44,7 @@ class MongoStats(StatsStore):
             return {}
         return {k[len(_PREFIX) :]: int(v) for k, v in doc.items() if k.startswith(_PREFIX)}
 
-    async def reset(self, queue: str) -> None:
-        self._buffer.pop(queue, None)
+    async def _reset(self, queue: str) -> None:
         with mongo_errors_translated():
             await self._coll.update_one(
                 {"_id": queue}, {"$unset": {_PREFIX + name: "" for name in COUNTERS}}

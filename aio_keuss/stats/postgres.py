@@ -76,8 +76,7 @@ class PostgresStats(StatsStore):
             rows = await self._backend.pool.fetch(self._counters_sql, queue)
         return {row[0]: row[1] for row in rows}
 
-    async def reset(self, queue: str) -> None:
-        self._buffer.pop(queue, None)
+    async def _reset(self, queue: str) -> None:
         with postgres_errors_translated():
             await self._backend.pool.execute(self._reset_sql, queue)
 

@@ -53,8 +53,7 @@ class RedisStats(StatsStore):
             stored = await self._client.hgetall(self._counters_key(queue))
         return {name.decode(): int(value) for name, value in stored.items()}
 
-    async def reset(self, queue: str) -> None:
-        self._buffer.pop(queue, None)
+    async def _reset(self, queue: str) -> None:
         with redis_errors_translated():
             await self._client.delete(self._counters_key(queue))
 

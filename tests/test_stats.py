@@ -1,0 +1,181 @@
+"""What ``q.stats()`` adds to the stored counters: this process's increments not stored yet.
+
+A flush takes its batch out of the buffer before the database has it. A read overlapping
+that window must count the batch exactly once: not zero times (it is in neither the buffer
+nor the database yet), not twice (it landed while still being flushed). The generic layer is
+pinned with stores whose ``_apply`` is held on an event: one keeping its counters in this
+process (every step then happens at a known point, no I/O), and the real Redis, PostgreSQL
+and MongoDB stores with only ``_apply`` held.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+from backends import CASES
+
+import aio_keuss
+from aio_keuss.stats.base import Increments, StatsStore
+
+pytestmark = pytest.mark.timeout(60)
+
+
+class HeldStore(StatsStore):
+    """A store in this process whose writes wait for ``release``: ``taken`` is set when a
+    flush has its batch, ``landed`` once the counters hold it, and then the write returns
+    only after ``returned`` (its reply still on the way); ``fail`` makes it fail instead of
+    landing."""
+
+    flush_interval = 0.01
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stored: dict[str, dict[str, int]] = {}
+        self.taken = asyncio.Event()
+        self.release = asyncio.Event()
+        self.landed = asyncio.Event()
+        self.returned = asyncio.Event()
+        self.returned.set()
+        self.fail = False
+
+    async def _apply(self, increments: Increments) -> None:
+        self.taken.set()
+        await self.release.wait()
+        if self.fail:
+            raise aio_keuss.KeussConnectionError("server away")
+        for queue, counters in increments.items():
+            for name, value in counters.items():
+                row = self.stored.setdefault(queue, {})
+                row[name] = row.get(name, 0) + value
+        self.landed.set()
+        await self.returned.wait()
+
+    async def _load_counters(self, queue: str) -> dict[str, int]:
+        return dict(self.stored.get(queue, {}))
+
+    async def _reset(self, queue: str) -> None:
+        raise NotImplementedError
+
+    async def set_paused(self, queue: str, paused: bool) -> None:
+        raise NotImplementedError
+
+    async def is_paused(self, queue: str) -> bool:
+        raise NotImplementedError
+
+    async def save_options(self, queue: str, options: dict[str, Any]) -> None:
+        raise NotImplementedError
+
+    async def queues(self) -> dict[str, dict[str, Any]]:
+        raise NotImplementedError
+
+
+async def _turns(times: int = 20) -> None:
+    """Let every ready task run ``times`` steps (no I/O is involved)."""
+    for _ in range(times):
+        await asyncio.sleep(0)
+
+
+async def test_a_read_during_a_flush_counts_its_batch_once() -> None:
+    store = HeldStore()
+    await store.open()
+    try:
+        store.incr("q", "put", 3)
+        await store.taken.wait()  # the batch left the buffer; the database does not have it
+        read = asyncio.create_task(store.counters("q"))
+        await _turns()  # a read that does not wait for the flush is done by now
+        store.incr("q", "put", 1)  # buffered while the read is under way
+        store.release.set()
+        assert (await read)["put"] == 4  # the batch once, the late increment once
+        assert (await store.counters("q"))["put"] == 4
+    finally:
+        store.release.set()
+        await store.close()
+    assert store.stored == {"q": {"put": 4}}
+
+
+async def test_a_read_after_the_batch_landed_but_before_the_flush_returned() -> None:
+    store = HeldStore()
+    store.returned.clear()
+    await store.open()
+    try:
+        store.incr("q", "get", 2)
+        store.release.set()
+        await store.landed.wait()  # stored, while the flush still holds the batch
+        read = asyncio.create_task(store.counters("q"))
+        await _turns()
+        store.returned.set()
+        assert (await read)["get"] == 2
+    finally:
+        store.returned.set()
+        await store.close()
+
+
+async def test_a_read_during_a_failing_flush_counts_the_batch_from_the_buffer() -> None:
+    store = HeldStore()
+    store.fail = True
+    await store.open()
+    try:
+        store.incr("q", "commit", 5)
+        await store.taken.wait()
+        read = asyncio.create_task(store.counters("q"))
+        await _turns()
+        store.release.set()
+        assert (await read)["commit"] == 5  # back in the buffer, not lost, not doubled
+        store.fail = False
+        store.landed.clear()
+        await store.landed.wait()  # the next flush writes it
+        assert (await store.counters("q"))["commit"] == 5
+        assert store.stored == {"q": {"commit": 5}}
+    finally:
+        store.release.set()
+        await store.close()
+
+
+async def test_close_lets_a_flush_in_flight_land() -> None:
+    store = HeldStore()
+    await store.open()
+    store.incr("q", "put", 7)
+    await store.taken.wait()
+    closing = asyncio.create_task(store.close())
+    await _turns()
+    store.release.set()
+    await closing
+    assert store.stored == {"q": {"put": 7}}  # neither lost by a cancel nor written twice
+
+
+_FLUSHING = ("redis-oq", "postgres", "mongo")
+
+
+@pytest.mark.parametrize(
+    "case", [c for c in CASES if c.id in _FLUSHING], indirect=True, ids=lambda c: c.id
+)
+async def test_real_store_read_during_a_flush_counts_the_batch_once(connect: Any) -> None:
+    factory: aio_keuss.Factory = await connect()
+    real = type(factory.stats_store)
+    taken, release = asyncio.Event(), asyncio.Event()
+
+    class Held(real):  # type: ignore[valid-type, misc]
+        async def _apply(self, increments: Increments) -> None:
+            taken.set()
+            await release.wait()
+            await super()._apply(increments)
+
+    store: StatsStore = Held(factory.backend)
+    await store.open()
+    try:
+        store.incr("held", "put", 3)
+        await taken.wait()
+        read = asyncio.create_task(store.counters("held"))
+        # A read that does not wait for the flush answers 0 here; one that waits cannot
+        # answer before the release. Either way the answer must count the batch once.
+        done, _ = await asyncio.wait({read}, timeout=0.5)
+        assert not done or read.result()["put"] == 3
+        release.set()
+        assert (await read)["put"] == 3
+        assert (await store.counters("held"))["put"] == 3
+        assert (await factory.stats_store.counters("held"))["put"] == 3  # stored once
+    finally:
+        release.set()
+        await store.close()
