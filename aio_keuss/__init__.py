@@ -9,7 +9,7 @@ async with aio_keuss.connect("memory") as factory:
 
 from .backends import backend_names
 from .backends.base import Capabilities, KoResult, Sizes
-from .consumer import Consumer
+from .consumer import Consumer, ConsumerStatus
 from .errors import (
     BackendError,
     ClosedError,
@@ -37,6 +37,7 @@ __all__ = [
     "ClosedError",
     "ConfigError",
     "Consumer",
+    "ConsumerStatus",
     "Factory",
     "InvalidDelayError",
     "InvalidHeadersError",

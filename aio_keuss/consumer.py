@@ -4,6 +4,22 @@ Made to be started in a web framework's lifespan and stopped cleanly: ``stop()``
 new messages, lets in-flight handlers finish (for ``grace`` seconds), and a handler still
 running after that is cancelled and its message released at once, costing no try. Nothing a
 worker held is lost. On a backend without reserve the workers pop (at-most-once).
+
+A consumer outlives its backend's outages: a worker whose reserve fails (connection lost,
+server restarting, an error answer) waits with capped, jittered exponential backoff and tries
+again, for as long as it takes. Randomised ("jittered") backoff keeps many clients from
+retrying in lockstep against a server that is coming back (see "Exponential Backoff And
+Jitter" on the AWS Architecture Blog, which compares full and equal jitter). An outage is
+logged once per consumer when it starts (WARNING, or ERROR with the traceback when the server
+answered with an error rather than being unreachable; again only if the kind of failure
+changes) and once at INFO when it ends, not once per worker and attempt;
+:attr:`Consumer.state` and :meth:`Consumer.status` show it meanwhile.
+An ``ok`` / ``ko`` that fails after the handler ran is logged the same way and the worker goes
+on: the message comes back when its reservation expires (at-least-once).
+
+Handler exceptions are logged at WARNING with their traceback, at most one traceback per
+queue every :data:`TRACEBACK_EVERY` seconds; the failures in between are counted and
+summarised in one line, so a poison message retried in a loop cannot flood the log.
 """
 
 from __future__ import annotations
@@ -11,11 +27,21 @@ from __future__ import annotations
 import asyncio
 import inspect
 import logging
+import math
+import random
+import time
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from types import TracebackType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
-from .errors import ClosedError, InvalidInputError
+from .errors import (
+    ClosedError,
+    ConfigError,
+    InvalidInputError,
+    KeussConnectionError,
+    NotSupportedError,
+)
 from .message import Message
 
 if TYPE_CHECKING:
@@ -24,6 +50,195 @@ if TYPE_CHECKING:
 log = logging.getLogger("aio_keuss.consumer")
 
 Handler = Callable[[Message], Awaitable[Any] | Any]
+State = Literal["running", "reconnecting", "stopped"]
+
+RETRY_FIRST = 0.1
+"""Backoff of the first retry after a failed round trip, in seconds (doubled per failure)."""
+RETRY_CAP = 5.0
+"""Longest backoff between retries: a recovered server is noticed within about this long
+(sooner when the signal bus reconnects first, as it wakes every waiting consumer)."""
+TRACEBACK_EVERY = 10.0
+"""Shortest interval between two handler tracebacks logged for one queue."""
+
+_NOT_RETRIED = (ClosedError, InvalidInputError, NotSupportedError, ConfigError)
+
+
+def retryable(exc: BaseException) -> bool:
+    """Whether a failed round trip is worth retrying: connection and server errors are (and
+    any unexpected exception from a store); a closed queue or a misuse never heals."""
+    return isinstance(exc, Exception) and not isinstance(exc, _NOT_RETRIED)
+
+
+def retry_backoff(failures: int) -> float:
+    """Seconds to wait after ``failures`` (0, 1, ...) failures in a row: "equal jitter", half
+    of the capped exponential step plus a random share of the other half, so retries spread
+    out but never come back faster than half the step."""
+    step = min(RETRY_CAP, math.ldexp(RETRY_FIRST, min(failures, 32)))
+    return step / 2 + random.uniform(0, step / 2)
+
+
+class Outage:
+    """What one consumer (or one ``async for`` loop) knows about its backend's health.
+
+    ``failed`` records a failed round trip and logs the start of an outage once; ``succeeded``
+    ends it with one INFO line. ``generation`` counts recoveries: a round trip that began
+    before the last recovery and fails after it is a straggler of the outage that ended
+    (a command stuck on a connection that died), not the start of a new one.
+    """
+
+    __slots__ = (
+        "_logged",
+        "attempts",
+        "failing",
+        "generation",
+        "last_error",
+        "last_error_at",
+        "queue",
+        "since",
+        "who",
+    )
+
+    def __init__(self, queue: str, who: str) -> None:
+        self.queue = queue
+        self.who = who
+        self.failing = False
+        self.generation = 0
+        self.since: float | None = None
+        self.attempts = 0
+        self.last_error: Exception | None = None
+        self.last_error_at: float | None = None
+        self._logged: bool | None = None  # kind logged in this outage: connection error?
+
+    def failed(self, exc: Exception, generation: int, doing: str) -> None:
+        """Record a round trip begun at ``generation`` that failed; one not worth retrying
+        (see :func:`retryable`) is raised again instead."""
+        if not retryable(exc):
+            raise exc
+        self.last_error, self.last_error_at = exc, time.time()
+        if not self.failing:
+            if generation != self.generation:
+                log.debug(
+                    "queue %r: %s failed after the backend came back: %r", self.queue, doing, exc
+                )
+                return
+            self.failing, self.since, self.attempts = True, time.monotonic(), 0
+        self.attempts += 1
+        unreachable = isinstance(exc, KeussConnectionError)
+        if self._logged is unreachable:  # this outage is already in the log
+            log.debug("queue %r: %s failed again: %r", self.queue, doing, exc)
+            return
+        self._logged = unreachable
+        if unreachable:
+            log.warning(
+                "queue %r: %s cannot reach the backend (%s failed: %s); retrying with backoff",
+                self.queue,
+                self.who,
+                doing,
+                exc,
+            )
+        else:
+            log.error(
+                "queue %r: %s: the backend failed (%s: %r); retrying with backoff",
+                self.queue,
+                self.who,
+                doing,
+                exc,
+                exc_info=exc,
+            )
+
+    def succeeded(self) -> None:
+        """A round trip worked: an outage in progress is over (one INFO line)."""
+        if not self.failing:
+            return
+        seconds = 0.0 if self.since is None else time.monotonic() - self.since
+        log.info(
+            "queue %r: %s reaches the backend again after %.1f s (%d failed attempts)",
+            self.queue,
+            self.who,
+            seconds,
+            self.attempts,
+        )
+        self.failing, self.since, self._logged = False, None, None
+        self.generation += 1
+
+
+class HandlerFailures:
+    """Handler exceptions of one queue, logged with their traceback at WARNING at most once
+    every ``every`` seconds; those in between are counted (each at DEBUG) and summarised in
+    one WARNING line when the interval ends (or the consumer stops)."""
+
+    def __init__(self, queue: str, every: float = TRACEBACK_EVERY) -> None:
+        self.queue = queue
+        self.every = every
+        self._quiet_until = -math.inf
+        self._suppressed = 0
+        self._last = ""
+        self._timer: asyncio.TimerHandle | None = None
+
+    def report(self, message: Message, exc: Exception) -> None:
+        now = time.monotonic()
+        if now >= self._quiet_until:
+            self.flush()
+            self._quiet_until = now + self.every
+            log.warning(
+                "queue %r: handler failed on message %s (tries %d): %r",
+                self.queue,
+                message.id,
+                message.tries,
+                exc,
+                exc_info=exc,
+            )
+            return
+        self._suppressed += 1
+        self._last = f"{exc!r} on message {message.id} (tries {message.tries})"
+        log.debug(
+            "queue %r: handler failed on message %s (tries %d): %r",
+            self.queue,
+            message.id,
+            message.tries,
+            exc,
+        )
+        if self._timer is None:
+            self._timer = asyncio.get_running_loop().call_later(self._quiet_until - now, self.flush)
+
+    def flush(self) -> None:
+        """Log the summary of the failures not shown, if any."""
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        if self._suppressed:
+            log.warning(
+                "queue %r: %d more handler failures (tracebacks not shown, at most one per "
+                "%g s); the last: %s",
+                self.queue,
+                self._suppressed,
+                self.every,
+                self._last,
+            )
+            self._suppressed = 0
+
+
+@dataclass(frozen=True, slots=True)
+class ConsumerStatus:
+    """A snapshot of a consumer, e.g. for a health endpoint."""
+
+    queue: str
+    state: State
+    """"running", "reconnecting" (the backend fails; the workers retry by themselves) or
+    "stopped" (stopped, or the queue closed)."""
+    concurrency: int
+    in_flight: int
+    """Handlers running now."""
+    handled: int
+    """Messages whose handler returned."""
+    failed: int
+    """Handler exceptions (each one a ko on a backend with reserve)."""
+    last_error: Exception | None
+    """The last failed round trip to the backend (reserve, ok, ko), outage or not."""
+    last_error_at: float | None
+    """When it happened (seconds since the epoch)."""
+    reconnecting_for: float | None
+    """Seconds since the current outage began, or None."""
 
 
 class Consumer:
@@ -40,13 +255,16 @@ class Consumer:
         if not callable(handler):
             raise InvalidInputError("handler must be callable")
         self.queue = queue
+        self.concurrency = concurrency
         self._handler = handler
         self._retry_delay = retry_delay
         self._max_retry_delay = max_retry_delay
         self._reserve = queue.capabilities.reserve
         self._stopping = False
         self._waiting: set[asyncio.Task[None]] = set()
-        self.processed = 0
+        self._outage = Outage(queue.name, "consumer")
+        self._in_flight = 0
+        self.handled = 0
         self.failed = 0
         loop = asyncio.get_running_loop()
         self._workers = [loop.create_task(self._work()) for _ in range(concurrency)]
@@ -61,6 +279,36 @@ class Consumer:
         tb: TracebackType | None,
     ) -> None:
         await self.stop()
+
+    @property
+    def processed(self) -> int:
+        """Former name of :attr:`handled`."""
+        return self.handled
+
+    @property
+    def state(self) -> State:
+        if self._stopping or all(task.done() for task in self._workers):
+            return "stopped"
+        return "reconnecting" if self._outage.failing else "running"
+
+    @property
+    def last_error(self) -> Exception | None:
+        """The last failed round trip to the backend, kept after the outage ended."""
+        return self._outage.last_error
+
+    def status(self) -> ConsumerStatus:
+        outage = self._outage
+        return ConsumerStatus(
+            queue=self.queue.name,
+            state=self.state,
+            concurrency=self.concurrency,
+            in_flight=self._in_flight,
+            handled=self.handled,
+            failed=self.failed,
+            last_error=outage.last_error,
+            last_error_at=outage.last_error_at,
+            reconnecting_for=None if outage.since is None else time.monotonic() - outage.since,
+        )
 
     async def wait(self) -> None:
         """Run until stopped (or the queue closes)."""
@@ -77,6 +325,7 @@ class Consumer:
             task.cancel()
         await asyncio.gather(*self._workers, return_exceptions=True)
         self.queue._consumers.discard(self)
+        self.queue._handler_failures.flush()
 
     async def _work(self) -> None:
         task = asyncio.current_task()
@@ -85,21 +334,29 @@ class Consumer:
         while not self._stopping:
             self._waiting.add(task)
             try:
-                message = await (queue.reserve() if self._reserve else queue.pop())
+                message = await queue._next(None, self._outage)
             except asyncio.CancelledError:
                 if self._stopping:
                     return
                 raise
             except ClosedError:
                 return
+            except Exception:  # not worth retrying (see ``retryable``): say so, loudly
+                log.exception("queue %r: consumer worker stopped", queue.name)
+                return
             finally:
                 self._waiting.discard(task)
             if message is None:  # only on drain or close, as there is no timeout
                 return
+            self._in_flight += 1
             try:
                 await self._handle(message)
             except ClosedError:
                 return
+            except Exception:  # a bug of ours: logged, and the worker goes on
+                log.exception("queue %r: consumer failed on message %s", queue.name, message.id)
+            finally:
+                self._in_flight -= 1
 
     async def _handle(self, message: Message) -> None:
         try:
@@ -108,21 +365,33 @@ class Consumer:
                 await result
         except asyncio.CancelledError:
             if self._reserve:
-                await asyncio.shield(self.queue._release(message))
+                await asyncio.shield(
+                    self._acknowledge("release", message, self.queue._release(message))
+                )
             raise
         except Exception as exc:
             self.failed += 1
-            log.warning(
-                "handler failed on message %s (tries %d): %r",
-                message.id,
-                message.tries,
-                exc,
-                exc_info=log.isEnabledFor(logging.DEBUG),
-            )
+            self.queue._handler_failures.report(message, exc)
             if self._reserve:
-                delay = min(self._retry_delay * 2**message.tries, self._max_retry_delay)
-                await self.queue.ko(message, delay=delay if self.queue.capabilities.delay else None)
+                backoff = self._retry_delay * 2.0 ** min(message.tries, 64)  # no overflow
+                delay = min(backoff, self._max_retry_delay)
+                queue = self.queue
+                await self._acknowledge(
+                    "ko",
+                    message,
+                    queue.ko(message, delay=delay if queue.capabilities.delay else None),
+                )
             return
-        self.processed += 1
+        self.handled += 1
         if self._reserve:
-            await self.queue.ok(message)
+            await self._acknowledge("ok", message, self.queue.ok(message))
+
+    async def _acknowledge(self, doing: str, message: Message, work: Awaitable[Any]) -> None:
+        """ok / ko / release after the handler ran: a failure is logged (as part of an outage)
+        and the worker goes on; the message comes back when its reservation expires."""
+        outage = self._outage
+        generation = outage.generation
+        try:
+            await work
+        except Exception as exc:
+            outage.failed(exc, generation, f"{doing} of message {message.id}")

@@ -99,7 +99,12 @@ class Factory:
         return await self.stats_store.queues()
 
     async def close(self) -> None:
-        """Drain and close every queue, then the stats store, signal bus and connection."""
+        """Drain and close every queue, then the stats store, signal bus and connection.
+
+        Each queue first stops its consumers (their running handlers finish and acknowledge),
+        then gives back the reservations it handed out that nobody ok-ed or ko-ed: they are
+        deliverable again at once, with the tries they had, instead of after ``reserve_delay``.
+        """
         if self._closed:
             return
         self._closed = True
@@ -108,10 +113,12 @@ class Factory:
                 await queue.close()
         finally:
             try:
-                await self.stats_store.close()
-                await self.signal.close()
+                await self.stats_store.close()  # raises when the server is away at close
             finally:
-                await self.backend.close()
+                try:
+                    await self.signal.close()  # ... and the listener must still stop
+                finally:
+                    await self.backend.close()
 
     async def __aenter__(self) -> Factory:
         return self

@@ -4,17 +4,43 @@ A payload is stored as a single blob whose first byte says how to read the rest:
 orjson, ``B`` for raw bytes. That keeps bytes payloads bytes (JSON has no bytes type) and lets
 a store treat every payload as an opaque blob. Headers are stored as a JSON object text so a
 store can append the deadletter headers without decoding them (see ``append_headers``).
+
+What round-trips, and what is refused. A payload comes back exactly as it went in, types
+included, or is refused with :class:`InvalidPayloadError` before anything is written:
+
+* round-trip: ``dict`` (str keys), ``list``, ``str``, ``int`` (from -2**63 to 2**64 - 1),
+  finite ``float``, ``bool``, ``None``, nested any way, and ``bytes`` as the whole payload;
+* refused: NaN and infinite floats, anywhere (JSON has no form for them: they would come back
+  as ``None``); ``tuple`` (would come back a list), ``uuid.UUID`` (a str), ``Enum`` members
+  (their value), ``bytearray`` / ``memoryview`` even as the whole payload (bytes), subclasses
+  of the JSON types (the plain type), ``set``, datetimes, dataclasses and other objects; dict
+  keys other than ``str``; ints beyond 64 bits; strings with lone surrogates (not UTF-8);
+  ``bytes`` nested in a dict or list (JSON has no bytes type: encode them, e.g. base64, or
+  send the bytes as the whole payload); containers nested 255 or more deep (orjson's limit).
+
+Headers: a dict of ``str`` keys to ``str``, ``int`` (64-bit), finite ``float`` or ``bool``
+values, exact types (an ``IntEnum`` or ``str`` subclass value is refused), else
+:class:`InvalidHeadersError`.
+
+The common case costs one ``orjson.dumps`` plus, for a dict or list, a check of the types of
+its values done in C (``frozenset.issuperset`` over ``map(type, ...)``); NaN and infinities,
+which orjson writes as ``null``, are looked for only when the output contains ``null``.
 """
 
 from __future__ import annotations
 
+import math
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from typing import Any
+from enum import Enum
+from typing import Any, cast
+from uuid import UUID
 
 import orjson
 
-from .errors import InvalidHeadersError, InvalidIdError, InvalidPayloadError
+from .errors import InvalidHeadersError, InvalidIdError, InvalidInputError, InvalidPayloadError
+from .options import brief
 
 _JSON_TAG = b"J"
 _BYTES_TAG = b"B"
@@ -26,7 +52,14 @@ _DUMPS_OPTIONS = (
     | orjson.OPT_PASSTHROUGH_SUBCLASS
 )
 MAX_ID_LENGTH = 200
+MAX_TRIES = 2**31 - 1
+"""Largest ``tries`` a message can carry: PostgreSQL stores it as an ``integer``."""
 EMPTY_HEADERS = b"{}"
+# What comes back as itself from JSON (floats only when finite): anything else orjson
+# accepts (tuple, UUID, Enum, Fragment) would come back as something else.
+_LEAVES: frozenset[type] = frozenset({str, int, float, bool, type(None)})
+_LEAVES_BUT_FLOAT: frozenset[type] = frozenset({str, int, bool, type(None)})
+_HEADER_VALUES: frozenset[type] = frozenset({str, int, float, bool})
 
 Payload = Any
 Headers = dict[str, str | int | float | bool]
@@ -48,15 +81,84 @@ class Message:
 
 
 def encode_payload(payload: Payload) -> bytes:
-    """Serialize a payload, raising :class:`InvalidPayloadError` for what would not round-trip."""
-    if isinstance(payload, bytes):
-        return _BYTES_TAG + payload
-    if isinstance(payload, bytearray | memoryview):
-        return _BYTES_TAG + bytes(payload)
+    """Serialize a payload, raising :class:`InvalidPayloadError` for what would not round-trip
+    (the rules are in this module's docstring)."""
+    kind = type(payload)
+    if kind is bytes:
+        blob: bytes = _BYTES_TAG + payload
+        return blob
     try:
-        return _JSON_TAG + orjson.dumps(payload, option=_DUMPS_OPTIONS)
+        text = orjson.dumps(payload, default=_unserializable, option=_DUMPS_OPTIONS)
     except TypeError as exc:  # orjson.JSONEncodeError is a TypeError
-        raise InvalidPayloadError(f"payload cannot be serialized: {exc}") from exc
+        reason: object = exc.__cause__ or exc
+        if str(reason) == "Dict key must be str":
+            reason = "dict keys must be str (another key type would come back as a str)"
+        raise InvalidPayloadError(f"payload cannot be stored: {reason}") from exc
+    # orjson also serializes tuples, UUIDs, Enum members and Fragments, and writes NaN and
+    # infinities as null: what is not a plain leaf must be found. ``float`` is a plain leaf
+    # unless the output has a ``null`` (which may be a NaN or an infinity). ``find``, not
+    # ``in``: ``bytes.__contains__`` first tries its argument as an int, at a cost.
+    if kind is dict:
+        leaves = _LEAVES_BUT_FLOAT if text.find(b"null") >= 0 else _LEAVES
+        if not leaves.issuperset(map(type, payload.values())):  # in C; the common case
+            _check_tree(payload.values(), leaves)
+    elif kind is list:
+        leaves = _LEAVES_BUT_FLOAT if text.find(b"null") >= 0 else _LEAVES
+        if not leaves.issuperset(map(type, payload)):
+            _check_tree(payload, leaves)
+    elif kind not in _LEAVES or (kind is float and not math.isfinite(payload)):
+        raise InvalidPayloadError(f"payload cannot be stored: {_refusal(payload)}")
+    return _JSON_TAG + text
+
+
+def _check_tree(items: Iterable[Any], leaves: frozenset[type]) -> None:
+    """Refuse the first item (or nested item) that would not come back as itself. orjson
+    accepted the payload, so nesting is under 255 deep: no recursion limit is reached."""
+    for item in items:
+        kind = type(item)
+        if kind in leaves:
+            continue
+        if kind is dict:
+            if not leaves.issuperset(map(type, item.values())):
+                _check_tree(item.values(), leaves)
+        elif kind is list:
+            if not leaves.issuperset(map(type, item)):
+                _check_tree(item, leaves)
+        elif kind is not float or not math.isfinite(item):
+            raise InvalidPayloadError(f"payload cannot be stored: {_refusal(item)}")
+
+
+def _unserializable(value: object) -> Any:
+    """orjson's ``default`` hook: whatever it cannot serialize itself is refused, with why."""
+    raise TypeError(_refusal(value))
+
+
+def _refusal(value: object) -> str:
+    """Why ``value`` cannot be stored so that it comes back the same."""
+    kind = type(value).__qualname__
+    if isinstance(value, Enum):
+        return f"{value!r}: an Enum member would come back as its value; store .value"
+    if isinstance(value, float):
+        if not math.isfinite(value):
+            return f"{value!r}: NaN and infinite floats have no JSON form (they come back None)"
+        return f"a {kind} (float subclass) would come back as a plain float"
+    if type(value) is bytes:
+        return (
+            "bytes nested in a dict or list (JSON has no bytes type): bytes round-trip only as"
+            " the whole payload; encode nested ones first (e.g. base64)"
+        )
+    if isinstance(value, bytes | bytearray | memoryview):
+        return f"a {kind} would come back as bytes; pass bytes(...) as the whole payload"
+    if isinstance(value, UUID):
+        return "a UUID would come back as a str; store str(uuid)"
+    if isinstance(value, tuple):
+        return "a tuple would come back as a list; store a list"
+    if isinstance(value, set | frozenset):
+        return f"a {kind} has no JSON form; store a list"
+    for base in (dict, list, str, int):
+        if isinstance(value, base):
+            return f"a {kind} ({base.__name__} subclass) would come back as a plain {base.__name__}"
+    return f"a {kind} has no exact JSON form"
 
 
 def decode_payload(blob: bytes) -> Payload:
@@ -72,16 +174,21 @@ def encode_headers(headers: Headers | None) -> bytes:
     if not isinstance(headers, dict):
         raise InvalidHeadersError(f"headers must be a dict, not {type(headers).__name__}")
     for key, value in headers.items():
-        if not isinstance(key, str):
-            raise InvalidHeadersError(f"header keys must be str, got {key!r}")
-        if not isinstance(value, str | int | float | bool):
+        if type(key) is not str:  # a str subclass (StrEnum) would come back a plain str
+            raise InvalidHeadersError(f"header keys must be str, got {type(key).__qualname__}")
+        kind = type(value)
+        if kind not in _HEADER_VALUES:  # exact: an IntEnum would come back a plain int
             raise InvalidHeadersError(
-                f"header {key!r} must be a str, int, float or bool, not {type(value).__name__}"
+                f"header {key!r} must be a str, int, float or bool, not {kind.__qualname__}"
+            )
+        if kind is float and not math.isfinite(cast(float, value)):
+            raise InvalidHeadersError(
+                f"header {key!r} is {value!r}: NaN and infinite floats have no JSON form"
             )
     try:
         return orjson.dumps(headers)
-    except TypeError as exc:  # an int beyond 64 bits
-        raise InvalidHeadersError(f"headers cannot be serialized: {exc}") from exc
+    except TypeError as exc:  # an int beyond 64 bits, a lone surrogate
+        raise InvalidHeadersError(f"headers cannot be stored: {exc}") from exc
 
 
 def decode_headers(blob: bytes | str) -> Headers:
@@ -102,15 +209,30 @@ def append_headers(encoded: bytes, extra: Headers) -> bytes:
 def check_id(message_id: object) -> str:
     """Return the id if it is well formed, else raise :class:`InvalidIdError`.
 
-    Ids end up as Redis keys, SQL values and Mongo ``_id``: printable, no whitespace, bounded.
+    Ids end up as Redis keys, SQL values and Mongo ``_id``: printable, no whitespace, bounded,
+    valid UTF-8. ``str.isprintable`` is False for control characters (NUL included), format
+    characters and lone surrogates (Unicode categories C* and Z* but the space), so what it
+    lets through always encodes as UTF-8.
     """
     if not isinstance(message_id, str):
         raise InvalidIdError(f"message ids are str, not {type(message_id).__name__}")
     if not message_id or len(message_id) > MAX_ID_LENGTH:
         raise InvalidIdError(f"message ids have 1 to {MAX_ID_LENGTH} characters")
     if not message_id.isprintable() or " " in message_id:
-        raise InvalidIdError(f"message id {message_id!r} has whitespace or control characters")
+        raise InvalidIdError(
+            f"message id {message_id!r} has whitespace, control characters or lone surrogates"
+        )
     return message_id
+
+
+def check_tries(tries: object) -> int:
+    """The ``tries`` of a hand-built :class:`Message` given to ``ok`` / ``ko``: an int in
+    [0, :data:`MAX_TRIES`] (never a bool), else :class:`InvalidInputError`."""
+    if type(tries) is not int or not 0 <= tries <= MAX_TRIES:
+        raise InvalidInputError(
+            f"message tries must be an int in [0, {MAX_TRIES}], not {brief(tries)}"
+        )
+    return tries
 
 
 def to_datetime(timestamp: float) -> datetime:

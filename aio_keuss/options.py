@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 import re
 from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
@@ -10,6 +9,28 @@ from typing import Any
 from .errors import ConfigError, InvalidDelayError, InvalidQueueNameError
 
 _QUEUE_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.:\-]{0,127}")
+_CREDENTIALS = re.compile(r"//[^/?#]*@")
+
+MAX_SECONDS = 1e9
+"""Longest delay, timeout or duration accepted anywhere (about 31.7 years); see
+:func:`check_seconds`."""
+MAX_COUNT = 2**31 - 1
+"""Largest count option (``max_batch``, deadletter ``max_ko``, ``failed_max``): counts meet
+PostgreSQL ``integer`` columns and parameters, which hold up to 2**31 - 1."""
+
+
+def brief(value: object) -> str:
+    """``repr`` for error messages, short and safe: an int of more than 4,300 digits makes
+    ``repr`` itself raise (Python's integer string conversion limit)."""
+    if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 64:
+        return f"an int of {value.bit_length()} bits"
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def without_password(url: str) -> str:
+    """A connection URL fit for an error message: its password (``//user:secret@``) masked."""
+    return _CREDENTIALS.sub("//***@", url, count=1)
 
 
 def check_queue_name(name: object) -> str:
@@ -23,13 +44,32 @@ def check_queue_name(name: object) -> str:
 
 
 def check_seconds(value: object, what: str) -> float:
-    """A delay or duration: a finite, non-negative number of seconds."""
+    """A delay, timeout or duration: a number of seconds in [0, :data:`MAX_SECONDS`].
+
+    The bound, 1e9 s (about 31.7 years), keeps every time a store computes from it (now +
+    delay, a reservation deadline, a dedup expiry) well inside what each one holds: Python's
+    ``datetime`` and MongoDB dates stop at year 9999, and redis-reliable hands Redis
+    ``PX`` milliseconds through a Lua number, which Lua prints in exponent form once it is
+    large (Lua 5.1's number format is ``%.14g``) and Redis then refuses as "not an integer":
+    a ``dedup_window`` of 1e17 s made every push with an id fail. A longer delay would be
+    stored and then break every later ``next_mature_t()``, so it is refused before anything
+    is written. The comparison is exact for ints too big for a float (10**400 is refused,
+    not an ``OverflowError``); NaN and infinities fail it as well.
+    """
     if isinstance(value, bool) or not isinstance(value, int | float):
-        raise InvalidDelayError(f"{what} must be a number of seconds, not {value!r}")
-    seconds = float(value)
-    if not math.isfinite(seconds) or seconds < 0:
-        raise InvalidDelayError(f"{what} must be finite and >= 0, not {value!r}")
-    return seconds
+        raise InvalidDelayError(f"{what} must be a number of seconds, not {brief(value)}")
+    if not 0 <= value <= MAX_SECONDS:  # int or float compared exactly: no OverflowError
+        raise InvalidDelayError(
+            f"{what} must be a number of seconds in [0, {MAX_SECONDS:,.0f}], not {brief(value)}"
+        )
+    return float(value)
+
+
+def check_count(value: object, what: str, least: int = 1) -> int:
+    """A count option: an int (not a bool) in [``least``, :data:`MAX_COUNT`]."""
+    if isinstance(value, bool) or not isinstance(value, int) or not least <= value <= MAX_COUNT:
+        raise ConfigError(f"{what} must be an int in [{least}, {MAX_COUNT}], not {brief(value)}")
+    return value
 
 
 def check_timeout(value: object) -> float | None:
@@ -64,9 +104,7 @@ class QueueOptions:
         checked: dict[str, Any] = {}
         for key, value in overrides.items():
             if key == "max_batch":
-                if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                    raise ConfigError(f"max_batch must be a positive int, not {value!r}")
-                checked[key] = value
+                checked[key] = check_count(value, "max_batch")
             else:
                 try:
                     checked[key] = check_seconds(value, key)
@@ -98,9 +136,7 @@ class DeadletterOptions:
         unknown = set(value) - {"max_ko", "queue"}
         if unknown:
             raise ConfigError(f"unknown deadletter option(s): {', '.join(sorted(unknown))}")
-        max_ko = value.get("max_ko")
-        if isinstance(max_ko, bool) or not isinstance(max_ko, int) or max_ko < 0:
-            raise ConfigError(f"deadletter max_ko must be an int >= 0, not {max_ko!r}")
+        max_ko = check_count(value.get("max_ko"), "deadletter max_ko", least=0)
         queue = value.get("queue", "__deadletter__")
         try:
             check_queue_name(queue)

@@ -10,9 +10,12 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
+import math
 import os
+import sys
 import time
-from collections.abc import AsyncIterator, Awaitable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Sequence
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
@@ -29,28 +32,35 @@ from .backends.base import (
     Stored,
 )
 from .coalesce import Coalescer
+from .consumer import HandlerFailures, Outage, retry_backoff
 from .errors import ClosedError, InvalidIdError, InvalidInputError, NotSupportedError
 from .message import (
     Headers,
     Message,
     Payload,
     check_id,
+    check_tries,
     decode_headers,
     decode_payload,
     encode_headers,
     encode_payload,
     to_datetime,
 )
-from .options import DeadletterOptions, QueueOptions, check_seconds, check_timeout
+from .options import MAX_SECONDS, DeadletterOptions, QueueOptions, check_seconds, check_timeout
 
 if TYPE_CHECKING:
     from .consumer import Consumer, Handler
     from .signal.base import Signal, SignalBus
     from .stats.base import StatsStore
 
+log = logging.getLogger("aio_keuss.queue")
+
 MIN_WAIT = 0.005
 """Shortest sleep of the wait loop: it never spins, even when a store reports a mature time
 in the past (clock skew between client and server) without handing anything out."""
+
+HELD_CHECK = 1024
+"""Reservations held unacknowledged between two checks for expired ones (see ``_rotate_held``)."""
 
 FetchResult = tuple[list[Stored], float | None]
 
@@ -104,6 +114,14 @@ class Queue:
         self._closed = False
         self._background: set[asyncio.Task[Any]] = set()
         self._consumers: set[Consumer] = set()
+        self._handler_failures = HandlerFailures(name)
+        # Reservations handed out here and not yet ok-ed, ko-ed or released (id -> tries),
+        # given back by ``close``. Two generations: where reservations expire, one older
+        # than ``reserve_delay`` is dropped, so those nobody acknowledged cannot pile up.
+        self._held: dict[str, int] = {}
+        self._held_before: dict[str, int] = {}
+        self._held_check = HELD_CHECK if capabilities.reservation_expiry else sys.maxsize
+        self._rotate_at = -math.inf
         batch, depth = options.max_batch, store.batch_concurrency
         in_caller, uninterruptible = store.run_in_caller, store.uninterruptible
         self._inserts: Coalescer[list[Entry], list[bool]] = Coalescer(
@@ -266,13 +284,14 @@ class Queue:
         timeout: float | None,
         capability: str,
         counter: str,
+        outage: Outage | None = None,
     ) -> list[Message]:
         self._check_open()
         self._require(capability)
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
             raise InvalidInputError(f"n must be a positive int, not {n!r}")
         stored = await self._wait_for(
-            source, min(n, self.options.max_batch), check_timeout(timeout)
+            source, min(n, self.options.max_batch), check_timeout(timeout), outage, capability
         )
         if stored:
             self._stats.incr(self.name, counter, len(stored))
@@ -288,26 +307,46 @@ class Queue:
         ]
 
     async def _wait_for(
-        self, source: Coalescer[int, FetchResult], n: int, timeout: float | None
+        self,
+        source: Coalescer[int, FetchResult],
+        n: int,
+        timeout: float | None,
+        outage: Outage | None = None,
+        doing: str = "reserve",
     ) -> list[Stored]:
         """The wait loop (DESIGN.md §5): try, then sleep until a signal, the next mature
-        time, the poll interval or the timeout, whichever comes first."""
+        time, the poll interval or the timeout, whichever comes first.
+
+        With an ``outage`` (``consume`` and ``messages``), a failed round trip is recorded
+        there and retried after a capped, jittered backoff instead of raised."""
         loop = asyncio.get_running_loop()
         deadline = None if timeout is None else loop.time() + timeout
         drains = self._drains
         backoff = MIN_WAIT
+        failures = 0
         while not self._closed and self._drains == drains:
             wake = self._wake  # taken before trying, so a push meanwhile is not missed
             next_mature = None
+            wait = self.options.poll_interval
             if not self._paused:
+                generation = 0 if outage is None else outage.generation
                 self._armed += 1
                 try:
                     stored, next_mature = await source.submit(n)
+                except Exception as exc:
+                    if outage is None:
+                        raise
+                    outage.failed(exc, generation, doing)  # raises what is not worth retrying
+                    stored, wait = [], retry_backoff(failures)
+                    failures += 1
+                else:
+                    failures = 0
+                    if outage is not None:
+                        outage.succeeded()
                 finally:
                     self._armed -= 1
                 if stored:
                     return stored
-            wait = self.options.poll_interval
             if next_mature is not None:
                 until = next_mature - time.time()
                 if until > 0:
@@ -325,14 +364,32 @@ class Queue:
             finally:
                 self._armed -= 1
             if not woken and self._paused:
-                self._paused = await self._stats.is_paused(self.name)  # a lost resume
+                self._paused = await self._poll_paused(outage)  # a lost resume
         return []
+
+    async def _poll_paused(self, outage: Outage | None) -> bool:
+        if outage is None:
+            return await self._stats.is_paused(self.name)
+        generation = outage.generation
+        try:
+            paused = await self._stats.is_paused(self.name)
+        except Exception as exc:
+            outage.failed(exc, generation, "is_paused")  # raises what is not worth retrying
+            return self._paused
+        outage.succeeded()
+        return paused
 
     async def _get_batch(self, requests: list[int]) -> list[FetchResult]:
         return _share(requests, await self._store.get(sum(requests)))
 
     async def _reserve_batch(self, requests: list[int]) -> list[FetchResult]:
         fetched = await self._store.reserve(sum(requests), self.options.reserve_delay)
+        if fetched.messages:
+            held = self._held
+            if len(held) >= self._held_check:  # only while many are held unacknowledged
+                held = self._rotate_held()
+            for stored in fetched.messages:
+                held[stored.id] = stored.tries
         return _share(requests, fetched)
 
     def _put_back_popped(self, _: int, result: FetchResult) -> None:
@@ -347,12 +404,59 @@ class Queue:
         """Reserved for a cancelled caller: released at once, costing no try."""
         if result[0]:
             nacks = [Nack(s.id, s.tries, 0.0, count_try=False) for s in result[0]]
+            self._forget(nacks)
             self._in_background(self._put_back(self._store.rollback(nacks, None)))
 
     async def _release(self, message: Message) -> None:
         """Give back a reservation whose handler was cancelled, costing no try."""
         nack = Nack(message.id, message.tries, 0.0, count_try=False)
         await self._put_back(self._store.rollback([nack], None))
+        self._forget([nack])
+
+    def _rotate_held(self) -> dict[str, int]:
+        """Drop the older generation of held reservations once ``reserve_delay`` has passed
+        since the last rotation: everything in it was reserved before that rotation, so its
+        reservations have expired (and are delivered again, by this process or another)."""
+        now = time.monotonic()
+        if now >= self._rotate_at:
+            self._held_before, self._held = self._held, {}
+            self._rotate_at = now + self.options.reserve_delay
+        self._held_check = len(self._held) + HELD_CHECK
+        return self._held
+
+    def _forget(self, done: Sequence[Ack] | Sequence[Nack]) -> None:
+        """These reservations were acknowledged (or found gone): not ours to give back."""
+        held = self._held
+        for item in done:
+            tries = held.pop(item.id, None)
+            if tries is None:
+                self._held_before.pop(item.id, None)
+            elif item.tries is not None and item.tries != tries:
+                held[item.id] = tries  # a stale holder's ack: our newer reservation stands
+
+    async def _give_back(self) -> None:
+        """On close: reservations handed out here that nobody acknowledged go back at once,
+        costing no try, instead of staying invisible until ``reserve_delay`` expires. Best
+        effort: if the backend cannot be reached, they come back when they expire."""
+        held = {**self._held_before, **self._held}
+        self._held, self._held_before = {}, {}
+        if not held:
+            return
+        nacks = [Nack(i, tries, 0.0, count_try=False) for i, tries in held.items()]
+        size = self.options.max_batch
+        try:
+            for start in range(0, len(nacks), size):
+                await self._store.rollback(nacks[start : start + size], None)
+        except Exception as exc:
+            log.warning(
+                "queue %r: could not give back %d unacknowledged reservations on close (%r); "
+                "they come back when their reservations expire",
+                self.name,
+                len(nacks),
+                exc,
+            )
+            return
+        self._signal.insert(self.name, time.time())
 
     async def _put_back(self, work: Awaitable[Any]) -> None:
         await work
@@ -361,16 +465,26 @@ class Queue:
     def __aiter__(self) -> AsyncIterator[Message]:
         return self.messages()
 
-    async def messages(self, timeout: float | None = None) -> AsyncIterator[Message]:
+    async def messages(self, timeout: float | None = None) -> AsyncGenerator[Message, None]:
         """Iterate reserved messages (popped ones on a backend without reserve); the loop ends
         on drain, close, or after ``timeout`` seconds with nothing. Reserved messages must be
-        ``ok``-ed or ``ko``-ed by the caller."""
-        take = self.reserve if self.capabilities.reserve else self.pop
+        ``ok``-ed or ``ko``-ed by the caller. A backend outage does not end the loop: it
+        waits and retries with backoff, logging the outage once (see ``consume``)."""
+        outage = Outage(self.name, "async for")
         while not self._closed:
-            message = await take(timeout)
+            message = await self._next(timeout, outage)
             if message is None:
                 return
             yield message
+
+    async def _next(self, timeout: float | None, outage: Outage) -> Message | None:
+        """One message for ``consume`` and ``messages``: reserved (popped on a backend
+        without reserve), riding out backend outages."""
+        if self.capabilities.reserve:
+            got = await self._consume(self._reserves, 1, timeout, "reserve", "reserve", outage)
+        else:
+            got = await self._consume(self._gets, 1, timeout, "pop", "get", outage)
+        return got[0] if got else None
 
     def consume(
         self,
@@ -385,6 +499,8 @@ class Queue:
         from .consumer import Consumer
 
         self._check_open()
+        check_seconds(retry_delay, "retry_delay")  # they become ko delays: same bounds
+        check_seconds(max_retry_delay, "max_retry_delay")
         consumer = Consumer(self, handler, concurrency, retry_delay, max_retry_delay)
         self._consumers.add(consumer)
         return consumer
@@ -402,16 +518,21 @@ class Queue:
         self._check_open()
         self._require("reserve")
         message_id, tries = _target(message)
-        seconds = self._store.default_ko_delay(tries) if delay is None else self._delay(delay)
+        if delay is None:  # a retry polynomial of many tries must not pass the bound either
+            seconds = min(self._store.default_ko_delay(tries), MAX_SECONDS)
+        else:
+            seconds = self._delay(delay)
         return await self._rollbacks.submit(Nack(message_id, tries, seconds))
 
     async def _commit_batch(self, acks: list[Ack]) -> list[bool]:
         results = await self._store.commit(acks)
+        self._forget(acks)
         self._stats.incr(self.name, "commit", sum(results))
         return results
 
     async def _rollback_batch(self, nacks: list[Nack]) -> list[KoResult]:
         results = await self._store.rollback(nacks, self._deadletter)
+        self._forget(nacks)
         back = [n for n, r in zip(nacks, results, strict=True) if r is KoResult.ROLLED_BACK]
         moved = results.count(KoResult.DEADLETTERED)
         now = time.time()
@@ -486,7 +607,9 @@ class Queue:
         self._wake_all()
 
     async def close(self) -> None:
-        """Drain, then refuse further calls; the factory closes its queues for you."""
+        """Stop the consumers, drain, give back the reservations handed out here that nobody
+        ok-ed or ko-ed (at once, costing no try), then refuse further calls; the factory
+        closes its queues for you."""
         if self._closed:
             return
         for consumer in list(self._consumers):  # their in-flight handlers finish first
@@ -505,6 +628,7 @@ class Queue:
             await coalescer.wait_idle()
         while self._background:
             await asyncio.gather(*self._background, return_exceptions=True)
+        await self._give_back()
         await self._store.close()
 
     # internals ------------------------------------------------------------------------
@@ -547,9 +671,10 @@ def _share(requests: list[int], fetched: Fetched) -> list[FetchResult]:
 
 
 def _target(message: Message | str) -> tuple[str, int | None]:
-    """(id, tries) of what to acknowledge; tries guards against a stale holder."""
+    """(id, tries) of what to acknowledge; tries guards against a stale holder. A Message
+    may be built by hand: its id and tries are checked like an id given as a str."""
     if isinstance(message, Message):
-        return message.id, message.tries
+        return check_id(message.id), check_tries(message.tries)
     if isinstance(message, str):
         return check_id(message), None
     raise InvalidIdError(f"expected a Message or a message id, not {type(message).__name__}")

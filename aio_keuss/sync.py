@@ -36,7 +36,7 @@ import contextlib
 import functools
 import os
 import threading
-from collections.abc import Awaitable, Callable, Iterator, Sequence
+from collections.abc import AsyncGenerator, Awaitable, Callable, Iterator, Sequence
 from datetime import datetime
 from types import TracebackType
 from typing import Any, TypeVar
@@ -307,12 +307,18 @@ class SyncQueue:
     def messages(self, timeout: float | None = None) -> Iterator[Message]:
         """Reserved messages (popped ones on a backend without reserve) until drain, close,
         or ``timeout`` seconds with nothing, like :meth:`Queue.messages`."""
-        take = self.reserve if self.capabilities.reserve else self.pop
-        while not self._factory.closed:
-            message = take(timeout)
-            if message is None:
-                return
-            yield message
+        # The async iterator itself, advanced through the portal: it rides out server
+        # outages (backoff, one warning per outage) exactly as ``async for`` does.
+        iterator = self.queue.messages(timeout)
+        try:
+            while not self._factory.closed:
+                message = self._call(_advance, iterator)
+                if message is None:
+                    return
+                yield message
+        finally:
+            if not self._factory.closed:
+                self._call(iterator.aclose)
 
     def __iter__(self) -> Iterator[Message]:
         return self.messages()
@@ -362,3 +368,12 @@ class SyncQueue:
 
     def drain(self) -> None:
         self._call(self.queue.drain)
+
+
+async def _advance(iterator: AsyncGenerator[Message, None]) -> Message | None:
+    """The next message, or None when the iterator ended (a StopAsyncIteration does not
+    cross the portal as a plain return value would)."""
+    try:
+        return await anext(iterator)
+    except StopAsyncIteration:
+        return None

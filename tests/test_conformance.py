@@ -92,7 +92,7 @@ async def test_timeout_returns_none_on_time(queue: aio_keuss.Queue, op: str) -> 
     start = time.monotonic()
     assert await getattr(queue, op)(timeout=0.3) is None
     elapsed = time.monotonic() - start
-    assert 0.25 <= elapsed < 2.0
+    assert 0.25 <= elapsed < 15.0  # on time; the upper bound only catches a hang
 
 
 @pytest.mark.parametrize("op", ["pop", "reserve", "pop_many", "reserve_many"])
@@ -423,7 +423,7 @@ async def test_consumers_arriving_while_paused_and_timeouts(queue: aio_keuss.Que
     await queue.pause()
     start = time.monotonic()
     assert await queue.pop(timeout=0.3) is None
-    assert 0.25 <= time.monotonic() - start < 2.0
+    assert 0.25 <= time.monotonic() - start < 15.0
     late = asyncio.create_task(queue.pop(timeout=10))
     await asyncio.sleep(0.1)
     assert not late.done()
@@ -472,9 +472,9 @@ async def test_push_wakes_a_waiting_consumer_at_once(connect: Connect) -> None:
     await asyncio.sleep(0.1)
     start = time.monotonic()
     await q.push("wake")
-    message = await asyncio.wait_for(waiter, 5)
+    message = await asyncio.wait_for(waiter, 25)
     assert message is not None and message.payload == "wake"
-    assert time.monotonic() - start < 2.0  # the poll interval is 30 s
+    assert time.monotonic() - start < 15.0  # woken, not polled: the poll interval is 30 s
 
 
 async def test_push_wakes_a_consumer_of_another_factory(connect: Connect, case: Any) -> None:
@@ -486,9 +486,9 @@ async def test_push_wakes_a_consumer_of_another_factory(connect: Connect, case: 
     await asyncio.sleep(0.2)
     start = time.monotonic()
     await qp.push("across")
-    message = await asyncio.wait_for(waiter, 10)
+    message = await asyncio.wait_for(waiter, 25)
     assert message is not None and message.payload == "across"
-    assert time.monotonic() - start < 2.0
+    assert time.monotonic() - start < 15.0  # woken, not polled: the poll interval is 30 s
 
 
 async def test_waiting_for_a_delayed_message_wakes_on_time(connect: Connect) -> None:
@@ -500,7 +500,7 @@ async def test_waiting_for_a_delayed_message_wakes_on_time(connect: Connect) -> 
     message = await q.pop(timeout=20)
     elapsed = time.monotonic() - start
     assert message is not None and message.payload == "later"
-    assert 0.3 <= elapsed < 3.0
+    assert 0.3 <= elapsed < 15.0  # the poll interval is 30 s
 
 
 async def test_burst_within_debounce_wakes_every_consumer(connect: Connect, case: Any) -> None:
@@ -513,9 +513,9 @@ async def test_burst_within_debounce_wakes_every_consumer(connect: Connect, case
     for i in range(6):
         await qp.push(i)
         await asyncio.sleep(0.01)
-    got = await asyncio.wait_for(asyncio.gather(*waiters), 10)
+    got = await asyncio.wait_for(asyncio.gather(*waiters), 25)
     assert sorted(m.payload for m in got if m is not None) == list(range(6))
-    assert time.monotonic() - start < 5.0
+    assert time.monotonic() - start < 15.0  # the poll interval is 30 s
 
 
 async def test_many_consumers_get_each_message_exactly_once(queue: aio_keuss.Queue) -> None:

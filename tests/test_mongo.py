@@ -226,7 +226,7 @@ async def test_capped_signal_transport_wakes_another_factory(open_factory: Open)
     start = time.monotonic()
     await pusher.push("wake")
     message = await task
-    assert message is not None and time.monotonic() - start < 1.0
+    assert message is not None and time.monotonic() - start < 15.0
 
 
 @needs_real_mongod

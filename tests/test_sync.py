@@ -175,11 +175,11 @@ def test_timeouts_return_none_on_time(options: tuple[str, dict[str, Any]]) -> No
         for call in (q.pop, q.reserve):
             started = time.monotonic()
             assert call(0.3) is None
-            assert 0.25 <= time.monotonic() - started < 3
+            assert 0.25 <= time.monotonic() - started < 15
         started = time.monotonic()
         assert q.pop_many(5, timeout=0.3) == []
         assert q.reserve_many(5, timeout=0) == []
-        assert time.monotonic() - started < 3
+        assert time.monotonic() - started < 15
 
 
 @on_backends

@@ -1,0 +1,379 @@
+"""``consume()`` and ``async for`` through server outages, handler failure logs, and
+reservations given back when a factory closes.
+
+Outages are made on private servers (``own_servers``, and a private nx-27017 here), never on
+the shared ones. Deadlines are generous bounds on hangs, not measures of speed: a test waits
+for a state or a count, and fails only if it never comes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+from backends import new_token
+from conftest import Connect, needs
+from own_servers import own_mongo, own_postgres, own_redis
+
+import aio_keuss
+from aio_keuss import Message
+
+pytestmark = pytest.mark.timeout(240)
+
+OUTAGE_LOGGER = "aio_keuss.consumer"
+DEADLINE = 90.0
+
+
+async def eventually(check: Callable[[], bool], what: str, seconds: float = DEADLINE) -> None:
+    deadline = time.monotonic() + seconds
+    while not check():
+        if time.monotonic() > deadline:
+            pytest.fail(f"gave up waiting for {what}")
+        await asyncio.sleep(0.05)
+
+
+def _records(caplog: pytest.LogCaptureFixture, level: int, queue: str) -> list[logging.LogRecord]:
+    return [
+        r
+        for r in caplog.records
+        if r.name == OUTAGE_LOGGER and r.levelno == level and repr(queue) in r.getMessage()
+    ]
+
+
+@contextlib.contextmanager
+def own_server(kind: str) -> Iterator[Any]:
+    """A private server for ``kind`` ("redis", "postgres" or "mongo")."""
+    if kind == "redis":
+        with own_redis() as redis_server:
+            yield redis_server
+    elif kind == "postgres":
+        try:
+            server_cm = own_postgres()
+            postgres_server = server_cm.__enter__()
+        except RuntimeError as exc:
+            pytest.skip(str(exc))
+        try:
+            yield postgres_server
+        finally:
+            server_cm.__exit__(None, None, None)
+    else:
+        with own_mongo() as mongo_server:
+            yield mongo_server
+
+
+def _options(kind: str, url: str) -> dict[str, Any]:
+    token = new_token()
+    if kind == "redis":
+        return {"url": url, "prefix": f"akt-{token}"}
+    if kind == "postgres":
+        return {"url": url, "schema": f"akt_{token}"}
+    return {"url": url, "database": f"akt_{token}", "server_selection_timeout": 2.0}
+
+
+OUTAGE_CASES = [
+    pytest.param("redis-oq", "redis", id="redis-oq"),
+    pytest.param("postgres", "postgres", id="postgres"),
+    pytest.param("mongo", "mongo", id="mongo"),
+]
+
+
+# item 5: consumers survive outages ------------------------------------------------------
+
+
+@pytest.mark.parametrize(("backend", "kind"), OUTAGE_CASES)
+async def test_consume_survives_a_server_restart(
+    backend: str, kind: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Restart the server under consume(concurrency=4): the workers report the outage once,
+    go to "reconnecting", come back to "running" by themselves and handle later pushes."""
+    caplog.set_level(logging.DEBUG, logger="aio_keuss")
+    with own_server(kind) as server:
+        # A short poll interval makes idle workers touch the server during the outage, so
+        # the test sees them notice it without pushing anything meanwhile.
+        factory = await aio_keuss.connect(backend, poll_interval=0.2, **_options(kind, server.url))
+        try:
+            q = await factory.queue("jobs")
+            handled: list[Any] = []
+
+            async def handler(message: Message) -> None:
+                handled.append(message.payload)
+
+            consumer = q.consume(handler, concurrency=4, retry_delay=0.05)
+            assert consumer.state == "running"
+            await q.push_many(list(range(5)))
+            await eventually(lambda: len(handled) == 5, "the first messages")
+
+            for outage in range(2):  # two outages: one warning and one info line each
+                await asyncio.to_thread(server.stop)
+                await eventually(lambda: consumer.state == "reconnecting", "reconnecting")
+                status = consumer.status()
+                assert status.state == "reconnecting"
+                assert isinstance(status.last_error, aio_keuss.KeussError)
+                assert isinstance(consumer.last_error, aio_keuss.KeussConnectionError)
+                await asyncio.to_thread(server.start)
+                await eventually(lambda: consumer.state == "running", "running again")
+                payloads = [f"after-{outage}-{i}" for i in range(10)]
+                await push_retrying(q, payloads)
+                await eventually(
+                    lambda p=payloads: set(p) <= set(handled),
+                    "messages after the restart",
+                )
+                assert all(not task.done() for task in consumer._workers)
+                assert len(_records(caplog, logging.WARNING, "jobs")) == outage + 1
+                assert len(_records(caplog, logging.INFO, "jobs")) == outage + 1
+            assert consumer.handled == consumer.processed == len(handled)
+            assert consumer.failed == 0
+            await consumer.stop()
+            assert consumer.state == "stopped"
+        finally:
+            await factory.close()
+
+
+async def push_retrying(q: aio_keuss.Queue, payloads: list[Any]) -> None:
+    """Push once the server answers again (the producer's own retry, not the consumer's)."""
+    deadline = time.monotonic() + DEADLINE
+    while True:
+        try:
+            await q.push_many(payloads)
+            return
+        except aio_keuss.KeussConnectionError:
+            if time.monotonic() > deadline:
+                raise
+            await asyncio.sleep(0.2)
+
+
+async def test_async_for_survives_a_redis_restart(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="aio_keuss")
+    with own_redis() as server:
+        factory = await aio_keuss.connect(
+            "redis-oq", poll_interval=0.2, **_options("redis", server.url)
+        )
+        try:
+            q = await factory.queue("iter")
+            seen: list[Any] = []
+
+            async def iterate() -> None:
+                async for message in q:
+                    seen.append(message.payload)
+                    await q.ok(message)
+
+            task = asyncio.create_task(iterate())
+            await q.push("before")
+            await eventually(lambda: seen == ["before"], "the first message")
+            await asyncio.to_thread(server.stop)
+            await eventually(
+                lambda: len(_records(caplog, logging.WARNING, "iter")) == 1, "the outage warning"
+            )
+            assert not task.done()
+            await asyncio.to_thread(server.start)
+            await push_retrying(q, ["after"])
+            await eventually(lambda: seen == ["before", "after"], "a message after the restart")
+            assert not task.done()
+            assert len(_records(caplog, logging.WARNING, "iter")) == 1
+            await q.drain()
+            await asyncio.wait_for(task, DEADLINE)
+        finally:
+            await factory.close()
+
+
+async def test_ok_failing_after_the_handler_ran_does_not_kill_the_worker(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The server goes away while the handler runs: its ok fails, the worker logs it, waits
+    for the server and goes on with the next messages."""
+    caplog.set_level(logging.INFO, logger="aio_keuss")
+    with own_redis() as server:
+        factory = await aio_keuss.connect(
+            "redis-oq", poll_interval=0.2, **_options("redis", server.url)
+        )
+        try:
+            q = await factory.queue("acks")
+            handled: list[Any] = []
+
+            async def handler(message: Message) -> None:
+                if message.payload == "stop the server":
+                    await asyncio.to_thread(server.stop)
+                handled.append(message.payload)
+
+            consumer = q.consume(handler, concurrency=1)
+            await q.push("stop the server")
+            await eventually(lambda: consumer.state == "reconnecting", "the failed ok")
+            assert handled == ["stop the server"]
+            await asyncio.to_thread(server.start)
+            await push_retrying(q, ["next"])
+            await eventually(lambda: "next" in handled, "the message after the restart")
+            assert consumer.state == "running"
+            assert all(not task.done() for task in consumer._workers)
+            warnings = _records(caplog, logging.WARNING, "acks")
+            assert len(warnings) == 1 and "ok" in warnings[0].getMessage()
+            await consumer.stop()
+        finally:
+            await factory.close()
+
+
+async def test_backend_errors_from_reserve_are_logged_and_retried(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A server that answers with an error (here: the queue's key holds the wrong type) is
+    reported once at error level; the workers retry and recover when the key is fixed."""
+    redis = pytest.importorskip("redis.asyncio")
+    caplog.set_level(logging.INFO, logger="aio_keuss")
+    options = _options("redis", "redis://127.0.0.1:6379/0")
+    factory = await aio_keuss.connect("redis-oq", poll_interval=0.2, **options)
+    client = redis.Redis.from_url(options["url"])
+    try:
+        q = await factory.queue("broken")
+        handled: list[Any] = []
+        consumer = q.consume(lambda m: handled.append(m.payload), concurrency=2)
+        key = f"{options['prefix']}:{{broken}}:z"
+        await client.delete(key)
+        await client.set(key, "not a sorted set")
+        await eventually(lambda: consumer.state == "reconnecting", "the backend error")
+        assert isinstance(consumer.last_error, aio_keuss.BackendError)
+        errors = _records(caplog, logging.ERROR, "broken")
+        assert len(errors) == 1 and errors[0].exc_info is not None
+        await client.delete(key)
+        await q.push("fixed")
+        await eventually(lambda: handled == ["fixed"], "a message once the key is fixed")
+        assert consumer.state == "running"
+        assert len(_records(caplog, logging.ERROR, "broken")) == 1
+        assert len(_records(caplog, logging.INFO, "broken")) == 1
+        await consumer.stop()
+    finally:
+        await factory.close()
+        keys = [k async for k in client.scan_iter(match=options["prefix"] + ":*")]
+        if keys:
+            await client.delete(*keys)
+        await client.aclose()
+
+
+# item 14: handler failures are logged with their traceback, rate-limited ----------------
+
+
+async def test_handler_failures_log_tracebacks_rate_limited(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A poison message retried in a loop: one traceback per interval, the rest counted in
+    summary lines, so every failure is accounted for and the log is not flooded."""
+    caplog.set_level(logging.INFO, logger="aio_keuss")
+    async with aio_keuss.connect("memory") as factory:
+        q = await factory.queue("failing")
+
+        def boom(message: Message) -> None:
+            raise ValueError(f"bad payload {message.payload}")
+
+        began = time.monotonic()
+        consumer = q.consume(boom, concurrency=2, retry_delay=0.0, max_retry_delay=0.0)
+        await q.push_many(list(range(10)))
+        await eventually(lambda: consumer.failed >= 200, "two hundred failures")
+        await consumer.stop()
+        elapsed = time.monotonic() - began
+    warnings = _records(caplog, logging.WARNING, "failing")
+    tracebacks = [r for r in warnings if "handler failed" in r.getMessage()]
+    summaries = [r for r in warnings if "more handler failures" in r.getMessage()]
+    assert tracebacks and all(
+        r.exc_info is not None and r.exc_info[0] is ValueError for r in tracebacks
+    )
+    assert all("message " in r.getMessage() and "tries" in r.getMessage() for r in tracebacks)
+    # At most one traceback per interval, however slow the machine was...
+    assert len(tracebacks) <= 1 + elapsed / aio_keuss.consumer.TRACEBACK_EVERY
+    # ... and each failure either shown or counted in a summary (the last one at stop).
+    counted = sum(r.args[1] for r in summaries)
+    assert len(tracebacks) + counted == consumer.failed
+
+
+async def test_handler_failure_traceback_at_warning_without_debug(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.WARNING, logger="aio_keuss")
+    async with aio_keuss.connect("memory") as factory:
+        q = await factory.queue("once")
+        done = asyncio.Event()
+
+        def boom(message: Message) -> None:
+            if message.tries == 0:
+                raise KeyError("missing field")
+            done.set()
+
+        async with q.consume(boom, retry_delay=0.0):
+            msg_id = await q.push("x")
+            await asyncio.wait_for(done.wait(), DEADLINE)
+    (record,) = [r for r in caplog.records if "handler failed" in r.getMessage()]
+    assert record.levelno == logging.WARNING and record.exc_info is not None
+    assert msg_id in record.getMessage() and "'once'" in record.getMessage()
+    assert "tries 0" in record.getMessage()
+
+
+# item 15: close gives back the reservations nobody acknowledged -------------------------
+
+
+async def test_close_gives_back_unacknowledged_reservations(connect: Connect) -> None:
+    factory = await connect(poll_interval=5.0, reserve_delay=120.0)
+    needs(factory, "reserve", "shared")
+    q = await factory.queue("held")
+    await q.push_many(["a", "b", "c", "d", "e"])
+    first = await q.reserve_many(3, timeout=10)
+    assert len(first) == 3
+    tries = {m.id: m.tries for m in first}
+    acked = await q.reserve(timeout=10)
+    assert acked is not None and await q.ok(acked.id)  # by id string: forgotten too
+    koed = await q.reserve(timeout=10)
+    assert koed is not None
+    expected = dict(tries)
+    if factory.capabilities.delay:
+        assert await q.ko(koed, delay=60.0)  # not given back by close: still delayed after
+    else:
+        assert await q.ko(koed)  # due again at once, with the try it cost
+        expected[koed.id] = koed.tries + 1
+    await factory.close()
+
+    again = await connect(poll_interval=5.0, reserve_delay=120.0)
+    q2 = await again.queue("held")
+    # Deliverable now, not after reserve_delay (bucket stores count a whole free bucket as
+    # ready by its score, the delayed message too, hence at least).
+    assert await q2.size() >= len(expected)
+    back: list[Message] = []
+    deadline = time.monotonic() + 30
+    while len(back) < len(expected) and time.monotonic() < deadline:
+        back += await q2.reserve_many(5, timeout=1)  # at once: far below reserve_delay
+    assert {m.id: m.tries for m in back} == expected  # given back without costing a try
+    assert await q2.reserve(timeout=0.2) is None
+    if factory.capabilities.delay:
+        assert (await q2.sizes()).scheduled == 1
+
+
+async def test_ok_by_id_and_released_reservations_are_forgotten(connect: Connect) -> None:
+    """What is acknowledged, however, is not released again at close."""
+    factory = await connect(poll_interval=5.0)
+    needs(factory, "reserve")
+    q = await factory.queue("forget")
+    await q.push_many([1, 2, 3])
+    messages = await q.reserve_many(3, timeout=10)
+    assert len(messages) == 3
+    assert len(q._held) == 3
+    assert await q.ok(messages[0].id)
+    assert await q.ok(messages[1])
+    assert await q.ko(messages[2].id)
+    assert not q._held and not q._held_before
+
+
+async def test_reservations_nobody_acknowledged_are_not_remembered_forever() -> None:
+    """What is held for ``close`` stays bounded when reservations are left to expire."""
+    from aio_keuss.queue import HELD_CHECK
+
+    async with aio_keuss.connect("memory", reserve_delay=0.1) as factory:
+        q = await factory.queue("leaky")
+        per_round, rounds = HELD_CHECK + 100, 4
+        await q.push_many(list(range(per_round * rounds)))
+        for _ in range(rounds):
+            taken = 0
+            while taken < per_round:
+                taken += len(await q.reserve_many(per_round - taken, timeout=0))
+            await asyncio.sleep(0.25)  # every reservation so far has expired
+        held = len(q._held) + len(q._held_before)
+        assert held <= 2 * per_round < per_round * rounds

@@ -1,0 +1,647 @@
+"""Bad input is refused with a typed error before anything is written; good input
+round-trips exactly, types included.
+
+Payloads and headers (a property-based test on every backend, plus the edge cases named),
+delays, timeouts and options past their bound, hand-built messages given to ok / ko /
+remove, and URLs each backend must refuse before connecting.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import functools
+import math
+import time
+import uuid
+from collections import OrderedDict
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import orjson
+import pytest
+from backends import REDIS_URL, BackendCase, _drop_redis_prefix, new_token
+from conftest import Connect, needs
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import aio_keuss
+from aio_keuss import Message
+from aio_keuss.backends._redis import check_redis_url
+from aio_keuss.message import MAX_TRIES, check_id, encode_headers, encode_payload
+from aio_keuss.options import MAX_COUNT, MAX_SECONDS, brief, check_seconds
+
+pytestmark = pytest.mark.timeout(120)
+
+
+class Color(enum.Enum):
+    RED = 1
+
+
+class Size(enum.IntEnum):
+    BIG = 2
+
+
+class Mode(enum.StrEnum):
+    FAST = "fast"
+
+
+class Tagged(dict[str, Any]):
+    pass
+
+
+class Blob(bytes):
+    pass
+
+
+class Ratio(float):
+    pass
+
+
+def _nested_lists(depth: int) -> Any:
+    return functools.reduce(lambda inner, _: [inner], range(depth), 1)
+
+
+# the rules, written independently of the library -----------------------------------------
+
+
+def _utf8(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _storable(value: object, whole: bool = True) -> bool:
+    """Whether the contract says ``value`` round-trips (else it must be refused)."""
+    kind = type(value)
+    if kind is bytes:
+        return whole
+    if kind is dict:
+        return all(
+            type(k) is str and _utf8(k) and _storable(v, False)
+            for k, v in value.items()  # type: ignore[attr-defined]
+        )
+    if kind is list:
+        return all(_storable(v, False) for v in value)  # type: ignore[attr-defined]
+    if kind is str:
+        return _utf8(value)  # type: ignore[arg-type]
+    if kind is bool or value is None:
+        return True
+    if kind is int:
+        return -(2**63) <= value < 2**64  # type: ignore[operator]
+    if kind is float:
+        return math.isfinite(value)  # type: ignore[arg-type]
+    return False
+
+
+def _storable_headers(headers: object) -> bool:
+    if headers is None:
+        return True
+    if type(headers) is not dict:
+        return False
+    for key, value in headers.items():
+        if type(key) is not str or not _utf8(key) or type(value) not in (str, int, float, bool):
+            return False
+        if type(value) is not bool and not _storable(value, False):
+            return False
+    return True
+
+
+def same(a: object, b: object) -> bool:
+    """Equality that also compares types (1 == 1.0 == True in Python), key order and the
+    sign of zero."""
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, dict):
+        assert isinstance(b, dict)
+        return list(a) == list(b) and all(same(a[k], b[k]) for k in a)
+    if isinstance(a, list):
+        assert isinstance(b, list)
+        return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b, strict=True))
+    if isinstance(a, float):
+        assert isinstance(b, float)
+        return a == b and math.copysign(1.0, a) == math.copysign(1.0, b)
+    return a == b
+
+
+def test_same_is_type_strict() -> None:
+    assert same({"a": [1, 2.5, None]}, {"a": [1, 2.5, None]})
+    assert not same(1, 1.0) and not same(1, True) and not same(0.0, -0.0)
+    assert not same({"a": 1, "b": 2}, {"b": 2, "a": 1}) and not same([1], (1,))
+
+
+# 8. payloads and headers -----------------------------------------------------------------
+
+_NON_FINITE = st.sampled_from([math.nan, -math.nan, math.inf, -math.inf])
+_BAD_LEAVES = st.one_of(
+    _NON_FINITE,
+    st.uuids(),
+    st.sampled_from([Color.RED, Size.BIG, Mode.FAST, orjson.Fragment(b"[1]")]),
+    st.binary(max_size=8),  # nested bytes
+    st.binary(max_size=8).map(bytearray),
+    st.sampled_from([2**64, -(2**63) - 1, 2**100]),
+    st.sampled_from(["\ud800", "a\udfffb"]),  # lone surrogates
+    st.frozensets(st.integers(0, 3), max_size=2),
+)
+_GOOD_LEAVES = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(min_value=-(2**63), max_value=2**64 - 1),
+    st.floats(allow_nan=False, allow_infinity=False),
+    st.text(max_size=12),
+    st.sampled_from(["null", "NaN", "", "\x00", "\u2028", "é😀"]),
+)
+_KEYS = st.one_of(
+    st.text(max_size=6),
+    st.text(max_size=6),
+    st.text(max_size=6),
+    st.sampled_from([1, Mode.FAST, "\ud800"]),  # refused: non-str, str subclass, not UTF-8
+)
+
+
+def _containers(children: st.SearchStrategy[Any]) -> st.SearchStrategy[Any]:
+    return st.one_of(
+        st.lists(children, max_size=4),
+        st.dictionaries(_KEYS, children, max_size=4),
+        st.lists(children, max_size=4),
+        st.dictionaries(_KEYS, children, max_size=4),
+        st.lists(children, max_size=3).map(tuple),
+        st.dictionaries(st.text(max_size=4), children, max_size=2).map(Tagged),
+    )
+
+
+def _good_containers(children: st.SearchStrategy[Any]) -> st.SearchStrategy[Any]:
+    return st.one_of(
+        st.lists(children, max_size=4), st.dictionaries(st.text(max_size=6), children, max_size=4)
+    )
+
+
+# Half the payloads are made of what round-trips only, half may hold anything.
+_GOOD_NESTED = st.recursive(_GOOD_LEAVES, _good_containers, max_leaves=10)
+_ANY_NESTED = st.recursive(
+    st.one_of(_GOOD_LEAVES, _GOOD_LEAVES, _GOOD_LEAVES, _BAD_LEAVES), _containers, max_leaves=8
+)
+PAYLOADS = st.one_of(
+    _GOOD_NESTED,
+    _GOOD_NESTED,
+    _ANY_NESTED,
+    _ANY_NESTED,
+    st.binary(max_size=16),  # bytes as the whole payload: round-trips
+    st.one_of(  # would come back as bytes
+        st.binary(max_size=8).map(bytearray),
+        st.binary(max_size=8).map(memoryview),
+        st.binary(max_size=8).map(Blob),
+    ),
+)
+_GOOD_HEADER_VALUES = st.one_of(
+    st.text(max_size=8),
+    st.booleans(),
+    st.integers(min_value=-(2**63), max_value=2**64 - 1),
+    st.floats(allow_nan=False, allow_infinity=False),
+)
+_ANY_HEADER_VALUES = st.one_of(
+    _GOOD_HEADER_VALUES,
+    _GOOD_HEADER_VALUES,
+    _NON_FINITE,
+    st.sampled_from([None, Size.BIG, Mode.FAST, 2**64, [1], {"x": 1}, b"b", "\ud800"]),
+)
+HEADERS = st.one_of(
+    st.none(),
+    st.dictionaries(st.text(max_size=6), _GOOD_HEADER_VALUES, max_size=4),
+    st.dictionaries(st.text(max_size=6), _GOOD_HEADER_VALUES, max_size=4),
+    st.dictionaries(_KEYS, _ANY_HEADER_VALUES, max_size=4),
+)
+
+
+@settings(
+    max_examples=40,
+    deadline=None,
+    database=None,  # no example database: nothing to clean up
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
+@given(payload=PAYLOADS, headers=HEADERS)
+async def test_payloads_and_headers_round_trip_exactly_or_are_refused(
+    queue: aio_keuss.Queue, payload: Any, headers: Any
+) -> None:
+    payload_ok, headers_ok = _storable(payload), _storable_headers(headers)
+    before = await queue.total_size()
+    if payload_ok and headers_ok:
+        await queue.push(payload, headers=headers)
+        message = await queue.pop(timeout=10)
+        assert message is not None
+        assert same(message.payload, payload), (message.payload, payload)
+        assert same(message.headers, headers or {}), (message.headers, headers)
+    else:
+        wanted: Any = (
+            aio_keuss.InvalidHeadersError if payload_ok
+            else aio_keuss.InvalidPayloadError if headers_ok
+            else (aio_keuss.InvalidPayloadError, aio_keuss.InvalidHeadersError)
+        )  # fmt: skip
+        with pytest.raises(wanted):
+            await queue.push(payload, headers=headers)
+        with pytest.raises(wanted):
+            await queue.push_many(["fine", payload], headers=headers)
+    assert await queue.total_size() == before
+
+
+REFUSED_PAYLOADS: list[tuple[str, Any]] = [
+    ("NaN", math.nan),
+    ("inf", math.inf),
+    ("-inf", -math.inf),
+    ("NaN in a list", [1.0, math.nan]),
+    ("inf deep in a dict", {"a": {"b": [None, -math.inf]}}),
+    ("NaN beside None", {"a": None, "b": math.nan}),
+    ("UUID", uuid.uuid4()),
+    ("nested UUID", {"id": uuid.uuid4()}),
+    ("Enum", Color.RED),
+    ("IntEnum", Size.BIG),
+    ("StrEnum in a list", [Mode.FAST]),
+    ("tuple", (1, 2)),
+    ("nested tuple", {"t": (1,)}),
+    ("bytearray", bytearray(b"x")),
+    ("memoryview", memoryview(b"x")),
+    ("bytes subclass", Blob(b"x")),
+    ("nested bytes", {"b": b"x"}),
+    ("bytes in a list", [b"x"]),
+    ("set", {1, 2}),
+    ("frozenset in a list", [frozenset()]),
+    ("int key", {1: "a"}),
+    ("StrEnum key", {Mode.FAST: 1}),
+    ("int beyond 64 bits", 2**64),
+    ("negative int beyond 64 bits", [-(2**63) - 1]),
+    ("lone surrogate", "\ud800"),
+    ("lone surrogate key", {"\udfff": 1}),
+    ("orjson Fragment", [orjson.Fragment(b"1")]),
+    ("dict subclass", OrderedDict(a=1)),
+    ("float subclass", {"x": Ratio(0.5)}),
+    ("object", object()),
+    ("too deep", _nested_lists(300)),  # orjson's limit is 255 levels
+]
+
+
+@pytest.mark.parametrize(
+    "payload", [p for _, p in REFUSED_PAYLOADS], ids=[n for n, _ in REFUSED_PAYLOADS]
+)
+def test_payloads_that_would_change_are_refused(payload: Any) -> None:
+    with pytest.raises(aio_keuss.InvalidPayloadError):
+        encode_payload(payload)
+
+
+def test_the_nested_bytes_refusal_says_whole_bytes_payloads_work() -> None:
+    with pytest.raises(aio_keuss.InvalidPayloadError, match="only as the whole payload"):
+        encode_payload({"b": b"x"})
+    assert encode_payload(b"x")  # the whole payload: fine
+
+
+REFUSED_HEADERS: list[tuple[str, Any]] = [
+    ("NaN", {"h": math.nan}),
+    ("inf", {"h": math.inf}),
+    ("-inf", {"h": -math.inf}),
+    ("IntEnum value", {"h": Size.BIG}),
+    ("StrEnum value", {"h": Mode.FAST}),
+    ("StrEnum key", {Mode.FAST: "v"}),
+    ("int beyond 64 bits", {"h": 2**64}),
+    ("lone surrogate", {"h": "\ud800"}),
+    ("None", {"h": None}),
+    ("bytes", {"h": b"x"}),
+]
+
+
+@pytest.mark.parametrize(
+    "headers", [h for _, h in REFUSED_HEADERS], ids=[n for n, _ in REFUSED_HEADERS]
+)
+def test_headers_that_would_change_are_refused(headers: Any) -> None:
+    with pytest.raises(aio_keuss.InvalidHeadersError):
+        encode_headers(headers)
+
+
+async def test_refused_payloads_and_headers_write_nothing(queue: aio_keuss.Queue) -> None:
+    for _, payload in REFUSED_PAYLOADS:
+        with pytest.raises(aio_keuss.InvalidPayloadError):
+            await queue.push(payload)
+        with pytest.raises(aio_keuss.InvalidPayloadError):
+            await queue.push_many(["fine", payload, "fine"])
+    for _, headers in REFUSED_HEADERS:
+        with pytest.raises(aio_keuss.InvalidHeadersError):
+            await queue.push("fine", headers=headers)
+    assert await queue.total_size() == 0
+    assert (await queue.stats())["put"] == 0
+
+
+EDGE_PAYLOADS: list[Any] = [
+    -0.0,
+    5e-324,
+    1.7976931348623157e308,
+    2**64 - 1,
+    -(2**63),
+    b"",
+    b"\x00J{}",
+    "",
+    "null",
+    {"a": None, "b": 1.5, "c": [None, -0.0]},  # a null beside floats: the slower check
+    {"": {"": []}},
+    [[[[]]]],
+    _nested_lists(200),
+    {"é😀\x00": "\u2028"},
+]
+
+
+async def test_edge_payloads_and_headers_round_trip(queue: aio_keuss.Queue) -> None:
+    headers = {"f": -0.0, "i": 2**64 - 1, "n": -(2**63), "b": False, "s": "", "t": 1e-300}
+    for payload in EDGE_PAYLOADS:
+        await queue.push(payload, headers=headers)
+        message = await queue.pop(timeout=10)
+        assert message is not None
+        assert same(message.payload, payload), payload
+        assert same(message.headers, headers)
+    assert await queue.total_size() == 0
+
+
+# 9. delays, timeouts and options past their bound ----------------------------------------
+
+TOO_LONG: list[Any] = [10**400, MAX_SECONDS * 1.5, 1e17, 2.6e11, math.inf, math.nan]
+
+
+def test_check_seconds_bound() -> None:
+    assert check_seconds(0, "d") == 0.0
+    assert check_seconds(MAX_SECONDS, "d") == MAX_SECONDS
+    assert check_seconds(int(MAX_SECONDS), "d") == MAX_SECONDS
+    for bad in [*TOO_LONG, -1, -(10**400), True, "1", None]:
+        with pytest.raises(aio_keuss.InvalidDelayError):
+            check_seconds(bad, "delay")
+    with pytest.raises(aio_keuss.InvalidDelayError, match="an int of"):
+        check_seconds(10**5000, "delay")  # repr() itself would raise on such an int
+
+
+async def test_calls_past_the_bound_are_refused(queue: aio_keuss.Queue) -> None:
+    caps = queue.capabilities
+    for bad in TOO_LONG:
+        with pytest.raises(aio_keuss.InvalidDelayError):
+            await queue.push(1, delay=bad)
+        with pytest.raises(aio_keuss.InvalidDelayError):
+            await queue.push_many([1, 2], delay=bad)
+        with pytest.raises(aio_keuss.InvalidDelayError):
+            await queue.pop(timeout=bad)
+        with pytest.raises(aio_keuss.InvalidDelayError):
+            await queue.pop_many(2, timeout=bad)
+        if caps.reserve:
+            with pytest.raises(aio_keuss.InvalidDelayError):
+                await queue.reserve(timeout=bad)
+            with pytest.raises(aio_keuss.InvalidDelayError):
+                await queue.ko("some-id", delay=bad)
+        with pytest.raises(aio_keuss.InvalidDelayError):
+            queue.consume(_never_called, retry_delay=bad)
+        with pytest.raises(aio_keuss.InvalidDelayError):
+            queue.consume(_never_called, max_retry_delay=bad)
+    assert await queue.total_size() == 0
+    assert await queue.next_mature_t() is None
+
+
+async def _never_called(message: Message) -> None:
+    raise AssertionError("no consumer may start")
+
+
+async def test_the_longest_delay_is_stored_and_read_back(queue: aio_keuss.Queue) -> None:
+    needs(queue, "delay")
+    await queue.push("far", delay=MAX_SECONDS)
+    await queue.push("now")
+    mature = await queue.next_mature_t()  # raised for every later call past ~2.5e11 s
+    assert mature is not None
+    assert await queue.sched_size() == 1
+    message = await queue.pop(timeout=10)
+    assert message is not None and message.payload == "now"
+    mature = await queue.next_mature_t()
+    assert mature is not None
+    assert abs(mature.timestamp() - (time.time() + MAX_SECONDS)) < 86400
+    assert await queue.pop(timeout=0) is None
+
+
+async def test_the_longest_queue_options_work(factory: aio_keuss.Factory) -> None:
+    q = await factory.queue(
+        "longest", reserve_delay=MAX_SECONDS, dedup_window=MAX_SECONDS, max_batch=MAX_COUNT
+    )
+    if q.capabilities.idempotent:  # redis-reliable: the dedup window goes to Redis as PX ms
+        assert await q.push(1, id="same") == "same"
+        assert await q.push(2, id="same") == "same"
+    else:
+        await q.push(1)
+    assert await q.total_size() == 1
+    if q.capabilities.reserve:
+        message = await q.reserve(timeout=10)
+        assert message is not None and message.payload == 1
+        assert await q.next_mature_t() is not None  # the reservation deadline
+        assert await q.ok(message)
+    else:
+        assert [m.payload for m in await q.pop_many(10, timeout=10)] == [1]
+    assert await q.total_size() == 0
+
+
+BAD_QUEUE_OPTIONS: list[dict[str, Any]] = [
+    {"reserve_delay": 10**400},
+    {"reserve_delay": 2.6e11},
+    {"poll_interval": 10**400},
+    {"dedup_window": 1e17},
+    {"dedup_window": math.nan},
+    {"max_batch": MAX_COUNT + 1},
+    {"max_batch": 10**400},
+]
+
+
+def _option_id(options: dict[str, Any]) -> str:
+    return ",".join(f"{key}={brief(value)}" for key, value in options.items())
+
+
+@pytest.mark.parametrize("options", BAD_QUEUE_OPTIONS, ids=_option_id)
+async def test_queue_options_past_the_bound_are_refused(options: dict[str, Any]) -> None:
+    with pytest.raises(aio_keuss.ConfigError):
+        await (await aio_keuss.connect("memory", **options)).close()
+    async with aio_keuss.connect("memory") as factory:
+        with pytest.raises(aio_keuss.ConfigError):
+            await factory.queue("q", **options)
+
+
+BAD_FACTORY_OPTIONS: list[tuple[str, dict[str, Any]]] = [
+    ("memory", {"signal_debounce": 10**400}),
+    ("memory", {"signal_debounce": math.nan}),
+    ("memory", {"deadletter": {"max_ko": MAX_COUNT + 1}}),
+    ("memory", {"deadletter": {"max_ko": 2**64}}),
+    ("redis-reliable", {"dedup_window": 1e17}),
+    ("redis-reliable", {"failed_max": 10**20}),
+    ("redis-reliable", {"heartbeat_ttl": 10**400}),
+    ("bucket-redis", {"bucket_max_wait": 10**400}),
+    ("bucket-redis", {"state_flush_period": MAX_SECONDS * 2}),
+    ("bucket-redis", {"reject_delta_base": 1e17}),
+    ("bucket-redis", {"reject_delta_factor": 10**400}),
+    ("bucket-redis", {"reject_timeout_grace": math.inf}),
+    ("postgres", {"max_pool_size": 10_001}),
+    ("mongo", {"server_selection_timeout": 10**400}),
+    ("mongo", {"server_selection_timeout": math.nan}),
+    ("mongo", {"server_selection_timeout": 1e6}),
+    ("mongo-history", {"history_ttl": 10**400}),
+]
+
+
+@pytest.mark.parametrize(
+    "backend,options",
+    BAD_FACTORY_OPTIONS,
+    ids=[f"{backend}-{_option_id(options)}" for backend, options in BAD_FACTORY_OPTIONS],
+)
+async def test_backend_options_past_the_bound_are_refused(
+    backend: str, options: dict[str, Any]
+) -> None:
+    # Unreachable URLs: the option is refused before any connection is tried.
+    url = {
+        "redis-reliable": "redis://127.0.0.1:1/0",
+        "bucket-redis": "redis://127.0.0.1:1/0",
+        "postgres": "postgresql://postgres@127.0.0.1:1/test",
+        "mongo": "mongodb://127.0.0.1:1",
+        "mongo-history": "mongodb://127.0.0.1:1",
+    }.get(backend)
+    extra = {} if url is None else {"url": url}
+    with pytest.raises(aio_keuss.ConfigError):
+        await (await aio_keuss.connect(backend, **extra, **options)).close()
+
+
+async def test_a_default_ko_delay_is_bounded_too(connect: Connect, case: BackendCase) -> None:
+    """Keuss's bucket retry polynomial (base + factor * tries) can pass the bound: it is
+    capped there, like a delay given to ko."""
+    if not case.name.startswith("bucket-"):
+        pytest.skip("only bucket stores have a default ko delay")
+    factory = await connect(reject_delta_base=MAX_SECONDS, reject_delta_factor=MAX_SECONDS)
+    q = await factory.queue("q")
+    await q.push("x")
+    first = await q.reserve(timeout=10)
+    assert first is not None
+    assert await q.ko(first, delay=0)
+    again = await q.reserve(timeout=10)
+    assert again is not None and again.tries == 1
+    assert await q.ko(again)  # base + factor * 1 = 2e9 s: capped at MAX_SECONDS
+    await q.drain()
+    mature = await q.next_mature_t()
+    assert mature is not None
+    assert mature.timestamp() <= time.time() + MAX_SECONDS + 1
+
+
+# 10. hand-built messages and ids --------------------------------------------------------
+
+BAD_IDS: list[Any] = ["\ud800", "a\udfffb", "a\x00b", "", "a b", "x" * 201, 17, None]
+BAD_TRIES: list[Any] = [-1, MAX_TRIES + 1, 2**100, True, 1.0, "0", None]
+
+
+def test_check_id_refuses_what_is_not_utf8_or_printable() -> None:
+    for bad in BAD_IDS:
+        with pytest.raises(aio_keuss.InvalidIdError):
+            check_id(bad)
+    assert check_id("é😀-1") == "é😀-1"
+
+
+async def test_hand_built_messages_are_validated(queue: aio_keuss.Queue) -> None:
+    needs(queue, "reserve")
+    await queue.push("x")
+    real = await queue.reserve(timeout=10)
+    assert real is not None
+    calls: list[Callable[[Message], Awaitable[Any]]] = [queue.ok, queue.ko]
+    if queue.capabilities.remove:
+        calls.append(queue.remove)
+    for call in calls:
+        for bad_id in BAD_IDS:
+            with pytest.raises(aio_keuss.InvalidIdError):
+                await call(dataclasses.replace(real, id=bad_id))
+        for bad_tries in BAD_TRIES:
+            with pytest.raises(aio_keuss.InvalidInputError):
+                await call(dataclasses.replace(real, tries=bad_tries))
+    assert await queue.resv_size() == 1  # none of that touched the reservation
+    assert await queue.ok(dataclasses.replace(real, tries=real.tries))
+    assert await queue.total_size() == 0
+
+
+async def test_pushed_ids_must_be_utf8_and_printable(queue: aio_keuss.Queue) -> None:
+    for bad in BAD_IDS:
+        if bad is None:  # push(id=None): an id is made
+            continue
+        with pytest.raises(aio_keuss.InvalidIdError):
+            await queue.push(1, id=bad)
+        with pytest.raises(aio_keuss.InvalidIdError):
+            await queue.push_many([1, 2], ids=["fine", bad])
+    assert await queue.total_size() == 0
+
+
+# 11. URLs --------------------------------------------------------------------------------
+
+BAD_URLS: list[tuple[str, str]] = [
+    ("redis-oq", "http://127.0.0.1:6379/0"),
+    ("redis-oq", "redis:/127.0.0.1:6399"),  # connected to localhost:6379 before
+    ("redis-oq", "redis:127.0.0.1:6399"),
+    ("redis-oq", "redis://"),
+    ("redis-oq", "redis://:secret@/0"),
+    ("redis-oq", "redis://127.0.0.1:99999/0"),
+    ("redis-oq", "redis://127.0.0.1:0/0"),
+    ("redis-oq", "redis://127.0.0.1:port/0"),
+    ("redis-oq", "redis://127.0.0.1:6379/x"),  # connected to database 0 before
+    ("redis-oq", "redis://127.0.0.1:6379/0/1"),
+    ("redis-oq", "redis://127.0.0.1:6379/-1"),
+    ("redis-oq", "redis://127.0.0.1:6379/0?db=x"),
+    ("redis-oq", "redis://127.0.0.1:6379/0?socket_timeout=never"),
+    ("redis-oq", "unix://"),
+    ("redis-oq", "unix://127.0.0.1/tmp/redis.sock"),
+    ("redis-list", "rediss:/127.0.0.1"),
+    ("redis-reliable", "127.0.0.1:6379"),
+    ("bucket-redis", "redis:/127.0.0.1:6399"),
+    ("postgres", "mysql://postgres@127.0.0.1/test"),
+    ("postgres", "postgresql:/127.0.0.1/test"),
+    ("postgres", "postgresql://postgres@127.0.0.1:port/test"),
+    ("postgres", "postgresql://postgres@127.0.0.1:70000/test"),
+    ("postgres", "postgresql://postgres@[::1/test"),
+    ("bucket-postgres", "host=127.0.0.1 dbname=test"),
+    ("mongo", "http://127.0.0.1:27017"),
+    ("mongo", "mongodb:/127.0.0.1:27017"),
+    ("mongo", "mongodb://127.0.0.1:99999"),
+    ("mongo", "mongodb://"),
+    ("mongo-history", "mongodb://127.0.0.1:port"),
+    ("bucket-mongo", "mongodb+srv://host.example:27017"),  # +srv takes no port
+]
+
+
+@pytest.mark.parametrize("backend,url", BAD_URLS, ids=[f"{b}-{u}" for b, u in BAD_URLS])
+async def test_bad_urls_are_refused_before_connecting(backend: str, url: str) -> None:
+    with pytest.raises(aio_keuss.ConfigError, match="url") as raised:
+        await (await aio_keuss.connect(backend, url=url)).close()
+    assert "secret" not in str(raised.value)
+
+
+async def test_redis_cluster_urls_have_database_0_only() -> None:
+    for url in ["redis://127.0.0.1:1/1", "unix:///tmp/redis.sock"]:
+        with pytest.raises(aio_keuss.ConfigError):
+            await (await aio_keuss.connect("redis-oq", url=url, cluster=True)).close()
+
+
+def test_redis_url_forms_redis_py_documents_are_accepted() -> None:
+    for url in [
+        "redis://127.0.0.1",
+        "redis://localhost:6379/",
+        "REDIS://127.0.0.1:6379/15",
+        "redis://user:p%40ss@127.0.0.1:6379/0",
+        "redis://[::1]:6379/2",
+        "redis://127.0.0.1?db=3&socket_timeout=1",
+        "rediss://cache.example:6380/0",
+        "unix:///var/run/redis.sock",
+        "unix://:secret@/var/run/redis.sock?db=1",
+    ]:
+        assert check_redis_url(url, cluster=False) == url
+
+
+async def test_good_redis_url_variants_connect() -> None:
+    """The checks refuse nothing a working URL needs: no database, a trailing slash."""
+    base = REDIS_URL.rsplit("/", 1)[0]
+    prefix = f"akt-{new_token()}"
+    try:
+        for url in [base, base + "/", base + "/0?db=0"]:
+            async with aio_keuss.connect("redis-oq", url=url, prefix=prefix) as factory:
+                q = await factory.queue("q")
+                await q.push(url)
+                message = await q.pop(timeout=10)
+                assert message is not None and message.payload == url
+    finally:
+        await _drop_redis_prefix({"url": REDIS_URL, "prefix": prefix})
