@@ -7,8 +7,6 @@ async with aio_keuss.connect("memory") as factory:
     await q.ok(msg)
 """
 
-from .backends import backend_names
-from .backends.base import Capabilities, KoResult, Sizes
 from .consumer import Consumer, ConsumerStatus
 from .errors import (
     BackendError,
@@ -28,6 +26,8 @@ from .errors import (
 from .factory import Factory, connect
 from .message import Message
 from .queue import Queue
+from .registry import backend_names
+from .types import Capabilities, KoResult, Sizes
 
 __version__ = "0.1.0"
 

@@ -211,3 +211,20 @@ class RunToEnd(Generic[T]):
                     error = exc
             except BaseException as exc:  # pragma: no cover - only cancellation is thrown in
                 error = exc
+
+
+RECANCEL_PERIOD = 0.5
+"""How long a cancelled task is given to end before it is cancelled again."""
+
+
+async def stop_task(task: asyncio.Task[Any]) -> None:
+    """Cancel ``task`` until it has ended, and wait for that.
+
+    Its outcome is not raised (a failure is marked as seen, so asyncio does not log it at
+    exit); the caller's own cancellation still propagates.
+    """
+    while not task.done():
+        task.cancel()
+        await asyncio.wait((task,), timeout=RECANCEL_PERIOD)
+    if not task.cancelled():
+        task.exception()

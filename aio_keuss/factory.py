@@ -8,15 +8,14 @@ from collections.abc import Generator
 from types import TracebackType
 from typing import Any
 
-from .backends import load_backend
-from .backends.base import Backend, Capabilities
+from .contract import Backend
 from .errors import ClosedError, ConfigError
 from .options import QUEUE_OPTION_NAMES, DeadletterOptions, QueueOptions, check_queue_name
 from .queue import Queue
-from .signal.base import SignalBus
-from .signal.local import LocalSignalBus
-from .stats.base import StatsStore
-from .stats.memory import MemoryStats
+from .registry import load_backend
+from .signal import LocalSignalBus, SignalBus
+from .stats import MemoryStats, StatsStore
+from .types import Capabilities
 
 _FACTORY_OPTIONS = frozenset({"signal", "stats", "deadletter", "signal_debounce"})
 

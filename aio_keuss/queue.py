@@ -9,31 +9,19 @@ deadlettering happens here.
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
 import math
-import os
 import sys
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Sequence
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
-from .backends.base import (
-    Ack,
-    Capabilities,
-    DeadletterPlan,
-    Entry,
-    Fetched,
-    KoResult,
-    Nack,
-    Sizes,
-    Store,
-    Stored,
-)
 from .coalesce import Coalescer
 from .consumer import HandlerFailures, Outage, retry_backoff
+from .contract import Ack, DeadletterPlan, Entry, Fetched, Nack, Store, Stored
 from .errors import ClosedError, InvalidIdError, InvalidInputError, NotSupportedError
+from .ids import new_id
 from .message import (
     Headers,
     Message,
@@ -47,11 +35,12 @@ from .message import (
     to_datetime,
 )
 from .options import MAX_SECONDS, DeadletterOptions, QueueOptions, check_seconds, check_timeout
+from .types import Capabilities, KoResult, Sizes
 
 if TYPE_CHECKING:
     from .consumer import Consumer, Handler
-    from .signal.base import Signal, SignalBus
-    from .stats.base import StatsStore
+    from .signal import Signal, SignalBus
+    from .stats import StatsStore
 
 log = logging.getLogger("aio_keuss.queue")
 
@@ -63,24 +52,6 @@ HELD_CHECK = 1024
 """Reservations held unacknowledged between two checks for expired ones (see ``_rotate_held``)."""
 
 FetchResult = tuple[list[Stored], float | None]
-
-
-_id_prefix = os.urandom(5).hex()
-_id_counter = itertools.count()
-
-
-def _new_id_prefix() -> None:
-    global _id_prefix, _id_counter
-    _id_prefix, _id_counter = os.urandom(5).hex(), itertools.count()
-
-
-os.register_at_fork(after_in_child=_new_id_prefix)  # a forked child must not reuse ours
-
-
-def new_id() -> str:
-    """Time-ordered (nanoseconds, hex), then a per-process random prefix and a counter:
-    unique across processes without a system call per id."""
-    return f"{time.time_ns():x}{_id_prefix}{next(_id_counter):x}"
 
 
 class Queue:

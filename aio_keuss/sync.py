@@ -43,12 +43,12 @@ from typing import Any, TypeVar
 
 from anyio.from_thread import BlockingPortal, start_blocking_portal
 
-from .backends.base import Capabilities, KoResult, Sizes
 from .errors import ClosedError
 from .factory import Factory
 from .factory import connect as _async_connect
 from .message import Headers, Message, Payload
 from .queue import Queue
+from .types import Capabilities, KoResult, Sizes
 
 __all__ = ["SyncFactory", "SyncQueue", "connect"]
 

@@ -17,7 +17,7 @@ from typing import Any
 from mongo_server import MONGO_URL, start_mongo
 from redis_cluster import _drop_redis_cluster_prefix, _redis_cluster, start_redis_cluster
 
-from aio_keuss.backends import load_backend
+from aio_keuss.registry import load_backend
 
 REDIS_URL = os.environ.get("AK_REDIS_URL", "redis://127.0.0.1:6379/0")
 POSTGRES_URL = os.environ.get("AK_POSTGRES_URL", "postgresql://postgres@127.0.0.1:5432/test")

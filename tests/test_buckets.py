@@ -24,7 +24,7 @@ from backends import CASES, BackendCase, new_token
 
 import aio_keuss
 from aio_keuss import KeussConnectionError
-from aio_keuss.backends.bucket import (
+from aio_keuss.buckets.store import (
     BucketSettings,
     decode_blob,
     decode_state,

@@ -27,9 +27,9 @@ from hypothesis import strategies as st
 
 import aio_keuss
 from aio_keuss import Message
-from aio_keuss.backends._redis import check_redis_url
 from aio_keuss.message import MAX_TRIES, check_id, encode_headers, encode_payload
 from aio_keuss.options import MAX_COUNT, MAX_SECONDS, brief, check_seconds
+from aio_keuss.redis.connection import check_redis_url
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -234,7 +234,7 @@ async def test_redis_error_replies_are_classified_alike_on_both_paths(reply: str
     """Every reply a server sends when it is not ready is a connection error on the fast lane
     and through redis-py alike; the rest are backend errors. The replies are real: a script
     answers them with ``redis.error_reply``."""
-    from aio_keuss.backends._redis import redis_errors_translated
+    from aio_keuss.redis.connection import redis_errors_translated
 
     expected = KeussConnectionError if reply in _NOT_READY_REPLIES else BackendError
     with own_redis() as server:
@@ -381,7 +381,7 @@ def test_mongo_not_ready_replies_are_connection_errors() -> None:
     """How the server's "not primary / recovering / shutting down" codes reach the caller,
     wherever PyMongo puts them: a failed command, a write concern error, a bulk write's
     details. (No test server here can be made to answer them.)"""
-    from aio_keuss.backends._mongo import mongo_errors_translated
+    from aio_keuss.mongo.connection import mongo_errors_translated
 
     for label, exc, expected in _mongo_failures():
         with pytest.raises(expected) as caught, mongo_errors_translated():
@@ -440,7 +440,7 @@ async def test_a_listener_whose_driver_swallows_the_cancellation_still_stops() -
     can raise its ConnectionError instead of the cancellation; a listener that took that for
     one more outage to retry would never stop, and ``close`` would wait for it forever. (A
     scripted transport: the moment is not one a real server can be made to hit every time.)"""
-    from aio_keuss.signal.base import SignalBus
+    from aio_keuss.signal import SignalBus
 
     class SwallowingBus(SignalBus):
         async def _listen(self, ready: Callable[[], None]) -> None:

@@ -17,8 +17,9 @@ import pytest
 from backends import REDIS_URL, _drop_redis_prefix, new_token
 
 import aio_keuss
-from aio_keuss.backends import load_backend
-from aio_keuss.backends.base import Entry, KoResult, Sizes
+from aio_keuss.contract import Entry
+from aio_keuss.registry import load_backend
+from aio_keuss.types import KoResult, Sizes
 
 try:
     import redis.asyncio as aioredis
@@ -38,9 +39,9 @@ TTL = 1.0
 def _bus_options() -> dict[str, Any]:
     """In-process signals / stats until the Redis ones exist; the Redis ones once they do."""
     options: dict[str, Any] = {}
-    if importlib.util.find_spec("aio_keuss.signal.redis") is None:
+    if importlib.util.find_spec("aio_keuss.redis.signal") is None:
         options["signal"] = "local"
-    if importlib.util.find_spec("aio_keuss.stats.redis") is None:
+    if importlib.util.find_spec("aio_keuss.redis.stats") is None:
         options["stats"] = "memory"
     return options
 
@@ -245,7 +246,7 @@ asyncio.run(main())
 
 _RECOVERER = """
 import asyncio, sys
-from aio_keuss.backends.redis_reliable import RedisReliableBackend
+from aio_keuss.redis.reliable import RedisReliableBackend
 from aio_keuss.options import QueueOptions
 
 async def main() -> None:

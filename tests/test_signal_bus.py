@@ -9,9 +9,9 @@ from collections.abc import Callable
 
 import pytest
 
+from aio_keuss import signal as base
 from aio_keuss.errors import KeussConnectionError
-from aio_keuss.signal import base
-from aio_keuss.signal.base import Signal, SignalBus
+from aio_keuss.signal import Signal, SignalBus
 
 
 class ScriptedBus(SignalBus):

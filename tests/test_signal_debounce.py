@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Callable
 
 import orjson
 
-from aio_keuss.signal.base import Signal, SignalBus
+from aio_keuss.signal import Signal, SignalBus
 
 
 class RecordingBus(SignalBus):
@@ -71,10 +72,8 @@ class SwallowingBus(SignalBus):
 
     async def _listen(self, ready: Callable[[], None]) -> None:
         ready()
-        try:
+        with contextlib.suppress(asyncio.CancelledError):  # taken for a lost connection
             await asyncio.Event().wait()
-        except asyncio.CancelledError:
-            pass  # the driver's retry took it for a lost connection, and reads on
         await asyncio.Event().wait()
 
 

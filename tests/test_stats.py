@@ -17,7 +17,7 @@ import pytest
 from backends import CASES
 
 import aio_keuss
-from aio_keuss.stats.base import Increments, StatsStore
+from aio_keuss.stats import Increments, StatsStore
 
 pytestmark = pytest.mark.timeout(60)
 

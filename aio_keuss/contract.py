@@ -1,0 +1,258 @@
+"""The contract between the generic queue layer and a database.
+
+A :class:`Backend` is one per factory: it owns the connection (pool, client) and hands out a
+:class:`Store` per queue. A Store offers *atomic, batch-shaped primitives only*: no waiting,
+no stats, no signalling, no retry policy. Everything else lives once in :mod:`aio_keuss.queue`.
+
+Adding a database means writing one module with a Backend and a Store subclass, registering
+its name in :mod:`aio_keuss.registry`, and adding it to ``tests/backends.py`` so the
+conformance suite runs against it.
+
+Times are float seconds since the epoch (UTC), taken from the store's own clock: a store that
+lives on a server should use the server's clock so several clients agree on what is mature.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from .errors import NotSupportedError
+from .message import Headers, to_datetime
+from .types import Capabilities, KoResult, Sizes
+
+if TYPE_CHECKING:
+    from .options import QueueOptions
+    from .signal import SignalBus
+    from .stats import StatsStore
+
+
+PUSH_TURN = 16
+"""Messages a store that never suspends inserts between two yields to the event loop."""
+
+
+class LoopTurns:
+    """Turns given to the event loop by a store whose insert awaits nothing (the memory
+    store; buckets with ``ack_on_buffer``). Without them a producer loop (``while True: await
+    q.push(x)``) holds the loop for ever: no timer fires, every other task starves. A loop
+    pass per push costs about a fifth of a lone producer's rate; one per ``PUSH_TURN``
+    messages is lost in the noise, and one pass is all the other tasks need to run."""
+
+    __slots__ = ("_since",)
+
+    def __init__(self) -> None:
+        self._since = 0
+
+    def due(self, count: int) -> bool:
+        """Count ``count`` messages about to be inserted; True when the caller should yield
+        (``await asyncio.sleep(0)``) first, so a push cancelled there inserted nothing."""
+        self._since += count
+        if self._since < PUSH_TURN:
+            return False
+        self._since = 0
+        return True
+
+    def reset(self) -> None:
+        """The caller suspended anyway: the count starts again."""
+        self._since = 0
+
+
+@dataclass(slots=True)
+class Entry:
+    """A message to insert.
+
+    ``dedup`` is set when the id came from the user: the store then refuses the entry while
+    a message with that id is queued or was pushed within the queue's dedup window.
+    ``mature`` (absolute) overrides ``delay``; it is used to put back a popped message whose
+    caller was cancelled, keeping its place in the queue.
+
+    A store may replace ``id`` of an entry without ``dedup`` during ``insert`` (a bucket store
+    encodes bucket and slot in it); the queue layer reads the ids back after the insert.
+    """
+
+    id: str
+    payload: bytes
+    headers: bytes
+    delay: float = 0.0
+    tries: int = 0
+    dedup: bool = False
+    mature: float | None = None
+
+
+@dataclass(slots=True)
+class Stored:
+    """A message as a store hands it out: payload and headers still encoded."""
+
+    id: str
+    payload: bytes
+    headers: bytes
+    tries: int
+    mature: float
+
+
+@dataclass(slots=True)
+class Fetched:
+    """The result of a get / reserve.
+
+    ``next_mature`` is the earliest mature time among what is left, active reservations
+    included (their mature time is their deadline), so the wait loop can sleep exactly until
+    something could become deliverable without another round trip.
+    """
+
+    messages: list[Stored]
+    next_mature: float | None
+
+
+@dataclass(slots=True)
+class Ack:
+    """Commit of a reservation.
+
+    ``tries`` is what the holder was given; when set, the store commits only if the message
+    is still reserved with that same count, so a consumer whose reservation expired and was
+    handed to someone else cannot delete the other consumer's message.
+    """
+
+    id: str
+    tries: int | None = None
+
+
+@dataclass(slots=True)
+class Nack:
+    """Rollback of a reservation. ``count_try`` is false when the message goes back unseen
+    (its consumer was cancelled before it got it), so it costs no try."""
+
+    id: str
+    tries: int | None
+    delay: float
+    count_try: bool = True
+
+
+@dataclass(frozen=True, slots=True)
+class DeadletterPlan:
+    """Policy values the queue layer hands a store so it can move a message atomically.
+
+    A ko whose failed-delivery count (stored tries + 1) exceeds ``max_ko`` moves the message
+    to ``queue`` with tries 0 and the headers from :meth:`headers`.
+    """
+
+    max_ko: int
+    queue: str
+    from_queue: str
+
+    def headers(self, failed_deliveries: int, now: float) -> Headers:
+        return {
+            "x-dl-from-queue": self.from_queue,
+            "x-dl-t": to_datetime(now).isoformat(),
+            "x-dl-tries": failed_deliveries,
+        }
+
+
+class Store(ABC):
+    """Atomic primitives over one queue. Every method takes and returns a batch."""
+
+    batch_concurrency: ClassVar[int] = 1
+    """How many coalesced batches of one kind may be in flight at once on this store."""
+
+    run_in_caller: bool = False
+    """True when a call that finds a free slot should run at once in its caller's task (see
+    ``coalesce.py``): right where round trips pipeline on one connection or the answer comes
+    from memory; wrong where every call costs a durable commit, which batching shares
+    (PostgreSQL, MongoDB)."""
+
+    uninterruptible: bool = False
+    """True when the primitives await nothing but replies that refuse cancellation (or
+    nothing at all): a cancelled caller's pop / reserve then still completes, and the queue
+    puts back what it took, so it may run in the caller's own task (see ``coalesce.py``)."""
+
+    def __init__(self, name: str, options: QueueOptions) -> None:
+        self.name = name
+        self.options = options
+
+    @abstractmethod
+    async def insert(self, entries: Sequence[Entry]) -> list[bool]:
+        """Insert in order; one flag per entry, false where the dedup window refused it."""
+
+    async def get(self, n: int) -> Fetched:
+        """Remove and return up to ``n`` mature messages, earliest mature first (pop)."""
+        raise NotSupportedError(f"{type(self).__name__} has no pop")
+
+    async def reserve(self, n: int, reserve_delay: float) -> Fetched:
+        """Reserve up to ``n`` mature messages until now + ``reserve_delay`` (store clock).
+
+        A message whose earlier reservation expired counts that delivery as a try.
+        """
+        raise NotSupportedError(f"{type(self).__name__} has no reserve")
+
+    async def commit(self, acks: Sequence[Ack]) -> list[bool]:
+        """Delete reserved messages; false for unknown, unreserved or stale ones."""
+        raise NotSupportedError(f"{type(self).__name__} has no reserve")
+
+    async def rollback(
+        self, nacks: Sequence[Nack], deadletter: DeadletterPlan | None
+    ) -> list[KoResult]:
+        """Release reservations after their delay, or move them to the deadletter queue."""
+        raise NotSupportedError(f"{type(self).__name__} has no reserve")
+
+    def on_visible(self, listener: Callable[[float], None]) -> None:
+        """For stores that acknowledge inserts before other processes can see them
+        (``ack_on_buffer``): ``listener(earliest mature)`` is called once they can, so the
+        queue signals other processes then. Others ignore it: an acknowledged insert is
+        visible everywhere, and the queue signals at acknowledgement."""
+
+    def default_ko_delay(self, tries: int | None) -> float:
+        """Delay of a ko that gave none (``tries``: the holder's count, if known). Immediate
+        here; bucket stores use Keuss's ``reject_delta_base + reject_delta_factor * tries``."""
+        return 0.0
+
+    async def remove(self, ids: Sequence[str]) -> list[bool]:
+        """Delete messages that are not under an active reservation."""
+        raise NotSupportedError(f"{type(self).__name__} has no remove")
+
+    @abstractmethod
+    async def sizes(self) -> Sizes: ...
+
+    @abstractmethod
+    async def next_mature(self) -> float | None:
+        """Earliest mature time in the queue, active reservations included."""
+
+    async def flush(self) -> None:
+        """Write out anything buffered (bucket stores); others have nothing to do."""
+
+    async def close(self) -> None:
+        """Release per-queue resources; the backend owns the connection."""
+
+
+class Backend(ABC):
+    """One database connection per factory, and a Store per queue."""
+
+    name: ClassVar[str]
+    capabilities: ClassVar[Capabilities]
+    options: ClassVar[Mapping[str, Any]] = {}
+    """Backend-specific ``connect`` options and their defaults."""
+
+    def __init__(self, options: Mapping[str, Any]) -> None:
+        self.settings: dict[str, Any] = {**self.options, **options}
+
+    async def open(self) -> None:
+        """Connect; called once by ``connect`` before any store is made."""
+
+    async def close(self) -> None:
+        """Close what ``open`` opened (never a client the user passed in)."""
+
+    @abstractmethod
+    async def store(self, queue: str, options: QueueOptions) -> Store:
+        """Make (creating storage on first use) the store of one queue."""
+
+    def signal_bus(self, debounce: float) -> SignalBus:
+        """The signal bus of this backend's own database; in-process by default."""
+        from .signal import LocalSignalBus
+
+        return LocalSignalBus(debounce)
+
+    def stats_store(self) -> StatsStore:
+        """The stats store of this backend's own database; in-process by default."""
+        from .stats import MemoryStats
+
+        return MemoryStats()

@@ -1,0 +1,250 @@
+"""The in-process backend: the embedded default, and the reference Store.
+
+Each factory holds its own queues. A queue is a dict of records plus a heap ordered by
+(mature, sequence) with lazy deletion: a record whose mature time changes gets a new sequence
+number and a new heap entry, and stale entries are skipped when they surface. Every
+primitive runs without awaiting, which is what makes it atomic on one event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import heapq
+import itertools
+import time
+from collections import deque
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, ClassVar
+
+from .contract import Ack, Backend, DeadletterPlan, Entry, Fetched, LoopTurns, Nack, Store, Stored
+from .message import append_headers
+from .types import Capabilities, KoResult, Sizes
+
+if TYPE_CHECKING:
+    from .options import QueueOptions
+
+
+class _Record:
+    __slots__ = ("headers", "id", "mature", "payload", "reserved", "seq", "tries")
+
+    def __init__(
+        self, id: str, payload: bytes, headers: bytes, mature: float, seq: int, tries: int
+    ) -> None:
+        self.id = id
+        self.payload = payload
+        self.headers = headers
+        self.mature = mature
+        self.seq = seq
+        self.tries = tries
+        self.reserved = False
+
+
+class _QueueData:
+    """The storage of one queue; shared by every Store made for that name in a factory."""
+
+    def __init__(self) -> None:
+        self.records: dict[str, _Record] = {}
+        self.heap: list[tuple[float, int, str]] = []
+        self.sequence = itertools.count()
+        self.dedup: dict[str, float] = {}
+        self.dedup_expiry: deque[tuple[float, str]] = deque()
+
+    def add(self, record: _Record) -> None:
+        self.records[record.id] = record
+        heapq.heappush(self.heap, (record.mature, record.seq, record.id))
+
+    def reschedule(self, record: _Record, mature: float) -> None:
+        record.mature = mature
+        record.seq = next(self.sequence)
+        heapq.heappush(self.heap, (mature, record.seq, record.id))
+
+    def take_mature(self, n: int, now: float) -> list[_Record]:
+        """Unlink up to ``n`` mature records from the heap, earliest first."""
+        taken: list[_Record] = []
+        heap, records = self.heap, self.records
+        while heap and len(taken) < n:
+            mature, seq, message_id = heap[0]
+            if mature > now:
+                break
+            heapq.heappop(heap)
+            record = records.get(message_id)
+            if record is not None and record.seq == seq:
+                taken.append(record)
+        return taken
+
+    def next_mature(self) -> float | None:
+        heap, records = self.heap, self.records
+        while heap:
+            mature, seq, message_id = heap[0]
+            record = records.get(message_id)
+            if record is not None and record.seq == seq:
+                return mature
+            heapq.heappop(heap)
+        return None
+
+    def is_duplicate(self, message_id: str, now: float) -> bool:
+        while self.dedup_expiry and self.dedup_expiry[0][0] <= now:
+            expiry, expired_id = self.dedup_expiry.popleft()
+            if self.dedup.get(expired_id) == expiry:
+                del self.dedup[expired_id]
+        return message_id in self.records or message_id in self.dedup
+
+    def remember(self, message_id: str, expiry: float) -> None:
+        self.dedup[message_id] = expiry
+        self.dedup_expiry.append((expiry, message_id))
+
+
+def _stored(record: _Record, tries: int, mature: float) -> Stored:
+    return Stored(record.id, record.payload, record.headers, tries, mature)
+
+
+class MemoryStore(Store):
+    run_in_caller = True
+    uninterruptible = True  # nothing is awaited inside a primitive
+
+    def __init__(self, name: str, options: QueueOptions, backend: MemoryBackend) -> None:
+        super().__init__(name, options)
+        self._backend = backend
+        self._data = backend.data(name)
+        self._turns = LoopTurns()
+
+    async def insert(self, entries: Sequence[Entry]) -> list[bool]:
+        if self._turns.due(len(entries)):  # nothing else here suspends
+            await asyncio.sleep(0)
+        return self._insert_into(self._data, entries, time.time())
+
+    def _insert_into(self, data: _QueueData, entries: Sequence[Entry], now: float) -> list[bool]:
+        results: list[bool] = []
+        window = self.options.dedup_window
+        for entry in entries:
+            if entry.dedup and data.is_duplicate(entry.id, now):
+                results.append(False)
+                continue
+            if entry.id in data.records:  # a generated id cannot collide; a put-back can't
+                results.append(False)
+                continue
+            mature = entry.mature if entry.mature is not None else now + entry.delay
+            record = _Record(
+                entry.id, entry.payload, entry.headers, mature, next(data.sequence), entry.tries
+            )
+            data.add(record)
+            if entry.dedup:
+                data.remember(entry.id, now + window)
+            results.append(True)
+        return results
+
+    async def get(self, n: int) -> Fetched:
+        # Nothing here suspends: without this a consumer loop would run until the queue is
+        # empty, starving the other consumers and every other task. Yield before taking.
+        await asyncio.sleep(0)
+        data = self._data
+        messages = []
+        for record in data.take_mature(n, time.time()):
+            del data.records[record.id]
+            tries = record.tries + 1 if record.reserved else record.tries
+            messages.append(_stored(record, tries, record.mature))
+        return Fetched(messages, data.next_mature())
+
+    async def reserve(self, n: int, reserve_delay: float) -> Fetched:
+        await asyncio.sleep(0)  # as in get
+        data = self._data
+        now = time.time()
+        messages = []
+        for record in data.take_mature(n, now):
+            if record.reserved:  # its earlier reservation expired: that delivery was a try
+                record.tries += 1
+            messages.append(_stored(record, record.tries, record.mature))
+            record.reserved = True
+            data.reschedule(record, now + reserve_delay)
+        return Fetched(messages, data.next_mature())
+
+    def _held(self, message_id: str, tries: int | None) -> _Record | None:
+        record = self._data.records.get(message_id)
+        if record is None or not record.reserved:
+            return None
+        if tries is not None and tries != record.tries:
+            return None
+        return record
+
+    async def commit(self, acks: Sequence[Ack]) -> list[bool]:
+        results = []
+        for ack in acks:
+            record = self._held(ack.id, ack.tries)
+            if record is not None:
+                del self._data.records[record.id]
+            results.append(record is not None)
+        return results
+
+    async def rollback(
+        self, nacks: Sequence[Nack], deadletter: DeadletterPlan | None
+    ) -> list[KoResult]:
+        now = time.time()
+        results = []
+        for nack in nacks:
+            record = self._held(nack.id, nack.tries)
+            if record is None:
+                results.append(KoResult.MISSING)
+                continue
+            tries = record.tries + 1 if nack.count_try else record.tries
+            if deadletter is not None and nack.count_try and tries > deadletter.max_ko:
+                del self._data.records[record.id]
+                headers = append_headers(record.headers, deadletter.headers(tries, now))
+                target = self._backend.data(deadletter.queue)
+                moved = Entry(record.id, record.payload, headers)
+                suffix = 0
+                while not self._insert_into(target, [moved], now)[0]:
+                    suffix += 1  # the id is there already, from an earlier life: rename
+                    moved.id = f"{record.id}.dl{tries}" + (f".{suffix}" if suffix > 1 else "")
+                results.append(KoResult.DEADLETTERED)
+                continue
+            record.tries = tries
+            record.reserved = False
+            self._data.reschedule(record, now + nack.delay)
+            results.append(KoResult.ROLLED_BACK)
+        return results
+
+    async def remove(self, ids: Sequence[str]) -> list[bool]:
+        now = time.time()
+        records = self._data.records
+        results = []
+        for message_id in ids:
+            record = records.get(message_id)
+            if record is None or (record.reserved and record.mature > now):
+                results.append(False)
+            else:
+                del records[message_id]
+                results.append(True)
+        return results
+
+    async def sizes(self) -> Sizes:
+        now = time.time()
+        ready = reserved = scheduled = 0
+        for record in self._data.records.values():
+            if record.mature <= now:
+                ready += 1
+            elif record.reserved:
+                reserved += 1
+            else:
+                scheduled += 1
+        return Sizes(ready, len(self._data.records), scheduled, reserved)
+
+    async def next_mature(self) -> float | None:
+        return self._data.next_mature()
+
+
+class MemoryBackend(Backend):
+    name = "memory"
+    capabilities: ClassVar[Capabilities] = Capabilities(shared=False)
+
+    def __init__(self, options: dict[str, object]) -> None:
+        super().__init__(options)
+        self._queues: dict[str, _QueueData] = {}
+
+    def data(self, queue: str) -> _QueueData:
+        found = self._queues.get(queue)
+        if found is None:
+            found = self._queues[queue] = _QueueData()
+        return found
+
+    async def store(self, queue: str, options: QueueOptions) -> Store:
+        return MemoryStore(queue, options, self)

@@ -1,0 +1,255 @@
+"""What the MongoDB backends share: the client, collection naming, indexes, error translation.
+
+Reached with PyMongo's native ``AsyncMongoClient`` (Motor is deprecated). Collections of one
+backend live in ``database`` (default ``keuss``) and carry the backend's ``prefix``:
+
+- ``<prefix>_q_<queue>``: the messages of one queue, ``_id`` = message id (see
+  :mod:`aio_keuss.mongo.store` for the document shape),
+- ``<prefix>_dedup_<queue>``: ids the user chose, kept for the dedup window (TTL index),
+- ``<prefix>_stats``: one document per queue (:mod:`aio_keuss.mongo.stats`),
+- ``<prefix>_signals``: the signal bus (:mod:`aio_keuss.mongo.signal`).
+
+Collection names are kept to letters, digits and underscores (some MongoDB look-alikes accept
+nothing else): a queue name's ``_ . : -`` are escaped as ``__ _d _c _h``, a one-to-one mapping.
+
+One collection per queue, rather than one shared collection with a ``q`` field, because every
+hot query then runs on the primary key or on a single-field index on ``mature`` (cheap on every
+server, including SQLite-backed look-alikes whose planners handle compound indexes badly), and
+dropping a queue is dropping a collection. The price is that a deadletter move crosses
+collections: it runs in a transaction on a replica set or mongos, and as an ordered sequence
+that never loses a message elsewhere (see ``MongoStore._deadletter``).
+
+Clock: MongoDB has no cheap server-time read (``$$NOW`` exists only inside pipeline updates,
+which not every server speaks), so every time is the *client's* ``time.time()``; clients of one
+deployment must keep their clocks in sync (NTP), a skew of s seconds shifting maturity by s.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from ..contract import Backend
+from ..errors import ConfigError, KeussConnectionError, MissingDependencyError, translate_errors
+from ..options import brief, without_password
+
+try:
+    from pymongo import ASCENDING, AsyncMongoClient
+    from pymongo import errors as mongo_errors
+    from pymongo.asynchronous.collection import AsyncCollection
+    from pymongo.asynchronous.database import AsyncDatabase
+except ImportError as exc:  # pragma: no cover - depends on the environment
+    raise MissingDependencyError("mongo", exc.name or "pymongo") from exc
+
+if TYPE_CHECKING:
+    from ..signal import SignalBus
+    from ..stats import StatsStore
+
+Document = dict[str, Any]
+Collection = AsyncCollection[Document]
+
+CONNECTION_ERRORS: tuple[type[BaseException], ...] = (
+    mongo_errors.ConnectionFailure,  # AutoReconnect, NetworkTimeout, ServerSelectionTimeout...
+    OSError,
+)
+DUPLICATE_KEY = 11000
+
+# Server error codes meaning "not primary, shutting down, or cannot reach a host right now"
+# (names from the MongoDB manual's "Error Codes" reference): what the drivers' retryable
+# reads and writes specifications retry. The operation was refused or interrupted by a state
+# that passes, so it is a connection error. PyMongo raises its NotPrimaryError (one of the
+# ConnectionFailure family above) for most of them on a failed command, but not when they
+# come as a write error, a write concern error or inside a bulk write's details, nor for
+# the network codes a mongos relays from a shard.
+NOT_READY_CODES = frozenset(
+    {
+        6,  # HostUnreachable
+        7,  # HostNotFound
+        89,  # NetworkTimeout
+        91,  # ShutdownInProgress
+        134,  # ReadConcernMajorityNotAvailableYet
+        189,  # PrimarySteppedDown
+        262,  # ExceededTimeLimit
+        9001,  # SocketException
+        10058,  # LegacyNotPrimary
+        10107,  # NotWritablePrimary
+        11600,  # InterruptedAtShutdown
+        11602,  # InterruptedDueToReplStateChange
+        13435,  # NotPrimaryNoSecondaryOk
+        13436,  # NotPrimaryOrSecondary
+    }
+)
+
+
+def _not_ready(exc: mongo_errors.OperationFailure) -> bool:
+    if exc.code in NOT_READY_CODES or exc.has_error_label("RetryableWriteError"):
+        return True
+    if isinstance(exc, mongo_errors.BulkWriteError):
+        details = exc.details or {}
+        errors = [*details.get("writeErrors", ()), *details.get("writeConcernErrors", ())]
+        return any(isinstance(e, dict) and e.get("code") in NOT_READY_CODES for e in errors)
+    return False
+
+
+@contextmanager
+def mongo_errors_translated() -> Iterator[None]:
+    """Connection trouble -> KeussConnectionError; any other driver error -> BackendError."""
+    with translate_errors(CONNECTION_ERRORS, (mongo_errors.PyMongoError,)):
+        try:
+            yield
+        except mongo_errors.OperationFailure as exc:
+            if _not_ready(exc):
+                raise KeussConnectionError(f"{type(exc).__name__}: {exc}") from exc
+            raise
+
+
+_IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,47}")
+_ESCAPES = str.maketrans({"_": "__", ".": "_d", ":": "_c", "-": "_h"})
+
+
+def _check_name(value: object, what: str) -> str:
+    if not isinstance(value, str) or not _IDENTIFIER.fullmatch(value):
+        raise ConfigError(
+            f"{what} must be 1-48 letters, digits or underscores, not starting with a digit,"
+            f" not {value!r}"
+        )
+    return value
+
+
+def collection_part(queue: str) -> str:
+    """A queue name as letters, digits and underscores (one-to-one)."""
+    return queue.translate(_ESCAPES)
+
+
+def check_mongo_url(url: object) -> str:
+    """Refuse a URL that is not a MongoDB connection string before PyMongo sees it (the
+    MongoDB manual's "Connection Strings": ``mongodb://`` or ``mongodb+srv://``); PyMongo
+    then checks the rest (hosts, ports, options) when the client is made, before connecting,
+    and what it refuses is raised as :class:`ConfigError` too."""
+    if not isinstance(url, str):
+        raise ConfigError(f"url must be a str, not {type(url).__name__}")
+    if not url.startswith(("mongodb://", "mongodb+srv://")):
+        raise ConfigError(
+            f"url {without_password(url)!r}: expected mongodb:// or mongodb+srv:// then the host"
+        )
+    return url
+
+
+class MongoBackend(Backend):
+    """Base of the MongoDB backends: ``url=`` (or an existing ``client=``), ``database=``,
+    ``prefix=`` (collection name prefix), ``transactions=`` ("auto": on a replica set or
+    mongos; True; False), ``signal_transport=`` ("changestream" or "capped"),
+    ``server_selection_timeout=`` seconds for a client made here."""
+
+    default_prefix: ClassVar[str] = "keuss"
+    options: ClassVar[dict[str, Any]] = {
+        "url": "mongodb://127.0.0.1:27017",
+        "client": None,
+        "database": "keuss",
+        "prefix": None,
+        "transactions": "auto",
+        "signal_transport": "changestream",
+        "server_selection_timeout": 10.0,
+    }
+
+    def __init__(self, options: dict[str, Any]) -> None:
+        super().__init__(options)
+        settings = self.settings
+        self.database_name = _check_name(settings["database"], "database")
+        prefix = settings["prefix"] if settings["prefix"] is not None else self.default_prefix
+        self.prefix: str = _check_name(prefix, "prefix")
+        if settings["transactions"] not in ("auto", True, False):
+            raise ConfigError("transactions must be 'auto', True or False")
+        if settings["signal_transport"] not in ("changestream", "capped"):
+            raise ConfigError("signal_transport must be 'changestream' or 'capped'")
+        timeout = settings["server_selection_timeout"]
+        # PyMongo takes it in milliseconds, under one billion (its timeout validation)
+        if (
+            isinstance(timeout, bool)
+            or not isinstance(timeout, int | float)
+            or not 0 < timeout < 1e6
+        ):
+            raise ConfigError(
+                f"server_selection_timeout must be seconds in (0, 1e6), not {brief(timeout)}"
+            )
+        given = settings["client"]
+        if given is not None and not isinstance(given, AsyncMongoClient):
+            raise ConfigError(f"client must be a pymongo AsyncMongoClient, not {given!r}")
+        self._owns_client = given is None
+        if given is None:
+            url = check_mongo_url(settings["url"])
+            try:  # PyMongo parses the URL here, before connecting
+                given = AsyncMongoClient(
+                    url, tz_aware=True, serverSelectionTimeoutMS=max(1, int(timeout * 1000))
+                )
+            except (mongo_errors.ConfigurationError, ValueError, TypeError) as exc:
+                raise ConfigError(f"url {without_password(url)!r}: {exc}") from exc
+        self.client: AsyncMongoClient[Document] = given
+        self.db: AsyncDatabase[Document] = self.client[self.database_name]
+        self.transactions = False
+        self._indexed: dict[str, asyncio.Future[None]] = {}
+
+    async def open(self) -> None:
+        with mongo_errors_translated():
+            try:
+                hello = await self.client.admin.command("hello")
+            except BaseException:
+                await self.close()
+                raise
+        wanted = self.settings["transactions"]
+        if wanted == "auto":
+            # Standalone servers (and SQLite-backed look-alikes, whose transactions leak
+            # uncommitted writes) announce no replica set: the ordered path runs there.
+            self.transactions = bool(hello.get("setName")) or hello.get("msg") == "isdbgrid"
+        else:
+            self.transactions = bool(wanted)
+
+    async def close(self) -> None:
+        if self._owns_client:
+            await self.client.close()
+
+    def collection(self, *parts: str) -> Collection:
+        return self.db["_".join((self.prefix, *parts))]
+
+    def queue_collection(self, queue: str) -> Collection:
+        return self.collection("q", collection_part(queue))
+
+    def dedup_collection(self, queue: str) -> Collection:
+        return self.collection("dedup", collection_part(queue))
+
+    async def ensure_indexes(self, queue: str) -> None:
+        """Create a queue's indexes once per backend (idempotent on the server too);
+        concurrent first uses share one creation."""
+        pending = self._indexed.get(queue)
+        if pending is None:
+            pending = self._indexed[queue] = asyncio.ensure_future(self._create_indexes(queue))
+        try:
+            await asyncio.shield(pending)
+        except BaseException:
+            if pending.done() and pending.exception() is not None:
+                self._indexed.pop(queue, None)  # try again next time
+            raise
+
+    async def _create_indexes(self, queue: str) -> None:
+        with mongo_errors_translated():
+            await self.queue_collection(queue).create_index([("mature", ASCENDING)])
+            await self.dedup_collection(queue).create_index(
+                [("expires", ASCENDING)], expireAfterSeconds=0
+            )
+            await self._extra_indexes(queue)
+
+    async def _extra_indexes(self, queue: str) -> None:
+        """What a variant needs beyond the mature index (history: TTL on ``processed``)."""
+
+    def signal_bus(self, debounce: float) -> SignalBus:
+        from .signal import MongoSignalBus
+
+        return MongoSignalBus(self, debounce)
+
+    def stats_store(self) -> StatsStore:
+        from .stats import MongoStats
+
+        return MongoStats(self)

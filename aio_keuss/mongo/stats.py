@@ -1,0 +1,69 @@
+"""Stats in MongoDB: one document per queue in ``<prefix>_stats``.
+
+``{_id: queue, c_put: n, c_get: n, ..., paused: bool, options: {...}}``. Counters are flat
+top-level fields (not ``counters.put``): an upsert that creates a document from dotted ``$inc``
+paths is exactly where MongoDB look-alikes differ, and flat fields cost nothing. Increments
+are buffered by :class:`StatsStore` and written as ONE ``bulk_write`` of upserting
+``UpdateOne`` per flush, whatever the number of queues in it.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from pymongo import UpdateOne
+
+from ..stats import COUNTERS, Increments, StatsStore
+from .connection import mongo_errors_translated
+
+if TYPE_CHECKING:
+    from .connection import MongoBackend
+
+_PREFIX = "c_"
+
+
+class MongoStats(StatsStore):
+    def __init__(self, backend: MongoBackend) -> None:
+        super().__init__()
+        self._coll = backend.collection("stats")
+
+    async def _apply(self, increments: Increments) -> None:
+        operations = []
+        for queue, counters in increments.items():
+            inc = {_PREFIX + name: n for name, n in counters.items() if n}
+            if inc:
+                operations.append(UpdateOne({"_id": queue}, {"$inc": inc}, upsert=True))
+        if operations:
+            with mongo_errors_translated():
+                await self._coll.bulk_write(operations, ordered=False)
+
+    async def _load_counters(self, queue: str) -> dict[str, int]:
+        with mongo_errors_translated():
+            doc = await self._coll.find_one({"_id": queue})
+        if doc is None:
+            return {}
+        return {k[len(_PREFIX) :]: int(v) for k, v in doc.items() if k.startswith(_PREFIX)}
+
+    async def _reset(self, queue: str) -> None:
+        with mongo_errors_translated():
+            await self._coll.update_one(
+                {"_id": queue}, {"$unset": {_PREFIX + name: "" for name in COUNTERS}}
+            )
+
+    async def set_paused(self, queue: str, paused: bool) -> None:
+        with mongo_errors_translated():
+            await self._coll.update_one({"_id": queue}, {"$set": {"paused": paused}}, upsert=True)
+
+    async def is_paused(self, queue: str) -> bool:
+        with mongo_errors_translated():
+            doc = await self._coll.find_one({"_id": queue}, {"paused": 1})
+        return bool(doc and doc.get("paused"))
+
+    async def save_options(self, queue: str, options: dict[str, Any]) -> None:
+        with mongo_errors_translated():
+            await self._coll.update_one({"_id": queue}, {"$set": {"options": options}}, upsert=True)
+
+    async def queues(self) -> dict[str, dict[str, Any]]:
+        with mongo_errors_translated():
+            docs = await self._coll.find({"options": {"$exists": True}}, {"options": 1}).to_list()
+        return {doc["_id"]: dict(doc["options"]) for doc in sorted(docs, key=lambda d: d["_id"])}

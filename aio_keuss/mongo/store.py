@@ -1,0 +1,571 @@
+"""mongo and mongo-history: Keuss's MongoDB models (seed 004), one collection per queue.
+
+A message is one document ``{_id: id, payload: Binary, headers: Binary (JSON), mature: float
+epoch seconds, tries: int, reserved: bool}`` with an index on ``mature``; see
+:mod:`aio_keuss.mongo.connection` for the collection layout, why one collection per queue, and
+why times come from the client's clock.
+
+``tries`` counts the deliveries that did not end in ok *including a running reservation*: a
+reserve does ``$inc: {tries: 1}`` unconditionally and hands the consumer the value from before,
+so a reservation that expires has already been counted and the next reserve needs no
+conditional arithmetic (pipeline updates, which not every server speaks). A ko with a try
+keeps the count, a ko without one (``Nack.count_try`` false) takes it back, and a holder's
+ok / ko is accepted only while ``tries`` is still its own count + 1 (the stale-holder guard).
+
+Operations (``now`` = client clock; "live" = not yet consumed):
+
+- push: ``insert_many(ordered=False)``; duplicate-key errors are the refusals. An id the user
+  chose is first claimed in ``<prefix>_dedup_<queue>`` (insert, or take over an expired entry
+  atomically), so an id consumed within the dedup window stays refused. Messages of one batch
+  get mature times one microsecond apart, which keeps their order on the ``mature`` index.
+- pop / reserve of one: ``find_one_and_delete`` / ``find_one_and_update`` on ``mature <= now``
+  sorted by ``mature`` (one atomic round trip).
+- pop / reserve of n (a coalesced batch): *claim*: find up to n candidates, then ONE
+  ``update_many`` over their ids, still conditioned on ``mature <= now`` and setting a
+  per-batch ``owner`` token, so documents another consumer took meanwhile are simply not ours;
+  when fewer than n were modified, the ones carrying our token are read back. A reserve's claim
+  is the reservation itself (``mature = now + reserve_delay``); a pop claims with a short lease
+  and then deletes what it claimed, so a consumer dying in between loses nothing: the message
+  comes back after the lease.
+- ok: delete (n > 1: read the holders' counts, then one ``delete_many`` per count).
+- ko: update (reserved false, mature = now + delay); past ``max_ko`` a deadletter move.
+- remove: delete unless under an active reservation (``reserved and mature > now``).
+- sizes: one ``$group`` aggregation; next mature: the first document on the ``mature`` index.
+
+Deadletter: on a replica set / mongos (``transactions``) the move is one transaction; elsewhere
+it is ordered so that nothing is lost: the source is first re-claimed for a lease (a crash now
+means the message comes back to its queue), then inserted into the deadletter queue, then
+deleted (a crash now means one duplicate, never a loss).
+
+mongo-history (:class:`MongoHistoryStore`) keeps consumed messages: pop, ok, remove and the
+source side of a deadletter move set ``processed`` (a date) and push ``mature`` to
+:data:`FAR_FUTURE`, out of every query's way; a TTL index on ``processed`` expires them after
+``history_ttl`` seconds. A new message whose id belongs to a processed one moves that record
+aside (``_id`` ``<id>~<processed time>``) rather than being refused.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import time
+from collections.abc import Sequence
+from datetime import UTC, datetime
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from pymongo import ASCENDING, ReturnDocument
+from pymongo import errors as mongo_errors
+
+from ..contract import Ack, DeadletterPlan, Entry, Fetched, Nack, Store, Stored
+from ..errors import ConfigError
+from ..message import append_headers
+from ..types import Capabilities, KoResult, Sizes
+from .connection import DUPLICATE_KEY, Collection, Document, MongoBackend, mongo_errors_translated
+
+if TYPE_CHECKING:
+    from pymongo.asynchronous.client_session import AsyncClientSession
+
+    from ..options import QueueOptions
+
+FAR_FUTURE = 253402300799.0
+"""9999-12-31T23:59:59Z: the mature time of consumed history records (seed: ``$INFINITE``)."""
+LIVE: Document = {"mature": {"$lt": FAR_FUTURE}}
+CLAIM_LEASE = 30.0
+"""How long a pop's or a deadletter move's claim holds a message before it comes back."""
+TIE_STEP = 1e-6
+"""Mature-time step between the messages of one insert batch (keeps their order)."""
+CLAIM_ATTEMPTS = 3
+BY_MATURE = [("mature", ASCENDING)]
+
+
+def _date(timestamp: float) -> datetime:
+    return datetime.fromtimestamp(timestamp, UTC)
+
+
+def _stored(doc: Document) -> Stored:
+    return Stored(
+        doc["_id"], bytes(doc["payload"]), bytes(doc["headers"]), int(doc["tries"]), doc["mature"]
+    )
+
+
+def _guard(message_id: str, tries: int | None) -> Document:
+    """Still reserved, by the holder that was handed ``tries`` (when known)."""
+    guard: Document = {"_id": message_id, "reserved": True}
+    if tries is not None:
+        guard["tries"] = tries + 1
+    return guard
+
+
+def _by_tries(held: dict[str, int]) -> Document:
+    """One filter over held messages, each with its own count: one clause per count."""
+    groups: dict[int, list[str]] = {}
+    for message_id, tries in held.items():
+        groups.setdefault(tries, []).append(message_id)
+    clauses = [{"_id": {"$in": ids}, "tries": t, "reserved": True} for t, ids in groups.items()]
+    return clauses[0] if len(clauses) == 1 else {"$or": clauses}
+
+
+def _dup_indexes(exc: mongo_errors.BulkWriteError) -> set[int]:
+    """Indexes refused as duplicates; any other write error is re-raised."""
+    refused = set()
+    for error in exc.details.get("writeErrors", []):
+        if error.get("code") != DUPLICATE_KEY:
+            raise exc
+        refused.add(int(error["index"]))
+    return refused
+
+
+class MongoStore(Store):
+    """One queue = one collection. Overridden by :class:`MongoHistoryStore` in how consumed
+    messages end (:meth:`_consumed`) and how an id collision is resolved (:meth:`_make_room`)."""
+
+    batch_concurrency: ClassVar[int] = 2
+
+    def __init__(self, name: str, options: QueueOptions, backend: MongoBackend) -> None:
+        super().__init__(name, options)
+        self._backend = backend
+        self._coll = backend.queue_collection(name)
+        self._dedup = backend.dedup_collection(name)
+
+    # variant hooks ------------------------------------------------------------------------
+
+    def _consumed(self, now: float) -> Document | None:
+        """The update that ends a consumed message; None = delete it (mongo)."""
+        return None
+
+    async def _make_room(
+        self, coll: Collection, docs: list[Document], revive: set[str]
+    ) -> tuple[set[str], set[str]]:
+        """History only: free ids held by consumed records. Returns (ids freed for a new
+        insert, ids whose record was replaced in place by a put-back in ``revive``)."""
+        return set(), set()
+
+    async def _finish(
+        self, filter: Document, now: float, session: AsyncClientSession | None = None
+    ) -> int:
+        """End every message matching ``filter`` (delete, or mark processed); how many."""
+        update = self._consumed(now)
+        if update is None:
+            deleted = await self._coll.delete_many(filter, session=session)
+            return deleted.deleted_count
+        updated = await self._coll.update_many(filter, update, session=session)
+        return updated.modified_count
+
+    # inserting ----------------------------------------------------------------------------
+
+    async def insert(self, entries: Sequence[Entry]) -> list[bool]:
+        if not entries:
+            return []
+        now = time.time()
+        flags = [True] * len(entries)
+        with mongo_errors_translated():
+            if any(e.dedup for e in entries):
+                await self._claim_ids(entries, flags, now)
+            docs: list[Document] = []
+            where: list[int] = []
+            for i, entry in enumerate(entries):
+                if flags[i]:
+                    mature = entry.mature
+                    if mature is None:
+                        mature = now + entry.delay + i * TIE_STEP
+                    docs.append(
+                        {
+                            "_id": entry.id,
+                            "payload": entry.payload,
+                            "headers": entry.headers,
+                            "mature": mature,
+                            "tries": entry.tries,
+                            "reserved": False,
+                        }
+                    )
+                    where.append(i)
+            if docs:
+                # a popped message put back (its consumer was cancelled) has a mature time
+                put_back = {e.id for e in entries if e.mature is not None and not e.dedup}
+                inserted = await self._insert_docs(self._coll, docs, put_back)
+                for i, ok in zip(where, inserted, strict=True):
+                    flags[i] = ok
+        return flags
+
+    async def _claim_ids(self, entries: Sequence[Entry], flags: list[bool], now: float) -> None:
+        """Claim user-chosen ids in the dedup collection: a fresh insert, or an atomic
+        take-over of an expired entry. Refused entries get a false flag."""
+        expires = _date(now + self.options.dedup_window)
+        first: dict[str, int] = {}
+        for i, entry in enumerate(entries):
+            if entry.dedup:
+                if entry.id in first:
+                    flags[i] = False  # the same id twice in one batch: the first one wins
+                else:
+                    first[entry.id] = i
+        ids = list(first)
+        try:
+            await self._dedup.insert_many(
+                [{"_id": i, "expires": expires} for i in ids], ordered=False
+            )
+            return
+        except mongo_errors.BulkWriteError as exc:
+            taken = [ids[k] for k in sorted(_dup_indexes(exc))]
+        # An expired entry (the TTL monitor runs only once a minute) is taken over by deleting
+        # it and inserting anew: of concurrent contenders exactly one insert succeeds. (Not an
+        # update: dates are only ever written by inserts, which every server stores as dates.)
+        expired = {"$lte": _date(now)}
+        await asyncio.gather(
+            *(self._dedup.delete_one({"_id": i, "expires": expired}) for i in taken)
+        )
+        results = await asyncio.gather(
+            *(self._dedup.insert_one({"_id": i, "expires": expires}) for i in taken),
+            return_exceptions=True,
+        )
+        for message_id, result in zip(taken, results, strict=True):
+            if isinstance(result, mongo_errors.DuplicateKeyError):
+                flags[first[message_id]] = False
+            elif isinstance(result, BaseException):
+                raise result
+
+    async def _insert_docs(
+        self, coll: Collection, docs: list[Document], revive: set[str] | None = None
+    ) -> list[bool]:
+        """insert_many(ordered=False); false where the id is taken by a live message."""
+        try:
+            await coll.insert_many(docs, ordered=False)
+            return [True] * len(docs)
+        except mongo_errors.BulkWriteError as exc:
+            refused = sorted(_dup_indexes(exc))
+        flags = [k not in refused for k in range(len(docs))]
+        freed, revived = await self._make_room(coll, [docs[k] for k in refused], revive or set())
+        retry = []
+        for k in refused:
+            if docs[k]["_id"] in revived:
+                flags[k] = True
+            elif docs[k]["_id"] in freed:
+                retry.append(k)
+        if retry:
+            again = await self._insert_docs(coll, [docs[k] for k in retry])
+            for k, ok in zip(retry, again, strict=True):
+                flags[k] = ok
+        return flags
+
+    # consuming ----------------------------------------------------------------------------
+
+    async def get(self, n: int) -> Fetched:
+        now = time.time()
+        consumed = self._consumed(now)
+        with mongo_errors_translated():
+            if n == 1:
+                due = {"mature": {"$lte": now}}
+                if consumed is None:
+                    doc = await self._coll.find_one_and_delete(due, sort=BY_MATURE)
+                else:
+                    doc = await self._coll.find_one_and_update(
+                        due, consumed, sort=BY_MATURE, return_document=ReturnDocument.BEFORE
+                    )
+                docs = [] if doc is None else [doc]
+            elif consumed is None:
+                lease = {"$set": {"mature": now + CLAIM_LEASE, "reserved": True}}
+                docs, token = await self._claim(n, now, lease)
+                if docs:
+                    await self._coll.delete_many(
+                        {"_id": {"$in": [d["_id"] for d in docs]}, "owner": token}
+                    )
+            else:
+                docs, _ = await self._claim(n, now, consumed)
+            return await self._fetched(docs, n)
+
+    async def reserve(self, n: int, reserve_delay: float) -> Fetched:
+        now = time.time()
+        update = {"$set": {"mature": now + reserve_delay, "reserved": True}, "$inc": {"tries": 1}}
+        with mongo_errors_translated():
+            if n == 1:
+                doc = await self._coll.find_one_and_update(
+                    {"mature": {"$lte": now}},
+                    update,
+                    sort=BY_MATURE,
+                    return_document=ReturnDocument.BEFORE,
+                )
+                docs = [] if doc is None else [doc]
+            else:
+                docs, _ = await self._claim(n, now, update)
+            return await self._fetched(docs, n)
+
+    async def _claim(self, n: int, now: float, update: Document) -> tuple[list[Document], str]:
+        """Up to ``n`` mature messages, earliest first, each changed by ``update`` exactly
+        once and for this batch only; returned as they were before the change."""
+        token = os.urandom(8).hex()
+        update = {**update, "$set": {**update["$set"], "owner": token}}
+        due = {"mature": {"$lte": now}}
+        mine: list[Document] = []
+        for _ in range(CLAIM_ATTEMPTS):  # others may snatch candidates; try a few times
+            wanted = n - len(mine)
+            candidates = await self._coll.find(due, sort=BY_MATURE, limit=wanted).to_list()
+            if not candidates:
+                break
+            ids = [d["_id"] for d in candidates]
+            result = await self._coll.update_many({"_id": {"$in": ids}, **due}, update)
+            if result.modified_count == len(candidates):
+                mine.extend(candidates)
+            elif result.modified_count:
+                cursor = self._coll.find({"_id": {"$in": ids}, "owner": token}, {"_id": 1})
+                ours = {d["_id"] for d in await cursor.to_list()}
+                mine.extend(d for d in candidates if d["_id"] in ours)
+            if len(mine) == n or len(candidates) < wanted:
+                break
+        mine.sort(key=lambda d: d["mature"])
+        return mine, token
+
+    async def _fetched(self, docs: list[Document], n: int) -> Fetched:
+        # The wait loop reads next_mature only when a request got nothing: a full batch
+        # spares the extra round trip.
+        next_mature = None if len(docs) == n else await self._next_mature()
+        return Fetched([_stored(d) for d in docs], next_mature)
+
+    # acknowledging ------------------------------------------------------------------------
+
+    async def commit(self, acks: Sequence[Ack]) -> list[bool]:
+        if not acks:
+            return []
+        now = time.time()
+        with mongo_errors_translated():
+            if len(acks) == 1:
+                return [await self._finish(_guard(acks[0].id, acks[0].tries), now) == 1]
+            ids = list({a.id: None for a in acks})
+            cursor = self._coll.find({"_id": {"$in": ids}, "reserved": True}, {"tries": 1})
+            stored = {d["_id"]: int(d["tries"]) for d in await cursor.to_list()}
+            held: dict[str, int] = {}
+            results = []
+            for ack in acks:
+                tries = stored.get(ack.id)
+                ok = (
+                    tries is not None
+                    and ack.id not in held
+                    and (ack.tries is None or tries == ack.tries + 1)
+                )
+                if ok and tries is not None:
+                    held[ack.id] = tries
+                results.append(ok)
+            if held and await self._finish(_by_tries(held), now) != len(held):
+                # something changed between the read and the delete: what is still there
+                # unchanged was not ours to take
+                still = await self._coll.find(_by_tries(held), {"_id": 1}).to_list()
+                kept = {d["_id"] for d in still}
+                seen: set[str] = set()
+                for k, ack in enumerate(acks):
+                    if results[k] and ack.id not in seen:
+                        seen.add(ack.id)
+                        results[k] = ack.id not in kept
+        return results
+
+    async def rollback(
+        self, nacks: Sequence[Nack], deadletter: DeadletterPlan | None
+    ) -> list[KoResult]:
+        if not nacks:
+            return []
+        now = time.time()
+        first: dict[str, int] = {}
+        for k, nack in enumerate(nacks):
+            first.setdefault(nack.id, k)
+        with mongo_errors_translated():
+            outcomes = await asyncio.gather(
+                *(self._rollback_one(nacks[k], deadletter, now) for k in first.values())
+            )
+        by_index = dict(zip(first.values(), outcomes, strict=True))
+        return [by_index.get(k, KoResult.MISSING) for k in range(len(nacks))]
+
+    async def _rollback_one(self, nack: Nack, plan: DeadletterPlan | None, now: float) -> KoResult:
+        guard = _guard(nack.id, nack.tries)
+        update: Document = {"$set": {"reserved": False, "mature": now + nack.delay}}
+        if not nack.count_try:
+            update["$inc"] = {"tries": -1}  # gone back unseen: the delivery does not count
+        if plan is None or not nack.count_try:
+            released = await self._coll.update_one(guard, update)
+            return KoResult.ROLLED_BACK if released.matched_count else KoResult.MISSING
+        # stored tries = failed deliveries, this one included
+        if nack.tries is None or nack.tries + 1 <= plan.max_ko:
+            released = await self._coll.update_one(
+                {**guard, "tries": guard.get("tries", {"$lte": plan.max_ko})}, update
+            )
+            if released.matched_count:
+                return KoResult.ROLLED_BACK
+        doc = await self._coll.find_one(guard)
+        if doc is None or int(doc["tries"]) <= plan.max_ko:
+            return KoResult.MISSING
+        return await self._deadletter(doc, plan, now)
+
+    async def _deadletter(self, doc: Document, plan: DeadletterPlan, now: float) -> KoResult:
+        """Move a held message to the deadletter queue, renaming it there if its id is
+        taken (``<id>.dl<tries>``, then ``.2``, ``.3``...)."""
+        failed = int(doc["tries"])
+        moved: Document = {
+            "payload": doc["payload"],
+            "headers": append_headers(bytes(doc["headers"]), plan.headers(failed, now)),
+            "mature": now,
+            "tries": 0,
+            "reserved": False,
+        }
+        names = [doc["_id"], f"{doc['_id']}.dl{failed}"]
+        names += [f"{doc['_id']}.dl{failed}.{k}" for k in range(2, 50)]
+        await self._backend.ensure_indexes(plan.queue)
+        target = self._backend.queue_collection(plan.queue)
+        held = {"_id": doc["_id"], "reserved": True, "tries": failed}
+        if self._backend.transactions:
+            return await self._deadletter_in_transaction(held, target, moved, names, now)
+        token = os.urandom(8).hex()
+        claimed = await self._coll.update_one(
+            held, {"$set": {"mature": now + CLAIM_LEASE, "owner": token}}
+        )
+        if not claimed.matched_count:
+            return KoResult.MISSING
+        for name in names:
+            if (await self._insert_docs(target, [{"_id": name, **moved}]))[0]:
+                break
+        else:  # pragma: no cover - 50 earlier lives of one id
+            raise ConfigError(f"no free id for {doc['_id']!r} in {plan.queue!r}")
+        await self._finish({"_id": doc["_id"], "owner": token}, now)
+        return KoResult.DEADLETTERED
+
+    async def _deadletter_in_transaction(
+        self,
+        held: Document,
+        target: Collection,
+        moved: Document,
+        names: list[str],
+        now: float,
+    ) -> KoResult:
+        async def move(session: AsyncClientSession) -> KoResult:
+            if not await self._finish(held, now, session):
+                await session.abort_transaction()
+                return KoResult.MISSING
+            cursor = target.find({"_id": {"$in": names}}, {"_id": 1}, session=session)
+            taken = {d["_id"] for d in await cursor.to_list()}
+            name = next(n for n in names if n not in taken)
+            await target.insert_one({"_id": name, **moved}, session=session)
+            return KoResult.DEADLETTERED
+
+        async with self._backend.client.start_session() as session:
+            result: KoResult = await session.with_transaction(move)
+        return result
+
+    # administering ------------------------------------------------------------------------
+
+    async def remove(self, ids: Sequence[str]) -> list[bool]:
+        now = time.time()
+        free = {"$or": [{"reserved": False}, {"mature": {"$lte": now}}]}
+        with mongo_errors_translated():
+            counts = await asyncio.gather(
+                # ``$and``, not sibling fields: nx-27017 ignores a filter's other fields next
+                # to a top-level ``$or`` in writes (it would remove another message).
+                *(self._finish({"$and": [{"_id": i, **LIVE}, free]}, now) for i in ids)
+            )
+        return [count == 1 for count in counts]
+
+    async def sizes(self) -> Sizes:
+        now = time.time()
+        pipeline: list[Document] = [
+            {"$match": LIVE},
+            {
+                "$group": {
+                    "_id": None,
+                    "total": {"$sum": 1},
+                    "ready": {"$sum": {"$cond": [{"$lte": ["$mature", now]}, 1, 0]}},
+                    "reserved": {
+                        "$sum": {
+                            "$cond": [{"$and": [{"$gt": ["$mature", now]}, "$reserved"]}, 1, 0]
+                        }
+                    },
+                }
+            },
+        ]
+        with mongo_errors_translated():
+            rows = await (await self._coll.aggregate(pipeline)).to_list()
+        if not rows:
+            return Sizes(0, 0, 0, 0)
+        total, ready, reserved = (int(rows[0][k]) for k in ("total", "ready", "reserved"))
+        return Sizes(ready, total, total - ready - reserved, reserved)
+
+    async def next_mature(self) -> float | None:
+        with mongo_errors_translated():
+            return await self._next_mature()
+
+    async def _next_mature(self) -> float | None:
+        doc = await self._coll.find_one(LIVE, {"mature": 1}, sort=BY_MATURE)
+        return None if doc is None else float(doc["mature"])
+
+
+class MongoHistoryStore(MongoStore):
+    """Consumed messages stay, marked ``processed``, until the TTL index expires them."""
+
+    def _consumed(self, now: float) -> Document | None:
+        return {"$set": {"processed": _date(now), "mature": FAR_FUTURE, "reserved": False}}
+
+    async def _make_room(
+        self, coll: Collection, docs: list[Document], revive: set[str]
+    ) -> tuple[set[str], set[str]]:
+        if not docs:
+            return set(), set()
+        wanted = {d["_id"]: d for d in docs}
+        cursor = coll.find({"_id": {"$in": list(wanted)}, "processed": {"$exists": True}})
+        freed: set[str] = set()
+        revived: set[str] = set()
+        for record in await cursor.to_list():
+            old_id = record["_id"]
+            consumed = {"_id": old_id, "processed": {"$exists": True}}
+            if old_id in revive:  # it was never really consumed: back in place
+                doc = wanted[old_id]  # same payload and headers as the record's
+                back = {k: doc[k] for k in ("mature", "tries", "reserved")}
+                replaced = await coll.update_one(
+                    consumed, {"$set": back, "$unset": {"processed": ""}}
+                )
+                if replaced.matched_count:
+                    revived.add(old_id)
+                continue
+            when = record["processed"]
+            stamp = when.isoformat() if isinstance(when, datetime) else str(when)
+            with contextlib.suppress(mongo_errors.DuplicateKeyError):  # archived already
+                await coll.insert_one({**record, "_id": f"{old_id}~{stamp}", "id": old_id})
+            # deleted by us or by a concurrent insert: either way the id is free again
+            await coll.delete_one(consumed)
+            freed.add(old_id)
+        return freed, revived
+
+
+class MongoQueueBackend(MongoBackend):
+    """``mongo``: consumed messages are deleted."""
+
+    name = "mongo"
+    capabilities: ClassVar[Capabilities] = Capabilities()
+    store_class: ClassVar[type[MongoStore]] = MongoStore
+
+    async def store(self, queue: str, options: QueueOptions) -> Store:
+        await self.ensure_indexes(queue)
+        return self.store_class(queue, options, self)
+
+
+class MongoHistoryBackend(MongoQueueBackend):
+    """``mongo-history``: consumed messages are kept ``history_ttl`` seconds (default 7 days),
+    marked ``processed``; ``prefix`` defaults to ``keuss_history``."""
+
+    name = "mongo-history"
+    default_prefix = "keuss_history"
+    store_class = MongoHistoryStore
+    options: ClassVar[dict[str, Any]] = {**MongoBackend.options, "history_ttl": 7 * 86400.0}
+
+    def __init__(self, options: dict[str, Any]) -> None:
+        super().__init__(options)
+        ttl = self.settings["history_ttl"]
+        if isinstance(ttl, bool) or not isinstance(ttl, int | float) or not 0 < ttl < 2**31:
+            raise ConfigError(f"history_ttl must be a positive number of seconds, not {ttl!r}")
+        self.history_ttl = int(ttl) or 1
+
+    async def _extra_indexes(self, queue: str) -> None:
+        coll = self.queue_collection(queue)
+        try:
+            await coll.create_index([("processed", ASCENDING)], expireAfterSeconds=self.history_ttl)
+        except mongo_errors.OperationFailure as exc:
+            if exc.code not in (85, 86):  # IndexOptionsConflict: the TTL changed
+                raise
+            await self.db.command(
+                "collMod",
+                coll.name,
+                index={"keyPattern": {"processed": 1}, "expireAfterSeconds": self.history_ttl},
+            )

@@ -1,0 +1,72 @@
+"""Signals between processes over PostgreSQL LISTEN/NOTIFY.
+
+One channel per schema (``aio_keuss_<schema>``): every factory on that schema LISTENs on one
+dedicated connection of its own (never one of the pool's, which are handed to other callers
+and would drop the LISTEN on release), and publishes with ``pg_notify`` through the pool.
+
+"NOTIFY only after commit": the queue layer announces an insertion only after
+``store.insert()`` returned, and every store statement runs in its own implicit transaction,
+so a notification never precedes the commit of the messages it announces (a NOTIFY inside
+the insert's transaction would give the same guarantee at the cost of one more statement per
+batch and no debouncing).
+
+The listener connection is watched (its termination callback, and a liveness check in case
+that never comes): when it dies (server restart, network), :meth:`_listen` returns and the
+base class reconnects with backoff, waking every local subscriber once back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import asyncpg  # type: ignore[import-untyped]
+
+from ..signal import SignalBus
+from .store import postgres_errors_translated
+
+if TYPE_CHECKING:
+    from .store import PostgresBackend
+
+_NOTIFY = "SELECT pg_notify($1, $2)"
+_CLOSE_WAIT = 2.0
+_CHECK_EVERY = 5.0
+"""Seconds between liveness checks of the listener connection, in case the termination
+callback never comes (a silently dropped TCP connection)."""
+
+
+class PostgresSignalBus(SignalBus):
+    def __init__(self, backend: PostgresBackend, debounce: float = 0.05) -> None:
+        super().__init__(debounce)
+        self._backend = backend
+        self.channel = f"aio_keuss_{backend.schema}".lower()
+
+    async def _publish(self, payload: bytes) -> None:
+        with postgres_errors_translated():
+            await self._backend.pool.execute(_NOTIFY, self.channel, payload.decode())
+
+    async def _listen(self, ready: Callable[[], None]) -> None:
+        lost = asyncio.Event()
+        with postgres_errors_translated():
+            connection = await asyncpg.connect(**self._backend.connect_params)
+        try:
+            connection.add_termination_listener(lambda _connection: lost.set())
+            with postgres_errors_translated():
+                await connection.add_listener(self.channel, self._on_notification)
+            ready()
+            while not lost.is_set() and not connection.is_closed():
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(_CHECK_EVERY):
+                        await lost.wait()
+        finally:
+            if connection.is_closed():
+                connection.terminate()  # frees what a broken connection still holds
+            else:
+                with contextlib.suppress(Exception):
+                    async with asyncio.timeout(_CLOSE_WAIT):
+                        await connection.close()
+
+    def _on_notification(self, _connection: Any, _pid: int, _channel: str, payload: str) -> None:
+        self._receive(payload)

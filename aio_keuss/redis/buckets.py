@@ -1,0 +1,206 @@
+"""bucket-redis: the bucket store (``bucket.py``) over Redis; this file holds only its atomic
+bucket operations, each one Lua script (one round trip, atomic on the server).
+
+Keys of a queue ``q`` (all tagged ``{q}``, so one cluster slot holds the whole queue):
+
+- ``bz``: ZSET bucket id -> score (free: earliest mature time; leased: lease deadline).
+- ``bb``: HASH bucket id -> message blob (written once).
+- ``bs``: HASH bucket id -> slot state blob.
+- ``bo``: HASH bucket id -> owner (lease token; ``""`` when free).
+- ``br``: HASH bucket id -> remaining (slots not done).
+
+Columns as hashes (rather than a hash per bucket) keep the key count flat and let a script
+reach any bucket's field with one HGET. Times come from the caller (see ``bucket.py``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Sequence
+from typing import Any, ClassVar
+
+from ..buckets.store import (
+    BucketBackend,
+    BucketStorage,
+    Census,
+    Lease,
+    LeasedBucket,
+    NewBucket,
+    StateWrite,
+    bucket_backend_options,
+)
+from .connection import RedisBackend, Script, redis_errors_translated
+
+# KEYS: bz, bb, bs, bo, br. ARGV: (id, score, count, blob, state) per bucket.
+_INSERT = Script("""
+for i = 1, #ARGV, 5 do
+  local id = ARGV[i]
+  redis.call('HSET', KEYS[2], id, ARGV[i + 3])
+  redis.call('HSET', KEYS[3], id, ARGV[i + 4])
+  redis.call('HSET', KEYS[4], id, '')
+  redis.call('HSET', KEYS[5], id, ARGV[i + 2])
+  redis.call('ZADD', KEYS[1], ARGV[i + 1], id)
+end
+return #ARGV / 5
+""")
+
+# ARGV: token, now, deadline, want, max_buckets, n_ids, ids...
+# Returns {{id, blob, state, previous owner}, ...}, lowest score left (or nil).
+_LEASE = Script("""
+local token, now, deadline = ARGV[1], tonumber(ARGV[2]), ARGV[3]
+local want, max_buckets, n_ids = tonumber(ARGV[4]), tonumber(ARGV[5]), tonumber(ARGV[6])
+local picked = {}
+if n_ids > 0 then
+  for i = 1, n_ids do
+    local id = ARGV[6 + i]
+    local score = redis.call('ZSCORE', KEYS[1], id)
+    if score then
+      local owner = redis.call('HGET', KEYS[4], id)
+      if (not owner) or owner == '' or tonumber(score) <= now then
+        picked[#picked + 1] = id
+      end
+    end
+  end
+else
+  local candidates = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', ARGV[2],
+                                'LIMIT', 0, max_buckets)
+  local total = 0
+  for _, id in ipairs(candidates) do
+    if total >= want and #picked > 0 then break end
+    picked[#picked + 1] = id
+    total = total + tonumber(redis.call('HGET', KEYS[5], id) or '0')
+  end
+end
+local out = {}
+for _, id in ipairs(picked) do
+  local owner = redis.call('HGET', KEYS[4], id) or ''
+  redis.call('HSET', KEYS[4], id, token)
+  redis.call('ZADD', KEYS[1], deadline, id)
+  out[#out + 1] = {id, redis.call('HGET', KEYS[2], id), redis.call('HGET', KEYS[3], id), owner}
+end
+local first = redis.call('ZRANGE', KEYS[1], 0, 0, 'WITHSCORES')
+return {out, first[2] or false}
+""")
+
+# ARGV: token, then (id, mode, score, remaining, state or '') per write. Mode k / r / d.
+_WRITE = Script("""
+local token = ARGV[1]
+local result = {}
+for i = 2, #ARGV, 5 do
+  local id, mode = ARGV[i], ARGV[i + 1]
+  if redis.call('HGET', KEYS[4], id) ~= token then
+    result[#result + 1] = 0
+  else
+    if mode == 'd' then
+      redis.call('ZREM', KEYS[1], id)
+      redis.call('HDEL', KEYS[2], id)
+      redis.call('HDEL', KEYS[3], id)
+      redis.call('HDEL', KEYS[4], id)
+      redis.call('HDEL', KEYS[5], id)
+    else
+      if ARGV[i + 4] ~= '' then redis.call('HSET', KEYS[3], id, ARGV[i + 4]) end
+      redis.call('HSET', KEYS[5], id, ARGV[i + 3])
+      redis.call('ZADD', KEYS[1], ARGV[i + 2], id)
+      if mode == 'r' then redis.call('HSET', KEYS[4], id, '') end
+    end
+    result[#result + 1] = 1
+  end
+end
+return result
+""")
+
+# ARGV: now, excluded ids... Returns {ready, scheduled, reserved, lowest score or nil}.
+_CENSUS = Script("""
+local now = tonumber(ARGV[1])
+local skip = {}
+for i = 2, #ARGV do skip[ARGV[i]] = true end
+local all = redis.call('ZRANGE', KEYS[1], 0, -1, 'WITHSCORES')
+local ready, scheduled, reserved, low = 0, 0, 0, nil
+for i = 1, #all, 2 do
+  local id = all[i]
+  if not skip[id] then
+    local score = tonumber(all[i + 1])
+    local remaining = tonumber(redis.call('HGET', KEYS[5], id) or '0')
+    if score <= now then
+      ready = ready + remaining
+    elseif (redis.call('HGET', KEYS[4], id) or '') == '' then
+      scheduled = scheduled + remaining
+    else
+      reserved = reserved + remaining
+    end
+    if low == nil or score < low then low = score end
+  end
+end
+return {ready, scheduled, reserved, low and string.format('%.17g', low) or false}
+""")
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def _float(value: Any) -> float | None:
+    return None if value is None else float(value)
+
+
+class RedisBucketStorage(BucketStorage):
+    def __init__(self, backend: RedisBackend) -> None:
+        self._backend = backend
+
+    @property
+    def uninterruptible(self) -> bool:  # type: ignore[override]
+        return self._backend.has_fast_lane
+
+    def _keys(self, queue: str) -> list[str]:
+        key = self._backend.key
+        return [key(queue, part) for part in ("bz", "bb", "bs", "bo", "br")]
+
+    async def insert_buckets(self, queue: str, buckets: Sequence[NewBucket]) -> None:
+        args: list[Any] = []
+        for b in buckets:
+            args += [b.id, repr(b.score), b.count, b.blob, b.state]
+        with redis_errors_translated():
+            await self._backend.run_script(_INSERT, self._keys(queue), args)
+
+    async def lease(
+        self,
+        queue: str,
+        token: str,
+        now: float,
+        deadline: float,
+        want: int,
+        max_buckets: int,
+        ids: Sequence[str] | None = None,
+    ) -> Lease:
+        given = list(ids or ())
+        args = [token, repr(now), repr(deadline), want, max_buckets, len(given), *given]
+        with redis_errors_translated():
+            rows, low = await self._backend.run_script(_LEASE, self._keys(queue), args)
+        buckets = [LeasedBucket(_text(r[0]), r[1], r[2], _text(r[3])) for r in rows]
+        return Lease(buckets, _float(low))
+
+    async def write(self, queue: str, token: str, writes: Sequence[StateWrite]) -> list[bool]:
+        args: list[Any] = [token]
+        for w in writes:
+            args += [w.id, w.mode, repr(w.score), w.remaining, w.state or b""]
+        with redis_errors_translated():
+            flags = await self._backend.run_script(_WRITE, self._keys(queue), args)
+        return [bool(f) for f in flags]
+
+    async def census(self, queue: str, exclude: Collection[str], now: float) -> Census:
+        with redis_errors_translated():
+            ready, scheduled, reserved, low = await self._backend.run_script(
+                _CENSUS, self._keys(queue), [repr(now), *exclude]
+            )
+        return Census(int(ready), int(scheduled), int(reserved), _float(low))
+
+
+class RedisBucketBackend(BucketBackend, RedisBackend):
+    """``bucket-redis``: the Redis options (url, client, prefix, cluster) plus the bucket
+    options of :data:`aio_keuss.buckets.store.BUCKET_OPTIONS` (seconds)."""
+
+    name = "bucket-redis"
+    options: ClassVar[dict[str, Any]] = bucket_backend_options(RedisBackend.options)
+
+    def __init__(self, options: dict[str, Any]) -> None:
+        super().__init__(options)
+        self.use_storage(RedisBucketStorage(self))

@@ -1,0 +1,432 @@
+"""What every Redis backend shares: the connection, key naming, scripts and error translation.
+
+All keys of one queue carry the hash tag ``{queue}`` so that every script touching one queue
+runs on one Redis Cluster node.
+
+The hot path (the stores' primitives) goes through :meth:`RedisBackend.execute`. When the
+backend made its own client from a ``redis://`` or ``unix://`` URL on a single Redis, that is
+a *fast lane*: one pipelined connection (an asyncio protocol parsing with hiredis) that costs
+a fraction of redis-py's per-command overhead, and lets several coalesced batches be in
+flight at once. A user-supplied client, TLS and Redis Cluster use redis-py. Both raise redis-py
+exception types, so :func:`redis_errors_translated` serves both.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+from collections.abc import Awaitable, Sequence
+from types import TracebackType
+from typing import TYPE_CHECKING, Any, ClassVar, cast
+from urllib.parse import parse_qs, urlsplit
+
+from ..contract import Backend
+from ..errors import (
+    BackendError,
+    ConfigError,
+    KeussConnectionError,
+    KeussError,
+    MissingDependencyError,
+)
+from ..options import without_password
+
+try:
+    import hiredis
+    import redis.asyncio as aioredis
+    from redis import exceptions as redis_errors
+    from redis.asyncio.cluster import RedisCluster
+    from redis.asyncio.connection import parse_url
+except ImportError as exc:  # pragma: no cover - depends on the environment
+    raise MissingDependencyError("redis", exc.name or "redis") from exc
+
+if TYPE_CHECKING:
+    from ..signal import SignalBus
+    from ..stats import StatsStore
+
+RedisClient = aioredis.Redis | RedisCluster
+CONNECT_TIMEOUT = 10.0
+CANCEL_GRACE = 10.0
+"""How long a cancelled caller may wait for the reply to a command already sent."""
+
+
+_CONNECTION_ERRORS = (redis_errors.ConnectionError, redis_errors.TimeoutError, OSError)
+
+# Error replies meaning "this server cannot serve that now": the command was not executed,
+# and the same command succeeds once the server is ready, so they are connection errors (the
+# caller retries) rather than backend errors. From the Redis manual: LOADING while the
+# dataset is loaded at startup; MASTERDOWN from a replica that lost its primary with
+# ``replica-serve-stale-data no``; CLUSTERDOWN while a hash slot is not served; TRYAGAIN
+# while a slot is being resharded; READONLY from a primary a failover turned into a replica;
+# BUSY while a script or function runs past ``busy-reply-threshold``; NOREPLICAS while fewer
+# replicas than ``min-replicas-to-write`` are connected. (OOM, MISCONF and the rest need
+# someone to act: backend errors.) redis-py has classes for some, which the fast lane
+# raises too; the others are recognised by their code.
+_NOT_READY_ERRORS = (
+    redis_errors.ReadOnlyError,
+    redis_errors.ClusterDownError,  # MasterDownError too
+    redis_errors.TryAgainError,
+)
+_RETRYABLE = (*_CONNECTION_ERRORS, *_NOT_READY_ERRORS)
+_NOT_READY_CODES = frozenset(
+    ("LOADING", "MASTERDOWN", "CLUSTERDOWN", "TRYAGAIN", "READONLY", "BUSY", "NOREPLICAS")
+)
+_REPLY_ERRORS: dict[str, type[redis_errors.RedisError]] = {
+    "NOSCRIPT": redis_errors.NoScriptError,
+    "LOADING": redis_errors.BusyLoadingError,
+    "READONLY": redis_errors.ReadOnlyError,
+    "MASTERDOWN": redis_errors.MasterDownError,
+    "CLUSTERDOWN": redis_errors.ClusterDownError,
+    "TRYAGAIN": redis_errors.TryAgainError,
+}
+"""The fast lane's error replies as the redis-py classes redis-py itself would raise."""
+
+
+def _is_connection_error(exc: BaseException) -> bool:
+    if isinstance(exc, _RETRYABLE):
+        return True
+    if isinstance(exc, redis_errors.ResponseError):
+        return str(exc).split(" ", 1)[0] in _NOT_READY_CODES
+    if isinstance(exc, redis_errors.SlotNotCoveredError):
+        return True  # redis-py's cluster client: no node serves the slot (a failover)
+    if isinstance(exc, redis_errors.RedisClusterException):
+        # e.g. "Redis Cluster cannot be connected", raised from the connection error
+        return isinstance(exc.__cause__, _CONNECTION_ERRORS)
+    return False
+
+
+class _RedisErrorsTranslated:
+    """``errors.translate_errors`` for redis-py's exception types, as a plain class: it wraps
+    every primitive on the hot path, where a generator-based context manager costs ~2 µs."""
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        if exc is None or isinstance(exc, KeussError):
+            return  # nothing raised, or ours already: passes through untouched
+        if _is_connection_error(exc):
+            raise KeussConnectionError(f"{type(exc).__name__}: {exc}") from exc
+        if isinstance(exc, redis_errors.RedisError | redis_errors.RedisClusterException):
+            raise BackendError(f"{type(exc).__name__}: {exc}") from exc
+
+
+_TRANSLATED = _RedisErrorsTranslated()  # stateless, so one instance serves every ``with``
+
+
+def redis_errors_translated() -> _RedisErrorsTranslated:
+    """Raise ours instead of redis-py's (and OSError) exceptions inside the ``with`` block."""
+    return _TRANSLATED
+
+
+class _Reply(asyncio.Future[Any]):
+    """The reply to a command already on the wire. Redis executes the command whatever the
+    caller does, so cancelling the wait would only lose its result (messages a pop took):
+    a cancellation instead takes effect when the reply is in (see ``coalesce.RunToEnd``),
+    or after ``CANCEL_GRACE`` seconds if Redis does not answer."""
+
+    _grace: asyncio.TimerHandle | None = None
+
+    def cancel(self, msg: Any | None = None) -> bool:
+        if not self.done() and self._grace is None:
+            self._grace = self.get_loop().call_later(CANCEL_GRACE, self._give_up, msg)
+        return False
+
+    def _give_up(self, msg: Any | None) -> None:
+        super().cancel(msg)
+
+
+class _LaneProtocol(asyncio.Protocol):
+    """Replies come back in request order, so a FIFO of futures is all the bookkeeping."""
+
+    def __init__(self) -> None:
+        self._reader = hiredis.Reader()
+        self._waiting: deque[asyncio.Future[Any]] = deque()
+        self.transport: asyncio.Transport | None = None
+        self._loop = asyncio.get_running_loop()
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        # No isinstance check: uvloop's transports do not derive from asyncio's classes.
+        self.transport = cast(asyncio.Transport, transport)
+
+    def data_received(self, data: bytes) -> None:
+        self._reader.feed(data)
+        try:
+            while (reply := self._reader.gets()) is not False:
+                future = self._waiting.popleft()
+                if isinstance(reply, hiredis.ReplyError):
+                    self._reply_error(future, str(reply))
+                elif not future.done():  # done: its caller was cancelled
+                    future.set_result(reply)
+        except hiredis.ProtocolError as exc:  # pragma: no cover - a broken server
+            self._fail(redis_errors.ConnectionError(f"Redis protocol error: {exc}"))
+            if self.transport is not None:
+                self.transport.abort()
+
+    def _reply_error(self, future: asyncio.Future[Any], message: str) -> None:
+        error = _response_error(message)
+        if isinstance(error, redis_errors.ReadOnlyError) and self.transport is not None:
+            # A failover made this server a replica. Like redis-py's Sentinel client, drop
+            # the connection so that the caller's retry connects again, to the primary the
+            # address leads to now; what is still in flight was refused or is only a read.
+            transport, self.transport = self.transport, None
+            transport.abort()
+        if not future.done():
+            future.set_exception(error)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.transport = None
+        self._fail(redis_errors.ConnectionError(f"connection to Redis lost: {exc or 'closed'}"))
+
+    def _fail(self, error: Exception) -> None:
+        while self._waiting:
+            future = self._waiting.popleft()
+            if not future.done():
+                future.set_exception(error)
+
+    def send(self, packed: bytes) -> asyncio.Future[Any]:
+        if self.transport is None or self.transport.is_closing():
+            raise redis_errors.ConnectionError("connection to Redis lost")
+        future = _Reply(loop=self._loop)
+        self._waiting.append(future)
+        self.transport.write(packed)
+        return future
+
+
+class _FastLane:
+    """One pipelined connection, reconnected on the next call after it was lost."""
+
+    def __init__(self, settings: dict[str, Any]) -> None:
+        self._settings = settings
+        self._protocol: _LaneProtocol | None = None
+        self._connecting: asyncio.Lock | None = None
+
+    def call(self, args: Sequence[Any]) -> Awaitable[Any]:
+        """Send one command; the reply (an error reply raises) is what the result awaits.
+
+        Connected, the result is the reply future itself rather than a coroutine around it:
+        the hot path then costs no coroutine frame, and the caller is woken straight from
+        ``data_received``.
+        """
+        protocol = self._protocol
+        if protocol is not None and protocol.transport is not None:
+            return protocol.send(_pack(args))
+        return self._connect_and_call(args)
+
+    async def _connect_and_call(self, args: Sequence[Any]) -> Any:
+        protocol = await self._connect()
+        return await protocol.send(_pack(args))
+
+    async def _connect(self) -> _LaneProtocol:
+        if self._connecting is None:
+            self._connecting = asyncio.Lock()
+        async with self._connecting:
+            if self._protocol is not None and self._protocol.transport is not None:
+                return self._protocol  # another caller reconnected meanwhile
+            loop = asyncio.get_running_loop()
+            settings = self._settings
+            async with asyncio.timeout(CONNECT_TIMEOUT):
+                if settings.get("path"):
+                    _, protocol = await loop.create_unix_connection(_LaneProtocol, settings["path"])
+                else:
+                    _, protocol = await loop.create_connection(
+                        _LaneProtocol, settings.get("host", "localhost"), settings.get("port", 6379)
+                    )
+                handshake = []
+                if settings.get("password") is not None:
+                    user = settings.get("username")
+                    auth = (
+                        ("AUTH", user, settings["password"])
+                        if user
+                        else ("AUTH", settings["password"])
+                    )
+                    handshake.append(protocol.send(_pack(auth)))
+                if settings.get("db"):
+                    handshake.append(protocol.send(_pack(("SELECT", settings["db"]))))
+                try:
+                    await asyncio.gather(*handshake)
+                except redis_errors.ResponseError:
+                    if protocol.transport is not None:
+                        protocol.transport.close()
+                    raise
+            self._protocol = protocol
+            return protocol
+
+    def close(self) -> None:
+        if self._protocol is not None and self._protocol.transport is not None:
+            self._protocol.transport.close()
+        self._protocol = None
+
+
+def _pack(args: Sequence[Any]) -> bytes:
+    packed: bytes = hiredis.pack_command(cast(Any, tuple(args)))  # its stubs say 1-tuple
+    return packed
+
+
+def _response_error(message: str) -> redis_errors.RedisError:
+    if message.startswith("ERR max number of clients reached"):
+        return redis_errors.ConnectionError(message)  # as redis-py has it
+    return _REPLY_ERRORS.get(message.split(" ", 1)[0], redis_errors.ResponseError)(message)
+
+
+class Script:
+    """A Lua script run by SHA; loaded on the server the first time it is missing there."""
+
+    def __init__(self, text: str) -> None:
+        import hashlib
+
+        self.text = text.encode()
+        self.sha = hashlib.sha1(self.text).hexdigest()
+
+
+_MAX_DB = 2**31 - 1
+
+
+def check_redis_url(url: object, cluster: bool) -> str:
+    """Refuse, before connecting, a URL redis-py would misread or refuse with a bare
+    ``ValueError``: it ignores what it cannot parse, so ``redis:/127.0.0.1:6399`` connected
+    to localhost:6379, and ``redis://host/x`` to database 0.
+
+    Accepted, as redis-py documents them: ``redis://[[user]:password@]host[:port][/db]``,
+    ``rediss://`` the same over TLS, ``unix://[[user]:password@]/path/to.sock``; query
+    arguments as redis-py reads them (``?db=N`` among them). A port is an int in 1..65535, a
+    database index an int >= 0 (Redis Cluster has only database 0).
+    """
+    if not isinstance(url, str):
+        raise ConfigError(f"url must be a str, not {type(url).__name__}")
+    shown = without_password(url)
+
+    def bad(problem: str) -> ConfigError:
+        return ConfigError(f"url {shown!r}: {problem}")
+
+    try:
+        parts = urlsplit(url)
+        port = parts.port  # ValueError when it is not an int in 0..65535
+    except ValueError as exc:
+        raise bad(str(exc)) from exc
+    scheme = parts.scheme  # lower-cased by urlsplit
+    if scheme not in ("redis", "rediss", "unix"):
+        raise bad("the scheme must be redis://, rediss:// or unix://")
+    if url[len(scheme) + 1 : len(scheme) + 3] != "//":
+        raise bad(f"expected {scheme}:// then the host (or for unix://, the socket path)")
+    databases = parse_qs(parts.query, keep_blank_values=True).get("db", [])
+    if scheme == "unix":
+        if cluster:
+            raise bad("Redis Cluster needs a redis:// or rediss:// URL")
+        if parts.hostname or port is not None:
+            raise bad("a unix:// URL takes no host: unix:///path/to/redis.sock")
+        if parts.path in ("", "/"):
+            raise bad("a unix:// URL needs the socket path: unix:///path/to/redis.sock")
+    else:
+        if not parts.hostname:
+            raise bad(f"no host: expected {scheme}://host[:port][/db]")
+        if port == 0:
+            raise bad("port 0 cannot be connected to")
+        if parts.path not in ("", "/"):
+            databases.insert(0, parts.path[1:])
+    for db in databases:
+        if not (db.isascii() and db.isdigit()) or int(db) > _MAX_DB:
+            raise bad(f"the database index must be an int >= 0, not {db!r}")
+        if cluster and int(db) != 0:
+            raise bad("Redis Cluster has only database 0")
+    return url
+
+
+class RedisBackend(Backend):
+    """Base of the Redis backends: ``url=`` (or ``client=``), ``prefix=``, ``cluster=``."""
+
+    options: ClassVar[dict[str, Any]] = {
+        "url": "redis://127.0.0.1:6379/0",
+        "client": None,
+        "prefix": "keuss",
+        "cluster": False,
+    }
+
+    def __init__(self, options: dict[str, Any]) -> None:
+        super().__init__(options)
+        prefix = self.settings["prefix"]
+        if not isinstance(prefix, str) or not prefix or "{" in prefix or "}" in prefix:
+            raise ConfigError(f"prefix must be a non-empty str without braces, not {prefix!r}")
+        self.prefix: str = prefix
+        self._owns_client = self.settings["client"] is None
+        self.client: RedisClient = self.settings["client"] or self._make_client()
+        self.cluster = isinstance(self.client, RedisCluster)
+        self._lane = self._make_lane()
+
+    def _make_client(self) -> RedisClient:
+        cluster = self.settings["cluster"]
+        if not isinstance(cluster, bool):
+            raise ConfigError(f"cluster must be a bool, not {cluster!r}")
+        url = check_redis_url(self.settings["url"], cluster)
+        try:
+            if cluster:
+                return RedisCluster.from_url(url, decode_responses=False)
+            return aioredis.Redis.from_url(url, decode_responses=False)
+        except ValueError as exc:  # a query argument redis-py cannot read
+            raise ConfigError(f"url: {exc}") from exc
+
+    def _make_lane(self) -> _FastLane | None:
+        if not self._owns_client or self.cluster:
+            return None
+        url: str = self.settings["url"]
+        if not url.startswith(("redis://", "unix://")):
+            return None  # TLS and the rest: redis-py knows them
+        parsed = parse_url(url)
+        if set(parsed) - {"host", "port", "db", "username", "password", "path", "connection_class"}:
+            return None  # query options (timeouts, ...) that only redis-py honours
+        return _FastLane(dict(parsed))
+
+    @property
+    def has_fast_lane(self) -> bool:
+        return self._lane is not None
+
+    async def open(self) -> None:
+        with redis_errors_translated():
+            await self.client.ping()
+            if self._lane is not None:
+                await self._lane.call(("PING",))
+
+    async def close(self) -> None:
+        if self._lane is not None:
+            self._lane.close()
+        if self._owns_client:
+            await self.client.aclose()
+
+    def key(self, queue: str, *parts: str) -> str:
+        """``prefix:{queue}:part:...`` — the braces make one cluster slot per queue."""
+        return ":".join((self.prefix, "{" + queue + "}", *parts))
+
+    def execute(self, *args: Any) -> Awaitable[Any]:
+        """One command, raw RESP reply (bytes, ints, lists); callers translate errors.
+
+        Not a coroutine function, so the fast lane's reply future is awaited directly (see
+        :meth:`_FastLane.call`); await the result at once, as with a coroutine.
+        """
+        if self._lane is not None:
+            return self._lane.call(args)
+        return self.client.execute_command(*args)
+
+    async def run_script(self, script: Script, keys: Sequence[str], args: Sequence[Any]) -> Any:
+        """EVALSHA, loading the script once where the server lacks it (after a restart)."""
+        try:
+            return await self.execute("EVALSHA", script.sha, len(keys), *keys, *args)
+        except redis_errors.NoScriptError:
+            if self._lane is not None:
+                await self._lane.call(("SCRIPT", "LOAD", script.text))
+            else:  # on a cluster redis-py loads it on every primary
+                await self.client.script_load(script.text)
+            return await self.execute("EVALSHA", script.sha, len(keys), *keys, *args)
+
+    def signal_bus(self, debounce: float) -> SignalBus:
+        from .signal import RedisSignalBus
+
+        return RedisSignalBus(self, debounce)
+
+    def stats_store(self) -> StatsStore:
+        from .stats import RedisStats
+
+        return RedisStats(self)

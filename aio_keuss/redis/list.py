@@ -1,0 +1,108 @@
+"""redis-list: one Redis LIST per queue, LPUSH in and RPOP out; the fastest, and pop only.
+
+No reserve, no delay, no remove, no dedup: the queue layer refuses those before anything is
+written. Tries are always 0.
+
+Each list element carries the whole message, since a LIST holds nothing else::
+
+    mature (8-byte big-endian double, client clock at push) | id length (u16) |
+    headers length (u32) | id (utf-8) | headers | payload
+
+The mature time is the pusher's clock: there is no scheduling, so it is only informative
+(``Message.mature``, ``next_mature_t``). A popped message put back (its caller was cancelled)
+goes back to the popping end with RPUSH, keeping its place.
+"""
+
+from __future__ import annotations
+
+import struct
+import time
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, ClassVar
+
+from ..contract import Entry, Fetched, Store, Stored
+from ..types import Capabilities, Sizes
+from .connection import RedisBackend, redis_errors_translated
+
+if TYPE_CHECKING:
+    from ..options import QueueOptions
+
+_HEAD = struct.Struct(">dHI")
+_HEAD_SIZE = _HEAD.size
+
+
+def _pack(entry: Entry, now: float) -> bytes:
+    message_id = entry.id.encode()
+    mature = now if entry.mature is None else entry.mature
+    return b"".join(
+        (
+            _HEAD.pack(mature, len(message_id), len(entry.headers)),
+            message_id,
+            entry.headers,
+            entry.payload,
+        )
+    )
+
+
+def _unpack(element: bytes) -> Stored:
+    mature, id_length, headers_length = _HEAD.unpack_from(element)
+    headers_start = _HEAD_SIZE + id_length
+    payload_start = headers_start + headers_length
+    return Stored(
+        element[_HEAD_SIZE:headers_start].decode(),
+        element[payload_start:],
+        element[headers_start:payload_start],
+        0,
+        mature,
+    )
+
+
+class RedisListStore(Store):
+    batch_concurrency: ClassVar[int] = 4
+
+    def __init__(self, name: str, options: QueueOptions, backend: RedisListBackend) -> None:
+        super().__init__(name, options)
+        self.run_in_caller = self.uninterruptible = backend.has_fast_lane
+        self._execute = backend.execute
+        self._key = backend.key(name, "list")
+
+    async def insert(self, entries: Sequence[Entry]) -> list[bool]:
+        now = time.time()
+        fresh = [_pack(e, now) for e in entries if e.mature is None]
+        # Put-backs return to the popping end, the earliest popped last pushed.
+        back = [_pack(e, now) for e in reversed(entries) if e.mature is not None]
+        with redis_errors_translated():
+            if fresh:
+                await self._execute("LPUSH", self._key, *fresh)
+            if back:
+                await self._execute("RPUSH", self._key, *back)
+        return [True] * len(entries)
+
+    async def get(self, n: int) -> Fetched:
+        with redis_errors_translated():
+            elements = await self._execute("RPOP", self._key, n)
+        if not elements:
+            return Fetched([], None)
+        # Fewer than asked means the list was empty afterwards; the wait loop only looks at
+        # next_mature when nothing was handed out, so no LLEN round trip is needed.
+        return Fetched([_unpack(e) for e in elements], time.time() if len(elements) == n else None)
+
+    async def sizes(self) -> Sizes:
+        with redis_errors_translated():
+            length: int = await self._execute("LLEN", self._key)
+        return Sizes(length, length, 0, 0)
+
+    async def next_mature(self) -> float | None:
+        with redis_errors_translated():
+            oldest = await self._execute("LINDEX", self._key, -1)
+        return None if oldest is None else float(_HEAD.unpack_from(oldest)[0])
+
+
+class RedisListBackend(RedisBackend):
+    name = "redis-list"
+    capabilities: ClassVar[Capabilities] = Capabilities(
+        reserve=False, delay=False, remove=False, idempotent=False, reservation_expiry=False
+    )
+
+    async def store(self, queue: str, options: QueueOptions) -> Store:
+        return RedisListStore(queue, options, self)

@@ -1,0 +1,485 @@
+"""redis-oq: an ordered queue on Redis, every primitive one Lua script.
+
+Keys of a queue ``q`` (all tagged ``{q}``, so one cluster slot holds the whole queue):
+
+- ``z``: ZSET id -> mature time (float seconds, server clock). A reserved message's score is
+  its reservation deadline, so an expired reservation simply becomes mature again.
+- ``p`` / ``h``: HASHes id -> payload bytes / header JSON bytes (columns rather than a hash
+  per message: a batch reads or deletes them with one variadic HMGET / HDEL).
+- ``t``: HASH id -> tries, only for messages with tries > 0.
+- ``r``: SET of reserved ids.
+- ``d``: ZSET id -> dedup expiry for ids the user chose; purged lazily on the next such push,
+  so an id stays refused for the dedup window even after its message was consumed.
+
+Every script reads the server clock (``TIME``), so clients with skewed clocks agree on what is
+mature. A reservation deadline is the server's *now* + ``reserve_delay`` (Keuss added the
+delay to the old score, so a message older than the delay could be reserved twice).
+
+Deadletter: on a single Redis the ko script moves the message into the deadletter queue's keys
+in the same atomic call. On Redis Cluster the two queues live in different slots, which one
+script cannot touch, so the move is done in three steps: the ko script hands back what must
+move (the message stays reserved meanwhile), it is inserted into the deadletter queue, then
+deleted from the source with the same stale-holder guard as a commit. A crash between the
+steps leaves a duplicate (the reservation expires and the message comes back), never a loss.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import orjson
+
+from ..contract import Ack, DeadletterPlan, Entry, Fetched, Nack, Store, Stored
+from ..message import EMPTY_HEADERS
+from ..types import Capabilities, KoResult, Sizes
+from .connection import RedisBackend, Script, redis_errors_translated
+
+if TYPE_CHECKING:
+    from ..options import QueueOptions
+
+# Shared Lua helpers. Redis' Lua caps unpack() near 8000 values, so variadic commands are
+# issued in chunks. KEYS[1..5] are always z, p, h, t, r of the queue the script works on.
+_PRELUDE = """
+local CHUNK = 4000
+local function server_now()
+  local t = redis.call('TIME')
+  return tonumber(t[1]) + tonumber(t[2]) / 1000000
+end
+local function fmt(x) return string.format('%.17g', x) end
+local function run_chunked(cmd, key, args)
+  for i = 1, #args, CHUNK do
+    redis.call(cmd, key, unpack(args, i, math.min(i + CHUNK - 1, #args)))
+  end
+end
+local function read_chunked(cmd, key, args)
+  local out = {}
+  for i = 1, #args, CHUNK do
+    local part = redis.call(cmd, key, unpack(args, i, math.min(i + CHUNK - 1, #args)))
+    for j = 1, #part do out[#out + 1] = part[j] end
+  end
+  return out
+end
+local function first_mature(z)
+  local head = redis.call('ZRANGE', z, 0, 0, 'WITHSCORES')
+  return head[2] or false
+end
+-- Delete messages. Each redis.call costs a few µs of script time, so a caller that knows
+-- which of them have headers / tries / a reservation passes those subsets (nil = all).
+local function forget(ids, with_headers, with_tries, held)
+  if #ids == 0 then return end
+  run_chunked('ZREM', KEYS[1], ids)
+  run_chunked('HDEL', KEYS[2], ids)
+  run_chunked('HDEL', KEYS[3], with_headers or ids)
+  run_chunked('HDEL', KEYS[4], with_tries or ids)
+  run_chunked('SREM', KEYS[5], held or ids)
+end
+-- The mature ids (up to n, earliest first) with everything a consumer gets; tries of a
+-- message whose reservation expired count that delivery.
+local function take_mature(n, now)
+  local head = redis.call('ZRANGE', KEYS[1], '-inf', now, 'BYSCORE', 'LIMIT', 0, n, 'WITHSCORES')
+  local ids, matures = {}, {}
+  for i = 1, #head, 2 do
+    ids[#ids + 1] = head[i]
+    matures[#matures + 1] = head[i + 1]
+  end
+  if #ids == 0 then return ids end
+  local stored = read_chunked('HMGET', KEYS[4], ids)
+  local held = read_chunked('SMISMEMBER', KEYS[5], ids)
+  local tries, expired = {}, {}
+  local with_tries, with_held = {}, {}
+  for k = 1, #ids do
+    local n_tries = tonumber(stored[k] or 0)
+    if stored[k] then with_tries[#with_tries + 1] = ids[k] end
+    if held[k] == 1 then
+      n_tries = n_tries + 1
+      expired[#expired + 1] = ids[k]
+      expired[#expired + 1] = n_tries
+      with_held[#with_held + 1] = ids[k]
+    end
+    tries[k] = n_tries
+  end
+  local headers, with_headers = read_chunked('HMGET', KEYS[3], ids), {}
+  for k = 1, #ids do
+    if headers[k] then with_headers[#with_headers + 1] = ids[k] end
+  end
+  return ids, read_chunked('HMGET', KEYS[2], ids), headers, tries, matures, expired,
+    with_headers, with_tries, with_held
+end
+-- Reply: next mature, then ids, payloads, headers (nil = none), tries, matures (k of each).
+-- When all n asked for were found, the queue layer ignores the next mature time (it only
+-- looks at it when nothing was handed out), so ``now`` stands in for it there, sparing a
+-- ZRANGE: a lower bound, which is all a hint has to be.
+local function fetched_reply(n, now, ids, payloads, headers, tries, matures)
+  local head
+  if #ids >= n then head = fmt(now) else head = first_mature(KEYS[1]) end
+  local reply = {head}
+  for _, column in ipairs({ids, payloads, headers, tries, matures}) do
+    for k = 1, #ids do reply[#reply + 1] = column[k] end
+  end
+  return reply
+end
+"""
+
+# KEYS: z p h t r d. ARGV: dedup window, then per entry: id, payload, headers ('' = none,
+# read back as {}), delay, absolute mature ('' = now + delay), tries, check ('' = an id the
+# queue generated, unique by construction, so nothing to look up; 'c' = refused while queued;
+# 'd' = also refused within the dedup window). Reply: 1 / 0 per entry.
+_INSERT = """
+local now = server_now()
+local window = tonumber(ARGV[1])
+local checked = {}
+for i = 2, #ARGV, 7 do
+  if ARGV[i + 6] ~= '' then checked[#checked + 1] = ARGV[i] end
+end
+local queued = {}
+if #checked > 0 then
+  local scores = read_chunked('ZMSCORE', KEYS[1], checked)
+  for k = 1, #checked do
+    if scores[k] then queued[checked[k]] = true end
+  end
+end
+local purged, flags = false, {}
+local zadd, pset, hset, tset, dset = {}, {}, {}, {}, {}
+for i = 2, #ARGV, 7 do
+  local id, check = ARGV[i], ARGV[i + 6]
+  local fresh = check == '' or not queued[id]
+  if fresh and check == 'd' then
+    if not purged then
+      redis.call('ZREMRANGEBYSCORE', KEYS[6], '-inf', now)
+      purged = true
+    end
+    fresh = not redis.call('ZSCORE', KEYS[6], id)
+  end
+  if fresh then
+    if check ~= '' then queued[id] = true end  -- a repeat later in this batch is refused
+    local mature = ARGV[i + 4]
+    if mature == '' then mature = now + tonumber(ARGV[i + 3]) end
+    zadd[#zadd + 1] = mature; zadd[#zadd + 1] = id
+    pset[#pset + 1] = id; pset[#pset + 1] = ARGV[i + 1]
+    if ARGV[i + 2] ~= '' then hset[#hset + 1] = id; hset[#hset + 1] = ARGV[i + 2] end
+    if ARGV[i + 5] ~= '0' then tset[#tset + 1] = id; tset[#tset + 1] = ARGV[i + 5] end
+    if check == 'd' then dset[#dset + 1] = now + window; dset[#dset + 1] = id end
+    flags[#flags + 1] = 1
+  else
+    flags[#flags + 1] = 0
+  end
+end
+run_chunked('ZADD', KEYS[1], zadd)
+run_chunked('HSET', KEYS[2], pset)
+run_chunked('HSET', KEYS[3], hset)
+run_chunked('HSET', KEYS[4], tset)
+run_chunked('ZADD', KEYS[6], dset)
+return flags
+"""
+
+# KEYS: z p h t r. ARGV: n.
+_GET = """
+local n, now = tonumber(ARGV[1]), server_now()
+local ids, payloads, headers, tries, matures, _, with_headers, with_tries, held =
+  take_mature(n, now)
+forget(ids, with_headers, with_tries, held)
+return fetched_reply(n, now, ids, payloads, headers, tries, matures)
+"""
+
+# KEYS: z p h t r. ARGV: n, reserve delay.
+_RESERVE = """
+local n, now = tonumber(ARGV[1]), server_now()
+local ids, payloads, headers, tries, matures, expired = take_mature(n, now)
+if #ids > 0 then
+  local deadline, zadd = now + tonumber(ARGV[2]), {}
+  for k = 1, #ids do zadd[#zadd + 1] = deadline; zadd[#zadd + 1] = ids[k] end
+  run_chunked('ZADD', KEYS[1], zadd)
+  run_chunked('SADD', KEYS[5], ids)
+  run_chunked('HSET', KEYS[4], expired)
+end
+return fetched_reply(n, now, ids, payloads, headers, tries, matures)
+"""
+
+# KEYS: z p h t r. ARGV: per ack: id, tries held ('' = no guard). Reply: 1 / 0 per ack.
+_COMMIT = """
+local ids = {}
+for i = 1, #ARGV, 2 do ids[#ids + 1] = ARGV[i] end
+local held = read_chunked('SMISMEMBER', KEYS[5], ids)
+local stored = read_chunked('HMGET', KEYS[4], ids)
+local gone, with_tries, done, flags = {}, {}, {}, {}
+for k = 1, #ids do
+  local id, guard = ids[k], ARGV[2 * k]
+  if held[k] == 1 and not done[id]
+      and (guard == '' or tonumber(guard) == tonumber(stored[k] or 0)) then
+    done[id] = true
+    gone[#gone + 1] = id
+    if stored[k] then with_tries[#with_tries + 1] = id end
+    flags[k] = 1
+  else
+    flags[k] = 0
+  end
+end
+forget(gone, nil, with_tries, gone)
+return flags
+"""
+
+# KEYS: z p h t r of the queue [, z p h of the deadletter queue when mode is 'move'].
+# ARGV: mode ('' = no deadletter, 'move', 'defer'), max_ko, deadletter header text without
+# x-dl-tries, then per nack: id, tries held ('' = no guard), delay, count try ('1' / '0').
+# Reply: 0 missing / 1 rolled back / 2 deadlettered / 3 to move (defer), per nack; then for
+# each 3: id, payload, new headers, tries held.
+_ROLLBACK = """
+local now = server_now()
+local mode, max_ko, extra = ARGV[1], tonumber(ARGV[2]), ARGV[3]
+local function dl_headers(headers, failed)
+  local added = extra .. ',"x-dl-tries":' .. failed
+  if headers == '{}' then return '{' .. added .. '}' end
+  return string.sub(headers, 1, -2) .. ',' .. added .. '}'
+end
+local flags, deferred = {}, {}
+for i = 4, #ARGV, 4 do
+  local id, guard = ARGV[i], ARGV[i + 1]
+  local stored = tonumber(redis.call('HGET', KEYS[4], id) or 0)
+  if redis.call('SISMEMBER', KEYS[5], id) == 0 or (guard ~= '' and tonumber(guard) ~= stored) then
+    flags[#flags + 1] = 0
+  else
+    local counted = ARGV[i + 3] == '1'
+    local tries = stored
+    if counted then tries = stored + 1 end
+    if mode ~= '' and counted and tries > max_ko then
+      local payload = redis.call('HGET', KEYS[2], id)
+      local headers = dl_headers(redis.call('HGET', KEYS[3], id) or '{}', tries)
+      if mode == 'move' then
+        forget({id})
+        local target, n = id, 0
+        while redis.call('ZSCORE', KEYS[6], target) do
+          n = n + 1
+          target = id .. '.dl' .. tries .. (n > 1 and ('.' .. n) or '')
+        end
+        redis.call('ZADD', KEYS[6], now, target)
+        redis.call('HSET', KEYS[7], target, payload)
+        redis.call('HSET', KEYS[8], target, headers)
+        flags[#flags + 1] = 2
+      else
+        for _, v in ipairs({id, payload, headers, stored}) do deferred[#deferred + 1] = v end
+        flags[#flags + 1] = 3
+      end
+    else
+      if tries > 0 then redis.call('HSET', KEYS[4], id, tries) end
+      redis.call('SREM', KEYS[5], id)
+      redis.call('ZADD', KEYS[1], now + tonumber(ARGV[i + 2]), id)
+      flags[#flags + 1] = 1
+    end
+  end
+end
+for _, v in ipairs(deferred) do flags[#flags + 1] = v end
+return flags
+"""
+
+# KEYS: z p h t r. ARGV: ids. Reply: 1 / 0 per id.
+_REMOVE = """
+local now = server_now()
+local matures = read_chunked('ZMSCORE', KEYS[1], ARGV)
+local held = read_chunked('SMISMEMBER', KEYS[5], ARGV)
+local gone, done, flags = {}, {}, {}
+for k = 1, #ARGV do
+  local id = ARGV[k]
+  if matures[k] and not done[id] and not (held[k] == 1 and tonumber(matures[k]) > now) then
+    done[id] = true
+    gone[#gone + 1] = id
+    flags[k] = 1
+  else
+    flags[k] = 0
+  end
+end
+forget(gone)
+return flags
+"""
+
+# KEYS: z p h t r. Reply: mature now (expired reservations included), total, reserved.
+_SIZES = """
+local now = server_now()
+local reserved = 0
+local members = redis.call('SMEMBERS', KEYS[5])
+if #members > 0 then
+  for _, deadline in ipairs(read_chunked('ZMSCORE', KEYS[1], members)) do
+    if deadline and tonumber(deadline) > now then reserved = reserved + 1 end
+  end
+end
+return {redis.call('ZCOUNT', KEYS[1], '-inf', now), redis.call('ZCARD', KEYS[1]), reserved}
+"""
+
+# KEYS: z. Reply: the earliest score, reservation deadlines included, or nil.
+_NEXT_MATURE = """
+return first_mature(KEYS[1])
+"""
+
+INSERT, GET, RESERVE, COMMIT, ROLLBACK, REMOVE, SIZES, NEXT_MATURE = (
+    Script(_PRELUDE + body)
+    for body in (_INSERT, _GET, _RESERVE, _COMMIT, _ROLLBACK, _REMOVE, _SIZES, _NEXT_MATURE)
+)
+
+
+def _fetched(reply: list[Any]) -> Fetched:
+    """Decode a get / reserve reply: next mature, then five columns of k values."""
+    head = reply[0]
+    k = (len(reply) - 1) // 5
+    messages = [
+        Stored(
+            message_id.decode(),
+            payload,
+            EMPTY_HEADERS if headers is None else headers,
+            tries,
+            float(mature),
+        )
+        for message_id, payload, headers, tries, mature in zip(
+            reply[1 : k + 1],
+            reply[k + 1 : 2 * k + 1],
+            reply[2 * k + 1 : 3 * k + 1],
+            reply[3 * k + 1 : 4 * k + 1],
+            reply[4 * k + 1 :],
+            strict=True,
+        )
+    ]
+    return Fetched(messages, None if head is None else float(head))
+
+
+def _dl_id(message_id: str, failed: int, attempt: int) -> str:
+    """The id a deadlettered message takes on its ``attempt``-th try (same as the Lua)."""
+    if attempt == 0:
+        return message_id
+    return f"{message_id}.dl{failed}" + (f".{attempt}" if attempt > 1 else "")
+
+
+class RedisOQStore(Store):
+    batch_concurrency: ClassVar[int] = 4
+
+    def __init__(self, name: str, options: QueueOptions, backend: RedisOQBackend) -> None:
+        super().__init__(name, options)
+        self.run_in_caller = self.uninterruptible = backend.has_fast_lane
+        self._backend = backend
+        self._keys = backend.queue_keys(name)
+        self._insert_keys = [*self._keys, backend.key(name, "d")]
+        self._dedup_window = options.dedup_window
+        self._run = backend.run_script
+
+    async def insert(self, entries: Sequence[Entry]) -> list[bool]:
+        return await self._insert(entries, check_all=False)
+
+    async def _insert(self, entries: Sequence[Entry], *, check_all: bool) -> list[bool]:
+        """``check_all``: refuse ids already queued even where the queue generated them."""
+        args: list[Any] = [self._dedup_window]
+        extend = args.extend
+        for e in entries:
+            if e.dedup:
+                check = "d"
+            elif check_all or e.mature is not None:  # a put-back: its id may be back already
+                check = "c"
+            else:
+                check = ""
+            extend(
+                (
+                    e.id,
+                    e.payload,
+                    b"" if e.headers == EMPTY_HEADERS else e.headers,
+                    e.delay,
+                    "" if e.mature is None else e.mature,
+                    e.tries,
+                    check,
+                )
+            )
+        with redis_errors_translated():
+            flags = await self._run(INSERT, self._insert_keys, args)
+        return [flag == 1 for flag in flags]
+
+    async def get(self, n: int) -> Fetched:
+        with redis_errors_translated():
+            return _fetched(await self._run(GET, self._keys, [n]))
+
+    async def reserve(self, n: int, reserve_delay: float) -> Fetched:
+        with redis_errors_translated():
+            return _fetched(await self._run(RESERVE, self._keys, [n, reserve_delay]))
+
+    async def commit(self, acks: Sequence[Ack]) -> list[bool]:
+        args: list[Any] = []
+        for ack in acks:
+            args.append(ack.id)
+            args.append("" if ack.tries is None else ack.tries)
+        with redis_errors_translated():
+            flags = await self._run(COMMIT, self._keys, args)
+        return [flag == 1 for flag in flags]
+
+    async def rollback(
+        self, nacks: Sequence[Nack], deadletter: DeadletterPlan | None
+    ) -> list[KoResult]:
+        keys = self._keys
+        if deadletter is None:
+            head: list[Any] = ["", 0, ""]
+        else:
+            mode = "defer" if self._backend.cluster else "move"
+            if mode == "move":
+                keys = keys + self._backend.queue_keys(deadletter.queue)[:3]
+            extra = deadletter.headers(0, time.time())
+            del extra["x-dl-tries"]  # the script appends it, counted on the server
+            head = [mode, deadletter.max_ko, orjson.dumps(extra)[1:-1]]
+        args = head
+        for nack in nacks:
+            args.extend(
+                (
+                    nack.id,
+                    "" if nack.tries is None else nack.tries,
+                    nack.delay,
+                    "1" if nack.count_try else "0",
+                )
+            )
+        with redis_errors_translated():
+            reply = await self._run(ROLLBACK, keys, args)
+        flags = reply[: len(nacks)]
+        if deadletter is not None and len(reply) > len(nacks):
+            await self._move_deferred(reply[len(nacks) :], deadletter.queue)
+        return [KoResult.DEADLETTERED if f >= 2 else KoResult(f) for f in flags]
+
+    async def _move_deferred(self, rows: list[Any], queue: str) -> None:
+        """Cluster deadletter: insert into the other queue first, then delete here.
+
+        An id already in the deadletter queue (from an earlier life) gets a suffix, as a
+        single-node move does.
+        """
+        target = RedisOQStore(queue, self.options, self._backend)
+        moved = [
+            (rows[i].decode(), rows[i + 1], rows[i + 2], int(rows[i + 3]))
+            for i in range(0, len(rows), 4)
+        ]
+        pending, attempt = moved, 0
+        while pending:
+            entries = [
+                Entry(_dl_id(m_id, tries + 1, attempt), payload, headers)
+                for m_id, payload, headers, tries in pending
+            ]
+            flags = await target._insert(entries, check_all=True)  # fixed ids: look them up
+            pending = [m for m, ok in zip(pending, flags, strict=True) if not ok]
+            attempt += 1
+        await self.commit([Ack(m_id, tries) for m_id, _, _, tries in moved])
+
+    async def remove(self, ids: Sequence[str]) -> list[bool]:
+        with redis_errors_translated():
+            flags = await self._run(REMOVE, self._keys, list(ids))
+        return [flag == 1 for flag in flags]
+
+    async def sizes(self) -> Sizes:
+        with redis_errors_translated():
+            ready, total, reserved = await self._run(SIZES, self._keys, ())
+        return Sizes(ready, total, total - ready - reserved, reserved)
+
+    async def next_mature(self) -> float | None:
+        with redis_errors_translated():
+            head = await self._run(NEXT_MATURE, self._keys[:1], ())
+        return None if head is None else float(head)
+
+
+class RedisOQBackend(RedisBackend):
+    name = "redis-oq"
+    capabilities: ClassVar[Capabilities] = Capabilities()
+
+    def queue_keys(self, queue: str) -> list[str]:
+        return [self.key(queue, part) for part in ("z", "p", "h", "t", "r")]
+
+    async def store(self, queue: str, options: QueueOptions) -> Store:
+        return RedisOQStore(queue, options, self)

@@ -1,0 +1,655 @@
+"""``redis-reliable``: the "reliable queue" of seed 002 — every operation O(1) per message.
+
+Storage model (all keys of queue ``q`` share the hash tag ``{q}``, see
+:meth:`RedisBackend.key`; ``<base>`` below is ``prefix:{q}:``)::
+
+    <base>pending               LIST  ids waiting; LPUSH at the left, consumed at the right
+    <base>processing:<cid>      LIST  ids reserved by consumer <cid> (one per Store object)
+    <base>msg:<id>              HASH  p=payload, h=headers, t=tries, m=mature (first queued)
+    <base>dedup:<id>            STRING  "1" with a TTL of dedup_window: explicit ids seen
+    <base>failed                LIST  ids moved to the deadletter queue (newest left, capped)
+    <base>processed             INT   commits (ok) ever made
+    <base>failed-count          INT   messages ever deadlettered
+    <base>consumers             SET   consumer ids that may hold a processing list
+    <base>heartbeat:<cid>       STRING  exists while consumer <cid> is alive (TTL heartbeat_ttl)
+
+Why this shape: the pending list is only ever touched at its two ends (LPUSH, RPOP, LMOVE),
+bodies are reached by key, so push / pop / reserve cost the same with a million messages
+waiting as with none. A reservation is a LMOVE of the id from ``pending`` into the
+consumer's own ``processing`` list; ``ok`` / ``ko`` search only that consumer's in-flight
+list (LREM from its old end, where the earliest reservations are), never the backlog.
+
+Reservations do not expire one by one (``Capabilities.reservation_expiry`` is false and
+``reserve_delay`` is ignored). Instead each consumer keeps a heartbeat key alive; when a
+consumer dies (process killed, network gone) its heartbeat expires, and any other consumer's
+recovery task moves the dead consumer's processing list back to ``pending`` with one more
+try on each message (that delivery failed). Recovered messages wait at the consuming end,
+because they are the oldest. A consumer that is merely slow (event loop blocked longer than
+``heartbeat_ttl``) loses its reservations the same way: its late ``ok`` / ``ko`` then find
+the id missing from its processing list (or the tries changed) and return false, so a
+message is never acknowledged by a stale holder.
+
+Every primitive is one Lua script call (EVALSHA, by redis-py's ``register_script``), so
+each batch is atomic and one round trip. The scripts are all in this file, next to the
+method that runs them.
+
+Deadletter: a ko whose failed-delivery count exceeds ``max_ko`` moves the body to the
+deadletter queue (its own keys, same prefix) with tries 0 and the ``x-dl-*`` headers, pushes
+the id to this queue's ``failed`` list (capped at ``failed_max`` entries, a log like the
+seed's failed list) and increments ``failed-count``. Outside Redis Cluster that is one
+script, atomic. On a cluster the two queues live in different slots, so it is done in
+three steps that keep the message held by the consumer until its copy is in the deadletter
+queue: a crash in between may leave a duplicate there, never a loss.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import os
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import orjson
+
+from ..coalesce import stop_task
+from ..contract import Ack, DeadletterPlan, Entry, Fetched, Nack, Store, Stored
+from ..errors import ConfigError
+from ..message import append_headers
+from ..options import check_count
+from ..types import Capabilities, KoResult, Sizes
+from .connection import RedisBackend, Script, redis_errors_translated
+
+if TYPE_CHECKING:
+    from ..options import QueueOptions
+
+log = logging.getLogger("aio_keuss.redis_reliable")
+
+RECOVER_STEP = 1000
+"""Most messages one recovery script call moves, so Redis is never blocked for long."""
+
+# -- Lua -------------------------------------------------------------------------------------
+# Conventions: ARGV[1] is the queue's key base ``prefix:{q}:``; bodies are base..'msg:'..id.
+# Keys built inside a script carry the same hash tag as the declared KEYS, so they live in
+# the same cluster slot. ``now`` comes from the server clock (TIME) so clients agree.
+
+_NOW = """
+local function now()
+  local t = redis.call('TIME')
+  return t[1] .. '.' .. string.format('%06d', tonumber(t[2]))
+end
+"""
+
+# KEYS: pending. ARGV: base, dedup_window_ms, then 6 per entry:
+#   id, payload, headers, tries, dedup ('1'/'0'), mature ('' = now, else a put-back's time).
+# A put-back (after a cancelled pop) goes to the consuming end so it is next again; a batch
+# of them is pushed in reverse so the first of the batch ends up first.
+_INSERT = (
+    _NOW
+    + """
+local base, window = ARGV[1], tonumber(ARGV[2])
+local stamp = now()
+local out, back = {}, {}
+for i = 3, #ARGV, 6 do
+  local id = ARGV[i]
+  local body = base .. 'msg:' .. id
+  local ok = 1
+  if redis.call('EXISTS', body) == 1 then
+    ok = 0
+  elseif ARGV[i + 4] == '1' and window > 0 then
+    if not redis.call('SET', base .. 'dedup:' .. id, '1', 'NX', 'PX', window) then ok = 0 end
+  end
+  if ok == 1 then
+    local mature = ARGV[i + 5]
+    if mature == '' then
+      redis.call('HSET', body, 'p', ARGV[i + 1], 'h', ARGV[i + 2], 't', ARGV[i + 3], 'm', stamp)
+      redis.call('LPUSH', KEYS[1], id)
+    else
+      redis.call('HSET', body, 'p', ARGV[i + 1], 'h', ARGV[i + 2], 't', ARGV[i + 3], 'm', mature)
+      back[#back + 1] = id
+    end
+  end
+  out[#out + 1] = ok
+end
+for j = #back, 1, -1 do redis.call('RPUSH', KEYS[1], back[j]) end
+return out
+"""
+)
+
+# KEYS: pending. ARGV: base, n. Returns {left in pending, id, p, h, t, m, id, p, ...}.
+_GET = """
+local base = ARGV[1]
+local ids = redis.call('RPOP', KEYS[1], tonumber(ARGV[2]))
+local out = {0}
+if ids then
+  for _, id in ipairs(ids) do
+    local body = base .. 'msg:' .. id
+    local b = redis.call('HMGET', body, 'p', 'h', 't', 'm')
+    if b[1] then
+      redis.call('DEL', body)
+      out[#out + 1] = id
+      out[#out + 1] = b[1]; out[#out + 1] = b[2]; out[#out + 1] = b[3]; out[#out + 1] = b[4]
+    end
+  end
+end
+out[1] = redis.call('LLEN', KEYS[1])
+return out
+"""
+
+# KEYS: pending, processing, consumers, heartbeat. ARGV: base, n, cid, heartbeat_ttl_ms.
+# Registering and refreshing the heartbeat here, atomically with the LMOVEs, means a
+# reservation is never in a processing list that recovery cannot see.
+_RESERVE = """
+local base = ARGV[1]
+redis.call('SET', KEYS[4], '1', 'PX', tonumber(ARGV[4]))
+redis.call('SADD', KEYS[3], ARGV[3])
+local out = {0}
+for _ = 1, tonumber(ARGV[2]) do
+  local id = redis.call('LMOVE', KEYS[1], KEYS[2], 'RIGHT', 'LEFT')
+  if not id then break end
+  local b = redis.call('HMGET', base .. 'msg:' .. id, 'p', 'h', 't', 'm')
+  if b[1] then
+    out[#out + 1] = id
+    out[#out + 1] = b[1]; out[#out + 1] = b[2]; out[#out + 1] = b[3]; out[#out + 1] = b[4]
+  else
+    redis.call('LPOP', KEYS[2])  -- an id without a body: drop it (it was just put left)
+  end
+end
+out[1] = redis.call('LLEN', KEYS[1])
+return out
+"""
+
+# KEYS: processing, processed. ARGV: base, then 2 per ack: id, tries ('' = unchecked).
+# Held = in this consumer's processing list with the tries its holder was given.
+_COMMIT = """
+local base = ARGV[1]
+local out, done = {}, 0
+for i = 2, #ARGV, 2 do
+  local id, want = ARGV[i], ARGV[i + 1]
+  local body = base .. 'msg:' .. id
+  local t = redis.call('HGET', body, 't')
+  if t and (want == '' or t == want) and redis.call('LREM', KEYS[1], -1, id) > 0 then
+    redis.call('DEL', body)
+    done = done + 1
+    out[#out + 1] = 1
+  else
+    out[#out + 1] = 0
+  end
+end
+if done > 0 then redis.call('INCRBY', KEYS[2], done) end
+return out
+"""
+
+# KEYS: pending, processing, failed, failed-count, deadletter pending (or pending again).
+# ARGV: base, deadletter base ('' = no deadletter; 'defer' = cluster: report, do not move),
+#   max_ko, x-dl header fragment without x-dl-tries, failed_max, then 3 per nack:
+#   id, tries ('' = unchecked), count_try ('1'/'0').
+# Returns one code per nack (0 missing, 1 rolled back, 2 deadlettered, 3 deadletter
+# deferred), each 3 followed by its p, h, t so the caller can finish the move.
+_ROLLBACK = (
+    _NOW
+    + """
+local base, dl, max_ko, fragment = ARGV[1], ARGV[2], tonumber(ARGV[3]), ARGV[4]
+local failed_max = tonumber(ARGV[5])
+local out, failed = {}, 0
+local stamp = nil
+for i = 6, #ARGV, 3 do
+  local id, want, count = ARGV[i], ARGV[i + 1], ARGV[i + 2] == '1'
+  local body = base .. 'msg:' .. id
+  local t = redis.call('HGET', body, 't')
+  if not t or (want ~= '' and t ~= want) then
+    out[#out + 1] = 0
+  else
+    local tries = tonumber(t)
+    if count then tries = tries + 1 end
+    if dl ~= '' and count and tries > max_ko then
+      if dl == 'defer' then
+        if redis.call('LPOS', KEYS[2], id) then  -- O(in-flight), like LREM
+          local b = redis.call('HMGET', body, 'p', 'h')
+          out[#out + 1] = 3
+          out[#out + 1] = b[1]; out[#out + 1] = b[2]; out[#out + 1] = tries
+        else
+          out[#out + 1] = 0
+        end
+      elseif redis.call('LREM', KEYS[2], -1, id) == 0 then
+        out[#out + 1] = 0
+      else
+        local b = redis.call('HMGET', body, 'p', 'h')
+        redis.call('DEL', body)
+        local extra = fragment .. ',"x-dl-tries":' .. tries
+        local headers
+        if b[2] == '{}' then headers = '{' .. extra .. '}'
+        else headers = string.sub(b[2], 1, -2) .. ',' .. extra .. '}' end
+        local dl_id, clash = id, 0
+        while redis.call('EXISTS', dl .. 'msg:' .. dl_id) == 1 do
+          clash = clash + 1
+          dl_id = id .. '.dl' .. tries
+          if clash > 1 then dl_id = dl_id .. '.' .. clash end
+        end
+        stamp = stamp or now()
+        redis.call('HSET', dl .. 'msg:' .. dl_id, 'p', b[1], 'h', headers, 't', 0, 'm', stamp)
+        redis.call('LPUSH', KEYS[5], dl_id)
+        redis.call('LPUSH', KEYS[3], id)
+        failed = failed + 1
+        out[#out + 1] = 2
+      end
+    elseif redis.call('LREM', KEYS[2], -1, id) == 0 then
+      out[#out + 1] = 0
+    else
+      redis.call('HSET', body, 't', tries)
+      if count then
+        redis.call('LPUSH', KEYS[1], id)  -- a failed delivery: retried after the others
+      else
+        redis.call('RPUSH', KEYS[1], id)  -- given back unseen: keeps its turn
+      end
+      out[#out + 1] = 1
+    end
+  end
+end
+if failed > 0 then
+  redis.call('INCRBY', KEYS[4], failed)
+  redis.call('LTRIM', KEYS[3], 0, failed_max - 1)
+end
+return out
+"""
+)
+
+# Cluster deadletter, last step. KEYS: processing, failed, failed-count. ARGV: failed_max,
+# base, ids. Drops messages whose copies are now in the deadletter queue.
+_DROP_DEADLETTERED = """
+local base, done = ARGV[2], 0
+for i = 3, #ARGV do
+  if redis.call('LREM', KEYS[1], -1, ARGV[i]) > 0 then
+    redis.call('DEL', base .. 'msg:' .. ARGV[i])
+    redis.call('LPUSH', KEYS[2], ARGV[i])
+    done = done + 1
+  end
+end
+if done > 0 then
+  redis.call('INCRBY', KEYS[3], done)
+  redis.call('LTRIM', KEYS[2], 0, tonumber(ARGV[1]) - 1)
+end
+return done
+"""
+
+# KEYS: pending, consumers. ARGV: base. Returns {LLEN pending, sum of processing LLENs}.
+_SIZES = """
+local reserved = 0
+for _, cid in ipairs(redis.call('SMEMBERS', KEYS[2])) do
+  reserved = reserved + redis.call('LLEN', ARGV[1] .. 'processing:' .. cid)
+end
+return {redis.call('LLEN', KEYS[1]), reserved}
+"""
+
+# KEYS: consumers. ARGV: base. Registered consumers whose heartbeat key is gone.
+_DEAD = """
+local dead = {}
+for _, cid in ipairs(redis.call('SMEMBERS', KEYS[1])) do
+  if redis.call('EXISTS', ARGV[1] .. 'heartbeat:' .. cid) == 0 then dead[#dead + 1] = cid end
+end
+return dead
+"""
+
+# KEYS: processing of the dead consumer, pending, consumers, its heartbeat.
+# ARGV: base, cid, most to move. Moves newest-first to the consuming end of pending, so the
+# oldest reservation is delivered first; each move costs one try. Returns the number moved,
+# or -1 if the consumer is alive after all. Unregisters it once its list is empty. Atomic,
+# so two processes recovering the same consumer cannot both move a message.
+_RECOVER = """
+if redis.call('EXISTS', KEYS[4]) == 1 then return -1 end
+local base, moved = ARGV[1], 0
+for _ = 1, tonumber(ARGV[3]) do
+  local id = redis.call('LMOVE', KEYS[1], KEYS[2], 'LEFT', 'RIGHT')
+  if not id then break end
+  local body = base .. 'msg:' .. id
+  if redis.call('EXISTS', body) == 1 then
+    redis.call('HINCRBY', body, 't', 1)
+    moved = moved + 1
+  else
+    redis.call('RPOP', KEYS[2])  -- an id without a body: drop it
+  end
+end
+if redis.call('LLEN', KEYS[1]) == 0 then redis.call('SREM', KEYS[3], ARGV[2]) end
+return moved
+"""
+
+# KEYS: processing, consumers, heartbeat. ARGV: cid. A clean close: unregister only when
+# nothing is held, else leave the reservations for recovery (see RedisReliableStore.close).
+_RETIRE = """
+if redis.call('LLEN', KEYS[1]) == 0 then
+  redis.call('DEL', KEYS[3])
+  redis.call('SREM', KEYS[2], ARGV[1])
+  return 1
+end
+return 0
+"""
+
+
+def _stored(flat: list[Any], start: int) -> list[Stored]:
+    """Decode the ``id, p, h, t, m`` quintuples of a get / reserve script."""
+    return [
+        Stored(flat[i].decode(), flat[i + 1], flat[i + 2], int(flat[i + 3]), float(flat[i + 4]))
+        for i in range(start, len(flat), 5)
+    ]
+
+
+class RedisReliableStore(Store):
+    """One queue, seen by one consumer (``self.consumer``): reservations made through this
+    object sit in its own processing list until ok / ko, or until recovery after its
+    heartbeat stops."""
+
+    batch_concurrency: ClassVar[int] = 4
+    """Up to four calls of a kind in flight, pipelined on the fast lane, each run in its
+    caller's task; more calls gather into one batch (measured at 3 clients: about twice the
+    msgs/s of one batch at a time)."""
+
+    def __init__(self, name: str, options: QueueOptions, backend: RedisReliableBackend) -> None:
+        super().__init__(name, options)
+        self.run_in_caller = self.uninterruptible = backend.has_fast_lane
+        self._backend = backend
+        self._client = backend.client
+        self.consumer = os.urandom(8).hex()
+        self._base = backend.key(name) + ":"
+        self._pending = backend.key(name, "pending")
+        self._processing = backend.key(name, "processing", self.consumer)
+        self._heartbeat = backend.key(name, "heartbeat", self.consumer)
+        self._consumers = backend.key(name, "consumers")
+        self._failed = backend.key(name, "failed")
+        self._failed_count = backend.key(name, "failed-count")
+        self._processed = backend.key(name, "processed")
+        self._window_ms = str(math.ceil(options.dedup_window * 1000))
+        self._ttl = backend.heartbeat_ttl
+        self._ttl_ms = str(max(1, round(self._ttl * 1000)))
+        self._tasks: list[asyncio.Task[None]] = []
+        self._scripts = backend.scripts
+
+    # producing ---------------------------------------------------------------------------
+
+    async def insert(self, entries: Sequence[Entry]) -> list[bool]:
+        args: list[Any] = [self._base, self._window_ms]
+        for e in entries:
+            args += (
+                e.id,
+                e.payload,
+                e.headers,
+                e.tries,
+                "1" if e.dedup else "0",
+                "" if e.mature is None else repr(e.mature),
+            )
+        with redis_errors_translated():
+            flags = await self._scripts.insert([self._pending], args)
+        return [flag == 1 for flag in flags]
+
+    # consuming ---------------------------------------------------------------------------
+
+    async def get(self, n: int) -> Fetched:
+        with redis_errors_translated():
+            flat = await self._scripts.get([self._pending], [self._base, n])
+        return Fetched(_stored(flat, 1), time.time() if flat[0] else None)
+
+    async def reserve(self, n: int, reserve_delay: float) -> Fetched:
+        """LMOVE up to ``n`` ids into this consumer's processing list. ``reserve_delay`` is
+        ignored: reservations end with ok / ko, or when this consumer's heartbeat stops."""
+        if not self._tasks:
+            self._start()
+        keys = [self._pending, self._processing, self._consumers, self._heartbeat]
+        with redis_errors_translated():
+            flat = await self._scripts.reserve(keys, [self._base, n, self.consumer, self._ttl_ms])
+        return Fetched(_stored(flat, 1), time.time() if flat[0] else None)
+
+    # acknowledging -----------------------------------------------------------------------
+
+    async def commit(self, acks: Sequence[Ack]) -> list[bool]:
+        args: list[Any] = [self._base]
+        for ack in acks:
+            args += (ack.id, "" if ack.tries is None else ack.tries)
+        with redis_errors_translated():
+            keys = [self._processing, self._processed]
+            flags = await self._scripts.commit(keys, args)
+        return [flag == 1 for flag in flags]
+
+    async def rollback(
+        self, nacks: Sequence[Nack], deadletter: DeadletterPlan | None
+    ) -> list[KoResult]:
+        """Back to pending with one more try (none if ``count_try`` is false), or past
+        ``max_ko`` to the deadletter queue. Nack.delay is always 0 here (no delay capability)."""
+        dl_pending = self._pending
+        if deadletter is None:
+            head: list[Any] = [self._base, "", 0, "", 0]
+        else:
+            cluster = self._backend.cluster
+            dl_base = "defer" if cluster else self._backend.key(deadletter.queue) + ":"
+            if not cluster:
+                dl_pending = self._backend.key(deadletter.queue, "pending")
+            fixed = deadletter.headers(0, time.time())
+            fixed.pop("x-dl-tries", None)  # added by the script from the stored tries
+            fragment = orjson.dumps(fixed)[1:-1]
+            head = [self._base, dl_base, deadletter.max_ko, fragment, self._backend.failed_max]
+        for nack in nacks:
+            tries = "" if nack.tries is None else nack.tries
+            head += (nack.id, tries, "1" if nack.count_try else "0")
+        keys = [self._pending, self._processing, self._failed, self._failed_count, dl_pending]
+        with redis_errors_translated():
+            codes = await self._scripts.rollback(keys, head)
+        results: list[KoResult] = []
+        deferred: list[tuple[int, str, bytes, bytes, int]] = []
+        i = 0
+        for nack in nacks:
+            code = codes[i]
+            if code == 3:
+                deferred.append((len(results), nack.id, codes[i + 1], codes[i + 2], codes[i + 3]))
+                results.append(KoResult.DEADLETTERED)
+                i += 4
+            else:
+                results.append(KoResult(code))
+                i += 1
+        if deferred and deadletter is not None:
+            await self._deadletter_across_slots(deferred, deadletter, results)
+        return results
+
+    async def _deadletter_across_slots(
+        self,
+        deferred: list[tuple[int, str, bytes, bytes, int]],
+        plan: DeadletterPlan,
+        results: list[KoResult],
+    ) -> None:
+        """Cluster mode: copy into the deadletter queue (its own slot), then drop here.
+
+        The message stays in this consumer's processing list until the copy exists, so a
+        crash in between recovers it (and may deadletter it twice), never loses it.
+        """
+        now = time.time()
+        entries = [
+            Entry(mid, payload, append_headers(headers, plan.headers(tries, now)))
+            for _, mid, payload, headers, tries in deferred
+        ]
+        dl_base = self._backend.key(plan.queue) + ":"
+        dl_pending = self._backend.key(plan.queue, "pending")
+
+        def args_of(batch: list[Entry]) -> list[Any]:
+            args: list[Any] = [dl_base, "0"]
+            for e in batch:
+                args += (e.id, e.payload, e.headers, 0, "0", "")
+            return args
+
+        with redis_errors_translated():
+            flags = await self._scripts.insert(keys=[dl_pending], args=args_of(entries))
+            pending = [
+                (e, f"{e.id}.dl{d[4]}")
+                for e, d, flag in zip(entries, deferred, flags, strict=True)
+                if flag != 1
+            ]
+            clash = 1
+            while pending:  # already there from an earlier life of the message: rename
+                renamed = [Entry(name, e.payload, e.headers) for e, name in pending]
+                flags = await self._scripts.insert(keys=[dl_pending], args=args_of(renamed))
+                clash += 1
+                pending = [
+                    (e, f"{name.rsplit('.', 1)[0] if clash > 2 else name}.{clash}")
+                    for (e, name), flag in zip(pending, flags, strict=True)
+                    if flag != 1
+                ]
+            args: list[Any] = [self._backend.failed_max, self._base]
+            args += [mid for _, mid, _, _, _ in deferred]
+            await self._scripts.drop_deadlettered(
+                keys=[self._processing, self._failed, self._failed_count], args=args
+            )
+
+    # observing ---------------------------------------------------------------------------
+
+    async def sizes(self) -> Sizes:
+        """size = LLEN pending; reserved = the processing lists of registered consumers
+        (O(consumers)); nothing is ever scheduled."""
+        with redis_errors_translated():
+            size, reserved = await self._scripts.sizes(
+                keys=[self._pending, self._consumers], args=[self._base]
+            )
+        return Sizes(size, size + reserved, 0, reserved)
+
+    async def next_mature(self) -> float | None:
+        """Now if anything is pending or held, else None: there are no delays here."""
+        sizes = await self.sizes()
+        return time.time() if sizes.total else None
+
+    # heartbeat and recovery --------------------------------------------------------------
+
+    def _start(self) -> None:
+        self._tasks = [
+            asyncio.create_task(self._every(self._ttl / 3, self._beat), name="keuss-heartbeat"),
+            asyncio.create_task(self._every(self._ttl / 2, self.recover), name="keuss-recovery"),
+        ]
+
+    async def _every(self, period: float, work: Callable[[], Awaitable[object]]) -> None:
+        """Run ``work`` every ``period`` seconds until cancelled; a failure is logged and
+        retried next period (a Redis outage must not end the heartbeat for good)."""
+        while True:
+            await asyncio.sleep(period)
+            try:
+                await work()
+            except Exception:
+                log.warning(
+                    "redis-reliable %s of %r failed", work.__name__, self.name, exc_info=True
+                )
+
+    async def _beat(self) -> None:
+        """Keep this consumer alive and registered (re-registered if recovery took it)."""
+        with redis_errors_translated():
+            async with self._client.pipeline(transaction=False) as pipe:
+                pipe.set(self._heartbeat, b"1", px=int(self._ttl_ms))
+                pipe.sadd(self._consumers, self.consumer)
+                await pipe.execute()
+
+    async def recover(self) -> int:
+        """Give back to ``pending`` what consumers with an expired heartbeat held, each with
+        one more try. Safe to run from many processes at once: each step is one atomic
+        script that re-checks the heartbeat. Returns how many messages this call moved."""
+        moved = 0
+        with redis_errors_translated():
+            dead = await self._scripts.dead(keys=[self._consumers], args=[self._base])
+            for raw in dead:
+                cid = raw.decode()
+                if cid == self.consumer:  # we are alive, merely late: keep our own
+                    continue
+                keys = [
+                    self._backend.key(self.name, "processing", cid),
+                    self._pending,
+                    self._consumers,
+                    self._backend.key(self.name, "heartbeat", cid),
+                ]
+                while True:
+                    step = await self._scripts.recover(
+                        keys=keys, args=[self._base, cid, RECOVER_STEP]
+                    )
+                    if step <= 0:
+                        break
+                    moved += step
+        if moved:
+            log.info(
+                "redis-reliable %r: recovered %d message(s) of dead consumers", self.name, moved
+            )
+        return moved
+
+    async def close(self) -> None:
+        """Stop the heartbeat and recovery tasks, and unregister if nothing is held.
+
+        Reservations still held at close (the caller neither ok-ed nor ko-ed them) are left
+        to recovery: they come back with one more try once the heartbeat key expires, as if
+        the process had died — the same as an expired reservation elsewhere.
+        """
+        tasks, self._tasks = self._tasks, []
+        for task in tasks:
+            await stop_task(task)
+        if tasks:
+            with redis_errors_translated():
+                await self._scripts.retire(
+                    keys=[self._processing, self._consumers, self._heartbeat],
+                    args=[self.consumer],
+                )
+
+
+class _Scripts:
+    """The Lua scripts of this backend, by name, each run by SHA on the backend's connection
+    (its pipelined fast lane when it has one)."""
+
+    def __init__(self, backend: RedisBackend) -> None:
+        def bind(source: str) -> Callable[..., Awaitable[Any]]:
+            script = Script(source)
+
+            async def run(keys: Sequence[str], args: Sequence[Any]) -> Any:
+                return await backend.run_script(script, keys, args)
+
+            return run
+
+        self.insert = bind(_INSERT)
+        self.get = bind(_GET)
+        self.reserve = bind(_RESERVE)
+        self.commit = bind(_COMMIT)
+        self.rollback = bind(_ROLLBACK)
+        self.drop_deadlettered = bind(_DROP_DEADLETTERED)
+        self.sizes = bind(_SIZES)
+        self.dead = bind(_DEAD)
+        self.recover = bind(_RECOVER)
+        self.retire = bind(_RETIRE)
+
+
+class RedisReliableBackend(RedisBackend):
+    """Seed 002's reliable queue. Options beyond the Redis ones:
+
+    heartbeat_ttl: seconds a consumer's heartbeat lives (refreshed every third of it);
+      a consumer silent that long is dead and its reservations are recovered (checked
+      every half of it by every live consumer of the queue).
+    failed_max: how many deadlettered ids each queue's ``failed`` list keeps.
+    """
+
+    name = "redis-reliable"
+    capabilities: ClassVar[Capabilities] = Capabilities(
+        pop=True,
+        reserve=True,
+        delay=False,
+        remove=False,
+        idempotent=True,
+        reservation_expiry=False,
+        shared=True,
+    )
+    options: ClassVar[dict[str, Any]] = {
+        **RedisBackend.options,
+        "heartbeat_ttl": 30.0,
+        "failed_max": 10_000,
+    }
+
+    def __init__(self, options: dict[str, Any]) -> None:
+        super().__init__(options)
+        ttl = self.settings["heartbeat_ttl"]
+        if isinstance(ttl, bool) or not isinstance(ttl, int | float) or not 0.05 <= ttl < 1e6:
+            raise ConfigError(f"heartbeat_ttl must be seconds >= 0.05, not {ttl!r}")
+        self.heartbeat_ttl = float(ttl)
+        # Bounded: the scripts pass it through a Lua number to LTRIM, and Lua prints large
+        # numbers in exponent form, which Redis refuses as "not an integer" (dedup_window,
+        # milliseconds in PX, is kept small enough by the bound on queue options' seconds).
+        self.failed_max: int = check_count(self.settings["failed_max"], "failed_max")
+        self.scripts = _Scripts(self)
+
+    async def store(self, queue: str, options: QueueOptions) -> Store:
+        return RedisReliableStore(queue, options, self)

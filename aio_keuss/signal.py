@@ -1,0 +1,243 @@
+"""Wake-up and pause signals between queue objects, in this process and in others.
+
+The generic half lives here, once: subscribers in this process are told at once; other
+processes are told through a transport (Redis pub/sub, LISTEN/NOTIFY, ...) that a subclass
+provides with :meth:`SignalBus._publish` and by calling :meth:`SignalBus._receive`.
+
+A transport that must hold a connection open to hear the others provides
+:meth:`SignalBus._listen`, and the lifecycle around it is the base's, the same for every
+database: one task per bus; ``open`` waits until it listens, so a push made right after
+``connect`` returns is heard (or raises, if it cannot listen at all); a lost connection is
+reopened with capped exponential backoff while consumers keep going on their poll interval,
+and once it listens again every local queue is woken, since what was signalled meanwhile
+went unheard; ``close`` cancels it.
+
+Insertion events for a queue are debounced per queue: the first one of a burst goes out at
+once, later ones within the window are folded into one trailing event carrying the earliest
+mature time, sent when the window closes, so the last event of a burst is never dropped.
+Signals are hints: a lost one costs a consumer at most its poll interval.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Literal
+
+import orjson
+
+from .coalesce import stop_task
+
+log = logging.getLogger("aio_keuss.signal")
+
+SignalKind = Literal["insert", "pause", "resume"]
+
+RECONNECT_FIRST = 0.05
+RECONNECT_CAP = 2.0
+OPEN_WAIT = 5.0
+"""Longest ``open`` waits for the listener to be in place."""
+
+
+def _raise_if_cancelled(cause: BaseException | None) -> None:
+    """Stop a listener that was cancelled (``close``) even if the driver turned the
+    cancellation into an error of its own, or into an ordinary end of the connection (redis-py
+    can, when the server goes away at that moment): retrying then would leave a listener that
+    nobody can stop, and ``close`` waiting for it forever."""
+    task = asyncio.current_task()
+    if task is not None and task.cancelling():
+        raise asyncio.CancelledError from cause
+
+
+@dataclass(frozen=True, slots=True)
+class Signal:
+    queue: str
+    kind: SignalKind
+    mature: float | None = None
+
+
+Listener = Callable[[Signal], None]
+
+
+class SignalBus:
+    """In-process delivery plus debounced publishing; the base class alone is local-only."""
+
+    def __init__(self, debounce: float = 0.05) -> None:
+        self.debounce = debounce
+        self.origin = os.urandom(8).hex()
+        self._listeners: dict[str, set[Listener]] = {}
+        self._windows: dict[str, float | None] = {}
+        self._publishing: set[asyncio.Task[None]] = set()
+        self._closed = False
+        self._listener: asyncio.Task[None] | None = None
+        self._listening = asyncio.Event()  # set once the listener has listened
+        self._opening = False  # while ``open`` waits for it
+        self._failing = False
+        self._backoff = RECONNECT_FIRST
+
+    async def open(self) -> None:
+        """Start the transport's listener, if it has one, and wait until it listens.
+
+        A listener that fails before it ever listened fails ``open`` with its error: the
+        server refused it, or cannot do it (change streams on a standalone MongoDB). One
+        that is merely slow is left to come up while consumers poll.
+        """
+        if type(self)._listen is SignalBus._listen:
+            return
+        listener = asyncio.get_running_loop().create_task(self._listen_forever())
+        self._listener = listener
+        listening = asyncio.ensure_future(self._listening.wait())
+        self._opening = True
+        try:
+            await asyncio.wait(
+                (listener, listening), timeout=OPEN_WAIT, return_when=asyncio.FIRST_COMPLETED
+            )
+        except BaseException:
+            await self._stop_listener()
+            raise
+        finally:
+            self._opening = False
+            listening.cancel()
+        if listener.done():
+            self._listener = None
+            listener.result()
+
+    async def close(self) -> None:
+        self._closed = True
+        if self._publishing:
+            await asyncio.gather(*self._publishing, return_exceptions=True)
+        await self._stop_listener()
+
+    def subscribe(self, queue: str, listener: Listener) -> Callable[[], None]:
+        self._listeners.setdefault(queue, set()).add(listener)
+
+        def unsubscribe() -> None:
+            listeners = self._listeners.get(queue)
+            if listeners is not None:
+                listeners.discard(listener)
+                if not listeners:
+                    del self._listeners[queue]
+
+        return unsubscribe
+
+    def insert(self, queue: str, mature: float) -> None:
+        """Announce messages in ``queue`` maturing at ``mature``; never blocks."""
+        self._deliver(Signal(queue, "insert", mature))
+        if not self.remote:
+            return
+        if queue in self._windows:
+            pending = self._windows[queue]
+            self._windows[queue] = mature if pending is None else min(pending, mature)
+            return
+        self._open_window(queue)
+        self._send(Signal(queue, "insert", mature))
+
+    def paused(self, queue: str, paused: bool) -> None:
+        """Announce a pause or resume; never debounced."""
+        signal = Signal(queue, "pause" if paused else "resume")
+        self._deliver(signal)
+        self._send(signal)
+
+    # transport side -------------------------------------------------------------------
+
+    async def _listen(self, ready: Callable[[], None]) -> None:
+        """Connect, call ``ready()`` once listening, then feed :meth:`_receive` until the
+        connection fails (raise) or ends (return); the base then starts it again.
+
+        Raise aio_keuss errors (translate the driver's): a first attempt's error is what
+        ``open`` raises. The base never calls this one: a bus without it has no listener.
+        """
+
+    def _ready(self) -> None:
+        """The listener is (again) in place. Every local queue is woken, since signals sent
+        while it was away went unheard (on the first call there is no local queue yet)."""
+        self._backoff = RECONNECT_FIRST
+        if self._failing:
+            log.info("%s listener is back", type(self).__name__)
+            self._failing = False
+        for queue in list(self._listeners):
+            self._deliver(Signal(queue, "insert"))
+        self._listening.set()
+
+    async def _listen_forever(self) -> None:
+        while True:
+            try:
+                await self._listen(self._ready)
+                reason = "connection ended"
+            except Exception as exc:
+                _raise_if_cancelled(exc)
+                if self._opening and not self._listening.is_set():
+                    raise  # it cannot listen at all: ``open`` raises this
+                reason = str(exc) or type(exc).__name__
+            _raise_if_cancelled(None)
+            # one warning per outage, not one per attempt while the server is away
+            level = logging.DEBUG if self._failing else logging.WARNING
+            log.log(level, "%s listener lost (%s); retrying", type(self).__name__, reason)
+            self._failing = True
+            await asyncio.sleep(self._backoff)
+            self._backoff = min(self._backoff * 2, RECONNECT_CAP)
+
+    async def _stop_listener(self) -> None:
+        listener, self._listener = self._listener, None
+        if listener is not None:
+            await stop_task(listener)
+
+    async def _publish(self, payload: bytes) -> None:
+        """Send one encoded signal to other processes; the local bus has none to tell."""
+
+    def _receive(self, payload: bytes | str) -> None:
+        """Feed a signal from the transport; our own echoes are dropped (already delivered)."""
+        try:
+            data = orjson.loads(payload)
+            if data["o"] == self.origin:
+                return
+            self._deliver(Signal(data["q"], data["k"], data.get("m")))
+        except (orjson.JSONDecodeError, KeyError, TypeError, ValueError):
+            log.warning("ignoring malformed signal %r", payload)
+
+    @property
+    def remote(self) -> bool:
+        """Whether this bus reaches other processes (worth debouncing and publishing)."""
+        return type(self)._publish is not SignalBus._publish
+
+    # internals --------------------------------------------------------------------------
+
+    def _deliver(self, signal: Signal) -> None:
+        for listener in tuple(self._listeners.get(signal.queue, ())):
+            try:
+                listener(signal)
+            except Exception:  # a listener's bug must not stop the others
+                log.exception("signal listener failed")
+
+    def _open_window(self, queue: str) -> None:
+        self._windows[queue] = None
+        asyncio.get_running_loop().call_later(self.debounce, self._close_window, queue)
+
+    def _close_window(self, queue: str) -> None:
+        pending = self._windows.pop(queue, None)
+        if pending is not None and not self._closed:
+            self._open_window(queue)
+            self._send(Signal(queue, "insert", pending))
+
+    def _send(self, signal: Signal) -> None:
+        if self._closed or not self.remote:
+            return
+        payload = orjson.dumps(
+            {"o": self.origin, "q": signal.queue, "k": signal.kind, "m": signal.mature}
+        )
+        task = asyncio.get_running_loop().create_task(self._publish_quietly(payload))
+        self._publishing.add(task)
+        task.add_done_callback(self._publishing.discard)
+
+    async def _publish_quietly(self, payload: bytes) -> None:
+        try:
+            await self._publish(payload)
+        except Exception as exc:  # a lost signal costs latency, never correctness
+            log.debug("signal publish failed: %s", exc)
+
+
+class LocalSignalBus(SignalBus):
+    """The in-process bus: no transport, since :class:`SignalBus` already delivers to this
+    process's subscribers (queue objects of one process wake each other directly)."""

@@ -1,0 +1,35 @@
+"""Spark integration: push partitions from executors, and the ``aio_keuss`` data source.
+
+``push_partitions`` (for ``df.foreachPartition``) and ``register`` (the data source, for
+``df.write.format("aio_keuss")`` and ``spark.readStream.format("aio_keuss")``) are all most
+jobs need. Only :mod:`aio_keuss.spark.source` imports PySpark, and only when ``register`` is
+called, so executors that merely push need PySpark no more than the driver gives them.
+"""
+
+from .executor import (
+    FORMAT,
+    READ_OPTIONS,
+    WRITE_OPTIONS,
+    WriteSpec,
+    close_executor_factories,
+    executor_factory,
+    executor_queue,
+    push_arrow_batches,
+    push_partitions,
+    push_rows,
+    register,
+)
+
+__all__ = [
+    "FORMAT",
+    "READ_OPTIONS",
+    "WRITE_OPTIONS",
+    "WriteSpec",
+    "close_executor_factories",
+    "executor_factory",
+    "executor_queue",
+    "push_arrow_batches",
+    "push_partitions",
+    "push_rows",
+    "register",
+]

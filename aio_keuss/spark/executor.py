@@ -1,0 +1,511 @@
+"""Spark integration: push partitions from executors, and the ``aio_keuss`` data source.
+
+Executors reach queues through :mod:`aio_keuss.sync`: ONE factory per executor (Python worker)
+process, cached here by backend and options, so the many tasks a reused worker runs share one
+connection pool and one event-loop thread.
+
+Spark retries failed tasks and may run a task twice at once (speculation), so every push is
+idempotent: each message id is derived from a stable key -- the column you name, or the job
+key plus partition id plus row index -- and pushed with ``ids=``; the backend drops a second
+push of an id within its ``dedup_window`` (default one hour). Row order inside a partition
+must then be deterministic between attempts, which holds for files, ``range`` and sorted data
+(not for the output of a non-deterministic shuffle: name an ``id_column`` there).
+
+    df.foreachPartition(push_partitions(backend="redis-oq", queue="jobs",
+                                        url="redis://127.0.0.1:6379/0"))
+
+    aio_keuss.spark.register(spark)
+    df.write.format("aio_keuss").option("backend", "redis-oq").option("queue", "jobs") \\
+        .option("url", "redis://127.0.0.1:6379/0").mode("append").save()
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import decimal
+import os
+import threading
+import uuid
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Any
+
+import orjson
+
+from .. import sync
+from ..errors import ConfigError, InvalidIdError, InvalidInputError, InvalidPayloadError
+from ..message import Headers, Message, Payload
+from ..options import QUEUE_OPTION_NAMES, check_queue_name
+from ..queue import Queue
+from ..registry import load_backend
+
+if TYPE_CHECKING:
+    from pyspark.sql import SparkSession
+
+__all__ = [
+    "FORMAT",
+    "WriteSpec",
+    "executor_queue",
+    "push_partitions",
+    "push_rows",
+    "register",
+]
+
+FORMAT = "aio_keuss"
+
+# Options the Spark layer consumes itself; every other option goes to ``aio_keuss.connect``.
+WRITE_OPTIONS = frozenset(
+    {
+        "backend",
+        "queue",
+        "payload_column",
+        "headers_column",
+        "delay_column",
+        "id_column",
+        "id_prefix",
+        "job_key",
+        "batch_size",
+        "idempotent",
+    }
+)
+READ_OPTIONS = frozenset(
+    {
+        "backend",
+        "queue",
+        "read_mode",
+        "max_rows",
+        "max_rows_per_batch",
+        "num_partitions",
+    }
+)
+# Spark options are strings: these connect options are converted back to numbers.
+_FLOAT_OPTIONS = frozenset(QUEUE_OPTION_NAMES - {"max_batch"}) | {"signal_debounce"}
+_INT_OPTIONS = frozenset({"max_batch"})
+_JSON_OPTIONS = frozenset({"deadletter"})
+# Options Spark itself adds to a data source's options.
+_SPARK_OWN = frozenset({"path", "checkpointlocation", "queryname"})
+
+
+# -- options -----------------------------------------------------------------------------
+
+
+def parse_bool(value: object, name: str) -> bool:
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text in {"true", "1", "yes"}:
+        return True
+    if text in {"false", "0", "no"}:
+        return False
+    raise ConfigError(f"option {name!r} must be true or false, not {value!r}")
+
+
+def parse_positive_int(value: object, name: str) -> int:
+    try:
+        number = int(str(value)) if not isinstance(value, int) else value
+    except ValueError:
+        number = 0
+    if isinstance(value, bool) or number < 1:
+        raise ConfigError(f"option {name!r} must be a positive integer, not {value!r}")
+    return number
+
+
+def connect_options(raw: Mapping[str, Any], own: frozenset[str]) -> dict[str, Any]:
+    """The ``aio_keuss.connect`` options among ``raw`` (Spark's are strings: typed back)."""
+    result: dict[str, Any] = {}
+    for key, value in raw.items():
+        name = key.lower()
+        if name in own or name in _SPARK_OWN:
+            continue
+        if isinstance(value, str):
+            try:
+                if name in _FLOAT_OPTIONS:
+                    value = float(value)
+                elif name in _INT_OPTIONS:
+                    value = int(value)
+                elif name in _JSON_OPTIONS:
+                    value = orjson.loads(value)
+            except (ValueError, orjson.JSONDecodeError) as exc:
+                raise ConfigError(f"option {name!r}: cannot read {value!r}: {exc}") from exc
+        result[name] = value
+    return result
+
+
+def required(raw: Mapping[str, Any], name: str) -> str:
+    value = raw.get(name)
+    if value is None or str(value) == "":
+        raise ConfigError(f"the aio_keuss data source needs option {name!r}")
+    return str(value)
+
+
+@dataclass(frozen=True)
+class WriteSpec:
+    """Everything an executor needs to turn rows into messages; small and picklable."""
+
+    backend: str
+    queue: str
+    options: dict[str, Any] = field(default_factory=dict)
+    payload_column: str | None = None
+    headers_column: str | None = None
+    delay_column: str | None = None
+    id_column: str | None = None
+    id_prefix: str = ""
+    job_key: str | None = None
+    batch_size: int = 1000
+    idempotent: bool = True
+
+    @classmethod
+    def from_options(cls, raw: Mapping[str, Any]) -> WriteSpec:
+        """Parse data source options (strings) and check them; raises ConfigError."""
+        lowered = {key.lower(): value for key, value in raw.items()}
+
+        def column(name: str) -> str | None:
+            value = lowered.get(name)
+            return None if value in (None, "") else str(value)
+
+        spec = cls(
+            backend=required(lowered, "backend"),
+            queue=required(lowered, "queue"),
+            options=connect_options(lowered, WRITE_OPTIONS | READ_OPTIONS),
+            payload_column=column("payload_column"),
+            headers_column=column("headers_column"),
+            delay_column=column("delay_column"),
+            id_column=column("id_column"),
+            id_prefix=str(lowered.get("id_prefix") or ""),
+            job_key=column("job_key"),
+            batch_size=parse_positive_int(lowered.get("batch_size", 1000), "batch_size"),
+            idempotent=parse_bool(lowered.get("idempotent", True), "idempotent"),
+        )
+        spec.check()
+        return spec
+
+    def check(self, columns: Sequence[str] | None = None) -> None:
+        """Refuse, before anything is written, what would fail (or duplicate) on executors."""
+        backend_class = load_backend(self.backend)  # ConfigError for an unknown backend
+        try:
+            check_queue_name(self.queue)
+        except InvalidInputError as exc:
+            raise ConfigError(str(exc)) from exc
+        if self.idempotent and not backend_class.capabilities.idempotent:
+            raise ConfigError(
+                f"backend {self.backend!r} cannot deduplicate message ids, so a retried Spark"
+                " task would push its rows twice; set option idempotent=false to accept that"
+            )
+        if not self.idempotent and self.id_column is not None:
+            raise ConfigError("id_column needs idempotent pushes; drop idempotent=false")
+        if self.delay_column is not None and not backend_class.capabilities.delay:
+            raise ConfigError(f"backend {self.backend!r} has no delay: drop delay_column")
+        if columns is not None:
+            for what in ("payload_column", "headers_column", "delay_column", "id_column"):
+                name = getattr(self, what)
+                if name is not None and name not in columns:
+                    raise ConfigError(
+                        f"{what} {name!r} is not a column; columns: {', '.join(columns)}"
+                    )
+        if self.job_key is not None:
+            _check_id_part(self.job_key, "job_key")
+        if self.id_prefix:
+            _check_id_part(self.id_prefix, "id_prefix")
+
+    def with_job_key(self, job_key: str) -> WriteSpec:
+        return self if self.job_key is not None else replace(self, job_key=job_key)
+
+
+def _check_id_part(value: str, what: str) -> None:
+    if len(value) > 100 or not value.isprintable() or " " in value:
+        raise ConfigError(f"{what} must be up to 100 printable characters without spaces")
+
+
+def new_job_key() -> str:
+    """A key for one job, made once on the driver, so every attempt of a task agrees."""
+    return uuid.uuid4().hex[:16]
+
+
+# -- the executor-side factory cache ------------------------------------------------------
+
+_cache_lock = threading.Lock()
+_factories: dict[tuple[int, str, str], sync.SyncFactory] = {}
+
+
+def _forget_after_fork() -> None:
+    global _cache_lock
+    _cache_lock = threading.Lock()
+    _factories.clear()
+
+
+os.register_at_fork(after_in_child=_forget_after_fork)
+
+
+def executor_factory(backend: str, options: Mapping[str, Any]) -> sync.SyncFactory:
+    """This process's factory for ``backend`` + ``options``, opened on first use and kept
+    for the life of the process (closed at exit by :mod:`aio_keuss.sync`)."""
+    key = (os.getpid(), backend, repr(sorted(options.items())))
+    factory = _factories.get(key)
+    if factory is not None and not factory.closed:
+        return factory
+    with _cache_lock:
+        factory = _factories.get(key)
+        if factory is None or factory.closed:
+            factory = _factories[key] = sync.connect(backend, **options)
+        return factory
+
+
+def executor_queue(backend: str, queue: str, options: Mapping[str, Any]) -> sync.SyncQueue:
+    return executor_factory(backend, options).queue(queue)
+
+
+def close_executor_factories() -> None:
+    """Close the cached factories now (tests; a driver that wants its loop thread gone)."""
+    with _cache_lock:
+        factories = list(_factories.values())
+        _factories.clear()
+    for factory in factories:
+        factory.close()
+
+
+# -- rows to messages -----------------------------------------------------------------------
+
+
+def _plain(value: Any) -> Any:
+    """What Spark hands out but JSON lacks: timestamps and dates become ISO-8601 text,
+    decimals text (no precision lost), maps (lists of pairs from Arrow) dicts."""
+    if isinstance(value, dict):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        if value and all(isinstance(item, tuple) and len(item) == 2 for item in value):
+            return {str(k): _plain(v) for k, v in value}
+        return [_plain(item) for item in value]
+    if isinstance(value, _dt.datetime | _dt.date | _dt.time):
+        return value.isoformat()
+    if isinstance(value, decimal.Decimal):
+        return str(value)
+    if isinstance(value, bytearray):
+        return bytes(value)
+    if hasattr(value, "asDict"):  # a pyspark Row
+        return _plain(value.asDict(recursive=True))
+    return value
+
+
+def _as_dict(row: Any) -> dict[str, Any]:
+    if isinstance(row, dict):
+        return row
+    if hasattr(row, "asDict"):
+        result: dict[str, Any] = row.asDict(recursive=True)
+        return result
+    if isinstance(row, Mapping):
+        return dict(row)
+    raise InvalidInputError(f"cannot read a {type(row).__name__} as a row of named columns")
+
+
+def _json_value(value: Any, what: str) -> Any:
+    if isinstance(value, str):
+        try:
+            return orjson.loads(value)
+        except orjson.JSONDecodeError as exc:
+            raise InvalidPayloadError(f"{what} is not JSON text: {exc}: {value[:80]!r}") from exc
+    if isinstance(value, list) and value and isinstance(value[0], tuple):
+        return dict(value)  # an Arrow map
+    if hasattr(value, "asDict"):
+        return value.asDict(recursive=True)
+    return value
+
+
+@dataclass(slots=True)
+class _Batch:
+    payloads: list[Payload] = field(default_factory=list)
+    ids: list[str] = field(default_factory=list)
+    headers: list[Headers | None] = field(default_factory=list)
+    delays: list[float] = field(default_factory=list)
+
+
+class _Pusher:
+    """Turns rows into messages and pushes them in batches through the sync shim."""
+
+    def __init__(self, spec: WriteSpec, id_base: str | None) -> None:
+        self.spec = spec
+        self.id_base = id_base
+        self.queue = executor_queue(spec.backend, spec.queue, spec.options)
+        self.index = 0
+        self.pushed = 0
+        self._batch = _Batch()
+        self._per_message = spec.headers_column is not None or spec.delay_column is not None
+        self._meta = {c for c in (spec.headers_column, spec.delay_column) if c is not None}
+
+    def add(self, row: Any) -> None:
+        spec, batch = self.spec, self._batch
+        values = row if isinstance(row, dict) else _as_dict(row)
+        payload: Payload
+        if spec.payload_column is not None:
+            payload = _json_value(values[spec.payload_column], spec.payload_column)
+        elif self._meta:
+            payload = {k: v for k, v in values.items() if k not in self._meta}
+        else:
+            payload = values
+        batch.payloads.append(payload)
+        if spec.id_column is not None:
+            key = values[spec.id_column]
+            if key is None or key == "":
+                raise InvalidIdError(f"row {self.index} has no value in id_column")
+            batch.ids.append(f"{spec.id_prefix}{key}")
+        elif self.id_base is not None:
+            batch.ids.append(f"{self.id_base}:{self.index}")
+        if self._per_message:
+            headers = None
+            if spec.headers_column is not None:
+                headers = _json_value(values[spec.headers_column], spec.headers_column)
+            batch.headers.append(headers or None)
+            delay = 0.0
+            if spec.delay_column is not None:
+                delay = values[spec.delay_column] or 0.0
+            batch.delays.append(delay)
+        self.index += 1
+        if len(batch.payloads) >= spec.batch_size:
+            self.flush()
+
+    def flush(self) -> None:
+        batch = self._batch
+        if not batch.payloads:
+            return
+        self._batch = _Batch()
+        try:
+            self._push(batch)
+        except InvalidPayloadError:
+            # Timestamps, decimals... made plain only when needed: the fast path stays lean.
+            # Bad input is refused before anything is written, so pushing again is safe.
+            batch.payloads = [_plain(p) for p in batch.payloads]
+            self._push(batch)
+        self.pushed += len(batch.payloads)
+
+    def _push(self, batch: _Batch) -> None:
+        ids = batch.ids or None
+        if not self._per_message:
+            self.queue.push_many(batch.payloads, ids=ids)
+        else:
+            self.queue._factory.call(_push_each, self.queue.queue, batch)
+
+
+async def _push_each(queue: Queue, batch: _Batch) -> list[str]:
+    """Messages with their own headers / delay: one push each, gathered on the loop so the
+    queue coalesces them into batch round trips."""
+    import asyncio
+
+    ids: Sequence[str | None] = batch.ids or [None] * len(batch.payloads)
+    return list(
+        await asyncio.gather(
+            *(
+                queue.push(payload, delay=delay, headers=headers, id=message_id)
+                for payload, delay, headers, message_id in zip(
+                    batch.payloads, batch.delays, batch.headers, ids, strict=True
+                )
+            )
+        )
+    )
+
+
+def push_rows(spec: WriteSpec, rows: Iterable[Any], id_base: str | None) -> int:
+    """Push ``rows`` (Rows, dicts) as messages; ids are ``f"{id_base}:{row index}"`` unless
+    ``spec`` names an id column or is not idempotent. Returns how many were pushed."""
+    if not spec.idempotent or spec.id_column is not None:
+        id_base = None
+    elif id_base is None:
+        raise ConfigError("idempotent pushes need an id base (job key and partition)")
+    pusher = _Pusher(spec, id_base)
+    for row in rows:
+        pusher.add(row)
+    pusher.flush()
+    return pusher.pushed
+
+
+def push_arrow_batches(spec: WriteSpec, batches: Iterable[Any], id_base: str | None) -> int:
+    """Like :func:`push_rows` for Arrow record batches: ``to_pylist`` builds the row dicts
+    in C, several times faster than Spark's Row objects."""
+    return push_rows(spec, (row for batch in batches for row in batch.to_pylist()), id_base)
+
+
+def task_partition() -> int:
+    from pyspark import TaskContext
+
+    context = TaskContext.get()
+    if context is None:
+        raise ConfigError("not in a Spark task: no TaskContext to derive message ids from")
+    return context.partitionId()
+
+
+def push_partitions(
+    backend: str,
+    queue: str,
+    id_column: str | None = None,
+    batch_size: int = 1000,
+    *,
+    job_key: str | None = None,
+    payload_column: str | None = None,
+    headers_column: str | None = None,
+    delay_column: str | None = None,
+    id_prefix: str = "",
+    idempotent: bool = True,
+    **options: Any,
+) -> Callable[[Iterator[Any]], None]:
+    """A function for ``df.foreachPartition`` / ``rdd.foreachPartition`` pushing each row
+    (a Row or dict: its columns make the payload dict) into ``queue``.
+
+    Ids: ``f"{id_prefix}{row[id_column]}"``, else ``f"{job_key}:{partition}:{row index}"``.
+    ``job_key`` defaults to a key made here, on the driver, once: every attempt of a task
+    derives the same ids. Give your own to make a re-run of the whole job idempotent too.
+    ``options`` go to ``aio_keuss.connect`` (``url``, ``prefix``, ``schema``...).
+    """
+    spec = WriteSpec(
+        backend=backend,
+        queue=queue,
+        options=dict(options),
+        payload_column=payload_column,
+        headers_column=headers_column,
+        delay_column=delay_column,
+        id_column=id_column,
+        id_prefix=id_prefix,
+        job_key=job_key,
+        batch_size=parse_positive_int(batch_size, "batch_size"),
+        idempotent=idempotent,
+    )
+    spec.check()
+    spec = spec.with_job_key(new_job_key())
+
+    def push_partition(rows: Iterator[Any]) -> None:
+        push_rows(spec, rows, f"{spec.job_key}:{task_partition()}")
+
+    return push_partition
+
+
+# -- messages to rows ----------------------------------------------------------------------
+
+READ_SCHEMA = (
+    "id string, payload string, headers string, tries int, mature timestamp, payload_bytes binary"
+)
+"""``payload`` is the payload as JSON text; a bytes payload is in ``payload_bytes`` instead
+(``payload`` null). ``headers`` is a JSON object text."""
+
+MessageRow = tuple[str, str | None, str, int, _dt.datetime, bytes | None]
+
+
+def message_row(message: Message) -> MessageRow:
+    payload = message.payload
+    headers = orjson.dumps(message.headers).decode() if message.headers else "{}"
+    if isinstance(payload, bytes):
+        return (message.id, None, headers, message.tries, message.mature, payload)
+    return (
+        message.id,
+        orjson.dumps(payload).decode(),
+        headers,
+        message.tries,
+        message.mature,
+        None,
+    )
+
+
+# -- registration --------------------------------------------------------------------------
+
+
+def register(spark: SparkSession) -> None:
+    """Make ``format("aio_keuss")`` known to this session (reads, writes, streams)."""
+    from .source import KeussDataSource
+
+    spark.dataSource.register(KeussDataSource)

@@ -1,0 +1,403 @@
+"""The ``aio_keuss`` PySpark data source (pyspark >= 4.0 Python Data Source API).
+
+Register it with ``aio_keuss.spark.register(spark)``, then:
+
+- ``df.write.format("aio_keuss")`` pushes rows (idempotent ids per job, see
+  :mod:`aio_keuss.spark`);
+- ``df.writeStream.format("aio_keuss")`` does the same per micro-batch, ids derived from the
+  query id (stable across restarts from a checkpoint), the batch id, the partition and the
+  row index, so a batch replayed after a restart does not duplicate;
+- ``spark.readStream.format("aio_keuss")`` reserves messages on the driver, hands them to
+  the tasks inside the input partitions, and acknowledges (``ok``) them only in
+  ``commit(end)``, after the micro-batch reached the sink: at-least-once, nothing lost by a
+  crash. Reservations not acknowledged (a crash, a stop) come back after ``reserve_delay``:
+  keep it well above the longest micro-batch (trigger interval + processing time);
+- ``spark.read.format("aio_keuss")`` takes what is ready now: with ``read_mode=reserve``
+  (the default where the backend can reserve) each task reserves a chunk, yields its rows and
+  oks the chunk once Spark consumed them (a failed task's messages come back); with
+  ``read_mode=pop`` messages are popped (at-most-once). Either way reading consumes: cache
+  or write the DataFrame once rather than evaluating it twice.
+
+Read schema: ``id string, payload string (JSON), headers string (JSON object), tries int,
+mature timestamp, payload_bytes binary`` (bytes payloads land in ``payload_bytes``).
+"""
+
+from __future__ import annotations
+
+import threading
+import uuid
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from pyspark import TaskContext
+from pyspark.sql.datasource import (
+    DataSource,
+    DataSourceArrowWriter,
+    DataSourceReader,
+    DataSourceStreamReader,
+    InputPartition,
+    WriterCommitMessage,
+)
+from pyspark.sql.types import StructType
+
+from .. import sync
+from ..errors import ConfigError
+from ..message import Message
+from .executor import (
+    FORMAT,
+    READ_OPTIONS,
+    READ_SCHEMA,
+    WRITE_OPTIONS,
+    MessageRow,
+    WriteSpec,
+    connect_options,
+    executor_factory,
+    message_row,
+    new_job_key,
+    parse_positive_int,
+    push_arrow_batches,
+    required,
+)
+
+try:  # pyspark >= 4.1: Arrow batches straight from the JVM
+    from pyspark.sql.datasource import DataSourceStreamArrowWriter as _StreamWriterBase
+except ImportError:  # pragma: no cover - pyspark 4.0
+    from pyspark.sql.datasource import (  # type: ignore[assignment]
+        DataSourceStreamWriter as _StreamWriterBase,
+    )
+
+__all__ = ["KeussDataSource"]
+
+BATCH_ID_PROPERTY = "streaming.sql.batchId"
+QUERY_ID_PROPERTY = "sql.streaming.queryId"
+
+
+@dataclass
+class PushedMessage(WriterCommitMessage):
+    """What a write task reports to the driver."""
+
+    partition: int
+    attempt: int
+    count: int
+
+
+def _rows_of(items: Iterator[Any]) -> Iterator[Any]:
+    """Arrow record batches as they are (pushed via ``to_pylist``), Rows wrapped alike."""
+    for item in items:
+        if hasattr(item, "to_pylist"):
+            yield item
+        else:
+            yield _RowBatch(item)
+
+
+class _RowBatch:
+    """One Row posing as a record batch, for the row-based writer of pyspark 4.0."""
+
+    def __init__(self, row: Any) -> None:
+        self.row = row
+
+    def to_pylist(self) -> list[Any]:
+        return [self.row]
+
+
+_checked_lock = threading.Lock()
+_checked: set[str] = set()
+
+
+def _check_connect(spec: WriteSpec) -> None:
+    """Open (and close) a factory on the driver once per option set, so an unknown option,
+    bad URL or unreachable server fails the query before any task writes."""
+    key = repr((spec.backend, sorted(spec.options.items())))
+    with _checked_lock:
+        if key in _checked:
+            return
+    with sync.connect(spec.backend, **spec.options) as factory:
+        factory.queue(spec.queue)
+    with _checked_lock:
+        _checked.add(key)
+
+
+def _context() -> TaskContext:
+    context = TaskContext.get()
+    if context is None:
+        raise ConfigError("aio_keuss: not running inside a Spark task")
+    return context
+
+
+class KeussBatchWriter(DataSourceArrowWriter):
+    def __init__(self, spec: WriteSpec) -> None:
+        self.spec = spec
+
+    def write(self, iterator: Iterator[Any]) -> PushedMessage:
+        context = _context()
+        partition = context.partitionId()
+        count = push_arrow_batches(
+            self.spec, _rows_of(iterator), f"{self.spec.job_key}:{partition}"
+        )
+        return PushedMessage(partition, context.attemptNumber(), count)
+
+
+class KeussStreamWriter(_StreamWriterBase):
+    def __init__(self, spec: WriteSpec) -> None:
+        self.spec = spec
+
+    def write(self, iterator: Iterator[Any]) -> PushedMessage:
+        context = _context()
+        partition = context.partitionId()
+        batch_id = context.getLocalProperty(BATCH_ID_PROPERTY)
+        job_key = self.spec.job_key or context.getLocalProperty(QUERY_ID_PROPERTY)
+        id_base = None
+        if self.spec.idempotent and self.spec.id_column is None:
+            if batch_id is None or job_key is None:
+                raise ConfigError(
+                    "aio_keuss: Spark did not tell this task its micro-batch; name an"
+                    " id_column (or set idempotent=false)"
+                )
+            id_base = f"{job_key}:{batch_id}:{partition}"
+        count = push_arrow_batches(self.spec, _rows_of(iterator), id_base)
+        return PushedMessage(partition, context.attemptNumber(), count)
+
+    def commit(self, messages: list[WriterCommitMessage | None], batchId: int) -> None:
+        """Nothing to do: every push was acknowledged by the backend in ``write``."""
+
+    def abort(self, messages: list[WriterCommitMessage | None], batchId: int) -> None:
+        """Pushes cannot be taken back; the replay of this batch dedupes by id."""
+
+
+# -- reading --------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ReadSpec:
+    backend: str
+    queue: str
+    options: dict[str, Any]
+    read_mode: str
+    max_rows: int | None
+    max_rows_per_batch: int
+    num_partitions: int
+
+    @classmethod
+    def from_options(cls, raw: Mapping[str, Any]) -> ReadSpec:
+        from ..registry import load_backend
+
+        lowered = {key.lower(): value for key, value in raw.items()}
+        backend = required(lowered, "backend")
+        capabilities = load_backend(backend).capabilities
+        mode = str(lowered.get("read_mode") or ("reserve" if capabilities.reserve else "pop"))
+        if mode not in ("reserve", "pop"):
+            raise ConfigError(f"read_mode must be 'reserve' or 'pop', not {mode!r}")
+        if mode == "reserve" and not capabilities.reserve:
+            raise ConfigError(f"backend {backend!r} cannot reserve: use read_mode=pop")
+        max_rows = lowered.get("max_rows")
+        return cls(
+            backend=backend,
+            queue=required(lowered, "queue"),
+            options=connect_options(lowered, WRITE_OPTIONS | READ_OPTIONS),
+            read_mode=mode,
+            max_rows=None if max_rows in (None, "") else parse_positive_int(max_rows, "max_rows"),
+            max_rows_per_batch=parse_positive_int(
+                lowered.get("max_rows_per_batch", 10_000), "max_rows_per_batch"
+            ),
+            num_partitions=parse_positive_int(lowered.get("num_partitions", 2), "num_partitions"),
+        )
+
+    def queue_(self) -> sync.SyncQueue:
+        return executor_factory(self.backend, self.options).queue(self.queue)
+
+
+async def _ok_all(queue: Any, messages: Sequence[Message]) -> int:
+    """ok many at once: the queue coalesces them into batch commits."""
+    import asyncio
+
+    results = await asyncio.gather(*(queue.ok(message) for message in messages))
+    return sum(results)
+
+
+async def _release_all(queue: Any, messages: Sequence[Message]) -> None:
+    import asyncio
+
+    await asyncio.gather(*(queue.ko(message, 0.0) for message in messages))
+
+
+def _ok(queue: sync.SyncQueue, messages: Sequence[Message]) -> int:
+    if not messages:
+        return 0
+    return queue._factory.call(_ok_all, queue.queue, messages)
+
+
+class KeussBatchReader(DataSourceReader):
+    """Each partition takes an equal share of ``max_rows`` (all that is ready by default)."""
+
+    def __init__(self, spec: ReadSpec) -> None:
+        self.spec = spec
+
+    def partitions(self) -> Sequence[InputPartition]:
+        return [InputPartition(i) for i in range(self.spec.num_partitions)]
+
+    def read(self, partition: InputPartition) -> Iterator[MessageRow]:
+        spec = self.spec
+        queue = spec.queue_()
+        chunk = queue.queue.options.max_batch
+        limit = None
+        if spec.max_rows is not None:
+            share, extra = divmod(spec.max_rows, spec.num_partitions)
+            limit = share + (1 if partition.value < extra else 0)
+        taken = 0
+        while limit is None or taken < limit:
+            n = chunk if limit is None else min(chunk, limit - taken)
+            if spec.read_mode == "pop":
+                messages = queue.pop_many(n, timeout=0)
+            else:
+                messages = queue.reserve_many(n, timeout=0)
+            if not messages:
+                return
+            taken += len(messages)
+            for message in messages:
+                yield message_row(message)
+            if spec.read_mode == "reserve":  # Spark consumed the chunk's rows: done with them
+                _ok(queue, messages)
+
+
+class KeussStreamReader(DataSourceStreamReader):
+    """Runs on the driver (one long-lived Python process per query), except ``read``.
+
+    Offsets are ``{"run": <this reader's token>, "seq": n}``: the messages of offset n were
+    reserved by this reader in ``latestOffset`` and are kept here until ``commit`` oks them.
+    A batch replayed after a restart names another run's offset: it is planned empty, and
+    its messages, never acknowledged, come back when their reservations expire.
+    """
+
+    def __init__(self, spec: ReadSpec) -> None:
+        self.spec = spec
+        self.run = uuid.uuid4().hex[:12]
+        self._seq = 0
+        self._pending: dict[int, list[Message]] = {}
+        self._queue: sync.SyncQueue | None = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        # Pickled to the executors for ``read``: only the spec travels, not the connection.
+        return {"spec": self.spec, "run": self.run}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(state["spec"])  # type: ignore[misc]
+        self.run = state["run"]
+
+    def _q(self) -> sync.SyncQueue:
+        if self._queue is None:
+            self._factory = sync.connect(self.spec.backend, **self.spec.options)
+            self._queue = self._factory.queue(self.spec.queue)
+        return self._queue
+
+    def initialOffset(self) -> dict[str, Any]:
+        return {"run": "", "seq": 0}
+
+    def getDefaultReadLimit(self) -> Any:
+        from pyspark.sql.streaming.datasource import ReadMaxRows
+
+        return ReadMaxRows(self.spec.max_rows_per_batch)
+
+    def latestOffset(self, start: dict[str, Any], limit: Any) -> dict[str, Any]:
+        """Reserve the next batch now; an empty queue answers ``start`` (no batch).
+
+        ``start`` is the end of the previous batch, which the engine asks past only once
+        that batch is in its commit log: its messages are acknowledged here already, as
+        Spark calls ``commit`` only when it plans a further batch -- an idle stream would
+        otherwise hold its last batch until the reservations expired and came back.
+        """
+        self.commit(start)
+        wanted = self.spec.max_rows_per_batch
+        max_rows = getattr(limit, "max_rows", None)
+        if isinstance(max_rows, int):
+            wanted = min(wanted, max_rows)
+        queue = self._q()
+        chunk = queue.queue.options.max_batch
+        reserved: list[Message] = []
+        while len(reserved) < wanted:
+            got = queue.reserve_many(min(chunk, wanted - len(reserved)), timeout=0)
+            if not got:
+                break
+            reserved.extend(got)
+        if not reserved:
+            return start
+        self._seq = max(self._seq, int(start.get("seq", 0))) + 1
+        self._pending[self._seq] = reserved
+        return {"run": self.run, "seq": self._seq}
+
+    def partitions(self, start: dict[str, Any], end: dict[str, Any]) -> Sequence[InputPartition]:
+        if end.get("run") != self.run:
+            return []  # planned by an earlier run: its reservations will expire, then return
+        low = int(start.get("seq", 0)) if start.get("run") == self.run else 0
+        messages = [
+            m
+            for seq in sorted(self._pending)
+            if low < seq <= int(end["seq"])
+            for m in self._pending[seq]
+        ]
+        n = max(1, min(self.spec.num_partitions, len(messages)))
+        rows = [message_row(m) for m in messages]
+        return [InputPartition(rows[i::n]) for i in range(n) if rows[i::n]]
+
+    def read(self, partition: InputPartition) -> Iterator[MessageRow]:
+        yield from partition.value
+
+    def commit(self, end: dict[str, Any]) -> None:
+        """The batch up to ``end`` is in the sink: now, and only now, the messages go."""
+        if end.get("run") != self.run:
+            return
+        done = [seq for seq in self._pending if seq <= int(end["seq"])]
+        messages = [m for seq in sorted(done) for m in self._pending[seq]]
+        _ok(self._q(), messages)
+        for seq in done:
+            del self._pending[seq]
+
+    def stop(self) -> None:
+        """Give back what was reserved and not committed, at once rather than after
+        ``reserve_delay`` (it may have reached the sink: at-least-once)."""
+        if self._queue is None:
+            return
+        try:
+            pending = [m for seq in sorted(self._pending) for m in self._pending[seq]]
+            if pending:
+                self._queue._factory.call(_release_all, self._queue.queue, pending)
+            self._pending.clear()
+        finally:
+            self._factory.close()
+            self._queue = None
+
+
+class KeussDataSource(DataSource):
+    """``format("aio_keuss")``; options: ``backend``, ``queue``, the backend's connect
+    options (``url``, ``prefix``, ``schema``, ``reserve_delay``...) and those of the
+    writer / reader (see :mod:`aio_keuss.spark` and this module)."""
+
+    @classmethod
+    def name(cls) -> str:
+        return FORMAT
+
+    def schema(self) -> str:
+        return READ_SCHEMA
+
+    def _write_spec(self, schema: StructType) -> WriteSpec:
+        spec = WriteSpec.from_options(self.options)
+        spec.check(schema.fieldNames())
+        _check_connect(spec)
+        return spec
+
+    def writer(self, schema: StructType, overwrite: bool) -> KeussBatchWriter:
+        if overwrite:
+            raise ConfigError("a queue can only be appended to: use mode('append')")
+        return KeussBatchWriter(self._write_spec(schema).with_job_key(new_job_key()))
+
+    def streamWriter(self, schema: StructType, overwrite: bool) -> KeussStreamWriter:
+        return KeussStreamWriter(self._write_spec(schema))
+
+    def reader(self, schema: StructType) -> KeussBatchReader:
+        return KeussBatchReader(ReadSpec.from_options(self.options))
+
+    def streamReader(self, schema: StructType) -> KeussStreamReader:
+        spec = ReadSpec.from_options(self.options)
+        if spec.read_mode != "reserve":
+            raise ConfigError("streaming reads need a backend with reserve (at-least-once)")
+        return KeussStreamReader(spec)

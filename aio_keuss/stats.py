@@ -1,0 +1,231 @@
+"""Counters, the paused flag and queue options, shared by every process of a backend.
+
+Counting is on the hot path, so increments are buffered here, once, and a background task
+hands them to the database every ``flush_interval`` seconds (and on close); a subclass only
+writes a batch of increments. Stores that live in this process apply them at once. The
+flusher sleeps while the buffer is empty, so an idle factory does not wake up ten times a
+second for nothing.
+
+A read (:meth:`StatsStore.counters`) adds this process's increments that are not stored yet
+to what the database holds. A flush takes its batch out of the buffer before the database
+has it, so a read overlapping that window would find the batch in neither place, or, once
+it has landed while still counted as in flight, in both. Reads and flushes therefore take
+turns (one lock): a read waits for a flush in flight to land or fail back into the buffer,
+and no flush starts while a read waits for the database; then the stored counters and the
+buffer are disjoint and together complete.
+
+While the database is unreachable the increments stay buffered and every flush retries them;
+that is logged once per outage (a warning), and once more (info) when a flush lands again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from abc import ABC, abstractmethod
+from collections import defaultdict
+from typing import Any
+
+log = logging.getLogger("aio_keuss.stats")
+
+COUNTERS = ("put", "get", "reserve", "commit", "rollback", "deadletter")
+
+Increments = dict[str, dict[str, int]]
+
+CLOSE_WAIT = 2.0
+"""Longest ``close`` waits for the flusher; a driver that never returns must not hang it."""
+
+
+class StatsStore(ABC):
+    flush_interval: float | None = 0.1
+    """Seconds between flushes of buffered increments; None for a store that never buffers."""
+
+    def __init__(self) -> None:
+        self._buffer: defaultdict[str, defaultdict[str, int]] = defaultdict(
+            lambda: defaultdict(int)
+        )
+        self._flusher: asyncio.Task[None] | None = None
+        self._closing = False
+        self._turns = asyncio.Lock()  # a flush and a read never overlap (see the module doc)
+        self._flushing = False  # the flusher is writing a batch (or waiting for its turn)
+        self._failing = False  # the last flush failed: an outage was already reported
+        self._dirty = asyncio.Event()  # set whenever the buffer holds something
+
+    async def open(self) -> None:
+        if self.flush_interval is not None:
+            self._flusher = asyncio.get_running_loop().create_task(self._flush_forever())
+
+    async def close(self) -> None:
+        self._closing = True
+        flusher, self._flusher = self._flusher, None
+        stuck = False
+        if flusher is not None:
+            # A batch being written is let land: cancelled half-way it would be lost, or,
+            # merged back after the database had it, counted twice.
+            if not self._flushing:
+                flusher.cancel()
+            done, _ = await asyncio.wait({flusher}, timeout=CLOSE_WAIT)
+            if not done:
+                flusher.cancel()
+                done, _ = await asyncio.wait({flusher}, timeout=CLOSE_WAIT)
+            stuck = not done
+        if stuck:  # it still holds its turn: write what is left beside it
+            await self._flush_buffer()
+        else:
+            await self.flush()
+
+    def incr(self, queue: str, counter: str, n: int = 1) -> None:
+        """Count ``n`` events; buffered until the next flush (a local store overrides this)."""
+        if n:
+            if not self._buffer:
+                self._dirty.set()
+            self._buffer[queue][counter] += n
+
+    async def counters(self, queue: str) -> dict[str, int]:
+        """Stored counters plus this process's increments not stored yet (buffered, or in a
+        flush in flight, which is waited for), every known counter present."""
+        async with self._turns:
+            stored = await self._load_counters(queue)
+            buffered = dict(self._buffer.get(queue, {}))
+        result = dict.fromkeys(COUNTERS, 0)
+        for source in (stored, buffered):
+            for name, value in source.items():
+                result[name] = result.get(name, 0) + value
+        return result
+
+    async def flush(self) -> None:
+        async with self._turns:
+            await self._flush_buffer()
+
+    async def _flush_buffer(self) -> bool:
+        """Write the buffer out; whether there was anything to write. On failure the batch
+        goes back into the buffer for the next flush."""
+        if not self._buffer:
+            return False
+        batch: Increments = {q: dict(c) for q, c in self._buffer.items()}
+        self._buffer.clear()
+        try:
+            await self._apply(batch)
+        except Exception:
+            self._merge_back(batch)
+            raise
+        return True
+
+    async def _flush_forever(self) -> None:
+        assert self.flush_interval is not None
+        while not self._closing:
+            await self._dirty.wait()
+            await asyncio.sleep(self.flush_interval)
+            self._flushing = True
+            try:
+                async with self._turns:
+                    wrote = await self._flush_buffer()
+            except Exception as exc:  # kept buffered; the next flush tries again
+                self._flush_failed(exc)
+            else:
+                if wrote and self._failing:
+                    self._failing = False
+                    log.info("%s: stats flush works again", type(self).__name__)
+            finally:
+                self._flushing = False
+                if not self._buffer:  # a failed batch went back: it stays set
+                    self._dirty.clear()
+
+    def _flush_failed(self, exc: Exception) -> None:
+        """One warning per outage: the flusher retries every ``flush_interval``, and a
+        warning per attempt would bury everything else in the log while a server is away."""
+        if self._failing:
+            log.debug("%s: stats flush failed again: %s", type(self).__name__, exc)
+            return
+        self._failing = True
+        log.warning(
+            "%s: stats flush failed (%s); increments stay buffered and are retried every"
+            " %s s until it works again",
+            type(self).__name__,
+            exc,
+            self.flush_interval,
+        )
+
+    def _merge_back(self, batch: Increments) -> None:
+        if batch:
+            self._dirty.set()
+        for queue, counters in batch.items():
+            for name, value in counters.items():
+                self._buffer[queue][name] += value
+
+    # what a database provides ---------------------------------------------------------
+
+    @abstractmethod
+    async def _apply(self, increments: Increments) -> None:
+        """Add a batch of increments: {queue: {counter: n}}."""
+
+    @abstractmethod
+    async def _load_counters(self, queue: str) -> dict[str, int]: ...
+
+    async def reset(self, queue: str) -> None:
+        """Zero a queue's counters, this process's unwritten increments included. A flush in
+        flight lands first, not after the reset (reads and flushes take turns)."""
+        async with self._turns:
+            self._buffer.pop(queue, None)
+            await self._reset(queue)
+
+    @abstractmethod
+    async def _reset(self, queue: str) -> None:
+        """Delete a queue's stored counters."""
+
+    @abstractmethod
+    async def set_paused(self, queue: str, paused: bool) -> None: ...
+
+    @abstractmethod
+    async def is_paused(self, queue: str) -> bool: ...
+
+    @abstractmethod
+    async def save_options(self, queue: str, options: dict[str, Any]) -> None:
+        """Record a queue and its options so ``factory.list()`` finds it from any process."""
+
+    @abstractmethod
+    async def queues(self) -> dict[str, dict[str, Any]]:
+        """Every recorded queue with its options."""
+
+
+class MemoryStats(StatsStore):
+    """Stats kept in this process: the memory backend's store, and an option for any other."""
+
+    flush_interval = None
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._counters: defaultdict[str, defaultdict[str, int]] = defaultdict(
+            lambda: defaultdict(int)
+        )
+        self._paused: set[str] = set()
+        self._options: dict[str, dict[str, Any]] = {}
+
+    def incr(self, queue: str, counter: str, n: int = 1) -> None:
+        self._counters[queue][counter] += n
+
+    async def _apply(self, increments: Increments) -> None:
+        for queue, counters in increments.items():
+            for name, value in counters.items():
+                self._counters[queue][name] += value
+
+    async def _load_counters(self, queue: str) -> dict[str, int]:
+        return dict(self._counters.get(queue, {}))
+
+    async def _reset(self, queue: str) -> None:
+        self._counters.pop(queue, None)
+
+    async def set_paused(self, queue: str, paused: bool) -> None:
+        if paused:
+            self._paused.add(queue)
+        else:
+            self._paused.discard(queue)
+
+    async def is_paused(self, queue: str) -> bool:
+        return queue in self._paused
+
+    async def save_options(self, queue: str, options: dict[str, Any]) -> None:
+        self._options[queue] = dict(options)
+
+    async def queues(self) -> dict[str, dict[str, Any]]:
+        return {name: dict(opts) for name, opts in self._options.items()}
