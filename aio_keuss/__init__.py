@@ -24,7 +24,7 @@ from .errors import (
     NotSupportedError,
 )
 from .factory import Factory, connect
-from .message import Message
+from .message import UNCHANGED, Message
 from .queue import Queue
 from .registry import backend_names
 from .types import Capabilities, KoResult, Sizes
@@ -53,6 +53,7 @@ __all__ = [
     "NotSupportedError",
     "Queue",
     "Sizes",
+    "UNCHANGED",
     "__version__",
     "backend_names",
     "connect",

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from .errors import NotSupportedError
@@ -129,12 +129,55 @@ class Nack:
     count_try: bool = True
 
 
+@dataclass(slots=True)
+class Move:
+    """Take a held message out of this queue and put it into ``queue``, atomically.
+
+    The guard is the one of :class:`Ack`: with ``tries`` set, only while the message is
+    still reserved with that count. In ``queue`` it starts over (tries 0), due after
+    ``delay``, with ``payload`` instead of its own when given (already encoded), and the
+    ``headers`` added to its own (a repeated key takes the new value). Its id is kept
+    unless ``queue`` already holds one like it; then :func:`moved_id` names it, with ``tag``.
+    """
+
+    id: str
+    tries: int | None
+    queue: str
+    payload: bytes | None = None
+    headers: Headers = field(default_factory=dict)
+    delay: float = 0.0
+    tag: str = "mv"
+
+
+MOVE_TAG = "mv"
+"""The tag of a message renamed by :meth:`Store.move` called from ``Queue.move``."""
+
+
+def deadletter_tag(failed_deliveries: int) -> str:
+    """The tag of a deadlettered message: ``dl`` and its failed-delivery count."""
+    return f"dl{failed_deliveries}"
+
+
+def moved_id(message_id: str, tag: str, clash: int) -> str:
+    """The id a moved message takes in a queue that already holds ``clash`` messages
+    named like it: its own id first, then ``<id>.<tag>``, then ``<id>.<tag>.2``,
+    ``<id>.<tag>.3``, ... Every store follows this rule, in Python, Lua or SQL, so a
+    message deadlettered in three lives is named the same on every backend."""
+    if clash == 0:
+        return message_id
+    if clash == 1:
+        return f"{message_id}.{tag}"
+    return f"{message_id}.{tag}.{clash}"
+
+
 @dataclass(frozen=True, slots=True)
 class DeadletterPlan:
-    """Policy values the queue layer hands a store so it can move a message atomically.
+    """Policy values the queue layer hands a store so it can deadletter in its rollback.
 
-    A ko whose failed-delivery count (stored tries + 1) exceeds ``max_ko`` moves the message
-    to ``queue`` with tries 0 and the headers from :meth:`headers`.
+    A ko whose failed-delivery count (stored tries + 1) exceeds ``max_ko`` is a
+    :class:`Move` of the message to ``queue`` with the headers from :meth:`headers` and the
+    tag from :func:`deadletter_tag`: a store deadletters through the same body as its
+    :meth:`Store.move`, in the same atomic step as the rollback of the others.
     """
 
     max_ko: int
@@ -209,6 +252,13 @@ class Store(ABC):
     async def remove(self, ids: Sequence[str]) -> list[bool]:
         """Delete messages that are not under an active reservation."""
         raise NotSupportedError(f"{type(self).__name__} has no remove")
+
+    async def move(self, moves: Sequence[Move]) -> list[str | None]:
+        """Move held messages to other queues of this backend, each atomically (see
+        :class:`Move`): per move, the id the message now has there, or None when it was not
+        held (as guarded) and nothing was done. A store that cannot do it atomically keeps
+        this default and its backend leaves ``Capabilities.move`` false."""
+        raise NotSupportedError(f"{type(self).__name__} has no move")
 
     @abstractmethod
     async def sizes(self) -> Sizes: ...

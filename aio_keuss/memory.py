@@ -16,7 +16,20 @@ from collections import deque
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, ClassVar
 
-from .contract import Ack, Backend, DeadletterPlan, Entry, Fetched, LoopTurns, Nack, Store, Stored
+from .contract import (
+    Ack,
+    Backend,
+    DeadletterPlan,
+    Entry,
+    Fetched,
+    LoopTurns,
+    Move,
+    Nack,
+    Store,
+    Stored,
+    deadletter_tag,
+    moved_id,
+)
 from .message import append_headers
 from .types import Capabilities, KoResult, Sizes
 
@@ -187,14 +200,11 @@ class MemoryStore(Store):
                 continue
             tries = record.tries + 1 if nack.count_try else record.tries
             if deadletter is not None and nack.count_try and tries > deadletter.max_ko:
-                del self._data.records[record.id]
-                headers = append_headers(record.headers, deadletter.headers(tries, now))
-                target = self._backend.data(deadletter.queue)
-                moved = Entry(record.id, record.payload, headers)
-                suffix = 0
-                while not self._insert_into(target, [moved], now)[0]:
-                    suffix += 1  # the id is there already, from an earlier life: rename
-                    moved.id = f"{record.id}.dl{tries}" + (f".{suffix}" if suffix > 1 else "")
+                headers = deadletter.headers(tries, now)
+                plan = Move(
+                    record.id, None, deadletter.queue, None, headers, 0.0, deadletter_tag(tries)
+                )
+                self._move_record(record, plan, now)
                 results.append(KoResult.DEADLETTERED)
                 continue
             record.tries = tries
@@ -202,6 +212,28 @@ class MemoryStore(Store):
             self._data.reschedule(record, now + nack.delay)
             results.append(KoResult.ROLLED_BACK)
         return results
+
+    async def move(self, moves: Sequence[Move]) -> list[str | None]:
+        now = time.time()
+        results: list[str | None] = []
+        for move in moves:
+            record = self._held(move.id, move.tries)
+            results.append(None if record is None else self._move_record(record, move, now))
+        return results
+
+    def _move_record(self, record: _Record, move: Move, now: float) -> str:
+        """The one body of a move (and so of a deadletter): out of here, into the other
+        queue under the first free name of the shared rename rule."""
+        del self._data.records[record.id]
+        payload = record.payload if move.payload is None else move.payload
+        headers = append_headers(record.headers, move.headers) if move.headers else record.headers
+        target = self._backend.data(move.queue)
+        entry = Entry(record.id, payload, headers, move.delay)
+        clash = 0
+        while not self._insert_into(target, [entry], now)[0]:
+            clash += 1  # the id is there already, from an earlier life: rename
+            entry.id = moved_id(record.id, move.tag, clash)
+        return entry.id
 
     async def remove(self, ids: Sequence[str]) -> list[bool]:
         now = time.time()
@@ -234,7 +266,7 @@ class MemoryStore(Store):
 
 class MemoryBackend(Backend):
     name = "memory"
-    capabilities: ClassVar[Capabilities] = Capabilities(shared=False)
+    capabilities: ClassVar[Capabilities] = Capabilities(shared=False, move=True)
 
     def __init__(self, options: dict[str, object]) -> None:
         super().__init__(options)

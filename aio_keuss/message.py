@@ -29,12 +29,13 @@ which orjson writes as ``null``, are looked for only when the output contains ``
 
 from __future__ import annotations
 
+import enum
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from enum import Enum
-from typing import Any, cast
+from typing import Any, Final, cast
 from uuid import UUID
 
 import orjson
@@ -63,6 +64,16 @@ _HEADER_VALUES: frozenset[type] = frozenset({str, int, float, bool})
 
 Payload = Any
 Headers = dict[str, str | int | float | bool]
+
+
+class Unchanged(enum.Enum):
+    """The type of :data:`UNCHANGED`."""
+
+    UNCHANGED = "unchanged"
+
+
+UNCHANGED: Final = Unchanged.UNCHANGED
+"""The default payload of ``Queue.move``: the message keeps its own (``None`` is a payload)."""
 
 
 @dataclass(slots=True, frozen=True)

@@ -19,13 +19,15 @@ from typing import TYPE_CHECKING, Any
 
 from .coalesce import Coalescer
 from .consumer import HandlerFailures, Outage, retry_backoff
-from .contract import Ack, DeadletterPlan, Entry, Fetched, Nack, Store, Stored
+from .contract import MOVE_TAG, Ack, DeadletterPlan, Entry, Fetched, Move, Nack, Store, Stored
 from .errors import ClosedError, InvalidIdError, InvalidInputError, NotSupportedError
 from .ids import new_id
 from .message import (
+    UNCHANGED,
     Headers,
     Message,
     Payload,
+    Unchanged,
     check_id,
     check_tries,
     decode_headers,
@@ -34,7 +36,14 @@ from .message import (
     encode_payload,
     to_datetime,
 )
-from .options import MAX_SECONDS, DeadletterOptions, QueueOptions, check_seconds, check_timeout
+from .options import (
+    MAX_SECONDS,
+    DeadletterOptions,
+    QueueOptions,
+    check_queue_name,
+    check_seconds,
+    check_timeout,
+)
 from .types import Capabilities, KoResult, Sizes
 
 if TYPE_CHECKING:
@@ -515,6 +524,43 @@ class Queue:
             self._stats.incr(self._deadletter.queue, "put", moved)
             self._signal.insert(self._deadletter.queue, now)
         return results
+
+    async def move(
+        self,
+        message: Message | str,
+        queue: str,
+        *,
+        payload: Payload | Unchanged = UNCHANGED,
+        headers: Headers | None = None,
+        delay: float = 0.0,
+    ) -> str | None:
+        """Move a message you hold to another queue of this backend, in one atomic step.
+
+        It leaves this queue and enters ``queue`` as a new delivery (tries 0), due after
+        ``delay``, with ``payload`` instead of its own when given and ``headers`` added to
+        its own. It keeps its id unless ``queue`` already holds one by that name; it is then
+        renamed ``<id>.mv``, ``<id>.mv.2``, ... Returns the id it has in ``queue``, or None
+        when it was no longer yours (acknowledged, or its reservation expired and it went to
+        another consumer): then nothing moved. As with :meth:`ok`, a :class:`Message`
+        guards by its tries; an id alone does not. Counted as a commit here and a put there.
+        """
+        self._check_open()
+        self._require("move")
+        message_id, tries = _target(message)
+        destination = check_queue_name(queue)
+        if destination == self.name:
+            raise InvalidInputError(f"move: {queue!r} is this queue; use ko to put it back")
+        blob = None if payload is UNCHANGED else encode_payload(payload)
+        encode_headers(headers)  # refused here, before anything is written
+        seconds = self._delay(delay)
+        plan = Move(message_id, tries, destination, blob, dict(headers or {}), seconds, MOVE_TAG)
+        (moved,) = await self._store.move([plan])
+        self._forget([Ack(message_id, tries)])
+        if moved is not None:
+            self._stats.incr(self.name, "commit")
+            self._stats.incr(destination, "put")
+            self._signal.insert(destination, time.time() + seconds)
+        return moved
 
     async def remove(self, message: Message | str) -> bool:
         """Delete a message that is not under an active reservation."""

@@ -46,7 +46,7 @@ from anyio.from_thread import BlockingPortal, start_blocking_portal
 from .errors import ClosedError
 from .factory import Factory
 from .factory import connect as _async_connect
-from .message import Headers, Message, Payload
+from .message import UNCHANGED, Headers, Message, Payload, Unchanged
 from .queue import Queue
 from .types import Capabilities, KoResult, Sizes
 
@@ -330,6 +330,19 @@ class SyncQueue:
 
     def ko(self, message: Message | str, delay: float | None = None) -> KoResult:
         return self._call(self.queue.ko, message, delay)
+
+    def move(
+        self,
+        message: Message | str,
+        queue: str,
+        *,
+        payload: Payload | Unchanged = UNCHANGED,
+        headers: Headers | None = None,
+        delay: float = 0.0,
+    ) -> str | None:
+        return self._call(
+            self.queue.move, message, queue, payload=payload, headers=headers, delay=delay
+        )
 
     def remove(self, message: Message | str) -> bool:
         return self._call(self.queue.remove, message)

@@ -21,6 +21,9 @@ class Capabilities:
     (redis-reliable instead recovers the reservations of consumers that died)."""
     shared: bool = True
     """other processes see the same queues (false for the in-process memory backend)."""
+    move: bool = False
+    """a held message can be moved to another queue of the backend in one atomic step
+    (``Queue.move``)."""
 
 
 class KoResult(enum.IntEnum):
