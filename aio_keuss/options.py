@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import re
-from dataclasses import asdict, dataclass, fields, replace
-from typing import Any
+from collections.abc import Mapping
+from dataclasses import MISSING, asdict, dataclass, fields, replace
+from typing import Any, Self
 
 from .errors import ConfigError, InvalidDelayError, InvalidQueueNameError
 
@@ -70,6 +71,68 @@ def check_count(value: object, what: str, least: int = 1) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or not least <= value <= MAX_COUNT:
         raise ConfigError(f"{what} must be an int in [{least}, {MAX_COUNT}], not {brief(value)}")
     return value
+
+
+def check_bool(value: object, what: str) -> bool:
+    """A flag option: True or False, not a truthy stand-in (``"false"`` is truthy)."""
+    if not isinstance(value, bool):
+        raise ConfigError(f"{what} must be a bool, not {brief(value)}")
+    return value
+
+
+def check_int(value: object, what: str, least: int, most: int) -> int:
+    """An int option (not a bool) in [``least``, ``most``]."""
+    if isinstance(value, bool) or not isinstance(value, int) or not least <= value <= most:
+        raise ConfigError(f"{what} must be an int in [{least}, {most}], not {brief(value)}")
+    return value
+
+
+def check_str(value: object, what: str) -> str:
+    """A non-empty str option."""
+    if not isinstance(value, str) or not value:
+        raise ConfigError(f"{what} must be a non-empty str, not {brief(value)}")
+    return value
+
+
+def check_option_seconds(value: object, what: str) -> float:
+    """A duration option: :func:`check_seconds`, refused as a ConfigError (a connect option,
+    not a call's delay)."""
+    try:
+        return check_seconds(value, what)
+    except InvalidDelayError as exc:
+        raise ConfigError(str(exc)) from None
+
+
+@dataclass(frozen=True)
+class BackendOptions:
+    """The base of a backend's typed ``connect`` options.
+
+    A subclass is a frozen dataclass: its fields are the option names with their defaults,
+    and its ``__post_init__`` validates each with the checks above, so a bad value raises a
+    ConfigError naming the option before anything connects. The backend class names it in
+    ``options_type`` and reads ``self.config``; its ``options`` mapping (names and defaults,
+    which the factory uses to refuse unknown names) comes from :meth:`defaults`.
+    """
+
+    @classmethod
+    def parse(cls, raw: Mapping[str, Any]) -> Self:
+        """Defaults overridden by ``raw``; an unknown name is a ConfigError."""
+        names = {f.name for f in fields(cls)}
+        unknown = sorted(set(raw) - names)
+        if unknown:
+            raise ConfigError(f"unknown option(s): {', '.join(unknown)}")
+        return cls(**raw)
+
+    @classmethod
+    def defaults(cls) -> dict[str, Any]:
+        """Option names and their defaults."""
+        found: dict[str, Any] = {}
+        for f in fields(cls):
+            if f.default is not MISSING:
+                found[f.name] = f.default
+            elif f.default_factory is not MISSING:
+                found[f.name] = f.default_factory()
+        return found
 
 
 def check_timeout(value: object) -> float | None:
