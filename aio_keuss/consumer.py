@@ -33,7 +33,7 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal, Protocol
 
 from .errors import (
     ClosedError,
@@ -43,9 +43,7 @@ from .errors import (
     NotSupportedError,
 )
 from .message import Message
-
-if TYPE_CHECKING:
-    from .queue import Queue
+from .types import Capabilities, KoResult
 
 log = logging.getLogger("aio_keuss.consumer")
 
@@ -218,6 +216,34 @@ class HandlerFailures:
             self._suppressed = 0
 
 
+class Source(Protocol):
+    """What a consumer needs of its queue. The queue hands its consumers a small link that
+    offers just this, so a consumer never reaches into the queue's insides."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def capabilities(self) -> Capabilities: ...
+
+    async def next(self, outage: Outage) -> Message | None:
+        """The next message (reserved, or popped without reserve), riding out outages;
+        None once the queue drains or closes."""
+
+    def ok(self, message: Message) -> Awaitable[bool]: ...
+
+    def ko(self, message: Message, delay: float | None) -> Awaitable[KoResult]: ...
+
+    def release(self, message: Message) -> Awaitable[None]:
+        """Give back a message whose handler was cancelled, costing no try."""
+
+    def handler_failed(self, message: Message, exc: Exception) -> None:
+        """Log a handler's exception (rate-limited per queue)."""
+
+    def stopped(self, consumer: Consumer) -> None:
+        """The consumer has stopped: the queue no longer waits for it on close."""
+
+
 @dataclass(frozen=True, slots=True)
 class ConsumerStatus:
     """A snapshot of a consumer, e.g. for a health endpoint."""
@@ -244,7 +270,7 @@ class ConsumerStatus:
 class Consumer:
     def __init__(
         self,
-        queue: Queue,
+        queue: Source,
         handler: Handler,
         concurrency: int,
         retry_delay: float,
@@ -324,8 +350,7 @@ class Consumer:
         for task in late:
             task.cancel()
         await asyncio.gather(*self._workers, return_exceptions=True)
-        self.queue._consumers.discard(self)
-        self.queue._handler_failures.flush()
+        self.queue.stopped(self)
 
     async def _work(self) -> None:
         task = asyncio.current_task()
@@ -334,7 +359,7 @@ class Consumer:
         while not self._stopping:
             self._waiting.add(task)
             try:
-                message = await queue._next(None, self._outage)
+                message = await queue.next(self._outage)
             except asyncio.CancelledError:
                 if self._stopping:
                     return
@@ -366,12 +391,12 @@ class Consumer:
         except asyncio.CancelledError:
             if self._reserve:
                 await asyncio.shield(
-                    self._acknowledge("release", message, self.queue._release(message))
+                    self._acknowledge("release", message, self.queue.release(message))
                 )
             raise
         except Exception as exc:
             self.failed += 1
-            self.queue._handler_failures.report(message, exc)
+            self.queue.handler_failed(message, exc)
             if self._reserve:
                 backoff = self._retry_delay * 2.0 ** min(message.tries, 64)  # no overflow
                 delay = min(backoff, self._max_retry_delay)
@@ -379,7 +404,7 @@ class Consumer:
                 await self._acknowledge(
                     "ko",
                     message,
-                    queue.ko(message, delay=delay if queue.capabilities.delay else None),
+                    queue.ko(message, delay if queue.capabilities.delay else None),
                 )
             return
         self.handled += 1

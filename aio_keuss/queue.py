@@ -18,7 +18,7 @@ from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
 from .coalesce import Coalescer
-from .consumer import HandlerFailures, Outage, retry_backoff
+from .consumer import Consumer, Handler, HandlerFailures, Outage, retry_backoff
 from .contract import MOVE_TAG, Ack, DeadletterPlan, Entry, Fetched, Move, Nack, Store, Stored
 from .errors import ClosedError, InvalidIdError, InvalidInputError, NotSupportedError
 from .ids import new_id
@@ -47,7 +47,6 @@ from .options import (
 from .types import Capabilities, KoResult, Sizes
 
 if TYPE_CHECKING:
-    from .consumer import Consumer, Handler
     from .signal import Signal, SignalBus
     from .stats import StatsStore
 
@@ -476,12 +475,10 @@ class Queue:
     ) -> Consumer:
         """Start ``concurrency`` workers: reserve -> handler -> ok; an exception -> ko with
         exponential backoff. Stop with ``await consumer.stop()`` or ``async with``."""
-        from .consumer import Consumer
-
         self._check_open()
         check_seconds(retry_delay, "retry_delay")  # they become ko delays: same bounds
         check_seconds(max_retry_delay, "max_retry_delay")
-        consumer = Consumer(self, handler, concurrency, retry_delay, max_retry_delay)
+        consumer = Consumer(_ConsumerLink(self), handler, concurrency, retry_delay, max_retry_delay)
         self._consumers.add(consumer)
         return consumer
 
@@ -704,3 +701,39 @@ async def _wait_event(event: asyncio.Event, timeout: float) -> bool:
     except TimeoutError:
         return False
     return True
+
+
+class _ConsumerLink:
+    """The queue as its consumers see it (:class:`aio_keuss.consumer.Source`)."""
+
+    __slots__ = ("_queue",)
+
+    def __init__(self, queue: Queue) -> None:
+        self._queue = queue
+
+    @property
+    def name(self) -> str:
+        return self._queue.name
+
+    @property
+    def capabilities(self) -> Capabilities:
+        return self._queue.capabilities
+
+    async def next(self, outage: Outage) -> Message | None:
+        return await self._queue._next(None, outage)
+
+    def ok(self, message: Message) -> Awaitable[bool]:
+        return self._queue.ok(message)
+
+    def ko(self, message: Message, delay: float | None) -> Awaitable[KoResult]:
+        return self._queue.ko(message, delay)
+
+    def release(self, message: Message) -> Awaitable[None]:
+        return self._queue._release(message)
+
+    def handler_failed(self, message: Message, exc: Exception) -> None:
+        self._queue._handler_failures.report(message, exc)
+
+    def stopped(self, consumer: Consumer) -> None:
+        self._queue._consumers.discard(consumer)
+        self._queue._handler_failures.flush()

@@ -259,6 +259,12 @@ class SyncQueue:
     def capabilities(self) -> Capabilities:
         return self.queue.capabilities
 
+    def call(self, func: Callable[..., Awaitable[T]], *args: Any) -> T:
+        """Run ``await func(queue, *args)`` on the loop thread, ``queue`` being the async
+        :class:`aio_keuss.Queue`: several async calls in one hop (``asyncio.gather`` of many
+        pushes) instead of one hop each."""
+        return self._factory.call(func, self.queue, *args)
+
     def _call(self, func: Callable[..., Awaitable[T]], *args: Any, **kwargs: Any) -> T:
         if kwargs:
             return self._factory.call(functools.partial(func, *args, **kwargs))

@@ -25,201 +25,17 @@ import datetime as _dt
 import decimal
 import os
 import threading
-import uuid
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass, field
+from typing import Any
 
 import orjson
 
 from .. import sync
 from ..errors import ConfigError, InvalidIdError, InvalidInputError, InvalidPayloadError
-from ..message import Headers, Message, Payload
-from ..options import QUEUE_OPTION_NAMES, check_queue_name
+from ..message import Headers, Payload
 from ..queue import Queue
-from ..registry import load_backend
-
-if TYPE_CHECKING:
-    from pyspark.sql import SparkSession
-
-__all__ = [
-    "FORMAT",
-    "WriteSpec",
-    "executor_queue",
-    "push_partitions",
-    "push_rows",
-    "register",
-]
-
-FORMAT = "aio_keuss"
-
-# Options the Spark layer consumes itself; every other option goes to ``aio_keuss.connect``.
-WRITE_OPTIONS = frozenset(
-    {
-        "backend",
-        "queue",
-        "payload_column",
-        "headers_column",
-        "delay_column",
-        "id_column",
-        "id_prefix",
-        "job_key",
-        "batch_size",
-        "idempotent",
-    }
-)
-READ_OPTIONS = frozenset(
-    {
-        "backend",
-        "queue",
-        "read_mode",
-        "max_rows",
-        "max_rows_per_batch",
-        "num_partitions",
-    }
-)
-# Spark options are strings: these connect options are converted back to numbers.
-_FLOAT_OPTIONS = frozenset(QUEUE_OPTION_NAMES - {"max_batch"}) | {"signal_debounce"}
-_INT_OPTIONS = frozenset({"max_batch"})
-_JSON_OPTIONS = frozenset({"deadletter"})
-# Options Spark itself adds to a data source's options.
-_SPARK_OWN = frozenset({"path", "checkpointlocation", "queryname"})
-
-
-# -- options -----------------------------------------------------------------------------
-
-
-def parse_bool(value: object, name: str) -> bool:
-    if isinstance(value, bool):
-        return value
-    text = str(value).strip().lower()
-    if text in {"true", "1", "yes"}:
-        return True
-    if text in {"false", "0", "no"}:
-        return False
-    raise ConfigError(f"option {name!r} must be true or false, not {value!r}")
-
-
-def parse_positive_int(value: object, name: str) -> int:
-    try:
-        number = int(str(value)) if not isinstance(value, int) else value
-    except ValueError:
-        number = 0
-    if isinstance(value, bool) or number < 1:
-        raise ConfigError(f"option {name!r} must be a positive integer, not {value!r}")
-    return number
-
-
-def connect_options(raw: Mapping[str, Any], own: frozenset[str]) -> dict[str, Any]:
-    """The ``aio_keuss.connect`` options among ``raw`` (Spark's are strings: typed back)."""
-    result: dict[str, Any] = {}
-    for key, value in raw.items():
-        name = key.lower()
-        if name in own or name in _SPARK_OWN:
-            continue
-        if isinstance(value, str):
-            try:
-                if name in _FLOAT_OPTIONS:
-                    value = float(value)
-                elif name in _INT_OPTIONS:
-                    value = int(value)
-                elif name in _JSON_OPTIONS:
-                    value = orjson.loads(value)
-            except (ValueError, orjson.JSONDecodeError) as exc:
-                raise ConfigError(f"option {name!r}: cannot read {value!r}: {exc}") from exc
-        result[name] = value
-    return result
-
-
-def required(raw: Mapping[str, Any], name: str) -> str:
-    value = raw.get(name)
-    if value is None or str(value) == "":
-        raise ConfigError(f"the aio_keuss data source needs option {name!r}")
-    return str(value)
-
-
-@dataclass(frozen=True)
-class WriteSpec:
-    """Everything an executor needs to turn rows into messages; small and picklable."""
-
-    backend: str
-    queue: str
-    options: dict[str, Any] = field(default_factory=dict)
-    payload_column: str | None = None
-    headers_column: str | None = None
-    delay_column: str | None = None
-    id_column: str | None = None
-    id_prefix: str = ""
-    job_key: str | None = None
-    batch_size: int = 1000
-    idempotent: bool = True
-
-    @classmethod
-    def from_options(cls, raw: Mapping[str, Any]) -> WriteSpec:
-        """Parse data source options (strings) and check them; raises ConfigError."""
-        lowered = {key.lower(): value for key, value in raw.items()}
-
-        def column(name: str) -> str | None:
-            value = lowered.get(name)
-            return None if value in (None, "") else str(value)
-
-        spec = cls(
-            backend=required(lowered, "backend"),
-            queue=required(lowered, "queue"),
-            options=connect_options(lowered, WRITE_OPTIONS | READ_OPTIONS),
-            payload_column=column("payload_column"),
-            headers_column=column("headers_column"),
-            delay_column=column("delay_column"),
-            id_column=column("id_column"),
-            id_prefix=str(lowered.get("id_prefix") or ""),
-            job_key=column("job_key"),
-            batch_size=parse_positive_int(lowered.get("batch_size", 1000), "batch_size"),
-            idempotent=parse_bool(lowered.get("idempotent", True), "idempotent"),
-        )
-        spec.check()
-        return spec
-
-    def check(self, columns: Sequence[str] | None = None) -> None:
-        """Refuse, before anything is written, what would fail (or duplicate) on executors."""
-        backend_class = load_backend(self.backend)  # ConfigError for an unknown backend
-        try:
-            check_queue_name(self.queue)
-        except InvalidInputError as exc:
-            raise ConfigError(str(exc)) from exc
-        if self.idempotent and not backend_class.capabilities.idempotent:
-            raise ConfigError(
-                f"backend {self.backend!r} cannot deduplicate message ids, so a retried Spark"
-                " task would push its rows twice; set option idempotent=false to accept that"
-            )
-        if not self.idempotent and self.id_column is not None:
-            raise ConfigError("id_column needs idempotent pushes; drop idempotent=false")
-        if self.delay_column is not None and not backend_class.capabilities.delay:
-            raise ConfigError(f"backend {self.backend!r} has no delay: drop delay_column")
-        if columns is not None:
-            for what in ("payload_column", "headers_column", "delay_column", "id_column"):
-                name = getattr(self, what)
-                if name is not None and name not in columns:
-                    raise ConfigError(
-                        f"{what} {name!r} is not a column; columns: {', '.join(columns)}"
-                    )
-        if self.job_key is not None:
-            _check_id_part(self.job_key, "job_key")
-        if self.id_prefix:
-            _check_id_part(self.id_prefix, "id_prefix")
-
-    def with_job_key(self, job_key: str) -> WriteSpec:
-        return self if self.job_key is not None else replace(self, job_key=job_key)
-
-
-def _check_id_part(value: str, what: str) -> None:
-    if len(value) > 100 or not value.isprintable() or " " in value:
-        raise ConfigError(f"{what} must be up to 100 printable characters without spaces")
-
-
-def new_job_key() -> str:
-    """A key for one job, made once on the driver, so every attempt of a task agrees."""
-    return uuid.uuid4().hex[:16]
-
+from .spec import WriteSpec, new_job_key, parse_positive_int
 
 # -- the executor-side factory cache ------------------------------------------------------
 
@@ -381,7 +197,7 @@ class _Pusher:
         if not self._per_message:
             self.queue.push_many(batch.payloads, ids=ids)
         else:
-            self.queue._factory.call(_push_each, self.queue.queue, batch)
+            self.queue.call(_push_each, batch)
 
 
 async def _push_each(queue: Queue, batch: _Batch) -> list[str]:
@@ -473,39 +289,3 @@ def push_partitions(
         push_rows(spec, rows, f"{spec.job_key}:{task_partition()}")
 
     return push_partition
-
-
-# -- messages to rows ----------------------------------------------------------------------
-
-READ_SCHEMA = (
-    "id string, payload string, headers string, tries int, mature timestamp, payload_bytes binary"
-)
-"""``payload`` is the payload as JSON text; a bytes payload is in ``payload_bytes`` instead
-(``payload`` null). ``headers`` is a JSON object text."""
-
-MessageRow = tuple[str, str | None, str, int, _dt.datetime, bytes | None]
-
-
-def message_row(message: Message) -> MessageRow:
-    payload = message.payload
-    headers = orjson.dumps(message.headers).decode() if message.headers else "{}"
-    if isinstance(payload, bytes):
-        return (message.id, None, headers, message.tries, message.mature, payload)
-    return (
-        message.id,
-        orjson.dumps(payload).decode(),
-        headers,
-        message.tries,
-        message.mature,
-        None,
-    )
-
-
-# -- registration --------------------------------------------------------------------------
-
-
-def register(spark: SparkSession) -> None:
-    """Make ``format("aio_keuss")`` known to this session (reads, writes, streams)."""
-    from .source import KeussDataSource
-
-    spark.dataSource.register(KeussDataSource)

@@ -44,7 +44,8 @@ from pyspark.sql.types import StructType
 from .. import sync
 from ..errors import ConfigError
 from ..message import Message
-from .executor import (
+from .executor import executor_factory, push_arrow_batches
+from .spec import (
     FORMAT,
     READ_OPTIONS,
     READ_SCHEMA,
@@ -52,11 +53,9 @@ from .executor import (
     MessageRow,
     WriteSpec,
     connect_options,
-    executor_factory,
     message_row,
     new_job_key,
     parse_positive_int,
-    push_arrow_batches,
     required,
 )
 
@@ -224,7 +223,7 @@ async def _release_all(queue: Any, messages: Sequence[Message]) -> None:
 def _ok(queue: sync.SyncQueue, messages: Sequence[Message]) -> int:
     if not messages:
         return 0
-    return queue._factory.call(_ok_all, queue.queue, messages)
+    return queue.call(_ok_all, messages)
 
 
 class KeussBatchReader(DataSourceReader):
