@@ -28,6 +28,7 @@ lint: $(VENV)/.stamp-$(TEST_EXTRAS)
 	$(PY) -m ruff check aio_keuss tests bench examples
 	$(PY) -m ruff format --check aio_keuss
 	$(PY) -m mypy aio_keuss
+	$(VENV)/bin/lint-imports
 
 bench: $(VENV)/.stamp-$(TEST_EXTRAS) services
 	$(PY) -m bench --backend $(BACKEND) $(BENCH_ARGS)
