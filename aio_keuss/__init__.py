@@ -7,6 +7,8 @@ async with aio_keuss.connect("memory") as factory:
     await q.ok(msg)
 """
 
+from importlib import metadata as _metadata
+
 from .consumer import Consumer, ConsumerStatus
 from .errors import (
     BackendError,
@@ -29,7 +31,10 @@ from .queue import Queue
 from .registry import backend_names
 from .types import Capabilities, KoResult, Sizes
 
-__version__ = "0.1.0"
+try:
+    __version__ = _metadata.version("aio-keuss")
+except _metadata.PackageNotFoundError:  # run from a source tree that was never installed
+    __version__ = "0.0.0"
 
 __all__ = [
     "BackendError",
