@@ -1,0 +1,125 @@
+"""The queue layer's own behaviour, pinned on a recording subclass of the real memory store:
+how many store calls concurrent callers make, what a cancelled caller leaves behind. No
+database is involved; the store is the real one, only counted."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from typing import Any
+
+import pytest
+
+from aio_keuss import Queue
+from aio_keuss.contract import Ack, Entry, Fetched
+from aio_keuss.memory import MemoryBackend, MemoryStore
+from aio_keuss.options import QueueOptions
+from aio_keuss.signal import LocalSignalBus
+from aio_keuss.stats import MemoryStats
+
+
+class RecordingStore(MemoryStore):
+    """The memory store, each primitive recorded; a call first waits one loop turn, as a
+    round trip to a server would, so that other callers can arrive meanwhile."""
+
+    def __init__(self, *args: Any, in_caller: bool) -> None:
+        super().__init__(*args)
+        self.run_in_caller = in_caller
+        self.uninterruptible = in_caller
+        self.calls: list[tuple[str, int]] = []
+        self.reserving = asyncio.Event()
+
+    async def insert(self, entries: Sequence[Entry]) -> list[bool]:
+        self.calls.append(("insert", len(entries)))
+        await asyncio.sleep(0)
+        return await super().insert(entries)
+
+    async def reserve(self, n: int, reserve_delay: float) -> Fetched:
+        self.calls.append(("reserve", n))
+        self.reserving.set()
+        await asyncio.sleep(0)
+        return await super().reserve(n, reserve_delay)
+
+    async def commit(self, acks: Sequence[Ack]) -> list[bool]:
+        self.calls.append(("commit", len(acks)))
+        await asyncio.sleep(0)
+        return await super().commit(acks)
+
+    def made(self, kind: str) -> list[int]:
+        return [size for name, size in self.calls if name == kind]
+
+
+def _queue(in_caller: bool, **options: Any) -> tuple[Queue, RecordingStore]:
+    backend = MemoryBackend({})
+    queue_options = QueueOptions().updated(options)
+    store = RecordingStore("q", queue_options, backend, in_caller=in_caller)
+    queue = Queue(
+        "q",
+        queue_options,
+        store,
+        backend.capabilities,
+        LocalSignalBus(),
+        MemoryStats(),
+        None,
+    )
+    return queue, store
+
+
+async def test_concurrent_pushes_share_one_insert() -> None:
+    queue, store = _queue(in_caller=False)
+    await asyncio.gather(*(queue.push(i) for i in range(100)))
+    assert store.made("insert") == [100]
+    assert await queue.size() == 100
+
+
+async def test_in_the_callers_task_the_first_runs_at_once_and_the_rest_batch() -> None:
+    queue, store = _queue(in_caller=True)
+    await asyncio.gather(*(queue.push(i) for i in range(100)))
+    assert store.made("insert") == [1, 99]  # nobody waited for company; the rest came along
+
+
+async def test_push_many_is_cut_at_max_batch() -> None:
+    queue, store = _queue(in_caller=False, max_batch=30)
+    ids = await queue.push_many(list(range(100)))
+    assert sorted(store.made("insert")) == [10, 30, 30, 30]
+    popped: list[str] = []
+    while batch := await queue.pop_many(100, timeout=0):
+        popped.extend(m.id for m in batch)
+    assert popped == ids  # order kept across the chunks
+
+
+async def test_concurrent_reserves_and_oks_share_round_trips() -> None:
+    queue, store = _queue(in_caller=False)
+    await queue.push_many(list(range(10)))
+    held = await asyncio.gather(*(queue.reserve(timeout=0) for _ in range(10)))
+    assert store.made("reserve") == [10]
+    assert sorted(m.payload for m in held if m is not None) == list(range(10))
+    assert all(await asyncio.gather(*(queue.ok(m) for m in held if m is not None)))
+    assert store.made("commit") == [10]
+
+
+async def test_a_push_cancelled_before_its_batch_starts_is_not_written() -> None:
+    queue, store = _queue(in_caller=False)
+    pushes = [asyncio.ensure_future(queue.push(i)) for i in range(3)]
+    await asyncio.sleep(0)  # all three are queued; their batch starts on the next turn
+    assert store.made("insert") == []
+    pushes[1].cancel()
+    await asyncio.gather(*pushes, return_exceptions=True)
+    assert pushes[1].cancelled()
+    assert store.made("insert") == [2]
+    assert sorted(m.payload for m in await queue.pop_many(10, timeout=0)) == [0, 2]
+
+
+@pytest.mark.parametrize("in_caller", [False, True])
+async def test_a_reserve_cancelled_after_the_store_took_gives_the_message_back(
+    in_caller: bool,
+) -> None:
+    queue, store = _queue(in_caller=in_caller)
+    await queue.push("only")
+    waiter = asyncio.ensure_future(queue.reserve(timeout=5))
+    await store.reserving.wait()  # the store has the call: the message is taken
+    waiter.cancel()
+    await asyncio.gather(waiter, return_exceptions=True)
+    again = await queue.reserve(timeout=5)
+    assert again is not None and again.payload == "only"
+    assert again.tries == 0  # given back unseen: it cost no try
