@@ -293,7 +293,7 @@ class Queue:
         outage: Outage | None = None,
         doing: str = "reserve",
     ) -> list[Stored]:
-        """The wait loop (DESIGN.md §5): try, then sleep until a signal, the next mature
+        """The wait loop: try, then sleep until a signal, the next mature
         time, the poll interval or the timeout, whichever comes first.
 
         With an ``outage`` (``consume`` and ``messages``), a failed round trip is recorded
