@@ -14,7 +14,7 @@ _REGISTRY: dict[str, tuple[str, str, str | None]] = {
     "redis-list": ("aio_keuss.redis.list", "RedisListBackend", "redis"),
     "redis-oq": ("aio_keuss.redis.oq", "RedisOQBackend", "redis"),
     "redis-reliable": ("aio_keuss.redis.reliable", "RedisReliableBackend", "redis"),
-    "postgres": ("aio_keuss.postgres.store", "PostgresBackend", "postgres"),
+    "postgres": ("aio_keuss.postgres.store", "PostgresQueueBackend", "postgres"),
     "bucket-redis": ("aio_keuss.redis.buckets", "RedisBucketBackend", "redis"),
     "bucket-postgres": ("aio_keuss.postgres.buckets", "PostgresBucketBackend", "postgres"),
     "bucket-mongo": ("aio_keuss.mongo.buckets", "MongoBucketBackend", "mongo"),

@@ -429,3 +429,74 @@ async def test_pop_and_reserve_take_exactly_what_they_return(
             await factory.close()
     finally:
         await pool.close()
+
+
+# schema migrations ----------------------------------------------------------------------
+
+# The schema exactly as the first release created it (no versions table): upgraded in place.
+RELEASE_0_1_DDL = """
+CREATE SCHEMA IF NOT EXISTS {s};
+CREATE TABLE IF NOT EXISTS {s}.messages (
+    queue    text NOT NULL,
+    id       text NOT NULL,
+    seq      bigint GENERATED ALWAYS AS IDENTITY,
+    mature   double precision NOT NULL,
+    tries    integer NOT NULL DEFAULT 0,
+    reserved boolean NOT NULL DEFAULT false,
+    payload  bytea NOT NULL,
+    headers  bytea NOT NULL,
+    PRIMARY KEY (queue, id)
+);
+CREATE INDEX IF NOT EXISTS messages_by_mature ON {s}.messages (queue, mature, seq);
+CREATE TABLE IF NOT EXISTS {s}.dedup (
+    queue   text NOT NULL,
+    id      text NOT NULL,
+    expires double precision NOT NULL,
+    PRIMARY KEY (queue, id)
+);
+CREATE TABLE IF NOT EXISTS {s}.stats (
+    queue   text NOT NULL,
+    counter text NOT NULL,
+    value   bigint NOT NULL DEFAULT 0,
+    PRIMARY KEY (queue, counter)
+);
+CREATE TABLE IF NOT EXISTS {s}.queues (
+    queue   text PRIMARY KEY,
+    options jsonb NOT NULL DEFAULT '{}',
+    paused  boolean NOT NULL DEFAULT false
+);
+"""
+
+
+async def test_a_schema_of_the_first_release_is_upgraded_in_place(
+    schema: str, open_factory: Open
+) -> None:
+    from aio_keuss.postgres.connection import migrations
+
+    connection = await asyncpg.connect(POSTGRES_URL)
+    try:
+        await connection.execute(RELEASE_0_1_DDL.replace("{s}", f'"{schema}"'))
+        await connection.execute(  # a message and a counter written by that release
+            f'INSERT INTO "{schema}".messages (queue, id, mature, payload, headers)'
+            " VALUES ('jobs', 'old-1', 0, 'J\"kept\"', '{}')"
+        )
+        await connection.execute(
+            f"INSERT INTO \"{schema}\".stats (queue, counter, value) VALUES ('jobs', 'put', 1)"
+        )
+    finally:
+        await connection.close()
+    # several processes opening it at once take turns under the advisory lock
+    factories = await asyncio.gather(*(open_factory() for _ in range(4)))
+    q = await factories[0].queue("jobs")
+    assert (await q.stats())["put"] == 1
+    old = await q.reserve(timeout=5)
+    assert old is not None and (old.id, old.payload) == ("old-1", "kept")
+    assert await q.move(old, "next") == "old-1"  # a step the first release did not have
+    connection = await asyncpg.connect(POSTGRES_URL)
+    try:
+        versions = await connection.fetch(
+            f'SELECT version FROM "{schema}".schema_versions ORDER BY version'
+        )
+    finally:
+        await connection.close()
+    assert [r[0] for r in versions] == [v for v, _ in migrations()]  # each applied once

@@ -29,7 +29,8 @@ from ..buckets.store import (
     StateWrite,
     bucket_backend_options,
 )
-from .store import _SCHEMA_LOCK, PostgresBackend, postgres_errors_translated
+from .backend import PostgresBackend
+from .connection import SCHEMA_LOCK, postgres_errors_translated
 
 _DDL = """
 DO $$ BEGIN
@@ -220,7 +221,7 @@ class PostgresBucketBackend(BucketBackend, PostgresBackend):
         try:
             with postgres_errors_translated():
                 async with self.pool.acquire() as connection, connection.transaction():
-                    await connection.execute(_SCHEMA_LOCK, self.schema)
+                    await connection.execute(SCHEMA_LOCK, self.schema)
                     await connection.execute(_DDL.replace("{s}", self.quoted_schema))
         except BaseException:
             await self.close()

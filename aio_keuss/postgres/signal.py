@@ -25,10 +25,10 @@ from typing import TYPE_CHECKING, Any
 import asyncpg  # type: ignore[import-untyped]
 
 from ..signal import SignalBus
-from .store import postgres_errors_translated
+from .connection import postgres_errors_translated
 
 if TYPE_CHECKING:
-    from .store import PostgresBackend
+    from .connection import PostgresConnection
 
 _NOTIFY = "SELECT pg_notify($1, $2)"
 _CLOSE_WAIT = 2.0
@@ -38,7 +38,7 @@ callback never comes (a silently dropped TCP connection)."""
 
 
 class PostgresSignalBus(SignalBus):
-    def __init__(self, backend: PostgresBackend, debounce: float = 0.05) -> None:
+    def __init__(self, backend: PostgresConnection, debounce: float = 0.05) -> None:
         super().__init__(debounce)
         self._backend = backend
         self.channel = f"aio_keuss_{backend.schema}".lower()

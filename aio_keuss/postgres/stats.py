@@ -1,7 +1,7 @@
 """Stats in PostgreSQL: counters, paused flags and queue options in the backend's schema.
 
 The tables (``stats``, ``queues``) are created with the message table by the backend (see
-``_SCHEMA_DDL`` in :mod:`aio_keuss.postgres.store`). Increments are buffered by
+the first migration step). Increments are buffered by
 :class:`StatsStore` and written as ONE upsert per flush, whatever the number of queues and
 counters in it.
 """
@@ -13,10 +13,10 @@ from typing import TYPE_CHECKING, Any
 import orjson
 
 from ..stats import Increments, StatsStore
-from .store import postgres_errors_translated
+from .connection import postgres_errors_translated
 
 if TYPE_CHECKING:
-    from .store import PostgresBackend
+    from .connection import PostgresConnection
 
 _APPLY = """
 INSERT INTO {s}.stats (queue, counter, value)
@@ -44,7 +44,7 @@ _QUEUES = "SELECT queue, options::text FROM {s}.queues ORDER BY queue"
 
 
 class PostgresStats(StatsStore):
-    def __init__(self, backend: PostgresBackend) -> None:
+    def __init__(self, backend: PostgresConnection) -> None:
         super().__init__()
         self._backend = backend
         schema = backend.quoted_schema
