@@ -278,7 +278,7 @@ class Backend(ABC):
     """One database connection per factory, and a Store per queue."""
 
     name: ClassVar[str]
-    capabilities: ClassVar[Capabilities]
+    capabilities: Capabilities
     options: ClassVar[Mapping[str, Any]] = {}
     """Backend-specific ``connect`` options and their defaults."""
 

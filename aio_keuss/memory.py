@@ -14,7 +14,7 @@ import itertools
 import time
 from collections import deque
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING
 
 from .contract import (
     Ack,
@@ -266,7 +266,7 @@ class MemoryStore(Store):
 
 class MemoryBackend(Backend):
     name = "memory"
-    capabilities: ClassVar[Capabilities] = Capabilities(shared=False, move=True)
+    capabilities: Capabilities = Capabilities(shared=False, move=True)
 
     def __init__(self, options: dict[str, object]) -> None:
         super().__init__(options)

@@ -122,6 +122,13 @@ CASES: list[BackendCase] = [
         label="redis-oq-cluster",
         setup=start_redis_cluster,
     ),
+    BackendCase(  # every queue in one hash slot: move and one-script deadletter on a cluster
+        "redis-oq",
+        lambda t: {**_redis_cluster(t), "hash_tag": f"akt-{t}"},
+        _drop_redis_cluster_prefix,
+        label="redis-oq-cluster-one-slot",
+        setup=start_redis_cluster,
+    ),
     BackendCase("redis-reliable", _redis, _drop_redis_prefix),
     BackendCase("postgres", _postgres, _drop_postgres_schema),
     BackendCase("bucket-redis", lambda t: {**_redis(t), **_BUCKET_FAST}, _drop_redis_prefix),

@@ -1437,7 +1437,7 @@ class BucketBackend:
     """Mixed in before a database's :class:`Backend`: one :class:`BucketStore` per queue over
     that database's :class:`BucketStorage`, which ``use_storage`` installs."""
 
-    capabilities: ClassVar[Capabilities] = CAPABILITIES
+    capabilities: Capabilities = CAPABILITIES
     settings: dict[str, Any]
     bucket_settings: BucketSettings
     _storage: BucketStorage

@@ -533,7 +533,7 @@ class MongoQueueBackend(MongoBackend):
     """``mongo``: consumed messages are deleted."""
 
     name = "mongo"
-    capabilities: ClassVar[Capabilities] = Capabilities()
+    capabilities: Capabilities = Capabilities()
     store_class: ClassVar[type[MongoStore]] = MongoStore
 
     async def store(self, queue: str, options: QueueOptions) -> Store:

@@ -191,7 +191,7 @@ class PostgresQueueBackend(PostgresBackend):
     """``postgres``: the connection options (url, pool, schema, pool sizes, durable_acks)."""
 
     name = "postgres"
-    capabilities: ClassVar[Capabilities] = Capabilities(move=True)
+    capabilities: Capabilities = Capabilities(move=True)
 
     def __init__(self, options: dict[str, Any]) -> None:
         super().__init__(options)

@@ -28,7 +28,8 @@ from ..buckets.store import (
     StateWrite,
     bucket_backend_options,
 )
-from .connection import RedisBackend, Script, redis_errors_translated
+from .backend import RedisBackend
+from .connection import Script, redis_errors_translated
 
 # KEYS: bz, bb, bs, bo, br. ARGV: (id, score, count, blob, state) per bucket.
 _INSERT = Script("""

@@ -14,10 +14,12 @@ exception types, so :func:`redis_errors_translated` serves both.
 from __future__ import annotations
 
 import asyncio
+import re
 from collections import deque
 from collections.abc import Awaitable, Sequence
+from dataclasses import dataclass, fields, replace
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, ClassVar, cast
+from typing import Any, ClassVar, cast
 from urllib.parse import parse_qs, urlsplit
 
 from ..contract import Backend
@@ -28,7 +30,7 @@ from ..errors import (
     KeussError,
     MissingDependencyError,
 )
-from ..options import without_password
+from ..options import BackendOptions, check_bool, without_password
 
 try:
     import hiredis
@@ -39,11 +41,9 @@ try:
 except ImportError as exc:  # pragma: no cover - depends on the environment
     raise MissingDependencyError("redis", exc.name or "redis") from exc
 
-if TYPE_CHECKING:
-    from ..signal import SignalBus
-    from ..stats import StatsStore
 
 RedisClient = aioredis.Redis | RedisCluster
+_HASH_TAG = re.compile(r"[A-Za-z0-9_.:\-]{1,64}")
 CONNECT_TIMEOUT = 10.0
 CANCEL_GRACE = 10.0
 """How long a cancelled caller may wait for the reply to a command already sent."""
@@ -336,32 +336,57 @@ def check_redis_url(url: object, cluster: bool) -> str:
     return url
 
 
-class RedisBackend(Backend):
-    """Base of the Redis backends: ``url=`` (or ``client=``), ``prefix=``, ``cluster=``."""
+@dataclass(frozen=True)
+class RedisOptions(BackendOptions):
+    """``url=`` (or an existing redis-py ``client=``), ``prefix=`` of every key,
+    ``cluster=`` for Redis Cluster, and ``hash_tag=`` to keep every queue of the factory in
+    one cluster hash slot (what ``move`` between queues needs on a cluster)."""
 
-    options: ClassVar[dict[str, Any]] = {
-        "url": "redis://127.0.0.1:6379/0",
-        "client": None,
-        "prefix": "keuss",
-        "cluster": False,
-    }
+    url: str = "redis://127.0.0.1:6379/0"
+    client: Any = None
+    prefix: str = "keuss"
+    cluster: bool = False
+    hash_tag: str | None = None
+
+    def __post_init__(self) -> None:
+        prefix = self.prefix
+        if not isinstance(prefix, str) or not prefix or "{" in prefix or "}" in prefix:
+            raise ConfigError(f"prefix must be a non-empty str without braces, not {prefix!r}")
+        if self.client is None:
+            check_bool(self.cluster, "cluster")
+            check_redis_url(self.url, self.cluster)
+        tag = self.hash_tag
+        if tag is not None and (not isinstance(tag, str) or not _HASH_TAG.fullmatch(tag)):
+            raise ConfigError(f"hash_tag must be 1-64 letters, digits or _ . : -, not {tag!r}")
+
+
+class RedisConnection(Backend):
+    """The client (and the fast lane) every Redis role shares, and the names of its keys."""
+
+    options_type: ClassVar[type[RedisOptions]] = RedisOptions
+    options: ClassVar[dict[str, Any]] = RedisOptions.defaults()
 
     def __init__(self, options: dict[str, Any]) -> None:
         super().__init__(options)
-        prefix = self.settings["prefix"]
-        if not isinstance(prefix, str) or not prefix or "{" in prefix or "}" in prefix:
-            raise ConfigError(f"prefix must be a non-empty str without braces, not {prefix!r}")
-        self.prefix: str = prefix
-        self._owns_client = self.settings["client"] is None
-        self.client: RedisClient = self.settings["client"] or self._make_client()
+        own = {f.name for f in fields(self.options_type)}  # a subclass may add its own
+        self.config = self.options_type.parse({k: v for k, v in options.items() if k in own})
+        self.prefix: str = self.config.prefix
+        self._owns_client = self.config.client is None
+        self.client: RedisClient = self.config.client or self._make_client()
         self.cluster = isinstance(self.client, RedisCluster)
+        self._tag = "" if self.config.hash_tag is None else "{" + self.config.hash_tag + "}:"
         self._lane = self._make_lane()
+        if not self.one_slot:  # a script cannot reach two queues: no move between them
+            self.capabilities = replace(self.capabilities, move=False)
+
+    @property
+    def one_slot(self) -> bool:
+        """Whether a script may touch the keys of two queues (a single node, or a cluster
+        whose queues all carry the factory's hash tag)."""
+        return not self.cluster or bool(self._tag)
 
     def _make_client(self) -> RedisClient:
-        cluster = self.settings["cluster"]
-        if not isinstance(cluster, bool):
-            raise ConfigError(f"cluster must be a bool, not {cluster!r}")
-        url = check_redis_url(self.settings["url"], cluster)
+        cluster, url = self.config.cluster, self.config.url
         try:
             if cluster:
                 return RedisCluster.from_url(url, decode_responses=False)
@@ -372,7 +397,7 @@ class RedisBackend(Backend):
     def _make_lane(self) -> _FastLane | None:
         if not self._owns_client or self.cluster:
             return None
-        url: str = self.settings["url"]
+        url = self.config.url
         if not url.startswith(("redis://", "unix://")):
             return None  # TLS and the rest: redis-py knows them
         parsed = parse_url(url)
@@ -397,8 +422,10 @@ class RedisBackend(Backend):
             await self.client.aclose()
 
     def key(self, queue: str, *parts: str) -> str:
-        """``prefix:{queue}:part:...`` — the braces make one cluster slot per queue."""
-        return ":".join((self.prefix, "{" + queue + "}", *parts))
+        """``prefix:{queue}:part:...``: the braces make one cluster slot per queue. With
+        ``hash_tag``, ``prefix:{tag}:{queue}:part:...``: Redis hashes only the first braces
+        (Redis Cluster specification, "Hash tags"), so every queue shares the tag's slot."""
+        return ":".join((self.prefix, self._tag + "{" + queue + "}", *parts))
 
     def execute(self, *args: Any) -> Awaitable[Any]:
         """One command, raw RESP reply (bytes, ints, lists); callers translate errors.
@@ -420,13 +447,3 @@ class RedisBackend(Backend):
             else:  # on a cluster redis-py loads it on every primary
                 await self.client.script_load(script.text)
             return await self.execute("EVALSHA", script.sha, len(keys), *keys, *args)
-
-    def signal_bus(self, debounce: float) -> SignalBus:
-        from .signal import RedisSignalBus
-
-        return RedisSignalBus(self, debounce)
-
-    def stats_store(self) -> StatsStore:
-        from .stats import RedisStats
-
-        return RedisStats(self)

@@ -22,7 +22,8 @@ from typing import TYPE_CHECKING, ClassVar
 
 from ..contract import Entry, Fetched, Store, Stored
 from ..types import Capabilities, Sizes
-from .connection import RedisBackend, redis_errors_translated
+from .backend import RedisBackend
+from .connection import redis_errors_translated
 
 if TYPE_CHECKING:
     from ..options import QueueOptions
@@ -100,7 +101,7 @@ class RedisListStore(Store):
 
 class RedisListBackend(RedisBackend):
     name = "redis-list"
-    capabilities: ClassVar[Capabilities] = Capabilities(
+    capabilities: Capabilities = Capabilities(
         reserve=False, delay=False, remove=False, idempotent=False, reservation_expiry=False
     )
 

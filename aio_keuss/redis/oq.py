@@ -15,12 +15,15 @@ Every script reads the server clock (``TIME``), so clients with skewed clocks ag
 mature. A reservation deadline is the server's *now* + ``reserve_delay`` (Keuss added the
 delay to the old score, so a message older than the delay could be reserved twice).
 
-Deadletter: on a single Redis the ko script moves the message into the deadletter queue's keys
-in the same atomic call. On Redis Cluster the two queues live in different slots, which one
-script cannot touch, so the move is done in three steps: the ko script hands back what must
-move (the message stays reserved meanwhile), it is inserted into the deadletter queue, then
-deleted from the source with the same stale-holder guard as a commit. A crash between the
-steps leaves a duplicate (the reservation expires and the message comes back), never a loss.
+Move and deadletter: on a single Redis one script moves the message into the other queue's
+keys (the same Lua body for ``Queue.move`` and for the ko that deadletters). On Redis Cluster
+a script can only touch keys of one hash slot, and each queue has its own slot unless the
+factory is opened with ``hash_tag=...`` (then every queue's keys carry that tag and share
+one slot). Without it, ``move`` is refused and deadletter is done in three steps: the ko
+script hands back what must move (the message stays reserved meanwhile), it is inserted into
+the deadletter queue, then deleted from the source with the same stale-holder guard as a
+commit. A crash between the steps leaves a duplicate (the reservation expires and the
+message comes back), never a loss.
 """
 
 from __future__ import annotations
@@ -31,10 +34,23 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import orjson
 
-from ..contract import Ack, DeadletterPlan, Entry, Fetched, Nack, Store, Stored
+from ..contract import (
+    Ack,
+    DeadletterPlan,
+    Entry,
+    Fetched,
+    Move,
+    Nack,
+    Store,
+    Stored,
+    deadletter_tag,
+    moved_id,
+)
+from ..errors import NotSupportedError
 from ..message import EMPTY_HEADERS
 from ..types import Capabilities, KoResult, Sizes
-from .connection import RedisBackend, Script, redis_errors_translated
+from .backend import RedisBackend
+from .connection import Script, redis_errors_translated
 
 if TYPE_CHECKING:
     from ..options import QueueOptions
@@ -74,6 +90,33 @@ local function forget(ids, with_headers, with_tries, held)
   run_chunked('HDEL', KEYS[3], with_headers or ids)
   run_chunked('HDEL', KEYS[4], with_tries or ids)
   run_chunked('SREM', KEYS[5], held or ids)
+end
+-- The one move body (Queue.move and deadletter): take held message ``id`` out of this
+-- queue into the queue whose z, p, h keys are given, due at ``due``, with ``payload`` (nil:
+-- its own) and ``added`` header text ('' = none) added to its headers, renamed by the rule
+-- of every backend if the id is taken there: <id>, <id>.<tag>, <id>.<tag>.2, ...
+local function move_to(id, dz, dp, dh, payload, added, due, tag)
+  payload = payload or redis.call('HGET', KEYS[2], id)
+  local headers = redis.call('HGET', KEYS[3], id) or '{}'
+  if added ~= '' then
+    if headers == '{}' then headers = '{' .. added .. '}'
+    else headers = string.sub(headers, 1, -2) .. ',' .. added .. '}' end
+  end
+  forget({id})
+  local target, n = id, 0
+  while redis.call('ZSCORE', dz, target) do
+    n = n + 1
+    target = id .. '.' .. tag .. (n > 1 and ('.' .. n) or '')
+  end
+  redis.call('ZADD', dz, due, target)
+  redis.call('HSET', dp, target, payload)
+  if headers ~= '{}' then redis.call('HSET', dh, target, headers) end
+  return target
+end
+-- Whether ``id`` is held here with ``guard`` tries ('' = any holder).
+local function is_held(id, guard)
+  if redis.call('SISMEMBER', KEYS[5], id) == 0 then return false end
+  return guard == '' or tonumber(guard) == tonumber(redis.call('HGET', KEYS[4], id) or 0)
 end
 -- The mature ids (up to n, earliest first) with everything a consumer gets; tries of a
 -- message whose reservation expired count that delivery.
@@ -244,20 +287,13 @@ for i = 4, #ARGV, 4 do
     local tries = stored
     if counted then tries = stored + 1 end
     if mode ~= '' and counted and tries > max_ko then
-      local payload = redis.call('HGET', KEYS[2], id)
-      local headers = dl_headers(redis.call('HGET', KEYS[3], id) or '{}', tries)
       if mode == 'move' then
-        forget({id})
-        local target, n = id, 0
-        while redis.call('ZSCORE', KEYS[6], target) do
-          n = n + 1
-          target = id .. '.dl' .. tries .. (n > 1 and ('.' .. n) or '')
-        end
-        redis.call('ZADD', KEYS[6], now, target)
-        redis.call('HSET', KEYS[7], target, payload)
-        redis.call('HSET', KEYS[8], target, headers)
+        local added = extra .. ',"x-dl-tries":' .. tries
+        move_to(id, KEYS[6], KEYS[7], KEYS[8], nil, added, now, 'dl' .. tries)
         flags[#flags + 1] = 2
       else
+        local payload = redis.call('HGET', KEYS[2], id)
+        local headers = dl_headers(redis.call('HGET', KEYS[3], id) or '{}', tries)
         for _, v in ipairs({id, payload, headers, stored}) do deferred[#deferred + 1] = v end
         flags[#flags + 1] = 3
       end
@@ -271,6 +307,29 @@ for i = 4, #ARGV, 4 do
 end
 for _, v in ipairs(deferred) do flags[#flags + 1] = v end
 return flags
+"""
+
+# KEYS: z p h t r of the queue, then z p h of each destination. ARGV per move: id, tries held
+# ('' = no guard), destination number (1 = KEYS[6..8]), '1' if a payload follows else '0',
+# payload, added header text ('' = none), delay, tag. Reply: per move, the id it has in its
+# destination, or '' when it was not held (an id is never empty).
+_MOVE = """
+local now = server_now()
+local out = {}
+for i = 1, #ARGV, 8 do
+  local id = ARGV[i]
+  if is_held(id, ARGV[i + 1]) then
+    local d = 3 + 3 * tonumber(ARGV[i + 2])
+    local payload = nil
+    if ARGV[i + 3] == '1' then payload = ARGV[i + 4] end
+    local due = now + tonumber(ARGV[i + 6])
+    out[#out + 1] = move_to(id, KEYS[d], KEYS[d + 1], KEYS[d + 2], payload, ARGV[i + 5], due,
+      ARGV[i + 7])
+  else
+    out[#out + 1] = ''
+  end
+end
+return out
 """
 
 # KEYS: z p h t r. ARGV: ids. Reply: 1 / 0 per id.
@@ -311,9 +370,19 @@ _NEXT_MATURE = """
 return first_mature(KEYS[1])
 """
 
-INSERT, GET, RESERVE, COMMIT, ROLLBACK, REMOVE, SIZES, NEXT_MATURE = (
+INSERT, GET, RESERVE, COMMIT, ROLLBACK, MOVE, REMOVE, SIZES, NEXT_MATURE = (
     Script(_PRELUDE + body)
-    for body in (_INSERT, _GET, _RESERVE, _COMMIT, _ROLLBACK, _REMOVE, _SIZES, _NEXT_MATURE)
+    for body in (
+        _INSERT,
+        _GET,
+        _RESERVE,
+        _COMMIT,
+        _ROLLBACK,
+        _MOVE,
+        _REMOVE,
+        _SIZES,
+        _NEXT_MATURE,
+    )
 )
 
 
@@ -339,13 +408,6 @@ def _fetched(reply: list[Any]) -> Fetched:
         )
     ]
     return Fetched(messages, None if head is None else float(head))
-
-
-def _dl_id(message_id: str, failed: int, attempt: int) -> str:
-    """The id a deadlettered message takes on its ``attempt``-th try (same as the Lua)."""
-    if attempt == 0:
-        return message_id
-    return f"{message_id}.dl{failed}" + (f".{attempt}" if attempt > 1 else "")
 
 
 class RedisOQStore(Store):
@@ -413,7 +475,7 @@ class RedisOQStore(Store):
         if deadletter is None:
             head: list[Any] = ["", 0, ""]
         else:
-            mode = "defer" if self._backend.cluster else "move"
+            mode = "move" if self._backend.one_slot else "defer"
             if mode == "move":
                 keys = keys + self._backend.queue_keys(deadletter.queue)[:3]
             extra = deadletter.headers(0, time.time())
@@ -450,13 +512,43 @@ class RedisOQStore(Store):
         pending, attempt = moved, 0
         while pending:
             entries = [
-                Entry(_dl_id(m_id, tries + 1, attempt), payload, headers)
+                Entry(moved_id(m_id, deadletter_tag(tries + 1), attempt), payload, headers)
                 for m_id, payload, headers, tries in pending
             ]
             flags = await target._insert(entries, check_all=True)  # fixed ids: look them up
             pending = [m for m, ok in zip(pending, flags, strict=True) if not ok]
             attempt += 1
         await self.commit([Ack(m_id, tries) for m_id, _, _, tries in moved])
+
+    async def move(self, moves: Sequence[Move]) -> list[str | None]:
+        if not self._backend.one_slot:
+            raise NotSupportedError(
+                "move on Redis Cluster needs both queues in one hash slot: connect with"
+                " hash_tag=... to keep this factory's queues together"
+            )
+        keys = list(self._keys)
+        destinations: dict[str, int] = {}
+        args: list[Any] = []
+        for move in moves:
+            number = destinations.get(move.queue)
+            if number is None:
+                number = destinations[move.queue] = len(destinations) + 1
+                keys.extend(self._backend.queue_keys(move.queue)[:3])
+            args.extend(
+                (
+                    move.id,
+                    "" if move.tries is None else move.tries,
+                    number,
+                    "0" if move.payload is None else "1",
+                    b"" if move.payload is None else move.payload,
+                    orjson.dumps(move.headers)[1:-1] if move.headers else "",
+                    move.delay,
+                    move.tag,
+                )
+            )
+        with redis_errors_translated():
+            reply = await self._run(MOVE, keys, args)
+        return [new_id.decode() if new_id else None for new_id in reply]
 
     async def remove(self, ids: Sequence[str]) -> list[bool]:
         with redis_errors_translated():
@@ -476,7 +568,7 @@ class RedisOQStore(Store):
 
 class RedisOQBackend(RedisBackend):
     name = "redis-oq"
-    capabilities: ClassVar[Capabilities] = Capabilities()
+    capabilities: Capabilities = Capabilities(move=True)
 
     def queue_keys(self, queue: str) -> list[str]:
         return [self.key(queue, part) for part in ("z", "p", "h", "t", "r")]

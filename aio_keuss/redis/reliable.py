@@ -1,4 +1,5 @@
-"""``redis-reliable``: the "reliable queue" of seed 002 — every operation O(1) per message.
+"""``redis-reliable``: the "reliable queue" pattern of the Redis manual (LMOVE / RPOPLPUSH)
+— every operation O(1) per message.
 
 Storage model (all keys of queue ``q`` share the hash tag ``{q}``, see
 :meth:`RedisBackend.key`; ``<base>`` below is ``prefix:{q}:``)::
@@ -50,17 +51,30 @@ import math
 import os
 import time
 from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import orjson
 
 from ..coalesce import stop_task
-from ..contract import Ack, DeadletterPlan, Entry, Fetched, Nack, Store, Stored
-from ..errors import ConfigError
+from ..contract import (
+    Ack,
+    DeadletterPlan,
+    Entry,
+    Fetched,
+    Move,
+    Nack,
+    Store,
+    Stored,
+    deadletter_tag,
+    moved_id,
+)
+from ..errors import ConfigError, NotSupportedError
 from ..message import append_headers
 from ..options import check_count
 from ..types import Capabilities, KoResult, Sizes
-from .connection import RedisBackend, Script, redis_errors_translated
+from .backend import RedisBackend
+from .connection import RedisOptions, Script, redis_errors_translated
 
 if TYPE_CHECKING:
     from ..options import QueueOptions
@@ -79,6 +93,33 @@ _NOW = """
 local function now()
   local t = redis.call('TIME')
   return t[1] .. '.' .. string.format('%06d', tonumber(t[2]))
+end
+"""
+
+# The one move body (Queue.move and deadletter), for a message already taken off the
+# processing list: its body moves under the destination base (``dst``), renamed by the rule
+# of every backend if the id is taken there (<id>, <id>.<tag>, <id>.<tag>.2, ...), with
+# ``payload`` (nil: its own) and ``added`` header text ('' = none), tries 0, and its id goes
+# to the end of the destination's pending list.
+_MOVE_TO = """
+local function move_to(id, body, dst, dst_pending, payload, added, tag, stamp)
+  local b = redis.call('HMGET', body, 'p', 'h')
+  redis.call('DEL', body)
+  local headers = b[2]
+  if added ~= '' then
+    if headers == '{}' then headers = '{' .. added .. '}'
+    else headers = string.sub(headers, 1, -2) .. ',' .. added .. '}' end
+  end
+  local target, clash = id, 0
+  while redis.call('EXISTS', dst .. 'msg:' .. target) == 1 do
+    clash = clash + 1
+    target = id .. '.' .. tag
+    if clash > 1 then target = target .. '.' .. clash end
+  end
+  redis.call('HSET', dst .. 'msg:' .. target, 'p', payload or b[1], 'h', headers, 't', 0,
+    'm', stamp)
+  redis.call('LPUSH', dst_pending, target)
+  return target
 end
 """
 
@@ -190,6 +231,7 @@ return out
 # deferred), each 3 followed by its p, h, t so the caller can finish the move.
 _ROLLBACK = (
     _NOW
+    + _MOVE_TO
     + """
 local base, dl, max_ko, fragment = ARGV[1], ARGV[2], tonumber(ARGV[3]), ARGV[4]
 local failed_max = tonumber(ARGV[5])
@@ -216,21 +258,9 @@ for i = 6, #ARGV, 3 do
       elseif redis.call('LREM', KEYS[2], -1, id) == 0 then
         out[#out + 1] = 0
       else
-        local b = redis.call('HMGET', body, 'p', 'h')
-        redis.call('DEL', body)
-        local extra = fragment .. ',"x-dl-tries":' .. tries
-        local headers
-        if b[2] == '{}' then headers = '{' .. extra .. '}'
-        else headers = string.sub(b[2], 1, -2) .. ',' .. extra .. '}' end
-        local dl_id, clash = id, 0
-        while redis.call('EXISTS', dl .. 'msg:' .. dl_id) == 1 do
-          clash = clash + 1
-          dl_id = id .. '.dl' .. tries
-          if clash > 1 then dl_id = dl_id .. '.' .. clash end
-        end
         stamp = stamp or now()
-        redis.call('HSET', dl .. 'msg:' .. dl_id, 'p', b[1], 'h', headers, 't', 0, 'm', stamp)
-        redis.call('LPUSH', KEYS[5], dl_id)
+        local added = fragment .. ',"x-dl-tries":' .. tries
+        move_to(id, body, dl, KEYS[5], nil, added, 'dl' .. tries, stamp)
         redis.call('LPUSH', KEYS[3], id)
         failed = failed + 1
         out[#out + 1] = 2
@@ -251,6 +281,34 @@ end
 if failed > 0 then
   redis.call('INCRBY', KEYS[4], failed)
   redis.call('LTRIM', KEYS[3], 0, failed_max - 1)
+end
+return out
+"""
+)
+
+# KEYS: processing, then the pending list of each destination. ARGV: base, then 7 per move:
+#   id, tries ('' = unchecked), destination number (1 = KEYS[2]), destination base,
+#   '1' if a payload follows else '0', payload, added header text ('' = none), tag.
+# Returns per move the id it has in its destination, or '' when it was not held here.
+_MOVE = (
+    _NOW
+    + _MOVE_TO
+    + """
+local base, out, stamp = ARGV[1], {}, nil
+for i = 2, #ARGV, 8 do
+  local id, want = ARGV[i], ARGV[i + 1]
+  local body = base .. 'msg:' .. id
+  local t = redis.call('HGET', body, 't')
+  if not t or (want ~= '' and t ~= want) or redis.call('LREM', KEYS[1], -1, id) == 0 then
+    out[#out + 1] = ''
+  else
+    stamp = stamp or now()
+    local payload = nil
+    if ARGV[i + 4] == '1' then payload = ARGV[i + 5] end
+    local pending = KEYS[1 + tonumber(ARGV[i + 2])]
+    out[#out + 1] = move_to(id, body, ARGV[i + 3], pending, payload, ARGV[i + 6],
+      ARGV[i + 7], stamp)
+  end
 end
 return out
 """
@@ -419,7 +477,7 @@ class RedisReliableStore(Store):
         if deadletter is None:
             head: list[Any] = [self._base, "", 0, "", 0]
         else:
-            cluster = self._backend.cluster
+            cluster = not self._backend.one_slot
             dl_base = "defer" if cluster else self._backend.key(deadletter.queue) + ":"
             if not cluster:
                 dl_pending = self._backend.key(deadletter.queue, "pending")
@@ -449,6 +507,36 @@ class RedisReliableStore(Store):
             await self._deadletter_across_slots(deferred, deadletter, results)
         return results
 
+    async def move(self, moves: Sequence[Move]) -> list[str | None]:
+        if not self._backend.one_slot:
+            raise NotSupportedError(
+                "move on Redis Cluster needs both queues in one hash slot: connect with"
+                " hash_tag=... to keep this factory's queues together"
+            )
+        keys = [self._processing]
+        destinations: dict[str, int] = {}
+        args: list[Any] = [self._base]
+        for move in moves:
+            number = destinations.get(move.queue)
+            if number is None:
+                number = destinations[move.queue] = len(destinations) + 1
+                keys.append(self._backend.key(move.queue, "pending"))
+            args.extend(
+                (
+                    move.id,
+                    "" if move.tries is None else move.tries,
+                    number,
+                    self._backend.key(move.queue) + ":",
+                    "0" if move.payload is None else "1",
+                    b"" if move.payload is None else move.payload,
+                    orjson.dumps(move.headers)[1:-1] if move.headers else "",
+                    move.tag,
+                )
+            )
+        with redis_errors_translated():
+            reply = await self._scripts.move(keys, args)
+        return [new_id.decode() if new_id else None for new_id in reply]
+
     async def _deadletter_across_slots(
         self,
         deferred: list[tuple[int, str, bytes, bytes, int]],
@@ -476,21 +564,20 @@ class RedisReliableStore(Store):
 
         with redis_errors_translated():
             flags = await self._scripts.insert(keys=[dl_pending], args=args_of(entries))
+            # already there from an earlier life of the message: renamed by the shared rule
             pending = [
-                (e, f"{e.id}.dl{d[4]}")
+                (e, deadletter_tag(d[4]))
                 for e, d, flag in zip(entries, deferred, flags, strict=True)
                 if flag != 1
             ]
-            clash = 1
-            while pending:  # already there from an earlier life of the message: rename
-                renamed = [Entry(name, e.payload, e.headers) for e, name in pending]
-                flags = await self._scripts.insert(keys=[dl_pending], args=args_of(renamed))
+            clash = 0
+            while pending:
                 clash += 1
-                pending = [
-                    (e, f"{name.rsplit('.', 1)[0] if clash > 2 else name}.{clash}")
-                    for (e, name), flag in zip(pending, flags, strict=True)
-                    if flag != 1
+                renamed = [
+                    Entry(moved_id(e.id, tag, clash), e.payload, e.headers) for e, tag in pending
                 ]
+                flags = await self._scripts.insert(keys=[dl_pending], args=args_of(renamed))
+                pending = [p for p, flag in zip(pending, flags, strict=True) if flag != 1]
             args: list[Any] = [self._backend.failed_max, self._base]
             args += [mid for _, mid, _, _, _ in deferred]
             await self._scripts.drop_deadlettered(
@@ -607,6 +694,7 @@ class _Scripts:
         self.reserve = bind(_RESERVE)
         self.commit = bind(_COMMIT)
         self.rollback = bind(_ROLLBACK)
+        self.move = bind(_MOVE)
         self.drop_deadlettered = bind(_DROP_DEADLETTERED)
         self.sizes = bind(_SIZES)
         self.dead = bind(_DEAD)
@@ -614,8 +702,26 @@ class _Scripts:
         self.retire = bind(_RETIRE)
 
 
+@dataclass(frozen=True)
+class RedisReliableOptions(RedisOptions):
+    """The Redis options, and: ``heartbeat_ttl`` (seconds a consumer's heartbeat lives) and
+    ``failed_max`` (deadlettered ids each queue's ``failed`` list keeps). The bound on
+    ``failed_max`` matters: the scripts pass it through a Lua number to LTRIM, and Lua prints
+    large numbers in exponent form, which Redis refuses as "not an integer"."""
+
+    heartbeat_ttl: float = 30.0
+    failed_max: int = 10_000
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        ttl = self.heartbeat_ttl
+        if isinstance(ttl, bool) or not isinstance(ttl, int | float) or not 0.05 <= ttl < 1e6:
+            raise ConfigError(f"heartbeat_ttl must be seconds >= 0.05, not {ttl!r}")
+        check_count(self.failed_max, "failed_max")
+
+
 class RedisReliableBackend(RedisBackend):
-    """Seed 002's reliable queue. Options beyond the Redis ones:
+    """The reliable queue of the Redis manual's LMOVE page. Options beyond the Redis ones:
 
     heartbeat_ttl: seconds a consumer's heartbeat lives (refreshed every third of it);
       a consumer silent that long is dead and its reservations are recovered (checked
@@ -624,7 +730,7 @@ class RedisReliableBackend(RedisBackend):
     """
 
     name = "redis-reliable"
-    capabilities: ClassVar[Capabilities] = Capabilities(
+    capabilities: Capabilities = Capabilities(
         pop=True,
         reserve=True,
         delay=False,
@@ -632,23 +738,16 @@ class RedisReliableBackend(RedisBackend):
         idempotent=True,
         reservation_expiry=False,
         shared=True,
+        move=True,
     )
-    options: ClassVar[dict[str, Any]] = {
-        **RedisBackend.options,
-        "heartbeat_ttl": 30.0,
-        "failed_max": 10_000,
-    }
+    options_type: ClassVar[type[RedisOptions]] = RedisReliableOptions
+    options: ClassVar[dict[str, Any]] = RedisReliableOptions.defaults()
 
     def __init__(self, options: dict[str, Any]) -> None:
         super().__init__(options)
-        ttl = self.settings["heartbeat_ttl"]
-        if isinstance(ttl, bool) or not isinstance(ttl, int | float) or not 0.05 <= ttl < 1e6:
-            raise ConfigError(f"heartbeat_ttl must be seconds >= 0.05, not {ttl!r}")
-        self.heartbeat_ttl = float(ttl)
-        # Bounded: the scripts pass it through a Lua number to LTRIM, and Lua prints large
-        # numbers in exponent form, which Redis refuses as "not an integer" (dedup_window,
-        # milliseconds in PX, is kept small enough by the bound on queue options' seconds).
-        self.failed_max: int = check_count(self.settings["failed_max"], "failed_max")
+        assert isinstance(self.config, RedisReliableOptions)
+        self.heartbeat_ttl = float(self.config.heartbeat_ttl)
+        self.failed_max: int = self.config.failed_max
         self.scripts = _Scripts(self)
 
     async def store(self, queue: str, options: QueueOptions) -> Store:

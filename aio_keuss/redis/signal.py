@@ -18,11 +18,11 @@ from ..signal import SignalBus
 from .connection import redis_errors_translated
 
 if TYPE_CHECKING:
-    from .connection import RedisBackend
+    from .connection import RedisConnection
 
 
 class RedisSignalBus(SignalBus):
-    def __init__(self, backend: RedisBackend, debounce: float = 0.05) -> None:
+    def __init__(self, backend: RedisConnection, debounce: float = 0.05) -> None:
         super().__init__(debounce)
         self._client = backend.client
         self.channel = f"{backend.prefix}:signal"

@@ -16,11 +16,11 @@ from ..stats import Increments, StatsStore
 from .connection import redis_errors_translated
 
 if TYPE_CHECKING:
-    from .connection import RedisBackend
+    from .connection import RedisConnection
 
 
 class RedisStats(StatsStore):
-    def __init__(self, backend: RedisBackend) -> None:
+    def __init__(self, backend: RedisConnection) -> None:
         super().__init__()
         self._backend = backend
         self._client: Any = backend.client  # Redis | RedisCluster: the same calls on both
