@@ -55,7 +55,8 @@ from ..buckets.store import (
     StateWrite,
     bucket_backend_options,
 )
-from .connection import DUPLICATE_KEY, Document, MongoBackend, mongo_errors_translated
+from .backend import MongoBackend
+from .connection import DUPLICATE_KEY, Document, mongo_errors_translated
 from .connection import Collection as MongoCollection
 
 BY_SCORE = [("queue", ASCENDING), ("score", ASCENDING), ("id", ASCENDING)]

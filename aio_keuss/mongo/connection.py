@@ -30,11 +30,12 @@ import asyncio
 import re
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any, ClassVar
+from dataclasses import dataclass, fields
+from typing import Any, ClassVar
 
 from ..contract import Backend
 from ..errors import ConfigError, KeussConnectionError, MissingDependencyError, translate_errors
-from ..options import brief, without_password
+from ..options import BackendOptions, brief, without_password
 
 try:
     from pymongo import ASCENDING, AsyncMongoClient
@@ -43,10 +44,6 @@ try:
     from pymongo.asynchronous.database import AsyncDatabase
 except ImportError as exc:  # pragma: no cover - depends on the environment
     raise MissingDependencyError("mongo", exc.name or "pymongo") from exc
-
-if TYPE_CHECKING:
-    from ..signal import SignalBus
-    from ..stats import StatsStore
 
 Document = dict[str, Any]
 Collection = AsyncCollection[Document]
@@ -138,34 +135,30 @@ def check_mongo_url(url: object) -> str:
     return url
 
 
-class MongoBackend(Backend):
-    """Base of the MongoDB backends: ``url=`` (or an existing ``client=``), ``database=``,
-    ``prefix=`` (collection name prefix), ``transactions=`` ("auto": on a replica set or
-    mongos; True; False), ``signal_transport=`` ("changestream" or "capped"),
+@dataclass(frozen=True)
+class MongoOptions(BackendOptions):
+    """``url=`` (or an existing ``client=``), ``database=``, ``prefix=`` (collection name
+    prefix; None: the backend's own), ``transactions=`` ("auto": on a replica set or mongos;
+    True; False), ``signal_transport=`` ("changestream" or "capped"),
     ``server_selection_timeout=`` seconds for a client made here."""
 
-    default_prefix: ClassVar[str] = "keuss"
-    options: ClassVar[dict[str, Any]] = {
-        "url": "mongodb://127.0.0.1:27017",
-        "client": None,
-        "database": "keuss",
-        "prefix": None,
-        "transactions": "auto",
-        "signal_transport": "changestream",
-        "server_selection_timeout": 10.0,
-    }
+    url: str = "mongodb://127.0.0.1:27017"
+    client: Any = None
+    database: str = "keuss"
+    prefix: str | None = None
+    transactions: bool | str = "auto"
+    signal_transport: str = "changestream"
+    server_selection_timeout: float = 10.0
 
-    def __init__(self, options: dict[str, Any]) -> None:
-        super().__init__(options)
-        settings = self.settings
-        self.database_name = _check_name(settings["database"], "database")
-        prefix = settings["prefix"] if settings["prefix"] is not None else self.default_prefix
-        self.prefix: str = _check_name(prefix, "prefix")
-        if settings["transactions"] not in ("auto", True, False):
+    def __post_init__(self) -> None:
+        _check_name(self.database, "database")
+        if self.prefix is not None:
+            _check_name(self.prefix, "prefix")
+        if self.transactions not in ("auto", True, False):
             raise ConfigError("transactions must be 'auto', True or False")
-        if settings["signal_transport"] not in ("changestream", "capped"):
+        if self.signal_transport not in ("changestream", "capped"):
             raise ConfigError("signal_transport must be 'changestream' or 'capped'")
-        timeout = settings["server_selection_timeout"]
+        timeout = self.server_selection_timeout
         # PyMongo takes it in milliseconds, under one billion (its timeout validation)
         if (
             isinstance(timeout, bool)
@@ -175,12 +168,32 @@ class MongoBackend(Backend):
             raise ConfigError(
                 f"server_selection_timeout must be seconds in (0, 1e6), not {brief(timeout)}"
             )
-        given = settings["client"]
+        given = self.client
         if given is not None and not isinstance(given, AsyncMongoClient):
             raise ConfigError(f"client must be a pymongo AsyncMongoClient, not {given!r}")
+        if given is None:
+            check_mongo_url(self.url)
+
+
+class MongoConnection(Backend):
+    """The client, the database and the collection names every MongoDB role shares."""
+
+    default_prefix: ClassVar[str] = "keuss"
+    options_type: ClassVar[type[MongoOptions]] = MongoOptions
+    options: ClassVar[dict[str, Any]] = MongoOptions.defaults()
+
+    def __init__(self, options: dict[str, Any]) -> None:
+        super().__init__(options)
+        own = {f.name for f in fields(self.options_type)}  # a bucket backend adds its own
+        config = self.options_type.parse({k: v for k, v in options.items() if k in own})
+        self.config = config
+        self.database_name = config.database
+        self.prefix: str = config.prefix if config.prefix is not None else self.default_prefix
+        given = config.client
         self._owns_client = given is None
         if given is None:
-            url = check_mongo_url(settings["url"])
+            url = config.url
+            timeout = config.server_selection_timeout
             try:  # PyMongo parses the URL here, before connecting
                 given = AsyncMongoClient(
                     url, tz_aware=True, serverSelectionTimeoutMS=max(1, int(timeout * 1000))
@@ -199,7 +212,7 @@ class MongoBackend(Backend):
             except BaseException:
                 await self.close()
                 raise
-        wanted = self.settings["transactions"]
+        wanted = self.config.transactions
         if wanted == "auto":
             # Standalone servers (and SQLite-backed look-alikes, whose transactions leak
             # uncommitted writes) announce no replica set: the ordered path runs there.
@@ -243,13 +256,3 @@ class MongoBackend(Backend):
 
     async def _extra_indexes(self, queue: str) -> None:
         """What a variant needs beyond the mature index (history: TTL on ``processed``)."""
-
-    def signal_bus(self, debounce: float) -> SignalBus:
-        from .signal import MongoSignalBus
-
-        return MongoSignalBus(self, debounce)
-
-    def stats_store(self) -> StatsStore:
-        from .stats import MongoStats
-
-        return MongoStats(self)

@@ -38,7 +38,7 @@ from ..signal import SignalBus
 from .connection import mongo_errors_translated
 
 if TYPE_CHECKING:
-    from .connection import Collection, MongoBackend
+    from .connection import Collection, MongoConnection
 
 SIGNAL_TTL = 60
 CAPPED_SIZE = 1 << 20
@@ -79,10 +79,10 @@ class _Pacing:
 
 
 class MongoSignalBus(SignalBus):
-    def __init__(self, backend: MongoBackend, debounce: float = 0.05) -> None:
+    def __init__(self, backend: MongoConnection, debounce: float = 0.05) -> None:
         super().__init__(debounce)
         self._backend = backend
-        self._capped = backend.settings["signal_transport"] == "capped"
+        self._capped = backend.config.signal_transport == "capped"
         parts = ("signals", "capped") if self._capped else ("signals",)
         self._coll: Collection = backend.collection(*parts)
 

@@ -17,13 +17,13 @@ from ..stats import COUNTERS, Increments, StatsStore
 from .connection import mongo_errors_translated
 
 if TYPE_CHECKING:
-    from .connection import MongoBackend
+    from .connection import MongoConnection
 
 _PREFIX = "c_"
 
 
 class MongoStats(StatsStore):
-    def __init__(self, backend: MongoBackend) -> None:
+    def __init__(self, backend: MongoConnection) -> None:
         super().__init__()
         self._coll = backend.collection("stats")
 

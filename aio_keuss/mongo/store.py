@@ -1,4 +1,4 @@
-"""mongo and mongo-history: Keuss's MongoDB models (seed 004), one collection per queue.
+"""mongo and mongo-history: Keuss's MongoDB models, one collection per queue.
 
 A message is one document ``{_id: id, payload: Binary, headers: Binary (JSON), mature: float
 epoch seconds, tries: int, reserved: bool}`` with an index on ``mature``; see
@@ -51,17 +51,36 @@ import contextlib
 import os
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from pymongo import ASCENDING, ReturnDocument
 from pymongo import errors as mongo_errors
 
-from ..contract import Ack, DeadletterPlan, Entry, Fetched, Nack, Store, Stored
+from ..contract import (
+    Ack,
+    DeadletterPlan,
+    Entry,
+    Fetched,
+    Move,
+    Nack,
+    Store,
+    Stored,
+    deadletter_tag,
+    moved_id,
+)
 from ..errors import ConfigError
 from ..message import append_headers
 from ..types import Capabilities, KoResult, Sizes
-from .connection import DUPLICATE_KEY, Collection, Document, MongoBackend, mongo_errors_translated
+from .backend import MongoBackend
+from .connection import (
+    DUPLICATE_KEY,
+    Collection,
+    Document,
+    MongoOptions,
+    mongo_errors_translated,
+)
 
 if TYPE_CHECKING:
     from pymongo.asynchronous.client_session import AsyncClientSession
@@ -76,6 +95,8 @@ CLAIM_LEASE = 30.0
 TIE_STEP = 1e-6
 """Mature-time step between the messages of one insert batch (keeps their order)."""
 CLAIM_ATTEMPTS = 3
+MOVE_NAMES = 50
+"""Names a moved message may try in its destination before the move is refused."""
 BY_MATURE = [("mature", ASCENDING)]
 
 
@@ -393,57 +414,77 @@ class MongoStore(Store):
         return await self._deadletter(doc, plan, now)
 
     async def _deadletter(self, doc: Document, plan: DeadletterPlan, now: float) -> KoResult:
-        """Move a held message to the deadletter queue, renaming it there if its id is
-        taken (``<id>.dl<tries>``, then ``.2``, ``.3``...)."""
         failed = int(doc["tries"])
+        headers = plan.headers(failed, now)
+        move = Move(doc["_id"], None, plan.queue, None, headers, 0.0, deadletter_tag(failed))
+        moved = await self._move_doc(doc, move, now)
+        return KoResult.MISSING if moved is None else KoResult.DEADLETTERED
+
+    async def move(self, moves: Sequence[Move]) -> list[str | None]:
+        now = time.time()
+
+        async def one(move: Move) -> str | None:
+            doc = await self._coll.find_one(_guard(move.id, move.tries))
+            return None if doc is None else await self._move_doc(doc, move, now)
+
+        with mongo_errors_translated():
+            return list(await asyncio.gather(*(one(m) for m in moves)))
+
+    async def _move_doc(self, doc: Document, move: Move, now: float) -> str | None:
+        """The one move body (``Queue.move`` and deadletter): the held message ``doc`` leaves
+        this collection for the other queue's, under the first free name of the rule every
+        backend follows (``<id>``, ``<id>.<tag>``, ``<id>.<tag>.2``, ...). In a transaction
+        where the server has them; else claimed here, inserted there, then deleted here: a
+        crash in between leaves a duplicate (the claim lapses), never a loss. None when it
+        was no longer held."""
+        headers = bytes(doc["headers"])
         moved: Document = {
-            "payload": doc["payload"],
-            "headers": append_headers(bytes(doc["headers"]), plan.headers(failed, now)),
-            "mature": now,
+            "payload": doc["payload"] if move.payload is None else move.payload,
+            "headers": append_headers(headers, move.headers) if move.headers else headers,
+            "mature": now + move.delay,
             "tries": 0,
             "reserved": False,
         }
-        names = [doc["_id"], f"{doc['_id']}.dl{failed}"]
-        names += [f"{doc['_id']}.dl{failed}.{k}" for k in range(2, 50)]
-        await self._backend.ensure_indexes(plan.queue)
-        target = self._backend.queue_collection(plan.queue)
-        held = {"_id": doc["_id"], "reserved": True, "tries": failed}
+        names = [moved_id(doc["_id"], move.tag, clash) for clash in range(MOVE_NAMES)]
+        await self._backend.ensure_indexes(move.queue)
+        target = self._backend.queue_collection(move.queue)
+        held = {"_id": doc["_id"], "reserved": True, "tries": doc["tries"]}
         if self._backend.transactions:
-            return await self._deadletter_in_transaction(held, target, moved, names, now)
+            return await self._move_in_transaction(held, target, moved, names, now)
         token = os.urandom(8).hex()
         claimed = await self._coll.update_one(
             held, {"$set": {"mature": now + CLAIM_LEASE, "owner": token}}
         )
         if not claimed.matched_count:
-            return KoResult.MISSING
+            return None
         for name in names:
             if (await self._insert_docs(target, [{"_id": name, **moved}]))[0]:
                 break
-        else:  # pragma: no cover - 50 earlier lives of one id
-            raise ConfigError(f"no free id for {doc['_id']!r} in {plan.queue!r}")
+        else:  # pragma: no cover - MOVE_NAMES earlier lives of one id
+            raise ConfigError(f"no free id for {doc['_id']!r} in {move.queue!r}")
         await self._finish({"_id": doc["_id"], "owner": token}, now)
-        return KoResult.DEADLETTERED
+        return name
 
-    async def _deadletter_in_transaction(
+    async def _move_in_transaction(
         self,
         held: Document,
         target: Collection,
         moved: Document,
         names: list[str],
         now: float,
-    ) -> KoResult:
-        async def move(session: AsyncClientSession) -> KoResult:
+    ) -> str | None:
+        async def move(session: AsyncClientSession) -> str | None:
             if not await self._finish(held, now, session):
                 await session.abort_transaction()
-                return KoResult.MISSING
+                return None
             cursor = target.find({"_id": {"$in": names}}, {"_id": 1}, session=session)
             taken = {d["_id"] for d in await cursor.to_list()}
             name = next(n for n in names if n not in taken)
             await target.insert_one({"_id": name, **moved}, session=session)
-            return KoResult.DEADLETTERED
+            return name
 
         async with self._backend.client.start_session() as session:
-            result: KoResult = await session.with_transaction(move)
+            result: str | None = await session.with_transaction(move)
         return result
 
     # administering ------------------------------------------------------------------------
@@ -533,12 +574,25 @@ class MongoQueueBackend(MongoBackend):
     """``mongo``: consumed messages are deleted."""
 
     name = "mongo"
-    capabilities: Capabilities = Capabilities()
+    capabilities: Capabilities = Capabilities(move=True)
     store_class: ClassVar[type[MongoStore]] = MongoStore
 
     async def store(self, queue: str, options: QueueOptions) -> Store:
         await self.ensure_indexes(queue)
         return self.store_class(queue, options, self)
+
+
+@dataclass(frozen=True)
+class MongoHistoryOptions(MongoOptions):
+    """The MongoDB options, and ``history_ttl``: seconds a consumed message is kept."""
+
+    history_ttl: float = 7 * 86400.0
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        ttl = self.history_ttl
+        if isinstance(ttl, bool) or not isinstance(ttl, int | float) or not 0 < ttl < 2**31:
+            raise ConfigError(f"history_ttl must be a positive number of seconds, not {ttl!r}")
 
 
 class MongoHistoryBackend(MongoQueueBackend):
@@ -548,14 +602,13 @@ class MongoHistoryBackend(MongoQueueBackend):
     name = "mongo-history"
     default_prefix = "keuss_history"
     store_class = MongoHistoryStore
-    options: ClassVar[dict[str, Any]] = {**MongoBackend.options, "history_ttl": 7 * 86400.0}
+    options_type: ClassVar[type[MongoOptions]] = MongoHistoryOptions
+    options: ClassVar[dict[str, Any]] = MongoHistoryOptions.defaults()
 
     def __init__(self, options: dict[str, Any]) -> None:
         super().__init__(options)
-        ttl = self.settings["history_ttl"]
-        if isinstance(ttl, bool) or not isinstance(ttl, int | float) or not 0 < ttl < 2**31:
-            raise ConfigError(f"history_ttl must be a positive number of seconds, not {ttl!r}")
-        self.history_ttl = int(ttl) or 1
+        assert isinstance(self.config, MongoHistoryOptions)
+        self.history_ttl = int(self.config.history_ttl) or 1
 
     async def _extra_indexes(self, queue: str) -> None:
         coll = self.queue_collection(queue)
