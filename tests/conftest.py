@@ -58,3 +58,24 @@ def needs(holder: aio_keuss.Factory | aio_keuss.Queue, *capabilities: str) -> No
     missing = [c for c in capabilities if not getattr(holder.capabilities, c)]
     if missing:
         pytest.skip(f"this backend lacks {', '.join(missing)}")
+
+
+async def sizes_of(q: aio_keuss.Queue) -> tuple[int, int, int, int]:
+    """(size, total, scheduled, reserved) of a queue."""
+    s = await q.sizes()
+    return s.size, s.total, s.scheduled, s.reserved
+
+
+async def drain_all(q: aio_keuss.Queue) -> list[aio_keuss.Message]:
+    """Pop everything ready now."""
+    got: list[aio_keuss.Message] = []
+    while True:
+        batch = await q.pop_many(500, timeout=0)
+        if not batch:
+            return got
+        got.extend(batch)
+
+
+def needs_reserve(queue: aio_keuss.Queue) -> None:
+    """Skip where the backend has no reserve."""
+    needs(queue, "reserve")

@@ -29,7 +29,7 @@ asyncpg = pytest.importorskip("asyncpg")
 
 pytestmark = pytest.mark.timeout(180)
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 Open = Callable[..., Awaitable[aio_keuss.Factory]]
 

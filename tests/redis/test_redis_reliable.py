@@ -31,7 +31,7 @@ try:
 except ImportError as exc:  # pragma: no cover
     pytest.skip(str(exc), allow_module_level=True)
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 TTL = 1.0
 """heartbeat_ttl in these tests: a killed consumer is recovered within ~1.5 s."""
 

@@ -177,7 +177,7 @@ asyncio.run(main(*sys.argv[1:]))
 
 
 def _spawn_flood(case: BackendCase, options: dict[str, Any]) -> Any:
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parent.parent)}
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[2])}
     return subprocess.Popen(
         [sys.executable, "-c", FLOOD, case.name, json.dumps(options), "flood", "1000"],
         stdout=subprocess.PIPE,

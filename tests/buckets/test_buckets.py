@@ -82,7 +82,7 @@ asyncio.run(main(*sys.argv[1:]))
 
 
 def _spawn(mode: str, case: BackendCase, options: dict[str, Any], queue: str, arg: str) -> Any:
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parent.parent)}
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[2])}
     return subprocess.Popen(
         [sys.executable, "-c", CHILD, mode, case.name, json.dumps(options), queue, arg],
         stdout=subprocess.PIPE,

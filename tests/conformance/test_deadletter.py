@@ -1,0 +1,76 @@
+"""Conformance: Deadletter after max_ko, and the one rename rule for an id already there.
+
+Every backend runs it, skipping what it does not claim. Time bounds are generous
+functional limits, never performance assertions.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from datetime import UTC, datetime
+
+import pytest
+from conftest import Connect, drain_all, needs, needs_reserve
+
+import aio_keuss
+from aio_keuss import KoResult
+
+pytestmark = pytest.mark.timeout(90)
+
+
+# deadletter -----------------------------------------------------------------------------
+
+
+async def test_deadletter_after_max_ko(connect: Connect) -> None:
+    factory = await connect(deadletter={"max_ko": 2}, poll_interval=5.0)
+    needs(factory, "reserve")
+    q = await factory.queue("work")
+    dl = await factory.queue("__deadletter__")
+    mid = await q.push({"poison": True}, headers={"origin": "test"})
+    results = []
+    for expected_tries in range(3):
+        message = await q.reserve(timeout=5)
+        assert message is not None and message.tries == expected_tries
+        results.append(await q.ko(message))
+    assert results == [KoResult.ROLLED_BACK, KoResult.ROLLED_BACK, KoResult.DEADLETTERED]
+    assert await q.total_size() == 0
+    dead = await dl.pop(timeout=5)
+    assert dead is not None
+    assert dead.payload == {"poison": True}
+    assert dead.headers["origin"] == "test"
+    assert dead.headers["x-dl-from-queue"] == "work"
+    assert dead.headers["x-dl-tries"] == 3
+    dl_time = datetime.fromisoformat(str(dead.headers["x-dl-t"]))
+    assert abs((datetime.now(UTC) - dl_time).total_seconds()) < 60
+    assert dead.tries == 0
+    assert dead.id == mid or isinstance(dead.id, str)
+    stats = await q.stats()
+    assert stats["deadletter"] == 1 and stats["rollback"] == 2
+
+
+async def test_no_deadletter_without_max_ko(queue: aio_keuss.Queue) -> None:
+    needs_reserve(queue)
+    await queue.push("keeps coming back")
+    for expected in range(6):
+        message = await queue.reserve(timeout=5)
+        assert message is not None and message.tries == expected
+        assert await queue.ko(message) == KoResult.ROLLED_BACK
+    assert await queue.total_size() == 1
+
+
+async def test_deadletter_twice_with_the_same_id_keeps_both(connect: Connect) -> None:
+    factory = await connect(deadletter={"max_ko": 0}, poll_interval=5.0)
+    needs(factory, "reserve", "idempotent")
+    q = await factory.queue("work", dedup_window=0.01)
+    dl = await factory.queue("__deadletter__")
+    for round_ in range(3):
+        await asyncio.sleep(0.05)  # past the dedup window: the same id may come again
+        await q.push({"round": round_}, id="same-order")
+        message = await q.reserve(timeout=5)
+        assert message is not None
+        assert await q.ko(message) == KoResult.DEADLETTERED
+    dead = await drain_all(dl)
+    assert sorted(m.payload["round"] for m in dead) == [0, 1, 2]
+    # the one rename rule of every backend: its own id, then .dl<failed>, then .dl<failed>.N
+    names = {m.payload["round"]: m.id for m in dead}
+    assert names == {0: "same-order", 1: "same-order.dl1", 2: "same-order.dl1.2"}

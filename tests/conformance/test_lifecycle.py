@@ -1,0 +1,165 @@
+"""Conformance: Stats, consume, iteration, drain, close and the queue list.
+
+Every backend runs it, skipping what it does not claim. Time bounds are generous
+functional limits, never performance assertions.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+from conftest import Connect, needs
+
+import aio_keuss
+from aio_keuss import Message
+
+pytestmark = pytest.mark.timeout(90)
+
+
+# stats ----------------------------------------------------------------------------------
+
+
+async def test_stats_match_operations(queue: aio_keuss.Queue) -> None:
+    await queue.push_many(list(range(10)))
+    assert len(await queue.pop_many(3, timeout=1)) == 3
+    expected = {"put": 10, "get": 3, "reserve": 0, "commit": 0, "rollback": 0, "deadletter": 0}
+    if queue.capabilities.reserve:
+        reserved = await queue.reserve_many(4, timeout=1)
+        assert len(reserved) == 4
+        for message in reserved[:3]:
+            assert await queue.ok(message)
+        assert await queue.ko(reserved[3])
+        assert await queue.ok("unknown-id") is False
+        expected.update(reserve=4, commit=3, rollback=1)
+    assert await queue.stats() == expected
+
+
+# lifecycle: consume, iterate, drain, close, list ---------------------------------------
+
+
+async def test_consume_processes_and_retries(connect: Connect) -> None:
+    factory = await connect(poll_interval=5.0)
+    q = await factory.queue("jobs")
+    handled: list[Any] = []
+    failures: dict[Any, int] = {}
+
+    async def handler(message: Message) -> None:
+        if message.payload == "flaky" and failures.get("flaky", 0) < 2:
+            failures["flaky"] = failures.get("flaky", 0) + 1
+            raise RuntimeError("try again")
+        handled.append(message.payload)
+
+    consumer = q.consume(handler, concurrency=4, retry_delay=0.05)
+    await q.push_many(["a", "b", "flaky", "c"])
+    for _ in range(200):
+        if len(handled) == 4 or (not q.capabilities.reserve and len(handled) == 3):
+            break
+        await asyncio.sleep(0.05)
+    await consumer.stop()
+    if q.capabilities.reserve:
+        assert sorted(handled) == ["a", "b", "c", "flaky"]
+        assert failures["flaky"] == 2
+        assert await q.total_size() == 0
+    else:  # at-most-once: the failing message is gone
+        assert sorted(handled) == ["a", "b", "c"]
+
+
+async def test_consume_stop_gives_back_in_flight_messages(connect: Connect) -> None:
+    factory = await connect(poll_interval=5.0)
+    needs(factory, "reserve")
+    q = await factory.queue("jobs")
+    started = asyncio.Event()
+
+    async def slow(message: Message) -> None:
+        started.set()
+        await asyncio.sleep(30)
+
+    async with q.consume(slow, concurrency=2) as consumer:
+        await q.push("long job")
+        await asyncio.wait_for(started.wait(), 5)
+        await consumer.stop(grace=0.1)
+    message = await q.reserve(timeout=5)
+    assert message is not None and message.payload == "long job"
+    assert message.tries == 0  # going back after a cancel costs no try
+
+
+async def test_async_for_and_drain(queue: aio_keuss.Queue) -> None:
+    await queue.push_many([1, 2, 3])
+    seen = []
+    async for message in queue.messages(timeout=0.2):
+        seen.append(message.payload)
+        if queue.capabilities.reserve:
+            await queue.ok(message)
+    assert seen == [1, 2, 3]
+
+    async def iterate() -> list[Any]:
+        return [m.payload async for m in queue]
+
+    task = asyncio.create_task(iterate())
+    await asyncio.sleep(0.1)
+    await queue.drain()
+    assert await asyncio.wait_for(task, 5) == []
+
+
+async def test_drain_stops_waiters_and_close_refuses(factory: aio_keuss.Factory) -> None:
+    q = await factory.queue("q1")
+    waiters = [asyncio.create_task(q.pop(timeout=30)) for _ in range(3)]
+    await asyncio.sleep(0.05)
+    await q.drain()
+    assert await asyncio.wait_for(asyncio.gather(*waiters), 5) == [None, None, None]
+    await q.push("after drain")
+    assert (await q.pop(timeout=1)) is not None
+    waiter = asyncio.create_task(q.pop(timeout=30))
+    await asyncio.sleep(0.05)
+    await factory.close()
+    assert await asyncio.wait_for(waiter, 5) is None
+    with pytest.raises(aio_keuss.ClosedError):
+        await q.push(1)
+    with pytest.raises(aio_keuss.ClosedError):
+        await factory.queue("q1")
+
+
+async def test_connect_context_manager_and_list(case: Any) -> None:
+    from backends import new_token
+
+    options = case.options(new_token())
+    try:
+        async with aio_keuss.connect(case.name, **options) as factory:
+            assert isinstance(factory, aio_keuss.Factory)
+            assert factory.backend_name == case.name
+            await factory.queue("listed-a", reserve_delay=30)
+            await factory.queue("listed-b")
+            same = await factory.queue("listed-a")
+            assert same is await factory.queue("listed-a")
+            with pytest.raises(aio_keuss.ConfigError):
+                await factory.queue("listed-a", reserve_delay=31)
+            listed = await factory.list()
+            assert listed["listed-a"]["reserve_delay"] == 30
+            assert "listed-b" in listed
+        if case.shared:
+            async with aio_keuss.connect(case.name, **options) as again:
+                assert {"listed-a", "listed-b"} <= set(await again.list())
+    finally:
+        if case.cleanup is not None:
+            await case.cleanup(options)
+
+
+async def test_factory_close_stops_consumers_first(connect: Connect) -> None:
+    factory = await connect(poll_interval=5.0)
+    needs(factory, "reserve")
+    q = await factory.queue("jobs")
+    finished: list[Any] = []
+    started = asyncio.Event()
+
+    async def handler(message: Message) -> None:
+        started.set()
+        await asyncio.sleep(0.2)
+        finished.append(message.payload)
+
+    q.consume(handler, concurrency=2)
+    await q.push("in flight")
+    await asyncio.wait_for(started.wait(), 5)
+    await factory.close()  # lets the running handler finish and ok its message
+    assert finished == ["in flight"]

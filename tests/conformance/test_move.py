@@ -1,0 +1,112 @@
+"""Conformance: Queue.move: a held message into another queue in one atomic step.
+
+Every backend runs it, skipping what it does not claim. Time bounds are generous
+functional limits, never performance assertions.
+"""
+
+from __future__ import annotations
+
+import pytest
+from conftest import Connect, needs
+
+import aio_keuss
+from aio_keuss import KoResult
+
+pytestmark = pytest.mark.timeout(90)
+
+
+# move -----------------------------------------------------------------------------------
+
+
+async def test_move_takes_a_held_message_to_another_queue(connect: Connect) -> None:
+    factory = await connect(poll_interval=5.0)
+    needs(factory, "reserve", "move")
+    q = await factory.queue("step1")
+    nxt = await factory.queue("step2")
+    mid = await q.push({"n": 1}, headers={"origin": "a", "keep": 1})
+    first = await q.reserve(timeout=5)
+    assert first is not None and await q.ko(first) == KoResult.ROLLED_BACK  # tries 1 now
+    held = await q.reserve(timeout=5)
+    assert held is not None and held.tries == 1
+    moved = await q.move(held, "step2", payload={"n": 2}, headers={"origin": "b"})
+    assert moved == mid
+    assert await q.total_size() == 0
+    arrived = await nxt.reserve(timeout=5)
+    assert arrived is not None
+    assert (arrived.id, arrived.payload, arrived.tries) == (mid, {"n": 2}, 0)
+    assert arrived.headers == {"origin": "b", "keep": 1}
+    assert await nxt.ok(arrived)
+    assert (await q.stats())["commit"] == 1 and (await nxt.stats())["put"] == 1
+
+
+async def test_move_keeps_the_payload_and_honours_the_delay(connect: Connect) -> None:
+    factory = await connect(poll_interval=5.0)
+    needs(factory, "reserve", "move")
+    q = await factory.queue("src")
+    dst = await factory.queue("dst")
+    await q.push(None)  # None is a payload: kept, not taken for "no new payload"
+    held = await q.reserve(timeout=5)
+    assert held is not None
+    delay = 30.0 if factory.capabilities.delay else 0.0
+    assert await q.move(held, "dst", delay=delay) == held.id
+    if delay:
+        assert (await dst.sched_size(), await dst.pop(timeout=0)) == (1, None)
+        return
+    arrived = await dst.pop(timeout=5)
+    assert arrived is not None and arrived.payload is None and arrived.headers == {}
+
+
+async def test_move_of_what_is_no_longer_held_moves_nothing(connect: Connect) -> None:
+    factory = await connect(poll_interval=5.0)
+    needs(factory, "reserve", "move")
+    q = await factory.queue("src")
+    dst = await factory.queue("dst")
+    await q.push_many(["rolled back", "done"])
+    stale = await q.reserve(timeout=5)
+    done = await q.reserve(timeout=5)
+    assert stale is not None and done is not None
+    assert await q.ko(stale) == KoResult.ROLLED_BACK  # a newer delivery is due: not ours
+    assert await q.ok(done)
+    assert await q.move(stale, "dst") is None
+    assert await q.move(done, "dst") is None
+    assert await dst.total_size() == 0 and await q.total_size() == 1
+
+
+async def test_move_renames_an_id_the_destination_holds(connect: Connect) -> None:
+    factory = await connect(poll_interval=5.0)
+    needs(factory, "reserve", "move", "idempotent")
+    dst = await factory.queue("dst")
+    await dst.push("already there", id="order-7")
+    names = []
+    for round_ in range(3):
+        q = await factory.queue(f"src{round_}")
+        await q.push(round_, id="order-7")
+        held = await q.reserve(timeout=5)
+        assert held is not None
+        names.append(await q.move(held, "dst"))
+    assert names == ["order-7.mv", "order-7.mv.2", "order-7.mv.3"]
+    assert await dst.total_size() == 4
+
+
+async def test_move_refuses_bad_input_before_writing(connect: Connect) -> None:
+    factory = await connect(poll_interval=5.0)
+    needs(factory, "reserve")
+    q = await factory.queue("src")
+    await q.push("x")
+    held = await q.reserve(timeout=5)
+    assert held is not None
+    if not factory.capabilities.move:
+        with pytest.raises(aio_keuss.NotSupportedError):
+            await q.move(held, "dst")
+    else:
+        with pytest.raises(aio_keuss.InvalidInputError):
+            await q.move(held, "src")  # its own queue: that is a ko
+        with pytest.raises(aio_keuss.InvalidQueueNameError):
+            await q.move(held, "no spaces")
+        with pytest.raises(aio_keuss.InvalidHeadersError):
+            await q.move(held, "dst", headers={"k": object()})  # type: ignore[dict-item]
+        with pytest.raises(aio_keuss.InvalidPayloadError):
+            await q.move(held, "dst", payload=float("nan"))
+        with pytest.raises(aio_keuss.InvalidDelayError):
+            await q.move(held, "dst", delay=-1)
+    assert await q.ok(held)  # still held: nothing moved

@@ -1,0 +1,159 @@
+"""Conformance: Sizes, FIFO and mature-time order, timeouts, cancellation and fair sharing.
+
+Every backend runs it, skipping what it does not claim. Time bounds are generous
+functional limits, never performance assertions.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+import pytest
+from conftest import drain_all
+
+import aio_keuss
+
+pytestmark = pytest.mark.timeout(90)
+
+
+# sizes and order ------------------------------------------------------------------------
+
+
+async def test_empty_queuesizes_of(queue: aio_keuss.Queue) -> None:
+    assert await queue.size() == 0
+    assert await queue.total_size() == 0
+    assert await queue.sched_size() == 0
+    assert await queue.resv_size() == 0
+    assert await queue.next_mature_t() is None
+    assert await queue.pop(timeout=0) is None
+
+
+async def test_fifo_push_pop(queue: aio_keuss.Queue) -> None:
+    for i in range(20):
+        await queue.push(i)
+    assert await queue.size() == 20
+    assert [m.payload for m in await drain_all(queue)] == list(range(20))
+    assert await queue.total_size() == 0
+
+
+async def test_push_returns_ids_and_pop_many(queue: aio_keuss.Queue) -> None:
+    ids = await queue.push_many([{"n": i} for i in range(50)])
+    assert len(set(ids)) == 50 and all(isinstance(i, str) for i in ids)
+    first = await queue.pop_many(30, timeout=1)
+    rest = await queue.pop_many(30, timeout=1)
+    assert [m.id for m in first + rest] == ids
+    assert await queue.pop_many(5, timeout=0) == []
+
+
+async def test_delayed_messages_come_out_by_mature_time(queue: aio_keuss.Queue) -> None:
+    needs_delay = queue.capabilities.delay
+    if not needs_delay:
+        pytest.skip("no delay")
+    await queue.push("late", delay=0.6)
+    await queue.push("soon", delay=0.3)
+    await queue.push("now")
+    assert await queue.sched_size() == 2
+    nmt = await queue.next_mature_t()
+    assert nmt is not None and nmt.tzinfo is not None
+    assert (await queue.pop(timeout=1)).payload == "now"  # type: ignore[union-attr]
+    assert await queue.pop(timeout=0) is None
+    start = time.monotonic()
+    soon = await queue.pop(timeout=5)
+    late = await queue.pop(timeout=5)
+    assert soon is not None and soon.payload == "soon"
+    assert late is not None and late.payload == "late"
+    assert late.mature >= soon.mature
+    assert time.monotonic() - start >= 0.2
+
+
+@pytest.mark.parametrize("op", ["pop", "reserve"])
+async def test_timeout_returns_none_on_time(queue: aio_keuss.Queue, op: str) -> None:
+    if op == "reserve" and not queue.capabilities.reserve:
+        pytest.skip("no reserve")
+    start = time.monotonic()
+    assert await getattr(queue, op)(timeout=0.3) is None
+    elapsed = time.monotonic() - start
+    assert 0.25 <= elapsed < 15.0  # on time; the upper bound only catches a hang
+
+
+@pytest.mark.parametrize("op", ["pop", "reserve", "pop_many", "reserve_many"])
+async def test_cancelling_a_waiting_consumer_loses_nothing(queue: aio_keuss.Queue, op: str) -> None:
+    if "reserve" in op and not queue.capabilities.reserve:
+        pytest.skip("no reserve")
+    args: tuple[Any, ...] = (10,) if op.endswith("many") else ()
+    waiters = [asyncio.create_task(getattr(queue, op)(*args, timeout=10)) for _ in range(5)]
+    await asyncio.sleep(0.05)
+    await queue.push("precious")
+    # cancel at once: the store may already have handed the message to a waiter
+    for task in waiters:
+        task.cancel()
+    results = await asyncio.gather(*waiters, return_exceptions=True)
+    delivered = [r for r in results if not isinstance(r, BaseException) and r]
+    if delivered:  # a waiter finished before the cancel reached it
+        return
+    message = await queue.pop(timeout=5)
+    assert message is not None and message.payload == "precious"
+
+
+@pytest.mark.parametrize("op", ["pop", "reserve"])
+async def test_consumers_share_the_queue_and_the_loop(queue: aio_keuss.Queue, op: str) -> None:
+    """Calls answered from memory still let other tasks run: three consumers each get a
+    fair share, and a task beside them is not starved."""
+    if op == "reserve" and not queue.capabilities.reserve:
+        pytest.skip("no reserve")
+    total = 600
+    await queue.push_many(list(range(total)))
+    ticks = ticks_while_flowing = 0
+    taken = [0, 0, 0]
+
+    async def ticker() -> None:
+        nonlocal ticks
+        while True:
+            ticks += 1
+            await asyncio.sleep(0)
+
+    async def consume(me: int) -> None:
+        nonlocal ticks_while_flowing
+        while (message := await getattr(queue, op)(timeout=1)) is not None:
+            if op == "reserve":
+                assert await queue.ok(message)
+            taken[me] += 1
+            if sum(taken) == total:
+                ticks_while_flowing = ticks
+
+    beside = asyncio.create_task(ticker())
+    await asyncio.gather(*(consume(i) for i in range(3)))
+    beside.cancel()
+    assert sum(taken) == total
+    assert min(taken) >= total // 10, taken
+    assert ticks_while_flowing >= total // 10
+
+
+async def test_cancel_storm_during_traffic_loses_nothing(queue: aio_keuss.Queue) -> None:
+    """Consumers cancelled at random points while messages flow: every message is
+    either received by someone or still in the queue."""
+    total = 300
+    received: list[Any] = []
+
+    async def consumer() -> None:
+        while True:
+            message = await queue.pop(timeout=5)
+            if message is None:
+                return
+            received.append(message.payload)
+
+    await queue.push_many(list(range(total)))
+    tasks = [asyncio.create_task(consumer()) for _ in range(8)]
+    for _ in range(20):
+        await asyncio.sleep(0.002)
+        victim = tasks.pop(0)
+        victim.cancel()
+        tasks.append(asyncio.create_task(consumer()))
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    await asyncio.sleep(0.1)  # put-backs of cancelled batches are written in the background
+    left = [m.payload for m in await drain_all(queue)]
+    assert sorted(received + left) == list(range(total))

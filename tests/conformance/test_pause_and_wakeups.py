@@ -1,0 +1,158 @@
+"""Conformance: Pause / resume across processes, and consumers woken by signals.
+
+Every backend runs it, skipping what it does not claim. Time bounds are generous
+functional limits, never performance assertions.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+import pytest
+from conftest import Connect, needs
+
+import aio_keuss
+
+pytestmark = pytest.mark.timeout(90)
+
+
+# pause ----------------------------------------------------------------------------------
+
+
+async def test_pause_with_waiting_consumers(queue: aio_keuss.Queue) -> None:
+    waiting = asyncio.create_task(queue.pop(timeout=10))
+    await asyncio.sleep(0.05)
+    await queue.pause()
+    assert await queue.is_paused()
+    await queue.push("held back")
+    await asyncio.sleep(0.3)
+    assert not waiting.done()
+    await queue.resume()
+    message = await asyncio.wait_for(waiting, 5)
+    assert message is not None and message.payload == "held back"
+    assert not await queue.is_paused()
+
+
+async def test_consumers_arriving_while_paused_and_timeouts(queue: aio_keuss.Queue) -> None:
+    await queue.push("x")
+    await queue.pause()
+    start = time.monotonic()
+    assert await queue.pop(timeout=0.3) is None
+    assert 0.25 <= time.monotonic() - start < 15.0
+    late = asyncio.create_task(queue.pop(timeout=10))
+    await asyncio.sleep(0.1)
+    assert not late.done()
+    await queue.resume()
+    message = await asyncio.wait_for(late, 5)
+    assert message is not None and message.payload == "x"
+
+
+async def test_delayed_message_maturing_while_paused(queue: aio_keuss.Queue) -> None:
+    if not queue.capabilities.delay:
+        pytest.skip("no delay")
+    await queue.pause()
+    await queue.push("d", delay=0.2)
+    waiter = asyncio.create_task(queue.pop(timeout=10))
+    await asyncio.sleep(0.5)
+    assert not waiter.done()
+    await queue.resume()
+    message = await asyncio.wait_for(waiter, 5)
+    assert message is not None and message.payload == "d"
+
+
+async def test_pause_is_seen_by_another_factory(connect: Connect, case: Any) -> None:
+    if not case.shared:
+        pytest.skip("queues are per factory")
+    one, two = await connect(poll_interval=30.0), await connect(poll_interval=30.0)
+    q1, q2 = await one.queue("shared"), await two.queue("shared")
+    waiter = asyncio.create_task(q2.pop(timeout=20))
+    await asyncio.sleep(0.1)
+    await q1.pause()
+    assert await q2.is_paused()
+    await q1.push("p")
+    await asyncio.sleep(0.3)
+    assert not waiter.done()
+    await q1.resume()
+    message = await asyncio.wait_for(waiter, 5)
+    assert message is not None and message.payload == "p"
+
+
+# wake-ups -------------------------------------------------------------------------------
+
+
+async def test_push_wakes_a_waiting_consumer_at_once(connect: Connect) -> None:
+    factory = await connect(poll_interval=30.0)
+    q = await factory.queue("q1")
+    waiter = asyncio.create_task(q.pop(timeout=20))
+    await asyncio.sleep(0.1)
+    start = time.monotonic()
+    await q.push("wake")
+    message = await asyncio.wait_for(waiter, 25)
+    assert message is not None and message.payload == "wake"
+    assert time.monotonic() - start < 15.0  # woken, not polled: the poll interval is 30 s
+
+
+async def test_push_wakes_a_consumer_of_another_factory(connect: Connect, case: Any) -> None:
+    if not case.shared:
+        pytest.skip("queues are per factory")
+    producer, consumer = await connect(poll_interval=30.0), await connect(poll_interval=30.0)
+    qp, qc = await producer.queue("shared"), await consumer.queue("shared")
+    waiter = asyncio.create_task(qc.pop(timeout=20))
+    await asyncio.sleep(0.2)
+    start = time.monotonic()
+    await qp.push("across")
+    message = await asyncio.wait_for(waiter, 25)
+    assert message is not None and message.payload == "across"
+    assert time.monotonic() - start < 15.0  # woken, not polled: the poll interval is 30 s
+
+
+async def test_waiting_for_a_delayed_message_wakes_on_time(connect: Connect) -> None:
+    factory = await connect(poll_interval=30.0)
+    needs(factory, "delay")
+    q = await factory.queue("q1")
+    await q.push("later", delay=0.5)
+    start = time.monotonic()
+    message = await q.pop(timeout=20)
+    elapsed = time.monotonic() - start
+    assert message is not None and message.payload == "later"
+    assert 0.3 <= elapsed < 15.0  # the poll interval is 30 s
+
+
+async def test_burst_within_debounce_wakes_every_consumer(connect: Connect, case: Any) -> None:
+    producer = await connect(poll_interval=30.0, signal_debounce=0.2)
+    consumer = await connect(poll_interval=30.0) if case.shared else producer
+    qp, qc = await producer.queue("burst"), await consumer.queue("burst")
+    waiters = [asyncio.create_task(qc.pop(timeout=20)) for _ in range(6)]
+    await asyncio.sleep(0.2)
+    start = time.monotonic()
+    for i in range(6):
+        await qp.push(i)
+        await asyncio.sleep(0.01)
+    got = await asyncio.wait_for(asyncio.gather(*waiters), 25)
+    assert sorted(m.payload for m in got if m is not None) == list(range(6))
+    assert time.monotonic() - start < 15.0  # the poll interval is 30 s
+
+
+async def test_many_consumers_get_each_message_exactly_once(queue: aio_keuss.Queue) -> None:
+    total = 10_000
+    use_reserve = queue.capabilities.reserve
+    seen: list[int] = []
+
+    async def consume() -> None:
+        while True:
+            message = await (queue.reserve(timeout=1) if use_reserve else queue.pop(timeout=1))
+            if message is None:
+                return
+            seen.append(message.payload)
+            if use_reserve:
+                assert await queue.ok(message)
+
+    consumers = [asyncio.create_task(consume()) for _ in range(16)]
+    for start in range(0, total, 1000):
+        await queue.push_many(list(range(start, start + 1000)))
+    await asyncio.gather(*consumers)
+    assert len(seen) == total
+    assert sorted(seen) == list(range(total))
+    assert await queue.total_size() == 0

@@ -1,0 +1,170 @@
+"""Conformance: Reserve, ok, ko, expired reservations and remove.
+
+Every backend runs it, skipping what it does not claim. Time bounds are generous
+functional limits, never performance assertions.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+from conftest import Connect, needs, needs_reserve
+
+import aio_keuss
+from aio_keuss import KoResult
+
+pytestmark = pytest.mark.timeout(90)
+
+
+# reserve / ok / ko ----------------------------------------------------------------------
+
+
+async def test_reserve_then_ok(queue: aio_keuss.Queue) -> None:
+    needs_reserve(queue)
+    mid = await queue.push({"job": 1}, headers={"k": "v"})
+    message = await queue.reserve(timeout=1)
+    assert message is not None
+    assert (message.id, message.payload, message.headers, message.tries) == (
+        mid,
+        {"job": 1},
+        {"k": "v"},
+        0,
+    )
+    assert await queue.resv_size() == 1 or not queue.capabilities.reservation_expiry
+    assert await queue.size() == 0
+    assert await queue.ok(message) is True
+    assert await queue.ok(message) is False
+    assert await queue.total_size() == 0
+
+
+async def test_reserve_then_ko_counts_tries_and_honours_delay(queue: aio_keuss.Queue) -> None:
+    needs_reserve(queue)
+    await queue.push("x")
+    first = await queue.reserve(timeout=1)
+    assert first is not None and first.tries == 0
+    if queue.capabilities.delay:
+        assert await queue.ko(first, delay=0.4) == KoResult.ROLLED_BACK
+        assert await queue.reserve(timeout=0.1) is None
+        assert await queue.sched_size() == 1
+        start = time.monotonic()
+        second = await queue.reserve(timeout=5)
+        assert time.monotonic() - start >= 0.2
+    else:
+        assert await queue.ko(first) == KoResult.ROLLED_BACK
+        second = await queue.reserve(timeout=5)
+    assert second is not None and second.id == first.id and second.tries == 1
+    assert await queue.ko(second)
+    third = await queue.reserve(timeout=5)
+    assert third is not None and third.tries == 2
+    assert await queue.ok(third)
+
+
+async def test_ok_ko_of_unknown_id_is_false(queue: aio_keuss.Queue) -> None:
+    needs_reserve(queue)
+    assert await queue.ok("no-such-id") is False
+    assert await queue.ko("no-such-id") == KoResult.MISSING
+    assert not await queue.ko("no-such-id")
+
+
+async def test_ok_of_a_popped_message_is_false(queue: aio_keuss.Queue) -> None:
+    needs_reserve(queue)
+    await queue.push(1)
+    message = await queue.pop(timeout=1)
+    assert message is not None
+    assert await queue.ok(message) is False
+
+
+async def test_ok_by_id_string(queue: aio_keuss.Queue) -> None:
+    needs_reserve(queue)
+    mid = await queue.push(1)
+    assert await queue.reserve(timeout=1) is not None
+    assert await queue.ok(mid) is True
+
+
+async def test_expired_reservation_is_redelivered(connect: Connect) -> None:
+    factory = await connect(reserve_delay=0.3, poll_interval=5.0)
+    needs(factory, "reserve", "reservation_expiry")
+    q = await factory.queue("q1")
+    await q.push("again")
+    first = await q.reserve(timeout=1)
+    assert first is not None and first.tries == 0
+    assert await q.reserve(timeout=0.05) is None
+    second = await q.reserve(timeout=5)
+    assert second is not None and second.id == first.id and second.tries == 1
+    # the first holder's reservation is stale now: its ok must not delete the message
+    assert await q.ok(first) is False
+    assert await q.ok(second) is True
+    assert await q.total_size() == 0
+
+
+async def test_sizes_stay_coherent(queue: aio_keuss.Queue) -> None:
+    needs_reserve(queue)
+    delay = queue.capabilities.delay
+
+    async def check(size: int, scheduled: int, reserved: int) -> None:
+        s = await queue.sizes()
+        assert (s.size, s.scheduled, s.reserved) == (size, scheduled, reserved)
+        assert s.total == s.size + s.scheduled + s.reserved
+
+    await queue.push_many(["a", "b", "c"])
+    if delay:
+        await queue.push("d", delay=30)
+    sched = 1 if delay else 0
+    await check(3, sched, 0)
+    a = await queue.reserve(timeout=1)
+    assert a is not None
+    await check(2, sched, 1)
+    if delay:  # ko'd with a delay: scheduled again
+        await queue.ko(a, delay=30)
+        await check(2, sched + 1, 0)
+    else:
+        await queue.ko(a)
+        await check(3, 0, 0)
+    b = await queue.reserve(timeout=1)
+    assert b is not None
+    await check(1 if delay else 2, sched + (1 if delay else 0), 1)
+    assert await queue.ok(b)
+    await check(1 if delay else 2, sched + (1 if delay else 0), 0)
+
+
+async def test_reserve_many_and_ok_many(queue: aio_keuss.Queue) -> None:
+    needs_reserve(queue)
+    await queue.push_many(list(range(100)))
+    got = await queue.reserve_many(60, timeout=1)
+    got += await queue.reserve_many(60, timeout=1)
+    assert sorted(m.payload for m in got) == list(range(100))
+    results = await asyncio.gather(*(queue.ok(m) for m in got))
+    assert all(results)
+    assert await queue.total_size() == 0
+
+
+# remove ---------------------------------------------------------------------------------
+
+
+async def test_remove(queue: aio_keuss.Queue) -> None:
+    needs(queue, "remove", "reserve")
+    assert await queue.remove("unknown") is False
+    plain = await queue.push("plain")
+    assert await queue.remove(plain) is True
+    assert await queue.remove(plain) is False
+    held = await queue.push("held")
+    message = await queue.reserve(timeout=1)
+    assert message is not None and message.id == held
+    assert await queue.remove(held) is False
+    assert await queue.ko(message)
+    assert await queue.remove(held) is True
+    assert await queue.remove(held) is False
+    assert await queue.total_size() == 0
+
+
+async def test_remove_takes_only_the_message_named(queue: aio_keuss.Queue) -> None:
+    needs(queue, "remove")
+    first = await queue.push("first")
+    second = await queue.push("second")
+    third = await queue.push("third")
+    assert await queue.remove(second) is True
+    await queue.drain()  # bucket stores: serve what is held in memory, write the rest
+    left = await queue.pop_many(10, timeout=1)
+    assert [(m.id, m.payload) for m in left] == [(first, "first"), (third, "third")]
