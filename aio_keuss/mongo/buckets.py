@@ -43,18 +43,18 @@ from typing import Any, ClassVar
 from pymongo import ASCENDING, ReturnDocument, UpdateOne
 from pymongo import errors as mongo_errors
 
-from ..buckets.store import (
+from ..buckets.settings import bucket_backend_options
+from ..buckets.storage import (
     DELETE,
     RELEASE,
-    BucketBackend,
     BucketStorage,
     Census,
     Lease,
     LeasedBucket,
     NewBucket,
     StateWrite,
-    bucket_backend_options,
 )
+from ..buckets.store import BucketBackend
 from .backend import MongoBackend
 from .connection import DUPLICATE_KEY, Document, mongo_errors_translated
 from .connection import Collection as MongoCollection
@@ -267,7 +267,7 @@ def _leased(doc: Document) -> LeasedBucket:
 class MongoBucketBackend(BucketBackend, MongoBackend):
     """``bucket-mongo``: the MongoDB options (url, client, database, prefix, signal transport,
     server selection timeout) plus the bucket options of
-    :data:`aio_keuss.buckets.store.BUCKET_OPTIONS` (seconds)."""
+    :data:`aio_keuss.buckets.settings.BUCKET_OPTIONS` (seconds)."""
 
     name = "bucket-mongo"
     options: ClassVar[dict[str, Any]] = bucket_backend_options(

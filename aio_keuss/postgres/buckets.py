@@ -19,16 +19,9 @@ from __future__ import annotations
 from collections.abc import Collection, Sequence
 from typing import Any, ClassVar
 
-from ..buckets.store import (
-    BucketBackend,
-    BucketStorage,
-    Census,
-    Lease,
-    LeasedBucket,
-    NewBucket,
-    StateWrite,
-    bucket_backend_options,
-)
+from ..buckets.settings import bucket_backend_options
+from ..buckets.storage import BucketStorage, Census, Lease, LeasedBucket, NewBucket, StateWrite
+from ..buckets.store import BucketBackend
 from .backend import PostgresBackend
 from .connection import SCHEMA_LOCK, postgres_errors_translated
 
@@ -204,7 +197,7 @@ class PostgresBucketStorage(BucketStorage):
 
 class PostgresBucketBackend(BucketBackend, PostgresBackend):
     """``bucket-postgres``: the postgres options (url, pool, schema, pool sizes) plus the
-    bucket options of :data:`aio_keuss.buckets.store.BUCKET_OPTIONS` (seconds)."""
+    bucket options of :data:`aio_keuss.buckets.settings.BUCKET_OPTIONS` (seconds)."""
 
     name = "bucket-postgres"
     options: ClassVar[dict[str, Any]] = bucket_backend_options(

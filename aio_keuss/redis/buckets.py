@@ -18,16 +18,9 @@ from __future__ import annotations
 from collections.abc import Collection, Sequence
 from typing import Any, ClassVar
 
-from ..buckets.store import (
-    BucketBackend,
-    BucketStorage,
-    Census,
-    Lease,
-    LeasedBucket,
-    NewBucket,
-    StateWrite,
-    bucket_backend_options,
-)
+from ..buckets.settings import bucket_backend_options
+from ..buckets.storage import BucketStorage, Census, Lease, LeasedBucket, NewBucket, StateWrite
+from ..buckets.store import BucketBackend
 from .backend import RedisBackend
 from .connection import Script, redis_errors_translated
 
@@ -197,7 +190,7 @@ class RedisBucketStorage(BucketStorage):
 
 class RedisBucketBackend(BucketBackend, RedisBackend):
     """``bucket-redis``: the Redis options (url, client, prefix, cluster) plus the bucket
-    options of :data:`aio_keuss.buckets.store.BUCKET_OPTIONS` (seconds)."""
+    options of :data:`aio_keuss.buckets.settings.BUCKET_OPTIONS` (seconds)."""
 
     name = "bucket-redis"
     options: ClassVar[dict[str, Any]] = bucket_backend_options(RedisBackend.options)

@@ -26,7 +26,7 @@ from own_servers import OwnPostgres, OwnRedis, own_postgres, own_redis
 
 import aio_keuss
 from aio_keuss import ClosedError, KeussConnectionError
-from aio_keuss.buckets.store import BUFFERED_BUCKETS
+from aio_keuss.buckets.settings import BUFFERED_BUCKETS
 
 pytestmark = pytest.mark.timeout(180)
 

@@ -24,14 +24,8 @@ from backends import CASES, BackendCase, new_token
 
 import aio_keuss
 from aio_keuss import KeussConnectionError
-from aio_keuss.buckets.store import (
-    BucketSettings,
-    decode_blob,
-    decode_state,
-    encode_blob,
-    encode_state,
-    split_id,
-)
+from aio_keuss.buckets.codec import decode_blob, decode_state, encode_blob, encode_state
+from aio_keuss.buckets.settings import BucketSettings, split_id
 
 pytestmark = pytest.mark.timeout(120)
 

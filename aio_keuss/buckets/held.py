@@ -1,0 +1,112 @@
+"""A bucket this store leased: its messages and slot states in memory, served from here
+until the state is written back and the lease released."""
+
+from __future__ import annotations
+
+import asyncio
+
+from ..contract import Stored
+from .codec import AVAILABLE, DONE, HANDED_OUT, decode_blob, decode_state, encode_state
+from .storage import LeasedBucket
+
+
+class HeldBucket:
+    """A bucket this store holds: the messages plus the authoritative slot state.
+
+    ``version`` counts changes; ``persisted`` is the version last written. ``writing`` is
+    the write in flight, so writes of one bucket never overtake each other.
+    """
+
+    __slots__ = (
+        "blob",
+        "count",
+        "deadline",
+        "gone",
+        "headers_at",
+        "id",
+        "last_used",
+        "lease_until",
+        "live",
+        "lost",
+        "mature",
+        "payload_at",
+        "persisted",
+        "remaining",
+        "seq",
+        "states",
+        "tries",
+        "version",
+        "writing",
+    )
+
+    def __init__(self, row: LeasedBucket, seq: int, now: float) -> None:
+        self.id = row.id
+        self.seq = seq
+        self.blob = row.blob
+        self.count, self.payload_at, self.headers_at = decode_blob(row.blob)
+        self.states, self.tries, self.mature = decode_state(row.state, self.count)
+        self.deadline: dict[int, float] = {}
+        self.version = self.persisted = 0
+        # A slot stored as handed out is nobody's live reservation any more (its holder
+        # died, or lost the lease): that delivery was a failed try.
+        if HANDED_OUT in self.states:
+            for slot, state in enumerate(self.states):
+                if state == HANDED_OUT:
+                    self.states[slot] = AVAILABLE
+                    self.tries[slot] += 1
+            self.version = 1
+        self.remaining = self.count - self.states.count(DONE)
+        self.writing: asyncio.Future[None] | None = None
+        self.live = True  # served from
+        self.gone = False  # released or deleted in storage: no more writes
+        self.lost = False  # someone else took the lease over
+        self.last_used = now
+        self.lease_until = 0.0
+
+    def __lt__(self, other: HeldBucket) -> bool:  # heap ties (never reached in practice)
+        return self.seq < other.seq
+
+    def follow(self, write: asyncio.Future[None]) -> None:
+        """Writes of this bucket wait for ``write`` (of an earlier copy of it) to end."""
+        self.writing = write
+
+        def ended(_: asyncio.Future[None]) -> None:
+            if self.writing is write:
+                self.writing = None
+
+        write.add_done_callback(ended)
+
+    def message(self, slot: int, tries: int, mature: float) -> Stored:
+        p, h = self.payload_at, self.headers_at
+        blob = self.blob
+        return Stored(
+            f"{self.id}-{slot}",
+            blob[p[slot] : p[slot + 1]],
+            blob[h[slot] : h[slot + 1]],
+            tries,
+            mature,
+        )
+
+    def snapshot(self) -> bytes:
+        return encode_state(self.states, self.tries, self.mature)
+
+    def next_available(self) -> float | None:
+        """Earliest mature time of an available slot (the score when released)."""
+        matures = [m for m, s in zip(self.mature, self.states, strict=True) if s == AVAILABLE]
+        return min(matures) if matures else None
+
+    def is_idle(self, now: float) -> tuple[bool, bool]:
+        """(has deliverable now, has reserved)."""
+        deliverable = reserved = False
+        for slot, state in enumerate(self.states):
+            if state == AVAILABLE:
+                if self.mature[slot] <= now:
+                    deliverable = True
+            elif state == HANDED_OUT:
+                reserved = True
+        return deliverable, reserved
+
+
+HeapEntry = tuple[float, int, int, HeldBucket]
+"""(mature, sequence, slot, bucket): the serving heaps' entries."""
+"""(time, bucket seq, slot, bucket): a ready heap entry (mature) or a held one (deadline)."""

@@ -1,0 +1,283 @@
+"""The push side: buckets filling in memory, and how they are written.
+
+A push goes to a push bucket (one for "ready now", one per ``DELAY_GRANULE`` of mature time);
+a bucket is written when full, after ``bucket_max_wait``, or at once by a pusher that finds
+a free write slot (see the bucket store's module docstring for the whole story)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from array import array
+from collections.abc import Callable, Sequence
+
+from ..coalesce import RunToEnd
+from ..contract import Entry, LoopTurns
+from ..errors import ClosedError, InvalidInputError, KeussError
+from .codec import U32, encode_blob, encode_state
+from .settings import (
+    ACK_ON_BUFFER_RETRIES,
+    DELAY_GRANULE,
+    PUSH_WRITERS,
+    READY_KEY,
+    WRITE_MAX_BUCKETS,
+    BucketSettings,
+    new_bucket_id,
+)
+from .storage import BucketStorage, NewBucket
+
+log = logging.getLogger("aio_keuss.buckets")
+
+
+class PushBucket:
+    """A bucket being filled in memory. Whoever waits for it to be durable (a pusher, a
+    flush) gets a future of its own in ``waiters`` rather than a shield of a shared one: a
+    cancelled waiter cancels only its own."""
+
+    __slots__ = (
+        "flush_at",
+        "headers",
+        "id",
+        "key",
+        "mature",
+        "payloads",
+        "timer",
+        "tries",
+        "waiters",
+    )
+
+    def __init__(self, key: int) -> None:
+        self.id = new_bucket_id()
+        self.key = key
+        self.payloads: list[bytes] = []
+        self.headers: list[bytes] = []
+        self.mature = array("d")
+        self.tries = array(U32)
+        self.waiters: list[asyncio.Future[None]] = []
+        self.timer: asyncio.TimerHandle | None = None
+        self.flush_at = 0.0
+
+    def written(self) -> asyncio.Future[None]:
+        """A future of the caller's own, resolved (or failed) when the bucket is written."""
+        waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self.waiters.append(waiter)
+        return waiter
+
+    def settle(self, error: Exception | None) -> None:
+        for waiter in self.waiters:
+            if waiter.done():  # its waiter was cancelled
+                continue
+            if error is None:
+                waiter.set_result(None)
+            else:
+                waiter.set_exception(error)
+
+    def add(self, entry: Entry, mature: float) -> int:
+        slot = len(self.payloads)
+        self.payloads.append(entry.payload)
+        self.headers.append(entry.headers)
+        self.mature.append(mature)
+        self.tries.append(entry.tries)
+        return slot
+
+    def encode(self) -> NewBucket:
+        count = len(self.payloads)
+        state = encode_state(bytes(count), self.tries, self.mature)
+        blob = encode_blob(self.payloads, self.headers)
+        return NewBucket(self.id, min(self.mature), count, blob, state)
+
+
+class PushSide:
+    """The bucket store's push half, mixed into it: the attributes below are the store's."""
+
+    name: str
+    _storage: BucketStorage
+    _settings: BucketSettings
+    _closed: bool
+    _filling: dict[int, PushBucket]
+    _sealed: list[PushBucket]
+    _in_flight: set[PushBucket]
+    _writers: int
+    _writer_starting: bool
+    _writer_tasks: set[asyncio.Task[None]]
+    _buffered: int
+    _buffer_limit: int
+    _room: list[asyncio.Future[None]]
+    _turns: LoopTurns
+    _visible: Callable[[float], None] | None
+
+    async def insert(self, entries: Sequence[Entry]) -> list[bool]:
+        if not entries:
+            return []
+        buffered = self._settings.ack_on_buffer
+        if buffered:
+            await self._admit(len(entries))
+        self._check_open()  # after close nothing may be buffered: no one would write it
+        now = time.time()
+        size = self._settings.bucket_max_size
+        touched: dict[int, PushBucket] = {}
+        for entry in entries:
+            if entry.dedup:
+                raise InvalidInputError("bucket backends do not support user-chosen ids")
+            mature = entry.mature if entry.mature is not None else now + entry.delay
+            key = READY_KEY if mature <= now else int(mature / DELAY_GRANULE)
+            bucket = self._filling.get(key)
+            if bucket is None:
+                bucket = self._filling[key] = PushBucket(key)
+                if buffered:
+                    bucket.flush_at = now + self._settings.bucket_max_wait
+                    bucket.timer = asyncio.get_running_loop().call_later(
+                        self._settings.bucket_max_wait, self._seal, bucket
+                    )
+            entry.id = f"{bucket.id}-{bucket.add(entry, mature)}"
+            self._buffered += 1
+            touched[id(bucket)] = bucket
+            if len(bucket.payloads) >= size:
+                self._seal(bucket)
+        if buffered:
+            return [True] * len(entries)
+        waiters = [bucket.written() for bucket in touched.values()]
+        own = self._storage.uninterruptible and self._writers < PUSH_WRITERS
+        if own and (mine := [b for b in touched.values() if self._unfill(b)]):
+            await self._write_own(mine)
+        else:
+            self._start_writer()
+        for waiter in waiters:
+            await waiter
+        return [True] * len(entries)
+
+    async def _admit(self, count: int) -> None:
+        """``ack_on_buffer``: let the event loop run, and hold the push while the messages
+        acknowledged but not yet written reach the limit (backpressure), until a write
+        makes room. Before buffering: a push cancelled here buffered nothing."""
+        if self._buffered < self._buffer_limit:
+            if self._turns.due(count):
+                await asyncio.sleep(0)
+            return
+        self._turns.reset()
+        for bucket in list(self._filling.values()):  # what fills waits for nothing now
+            self._seal(bucket)
+        loop = asyncio.get_running_loop()
+        while self._buffered >= self._buffer_limit and not self._closed:
+            room: asyncio.Future[None] = loop.create_future()
+            self._room.append(room)
+            await room
+
+    def _make_room(self) -> None:
+        """Wake the pushers held by ``_admit`` (each checks the limit again)."""
+        if self._room and (self._buffered < self._buffer_limit or self._closed):
+            for room in self._room:
+                if not room.done():
+                    room.set_result(None)
+            self._room.clear()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ClosedError(f"queue {self.name!r} is closed")
+
+    async def _write_own(self, buckets: list[PushBucket]) -> None:
+        """Write these push buckets in the caller's task (see ``BucketStorage.uninterruptible``).
+        A cancellation that arrives meanwhile takes effect once the write is done."""
+        self._writers += 1
+        work = RunToEnd(self._write_push_buckets(buckets))
+        try:
+            await work
+        finally:
+            self._writer_done()
+        if work.held is not None:
+            raise work.held
+
+    def on_visible(self, listener: Callable[[float], None]) -> None:
+        self._visible = listener
+
+    def _unfill(self, bucket: PushBucket) -> bool:
+        """Take a bucket out of the filling ones; false if it was already."""
+        if self._filling.get(bucket.key) is not bucket:
+            return False
+        del self._filling[bucket.key]
+        if bucket.timer is not None:
+            bucket.timer.cancel()
+        return True
+
+    def _seal(self, bucket: PushBucket) -> None:
+        if self._unfill(bucket):
+            self._sealed.append(bucket)
+            self._start_writer()
+
+    def _start_writer(self) -> None:
+        """Start a writer task unless one is about to run (it takes what this loop iteration
+        adds) or every write slot is busy (the next one to free takes it)."""
+        if self._writer_starting or self._writers >= PUSH_WRITERS:
+            return
+        self._writers += 1
+        self._writer_starting = True
+        task = asyncio.get_running_loop().create_task(self._write_sealed())
+        self._writer_tasks.add(task)
+        task.add_done_callback(self._writer_tasks.discard)
+
+    def _writer_done(self) -> None:
+        self._writers -= 1
+        if self._sealed or (self._filling and not self._settings.ack_on_buffer):
+            self._start_writer()
+
+    async def _write_sealed(self) -> None:
+        """Write push buckets, several per round trip, until none is left. In durable mode
+        every filling bucket is taken too: pushers wait for each."""
+        try:
+            while True:
+                self._writer_starting = False
+                if not self._settings.ack_on_buffer:
+                    for bucket in list(self._filling.values()):
+                        self._seal(bucket)
+                if not self._sealed:
+                    return
+                batch, self._sealed = (
+                    self._sealed[:WRITE_MAX_BUCKETS],
+                    self._sealed[WRITE_MAX_BUCKETS:],
+                )
+                await self._write_push_buckets(batch)
+        finally:
+            self._writers -= 1
+
+    async def _write_push_buckets(self, batch: list[PushBucket]) -> None:
+        """Write, then settle every waiter of the batch: with the outcome, or with an error
+        when the write itself is cancelled (loop shutdown), so that no pusher waits for ever."""
+        self._in_flight.update(batch)
+        try:
+            await self._insert_settling(batch)
+        except BaseException:
+            lost = KeussError("push interrupted: its bucket may or may not have been written")
+            for bucket in batch:
+                bucket.settle(lost)
+            raise
+        finally:
+            self._in_flight.difference_update(batch)
+            self._buffered -= sum(len(bucket.payloads) for bucket in batch)
+            self._make_room()
+
+    async def _insert_settling(self, batch: list[PushBucket]) -> None:
+        encoded = [b.encode() for b in batch]
+        attempts = ACK_ON_BUFFER_RETRIES if self._settings.ack_on_buffer else 1
+        for attempt in range(attempts):
+            try:
+                await self._storage.insert_buckets(self.name, encoded)
+            except Exception as exc:
+                if attempt + 1 < attempts:
+                    await asyncio.sleep(0.1 * 2**attempt)
+                    continue
+                if self._settings.ack_on_buffer:
+                    log.error(
+                        "queue %r: %d buffered messages lost, their bucket was not written: %s",
+                        self.name,
+                        sum(b.count for b in encoded),
+                        exc,
+                    )
+                for bucket in batch:
+                    bucket.settle(exc)
+                return
+            for bucket in batch:
+                bucket.settle(None)
+            if self._settings.ack_on_buffer and self._visible is not None:
+                self._visible(min(b.score for b in encoded))  # now other processes see them
+            return

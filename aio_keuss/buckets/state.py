@@ -1,0 +1,200 @@
+"""The state writer: what this store changed in its leased buckets goes back to storage.
+
+Every ``min(state_flush_period, reject_timeout_grace / 3)`` it writes the state of every
+leased bucket that changed and renews every lease that needs it; deletes buckets with nothing
+left; releases buckets with nothing deliverable and nothing reserved (or unused for
+``IDLE_RELEASE`` seconds). Writes are conditional on the lease token, so a holder whose
+lease was taken over never overwrites the new holder's state; a final write (delete,
+release) that failed is tried again by the next flush.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+from collections.abc import Iterable, Mapping
+
+from ..coalesce import Uncancellable
+from .codec import AVAILABLE
+from .held import HeldBucket
+from .settings import (
+    IDLE_RELEASE,
+)
+from .storage import DELETE, KEEP, RELEASE, BucketStorage, StateWrite
+
+log = logging.getLogger("aio_keuss.buckets")
+
+
+class StateWriter:
+    """The bucket store's state-writing half, mixed into it: the attributes below are the
+    store's."""
+
+    name: str
+    _storage: BucketStorage
+    _token: str
+    _grace: float
+    _period: float
+    _closed: bool
+    _held_buckets: dict[str, HeldBucket]
+    _departing: dict[str, tuple[HeldBucket, str]]
+    _flusher: asyncio.Task[None] | None
+
+    async def _sync(
+        self,
+        buckets: Iterable[HeldBucket],
+        final: Mapping[str, str] | None = None,
+        renew_before: float = -math.inf,
+    ) -> None:
+        """Make the current version of each bucket durable (and renew its lease).
+
+        ``final`` maps bucket id -> RELEASE / DELETE for buckets leaving memory (the caller
+        already stopped serving from them). A bucket whose lease ends before
+        ``renew_before`` is written even if nothing changed (a renewal): else a holder
+        that changed nothing for a grace period would lose its reservations to the next
+        consumer. Writes of one bucket are serialized: a caller finding a write in flight
+        waits for it, then writes only if its changes came later (or it still needs
+        renewing).
+        """
+        final = final or {}
+        targets = {b: b.version for b in buckets}
+        while True:
+            for bucket, version in list(targets.items()):
+                if (
+                    bucket.gone
+                    or bucket.lost
+                    or (
+                        bucket.id not in final
+                        and bucket.persisted >= version
+                        and bucket.lease_until >= renew_before
+                    )
+                ):
+                    del targets[bucket]
+            if not targets:
+                return
+            busy = {b.writing for b in targets if b.writing is not None}
+            if busy:
+                for future in busy:
+                    await future
+                continue
+            await self._write(list(targets), final)
+
+    async def _write(self, buckets: list[HeldBucket], final: Mapping[str, str]) -> None:
+        """One round trip writing several buckets; see :class:`StateWrite`."""
+        future = Uncancellable()
+        now = time.time()
+        writes, versions = [], []
+        for bucket in buckets:
+            bucket.writing = future
+            versions.append(bucket.version)
+            mode = DELETE if bucket.remaining == 0 else final.get(bucket.id, KEEP)
+            if mode == DELETE:
+                writes.append(StateWrite(bucket.id, DELETE, now, 0, None))
+            elif mode == RELEASE:
+                score = bucket.next_available()
+                writes.append(
+                    StateWrite(
+                        bucket.id,
+                        RELEASE,
+                        now if score is None else score,
+                        bucket.remaining,
+                        bucket.snapshot(),
+                    )
+                )
+            else:
+                dirty = bucket.version > bucket.persisted
+                writes.append(
+                    StateWrite(
+                        bucket.id,
+                        KEEP,
+                        now + self._grace,
+                        bucket.remaining,
+                        bucket.snapshot() if dirty else None,
+                    )
+                )
+        try:
+            flags = await self._storage.write(self.name, self._token, writes)
+        finally:
+            for bucket in buckets:
+                bucket.writing = None
+            future.set_result(None)
+        for bucket, write, version, kept in zip(buckets, writes, versions, flags, strict=True):
+            if not kept:
+                if not bucket.lost:
+                    log.warning("queue %r: lease of bucket %s was lost", self.name, bucket.id)
+                bucket.lost = True
+                self._forget(bucket)
+                continue
+            bucket.persisted = max(bucket.persisted, version)
+            if write.mode == KEEP:
+                bucket.lease_until = write.score
+            else:
+                bucket.gone = True
+                self._forget(bucket)
+
+    def _forget(self, bucket: HeldBucket) -> None:
+        bucket.live = False
+        if self._held_buckets.get(bucket.id) is bucket:
+            del self._held_buckets[bucket.id]
+
+    def _start_flusher(self) -> None:
+        if self._flusher is None or self._flusher.done():
+            self._flusher = asyncio.get_running_loop().create_task(self._flush_state_loop())
+
+    async def _flush_state_loop(self) -> None:
+        while (self._held_buckets or self._departing) and not self._closed:
+            await asyncio.sleep(self._period)
+            try:
+                await self._flush_state()
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # the next period tries again
+                log.warning("queue %r: state flush failed: %s", self.name, exc)
+
+    async def _flush_state(self, release_all: bool = False) -> None:
+        """Persist changed state, renew leases, delete finished and release idle buckets.
+
+        ``release_all`` (close): every bucket goes back, reservations without a try.
+        """
+        now = time.time()
+        renew_before = now + self._grace / 2
+        keep: list[HeldBucket] = []
+        final: dict[str, str] = {}
+        for bucket in list(self._held_buckets.values()):
+            if bucket.writing is not None and not release_all:
+                continue  # a write of it is in flight, and renews its lease
+            if bucket.remaining == 0:
+                final[bucket.id] = DELETE
+            elif release_all:
+                final[bucket.id] = RELEASE
+            else:
+                deliverable, reserved = bucket.is_idle(now)
+                if not reserved and (not deliverable or now - bucket.last_used > IDLE_RELEASE):
+                    final[bucket.id] = RELEASE
+                elif bucket.version > bucket.persisted or bucket.lease_until < renew_before:
+                    keep.append(bucket)
+        leaving = [self._held_buckets[i] for i in final]
+        for bucket in leaving:
+            if release_all:  # close: reservations go back without a try
+                for slot in bucket.deadline:
+                    bucket.states[slot] = AVAILABLE
+                bucket.deadline.clear()
+                bucket.version += 1
+            self._forget(bucket)  # no longer served from; the write below gives it back
+        for bucket, mode in self._departing.values():
+            leaving.append(bucket)
+            final[bucket.id] = mode
+        self._departing.clear()
+        if keep or leaving:
+            try:
+                await self._sync([*keep, *leaving], final, renew_before)
+            except BaseException:
+                # Out of memory already: without another try its oks (and the release)
+                # would be undone once its lease lapses.
+                for bucket in leaving:
+                    if not (bucket.gone or bucket.lost):
+                        self._departing[bucket.id] = (bucket, final[bucket.id])
+                raise
+
+    # sizes ---------------------------------------------------------------------------

@@ -1,0 +1,122 @@
+"""The storage contract: the only part of the bucket engine a database author writes.
+
+A database stores whole buckets and offers five atomic operations over them: prepare (create
+what it needs), insert new buckets, lease free ones (taking over a dead holder's), write the
+state of leased ones (guarded by the lease token) and count them. Everything else, pushing,
+serving from leased buckets and writing their state back, is the engine's, written once.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass
+
+
+@dataclass(slots=True)
+class NewBucket:
+    """A bucket to insert: free, all slots available."""
+
+    id: str
+    score: float
+    count: int
+    blob: bytes
+    state: bytes
+
+
+@dataclass(slots=True)
+class LeasedBucket:
+    """A bucket a lease took: its content and who held it before (``""``: nobody)."""
+
+    id: str
+    blob: bytes
+    state: bytes
+    previous_owner: str
+
+
+@dataclass(slots=True)
+class Lease:
+    """What a lease took, and the lowest score left in storage after it (for the wait loop;
+    it may be one of this store's own lease deadlines, which only bounds a sleep)."""
+
+    buckets: list[LeasedBucket]
+    next_score: float | None
+
+
+KEEP, RELEASE, DELETE = "k", "r", "d"
+
+
+@dataclass(slots=True)
+class StateWrite:
+    """Write back a leased bucket, only if ``owner`` is still the writer's token.
+
+    ``mode``: KEEP (stay leased, score = lease deadline), RELEASE (owner = "", score = when
+    it is next worth leasing) or DELETE (nothing left). ``state`` None keeps the stored state
+    (a lease renewal only).
+    """
+
+    id: str
+    mode: str
+    score: float
+    remaining: int
+    state: bytes | None
+
+
+@dataclass(slots=True)
+class Census:
+    """Sums over the buckets of a queue that the asking store does not hold.
+
+    A free bucket counts as ready when its score has passed, else scheduled; a bucket leased
+    by someone else counts as reserved until its lease expires (then ready).
+    """
+
+    ready: int
+    scheduled: int
+    reserved: int
+    min_score: float | None
+
+
+class BucketStorage(ABC):
+    """The atomic bucket operations one database provides; each is one round trip.
+
+    Every method takes the queue name: a deadletter move inserts into another queue.
+    """
+
+    uninterruptible: bool = False
+    """True when round trips pipeline on one connection and their replies refuse
+    cancellation (see ``Store.uninterruptible``): a pusher may then write its bucket in its
+    own task, since a cancelled pusher still finishes the write its fellows wait for."""
+
+    async def prepare(self) -> None:
+        """Called before each queue's store is made (e.g. to create indexes on first use)."""
+
+    @abstractmethod
+    async def insert_buckets(self, queue: str, buckets: Sequence[NewBucket]) -> None:
+        """Insert free buckets (owner ``""``), durably, all or none."""
+
+    @abstractmethod
+    async def lease(
+        self,
+        queue: str,
+        token: str,
+        now: float,
+        deadline: float,
+        want: int,
+        max_buckets: int,
+        ids: Sequence[str] | None = None,
+    ) -> Lease:
+        """Atomically take buckets: set owner = token, score = deadline.
+
+        Without ``ids``: buckets with ``score <= now`` in (score, id) order, stopping once
+        their ``remaining`` adds up to ``want`` or ``max_buckets`` were taken. With ``ids``:
+        those of them that are free (whatever their score) or whose lease expired.
+        """
+
+    @abstractmethod
+    async def write(self, queue: str, token: str, writes: Sequence[StateWrite]) -> list[bool]:
+        """Apply each write whose bucket is still owned by ``token``; one flag per write,
+        false when the lease was lost (taken over, or the bucket is gone)."""
+
+    @abstractmethod
+    async def census(self, queue: str, exclude: Collection[str], now: float) -> Census:
+        """Sizes and earliest score of the buckets not in ``exclude`` (the asker's own)."""
