@@ -1,27 +1,37 @@
-"""The bottom of the PostgreSQL package: the pool, the schema and its migrations, the SQL
-files, and the one place where asyncpg's errors become ours.
+"""The bottom of the PostgreSQL package: the pool, the connect options, the schema and its
+migrations, and the one place where asyncpg's errors become ours.
 
 Every role of this database (the stores, the signal bus, the stats store) talks to the
-server through a :class:`PostgresConnection`. The schema is versioned: ``sql/migrations``
-holds numbered steps, and :meth:`PostgresConnection.open` applies those a schema lacks, in
-order, under a transaction-scoped advisory lock (PostgreSQL manual, "Advisory Locks"), so
-processes starting at once take turns instead of racing on the catalog, and a schema made
-by an earlier release is upgraded in place.
+server through the few methods of :class:`PostgresConnection` (``execute``, ``fetch``,
+``fetchrow``, ``fetchval``, ``transaction``, ``listen``), and each of them translates the
+driver's errors on the way out, so no caller has to.
+
+The schema is versioned: ``sql/migrations`` holds numbered steps, and
+:meth:`PostgresConnection.open` applies those a schema lacks, in order, under a
+transaction-scoped advisory lock (PostgreSQL manual, "Advisory Locks"), so processes
+starting at once take turns instead of racing on the catalog, and a schema made by an
+earlier release is upgraded in place.
 """
 
 from __future__ import annotations
 
+import functools
 import re
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, fields
-from functools import cache
-from importlib import resources
-from typing import Any, ClassVar
+from typing import Any, ClassVar, ParamSpec, TypeVar
 
 from ..contract import Backend
-from ..errors import BackendError, ConfigError, MissingDependencyError, translate_errors
-from ..options import BackendOptions, brief, check_bool, without_password
+from ..errors import (
+    BackendError,
+    ConfigError,
+    KeussConnectionError,
+    KeussError,
+    MissingDependencyError,
+)
+from ..options import BackendOptions, check_int, without_password
+from .sql import migrations, queries
 
 try:
     import asyncpg  # type: ignore[import-untyped]
@@ -59,32 +69,44 @@ _MISUSE_ERRORS: tuple[type[BaseException], ...] = tuple(
     for name in ("DataError", "UnsupportedClientFeatureError", "UnsupportedServerFeatureError")
     if hasattr(asyncpg.exceptions._base, name)
 )
+_DRIVER_ERRORS = (*CONNECTION_ERRORS, asyncpg.PostgresError)
+
+
+def _ours(exc: BaseException) -> KeussError:
+    """The error of ours a driver error becomes (raised ``from`` it, so nothing is hidden):
+    a bad setting -> ConfigError; connection trouble -> KeussConnectionError; misuse or any
+    other server error -> BackendError."""
+    text = f"{type(exc).__name__}: {exc}"
+    if isinstance(exc, _CONFIG_ERRORS):
+        return ConfigError(text)
+    if isinstance(exc, _MISUSE_ERRORS):
+        return BackendError(text)
+    if isinstance(exc, CONNECTION_ERRORS):
+        return KeussConnectionError(text)
+    return BackendError(text)
+
+
+_P = ParamSpec("_P")
+_T = TypeVar("_T")
+
+
+def translated(method: Callable[_P, Awaitable[_T]]) -> Callable[_P, Coroutine[Any, Any, _T]]:
+    """Wrap a coroutine function that talks to the server: the driver's errors leave it as
+    ours. Our own errors and cancellation pass through untouched."""
+
+    @functools.wraps(method)
+    async def call(*args: _P.args, **kwargs: _P.kwargs) -> _T:
+        try:
+            return await method(*args, **kwargs)
+        except KeussError:  # a KeussConnectionError is an OSError: keep it as it is
+            raise
+        except _DRIVER_ERRORS as exc:
+            raise _ours(exc) from exc
+
+    return call
+
 
 _SCHEMA_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,47}")
-
-SCHEMA_LOCK = "SELECT pg_advisory_xact_lock(hashtext('aio_keuss:' || $1))"
-"""Serializes schema changes across processes (CREATE ... IF NOT EXISTS alone races on the
-catalog's unique indexes). The key is derived from the schema name."""
-
-_VERSIONS_DDL = """
-CREATE SCHEMA IF NOT EXISTS {s};
-CREATE TABLE IF NOT EXISTS {s}.schema_versions (
-    version integer PRIMARY KEY,
-    applied timestamptz NOT NULL DEFAULT now()
-)
-"""
-
-
-@contextmanager
-def postgres_errors_translated() -> Iterator[None]:
-    """Connection trouble -> KeussConnectionError; any other server error -> BackendError."""
-    with translate_errors(CONNECTION_ERRORS, (asyncpg.PostgresError,)):
-        try:
-            yield
-        except _CONFIG_ERRORS as exc:
-            raise ConfigError(f"{type(exc).__name__}: {exc}") from exc
-        except _MISUSE_ERRORS as exc:
-            raise BackendError(f"{type(exc).__name__}: {exc}") from exc
 
 
 def quote_schema(schema: object) -> str:
@@ -95,38 +117,6 @@ def quote_schema(schema: object) -> str:
             f" not {schema!r}"
         )
     return '"' + schema + '"'
-
-
-@cache
-def queries(schema: str, relax: str) -> dict[str, str]:
-    """The named statements of ``sql/queries.sql`` (each after a ``-- name: x`` line) with
-    the quoted schema and the durability condition filled in."""
-    text = resources.files(__package__).joinpath("sql/queries.sql").read_text("utf-8")
-    found: dict[str, str] = {}
-    for block in text.split("\n-- name: ")[1:]:
-        name, _, body = block.partition("\n")
-        found[name.strip()] = body.replace("{s}", schema).replace("{relax}", relax)
-    return found
-
-
-def migrations() -> list[tuple[int, str]]:
-    """(version, SQL) of every step in ``sql/migrations``, in order; a file is
-    ``NNN_what.sql``."""
-    folder = resources.files(__package__).joinpath("sql/migrations")
-    steps = []
-    for item in folder.iterdir():
-        if item.name.endswith(".sql"):
-            steps.append((int(item.name.split("_", 1)[0]), item.read_text("utf-8")))
-    return sorted(steps)
-
-
-async def _light_reset(connection: Any) -> None:
-    """Pool release hook. asyncpg's default reset costs one more round trip per statement
-    (UNLISTEN *, RESET ALL, ...); our statements leave no session state behind (one implicit
-    transaction each, transaction-local settings only), so only a stray transaction, e.g.
-    from a cancelled call, needs undoing."""
-    if connection.is_in_transaction():
-        await connection.execute("ROLLBACK")
 
 
 MAX_POOL_SIZE = 10_000
@@ -164,44 +154,56 @@ def check_postgres_url(url: object) -> str:
 
 
 @dataclass(frozen=True)
-class PostgresOptions(BackendOptions):
-    """``url=`` (or an existing asyncpg ``pool=``), ``schema=`` (default ``keuss``),
-    ``min_pool_size`` / ``max_pool_size`` for a pool this backend makes itself, and
-    ``durable_acks`` (default True; False trades crash-durability of reserve / ok / ko for
-    about twice their speed)."""
+class PostgresConnectionOptions(BackendOptions):
+    """What every PostgreSQL backend takes: ``url=`` (or an existing asyncpg ``pool=``),
+    ``schema=`` (default ``keuss``), and ``min_pool_size`` / ``max_pool_size`` for a pool
+    the backend makes itself."""
 
     url: str = "postgresql://postgres@127.0.0.1:5432/postgres"
     pool: Any = None
     schema: str = "keuss"
     min_pool_size: int = 2
     max_pool_size: int = 10
-    durable_acks: bool = True
 
     def __post_init__(self) -> None:
         quote_schema(self.schema)
-        check_bool(self.durable_acks, "durable_acks")
         check_postgres_url(self.url)
-        for key in ("min_pool_size", "max_pool_size"):
-            value = getattr(self, key)
-            if (
-                isinstance(value, bool)
-                or not isinstance(value, int)
-                or not 0 <= value <= MAX_POOL_SIZE
-            ):
-                raise ConfigError(
-                    f"{key} must be an int in [0, {MAX_POOL_SIZE}], not {brief(value)}"
-                )
+        check_int(self.min_pool_size, "min_pool_size", 0, MAX_POOL_SIZE)
+        check_int(self.max_pool_size, "max_pool_size", 0, MAX_POOL_SIZE)
         if self.max_pool_size < max(1, self.min_pool_size):
             raise ConfigError("max_pool_size must be >= 1 and >= min_pool_size")
         if self.pool is not None and not isinstance(self.pool, asyncpg.Pool):
             raise ConfigError(f"pool must be an asyncpg.Pool, not {type(self.pool).__name__}")
 
 
-class PostgresConnection(Backend):
-    """The pool (made here, or the user's) and the schema, for every PostgreSQL role."""
+_SCHEMA_LOCK = "SELECT pg_advisory_xact_lock(hashtext('aio_keuss:' || $1))"
+"""Serializes schema changes across processes (CREATE ... IF NOT EXISTS alone races on the
+catalog's unique indexes). The key is derived from the schema name."""
 
-    options_type: ClassVar[type[PostgresOptions]] = PostgresOptions
-    options: ClassVar[dict[str, Any]] = PostgresOptions.defaults()
+_VERSIONS_DDL = """
+CREATE SCHEMA IF NOT EXISTS {s};
+CREATE TABLE IF NOT EXISTS {s}.schema_versions (
+    version integer PRIMARY KEY,
+    applied timestamptz NOT NULL DEFAULT now()
+)
+"""
+
+
+async def _light_reset(connection: Any) -> None:
+    """Pool release hook. asyncpg's default reset costs one more round trip per statement
+    (UNLISTEN *, RESET ALL, ...); our statements leave no session state behind (one implicit
+    transaction each, transaction-local settings only), so only a stray transaction, e.g.
+    from a cancelled call, needs undoing."""
+    if connection.is_in_transaction():
+        await connection.execute("ROLLBACK")
+
+
+class PostgresConnection(Backend):
+    """The pool (made here, or the user's), the schema, and the statements, for every
+    PostgreSQL role; the only way they reach the server."""
+
+    options_type: ClassVar[type[PostgresConnectionOptions]] = PostgresConnectionOptions
+    options: ClassVar[dict[str, Any]] = PostgresConnectionOptions.defaults()
 
     def __init__(self, options: dict[str, Any]) -> None:
         super().__init__(options)
@@ -210,6 +212,7 @@ class PostgresConnection(Backend):
         self.schema: str = self.config.schema
         self.quoted_schema = quote_schema(self.schema)
         self.url: str = self.config.url
+        self.sql: dict[str, str] = queries(self.quoted_schema)
         self._owns_pool = self.config.pool is None
         self._pool: asyncpg.Pool | None = self.config.pool
 
@@ -228,29 +231,31 @@ class PostgresConnection(Backend):
         args, kwargs = self.pool._connect_args, self.pool._connect_kwargs
         return {"dsn": args[0] if args else None, **kwargs}
 
+    @translated
     async def open(self) -> None:
-        with postgres_errors_translated():
-            if self._pool is None:
-                self._pool = await asyncpg.create_pool(
-                    self.url,
-                    min_size=self.config.min_pool_size,
-                    max_size=self.config.max_pool_size,
-                    # Short OLTP statements: JIT compilation would only add latency.
-                    server_settings={"jit": "off"},
-                    reset=_light_reset,
-                )
-            try:
-                await self.migrate()
-            except BaseException:
-                await self.close()
-                raise
+        if self._pool is None:
+            self._pool = await asyncpg.create_pool(
+                self.url,
+                min_size=self.config.min_pool_size,
+                max_size=self.config.max_pool_size,
+                # Short OLTP statements: JIT compilation would only add latency.
+                server_settings={"jit": "off"},
+                reset=_light_reset,
+            )
+        try:
+            await self.migrate()
+        except BaseException:
+            await self.close()
+            raise
 
     async def migrate(self) -> None:
         """Apply the migration steps the schema lacks, in order, each recorded in
-        ``schema_versions`` in the same transaction, all under the schema's advisory lock."""
+        ``schema_versions`` in the same transaction, all under the schema's advisory lock.
+        A schema of the first release has no versions table: the steps that release already
+        took are written to be no-ops there (``IF NOT EXISTS``, or a guard)."""
         schema = self.quoted_schema
-        async with self.pool.acquire() as connection, connection.transaction():
-            await connection.execute(SCHEMA_LOCK, self.schema)
+        async with self.transaction() as connection:
+            await connection.execute(_SCHEMA_LOCK, self.schema)
             await connection.execute(_VERSIONS_DDL.replace("{s}", schema))
             done = await connection.fetchval(
                 f"SELECT coalesce(max(version), 0) FROM {schema}.schema_versions"
@@ -262,8 +267,60 @@ class PostgresConnection(Backend):
                         f"INSERT INTO {schema}.schema_versions (version) VALUES ($1)", version
                     )
 
+    @translated
     async def close(self) -> None:
         if self._owns_pool and self._pool is not None:
             pool, self._pool = self._pool, None
-            with postgres_errors_translated():
-                await pool.close()
+            await pool.close()
+
+    # The choke point: every statement of every role goes through one of these.
+
+    @translated
+    async def execute(self, query: str, *args: Any) -> str:
+        status: str = await self.pool.execute(query, *args)
+        return status
+
+    @translated
+    async def fetch(self, query: str, *args: Any) -> list[Any]:
+        rows: list[Any] = await self.pool.fetch(query, *args)
+        return rows
+
+    @translated
+    async def fetchrow(self, query: str, *args: Any) -> Any:
+        return await self.pool.fetchrow(query, *args)
+
+    @translated
+    async def fetchval(self, query: str, *args: Any) -> Any:
+        return await self.pool.fetchval(query, *args)
+
+    @asynccontextmanager
+    async def transaction(self) -> AsyncIterator[Any]:
+        """A pooled connection in a transaction: committed when the block ends, rolled back
+        when it raises. The block's own statements on it are translated here too (they
+        raise at the ``yield``)."""
+        try:
+            async with self.pool.acquire() as connection, connection.transaction():
+                yield connection
+        except KeussError:
+            raise
+        except _DRIVER_ERRORS as exc:
+            raise _ours(exc) from exc
+
+    @translated
+    async def listen(
+        self,
+        channel: str,
+        on_notify: Callable[[Any, int, str, str], None],
+        on_lost: Callable[[Any], None],
+    ) -> Any:
+        """A connection of its own LISTENing on ``channel`` (never one of the pool's: those
+        are handed to other callers, and a release would drop the LISTEN). ``on_lost`` is
+        called when the server or the network ends it; the caller closes it."""
+        connection = await asyncpg.connect(**self.connect_params)
+        try:
+            connection.add_termination_listener(on_lost)
+            await connection.add_listener(channel, on_notify)
+        except BaseException:
+            connection.terminate()
+            raise
+        return connection

@@ -1,8 +1,8 @@
 """Signals between processes over PostgreSQL LISTEN/NOTIFY.
 
 One channel per schema (``aio_keuss_<schema>``): every factory on that schema LISTENs on one
-dedicated connection of its own (never one of the pool's, which are handed to other callers
-and would drop the LISTEN on release), and publishes with ``pg_notify`` through the pool.
+dedicated connection of its own (``PostgresConnection.listen``), and publishes with
+``pg_notify`` through the pool.
 
 "NOTIFY only after commit": the queue layer announces an insertion only after
 ``store.insert()`` returned, and every store statement runs in its own implicit transaction,
@@ -22,15 +22,11 @@ import contextlib
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-import asyncpg  # type: ignore[import-untyped]
-
 from ..signal import SignalBus
-from .connection import postgres_errors_translated
 
 if TYPE_CHECKING:
     from .connection import PostgresConnection
 
-_NOTIFY = "SELECT pg_notify($1, $2)"
 _CLOSE_WAIT = 2.0
 _CHECK_EVERY = 5.0
 """Seconds between liveness checks of the listener connection, in case the termination
@@ -44,17 +40,16 @@ class PostgresSignalBus(SignalBus):
         self.channel = f"aio_keuss_{backend.schema}".lower()
 
     async def _publish(self, payload: bytes) -> None:
-        with postgres_errors_translated():
-            await self._backend.pool.execute(_NOTIFY, self.channel, payload.decode())
+        await self._backend.execute(
+            self._backend.sql["signal_notify"], self.channel, payload.decode()
+        )
 
     async def _listen(self, ready: Callable[[], None]) -> None:
         lost = asyncio.Event()
-        with postgres_errors_translated():
-            connection = await asyncpg.connect(**self._backend.connect_params)
+        connection = await self._backend.listen(
+            self.channel, self._on_notification, lambda _connection: lost.set()
+        )
         try:
-            connection.add_termination_listener(lambda _connection: lost.set())
-            with postgres_errors_translated():
-                await connection.add_listener(self.channel, self._on_notification)
             ready()
             while not lost.is_set() and not connection.is_closed():
                 with contextlib.suppress(TimeoutError):

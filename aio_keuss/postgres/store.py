@@ -26,14 +26,17 @@ skewed clocks agree on what is mature, and a reservation deadline is the server'
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import orjson
 
 from ..contract import Ack, DeadletterPlan, Entry, Fetched, Move, Nack, Store, Stored
+from ..options import check_bool
 from ..types import Capabilities, KoResult, Sizes
 from .backend import PostgresBackend
-from .connection import postgres_errors_translated, queries
+from .connection import PostgresConnectionOptions
+from .sql import queries
 
 if TYPE_CHECKING:
     from ..options import QueueOptions
@@ -61,20 +64,21 @@ def _first_occurrences(ids: Sequence[str], done: set[str]) -> list[bool]:
 
 
 def _fetched(rows: list[Any]) -> Fetched:
-    """Rows of _GET / _RESERVE: messages (NULL id when none) each carrying next_mature."""
+    """Rows of get / reserve: messages (NULL id when none) each carrying next_mature."""
     next_mature = rows[0][5] if rows else None
     messages = [Stored(r[0], r[1], r[2], r[3], r[4]) for r in rows if r[0] is not None]
     return Fetched(messages, next_mature)
 
 
 class PostgresStore(Store):
-    """One queue's view of the shared table: the SQL constants above, one per primitive."""
+    """One queue's view of the shared table: one statement of ``sql/queries.sql`` per
+    primitive."""
 
     batch_concurrency: ClassVar[int] = 3
 
     def __init__(self, name: str, options: QueueOptions, backend: PostgresQueueBackend) -> None:
         super().__init__(name, options)
-        self._pool = backend.pool
+        self._db = backend
         self._sql = backend.sql
 
     async def insert(self, entries: Sequence[Entry]) -> list[bool]:
@@ -90,39 +94,35 @@ class PostgresStore(Store):
             [e.tries for e in entries],
             [e.mature for e in entries],
         ]
-        with postgres_errors_translated():
-            if any(e.dedup for e in entries):
-                columns += [[e.dedup for e in entries], self.options.dedup_window]
-                rows = await self._pool.fetch(self._sql["insert_dedup"], *columns)
-            else:
-                rows = await self._pool.fetch(self._sql["insert"], *columns)
+        if any(e.dedup for e in entries):
+            columns += [[e.dedup for e in entries], self.options.dedup_window]
+            rows = await self._db.fetch(self._sql["insert_dedup"], *columns)
+        else:
+            rows = await self._db.fetch(self._sql["insert"], *columns)
         if len(rows) == len(entries):  # the common case: everything went in
             return [True] * len(entries)
         return _first_occurrences(ids, {r[0] for r in rows})
 
     async def get(self, n: int) -> Fetched:
-        with postgres_errors_translated():
-            rows = await self._pool.fetch(self._sql["get"], self.name, n)
+        rows = await self._db.fetch(self._sql["get"], self.name, n)
         return _fetched(rows)
 
     async def reserve(self, n: int, reserve_delay: float) -> Fetched:
-        with postgres_errors_translated():
-            rows = await self._pool.fetch(self._sql["reserve"], self.name, n, reserve_delay)
+        rows = await self._db.fetch(self._sql["reserve"], self.name, n, reserve_delay)
         return _fetched(rows)
 
     async def commit(self, acks: Sequence[Ack]) -> list[bool]:
         if not acks:
             return []
         ids = [a.id for a in acks]
-        with postgres_errors_translated():
-            rows = await self._pool.fetch(
-                self._sql["commit"], self.name, ids, [a.tries for a in acks]
-            )
+        rows = await self._db.fetch(self._sql["commit"], self.name, ids, [a.tries for a in acks])
         return _first_occurrences(ids, {r[0] for r in rows})
 
     async def rollback(
         self, nacks: Sequence[Nack], deadletter: DeadletterPlan | None
     ) -> list[KoResult]:
+        """Releases and deadletters in one statement; a deadletter runs the move body of
+        :meth:`move` (one SQL fragment pasted into both), so the two cannot drift apart."""
         if not nacks:
             return []
         ids = [n.id for n in nacks]
@@ -132,18 +132,17 @@ class PostgresStore(Store):
             max_ko, target = deadletter.max_ko, deadletter.queue
             # The constant part of the appended headers; x-dl-t and x-dl-tries come from SQL.
             prefix = b'"x-dl-from-queue":' + orjson.dumps(deadletter.from_queue) + b',"x-dl-t":"'
-        with postgres_errors_translated():
-            rows = await self._pool.fetch(
-                self._sql["rollback"],
-                self.name,
-                ids,
-                [n.tries for n in nacks],
-                [n.delay for n in nacks],
-                [n.count_try for n in nacks],
-                max_ko,
-                target,
-                prefix,
-            )
+        rows = await self._db.fetch(
+            self._sql["rollback"],
+            self.name,
+            ids,
+            [n.tries for n in nacks],
+            [n.delay for n in nacks],
+            [n.count_try for n in nacks],
+            max_ko,
+            target,
+            prefix,
+        )
         outcomes = {r[0]: KoResult(r[1]) for r in rows}
         results = []
         for message_id in ids:
@@ -151,51 +150,66 @@ class PostgresStore(Store):
         return results
 
     async def move(self, moves: Sequence[Move]) -> list[str | None]:
+        """One UPDATE of the rows in place (all queues share the table): atomic by
+        construction; ``moved_id`` in SQL names a message whose id the target holds."""
         if not moves:
             return []
-        with postgres_errors_translated():
-            rows = await self._pool.fetch(
-                self._sql["move"],
-                self.name,
-                [m.id for m in moves],
-                [m.tries for m in moves],
-                [m.queue for m in moves],
-                [m.payload for m in moves],
-                [orjson.dumps(m.headers)[1:] if m.headers else None for m in moves],
-                [m.delay for m in moves],
-                [m.tag for m in moves],
-            )
+        rows = await self._db.fetch(
+            self._sql["move"],
+            self.name,
+            [m.id for m in moves],
+            [m.tries for m in moves],
+            [m.queue for m in moves],
+            [m.payload for m in moves],
+            [orjson.dumps(m.headers)[1:] if m.headers else None for m in moves],
+            [m.delay for m in moves],
+            [m.tag for m in moves],
+        )
         moved: dict[str, str] = {r[0]: r[1] for r in rows}
         return [moved.pop(m.id, None) for m in moves]
 
     async def remove(self, ids: Sequence[str]) -> list[bool]:
         if not ids:
             return []
-        with postgres_errors_translated():
-            rows = await self._pool.fetch(self._sql["remove"], self.name, list(ids))
+        rows = await self._db.fetch(self._sql["remove"], self.name, list(ids))
         return _first_occurrences(ids, {r[0] for r in rows})
 
     async def sizes(self) -> Sizes:
-        with postgres_errors_translated():
-            row = await self._pool.fetchrow(self._sql["sizes"], self.name)
+        row = await self._db.fetchrow(self._sql["sizes"], self.name)
         assert row is not None  # an aggregate always answers one row
         return Sizes(size=row[0], total=row[1], scheduled=row[2], reserved=row[3])
 
     async def next_mature(self) -> float | None:
-        with postgres_errors_translated():
-            mature: float | None = await self._pool.fetchval(self._sql["next_mature"], self.name)
+        mature: float | None = await self._db.fetchval(self._sql["next_mature"], self.name)
         return mature
 
 
+@dataclass(frozen=True)
+class PostgresOptions(PostgresConnectionOptions):
+    """The ``postgres`` backend's options: those of every PostgreSQL backend (url, pool,
+    schema, pool sizes) and ``durable_acks`` (default True; False trades crash-durability of
+    reserve / ok / ko / move for about twice their speed, see ``_RELAX``)."""
+
+    durable_acks: bool = True
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check_bool(self.durable_acks, "durable_acks")
+
+
 class PostgresQueueBackend(PostgresBackend):
-    """``postgres``: the connection options (url, pool, schema, pool sizes, durable_acks)."""
+    """``postgres``: one table for every queue of the schema."""
 
     name = "postgres"
     capabilities: Capabilities = Capabilities(move=True)
+    options_type: ClassVar[type[PostgresConnectionOptions]] = PostgresOptions
+    options: ClassVar[dict[str, Any]] = PostgresOptions.defaults()
 
     def __init__(self, options: dict[str, Any]) -> None:
         super().__init__(options)
-        self.sql = queries(self.quoted_schema, "" if self.config.durable_acks else _RELAX)
+        assert isinstance(self.config, PostgresOptions)
+        if not self.config.durable_acks:
+            self.sql = queries(self.quoted_schema, _RELAX)
 
     async def store(self, queue: str, options: QueueOptions) -> Store:
         return PostgresStore(queue, options, self)

@@ -1,5 +1,11 @@
--- The statements of the postgres store, one per primitive. {s} is the quoted schema;
--- {relax} is empty, or the condition that relaxes synchronous_commit (durable_acks=False).
+-- Every statement of the PostgreSQL backends, each after a "-- name: <name>" line, in four
+-- parts: the postgres store (one statement per primitive), the stats store, the signal
+-- bus, and the bucket storage of bucket-postgres. {s} is the quoted schema; {relax} is
+-- empty, or the condition that relaxes synchronous_commit (durable_acks=False); a block
+-- named _x is a fragment, pasted where a statement says {_x}. The tables are made by the
+-- steps in migrations/.
+
+-- The postgres store -------------------------------------------------------------------
 -- $1 is always the queue name. "now" is extract(epoch from now()): the server's clock,
 -- stable within the statement, usable as an index condition.
 
@@ -126,14 +132,35 @@ WHERE m.queue = $1 AND m.id = a.id AND m.reserved
   AND (a.tries IS NULL OR m.tries = a.tries) {relax}
 RETURNING m.id
 
+-- name: _move_rows
+-- The one body of a move, used by move and by rollback's deadletter: each row of the CTE
+-- "moving" (id, target, payload, headers, delay, tag) goes to queue target in place: tries
+-- 0, mature now + delay, its payload replaced if one is given (NULL = keep), the headers
+-- added to its own as message.append_headers does (JSON object text without the opening
+-- brace, NULL = none), and renamed by moved_id when the id is taken there. Answers the old
+-- and the new id of each message moved.
+UPDATE {s}.messages m
+SET queue = v.target,
+    id = {s}.moved_id(v.target, m.id, v.tag),
+    tries = 0, reserved = false,
+    mature = extract(epoch from now())::float8 + v.delay,
+    payload = coalesce(v.payload, m.payload),
+    headers = CASE WHEN v.headers IS NULL THEN m.headers
+                   WHEN m.headers = '\x7b7d'::bytea THEN '\x7b'::bytea || v.headers
+                   ELSE substring(m.headers FROM 1 FOR length(m.headers) - 1) || '\x2c'::bytea
+                        || v.headers
+              END
+FROM moving v
+WHERE m.queue = $1 AND m.id = v.id
+RETURNING v.id AS old_id, m.id AS new_id
+
 -- name: rollback
 -- Rollback, and deadletter in the same statement. For each held message (same guard as a
 -- commit) the failed-delivery count is tries + count_try. Past max_ko ($6, NULL = no
--- deadletter) it moves to queue $7 in place: tries 0, mature now, headers appended as
--- message.append_headers does (x-dl-from-queue from $8, x-dl-t server now in Python's
--- isoformat, x-dl-tries), renamed by moved_id (tag dl<failed>) if the id is taken there,
--- the rule the move statement below follows too.
--- Others are released: reserved = false, mature = now + delay.
+-- deadletter) it is moved to queue $7 by the move body above, with tag dl<failed> and the
+-- headers x-dl-from-queue (from $8, which also opens x-dl-t), x-dl-t (server now in
+-- Python's isoformat) and x-dl-tries. Others are released: reserved = false, mature = now
+-- + delay. Answers each id acted on with 1 (rolled back) or 2 (deadlettered).
 WITH nack AS (
     SELECT DISTINCT ON (n.id) n.* FROM unnest($2::text[], $3::int4[], $4::float8[], $5::bool[])
            WITH ORDINALITY AS n(id, tries, delay, count_try, ord)
@@ -150,58 +177,37 @@ WITH nack AS (
         mature = extract(epoch from now())::float8 + h.delay
     FROM held h
     WHERE m.queue = $1 AND m.id = h.id AND NOT h.dead
-    RETURNING m.id, 1 AS outcome
-), moved AS (
-    UPDATE {s}.messages m
-    SET queue = $7,
-        id = {s}.moved_id($7, m.id, 'dl' || h.failed),
-        tries = 0, reserved = false, mature = extract(epoch from now())::float8,
-        headers = CASE WHEN m.headers = '\x7b7d'::bytea THEN '\x7b'::bytea
-                       ELSE substring(m.headers FROM 1 FOR length(m.headers) - 1) || '\x2c'::bytea
-                  END
-                  || $8::bytea
-                  || convert_to(
-                       to_char(now() AT TIME ZONE 'UTC', 'YYYY-MM-DD"T"HH24:MI:SS')
-                       || CASE WHEN extract(microseconds FROM now())::bigint % 1000000 = 0
-                               THEN '' ELSE to_char(now() AT TIME ZONE 'UTC', '.US') END
-                       || '+00:00","x-dl-tries":' || h.failed || '}', 'UTF8')
+    RETURNING m.id
+), moving AS (
+    SELECT h.id, $7::text AS target, NULL::bytea AS payload,
+           $8::bytea || convert_to(
+               to_char(now() AT TIME ZONE 'UTC', 'YYYY-MM-DD"T"HH24:MI:SS')
+               || CASE WHEN extract(microseconds FROM now())::bigint % 1000000 = 0
+                       THEN '' ELSE to_char(now() AT TIME ZONE 'UTC', '.US') END
+               || '+00:00","x-dl-tries":' || h.failed || '}', 'UTF8') AS headers,
+           0::float8 AS delay, 'dl' || h.failed AS tag
     FROM held h
-    WHERE m.queue = $1 AND m.id = h.id AND h.dead
-    RETURNING h.id, 2 AS outcome
+    WHERE h.dead
+), moved AS (
+{_move_rows}
 )
-SELECT id, outcome FROM released UNION ALL SELECT id, outcome FROM moved
+SELECT id, 1 AS outcome FROM released UNION ALL SELECT old_id, 2 FROM moved
 
 -- name: move
--- Move held messages (same guard as a commit) to other queues of the schema in place:
--- queue, id (renamed by moved_id if taken there), tries 0, mature now + delay, the new
--- payload if given, the headers added to its own as message.append_headers does ($6[k]:
--- the added keys as JSON object text without the opening brace, NULL = none). Answers the
--- old and the new id of each message moved.
+-- Move held messages (same guard as a commit) to other queues of the schema, by the move
+-- body above ($6[k]: the added headers, NULL = none; $8[k]: the rename tag).
 WITH mv AS (
     SELECT DISTINCT ON (v.id) v.* FROM unnest($2::text[], $3::int4[], $4::text[], $5::bytea[],
                                               $6::bytea[], $7::float8[], $8::text[])
            WITH ORDINALITY AS v(id, tries, target, payload, headers, delay, tag, ord)
     ORDER BY v.id, v.ord
-), held AS MATERIALIZED (
+), moving AS MATERIALIZED (
     SELECT m.id, v.target, v.payload, v.headers, v.delay, v.tag
     FROM {s}.messages m JOIN mv v ON m.queue = $1 AND m.id = v.id
     WHERE m.reserved AND (v.tries IS NULL OR m.tries = v.tries) {relax}
     FOR UPDATE OF m
 )
-UPDATE {s}.messages m
-SET queue = h.target,
-    id = {s}.moved_id(h.target, m.id, h.tag),
-    tries = 0, reserved = false,
-    mature = extract(epoch from now())::float8 + h.delay,
-    payload = coalesce(h.payload, m.payload),
-    headers = CASE WHEN h.headers IS NULL THEN m.headers
-                   WHEN m.headers = '\x7b7d'::bytea THEN '\x7b'::bytea || h.headers
-                   ELSE substring(m.headers FROM 1 FOR length(m.headers) - 1) || '\x2c'::bytea
-                        || h.headers
-              END
-FROM held h
-WHERE m.queue = $1 AND m.id = h.id
-RETURNING h.id AS old_id, m.id AS new_id
+{_move_rows}
 
 -- name: remove
 -- Remove: anything of the queue but an active reservation.
@@ -220,3 +226,121 @@ WHERE queue = $1
 
 -- name: next_mature
 SELECT mature FROM {s}.messages WHERE queue = $1 ORDER BY mature, seq LIMIT 1
+
+-- The stats store ----------------------------------------------------------------------
+-- Counters are buffered in the client and written as one upsert per flush, whatever the
+-- number of queues and counters in it.
+
+-- name: stats_apply
+INSERT INTO {s}.stats (queue, counter, value)
+SELECT * FROM unnest($1::text[], $2::text[], $3::int8[])
+ON CONFLICT (queue, counter) DO UPDATE SET value = stats.value + EXCLUDED.value
+
+-- name: stats_counters
+SELECT counter, value FROM {s}.stats WHERE queue = $1
+
+-- name: stats_reset
+DELETE FROM {s}.stats WHERE queue = $1
+
+-- name: stats_set_paused
+INSERT INTO {s}.queues (queue, paused) VALUES ($1, $2)
+ON CONFLICT (queue) DO UPDATE SET paused = EXCLUDED.paused
+
+-- name: stats_is_paused
+SELECT paused FROM {s}.queues WHERE queue = $1
+
+-- name: stats_save_options
+INSERT INTO {s}.queues (queue, options) VALUES ($1, $2::text::jsonb)
+ON CONFLICT (queue) DO UPDATE SET options = EXCLUDED.options
+
+-- name: stats_queues
+SELECT queue, options::text FROM {s}.queues ORDER BY queue
+
+-- The signal bus ----------------------------------------------------------------------
+
+-- name: signal_notify
+-- $1 the schema's channel, $2 the event.
+SELECT pg_notify($1, $2)
+
+-- The bucket storage (bucket-postgres) -------------------------------------------------
+-- $1 is always the queue name. Times come from the caller (the bucket engine's clock).
+
+-- name: buckets_insert
+-- $2.. one array per column.
+INSERT INTO {s}.buckets (queue, id, score, count, remaining, blob, state)
+SELECT $1, b.id, b.score, b.count, b.count, b.blob, b.state
+FROM unnest($2::text[], $3::float8[], $4::int4[], $5::bytea[], $6::bytea[])
+     AS b(id, score, count, blob, state)
+
+-- name: buckets_lease
+-- $2 token, $3 now, $4 deadline, $5 want, $6 max buckets. Candidates are locked (skipping
+-- ones another lease holds), then the oldest are kept until their remaining messages cover
+-- want. Locking CTEs are MATERIALIZED so they are evaluated exactly once whatever plan is
+-- chosen: a lease updates exactly the buckets it returns. One row per leased bucket plus
+-- the lowest score left; a single row with a NULL id when nothing was leased.
+WITH candidate AS MATERIALIZED (
+    SELECT id, score, owner, remaining FROM {s}.buckets
+    WHERE queue = $1 AND score <= $3
+    ORDER BY score, id
+    LIMIT $6
+    FOR UPDATE SKIP LOCKED
+), pick AS (
+    SELECT id, score, owner FROM (
+        SELECT id, score, owner,
+               sum(remaining) OVER (ORDER BY score, id) - remaining AS before,
+               row_number() OVER (ORDER BY score, id) AS n
+        FROM candidate
+    ) c
+    WHERE before < $5 OR n = 1
+), leased AS (
+    UPDATE {s}.buckets b SET owner = $2, score = $4
+    FROM pick
+    WHERE b.queue = $1 AND b.id = pick.id
+    RETURNING b.id, b.blob, b.state, pick.owner AS previous, pick.score AS old_score
+), rest AS (
+    SELECT min(score) AS low FROM {s}.buckets
+    WHERE queue = $1 AND id NOT IN (SELECT id FROM pick)
+)
+SELECT l.id, l.blob, l.state, l.previous, r.low
+FROM rest r LEFT JOIN leased l ON true
+ORDER BY l.old_score, l.id
+
+-- name: buckets_lease_ids
+-- $2 token, $3 now, $4 deadline, $5 ids: the free ones, or those whose lease expired.
+WITH pick AS MATERIALIZED (
+    SELECT id, owner FROM {s}.buckets
+    WHERE queue = $1 AND id = ANY($5::text[]) AND (owner = '' OR score <= $3)
+    FOR UPDATE SKIP LOCKED
+)
+UPDATE {s}.buckets b SET owner = $2, score = $4
+FROM pick
+WHERE b.queue = $1 AND b.id = pick.id
+RETURNING b.id, b.blob, b.state, pick.owner AS previous
+
+-- name: buckets_write
+-- $2 token, then one array per field of a state write; only rows still owned by $2.
+WITH w AS (
+    SELECT * FROM unnest($3::text[], $4::text[], $5::float8[], $6::int4[], $7::bytea[])
+        AS w(id, mode, score, remaining, state)
+), deleted AS (
+    DELETE FROM {s}.buckets b USING w
+    WHERE b.queue = $1 AND b.id = w.id AND b.owner = $2 AND w.mode = 'd'
+    RETURNING b.id
+), updated AS (
+    UPDATE {s}.buckets b
+    SET score = w.score, remaining = w.remaining, state = coalesce(w.state, b.state),
+        owner = CASE WHEN w.mode = 'r' THEN '' ELSE b.owner END
+    FROM w
+    WHERE b.queue = $1 AND b.id = w.id AND b.owner = $2 AND w.mode <> 'd'
+    RETURNING b.id
+)
+SELECT id FROM deleted UNION ALL SELECT id FROM updated
+
+-- name: buckets_census
+-- $2 now, $3 ids left out (the buckets this process holds in memory).
+SELECT coalesce(sum(remaining) FILTER (WHERE score <= $2), 0),
+       coalesce(sum(remaining) FILTER (WHERE score > $2 AND owner = ''), 0),
+       coalesce(sum(remaining) FILTER (WHERE score > $2 AND owner <> ''), 0),
+       min(score)
+FROM {s}.buckets
+WHERE queue = $1 AND id <> ALL($3::text[])

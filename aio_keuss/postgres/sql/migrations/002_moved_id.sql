@@ -1,6 +1,6 @@
 -- The one rename rule of a moved message (Queue.move, deadletter): the first name not
 -- taken in the destination queue among <id>, <id>.<tag>, <id>.<tag>.2, <id>.<tag>.3, ...
--- Read in the statement's snapshot, so two rows moved by one statement never share a base.
+-- (Step 4 makes it VOLATILE: see there.)
 CREATE OR REPLACE FUNCTION {s}.moved_id(target text, base text, tag text) RETURNS text
 LANGUAGE plpgsql STABLE AS $$
 DECLARE
