@@ -1,14 +1,19 @@
 """One error hierarchy for the whole library.
 
 Callers catch :class:`KeussError` (or one of its branches) and never a driver's own
-exception: backends translate driver failures with :func:`translate_errors`, keeping the
-original as ``__cause__`` so nothing is hidden from a debugger.
+exception: each database package translates its driver's failures where it meets the
+driver (see :func:`translating`), keeping the original as ``__cause__`` so nothing is hidden
+from a debugger.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
+import functools
+from collections.abc import Awaitable, Callable, Coroutine
+from typing import Any, NoReturn, ParamSpec, TypeVar
+
+_P = ParamSpec("_P")
+_T = TypeVar("_T")
 
 
 class KeussError(Exception):
@@ -69,21 +74,37 @@ class ClosedError(KeussError):
     """The factory or queue was closed; open a new one to go on."""
 
 
-@contextmanager
-def translate_errors(
-    connection_errors: tuple[type[BaseException], ...],
-    backend_errors: tuple[type[BaseException], ...] = (),
-) -> Iterator[None]:
-    """Turn a driver's exceptions into ours, keeping the original as ``__cause__``.
+Classify = Callable[[Exception], KeussError | None]
+"""Maps a driver's exception to ours, or to None for an exception that is not the driver's."""
 
-    Our own errors and cancellation pass through untouched, so a backend can wrap a whole
-    primitive without thinking about what it raises itself.
-    """
-    try:
-        yield
-    except KeussError:
-        raise
-    except connection_errors as exc:
-        raise KeussConnectionError(f"{type(exc).__name__}: {exc}") from exc
-    except backend_errors as exc:
-        raise BackendError(f"{type(exc).__name__}: {exc}") from exc
+
+def translating(
+    classify: Classify,
+) -> Callable[[Callable[_P, Awaitable[_T]]], Callable[_P, Coroutine[Any, Any, _T]]]:
+    """A decorator for coroutine functions that talk to one driver: what ``classify`` maps
+    leaves as ours, raised from the driver's exception. Our own errors, cancellation and
+    anything ``classify`` does not know pass through untouched, so a method may raise ours
+    itself, and decorated methods may call each other."""
+
+    def decorate(method: Callable[_P, Awaitable[_T]]) -> Callable[_P, Coroutine[Any, Any, _T]]:
+        @functools.wraps(method)
+        async def call(*args: _P.args, **kwargs: _P.kwargs) -> _T:
+            try:
+                return await method(*args, **kwargs)
+            except Exception as exc:
+                raise_translated(exc, classify)
+
+        return call
+
+    return decorate
+
+
+def raise_translated(exc: Exception, classify: Classify) -> NoReturn:
+    """Raise what ``exc`` becomes: ours from it where ``classify`` maps it, else ``exc``
+    itself (ours already, or not the driver's). For an ``except`` clause at a choke point
+    that is not a coroutine function (a context manager, say)."""
+    # a KeussConnectionError is an OSError, which a classifier may take for the driver's
+    ours = None if isinstance(exc, KeussError) else classify(exc)
+    if ours is None:
+        raise exc
+    raise ours from exc

@@ -124,6 +124,14 @@ class BackendOptions:
         return cls(**raw)
 
     @classmethod
+    def parse_own(cls, raw: Mapping[str, Any]) -> Self:
+        """Like :meth:`parse`, taking only this class's names from ``raw``: a backend's
+        options mix those of its connection with those of its role (a bucket backend's
+        bucket settings, say), each part checked by its own class."""
+        names = {f.name for f in fields(cls)}
+        return cls.parse({k: v for k, v in raw.items() if k in names})
+
+    @classmethod
     def defaults(cls) -> dict[str, Any]:
         """Option names and their defaults."""
         found: dict[str, Any] = {}

@@ -56,7 +56,7 @@ from ..buckets.storage import (
 )
 from ..buckets.store import BucketBackend
 from .backend import MongoBackend
-from .connection import DUPLICATE_KEY, Document, mongo_errors_translated
+from .connection import DUPLICATE_KEY, Document, translated
 from .connection import Collection as MongoCollection
 
 BY_SCORE = [("queue", ASCENDING), ("score", ASCENDING), ("id", ASCENDING)]
@@ -84,10 +84,11 @@ class MongoBucketStorage(BucketStorage):
                 self._indexed = None  # try again next time
             raise
 
+    @translated
     async def _create_index(self) -> None:
-        with mongo_errors_translated():
-            await self._coll.create_index(BY_SCORE)
+        await self._coll.create_index(BY_SCORE)
 
+    @translated
     async def insert_buckets(self, queue: str, buckets: Sequence[NewBucket]) -> None:
         docs = [
             {
@@ -103,14 +104,14 @@ class MongoBucketStorage(BucketStorage):
             }
             for b in buckets
         ]
-        with mongo_errors_translated():
-            try:
-                await self._coll.insert_many(docs, ordered=False)
-            except mongo_errors.BulkWriteError as exc:
-                errors = exc.details.get("writeErrors", [])
-                if not errors or any(e.get("code") != DUPLICATE_KEY for e in errors):
-                    raise
+        try:
+            await self._coll.insert_many(docs, ordered=False)
+        except mongo_errors.BulkWriteError as exc:
+            errors = exc.details.get("writeErrors", [])
+            if not errors or any(e.get("code") != DUPLICATE_KEY for e in errors):
+                raise
 
+    @translated
     async def lease(
         self,
         queue: str,
@@ -122,49 +123,49 @@ class MongoBucketStorage(BucketStorage):
         ids: Sequence[str] | None = None,
     ) -> Lease:
         take = {"$set": {"owner": token, "score": deadline}}
-        with mongo_errors_translated():
-            if ids is not None:
-                # Free, or its lease expired. Spelled with $and: the SQLite-backed test
-                # server drops the other fields of a write's filter next to a top-level $or.
-                free = {"$or": [{"owner": ""}, {"score": {"$lte": now}}]}
-                found = await asyncio.gather(
-                    *(
-                        self._coll.find_one_and_update(
-                            {"$and": [{"_id": i}, {"queue": queue}, free]},
-                            take,
-                            projection=LEASED_FIELDS,
-                            return_document=ReturnDocument.BEFORE,
-                        )
-                        for i in dict.fromkeys(ids)
+        if ids is not None:
+            # Free, or its lease expired. Spelled with $and: the SQLite-backed test
+            # server drops the other fields of a write's filter next to a top-level $or.
+            free = {"$or": [{"owner": ""}, {"score": {"$lte": now}}]}
+            found = await asyncio.gather(
+                *(
+                    self._coll.find_one_and_update(
+                        {"$and": [{"_id": i}, {"queue": queue}, free]},
+                        take,
+                        projection=LEASED_FIELDS,
+                        return_document=ReturnDocument.BEFORE,
                     )
+                    for i in dict.fromkeys(ids)
                 )
-                return Lease([_leased(d) for d in found if d is not None], None)
-            due = {"queue": queue, "score": {"$lte": now}}
-            taken: list[LeasedBucket] = []
-            total = 0
-            while len(taken) < max_buckets and (total < want or not taken):
-                doc = await self._coll.find_one_and_update(
-                    due,
-                    take,
-                    sort=BY_SCORE,
-                    projection=LEASED_FIELDS,
-                    return_document=ReturnDocument.BEFORE,
-                )
-                if doc is None:
-                    break
-                taken.append(_leased(doc))
-                total += int(doc["remaining"])
-            if taken and total >= want:
-                # Covered: the wait loop reads ``next_score`` only after a fetch that came
-                # up short, and such a fetch leases again (and reads the exact score then);
-                # ``now`` ("look again") spares a round trip on every covered lease.
-                return Lease(taken, now)
-            rest: Document = {"queue": queue}
-            if taken:
-                rest["_id"] = {"$nin": [b.id for b in taken]}
-            low = await self._coll.find_one(rest, {"score": 1}, sort=BY_SCORE)
+            )
+            return Lease([_leased(d) for d in found if d is not None], None)
+        due = {"queue": queue, "score": {"$lte": now}}
+        taken: list[LeasedBucket] = []
+        total = 0
+        while len(taken) < max_buckets and (total < want or not taken):
+            doc = await self._coll.find_one_and_update(
+                due,
+                take,
+                sort=BY_SCORE,
+                projection=LEASED_FIELDS,
+                return_document=ReturnDocument.BEFORE,
+            )
+            if doc is None:
+                break
+            taken.append(_leased(doc))
+            total += int(doc["remaining"])
+        if taken and total >= want:
+            # Covered: the wait loop reads ``next_score`` only after a fetch that came
+            # up short, and such a fetch leases again (and reads the exact score then);
+            # ``now`` ("look again") spares a round trip on every covered lease.
+            return Lease(taken, now)
+        rest: Document = {"queue": queue}
+        if taken:
+            rest["_id"] = {"$nin": [b.id for b in taken]}
+        low = await self._coll.find_one(rest, {"score": 1}, sort=BY_SCORE)
         return Lease(taken, None if low is None else float(low["score"]))
 
+    @translated
     async def write(self, queue: str, token: str, writes: Sequence[StateWrite]) -> list[bool]:
         nonce = os.urandom(8).hex()
         updates: list[int] = []
@@ -183,28 +184,27 @@ class MongoBucketStorage(BucketStorage):
             updates.append(k)
             requests.append(UpdateOne(mine, {"$set": fields}))
         flags = [False] * len(writes)
-        with mongo_errors_translated():
-            deleted, matched = await asyncio.gather(
-                asyncio.gather(
-                    *(
-                        self._coll.delete_one({"_id": writes[k].id, "queue": queue, "owner": token})
-                        for k in deletes
-                    )
-                ),
-                self._bulk(requests),
-            )
-            for k, result in zip(deletes, deleted, strict=True):
-                flags[k] = result.deleted_count == 1
-            if matched == len(updates):
-                for k in updates:
-                    flags[k] = True
-            elif matched:  # some lost their lease: those that carry the nonce were written
-                cursor = self._coll.find(
-                    {"_id": {"$in": [writes[k].id for k in updates]}, "wid": nonce}, {"_id": 1}
+        deleted, matched = await asyncio.gather(
+            asyncio.gather(
+                *(
+                    self._coll.delete_one({"_id": writes[k].id, "queue": queue, "owner": token})
+                    for k in deletes
                 )
-                done = {d["_id"] for d in await cursor.to_list()}
-                for k in updates:
-                    flags[k] = writes[k].id in done
+            ),
+            self._bulk(requests),
+        )
+        for k, result in zip(deletes, deleted, strict=True):
+            flags[k] = result.deleted_count == 1
+        if matched == len(updates):
+            for k in updates:
+                flags[k] = True
+        elif matched:  # some lost their lease: those that carry the nonce were written
+            cursor = self._coll.find(
+                {"_id": {"$in": [writes[k].id for k in updates]}, "wid": nonce}, {"_id": 1}
+            )
+            done = {d["_id"] for d in await cursor.to_list()}
+            for k in updates:
+                flags[k] = writes[k].id in done
         return flags
 
     async def _bulk(self, requests: list[UpdateOne]) -> int:
@@ -213,6 +213,7 @@ class MongoBucketStorage(BucketStorage):
         result = await self._coll.bulk_write(requests, ordered=False)
         return result.matched_count
 
+    @translated
     async def census(self, queue: str, exclude: Collection[str], now: float) -> Census:
         match: Document = {"queue": queue}
         if exclude:
@@ -246,8 +247,7 @@ class MongoBucketStorage(BucketStorage):
                 }
             },
         ]
-        with mongo_errors_translated():
-            rows = await (await self._coll.aggregate(pipeline)).to_list()
+        rows = await (await self._coll.aggregate(pipeline)).to_list()
         if not rows:
             return Census(0, 0, 0, None)
         row = rows[0]

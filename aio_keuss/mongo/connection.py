@@ -28,13 +28,18 @@ from __future__ import annotations
 
 import asyncio
 import re
-from collections.abc import Iterator
-from contextlib import contextmanager
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from ..contract import Backend
-from ..errors import ConfigError, KeussConnectionError, MissingDependencyError, translate_errors
+from ..errors import (
+    BackendError,
+    ConfigError,
+    KeussConnectionError,
+    KeussError,
+    MissingDependencyError,
+    translating,
+)
 from ..options import BackendOptions, brief, without_password
 
 try:
@@ -91,16 +96,23 @@ def _not_ready(exc: mongo_errors.OperationFailure) -> bool:
     return False
 
 
-@contextmanager
-def mongo_errors_translated() -> Iterator[None]:
-    """Connection trouble -> KeussConnectionError; any other driver error -> BackendError."""
-    with translate_errors(CONNECTION_ERRORS, (mongo_errors.PyMongoError,)):
-        try:
-            yield
-        except mongo_errors.OperationFailure as exc:
-            if _not_ready(exc):
-                raise KeussConnectionError(f"{type(exc).__name__}: {exc}") from exc
-            raise
+def _ours(exc: Exception) -> KeussError | None:
+    """Connection trouble (and the server's "not ready" codes, wherever PyMongo puts them)
+    -> KeussConnectionError; any other driver error -> BackendError; None for the rest."""
+    text = f"{type(exc).__name__}: {exc}"
+    if isinstance(exc, CONNECTION_ERRORS) or (
+        isinstance(exc, mongo_errors.OperationFailure) and _not_ready(exc)
+    ):
+        return KeussConnectionError(text)
+    if isinstance(exc, mongo_errors.PyMongoError):
+        return BackendError(text)
+    return None
+
+
+translated = translating(_ours)
+"""For every method of this package that talks to the server: PyMongo's errors leave it as
+ours. Inside, code may still catch the driver's own (a duplicate key, say); only what leaves
+the method is translated."""
 
 
 _IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,47}")
@@ -184,8 +196,7 @@ class MongoConnection(Backend):
 
     def __init__(self, options: dict[str, Any]) -> None:
         super().__init__(options)
-        own = {f.name for f in fields(self.options_type)}  # a bucket backend adds its own
-        config = self.options_type.parse({k: v for k, v in options.items() if k in own})
+        config = self.options_type.parse_own(options)
         self.config = config
         self.database_name = config.database
         self.prefix: str = config.prefix if config.prefix is not None else self.default_prefix
@@ -205,13 +216,13 @@ class MongoConnection(Backend):
         self.transactions = False
         self._indexed: dict[str, asyncio.Future[None]] = {}
 
+    @translated
     async def open(self) -> None:
-        with mongo_errors_translated():
-            try:
-                hello = await self.client.admin.command("hello")
-            except BaseException:
-                await self.close()
-                raise
+        try:
+            hello = await self.client.admin.command("hello")
+        except BaseException:
+            await self.close()
+            raise
         wanted = self.config.transactions
         if wanted == "auto":
             # Standalone servers (and SQLite-backed look-alikes, whose transactions leak
@@ -220,6 +231,7 @@ class MongoConnection(Backend):
         else:
             self.transactions = bool(wanted)
 
+    @translated
     async def close(self) -> None:
         if self._owns_client:
             await self.client.close()
@@ -246,13 +258,13 @@ class MongoConnection(Backend):
                 self._indexed.pop(queue, None)  # try again next time
             raise
 
+    @translated
     async def _create_indexes(self, queue: str) -> None:
-        with mongo_errors_translated():
-            await self.queue_collection(queue).create_index([("mature", ASCENDING)])
-            await self.dedup_collection(queue).create_index(
-                [("expires", ASCENDING)], expireAfterSeconds=0
-            )
-            await self._extra_indexes(queue)
+        await self.queue_collection(queue).create_index([("mature", ASCENDING)])
+        await self.dedup_collection(queue).create_index(
+            [("expires", ASCENDING)], expireAfterSeconds=0
+        )
+        await self._extra_indexes(queue)
 
     async def _extra_indexes(self, queue: str) -> None:
         """What a variant needs beyond the mature index (history: TTL on ``processed``)."""

@@ -35,7 +35,7 @@ from pymongo import CursorType
 from pymongo import errors as mongo_errors
 
 from ..signal import SignalBus
-from .connection import mongo_errors_translated
+from .connection import translated
 
 if TYPE_CHECKING:
     from .connection import Collection, MongoConnection
@@ -86,16 +86,16 @@ class MongoSignalBus(SignalBus):
         parts = ("signals", "capped") if self._capped else ("signals",)
         self._coll: Collection = backend.collection(*parts)
 
+    @translated
     async def _publish(self, payload: bytes) -> None:
-        with mongo_errors_translated():
-            await self._coll.insert_one({"p": payload.decode(), "t": datetime.now(UTC)})
+        await self._coll.insert_one({"p": payload.decode(), "t": datetime.now(UTC)})
 
+    @translated
     async def _listen(self, ready: Callable[[], None]) -> None:
-        with mongo_errors_translated():
-            if self._capped:
-                await self._tail(ready)
-            else:
-                await self._watch(ready)
+        if self._capped:
+            await self._tail(ready)
+        else:
+            await self._watch(ready)
 
     async def _watch(self, ready: Callable[[], None]) -> None:
         await self._coll.create_index("t", expireAfterSeconds=SIGNAL_TTL)

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 from pymongo import UpdateOne
 
 from ..stats import COUNTERS, Increments, StatsStore
-from .connection import mongo_errors_translated
+from .connection import translated
 
 if TYPE_CHECKING:
     from .connection import MongoConnection
@@ -27,6 +27,7 @@ class MongoStats(StatsStore):
         super().__init__()
         self._coll = backend.collection("stats")
 
+    @translated
     async def _apply(self, increments: Increments) -> None:
         operations = []
         for queue, counters in increments.items():
@@ -34,36 +35,35 @@ class MongoStats(StatsStore):
             if inc:
                 operations.append(UpdateOne({"_id": queue}, {"$inc": inc}, upsert=True))
         if operations:
-            with mongo_errors_translated():
-                await self._coll.bulk_write(operations, ordered=False)
+            await self._coll.bulk_write(operations, ordered=False)
 
+    @translated
     async def _load_counters(self, queue: str) -> dict[str, int]:
-        with mongo_errors_translated():
-            doc = await self._coll.find_one({"_id": queue})
+        doc = await self._coll.find_one({"_id": queue})
         if doc is None:
             return {}
         return {k[len(_PREFIX) :]: int(v) for k, v in doc.items() if k.startswith(_PREFIX)}
 
+    @translated
     async def _reset(self, queue: str) -> None:
-        with mongo_errors_translated():
-            await self._coll.update_one(
-                {"_id": queue}, {"$unset": {_PREFIX + name: "" for name in COUNTERS}}
-            )
+        await self._coll.update_one(
+            {"_id": queue}, {"$unset": {_PREFIX + name: "" for name in COUNTERS}}
+        )
 
+    @translated
     async def set_paused(self, queue: str, paused: bool) -> None:
-        with mongo_errors_translated():
-            await self._coll.update_one({"_id": queue}, {"$set": {"paused": paused}}, upsert=True)
+        await self._coll.update_one({"_id": queue}, {"$set": {"paused": paused}}, upsert=True)
 
+    @translated
     async def is_paused(self, queue: str) -> bool:
-        with mongo_errors_translated():
-            doc = await self._coll.find_one({"_id": queue}, {"paused": 1})
+        doc = await self._coll.find_one({"_id": queue}, {"paused": 1})
         return bool(doc and doc.get("paused"))
 
+    @translated
     async def save_options(self, queue: str, options: dict[str, Any]) -> None:
-        with mongo_errors_translated():
-            await self._coll.update_one({"_id": queue}, {"$set": {"options": options}}, upsert=True)
+        await self._coll.update_one({"_id": queue}, {"$set": {"options": options}}, upsert=True)
 
+    @translated
     async def queues(self) -> dict[str, dict[str, Any]]:
-        with mongo_errors_translated():
-            docs = await self._coll.find({"options": {"$exists": True}}, {"options": 1}).to_list()
+        docs = await self._coll.find({"options": {"$exists": True}}, {"options": 1}).to_list()
         return {doc["_id"]: dict(doc["options"]) for doc in sorted(docs, key=lambda d: d["_id"])}

@@ -79,7 +79,7 @@ from .connection import (
     Collection,
     Document,
     MongoOptions,
-    mongo_errors_translated,
+    translated,
 )
 
 if TYPE_CHECKING:
@@ -175,38 +175,38 @@ class MongoStore(Store):
 
     # inserting ----------------------------------------------------------------------------
 
+    @translated
     async def insert(self, entries: Sequence[Entry]) -> list[bool]:
         if not entries:
             return []
         now = time.time()
         flags = [True] * len(entries)
-        with mongo_errors_translated():
-            if any(e.dedup for e in entries):
-                await self._claim_ids(entries, flags, now)
-            docs: list[Document] = []
-            where: list[int] = []
-            for i, entry in enumerate(entries):
-                if flags[i]:
-                    mature = entry.mature
-                    if mature is None:
-                        mature = now + entry.delay + i * TIE_STEP
-                    docs.append(
-                        {
-                            "_id": entry.id,
-                            "payload": entry.payload,
-                            "headers": entry.headers,
-                            "mature": mature,
-                            "tries": entry.tries,
-                            "reserved": False,
-                        }
-                    )
-                    where.append(i)
-            if docs:
-                # a popped message put back (its consumer was cancelled) has a mature time
-                put_back = {e.id for e in entries if e.mature is not None and not e.dedup}
-                inserted = await self._insert_docs(self._coll, docs, put_back)
-                for i, ok in zip(where, inserted, strict=True):
-                    flags[i] = ok
+        if any(e.dedup for e in entries):
+            await self._claim_ids(entries, flags, now)
+        docs: list[Document] = []
+        where: list[int] = []
+        for i, entry in enumerate(entries):
+            if flags[i]:
+                mature = entry.mature
+                if mature is None:
+                    mature = now + entry.delay + i * TIE_STEP
+                docs.append(
+                    {
+                        "_id": entry.id,
+                        "payload": entry.payload,
+                        "headers": entry.headers,
+                        "mature": mature,
+                        "tries": entry.tries,
+                        "reserved": False,
+                    }
+                )
+                where.append(i)
+        if docs:
+            # a popped message put back (its consumer was cancelled) has a mature time
+            put_back = {e.id for e in entries if e.mature is not None and not e.dedup}
+            inserted = await self._insert_docs(self._coll, docs, put_back)
+            for i, ok in zip(where, inserted, strict=True):
+                flags[i] = ok
         return flags
 
     async def _claim_ids(self, entries: Sequence[Entry], flags: list[bool], now: float) -> None:
@@ -270,45 +270,45 @@ class MongoStore(Store):
 
     # consuming ----------------------------------------------------------------------------
 
+    @translated
     async def get(self, n: int) -> Fetched:
         now = time.time()
         consumed = self._consumed(now)
-        with mongo_errors_translated():
-            if n == 1:
-                due = {"mature": {"$lte": now}}
-                if consumed is None:
-                    doc = await self._coll.find_one_and_delete(due, sort=BY_MATURE)
-                else:
-                    doc = await self._coll.find_one_and_update(
-                        due, consumed, sort=BY_MATURE, return_document=ReturnDocument.BEFORE
-                    )
-                docs = [] if doc is None else [doc]
-            elif consumed is None:
-                lease = {"$set": {"mature": now + CLAIM_LEASE, "reserved": True}}
-                docs, token = await self._claim(n, now, lease)
-                if docs:
-                    await self._coll.delete_many(
-                        {"_id": {"$in": [d["_id"] for d in docs]}, "owner": token}
-                    )
+        if n == 1:
+            due = {"mature": {"$lte": now}}
+            if consumed is None:
+                doc = await self._coll.find_one_and_delete(due, sort=BY_MATURE)
             else:
-                docs, _ = await self._claim(n, now, consumed)
-            return await self._fetched(docs, n)
+                doc = await self._coll.find_one_and_update(
+                    due, consumed, sort=BY_MATURE, return_document=ReturnDocument.BEFORE
+                )
+            docs = [] if doc is None else [doc]
+        elif consumed is None:
+            lease = {"$set": {"mature": now + CLAIM_LEASE, "reserved": True}}
+            docs, token = await self._claim(n, now, lease)
+            if docs:
+                await self._coll.delete_many(
+                    {"_id": {"$in": [d["_id"] for d in docs]}, "owner": token}
+                )
+        else:
+            docs, _ = await self._claim(n, now, consumed)
+        return await self._fetched(docs, n)
 
+    @translated
     async def reserve(self, n: int, reserve_delay: float) -> Fetched:
         now = time.time()
         update = {"$set": {"mature": now + reserve_delay, "reserved": True}, "$inc": {"tries": 1}}
-        with mongo_errors_translated():
-            if n == 1:
-                doc = await self._coll.find_one_and_update(
-                    {"mature": {"$lte": now}},
-                    update,
-                    sort=BY_MATURE,
-                    return_document=ReturnDocument.BEFORE,
-                )
-                docs = [] if doc is None else [doc]
-            else:
-                docs, _ = await self._claim(n, now, update)
-            return await self._fetched(docs, n)
+        if n == 1:
+            doc = await self._coll.find_one_and_update(
+                {"mature": {"$lte": now}},
+                update,
+                sort=BY_MATURE,
+                return_document=ReturnDocument.BEFORE,
+            )
+            docs = [] if doc is None else [doc]
+        else:
+            docs, _ = await self._claim(n, now, update)
+        return await self._fetched(docs, n)
 
     async def _claim(self, n: int, now: float, update: Document) -> tuple[list[Document], str]:
         """Up to ``n`` mature messages, earliest first, each changed by ``update`` exactly
@@ -343,40 +343,41 @@ class MongoStore(Store):
 
     # acknowledging ------------------------------------------------------------------------
 
+    @translated
     async def commit(self, acks: Sequence[Ack]) -> list[bool]:
         if not acks:
             return []
         now = time.time()
-        with mongo_errors_translated():
-            if len(acks) == 1:
-                return [await self._finish(_guard(acks[0].id, acks[0].tries), now) == 1]
-            ids = list({a.id: None for a in acks})
-            cursor = self._coll.find({"_id": {"$in": ids}, "reserved": True}, {"tries": 1})
-            stored = {d["_id"]: int(d["tries"]) for d in await cursor.to_list()}
-            held: dict[str, int] = {}
-            results = []
-            for ack in acks:
-                tries = stored.get(ack.id)
-                ok = (
-                    tries is not None
-                    and ack.id not in held
-                    and (ack.tries is None or tries == ack.tries + 1)
-                )
-                if ok and tries is not None:
-                    held[ack.id] = tries
-                results.append(ok)
-            if held and await self._finish(_by_tries(held), now) != len(held):
-                # something changed between the read and the delete: what is still there
-                # unchanged was not ours to take
-                still = await self._coll.find(_by_tries(held), {"_id": 1}).to_list()
-                kept = {d["_id"] for d in still}
-                seen: set[str] = set()
-                for k, ack in enumerate(acks):
-                    if results[k] and ack.id not in seen:
-                        seen.add(ack.id)
-                        results[k] = ack.id not in kept
+        if len(acks) == 1:
+            return [await self._finish(_guard(acks[0].id, acks[0].tries), now) == 1]
+        ids = list({a.id: None for a in acks})
+        cursor = self._coll.find({"_id": {"$in": ids}, "reserved": True}, {"tries": 1})
+        stored = {d["_id"]: int(d["tries"]) for d in await cursor.to_list()}
+        held: dict[str, int] = {}
+        results = []
+        for ack in acks:
+            tries = stored.get(ack.id)
+            ok = (
+                tries is not None
+                and ack.id not in held
+                and (ack.tries is None or tries == ack.tries + 1)
+            )
+            if ok and tries is not None:
+                held[ack.id] = tries
+            results.append(ok)
+        if held and await self._finish(_by_tries(held), now) != len(held):
+            # something changed between the read and the delete: what is still there
+            # unchanged was not ours to take
+            still = await self._coll.find(_by_tries(held), {"_id": 1}).to_list()
+            kept = {d["_id"] for d in still}
+            seen: set[str] = set()
+            for k, ack in enumerate(acks):
+                if results[k] and ack.id not in seen:
+                    seen.add(ack.id)
+                    results[k] = ack.id not in kept
         return results
 
+    @translated
     async def rollback(
         self, nacks: Sequence[Nack], deadletter: DeadletterPlan | None
     ) -> list[KoResult]:
@@ -386,10 +387,9 @@ class MongoStore(Store):
         first: dict[str, int] = {}
         for k, nack in enumerate(nacks):
             first.setdefault(nack.id, k)
-        with mongo_errors_translated():
-            outcomes = await asyncio.gather(
-                *(self._rollback_one(nacks[k], deadletter, now) for k in first.values())
-            )
+        outcomes = await asyncio.gather(
+            *(self._rollback_one(nacks[k], deadletter, now) for k in first.values())
+        )
         by_index = dict(zip(first.values(), outcomes, strict=True))
         return [by_index.get(k, KoResult.MISSING) for k in range(len(nacks))]
 
@@ -420,6 +420,7 @@ class MongoStore(Store):
         moved = await self._move_doc(doc, move, now)
         return KoResult.MISSING if moved is None else KoResult.DEADLETTERED
 
+    @translated
     async def move(self, moves: Sequence[Move]) -> list[str | None]:
         now = time.time()
 
@@ -427,8 +428,7 @@ class MongoStore(Store):
             doc = await self._coll.find_one(_guard(move.id, move.tries))
             return None if doc is None else await self._move_doc(doc, move, now)
 
-        with mongo_errors_translated():
-            return list(await asyncio.gather(*(one(m) for m in moves)))
+        return list(await asyncio.gather(*(one(m) for m in moves)))
 
     async def _move_doc(self, doc: Document, move: Move, now: float) -> str | None:
         """The one move body (``Queue.move`` and deadletter): the held message ``doc`` leaves
@@ -489,17 +489,18 @@ class MongoStore(Store):
 
     # administering ------------------------------------------------------------------------
 
+    @translated
     async def remove(self, ids: Sequence[str]) -> list[bool]:
         now = time.time()
         free = {"$or": [{"reserved": False}, {"mature": {"$lte": now}}]}
-        with mongo_errors_translated():
-            counts = await asyncio.gather(
-                # ``$and``, not sibling fields: nx-27017 ignores a filter's other fields next
-                # to a top-level ``$or`` in writes (it would remove another message).
-                *(self._finish({"$and": [{"_id": i, **LIVE}, free]}, now) for i in ids)
-            )
+        counts = await asyncio.gather(
+            # ``$and``, not sibling fields: nx-27017 ignores a filter's other fields next
+            # to a top-level ``$or`` in writes (it would remove another message).
+            *(self._finish({"$and": [{"_id": i, **LIVE}, free]}, now) for i in ids)
+        )
         return [count == 1 for count in counts]
 
+    @translated
     async def sizes(self) -> Sizes:
         now = time.time()
         pipeline: list[Document] = [
@@ -517,16 +518,15 @@ class MongoStore(Store):
                 }
             },
         ]
-        with mongo_errors_translated():
-            rows = await (await self._coll.aggregate(pipeline)).to_list()
+        rows = await (await self._coll.aggregate(pipeline)).to_list()
         if not rows:
             return Sizes(0, 0, 0, 0)
         total, ready, reserved = (int(rows[0][k]) for k in ("total", "ready", "reserved"))
         return Sizes(ready, total, total - ready - reserved, reserved)
 
+    @translated
     async def next_mature(self) -> float | None:
-        with mongo_errors_translated():
-            return await self._next_mature()
+        return await self._next_mature()
 
     async def _next_mature(self) -> float | None:
         doc = await self._coll.find_one(LIVE, {"mature": 1}, sort=BY_MATURE)

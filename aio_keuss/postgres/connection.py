@@ -15,12 +15,11 @@ earlier release is upgraded in place.
 
 from __future__ import annotations
 
-import functools
 import re
-from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, fields
-from typing import Any, ClassVar, ParamSpec, TypeVar
+from dataclasses import dataclass
+from typing import Any, ClassVar
 
 from ..contract import Backend
 from ..errors import (
@@ -29,6 +28,8 @@ from ..errors import (
     KeussConnectionError,
     KeussError,
     MissingDependencyError,
+    raise_translated,
+    translating,
 )
 from ..options import BackendOptions, check_int, without_password
 from .sql import migrations, queries
@@ -72,10 +73,12 @@ _MISUSE_ERRORS: tuple[type[BaseException], ...] = tuple(
 _DRIVER_ERRORS = (*CONNECTION_ERRORS, asyncpg.PostgresError)
 
 
-def _ours(exc: BaseException) -> KeussError:
-    """The error of ours a driver error becomes (raised ``from`` it, so nothing is hidden):
-    a bad setting -> ConfigError; connection trouble -> KeussConnectionError; misuse or any
-    other server error -> BackendError."""
+def _ours(exc: Exception) -> KeussError | None:
+    """The error of ours a driver error becomes: a bad setting -> ConfigError; connection
+    trouble -> KeussConnectionError; misuse or any other server error -> BackendError. None
+    for what is not the driver's."""
+    if not isinstance(exc, _DRIVER_ERRORS):
+        return None
     text = f"{type(exc).__name__}: {exc}"
     if isinstance(exc, _CONFIG_ERRORS):
         return ConfigError(text)
@@ -86,24 +89,8 @@ def _ours(exc: BaseException) -> KeussError:
     return BackendError(text)
 
 
-_P = ParamSpec("_P")
-_T = TypeVar("_T")
-
-
-def translated(method: Callable[_P, Awaitable[_T]]) -> Callable[_P, Coroutine[Any, Any, _T]]:
-    """Wrap a coroutine function that talks to the server: the driver's errors leave it as
-    ours. Our own errors and cancellation pass through untouched."""
-
-    @functools.wraps(method)
-    async def call(*args: _P.args, **kwargs: _P.kwargs) -> _T:
-        try:
-            return await method(*args, **kwargs)
-        except KeussError:  # a KeussConnectionError is an OSError: keep it as it is
-            raise
-        except _DRIVER_ERRORS as exc:
-            raise _ours(exc) from exc
-
-    return call
+translated = translating(_ours)
+"""For the connection's methods that talk to the server: asyncpg's errors leave as ours."""
 
 
 _SCHEMA_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,47}")
@@ -207,8 +194,7 @@ class PostgresConnection(Backend):
 
     def __init__(self, options: dict[str, Any]) -> None:
         super().__init__(options)
-        own = {f.name for f in fields(self.options_type)}  # a bucket backend adds its own
-        self.config = self.options_type.parse({k: v for k, v in options.items() if k in own})
+        self.config = self.options_type.parse_own(options)
         self.schema: str = self.config.schema
         self.quoted_schema = quote_schema(self.schema)
         self.url: str = self.config.url
@@ -301,10 +287,8 @@ class PostgresConnection(Backend):
         try:
             async with self.pool.acquire() as connection, connection.transaction():
                 yield connection
-        except KeussError:
-            raise
-        except _DRIVER_ERRORS as exc:
-            raise _ours(exc) from exc
+        except Exception as exc:
+            raise_translated(exc, _ours)
 
     @translated
     async def listen(

@@ -22,7 +22,7 @@ from ..buckets.settings import bucket_backend_options
 from ..buckets.storage import BucketStorage, Census, Lease, LeasedBucket, NewBucket, StateWrite
 from ..buckets.store import BucketBackend
 from .backend import RedisBackend
-from .connection import Script, redis_errors_translated
+from .connection import Script
 
 # KEYS: bz, bb, bs, bo, br. ARGV: (id, score, count, blob, state) per bucket.
 _INSERT = Script("""
@@ -152,8 +152,7 @@ class RedisBucketStorage(BucketStorage):
         args: list[Any] = []
         for b in buckets:
             args += [b.id, repr(b.score), b.count, b.blob, b.state]
-        with redis_errors_translated():
-            await self._backend.run_script(_INSERT, self._keys(queue), args)
+        await self._backend.run_script(_INSERT, self._keys(queue), args)
 
     async def lease(
         self,
@@ -167,8 +166,7 @@ class RedisBucketStorage(BucketStorage):
     ) -> Lease:
         given = list(ids or ())
         args = [token, repr(now), repr(deadline), want, max_buckets, len(given), *given]
-        with redis_errors_translated():
-            rows, low = await self._backend.run_script(_LEASE, self._keys(queue), args)
+        rows, low = await self._backend.run_script(_LEASE, self._keys(queue), args)
         buckets = [LeasedBucket(_text(r[0]), r[1], r[2], _text(r[3])) for r in rows]
         return Lease(buckets, _float(low))
 
@@ -176,15 +174,13 @@ class RedisBucketStorage(BucketStorage):
         args: list[Any] = [token]
         for w in writes:
             args += [w.id, w.mode, repr(w.score), w.remaining, w.state or b""]
-        with redis_errors_translated():
-            flags = await self._backend.run_script(_WRITE, self._keys(queue), args)
+        flags = await self._backend.run_script(_WRITE, self._keys(queue), args)
         return [bool(f) for f in flags]
 
     async def census(self, queue: str, exclude: Collection[str], now: float) -> Census:
-        with redis_errors_translated():
-            ready, scheduled, reserved, low = await self._backend.run_script(
-                _CENSUS, self._keys(queue), [repr(now), *exclude]
-            )
+        ready, scheduled, reserved, low = await self._backend.run_script(
+            _CENSUS, self._keys(queue), [repr(now), *exclude]
+        )
         return Census(int(ready), int(scheduled), int(reserved), _float(low))
 
 

@@ -7,19 +7,20 @@ The hot path (the stores' primitives) goes through :meth:`RedisBackend.execute`.
 backend made its own client from a ``redis://`` or ``unix://`` URL on a single Redis, that is
 a *fast lane*: one pipelined connection (an asyncio protocol parsing with hiredis) that costs
 a fraction of redis-py's per-command overhead, and lets several coalesced batches be in
-flight at once. A user-supplied client, TLS and Redis Cluster use redis-py. Both raise redis-py
-exception types, so :func:`redis_errors_translated` serves both.
+flight at once. A user-supplied client, TLS and Redis Cluster use redis-py. Either way the
+connection's methods raise our errors, caused by the exception redis-py raises (or would raise)
+for the same failure: nothing above this module sees a driver error.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import re
 from collections import deque
-from collections.abc import Awaitable, Sequence
-from dataclasses import dataclass, fields, replace
-from types import TracebackType
-from typing import Any, ClassVar, cast
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, replace
+from typing import Any, ClassVar, TypeVar, cast
 from urllib.parse import parse_qs, urlsplit
 
 from ..contract import Backend
@@ -29,6 +30,7 @@ from ..errors import (
     KeussConnectionError,
     KeussError,
     MissingDependencyError,
+    raise_translated,
 )
 from ..options import BackendOptions, check_bool, without_password
 
@@ -43,6 +45,7 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
 
 
 RedisClient = aioredis.Redis | RedisCluster
+_T = TypeVar("_T")
 _HASH_TAG = re.compile(r"[A-Za-z0-9_.:\-]{1,64}")
 CONNECT_TIMEOUT = 10.0
 CANCEL_GRACE = 10.0
@@ -94,33 +97,30 @@ def _is_connection_error(exc: BaseException) -> bool:
     return False
 
 
-class _RedisErrorsTranslated:
-    """``errors.translate_errors`` for redis-py's exception types, as a plain class: it wraps
-    every primitive on the hot path, where a generator-based context manager costs ~2 µs."""
-
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        traceback: TracebackType | None,
-    ) -> None:
-        if exc is None or isinstance(exc, KeussError):
-            return  # nothing raised, or ours already: passes through untouched
-        if _is_connection_error(exc):
-            raise KeussConnectionError(f"{type(exc).__name__}: {exc}") from exc
-        if isinstance(exc, redis_errors.RedisError | redis_errors.RedisClusterException):
-            raise BackendError(f"{type(exc).__name__}: {exc}") from exc
+class ScriptMissing(BackendError):
+    """NOSCRIPT: the server lacks a script (restarted, or its script cache was flushed);
+    :meth:`RedisConnection.run_script` loads it and runs it again."""
 
 
-_TRANSLATED = _RedisErrorsTranslated()  # stateless, so one instance serves every ``with``
+def _ours(exc: Exception) -> KeussError | None:
+    """The error of ours a redis-py (or socket) error becomes; None for any other."""
+    text = f"{type(exc).__name__}: {exc}"
+    if _is_connection_error(exc):
+        return KeussConnectionError(text)
+    if isinstance(exc, redis_errors.NoScriptError):
+        return ScriptMissing(text)
+    if isinstance(exc, redis_errors.RedisError | redis_errors.RedisClusterException):
+        return BackendError(text)
+    return None
 
 
-def redis_errors_translated() -> _RedisErrorsTranslated:
-    """Raise ours instead of redis-py's (and OSError) exceptions inside the ``with`` block."""
-    return _TRANSLATED
+async def translated(call: Awaitable[_T]) -> _T:
+    """Await a call into redis-py; its errors leave as ours. Used only in this module: the
+    rest of the package reaches the server through :class:`RedisConnection`'s methods."""
+    try:
+        return await call
+    except Exception as exc:
+        raise_translated(exc, _ours)
 
 
 class _Reply(asyncio.Future[Any]):
@@ -141,7 +141,9 @@ class _Reply(asyncio.Future[Any]):
 
 
 class _LaneProtocol(asyncio.Protocol):
-    """Replies come back in request order, so a FIFO of futures is all the bookkeeping."""
+    """Replies come back in request order, so a FIFO of futures is all the bookkeeping.
+    Errors are set on the futures as ours already, each caused by the redis-py exception
+    redis-py would have raised for the same reply, so both paths raise alike."""
 
     def __init__(self) -> None:
         self._reader = hiredis.Reader()
@@ -163,13 +165,15 @@ class _LaneProtocol(asyncio.Protocol):
                 elif not future.done():  # done: its caller was cancelled
                     future.set_result(reply)
         except hiredis.ProtocolError as exc:  # pragma: no cover - a broken server
-            self._fail(redis_errors.ConnectionError(f"Redis protocol error: {exc}"))
+            self._fail(KeussConnectionError(f"Redis protocol error: {exc}"))
             if self.transport is not None:
                 self.transport.abort()
 
     def _reply_error(self, future: asyncio.Future[Any], message: str) -> None:
-        error = _response_error(message)
-        if isinstance(error, redis_errors.ReadOnlyError) and self.transport is not None:
+        cause = _response_error(message)
+        error = _ours(cause) or BackendError(message)
+        error.__cause__ = cause  # as if raised from it, like the redis-py path
+        if isinstance(cause, redis_errors.ReadOnlyError) and self.transport is not None:
             # A failover made this server a replica. Like redis-py's Sentinel client, drop
             # the connection so that the caller's retry connects again, to the primary the
             # address leads to now; what is still in flight was refused or is only a read.
@@ -180,9 +184,9 @@ class _LaneProtocol(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.transport = None
-        self._fail(redis_errors.ConnectionError(f"connection to Redis lost: {exc or 'closed'}"))
+        self._fail(KeussConnectionError(f"connection to Redis lost: {exc or 'closed'}"))
 
-    def _fail(self, error: Exception) -> None:
+    def _fail(self, error: BaseException) -> None:
         while self._waiting:
             future = self._waiting.popleft()
             if not future.done():
@@ -190,7 +194,7 @@ class _LaneProtocol(asyncio.Protocol):
 
     def send(self, packed: bytes) -> asyncio.Future[Any]:
         if self.transport is None or self.transport.is_closing():
-            raise redis_errors.ConnectionError("connection to Redis lost")
+            raise KeussConnectionError("connection to Redis lost")
         future = _Reply(loop=self._loop)
         self._waiting.append(future)
         self.transport.write(packed)
@@ -218,7 +222,7 @@ class _FastLane:
         return self._connect_and_call(args)
 
     async def _connect_and_call(self, args: Sequence[Any]) -> Any:
-        protocol = await self._connect()
+        protocol = await translated(self._connect())
         return await protocol.send(_pack(args))
 
     async def _connect(self) -> _LaneProtocol:
@@ -249,7 +253,7 @@ class _FastLane:
                     handshake.append(protocol.send(_pack(("SELECT", settings["db"]))))
                 try:
                     await asyncio.gather(*handshake)
-                except redis_errors.ResponseError:
+                except KeussError:  # an error reply: a wrong password, a bad db index
                     if protocol.transport is not None:
                         protocol.transport.close()
                     raise
@@ -368,8 +372,7 @@ class RedisConnection(Backend):
 
     def __init__(self, options: dict[str, Any]) -> None:
         super().__init__(options)
-        own = {f.name for f in fields(self.options_type)}  # a subclass may add its own
-        self.config = self.options_type.parse({k: v for k, v in options.items() if k in own})
+        self.config = self.options_type.parse_own(options)
         self.prefix: str = self.config.prefix
         self._owns_client = self.config.client is None
         self.client: RedisClient = self.config.client or self._make_client()
@@ -410,10 +413,9 @@ class RedisConnection(Backend):
         return self._lane is not None
 
     async def open(self) -> None:
-        with redis_errors_translated():
-            await self.client.ping()
-            if self._lane is not None:
-                await self._lane.call(("PING",))
+        await translated(self.client.ping())
+        if self._lane is not None:
+            await self._lane.call(("PING",))
 
     async def close(self) -> None:
         if self._lane is not None:
@@ -427,23 +429,55 @@ class RedisConnection(Backend):
         (Redis Cluster specification, "Hash tags"), so every queue shares the tag's slot."""
         return ":".join((self.prefix, self._tag + "{" + queue + "}", *parts))
 
+    # The choke point: every command of every role goes through one of these, and each
+    # raises ours (KeussConnectionError, BackendError), never redis-py's.
+
     def execute(self, *args: Any) -> Awaitable[Any]:
-        """One command, raw RESP reply (bytes, ints, lists); callers translate errors.
+        """One command. On the fast lane the raw RESP reply (bytes, ints, lists); through
+        redis-py, what redis-py makes of it (HGETALL gives a dict there).
 
         Not a coroutine function, so the fast lane's reply future is awaited directly (see
         :meth:`_FastLane.call`); await the result at once, as with a coroutine.
         """
         if self._lane is not None:
             return self._lane.call(args)
-        return self.client.execute_command(*args)
+        return translated(self.client.execute_command(*args))
 
     async def run_script(self, script: Script, keys: Sequence[str], args: Sequence[Any]) -> Any:
         """EVALSHA, loading the script once where the server lacks it (after a restart)."""
         try:
             return await self.execute("EVALSHA", script.sha, len(keys), *keys, *args)
-        except redis_errors.NoScriptError:
+        except ScriptMissing:
             if self._lane is not None:
                 await self._lane.call(("SCRIPT", "LOAD", script.text))
             else:  # on a cluster redis-py loads it on every primary
-                await self.client.script_load(script.text)
+                await translated(self.client.script_load(script.text))
             return await self.execute("EVALSHA", script.sha, len(keys), *keys, *args)
+
+    async def hash_items(self, key: str) -> list[tuple[bytes, bytes]]:
+        """HGETALL as (field, value) pairs, whichever path answered."""
+        reply = await self.execute("HGETALL", key)
+        if isinstance(reply, dict):
+            return list(reply.items())
+        return list(zip(reply[::2], reply[1::2], strict=True))
+
+    async def subscribe(
+        self, channel: str, on_message: Callable[[bytes], None], ready: Callable[[], None]
+    ) -> None:
+        """Deliver what is published on ``channel`` until cancelled or the connection is
+        lost (KeussConnectionError); ``ready`` is called once the subscription is in place.
+        Through redis-py's pub/sub, which on a cluster picks the node serving the channel."""
+        pubsub: Any = self.client.pubsub()
+        try:
+            await translated(pubsub.subscribe(channel))
+            while True:
+                message = await translated(pubsub.get_message(timeout=None))
+                if message is None:
+                    continue
+                if message["type"] == "message":
+                    on_message(message["data"])
+                elif message["type"] == "subscribe":
+                    ready()
+        finally:
+            with contextlib.suppress(Exception):
+                await asyncio.shield(pubsub.aclose())

@@ -23,7 +23,6 @@ from typing import TYPE_CHECKING, ClassVar
 from ..contract import Entry, Fetched, Store, Stored
 from ..types import Capabilities, Sizes
 from .backend import RedisBackend
-from .connection import redis_errors_translated
 
 if TYPE_CHECKING:
     from ..options import QueueOptions
@@ -72,16 +71,14 @@ class RedisListStore(Store):
         fresh = [_pack(e, now) for e in entries if e.mature is None]
         # Put-backs return to the popping end, the earliest popped last pushed.
         back = [_pack(e, now) for e in reversed(entries) if e.mature is not None]
-        with redis_errors_translated():
-            if fresh:
-                await self._execute("LPUSH", self._key, *fresh)
-            if back:
-                await self._execute("RPUSH", self._key, *back)
+        if fresh:
+            await self._execute("LPUSH", self._key, *fresh)
+        if back:
+            await self._execute("RPUSH", self._key, *back)
         return [True] * len(entries)
 
     async def get(self, n: int) -> Fetched:
-        with redis_errors_translated():
-            elements = await self._execute("RPOP", self._key, n)
+        elements = await self._execute("RPOP", self._key, n)
         if not elements:
             return Fetched([], None)
         # Fewer than asked means the list was empty afterwards; the wait loop only looks at
@@ -89,13 +86,11 @@ class RedisListStore(Store):
         return Fetched([_unpack(e) for e in elements], time.time() if len(elements) == n else None)
 
     async def sizes(self) -> Sizes:
-        with redis_errors_translated():
-            length: int = await self._execute("LLEN", self._key)
+        length: int = await self._execute("LLEN", self._key)
         return Sizes(length, length, 0, 0)
 
     async def next_mature(self) -> float | None:
-        with redis_errors_translated():
-            oldest = await self._execute("LINDEX", self._key, -1)
+        oldest = await self._execute("LINDEX", self._key, -1)
         return None if oldest is None else float(_HEAD.unpack_from(oldest)[0])
 
 

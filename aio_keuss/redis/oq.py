@@ -50,7 +50,7 @@ from ..errors import NotSupportedError
 from ..message import EMPTY_HEADERS
 from ..types import Capabilities, KoResult, Sizes
 from .backend import RedisBackend
-from .connection import Script, redis_errors_translated
+from .connection import Script
 
 if TYPE_CHECKING:
     from ..options import QueueOptions
@@ -447,25 +447,21 @@ class RedisOQStore(Store):
                     check,
                 )
             )
-        with redis_errors_translated():
-            flags = await self._run(INSERT, self._insert_keys, args)
+        flags = await self._run(INSERT, self._insert_keys, args)
         return [flag == 1 for flag in flags]
 
     async def get(self, n: int) -> Fetched:
-        with redis_errors_translated():
-            return _fetched(await self._run(GET, self._keys, [n]))
+        return _fetched(await self._run(GET, self._keys, [n]))
 
     async def reserve(self, n: int, reserve_delay: float) -> Fetched:
-        with redis_errors_translated():
-            return _fetched(await self._run(RESERVE, self._keys, [n, reserve_delay]))
+        return _fetched(await self._run(RESERVE, self._keys, [n, reserve_delay]))
 
     async def commit(self, acks: Sequence[Ack]) -> list[bool]:
         args: list[Any] = []
         for ack in acks:
             args.append(ack.id)
             args.append("" if ack.tries is None else ack.tries)
-        with redis_errors_translated():
-            flags = await self._run(COMMIT, self._keys, args)
+        flags = await self._run(COMMIT, self._keys, args)
         return [flag == 1 for flag in flags]
 
     async def rollback(
@@ -491,8 +487,7 @@ class RedisOQStore(Store):
                     "1" if nack.count_try else "0",
                 )
             )
-        with redis_errors_translated():
-            reply = await self._run(ROLLBACK, keys, args)
+        reply = await self._run(ROLLBACK, keys, args)
         flags = reply[: len(nacks)]
         if deadletter is not None and len(reply) > len(nacks):
             await self._move_deferred(reply[len(nacks) :], deadletter.queue)
@@ -546,23 +541,19 @@ class RedisOQStore(Store):
                     move.tag,
                 )
             )
-        with redis_errors_translated():
-            reply = await self._run(MOVE, keys, args)
+        reply = await self._run(MOVE, keys, args)
         return [new_id.decode() if new_id else None for new_id in reply]
 
     async def remove(self, ids: Sequence[str]) -> list[bool]:
-        with redis_errors_translated():
-            flags = await self._run(REMOVE, self._keys, list(ids))
+        flags = await self._run(REMOVE, self._keys, list(ids))
         return [flag == 1 for flag in flags]
 
     async def sizes(self) -> Sizes:
-        with redis_errors_translated():
-            ready, total, reserved = await self._run(SIZES, self._keys, ())
+        ready, total, reserved = await self._run(SIZES, self._keys, ())
         return Sizes(ready, total, total - ready - reserved, reserved)
 
     async def next_mature(self) -> float | None:
-        with redis_errors_translated():
-            head = await self._run(NEXT_MATURE, self._keys[:1], ())
+        head = await self._run(NEXT_MATURE, self._keys[:1], ())
         return None if head is None else float(head)
 
 

@@ -74,7 +74,7 @@ from ..message import append_headers
 from ..options import check_count
 from ..types import Capabilities, KoResult, Sizes
 from .backend import RedisBackend
-from .connection import RedisOptions, Script, redis_errors_translated
+from .connection import RedisOptions, Script
 
 if TYPE_CHECKING:
     from ..options import QueueOptions
@@ -407,7 +407,6 @@ class RedisReliableStore(Store):
         super().__init__(name, options)
         self.run_in_caller = self.uninterruptible = backend.has_fast_lane
         self._backend = backend
-        self._client = backend.client
         self.consumer = os.urandom(8).hex()
         self._base = backend.key(name) + ":"
         self._pending = backend.key(name, "pending")
@@ -436,15 +435,13 @@ class RedisReliableStore(Store):
                 "1" if e.dedup else "0",
                 "" if e.mature is None else repr(e.mature),
             )
-        with redis_errors_translated():
-            flags = await self._scripts.insert([self._pending], args)
+        flags = await self._scripts.insert([self._pending], args)
         return [flag == 1 for flag in flags]
 
     # consuming ---------------------------------------------------------------------------
 
     async def get(self, n: int) -> Fetched:
-        with redis_errors_translated():
-            flat = await self._scripts.get([self._pending], [self._base, n])
+        flat = await self._scripts.get([self._pending], [self._base, n])
         return Fetched(_stored(flat, 1), time.time() if flat[0] else None)
 
     async def reserve(self, n: int, reserve_delay: float) -> Fetched:
@@ -453,8 +450,7 @@ class RedisReliableStore(Store):
         if not self._tasks:
             self._start()
         keys = [self._pending, self._processing, self._consumers, self._heartbeat]
-        with redis_errors_translated():
-            flat = await self._scripts.reserve(keys, [self._base, n, self.consumer, self._ttl_ms])
+        flat = await self._scripts.reserve(keys, [self._base, n, self.consumer, self._ttl_ms])
         return Fetched(_stored(flat, 1), time.time() if flat[0] else None)
 
     # acknowledging -----------------------------------------------------------------------
@@ -463,9 +459,8 @@ class RedisReliableStore(Store):
         args: list[Any] = [self._base]
         for ack in acks:
             args += (ack.id, "" if ack.tries is None else ack.tries)
-        with redis_errors_translated():
-            keys = [self._processing, self._processed]
-            flags = await self._scripts.commit(keys, args)
+        keys = [self._processing, self._processed]
+        flags = await self._scripts.commit(keys, args)
         return [flag == 1 for flag in flags]
 
     async def rollback(
@@ -489,8 +484,7 @@ class RedisReliableStore(Store):
             tries = "" if nack.tries is None else nack.tries
             head += (nack.id, tries, "1" if nack.count_try else "0")
         keys = [self._pending, self._processing, self._failed, self._failed_count, dl_pending]
-        with redis_errors_translated():
-            codes = await self._scripts.rollback(keys, head)
+        codes = await self._scripts.rollback(keys, head)
         results: list[KoResult] = []
         deferred: list[tuple[int, str, bytes, bytes, int]] = []
         i = 0
@@ -533,8 +527,7 @@ class RedisReliableStore(Store):
                     move.tag,
                 )
             )
-        with redis_errors_translated():
-            reply = await self._scripts.move(keys, args)
+        reply = await self._scripts.move(keys, args)
         return [new_id.decode() if new_id else None for new_id in reply]
 
     async def _deadletter_across_slots(
@@ -562,37 +555,35 @@ class RedisReliableStore(Store):
                 args += (e.id, e.payload, e.headers, 0, "0", "")
             return args
 
-        with redis_errors_translated():
-            flags = await self._scripts.insert(keys=[dl_pending], args=args_of(entries))
-            # already there from an earlier life of the message: renamed by the shared rule
-            pending = [
-                (e, deadletter_tag(d[4]))
-                for e, d, flag in zip(entries, deferred, flags, strict=True)
-                if flag != 1
+        flags = await self._scripts.insert(keys=[dl_pending], args=args_of(entries))
+        # already there from an earlier life of the message: renamed by the shared rule
+        pending = [
+            (e, deadletter_tag(d[4]))
+            for e, d, flag in zip(entries, deferred, flags, strict=True)
+            if flag != 1
+        ]
+        clash = 0
+        while pending:
+            clash += 1
+            renamed = [
+                Entry(moved_id(e.id, tag, clash), e.payload, e.headers) for e, tag in pending
             ]
-            clash = 0
-            while pending:
-                clash += 1
-                renamed = [
-                    Entry(moved_id(e.id, tag, clash), e.payload, e.headers) for e, tag in pending
-                ]
-                flags = await self._scripts.insert(keys=[dl_pending], args=args_of(renamed))
-                pending = [p for p, flag in zip(pending, flags, strict=True) if flag != 1]
-            args: list[Any] = [self._backend.failed_max, self._base]
-            args += [mid for _, mid, _, _, _ in deferred]
-            await self._scripts.drop_deadlettered(
-                keys=[self._processing, self._failed, self._failed_count], args=args
-            )
+            flags = await self._scripts.insert(keys=[dl_pending], args=args_of(renamed))
+            pending = [p for p, flag in zip(pending, flags, strict=True) if flag != 1]
+        args: list[Any] = [self._backend.failed_max, self._base]
+        args += [mid for _, mid, _, _, _ in deferred]
+        await self._scripts.drop_deadlettered(
+            keys=[self._processing, self._failed, self._failed_count], args=args
+        )
 
     # observing ---------------------------------------------------------------------------
 
     async def sizes(self) -> Sizes:
         """size = LLEN pending; reserved = the processing lists of registered consumers
         (O(consumers)); nothing is ever scheduled."""
-        with redis_errors_translated():
-            size, reserved = await self._scripts.sizes(
-                keys=[self._pending, self._consumers], args=[self._base]
-            )
+        size, reserved = await self._scripts.sizes(
+            keys=[self._pending, self._consumers], args=[self._base]
+        )
         return Sizes(size, size + reserved, 0, reserved)
 
     async def next_mature(self) -> float | None:
@@ -622,36 +613,33 @@ class RedisReliableStore(Store):
 
     async def _beat(self) -> None:
         """Keep this consumer alive and registered (re-registered if recovery took it)."""
-        with redis_errors_translated():
-            async with self._client.pipeline(transaction=False) as pipe:
-                pipe.set(self._heartbeat, b"1", px=int(self._ttl_ms))
-                pipe.sadd(self._consumers, self.consumer)
-                await pipe.execute()
+        execute = self._backend.execute
+        await asyncio.gather(
+            execute("SET", self._heartbeat, b"1", "PX", int(self._ttl_ms)),
+            execute("SADD", self._consumers, self.consumer),
+        )
 
     async def recover(self) -> int:
         """Give back to ``pending`` what consumers with an expired heartbeat held, each with
         one more try. Safe to run from many processes at once: each step is one atomic
         script that re-checks the heartbeat. Returns how many messages this call moved."""
         moved = 0
-        with redis_errors_translated():
-            dead = await self._scripts.dead(keys=[self._consumers], args=[self._base])
-            for raw in dead:
-                cid = raw.decode()
-                if cid == self.consumer:  # we are alive, merely late: keep our own
-                    continue
-                keys = [
-                    self._backend.key(self.name, "processing", cid),
-                    self._pending,
-                    self._consumers,
-                    self._backend.key(self.name, "heartbeat", cid),
-                ]
-                while True:
-                    step = await self._scripts.recover(
-                        keys=keys, args=[self._base, cid, RECOVER_STEP]
-                    )
-                    if step <= 0:
-                        break
-                    moved += step
+        dead = await self._scripts.dead(keys=[self._consumers], args=[self._base])
+        for raw in dead:
+            cid = raw.decode()
+            if cid == self.consumer:  # we are alive, merely late: keep our own
+                continue
+            keys = [
+                self._backend.key(self.name, "processing", cid),
+                self._pending,
+                self._consumers,
+                self._backend.key(self.name, "heartbeat", cid),
+            ]
+            while True:
+                step = await self._scripts.recover(keys=keys, args=[self._base, cid, RECOVER_STEP])
+                if step <= 0:
+                    break
+                moved += step
         if moved:
             log.info(
                 "redis-reliable %r: recovered %d message(s) of dead consumers", self.name, moved
@@ -669,11 +657,10 @@ class RedisReliableStore(Store):
         for task in tasks:
             await stop_task(task)
         if tasks:
-            with redis_errors_translated():
-                await self._scripts.retire(
-                    keys=[self._processing, self._consumers, self._heartbeat],
-                    args=[self.consumer],
-                )
+            await self._scripts.retire(
+                keys=[self._processing, self._consumers, self._heartbeat],
+                args=[self.consumer],
+            )
 
 
 class _Scripts:

@@ -9,13 +9,10 @@ node serving the channel's slot) and publishes through the cluster client as usu
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from ..signal import SignalBus
-from .connection import redis_errors_translated
 
 if TYPE_CHECKING:
     from .connection import RedisConnection
@@ -24,26 +21,11 @@ if TYPE_CHECKING:
 class RedisSignalBus(SignalBus):
     def __init__(self, backend: RedisConnection, debounce: float = 0.05) -> None:
         super().__init__(debounce)
-        self._client = backend.client
+        self._backend = backend
         self.channel = f"{backend.prefix}:signal"
 
     async def _publish(self, payload: bytes) -> None:
-        with redis_errors_translated():
-            await self._client.publish(self.channel, payload)
+        await self._backend.execute("PUBLISH", self.channel, payload)
 
     async def _listen(self, ready: Callable[[], None]) -> None:
-        pubsub: Any = self._client.pubsub()
-        try:
-            with redis_errors_translated():
-                await pubsub.subscribe(self.channel)
-                while True:
-                    message = await pubsub.get_message(timeout=None)
-                    if message is None:
-                        continue
-                    if message["type"] == "message":
-                        self._receive(message["data"])
-                    elif message["type"] == "subscribe":
-                        ready()
-        finally:
-            with contextlib.suppress(Exception):
-                await asyncio.shield(pubsub.aclose())
+        await self._backend.subscribe(self.channel, self._receive, ready)

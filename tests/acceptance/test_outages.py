@@ -234,14 +234,12 @@ async def test_redis_error_replies_are_classified_alike_on_both_paths(reply: str
     """Every reply a server sends when it is not ready is a connection error on the fast lane
     and through redis-py alike; the rest are backend errors. The replies are real: a script
     answers them with ``redis.error_reply``."""
-    from aio_keuss.redis.connection import redis_errors_translated
-
     expected = KeussConnectionError if reply in _NOT_READY_REPLIES else BackendError
     with own_redis() as server:
         async with _factories(*_both_paths(server)) as factories:
             for factory in factories:
                 backend: Any = factory.backend
-                with pytest.raises(expected) as caught, redis_errors_translated():
+                with pytest.raises(expected) as caught:  # the connection translates
                     await backend.execute(
                         "EVAL", "return redis.error_reply(ARGV[1])", 0, reply
                     )  # fmt: skip
@@ -377,15 +375,20 @@ def _mongo_failures() -> list[tuple[str, BaseException, type[BaseException]]]:
     return cases
 
 
-def test_mongo_not_ready_replies_are_connection_errors() -> None:
+async def test_mongo_not_ready_replies_are_connection_errors() -> None:
     """How the server's "not primary / recovering / shutting down" codes reach the caller,
     wherever PyMongo puts them: a failed command, a write concern error, a bulk write's
     details. (No test server here can be made to answer them.)"""
-    from aio_keuss.mongo.connection import mongo_errors_translated
+    from aio_keuss.mongo.connection import translated
 
     for label, exc, expected in _mongo_failures():
-        with pytest.raises(expected) as caught, mongo_errors_translated():
+
+        @translated
+        async def fails(exc: Exception = exc) -> None:
             raise exc
+
+        with pytest.raises(expected) as caught:
+            await fails()
         assert caught.value.__cause__ is exc, label
 
 

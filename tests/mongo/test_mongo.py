@@ -242,3 +242,45 @@ async def test_history_ttl_expires_processed_records(
             return
         await asyncio.sleep(1)
     pytest.fail("the processed record was not expired")
+
+
+# errors are translated where the package meets the driver ------------------------------
+
+
+def test_every_method_that_reaches_the_server_translates_its_errors() -> None:
+    """The decorator is the choke point on MongoDB: each primitive a store, the stats store,
+    the signal bus or the bucket storage overrides is wrapped by it (the server here answers
+    every odd request, so this is pinned on the code; the outage tests pin the behaviour)."""
+    import inspect
+
+    from aio_keuss.buckets.storage import BucketStorage
+    from aio_keuss.contract import Store
+    from aio_keuss.mongo.buckets import MongoBucketStorage
+    from aio_keuss.mongo.connection import MongoConnection
+    from aio_keuss.mongo.signal import MongoSignalBus
+    from aio_keuss.mongo.stats import MongoStats
+    from aio_keuss.mongo.store import MongoHistoryStore, MongoStore
+    from aio_keuss.signal import SignalBus
+    from aio_keuss.stats import StatsStore
+
+    helpers = {"prepare"}  # shares one decorated index creation between first callers
+    pairs = [
+        (MongoStore, Store),
+        (MongoHistoryStore, Store),
+        (MongoStats, StatsStore),
+        (MongoSignalBus, SignalBus),
+        (MongoBucketStorage, BucketStorage),
+    ]
+    checked = 0
+    for cls, base in pairs:
+        for name, method in vars(base).items():
+            overridden = getattr(cls, name, None)
+            if name in helpers or not inspect.iscoroutinefunction(method):
+                continue
+            if overridden is None or overridden is method:
+                continue  # the base's own, talking to no server
+            assert hasattr(overridden, "__wrapped__"), f"{cls.__name__}.{name}"
+            checked += 1
+    for name in ("open", "close", "_create_indexes"):
+        assert hasattr(getattr(MongoConnection, name), "__wrapped__"), name
+    assert checked >= 20

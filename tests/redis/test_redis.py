@@ -12,6 +12,7 @@ import sys
 import textwrap
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -35,7 +36,8 @@ async def open_factory(prefix: str) -> AsyncIterator[Open]:
     opened: list[aio_keuss.Factory] = []
 
     async def _open(backend: str = "redis-oq", **options: Any) -> aio_keuss.Factory:
-        factory = await aio_keuss.connect(backend, url=REDIS_URL, prefix=prefix, **options)
+        options.setdefault("url", REDIS_URL)
+        factory = await aio_keuss.connect(backend, prefix=prefix, **options)
         opened.append(factory)
         return factory
 
@@ -218,3 +220,49 @@ async def test_user_client_uses_redis_py_path(prefix: str) -> None:
 async def test_connection_refused_is_typed() -> None:
     with pytest.raises(aio_keuss.KeussConnectionError):
         await aio_keuss.connect("redis-oq", url="redis://127.0.0.1:1/0")
+
+
+# errors are translated where the package meets the driver ------------------------------
+
+
+@pytest.mark.parametrize("backend", ["redis-list", "redis-oq", "redis-reliable", "bucket-redis"])
+@pytest.mark.parametrize("path", ["lane", "redispy"])
+async def test_a_server_error_reaches_the_caller_as_ours(
+    open_factory: Open, prefix: str, backend: str, path: str
+) -> None:
+    """A key of the queue clobbered with another type (WRONGTYPE) and the stats hash too:
+    every call raises BackendError caused by redis-py's error, on the fast lane and through
+    redis-py alike."""
+    from redis.exceptions import ResponseError
+
+    url = REDIS_URL if path == "lane" else REDIS_URL + "?socket_timeout=30"
+    factory = await open_factory(backend, url=url)
+    assert factory.backend.has_fast_lane is (path == "lane")  # type: ignore[attr-defined]
+    q = await factory.queue("q")
+    await q.push("first")
+    client = aioredis.Redis.from_url(REDIS_URL)
+    try:
+        keys = await client.keys(f"{prefix}:*{{q}}*")
+        keys.append(factory.backend.key("q", "stats"))  # type: ignore[attr-defined]
+        for key in keys:
+            await client.set(key, b"not what it was")
+    finally:
+        await client.aclose()
+    for call in (lambda: q.push_many(["x"]), q.size, q.stats):
+        with pytest.raises(aio_keuss.BackendError) as raised:
+            await call()
+        assert isinstance(raised.value.__cause__, ResponseError), raised.value
+        assert "WRONGTYPE" in str(raised.value)
+    await _drop_redis_prefix({"url": REDIS_URL, "prefix": prefix})  # so that close can flush
+
+
+def test_only_the_connection_module_talks_to_the_driver() -> None:
+    """Every command goes through the translating methods of the connection: no other module
+    of the package imports redis-py or reaches for its client."""
+    package = Path(aio_keuss.__file__).parent / "redis"
+    for path in package.rglob("*.py"):
+        if path.name == "connection.py":
+            continue
+        text = path.read_text()
+        assert "import redis" not in text and "from redis" not in text, path
+        assert ".client" not in text and "errors_translated" not in text, path
