@@ -14,6 +14,7 @@ from .errors import (
     BackendError,
     ClosedError,
     ConfigError,
+    HandlerTimeoutError,
     InvalidDelayError,
     InvalidHeadersError,
     InvalidIdError,
@@ -30,6 +31,7 @@ from .message import UNCHANGED, Message
 from .queue import Queue
 from .registry import backend_names
 from .types import Capabilities, KoResult, Sizes
+from .worker import run_worker
 
 try:
     __version__ = _metadata.version("aio-keuss")
@@ -44,6 +46,7 @@ __all__ = [
     "Consumer",
     "ConsumerStatus",
     "Factory",
+    "HandlerTimeoutError",
     "InvalidDelayError",
     "InvalidHeadersError",
     "InvalidIdError",
@@ -62,4 +65,5 @@ __all__ = [
     "__version__",
     "backend_names",
     "connect",
+    "run_worker",
 ]

@@ -20,6 +20,12 @@ on: the message comes back when its reservation expires (at-least-once).
 Handler exceptions are logged at WARNING with their traceback, at most one traceback per
 queue every :data:`TRACEBACK_EVERY` seconds; the failures in between are counted and
 summarised in one line, so a poison message retried in a loop cannot flood the log.
+
+A handler given a ``timeout`` that runs longer is cancelled and counts as failed
+(:class:`~aio_keuss.errors.HandlerTimeoutError`): its message is ko-ed with the usual backoff,
+and deadlettered past ``max_ko``. With ``prefetch`` N, a worker that finds nothing buffered
+reserves up to N + 1 messages in one round trip and leaves the rest for the next free
+workers; those never started are given back at once, costing no try, when the consumer stops.
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ import logging
 import math
 import random
 import time
+from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from types import TracebackType
@@ -38,11 +45,13 @@ from typing import Any, Literal, Protocol
 from .errors import (
     ClosedError,
     ConfigError,
+    HandlerTimeoutError,
     InvalidInputError,
     KeussConnectionError,
     NotSupportedError,
 )
 from .message import Message
+from .metrics import Histogram, QueueMetrics
 from .types import Capabilities, KoResult
 
 log = logging.getLogger("aio_keuss.consumer")
@@ -226,9 +235,9 @@ class Source(Protocol):
     @property
     def capabilities(self) -> Capabilities: ...
 
-    async def next(self, outage: Outage) -> Message | None:
-        """The next message (reserved, or popped without reserve), riding out outages;
-        None once the queue drains or closes."""
+    async def next(self, outage: Outage, n: int) -> list[Message]:
+        """The next 1 to ``n`` messages (reserved, or popped without reserve), riding out
+        outages; none once the queue drains or closes."""
 
     def ok(self, message: Message) -> Awaitable[bool]: ...
 
@@ -258,7 +267,13 @@ class ConsumerStatus:
     handled: int
     """Messages whose handler returned."""
     failed: int
-    """Handler exceptions (each one a ko on a backend with reserve)."""
+    """Handler exceptions and timeouts (each one a ko on a backend with reserve)."""
+    timed_out: int
+    """Handlers cancelled for running past the handler ``timeout``."""
+    retried: int
+    """Failed messages put back for another try."""
+    deadlettered: int
+    """Failed messages sent to the deadletter queue."""
     last_error: Exception | None
     """The last failed round trip to the backend (reserve, ok, ko), outage or not."""
     last_error_at: float | None
@@ -275,11 +290,19 @@ class Consumer:
         concurrency: int,
         retry_delay: float,
         max_retry_delay: float,
+        timeout: float | None = None,
+        prefetch: int = 0,
     ) -> None:
         if isinstance(concurrency, bool) or not isinstance(concurrency, int) or concurrency < 1:
             raise InvalidInputError(f"concurrency must be a positive int, not {concurrency!r}")
+        if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
+            raise InvalidInputError(f"prefetch must be an int >= 0, not {prefetch!r}")
         if not callable(handler):
             raise InvalidInputError("handler must be callable")
+        self._timeout = timeout
+        self._prefetch = prefetch
+        self._buffer: deque[Message] = deque()
+        self._fetching = asyncio.Lock()
         self.queue = queue
         self.concurrency = concurrency
         self._handler = handler
@@ -292,6 +315,11 @@ class Consumer:
         self._in_flight = 0
         self.handled = 0
         self.failed = 0
+        self.timed_out = 0
+        self.retried = 0
+        self.deadlettered = 0
+        self.durations = Histogram()
+        """Seconds each handler ran, whatever its outcome."""
         loop = asyncio.get_running_loop()
         self._workers = [loop.create_task(self._work()) for _ in range(concurrency)]
 
@@ -331,14 +359,32 @@ class Consumer:
             in_flight=self._in_flight,
             handled=self.handled,
             failed=self.failed,
+            timed_out=self.timed_out,
+            retried=self.retried,
+            deadlettered=self.deadlettered,
             last_error=outage.last_error,
             last_error_at=outage.last_error_at,
             reconnecting_for=None if outage.since is None else time.monotonic() - outage.since,
         )
 
+    def metrics(self) -> QueueMetrics:
+        """The counters and the handler duration histogram, e.g. for ``/metrics``."""
+        return QueueMetrics(
+            queue=self.queue.name,
+            state=self.state,
+            handled=self.handled,
+            failed=self.failed,
+            timed_out=self.timed_out,
+            retried=self.retried,
+            deadlettered=self.deadlettered,
+            in_flight=self._in_flight,
+            durations=self.durations,
+        )
+
     async def wait(self) -> None:
-        """Run until stopped (or the queue closes)."""
-        await asyncio.gather(*self._workers, return_exceptions=True)
+        """Run until stopped (or the queue closes). Cancelling this wait leaves the
+        workers running."""
+        await asyncio.wait(self._workers)
 
     async def stop(self, grace: float | None = 30.0) -> None:
         """Stop taking messages; wait ``grace`` seconds for running handlers, then cancel them
@@ -350,6 +396,10 @@ class Consumer:
         for task in late:
             task.cancel()
         await asyncio.gather(*self._workers, return_exceptions=True)
+        while self._buffer:  # prefetched, never started: back at once, costing no try
+            message = self._buffer.popleft()
+            if self._reserve:
+                await self._acknowledge("release", message, self.queue.release(message))
         self.queue.stopped(self)
 
     async def _work(self) -> None:
@@ -359,7 +409,7 @@ class Consumer:
         while not self._stopping:
             self._waiting.add(task)
             try:
-                message = await queue.next(self._outage)
+                message = await self._next()
             except asyncio.CancelledError:
                 if self._stopping:
                     return
@@ -383,40 +433,74 @@ class Consumer:
             finally:
                 self._in_flight -= 1
 
+    async def _next(self) -> Message | None:
+        """A message to handle: from the prefetch buffer, else from the queue (with
+        ``prefetch``, one worker at a time fetches for the others)."""
+        if not self._prefetch:
+            got = await self.queue.next(self._outage, 1)
+            return got[0] if got else None
+        if not self._buffer:
+            async with self._fetching:
+                if not self._buffer:
+                    self._buffer.extend(await self.queue.next(self._outage, 1 + self._prefetch))
+        return self._buffer.popleft() if self._buffer else None
+
     async def _handle(self, message: Message) -> None:
+        started = time.monotonic()
+        deadline: asyncio.Timeout | None = None
         try:
             result = self._handler(message)
             if inspect.isawaitable(result):
-                await result
+                if self._timeout is None:
+                    await result
+                else:
+                    async with asyncio.timeout(self._timeout) as deadline:
+                        await result
         except asyncio.CancelledError:
+            self.durations.observe(time.monotonic() - started)
             if self._reserve:
                 await asyncio.shield(
                     self._acknowledge("release", message, self.queue.release(message))
                 )
             raise
         except Exception as exc:
+            self.durations.observe(time.monotonic() - started)
+            if deadline is not None and deadline.expired():
+                self.timed_out += 1
+                failure: Exception = HandlerTimeoutError(
+                    f"handler ran past its timeout of {self._timeout} s"
+                )
+                failure.__cause__ = exc
+            else:
+                failure = exc
             self.failed += 1
-            self.queue.handler_failed(message, exc)
+            self.queue.handler_failed(message, failure)
             if self._reserve:
                 backoff = self._retry_delay * 2.0 ** min(message.tries, 64)  # no overflow
                 delay = min(backoff, self._max_retry_delay)
                 queue = self.queue
-                await self._acknowledge(
+                outcome = await self._acknowledge(
                     "ko",
                     message,
                     queue.ko(message, delay if queue.capabilities.delay else None),
                 )
+                if outcome == KoResult.DEADLETTERED:
+                    self.deadlettered += 1
+                elif outcome == KoResult.ROLLED_BACK:
+                    self.retried += 1
             return
+        self.durations.observe(time.monotonic() - started)
         self.handled += 1
         if self._reserve:
             await self._acknowledge("ok", message, self.queue.ok(message))
 
-    async def _acknowledge(self, doing: str, message: Message, work: Awaitable[Any]) -> None:
+    async def _acknowledge(self, doing: str, message: Message, work: Awaitable[Any]) -> Any:
         """ok / ko / release after the handler ran: a failure is logged (as part of an outage)
         and the worker goes on; the message comes back when its reservation expires."""
         outage = self._outage
         generation = outage.generation
         try:
-            await work
+            return await work
         except Exception as exc:
             outage.failed(exc, generation, f"{doing} of message {message.id}")
+            return None

@@ -70,6 +70,11 @@ class BackendError(KeussError):
     """The server answered with an error the library did not expect."""
 
 
+class HandlerTimeoutError(KeussError, TimeoutError):
+    """A ``consume`` handler ran past its ``timeout`` and was cancelled (its message is
+    ko-ed like after any other handler failure)."""
+
+
 class ClosedError(KeussError):
     """The factory or queue was closed; open a new one to go on."""
 

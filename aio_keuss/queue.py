@@ -20,7 +20,13 @@ from typing import TYPE_CHECKING, Any
 from .coalesce import Coalescer
 from .consumer import Consumer, Handler, HandlerFailures, Outage, retry_backoff
 from .contract import MOVE_TAG, Ack, DeadletterPlan, Entry, Fetched, Move, Nack, Store, Stored
-from .errors import ClosedError, InvalidIdError, InvalidInputError, NotSupportedError
+from .errors import (
+    ClosedError,
+    InvalidDelayError,
+    InvalidIdError,
+    InvalidInputError,
+    NotSupportedError,
+)
 from .ids import new_id
 from .message import (
     UNCHANGED,
@@ -451,19 +457,17 @@ class Queue:
         waits and retries with backoff, logging the outage once (see ``consume``)."""
         outage = Outage(self.name, "async for")
         while not self._closed:
-            message = await self._next(timeout, outage)
-            if message is None:
+            got = await self._next(timeout, outage)
+            if not got:
                 return
-            yield message
+            yield got[0]
 
-    async def _next(self, timeout: float | None, outage: Outage) -> Message | None:
-        """One message for ``consume`` and ``messages``: reserved (popped on a backend
-        without reserve), riding out backend outages."""
+    async def _next(self, timeout: float | None, outage: Outage, n: int = 1) -> list[Message]:
+        """Up to ``n`` messages for ``consume`` and ``messages``: reserved (popped on a
+        backend without reserve), riding out backend outages."""
         if self.capabilities.reserve:
-            got = await self._consume(self._reserves, 1, timeout, "reserve", "reserve", outage)
-        else:
-            got = await self._consume(self._gets, 1, timeout, "pop", "get", outage)
-        return got[0] if got else None
+            return await self._consume(self._reserves, n, timeout, "reserve", "reserve", outage)
+        return await self._consume(self._gets, n, timeout, "pop", "get", outage)
 
     def consume(
         self,
@@ -472,13 +476,37 @@ class Queue:
         *,
         retry_delay: float = 1.0,
         max_retry_delay: float = 60.0,
+        timeout: float | None = None,
+        prefetch: int = 0,
     ) -> Consumer:
         """Start ``concurrency`` workers: reserve -> handler -> ok; an exception -> ko with
-        exponential backoff. Stop with ``await consumer.stop()`` or ``async with``."""
+        exponential backoff. Stop with ``await consumer.stop()`` or ``async with``.
+
+        ``timeout``: seconds a handler may run; past it the handler is cancelled and its
+        message ko-ed like after an exception (a plain function cannot be interrupted: give
+        it to a thread with ``asyncio.to_thread`` to have it timed). ``prefetch``: how many
+        messages beyond those being handled may wait, reserved, in this process (fewer
+        round trips for short handlers; given back, costing no try, on stop).
+        """
         self._check_open()
         check_seconds(retry_delay, "retry_delay")  # they become ko delays: same bounds
         check_seconds(max_retry_delay, "max_retry_delay")
-        consumer = Consumer(_ConsumerLink(self), handler, concurrency, retry_delay, max_retry_delay)
+        if timeout is not None:
+            check_seconds(timeout, "timeout")
+            if timeout <= 0:
+                raise InvalidDelayError(f"timeout must be > 0 seconds, not {timeout!r}")
+        most = self.options.max_batch
+        if isinstance(prefetch, int) and prefetch > most:
+            raise InvalidInputError(f"prefetch must be at most max_batch ({most}), not {prefetch}")
+        consumer = Consumer(
+            _ConsumerLink(self),
+            handler,
+            concurrency,
+            retry_delay,
+            max_retry_delay,
+            timeout,
+            prefetch,
+        )
         self._consumers.add(consumer)
         return consumer
 
@@ -719,8 +747,8 @@ class _ConsumerLink:
     def capabilities(self) -> Capabilities:
         return self._queue.capabilities
 
-    async def next(self, outage: Outage) -> Message | None:
-        return await self._queue._next(None, outage)
+    async def next(self, outage: Outage, n: int) -> list[Message]:
+        return await self._queue._next(None, outage, n)
 
     def ok(self, message: Message) -> Awaitable[bool]:
         return self._queue.ok(message)

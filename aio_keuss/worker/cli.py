@@ -1,0 +1,135 @@
+"""``aio-keuss worker module:function --queue jobs ...``: the command line of the worker.
+
+Exit codes: 0 after a clean stop (SIGTERM / SIGINT), 2 for bad settings (an unknown flag, a
+bad value, a handler that cannot be imported), 3 when the backend cannot be reached at
+start, 1 for anything unexpected. A supervisor can tell "fix the unit file" (2) from "the
+database is down" (3), and restart only on the latter.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from ..errors import ConfigError, KeussConnectionError, KeussError
+from .run import run_worker
+from .settings import WorkerSettings, import_handler, option_value, resolve
+
+EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_UNREACHABLE = 0, 1, 2, 3
+
+log = logging.getLogger("aio_keuss.worker")
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="aio-keuss",
+        description="aio-keuss: queues over the databases you already run.",
+    )
+    commands = parser.add_subparsers(dest="command", required=True)
+    worker = commands.add_parser(
+        "worker",
+        help="consume queues with a handler until SIGTERM / SIGINT",
+        description=(
+            "Consume queues with HANDLER (module:function, imported with the current "
+            "directory on the path) until SIGTERM or SIGINT. Every flag can also come from "
+            "an AIO_KEUSS_<NAME> environment variable or a TOML file (--config); a flag "
+            "beats the environment, which beats the file."
+        ),
+    )
+    add = worker.add_argument
+    add("handler", nargs="?", help="module:function called with each message")
+    add("--backend", help="backend name (default: memory)")
+    add("--url", help="the backend's URL")
+    add("--queue", action="append", dest="queues", help="a queue to consume (repeatable)")
+    add("--concurrency", help="handlers running at once, per queue (default 1)")
+    add("--timeout", help="seconds a handler may run before it is cancelled and ko-ed")
+    add("--grace", help="seconds running handlers get to finish on SIGTERM (default 30)")
+    add("--prefetch", help="messages reserved ahead of free handlers, per queue (default 0)")
+    add("--log-level", help="debug, info (default), warning, error")
+    add("--health-port", help="serve GET /healthz and /metrics on this port")
+    add("--health-host", help="the address they are served on (default 127.0.0.1)")
+    add(
+        "--option",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a backend option, e.g. prefix=myapp or schema=jobs (value as JSON when it parses)",
+    )
+    add("--config", help="a TOML file of settings (top level or [worker])")
+    return parser
+
+
+def _flags(args: argparse.Namespace) -> dict[str, Any]:
+    options: dict[str, Any] = {}
+    for item in args.option:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"--option takes KEY=VALUE, not {item!r}")
+        options[key.strip()] = option_value(value)
+    return {
+        "config": args.config,
+        "handler": args.handler,
+        "backend": args.backend,
+        "url": args.url,
+        "queues": args.queues,
+        "concurrency": args.concurrency,
+        "timeout": args.timeout,
+        "grace": args.grace,
+        "prefetch": args.prefetch,
+        "log_level": args.log_level,
+        "health_port": args.health_port,
+        "health_host": args.health_host,
+        "options": options or None,
+    }
+
+
+async def _run(settings: WorkerSettings) -> None:
+    await run_worker(
+        import_handler(settings.handler),
+        settings.queues,
+        backend=settings.backend,
+        concurrency=settings.concurrency,
+        timeout=settings.timeout,
+        grace=settings.grace,
+        prefetch=settings.prefetch,
+        health_port=settings.health_port,
+        health_host=settings.health_host,
+        **settings.connect_options(),
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command; returns its exit code."""
+    args = _parser().parse_args(argv)
+    try:
+        settings = resolve(_flags(args))
+        import_handler(settings.handler)  # fail before logging is set up or anything opens
+    except ConfigError as exc:
+        print(f"aio-keuss worker: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    logging.basicConfig(
+        level=settings.log_level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    try:
+        asyncio.run(_run(settings))
+    except KeussConnectionError as exc:
+        log.error("cannot reach the backend at start: %s", exc)
+        return EXIT_UNREACHABLE
+    except ConfigError as exc:
+        log.error("%s", exc)
+        return EXIT_USAGE
+    except KeussError as exc:
+        log.error("worker failed: %r", exc)
+        return EXIT_FAILED
+    except KeyboardInterrupt:  # a SIGINT before the handlers were installed
+        return EXIT_OK
+    return EXIT_OK
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

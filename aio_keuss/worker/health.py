@@ -1,0 +1,131 @@
+"""``GET /healthz`` and ``GET /metrics`` for an orchestrator and a Prometheus scraper.
+
+A deliberately small HTTP/1.1 server on asyncio's streams (one request per connection,
+``Connection: close``): two read-only endpoints do not justify a web framework as a
+dependency. ``/healthz`` answers 200 while every consumer runs and 503 while one reconnects
+or has stopped, which is what a Kubernetes liveness or readiness probe, or a load balancer's
+health check, looks at (the status code; the JSON body is for people).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable, Sequence
+
+import orjson
+
+from ..consumer import Consumer
+from ..metrics import prometheus_text
+
+log = logging.getLogger("aio_keuss.worker")
+
+MAX_REQUEST_HEAD = 8192
+"""Bytes of request line and headers read at most; a longer head gets 431."""
+READ_TIMEOUT = 10.0
+
+_REASONS = {
+    200: "OK",
+    404: "Not Found",
+    405: "Method Not Allowed",
+    408: "Request Timeout",
+    431: "Request Header Fields Too Large",
+    503: "Service Unavailable",
+}
+
+
+def health(consumers: Sequence[Consumer]) -> tuple[int, bytes]:
+    """(status code, JSON body) of ``/healthz``."""
+    statuses = [c.status() for c in consumers]
+    healthy = bool(statuses) and all(s.state == "running" for s in statuses)
+    body = {
+        "status": "ok" if healthy else "unavailable",
+        "consumers": [
+            {
+                "queue": s.queue,
+                "state": s.state,
+                "concurrency": s.concurrency,
+                "in_flight": s.in_flight,
+                "handled": s.handled,
+                "failed": s.failed,
+                "timed_out": s.timed_out,
+                "reconnecting_for": s.reconnecting_for,
+                "last_error": None if s.last_error is None else repr(s.last_error),
+                "last_error_at": s.last_error_at,
+            }
+            for s in statuses
+        ],
+    }
+    return (200 if healthy else 503), orjson.dumps(body)
+
+
+class HealthServer:
+    """Serves the endpoints for the consumers ``consumers()`` returns at request time."""
+
+    def __init__(self, consumers: Callable[[], Sequence[Consumer]], host: str, port: int):
+        self._consumers = consumers
+        self.host = host
+        self.port = port
+        self._server: asyncio.Server | None = None
+
+    async def start(self) -> None:
+        self._server = await asyncio.start_server(self._serve, self.host, self.port)
+        socket = self._server.sockets[0].getsockname()
+        self.port = socket[1]  # the one the system chose for port 0
+        log.info("health endpoint on http://%s:%d/healthz and /metrics", self.host, self.port)
+
+    async def close(self) -> None:
+        if self._server is not None:
+            self._server.close()
+            with contextlib.suppress(Exception):
+                await self._server.wait_closed()
+            self._server = None
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        head = b""
+        try:
+            async with asyncio.timeout(READ_TIMEOUT):
+                head = await reader.readuntil(b"\r\n\r\n")
+            status, content_type, body = self._answer(head)
+        except asyncio.LimitOverrunError:
+            status, content_type, body = 431, "text/plain", b"request head too large\n"
+        except (TimeoutError, asyncio.IncompleteReadError):
+            status, content_type, body = 408, "text/plain", b""
+        except Exception:  # a bug of ours must not take the worker down
+            log.exception("health endpoint failed")
+            writer.close()
+            return
+        try:
+            writer.write(
+                (
+                    f"HTTP/1.1 {status} {_REASONS[status]}\r\n"
+                    f"Content-Type: {content_type}\r\n"
+                    f"Content-Length: {len(body)}\r\n"
+                    "Cache-Control: no-store\r\n"
+                    "Connection: close\r\n\r\n"
+                ).encode()
+                + (b"" if head.startswith(b"HEAD ") else body)
+            )
+            await writer.drain()
+        except (ConnectionError, RuntimeError):
+            pass  # the client went away
+        finally:
+            writer.close()
+
+    def _answer(self, head: bytes) -> tuple[int, str, bytes]:
+        if len(head) > MAX_REQUEST_HEAD:
+            return 431, "text/plain", b"request head too large\n"
+        parts = head.split(b"\r\n", 1)[0].split(b" ")
+        if len(parts) != 3:
+            return 405, "text/plain", b"bad request line\n"
+        method, target = parts[0], parts[1].split(b"?", 1)[0]
+        if method not in (b"GET", b"HEAD"):
+            return 405, "text/plain", b"GET only\n"
+        if target == b"/healthz":
+            status, body = health(self._consumers())
+            return status, "application/json", body
+        if target == b"/metrics":
+            text = prometheus_text(c.metrics() for c in self._consumers())
+            return 200, "text/plain; version=0.0.4; charset=utf-8", text.encode()
+        return 404, "text/plain", b"try /healthz or /metrics\n"

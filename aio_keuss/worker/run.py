@@ -1,0 +1,167 @@
+"""``run_worker``: consumers that run until the process is told to stop, and stop cleanly.
+
+What an orchestrator expects of a worker (systemd's ``KillSignal=SIGTERM`` then
+``TimeoutStopSec``, Kubernetes' SIGTERM then ``terminationGracePeriodSeconds``, ``docker
+stop``): the first SIGTERM or SIGINT stops taking new messages and gives running handlers
+``grace`` seconds to finish; handlers still running then are cancelled and their messages
+given back at once, costing no try, so another worker takes them without waiting for a
+reservation to expire. A second signal skips the rest of the grace (still giving the
+messages back). Messages prefetched and never started are given back the same way.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from ..consumer import Consumer, Handler
+from ..errors import InvalidInputError
+from ..factory import Factory, connect
+from ..options import check_seconds
+from .health import HealthServer
+
+log = logging.getLogger("aio_keuss.worker")
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+async def run_worker(
+    handler: Handler,
+    queues: str | Sequence[str],
+    *,
+    factory: Factory | None = None,
+    backend: str = "memory",
+    concurrency: int = 1,
+    timeout: float | None = None,
+    grace: float = 30.0,
+    prefetch: int = 0,
+    health_port: int | None = None,
+    health_host: str = "127.0.0.1",
+    queue_options: Mapping[str, Any] | None = None,
+    stop: asyncio.Event | None = None,
+    **options: Any,
+) -> None:
+    """Consume ``queues`` with ``handler`` until SIGTERM / SIGINT (or ``stop`` is set).
+
+    ``factory``: an open factory to use (you close it); without one, the worker connects to
+    ``backend`` with ``options`` (``url=``, ``prefix=``, ...) once for the process and closes
+    it at the end, so a server out of reach at start raises ``KeussConnectionError`` here.
+    Each queue gets ``concurrency`` workers (see ``Queue.consume`` for ``timeout`` and
+    ``prefetch``), opened with ``queue_options``. ``grace``: seconds running handlers get to
+    finish once a stop is asked for. ``health_port``: serve ``/healthz`` and ``/metrics``
+    there (0 picks a free port), on ``health_host``.
+
+    Returns once every consumer has stopped and every message it held is acknowledged or
+    given back. Signal handlers are installed only while it runs, in the main thread.
+    """
+    names = [queues] if isinstance(queues, str) else list(queues)
+    if not names or not all(isinstance(n, str) for n in names):
+        raise InvalidInputError("queues must be a queue name or a non-empty list of names")
+    grace = check_seconds(grace, "grace")
+    if factory is None:
+        own = await connect(backend, **options)
+    elif options:
+        raise InvalidInputError("backend options are for a worker that connects by itself")
+    else:
+        own = None
+    opened = factory or own
+    assert opened is not None
+    consumers: list[Consumer] = []
+    health: HealthServer | None = None
+    stop = stop or asyncio.Event()
+    now = asyncio.Event()
+    restore = _on_signals(stop, now)
+    stopped = False
+    try:
+        for name in names:
+            queue = await opened.queue(name, **dict(queue_options or {}))
+            consumer = queue.consume(handler, concurrency, timeout=timeout, prefetch=prefetch)
+            consumers.append(consumer)
+        if health_port is not None:
+            health = HealthServer(lambda: consumers, health_host, health_port)
+            await health.start()
+        log.info(
+            "worker %d consuming %s (%d per queue) on %s",
+            os.getpid(),
+            ", ".join(names),
+            concurrency,
+            opened.backend.name,
+        )
+        await _until(stop, consumers)
+        await _stop(consumers, grace, now)
+        stopped = True
+    finally:
+        restore()
+        try:
+            if consumers and not stopped:  # cancelled or failed above: still give work back
+                await asyncio.shield(_stop(consumers, 0.0, now))
+        finally:
+            if health is not None:
+                await health.close()
+            if own is not None:
+                await own.close()
+    log.info("worker %d stopped", os.getpid())
+
+
+async def _until(stop: asyncio.Event, consumers: Sequence[Consumer]) -> None:
+    """Until a stop is asked for, or every consumer has ended by itself (its queue closed)."""
+
+    async def ended() -> None:
+        for consumer in consumers:
+            await consumer.wait()
+
+    waits = [asyncio.ensure_future(stop.wait()), asyncio.ensure_future(ended())]
+    try:
+        await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for waiting in waits:
+            waiting.cancel()
+        await asyncio.gather(*waits, return_exceptions=True)
+
+
+async def _stop(consumers: Sequence[Consumer], grace: float, now: asyncio.Event) -> None:
+    """Stop every consumer with ``grace``, cut short when ``now`` is set."""
+    running = sum(c.status().in_flight for c in consumers)
+    if grace and running:
+        log.info("stopping: up to %g s for %d running handlers", grace, running)
+    stopping = asyncio.ensure_future(asyncio.gather(*(c.stop(grace) for c in consumers)))
+    hurry = asyncio.ensure_future(now.wait())
+    try:
+        await asyncio.wait((stopping, hurry), return_when=asyncio.FIRST_COMPLETED)
+        if not stopping.done() and grace:
+            log.warning("stopping now: cancelling the running handlers, giving their work back")
+            await asyncio.gather(*(c.stop(0.0) for c in consumers))
+        await stopping
+    finally:
+        hurry.cancel()
+
+
+def _on_signals(stop: asyncio.Event, now: asyncio.Event) -> Any:
+    """SIGTERM / SIGINT set ``stop``; one more sets ``now``. Returns the undo."""
+    loop = asyncio.get_running_loop()
+    installed: list[signal.Signals] = []
+
+    def received(signum: signal.Signals) -> None:
+        if stop.is_set():
+            log.warning("%s again: stopping at once", signum.name)
+            now.set()
+        else:
+            log.info("%s: stopping (no new messages; running handlers may finish)", signum.name)
+            stop.set()
+
+    for signum in STOP_SIGNALS:
+        with contextlib.suppress(ValueError, RuntimeError, NotImplementedError):
+            # not in the main thread, or no signals on this platform's loop
+            loop.add_signal_handler(signum, received, signum)
+            installed.append(signum)
+
+    def restore() -> None:
+        for signum in installed:
+            loop.remove_signal_handler(signum)
+
+    return restore

@@ -1,0 +1,200 @@
+"""The worker command's settings: from flags, environment variables and a TOML file.
+
+Precedence is the usual one (as in pip, Docker and most twelve-factor tools): a flag beats
+an ``AIO_KEUSS_*`` environment variable, which beats the file named by ``--config`` (or
+``AIO_KEUSS_CONFIG``), which beats the defaults. Every value is checked here, so a typo
+stops the command before it connects to anything.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import sys
+import tomllib
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+from ..consumer import Handler
+from ..errors import ConfigError
+
+ENV_PREFIX = "AIO_KEUSS_"
+
+
+@dataclass(frozen=True)
+class WorkerSettings:
+    """What ``aio-keuss worker`` runs. ``options`` are the backend's connect options other
+    than ``url`` (``prefix``, ``schema``, ...)."""
+
+    handler: str = ""
+    backend: str = "memory"
+    url: str | None = None
+    queues: tuple[str, ...] = ()
+    concurrency: int = 1
+    timeout: float | None = None
+    grace: float = 30.0
+    prefetch: int = 0
+    log_level: str = "info"
+    health_port: int | None = None
+    health_host: str = "127.0.0.1"
+    options: Mapping[str, Any] = field(default_factory=dict)
+
+    def connect_options(self) -> dict[str, Any]:
+        found = dict(self.options)
+        if self.url is not None:
+            found["url"] = self.url
+        return found
+
+
+def _int(value: Any, name: str, least: int, most: int) -> int:
+    if isinstance(value, str):
+        try:
+            value = int(value.strip())
+        except ValueError:
+            raise ConfigError(f"{name} must be an int, not {value!r}") from None
+    if isinstance(value, bool) or not isinstance(value, int) or not least <= value <= most:
+        raise ConfigError(f"{name} must be an int in [{least}, {most}], not {value!r}")
+    return value
+
+
+def _seconds(value: Any, name: str) -> float:
+    if isinstance(value, str):
+        try:
+            value = float(value.strip())
+        except ValueError:
+            raise ConfigError(f"{name} must be a number of seconds, not {value!r}") from None
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value <= 1e9:
+        raise ConfigError(f"{name} must be seconds in [0, 1e9], not {value!r}")
+    return float(value)
+
+
+def _queues(value: Any) -> tuple[str, ...]:
+    if isinstance(value, str):
+        value = [part for part in value.split(",") if part.strip()]
+    if not isinstance(value, list | tuple) or not all(isinstance(v, str) for v in value):
+        raise ConfigError(f"queue must be a name or a list of names, not {value!r}")
+    return tuple(v.strip() for v in value)
+
+
+_LEVELS = ("debug", "info", "warning", "error", "critical")
+
+
+def _check(raw: Mapping[str, Any]) -> dict[str, Any]:
+    """Typed values of the names given; an unknown name or a bad value is a ConfigError."""
+    checked: dict[str, Any] = {}
+    known = {f.name for f in fields(WorkerSettings)}
+    for name, value in raw.items():
+        if name not in known:
+            raise ConfigError(f"unknown worker setting {name!r}")
+        if name in ("concurrency",):
+            value = _int(value, name, 1, 10_000)
+        elif name == "prefetch":
+            value = _int(value, name, 0, 10_000)
+        elif name == "health_port":
+            value = _int(value, name, 0, 65_535)
+        elif name in ("timeout", "grace"):
+            value = _seconds(value, name)
+            if name == "timeout" and value == 0:
+                raise ConfigError("timeout must be > 0 seconds")
+        elif name == "queues":
+            value = _queues(value)
+        elif name == "log_level":
+            if not isinstance(value, str) or value.lower() not in _LEVELS:
+                raise ConfigError(f"log_level must be one of {', '.join(_LEVELS)}, not {value!r}")
+            value = value.lower()
+        elif name == "options":
+            if not isinstance(value, Mapping):
+                raise ConfigError("options must be a table of backend options")
+            value = dict(value)
+        elif not isinstance(value, str):
+            raise ConfigError(f"{name} must be a str, not {value!r}")
+        checked[name] = value
+    return checked
+
+
+def from_file(path: str) -> dict[str, Any]:
+    """The settings of a TOML file: the names of :class:`WorkerSettings` (``queues`` a list,
+    ``options`` a table), at the top or under ``[worker]``."""
+    try:
+        with open(path, "rb") as file:
+            data = tomllib.load(file)
+    except OSError as exc:
+        raise ConfigError(f"config file {path!r}: {exc.strerror or exc}") from exc
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"config file {path!r}: {exc}") from exc
+    section = data.get("worker", data)
+    if not isinstance(section, dict):
+        raise ConfigError(f"config file {path!r}: [worker] must be a table")
+    if "queue" in section:
+        section = {**section, "queues": section.pop("queue")}
+    return dict(section)
+
+
+def from_environment(environ: Mapping[str, str]) -> dict[str, Any]:
+    """``AIO_KEUSS_<NAME>`` for each setting (``AIO_KEUSS_QUEUE`` comma-separated)."""
+    found: dict[str, Any] = {}
+    for f in fields(WorkerSettings):
+        key = ENV_PREFIX + ("QUEUE" if f.name == "queues" else f.name.upper())
+        if f.name != "options" and key in environ:
+            found[f.name] = environ[key]
+    return found
+
+
+def option_value(text: str) -> Any:
+    """A ``--option key=value`` value: JSON when it parses (numbers, true, lists...), else the
+    text itself."""
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
+
+
+def resolve(flags: Mapping[str, Any], environ: Mapping[str, str] = os.environ) -> WorkerSettings:
+    """Flags over environment over file over defaults."""
+    config = flags.get("config") or environ.get(ENV_PREFIX + "CONFIG")
+    layers = [from_file(config) if config else {}, from_environment(environ)]
+    layers.append({k: v for k, v in flags.items() if k != "config" and v is not None})
+    merged: dict[str, Any] = {}
+    options: dict[str, Any] = {}
+    for layer in layers:
+        checked = _check(layer)
+        options.update(checked.pop("options", {}))
+        merged.update(checked)
+    settings = WorkerSettings(**merged, options=options)
+    if not settings.handler:
+        raise ConfigError("no handler: give module:function (or AIO_KEUSS_HANDLER)")
+    if not settings.queues:
+        raise ConfigError("no queue: give --queue NAME (or AIO_KEUSS_QUEUE)")
+    return settings
+
+
+def import_handler(spec: str) -> Handler:
+    """The callable named ``module:attr`` (``attr`` may be dotted), imported with the current
+    directory on the path, as ``python -m`` would. A clear ConfigError names what failed."""
+    module_name, sep, attr = spec.partition(":")
+    if not sep or not module_name or not attr:
+        raise ConfigError(f"handler must be module:function, like myapp.jobs:handle, not {spec!r}")
+    if "" not in sys.path and os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    try:
+        target: Any = importlib.import_module(module_name)
+    except ImportError as exc:
+        if isinstance(exc, ModuleNotFoundError) and exc.name and module_name.startswith(exc.name):
+            raise ConfigError(f"handler {spec!r}: no module named {exc.name!r}") from exc
+        raise ConfigError(f"handler {spec!r}: importing {module_name!r} failed: {exc}") from exc
+    except Exception as exc:  # the module itself raised (a syntax error, a bad setting...)
+        raise ConfigError(f"handler {spec!r}: importing {module_name!r} raised {exc!r}") from exc
+    for part in attr.split("."):
+        try:
+            target = getattr(target, part)
+        except AttributeError:
+            raise ConfigError(
+                f"handler {spec!r}: {getattr(target, '__name__', target)!r} has no attribute"
+                f" {part!r}"
+            ) from None
+    if not callable(target):
+        raise ConfigError(f"handler {spec!r} is not callable: {target!r}")
+    handler: Callable[..., Any] = target
+    return handler

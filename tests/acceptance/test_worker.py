@@ -1,0 +1,371 @@
+"""The ``aio-keuss worker`` command, run as a subprocess against real servers.
+
+Each test writes a small handler module into its own directory, runs the command there with
+its own key prefix, and signals it as an orchestrator would. The only time bound asserted is
+the one the command promises: a stop ends within ``grace`` + 1 s (with a grace long enough
+that a busy machine cannot miss it by accident).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+import urllib.error
+import urllib.request
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from backends import REDIS_URL, _drop_redis_prefix, new_token
+from own_servers import free_port, own_redis
+
+import aio_keuss
+
+pytestmark = pytest.mark.timeout(180)
+
+JOBS = textwrap.dedent(
+    """
+    import asyncio, json, os, pathlib
+
+    LOG = pathlib.Path(os.environ["JOBS_LOG"])
+
+    def note(kind, message):
+        with LOG.open("a") as log:
+            log.write(json.dumps({"kind": kind, "n": message.payload["n"]}) + "\\n")
+
+    async def slow(message):
+        note("start", message)
+        await asyncio.sleep(message.payload["sleep"])
+        note("done", message)
+
+    async def hang(message):
+        note("start", message)
+        await asyncio.sleep(3600)
+
+    class nested:
+        @staticmethod
+        async def handle(message):
+            note("done", message)
+    """
+)
+
+
+class Worker:
+    """One ``aio-keuss worker`` process and the log its handlers write."""
+
+    def __init__(self, directory: Path, *args: str, env: dict[str, str] | None = None) -> None:
+        self.log = directory / "handled.jsonl"
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "aio_keuss", "worker", *args],
+            cwd=directory,
+            env={**os.environ, "JOBS_LOG": str(self.log), **(env or {})},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+        )
+        self.output = ""
+
+    def events(self, kind: str) -> list[int]:
+        if not self.log.exists():
+            return []
+        rows = [json.loads(line) for line in self.log.read_text().splitlines()]
+        return [row["n"] for row in rows if row["kind"] == kind]
+
+    def wait_for(self, kind: str, count: int, seconds: float = 60.0) -> None:
+        deadline = time.monotonic() + seconds
+        while len(self.events(kind)) < count:
+            if self.process.poll() is not None:
+                self.finish()
+                pytest.fail(f"the worker exited early:\n{self.output}")
+            if time.monotonic() > deadline:
+                pytest.fail(f"fewer than {count} {kind!r} events in {seconds} s")
+            time.sleep(0.02)
+
+    def signal(self, signum: signal.Signals) -> None:
+        self.process.send_signal(signum)
+
+    def finish(self, seconds: float = 60.0) -> int:
+        out, _ = self.process.communicate(timeout=seconds)
+        self.output += out.decode(errors="replace")
+        return self.process.returncode
+
+    def kill(self) -> None:
+        if self.process.poll() is None:
+            self.process.kill()
+            self.finish()
+
+
+@pytest.fixture
+def workdir(tmp_path: Path) -> Path:
+    (tmp_path / "jobs.py").write_text(JOBS)
+    return tmp_path
+
+
+@pytest.fixture
+async def prefix() -> AsyncIterator[str]:
+    token = f"akw-{new_token()}"
+    yield token
+    await _drop_redis_prefix({"url": REDIS_URL, "prefix": token})
+
+
+@pytest.fixture
+def workers() -> Iterator[list[Worker]]:
+    started: list[Worker] = []
+    yield started
+    for worker in started:
+        worker.kill()
+
+
+async def _push(prefix: str, payloads: list[dict[str, Any]], url: str = REDIS_URL) -> None:
+    async with aio_keuss.connect("redis-oq", url=url, prefix=prefix) as factory:
+        await (await factory.queue("jobs")).push_many(payloads)
+
+
+async def _left(prefix: str) -> tuple[int, int, list[int]]:
+    """(messages left, reserved, tries of each) in the jobs queue."""
+    async with aio_keuss.connect("redis-oq", url=REDIS_URL, prefix=prefix) as factory:
+        q = await factory.queue("jobs")
+        reserved = await q.resv_size()
+        left = await q.pop_many(1000, timeout=0)
+        return len(left), reserved, [m.tries for m in left]
+
+
+def _redis_args(
+    prefix: str, *more: str, url: str = REDIS_URL, handler: str = "jobs:slow"
+) -> list[str]:
+    return [
+        handler,
+        "--backend", "redis-oq",
+        "--url", url,
+        "--option", f"prefix={prefix}",
+        "--queue", "jobs",
+        *more,
+    ]  # fmt: skip
+
+
+def _get(port: int, path: str) -> tuple[int, bytes]:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=5) as answer:
+            return answer.status, answer.read()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read()
+    except OSError:
+        return 0, b""
+
+
+def _metric(text: str, name: str, queue: str = "jobs") -> float:
+    for line in text.splitlines():
+        if line.startswith(f'{name}{{queue="{queue}"}} '):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"no {name} in {text}")
+
+
+async def _metric_reaches(port: int, name: str, least: float, seconds: float = 60.0) -> None:
+    deadline = time.monotonic() + seconds
+    while True:
+        text = (await asyncio.to_thread(_get, port, "/metrics"))[1].decode()
+        if text and _metric(text, name) >= least:
+            return
+        if time.monotonic() > deadline:
+            pytest.fail(f"{name} stayed below {least} for {seconds} s:\n{text}")
+        await asyncio.sleep(0.1)
+
+
+async def _status_becomes(port: int, wanted: int, seconds: float = 60.0) -> bytes:
+    deadline = time.monotonic() + seconds
+    while True:
+        status, body = await asyncio.to_thread(_get, port, "/healthz")
+        if status == wanted:
+            return body
+        if time.monotonic() > deadline:
+            pytest.fail(f"/healthz stayed {status}, not {wanted}, for {seconds} s: {body!r}")
+        await asyncio.sleep(0.1)
+
+
+async def test_sigterm_lets_running_handlers_finish_and_takes_no_more(
+    workdir: Path, prefix: str, workers: list[Worker]
+) -> None:
+    await _push(prefix, [{"n": n, "sleep": 1.0} for n in range(20)])
+    worker = Worker(workdir, *_redis_args(prefix, "--concurrency", "4", "--grace", "20"))
+    workers.append(worker)
+    worker.wait_for("start", 4)
+    worker.signal(signal.SIGTERM)
+    signalled = time.monotonic()
+    assert worker.finish() == 0, worker.output
+    assert time.monotonic() - signalled < 20 + 1
+    started, done = worker.events("start"), worker.events("done")
+    assert sorted(started) == sorted(done)  # every handler that began was let finish
+    left, reserved, tries = await _left(prefix)
+    assert reserved == 0
+    assert left + len(done) == 20  # nothing lost, nothing handled twice
+    assert set(tries) == {0}
+
+
+async def test_handlers_past_the_grace_are_cancelled_and_their_messages_given_back(
+    workdir: Path, prefix: str, workers: list[Worker]
+) -> None:
+    await _push(prefix, [{"n": n} for n in range(6)])
+    worker = Worker(
+        workdir, *_redis_args(prefix, "--concurrency", "3", "--grace", "3", handler="jobs:hang")
+    )
+    workers.append(worker)
+    worker.wait_for("start", 3)
+    worker.signal(signal.SIGTERM)
+    signalled = time.monotonic()
+    assert worker.finish() == 0, worker.output
+    assert time.monotonic() - signalled < 3 + 1
+    left, reserved, tries = await _left(prefix)
+    assert (left, reserved) == (6, 0)  # back at once, not after reserve_delay
+    assert tries == [0] * 6  # and at no cost of a try
+
+
+async def test_a_second_sigint_stops_at_once(
+    workdir: Path, prefix: str, workers: list[Worker]
+) -> None:
+    await _push(prefix, [{"n": n} for n in range(2)])
+    worker = Worker(
+        workdir, *_redis_args(prefix, "--concurrency", "2", "--grace", "600", handler="jobs:hang")
+    )
+    workers.append(worker)
+    worker.wait_for("start", 2)
+    worker.signal(signal.SIGINT)
+    await asyncio.sleep(0.5)
+    worker.signal(signal.SIGINT)
+    assert worker.finish(seconds=60) == 0, worker.output
+    assert "stopping now" in worker.output
+    left, reserved, tries = await _left(prefix)
+    assert (left, reserved, tries) == (2, 0, [0, 0])
+
+
+async def test_a_handler_past_its_timeout_is_cancelled_and_ko_ed(
+    workdir: Path, prefix: str, workers: list[Worker]
+) -> None:
+    port = free_port()
+    await _push(prefix, [{"n": 1}])
+    args = _redis_args(prefix, "--timeout", "0.5", "--health-port", str(port), handler="jobs:hang")
+    worker = Worker(workdir, *args)
+    workers.append(worker)
+    worker.wait_for("start", 1)
+    await _metric_reaches(port, "aio_keuss_timed_out_total", 1)
+    await _metric_reaches(port, "aio_keuss_retried_total", 1)  # ko-ed with the backoff
+    worker.signal(signal.SIGTERM)
+    assert worker.finish() == 0
+    assert "HandlerTimeoutError" in worker.output
+    async with aio_keuss.connect("redis-oq", url=REDIS_URL, prefix=prefix) as factory:
+        q = await factory.queue("jobs")
+        assert await q.total_size() == 1 and await q.resv_size() == 0
+        again = await q.reserve(timeout=30)  # back after the ko's backoff, one try spent
+        assert again is not None and again.tries >= 1
+
+
+@pytest.mark.parametrize(
+    ("handler", "says"),
+    [
+        ("nosuch.module:handle", "no module named 'nosuch'"),
+        ("jobs:missing", "has no attribute 'missing'"),
+        ("jobs:nested.absent", "has no attribute 'absent'"),
+        ("jobs", "module:function"),
+    ],
+)
+def test_a_handler_that_cannot_be_imported_is_named(workdir: Path, handler: str, says: str) -> None:
+    worker = Worker(workdir, handler, "--queue", "jobs")
+    assert worker.finish() == 2
+    assert says in worker.output
+
+
+def test_a_dotted_handler_and_settings_from_the_environment_and_a_file(
+    workdir: Path, workers: list[Worker]
+) -> None:
+    """``nested.handle`` is found; the queue comes from the file, the backend from the
+    environment; an unknown setting in the file is refused by name."""
+    (workdir / "worker.toml").write_text('[worker]\nqueues = ["jobs"]\nconcurrency = 2\n')
+    env = {"AIO_KEUSS_BACKEND": "memory", "AIO_KEUSS_CONFIG": str(workdir / "worker.toml")}
+    worker = Worker(workdir, "jobs:nested.handle", env=env)
+    workers.append(worker)
+    deadline = time.monotonic() + 60
+    while "consuming jobs (2 per queue) on memory" not in worker.output:
+        line = worker.process.stdout.readline() if worker.process.stdout else b""  # type: ignore[union-attr]
+        worker.output += line.decode()
+        assert line and time.monotonic() < deadline, worker.output
+    worker.signal(signal.SIGTERM)
+    assert worker.finish() == 0
+    (workdir / "bad.toml").write_text('concurency = 2\nqueues = ["jobs"]\n')
+    bad = Worker(workdir, "jobs:slow", "--config", str(workdir / "bad.toml"))
+    assert bad.finish() == 2 and "unknown worker setting 'concurency'" in bad.output
+
+
+@pytest.mark.parametrize("backend", ["redis-oq", "postgres"])
+def test_a_backend_out_of_reach_at_start_exits_3(workdir: Path, backend: str) -> None:
+    port = free_port()  # nothing listens there
+    url = (
+        f"redis://127.0.0.1:{port}/0"
+        if backend == "redis-oq"
+        else f"postgresql://postgres@127.0.0.1:{port}/test"
+    )
+    worker = Worker(workdir, "jobs:slow", "--backend", backend, "--url", url, "--queue", "q")
+    assert worker.finish() == 3, worker.output
+    assert "cannot reach the backend" in worker.output
+
+
+async def test_health_is_503_while_the_server_restarts_and_200_again(
+    workdir: Path, workers: list[Worker]
+) -> None:
+    port = free_port()
+    with own_redis() as server:
+        args = _redis_args("hc", "--health-port", str(port), url=server.url)
+        worker = Worker(workdir, *args)
+        workers.append(worker)
+        body = json.loads(await _status_becomes(port, 200))
+        assert body["status"] == "ok" and body["consumers"][0]["state"] == "running"
+        await asyncio.to_thread(server.stop)
+        body = json.loads(await _status_becomes(port, 503))
+        assert body["consumers"][0]["state"] == "reconnecting"
+        await asyncio.to_thread(server.start)
+        await _status_becomes(port, 200)
+        await _push("hc", [{"n": 7, "sleep": 0}], url=server.url)
+        worker.wait_for("done", 1)  # and it works again
+        await _metric_reaches(port, "aio_keuss_handled_total", 1)
+        metrics = (await asyncio.to_thread(_get, port, "/metrics"))[1].decode()
+        assert _metric(metrics, "aio_keuss_handler_duration_seconds_count") == 1
+        assert 'aio_keuss_handler_duration_seconds_bucket{queue="jobs",le="+Inf"} 1' in metrics
+        assert (await asyncio.to_thread(_get, port, "/nothing"))[0] == 404
+        worker.signal(signal.SIGTERM)
+        assert worker.finish() == 0
+
+
+async def test_the_example_worker_runs_until_stopped(prefix: str) -> None:
+    example = Path(__file__).parents[2] / "examples" / "consume_queue.py"
+    process = subprocess.Popen(  # noqa: ASYNC220 - started once, then polled
+        [sys.executable, str(example), "--prefix", prefix, "--queue", "jobs", "--grace", "5"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
+    try:
+        await _push(prefix, [{"tier": "gold", "amount": 2.5}] * 5)
+        async with aio_keuss.connect("redis-oq", url=REDIS_URL, prefix=prefix) as factory:
+            q = await factory.queue("jobs")
+            deadline = time.monotonic() + 60
+            while await q.total_size() or await q.resv_size():
+                assert time.monotonic() < deadline and process.poll() is None
+                await asyncio.sleep(0.05)
+        await asyncio.sleep(0.2)
+        assert process.poll() is None  # an empty queue does not end it
+        process.send_signal(signal.SIGTERM)
+        out, _ = process.communicate(timeout=60)
+    finally:
+        if process.poll() is None:
+            process.kill()
+    assert process.returncode == 0, out
+    assert b"processed 5 orders: {'gold': 5}, total 12.50" in out
+
+
+def test_the_console_script_is_installed() -> None:
+    command = Path(sys.executable).parent / "aio-keuss"
+    shown = subprocess.run([command, "worker", "--help"], capture_output=True, check=True)
+    assert b"--health-port" in shown.stdout

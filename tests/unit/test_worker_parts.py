@@ -1,0 +1,171 @@
+"""Handler timeouts, prefetch, ``run_worker`` and the worker's settings, on the memory backend
+(the command itself runs against real servers in the acceptance tests)."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+
+import aio_keuss
+from aio_keuss import HandlerTimeoutError, KoResult, Message
+from aio_keuss.errors import ConfigError, InvalidInputError
+from aio_keuss.metrics import Histogram, QueueMetrics, prometheus_text
+from aio_keuss.worker.settings import resolve
+
+
+async def test_a_handler_past_its_timeout_is_ko_ed_then_deadlettered() -> None:
+    async with aio_keuss.connect("memory", deadletter={"max_ko": 1, "queue": "dead"}) as factory:
+        q = await factory.queue("jobs")
+        await q.push("slow")
+        seen: list[int] = []
+
+        async def hang(message: Message) -> None:
+            seen.append(message.tries)
+            await asyncio.sleep(3600)
+
+        consumer = q.consume(hang, timeout=0.05, retry_delay=0.0)
+        dead = await factory.queue("dead")
+        assert (await dead.pop(timeout=30)) is not None
+        await consumer.stop()
+        assert seen == [0, 1]
+        status = consumer.status()
+        assert (status.timed_out, status.failed, status.retried, status.deadlettered) == (
+            2,
+            2,
+            1,
+            1,
+        )
+        assert consumer.durations.count == 2
+
+
+async def test_a_handler_raising_timeout_error_itself_is_not_a_timeout(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    async with aio_keuss.connect("memory") as factory:
+        q = await factory.queue("jobs")
+        await q.push("x")
+        done = asyncio.Event()
+
+        async def raises(message: Message) -> None:
+            done.set()
+            raise TimeoutError("mine")
+
+        consumer = q.consume(raises, timeout=30)
+        await done.wait()
+        await consumer.stop()
+        assert consumer.timed_out == 0 and consumer.failed == 1
+        assert "TimeoutError('mine')" in caplog.text
+        assert HandlerTimeoutError.__name__ not in caplog.text
+
+
+async def test_prefetched_messages_are_given_back_on_stop_at_no_cost() -> None:
+    async with aio_keuss.connect("memory") as factory:
+        q = await factory.queue("jobs")
+        await q.push_many(list(range(20)))
+        started = asyncio.Event()
+
+        async def block(message: Message) -> None:
+            started.set()
+            await asyncio.sleep(3600)
+
+        consumer = q.consume(block, concurrency=1, prefetch=5)
+        await started.wait()
+        assert await q.resv_size() == 6  # the one running and the five waiting
+        await consumer.stop(grace=0)
+        assert await q.resv_size() == 0
+        back = await q.pop_many(100, timeout=0)
+        assert len(back) == 20 and {m.tries for m in back} == {0}
+
+
+async def test_prefetch_handles_everything_once() -> None:
+    async with aio_keuss.connect("memory") as factory:
+        q = await factory.queue("jobs")
+        await q.push_many(list(range(200)))
+        handled: list[int] = []
+        all_done = asyncio.Event()
+
+        async def note(message: Message) -> None:
+            handled.append(message.payload)
+            if len(handled) == 200:
+                all_done.set()
+
+        consumer = q.consume(note, concurrency=3, prefetch=16)
+        await asyncio.wait_for(all_done.wait(), 60)
+        await consumer.stop()
+        assert sorted(handled) == list(range(200))
+
+
+async def test_bad_timeout_and_prefetch_are_refused() -> None:
+    async with aio_keuss.connect("memory") as factory:
+        q = await factory.queue("jobs")
+        for bad in (0, -1, float("nan"), "1"):
+            with pytest.raises(InvalidInputError):
+                q.consume(print, timeout=bad)  # type: ignore[arg-type]
+        for bad_prefetch in (-1, True, 1.5, 10**9):
+            with pytest.raises(InvalidInputError):
+                q.consume(print, prefetch=bad_prefetch)  # type: ignore[arg-type]
+
+
+async def test_run_worker_consumes_until_asked_to_stop() -> None:
+    async with aio_keuss.connect("memory") as factory:
+        q = await factory.queue("a")
+        await q.push_many([1, 2, 3])
+        await (await factory.queue("b")).push_many([4, 5])
+        handled: list[int] = []
+        stop = asyncio.Event()
+
+        async def note(message: Message) -> None:
+            handled.append(message.payload)
+            if len(handled) == 5:
+                stop.set()
+
+        await asyncio.wait_for(
+            aio_keuss.run_worker(note, ["a", "b"], factory=factory, concurrency=2, stop=stop),
+            60,
+        )
+        assert sorted(handled) == [1, 2, 3, 4, 5]
+        assert await q.resv_size() == 0
+    with pytest.raises(InvalidInputError):
+        await aio_keuss.run_worker(note, [])
+
+
+def test_settings_flag_beats_environment_beats_file(tmp_path: Path) -> None:
+    config = tmp_path / "w.toml"
+    config.write_text(
+        'handler = "file:h"\nqueues = ["from_file"]\nconcurrency = 2\ngrace = 5\n'
+        '[options]\nprefix = "file"\nschema = "s"\n'
+    )
+    env = {"AIO_KEUSS_CONFIG": str(config), "AIO_KEUSS_CONCURRENCY": "3", "AIO_KEUSS_URL": "u"}
+    settings = resolve({"concurrency": "4", "options": {"prefix": "flag"}}, env)
+    assert settings.handler == "file:h" and settings.queues == ("from_file",)
+    assert (settings.concurrency, settings.grace, settings.url) == (4, 5.0, "u")
+    assert settings.connect_options() == {"prefix": "flag", "schema": "s", "url": "u"}
+    assert resolve({"handler": "m:f", "queues": ["q"]}, {"AIO_KEUSS_QUEUE": "x,y"}).queues == ("q",)
+    assert resolve({"handler": "m:f"}, {"AIO_KEUSS_QUEUE": "x, y"}).queues == ("x", "y")
+    for flags, says in [
+        ({"handler": "m:f", "queues": ["q"], "concurrency": "0"}, "concurrency"),
+        ({"handler": "m:f", "queues": ["q"], "timeout": "soon"}, "timeout"),
+        ({"handler": "m:f", "queues": ["q"], "log_level": "loud"}, "log_level"),
+        ({"handler": "m:f"}, "no queue"),
+        ({"queues": ["q"]}, "no handler"),
+    ]:
+        with pytest.raises(ConfigError, match=says):
+            resolve(flags, {})
+
+
+def test_prometheus_text_has_cumulative_buckets() -> None:
+    durations = Histogram((0.1, 1.0))
+    for seconds in (0.05, 0.5, 0.5, 3.0):
+        durations.observe(seconds)
+    text = prometheus_text(
+        [QueueMetrics('a"b', "running", 3, 1, 0, 1, 0, 2, durations)], prefix="x"
+    )
+    assert 'x_handled_total{queue="a\\"b"} 3' in text
+    assert 'x_handler_duration_seconds_bucket{queue="a\\"b",le="0.1"} 1' in text
+    assert 'x_handler_duration_seconds_bucket{queue="a\\"b",le="1.0"} 3' in text
+    assert 'x_handler_duration_seconds_bucket{queue="a\\"b",le="+Inf"} 4' in text
+    assert 'x_handler_duration_seconds_count{queue="a\\"b"} 4' in text
+    assert 'x_consumer_up{queue="a\\"b"} 1' in text
+    assert KoResult.ROLLED_BACK  # the counters follow ko's outcome
