@@ -57,6 +57,8 @@ from .types import Capabilities, KoResult
 log = logging.getLogger("aio_keuss.consumer")
 
 Handler = Callable[[Message], Awaitable[Any] | Any]
+Settle = Callable[[Message, Any], Awaitable[Any]]
+"""Acknowledges a message from what its handler returned, instead of ``ok``."""
 State = Literal["running", "reconnecting", "stopped"]
 
 RETRY_FIRST = 0.1
@@ -292,6 +294,7 @@ class Consumer:
         max_retry_delay: float,
         timeout: float | None = None,
         prefetch: int = 0,
+        settle: Settle | None = None,
     ) -> None:
         if isinstance(concurrency, bool) or not isinstance(concurrency, int) or concurrency < 1:
             raise InvalidInputError(f"concurrency must be a positive int, not {concurrency!r}")
@@ -301,6 +304,7 @@ class Consumer:
             raise InvalidInputError("handler must be callable")
         self._timeout = timeout
         self._prefetch = prefetch
+        self._settle = settle
         self._buffer: deque[Message] = deque()
         self._fetching = asyncio.Lock()
         self.queue = queue
@@ -452,10 +456,10 @@ class Consumer:
             result = self._handler(message)
             if inspect.isawaitable(result):
                 if self._timeout is None:
-                    await result
+                    result = await result
                 else:
                     async with asyncio.timeout(self._timeout) as deadline:
-                        await result
+                        result = await result
         except asyncio.CancelledError:
             self.durations.observe(time.monotonic() - started)
             if self._reserve:
@@ -491,7 +495,9 @@ class Consumer:
             return
         self.durations.observe(time.monotonic() - started)
         self.handled += 1
-        if self._reserve:
+        if self._settle is not None:
+            await self._acknowledge("settle", message, self._settle(message, result))
+        elif self._reserve:
             await self._acknowledge("ok", message, self.queue.ok(message))
 
     async def _acknowledge(self, doing: str, message: Message, work: Awaitable[Any]) -> Any:

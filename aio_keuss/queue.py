@@ -18,7 +18,7 @@ from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
 from .coalesce import Coalescer
-from .consumer import Consumer, Handler, HandlerFailures, Outage, retry_backoff
+from .consumer import Consumer, Handler, HandlerFailures, Outage, Settle, retry_backoff
 from .contract import MOVE_TAG, Ack, DeadletterPlan, Entry, Fetched, Move, Nack, Store, Stored
 from .errors import (
     ClosedError,
@@ -142,6 +142,12 @@ class Queue:
         )
         self._rollbacks: Coalescer[Nack, KoResult] = Coalescer(
             self._rollback_batch,
+            max_batch=batch,
+            concurrency=depth,
+            run_in_caller=in_caller,
+        )
+        self._moves: Coalescer[Move, str | None] = Coalescer(
+            self._move_batch,
             max_batch=batch,
             concurrency=depth,
             run_in_caller=in_caller,
@@ -488,6 +494,28 @@ class Queue:
         messages beyond those being handled may wait, reserved, in this process (fewer
         round trips for short handlers; given back, costing no try, on stop).
         """
+        return self._start_consumer(
+            handler,
+            concurrency,
+            retry_delay=retry_delay,
+            max_retry_delay=max_retry_delay,
+            timeout=timeout,
+            prefetch=prefetch,
+        )
+
+    def _start_consumer(
+        self,
+        handler: Handler,
+        concurrency: int,
+        *,
+        retry_delay: float = 1.0,
+        max_retry_delay: float = 60.0,
+        timeout: float | None = None,
+        prefetch: int = 0,
+        settle: Settle | None = None,
+    ) -> Consumer:
+        """``consume``; with ``settle``, what a handler returned decides how its message is
+        acknowledged (a pipeline station moves it on instead of ``ok``)."""
         self._check_open()
         check_seconds(retry_delay, "retry_delay")  # they become ko delays: same bounds
         check_seconds(max_retry_delay, "max_retry_delay")
@@ -506,6 +534,7 @@ class Queue:
             max_retry_delay,
             timeout,
             prefetch,
+            settle,
         )
         self._consumers.add(consumer)
         return consumer
@@ -568,24 +597,75 @@ class Queue:
         when it was no longer yours (acknowledged, or its reservation expired and it went to
         another consumer): then nothing moved. As with :meth:`ok`, a :class:`Message`
         guards by its tries; an id alone does not. Counted as a commit here and a put there.
+        Concurrent moves from one queue share round trips, like ``ok``.
         """
         self._check_open()
         self._require("move")
+        plan = self._move_plan(message, queue, payload, headers, delay)
+        return await self._moves.submit(plan)
+
+    async def move_many(
+        self,
+        messages: Sequence[Message | str],
+        queue: str,
+        *,
+        headers: Headers | None = None,
+        delay: float = 0.0,
+    ) -> list[str | None]:
+        """:meth:`move` for several held messages to one queue, each keeping its payload:
+        the id each has in ``queue`` (None for those no longer yours), in order. Each move
+        is atomic on its own; all are checked before any is written."""
+        self._check_open()
+        self._require("move")
+        if isinstance(messages, (str, Message)) or not isinstance(messages, Sequence):
+            raise InvalidInputError("move_many takes a sequence of messages or ids")
+        plans = [self._move_plan(m, queue, UNCHANGED, headers, delay) for m in messages]
+        if not plans:
+            return []
+        return list(await asyncio.gather(*(self._moves.submit(plan) for plan in plans)))
+
+    def _move_plan(
+        self,
+        message: Message | str,
+        queue: str,
+        payload: Payload | Unchanged,
+        headers: Headers | None,
+        delay: float,
+    ) -> Move:
+        """A checked move: every argument refused here, before anything is written."""
         message_id, tries = _target(message)
         destination = check_queue_name(queue)
         if destination == self.name:
             raise InvalidInputError(f"move: {queue!r} is this queue; use ko to put it back")
         blob = None if payload is UNCHANGED else encode_payload(payload)
-        encode_headers(headers)  # refused here, before anything is written
+        encode_headers(headers)
         seconds = self._delay(delay)
-        plan = Move(message_id, tries, destination, blob, dict(headers or {}), seconds, MOVE_TAG)
-        (moved,) = await self._store.move([plan])
-        self._forget([Ack(message_id, tries)])
-        if moved is not None:
-            self._stats.incr(self.name, "commit")
-            self._stats.incr(destination, "put")
-            self._signal.insert(destination, time.time() + seconds)
-        return moved
+        return Move(message_id, tries, destination, blob, dict(headers or {}), seconds, MOVE_TAG)
+
+    async def _submit_move(self, plan: Move) -> str | None:
+        """A move checked earlier by :meth:`_move_plan` (a pipeline station checks its
+        handler's answer before it settles the message)."""
+        self._check_open()
+        return await self._moves.submit(plan)
+
+    async def _move_batch(self, plans: list[Move]) -> list[str | None]:
+        results = await self._store.move(plans)
+        self._forget([Ack(plan.id, plan.tries) for plan in plans])
+        now = time.time()
+        arrivals: dict[str, float] = {}
+        moved = 0
+        for plan, result in zip(plans, results, strict=True):
+            if result is None:
+                continue
+            moved += 1
+            self._stats.incr(plan.queue, "put")
+            due = now + plan.delay
+            arrivals[plan.queue] = min(due, arrivals.get(plan.queue, due))
+        if moved:
+            self._stats.incr(self.name, "commit", moved)
+        for destination, due in arrivals.items():
+            self._signal.insert(destination, due)
+        return results
 
     async def remove(self, message: Message | str) -> bool:
         """Delete a message that is not under an active reservation."""
@@ -666,6 +746,7 @@ class Queue:
             self._reserves,
             self._commits,
             self._rollbacks,
+            self._moves,
         ):
             await coalescer.wait_idle()
         while self._background:

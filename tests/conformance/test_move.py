@@ -6,6 +6,10 @@ functional limits, never performance assertions.
 
 from __future__ import annotations
 
+import asyncio
+import time
+from typing import Any
+
 import pytest
 from conftest import Connect, needs
 
@@ -110,3 +114,68 @@ async def test_move_refuses_bad_input_before_writing(connect: Connect) -> None:
         with pytest.raises(aio_keuss.InvalidDelayError):
             await q.move(held, "dst", delay=-1)
     assert await q.ok(held)  # still held: nothing moved
+
+
+async def test_a_move_wakes_the_destinations_consumers(connect: Connect, case: Any) -> None:
+    factory = await connect(poll_interval=30.0)
+    needs(factory, "reserve", "move")
+    q = await factory.queue("src")
+    await q.push("hop")
+    held = await q.reserve(timeout=5)
+    assert held is not None
+    # A consumer in another process (another factory on a shared backend) waits on dst.
+    waiting_side = await connect(poll_interval=30.0) if case.shared else factory
+    dst = await waiting_side.queue("dst")
+    waiter = asyncio.create_task(dst.reserve(timeout=20))
+    await asyncio.sleep(0.2)
+    start = time.monotonic()
+    assert await q.move(held, "dst") == held.id
+    arrived = await asyncio.wait_for(waiter, 25)
+    assert arrived is not None and arrived.payload == "hop"
+    assert time.monotonic() - start < 15.0  # woken by the signal, not polled (30 s)
+
+
+async def test_move_many_moves_what_is_held_and_nothing_else(connect: Connect) -> None:
+    factory = await connect(poll_interval=5.0)
+    needs(factory, "reserve", "move")
+    q = await factory.queue("src")
+    dst = await factory.queue("dst")
+    await q.push_many([{"n": n} for n in range(6)])
+    held = [await q.reserve(timeout=5) for _ in range(6)]
+    assert all(m is not None for m in held)
+    messages = [m for m in held if m is not None]
+    assert await q.ok(messages[0])  # acknowledged: no longer movable
+    moved = await q.move_many(messages, "dst", headers={"stage": 2})
+    assert moved[0] is None and moved[1:] == [m.id for m in messages[1:]]
+    assert await q.total_size() == 0 and await dst.size() == 5
+    got = await dst.pop_many(10)
+    assert sorted(m.payload["n"] for m in got) == [1, 2, 3, 4, 5]
+    assert all(m.headers == {"stage": 2} and m.tries == 0 for m in got)
+    assert await q.move_many([], "dst") == []
+    with pytest.raises(aio_keuss.InvalidInputError):
+        await q.move_many(messages[0], "dst")  # type: ignore[arg-type]
+    assert (await q.stats())["commit"] == 6 and (await dst.stats())["put"] == 5
+
+
+async def test_concurrent_moves_share_round_trips_and_each_lands_once(connect: Connect) -> None:
+    factory = await connect(poll_interval=5.0)
+    needs(factory, "reserve", "move")
+    q = await factory.queue("src")
+    dst = await factory.queue("dst")
+    await q.push_many(list(range(200)))
+    held = []
+    while len(held) < 200:
+        batch = await q.reserve_many(200 - len(held), timeout=5)
+        assert batch
+        held.extend(batch)
+    moved = await asyncio.gather(*(q.move(m, "dst", payload=m.payload * 2) for m in held))
+    assert moved == [m.id for m in held]
+    again = await asyncio.gather(*(q.move(m, "dst") for m in held[:10]))  # already moved
+    assert again == [None] * 10
+    got = []
+    while len(got) < 200:
+        batch = await dst.pop_many(100, timeout=5)
+        assert batch
+        got.extend(batch)
+    assert sorted(m.payload for m in got) == [2 * n for n in range(200)]
+    assert await q.total_size() == 0
