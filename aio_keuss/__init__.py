@@ -25,6 +25,7 @@ from .errors import (
     KeussError,
     MissingDependencyError,
     NotSupportedError,
+    PipelineError,
 )
 from .factory import Factory, connect
 from .message import UNCHANGED, Message
@@ -59,6 +60,7 @@ __all__ = [
     "Message",
     "MissingDependencyError",
     "NotSupportedError",
+    "PipelineError",
     "Queue",
     "Sizes",
     "UNCHANGED",

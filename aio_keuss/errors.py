@@ -75,6 +75,13 @@ class HandlerTimeoutError(KeussError, TimeoutError):
     ko-ed like after any other handler failure)."""
 
 
+class PipelineError(ConfigError):
+    """A pipeline that cannot run as described (an unknown or repeated station, a cycle
+    with no way out when it was declared acyclic, a handler that cannot be imported), or a
+    station whose handler returned something other than a step; the message names the
+    station."""
+
+
 class ClosedError(KeussError):
     """The factory or queue was closed; open a new one to go on."""
 

@@ -4,13 +4,14 @@ and the queues opened through them."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Generator
+from collections.abc import Generator, Mapping
 from types import TracebackType
 from typing import Any
 
 from .contract import Backend
 from .errors import ClosedError, ConfigError
 from .options import QUEUE_OPTION_NAMES, DeadletterOptions, QueueOptions, check_queue_name
+from .pipeline import Pipeline
 from .queue import Queue
 from .registry import load_backend
 from .signal import LocalSignalBus, SignalBus
@@ -96,6 +97,37 @@ class Factory:
     async def list(self) -> dict[str, dict[str, Any]]:
         """Queues known to this backend (from any process) with their options."""
         return await self.stats_store.queues()
+
+    def pipeline(
+        self,
+        name: str,
+        *,
+        acyclic: bool = False,
+        queue_options: Mapping[str, Mapping[str, Any]] | None = None,
+    ) -> Pipeline:
+        """A new, empty pipeline over this factory's queues: add stations with ``link``,
+        ``choice`` and ``sink``, then ``async with pipeline.run(...)``. See
+        :mod:`aio_keuss.pipeline`."""
+        if self._closed:
+            raise ClosedError("factory is closed")
+        return Pipeline(self, name, acyclic=acyclic, queue_options=queue_options)
+
+    async def pipelines(self, *, sizes: bool = False) -> dict[str, dict[str, Any]]:
+        """Pipelines stored in this backend (by any process, when they started): their
+        topology (stations, handlers by name, queues). With ``sizes``, each also has
+        ``"sizes"``: the :class:`~aio_keuss.Sizes` of every queue it touches (which opens
+        them in this factory)."""
+        found = await self.stats_store.pipelines()
+        if sizes:
+            for topology in found.values():
+                topology["sizes"] = {
+                    name: await (await self.queue(name)).sizes() for name in topology["queues"]
+                }
+        return found
+
+    async def remove_pipeline(self, name: str) -> bool:
+        """Forget a stored pipeline topology (its queues and messages stay)."""
+        return await self.stats_store.remove_pipeline(name)
 
     async def close(self) -> None:
         """Drain and close every queue, then the stats store, signal bus and connection.

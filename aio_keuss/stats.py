@@ -21,6 +21,7 @@ that is logged once per outage (a warning), and once more (info) when a flush la
 from __future__ import annotations
 
 import asyncio
+import copy
 import logging
 from abc import ABC, abstractmethod
 from collections import defaultdict
@@ -187,6 +188,18 @@ class StatsStore(ABC):
     async def queues(self) -> dict[str, dict[str, Any]]:
         """Every recorded queue with its options."""
 
+    @abstractmethod
+    async def save_pipeline(self, name: str, topology: dict[str, Any]) -> None:
+        """Record a pipeline's topology so ``factory.pipelines()`` finds it from any process."""
+
+    @abstractmethod
+    async def pipelines(self) -> dict[str, dict[str, Any]]:
+        """Every recorded pipeline's topology, by name."""
+
+    @abstractmethod
+    async def remove_pipeline(self, name: str) -> bool:
+        """Forget a pipeline's topology (its queues stay); False if none was recorded."""
+
 
 class MemoryStats(StatsStore):
     """Stats kept in this process: the memory backend's store, and an option for any other."""
@@ -200,6 +213,7 @@ class MemoryStats(StatsStore):
         )
         self._paused: set[str] = set()
         self._options: dict[str, dict[str, Any]] = {}
+        self._pipelines: dict[str, dict[str, Any]] = {}
 
     def incr(self, queue: str, counter: str, n: int = 1) -> None:
         self._counters[queue][counter] += n
@@ -229,3 +243,12 @@ class MemoryStats(StatsStore):
 
     async def queues(self) -> dict[str, dict[str, Any]]:
         return {name: dict(opts) for name, opts in self._options.items()}
+
+    async def save_pipeline(self, name: str, topology: dict[str, Any]) -> None:
+        self._pipelines[name] = copy.deepcopy(topology)
+
+    async def pipelines(self) -> dict[str, dict[str, Any]]:
+        return {name: copy.deepcopy(self._pipelines[name]) for name in sorted(self._pipelines)}
+
+    async def remove_pipeline(self, name: str) -> bool:
+        return self._pipelines.pop(name, None) is not None

@@ -212,6 +212,14 @@ class SyncFactory:
         """Queues known to this backend (from any process) with their options."""
         return self.call(self.factory.list)
 
+    def pipelines(self, *, sizes: bool = False) -> dict[str, dict[str, Any]]:
+        """Blocking :meth:`Factory.pipelines`: the stored pipeline topologies."""
+        return self.call(functools.partial(self.factory.pipelines, sizes=sizes))
+
+    def remove_pipeline(self, name: str) -> bool:
+        """Blocking :meth:`Factory.remove_pipeline`."""
+        return self.call(self.factory.remove_pipeline, name)
+
     def close(self) -> None:
         """Close the async factory (drains its queues); the last factory stops the loop.
         Idempotent, and a no-op for a factory inherited from the parent of a fork."""
@@ -349,6 +357,16 @@ class SyncQueue:
         return self._call(
             self.queue.move, message, queue, payload=payload, headers=headers, delay=delay
         )
+
+    def move_many(
+        self,
+        messages: Sequence[Message | str],
+        queue: str,
+        *,
+        headers: Headers | None = None,
+        delay: float = 0.0,
+    ) -> list[str | None]:
+        return self._call(self.queue.move_many, messages, queue, headers=headers, delay=delay)
 
     def remove(self, message: Message | str) -> bool:
         return self._call(self.queue.remove, message)

@@ -1,4 +1,5 @@
-"""Stats in MongoDB: one document per queue in ``<prefix>_stats``.
+"""Stats in MongoDB: one document per queue in ``<prefix>_stats``; pipeline topologies in
+``<prefix>_pipelines``.
 
 ``{_id: queue, c_put: n, c_get: n, ..., paused: bool, options: {...}}``. Counters are flat
 top-level fields (not ``counters.put``): an upsert that creates a document from dotted ``$inc``
@@ -26,6 +27,7 @@ class MongoStats(StatsStore):
     def __init__(self, backend: MongoConnection) -> None:
         super().__init__()
         self._coll = backend.collection("stats")
+        self._pipelines = backend.collection("pipelines")
 
     @translated
     async def _apply(self, increments: Increments) -> None:
@@ -67,3 +69,18 @@ class MongoStats(StatsStore):
     async def queues(self) -> dict[str, dict[str, Any]]:
         docs = await self._coll.find({"options": {"$exists": True}}, {"options": 1}).to_list()
         return {doc["_id"]: dict(doc["options"]) for doc in sorted(docs, key=lambda d: d["_id"])}
+
+    @translated
+    async def save_pipeline(self, name: str, topology: dict[str, Any]) -> None:
+        await self._pipelines.update_one(
+            {"_id": name}, {"$set": {"topology": topology}}, upsert=True
+        )
+
+    @translated
+    async def pipelines(self) -> dict[str, dict[str, Any]]:
+        docs = await self._pipelines.find({}).to_list()
+        return {d["_id"]: dict(d["topology"]) for d in sorted(docs, key=lambda d: d["_id"])}
+
+    @translated
+    async def remove_pipeline(self, name: str) -> bool:
+        return (await self._pipelines.delete_one({"_id": name})).deleted_count == 1

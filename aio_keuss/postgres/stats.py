@@ -1,7 +1,7 @@
 """Stats in PostgreSQL: counters, paused flags and queue options in the backend's schema.
 
-The tables (``stats``, ``queues``) are made by the schema's migrations with the message
-table, and the statements are the ``stats_*`` blocks of ``sql/queries.sql``. Increments
+The tables (``stats``, ``queues``, ``pipelines``) are made by the schema's migrations with
+the message table, and the statements are the ``stats_*`` blocks of ``sql/queries.sql``. Increments
 are buffered by :class:`StatsStore` and written as ONE upsert per flush, whatever the number
 of queues and counters in it.
 """
@@ -58,3 +58,16 @@ class PostgresStats(StatsStore):
     async def queues(self) -> dict[str, dict[str, Any]]:
         rows = await self._db.fetch(self._sql["stats_queues"])
         return {row[0]: orjson.loads(row[1]) for row in rows}
+
+    async def save_pipeline(self, name: str, topology: dict[str, Any]) -> None:
+        await self._db.execute(
+            self._sql["stats_save_pipeline"], name, orjson.dumps(topology).decode()
+        )
+
+    async def pipelines(self) -> dict[str, dict[str, Any]]:
+        rows = await self._db.fetch(self._sql["stats_pipelines"])
+        return {row[0]: orjson.loads(row[1]) for row in rows}
+
+    async def remove_pipeline(self, name: str) -> bool:
+        done = await self._db.execute(self._sql["stats_remove_pipeline"], name)
+        return str(done).endswith(" 1")

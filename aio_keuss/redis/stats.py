@@ -1,4 +1,5 @@
-"""Stats in Redis: a HASH of counters and a paused key per queue, one HASH of queue options.
+"""Stats in Redis: a HASH of counters and a paused key per queue, one HASH of queue options, one of
+pipeline topologies.
 
 Per-queue keys carry the queue's hash tag, so in cluster mode they spread over the nodes; the
 increments of one flush go out together.
@@ -22,6 +23,7 @@ class RedisStats(StatsStore):
         super().__init__()
         self._backend = backend
         self._queues_key = f"{backend.prefix}:queues"
+        self._pipelines_key = f"{backend.prefix}:pipelines"
 
     def _counters_key(self, queue: str) -> str:
         return self._backend.key(queue, "stats")
@@ -63,3 +65,13 @@ class RedisStats(StatsStore):
     async def queues(self) -> dict[str, dict[str, Any]]:
         stored = await self._backend.hash_items(self._queues_key)
         return {name.decode(): orjson.loads(value) for name, value in stored}
+
+    async def save_pipeline(self, name: str, topology: dict[str, Any]) -> None:
+        await self._backend.execute("HSET", self._pipelines_key, name, orjson.dumps(topology))
+
+    async def pipelines(self) -> dict[str, dict[str, Any]]:
+        stored = await self._backend.hash_items(self._pipelines_key)
+        return {name.decode(): orjson.loads(value) for name, value in sorted(stored)}
+
+    async def remove_pipeline(self, name: str) -> bool:
+        return bool(await self._backend.execute("HDEL", self._pipelines_key, name))

@@ -1,4 +1,5 @@
-"""``aio-keuss worker module:function --queue jobs ...``: the command line of the worker.
+"""``aio-keuss worker module:function --queue jobs ...`` (or ``--pipeline module:build``):
+the command line of the worker.
 
 Exit codes: 0 after a clean stop (SIGTERM / SIGINT), 2 for bad settings (an unknown flag, a
 bad value, a handler that cannot be imported), 3 when the backend cannot be reached at
@@ -16,8 +17,9 @@ from collections.abc import Sequence
 from typing import Any
 
 from ..errors import ConfigError, KeussConnectionError, KeussError
+from ..loading import import_callable, import_object
 from .run import run_worker
-from .settings import WorkerSettings, import_handler, option_value, resolve
+from .settings import WorkerSettings, option_value, resolve
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_UNREACHABLE = 0, 1, 2, 3
 
@@ -42,6 +44,11 @@ def _parser() -> argparse.ArgumentParser:
     )
     add = worker.add_argument
     add("handler", nargs="?", help="module:function called with each message")
+    add(
+        "--pipeline",
+        help="run a pipeline's stations instead: module:attr (a Pipeline, a function of the "
+        "factory returning one, or a topology dict) or a .toml file describing it",
+    )
     add("--backend", help="backend name (default: memory)")
     add("--url", help="the backend's URL")
     add("--queue", action="append", dest="queues", help="a queue to consume (repeatable)")
@@ -73,6 +80,7 @@ def _flags(args: argparse.Namespace) -> dict[str, Any]:
     return {
         "config": args.config,
         "handler": args.handler,
+        "pipeline": args.pipeline,
         "backend": args.backend,
         "url": args.url,
         "queues": args.queues,
@@ -88,9 +96,11 @@ def _flags(args: argparse.Namespace) -> dict[str, Any]:
 
 
 async def _run(settings: WorkerSettings) -> None:
+    pipeline = settings.pipeline
     await run_worker(
-        import_handler(settings.handler),
+        None if pipeline else import_callable(settings.handler),
         settings.queues,
+        pipeline=pipeline or None,
         backend=settings.backend,
         concurrency=settings.concurrency,
         timeout=settings.timeout,
@@ -107,7 +117,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
         settings = resolve(_flags(args))
-        import_handler(settings.handler)  # fail before logging is set up or anything opens
+        # fail before logging is set up or anything opens
+        if settings.pipeline and not settings.pipeline.endswith(".toml"):
+            import_object(settings.pipeline, "pipeline")
+        elif not settings.pipeline:
+            import_callable(settings.handler)
     except ConfigError as exc:
         print(f"aio-keuss worker: error: {exc}", file=sys.stderr)
         return EXIT_USAGE

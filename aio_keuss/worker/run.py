@@ -16,13 +16,15 @@ import contextlib
 import logging
 import os
 import signal
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from ..consumer import Consumer, Handler
-from ..errors import InvalidInputError
+from ..errors import InvalidInputError, PipelineError
 from ..factory import Factory, connect
+from ..loading import import_object
 from ..options import check_seconds
+from ..pipeline import Pipeline, from_dict, load
 from .health import HealthServer
 
 log = logging.getLogger("aio_keuss.worker")
@@ -30,10 +32,16 @@ log = logging.getLogger("aio_keuss.worker")
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 
+PipelineSource = Pipeline | Callable[[Factory], Pipeline] | str
+"""A pipeline, a function building one from the factory, or ``module:attr`` naming either
+(or a topology dict), or the path of a TOML file describing one."""
+
+
 async def run_worker(
-    handler: Handler,
-    queues: str | Sequence[str],
+    handler: Handler | None = None,
+    queues: str | Sequence[str] = (),
     *,
+    pipeline: PipelineSource | None = None,
     factory: Factory | None = None,
     backend: str = "memory",
     concurrency: int = 1,
@@ -46,13 +54,15 @@ async def run_worker(
     stop: asyncio.Event | None = None,
     **options: Any,
 ) -> None:
-    """Consume ``queues`` with ``handler`` until SIGTERM / SIGINT (or ``stop`` is set).
+    """Consume ``queues`` with ``handler`` (or run ``pipeline``'s stations) until SIGTERM /
+    SIGINT (or ``stop`` is set).
 
     ``factory``: an open factory to use (you close it); without one, the worker connects to
     ``backend`` with ``options`` (``url=``, ``prefix=``, ...) once for the process and closes
     it at the end, so a server out of reach at start raises ``KeussConnectionError`` here.
     Each queue gets ``concurrency`` workers (see ``Queue.consume`` for ``timeout`` and
-    ``prefetch``), opened with ``queue_options``. ``grace``: seconds running handlers get to
+    ``prefetch``), opened with ``queue_options``; with ``pipeline``, each station gets
+    them unless it says otherwise. ``grace``: seconds running handlers get to
     finish once a stop is asked for. ``health_port``: serve ``/healthz`` and ``/metrics``
     there (0 picks a free port), on ``health_host``.
 
@@ -60,8 +70,13 @@ async def run_worker(
     given back. Signal handlers are installed only while it runs, in the main thread.
     """
     names = [queues] if isinstance(queues, str) else list(queues)
-    if not names or not all(isinstance(n, str) for n in names):
-        raise InvalidInputError("queues must be a queue name or a non-empty list of names")
+    if pipeline is not None:
+        if handler is not None or names:
+            raise InvalidInputError("give a pipeline, or a handler and queues, not both")
+    elif handler is None or not names or not all(isinstance(n, str) for n in names):
+        raise InvalidInputError(
+            "a handler and queues (a queue name or a non-empty list of names) are needed"
+        )
     grace = check_seconds(grace, "grace")
     if factory is None:
         own = await connect(backend, **options)
@@ -78,10 +93,20 @@ async def run_worker(
     restore = _on_signals(stop, now)
     stopped = False
     try:
-        for name in names:
-            queue = await opened.queue(name, **dict(queue_options or {}))
-            consumer = queue.consume(handler, concurrency, timeout=timeout, prefetch=prefetch)
-            consumers.append(consumer)
+        if pipeline is not None:
+            stations = _pipeline(pipeline, opened)
+            running = stations.run(concurrency, timeout=timeout, prefetch=prefetch)
+            try:
+                await running.start()
+            finally:
+                consumers.extend(running.consumers)
+            names = [f"pipeline {stations.name!r} ({', '.join(stations.queues)})"]
+        else:
+            assert handler is not None
+            for name in names:
+                queue = await opened.queue(name, **dict(queue_options or {}))
+                consumer = queue.consume(handler, concurrency, timeout=timeout, prefetch=prefetch)
+                consumers.append(consumer)
         if health_port is not None:
             health = HealthServer(lambda: consumers, health_host, health_port)
             await health.start()
@@ -106,6 +131,28 @@ async def run_worker(
             if own is not None:
                 await own.close()
     log.info("worker %d stopped", os.getpid())
+
+
+def _pipeline(source: PipelineSource, factory: Factory) -> Pipeline:
+    """The pipeline ``source`` names, built over ``factory``."""
+    if isinstance(source, str):
+        if source.endswith(".toml"):
+            return load(factory, source)
+        source = import_object(source, "pipeline", error=PipelineError)
+    if isinstance(source, Pipeline):
+        if source.factory is not factory:
+            raise PipelineError(f"pipeline {source.name!r} was built on another factory")
+        return source
+    if isinstance(source, Mapping):
+        return from_dict(factory, source)
+    if callable(source):
+        built = source(factory)
+        if isinstance(built, Mapping):
+            return from_dict(factory, built)
+        if isinstance(built, Pipeline):
+            return built
+        raise PipelineError(f"the pipeline builder returned {built!r}, not a Pipeline")
+    raise PipelineError(f"not a pipeline: {source!r}")
 
 
 async def _until(stop: asyncio.Event, consumers: Sequence[Consumer]) -> None:

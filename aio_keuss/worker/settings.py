@@ -8,16 +8,13 @@ stops the command before it connects to anything.
 
 from __future__ import annotations
 
-import importlib
 import json
 import os
-import sys
 import tomllib
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from ..consumer import Handler
 from ..errors import ConfigError
 
 ENV_PREFIX = "AIO_KEUSS_"
@@ -29,6 +26,10 @@ class WorkerSettings:
     than ``url`` (``prefix``, ``schema``, ...)."""
 
     handler: str = ""
+    pipeline: str = ""
+    """``module:attr`` of a pipeline (or a function building one from the factory, or a
+    topology dict), or the path of a ``.toml`` file describing one: run instead of
+    ``handler`` and ``queues``."""
     backend: str = "memory"
     url: str | None = None
     queues: tuple[str, ...] = ()
@@ -163,38 +164,12 @@ def resolve(flags: Mapping[str, Any], environ: Mapping[str, str] = os.environ) -
         options.update(checked.pop("options", {}))
         merged.update(checked)
     settings = WorkerSettings(**merged, options=options)
+    if settings.pipeline:
+        if settings.handler or settings.queues:
+            raise ConfigError("give --pipeline, or a handler and --queue, not both")
+        return settings
     if not settings.handler:
-        raise ConfigError("no handler: give module:function (or AIO_KEUSS_HANDLER)")
+        raise ConfigError("no handler: give module:function (or AIO_KEUSS_HANDLER), or --pipeline")
     if not settings.queues:
         raise ConfigError("no queue: give --queue NAME (or AIO_KEUSS_QUEUE)")
     return settings
-
-
-def import_handler(spec: str) -> Handler:
-    """The callable named ``module:attr`` (``attr`` may be dotted), imported with the current
-    directory on the path, as ``python -m`` would. A clear ConfigError names what failed."""
-    module_name, sep, attr = spec.partition(":")
-    if not sep or not module_name or not attr:
-        raise ConfigError(f"handler must be module:function, like myapp.jobs:handle, not {spec!r}")
-    if "" not in sys.path and os.getcwd() not in sys.path:
-        sys.path.insert(0, os.getcwd())
-    try:
-        target: Any = importlib.import_module(module_name)
-    except ImportError as exc:
-        if isinstance(exc, ModuleNotFoundError) and exc.name and module_name.startswith(exc.name):
-            raise ConfigError(f"handler {spec!r}: no module named {exc.name!r}") from exc
-        raise ConfigError(f"handler {spec!r}: importing {module_name!r} failed: {exc}") from exc
-    except Exception as exc:  # the module itself raised (a syntax error, a bad setting...)
-        raise ConfigError(f"handler {spec!r}: importing {module_name!r} raised {exc!r}") from exc
-    for part in attr.split("."):
-        try:
-            target = getattr(target, part)
-        except AttributeError:
-            raise ConfigError(
-                f"handler {spec!r}: {getattr(target, '__name__', target)!r} has no attribute"
-                f" {part!r}"
-            ) from None
-    if not callable(target):
-        raise ConfigError(f"handler {spec!r} is not callable: {target!r}")
-    handler: Callable[..., Any] = target
-    return handler

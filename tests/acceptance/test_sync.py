@@ -15,6 +15,7 @@ from backends import CASES, BackendCase, new_token
 
 import aio_keuss
 from aio_keuss import sync
+from aio_keuss.pipeline import Forward
 
 SYNC_IDS = ("memory", "redis-oq", "postgres")
 
@@ -165,6 +166,29 @@ def test_mirror_of_the_queue_api(options: tuple[str, dict[str, Any]]) -> None:
         assert list(it) == []
         assert time.monotonic() - started < 10
         timer.join()
+
+
+@on_backends
+def test_mirror_of_move_and_stored_pipelines(options: tuple[str, dict[str, Any]]) -> None:
+    backend, opts = options
+    with sync.connect(backend, **opts) as factory:
+        if not factory.capabilities.move:
+            pytest.skip("this backend does not move")
+        src, dst = factory.queue("src"), factory.queue("dst")
+        src.push_many([1, 2, 3])
+        held = src.reserve_many(3, timeout=1)
+        assert src.move(held[0], "dst", payload=10) == held[0].id
+        assert src.move_many(held, "dst") == [None, held[1].id, held[2].id]
+        assert sorted(m.payload for m in dst.pop_many(5, timeout=1)) == [2, 3, 10]
+        pipeline = factory.factory.pipeline("mirrored").link("src", "dst", _forward)
+        factory.call(pipeline.save)
+        assert factory.pipelines()["mirrored"]["queues"] == ["src", "dst"]
+        assert factory.remove_pipeline("mirrored") is True
+        assert factory.pipelines() == {}
+
+
+async def _forward(message: Any) -> Any:
+    return Forward()
 
 
 @on_backends

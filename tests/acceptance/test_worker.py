@@ -279,6 +279,18 @@ def test_a_handler_that_cannot_be_imported_is_named(workdir: Path, handler: str,
     assert says in worker.output
 
 
+def test_a_pipeline_that_cannot_be_built_is_named(workdir: Path) -> None:
+    worker = Worker(workdir, "--pipeline", "jobs:no_pipeline")
+    assert worker.finish() == 2
+    assert "pipeline 'jobs:no_pipeline'" in worker.output and "no_pipeline" in worker.output
+    (workdir / "etl.toml").write_text(
+        'name = "etl"\n[[stations]]\nname = "check"\nfrom = "in"\nhandler = "jobs:gone"\n'
+    )
+    worker = Worker(workdir, "--pipeline", "etl.toml")
+    assert worker.finish() == 2
+    assert "station 'check'" in worker.output and "no attribute 'gone'" in worker.output
+
+
 def test_a_dotted_handler_and_settings_from_the_environment_and_a_file(
     workdir: Path, workers: list[Worker]
 ) -> None:

@@ -9,9 +9,10 @@ from pathlib import Path
 import pytest
 
 import aio_keuss
-from aio_keuss import HandlerTimeoutError, KoResult, Message
+from aio_keuss import HandlerTimeoutError, KoResult, Message, PipelineError
 from aio_keuss.errors import ConfigError, InvalidInputError
 from aio_keuss.metrics import Histogram, QueueMetrics, prometheus_text
+from aio_keuss.pipeline import Forward, Pipeline
 from aio_keuss.worker.settings import resolve
 
 
@@ -169,3 +170,38 @@ def test_prometheus_text_has_cumulative_buckets() -> None:
     assert 'x_handler_duration_seconds_count{queue="a\\"b"} 4' in text
     assert 'x_consumer_up{queue="a\\"b"} 1' in text
     assert KoResult.ROLLED_BACK  # the counters follow ko's outcome
+
+
+async def test_run_worker_runs_a_pipeline_until_asked_to_stop() -> None:
+    async with aio_keuss.connect("memory") as factory:
+        await (await factory.queue("in")).push_many([1, 2, 3])
+        stop = asyncio.Event()
+        ended: list[int] = []
+
+        async def double(message: Message) -> Forward:
+            return Forward(payload=message.payload * 2)
+
+        async def end(message: Message) -> None:
+            ended.append(message.payload)
+            if len(ended) == 3:
+                stop.set()
+
+        def build(opened: aio_keuss.Factory) -> Pipeline:
+            return opened.pipeline("doubling").link("in", "out", double).sink("out", end)
+
+        await asyncio.wait_for(
+            aio_keuss.run_worker(pipeline=build, factory=factory, stop=stop, concurrency=2), 60
+        )
+        assert sorted(ended) == [2, 4, 6]
+        assert list(await factory.pipelines()) == ["doubling"]
+        with pytest.raises(InvalidInputError, match="not both"):
+            await aio_keuss.run_worker(end, ["in"], pipeline=build, factory=factory)
+        with pytest.raises(PipelineError, match="no module named 'nowhere_x'"):
+            await aio_keuss.run_worker(pipeline="nowhere_x:build", factory=factory)
+
+
+def test_settings_take_a_pipeline_instead_of_a_handler() -> None:
+    assert resolve({"pipeline": "etl:build"}, {}).pipeline == "etl:build"
+    assert resolve({}, {"AIO_KEUSS_PIPELINE": "etl.toml"}).pipeline == "etl.toml"
+    with pytest.raises(ConfigError, match="not both"):
+        resolve({"pipeline": "etl:build", "handler": "m:f", "queues": ["q"]}, {})

@@ -256,6 +256,16 @@ ON CONFLICT (queue) DO UPDATE SET options = EXCLUDED.options
 -- name: stats_queues
 SELECT queue, options::text FROM {s}.queues ORDER BY queue
 
+-- name: stats_save_pipeline
+INSERT INTO {s}.pipelines (name, topology) VALUES ($1, $2::text::jsonb)
+ON CONFLICT (name) DO UPDATE SET topology = EXCLUDED.topology, saved_at = clock_timestamp()
+
+-- name: stats_pipelines
+SELECT name, topology::text FROM {s}.pipelines ORDER BY name
+
+-- name: stats_remove_pipeline
+DELETE FROM {s}.pipelines WHERE name = $1
+
 -- The signal bus ----------------------------------------------------------------------
 
 -- name: signal_notify

@@ -1,0 +1,288 @@
+"""``factory.pipeline(name)``: stations linked into a pipeline, run like ``consume()``.
+
+Each station is a consumer of its input queue whose handler's answer is settled in one
+atomic step: forwarded with ``Queue.move`` (the message leaves the input and enters the next
+queue together, with a new payload if the handler gave one) or acknowledged. A crash
+anywhere leaves every message in exactly one queue: the one it was in (to be handled
+again, at-least-once for the handler) or the next one, never both and never neither.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+from collections.abc import Mapping, Sequence
+from types import TracebackType
+from typing import TYPE_CHECKING, Any
+
+from ..consumer import Consumer, ConsumerStatus, Handler
+from ..contract import Move
+from ..errors import InvalidInputError, NotSupportedError, PipelineError
+from ..message import Message
+from ..options import check_queue_name
+from . import graph
+from .links import ChoiceLink, DirectLink, Link, Sink, StationSettings
+from .steps import Settlement
+
+if TYPE_CHECKING:
+    from ..factory import Factory
+    from ..queue import Queue
+
+STATION_SETTINGS = frozenset(StationSettings.__dataclass_fields__)
+
+
+class Pipeline:
+    """Stations over the queues of one factory. Build it with :meth:`link`, :meth:`choice`
+    and :meth:`sink` (each returns the pipeline, so calls chain), then ``async with
+    pipeline.run(concurrency=...)``. ``acyclic``: refuse topologies with a cycle.
+    ``queue_options``: options of the queues by name (``max_ko``, ``reserve_delay``...),
+    used when the run opens them."""
+
+    def __init__(
+        self,
+        factory: Factory,
+        name: str,
+        *,
+        acyclic: bool = False,
+        queue_options: Mapping[str, Mapping[str, Any]] | None = None,
+    ) -> None:
+        if not isinstance(name, str) or not name:
+            raise PipelineError(f"a pipeline name must be a non-empty str, not {name!r}")
+        self.factory = factory
+        self.name = name
+        self.acyclic = acyclic
+        self.queue_options = {
+            check_queue_name(q): dict(o) for q, o in (queue_options or {}).items()
+        }
+        self._links: list[Link] = []
+
+    def __repr__(self) -> str:
+        return f"<Pipeline {self.name!r}: {len(self._links)} stations>"
+
+    @property
+    def links(self) -> tuple[Link, ...]:
+        return tuple(self._links)
+
+    @property
+    def queues(self) -> list[str]:
+        """Every queue the pipeline touches, inputs first, in the order they were added."""
+        found: dict[str, None] = {}
+        for link in self._links:
+            found[link.source] = None
+        for link in self._links:
+            found.update(dict.fromkeys(link.destinations))
+        return list(found)
+
+    def add(self, link: Link) -> Pipeline:
+        """Add a station built by hand (:class:`DirectLink`, :class:`ChoiceLink`, :class:`Sink`)."""
+        if not isinstance(link, Link):
+            raise PipelineError(f"pipeline {self.name!r}: expected a Link, not {link!r}")
+        graph.check(self.name, [*self._links, link], acyclic=False)
+        self._links.append(link)
+        return self
+
+    def link(
+        self, source: str, destination: str, handler: Handler, *, name: str = "", **settings: Any
+    ) -> Pipeline:
+        """A station taking ``source``'s messages on to ``destination``."""
+        return self.add(
+            DirectLink(
+                source,
+                destination,
+                handler,
+                name=name,
+                settings=_settings(settings, name or source),
+            )
+        )
+
+    def choice(
+        self,
+        source: str,
+        destinations: Sequence[str],
+        handler: Handler,
+        *,
+        name: str = "",
+        **settings: Any,
+    ) -> Pipeline:
+        """A station sending each message to the one of ``destinations`` its handler picks."""
+        return self.add(
+            ChoiceLink(
+                source,
+                destinations,
+                handler,
+                name=name,
+                settings=_settings(settings, name or source),
+            )
+        )
+
+    def sink(self, source: str, handler: Handler, *, name: str = "", **settings: Any) -> Pipeline:
+        """A station where messages end: acknowledged once its handler returns."""
+        return self.add(
+            Sink(source, handler, name=name, settings=_settings(settings, name or source))
+        )
+
+    def validate(self) -> None:
+        """Raise :class:`PipelineError` when the pipeline cannot run as built."""
+        graph.check(self.name, self._links, self.acyclic)
+
+    def topology(self) -> dict[str, Any]:
+        """The pipeline as plain data (what is stored in the backend and what
+        :func:`from_dict` reads back, with handlers named ``module:function``)."""
+        return {
+            "name": self.name,
+            "acyclic": self.acyclic,
+            "stations": [_station_doc(link) for link in self._links],
+            "queues": self.queues,
+            "queue_options": self.queue_options,
+        }
+
+    async def save(self) -> None:
+        """Store the topology in the backend, where any process can list it
+        (``factory.pipelines()``); ``run`` does it when it starts."""
+        self.validate()
+        await self.factory.stats_store.save_pipeline(self.name, self.topology())
+
+    def run(
+        self,
+        concurrency: int = 1,
+        *,
+        timeout: float | None = None,
+        prefetch: int = 0,
+        retry_delay: float = 1.0,
+        max_retry_delay: float = 60.0,
+    ) -> PipelineRun:
+        """Start every station (``async with``, or ``await run.start()``): each with
+        ``concurrency`` workers unless it says otherwise; the other arguments are those
+        of ``Queue.consume``, again per station unless it says otherwise."""
+        defaults = StationSettings(concurrency, timeout, prefetch, retry_delay, max_retry_delay)
+        return PipelineRun(self, defaults)
+
+
+class PipelineRun:
+    """The running stations of a pipeline; stop it like a consumer."""
+
+    def __init__(self, pipeline: Pipeline, defaults: StationSettings) -> None:
+        self.pipeline = pipeline
+        self.defaults = defaults
+        self.consumers: list[Consumer] = []
+        self._started = False
+
+    async def start(self) -> PipelineRun:
+        """Check the pipeline, open its queues, store its topology and start its stations."""
+        if self._started:
+            raise PipelineError(f"pipeline {self.pipeline.name!r} is already running")
+        self._started = True
+        pipeline = self.pipeline
+        pipeline.validate()
+        factory = pipeline.factory
+        if not factory.capabilities.move:
+            hint = ""
+            if getattr(factory.backend, "cluster", False):
+                hint = " (on Redis Cluster, connect with hash_tag= to keep its queues in one slot)"
+            raise NotSupportedError(
+                f"pipeline {pipeline.name!r}: backend {factory.backend_name!r} cannot move a "
+                f"message between queues atomically{hint}"
+            )
+        queues: dict[str, Queue] = {}
+        for name in pipeline.queues:
+            queues[name] = await factory.queue(name, **pipeline.queue_options.get(name, {}))
+        await pipeline.save()
+        try:
+            for link in pipeline.links:
+                settings = {**self.defaults.given(), **link.settings.given()}
+                handler, settle = _station(link, queues[link.source])
+                try:
+                    consumer = queues[link.source]._start_consumer(
+                        handler, settle=settle, **settings
+                    )
+                except InvalidInputError as exc:
+                    raise PipelineError(f"station {link.name!r}: {exc}") from exc
+                self.consumers.append(consumer)
+        except BaseException:
+            await self.stop(0.0)
+            raise
+        return self
+
+    async def stop(self, grace: float | None = 30.0) -> None:
+        """Stop every station: no new messages; running handlers get ``grace`` seconds,
+        then are cancelled and their messages given back (costing no try)."""
+        await asyncio.gather(*(consumer.stop(grace) for consumer in self.consumers))
+
+    async def wait(self) -> None:
+        """Until every station has stopped."""
+        for consumer in self.consumers:
+            await consumer.wait()
+
+    def status(self) -> list[ConsumerStatus]:
+        return [consumer.status() for consumer in self.consumers]
+
+    async def __aenter__(self) -> PipelineRun:
+        return await self.start()
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.stop()
+
+
+def _settings(given: Mapping[str, Any], station: str) -> StationSettings:
+    unknown = set(given) - STATION_SETTINGS
+    if unknown:
+        raise PipelineError(
+            f"station {station!r}: unknown setting(s) {sorted(unknown)}; "
+            f"known: {sorted(STATION_SETTINGS)}"
+        )
+    return StationSettings(**given)
+
+
+def _station_doc(link: Link) -> dict[str, Any]:
+    handler = link.handler_spec or _spec_of(link.handler)
+    doc: dict[str, Any] = {"name": link.name, "kind": link.kind, "from": link.source}
+    if link.destinations:
+        doc["to"] = list(link.destinations)
+    doc["handler"] = handler
+    doc.update(link.settings.given())
+    return doc
+
+
+def _spec_of(handler: Handler) -> str:
+    module = getattr(handler, "__module__", None) or "?"
+    qualname = getattr(handler, "__qualname__", None) or type(handler).__qualname__
+    return f"{module}:{qualname}"
+
+
+def _station(link: Link, queue: Queue) -> tuple[Handler, Any]:
+    """The consumer handler (the user's, its answer checked into a move plan, so a bad answer
+    fails like an exception: ko, retried, deadlettered) and the settle that carries it out."""
+    user = link.handler
+    settle_answer = link.settle
+
+    async def handle(message: Message) -> Move | None:
+        result = user(message)
+        if inspect.isawaitable(result):
+            result = await result
+        settlement: Settlement = settle_answer(result)
+        if settlement.destination is None:
+            return None
+        try:
+            return queue._move_plan(
+                message,
+                settlement.destination,
+                settlement.payload,
+                settlement.headers,
+                settlement.delay,
+            )
+        except PipelineError:
+            raise
+        except Exception as exc:  # a payload or headers that cannot be stored
+            raise PipelineError(f"station {link.name!r}: cannot forward: {exc}") from exc
+
+    async def settle(message: Message, plan: Move | None) -> Any:
+        if plan is None:
+            return await queue.ok(message)
+        return await queue._submit_move(plan)
+
+    return handle, settle

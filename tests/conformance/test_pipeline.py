@@ -1,0 +1,271 @@
+"""Conformance: pipelines (stations that move messages on atomically) on every backend that
+claims ``move``; the others refuse them. Time bounds are generous functional limits."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import textwrap
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import Connect, needs
+
+import aio_keuss
+from aio_keuss import Message
+from aio_keuss.pipeline import Drop, Forward, from_dict, load
+
+pytestmark = pytest.mark.timeout(120)
+
+
+async def _until(check: Callable[[], Any], seconds: float = 60.0) -> None:
+    """Wait for ``check()`` to hold (polled; a generous bound, not a timing assertion)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + seconds
+    while not await check() if asyncio.iscoroutinefunction(check) else not check():
+        assert loop.time() < deadline, "the pipeline did not get there in time"
+        await asyncio.sleep(0.02)
+
+
+async def test_a_pipeline_takes_every_message_through_its_stations(connect: Connect) -> None:
+    factory = await connect(poll_interval=5.0)
+    needs(factory, "move")
+    stored: list[Message] = []
+
+    def validate(message: Message) -> Forward:  # a plain function works too
+        return Forward(to="valid" if message.payload["n"] % 4 else 1)
+
+    async def enrich(message: Message) -> Forward:
+        return Forward(payload={**message.payload, "rich": True}, headers={"enriched": True})
+
+    async def store(message: Message) -> None:
+        stored.append(message)
+
+    pipeline = (
+        factory.pipeline("orders", acyclic=True)
+        .choice("incoming", ["valid", "rejected"], validate)
+        .link("valid", "enriched", enrich)
+        .sink("enriched", store, concurrency=2)
+    )
+    incoming = await factory.queue("incoming")
+    rejected = await factory.queue("rejected")
+    await incoming.push_many([{"n": n} for n in range(40)], headers={"origin": "web"})
+
+    async def done() -> bool:
+        return len(stored) == 30 and await rejected.size() == 10
+
+    async with pipeline.run(concurrency=3) as running:
+        await _until(done)
+        assert [s.state for s in running.status()] == ["running"] * 3
+    assert sorted(m.payload["n"] for m in stored) == [n for n in range(40) if n % 4]
+    assert all(m.payload["rich"] for m in stored)
+    assert all(m.headers == {"origin": "web", "enriched": True} for m in stored)
+    assert all(m.tries == 0 for m in stored)  # each station's delivery starts afresh
+    assert await rejected.size() == 10  # no station consumes it: an end of the pipeline
+    for name in ("incoming", "valid", "enriched"):
+        assert await (await factory.queue(name)).total_size() == 0
+    assert (await incoming.stats())["commit"] == 40
+
+
+async def test_a_station_that_fails_retries_with_backoff_then_deadletters(
+    connect: Connect,
+) -> None:
+    factory = await connect(poll_interval=5.0, deadletter={"max_ko": 2})
+    needs(factory, "move")
+    attempts: dict[Any, int] = {}
+
+    async def flaky(message: Message) -> Forward:
+        n = message.payload
+        attempts[n] = attempts.get(n, 0) + 1
+        if n == "poison" or attempts[n] == 1:
+            raise RuntimeError(f"cannot handle {n} yet")
+        return Forward()
+
+    pipeline = factory.pipeline("retrying").link("in", "out", flaky)
+    await (await factory.queue("in")).push_many(["a", "b", "poison"])
+    out = await factory.queue("out")
+    dead = await factory.queue("__deadletter__")
+    async with pipeline.run(retry_delay=0.01, max_retry_delay=0.05):
+
+        async def settled() -> bool:
+            return await out.size() == 2 and await dead.size() == 1
+
+        await _until(settled)
+    assert attempts == {"a": 2, "b": 2, "poison": 3}
+    left = await dead.pop(timeout=5)
+    assert left is not None and left.payload == "poison"
+
+
+async def test_a_bad_answer_is_a_pipeline_error_naming_the_station(
+    connect: Connect, caplog: pytest.LogCaptureFixture
+) -> None:
+    factory = await connect(poll_interval=5.0, deadletter={"max_ko": 1})
+    needs(factory, "move")
+
+    async def confused(message: Message) -> Any:
+        if message.payload == "number":
+            return 42
+        if message.payload == "elsewhere":
+            return Forward(to="nowhere")
+        return Forward(to=0, payload=float("nan"))  # cannot be stored
+
+    pipeline = factory.pipeline("confused").choice("in", ["left", "right"], confused, name="picker")
+    await (await factory.queue("in")).push_many(["number", "elsewhere", "nan"])
+    dead = await factory.queue("__deadletter__")
+    with caplog.at_level(logging.DEBUG, logger="aio_keuss"):
+        async with pipeline.run(retry_delay=0.01, max_retry_delay=0.02):
+
+            async def all_dead() -> bool:
+                return await dead.size() == 3
+
+            await _until(all_dead)
+    text = "\n".join(
+        r.getMessage() + repr(r.exc_info[1] if r.exc_info else None) for r in caplog.records
+    )
+    assert "PipelineError" in text
+    assert "station 'picker'" in text
+    for queue in ("left", "right"):
+        assert await (await factory.queue(queue)).total_size() == 0
+
+
+async def test_drop_ends_a_message_anywhere_and_a_cycle_can_be_left(connect: Connect) -> None:
+    factory = await connect(poll_interval=5.0)
+    needs(factory, "move")
+    laps: list[int] = []
+
+    async def around(message: Message) -> Any:
+        laps.append(message.payload)
+        if message.payload >= 3:
+            return Drop
+        return Forward(payload=message.payload + 1)
+
+    async def back(message: Message) -> Forward:
+        return Forward()
+
+    pipeline = factory.pipeline("loop").link("a", "b", around).link("b", "a", back)
+    await (await factory.queue("a")).push(0)
+    async with pipeline.run():
+        await _until(lambda: laps[-1:] == [3])
+    assert laps == [0, 1, 2, 3]
+    for name in ("a", "b"):
+        assert await (await factory.queue(name)).total_size() == 0
+
+
+async def test_the_topology_is_stored_for_every_process(connect: Connect, case: Any) -> None:
+    factory = await connect(poll_interval=5.0)
+    needs(factory, "move")
+    pipeline = (
+        factory.pipeline("etl", queue_options={"raw": {"reserve_delay": 45}})
+        .link("raw", "clean", _forward, concurrency=4)
+        .sink("clean", _forward_nothing)
+    )
+    await (await factory.queue("raw", reserve_delay=45)).push("r")
+    async with pipeline.run():
+        pass
+    other = await connect(poll_interval=5.0) if case.shared else factory
+    listed = await other.pipelines(sizes=True)
+    assert list(listed) == ["etl"]
+    etl = listed["etl"]
+    assert etl["queues"] == ["raw", "clean"]
+    assert etl["stations"][0] == {
+        "name": "raw",
+        "kind": "direct",
+        "from": "raw",
+        "to": ["clean"],
+        "handler": f"{__name__}:_forward",
+        "concurrency": 4,
+    }
+    assert etl["queue_options"] == {"raw": {"reserve_delay": 45}}
+    assert set(etl["sizes"]) == {"raw", "clean"}
+    assert await other.remove_pipeline("etl") and not await other.remove_pipeline("etl")
+    assert await factory.pipelines() == {}
+
+
+async def _forward(message: Message) -> Forward:
+    return Forward()
+
+
+async def _forward_nothing(message: Message) -> None:
+    return None
+
+
+async def test_a_declared_pipeline_runs_from_a_toml_file(
+    connect: Connect, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    factory = await connect(poll_interval=5.0)
+    needs(factory, "move")
+    token = tmp_path.name.replace("-", "_")
+    (tmp_path / f"stations_{token}.py").write_text(
+        textwrap.dedent(
+            """
+            from aio_keuss.pipeline import Drop, Forward
+
+            seen = []
+
+            def triage(message):
+                return Forward(to="big" if message.payload > 9 else "small")
+
+            async def double(message):
+                return Forward(payload=message.payload * 2)
+
+            async def keep(message):
+                seen.append(message.payload)
+            """
+        )
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    spec = tmp_path / "orders.toml"
+    spec.write_text(
+        textwrap.dedent(
+            f"""
+            [pipeline]
+            name = "declared"
+            acyclic = true
+
+            [[pipeline.stations]]
+            from = "numbers"
+            to = ["big", "small"]
+            handler = "stations_{token}:triage"
+
+            [[pipeline.stations]]
+            name = "doubler"
+            from = "small"
+            to = "doubled"
+            handler = "stations_{token}:double"
+            concurrency = 2
+
+            [[pipeline.stations]]
+            from = "doubled"
+            handler = "stations_{token}:keep"
+            """
+        )
+    )
+    pipeline = load(factory, str(spec))
+    assert [link.kind for link in pipeline.links] == ["choice", "direct", "sink"]
+    await (await factory.queue("numbers")).push_many(list(range(15)))
+    module = __import__(f"stations_{token}")
+    big = await factory.queue("big")
+
+    async def done() -> bool:
+        return len(module.seen) == 10 and await big.size() == 5
+
+    async with pipeline.run():
+        await _until(done)
+    assert sorted(module.seen) == [2 * n for n in range(10)]
+    stored = (await factory.pipelines())["declared"]
+    assert stored["stations"][1]["handler"] == f"stations_{token}:double"
+    assert from_dict(factory, stored).topology()["stations"] == stored["stations"]
+
+
+async def test_backends_that_cannot_move_refuse_pipelines(connect: Connect, case: Any) -> None:
+    factory = await connect(poll_interval=5.0)
+    if factory.capabilities.move:
+        pytest.skip("this backend moves atomically")
+    pipeline = factory.pipeline("nope").link("a", "b", _forward).sink("b", _forward_nothing)
+    says = "hash_tag=" if "cluster" in case.id else "cannot move"
+    with pytest.raises(aio_keuss.NotSupportedError, match=f"'nope'.*{says}"):
+        async with pipeline.run():
+            pass
+    assert await factory.pipelines() == {}  # refused before anything was stored

@@ -1,0 +1,124 @@
+"""Pipelines refused before they run, with errors naming the station (memory backend)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+import aio_keuss
+from aio_keuss import Message, PipelineError
+from aio_keuss.pipeline import ChoiceLink, DirectLink, Drop, Forward, Sink, from_dict
+
+
+async def _noop(message: Message) -> Any:
+    return Forward()
+
+
+@pytest.fixture
+async def factory() -> Any:
+    async with aio_keuss.connect("memory") as opened:
+        yield opened
+
+
+async def test_a_cycle_is_refused_when_declared_acyclic(factory: aio_keuss.Factory) -> None:
+    pipeline = (
+        factory.pipeline("loop", acyclic=True)
+        .link("a", "b", _noop)
+        .choice("b", ["c", "a"], _noop, name="router")
+        .sink("c", _noop)
+    )
+    with pytest.raises(PipelineError, match=r"acyclic.*'(router|a)'.*a -> b -> a|b -> a -> b"):
+        pipeline.validate()
+    with pytest.raises(PipelineError, match="acyclic"):
+        async with pipeline.run():
+            pass
+    factory.pipeline("loop-ok").link("a", "b", _noop).link("b", "a", _noop).validate()
+
+
+async def test_stations_competing_or_named_twice_are_refused(factory: aio_keuss.Factory) -> None:
+    pipeline = factory.pipeline("p").link("a", "b", _noop, name="first")
+    with pytest.raises(PipelineError, match="'first' and 'second' both consume 'a'"):
+        pipeline.link("a", "c", _noop, name="second")
+    with pytest.raises(PipelineError, match="two stations are named 'first'"):
+        pipeline.sink("b", _noop, name="first")
+    with pytest.raises(PipelineError, match=r"station 'x'.*its own input"):
+        pipeline.link("x", "x", _noop)
+    with pytest.raises(PipelineError, match="station 'bad name'"):
+        pipeline.link("bad name", "y", _noop)
+    with pytest.raises(PipelineError, match=r"station 'c'.*unknown setting"):
+        pipeline.sink("c", _noop, concurency=3)
+    with pytest.raises(PipelineError, match=r"station 'd'.*non-empty list"):
+        pipeline.choice("d", "e", _noop)
+    with pytest.raises(PipelineError, match=r"station 'f'.*callable"):
+        pipeline.sink("f", "module:function")  # type: ignore[arg-type]
+    with pytest.raises(PipelineError, match="no stations"):
+        factory.pipeline("empty").validate()
+
+
+def test_each_link_checks_what_its_handler_returned() -> None:
+    direct = DirectLink("a", "b", _noop, name="step")
+    assert direct.settle(Forward()).destination == "b"
+    assert direct.settle(Forward(to="b", delay=2)).delay == 2
+    assert direct.settle(Drop).destination is None
+    with pytest.raises(PipelineError, match=r"station 'step'.*returned 42"):
+        direct.settle(42)
+    with pytest.raises(PipelineError, match=r"station 'step'.*forwarded to 'c'"):
+        direct.settle(Forward(to="c"))
+    choice = ChoiceLink("a", ["b", "c"], _noop)
+    assert choice.settle(Forward(to=1)).destination == "c"
+    assert choice.settle(Forward(to="b")).destination == "b"
+    for wrong in (Forward(), Forward(to=2), Forward(to=True), Forward(to="d"), None):
+        with pytest.raises(PipelineError, match="station 'a'"):
+            choice.settle(wrong)
+    sink = Sink("z", _noop)
+    assert sink.settle(None).destination is None and sink.settle(Drop).destination is None
+    with pytest.raises(PipelineError, match=r"station 'z'.*a sink forwards nothing"):
+        sink.settle(Forward())
+
+
+async def test_descriptions_are_checked_and_name_the_station(factory: aio_keuss.Factory) -> None:
+    good = {"name": "p", "stations": [{"from": "a", "handler": f"{__name__}:_noop"}]}
+    assert [link.kind for link in from_dict(factory, good).links] == ["sink"]
+    cases = [
+        ({"stations": []}, "name"),
+        ({"name": "p", "stations": []}, "non-empty list"),
+        ({"name": "p", "stations": [{"from": "a"}], "extra": 1}, "unknown key"),
+        ({"name": "p", "stations": [{"from": "a"}]}, "station 'a'.*handler"),
+        (
+            {"name": "p", "stations": [{"from": "a", "handler": "no_such_module_x:f"}]},
+            "station 'a'.*no module named 'no_such_module_x'",
+        ),
+        (
+            {"name": "p", "stations": [{"from": "a", "handler": f"{__name__}:missing"}]},
+            "station 'a'.*has no attribute 'missing'",
+        ),
+        (
+            {"name": "p", "stations": [{"from": "a", "handler": "os:sep"}]},
+            "station 'a'.*not callable",
+        ),
+        (
+            {"name": "p", "stations": [{"from": "a", "to": 3, "handler": f"{__name__}:_noop"}]},
+            "station 'a'.*list of queue names",
+        ),
+        (
+            {
+                "name": "p",
+                "stations": [{"from": "a", "kind": "fan", "handler": f"{__name__}:_noop"}],
+            },
+            "station 'a'.*kind must be",
+        ),
+        (
+            {"name": "p", "stations": [{"name": "s", "from": "a", "handler": "print()"}]},
+            "station 's'.*module:function",
+        ),
+    ]
+    for doc, says in cases:
+        with pytest.raises(PipelineError, match=says):
+            from_dict(factory, doc)
+
+
+async def test_a_closed_factory_makes_no_pipeline(factory: aio_keuss.Factory) -> None:
+    await factory.close()
+    with pytest.raises(aio_keuss.ClosedError):
+        factory.pipeline("late")
