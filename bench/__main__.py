@@ -5,7 +5,10 @@ asyncio's own loop; ``--loop asyncio`` forces the latter.
 
 Rows (msgs/s): push, pop, and push then reserve+ok with 3 concurrent clients (Keuss's table,
 100,000 messages), the same with 32 clients, bulk push_many / reserve_many of 1,000, and the
-push -> consume latency (p50 / p99) at a low rate. Each row runs on a fresh queue. Progress
+push -> consume latency (p50 / p99) at a low rate. On backends that move atomically, a
+3-station pipeline with no-op handlers (``pipeline.run``, 3 and 32 workers per station),
+beside the same flow done by hand with ``consume`` handlers that push to the next queue
+(reserve + push + ok, not atomic). Each row runs on fresh queues. Progress
 goes to stderr; the table (or, with --json, one JSON record per row) to stdout.
 """
 
@@ -13,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import os
 import platform
@@ -26,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 import aio_keuss
+from aio_keuss.pipeline import Forward
 
 # Keuss 2.0.6 on this machine kind, from ../shared/PERFORMANCE.md: push, pop, reserve+commit.
 KEUSS: dict[str, tuple[int | None, int | None, int | None]] = {
@@ -48,6 +53,7 @@ DEFAULT_OPTIONS: dict[str, dict[str, Any]] = {
     "mongo-history": {"url": "mongodb://127.0.0.1:27017", "database": "akbench"},
     "bucket-mongo": {"url": "mongodb://127.0.0.1:27017", "database": "akbench"},
 }
+PIPELINE_MESSAGES = 10_000
 PAYLOAD = {"id": 0, "user": "someone@example.com", "items": [1, 2, 3], "note": "x" * 120}
 
 
@@ -135,6 +141,11 @@ class Bench:
             await self.bulk(factory, caps)
             progress(f"{self.backend}: latency at a low rate")
             await self.latency(factory, caps, latency_messages)
+            if caps.move:
+                for clients in client_counts:
+                    progress(f"{self.backend}: 3-station pipeline, {clients} workers each")
+                    await self.pipeline(factory, clients, atomic=True)
+                    await self.pipeline(factory, clients, atomic=False)
 
     async def push(self, q: aio_keuss.Queue, clients: int, name: str, keuss: int | None) -> None:
         async def work(share: int) -> int:
@@ -231,6 +242,41 @@ class Bench:
             p50_ms=round(cuts[49] * 1000, 3),
             p99_ms=round(cuts[98] * 1000, 3),
         )
+
+    async def pipeline(self, factory: aio_keuss.Factory, workers: int, atomic: bool) -> None:
+        """Messages/s through three stations into a fourth queue, timed from the start of
+        the stations until the last message arrives (the producer pushed them before)."""
+        total = min(self.messages, PIPELINE_MESSAGES)
+        queues = [await self.fresh_queue(factory) for _ in range(4)]
+        await queues[0].push_many([PAYLOAD] * total)
+
+        async def forward(message: aio_keuss.Message) -> Forward:
+            return Forward()
+
+        def by_hand(next_queue: aio_keuss.Queue) -> Callable[[aio_keuss.Message], Awaitable[None]]:
+            async def handler(message: aio_keuss.Message) -> None:
+                await next_queue.push(message.payload)  # the consumer oks after this
+
+            return handler
+
+        start = time.perf_counter()
+        if atomic:
+            pipeline = factory.pipeline(f"bench-{self._run}-{self._queue_no}")
+            for source, destination in itertools.pairwise(queues):
+                pipeline.link(source.name, destination.name, forward)
+            running: Any = await pipeline.run(workers).start()
+        else:
+            running = [
+                source.consume(by_hand(destination), workers)
+                for source, destination in itertools.pairwise(queues)
+            ]
+        while await queues[3].size() < total:  # noqa: ASYNC110 (the server's count is the truth)
+            await asyncio.sleep(0.01)
+        seconds = time.perf_counter() - start
+        for stopping in running.consumers if atomic else running:
+            await stopping.stop()
+        name = "pipeline 3 moves" if atomic else "pipeline 3 push+ok"
+        self.record(name, workers, total, seconds)
 
 
 def print_table(rows: list[Row], loop: str) -> None:
