@@ -51,6 +51,7 @@ class StatsStore(ABC):
         self._flushing = False  # the flusher is writing a batch (or waiting for its turn)
         self._failing = False  # the last flush failed: an outage was already reported
         self._dirty = asyncio.Event()  # set whenever the buffer holds something
+        self._local_pipelines: dict[str, dict[str, Any]] = {}
 
     async def open(self) -> None:
         if self.flush_interval is not None:
@@ -188,17 +189,21 @@ class StatsStore(ABC):
     async def queues(self) -> dict[str, dict[str, Any]]:
         """Every recorded queue with its options."""
 
-    @abstractmethod
-    async def save_pipeline(self, name: str, topology: dict[str, Any]) -> None:
-        """Record a pipeline's topology so ``factory.pipelines()`` finds it from any process."""
+    # Pipeline topologies: kept in this process unless a store keeps them in its database
+    # (every database's store does, so ``factory.pipelines()`` sees every process's).
 
-    @abstractmethod
+    async def save_pipeline(self, name: str, topology: dict[str, Any]) -> None:
+        """Record a pipeline's topology so ``factory.pipelines()`` finds it."""
+        self._local_pipelines[name] = copy.deepcopy(topology)
+
     async def pipelines(self) -> dict[str, dict[str, Any]]:
         """Every recorded pipeline's topology, by name."""
+        kept = self._local_pipelines
+        return {name: copy.deepcopy(kept[name]) for name in sorted(kept)}
 
-    @abstractmethod
     async def remove_pipeline(self, name: str) -> bool:
         """Forget a pipeline's topology (its queues stay); False if none was recorded."""
+        return self._local_pipelines.pop(name, None) is not None
 
 
 class MemoryStats(StatsStore):
@@ -213,7 +218,6 @@ class MemoryStats(StatsStore):
         )
         self._paused: set[str] = set()
         self._options: dict[str, dict[str, Any]] = {}
-        self._pipelines: dict[str, dict[str, Any]] = {}
 
     def incr(self, queue: str, counter: str, n: int = 1) -> None:
         self._counters[queue][counter] += n
@@ -243,12 +247,3 @@ class MemoryStats(StatsStore):
 
     async def queues(self) -> dict[str, dict[str, Any]]:
         return {name: dict(opts) for name, opts in self._options.items()}
-
-    async def save_pipeline(self, name: str, topology: dict[str, Any]) -> None:
-        self._pipelines[name] = copy.deepcopy(topology)
-
-    async def pipelines(self) -> dict[str, dict[str, Any]]:
-        return {name: copy.deepcopy(self._pipelines[name]) for name in sorted(self._pipelines)}
-
-    async def remove_pipeline(self, name: str) -> bool:
-        return self._pipelines.pop(name, None) is not None

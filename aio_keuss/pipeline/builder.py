@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import logging
 from collections.abc import Mapping, Sequence
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
@@ -27,6 +28,8 @@ from .steps import Settlement
 if TYPE_CHECKING:
     from ..factory import Factory
     from ..queue import Queue
+
+log = logging.getLogger("aio_keuss.pipeline")
 
 STATION_SETTINGS = frozenset(StationSettings.__dataclass_fields__)
 
@@ -283,6 +286,14 @@ def _station(link: Link, queue: Queue) -> tuple[Handler, Any]:
     async def settle(message: Message, plan: Move | None) -> Any:
         if plan is None:
             return await queue.ok(message)
-        return await queue._submit_move(plan)
+        moved = await queue._submit_move(plan)
+        if moved is None:  # its reservation lapsed while the handler ran: another has it
+            log.warning(
+                "station %r: message %s was no longer held when its handler returned (it "
+                "ran past reserve_delay); not moved, it is being handled again",
+                link.name,
+                message.id,
+            )
+        return moved
 
     return handle, settle
