@@ -123,11 +123,11 @@ class Bench:
         self.rows.append(row)
         progress(f"  {scenario:<24} clients={clients:<3} {row.rate:>10,.0f} msgs/s")
 
-    async def run(self, client_counts: list[int], latency_messages: int) -> None:
+    async def run(self, client_counts: list[int], latency_messages: int, only: str) -> None:
         keuss = KEUSS.get(self.backend, (None, None, None))
         async with aio_keuss.connect(self.backend, **self.options) as factory:
             caps = factory.capabilities
-            for clients in client_counts:
+            for clients in client_counts if only == "all" else ():
                 progress(f"{self.backend}: {self.messages:,} messages, {clients} clients")
                 q = await self.fresh_queue(factory)
                 await self.push(q, clients, "push", keuss[0] if clients == 3 else None)
@@ -137,10 +137,11 @@ class Bench:
                     q = await self.fresh_queue(factory)
                     await q.push_many([PAYLOAD] * self.messages)
                     await self.reserve_ok(q, clients, keuss[2] if clients == 3 else None)
-            progress(f"{self.backend}: bulk, batches of 1,000")
-            await self.bulk(factory, caps)
-            progress(f"{self.backend}: latency at a low rate")
-            await self.latency(factory, caps, latency_messages)
+            if only == "all":
+                progress(f"{self.backend}: bulk, batches of 1,000")
+                await self.bulk(factory, caps)
+                progress(f"{self.backend}: latency at a low rate")
+                await self.latency(factory, caps, latency_messages)
             if caps.move:
                 for clients in client_counts:
                     progress(f"{self.backend}: 3-station pipeline, {clients} workers each")
@@ -320,6 +321,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--url", help="server URL (default: the local test servers)")
     parser.add_argument("--json", action="store_true", help="one JSON record per row")
     parser.add_argument(
+        "--only", choices=("all", "pipeline"), default="all", help="run only these rows"
+    )
+    parser.add_argument(
         "--loop",
         choices=("auto", "asyncio", "uvloop"),
         default="auto",
@@ -366,7 +370,8 @@ async def main(args: argparse.Namespace, loop: str) -> None:
             options["url"] = args.url
         options.update(parse_option(text) for text in args.set)
         bench = Bench(backend, options, args.messages, loop)
-        await bench.run([int(c) for c in args.clients.split(",")], args.latency_messages)
+        clients = [int(c) for c in args.clients.split(",")]
+        await bench.run(clients, args.latency_messages, args.only)
         rows.extend(bench.rows)
     if args.json:
         for row in rows:

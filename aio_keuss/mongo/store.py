@@ -425,18 +425,27 @@ class MongoStore(Store):
         now = time.time()
 
         async def one(move: Move) -> str | None:
-            doc = await self._coll.find_one(_guard(move.id, move.tries))
-            return None if doc is None else await self._move_doc(doc, move, now)
+            guard = _guard(move.id, move.tries)
+            if self._backend.transactions:
+                doc = await self._coll.find_one(guard)
+                return None if doc is None else await self._move_doc(doc, move, now)
+            # Without transactions the claim is taken with the read: one round trip.
+            token = os.urandom(8).hex()
+            claim = {"$set": {"mature": now + CLAIM_LEASE, "owner": token}}
+            doc = await self._coll.find_one_and_update(guard, claim)
+            return None if doc is None else await self._move_doc(doc, move, now, token)
 
         return list(await asyncio.gather(*(one(m) for m in moves)))
 
-    async def _move_doc(self, doc: Document, move: Move, now: float) -> str | None:
+    async def _move_doc(
+        self, doc: Document, move: Move, now: float, claimed: str | None = None
+    ) -> str | None:
         """The one move body (``Queue.move`` and deadletter): the held message ``doc`` leaves
         this collection for the other queue's, under the first free name of the rule every
         backend follows (``<id>``, ``<id>.<tag>``, ``<id>.<tag>.2``, ...). In a transaction
         where the server has them; else claimed here, inserted there, then deleted here: a
         crash in between leaves a duplicate (the claim lapses), never a loss. None when it
-        was no longer held."""
+        was no longer held. ``claimed``: the token of a claim the caller already holds."""
         headers = bytes(doc["headers"])
         moved: Document = {
             "payload": doc["payload"] if move.payload is None else move.payload,
@@ -451,12 +460,14 @@ class MongoStore(Store):
         held = {"_id": doc["_id"], "reserved": True, "tries": doc["tries"]}
         if self._backend.transactions:
             return await self._move_in_transaction(held, target, moved, names, now)
-        token = os.urandom(8).hex()
-        claimed = await self._coll.update_one(
-            held, {"$set": {"mature": now + CLAIM_LEASE, "owner": token}}
-        )
-        if not claimed.matched_count:
-            return None
+        token = claimed
+        if token is None:
+            token = os.urandom(8).hex()
+            claim = await self._coll.update_one(
+                held, {"$set": {"mature": now + CLAIM_LEASE, "owner": token}}
+            )
+            if not claim.matched_count:
+                return None
         for name in names:
             if (await self._insert_docs(target, [{"_id": name, **moved}]))[0]:
                 break
