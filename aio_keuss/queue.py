@@ -51,6 +51,7 @@ from .options import (
     check_timeout,
 )
 from .types import Capabilities, KoResult, Sizes
+from .wakeups import Wakeups
 
 if TYPE_CHECKING:
     from .signal import Signal, SignalBus
@@ -61,6 +62,9 @@ log = logging.getLogger("aio_keuss.queue")
 MIN_WAIT = 0.005
 """Shortest sleep of the wait loop: it never spins, even when a store reports a mature time
 in the past (clock skew between client and server) without handing anything out."""
+
+CLOCK_SLACK = 1.0
+"""Seconds a store's clock may run ahead of ours when judging "ready now"."""
 
 HELD_CHECK = 1024
 """Reservations held unacknowledged between two checks for expired ones (see ``_rotate_held``)."""
@@ -93,8 +97,7 @@ class Queue:
             else None
         )
         self._paused = False
-        self._wake = asyncio.Event()
-        self._armed = 0  # consumers between taking ``_wake`` and finishing their wait
+        self._wakeups = Wakeups()
         self._drains = 0
         self._closed = False
         self._background: set[asyncio.Task[Any]] = set()
@@ -238,6 +241,7 @@ class Queue:
             self._signal.insert(
                 self.name,
                 min(e.mature if e.mature is not None else now + e.delay for e in inserted),
+                len(inserted),
             )
         if len(entries) == len(requests):  # one entry per request (push): no slicing
             return [[flag] for flag in flags]
@@ -315,28 +319,29 @@ class Queue:
         drains = self._drains
         backoff = MIN_WAIT
         failures = 0
+        wakeups = self._wakeups
         while not self._closed and self._drains == drains:
-            wake = self._wake  # taken before trying, so a push meanwhile is not missed
+            announced = wakeups.announced  # taken before trying: a push meanwhile is seen
             next_mature = None
             wait = self.options.poll_interval
+            failed = False
             if not self._paused:
                 generation = 0 if outage is None else outage.generation
-                self._armed += 1
                 try:
                     stored, next_mature = await source.submit(n)
                 except Exception as exc:
                     if outage is None:
                         raise
                     outage.failed(exc, generation, doing)  # raises what is not worth retrying
-                    stored, wait = [], retry_backoff(failures)
+                    stored, wait, failed = [], retry_backoff(failures), True
                     failures += 1
                 else:
                     failures = 0
                     if outage is not None:
                         outage.succeeded()
-                finally:
-                    self._armed -= 1
                 if stored:
+                    if _more_ready(stored, n, next_mature):
+                        wakeups.wake(1)  # pass the baton to a sleeper, if any
                     return stored
             if next_mature is not None:
                 until = next_mature - time.time()
@@ -349,11 +354,9 @@ class Queue:
                 if remaining <= 0:
                     break
                 wait = min(wait, remaining)
-            self._armed += 1
-            try:
-                woken = await _wait_event(wake, wait)
-            finally:
-                self._armed -= 1
+            if wakeups.announced != announced and not failed and not self._paused:
+                continue  # something was announced while we fetched: look again
+            woken = await wakeups.sleep(n, wait)
             if not woken and self._paused:
                 self._paused = await self._poll_paused(outage)  # a lost resume
         return []
@@ -389,19 +392,19 @@ class Queue:
             entries = [
                 Entry(s.id, s.payload, s.headers, tries=s.tries, mature=s.mature) for s in result[0]
             ]
-            self._in_background(self._put_back(self._store.insert(entries)))
+            self._in_background(self._put_back(self._store.insert(entries), len(entries)))
 
     def _put_back_reserved(self, _: int, result: FetchResult) -> None:
         """Reserved for a cancelled caller: released at once, costing no try."""
         if result[0]:
             nacks = [Nack(s.id, s.tries, 0.0, count_try=False) for s in result[0]]
             self._forget(nacks)
-            self._in_background(self._put_back(self._store.rollback(nacks, None)))
+            self._in_background(self._put_back(self._store.rollback(nacks, None), len(nacks)))
 
     async def _release(self, message: Message) -> None:
         """Give back a reservation whose handler was cancelled, costing no try."""
         nack = Nack(message.id, message.tries, 0.0, count_try=False)
-        await self._put_back(self._store.rollback([nack], None))
+        await self._put_back(self._store.rollback([nack], None), 1)
         self._forget([nack])
 
     def _rotate_held(self) -> dict[str, int]:
@@ -449,9 +452,9 @@ class Queue:
             return
         self._signal.insert(self.name, time.time())
 
-    async def _put_back(self, work: Awaitable[Any]) -> None:
+    async def _put_back(self, work: Awaitable[Any], count: int) -> None:
         await work
-        self._signal.insert(self.name, time.time())
+        self._signal.insert(self.name, time.time(), count)
 
     def __aiter__(self) -> AsyncIterator[Message]:
         return self.messages()
@@ -572,11 +575,11 @@ class Queue:
         now = time.time()
         if back:
             self._stats.incr(self.name, "rollback", len(back))
-            self._signal.insert(self.name, now + min(n.delay for n in back))
+            self._signal.insert(self.name, now + min(n.delay for n in back), len(back))
         if moved and self._deadletter is not None:
             self._stats.incr(self.name, "deadletter", moved)
             self._stats.incr(self._deadletter.queue, "put", moved)
-            self._signal.insert(self._deadletter.queue, now)
+            self._signal.insert(self._deadletter.queue, now, moved)
         return results
 
     async def move(
@@ -652,7 +655,7 @@ class Queue:
         results = await self._store.move(plans)
         self._forget([Ack(plan.id, plan.tries) for plan in plans])
         now = time.time()
-        arrivals: dict[str, float] = {}
+        arrivals: dict[str, tuple[float, int]] = {}
         moved = 0
         for plan, result in zip(plans, results, strict=True):
             if result is None:
@@ -660,11 +663,12 @@ class Queue:
             moved += 1
             self._stats.incr(plan.queue, "put")
             due = now + plan.delay
-            arrivals[plan.queue] = min(due, arrivals.get(plan.queue, due))
+            first, count = arrivals.get(plan.queue, (due, 0))
+            arrivals[plan.queue] = (min(first, due), count + 1)
         if moved:
             self._stats.incr(self.name, "commit", moved)
-        for destination, due in arrivals.items():
-            self._signal.insert(destination, due)
+        for destination, (due, count) in arrivals.items():
+            self._signal.insert(destination, due, count)
         return results
 
     async def remove(self, message: Message | str) -> bool:
@@ -726,7 +730,7 @@ class Queue:
         self._check_open()
         await self._store.flush()
         self._drains += 1
-        self._wake_all()
+        self._wakeups.announce(None)
 
     async def close(self) -> None:
         """Stop the consumers, drain, give back the reservations handed out here that nobody
@@ -738,7 +742,7 @@ class Queue:
             await consumer.stop()
         await self.drain()
         self._closed = True
-        self._wake_all()
+        self._wakeups.announce(None)
         self._unsubscribe()
         for coalescer in (
             self._inserts,
@@ -763,12 +767,7 @@ class Queue:
         if signal.kind == "resume":
             self._paused = False
         if not self._paused:
-            self._wake_all()
-
-    def _wake_all(self) -> None:
-        if self._armed or self._closed:  # nobody holds the event otherwise: keep it
-            self._wake.set()
-            self._wake = asyncio.Event()
+            self._wakeups.announce(signal.count if signal.kind == "insert" else None)
 
     def _check_open(self) -> None:
         if self._closed:
@@ -782,6 +781,16 @@ class Queue:
         task = asyncio.ensure_future(work)
         self._background.add(task)
         task.add_done_callback(self._background.discard)
+
+
+def _more_ready(stored: list[Stored], wanted: int, next_mature: float | None) -> bool:
+    """Whether, after taking ``stored``, more messages look ready: the store's next mature
+    time is (about) now, or, where a store does not tell, the batch came back full.
+    ``CLOCK_SLACK`` covers a server clock ahead of ours (PostgreSQL's): at worst one more
+    consumer wakes early for a message maturing within it."""
+    if next_mature is None:
+        return len(stored) == wanted
+    return next_mature <= time.time() + CLOCK_SLACK
 
 
 def _share(requests: list[int], fetched: Fetched) -> list[FetchResult]:
@@ -801,15 +810,6 @@ def _target(message: Message | str) -> tuple[str, int | None]:
     if isinstance(message, str):
         return check_id(message), None
     raise InvalidIdError(f"expected a Message or a message id, not {type(message).__name__}")
-
-
-async def _wait_event(event: asyncio.Event, timeout: float) -> bool:
-    try:
-        async with asyncio.timeout(timeout):
-            await event.wait()
-    except TimeoutError:
-        return False
-    return True
 
 
 class _ConsumerLink:

@@ -56,6 +56,9 @@ class Signal:
     queue: str
     kind: SignalKind
     mature: float | None = None
+    count: int | None = None
+    """How many messages an insert announces (it wakes that many waiting consumers);
+    None: unknown, which wakes them all."""
 
 
 Listener = Callable[[Signal], None]
@@ -68,7 +71,7 @@ class SignalBus:
         self.debounce = debounce
         self.origin = os.urandom(8).hex()
         self._listeners: dict[str, set[Listener]] = {}
-        self._windows: dict[str, float | None] = {}
+        self._windows: dict[str, tuple[float, int | None] | None] = {}
         self._publishing: set[asyncio.Task[None]] = set()
         self._closed = False
         self._listener: asyncio.Task[None] | None = None
@@ -122,17 +125,22 @@ class SignalBus:
 
         return unsubscribe
 
-    def insert(self, queue: str, mature: float) -> None:
-        """Announce messages in ``queue`` maturing at ``mature``; never blocks."""
-        self._deliver(Signal(queue, "insert", mature))
+    def insert(self, queue: str, mature: float, count: int | None = None) -> None:
+        """Announce ``count`` messages (None: unknown) in ``queue``, the first maturing at
+        ``mature``; never blocks."""
+        self._deliver(Signal(queue, "insert", mature, count))
         if not self.remote:
             return
-        if queue in self._windows:
+        if queue in self._windows:  # within the debounce window: merged into its last signal
             pending = self._windows[queue]
-            self._windows[queue] = mature if pending is None else min(pending, mature)
+            if pending is None:
+                self._windows[queue] = (mature, count)
+            else:
+                merged = None if pending[1] is None or count is None else pending[1] + count
+                self._windows[queue] = (min(pending[0], mature), merged)
             return
         self._open_window(queue)
-        self._send(Signal(queue, "insert", mature))
+        self._send(Signal(queue, "insert", mature, count))
 
     def paused(self, queue: str, paused: bool) -> None:
         """Announce a pause or resume; never debounced."""
@@ -193,7 +201,7 @@ class SignalBus:
             data = orjson.loads(payload)
             if data["o"] == self.origin:
                 return
-            self._deliver(Signal(data["q"], data["k"], data.get("m")))
+            self._deliver(Signal(data["q"], data["k"], data.get("m"), data.get("n")))
         except (orjson.JSONDecodeError, KeyError, TypeError, ValueError):
             log.warning("ignoring malformed signal %r", payload)
 
@@ -219,13 +227,19 @@ class SignalBus:
         pending = self._windows.pop(queue, None)
         if pending is not None and not self._closed:
             self._open_window(queue)
-            self._send(Signal(queue, "insert", pending))
+            self._send(Signal(queue, "insert", *pending))
 
     def _send(self, signal: Signal) -> None:
         if self._closed or not self.remote:
             return
         payload = orjson.dumps(
-            {"o": self.origin, "q": signal.queue, "k": signal.kind, "m": signal.mature}
+            {
+                "o": self.origin,
+                "q": signal.queue,
+                "k": signal.kind,
+                "m": signal.mature,
+                "n": signal.count,
+            }
         )
         task = asyncio.get_running_loop().create_task(self._publish_quietly(payload))
         self._publishing.add(task)
