@@ -1,4 +1,5 @@
-"""Objects named ``module:attr`` in settings, imported as ``python -m`` would find them.
+"""Objects named ``module:attr`` in settings, imported as ``python -m`` would find them, and
+the TOML files such settings come from.
 
 The worker command and declarative pipelines name handlers this way (as uvicorn names its
 application and Celery its tasks), so no code is ever evaluated from a string.
@@ -9,6 +10,7 @@ from __future__ import annotations
 import importlib
 import os
 import sys
+import tomllib
 from typing import Any
 
 from .errors import ConfigError
@@ -44,6 +46,18 @@ def import_object(
                 f" {part!r}"
             ) from None
     return target
+
+
+def read_toml(path: str, what: str, *, error: type[ConfigError] = ConfigError) -> dict[str, Any]:
+    """The tables of a TOML file; ``what`` names the file in the ``error`` raised when it
+    cannot be read or parsed."""
+    try:
+        with open(path, "rb") as file:
+            return tomllib.load(file)
+    except OSError as exc:
+        raise error(f"{what} {path!r}: {exc.strerror or exc}") from exc
+    except tomllib.TOMLDecodeError as exc:
+        raise error(f"{what} {path!r}: {exc}") from exc
 
 
 def import_callable(

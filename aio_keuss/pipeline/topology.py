@@ -19,12 +19,11 @@ The same shape is what :meth:`Pipeline.topology` returns and what the backend st
 
 from __future__ import annotations
 
-import tomllib
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from ..errors import PipelineError
-from ..loading import import_callable
+from ..loading import import_callable, read_toml
 from .builder import STATION_SETTINGS, Pipeline, _settings
 from .links import ChoiceLink, DirectLink, Link, Sink
 
@@ -66,14 +65,7 @@ def from_dict(factory: Factory, doc: Mapping[str, Any], *, name: str | None = No
 
 def load(factory: Factory, path: str) -> Pipeline:
     """The pipeline a TOML file describes (at the top level or under ``[pipeline]``)."""
-    try:
-        with open(path, "rb") as file:
-            doc = tomllib.load(file)
-    except OSError as exc:
-        raise PipelineError(f"pipeline file {path!r}: {exc.strerror or exc}") from exc
-    except tomllib.TOMLDecodeError as exc:
-        raise PipelineError(f"pipeline file {path!r}: {exc}") from exc
-    return from_dict(factory, doc)
+    return from_dict(factory, read_toml(path, "pipeline file", error=PipelineError))
 
 
 def _link(pipeline: str, index: int, station: Any) -> Link:

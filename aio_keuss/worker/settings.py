@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import json
 import os
-import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
 
 from ..errors import ConfigError
+from ..loading import read_toml
 
 ENV_PREFIX = "AIO_KEUSS_"
 
@@ -118,13 +118,7 @@ def _check(raw: Mapping[str, Any]) -> dict[str, Any]:
 def from_file(path: str) -> dict[str, Any]:
     """The settings of a TOML file: the names of :class:`WorkerSettings` (``queues`` a list,
     ``options`` a table), at the top or under ``[worker]``."""
-    try:
-        with open(path, "rb") as file:
-            data = tomllib.load(file)
-    except OSError as exc:
-        raise ConfigError(f"config file {path!r}: {exc.strerror or exc}") from exc
-    except tomllib.TOMLDecodeError as exc:
-        raise ConfigError(f"config file {path!r}: {exc}") from exc
+    data = read_toml(path, "config file")
     section = data.get("worker", data)
     if not isinstance(section, dict):
         raise ConfigError(f"config file {path!r}: [worker] must be a table")
