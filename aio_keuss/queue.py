@@ -450,7 +450,7 @@ class Queue:
                 exc,
             )
             return
-        self._signal.insert(self.name, time.time())
+        self._signal.insert(self.name, time.time(), len(nacks))
 
     async def _put_back(self, work: Awaitable[Any], count: int) -> None:
         await work

@@ -278,9 +278,7 @@ def _station(link: Link, queue: Queue) -> tuple[Handler, Any]:
                 settlement.headers,
                 settlement.delay,
             )
-        except PipelineError:
-            raise
-        except Exception as exc:  # a payload or headers that cannot be stored
+        except InvalidInputError as exc:  # a payload or headers that cannot be stored
             raise PipelineError(f"station {link.name!r}: cannot forward: {exc}") from exc
 
     async def settle(message: Message, plan: Move | None) -> Any:
