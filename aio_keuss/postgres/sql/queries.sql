@@ -67,7 +67,10 @@ SELECT id FROM inserted
 -- never returns. A materialized CTE is computed exactly once (PostgreSQL manual, "WITH
 -- Queries": MATERIALIZED), so the statement deletes exactly the rows it locked and returns.
 -- next_mature comes in the same round trip: the statement's snapshot still sees the
--- deleted rows, so they are excluded by id. One row with a NULL id when nothing was taken.
+-- deleted rows, so they are excluded by id. It is looked up only when fewer than $2 were
+-- taken: a full batch means "maybe more now" (NULL), and the queue layer needs no more (a
+-- scalar subquery in a CASE branch not taken is not run). One row with a NULL id when
+-- nothing was taken.
 WITH pick AS MATERIALIZED (
     SELECT id FROM {s}.messages
     WHERE queue = $1 AND mature <= extract(epoch from now())::float8
@@ -80,12 +83,12 @@ WITH pick AS MATERIALIZED (
     WHERE m.queue = $1 AND m.id = pick.id
     RETURNING m.id, m.payload, m.headers, m.tries + m.reserved::int AS tries, m.mature, m.seq
 ), next AS (
-    SELECT min(mature) AS next_mature FROM (
+    SELECT CASE WHEN (SELECT count(*) FROM taken) < $2 THEN (
         SELECT mature FROM {s}.messages
         WHERE queue = $1 AND id NOT IN (SELECT id FROM taken)
         ORDER BY mature, seq
         LIMIT 1
-    ) rest
+    ) END AS next_mature
 )
 SELECT t.id, t.payload, t.headers, t.tries, t.mature, n.next_mature
 FROM next n LEFT JOIN taken t ON true
@@ -94,7 +97,7 @@ ORDER BY t.mature, t.seq
 -- name: reserve
 -- Reserve: up to $2 mature messages get mature = server now + $3 (their deadline) and
 -- reserved = true (the pick is MATERIALIZED for the reason given at pop); one whose
--- earlier reservation expired counts that delivery as a try.
+-- earlier reservation expired counts that delivery as a try; next_mature as at pop.
 -- Consumers see the mature time the message had before (when it became deliverable).
 WITH pick AS MATERIALIZED (
     SELECT id, mature, seq FROM {s}.messages
@@ -111,13 +114,13 @@ WITH pick AS MATERIALIZED (
     WHERE m.queue = $1 AND m.id = pick.id
     RETURNING m.id, m.payload, m.headers, m.tries, pick.mature, pick.seq
 ), next AS (
-    SELECT least(
+    SELECT CASE WHEN (SELECT count(*) FROM pick) < $2 THEN least(
         (SELECT mature FROM {s}.messages
          WHERE queue = $1 AND id NOT IN (SELECT id FROM pick)
          ORDER BY mature, seq LIMIT 1),
         CASE WHEN EXISTS (SELECT 1 FROM pick)
              THEN extract(epoch from now())::float8 + $3::float8 END
-    ) AS next_mature
+    ) END AS next_mature
 )
 SELECT h.id, h.payload, h.headers, h.tries, h.mature, n.next_mature
 FROM next n LEFT JOIN held h ON true
