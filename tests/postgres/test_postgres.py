@@ -271,7 +271,17 @@ async def test_user_pool_is_used_and_left_open(schema: str) -> None:
             q = await factory.queue("p")
             await q.push("via pool")
             assert (await q.pop()).payload == "via pool"  # type: ignore[union-attr]
+            busy = [await pool.acquire() for _ in range(pool.get_size() - 1)]
+            # The pool's other connections serve the user as before: our settings are
+            # SET only on what the factory holds, and reset when it gives them back.
+            assert {await c.fetchval("SHOW plan_cache_mode") for c in busy} == {"auto"}
+            for c in busy:
+                await pool.release(c)
         assert await pool.fetchval("SELECT 1") == 1
+        held = [await pool.acquire() for _ in range(pool.get_size())]
+        assert {await c.fetchval("SHOW plan_cache_mode") for c in held} == {"auto"}
+        for c in held:
+            await pool.release(c)
     finally:
         await pool.close()
 
