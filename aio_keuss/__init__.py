@@ -31,7 +31,7 @@ from .factory import Factory, connect
 from .message import UNCHANGED, Message
 from .queue import Queue
 from .registry import backend_names
-from .types import Capabilities, KoResult, Sizes
+from .types import Capabilities, KoResult, MessageView, Page, Sizes, State
 from .worker import run_worker
 
 try:
@@ -58,11 +58,14 @@ __all__ = [
     "KeussError",
     "KoResult",
     "Message",
+    "MessageView",
     "MissingDependencyError",
     "NotSupportedError",
     "PipelineError",
+    "Page",
     "Queue",
     "Sizes",
+    "State",
     "UNCHANGED",
     "__version__",
     "backend_names",

@@ -92,6 +92,35 @@ class Stored:
     mature: float
 
 
+Cursor = tuple[float, str]
+"""Where a walk over a queue stands: (sort time, id) of the last message it saw. Stores walk
+a queue in (sort time, id) order, where the sort time is the mature time, or the reservation
+deadline of a reserved message (what their indexes are ordered by)."""
+
+
+@dataclass(slots=True)
+class Peeked:
+    """A message a store shows without handing it out.
+
+    ``state`` is one of :class:`aio_keuss.types.State`'s values; ``at`` the mature time,
+    reservation deadline or processed time that goes with it.
+    """
+
+    message: Stored
+    state: str
+    at: float
+
+
+@dataclass(slots=True)
+class PeekPage:
+    """Up to ``limit`` messages past a cursor, and the cursor after them (None: the walk is
+    over). A store may return fewer than ``limit`` (even none) with a cursor, when it bounds
+    how much it scans per call (filtering by state over a mixed index); the caller goes on."""
+
+    rows: list[Peeked]
+    cursor: Cursor | None
+
+
 @dataclass(slots=True)
 class Fetched:
     """The result of a get / reserve.
@@ -259,6 +288,32 @@ class Store(ABC):
         held (as guarded) and nothing was done. A store that cannot do it atomically keeps
         this default and its backend leaves ``Capabilities.move`` false."""
         raise NotSupportedError(f"{type(self).__name__} has no move")
+
+    # looking without taking (Capabilities.peek / hold / history) ----------------------
+
+    async def peek(self, state: str, after: Cursor | None, limit: int) -> PeekPage:
+        """Messages in ``state`` (``ready``, ``scheduled``, ``reserved`` or ``all``) past
+        ``after`` in (sort time, id) order, at most ``limit``, changing nothing. A message
+        that changes state during a walk may be seen twice or not at all; each row is true
+        at the moment it was read."""
+        raise NotSupportedError(f"{type(self).__name__} cannot peek")
+
+    async def locate(self, ids: Sequence[str]) -> list[Peeked | None]:
+        """Where each message is (a processed one too, on a history store), None if gone."""
+        raise NotSupportedError(f"{type(self).__name__} cannot peek")
+
+    async def hold(self, ids: Sequence[str], reserve_delay: float) -> list[int | None]:
+        """Reserve these messages, if not under an active reservation, until now +
+        ``reserve_delay``: per id the tries a holder presents to :meth:`move` / :meth:`commit`
+        (what :meth:`reserve` would hand out), or None when it is missing or held."""
+        raise NotSupportedError(f"{type(self).__name__} cannot hold by id")
+
+    async def history(
+        self, since: float, until: float, after: Cursor | None, limit: int
+    ) -> PeekPage:
+        """Consumed messages kept by a history store, processed in [since, until), in
+        (processed time, id) order past ``after``."""
+        raise NotSupportedError(f"{type(self).__name__} keeps no history")
 
     @abstractmethod
     async def sizes(self) -> Sizes: ...

@@ -81,6 +81,7 @@ class Factory:
                 self.signal,
                 self.stats_store,
                 self.deadletter,
+                self.queue,
             )
             await queue._open()
             await self.stats_store.save_options(name, options.as_dict())

@@ -19,12 +19,15 @@ from typing import TYPE_CHECKING
 from .contract import (
     Ack,
     Backend,
+    Cursor,
     DeadletterPlan,
     Entry,
     Fetched,
     LoopTurns,
     Move,
     Nack,
+    Peeked,
+    PeekPage,
     Store,
     Stored,
     deadletter_tag,
@@ -109,6 +112,16 @@ class _QueueData:
 
 def _stored(record: _Record, tries: int, mature: float) -> Stored:
     return Stored(record.id, record.payload, record.headers, tries, mature)
+
+
+def _state(record: _Record, now: float) -> str:
+    if record.mature <= now:
+        return "ready"
+    return "reserved" if record.reserved else "scheduled"
+
+
+def _peeked(record: _Record, now: float) -> Peeked:
+    return Peeked(_stored(record, record.tries, record.mature), _state(record, now), record.mature)
 
 
 class MemoryStore(Store):
@@ -248,6 +261,44 @@ class MemoryStore(Store):
                 results.append(True)
         return results
 
+    async def peek(self, state: str, after: Cursor | None, limit: int) -> PeekPage:
+        """A walk is a bounded selection over all records per page (``heapq.nsmallest``):
+        no index to keep for a store that lives in this process anyway."""
+        now = time.time()
+        records = self._data.records.values()
+        candidates = (
+            r
+            for r in records
+            if (after is None or (r.mature, r.id) > after)
+            and (state == "all" or _state(r, now) == state)
+        )
+        page = heapq.nsmallest(limit, candidates, key=lambda r: (r.mature, r.id))
+        rows = [_peeked(r, now) for r in page]
+        cursor = (page[-1].mature, page[-1].id) if len(page) == limit else None
+        return PeekPage(rows, cursor)
+
+    async def locate(self, ids: Sequence[str]) -> list[Peeked | None]:
+        now = time.time()
+        records = self._data.records
+        found = [records.get(i) for i in ids]
+        return [None if r is None else _peeked(r, now) for r in found]
+
+    async def hold(self, ids: Sequence[str], reserve_delay: float) -> list[int | None]:
+        now = time.time()
+        records = self._data.records
+        results: list[int | None] = []
+        for message_id in ids:
+            record = records.get(message_id)
+            if record is None or (record.reserved and record.mature > now):
+                results.append(None)
+                continue
+            if record.reserved:  # an expired reservation: that delivery was a try
+                record.tries += 1
+            record.reserved = True
+            self._data.reschedule(record, now + reserve_delay)
+            results.append(record.tries)
+        return results
+
     async def sizes(self) -> Sizes:
         now = time.time()
         ready = reserved = scheduled = 0
@@ -266,7 +317,7 @@ class MemoryStore(Store):
 
 class MemoryBackend(Backend):
     name = "memory"
-    capabilities: Capabilities = Capabilities(shared=False, move=True)
+    capabilities: Capabilities = Capabilities(shared=False, move=True, peek=True, hold=True)
 
     def __init__(self, options: dict[str, object]) -> None:
         super().__init__(options)

@@ -50,8 +50,10 @@ from .options import (
     check_seconds,
     check_timeout,
 )
-from .types import Capabilities, KoResult, Sizes
+from .types import Capabilities, KoResult, MessageView, Page, Sizes
+from .visibility import SiblingQueue
 from .wakeups import Wakeups
+from . import visibility
 
 if TYPE_CHECKING:
     from .signal import Signal, SignalBus
@@ -65,6 +67,9 @@ in the past (clock skew between client and server) without handing anything out.
 
 CLOCK_SLACK = 1.0
 """Seconds a store's clock may run ahead of ours when judging "ready now"."""
+
+MAX_TIME = 253402300799.0
+"""9999-12-31T23:59:59Z: the open end of a history range."""
 
 HELD_CHECK = 1024
 """Reservations held unacknowledged between two checks for expired ones (see ``_rotate_held``)."""
@@ -84,6 +89,7 @@ class Queue:
         signal: SignalBus,
         stats: StatsStore,
         deadletter: DeadletterOptions | None,
+        sibling: SiblingQueue | None = None,
     ) -> None:
         self.name = name
         self.options = options
@@ -96,6 +102,7 @@ class Queue:
             if deadletter is not None and deadletter.queue != name
             else None
         )
+        self._sibling = sibling
         self._paused = False
         self._wakeups = Wakeups()
         self._drains = 0
@@ -677,6 +684,142 @@ class Queue:
         self._require("remove")
         (removed,) = await self._store.remove([_target(message)[0]])
         return removed
+
+    # looking inside and repairing (see aio_keuss.visibility) ---------------------------
+
+    async def peek(self, n: int = 10, *, state: str = "ready") -> list[MessageView]:
+        """The first ``n`` messages in ``state`` (``"ready"``, ``"scheduled"``,
+        ``"reserved"`` or ``"all"``), in mature order (a reserved one by its deadline),
+        without taking or reserving them. Needs ``Capabilities.peek``."""
+        self._check_open()
+        visibility.check_limit(n)
+        checked = visibility.check_state(state)
+        self._require("peek")
+        return await visibility.peek(self._store, self.name, checked, n)
+
+    async def page(
+        self, *, state: str = "all", after: str | None = None, limit: int = 1000
+    ) -> Page:
+        """Up to ``limit`` messages in ``state`` past the cursor ``after`` (from an earlier
+        page; None: from the start), and the cursor to go on with (None at the end). A page
+        may be short, even empty, before the end: go on while its cursor is not None."""
+        self._check_open()
+        visibility.check_limit(limit, "limit")
+        checked = visibility.check_state(state)
+        cursor = visibility.decode_cursor(after)
+        self._require("peek")
+        return visibility.page_of(self.name, await self._store.peek(checked, cursor, limit))
+
+    async def browse(
+        self, *, state: str = "all", after: str | None = None, page_size: int = 1000
+    ) -> AsyncIterator[MessageView]:
+        """Every message in ``state``, page by page behind a cursor, so a queue of millions
+        is walked in constant memory. Nothing is taken; a message that changes state during
+        the walk may be seen twice or not at all."""
+        self._check_open()
+        visibility.check_limit(page_size, "page_size")
+        checked = visibility.check_state(state)
+        cursor = visibility.decode_cursor(after)
+        self._require("peek")
+        async for row in visibility.rows(self._store, checked, cursor, page_size):
+            yield visibility.view(self.name, row)
+
+    async def find(self, message: Message | str) -> MessageView | None:
+        """Where a message is: in this queue (ready, scheduled, reserved: ``at`` says until
+        when), else in the deadletter queue under the same id, else processed (on a history
+        backend); None when it is nowhere."""
+        self._check_open()
+        message_id = _target(message)[0]
+        self._require("peek")
+        (row,) = await self._store.locate([message_id])
+        if row is not None:
+            return visibility.view(self.name, row)
+        if self._deadletter is not None and self._sibling is not None:
+            dead = await self._sibling(self._deadletter.queue)
+            (row,) = await dead._store.locate([message_id])
+            if row is not None and row.state != "processed":
+                return visibility.view(dead.name, row)
+        return None
+
+    async def purge(self) -> int:
+        """Remove every message not under an active reservation (a running consumer's stays
+        theirs to ok or ko); returns how many were removed."""
+        self._check_open()
+        self._require("peek")
+        self._require("remove")
+        return await visibility.purge(self._store, self.options.max_batch)
+
+    async def requeue(
+        self, ids: Sequence[str] | None = None, *, origin: str | None = None
+    ) -> dict[str, str]:
+        """On a deadletter queue: move messages back to the queue they failed in, each in
+        one atomic step, tries reset. Either ``ids`` (each goes to the queue named by its
+        ``x-dl-from-queue`` header, or to ``origin`` when given), or ``origin`` alone: every
+        message that failed there. A message under an active reservation is left alone.
+        Returns id here -> id in its origin (renamed ``<id>.rq`` if taken there)."""
+        self._check_open()
+        if ids is None and origin is None:
+            raise InvalidInputError("requeue needs ids, origin, or both")
+        if ids is not None and (isinstance(ids, str) or not isinstance(ids, Sequence)):
+            raise InvalidInputError("requeue takes a sequence of ids")
+        if origin is not None:
+            check_queue_name(origin)
+        self._require("peek")
+        self._require("hold")
+        self._require("move")
+        return await visibility.requeue(self, ids, origin)
+
+    async def history(
+        self,
+        *,
+        since: datetime | float | None = None,
+        until: datetime | float | None = None,
+        limit: int = 100,
+        after: str | None = None,
+    ) -> Page:
+        """Consumed messages kept by a history backend, processed in [since, until), oldest
+        first, at most ``limit``; go on with the page's cursor as ``after``."""
+        self._check_open()
+        start = visibility.check_time(since, "since", 0.0)
+        end = visibility.check_time(until, "until", MAX_TIME)
+        visibility.check_limit(limit, "limit")
+        cursor = visibility.decode_cursor(after)
+        self._require("history")
+        found = await self._store.history(start, end, cursor, limit)
+        return visibility.page_of(self.name, found)
+
+    async def replay(
+        self,
+        ids: Sequence[str] | None = None,
+        *,
+        since: datetime | float | None = None,
+        until: datetime | float | None = None,
+        to: str | None = None,
+    ) -> list[str]:
+        """Push copies of processed messages again: those in ``ids``, or every one processed
+        in [since, until), into ``to`` (default: this queue). Copies get new ids and an
+        ``x-replay-of`` header; the history stays. Returns the new ids."""
+        self._check_open()
+        if ids is not None and (isinstance(ids, str) or not isinstance(ids, Sequence)):
+            raise InvalidInputError("replay takes a sequence of ids")
+        if ids is None and since is None and until is None:
+            raise InvalidInputError("replay needs ids or a since / until range")
+        start = visibility.check_time(since, "since", 0.0)
+        end = visibility.check_time(until, "until", MAX_TIME)
+        target_name = visibility.check_target(to, self.name)
+        self._require("history")
+        target = self
+        if target_name != self.name:
+            if self._sibling is None:
+                raise NotSupportedError("replay to another queue needs a queue from a factory")
+            target = await self._sibling(target_name)
+        return await visibility.replay(self._store, target, ids, start, end)
+
+    async def _insert_entries(self, entries: list[Entry]) -> None:
+        """Insert prepared entries (replay), counted and signalled like pushes."""
+        size = self.options.max_batch
+        chunks = [entries[i : i + size] for i in range(0, len(entries), size)]
+        await asyncio.gather(*(self._inserts.submit(chunk) for chunk in chunks))
 
     # observing and administering ------------------------------------------------------
 

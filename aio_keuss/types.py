@@ -1,9 +1,12 @@
-"""Public result types: what a backend can do, and what ko and sizes answer."""
+"""Public result types: what a backend can do, and what ko, sizes, peek and find answer."""
 
 from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
+from datetime import datetime
+
+from .message import Message
 
 
 @dataclass(frozen=True, slots=True)
@@ -24,6 +27,13 @@ class Capabilities:
     move: bool = False
     """a held message can be moved to another queue of the backend in one atomic step
     (``Queue.move``)."""
+    peek: bool = False
+    """messages can be looked at without being taken (``peek``, ``browse``, ``find``,
+    ``purge``): reads only, so consumers are not disturbed."""
+    hold: bool = False
+    """given messages can be reserved by id, which with ``move`` makes ``requeue``."""
+    history: bool = False
+    """consumed messages are kept for a while (``history``, ``replay``)."""
 
 
 class KoResult(enum.IntEnum):
@@ -46,3 +56,43 @@ class Sizes:
     total: int
     scheduled: int
     reserved: int
+
+
+class State(enum.StrEnum):
+    """Where a message is, as ``peek`` and ``find`` say."""
+
+    READY = "ready"
+    """deliverable now (an expired reservation included)."""
+    SCHEDULED = "scheduled"
+    """waiting for its mature time."""
+    RESERVED = "reserved"
+    """held by a consumer until its reservation deadline."""
+    PROCESSED = "processed"
+    """consumed, kept by a history backend."""
+
+
+PEEK_STATES = frozenset({"ready", "scheduled", "reserved", "all"})
+
+
+@dataclass(frozen=True, slots=True)
+class MessageView:
+    """A message seen without being taken.
+
+    ``at`` depends on ``state``: the mature time (ready, scheduled), the reservation deadline
+    (reserved), or when it was consumed (processed). ``queue`` is the queue it was found in
+    (``find`` also looks in the deadletter queue).
+    """
+
+    queue: str
+    state: State
+    at: datetime
+    message: Message
+
+
+@dataclass(frozen=True, slots=True)
+class Page:
+    """One page of ``browse`` / ``history``: ``cursor`` continues after it (pass it as
+    ``after``), None when there is nothing more."""
+
+    items: list[MessageView]
+    cursor: str | None

@@ -1,0 +1,292 @@
+"""Looking into a queue without disturbing its consumers, and repairing it: the generic half
+of ``peek``, ``browse``, ``find``, ``purge``, ``requeue``, ``history`` and ``replay``.
+
+Keuss counts "open the trunk, peek inside and see exactly what is in each queue, and fix
+it" among the advantages of queues kept in a database. A store offers four batch-shaped
+primitives for it (:meth:`Store.peek`, :meth:`Store.locate`, :meth:`Store.hold`,
+:meth:`Store.history`); everything else is written once here:
+
+- a walk over a queue of any size goes page by page behind a cursor, (sort time, id) of the
+  last message seen, so memory stays constant and no snapshot is held on the server. The
+  cost: a message that changes state during a walk (reserved, rolled back) moves in the
+  order and may be seen twice or not at all.
+- ``purge`` walks the queue and removes what is not under an active reservation, through
+  the store's ``remove`` (a running consumer's message stays theirs to ok or ko).
+- ``requeue`` takes deadlettered messages back to the queue they failed in: each is held by
+  id (a reservation, so nobody else can take it meanwhile), then moved with the atomic
+  :meth:`Store.move`, which resets its tries. A crash between the two leaves the message in
+  the deadletter queue, where its reservation expires: nothing is lost.
+- ``replay`` pushes copies of processed messages (new ids; ``x-replay-of`` names the
+  original) into a queue; the history record stays.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from datetime import datetime
+from typing import TYPE_CHECKING
+
+from .contract import Cursor, Entry, Move, Peeked, PeekPage, Store
+from .errors import InvalidInputError
+from .ids import new_id
+from .message import (
+    Message,
+    append_headers,
+    check_id,
+    decode_headers,
+    decode_payload,
+    to_datetime,
+)
+from .options import check_queue_name
+from .types import PEEK_STATES, MessageView, Page, State
+
+if TYPE_CHECKING:
+    from .queue import Queue
+
+REQUEUE_TAG = "rq"
+"""The tag of a message renamed by ``requeue`` (its origin holds one by that name)."""
+DL_FROM = "x-dl-from-queue"
+"""The deadletter header naming the queue a message failed in."""
+REPLAY_OF = "x-replay-of"
+"""The header naming the processed message a replayed copy was made from."""
+HOLD_SECONDS = 60.0
+"""How long ``requeue`` holds a message between taking it and moving it: a crash in between
+gives it back to the deadletter queue after this."""
+
+
+# cursors ------------------------------------------------------------------------------
+
+
+def encode_cursor(cursor: Cursor | None) -> str | None:
+    """The public, opaque form of a cursor: ``<sort time>|<id>`` (ids have no ``|``-free
+    guarantee, but the time never contains one, so the first ``|`` splits)."""
+    return None if cursor is None else f"{cursor[0]!r}|{cursor[1]}"
+
+
+def decode_cursor(cursor: str | None) -> Cursor | None:
+    if cursor is None:
+        return None
+    if not isinstance(cursor, str) or "|" not in cursor:
+        raise InvalidInputError(f"not a cursor from browse / history: {cursor!r}")
+    when, _, message_id = cursor.partition("|")
+    try:
+        at = float(when)
+    except ValueError:
+        raise InvalidInputError(f"not a cursor from browse / history: {cursor!r}") from None
+    if not math.isfinite(at):
+        raise InvalidInputError(f"not a cursor from browse / history: {cursor!r}")
+    return at, message_id
+
+
+# checks -------------------------------------------------------------------------------
+
+
+def check_state(state: object) -> str:
+    if not isinstance(state, str) or state not in PEEK_STATES:
+        raise InvalidInputError(
+            f"state must be one of {', '.join(sorted(PEEK_STATES))}, not {state!r}"
+        )
+    return state
+
+
+def check_limit(limit: object, name: str = "n") -> int:
+    if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
+        raise InvalidInputError(f"{name} must be a positive int, not {limit!r}")
+    return limit
+
+
+def check_time(value: datetime | float | None, name: str, default: float) -> float:
+    """A bound of a history range: an aware datetime, epoch seconds, or None (``default``)."""
+    if value is None:
+        return default
+    if isinstance(value, datetime):
+        if value.tzinfo is None:
+            raise InvalidInputError(f"{name} must be an aware datetime (with a tzinfo)")
+        return value.timestamp()
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise InvalidInputError(f"{name} must be a datetime or epoch seconds, not {value!r}")
+    return float(value)
+
+
+# views --------------------------------------------------------------------------------
+
+
+def view(queue: str, row: Peeked) -> MessageView:
+    stored = row.message
+    message = Message(
+        stored.id,
+        decode_payload(stored.payload),
+        decode_headers(stored.headers),
+        stored.tries,
+        to_datetime(stored.mature),
+    )
+    return MessageView(queue, State(row.state), to_datetime(row.at), message)
+
+
+def page_of(queue: str, found: PeekPage) -> Page:
+    return Page([view(queue, row) for row in found.rows], encode_cursor(found.cursor))
+
+
+async def rows(
+    store: Store, state: str, after: Cursor | None, page_size: int
+) -> AsyncIterator[Peeked]:
+    """Every row of a walk, one page in memory at a time."""
+    cursor = after
+    while True:
+        found = await store.peek(state, cursor, page_size)
+        for row in found.rows:
+            yield row
+        if found.cursor is None:
+            return
+        cursor = found.cursor
+
+
+async def peek(store: Store, queue: str, state: str, n: int) -> list[MessageView]:
+    taken: list[MessageView] = []
+    async for row in rows(store, state, None, min(n, 1000)):
+        taken.append(view(queue, row))
+        if len(taken) == n:
+            break
+    return taken
+
+
+# repairs ------------------------------------------------------------------------------
+
+
+async def purge(store: Store, page_size: int) -> int:
+    """Remove every message not under an active reservation; how many were removed."""
+    removed = 0
+    cursor: Cursor | None = None
+    while True:
+        found = await store.peek("all", cursor, page_size)
+        ids = [row.message.id for row in found.rows if row.state != State.RESERVED]
+        if ids:
+            removed += sum(await store.remove(ids))
+        if found.cursor is None:
+            return removed
+        cursor = found.cursor
+
+
+async def requeue(
+    queue: Queue,
+    ids: Sequence[str] | None,
+    origin: str | None,
+) -> dict[str, str]:
+    """Move deadlettered messages back where they failed: those in ``ids`` (each to the
+    queue its ``x-dl-from-queue`` header names, or ``origin`` if given), or, with ``ids``
+    None, every one that failed in ``origin``. Returns id here -> id in its origin."""
+    store = queue._store
+    moved: dict[str, str] = {}
+    if ids is not None:
+        wanted = [check_id(i) for i in ids]
+        for start in range(0, len(wanted), queue.options.max_batch):
+            chunk = wanted[start : start + queue.options.max_batch]
+            found = await store.locate(chunk)
+            targets = {
+                row.message.id: origin or _origin_of(row)
+                for row in found
+                if row is not None and row.state != State.RESERVED
+            }
+            moved.update(await _hold_and_move(queue, targets))
+        return moved
+    assert origin is not None
+    cursor: Cursor | None = None
+    while True:
+        page = await store.peek("all", cursor, queue.options.max_batch)
+        targets = {
+            row.message.id: origin
+            for row in page.rows
+            if row.state != State.RESERVED and _origin_of(row) == origin
+        }
+        moved.update(await _hold_and_move(queue, targets))
+        if page.cursor is None:
+            return moved
+        cursor = page.cursor
+
+
+def _origin_of(row: Peeked) -> str | None:
+    found = decode_headers(row.message.headers).get(DL_FROM)
+    return found if isinstance(found, str) else None
+
+
+async def _hold_and_move(queue: Queue, targets: dict[str, str | None]) -> dict[str, str]:
+    plans = {i: t for i, t in targets.items() if t is not None and t != queue.name}
+    if not plans:
+        return {}
+    ids = list(plans)
+    tries = await queue._store.hold(ids, HOLD_SECONDS)
+    moves = [
+        Move(message_id, held, plans[message_id], tag=REQUEUE_TAG)
+        for message_id, held in zip(ids, tries, strict=True)
+        if held is not None
+    ]
+    results = await queue._move_batch(moves) if moves else []
+    return {m.id: new for m, new in zip(moves, results, strict=True) if new is not None}
+
+
+# history ------------------------------------------------------------------------------
+
+
+async def history_rows(
+    store: Store, since: float, until: float, after: Cursor | None, page_size: int
+) -> AsyncIterator[Peeked]:
+    cursor = after
+    while True:
+        found = await store.history(since, until, cursor, page_size)
+        for row in found.rows:
+            yield row
+        if found.cursor is None:
+            return
+        cursor = found.cursor
+
+
+async def replay(
+    source: Store,
+    target: Queue,
+    ids: Sequence[str] | None,
+    since: float,
+    until: float,
+) -> list[str]:
+    """Push copies of processed messages of ``source`` into ``target``; their new ids."""
+    batch = target.options.max_batch
+    copied: list[str] = []
+    if ids is not None:
+        wanted = [check_id(i) for i in ids]
+        for start in range(0, len(wanted), batch):
+            found = await source.locate(wanted[start : start + batch])
+            rows_ = [r for r in found if r is not None and r.state == State.PROCESSED]
+            copied.extend(await _copy(target, rows_))
+        return copied
+    chunk: list[Peeked] = []
+    async for row in history_rows(source, since, until, None, batch):
+        chunk.append(row)
+        if len(chunk) == batch:
+            copied.extend(await _copy(target, chunk))
+            chunk = []
+    copied.extend(await _copy(target, chunk))
+    return copied
+
+
+async def _copy(target: Queue, found: list[Peeked]) -> list[str]:
+    if not found:
+        return []
+    entries = [
+        Entry(new_id(), r.message.payload, append_headers(r.message.headers, {REPLAY_OF: r.message.id}))
+        for r in found
+    ]
+    await target._insert_entries(entries)
+    return [e.id for e in entries]
+
+
+def now() -> float:
+    return time.time()
+
+
+SiblingQueue = Callable[[str], Awaitable["Queue"]]
+"""How a queue opens another queue of its factory (the deadletter queue, a replay target)."""
+
+
+def check_target(name: str | None, default: str) -> str:
+    return default if name is None else check_queue_name(name)

@@ -1,0 +1,296 @@
+"""Conformance: looking into queues without disturbing consumers, and repairing them: peek,
+browse, find, purge, requeue, history, replay.
+
+Every backend runs it; a backend that does not claim a capability must refuse it with
+NotSupportedError before anything is written. Time bounds are generous functional limits,
+never performance assertions.
+"""
+
+from __future__ import annotations
+
+import time
+import tracemalloc
+from datetime import UTC, datetime, timedelta
+
+import pytest
+from conftest import Connect, needs, sizes_of
+
+import aio_keuss
+from aio_keuss import KoResult, State
+
+pytestmark = pytest.mark.timeout(120)
+
+
+async def _deadletter_one(q: aio_keuss.Queue, payload: object) -> str:
+    """Push a message and ko it once (max_ko 0): it goes to the deadletter queue."""
+    mid = await q.push(payload)
+    held = await q.reserve(timeout=5)
+    assert held is not None and held.id == mid
+    assert await q.ko(held) == KoResult.DEADLETTERED
+    return mid
+
+
+# refusals -------------------------------------------------------------------------------
+
+
+async def test_a_backend_without_peek_refuses_before_writing(factory: aio_keuss.Factory) -> None:
+    caps = factory.capabilities
+    q = await factory.queue("plain")
+    await q.push(1)
+    if not caps.peek:
+        for call in (q.peek(), q.find("x"), q.purge(), q.page()):
+            with pytest.raises(aio_keuss.NotSupportedError):
+                await call
+        with pytest.raises(aio_keuss.NotSupportedError):
+            async for _ in q.browse():
+                pass
+    if not caps.hold or not caps.move or not caps.peek:
+        with pytest.raises(aio_keuss.NotSupportedError):
+            await q.requeue(["x"])
+    if not caps.history:
+        with pytest.raises(aio_keuss.NotSupportedError):
+            await q.history()
+        with pytest.raises(aio_keuss.NotSupportedError):
+            await q.replay(since=0)
+    assert await q.total_size() == 1
+
+
+async def test_bad_arguments_are_refused_first(factory: aio_keuss.Factory) -> None:
+    q = await factory.queue("args")
+    for call in (
+        q.peek(0),
+        q.peek(state="gone"),
+        q.page(after="nonsense"),
+        q.requeue(),
+        q.requeue("abc"),
+        q.replay(),
+        q.history(since=datetime(2020, 1, 1)),  # naive
+    ):
+        with pytest.raises(aio_keuss.InvalidInputError):
+            await call
+
+
+# peek and browse ------------------------------------------------------------------------
+
+
+async def test_peek_shows_each_state_and_takes_nothing(factory: aio_keuss.Factory) -> None:
+    needs(factory, "peek")
+    q = await factory.queue("peeked")
+    ready = await q.push_many([{"n": 0}, {"n": 1}, {"n": 2}], headers={"h": "v"})
+    later = []
+    if factory.capabilities.delay:
+        later = await q.push_many([{"n": 3}, {"n": 4}], delay=600)
+    reserved_id = None
+    if factory.capabilities.reserve:
+        held = await q.reserve(timeout=5)
+        assert held is not None
+        reserved_id = held.id
+    before = await sizes_of(q)
+
+    seen = await q.peek(10)
+    expected_ready = [i for i in ready if i != reserved_id]
+    assert [v.message.id for v in seen] == expected_ready
+    assert all(v.state is State.READY and v.queue == "peeked" for v in seen)
+    assert seen[0].message.headers == {"h": "v"} and seen[0].message.payload is not None
+    assert [v.message.id for v in await q.peek(1)] == expected_ready[:1]
+
+    scheduled = await q.peek(10, state="scheduled")
+    assert [v.message.id for v in scheduled] == later
+    assert all(v.at > datetime.now(UTC) + timedelta(seconds=300) for v in scheduled)
+
+    reserved = await q.peek(10, state="reserved")
+    assert [v.message.id for v in reserved] == ([reserved_id] if reserved_id else [])
+    if reserved:
+        assert reserved[0].at > datetime.now(UTC)  # its deadline
+
+    everything = await q.peek(100, state="all")
+    assert sorted(v.message.id for v in everything) == sorted([*ready, *later])
+    assert await sizes_of(q) == before
+
+
+async def test_browse_pages_behind_a_cursor(factory: aio_keuss.Factory) -> None:
+    needs(factory, "peek")
+    q = await factory.queue("paged")
+    ids: list[str] = []
+    for start in range(0, 2500, 500):
+        ids += await q.push_many(list(range(start, start + 500)))
+    walked = [v.message.id async for v in q.browse(page_size=300)]
+    assert walked == ids  # pushed in order, mature in order
+    # the same by hand, cursor after cursor
+    got: list[str] = []
+    cursor = None
+    while True:
+        page = await q.page(after=cursor, limit=700)
+        got += [v.message.id for v in page.items]
+        if page.cursor is None:
+            break
+        cursor = page.cursor
+    assert got == ids
+    # a walk can start after any cursor
+    page = await q.page(limit=10)
+    rest = [v.message.id async for v in q.browse(after=page.cursor, state="ready")]
+    assert rest == ids[10:]
+    assert await q.total_size() == 2500
+
+
+@pytest.mark.slow
+async def test_browse_of_100000_messages_in_constant_memory(factory: aio_keuss.Factory) -> None:
+    needs(factory, "peek")
+    q = await factory.queue("big", max_batch=5000)
+    total = 100_000
+    payload = {"body": "x" * 100}
+    for start in range(0, total, 5000):
+        await q.push_many([payload] * 5000)
+    tracemalloc.start()
+    try:
+        count, last = 0, None
+        async for v in q.browse(page_size=2000):
+            count += 1
+            key = (v.message.mature, v.message.id)
+            assert last is None or key >= last
+            last = key
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert count == total
+    # 100,000 views would take well over 50 MB; a page of 2,000 takes a few MB
+    assert peak < 20_000_000, peak
+
+
+# find -----------------------------------------------------------------------------------
+
+
+async def test_find_says_where_a_message_is(connect: Connect) -> None:
+    factory = await connect(deadletter={"max_ko": 0}, poll_interval=5.0)
+    needs(factory, "peek")
+    q = await factory.queue("finding")
+    assert await q.find("nowhere") is None
+    mid = await q.push({"a": 1})
+    found = await q.find(mid)
+    assert found is not None
+    assert (found.queue, found.state, found.message.payload) == ("finding", State.READY, {"a": 1})
+    if factory.capabilities.delay:
+        later = await q.push(2, delay=600)
+        found = await q.find(later)
+        assert found is not None and found.state is State.SCHEDULED
+        assert found.at > datetime.now(UTC) + timedelta(seconds=300)
+        assert await q.remove(later)
+    if not factory.capabilities.reserve:
+        return
+    held = await q.reserve(timeout=5)
+    assert held is not None and held.id == mid
+    found = await q.find(held)
+    assert found is not None and found.state is State.RESERVED
+    assert found.at > datetime.now(UTC)
+    assert await q.ko(held) == KoResult.DEADLETTERED
+    found = await q.find(mid)
+    if found is not None:  # in the deadletter queue under its own id
+        assert found.queue == "__deadletter__" and found.state is State.READY
+        assert found.message.headers["x-dl-from-queue"] == "finding"
+    if factory.capabilities.history:
+        dl = await factory.queue("__deadletter__")
+        other = await q.push(3)
+        got = await q.pop(timeout=5)
+        assert got is not None and got.id == other
+        found = await q.find(other)
+        assert found is not None and found.state is State.PROCESSED
+        assert found.at <= datetime.now(UTC) + timedelta(seconds=5)
+        assert await dl.total_size() == 1
+
+
+# purge ----------------------------------------------------------------------------------
+
+
+async def test_purge_removes_all_but_active_reservations(factory: aio_keuss.Factory) -> None:
+    needs(factory, "peek", "remove")
+    q = await factory.queue("purged")
+    await q.push_many(list(range(1200)))
+    if factory.capabilities.delay:
+        await q.push_many([1, 2], delay=600)
+    held = await q.reserve(timeout=5) if factory.capabilities.reserve else None
+    expected = 1202 if factory.capabilities.delay else 1200
+    if held is not None:
+        expected -= 1
+    assert await q.purge() == expected
+    assert await q.total_size() == (1 if held is not None else 0)
+    if held is not None:
+        assert await q.ok(held)
+    assert await q.purge() == 0
+
+
+# requeue --------------------------------------------------------------------------------
+
+
+async def test_requeue_by_id_moves_back_with_tries_reset(connect: Connect) -> None:
+    factory = await connect(deadletter={"max_ko": 0}, poll_interval=5.0)
+    needs(factory, "reserve", "peek", "hold", "move")
+    q = await factory.queue("jobs")
+    dl = await factory.queue("__deadletter__")
+    first = await _deadletter_one(q, {"n": 1})
+    second = await _deadletter_one(q, {"n": 2})
+    assert await dl.total_size() == 2
+    moved = await dl.requeue([first, "not-there"])
+    assert moved == {first: first}
+    assert await dl.total_size() == 1 and await q.total_size() == 1
+    back = await q.reserve(timeout=5)
+    assert back is not None and (back.id, back.payload, back.tries) == (first, {"n": 1}, 0)
+    assert back.headers["x-dl-from-queue"] == "jobs"
+    assert await q.ok(back)
+    found = await q.find(second)
+    assert found is not None and found.queue == "__deadletter__"
+
+
+async def test_requeue_every_message_of_one_origin(connect: Connect) -> None:
+    factory = await connect(deadletter={"max_ko": 0}, poll_interval=5.0)
+    needs(factory, "reserve", "peek", "hold", "move")
+    a = await factory.queue("origin-a")
+    b = await factory.queue("origin-b")
+    dl = await factory.queue("__deadletter__")
+    from_a = [await _deadletter_one(a, i) for i in range(3)]
+    from_b = await _deadletter_one(b, "b")
+    moved = await dl.requeue(origin="origin-a")
+    assert sorted(moved) == sorted(from_a)
+    assert await a.total_size() == 3 and await b.total_size() == 0
+    assert [v.message.id for v in await dl.peek(10)] == [from_b]
+    # a held deadlettered message is left alone
+    held = await dl.reserve(timeout=5)
+    assert held is not None
+    assert await dl.requeue(origin="origin-b") == {}
+    assert await dl.ok(held)
+
+
+# history and replay ---------------------------------------------------------------------
+
+
+async def test_history_lists_processed_messages_and_replay_copies_them(
+    factory: aio_keuss.Factory,
+) -> None:
+    needs(factory, "history")
+    q = await factory.queue("done")
+    target = await factory.queue("again")
+    start = time.time() - 1
+    ids = await q.push_many([{"n": i} for i in range(5)], headers={"k": "v"})
+    popped = await q.pop_many(2, timeout=5)
+    reserved = await q.reserve_many(3, timeout=5)
+    for message in reserved:
+        assert await q.ok(message)
+    assert len(popped) == 2 and len(reserved) == 3
+    page = await q.history(since=start, limit=10)
+    assert sorted(v.message.id for v in page.items) == sorted(ids)
+    assert all(v.state is State.PROCESSED for v in page.items)
+    assert page.items[0].message.headers == {"k": "v"}
+    first = await q.history(since=start, limit=2)
+    assert len(first.items) == 2 and first.cursor is not None
+    rest = await q.history(since=start, limit=10, after=first.cursor)
+    assert [v.message.id for v in first.items + rest.items] == [
+        v.message.id for v in page.items
+    ]
+    assert (await q.history(until=start)).items == []
+
+    copies = await q.replay(ids[:2], to="again")
+    assert len(copies) == 2 and set(copies).isdisjoint(ids)
+    again = await target.pop_many(10, timeout=5)
+    assert sorted(m.headers["x-replay-of"] for m in again) == sorted(ids[:2])
+    assert all(m.headers["k"] == "v" for m in again)
+    everything = await q.replay(since=start)
+    assert len(everything) == 5 and await q.size() == 5
