@@ -17,6 +17,7 @@ from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Sequence
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
+from . import visibility
 from .coalesce import Coalescer
 from .consumer import Consumer, Handler, HandlerFailures, Outage, Settle, retry_backoff
 from .contract import MOVE_TAG, Ack, DeadletterPlan, Entry, Fetched, Move, Nack, Store, Stored
@@ -53,7 +54,6 @@ from .options import (
 from .types import Capabilities, KoResult, MessageView, Page, Sizes
 from .visibility import SiblingQueue
 from .wakeups import Wakeups
-from . import visibility
 
 if TYPE_CHECKING:
     from .signal import Signal, SignalBus

@@ -273,8 +273,9 @@ async def _copy(target: Queue, found: list[Peeked]) -> list[str]:
     if not found:
         return []
     entries = [
-        Entry(new_id(), r.message.payload, append_headers(r.message.headers, {REPLAY_OF: r.message.id}))
+        Entry(new_id(), r.message.payload, append_headers(r.message.headers, {REPLAY_OF: i}))
         for r in found
+        for i in (r.message.id,)
     ]
     await target._insert_entries(entries)
     return [e.id for e in entries]

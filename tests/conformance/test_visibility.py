@@ -139,7 +139,7 @@ async def test_browse_of_100000_messages_in_constant_memory(factory: aio_keuss.F
     q = await factory.queue("big", max_batch=5000)
     total = 100_000
     payload = {"body": "x" * 100}
-    for start in range(0, total, 5000):
+    for _ in range(0, total, 5000):
         await q.push_many([payload] * 5000)
     tracemalloc.start()
     try:
@@ -282,9 +282,7 @@ async def test_history_lists_processed_messages_and_replay_copies_them(
     first = await q.history(since=start, limit=2)
     assert len(first.items) == 2 and first.cursor is not None
     rest = await q.history(since=start, limit=10, after=first.cursor)
-    assert [v.message.id for v in first.items + rest.items] == [
-        v.message.id for v in page.items
-    ]
+    assert [v.message.id for v in first.items + rest.items] == [v.message.id for v in page.items]
     assert (await q.history(until=start)).items == []
 
     copies = await q.replay(ids[:2], to="again")
