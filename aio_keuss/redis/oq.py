@@ -36,11 +36,14 @@ import orjson
 
 from ..contract import (
     Ack,
+    Cursor,
     DeadletterPlan,
     Entry,
     Fetched,
     Move,
     Nack,
+    Peeked,
+    PeekPage,
     Store,
     Stored,
     deadletter_tag,
@@ -410,7 +413,177 @@ def _fetched(reply: list[Any]) -> Fetched:
     return Fetched(messages, None if head is None else float(head))
 
 
-class RedisOQStore(Store):
+# Looking without taking (peek, find) and holding by id (requeue): scripts of their own,
+# sharing the prelude. A walk goes in ZSET order: (score, id), the score being the mature
+# time or, for a reserved message, its deadline.
+
+# KEYS: z p h t r. ARGV: state ('ready', 'scheduled', 'reserved', 'all'), cursor score ('' =
+# from the start), cursor id, limit, scan budget. Reply: cursor score and id (false, false at
+# the end), then per row: id, payload, headers, tries, score, state.
+_PEEK = """
+local now = server_now()
+local state, cscore, cid = ARGV[1], ARGV[2], ARGV[3]
+local limit, budget = tonumber(ARGV[4]), tonumber(ARGV[5])
+local z = KEYS[1]
+local start = 0
+if cscore ~= '' then
+  local at = tonumber(cscore)
+  local score = redis.call('ZSCORE', z, cid)
+  if score and tonumber(score) == at then
+    start = redis.call('ZRANK', z, cid) + 1
+  else  -- the cursor's message moved or left: start among its ties, after its id
+    start = redis.call('ZCOUNT', z, '-inf', '(' .. cscore)
+    local done = false
+    while not done do
+      local part = redis.call('ZRANGE', z, start, start + 99, 'WITHSCORES')
+      if #part == 0 then break end
+      for i = 1, #part, 2 do
+        if tonumber(part[i + 1]) == at and part[i] <= cid then start = start + 1
+        else done = true; break end
+      end
+    end
+  end
+end
+if state ~= 'ready' and state ~= 'all' then
+  start = math.max(start, redis.call('ZCOUNT', z, '-inf', now))
+end
+local span = limit
+if state == 'scheduled' or state == 'reserved' then span = math.max(limit, budget) end
+local part = redis.call('ZRANGE', z, start, start + span - 1, 'WITHSCORES')
+local ids, scores = {}, {}
+for i = 1, #part, 2 do ids[#ids + 1] = part[i]; scores[#scores + 1] = part[i + 1] end
+local held = {}
+if #ids > 0 then held = redis.call('SMISMEMBER', KEYS[5], unpack(ids)) end
+local rows, last, finished = {}, nil, #ids < span
+for k = 1, #ids do
+  local s
+  if tonumber(scores[k]) <= now then s = 'ready'
+  elseif held[k] == 1 then s = 'reserved'
+  else s = 'scheduled' end
+  if state == 'ready' and s ~= 'ready' then finished = true; break end
+  last = k
+  if state == 'all' or s == state then rows[#rows + 1] = k end
+  if #rows == limit then break end
+end
+local reply
+if finished or last == nil then reply = {false, false}
+else reply = {scores[last], ids[last]} end
+if #rows > 0 then
+  local sel = {}
+  for _, k in ipairs(rows) do sel[#sel + 1] = ids[k] end
+  local payloads = redis.call('HMGET', KEYS[2], unpack(sel))
+  local headers = redis.call('HMGET', KEYS[3], unpack(sel))
+  local tries = redis.call('HMGET', KEYS[4], unpack(sel))
+  for j, k in ipairs(rows) do
+    local s = 'scheduled'
+    if tonumber(scores[k]) <= now then s = 'ready' elseif held[k] == 1 then s = 'reserved' end
+    for _, v in ipairs({ids[k], payloads[j], headers[j], tries[j] or '0', scores[k], s}) do
+      reply[#reply + 1] = v
+    end
+  end
+end
+return reply
+"""
+
+# KEYS: z p h t r. ARGV: ids. Reply: per id, six values as in _PEEK, or six falses.
+_LOCATE = """
+local now = server_now()
+local reply = {}
+for _, id in ipairs(ARGV) do
+  local score = redis.call('ZSCORE', KEYS[1], id)
+  if score then
+    local s = 'scheduled'
+    if tonumber(score) <= now then s = 'ready'
+    elseif redis.call('SISMEMBER', KEYS[5], id) == 1 then s = 'reserved' end
+    for _, v in ipairs({id, redis.call('HGET', KEYS[2], id), redis.call('HGET', KEYS[3], id),
+        redis.call('HGET', KEYS[4], id) or '0', score, s}) do
+      reply[#reply + 1] = v
+    end
+  else
+    for _ = 1, 6 do reply[#reply + 1] = false end
+  end
+end
+return reply
+"""
+
+# KEYS: z p h t r. ARGV: reserve delay, then ids. Reply: per id, the tries its holder
+# presents, or -1 when it is missing or under an active reservation.
+_HOLD = """
+local now = server_now()
+local deadline = now + tonumber(ARGV[1])
+local reply = {}
+for i = 2, #ARGV do
+  local id = ARGV[i]
+  local score = redis.call('ZSCORE', KEYS[1], id)
+  local held = redis.call('SISMEMBER', KEYS[5], id) == 1
+  if not score or (held and tonumber(score) > now) then
+    reply[#reply + 1] = -1
+  else
+    local tries = tonumber(redis.call('HGET', KEYS[4], id) or 0)
+    if held then  -- an expired reservation: that delivery was a try
+      tries = tries + 1
+      redis.call('HSET', KEYS[4], id, tries)
+    end
+    redis.call('ZADD', KEYS[1], deadline, id)
+    redis.call('SADD', KEYS[5], id)
+    reply[#reply + 1] = tries
+  end
+end
+return reply
+"""
+
+PEEK, LOCATE, HOLD = (Script(_PRELUDE + body) for body in (_PEEK, _LOCATE, _HOLD))
+
+PEEK_BUDGET = 2000
+"""Members a peek filtered by state scans per call at most (a bounded script run)."""
+
+
+def _peeked_rows(values: list[Any]) -> list[Peeked | None]:
+    """Six values per row as the peek / locate scripts reply them (id false: not there)."""
+    rows: list[Peeked | None] = []
+    for i in range(0, len(values), 6):
+        message_id, payload, headers, tries, score, state = values[i : i + 6]
+        if not message_id:
+            rows.append(None)
+            continue
+        at = float(score)
+        stored = Stored(
+            message_id.decode(),
+            payload,
+            EMPTY_HEADERS if headers is None else headers,
+            int(tries),
+            at,
+        )
+        rows.append(Peeked(stored, state.decode(), at))
+    return rows
+
+
+class RedisOQVisibility:
+    """peek / locate / hold of a redis-oq queue (mixed into :class:`RedisOQStore`)."""
+
+    _keys: list[str]
+    _run: Any
+
+    async def peek(self, state: str, after: Cursor | None, limit: int) -> PeekPage:
+        cursor = ("", "") if after is None else (repr(after[0]), after[1])
+        reply = await self._run(PEEK, self._keys, [state, *cursor, limit, PEEK_BUDGET])
+        rows = [row for row in _peeked_rows(reply[2:]) if row is not None]
+        head = None if reply[0] is None else (float(reply[0]), reply[1].decode())
+        return PeekPage(rows, head)
+
+    async def locate(self, ids: Sequence[str]) -> list[Peeked | None]:
+        if not ids:
+            return []
+        return _peeked_rows(await self._run(LOCATE, self._keys, list(ids)))
+
+    async def hold(self, ids: Sequence[str], reserve_delay: float) -> list[int | None]:
+        if not ids:
+            return []
+        reply = await self._run(HOLD, self._keys, [reserve_delay, *ids])
+        return [None if tries < 0 else int(tries) for tries in reply]
+
+
+class RedisOQStore(RedisOQVisibility, Store):
     batch_concurrency: ClassVar[int] = 4
 
     def __init__(self, name: str, options: QueueOptions, backend: RedisOQBackend) -> None:
@@ -559,7 +732,7 @@ class RedisOQStore(Store):
 
 class RedisOQBackend(RedisBackend):
     name = "redis-oq"
-    capabilities: Capabilities = Capabilities(move=True)
+    capabilities: Capabilities = Capabilities(move=True, peek=True, hold=True)
 
     def queue_keys(self, queue: str) -> list[str]:
         return [self.key(queue, part) for part in ("z", "p", "h", "t", "r")]
