@@ -20,7 +20,7 @@ import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, ClassVar
 
-from ..contract import Entry, Fetched, Store, Stored
+from ..contract import Cursor, Entry, Fetched, Peeked, PeekPage, Store, Stored
 from ..types import Capabilities, Sizes
 from .backend import RedisBackend
 
@@ -85,6 +85,32 @@ class RedisListStore(Store):
         # next_mature when nothing was handed out, so no LLEN round trip is needed.
         return Fetched([_unpack(e) for e in elements], time.time() if len(elements) == n else None)
 
+    async def peek(self, state: str, after: Cursor | None, limit: int) -> PeekPage:
+        """LRANGE from the popping end; the cursor is a position, so a walk during
+        consumption is shifted by what was popped meanwhile (some may be missed)."""
+        if state not in ("ready", "all"):
+            return PeekPage([], None)
+        offset = 0 if after is None else int(after[0])
+        part = await self._execute("LRANGE", self._key, -offset - limit, -offset - 1)
+        rows = [Peeked(s, "ready", s.mature) for s in map(_unpack, reversed(part))]
+        return PeekPage(rows, (offset + limit, "") if len(part) == limit else None)
+
+    async def locate(self, ids: Sequence[str]) -> list[Peeked | None]:
+        """A scan of the whole list, a page at a time: an admin's look-up, not a hot path."""
+        wanted: dict[str, Peeked | None] = dict.fromkeys(ids)
+        missing = set(wanted)
+        cursor: Cursor | None = None
+        while missing:
+            page = await self.peek("all", cursor, 1000)
+            for row in page.rows:
+                if row.message.id in missing:
+                    wanted[row.message.id] = row
+                    missing.discard(row.message.id)
+            if page.cursor is None:
+                break
+            cursor = page.cursor
+        return [wanted[i] for i in ids]
+
     async def sizes(self) -> Sizes:
         length: int = await self._execute("LLEN", self._key)
         return Sizes(length, length, 0, 0)
@@ -97,7 +123,12 @@ class RedisListStore(Store):
 class RedisListBackend(RedisBackend):
     name = "redis-list"
     capabilities: Capabilities = Capabilities(
-        reserve=False, delay=False, remove=False, idempotent=False, reservation_expiry=False
+        reserve=False,
+        delay=False,
+        remove=False,
+        idempotent=False,
+        reservation_expiry=False,
+        peek=True,
     )
 
     async def store(self, queue: str, options: QueueOptions) -> Store:

@@ -59,11 +59,14 @@ import orjson
 from ..coalesce import stop_task
 from ..contract import (
     Ack,
+    Cursor,
     DeadletterPlan,
     Entry,
     Fetched,
     Move,
     Nack,
+    Peeked,
+    PeekPage,
     Store,
     Stored,
     deadletter_tag,
@@ -385,6 +388,65 @@ return 0
 """
 
 
+# Looking without taking (peek, find). Ready messages are walked by position from the
+# consuming end of ``pending`` (a message consumed meanwhile shifts the walk by one, so a
+# walk during consumption may miss some), then the reserved ones of every consumer.
+
+# KEYS: pending, consumers. ARGV: base, section ('p' pending, 'r' processing lists), offset,
+# limit. Reply: how many ids the section gave, then id, p, h, t, m per message still there.
+_PEEK = """
+local base, section = ARGV[1], ARGV[2]
+local offset, limit = tonumber(ARGV[3]), tonumber(ARGV[4])
+local ids = {}
+if section == 'p' then
+  local part = redis.call('LRANGE', KEYS[1], -offset - limit, -offset - 1)
+  for i = #part, 1, -1 do ids[#ids + 1] = part[i] end
+else
+  local cids = redis.call('SMEMBERS', KEYS[2])
+  table.sort(cids)
+  local all = {}
+  for _, cid in ipairs(cids) do
+    local held = redis.call('LRANGE', base .. 'processing:' .. cid, 0, -1)
+    for i = #held, 1, -1 do all[#all + 1] = held[i] end
+  end
+  for i = offset + 1, math.min(offset + limit, #all) do ids[#ids + 1] = all[i] end
+end
+local out = {#ids}
+for _, id in ipairs(ids) do
+  local b = redis.call('HMGET', base .. 'msg:' .. id, 'p', 'h', 't', 'm')
+  if b[1] then
+    out[#out + 1] = id
+    out[#out + 1] = b[1]; out[#out + 1] = b[2]; out[#out + 1] = b[3]; out[#out + 1] = b[4]
+  end
+end
+return out
+"""
+
+# KEYS: consumers. ARGV: base, ids. Reply per id: 0 gone, 1 pending, 2 held; then, for those
+# found, id, p, h, t, m.
+_LOCATE = """
+local base = ARGV[1]
+local cids = redis.call('SMEMBERS', KEYS[1])
+local where, bodies = {}, {}
+for i = 2, #ARGV do
+  local id = ARGV[i]
+  local b = redis.call('HMGET', base .. 'msg:' .. id, 'p', 'h', 't', 'm')
+  if b[1] then
+    local state = 1
+    for _, cid in ipairs(cids) do
+      if redis.call('LPOS', base .. 'processing:' .. cid, id) then state = 2; break end
+    end
+    where[#where + 1] = state
+    for _, v in ipairs({id, b[1], b[2], b[3], b[4]}) do bodies[#bodies + 1] = v end
+  else
+    where[#where + 1] = 0
+  end
+end
+for _, v in ipairs(bodies) do where[#where + 1] = v end
+return where
+"""
+
+
 def _stored(flat: list[Any], start: int) -> list[Stored]:
     """Decode the ``id, p, h, t, m`` quintuples of a get / reserve script."""
     return [
@@ -591,6 +653,39 @@ class RedisReliableStore(Store):
         sizes = await self.sizes()
         return time.time() if sizes.total else None
 
+    # looking without taking --------------------------------------------------------------
+
+    async def peek(self, state: str, after: Cursor | None, limit: int) -> PeekPage:
+        """Ready (``pending``, from its consuming end) then reserved (every consumer's
+        processing list); nothing is ever scheduled. The cursor is a position."""
+        if state == "scheduled":
+            return PeekPage([], None)
+        offset, section = (0, "r" if state == "reserved" else "p") if after is None else after
+        keys = [self._pending, self._consumers]
+        flat = await self._scripts.peek(keys, [self._base, section, int(offset), limit])
+        shown = "ready" if section == "p" else "reserved"
+        rows = [Peeked(s, shown, s.mature) for s in _stored(flat, 1)]
+        if flat[0] == limit:
+            return PeekPage(rows, (offset + limit, section))
+        if section == "p" and state == "all":
+            return PeekPage(rows, (0, "r"))
+        return PeekPage(rows, None)
+
+    async def locate(self, ids: Sequence[str]) -> list[Peeked | None]:
+        if not ids:
+            return []
+        flat = await self._scripts.locate([self._consumers], [self._base, *ids])
+        where = flat[: len(ids)]
+        bodies = iter(_stored(flat, len(ids)))
+        found: list[Peeked | None] = []
+        for state in where:
+            if state == 0:
+                found.append(None)
+                continue
+            stored = next(bodies)
+            found.append(Peeked(stored, "ready" if state == 1 else "reserved", stored.mature))
+        return found
+
     # heartbeat and recovery --------------------------------------------------------------
 
     def _start(self) -> None:
@@ -687,6 +782,8 @@ class _Scripts:
         self.dead = bind(_DEAD)
         self.recover = bind(_RECOVER)
         self.retire = bind(_RETIRE)
+        self.peek = bind(_PEEK)
+        self.locate = bind(_LOCATE)
 
 
 @dataclass(frozen=True)
@@ -726,6 +823,7 @@ class RedisReliableBackend(RedisBackend):
         reservation_expiry=False,
         shared=True,
         move=True,
+        peek=True,
     )
     options_type: ClassVar[type[RedisOptions]] = RedisReliableOptions
     options: ClassVar[dict[str, Any]] = RedisReliableOptions.defaults()
