@@ -93,9 +93,10 @@ class Stored:
 
 
 Cursor = tuple[float, str]
-"""Where a walk over a queue stands: (sort time, id) of the last message it saw. Stores walk
-a queue in (sort time, id) order, where the sort time is the mature time, or the reservation
-deadline of a reserved message (what their indexes are ordered by)."""
+"""Where a walk over a queue stands: (sort time, tie-breaker) of the last message it saw.
+Stores walk a queue in the order of their own index: the sort time is the mature time, or
+the reservation deadline of a reserved message; the tie-breaker is the id, or whatever the
+store orders equal times by (a sequence number, a position in a list)."""
 
 
 @dataclass(slots=True)

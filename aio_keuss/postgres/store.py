@@ -25,13 +25,26 @@ skewed clocks agree on what is mature, and a reservation deadline is the server'
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import orjson
 
-from ..contract import Ack, DeadletterPlan, Entry, Fetched, Move, Nack, Store, Stored
+from ..contract import (
+    Ack,
+    Cursor,
+    DeadletterPlan,
+    Entry,
+    Fetched,
+    Move,
+    Nack,
+    Peeked,
+    PeekPage,
+    Store,
+    Stored,
+)
 from ..options import check_bool
 from ..types import Capabilities, KoResult, Sizes
 from .backend import PostgresBackend
@@ -68,6 +81,13 @@ def _fetched(rows: list[Any]) -> Fetched:
     next_mature = rows[0][5] if rows else None
     messages = [Stored(r[0], r[1], r[2], r[3], r[4]) for r in rows if r[0] is not None]
     return Fetched(messages, next_mature)
+
+
+def _peeked(row: Any) -> Peeked:
+    """A row of peek / locate: id, payload, headers, tries, mature, seq, reserved, now."""
+    mature, now = row[4], row[7]
+    state = "ready" if mature <= now else "reserved" if row[6] else "scheduled"
+    return Peeked(Stored(row[0], row[1], row[2], row[3], mature), state, mature)
 
 
 class PostgresStore(Store):
@@ -174,6 +194,28 @@ class PostgresStore(Store):
         rows = await self._db.fetch(self._sql["remove"], self.name, list(ids))
         return _first_occurrences(ids, {r[0] for r in rows})
 
+    async def peek(self, state: str, after: Cursor | None, limit: int) -> PeekPage:
+        """The cursor is (mature, seq): the order of the table's index."""
+        mature, seq = (-math.inf, -1) if after is None else (after[0], int(after[1]))
+        rows = await self._db.fetch(self._sql["peek"], self.name, mature, seq, state, limit)
+        found = [_peeked(r) for r in rows]
+        last = rows[-1] if len(rows) == limit else None
+        return PeekPage(found, None if last is None else (last[4], str(last[5])))
+
+    async def locate(self, ids: Sequence[str]) -> list[Peeked | None]:
+        if not ids:
+            return []
+        rows = await self._db.fetch(self._sql["locate"], self.name, list(ids))
+        found = {r[0]: _peeked(r) for r in rows}
+        return [found.get(i) for i in ids]
+
+    async def hold(self, ids: Sequence[str], reserve_delay: float) -> list[int | None]:
+        if not ids:
+            return []
+        rows = await self._db.fetch(self._sql["hold"], self.name, list(ids), reserve_delay)
+        held: dict[str, int] = {r[0]: r[1] for r in rows}
+        return [held.pop(i, None) for i in ids]
+
     async def sizes(self) -> Sizes:
         row = await self._db.fetchrow(self._sql["sizes"], self.name)
         assert row is not None  # an aggregate always answers one row
@@ -201,7 +243,7 @@ class PostgresQueueBackend(PostgresBackend):
     """``postgres``: one table for every queue of the schema."""
 
     name = "postgres"
-    capabilities: Capabilities = Capabilities(move=True)
+    capabilities: Capabilities = Capabilities(move=True, peek=True, hold=True)
     options_type: ClassVar[type[PostgresConnectionOptions]] = PostgresOptions
     options: ClassVar[dict[str, Any]] = PostgresOptions.defaults()
 

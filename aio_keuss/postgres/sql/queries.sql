@@ -230,6 +230,38 @@ WHERE queue = $1
 -- name: next_mature
 SELECT mature FROM {s}.messages WHERE queue = $1 ORDER BY mature, seq LIMIT 1
 
+-- name: peek
+-- Look without taking: up to $5 messages in state $4 past the cursor ($2 mature, $3 seq), in
+-- the order of the (queue, mature, seq) index, which the row comparison walks. Scheduled and
+-- reserved messages are all past now, so their walk starts there.
+SELECT id, payload, headers, tries, mature, seq, reserved, t.now
+FROM {s}.messages, (SELECT extract(epoch from now())::float8 AS now) t
+WHERE queue = $1 AND (mature, seq) > ($2::float8, $3::int8)
+  AND mature > CASE WHEN $4::text IN ('scheduled', 'reserved') THEN t.now
+                    ELSE '-infinity'::float8 END
+  AND CASE $4::text WHEN 'ready' THEN mature <= t.now
+                    WHEN 'scheduled' THEN NOT reserved
+                    WHEN 'reserved' THEN reserved
+                    ELSE true END
+ORDER BY mature, seq
+LIMIT $5
+
+-- name: locate
+SELECT id, payload, headers, tries, mature, seq, reserved, extract(epoch from now())::float8
+FROM {s}.messages
+WHERE queue = $1 AND id = ANY($2::text[])
+
+-- name: hold
+-- Reserve given messages (requeue): as reserve does, but by id, and only those not under an
+-- active reservation; a concurrent reserve skips the rows this statement has locked.
+UPDATE {s}.messages
+SET mature = extract(epoch from now())::float8 + $3::float8,
+    tries = tries + reserved::int,
+    reserved = true
+WHERE queue = $1 AND id = ANY($2::text[])
+  AND NOT (reserved AND mature > extract(epoch from now())::float8)
+RETURNING id, tries
+
 -- The stats store ----------------------------------------------------------------------
 -- Counters are buffered in the client and written as one upsert per flush, whatever the
 -- number of queues and counters in it.
