@@ -18,6 +18,7 @@ from typing import Any
 
 from ..errors import ConfigError, KeussConnectionError, KeussError
 from ..loading import import_callable, import_object
+from . import admin
 from .run import run_worker
 from .settings import WorkerSettings, option_value, resolve
 
@@ -67,6 +68,7 @@ def _parser() -> argparse.ArgumentParser:
         help="a backend option, e.g. prefix=myapp or schema=jobs (value as JSON when it parses)",
     )
     add("--config", help="a TOML file of settings (top level or [worker])")
+    admin.add_commands(commands)
     return parser
 
 
@@ -115,6 +117,8 @@ async def _run(settings: WorkerSettings) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command; returns its exit code."""
     args = _parser().parse_args(argv)
+    if args.command != "worker":
+        return admin.run(args)
     try:
         settings = resolve(_flags(args))
         # fail before logging is set up or anything opens
