@@ -23,7 +23,6 @@ primitives for it (:meth:`Store.peek`, :meth:`Store.locate`, :meth:`Store.hold`,
 from __future__ import annotations
 
 import math
-import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from datetime import datetime
 from typing import TYPE_CHECKING
@@ -279,10 +278,6 @@ async def _copy(target: Queue, found: list[Peeked]) -> list[str]:
     ]
     await target._insert_entries(entries)
     return [e.id for e in entries]
-
-
-def now() -> float:
-    return time.time()
 
 
 SiblingQueue = Callable[[str], Awaitable["Queue"]]

@@ -453,7 +453,7 @@ local part = redis.call('ZRANGE', z, start, start + span - 1, 'WITHSCORES')
 local ids, scores = {}, {}
 for i = 1, #part, 2 do ids[#ids + 1] = part[i]; scores[#scores + 1] = part[i + 1] end
 local held = {}
-if #ids > 0 then held = redis.call('SMISMEMBER', KEYS[5], unpack(ids)) end
+if #ids > 0 then held = read_chunked('SMISMEMBER', KEYS[5], ids) end
 local rows, last, finished = {}, nil, #ids < span
 for k = 1, #ids do
   local s
@@ -471,9 +471,9 @@ else reply = {scores[last], ids[last]} end
 if #rows > 0 then
   local sel = {}
   for _, k in ipairs(rows) do sel[#sel + 1] = ids[k] end
-  local payloads = redis.call('HMGET', KEYS[2], unpack(sel))
-  local headers = redis.call('HMGET', KEYS[3], unpack(sel))
-  local tries = redis.call('HMGET', KEYS[4], unpack(sel))
+  local payloads = read_chunked('HMGET', KEYS[2], sel)
+  local headers = read_chunked('HMGET', KEYS[3], sel)
+  local tries = read_chunked('HMGET', KEYS[4], sel)
   for j, k in ipairs(rows) do
     local s = 'scheduled'
     if tonumber(scores[k]) <= now then s = 'ready' elseif held[k] == 1 then s = 'reserved' end
@@ -535,7 +535,8 @@ return reply
 PEEK, LOCATE, HOLD = (Script(_PRELUDE + body) for body in (_PEEK, _LOCATE, _HOLD))
 
 PEEK_BUDGET = 2000
-"""Members a peek filtered by state scans per call at most (a bounded script run)."""
+"""Members a peek scans per call at most (a bounded script run): a larger page is handed
+out in several calls."""
 
 
 def _peeked_rows(values: list[Any]) -> list[Peeked | None]:
@@ -566,6 +567,7 @@ class RedisOQVisibility:
 
     async def peek(self, state: str, after: Cursor | None, limit: int) -> PeekPage:
         cursor = ("", "") if after is None else (repr(after[0]), after[1])
+        limit = min(limit, PEEK_BUDGET)
         reply = await self._run(PEEK, self._keys, [state, *cursor, limit, PEEK_BUDGET])
         rows = [row for row in _peeked_rows(reply[2:]) if row is not None]
         head = None if reply[0] is None else (float(reply[0]), reply[1].decode())

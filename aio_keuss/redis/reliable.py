@@ -84,6 +84,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("aio_keuss.redis_reliable")
 
+PEEK_PAGE = 2000
+"""Messages one peek script call reads at most (a larger page takes several calls)."""
+
 RECOVER_STEP = 1000
 """Most messages one recovery script call moves, so Redis is never blocked for long."""
 
@@ -661,6 +664,7 @@ class RedisReliableStore(Store):
         if state == "scheduled":
             return PeekPage([], None)
         offset, section = (0, "r" if state == "reserved" else "p") if after is None else after
+        limit = min(limit, PEEK_PAGE)
         keys = [self._pending, self._consumers]
         flat = await self._scripts.peek(keys, [self._base, section, int(offset), limit])
         shown = "ready" if section == "p" else "reserved"
