@@ -25,9 +25,9 @@ REDIS_URL = "redis://127.0.0.1:6379/0"
 POSTGRES_URL = "postgresql://postgres@127.0.0.1:5432/test"
 PAYLOAD = {"id": 0, "user": "someone@example.com", "items": [1, 2, 3], "note": "x" * 120}
 RUN = os.urandom(3).hex()
-# arq's worker sleeps poll_delay (0.5 s by default) between reads of its queue and takes at
-# most max_jobs per read, so its default caps a 3-job worker near 30 jobs/s; 5 ms measures
-# its machinery instead of its sleep (https://arq-docs.helpmanual.io/#arq.worker.Worker).
+# arq's worker sleeps poll_delay (0.5 s by default) between reads of its queue; with that
+# default a 3-job worker ran about 30 jobs/s here, bounded by the sleep. 5 ms measures its
+# machinery instead (https://arq-docs.helpmanual.io/).
 ARQ_POLL_DELAY = 0.005
 
 
