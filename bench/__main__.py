@@ -129,7 +129,7 @@ class Bench:
         keuss = KEUSS.get(self.backend, (None, None, None))
         async with aio_keuss.connect(self.backend, **self.options) as factory:
             caps = factory.capabilities
-            for clients in client_counts if only == "all" else ():
+            for clients in client_counts if only in ("all", "throughput") else ():
                 progress(f"{self.backend}: {self.messages:,} messages, {clients} clients")
                 q = await self.fresh_queue(factory)
                 await self.push(q, clients, "push", keuss[0] if clients == 3 else None)
@@ -147,7 +147,7 @@ class Bench:
                 await self.bulk(factory, caps)
                 progress(f"{self.backend}: latency at a low rate")
                 await self.latency(factory, caps, latency_messages)
-            if caps.move:
+            if caps.move and only != "throughput":
                 for clients in client_counts:
                     progress(f"{self.backend}: 3-station pipeline, {clients} workers each")
                     await self.pipeline(factory, clients, atomic=True)
@@ -344,7 +344,10 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--url", help="server URL (default: the local test servers)")
     parser.add_argument("--json", action="store_true", help="one JSON record per row")
     parser.add_argument(
-        "--only", choices=("all", "pipeline"), default="all", help="run only these rows"
+        "--only",
+        choices=("all", "pipeline", "throughput"),
+        default="all",
+        help="run only these rows (throughput: push, pop, reserve+ok; what bench.peers compares)",
     )
     parser.add_argument(
         "--loop",
