@@ -38,10 +38,15 @@ def comparisons(clients: list[int]) -> Iterator[tuple[str, Key, Key]]:
             for c in clients:
                 label = f"{backend} {scenario} / Keuss {keuss}"
                 yield label, ("aio-keuss", backend, scenario, c), ("keuss", keuss, scenario, c)
+        if backend != "redis-list":  # consume() against Keuss's reserve + ok loop
+            for c in clients:
+                label = f"{backend} {CONSUME} / Keuss {keuss} reserve+ok"
+                yield label, ("aio-keuss", backend, CONSUME, c), ("keuss", keuss, "reserve+ok", c)
     for peer, backends in PEER_BACKENDS.items():
         for backend in backends:
             ours = "redis-oq" if backend == "redis" else "postgres"
-            for scenario, theirs in (("push", "enqueue"), ("reserve+ok", "process")):
+            pairs = (("push", "enqueue"), ("reserve+ok", "process"), (CONSUME, "process"))
+            for scenario, theirs in pairs:
                 for c in clients:
                     label = f"{ours} {scenario} / {peer} {backend} {theirs}"
                     yield label, ("aio-keuss", ours, scenario, c), (peer, backend, theirs, c)
@@ -70,7 +75,7 @@ def ratio_rows(rows: list[Row], clients: list[int]) -> list[tuple[str, int, floa
 def print_tables(rows: list[Row], clients: list[int]) -> None:
     table = by_rep(rows)
     print("\nAbsolute rates, msgs/s: median over repetitions (min - max)")
-    header = f"| {'system':<13} | {'backend':<14} | {'row':<16} | {'clients':>7} | "
+    header = f"| {'system':<13} | {'backend':<14} | {'row':<19} | {'clients':>7} | "
     header += f"{'median':>8} | {'min - max':>17} | {'reps':>4} |"
     print(header)
     print("|" + "|".join("-" * len(cell) for cell in header.split("|")[1:-1]) + "|")
@@ -78,20 +83,22 @@ def print_tables(rows: list[Row], clients: list[int]) -> None:
         rates = list(reps.values())
         spread = f"{min(rates):,.0f} - {max(rates):,.0f}"
         print(
-            f"| {system:<13} | {backend:<14} | {scenario:<16} | {c:>7} | "
+            f"| {system:<13} | {backend:<14} | {scenario:<19} | {c:>7} | "
             f"{statistics.median(rates):>8,.0f} | {spread:>17} | {len(rates):>4} |"
         )
     print("\nRatios, aio-keuss ÷ other: median of the per-repetition ratios (each repetition's)")
-    header = f"| {'aio-keuss row / other row':<52} | {'clients':>7} | {'ratio':>6} | per rep"
+    header = f"| {'aio-keuss row / other row':<64} | {'clients':>7} | {'ratio':>6} | per rep"
     print(header)
-    print("|" + "-" * 54 + "|" + "-" * 9 + "|" + "-" * 8 + "|" + "-" * 20)
+    print("|" + "-" * 66 + "|" + "-" * 9 + "|" + "-" * 8 + "|" + "-" * 20)
     for label, c, median, ratios in ratio_rows(rows, clients):
         each = ", ".join(f"{r:.2f}" for r in ratios)
-        print(f"| {label:<52} | {c:>7} | {median:>5.2f}x | {each}")
+        print(f"| {label:<64} | {c:>7} | {median:>5.2f}x | {each}")
 
 
 SYSTEM_ORDER = ["aio-keuss", "keuss", "saq", "arq", "procrastinate", "server"]
-SCENARIO_ORDER = ["push", "pop", "reserve+ok", "enqueue", "process"]
+CONSUME = "consume prefetch=10"
+"""Our worker loop (``consume`` with a prefetch), the closest to a peer's worker."""
+SCENARIO_ORDER = ["push", "pop", "reserve+ok", CONSUME, "enqueue", "process"]
 
 
 def _order(item: tuple[Key, dict[int, float]]) -> tuple[int, str, int, int]:
