@@ -1,0 +1,458 @@
+"""``redis-sharded``: one queue spread over shards, each a "magazine" of records.
+
+The model is the one IgnisMQ describes for its Aerospike storage: a queue is split into
+shards (1-512, default 32); each shard is a magazine with a load pointer and a fire pointer
+and one record per message keyed by its pointer. A push loads records at the load pointer;
+a consumer fires them (advances the fire pointer) and, when it reserves, stamps each with
+its reservation deadline. ``ok`` deletes the record; ``ko`` reloads it at the load pointer.
+A sweeper, run by one elected leader per backend (:mod:`.sharded_sweeper`), walks each
+shard's fired records from its sweep pointer and moves those whose deadline passed into the
+shard's sideline magazine; a shovel moves them back into the magazine, one more try each.
+
+Every shard's keys carry the hash tag ``{queue#shard}`` (``#`` cannot occur in a queue
+name), so on Redis Cluster the shards of one queue spread over the nodes while each
+operation on a shard is one Lua script in one hash slot (:mod:`.sharded_lua`). Every script
+does O(1) work per message or a bounded batch.
+
+Which shard: a message's shard is a function of its id, so ``ok`` / ``ko`` and the dedup
+check of an explicit id need no lookup: ids the queue makes end in ``~<shard>``; any other
+id goes to ``crc32(id) % shards``. A push without an id goes round-robin over the shards
+(a chunk of a batch to each shard, so a ``push_many`` stays in order within its chunk), or,
+with a header ``x-shard-key``, to the shard that key hashes to: messages with one key keep
+their order. Explicit ids route by their id (the header is not used for them).
+
+Consumers find work without scanning empty shards: the queue's ``ready`` sorted set holds
+the shards that have records to fire, oldest first; a consumer fires from the first few and
+puts a shard that still has work at the back, so shards are served in turn. That index lives
+in the queue's own hash slot, apart from the shards, so it is a hint kept by a second
+script after each shard script; a race between a consumer emptying a shard and a producer
+loading it is settled by the producer's load pointer (see ``_READY_UPDATE``), and a hint
+lost in a crash between the two scripts is restored by the sweeper, which sees every shard.
+
+What this model does not offer: delays (a magazine is FIFO; ``ko`` reloads at once, at the
+back of its shard), ``remove``, atomic ``move``; order holds within a shard only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import re
+import time
+import zlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import orjson
+
+from ..contract import (
+    Ack,
+    DeadletterPlan,
+    Entry,
+    Fetched,
+    Nack,
+    Store,
+    Stored,
+    deadletter_tag,
+    moved_id,
+)
+from ..errors import ConfigError
+from ..message import append_headers
+from ..options import check_bool, check_int, check_option_seconds
+from ..types import Capabilities, KoResult, Sizes
+from . import sharded_lua as lua
+from .backend import RedisBackend
+from .connection import RedisOptions
+
+if TYPE_CHECKING:
+    from ..options import QueueOptions
+    from ..signal import SignalBus
+    from .sharded_sweeper import Sweeper
+
+SHARD_KEY_HEADER = "x-shard-key"
+MAX_SHARDS = 512
+PUSH_CHUNK = 100
+"""Messages of one batch loaded into one shard before the next shard takes the rest."""
+READY_SPAN = 4
+"""Ready shards a consumer asking for one message chooses from (at random), so that
+consumers racing for work spread over shards rather than all fire from the oldest one."""
+
+_SUFFIX = re.compile(r"~(\d{1,3})$")
+_KEY_MARK = SHARD_KEY_HEADER.encode()
+
+
+def shard_of(message_id: str, shards: int) -> int:
+    """The shard of a message, from its id alone (see the module docstring)."""
+    found = _SUFFIX.search(message_id)
+    if found is not None and int(found.group(1)) < shards:
+        return int(found.group(1))
+    return zlib.crc32(message_id.encode()) % shards
+
+
+def _key_shard(headers: bytes, shards: int) -> int | None:
+    """The shard the ``x-shard-key`` header hashes to, if the message has one."""
+    if _KEY_MARK not in headers:
+        return None
+    key = orjson.loads(headers).get(SHARD_KEY_HEADER)
+    if key is None:
+        return None
+    return zlib.crc32(str(key).encode()) % shards
+
+
+def _stored(flat: list[Any], start: int) -> list[Stored]:
+    return [
+        Stored(flat[i].decode(), flat[i + 1], flat[i + 2], int(flat[i + 3]), float(flat[i + 4]))
+        for i in range(start, len(flat), 5)
+    ]
+
+
+class RedisShardedStore(Store):
+    """One queue over ``shards`` magazines."""
+
+    batch_concurrency: ClassVar[int] = 4
+
+    def __init__(
+        self, name: str, options: QueueOptions, backend: RedisShardedBackend, shards: int
+    ) -> None:
+        super().__init__(name, options)
+        # A reserve is several round trips (index, shards, index): not one reply that
+        # refuses cancellation, so fetches run in batch tasks; pushes still run in the caller.
+        self.run_in_caller = backend.has_fast_lane
+        self._backend = backend
+        self.shards = shards
+        self._bases = [backend.shard_base(name, s) for s in range(shards)]
+        self._keys = [[b + "m", b + "ix", b + "d"] for b in self._bases]
+        self._ready = backend.ready_keys(name)
+        self._window = options.dedup_window
+        self._turn = random.randrange(shards)
+        self._run = backend.run_script
+
+    # producing ---------------------------------------------------------------------------
+
+    def _route(self, entries: Sequence[Entry]) -> dict[int, list[Entry]]:
+        """Group entries by shard, naming the ids the queue made after their shard."""
+        by_shard: dict[int, list[Entry]] = {}
+        chunk = 0
+        for e in entries:
+            if e.dedup or e.mature is not None:  # an explicit id, or a put-back: its id rules
+                shard = shard_of(e.id, self.shards)
+            else:
+                keyed = _key_shard(e.headers, self.shards)
+                if keyed is None:
+                    if chunk == 0:
+                        self._turn = (self._turn + 1) % self.shards
+                    chunk = (chunk + 1) % PUSH_CHUNK
+                    shard = self._turn
+                else:
+                    shard = keyed
+                e.id = f"{e.id}~{shard}"
+            by_shard.setdefault(shard, []).append(e)
+        return by_shard
+
+    async def insert(self, entries: Sequence[Entry]) -> list[bool]:
+        by_shard = self._route(entries)
+        shards = list(by_shard)
+        replies = await asyncio.gather(*(self._insert(s, by_shard[s]) for s in shards))
+        announce: list[Any] = []
+        flags: dict[int, bool] = {}
+        for shard, reply in zip(shards, replies, strict=True):
+            if any(f == 1 for f in reply[1:]):
+                announce += (shard, reply[0])
+            for e, f in zip(by_shard[shard], reply[1:], strict=True):
+                flags[id(e)] = f == 1
+        if announce:
+            await self._run(lua.READY_ADD, self._ready, announce)
+        return [flags[id(e)] for e in entries]
+
+    async def _insert(self, shard: int, entries: list[Entry]) -> list[Any]:
+        args: list[Any] = [self._bases[shard], self._window]
+        for e in entries:
+            check = "d" if e.dedup else ("c" if e.mature is not None else "")
+            args += (
+                e.id,
+                e.payload,
+                e.headers,
+                e.tries,
+                check,
+                "" if e.mature is None else repr(e.mature),
+            )
+        reply: list[Any] = await self._run(lua.INSERT, self._keys[shard], args)
+        return reply
+
+    # consuming ---------------------------------------------------------------------------
+
+    async def get(self, n: int) -> Fetched:
+        return await self._fire(n, "")
+
+    async def reserve(self, n: int, reserve_delay: float) -> Fetched:
+        """Fire and stamp each record with its deadline, now + ``reserve_delay`` (server
+        clock): the sweeper sidelines it once that passes without ok / ko."""
+        return await self._fire(n, repr(reserve_delay))
+
+    async def _fire(self, n: int, delay: str) -> Fetched:
+        """Fire from the oldest ready shards, sharing ``n`` among them; try again (twice)
+        when every shard chosen had been emptied by another consumer meanwhile."""
+        messages: list[Stored] = []
+        left = False
+        for _ in range(3):
+            span = min(self.shards, max(n, READY_SPAN))
+            ready = await self._backend.execute("ZRANGE", self._ready[0], 0, span - 1)
+            if not ready:
+                break
+            chosen = [int(s) for s in ready]
+            if n < len(chosen):
+                chosen = random.sample(chosen, n)
+            share, extra = divmod(n, len(chosen))
+            replies = await asyncio.gather(
+                *(
+                    self._run(
+                        lua.FIRE,
+                        self._keys[s][:2],
+                        [self._bases[s], share + (1 if k < extra else 0), delay],
+                    )
+                    for k, s in enumerate(chosen)
+                )
+            )
+            report: list[Any] = []
+            for shard, reply in zip(chosen, replies, strict=True):
+                messages += _stored(reply, 2)
+                report += (shard, reply[0], reply[1])
+                left = left or reply[0] > 0
+            await self._run(lua.READY_UPDATE, self._ready, report)
+            if messages:
+                break
+        return Fetched(messages, time.time() if left else None)
+
+    # acknowledging -----------------------------------------------------------------------
+
+    async def commit(self, acks: Sequence[Ack]) -> list[bool]:
+        by_shard: dict[int, list[int]] = {}
+        for k, ack in enumerate(acks):
+            by_shard.setdefault(shard_of(ack.id, self.shards), []).append(k)
+        out = [False] * len(acks)
+
+        async def one(shard: int, members: list[int]) -> None:
+            args: list[Any] = [self._bases[shard]]
+            for k in members:
+                args += (acks[k].id, "" if acks[k].tries is None else acks[k].tries)
+            flags = await self._run(lua.COMMIT, self._keys[shard][:2], args)
+            for k, flag in zip(members, flags, strict=True):
+                out[k] = flag == 1
+
+        await asyncio.gather(*(one(s, m) for s, m in by_shard.items()))
+        return out
+
+    async def rollback(
+        self, nacks: Sequence[Nack], deadletter: DeadletterPlan | None
+    ) -> list[KoResult]:
+        """Reload each at the load pointer of its shard (no delay: the magazine has none),
+        or past ``max_ko`` copy it into the deadletter queue, then drop it here."""
+        by_shard: dict[int, list[int]] = {}
+        for k, nack in enumerate(nacks):
+            by_shard.setdefault(shard_of(nack.id, self.shards), []).append(k)
+        out = [KoResult.MISSING] * len(nacks)
+        deferred: list[tuple[str, bytes, bytes, int]] = []
+        announce: list[Any] = []
+        max_ko = "" if deadletter is None else deadletter.max_ko
+
+        async def one(shard: int, members: list[int]) -> None:
+            args: list[Any] = [self._bases[shard], max_ko]
+            for k in members:
+                nack = nacks[k]
+                args += (
+                    nack.id,
+                    "" if nack.tries is None else nack.tries,
+                    "1" if nack.count_try else "0",
+                )
+            reply = await self._run(lua.ROLLBACK, self._keys[shard][:2], args)
+            i, reloaded = 1, False
+            for k in members:
+                code = reply[i]
+                if code == 3:
+                    deferred.append((nacks[k].id, reply[i + 1], reply[i + 2], int(reply[i + 3])))
+                    out[k] = KoResult.DEADLETTERED
+                    i += 4
+                else:
+                    out[k] = KoResult(code)
+                    reloaded = reloaded or code == 1
+                    i += 1
+            if reloaded:
+                announce.extend((shard, reply[0]))
+
+        await asyncio.gather(*(one(s, m) for s, m in by_shard.items()))
+        if announce:
+            await self._run(lua.READY_ADD, self._ready, announce)
+        if deferred and deadletter is not None:
+            await self._deadletter(deferred, deadletter)
+        return out
+
+    async def _deadletter(
+        self, deferred: list[tuple[str, bytes, bytes, int]], plan: DeadletterPlan
+    ) -> None:
+        """Copy into the deadletter queue, then drop here with the guard of a commit: the
+        message stays held until its copy exists, so a crash between the two steps leaves a
+        duplicate (swept back later), never a loss. An id already there is renamed by the
+        rule every backend follows."""
+        target = await self._backend.store_of(plan.queue, self.options)
+        now = time.time()
+        pending = [
+            (mid, append_headers(headers, plan.headers(tries + 1, now)), payload, tries)
+            for mid, payload, headers, tries in deferred
+        ]
+        clash = 0
+        while pending:
+            entries = [
+                Entry(
+                    moved_id(mid, deadletter_tag(tries + 1), clash),
+                    payload,
+                    headers,
+                    dedup=False,
+                    mature=now,
+                )
+                for mid, headers, payload, tries in pending
+            ]
+            flags = await target.insert(entries)
+            pending = [p for p, ok in zip(pending, flags, strict=True) if not ok]
+            clash += 1
+        await self.commit([Ack(mid, tries) for mid, _, _, tries in deferred])
+
+    # observing ---------------------------------------------------------------------------
+
+    async def shard_sizes(self) -> list[list[int]]:
+        """Per shard: in the magazine, fired and not acknowledged, sidelined, load pointer,
+        swept ever, shoveled ever, sweep pointer, fire pointer. One script per shard (an
+        observation, not the hot path)."""
+        replies = await asyncio.gather(*(self._run(lua.SIZES, keys[:1], ()) for keys in self._keys))
+        return [[int(x) for x in reply] for reply in replies]
+
+    async def sizes(self) -> Sizes:
+        """size: records waiting in the magazines; reserved: fired and not acknowledged
+        (until the sweeper sidelines those past their deadline); scheduled: sidelined,
+        waiting for the shovel."""
+        size = reserved = sidelined = 0
+        for shard in await self.shard_sizes():
+            size += shard[0]
+            reserved += shard[1]
+            sidelined += shard[2]
+        return Sizes(size, size + reserved + sidelined, sidelined, reserved)
+
+    async def next_mature(self) -> float | None:
+        """Now if anything is in the queue (there are no delays), else None."""
+        sizes = await self.sizes()
+        return time.time() if sizes.total else None
+
+
+@dataclass(frozen=True)
+class RedisShardedOptions(RedisOptions):
+    """The Redis options and the sharded model's own (see :class:`RedisShardedBackend`)."""
+
+    shards: int = 32
+    sweeper: bool = True
+    sweep_interval: float = 1.0
+    shovel_interval: float = 5.0
+    shovel_concurrency: int = 4
+    lease_ttl: float = 10.0
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check_int(self.shards, "shards", 1, MAX_SHARDS)
+        check_bool(self.sweeper, "sweeper")
+        check_int(self.shovel_concurrency, "shovel_concurrency", 1, 64)
+        for what in ("sweep_interval", "shovel_interval", "lease_ttl"):
+            seconds = check_option_seconds(getattr(self, what), what)
+            if seconds < 0.01 or seconds > 86400:
+                raise ConfigError(f"{what} must be seconds in [0.01, 86400], not {seconds!r}")
+        if self.lease_ttl <= self.sweep_interval:
+            raise ConfigError("lease_ttl must be longer than sweep_interval (it is renewed then)")
+
+
+class RedisShardedBackend(RedisBackend):
+    """Sharded queues after IgnisMQ. Options beyond the Redis ones:
+
+    shards: shards of a queue this backend creates (1-512); a queue keeps the count it was
+      created with (its metadata record), and opening it with another is a ConfigError.
+    sweeper: whether this process takes part in the leader election that runs the sweeper
+      and the shovel (one leader per prefix at a time).
+    sweep_interval: seconds between sweeps of every active queue (by the leader).
+    shovel_interval: seconds between shovels of the sidelines back into the magazines.
+    shovel_concurrency: shards shoveled at once.
+    lease_ttl: seconds the leader's lease lives; renewed every sweep_interval, so another
+      process takes over within lease_ttl of the leader's death.
+    """
+
+    name = "redis-sharded"
+    capabilities: Capabilities = Capabilities(
+        delay=False, remove=False, reservation_expiry=True, move=False, fifo=False
+    )
+    options_type: ClassVar[type[RedisOptions]] = RedisShardedOptions
+    options: ClassVar[dict[str, Any]] = RedisShardedOptions.defaults()
+
+    def __init__(self, options: dict[str, Any]) -> None:
+        super().__init__(options)
+        assert isinstance(self.config, RedisShardedOptions)
+        self.sharded: RedisShardedOptions = self.config
+        self.capabilities = RedisShardedBackend.capabilities  # move stays false everywhere
+        self.registry_key = f"{self.prefix}:sharded:queues"
+        self.lease_key = f"{self.prefix}:sharded:leader"
+        self.bus: SignalBus | None = None
+        self._stores: dict[str, RedisShardedStore] = {}
+        self._sweeper: Sweeper | None = None
+        self._explicit_shards = "shards" in options
+
+    def shard_base(self, queue: str, shard: int) -> str:
+        return self.key(f"{queue}#{shard}") + ":"
+
+    def ready_keys(self, queue: str) -> list[str]:
+        return [self.key(queue, "ready"), self.key(queue, "stamps")]
+
+    def meta_key(self, queue: str) -> str:
+        return self.key(queue, "meta")
+
+    def signal_bus(self, debounce: float) -> SignalBus:
+        self.bus = super().signal_bus(debounce)
+        return self.bus
+
+    async def open(self) -> None:
+        await super().open()
+        if self.sharded.sweeper:
+            from .sharded_sweeper import Sweeper
+
+            self._sweeper = Sweeper(self)
+            self._sweeper.start()
+
+    async def close(self) -> None:
+        if self._sweeper is not None:
+            await self._sweeper.stop()
+        await super().close()
+
+    async def store(self, queue: str, options: QueueOptions) -> Store:
+        return await self.store_of(queue, options)
+
+    async def store_of(self, queue: str, options: QueueOptions) -> RedisShardedStore:
+        """The store of ``queue``, writing its metadata record on first use."""
+        found = self._stores.get(queue)
+        if found is not None:
+            return found
+        wanted = self.sharded.shards
+        record: list[Any] = [
+            "shards", wanted,
+            "created", repr(time.time()),
+            "active", "true",
+            "sweep_duration", repr(options.reserve_delay),
+            "shovel_interval", repr(self.sharded.shovel_interval),
+            "shovel_concurrency", self.sharded.shovel_concurrency,
+            "max_batch", options.max_batch,
+        ]  # fmt: skip
+        shards = int(await self.run_script(lua.META, [self.meta_key(queue)], record))
+        if shards != wanted and self._explicit_shards:
+            raise ConfigError(f"queue {queue!r} was created with {shards} shards, not {wanted}")
+        await self.execute("HSET", self.registry_key, queue, shards)
+        store = self._stores[queue] = RedisShardedStore(queue, options, self, shards)
+        return store
+
+    async def queue_shards(self) -> dict[str, int]:
+        """Every queue any process opened on this prefix, with its shard count."""
+        return {
+            name.decode(): int(count) for name, count in await self.hash_items(self.registry_key)
+        }

@@ -1,0 +1,332 @@
+"""The Lua scripts of ``redis-sharded``: one per operation, each over the keys of one shard
+(or of the queue's ready index), so each runs in one Redis Cluster hash slot.
+
+Shard keys (hash tag ``{queue#shard}``), ``<base>`` being ``prefix:{queue#shard}:``::
+
+    <base>m          HASH  l load pointer, f fire pointer, w sweep pointer, r fired and not
+                           yet acknowledged, n swept ever, sl / sf sideline load / fire
+                           pointers, v shoveled ever
+    <base>r:<ptr>    HASH  one record per message of the magazine: i id, p payload,
+                           h headers, t tries, m mature, x reservation deadline once fired
+    <base>s:<ptr>    HASH  a record of the sideline magazine (swept, waiting for the shovel)
+    <base>ix         HASH  id -> pointer of its record ('s' while sidelined)
+    <base>d          ZSET  id -> end of its dedup window (explicit ids only)
+
+Queue keys (hash tag ``{queue}``): ``ready`` ZSET shard -> since when it has had work
+(the oldest first, so consumers go round the shards), ``stamps`` HASH shard -> the highest
+load pointer a producer announced there (what lets a consumer drop a shard it emptied
+without losing a producer's announcement that raced with it).
+
+Pointers are Lua numbers (doubles): exact up to 2**53, and printed without an exponent
+below 1e14 records per shard.
+"""
+
+from __future__ import annotations
+
+from .connection import Script
+
+_PRELUDE = """
+local function server_now()
+  local t = redis.call('TIME')
+  return tonumber(t[1]) + tonumber(t[2]) / 1000000
+end
+local function fmt(x) return string.format('%.17g', x) end
+local function ptr(x) return string.format('%d', x) end
+local function meta(fields)
+  local got = redis.call('HMGET', KEYS[1], unpack(fields))
+  for k = 1, #got do got[k] = tonumber(got[k] or 0) end
+  return got
+end
+"""
+
+# KEYS: m ix d. ARGV: base, dedup window, then 6 per entry: id, payload, headers, tries,
+# check ('' = an id the queue made: unique by construction; 'c' = refused while queued;
+# 'd' = also refused within the dedup window), mature ('' = now).
+# Reply: load pointer after, then 1 / 0 per entry.
+_INSERT = """
+local base, window = ARGV[1], tonumber(ARGV[2])
+local now = server_now()
+local l = meta({'l'})[1]
+local out, purged = {0}, false
+for i = 3, #ARGV, 6 do
+  local id, check = ARGV[i], ARGV[i + 4]
+  local fresh = true
+  if check ~= '' then
+    if redis.call('HEXISTS', KEYS[2], id) == 1 then
+      fresh = false
+    elseif check == 'd' then
+      if not purged then
+        redis.call('ZREMRANGEBYSCORE', KEYS[3], '-inf', now)
+        purged = true
+      end
+      fresh = not redis.call('ZSCORE', KEYS[3], id)
+    end
+  end
+  if fresh then
+    local mature = ARGV[i + 5]
+    if mature == '' then mature = fmt(now) end
+    redis.call('HSET', base .. 'r:' .. ptr(l), 'i', id, 'p', ARGV[i + 1], 'h', ARGV[i + 2],
+      't', ARGV[i + 3], 'm', mature)
+    redis.call('HSET', KEYS[2], id, ptr(l))
+    if check == 'd' then redis.call('ZADD', KEYS[3], fmt(now + window), id) end
+    l = l + 1
+    out[#out + 1] = 1
+  else
+    out[#out + 1] = 0
+  end
+end
+redis.call('HSET', KEYS[1], 'l', ptr(l))
+out[1] = l
+return out
+"""
+
+# KEYS: m ix. ARGV: base, n, reserve delay ('' = pop: the record is deleted as it is fired).
+# Reply: {left in the magazine, load pointer, then id p h t m per message}.
+_FIRE = """
+local base, n, delay = ARGV[1], tonumber(ARGV[2]), ARGV[3]
+local m = meta({'l', 'f', 'r'})
+local l, f, r = m[1], m[2], m[3]
+local out = {0, 0}
+local taken, deadline = 0, nil
+if delay ~= '' then deadline = fmt(server_now() + tonumber(delay)) end
+while taken < n and f < l do
+  local key = base .. 'r:' .. ptr(f)
+  local rec = redis.call('HMGET', key, 'i', 'p', 'h', 't', 'm')
+  if rec[1] then
+    if deadline then
+      redis.call('HSET', key, 'x', deadline)
+      r = r + 1
+    else
+      redis.call('DEL', key)
+      redis.call('HDEL', KEYS[2], rec[1])
+    end
+    for k = 1, 5 do out[#out + 1] = rec[k] end
+    taken = taken + 1
+  end
+  f = f + 1
+end
+if taken > 0 or f > m[2] then redis.call('HSET', KEYS[1], 'f', ptr(f), 'r', ptr(r)) end
+out[1] = l - f
+out[2] = l
+return out
+"""
+
+# The guard every acknowledgement shares: the record of ``id`` if it was fired by a reserve
+# and its tries are ``want`` ('' = any holder); else nil.
+_HELD = """
+local function held(base, id, want)
+  local at = redis.call('HGET', KEYS[2], id)
+  if not at or at == 's' then return nil end
+  local key = base .. 'r:' .. at
+  local rec = redis.call('HMGET', key, 'x', 't')
+  if not rec[1] or (want ~= '' and tonumber(want) ~= tonumber(rec[2])) then return nil end
+  return key, tonumber(rec[2])
+end
+"""
+
+# KEYS: m ix. ARGV: base, then 2 per ack: id, tries ('' = unchecked). Reply: 1 / 0 per ack.
+_COMMIT = (
+    _HELD
+    + """
+local base = ARGV[1]
+local out, done = {}, 0
+for i = 2, #ARGV, 2 do
+  local key = held(base, ARGV[i], ARGV[i + 1])
+  if key then
+    redis.call('DEL', key)
+    redis.call('HDEL', KEYS[2], ARGV[i])
+    done = done + 1
+    out[#out + 1] = 1
+  else
+    out[#out + 1] = 0
+  end
+end
+if done > 0 then redis.call('HINCRBY', KEYS[1], 'r', -done) end
+return out
+"""
+)
+
+# KEYS: m ix. ARGV: base, max_ko ('' = no deadletter), then 3 per nack: id, tries ('' =
+# unchecked), count try ('1' / '0'). A nack is a reload: the record leaves its place and is
+# loaded again at the load pointer (the magazine has no other way back in).
+# Reply: load pointer, then per nack 0 missing / 1 reloaded / 3 to deadletter (left held),
+# each 3 followed by its p, h, tries held.
+_ROLLBACK = (
+    _HELD
+    + """
+local base, max_ko = ARGV[1], tonumber(ARGV[2])
+local l = meta({'l'})[1]
+local out, back = {0}, 0
+for i = 3, #ARGV, 3 do
+  local id = ARGV[i]
+  local key, stored = held(base, id, ARGV[i + 1])
+  if not key then
+    out[#out + 1] = 0
+  else
+    local counted = ARGV[i + 2] == '1'
+    local tries = stored
+    if counted then tries = tries + 1 end
+    if max_ko and counted and tries > max_ko then
+      local rec = redis.call('HMGET', key, 'p', 'h')
+      out[#out + 1] = 3
+      out[#out + 1] = rec[1]; out[#out + 1] = rec[2]; out[#out + 1] = stored
+    else
+      local target = base .. 'r:' .. ptr(l)
+      redis.call('RENAME', key, target)
+      redis.call('HDEL', target, 'x')
+      redis.call('HSET', target, 't', tries)
+      redis.call('HSET', KEYS[2], id, ptr(l))
+      l = l + 1
+      back = back + 1
+      out[#out + 1] = 1
+    end
+  end
+end
+if back > 0 then
+  redis.call('HSET', KEYS[1], 'l', ptr(l))
+  redis.call('HINCRBY', KEYS[1], 'r', -back)
+end
+out[1] = l
+return out
+"""
+)
+
+# KEYS: m. Reply: {in the magazine, fired and not acknowledged, sidelined, load pointer,
+# swept ever, shoveled ever, sweep pointer, fire pointer}.
+_SIZES = """
+local m = meta({'l', 'f', 'r', 'sl', 'sf', 'n', 'v', 'w'})
+return {m[1] - m[2], m[3], m[4] - m[5], m[1], m[6], m[7], m[8], m[2]}
+"""
+
+# KEYS: m ix. ARGV: base, most records to look at. Walks the fired region from the sweep
+# pointer: an acknowledged record (gone) is passed over, one fired by a pop never exists,
+# one whose reservation deadline passed moves to the sideline (its id marked 's', so its
+# stale holder's ok / ko fail), and the first still within its deadline stops the walk.
+# Reply: {moved, records left to look at, left in the magazine, load pointer, 1 if the walk
+# stopped at a record within its deadline}.
+_SWEEP = """
+local base, batch = ARGV[1], tonumber(ARGV[2])
+local now = server_now()
+local m = meta({'l', 'f', 'w', 'sl', 'r', 'n'})
+local l, f, w, sl, r, n = m[1], m[2], m[3], m[4], m[5], m[6]
+local stop, moved, stopped = math.min(f, w + batch), 0, 0
+while w < stop do
+  local key = base .. 'r:' .. ptr(w)
+  local rec = redis.call('HMGET', key, 'i', 'x')
+  if rec[1] and rec[2] then
+    if tonumber(rec[2]) > now then
+      stopped = 1
+      break
+    end
+    redis.call('RENAME', key, base .. 's:' .. ptr(sl))
+    redis.call('HSET', KEYS[2], rec[1], 's')
+    sl = sl + 1
+    moved = moved + 1
+  end
+  w = w + 1
+end
+if w > m[3] then
+  redis.call('HSET', KEYS[1], 'w', ptr(w), 'sl', ptr(sl), 'r', ptr(r - moved),
+    'n', ptr(n + moved))
+end
+return {moved, f - w, l - f, l, stopped}
+"""
+
+# KEYS: m ix. ARGV: base, most records to move. Moves sideline records back into the
+# magazine at its load pointer, each with one more try (its delivery failed). The sideline
+# and the magazine share the shard's hash slot, so the move is one atomic step.
+# Reply: {moved, left in the sideline, load pointer}.
+_SHOVEL = """
+local base, batch = ARGV[1], tonumber(ARGV[2])
+local m = meta({'l', 'sl', 'sf', 'v'})
+local l, sl, sf, v = m[1], m[2], m[3], m[4]
+local moved = 0
+while sf < sl and moved < batch do
+  local key = base .. 's:' .. ptr(sf)
+  local id = redis.call('HGET', key, 'i')
+  if id then
+    local target = base .. 'r:' .. ptr(l)
+    redis.call('RENAME', key, target)
+    redis.call('HDEL', target, 'x')
+    redis.call('HINCRBY', target, 't', 1)
+    redis.call('HSET', KEYS[2], id, ptr(l))
+    l = l + 1
+    moved = moved + 1
+  end
+  sf = sf + 1
+end
+if sf > m[3] then
+  redis.call('HSET', KEYS[1], 'l', ptr(l), 'sf', ptr(sf), 'v', ptr(v + moved))
+end
+return {moved, sl - sf, l}
+"""
+
+# KEYS: ready, stamps. ARGV: pairs shard, load pointer. A producer's announcement: the
+# shard has work (a new one joins at the back of the round).
+_READY_ADD = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
+for i = 1, #ARGV, 2 do
+  local s, v = ARGV[i], tonumber(ARGV[i + 1])
+  if v > tonumber(redis.call('HGET', KEYS[2], s) or -1) then
+    redis.call('HSET', KEYS[2], s, ARGV[i + 1])
+  end
+  redis.call('ZADD', KEYS[1], 'NX', now, s)
+end
+return 1
+"""
+
+# KEYS: ready, stamps. ARGV: triples shard, left in its magazine, load pointer seen. A
+# consumer's report after firing: a shard with work left goes to the back of the round; an
+# emptied one leaves the index unless a producer announced a later load meanwhile.
+_READY_UPDATE = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
+for i = 1, #ARGV, 3 do
+  local s = ARGV[i]
+  if tonumber(ARGV[i + 1]) > 0 then
+    redis.call('ZADD', KEYS[1], now, s)
+  elseif tonumber(redis.call('HGET', KEYS[2], s) or -1) <= tonumber(ARGV[i + 2]) then
+    redis.call('ZREM', KEYS[1], s)
+  end
+end
+return 1
+"""
+
+# KEYS: lease. ARGV: token, lease ms. Renew the lease if we hold it, or take it if free.
+# Reply: 1 when held by ``token`` after the call.
+_LEASE = """
+local holder = redis.call('GET', KEYS[1])
+if holder == ARGV[1] then
+  redis.call('PEXPIRE', KEYS[1], ARGV[2])
+  return 1
+end
+if not holder then
+  redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+  return 1
+end
+return 0
+"""
+
+# KEYS: lease. ARGV: token. Give the lease up on a clean close, so another takes over at once.
+_RELEASE = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
+return 0
+"""
+
+# KEYS: queue meta. ARGV: pairs field, value (the first pair is 'shards'). Writes the record
+# once; later calls refresh only 'active' and 'seen'. Reply: the stored shard count.
+_META = """
+if redis.call('EXISTS', KEYS[1]) == 0 then
+  redis.call('HSET', KEYS[1], unpack(ARGV))
+end
+return tonumber(redis.call('HGET', KEYS[1], 'shards'))
+"""
+
+INSERT, FIRE, COMMIT, ROLLBACK, SIZES, SWEEP, SHOVEL = (
+    Script(_PRELUDE + body)
+    for body in (_INSERT, _FIRE, _COMMIT, _ROLLBACK, _SIZES, _SWEEP, _SHOVEL)
+)
+READY_ADD, READY_UPDATE, LEASE, RELEASE, META = (
+    Script(body) for body in (_READY_ADD, _READY_UPDATE, _LEASE, _RELEASE, _META)
+)
