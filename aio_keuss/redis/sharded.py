@@ -22,12 +22,14 @@ with a header ``x-shard-key``, to the shard that key hashes to: messages with on
 their order. Explicit ids route by their id (the header is not used for them).
 
 Consumers find work without scanning empty shards: the queue's ``ready`` sorted set holds
-the shards that have records to fire, oldest first; a consumer fires from the first few and
-puts a shard that still has work at the back, so shards are served in turn. That index lives
-in the queue's own hash slot, apart from the shards, so it is a hint kept by a second
-script after each shard script; a race between a consumer emptying a shard and a producer
-loading it is settled by the producer's load pointer (see ``_READY_UPDATE``), and a hint
-lost in a crash between the two scripts is restored by the sweeper, which sees every shard.
+the shards that have records to fire. A producer whose load finds a shard's magazine empty
+adds the shard; a consumer serves the ready shards in a rotation of its own (starting at a
+random one, read again every ``REFRESH`` seconds or when it runs out), so shards are served
+in turn and a fire is one round trip; a consumer that empties a shard removes it. That
+index lives in the queue's own hash slot, apart from the shards, so it is kept by a second
+script after the shard's; a race between a consumer emptying a shard and a producer loading
+it is settled by the producer's load pointer (``_READY_DROP``), and a hint lost when a
+process dies between the two scripts is restored by the sweeper, which sees every shard.
 
 What this model does not offer: delays (a magazine is FIFO; ``ko`` reloads at once, at the
 back of its shard), ``remove``, atomic ``move``; order holds within a shard only.
@@ -74,9 +76,9 @@ SHARD_KEY_HEADER = "x-shard-key"
 MAX_SHARDS = 512
 PUSH_CHUNK = 100
 """Messages of one batch loaded into one shard before the next shard takes the rest."""
-READY_SPAN = 4
-"""Ready shards a consumer asking for one message chooses from (at random), so that
-consumers racing for work spread over shards rather than all fire from the oldest one."""
+REFRESH = 0.05
+"""Seconds a consumer serves its own rotation of ready shards before reading the index
+again (sooner when the rotation runs out), so it sees shards that gained work meanwhile."""
 
 _SUFFIX = re.compile(r"~(\d{1,3})$")
 _KEY_MARK = SHARD_KEY_HEADER.encode()
@@ -126,6 +128,8 @@ class RedisShardedStore(Store):
         self._ready = backend.ready_keys(name)
         self._window = options.dedup_window
         self._turn = random.randrange(shards)
+        self._rotation: list[int] = []
+        self._refresh_at = 0.0
         self._run = backend.run_script
 
     # producing ---------------------------------------------------------------------------
@@ -157,8 +161,8 @@ class RedisShardedStore(Store):
         announce: list[Any] = []
         flags: dict[int, bool] = {}
         for shard, reply in zip(shards, replies, strict=True):
-            if any(f == 1 for f in reply[1:]):
-                announce += (shard, reply[0])
+            if reply[0] < 0:  # the magazine was empty: this push announces the shard
+                announce += (shard, -reply[0])
             for e, f in zip(by_shard[shard], reply[1:], strict=True):
                 flags[id(e)] = f == 1
         if announce:
@@ -190,19 +194,32 @@ class RedisShardedStore(Store):
         clock): the sweeper sidelines it once that passes without ok / ko."""
         return await self._fire(n, repr(reserve_delay))
 
+    async def _candidates(self) -> list[int]:
+        """The shards with work as the ready index has them, in a rotation of our own that
+        starts at a random one, so consumers of several processes spread over the shards."""
+        ready = [int(s) for s in await self._backend.execute("ZRANGE", self._ready[0], 0, -1)]
+        if ready:
+            start = random.randrange(len(ready))
+            ready = ready[start:] + ready[:start]
+        self._refresh_at = time.monotonic() + REFRESH
+        return ready
+
     async def _fire(self, n: int, delay: str) -> Fetched:
-        """Fire from the oldest ready shards, sharing ``n`` among them; try again (twice)
-        when every shard chosen had been emptied by another consumer meanwhile."""
+        """Fire from the next ``n`` shards of the rotation (``n`` shared among them). The
+        rotation is read from the ready index when it runs out or is ``REFRESH`` old, so a
+        fire is one round trip in the steady state; a shard found empty leaves both."""
         messages: list[Stored] = []
         left = False
+        fresh = False
         for _ in range(3):
-            span = min(self.shards, max(n, READY_SPAN))
-            ready = await self._backend.execute("ZRANGE", self._ready[0], 0, span - 1)
-            if not ready:
+            if not self._rotation or time.monotonic() >= self._refresh_at:
+                self._rotation = await self._candidates()
+                fresh = True
+            rotation = self._rotation
+            if not rotation:
                 break
-            chosen = [int(s) for s in ready]
-            if n < len(chosen):
-                chosen = random.sample(chosen, n)
+            chosen = rotation[:n]
+            self._rotation = rotation[len(chosen) :] + chosen
             share, extra = divmod(n, len(chosen))
             replies = await asyncio.gather(
                 *(
@@ -214,15 +231,20 @@ class RedisShardedStore(Store):
                     for k, s in enumerate(chosen)
                 )
             )
-            report: list[Any] = []
+            emptied: list[Any] = []
             for shard, reply in zip(chosen, replies, strict=True):
                 messages += _stored(reply, 2)
-                report += (shard, reply[0], reply[1])
-                left = left or reply[0] > 0
-            await self._run(lua.READY_UPDATE, self._ready, report)
-            if messages:
+                if reply[0] > 0:
+                    left = True
+                else:
+                    emptied += (shard, reply[1])
+            if emptied:
+                gone = set(emptied[::2])
+                self._rotation = [s for s in self._rotation if s not in gone]
+                await self._run(lua.READY_DROP, self._ready, emptied)
+            if messages or fresh:
                 break
-        return Fetched(messages, time.time() if left else None)
+        return Fetched(messages, time.time() if left or self._rotation else None)
 
     # acknowledging -----------------------------------------------------------------------
 

@@ -42,11 +42,14 @@ end
 # KEYS: m ix d. ARGV: base, dedup window, then 6 per entry: id, payload, headers, tries,
 # check ('' = an id the queue made: unique by construction; 'c' = refused while queued;
 # 'd' = also refused within the dedup window), mature ('' = now).
-# Reply: load pointer after, then 1 / 0 per entry.
+# Reply: load pointer after (negative when the magazine was empty before: the caller must
+# announce the shard in the ready index; a magazine with records was announced already by
+# whoever loaded the first of them), then 1 / 0 per entry.
 _INSERT = """
 local base, window = ARGV[1], tonumber(ARGV[2])
 local now = server_now()
-local l = meta({'l'})[1]
+local m = meta({'l', 'f'})
+local l = m[1]
 local out, purged = {0}, false
 for i = 3, #ARGV, 6 do
   local id, check = ARGV[i], ARGV[i + 4]
@@ -77,6 +80,7 @@ for i = 3, #ARGV, 6 do
 end
 redis.call('HSET', KEYS[1], 'l', ptr(l))
 out[1] = l
+if m[1] == m[2] then out[1] = -l end
 return out
 """
 
@@ -276,21 +280,17 @@ end
 return 1
 """
 
-# KEYS: ready, stamps. ARGV: triples shard, left in its magazine, load pointer seen. A
-# consumer's report after firing: a shard with work left goes to the back of the round; an
-# emptied one leaves the index unless a producer announced a later load meanwhile.
-_READY_UPDATE = """
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
-for i = 1, #ARGV, 3 do
+# KEYS: ready, stamps. ARGV: pairs shard, load pointer seen. A consumer's report of shards
+# it emptied: each leaves the index unless a producer announced a later load meanwhile.
+_READY_DROP = """
+local dropped = 0
+for i = 1, #ARGV, 2 do
   local s = ARGV[i]
-  if tonumber(ARGV[i + 1]) > 0 then
-    redis.call('ZADD', KEYS[1], now, s)
-  elseif tonumber(redis.call('HGET', KEYS[2], s) or -1) <= tonumber(ARGV[i + 2]) then
-    redis.call('ZREM', KEYS[1], s)
+  if tonumber(redis.call('HGET', KEYS[2], s) or -1) <= tonumber(ARGV[i + 1]) then
+    dropped = dropped + redis.call('ZREM', KEYS[1], s)
   end
 end
-return 1
+return dropped
 """
 
 # KEYS: lease. ARGV: token, lease ms. Renew the lease if we hold it, or take it if free.
@@ -327,6 +327,6 @@ INSERT, FIRE, COMMIT, ROLLBACK, SIZES, SWEEP, SHOVEL = (
     Script(_PRELUDE + body)
     for body in (_INSERT, _FIRE, _COMMIT, _ROLLBACK, _SIZES, _SWEEP, _SHOVEL)
 )
-READY_ADD, READY_UPDATE, LEASE, RELEASE, META = (
-    Script(body) for body in (_READY_ADD, _READY_UPDATE, _LEASE, _RELEASE, _META)
+READY_ADD, READY_DROP, LEASE, RELEASE, META = (
+    Script(body) for body in (_READY_ADD, _READY_DROP, _LEASE, _RELEASE, _META)
 )
