@@ -64,12 +64,14 @@ from ..message import append_headers
 from ..options import check_bool, check_int, check_option_seconds
 from ..types import Capabilities, KoResult, Sizes
 from . import sharded_lua as lua
+from . import sharded_meta as meta
 from .backend import RedisBackend
 from .connection import RedisOptions
 
 if TYPE_CHECKING:
     from ..options import QueueOptions
     from ..signal import SignalBus
+    from ..stats import StatsStore
     from .sharded_sweeper import Sweeper
 
 SHARD_KEY_HEADER = "x-shard-key"
@@ -115,7 +117,12 @@ class RedisShardedStore(Store):
     batch_concurrency: ClassVar[int] = 4
 
     def __init__(
-        self, name: str, options: QueueOptions, backend: RedisShardedBackend, shards: int
+        self,
+        name: str,
+        options: QueueOptions,
+        backend: RedisShardedBackend,
+        shards: int,
+        message_ttl: float | None = None,
     ) -> None:
         super().__init__(name, options)
         # A reserve is several round trips (index, shards, index): not one reply that
@@ -131,6 +138,9 @@ class RedisShardedStore(Store):
         self._rotation: list[int] = []
         self._refresh_at = 0.0
         self._run = backend.run_script
+        self._ttl = "" if message_ttl is None else repr(message_ttl)
+        self._touch_every = meta.touch_period(backend.sharded)
+        self._touch_at = time.monotonic() + (self._touch_every or 0.0)
 
     # producing ---------------------------------------------------------------------------
 
@@ -154,7 +164,15 @@ class RedisShardedStore(Store):
             by_shard.setdefault(shard, []).append(e)
         return by_shard
 
+    async def _touch(self) -> None:
+        """Renew the queue's metadata record while in use (with ``queue_expiry`` only)."""
+        if self._touch_every is not None and time.monotonic() >= self._touch_at:
+            self._touch_at = time.monotonic() + self._touch_every
+            record = meta.record(self.shards, self.options, self._backend.sharded)
+            await self._backend.touch(self.name, record)
+
     async def insert(self, entries: Sequence[Entry]) -> list[bool]:
+        await self._touch()
         by_shard = self._route(entries)
         shards = list(by_shard)
         replies = await asyncio.gather(*(self._insert(s, by_shard[s]) for s in shards))
@@ -170,7 +188,7 @@ class RedisShardedStore(Store):
         return [flags[id(e)] for e in entries]
 
     async def _insert(self, shard: int, entries: list[Entry]) -> list[Any]:
-        args: list[Any] = [self._bases[shard], self._window]
+        args: list[Any] = [self._bases[shard], self._window, self._ttl]
         for e in entries:
             check = "d" if e.dedup else ("c" if e.mature is not None else "")
             args += (
@@ -208,6 +226,7 @@ class RedisShardedStore(Store):
         """Fire from the next ``n`` shards of the rotation (``n`` shared among them). The
         rotation is read from the ready index when it runs out or is ``REFRESH`` old, so a
         fire is one round trip in the steady state; a shard found empty leaves both."""
+        await self._touch()
         messages: list[Stored] = []
         left = False
         fresh = False
@@ -343,9 +362,14 @@ class RedisShardedStore(Store):
 
     async def shard_sizes(self) -> list[list[int]]:
         """Per shard: in the magazine, fired and not acknowledged, sidelined, load pointer,
-        swept ever, shoveled ever, sweep pointer, fire pointer. One script per shard (an
-        observation, not the hot path)."""
-        replies = await asyncio.gather(*(self._run(lua.SIZES, keys[:1], ()) for keys in self._keys))
+        swept ever, shoveled ever, sweep pointer, fire pointer, expired ever. One script per
+        shard (an observation, not the hot path)."""
+        replies = await asyncio.gather(
+            *(
+                self._run(lua.SIZES, keys[:2], [base])
+                for keys, base in zip(self._keys, self._bases, strict=True)
+            )
+        )
         return [[int(x) for x in reply] for reply in replies]
 
     async def sizes(self) -> Sizes:
@@ -375,6 +399,8 @@ class RedisShardedOptions(RedisOptions):
     shovel_interval: float = 5.0
     shovel_concurrency: int = 4
     lease_ttl: float = 10.0
+    message_ttl: float = 0.0
+    queue_expiry: float = 0.0
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -385,6 +411,8 @@ class RedisShardedOptions(RedisOptions):
             seconds = check_option_seconds(getattr(self, what), what)
             if seconds < 0.01 or seconds > 86400:
                 raise ConfigError(f"{what} must be seconds in [0.01, 86400], not {seconds!r}")
+        check_option_seconds(self.message_ttl, "message_ttl")
+        check_option_seconds(self.queue_expiry, "queue_expiry")
         if self.lease_ttl <= self.sweep_interval:
             raise ConfigError("lease_ttl must be longer than sweep_interval (it is renewed then)")
 
@@ -401,6 +429,13 @@ class RedisShardedBackend(RedisBackend):
     shovel_concurrency: shards shoveled at once.
     lease_ttl: seconds the leader's lease lives; renewed every sweep_interval, so another
       process takes over within lease_ttl of the leader's death.
+    message_ttl: seconds a message lives from its push (0 = for ever): an expired message is
+      never delivered, and is deleted where a script meets it (see :mod:`.sharded_lua`).
+    queue_expiry: seconds without use after which a queue is idle (0 = never): see
+      :mod:`.sharded_meta`.
+
+    The first process to open a queue writes its metadata record; ``shards`` and
+    ``message_ttl`` are then the queue's, whatever later processes pass.
     """
 
     name = "redis-sharded"
@@ -457,21 +492,27 @@ class RedisShardedBackend(RedisBackend):
         if found is not None:
             return found
         wanted = self.sharded.shards
-        record: list[Any] = [
-            "shards", wanted,
-            "created", repr(time.time()),
-            "active", "true",
-            "sweep_duration", repr(options.reserve_delay),
-            "shovel_interval", repr(self.sharded.shovel_interval),
-            "shovel_concurrency", self.sharded.shovel_concurrency,
-            "max_batch", options.max_batch,
-        ]  # fmt: skip
-        shards = int(await self.run_script(lua.META, [self.meta_key(queue)], record))
+        shards, ttl = await self.touch(queue, meta.record(wanted, options, self.sharded))
         if shards != wanted and self._explicit_shards:
             raise ConfigError(f"queue {queue!r} was created with {shards} shards, not {wanted}")
-        await self.execute("HSET", self.registry_key, queue, shards)
-        store = self._stores[queue] = RedisShardedStore(queue, options, self, shards)
+        store = RedisShardedStore(queue, options, self, shards, ttl)
+        self._stores[queue] = store
         return store
+
+    async def touch(self, queue: str, record: list[Any]) -> tuple[int, float | None]:
+        """Write (if missing) and renew the queue's metadata record, and list the queue for
+        the sweeper; the stored shard count and message TTL."""
+        shards, ttl = await self.run_script(lua.META, [self.meta_key(queue)], record)
+        await self.execute("HSET", self.registry_key, queue, shards)
+        return int(shards), float(ttl) if ttl else None
+
+    async def queue_info(self, queue: str) -> dict[str, Any] | None:
+        """The queue's metadata record (None once it expired or was never written)."""
+        fields = await self.hash_items(self.meta_key(queue))
+        return meta.decode(fields) if fields else None
+
+    def stats_store(self) -> StatsStore:
+        return meta.RedisShardedStats(self)
 
     async def queue_shards(self) -> dict[str, int]:
         """Every queue any process opened on this prefix, with its shard count."""

@@ -5,9 +5,10 @@ Shard keys (hash tag ``{queue#shard}``), ``<base>`` being ``prefix:{queue#shard}
 
     <base>m          HASH  l load pointer, f fire pointer, w sweep pointer, r fired and not
                            yet acknowledged, n swept ever, sl / sf sideline load / fire
-                           pointers, v shoveled ever
+                           pointers, v shoveled ever, e expired (message TTL) ever
     <base>r:<ptr>    HASH  one record per message of the magazine: i id, p payload,
-                           h headers, t tries, m mature, x reservation deadline once fired
+                           h headers, t tries, m mature, x reservation deadline once fired,
+                           e end of life (message TTL; absent: none)
     <base>s:<ptr>    HASH  a record of the sideline magazine (swept, waiting for the shovel)
     <base>ix         HASH  id -> pointer of its record ('s' while sidelined)
     <base>d          ZSET  id -> end of its dedup window (explicit ids only)
@@ -32,6 +33,12 @@ local function server_now()
 end
 local function fmt(x) return string.format('%.17g', x) end
 local function ptr(x) return string.format('%d', x) end
+-- A record past its end of life (message TTL) is deleted wherever a script meets it.
+local function dead(e, now) return e and tonumber(e) <= now end
+local function drop(key, id)
+  redis.call('DEL', key)
+  redis.call('HDEL', KEYS[2], id)
+end
 local function meta(fields)
   local got = redis.call('HMGET', KEYS[1], unpack(fields))
   for k = 1, #got do got[k] = tonumber(got[k] or 0) end
@@ -39,19 +46,19 @@ local function meta(fields)
 end
 """
 
-# KEYS: m ix d. ARGV: base, dedup window, then 6 per entry: id, payload, headers, tries,
-# check ('' = an id the queue made: unique by construction; 'c' = refused while queued;
-# 'd' = also refused within the dedup window), mature ('' = now).
+# KEYS: m ix d. ARGV: base, dedup window, message TTL ('' = none), then 6 per entry: id,
+# payload, headers, tries, check ('' = an id the queue made: unique by construction;
+# 'c' = refused while queued; 'd' = also refused within the dedup window), mature ('' = now).
 # Reply: load pointer after (negative when the magazine was empty before: the caller must
 # announce the shard in the ready index; a magazine with records was announced already by
 # whoever loaded the first of them), then 1 / 0 per entry.
 _INSERT = """
-local base, window = ARGV[1], tonumber(ARGV[2])
+local base, window, ttl = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3])
 local now = server_now()
 local m = meta({'l', 'f'})
 local l = m[1]
 local out, purged = {0}, false
-for i = 3, #ARGV, 6 do
+for i = 4, #ARGV, 6 do
   local id, check = ARGV[i], ARGV[i + 4]
   local fresh = true
   if check ~= '' then
@@ -68,8 +75,10 @@ for i = 3, #ARGV, 6 do
   if fresh then
     local mature = ARGV[i + 5]
     if mature == '' then mature = fmt(now) end
-    redis.call('HSET', base .. 'r:' .. ptr(l), 'i', id, 'p', ARGV[i + 1], 'h', ARGV[i + 2],
-      't', ARGV[i + 3], 'm', mature)
+    local key = base .. 'r:' .. ptr(l)
+    redis.call('HSET', key, 'i', id, 'p', ARGV[i + 1], 'h', ARGV[i + 2], 't', ARGV[i + 3],
+      'm', mature)
+    if ttl then redis.call('HSET', key, 'e', fmt(now + ttl)) end
     redis.call('HSET', KEYS[2], id, ptr(l))
     if check == 'd' then redis.call('ZADD', KEYS[3], fmt(now + window), id) end
     l = l + 1
@@ -85,18 +94,23 @@ return out
 """
 
 # KEYS: m ix. ARGV: base, n, reserve delay ('' = pop: the record is deleted as it is fired).
+# Records past their end of life are deleted on the way (at most n + 1000 looked at).
 # Reply: {left in the magazine, load pointer, then id p h t m per message}.
 _FIRE = """
 local base, n, delay = ARGV[1], tonumber(ARGV[2]), ARGV[3]
-local m = meta({'l', 'f', 'r'})
-local l, f, r = m[1], m[2], m[3]
+local m = meta({'l', 'f', 'r', 'e'})
+local l, f, r, expired = m[1], m[2], m[3], 0
 local out = {0, 0}
-local taken, deadline = 0, nil
-if delay ~= '' then deadline = fmt(server_now() + tonumber(delay)) end
-while taken < n and f < l do
+local now = server_now()
+local taken, deadline, stop = 0, nil, math.min(l, f + n + 1000)
+if delay ~= '' then deadline = fmt(now + tonumber(delay)) end
+while taken < n and f < stop do
   local key = base .. 'r:' .. ptr(f)
-  local rec = redis.call('HMGET', key, 'i', 'p', 'h', 't', 'm')
-  if rec[1] then
+  local rec = redis.call('HMGET', key, 'i', 'p', 'h', 't', 'm', 'e')
+  if rec[1] and dead(rec[6], now) then
+    drop(key, rec[1])
+    expired = expired + 1
+  elseif rec[1] then
     if deadline then
       redis.call('HSET', key, 'x', deadline)
       r = r + 1
@@ -109,7 +123,7 @@ while taken < n and f < l do
   end
   f = f + 1
 end
-if taken > 0 or f > m[2] then redis.call('HSET', KEYS[1], 'f', ptr(f), 'r', ptr(r)) end
+if f > m[2] then redis.call('HSET', KEYS[1], 'f', ptr(f), 'r', ptr(r), 'e', ptr(m[4] + expired)) end
 out[1] = l - f
 out[2] = l
 return out
@@ -195,46 +209,88 @@ return out
 """
 )
 
-# KEYS: m. Reply: {in the magazine, fired and not acknowledged, sidelined, load pointer,
-# swept ever, shoveled ever, sweep pointer, fire pointer}.
-_SIZES = """
-local m = meta({'l', 'f', 'r', 'sl', 'sf', 'n', 'v', 'w'})
-return {m[1] - m[2], m[3], m[4] - m[5], m[1], m[6], m[7], m[8], m[2]}
+# The magazine's head past its end of life: deleted and passed over, up to ``most`` records;
+# returns the new fire pointer. Loads are in time order and a queue has one TTL, so expired
+# records are at the head, but for those reloaded by a ko or the shovel (they keep the end
+# of life of their push): such a record is deleted when it reaches the head or is fired.
+_PURGE = """
+local function purge(base, now, most)
+  local m = meta({'l', 'f', 'e'})
+  local l, f, stop = m[1], m[2], math.min(m[1], m[2] + most)
+  local expired = 0
+  while f < stop do
+    local key = base .. 'r:' .. ptr(f)
+    local rec = redis.call('HMGET', key, 'i', 'e')
+    if rec[1] and not dead(rec[2], now) then break end
+    if rec[1] then
+      drop(key, rec[1])
+      expired = expired + 1
+    end
+    f = f + 1
+  end
+  if f > m[2] then redis.call('HSET', KEYS[1], 'f', ptr(f), 'e', ptr(m[3] + expired)) end
+  return expired
+end
 """
+
+# KEYS: m ix. ARGV: base. Purges the expired head first, so expired messages (but those
+# reloaded behind a live one) do not count. Reply: {in the magazine, fired and not
+# acknowledged, sidelined, load pointer, swept ever, shoveled ever, sweep pointer, fire
+# pointer, expired ever}.
+_SIZES = (
+    _PURGE
+    + """
+purge(ARGV[1], server_now(), 1000)
+local m = meta({'l', 'f', 'r', 'sl', 'sf', 'n', 'v', 'w', 'e'})
+return {m[1] - m[2], m[3], m[4] - m[5], m[1], m[6], m[7], m[8], m[2], m[9]}
+"""
+)
 
 # KEYS: m ix. ARGV: base, most records to look at. Walks the fired region from the sweep
 # pointer: an acknowledged record (gone) is passed over, one fired by a pop never exists,
 # one whose reservation deadline passed moves to the sideline (its id marked 's', so its
 # stale holder's ok / ko fail), and the first still within its deadline stops the walk.
+# A record past its end of life is deleted rather than sidelined, and the magazine's expired
+# head is purged, so the leader clears expired messages of idle queues too.
 # Reply: {moved, records left to look at, left in the magazine, load pointer, 1 if the walk
 # stopped at a record within its deadline}.
-_SWEEP = """
+_SWEEP = (
+    _PURGE
+    + """
 local base, batch = ARGV[1], tonumber(ARGV[2])
 local now = server_now()
-local m = meta({'l', 'f', 'w', 'sl', 'r', 'n'})
+purge(base, now, batch)
+local m = meta({'l', 'f', 'w', 'sl', 'r', 'n', 'e'})
+local expired = 0
 local l, f, w, sl, r, n = m[1], m[2], m[3], m[4], m[5], m[6]
 local stop, moved, stopped = math.min(f, w + batch), 0, 0
 while w < stop do
   local key = base .. 'r:' .. ptr(w)
-  local rec = redis.call('HMGET', key, 'i', 'x')
+  local rec = redis.call('HMGET', key, 'i', 'x', 'e')
   if rec[1] and rec[2] then
     if tonumber(rec[2]) > now then
       stopped = 1
       break
     end
-    redis.call('RENAME', key, base .. 's:' .. ptr(sl))
-    redis.call('HSET', KEYS[2], rec[1], 's')
-    sl = sl + 1
-    moved = moved + 1
+    if dead(rec[3], now) then
+      drop(key, rec[1])
+      expired = expired + 1
+    else
+      redis.call('RENAME', key, base .. 's:' .. ptr(sl))
+      redis.call('HSET', KEYS[2], rec[1], 's')
+      sl = sl + 1
+      moved = moved + 1
+    end
   end
   w = w + 1
 end
 if w > m[3] then
-  redis.call('HSET', KEYS[1], 'w', ptr(w), 'sl', ptr(sl), 'r', ptr(r - moved),
-    'n', ptr(n + moved))
+  redis.call('HSET', KEYS[1], 'w', ptr(w), 'sl', ptr(sl), 'r', ptr(r - moved - expired),
+    'n', ptr(n + moved), 'e', ptr(m[7] + expired))
 end
 return {moved, f - w, l - f, l, stopped}
 """
+)
 
 # KEYS: m ix. ARGV: base, most records to move. Moves sideline records back into the
 # magazine at its load pointer, each with one more try (its delivery failed). The sideline
@@ -242,13 +298,18 @@ return {moved, f - w, l - f, l, stopped}
 # Reply: {moved, left in the sideline, load pointer}.
 _SHOVEL = """
 local base, batch = ARGV[1], tonumber(ARGV[2])
-local m = meta({'l', 'sl', 'sf', 'v'})
+local now = server_now()
+local m = meta({'l', 'sl', 'sf', 'v', 'e'})
 local l, sl, sf, v = m[1], m[2], m[3], m[4]
-local moved = 0
-while sf < sl and moved < batch do
+local moved, expired = 0, 0
+while sf < sl and moved + expired < batch do
   local key = base .. 's:' .. ptr(sf)
-  local id = redis.call('HGET', key, 'i')
-  if id then
+  local rec = redis.call('HMGET', key, 'i', 'e')
+  local id = rec[1]
+  if id and dead(rec[2], now) then
+    drop(key, id)
+    expired = expired + 1
+  elseif id then
     local target = base .. 'r:' .. ptr(l)
     redis.call('RENAME', key, target)
     redis.call('HDEL', target, 'x')
@@ -260,9 +321,10 @@ while sf < sl and moved < batch do
   sf = sf + 1
 end
 if sf > m[3] then
-  redis.call('HSET', KEYS[1], 'l', ptr(l), 'sf', ptr(sf), 'v', ptr(v + moved))
+  redis.call('HSET', KEYS[1], 'l', ptr(l), 'sf', ptr(sf), 'v', ptr(v + moved),
+    'e', ptr(m[5] + expired))
 end
-return {moved, sl - sf, l}
+return {moved + expired, sl - sf, l}
 """
 
 # KEYS: ready, stamps. ARGV: pairs shard, load pointer. A producer's announcement: the
@@ -314,13 +376,17 @@ if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) 
 return 0
 """
 
-# KEYS: queue meta. ARGV: pairs field, value (the first pair is 'shards'). Writes the record
-# once; later calls refresh only 'active' and 'seen'. Reply: the stored shard count.
+# KEYS: queue meta. ARGV: metadata TTL ms ('0' = none), then pairs field, value. Writes the
+# record if there is none (its first writer's settings are the queue's), marks it active and
+# seen now, and extends its life. Reply: the stored shards and message TTL ('' = none).
 _META = """
+local t = redis.call('TIME')
 if redis.call('EXISTS', KEYS[1]) == 0 then
-  redis.call('HSET', KEYS[1], unpack(ARGV))
+  redis.call('HSET', KEYS[1], unpack(ARGV, 2))
 end
-return tonumber(redis.call('HGET', KEYS[1], 'shards'))
+redis.call('HSET', KEYS[1], 'active', 'true', 'seen', t[1])
+if ARGV[1] ~= '0' then redis.call('PEXPIRE', KEYS[1], ARGV[1]) end
+return redis.call('HMGET', KEYS[1], 'shards', 'message_ttl')
 """
 
 INSERT, FIRE, COMMIT, ROLLBACK, SIZES, SWEEP, SHOVEL = (

@@ -105,6 +105,12 @@ class Sweeper:
         if not await self.renew():
             return
         queues = await self._backend.queue_shards()
+        for name in list(queues):
+            if not await self._backend.execute("EXISTS", self._backend.meta_key(name)):
+                # idle past queue_expiry: no longer swept, its data kept (see sharded_meta)
+                await self._backend.execute("HDEL", self._backend.registry_key, name)
+                del queues[name]
+                log.info("redis-sharded %r: queue expired, no longer swept", name)
         for name, shards in queues.items():
             await self.sweep_queue(name, shards)
         if time.monotonic() >= self._next_shovel:

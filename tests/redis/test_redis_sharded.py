@@ -325,3 +325,68 @@ async def test_the_sweeper_leader_killed_another_takes_over(
     again = await _take_all(q, 30)
     assert sorted(m.id for m in again) == sorted(pushed)
     assert {m.tries for m in again} == {1}
+
+
+# metadata, queue expiry, message TTL ------------------------------------------------------
+
+
+async def test_the_metadata_record_is_read_from_any_process(connect: Connect) -> None:
+    first = await connect(sweeper=False, message_ttl=60.0, queue_expiry=3600.0)
+    await first.queue("q", reserve_delay=30.0)
+    other = await connect(sweeper=False)
+    info = await backend_of(other).queue_info("q")
+    assert info is not None
+    assert info["shards"] == 4 and info["active"] is True
+    assert info["message_ttl"] == 60.0 and info["queue_expiry"] == 3600.0
+    assert info["sweep_duration"] == 30.0
+    assert info["created"] <= info["seen"] + 1
+    listed = await other.list()
+    assert listed["q"]["sharded"]["shards"] == 4
+    assert await backend_of(other).queue_info("never-opened") is None
+
+
+async def test_an_idle_queue_expires_and_keeps_its_messages(
+    connect: Connect, redis: aioredis.Redis, prefix: str
+) -> None:
+    factory = await connect(queue_expiry=0.2)
+    q = await factory.queue("q")
+    await q.push_many(["a", "b"])
+    await until(lambda: _absent("q", factory.list()))
+    registry = f"{prefix}:sharded:queues"
+    await until(lambda: _false(redis.hexists(registry, "q")))  # the sweeper let it go
+    # its data stayed: using the queue again writes a new record and finds the messages
+    got = await q.pop_many(10, timeout=5)
+    assert sorted(m.payload for m in got) == ["a", "b"]
+    assert "q" in await factory.list()
+
+
+async def _absent(name: str, listing: Awaitable[dict[str, Any]]) -> bool:
+    return name not in await listing
+
+
+async def _false(value: Awaitable[Any]) -> bool:
+    return not await value
+
+
+async def test_expired_messages_are_never_delivered_nor_counted(connect: Connect) -> None:
+    factory = await connect(message_ttl=0.2, reserve_delay=0.2)
+    q = await factory.queue("short")
+    await q.push_many(list(range(10)))
+    held = await q.reserve_many(3, timeout=1)  # fired, then expire while held
+    assert len(held) == 3
+    await until(lambda: _sizes_are(q, Sizes(0, 0, 0, 0)))
+    assert await q.pop(timeout=0.3) is None
+    store = q._store  # type: ignore[attr-defined]
+    expired = sum(shard[8] for shard in await store.shard_sizes())
+    assert expired == 10
+
+
+async def _sizes_are(q: aio_keuss.Queue, sizes: Sizes) -> bool:
+    return await q.sizes() == sizes
+
+
+async def test_messages_within_their_ttl_are_delivered(connect: Connect) -> None:
+    q = await (await connect(message_ttl=3600.0)).queue("long")
+    await q.push_many(list(range(5)))
+    got = await q.pop_many(10, timeout=1)
+    assert sorted(m.payload for m in got) == list(range(5))
