@@ -38,6 +38,7 @@ back of its shard), ``remove``, atomic ``move``; order holds within a shard only
 from __future__ import annotations
 
 import asyncio
+import os
 import random
 import re
 import time
@@ -59,7 +60,7 @@ from ..contract import (
     deadletter_tag,
     moved_id,
 )
-from ..errors import ConfigError
+from ..errors import ConfigError, TooManyConsumersError
 from ..message import append_headers
 from ..options import check_bool, check_int, check_option_seconds
 from ..types import Capabilities, KoResult, Sizes
@@ -76,6 +77,8 @@ if TYPE_CHECKING:
 
 SHARD_KEY_HEADER = "x-shard-key"
 MAX_SHARDS = 512
+MAX_CONSUMERS = 100
+"""Consumers a queue allows across processes (IgnisMQ's ``MAX_CONSUMERS_ALLOWED``)."""
 PUSH_CHUNK = 100
 """Messages of one batch loaded into one shard before the next shard takes the rest."""
 REFRESH = 0.05
@@ -141,6 +144,9 @@ class RedisShardedStore(Store):
         self._ttl = "" if message_ttl is None else repr(message_ttl)
         self._touch_every = meta.touch_period(backend.sharded)
         self._touch_at = time.monotonic() + (self._touch_every or 0.0)
+        self._token = os.urandom(8).hex()
+        self._enrol_at = 0.0
+        self._enrolled = False
 
     # producing ---------------------------------------------------------------------------
 
@@ -212,6 +218,27 @@ class RedisShardedStore(Store):
         clock): the sweeper sidelines it once that passes without ok / ko."""
         return await self._fire(n, repr(reserve_delay))
 
+    async def _enrol(self) -> None:
+        """Enrol (or renew) this consumer, within the queue's ``max_consumers``."""
+        settings = self._backend.sharded
+        lease_ms = max(1, round(settings.lease_ttl * 1000))
+        args = [self._token, lease_ms, settings.max_consumers]
+        if not await self._run(lua.ENROL, [self._backend.key(self.name, "consumers")], args):
+            raise TooManyConsumersError(
+                f"queue {self.name!r} already has {settings.max_consumers} consumers"
+            )
+        self._enrolled = True
+        self._enrol_at = time.monotonic() + settings.lease_ttl / 3
+
+    async def close(self) -> None:
+        """Leave the queue's consumers, so the place is free at once."""
+        self._enrol_at = 0.0
+        if self._enrolled:
+            self._enrolled = False
+            await self._backend.execute(
+                "ZREM", self._backend.key(self.name, "consumers"), self._token
+            )
+
     async def _candidates(self) -> list[int]:
         """The shards with work as the ready index has them, in a rotation of our own that
         starts at a random one, so consumers of several processes spread over the shards."""
@@ -227,6 +254,8 @@ class RedisShardedStore(Store):
         rotation is read from the ready index when it runs out or is ``REFRESH`` old, so a
         fire is one round trip in the steady state; a shard found empty leaves both."""
         await self._touch()
+        if time.monotonic() >= self._enrol_at:
+            await self._enrol()
         messages: list[Stored] = []
         left = False
         fresh = False
@@ -401,12 +430,14 @@ class RedisShardedOptions(RedisOptions):
     lease_ttl: float = 10.0
     message_ttl: float = 0.0
     queue_expiry: float = 0.0
+    max_consumers: int = MAX_CONSUMERS
 
     def __post_init__(self) -> None:
         super().__post_init__()
         check_int(self.shards, "shards", 1, MAX_SHARDS)
         check_bool(self.sweeper, "sweeper")
         check_int(self.shovel_concurrency, "shovel_concurrency", 1, 64)
+        check_int(self.max_consumers, "max_consumers", 1, MAX_CONSUMERS)
         for what in ("sweep_interval", "shovel_interval", "lease_ttl"):
             seconds = check_option_seconds(getattr(self, what), what)
             if seconds < 0.01 or seconds > 86400:
@@ -433,6 +464,9 @@ class RedisShardedBackend(RedisBackend):
       never delivered, and is deleted where a script meets it (see :mod:`.sharded_lua`).
     queue_expiry: seconds without use after which a queue is idle (0 = never): see
       :mod:`.sharded_meta`.
+    max_consumers: consumers a queue allows across processes (1-100): a consumer is a
+      queue object of a factory that pops or reserves, enrolled with a lease of
+      ``lease_ttl`` renewed while it fetches; one more raises TooManyConsumersError.
 
     The first process to open a queue writes its metadata record; ``shards`` and
     ``message_ttl`` are then the queue's, whatever later processes pass.

@@ -13,7 +13,8 @@ Shard keys (hash tag ``{queue#shard}``), ``<base>`` being ``prefix:{queue#shard}
     <base>ix         HASH  id -> pointer of its record ('s' while sidelined)
     <base>d          ZSET  id -> end of its dedup window (explicit ids only)
 
-Queue keys (hash tag ``{queue}``): ``ready`` ZSET shard -> since when it has had work
+Queue keys (hash tag ``{queue}``): ``consumers`` ZSET consumer -> end of its lease,
+``ready`` ZSET shard -> since when it has had work
 (the oldest first, so consumers go round the shards), ``stamps`` HASH shard -> the highest
 load pointer a producer announced there (what lets a consumer drop a shard it emptied
 without losing a producer's announcement that raced with it).
@@ -355,6 +356,21 @@ end
 return dropped
 """
 
+# KEYS: consumers. ARGV: token, lease ms, most consumers. Enrols (or renews) a consumer of
+# the queue, after forgetting those whose lease ran out (processes that died). Reply: 1 when
+# enrolled, 0 when the queue already has its most consumers.
+_ENROL = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
+if not redis.call('ZSCORE', KEYS[1], ARGV[1])
+    and redis.call('ZCARD', KEYS[1]) >= tonumber(ARGV[3]) then
+  return 0
+end
+redis.call('ZADD', KEYS[1], now + tonumber(ARGV[2]), ARGV[1])
+return 1
+"""
+
 # KEYS: lease. ARGV: token, lease ms. Renew the lease if we hold it, or take it if free.
 # Reply: 1 when held by ``token`` after the call.
 _LEASE = """
@@ -393,6 +409,6 @@ INSERT, FIRE, COMMIT, ROLLBACK, SIZES, SWEEP, SHOVEL = (
     Script(_PRELUDE + body)
     for body in (_INSERT, _FIRE, _COMMIT, _ROLLBACK, _SIZES, _SWEEP, _SHOVEL)
 )
-READY_ADD, READY_DROP, LEASE, RELEASE, META = (
-    Script(body) for body in (_READY_ADD, _READY_DROP, _LEASE, _RELEASE, _META)
+READY_ADD, READY_DROP, ENROL, LEASE, RELEASE, META = (
+    Script(body) for body in (_READY_ADD, _READY_DROP, _ENROL, _LEASE, _RELEASE, _META)
 )

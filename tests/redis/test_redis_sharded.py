@@ -390,3 +390,24 @@ async def test_messages_within_their_ttl_are_delivered(connect: Connect) -> None
     await q.push_many(list(range(5)))
     got = await q.pop_many(10, timeout=1)
     assert sorted(m.payload for m in got) == list(range(5))
+
+
+# consumers ------------------------------------------------------------------------------
+
+
+async def test_consumers_past_the_cap_get_a_typed_error(connect: Connect) -> None:
+    factories = [await connect(sweeper=False, max_consumers=2) for _ in range(3)]
+    queues = [await f.queue("q") for f in factories]
+    await queues[0].push("x")
+    assert await queues[0].reserve(timeout=0) is not None
+    assert await queues[1].pop(timeout=0) is None
+    with pytest.raises(aio_keuss.TooManyConsumersError):
+        await queues[2].reserve(timeout=0)
+    assert await queues[2].push("a producer is not a consumer")
+    await factories[1].close()  # leaves the queue's consumers
+    assert await queues[2].pop(timeout=1) is not None
+
+
+def test_at_most_100_consumers_per_queue() -> None:
+    with pytest.raises(aio_keuss.ConfigError):
+        RedisShardedBackend({"max_consumers": 101})
