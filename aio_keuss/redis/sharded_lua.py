@@ -254,7 +254,7 @@ return {m[1] - m[2], m[3], m[4] - m[5], m[1], m[6], m[7], m[8], m[2], m[9]}
 # A record past its end of life is deleted rather than sidelined, and the magazine's expired
 # head is purged, so the leader clears expired messages of idle queues too.
 # Reply: {moved, records left to look at, left in the magazine, load pointer, 1 if the walk
-# stopped at a record within its deadline}.
+# stopped at a record within its deadline, records in the sideline}.
 _SWEEP = (
     _PURGE
     + """
@@ -289,7 +289,7 @@ if w > m[3] then
   redis.call('HSET', KEYS[1], 'w', ptr(w), 'sl', ptr(sl), 'r', ptr(r - moved - expired),
     'n', ptr(n + moved), 'e', ptr(m[7] + expired))
 end
-return {moved, f - w, l - f, l, stopped}
+return {moved, f - w, l - f, l, stopped, sl - meta({'sf'})[1]}
 """
 )
 

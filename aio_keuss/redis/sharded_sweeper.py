@@ -31,7 +31,7 @@ import asyncio
 import logging
 import os
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
 from ..coalesce import stop_task
@@ -62,6 +62,8 @@ class Sweeper:
         self._task: asyncio.Task[None] | None = None
         self._next_shovel = 0.0
         self._failing = False
+        self._sidelined: dict[str, set[int]] = {}
+        """Per queue, the shards whose sideline the last sweeps found records in."""
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._loop(), name="keuss-sharded-sweeper")
@@ -124,13 +126,14 @@ class Sweeper:
         backend = self._backend
         announce: list[Any] = []
         moved = 0
+        to_shovel = self._sidelined.setdefault(name, set())
 
         async def one(shard: int) -> None:
             nonlocal moved
             base = backend.shard_base(name, shard)
             keys = [base + "m", base + "ix"]
             while True:
-                step, left, in_magazine, load, stopped = await backend.run_script(
+                step, left, in_magazine, load, stopped, sidelined = await backend.run_script(
                     lua.SWEEP, keys, [base, SWEEP_BATCH]
                 )
                 moved += step
@@ -138,8 +141,10 @@ class Sweeper:
                     break
             if in_magazine > 0:
                 announce.extend((shard, load))
+            if sidelined > 0:
+                to_shovel.add(shard)
 
-        await _bounded(8, one, shards)
+        await _bounded(8, one, range(shards))
         if announce:
             await backend.run_script(lua.READY_ADD, backend.ready_keys(name), announce)
         if moved:
@@ -148,8 +153,11 @@ class Sweeper:
         return moved
 
     async def shovel_queue(self, name: str, shards: int) -> int:
-        """Move every shard's sideline back into its magazine, ``shovel_concurrency`` shards
-        at a time; returns how many records moved."""
+        """Move the sidelines the sweep found records in back into their magazines,
+        ``shovel_concurrency`` shards at a time; returns how many records moved."""
+        todo = sorted(self._sidelined.pop(name, set()))
+        if not todo:
+            return 0
         backend = self._backend
         announce: list[Any] = []
         moved = 0
@@ -168,7 +176,7 @@ class Sweeper:
                 moved += here
                 announce.extend((shard, load))
 
-        await _bounded(self._options.shovel_concurrency, one, shards)
+        await _bounded(self._options.shovel_concurrency, one, todo)
         if announce:
             await backend.run_script(lua.READY_ADD, backend.ready_keys(name), announce)
             self.shoveled += moved
@@ -177,12 +185,14 @@ class Sweeper:
         return moved
 
 
-async def _bounded(limit: int, job: Callable[[int], Awaitable[None]], shards: int) -> None:
-    """Run ``job`` on every shard, at most ``limit`` at once."""
+async def _bounded(
+    limit: int, job: Callable[[int], Awaitable[None]], shards: Iterable[int]
+) -> None:
+    """Run ``job`` on each shard, at most ``limit`` at once."""
     gate = asyncio.Semaphore(limit)
 
     async def run(shard: int) -> None:
         async with gate:
             await job(shard)
 
-    await asyncio.gather(*(run(shard) for shard in range(shards)))
+    await asyncio.gather(*(run(shard) for shard in shards))
