@@ -31,8 +31,10 @@ script after the shard's; a race between a consumer emptying a shard and a produ
 it is settled by the producer's load pointer (``_READY_DROP``), and a hint lost when a
 process dies between the two scripts is restored by the sweeper, which sees every shard.
 
-What this model does not offer: delays (a magazine is FIFO; ``ko`` reloads at once, at the
-back of its shard), ``remove``, atomic ``move``; order holds within a shard only.
+Delays: a magazine is FIFO, so a delayed push or ko waits outside it, in the shard's
+schedule (a sorted set), and is loaded at the load pointer by the first fire on its shard
+after it matured; the shard sits in the ready index at that time. What this model does not
+offer: ``remove``, atomic ``move``; order holds within a shard only.
 """
 
 from __future__ import annotations
@@ -134,7 +136,7 @@ class RedisShardedStore(Store):
         self._backend = backend
         self.shards = shards
         self._bases = [backend.shard_base(name, s) for s in range(shards)]
-        self._keys = [[b + "m", b + "ix", b + "d"] for b in self._bases]
+        self._keys = [backend.shard_keys(name, s) for s in range(shards)]
         self._ready = backend.ready_keys(name)
         self._window = options.dedup_window
         self._turn = random.randrange(shards)
@@ -185,9 +187,11 @@ class RedisShardedStore(Store):
         announce: list[Any] = []
         flags: dict[int, bool] = {}
         for shard, reply in zip(shards, replies, strict=True):
-            if reply[0] < 0:  # the magazine was empty: this push announces the shard
-                announce += (shard, -reply[0])
-            for e, f in zip(by_shard[shard], reply[1:], strict=True):
+            if reply[1] == 1:  # the magazine was empty: this push announces the shard
+                announce += (shard, reply[0], "")
+            elif reply[2]:  # scheduled: the shard is due when the first matures
+                announce += (shard, reply[0], reply[2])
+            for e, f in zip(by_shard[shard], reply[3:], strict=True):
                 flags[id(e)] = f == 1
         if announce:
             await self._run(lua.READY_ADD, self._ready, announce)
@@ -204,6 +208,7 @@ class RedisShardedStore(Store):
                 e.tries,
                 check,
                 "" if e.mature is None else repr(e.mature),
+                e.delay if e.mature is None else 0,
             )
         reply: list[Any] = await self._run(lua.INSERT, self._keys[shard], args)
         return reply
@@ -239,15 +244,17 @@ class RedisShardedStore(Store):
                 "ZREM", self._backend.key(self.name, "consumers"), self._token
             )
 
-    async def _candidates(self) -> list[int]:
-        """The shards with work as the ready index has them, in a rotation of our own that
-        starts at a random one, so consumers of several processes spread over the shards."""
-        ready = [int(s) for s in await self._backend.execute("ZRANGE", self._ready[0], 0, -1)]
+    async def _candidates(self) -> tuple[list[int], float | None]:
+        """The shards due now as the ready index has them, in a rotation of our own that
+        starts at a random one, so consumers of several processes spread over the shards;
+        and the index's earliest due time (None: empty)."""
+        reply = await self._run(lua.READY_HEAD, self._ready[:1], ())
+        ready = [int(s) for s in reply[1:]]
         if ready:
             start = random.randrange(len(ready))
             ready = ready[start:] + ready[:start]
         self._refresh_at = time.monotonic() + REFRESH
-        return ready
+        return ready, float(reply[0]) if reply[0] else None
 
     async def _fire(self, n: int, delay: str) -> Fetched:
         """Fire from the next ``n`` shards of the rotation (``n`` shared among them). The
@@ -259,9 +266,10 @@ class RedisShardedStore(Store):
         messages: list[Stored] = []
         left = False
         fresh = False
+        head: float | None = None
         for _ in range(3):
             if not self._rotation or time.monotonic() >= self._refresh_at:
-                self._rotation = await self._candidates()
+                self._rotation, head = await self._candidates()
                 fresh = True
             rotation = self._rotation
             if not rotation:
@@ -273,7 +281,7 @@ class RedisShardedStore(Store):
                 *(
                     self._run(
                         lua.FIRE,
-                        self._keys[s][:2],
+                        self._keys[s],
                         [self._bases[s], share + (1 if k < extra else 0), delay],
                     )
                     for k, s in enumerate(chosen)
@@ -281,18 +289,20 @@ class RedisShardedStore(Store):
             )
             emptied: list[Any] = []
             for shard, reply in zip(chosen, replies, strict=True):
-                messages += _stored(reply, 2)
+                messages += _stored(reply, 3)
                 if reply[0] > 0:
                     left = True
                 else:
-                    emptied += (shard, reply[1])
+                    emptied += (shard, reply[1], reply[2])
             if emptied:
-                gone = set(emptied[::2])
+                gone = set(emptied[::3])
                 self._rotation = [s for s in self._rotation if s not in gone]
                 await self._run(lua.READY_DROP, self._ready, emptied)
             if messages or fresh:
                 break
-        return Fetched(messages, time.time() if left or self._rotation else None)
+        if left or self._rotation:
+            return Fetched(messages, time.time())
+        return Fetched(messages, head)
 
     # acknowledging -----------------------------------------------------------------------
 
@@ -306,7 +316,7 @@ class RedisShardedStore(Store):
             args: list[Any] = [self._bases[shard]]
             for k in members:
                 args += (acks[k].id, "" if acks[k].tries is None else acks[k].tries)
-            flags = await self._run(lua.COMMIT, self._keys[shard][:2], args)
+            flags = await self._run(lua.COMMIT, self._keys[shard], args)
             for k, flag in zip(members, flags, strict=True):
                 out[k] = flag == 1
 
@@ -316,7 +326,7 @@ class RedisShardedStore(Store):
     async def rollback(
         self, nacks: Sequence[Nack], deadletter: DeadletterPlan | None
     ) -> list[KoResult]:
-        """Reload each at the load pointer of its shard (no delay: the magazine has none),
+        """Reload each at the load pointer of its shard, or schedule it after its delay,
         or past ``max_ko`` copy it into the deadletter queue, then drop it here."""
         by_shard: dict[int, list[int]] = {}
         for k, nack in enumerate(nacks):
@@ -334,9 +344,10 @@ class RedisShardedStore(Store):
                     nack.id,
                     "" if nack.tries is None else nack.tries,
                     "1" if nack.count_try else "0",
+                    nack.delay,
                 )
-            reply = await self._run(lua.ROLLBACK, self._keys[shard][:2], args)
-            i, reloaded = 1, False
+            reply = await self._run(lua.ROLLBACK, self._keys[shard], args)
+            i = 3
             for k in members:
                 code = reply[i]
                 if code == 3:
@@ -345,10 +356,11 @@ class RedisShardedStore(Store):
                     i += 4
                 else:
                     out[k] = KoResult(code)
-                    reloaded = reloaded or code == 1
                     i += 1
-            if reloaded:
-                announce.extend((shard, reply[0]))
+            if reply[1] == 1:
+                announce.extend((shard, reply[0], ""))
+            elif reply[2]:
+                announce.extend((shard, reply[0], reply[2]))
 
         await asyncio.gather(*(one(s, m) for s, m in by_shard.items()))
         if announce:
@@ -389,33 +401,43 @@ class RedisShardedStore(Store):
 
     # observing ---------------------------------------------------------------------------
 
-    async def shard_sizes(self) -> list[list[int]]:
-        """Per shard: in the magazine, fired and not acknowledged, sidelined, load pointer,
-        swept ever, shoveled ever, sweep pointer, fire pointer, expired ever. One script per
-        shard (an observation, not the hot path)."""
+    async def shard_sizes(self) -> list[list[Any]]:
+        """Per shard: ready (in the magazine, or scheduled and mature), fired and not
+        acknowledged, sidelined, load pointer, swept ever, shoveled ever, sweep pointer,
+        fire pointer, expired ever, scheduled, next mature scheduled (None: none). One
+        script per shard (an observation, not the hot path)."""
         replies = await asyncio.gather(
             *(
-                self._run(lua.SIZES, keys[:2], [base])
+                self._run(lua.SIZES, keys, [base])
                 for keys, base in zip(self._keys, self._bases, strict=True)
             )
         )
-        return [[int(x) for x in reply] for reply in replies]
+        return [[int(x) for x in r[:10]] + [float(r[10]) if r[10] else None] for r in replies]
 
     async def sizes(self) -> Sizes:
-        """size: records waiting in the magazines; reserved: fired and not acknowledged
-        (until the sweeper sidelines those past their deadline); scheduled: sidelined,
-        waiting for the shovel."""
-        size = reserved = sidelined = 0
+        """size: ready records; reserved: fired and not acknowledged (until the sweeper
+        sidelines those past their deadline); scheduled: delayed, and sidelined (waiting
+        for the shovel)."""
+        size = reserved = scheduled = 0
         for shard in await self.shard_sizes():
             size += shard[0]
             reserved += shard[1]
-            sidelined += shard[2]
-        return Sizes(size, size + reserved + sidelined, sidelined, reserved)
+            scheduled += shard[2] + shard[9]
+        return Sizes(size, size + reserved + scheduled, scheduled, reserved)
 
     async def next_mature(self) -> float | None:
-        """Now if anything is in the queue (there are no delays), else None."""
-        sizes = await self.sizes()
-        return time.time() if sizes.total else None
+        """Now if a record is ready or sidelined; else the earliest scheduled mature time,
+        or for reservations their latest possible deadline (now + ``reserve_delay``)."""
+        now = time.time()
+        times: list[float] = []
+        for shard in await self.shard_sizes():
+            if shard[0] or shard[2]:
+                return now
+            if shard[10] is not None:
+                times.append(shard[10])
+            if shard[1]:
+                times.append(now + self.options.reserve_delay)
+        return min(times) if times else None
 
 
 @dataclass(frozen=True)
@@ -474,7 +496,7 @@ class RedisShardedBackend(RedisBackend):
 
     name = "redis-sharded"
     capabilities: Capabilities = Capabilities(
-        delay=False, remove=False, reservation_expiry=True, move=False, fifo=False
+        remove=False, reservation_expiry=True, move=False, fifo=False
     )
     options_type: ClassVar[type[RedisOptions]] = RedisShardedOptions
     options: ClassVar[dict[str, Any]] = RedisShardedOptions.defaults()
@@ -493,6 +515,11 @@ class RedisShardedBackend(RedisBackend):
 
     def shard_base(self, queue: str, shard: int) -> str:
         return self.key(f"{queue}#{shard}") + ":"
+
+    def shard_keys(self, queue: str, shard: int) -> list[str]:
+        """The keys every shard script is given: m, ix, d, z (see :mod:`.sharded_lua`)."""
+        base = self.shard_base(queue, shard)
+        return [base + "m", base + "ix", base + "d", base + "z"]
 
     def ready_keys(self, queue: str) -> list[str]:
         return [self.key(queue, "ready"), self.key(queue, "stamps")]

@@ -131,16 +131,17 @@ class Sweeper:
         async def one(shard: int) -> None:
             nonlocal moved
             base = backend.shard_base(name, shard)
-            keys = [base + "m", base + "ix"]
+            keys = backend.shard_keys(name, shard)
             while True:
-                step, left, in_magazine, load, stopped, sidelined = await backend.run_script(
-                    lua.SWEEP, keys, [base, SWEEP_BATCH]
-                )
+                reply = await backend.run_script(lua.SWEEP, keys, [base, SWEEP_BATCH])
+                step, left, in_magazine, version, stopped, sidelined, due = reply
                 moved += step
                 if left <= 0 or stopped:
                     break
             if in_magazine > 0:
-                announce.extend((shard, load))
+                announce.extend((shard, version, ""))
+            elif due:
+                announce.extend((shard, version, due))
             if sidelined > 0:
                 to_shovel.add(shard)
 
@@ -165,16 +166,18 @@ class Sweeper:
         async def one(shard: int) -> None:
             nonlocal moved
             base = backend.shard_base(name, shard)
-            keys = [base + "m", base + "ix"]
+            keys = backend.shard_keys(name, shard)
             here = 0
             while True:
-                step, left, load = await backend.run_script(lua.SHOVEL, keys, [base, SHOVEL_BATCH])
+                step, left, version = await backend.run_script(
+                    lua.SHOVEL, keys, [base, SHOVEL_BATCH]
+                )
                 here += step
                 if left <= 0 or step == 0:
                     break
             if here:
                 moved += here
-                announce.extend((shard, load))
+                announce.extend((shard, version, ""))
 
         await _bounded(self._options.shovel_concurrency, one, todo)
         if announce:

@@ -411,3 +411,34 @@ async def test_consumers_past_the_cap_get_a_typed_error(connect: Connect) -> Non
 def test_at_most_100_consumers_per_queue() -> None:
     with pytest.raises(aio_keuss.ConfigError):
         RedisShardedBackend({"max_consumers": 101})
+
+
+# delays ---------------------------------------------------------------------------------
+
+
+async def test_delayed_messages_wait_outside_the_magazine(
+    connect: Connect, redis: aioredis.Redis, prefix: str
+) -> None:
+    q = await (await connect(sweeper=False)).queue("q")
+    await q.push("later", delay=3600)
+    assert await q.sizes() == Sizes(0, 1, 1, 0)
+    assert await q.pop(timeout=0) is None
+    # the shard waits in the index until its first scheduled record matures
+    scores = await redis.zrange(ready_key(prefix, "q"), 0, -1, withscores=True)
+    assert len(scores) == 1
+    mature = await q.next_mature_t()
+    assert mature is not None and scores[0][1] == pytest.approx(mature.timestamp(), abs=1)
+
+
+async def test_a_ko_with_a_delay_is_scheduled_then_loaded_again(connect: Connect) -> None:
+    q = await (await connect(sweeper=False)).queue("q")
+    mid = await q.push("x")
+    first = await q.reserve(timeout=1)
+    assert first is not None and first.id == mid
+    assert await q.ko(first, delay=0.2)
+    assert await q.sizes() == Sizes(0, 1, 1, 0)
+    assert not await q.ok(first)  # scheduled: held by no one
+    again = await q.reserve(timeout=30)
+    assert again is not None and again.id == mid and again.tries == 1
+    assert await q.ok(again)
+    assert await q.sizes() == Sizes(0, 0, 0, 0)
