@@ -83,6 +83,9 @@ MAX_CONSUMERS = 100
 """Consumers a queue allows across processes (IgnisMQ's ``MAX_CONSUMERS_ALLOWED``)."""
 PUSH_CHUNK = 100
 """Messages of one batch loaded into one shard before the next shard takes the rest."""
+FIRE_SHARE = 16
+"""Messages a fetch asks of each shard it fires from: a coalesced fetch of 32 fires from two
+shards, not from 32 (one script each); the rotation spreads successive fetches."""
 REFRESH = 0.05
 """Seconds a consumer serves its own rotation of ready shards before reading the index
 again (sooner when the rotation runs out), so it sees shards that gained work meanwhile."""
@@ -257,9 +260,10 @@ class RedisShardedStore(Store):
         return ready, float(reply[0]) if reply[0] else None
 
     async def _fire(self, n: int, delay: str) -> Fetched:
-        """Fire from the next ``n`` shards of the rotation (``n`` shared among them). The
-        rotation is read from the ready index when it runs out or is ``REFRESH`` old, so a
-        fire is one round trip in the steady state; a shard found empty leaves both."""
+        """Fire from the next ``n / FIRE_SHARE`` shards of the rotation (``n`` shared among
+        them). The rotation is read from the ready index when it runs out or is ``REFRESH``
+        old, so a fire is one round trip in the steady state; a shard found empty leaves
+        both."""
         await self._touch()
         if time.monotonic() >= self._enrol_at:
             await self._enrol()
@@ -274,7 +278,7 @@ class RedisShardedStore(Store):
             rotation = self._rotation
             if not rotation:
                 break
-            chosen = rotation[:n]
+            chosen = rotation[: -(-n // FIRE_SHARE)]
             self._rotation = rotation[len(chosen) :] + chosen
             share, extra = divmod(n, len(chosen))
             replies = await asyncio.gather(
