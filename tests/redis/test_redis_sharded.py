@@ -225,8 +225,9 @@ import aio_keuss
 
 async def main() -> None:
     url, prefix, n, leader = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4] == "1"
+    cluster = len(sys.argv) > 5
     factory = await aio_keuss.connect(
-        "redis-sharded", url=url, prefix=prefix, shards=4, sweeper=leader,
+        "redis-sharded", url=url, prefix=prefix, shards=4, sweeper=leader, cluster=cluster,
         sweep_interval=0.1, shovel_interval=0.2, lease_ttl=2.0, reserve_delay=3.0,
     )
     if leader:
@@ -444,3 +445,43 @@ async def test_a_ko_with_a_delay_is_scheduled_then_loaded_again(connect: Connect
     assert again is not None and again.id == mid and again.tries == 1
     assert await q.ok(again)
     assert await q.sizes() == Sizes(0, 0, 0, 0)
+
+
+async def test_on_redis_cluster_shards_spread_and_killed_consumers_lose_nothing(
+    tmp_path: Path,
+) -> None:
+    """The same kill on the 3-master cluster: each shard in its own hash slot."""
+    import redis_cluster
+    from redis.crc import key_slot
+
+    reason = redis_cluster.start_redis_cluster()
+    if reason:
+        pytest.skip(reason)
+    prefix = f"akt-shc-{new_token()}"
+    options = {"url": redis_cluster.CLUSTER_URL, "prefix": prefix, "cluster": True, "shards": 4}
+    try:
+        async with aio_keuss.connect(
+            "redis-sharded", reserve_delay=0.5, poll_interval=0.5, **options, **FAST
+        ) as factory:
+            backend = backend_of(factory)
+            slots = {key_slot(backend.shard_base("q", s).encode()) for s in range(4)}
+            assert len(slots) == 4
+            q = await factory.queue("q")
+            pushed = await q.push_many(list(range(100)))
+            children = [
+                await _spawn(tmp_path, redis_cluster.CLUSTER_URL, prefix, "50", "0", "cluster")
+                for _ in range(2)
+            ]
+            held: list[str] = []
+            try:
+                for child in children:
+                    held += (await _line(child)).split()
+            finally:
+                for child in children:
+                    await _kill(child)
+            assert sorted(held) == sorted(pushed)
+            again = await _take_all(q, 100)
+            assert sorted(m.id for m in again) == sorted(pushed)
+            assert {m.tries for m in again} == {1}
+    finally:
+        await redis_cluster._drop_redis_cluster_prefix({"prefix": prefix})
