@@ -28,8 +28,9 @@ random one, read again every ``REFRESH`` seconds or when it runs out), so shards
 in turn and a fire is one round trip; a consumer that empties a shard removes it. That
 index lives in the queue's own hash slot, apart from the shards, so it is kept by a second
 script after the shard's; a race between a consumer emptying a shard and a producer loading
-it is settled by the producer's load pointer (``_READY_DROP``), and a hint lost when a
-process dies between the two scripts is restored by the sweeper, which sees every shard.
+it is settled by the shard's version, which every load raises (``_READY_DROP``), and a hint
+lost when a process dies between the two scripts is restored by the sweeper, which sees
+every shard.
 
 Delays: a magazine is FIFO, so a delayed push or ko waits outside it, in the shard's
 schedule (a sorted set), and is loaded at the load pointer by the first fire on its shard
