@@ -132,6 +132,7 @@ class RedisShardedStore(Store):
         backend: RedisShardedBackend,
         shards: int,
         message_ttl: float | None = None,
+        max_consumers: int = MAX_CONSUMERS,
     ) -> None:
         super().__init__(name, options)
         # A reserve is several round trips (index, shards, index): not one reply that
@@ -148,6 +149,7 @@ class RedisShardedStore(Store):
         self._refresh_at = 0.0
         self._run = backend.run_script
         self._ttl = "" if message_ttl is None else repr(message_ttl)
+        self._max_consumers = max_consumers
         self._touch_every = meta.touch_period(backend.sharded)
         self._touch_at = time.monotonic() + (self._touch_every or 0.0)
         self._token = os.urandom(8).hex()
@@ -231,10 +233,10 @@ class RedisShardedStore(Store):
         """Enrol (or renew) this consumer, within the queue's ``max_consumers``."""
         settings = self._backend.sharded
         lease_ms = max(1, round(settings.lease_ttl * 1000))
-        args = [self._token, lease_ms, settings.max_consumers]
+        args = [self._token, lease_ms, self._max_consumers]
         if not await self._run(lua.ENROL, [self._backend.key(self.name, "consumers")], args):
             raise TooManyConsumersError(
-                f"queue {self.name!r} already has {settings.max_consumers} consumers"
+                f"queue {self.name!r} already has {self._max_consumers} consumers"
             )
         self._enrolled = True
         self._enrol_at = time.monotonic() + settings.lease_ttl / 3
@@ -495,8 +497,9 @@ class RedisShardedBackend(RedisBackend):
       queue object of a factory that pops or reserves, enrolled with a lease of
       ``lease_ttl`` renewed while it fetches; one more raises TooManyConsumersError.
 
-    The first process to open a queue writes its metadata record; ``shards`` and
-    ``message_ttl`` are then the queue's, whatever later processes pass.
+    The first process to open a queue writes its metadata record; ``shards``,
+    ``message_ttl`` and ``max_consumers`` are then the queue's, whatever later processes
+    pass.
     """
 
     name = "redis-sharded"
@@ -558,19 +561,19 @@ class RedisShardedBackend(RedisBackend):
         if found is not None:
             return found
         wanted = self.sharded.shards
-        shards, ttl = await self.touch(queue, meta.record(wanted, options, self.sharded))
+        shards, ttl, most = await self.touch(queue, meta.record(wanted, options, self.sharded))
         if shards != wanted and self._explicit_shards:
             raise ConfigError(f"queue {queue!r} was created with {shards} shards, not {wanted}")
-        store = RedisShardedStore(queue, options, self, shards, ttl)
+        store = RedisShardedStore(queue, options, self, shards, ttl, most)
         self._stores[queue] = store
         return store
 
-    async def touch(self, queue: str, record: list[Any]) -> tuple[int, float | None]:
+    async def touch(self, queue: str, record: list[Any]) -> tuple[int, float | None, int]:
         """Write (if missing) and renew the queue's metadata record, and list the queue for
         the sweeper; the stored shard count and message TTL."""
-        shards, ttl = await self.run_script(lua.META, [self.meta_key(queue)], record)
+        shards, ttl, most = await self.run_script(lua.META, [self.meta_key(queue)], record)
         await self.execute("HSET", self.registry_key, queue, shards)
-        return int(shards), float(ttl) if ttl else None
+        return int(shards), float(ttl) if ttl else None, int(most) if most else MAX_CONSUMERS
 
     async def queue_info(self, queue: str) -> dict[str, Any] | None:
         """The queue's metadata record (None once it expired or was never written)."""

@@ -486,7 +486,8 @@ return 0
 
 # KEYS: queue meta. ARGV: metadata TTL ms ('0' = none), then pairs field, value. Writes the
 # record if there is none (its first writer's settings are the queue's), marks it active and
-# seen now, and extends its life. Reply: the stored shards and message TTL ('' = none).
+# seen now, and extends its life. Reply: the stored shards, message TTL ('' = none) and
+# most consumers.
 _META = """
 local t = redis.call('TIME')
 if redis.call('EXISTS', KEYS[1]) == 0 then
@@ -494,7 +495,7 @@ if redis.call('EXISTS', KEYS[1]) == 0 then
 end
 redis.call('HSET', KEYS[1], 'active', 'true', 'seen', t[1])
 if ARGV[1] ~= '0' then redis.call('PEXPIRE', KEYS[1], ARGV[1]) end
-return redis.call('HMGET', KEYS[1], 'shards', 'message_ttl')
+return redis.call('HMGET', KEYS[1], 'shards', 'message_ttl', 'max_consumers')
 """
 
 INSERT, FIRE, COMMIT, ROLLBACK, SIZES, SWEEP, SHOVEL = (

@@ -1,12 +1,15 @@
 """Queue metadata of ``redis-sharded``: one record per queue, readable from any process.
 
-``prefix:{queue}:meta`` is a HASH written by the first process that opens the queue (its
-settings are the queue's from then on: a later process with other ones adopts them, or,
-for an explicit ``shards``, is refused): shards, created (epoch seconds), active
-(``"true"``), seen (epoch seconds of the last touch), sweep_duration (the queue's
-``reserve_delay``), shovel_interval, shovel_concurrency, message_ttl and queue_expiry
-(seconds, ``""`` = none), max_batch. ``prefix:sharded:queues`` (HASH name -> shards) lists
-the queues the sweeper walks.
+``prefix:{queue}:meta`` is a HASH written by the first process that opens the queue: its
+``shards``, ``message_ttl`` and ``max_consumers`` are the queue's from then on (a later
+process with other values adopts them, or, for an explicit ``shards``, is refused). Fields:
+shards, created (epoch seconds), active (``"true"``), seen (epoch seconds of the last
+touch), sweep_duration (the queue's ``reserve_delay``), shovel_interval,
+shovel_concurrency, message_ttl and queue_expiry (seconds, ``""`` = none), max_batch,
+max_consumers. Per-shard sweep pointers and swept / shoveled / expired counters live in
+each shard's own ``m`` hash (so each script advances them atomically in its slot);
+``RedisShardedStore.shard_sizes()`` reads them. ``prefix:sharded:queues`` (HASH name ->
+shards) lists the queues the sweeper walks.
 
 Queue expiry: with ``queue_expiry`` set, the record lives ``2 * queue_expiry`` seconds
 (IgnisMQ's safety factor) past the last time a process touched the queue (a push or fetch
@@ -50,6 +53,7 @@ def record(shards: int, options: QueueOptions, sharded: RedisShardedOptions) -> 
         "message_ttl", repr(sharded.message_ttl) if sharded.message_ttl else "",
         "queue_expiry", repr(expiry) if expiry else "",
         "max_batch", options.max_batch,
+        "max_consumers", sharded.max_consumers,
     ]  # fmt: skip
 
 

@@ -341,7 +341,7 @@ async def test_the_metadata_record_is_read_from_any_process(connect: Connect) ->
     assert info is not None
     assert info["shards"] == 4 and info["active"] is True
     assert info["message_ttl"] == 60.0 and info["queue_expiry"] == 3600.0
-    assert info["sweep_duration"] == 30.0
+    assert info["sweep_duration"] == 30.0 and info["max_consumers"] == 100
     assert info["created"] <= info["seen"] + 1
     listed = await other.list()
     assert listed["q"]["sharded"]["shards"] == 4
