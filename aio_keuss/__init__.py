@@ -26,6 +26,7 @@ from .errors import (
     MissingDependencyError,
     NotSupportedError,
     PipelineError,
+    TooManyConsumersError,
 )
 from .factory import Factory, connect
 from .message import UNCHANGED, Message
@@ -63,6 +64,7 @@ __all__ = [
     "PipelineError",
     "Queue",
     "Sizes",
+    "TooManyConsumersError",
     "UNCHANGED",
     "__version__",
     "backend_names",

@@ -24,6 +24,9 @@ class Capabilities:
     move: bool = False
     """a held message can be moved to another queue of the backend in one atomic step
     (``Queue.move``)."""
+    fifo: bool = True
+    """messages of a queue come out in the order they were pushed (mature time first where
+    there are delays); a sharded queue keeps that order only within a shard."""
 
 
 class KoResult(enum.IntEnum):

@@ -47,6 +47,7 @@ DEFAULT_OPTIONS: dict[str, dict[str, Any]] = {
     "redis-list": {"url": "redis://127.0.0.1:6379/0", "prefix": "akbench"},
     "redis-oq": {"url": "redis://127.0.0.1:6379/0", "prefix": "akbench"},
     "redis-reliable": {"url": "redis://127.0.0.1:6379/0", "prefix": "akbench"},
+    "redis-sharded": {"url": "redis://127.0.0.1:6379/0", "prefix": "akbench-sharded"},
     "postgres": {"url": "postgresql://postgres@127.0.0.1:5432/test", "schema": "akbench"},
     "bucket-redis": {"url": "redis://127.0.0.1:6379/0", "prefix": "akbench"},
     "bucket-postgres": {"url": "postgresql://postgres@127.0.0.1:5432/test", "schema": "akbench"},
