@@ -5,8 +5,10 @@ PY := $(VENV)/bin/python
 TEST_EXTRAS ?= test,dev,redis,postgres,mongo,spark
 BACKEND ?= memory
 BENCH_ARGS ?=
+PEERS_ARGS ?=
+PEERS := bench/peers
 
-.PHONY: demo test lint bench bench-spark services clean
+.PHONY: demo test lint bench bench-peers bench-spark services clean
 
 # One stamp per set of extras, so `make demo` installs little and `make test` everything.
 $(VENV)/.stamp-%: pyproject.toml
@@ -33,9 +35,26 @@ lint: $(VENV)/.stamp-$(TEST_EXTRAS)
 bench: $(VENV)/.stamp-$(TEST_EXTRAS) services
 	$(PY) -m bench --backend $(BACKEND) $(BENCH_ARGS)
 
+# aio-keuss beside Keuss 2.0.6 (Node), saq, arq, procrastinate and the servers' own limits, in one
+# sitting, interleaved over repetitions (docs/benchmarks.md); e.g. PEERS_ARGS="--reps 3 --messages 20000".
+bench-peers: $(VENV)/.stamp-$(TEST_EXTRAS) services $(PEERS)/node_modules/.stamp $(PEERS)/.venv/.stamp
+	$(PY) -m bench.peers $(PEERS_ARGS)
+
+# Keuss and its drivers exactly as package-lock.json pins them.
+$(PEERS)/node_modules/.stamp: $(PEERS)/package-lock.json
+	@command -v npm >/dev/null || { echo "bench-peers needs Node 20 and npm"; exit 1; }
+	cd $(PEERS) && npm ci --no-audit --no-fund --loglevel=error
+	touch $@
+
+# The Python peers in a venv of their own, so their dependencies never meet aio-keuss's.
+$(PEERS)/.venv/.stamp: $(PEERS)/requirements.txt
+	test -x $(PEERS)/.venv/bin/python || $(PYTHON) -m venv $(PEERS)/.venv
+	$(PEERS)/.venv/bin/python -m pip install -q -r $(PEERS)/requirements.txt
+	touch $@
+
 # Spark df.write into a queue, rows/s (BACKEND=redis-oq|redis-list|postgres|...).
 bench-spark: $(VENV)/.stamp-$(TEST_EXTRAS) services
 	$(PY) -m bench.spark_write --backend $(BACKEND) $(BENCH_ARGS)
 
 clean:
-	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache
+	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache $(PEERS)/.venv $(PEERS)/node_modules

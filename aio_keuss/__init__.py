@@ -26,6 +26,7 @@ from .errors import (
     MissingDependencyError,
     NotSupportedError,
     PipelineError,
+    TooManyConsumersError,
 )
 from .factory import Factory, connect
 from .message import UNCHANGED, Message
@@ -66,6 +67,7 @@ __all__ = [
     "Queue",
     "Sizes",
     "State",
+    "TooManyConsumersError",
     "UNCHANGED",
     "__version__",
     "backend_names",

@@ -26,6 +26,11 @@ A handler given a ``timeout`` that runs longer is cancelled and counts as failed
 and deadlettered past ``max_ko``. With ``prefetch`` N, a worker that finds nothing buffered
 reserves up to N + 1 messages in one round trip and leaves the rest for the next free
 workers; those never started are given back at once, costing no try, when the consumer stops.
+With ``prefetch`` a worker also does not wait for the ``ok`` of a handled message before it
+takes the next one: the ok is sent at once and its reply awaited in the background (at most
+``concurrency + prefetch`` of them at a time; ``stop`` waits for them), so oks of several
+workers share round trips. The message was handled either way; an ok that fails is logged
+and the message comes back when its reservation expires, as with an awaited ok.
 """
 
 from __future__ import annotations
@@ -307,6 +312,8 @@ class Consumer:
         self._settle = settle
         self._buffer: deque[Message] = deque()
         self._fetching = asyncio.Lock()
+        self._acks: set[asyncio.Task[Any]] = set()  # oks awaited in the background
+        self._ack_room = asyncio.Semaphore(concurrency + prefetch)
         self.queue = queue
         self.concurrency = concurrency
         self._handler = handler
@@ -400,6 +407,8 @@ class Consumer:
         for task in late:
             task.cancel()
         await asyncio.gather(*self._workers, return_exceptions=True)
+        if self._acks:
+            await asyncio.gather(*self._acks, return_exceptions=True)
         while self._buffer:  # prefetched, never started: back at once, costing no try
             message = self._buffer.popleft()
             if self._reserve:
@@ -497,8 +506,19 @@ class Consumer:
         self.handled += 1
         if self._settle is not None:
             await self._acknowledge("settle", message, self._settle(message, result))
+        elif self._reserve and self._prefetch:
+            await self._ack_room.acquire()
+            ack = asyncio.get_running_loop().create_task(self._ok_in_background(message))
+            self._acks.add(ack)
+            ack.add_done_callback(self._acks.discard)
         elif self._reserve:
             await self._acknowledge("ok", message, self.queue.ok(message))
+
+    async def _ok_in_background(self, message: Message) -> None:
+        try:
+            await self._acknowledge("ok", message, self.queue.ok(message))
+        finally:
+            self._ack_room.release()
 
     async def _acknowledge(self, doing: str, message: Message, work: Awaitable[Any]) -> Any:
         """ok / ko / release after the handler ran: a failure is logged (as part of an outage)

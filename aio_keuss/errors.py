@@ -82,6 +82,11 @@ class PipelineError(ConfigError):
     station."""
 
 
+class TooManyConsumersError(KeussError):
+    """A queue already has as many consumers as it allows (``redis-sharded``: at most 100
+    per queue across processes, ``max_consumers``); raised before anything is fetched."""
+
+
 class ClosedError(KeussError):
     """The factory or queue was closed; open a new one to go on."""
 

@@ -14,6 +14,7 @@ _REGISTRY: dict[str, tuple[str, str, str | None]] = {
     "redis-list": ("aio_keuss.redis.list", "RedisListBackend", "redis"),
     "redis-oq": ("aio_keuss.redis.oq", "RedisOQBackend", "redis"),
     "redis-reliable": ("aio_keuss.redis.reliable", "RedisReliableBackend", "redis"),
+    "redis-sharded": ("aio_keuss.redis.sharded", "RedisShardedBackend", "redis"),
     "postgres": ("aio_keuss.postgres.store", "PostgresQueueBackend", "postgres"),
     "bucket-redis": ("aio_keuss.redis.buckets", "RedisBucketBackend", "redis"),
     "bucket-postgres": ("aio_keuss.postgres.buckets", "PostgresBucketBackend", "postgres"),

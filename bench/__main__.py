@@ -4,7 +4,8 @@ Runs on uvloop (libuv, the loop Keuss runs on under Node) when it is installed, 
 asyncio's own loop; ``--loop asyncio`` forces the latter.
 
 Rows (msgs/s): push, pop, and push then reserve+ok with 3 concurrent clients (Keuss's table,
-100,000 messages), the same with 32 clients, bulk push_many / reserve_many of 1,000, and the
+100,000 messages), ``consume`` with as many workers and a prefetch of 10, the same with 32
+clients, bulk push_many / reserve_many of 1,000, and the
 push -> consume latency (p50 / p99) at a low rate. On backends that move atomically, a
 3-station pipeline with no-op handlers (``pipeline.run``, 3 and 32 workers per station),
 beside the same flow done by hand with ``consume`` handlers that push to the next queue
@@ -46,6 +47,7 @@ DEFAULT_OPTIONS: dict[str, dict[str, Any]] = {
     "redis-list": {"url": "redis://127.0.0.1:6379/0", "prefix": "akbench"},
     "redis-oq": {"url": "redis://127.0.0.1:6379/0", "prefix": "akbench"},
     "redis-reliable": {"url": "redis://127.0.0.1:6379/0", "prefix": "akbench"},
+    "redis-sharded": {"url": "redis://127.0.0.1:6379/0", "prefix": "akbench-sharded"},
     "postgres": {"url": "postgresql://postgres@127.0.0.1:5432/test", "schema": "akbench"},
     "bucket-redis": {"url": "redis://127.0.0.1:6379/0", "prefix": "akbench"},
     "bucket-postgres": {"url": "postgresql://postgres@127.0.0.1:5432/test", "schema": "akbench"},
@@ -54,6 +56,7 @@ DEFAULT_OPTIONS: dict[str, dict[str, Any]] = {
     "bucket-mongo": {"url": "mongodb://127.0.0.1:27017", "database": "akbench"},
 }
 PIPELINE_MESSAGES = 10_000
+PREFETCH = 10
 PAYLOAD = {"id": 0, "user": "someone@example.com", "items": [1, 2, 3], "note": "x" * 120}
 
 
@@ -127,7 +130,7 @@ class Bench:
         keuss = KEUSS.get(self.backend, (None, None, None))
         async with aio_keuss.connect(self.backend, **self.options) as factory:
             caps = factory.capabilities
-            for clients in client_counts if only == "all" else ():
+            for clients in client_counts if only in ("all", "throughput") else ():
                 progress(f"{self.backend}: {self.messages:,} messages, {clients} clients")
                 q = await self.fresh_queue(factory)
                 await self.push(q, clients, "push", keuss[0] if clients == 3 else None)
@@ -137,12 +140,15 @@ class Bench:
                     q = await self.fresh_queue(factory)
                     await q.push_many([PAYLOAD] * self.messages)
                     await self.reserve_ok(q, clients, keuss[2] if clients == 3 else None)
+                    q = await self.fresh_queue(factory)
+                    await q.push_many([PAYLOAD] * self.messages)
+                    await self.consume(q, clients, keuss[2] if clients == 3 else None)
             if only == "all":
                 progress(f"{self.backend}: bulk, batches of 1,000")
                 await self.bulk(factory, caps)
                 progress(f"{self.backend}: latency at a low rate")
                 await self.latency(factory, caps, latency_messages)
-            if caps.move:
+            if caps.move and only != "throughput":
                 for clients in client_counts:
                     progress(f"{self.backend}: 3-station pipeline, {clients} workers each")
                     await self.pipeline(factory, clients, atomic=True)
@@ -179,6 +185,24 @@ class Bench:
 
         seconds = await run_clients(clients, self.messages, work)
         self.record("reserve+ok", clients, self.messages, seconds, keuss)
+
+    async def consume(self, q: aio_keuss.Queue, clients: int, keuss: int | None) -> None:
+        """``consume`` with ``clients`` workers and a prefetch of 10 (reserve -> no-op
+        handler -> ok), against Keuss's reserve+commit."""
+        done = asyncio.Event()
+        handled = 0
+
+        async def handler(message: aio_keuss.Message) -> None:
+            nonlocal handled
+            handled += 1
+            if handled == self.messages:
+                done.set()
+
+        start = time.perf_counter()
+        async with q.consume(handler, clients, prefetch=PREFETCH):
+            await asyncio.wait_for(done.wait(), timeout=max(60.0, self.messages / 100))
+            seconds = time.perf_counter() - start
+        self.record(f"consume prefetch={PREFETCH}", clients, self.messages, seconds, keuss)
 
     async def bulk(self, factory: aio_keuss.Factory, caps: aio_keuss.Capabilities) -> None:
         q = await self.fresh_queue(factory)
@@ -321,7 +345,10 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--url", help="server URL (default: the local test servers)")
     parser.add_argument("--json", action="store_true", help="one JSON record per row")
     parser.add_argument(
-        "--only", choices=("all", "pipeline"), default="all", help="run only these rows"
+        "--only",
+        choices=("all", "pipeline", "throughput"),
+        default="all",
+        help="run only these rows (throughput: push, pop, reserve+ok; what bench.peers compares)",
     )
     parser.add_argument(
         "--loop",

@@ -111,6 +111,15 @@ _BUCKET_FAST: dict[str, Any] = {
     "reject_delta_factor": 0.0,
 }
 
+# The sweeper sidelines expired reservations and the shovel brings them back: short periods
+# keep the redelivery tests fast. Several shards, so the suite crosses them.
+_SHARDED_FAST: dict[str, Any] = {
+    "shards": 4,
+    "sweep_interval": 0.25,
+    "shovel_interval": 0.25,
+    "lease_ttl": 2.0,
+}
+
 CASES: list[BackendCase] = [
     BackendCase("memory", _no_options, shared=False),
     BackendCase("redis-list", _redis, _drop_redis_prefix),
@@ -130,6 +139,15 @@ CASES: list[BackendCase] = [
         setup=start_redis_cluster,
     ),
     BackendCase("redis-reliable", _redis, _drop_redis_prefix),
+    BackendCase("redis-sharded", lambda t: {**_redis(t), **_SHARDED_FAST}, _drop_redis_prefix),
+    BackendCase(
+        "redis-sharded",
+        # through redis-py (no fast lane): a slower sweep keeps an idle factory idle
+        lambda t: {**_redis_cluster(t), **_SHARDED_FAST, "sweep_interval": 0.5},
+        _drop_redis_cluster_prefix,
+        label="redis-sharded-cluster",
+        setup=start_redis_cluster,
+    ),
     BackendCase("postgres", _postgres, _drop_postgres_schema),
     BackendCase(  # consumed messages kept: history and replay
         "postgres",

@@ -377,3 +377,27 @@ async def test_reservations_nobody_acknowledged_are_not_remembered_forever() -> 
             await asyncio.sleep(0.25)  # every reservation so far has expired
         held = len(q._held) + len(q._held_before)
         assert held <= 2 * per_round < per_round * rounds
+
+
+# prefetch: oks awaited in the background, all of them in before stop returns -------------
+
+
+async def test_prefetch_oks_are_all_in_when_stop_returns(connect: Connect) -> None:
+    factory = await connect()
+    needs(factory, "reserve")
+    q = await factory.queue("prefetched")
+    await q.push_many(list(range(300)))
+    handled: list[int] = []
+    all_done = asyncio.Event()
+
+    async def note(message: Message) -> None:
+        handled.append(message.payload)
+        if len(handled) == 300:
+            all_done.set()
+
+    consumer = q.consume(note, concurrency=3, prefetch=8)
+    await asyncio.wait_for(all_done.wait(), DEADLINE)
+    await consumer.stop()
+    assert sorted(handled) == list(range(300))
+    assert await q.total_size() == 0  # every ok landed: nothing left reserved
+    assert (await q.stats())["commit"] == 300

@@ -470,6 +470,10 @@ BAD_FACTORY_OPTIONS: list[tuple[str, dict[str, Any]]] = [
     ("redis-reliable", {"dedup_window": 1e17}),
     ("redis-reliable", {"failed_max": 10**20}),
     ("redis-reliable", {"heartbeat_ttl": 10**400}),
+    ("redis-sharded", {"shards": 513}),
+    ("redis-sharded", {"message_ttl": 10**400}),
+    ("redis-sharded", {"queue_expiry": math.nan}),
+    ("redis-sharded", {"max_consumers": 101}),
     ("bucket-redis", {"bucket_max_wait": 10**400}),
     ("bucket-redis", {"state_flush_period": MAX_SECONDS * 2}),
     ("bucket-redis", {"reject_delta_base": 1e17}),
@@ -494,6 +498,7 @@ async def test_backend_options_past_the_bound_are_refused(
     # Unreachable URLs: the option is refused before any connection is tried.
     url = {
         "redis-reliable": "redis://127.0.0.1:1/0",
+        "redis-sharded": "redis://127.0.0.1:1/0",
         "bucket-redis": "redis://127.0.0.1:1/0",
         "postgres": "postgresql://postgres@127.0.0.1:1/test",
         "mongo": "mongodb://127.0.0.1:1",
@@ -588,6 +593,7 @@ BAD_URLS: list[tuple[str, str]] = [
     ("redis-oq", "unix://127.0.0.1/tmp/redis.sock"),
     ("redis-list", "rediss:/127.0.0.1"),
     ("redis-reliable", "127.0.0.1:6379"),
+    ("redis-sharded", "redis://127.0.0.1:6379/x"),
     ("bucket-redis", "redis:/127.0.0.1:6399"),
     ("postgres", "mysql://postgres@127.0.0.1/test"),
     ("postgres", "postgresql:/127.0.0.1/test"),

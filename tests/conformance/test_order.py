@@ -34,7 +34,10 @@ async def test_fifo_push_pop(queue: aio_keuss.Queue) -> None:
     for i in range(20):
         await queue.push(i)
     assert await queue.size() == 20
-    assert [m.payload for m in await drain_all(queue)] == list(range(20))
+    got = [m.payload for m in await drain_all(queue)]
+    if not queue.capabilities.fifo:  # order holds within a shard only: each comes out once
+        got.sort()
+    assert got == list(range(20))
     assert await queue.total_size() == 0
 
 

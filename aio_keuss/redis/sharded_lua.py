@@ -1,0 +1,507 @@
+"""The Lua scripts of ``redis-sharded``: one per operation, each over the keys of one shard
+(or of the queue's ready index), so each runs in one Redis Cluster hash slot.
+
+Shard keys (hash tag ``{queue#shard}``), ``<base>`` being ``prefix:{queue#shard}:``::
+
+    <base>m          HASH  l load pointer, f fire pointer, w sweep pointer, r fired and not
+                           yet acknowledged, n swept ever, sl / sf sideline load / fire
+                           pointers, v shoveled ever, e expired (message TTL) ever, q scheduled
+                           ever (the next scheduled record's seq)
+    <base>r:<ptr>    HASH  one record per message of the magazine: i id, p payload,
+                           h headers, t tries, m mature, x reservation deadline once fired,
+                           e end of life (message TTL; absent: none)
+    <base>s:<ptr>    HASH  a record of the sideline magazine (swept, waiting for the shovel)
+    <base>q:<seq>    HASH  a scheduled record (pushed or ko-ed with a delay), not yet loaded
+    <base>z          ZSET  seq -> mature time of the scheduled records
+    <base>ix         HASH  id -> pointer of its record ('s' while sidelined, 'z<seq>' while
+                           scheduled)
+    <base>d          ZSET  id -> end of its dedup window (explicit ids only)
+
+Queue keys (hash tag ``{queue}``): ``consumers`` ZSET consumer -> end of its lease,
+``ready`` ZSET shard -> since when it has had records to fire (or, with only scheduled
+records, when the first matures), ``stamps`` HASH shard -> the highest version a producer
+announced there (what lets a consumer drop a shard it emptied without losing a producer's
+announcement that raced with it). A shard's version is ``l + q``: it grows with every
+load and every scheduled record.
+
+Scheduled records are loaded into the magazine when they mature, by the next fire on their
+shard (up to 1,000 at a time): a magazine is FIFO, so a delay waits outside it.
+
+Pointers are Lua numbers (doubles): exact up to 2**53, and printed without an exponent
+below 1e14 records per shard.
+"""
+
+from __future__ import annotations
+
+from .connection import Script
+
+_PRELUDE = """
+local function server_now()
+  local t = redis.call('TIME')
+  return tonumber(t[1]) + tonumber(t[2]) / 1000000
+end
+local function fmt(x) return string.format('%.17g', x) end
+local function ptr(x) return string.format('%d', x) end
+-- A record past its end of life (message TTL) is deleted wherever a script meets it.
+local function dead(e, now) return e and tonumber(e) <= now end
+local function drop(key, id)
+  redis.call('DEL', key)
+  redis.call('HDEL', KEYS[2], id)
+end
+local function meta(fields)
+  local got = redis.call('HMGET', KEYS[1], unpack(fields))
+  for k = 1, #got do got[k] = tonumber(got[k] or 0) end
+  return got
+end
+-- Put a record aside until ``due``: it waits in the shard's schedule (KEYS[4] = z).
+local function schedule(key, base, id, due)
+  local q = tonumber(redis.call('HINCRBY', KEYS[1], 'q', 1)) - 1
+  redis.call('RENAME', key, base .. 'q:' .. ptr(q))
+  redis.call('ZADD', KEYS[4], fmt(due), ptr(q))
+  redis.call('HSET', KEYS[2], id, 'z' .. ptr(q))
+end
+-- Load the matured scheduled records (at most ``most``) at the load pointer.
+local function promote(base, now, most)
+  local due = redis.call('ZRANGE', KEYS[4], '-inf', fmt(now), 'BYSCORE', 'LIMIT', 0, most)
+  if #due == 0 then return end
+  local l = meta({'l'})[1]
+  for _, q in ipairs(due) do
+    local key = base .. 'q:' .. q
+    local id = redis.call('HGET', key, 'i')
+    if id then
+      redis.call('RENAME', key, base .. 'r:' .. ptr(l))
+      redis.call('HSET', KEYS[2], id, ptr(l))
+      l = l + 1
+    end
+  end
+  redis.call('ZREM', KEYS[4], unpack(due))
+  redis.call('HSET', KEYS[1], 'l', ptr(l))
+end
+-- The shard's version (see the module docstring) and its next mature time ('' = none).
+local function version()
+  local m = meta({'l', 'q'})
+  return m[1] + m[2]
+end
+local function next_due()
+  local head = redis.call('ZRANGE', KEYS[4], 0, 0, 'WITHSCORES')
+  return head[2] or ''
+end
+"""
+
+# KEYS: m ix d z. ARGV: base, dedup window, message TTL ('' = none), then 7 per entry: id,
+# payload, headers, tries, check ('' = an id the queue made: unique by construction;
+# 'c' = refused while queued; 'd' = also refused within the dedup window), mature ('' = now),
+# delay (seconds; > 0: scheduled).
+# Reply: {version after, 1 if the caller must announce the shard (its magazine was empty and
+# got a record: whoever loaded the first record of a non-empty one announced it already),
+# earliest mature time scheduled by this call ('' = none), then 1 / 0 per entry}.
+_INSERT = """
+local base, window, ttl = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3])
+local now = server_now()
+local m = meta({'l', 'f'})
+local l = m[1]
+local out, purged, loaded, soonest = {0, 0, ''}, false, false, nil
+for i = 4, #ARGV, 7 do
+  local id, check = ARGV[i], ARGV[i + 4]
+  local fresh = true
+  if check ~= '' then
+    if redis.call('HEXISTS', KEYS[2], id) == 1 then
+      fresh = false
+    elseif check == 'd' then
+      if not purged then
+        redis.call('ZREMRANGEBYSCORE', KEYS[3], '-inf', now)
+        purged = true
+      end
+      fresh = not redis.call('ZSCORE', KEYS[3], id)
+    end
+  end
+  if fresh then
+    local mature = ARGV[i + 5]
+    if mature == '' then mature = fmt(now) end
+    local key = base .. 'r:' .. ptr(l)
+    redis.call('HSET', key, 'i', id, 'p', ARGV[i + 1], 'h', ARGV[i + 2], 't', ARGV[i + 3],
+      'm', mature)
+    if ttl then redis.call('HSET', key, 'e', fmt(now + ttl)) end
+    if check == 'd' then redis.call('ZADD', KEYS[3], fmt(now + window), id) end
+    local delay = tonumber(ARGV[i + 6])
+    if delay > 0 then
+      redis.call('HSET', key, 'm', fmt(now + delay))
+      schedule(key, base, id, now + delay)
+      if not soonest or now + delay < soonest then soonest = now + delay end
+    else
+      redis.call('HSET', KEYS[2], id, ptr(l))
+      l = l + 1
+      loaded = true
+    end
+    out[#out + 1] = 1
+  else
+    out[#out + 1] = 0
+  end
+end
+redis.call('HSET', KEYS[1], 'l', ptr(l))
+out[1] = version()
+if loaded and m[1] == m[2] then out[2] = 1 end
+if soonest then out[3] = fmt(soonest) end
+return out
+"""
+
+# KEYS: m ix - z. ARGV: base, n, reserve delay ('' = pop: the record is deleted as it is
+# fired). Matured scheduled records are loaded first. Records past their end of life are
+# deleted on the way (at most n + 1000 looked at).
+# Reply: {left in the magazine, version, next mature scheduled ('' = none), then id p h t m
+# per message}.
+_FIRE = """
+local base, n, delay = ARGV[1], tonumber(ARGV[2]), ARGV[3]
+local now = server_now()
+promote(base, now, 1000)
+local m = meta({'l', 'f', 'r', 'e'})
+local l, f, r, expired = m[1], m[2], m[3], 0
+local out = {0, 0, ''}
+local taken, deadline, stop = 0, nil, math.min(l, f + n + 1000)
+if delay ~= '' then deadline = fmt(now + tonumber(delay)) end
+while taken < n and f < stop do
+  local key = base .. 'r:' .. ptr(f)
+  local rec = redis.call('HMGET', key, 'i', 'p', 'h', 't', 'm', 'e')
+  if rec[1] and dead(rec[6], now) then
+    drop(key, rec[1])
+    expired = expired + 1
+  elseif rec[1] then
+    if deadline then
+      redis.call('HSET', key, 'x', deadline)
+      r = r + 1
+    else
+      redis.call('DEL', key)
+      redis.call('HDEL', KEYS[2], rec[1])
+    end
+    for k = 1, 5 do out[#out + 1] = rec[k] end
+    taken = taken + 1
+  end
+  f = f + 1
+end
+if f > m[2] then redis.call('HSET', KEYS[1], 'f', ptr(f), 'r', ptr(r), 'e', ptr(m[4] + expired)) end
+out[1] = l - f
+out[2] = version()
+out[3] = next_due()
+return out
+"""
+
+# The guard every acknowledgement shares: the record of ``id`` if it was fired by a reserve
+# and its tries are ``want`` ('' = any holder); else nil.
+_HELD = """
+local function held(base, id, want)
+  local at = redis.call('HGET', KEYS[2], id)
+  if not at or at == 's' or string.sub(at, 1, 1) == 'z' then return nil end
+  local key = base .. 'r:' .. at
+  local rec = redis.call('HMGET', key, 'x', 't')
+  if not rec[1] or (want ~= '' and tonumber(want) ~= tonumber(rec[2])) then return nil end
+  return key, tonumber(rec[2])
+end
+"""
+
+# KEYS: m ix. ARGV: base, then 2 per ack: id, tries ('' = unchecked). Reply: 1 / 0 per ack.
+_COMMIT = (
+    _HELD
+    + """
+local base = ARGV[1]
+local out, done = {}, 0
+for i = 2, #ARGV, 2 do
+  local key = held(base, ARGV[i], ARGV[i + 1])
+  if key then
+    redis.call('DEL', key)
+    redis.call('HDEL', KEYS[2], ARGV[i])
+    done = done + 1
+    out[#out + 1] = 1
+  else
+    out[#out + 1] = 0
+  end
+end
+if done > 0 then redis.call('HINCRBY', KEYS[1], 'r', -done) end
+return out
+"""
+)
+
+# KEYS: m ix - z. ARGV: base, max_ko ('' = no deadletter), then 4 per nack: id, tries ('' =
+# unchecked), count try ('1' / '0'), delay. A nack is a reload: the record leaves its place
+# and is loaded again at the load pointer (the magazine has no other way back in), or, with
+# a delay, scheduled.
+# Reply: {version, 1 if something was reloaded, earliest mature scheduled ('' = none), then
+# per nack 0 missing / 1 reloaded / 3 to deadletter (left held), each 3 followed by its p,
+# h, tries held}.
+_ROLLBACK = (
+    _HELD
+    + """
+local base, max_ko = ARGV[1], tonumber(ARGV[2])
+local now = server_now()
+local l = meta({'l'})[1]
+local out, back, gone, soonest = {0, 0, ''}, 0, 0, nil
+for i = 3, #ARGV, 4 do
+  local id = ARGV[i]
+  local key, stored = held(base, id, ARGV[i + 1])
+  if not key then
+    out[#out + 1] = 0
+  else
+    local counted = ARGV[i + 2] == '1'
+    local tries = stored
+    if counted then tries = tries + 1 end
+    if max_ko and counted and tries > max_ko then
+      local rec = redis.call('HMGET', key, 'p', 'h')
+      out[#out + 1] = 3
+      out[#out + 1] = rec[1]; out[#out + 1] = rec[2]; out[#out + 1] = stored
+    else
+      local delay = tonumber(ARGV[i + 3])
+      redis.call('HDEL', key, 'x')
+      redis.call('HSET', key, 't', tries)
+      if delay > 0 then
+        redis.call('HSET', key, 'm', fmt(now + delay))
+        schedule(key, base, id, now + delay)
+        if not soonest or now + delay < soonest then soonest = now + delay end
+      else
+        local target = base .. 'r:' .. ptr(l)
+        redis.call('RENAME', key, target)
+        redis.call('HSET', KEYS[2], id, ptr(l))
+        l = l + 1
+        back = back + 1
+      end
+      gone = gone + 1
+      out[#out + 1] = 1
+    end
+  end
+end
+if back > 0 then redis.call('HSET', KEYS[1], 'l', ptr(l)) end
+if gone > 0 then redis.call('HINCRBY', KEYS[1], 'r', -gone) end
+out[1] = version()
+if back > 0 then out[2] = 1 end
+if soonest then out[3] = fmt(soonest) end
+return out
+"""
+)
+
+# The magazine's head past its end of life: deleted and passed over, up to ``most`` records;
+# returns the new fire pointer. Loads are in time order and a queue has one TTL, so expired
+# records are at the head, but for those reloaded by a ko or the shovel (they keep the end
+# of life of their push): such a record is deleted when it reaches the head or is fired.
+_PURGE = """
+local function purge(base, now, most)
+  local m = meta({'l', 'f', 'e'})
+  local l, f, stop = m[1], m[2], math.min(m[1], m[2] + most)
+  local expired = 0
+  while f < stop do
+    local key = base .. 'r:' .. ptr(f)
+    local rec = redis.call('HMGET', key, 'i', 'e')
+    if rec[1] and not dead(rec[2], now) then break end
+    if rec[1] then
+      drop(key, rec[1])
+      expired = expired + 1
+    end
+    f = f + 1
+  end
+  if f > m[2] then redis.call('HSET', KEYS[1], 'f', ptr(f), 'e', ptr(m[3] + expired)) end
+  return expired
+end
+"""
+
+# KEYS: m ix - z. ARGV: base. Purges the expired head first, so expired messages (but those
+# reloaded behind a live one) do not count. Reply: {ready (in the magazine, and scheduled
+# but mature), fired and not acknowledged, sidelined, load pointer, swept ever, shoveled
+# ever, sweep pointer, fire pointer, expired ever, scheduled (not mature yet), next mature
+# scheduled ('' = none)}.
+_SIZES = (
+    _PURGE
+    + """
+local now = server_now()
+purge(ARGV[1], now, 1000)
+local m = meta({'l', 'f', 'r', 'sl', 'sf', 'n', 'v', 'w', 'e'})
+local matured = redis.call('ZCOUNT', KEYS[4], '-inf', fmt(now))
+local scheduled = redis.call('ZCARD', KEYS[4]) - matured
+return {m[1] - m[2] + matured, m[3], m[4] - m[5], m[1], m[6], m[7], m[8], m[2], m[9],
+  scheduled, next_due()}
+"""
+)
+
+# KEYS: m ix - z. ARGV: base, most records to look at. Walks the fired region from the sweep
+# pointer: an acknowledged record (gone) is passed over, one fired by a pop never exists,
+# one whose reservation deadline passed moves to the sideline (its id marked 's', so its
+# stale holder's ok / ko fail), and the first still within its deadline stops the walk.
+# A record past its end of life is deleted rather than sidelined, and the magazine's expired
+# head is purged, so the leader clears expired messages of idle queues too.
+# Reply: {moved, records left to look at, left in the magazine, version, 1 if the walk
+# stopped at a record within its deadline, records in the sideline, next mature scheduled}.
+_SWEEP = (
+    _PURGE
+    + """
+local base, batch = ARGV[1], tonumber(ARGV[2])
+local now = server_now()
+purge(base, now, batch)
+local m = meta({'l', 'f', 'w', 'sl', 'r', 'n', 'e'})
+local expired = 0
+local l, f, w, sl, r, n = m[1], m[2], m[3], m[4], m[5], m[6]
+local stop, moved, stopped = math.min(f, w + batch), 0, 0
+while w < stop do
+  local key = base .. 'r:' .. ptr(w)
+  local rec = redis.call('HMGET', key, 'i', 'x', 'e')
+  if rec[1] and rec[2] then
+    if tonumber(rec[2]) > now then
+      stopped = 1
+      break
+    end
+    if dead(rec[3], now) then
+      drop(key, rec[1])
+      expired = expired + 1
+    else
+      redis.call('RENAME', key, base .. 's:' .. ptr(sl))
+      redis.call('HSET', KEYS[2], rec[1], 's')
+      sl = sl + 1
+      moved = moved + 1
+    end
+  end
+  w = w + 1
+end
+if w > m[3] then
+  redis.call('HSET', KEYS[1], 'w', ptr(w), 'sl', ptr(sl), 'r', ptr(r - moved - expired),
+    'n', ptr(n + moved), 'e', ptr(m[7] + expired))
+end
+return {moved, f - w, l - f, version(), stopped, sl - meta({'sf'})[1], next_due()}
+"""
+)
+
+# KEYS: m ix - z. ARGV: base, most records to move. Moves sideline records back into the
+# magazine at its load pointer, each with one more try (its delivery failed). The sideline
+# and the magazine share the shard's hash slot, so the move is one atomic step.
+# Reply: {moved, left in the sideline, version}.
+_SHOVEL = """
+local base, batch = ARGV[1], tonumber(ARGV[2])
+local now = server_now()
+local m = meta({'l', 'sl', 'sf', 'v', 'e'})
+local l, sl, sf, v = m[1], m[2], m[3], m[4]
+local moved, expired = 0, 0
+while sf < sl and moved + expired < batch do
+  local key = base .. 's:' .. ptr(sf)
+  local rec = redis.call('HMGET', key, 'i', 'e')
+  local id = rec[1]
+  if id and dead(rec[2], now) then
+    drop(key, id)
+    expired = expired + 1
+  elseif id then
+    local target = base .. 'r:' .. ptr(l)
+    redis.call('RENAME', key, target)
+    redis.call('HDEL', target, 'x')
+    redis.call('HINCRBY', target, 't', 1)
+    redis.call('HSET', KEYS[2], id, ptr(l))
+    l = l + 1
+    moved = moved + 1
+  end
+  sf = sf + 1
+end
+if sf > m[3] then
+  redis.call('HSET', KEYS[1], 'l', ptr(l), 'sf', ptr(sf), 'v', ptr(v + moved),
+    'e', ptr(m[5] + expired))
+end
+return {moved + expired, sl - sf, version()}
+"""
+
+# KEYS: ready, stamps. ARGV: triples shard, version, due ('' = now). A producer's
+# announcement: the shard has work from ``due`` on (a shard already due keeps its place).
+_READY_ADD = """
+local t = redis.call('TIME')
+local now = string.format('%.17g', tonumber(t[1]) + tonumber(t[2]) / 1000000)
+for i = 1, #ARGV, 3 do
+  local s, v = ARGV[i], tonumber(ARGV[i + 1])
+  if v > tonumber(redis.call('HGET', KEYS[2], s) or -1) then
+    redis.call('HSET', KEYS[2], s, ARGV[i + 1])
+  end
+  local due = ARGV[i + 2]
+  if due == '' then due = now end
+  redis.call('ZADD', KEYS[1], 'LT', due, s)
+end
+return 1
+"""
+
+# KEYS: ready, stamps. ARGV: triples shard, version seen, next mature scheduled ('' =
+# none). A consumer's report of shards whose magazine it emptied: each leaves the index, or
+# waits there for its next scheduled record, unless a producer announced a later version
+# meanwhile.
+_READY_DROP = """
+local dropped = 0
+for i = 1, #ARGV, 3 do
+  local s = ARGV[i]
+  if tonumber(redis.call('HGET', KEYS[2], s) or -1) <= tonumber(ARGV[i + 1]) then
+    if ARGV[i + 2] == '' then
+      dropped = dropped + redis.call('ZREM', KEYS[1], s)
+    else
+      redis.call('ZADD', KEYS[1], ARGV[i + 2], s)
+    end
+  end
+end
+return dropped
+"""
+
+# KEYS: ready. ARGV: none. Reply: {earliest due time ('' = empty index), then the shards due
+# now (server clock)}.
+_READY_HEAD = """
+local t = redis.call('TIME')
+local now = string.format('%.17g', tonumber(t[1]) + tonumber(t[2]) / 1000000)
+local head = redis.call('ZRANGE', KEYS[1], 0, 0, 'WITHSCORES')
+local out = {head[2] or ''}
+for _, s in ipairs(redis.call('ZRANGE', KEYS[1], '-inf', now, 'BYSCORE')) do
+  out[#out + 1] = s
+end
+return out
+"""
+
+# KEYS: consumers. ARGV: token, lease ms, most consumers. Enrols (or renews) a consumer of
+# the queue, after forgetting those whose lease ran out (processes that died). Reply: 1 when
+# enrolled, 0 when the queue already has its most consumers.
+_ENROL = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
+if not redis.call('ZSCORE', KEYS[1], ARGV[1])
+    and redis.call('ZCARD', KEYS[1]) >= tonumber(ARGV[3]) then
+  return 0
+end
+redis.call('ZADD', KEYS[1], now + tonumber(ARGV[2]), ARGV[1])
+return 1
+"""
+
+# KEYS: lease. ARGV: token, lease ms. Renew the lease if we hold it, or take it if free.
+# Reply: 1 when held by ``token`` after the call.
+_LEASE = """
+local holder = redis.call('GET', KEYS[1])
+if holder == ARGV[1] then
+  redis.call('PEXPIRE', KEYS[1], ARGV[2])
+  return 1
+end
+if not holder then
+  redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+  return 1
+end
+return 0
+"""
+
+# KEYS: lease. ARGV: token. Give the lease up on a clean close, so another takes over at once.
+_RELEASE = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
+return 0
+"""
+
+# KEYS: queue meta. ARGV: metadata TTL ms ('0' = none), then pairs field, value. Writes the
+# record if there is none (its first writer's settings are the queue's), marks it active and
+# seen now, and extends its life. Reply: the stored shards, message TTL ('' = none) and
+# most consumers.
+_META = """
+local t = redis.call('TIME')
+if redis.call('EXISTS', KEYS[1]) == 0 then
+  redis.call('HSET', KEYS[1], unpack(ARGV, 2))
+end
+redis.call('HSET', KEYS[1], 'active', 'true', 'seen', t[1])
+if ARGV[1] ~= '0' then redis.call('PEXPIRE', KEYS[1], ARGV[1]) end
+return redis.call('HMGET', KEYS[1], 'shards', 'message_ttl', 'max_consumers')
+"""
+
+INSERT, FIRE, COMMIT, ROLLBACK, SIZES, SWEEP, SHOVEL = (
+    Script(_PRELUDE + body)
+    for body in (_INSERT, _FIRE, _COMMIT, _ROLLBACK, _SIZES, _SWEEP, _SHOVEL)
+)
+READY_ADD, READY_DROP, READY_HEAD, ENROL, LEASE, RELEASE, META = (
+    Script(body) for body in (_READY_ADD, _READY_DROP, _READY_HEAD, _ENROL, _LEASE, _RELEASE, _META)
+)
