@@ -16,6 +16,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+from ..dashboard import command as dashboard_command
 from ..errors import ConfigError, KeussConnectionError, KeussError
 from ..loading import import_callable, import_object
 from .run import run_worker
@@ -67,6 +68,7 @@ def _parser() -> argparse.ArgumentParser:
         help="a backend option, e.g. prefix=myapp or schema=jobs (value as JSON when it parses)",
     )
     add("--config", help="a TOML file of settings (top level or [worker])")
+    dashboard_command.add_parser(commands)
     return parser
 
 
@@ -115,6 +117,8 @@ async def _run(settings: WorkerSettings) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command; returns its exit code."""
     args = _parser().parse_args(argv)
+    if args.command == "dashboard":
+        return dashboard_command.run(args)
     try:
         settings = resolve(_flags(args))
         # fail before logging is set up or anything opens
