@@ -17,7 +17,6 @@ import asyncio
 import contextlib
 import os
 import re
-import shutil
 import subprocess
 import sys
 import urllib.error
@@ -54,9 +53,7 @@ SEEN = 2000
 """ms a push may take to show in the sizes (the issue's bound; the page polls every 1 s)."""
 WAIT = 15000
 """ms for anything else to show: generous, nothing here is about speed."""
-HOSTILE = (
-    "<script>window.pwned = 1</script><img src='x' onerror='window.pwned = 2'><b>not bold</b>"
-)
+HOSTILE = "<script>window.pwned = 1</script><img src='x' onerror='window.pwned = 2'><b>not bold</b>"
 
 
 @pytest.fixture
@@ -173,12 +170,12 @@ async def test_dashboard_on_memory(browser: Any) -> None:
                     page.locator('#pipelines g.node[data-queue="orders"] text.size')
                 ).to_contain_text("ready", timeout=WAIT)
                 # a few samples of traffic for the charts: waited for in the page, not timed
-                await expect(
-                    _row(page, "orders").locator("span.figures")
-                ).not_to_have_text("", timeout=WAIT)
-                await expect(
-                    _row(page, "orders").locator("polyline").first
-                ).to_have_attribute("points", re.compile(r"^(\S+ ){5,}\S+$"), timeout=WAIT)
+                await expect(_row(page, "orders").locator("span.figures")).not_to_have_text(
+                    "", timeout=WAIT
+                )
+                await expect(_row(page, "orders").locator("polyline").first).to_have_attribute(
+                    "points", re.compile(r"^(\S+ ){5,}\S+$"), timeout=WAIT
+                )
                 await _row(page, "shipped").locator("button.toggle").click()
                 await expect(_row(page, "shipped").locator("td.state")).to_have_text(
                     "paused", timeout=WAIT
@@ -237,12 +234,8 @@ async def redis_options() -> AsyncIterator[dict[str, Any]]:
     await _drop_redis_prefix(options)
 
 
-async def test_dashboard_command_on_redis_oq(
-    browser: Any, redis_options: dict[str, Any]
-) -> None:
-    async with aio_keuss.connect(
-        "redis-oq", deadletter={"max_ko": 0}, **redis_options
-    ) as factory:
+async def test_dashboard_command_on_redis_oq(browser: Any, redis_options: dict[str, Any]) -> None:
+    async with aio_keuss.connect("redis-oq", deadletter={"max_ko": 0}, **redis_options) as factory:
         orders = await factory.queue("orders")
         dead_id = await _ko_to_deadletter(orders, {"note": HOSTILE})
         await orders.push({"order": 1})
@@ -306,6 +299,4 @@ async def test_dashboard_refuses_requests_without_the_token(
             response = await page.goto(f"{base}/?token={token}")
             assert response.status == 200
             assert "token" not in page.url  # the cookie carries it from now on
-            await expect(_row(page, "visible").locator("td.ready")).to_have_text(
-                "1", timeout=WAIT
-            )
+            await expect(_row(page, "visible").locator("td.ready")).to_have_text("1", timeout=WAIT)
