@@ -726,20 +726,20 @@ class Queue:
 
     async def find(self, message: Message | str) -> MessageView | None:
         """Where a message is: in this queue (ready, scheduled, reserved: ``at`` says until
-        when), else in the deadletter queue under the same id, else processed (on a history
-        backend); None when it is nowhere."""
+        when), else in the deadletter queue under the same id, else processed here (on a
+        history backend, ``at`` says when); None when it is nowhere."""
         self._check_open()
         message_id = _target(message)[0]
         self._require("peek")
         (row,) = await self._store.locate([message_id])
-        if row is not None:
+        if row is not None and row.state != "processed":
             return visibility.view(self.name, row)
         if self._deadletter is not None and self._sibling is not None:
             dead = await self._sibling(self._deadletter.queue)
-            (row,) = await dead._store.locate([message_id])
-            if row is not None and row.state != "processed":
-                return visibility.view(dead.name, row)
-        return None
+            (dead_row,) = await dead._store.locate([message_id])
+            if dead_row is not None and dead_row.state != "processed":
+                return visibility.view(dead.name, dead_row)
+        return None if row is None else visibility.view(self.name, row)
 
     async def purge(self) -> int:
         """Remove every message not under an active reservation (a running consumer's stays

@@ -48,7 +48,7 @@ from .factory import Factory
 from .factory import connect as _async_connect
 from .message import UNCHANGED, Headers, Message, Payload, Unchanged
 from .queue import Queue
-from .types import Capabilities, KoResult, Sizes
+from .types import Capabilities, KoResult, MessageView, Page, Sizes
 
 __all__ = ["SyncFactory", "SyncQueue", "connect"]
 
@@ -399,6 +399,58 @@ class SyncQueue:
 
     def is_paused(self) -> bool:
         return self._call(self.queue.is_paused)
+
+    # looking inside and repairing -----------------------------------------------------
+
+    def peek(self, n: int = 10, *, state: str = "ready") -> list[MessageView]:
+        """The first ``n`` messages in ``state``, without taking them (:meth:`Queue.peek`)."""
+        return self._call(self.queue.peek, n, state=state)
+
+    def page(self, *, state: str = "all", after: str | None = None, limit: int = 1000) -> Page:
+        return self._call(self.queue.page, state=state, after=after, limit=limit)
+
+    def browse(
+        self, *, state: str = "all", after: str | None = None, page_size: int = 1000
+    ) -> Iterator[MessageView]:
+        """Every message in ``state``, a page per hop to the loop thread (:meth:`Queue.browse`)."""
+        cursor = after
+        while True:
+            found = self.page(state=state, after=cursor, limit=page_size)
+            yield from found.items
+            if found.cursor is None:
+                return
+            cursor = found.cursor
+
+    def find(self, message: Message | str) -> MessageView | None:
+        return self._call(self.queue.find, message)
+
+    def purge(self) -> int:
+        return self._call(self.queue.purge)
+
+    def requeue(
+        self, ids: Sequence[str] | None = None, *, origin: str | None = None
+    ) -> dict[str, str]:
+        return self._call(self.queue.requeue, ids, origin=origin)
+
+    def history(
+        self,
+        *,
+        since: datetime | float | None = None,
+        until: datetime | float | None = None,
+        limit: int = 100,
+        after: str | None = None,
+    ) -> Page:
+        return self._call(self.queue.history, since=since, until=until, limit=limit, after=after)
+
+    def replay(
+        self,
+        ids: Sequence[str] | None = None,
+        *,
+        since: datetime | float | None = None,
+        until: datetime | float | None = None,
+        to: str | None = None,
+    ) -> list[str]:
+        return self._call(self.queue.replay, ids, since=since, until=until, to=to)
 
     def stats(self) -> dict[str, int]:
         return self._call(self.queue.stats)

@@ -60,11 +60,14 @@ from pymongo import errors as mongo_errors
 
 from ..contract import (
     Ack,
+    Cursor,
     DeadletterPlan,
     Entry,
     Fetched,
     Move,
     Nack,
+    Peeked,
+    PeekPage,
     Store,
     Stored,
     deadletter_tag,
@@ -104,6 +107,18 @@ def _date(timestamp: float) -> datetime:
     return datetime.fromtimestamp(timestamp, UTC)
 
 
+def _epoch(when: datetime | str) -> float:
+    """A stored date as epoch seconds (a naive one is UTC: the driver's default codec)."""
+    if isinstance(when, str):  # some servers speaking the protocol hand dates back as text
+        when = datetime.fromisoformat(when)
+    return when.replace(tzinfo=UTC).timestamp() if when.tzinfo is None else when.timestamp()
+
+
+def _ms_date(timestamp: float) -> datetime:
+    """A time as MongoDB stores dates: whole milliseconds (so a cursor matches its record)."""
+    return datetime.fromtimestamp(min(round(timestamp, 3), FAR_FUTURE), UTC)
+
+
 def _stored(doc: Document) -> Stored:
     return Stored(
         doc["_id"], bytes(doc["payload"]), bytes(doc["headers"]), int(doc["tries"]), doc["mature"]
@@ -135,6 +150,73 @@ def _dup_indexes(exc: mongo_errors.BulkWriteError) -> set[int]:
             raise exc
         refused.add(int(error["index"]))
     return refused
+
+
+def _state_filter(state: str, now: float) -> Document:
+    """Live messages in a peek state (consumed history records are never live)."""
+    if state == "ready":
+        return {"mature": {"$lte": now}}
+    if state == "all":
+        return LIVE
+    return {"mature": {"$gt": now, "$lt": FAR_FUTURE}, "reserved": state == "reserved"}
+
+
+def _peeked(doc: Document, now: float) -> Peeked:
+    """A live message as peek shows it; a reserve counted its try up front (see the module
+    docstring), so a held one shows the count its holder was given."""
+    mature = float(doc["mature"])
+    tries = int(doc["tries"]) - (1 if doc.get("reserved") else 0)
+    stored = Stored(doc["_id"], bytes(doc["payload"]), bytes(doc["headers"]), tries, mature)
+    if mature <= now:
+        return Peeked(stored, "ready", mature)
+    return Peeked(stored, "reserved" if doc.get("reserved") else "scheduled", mature)
+
+
+def _processed(doc: Document) -> Peeked:
+    """A consumed record of mongo-history, its mature time taken to be when it ended."""
+    when = _epoch(doc["processed"])
+    message_id: str = doc.get("id") or doc["_id"]  # an archived record keeps its id aside
+    stored = Stored(message_id, bytes(doc["payload"]), bytes(doc["headers"]), doc["tries"], when)
+    return Peeked(stored, "processed", when)
+
+
+async def _walk(
+    coll: Collection, where: Document, field: str, after: tuple[Any, str] | None, limit: int
+) -> list[Document]:
+    """Up to ``limit`` documents matching ``where`` past ``after`` in (``field``, _id) order.
+
+    Only ranges of the index on ``field`` are read, in its order (an ``$or`` over the
+    cursor, or a sort on two keys, made the server sort the rest of the collection for each
+    page). Equal values come back from that index in no particular order, so a group of
+    ties is read on its own, sorted by _id: the rest of the cursor's group first, then the
+    group at the edge of a full page, whole (small: the messages of one insert batch are
+    a microsecond apart; a condition on _id made some servers scan that index). ``where`` puts operators (a dict) on ``field``, or nothing; filters stay flat, without
+    ``$and``, which some servers speaking the protocol answer by a full scan."""
+    hint = [(field, ASCENDING)]
+    others = {k: v for k, v in where.items() if k != field}
+    bounds: Document = where.get(field, {})
+
+    async def group(value: Any, past_id: str | None, most: int) -> list[Document]:
+        found = await coll.find({**others, field: value}, hint=hint).to_list()
+        found.sort(key=lambda d: d["_id"])
+        if past_id is not None:
+            found = [d for d in found if d["_id"] > past_id]
+        return found[:most]
+
+    docs: list[Document] = []
+    beyond: Document = where
+    if after is not None:
+        docs = await group(after[0], after[1], limit)
+        if len(docs) == limit:
+            return docs
+        beyond = {**others, field: {**bounds, "$gt": after[0]}}
+    most = limit - len(docs)
+    rest = await coll.find(beyond, sort=hint, limit=most, hint=hint).to_list()
+    rest.sort(key=lambda d: (d[field], d["_id"]))
+    if len(rest) == most:
+        edge = rest[-1][field]
+        rest = [d for d in rest if d[field] != edge] + await group(edge, None, limit)
+    return (docs + rest)[:limit]
 
 
 class MongoStore(Store):
@@ -511,6 +593,57 @@ class MongoStore(Store):
         )
         return [count == 1 for count in counts]
 
+    # looking without taking -------------------------------------------------------------
+
+    @translated
+    async def peek(self, state: str, after: Cursor | None, limit: int) -> PeekPage:
+        now = time.time()
+        docs = await _walk(self._coll, _state_filter(state, now), "mature", after, limit)
+        cursor = (float(docs[-1]["mature"]), docs[-1]["_id"]) if len(docs) == limit else None
+        return PeekPage([_peeked(d, now) for d in docs], cursor)
+
+    @translated
+    async def locate(self, ids: Sequence[str]) -> list[Peeked | None]:
+        now = time.time()
+        found = {d["_id"]: d for d in await self._coll.find({"_id": {"$in": list(ids)}}).to_list()}
+        rows: list[Peeked | None] = []
+        for message_id in ids:
+            doc = found.get(message_id)
+            if doc is None:
+                rows.append(None)
+            else:
+                rows.append(_processed(doc) if "processed" in doc else _peeked(doc, now))
+        return rows
+
+    @translated
+    async def hold(self, ids: Sequence[str], reserve_delay: float) -> list[int | None]:
+        now = time.time()
+        update = {"$set": {"mature": now + reserve_delay, "reserved": True}, "$inc": {"tries": 1}}
+        free = {"$or": [{"reserved": False}, {"mature": {"$lte": now}}]}
+
+        async def one(message_id: str) -> int | None:
+            doc = await self._coll.find_one_and_update(
+                {"$and": [{"_id": message_id, **LIVE}, free]},
+                update,
+                return_document=ReturnDocument.BEFORE,
+            )
+            return None if doc is None else int(doc["tries"])
+
+        return list(await asyncio.gather(*(one(i) for i in ids)))
+
+    @translated
+    async def history(
+        self, since: float, until: float, after: Cursor | None, limit: int
+    ) -> PeekPage:
+        if type(self)._consumed is MongoStore._consumed:
+            return await super().history(since, until, after, limit)
+        where = {"processed": {"$gte": _ms_date(since), "$lt": _ms_date(until)}}
+        past = None if after is None else (_ms_date(after[0]), after[1])
+        docs = await _walk(self._coll, where, "processed", past, limit)
+        rows = [_processed(d) for d in docs]
+        cursor = (rows[-1].at, docs[-1]["_id"]) if len(docs) == limit else None
+        return PeekPage(rows, cursor)
+
     @translated
     async def sizes(self) -> Sizes:
         now = time.time()
@@ -585,7 +718,7 @@ class MongoQueueBackend(MongoBackend):
     """``mongo``: consumed messages are deleted."""
 
     name = "mongo"
-    capabilities: Capabilities = Capabilities(move=True)
+    capabilities: Capabilities = Capabilities(move=True, peek=True, hold=True)
     store_class: ClassVar[type[MongoStore]] = MongoStore
 
     async def store(self, queue: str, options: QueueOptions) -> Store:
@@ -611,6 +744,7 @@ class MongoHistoryBackend(MongoQueueBackend):
     marked ``processed``; ``prefix`` defaults to ``keuss_history``."""
 
     name = "mongo-history"
+    capabilities: Capabilities = Capabilities(move=True, peek=True, hold=True, history=True)
     default_prefix = "keuss_history"
     store_class = MongoHistoryStore
     options_type: ClassVar[type[MongoOptions]] = MongoHistoryOptions

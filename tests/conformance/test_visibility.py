@@ -293,3 +293,21 @@ async def test_history_lists_processed_messages_and_replay_copies_them(
     assert all(m.headers["k"] == "v" for m in again)
     everything = await q.replay(since=start)
     assert len(everything) == 5 and await q.size() == 5
+
+
+# the blocking mirror --------------------------------------------------------------------
+
+
+def test_the_sync_mirror_peeks_browses_finds_and_purges() -> None:
+    from aio_keuss import sync
+
+    with sync.connect("memory") as factory:
+        q = factory.queue("mirrored")
+        ids = q.push_many(list(range(25)))
+        assert [v.message.id for v in q.peek(3)] == ids[:3]
+        assert [v.message.id for v in q.browse(page_size=10)] == ids
+        page = q.page(limit=20)
+        assert len(page.items) == 20 and page.cursor is not None
+        found = q.find(ids[4])
+        assert found is not None and found.message.payload == 4
+        assert q.purge() == 25 and q.find(ids[4]) is None
