@@ -1,8 +1,8 @@
 """The dashboard in a real browser: Debian's Chromium, headless, driven by Playwright.
 
-One test per backend set-up: the memory backend with the dashboard started in this process
-(the only way to see a memory backend), and Redis (redis-oq) with ``aio-keuss dashboard``
-run as a command, the test pushing through its own factory as another process would. The
+The memory backend with the dashboard started in this process (the only way to see a memory
+backend), and redis-oq, postgres and mongo with ``aio-keuss dashboard`` run as a command, the
+test pushing through its own factory as another process would. The
 browser checks what a user sees: the queue list, a push showing up in the sizes, pause and
 resume, requeue from the deadletter view, a payload holding markup shown as text, and a
 refusal without the token when the dashboard listens on a non-loopback address.
@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from backends import REDIS_URL, _drop_redis_prefix, new_token
+from backends import CASES, REDIS_URL, BackendCase, _drop_redis_prefix, new_token
 
 import aio_keuss
 
@@ -195,7 +195,7 @@ async def test_dashboard_on_memory(browser: Any) -> None:
             await _check_requeue_and_markup(page, jobs, dead_id)
 
 
-# redis-oq, through the command --------------------------------------------------------
+# real servers, through the command --------------------------------------------------------
 
 
 @contextlib.contextmanager
@@ -234,21 +234,35 @@ async def redis_options() -> AsyncIterator[dict[str, Any]]:
     await _drop_redis_prefix(options)
 
 
-async def test_dashboard_command_on_redis_oq(browser: Any, redis_options: dict[str, Any]) -> None:
-    async with aio_keuss.connect("redis-oq", deadletter={"max_ko": 0}, **redis_options) as factory:
+COMMAND_CASES = [case for case in CASES if case.id in ("redis-oq", "postgres", "mongo")]
+
+
+@pytest.fixture(params=COMMAND_CASES, ids=lambda case: case.id)
+async def served_case(request: pytest.FixtureRequest) -> AsyncIterator[tuple[str, dict[str, Any]]]:
+    case: BackendCase = request.param
+    reason = case.available()
+    if reason:
+        pytest.skip(reason)
+    options = case.options(new_token())
+    yield case.name, options
+    if case.cleanup is not None:
+        await case.cleanup(options)
+
+
+def _backend_flags(name: str, options: dict[str, Any]) -> list[str]:
+    flags = ["--backend", name]
+    for key, value in options.items():
+        flags += ["--url", value] if key == "url" else ["--option", f"{key}={value}"]
+    return flags
+
+
+async def test_dashboard_command(browser: Any, served_case: tuple[str, dict[str, Any]]) -> None:
+    name, options = served_case
+    async with aio_keuss.connect(name, deadletter={"max_ko": 0}, **options) as factory:
         orders = await factory.queue("orders")
         dead_id = await _ko_to_deadletter(orders, {"note": HOSTILE})
         await orders.push({"order": 1})
-        with _command(
-            "--backend",
-            "redis-oq",
-            "--url",
-            redis_options["url"],
-            "--option",
-            f"prefix={redis_options['prefix']}",
-            "--sample-seconds",
-            "1",
-        ) as process:
+        with _command(*_backend_flags(name, options), "--sample-seconds", "1") as process:
             url = await _served_url(process)
             assert url.startswith("http://127.0.0.1:")
             page = await _page(browser)
