@@ -123,21 +123,7 @@ class Board:
 
     async def state(self) -> dict[str, Any]:
         queues = await self._listed()
-        rows = []
-        for name, queue in queues.items():
-            sizes = await queue.sizes()
-            rows.append(
-                {
-                    "name": name,
-                    "size": sizes.size,
-                    "scheduled": sizes.scheduled,
-                    "reserved": sizes.reserved,
-                    "total": sizes.total,
-                    "paused": await queue.is_paused(),
-                    "counters": await queue.stats(),
-                    "deadletter": name == self.deadletter,
-                }
-            )
+        rows = await asyncio.gather(*(self._row(name, queue) for name, queue in queues.items()))
         pipelines = await self.factory.pipelines()
         capabilities = self.factory.capabilities
         return {
@@ -152,6 +138,21 @@ class Board:
             "pipelines": [_pipeline_data(doc) for doc in pipelines.values()],
             "rates": self.rates(),
             "sample_every": self.sample_every,
+        }
+
+    async def _row(self, name: str, queue: Queue) -> dict[str, Any]:
+        sizes, paused, counters = await asyncio.gather(
+            queue.sizes(), queue.is_paused(), queue.stats()
+        )
+        return {
+            "name": name,
+            "size": sizes.size,
+            "scheduled": sizes.scheduled,
+            "reserved": sizes.reserved,
+            "total": sizes.total,
+            "paused": paused,
+            "counters": counters,
+            "deadletter": name == self.deadletter,
         }
 
     async def peek(self, name: object, state: object, n: object) -> list[dict[str, Any]]:

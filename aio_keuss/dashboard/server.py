@@ -91,6 +91,12 @@ class Dashboard:
         self._index = index.replace("{{csrf}}", html.escape(self.csrf, quote=True))
 
     @property
+    def cookie(self) -> str:
+        """The login cookie's name: one per port, as cookies are shared by every port of a
+        host and two dashboards on one machine would otherwise log each other out."""
+        return f"{security.COOKIE}_{self.port}"
+
+    @property
     def url(self) -> str:
         host = f"[{self.host}]" if ":" in self.host else self.host
         return f"http://{host}:{self.port}/"
@@ -142,7 +148,7 @@ class Dashboard:
             if login is not None and request.method == "GET":
                 return self._login(request, login)
             given = security.bearer(request.headers.get("Authorization")) or request.cookies.get(
-                security.COOKIE
+                self.cookie
             )
             if not security.same_secret(self.token, given):
                 return _refused(401, "a token is needed: open /?token=<token>")
@@ -157,7 +163,7 @@ class Dashboard:
         if not security.same_secret(self.token, given):
             return _refused(401, "wrong token")
         response = web.Response(status=303, headers={"Location": request.path})
-        response.set_cookie(security.COOKIE, self.token, httponly=True, samesite="Strict", path="/")
+        response.set_cookie(self.cookie, self.token, httponly=True, samesite="Strict", path="/")
         return response
 
     def _post_refusal(self, request: web.Request) -> str | None:

@@ -102,7 +102,9 @@
   function rateText(series) {
     if (!series || series.length === 0) return "";
     const last = series[series.length - 1];
-    return `${last[1].toFixed(1)} in/s, ${last[2].toFixed(1)} done/s`;
+    const span = Math.round(last[0] - series[0][0]);
+    const over = span >= 120 ? `${Math.round(span / 60)} min` : `${span} s`;
+    return `${last[1].toFixed(1)} in/s, ${last[2].toFixed(1)} done/s (chart: ${over})`;
   }
 
   function queueRow(name) {
