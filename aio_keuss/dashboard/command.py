@@ -14,9 +14,8 @@ import logging
 import os
 import signal
 import sys
+from collections.abc import Callable
 from typing import Any
-
-import orjson
 
 from ..errors import ConfigError, KeussConnectionError, KeussError
 from ..factory import connect
@@ -40,8 +39,8 @@ def add_parser(commands: Any) -> None:
         ),
     )
     add = parser.add_argument
-    add("--backend", default=os.environ.get("AIO_KEUSS_BACKEND", "memory"), help="backend name")
-    add("--url", default=os.environ.get("AIO_KEUSS_URL"), help="the backend's URL")
+    add("--backend", help="backend name (default: memory)")
+    add("--url", help="the backend's URL")
     add(
         "--option",
         action="append",
@@ -49,6 +48,7 @@ def add_parser(commands: Any) -> None:
         metavar="KEY=VALUE",
         help="a backend option, e.g. prefix=myapp or schema=jobs (value as JSON when it parses)",
     )
+    add("--config", help="a TOML file of settings (top level or [worker]), as for the worker")
     add("--host", default="127.0.0.1", help="address to serve on (default 127.0.0.1)")
     add("--port", type=int, default=8080, help="port (default 8080; 0 takes a free one)")
     add("--token", default=None, help=f"access token (better: the {TOKEN_ENV} variable)")
@@ -61,25 +61,17 @@ def add_parser(commands: Any) -> None:
     add("--log-level", default="info", help="debug, info (default), warning, error")
 
 
-def _options(args: argparse.Namespace) -> dict[str, Any]:
-    options: dict[str, Any] = {}
-    for item in args.option:
-        key, sep, value = item.partition("=")
-        if not sep or not key.strip():
-            raise ConfigError(f"--option takes KEY=VALUE, not {item!r}")
-        try:
-            options[key.strip()] = orjson.loads(value)
-        except orjson.JSONDecodeError:
-            options[key.strip()] = value
-    if args.url:
-        options["url"] = args.url
-    return options
+Connection = Callable[[argparse.Namespace], tuple[str, dict[str, Any]]]
+"""(backend name, connect options) from the parsed flags: the console script resolves them
+with the environment and a config file exactly as for the worker."""
 
 
-async def _serve(args: argparse.Namespace, token: str | None) -> None:
+async def _serve(
+    args: argparse.Namespace, token: str | None, backend: str, options: dict[str, Any]
+) -> None:
     from .server import Dashboard  # needs aiohttp, checked in run()
 
-    async with connect(args.backend, **_options(args)) as factory:
+    async with connect(backend, **options) as factory:
         dashboard = Dashboard(
             factory,
             host=args.host,
@@ -97,7 +89,7 @@ async def _serve(args: argparse.Namespace, token: str | None) -> None:
             await stop.wait()
 
 
-def run(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace, connection: Connection) -> int:
     """Run the parsed ``dashboard`` command; returns its exit code."""
     token = args.token or os.environ.get(TOKEN_ENV) or None
     try:
@@ -106,7 +98,7 @@ def run(args: argparse.Namespace) -> int:
             raise ConfigError(f"--port must be in [0, 65535], not {args.port}")
         if not 0.2 <= args.sample_seconds <= 3600:
             raise ConfigError("--sample-seconds must be in [0.2, 3600]")
-        _options(args)
+        backend, options = connection(args)
         try:
             import aiohttp  # noqa: F401
         except ImportError:
@@ -122,7 +114,7 @@ def run(args: argparse.Namespace) -> int:
     )
     try:
         with contextlib.suppress(KeyboardInterrupt):
-            asyncio.run(_serve(args, token))
+            asyncio.run(_serve(args, token, backend, options))
     except KeussConnectionError as exc:
         log.error("cannot reach the backend: %s", exc)
         return EXIT_UNREACHABLE

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -167,3 +167,33 @@ def resolve(flags: Mapping[str, Any], environ: Mapping[str, str] = os.environ) -
     if not settings.queues:
         raise ConfigError("no queue: give --queue NAME (or AIO_KEUSS_QUEUE)")
     return settings
+
+
+def connection_settings(
+    flags: Mapping[str, Any], option_flags: Sequence[str], environ: Mapping[str, str] = os.environ
+) -> tuple[str, dict[str, Any]]:
+    """(backend, connect options) of the admin commands: the worker's connection settings
+    (``backend``, ``url``, ``options``) with the same precedence, the rest ignored."""
+    config = flags.get("config") or environ.get(ENV_PREFIX + "CONFIG")
+    wanted = {"backend", "url", "options"}
+    layers = [(config and from_file(config)) or {}, from_environment(environ), dict(flags)]
+    options: dict[str, Any] = {}
+    for item in option_flags:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"--option takes KEY=VALUE, not {item!r}")
+        options[key.strip()] = option_value(value)
+    layers.append({"options": options})
+    merged: dict[str, Any] = {}
+    for layer in layers:
+        picked = {k: v for k, v in layer.items() if k in wanted and v is not None}
+        checked = _check(picked)
+        options_layer = checked.pop("options", {})
+        merged.update(checked)
+        merged.setdefault("options", {}).update(options_layer)
+    settings = WorkerSettings(
+        backend=merged.get("backend", "memory"),
+        url=merged.get("url"),
+        options=merged.get("options", {}),
+    )
+    return settings.backend, settings.connect_options()

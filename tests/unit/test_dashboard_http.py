@@ -19,8 +19,7 @@ aiohttp = pytest.importorskip("aiohttp", reason="the dashboard extra (aiohttp) i
 
 from aio_keuss.dashboard import Dashboard, security  # noqa: E402
 from aio_keuss.dashboard.board import payload_text  # noqa: E402
-from aio_keuss.dashboard.command import run as run_command  # noqa: E402
-from aio_keuss.worker.cli import _parser  # noqa: E402
+from aio_keuss.worker.cli import main as cli_main  # noqa: E402
 
 TOKEN = "a-token-long-enough-0123456789"
 
@@ -80,8 +79,7 @@ def test_the_command_refuses_a_public_address_without_a_token(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     monkeypatch.delenv(security.TOKEN_ENV, raising=False)
-    args = _parser().parse_args(["dashboard", "--host", "0.0.0.0"])
-    assert run_command(args) == 2
+    assert cli_main(["dashboard", "--host", "0.0.0.0"]) == 2
     assert "--token" in capsys.readouterr().err
 
 

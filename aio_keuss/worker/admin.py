@@ -1,0 +1,513 @@
+"""``aio-keuss list | info | peek | find | push | pop | move | requeue | purge | pause |
+resume | history | replay | stats | pipelines``: look into queues and repair them from a
+shell, on the same console script as the worker.
+
+Every command takes the worker's connection settings (``--backend``, ``--url``,
+``--option KEY=VALUE``, ``--config``, and the ``AIO_KEUSS_*`` environment variables), prints
+a table for people, or JSON with ``--json`` for scripts (one document on stdout; errors go
+to stderr), and exits with a code a script can trust:
+
+====  ===================================================================================
+0     done
+1     failed (a backend error; nothing is known about what was done)
+2     bad usage: an unknown flag, a bad value, invalid JSON; nothing was written
+3     the backend cannot be reached
+4     not found: ``find`` of a message that is nowhere, ``pop`` of an empty queue
+5     the backend cannot do this (``NotSupportedError``); nothing was written
+6     ``purge`` was not confirmed; nothing was written
+====  ===================================================================================
+
+Opening a queue records its options in the backend; these commands open a queue with the
+options recorded there already, so looking at a queue never changes them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import base64
+import json
+import os
+import sys
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from datetime import UTC, datetime
+from typing import Any, TextIO
+
+from ..errors import (
+    ConfigError,
+    InvalidInputError,
+    KeussConnectionError,
+    KeussError,
+    NotSupportedError,
+)
+from ..factory import Factory, connect
+from ..message import Message
+from ..options import QUEUE_OPTION_NAMES
+from ..queue import Queue
+from ..types import MessageView
+from .settings import connection_settings, option_value
+
+EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_UNREACHABLE = 0, 1, 2, 3
+EXIT_NOT_FOUND, EXIT_NOT_SUPPORTED, EXIT_DECLINED = 4, 5, 6
+DEADLETTER = "__deadletter__"
+
+Command = Callable[[Factory, argparse.Namespace, "Output"], Awaitable[int]]
+
+
+# output -------------------------------------------------------------------------------
+
+
+class Output:
+    """A table for people, or one JSON document for scripts."""
+
+    def __init__(self, as_json: bool, stream: TextIO) -> None:
+        self.as_json = as_json
+        self.stream = stream
+
+    def emit(self, doc: Any, rows: list[dict[str, Any]] | None = None) -> None:
+        """Print ``doc`` as JSON, or ``rows`` (default: ``doc``) as a table."""
+        if self.as_json:
+            self.stream.write(json.dumps(doc, default=_json_default, sort_keys=False) + "\n")
+            return
+        shown = doc if rows is None else rows
+        if isinstance(shown, list):
+            self.stream.write(_table(shown))
+        elif isinstance(shown, dict):
+            width = max((len(k) for k in shown), default=0)
+            for key, value in shown.items():
+                self.stream.write(f"{key.ljust(width)}  {_cell(value)}\n")
+        else:
+            self.stream.write(f"{shown}\n")
+
+    def note(self, text: str) -> None:
+        """A line for people only (a cursor, a count): on stderr with --json."""
+        print(text, file=sys.stderr if self.as_json else self.stream)
+
+
+def _json_default(value: Any) -> Any:
+    if isinstance(value, datetime):
+        return value.isoformat()
+    if isinstance(value, bytes):
+        return {"base64": base64.b64encode(value).decode()}
+    raise TypeError(f"{type(value).__name__} is not JSON")
+
+
+def _cell(value: Any) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, datetime):
+        return value.isoformat(timespec="milliseconds")
+    if isinstance(value, str):
+        return value
+    text = json.dumps(value, default=_json_default, separators=(",", ":"))
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _table(rows: list[dict[str, Any]]) -> str:
+    if not rows:
+        return "(none)\n"
+    columns = list(rows[0])
+    cells = [[_cell(row.get(c)) for c in columns] for row in rows]
+    widths = [max(len(c), *(len(r[i]) for r in cells)) for i, c in enumerate(columns)]
+    lines = ["  ".join(c.upper().ljust(w) for c, w in zip(columns, widths, strict=True))]
+    lines += ["  ".join(v.ljust(w) for v, w in zip(r, widths, strict=True)) for r in cells]
+    return "\n".join(line.rstrip() for line in lines) + "\n"
+
+
+def _message(message: Message) -> dict[str, Any]:
+    return {
+        "id": message.id,
+        "tries": message.tries,
+        "mature": message.mature,
+        "headers": message.headers,
+        "payload": message.payload,
+    }
+
+
+def _view(found: MessageView) -> dict[str, Any]:
+    return {
+        "id": found.message.id,
+        "queue": found.queue,
+        "state": str(found.state),
+        "at": found.at,
+        "tries": found.message.tries,
+        "headers": found.message.headers,
+        "payload": found.message.payload,
+    }
+
+
+# helpers ------------------------------------------------------------------------------
+
+
+async def _open(factory: Factory, name: str) -> Queue:
+    """The queue, opened with the options recorded for it (so they stay as they are)."""
+    recorded = (await factory.list()).get(name, {})
+    options = {k: v for k, v in recorded.items() if k in QUEUE_OPTION_NAMES}
+    return await factory.queue(name, **options)
+
+
+def _time(text: str | None) -> float | None:
+    """``--since`` / ``--until``: ISO 8601 (UTC unless it says otherwise) or epoch seconds."""
+    if text is None:
+        return None
+    try:
+        return float(text)
+    except ValueError:
+        pass
+    try:
+        when = datetime.fromisoformat(text)
+    except ValueError:
+        raise InvalidInputError(f"not a time (ISO 8601 or epoch seconds): {text!r}") from None
+    return (when if when.tzinfo else when.replace(tzinfo=UTC)).timestamp()
+
+
+def _json_arg(text: str, what: str) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError as exc:
+        raise InvalidInputError(f"{what} is not JSON: {exc}") from None
+
+
+# commands -----------------------------------------------------------------------------
+
+
+async def _list(factory: Factory, args: argparse.Namespace, out: Output) -> int:
+    rows = []
+    for name in sorted(await factory.list()):
+        q = await _open(factory, name)
+        sizes = await q.sizes()
+        rows.append(
+            {
+                "queue": name,
+                "size": sizes.size,
+                "scheduled": sizes.scheduled,
+                "reserved": sizes.reserved,
+                "total": sizes.total,
+                "paused": await q.is_paused(),
+            }
+        )
+    out.emit(rows)
+    return EXIT_OK
+
+
+async def _info(factory: Factory, args: argparse.Namespace, out: Output) -> int:
+    q = await _open(factory, args.queue)
+    sizes = await q.sizes()
+    doc = {
+        "queue": q.name,
+        "backend": factory.backend_name,
+        "size": sizes.size,
+        "scheduled": sizes.scheduled,
+        "reserved": sizes.reserved,
+        "total": sizes.total,
+        "paused": await q.is_paused(),
+        "next_mature": await q.next_mature_t(),
+        "stats": await q.stats(),
+        "options": q.options.as_dict(),
+    }
+    out.emit(doc)
+    return EXIT_OK
+
+
+async def _peek(factory: Factory, args: argparse.Namespace, out: Output) -> int:
+    q = await _open(factory, args.queue)
+    page = await q.page(state=args.state, after=args.after, limit=args.n)
+    items = [_view(v) for v in page.items]
+    out.emit({"items": items, "cursor": page.cursor}, items)
+    if page.cursor is not None and not out.as_json:
+        out.note(f"more after --after {page.cursor}")
+    return EXIT_OK
+
+
+async def _find(factory: Factory, args: argparse.Namespace, out: Output) -> int:
+    q = await _open(factory, args.queue)
+    found = await q.find(args.id)
+    dead = args.deadletter
+    if found is None and dead != args.queue and dead in await factory.list():
+        found = await (await _open(factory, args.deadletter)).find(args.id)
+    if found is None:
+        out.emit(None, [])
+        print(f"aio-keuss find: {args.id!r} is not in {args.queue!r}", file=sys.stderr)
+        return EXIT_NOT_FOUND
+    out.emit(_view(found))
+    return EXIT_OK
+
+
+async def _push(factory: Factory, args: argparse.Namespace, out: Output) -> int:
+    if args.payload is not None:
+        payloads = [_json_arg(args.payload, "the payload")]
+    else:
+        lines = [line for line in sys.stdin.read().splitlines() if line.strip()]
+        payloads = [_json_arg(line, f"line {i}") for i, line in enumerate(lines, 1)]
+    headers = {}
+    for item in args.header:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise InvalidInputError(f"--header takes KEY=VALUE, not {item!r}")
+        headers[key] = option_value(value)
+    if args.id is not None and len(payloads) != 1:
+        raise InvalidInputError("--id goes with one payload")
+    q = await _open(factory, args.queue)
+    ids = await q.push_many(
+        payloads,
+        delay=args.delay,
+        headers=headers or None,
+        ids=None if args.id is None else [args.id],
+    )
+    out.emit({"ids": ids}, [{"id": i} for i in ids])
+    return EXIT_OK
+
+
+async def _pop(factory: Factory, args: argparse.Namespace, out: Output) -> int:
+    q = await _open(factory, args.queue)
+    got = await q.pop_many(args.n, timeout=args.timeout)
+    items = [_message(m) for m in got]
+    out.emit(items)
+    return EXIT_OK if got else EXIT_NOT_FOUND
+
+
+async def _move(factory: Factory, args: argparse.Namespace, out: Output) -> int:
+    q = await _open(factory, args.queue)
+    await _open(factory, args.to)
+    moved = await q.requeue(args.ids, origin=args.to)
+    return _moved(out, moved, args.ids)
+
+
+async def _requeue(factory: Factory, args: argparse.Namespace, out: Output) -> int:
+    q = await _open(factory, args.queue)
+    if args.origin is not None:
+        await _open(factory, args.origin)
+    moved = await q.requeue(args.ids or None, origin=args.origin)
+    return _moved(out, moved, args.ids)
+
+
+def _moved(out: Output, moved: Mapping[str, str], asked: Sequence[str]) -> int:
+    out.emit({"moved": dict(moved)}, [{"id": k, "now": v} for k, v in moved.items()])
+    missing = [i for i in asked if i not in moved]
+    if missing:
+        print(f"aio-keuss: not moved (gone or held): {', '.join(missing)}", file=sys.stderr)
+        return EXIT_NOT_FOUND
+    return EXIT_OK
+
+
+async def _purge(factory: Factory, args: argparse.Namespace, out: Output) -> int:
+    q = await _open(factory, args.queue)
+    if not args.yes:
+        total = (await q.sizes()).total
+        print(f"purge {total} message(s) of {q.name!r}? [y/N] ", end="", file=sys.stderr)
+        sys.stderr.flush()
+        answer = sys.stdin.readline().strip().lower()
+        if answer not in ("y", "yes"):
+            print("aio-keuss purge: not confirmed, nothing removed", file=sys.stderr)
+            return EXIT_DECLINED
+    removed = await q.purge()
+    out.emit({"queue": q.name, "removed": removed})
+    return EXIT_OK
+
+
+async def _pause(factory: Factory, args: argparse.Namespace, out: Output) -> int:
+    q = await _open(factory, args.queue)
+    if args.command == "pause":
+        await q.pause()
+    else:
+        await q.resume()
+    out.emit({"queue": q.name, "paused": await q.is_paused()})
+    return EXIT_OK
+
+
+async def _history(factory: Factory, args: argparse.Namespace, out: Output) -> int:
+    q = await _open(factory, args.queue)
+    page = await q.history(
+        since=_time(args.since), until=_time(args.until), limit=args.limit, after=args.after
+    )
+    items = [_view(v) for v in page.items]
+    out.emit({"items": items, "cursor": page.cursor}, items)
+    if page.cursor is not None and not out.as_json:
+        out.note(f"more after --after {page.cursor}")
+    return EXIT_OK
+
+
+async def _replay(factory: Factory, args: argparse.Namespace, out: Output) -> int:
+    q = await _open(factory, args.queue)
+    if args.to is not None:
+        await _open(factory, args.to)
+    ids = await q.replay(
+        args.ids or None, since=_time(args.since), until=_time(args.until), to=args.to
+    )
+    out.emit({"ids": ids}, [{"id": i} for i in ids])
+    return EXIT_OK
+
+
+async def _stats(factory: Factory, args: argparse.Namespace, out: Output) -> int:
+    rounds = 0
+    while True:
+        names = args.queues or sorted(await factory.list())
+        rows = []
+        for name in names:
+            q = await _open(factory, name)
+            sizes = await q.sizes()
+            rows.append(
+                {"queue": name, "size": sizes.size, "total": sizes.total, **await q.stats()}
+            )
+        if args.watch and not out.as_json:
+            out.stream.write(f"-- {datetime.now(UTC).isoformat(timespec='seconds')}\n")
+        out.emit(rows)
+        out.stream.flush()
+        rounds += 1
+        if args.watch is None or (args.count is not None and rounds >= args.count):
+            return EXIT_OK
+        await asyncio.sleep(args.watch)
+
+
+async def _pipelines(factory: Factory, args: argparse.Namespace, out: Output) -> int:
+    found = await factory.pipelines(sizes=True)
+    rows = []
+    for name, topology in found.items():
+        for queue, sizes in topology.get("sizes", {}).items():
+            rows.append(
+                {
+                    "pipeline": name,
+                    "queue": queue,
+                    "size": sizes.size,
+                    "scheduled": sizes.scheduled,
+                    "reserved": sizes.reserved,
+                    "total": sizes.total,
+                }
+            )
+        topology["sizes"] = {
+            q: {"size": s.size, "scheduled": s.scheduled, "reserved": s.reserved, "total": s.total}
+            for q, s in topology.get("sizes", {}).items()
+        }
+    out.emit(found, rows)
+    return EXIT_OK
+
+
+# the parser ---------------------------------------------------------------------------
+
+
+def _connection_flags() -> argparse.ArgumentParser:
+    common = argparse.ArgumentParser(add_help=False)
+    add = common.add_argument
+    add("--backend", help="backend name (default: memory)")
+    add("--url", help="the backend's URL")
+    add("--option", action="append", default=[], metavar="KEY=VALUE", help="a backend option")
+    add("--config", help="a TOML file of settings (top level or [worker])")
+    add("--json", action="store_true", help="print JSON for scripts instead of a table")
+    return common
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, not {value}")
+    return value
+
+
+def _seconds(text: str) -> float:
+    value = float(text)
+    if not 0 <= value < 1e9:
+        raise argparse.ArgumentTypeError(f"must be seconds >= 0, not {text}")
+    return value
+
+
+def add_commands(commands: Any) -> None:
+    """Add the admin commands to the console script's subcommands."""
+    common = [_connection_flags()]
+
+    def command(name: str, run: Command, help: str) -> argparse.ArgumentParser:
+        parser: argparse.ArgumentParser = commands.add_parser(
+            name, parents=common, help=help, description=help
+        )
+        parser.set_defaults(run=run)
+        return parser
+
+    command("list", _list, "queues of the backend with their sizes and paused flag")
+    command("info", _info, "sizes, stats, options, paused, next mature of a queue").add_argument(
+        "queue"
+    )
+    p = command("peek", _peek, "messages of a queue, without taking them")
+    p.add_argument("queue")
+    p.add_argument("-n", type=_positive, default=10, help="how many (default 10)")
+    p.add_argument("--state", default="ready", choices=["ready", "scheduled", "reserved", "all"])
+    p.add_argument("--after", help="the cursor a previous page printed")
+    p = command("find", _find, "where a message is (exit 4 if nowhere)")
+    p.add_argument("queue")
+    p.add_argument("id")
+    p.add_argument("--deadletter", default=DEADLETTER, help="deadletter queue to look in too")
+    p = command("push", _push, "push JSON payloads: one argument, or one per line on stdin")
+    p.add_argument("queue")
+    p.add_argument("payload", nargs="?", help="a JSON payload (default: read stdin)")
+    p.add_argument("--delay", type=_seconds, default=0.0)
+    p.add_argument("--header", action="append", default=[], metavar="KEY=VALUE")
+    p.add_argument("--id", help="the message id (deduplicated)")
+    p = command("pop", _pop, "take messages, at-most-once (exit 4 if none)")
+    p.add_argument("queue")
+    p.add_argument("-n", type=_positive, default=1)
+    p.add_argument("--timeout", type=_seconds, default=0.0)
+    p = command("move", _move, "move messages by id to another queue, tries reset")
+    p.add_argument("queue")
+    p.add_argument("to")
+    p.add_argument("ids", nargs="+")
+    p = command("requeue", _requeue, "move deadlettered messages back where they failed")
+    p.add_argument("queue", nargs="?", default=DEADLETTER)
+    p.add_argument("ids", nargs="*")
+    p.add_argument("--origin", help="every message that failed in this queue (or: send there)")
+    p = command("purge", _purge, "remove every message not under an active reservation")
+    p.add_argument("queue")
+    p.add_argument("--yes", action="store_true", help="do not ask for confirmation")
+    command("pause", _pause, "stop deliveries of a queue in every process").add_argument("queue")
+    command("resume", _pause, "resume deliveries of a queue").add_argument("queue")
+    p = command("history", _history, "consumed messages kept by a history backend")
+    p.add_argument("queue")
+    p.add_argument("--since", help="ISO 8601 time or epoch seconds")
+    p.add_argument("--until", help="ISO 8601 time or epoch seconds")
+    p.add_argument("--limit", type=_positive, default=100)
+    p.add_argument("--after", help="the cursor a previous page printed")
+    p = command("replay", _replay, "push copies of processed messages again")
+    p.add_argument("queue")
+    p.add_argument("ids", nargs="*")
+    p.add_argument("--since")
+    p.add_argument("--until")
+    p.add_argument("--to", help="the queue to push them into (default: the same)")
+    p = command("stats", _stats, "counters and sizes of queues")
+    p.add_argument("queues", nargs="*")
+    p.add_argument("--watch", type=_seconds, help="print again every so many seconds")
+    p.add_argument("--count", type=_positive, help="with --watch: stop after so many prints")
+    command("pipelines", _pipelines, "stored pipelines: topology and queue sizes")
+
+
+def run(args: argparse.Namespace, environ: Mapping[str, str] = os.environ) -> int:
+    """Run an admin command; returns its exit code."""
+    name = f"aio-keuss {args.command}"
+    out = Output(args.json, sys.stdout)
+    try:
+        backend, options = connection_settings(
+            {"config": args.config, "backend": args.backend, "url": args.url},
+            args.option,
+            environ,
+        )
+    except ConfigError as exc:
+        print(f"{name}: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+
+    async def main() -> int:
+        async with connect(backend, **options) as factory:
+            code: int = await args.run(factory, args, out)
+            return code
+
+    try:
+        return asyncio.run(main())
+    except KeussConnectionError as exc:
+        print(f"{name}: cannot reach the backend: {exc}", file=sys.stderr)
+        return EXIT_UNREACHABLE
+    except (ConfigError, InvalidInputError) as exc:
+        print(f"{name}: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except NotSupportedError as exc:
+        print(f"{name}: not supported: {exc}", file=sys.stderr)
+        return EXIT_NOT_SUPPORTED
+    except KeussError as exc:
+        print(f"{name}: failed: {exc!r}", file=sys.stderr)
+        return EXIT_FAILED
+    except KeyboardInterrupt:
+        return EXIT_OK
