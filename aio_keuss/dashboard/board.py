@@ -20,7 +20,6 @@ import itertools
 import logging
 import time
 from collections import deque
-from collections.abc import Sequence
 from typing import Any
 
 import orjson
@@ -174,14 +173,17 @@ class Board:
         queue = await self.queue(name)
         await self._listed()  # origins open with their recorded options, not the defaults
         if ids is None:
-            page = await queue.page(state="ready", limit=REQUEUE_MAX)
-            chosen: Sequence[str] = [found.message.id for found in page.items]
+            chosen: list[str] = []
+            async for found in queue.browse(state="ready", page_size=REQUEUE_MAX):
+                chosen.append(found.message.id)
+                if len(chosen) == REQUEUE_MAX:
+                    break
         elif (
             isinstance(ids, list)
             and len(ids) <= REQUEUE_MAX
             and all(isinstance(i, str) for i in ids)
         ):
-            chosen = ids
+            chosen = list(ids)
         else:
             raise InvalidInputError(f"ids must be a list of at most {REQUEUE_MAX} strings")
         if not chosen:
@@ -202,8 +204,8 @@ class Board:
         while True:
             try:
                 await self.sample()
-            except KeussError as exc:  # the backend is away: the next sample tries again
-                log.warning("dashboard: sampling failed: %s", exc)
+            except Exception as exc:  # the backend is away: the next sample tries again
+                log.warning("dashboard: sampling failed: %r", exc)
             await asyncio.sleep(self.sample_every)
 
     def rates(self) -> dict[str, list[list[float]]]:

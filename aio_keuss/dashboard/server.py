@@ -162,7 +162,9 @@ class Dashboard:
         assert self.token is not None
         if not security.same_secret(self.token, given):
             return _refused(401, "wrong token")
-        response = web.Response(status=303, headers={"Location": request.path})
+        # always to the page itself: a path from the request ("//elsewhere") could send the
+        # browser to another site
+        response = web.Response(status=303, headers={"Location": "/"})
         response.set_cookie(self.cookie, self.token, httponly=True, samesite="Strict", path="/")
         return response
 

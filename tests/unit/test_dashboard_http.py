@@ -191,6 +191,33 @@ async def test_bad_requests_get_typed_answers(factory: aio_keuss.Factory, client
         await dashboard.stop()
 
 
+async def test_requeue_without_ids_takes_every_deadlettered_message_back(
+    factory: aio_keuss.Factory, client: Any
+) -> None:
+    jobs = await factory.queue("jobs")
+    await jobs.pop()
+    for n in range(3):
+        await jobs.push({"n": n})
+        message = await jobs.reserve()
+        assert message is not None
+        await jobs.ko(message)
+    dead = await factory.queue("__deadletter__")
+    assert await dead.total_size() == 3
+    dashboard = await _started(factory)
+    try:
+        async with client.post(
+            dashboard.url + "api/requeue",
+            data=b'{"queue": "__deadletter__", "ids": null}',
+            headers=_post_headers(dashboard),
+        ) as response:
+            assert response.status == 200
+            assert len((await response.json())["result"]) == 3
+        assert await dead.total_size() == 0
+        assert await jobs.total_size() == 3
+    finally:
+        await dashboard.stop()
+
+
 # with a token --------------------------------------------------------------------------
 
 

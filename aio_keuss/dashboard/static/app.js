@@ -436,5 +436,10 @@
     act(event.currentTarget, () => api("/api/requeue", { queue: state.deadletter, ids: null })));
 
   refresh();
-  setInterval(refresh, POLL_MS);
+  setInterval(() => {
+    if (!document.hidden) refresh(); // a background tab costs the backend nothing
+  }, POLL_MS);
+  document.addEventListener("visibilitychange", () => {
+    if (!document.hidden) refresh();
+  });
 })();
