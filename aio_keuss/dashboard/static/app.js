@@ -12,6 +12,7 @@
   let state = null;
   let peekQueue = null;
   let busy = false;
+  let refreshes = 0;
 
   function el(tag, attrs, text) {
     const node = document.createElement(tag);
@@ -420,6 +421,8 @@
       await drawDeadletter();
       await drawPeek();
       status(`updated ${new Date().toLocaleTimeString()}`, false);
+      // how many refreshes completed: lets a test wait for one that began after a change
+      document.body.setAttribute("data-refreshes", String(++refreshes));
     } catch (error) {
       status(`cannot update: ${error.message}`, true);
     } finally {
