@@ -7,6 +7,7 @@ sets every header itself (a browser would not let a test forge Origin or Sec-Fet
 
 from __future__ import annotations
 
+import sys
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -81,6 +82,14 @@ def test_the_command_refuses_a_public_address_without_a_token(
     monkeypatch.delenv(security.TOKEN_ENV, raising=False)
     assert cli_main(["dashboard", "--host", "0.0.0.0"]) == 2
     assert "--token" in capsys.readouterr().err
+
+
+def test_the_command_names_the_extra_when_aiohttp_is_missing(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setitem(sys.modules, "aiohttp", None)  # what an absent package looks like
+    assert cli_main(["dashboard", "--port", "0"]) == 2
+    assert "aio-keuss[dashboard]" in capsys.readouterr().err
 
 
 # without a token (loopback) -------------------------------------------------------------
