@@ -131,6 +131,12 @@ CASES: list[BackendCase] = [
     ),
     BackendCase("redis-reliable", _redis, _drop_redis_prefix),
     BackendCase("postgres", _postgres, _drop_postgres_schema),
+    BackendCase(  # consumed messages kept: history and replay
+        "postgres",
+        lambda t: {**_postgres(t), "history": True},
+        _drop_postgres_schema,
+        label="postgres-history",
+    ),
     BackendCase("bucket-redis", lambda t: {**_redis(t), **_BUCKET_FAST}, _drop_redis_prefix),
     BackendCase(
         "bucket-postgres", lambda t: {**_postgres(t), **_BUCKET_FAST}, _drop_postgres_schema

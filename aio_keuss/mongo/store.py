@@ -190,7 +190,8 @@ async def _walk(
     page). Equal values come back from that index in no particular order, so a group of
     ties is read on its own, sorted by _id: the rest of the cursor's group first, then the
     group at the edge of a full page, whole (small: the messages of one insert batch are
-    a microsecond apart; a condition on _id made some servers scan that index). ``where`` puts operators (a dict) on ``field``, or nothing; filters stay flat, without
+    a microsecond apart; a condition on _id made some servers scan that index).
+    ``where`` puts operators (a dict) on ``field``, or nothing; filters stay flat, without
     ``$and``, which some servers speaking the protocol answer by a full scan."""
     hint = [(field, ASCENDING)]
     others = {k: v for k, v in where.items() if k != field}

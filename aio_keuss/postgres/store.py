@@ -25,13 +25,16 @@ skewed clocks agree on what is mature, and a reservation deadline is the server'
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import orjson
 
+from ..coalesce import stop_task
 from ..contract import (
     Ack,
     Cursor,
@@ -45,6 +48,7 @@ from ..contract import (
     Store,
     Stored,
 )
+from ..errors import ConfigError, KeussError
 from ..options import check_bool
 from ..types import Capabilities, KoResult, Sizes
 from .backend import PostgresBackend
@@ -54,6 +58,11 @@ from .sql import queries
 if TYPE_CHECKING:
     from ..options import QueueOptions
 
+
+log = logging.getLogger("aio_keuss.postgres")
+
+HISTORY_EXPIRY_BATCH = 10_000
+"""History records one expiry statement deletes at most."""
 
 _RELAX = "AND (SELECT set_config('synchronous_commit', 'off', true)) IS NOT NULL"
 """With durable_acks=False, reserve / commit / rollback / move carry this condition: an
@@ -88,6 +97,11 @@ def _peeked(row: Any) -> Peeked:
     mature, now = row[4], row[7]
     state = "ready" if mature <= now else "reserved" if row[6] else "scheduled"
     return Peeked(Stored(row[0], row[1], row[2], row[3], mature), state, mature)
+
+
+def _processed(row: Any) -> Peeked:
+    """A history row: id, payload, headers, tries, processed, seq."""
+    return Peeked(Stored(row[0], row[1], row[2], row[3], row[4]), "processed", row[4])
 
 
 class PostgresStore(Store):
@@ -207,6 +221,10 @@ class PostgresStore(Store):
             return []
         rows = await self._db.fetch(self._sql["locate"], self.name, list(ids))
         found = {r[0]: _peeked(r) for r in rows}
+        missing = [i for i in ids if i not in found]
+        if missing and self._db.keeps_history:
+            kept = await self._db.fetch(self._sql["locate_history"], self.name, missing)
+            found.update((r[0], _processed(r)) for r in kept)
         return [found.get(i) for i in ids]
 
     async def hold(self, ids: Sequence[str], reserve_delay: float) -> list[int | None]:
@@ -215,6 +233,19 @@ class PostgresStore(Store):
         rows = await self._db.fetch(self._sql["hold"], self.name, list(ids), reserve_delay)
         held: dict[str, int] = {r[0]: r[1] for r in rows}
         return [held.pop(i, None) for i in ids]
+
+    async def history(
+        self, since: float, until: float, after: Cursor | None, limit: int
+    ) -> PeekPage:
+        if not self._db.keeps_history:
+            return await super().history(since, until, after, limit)
+        processed, seq = (-math.inf, -1) if after is None else (after[0], int(after[1]))
+        rows = await self._db.fetch(
+            self._sql["history"], self.name, since, until, processed, seq, limit
+        )
+        found = [_processed(r) for r in rows]
+        last = rows[-1] if len(rows) == limit else None
+        return PeekPage(found, None if last is None else (last[4], str(last[5])))
 
     async def sizes(self) -> Sizes:
         row = await self._db.fetchrow(self._sql["sizes"], self.name)
@@ -229,14 +260,22 @@ class PostgresStore(Store):
 @dataclass(frozen=True)
 class PostgresOptions(PostgresConnectionOptions):
     """The ``postgres`` backend's options: those of every PostgreSQL backend (url, pool,
-    schema, pool sizes) and ``durable_acks`` (default True; False trades crash-durability of
-    reserve / ok / ko / move for about twice their speed, see ``_RELAX``)."""
+    schema, pool sizes), ``durable_acks`` (default True; False trades crash-durability of
+    reserve / ok / ko / move for about twice their speed, see ``_RELAX``), ``history``
+    (default False; True keeps consumed messages in the schema, ``history_ttl`` seconds,
+    default 7 days)."""
 
     durable_acks: bool = True
+    history: bool = False
+    history_ttl: float = 7 * 86400.0
 
     def __post_init__(self) -> None:
         super().__post_init__()
         check_bool(self.durable_acks, "durable_acks")
+        check_bool(self.history, "history")
+        ttl = self.history_ttl
+        if isinstance(ttl, bool) or not isinstance(ttl, int | float) or not 0 < ttl < 2**31:
+            raise ConfigError(f"history_ttl must be a positive number of seconds, not {ttl!r}")
 
 
 class PostgresQueueBackend(PostgresBackend):
@@ -252,6 +291,40 @@ class PostgresQueueBackend(PostgresBackend):
         assert isinstance(self.config, PostgresOptions)
         if not self.config.durable_acks:
             self.sql = queries(self.quoted_schema, _RELAX)
+        self.keeps_history = self.config.history
+        self.history_ttl = float(self.config.history_ttl)
+        self._expiry: asyncio.Task[None] | None = None
+        if self.keeps_history:
+            self.capabilities = replace(self.capabilities, history=True)
+
+    async def open(self) -> None:
+        """With ``history``: install the schema's trigger, and expire old records every
+        tenth of the TTL (between 1 s and a minute), ``HISTORY_EXPIRY_BATCH`` at a time so
+        no statement holds locks for long."""
+        await super().open()
+        if self.keeps_history:
+            await self.execute(self.sql["history_on"])
+            self._expiry = asyncio.create_task(self._expire(), name="keuss-history-expiry")
+
+    async def _expire(self) -> None:
+        period = min(60.0, max(1.0, self.history_ttl / 10))
+        while True:
+            try:
+                done = await self.execute(
+                    self.sql["expire_history"], self.history_ttl, HISTORY_EXPIRY_BATCH
+                )
+                if done.endswith(f" {HISTORY_EXPIRY_BATCH}"):
+                    await asyncio.sleep(0)  # more to delete: go on at once
+                    continue
+            except KeussError as exc:  # the server is away: try again next period
+                log.warning("postgres history expiry failed (%r); retrying", exc)
+            await asyncio.sleep(period)
+
+    async def close(self) -> None:
+        if self._expiry is not None:
+            await stop_task(self._expiry)
+            self._expiry = None
+        await super().close()
 
     async def store(self, queue: str, options: QueueOptions) -> Store:
         return PostgresStore(queue, options, self)

@@ -146,6 +146,13 @@ async def _open(factory: Factory, name: str) -> Queue:
     return await factory.queue(name, **options)
 
 
+def _require(factory: Factory, *capabilities: str) -> None:
+    """Refuse before a queue is opened (opening one records it in the backend)."""
+    for name in capabilities:
+        if not getattr(factory.capabilities, name):
+            raise NotSupportedError(f"backend {factory.backend_name!r} has no {name}")
+
+
 def _time(text: str | None) -> float | None:
     """``--since`` / ``--until``: ISO 8601 (UTC unless it says otherwise) or epoch seconds."""
     if text is None:
@@ -210,6 +217,7 @@ async def _info(factory: Factory, args: argparse.Namespace, out: Output) -> int:
 
 
 async def _peek(factory: Factory, args: argparse.Namespace, out: Output) -> int:
+    _require(factory, "peek")
     q = await _open(factory, args.queue)
     page = await q.page(state=args.state, after=args.after, limit=args.n)
     items = [_view(v) for v in page.items]
@@ -220,6 +228,7 @@ async def _peek(factory: Factory, args: argparse.Namespace, out: Output) -> int:
 
 
 async def _find(factory: Factory, args: argparse.Namespace, out: Output) -> int:
+    _require(factory, "peek")
     q = await _open(factory, args.queue)
     found = await q.find(args.id)
     dead = args.deadletter
@@ -267,6 +276,7 @@ async def _pop(factory: Factory, args: argparse.Namespace, out: Output) -> int:
 
 
 async def _move(factory: Factory, args: argparse.Namespace, out: Output) -> int:
+    _require(factory, "peek", "hold", "move")
     q = await _open(factory, args.queue)
     await _open(factory, args.to)
     moved = await q.requeue(args.ids, origin=args.to)
@@ -274,6 +284,7 @@ async def _move(factory: Factory, args: argparse.Namespace, out: Output) -> int:
 
 
 async def _requeue(factory: Factory, args: argparse.Namespace, out: Output) -> int:
+    _require(factory, "peek", "hold", "move")
     q = await _open(factory, args.queue)
     if args.origin is not None:
         await _open(factory, args.origin)
@@ -291,6 +302,7 @@ def _moved(out: Output, moved: Mapping[str, str], asked: Sequence[str]) -> int:
 
 
 async def _purge(factory: Factory, args: argparse.Namespace, out: Output) -> int:
+    _require(factory, "peek", "remove")
     q = await _open(factory, args.queue)
     if not args.yes:
         total = (await q.sizes()).total
@@ -316,6 +328,7 @@ async def _pause(factory: Factory, args: argparse.Namespace, out: Output) -> int
 
 
 async def _history(factory: Factory, args: argparse.Namespace, out: Output) -> int:
+    _require(factory, "history")
     q = await _open(factory, args.queue)
     page = await q.history(
         since=_time(args.since), until=_time(args.until), limit=args.limit, after=args.after
@@ -328,6 +341,7 @@ async def _history(factory: Factory, args: argparse.Namespace, out: Output) -> i
 
 
 async def _replay(factory: Factory, args: argparse.Namespace, out: Output) -> int:
+    _require(factory, "history")
     q = await _open(factory, args.queue)
     if args.to is not None:
         await _open(factory, args.to)
@@ -449,7 +463,7 @@ def add_commands(commands: Any) -> None:
     p.add_argument("to")
     p.add_argument("ids", nargs="+")
     p = command("requeue", _requeue, "move deadlettered messages back where they failed")
-    p.add_argument("queue", nargs="?", default=DEADLETTER)
+    p.add_argument("queue", help="the deadletter queue (usually __deadletter__)")
     p.add_argument("ids", nargs="*")
     p.add_argument("--origin", help="every message that failed in this queue (or: send there)")
     p = command("purge", _purge, "remove every message not under an active reservation")

@@ -262,6 +262,45 @@ WHERE queue = $1 AND id = ANY($2::text[])
   AND NOT (reserved AND mature > extract(epoch from now())::float8)
 RETURNING id, tries
 
+-- History (history=True): see migrations/006_history.sql.
+
+-- name: history_on
+-- Install the trigger that keeps what is deleted from messages; once per schema (a trigger
+-- made concurrently by another client is fine).
+DO $$ BEGIN
+    IF NOT EXISTS (SELECT 1 FROM pg_trigger
+                   WHERE tgname = 'keep_history' AND tgrelid = '{s}.messages'::regclass) THEN
+        CREATE TRIGGER keep_history AFTER DELETE ON {s}.messages
+        REFERENCING OLD TABLE AS gone
+        FOR EACH STATEMENT EXECUTE FUNCTION {s}.keep_history();
+    END IF;
+EXCEPTION WHEN duplicate_object THEN NULL;
+END $$
+
+-- name: history
+-- Processed in [$2, $3), past the cursor ($4 processed, $5 seq), at most $6.
+SELECT id, payload, headers, tries, processed, seq
+FROM {s}.history
+WHERE queue = $1 AND processed >= $2::float8 AND processed < $3::float8
+  AND (processed, seq) > ($4::float8, $5::int8)
+ORDER BY processed, seq
+LIMIT $6
+
+-- name: locate_history
+-- The latest record of each id.
+SELECT DISTINCT ON (id) id, payload, headers, tries, processed, seq
+FROM {s}.history
+WHERE queue = $1 AND id = ANY($2::text[])
+ORDER BY id, processed DESC, seq DESC
+
+-- name: expire_history
+-- Delete up to $2 records older than $1 seconds; run again while it deletes $2.
+DELETE FROM {s}.history
+WHERE ctid = ANY(ARRAY(
+    SELECT ctid FROM {s}.history
+    WHERE processed < extract(epoch from now())::float8 - $1::float8
+    LIMIT $2))
+
 -- The stats store ----------------------------------------------------------------------
 -- Counters are buffered in the client and written as one upsert per flush, whatever the
 -- number of queues and counters in it.

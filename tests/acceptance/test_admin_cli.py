@@ -1,0 +1,229 @@
+"""The admin commands of ``aio-keuss``, run as subprocesses against real servers: their
+tables for people, their JSON for scripts, and their exit codes."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+from backends import (
+    POSTGRES_URL,
+    REDIS_URL,
+    _drop_mongo_database,
+    _drop_postgres_schema,
+    _drop_redis_prefix,
+    new_token,
+)
+from mongo_server import MONGO_URL, start_mongo
+from own_servers import free_port
+
+import aio_keuss
+
+pytestmark = pytest.mark.timeout(180)
+
+
+@dataclass
+class Cli:
+    """The command line of one test's backend, and the same backend for the library."""
+
+    backend: str
+    options: dict[str, Any]
+
+    def flags(self) -> list[str]:
+        found = ["--backend", self.backend]
+        for key, value in self.options.items():
+            if key == "url":
+                found += ["--url", value]
+            else:
+                found += ["--option", f"{key}={value}"]
+        return found
+
+    async def run(self, *args: str, stdin: str = "") -> subprocess.CompletedProcess[str]:
+        command = [sys.executable, "-m", "aio_keuss", *args, *self.flags()]
+        return await asyncio.to_thread(
+            subprocess.run,
+            command,
+            input=stdin,
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env={**os.environ},
+        )
+
+    async def json(self, *args: str, stdin: str = "") -> Any:
+        done = await self.run(*args, "--json", stdin=stdin)
+        assert done.returncode == 0, done.stderr
+        return json.loads(done.stdout)
+
+    def connect(self, **extra: Any) -> Any:
+        return aio_keuss.connect(self.backend, **{**self.options, **extra})
+
+
+@pytest.fixture
+async def redis_cli() -> AsyncIterator[Cli]:
+    options = {"url": REDIS_URL, "prefix": f"akt-{new_token()}"}
+    yield Cli("redis-oq", options)
+    await _drop_redis_prefix(options)
+
+
+@pytest.fixture
+async def postgres_cli() -> AsyncIterator[Cli]:
+    options = {"url": POSTGRES_URL, "schema": f"akt_{new_token()}"}
+    yield Cli("postgres", options)
+    await _drop_postgres_schema(options)
+
+
+@pytest.fixture
+async def history_cli() -> AsyncIterator[Cli]:
+    reason = start_mongo()
+    if reason:
+        pytest.skip(reason)
+    options = {"url": MONGO_URL, "database": f"akt_{new_token()}"}
+    yield Cli("mongo-history", options)
+    await _drop_mongo_database(options)
+
+
+async def test_push_peek_find_info_list_as_tables_and_json(redis_cli: Cli) -> None:
+    cli = redis_cli
+    one = await cli.json("push", "jobs", '{"n": 1}', "--header", "origin=cli")
+    many = await cli.json("push", "jobs", stdin='{"n": 2}\n\n[3, 4]\n"five"\n')
+    ids = one["ids"] + many["ids"]
+    assert len(ids) == 4
+
+    peeked = await cli.json("peek", "jobs", "-n", "3")
+    assert [item["id"] for item in peeked["items"]] == ids[:3]
+    assert peeked["items"][0]["payload"] == {"n": 1}
+    assert peeked["items"][0]["headers"] == {"origin": "cli"}
+    assert peeked["items"][0]["state"] == "ready" and peeked["cursor"] is not None
+    rest = await cli.json("peek", "jobs", "--after", peeked["cursor"], "-n", "10")
+    assert [item["id"] for item in rest["items"]] == ids[3:] and rest["cursor"] is None
+
+    table = await cli.run("peek", "jobs", "--state", "all", "-n", "10")
+    assert table.returncode == 0
+    header, *lines = table.stdout.splitlines()
+    assert header.split() == ["ID", "QUEUE", "STATE", "AT", "TRIES", "HEADERS", "PAYLOAD"]
+    assert [line.split()[0] for line in lines] == ids
+
+    found = await cli.json("find", "jobs", ids[1])
+    assert (found["id"], found["state"], found["payload"]) == (ids[1], "ready", {"n": 2})
+    missing = await cli.run("find", "jobs", "nowhere", "--json")
+    assert missing.returncode == 4 and json.loads(missing.stdout) is None
+
+    info = await cli.json("info", "jobs")
+    assert (info["queue"], info["size"], info["total"], info["paused"]) == ("jobs", 4, 4, False)
+    assert info["stats"]["put"] == 4 and info["options"]["max_batch"] > 0
+    assert info["next_mature"] is not None
+    listed = await cli.json("list")
+    assert [(r["queue"], r["total"]) for r in listed] == [("jobs", 4)]
+    table = await cli.run("list")
+    assert table.stdout.split()[:6] == ["QUEUE", "SIZE", "SCHEDULED", "RESERVED", "TOTAL", "PAUSED"]
+    assert table.stdout.splitlines()[1].split() == ["jobs", "4", "0", "0", "4", "false"]
+
+
+async def test_purge_asks_first_and_pop_takes(redis_cli: Cli) -> None:
+    cli = redis_cli
+    await cli.json("push", "jobs", stdin="1\n2\n3\n")
+    declined = await cli.run("purge", "jobs", stdin="n\n")
+    assert declined.returncode == 6 and "not confirmed" in declined.stderr
+    popped = await cli.json("pop", "jobs")
+    assert [m["payload"] for m in popped] == [1]
+    confirmed = await cli.run("purge", "jobs", "--json", stdin="y\n")
+    assert confirmed.returncode == 0, confirmed.stderr
+    assert json.loads(confirmed.stdout) == {"queue": "jobs", "removed": 2}
+    empty = await cli.run("pop", "jobs", "--json")
+    assert empty.returncode == 4 and json.loads(empty.stdout) == []
+    assert (await cli.json("purge", "jobs", "--yes"))["removed"] == 0
+
+
+async def test_pause_resume_and_stats_watch(redis_cli: Cli) -> None:
+    cli = redis_cli
+    await cli.json("push", "jobs", "1")
+    assert (await cli.json("pause", "jobs"))["paused"] is True
+    assert (await cli.json("info", "jobs"))["paused"] is True
+    assert (await cli.json("resume", "jobs"))["paused"] is False
+    watched = await cli.run("stats", "--watch", "0.05", "--count", "2")
+    assert watched.returncode == 0
+    assert watched.stdout.count("-- ") == 2 and watched.stdout.count("QUEUE") == 2
+    rows = await cli.json("stats", "jobs")
+    assert rows[0]["queue"] == "jobs" and rows[0]["put"] == 1 and rows[0]["size"] == 1
+
+
+async def test_requeue_and_move_on_postgres(postgres_cli: Cli) -> None:
+    cli = postgres_cli
+    async with cli.connect(deadletter={"max_ko": 0}) as factory:
+        q = await factory.queue("jobs")
+        ids = await q.push_many([1, 2, 3])
+        for _ in ids:
+            held = await q.reserve(timeout=5)
+            assert held is not None
+            await q.ko(held)
+    dead = await cli.json("peek", "__deadletter__", "-n", "10")
+    assert sorted(i["id"] for i in dead["items"]) == sorted(ids)
+    assert dead["items"][0]["headers"]["x-dl-from-queue"] == "jobs"
+
+    one = await cli.json("requeue", "__deadletter__", ids[0])
+    assert one == {"moved": {ids[0]: ids[0]}}
+    moved = await cli.json("move", "__deadletter__", "elsewhere", ids[1])
+    assert moved == {"moved": {ids[1]: ids[1]}}
+    gone = await cli.run("move", "__deadletter__", "elsewhere", ids[1], "--json")
+    assert gone.returncode == 4 and json.loads(gone.stdout) == {"moved": {}}
+    rest = await cli.json("requeue", "__deadletter__", "--origin", "jobs")
+    assert rest == {"moved": {ids[2]: ids[2]}}
+    listed = {r["queue"]: r["total"] for r in await cli.json("list")}
+    assert listed == {"__deadletter__": 0, "jobs": 2, "elsewhere": 1}
+    found = await cli.json("find", "jobs", ids[0])
+    assert found["tries"] == 0 and found["state"] == "ready"
+
+
+async def test_history_and_replay_on_mongo_history(history_cli: Cli) -> None:
+    cli = history_cli
+    pushed = (await cli.json("push", "done", stdin="1\n2\n"))["ids"]
+    assert len(await cli.json("pop", "done", "-n", "2")) == 2
+    kept = await cli.json("history", "done", "--since", "2020-01-01T00:00:00")
+    assert sorted(i["id"] for i in kept["items"]) == sorted(pushed)
+    assert all(i["state"] == "processed" for i in kept["items"])
+    table = await cli.run("history", "done")
+    assert table.returncode == 0 and "processed" in table.stdout
+    copies = (await cli.json("replay", "done", pushed[0], "--to", "again"))["ids"]
+    assert len(copies) == 1
+    again = await cli.json("pop", "again")
+    assert again[0]["headers"]["x-replay-of"] == pushed[0]
+    found = await cli.json("find", "done", pushed[1])
+    assert found["state"] == "processed"
+
+
+async def test_pipelines_show_topology_and_sizes(redis_cli: Cli) -> None:
+    cli = redis_cli
+    async with cli.connect() as factory:
+        await (await factory.queue("in")).push(1)
+        topology = {"name": "etl", "stations": [], "queues": ["in", "out"]}
+        await factory.stats_store.save_pipeline("etl", topology)
+    shown = await cli.json("pipelines")
+    assert shown["etl"]["queues"] == ["in", "out"]
+    assert shown["etl"]["sizes"]["in"]["total"] == 1
+    table = await cli.run("pipelines")
+    assert [line.split()[:2] for line in table.stdout.splitlines()[1:]] == [
+        ["etl", "in"],
+        ["etl", "out"],
+    ]
+
+
+async def test_exit_codes_scripts_can_trust(redis_cli: Cli) -> None:
+    cli = redis_cli
+    bad_json = await cli.run("push", "jobs", "{nope")
+    assert bad_json.returncode == 2 and "not JSON" in bad_json.stderr
+    bad_flag = await cli.run("peek", "jobs", "-n", "0")
+    assert bad_flag.returncode == 2
+    unsupported = await cli.run("history", "jobs")
+    assert unsupported.returncode == 5 and "has no history" in unsupported.stderr
+    assert (await cli.json("list")) == []  # nothing was written by the failures
+    away = Cli("redis-oq", {"url": f"redis://127.0.0.1:{free_port()}/0", "prefix": "x"})
+    unreachable = await away.run("list")
+    assert unreachable.returncode == 3, unreachable.stderr

@@ -1,0 +1,86 @@
+"""postgres with ``history=True``: consumed messages are kept, then expired after
+``history_ttl`` by the clients' periodic, bounded delete."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+
+import asyncpg
+import pytest
+from backends import POSTGRES_URL, _drop_postgres_schema, new_token
+
+import aio_keuss
+from aio_keuss import State
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.fixture
+async def schema() -> AsyncIterator[str]:
+    name = f"akt_{new_token()}"
+    yield name
+    await _drop_postgres_schema({"url": POSTGRES_URL, "schema": name})
+
+
+async def _history_rows(schema: str) -> list[str]:
+    connection = await asyncpg.connect(POSTGRES_URL)
+    try:
+        rows = await connection.fetch(f'SELECT id FROM "{schema}".history ORDER BY id')
+    finally:
+        await connection.close()
+    return [r[0] for r in rows]
+
+
+async def test_without_the_option_nothing_is_kept(schema: str) -> None:
+    async with aio_keuss.connect("postgres", url=POSTGRES_URL, schema=schema) as factory:
+        assert not factory.capabilities.history
+        q = await factory.queue("q")
+        await q.push(1)
+        assert await q.pop(timeout=5) is not None
+        with pytest.raises(aio_keuss.NotSupportedError):
+            await q.history()
+    assert await _history_rows(schema) == []
+
+
+async def test_pop_ok_and_remove_are_kept_and_a_move_is_not(schema: str) -> None:
+    options = {"url": POSTGRES_URL, "schema": schema, "history": True}
+    async with aio_keuss.connect("postgres", **options) as factory:
+        q = await factory.queue("q")
+        popped, acked, removed, moved = await q.push_many(["p", "a", "r", "m"])
+        got = await q.pop(timeout=5)
+        assert got is not None and got.id == popped
+        held = await q.reserve(timeout=5)
+        assert held is not None and held.id == acked and await q.ok(held)
+        assert await q.remove(removed)
+        held = await q.reserve(timeout=5)
+        assert held is not None and await q.move(held, "other") == moved
+        page = await q.history()
+        assert [v.message.id for v in page.items] == [popped, acked, removed]
+        assert {v.state for v in page.items} == {State.PROCESSED}
+    assert await _history_rows(schema) == sorted([popped, acked, removed])
+
+
+async def test_old_records_expire_in_bounded_batches(schema: str) -> None:
+    options = {"url": POSTGRES_URL, "schema": schema, "history": True}
+    async with aio_keuss.connect("postgres", **options) as factory:  # makes the schema
+        q = await factory.queue("q")
+        await q.push("recent")
+        assert await q.pop(timeout=5) is not None
+    connection = await asyncpg.connect(POSTGRES_URL)
+    try:  # 25,000 records from long ago: more than one expiry batch
+        await connection.execute(
+            f'INSERT INTO "{schema}".history (queue, id, processed, tries, payload, headers) '
+            "SELECT 'q', 'old' || g, $1, 0, 'J1'::bytea, '{}'::bytea "
+            "FROM generate_series(1, 25000) g",
+            time.time() - 86400,
+        )
+    finally:
+        await connection.close()
+    async with aio_keuss.connect("postgres", **options, history_ttl=3600):
+        for _ in range(600):  # the expiry runs at open, then every few minutes at most
+            if len(await _history_rows(schema)) == 1:
+                break
+            await asyncio.sleep(0.1)
+    assert len(await _history_rows(schema)) == 1
