@@ -80,6 +80,15 @@ async def _page(browser: Any) -> Any:
     return await context.new_page()
 
 
+def check_order(message: aio_keuss.Message) -> str:
+    """A pipeline station's handler (the graphs name handlers; none runs here)."""
+    return "shipped"
+
+
+def notify(message: aio_keuss.Message) -> None:
+    """Another station's handler."""
+
+
 async def _refreshes(page: Any) -> int:
     return int(await page.locator("body").get_attribute("data-refreshes") or 0)
 
@@ -177,8 +186,9 @@ async def test_dashboard_on_memory(browser: Any, tmp_path: Path) -> None:
         await jobs.push({"job": 1})
         await shipped.push({"order": 0}, delay=3600)
         pipeline = factory.pipeline("orders-flow")
-        pipeline.choice("orders", ["shipped", "rejected"], lambda m: "shipped")
-        pipeline.sink("shipped", lambda m: None)
+        pipeline.choice("orders", ["shipped", "rejected"], check_order)
+        pipeline.sink("shipped", notify)
+        pipeline.link("rejected", "orders", notify, name="retry")  # a cycle
         await pipeline.save()
 
         async with Dashboard(factory, port=0, sample_every=0.5) as dashboard:
@@ -299,6 +309,9 @@ async def test_dashboard_command(browser: Any, served_case: tuple[str, dict[str,
         orders = await factory.queue("orders")
         dead_id = await _ko_to_deadletter(orders, {"note": HOSTILE})
         await orders.push({"order": 1})
+        pipeline = factory.pipeline("flow")
+        pipeline.link("orders", "shipped", notify)
+        await pipeline.save()
         with _command(*_backend_flags(name, options), "--sample-seconds", "1") as process:
             url = await _served_url(process)
             assert url.startswith("http://127.0.0.1:")
@@ -307,6 +320,11 @@ async def test_dashboard_command(browser: Any, served_case: tuple[str, dict[str,
             row = _row(page, "orders")
             await expect(row.locator("td.ready")).to_have_text("1", timeout=WAIT)
             await _check_push_shows(page, orders, "2")
+            graph = page.locator('#pipelines .pipeline[data-pipeline="flow"]')
+            await expect(graph.locator('g.node[data-queue="orders"] text.size')).to_have_text(
+                "2 ready, 2 total", timeout=WAIT
+            )
+            await expect(graph.locator('g.node[data-queue="shipped"]')).to_be_visible()
             await _check_pause_resume(page, orders)
             await _check_requeue_and_markup(page, orders, dead_id)
 

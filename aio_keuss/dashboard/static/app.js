@@ -280,19 +280,20 @@
   function layout(pipeline) {
     const edges = [];
     const nodes = new Map();
-    const add = (id, label, kind) => {
-      if (!nodes.has(id)) nodes.set(id, { id, label, kind });
+    const add = (id, label, kind, handler) => {
+      if (!nodes.has(id)) nodes.set(id, { id, label, kind, handler });
     };
     for (const queue of pipeline.queues) add(`q:${queue}`, queue, "queue");
     for (const station of pipeline.stations) {
       add(`q:${station.from}`, station.from, "queue");
+      const label = `station ${station.name}: ${station.handler}`;
       if (station.to.length === 0) {
-        add(`s:${station.name}`, station.name, "sink");
-        edges.push({ from: `q:${station.from}`, to: `s:${station.name}`, label: station.name });
+        add(`s:${station.name}`, station.name, "sink", station.handler);
+        edges.push({ from: `q:${station.from}`, to: `s:${station.name}`, label });
       }
       for (const target of station.to) {
         add(`q:${target}`, target, "queue");
-        edges.push({ from: `q:${station.from}`, to: `q:${target}`, label: station.name });
+        edges.push({ from: `q:${station.from}`, to: `q:${target}`, label });
       }
     }
     const incoming = new Set(edges.map((e) => e.to));
@@ -370,12 +371,13 @@
       }));
       const label = n.label.length > 20 ? `${n.label.slice(0, 19)}...` : n.label;
       group.appendChild(svg("text", { x: p.x + 8, y: p.y + 18, "font-size": 12, "font-weight": 600, fill: "#1d2430" }, label));
-      let detail = "sink";
+      let detail = `sink ${(n.handler || "").split(":").pop()}`;
       if (n.kind === "queue") {
         detail = info ? `${info.size} ready, ${info.total} total${paused ? ", paused" : ""}` : "not opened yet";
       }
-      group.appendChild(svg("text", { x: p.x + 8, y: p.y + 36, "font-size": 11, fill: "#6b7383", class: "size" }, detail));
-      group.appendChild(svg("title", {}, n.label));
+      const shown = detail.length > 26 ? `${detail.slice(0, 25)}...` : detail;
+      group.appendChild(svg("text", { x: p.x + 8, y: p.y + 36, "font-size": 11, fill: "#6b7383", class: "size" }, shown));
+      group.appendChild(svg("title", {}, n.kind === "sink" ? `sink ${n.label}: ${n.handler}` : n.label));
       root.appendChild(group);
     }
     return root;
