@@ -110,14 +110,20 @@ def loopback_host_header(host: str | None) -> bool:
     return name is not None and is_loopback(name)
 
 
-def same_origin(origin: str | None, fetch_site: str | None, scheme: str, host: str | None) -> bool:
+def same_origin(origin: str | None, fetch_site: str | None, host: str | None) -> bool:
     """Whether a POST comes from the dashboard's own page. Each header is checked when the
     browser sends it; a client that sends neither (curl, a script) is not a browser being
-    abused, and still needs the CSRF token."""
+    abused, and still needs the CSRF token. ``Origin`` is compared with ``Host`` by host and
+    port only: behind a reverse proxy that terminates HTTPS the page's origin is ``https``
+    while the dashboard itself is spoken to in plain HTTP."""
     if fetch_site is not None and fetch_site != "same-origin":
         return False
     if origin is not None:
-        if origin == "null" or host is None:
+        if host is None:
             return False
-        return origin.lower() == f"{scheme}://{host}".lower()
+        try:
+            parts = urlsplit(origin)
+        except ValueError:
+            return False
+        return parts.scheme in ("http", "https") and parts.netloc.lower() == host.lower()
     return True

@@ -116,9 +116,12 @@ class Dashboard:
     async def start(self) -> None:
         await self.board.start()
         self._runner = web.AppRunner(self.app(), access_log=None)
-        await self._runner.setup()
-        site = web.TCPSite(self._runner, self.host, self.port)
-        await site.start()
+        try:
+            await self._runner.setup()
+            await web.TCPSite(self._runner, self.host, self.port).start()
+        except BaseException:  # e.g. the port is taken: leave nothing running
+            await self.stop()
+            raise
         if self.port == 0:
             self.port = int(self._runner.addresses[0][1])
         log.info("dashboard on %s", self.url)
@@ -146,7 +149,7 @@ class Dashboard:
         else:
             login = request.query.get("token")
             if login is not None and request.method == "GET":
-                return self._login(request, login)
+                return self._login(login)
             given = security.bearer(request.headers.get("Authorization")) or request.cookies.get(
                 self.cookie
             )
@@ -158,7 +161,7 @@ class Dashboard:
                 return _refused(403, refusal)
         return await handler(request)
 
-    def _login(self, request: web.Request, given: str) -> web.StreamResponse:
+    def _login(self, given: str) -> web.StreamResponse:
         assert self.token is not None
         if not security.same_secret(self.token, given):
             return _refused(401, "wrong token")
@@ -172,7 +175,6 @@ class Dashboard:
         if not security.same_origin(
             request.headers.get("Origin"),
             request.headers.get("Sec-Fetch-Site"),
-            request.scheme,
             request.host,
         ):
             return "cross-site request refused"

@@ -92,6 +92,19 @@ def test_the_command_names_the_extra_when_aiohttp_is_missing(
     assert "aio-keuss[dashboard]" in capsys.readouterr().err
 
 
+async def test_a_taken_port_fails_the_start_and_leaves_nothing_running(
+    factory: aio_keuss.Factory,
+) -> None:
+    first = await _started(factory)
+    try:
+        second = Dashboard(factory, port=first.port)
+        with pytest.raises(OSError):
+            await second.start()
+        assert second.board._sampler is None and second._runner is None
+    finally:
+        await first.stop()
+
+
 # without a token (loopback) -------------------------------------------------------------
 
 
