@@ -41,3 +41,10 @@ if ! command -v java >/dev/null 2>&1; then
   echo "installing java"
   need_package default-jre-headless
 fi
+
+# Chromium for the dashboard's browser tests: Playwright drives Debian's build
+# (/usr/bin/chromium), so nothing is downloaded by `playwright install`.
+if ! [ -x /usr/bin/chromium ]; then
+  echo "installing chromium"
+  need_package chromium
+fi

@@ -16,11 +16,12 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+from ..dashboard import command as dashboard_command
 from ..errors import ConfigError, KeussConnectionError, KeussError
 from ..loading import import_callable, import_object
 from . import admin
 from .run import run_worker
-from .settings import WorkerSettings, option_value, resolve
+from .settings import WorkerSettings, connection_settings, option_value, resolve
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_UNREACHABLE = 0, 1, 2, 3
 
@@ -69,6 +70,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     add("--config", help="a TOML file of settings (top level or [worker])")
     admin.add_commands(commands)
+    dashboard_command.add_parser(commands)
     return parser
 
 
@@ -114,9 +116,17 @@ async def _run(settings: WorkerSettings) -> None:
     )
 
 
+def _connection(args: argparse.Namespace) -> tuple[str, dict[str, Any]]:
+    """(backend, connect options) from the flags, environment and file, as for the worker."""
+    flags = {"config": args.config, "backend": args.backend, "url": args.url}
+    return connection_settings(flags, args.option)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command; returns its exit code."""
     args = _parser().parse_args(argv)
+    if args.command == "dashboard":
+        return dashboard_command.run(args, _connection)
     if args.command != "worker":
         return admin.run(args)
     try:

@@ -1,0 +1,244 @@
+"""What the dashboard shows and does, read through one factory, as plain JSON-ready data.
+
+Queues come from ``factory.list()`` (every queue any process opened on the backend), each
+opened here with the options it was recorded with: opening a queue records its options, so
+opening it with this process's defaults would overwrite what the application set.
+
+Rates come from the shared counters (``Queue.stats``): a background task samples them every
+``sample_every`` seconds and keeps the last ``keep`` seconds, so the chart has a history as
+soon as a page opens, and pages open at once cost no more than one.
+
+A payload is rendered here to text (indented JSON, or a hex preview of bytes) and the page
+inserts it as text; nothing in a message ever becomes markup.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import time
+from collections import deque
+from typing import Any
+
+import orjson
+
+from ..errors import InvalidInputError, KeussError
+from ..factory import Factory
+from ..options import QUEUE_OPTION_NAMES, check_queue_name
+from ..queue import Queue
+from ..types import PEEK_STATES, MessageView
+
+log = logging.getLogger("aio_keuss.dashboard")
+
+PAYLOAD_CHARS = 4000
+"""Characters of a payload shown at most (a message may be megabytes)."""
+BYTES_SHOWN = 256
+PEEK_MAX = 200
+REQUEUE_MAX = 1000
+
+
+class UnknownQueueError(InvalidInputError):
+    """The queue is not among those the backend lists."""
+
+
+def payload_text(payload: Any) -> str:
+    if isinstance(payload, bytes):
+        head = payload[:BYTES_SHOWN].hex(" ")
+        more = " ..." if len(payload) > BYTES_SHOWN else ""
+        return f"({len(payload)} bytes) {head}{more}"
+    text = orjson.dumps(payload, option=orjson.OPT_INDENT_2, default=repr).decode()
+    if len(text) > PAYLOAD_CHARS:
+        return text[:PAYLOAD_CHARS] + f"\n... ({len(text) - PAYLOAD_CHARS} more characters)"
+    return text
+
+
+def message_data(found: MessageView) -> dict[str, Any]:
+    message = found.message
+    return {
+        "queue": found.queue,
+        "id": message.id,
+        "state": found.state,
+        "at": found.at.timestamp(),
+        "tries": message.tries,
+        "headers": {key: str(value) for key, value in message.headers.items()},
+        "payload": payload_text(message.payload),
+    }
+
+
+class Board:
+    """The dashboard's view of one backend."""
+
+    def __init__(
+        self,
+        factory: Factory,
+        *,
+        deadletter: str = "__deadletter__",
+        sample_every: float = 5.0,
+        keep: float = 600.0,
+    ) -> None:
+        self.factory = factory
+        self.deadletter = check_queue_name(deadletter)
+        self.sample_every = sample_every
+        self._samples: deque[tuple[float, dict[str, tuple[int, int, int]]]] = deque(
+            maxlen=max(2, int(keep / sample_every) + 1)
+        )
+        self._queues: dict[str, Queue] = {}
+        self._opening = asyncio.Lock()
+        self._sampler: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        self._sampler = asyncio.get_running_loop().create_task(self._sample_forever())
+
+    async def stop(self) -> None:
+        sampler, self._sampler = self._sampler, None
+        if sampler is not None:
+            sampler.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await sampler
+
+    # queues ---------------------------------------------------------------------------
+
+    async def _listed(self) -> dict[str, Queue]:
+        """Every listed queue, opened here once with its recorded options."""
+        listed = await self.factory.list()
+        async with self._opening:
+            for name in sorted(set(listed) - set(self._queues)):
+                options = {k: v for k, v in listed[name].items() if k in QUEUE_OPTION_NAMES}
+                try:
+                    self._queues[name] = await self.factory.queue(name, **options)
+                except KeussError as exc:  # e.g. opened meanwhile with other options
+                    log.debug("queue %r opened with defaults: %s", name, exc)
+                    self._queues[name] = await self.factory.queue(name)
+        return {name: self._queues[name] for name in sorted(listed)}
+
+    async def queue(self, name: object) -> Queue:
+        checked = check_queue_name(name)
+        found = (await self._listed()).get(checked)
+        if found is None:
+            raise UnknownQueueError(f"no queue {checked!r} on this backend")
+        return found
+
+    async def state(self) -> dict[str, Any]:
+        queues = await self._listed()
+        rows = await asyncio.gather(*(self._row(name, queue) for name, queue in queues.items()))
+        pipelines = await self.factory.pipelines()
+        capabilities = self.factory.capabilities
+        return {
+            "backend": self.factory.backend_name,
+            "now": time.time(),
+            "deadletter": self.deadletter,
+            "capabilities": {
+                "peek": capabilities.peek,
+                "requeue": capabilities.peek and capabilities.hold and capabilities.move,
+            },
+            "queues": rows,
+            "pipelines": [_pipeline_data(doc) for doc in pipelines.values()],
+            "rates": self.rates(),
+            "sample_every": self.sample_every,
+        }
+
+    async def _row(self, name: str, queue: Queue) -> dict[str, Any]:
+        sizes, paused, counters = await asyncio.gather(
+            queue.sizes(), queue.is_paused(), queue.stats()
+        )
+        return {
+            "name": name,
+            "size": sizes.size,
+            "scheduled": sizes.scheduled,
+            "reserved": sizes.reserved,
+            "total": sizes.total,
+            "paused": paused,
+            "counters": counters,
+            "deadletter": name == self.deadletter,
+        }
+
+    async def peek(self, name: object, state: object, n: object) -> list[dict[str, Any]]:
+        if not isinstance(state, str) or state not in PEEK_STATES:
+            raise InvalidInputError(f"state must be one of {', '.join(sorted(PEEK_STATES))}")
+        if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= PEEK_MAX:
+            raise InvalidInputError(f"n must be an int in [1, {PEEK_MAX}]")
+        queue = await self.queue(name)
+        return [message_data(found) for found in await queue.peek(n, state=state)]
+
+    async def pause(self, name: object, paused: bool) -> bool:
+        queue = await self.queue(name)
+        await (queue.pause() if paused else queue.resume())
+        return await queue.is_paused()
+
+    async def requeue(self, name: object, ids: object) -> dict[str, str]:
+        """Move deadlettered messages back where they failed: ``ids``, or every one when
+        ``ids`` is None (the first :data:`REQUEUE_MAX`)."""
+        queue = await self.queue(name)
+        await self._listed()  # origins open with their recorded options, not the defaults
+        if ids is None:
+            chosen: list[str] = []
+            async for found in queue.browse(state="ready", page_size=REQUEUE_MAX):
+                chosen.append(found.message.id)
+                if len(chosen) == REQUEUE_MAX:
+                    break
+        elif (
+            isinstance(ids, list)
+            and len(ids) <= REQUEUE_MAX
+            and all(isinstance(i, str) for i in ids)
+        ):
+            chosen = list(ids)
+        else:
+            raise InvalidInputError(f"ids must be a list of at most {REQUEUE_MAX} strings")
+        if not chosen:
+            return {}
+        return await queue.requeue(chosen)
+
+    # rates ----------------------------------------------------------------------------
+
+    async def sample(self) -> None:
+        counts: dict[str, tuple[int, int, int]] = {}
+        for name, queue in (await self._listed()).items():
+            counters = await queue.stats()
+            size = (await queue.sizes()).total
+            counts[name] = (counters["put"], counters["commit"] + counters["get"], size)
+        self._samples.append((time.time(), counts))
+
+    async def _sample_forever(self) -> None:
+        while True:
+            try:
+                await self.sample()
+            except Exception as exc:  # the backend is away: the next sample tries again
+                log.warning("dashboard: sampling failed: %r", exc)
+            await asyncio.sleep(self.sample_every)
+
+    def rates(self) -> dict[str, list[list[float]]]:
+        """Per queue, ``[time, pushed/s, done/s, total size]`` between consecutive samples."""
+        series: dict[str, list[list[float]]] = {}
+        for (t0, before), (t1, after) in itertools.pairwise(self._samples):
+            span = t1 - t0
+            if span <= 0:
+                continue
+            for name, (put, done, size) in after.items():
+                put0, done0, _ = before.get(name, (put, done, size))
+                series.setdefault(name, []).append(
+                    [t1, max(0, put - put0) / span, max(0, done - done0) / span, size]
+                )
+        return series
+
+
+def _pipeline_data(doc: dict[str, Any]) -> dict[str, Any]:
+    """The part of a stored topology the graph needs."""
+    stations = []
+    for station in doc.get("stations", []):
+        to = station.get("to", [])
+        stations.append(
+            {
+                "name": str(station.get("name")),
+                "kind": str(station.get("kind")),
+                "from": str(station.get("from")),
+                "to": [str(t) for t in (to if isinstance(to, list) else [to])],
+                "handler": str(station.get("handler")),
+            }
+        )
+    return {
+        "name": str(doc.get("name")),
+        "stations": stations,
+        "queues": [str(q) for q in doc.get("queues", [])],
+    }

@@ -1,0 +1,370 @@
+"""The dashboard in a real browser: Debian's Chromium, headless, driven by Playwright.
+
+The memory backend with the dashboard started in this process (the only way to see a memory
+backend), and redis-oq, postgres and mongo with ``aio-keuss dashboard`` run as a command, the
+test pushing through its own factory as another process would. The browser checks what a
+user sees: the queue list, a push showing up in the sizes, pause and resume, requeue from
+the deadletter view, a payload holding markup shown as text, and a refusal without the token
+when the dashboard listens on a non-loopback address.
+
+"A push shows up in the sizes within 2 s" is checked without a clock, which a busy machine
+would break: the page refreshes every second (``POLL_MS``), and the test asserts the push is
+shown by the second refresh that completes after it, the first one certain to have started
+after the push; the time that took is printed.
+
+The memory test takes the screenshots of docs/img: it writes them there when they are
+missing or ``AIO_KEUSS_SCREENSHOTS=1`` is set (to refresh them after a change to the page),
+else into the test's temporary directory, so a test run leaves the tree clean.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import re
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from backends import CASES, REDIS_URL, BackendCase, _drop_redis_prefix, new_token
+
+import aio_keuss
+
+pytest.importorskip("aiohttp", reason="the dashboard extra (aiohttp) is not installed")
+playwright_api = pytest.importorskip(
+    "playwright.async_api", reason="playwright (Python package) is not installed"
+)
+
+from aio_keuss.dashboard import Dashboard  # noqa: E402
+
+CHROMIUM = "/usr/bin/chromium"
+if not os.path.exists(CHROMIUM):  # tests/services.sh installs it
+    pytest.skip(
+        f"{CHROMIUM} is missing: apt-get install chromium (make test does)",
+        allow_module_level=True,
+    )
+
+pytestmark = pytest.mark.timeout(180)
+expect = playwright_api.expect
+
+ROOT = Path(__file__).resolve().parents[2]
+SHOTS = ROOT / "docs" / "img"
+WAIT = 15000
+"""ms for anything else to show: generous, nothing here is about speed."""
+HOSTILE = "<script>window.pwned = 1</script><img src='x' onerror='window.pwned = 2'><b>not bold</b>"
+
+
+@pytest.fixture
+async def browser() -> AsyncIterator[Any]:
+    async with playwright_api.async_playwright() as playwright:
+        launched = await playwright.chromium.launch(
+            executable_path=CHROMIUM,
+            headless=True,
+            args=["--no-sandbox", "--disable-gpu", "--disable-background-networking"],
+        )
+        try:
+            yield launched
+        finally:
+            await launched.close()
+
+
+async def _page(browser: Any) -> Any:
+    context = await browser.new_context(viewport={"width": 1280, "height": 900})
+    return await context.new_page()
+
+
+def check_order(message: aio_keuss.Message) -> str:
+    """A pipeline station's handler (the graphs name handlers; none runs here)."""
+    return "shipped"
+
+
+def notify(message: aio_keuss.Message) -> None:
+    """Another station's handler."""
+
+
+async def _refreshes(page: Any) -> int:
+    return int(await page.locator("body").get_attribute("data-refreshes") or 0)
+
+
+async def _check_push_shows(page: Any, queue: aio_keuss.Queue, expected: str) -> None:
+    """Push one message; the refresh that began after it must show ``expected`` as ready."""
+    started = time.monotonic()
+    await queue.push({"pushed": "while watching"})
+    seen = await _refreshes(page)
+    deadline = started + WAIT / 1000
+    while await _refreshes(page) < seen + 2:  # a wait, not an assertion on time
+        assert time.monotonic() < deadline, "the page stopped refreshing"
+        await asyncio.sleep(0.05)
+    assert await _row(page, queue.name).locator("td.ready").text_content() == expected
+    print(f"push shown at the latest {time.monotonic() - started:.2f} s after it")
+
+
+def test_the_page_refreshes_every_second() -> None:
+    script = (ROOT / "aio_keuss" / "dashboard" / "static" / "app.js").read_text()
+    assert "const POLL_MS = 1000;" in script
+
+
+def _row(page: Any, queue: str) -> Any:
+    return page.locator(f'#queues tr[data-queue="{queue}"]')
+
+
+async def _ko_to_deadletter(queue: aio_keuss.Queue, payload: Any) -> str:
+    """Push ``payload`` into an empty ``queue`` and ko it into the deadletter queue."""
+    message_id = await queue.push(payload)
+    message = await queue.reserve(timeout=5)
+    assert message is not None and message.id == message_id
+    await queue.ko(message)
+    return message_id
+
+
+async def _check_requeue_and_markup(page: Any, queue: aio_keuss.Queue, dead_id: str) -> None:
+    dead_row = page.locator(f'#deadletter tr[data-id="{dead_id}"]')
+    await expect(dead_row).to_be_visible(timeout=WAIT)
+    await expect(dead_row.locator("td.from")).to_have_text(queue.name)
+    # the markup in the payload is text: shown verbatim, nothing of it ran or rendered
+    await expect(dead_row.locator("pre.payload")).to_contain_text(HOSTILE)
+    assert await page.evaluate("window.pwned") is None
+    assert await page.locator("#deadletter b").count() == 0
+    assert await page.locator("#deadletter img").count() == 0
+    assert await page.locator("script").count() == 1  # app.js only
+
+    before = await queue.total_size()
+    await dead_row.locator("button.requeue").click()
+    await expect(dead_row).to_have_count(0, timeout=WAIT)
+    found = await queue.find(dead_id)
+    assert found is not None and found.queue == queue.name
+    assert await queue.total_size() == before + 1
+
+
+async def _check_pause_resume(page: Any, queue: aio_keuss.Queue) -> None:
+    row = _row(page, queue.name)
+    await row.locator("button.toggle").click()
+    await expect(row.locator("td.state")).to_have_text("paused", timeout=WAIT)
+    assert await queue.is_paused()
+    await row.locator("button.toggle").click()
+    await expect(row.locator("td.state")).to_have_text("running", timeout=WAIT)
+    assert not await queue.is_paused()
+
+
+# memory, in this process --------------------------------------------------------------
+
+
+async def _traffic(queue: aio_keuss.Queue, stop: asyncio.Event) -> None:
+    """Some pushes and takes so the rate charts of the screenshots have a shape."""
+    n = 0
+    while not stop.is_set():
+        n += 1
+        await queue.push_many([{"order": n, "item": i} for i in range(1 + n % 5)])
+        for _ in range(n % 4):
+            await queue.pop(timeout=0)
+        await asyncio.sleep(0.1)
+
+
+def _shots_dir(tmp_path: Path) -> Path:
+    wanted = ("overview", "deadletter", "pipeline")
+    missing = any(not (SHOTS / f"dashboard-{name}.png").exists() for name in wanted)
+    if missing or os.environ.get("AIO_KEUSS_SCREENSHOTS") == "1":
+        SHOTS.mkdir(parents=True, exist_ok=True)
+        return SHOTS
+    return tmp_path
+
+
+async def test_dashboard_on_memory(browser: Any, tmp_path: Path) -> None:
+    async with aio_keuss.connect("memory", deadletter={"max_ko": 0}) as factory:
+        jobs = await factory.queue("jobs")
+        orders = await factory.queue("orders")
+        shipped = await factory.queue("shipped")
+        await factory.queue("rejected")
+        dead_id = await _ko_to_deadletter(jobs, {"note": HOSTILE})
+        await jobs.push({"job": 1})
+        await shipped.push({"order": 0}, delay=3600)
+        pipeline = factory.pipeline("orders-flow")
+        pipeline.choice("orders", ["shipped", "rejected"], check_order)
+        pipeline.sink("shipped", notify)
+        pipeline.link("rejected", "orders", notify, name="retry")  # a cycle
+        await pipeline.save()
+
+        async with Dashboard(factory, port=0, sample_every=0.5) as dashboard:
+            page = await _page(browser)
+            await page.goto(dashboard.url)
+            row = _row(page, "jobs")
+            await expect(row.locator("td.ready")).to_have_text("1", timeout=WAIT)
+            await expect(_row(page, "__deadletter__").locator("td.total")).to_have_text("1")
+            for name in ("orders", "rejected", "shipped"):
+                await expect(_row(page, name)).to_be_visible()
+
+            await _check_push_shows(page, jobs, "2")
+
+            await _check_pause_resume(page, jobs)
+
+            await row.locator("button.peek").click()
+            await expect(page.locator("#peek-queue")).to_have_text("jobs")
+            await expect(page.locator("#peek tbody tr")).to_have_count(2, timeout=WAIT)
+
+            stop = asyncio.Event()
+            traffic = asyncio.create_task(_traffic(orders, stop))
+            try:
+                await expect(
+                    page.locator('#pipelines g.node[data-queue="orders"] text.size')
+                ).to_contain_text("ready", timeout=WAIT)
+                # a few samples of traffic for the charts: waited for in the page, not timed
+                orders_row = _row(page, "orders")
+                await expect(orders_row.locator("polyline").first).to_have_attribute(
+                    "points", re.compile(r"^(\S+ ){9,}\S+$"), timeout=WAIT
+                )
+                await expect(orders_row.locator("span.figures")).to_have_text(
+                    re.compile(r"^[1-9]"), timeout=WAIT
+                )
+                await _row(page, "shipped").locator("button.toggle").click()
+                await expect(_row(page, "shipped").locator("td.state")).to_have_text(
+                    "paused", timeout=WAIT
+                )
+                shots = _shots_dir(tmp_path)
+                await page.screenshot(path=str(shots / "dashboard-overview.png"), full_page=True)
+                await page.locator("#deadletter-section").screenshot(
+                    path=str(shots / "dashboard-deadletter.png")
+                )
+                await page.locator("#pipelines-section").screenshot(
+                    path=str(shots / "dashboard-pipeline.png")
+                )
+                assert (shots / "dashboard-overview.png").stat().st_size > 10_000
+            finally:
+                stop.set()
+                await traffic
+
+            await _check_requeue_and_markup(page, jobs, dead_id)
+
+
+# real servers, through the command --------------------------------------------------------
+
+
+@contextlib.contextmanager
+def _command(*args: str, env: dict[str, str] | None = None) -> Iterator[subprocess.Popen[str]]:
+    process = subprocess.Popen(
+        [sys.executable, "-m", "aio_keuss", "dashboard", "--port", "0", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})},
+    )
+    try:
+        yield process
+    finally:
+        if process.poll() is None:
+            process.terminate()
+            try:
+                process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+
+
+async def _served_url(process: subprocess.Popen[str]) -> str:
+    assert process.stdout is not None
+    line = await asyncio.to_thread(process.stdout.readline)
+    assert "serving http://" in line, (line, process.stderr.read() if process.stderr else "")
+    return line.rsplit(" ", 1)[1].strip()
+
+
+@pytest.fixture
+async def redis_options() -> AsyncIterator[dict[str, Any]]:
+    pytest.importorskip("redis", reason="the redis extra is not installed")
+    options = {"url": REDIS_URL, "prefix": f"akdash{new_token()}"}
+    yield options
+    await _drop_redis_prefix(options)
+
+
+COMMAND_CASES = [case for case in CASES if case.id in ("redis-oq", "postgres", "mongo")]
+
+
+@pytest.fixture(params=COMMAND_CASES, ids=lambda case: case.id)
+async def served_case(request: pytest.FixtureRequest) -> AsyncIterator[tuple[str, dict[str, Any]]]:
+    case: BackendCase = request.param
+    reason = case.available()
+    if reason:
+        pytest.skip(reason)
+    options = case.options(new_token())
+    yield case.name, options
+    if case.cleanup is not None:
+        await case.cleanup(options)
+
+
+def _backend_flags(name: str, options: dict[str, Any]) -> list[str]:
+    flags = ["--backend", name]
+    for key, value in options.items():
+        flags += ["--url", value] if key == "url" else ["--option", f"{key}={value}"]
+    return flags
+
+
+async def test_dashboard_command(browser: Any, served_case: tuple[str, dict[str, Any]]) -> None:
+    name, options = served_case
+    async with aio_keuss.connect(name, deadletter={"max_ko": 0}, **options) as factory:
+        orders = await factory.queue("orders")
+        dead_id = await _ko_to_deadletter(orders, {"note": HOSTILE})
+        await orders.push({"order": 1})
+        pipeline = factory.pipeline("flow")
+        pipeline.link("orders", "shipped", notify)
+        await pipeline.save()
+        with _command(*_backend_flags(name, options), "--sample-seconds", "1") as process:
+            url = await _served_url(process)
+            assert url.startswith("http://127.0.0.1:")
+            page = await _page(browser)
+            await page.goto(url)
+            row = _row(page, "orders")
+            await expect(row.locator("td.ready")).to_have_text("1", timeout=WAIT)
+            await _check_push_shows(page, orders, "2")
+            graph = page.locator('#pipelines .pipeline[data-pipeline="flow"]')
+            await expect(graph.locator('g.node[data-queue="orders"] text.size')).to_have_text(
+                "2 ready, 2 total", timeout=WAIT
+            )
+            await expect(graph.locator('g.node[data-queue="shipped"]')).to_be_visible()
+            await _check_pause_resume(page, orders)
+            await _check_requeue_and_markup(page, orders, dead_id)
+
+
+async def test_dashboard_refuses_requests_without_the_token(
+    browser: Any, redis_options: dict[str, Any]
+) -> None:
+    with _command("--host", "0.0.0.0") as refused:  # a non-loopback address, no token
+        assert await asyncio.to_thread(refused.wait, 60) == 2
+        assert refused.stderr is not None and "--token" in refused.stderr.read()
+
+    token = new_token() + new_token()
+    async with aio_keuss.connect("redis-oq", **redis_options) as factory:
+        await (await factory.queue("visible")).push({"n": 1})
+        with _command(
+            "--host",
+            "0.0.0.0",
+            "--backend",
+            "redis-oq",
+            "--url",
+            redis_options["url"],
+            "--option",
+            f"prefix={redis_options['prefix']}",
+            env={"AIO_KEUSS_DASHBOARD_TOKEN": token},
+        ) as process:
+            port = (await _served_url(process)).rstrip("/").rsplit(":", 1)[1]
+            base = f"http://127.0.0.1:{port}"
+
+            page = await _page(browser)
+            response = await page.goto(base + "/")
+            assert response.status == 401
+            await expect(page.locator("body")).to_contain_text("token")
+            assert await page.locator("#queues").count() == 0
+
+            for path in ("/api/state", "/static/app.js"):
+                with pytest.raises(urllib.error.HTTPError) as refused_http:
+                    await asyncio.to_thread(urllib.request.urlopen, base + path)
+                assert refused_http.value.code == 401
+
+            response = await page.goto(f"{base}/?token={token}")
+            assert response.status == 200
+            assert "token" not in page.url  # the cookie carries it from now on
+            await expect(_row(page, "visible").locator("td.ready")).to_have_text("1", timeout=WAIT)
