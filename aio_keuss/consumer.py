@@ -45,7 +45,7 @@ from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from types import TracebackType
-from typing import Any, Literal, Protocol
+from typing import Any, Literal, Protocol, cast
 
 from .errors import (
     ClosedError,
@@ -62,6 +62,8 @@ from .types import Capabilities, KoResult
 log = logging.getLogger("aio_keuss.consumer")
 
 Handler = Callable[[Message], Awaitable[Any] | Any]
+BatchHandler = Callable[[list[Message]], Awaitable[Any] | Any]
+"""What ``consume(batch=N)`` calls: with a list of up to N messages."""
 Settle = Callable[[Message, Any], Awaitable[Any]]
 """Acknowledges a message from what its handler returned, instead of ``ok``."""
 State = Literal["running", "reconnecting", "stopped"]
@@ -242,9 +244,10 @@ class Source(Protocol):
     @property
     def capabilities(self) -> Capabilities: ...
 
-    async def next(self, outage: Outage, n: int) -> list[Message]:
+    async def next(self, outage: Outage, n: int, gather: bool = False) -> list[Message]:
         """The next 1 to ``n`` messages (reserved, or popped without reserve), riding out
-        outages; none once the queue drains or closes."""
+        outages; none once the queue drains or closes. ``gather``: wait up to the queue's
+        ``max_wait_time`` for ``n``."""
 
     def ok(self, message: Message) -> Awaitable[bool]: ...
 
@@ -293,22 +296,28 @@ class Consumer:
     def __init__(
         self,
         queue: Source,
-        handler: Handler,
+        handler: Handler | BatchHandler,
         concurrency: int,
         retry_delay: float,
         max_retry_delay: float,
         timeout: float | None = None,
         prefetch: int = 0,
         settle: Settle | None = None,
+        batch: int = 0,
     ) -> None:
         if isinstance(concurrency, bool) or not isinstance(concurrency, int) or concurrency < 1:
             raise InvalidInputError(f"concurrency must be a positive int, not {concurrency!r}")
         if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
             raise InvalidInputError(f"prefetch must be an int >= 0, not {prefetch!r}")
+        if isinstance(batch, bool) or not isinstance(batch, int) or batch < 0:
+            raise InvalidInputError(f"batch must be an int >= 0, not {batch!r}")
+        if batch and (prefetch or settle is not None):
+            raise InvalidInputError("batch cannot be combined with prefetch (nor in a pipeline)")
         if not callable(handler):
             raise InvalidInputError("handler must be callable")
         self._timeout = timeout
         self._prefetch = prefetch
+        self._batch = batch
         self._settle = settle
         self._buffer: deque[Message] = deque()
         self._fetching = asyncio.Lock()
@@ -434,21 +443,27 @@ class Consumer:
                 return
             finally:
                 self._waiting.discard(task)
-            if message is None:  # only on drain or close, as there is no timeout
+            if not message:  # only on drain or close, as there is no timeout
                 return
             self._in_flight += 1
             try:
-                await self._handle(message)
+                if isinstance(message, list):
+                    await self._handle_batch(message)
+                else:
+                    await self._handle(message)
             except ClosedError:
                 return
             except Exception:  # a bug of ours: logged, and the worker goes on
-                log.exception("queue %r: consumer failed on message %s", queue.name, message.id)
+                what = message[0].id if isinstance(message, list) else message.id
+                log.exception("queue %r: consumer failed on message %s", queue.name, what)
             finally:
                 self._in_flight -= 1
 
-    async def _next(self) -> Message | None:
+    async def _next(self) -> Message | list[Message] | None:
         """A message to handle: from the prefetch buffer, else from the queue (with
-        ``prefetch``, one worker at a time fetches for the others)."""
+        ``prefetch``, one worker at a time fetches for the others); with ``batch``, a list."""
+        if self._batch:
+            return await self.queue.next(self._outage, self._batch, gather=True)
         if not self._prefetch:
             got = await self.queue.next(self._outage, 1)
             return got[0] if got else None
@@ -462,7 +477,7 @@ class Consumer:
         started = time.monotonic()
         deadline: asyncio.Timeout | None = None
         try:
-            result = self._handler(message)
+            result = cast(Handler, self._handler)(message)
             if inspect.isawaitable(result):
                 if self._timeout is None:
                     result = await result
@@ -478,29 +493,11 @@ class Consumer:
             raise
         except Exception as exc:
             self.durations.observe(time.monotonic() - started)
-            if deadline is not None and deadline.expired():
-                self.timed_out += 1
-                failure: Exception = HandlerTimeoutError(
-                    f"handler ran past its timeout of {self._timeout} s"
-                )
-                failure.__cause__ = exc
-            else:
-                failure = exc
+            failure = self._failure(exc, deadline)
             self.failed += 1
             self.queue.handler_failed(message, failure)
             if self._reserve:
-                backoff = self._retry_delay * 2.0 ** min(message.tries, 64)  # no overflow
-                delay = min(backoff, self._max_retry_delay)
-                queue = self.queue
-                outcome = await self._acknowledge(
-                    "ko",
-                    message,
-                    queue.ko(message, delay if queue.capabilities.delay else None),
-                )
-                if outcome == KoResult.DEADLETTERED:
-                    self.deadlettered += 1
-                elif outcome == KoResult.ROLLED_BACK:
-                    self.retried += 1
+                await self._ko(message)
             return
         self.durations.observe(time.monotonic() - started)
         self.handled += 1
@@ -519,6 +516,60 @@ class Consumer:
             await self._acknowledge("ok", message, self.queue.ok(message))
         finally:
             self._ack_room.release()
+
+    def _failure(self, exc: Exception, deadline: asyncio.Timeout | None) -> Exception:
+        """What a handler's exception is logged as: past its timeout, a HandlerTimeoutError."""
+        if deadline is None or not deadline.expired():
+            return exc
+        self.timed_out += 1
+        failure = HandlerTimeoutError(f"handler ran past its timeout of {self._timeout} s")
+        failure.__cause__ = exc
+        return failure
+
+    async def _ko(self, message: Message) -> None:
+        """ko after a failure, with capped exponential backoff by the message's tries."""
+        backoff = self._retry_delay * 2.0 ** min(message.tries, 64)  # no overflow
+        delay = min(backoff, self._max_retry_delay)
+        queue = self.queue
+        outcome = await self._acknowledge(
+            "ko", message, queue.ko(message, delay if queue.capabilities.delay else None)
+        )
+        if outcome == KoResult.DEADLETTERED:
+            self.deadlettered += 1
+        elif outcome == KoResult.ROLLED_BACK:
+            self.retried += 1
+
+    async def _handle_batch(self, messages: list[Message]) -> None:
+        """A batch handler's messages share its outcome: all ok-ed when it returns, all
+        ko-ed (each with its own backoff) when it raises, all given back when cancelled."""
+        started = time.monotonic()
+        deadline: asyncio.Timeout | None = None
+        try:
+            result = cast(BatchHandler, self._handler)(messages)
+            if inspect.isawaitable(result):
+                async with asyncio.timeout(self._timeout) as deadline:
+                    await result
+        except asyncio.CancelledError:
+            self.durations.observe(time.monotonic() - started)
+            if self._reserve:
+                await asyncio.shield(
+                    asyncio.gather(
+                        *(self._acknowledge("release", m, self.queue.release(m)) for m in messages)
+                    )
+                )
+            raise
+        except Exception as exc:
+            self.durations.observe(time.monotonic() - started)
+            failure = self._failure(exc, deadline)
+            self.failed += len(messages)
+            self.queue.handler_failed(messages[0], failure)
+            if self._reserve:
+                await asyncio.gather(*(self._ko(m) for m in messages))
+            return
+        self.durations.observe(time.monotonic() - started)
+        self.handled += len(messages)
+        if self._reserve:
+            await asyncio.gather(*(self._acknowledge("ok", m, self.queue.ok(m)) for m in messages))
 
     async def _acknowledge(self, doing: str, message: Message, work: Awaitable[Any]) -> Any:
         """ok / ko / release after the handler ran: a failure is logged (as part of an outage)

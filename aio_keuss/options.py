@@ -155,13 +155,18 @@ class QueueOptions:
     reserve_delay: seconds a reservation lasts before the message is delivered again.
     poll_interval: longest a waiting consumer sleeps without a signal (lost-event bound).
     dedup_window: seconds an explicit message id keeps a second push with it out.
-    max_batch: most items one coalesced round trip carries.
+    max_batch: most items one coalesced round trip carries, and most one ``pop_many`` /
+        ``reserve_many`` returns (IgnisMQ's maxBatchSize).
+    max_wait_time: seconds ``pop_many`` / ``reserve_many`` (and ``consume(batch=...)``) go on
+        gathering, once a first message is in, until the batch is full (IgnisMQ's
+        maxWaitTime); 0 returns what is ready at once.
     """
 
     reserve_delay: float = 120.0
     poll_interval: float = 15.0
     dedup_window: float = 3600.0
     max_batch: int = 1000
+    max_wait_time: float = 0.0
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -19,7 +19,15 @@ from typing import TYPE_CHECKING, Any
 
 from . import visibility
 from .coalesce import Coalescer
-from .consumer import Consumer, Handler, HandlerFailures, Outage, Settle, retry_backoff
+from .consumer import (
+    BatchHandler,
+    Consumer,
+    Handler,
+    HandlerFailures,
+    Outage,
+    Settle,
+    retry_backoff,
+)
 from .contract import MOVE_TAG, Ack, DeadletterPlan, Entry, Fetched, Move, Nack, Store, Stored
 from .errors import (
     ClosedError,
@@ -265,9 +273,13 @@ class Queue:
         messages = await self._consume(self._gets, 1, timeout, "pop", "get")
         return messages[0] if messages else None
 
-    async def pop_many(self, n: int, timeout: float | None = None) -> list[Message]:
-        """Take up to ``n`` (at most ``max_batch``) messages; waits only while none is ready."""
-        return await self._consume(self._gets, n, timeout, "pop", "get")
+    async def pop_many(
+        self, n: int, timeout: float | None = None, *, max_wait: float | None = None
+    ) -> list[Message]:
+        """Take up to ``n`` (at most ``max_batch``) messages; waits while none is ready, then
+        up to ``max_wait`` seconds more (default: the queue's ``max_wait_time``) for the
+        batch to fill."""
+        return await self._consume(self._gets, n, timeout, "pop", "get", max_wait=max_wait)
 
     async def reserve(self, timeout: float | None = None) -> Message | None:
         """Reserve one message, at-least-once: ``ok`` it, ``ko`` it, or it comes back after
@@ -275,9 +287,15 @@ class Queue:
         messages = await self._consume(self._reserves, 1, timeout, "reserve", "reserve")
         return messages[0] if messages else None
 
-    async def reserve_many(self, n: int, timeout: float | None = None) -> list[Message]:
-        """Reserve up to ``n`` (at most ``max_batch``); waits only while none is ready."""
-        return await self._consume(self._reserves, n, timeout, "reserve", "reserve")
+    async def reserve_many(
+        self, n: int, timeout: float | None = None, *, max_wait: float | None = None
+    ) -> list[Message]:
+        """Reserve up to ``n`` (at most ``max_batch``); waits while none is ready, then up
+        to ``max_wait`` seconds more (default: the queue's ``max_wait_time``) for the batch
+        to fill."""
+        return await self._consume(
+            self._reserves, n, timeout, "reserve", "reserve", max_wait=max_wait
+        )
 
     async def _consume(
         self,
@@ -287,14 +305,20 @@ class Queue:
         capability: str,
         counter: str,
         outage: Outage | None = None,
+        *,
+        max_wait: float | None = None,
     ) -> list[Message]:
         self._check_open()
         self._require(capability)
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
             raise InvalidInputError(f"n must be a positive int, not {n!r}")
-        stored = await self._wait_for(
-            source, min(n, self.options.max_batch), check_timeout(timeout), outage, capability
+        gather = (
+            self.options.max_wait_time if max_wait is None else check_seconds(max_wait, "max_wait")
         )
+        n = min(n, self.options.max_batch)
+        stored = await self._wait_for(source, n, check_timeout(timeout), outage, capability)
+        if stored and gather and len(stored) < n:
+            stored = await self._fill(source, n, stored, gather, outage, capability)
         if stored:
             self._stats.incr(self.name, counter, len(stored))
         return [
@@ -307,6 +331,38 @@ class Queue:
             )
             for s in stored
         ]
+
+    async def _fill(
+        self,
+        source: Coalescer[int, FetchResult],
+        n: int,
+        stored: list[Stored],
+        seconds: float,
+        outage: Outage | None,
+        doing: str,
+    ) -> list[Stored]:
+        """Go on taking until ``n`` are in or ``seconds`` have passed. What was taken is the
+        caller's: a cancellation puts it back (a pop's as it was, a reservation released at
+        no try), and a failure ends the gathering with what is already in."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + seconds
+        try:
+            while len(stored) < n:
+                remaining = deadline - loop.time()
+                if remaining <= 0:
+                    break
+                try:
+                    more = await self._wait_for(source, n - len(stored), remaining, outage, doing)
+                except Exception:
+                    break
+                if not more:
+                    break
+                stored = stored + more
+        except BaseException:
+            put_back = self._put_back_popped if source is self._gets else self._put_back_reserved
+            put_back(len(stored), (stored, None))
+            raise
+        return stored
 
     async def _wait_for(
         self,
@@ -478,22 +534,29 @@ class Queue:
                 return
             yield got[0]
 
-    async def _next(self, timeout: float | None, outage: Outage, n: int = 1) -> list[Message]:
+    async def _next(
+        self, timeout: float | None, outage: Outage, n: int = 1, gather: bool = False
+    ) -> list[Message]:
         """Up to ``n`` messages for ``consume`` and ``messages``: reserved (popped on a
-        backend without reserve), riding out backend outages."""
+        backend without reserve), riding out backend outages; with ``gather``, for up to
+        ``max_wait_time`` until ``n`` are in (a prefetch takes what is ready)."""
+        wait = None if gather else 0.0
         if self.capabilities.reserve:
-            return await self._consume(self._reserves, n, timeout, "reserve", "reserve", outage)
-        return await self._consume(self._gets, n, timeout, "pop", "get", outage)
+            return await self._consume(
+                self._reserves, n, timeout, "reserve", "reserve", outage, max_wait=wait
+            )
+        return await self._consume(self._gets, n, timeout, "pop", "get", outage, max_wait=wait)
 
     def consume(
         self,
-        handler: Handler,
+        handler: Handler | BatchHandler,
         concurrency: int = 1,
         *,
         retry_delay: float = 1.0,
         max_retry_delay: float = 60.0,
         timeout: float | None = None,
         prefetch: int = 0,
+        batch: int = 0,
     ) -> Consumer:
         """Start ``concurrency`` workers: reserve -> handler -> ok; an exception -> ko with
         exponential backoff. Stop with ``await consumer.stop()`` or ``async with``.
@@ -502,7 +565,10 @@ class Queue:
         message ko-ed like after an exception (a plain function cannot be interrupted: give
         it to a thread with ``asyncio.to_thread`` to have it timed). ``prefetch``: how many
         messages beyond those being handled may wait, reserved, in this process (fewer
-        round trips for short handlers; given back, costing no try, on stop).
+        round trips for short handlers; given back, costing no try, on stop). ``batch``:
+        the handler gets a list of up to ``batch`` messages, gathered for up to the queue's
+        ``max_wait_time`` (IgnisMQ's maxBatchSize / maxWaitTime); all are ok-ed when it
+        returns, all ko-ed when it raises.
         """
         return self._start_consumer(
             handler,
@@ -511,11 +577,12 @@ class Queue:
             max_retry_delay=max_retry_delay,
             timeout=timeout,
             prefetch=prefetch,
+            batch=batch,
         )
 
     def _start_consumer(
         self,
-        handler: Handler,
+        handler: Handler | BatchHandler,
         concurrency: int,
         *,
         retry_delay: float = 1.0,
@@ -523,6 +590,7 @@ class Queue:
         timeout: float | None = None,
         prefetch: int = 0,
         settle: Settle | None = None,
+        batch: int = 0,
     ) -> Consumer:
         """``consume``; with ``settle``, what a handler returned decides how its message is
         acknowledged (a pipeline station moves it on instead of ``ok``)."""
@@ -536,6 +604,8 @@ class Queue:
         most = self.options.max_batch
         if isinstance(prefetch, int) and prefetch > most:
             raise InvalidInputError(f"prefetch must be at most max_batch ({most}), not {prefetch}")
+        if isinstance(batch, int) and batch > most:
+            raise InvalidInputError(f"batch must be at most max_batch ({most}), not {batch}")
         consumer = Consumer(
             _ConsumerLink(self),
             handler,
@@ -545,6 +615,7 @@ class Queue:
             timeout,
             prefetch,
             settle,
+            batch,
         )
         self._consumers.add(consumer)
         return consumer
@@ -971,8 +1042,8 @@ class _ConsumerLink:
     def capabilities(self) -> Capabilities:
         return self._queue.capabilities
 
-    async def next(self, outage: Outage, n: int) -> list[Message]:
-        return await self._queue._next(None, outage, n)
+    async def next(self, outage: Outage, n: int, gather: bool = False) -> list[Message]:
+        return await self._queue._next(None, outage, n, gather)
 
     def ok(self, message: Message) -> Awaitable[bool]:
         return self._queue.ok(message)

@@ -308,15 +308,21 @@ class SyncQueue:
         """Take one message at-most-once; None when ``timeout`` passes (or on drain/close)."""
         return self._call(self.queue.pop, timeout)
 
-    def pop_many(self, n: int, timeout: float | None = None) -> list[Message]:
-        return self._call(self.queue.pop_many, n, timeout)
+    def pop_many(
+        self, n: int, timeout: float | None = None, *, max_wait: float | None = None
+    ) -> list[Message]:
+        """Up to ``n``; once one is in, up to ``max_wait`` s more to fill (as async)."""
+        return self._call(self.queue.pop_many, n, timeout, max_wait=max_wait)
 
     def reserve(self, timeout: float | None = None) -> Message | None:
         """Reserve one message at-least-once; ``ok`` or ``ko`` it afterwards."""
         return self._call(self.queue.reserve, timeout)
 
-    def reserve_many(self, n: int, timeout: float | None = None) -> list[Message]:
-        return self._call(self.queue.reserve_many, n, timeout)
+    def reserve_many(
+        self, n: int, timeout: float | None = None, *, max_wait: float | None = None
+    ) -> list[Message]:
+        """Up to ``n``; once one is in, up to ``max_wait`` s more to fill (as async)."""
+        return self._call(self.queue.reserve_many, n, timeout, max_wait=max_wait)
 
     def messages(self, timeout: float | None = None) -> Iterator[Message]:
         """Reserved messages (popped ones on a backend without reserve) until drain, close,
