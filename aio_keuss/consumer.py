@@ -42,6 +42,7 @@ from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, Literal, Protocol
 
+from . import observe
 from .errors import (
     ClosedError,
     ConfigError,
@@ -461,15 +462,16 @@ class Consumer:
                     async with asyncio.timeout(self._timeout) as deadline:
                         result = await result
         except asyncio.CancelledError:
-            self.durations.observe(time.monotonic() - started)
+            self._ran(started, "cancelled")
             if self._reserve:
                 await asyncio.shield(
                     self._acknowledge("release", message, self.queue.release(message))
                 )
             raise
         except Exception as exc:
-            self.durations.observe(time.monotonic() - started)
-            if deadline is not None and deadline.expired():
+            timed_out = deadline is not None and deadline.expired()
+            self._ran(started, "timeout" if timed_out else "error")
+            if timed_out:
                 self.timed_out += 1
                 failure: Exception = HandlerTimeoutError(
                     f"handler ran past its timeout of {self._timeout} s"
@@ -493,12 +495,19 @@ class Consumer:
                 elif outcome == KoResult.ROLLED_BACK:
                     self.retried += 1
             return
-        self.durations.observe(time.monotonic() - started)
+        self._ran(started, "ok")
         self.handled += 1
         if self._settle is not None:
             await self._acknowledge("settle", message, self._settle(message, result))
         elif self._reserve:
             await self._acknowledge("ok", message, self.queue.ok(message))
+
+    def _ran(self, started: float, outcome: str) -> None:
+        """A handler ended (``ok``, ``error``, ``timeout`` or ``cancelled``): its duration."""
+        seconds = time.monotonic() - started
+        self.durations.observe(seconds)
+        if observe.active is not None:
+            observe.active.handled(self.queue.name, seconds, outcome)
 
     async def _acknowledge(self, doing: str, message: Message, work: Awaitable[Any]) -> Any:
         """ok / ko / release after the handler ran: a failure is logged (as part of an outage)

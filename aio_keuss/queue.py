@@ -17,6 +17,7 @@ from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Sequence
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
+from . import observe
 from .coalesce import Coalescer
 from .consumer import Consumer, Handler, HandlerFailures, Outage, Settle, retry_backoff
 from .contract import MOVE_TAG, Ack, DeadletterPlan, Entry, Fetched, Move, Nack, Store, Stored
@@ -290,6 +291,8 @@ class Queue:
         )
         if stored:
             self._stats.incr(self.name, counter, len(stored))
+            if observe.active is not None:
+                observe.active.delivered(self.name, stored)
         return [
             Message(
                 s.id,
@@ -667,6 +670,8 @@ class Queue:
             arrivals[plan.queue] = (min(first, due), count + 1)
         if moved:
             self._stats.incr(self.name, "commit", moved)
+            if observe.active is not None:
+                observe.active.count(self.name, "move", moved)
         for destination, (due, count) in arrivals.items():
             self._signal.insert(destination, due, count)
         return results
