@@ -21,7 +21,6 @@ add to the same series.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import threading
 import time
@@ -96,13 +95,23 @@ def track(factory: QueueSource) -> None:
         _factories[factory] = asyncio.get_running_loop()
 
 
+def _tracked() -> dict[asyncio.AbstractEventLoop, list[QueueSource]]:
+    """Open factories by event loop (closed loops left out)."""
+    by_loop: dict[asyncio.AbstractEventLoop, list[QueueSource]] = {}
+    with _factories_lock:
+        for factory, loop in _factories.items():
+            if not loop.is_closed() and factory.open_queues():
+                by_loop.setdefault(loop, []).append(factory)
+    return by_loop
+
+
 class Registry:
     """Every queue's series in this process, read by the Prometheus text and OpenTelemetry."""
 
     def __init__(self) -> None:
         self.series: dict[str, QueueSeries] = {}
         self.sinks: list[Sink] = []
-        self.sizes: dict[str, Sizes] = {}
+        self._sizes: dict[asyncio.AbstractEventLoop, dict[str, Sizes]] = {}
         self._sizes_at = -float("inf")
         self._refreshing: dict[asyncio.AbstractEventLoop, Future[None]] = {}
         self._lock = threading.Lock()
@@ -141,25 +150,23 @@ class Registry:
     # sizes ----------------------------------------------------------------------------
 
     async def refresh_sizes(self, max_age: float = SIZES_MAX_AGE) -> dict[str, Sizes]:
-        """Read every open queue's sizes unless the last read is younger than ``max_age``."""
+        """Read every open queue's sizes unless the last read is younger than ``max_age``
+        (on the loop of each factory: the blocking API runs its own)."""
         if time.monotonic() - self._sizes_at >= max_age:
-            waits = [asyncio.wrap_future(f) for f in self.request_sizes() if f is not None]
-            for done in asyncio.as_completed(waits):
-                with contextlib.suppress(Exception):  # logged where it happened
-                    await done
-        return dict(self.sizes)
+            waits = [asyncio.wrap_future(f) for f in self.request_sizes()]
+            if waits:  # a loop that stopped running never answers: bounded
+                done, _ = await asyncio.wait(waits, timeout=SIZES_TIMEOUT + 1.0)
+                for read in done:
+                    if not read.cancelled() and read.exception() is not None:
+                        log.warning("reading queue sizes failed: %r", read.exception())
+        return self._merged_sizes()
 
-    def request_sizes(self) -> list[Future[None] | None]:
+    def request_sizes(self) -> list[Future[None]]:
         """Start a read of the sizes on every tracked factory's loop (from any thread;
         OpenTelemetry collects on its own thread). One read at a time per loop."""
-        with _factories_lock:
-            by_loop: dict[asyncio.AbstractEventLoop, list[QueueSource]] = {}
-            for factory, loop in _factories.items():
-                by_loop.setdefault(loop, []).append(factory)
-        started: list[Future[None] | None] = []
+        by_loop = _tracked()
+        started: list[Future[None]] = []
         for loop, factories in by_loop.items():
-            if loop.is_closed():
-                continue
             with self._lock:
                 running = self._refreshing.get(loop)
                 if running is None or running.done():
@@ -177,8 +184,20 @@ class Registry:
         (OpenTelemetry's runs on its own thread), which sees them one collection late."""
         if time.monotonic() - self._sizes_at >= SIZES_MAX_AGE:
             self.request_sizes()
+        return self._merged_sizes()
+
+    def _merged_sizes(self) -> dict[str, Sizes]:
+        """The last sizes read on every loop that still has open factories."""
+        live = _tracked()
+        merged: dict[str, Sizes] = {}
         with self._lock:
-            return dict(self.sizes)
+            for loop in list(self._sizes):
+                if loop in live:
+                    for name, sizes in self._sizes[loop].items():
+                        merged.setdefault(name, sizes)
+                else:
+                    del self._sizes[loop]
+        return merged
 
     async def _read(self, factories: list[QueueSource]) -> None:
         queues: dict[str, SizedQueue] = {}
@@ -197,12 +216,8 @@ class Registry:
                 log.debug("sizes of queue %r not read: %r", name, result)
             else:
                 fresh[name] = result
-        with self._lock:
-            # Queues of other loops keep their last sizes; those of these factories that
-            # failed or closed are dropped rather than shown stale.
-            for name in names:
-                self.sizes.pop(name, None)
-            self.sizes.update(fresh)
+        with self._lock:  # a queue that failed or closed is left out rather than shown stale
+            self._sizes[asyncio.get_running_loop()] = fresh
             self._sizes_at = time.monotonic()
 
     # the Prometheus text --------------------------------------------------------------
