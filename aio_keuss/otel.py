@@ -29,11 +29,15 @@ if TYPE_CHECKING:
 METER_NAME = "aio_keuss"
 
 
-def enable_opentelemetry(meter_provider: MeterProvider | None = None) -> None:
+def enable_opentelemetry(
+    meter_provider: MeterProvider | None = None, *, delivery_latency: bool = True
+) -> None:
     """Count queue events in this process and export them through OpenTelemetry.
 
     ``meter_provider``: where the instruments are created; by default the global one
-    (``opentelemetry.metrics.get_meter_provider()``). Calling it again replaces the
+    (``opentelemetry.metrics.get_meter_provider()``). ``delivery_latency=False`` leaves out
+    the delivery latency histogram, the one instrument recorded once per delivered message
+    (a few microseconds each with the SDK). Calling it again replaces the
     instruments of the previous call (which then report nothing); ``aio_keuss.disable_metrics``
     stops both. Raises :class:`~aio_keuss.MissingDependencyError` without the ``otel`` extra.
     """
@@ -45,14 +49,16 @@ def enable_opentelemetry(meter_provider: MeterProvider | None = None) -> None:
     for old in [s for s in registry.sinks if isinstance(s, _OtelSink)]:
         registry.sinks.remove(old)
     provider = meter_provider or metrics.get_meter_provider()
-    registry.sinks.append(_OtelSink(registry, provider))
+    registry.sinks.append(_OtelSink(registry, provider, delivery_latency))
 
 
 class _OtelSink:
     """The instruments of one ``enable_opentelemetry`` call, reporting while its registry
     is the active one and it is still the registry's sink."""
 
-    def __init__(self, registry: observe.Registry, provider: MeterProvider) -> None:
+    def __init__(
+        self, registry: observe.Registry, provider: MeterProvider, delivery_latency: bool
+    ) -> None:
         from opentelemetry.metrics import Observation
 
         self._registry = registry
@@ -71,12 +77,14 @@ class _OtelSink:
             unit="{message}",
             description="Messages in the queue by state (ready, scheduled, reserved).",
         )
-        self._latency: Histogram = meter.create_histogram(
-            "aio_keuss.queue.delivery_latency",
-            unit="s",
-            description="From when a message became deliverable to when it was handed out.",
-            explicit_bucket_boundaries_advisory=LATENCY_BUCKETS,
-        )
+        self._latency: Histogram | None = None
+        if delivery_latency:
+            self._latency = meter.create_histogram(
+                "aio_keuss.queue.delivery_latency",
+                unit="s",
+                description="From when a message became deliverable to when it was handed out.",
+                explicit_bucket_boundaries_advisory=LATENCY_BUCKETS,
+            )
         self._durations: Histogram = meter.create_histogram(
             "aio_keuss.handler.duration",
             unit="s",
@@ -116,6 +124,8 @@ class _OtelSink:
         return found
 
     def latency(self, queue: str, seconds: Sequence[float]) -> None:
+        if self._latency is None:
+            return
         attributes = self._queue(queue)
         record = self._latency.record
         for value in seconds:

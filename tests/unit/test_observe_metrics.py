@@ -239,3 +239,29 @@ def _get(port: int, path: str) -> str:
                 raise
         time.sleep(0.1)
     raise AssertionError(f"nothing listens on port {port}")
+
+
+async def test_the_per_message_latency_instrument_can_be_left_out() -> None:
+    reader = otel_export.InMemoryMetricReader()
+    provider = otel_sdk.MeterProvider(metric_readers=[reader])
+    aio_keuss.enable_opentelemetry(provider, delivery_latency=False)
+    async with aio_keuss.connect("memory") as factory:
+        q = await factory.queue("jobs")
+        await q.push(1)
+        assert await q.pop() is not None
+        points = otel_points(reader)
+        assert "aio_keuss.queue.delivery_latency" not in points
+        assert point(points["aio_keuss.queue.delivered"], queue="jobs").value == 1
+        registry = observe.active
+        assert registry is not None and registry.series["jobs"].latency.count == 1
+
+
+def test_enable_opentelemetry_without_the_package_names_the_extra(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import sys
+
+    monkeypatch.setitem(sys.modules, "opentelemetry", None)  # import fails as if absent
+    with pytest.raises(aio_keuss.MissingDependencyError, match=r"aio-keuss\[otel\]"):
+        aio_keuss.enable_opentelemetry()
+    assert observe.active is None  # nothing half-enabled
