@@ -24,7 +24,13 @@ from .metrics import DURATION_BUCKETS, QUEUE_COUNTERS, SIZE_STATES
 from .observe import LATENCY_BUCKETS
 
 if TYPE_CHECKING:
-    from opentelemetry.metrics import CallbackOptions, Histogram, MeterProvider, Observation
+    from opentelemetry.metrics import (
+        CallbackOptions,
+        Histogram,
+        Meter,
+        MeterProvider,
+        Observation,
+    )
 
 METER_NAME = "aio_keuss"
 
@@ -79,17 +85,17 @@ class _OtelSink:
         )
         self._latency: Histogram | None = None
         if delivery_latency:
-            self._latency = meter.create_histogram(
+            self._latency = _histogram(
+                meter,
                 "aio_keuss.queue.delivery_latency",
-                unit="s",
-                description="From when a message became deliverable to when it was handed out.",
-                explicit_bucket_boundaries_advisory=LATENCY_BUCKETS,
+                "From when a message became deliverable to when it was handed out.",
+                LATENCY_BUCKETS,
             )
-        self._durations: Histogram = meter.create_histogram(
+        self._durations = _histogram(
+            meter,
             "aio_keuss.handler.duration",
-            unit="s",
-            description="How long consumer handlers ran, by outcome.",
-            explicit_bucket_boundaries_advisory=DURATION_BUCKETS,
+            "How long consumer handlers ran, by outcome.",
+            DURATION_BUCKETS,
         )
         self._attributes: dict[str, dict[str, str]] = {}
 
@@ -133,6 +139,17 @@ class _OtelSink:
 
     def handled(self, queue: str, seconds: float, outcome: str) -> None:
         self._durations.record(seconds, {"queue": queue, "outcome": outcome})
+
+
+def _histogram(meter: Meter, name: str, description: str, bounds: Sequence[float]) -> Histogram:
+    """A histogram in seconds with our bucket bounds as advice (the API takes advice since
+    1.30; before, the SDK's default bounds apply unless a View sets them)."""
+    try:
+        return meter.create_histogram(
+            name, unit="s", description=description, explicit_bucket_boundaries_advisory=bounds
+        )
+    except TypeError:
+        return meter.create_histogram(name, unit="s", description=description)
 
 
 def _version() -> str | None:

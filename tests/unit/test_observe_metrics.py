@@ -182,7 +182,9 @@ async def test_opentelemetry_instruments_read_the_registry() -> None:
         assert point(points["aio_keuss.queue.pushed"], queue="jobs").value == 3
         assert point(points["aio_keuss.queue.delivered"], queue="jobs").value == 1
         assert point(points["aio_keuss.queue.acked"], queue="jobs").value == 1
-        assert point(points["aio_keuss.queue.delivery_latency"], queue="jobs").count == 1
+        latency = point(points["aio_keuss.queue.delivery_latency"], queue="jobs")
+        assert latency.count == 1
+        assert tuple(latency.explicit_bounds) == observe.LATENCY_BUCKETS  # our advice
         ready = point(points["aio_keuss.queue.messages"], queue="jobs", state="ready")
         assert ready.value == 2
 
