@@ -91,8 +91,12 @@ _factories_lock = threading.Lock()
 
 def track(factory: QueueSource) -> None:
     """Remember a factory (weakly) and its event loop, to read its queues' sizes."""
+    try:
+        loop = asyncio.get_running_loop()
+    except RuntimeError:  # built by hand outside a loop: its sizes cannot be read
+        return
     with _factories_lock:
-        _factories[factory] = asyncio.get_running_loop()
+        _factories[factory] = loop
 
 
 def _tracked() -> dict[asyncio.AbstractEventLoop, list[QueueSource]]:
@@ -118,10 +122,9 @@ class Registry:
 
     def queue(self, name: str) -> QueueSeries:
         found = self.series.get(name)
-        if found is None:
-            found = self.series[name] = QueueSeries(
-                name, Histogram(LATENCY_BUCKETS), Histogram(DURATION_BUCKETS)
-            )
+        if found is None:  # setdefault: two event loop threads never make two
+            new = QueueSeries(name, Histogram(LATENCY_BUCKETS), Histogram(DURATION_BUCKETS))
+            found = self.series.setdefault(name, new)
         return found
 
     # what the queue layer reports ---------------------------------------------------

@@ -267,3 +267,20 @@ def test_enable_opentelemetry_without_the_package_names_the_extra(
     with pytest.raises(aio_keuss.MissingDependencyError, match=r"aio-keuss\[otel\]"):
         aio_keuss.enable_opentelemetry()
     assert observe.active is None  # nothing half-enabled
+
+
+def test_queues_of_the_blocking_api_are_read_on_their_own_loop() -> None:
+    from aio_keuss import sync
+
+    registry = aio_keuss.enable_metrics()
+    with sync.connect("memory") as factory:
+        q = factory.queue("jobs")
+        q.push_many([1, 2])
+        assert q.pop() is not None
+        # a scrape from another event loop (here: a new one in this thread)
+        sizes = asyncio.run(registry.refresh_sizes(max_age=0))
+        assert sizes["jobs"].size == 1
+        text = asyncio.run(registry.prometheus_text())
+        assert sample(text, "aio_keuss_queue_pushed_total", queue="jobs") == 2
+        assert sample(text, "aio_keuss_queue_delivered_total", queue="jobs") == 1
+        assert registry.cached_sizes()["jobs"].size == 1  # what a collector thread sees
