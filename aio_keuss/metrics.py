@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import bisect
 import math
+from collections import defaultdict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -85,7 +86,7 @@ class QueueSeries:
     queue: str
     latency: Histogram
     handlers: Histogram
-    counts: dict[str, int] = field(default_factory=dict)
+    counts: defaultdict[str, int] = field(default_factory=lambda: defaultdict(int))
 
     def total(self, *counters: str) -> int:
         return sum(self.counts.get(c, 0) for c in counters)

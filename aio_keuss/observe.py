@@ -132,15 +132,19 @@ class Registry:
     def count(self, queue: str, counter: str, n: int) -> None:
         """An event of ``q.stats()`` (put, get, reserve, ...), or ``move``."""
         if n:
-            counts = self.queue(queue).counts
-            counts[counter] = counts.get(counter, 0) + n
+            series = self.series.get(queue) or self.queue(queue)
+            series.counts[counter] += n
 
     def delivered(self, queue: str, stored: Iterable[Stored]) -> None:
         now = time.time()
-        waited = [max(0.0, now - s.mature) for s in stored]
-        histogram = self.queue(queue).latency
+        observe = (self.series.get(queue) or self.queue(queue)).latency.observe
+        if not self.sinks:
+            for s in stored:
+                observe(now - s.mature if now > s.mature else 0.0)
+            return
+        waited = [now - s.mature if now > s.mature else 0.0 for s in stored]
         for seconds in waited:
-            histogram.observe(seconds)
+            observe(seconds)
         for sink in self.sinks:
             sink.latency(queue, waited)
 
