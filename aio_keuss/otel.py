@@ -5,7 +5,8 @@ from the meter provider you configured (yours, or the global one), instruments t
 The counters and the sizes gauge are observable: the SDK reads them when it collects, so a
 message costs no OpenTelemetry call for them; the two histograms are recorded as things
 happen (the OpenTelemetry API has no observable histogram). Names follow the OpenTelemetry
-naming guidelines (dotted, no ``_total``, units in UCUM): see the table in docs/metrics.md.
+naming guidelines (dotted, no ``_total``, units in UCUM); the metrics page of the
+documentation lists them beside their Prometheus names.
 
 Only the API is needed here; the SDK and an exporter (OTLP, Prometheus, ...) are the
 application's choice, configured before or after this call (the instruments of the global
