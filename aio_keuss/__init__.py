@@ -30,6 +30,9 @@ from .errors import (
 )
 from .factory import Factory, connect
 from .message import UNCHANGED, Message
+from .observe import disable as disable_metrics
+from .observe import enable as enable_metrics
+from .otel import enable_opentelemetry
 from .queue import Queue
 from .registry import backend_names
 from .types import Capabilities, KoResult, MessageView, Page, Sizes, State
@@ -72,5 +75,8 @@ __all__ = [
     "__version__",
     "backend_names",
     "connect",
+    "disable_metrics",
+    "enable_metrics",
+    "enable_opentelemetry",
     "run_worker",
 ]

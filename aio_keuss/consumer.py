@@ -47,6 +47,7 @@ from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, Literal, Protocol, cast
 
+from . import observe
 from .errors import (
     ClosedError,
     ConfigError,
@@ -485,21 +486,20 @@ class Consumer:
                     async with asyncio.timeout(self._timeout) as deadline:
                         result = await result
         except asyncio.CancelledError:
-            self.durations.observe(time.monotonic() - started)
+            self._ran(started, "cancelled")
             if self._reserve:
                 await asyncio.shield(
                     self._acknowledge("release", message, self.queue.release(message))
                 )
             raise
         except Exception as exc:
-            self.durations.observe(time.monotonic() - started)
-            failure = self._failure(exc, deadline)
+            failure = self._failure(exc, deadline, started)
             self.failed += 1
             self.queue.handler_failed(message, failure)
             if self._reserve:
                 await self._ko(message)
             return
-        self.durations.observe(time.monotonic() - started)
+        self._ran(started, "ok")
         self.handled += 1
         if self._settle is not None:
             await self._acknowledge("settle", message, self._settle(message, result))
@@ -517,10 +517,15 @@ class Consumer:
         finally:
             self._ack_room.release()
 
-    def _failure(self, exc: Exception, deadline: asyncio.Timeout | None) -> Exception:
-        """What a handler's exception is logged as: past its timeout, a HandlerTimeoutError."""
+    def _failure(
+        self, exc: Exception, deadline: asyncio.Timeout | None, started: float
+    ) -> Exception:
+        """What a handler's exception is logged as: past its timeout, a HandlerTimeoutError
+        (its duration recorded with that outcome)."""
         if deadline is None or not deadline.expired():
+            self._ran(started, "error")
             return exc
+        self._ran(started, "timeout")
         self.timed_out += 1
         failure = HandlerTimeoutError(f"handler ran past its timeout of {self._timeout} s")
         failure.__cause__ = exc
@@ -550,7 +555,7 @@ class Consumer:
                 async with asyncio.timeout(self._timeout) as deadline:
                     await result
         except asyncio.CancelledError:
-            self.durations.observe(time.monotonic() - started)
+            self._ran(started, "cancelled")
             if self._reserve:
                 await asyncio.shield(
                     asyncio.gather(
@@ -559,17 +564,23 @@ class Consumer:
                 )
             raise
         except Exception as exc:
-            self.durations.observe(time.monotonic() - started)
-            failure = self._failure(exc, deadline)
+            failure = self._failure(exc, deadline, started)
             self.failed += len(messages)
             self.queue.handler_failed(messages[0], failure)
             if self._reserve:
                 await asyncio.gather(*(self._ko(m) for m in messages))
             return
-        self.durations.observe(time.monotonic() - started)
+        self._ran(started, "ok")
         self.handled += len(messages)
         if self._reserve:
             await asyncio.gather(*(self._acknowledge("ok", m, self.queue.ok(m)) for m in messages))
+
+    def _ran(self, started: float, outcome: str) -> None:
+        """A handler ended (``ok``, ``error``, ``timeout`` or ``cancelled``): its duration."""
+        seconds = time.monotonic() - started
+        self.durations.observe(seconds)
+        if observe.active is not None:
+            observe.active.handled(self.queue.name, seconds, outcome)
 
     async def _acknowledge(self, doing: str, message: Message, work: Awaitable[Any]) -> Any:
         """ok / ko / release after the handler ran: a failure is logged (as part of an outage)

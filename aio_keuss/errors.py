@@ -27,10 +27,9 @@ class ConfigError(KeussError, ValueError):
 class MissingDependencyError(ConfigError, ImportError):
     """An optional driver is not installed; the message names the extra to install."""
 
-    def __init__(self, extra: str, module: str) -> None:
-        super().__init__(
-            f"the {extra!r} backend needs the {module!r} package: pip install 'aio-keuss[{extra}]'"
-        )
+    def __init__(self, extra: str, module: str, needed_by: str | None = None) -> None:
+        who = needed_by or f"the {extra!r} backend"
+        super().__init__(f"{who} needs the {module!r} package: pip install 'aio-keuss[{extra}]'")
         self.extra = extra
 
 

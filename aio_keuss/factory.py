@@ -8,6 +8,7 @@ from collections.abc import Generator, Mapping
 from types import TracebackType
 from typing import Any
 
+from . import observe
 from .contract import Backend
 from .errors import ClosedError, ConfigError
 from .options import QUEUE_OPTION_NAMES, DeadletterOptions, QueueOptions, check_queue_name
@@ -40,6 +41,7 @@ class Factory:
         self._queues: dict[str, Queue] = {}
         self._opening: dict[str, asyncio.Future[Queue]] = {}
         self._closed = False
+        observe.track(self)  # weakly: metrics read the sizes of its open queues
 
     @property
     def capabilities(self) -> Capabilities:
@@ -94,6 +96,10 @@ class Factory:
         self._queues[name] = queue
         future.set_result(queue)
         return queue
+
+    def open_queues(self) -> list[Queue]:
+        """The queues this factory has open now (none once it is closed)."""
+        return [] if self._closed else list(self._queues.values())
 
     async def list(self) -> dict[str, dict[str, Any]]:
         """Queues known to this backend (from any process) with their options."""

@@ -1,4 +1,5 @@
-"""Counters a consumer keeps about its handlers, and their Prometheus text form.
+"""Counters a consumer keeps about its handlers, the per-queue series the registry of
+:mod:`aio_keuss.observe` keeps, and their Prometheus text form.
 
 The exposition format is the one of the Prometheus documentation ("Exposition formats",
 text-based format 0.0.4): ``# HELP`` and ``# TYPE`` lines, then one sample per line; a
@@ -10,8 +11,13 @@ from __future__ import annotations
 
 import bisect
 import math
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from collections import defaultdict
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .types import Sizes
 
 DURATION_BUCKETS: tuple[float, ...] = (
     0.005,
@@ -72,6 +78,20 @@ class QueueMetrics:
     durations: Histogram
 
 
+@dataclass(slots=True)
+class QueueSeries:
+    """What this process counted about one queue since metrics were enabled: events by
+    ``q.stats()`` counter name (and ``move``), delivery latency and handler durations."""
+
+    queue: str
+    latency: Histogram
+    handlers: Histogram
+    counts: defaultdict[str, int] = field(default_factory=lambda: defaultdict(int))
+
+    def total(self, *counters: str) -> int:
+        return sum(self.counts.get(c, 0) for c in counters)
+
+
 def _label(value: str) -> str:
     return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
 
@@ -114,9 +134,69 @@ def prometheus_text(queues: Iterable[QueueMetrics], prefix: str = "aio_keuss") -
         f"# TYPE {metric} histogram",
     ]
     for q in queues:
-        label = f'queue="{_label(q.queue)}"'
-        for bound, n in q.durations.cumulative():
-            lines.append(f'{metric}_bucket{{{label},le="{_number(bound)}"}} {n}')
-        lines.append(f"{metric}_sum{{{label}}} {_number(q.durations.total)}")
-        lines.append(f"{metric}_count{{{label}}} {q.durations.count}")
+        _histogram(lines, metric, f'queue="{_label(q.queue)}"', q.durations)
+    return "\n".join(lines) + "\n"
+
+
+QUEUE_COUNTERS: tuple[tuple[str, tuple[str, ...], str], ...] = (
+    ("pushed", ("put",), "Messages that entered the queue: pushed, moved or deadlettered in."),
+    ("delivered", ("get", "reserve"), "Messages handed out by pop or reserve."),
+    ("acked", ("commit",), "Reservations committed by ok, moves out included."),
+    ("nacked", ("rollback",), "Reservations rolled back by ko (due again later)."),
+    ("deadlettered", ("deadletter",), "Messages moved to the deadletter queue by a ko."),
+    ("moved", ("move",), "Messages moved out to another queue (pipelines, q.move)."),
+)
+"""(name, ``q.stats()`` counters it adds up, help) of the per-queue counters."""
+
+SIZE_STATES = ("ready", "scheduled", "reserved")
+
+
+def _histogram(lines: list[str], metric: str, label: str, histogram: Histogram) -> None:
+    for bound, n in histogram.cumulative():
+        lines.append(f'{metric}_bucket{{{label},le="{_number(bound)}"}} {n}')
+    lines.append(f"{metric}_sum{{{label}}} {_number(histogram.total)}")
+    lines.append(f"{metric}_count{{{label}}} {histogram.count}")
+
+
+def queue_text(
+    series: Sequence[QueueSeries],
+    sizes: Mapping[str, Sizes],
+    *,
+    handlers: bool = True,
+    prefix: str = "aio_keuss",
+) -> str:
+    """Per-queue counters, sizes (gauges), delivery latency and, with ``handlers``, handler
+    duration histograms in the Prometheus text format."""
+    series = sorted(series, key=lambda s: s.queue)
+    lines: list[str] = []
+    for name, counters, help_text in QUEUE_COUNTERS:
+        metric = f"{prefix}_queue_{name}_total"
+        lines += [f"# HELP {metric} {help_text}", f"# TYPE {metric} counter"]
+        lines += [f'{metric}{{queue="{_label(s.queue)}"}} {s.total(*counters)}' for s in series]
+    metric = f"{prefix}_queue_messages"
+    lines += [
+        f"# HELP {metric} Messages in the queue by state (ready: deliverable now; scheduled:"
+        " waiting for their time; reserved: held by a consumer).",
+        f"# TYPE {metric} gauge",
+    ]
+    for queue in sorted(sizes):
+        found = sizes[queue]
+        values = (found.size, found.scheduled, found.reserved)
+        for state, n in zip(SIZE_STATES, values, strict=True):
+            lines.append(f'{metric}{{queue="{_label(queue)}",state="{state}"}} {n}')
+    metric = f"{prefix}_queue_delivery_latency_seconds"
+    lines += [
+        f"# HELP {metric} From when a message became deliverable to when it was handed out.",
+        f"# TYPE {metric} histogram",
+    ]
+    for s in series:
+        _histogram(lines, metric, f'queue="{_label(s.queue)}"', s.latency)
+    if handlers:
+        metric = f"{prefix}_handler_duration_seconds"
+        lines += [
+            f"# HELP {metric} How long handlers ran, whatever their outcome.",
+            f"# TYPE {metric} histogram",
+        ]
+        for s in series:
+            _histogram(lines, metric, f'queue="{_label(s.queue)}"', s.handlers)
     return "\n".join(lines) + "\n"

@@ -17,7 +17,7 @@ from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Sequence
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
-from . import visibility
+from . import observe, visibility
 from .coalesce import Coalescer
 from .consumer import (
     BatchHandler,
@@ -321,6 +321,8 @@ class Queue:
             stored = await self._fill(source, n, stored, gather, outage, capability)
         if stored:
             self._stats.incr(self.name, counter, len(stored))
+            if observe.active is not None:
+                observe.active.delivered(self.name, stored)
         return [
             Message(
                 s.id,
@@ -745,6 +747,8 @@ class Queue:
             arrivals[plan.queue] = (min(first, due), count + 1)
         if moved:
             self._stats.incr(self.name, "commit", moved)
+            if observe.active is not None:
+                observe.active.count(self.name, "move", moved)
         for destination, (due, count) in arrivals.items():
             self._signal.insert(destination, due, count)
         return results

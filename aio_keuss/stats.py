@@ -27,6 +27,8 @@ from abc import ABC, abstractmethod
 from collections import defaultdict
 from typing import Any
 
+from . import observe
+
 log = logging.getLogger("aio_keuss.stats")
 
 COUNTERS = ("put", "get", "reserve", "commit", "rollback", "deadletter")
@@ -77,7 +79,10 @@ class StatsStore(ABC):
             await self.flush()
 
     def incr(self, queue: str, counter: str, n: int = 1) -> None:
-        """Count ``n`` events; buffered until the next flush (a local store overrides this)."""
+        """Count ``n`` events; buffered until the next flush (a local store overrides this).
+        Also the one place where metrics (:mod:`aio_keuss.observe`), when enabled, see them."""
+        if observe.active is not None:
+            observe.active.count(queue, counter, n)
         if n:
             if not self._buffer:
                 self._dirty.set()
@@ -220,6 +225,8 @@ class MemoryStats(StatsStore):
         self._options: dict[str, dict[str, Any]] = {}
 
     def incr(self, queue: str, counter: str, n: int = 1) -> None:
+        if observe.active is not None:
+            observe.active.count(queue, counter, n)
         self._counters[queue][counter] += n
 
     async def _apply(self, increments: Increments) -> None:

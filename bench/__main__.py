@@ -357,6 +357,14 @@ def parse_args() -> argparse.Namespace:
         help="event loop: auto = uvloop (libuv, like Node's) when installed, else asyncio's",
     )
     parser.add_argument(
+        "--metrics",
+        choices=("off", "on", "otel"),
+        default="off",
+        help="off: metrics disabled (the default: their cost when nobody asked for them);"
+        " on: aio_keuss.enable_metrics(); otel: enable_opentelemetry with the SDK's"
+        " MeterProvider and an in-memory reader (recording cost, no export)",
+    )
+    parser.add_argument(
         "--set",
         action="append",
         default=[],
@@ -387,7 +395,18 @@ def ensure_test_mongo() -> None:
         raise SystemExit(reason)
 
 
+def enable_metrics(choice: str) -> None:
+    if choice == "on":
+        aio_keuss.enable_metrics()
+    elif choice == "otel":
+        from opentelemetry.sdk.metrics import MeterProvider
+        from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+
+        aio_keuss.enable_opentelemetry(MeterProvider(metric_readers=[InMemoryMetricReader()]))
+
+
 async def main(args: argparse.Namespace, loop: str) -> None:
+    enable_metrics(args.metrics)
     if not args.url and any("mongo" in b for b in args.backend.split(",")):
         ensure_test_mongo()
     rows: list[Row] = []

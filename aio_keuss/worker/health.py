@@ -4,7 +4,10 @@ A deliberately small HTTP/1.1 server on asyncio's streams (one request per conne
 ``Connection: close``): two read-only endpoints do not justify a web framework as a
 dependency. ``/healthz`` answers 200 while every consumer runs and 503 while one reconnects
 or has stopped, which is what a Kubernetes liveness or readiness probe, or a load balancer's
-health check, looks at (the status code; the JSON body is for people).
+health check, looks at (the status code; the JSON body is for people). ``/metrics`` shows
+each consumer's handler counters, then, while metrics are enabled (:mod:`aio_keuss.observe`:
+the worker enables them when it serves this endpoint), every queue's counters, sizes and
+delivery latency.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from collections.abc import Callable, Sequence
 
 import orjson
 
+from .. import observe
 from ..consumer import Consumer
 from ..metrics import prometheus_text
 
@@ -87,7 +91,7 @@ class HealthServer:
         try:
             async with asyncio.timeout(READ_TIMEOUT):
                 head = await reader.readuntil(b"\r\n\r\n")
-            status, content_type, body = self._answer(head)
+            status, content_type, body = await self._answer(head)
         except asyncio.LimitOverrunError:
             status, content_type, body = 431, "text/plain", b"request head too large\n"
         except (TimeoutError, asyncio.IncompleteReadError):
@@ -113,7 +117,7 @@ class HealthServer:
         finally:
             writer.close()
 
-    def _answer(self, head: bytes) -> tuple[int, str, bytes]:
+    async def _answer(self, head: bytes) -> tuple[int, str, bytes]:
         if len(head) > MAX_REQUEST_HEAD:
             return 431, "text/plain", b"request head too large\n"
         parts = head.split(b"\r\n", 1)[0].split(b" ")
@@ -127,5 +131,8 @@ class HealthServer:
             return status, "application/json", body
         if target == b"/metrics":
             text = prometheus_text(c.metrics() for c in self._consumers())
+            registry = observe.active
+            if registry is not None:  # the consumers above show their handler durations
+                text += await registry.prometheus_text(handlers=False)
             return 200, "text/plain; version=0.0.4; charset=utf-8", text.encode()
         return 404, "text/plain", b"try /healthz or /metrics\n"

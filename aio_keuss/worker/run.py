@@ -19,6 +19,7 @@ import signal
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from .. import observe
 from ..consumer import Consumer, Handler
 from ..errors import InvalidInputError, PipelineError
 from ..factory import Factory, connect
@@ -64,7 +65,8 @@ async def run_worker(
     ``prefetch``), opened with ``queue_options``; with ``pipeline``, each station gets
     them unless it says otherwise. ``grace``: seconds running handlers get to
     finish once a stop is asked for. ``health_port``: serve ``/healthz`` and ``/metrics``
-    there (0 picks a free port), on ``health_host``.
+    there (0 picks a free port), on ``health_host``; metrics (:mod:`aio_keuss.observe`) are
+    then enabled from the start, and disabled at the end unless they already were.
 
     Returns once every consumer has stopped and every message it held is acknowledged or
     given back. Signal handlers are installed only while it runs, in the main thread.
@@ -92,6 +94,9 @@ async def run_worker(
     now = asyncio.Event()
     restore = _on_signals(stop, now)
     stopped = False
+    counting = health_port is not None and observe.active is None
+    if counting:
+        observe.enable()
     try:
         if pipeline is not None:
             stations = _pipeline(pipeline, opened)
@@ -128,6 +133,8 @@ async def run_worker(
         finally:
             if health is not None:
                 await health.close()
+            if counting:
+                observe.disable()
             if own is not None:
                 await own.close()
     log.info("worker %d stopped", os.getpid())

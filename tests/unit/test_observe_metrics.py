@@ -1,0 +1,286 @@
+"""Queue metrics on the memory backend: the registry, its Prometheus text, OpenTelemetry."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from own_servers import free_port
+
+import aio_keuss
+from aio_keuss import Message, observe
+
+otel_sdk = pytest.importorskip("opentelemetry.sdk.metrics")
+otel_export = pytest.importorskip("opentelemetry.sdk.metrics.export")
+
+
+@pytest.fixture(autouse=True)
+def metrics_off() -> Iterator[None]:
+    observe.disable()
+    yield
+    observe.disable()
+
+
+def sample(text: str, name: str, **labels: str) -> float:
+    """The value of one sample of a Prometheus text, found by name and exact labels."""
+    wanted = ",".join(f'{k}="{v}"' for k, v in labels.items())
+    prefix = f"{name}{{{wanted}}} " if labels else f"{name} "
+    for line in text.splitlines():
+        if line.startswith(prefix):
+            return float(line[len(prefix) :])
+    raise AssertionError(f"no {prefix!r} in:\n{text}")
+
+
+def otel_points(reader: Any) -> dict[str, list[Any]]:
+    """Data points of every instrument a reader collects now, by instrument name."""
+    found: dict[str, list[Any]] = {}
+    data = reader.get_metrics_data()
+    for resource in data.resource_metrics if data is not None else ():
+        for scope in resource.scope_metrics:
+            for metric in scope.metrics:
+                found.setdefault(metric.name, []).extend(metric.data.data_points)
+    return found
+
+
+def point(points: list[Any], **attributes: str) -> Any:
+    for found in points:
+        if dict(found.attributes) == attributes:
+            return found
+    raise AssertionError(f"no point with {attributes} in {points}")
+
+
+async def test_nothing_is_counted_until_metrics_are_enabled() -> None:
+    async with aio_keuss.connect("memory") as factory:
+        q = await factory.queue("jobs")
+        await q.push(1)
+        assert await q.pop() is not None
+        assert observe.active is None
+        registry = aio_keuss.enable_metrics()
+        assert aio_keuss.enable_metrics() is registry  # idempotent
+        await q.push(2)
+        text = await registry.prometheus_text()
+        assert sample(text, "aio_keuss_queue_pushed_total", queue="jobs") == 1
+        assert sample(text, "aio_keuss_queue_delivered_total", queue="jobs") == 0
+        aio_keuss.disable_metrics()
+        await q.push(3)
+        assert observe.active is None
+        assert (await q.stats())["put"] == 3  # q.stats() counts whatever metrics do
+
+
+async def test_counters_follow_every_kind_of_event() -> None:
+    registry = aio_keuss.enable_metrics()
+    options: dict[str, Any] = {"deadletter": {"max_ko": 1, "queue": "dead"}}
+    async with aio_keuss.connect("memory", **options) as factory:
+        q = await factory.queue("jobs")
+        await q.push_many([1, 2, 3, 4])
+        first = await q.reserve()
+        assert first is not None and await q.ok(first)
+        second = await q.reserve()
+        assert second is not None
+        assert await q.ko(second) is aio_keuss.KoResult.ROLLED_BACK
+        third = await q.reserve()
+        assert third is not None and await q.move(third, "next") is not None
+        assert await q.pop() is not None
+        again = await q.reserve()  # the one rolled back, now on its second try
+        assert again is not None and again.id == second.id
+        assert await q.ko(again) is aio_keuss.KoResult.DEADLETTERED
+
+        text = await registry.prometheus_text()
+        expected = {
+            "pushed": 4,
+            "delivered": 5,
+            "acked": 2,  # the ok, and the move out
+            "nacked": 1,
+            "deadlettered": 1,
+            "moved": 1,
+        }
+        for name, value in expected.items():
+            assert sample(text, f"aio_keuss_queue_{name}_total", queue="jobs") == value, name
+        assert sample(text, "aio_keuss_queue_pushed_total", queue="next") == 1
+        assert sample(text, "aio_keuss_queue_pushed_total", queue="dead") == 1
+        assert sample(text, "aio_keuss_queue_delivery_latency_seconds_count", queue="jobs") == 5
+        le_inf = sample(
+            text, "aio_keuss_queue_delivery_latency_seconds_bucket", queue="jobs", le="+Inf"
+        )
+        assert le_inf == 5
+        stats = await q.stats()
+        assert (stats["put"], stats["commit"], stats["rollback"]) == (4, 2, 1)
+
+
+async def test_sizes_are_gauges_read_at_scrape_time_and_kept_briefly() -> None:
+    registry = aio_keuss.enable_metrics()
+    async with aio_keuss.connect("memory") as factory:
+        q = await factory.queue("jobs")
+        await q.push_many([1, 2])
+        await q.push(3, delay=3600)
+        held = await q.reserve()
+        assert held is not None
+        text = await registry.prometheus_text()
+        assert sample(text, "aio_keuss_queue_messages", queue="jobs", state="ready") == 1
+        assert sample(text, "aio_keuss_queue_messages", queue="jobs", state="scheduled") == 1
+        assert sample(text, "aio_keuss_queue_messages", queue="jobs", state="reserved") == 1
+        await q.push(4)
+        sizes = await registry.refresh_sizes(max_age=3600)  # young enough: not read again
+        assert sizes["jobs"].size == 1
+        sizes = await registry.refresh_sizes(max_age=0)
+        assert sizes["jobs"].size == 2
+        # an open queue shows its counters even before anything happened to it
+        await factory.queue("idle")
+        await registry.refresh_sizes(max_age=0)
+        text = await registry.prometheus_text()
+        assert sample(text, "aio_keuss_queue_pushed_total", queue="idle") == 0
+    # a closed factory's queues are no longer read
+    assert "jobs" not in await registry.refresh_sizes(max_age=0)
+
+
+async def test_handler_durations_by_outcome() -> None:
+    registry = aio_keuss.enable_metrics()
+    reader = otel_export.InMemoryMetricReader()
+    aio_keuss.enable_opentelemetry(otel_sdk.MeterProvider(metric_readers=[reader]))
+    assert observe.active is registry  # the same registry feeds both
+    done = asyncio.Event()
+    seen: list[int] = []
+
+    async def handle(message: Message) -> None:
+        seen.append(message.payload)
+        if len(seen) == 3:
+            done.set()
+        if message.payload == 2:
+            raise ValueError("no")
+
+    async with aio_keuss.connect("memory") as factory:
+        q = await factory.queue("jobs")
+        await q.push_many([1, 2, 3])
+        async with q.consume(handle, retry_delay=3600):
+            await done.wait()
+        text = await registry.prometheus_text()
+        assert sample(text, "aio_keuss_handler_duration_seconds_count", queue="jobs") == 3
+        durations = otel_points(reader)["aio_keuss.handler.duration"]
+        assert point(durations, queue="jobs", outcome="ok").count == 2
+        assert point(durations, queue="jobs", outcome="error").count == 1
+
+
+async def test_opentelemetry_instruments_read_the_registry() -> None:
+    reader = otel_export.InMemoryMetricReader()
+    aio_keuss.enable_opentelemetry(otel_sdk.MeterProvider(metric_readers=[reader]))
+    async with aio_keuss.connect("memory") as factory:
+        q = await factory.queue("jobs")
+        await q.push_many([1, 2, 3])
+        message = await q.reserve()
+        assert message is not None and await q.ok(message)
+        registry = observe.active
+        assert registry is not None
+        # the collector runs on the SDK's thread and never waits for the event loop: it
+        # shows the sizes last read (and starts a read when they are old)
+        await registry.refresh_sizes(max_age=0)
+        points = otel_points(reader)
+        assert point(points["aio_keuss.queue.pushed"], queue="jobs").value == 3
+        assert point(points["aio_keuss.queue.delivered"], queue="jobs").value == 1
+        assert point(points["aio_keuss.queue.acked"], queue="jobs").value == 1
+        latency = point(points["aio_keuss.queue.delivery_latency"], queue="jobs")
+        assert latency.count == 1
+        assert tuple(latency.explicit_bounds) == observe.LATENCY_BUCKETS  # our advice
+        ready = point(points["aio_keuss.queue.messages"], queue="jobs", state="ready")
+        assert ready.value == 2
+
+
+async def test_a_new_opentelemetry_call_replaces_the_old_instruments() -> None:
+    first = otel_export.InMemoryMetricReader()
+    second = otel_export.InMemoryMetricReader()
+    aio_keuss.enable_opentelemetry(otel_sdk.MeterProvider(metric_readers=[first]))
+    aio_keuss.enable_opentelemetry(otel_sdk.MeterProvider(metric_readers=[second]))
+    async with aio_keuss.connect("memory") as factory:
+        q = await factory.queue("jobs")
+        await q.push(1)
+        assert "aio_keuss.queue.pushed" not in otel_points(first)
+        assert point(otel_points(second)["aio_keuss.queue.pushed"], queue="jobs").value == 1
+        aio_keuss.disable_metrics()
+        await q.push(2)
+        assert "aio_keuss.queue.pushed" not in otel_points(second)
+
+
+async def test_the_worker_endpoint_shows_queue_metrics_while_it_runs() -> None:
+    port = free_port()
+    stop = asyncio.Event()
+    handled = asyncio.Event()
+
+    async def handle(message: Message) -> None:
+        handled.set()
+
+    async with aio_keuss.connect("memory") as factory:
+        q = await factory.queue("jobs")
+        await q.push("x")
+        worker = asyncio.create_task(
+            aio_keuss.run_worker(handle, "jobs", factory=factory, health_port=port, stop=stop)
+        )
+        await handled.wait()
+        text = await asyncio.to_thread(_get, port, "/metrics")
+        stop.set()
+        await worker
+    assert sample(text, "aio_keuss_handled_total", queue="jobs") >= 0  # the consumer section
+    assert sample(text, "aio_keuss_queue_delivered_total", queue="jobs") == 1
+    assert sample(text, "aio_keuss_queue_messages", queue="jobs", state="ready") == 0
+    assert text.count("# TYPE aio_keuss_handler_duration_seconds histogram") == 1
+    assert observe.active is None  # the worker enabled metrics, and disabled them after
+
+
+def _get(port: int, path: str) -> str:
+    """GET from the worker, which may not listen yet (it starts serving after its consumers)."""
+    for _ in range(300):
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=10) as got:
+                body: bytes = got.read()
+                return body.decode()
+        except urllib.error.URLError as exc:
+            if not isinstance(exc.reason, ConnectionRefusedError):
+                raise
+        time.sleep(0.1)
+    raise AssertionError(f"nothing listens on port {port}")
+
+
+async def test_the_per_message_latency_instrument_can_be_left_out() -> None:
+    reader = otel_export.InMemoryMetricReader()
+    provider = otel_sdk.MeterProvider(metric_readers=[reader])
+    aio_keuss.enable_opentelemetry(provider, delivery_latency=False)
+    async with aio_keuss.connect("memory") as factory:
+        q = await factory.queue("jobs")
+        await q.push(1)
+        assert await q.pop() is not None
+        points = otel_points(reader)
+        assert "aio_keuss.queue.delivery_latency" not in points
+        assert point(points["aio_keuss.queue.delivered"], queue="jobs").value == 1
+        registry = observe.active
+        assert registry is not None and registry.series["jobs"].latency.count == 1
+
+
+def test_enable_opentelemetry_without_the_package_names_the_extra(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import sys
+
+    monkeypatch.setitem(sys.modules, "opentelemetry", None)  # import fails as if absent
+    with pytest.raises(aio_keuss.MissingDependencyError, match=r"aio-keuss\[otel\]"):
+        aio_keuss.enable_opentelemetry()
+    assert observe.active is None  # nothing half-enabled
+
+
+def test_queues_of_the_blocking_api_are_read_on_their_own_loop() -> None:
+    from aio_keuss import sync
+
+    registry = aio_keuss.enable_metrics()
+    with sync.connect("memory") as factory:
+        q = factory.queue("jobs")
+        q.push_many([1, 2])
+        assert q.pop() is not None
+        # a scrape from another event loop (here: a new one in this thread)
+        sizes = asyncio.run(registry.refresh_sizes(max_age=0))
+        assert sizes["jobs"].size == 1
+        text = asyncio.run(registry.prometheus_text())
+        assert sample(text, "aio_keuss_queue_pushed_total", queue="jobs") == 2
+        assert sample(text, "aio_keuss_queue_delivered_total", queue="jobs") == 1
+        assert registry.cached_sizes()["jobs"].size == 1  # what a collector thread sees
