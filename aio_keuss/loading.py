@@ -7,6 +7,7 @@ application and Celery its tasks), so no code is ever evaluated from a string.
 
 from __future__ import annotations
 
+import argparse
 import importlib
 import os
 import sys
@@ -68,3 +69,19 @@ def import_callable(
     if not callable(target):
         raise error(f"{what} {spec!r} is not callable: {target!r}")
     return target
+
+
+def add_connection_flags(parser: argparse.ArgumentParser) -> None:
+    """The flags every command of the console script takes to reach a backend (the worker,
+    the admin commands, the dashboard), resolved with ``AIO_KEUSS_*`` and a config file."""
+    add = parser.add_argument
+    add("--backend", help="backend name (default: memory)")
+    add("--url", help="the backend's URL")
+    add(
+        "--option",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a backend option, e.g. prefix=myapp or schema=jobs (value as JSON when it parses)",
+    )
+    add("--config", help="a TOML file of settings (top level or [worker])")

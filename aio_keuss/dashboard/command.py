@@ -19,6 +19,7 @@ from typing import Any
 
 from ..errors import ConfigError, KeussConnectionError, KeussError
 from ..factory import connect
+from ..loading import add_connection_flags
 from .security import TOKEN_ENV, check_bind
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_UNREACHABLE = 0, 1, 2, 3
@@ -38,17 +39,8 @@ def add_parser(commands: Any) -> None:
             f"{TOKEN_ENV}), which a browser gives once as /?token=..."
         ),
     )
+    add_connection_flags(parser)
     add = parser.add_argument
-    add("--backend", help="backend name (default: memory)")
-    add("--url", help="the backend's URL")
-    add(
-        "--option",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="a backend option, e.g. prefix=myapp or schema=jobs (value as JSON when it parses)",
-    )
-    add("--config", help="a TOML file of settings (top level or [worker]), as for the worker")
     add("--host", default="127.0.0.1", help="address to serve on (default 127.0.0.1)")
     add("--port", type=int, default=8080, help="port (default 8080; 0 takes a free one)")
     add("--token", default=None, help=f"access token (better: the {TOKEN_ENV} variable)")

@@ -41,6 +41,7 @@ from ..errors import (
     NotSupportedError,
 )
 from ..factory import Factory, connect
+from ..loading import add_connection_flags
 from ..message import Message
 from ..options import QUEUE_OPTION_NAMES
 from ..queue import Queue
@@ -401,11 +402,8 @@ async def _pipelines(factory: Factory, args: argparse.Namespace, out: Output) ->
 
 def _connection_flags() -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False)
+    add_connection_flags(common)
     add = common.add_argument
-    add("--backend", help="backend name (default: memory)")
-    add("--url", help="the backend's URL")
-    add("--option", action="append", default=[], metavar="KEY=VALUE", help="a backend option")
-    add("--config", help="a TOML file of settings (top level or [worker])")
     add("--json", action="store_true", help="print JSON for scripts instead of a table")
     return common
 

@@ -18,7 +18,7 @@ from typing import Any
 
 from ..dashboard import command as dashboard_command
 from ..errors import ConfigError, KeussConnectionError, KeussError
-from ..loading import import_callable, import_object
+from ..loading import add_connection_flags, import_callable, import_object
 from . import admin
 from .run import run_worker
 from .settings import WorkerSettings, connection_settings, option_value, resolve
@@ -51,8 +51,7 @@ def _parser() -> argparse.ArgumentParser:
         help="run a pipeline's stations instead: module:attr (a Pipeline, a function of the "
         "factory returning one, or a topology dict) or a .toml file describing it",
     )
-    add("--backend", help="backend name (default: memory)")
-    add("--url", help="the backend's URL")
+    add_connection_flags(worker)
     add("--queue", action="append", dest="queues", help="a queue to consume (repeatable)")
     add("--concurrency", help="handlers running at once, per queue (default 1)")
     add("--timeout", help="seconds a handler may run before it is cancelled and ko-ed")
@@ -61,14 +60,6 @@ def _parser() -> argparse.ArgumentParser:
     add("--log-level", help="debug, info (default), warning, error")
     add("--health-port", help="serve GET /healthz and /metrics on this port")
     add("--health-host", help="the address they are served on (default 127.0.0.1)")
-    add(
-        "--option",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="a backend option, e.g. prefix=myapp or schema=jobs (value as JSON when it parses)",
-    )
-    add("--config", help="a TOML file of settings (top level or [worker])")
     admin.add_commands(commands)
     dashboard_command.add_parser(commands)
     return parser
