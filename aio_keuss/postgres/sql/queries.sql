@@ -25,7 +25,11 @@ RETURNING id
 -- Insert with some user-chosen ids ($8[k] true): an id remembered in ``dedup`` within the
 -- window is refused even though its message is gone; a queued one is refused by the primary
 -- key. Inserted user ids are remembered until now + window ($9). A hundred expired dedup
--- rows of the queue are purged on the way (never ones this statement touches).
+-- rows of the queue are purged on the way (never ones this statement touches), found by
+-- the (queue, expires) index. The dedup check is a scalar subquery, one primary-key probe
+-- per entry: written as EXISTS, the planner may turn it into a hashed subplan that reads
+-- every dedup row of the queue on every insert, which made a bulk load quadratic (an
+-- expression subquery is never hashed: PostgreSQL manual, "Subquery Expressions").
 WITH entry AS (
     SELECT * FROM unnest($2::text[], $3::bytea[], $4::bytea[], $5::float8[], $6::int4[],
                          $7::float8[], $8::bool[])
@@ -44,10 +48,9 @@ WITH entry AS (
     SELECT $1, e.id, coalesce(e.mature, extract(epoch from now())::float8 + e.delay),
            e.tries, e.payload, e.headers
     FROM entry e
-    WHERE NOT (e.dedup AND EXISTS (
-        SELECT 1 FROM {s}.dedup d
-        WHERE d.queue = $1 AND d.id = e.id
-          AND d.expires > extract(epoch from now())::float8))
+    WHERE NOT (e.dedup AND (
+        SELECT d.expires > extract(epoch from now())::float8 FROM {s}.dedup d
+        WHERE d.queue = $1 AND d.id = e.id) IS TRUE)
     ORDER BY e.ord
     ON CONFLICT DO NOTHING
     RETURNING id
