@@ -175,29 +175,33 @@ end
 _INSERT = """
 local now = server_now()
 local window = tonumber(ARGV[1])
-local checked = {}
+local checked, deduped = {}, {}
 for i = 2, #ARGV, 7 do
-  if ARGV[i + 6] ~= '' then checked[#checked + 1] = ARGV[i] end
+  local check = ARGV[i + 6]
+  if check ~= '' then checked[#checked + 1] = ARGV[i] end
+  if check == 'd' then deduped[#deduped + 1] = ARGV[i] end
 end
-local queued = {}
+local queued, held = {}, {}
 if #checked > 0 then
   local scores = read_chunked('ZMSCORE', KEYS[1], checked)
   for k = 1, #checked do
     if scores[k] then queued[checked[k]] = true end
   end
 end
-local purged, flags = false, {}
+if #deduped > 0 then
+  -- purge the expired, then one ZMSCORE for the batch: a ZSCORE per id costs a
+  -- redis.call each, the larger part of the script's time on an idempotent bulk push
+  redis.call('ZREMRANGEBYSCORE', KEYS[6], '-inf', now)
+  local scores = read_chunked('ZMSCORE', KEYS[6], deduped)
+  for k = 1, #deduped do
+    if scores[k] then held[deduped[k]] = true end
+  end
+end
+local flags = {}
 local zadd, pset, hset, tset, dset = {}, {}, {}, {}, {}
 for i = 2, #ARGV, 7 do
   local id, check = ARGV[i], ARGV[i + 6]
-  local fresh = check == '' or not queued[id]
-  if fresh and check == 'd' then
-    if not purged then
-      redis.call('ZREMRANGEBYSCORE', KEYS[6], '-inf', now)
-      purged = true
-    end
-    fresh = not redis.call('ZSCORE', KEYS[6], id)
-  end
+  local fresh = check == '' or not (queued[id] or (check == 'd' and held[id]))
   if fresh then
     if check ~= '' then queued[id] = true end  -- a repeat later in this batch is refused
     local mature = ARGV[i + 4]
