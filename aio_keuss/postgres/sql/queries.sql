@@ -62,6 +62,39 @@ WITH entry AS (
 )
 SELECT id FROM inserted
 
+-- name: insert_dedup_bulk
+-- insert_dedup for a bulk load (a Spark write): every entry has a user id, the same headers
+-- ($4) and delay ($5), and none is a put-back. Two arrays instead of seven to encode, send
+-- and unnest, and no join to find which inserted ids to remember (all of them); the checks
+-- and effects are those of insert_dedup. $6 is the window.
+WITH entry AS (
+    SELECT * FROM unnest($2::text[], $3::bytea[]) WITH ORDINALITY AS e(id, payload, ord)
+), expired AS MATERIALIZED (
+    SELECT x.id FROM {s}.dedup x
+    WHERE x.queue = $1 AND x.expires <= extract(epoch from now())::float8
+      AND x.id <> ALL($2::text[])
+    LIMIT 100 FOR UPDATE SKIP LOCKED
+), purged AS (
+    DELETE FROM {s}.dedup d
+    USING expired x
+    WHERE d.queue = $1 AND d.id = x.id
+), inserted AS (
+    INSERT INTO {s}.messages (queue, id, mature, tries, payload, headers)
+    SELECT $1, e.id, extract(epoch from now())::float8 + $5::float8, 0, e.payload, $4::bytea
+    FROM entry e
+    WHERE (SELECT d.expires > extract(epoch from now())::float8 FROM {s}.dedup d
+           WHERE d.queue = $1 AND d.id = e.id) IS NOT TRUE
+    ORDER BY e.ord
+    ON CONFLICT DO NOTHING
+    RETURNING id
+), remembered AS (
+    INSERT INTO {s}.dedup (queue, id, expires)
+    SELECT $1, i.id, extract(epoch from now())::float8 + $6::float8
+    FROM inserted i
+    ON CONFLICT (queue, id) DO UPDATE SET expires = EXCLUDED.expires
+)
+SELECT id FROM inserted
+
 -- name: get
 -- Pop: delete up to $2 mature messages, earliest first, skipping rows other consumers hold
 -- locked. The pick is MATERIALIZED: a ``LIMIT ... FOR UPDATE SKIP LOCKED`` subquery inlined
