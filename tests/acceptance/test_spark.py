@@ -140,6 +140,24 @@ def test_retried_task_pushes_each_row_once(
     assert sorted(p["n"] for p in payloads) == list(range(2000))
 
 
+def test_rerun_of_a_job_with_batches_in_flight_pushes_each_row_once(
+    spark: SparkSession, target: tuple[str, dict[str, Any]]
+) -> None:
+    """Small batches keep several pushes of a task on the wire at once; a timestamp column
+    sends each batch back once to be made plain. Run twice with one job_key: same ids, so
+    the second run adds nothing, and every row of the first is there once."""
+    backend, opts = target
+    rows = 3000
+    df = spark.range(rows, numPartitions=3).selectExpr(
+        "id", "timestamp_seconds(id) AS at", "concat('r-', id) AS name"
+    )
+    for _ in range(2):
+        _writer(df, backend, opts, "rerun", batch_size=100, job_key="job-7").save()
+    payloads = _drain(backend, opts, "rerun")
+    assert sorted(p["id"] for p in payloads) == list(range(rows))
+    assert all(p["name"] == f"r-{p['id']}" and isinstance(p["at"], str) for p in payloads)
+
+
 def test_bad_options_fail_before_writing(
     spark: SparkSession, target: tuple[str, dict[str, Any]]
 ) -> None:
