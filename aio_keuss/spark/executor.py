@@ -154,14 +154,21 @@ class _Pusher:
         self.index = 0
         self.pushed = 0
         self._pending: deque[tuple[Future[Any], _Batch]] = deque()
+        self._rest: list[Any] = []
+        self._make_plain = False
         self._per_message = spec.headers_column is not None or spec.delay_column is not None
         self._meta = {c for c in (spec.headers_column, spec.delay_column) if c is not None}
 
     def add_many(self, rows: list[Any]) -> None:
-        """Push ``rows`` (dicts, or Rows), ``batch_size`` to a push."""
+        """Push ``rows`` (dicts, or Rows), ``batch_size`` to a push: what is left over waits
+        for the next rows (Arrow batches need not be multiples of ``batch_size``)."""
         size = self.spec.batch_size
-        for start in range(0, len(rows), size):
+        if self._rest:
+            rows = self._rest + rows
+        end = len(rows) - len(rows) % size
+        for start in range(0, end, size):
             self._send(self._batch(rows[start : start + size]))
+        self._rest = rows[end:]
 
     def _batch(self, rows: list[Any]) -> _Batch:
         spec = self.spec
@@ -176,6 +183,8 @@ class _Pusher:
             batch.payloads = [{k: v for k, v in row.items() if k not in meta} for row in rows]
         else:
             batch.payloads = rows
+        if self._make_plain:
+            batch.payloads = [_plain(p) for p in batch.payloads]
         if spec.id_column is not None:
             column, prefix = spec.id_column, spec.id_prefix
             keys = [row[column] for row in rows]
@@ -218,6 +227,8 @@ class _Pusher:
         except InvalidPayloadError:
             # Timestamps, decimals... made plain only when needed: the fast path stays lean.
             # Bad input is refused before anything is written, so pushing again is safe.
+            # The columns stay what they are: later batches are made plain before sending.
+            self._make_plain = True
             batch.payloads = [_plain(p) for p in batch.payloads]
             self._start(batch).result()
         self.pushed += len(batch.payloads)
@@ -226,6 +237,12 @@ class _Pusher:
         """Wait for every batch on the wire; the first failure is raised once all are
         done (a retried task pushes the same ids again: nothing doubles)."""
         failure: BaseException | None = None
+        if self._rest:
+            rest, self._rest = self._rest, []
+            try:
+                self._send(self._batch(rest))
+            except BaseException as exc:
+                failure = exc
         while self._pending:
             future, batch = self._pending.popleft()
             try:

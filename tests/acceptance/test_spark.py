@@ -158,6 +158,26 @@ def test_rerun_of_a_job_with_batches_in_flight_pushes_each_row_once(
     assert all(p["name"] == f"r-{p['id']}" and isinstance(p["at"], str) for p in payloads)
 
 
+def test_arrow_batches_of_any_size_are_pushed_once(target: tuple[str, dict[str, Any]]) -> None:
+    """The executor's path without Spark: record batches of odd sizes are regrouped into
+    pushes of ``batch_size``, row indexes (and so ids) run on across them, and pushing the
+    same batches again with the same id base adds nothing."""
+    import pyarrow as pa
+
+    backend, opts = target
+    sizes = [7, 250, 1, 0, 742, 100]
+    starts = [sum(sizes[:k]) for k in range(len(sizes))]
+    batches = [
+        pa.RecordBatch.from_pydict({"n": list(range(start, start + size))})
+        for start, size in zip(starts, sizes, strict=True)
+    ]
+    spec = keuss_spark.WriteSpec(backend=backend, queue="arrow", options=opts, batch_size=100)
+    for _ in range(2):
+        assert keuss_spark.push_arrow_batches(spec, batches, "job:0") == sum(sizes)
+    payloads = _drain(backend, opts, "arrow")
+    assert sorted(p["n"] for p in payloads) == list(range(sum(sizes)))
+
+
 def test_bad_options_fail_before_writing(
     spark: SparkSession, target: tuple[str, dict[str, Any]]
 ) -> None:
