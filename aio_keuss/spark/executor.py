@@ -137,10 +137,11 @@ class _Batch:
     delays: list[float] = field(default_factory=list)
 
 
-IN_FLIGHT = 2
+IN_FLIGHT = 3
 """Batches a task has on the wire while it prepares the next: the rows of batch k+1 become
-messages while the backend stores batch k. Two suffice to keep a connection busy; more
-would only queue in the client."""
+messages while the backend stores batch k. Three match the inserts a postgres queue runs
+at once (on as many connections); a Redis server is busy with one, the others wait in
+its socket."""
 
 
 class _Pusher:
