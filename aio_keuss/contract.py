@@ -81,6 +81,20 @@ class Entry:
     mature: float | None = None
 
 
+def bulk_load(entries: Sequence[Entry]) -> bool:
+    """True for entries that differ only in id and payload, every id the user's, none a
+    put-back: what ``push_many(..., ids=...)`` makes (a Spark write). A store may send
+    such a batch as two columns rather than one record per entry."""
+    if not entries:
+        return False
+    first = entries[0]
+    headers, delay = first.headers, first.delay
+    return all(
+        e.dedup and e.mature is None and e.tries == 0 and e.delay == delay and e.headers == headers
+        for e in entries
+    )
+
+
 @dataclass(slots=True)
 class Stored:
     """A message as a store hands it out: payload and headers still encoded."""

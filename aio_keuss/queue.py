@@ -208,16 +208,27 @@ class Queue:
             payloads, Sequence
         ):
             raise InvalidInputError("push_many takes a sequence (list, tuple) of payloads")
+        checked: list[str] | None = None
         if ids is not None:
             if isinstance(ids, str) or len(ids) != len(payloads):
                 raise InvalidInputError("ids must be a sequence as long as payloads")
-            ids = [check_id(message_id) for message_id in ids]
+            checked = [check_id(message_id) for message_id in ids]
         seconds = self._delay(delay)
         encoded_headers = encode_headers(headers)
-        entries = [
-            self._entry(payload, seconds, encoded_headers, None if ids is None else ids[i])
-            for i, payload in enumerate(payloads)
-        ]
+        if checked is None:
+            entries = [
+                Entry(new_id(), encode_payload(payload), encoded_headers, seconds)
+                for payload in payloads
+            ]
+        else:
+            if checked:
+                self._require("idempotent")
+            # Ids checked once for the batch, not again per entry: a bulk load (a Spark
+            # write) spends its client time in this loop.
+            entries = [
+                Entry(message_id, encode_payload(payload), encoded_headers, seconds, dedup=True)
+                for message_id, payload in zip(checked, payloads, strict=True)
+            ]
         size = self.options.max_batch
         chunks = [entries[i : i + size] for i in range(0, len(entries), size)]
         await asyncio.gather(*(self._inserts.submit(chunk) for chunk in chunks))

@@ -37,6 +37,7 @@ import functools
 import os
 import threading
 from collections.abc import AsyncGenerator, Awaitable, Callable, Iterator, Sequence
+from concurrent.futures import Future
 from datetime import datetime
 from types import TracebackType
 from typing import Any, TypeVar
@@ -204,6 +205,19 @@ class SyncFactory:
             future.cancel()
             raise
 
+    def call_soon(self, func: Callable[..., Awaitable[T]], *args: Any) -> Future[T]:
+        """Start ``await func(*args)`` on the loop thread and return at once; ``result()`` on
+        the future waits for it. Lets a producer prepare its next batch while the last one
+        is on the wire (a Spark executor pushing a partition)."""
+        if self.closed:
+            raise ClosedError("factory is closed" if self._closed else "factory of the parent")
+        try:
+            return self._portal.start_task_soon(func, *args)
+        except RuntimeError as exc:  # the loop stopped under us: closed by another thread
+            if self.closed:
+                raise ClosedError("factory is closed") from exc
+            raise
+
     def queue(self, name: str, **options: Any) -> SyncQueue:
         """Blocking :meth:`Factory.queue`: the queue ``name``, created on first use."""
         return SyncQueue(self, self.call(functools.partial(self.factory.queue, name, **options)))
@@ -272,6 +286,11 @@ class SyncQueue:
         :class:`aio_keuss.Queue`: several async calls in one hop (``asyncio.gather`` of many
         pushes) instead of one hop each."""
         return self._factory.call(func, self.queue, *args)
+
+    def call_soon(self, func: Callable[..., Awaitable[T]], *args: Any) -> Future[T]:
+        """:meth:`call` without waiting: the future's ``result()`` waits (see
+        :meth:`SyncFactory.call_soon`)."""
+        return self._factory.call_soon(func, self.queue, *args)
 
     def _call(self, func: Callable[..., Awaitable[T]], *args: Any, **kwargs: Any) -> T:
         if kwargs:

@@ -47,6 +47,7 @@ from ..contract import (
     PeekPage,
     Store,
     Stored,
+    bulk_load,
 )
 from ..errors import ConfigError, KeussError
 from ..options import check_bool
@@ -119,6 +120,19 @@ class PostgresStore(Store):
         if not entries:
             return []
         ids = [e.id for e in entries]
+        if bulk_load(entries):
+            rows = await self._db.fetch(
+                self._sql["insert_dedup_bulk"],
+                self.name,
+                ids,
+                [e.payload for e in entries],
+                entries[0].headers,
+                entries[0].delay,
+                self.options.dedup_window,
+            )
+            if len(rows) == len(entries):
+                return [True] * len(entries)
+            return _first_occurrences(ids, {r[0] for r in rows})
         columns: list[Any] = [
             self.name,
             ids,

@@ -46,6 +46,7 @@ from ..contract import (
     PeekPage,
     Store,
     Stored,
+    bulk_load,
     deadletter_tag,
     moved_id,
 )
@@ -168,6 +169,42 @@ local function fetched_reply(n, now, ids, payloads, headers, tries, matures)
 end
 """
 
+# KEYS: z p h t r d. ARGV: dedup window, delay, headers ('' = none), then per entry: id,
+# payload. _INSERT for a bulk load (see ``contract.bulk_load``): every id the user's, so
+# each is looked up in z and d, two arguments an entry instead of seven, and the mature and
+# expiry times formatted once for the batch. Reply: 1 / 0 per entry.
+_INSERT_BULK = """
+local now = server_now()
+local expires = fmt(now + tonumber(ARGV[1]))
+local mature = fmt(now + tonumber(ARGV[2]))
+local headers = ARGV[3]
+local ids = {}
+for i = 4, #ARGV, 2 do ids[#ids + 1] = ARGV[i] end
+local queued = read_chunked('ZMSCORE', KEYS[1], ids)
+redis.call('ZREMRANGEBYSCORE', KEYS[6], '-inf', now)
+local held = read_chunked('ZMSCORE', KEYS[6], ids)
+local seen, flags = {}, {}
+local zadd, pset, hset, dset = {}, {}, {}, {}
+for k = 1, #ids do
+  local id = ids[k]
+  if queued[k] or held[k] or seen[id] then
+    flags[k] = 0
+  else
+    seen[id] = true  -- a repeat later in this batch is refused
+    zadd[#zadd + 1] = mature; zadd[#zadd + 1] = id
+    pset[#pset + 1] = id; pset[#pset + 1] = ARGV[2 * k + 3]
+    if headers ~= '' then hset[#hset + 1] = id; hset[#hset + 1] = headers end
+    dset[#dset + 1] = expires; dset[#dset + 1] = id
+    flags[k] = 1
+  end
+end
+run_chunked('ZADD', KEYS[1], zadd)
+run_chunked('HSET', KEYS[2], pset)
+run_chunked('HSET', KEYS[3], hset)
+run_chunked('ZADD', KEYS[6], dset)
+return flags
+"""
+
 # KEYS: z p h t r d. ARGV: dedup window, then per entry: id, payload, headers ('' = none,
 # read back as {}), delay, absolute mature ('' = now + delay), tries, check ('' = an id the
 # queue generated, unique by construction, so nothing to look up; 'c' = refused while queued;
@@ -175,29 +212,33 @@ end
 _INSERT = """
 local now = server_now()
 local window = tonumber(ARGV[1])
-local checked = {}
+local checked, deduped = {}, {}
 for i = 2, #ARGV, 7 do
-  if ARGV[i + 6] ~= '' then checked[#checked + 1] = ARGV[i] end
+  local check = ARGV[i + 6]
+  if check ~= '' then checked[#checked + 1] = ARGV[i] end
+  if check == 'd' then deduped[#deduped + 1] = ARGV[i] end
 end
-local queued = {}
+local queued, held = {}, {}
 if #checked > 0 then
   local scores = read_chunked('ZMSCORE', KEYS[1], checked)
   for k = 1, #checked do
     if scores[k] then queued[checked[k]] = true end
   end
 end
-local purged, flags = false, {}
+if #deduped > 0 then
+  -- purge the expired, then one ZMSCORE for the batch: a ZSCORE per id costs a
+  -- redis.call each, the larger part of the script's time on an idempotent bulk push
+  redis.call('ZREMRANGEBYSCORE', KEYS[6], '-inf', now)
+  local scores = read_chunked('ZMSCORE', KEYS[6], deduped)
+  for k = 1, #deduped do
+    if scores[k] then held[deduped[k]] = true end
+  end
+end
+local flags = {}
 local zadd, pset, hset, tset, dset = {}, {}, {}, {}, {}
 for i = 2, #ARGV, 7 do
   local id, check = ARGV[i], ARGV[i + 6]
-  local fresh = check == '' or not queued[id]
-  if fresh and check == 'd' then
-    if not purged then
-      redis.call('ZREMRANGEBYSCORE', KEYS[6], '-inf', now)
-      purged = true
-    end
-    fresh = not redis.call('ZSCORE', KEYS[6], id)
-  end
+  local fresh = check == '' or not (queued[id] or (check == 'd' and held[id]))
   if fresh then
     if check ~= '' then queued[id] = true end  -- a repeat later in this batch is refused
     local mature = ARGV[i + 4]
@@ -444,10 +485,11 @@ INSERT_ONE, GET_ONE, RESERVE_ONE, COMMIT_ONE = (
     Script(body) for body in (_INSERT_ONE, _GET_ONE, _RESERVE_ONE, _COMMIT_ONE)
 )
 
-INSERT, GET, RESERVE, COMMIT, ROLLBACK, MOVE, REMOVE, SIZES, NEXT_MATURE = (
+INSERT, INSERT_BULK, GET, RESERVE, COMMIT, ROLLBACK, MOVE, REMOVE, SIZES, NEXT_MATURE = (
     Script(_PRELUDE + body)
     for body in (
         _INSERT,
+        _INSERT_BULK,
         _GET,
         _RESERVE,
         _COMMIT,
@@ -669,6 +711,18 @@ class RedisOQStore(RedisOQVisibility, Store):
         self._run = backend.run_script
 
     async def insert(self, entries: Sequence[Entry]) -> list[bool]:
+        if bulk_load(entries):
+            first = entries[0]
+            args: list[Any] = [
+                self._dedup_window,
+                first.delay,
+                b"" if first.headers == EMPTY_HEADERS else first.headers,
+            ]
+            extend = args.extend
+            for e in entries:
+                extend((e.id, e.payload))
+            flags = await self._run(INSERT_BULK, self._insert_keys, args)
+            return [flag == 1 for flag in flags]
         return await self._insert(entries, check_all=False)
 
     async def _insert(self, entries: Sequence[Entry], *, check_all: bool) -> list[bool]:

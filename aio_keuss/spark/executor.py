@@ -21,11 +21,14 @@ must then be deterministic between attempts, which holds for files, ``range`` an
 
 from __future__ import annotations
 
+import contextlib
 import datetime as _dt
 import decimal
 import os
 import threading
+from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -134,8 +137,16 @@ class _Batch:
     delays: list[float] = field(default_factory=list)
 
 
+IN_FLIGHT = 3
+"""Batches a task has on the wire while it prepares the next: the rows of batch k+1 become
+messages while the backend stores batch k. Three match the inserts a postgres queue runs
+at once (on as many connections); a Redis server is busy with one, the others wait in
+its socket."""
+
+
 class _Pusher:
-    """Turns rows into messages and pushes them in batches through the sync shim."""
+    """Turns rows into messages and pushes them in batches through the sync shim, a whole
+    list of rows at a time (no Python call per row where the payload is the row itself)."""
 
     def __init__(self, spec: WriteSpec, id_base: str | None) -> None:
         self.spec = spec
@@ -143,61 +154,117 @@ class _Pusher:
         self.queue = executor_queue(spec.backend, spec.queue, spec.options)
         self.index = 0
         self.pushed = 0
-        self._batch = _Batch()
+        self._pending: deque[tuple[Future[Any], _Batch]] = deque()
+        self._rest: list[Any] = []
+        self._make_plain = False
         self._per_message = spec.headers_column is not None or spec.delay_column is not None
         self._meta = {c for c in (spec.headers_column, spec.delay_column) if c is not None}
 
-    def add(self, row: Any) -> None:
-        spec, batch = self.spec, self._batch
-        values = row if isinstance(row, dict) else _as_dict(row)
-        payload: Payload
-        if spec.payload_column is not None:
-            payload = _json_value(values[spec.payload_column], spec.payload_column)
-        elif self._meta:
-            payload = {k: v for k, v in values.items() if k not in self._meta}
-        else:
-            payload = values
-        batch.payloads.append(payload)
-        if spec.id_column is not None:
-            key = values[spec.id_column]
-            if key is None or key == "":
-                raise InvalidIdError(f"row {self.index} has no value in id_column")
-            batch.ids.append(f"{spec.id_prefix}{key}")
-        elif self.id_base is not None:
-            batch.ids.append(f"{self.id_base}:{self.index}")
-        if self._per_message:
-            headers = None
-            if spec.headers_column is not None:
-                headers = _json_value(values[spec.headers_column], spec.headers_column)
-            batch.headers.append(headers or None)
-            delay = 0.0
-            if spec.delay_column is not None:
-                delay = values[spec.delay_column] or 0.0
-            batch.delays.append(delay)
-        self.index += 1
-        if len(batch.payloads) >= spec.batch_size:
-            self.flush()
+    def add_many(self, rows: list[Any]) -> None:
+        """Push ``rows`` (dicts, or Rows), ``batch_size`` to a push: what is left over waits
+        for the next rows (Arrow batches need not be multiples of ``batch_size``)."""
+        size = self.spec.batch_size
+        if self._rest:
+            rows = self._rest + rows
+        end = len(rows) - len(rows) % size
+        for start in range(0, end, size):
+            self._send(self._batch(rows[start : start + size]))
+        self._rest = rows[end:]
 
-    def flush(self) -> None:
-        batch = self._batch
+    def _batch(self, rows: list[Any]) -> _Batch:
+        spec = self.spec
+        if not all(type(row) is dict for row in rows):
+            rows = [row if isinstance(row, dict) else _as_dict(row) for row in rows]
+        batch = _Batch()
+        if spec.payload_column is not None:
+            column = spec.payload_column
+            batch.payloads = [_json_value(row[column], column) for row in rows]
+        elif self._meta:
+            meta = self._meta
+            batch.payloads = [{k: v for k, v in row.items() if k not in meta} for row in rows]
+        else:
+            batch.payloads = rows
+        if self._make_plain:
+            batch.payloads = [_plain(p) for p in batch.payloads]
+        if spec.id_column is not None:
+            column, prefix = spec.id_column, spec.id_prefix
+            keys = [row[column] for row in rows]
+            for offset, key in enumerate(keys):
+                if key is None or key == "":
+                    raise InvalidIdError(f"row {self.index + offset} has no value in id_column")
+            batch.ids = [f"{prefix}{key}" for key in keys]
+        elif self.id_base is not None:
+            base = self.id_base
+            batch.ids = [f"{base}:{i}" for i in range(self.index, self.index + len(rows))]
+        if self._per_message:
+            if spec.headers_column is not None:
+                column = spec.headers_column
+                batch.headers = [_json_value(row[column], column) or None for row in rows]
+            else:
+                batch.headers = [None] * len(rows)
+            if spec.delay_column is not None:
+                column = spec.delay_column
+                batch.delays = [row[column] or 0.0 for row in rows]
+            else:
+                batch.delays = [0.0] * len(rows)
+        self.index += len(rows)
+        return batch
+
+    def _send(self, batch: _Batch) -> None:
         if not batch.payloads:
             return
-        self._batch = _Batch()
+        self._pending.append((self._start(batch), batch))
+        while len(self._pending) > IN_FLIGHT:
+            self._settle(*self._pending.popleft())
+
+    def _start(self, batch: _Batch) -> Future[Any]:
+        if not self._per_message:
+            return self.queue.call_soon(_push_many, batch)
+        return self.queue.call_soon(_push_each, batch)
+
+    def _settle(self, future: Future[Any], batch: _Batch) -> None:
         try:
-            self._push(batch)
+            future.result()
         except InvalidPayloadError:
             # Timestamps, decimals... made plain only when needed: the fast path stays lean.
             # Bad input is refused before anything is written, so pushing again is safe.
+            # The columns stay what they are: later batches are made plain before sending.
+            self._make_plain = True
             batch.payloads = [_plain(p) for p in batch.payloads]
-            self._push(batch)
+            self._start(batch).result()
         self.pushed += len(batch.payloads)
 
-    def _push(self, batch: _Batch) -> None:
-        ids = batch.ids or None
-        if not self._per_message:
-            self.queue.push_many(batch.payloads, ids=ids)
-        else:
-            self.queue.call(_push_each, batch)
+    def finish(self) -> int:
+        """Wait for every batch on the wire; the first failure is raised once all are
+        done (a retried task pushes the same ids again: nothing doubles)."""
+        failure: BaseException | None = None
+        if self._rest:
+            rest, self._rest = self._rest, []
+            try:
+                self._send(self._batch(rest))
+            except BaseException as exc:
+                failure = exc
+        while self._pending:
+            future, batch = self._pending.popleft()
+            try:
+                self._settle(future, batch)
+            except BaseException as exc:
+                failure = failure or exc
+        if failure is not None:
+            raise failure
+        return self.pushed
+
+    def abandon(self) -> None:
+        """The rows failed (the task dies): let what is on the wire land before raising,
+        so no push of this attempt outlives it unobserved."""
+        while self._pending:
+            future, _ = self._pending.popleft()
+            with contextlib.suppress(BaseException):
+                future.result()
+
+
+async def _push_many(queue: Queue, batch: _Batch) -> list[str]:
+    return await queue.push_many(batch.payloads, ids=batch.ids or None)
 
 
 async def _push_each(queue: Queue, batch: _Batch) -> list[str]:
@@ -218,24 +285,47 @@ async def _push_each(queue: Queue, batch: _Batch) -> list[str]:
     )
 
 
-def push_rows(spec: WriteSpec, rows: Iterable[Any], id_base: str | None) -> int:
-    """Push ``rows`` (Rows, dicts) as messages; ids are ``f"{id_base}:{row index}"`` unless
-    ``spec`` names an id column or is not idempotent. Returns how many were pushed."""
+def _pusher(spec: WriteSpec, id_base: str | None) -> _Pusher:
     if not spec.idempotent or spec.id_column is not None:
         id_base = None
     elif id_base is None:
         raise ConfigError("idempotent pushes need an id base (job key and partition)")
-    pusher = _Pusher(spec, id_base)
+    return _Pusher(spec, id_base)
+
+
+def _push_lists(spec: WriteSpec, lists: Iterable[list[Any]], id_base: str | None) -> int:
+    pusher = _pusher(spec, id_base)
+    try:
+        for rows in lists:
+            pusher.add_many(rows)
+    except BaseException:
+        pusher.abandon()
+        raise
+    return pusher.finish()
+
+
+def _chunks(rows: Iterable[Any], size: int) -> Iterator[list[Any]]:
+    chunk: list[Any] = []
     for row in rows:
-        pusher.add(row)
-    pusher.flush()
-    return pusher.pushed
+        chunk.append(row)
+        if len(chunk) >= size:
+            yield chunk
+            chunk = []
+    if chunk:
+        yield chunk
+
+
+def push_rows(spec: WriteSpec, rows: Iterable[Any], id_base: str | None) -> int:
+    """Push ``rows`` (Rows, dicts) as messages; ids are ``f"{id_base}:{row index}"`` unless
+    ``spec`` names an id column or is not idempotent. Returns how many were pushed, once
+    every one of them is stored."""
+    return _push_lists(spec, _chunks(rows, spec.batch_size), id_base)
 
 
 def push_arrow_batches(spec: WriteSpec, batches: Iterable[Any], id_base: str | None) -> int:
     """Like :func:`push_rows` for Arrow record batches: ``to_pylist`` builds the row dicts
-    in C, several times faster than Spark's Row objects."""
-    return push_rows(spec, (row for batch in batches for row in batch.to_pylist()), id_base)
+    of a whole batch in C, several times faster than Spark's Row objects."""
+    return _push_lists(spec, (batch.to_pylist() for batch in batches), id_base)
 
 
 def task_partition() -> int:

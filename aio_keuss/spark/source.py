@@ -24,6 +24,7 @@ mature timestamp, payload_bytes binary`` (bytes payloads land in ``payload_bytes
 
 from __future__ import annotations
 
+import itertools
 import threading
 import uuid
 from collections.abc import Iterator, Mapping, Sequence
@@ -44,7 +45,7 @@ from pyspark.sql.types import StructType
 from .. import sync
 from ..errors import ConfigError
 from ..message import Message
-from .executor import executor_factory, push_arrow_batches
+from .executor import executor_factory, push_arrow_batches, push_rows
 from .spec import (
     FORMAT,
     READ_OPTIONS,
@@ -81,23 +82,15 @@ class PushedMessage(WriterCommitMessage):
     count: int
 
 
-def _rows_of(items: Iterator[Any]) -> Iterator[Any]:
-    """Arrow record batches as they are (pushed via ``to_pylist``), Rows wrapped alike."""
-    for item in items:
-        if hasattr(item, "to_pylist"):
-            yield item
-        else:
-            yield _RowBatch(item)
-
-
-class _RowBatch:
-    """One Row posing as a record batch, for the row-based writer of pyspark 4.0."""
-
-    def __init__(self, row: Any) -> None:
-        self.row = row
-
-    def to_pylist(self) -> list[Any]:
-        return [self.row]
+def _push(spec: WriteSpec, items: Iterator[Any], id_base: str | None) -> int:
+    """Arrow record batches (pyspark >= 4.1 hands the Arrow writers nothing else) go in
+    whole; Rows (the row-based writers of pyspark 4.0) are gathered into batches."""
+    first = next(items, None)
+    if first is None:
+        return 0
+    if hasattr(first, "to_pylist"):
+        return push_arrow_batches(spec, itertools.chain((first,), items), id_base)
+    return push_rows(spec, itertools.chain((first,), items), id_base)
 
 
 _checked_lock = threading.Lock()
@@ -131,9 +124,7 @@ class KeussBatchWriter(DataSourceArrowWriter):
     def write(self, iterator: Iterator[Any]) -> PushedMessage:
         context = _context()
         partition = context.partitionId()
-        count = push_arrow_batches(
-            self.spec, _rows_of(iterator), f"{self.spec.job_key}:{partition}"
-        )
+        count = _push(self.spec, iterator, f"{self.spec.job_key}:{partition}")
         return PushedMessage(partition, context.attemptNumber(), count)
 
 
@@ -154,7 +145,7 @@ class KeussStreamWriter(_StreamWriterBase):
                     " id_column (or set idempotent=false)"
                 )
             id_base = f"{job_key}:{batch_id}:{partition}"
-        count = push_arrow_batches(self.spec, _rows_of(iterator), id_base)
+        count = _push(self.spec, iterator, id_base)
         return PushedMessage(partition, context.attemptNumber(), count)
 
     def commit(self, messages: list[WriterCommitMessage | None], batchId: int) -> None:

@@ -140,6 +140,44 @@ def test_retried_task_pushes_each_row_once(
     assert sorted(p["n"] for p in payloads) == list(range(2000))
 
 
+def test_rerun_of_a_job_with_batches_in_flight_pushes_each_row_once(
+    spark: SparkSession, target: tuple[str, dict[str, Any]]
+) -> None:
+    """Small batches keep several pushes of a task on the wire at once; a timestamp column
+    sends each batch back once to be made plain. Run twice with one job_key: same ids, so
+    the second run adds nothing, and every row of the first is there once."""
+    backend, opts = target
+    rows = 3000
+    df = spark.range(rows, numPartitions=3).selectExpr(
+        "id", "timestamp_seconds(id) AS at", "concat('r-', id) AS name"
+    )
+    for _ in range(2):
+        _writer(df, backend, opts, "rerun", batch_size=100, job_key="job-7").save()
+    payloads = _drain(backend, opts, "rerun")
+    assert sorted(p["id"] for p in payloads) == list(range(rows))
+    assert all(p["name"] == f"r-{p['id']}" and isinstance(p["at"], str) for p in payloads)
+
+
+def test_arrow_batches_of_any_size_are_pushed_once(target: tuple[str, dict[str, Any]]) -> None:
+    """The executor's path without Spark: record batches of odd sizes are regrouped into
+    pushes of ``batch_size``, row indexes (and so ids) run on across them, and pushing the
+    same batches again with the same id base adds nothing."""
+    import pyarrow as pa
+
+    backend, opts = target
+    sizes = [7, 250, 1, 0, 742, 100]
+    starts = [sum(sizes[:k]) for k in range(len(sizes))]
+    batches = [
+        pa.RecordBatch.from_pydict({"n": list(range(start, start + size))})
+        for start, size in zip(starts, sizes, strict=True)
+    ]
+    spec = keuss_spark.WriteSpec(backend=backend, queue="arrow", options=opts, batch_size=100)
+    for _ in range(2):
+        assert keuss_spark.push_arrow_batches(spec, batches, "job:0") == sum(sizes)
+    payloads = _drain(backend, opts, "arrow")
+    assert sorted(p["n"] for p in payloads) == list(range(sum(sizes)))
+
+
 def test_bad_options_fail_before_writing(
     spark: SparkSession, target: tuple[str, dict[str, Any]]
 ) -> None:

@@ -50,3 +50,28 @@ async def test_dedup_window_expires(connect: Connect) -> None:
     await q.push(2, id="same")
     message = await q.pop(timeout=1)
     assert message is not None and message.payload == 2
+
+
+async def test_push_many_ids_against_queued_remembered_and_repeated(connect: Connect) -> None:
+    """A batch of user ids (what a Spark write sends: stores take it as two columns) and a
+    batch of pushes that differ in headers (one record per entry) refuse alike: an id
+    queued, an id consumed within the window, and the second of a repeat in the batch."""
+    factory = await connect(dedup_window=60.0)
+    needs(factory, "idempotent")
+    q = await factory.queue("q1")
+    await q.push("consumed", id="a")
+    message = await q.pop(timeout=1)
+    assert message is not None and message.id == "a"
+    await q.push("queued", id="b")
+    ids = ["a", "b", "c", "c", "d"]
+    assert await q.push_many([1, 2, 3, 4, 5], ids=ids) == ids
+    others = ["b", "e", "a", "f"]
+    pushed = await asyncio.gather(
+        *(q.push(n, id=key, headers={"n": n}) for n, key in enumerate(others))
+    )
+    assert pushed == others
+    payloads: dict[str, object] = {}
+    while (got := await q.pop_many(10, timeout=0)) != []:
+        payloads.update((m.id, m.payload) for m in got)
+    assert payloads == {"b": "queued", "c": 3, "d": 5, "e": 1, "f": 3}
+    assert (await q.stats())["put"] == 6

@@ -25,7 +25,11 @@ RETURNING id
 -- Insert with some user-chosen ids ($8[k] true): an id remembered in ``dedup`` within the
 -- window is refused even though its message is gone; a queued one is refused by the primary
 -- key. Inserted user ids are remembered until now + window ($9). A hundred expired dedup
--- rows of the queue are purged on the way (never ones this statement touches).
+-- rows of the queue are purged on the way (never ones this statement touches), found by
+-- the (queue, expires) index. The dedup check is a scalar subquery, one primary-key probe
+-- per entry: written as EXISTS, the planner may turn it into a hashed subplan that reads
+-- every dedup row of the queue on every insert, which made a bulk load quadratic (an
+-- expression subquery is never hashed: PostgreSQL manual, "Subquery Expressions").
 WITH entry AS (
     SELECT * FROM unnest($2::text[], $3::bytea[], $4::bytea[], $5::float8[], $6::int4[],
                          $7::float8[], $8::bool[])
@@ -44,10 +48,9 @@ WITH entry AS (
     SELECT $1, e.id, coalesce(e.mature, extract(epoch from now())::float8 + e.delay),
            e.tries, e.payload, e.headers
     FROM entry e
-    WHERE NOT (e.dedup AND EXISTS (
-        SELECT 1 FROM {s}.dedup d
-        WHERE d.queue = $1 AND d.id = e.id
-          AND d.expires > extract(epoch from now())::float8))
+    WHERE NOT (e.dedup AND (
+        SELECT d.expires > extract(epoch from now())::float8 FROM {s}.dedup d
+        WHERE d.queue = $1 AND d.id = e.id) IS TRUE)
     ORDER BY e.ord
     ON CONFLICT DO NOTHING
     RETURNING id
@@ -55,6 +58,39 @@ WITH entry AS (
     INSERT INTO {s}.dedup (queue, id, expires)
     SELECT DISTINCT $1, i.id, extract(epoch from now())::float8 + $9::float8
     FROM inserted i JOIN entry e ON e.id = i.id AND e.dedup
+    ON CONFLICT (queue, id) DO UPDATE SET expires = EXCLUDED.expires
+)
+SELECT id FROM inserted
+
+-- name: insert_dedup_bulk
+-- insert_dedup for a bulk load (a Spark write): every entry has a user id, the same headers
+-- ($4) and delay ($5), and none is a put-back. Two arrays instead of seven to encode, send
+-- and unnest, and no join to find which inserted ids to remember (all of them); the checks
+-- and effects are those of insert_dedup. $6 is the window.
+WITH entry AS (
+    SELECT * FROM unnest($2::text[], $3::bytea[]) WITH ORDINALITY AS e(id, payload, ord)
+), expired AS MATERIALIZED (
+    SELECT x.id FROM {s}.dedup x
+    WHERE x.queue = $1 AND x.expires <= extract(epoch from now())::float8
+      AND x.id <> ALL($2::text[])
+    LIMIT 100 FOR UPDATE SKIP LOCKED
+), purged AS (
+    DELETE FROM {s}.dedup d
+    USING expired x
+    WHERE d.queue = $1 AND d.id = x.id
+), inserted AS (
+    INSERT INTO {s}.messages (queue, id, mature, tries, payload, headers)
+    SELECT $1, e.id, extract(epoch from now())::float8 + $5::float8, 0, e.payload, $4::bytea
+    FROM entry e
+    WHERE (SELECT d.expires > extract(epoch from now())::float8 FROM {s}.dedup d
+           WHERE d.queue = $1 AND d.id = e.id) IS NOT TRUE
+    ORDER BY e.ord
+    ON CONFLICT DO NOTHING
+    RETURNING id
+), remembered AS (
+    INSERT INTO {s}.dedup (queue, id, expires)
+    SELECT $1, i.id, extract(epoch from now())::float8 + $6::float8
+    FROM inserted i
     ON CONFLICT (queue, id) DO UPDATE SET expires = EXCLUDED.expires
 )
 SELECT id FROM inserted
