@@ -46,9 +46,9 @@ import random
 import re
 import time
 import zlib
-from collections.abc import Sequence
+from collections.abc import Coroutine, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 import orjson
 
@@ -120,6 +120,17 @@ def _stored(flat: list[Any], start: int) -> list[Stored]:
     ]
 
 
+T = TypeVar("T")
+
+
+async def _each(calls: list[Coroutine[Any, Any, T]]) -> list[T]:
+    """Run one script per shard side by side; a lone one is awaited directly (the common
+    case, one message on one shard), sparing the task ``asyncio.gather`` wraps it in."""
+    if len(calls) == 1:
+        return [await calls[0]]
+    return list(await asyncio.gather(*calls))
+
+
 class RedisShardedStore(Store):
     """One queue over ``shards`` magazines."""
 
@@ -189,7 +200,7 @@ class RedisShardedStore(Store):
         await self._touch()
         by_shard = self._route(entries)
         shards = list(by_shard)
-        replies = await asyncio.gather(*(self._insert(s, by_shard[s]) for s in shards))
+        replies = await _each([self._insert(s, by_shard[s]) for s in shards])
         announce: list[Any] = []
         flags: dict[int, bool] = {}
         for shard, reply in zip(shards, replies, strict=True):
@@ -284,15 +295,15 @@ class RedisShardedStore(Store):
             chosen = rotation[: -(-n // FIRE_SHARE)]
             self._rotation = rotation[len(chosen) :] + chosen
             share, extra = divmod(n, len(chosen))
-            replies = await asyncio.gather(
-                *(
+            replies = await _each(
+                [
                     self._run(
                         lua.FIRE,
                         self._keys[s],
                         [self._bases[s], share + (1 if k < extra else 0), delay],
                     )
                     for k, s in enumerate(chosen)
-                )
+                ]
             )
             emptied: list[Any] = []
             for shard, reply in zip(chosen, replies, strict=True):
@@ -327,7 +338,7 @@ class RedisShardedStore(Store):
             for k, flag in zip(members, flags, strict=True):
                 out[k] = flag == 1
 
-        await asyncio.gather(*(one(s, m) for s, m in by_shard.items()))
+        await _each([one(s, m) for s, m in by_shard.items()])
         return out
 
     async def rollback(
@@ -369,7 +380,7 @@ class RedisShardedStore(Store):
             elif reply[2]:
                 announce.extend((shard, reply[0], reply[2]))
 
-        await asyncio.gather(*(one(s, m) for s, m in by_shard.items()))
+        await _each([one(s, m) for s, m in by_shard.items()])
         if announce:
             await self._run(lua.READY_ADD, self._ready, announce)
         if deferred and deadletter is not None:
