@@ -21,6 +21,19 @@ ORDER BY e.ord
 ON CONFLICT DO NOTHING
 RETURNING id
 
+-- name: _purge_dedup
+-- The dedup purge of both idempotent inserts, two CTEs: up to a hundred expired dedup rows of
+-- queue $1, never one of the ids $2 this statement inserts, deleted on the way.
+expired AS MATERIALIZED (
+    SELECT x.id FROM {s}.dedup x
+    WHERE x.queue = $1 AND x.expires <= extract(epoch from now())::float8
+      AND x.id <> ALL($2::text[])
+    LIMIT 100 FOR UPDATE SKIP LOCKED
+), purged AS (
+    DELETE FROM {s}.dedup d
+    USING expired x
+    WHERE d.queue = $1 AND d.id = x.id
+
 -- name: insert_dedup
 -- Insert with some user-chosen ids ($8[k] true): an id remembered in ``dedup`` within the
 -- window is refused even though its message is gone; a queued one is refused by the primary
@@ -34,15 +47,7 @@ WITH entry AS (
     SELECT * FROM unnest($2::text[], $3::bytea[], $4::bytea[], $5::float8[], $6::int4[],
                          $7::float8[], $8::bool[])
            WITH ORDINALITY AS e(id, payload, headers, delay, tries, mature, dedup, ord)
-), expired AS MATERIALIZED (
-    SELECT x.id FROM {s}.dedup x
-    WHERE x.queue = $1 AND x.expires <= extract(epoch from now())::float8
-      AND x.id <> ALL($2::text[])
-    LIMIT 100 FOR UPDATE SKIP LOCKED
-), purged AS (
-    DELETE FROM {s}.dedup d
-    USING expired x
-    WHERE d.queue = $1 AND d.id = x.id
+), {_purge_dedup}
 ), inserted AS (
     INSERT INTO {s}.messages (queue, id, mature, tries, payload, headers)
     SELECT $1, e.id, coalesce(e.mature, extract(epoch from now())::float8 + e.delay),
@@ -69,15 +74,7 @@ SELECT id FROM inserted
 -- and effects are those of insert_dedup. $6 is the window.
 WITH entry AS (
     SELECT * FROM unnest($2::text[], $3::bytea[]) WITH ORDINALITY AS e(id, payload, ord)
-), expired AS MATERIALIZED (
-    SELECT x.id FROM {s}.dedup x
-    WHERE x.queue = $1 AND x.expires <= extract(epoch from now())::float8
-      AND x.id <> ALL($2::text[])
-    LIMIT 100 FOR UPDATE SKIP LOCKED
-), purged AS (
-    DELETE FROM {s}.dedup d
-    USING expired x
-    WHERE d.queue = $1 AND d.id = x.id
+), {_purge_dedup}
 ), inserted AS (
     INSERT INTO {s}.messages (queue, id, mature, tries, payload, headers)
     SELECT $1, e.id, extract(epoch from now())::float8 + $5::float8, 0, e.payload, $4::bytea
