@@ -8,10 +8,10 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import AsyncIterator, Iterator
-from typing import Any
 
 import pytest
 from backends import CASES, BackendCase, new_token
+from metrics_reading import otel_points, point
 from own_servers import free_port
 
 import aio_keuss
@@ -81,23 +81,6 @@ async def _scrape_until(port: int, wanted: dict[str, float], seconds: float = 60
     pytest.fail(f"never saw {wanted} in:\n{text}")
 
 
-def _points(reader: Any) -> dict[str, list[Any]]:
-    found: dict[str, list[Any]] = {}
-    data = reader.get_metrics_data()
-    for resource in data.resource_metrics if data is not None else ():
-        for scope in resource.scope_metrics:
-            for metric in scope.metrics:
-                found.setdefault(metric.name, []).extend(metric.data.data_points)
-    return found
-
-
-def _value(points: list[Any], **attributes: str) -> Any:
-    for found in points:
-        if dict(found.attributes) == attributes:
-            return found
-    raise AssertionError(f"no point with {attributes} in {points}")
-
-
 async def test_worker_metrics_count_pushes_deliveries_acks_and_deadletters(
     factory: aio_keuss.Factory,
 ) -> None:
@@ -146,16 +129,16 @@ async def test_worker_metrics_count_pushes_deliveries_acks_and_deadletters(
 
     registry = observe.active
     await registry.refresh_sizes(max_age=0)  # OpenTelemetry's collector shows the last read
-    points = _points(reader)
-    assert _value(points["aio_keuss.queue.pushed"], queue="jobs").value == 5
-    assert _value(points["aio_keuss.queue.delivered"], queue="jobs").value == 6
-    assert _value(points["aio_keuss.queue.acked"], queue="jobs").value == 4
-    assert _value(points["aio_keuss.queue.nacked"], queue="jobs").value == 1
-    assert _value(points["aio_keuss.queue.deadlettered"], queue="jobs").value == 1
-    assert _value(points["aio_keuss.queue.pushed"], queue="dead").value == 1
-    assert _value(points["aio_keuss.queue.delivery_latency"], queue="jobs").count == 6
+    points = otel_points(reader)
+    assert point(points["aio_keuss.queue.pushed"], queue="jobs").value == 5
+    assert point(points["aio_keuss.queue.delivered"], queue="jobs").value == 6
+    assert point(points["aio_keuss.queue.acked"], queue="jobs").value == 4
+    assert point(points["aio_keuss.queue.nacked"], queue="jobs").value == 1
+    assert point(points["aio_keuss.queue.deadlettered"], queue="jobs").value == 1
+    assert point(points["aio_keuss.queue.pushed"], queue="dead").value == 1
+    assert point(points["aio_keuss.queue.delivery_latency"], queue="jobs").count == 6
     durations = points["aio_keuss.handler.duration"]
-    assert _value(durations, queue="jobs", outcome="ok").count == 4
-    assert _value(durations, queue="jobs", outcome="error").count == 2
-    dead = _value(points["aio_keuss.queue.messages"], queue="dead", state="ready")
+    assert point(durations, queue="jobs", outcome="ok").count == 4
+    assert point(durations, queue="jobs", outcome="error").count == 2
+    dead = point(points["aio_keuss.queue.messages"], queue="dead", state="ready")
     assert dead.value == 1

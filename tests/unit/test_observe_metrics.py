@@ -10,6 +10,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+from metrics_reading import otel_points, point
 from own_servers import free_port
 
 import aio_keuss
@@ -34,24 +35,6 @@ def sample(text: str, name: str, **labels: str) -> float:
         if line.startswith(prefix):
             return float(line[len(prefix) :])
     raise AssertionError(f"no {prefix!r} in:\n{text}")
-
-
-def otel_points(reader: Any) -> dict[str, list[Any]]:
-    """Data points of every instrument a reader collects now, by instrument name."""
-    found: dict[str, list[Any]] = {}
-    data = reader.get_metrics_data()
-    for resource in data.resource_metrics if data is not None else ():
-        for scope in resource.scope_metrics:
-            for metric in scope.metrics:
-                found.setdefault(metric.name, []).extend(metric.data.data_points)
-    return found
-
-
-def point(points: list[Any], **attributes: str) -> Any:
-    for found in points:
-        if dict(found.attributes) == attributes:
-            return found
-    raise AssertionError(f"no point with {attributes} in {points}")
 
 
 async def test_nothing_is_counted_until_metrics_are_enabled() -> None:
