@@ -79,10 +79,14 @@ class StatsStore(ABC):
             await self.flush()
 
     def incr(self, queue: str, counter: str, n: int = 1) -> None:
-        """Count ``n`` events; buffered until the next flush (a local store overrides this).
-        Also the one place where metrics (:mod:`aio_keuss.observe`), when enabled, see them."""
+        """Count ``n`` events. The one place where metrics (:mod:`aio_keuss.observe`), when
+        enabled, see them; the counting itself is :meth:`_add`."""
         if observe.active is not None:
             observe.active.count(queue, counter, n)
+        self._add(queue, counter, n)
+
+    def _add(self, queue: str, counter: str, n: int) -> None:
+        """Buffered until the next flush (a local store overrides this)."""
         if n:
             if not self._buffer:
                 self._dirty.set()
@@ -224,9 +228,7 @@ class MemoryStats(StatsStore):
         self._paused: set[str] = set()
         self._options: dict[str, dict[str, Any]] = {}
 
-    def incr(self, queue: str, counter: str, n: int = 1) -> None:
-        if observe.active is not None:
-            observe.active.count(queue, counter, n)
+    def _add(self, queue: str, counter: str, n: int) -> None:
         self._counters[queue][counter] += n
 
     async def _apply(self, increments: Increments) -> None:
