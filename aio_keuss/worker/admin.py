@@ -45,7 +45,7 @@ from ..loading import add_connection_flags
 from ..message import Message
 from ..options import QUEUE_OPTION_NAMES
 from ..queue import Queue
-from ..types import MessageView
+from ..types import MessageView, Page
 from .settings import connection_settings, option_value
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_UNREACHABLE = 0, 1, 2, 3
@@ -217,15 +217,20 @@ async def _info(factory: Factory, args: argparse.Namespace, out: Output) -> int:
     return EXIT_OK
 
 
-async def _peek(factory: Factory, args: argparse.Namespace, out: Output) -> int:
-    _require(factory, "peek")
-    q = await _open(factory, args.queue)
-    page = await q.page(state=args.state, after=args.after, limit=args.n)
+def _emit_page(out: Output, page: Page) -> int:
+    """A page of messages, and for people where the next one starts."""
     items = [_view(v) for v in page.items]
     out.emit({"items": items, "cursor": page.cursor}, items)
     if page.cursor is not None and not out.as_json:
         out.note(f"more after --after {page.cursor}")
     return EXIT_OK
+
+
+async def _peek(factory: Factory, args: argparse.Namespace, out: Output) -> int:
+    _require(factory, "peek")
+    q = await _open(factory, args.queue)
+    page = await q.page(state=args.state, after=args.after, limit=args.n)
+    return _emit_page(out, page)
 
 
 async def _find(factory: Factory, args: argparse.Namespace, out: Output) -> int:
@@ -334,11 +339,7 @@ async def _history(factory: Factory, args: argparse.Namespace, out: Output) -> i
     page = await q.history(
         since=_time(args.since), until=_time(args.until), limit=args.limit, after=args.after
     )
-    items = [_view(v) for v in page.items]
-    out.emit({"items": items, "cursor": page.cursor}, items)
-    if page.cursor is not None and not out.as_json:
-        out.note(f"more after --after {page.cursor}")
-    return EXIT_OK
+    return _emit_page(out, page)
 
 
 async def _replay(factory: Factory, args: argparse.Namespace, out: Output) -> int:
