@@ -54,11 +54,17 @@ class Coalescer(Generic[Req, Res]):
         self._scheduled = False
         self._tasks: set[asyncio.Task[None]] = set()
         self._inline_done: asyncio.Event | None = None  # set for wait_idle when one ends
+        # The loop, looked up once: on Python 3.11 ``asyncio.get_running_loop()`` costs a
+        # getpid() system call (its fork check), which a call per request would pay.
+        self._loop: asyncio.AbstractEventLoop | None = None
 
     async def submit(self, request: Req) -> Res:
         if self._inline and not self._pending and self._running < self._concurrency:
             return await self._run_inline(request)
-        future: asyncio.Future[Res] = asyncio.get_running_loop().create_future()
+        loop = self._loop
+        if loop is None:
+            loop = self._loop = asyncio.get_running_loop()
+        future: asyncio.Future[Res] = loop.create_future()
         self._pending.append((request, future))
         self._schedule()
         try:
@@ -118,7 +124,8 @@ class Coalescer(Generic[Req, Res]):
             self._running += 1
             # The task leaves ``_tasks`` itself when it ends (cheaper than a done callback,
             # which would cost a loop callback per batch).
-            self._tasks.add(asyncio.get_running_loop().create_task(self._run()))
+            loop = self._loop or asyncio.get_running_loop()
+            self._tasks.add(loop.create_task(self._run()))
 
     def _take_batch(self) -> list[tuple[Req, asyncio.Future[Res]]]:
         batch: list[tuple[Req, asyncio.Future[Res]]] = []

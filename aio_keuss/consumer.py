@@ -341,7 +341,8 @@ class Consumer:
         self.deadlettered = 0
         self.durations = Histogram()
         """Seconds each handler ran, whatever its outcome."""
-        loop = asyncio.get_running_loop()
+        # Kept: on Python 3.11 asyncio.get_running_loop() costs a getpid() call.
+        self._loop = loop = asyncio.get_running_loop()
         self._workers = [loop.create_task(self._work()) for _ in range(concurrency)]
 
     async def __aenter__(self) -> Consumer:
@@ -505,7 +506,7 @@ class Consumer:
             await self._acknowledge("settle", message, self._settle(message, result))
         elif self._reserve and self._prefetch:
             await self._ack_room.acquire()
-            ack = asyncio.get_running_loop().create_task(self._ok_in_background(message))
+            ack = self._loop.create_task(self._ok_in_background(message))
             self._acks.add(ack)
             ack.add_done_callback(self._acks.discard)
         elif self._reserve:

@@ -357,11 +357,10 @@ class Queue:
         """Go on taking until ``n`` are in or ``seconds`` have passed. What was taken is the
         caller's: a cancellation puts it back (a pop's as it was, a reservation released at
         no try), and a failure ends the gathering with what is already in."""
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + seconds
+        deadline = time.monotonic() + seconds
         try:
             while len(stored) < n:
-                remaining = deadline - loop.time()
+                remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     break
                 try:
@@ -390,8 +389,9 @@ class Queue:
 
         With an ``outage`` (``consume`` and ``messages``), a failed round trip is recorded
         there and retried after a capped, jittered backoff instead of raised."""
-        loop = asyncio.get_running_loop()
-        deadline = None if timeout is None else loop.time() + timeout
+        # time.monotonic(), not the loop's clock: asyncio.get_running_loop() costs a getpid()
+        # system call on Python 3.11, on every call of the hot path.
+        deadline = None if timeout is None else time.monotonic() + timeout
         drains = self._drains
         backoff = MIN_WAIT
         failures = 0
@@ -426,7 +426,7 @@ class Queue:
                 else:
                     wait, backoff = min(wait, backoff), backoff * 2
             if deadline is not None:
-                remaining = deadline - loop.time()
+                remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     break
                 wait = min(wait, remaining)

@@ -29,10 +29,10 @@ class Waiter:
 
     __slots__ = ("_future", "wanted", "woken")
 
-    def __init__(self, wanted: int) -> None:
+    def __init__(self, wanted: int, loop: asyncio.AbstractEventLoop) -> None:
         self.wanted = wanted
         self.woken = False
-        self._future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._future: asyncio.Future[None] = loop.create_future()
 
     def wake(self) -> None:
         self.woken = True
@@ -52,10 +52,12 @@ class Waiter:
 class Wakeups:
     """The consumers sleeping on one queue, the longest-sleeping first."""
 
-    __slots__ = ("_line", "announced")
+    __slots__ = ("_line", "_loop", "announced")
 
     def __init__(self) -> None:
         self._line: dict[Waiter, None] = {}  # insertion-ordered
+        # Looked up once: on Python 3.11 asyncio.get_running_loop() costs a getpid() call.
+        self._loop: asyncio.AbstractEventLoop | None = None
         self.announced = 0
         """Announcements so far: a consumer compares it before and after a fetch."""
 
@@ -65,7 +67,10 @@ class Wakeups:
     async def sleep(self, wanted: int, timeout: float) -> bool:
         """Sleep in line until woken (True) or ``timeout`` seconds (False); ``wanted``: how
         many messages the consumer will ask for when it wakes."""
-        waiter = Waiter(wanted)
+        loop = self._loop
+        if loop is None:
+            loop = self._loop = asyncio.get_running_loop()
+        waiter = Waiter(wanted, loop)
         self._line[waiter] = None
         try:
             return await waiter.wait(timeout)
