@@ -36,6 +36,9 @@ class BackendCase:
     setup: Callable[[], str | None] | None = None
     """Run before the case's first test (start a server); returns a skip reason or None."""
     marks: tuple[Any, ...] = field(default=())
+    modules: frozenset[str] | None = None
+    """Test modules (by name) this case runs in; None: all. A variant of a backend whose
+    difference touches only some behaviour need not rerun the rest of the suite."""
 
     @property
     def id(self) -> str:
@@ -154,6 +157,19 @@ CASES: list[BackendCase] = [
         lambda t: {**_postgres(t), "history": True},
         _drop_postgres_schema,
         label="postgres-history",
+        # where messages leave the queue (the history trigger's work) or history is read
+        modules=frozenset(
+            {
+                "test_visibility",
+                "test_input",
+                "test_lifecycle",
+                "test_reserve",
+                "test_deadletter",
+                "test_move",
+                "test_pipeline",
+                "test_batching",
+            }
+        ),
     ),
     BackendCase("bucket-redis", lambda t: {**_redis(t), **_BUCKET_FAST}, _drop_redis_prefix),
     BackendCase(

@@ -16,6 +16,20 @@ import aio_keuss
 Connect = Callable[..., Awaitable[aio_keuss.Factory]]
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Leave out the tests of a case outside the modules it is limited to."""
+    kept, dropped = [], []
+    for item in items:
+        callspec = getattr(item, "callspec", None)
+        backend = callspec.params.get("case") if callspec is not None else None
+        modules = backend.modules if isinstance(backend, BackendCase) else None
+        module = item.module.__name__.rpartition(".")[2] if item.module is not None else ""
+        (dropped if modules is not None and module not in modules else kept).append(item)
+    if dropped:
+        config.hook.pytest_deselected(items=dropped)
+        items[:] = kept
+
+
 @pytest.fixture(params=CASES, ids=lambda case: case.id)
 def case(request: pytest.FixtureRequest) -> BackendCase:
     backend: BackendCase = request.param

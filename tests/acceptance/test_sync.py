@@ -46,7 +46,7 @@ def test_threads_share_one_loop_and_every_message_arrives_once(
     options: tuple[str, dict[str, Any]],
 ) -> None:
     backend, opts = options
-    producers, per_producer, consumers = 16, 500, 4
+    producers, per_producer, consumers = 16, 250, 4
     total = producers * per_producer
     baseline = threading.active_count()
     seen: list[str] = []
