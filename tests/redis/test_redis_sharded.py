@@ -18,7 +18,8 @@ import pytest
 from backends import REDIS_URL, _drop_redis_prefix, new_token
 
 import aio_keuss
-from aio_keuss.redis.sharded import RedisShardedBackend, shard_of
+from aio_keuss.redis.sharded import RedisShardedBackend, RedisShardStorage
+from aio_keuss.sharded.settings import shard_of
 from aio_keuss.types import Sizes
 
 try:
@@ -380,7 +381,7 @@ async def test_expired_messages_are_never_delivered_nor_counted(connect: Connect
     await until(lambda: _sizes_are(q, Sizes(0, 0, 0, 0)))
     assert await q.pop(timeout=0.3) is None
     store = q._store  # type: ignore[attr-defined]
-    expired = sum(shard[8] for shard in await store.shard_sizes())
+    expired = sum(shard.expired for shard in await store.shard_sizes())
     assert expired == 10
 
 
@@ -463,8 +464,9 @@ async def test_on_redis_cluster_shards_spread_and_killed_consumers_lose_nothing(
         async with aio_keuss.connect(
             "redis-sharded", reserve_delay=0.5, poll_interval=0.5, **options, **FAST
         ) as factory:
-            backend = backend_of(factory)
-            slots = {key_slot(backend.shard_base("q", s).encode()) for s in range(4)}
+            storage = backend_of(factory).storage
+            assert isinstance(storage, RedisShardStorage)
+            slots = {key_slot(storage.shard_base("q", s).encode()) for s in range(4)}
             assert len(slots) == 4
             q = await factory.queue("q")
             pushed = await q.push_many(list(range(100)))
