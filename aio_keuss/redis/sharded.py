@@ -64,6 +64,12 @@ class RedisShardStorage(ShardStorage):
         self._shards: dict[str, dict[int, tuple[str, list[str]]]] = {}
 
     @property
+    def uninterruptible(self) -> bool:  # type: ignore[override]
+        """On the fast lane each script's reply refuses cancellation (see
+        ``connection._Reply``); the NOSCRIPT retry awaits only such replies too."""
+        return self._backend.has_fast_lane
+
+    @property
     def run_in_caller(self) -> bool:  # type: ignore[override]
         return self._backend.has_fast_lane
 

@@ -258,6 +258,55 @@ async def test_messages_within_their_ttl_are_delivered(sharded: Connect) -> None
     assert sorted(m.payload for m in got) == list(range(5))
 
 
+# consumers, cancellation -----------------------------------------------------------------
+
+
+async def test_a_consumer_past_the_cap_gets_a_typed_error(sharded: Connect) -> None:
+    factory = await sharded(sweeper=False, max_consumers=1)
+    storage = backend_of(factory).storage
+    q = await factory.queue("q")
+    await q.push("x")
+    assert await storage.enrol("q", "another process", 60.0, 1)
+    with pytest.raises(aio_keuss.TooManyConsumersError):
+        await q.reserve(timeout=0)
+    assert await q.push("a producer is not a consumer")
+    await storage.leave("q", "another process")
+    assert await q.reserve(timeout=1) is not None
+
+
+@pytest.mark.parametrize("op", ["pop_many", "reserve_many"])
+async def test_fetches_over_several_shards_cancelled_anywhere_lose_nothing(
+    sharded: Connect, case: BackendCase, op: str
+) -> None:
+    """Each fetch fires from 4 shards at once; cancelled after 0, 1, 2, ... loop passes, it
+    still hands what it took back to the queue (popped: put back; reserved: released)."""
+    q = await (await sharded(sweeper=False, reserve_delay=3600.0)).queue("q")
+    # in the caller's task wherever replies refuse cancellation (not through redis-py)
+    assert store_of(q).uninterruptible == (case.id != "redis-sharded-cluster")
+    total = 400
+    await q.push_many(list(range(total)))
+    received: list[int] = []
+    for ticks in range(12):
+        task = asyncio.create_task(getattr(q, op)(64, timeout=0))
+        for _ in range(ticks):
+            await asyncio.sleep(0)
+        task.cancel()
+        (outcome,) = await asyncio.gather(task, return_exceptions=True)
+        if not isinstance(outcome, BaseException):  # it ended before the cancel came
+            for message in outcome:
+                assert op == "pop_many" or await q.ok(message)
+                received.append(message.payload)
+    left: list[int] = []
+
+    async def all_back() -> bool:
+        left.extend(m.payload for m in await q.pop_many(500, timeout=0))
+        return len(received) + len(left) >= total
+
+    await until(all_back)  # put-backs are written in the background
+    assert sorted(received + left) == list(range(total))
+    assert await q.sizes() == Sizes(0, 0, 0, 0)
+
+
 # delays ---------------------------------------------------------------------------------
 
 
