@@ -98,7 +98,7 @@ class _Shard:
     def next_scheduled(self) -> float | None:
         return self.schedule[0][0] if self.schedule else None
 
-    def drop(self, record: _Record) -> None:
+    def forget(self, record: _Record) -> None:
         self.where.pop(record.id, None)
 
     def put(self, record: _Record) -> None:
@@ -157,7 +157,7 @@ class _Shard:
                 if not record.dead(now):
                     return
                 del self.magazine[self.fire]
-                self.drop(record)
+                self.forget(record)
                 self.expired += 1
             self.fire += 1
 
@@ -256,7 +256,7 @@ class MemoryShardStorage(ShardStorage):
             record = s.magazine.get(s.fire)
             if record is not None and record.dead(now):
                 del s.magazine[s.fire]
-                s.drop(record)
+                s.forget(record)
                 s.expired += 1
             elif record is not None:
                 if deadline is not None:
@@ -264,7 +264,7 @@ class MemoryShardStorage(ShardStorage):
                     s.fired += 1
                 else:
                     del s.magazine[s.fire]
-                    s.drop(record)
+                    s.forget(record)
                 messages.append(
                     Stored(record.id, record.payload, record.headers, record.tries, record.mature)
                 )
@@ -278,7 +278,7 @@ class MemoryShardStorage(ShardStorage):
             found = s.held(ack.id, ack.tries)
             if found is not None:
                 del s.magazine[found[0]]
-                s.drop(found[1])
+                s.forget(found[1])
                 s.fired -= 1
             out.append(found is not None)
         return out
@@ -352,7 +352,7 @@ class MemoryShardStorage(ShardStorage):
                 del s.magazine[s.sweep]
                 s.fired -= 1
                 if record.dead(now):
-                    s.drop(record)
+                    s.forget(record)
                     s.expired += 1
                 else:
                     s.sideline[s.side_load] = record
@@ -378,7 +378,7 @@ class MemoryShardStorage(ShardStorage):
         while s.side_fire < s.side_load and handled < batch:
             record = s.sideline.pop(s.side_fire, None)
             if record is not None and record.dead(now):
-                s.drop(record)
+                s.forget(record)
                 s.expired += 1
                 handled += 1
             elif record is not None:
