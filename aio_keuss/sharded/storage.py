@@ -30,19 +30,19 @@ lets the ready index tell a consumer's stale "this shard is empty" from a produc
 Times are the storage's own clock (a server's, where there is one), float seconds since the
 epoch. The storage checks nothing the generic layer checked already (names, counts, bounds).
 
-On Aerospike (IgnisMQ's storage; see Aerospike's documentation on records, bins,
-``operate()``, map operations, record TTLs and transactions, in general terms) the layout
-would be: a record per message keyed by queue / shard / pointer (bins: id, payload, headers,
-tries, mature, deadline, end of life); a *magazine record* per shard whose bins are the
-pointers and counters, each pointer taken by one ``operate()`` (increment and read, atomic
-on that record) so two writers never get the same one; the id index, dedup windows and
-schedule as map bins of the magazine record (a sorted map for the schedule); the ready
-index, the consumers, the metadata record and the leader lease one record each, with map
-bins, record TTLs and generation-checked writes. Aerospike's ``operate()`` is atomic on one
-record; a step here that changes several records needs a multi-record transaction where
-the server offers them, or IgnisMQ's ordering: take the pointer first, then write the
-message records, so that a crash in between leaves a gap the walks pass over or a message
-delivered again, never one lost or held by two. Each method below says what it needs.
+On Aerospike (IgnisMQ's storage; Aerospike's documentation describes records, bins,
+``operate()``, map operations, record TTLs and transactions) the layout would be: a record
+per message keyed by queue / shard / pointer (bins: id, payload, headers, tries, mature,
+deadline, end of life); a *magazine record* per shard whose bins are the pointers and
+counters, each pointer taken by one ``operate()`` (increment and read, atomic on that
+record) so two writers never get the same one; the id index, dedup windows and schedule as
+map bins of the magazine record (a sorted map for the schedule); the ready index, the
+consumers, the metadata record and the leader lease one record each, with map bins, record
+TTLs and generation-checked writes. Aerospike's ``operate()`` is atomic on one record; a
+step here that changes several records needs a multi-record transaction where the server
+offers them, or its writes ordered: take the pointer first, then write the message records,
+so that a crash in between leaves a gap the walks pass over or a message delivered again,
+never one lost or held by two. Each method below says what it needs.
 """
 
 from __future__ import annotations
