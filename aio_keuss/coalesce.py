@@ -235,3 +235,70 @@ async def stop_task(task: asyncio.Task[Any]) -> None:
         await asyncio.wait((task,), timeout=RECANCEL_PERIOD)
     if not task.cancelled():
         task.exception()
+
+
+class SideBySide(Generic[T]):
+    """Awaits several coroutines in the current task, side by side: each is started (run
+    to its first suspension) before any is awaited, so where each first awaits the reply to
+    a request it has just sent, every request is on the wire before the first reply is
+    awaited, as with ``asyncio.gather``, but with no task per coroutine. Then each is driven
+    to its end in turn, its steps yielded to the task as they are: under :class:`RunToEnd` a
+    cancellation that arrives during a reply that refuses it is held like any other, and
+    the work of every coroutine completes.
+
+    An exception thrown into a step goes to the coroutine that awaited it. A failure of one
+    coroutine is raised once the others have ended (their results are then lost, as with
+    gather); a cancellation or any other BaseException closes the others at once."""
+
+    __slots__ = ("_coros",)
+
+    def __init__(self, coros: list[Coroutine[Any, Any, T]]) -> None:
+        self._coros = coros
+
+    def __await__(self) -> Generator[Any, None, list[T]]:
+        coros = self._coros
+        results: list[Any] = [None] * len(coros)
+        failure: Exception | None = None
+        started: list[tuple[int, Any]] = []
+        for i, coro in enumerate(coros):
+            try:
+                started.append((i, coro.send(None)))
+            except StopIteration as stop:
+                results[i] = stop.value
+            except Exception as exc:
+                failure = failure or exc
+            except BaseException:
+                _close(coros, i + 1)
+                for j, _ in started:
+                    coros[j].close()
+                raise
+        for k, (i, step) in enumerate(started):
+            coro = coros[i]
+            while True:
+                error: BaseException | None = None
+                try:
+                    yield step
+                except BaseException as exc:  # thrown in: the awaiting coroutine's to handle
+                    error = exc
+                try:
+                    step = coro.send(None) if error is None else coro.throw(error)
+                except StopIteration as stop:
+                    results[i] = stop.value
+                    break
+                except Exception as exc:
+                    failure = failure or exc
+                    break
+                except BaseException:
+                    for j, _ in started[k + 1 :]:
+                        coros[j].close()
+                    raise
+        if failure is not None:
+            raise failure
+        done: list[T] = results
+        return done
+
+
+def _close(coros: list[Coroutine[Any, Any, Any]], start: int) -> None:
+    """Close coroutines never started, so none warns that it was never awaited."""
+    for coro in coros[start:]:
+        coro.close()

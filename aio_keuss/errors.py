@@ -82,8 +82,8 @@ class PipelineError(ConfigError):
 
 
 class TooManyConsumersError(KeussError):
-    """A queue already has as many consumers as it allows (``redis-sharded``: at most 100
-    per queue across processes, ``max_consumers``); raised before anything is fetched."""
+    """A queue already has as many consumers as it allows (the sharded backends: at most
+    100 per queue across processes, ``max_consumers``); raised before anything is fetched."""
 
 
 class ClosedError(KeussError):

@@ -11,6 +11,7 @@ from .types import Capabilities
 # name -> (module, class, extra that installs its driver)
 _REGISTRY: dict[str, tuple[str, str, str | None]] = {
     "memory": ("aio_keuss.memory", "MemoryBackend", None),
+    "memory-sharded": ("aio_keuss.sharded.memory", "MemoryShardedBackend", None),
     "redis-list": ("aio_keuss.redis.list", "RedisListBackend", "redis"),
     "redis-oq": ("aio_keuss.redis.oq", "RedisOQBackend", "redis"),
     "redis-reliable": ("aio_keuss.redis.reliable", "RedisReliableBackend", "redis"),

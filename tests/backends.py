@@ -125,6 +125,7 @@ _SHARDED_FAST: dict[str, Any] = {
 
 CASES: list[BackendCase] = [
     BackendCase("memory", _no_options, shared=False),
+    BackendCase("memory-sharded", lambda _: dict(_SHARDED_FAST), shared=False),
     BackendCase("redis-list", _redis, _drop_redis_prefix),
     BackendCase("redis-oq", _redis, _drop_redis_prefix),
     BackendCase(

@@ -1,7 +1,8 @@
-"""redis-sharded specifics, on a real Redis: routing (round-robin, by key, by id), the ready
-index (fair, no empty shards, repaired), sweep -> sideline -> shovel with its counters, the
-leader lease, and processes killed with SIGKILL (consumers holding fired records; the
-sweeper's leader)."""
+"""redis-sharded specifics, on a real Redis: the key layout (what existing data is read
+from), several factories sharing one prefix (the shard count a queue keeps, the leader lease,
+the metadata record, the consumer cap), and processes killed with SIGKILL (consumers holding
+fired records; the sweeper's leader), on one Redis and on a Redis Cluster. The model itself,
+on every storage: tests/conformance/test_sharded_model.py and test_shard_storage.py."""
 
 from __future__ import annotations
 
@@ -9,7 +10,6 @@ import asyncio
 import os
 import signal
 import sys
-import zlib
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -18,7 +18,7 @@ import pytest
 from backends import REDIS_URL, _drop_redis_prefix, new_token
 
 import aio_keuss
-from aio_keuss.redis.sharded import RedisShardedBackend, shard_of
+from aio_keuss.redis.sharded import RedisShardedBackend, RedisShardStorage
 from aio_keuss.types import Sizes
 
 try:
@@ -69,14 +69,6 @@ def backend_of(factory: aio_keuss.Factory) -> RedisShardedBackend:
     return backend
 
 
-def ready_key(prefix: str, queue: str) -> str:
-    return f"{prefix}:{{{queue}}}:ready"
-
-
-def meta_key(prefix: str, queue: str, shard: int) -> str:
-    return f"{prefix}:{{{queue}#{shard}}}:m"
-
-
 async def until(condition: Callable[[], Awaitable[bool]], seconds: float = 60.0) -> None:
     """Wait for a condition the background tasks bring about (a bound against hangs, not a
     performance assertion)."""
@@ -87,65 +79,31 @@ async def until(condition: Callable[[], Awaitable[bool]], seconds: float = 60.0)
         await asyncio.sleep(0.05)
 
 
-# routing --------------------------------------------------------------------------------
+# keys, options ---------------------------------------------------------------------------
 
 
-async def test_ids_name_their_shard_and_explicit_ids_hash(connect: Connect) -> None:
-    q = await (await connect(sweeper=False)).queue("q")
-    made = await q.push("x")
-    assert made.rsplit("~", 1)[1] in {"0", "1", "2", "3"}
-    assert shard_of(made, 4) == int(made.rsplit("~", 1)[1])
-    assert shard_of("order-17", 4) == zlib.crc32(b"order-17") % 4
-    assert await q.push("y", id="order-17") == "order-17"
-    assert await q.push("again", id="order-17") == "order-17"  # dedup within its shard
-    assert await q.size() == 2
-
-
-async def test_messages_with_one_key_keep_their_order(connect: Connect, prefix: str) -> None:
-    q = await (await connect(sweeper=False)).queue("q")
-    for i in range(40):
-        await q.push({"key": f"k{i % 3}", "n": i}, headers={"x-shard-key": f"k{i % 3}"})
-    got = await q.pop_many(100, timeout=1)
-    assert len(got) == 40
-    for key in ("k0", "k1", "k2"):
-        shard = zlib.crc32(key.encode()) % 4
-        mine = [m for m in got if m.payload["key"] == key]
-        assert {int(m.id.rsplit("~", 1)[1]) for m in mine} == {shard}
-        numbers = [m.payload["n"] for m in mine]
-        assert numbers == sorted(numbers)
-
-
-async def test_round_robin_spreads_batches_and_reserve_takes_from_each(
+async def test_the_key_layout_is_the_documented_one(
     connect: Connect, redis: aioredis.Redis, prefix: str
 ) -> None:
-    q = await (await connect(sweeper=False)).queue("q")
-    for i in range(8):
-        await q.push(i)
-    assert await redis.zcard(ready_key(prefix, "q")) == 4
-    got = [await q.reserve_many(2, timeout=1) for _ in range(3)]
-    # consumers go round the shards: each fetch from the next one
-    assert len({m.id.rsplit("~", 1)[1] for batch in got for m in batch}) == 3
-    for batch in got:
-        for message in batch:
-            assert await q.ok(message)
-    rest = await q.reserve_many(10, timeout=1)
-    assert len(rest) == 2
-    assert await q.reserve(timeout=0) is None
-    # emptied shards left the index: consumers never look at them
-    assert await redis.zcard(ready_key(prefix, "q")) == 0
-    for message in rest:
-        assert await q.ok(message)
-    assert await q.sizes() == Sizes(0, 0, 0, 0)
-
-
-async def test_a_lost_ready_hint_is_restored_by_the_sweeper(
-    connect: Connect, redis: aioredis.Redis, prefix: str
-) -> None:
-    q = await (await connect()).queue("q")
-    await q.push("stranded")
-    await redis.delete(ready_key(prefix, "q"))  # as if the pusher died between its scripts
-    message = await q.pop(timeout=30)
-    assert message is not None and message.payload == "stranded"
+    q = await (await connect(sweeper=False, shards=1, message_ttl=3600.0)).queue("q")
+    mid = await q.push("x", headers={"k": 1})
+    later = await q.push("y", delay=3600)
+    message = await q.reserve(timeout=1)
+    assert message is not None and message.id == mid
+    base = f"{prefix}:{{q#0}}:"
+    pointers = await redis.hmget(base + "m", "l", "f", "r", "q")
+    assert pointers == [b"1", b"1", b"1", b"1"]
+    record = await redis.hgetall(base + "r:0")
+    assert set(record) == {b"i", b"p", b"h", b"t", b"m", b"x", b"e"}
+    assert record[b"i"] == mid.encode() and record[b"t"] == b"0"
+    assert await redis.hgetall(base + "ix") == {mid.encode(): b"0", later.encode(): b"z0"}
+    assert (await redis.hgetall(base + "q:0"))[b"i"] == later.encode()
+    assert await redis.zrange(base + "z", 0, -1) == [b"0"]
+    assert await redis.zrange(f"{prefix}:{{q}}:ready", 0, -1) == [b"0"]  # due later
+    assert await redis.hget(f"{prefix}:{{q}}:stamps", "0") == b"2"
+    assert await redis.zcard(f"{prefix}:{{q}}:consumers") == 1
+    assert await redis.hget(f"{prefix}:{{q}}:meta", "shards") == b"1"
+    assert await redis.hgetall(f"{prefix}:sharded:queues") == {b"q": b"1"}
 
 
 async def test_a_queue_keeps_the_shard_count_it_was_created_with(connect: Connect) -> None:
@@ -171,35 +129,7 @@ async def test_bad_options_are_refused_before_connecting(bad: dict[str, Any]) ->
         await aio_keuss.connect("redis-sharded", url="redis://127.0.0.1:1/0", **bad)
 
 
-# sweep, sideline, shovel ----------------------------------------------------------------
-
-
-async def test_expired_reservations_are_swept_shoveled_and_counted(
-    connect: Connect, redis: aioredis.Redis, prefix: str
-) -> None:
-    factory = await connect(reserve_delay=0.2)
-    q = await factory.queue("q")
-    pushed = await q.push_many(list(range(20)))
-    held = await q.reserve_many(20, timeout=1)
-    assert sorted(m.id for m in held) == sorted(pushed)
-    again: list[aio_keuss.Message] = []
-    while len(again) < 20:
-        again += await q.reserve_many(20, timeout=30)
-    assert sorted(m.id for m in again) == sorted(pushed)
-    assert {m.tries for m in again} == {1}
-    for message in held:  # the stale holders' ok is refused
-        assert not await q.ok(message)
-    for message in again:
-        assert await q.ok(message)
-    swept = shoveled = 0
-    for shard in range(4):
-        counters = await redis.hmget(meta_key(prefix, "q", shard), "n", "v")
-        swept += int(counters[0] or 0)
-        shoveled += int(counters[1] or 0)
-    assert swept == shoveled == 20
-    sweeper = backend_of(factory)._sweeper
-    assert sweeper is not None and sweeper.swept == sweeper.shoveled == 20
-    assert await q.sizes() == Sizes(0, 0, 0, 0)
+# several factories on one prefix ------------------------------------------------------
 
 
 async def test_one_leader_and_a_takeover_on_close(connect: Connect) -> None:
@@ -330,9 +260,6 @@ async def test_the_sweeper_leader_killed_another_takes_over(
     assert {m.tries for m in again} == {1}
 
 
-# metadata, queue expiry, message TTL ------------------------------------------------------
-
-
 async def test_the_metadata_record_is_read_from_any_process(connect: Connect) -> None:
     first = await connect(sweeper=False, message_ttl=60.0, queue_expiry=3600.0)
     await first.queue("q", reserve_delay=30.0)
@@ -348,56 +275,6 @@ async def test_the_metadata_record_is_read_from_any_process(connect: Connect) ->
     assert await backend_of(other).queue_info("never-opened") is None
 
 
-async def test_an_idle_queue_expires_and_keeps_its_messages(
-    connect: Connect, redis: aioredis.Redis, prefix: str
-) -> None:
-    factory = await connect(queue_expiry=0.2)
-    q = await factory.queue("q")
-    await q.push_many(["a", "b"])
-    await until(lambda: _absent("q", factory.list()))
-    registry = f"{prefix}:sharded:queues"
-    await until(lambda: _false(redis.hexists(registry, "q")))  # the sweeper let it go
-    # its data stayed: using the queue again writes a new record and finds the messages
-    got = await q.pop_many(10, timeout=5)
-    assert sorted(m.payload for m in got) == ["a", "b"]
-    assert "q" in await factory.list()
-
-
-async def _absent(name: str, listing: Awaitable[dict[str, Any]]) -> bool:
-    return name not in await listing
-
-
-async def _false(value: Awaitable[Any]) -> bool:
-    return not await value
-
-
-async def test_expired_messages_are_never_delivered_nor_counted(connect: Connect) -> None:
-    factory = await connect(message_ttl=0.2, reserve_delay=0.2)
-    q = await factory.queue("short")
-    await q.push_many(list(range(10)))
-    held = await q.reserve_many(3, timeout=1)  # fired, then expire while held
-    assert len(held) == 3
-    await until(lambda: _sizes_are(q, Sizes(0, 0, 0, 0)))
-    assert await q.pop(timeout=0.3) is None
-    store = q._store  # type: ignore[attr-defined]
-    expired = sum(shard[8] for shard in await store.shard_sizes())
-    assert expired == 10
-
-
-async def _sizes_are(q: aio_keuss.Queue, sizes: Sizes) -> bool:
-    return await q.sizes() == sizes
-
-
-async def test_messages_within_their_ttl_are_delivered(connect: Connect) -> None:
-    q = await (await connect(message_ttl=3600.0)).queue("long")
-    await q.push_many(list(range(5)))
-    got = await q.pop_many(10, timeout=1)
-    assert sorted(m.payload for m in got) == list(range(5))
-
-
-# consumers ------------------------------------------------------------------------------
-
-
 async def test_consumers_past_the_cap_get_a_typed_error(connect: Connect) -> None:
     factories = [await connect(sweeper=False, max_consumers=2) for _ in range(3)]
     queues = [await f.queue("q") for f in factories]
@@ -411,40 +288,7 @@ async def test_consumers_past_the_cap_get_a_typed_error(connect: Connect) -> Non
     assert await queues[2].pop(timeout=1) is not None
 
 
-def test_at_most_100_consumers_per_queue() -> None:
-    with pytest.raises(aio_keuss.ConfigError):
-        RedisShardedBackend({"max_consumers": 101})
-
-
-# delays ---------------------------------------------------------------------------------
-
-
-async def test_delayed_messages_wait_outside_the_magazine(
-    connect: Connect, redis: aioredis.Redis, prefix: str
-) -> None:
-    q = await (await connect(sweeper=False)).queue("q")
-    await q.push("later", delay=3600)
-    assert await q.sizes() == Sizes(0, 1, 1, 0)
-    assert await q.pop(timeout=0) is None
-    # the shard waits in the index until its first scheduled record matures
-    scores = await redis.zrange(ready_key(prefix, "q"), 0, -1, withscores=True)
-    assert len(scores) == 1
-    mature = await q.next_mature_t()
-    assert mature is not None and scores[0][1] == pytest.approx(mature.timestamp(), abs=1)
-
-
-async def test_a_ko_with_a_delay_is_scheduled_then_loaded_again(connect: Connect) -> None:
-    q = await (await connect(sweeper=False)).queue("q")
-    mid = await q.push("x")
-    first = await q.reserve(timeout=1)
-    assert first is not None and first.id == mid
-    assert await q.ko(first, delay=0.2)
-    assert await q.sizes() == Sizes(0, 1, 1, 0)
-    assert not await q.ok(first)  # scheduled: held by no one
-    again = await q.reserve(timeout=30)
-    assert again is not None and again.id == mid and again.tries == 1
-    assert await q.ok(again)
-    assert await q.sizes() == Sizes(0, 0, 0, 0)
+# Redis Cluster ---------------------------------------------------------------------------
 
 
 async def test_on_redis_cluster_shards_spread_and_killed_consumers_lose_nothing(
@@ -463,8 +307,9 @@ async def test_on_redis_cluster_shards_spread_and_killed_consumers_lose_nothing(
         async with aio_keuss.connect(
             "redis-sharded", reserve_delay=0.5, poll_interval=0.5, **options, **FAST
         ) as factory:
-            backend = backend_of(factory)
-            slots = {key_slot(backend.shard_base("q", s).encode()) for s in range(4)}
+            storage = backend_of(factory).storage
+            assert isinstance(storage, RedisShardStorage)
+            slots = {key_slot(storage.shard_base("q", s).encode()) for s in range(4)}
             assert len(slots) == 4
             q = await factory.queue("q")
             pushed = await q.push_many(list(range(100)))

@@ -7,7 +7,7 @@ import asyncio
 
 import pytest
 
-from aio_keuss.coalesce import Coalescer
+from aio_keuss.coalesce import Coalescer, SideBySide
 
 
 async def test_first_call_runs_at_once_and_the_rest_share_the_next_batch() -> None:
@@ -216,3 +216,96 @@ async def test_wait_idle_waits_for_calls_run_by_their_callers() -> None:
     release.set()
     await idle
     assert await call == 5
+
+
+# SideBySide: several coroutines in the caller's task --------------------------------------
+
+
+async def test_side_by_side_starts_every_coroutine_before_awaiting_any() -> None:
+    sent: list[int] = []
+    replies = [_Refusing(), _Refusing()]
+
+    async def step(k: int) -> int:
+        sent.append(k)  # the request is on the wire before the first await
+        return await replies[k] * 10
+
+    together = asyncio.ensure_future(SideBySide([step(0), step(1)]))
+    await asyncio.sleep(0)
+    assert sent == [0, 1]
+    replies[1].set_result(2)  # replies may come in any order
+    replies[0].set_result(1)
+    assert await together == [10, 20]
+
+
+async def test_side_by_side_under_an_uninterruptible_call_completes_every_step() -> None:
+    orphans: list[tuple[int, list[int]]] = []
+    replies = [_Refusing(), _Refusing()]
+    finished: list[int] = []
+
+    async def step(k: int) -> int:
+        value = await replies[k]
+        finished.append(value)
+        return value
+
+    async def run(requests: list[int]) -> list[list[int]]:
+        return [await SideBySide([step(0), step(1)])]
+
+    coalescer: Coalescer[int, list[int]] = Coalescer(
+        run,
+        max_batch=10,
+        on_orphan=lambda req, res: orphans.append((req, res)),
+        uninterruptible=True,
+    )
+    task = asyncio.create_task(coalescer.submit(1))
+    await asyncio.sleep(0)
+    task.cancel()
+    replies[0].set_result(1)
+    await asyncio.sleep(0)
+    assert not task.done()  # the second step's reply is still awaited
+    replies[1].set_result(2)
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert finished == [1, 2]
+    assert orphans == [(1, [1, 2])]
+    await coalescer.wait_idle()
+
+
+async def test_side_by_side_raises_a_failure_once_the_others_ended() -> None:
+    reply = _Refusing()
+    finished: list[int] = []
+
+    async def failing() -> int:
+        await asyncio.sleep(0)
+        raise ValueError("no")
+
+    async def slow() -> int:
+        value = await reply
+        finished.append(value)
+        return value
+
+    together = asyncio.ensure_future(SideBySide([failing(), slow()]))
+    await asyncio.sleep(0)
+    await asyncio.sleep(0)
+    assert not together.done()
+    reply.set_result(7)
+    with pytest.raises(ValueError, match="no"):
+        await together
+    assert finished == [7]
+
+
+async def test_side_by_side_cancelled_in_an_ordinary_await_closes_the_others() -> None:
+    ended: list[str] = []
+
+    async def step(name: str) -> int:
+        try:
+            await asyncio.sleep(10)
+        finally:
+            ended.append(name)
+        return 0
+
+    together = asyncio.ensure_future(SideBySide([step("a"), step("b")]))
+    await asyncio.sleep(0)
+    together.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await together
+    assert ended == ["a", "b"]

@@ -1,28 +1,29 @@
-"""The sweeper and the shovel of ``redis-sharded``, run by one elected leader per prefix.
+"""The sweeper and the shovel of the sharded model, run by one elected leader per storage.
 
-Election: a lease key (``prefix:sharded:leader``) taken with SET NX PX and renewed by its
-holder every ``sweep_interval`` (a script that extends it only while it holds the token).
-Every process with ``sweeper=True`` tries each period, so when the leader dies its lease
-expires and another process holds it within ``lease_ttl`` + ``sweep_interval``. A leader
-that stalls past its lease may overlap with its successor for one pass: harmless, since
-each sweep and shovel step is one atomic script that re-reads the shard's pointers, so a
-record is never moved twice; it only wastes work.
+Election: a lease (:meth:`~.storage.ShardStorage.lease`) taken when free and renewed by its
+holder every ``sweep_interval``. Every process with ``sweeper=True`` tries each period, so
+when the leader dies its lease expires and another process holds it within ``lease_ttl`` +
+``sweep_interval``. A leader that stalls past its lease may overlap with its successor for
+one pass: harmless, since each sweep and shovel step is atomic on its shard and re-reads the
+shard's pointers, so a record is never moved twice; it only wastes work.
 
-Each pass the leader walks every shard of every queue registered on the prefix:
+Each pass the leader walks every shard of every queue listed in the storage:
 
-- sweep: from the shard's sweep pointer, up to 1,000 records a step (as IgnisMQ's
+- sweep: from the shard's sweep pointer, up to ``SWEEP_BATCH`` records a step (IgnisMQ's
   ``SWEEP_BATCH_SIZE``), records fired by a reserve whose deadline (fire time +
   ``reserve_delay``, IgnisMQ's ``sweepDuration``) passed move to the shard's sideline; the
   walk stops at the first record still within its deadline. The shard's sweep pointer and
-  swept counter advance in the same script.
+  swept counter advance in the same step.
 - ready index repair: a shard with records in its magazine is announced again, which
-  restores a hint lost when a process died between a shard script and the index script.
+  restores a hint lost when a process died between a shard's step and the index's.
 - shovel (every ``shovel_interval``, ``shovel_concurrency`` shards at once): sideline
   records go back into the magazine, one more try each, and an insertion signal wakes the
   consumers. IgnisMQ needs a "sideline sweep" and a threshold keeping records about to be
   shoveled from being swept twice, because its shovel fires from the sideline and loads into
-  the main magazine in two steps; here both magazines share the shard's hash slot and one
-  script moves a record, so a record is never half-shoveled and has nothing to be swept from.
+  the main magazine in two steps; here one atomic step moves a record, so a record is never
+  half-shoveled and has nothing to be swept from.
+
+A queue whose metadata record ended (``queue_expiry``) is taken off the list: its data stays.
 """
 
 from __future__ import annotations
@@ -32,28 +33,24 @@ import logging
 import os
 import time
 from collections.abc import Awaitable, Callable, Iterable
-from typing import TYPE_CHECKING, Any
 
 from ..coalesce import stop_task
-from . import sharded_lua as lua
+from .settings import SHOVEL_BATCH, SWEEP_BATCH, SWEEP_CONCURRENCY, ShardedOptions
+from .storage import ReadyMark, ShardStorage
 
-if TYPE_CHECKING:
-    from .sharded import RedisShardedBackend
+log = logging.getLogger("aio_keuss.sharded")
 
-log = logging.getLogger("aio_keuss.redis_sharded")
-
-SWEEP_BATCH = 1000
-"""Records one sweep step looks at, so Redis is never blocked for long."""
-SHOVEL_BATCH = 1000
-"""Records one shovel step moves."""
+Shoveled = Callable[[str, int], None]
+"""Told ``(queue, count)`` after a shovel put records back, to wake the consumers."""
 
 
 class Sweeper:
     """The leader's loop of one backend (see the module docstring)."""
 
-    def __init__(self, backend: RedisShardedBackend) -> None:
-        self._backend = backend
-        self._options = backend.sharded
+    def __init__(self, storage: ShardStorage, options: ShardedOptions, shoveled: Shoveled) -> None:
+        self._storage = storage
+        self._options = options
+        self._shoveled = shoveled
         self.token = os.urandom(8).hex()
         self.leader = False
         self.swept = 0
@@ -75,9 +72,9 @@ class Sweeper:
         if self.leader:
             self.leader = False
             try:
-                await self._backend.run_script(lua.RELEASE, [self._backend.lease_key], [self.token])
+                await self._storage.release(self.token)
             except Exception:  # the lease then expires on its own
-                log.debug("redis-sharded: lease not released", exc_info=True)
+                log.debug("sharded: lease not released", exc_info=True)
 
     async def _loop(self) -> None:
         while True:
@@ -85,7 +82,7 @@ class Sweeper:
                 await self.step()
             except Exception:
                 if not self._failing:
-                    log.warning("redis-sharded sweeper pass failed", exc_info=True)
+                    log.warning("sharded sweeper pass failed", exc_info=True)
                 self._failing = True
             else:
                 self._failing = False
@@ -93,26 +90,24 @@ class Sweeper:
 
     async def renew(self) -> bool:
         """Take or renew the lease; whether this process leads now."""
-        ms = max(1, round(self._options.lease_ttl * 1000))
-        held = await self._backend.run_script(
-            lua.LEASE, [self._backend.lease_key], [self.token, ms]
-        )
+        held = await self._storage.lease(self.token, self._options.lease_ttl)
         if held and not self.leader:
-            log.info("redis-sharded: this process now runs the sweeper (%s)", self.token)
-        self.leader = bool(held)
-        return self.leader
+            log.info("sharded: this process now runs the sweeper (%s)", self.token)
+        self.leader = held
+        return held
 
     async def step(self) -> None:
         """One pass: renew the lease, and if held, sweep (and shovel when due) every queue."""
         if not await self.renew():
             return
-        queues = await self._backend.queue_shards()
+        storage = self._storage
+        queues = await storage.listed()
         for name in list(queues):
-            if not await self._backend.execute("EXISTS", self._backend.meta_key(name)):
-                # idle past queue_expiry: no longer swept, its data kept (see sharded_meta)
-                await self._backend.execute("HDEL", self._backend.registry_key, name)
+            if await storage.read_meta(name) is None:
+                # idle past queue_expiry: no longer swept, its data kept (see .meta)
+                await storage.unlist(name)
                 del queues[name]
-                log.info("redis-sharded %r: queue expired, no longer swept", name)
+                log.info("sharded %r: queue expired, no longer swept", name)
         for name, shards in queues.items():
             await self.sweep_queue(name, shards)
         if time.monotonic() >= self._next_shovel:
@@ -123,34 +118,31 @@ class Sweeper:
 
     async def sweep_queue(self, name: str, shards: int) -> int:
         """Sweep every shard of one queue; returns how many records went to the sideline."""
-        backend = self._backend
-        announce: list[Any] = []
+        storage = self._storage
+        marks: list[ReadyMark] = []
         moved = 0
         to_shovel = self._sidelined.setdefault(name, set())
 
         async def one(shard: int) -> None:
             nonlocal moved
-            base = backend.shard_base(name, shard)
-            keys = backend.shard_keys(name, shard)
             while True:
-                reply = await backend.run_script(lua.SWEEP, keys, [base, SWEEP_BATCH])
-                step, left, in_magazine, version, stopped, sidelined, due = reply
-                moved += step
-                if left <= 0 or stopped:
+                step = await storage.sweep(name, shard, SWEEP_BATCH)
+                moved += step.moved
+                if step.left <= 0 or step.stopped:
                     break
-            if in_magazine > 0:
-                announce.extend((shard, version, ""))
-            elif due:
-                announce.extend((shard, version, due))
-            if sidelined > 0:
+            if step.in_magazine > 0:
+                marks.append(ReadyMark(shard, step.version))
+            elif step.next_scheduled is not None:
+                marks.append(ReadyMark(shard, step.version, step.next_scheduled))
+            if step.sidelined > 0:
                 to_shovel.add(shard)
 
-        await _bounded(8, one, range(shards))
-        if announce:
-            await backend.run_script(lua.READY_ADD, backend.ready_keys(name), announce)
+        await _bounded(SWEEP_CONCURRENCY, one, range(shards))
+        if marks:
+            await storage.ready_add(name, marks)
         if moved:
             self.swept += moved
-            log.info("redis-sharded %r: %d expired reservation(s) sidelined", name, moved)
+            log.info("sharded %r: %d expired reservation(s) sidelined", name, moved)
         return moved
 
     async def shovel_queue(self, name: str, shards: int) -> int:
@@ -159,32 +151,27 @@ class Sweeper:
         todo = sorted(self._sidelined.pop(name, set()))
         if not todo:
             return 0
-        backend = self._backend
-        announce: list[Any] = []
+        storage = self._storage
+        marks: list[ReadyMark] = []
         moved = 0
 
         async def one(shard: int) -> None:
             nonlocal moved
-            base = backend.shard_base(name, shard)
-            keys = backend.shard_keys(name, shard)
             here = 0
             while True:
-                step, left, version = await backend.run_script(
-                    lua.SHOVEL, keys, [base, SHOVEL_BATCH]
-                )
-                here += step
-                if left <= 0 or step == 0:
+                step = await storage.shovel(name, shard, SHOVEL_BATCH)
+                here += step.moved
+                if step.left <= 0 or step.moved == 0:
                     break
             if here:
                 moved += here
-                announce.extend((shard, version, ""))
+                marks.append(ReadyMark(shard, step.version))
 
         await _bounded(self._options.shovel_concurrency, one, todo)
-        if announce:
-            await backend.run_script(lua.READY_ADD, backend.ready_keys(name), announce)
+        if marks:
+            await storage.ready_add(name, marks)
             self.shoveled += moved
-            if backend.bus is not None:
-                backend.bus.insert(name, time.time(), moved)
+            self._shoveled(name, moved)
         return moved
 
 

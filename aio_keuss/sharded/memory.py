@@ -1,0 +1,500 @@
+"""``memory-sharded``: the sharded model's storage contract in this process's memory.
+
+A second implementation of :class:`~.storage.ShardStorage` beside Redis's, step for step the
+same model (pointers, records, sideline, schedule, ready index with versions, consumers,
+metadata record, lease), so the conformance suite and the contract tests run on both. Each
+operation runs to its end without awaiting anything but one loop pass taken first (see
+:func:`_pass`), so each is atomic; the clock is ``time.time()``. Nothing is shared with other
+processes or other factories.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import heapq
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from typing import Any, ClassVar
+
+from ..coalesce import Uncancellable
+from ..contract import Ack, Entry, LoopTurns, Nack, Stored
+from ..stats import MemoryStats, StatsStore
+from ..types import Capabilities, KoResult
+from . import meta
+from .backend import ShardedBackend
+from .settings import CAPABILITIES, ShardedOptions
+from .storage import (
+    Doomed,
+    Fired,
+    Loaded,
+    MetaRecord,
+    ReadyHead,
+    ReadyMark,
+    RolledBack,
+    ShardSizes,
+    ShardStorage,
+    ShovelStep,
+    SweepStep,
+)
+
+PROMOTE = 1000
+"""Matured scheduled records a fire loads at most (as the Redis scripts)."""
+PURGE = 1000
+"""Expired records at the magazine's head ``sizes`` deletes at most."""
+
+SIDELINED = "s"
+"""Where an id's record is while it waits in the sideline (else its pointer, or
+``"z<seq>"`` while scheduled)."""
+
+
+async def _pass() -> None:
+    """One pass of the event loop, taken before an operation's work: a caller in a loop
+    (``while True: await q.pop()``) then lets other tasks run. It refuses cancellation like a
+    server's reply, so under ``RunToEnd`` a fetch over several shards cancelled midway still
+    completes (and the queue puts back what it took), while a caller not under it is
+    cancelled here, before any work."""
+    turn = Uncancellable()
+    asyncio.get_running_loop().call_soon(turn.set_result, None)
+    await turn
+
+
+@dataclass(slots=True)
+class _Record:
+    id: str
+    payload: bytes
+    headers: bytes
+    tries: int
+    mature: float
+    end: float | None
+    """End of life (message TTL; None: none)."""
+    deadline: float | None = None
+    """Reservation deadline, once fired by a reserve."""
+
+    def dead(self, now: float) -> bool:
+        return self.end is not None and self.end <= now
+
+
+class _Shard:
+    """A shard: pointers and counters, the magazine, sideline and schedule, the id index."""
+
+    def __init__(self) -> None:
+        self.load = self.fire = self.sweep = 0
+        self.side_load = self.side_fire = 0
+        self.seq = 0
+        self.fired = self.swept = self.shoveled = self.expired = 0
+        self.magazine: dict[int, _Record] = {}
+        self.sideline: dict[int, _Record] = {}
+        self.waiting: dict[int, _Record] = {}  # by schedule sequence
+        self.schedule: list[tuple[float, int]] = []  # heap of (mature, sequence)
+        self.where: dict[str, int | str] = {}
+        self.windows: dict[str, float] = {}  # explicit id -> end of its dedup window
+        self.window_ends: list[tuple[float, str]] = []  # heap, to purge ended windows
+
+    @property
+    def version(self) -> int:
+        return self.load + self.seq
+
+    def next_scheduled(self) -> float | None:
+        return self.schedule[0][0] if self.schedule else None
+
+    def forget(self, record: _Record) -> None:
+        self.where.pop(record.id, None)
+
+    def put(self, record: _Record) -> None:
+        """Load at the load pointer."""
+        self.magazine[self.load] = record
+        self.where[record.id] = self.load
+        self.load += 1
+
+    def schedule_at(self, record: _Record, due: float) -> None:
+        record.mature = due
+        seq = self.seq
+        self.seq += 1
+        self.waiting[seq] = record
+        heapq.heappush(self.schedule, (due, seq))
+        self.where[record.id] = f"z{seq}"
+
+    def promote(self, now: float) -> None:
+        """Load the matured scheduled records (up to PROMOTE)."""
+        for _ in range(PROMOTE):
+            if not self.schedule or self.schedule[0][0] > now:
+                return
+            _, seq = heapq.heappop(self.schedule)
+            record = self.waiting.pop(seq, None)
+            if record is not None:
+                self.put(record)
+
+    def duplicate(self, entry: Entry, now: float) -> bool:
+        if entry.id in self.where:
+            return True
+        if not entry.dedup:
+            return False
+        ends = self.window_ends
+        while ends and ends[0][0] <= now:
+            end, mid = heapq.heappop(ends)
+            if self.windows.get(mid) == end:
+                del self.windows[mid]
+        return entry.id in self.windows
+
+    def held(self, message_id: str, tries: int | None) -> tuple[int, _Record] | None:
+        at = self.where.get(message_id)
+        if not isinstance(at, int):
+            return None
+        record = self.magazine.get(at)
+        if record is None or record.deadline is None:
+            return None
+        if tries is not None and tries != record.tries:
+            return None
+        return at, record
+
+    def purge(self, now: float, most: int) -> None:
+        """Delete the magazine's expired head (up to ``most`` records looked at)."""
+        stop = min(self.load, self.fire + most)
+        while self.fire < stop:
+            record = self.magazine.get(self.fire)
+            if record is not None:
+                if not record.dead(now):
+                    return
+                del self.magazine[self.fire]
+                self.forget(record)
+                self.expired += 1
+            self.fire += 1
+
+
+class _Queue:
+    def __init__(self) -> None:
+        self.shards: dict[int, _Shard] = {}
+        self.ready: dict[int, float] = {}
+        self.stamps: dict[int, int] = {}
+        self.consumers: dict[str, float] = {}
+        self.meta: dict[str, str] | None = None
+        self.meta_end: float | None = None
+
+    def shard(self, shard: int) -> _Shard:
+        found = self.shards.get(shard)
+        if found is None:
+            found = self.shards[shard] = _Shard()
+        return found
+
+    def live_meta(self, now: float) -> dict[str, str] | None:
+        if self.meta_end is not None and self.meta_end <= now:
+            self.meta = self.meta_end = None
+        return self.meta
+
+
+class MemoryShardStorage(ShardStorage):
+    """The model in memory (see the module docstring)."""
+
+    uninterruptible = True
+    run_in_caller = True
+
+    def __init__(self) -> None:
+        self._queues: dict[str, _Queue] = {}
+        self._listed: dict[str, int] = {}
+        self._holder: str | None = None
+        self._lease_end = 0.0
+        self._turns = LoopTurns()
+
+    def _queue(self, queue: str) -> _Queue:
+        found = self._queues.get(queue)
+        if found is None:
+            found = self._queues[queue] = _Queue()
+        return found
+
+    def _shard(self, queue: str, shard: int) -> _Shard:
+        return self._queue(queue).shard(shard)
+
+    # per shard ---------------------------------------------------------------------------
+
+    async def load(
+        self,
+        queue: str,
+        shard: int,
+        entries: Sequence[Entry],
+        dedup_window: float,
+        message_ttl: float | None,
+    ) -> Loaded:
+        if self._turns.due(len(entries)):
+            await _pass()
+        s = self._shard(queue, shard)
+        now = time.time()
+        was_empty = s.load == s.fire
+        end = None if message_ttl is None else now + message_ttl
+        flags: list[bool] = []
+        loaded = False
+        soonest: float | None = None
+        for e in entries:
+            checked = e.dedup or e.mature is not None
+            if checked and s.duplicate(e, now):
+                flags.append(False)
+                continue
+            record = _Record(
+                e.id, e.payload, e.headers, e.tries, now if e.mature is None else e.mature, end
+            )
+            if e.dedup:
+                s.windows[e.id] = now + dedup_window
+                heapq.heappush(s.window_ends, (now + dedup_window, e.id))
+            if e.mature is None and e.delay > 0:
+                s.schedule_at(record, now + e.delay)
+                soonest = now + e.delay if soonest is None else min(soonest, now + e.delay)
+            else:
+                s.put(record)
+                loaded = True
+            flags.append(True)
+        return Loaded(flags, s.version, loaded and was_empty, soonest)
+
+    async def fire(self, queue: str, shard: int, n: int, reserve_delay: float | None) -> Fired:
+        await _pass()
+        s = self._shard(queue, shard)
+        now = time.time()
+        s.promote(now)
+        deadline = None if reserve_delay is None else now + reserve_delay
+        messages: list[Stored] = []
+        stop = min(s.load, s.fire + n + PROMOTE)
+        while len(messages) < n and s.fire < stop:
+            record = s.magazine.get(s.fire)
+            if record is not None and record.dead(now):
+                del s.magazine[s.fire]
+                s.forget(record)
+                s.expired += 1
+            elif record is not None:
+                if deadline is not None:
+                    record.deadline = deadline
+                    s.fired += 1
+                else:
+                    del s.magazine[s.fire]
+                    s.forget(record)
+                messages.append(
+                    Stored(record.id, record.payload, record.headers, record.tries, record.mature)
+                )
+            s.fire += 1
+        return Fired(messages, s.load - s.fire, s.version, s.next_scheduled())
+
+    async def commit(self, queue: str, shard: int, acks: Sequence[Ack]) -> list[bool]:
+        s = self._shard(queue, shard)
+        out: list[bool] = []
+        for ack in acks:
+            found = s.held(ack.id, ack.tries)
+            if found is not None:
+                del s.magazine[found[0]]
+                s.forget(found[1])
+                s.fired -= 1
+            out.append(found is not None)
+        return out
+
+    async def rollback(
+        self, queue: str, shard: int, nacks: Sequence[Nack], max_ko: int | None
+    ) -> RolledBack:
+        s = self._shard(queue, shard)
+        now = time.time()
+        results: list[KoResult] = []
+        doomed: list[Doomed] = []
+        reloaded = False
+        soonest: float | None = None
+        for nack in nacks:
+            found = s.held(nack.id, nack.tries)
+            if found is None:
+                results.append(KoResult.MISSING)
+                continue
+            at, record = found
+            tries = record.tries + 1 if nack.count_try else record.tries
+            if max_ko is not None and nack.count_try and tries > max_ko:
+                doomed.append(Doomed(record.id, record.payload, record.headers, record.tries))
+                results.append(KoResult.DEADLETTERED)
+                continue
+            del s.magazine[at]
+            record.deadline = None
+            record.tries = tries
+            s.fired -= 1
+            if nack.delay > 0:
+                due = now + nack.delay
+                s.schedule_at(record, due)
+                soonest = due if soonest is None else min(soonest, due)
+            else:
+                s.put(record)
+                reloaded = True
+            results.append(KoResult.ROLLED_BACK)
+        return RolledBack(results, doomed, s.version, reloaded, soonest)
+
+    async def sizes(self, queue: str, shard: int) -> ShardSizes:
+        s = self._shard(queue, shard)
+        now = time.time()
+        s.purge(now, PURGE)
+        matured = sum(1 for due, _ in s.schedule if due <= now)
+        return ShardSizes(
+            ready=s.load - s.fire + matured,
+            fired=s.fired,
+            sidelined=s.side_load - s.side_fire,
+            load=s.load,
+            swept=s.swept,
+            shoveled=s.shoveled,
+            sweep=s.sweep,
+            fire=s.fire,
+            expired=s.expired,
+            scheduled=len(s.schedule) - matured,
+            next_scheduled=s.next_scheduled(),
+        )
+
+    async def sweep(self, queue: str, shard: int, batch: int) -> SweepStep:
+        s = self._shard(queue, shard)
+        now = time.time()
+        s.purge(now, batch)
+        stop = min(s.fire, s.sweep + batch)
+        moved = 0
+        stopped = False
+        while s.sweep < stop:
+            record = s.magazine.get(s.sweep)
+            if record is not None and record.deadline is not None:
+                if record.deadline > now:
+                    stopped = True
+                    break
+                del s.magazine[s.sweep]
+                s.fired -= 1
+                if record.dead(now):
+                    s.forget(record)
+                    s.expired += 1
+                else:
+                    s.sideline[s.side_load] = record
+                    s.where[record.id] = SIDELINED
+                    s.side_load += 1
+                    s.swept += 1
+                    moved += 1
+            s.sweep += 1
+        return SweepStep(
+            moved,
+            s.fire - s.sweep,
+            s.load - s.fire,
+            s.version,
+            stopped,
+            s.side_load - s.side_fire,
+            s.next_scheduled(),
+        )
+
+    async def shovel(self, queue: str, shard: int, batch: int) -> ShovelStep:
+        s = self._shard(queue, shard)
+        now = time.time()
+        handled = 0
+        while s.side_fire < s.side_load and handled < batch:
+            record = s.sideline.pop(s.side_fire, None)
+            if record is not None and record.dead(now):
+                s.forget(record)
+                s.expired += 1
+                handled += 1
+            elif record is not None:
+                record.deadline = None
+                record.tries += 1
+                s.put(record)
+                s.shoveled += 1
+                handled += 1
+            s.side_fire += 1
+        return ShovelStep(handled, s.side_load - s.side_fire, s.version)
+
+    # per queue ---------------------------------------------------------------------------
+
+    async def ready_add(self, queue: str, marks: Sequence[ReadyMark]) -> None:
+        q = self._queue(queue)
+        now = time.time()
+        for mark in marks:
+            if mark.version > q.stamps.get(mark.shard, -1):
+                q.stamps[mark.shard] = mark.version
+            due = now if mark.due is None else mark.due
+            known = q.ready.get(mark.shard)
+            q.ready[mark.shard] = due if known is None else min(known, due)
+
+    async def ready_drop(self, queue: str, marks: Sequence[ReadyMark]) -> None:
+        q = self._queue(queue)
+        for mark in marks:
+            if q.stamps.get(mark.shard, -1) <= mark.version:
+                if mark.due is None:
+                    q.ready.pop(mark.shard, None)
+                else:
+                    q.ready[mark.shard] = mark.due
+
+    async def ready_head(self, queue: str) -> ReadyHead:
+        q = self._queue(queue)
+        if not q.ready:
+            return ReadyHead([], None)
+        now = time.time()
+        ordered = sorted(q.ready.items(), key=lambda item: (item[1], str(item[0])))
+        return ReadyHead([s for s, due in ordered if due <= now], ordered[0][1])
+
+    async def enrol(self, queue: str, token: str, lease: float, most: int) -> bool:
+        q = self._queue(queue)
+        now = time.time()
+        q.consumers = {t: end for t, end in q.consumers.items() if end > now}
+        if token not in q.consumers and len(q.consumers) >= most:
+            return False
+        q.consumers[token] = now + lease
+        return True
+
+    async def leave(self, queue: str, token: str) -> None:
+        self._queue(queue).consumers.pop(token, None)
+
+    async def touch(self, queue: str, record: MetaRecord, life: float | None) -> MetaRecord:
+        q = self._queue(queue)
+        now = time.time()
+        stored = q.live_meta(now)
+        if stored is None:
+            stored = q.meta = dict(record)
+        stored["active"] = "true"
+        stored["seen"] = str(int(now))
+        if life is not None:
+            q.meta_end = now + life
+        self._listed[queue] = int(stored["shards"])
+        names = ("shards", "message_ttl", "max_consumers")
+        return {name: stored[name] for name in names if name in stored}
+
+    async def read_meta(self, queue: str) -> MetaRecord | None:
+        q = self._queues.get(queue)
+        found = None if q is None else q.live_meta(time.time())
+        return None if found is None else dict(found)
+
+    async def listed(self) -> dict[str, int]:
+        return dict(self._listed)
+
+    async def unlist(self, queue: str) -> None:
+        self._listed.pop(queue, None)
+
+    # per backend -------------------------------------------------------------------------
+
+    async def lease(self, token: str, ttl: float) -> bool:
+        now = time.time()
+        if self._holder is not None and self._lease_end <= now:
+            self._holder = None
+        if self._holder in (None, token):
+            self._holder, self._lease_end = token, now + ttl
+            return True
+        return False
+
+    async def release(self, token: str) -> None:
+        if self._holder == token:
+            self._holder = None
+
+
+class MemoryShardedStats(MemoryStats):
+    """``factory.list()`` shows only active queues, each with its ``"sharded"`` metadata."""
+
+    def __init__(self, backend: MemoryShardedBackend) -> None:
+        super().__init__()
+        self._sharded = backend
+
+    async def queues(self) -> dict[str, dict[str, Any]]:
+        return await meta.active_queues(await super().queues(), self._sharded.queue_info)
+
+
+class MemoryShardedBackend(ShardedBackend):
+    """``memory-sharded``: the sharded model in this process (options as ``redis-sharded``'s
+    but the Redis ones); for tests, and as the contract's second implementation."""
+
+    name = "memory-sharded"
+    capabilities: Capabilities = replace(CAPABILITIES, shared=False)
+    options: ClassVar[dict[str, Any]] = ShardedOptions.defaults()
+
+    def __init__(self, options: dict[str, Any]) -> None:
+        sharded = ShardedOptions.parse_own(options)
+        super().__init__(options)
+        self.use_storage(MemoryShardStorage(), sharded, "shards" in options)
+
+    def stats_store(self) -> StatsStore:
+        return MemoryShardedStats(self)

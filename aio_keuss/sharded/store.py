@@ -1,0 +1,356 @@
+"""The store of the sharded model, over any :class:`~.storage.ShardStorage`.
+
+Which shard: a message's shard is a function of its id (:func:`~.settings.shard_of`), so
+``ok`` / ``ko`` and the dedup check of an explicit id need no lookup. A push without an id
+goes round-robin over the shards (a chunk of a batch to each shard, so a ``push_many`` stays
+in order within its chunk), or, with a header ``x-shard-key``, to the shard that key hashes
+to: messages with one key keep their order. Explicit ids route by their id.
+
+Consumers find work without scanning empty shards: the queue's ready index holds the shards
+that have records to fire. A producer whose load finds a shard's magazine empty announces
+the shard; a consumer serves the ready shards in a rotation of its own (starting at a random
+one, read again every ``REFRESH`` seconds or when it runs out), so shards are served in turn
+and a fire is one step; a consumer that empties a shard reports it. The index is apart from
+the shards (another hash slot on a Redis Cluster), so it is kept by a second step after the
+shard's; a race between a consumer emptying a shard and a producer loading it is settled by
+the shard's version, which every load raises (:meth:`~.storage.ShardStorage.ready_drop`),
+and a hint lost when a process dies between the two steps is restored by the sweeper, which
+sees every shard.
+
+Delays: a magazine is FIFO, so a delayed push or ko waits outside it, in the shard's
+schedule, and is loaded by the first fire on its shard after it matured; the shard sits in
+the ready index at that time. Not offered: ``remove``, atomic ``move``; order holds within a
+shard only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import time
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
+
+from ..coalesce import SideBySide
+from ..contract import (
+    Ack,
+    DeadletterPlan,
+    Entry,
+    Fetched,
+    Nack,
+    Store,
+    Stored,
+    deadletter_tag,
+    moved_id,
+)
+from ..errors import TooManyConsumersError
+from ..message import append_headers
+from ..types import KoResult, Sizes
+from . import meta
+from .settings import FIRE_SHARE, PUSH_CHUNK, REFRESH, ShardedOptions, key_shard, shard_of
+from .storage import Doomed, ReadyMark, ShardSizes, ShardStorage
+
+if TYPE_CHECKING:
+    from ..options import QueueOptions
+
+T = TypeVar("T")
+
+StoreOf = Callable[[str, "QueueOptions"], Awaitable["ShardedStore"]]
+"""How a store finds another queue's store of its backend (the deadletter queue)."""
+
+
+class ShardedStore(Store):
+    """One queue over ``shards`` magazines of a :class:`ShardStorage`."""
+
+    batch_concurrency: ClassVar[int] = 4
+
+    def __init__(
+        self,
+        name: str,
+        options: QueueOptions,
+        storage: ShardStorage,
+        sharded: ShardedOptions,
+        adopted: meta.Adopted,
+        store_of: StoreOf,
+    ) -> None:
+        super().__init__(name, options)
+        self.run_in_caller = storage.run_in_caller
+        # Every await of a fetch is then a reply that refuses cancellation, and the steps
+        # on several shards run side by side in the caller's task (see ``_each``).
+        self.uninterruptible = storage.uninterruptible
+        self._storage = storage
+        self._sharded = sharded
+        self._store_of = store_of
+        self.shards = adopted.shards
+        self._ttl = adopted.message_ttl
+        self._max_consumers = adopted.max_consumers
+        self._window = options.dedup_window
+        self._turn = random.randrange(self.shards)
+        self._rotation: list[int] = []
+        self._refresh_at = 0.0
+        self._touch_every = meta.touch_period(sharded)
+        self._touch_at = time.monotonic() + (self._touch_every or 0.0)
+        self._token = os.urandom(8).hex()
+        self._enrol_at = 0.0
+        self._enrolled = False
+
+    async def _each(self, calls: list[Coroutine[Any, Any, T]]) -> list[T]:
+        """Run one step per shard side by side: a lone one is awaited directly (the common
+        case, one message on one shard); several share the caller's task where the storage
+        is uninterruptible (each sends its request before any reply is awaited, and a
+        cancellation waits for every reply), else each gets a task of ``asyncio.gather``."""
+        if len(calls) == 1:
+            return [await calls[0]]
+        if self.uninterruptible:
+            return await SideBySide(calls)
+        return list(await asyncio.gather(*calls))
+
+    # producing ---------------------------------------------------------------------------
+
+    def _route(self, entries: Sequence[Entry]) -> dict[int, list[Entry]]:
+        """Group entries by shard, naming the ids the queue made after their shard."""
+        by_shard: dict[int, list[Entry]] = {}
+        chunk = 0
+        for e in entries:
+            if e.dedup or e.mature is not None:  # an explicit id, or a put-back: its id rules
+                shard = shard_of(e.id, self.shards)
+            else:
+                keyed = key_shard(e.headers, self.shards)
+                if keyed is None:
+                    if chunk == 0:
+                        self._turn = (self._turn + 1) % self.shards
+                    chunk = (chunk + 1) % PUSH_CHUNK
+                    shard = self._turn
+                else:
+                    shard = keyed
+                e.id = f"{e.id}~{shard}"
+            by_shard.setdefault(shard, []).append(e)
+        return by_shard
+
+    async def _touch(self) -> None:
+        """Renew the queue's metadata record while in use (with ``queue_expiry`` only)."""
+        if self._touch_every is not None and time.monotonic() >= self._touch_at:
+            self._touch_at = time.monotonic() + self._touch_every
+            record = meta.record(self.shards, self.options, self._sharded)
+            await self._storage.touch(self.name, record, meta.life(self._sharded))
+
+    async def insert(self, entries: Sequence[Entry]) -> list[bool]:
+        await self._touch()
+        by_shard = self._route(entries)
+        shards = list(by_shard)
+        load = self._storage.load
+        loads = await self._each(
+            [load(self.name, s, by_shard[s], self._window, self._ttl) for s in shards]
+        )
+        marks: list[ReadyMark] = []
+        for shard, loaded in zip(shards, loads, strict=True):
+            if loaded.announce:  # the magazine was empty: this push announces the shard
+                marks.append(ReadyMark(shard, loaded.version))
+            elif loaded.scheduled is not None:  # the shard is due when the first matures
+                marks.append(ReadyMark(shard, loaded.version, loaded.scheduled))
+        if marks:
+            await self._storage.ready_add(self.name, marks)
+        if len(loads) == 1:
+            return loads[0].flags
+        flags: dict[int, bool] = {}
+        for shard, loaded in zip(shards, loads, strict=True):
+            for e, flag in zip(by_shard[shard], loaded.flags, strict=True):
+                flags[id(e)] = flag
+        return [flags[id(e)] for e in entries]
+
+    # consuming ---------------------------------------------------------------------------
+
+    async def get(self, n: int) -> Fetched:
+        return await self._fire(n, None)
+
+    async def reserve(self, n: int, reserve_delay: float) -> Fetched:
+        """Fire and stamp each record with its deadline, now + ``reserve_delay`` (storage
+        clock): the sweeper sidelines it once that passes without ok / ko."""
+        return await self._fire(n, reserve_delay)
+
+    async def _enrol(self) -> None:
+        """Enrol (or renew) this consumer, within the queue's ``max_consumers``."""
+        lease = self._sharded.lease_ttl
+        if not await self._storage.enrol(self.name, self._token, lease, self._max_consumers):
+            raise TooManyConsumersError(
+                f"queue {self.name!r} already has {self._max_consumers} consumers"
+            )
+        self._enrolled = True
+        self._enrol_at = time.monotonic() + lease / 3
+
+    async def close(self) -> None:
+        """Leave the queue's consumers, so the place is free at once."""
+        self._enrol_at = 0.0
+        if self._enrolled:
+            self._enrolled = False
+            await self._storage.leave(self.name, self._token)
+
+    async def _candidates(self) -> tuple[list[int], float | None]:
+        """The shards due now as the ready index has them, in a rotation of our own that
+        starts at a random one, so consumers of several processes spread over the shards;
+        and the index's earliest due time (None: empty)."""
+        head = await self._storage.ready_head(self.name)
+        ready = head.due
+        if ready:
+            start = random.randrange(len(ready))
+            ready = ready[start:] + ready[:start]
+        self._refresh_at = time.monotonic() + REFRESH
+        return ready, head.earliest
+
+    async def _fire(self, n: int, reserve_delay: float | None) -> Fetched:
+        """Fire from the next ``n / FIRE_SHARE`` shards of the rotation (``n`` shared among
+        them). The rotation is read from the ready index when it runs out or is ``REFRESH``
+        old, so a fire is one step in the steady state; a shard found empty leaves both."""
+        await self._touch()
+        if time.monotonic() >= self._enrol_at:
+            await self._enrol()
+        fire = self._storage.fire
+        messages: list[Stored] = []
+        left = False
+        fresh = False
+        head: float | None = None
+        for _ in range(3):
+            if not self._rotation or time.monotonic() >= self._refresh_at:
+                self._rotation, head = await self._candidates()
+                fresh = True
+            rotation = self._rotation
+            if not rotation:
+                break
+            chosen = rotation[: -(-n // FIRE_SHARE)]
+            self._rotation = rotation[len(chosen) :] + chosen
+            share, extra = divmod(n, len(chosen))
+            fired = await self._each(
+                [
+                    fire(self.name, s, share + (1 if k < extra else 0), reserve_delay)
+                    for k, s in enumerate(chosen)
+                ]
+            )
+            emptied: list[ReadyMark] = []
+            for shard, got in zip(chosen, fired, strict=True):
+                messages += got.messages
+                if got.left > 0:
+                    left = True
+                else:
+                    emptied.append(ReadyMark(shard, got.version, got.next_scheduled))
+            if emptied:
+                gone = {mark.shard for mark in emptied}
+                self._rotation = [s for s in self._rotation if s not in gone]
+                await self._storage.ready_drop(self.name, emptied)
+            if messages or fresh:
+                break
+        if left or self._rotation:
+            return Fetched(messages, time.time())
+        return Fetched(messages, head)
+
+    # acknowledging -----------------------------------------------------------------------
+
+    def _by_shard(self, ids: list[str]) -> dict[int, list[int]]:
+        """Indexes of the given messages grouped by shard."""
+        by_shard: dict[int, list[int]] = {}
+        for k, message_id in enumerate(ids):
+            by_shard.setdefault(shard_of(message_id, self.shards), []).append(k)
+        return by_shard
+
+    async def commit(self, acks: Sequence[Ack]) -> list[bool]:
+        out = [False] * len(acks)
+
+        async def one(shard: int, members: list[int]) -> None:
+            flags = await self._storage.commit(self.name, shard, [acks[k] for k in members])
+            for k, flag in zip(members, flags, strict=True):
+                out[k] = flag
+
+        by_shard = self._by_shard([ack.id for ack in acks])
+        await self._each([one(s, m) for s, m in by_shard.items()])
+        return out
+
+    async def rollback(
+        self, nacks: Sequence[Nack], deadletter: DeadletterPlan | None
+    ) -> list[KoResult]:
+        """Reload each at the load pointer of its shard, or schedule it after its delay,
+        or past ``max_ko`` copy it into the deadletter queue, then drop it here."""
+        out = [KoResult.MISSING] * len(nacks)
+        doomed: list[Doomed] = []
+        marks: list[ReadyMark] = []
+        max_ko = None if deadletter is None else deadletter.max_ko
+
+        async def one(shard: int, members: list[int]) -> None:
+            done = await self._storage.rollback(
+                self.name, shard, [nacks[k] for k in members], max_ko
+            )
+            for k, result in zip(members, done.results, strict=True):
+                out[k] = result
+            doomed.extend(done.doomed)
+            if done.reloaded:
+                marks.append(ReadyMark(shard, done.version))
+            elif done.scheduled is not None:
+                marks.append(ReadyMark(shard, done.version, done.scheduled))
+
+        by_shard = self._by_shard([nack.id for nack in nacks])
+        await self._each([one(s, m) for s, m in by_shard.items()])
+        if marks:
+            await self._storage.ready_add(self.name, marks)
+        if doomed and deadletter is not None:
+            await self._deadletter(doomed, deadletter)
+        return out
+
+    async def _deadletter(self, doomed: list[Doomed], plan: DeadletterPlan) -> None:
+        """Copy into the deadletter queue, then drop here with the guard of a commit: the
+        message stays held until its copy exists, so a crash between the two steps leaves a
+        duplicate (swept back later), never a loss. An id already there is renamed by the
+        rule every backend follows."""
+        target = await self._store_of(plan.queue, self.options)
+        now = time.time()
+        pending = [
+            (d.id, append_headers(d.headers, plan.headers(d.tries + 1, now)), d.payload, d.tries)
+            for d in doomed
+        ]
+        clash = 0
+        while pending:
+            entries = [
+                Entry(
+                    moved_id(mid, deadletter_tag(tries + 1), clash),
+                    payload,
+                    headers,
+                    dedup=False,
+                    mature=now,
+                )
+                for mid, headers, payload, tries in pending
+            ]
+            flags = await target.insert(entries)
+            pending = [p for p, ok in zip(pending, flags, strict=True) if not ok]
+            clash += 1
+        await self.commit([Ack(d.id, d.tries) for d in doomed])
+
+    # observing ---------------------------------------------------------------------------
+
+    async def shard_sizes(self) -> list[ShardSizes]:
+        """Every shard's counts and pointers, one step per shard (an observation, not the
+        hot path)."""
+        sizes = self._storage.sizes
+        return await self._each([sizes(self.name, s) for s in range(self.shards)])
+
+    async def sizes(self) -> Sizes:
+        """size: ready records; reserved: fired and not acknowledged (until the sweeper
+        sidelines those past their deadline); scheduled: delayed, and sidelined (waiting
+        for the shovel)."""
+        size = reserved = scheduled = 0
+        for shard in await self.shard_sizes():
+            size += shard.ready
+            reserved += shard.fired
+            scheduled += shard.sidelined + shard.scheduled
+        return Sizes(size, size + reserved + scheduled, scheduled, reserved)
+
+    async def next_mature(self) -> float | None:
+        """Now if a record is ready or sidelined; else the earliest scheduled mature time,
+        or for reservations their latest possible deadline (now + ``reserve_delay``)."""
+        now = time.time()
+        times: list[float] = []
+        for shard in await self.shard_sizes():
+            if shard.ready or shard.sidelined:
+                return now
+            if shard.next_scheduled is not None:
+                times.append(shard.next_scheduled)
+            if shard.fired:
+                times.append(now + self.options.reserve_delay)
+        return min(times) if times else None

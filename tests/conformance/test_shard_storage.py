@@ -1,0 +1,367 @@
+"""Conformance of the sharded model's storage contract (``aio_keuss.sharded.storage``): the
+same suite on every storage (in memory, Redis, Redis Cluster), calling its operations
+directly, as the generic store and sweeper do. Waits are bounded conditions, never timings.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import pytest
+from backends import CASES, BackendCase
+from conftest import Connect
+
+from aio_keuss.contract import Ack, Entry, Nack
+from aio_keuss.sharded.backend import ShardedBackend
+from aio_keuss.sharded.storage import Doomed, ReadyMark, ShardStorage
+from aio_keuss.types import KoResult
+
+pytestmark = pytest.mark.timeout(90)
+
+SHARDED = [c for c in CASES if c.name.endswith("-sharded")]
+FAR = 3600.0
+
+
+@pytest.fixture(params=SHARDED, ids=lambda case: case.id)
+def case(request: pytest.FixtureRequest) -> BackendCase:
+    """Only the sharded cases (this overrides the suite-wide fixture)."""
+    backend: BackendCase = request.param
+    reason = backend.available()
+    if reason:
+        pytest.skip(reason)
+    return backend
+
+
+@pytest.fixture
+async def st(connect: Connect) -> ShardStorage:
+    """The storage of a factory of the case (its sweeper off: the tests drive every step)."""
+    factory = await connect(sweeper=False)
+    backend = factory.backend
+    assert isinstance(backend, ShardedBackend)
+    return backend.storage
+
+
+def entry(mid: str, **fields: Any) -> Entry:
+    return Entry(mid, f"p-{mid}".encode(), b'{"h":1}', **fields)
+
+
+async def fire_ids(st: ShardStorage, shard: int, n: int, delay: float | None = None) -> list[str]:
+    return [m.id for m in (await st.fire("q", shard, n, delay)).messages]
+
+
+async def until(condition: Callable[[], Awaitable[bool]], seconds: float = 30.0) -> None:
+    """Wait for something time brings about (a bound against hangs, not a timing)."""
+    deadline = time.monotonic() + seconds
+    while not await condition():
+        assert time.monotonic() < deadline, "condition never met"
+        await asyncio.sleep(0.02)
+
+
+# load / fire ------------------------------------------------------------------------------
+
+
+async def test_load_then_fire_in_order_and_announce_an_empty_magazine(st: ShardStorage) -> None:
+    first = await st.load("q", 0, [entry("a"), entry("b")], 60.0, None)
+    assert first.flags == [True, True] and first.announce and first.scheduled is None
+    second = await st.load("q", 0, [entry("c")], 60.0, None)
+    assert second.flags == [True] and not second.announce  # not empty: announced already
+    assert second.version > first.version
+    fired = await st.fire("q", 0, 2, None)
+    assert [m.id for m in fired.messages] == ["a", "b"]
+    message = fired.messages[0]
+    assert (message.payload, message.headers, message.tries) == (b"p-a", b'{"h":1}', 0)
+    assert fired.left == 1 and fired.next_scheduled is None
+    rest = await st.fire("q", 0, 5, None)
+    assert [m.id for m in rest.messages] == ["c"] and rest.left <= 0
+    assert (await st.load("q", 0, [entry("d")], 60.0, None)).announce  # empty again
+    assert await fire_ids(st, 1, 5) == []  # shards are apart
+
+
+async def test_an_explicit_id_is_refused_while_queued_and_within_its_window(
+    st: ShardStorage,
+) -> None:
+    assert (await st.load("q", 0, [entry("x", dedup=True)], FAR, None)).flags == [True]
+    assert (await st.load("q", 0, [entry("x", dedup=True)], FAR, None)).flags == [False]
+    assert await fire_ids(st, 0, 5) == ["x"]
+    assert (await st.load("q", 0, [entry("x", dedup=True)], FAR, None)).flags == [False]
+    # a window of 0 ends at once: the id is free again once its message left
+    assert (await st.load("q", 0, [entry("y", dedup=True)], 0.0, None)).flags == [True]
+    assert (await st.load("q", 0, [entry("y", dedup=True)], 0.0, None)).flags == [False]
+    assert await fire_ids(st, 0, 5) == ["y"]
+    assert (await st.load("q", 0, [entry("y", dedup=True)], 0.0, None)).flags == [True]
+
+
+async def test_a_put_back_keeps_its_mature_time_and_tries_and_is_refused_while_queued(
+    st: ShardStorage,
+) -> None:
+    back = entry("p", mature=1234.5, tries=3, delay=FAR)  # a put-back ignores delay
+    assert (await st.load("q", 0, [back], 60.0, None)).flags == [True]
+    assert (await st.load("q", 0, [back], 60.0, None)).flags == [False]
+    (message,) = (await st.fire("q", 0, 5, None)).messages
+    assert (message.id, message.mature, message.tries) == ("p", 1234.5, 3)
+    assert (await st.load("q", 0, [back], 60.0, None)).flags == [True]
+
+
+async def test_a_delayed_load_waits_in_the_schedule_until_it_matures(st: ShardStorage) -> None:
+    before = time.time()
+    later = await st.load("q", 0, [entry("late", delay=FAR)], 60.0, None)
+    assert later.flags == [True] and not later.announce
+    assert later.scheduled is not None and later.scheduled >= before + FAR - 60
+    assert later.version > 0  # a scheduled record raises the version too
+    fired = await st.fire("q", 0, 5, None)
+    assert fired.messages == [] and fired.next_scheduled == pytest.approx(later.scheduled)
+    sizes = await st.sizes("q", 0)
+    assert (sizes.ready, sizes.scheduled, sizes.next_scheduled) == (0, 1, fired.next_scheduled)
+    soon = await st.load("q", 1, [entry("soon", delay=0.05)], 60.0, None)
+    assert soon.scheduled is not None
+    got: list[str] = []
+
+    async def fired_soon() -> bool:
+        got.extend(await fire_ids(st, 1, 5))
+        return bool(got)
+
+    await until(fired_soon)
+    assert got == ["soon"]
+
+
+async def test_expired_messages_are_deleted_where_they_are_met(st: ShardStorage) -> None:
+    await st.load("q", 0, [entry("dead")], 60.0, 0.0)  # its life ends as it is stored
+    await st.load("q", 0, [entry("alive")], 60.0, FAR)
+    assert await fire_ids(st, 0, 1) == ["alive"]  # the dead one passed over
+    assert (await st.sizes("q", 0)).expired == 1
+    await st.load("q", 1, [entry("gone")], 60.0, 0.0)
+    sizes = await st.sizes("q", 1)  # purges the expired head first
+    assert (sizes.ready, sizes.expired) == (0, 1)
+
+
+# reserve / commit / rollback -----------------------------------------------------------
+
+
+async def test_a_reservation_is_committed_once_by_its_holder(st: ShardStorage) -> None:
+    await st.load("q", 0, [entry("a")], 60.0, None)
+    (held,) = (await st.fire("q", 0, 1, FAR)).messages
+    sizes = await st.sizes("q", 0)
+    assert (sizes.ready, sizes.fired) == (0, 1)
+    assert await st.commit("q", 0, [Ack("a", held.tries + 1)]) == [False]  # not its holder
+    assert await st.commit("q", 0, [Ack("a", held.tries), Ack("nothing")]) == [True, False]
+    assert await st.commit("q", 0, [Ack("a")]) == [False]
+    assert (await st.sizes("q", 0)).fired == 0
+
+
+async def test_a_popped_record_is_not_held(st: ShardStorage) -> None:
+    await st.load("q", 0, [entry("a")], 60.0, None)
+    assert await fire_ids(st, 0, 1) == ["a"]
+    assert await st.commit("q", 0, [Ack("a")]) == [False]
+    assert (await st.rollback("q", 0, [Nack("a", None, 0.0)], None)).results == [KoResult.MISSING]
+
+
+async def test_a_rollback_reloads_at_the_back_with_a_try_counted_or_not(
+    st: ShardStorage,
+) -> None:
+    await st.load("q", 0, [entry("a"), entry("b"), entry("c")], 60.0, None)
+    (a, b) = (await st.fire("q", 0, 2, FAR)).messages
+    done = await st.rollback(
+        "q", 0, [Nack("a", a.tries, 0.0), Nack("b", b.tries, 0.0, count_try=False)], None
+    )
+    assert done.results == [KoResult.ROLLED_BACK, KoResult.ROLLED_BACK]
+    assert done.reloaded and done.scheduled is None and done.doomed == []
+    again = (await st.fire("q", 0, 5, None)).messages
+    assert [(m.id, m.tries) for m in again] == [("c", 0), ("a", 1), ("b", 0)]
+    assert (await st.sizes("q", 0)).fired == 0
+
+
+async def test_a_rollback_with_a_delay_schedules_the_record(st: ShardStorage) -> None:
+    await st.load("q", 0, [entry("a")], 60.0, None)
+    (a,) = (await st.fire("q", 0, 1, FAR)).messages
+    before = time.time()
+    done = await st.rollback("q", 0, [Nack("a", a.tries, FAR)], None)
+    assert done.results == [KoResult.ROLLED_BACK] and not done.reloaded
+    assert done.scheduled is not None and done.scheduled >= before + FAR - 60
+    sizes = await st.sizes("q", 0)
+    assert (sizes.ready, sizes.fired, sizes.scheduled) == (0, 0, 1)
+    assert await st.commit("q", 0, [Ack("a")]) == [False]  # scheduled: held by no one
+    assert await fire_ids(st, 0, 5) == []
+
+
+async def test_past_max_ko_the_record_stays_held_for_the_deadletter_copy(
+    st: ShardStorage,
+) -> None:
+    await st.load("q", 0, [entry("a", tries=2), entry("b")], 60.0, None)
+    (a, b) = (await st.fire("q", 0, 2, FAR)).messages
+    done = await st.rollback("q", 0, [Nack("a", a.tries, 0.0), Nack("b", b.tries, 0.0)], 2)
+    assert done.results == [KoResult.DEADLETTERED, KoResult.ROLLED_BACK]
+    assert done.doomed == [Doomed("a", b"p-a", b'{"h":1}', 2)]
+    assert (await st.sizes("q", 0)).fired == 1
+    assert await st.commit("q", 0, [Ack("a", 2)]) == [True]
+
+
+# sweep / shovel -------------------------------------------------------------------------
+
+
+async def test_expired_reservations_are_swept_to_the_sideline_and_shoveled_back(
+    st: ShardStorage,
+) -> None:
+    await st.load("q", 0, [entry("a"), entry("b")], 60.0, None)
+    held = (await st.fire("q", 0, 2, 0.0)).messages  # deadline: now
+    step = await st.sweep("q", 0, 1000)
+    assert (step.moved, step.left, step.stopped, step.sidelined) == (2, 0, False, 2)
+    assert step.in_magazine <= 0
+    assert await st.commit("q", 0, [Ack(m.id, m.tries) for m in held]) == [False, False]
+    sizes = await st.sizes("q", 0)
+    assert (sizes.fired, sizes.sidelined, sizes.swept, sizes.sweep) == (0, 2, 2, 2)
+    shovel = await st.shovel("q", 0, 1000)
+    assert (shovel.moved, shovel.left) == (2, 0)
+    assert shovel.version > step.version  # reloads raise the version
+    again = (await st.fire("q", 0, 5, None)).messages
+    assert [(m.id, m.tries) for m in again] == [("a", 1), ("b", 1)]
+    sizes = await st.sizes("q", 0)
+    assert (sizes.sidelined, sizes.swept, sizes.shoveled) == (0, 2, 2)
+
+
+async def test_the_sweep_passes_over_gone_records_and_stops_at_a_live_reservation(
+    st: ShardStorage,
+) -> None:
+    await st.load("q", 0, [entry(k) for k in "abcd"], 60.0, None)
+    assert await fire_ids(st, 0, 1) == ["a"]  # popped: gone
+    (b,) = (await st.fire("q", 0, 1, 0.0)).messages
+    assert await st.commit("q", 0, [Ack("b", b.tries)]) == [True]  # acknowledged: gone
+    await st.fire("q", 0, 1, 0.0)  # c: past its deadline
+    await st.fire("q", 0, 1, FAR)  # d: within it
+    step = await st.sweep("q", 0, 1000)
+    assert (step.moved, step.stopped, step.left) == (1, True, 1)
+    assert (await st.sweep("q", 0, 1000)).moved == 0  # nothing moves twice
+    assert (await st.sizes("q", 0)).fired == 1
+
+
+async def test_sweep_and_shovel_steps_are_bounded(st: ShardStorage) -> None:
+    await st.load("q", 0, [entry(str(k)) for k in range(5)], 60.0, None)
+    await st.fire("q", 0, 5, 0.0)
+    steps = [await st.sweep("q", 0, 2) for _ in range(3)]
+    assert [(s.moved, s.left) for s in steps] == [(2, 3), (2, 1), (1, 0)]
+    shovels = [await st.shovel("q", 0, 2) for _ in range(3)]
+    assert [(s.moved, s.left) for s in shovels] == [(2, 3), (2, 1), (1, 0)]
+    assert await fire_ids(st, 0, 10) == [str(k) for k in range(5)]
+
+
+async def test_the_sweep_deletes_expired_reservations_and_reports_the_magazine(
+    st: ShardStorage,
+) -> None:
+    await st.load("q", 0, [entry("short")], 60.0, 0.3)
+    await st.load("q", 0, [entry("waiting")], 60.0, None)
+    await st.load("q", 0, [entry("later", delay=FAR)], 60.0, None)
+    # its reservation ends after its life (both counted from about now): swept, it is dead
+    assert await fire_ids(st, 0, 1, 0.3) == ["short"]
+
+    async def expired() -> bool:
+        await st.sweep("q", 0, 1000)
+        return (await st.sizes("q", 0)).expired == 1
+
+    await until(expired)
+    sizes = await st.sizes("q", 0)
+    assert (sizes.fired, sizes.sidelined, sizes.swept, sizes.ready) == (0, 0, 0, 1)
+    step = await st.sweep("q", 0, 1000)
+    assert step.in_magazine == 1 and step.next_scheduled is not None
+
+
+# the ready index -----------------------------------------------------------------------
+
+
+async def test_the_ready_index_keeps_the_latest_announcement(st: ShardStorage) -> None:
+    assert (await st.ready_head("q")).earliest is None
+    before = time.time()
+    await st.ready_add("q", [ReadyMark(1, 5), ReadyMark(2, 3, before + FAR)])
+    head = await st.ready_head("q")
+    assert head.due == [1]
+    assert head.earliest is not None and head.earliest < before + FAR
+    await st.ready_drop("q", [ReadyMark(1, 4)])  # a consumer's stale view: ignored
+    assert (await st.ready_head("q")).due == [1]
+    await st.ready_drop("q", [ReadyMark(1, 5)])
+    head = await st.ready_head("q")
+    assert head.due == [] and head.earliest == pytest.approx(before + FAR)
+    await st.ready_add("q", [ReadyMark(2, 3, before + 2 * FAR)])  # a later due: kept earlier
+    assert (await st.ready_head("q")).earliest == pytest.approx(before + FAR)
+    await st.ready_drop("q", [ReadyMark(2, 3, before + 2 * FAR)])  # empty, next one later
+    assert (await st.ready_head("q")).earliest == pytest.approx(before + 2 * FAR)
+    await st.ready_add("q", [ReadyMark(0, 1), ReadyMark(2, 4)])
+    assert sorted((await st.ready_head("q")).due) == [0, 2]
+
+
+# consumers, metadata, lease --------------------------------------------------------------
+
+
+async def test_consumers_enrol_within_the_cap(st: ShardStorage) -> None:
+    assert await st.enrol("q", "a", FAR, 2)
+    assert await st.enrol("q", "b", FAR, 2)
+    assert not await st.enrol("q", "c", FAR, 2)
+    assert await st.enrol("q", "a", FAR, 2)  # a renewal needs no place
+    await st.leave("q", "b")
+    assert await st.enrol("q", "c", FAR, 2)
+    assert await st.enrol("other", "d", FAR, 1)  # per queue
+    assert await st.enrol("brief", "x", 0.05, 1)
+
+    async def place_freed() -> bool:
+        return await st.enrol("brief", "y", FAR, 1)
+
+    await until(place_freed)  # x's lease ended
+
+
+async def test_the_metadata_record_is_written_once_and_lists_the_queue(
+    st: ShardStorage,
+) -> None:
+    first = {"shards": "4", "message_ttl": "", "max_consumers": "7", "created": "1.5"}
+    assert await st.touch("q", first, None) == {
+        "shards": "4",
+        "message_ttl": "",
+        "max_consumers": "7",
+    }
+    other = {"shards": "8", "message_ttl": "9.0", "max_consumers": "1", "created": "2.5"}
+    assert (await st.touch("q", other, None))["shards"] == "4"  # the first writer's
+    stored = await st.read_meta("q")
+    assert stored is not None
+    assert stored["created"] == "1.5" and stored["active"] == "true"
+    assert abs(int(stored["seen"]) - time.time()) < 60
+    assert (await st.listed()).get("q") == 4
+    await st.unlist("q")
+    assert "q" not in await st.listed()
+    assert await st.read_meta("q") is not None  # the record stays
+    assert await st.read_meta("never") is None
+    await st.touch("brief", first, 0.05)
+
+    async def ended() -> bool:
+        return await st.read_meta("brief") is None
+
+    await until(ended)
+    assert (await st.touch("brief", other, None))["shards"] == "8"  # written anew
+
+
+async def test_one_lease_holder_at_a_time(st: ShardStorage) -> None:
+    assert await st.lease("a", FAR)
+    assert not await st.lease("b", FAR)
+    assert await st.lease("a", FAR)  # renewed
+    await st.release("b")  # not the holder: nothing
+    assert not await st.lease("b", FAR)
+    await st.release("a")
+    assert await st.lease("b", 0.05)
+
+    async def taken_over() -> bool:
+        return await st.lease("c", FAR)
+
+    await until(taken_over)  # b's lease ended
+    assert not await st.lease("b", FAR)
+
+
+async def test_an_untouched_shard_is_empty(st: ShardStorage) -> None:
+    sizes = await st.sizes("q", 3)
+    assert (sizes.ready, sizes.fired, sizes.sidelined, sizes.load, sizes.expired) == (
+        0,
+        0,
+        0,
+        0,
+        0,
+    )
+    assert sizes.next_scheduled is None
+    assert (await st.fire("q", 3, 10, None)).messages == []
+    assert await st.commit("q", 3, [Ack("x")]) == [False]

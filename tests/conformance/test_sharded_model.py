@@ -1,0 +1,337 @@
+"""The sharded model through the queue API, on every sharded storage (in memory, Redis, Redis
+Cluster): routing (round-robin, by key, by id), the ready index (no empty shards, repaired by
+the sweeper), sweep -> sideline -> shovel with its counters, the leader lease, the metadata
+record and queue expiry, message TTL, delays. What needs several processes sharing one
+storage (SIGKILLed consumers, the consumer cap across factories) is in
+``tests/redis/test_redis_sharded.py``."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import zlib
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import pytest
+from backends import CASES, BackendCase
+from conftest import Connect
+
+import aio_keuss
+from aio_keuss.registry import load_backend
+from aio_keuss.sharded.backend import ShardedBackend
+from aio_keuss.sharded.settings import shard_of
+from aio_keuss.sharded.storage import ReadyMark, ShardStorage
+from aio_keuss.sharded.store import ShardedStore
+from aio_keuss.sharded.sweeper import Sweeper
+from aio_keuss.types import Sizes
+
+pytestmark = pytest.mark.timeout(120)
+
+SHARDED = [c for c in CASES if c.name.endswith("-sharded")]
+FAST = {"shards": 4, "sweep_interval": 0.1, "shovel_interval": 0.2, "lease_ttl": 2.0}
+
+
+@pytest.fixture(params=SHARDED, ids=lambda case: case.id)
+def case(request: pytest.FixtureRequest) -> BackendCase:
+    """Only the sharded cases (this overrides the suite-wide fixture)."""
+    backend: BackendCase = request.param
+    reason = backend.available()
+    if reason:
+        pytest.skip(reason)
+    return backend
+
+
+@pytest.fixture
+def sharded(connect: Connect) -> Connect:
+    """Factories with quick sweeps and 4 shards."""
+
+    async def _connect(**extra: Any) -> aio_keuss.Factory:
+        return await connect(**{"poll_interval": 0.5, **FAST, **extra})
+
+    return _connect
+
+
+def backend_of(factory: aio_keuss.Factory) -> ShardedBackend:
+    backend = factory.backend
+    assert isinstance(backend, ShardedBackend)
+    return backend
+
+
+def store_of(q: aio_keuss.Queue) -> ShardedStore:
+    store = q._store  # type: ignore[attr-defined]
+    assert isinstance(store, ShardedStore)
+    return store
+
+
+async def until(condition: Callable[[], Awaitable[bool]], seconds: float = 60.0) -> None:
+    """Wait for a condition the background tasks bring about (a bound against hangs, not a
+    performance assertion)."""
+    deadline = time.monotonic() + seconds
+    while not await condition():
+        assert time.monotonic() < deadline, "condition never met"
+        await asyncio.sleep(0.05)
+
+
+async def ready_shards(storage: ShardStorage, queue: str) -> list[int]:
+    return (await storage.ready_head(queue)).due
+
+
+# routing --------------------------------------------------------------------------------
+
+
+async def test_ids_name_their_shard_and_explicit_ids_hash(sharded: Connect) -> None:
+    q = await (await sharded(sweeper=False)).queue("q")
+    made = await q.push("x")
+    assert made.rsplit("~", 1)[1] in {"0", "1", "2", "3"}
+    assert shard_of(made, 4) == int(made.rsplit("~", 1)[1])
+    assert shard_of("order-17", 4) == zlib.crc32(b"order-17") % 4
+    assert await q.push("y", id="order-17") == "order-17"
+    assert await q.push("again", id="order-17") == "order-17"  # dedup within its shard
+    assert await q.size() == 2
+
+
+async def test_messages_with_one_key_keep_their_order(sharded: Connect) -> None:
+    q = await (await sharded(sweeper=False)).queue("q")
+    for i in range(40):
+        await q.push({"key": f"k{i % 3}", "n": i}, headers={"x-shard-key": f"k{i % 3}"})
+    got = await q.pop_many(100, timeout=1)
+    assert len(got) == 40
+    for key in ("k0", "k1", "k2"):
+        shard = zlib.crc32(key.encode()) % 4
+        mine = [m for m in got if m.payload["key"] == key]
+        assert {int(m.id.rsplit("~", 1)[1]) for m in mine} == {shard}
+        numbers = [m.payload["n"] for m in mine]
+        assert numbers == sorted(numbers)
+
+
+async def test_round_robin_spreads_batches_and_reserve_takes_from_each(sharded: Connect) -> None:
+    factory = await sharded(sweeper=False)
+    storage = backend_of(factory).storage
+    q = await factory.queue("q")
+    for i in range(8):
+        await q.push(i)
+    assert sorted(await ready_shards(storage, "q")) == [0, 1, 2, 3]
+    got = [await q.reserve_many(2, timeout=1) for _ in range(3)]
+    # consumers go round the shards: each fetch from the next one
+    assert len({m.id.rsplit("~", 1)[1] for batch in got for m in batch}) == 3
+    for batch in got:
+        for message in batch:
+            assert await q.ok(message)
+    rest = await q.reserve_many(10, timeout=1)
+    assert len(rest) == 2
+    assert await q.reserve(timeout=0) is None
+    # emptied shards left the index: consumers never look at them
+    assert await ready_shards(storage, "q") == []
+    assert (await storage.ready_head("q")).earliest is None
+    for message in rest:
+        assert await q.ok(message)
+    assert await q.sizes() == Sizes(0, 0, 0, 0)
+
+
+async def test_a_lost_ready_hint_is_restored_by_the_sweeper(sharded: Connect) -> None:
+    factory = await sharded()
+    storage = backend_of(factory).storage
+    q = await factory.queue("q")
+    mid = await q.push("stranded")
+    # as if the pusher died between its two steps: the shard is not in the index
+    await storage.ready_drop("q", [ReadyMark(shard_of(mid, 4), 10**9)])
+    assert await ready_shards(storage, "q") == []
+    message = await q.pop(timeout=30)
+    assert message is not None and message.payload == "stranded"
+
+
+async def test_bad_options_are_refused(case: BackendCase) -> None:
+    backend = load_backend(case.name)
+    for bad in (
+        {"shards": 0},
+        {"shards": 513},
+        {"shards": True},
+        {"sweep_interval": 0},
+        {"lease_ttl": 0.05, "sweep_interval": 0.1},
+        {"shovel_concurrency": 0},
+        {"max_consumers": 101},
+    ):
+        with pytest.raises(aio_keuss.ConfigError):
+            backend(bad)
+
+
+# sweep, sideline, shovel, leader ----------------------------------------------------------
+
+
+async def test_expired_reservations_are_swept_shoveled_and_counted(sharded: Connect) -> None:
+    factory = await sharded(reserve_delay=0.2)
+    q = await factory.queue("q")
+    pushed = await q.push_many(list(range(20)))
+    held = await q.reserve_many(20, timeout=1)
+    assert sorted(m.id for m in held) == sorted(pushed)
+    again: list[aio_keuss.Message] = []
+    while len(again) < 20:
+        again += await q.reserve_many(20, timeout=30)
+    assert sorted(m.id for m in again) == sorted(pushed)
+    assert {m.tries for m in again} == {1}
+    for message in held:  # the stale holders' ok is refused
+        assert not await q.ok(message)
+    for message in again:
+        assert await q.ok(message)
+    shards = await store_of(q).shard_sizes()
+    assert sum(s.swept for s in shards) == sum(s.shoveled for s in shards) == 20
+    sweeper = backend_of(factory)._sweeper
+    assert sweeper is not None and sweeper.swept == sweeper.shoveled == 20
+    assert await q.sizes() == Sizes(0, 0, 0, 0)
+
+
+async def test_one_leader_at_a_time_and_a_takeover_on_release(sharded: Connect) -> None:
+    backend = backend_of(await sharded(sweeper=False))
+    first = Sweeper(backend.storage, backend.sharded, lambda *_: None)
+    second = Sweeper(backend.storage, backend.sharded, lambda *_: None)
+    assert await first.renew()
+    assert not await second.renew()
+    await second.step()  # not the leader: does nothing
+    assert second.passes == 0
+    await first.stop()  # gives the lease up
+    assert not first.leader
+    assert await second.renew()
+    await second.step()
+    assert second.passes == 1
+    await second.stop()
+
+
+# metadata, queue expiry, message TTL ------------------------------------------------------
+
+
+async def test_the_metadata_record_is_readable(sharded: Connect) -> None:
+    factory = await sharded(sweeper=False, message_ttl=60.0, queue_expiry=3600.0)
+    await factory.queue("q", reserve_delay=30.0)
+    info = await backend_of(factory).queue_info("q")
+    assert info is not None
+    assert info["shards"] == 4 and info["active"] is True
+    assert info["message_ttl"] == 60.0 and info["queue_expiry"] == 3600.0
+    assert info["sweep_duration"] == 30.0 and info["max_consumers"] == 100
+    assert info["created"] <= info["seen"] + 1
+    listed = await factory.list()
+    assert listed["q"]["sharded"]["shards"] == 4
+    assert await backend_of(factory).queue_info("never-opened") is None
+
+
+async def test_an_idle_queue_expires_and_keeps_its_messages(sharded: Connect) -> None:
+    factory = await sharded(queue_expiry=0.2)
+    storage = backend_of(factory).storage
+    q = await factory.queue("q")
+    await q.push_many(["a", "b"])
+    await until(lambda: _absent("q", factory.list()))
+
+    async def unlisted() -> bool:  # the sweeper let it go
+        return "q" not in await storage.listed()
+
+    await until(unlisted)
+    # its data stayed: using the queue again writes a new record and finds the messages
+    got = await q.pop_many(10, timeout=5)
+    assert sorted(m.payload for m in got) == ["a", "b"]
+    assert "q" in await factory.list()
+
+
+async def _absent(name: str, listing: Awaitable[dict[str, Any]]) -> bool:
+    return name not in await listing
+
+
+async def test_expired_messages_are_never_delivered_nor_counted(sharded: Connect) -> None:
+    factory = await sharded(message_ttl=0.2, reserve_delay=0.2)
+    q = await factory.queue("short")
+    await q.push_many(list(range(10)))
+    held = await q.reserve_many(3, timeout=1)  # fired, then expire while held
+    assert len(held) == 3
+
+    async def empty() -> bool:
+        return await q.sizes() == Sizes(0, 0, 0, 0)
+
+    await until(empty)
+    assert await q.pop(timeout=0.3) is None
+    expired = sum(shard.expired for shard in await store_of(q).shard_sizes())
+    assert expired == 10
+
+
+async def test_messages_within_their_ttl_are_delivered(sharded: Connect) -> None:
+    q = await (await sharded(message_ttl=3600.0)).queue("long")
+    await q.push_many(list(range(5)))
+    got = await q.pop_many(10, timeout=1)
+    assert sorted(m.payload for m in got) == list(range(5))
+
+
+# consumers, cancellation -----------------------------------------------------------------
+
+
+async def test_a_consumer_past_the_cap_gets_a_typed_error(sharded: Connect) -> None:
+    factory = await sharded(sweeper=False, max_consumers=1)
+    storage = backend_of(factory).storage
+    q = await factory.queue("q")
+    await q.push("x")
+    assert await storage.enrol("q", "another process", 60.0, 1)
+    with pytest.raises(aio_keuss.TooManyConsumersError):
+        await q.reserve(timeout=0)
+    assert await q.push("a producer is not a consumer")
+    await storage.leave("q", "another process")
+    assert await q.reserve(timeout=1) is not None
+
+
+@pytest.mark.parametrize("op", ["pop_many", "reserve_many"])
+async def test_fetches_over_several_shards_cancelled_anywhere_lose_nothing(
+    sharded: Connect, case: BackendCase, op: str
+) -> None:
+    """Each fetch fires from 4 shards at once; cancelled after 0, 1, 2, ... loop passes, it
+    still hands what it took back to the queue (popped: put back; reserved: released)."""
+    q = await (await sharded(sweeper=False, reserve_delay=3600.0)).queue("q")
+    # in the caller's task wherever replies refuse cancellation (not through redis-py)
+    assert store_of(q).uninterruptible == (case.id != "redis-sharded-cluster")
+    total = 400
+    await q.push_many(list(range(total)))
+    received: list[int] = []
+    for ticks in range(12):
+        task = asyncio.create_task(getattr(q, op)(64, timeout=0))
+        for _ in range(ticks):
+            await asyncio.sleep(0)
+        task.cancel()
+        (outcome,) = await asyncio.gather(task, return_exceptions=True)
+        if not isinstance(outcome, BaseException):  # it ended before the cancel came
+            for message in outcome:
+                assert op == "pop_many" or await q.ok(message)
+                received.append(message.payload)
+    left: list[int] = []
+
+    async def all_back() -> bool:
+        left.extend(m.payload for m in await q.pop_many(500, timeout=0))
+        return len(received) + len(left) >= total
+
+    await until(all_back)  # put-backs are written in the background
+    assert sorted(received + left) == list(range(total))
+    assert await q.sizes() == Sizes(0, 0, 0, 0)
+
+
+# delays ---------------------------------------------------------------------------------
+
+
+async def test_delayed_messages_wait_outside_the_magazine(sharded: Connect) -> None:
+    factory = await sharded(sweeper=False)
+    q = await factory.queue("q")
+    await q.push("later", delay=3600)
+    assert await q.sizes() == Sizes(0, 1, 1, 0)
+    assert await q.pop(timeout=0) is None
+    # the shard waits in the index until its first scheduled record matures
+    head = await backend_of(factory).storage.ready_head("q")
+    assert head.due == []
+    mature = await q.next_mature_t()
+    assert mature is not None and head.earliest == pytest.approx(mature.timestamp(), abs=1)
+
+
+async def test_a_ko_with_a_delay_is_scheduled_then_loaded_again(sharded: Connect) -> None:
+    q = await (await sharded(sweeper=False)).queue("q")
+    mid = await q.push("x")
+    first = await q.reserve(timeout=1)
+    assert first is not None and first.id == mid
+    assert await q.ko(first, delay=0.2)
+    assert await q.sizes() == Sizes(0, 1, 1, 0)
+    assert not await q.ok(first)  # scheduled: held by no one
+    again = await q.reserve(timeout=30)
+    assert again is not None and again.id == mid and again.tries == 1
+    assert await q.ok(again)
+    assert await q.sizes() == Sizes(0, 0, 0, 0)
