@@ -11,7 +11,7 @@ loop) is :mod:`aio_keuss.sharded.store` and :mod:`aio_keuss.sharded.sweeper`, wr
 
 Each operation below is one atomic step of the database: on Redis one Lua script (one round
 trip), over the keys of one shard (one cluster hash slot), or of one queue, or of the
-prefix. Per shard the storage keeps (names as in ``aio_keuss/redis/sharded_lua.py``):
+prefix. Per shard the storage keeps (names as the Redis storage spells its keys and fields):
 
 - pointers and counters: ``l`` load, ``f`` fire, ``w`` sweep, ``sl`` / ``sf`` sideline load
   and fire, ``q`` next schedule sequence, ``r`` fired and not acknowledged, ``n`` swept
