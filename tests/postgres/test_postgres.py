@@ -629,6 +629,57 @@ async def test_one_statement_moving_an_id_and_its_renamed_twin_names_both(schema
         await backend.close()
 
 
+# each kind of insert has its statement -----------------------------------------------
+
+
+async def test_new_messages_put_backs_and_user_ids_each_take_their_insert(schema: str) -> None:
+    """New messages (every push without an id) go in by the four-column ``insert_new``,
+    each with its own delay and headers, tries 0, in order; a put-back keeps its tries and
+    mature time (``insert``); a batch with a user id goes through the dedup table."""
+    from aio_keuss.contract import Entry
+    from aio_keuss.options import QueueOptions
+    from aio_keuss.postgres.store import PostgresQueueBackend
+
+    backend = PostgresQueueBackend({"url": POSTGRES_URL, "schema": schema})
+    await backend.open()
+    names = {sql: name for name, sql in backend.sql.items()}
+    sent: list[str] = []
+    fetch = backend.fetch
+
+    async def recording(query: str, *args: Any) -> list[Any]:
+        sent.append(names[query])
+        return await fetch(query, *args)
+
+    backend.fetch = recording  # type: ignore[method-assign]
+    try:
+        store = await backend.store("q", QueueOptions())
+        new = [
+            Entry("a", b"1", b"{}"),
+            Entry("b", b"2", b'{"k":1}', delay=30.0),
+            Entry("c", b"3", b"{}", delay=0.5),
+        ]
+        assert await store.insert(new) == [True, True, True]
+        assert await store.insert([Entry("a", b"9", b"{}")]) == [False]  # the id is taken
+        assert await store.insert([Entry("d", b"4", b"{}", tries=2, mature=1000.0)]) == [True]
+        user = [Entry("e", b"5", b"{}", dedup=True), Entry("f", b"6", b"{}")]
+        assert await store.insert(user) == [True, True]
+        assert sent == ["insert_new", "insert_new", "insert", "insert_dedup"]
+        rows = await fetch(
+            f'SELECT id, tries, mature, payload, headers FROM "{schema}".messages'
+            " WHERE queue = 'q' ORDER BY seq"
+        )
+    finally:
+        await backend.close()
+    found = {r["id"]: r for r in rows}
+    assert [r["id"] for r in rows] == ["a", "b", "c", "d", "e", "f"]  # seq in insert order
+    assert [found[i]["tries"] for i in "abcdef"] == [0, 0, 0, 2, 0, 0]
+    assert found["a"]["payload"] == b"1" and found["b"]["headers"] == b'{"k":1}'
+    # one statement, one now(): the delays are exactly what separates the mature times
+    assert found["b"]["mature"] - found["a"]["mature"] == pytest.approx(30.0)
+    assert found["c"]["mature"] - found["a"]["mature"] == pytest.approx(0.5)
+    assert found["d"]["mature"] == 1000.0
+
+
 # errors are translated where the package meets the driver ------------------------------
 
 
