@@ -138,10 +138,21 @@ class Coalescer(Generic[Req, Res]):
 
     async def _run(self) -> None:
         self._scheduled = False
-        batch = self._take_batch()
         try:
-            if batch:
+            batch = self._take_batch()
+            while batch:
                 await self._send(batch)
+                # The callers just answered often call again at once (a producer's loop):
+                # they run on the next loop iteration, and so does this task, after them
+                # (the loop runs callbacks in order), taking what they asked as its next
+                # batch: the same batch a new task would take, an iteration sooner and
+                # without making one. Meanwhile ``_scheduled`` keeps them from starting one.
+                self._scheduled = True
+                try:
+                    await asyncio.sleep(0)
+                finally:
+                    self._scheduled = False
+                batch = self._take_batch()
         finally:
             self._running -= 1
             self._tasks.discard(asyncio.current_task())
