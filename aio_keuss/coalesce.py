@@ -8,7 +8,9 @@ few clients this pipelines their round trips instead of serialising them. Calls 
 every slot busy queue up; the next slot to free takes all of them (up to ``max_batch``) as
 one batch, run by a task. Without it (stores where each call costs a durable commit) every
 call goes through a batch task, started on the next loop iteration, by which time the
-calls of every task ready in this one have joined it.
+calls of every task ready in this one have joined it. A batch task goes on while its
+callers keep asking as soon as they are answered (a producer's loop): their next calls form
+its next batch, sent on the iteration they are made in, one sooner than a new task would.
 
 Cancellation: a queued request cancelled before its batch starts is dropped; one whose
 caller is cancelled after the store did the work has its result handed to ``on_orphan``,
