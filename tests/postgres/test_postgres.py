@@ -634,8 +634,10 @@ async def test_one_statement_moving_an_id_and_its_renamed_twin_names_both(schema
 
 async def test_new_messages_put_backs_and_user_ids_each_take_their_insert(schema: str) -> None:
     """New messages (every push without an id) go in by the four-column ``insert_new``,
-    each with its own delay and headers, tries 0, in order; a put-back keeps its tries and
-    mature time (``insert``); a batch with a user id goes through the dedup table."""
+    each with its own delay and headers, tries 0, in order. When one's id is taken (or twice
+    in the batch) that statement inserts nothing and the batch goes again by ``insert``,
+    which refuses just that one. A put-back keeps its tries and mature time (``insert``); a
+    batch with a user id goes through the dedup table."""
     from aio_keuss.contract import Entry
     from aio_keuss.options import QueueOptions
     from aio_keuss.postgres.store import PostgresQueueBackend
@@ -644,13 +646,18 @@ async def test_new_messages_put_backs_and_user_ids_each_take_their_insert(schema
     await backend.open()
     names = {sql: name for name, sql in backend.sql.items()}
     sent: list[str] = []
-    fetch = backend.fetch
+    fetch, execute_unless_duplicate = backend.fetch, backend.execute_unless_duplicate
 
-    async def recording(query: str, *args: Any) -> list[Any]:
+    async def recording_fetch(query: str, *args: Any) -> list[Any]:
         sent.append(names[query])
         return await fetch(query, *args)
 
-    backend.fetch = recording  # type: ignore[method-assign]
+    async def recording_execute(query: str, *args: Any) -> bool:
+        sent.append(names[query])
+        return await execute_unless_duplicate(query, *args)
+
+    backend.fetch = recording_fetch  # type: ignore[method-assign]
+    backend.execute_unless_duplicate = recording_execute  # type: ignore[method-assign]
     try:
         store = await backend.store("q", QueueOptions())
         new = [
@@ -659,11 +666,17 @@ async def test_new_messages_put_backs_and_user_ids_each_take_their_insert(schema
             Entry("c", b"3", b"{}", delay=0.5),
         ]
         assert await store.insert(new) == [True, True, True]
-        assert await store.insert([Entry("a", b"9", b"{}")]) == [False]  # the id is taken
-        assert await store.insert([Entry("d", b"4", b"{}", tries=2, mature=1000.0)]) == [True]
-        user = [Entry("e", b"5", b"{}", dedup=True), Entry("f", b"6", b"{}")]
+        assert sent == ["insert_new"]
+        taken = [Entry("d", b"4", b"{}"), Entry("a", b"9", b"{}")]
+        assert await store.insert(taken) == [True, False]
+        twice = [Entry("e", b"5", b"{}"), Entry("e", b"6", b"{}")]
+        assert await store.insert(twice) == [True, False]  # the first one wins
+        assert sent == ["insert_new"] + ["insert_new", "insert"] * 2
+        sent.clear()
+        assert await store.insert([Entry("f", b"7", b"{}", tries=2, mature=1000.0)]) == [True]
+        user = [Entry("g", b"8", b"{}", dedup=True), Entry("h", b"9", b"{}")]
         assert await store.insert(user) == [True, True]
-        assert sent == ["insert_new", "insert_new", "insert", "insert_dedup"]
+        assert sent == ["insert", "insert_dedup"]
         rows = await fetch(
             f'SELECT id, tries, mature, payload, headers FROM "{schema}".messages'
             " WHERE queue = 'q' ORDER BY seq"
@@ -671,13 +684,14 @@ async def test_new_messages_put_backs_and_user_ids_each_take_their_insert(schema
     finally:
         await backend.close()
     found = {r["id"]: r for r in rows}
-    assert [r["id"] for r in rows] == ["a", "b", "c", "d", "e", "f"]  # seq in insert order
-    assert [found[i]["tries"] for i in "abcdef"] == [0, 0, 0, 2, 0, 0]
-    assert found["a"]["payload"] == b"1" and found["b"]["headers"] == b'{"k":1}'
+    assert [r["id"] for r in rows] == list("abcdefgh")  # each once, seq in insert order
+    assert [found[i]["tries"] for i in "abcdefgh"] == [0, 0, 0, 0, 0, 2, 0, 0]
+    assert [found[i]["payload"] for i in "ade"] == [b"1", b"4", b"5"]
+    assert found["b"]["headers"] == b'{"k":1}'
     # one statement, one now(): the delays are exactly what separates the mature times
     assert found["b"]["mature"] - found["a"]["mature"] == pytest.approx(30.0)
     assert found["c"]["mature"] - found["a"]["mature"] == pytest.approx(0.5)
-    assert found["d"]["mature"] == 1000.0
+    assert found["f"]["mature"] == 1000.0
 
 
 # errors are translated where the package meets the driver ------------------------------
