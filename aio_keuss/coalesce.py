@@ -8,7 +8,9 @@ few clients this pipelines their round trips instead of serialising them. Calls 
 every slot busy queue up; the next slot to free takes all of them (up to ``max_batch``) as
 one batch, run by a task. Without it (stores where each call costs a durable commit) every
 call goes through a batch task, started on the next loop iteration, by which time the
-calls of every task ready in this one have joined it.
+calls of every task ready in this one have joined it. A batch task goes on while its
+callers keep asking as soon as they are answered (a producer's loop): their next calls form
+its next batch, sent on the iteration they are made in, one sooner than a new task would.
 
 Cancellation: a queued request cancelled before its batch starts is dropped; one whose
 caller is cancelled after the store did the work has its result handed to ``on_orphan``,
@@ -145,10 +147,21 @@ class Coalescer(Generic[Req, Res]):
 
     async def _run(self) -> None:
         self._scheduled = False
-        batch = self._take_batch()
         try:
-            if batch:
+            batch = self._take_batch()
+            while batch:
                 await self._send(batch)
+                # The callers just answered often call again at once (a producer's loop):
+                # they run on the next loop iteration, and so does this task, after them
+                # (the loop runs callbacks in order), taking what they asked as its next
+                # batch: the same batch a new task would take, an iteration sooner and
+                # without making one. Meanwhile ``_scheduled`` keeps them from starting one.
+                self._scheduled = True
+                try:
+                    await asyncio.sleep(0)
+                finally:
+                    self._scheduled = False
+                batch = self._take_batch()
         finally:
             self._running -= 1
             self._tasks.discard(asyncio.current_task())

@@ -383,6 +383,16 @@ class PostgresConnection(Backend):
         return status
 
     @translated
+    async def execute_unless_duplicate(self, query: str, *args: Any) -> bool:
+        """Run a statement that may break a unique constraint: False when it did (SQLSTATE
+        23505, unique_violation), and so, being one statement, changed nothing."""
+        try:
+            await self._run("execute", query, args)
+        except asyncpg.UniqueViolationError:
+            return False
+        return True
+
+    @translated
     async def fetch(self, query: str, *args: Any) -> list[Any]:
         rows: list[Any] = await self._run("fetch", query, args)
         return rows

@@ -18,7 +18,9 @@ in ``sql/migrations``; the statements are in ``sql/queries.sql``):
 
 Every primitive is ONE statement (one round trip, its own implicit transaction), built from
 data-modifying CTEs over ``unnest``-ed array parameters so a coalesced batch of any size costs
-the same single prepared statement. Time is always ``now()`` on the server: clients with
+the same single prepared statement. (One exception, never met with generated ids: new
+messages of which one has an id already taken go again by a second statement; see
+``insert_new`` in ``queries.sql``.) Time is always ``now()`` on the server: clients with
 skewed clocks agree on what is mature, and a reservation deadline is the server's *now* plus
 ``reserve_delay`` (never the old mature time plus the delay, Keuss's redis-oq mistake).
 """
@@ -133,16 +135,28 @@ class PostgresStore(Store):
             if len(rows) == len(entries):
                 return [True] * len(entries)
             return _first_occurrences(ids, {r[0] for r in rows})
+        payloads = [e.payload for e in entries]
+        headers = [e.headers for e in entries]
+        delays = [e.delay for e in entries]
+        dedup = any(e.dedup for e in entries)
+        if (
+            not dedup
+            and all(e.mature is None and not e.tries for e in entries)
+            and await self._db.execute_unless_duplicate(
+                self._sql["insert_new"], self.name, ids, payloads, headers, delays
+            )
+        ):
+            return [True] * len(entries)  # new messages, all in (else an id was taken: below)
         columns: list[Any] = [
             self.name,
             ids,
-            [e.payload for e in entries],
-            [e.headers for e in entries],
-            [e.delay for e in entries],
+            payloads,
+            headers,
+            delays,
             [e.tries for e in entries],
             [e.mature for e in entries],
         ]
-        if any(e.dedup for e in entries):
+        if dedup:
             columns += [[e.dedup for e in entries], self.options.dedup_window]
             rows = await self._db.fetch(self._sql["insert_dedup"], *columns)
         else:

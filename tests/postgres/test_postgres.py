@@ -629,6 +629,71 @@ async def test_one_statement_moving_an_id_and_its_renamed_twin_names_both(schema
         await backend.close()
 
 
+# each kind of insert has its statement -----------------------------------------------
+
+
+async def test_new_messages_put_backs_and_user_ids_each_take_their_insert(schema: str) -> None:
+    """New messages (every push without an id) go in by the four-column ``insert_new``,
+    each with its own delay and headers, tries 0, in order. When one's id is taken (or twice
+    in the batch) that statement inserts nothing and the batch goes again by ``insert``,
+    which refuses just that one. A put-back keeps its tries and mature time (``insert``); a
+    batch with a user id goes through the dedup table."""
+    from aio_keuss.contract import Entry
+    from aio_keuss.options import QueueOptions
+    from aio_keuss.postgres.store import PostgresQueueBackend
+
+    backend = PostgresQueueBackend({"url": POSTGRES_URL, "schema": schema})
+    await backend.open()
+    names = {sql: name for name, sql in backend.sql.items()}
+    sent: list[str] = []
+    fetch, execute_unless_duplicate = backend.fetch, backend.execute_unless_duplicate
+
+    async def recording_fetch(query: str, *args: Any) -> list[Any]:
+        sent.append(names[query])
+        return await fetch(query, *args)
+
+    async def recording_execute(query: str, *args: Any) -> bool:
+        sent.append(names[query])
+        return await execute_unless_duplicate(query, *args)
+
+    backend.fetch = recording_fetch  # type: ignore[method-assign]
+    backend.execute_unless_duplicate = recording_execute  # type: ignore[method-assign]
+    try:
+        store = await backend.store("q", QueueOptions())
+        new = [
+            Entry("a", b"1", b"{}"),
+            Entry("b", b"2", b'{"k":1}', delay=30.0),
+            Entry("c", b"3", b"{}", delay=0.5),
+        ]
+        assert await store.insert(new) == [True, True, True]
+        assert sent == ["insert_new"]
+        taken = [Entry("d", b"4", b"{}"), Entry("a", b"9", b"{}")]
+        assert await store.insert(taken) == [True, False]
+        twice = [Entry("e", b"5", b"{}"), Entry("e", b"6", b"{}")]
+        assert await store.insert(twice) == [True, False]  # the first one wins
+        assert sent == ["insert_new"] + ["insert_new", "insert"] * 2
+        sent.clear()
+        assert await store.insert([Entry("f", b"7", b"{}", tries=2, mature=1000.0)]) == [True]
+        user = [Entry("g", b"8", b"{}", dedup=True), Entry("h", b"9", b"{}")]
+        assert await store.insert(user) == [True, True]
+        assert sent == ["insert", "insert_dedup"]
+        rows = await fetch(
+            f'SELECT id, tries, mature, payload, headers FROM "{schema}".messages'
+            " WHERE queue = 'q' ORDER BY seq"
+        )
+    finally:
+        await backend.close()
+    found = {r["id"]: r for r in rows}
+    assert [r["id"] for r in rows] == list("abcdefgh")  # each once, seq in insert order
+    assert [found[i]["tries"] for i in "abcdefgh"] == [0, 0, 0, 0, 0, 2, 0, 0]
+    assert [found[i]["payload"] for i in "ade"] == [b"1", b"4", b"5"]
+    assert found["b"]["headers"] == b'{"k":1}'
+    # one statement, one now(): the delays are exactly what separates the mature times
+    assert found["b"]["mature"] - found["a"]["mature"] == pytest.approx(30.0)
+    assert found["c"]["mature"] - found["a"]["mature"] == pytest.approx(0.5)
+    assert found["f"]["mature"] == 1000.0
+
+
 # errors are translated where the package meets the driver ------------------------------
 
 

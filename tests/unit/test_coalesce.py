@@ -309,3 +309,50 @@ async def test_side_by_side_cancelled_in_an_ordinary_await_closes_the_others() -
     with pytest.raises(asyncio.CancelledError):
         await together
     assert ended == ["a", "b"]
+
+
+async def test_callers_asking_again_at_once_share_batches_run_by_one_task() -> None:
+    """Three producers in a loop, batched by a task (as on PostgreSQL): each batch's
+    callers ask again as soon as they are answered, and the same task takes their next
+    requests as its next batch instead of ending and starting another."""
+    batches: list[list[int]] = []
+    runners: set[asyncio.Task[None] | None] = set()
+
+    async def run(requests: list[int]) -> list[int]:
+        batches.append(requests)
+        runners.add(asyncio.current_task())  # type: ignore[arg-type]
+        await asyncio.sleep(0.001)
+        return requests
+
+    coalescer: Coalescer[int, int] = Coalescer(
+        run, max_batch=10, concurrency=3, run_in_caller=False
+    )
+
+    async def producer(base: int) -> list[int]:
+        return [await coalescer.submit(base + i) for i in range(5)]
+
+    results = await asyncio.gather(*(producer(base) for base in (0, 100, 200)))
+    assert results == [[base + i for i in range(5)] for base in (0, 100, 200)]
+    assert batches == [[i, 100 + i, 200 + i] for i in range(5)]
+    assert len(runners) == 1
+    await coalescer.wait_idle()
+    assert not coalescer._tasks
+
+
+async def test_a_caller_coming_back_later_gets_a_batch_of_its_own() -> None:
+    """A caller that asks again only a few loop iterations after its answer finds the
+    batch task gone, and its request starts another."""
+    batches: list[list[int]] = []
+
+    async def run(requests: list[int]) -> list[int]:
+        batches.append(requests)
+        return requests
+
+    coalescer: Coalescer[int, int] = Coalescer(run, max_batch=10, run_in_caller=False)
+    assert await coalescer.submit(1) == 1
+    for _ in range(3):
+        await asyncio.sleep(0)
+    assert await coalescer.submit(2) == 2
+    assert batches == [[1], [2]]
+    await coalescer.wait_idle()
+    assert not coalescer._tasks and coalescer._running == 0

@@ -9,8 +9,24 @@
 -- $1 is always the queue name. "now" is extract(epoch from now()): the server's clock,
 -- stable within the statement, usable as an index condition.
 
+-- name: insert_new
+-- Insert new messages without user ids (every push but an idempotent one): no dedup table
+-- involved, tries 0, mature now + delay. Four columns where insert below takes six: the
+-- arrays a push batch costs to encode, send and unnest are much of its statement's work
+-- besides the commit. No ON CONFLICT clause, and so nothing to return: generated ids do not
+-- collide, and a speculative insertion costs every row one more index probe and one more WAL
+-- record (PostgreSQL manual, INSERT, "ON CONFLICT Clause"). Should an id be taken after all,
+-- the statement fails whole, having inserted nothing, and the store sends the batch again
+-- through insert, which refuses just the taken ids.
+INSERT INTO {s}.messages (queue, id, mature, tries, payload, headers)
+SELECT $1, e.id, extract(epoch from now())::float8 + e.delay, 0, e.payload, e.headers
+FROM unnest($2::text[], $3::bytea[], $4::bytea[], $5::float8[])
+     WITH ORDINALITY AS e(id, payload, headers, delay, ord)
+ORDER BY e.ord
+
 -- name: insert
--- Insert without user ids (generated ids, put-backs): no dedup table involved. A put-back
+-- Insert without user ids where some entry is a put-back (a popped message whose caller was
+-- cancelled), or where insert_new found an id taken: no dedup table involved. A put-back
 -- carries its own mature time and tries; others get now + delay.
 INSERT INTO {s}.messages (queue, id, mature, tries, payload, headers)
 SELECT $1, e.id, coalesce(e.mature, extract(epoch from now())::float8 + e.delay),
