@@ -17,6 +17,7 @@ import asyncio
 import json
 import logging
 import os
+import sys
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -62,6 +63,10 @@ async def run_clients(clients: int, total: int, step: Callable[[int], Awaitable[
     return time.perf_counter() - start
 
 
+STOP_TIMEOUT = 30.0
+"""Seconds a cancelled worker is given to end."""
+
+
 async def timed_worker(start: Callable[[], Awaitable[Any]], timeout: float) -> float:
     """Runs ``start()`` as a task until the counter reaches its target, then cancels it (each
     peer's worker shuts down on cancellation); returns the seconds to the N-th job."""
@@ -72,7 +77,12 @@ async def timed_worker(start: Callable[[], Awaitable[Any]], timeout: float) -> f
     seconds = time.perf_counter() - began
     waiter.cancel()
     task.cancel()
-    await asyncio.gather(task, return_exceptions=True)
+    # A peer's worker that does not end when cancelled (saq's PostgreSQL worker once hung
+    # there for the whole 900 s a system gets) must not stall the sitting.
+    await asyncio.wait({task}, timeout=STOP_TIMEOUT)
+    if not task.done():  # asyncio.run would wait for it at exit: leave at once
+        print("the worker did not stop when cancelled", file=sys.stderr, flush=True)
+        os._exit(3)
     if not COUNTER.done.is_set():
         raise RuntimeError(f"worker handled {COUNTER.count} of {COUNTER.target} jobs")
     return seconds
