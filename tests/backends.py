@@ -141,6 +141,18 @@ CASES: list[BackendCase] = [
         _drop_redis_cluster_prefix,
         label="redis-oq-cluster-one-slot",
         setup=start_redis_cluster,
+        # what the shared slot changes: moves and deadletter in one script, finding a
+        # message across queues; the rest is the redis-oq-cluster case's code
+        modules=frozenset(
+            {
+                "test_move",
+                "test_deadletter",
+                "test_pipeline",
+                "test_visibility",
+                "test_lifecycle",
+                "test_reserve",
+            }
+        ),
     ),
     BackendCase("redis-reliable", _redis, _drop_redis_prefix),
     BackendCase("redis-sharded", lambda t: {**_redis(t), **_SHARDED_FAST}, _drop_redis_prefix),

@@ -20,7 +20,7 @@ from conftest import Connect
 pytestmark = pytest.mark.timeout(60)
 
 SETTLE = 2.0
-MEASURE = 3.0
+MEASURE = 2.0
 BOUND = 0.01
 """Share of one CPU; typical values are 0 to 0.3 %."""
 

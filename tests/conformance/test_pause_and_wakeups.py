@@ -136,7 +136,7 @@ async def test_burst_within_debounce_wakes_every_consumer(connect: Connect, case
 
 
 async def test_many_consumers_get_each_message_exactly_once(queue: aio_keuss.Queue) -> None:
-    total = 10_000
+    total = 4_000
     use_reserve = queue.capabilities.reserve
     seen: list[int] = []
 
@@ -150,8 +150,8 @@ async def test_many_consumers_get_each_message_exactly_once(queue: aio_keuss.Que
                 assert await queue.ok(message)
 
     consumers = [asyncio.create_task(consume()) for _ in range(16)]
-    for start in range(0, total, 1000):
-        await queue.push_many(list(range(start, start + 1000)))
+    for start in range(0, total, 500):
+        await queue.push_many(list(range(start, start + 500)))
     await asyncio.gather(*consumers)
     assert len(seen) == total
     assert sorted(seen) == list(range(total))
