@@ -199,5 +199,9 @@ CASES: list[BackendCase] = [
 ]
 
 
+SHARDED_CASES = [c for c in CASES if c.name.endswith("-sharded")]
+"""The cases of the sharded model, whatever their storage."""
+
+
 def new_token() -> str:
     return uuid.uuid4().hex[:12]

@@ -30,13 +30,18 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         items[:] = kept
 
 
-@pytest.fixture(params=CASES, ids=lambda case: case.id)
-def case(request: pytest.FixtureRequest) -> BackendCase:
+def usable_case(request: pytest.FixtureRequest) -> BackendCase:
+    """The parametrized case of a ``case`` fixture, skipped when its backend is unusable."""
     backend: BackendCase = request.param
     reason = backend.available()
     if reason:
         pytest.skip(reason)
     return backend
+
+
+@pytest.fixture(params=CASES, ids=lambda case: case.id)
+def case(request: pytest.FixtureRequest) -> BackendCase:
+    return usable_case(request)
 
 
 @pytest.fixture

@@ -11,8 +11,8 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 import pytest
-from backends import CASES, BackendCase
-from conftest import Connect
+from backends import SHARDED_CASES, BackendCase
+from conftest import Connect, usable_case
 
 from aio_keuss.contract import Ack, Entry, Nack
 from aio_keuss.sharded.backend import ShardedBackend
@@ -21,18 +21,13 @@ from aio_keuss.types import KoResult
 
 pytestmark = pytest.mark.timeout(90)
 
-SHARDED = [c for c in CASES if c.name.endswith("-sharded")]
 FAR = 3600.0
 
 
-@pytest.fixture(params=SHARDED, ids=lambda case: case.id)
+@pytest.fixture(params=SHARDED_CASES, ids=lambda case: case.id)
 def case(request: pytest.FixtureRequest) -> BackendCase:
     """Only the sharded cases (this overrides the suite-wide fixture)."""
-    backend: BackendCase = request.param
-    reason = backend.available()
-    if reason:
-        pytest.skip(reason)
-    return backend
+    return usable_case(request)
 
 
 @pytest.fixture

@@ -14,8 +14,9 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 import pytest
-from backends import CASES, BackendCase
-from conftest import Connect
+from backends import SHARDED_CASES, BackendCase
+from conftest import Connect, usable_case
+from sharded_checks import assert_metadata_of_q
 
 import aio_keuss
 from aio_keuss.registry import load_backend
@@ -28,18 +29,13 @@ from aio_keuss.types import Sizes
 
 pytestmark = pytest.mark.timeout(120)
 
-SHARDED = [c for c in CASES if c.name.endswith("-sharded")]
 FAST = {"shards": 4, "sweep_interval": 0.1, "shovel_interval": 0.2, "lease_ttl": 2.0}
 
 
-@pytest.fixture(params=SHARDED, ids=lambda case: case.id)
+@pytest.fixture(params=SHARDED_CASES, ids=lambda case: case.id)
 def case(request: pytest.FixtureRequest) -> BackendCase:
     """Only the sharded cases (this overrides the suite-wide fixture)."""
-    backend: BackendCase = request.param
-    reason = backend.available()
-    if reason:
-        pytest.skip(reason)
-    return backend
+    return usable_case(request)
 
 
 @pytest.fixture
@@ -203,15 +199,7 @@ async def test_one_leader_at_a_time_and_a_takeover_on_release(sharded: Connect) 
 async def test_the_metadata_record_is_readable(sharded: Connect) -> None:
     factory = await sharded(sweeper=False, message_ttl=60.0, queue_expiry=3600.0)
     await factory.queue("q", reserve_delay=30.0)
-    info = await backend_of(factory).queue_info("q")
-    assert info is not None
-    assert info["shards"] == 4 and info["active"] is True
-    assert info["message_ttl"] == 60.0 and info["queue_expiry"] == 3600.0
-    assert info["sweep_duration"] == 30.0 and info["max_consumers"] == 100
-    assert info["created"] <= info["seen"] + 1
-    listed = await factory.list()
-    assert listed["q"]["sharded"]["shards"] == 4
-    assert await backend_of(factory).queue_info("never-opened") is None
+    await assert_metadata_of_q(factory)
 
 
 async def test_an_idle_queue_expires_and_keeps_its_messages(sharded: Connect) -> None:

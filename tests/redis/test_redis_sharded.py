@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 from backends import REDIS_URL, _drop_redis_prefix, new_token
+from sharded_checks import assert_metadata_of_q
 
 import aio_keuss
 from aio_keuss.redis.sharded import RedisShardedBackend, RedisShardStorage
@@ -264,15 +265,7 @@ async def test_the_metadata_record_is_read_from_any_process(connect: Connect) ->
     first = await connect(sweeper=False, message_ttl=60.0, queue_expiry=3600.0)
     await first.queue("q", reserve_delay=30.0)
     other = await connect(sweeper=False)
-    info = await backend_of(other).queue_info("q")
-    assert info is not None
-    assert info["shards"] == 4 and info["active"] is True
-    assert info["message_ttl"] == 60.0 and info["queue_expiry"] == 3600.0
-    assert info["sweep_duration"] == 30.0 and info["max_consumers"] == 100
-    assert info["created"] <= info["seen"] + 1
-    listed = await other.list()
-    assert listed["q"]["sharded"]["shards"] == 4
-    assert await backend_of(other).queue_info("never-opened") is None
+    await assert_metadata_of_q(other)
 
 
 async def test_consumers_past_the_cap_get_a_typed_error(connect: Connect) -> None:
