@@ -1,4 +1,4 @@
-"""Pipelines under SIGKILL: 10,000 messages through three stations whose worker processes
+"""Pipelines under SIGKILL: 6,000 messages through three stations whose worker processes
 (``aio-keuss worker --pipeline``) are killed at random about once a second and restarted.
 
 What must hold at the end: the last queue holds every message exactly once (no loss, no
@@ -31,7 +31,7 @@ import aio_keuss
 
 pytestmark = pytest.mark.timeout(600)
 
-MESSAGES = 10_000
+MESSAGES = 6_000
 WORKERS = 2
 
 STATIONS = textwrap.dedent(
