@@ -62,6 +62,7 @@ class RedisShardStorage(ShardStorage):
         self.registry_key = f"{backend.prefix}:sharded:queues"
         self.lease_key = f"{backend.prefix}:sharded:leader"
         self._shards: dict[str, dict[int, tuple[str, list[str]]]] = {}
+        self._ready_keys: dict[str, list[str]] = {}
 
     @property
     def uninterruptible(self) -> bool:  # type: ignore[override]
@@ -89,7 +90,12 @@ class RedisShardStorage(ShardStorage):
         return found
 
     def _ready(self, queue: str) -> list[str]:
-        return [self._backend.key(queue, "ready"), self._backend.key(queue, "stamps")]
+        """The queue's ready index and its version stamps (computed once)."""
+        found = self._ready_keys.get(queue)
+        if found is None:
+            key = self._backend.key
+            found = self._ready_keys[queue] = [key(queue, "ready"), key(queue, "stamps")]
+        return found
 
     # per shard ---------------------------------------------------------------------------
 
@@ -194,7 +200,7 @@ class RedisShardStorage(ShardStorage):
         await self._run(lua.READY_DROP, self._ready(queue), _marks(marks))
 
     async def ready_head(self, queue: str) -> ReadyHead:
-        reply = await self._run(lua.READY_HEAD, [self._backend.key(queue, "ready")], ())
+        reply = await self._run(lua.READY_HEAD, self._ready(queue)[:1], ())
         return ReadyHead([int(s) for s in reply[1:]], _time(reply[0]))
 
     async def enrol(self, queue: str, token: str, lease: float, most: int) -> bool:
