@@ -172,9 +172,16 @@ def _refusal(value: object) -> str:
     return f"a {kind} has no exact JSON form"
 
 
+_SLICE_BELOW = 4096
+"""Payloads shorter than this are decoded from a copy without their tag byte: copying a
+small blob costs less than making a memoryview of it; larger ones are not copied."""
+
+
 def decode_payload(blob: bytes) -> Payload:
     if blob[:1] == _BYTES_TAG:
         return bytes(blob[1:])
+    if len(blob) < _SLICE_BELOW:
+        return orjson.loads(blob[1:])
     return orjson.loads(memoryview(blob)[1:])
 
 
@@ -248,3 +255,25 @@ def check_tries(tries: object) -> int:
 
 def to_datetime(timestamp: float) -> datetime:
     return datetime.fromtimestamp(timestamp, UTC)
+
+
+_new_object = object.__new__
+_set_id, _set_payload, _set_headers, _set_tries, _set_mature = (
+    Message.__dict__[name].__set__ for name in ("id", "payload", "headers", "tries", "mature")
+)
+
+
+def decode_message(
+    message_id: str, payload: bytes, headers: bytes | str, tries: int, mature: float
+) -> Message:
+    """A :class:`Message` from its stored form, for every delivery. Built through its slots
+    rather than the frozen dataclass's ``__init__``, which goes through
+    ``object.__setattr__`` once per field: a third of the cost, on the hot path of every pop
+    and reserve. The result is the same object the constructor would make."""
+    message = _new_object(Message)
+    _set_id(message, message_id)
+    _set_payload(message, decode_payload(payload))
+    _set_headers(message, decode_headers(headers))
+    _set_tries(message, tries)
+    _set_mature(message, datetime.fromtimestamp(mature, UTC))
+    return message

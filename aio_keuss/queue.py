@@ -45,8 +45,7 @@ from .message import (
     Unchanged,
     check_id,
     check_tries,
-    decode_headers,
-    decode_payload,
+    decode_message,
     encode_headers,
     encode_payload,
     to_datetime,
@@ -334,16 +333,7 @@ class Queue:
             self._stats.incr(self.name, counter, len(stored))
             if observe.active is not None:
                 observe.active.delivered(self.name, stored)
-        return [
-            Message(
-                s.id,
-                decode_payload(s.payload),
-                decode_headers(s.headers),
-                s.tries,
-                to_datetime(s.mature),
-            )
-            for s in stored
-        ]
+        return [decode_message(s.id, s.payload, s.headers, s.tries, s.mature) for s in stored]
 
     async def _fill(
         self,

@@ -31,11 +31,10 @@ from .contract import Cursor, Entry, Move, Peeked, PeekPage, Store
 from .errors import InvalidInputError
 from .ids import new_id
 from .message import (
-    Message,
     append_headers,
     check_id,
     decode_headers,
-    decode_payload,
+    decode_message,
     to_datetime,
 )
 from .options import check_queue_name
@@ -114,13 +113,7 @@ def check_time(value: datetime | float | None, name: str, default: float) -> flo
 
 def view(queue: str, row: Peeked) -> MessageView:
     stored = row.message
-    message = Message(
-        stored.id,
-        decode_payload(stored.payload),
-        decode_headers(stored.headers),
-        stored.tries,
-        to_datetime(stored.mature),
-    )
+    message = decode_message(stored.id, stored.payload, stored.headers, stored.tries, stored.mature)
     return MessageView(queue, State(row.state), to_datetime(row.at), message)
 
 

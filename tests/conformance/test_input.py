@@ -16,6 +16,7 @@ import time
 import uuid
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
+from datetime import UTC, datetime
 from typing import Any
 
 import orjson
@@ -27,7 +28,13 @@ from hypothesis import strategies as st
 
 import aio_keuss
 from aio_keuss import Message
-from aio_keuss.message import MAX_TRIES, check_id, encode_headers, encode_payload
+from aio_keuss.message import (
+    MAX_TRIES,
+    check_id,
+    decode_message,
+    encode_headers,
+    encode_payload,
+)
 from aio_keuss.options import MAX_COUNT, MAX_SECONDS, brief, check_seconds
 from aio_keuss.redis.connection import check_redis_url
 
@@ -293,6 +300,21 @@ def test_the_nested_bytes_refusal_says_whole_bytes_payloads_work() -> None:
     with pytest.raises(aio_keuss.InvalidPayloadError, match="only as the whole payload"):
         encode_payload({"b": b"x"})
     assert encode_payload(b"x")  # the whole payload: fine
+
+
+@pytest.mark.parametrize(
+    "payload", [{"a": [1, 2.5, None]}, "x" * 10_000, b"\x00raw", None, [{"deep": {"k": True}}]]
+)
+def test_a_decoded_message_is_the_one_the_constructor_makes(payload: Any) -> None:
+    """Deliveries are built through the slots, not ``__init__``: the same value, still
+    frozen."""
+    mature = 1_764_000_000.25
+    made = decode_message("m1", encode_payload(payload), b'{"h":1}', 3, mature)
+    expected = Message("m1", payload, {"h": 1}, 3, datetime.fromtimestamp(mature, UTC))
+    assert made == expected and repr(made) == repr(expected)
+    assert type(made.payload) is type(payload) and made.mature.tzinfo is UTC
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        made.tries = 4  # type: ignore[misc]
 
 
 REFUSED_HEADERS: list[tuple[str, Any]] = [
