@@ -27,10 +27,11 @@ and deadlettered past ``max_ko``. With ``prefetch`` N, a worker that finds nothi
 reserves up to N + 1 messages in one round trip and leaves the rest for the next free
 workers; those never started are given back at once, costing no try, when the consumer stops.
 With ``prefetch`` a worker also does not wait for the ``ok`` of a handled message before it
-takes the next one: the ok is sent at once and its reply awaited in the background (at most
-``concurrency + prefetch`` of them at a time; ``stop`` waits for them), so oks of several
-workers share round trips. The message was handled either way; an ok that fails is logged
-and the message comes back when its reservation expires, as with an awaited ok.
+takes the next one: the ok goes to a background sender (at most ``concurrency + prefetch``
+unanswered; ``stop`` waits for them), which sends the oks handled while its last round trip
+was out together, with ``ok_many`` (no task per message). The message was handled either
+way; an ok that fails is logged and the message comes back when its reservation expires, as
+with an awaited ok.
 """
 
 from __future__ import annotations
@@ -235,6 +236,11 @@ class HandlerFailures:
             self._suppressed = 0
 
 
+OK_SENDERS = 2
+"""Background ok round trips a consumer with prefetch keeps out at once: while one is
+answered, the oks of the messages handled meanwhile go out together in the other."""
+
+
 class Source(Protocol):
     """What a consumer needs of its queue. The queue hands its consumers a small link that
     offers just this, so a consumer never reaches into the queue's insides."""
@@ -251,6 +257,8 @@ class Source(Protocol):
         ``max_wait_time`` for ``n``."""
 
     def ok(self, message: Message) -> Awaitable[bool]: ...
+
+    def ok_many(self, messages: list[Message]) -> Awaitable[list[bool]]: ...
 
     def ko(self, message: Message, delay: float | None) -> Awaitable[KoResult]: ...
 
@@ -322,8 +330,15 @@ class Consumer:
         self._settle = settle
         self._buffer: deque[Message] = deque()
         self._fetching = asyncio.Lock()
-        self._acks: set[asyncio.Task[Any]] = set()  # oks awaited in the background
-        self._ack_room = asyncio.Semaphore(concurrency + prefetch)
+        # With prefetch, oks are sent in the background, several to a round trip: handled
+        # messages wait in ``_oks`` for one of at most OK_SENDERS sender tasks; at most
+        # ``concurrency + prefetch`` are unanswered (queued or in flight) at a time.
+        self._oks: list[Message] = []
+        self._oks_unanswered = 0
+        self._ok_limit = concurrency + prefetch
+        self._ok_room: asyncio.Event | None = None
+        self._ok_senders = 0
+        self._acks: set[asyncio.Task[Any]] = set()  # the sender tasks
         self.queue = queue
         self.concurrency = concurrency
         self._handler = handler
@@ -505,18 +520,39 @@ class Consumer:
         if self._settle is not None:
             await self._acknowledge("settle", message, self._settle(message, result))
         elif self._reserve and self._prefetch:
-            await self._ack_room.acquire()
-            ack = self._loop.create_task(self._ok_in_background(message))
-            self._acks.add(ack)
-            ack.add_done_callback(self._acks.discard)
+            await self._ok_later(message)
         elif self._reserve:
             await self._acknowledge("ok", message, self.queue.ok(message))
 
-    async def _ok_in_background(self, message: Message) -> None:
+    async def _ok_later(self, message: Message) -> None:
+        """Queue the ok of a handled message for a sender task (no task per message: oks
+        handled while a round trip is out share the next one)."""
+        while self._oks_unanswered >= self._ok_limit:
+            if self._ok_room is None:
+                self._ok_room = asyncio.Event()
+            await self._ok_room.wait()
+        self._oks.append(message)
+        self._oks_unanswered += 1
+        if self._ok_senders < OK_SENDERS:
+            self._ok_senders += 1
+            sender = self._loop.create_task(self._send_oks())
+            self._acks.add(sender)
+            sender.add_done_callback(self._acks.discard)
+
+    async def _send_oks(self) -> None:
         try:
-            await self._acknowledge("ok", message, self.queue.ok(message))
+            while self._oks:
+                batch, self._oks = self._oks, []
+                try:
+                    await self._acknowledge_all("ok", batch, self.queue.ok_many(batch))
+                finally:
+                    self._oks_unanswered -= len(batch)
+                    room = self._ok_room
+                    if room is not None and self._oks_unanswered < self._ok_limit:
+                        self._ok_room = None
+                        room.set()
         finally:
-            self._ack_room.release()
+            self._ok_senders -= 1
 
     def _failure(
         self, exc: Exception, deadline: asyncio.Timeout | None, started: float
@@ -574,7 +610,7 @@ class Consumer:
         self._ran(started, "ok")
         self.handled += len(messages)
         if self._reserve:
-            await asyncio.gather(*(self._acknowledge("ok", m, self.queue.ok(m)) for m in messages))
+            await self._acknowledge_all("ok", messages, self.queue.ok_many(messages))
 
     def _ran(self, started: float, outcome: str) -> None:
         """A handler ended (``ok``, ``error``, ``timeout`` or ``cancelled``): its duration."""
@@ -583,13 +619,20 @@ class Consumer:
         if observe.active is not None:
             observe.active.handled(self.queue.name, seconds, outcome)
 
-    async def _acknowledge(self, doing: str, message: Message, work: Awaitable[Any]) -> Any:
+    def _acknowledge(self, doing: str, message: Message, work: Awaitable[Any]) -> Awaitable[Any]:
+        return self._acknowledge_all(doing, [message], work)
+
+    async def _acknowledge_all(
+        self, doing: str, messages: list[Message], work: Awaitable[Any]
+    ) -> Any:
         """ok / ko / release after the handler ran: a failure is logged (as part of an outage)
-        and the worker goes on; the message comes back when its reservation expires."""
+        and the worker goes on; the messages come back when their reservations expire."""
         outage = self._outage
         generation = outage.generation
         try:
             return await work
         except Exception as exc:
-            outage.failed(exc, generation, f"{doing} of message {message.id}")
+            many = len(messages) > 1
+            what = f"{len(messages)} messages" if many else f"message {messages[0].id}"
+            outage.failed(exc, generation, f"{doing} of {what}")
             return None

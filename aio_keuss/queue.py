@@ -151,9 +151,10 @@ class Queue:
             run_in_caller=in_caller,
             uninterruptible=uninterruptible,
         )
-        self._commits: Coalescer[Ack, bool] = Coalescer(
+        self._commits: Coalescer[list[Ack], list[bool]] = Coalescer(
             self._commit_batch,
             max_batch=batch,
+            weight=len,
             concurrency=depth,
             run_in_caller=in_caller,
         )
@@ -268,13 +269,7 @@ class Queue:
                 min(e.mature if e.mature is not None else now + e.delay for e in inserted),
                 len(inserted),
             )
-        if len(entries) == len(requests):  # one entry per request (push): no slicing
-            return [[flag] for flag in flags]
-        results, start = [], 0
-        for request in requests:
-            results.append(flags[start : start + len(request)])
-            start += len(request)
-        return results
+        return _split(requests, flags)
 
     # consuming ------------------------------------------------------------------------
 
@@ -629,7 +624,23 @@ class Queue:
         """Commit a reservation; True if it was reserved and is now gone."""
         self._check_open()
         self._require("reserve")
-        return await self._commits.submit(Ack(*_target(message)))
+        (done,) = await self._commits.submit([Ack(*_target(message))])
+        return done
+
+    async def ok_many(self, messages: Sequence[Message | str]) -> list[bool]:
+        """Commit several reservations in as few round trips as ``max_batch`` allows (e.g.
+        those of a ``reserve_many``); one flag per message, in order, as :meth:`ok` gives."""
+        self._check_open()
+        self._require("reserve")
+        if isinstance(messages, str | Message) or not isinstance(messages, Sequence):
+            raise InvalidInputError("ok_many takes a sequence (list, tuple) of messages or ids")
+        acks = [Ack(*_target(message)) for message in messages]
+        size = self.options.max_batch
+        if len(acks) <= size:
+            return await self._commits.submit(acks) if acks else []
+        chunks = [acks[i : i + size] for i in range(0, len(acks), size)]
+        done = await asyncio.gather(*(self._commits.submit(chunk) for chunk in chunks))
+        return [flag for flags in done for flag in flags]
 
     async def ko(self, message: Message | str, delay: float | None = None) -> KoResult:
         """Roll a reservation back (due again after ``delay``), or deadletter it past max_ko."""
@@ -642,11 +653,12 @@ class Queue:
             seconds = self._delay(delay)
         return await self._rollbacks.submit(Nack(message_id, tries, seconds))
 
-    async def _commit_batch(self, acks: list[Ack]) -> list[bool]:
+    async def _commit_batch(self, requests: list[list[Ack]]) -> list[list[bool]]:
+        acks = requests[0] if len(requests) == 1 else [a for request in requests for a in request]
         results = await self._store.commit(acks)
         self._forget(acks)
         self._stats.incr(self.name, "commit", sum(results))
-        return results
+        return _split(requests, results)
 
     async def _rollback_batch(self, nacks: list[Nack]) -> list[KoResult]:
         results = await self._store.rollback(nacks, self._deadletter)
@@ -1012,6 +1024,19 @@ def _more_ready(stored: list[Stored], wanted: int, next_mature: float | None) ->
     return next_mature <= time.time() + CLOCK_SLACK
 
 
+def _split(requests: Sequence[Sequence[Any]], flags: list[bool]) -> list[list[bool]]:
+    """The flags of a batch made of several callers' lists, one list per caller."""
+    if len(requests) == 1:
+        return [flags]
+    if len(flags) == len(requests):  # one item per request (push, ok): no slicing
+        return [[flag] for flag in flags]
+    results, start = [], 0
+    for request in requests:
+        results.append(flags[start : start + len(request)])
+        start += len(request)
+    return results
+
+
 def _share(requests: list[int], fetched: Fetched) -> list[FetchResult]:
     """Hand a batch's messages to the requests in order; all see the same next mature."""
     results, start = [], 0
@@ -1052,6 +1077,9 @@ class _ConsumerLink:
 
     def ok(self, message: Message) -> Awaitable[bool]:
         return self._queue.ok(message)
+
+    def ok_many(self, messages: list[Message]) -> Awaitable[list[bool]]:
+        return self._queue.ok_many(messages)
 
     def ko(self, message: Message, delay: float | None) -> Awaitable[KoResult]:
         return self._queue.ko(message, delay)

@@ -367,6 +367,9 @@ class SyncQueue:
     def ok(self, message: Message | str) -> bool:
         return self._call(self.queue.ok, message)
 
+    def ok_many(self, messages: Sequence[Message | str]) -> list[bool]:
+        return self._call(self.queue.ok_many, messages)
+
     def ko(self, message: Message | str, delay: float | None = None) -> KoResult:
         return self._call(self.queue.ko, message, delay)
 

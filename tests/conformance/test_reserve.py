@@ -140,6 +140,26 @@ async def test_reserve_many_and_ok_many(queue: aio_keuss.Queue) -> None:
     assert await queue.total_size() == 0
 
 
+async def test_ok_many_commits_in_order_with_one_flag_each(queue: aio_keuss.Queue) -> None:
+    """More than ``max_batch`` (several round trips), a stale message and an unknown id
+    among them: one flag per item, in the order given."""
+    needs_reserve(queue)
+    count = queue.options.max_batch + 7
+    await queue.push_many(list(range(count)))
+    got: list[aio_keuss.Message] = []
+    while len(got) < count:
+        got += await queue.reserve_many(count - len(got), timeout=1)
+    assert await queue.ok(got[5]) is True  # acknowledged already: stale in the batch
+    flags = await queue.ok_many([*got[:5], "no-such-id", *got[5:]])
+    assert flags == [True] * 5 + [False, False] + [True] * (count - 6)
+    assert await queue.total_size() == 0
+    assert await queue.ok_many([]) == []
+    with pytest.raises(aio_keuss.InvalidInputError):
+        await queue.ok_many(got[0])  # type: ignore[arg-type]
+    with pytest.raises(aio_keuss.InvalidIdError):
+        await queue.ok_many(["fine", 3])  # type: ignore[list-item]
+
+
 # remove ---------------------------------------------------------------------------------
 
 
