@@ -98,6 +98,54 @@ async def test_prefetch_handles_everything_once() -> None:
         assert sorted(handled) == list(range(200))
 
 
+async def test_prefetch_oks_share_calls_and_stay_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With prefetch, handled messages' oks go out several to an ``ok_many`` call, at most
+    two calls out at a time and at most concurrency + prefetch oks unanswered: while the
+    oks are held back, the workers stop taking messages."""
+    async with aio_keuss.connect("memory") as factory:
+        q = await factory.queue("jobs")
+        await q.push_many(list(range(60)))
+        real_ok_many = q.ok_many
+        release = asyncio.Event()
+        calls: list[int] = []
+        out = 0
+        most_out = 0
+
+        async def held_ok_many(messages: list[Message]) -> list[bool]:
+            nonlocal out, most_out
+            calls.append(len(messages))
+            out += 1
+            most_out = max(most_out, out)
+            await release.wait()
+            out -= 1
+            return await real_ok_many(messages)
+
+        monkeypatch.setattr(q, "ok_many", held_ok_many)
+        handled = 0
+        reached = {8: asyncio.Event(), 60: asyncio.Event()}
+
+        async def note(message: Message) -> None:
+            nonlocal handled
+            handled += 1
+            if handled in reached:
+                reached[handled].set()
+
+        consumer = q.consume(note, concurrency=2, prefetch=4)
+        try:
+            # concurrency + prefetch = 6 oks unanswered, then each worker handles one more
+            # and waits to hand its ok over
+            await reached[8].wait()
+            for _ in range(20):
+                await asyncio.sleep(0)
+            assert handled == 8 and most_out <= 2
+        finally:
+            release.set()
+        await reached[60].wait()
+        await consumer.stop()
+        assert sum(calls) == 60 and max(calls) > 1 and most_out <= 2
+        assert await q.total_size() == 0
+
+
 async def test_bad_timeout_and_prefetch_are_refused() -> None:
     async with aio_keuss.connect("memory") as factory:
         q = await factory.queue("jobs")
