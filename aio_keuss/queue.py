@@ -315,12 +315,14 @@ class Queue:
     ) -> list[Message]:
         self._check_open()
         self._require(capability)
-        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        # type() first: pop and reserve pass an int, and this runs on every call
+        if (type(n) is not int and (isinstance(n, bool) or not isinstance(n, int))) or n < 1:
             raise InvalidInputError(f"n must be a positive int, not {n!r}")
         gather = (
             self.options.max_wait_time if max_wait is None else check_seconds(max_wait, "max_wait")
         )
-        n = min(n, self.options.max_batch)
+        if n > 1:
+            n = min(n, self.options.max_batch)
         stored = await self._wait_for(source, n, check_timeout(timeout), outage, capability)
         if stored and gather and len(stored) < n:
             stored = await self._fill(source, n, stored, gather, outage, capability)
