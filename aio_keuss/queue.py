@@ -257,6 +257,13 @@ class Queue:
         else:
             entries = [entry for request in requests for entry in request]
         flags = await self._store.insert(entries)
+        if len(entries) == 1:  # a push on its own: the same steps, without the loops
+            if flags[0]:
+                first = entries[0]
+                self._stats.incr(self.name, "put", 1)
+                mature = first.mature if first.mature is not None else time.time() + first.delay
+                self._signal.insert(self.name, mature, 1)
+            return [flags]
         if all(flags):  # the usual case: nothing was a duplicate
             inserted = entries
         else:

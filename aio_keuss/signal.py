@@ -51,7 +51,9 @@ def _raise_if_cancelled(cause: BaseException | None) -> None:
         raise asyncio.CancelledError from cause
 
 
-@dataclass(frozen=True, slots=True)
+# Not frozen: one is made per push, and a frozen dataclass's __init__ costs an
+# object.__setattr__ call per field. Listeners only read it.
+@dataclass(slots=True)
 class Signal:
     queue: str
     kind: SignalKind
@@ -79,6 +81,7 @@ class SignalBus:
         self._opening = False  # while ``open`` waits for it
         self._failing = False
         self._backoff = RECONNECT_FIRST
+        self._remote = type(self)._publish is not SignalBus._publish  # read on every push
 
     async def open(self) -> None:
         """Start the transport's listener, if it has one, and wait until it listens.
@@ -128,19 +131,22 @@ class SignalBus:
     def insert(self, queue: str, mature: float, count: int | None = None) -> None:
         """Announce ``count`` messages (None: unknown) in ``queue``, the first maturing at
         ``mature``; never blocks."""
-        self._deliver(Signal(queue, "insert", mature, count))
-        if not self.remote:
+        signal = Signal(queue, "insert", mature, count)
+        self._deliver(signal)
+        if not self._remote:
             return
-        if queue in self._windows:  # within the debounce window: merged into its last signal
-            pending = self._windows[queue]
+        windows = self._windows
+        if queue in windows:  # within the debounce window: merged into its last signal
+            pending = windows[queue]
             if pending is None:
-                self._windows[queue] = (mature, count)
+                windows[queue] = (mature, count)
             else:
-                merged = None if pending[1] is None or count is None else pending[1] + count
-                self._windows[queue] = (min(pending[0], mature), merged)
+                earlier, counted = pending
+                merged = None if counted is None or count is None else counted + count
+                windows[queue] = (earlier if earlier <= mature else mature, merged)
             return
         self._open_window(queue)
-        self._send(Signal(queue, "insert", mature, count))
+        self._send(signal)
 
     def paused(self, queue: str, paused: bool) -> None:
         """Announce a pause or resume; never debounced."""
@@ -208,7 +214,7 @@ class SignalBus:
     @property
     def remote(self) -> bool:
         """Whether this bus reaches other processes (worth debouncing and publishing)."""
-        return type(self)._publish is not SignalBus._publish
+        return self._remote
 
     # internals --------------------------------------------------------------------------
 
@@ -230,7 +236,7 @@ class SignalBus:
             self._send(Signal(queue, "insert", *pending))
 
     def _send(self, signal: Signal) -> None:
-        if self._closed or not self.remote:
+        if self._closed or not self._remote:
             return
         payload = orjson.dumps(
             {

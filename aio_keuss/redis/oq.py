@@ -707,10 +707,16 @@ class RedisOQStore(RedisOQVisibility, Store):
         self._backend = backend
         self._keys = backend.queue_keys(name)
         self._insert_keys = [*self._keys, backend.key(name, "d")]
+        self._new_keys = self._keys[:2]  # what the one-message insert touches
         self._dedup_window = options.dedup_window
         self._run = backend.run_script
 
     async def insert(self, entries: Sequence[Entry]) -> list[bool]:
+        if len(entries) == 1:  # a push: checked first, it is the common call
+            e = entries[0]
+            if not e.dedup and e.mature is None and e.tries == 0 and e.headers == EMPTY_HEADERS:
+                await self._run(INSERT_ONE, self._new_keys, (e.id, e.payload, e.delay))
+                return [True]
         if bulk_load(entries):
             first = entries[0]
             args: list[Any] = [
@@ -727,11 +733,6 @@ class RedisOQStore(RedisOQVisibility, Store):
 
     async def _insert(self, entries: Sequence[Entry], *, check_all: bool) -> list[bool]:
         """``check_all``: refuse ids already queued even where the queue generated them."""
-        if len(entries) == 1 and not check_all:
-            e = entries[0]
-            if not e.dedup and e.mature is None and e.tries == 0 and e.headers == EMPTY_HEADERS:
-                await self._run(INSERT_ONE, self._keys[:2], (e.id, e.payload, e.delay))
-                return [True]
         args: list[Any] = [self._dedup_window]
         extend = args.extend
         for e in entries:
