@@ -505,6 +505,16 @@ INSERT, INSERT_BULK, GET, RESERVE, COMMIT, ROLLBACK, MOVE, REMOVE, SIZES, NEXT_M
 def _fetched(reply: list[Any]) -> Fetched:
     """Decode a get / reserve reply: next mature, then five columns of k values."""
     head = reply[0]
+    if len(reply) == 6:  # one message: the one-message scripts' reply, no columns to cut
+        _, message_id, payload, headers, tries, mature = reply
+        stored = Stored(
+            message_id.decode(),
+            payload,
+            EMPTY_HEADERS if headers is None else headers,
+            tries,
+            float(mature),
+        )
+        return Fetched([stored], None if head is None else float(head))
     k = (len(reply) - 1) // 5
     messages = [
         Stored(
