@@ -131,7 +131,9 @@ def test_mirror_of_the_queue_api(options: tuple[str, dict[str, Any]]) -> None:
         assert q.ok(again) is False
 
         q.push_many([1, 2])
-        assert [m.payload for m in q.reserve_many(5, timeout=1)] == [1, 2]
+        both = q.reserve_many(5, timeout=1)
+        assert [m.payload for m in both] == [1, 2]
+        assert q.ok_many([*both, "no-such-id"]) == [True, True, False]
 
         if caps.delay:
             q.push("later", delay=30.0)
