@@ -275,5 +275,5 @@ def decode_message(
     _set_payload(message, decode_payload(payload))
     _set_headers(message, decode_headers(headers))
     _set_tries(message, tries)
-    _set_mature(message, datetime.fromtimestamp(mature, UTC))
+    _set_mature(message, to_datetime(mature))
     return message

@@ -15,7 +15,7 @@ import sys
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Sequence
 from datetime import datetime
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from . import observe, visibility
 from .coalesce import Coalescer
@@ -82,6 +82,9 @@ HELD_CHECK = 1024
 """Reservations held unacknowledged between two checks for expired ones (see ``_rotate_held``)."""
 
 FetchResult = tuple[list[Stored], float | None]
+
+
+Item = TypeVar("Item")
 
 
 class Queue:
@@ -229,10 +232,19 @@ class Queue:
                 Entry(message_id, encode_payload(payload), encoded_headers, seconds, dedup=True)
                 for message_id, payload in zip(checked, payloads, strict=True)
             ]
-        size = self.options.max_batch
-        chunks = [entries[i : i + size] for i in range(0, len(entries), size)]
-        await asyncio.gather(*(self._inserts.submit(chunk) for chunk in chunks))
+        await self._in_chunks(self._inserts, entries)
         return [entry.id for entry in entries]
+
+    async def _in_chunks(
+        self, coalescer: Coalescer[list[Item], list[bool]], items: list[Item]
+    ) -> list[bool]:
+        """Submit a caller's list in pieces of ``max_batch``; the flags of all, in order."""
+        size = self.options.max_batch
+        if len(items) <= size:
+            return await coalescer.submit(items) if items else []
+        chunks = [items[i : i + size] for i in range(0, len(items), size)]
+        done = await asyncio.gather(*(coalescer.submit(chunk) for chunk in chunks))
+        return [flag for flags in done for flag in flags]
 
     def _delay(self, delay: float) -> float:
         seconds = check_seconds(delay, "delay")
@@ -257,25 +269,13 @@ class Queue:
         else:
             entries = [entry for request in requests for entry in request]
         flags = await self._store.insert(entries)
-        if len(entries) == 1:  # a push on its own: the same steps, without the loops
-            if flags[0]:
-                first = entries[0]
-                self._stats.incr(self.name, "put", 1)
-                mature = first.mature if first.mature is not None else time.time() + first.delay
-                self._signal.insert(self.name, mature, 1)
-            return [flags]
         if all(flags):  # the usual case: nothing was a duplicate
             inserted = entries
         else:
             inserted = [entry for entry, flag in zip(entries, flags, strict=True) if flag]
         if inserted:
             self._stats.incr(self.name, "put", len(inserted))
-            now = time.time()
-            self._signal.insert(
-                self.name,
-                min(e.mature if e.mature is not None else now + e.delay for e in inserted),
-                len(inserted),
-            )
+            self._signal.insert(self.name, _earliest(inserted), len(inserted))
         return _split(requests, flags)
 
     # consuming ------------------------------------------------------------------------
@@ -643,13 +643,7 @@ class Queue:
         self._require("reserve")
         if isinstance(messages, str | Message) or not isinstance(messages, Sequence):
             raise InvalidInputError("ok_many takes a sequence (list, tuple) of messages or ids")
-        acks = [Ack(*_target(message)) for message in messages]
-        size = self.options.max_batch
-        if len(acks) <= size:
-            return await self._commits.submit(acks) if acks else []
-        chunks = [acks[i : i + size] for i in range(0, len(acks), size)]
-        done = await asyncio.gather(*(self._commits.submit(chunk) for chunk in chunks))
-        return [flag for flags in done for flag in flags]
+        return await self._in_chunks(self._commits, [Ack(*_target(m)) for m in messages])
 
     async def ko(self, message: Message | str, delay: float | None = None) -> KoResult:
         """Roll a reservation back (due again after ``delay``), or deadletter it past max_ko."""
@@ -1031,6 +1025,15 @@ def _more_ready(stored: list[Stored], wanted: int, next_mature: float | None) ->
     if next_mature is None:
         return len(stored) == wanted
     return next_mature <= time.time() + CLOCK_SLACK
+
+
+def _earliest(entries: list[Entry]) -> float:
+    """When the first of these inserted entries matures (a push's own, without a loop)."""
+    if len(entries) == 1:
+        first = entries[0]
+        return first.mature if first.mature is not None else time.time() + first.delay
+    now = time.time()
+    return min(e.mature if e.mature is not None else now + e.delay for e in entries)
 
 
 def _split(requests: Sequence[Sequence[Any]], flags: list[bool]) -> list[list[bool]]:
