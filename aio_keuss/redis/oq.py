@@ -502,29 +502,28 @@ INSERT, INSERT_BULK, GET, RESERVE, COMMIT, ROLLBACK, MOVE, REMOVE, SIZES, NEXT_M
 )
 
 
+def _record(
+    message_id: bytes, payload: bytes, headers: bytes | None, tries: int, mature: bytes
+) -> Stored:
+    """One message of a get / reserve reply."""
+    return Stored(
+        message_id.decode(),
+        payload,
+        EMPTY_HEADERS if headers is None else headers,
+        tries,
+        float(mature),
+    )
+
+
 def _fetched(reply: list[Any]) -> Fetched:
     """Decode a get / reserve reply: next mature, then five columns of k values."""
     head = reply[0]
     if len(reply) == 6:  # one message: the one-message scripts' reply, no columns to cut
-        _, message_id, payload, headers, tries, mature = reply
-        stored = Stored(
-            message_id.decode(),
-            payload,
-            EMPTY_HEADERS if headers is None else headers,
-            tries,
-            float(mature),
-        )
-        return Fetched([stored], None if head is None else float(head))
+        return Fetched([_record(*reply[1:])], None if head is None else float(head))
     k = (len(reply) - 1) // 5
     messages = [
-        Stored(
-            message_id.decode(),
-            payload,
-            EMPTY_HEADERS if headers is None else headers,
-            tries,
-            float(mature),
-        )
-        for message_id, payload, headers, tries, mature in zip(
+        _record(*row)
+        for row in zip(
             reply[1 : k + 1],
             reply[k + 1 : 2 * k + 1],
             reply[2 * k + 1 : 3 * k + 1],
