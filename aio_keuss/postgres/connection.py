@@ -210,6 +210,19 @@ def _usable(connection: Any) -> bool:
         return False
 
 
+_ENDED = ConnectionError("the connection ended while idle")
+
+
+def _fit_to_keep(connection: Any, failure: BaseException | None) -> bool:
+    """Whether a connection a statement failed on can serve the next one: after a server
+    error on a live connection, yes (the server ended that statement and is ready); after
+    a cancellation asyncpg cancels the statement and the pool's release waits for it; after
+    anything else (connection trouble, the driver's own state errors) it is not trusted."""
+    if isinstance(failure, asyncpg.PostgresError) and not isinstance(failure, CONNECTION_ERRORS):
+        return _usable(connection)
+    return False
+
+
 class _HeldConnections:
     """Connections taken from the pool once and kept, for the one-statement calls.
 
@@ -218,9 +231,10 @@ class _HeldConnections:
     ``SELECT 1`` at 3 clients: about 50 us of CPU through the pool, 10-17 us on a held
     connection). A held connection is idle between statements and used by one call at a
     time, like a pooled one; when all are busy and no more may be held, a call falls back
-    on the pool, which queues it. A connection a call was interrupted on (cancelled, or
-    the connection failed) goes back to the pool, whose release undoes any unfinished
-    state (asyncpg, "Connection Pools"); a server error leaves it fit to keep.
+    on the pool, which queues it. A server error leaves a connection fit to keep; one a
+    call was cancelled on goes back to the pool, whose release waits for asyncpg's
+    cancellation of the statement (asyncpg, "Connection Pools"); one that failed in any
+    other way is closed, and the pool opens a new one in its place.
     """
 
     def __init__(self, pool: Any, limit: int, setup: str | None = None) -> None:
@@ -233,33 +247,35 @@ class _HeldConnections:
 
     async def run(self, method: str, query: str, args: tuple[Any, ...]) -> Any:
         connection = self._take_idle()
+        held = True
         if connection is None:
-            if self._held >= self._limit:
-                return await getattr(self._pool, method)(query, *args)
-            self._held += 1
+            held = self._held < self._limit
+            if held:
+                self._held += 1
             try:
                 connection = await self._pool.acquire()
             except BaseException:
-                self._held -= 1
+                if held:
+                    self._held -= 1
                 raise
-            if self._setup is not None:
+            if held and self._setup is not None:
                 try:
                     await connection.execute(self._setup)
-                except BaseException:
-                    self._let_go(connection)
+                except BaseException as exc:
+                    self._let_go(connection, exc)
                     raise
         try:
             result = await getattr(connection, method)(query, *args)
-        except asyncpg.PostgresError as exc:
-            if isinstance(exc, CONNECTION_ERRORS) or connection.is_closed():
-                self._let_go(connection)
-            else:
+        except BaseException as exc:
+            if held and _fit_to_keep(connection, exc):
                 self._idle.append(connection)
+            else:
+                self._let_go(connection, exc, held)
             raise
-        except BaseException:
-            self._let_go(connection)
-            raise
-        self._idle.append(connection)
+        if held:
+            self._idle.append(connection)
+        else:  # all are busy: borrowed for this statement only, as Pool.fetch would
+            await self._pool.release(connection)
         return result
 
     def _take_idle(self) -> Any:
@@ -267,16 +283,29 @@ class _HeldConnections:
             connection = self._idle.pop()
             if _usable(connection):
                 return connection
-            self._let_go(connection)  # ended while idle (a server restart): the pool's again
+            self._let_go(connection, _ENDED)  # ended while idle (a server restart)
         return None
 
-    def _let_go(self, connection: Any) -> None:
-        self._held -= 1
-        task = asyncio.get_running_loop().create_task(self._release(connection))
+    def _let_go(self, connection: Any, failure: BaseException, held: bool = True) -> None:
+        """Hand ``connection`` back to the pool after ``failure``, in the background: a
+        release may have to wait for a cancelled statement to wind down."""
+        if held:
+            self._held -= 1
+        task = asyncio.get_running_loop().create_task(self._release(connection, failure))
         self._handing_back.add(task)
         task.add_done_callback(self._handing_back.discard)
 
-    async def _release(self, connection: Any) -> None:
+    async def _release(self, connection: Any, failure: BaseException | None = None) -> None:
+        if (
+            failure is not None
+            and not isinstance(failure, asyncio.CancelledError)
+            and not _fit_to_keep(connection, failure)
+        ):
+            # The driver's state for it is unknown (e.g. "another operation is in
+            # progress"): the pool's release would keep it, since its reset runs no
+            # statement, and hand it out again and again. Closed, the pool replaces it.
+            with contextlib.suppress(Exception):
+                connection.terminate()
         with contextlib.suppress(Exception):
             await self._pool.release(connection)
 

@@ -723,3 +723,31 @@ def test_only_the_connection_module_talks_to_the_driver() -> None:
         text = path.read_text()
         assert "import asyncpg" not in text, path
         assert ".pool." not in text and "errors_translated" not in text, path
+
+
+async def test_a_connection_the_driver_cannot_use_is_not_handed_out_again(schema: str) -> None:
+    """A held connection whose protocol is still busy with something else (here a statement
+    run on it behind our back, as a call interrupted mid-statement can leave it) makes the
+    next statement fail with the driver's "another operation is in progress". That
+    connection must not come back: put back in the pool as if healthy, every later call
+    would take it again and fail the same way for as long as it stays stuck."""
+    factory = await aio_keuss.connect(
+        "postgres", url=POSTGRES_URL, schema=schema, min_pool_size=0, max_pool_size=3
+    )  # at most one connection held: the next call must reuse or replace it
+    db = factory.backend
+    try:
+        assert await db.fetchval("SELECT 1") == 1
+        stuck = db._held._idle[0]  # type: ignore[union-attr]
+        behind_our_back = asyncio.ensure_future(stuck.fetchval("SELECT pg_sleep(30)"))
+        await asyncio.sleep(0)
+        with pytest.raises(aio_keuss.KeussConnectionError, match="in progress"):
+            await db.fetchval("SELECT 2")
+        await asyncio.sleep(0.2)  # let it be handed back
+        for attempt in range(3):  # three at once: one on the held connection, two via the pool
+            calls = [db.fetchval("SELECT $1::int", n) for n in range(3)]
+            assert await asyncio.wait_for(asyncio.gather(*calls), 10) == [0, 1, 2], attempt
+        behind_our_back.cancel()
+        with contextlib.suppress(BaseException):
+            await behind_our_back
+    finally:
+        await factory.close()
