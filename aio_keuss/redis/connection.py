@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import operator
 import re
 from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
@@ -140,6 +141,24 @@ class _Reply(asyncio.Future[Any]):
         super().cancel(msg)
 
 
+class _ScriptReply(_Reply):
+    """The reply to an EVALSHA, with what to send again should the server lack the script
+    (NOSCRIPT, after a restart or a SCRIPT FLUSH): the protocol then loads it and runs the
+    same command once more, and this future gets that second reply."""
+
+    __slots__ = ("packed", "script")
+    script: Script | None
+    packed: bytes
+
+
+def _discarded() -> asyncio.Future[Any]:
+    """A future already done: the slot of a reply nobody awaits (a SCRIPT LOAD sent before
+    an EVALSHA runs again; an error in it shows in the EVALSHA's own reply)."""
+    future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+    future.cancel()
+    return future
+
+
 class _LaneProtocol(asyncio.Protocol):
     """Replies come back in request order, so a FIFO of futures is all the bookkeeping.
     Errors are set on the futures as ours already, each caused by the redis-py exception
@@ -170,6 +189,18 @@ class _LaneProtocol(asyncio.Protocol):
                 self.transport.abort()
 
     def _reply_error(self, future: asyncio.Future[Any], message: str) -> None:
+        if (
+            isinstance(future, _ScriptReply)
+            and future.script is not None
+            and message.startswith("NOSCRIPT")
+            and not future.done()
+            and self.transport is not None
+        ):  # load it and run the command again, once; its reply is this future's
+            script, future.script = future.script, None
+            self._waiting.append(_discarded())
+            self._waiting.append(future)
+            self.transport.write(_pack(("SCRIPT", "LOAD", script.text)) + future.packed)
+            return
         cause = _response_error(message)
         error = _ours(cause) or BackendError(message)
         error.__cause__ = cause  # as if raised from it, like the redis-py path
@@ -200,6 +231,17 @@ class _LaneProtocol(asyncio.Protocol):
         self.transport.write(packed)
         return future
 
+    def send_script(self, script: Script, packed: bytes) -> asyncio.Future[Any]:
+        """Send an EVALSHA of ``script``; loaded and sent again if the server lacks it."""
+        if self.transport is None or self.transport.is_closing():
+            raise KeussConnectionError("connection to Redis lost")
+        future = _ScriptReply(loop=self._loop)
+        future.script = script
+        future.packed = packed
+        self._waiting.append(future)
+        self.transport.write(packed)
+        return future
+
 
 class _FastLane:
     """One pipelined connection, reconnected on the next call after it was lost."""
@@ -224,6 +266,18 @@ class _FastLane:
     async def _connect_and_call(self, args: Sequence[Any]) -> Any:
         protocol = await translated(self._connect())
         return await protocol.send(_pack(args))
+
+    def call_script(self, script: Script, packed: bytes) -> Awaitable[Any]:
+        """Send a packed EVALSHA of ``script`` (see :meth:`call`); a server that lacks the
+        script gets it loaded, and the command again, by the protocol."""
+        protocol = self._protocol
+        if protocol is not None and protocol.transport is not None:
+            return protocol.send_script(script, packed)
+        return self._connect_and_call_script(script, packed)
+
+    async def _connect_and_call_script(self, script: Script, packed: bytes) -> Any:
+        protocol = await translated(self._connect())
+        return await protocol.send_script(script, packed)
 
     async def _connect(self) -> _LaneProtocol:
         if self._connecting is None:
@@ -285,6 +339,36 @@ class Script:
 
         self.text = text.encode()
         self.sha = hashlib.sha1(self.text).hexdigest()
+
+
+class _BoundScript:
+    """See :meth:`RedisConnection.bind_script`."""
+
+    __slots__ = ("_count", "_lane", "_last_args", "_last_packed", "_prefix", "_script")
+
+    def __init__(self, lane: _FastLane, script: Script, keys: Sequence[str]) -> None:
+        self._lane = lane
+        self._script = script
+        head = _pack(("EVALSHA", script.sha, len(keys), *keys))
+        self._count = 3 + len(keys)
+        self._prefix = head[head.index(b"\n") + 1 :]  # without its "*<count>" line
+        self._last_args: tuple[Any, ...] | None = None
+        self._last_packed = b""
+
+    def __call__(self, *args: Any) -> Awaitable[Any]:
+        last = self._last_args
+        # Equal and of the same types (1 == 1.0 == True, but they pack apart)
+        if args == last and all(map(operator.is_, map(type, args), map(type, last))):
+            packed = self._last_packed
+        else:
+            tail = _pack(args) if args else b"\n"
+            packed = b"*%d\r\n%b%b" % (
+                self._count + len(args),
+                self._prefix,
+                tail[tail.index(b"\n") + 1 :],
+            )
+            self._last_args, self._last_packed = args, packed
+        return self._lane.call_script(self._script, packed)
 
 
 _MAX_DB = 2**31 - 1
@@ -443,16 +527,39 @@ class RedisConnection(Backend):
             return self._lane.call(args)
         return translated(self.client.execute_command(*args))
 
-    async def run_script(self, script: Script, keys: Sequence[str], args: Sequence[Any]) -> Any:
-        """EVALSHA, loading the script once where the server lacks it (after a restart)."""
+    def run_script(
+        self, script: Script, keys: Sequence[str], args: Sequence[Any]
+    ) -> Awaitable[Any]:
+        """EVALSHA, loading the script once where the server lacks it (after a restart).
+
+        Not a coroutine function (see :meth:`execute`): on the fast lane the reply future,
+        which reloads the script itself when needed."""
+        if self._lane is not None:
+            return self._lane.call_script(
+                script, _pack(("EVALSHA", script.sha, len(keys), *keys, *args))
+            )
+        return self._run_script_slow(script, keys, args)
+
+    async def _run_script_slow(
+        self, script: Script, keys: Sequence[str], args: Sequence[Any]
+    ) -> Any:
         try:
             return await self.execute("EVALSHA", script.sha, len(keys), *keys, *args)
         except ScriptMissing:
-            if self._lane is not None:
-                await self._lane.call(("SCRIPT", "LOAD", script.text))
-            else:  # on a cluster redis-py loads it on every primary
-                await translated(self.client.script_load(script.text))
+            # on a cluster redis-py loads it on every primary
+            await translated(self.client.script_load(script.text))
             return await self.execute("EVALSHA", script.sha, len(keys), *keys, *args)
+
+    def bind_script(self, script: Script, keys: Sequence[str]) -> Callable[..., Awaitable[Any]]:
+        """``script`` on fixed ``keys``, called with its arguments only: ``run(*args)``.
+
+        On the fast lane the command is packed from a prefix packed once, and a call with
+        the same arguments as the one before (a pop's none, a reserve's delay) sends the
+        same bytes again without packing anything."""
+        lane = self._lane
+        if lane is None:
+            return lambda *args: self._run_script_slow(script, keys, args)
+        return _BoundScript(lane, script, keys)
 
     async def hash_items(self, key: str) -> list[tuple[bytes, bytes]]:
         """HGETALL as (field, value) pairs, whichever path answered."""

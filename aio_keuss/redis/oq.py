@@ -719,12 +719,18 @@ class RedisOQStore(RedisOQVisibility, Store):
         self._new_keys = self._keys[:2]  # what the one-message insert touches
         self._dedup_window = options.dedup_window
         self._run = backend.run_script
+        # The one-message calls of push, pop, reserve and ok, packed from a prefix
+        bind = backend.bind_script
+        self._insert_one = bind(INSERT_ONE, self._new_keys)
+        self._get_one = bind(GET_ONE, self._keys)
+        self._reserve_one = bind(RESERVE_ONE, self._keys)
+        self._commit_one = bind(COMMIT_ONE, self._keys)
 
     async def insert(self, entries: Sequence[Entry]) -> list[bool]:
         if len(entries) == 1:  # a push: checked first, it is the common call
             e = entries[0]
             if not e.dedup and e.mature is None and e.tries == 0 and e.headers == EMPTY_HEADERS:
-                await self._run(INSERT_ONE, self._new_keys, (e.id, e.payload, e.delay))
+                await self._insert_one(e.id, e.payload, e.delay)
                 return [True]
         if bulk_load(entries):
             first = entries[0]
@@ -767,19 +773,19 @@ class RedisOQStore(RedisOQVisibility, Store):
 
     async def get(self, n: int) -> Fetched:
         if n == 1:
-            return _fetched(await self._run(GET_ONE, self._keys, ()))
+            return _fetched(await self._get_one())
         return _fetched(await self._run(GET, self._keys, [n]))
 
     async def reserve(self, n: int, reserve_delay: float) -> Fetched:
         if n == 1:
-            return _fetched(await self._run(RESERVE_ONE, self._keys, (reserve_delay,)))
+            return _fetched(await self._reserve_one(reserve_delay))
         return _fetched(await self._run(RESERVE, self._keys, [n, reserve_delay]))
 
     async def commit(self, acks: Sequence[Ack]) -> list[bool]:
         if len(acks) == 1:
             ack = acks[0]
             guard = "" if ack.tries is None else ack.tries
-            return [await self._run(COMMIT_ONE, self._keys, (ack.id, guard)) == 1]
+            return [await self._commit_one(ack.id, guard) == 1]
         args: list[Any] = []
         for ack in acks:
             args.append(ack.id)

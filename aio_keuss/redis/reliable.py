@@ -450,6 +450,10 @@ return where
 """
 
 
+# The scripts of the hot path, which each store binds to its own keys.
+INSERT, GET, RESERVE, COMMIT = (Script(body) for body in (_INSERT, _GET, _RESERVE, _COMMIT))
+
+
 def _stored(flat: list[Any], start: int) -> list[Stored]:
     """Decode the ``id, p, h, t, m`` quintuples of a get / reserve script."""
     return [
@@ -486,6 +490,13 @@ class RedisReliableStore(Store):
         self._ttl_ms = str(max(1, round(self._ttl * 1000)))
         self._tasks: list[asyncio.Task[None]] = []
         self._scripts = backend.scripts
+        bind = backend.bind_script
+        self._insert = bind(INSERT, [self._pending])
+        self._get = bind(GET, [self._pending])
+        self._reserve = bind(
+            RESERVE, [self._pending, self._processing, self._consumers, self._heartbeat]
+        )
+        self._commit = bind(COMMIT, [self._processing, self._processed])
 
     # producing ---------------------------------------------------------------------------
 
@@ -500,13 +511,13 @@ class RedisReliableStore(Store):
                 "1" if e.dedup else "0",
                 "" if e.mature is None else repr(e.mature),
             )
-        flags = await self._scripts.insert([self._pending], args)
+        flags = await self._insert(*args)
         return [flag == 1 for flag in flags]
 
     # consuming ---------------------------------------------------------------------------
 
     async def get(self, n: int) -> Fetched:
-        flat = await self._scripts.get([self._pending], [self._base, n])
+        flat = await self._get(self._base, n)
         return Fetched(_stored(flat, 1), time.time() if flat[0] else None)
 
     async def reserve(self, n: int, reserve_delay: float) -> Fetched:
@@ -514,8 +525,7 @@ class RedisReliableStore(Store):
         ignored: reservations end with ok / ko, or when this consumer's heartbeat stops."""
         if not self._tasks:
             self._start()
-        keys = [self._pending, self._processing, self._consumers, self._heartbeat]
-        flat = await self._scripts.reserve(keys, [self._base, n, self.consumer, self._ttl_ms])
+        flat = await self._reserve(self._base, n, self.consumer, self._ttl_ms)
         return Fetched(_stored(flat, 1), time.time() if flat[0] else None)
 
     # acknowledging -----------------------------------------------------------------------
@@ -524,8 +534,7 @@ class RedisReliableStore(Store):
         args: list[Any] = [self._base]
         for ack in acks:
             args += (ack.id, "" if ack.tries is None else ack.tries)
-        keys = [self._processing, self._processed]
-        flags = await self._scripts.commit(keys, args)
+        flags = await self._commit(*args)
         return [flag == 1 for flag in flags]
 
     async def rollback(
@@ -767,20 +776,17 @@ class _Scripts:
     (its pipelined fast lane when it has one)."""
 
     def __init__(self, backend: RedisBackend) -> None:
-        def bind(source: str) -> Callable[..., Awaitable[Any]]:
-            script = Script(source)
+        def bind(source: str | Script) -> Callable[..., Awaitable[Any]]:
+            script = source if isinstance(source, Script) else Script(source)
 
-            # A plain function handing back run_script's coroutine: no frame of its own
+            # A plain function handing back run_script's awaitable: no frame of its own
             # around every call.
             def run(keys: Sequence[str], args: Sequence[Any]) -> Awaitable[Any]:
                 return backend.run_script(script, keys, args)
 
             return run
 
-        self.insert = bind(_INSERT)
-        self.get = bind(_GET)
-        self.reserve = bind(_RESERVE)
-        self.commit = bind(_COMMIT)
+        self.insert = bind(INSERT)
         self.rollback = bind(_ROLLBACK)
         self.move = bind(_MOVE)
         self.drop_deadlettered = bind(_DROP_DEADLETTERED)

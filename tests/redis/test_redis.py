@@ -256,6 +256,34 @@ async def test_a_server_error_reaches_the_caller_as_ours(
     await _drop_redis_prefix({"url": REDIS_URL, "prefix": prefix})  # so that close can flush
 
 
+@pytest.mark.parametrize("backend", ["redis-oq", "redis-reliable", "redis-sharded", "bucket-redis"])
+@pytest.mark.parametrize("path", ["lane", "redispy"])
+async def test_scripts_the_server_lost_are_loaded_again(
+    open_factory: Open, backend: str, path: str
+) -> None:
+    """After SCRIPT FLUSH (what a restart does to the script cache) every call, many of
+    them in flight at once on the pipelined lane, gets NOSCRIPT once: the script is loaded
+    and the call runs again, so callers see only their results."""
+    url = REDIS_URL if path == "lane" else REDIS_URL + "?socket_timeout=30"
+    factory = await open_factory(backend, url=url)
+    q = await factory.queue("q")
+    await q.push("before")
+    client = aioredis.Redis.from_url(REDIS_URL)
+    try:
+        for _ in range(2):
+            await client.script_flush()
+            await asyncio.gather(*(q.push(n) for n in range(20)))
+            await client.script_flush()
+            taken = await asyncio.gather(*(q.reserve(timeout=5) for _ in range(21)))
+            assert all(m is not None for m in taken)
+            await client.script_flush()
+            assert all(await asyncio.gather(*(q.ok(m) for m in taken if m is not None)))
+            assert await q.size() == 0
+            await q.push("before")
+    finally:
+        await client.aclose()
+
+
 def test_only_the_connection_module_talks_to_the_driver() -> None:
     """Every command goes through the translating methods of the connection: no other module
     of the package imports redis-py or reaches for its client."""

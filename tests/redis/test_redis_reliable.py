@@ -68,8 +68,14 @@ async def connect(prefix: str) -> AsyncIterator[Connect]:
     opened: list[aio_keuss.Factory] = []
 
     async def _connect(**extra: Any) -> aio_keuss.Factory:
-        options = {"url": REDIS_URL, "prefix": prefix, "heartbeat_ttl": TTL,
-                   "poll_interval": 0.2, **_bus_options(), **extra}
+        options = {
+            "url": REDIS_URL,
+            "prefix": prefix,
+            "heartbeat_ttl": TTL,
+            "poll_interval": 0.2,
+            **_bus_options(),
+            **extra,
+        }
         factory = await aio_keuss.connect("redis-reliable", **options)
         opened.append(factory)
         return factory
@@ -181,8 +187,7 @@ async def test_cancelled_pop_put_back_keeps_its_turn(connect: Connect) -> None:
     fetched = await store.get(2)
     assert [s.payload for s in fetched.messages] == [b'J"a"', b'J"b"']
     entries = [
-        Entry(s.id, s.payload, s.headers, tries=s.tries, mature=s.mature)
-        for s in fetched.messages
+        Entry(s.id, s.payload, s.headers, tries=s.tries, mature=s.mature) for s in fetched.messages
     ]
     assert await store.insert(entries) == [True, True]
     assert [m.payload for m in await q.pop_many(3, timeout=1)] == ["a", "b", "c"]
@@ -276,8 +281,12 @@ def _env() -> dict[str, str]:
 
 async def _spawn(script: Path, *args: str) -> asyncio.subprocess.Process:
     return await asyncio.create_subprocess_exec(
-        sys.executable, str(script), *args, env=_env(),
-        stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
+        sys.executable,
+        str(script),
+        *args,
+        env=_env(),
+        stdin=asyncio.subprocess.PIPE,
+        stdout=asyncio.subprocess.PIPE,
     )
 
 
@@ -358,11 +367,12 @@ async def test_on_redis_cluster_deadletter_crosses_slots() -> None:
     reason = redis_cluster.start_redis_cluster()
     if reason:
         pytest.skip(reason)
-    options = {"url": redis_cluster.CLUSTER_URL, "cluster": True,
-               "prefix": f"akt-rr-{new_token()}"}
+    options = {"url": redis_cluster.CLUSTER_URL, "cluster": True, "prefix": f"akt-rr-{new_token()}"}
     try:
         async with aio_keuss.connect(
-            "redis-reliable", heartbeat_ttl=TTL, deadletter={"max_ko": 0, "queue": "dlq"},
+            "redis-reliable",
+            heartbeat_ttl=TTL,
+            deadletter={"max_ko": 0, "queue": "dlq"},
             **options,
         ) as factory:
             q = await factory.queue("q1")
