@@ -320,9 +320,11 @@ class _FastLane:
         self._protocol = None
 
 
+_pack_command: Callable[[Any], bytes] = hiredis.pack_command  # its stubs say a 1-tuple
+
+
 def _pack(args: Sequence[Any]) -> bytes:
-    packed: bytes = hiredis.pack_command(cast(Any, tuple(args)))  # its stubs say 1-tuple
-    return packed
+    return _pack_command(args if type(args) is tuple else tuple(args))
 
 
 def _response_error(message: str) -> redis_errors.RedisError:
@@ -344,7 +346,7 @@ class Script:
 class _BoundScript:
     """See :meth:`RedisConnection.bind_script`."""
 
-    __slots__ = ("_count", "_lane", "_last_args", "_last_packed", "_prefix", "_script")
+    __slots__ = ("_count", "_heads", "_lane", "_last_args", "_last_packed", "_prefix", "_script")
 
     def __init__(self, lane: _FastLane, script: Script, keys: Sequence[str]) -> None:
         self._lane = lane
@@ -352,6 +354,8 @@ class _BoundScript:
         head = _pack(("EVALSHA", script.sha, len(keys), *keys))
         self._count = 3 + len(keys)
         self._prefix = head[head.index(b"\n") + 1 :]  # without its "*<count>" line
+        # The whole head for up to 9 arguments, whose own packing starts "*<n>\r\n" (4 bytes)
+        self._heads = [b"*%d\r\n%b" % (self._count + n, self._prefix) for n in range(10)]
         self._last_args: tuple[Any, ...] | None = None
         self._last_packed = b""
 
@@ -361,12 +365,18 @@ class _BoundScript:
         if args == last and all(map(operator.is_, map(type, args), map(type, last))):
             packed = self._last_packed
         else:
-            tail = _pack(args) if args else b"\n"
-            packed = b"*%d\r\n%b%b" % (
-                self._count + len(args),
-                self._prefix,
-                tail[tail.index(b"\n") + 1 :],
-            )
+            n = len(args)
+            if n == 0:
+                packed = self._heads[0]
+            elif n < 10:
+                packed = self._heads[n] + _pack(args)[4:]
+            else:
+                tail = _pack(args)
+                packed = b"*%d\r\n%b%b" % (
+                    self._count + n,
+                    self._prefix,
+                    tail[tail.index(b"\n") + 1 :],
+                )
             self._last_args, self._last_packed = args, packed
         return self._lane.call_script(self._script, packed)
 
