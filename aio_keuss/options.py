@@ -57,6 +57,8 @@ def check_seconds(value: object, what: str) -> float:
     is written. The comparison is exact for ints too big for a float (10**400 is refused,
     not an ``OverflowError``); NaN and infinities fail it as well.
     """
+    if type(value) is float and 0.0 <= value <= MAX_SECONDS:  # the usual case, checked first
+        return value
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise InvalidDelayError(f"{what} must be a number of seconds, not {brief(value)}")
     if not 0 <= value <= MAX_SECONDS:  # int or float compared exactly: no OverflowError
