@@ -103,6 +103,31 @@ class Bench:
         self._queue_no += 1
         return await factory.queue(f"bench-{self._run}-{self._queue_no}")
 
+    async def clean_up(self) -> None:
+        """Delete what this run's queues left in Redis once emptied: each one's stats hash
+        (and redis-reliable's processed counter), and its entry in the queue registry.
+        There is no call in the library that forgets a queue, so it is done here by key:
+        every key of a queue carries its name, ``bench-<run>-<n>``."""
+        prefix, url = self.options.get("prefix"), self.options.get("url", "")
+        if not prefix or not str(url).startswith(("redis://", "unix://")):
+            return
+        import redis.asyncio as aioredis
+        from redis.asyncio.cluster import RedisCluster
+
+        mine = f"bench-{self._run}-"
+        cluster = bool(self.options.get("cluster"))
+        client = (RedisCluster if cluster else aioredis.Redis).from_url(url)
+        try:
+            keys = [key async for key in client.scan_iter(match=f"{prefix}:*{mine}*", count=1000)]
+            for key in keys:
+                await client.delete(key)
+            registry = f"{prefix}:queues"
+            names = [n for n in await client.hkeys(registry) if n.decode().startswith(mine)]
+            if names:
+                await client.hdel(registry, *names)
+        finally:
+            await client.aclose()
+
     def record(
         self,
         scenario: str,
@@ -417,7 +442,10 @@ async def main(args: argparse.Namespace, loop: str) -> None:
         options.update(parse_option(text) for text in args.set)
         bench = Bench(backend, options, args.messages, loop)
         clients = [int(c) for c in args.clients.split(",")]
-        await bench.run(clients, args.latency_messages, args.only)
+        try:
+            await bench.run(clients, args.latency_messages, args.only)
+        finally:
+            await bench.clean_up()
         rows.extend(bench.rows)
     if args.json:
         for row in rows:
