@@ -122,7 +122,11 @@ class Bench:
             for key in keys:
                 await client.delete(key)
             registry = f"{prefix}:queues"
-            names = [n for n in await client.hkeys(registry) if n.decode().startswith(mine)]
+            names = [
+                n
+                for n in await client.hkeys(registry)
+                if (n.decode() if isinstance(n, bytes) else n).startswith(mine)
+            ]
             if names:
                 await client.hdel(registry, *names)
         finally:
