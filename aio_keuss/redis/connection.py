@@ -258,25 +258,23 @@ class _FastLane:
         the hot path then costs no coroutine frame, and the caller is woken straight from
         ``data_received``.
         """
+        return self.call_packed(_pack(args))
+
+    def call_packed(self, packed: bytes, script: Script | None = None) -> Awaitable[Any]:
+        """:meth:`call` with the command already packed; for an EVALSHA of ``script``, a
+        server that lacks the script gets it loaded, and the command again, by the
+        protocol."""
         protocol = self._protocol
         if protocol is not None and protocol.transport is not None:
-            return protocol.send(_pack(args))
-        return self._connect_and_call(args)
-
-    async def _connect_and_call(self, args: Sequence[Any]) -> Any:
-        protocol = await translated(self._connect())
-        return await protocol.send(_pack(args))
-
-    def call_script(self, script: Script, packed: bytes) -> Awaitable[Any]:
-        """Send a packed EVALSHA of ``script`` (see :meth:`call`); a server that lacks the
-        script gets it loaded, and the command again, by the protocol."""
-        protocol = self._protocol
-        if protocol is not None and protocol.transport is not None:
+            if script is None:
+                return protocol.send(packed)
             return protocol.send_script(script, packed)
-        return self._connect_and_call_script(script, packed)
+        return self._connect_and_send(packed, script)
 
-    async def _connect_and_call_script(self, script: Script, packed: bytes) -> Any:
+    async def _connect_and_send(self, packed: bytes, script: Script | None) -> Any:
         protocol = await translated(self._connect())
+        if script is None:
+            return await protocol.send(packed)
         return await protocol.send_script(script, packed)
 
     async def _connect(self) -> _LaneProtocol:
@@ -343,17 +341,17 @@ class Script:
         self.sha = hashlib.sha1(self.text).hexdigest()
 
 
-class _BoundScript:
-    """See :meth:`RedisConnection.bind_script`."""
+class _Bound:
+    """A command with its first words packed once (see :meth:`RedisConnection.bind`)."""
 
     __slots__ = ("_count", "_heads", "_lane", "_last_args", "_last_packed", "_prefix", "_script")
 
-    def __init__(self, lane: _FastLane, script: Script, keys: Sequence[str]) -> None:
+    def __init__(self, lane: _FastLane, head: Sequence[Any], script: Script | None) -> None:
         self._lane = lane
         self._script = script
-        head = _pack(("EVALSHA", script.sha, len(keys), *keys))
-        self._count = 3 + len(keys)
-        self._prefix = head[head.index(b"\n") + 1 :]  # without its "*<count>" line
+        packed = _pack(head)
+        self._count = len(head)
+        self._prefix = packed[packed.index(b"\n") + 1 :]  # without its "*<count>" line
         # The whole head for up to 9 arguments, whose own packing starts "*<n>\r\n" (4 bytes)
         self._heads = [b"*%d\r\n%b" % (self._count + n, self._prefix) for n in range(10)]
         self._last_args: tuple[Any, ...] | None = None
@@ -378,7 +376,7 @@ class _BoundScript:
                     tail[tail.index(b"\n") + 1 :],
                 )
             self._last_args, self._last_packed = args, packed
-        return self._lane.call_script(self._script, packed)
+        return self._lane.call_packed(packed, self._script)
 
 
 _MAX_DB = 2**31 - 1
@@ -545,8 +543,8 @@ class RedisConnection(Backend):
         Not a coroutine function (see :meth:`execute`): on the fast lane the reply future,
         which reloads the script itself when needed."""
         if self._lane is not None:
-            return self._lane.call_script(
-                script, _pack(("EVALSHA", script.sha, len(keys), *keys, *args))
+            return self._lane.call_packed(
+                _pack(("EVALSHA", script.sha, len(keys), *keys, *args)), script
             )
         return self._run_script_slow(script, keys, args)
 
@@ -569,7 +567,15 @@ class RedisConnection(Backend):
         lane = self._lane
         if lane is None:
             return lambda *args: self._run_script_slow(script, keys, args)
-        return _BoundScript(lane, script, keys)
+        return _Bound(lane, ("EVALSHA", script.sha, len(keys), *keys), script)
+
+    def bind(self, *head: Any) -> Callable[..., Awaitable[Any]]:
+        """A command's first words (``"RPOP", key``), called with the rest: ``run(*args)``,
+        packed as :meth:`bind_script` packs a script's call."""
+        lane = self._lane
+        if lane is None:
+            return lambda *args: self.execute(*head, *args)
+        return _Bound(lane, head, None)
 
     async def hash_items(self, key: str) -> list[tuple[bytes, bytes]]:
         """HGETALL as (field, value) pairs, whichever path answered."""

@@ -65,6 +65,8 @@ class RedisListStore(Store):
         self.run_in_caller = self.uninterruptible = backend.has_fast_lane
         self._execute = backend.execute
         self._key = backend.key(name, "list")
+        self._lpush = backend.bind("LPUSH", self._key)
+        self._rpop = backend.bind("RPOP", self._key)
 
     async def insert(self, entries: Sequence[Entry]) -> list[bool]:
         now = time.time()
@@ -72,13 +74,13 @@ class RedisListStore(Store):
         # Put-backs return to the popping end, the earliest popped last pushed.
         back = [_pack(e, now) for e in reversed(entries) if e.mature is not None]
         if fresh:
-            await self._execute("LPUSH", self._key, *fresh)
+            await self._lpush(*fresh)
         if back:
             await self._execute("RPUSH", self._key, *back)
         return [True] * len(entries)
 
     async def get(self, n: int) -> Fetched:
-        elements = await self._execute("RPOP", self._key, n)
+        elements = await self._rpop(n)
         if not elements:
             return Fetched([], None)
         # Fewer than asked means the list was empty afterwards; the wait loop only looks at
