@@ -194,8 +194,10 @@ class _LaneProtocol(asyncio.Protocol):
             and future.script is not None
             and message.startswith("NOSCRIPT")
             and not future.done()
-            and self.transport is not None
         ):  # load it and run the command again, once; its reply is this future's
+            if self.transport is None:  # dropped meanwhile (a failover): the caller retries
+                future.set_exception(KeussConnectionError("connection to Redis lost"))
+                return
             script, future.script = future.script, None
             self._waiting.append(_discarded())
             self._waiting.append(future)
@@ -341,6 +343,11 @@ class Script:
         self.sha = hashlib.sha1(self.text).hexdigest()
 
 
+_KEPT_PACKED = 1024
+"""The largest command a bound command keeps for a repeat of the same call: a bulk insert's
+payloads are not held on to between calls."""
+
+
 class _Bound:
     """A command with its first words packed once (see :meth:`RedisConnection.bind`)."""
 
@@ -375,7 +382,8 @@ class _Bound:
                     self._prefix,
                     tail[tail.index(b"\n") + 1 :],
                 )
-            self._last_args, self._last_packed = args, packed
+            if len(packed) <= _KEPT_PACKED:  # a pop's or a reserve's, not a batch of payloads
+                self._last_args, self._last_packed = args, packed
         return self._lane.call_packed(packed, self._script)
 
 
