@@ -100,8 +100,8 @@ async def test_prefetch_handles_everything_once() -> None:
 
 async def test_prefetch_oks_share_calls_and_stay_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
     """With prefetch, handled messages' oks go out several to an ``ok_many`` call, at most
-    two calls out at a time and at most concurrency + prefetch oks unanswered: while the
-    oks are held back, the workers stop taking messages."""
+    two calls out at a time and at most 2 * (concurrency + prefetch) oks unanswered: while
+    the oks are held back, the workers stop taking messages."""
     async with aio_keuss.connect("memory") as factory:
         q = await factory.queue("jobs")
         await q.push_many(list(range(60)))
@@ -122,7 +122,7 @@ async def test_prefetch_oks_share_calls_and_stay_bounded(monkeypatch: pytest.Mon
 
         monkeypatch.setattr(q, "ok_many", held_ok_many)
         handled = 0
-        reached = {8: asyncio.Event(), 60: asyncio.Event()}
+        reached = {14: asyncio.Event(), 60: asyncio.Event()}
 
         async def note(message: Message) -> None:
             nonlocal handled
@@ -132,12 +132,12 @@ async def test_prefetch_oks_share_calls_and_stay_bounded(monkeypatch: pytest.Mon
 
         consumer = q.consume(note, concurrency=2, prefetch=4)
         try:
-            # concurrency + prefetch = 6 oks unanswered, then each worker handles one more
-            # and waits to hand its ok over
-            await reached[8].wait()
+            # 2 * (concurrency + prefetch) = 12 oks unanswered, then each worker handles
+            # one more and waits to hand its ok over
+            await reached[14].wait()
             for _ in range(20):
                 await asyncio.sleep(0)
-            assert handled == 8 and most_out <= 2
+            assert handled == 14 and most_out <= 2
         finally:
             release.set()
         await reached[60].wait()
