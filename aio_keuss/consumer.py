@@ -29,9 +29,9 @@ workers; those never started are given back at once, costing no try, when the co
 With ``prefetch`` a worker also does not wait for the ``ok`` of a handled message before it
 takes the next one: the ok goes to a background sender (at most ``2 * (concurrency +
 prefetch)`` unanswered; ``stop`` waits for them), which sends the oks handled while its last
-round trip was out together, with ``ok_many`` (no task per message). The message was handled either
-way; an ok that fails is logged and the message comes back when its reservation expires, as
-with an awaited ok.
+round trip was out together, with ``ok_many`` (no task per message). The message was handled
+either way; an ok that fails is logged and the message comes back when its reservation
+expires, as with an awaited ok.
 """
 
 from __future__ import annotations

@@ -210,9 +210,6 @@ def _usable(connection: Any) -> bool:
         return False
 
 
-_ENDED = ConnectionError("the connection ended while idle")
-
-
 def _fit_to_keep(connection: Any, failure: BaseException | None) -> bool:
     """Whether a connection a statement failed on can serve the next one: after a server
     error on a live connection, yes (the server ended that statement and is ready); after
@@ -283,12 +280,12 @@ class _HeldConnections:
             connection = self._idle.pop()
             if _usable(connection):
                 return connection
-            self._let_go(connection, _ENDED)  # ended while idle (a server restart)
+            self._let_go(connection, None)  # ended while idle (a server restart)
         return None
 
-    def _let_go(self, connection: Any, failure: BaseException, held: bool = True) -> None:
-        """Hand ``connection`` back to the pool after ``failure``, in the background: a
-        release may have to wait for a cancelled statement to wind down."""
+    def _let_go(self, connection: Any, failure: BaseException | None, held: bool = True) -> None:
+        """Hand ``connection`` back to the pool after ``failure`` (None: it had ended), in
+        the background: a release may have to wait for a cancelled statement to wind down."""
         if held:
             self._held -= 1
         task = asyncio.get_running_loop().create_task(self._release(connection, failure))

@@ -151,10 +151,10 @@ class _ScriptReply(_Reply):
     packed: bytes
 
 
-def _discarded() -> asyncio.Future[Any]:
+def _discarded(loop: asyncio.AbstractEventLoop) -> asyncio.Future[Any]:
     """A future already done: the slot of a reply nobody awaits (a SCRIPT LOAD sent before
     an EVALSHA runs again; an error in it shows in the EVALSHA's own reply)."""
-    future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+    future: asyncio.Future[Any] = loop.create_future()
     future.cancel()
     return future
 
@@ -199,7 +199,7 @@ class _LaneProtocol(asyncio.Protocol):
                 future.set_exception(KeussConnectionError("connection to Redis lost"))
                 return
             script, future.script = future.script, None
-            self._waiting.append(_discarded())
+            self._waiting.append(_discarded(self._loop))
             self._waiting.append(future)
             self.transport.write(_pack(("SCRIPT", "LOAD", script.text)) + future.packed)
             return

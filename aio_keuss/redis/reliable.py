@@ -629,7 +629,7 @@ class RedisReliableStore(Store):
                 args += (e.id, e.payload, e.headers, 0, "0", "")
             return args
 
-        flags = await self._scripts.insert(keys=[dl_pending], args=args_of(entries))
+        flags = await self._backend.run_script(INSERT, [dl_pending], args_of(entries))
         # already there from an earlier life of the message: renamed by the shared rule
         pending = [
             (e, deadletter_tag(d[4]))
@@ -642,7 +642,7 @@ class RedisReliableStore(Store):
             renamed = [
                 Entry(moved_id(e.id, tag, clash), e.payload, e.headers) for e, tag in pending
             ]
-            flags = await self._scripts.insert(keys=[dl_pending], args=args_of(renamed))
+            flags = await self._backend.run_script(INSERT, [dl_pending], args_of(renamed))
             pending = [p for p, flag in zip(pending, flags, strict=True) if flag != 1]
         args: list[Any] = [self._backend.failed_max, self._base]
         args += [mid for _, mid, _, _, _ in deferred]
@@ -776,8 +776,8 @@ class _Scripts:
     (its pipelined fast lane when it has one)."""
 
     def __init__(self, backend: RedisBackend) -> None:
-        def bind(source: str | Script) -> Callable[..., Awaitable[Any]]:
-            script = source if isinstance(source, Script) else Script(source)
+        def bind(source: str) -> Callable[..., Awaitable[Any]]:
+            script = Script(source)
 
             # A plain function handing back run_script's awaitable: no frame of its own
             # around every call.
@@ -786,7 +786,6 @@ class _Scripts:
 
             return run
 
-        self.insert = bind(INSERT)
         self.rollback = bind(_ROLLBACK)
         self.move = bind(_MOVE)
         self.drop_deadlettered = bind(_DROP_DEADLETTERED)
