@@ -123,8 +123,7 @@ class PostgresStore(Store):
             return []
         ids = [e.id for e in entries]
         if bulk_load(entries):
-            rows = await self._db.fetch(
-                self._sql["insert_dedup_bulk"],
+            bulk = (
                 self.name,
                 ids,
                 [e.payload for e in entries],
@@ -132,6 +131,9 @@ class PostgresStore(Store):
                 entries[0].delay,
                 self.options.dedup_window,
             )
+            if await self._db.execute_unless_duplicate(self._sql["insert_dedup_bulk_new"], *bulk):
+                return [True] * len(entries)
+            rows = await self._db.fetch(self._sql["insert_dedup_bulk"], *bulk)
             if len(rows) == len(entries):
                 return [True] * len(entries)
             return _first_occurrences(ids, {r[0] for r in rows})

@@ -632,14 +632,9 @@ async def test_one_statement_moving_an_id_and_its_renamed_twin_names_both(schema
 # each kind of insert has its statement -----------------------------------------------
 
 
-async def test_new_messages_put_backs_and_user_ids_each_take_their_insert(schema: str) -> None:
-    """New messages (every push without an id) go in by the four-column ``insert_new``,
-    each with its own delay and headers, tries 0, in order. When one's id is taken (or twice
-    in the batch) that statement inserts nothing and the batch goes again by ``insert``,
-    which refuses just that one. A put-back keeps its tries and mature time (``insert``); a
-    batch with a user id goes through the dedup table."""
-    from aio_keuss.contract import Entry
-    from aio_keuss.options import QueueOptions
+async def _recording_backend(schema: str) -> tuple[Any, list[str]]:
+    """An open backend on ``schema`` whose inserts write the name of each statement they
+    send into the list; ``backend.sql_fetch`` runs SQL unrecorded."""
     from aio_keuss.postgres.store import PostgresQueueBackend
 
     backend = PostgresQueueBackend({"url": POSTGRES_URL, "schema": schema})
@@ -649,15 +644,30 @@ async def test_new_messages_put_backs_and_user_ids_each_take_their_insert(schema
     fetch, execute_unless_duplicate = backend.fetch, backend.execute_unless_duplicate
 
     async def recording_fetch(query: str, *args: Any) -> list[Any]:
-        sent.append(names[query])
+        sent.append(names.get(query, "?"))
         return await fetch(query, *args)
 
     async def recording_execute(query: str, *args: Any) -> bool:
         sent.append(names[query])
         return await execute_unless_duplicate(query, *args)
 
+    backend.sql_fetch = fetch  # type: ignore[attr-defined]
     backend.fetch = recording_fetch  # type: ignore[method-assign]
     backend.execute_unless_duplicate = recording_execute  # type: ignore[method-assign]
+    return backend, sent
+
+
+async def test_new_messages_put_backs_and_user_ids_each_take_their_insert(schema: str) -> None:
+    """New messages (every push without an id) go in by the four-column ``insert_new``,
+    each with its own delay and headers, tries 0, in order. When one's id is taken (or twice
+    in the batch) that statement inserts nothing and the batch goes again by ``insert``,
+    which refuses just that one. A put-back keeps its tries and mature time (``insert``); a
+    batch with a user id goes through the dedup table."""
+    from aio_keuss.contract import Entry
+    from aio_keuss.options import QueueOptions
+
+    backend, sent = await _recording_backend(schema)
+    fetch = backend.sql_fetch
     try:
         store = await backend.store("q", QueueOptions())
         new = [
@@ -692,6 +702,60 @@ async def test_new_messages_put_backs_and_user_ids_each_take_their_insert(schema
     assert found["b"]["mature"] - found["a"]["mature"] == pytest.approx(30.0)
     assert found["c"]["mature"] - found["a"]["mature"] == pytest.approx(0.5)
     assert found["f"]["mature"] == 1000.0
+
+
+
+async def test_a_bulk_load_of_new_ids_takes_one_plain_insert(schema: str) -> None:
+    """A batch of user ids with one payload column (a Spark write) first goes in by plain
+    INSERTs with no dedup look-up; an id queued, remembered within the window, remembered
+    but expired (not yet purged) or repeated makes that statement fail whole, and the batch
+    goes again by the statement that refuses just the live ones."""
+    from aio_keuss.contract import Entry
+    from aio_keuss.options import QueueOptions
+
+    def load(*ids: str) -> list[Entry]:
+        return [Entry(i, i.encode(), b"{}", dedup=True) for i in ids]
+
+    backend, sent = await _recording_backend(schema)
+    try:
+        store = await backend.store("q", QueueOptions(dedup_window=60.0))
+        assert await store.insert(load("a", "b", "c")) == [True, True, True]
+        assert sent == ["insert_dedup_bulk_new"]
+        assert await store.get(1) is not None  # "a" consumed, remembered for the window
+
+        async def expire(message_id: str) -> None:  # as if the window were over, not purged
+            await backend.sql_fetch(
+                f'UPDATE "{schema}".dedup SET expires = 0 WHERE queue = $1 AND id = $2',
+                "q",
+                message_id,
+            )
+
+        for batch, flags, expired in (
+            (load("d", "a"), [True, False], ""),  # remembered within the window
+            (load("e", "b"), [True, False], ""),  # queued
+            (load("f", "f"), [True, False], ""),  # repeated: the first one wins
+            (load("g", "c"), [True, False], "c"),  # queued, its dedup row expired
+        ):
+            if expired:
+                await expire(expired)
+            sent.clear()
+            assert await store.insert(batch) == flags
+            assert sent == ["insert_dedup_bulk_new", "insert_dedup_bulk"]
+        assert await store.get(10) is not None  # everything consumed
+        await expire("a")
+        sent.clear()
+        assert await store.insert(load("h", "a")) == [True, True]  # expired: accepted again
+        assert sent == ["insert_dedup_bulk_new", "insert_dedup_bulk"]
+        rows = await backend.sql_fetch(
+            f"""SELECT id, payload FROM "{schema}".messages WHERE queue = 'q' ORDER BY seq"""
+        )
+        remembered = await backend.sql_fetch(
+            f"""SELECT id FROM "{schema}".dedup WHERE queue = 'q' AND expires > 1 ORDER BY id"""
+        )
+    finally:
+        await backend.close()
+    assert [(r["id"], r["payload"]) for r in rows] == [("h", b"h"), ("a", b"a")]
+    assert [r["id"] for r in remembered] == list("abdefgh")  # "c": refused, left expired
 
 
 # errors are translated where the package meets the driver ------------------------------
