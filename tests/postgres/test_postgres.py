@@ -704,7 +704,6 @@ async def test_new_messages_put_backs_and_user_ids_each_take_their_insert(schema
     assert found["f"]["mature"] == 1000.0
 
 
-
 async def test_a_bulk_load_of_new_ids_takes_one_plain_insert(schema: str) -> None:
     """A batch of user ids with one payload column (a Spark write) first goes in by plain
     INSERTs with no dedup look-up; an id queued, remembered within the window, remembered
