@@ -74,6 +74,10 @@ local function run_chunked(cmd, key, args)
   end
 end
 local function read_chunked(cmd, key, args)
+  if #args <= CHUNK then  -- one call: its reply as it is, no copy
+    if #args == 0 then return {} end
+    return redis.call(cmd, key, unpack(args))
+  end
   local out = {}
   for i = 1, #args, CHUNK do
     local part = redis.call(cmd, key, unpack(args, i, math.min(i + CHUNK - 1, #args)))
