@@ -4,9 +4,11 @@
     .venv/bin/python -m bench.spark_write --backend postgres --rows 100000
     .venv/bin/python -m bench.spark_write --backend redis-list --rows 200000  # not idempotent
 
-The DataFrame is cached and counted first, and one warm-up write starts the Python workers,
-so the timed write measures the data source and the backend, not Spark's start-up. Prints
-one row: backend, rows, seconds, rows/s (``--json`` for machines).
+The DataFrame is cached and counted first, and a warm-up write of 20,000 rows of the same
+columns starts the Python workers and lets the JVM compile the plan's code, so the timed
+writes measure the data source and the backend, not Spark's start-up. ``--reps`` timed
+writes (3 by default), each into a queue of its own; prints each and the median: backend,
+rows, seconds, rows/s (``--json`` for machines).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import argparse
 import asyncio
 import json
 import os
+import statistics
 import sys
 import time
 import uuid
@@ -57,6 +60,7 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=200_000)
     parser.add_argument("--partitions", type=int, default=2)
     parser.add_argument("--batch-size", type=int, default=1000)
+    parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
 
@@ -79,11 +83,8 @@ def main() -> None:
     extra = {"batch_size": args.batch_size}
     if args.backend == "redis-list":
         extra["idempotent"] = "false"  # redis-list cannot deduplicate ids
-    df = (
-        spark.range(args.rows, numPartitions=args.partitions)
-        .selectExpr("id", "concat('name-', id) AS name", "id * 2 AS value")
-        .cache()
-    )
+    columns = ("id", "concat('name-', id) AS name", "id * 2 AS value")
+    df = spark.range(args.rows, numPartitions=args.partitions).selectExpr(*columns).cache()
     df.count()
 
     def write(frame: Any, queue: str) -> float:
@@ -94,22 +95,30 @@ def main() -> None:
         writer.save()
         return time.perf_counter() - started
 
+    def report(label: str, seconds: float) -> None:
+        rate = args.rows / seconds
+        if args.json:
+            row = {"backend": args.backend, "rows": args.rows, "seconds": seconds}
+            print(json.dumps({**row, "rows_per_s": rate, "run": label}))
+        else:
+            print(
+                f"{args.backend:<12} {label:<6} rows {args.rows:>8,}  {seconds:6.2f} s"
+                f"  {rate:>10,.0f} rows/s",
+                flush=True,
+            )
+
+    times: list[float] = []
     try:
-        write(spark.range(2000, numPartitions=args.partitions).selectExpr("id"), "warmup")
-        seconds = write(df, "bench")
+        warmup = spark.range(20_000, numPartitions=args.partitions).selectExpr(*columns)
+        write(warmup, "warmup")
+        for rep in range(1, args.reps + 1):
+            times.append(write(df, f"bench{rep}"))
+            report(f"rep {rep}", times[-1])
     finally:
         spark.stop()
         keuss_spark.close_executor_factories()
         asyncio.run(cleanup(args.backend, options))
-    rate = args.rows / seconds
-    if args.json:
-        print(
-            json.dumps(
-                {"backend": args.backend, "rows": args.rows, "seconds": seconds, "rows_per_s": rate}
-            )
-        )
-    else:
-        print(f"{args.backend:<12} rows {args.rows:>8,}  {seconds:6.2f} s  {rate:>10,.0f} rows/s")
+    report("median", statistics.median(times))
 
 
 if __name__ == "__main__":
