@@ -711,6 +711,23 @@ class RedisOQVisibility:
         return [None if tries < 0 else int(tries) for tries in reply]
 
 
+ORDER_STEP = 2.0**-20
+"""Push order among messages of one insert due at the same time: the ZSET orders equal scores
+by member (Redis manual, "Sorted sets"), which for ids of the user's is not push order (a
+Spark write's ``job:0:10`` sorts before ``job:0:9``). So a message whose id sorts before the
+previous one's is due one step (2^-20 s, about a microsecond, several units in the last
+place of any time before 2242) later, and every message after it as well. Python compares
+str by code point, which is the byte order of their UTF-8 that the ZSET uses. The next
+insert's server time comes after these steps: a script spends more than a step on each
+message it inserts."""
+
+
+def _ascending(entries: Sequence[Entry]) -> bool:
+    """Whether the ids go up in the ZSET's order: then equal scores keep push order."""
+    ids = [e.id for e in entries]
+    return all(map(str.__lt__, ids, ids[1:]))
+
+
 class RedisOQStore(RedisOQVisibility, Store):
     batch_concurrency: ClassVar[int] = 4
 
@@ -736,7 +753,7 @@ class RedisOQStore(RedisOQVisibility, Store):
             if not e.dedup and e.mature is None and e.tries == 0 and e.headers == EMPTY_HEADERS:
                 await self._insert_one(e.id, e.payload, e.delay)
                 return [True]
-        if bulk_load(entries):
+        if bulk_load(entries) and _ascending(entries):
             first = entries[0]
             args: list[Any] = [
                 self._dedup_window,
@@ -754,7 +771,11 @@ class RedisOQStore(RedisOQVisibility, Store):
         """``check_all``: refuse ids already queued even where the queue generated them."""
         args: list[Any] = [self._dedup_window]
         extend = args.extend
+        steps, last = 0, ""
         for e in entries:
+            if e.id < last:
+                steps += 1
+            last = e.id
             if e.dedup:
                 check = "d"
             elif check_all or e.mature is not None:  # a put-back: its id may be back already
@@ -766,7 +787,7 @@ class RedisOQStore(RedisOQVisibility, Store):
                     e.id,
                     e.payload,
                     b"" if e.headers == EMPTY_HEADERS else e.headers,
-                    e.delay,
+                    e.delay + steps * ORDER_STEP if steps else e.delay,
                     "" if e.mature is None else e.mature,
                     e.tries,
                     check,

@@ -50,6 +50,23 @@ async def test_push_returns_ids_and_pop_many(queue: aio_keuss.Queue) -> None:
     assert await queue.pop_many(5, timeout=0) == []
 
 
+async def test_user_ids_keep_push_order(queue: aio_keuss.Queue) -> None:
+    """Messages pushed with ids of the user's (a Spark write's ``job:partition:row``, whose
+    text order is not their push order) come out in push order too, in one batch and in
+    several."""
+    if not queue.capabilities.idempotent:
+        pytest.skip("no user ids")
+    ids = [f"job:0:{n}" for n in (2, 10, 1, 30, 3)]
+    assert await queue.push_many(list(range(5)), ids=ids) == ids
+    await asyncio.gather(*(queue.push(n, id=f"one:{n}") for n in (20, 3, 100)))
+    got = [m.payload for m in await drain_all(queue)]
+    if not queue.capabilities.fifo:  # order holds within a shard only: each comes out once
+        got.sort()
+        assert got == [0, 1, 2, 3, 3, 4, 20, 100]
+        return
+    assert got == [0, 1, 2, 3, 4, 20, 3, 100]
+
+
 async def test_delayed_messages_come_out_by_mature_time(queue: aio_keuss.Queue) -> None:
     needs_delay = queue.capabilities.delay
     if not needs_delay:
