@@ -176,8 +176,6 @@ def own_postgres() -> Iterator[OwnPostgres]:
         server.cleanup()
 
 
-
-
 def _nx_command() -> str | None:
     beside = Path(sys.executable).parent / "nx-27017"
     return str(beside) if beside.exists() else shutil.which("nx-27017")

@@ -205,9 +205,7 @@ async def test_bad_options_and_unreachable_server(database: str) -> None:
     with pytest.raises(aio_keuss.ConfigError):
         await aio_keuss.connect("mongo", signal_transport="carrier-pigeon")
     with pytest.raises(aio_keuss.KeussConnectionError):
-        await aio_keuss.connect(
-            "mongo", url="mongodb://127.0.0.1:1", server_selection_timeout=0.3
-        )
+        await aio_keuss.connect("mongo", url="mongodb://127.0.0.1:1", server_selection_timeout=0.3)
 
 
 async def test_user_client_is_used_and_left_open(client: Any, database: str) -> None:
