@@ -11,7 +11,8 @@ Shard keys (hash tag ``{queue#shard}``), ``<base>`` being ``prefix:{queue#shard}
                            h headers, t tries, m mature, x reservation deadline once fired,
                            e end of life (message TTL; absent: none)
     <base>s:<ptr>    HASH  a record of the sideline magazine (swept, waiting for the shovel)
-    <base>q:<seq>    HASH  a scheduled record (pushed or ko-ed with a delay), not yet loaded
+    <base>q:<seq>    HASH  a scheduled record (pushed or ko-ed with a delay), not yet loaded;
+                           <seq> zero-padded to 20 digits (older records: unpadded)
     <base>z          ZSET  seq -> mature time of the scheduled records
     <base>ix         HASH  id -> pointer of its record ('s' while sidelined, 'z<seq>' while
                            scheduled)
@@ -54,11 +55,16 @@ local function meta(fields)
   return got
 end
 -- Put a record aside until ``due``: it waits in the shard's schedule (KEYS[4] = z).
+-- Its name in the schedule is the sequence number zero-padded to a fixed width, so records
+-- due at the same time load in the order they were scheduled (a ZSET orders equal scores
+-- by member text: unpadded, 10 would come before 9). Names an older version wrote without
+-- padding still load: the member is the key's suffix either way.
 local function schedule(key, base, id, due)
   local q = tonumber(redis.call('HINCRBY', KEYS[1], 'q', 1)) - 1
-  redis.call('RENAME', key, base .. 'q:' .. ptr(q))
-  redis.call('ZADD', KEYS[4], fmt(due), ptr(q))
-  redis.call('HSET', KEYS[2], id, 'z' .. ptr(q))
+  local name = string.format('%020d', q)
+  redis.call('RENAME', key, base .. 'q:' .. name)
+  redis.call('ZADD', KEYS[4], fmt(due), name)
+  redis.call('HSET', KEYS[2], id, 'z' .. name)
 end
 -- Load the matured scheduled records (at most ``most``) at the load pointer.
 local function promote(base, now, most)

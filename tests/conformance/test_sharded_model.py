@@ -101,6 +101,19 @@ async def test_messages_with_one_key_keep_their_order(sharded: Connect) -> None:
         assert numbers == sorted(numbers)
 
 
+async def test_delayed_messages_with_one_key_keep_their_order(sharded: Connect) -> None:
+    """Delayed messages of one push_many wait in their shard's schedule due at the same
+    time; they load in push order (the tenth before the eleventh, not by text)."""
+    q = await (await sharded(sweeper=False)).queue("q")
+    await q.push_many(list(range(12)), delay=0.3, headers={"x-shard-key": "k"})
+    got: list[aio_keuss.Message] = []
+    while len(got) < 12:
+        batch = await q.pop_many(12, timeout=10)
+        assert batch, "the scheduled messages never matured"
+        got += batch
+    assert [m.payload for m in got] == list(range(12))
+
+
 async def test_round_robin_spreads_batches_and_reserve_takes_from_each(sharded: Connect) -> None:
     factory = await sharded(sweeper=False)
     storage = backend_of(factory).storage

@@ -97,9 +97,10 @@ async def test_the_key_layout_is_the_documented_one(
     record = await redis.hgetall(base + "r:0")
     assert set(record) == {b"i", b"p", b"h", b"t", b"m", b"x", b"e"}
     assert record[b"i"] == mid.encode() and record[b"t"] == b"0"
-    assert await redis.hgetall(base + "ix") == {mid.encode(): b"0", later.encode(): b"z0"}
-    assert (await redis.hgetall(base + "q:0"))[b"i"] == later.encode()
-    assert await redis.zrange(base + "z", 0, -1) == [b"0"]
+    seq = b"0" * 20  # scheduled records are named by their seq, zero-padded
+    assert await redis.hgetall(base + "ix") == {mid.encode(): b"0", later.encode(): b"z" + seq}
+    assert (await redis.hgetall(base + "q:" + seq.decode()))[b"i"] == later.encode()
+    assert await redis.zrange(base + "z", 0, -1) == [seq]
     assert await redis.zrange(f"{prefix}:{{q}}:ready", 0, -1) == [b"0"]  # due later
     assert await redis.hget(f"{prefix}:{{q}}:stamps", "0") == b"2"
     assert await redis.zcard(f"{prefix}:{{q}}:consumers") == 1
