@@ -68,6 +68,15 @@ local function server_now()
   return tonumber(t[1]) + tonumber(t[2]) / 1000000
 end
 local function fmt(x) return string.format('%.17g', x) end
+-- Push order of one insert's messages due at the same time. The ZSET orders equal scores by
+-- member, which for ids of the user's is not push order (``job:0:10`` sorts before
+-- ``job:0:9``). When the ids do not rise, the client sends each entry's rank in the ids'
+-- byte order (ranked inserts), and every accepted message whose rank falls below the
+-- previous accepted one's is due one STEP later, as is every one after it. STEP, 2^-21 s
+-- (about half a microsecond), is a whole number of units in the last place of any time
+-- before 2106, so the scores stay distinct and in order. The next call's TIME is later than
+-- this one's last step: a script spends more than a STEP on each message it inserts.
+local STEP = 2 ^ -21
 local function run_chunked(cmd, key, args)
   for i = 1, #args, CHUNK do
     redis.call(cmd, key, unpack(args, i, math.min(i + CHUNK - 1, #args)))
@@ -173,17 +182,21 @@ local function fetched_reply(n, now, ids, payloads, headers, tries, matures)
 end
 """
 
-# KEYS: z p h t r d. ARGV: dedup window, delay, headers ('' = none), then per entry: id,
-# payload. _INSERT for a bulk load (see ``contract.bulk_load``): every id the user's, so
-# each is looked up in z and d, two arguments an entry instead of seven, and the mature and
-# expiry times formatted once for the batch. Reply: 1 / 0 per entry.
+# KEYS: z p h t r d. ARGV: dedup window, delay, headers ('' = none), ranked ('' = no,
+# the ids rise), then per entry: id, payload (and its rank when ranked). _INSERT for a bulk
+# load (see ``contract.bulk_load``): every id the user's, so each is looked up in z and d,
+# two arguments an entry instead of eight, and the mature and expiry times formatted once
+# for the batch (once per step when ranked). Reply: 1 / 0 per entry.
 _INSERT_BULK = """
 local now = server_now()
 local expires = fmt(now + tonumber(ARGV[1]))
-local mature = fmt(now + tonumber(ARGV[2]))
+local due = now + tonumber(ARGV[2])
+local mature = fmt(due)
 local headers = ARGV[3]
+local stride = ARGV[4] == '' and 2 or 3
 local ids = {}
-for i = 4, #ARGV, 2 do ids[#ids + 1] = ARGV[i] end
+for i = 5, #ARGV, stride do ids[#ids + 1] = ARGV[i] end
+local steps, last = 0, nil
 local queued = read_chunked('ZMSCORE', KEYS[1], ids)
 redis.call('ZREMRANGEBYSCORE', KEYS[6], '-inf', now)
 local held = read_chunked('ZMSCORE', KEYS[6], ids)
@@ -195,8 +208,17 @@ for k = 1, #ids do
     flags[k] = 0
   else
     seen[id] = true  -- a repeat later in this batch is refused
+    local at = 5 + (k - 1) * stride
+    if stride == 3 then
+      local rank = tonumber(ARGV[at + 2])
+      if last and rank < last then
+        steps = steps + 1
+        mature = fmt(due + steps * STEP)
+      end
+      last = rank
+    end
     zadd[#zadd + 1] = mature; zadd[#zadd + 1] = id
-    pset[#pset + 1] = id; pset[#pset + 1] = ARGV[2 * k + 3]
+    pset[#pset + 1] = id; pset[#pset + 1] = ARGV[at + 1]
     if headers ~= '' then hset[#hset + 1] = id; hset[#hset + 1] = headers end
     dset[#dset + 1] = expires; dset[#dset + 1] = id
     flags[k] = 1
@@ -209,15 +231,17 @@ run_chunked('ZADD', KEYS[6], dset)
 return flags
 """
 
-# KEYS: z p h t r d. ARGV: dedup window, then per entry: id, payload, headers ('' = none,
-# read back as {}), delay, absolute mature ('' = now + delay), tries, check ('' = an id the
-# queue generated, unique by construction, so nothing to look up; 'c' = refused while queued;
-# 'd' = also refused within the dedup window). Reply: 1 / 0 per entry.
+# KEYS: z p h t r d. ARGV: dedup window, ranked ('' = no, the ids rise), then per entry: id,
+# payload, headers ('' = none, read back as {}), delay, absolute mature ('' = now + delay),
+# tries, check ('' = an id the queue generated, unique by construction, so nothing to look
+# up; 'c' = refused while queued; 'd' = also refused within the dedup window), and its rank
+# when ranked. Reply: 1 / 0 per entry.
 _INSERT = """
 local now = server_now()
 local window = tonumber(ARGV[1])
+local stride = ARGV[2] == '' and 7 or 8
 local checked, deduped = {}, {}
-for i = 2, #ARGV, 7 do
+for i = 3, #ARGV, stride do
   local check = ARGV[i + 6]
   if check ~= '' then checked[#checked + 1] = ARGV[i] end
   if check == 'd' then deduped[#deduped + 1] = ARGV[i] end
@@ -240,13 +264,19 @@ if #deduped > 0 then
 end
 local flags = {}
 local zadd, pset, hset, tset, dset = {}, {}, {}, {}, {}
-for i = 2, #ARGV, 7 do
+local steps, last = 0, nil
+for i = 3, #ARGV, stride do
   local id, check = ARGV[i], ARGV[i + 6]
   local fresh = check == '' or not (queued[id] or (check == 'd' and held[id]))
   if fresh then
     if check ~= '' then queued[id] = true end  -- a repeat later in this batch is refused
+    if stride == 8 then
+      local rank = tonumber(ARGV[i + 7])
+      if last and rank < last then steps = steps + 1 end
+      last = rank
+    end
     local mature = ARGV[i + 4]
-    if mature == '' then mature = now + tonumber(ARGV[i + 3]) end
+    if mature == '' then mature = now + tonumber(ARGV[i + 3]) + steps * STEP end
     zadd[#zadd + 1] = mature; zadd[#zadd + 1] = id
     pset[#pset + 1] = id; pset[#pset + 1] = ARGV[i + 1]
     if ARGV[i + 2] ~= '' then hset[#hset + 1] = id; hset[#hset + 1] = ARGV[i + 2] end
@@ -711,21 +741,19 @@ class RedisOQVisibility:
         return [None if tries < 0 else int(tries) for tries in reply]
 
 
-ORDER_STEP = 2.0**-20
-"""Push order among messages of one insert due at the same time: the ZSET orders equal scores
-by member (Redis manual, "Sorted sets"), which for ids of the user's is not push order (a
-Spark write's ``job:0:10`` sorts before ``job:0:9``). So a message whose id sorts before the
-previous one's is due one step (2^-20 s, about a microsecond, several units in the last
-place of any time before 2242) later, and every message after it as well. Python compares
-str by code point, which is the byte order of their UTF-8 that the ZSET uses. The next
-insert's server time comes after these steps: a script spends more than a step on each
-message it inserts."""
-
-
-def _ascending(entries: Sequence[Entry]) -> bool:
-    """Whether the ids go up in the ZSET's order: then equal scores keep push order."""
+def _ranks(entries: Sequence[Entry]) -> list[int] | None:
+    """None when the ids rise in the order the ZSET gives equal scores (the bytes of their
+    UTF-8: Redis manual, "Sorted sets"), so that push order needs nothing more; else each
+    entry's rank in that order, from which the insert scripts keep push order (see STEP in
+    their prelude). Python orders str by code point, which is the byte order of UTF-8, and
+    ranks spare the script a string comparison (Lua's follows the server's locale)."""
     ids = [e.id for e in entries]
-    return all(map(str.__lt__, ids, ids[1:]))
+    if all(map(str.__lt__, ids, ids[1:])):
+        return None
+    ranks = [0] * len(ids)
+    for rank, index in enumerate(sorted(range(len(ids)), key=ids.__getitem__)):
+        ranks[index] = rank
+    return ranks
 
 
 class RedisOQStore(RedisOQVisibility, Store):
@@ -753,29 +781,32 @@ class RedisOQStore(RedisOQVisibility, Store):
             if not e.dedup and e.mature is None and e.tries == 0 and e.headers == EMPTY_HEADERS:
                 await self._insert_one(e.id, e.payload, e.delay)
                 return [True]
-        if bulk_load(entries) and _ascending(entries):
+        if bulk_load(entries):
             first = entries[0]
+            ranks = _ranks(entries)
             args: list[Any] = [
                 self._dedup_window,
                 first.delay,
                 b"" if first.headers == EMPTY_HEADERS else first.headers,
+                "" if ranks is None else 1,
             ]
             extend = args.extend
-            for e in entries:
-                extend((e.id, e.payload))
+            if ranks is None:
+                for e in entries:
+                    extend((e.id, e.payload))
+            else:
+                for e, rank in zip(entries, ranks, strict=True):
+                    extend((e.id, e.payload, rank))
             flags = await self._run(INSERT_BULK, self._insert_keys, args)
             return [flag == 1 for flag in flags]
         return await self._insert(entries, check_all=False)
 
     async def _insert(self, entries: Sequence[Entry], *, check_all: bool) -> list[bool]:
         """``check_all``: refuse ids already queued even where the queue generated them."""
-        args: list[Any] = [self._dedup_window]
+        ranks = _ranks(entries)
+        args: list[Any] = [self._dedup_window, "" if ranks is None else 1]
         extend = args.extend
-        steps, last = 0, ""
-        for e in entries:
-            if e.id < last:
-                steps += 1
-            last = e.id
+        for k, e in enumerate(entries):
             if e.dedup:
                 check = "d"
             elif check_all or e.mature is not None:  # a put-back: its id may be back already
@@ -787,12 +818,14 @@ class RedisOQStore(RedisOQVisibility, Store):
                     e.id,
                     e.payload,
                     b"" if e.headers == EMPTY_HEADERS else e.headers,
-                    e.delay + steps * ORDER_STEP if steps else e.delay,
+                    e.delay,
                     "" if e.mature is None else e.mature,
                     e.tries,
                     check,
                 )
             )
+            if ranks is not None:
+                args.append(ranks[k])
         flags = await self._run(INSERT, self._insert_keys, args)
         return [flag == 1 for flag in flags]
 

@@ -187,17 +187,19 @@ async def test_large_push_many(open_factory: Open, backend: str) -> None:
     assert [m.payload["n"] for m in got] == list(range(10_000))
 
 
-async def test_a_bulk_load_larger_than_a_script_chunk(open_factory: Open) -> None:
+@pytest.mark.parametrize("width", [5, 0], ids=["rising-ids", "ranked-ids"])
+async def test_a_bulk_load_larger_than_a_script_chunk(open_factory: Open, width: int) -> None:
     """The scripts read and write in chunks of 4,000 arguments (Lua's unpack limit): a
-    bulk load of 9,000 user ids, then the same ids again, is checked across chunks."""
+    bulk load of 9,000 user ids, then the same ids again, is checked across chunks, and
+    comes out in push order whether the ids rise (k00000, k00001...) or not (k9, k10)."""
     factory = await open_factory("redis-oq", max_batch=10_000)
     q = await factory.queue("big-ids")
-    keys = [f"k{i}" for i in range(9_000)]
+    keys = [f"k{i:0{width}d}" for i in range(9_000)]
     assert await q.push_many(list(range(9_000)), ids=keys) == keys
     assert await q.push_many(list(range(9_000)), ids=keys[::-1]) == keys[::-1]  # all refused
     assert await q.size() == 9_000
     got = await q.pop_many(10_000, timeout=1)
-    assert sorted((m.payload, m.id) for m in got) == list(zip(range(9_000), keys, strict=True))
+    assert [(m.id, m.payload) for m in got] == list(zip(keys, range(9_000), strict=True))
     assert await q.push_many([0], ids=keys[-1:]) == keys[-1:]  # consumed, still refused
     assert await q.size() == 0
 
