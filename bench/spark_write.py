@@ -5,10 +5,11 @@
     .venv/bin/python -m bench.spark_write --backend redis-list --rows 200000  # not idempotent
 
 The DataFrame is cached and counted first, and a warm-up write of 20,000 rows of the same
-columns starts the Python workers and lets the JVM compile the plan's code, so the timed
-writes measure the data source and the backend, not Spark's start-up. ``--reps`` timed
-writes (3 by default), each into a queue of its own; prints each and the median: backend,
-rows, seconds, rows/s (``--json`` for machines).
+columns, cached too, starts the Python workers and lets the JVM compile the plan's code, so
+the timed writes measure the data source and the backend, not Spark's start-up. ``--reps``
+timed writes (3 by default), each into a queue of its own (the rows of earlier ones stay, as
+in a queue that grows); prints each and the median: backend, rows, seconds, rows/s
+(``--json``: one JSON record a line, ``run`` naming the rep or the median).
 """
 
 from __future__ import annotations
@@ -63,6 +64,8 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
+    if args.reps < 1:
+        parser.error("--reps must be at least 1")
 
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
     from pyspark.sql import SparkSession
@@ -109,7 +112,8 @@ def main() -> None:
 
     times: list[float] = []
     try:
-        warmup = spark.range(20_000, numPartitions=args.partitions).selectExpr(*columns)
+        warmup = spark.range(20_000, numPartitions=args.partitions).selectExpr(*columns).cache()
+        warmup.count()  # cached like the timed frame, so the warm-up runs the same plan
         write(warmup, "warmup")
         for rep in range(1, args.reps + 1):
             times.append(write(df, f"bench{rep}"))

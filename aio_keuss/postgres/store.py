@@ -17,12 +17,14 @@ in ``sql/migrations``; the statements are in ``sql/queries.sql``):
   :mod:`aio_keuss.postgres.stats`.
 
 Every primitive is ONE statement (one round trip, its own implicit transaction), built from
-data-modifying CTEs over ``unnest``-ed array parameters so a coalesced batch of any size costs
-the same single prepared statement. (One exception, never met with generated ids: new
-messages of which one has an id already taken go again by a second statement; see
-``insert_new`` in ``queries.sql``.) Time is always ``now()`` on the server: clients with
-skewed clocks agree on what is mature, and a reservation deadline is the server's *now* plus
-``reserve_delay`` (never the old mature time plus the delay, Keuss's redis-oq mistake).
+data-modifying CTEs over ``unnest``-ed array parameters so a coalesced batch of any size
+costs the same single prepared statement. (Two exceptions, both inserts tried first without
+``ON CONFLICT``: new messages of which one has an id already taken, never met with generated
+ids, and a bulk load of user ids of which one is queued or remembered go again by a second
+statement; see ``insert_new`` and ``insert_dedup_bulk_new`` in ``queries.sql``.) Time is
+always ``now()`` on the server: clients with skewed clocks agree on what is mature, and a
+reservation deadline is the server's *now* plus ``reserve_delay`` (never the old mature time
+plus the delay, Keuss's redis-oq mistake).
 """
 
 from __future__ import annotations

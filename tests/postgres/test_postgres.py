@@ -754,7 +754,7 @@ async def test_a_bulk_load_of_new_ids_takes_one_plain_insert(schema: str) -> Non
     finally:
         await backend.close()
     assert [(r["id"], r["payload"]) for r in rows] == [("h", b"h"), ("a", b"a")]
-    assert [r["id"] for r in remembered] == list("abdefgh")  # "c": refused, left expired
+    assert [r["id"] for r in remembered] == list("abdefgh")  # "c": refused, row purged
 
 
 # errors are translated where the package meets the driver ------------------------------
