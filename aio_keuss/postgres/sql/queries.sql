@@ -83,6 +83,18 @@ WITH entry AS (
 )
 SELECT id FROM inserted
 
+-- name: _bulk_entry
+-- The entries of both bulk-load statements: $2 ids, $3 payloads.
+entry AS (
+    SELECT * FROM unnest($2::text[], $3::bytea[]) WITH ORDINALITY AS e(id, payload, ord)
+)
+
+-- name: _bulk_messages
+-- The messages of both bulk-load statements: new, due now + $5, headers $4 for all.
+INSERT INTO {s}.messages (queue, id, mature, tries, payload, headers)
+    SELECT $1, e.id, extract(epoch from now())::float8 + $5::float8, 0, e.payload, $4::bytea
+    FROM entry e
+
 -- name: insert_dedup_bulk_new
 -- The first try of a bulk load (a Spark write): insert_dedup_bulk for ids that are all new,
 -- with plain INSERTs and no dedup look-up. An id queued, or remembered in ``dedup`` (within
@@ -91,13 +103,9 @@ SELECT id FROM inserted
 -- through insert_dedup_bulk, which refuses just those. ON CONFLICT's speculative insertion
 -- on both tables and the per-entry probe of ``dedup`` were about 40 % of the server's work
 -- per row of a bulk load (PostgreSQL manual, INSERT, "ON CONFLICT Clause").
-WITH entry AS (
-    SELECT * FROM unnest($2::text[], $3::bytea[]) WITH ORDINALITY AS e(id, payload, ord)
-), {_purge_dedup}
+WITH {_bulk_entry}, {_purge_dedup}
 ), inserted AS (
-    INSERT INTO {s}.messages (queue, id, mature, tries, payload, headers)
-    SELECT $1, e.id, extract(epoch from now())::float8 + $5::float8, 0, e.payload, $4::bytea
-    FROM entry e
+    {_bulk_messages}
     ORDER BY e.ord
     RETURNING id
 )
@@ -110,13 +118,9 @@ FROM inserted i
 -- ($4) and delay ($5), and none is a put-back. Two arrays instead of seven to encode, send
 -- and unnest, and no join to find which inserted ids to remember (all of them); the checks
 -- and effects are those of insert_dedup. $6 is the window.
-WITH entry AS (
-    SELECT * FROM unnest($2::text[], $3::bytea[]) WITH ORDINALITY AS e(id, payload, ord)
-), {_purge_dedup}
+WITH {_bulk_entry}, {_purge_dedup}
 ), inserted AS (
-    INSERT INTO {s}.messages (queue, id, mature, tries, payload, headers)
-    SELECT $1, e.id, extract(epoch from now())::float8 + $5::float8, 0, e.payload, $4::bytea
-    FROM entry e
+    {_bulk_messages}
     WHERE (SELECT d.expires > extract(epoch from now())::float8 FROM {s}.dedup d
            WHERE d.queue = $1 AND d.id = e.id) IS NOT TRUE
     ORDER BY e.ord
