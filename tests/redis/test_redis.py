@@ -204,6 +204,28 @@ async def test_a_bulk_load_larger_than_a_script_chunk(open_factory: Open, width:
     assert await q.size() == 0
 
 
+async def test_one_insert_of_several_kinds_keeps_push_order(open_factory: Open) -> None:
+    """A coalesced batch of pushes that differ in headers and delay goes by the per-entry
+    insert script; with falling ids (and a refused one among them) it keeps push order."""
+    from aio_keuss.contract import Entry
+    from aio_keuss.options import QueueOptions
+
+    factory = await open_factory("redis-oq")
+    backend = factory.backend
+    store = await backend.store("kinds", QueueOptions())
+    assert await store.insert([Entry("m", b"0", b"{}", dedup=True)]) == [True]
+    batch = [
+        Entry("x", b"1", b'{"k":1}', dedup=True),
+        Entry("m", b"9", b"{}", dedup=True),  # queued: refused
+        Entry("b", b"2", b"{}", dedup=True),
+        Entry("a", b"3", b'{"k":2}'),
+        Entry("c", b"4", b"{}", dedup=True),
+    ]
+    assert await store.insert(batch) == [True, False, True, True, True]
+    fetched = await store.get(10)
+    assert [s.id for s in fetched.messages] == ["m", "x", "b", "a", "c"]
+
+
 async def test_deadletter_moves_atomically_with_headers(open_factory: Open) -> None:
     factory = await open_factory(deadletter={"max_ko": 1, "queue": "dl"})
     q = await factory.queue("work")
