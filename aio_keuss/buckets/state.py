@@ -39,6 +39,7 @@ class StateWriter:
     _closed: bool
     _held_buckets: dict[str, HeldBucket]
     _departing: dict[str, tuple[HeldBucket, str]]
+    _leaving: dict[str, HeldBucket]
     _flusher: asyncio.Task[None] | None
 
     async def _sync(
@@ -187,6 +188,9 @@ class StateWriter:
             final[bucket.id] = mode
         self._departing.clear()
         if keep or leaving:
+            # Until their final write lands, storage still holds their old state: sizes
+            # count them from here meanwhile (see ``in_memory``).
+            self._leaving.update((bucket.id, bucket) for bucket in leaving)
             try:
                 await self._sync([*keep, *leaving], final, renew_before)
             except BaseException:
@@ -196,5 +200,19 @@ class StateWriter:
                     if not (bucket.gone or bucket.lost):
                         self._departing[bucket.id] = (bucket, final[bucket.id])
                 raise
+            finally:
+                for bucket in leaving:
+                    if self._leaving.get(bucket.id) is bucket:
+                        del self._leaving[bucket.id]
+
+    def in_memory(self) -> dict[str, HeldBucket]:
+        """The buckets whose true state is this store's, by id: those it serves from, and
+        those leaving it whose final write (delete, release) is in flight or failed, which
+        storage would show as they were before. Sizes count these from memory and the
+        rest from storage."""
+        found = {bucket.id: bucket for bucket, _ in self._departing.values()}
+        found.update(self._leaving)
+        found.update(self._held_buckets)
+        return found
 
     # sizes ---------------------------------------------------------------------------

@@ -204,6 +204,7 @@ class BucketStore(PushSide, StateWriter, Store):
         # Buckets that left memory (released or finished) whose final write failed: retried
         # by the next state flush, else their oks would come back once their lease lapses.
         self._departing: dict[str, tuple[HeldBucket, str]] = {}
+        self._leaving: dict[str, HeldBucket] = {}  # their final write is in flight
 
     # push ---------------------------------------------------------------------------
 
@@ -581,7 +582,7 @@ class BucketStore(PushSide, StateWriter, Store):
     # state persistence ---------------------------------------------------------------
 
     async def sizes(self) -> Sizes:
-        mine = dict(self._held_buckets)
+        mine = self.in_memory()
         census = await self._storage.census(self.name, mine.keys(), time.time())
         now = time.time()
         ready, scheduled, reserved = census.ready, census.scheduled, census.reserved

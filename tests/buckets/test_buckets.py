@@ -304,6 +304,42 @@ async def test_a_failed_lease_gives_back_what_the_pop_took_from_memory(
         assert sorted(m.payload for m in rest) == ["b", "c", "d"]
 
 
+async def test_sizes_count_a_bucket_whose_final_write_is_in_flight(
+    bucket_case: tuple[BackendCase, dict[str, Any]],
+) -> None:
+    """The state flusher takes a finished bucket out of memory, then deletes it in storage:
+    sizes asked between the two count it from memory (nothing left), not from the state
+    storage still holds (every message reserved). The write is held back at a gate, so the
+    window is certain, not a matter of timing."""
+    case, options = bucket_case
+    async with aio_keuss.connect(case.name, **{**options, "state_flush_period": 0.05}) as factory:
+        q = await factory.queue("final-write")
+        await q.push_many(list(range(5)))
+        got = await q.reserve_many(5, timeout=1)
+        assert len(got) == 5
+        store = q._store  # type: ignore[attr-defined]
+        storage = store._storage
+        await store.flush()  # the reservations are written: storage says reserved
+        real_write = storage.write
+        gate, reached = asyncio.Event(), asyncio.Event()
+
+        async def gated_write(*args: Any, **kwargs: Any) -> Any:
+            reached.set()
+            await gate.wait()
+            return await real_write(*args, **kwargs)
+
+        storage.write = gated_write
+        try:
+            assert await q.ok_many(got) == [True] * 5  # marked in memory
+            await asyncio.wait_for(reached.wait(), 10)  # the flusher's delete, held back
+            assert not store._held_buckets
+            assert await q.total_size() == 0
+        finally:
+            gate.set()
+            storage.write = real_write
+        assert await q.total_size() == 0
+
+
 @asynccontextmanager
 async def _buffering_beside_durable(
     case: BackendCase, options: dict[str, Any]
