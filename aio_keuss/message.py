@@ -53,6 +53,12 @@ _DUMPS_OPTIONS = (
     | orjson.OPT_PASSTHROUGH_SUBCLASS
 )
 MAX_ID_LENGTH = 200
+"""Longest id a push may choose."""
+MAX_KNOWN_ID_LENGTH = 1000
+"""Longest id ``ok``, ``ko``, ``remove``, ``find``, ``requeue``... accept: a message moved
+into a queue that already holds its id is renamed ``<id>.<tag>`` (``.mv``, ``.dl<n>``,
+``.rq``, then ``.2``, ``.3``...), so the ids the library hands out may be longer than the
+ones pushed, and every one of them must still be acknowledged."""
 MAX_TRIES = 2**31 - 1
 """Largest ``tries`` a message can carry: PostgreSQL stores it as an ``integer``."""
 EMPTY_HEADERS = b"{}"
@@ -224,8 +230,10 @@ def append_headers(encoded: bytes, extra: Headers) -> bytes:
     return encoded[:-1] + b"," + addition + b"}"
 
 
-def check_id(message_id: object) -> str:
-    """Return the id if it is well formed, else raise :class:`InvalidIdError`.
+def check_id(message_id: object, longest: int = MAX_ID_LENGTH) -> str:
+    """Return the id if it is well formed, else raise :class:`InvalidIdError`. ``longest``:
+    :data:`MAX_ID_LENGTH` for an id a push chooses, :data:`MAX_KNOWN_ID_LENGTH` for one
+    that names a message already stored (it may carry a rename's suffix).
 
     Ids end up as Redis keys, SQL values and Mongo ``_id``: printable, no whitespace, bounded,
     valid UTF-8. ``str.isprintable`` is False for control characters (NUL included), format
@@ -234,8 +242,8 @@ def check_id(message_id: object) -> str:
     """
     if not isinstance(message_id, str):
         raise InvalidIdError(f"message ids are str, not {type(message_id).__name__}")
-    if not message_id or len(message_id) > MAX_ID_LENGTH:
-        raise InvalidIdError(f"message ids have 1 to {MAX_ID_LENGTH} characters")
+    if not message_id or len(message_id) > longest:
+        raise InvalidIdError(f"message ids have 1 to {longest} characters")
     if not message_id.isprintable() or " " in message_id:
         raise InvalidIdError(
             f"message id {message_id!r} has whitespace, control characters or lone surrogates"

@@ -38,6 +38,7 @@ from .errors import (
 )
 from .ids import new_id
 from .message import (
+    MAX_KNOWN_ID_LENGTH,
     UNCHANGED,
     Headers,
     Message,
@@ -1062,9 +1063,9 @@ def _target(message: Message | str) -> tuple[str, int | None]:
     """(id, tries) of what to acknowledge; tries guards against a stale holder. A Message
     may be built by hand: its id and tries are checked like an id given as a str."""
     if isinstance(message, Message):
-        return check_id(message.id), check_tries(message.tries)
+        return check_id(message.id, MAX_KNOWN_ID_LENGTH), check_tries(message.tries)
     if isinstance(message, str):
-        return check_id(message), None
+        return check_id(message, MAX_KNOWN_ID_LENGTH), None
     raise InvalidIdError(f"expected a Message or a message id, not {type(message).__name__}")
 
 

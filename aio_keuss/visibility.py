@@ -31,6 +31,7 @@ from .contract import Cursor, Entry, Move, Peeked, PeekPage, Store
 from .errors import InvalidInputError
 from .ids import new_id
 from .message import (
+    MAX_KNOWN_ID_LENGTH,
     append_headers,
     check_id,
     decode_headers,
@@ -172,7 +173,7 @@ async def requeue(
     store = queue._store
     moved: dict[str, str] = {}
     if ids is not None:
-        wanted = [check_id(i) for i in ids]
+        wanted = [check_id(i, MAX_KNOWN_ID_LENGTH) for i in ids]
         for start in range(0, len(wanted), queue.options.max_batch):
             chunk = wanted[start : start + queue.options.max_batch]
             found = await store.locate(chunk)
@@ -245,7 +246,7 @@ async def replay(
     batch = target.options.max_batch
     copied: list[str] = []
     if ids is not None:
-        wanted = [check_id(i) for i in ids]
+        wanted = [check_id(i, MAX_KNOWN_ID_LENGTH) for i in ids]
         for start in range(0, len(wanted), batch):
             found = await source.locate(wanted[start : start + batch])
             rows_ = [r for r in found if r is not None and r.state == State.PROCESSED]

@@ -15,6 +15,7 @@ from conftest import Connect, needs
 
 import aio_keuss
 from aio_keuss import KoResult
+from aio_keuss.message import MAX_ID_LENGTH
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -90,6 +91,33 @@ async def test_move_renames_an_id_the_destination_holds(connect: Connect) -> Non
         names.append(await q.move(held, "dst"))
     assert names == ["order-7.mv", "order-7.mv.2", "order-7.mv.3"]
     assert await dst.total_size() == 4
+
+
+async def test_a_renamed_id_longer_than_a_pushed_one_can_still_be_acknowledged(
+    connect: Connect,
+) -> None:
+    """An id of the longest length a push takes, renamed on a move, is longer than that:
+    ok / find / remove of it must not refuse the library's own id (they did, so the
+    message came back for ever)."""
+    factory = await connect(poll_interval=5.0)
+    needs(factory, "reserve", "move", "idempotent")
+    longest = "k" * MAX_ID_LENGTH
+    dst = await factory.queue("dst")
+    await dst.push("already there", id=longest)
+    q = await factory.queue("src")
+    await q.push("moved", id=longest)
+    held = await q.reserve(timeout=5)
+    assert held is not None
+    renamed = await q.move(held, "dst")
+    assert renamed == f"{longest}.mv"
+    if factory.capabilities.peek:
+        found = await dst.find(renamed)
+        assert found is not None and found.message.payload == "moved"
+    taken = [await dst.reserve(timeout=5), await dst.reserve(timeout=5)]
+    assert sorted(m.id for m in taken if m is not None) == [longest, renamed]
+    for message in taken:
+        assert message is not None and await dst.ok(message)
+    assert await dst.total_size() == 0
 
 
 async def test_move_refuses_bad_input_before_writing(connect: Connect) -> None:
