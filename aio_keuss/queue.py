@@ -214,8 +214,12 @@ class Queue:
             raise InvalidInputError("push_many takes a sequence (list, tuple) of payloads")
         checked: list[str] | None = None
         if ids is not None:
-            if isinstance(ids, str) or len(ids) != len(payloads):
-                raise InvalidInputError("ids must be a sequence as long as payloads")
+            if (
+                isinstance(ids, str | bytes | bytearray)
+                or not isinstance(ids, Sequence)
+                or len(ids) != len(payloads)
+            ):  # a set or a generator would pair ids with payloads in no defined order
+                raise InvalidInputError("ids must be a sequence (list, tuple) as long as payloads")
             checked = [check_id(message_id) for message_id in ids]
         seconds = self._delay(delay)
         encoded_headers = encode_headers(headers)

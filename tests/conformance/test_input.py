@@ -601,6 +601,17 @@ async def test_pushed_ids_must_be_utf8_and_printable(queue: aio_keuss.Queue) -> 
     assert await queue.total_size() == 0
 
 
+async def test_push_many_ids_must_be_a_sequence_as_long_as_the_payloads(
+    queue: aio_keuss.Queue,
+) -> None:
+    """A set or a generator would pair ids with payloads in no defined order (a set was
+    taken); a number gave a bare TypeError."""
+    for ids in ({"a", "b"}, (i for i in "ab"), 5, "ab", b"ab", ["a"]):
+        with pytest.raises(aio_keuss.InvalidInputError):
+            await queue.push_many([1, 2], ids=ids)
+    assert await queue.total_size() == 0
+
+
 # 11. URLs --------------------------------------------------------------------------------
 
 BAD_URLS: list[tuple[str, str]] = [
