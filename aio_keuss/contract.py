@@ -19,7 +19,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from .errors import NotSupportedError
+from .errors import InvalidInputError, NotSupportedError
 from .message import Headers, to_datetime
 from .types import Capabilities, KoResult, Sizes
 
@@ -202,6 +202,22 @@ def deadletter_tag(failed_deliveries: int) -> str:
     return f"dl{failed_deliveries}"
 
 
+MAX_POSITION = 2**53
+"""Largest position a position cursor holds: every int up to it is exact as a float."""
+
+
+def position_cursor(cursor: Cursor | None, sections: tuple[str, ...]) -> Cursor | None:
+    """Check a cursor that is a position in a list (``(offset, section)``, as the list-based
+    Redis stores walk), so that a made-up one cannot send a script counting from a
+    fraction or past the end of what an index can be."""
+    if cursor is None:
+        return None
+    offset, section = cursor
+    if not offset.is_integer() or offset > MAX_POSITION or section not in sections:
+        raise InvalidInputError(f"not a cursor from browse / history of this queue: {cursor!r}")
+    return cursor
+
+
 def moved_id(message_id: str, tag: str, clash: int) -> str:
     """The id a moved message takes in a queue that already holds ``clash`` messages
     named like it: its own id first, then ``<id>.<tag>``, then ``<id>.<tag>.2``,
@@ -329,6 +345,13 @@ class Store(ABC):
         """Consumed messages kept by a history store, processed in [since, until), in
         (processed time, id) order past ``after``."""
         raise NotSupportedError(f"{type(self).__name__} keeps no history")
+
+    def check_cursor(self, cursor: Cursor | None) -> Cursor | None:
+        """Refuse, with :class:`InvalidInputError`, a cursor this store's :meth:`peek` or
+        :meth:`history` never returned and would misread. The queue layer has already
+        checked what every store needs (a time in range, a UTF-8 str); a (sort time, id)
+        cursor needs nothing more, a store whose cursor means something else says so."""
+        return cursor
 
     @abstractmethod
     async def sizes(self) -> Sizes: ...

@@ -76,8 +76,6 @@ in the past (clock skew between client and server) without handing anything out.
 CLOCK_SLACK = 1.0
 """Seconds a store's clock may run ahead of ours when judging "ready now"."""
 
-MAX_TIME = 253402300799.0
-"""9999-12-31T23:59:59Z: the open end of a history range."""
 
 HELD_CHECK = 1024
 """Reservations held unacknowledged between two checks for expired ones (see ``_rotate_held``)."""
@@ -802,7 +800,7 @@ class Queue:
         self._check_open()
         visibility.check_limit(limit, "limit")
         checked = visibility.check_state(state)
-        cursor = visibility.decode_cursor(after)
+        cursor = self._store.check_cursor(visibility.decode_cursor(after))
         self._require("peek")
         return visibility.page_of(self.name, await self._store.peek(checked, cursor, limit))
 
@@ -815,7 +813,7 @@ class Queue:
         self._check_open()
         visibility.check_limit(page_size, "page_size")
         checked = visibility.check_state(state)
-        cursor = visibility.decode_cursor(after)
+        cursor = self._store.check_cursor(visibility.decode_cursor(after))
         self._require("peek")
         async for row in visibility.rows(self._store, checked, cursor, page_size):
             yield visibility.view(self.name, row)
@@ -877,9 +875,9 @@ class Queue:
         first, at most ``limit``; go on with the page's cursor as ``after``."""
         self._check_open()
         start = visibility.check_time(since, "since", 0.0)
-        end = visibility.check_time(until, "until", MAX_TIME)
+        end = visibility.check_time(until, "until", visibility.MAX_TIME)
         visibility.check_limit(limit, "limit")
-        cursor = visibility.decode_cursor(after)
+        cursor = self._store.check_cursor(visibility.decode_cursor(after))
         self._require("history")
         found = await self._store.history(start, end, cursor, limit)
         return visibility.page_of(self.name, found)
@@ -901,7 +899,7 @@ class Queue:
         if ids is None and since is None and until is None:
             raise InvalidInputError("replay needs ids or a since / until range")
         start = visibility.check_time(since, "since", 0.0)
-        end = visibility.check_time(until, "until", MAX_TIME)
+        end = visibility.check_time(until, "until", visibility.MAX_TIME)
         target_name = visibility.check_target(to, self.name)
         self._require("history")
         target = self

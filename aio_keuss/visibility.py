@@ -22,7 +22,6 @@ primitives for it (:meth:`Store.peek`, :meth:`Store.locate`, :meth:`Store.hold`,
 
 from __future__ import annotations
 
-import math
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from datetime import datetime
 from typing import TYPE_CHECKING
@@ -50,6 +49,12 @@ DL_FROM = "x-dl-from-queue"
 """The deadletter header naming the queue a message failed in."""
 REPLAY_OF = "x-replay-of"
 """The header naming the processed message a replayed copy was made from."""
+MAX_TIME = 253402300799.0
+"""9999-12-31T23:59:59Z: the open end of a history range, and the latest time a cursor holds."""
+MAX_LIMIT = 1_000_000
+"""Most messages one ``peek``, ``page`` or ``history`` call returns (``browse`` walks any
+number, a page at a time): what a caller can hold in memory, and an int every database
+takes as a limit."""
 HOLD_SECONDS = 60.0
 """How long ``requeue`` holds a message between taking it and moving it: a crash in between
 gives it back to the deadletter queue after this."""
@@ -65,6 +70,9 @@ def encode_cursor(cursor: Cursor | None) -> str | None:
 
 
 def decode_cursor(cursor: str | None) -> Cursor | None:
+    """The cursor of an earlier page, checked as far as every store reads one: a time in
+    [0, :data:`MAX_TIME`] and a str that encodes as UTF-8 (a store checks the rest, see
+    :meth:`Store.check_cursor`)."""
     if cursor is None:
         return None
     if not isinstance(cursor, str) or "|" not in cursor:
@@ -72,9 +80,10 @@ def decode_cursor(cursor: str | None) -> Cursor | None:
     when, _, message_id = cursor.partition("|")
     try:
         at = float(when)
-    except ValueError:
+        message_id.encode()
+    except (ValueError, UnicodeEncodeError):
         raise InvalidInputError(f"not a cursor from browse / history: {cursor!r}") from None
-    if not math.isfinite(at):
+    if not 0.0 <= at <= MAX_TIME or len(message_id) > MAX_KNOWN_ID_LENGTH:
         raise InvalidInputError(f"not a cursor from browse / history: {cursor!r}")
     return at, message_id
 
@@ -91,8 +100,8 @@ def check_state(state: object) -> str:
 
 
 def check_limit(limit: object, name: str = "n") -> int:
-    if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
-        raise InvalidInputError(f"{name} must be a positive int, not {limit!r}")
+    if isinstance(limit, bool) or not isinstance(limit, int) or not 1 <= limit <= MAX_LIMIT:
+        raise InvalidInputError(f"{name} must be an int in [1, {MAX_LIMIT:_}], not {limit!r}")
     return limit
 
 
@@ -103,10 +112,17 @@ def check_time(value: datetime | float | None, name: str, default: float) -> flo
     if isinstance(value, datetime):
         if value.tzinfo is None:
             raise InvalidInputError(f"{name} must be an aware datetime (with a tzinfo)")
-        return value.timestamp()
-    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        seconds = value.timestamp()
+    elif isinstance(value, bool) or not isinstance(value, int | float):
         raise InvalidInputError(f"{name} must be a datetime or epoch seconds, not {value!r}")
-    return float(value)
+    else:
+        seconds = float(value)
+    if not 0.0 <= seconds <= MAX_TIME:  # NaN fails too
+        raise InvalidInputError(
+            f"{name} must be between 1970-01-01 and 9999-12-31 (epoch seconds 0 to"
+            f" {MAX_TIME:.0f}), not {value!r}"
+        )
+    return seconds
 
 
 # views --------------------------------------------------------------------------------

@@ -53,7 +53,7 @@ from ..contract import (
     Stored,
     bulk_load,
 )
-from ..errors import ConfigError, KeussError
+from ..errors import ConfigError, InvalidInputError, KeussError
 from ..options import check_bool
 from ..types import Capabilities, KoResult, Sizes
 from .backend import PostgresBackend
@@ -239,6 +239,14 @@ class PostgresStore(Store):
             return []
         rows = await self._db.fetch(self._sql["remove"], self.name, list(ids))
         return _first_occurrences(ids, {r[0] for r in rows})
+
+    def check_cursor(self, cursor: Cursor | None) -> Cursor | None:
+        """(time, seq): seq a bigint's decimal digits."""
+        if cursor is not None:
+            seq = cursor[1]
+            if not (seq.isascii() and seq.isdigit() and int(seq) < 2**63):
+                raise InvalidInputError(f"not a cursor from browse / history here: {cursor!r}")
+        return cursor
 
     async def peek(self, state: str, after: Cursor | None, limit: int) -> PeekPage:
         """The cursor is (mature, seq): the order of the table's index."""

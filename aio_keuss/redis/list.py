@@ -20,7 +20,16 @@ import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, ClassVar
 
-from ..contract import Cursor, Entry, Fetched, Peeked, PeekPage, Store, Stored
+from ..contract import (
+    Cursor,
+    Entry,
+    Fetched,
+    Peeked,
+    PeekPage,
+    Store,
+    Stored,
+    position_cursor,
+)
 from ..types import Capabilities, Sizes
 from .backend import RedisBackend
 
@@ -86,6 +95,9 @@ class RedisListStore(Store):
         # Fewer than asked means the list was empty afterwards; the wait loop only looks at
         # next_mature when nothing was handed out, so no LLEN round trip is needed.
         return Fetched([_unpack(e) for e in elements], time.time() if len(elements) == n else None)
+
+    def check_cursor(self, cursor: Cursor | None) -> Cursor | None:
+        return position_cursor(cursor, ("",))
 
     async def peek(self, state: str, after: Cursor | None, limit: int) -> PeekPage:
         """LRANGE from the popping end; the cursor is a position, so a walk during

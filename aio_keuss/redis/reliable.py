@@ -71,6 +71,7 @@ from ..contract import (
     Stored,
     deadletter_tag,
     moved_id,
+    position_cursor,
 )
 from ..errors import ConfigError, NotSupportedError
 from ..message import append_headers
@@ -666,6 +667,9 @@ class RedisReliableStore(Store):
         return time.time() if sizes.total else None
 
     # looking without taking --------------------------------------------------------------
+
+    def check_cursor(self, cursor: Cursor | None) -> Cursor | None:
+        return position_cursor(cursor, ("p", "r"))
 
     async def peek(self, state: str, after: Cursor | None, limit: int) -> PeekPage:
         """Ready (``pending``, from its consuming end) then reserved (every consumer's

@@ -70,6 +70,43 @@ async def test_bad_arguments_are_refused_first(factory: aio_keuss.Factory) -> No
             await call
 
 
+async def test_made_up_cursors_and_bounds_out_of_range_are_refused(
+    factory: aio_keuss.Factory,
+) -> None:
+    """A cursor no page returned, a limit no database takes, a time no datetime holds: an
+    InvalidInputError, never a driver's error or a script that runs forever on the server
+    (redis-reliable looped over a negative offset of -1e17 until SCRIPT KILL)."""
+    q = await factory.queue("made-up")
+    await q.push({"a": 1})
+    refused = [
+        q.page(after="-1e17|r"),
+        q.page(after="-1|p"),
+        q.page(after="nan|x"),
+        q.page(after="1e300|x"),
+        q.page(after="1.0|a\ud800b"),
+        q.page(after="1.0|" + "x" * 100_000),
+        q.page(limit=2**63),
+        q.peek(2**70),
+        q.history(limit=2**63),
+        q.history(since=-1e12),
+        q.history(until=1e300),
+        q.history(since=datetime(1, 1, 1, tzinfo=UTC)),
+        q.replay(since=-1e12),
+    ]
+    for call in refused:
+        with pytest.raises(aio_keuss.InvalidInputError):
+            await call
+    # Well-formed for some store, made up for others: a page, or refused, nothing else.
+    for cursor in ("1e17|r", "0.5|p", "1.0|abc", "1.0|", "3|p", "3|r", "3|", "1.5|12"):
+        if factory.capabilities.peek:
+            try:
+                page = await q.page(after=cursor)
+            except aio_keuss.InvalidInputError:
+                continue
+            assert len(page.items) <= 1
+    assert await q.total_size() == 1
+
+
 # peek and browse ------------------------------------------------------------------------
 
 
