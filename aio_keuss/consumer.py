@@ -53,12 +53,14 @@ from .errors import (
     ClosedError,
     ConfigError,
     HandlerTimeoutError,
+    InvalidDelayError,
     InvalidInputError,
     KeussConnectionError,
     NotSupportedError,
 )
 from .message import Message
 from .metrics import Histogram, QueueMetrics
+from .options import check_seconds
 from .types import Capabilities, KoResult
 
 log = logging.getLogger("aio_keuss.consumer")
@@ -309,6 +311,38 @@ class ConsumerStatus:
     """Seconds since the current outage began, or None."""
 
 
+def check_settings(
+    concurrency: object,
+    retry_delay: object,
+    max_retry_delay: object,
+    timeout: object,
+    prefetch: object,
+    batch: object,
+    *,
+    settled: bool,
+    max_batch: int,
+) -> None:
+    """Refuse, with :class:`InvalidInputError`, what ``consume`` (or a pipeline station, which
+    is ``settled`` by its link) cannot run with: checked in full before anything starts, so
+    a pipeline opens no queue and stores no topology for a setting it will refuse."""
+    if isinstance(concurrency, bool) or not isinstance(concurrency, int) or concurrency < 1:
+        raise InvalidInputError(f"concurrency must be a positive int, not {concurrency!r}")
+    check_seconds(retry_delay, "retry_delay")  # they become ko delays: same bounds
+    check_seconds(max_retry_delay, "max_retry_delay")
+    if timeout is not None and check_seconds(timeout, "timeout") <= 0:
+        raise InvalidDelayError(f"timeout must be > 0 seconds, not {timeout!r}")
+    if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
+        raise InvalidInputError(f"prefetch must be an int >= 0, not {prefetch!r}")
+    if prefetch > max_batch:
+        raise InvalidInputError(f"prefetch must be at most max_batch ({max_batch}), not {prefetch}")
+    if isinstance(batch, bool) or not isinstance(batch, int) or batch < 0:
+        raise InvalidInputError(f"batch must be an int >= 0, not {batch!r}")
+    if batch > max_batch:
+        raise InvalidInputError(f"batch must be at most max_batch ({max_batch}), not {batch}")
+    if batch and (prefetch or settled):
+        raise InvalidInputError("batch cannot be combined with prefetch (nor in a pipeline)")
+
+
 class Consumer:
     def __init__(
         self,
@@ -322,14 +356,6 @@ class Consumer:
         settle: Settle | None = None,
         batch: int = 0,
     ) -> None:
-        if isinstance(concurrency, bool) or not isinstance(concurrency, int) or concurrency < 1:
-            raise InvalidInputError(f"concurrency must be a positive int, not {concurrency!r}")
-        if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
-            raise InvalidInputError(f"prefetch must be an int >= 0, not {prefetch!r}")
-        if isinstance(batch, bool) or not isinstance(batch, int) or batch < 0:
-            raise InvalidInputError(f"batch must be an int >= 0, not {batch!r}")
-        if batch and (prefetch or settle is not None):
-            raise InvalidInputError("batch cannot be combined with prefetch (nor in a pipeline)")
         if not callable(handler):
             raise InvalidInputError("handler must be callable")
         self._timeout = timeout

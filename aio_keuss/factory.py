@@ -12,7 +12,7 @@ from . import observe
 from .contract import Backend
 from .errors import ClosedError, ConfigError
 from .options import QUEUE_OPTION_NAMES, DeadletterOptions, QueueOptions, check_queue_name
-from .pipeline import Pipeline
+from .pipeline import Pipeline, check_pipeline_name
 from .queue import Queue
 from .registry import load_backend
 from .signal import LocalSignalBus, SignalBus
@@ -134,7 +134,7 @@ class Factory:
 
     async def remove_pipeline(self, name: str) -> bool:
         """Forget a stored pipeline topology (its queues and messages stay)."""
-        return await self.stats_store.remove_pipeline(name)
+        return await self.stats_store.remove_pipeline(check_pipeline_name(name))
 
     async def close(self) -> None:
         """Drain and close every queue, then the stats store, signal bus and connection.

@@ -178,7 +178,7 @@ class QueueOptions:
         known = {f.name for f in fields(QueueOptions)}
         unknown = set(overrides) - known
         if unknown:
-            raise ConfigError(f"unknown queue option(s): {', '.join(sorted(unknown))}")
+            raise ConfigError(f"unknown queue option(s): {', '.join(sorted(map(str, unknown)))}")
         checked: dict[str, Any] = {}
         for key, value in overrides.items():
             if key == "max_batch":

@@ -26,12 +26,12 @@ from .consumer import (
     HandlerFailures,
     Outage,
     Settle,
+    check_settings,
     retry_backoff,
 )
 from .contract import MOVE_TAG, Ack, DeadletterPlan, Entry, Fetched, Move, Nack, Store, Stored
 from .errors import (
     ClosedError,
-    InvalidDelayError,
     InvalidIdError,
     InvalidInputError,
     NotSupportedError,
@@ -605,17 +605,16 @@ class Queue:
         """``consume``; with ``settle``, what a handler returned decides how its message is
         acknowledged (a pipeline station moves it on instead of ``ok``)."""
         self._check_open()
-        check_seconds(retry_delay, "retry_delay")  # they become ko delays: same bounds
-        check_seconds(max_retry_delay, "max_retry_delay")
-        if timeout is not None:
-            check_seconds(timeout, "timeout")
-            if timeout <= 0:
-                raise InvalidDelayError(f"timeout must be > 0 seconds, not {timeout!r}")
-        most = self.options.max_batch
-        if isinstance(prefetch, int) and prefetch > most:
-            raise InvalidInputError(f"prefetch must be at most max_batch ({most}), not {prefetch}")
-        if isinstance(batch, int) and batch > most:
-            raise InvalidInputError(f"batch must be at most max_batch ({most}), not {batch}")
+        check_settings(
+            concurrency,
+            retry_delay,
+            max_retry_delay,
+            timeout,
+            prefetch,
+            batch,
+            settled=settle is not None,
+            max_batch=self.options.max_batch,
+        )
         consumer = Consumer(
             _ConsumerLink(self),
             handler,

@@ -13,7 +13,7 @@ backend that can move a message between queues atomically (``capabilities.move``
         ...
 """
 
-from .builder import Pipeline, PipelineRun
+from .builder import Pipeline, PipelineRun, check_pipeline_name
 from .links import ChoiceLink, DirectLink, Link, Sink, StationSettings
 from .steps import Drop, Forward, Step
 from .topology import from_dict, load
@@ -29,6 +29,7 @@ __all__ = [
     "Sink",
     "StationSettings",
     "Step",
+    "check_pipeline_name",
     "from_dict",
     "load",
 ]

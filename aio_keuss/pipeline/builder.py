@@ -16,7 +16,7 @@ from collections.abc import Mapping, Sequence
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
-from ..consumer import Consumer, ConsumerStatus, Handler
+from ..consumer import Consumer, ConsumerStatus, Handler, check_settings
 from ..contract import Move
 from ..errors import InvalidInputError, NotSupportedError, PipelineError
 from ..message import Message
@@ -49,14 +49,10 @@ class Pipeline:
         acyclic: bool = False,
         queue_options: Mapping[str, Mapping[str, Any]] | None = None,
     ) -> None:
-        if not isinstance(name, str) or not name:
-            raise PipelineError(f"a pipeline name must be a non-empty str, not {name!r}")
         self.factory = factory
-        self.name = name
+        self.name = check_pipeline_name(name)
         self.acyclic = acyclic
-        self.queue_options = {
-            check_queue_name(q): dict(o) for q, o in (queue_options or {}).items()
-        }
+        self.queue_options = _checked_queue_options(factory, queue_options)
         self._links: list[Link] = []
 
     def __repr__(self) -> str:
@@ -186,13 +182,30 @@ class PipelineRun:
                 f"pipeline {pipeline.name!r}: backend {factory.backend_name!r} cannot move a "
                 f"message between queues atomically{hint}"
             )
+        stations = [
+            (link, {**self.defaults.given(), **link.settings.given()}) for link in pipeline.links
+        ]
+        for link, settings in stations:  # every setting checked before a queue is opened
+            options = factory.defaults.updated(pipeline.queue_options.get(link.source, {}))
+            try:
+                check_settings(
+                    settings.get("concurrency", 1),
+                    settings.get("retry_delay", 1.0),
+                    settings.get("max_retry_delay", 60.0),
+                    settings.get("timeout"),
+                    settings.get("prefetch", 0),
+                    0,
+                    settled=True,
+                    max_batch=options.max_batch,
+                )
+            except InvalidInputError as exc:
+                raise PipelineError(f"station {link.name!r}: {exc}") from exc
         queues: dict[str, Queue] = {}
         for name in pipeline.queues:
             queues[name] = await factory.queue(name, **pipeline.queue_options.get(name, {}))
         await pipeline.save()
         try:
-            for link in pipeline.links:
-                settings = {**self.defaults.given(), **link.settings.given()}
+            for link, settings in stations:
                 handler, settle = _station(link, queues[link.source])
                 try:
                     consumer = queues[link.source]._start_consumer(
@@ -229,6 +242,45 @@ class PipelineRun:
         tb: TracebackType | None,
     ) -> None:
         await self.stop()
+
+
+MAX_PIPELINE_NAME = 128
+
+
+def check_pipeline_name(name: object) -> str:
+    """A pipeline's name is stored as a key or a row of the backend: a non-empty str of
+    printable characters (no control characters, no lone surrogates), as long as a queue's."""
+    if (
+        not isinstance(name, str)
+        or not 0 < len(name) <= MAX_PIPELINE_NAME
+        or not name.isprintable()
+    ):
+        raise PipelineError(
+            f"a pipeline name must be a str of 1-{MAX_PIPELINE_NAME} printable characters,"
+            f" not {name!r}"
+        )
+    return name
+
+
+def _checked_queue_options(
+    factory: Factory, given: Mapping[str, Mapping[str, Any]] | None
+) -> dict[str, dict[str, Any]]:
+    """``queue_options`` checked as ``factory.queue`` would check them, so that a bad one is
+    refused when the pipeline is built, not once its run has opened the other queues."""
+    if given is None:
+        return {}
+    if not isinstance(given, Mapping):
+        raise PipelineError(f"queue_options must map queue names to options, not {given!r}")
+    checked: dict[str, dict[str, Any]] = {}
+    for queue, options in given.items():
+        check_queue_name(queue)
+        if not isinstance(options, Mapping):
+            raise PipelineError(
+                f"queue_options[{queue!r}] must be a mapping of options, not {options!r}"
+            )
+        factory.defaults.updated(dict(options))  # raises what factory.queue would
+        checked[queue] = dict(options)
+    return checked
 
 
 def _settings(given: Mapping[str, Any], station: str) -> StationSettings:

@@ -269,3 +269,38 @@ async def test_backends_that_cannot_move_refuse_pipelines(connect: Connect, case
         async with pipeline.run():
             pass
     assert await factory.pipelines() == {}  # refused before anything was stored
+
+
+async def test_bad_pipeline_input_is_refused_before_anything_is_opened_or_stored(
+    connect: Connect,
+) -> None:
+    """A run setting no station can take, queue options ``factory.queue`` would refuse, a
+    name no backend can store: a PipelineError (an aio_keuss ConfigError) before a queue is
+    opened or the topology stored. The run's settings were checked only after both."""
+    factory = await connect(poll_interval=5.0)
+    needs(factory, "move")
+
+    def built() -> aio_keuss.pipeline.Pipeline:
+        return factory.pipeline("checked").link("in", "out", _forward).sink("out", _forward)
+
+    for settings in (
+        {"concurrency": 0},
+        {"timeout": -1},
+        {"timeout": 0},
+        {"retry_delay": float("nan")},
+        {"prefetch": 10**6},
+        {"prefetch": True},
+    ):
+        with pytest.raises(aio_keuss.PipelineError):
+            async with built().run(**settings):
+                pass
+    for options in ({"in": 5}, {"in": "xy"}, {"in": {"max_batch": 0}}, {"in": {"nope": 1}}, [1]):
+        with pytest.raises(aio_keuss.ConfigError):
+            factory.pipeline("checked", queue_options=options)  # type: ignore[arg-type]
+    for name in ("", "a\x00b", "a\ud800b", "x" * 129, 5):
+        with pytest.raises(aio_keuss.PipelineError):
+            factory.pipeline(name)  # type: ignore[arg-type]
+        with pytest.raises(aio_keuss.PipelineError):
+            await factory.remove_pipeline(name)  # type: ignore[arg-type]
+    assert await factory.pipelines() == {}
+    assert not {"in", "out"} & set(await factory.list())
