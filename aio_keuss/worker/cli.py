@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from ..dashboard import command as dashboard_command
-from ..errors import ConfigError, KeussConnectionError, KeussError
+from ..errors import ConfigError, InvalidInputError, KeussConnectionError, KeussError
 from ..loading import add_connection_flags, import_callable, import_object
 from . import admin
 from .run import run_worker
@@ -139,7 +139,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeussConnectionError as exc:
         log.error("cannot reach the backend at start: %s", exc)
         return EXIT_UNREACHABLE
-    except ConfigError as exc:
+    except (ConfigError, InvalidInputError) as exc:  # e.g. a prefetch above max_batch
         log.error("%s", exc)
         return EXIT_USAGE
     except KeussError as exc:

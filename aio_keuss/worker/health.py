@@ -21,6 +21,7 @@ import orjson
 
 from .. import observe
 from ..consumer import Consumer
+from ..errors import ConfigError
 from ..metrics import prometheus_text
 
 log = logging.getLogger("aio_keuss.worker")
@@ -74,7 +75,14 @@ class HealthServer:
         self._server: asyncio.Server | None = None
 
     async def start(self) -> None:
-        self._server = await asyncio.start_server(self._serve, self.host, self.port)
+        """Listen; an address that cannot be served (a host that does not resolve, a port in
+        use) is a :class:`ConfigError`: a setting to fix, not a crash."""
+        try:
+            self._server = await asyncio.start_server(self._serve, self.host, self.port)
+        except OSError as exc:
+            raise ConfigError(
+                f"cannot serve the health endpoint on {self.host}:{self.port}: {exc}"
+            ) from exc
         socket = self._server.sockets[0].getsockname()
         self.port = socket[1]  # the one the system chose for port 0
         log.info("health endpoint on http://%s:%d/healthz and /metrics", self.host, self.port)

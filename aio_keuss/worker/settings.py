@@ -14,8 +14,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from ..errors import ConfigError
+from ..errors import ConfigError, InvalidQueueNameError
 from ..loading import read_toml
+from ..options import check_queue_name
 
 ENV_PREFIX = "AIO_KEUSS_"
 
@@ -76,7 +77,13 @@ def _queues(value: Any) -> tuple[str, ...]:
         value = [part for part in value.split(",") if part.strip()]
     if not isinstance(value, list | tuple) or not all(isinstance(v, str) for v in value):
         raise ConfigError(f"queue must be a name or a list of names, not {value!r}")
-    return tuple(v.strip() for v in value)
+    names = tuple(v.strip() for v in value)
+    for name in names:  # before anything connects: a bad name is a bad setting
+        try:
+            check_queue_name(name)
+        except InvalidQueueNameError as exc:
+            raise ConfigError(str(exc)) from None
+    return names
 
 
 _LEVELS = ("debug", "info", "warning", "error", "critical")

@@ -279,6 +279,28 @@ def test_a_handler_that_cannot_be_imported_is_named(workdir: Path, handler: str,
     assert says in worker.output
 
 
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [
+        (("--queue", "a/b"), "invalid queue name 'a/b'"),
+        (("--queue", "jobs", "--prefetch", "5000"), "prefetch must be at most max_batch"),
+        (
+            ("--queue", "jobs", "--health-host", "999.1.1.1", "--health-port", "0"),
+            "cannot serve the health endpoint on 999.1.1.1:0",
+        ),
+    ],
+)
+def test_bad_settings_exit_2_with_a_message(
+    workdir: Path, args: tuple[str, ...], says: str
+) -> None:
+    """Exit code 2 for bad settings, as the README says: a queue name (refused before
+    connecting), a prefetch the queue refuses, a health address that cannot be served
+    (they exited 1, the last with a bare socket.gaierror traceback)."""
+    worker = Worker(workdir, "jobs:slow", *args, env={"AIO_KEUSS_BACKEND": "memory"})
+    assert worker.finish() == 2, worker.output
+    assert says in worker.output and "Traceback" not in worker.output
+
+
 def test_a_pipeline_that_cannot_be_built_is_named(workdir: Path) -> None:
     worker = Worker(workdir, "--pipeline", "jobs:no_pipeline")
     assert worker.finish() == 2
