@@ -55,6 +55,8 @@ def health(consumers: Sequence[Consumer]) -> tuple[int, bytes]:
                 "handled": s.handled,
                 "failed": s.failed,
                 "timed_out": s.timed_out,
+                "retried": s.retried,
+                "deadlettered": s.deadlettered,
                 "reconnecting_for": s.reconnecting_for,
                 "last_error": None if s.last_error is None else repr(s.last_error),
                 "last_error_at": s.last_error_at,

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
+import orjson
 import pytest
 
 import aio_keuss
@@ -13,6 +14,7 @@ from aio_keuss import HandlerTimeoutError, KoResult, Message, PipelineError
 from aio_keuss.errors import ConfigError, InvalidInputError
 from aio_keuss.metrics import Histogram, QueueMetrics, prometheus_text
 from aio_keuss.pipeline import Forward, Pipeline
+from aio_keuss.worker.health import health
 from aio_keuss.worker.settings import resolve
 
 
@@ -39,6 +41,14 @@ async def test_a_handler_past_its_timeout_is_ko_ed_then_deadlettered() -> None:
             1,
         )
         assert consumer.durations.count == 2
+        _, body = health([consumer])  # /healthz carries every count status() has
+        (counts,) = orjson.loads(body)["consumers"]
+        assert {k: counts[k] for k in ("timed_out", "failed", "retried", "deadlettered")} == {
+            "timed_out": 2,
+            "failed": 2,
+            "retried": 1,
+            "deadlettered": 1,
+        }
 
 
 async def test_a_handler_raising_timeout_error_itself_is_not_a_timeout(
