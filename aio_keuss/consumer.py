@@ -261,6 +261,11 @@ class Source(Protocol):
     @property
     def capabilities(self) -> Capabilities: ...
 
+    @property
+    def reserve_delay(self) -> float:
+        """Seconds a reservation lasts."""
+        ...
+
     async def next(self, outage: Outage, n: int, gather: bool = False) -> list[Message]:
         """The next 1 to ``n`` messages (reserved, or popped without reserve), riding out
         outages; none once the queue drains or closes. ``gather``: wait up to the queue's
@@ -380,6 +385,7 @@ class Consumer:
         self._max_retry_delay = max_retry_delay
         self._reserve = queue.capabilities.reserve
         self._stopping = False
+        self._stop_asked = asyncio.Event()  # ends a backoff the worker waits itself
         self._waiting: set[asyncio.Task[None]] = set()
         self._outage = Outage(queue.name, "consumer")
         self._in_flight = 0
@@ -461,6 +467,7 @@ class Consumer:
         """Stop taking messages; wait ``grace`` seconds for running handlers, then cancel them
         (their messages go back at once)."""
         self._stopping = True
+        self._stop_asked.set()
         for task in self._waiting:  # waiting for a message: cancelling loses nothing
             task.cancel()
         _, late = await asyncio.wait(self._workers, timeout=grace)
@@ -603,10 +610,23 @@ class Consumer:
         return failure
 
     async def _ko(self, message: Message) -> None:
-        """ko after a failure, with capped exponential backoff by the message's tries."""
+        """ko after a failure, with capped exponential backoff by the message's tries. A
+        backend without delays (redis-reliable) would hand a failing message straight back,
+        so that a poison message spun at full speed: the worker waits the backoff itself,
+        holding the message, for at most half its reservation, and less if asked to stop."""
         backoff = self._retry_delay * 2.0 ** min(message.tries, 64)  # no overflow
         delay = min(backoff, self._max_retry_delay)
         queue = self.queue
+        if not queue.capabilities.delay:
+            hold = min(delay, queue.reserve_delay / 2)
+            if hold > 0 and not self._stopping:
+                try:
+                    await asyncio.wait_for(self._stop_asked.wait(), hold)
+                except TimeoutError:
+                    pass
+                except asyncio.CancelledError:  # a stop past its grace: ko it at once
+                    await asyncio.shield(self._acknowledge("ko", message, queue.ko(message, None)))
+                    raise
         outcome = await self._acknowledge(
             "ko", message, queue.ko(message, delay if queue.capabilities.delay else None)
         )

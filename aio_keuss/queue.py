@@ -1086,6 +1086,10 @@ class _ConsumerLink:
     def capabilities(self) -> Capabilities:
         return self._queue.capabilities
 
+    @property
+    def reserve_delay(self) -> float:
+        return self._queue.options.reserve_delay
+
     async def next(self, outage: Outage, n: int, gather: bool = False) -> list[Message]:
         return await self._queue._next(None, outage, n, gather)
 

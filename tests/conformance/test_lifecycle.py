@@ -7,6 +7,7 @@ functional limits, never performance assertions.
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import Any
 
 import pytest
@@ -64,6 +65,53 @@ async def test_consume_processes_and_retries(connect: Connect) -> None:
         assert await q.total_size() == 0
     else:  # at-most-once: the failing message is gone
         assert sorted(handled) == ["a", "b", "c"]
+
+
+async def test_consume_backs_off_between_retries_of_a_failing_message(connect: Connect) -> None:
+    """An exception -> ko after retry_delay * 2**tries: on a backend without delays
+    (redis-reliable) the worker waits it out itself, holding the message (a poison message
+    was handed straight back, with no pause, until deadlettered). Only lower bounds: a slow
+    machine lengthens the gaps, never shortens them."""
+    factory = await connect(poll_interval=5.0)
+    needs(factory, "reserve")
+    q = await factory.queue("poison", reserve_delay=30)
+    attempts: list[float] = []
+
+    async def handler(message: Message) -> None:
+        attempts.append(time.monotonic())
+        raise RuntimeError("poison")
+
+    await q.push("poison")
+    consumer = q.consume(handler, retry_delay=0.2, max_retry_delay=0.4)
+    for _ in range(600):
+        if len(attempts) >= 4:
+            break
+        await asyncio.sleep(0.05)
+    await consumer.stop()
+    gaps = [b - a for a, b in zip(attempts, attempts[1:])]
+    assert len(gaps) >= 3 and min(gaps[:3]) >= 0.15, gaps  # 0.2, 0.4, 0.4 s
+    assert await q.total_size() == 1  # still there: nothing deadletters it here
+
+
+async def test_a_stop_ends_a_backoff_the_worker_waits_itself(connect: Connect) -> None:
+    """The backoff a worker waits itself (no delays on the backend) does not hold up a stop:
+    the message is ko-ed at once and comes back at once."""
+    factory = await connect(poll_interval=5.0)
+    needs(factory, "reserve")
+    q = await factory.queue("poison", reserve_delay=600)
+    failed = asyncio.Event()
+
+    async def handler(message: Message) -> None:
+        failed.set()
+        raise RuntimeError("poison")
+
+    await q.push("poison")
+    consumer = q.consume(handler, retry_delay=200, max_retry_delay=200)
+    await asyncio.wait_for(failed.wait(), 60)
+    await consumer.stop(grace=60)
+    if not q.capabilities.delay:  # rolled back without a delay: ready again at once
+        again = await q.reserve(timeout=30)
+        assert again is not None and again.payload == "poison"
 
 
 async def test_consume_stop_gives_back_in_flight_messages(connect: Connect) -> None:
