@@ -467,14 +467,21 @@ class MongoStore(Store):
         if not nacks:
             return []
         now = time.time()
-        first: dict[str, int] = {}
+        by_id: dict[str, list[int]] = {}
         for k, nack in enumerate(nacks):
-            first.setdefault(nack.id, k)
-        outcomes = await asyncio.gather(
-            *(self._rollback_one(nacks[k], deadletter, now) for k in first.values())
-        )
-        by_index = dict(zip(first.values(), outcomes, strict=True))
-        return [by_index.get(k, KoResult.MISSING) for k in range(len(nacks))]
+            by_id.setdefault(nack.id, []).append(k)
+        results = [KoResult.MISSING] * len(nacks)
+
+        async def in_turn(positions: list[int]) -> None:
+            """Requests naming one id, in order, until one acts: a stale holder's ko in the
+            same batch fails its guard and must not stand for the holder's."""
+            for k in positions:
+                results[k] = await self._rollback_one(nacks[k], deadletter, now)
+                if results[k] is not KoResult.MISSING:
+                    return
+
+        await asyncio.gather(*(in_turn(positions) for positions in by_id.values()))
+        return results
 
     async def _rollback_one(self, nack: Nack, plan: DeadletterPlan | None, now: float) -> KoResult:
         guard = _guard(nack.id, nack.tries)

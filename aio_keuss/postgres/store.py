@@ -182,7 +182,16 @@ class PostgresStore(Store):
             return []
         ids = [a.id for a in acks]
         rows = await self._db.fetch(self._sql["commit"], self.name, ids, [a.tries for a in acks])
-        return _first_occurrences(ids, {r[0] for r in rows})
+        deleted = {r[0]: r[1] for r in rows}  # id -> the tries its holder was given
+        flags = []
+        for ack in acks:  # the first request whose guard the deleted row met is the holder's
+            tries = deleted.get(ack.id)
+            if tries is not None and (ack.tries is None or ack.tries == tries):
+                del deleted[ack.id]
+                flags.append(True)
+            else:
+                flags.append(False)
+        return flags
 
     async def rollback(
         self, nacks: Sequence[Nack], deadletter: DeadletterPlan | None
@@ -209,10 +218,9 @@ class PostgresStore(Store):
             target,
             prefix,
         )
-        outcomes = {r[0]: KoResult(r[1]) for r in rows}
-        results = []
-        for message_id in ids:
-            results.append(outcomes.pop(message_id, KoResult.MISSING))
+        results = [KoResult.MISSING] * len(nacks)
+        for position, outcome in rows:
+            results[position - 1] = KoResult(outcome)
         return results
 
     async def move(self, moves: Sequence[Move]) -> list[str | None]:
@@ -231,8 +239,10 @@ class PostgresStore(Store):
             [m.delay for m in moves],
             [m.tag for m in moves],
         )
-        moved: dict[str, str] = {r[0]: r[1] for r in rows}
-        return [moved.pop(m.id, None) for m in moves]
+        moved: list[str | None] = [None] * len(moves)
+        for new_id, position in rows:
+            moved[position - 1] = new_id
+        return moved
 
     async def remove(self, ids: Sequence[str]) -> list[bool]:
         if not ids:

@@ -99,6 +99,45 @@ async def test_expired_reservation_is_redelivered(connect: Connect) -> None:
     assert await q.total_size() == 0
 
 
+async def test_a_stale_holders_call_beside_the_holders_own_does_not_stand_for_it(
+    connect: Connect,
+) -> None:
+    """ok / ko / move of a stale holder and of the holder sent together (one batch on the
+    backends that batch every call): only the holder's acts, and it does. PostgreSQL and
+    MongoDB kept the first request naming an id, so the stale ko hid the holder's (both
+    MISSING, the message stuck reserved), and PostgreSQL's ok flags came back swapped."""
+    factory = await connect(reserve_delay=2.0, poll_interval=5.0)
+    needs(factory, "reserve", "reservation_expiry")
+    q = await factory.queue("q1")
+    await q.push_many(["ok", "ko", "move"])
+    stale = {m.payload: m for m in await _take(q, 3)}
+    fresh = {m.payload: m for m in await _take(q, 3)}  # once the first reservations lapsed
+    assert {m.tries for m in fresh.values()} == {1}
+    assert await asyncio.gather(q.ok(stale["ok"]), q.ok(fresh["ok"])) == [False, True]
+    assert await asyncio.gather(q.ko(stale["ko"]), q.ko(fresh["ko"])) == [
+        KoResult.MISSING,
+        KoResult.ROLLED_BACK,
+    ]
+    if factory.capabilities.move:
+        moved = await asyncio.gather(q.move(stale["move"], "q2"), q.move(fresh["move"], "q2"))
+        assert moved[0] is None and moved[1] is not None
+        assert await (await factory.queue("q2")).total_size() == 1
+    else:
+        assert await q.ok(fresh["move"])
+    sizes = await q.sizes()
+    assert (sizes.total, sizes.reserved) == (1, 0)  # the ko-ed one, ready again
+
+
+async def _take(q: aio_keuss.Queue, n: int) -> list[aio_keuss.Message]:
+    """Reserve ``n`` messages, waiting for them as long as a busy machine needs."""
+    taken: list[aio_keuss.Message] = []
+    while len(taken) < n:
+        more = await q.reserve_many(n - len(taken), timeout=60)
+        assert more, "nothing came back"
+        taken += more
+    return taken
+
+
 async def test_sizes_stay_coherent(queue: aio_keuss.Queue) -> None:
     needs_reserve(queue)
     delay = queue.capabilities.delay

@@ -204,11 +204,13 @@ ORDER BY h.mature, h.seq
 -- name: commit
 -- Commit: delete what is still reserved, with the tries the holder was given ($3[k], NULL =
 -- any): a consumer whose reservation expired and went to someone else deletes nothing.
+-- Answers each deleted id with the tries it had, from which the client tells which of the
+-- requests naming it was the holder's (a batch may hold a stale holder's ok beside it).
 DELETE FROM {s}.messages m
 USING unnest($2::text[], $3::int4[]) AS a(id, tries)
 WHERE m.queue = $1 AND m.id = a.id AND m.reserved
   AND (a.tries IS NULL OR m.tries = a.tries) {relax}
-RETURNING m.id
+RETURNING m.id, m.tries
 
 -- name: _move_rows
 -- The one body of a move, used by move and by rollback's deadletter: each row of the CTE
@@ -238,17 +240,22 @@ RETURNING v.id AS old_id, m.id AS new_id
 -- deadletter) it is moved to queue $7 by the move body above, with tag dl<failed> and the
 -- headers x-dl-from-queue (from $8, which also opens x-dl-t), x-dl-t (server now in
 -- Python's isoformat) and x-dl-tries. Others are released: reserved = false, mature = now
--- + delay. Answers each id acted on with 1 (rolled back) or 2 (deadlettered).
+-- + delay. Answers the position in $2 of each request acted on with 1 (rolled back) or 2
+-- (deadlettered).
 WITH nack AS (
-    SELECT DISTINCT ON (n.id) n.* FROM unnest($2::text[], $3::int4[], $4::float8[], $5::bool[])
+    SELECT n.* FROM unnest($2::text[], $3::int4[], $4::float8[], $5::bool[])
            WITH ORDINALITY AS n(id, tries, delay, count_try, ord)
-    ORDER BY n.id, n.ord
-), held AS MATERIALIZED (
-    SELECT m.id, m.tries + n.count_try::int AS failed, n.delay,
-           ($6::int4 IS NOT NULL AND n.count_try AND m.tries + 1 > $6::int4) AS dead
+), guarded AS MATERIALIZED (
+    SELECT m.id, m.tries, n.delay, n.count_try, n.ord
     FROM {s}.messages m JOIN nack n ON m.queue = $1 AND m.id = n.id
     WHERE m.reserved AND (n.tries IS NULL OR m.tries = n.tries) {relax}
     FOR UPDATE OF m
+), held AS MATERIALIZED (
+    -- the first request whose guard holds: a stale holder's ko in the same batch is not it
+    SELECT DISTINCT ON (g.id) g.id, g.ord, g.tries + g.count_try::int AS failed, g.delay,
+           ($6::int4 IS NOT NULL AND g.count_try AND g.tries + 1 > $6::int4) AS dead
+    FROM guarded g
+    ORDER BY g.id, g.ord
 ), released AS (
     UPDATE {s}.messages m
     SET tries = h.failed, reserved = false,
@@ -269,23 +276,29 @@ WITH nack AS (
 ), moved AS (
 {_move_rows}
 )
-SELECT id, 1 AS outcome FROM released UNION ALL SELECT old_id, 2 FROM moved
+SELECT h.ord, 1 AS outcome FROM released r JOIN held h ON h.id = r.id
+UNION ALL SELECT h.ord, 2 FROM moved x JOIN held h ON h.id = x.old_id
 
 -- name: move
 -- Move held messages (same guard as a commit) to other queues of the schema, by the move
--- body above ($6[k]: the added headers, NULL = none; $8[k]: the rename tag).
+-- body above ($6[k]: the added headers, NULL = none; $8[k]: the rename tag). Answers the
+-- new id and the position in $2 of each request acted on.
 WITH mv AS (
-    SELECT DISTINCT ON (v.id) v.* FROM unnest($2::text[], $3::int4[], $4::text[], $5::bytea[],
-                                              $6::bytea[], $7::float8[], $8::text[])
+    SELECT v.* FROM unnest($2::text[], $3::int4[], $4::text[], $5::bytea[], $6::bytea[],
+                           $7::float8[], $8::text[])
            WITH ORDINALITY AS v(id, tries, target, payload, headers, delay, tag, ord)
-    ORDER BY v.id, v.ord
-), moving AS MATERIALIZED (
-    SELECT m.id, v.target, v.payload, v.headers, v.delay, v.tag
+), guarded AS MATERIALIZED (
+    SELECT m.id, v.target, v.payload, v.headers, v.delay, v.tag, v.ord
     FROM {s}.messages m JOIN mv v ON m.queue = $1 AND m.id = v.id
     WHERE m.reserved AND (v.tries IS NULL OR m.tries = v.tries) {relax}
     FOR UPDATE OF m
-)
+), moving AS MATERIALIZED (
+    -- the first request whose guard holds, as at rollback
+    SELECT DISTINCT ON (g.id) g.* FROM guarded g ORDER BY g.id, g.ord
+), moved AS (
 {_move_rows}
+)
+SELECT x.new_id, v.ord FROM moved x JOIN moving v ON v.id = x.old_id
 
 -- name: remove
 -- Remove: anything of the queue but an active reservation.
