@@ -118,7 +118,7 @@ import os
 import time
 from array import array
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple
 
 from ..coalesce import Uncancellable, stop_task
 from ..contract import Ack, DeadletterPlan, Fetched, LoopTurns, Nack, Store, Stored
@@ -147,6 +147,17 @@ if TYPE_CHECKING:
     from ..options import QueueOptions
 
 log = logging.getLogger("aio_keuss.buckets")
+
+
+class _Moving(NamedTuple):
+    """A slot on its way to the deadletter queue: what to write, and its reservation as it
+    was, to give back if the write fails."""
+
+    bucket: HeldBucket
+    slot: int
+    tries: int
+    deadline: float
+    held_tries: int
 
 
 class BucketStore(PushSide, StateWriter, Store):
@@ -490,7 +501,7 @@ class BucketStore(PushSide, StateWriter, Store):
         self._check_open()
         now = time.time()
         results: list[KoResult] = []
-        moving: list[tuple[int, HeldBucket, int, int]] = []
+        moving: list[_Moving] = []
         for nack in nacks:
             found = self._handed_out(nack.id, nack.tries)
             if found is None:
@@ -499,7 +510,14 @@ class BucketStore(PushSide, StateWriter, Store):
             bucket, slot = found
             tries = bucket.tries[slot] + (1 if nack.count_try else 0)
             if deadletter is not None and nack.count_try and tries > deadletter.max_ko:
-                moving.append((len(results), bucket, slot, tries))
+                # Out of reach while the deadletter write is awaited: its reservation must not
+                # lapse into another delivery (that one would be deadlettered or ok-ed too),
+                # nor its holder ko it again. Still handed out, as storage has it meanwhile.
+                moving.append(
+                    _Moving(bucket, slot, tries, bucket.deadline[slot], bucket.tries[slot])
+                )
+                bucket.deadline[slot] = math.inf
+                bucket.tries[slot] = tries
                 results.append(KoResult.DEADLETTERED)
                 continue
             del bucket.deadline[slot]
@@ -514,31 +532,40 @@ class BucketStore(PushSide, StateWriter, Store):
             await self._deadletter(moving, deadletter, now)
         return results
 
-    async def _deadletter(
-        self, moving: list[tuple[int, HeldBucket, int, int]], plan: DeadletterPlan, now: float
-    ) -> None:
+    async def _deadletter(self, moving: list[_Moving], plan: DeadletterPlan, now: float) -> None:
         """Write the messages into the deadletter queue (durable), then mark them done here:
-        a crash in between leaves a duplicate, never a loss."""
+        a crash in between leaves a duplicate, never a loss. A failed write hands them back
+        their reservations, to come back when those lapse."""
         payloads, headers = [], []
-        for _, bucket, slot, tries in moving:
+        for bucket, slot, tries, _, _ in moving:
             stored = bucket.message(slot, tries, now)
             payloads.append(stored.payload)
             headers.append(append_headers(stored.headers, plan.headers(tries, now)))
         count = len(payloads)
-        await self._storage.insert_buckets(
-            plan.queue,
-            [
-                NewBucket(
-                    new_bucket_id(),
-                    now,
-                    count,
-                    encode_blob(payloads, headers),
-                    encode_state(bytes(count), array(U32, [0] * count), array("d", [now] * count)),
-                )
-            ],
-        )
+        try:
+            await self._storage.insert_buckets(
+                plan.queue,
+                [
+                    NewBucket(
+                        new_bucket_id(),
+                        now,
+                        count,
+                        encode_blob(payloads, headers),
+                        encode_state(
+                            bytes(count), array(U32, [0] * count), array("d", [now] * count)
+                        ),
+                    )
+                ],
+            )
+        except BaseException:
+            for bucket, slot, _, deadline, tries in moving:
+                if bucket.states[slot] == HANDED_OUT and bucket.deadline.get(slot) == math.inf:
+                    bucket.deadline[slot] = deadline
+                    bucket.tries[slot] = tries
+                    heapq.heappush(self._held, (deadline, bucket.seq, slot, bucket))
+            raise
         touched = {}
-        for _, bucket, slot, _ in moving:
+        for bucket, slot, _, _, _ in moving:
             if bucket.states[slot] == HANDED_OUT:
                 bucket.states[slot] = DONE
                 bucket.deadline.pop(slot, None)

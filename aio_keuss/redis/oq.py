@@ -20,7 +20,8 @@ keys (the same Lua body for ``Queue.move`` and for the ko that deadletters). On 
 a script can only touch keys of one hash slot, and each queue has its own slot unless the
 factory is opened with ``hash_tag=...`` (then every queue's keys carry that tag and share
 one slot). Without it, ``move`` is refused and deadletter is done in three steps: the ko
-script hands back what must move (the message stays reserved meanwhile), it is inserted into
+script hands back what must move (the message stays reserved meanwhile, for 60 s from the ko
+whatever was left of its reservation, so it is not handed out again), it is inserted into
 the deadletter queue, then deleted from the source with the same stale-holder guard as a
 commit. A crash between the steps leaves a duplicate (the reservation expires and the
 message comes back), never a loss.
@@ -347,6 +348,7 @@ return flags
 # Reply: 0 missing / 1 rolled back / 2 deadlettered / 3 to move (defer), per nack; then for
 # each 3: id, payload, new headers, tries held.
 _ROLLBACK = """
+local DEFER_HOLD = 60
 local now = server_now()
 local mode, max_ko, extra = ARGV[1], tonumber(ARGV[2]), ARGV[3]
 local function dl_headers(headers, failed)
@@ -373,6 +375,9 @@ for i = 4, #ARGV, 4 do
         local payload = redis.call('HGET', KEYS[2], id)
         local headers = dl_headers(redis.call('HGET', KEYS[3], id) or '{}', tries)
         for _, v in ipairs({id, payload, headers, stored}) do deferred[#deferred + 1] = v end
+        -- held for the client's next two steps (a reservation that had lapsed would hand
+        -- it out again meanwhile); after a crash between them it comes back
+        redis.call('ZADD', KEYS[1], now + DEFER_HOLD, id)
         flags[#flags + 1] = 3
       end
     else

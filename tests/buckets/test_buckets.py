@@ -23,7 +23,7 @@ import pytest
 from backends import CASES, BackendCase, new_token
 
 import aio_keuss
-from aio_keuss import KeussConnectionError
+from aio_keuss import KeussConnectionError, KoResult
 from aio_keuss.buckets.codec import decode_blob, decode_state, encode_blob, encode_state
 from aio_keuss.buckets.settings import BucketSettings, split_id
 
@@ -337,6 +337,38 @@ async def test_sizes_count_a_bucket_whose_final_write_is_in_flight(
         finally:
             gate.set()
             storage.write = real_write
+        assert await q.total_size() == 0
+
+
+async def test_a_failed_deadletter_write_gives_the_reservation_back(
+    bucket_case: tuple[BackendCase, dict[str, Any]],
+) -> None:
+    """While its deadletter copy is written, a slot is out of reach (no reserve, no second
+    ko); if the write fails, the ko fails and the slot is the holder's again, as it was:
+    still reserved, and the same ko can be sent again."""
+    case, options = bucket_case
+    async with aio_keuss.connect(case.name, **options, deadletter={"max_ko": 0}) as factory:
+        q = await factory.queue("dl-fails", reserve_delay=30)
+        await q.push("poison")
+        held = await q.reserve(timeout=5)
+        assert held is not None
+        storage = q._store._storage  # type: ignore[attr-defined]
+        real_insert = storage.insert_buckets
+
+        async def failing_insert(*args: Any, **kwargs: Any) -> Any:
+            raise aio_keuss.BackendError("the deadletter write failed")
+
+        storage.insert_buckets = failing_insert
+        try:
+            with pytest.raises(aio_keuss.BackendError):
+                await q.ko(held)
+        finally:
+            storage.insert_buckets = real_insert
+        sizes = await q.sizes()
+        assert (sizes.total, sizes.reserved) == (1, 1)
+        assert await q.ko(held) == KoResult.DEADLETTERED
+        dead = await (await factory.queue("__deadletter__")).pop(timeout=5)
+        assert dead is not None and dead.payload == "poison"
         assert await q.total_size() == 0
 
 

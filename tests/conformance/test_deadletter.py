@@ -48,6 +48,40 @@ async def test_deadletter_after_max_ko(connect: Connect) -> None:
     assert stats["deadletter"] == 1 and stats["rollback"] == 2
 
 
+@pytest.mark.parametrize("then", ["ko", "ok"])
+async def test_a_message_on_its_way_to_the_deadletter_queue_is_not_delivered_again(
+    connect: Connect, then: str
+) -> None:
+    """A ko past max_ko of a reservation that has lapsed: while the deadletter copy is
+    written, a reserve must not hand the message out again. The bucket backends did (the
+    slot was still handed out, its deadline past), so it was deadlettered twice, or both
+    ok-ed and deadlettered. Whoever acts, the message ends in exactly one place."""
+    factory = await connect(deadletter={"max_ko": 0}, poll_interval=5.0)
+    needs(factory, "reserve", "reservation_expiry")
+    q = await factory.queue("work", reserve_delay=0.2)
+    dl = await factory.queue("__deadletter__")
+    await q.push({"x": 1})
+    first = await q.reserve(timeout=30)
+    assert first is not None
+    await asyncio.sleep(0.5)  # the reservation lapses (nobody has taken it again)
+    ko_first = asyncio.create_task(q.ko(first))
+    await asyncio.sleep(0)  # the ko is on its way
+    second = await q.reserve(timeout=0.05)
+    acted = None
+    if second is not None:
+        acted = await (q.ko(second) if then == "ko" else q.ok(second))
+    outcomes = [await ko_first, acted]
+    copies = 0
+    while await dl.pop(timeout=0.5) is not None:
+        copies += 1
+    if then == "ko":
+        assert copies == 1, outcomes
+        assert outcomes.count(KoResult.DEADLETTERED) == 1, outcomes
+    else:
+        assert copies + (acted is True) == 1, outcomes
+    assert await q.total_size() == 0
+
+
 async def test_no_deadletter_without_max_ko(queue: aio_keuss.Queue) -> None:
     needs_reserve(queue)
     await queue.push("keeps coming back")
