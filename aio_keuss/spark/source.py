@@ -97,9 +97,9 @@ _checked_lock = threading.Lock()
 _checked: set[str] = set()
 
 
-def _check_connect(spec: WriteSpec) -> None:
+def _check_connect(spec: WriteSpec | ReadSpec) -> None:
     """Open (and close) a factory on the driver once per option set, so an unknown option,
-    bad URL or unreachable server fails the query before any task writes."""
+    bad URL or unreachable server fails the query before any task writes or reads."""
     key = repr((spec.backend, sorted(spec.options.items())))
     with _checked_lock:
         if key in _checked:
@@ -383,11 +383,16 @@ class KeussDataSource(DataSource):
     def streamWriter(self, schema: StructType, overwrite: bool) -> KeussStreamWriter:
         return KeussStreamWriter(self._write_spec(schema))
 
+    def _read_spec(self) -> ReadSpec:
+        spec = ReadSpec.from_options(self.options)
+        _check_connect(spec)
+        return spec
+
     def reader(self, schema: StructType) -> KeussBatchReader:
-        return KeussBatchReader(ReadSpec.from_options(self.options))
+        return KeussBatchReader(self._read_spec())
 
     def streamReader(self, schema: StructType) -> KeussStreamReader:
-        spec = ReadSpec.from_options(self.options)
+        spec = self._read_spec()
         if spec.read_mode != "reserve":
             raise ConfigError("streaming reads need a backend with reserve (at-least-once)")
         return KeussStreamReader(spec)

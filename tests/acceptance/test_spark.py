@@ -193,6 +193,22 @@ def test_bad_options_fail_before_writing(
         assert factory.queue("bad").total_size() == 0
 
 
+def test_bad_read_options_fail_on_the_driver(target: tuple[str, dict[str, Any]]) -> None:
+    """The reader checks connect options on the driver, as the writer does (they reached the
+    executors unchecked, and failed there)."""
+    from aio_keuss.spark.source import KeussDataSource
+
+    backend, opts = target
+    good = {"backend": backend, "queue": "read-bad", **{k: str(v) for k, v in opts.items()}}
+    for bad in ({"no_such_option": "1"}, {"reserve_delay": "nan"}, {"max_batch": "0"}):
+        source = KeussDataSource({**good, **bad})
+        with pytest.raises(aio_keuss.ConfigError):
+            source.reader(None)  # type: ignore[arg-type]
+        with pytest.raises(aio_keuss.ConfigError):
+            source.streamReader(None)  # type: ignore[arg-type]
+    KeussDataSource(good).reader(None)  # type: ignore[arg-type]
+
+
 def test_stream_write_replayed_batch_does_not_duplicate(
     spark: SparkSession, target: tuple[str, dict[str, Any]], tmp_path: Path
 ) -> None:
