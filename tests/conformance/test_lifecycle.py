@@ -7,6 +7,7 @@ functional limits, never performance assertions.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import time
 from typing import Any
 
@@ -88,7 +89,7 @@ async def test_consume_backs_off_between_retries_of_a_failing_message(connect: C
             break
         await asyncio.sleep(0.05)
     await consumer.stop()
-    gaps = [b - a for a, b in zip(attempts, attempts[1:])]
+    gaps = [b - a for a, b in itertools.pairwise(attempts)]
     assert len(gaps) >= 3 and min(gaps[:3]) >= 0.15, gaps  # 0.2, 0.4, 0.4 s
     assert await q.total_size() == 1  # still there: nothing deadletters it here
 
