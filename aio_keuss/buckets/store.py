@@ -460,6 +460,8 @@ class BucketStore(PushSide, StateWriter, Store):
         slot = parsed[1]
         if bucket is None or slot >= bucket.count or bucket.states[slot] != HANDED_OUT:
             return None
+        if bucket.deadline.get(slot) == math.inf:  # on its way to the deadletter queue
+            return None
         if tries is not None and bucket.tries[slot] != tries:
             return None  # a stale holder: the message was handed to someone else since
         return bucket, slot
