@@ -216,8 +216,14 @@ async def requeue(
 
 
 def _origin_of(row: Peeked) -> str | None:
+    """The queue a deadlettered message failed in, or None when its header names none a
+    queue can have (anyone may push into a deadletter queue, headers and all): such a
+    message stays where it is rather than moving where nobody could reach it."""
     found = decode_headers(row.message.headers).get(DL_FROM)
-    return found if isinstance(found, str) else None
+    try:
+        return check_queue_name(found)
+    except InvalidInputError:
+        return None
 
 
 async def _hold_and_move(queue: Queue, targets: dict[str, str | None]) -> dict[str, str]:

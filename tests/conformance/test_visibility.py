@@ -289,6 +289,23 @@ async def test_requeue_by_id_moves_back_with_tries_reset(connect: Connect) -> No
     assert found is not None and found.queue == "__deadletter__"
 
 
+async def test_requeue_leaves_a_message_whose_origin_is_no_queue_name(connect: Connect) -> None:
+    """Anyone may push into a deadletter queue, headers and all: a message whose
+    x-dl-from-queue names no queue a factory can open stays where it is (it was moved under
+    that name, where nobody could reach it)."""
+    factory = await connect(poll_interval=5.0)
+    needs(factory, "reserve", "peek", "hold", "move")
+    dl = await factory.queue("__deadletter__")
+    ids = [
+        await dl.push({"n": n}, headers={"x-dl-from-queue": origin})
+        for n, origin in enumerate(["bad name!", "", "{x}", "jobs"])
+    ]
+    moved = await dl.requeue(ids)
+    assert moved == {ids[3]: ids[3]}
+    assert await dl.total_size() == 3
+    assert await (await factory.queue("jobs")).total_size() == 1
+
+
 async def test_requeue_every_message_of_one_origin(connect: Connect) -> None:
     factory = await connect(deadletter={"max_ko": 0}, poll_interval=5.0)
     needs(factory, "reserve", "peek", "hold", "move")
