@@ -87,7 +87,9 @@ def same_secret(expected: str, given: str | None) -> bool:
     """Constant-time comparison; a missing value never matches."""
     if given is None:
         return False
-    return hmac.compare_digest(expected.encode(), given.encode())
+    # surrogateescape: a header byte that is not UTF-8 (aiohttp decodes them as such) is
+    # a wrong secret, not an encoding error
+    return hmac.compare_digest(expected.encode(), given.encode("utf-8", "surrogateescape"))
 
 
 def bearer(authorization: str | None) -> str | None:

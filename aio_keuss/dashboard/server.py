@@ -225,7 +225,7 @@ class Dashboard:
 async def _body(request: web.Request) -> dict[str, Any]:
     try:
         body = await request.json(loads=json.loads)
-    except ValueError:
+    except (ValueError, RecursionError):  # RecursionError: nested deeper than json reads
         raise web.HTTPBadRequest(text="the body is not JSON") from None
     if not isinstance(body, dict):
         raise web.HTTPBadRequest(text="the body must be a JSON object")

@@ -209,8 +209,20 @@ async def test_bad_requests_get_typed_answers(factory: aio_keuss.Factory, client
             base + "requeue", data=b'{"queue": "__deadletter__", "ids": "x"}', headers=headers
         ) as response:
             assert response.status == 400
+        # nested deeper than JSON is read: a 400 (it was a RecursionError, a 500)
+        async with client.post(base + "pause", data=b"[" * 50_000, headers=headers) as response:
+            assert response.status == 400
     finally:
         await dashboard.stop()
+
+
+def test_a_secret_that_is_not_utf8_is_a_wrong_secret() -> None:
+    """A header byte that is not UTF-8 reaches the comparison as a lone surrogate (aiohttp
+    decodes headers with surrogateescape): a mismatch, not a UnicodeEncodeError (a 500 to
+    anyone without the token)."""
+    assert not security.same_secret(TOKEN, "\udcff")
+    assert not security.same_secret(TOKEN, "\xff" + TOKEN)
+    assert security.same_secret(TOKEN, TOKEN)
 
 
 async def test_requeue_without_ids_takes_every_deadlettered_message_back(
