@@ -12,7 +12,8 @@ to stderr), and exits with a code a script can trust:
 1     failed (a backend error; nothing is known about what was done)
 2     bad usage: an unknown flag, a bad value, invalid JSON; nothing was written
 3     the backend cannot be reached
-4     not found: ``find`` of a message that is nowhere, ``pop`` of an empty queue
+4     not found: ``find`` of a message that is nowhere, ``pop`` of an empty queue, a queue
+      the backend does not know (only commands that write into a queue create it)
 5     the backend cannot do this (``NotSupportedError``); nothing was written
 6     ``purge`` was not confirmed; nothing was written
 ====  ===================================================================================
@@ -42,8 +43,8 @@ from ..errors import (
 )
 from ..factory import Factory, connect
 from ..loading import add_connection_flags
-from ..message import Message
-from ..options import QUEUE_OPTION_NAMES
+from ..message import Message, encode_headers, encode_payload
+from ..options import QUEUE_OPTION_NAMES, check_queue_name
 from ..queue import Queue
 from ..types import MessageView, Page
 from .settings import connection_settings, option_value
@@ -99,9 +100,16 @@ def _cell(value: Any) -> str:
     if isinstance(value, datetime):
         return value.isoformat(timespec="milliseconds")
     if isinstance(value, str):
-        return value
+        return value if value.isprintable() else _printable(value)
     text = json.dumps(value, default=_json_default, separators=(",", ":"))
     return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _printable(text: str) -> str:
+    """``text`` with what a terminal would obey rather than show (escape sequences, line
+    breaks, other control and format characters) written as Python escapes: a payload
+    cannot clear the screen, retitle the window or forge a row of the table."""
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
 
 
 def _table(rows: list[dict[str, Any]]) -> str:
@@ -140,10 +148,20 @@ def _view(found: MessageView) -> dict[str, Any]:
 # helpers ------------------------------------------------------------------------------
 
 
-async def _open(factory: Factory, name: str) -> Queue:
-    """The queue, opened with the options recorded for it (so they stay as they are)."""
-    recorded = (await factory.list()).get(name, {})
-    options = {k: v for k, v in recorded.items() if k in QUEUE_OPTION_NAMES}
+class _NoSuchQueue(KeussError):
+    """A command that only looks or takes named a queue the backend does not know."""
+
+
+async def _open(factory: Factory, name: str, *, create: bool = False) -> Queue:
+    """The queue, opened with the options recorded for it (so they stay as they are).
+    Opening records a queue in the backend: only a command that writes into it (``create``)
+    may open one the backend does not know; the others answer not found and leave no
+    record of a mistyped name."""
+    known = await factory.list()
+    if name not in known and not create:
+        check_queue_name(name)  # a bad name is bad usage, not a missing queue
+        raise _NoSuchQueue(f"no queue named {name!r} on this backend")
+    options = {k: v for k, v in known.get(name, {}).items() if k in QUEUE_OPTION_NAMES}
     return await factory.queue(name, **options)
 
 
@@ -174,6 +192,8 @@ def _json_arg(text: str, what: str) -> Any:
         return json.loads(text)
     except ValueError as exc:
         raise InvalidInputError(f"{what} is not JSON: {exc}") from None
+    except RecursionError:
+        raise InvalidInputError(f"{what} is nested deeper than JSON is read here") from None
 
 
 # commands -----------------------------------------------------------------------------
@@ -262,7 +282,10 @@ async def _push(factory: Factory, args: argparse.Namespace, out: Output) -> int:
         headers[key] = option_value(value)
     if args.id is not None and len(payloads) != 1:
         raise InvalidInputError("--id goes with one payload")
-    q = await _open(factory, args.queue)
+    for payload in payloads:  # refused before the queue is opened (which records it)
+        encode_payload(payload)
+    encode_headers(headers or None)
+    q = await _open(factory, args.queue, create=True)
     ids = await q.push_many(
         payloads,
         delay=args.delay,
@@ -284,7 +307,7 @@ async def _pop(factory: Factory, args: argparse.Namespace, out: Output) -> int:
 async def _move(factory: Factory, args: argparse.Namespace, out: Output) -> int:
     _require(factory, "peek", "hold", "move")
     q = await _open(factory, args.queue)
-    await _open(factory, args.to)
+    await _open(factory, args.to, create=True)
     moved = await q.requeue(args.ids, origin=args.to)
     return _moved(out, moved, args.ids)
 
@@ -293,7 +316,7 @@ async def _requeue(factory: Factory, args: argparse.Namespace, out: Output) -> i
     _require(factory, "peek", "hold", "move")
     q = await _open(factory, args.queue)
     if args.origin is not None:
-        await _open(factory, args.origin)
+        await _open(factory, args.origin, create=True)
     moved = await q.requeue(args.ids or None, origin=args.origin)
     return _moved(out, moved, args.ids)
 
@@ -324,7 +347,7 @@ async def _purge(factory: Factory, args: argparse.Namespace, out: Output) -> int
 
 
 async def _pause(factory: Factory, args: argparse.Namespace, out: Output) -> int:
-    q = await _open(factory, args.queue)
+    q = await _open(factory, args.queue, create=True)  # may be paused before its first push
     if args.command == "pause":
         await q.pause()
     else:
@@ -346,7 +369,7 @@ async def _replay(factory: Factory, args: argparse.Namespace, out: Output) -> in
     _require(factory, "history")
     q = await _open(factory, args.queue)
     if args.to is not None:
-        await _open(factory, args.to)
+        await _open(factory, args.to, create=True)
     ids = await q.replay(
         args.ids or None, since=_time(args.since), until=_time(args.until), to=args.to
     )
@@ -519,6 +542,9 @@ def run(args: argparse.Namespace, environ: Mapping[str, str] = os.environ) -> in
     except NotSupportedError as exc:
         print(f"{name}: not supported: {exc}", file=sys.stderr)
         return EXIT_NOT_SUPPORTED
+    except _NoSuchQueue as exc:
+        print(f"{name}: not found: {exc}", file=sys.stderr)
+        return EXIT_NOT_FOUND
     except KeussError as exc:
         print(f"{name}: failed: {exc!r}", file=sys.stderr)
         return EXIT_FAILED

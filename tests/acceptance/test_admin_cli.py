@@ -227,3 +227,33 @@ async def test_exit_codes_scripts_can_trust(redis_cli: Cli) -> None:
     away = Cli("redis-oq", {"url": f"redis://127.0.0.1:{free_port()}/0", "prefix": "x"})
     unreachable = await away.run("list")
     assert unreachable.returncode == 3, unreachable.stderr
+
+
+async def test_looking_at_a_mistyped_name_or_a_refused_write_records_no_queue(
+    redis_cli: Cli,
+) -> None:
+    """Commands that only look or take answer 4 for a queue the backend does not know (they
+    opened it, which recorded it, so a typo showed up in ``list`` and the dashboard); a
+    refused push and a declined purge leave no queue behind either."""
+    cli = redis_cli
+    for args in (("info", "typo"), ("peek", "typo"), ("find", "typo", "x"), ("pop", "typo")):
+        done = await cli.run(*args)
+        assert done.returncode == 4 and "typo" in done.stderr, (args, done.stderr)
+    assert (await cli.run("purge", "typo", stdin="n\n")).returncode == 4
+    assert (await cli.run("push", "typo", "NaN")).returncode == 2
+    assert (await cli.run("push", "typo", "[" * 100_000)).returncode == 2  # was a traceback
+    assert (await cli.run("info", "bad name!")).returncode == 2
+    assert (await cli.json("list")) == []
+
+
+async def test_tables_show_control_characters_as_escapes(redis_cli: Cli) -> None:
+    """A payload cannot drive the terminal that shows it (clear it, retitle it, forge a
+    row): what a terminal would obey is printed as an escape."""
+    cli = redis_cli
+    payload = "\x1b[2J\x1b]0;PWNED\x07\nfake row"
+    assert (await cli.run("push", "jobs", json.dumps(payload))).returncode == 0
+    shown = await cli.run("peek", "jobs")
+    assert shown.returncode == 0
+    assert "\x1b" not in shown.stdout and "\x07" not in shown.stdout
+    assert "\\x1b[2J" in shown.stdout and "\\nfake row" in shown.stdout
+    assert len(shown.stdout.strip().splitlines()) == 2  # the header and one row
