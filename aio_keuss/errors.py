@@ -90,6 +90,12 @@ class ClosedError(KeussError):
     """The factory or queue was closed; open a new one to go on."""
 
 
+class LoopThreadError(KeussError, RuntimeError):
+    """A blocking ``aio_keuss.sync`` call made on the shim's own event-loop thread (from a
+    coroutine given to ``call``): it would wait for the loop it runs on. Await the async
+    queue (``SyncQueue.queue``) there instead."""
+
+
 Classify = Callable[[Exception], KeussError | None]
 """Maps a driver's exception to ours, or to None for an exception that is not the driver's."""
 

@@ -31,6 +31,7 @@ portal re-raises in the calling thread whatever the coroutine raised.
 
 from __future__ import annotations
 
+import asyncio
 import atexit
 import contextlib
 import functools
@@ -44,7 +45,7 @@ from typing import Any, TypeVar
 
 from anyio.from_thread import BlockingPortal, start_blocking_portal
 
-from .errors import ClosedError
+from .errors import ClosedError, LoopThreadError
 from .factory import Factory
 from .factory import connect as _async_connect
 from .message import UNCHANGED, Headers, Message, Payload, Unchanged
@@ -151,6 +152,14 @@ async def _open_factory(backend: str, options: dict[str, Any]) -> Factory:
     return await _async_connect(backend, **options)
 
 
+def _loop_running_here() -> bool:
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return False
+    return True
+
+
 class SyncFactory:
     """Blocking :class:`aio_keuss.Factory`; safe to share between threads."""
 
@@ -195,6 +204,11 @@ class SyncFactory:
         except RuntimeError as exc:  # the loop stopped under us: closed by another thread
             if self.closed:
                 raise ClosedError("factory is closed") from exc
+            if _loop_running_here():  # anyio refuses a call from the portal's own thread
+                raise LoopThreadError(
+                    "a blocking aio_keuss.sync call on the shim's own loop thread would wait"
+                    " for itself: await the async queue there (SyncQueue.queue)"
+                ) from exc
             raise
         try:
             return future.result()

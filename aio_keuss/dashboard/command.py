@@ -17,7 +17,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from ..errors import ConfigError, KeussConnectionError, KeussError
+from ..errors import ConfigError, InvalidInputError, KeussConnectionError, KeussError
 from ..factory import connect
 from ..loading import add_connection_flags
 from .security import TOKEN_ENV, check_bind
@@ -110,7 +110,7 @@ def run(args: argparse.Namespace, connection: Connection) -> int:
     except KeussConnectionError as exc:
         log.error("cannot reach the backend: %s", exc)
         return EXIT_UNREACHABLE
-    except ConfigError as exc:
+    except (ConfigError, InvalidInputError) as exc:  # e.g. --deadletter-queue 'bad name'
         log.error("%s", exc)
         return EXIT_USAGE
     except (KeussError, OSError) as exc:  # OSError: the port is taken

@@ -233,6 +233,20 @@ def test_bad_input_raises_the_library_errors(options: tuple[str, dict[str, Any]]
     assert portal_threads() == []  # a failed connect gives its loop back
 
 
+def test_a_blocking_call_on_the_loop_thread_is_a_library_error() -> None:
+    """A blocking call made on the shim's own loop thread (from a coroutine given to
+    ``call``) would wait for itself: a LoopThreadError (it was anyio's bare RuntimeError)."""
+    with sync.connect("memory") as factory:
+        q = factory.queue("jobs")
+
+        async def nested() -> str:
+            return q.push({"a": 1})
+
+        with pytest.raises(aio_keuss.LoopThreadError):
+            factory.call(nested)
+        assert q.size() == 0
+
+
 def test_loop_thread_lives_while_any_factory_is_open() -> None:
     baseline = threading.active_count()
     assert portal_threads() == []

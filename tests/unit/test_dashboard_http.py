@@ -84,6 +84,11 @@ def test_the_command_refuses_a_public_address_without_a_token(
     assert "--token" in capsys.readouterr().err
 
 
+def test_the_command_exits_2_for_a_bad_deadletter_queue_name() -> None:
+    """Bad settings exit 2 (the name was refused by a non-config error: exit 1)."""
+    assert cli_main(["dashboard", "--backend", "memory", "--deadletter-queue", "bad name"]) == 2
+
+
 def test_the_command_names_the_extra_when_aiohttp_is_missing(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
