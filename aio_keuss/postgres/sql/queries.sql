@@ -218,7 +218,9 @@ RETURNING m.id, m.tries
 -- 0, mature now + delay, its payload replaced if one is given (NULL = keep), the headers
 -- added to its own as message.append_headers does (JSON object text without the opening
 -- brace, NULL = none), and renamed by moved_id when the id is taken there. Answers the old
--- and the new id of each message moved.
+-- and the new id of each message moved, and the position of the request that moved it
+-- ("moving" carries it as ord: read from RETURNING, not joined back, as the planner
+-- expects one row of a CTE and a join back is a nested loop over the whole batch).
 UPDATE {s}.messages m
 SET queue = v.target,
     id = {s}.moved_id(v.target, m.id, v.tag),
@@ -232,7 +234,7 @@ SET queue = v.target,
               END
 FROM moving v
 WHERE m.queue = $1 AND m.id = v.id
-RETURNING v.id AS old_id, m.id AS new_id
+RETURNING v.id AS old_id, m.id AS new_id, v.ord
 
 -- name: rollback
 -- Rollback, and deadletter in the same statement. For each held message (same guard as a
@@ -262,9 +264,9 @@ WITH nack AS (
         mature = extract(epoch from now())::float8 + h.delay
     FROM held h
     WHERE m.queue = $1 AND m.id = h.id AND NOT h.dead
-    RETURNING m.id
+    RETURNING h.ord
 ), moving AS (
-    SELECT h.id, $7::text AS target, NULL::bytea AS payload,
+    SELECT h.id, h.ord, $7::text AS target, NULL::bytea AS payload,
            $8::bytea || convert_to(
                to_char(now() AT TIME ZONE 'UTC', 'YYYY-MM-DD"T"HH24:MI:SS')
                || CASE WHEN extract(microseconds FROM now())::bigint % 1000000 = 0
@@ -276,8 +278,7 @@ WITH nack AS (
 ), moved AS (
 {_move_rows}
 )
-SELECT h.ord, 1 AS outcome FROM released r JOIN held h ON h.id = r.id
-UNION ALL SELECT h.ord, 2 FROM moved x JOIN held h ON h.id = x.old_id
+SELECT ord, 1 AS outcome FROM released UNION ALL SELECT ord, 2 FROM moved
 
 -- name: move
 -- Move held messages (same guard as a commit) to other queues of the schema, by the move
@@ -298,7 +299,7 @@ WITH mv AS (
 ), moved AS (
 {_move_rows}
 )
-SELECT x.new_id, v.ord FROM moved x JOIN moving v ON v.id = x.old_id
+SELECT new_id, ord FROM moved
 
 -- name: remove
 -- Remove: anything of the queue but an active reservation.
