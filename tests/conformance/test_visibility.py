@@ -96,6 +96,8 @@ async def test_made_up_cursors_and_bounds_out_of_range_are_refused(
     for call in refused:
         with pytest.raises(aio_keuss.InvalidInputError):
             await call
+    if factory.capabilities.history:  # the usual way to say "no end" is the end
+        assert (await q.history(until=datetime.max.replace(tzinfo=UTC))).items == []
     # Well-formed for some store, made up for others: a page, or refused, nothing else.
     for cursor in ("1e17|r", "0.5|p", "1.0|abc", "1.0|", "3|p", "3|r", "3|", "1.5|12"):
         if factory.capabilities.peek:
