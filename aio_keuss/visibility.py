@@ -117,7 +117,7 @@ def check_time(value: datetime | float | None, name: str, default: float) -> flo
         raise InvalidInputError(f"{name} must be a datetime or epoch seconds, not {value!r}")
     else:
         seconds = float(value)
-    if not 0.0 <= seconds < MAX_TIME + 1:  # NaN fails too; datetime.max is the end
+    if not 0.0 <= seconds <= MAX_TIME + 1:  # NaN fails too; datetime.max (float: +1) is the end
         raise InvalidInputError(
             f"{name} must be between 1970-01-01 and 9999-12-31 (epoch seconds 0 to"
             f" {MAX_TIME:.0f}), not {value!r}"
