@@ -37,6 +37,7 @@ expires, as with an awaited ok.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
 import logging
 import math
@@ -612,24 +613,29 @@ class Consumer:
     async def _ko(self, message: Message) -> None:
         """ko after a failure, with capped exponential backoff by the message's tries. A
         backend without delays (redis-reliable) would hand a failing message straight back,
-        so that a poison message spun at full speed: the worker waits the backoff itself,
-        holding the message, for at most half its reservation, and less if asked to stop."""
+        so that a poison message spun at full speed: there the message is held for the
+        backoff (at most half its reservation, less if asked to stop) by a task of its own,
+        which then ko-es it, while the worker goes on with other messages."""
         backoff = self._retry_delay * 2.0 ** min(message.tries, 64)  # no overflow
         delay = min(backoff, self._max_retry_delay)
         queue = self.queue
-        if not queue.capabilities.delay:
-            hold = min(delay, queue.reserve_delay / 2)
-            if hold > 0 and not self._stopping:
-                try:
-                    await asyncio.wait_for(self._stop_asked.wait(), hold)
-                except TimeoutError:
-                    pass
-                except asyncio.CancelledError:  # a stop past its grace: ko it at once
-                    await asyncio.shield(self._acknowledge("ko", message, queue.ko(message, None)))
-                    raise
-        outcome = await self._acknowledge(
-            "ko", message, queue.ko(message, delay if queue.capabilities.delay else None)
-        )
+        if queue.capabilities.delay:
+            self._count(await self._acknowledge("ko", message, queue.ko(message, delay)))
+            return
+        hold = min(delay, queue.reserve_delay / 2)
+        if hold <= 0 or self._stopping:
+            self._count(await self._acknowledge("ko", message, queue.ko(message, None)))
+            return
+        later = self._loop.create_task(self._ko_after(message, hold))
+        self._acks.add(later)  # stop waits for them, and ends their wait
+        later.add_done_callback(self._acks.discard)
+
+    async def _ko_after(self, message: Message, hold: float) -> None:
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._stop_asked.wait(), hold)
+        self._count(await self._acknowledge("ko", message, self.queue.ko(message, None)))
+
+    def _count(self, outcome: Any) -> None:
         if outcome == KoResult.DEADLETTERED:
             self.deadlettered += 1
         elif outcome == KoResult.ROLLED_BACK:

@@ -94,7 +94,33 @@ async def test_consume_backs_off_between_retries_of_a_failing_message(connect: C
     assert await q.total_size() == 1  # still there: nothing deadletters it here
 
 
-async def test_a_stop_ends_a_backoff_the_worker_waits_itself(connect: Connect) -> None:
+async def test_a_failing_message_in_its_backoff_does_not_hold_up_the_others(
+    connect: Connect,
+) -> None:
+    """One worker, a poison message first: while it waits out its backoff (on redis-reliable
+    held in the process, elsewhere delayed by the backend), the worker handles the rest."""
+    factory = await connect(poll_interval=5.0)
+    needs(factory, "reserve")
+    q = await factory.queue("mixed", reserve_delay=120)
+    seen: list[Any] = []
+    done = asyncio.Event()
+
+    async def handler(message: Message) -> None:
+        seen.append(message.payload)
+        if message.payload == "poison":
+            raise RuntimeError("poison")
+        if seen.count("poison") and len([p for p in seen if p != "poison"]) == 5:
+            done.set()
+
+    await q.push("poison")
+    await q.push_many([1, 2, 3, 4, 5])
+    consumer = q.consume(handler, concurrency=1, retry_delay=30, max_retry_delay=30)
+    await asyncio.wait_for(done.wait(), 20)  # well inside the 30 s the poison waits
+    await consumer.stop()
+    assert seen.count("poison") == 1 and sorted(p for p in seen if p != "poison") == [1, 2, 3, 4, 5]
+
+
+async def test_a_stop_ends_a_backoff_held_in_the_process(connect: Connect) -> None:
     """The backoff a worker waits itself (no delays on the backend) does not hold up a stop:
     the message is ko-ed at once and comes back at once."""
     factory = await connect(poll_interval=5.0)
