@@ -236,6 +236,7 @@ return out
 _ROLLBACK = (
     _HELD
     + """
+local DEADLETTER_HOLD = 60
 local base, max_ko = ARGV[1], tonumber(ARGV[2])
 local now = server_now()
 local l = meta({'l'})[1]
@@ -251,6 +252,10 @@ for i = 3, #ARGV, 4 do
     if counted then tries = tries + 1 end
     if max_ko and counted and tries > max_ko then
       local rec = redis.call('HMGET', key, 'p', 'h')
+      -- held while the client copies it into the deadletter queue (a deadline already
+      -- past would let the sweep set it aside for another delivery meanwhile); after a
+      -- crash between the steps it is swept back
+      redis.call('HSET', key, 'x', fmt(now + DEADLETTER_HOLD))
       out[#out + 1] = 3
       out[#out + 1] = rec[1]; out[#out + 1] = rec[2]; out[#out + 1] = stored
     else
@@ -341,16 +346,19 @@ purge(base, now, batch)
 local m = meta({'l', 'f', 'w', 'sl', 'r', 'n', 'e'})
 local expired = 0
 local l, f, w, sl, r, n = m[1], m[2], m[3], m[4], m[5], m[6]
+-- Deadlines need not rise in fire order (reserve_delay is each process's own, a
+-- deadletter holds its record longer): a record still within its deadline is stepped
+-- over, not stopped at, and the pointer stays at the first such record.
 local stop, moved, stopped = math.min(f, w + batch), 0, 0
-while w < stop do
-  local key = base .. 'r:' .. ptr(w)
+local at, live = w, nil
+while at < stop do
+  local key = base .. 'r:' .. ptr(at)
   local rec = redis.call('HMGET', key, 'i', 'x', 'e')
   if rec[1] and rec[2] then
     if tonumber(rec[2]) > now then
       stopped = 1
-      break
-    end
-    if dead(rec[3], now) then
+      live = live or at
+    elseif dead(rec[3], now) then
       drop(key, rec[1])
       expired = expired + 1
     else
@@ -360,9 +368,10 @@ while w < stop do
       moved = moved + 1
     end
   end
-  w = w + 1
+  at = at + 1
 end
-if w > m[3] then
+w = live or at
+if w > m[3] or moved > 0 or expired > 0 then
   redis.call('HSET', KEYS[1], 'w', ptr(w), 'sl', ptr(sl), 'r', ptr(r - moved - expired),
     'n', ptr(n + moved), 'e', ptr(m[7] + expired))
 end

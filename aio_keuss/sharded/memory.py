@@ -43,6 +43,10 @@ PROMOTE = 1000
 PURGE = 1000
 """Expired records at the magazine's head ``sizes`` deletes at most."""
 
+DEADLETTER_HOLD = 60.0
+"""Seconds a record ko-ed past max_ko stays held while its deadletter copy is written (as
+the Redis scripts): a crash between the two steps brings it back after that."""
+
 SIDELINED = "s"
 """Where an id's record is while it waits in the sideline (else its pointer, or
 ``"z<seq>"`` while scheduled)."""
@@ -301,6 +305,7 @@ class MemoryShardStorage(ShardStorage):
             tries = record.tries + 1 if nack.count_try else record.tries
             if max_ko is not None and nack.count_try and tries > max_ko:
                 doomed.append(Doomed(record.id, record.payload, record.headers, record.tries))
+                record.deadline = now + DEADLETTER_HOLD  # held while it is copied (as Redis)
                 results.append(KoResult.DEADLETTERED)
                 continue
             del s.magazine[at]
@@ -343,13 +348,16 @@ class MemoryShardStorage(ShardStorage):
         stop = min(s.fire, s.sweep + batch)
         moved = 0
         stopped = False
-        while s.sweep < stop:
-            record = s.magazine.get(s.sweep)
+        at, live = s.sweep, None  # past a record within its deadline, as the Redis sweep
+        while at < stop:
+            record = s.magazine.get(at)
             if record is not None and record.deadline is not None:
                 if record.deadline > now:
                     stopped = True
-                    break
-                del s.magazine[s.sweep]
+                    live = at if live is None else live
+                    at += 1
+                    continue
+                del s.magazine[at]
                 s.fired -= 1
                 if record.dead(now):
                     s.forget(record)
@@ -360,7 +368,8 @@ class MemoryShardStorage(ShardStorage):
                     s.side_load += 1
                     s.swept += 1
                     moved += 1
-            s.sweep += 1
+            at += 1
+        s.sweep = at if live is None else live
         return SweepStep(
             moved,
             s.fire - s.sweep,

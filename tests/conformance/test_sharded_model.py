@@ -190,6 +190,55 @@ async def test_expired_reservations_are_swept_shoveled_and_counted(sharded: Conn
     assert await q.sizes() == Sizes(0, 0, 0, 0)
 
 
+async def test_an_expired_reservation_behind_a_longer_one_comes_back(sharded: Connect) -> None:
+    """Deadlines need not rise in fire order (reserve_delay is each process's own): the
+    sweep stopped at the first record within its deadline, so a lapsed reservation fired
+    after a 600 s one stayed reserved for those 600 s."""
+    factory = await sharded(shards=1, reserve_delay=0.2)
+    q = await factory.queue("q")
+    await q.push_many(["long", "short"])
+    fetched = await store_of(q).reserve(1, 600.0)  # another process's long reservation
+    assert [m.payload for m in fetched.messages] == [b'J"long"']
+    short = await q.reserve(timeout=30)
+    assert short is not None and short.payload == "short"
+    again = await q.reserve(timeout=30)  # once it lapsed, swept and shoveled: < 1 s
+    assert again is not None and (again.id, again.tries) == (short.id, 1)
+    assert await q.ok(again)
+
+
+async def test_a_message_being_deadlettered_is_not_swept_back(sharded: Connect) -> None:
+    """A ko past max_ko of a lapsed reservation copies the message into the deadletter
+    queue, then drops it here; a sweep in between (another process's leader) set it aside
+    for another delivery, since it was left with its lapsed deadline: deadlettered and
+    delivered again. The sweep is made to run inside the copy."""
+    factory = await sharded(shards=1, sweeper=False, deadletter={"max_ko": 0})
+    backend = backend_of(factory)
+    q = await factory.queue("work", reserve_delay=0.2)
+    dl = await factory.queue("__deadletter__")
+    leader = Sweeper(backend.storage, backend.sharded, lambda *_: None)
+    dl_store = store_of(dl)
+    real_insert = dl_store.insert
+
+    async def insert_during_a_sweep(entries: Any) -> Any:
+        await leader.step()
+        return await real_insert(entries)
+
+    await q.push("poison")
+    held = await q.reserve(timeout=30)
+    assert held is not None
+    await asyncio.sleep(0.4)  # the reservation lapses; nobody has swept it yet
+    dl_store.insert = insert_during_a_sweep  # type: ignore[method-assign]
+    try:
+        assert await q.ko(held) == aio_keuss.KoResult.DEADLETTERED
+    finally:
+        dl_store.insert = real_insert  # type: ignore[method-assign]
+    await leader.step()  # the next pass would shovel back what was set aside
+    assert await q.reserve(timeout=0.5) is None
+    copy = await dl.pop(timeout=5)
+    assert copy is not None and copy.payload == "poison"
+    assert await q.total_size() == 0
+
+
 async def test_one_leader_at_a_time_and_a_takeover_on_release(sharded: Connect) -> None:
     backend = backend_of(await sharded(sweeper=False))
     first = Sweeper(backend.storage, backend.sharded, lambda *_: None)
