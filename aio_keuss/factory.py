@@ -134,7 +134,7 @@ class Factory:
 
     async def remove_pipeline(self, name: str) -> bool:
         """Forget a stored pipeline topology (its queues and messages stay)."""
-        return await self.stats_store.remove_pipeline(check_pipeline_name(name))
+        return await self.stats_store.remove_pipeline(check_pipeline_name(name, None))
 
     async def close(self) -> None:
         """Drain and close every queue, then the stats store, signal bus and connection.

@@ -185,8 +185,12 @@ class PipelineRun:
         stations = [
             (link, {**self.defaults.given(), **link.settings.given()}) for link in pipeline.links
         ]
+        opened = {q.name: q.options for q in factory.open_queues()}
         for link, settings in stations:  # every setting checked before a queue is opened
-            options = factory.defaults.updated(pipeline.queue_options.get(link.source, {}))
+            given = pipeline.queue_options.get(link.source)
+            options = opened.get(link.source) if given is None else None
+            if options is None:
+                options = factory.defaults.updated(given or {})
             try:
                 check_settings(
                     settings.get("concurrency", 1),
@@ -247,12 +251,14 @@ class PipelineRun:
 MAX_PIPELINE_NAME = 128
 
 
-def check_pipeline_name(name: object) -> str:
+def check_pipeline_name(name: object, longest: int | None = MAX_PIPELINE_NAME) -> str:
     """A pipeline's name is stored as a key or a row of the backend: a non-empty str of
-    printable characters (no control characters, no lone surrogates), as long as a queue's."""
+    printable characters (no control characters, no lone surrogates), as long as a queue's
+    (``longest`` None: any length, for names stored before the bound, to remove them)."""
     if (
         not isinstance(name, str)
-        or not 0 < len(name) <= MAX_PIPELINE_NAME
+        or not name
+        or (longest is not None and len(name) > longest)
         or not name.isprintable()
     ):
         raise PipelineError(

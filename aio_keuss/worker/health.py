@@ -14,14 +14,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import logging
+import socket
 from collections.abc import Callable, Sequence
 
 import orjson
 
 from .. import observe
 from ..consumer import Consumer
-from ..errors import ConfigError
+from ..errors import ConfigError, KeussError
 from ..metrics import prometheus_text
 
 log = logging.getLogger("aio_keuss.worker")
@@ -77,16 +79,18 @@ class HealthServer:
         self._server: asyncio.Server | None = None
 
     async def start(self) -> None:
-        """Listen; an address that cannot be served (a host that does not resolve, a port in
-        use) is a :class:`ConfigError`: a setting to fix, not a crash."""
+        """Listen. An address no host here has (it does not resolve, or is not ours) is a
+        :class:`ConfigError`, a setting to fix (exit 2); anything else, a port still held by
+        the process being replaced among them, a :class:`KeussError` (exit 1)."""
         try:
             self._server = await asyncio.start_server(self._serve, self.host, self.port)
         except OSError as exc:
-            raise ConfigError(
-                f"cannot serve the health endpoint on {self.host}:{self.port}: {exc}"
-            ) from exc
-        socket = self._server.sockets[0].getsockname()
-        self.port = socket[1]  # the one the system chose for port 0
+            why = f"cannot serve the health endpoint on {self.host}:{self.port}: {exc}"
+            if isinstance(exc, socket.gaierror) or exc.errno == errno.EADDRNOTAVAIL:
+                raise ConfigError(why) from exc
+            raise KeussError(why) from exc
+        bound = self._server.sockets[0].getsockname()
+        self.port = bound[1]  # the one the system chose for port 0
         log.info("health endpoint on http://%s:%d/healthz and /metrics", self.host, self.port)
 
     async def close(self) -> None:
