@@ -106,7 +106,7 @@ async def test_a_stale_holders_call_beside_the_holders_own_does_not_stand_for_it
     backends that batch every call): only the holder's acts, and it does. PostgreSQL and
     MongoDB kept the first request naming an id, so the stale ko hid the holder's (both
     MISSING, the message stuck reserved), and PostgreSQL's ok flags came back swapped."""
-    factory = await connect(reserve_delay=2.0, poll_interval=5.0)
+    factory = await connect(reserve_delay=1.0, poll_interval=5.0)
     needs(factory, "reserve", "reservation_expiry")
     q = await factory.queue("q1")
     await q.push_many(["ok", "ko", "move"])
