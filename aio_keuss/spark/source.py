@@ -14,9 +14,13 @@ Register it with ``aio_keuss.spark.register(spark)``, then:
   keep it well above the longest micro-batch (trigger interval + processing time);
 - ``spark.read.format("aio_keuss")`` takes what is ready now: with ``read_mode=reserve``
   (the default where the backend can reserve) each task reserves a chunk, yields its rows and
-  oks the chunk once Spark consumed them (a failed task's messages come back); with
-  ``read_mode=pop`` messages are popped (at-most-once). Either way reading consumes: cache
-  or write the DataFrame once rather than evaluating it twice.
+  oks the chunk once Spark has taken all of them from the reader. The Python Data Source API
+  tells a batch reader nothing about the end of its task, so a task that fails while reading
+  gets its messages back (after ``reserve_delay``), but one that fails later in the same task
+  (a UDF, the sink) does not, and a ``limit`` may leave rows taken that never reach the job.
+  With ``read_mode=pop`` messages are popped (at-most-once). Either way reading consumes:
+  cache or write the DataFrame once rather than evaluating it twice; for at-least-once into
+  a sink, read with ``readStream``, which oks only at commit.
 
 Read schema: ``id string, payload string (JSON), headers string (JSON object), tries int,
 mature timestamp, payload_bytes binary`` (bytes payloads land in ``payload_bytes``).
