@@ -36,7 +36,7 @@ import orjson
 
 from .. import sync
 from ..errors import ConfigError, InvalidIdError, InvalidInputError, InvalidPayloadError
-from ..message import Headers, Payload
+from ..message import Headers, Payload, encode_payload
 from ..queue import Queue
 from .spec import WriteSpec, new_job_key, parse_positive_int
 
@@ -129,6 +129,16 @@ def _json_value(value: Any, what: str) -> Any:
     return value
 
 
+def _seconds(value: Any) -> Any:
+    """A delay column's value: null is no delay; a DECIMAL (what Spark SQL makes of a literal
+    such as 0.5) is taken as its float; anything else goes to the queue's own check."""
+    if value is None:
+        return 0.0
+    if isinstance(value, decimal.Decimal):
+        return float(value)
+    return value
+
+
 @dataclass(slots=True)
 class _Batch:
     payloads: list[Payload] = field(default_factory=list)
@@ -204,7 +214,7 @@ class _Pusher:
                 batch.headers = [None] * len(rows)
             if spec.delay_column is not None:
                 column = spec.delay_column
-                batch.delays = [row[column] or 0.0 for row in rows]
+                batch.delays = [_seconds(row[column]) for row in rows]
             else:
                 batch.delays = [0.0] * len(rows)
         self.index += len(rows)
@@ -269,9 +279,13 @@ async def _push_many(queue: Queue, batch: _Batch) -> list[str]:
 
 async def _push_each(queue: Queue, batch: _Batch) -> list[str]:
     """Messages with their own headers / delay: one push each, gathered on the loop so the
-    queue coalesces them into batch round trips."""
+    queue coalesces them into batch round trips. Every payload is checked first: a refusal
+    must come before any of them is written, as push_many's does, since the batch is then
+    pushed again made plain (without idempotent ids, what went in would go in twice)."""
     import asyncio
 
+    for payload in batch.payloads:
+        encode_payload(payload)
     ids: Sequence[str | None] = batch.ids or [None] * len(batch.payloads)
     return list(
         await asyncio.gather(
@@ -324,8 +338,48 @@ def push_rows(spec: WriteSpec, rows: Iterable[Any], id_base: str | None) -> int:
 
 def push_arrow_batches(spec: WriteSpec, batches: Iterable[Any], id_base: str | None) -> int:
     """Like :func:`push_rows` for Arrow record batches: ``to_pylist`` builds the row dicts
-    of a whole batch in C, several times faster than Spark's Row objects."""
-    return _push_lists(spec, (batch.to_pylist() for batch in batches), id_base)
+    of a whole batch in C, several times faster than Spark's Row objects. Arrow gives a map
+    as a list of (key, value) pairs, which an empty map cannot be told from an empty array
+    by: columns holding a map are made dicts by their type (an empty map was ``[]``)."""
+    return _push_lists(spec, (_rows_of(batch) for batch in batches), id_base)
+
+
+def _rows_of(batch: Any) -> list[dict[str, Any]]:
+    rows: list[dict[str, Any]] = batch.to_pylist()
+    for field_ in batch.schema:
+        if _holds_map(field_.type):
+            name, kind = field_.name, field_.type
+            for row in rows:
+                row[name] = _by_type(row[name], kind)
+    return rows
+
+
+def _holds_map(kind: Any) -> bool:
+    import pyarrow as pa  # type: ignore[import-untyped]
+
+    if pa.types.is_map(kind):
+        return True
+    if pa.types.is_struct(kind):
+        return any(_holds_map(kind.field(i).type) for i in range(kind.num_fields))
+    if pa.types.is_list(kind) or pa.types.is_large_list(kind) or pa.types.is_fixed_size_list(kind):
+        return _holds_map(kind.value_type)
+    return False
+
+
+def _by_type(value: Any, kind: Any) -> Any:
+    """``value`` as ``to_pylist`` gave it, with every map of ``kind`` made a dict."""
+    import pyarrow as pa
+
+    if value is None:
+        return None
+    if pa.types.is_map(kind):
+        return {str(k): _by_type(v, kind.item_type) for k, v in value}
+    if pa.types.is_struct(kind):
+        fields = [kind.field(i) for i in range(kind.num_fields)]
+        return {f.name: _by_type(value.get(f.name), f.type) for f in fields}
+    if pa.types.is_list(kind) or pa.types.is_large_list(kind) or pa.types.is_fixed_size_list(kind):
+        return [_by_type(item, kind.value_type) for item in value]
+    return value
 
 
 def task_partition() -> int:

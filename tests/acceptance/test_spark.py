@@ -178,6 +178,36 @@ def test_arrow_batches_of_any_size_are_pushed_once(target: tuple[str, dict[str, 
     assert sorted(p["n"] for p in payloads) == list(range(sum(sizes)))
 
 
+def test_maps_arrive_as_objects_even_empty_and_per_message_rows_once(
+    target: tuple[str, dict[str, Any]],
+) -> None:
+    """Arrow gives a map as a list of pairs: an empty one arrived as a JSON array (a batch
+    of only empty maps too). And with a headers column, rows pushed one by one were pushed
+    again, made plain, when one of the batch needed it (a timestamp): without idempotent
+    ids some arrived twice. The executor's path, without Spark."""
+    import datetime as dt
+
+    import pyarrow as pa
+
+    backend, opts = target
+    kind = pa.map_(pa.string(), pa.int64())
+    batches = [
+        pa.RecordBatch.from_pydict({"n": [0, 1], "m": pa.array([[("a", 1)], []], type=kind)}),
+        pa.RecordBatch.from_pydict({"n": [2], "m": pa.array([[]], type=kind)}),
+    ]
+    spec = keuss_spark.WriteSpec(backend=backend, queue="maps", options=opts)
+    assert keuss_spark.push_arrow_batches(spec, batches, "job:0") == 3
+    got = sorted(_drain(backend, opts, "maps"), key=lambda p: p["n"])
+    assert got == [{"n": 0, "m": {"a": 1}}, {"n": 1, "m": {}}, {"n": 2, "m": {}}]
+
+    spec = keuss_spark.WriteSpec(
+        backend=backend, queue="each", options=opts, headers_column="h", idempotent=False
+    )
+    rows = [{"n": i, "h": None, "t": dt.datetime(2024, 1, 1) if i % 2 else None} for i in range(4)]
+    assert keuss_spark.push_rows(spec, rows, None) == 4
+    assert sorted(p["n"] for p in _drain(backend, opts, "each")) == [0, 1, 2, 3]
+
+
 def test_bad_options_fail_before_writing(
     spark: SparkSession, target: tuple[str, dict[str, Any]]
 ) -> None:
