@@ -96,15 +96,32 @@ class HeldBucket:
         return min(matures) if matures else None
 
     def is_idle(self, now: float) -> tuple[bool, bool]:
-        """(has deliverable now, has reserved)."""
+        """(has deliverable now, has an active reservation). A reservation past its deadline
+        is deliverable again, not active: a holder that stopped consuming must not keep the
+        bucket, and that message, from every other process."""
         deliverable = reserved = False
         for slot, state in enumerate(self.states):
             if state == AVAILABLE:
                 if self.mature[slot] <= now:
                     deliverable = True
             elif state == HANDED_OUT:
-                reserved = True
+                if self.deadline.get(slot, now) > now:
+                    reserved = True
+                else:
+                    deliverable = True
         return deliverable, reserved
+
+    def lapse(self, now: float) -> None:
+        """Make the reservations past their deadline available again, with the try that
+        delivery cost (as serving them again here would), before the bucket is released."""
+        lapsed = [slot for slot, deadline in self.deadline.items() if deadline <= now]
+        for slot in lapsed:
+            del self.deadline[slot]
+            self.states[slot] = AVAILABLE
+            self.tries[slot] += 1
+            self.mature[slot] = now
+        if lapsed:
+            self.version += 1
 
 
 HeapEntry = tuple[float, int, int, HeldBucket]

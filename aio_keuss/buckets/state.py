@@ -182,6 +182,8 @@ class StateWriter:
                     bucket.states[slot] = AVAILABLE
                 bucket.deadline.clear()
                 bucket.version += 1
+            else:  # idle, with no active reservation: lapsed ones go back with their try
+                bucket.lapse(now)
             self._forget(bucket)  # no longer served from; the write below gives it back
         for bucket, mode in self._departing.values():
             leaving.append(bucket)

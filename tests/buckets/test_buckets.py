@@ -340,6 +340,34 @@ async def test_sizes_count_a_bucket_whose_final_write_is_in_flight(
         assert await q.total_size() == 0
 
 
+async def test_a_holder_that_stopped_consuming_gives_its_bucket_back(
+    bucket_case: tuple[BackendCase, dict[str, Any]],
+) -> None:
+    """A process that reserved one message and then stopped consuming (a hung handler, an
+    idle process) kept the whole bucket: its lapsed reservation counted as active, so the
+    idle release never came and the lease was renewed for ever. Now the bucket goes back
+    once idle, the lapsed reservation with its try."""
+    case, options = bucket_case
+    settings = {**options, "state_flush_period": 0.1}
+    async with (
+        aio_keuss.connect(case.name, **settings) as holder,
+        aio_keuss.connect(case.name, **settings) as other,
+    ):
+        held_q = await holder.queue("hostage", reserve_delay=1.0)
+        other_q = await other.queue("hostage", reserve_delay=1.0)
+        await held_q.push_many(list(range(10)))
+        held = await held_q.reserve(timeout=5)
+        assert held is not None
+        got: list[aio_keuss.Message] = []
+        for _ in range(10):  # the idle release comes after 5 s
+            got += await other_q.reserve_many(10, timeout=10)
+            if len(got) == 10:
+                break
+        assert sorted(m.payload for m in got) == list(range(10))
+        assert {m.id: m.tries for m in got}[held.id] == 1
+        assert await other_q.ok_many(got) == [True] * 10
+
+
 async def test_a_failed_deadletter_write_gives_the_reservation_back(
     bucket_case: tuple[BackendCase, dict[str, Any]],
 ) -> None:
