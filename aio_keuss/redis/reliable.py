@@ -28,7 +28,9 @@ try on each message (that delivery failed). Recovered messages wait at the consu
 because they are the oldest. A consumer that is merely slow (event loop blocked longer than
 ``heartbeat_ttl``) loses its reservations the same way: its late ``ok`` / ``ko`` then find
 the id missing from its processing list (or the tries changed) and return false, so a
-message is never acknowledged by a stale holder.
+message is never acknowledged by a stale holder. A live consumer also gives back what sits
+in its own list that none of its callers holds (a reserve whose reply was lost, an ok / ko
+that failed in an outage), else that message would stay reserved as long as it lives.
 
 Every primitive is one Lua script call (EVALSHA, by redis-py's ``register_script``), so
 each batch is atomic and one round trip. The scripts are all in this file, next to the
@@ -380,6 +382,26 @@ if redis.call('LLEN', KEYS[1]) == 0 then redis.call('SREM', KEYS[3], ARGV[2]) en
 return moved
 """
 
+# KEYS: this consumer's processing list, pending. ARGV: base, then ids that no caller of
+# this live consumer holds (a reserve whose reply was lost, an ok / ko that failed): each
+# still there goes back to the consuming end of pending with one more try, as a dead
+# consumer's would. Returns the number moved.
+_RECOVER_OWN = """
+local base, moved = ARGV[1], 0
+for i = 2, #ARGV do
+  local id = ARGV[i]
+  if redis.call('LREM', KEYS[1], 1, id) == 1 then
+    local body = base .. 'msg:' .. id
+    if redis.call('EXISTS', body) == 1 then
+      redis.call('HINCRBY', body, 't', 1)
+      redis.call('RPUSH', KEYS[2], id)
+      moved = moved + 1
+    end
+  end
+end
+return moved
+"""
+
 # KEYS: processing, consumers, heartbeat. ARGV: cid. A clean close: unregister only when
 # nothing is held, else leave the reservations for recovery (see RedisReliableStore.close).
 _RETIRE = """
@@ -490,6 +512,11 @@ class RedisReliableStore(Store):
         self._ttl = backend.heartbeat_ttl
         self._ttl_ms = str(max(1, round(self._ttl * 1000)))
         self._tasks: list[asyncio.Task[None]] = []
+        # Ids handed out by reserve and not yet acknowledged (an ok / ko / move takes an id
+        # out when it is sent): whatever else sits in our processing list no caller holds,
+        # and recovery gives it back (see ``_recover_own``).
+        self._out: set[str] = set()
+        self._unheld: set[str] = set()
         self._scripts = backend.scripts
         bind = backend.bind_script
         self._insert = bind(INSERT, [self._pending])
@@ -527,7 +554,9 @@ class RedisReliableStore(Store):
         if not self._tasks:
             self._start()
         flat = await self._reserve(self._base, n, self.consumer, self._ttl_ms)
-        return Fetched(_stored(flat, 1), time.time() if flat[0] else None)
+        stored = _stored(flat, 1)
+        self._out.update(message.id for message in stored)
+        return Fetched(stored, time.time() if flat[0] else None)
 
     # acknowledging -----------------------------------------------------------------------
 
@@ -535,6 +564,7 @@ class RedisReliableStore(Store):
         args: list[Any] = [self._base]
         for ack in acks:
             args += (ack.id, "" if ack.tries is None else ack.tries)
+        self._out.difference_update(ack.id for ack in acks)
         flags = await self._commit(*args)
         return [flag == 1 for flag in flags]
 
@@ -558,6 +588,7 @@ class RedisReliableStore(Store):
         for nack in nacks:
             tries = "" if nack.tries is None else nack.tries
             head += (nack.id, tries, "1" if nack.count_try else "0")
+        self._out.difference_update(nack.id for nack in nacks)
         keys = [self._pending, self._processing, self._failed, self._failed_count, dl_pending]
         codes = await self._scripts.rollback(keys, head)
         results: list[KoResult] = []
@@ -602,6 +633,7 @@ class RedisReliableStore(Store):
                     move.tag,
                 )
             )
+        self._out.difference_update(move.id for move in moves)
         reply = await self._scripts.move(keys, args)
         return [new_id.decode() if new_id else None for new_id in reply]
 
@@ -756,6 +788,33 @@ class RedisReliableStore(Store):
             log.info(
                 "redis-reliable %r: recovered %d message(s) of dead consumers", self.name, moved
             )
+        return moved + await self._recover_own()
+
+    async def _recover_own(self) -> int:
+        """Give back what sits in our own processing list held by no caller of ours: a
+        reserve whose reply was lost (the server moved the ids, the caller got a connection
+        error) or an ok / ko that failed. Such a message would otherwise stay reserved as
+        long as this process lives, where elsewhere it comes back after ``reserve_delay``.
+        An id counts once it was seen so in two passes in a row (``heartbeat_ttl`` / 2
+        apart), which leaves a reserve in flight time to hand its ids over."""
+        if not self._tasks:
+            return 0
+        listed = await self._backend.execute("LRANGE", self._processing, 0, -1)
+        unheld = {raw.decode() for raw in listed} - self._out
+        due = unheld & self._unheld
+        self._unheld = unheld - due
+        if not due:
+            return 0
+        moved = int(
+            await self._scripts.recover_own([self._processing, self._pending], [self._base, *due])
+        )
+        if moved:
+            log.warning(
+                "redis-reliable %r: gave back %d reserved message(s) no caller holds (a lost"
+                " reserve reply or a failed ok / ko)",
+                self.name,
+                moved,
+            )
         return moved
 
     async def close(self) -> None:
@@ -796,6 +855,7 @@ class _Scripts:
         self.sizes = bind(_SIZES)
         self.dead = bind(_DEAD)
         self.recover = bind(_RECOVER)
+        self.recover_own = bind(_RECOVER_OWN)
         self.retire = bind(_RETIRE)
         self.peek = bind(_PEEK)
         self.locate = bind(_LOCATE)

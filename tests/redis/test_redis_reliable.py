@@ -388,3 +388,38 @@ async def test_on_redis_cluster_deadletter_crosses_slots() -> None:
             assert await q.sizes() == Sizes(0, 0, 0, 0)
     finally:
         await redis_cluster._drop_redis_cluster_prefix(options)
+
+
+async def test_a_reservation_no_caller_of_a_live_consumer_holds_comes_back(
+    connect: Connect,
+) -> None:
+    """A reserve whose reply was lost (the server moved the id, the caller got a connection
+    error) and an ok that failed left the message in this live consumer's processing list,
+    where recovery (of dead consumers only) never looked: reserved for as long as the
+    process lived. Now its own recovery gives such ids back, with one more try."""
+    q = await (await connect()).queue("orphans")
+    store = q._store  # type: ignore[attr-defined]
+    await q.push_many(["lost reply", "failed ok"])
+    # the reserve script runs, its reply never reaches a caller
+    await store._reserve(store._base, 1, store.consumer, store._ttl_ms)
+    held = await q.reserve(timeout=5)
+    assert held is not None and held.payload == "failed ok"
+    real_commit = store._commit
+
+    async def failing_commit(*args: Any) -> Any:
+        raise aio_keuss.KeussConnectionError("connection to Redis lost")
+
+    store._commit = failing_commit
+    try:
+        with pytest.raises(aio_keuss.KeussConnectionError):
+            await q.ok(held)
+    finally:
+        store._commit = real_commit
+    back: list[aio_keuss.Message] = []
+    while len(back) < 2:  # two recovery passes, heartbeat_ttl / 2 apart
+        got = await q.reserve(timeout=30)
+        assert got is not None, "a reservation nobody holds stayed reserved"
+        back.append(got)
+    assert sorted((m.payload, m.tries) for m in back) == [("failed ok", 1), ("lost reply", 1)]
+    assert await q.ok_many(back) == [True, True]
+    assert await q.total_size() == 0
