@@ -14,7 +14,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -380,24 +380,27 @@ async def test_a_failed_deadletter_write_gives_the_reservation_back(
         await q.push("poison")
         held = await q.reserve(timeout=5)
         assert held is not None
-        storage = q._store._storage  # type: ignore[attr-defined]
-        real_insert = storage.insert_buckets
-
-        async def failing_insert(*args: Any, **kwargs: Any) -> Any:
-            raise aio_keuss.BackendError("the deadletter write failed")
-
-        storage.insert_buckets = failing_insert
-        try:
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(
+                q._store._storage,  # type: ignore[attr-defined]
+                "insert_buckets",
+                _raising(aio_keuss.BackendError("the deadletter write failed")),
+            )
             with pytest.raises(aio_keuss.BackendError):
                 await q.ko(held)
-        finally:
-            storage.insert_buckets = real_insert
         sizes = await q.sizes()
         assert (sizes.total, sizes.reserved) == (1, 1)
         assert await q.ko(held) == KoResult.DEADLETTERED
         dead = await (await factory.queue("__deadletter__")).pop(timeout=5)
         assert dead is not None and dead.payload == "poison"
         assert await q.total_size() == 0
+
+
+def _raising(error: Exception) -> Callable[..., Awaitable[Any]]:
+    async def fail(*args: Any, **kwargs: Any) -> Any:
+        raise error
+
+    return fail
 
 
 @asynccontextmanager

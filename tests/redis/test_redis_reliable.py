@@ -404,17 +404,11 @@ async def test_a_reservation_no_caller_of_a_live_consumer_holds_comes_back(
     await store._reserve(store._base, 1, store.consumer, store._ttl_ms)
     held = await q.reserve(timeout=5)
     assert held is not None and held.payload == "failed ok"
-    real_commit = store._commit
-
-    async def failing_commit(*args: Any) -> Any:
-        raise aio_keuss.KeussConnectionError("connection to Redis lost")
-
-    store._commit = failing_commit
-    try:
+    lost = aio_keuss.KeussConnectionError("connection to Redis lost")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(store, "_commit", _failing(lost))
         with pytest.raises(aio_keuss.KeussConnectionError):
             await q.ok(held)
-    finally:
-        store._commit = real_commit
     back: list[aio_keuss.Message] = []
     while len(back) < 2:  # two recovery passes, heartbeat_ttl / 2 apart
         got = await q.reserve(timeout=30)
@@ -423,3 +417,10 @@ async def test_a_reservation_no_caller_of_a_live_consumer_holds_comes_back(
     assert sorted((m.payload, m.tries) for m in back) == [("failed ok", 1), ("lost reply", 1)]
     assert await q.ok_many(back) == [True, True]
     assert await q.total_size() == 0
+
+
+def _failing(error: Exception) -> Callable[..., Awaitable[Any]]:
+    async def fail(*args: Any) -> Any:
+        raise error
+
+    return fail
