@@ -318,19 +318,20 @@ class ConsumerStatus:
 
 
 def check_settings(
-    concurrency: object,
-    retry_delay: object,
-    max_retry_delay: object,
-    timeout: object,
-    prefetch: object,
-    batch: object,
+    concurrency: object = 1,
+    retry_delay: object = 1.0,
+    max_retry_delay: object = 60.0,
+    timeout: object = None,
+    prefetch: object = 0,
+    batch: object = 0,
     *,
     settled: bool,
     max_batch: int,
 ) -> None:
     """Refuse, with :class:`InvalidInputError`, what ``consume`` (or a pipeline station, which
     is ``settled`` by its link) cannot run with: checked in full before anything starts, so
-    a pipeline opens no queue and stores no topology for a setting it will refuse."""
+    a pipeline opens no queue and stores no topology for a setting it will refuse. The
+    defaults are ``consume``'s, for a station that leaves a setting to them."""
     if isinstance(concurrency, bool) or not isinstance(concurrency, int) or concurrency < 1:
         raise InvalidInputError(f"concurrency must be a positive int, not {concurrency!r}")
     check_seconds(retry_delay, "retry_delay")  # they become ko delays: same bounds

@@ -192,16 +192,7 @@ class PipelineRun:
             if options is None:
                 options = factory.defaults.updated(given or {})
             try:
-                check_settings(
-                    settings.get("concurrency", 1),
-                    settings.get("retry_delay", 1.0),
-                    settings.get("max_retry_delay", 60.0),
-                    settings.get("timeout"),
-                    settings.get("prefetch", 0),
-                    0,
-                    settled=True,
-                    max_batch=options.max_batch,
-                )
+                check_settings(**settings, settled=True, max_batch=options.max_batch)
             except InvalidInputError as exc:
                 raise PipelineError(f"station {link.name!r}: {exc}") from exc
         queues: dict[str, Queue] = {}

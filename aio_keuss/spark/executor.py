@@ -361,9 +361,17 @@ def _holds_map(kind: Any) -> bool:
         return True
     if pa.types.is_struct(kind):
         return any(_holds_map(kind.field(i).type) for i in range(kind.num_fields))
-    if pa.types.is_list(kind) or pa.types.is_large_list(kind) or pa.types.is_fixed_size_list(kind):
+    if _is_list(kind):
         return _holds_map(kind.value_type)
     return False
+
+
+def _is_list(kind: Any) -> bool:
+    import pyarrow as pa
+
+    return bool(
+        pa.types.is_list(kind) or pa.types.is_large_list(kind) or pa.types.is_fixed_size_list(kind)
+    )
 
 
 def _by_type(value: Any, kind: Any) -> Any:
@@ -377,7 +385,7 @@ def _by_type(value: Any, kind: Any) -> Any:
     if pa.types.is_struct(kind):
         fields = [kind.field(i) for i in range(kind.num_fields)]
         return {f.name: _by_type(value.get(f.name), f.type) for f in fields}
-    if pa.types.is_list(kind) or pa.types.is_large_list(kind) or pa.types.is_fixed_size_list(kind):
+    if _is_list(kind):
         return [_by_type(item, kind.value_type) for item in value]
     return value
 
