@@ -111,6 +111,9 @@ def quote_schema(schema: object) -> str:
 MAX_POOL_SIZE = 10_000
 """asyncpg sets up a holder per ``max_size`` slot when it opens a pool; far more than any
 server's ``max_connections`` is a typo, refused rather than allocated."""
+MOVE_ATTEMPTS = 20
+"""How often a move or deadlettering rollback runs again after a concurrent one into the
+same queue took the name it picked (see ``PostgresConnection.fetch_moving``)."""
 
 
 def check_postgres_url(url: object) -> str:
@@ -417,6 +420,24 @@ class PostgresConnection(Backend):
         except asyncpg.UniqueViolationError:
             return False
         return True
+
+    @translated
+    async def fetch_moving(self, query: str, *args: Any) -> list[Any]:
+        """Run a statement that moves messages into other queues (move, a deadlettering
+        rollback). ``moved_id`` cannot see a name a concurrent statement has just taken and
+        not yet committed: two statements moving the same id into one queue (deadletters of
+        two queues, a pipeline's fan-in) then clash on the key (23505) or deadlock (40P01).
+        Either way the statement changed nothing, so it runs again, and then sees the
+        committed name and renames."""
+        for attempt in range(MOVE_ATTEMPTS):
+            try:
+                rows: list[Any] = await self._run("fetch", query, args)
+                return rows
+            except (asyncpg.UniqueViolationError, asyncpg.DeadlockDetectedError):
+                if attempt == MOVE_ATTEMPTS - 1:
+                    raise
+                await asyncio.sleep(0.001 * (attempt + 1))
+        raise AssertionError("unreachable")  # pragma: no cover
 
     @translated
     async def fetch(self, query: str, *args: Any) -> list[Any]:

@@ -207,7 +207,7 @@ class PostgresStore(Store):
             max_ko, target = deadletter.max_ko, deadletter.queue
             # The constant part of the appended headers; x-dl-t and x-dl-tries come from SQL.
             prefix = b'"x-dl-from-queue":' + orjson.dumps(deadletter.from_queue) + b',"x-dl-t":"'
-        rows = await self._db.fetch(
+        rows = await self._db.fetch_moving(
             self._sql["rollback"],
             self.name,
             ids,
@@ -228,7 +228,7 @@ class PostgresStore(Store):
         construction; ``moved_id`` in SQL names a message whose id the target holds."""
         if not moves:
             return []
-        rows = await self._db.fetch(
+        rows = await self._db.fetch_moving(
             self._sql["move"],
             self.name,
             [m.id for m in moves],

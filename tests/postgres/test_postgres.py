@@ -257,6 +257,34 @@ async def test_deadletter_is_one_atomic_move(open_factory: Open, schema: str) ->
     assert moved["m1.dl2"].payload == {"n": 1}
 
 
+async def test_concurrent_moves_of_one_id_into_one_queue_rename(open_factory: Open) -> None:
+    # Two queues deadletter (and move) messages of the same ids at once, from two factories:
+    # each statement's renaming cannot see the name the other just took and has not yet
+    # committed. A ko or move must still rename (README), not fail on the key.
+    fa = await open_factory(deadletter={"max_ko": 0})
+    fb = await open_factory(deadletter={"max_ko": 0})
+    qa, qb = await fa.queue("qa"), await fb.queue("qb")
+    n, rounds = 200, 6
+    for r in range(rounds):
+        ids = [f"order-{r}-{i}" for i in range(n)]
+        await qa.push_many(list(range(n)), ids=ids)
+        await qb.push_many(list(range(n)), ids=ids)
+        ma, mb = await qa.reserve_many(n), await qb.reserve_many(n)
+        calls: list[Awaitable[object]]
+        if r % 2:
+            calls = [qa.move(m, "target") for m in ma] + [qb.move(m, "target") for m in mb]
+        else:
+            calls = [qa.ko(m) for m in ma] + [qb.ko(m) for m in mb]
+        outcome = await asyncio.gather(*calls, return_exceptions=True)
+        errors = [o for o in outcome if isinstance(o, BaseException)]
+        assert not errors, f"round {r}: {len(errors)} failed, e.g. {errors[0]!r}"
+        assert all(outcome)
+    dlq, target = await fa.queue("__deadletter__"), await fa.queue("target")
+    assert (await dlq.sizes()).total == 2 * n * (rounds // 2)
+    assert (await target.sizes()).total == 2 * n * (rounds // 2)
+    assert (await qa.sizes()).total == (await qb.sizes()).total == 0
+
+
 async def test_bad_options_and_unreachable_server() -> None:
     with pytest.raises(aio_keuss.ConfigError):
         await aio_keuss.connect("postgres", url=POSTGRES_URL, schema='bad"; drop')
