@@ -121,6 +121,20 @@ class PostgresStore(Store):
         self._sql = backend.sql
 
     async def insert(self, entries: Sequence[Entry]) -> list[bool]:
+        flags = await self._insert(entries)
+        if self._db.keeps_history:
+            # A popped message put back (its caller was cancelled) was never consumed: the
+            # record its pop's DELETE left in the history goes, as mongo-history revives it.
+            back = [
+                e.id
+                for e, ok in zip(entries, flags, strict=True)
+                if ok and e.mature is not None and not e.dedup
+            ]
+            if back:
+                await self._db.execute(self._sql["forget_history"], self.name, back)
+        return flags
+
+    async def _insert(self, entries: Sequence[Entry]) -> list[bool]:
         if not entries:
             return []
         ids = [e.id for e in entries]

@@ -8,6 +8,7 @@ never performance assertions.
 
 from __future__ import annotations
 
+import asyncio
 import time
 import tracemalloc
 from datetime import UTC, datetime, timedelta
@@ -378,3 +379,30 @@ def test_the_sync_mirror_peeks_browses_finds_and_purges() -> None:
         found = q.find(ids[4])
         assert found is not None and found.message.payload == 4
         assert q.purge() == 25 and q.find(ids[4]) is None
+
+
+async def test_a_pop_given_back_on_cancellation_is_not_in_the_history(
+    factory: aio_keuss.Factory,
+) -> None:
+    # A pop whose caller was cancelled puts its messages back: they were never consumed, so
+    # the history lists them once, when they are, and replay copies them once.
+    needs(factory, "history")
+    q = await factory.queue("given-back")
+    ids = await q.push_many(["x", "y"])
+    gathering = asyncio.ensure_future(q.pop_many(5, timeout=10, max_wait=60.0))
+    for _ in range(3000):  # until both are taken into the gathering batch
+        if await q.size() == 0:
+            break
+        await asyncio.sleep(0.02)
+    gathering.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await gathering
+    back: list[aio_keuss.Message] = []
+    for _ in range(200):
+        back += await q.pop_many(5, timeout=0.2)
+        if len(back) == 2:
+            break
+    assert sorted(m.id for m in back) == sorted(ids)
+    listed = [v.message.id for v in (await q.history(limit=100)).items]
+    assert sorted(listed) == sorted(ids)
+    assert len(await q.replay(since=0, to="given-back-again")) == 2

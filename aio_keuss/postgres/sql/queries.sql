@@ -382,6 +382,15 @@ FROM {s}.history
 WHERE queue = $1 AND id = ANY($2::text[])
 ORDER BY id, processed DESC, seq DESC
 
+-- name: forget_history
+-- A popped message put back (its caller was cancelled): drop the record its pop left, the
+-- latest of its id.
+DELETE FROM {s}.history h
+USING (SELECT DISTINCT ON (id) processed, seq FROM {s}.history
+       WHERE queue = $1 AND id = ANY($2::text[])
+       ORDER BY id, processed DESC, seq DESC) l
+WHERE h.queue = $1 AND h.processed = l.processed AND h.seq = l.seq
+
 -- name: expire_history
 -- Delete up to $2 records older than $1 seconds; run again while it deletes $2.
 DELETE FROM {s}.history
