@@ -624,7 +624,10 @@ for k = 1, #ids do
   if state == 'ready' and s ~= 'ready' then finished = true; break end
   last = k
   if state == 'all' or s == state then rows[#rows + 1] = k end
-  if #rows == limit then break end
+  if #rows == limit then
+    if k < #ids then finished = false end  -- stopped at the limit: more lie past it
+    break
+  end
 end
 local reply
 if finished or last == nil then reply = {false, false}

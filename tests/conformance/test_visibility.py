@@ -406,3 +406,25 @@ async def test_a_pop_given_back_on_cancellation_is_not_in_the_history(
     listed = [v.message.id for v in (await q.history(limit=100)).items]
     assert sorted(listed) == sorted(ids)
     assert len(await q.replay(since=0, to="given-back-again")) == 2
+
+
+async def test_browse_of_scheduled_and_reserved_goes_past_the_first_page(
+    factory: aio_keuss.Factory,
+) -> None:
+    # redis-oq answered the first page of a scheduled / reserved walk with cursor None
+    # whenever fewer than its scan budget (2,000) lay past it: the walk ended after page 1.
+    needs(factory, "peek")
+    q = await factory.queue("paged-states", reserve_delay=600)
+    caps = factory.capabilities
+    if caps.delay:
+        scheduled = await q.push_many(list(range(20)), delay=300)
+        page = await q.page(state="scheduled", limit=5)
+        assert len(page.items) == 5 and page.cursor is not None
+        walked = [v.message.id async for v in q.browse(state="scheduled", page_size=5)]
+        assert sorted(walked) == sorted(scheduled)
+    if caps.reserve and caps.reservation_expiry:
+        await q.push_many(list(range(20)))
+        held = await q.reserve_many(20)
+        assert len(held) == 20
+        walked = [v.message.id async for v in q.browse(state="reserved", page_size=5)]
+        assert sorted(walked) == sorted(m.id for m in held)
