@@ -43,10 +43,11 @@ from ..errors import (
 )
 from ..factory import Factory, connect
 from ..loading import add_connection_flags
-from ..message import Message, encode_headers, encode_payload
+from ..message import MAX_KNOWN_ID_LENGTH, Message, check_id, encode_headers, encode_payload
 from ..options import QUEUE_OPTION_NAMES, check_queue_name
 from ..queue import Queue
 from ..types import MessageView, Page
+from ..visibility import check_time
 from .settings import connection_settings, option_value
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_UNREACHABLE = 0, 1, 2, 3
@@ -304,8 +305,18 @@ async def _pop(factory: Factory, args: argparse.Namespace, out: Output) -> int:
     return EXIT_OK if got else EXIT_NOT_FOUND
 
 
+def _check_ids(ids: Sequence[str]) -> None:
+    """Ids named on the command line, refused before a target queue is opened (opening
+    one records it in the backend)."""
+    for message_id in ids:
+        check_id(message_id, MAX_KNOWN_ID_LENGTH)
+
+
 async def _move(factory: Factory, args: argparse.Namespace, out: Output) -> int:
     _require(factory, "peek", "hold", "move")
+    _check_ids(args.ids)
+    if check_queue_name(args.to) == args.queue:
+        raise InvalidInputError(f"move: {args.to!r} is the queue the messages are in")
     q = await _open(factory, args.queue)
     await _open(factory, args.to, create=True)
     moved = await q.requeue(args.ids, origin=args.to)
@@ -314,6 +325,9 @@ async def _move(factory: Factory, args: argparse.Namespace, out: Output) -> int:
 
 async def _requeue(factory: Factory, args: argparse.Namespace, out: Output) -> int:
     _require(factory, "peek", "hold", "move")
+    _check_ids(args.ids)
+    if not args.ids and args.origin is None:
+        raise InvalidInputError("requeue needs ids, --origin, or both")
     q = await _open(factory, args.queue)
     if args.origin is not None:
         await _open(factory, args.origin, create=True)
@@ -367,12 +381,16 @@ async def _history(factory: Factory, args: argparse.Namespace, out: Output) -> i
 
 async def _replay(factory: Factory, args: argparse.Namespace, out: Output) -> int:
     _require(factory, "history")
+    _check_ids(args.ids)
+    since, until = _time(args.since), _time(args.until)
+    if not args.ids and since is None and until is None:
+        raise InvalidInputError("replay needs ids or a --since / --until range")
+    check_time(since, "--since", 0.0)
+    check_time(until, "--until", 0.0)
     q = await _open(factory, args.queue)
     if args.to is not None:
         await _open(factory, args.to, create=True)
-    ids = await q.replay(
-        args.ids or None, since=_time(args.since), until=_time(args.until), to=args.to
-    )
+    ids = await q.replay(args.ids or None, since=since, until=until, to=args.to)
     out.emit({"ids": ids}, [{"id": i} for i in ids])
     return EXIT_OK
 

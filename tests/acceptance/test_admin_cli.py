@@ -257,3 +257,24 @@ async def test_tables_show_control_characters_as_escapes(redis_cli: Cli) -> None
     assert "\x1b" not in shown.stdout and "\x07" not in shown.stdout
     assert "\\x1b[2J" in shown.stdout and "\\nfake row" in shown.stdout
     assert len(shown.stdout.strip().splitlines()) == 2  # the header and one row
+
+
+async def test_a_refused_move_requeue_or_replay_records_no_target_queue(
+    postgres_cli: Cli,
+) -> None:
+    """Exit 2 is "bad usage ...; nothing was written": move / requeue / replay opened (and
+    so recorded) their target queue before checking the ids and times they were given."""
+    cli = Cli(postgres_cli.backend, {**postgres_cli.options, "history": "true"})
+    assert (await cli.run("push", "jobs", "1")).returncode == 0
+    for args in (
+        ("move", "jobs", "t1", "bad id"),
+        ("move", "jobs", "jobs", "x"),  # into itself: usage, not "gone or held" (4)
+        ("requeue", "jobs", "bad id", "--origin", "t2"),
+        ("replay", "jobs", "--since", "garbage", "--to", "t3"),
+        ("replay", "jobs", "bad id", "--to", "t4"),
+        ("replay", "jobs", "--since", "1e20", "--to", "t5"),
+        ("replay", "jobs", "--to", "t6"),
+    ):
+        done = await cli.run(*args)
+        assert done.returncode == 2, (args, done.returncode, done.stderr)
+    assert [row["queue"] for row in await cli.json("list")] == ["jobs"]
