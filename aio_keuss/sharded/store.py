@@ -32,7 +32,7 @@ import time
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
-from ..coalesce import SideBySide
+from ..coalesce import SideBySide, stop_task
 from ..contract import (
     Ack,
     DeadletterPlan,
@@ -94,6 +94,8 @@ class ShardedStore(Store):
         self._token = os.urandom(8).hex()
         self._enrol_at = 0.0
         self._enrolled = False
+        self._fetched_at = 0.0
+        self._renewal: asyncio.Task[None] | None = None
 
     async def _each(self, calls: list[Coroutine[Any, Any, T]]) -> list[T]:
         """Run one step per shard side by side: a lone one is awaited directly (the common
@@ -178,10 +180,41 @@ class ShardedStore(Store):
             )
         self._enrolled = True
         self._enrol_at = time.monotonic() + lease / 3
+        if self._renewal is None or self._renewal.done():
+            self._renewal = asyncio.create_task(self._keep_place(), name="keuss-sharded-place")
+
+    async def _keep_place(self) -> None:
+        """Renew the place between fetches. A consumer waiting for messages fetches only
+        every ``poll_interval`` (15 s by default, longer than ``lease_ttl``), and a handler
+        may run longer than the lease: without this, another process would take the place
+        meanwhile and this consumer's next fetch would be refused. A queue object that has
+        not fetched for ``poll_interval`` + ``lease_ttl`` is no longer waiting: its place
+        then lapses as a dead process's does."""
+        lease = self._sharded.lease_ttl
+        idle_after = self.options.poll_interval + lease
+        while self._enrolled:
+            now = time.monotonic()
+            if now - self._fetched_at > idle_after:
+                return  # the lease runs out; the next fetch enrols again
+            if now < self._enrol_at:
+                await asyncio.sleep(self._enrol_at - now)
+                continue
+            try:
+                held = await self._storage.enrol(self.name, self._token, lease, self._max_consumers)
+            except Exception:  # a server away: the next fetch raises it; try again soon
+                self._enrol_at = time.monotonic() + lease / 6
+                continue
+            if not held:  # lapsed in an outage and taken: the next fetch enrols or is refused
+                self._enrol_at = 0.0
+                return
+            self._enrol_at = time.monotonic() + lease / 3
 
     async def close(self) -> None:
         """Leave the queue's consumers, so the place is free at once."""
         self._enrol_at = 0.0
+        if self._renewal is not None:
+            await stop_task(self._renewal)
+            self._renewal = None
         if self._enrolled:
             self._enrolled = False
             await self._storage.leave(self.name, self._token)
@@ -203,7 +236,8 @@ class ShardedStore(Store):
         them). The rotation is read from the ready index when it runs out or is ``REFRESH``
         old, so a fire is one step in the steady state; a shard found empty leaves both."""
         await self._touch()
-        if time.monotonic() >= self._enrol_at:
+        self._fetched_at = time.monotonic()
+        if self._fetched_at >= self._enrol_at:
             await self._enrol()
         fire = self._storage.fire
         messages: list[Stored] = []

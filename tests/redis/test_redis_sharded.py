@@ -7,6 +7,7 @@ on every storage: tests/conformance/test_sharded_model.py and test_shard_storage
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import sys
@@ -280,6 +281,33 @@ async def test_consumers_past_the_cap_get_a_typed_error(connect: Connect) -> Non
     assert await queues[2].push("a producer is not a consumer")
     await factories[1].close()  # leaves the queue's consumers
     assert await queues[2].pop(timeout=1) is not None
+
+
+async def test_a_waiting_consumer_keeps_its_place_and_an_idle_one_loses_it(
+    connect: Connect,
+) -> None:
+    """A consumer waiting in reserve fetches only every poll_interval (longer than the lease
+    here, as by default): its place must not lapse meanwhile to another process, whose
+    consumer would shut it out at its next fetch. One that stopped fetching gives it up."""
+    settings = {"sweeper": False, "max_consumers": 1, "lease_ttl": 2.0, "poll_interval": 6.0}
+    first, second = [await connect(**settings) for _ in range(2)]
+    a, b = await first.queue("q"), await second.queue("q")
+    assert await a.reserve(timeout=0) is None  # a is the queue's one consumer
+    waiting = asyncio.create_task(a.reserve(timeout=30))
+    await asyncio.sleep(5.0)  # past two leases, no fetch meanwhile
+    with pytest.raises(aio_keuss.TooManyConsumersError):
+        await b.reserve(timeout=0)
+    await b.push("for a")
+    got = await asyncio.wait_for(waiting, 20)
+    assert got is not None and got.payload == "for a"
+    # a no longer fetches: after poll_interval + lease its place is free for b
+    for _ in range(300):
+        await asyncio.sleep(0.1)
+        with contextlib.suppress(aio_keuss.TooManyConsumersError):
+            await b.reserve(timeout=0)
+            break
+    else:
+        raise AssertionError("an idle consumer kept its place")
 
 
 # Redis Cluster ---------------------------------------------------------------------------
