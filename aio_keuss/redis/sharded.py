@@ -214,7 +214,8 @@ class RedisShardStorage(ShardStorage):
         args: list[Any] = [math.ceil(life * 1000) if life else 0]
         for field, value in record.items():
             args += (field, value)
-        stored = await self._run(lua.META, [self._backend.key(queue, "meta")], args)
+        keys = [self._backend.key(queue, "meta"), self._ready(queue)[1]]
+        stored = await self._run(lua.META, keys, args)
         await self._backend.execute("HSET", self.registry_key, queue, stored[0])
         names = ("shards", "message_ttl", "max_consumers")
         return {name: v.decode() for name, v in zip(names, stored, strict=True) if v is not None}

@@ -499,14 +499,21 @@ if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) 
 return 0
 """
 
-# KEYS: queue meta. ARGV: metadata TTL ms ('0' = none), then pairs field, value. Writes the
-# record if there is none (its first writer's settings are the queue's), marks it active and
-# seen now, and extends its life. Reply: the stored shards, message TTL ('' = none) and
-# most consumers.
+# KEYS: queue meta, stamps. ARGV: metadata TTL ms ('0' = none), then pairs field, value.
+# Writes the record if there is none (its first writer's settings are the queue's, its shard
+# count at least every stamped shard's), marks it active and seen now, and extends its life.
+# Reply: the stored shards, message TTL ('' = none) and most consumers.
 _META = """
 local t = redis.call('TIME')
 if redis.call('EXISTS', KEYS[1]) == 0 then
   redis.call('HSET', KEYS[1], unpack(ARGV, 2))
+  -- a queue opened again after it expired: its data stays in the shards it had (each one a
+  -- producer ever loaded has a stamp), so the count never shrinks below them
+  local most = tonumber(redis.call('HGET', KEYS[1], 'shards'))
+  for _, s in ipairs(redis.call('HKEYS', KEYS[2])) do
+    if tonumber(s) + 1 > most then most = tonumber(s) + 1 end
+  end
+  redis.call('HSET', KEYS[1], 'shards', most)
 end
 redis.call('HSET', KEYS[1], 'active', 'true', 'seen', t[1])
 if ARGV[1] ~= '0' then redis.call('PEXPIRE', KEYS[1], ARGV[1]) end

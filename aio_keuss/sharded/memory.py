@@ -446,6 +446,10 @@ class MemoryShardStorage(ShardStorage):
         stored = q.live_meta(now)
         if stored is None:
             stored = q.meta = dict(record)
+            # opened again after it expired: its data stays in the shards it had (each one a
+            # producer ever loaded has a stamp), so the count never shrinks below them
+            most = max([int(stored["shards"]), *(shard + 1 for shard in q.stamps)])
+            stored["shards"] = str(most)
         stored["active"] = "true"
         stored["seen"] = str(int(now))
         if life is not None:

@@ -310,6 +310,36 @@ async def test_a_waiting_consumer_keeps_its_place_and_an_idle_one_loses_it(
         raise AssertionError("an idle consumer kept its place")
 
 
+async def test_an_expired_queue_opened_again_keeps_the_shards_its_data_is_in(
+    connect: Connect,
+) -> None:
+    """After queue_expiry the metadata record is gone but the messages stay in their shards:
+    a process opening the queue again with fewer shards must not hide those past its count
+    (uncounted, their ok routed to the wrong shard, never swept). It is refused, as it is
+    while the record lives."""
+    first = await connect(sweeper=False, shards=8, queue_expiry=0.2)
+    q = await first.queue("q")
+    for i in range(16):
+        await q.push(f"m{i}")  # round-robin: every shard has some
+    await first.close()
+    probe = await connect(sweeper=False, queue_expiry=0.2)
+    for _ in range(500):  # the record lives 2 * queue_expiry
+        if "q" not in await probe.list():
+            break
+        await asyncio.sleep(0.05)
+    else:
+        raise AssertionError("the metadata record never expired")
+    later = await connect(sweeper=False, shards=2, queue_expiry=0.2)
+    with pytest.raises(aio_keuss.ConfigError, match="8 shards"):
+        await later.queue("q")
+    again = await connect(sweeper=False, shards=8, queue_expiry=0.2)
+    q = await again.queue("q")
+    assert (await q.sizes()).size == 16
+    for _ in range(16):
+        message = await q.reserve(timeout=1)
+        assert message is not None and await q.ok(message)
+
+
 # Redis Cluster ---------------------------------------------------------------------------
 
 
