@@ -89,8 +89,11 @@ class ShardedStore(Store):
         self._turn = random.randrange(self.shards)
         self._rotation: list[int] = []
         self._refresh_at = 0.0
-        self._touch_every = meta.touch_period(sharded)
-        self._touch_at = time.monotonic() + (self._touch_every or 0.0)
+        # without queue_expiry too, now and then: a record lost with its node (a cluster
+        # node restarted without its data) is written again, so the queue is listed and
+        # swept again and the sweep announces the shards that still hold records
+        self._touch_every = meta.touch_period(sharded) or sharded.lease_ttl
+        self._touch_at = time.monotonic() + self._touch_every
         self._token = os.urandom(8).hex()
         self._enrol_at = 0.0
         self._enrolled = False
@@ -131,8 +134,8 @@ class ShardedStore(Store):
         return by_shard
 
     async def _touch(self) -> None:
-        """Renew the queue's metadata record while in use (with ``queue_expiry`` only)."""
-        if self._touch_every is not None and time.monotonic() >= self._touch_at:
+        """Renew the queue's metadata record while in use (or write it again if lost)."""
+        if time.monotonic() >= self._touch_at:
             self._touch_at = time.monotonic() + self._touch_every
             record = meta.record(self.shards, self.options, self._sharded)
             await self._storage.touch(self.name, record, meta.life(self._sharded))
