@@ -68,6 +68,11 @@ log = logging.getLogger("aio_keuss.postgres")
 
 HISTORY_EXPIRY_BATCH = 10_000
 """History records one expiry statement deletes at most."""
+STATEMENT_BYTES = 256 * 2**20
+"""Most payload and header bytes one insert statement carries. PostgreSQL refuses a protocol
+message of 1 GB or more ("invalid message length") and drops the connection, so a batch of
+messages each fine on its own (concurrent large pushes coalesced, a push_many) goes in as
+several statements, in order, rather than failing every caller in it."""
 
 _RELAX = "AND (SELECT set_config('synchronous_commit', 'off', true)) IS NOT NULL"
 """With durable_acks=False, reserve / commit / rollback / move carry this condition: an
@@ -88,6 +93,20 @@ def _first_occurrences(ids: Sequence[str], done: set[str]) -> list[bool]:
         else:
             flags.append(False)
     return flags
+
+
+def _by_bytes(entries: Sequence[Entry], most: int) -> list[Sequence[Entry]]:
+    """Consecutive groups of at most ``most`` bytes (a larger entry alone), in order."""
+    groups: list[Sequence[Entry]] = []
+    start, size = 0, 0
+    for i, entry in enumerate(entries):
+        length = len(entry.payload) + len(entry.headers)
+        if i > start and size + length > most:
+            groups.append(entries[start:i])
+            start, size = i, 0
+        size += length
+    groups.append(entries[start:])
+    return groups
 
 
 def _fetched(rows: list[Any]) -> Fetched:
@@ -121,6 +140,11 @@ class PostgresStore(Store):
         self._sql = backend.sql
 
     async def insert(self, entries: Sequence[Entry]) -> list[bool]:
+        if len(entries) > 1 and sum(len(e.payload) + len(e.headers) for e in entries) > (
+            STATEMENT_BYTES
+        ):  # several statements, in order: the first of an id still wins
+            groups = _by_bytes(entries, STATEMENT_BYTES)
+            return [flag for group in groups for flag in await self.insert(group)]
         flags = await self._insert(entries)
         if self._db.keeps_history:
             # A popped message put back (its caller was cancelled) was never consumed: the

@@ -285,6 +285,25 @@ async def test_concurrent_moves_of_one_id_into_one_queue_rename(open_factory: Op
     assert (await qa.sizes()).total == (await qb.sizes()).total == 0
 
 
+async def test_an_insert_past_the_statement_budget_goes_in_as_several_in_order(
+    open_factory: Open, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """PostgreSQL drops the connection on a protocol message of 1 GB or more, so a batch of
+    large messages each fine alone (60 concurrent 20 MB pushes failed every caller with
+    KeussConnectionError) goes in as several statements. Here with a 1 kB budget: in order,
+    and a repeated id in a later statement still refused."""
+    from aio_keuss.postgres import store as postgres_store
+
+    monkeypatch.setattr(postgres_store, "STATEMENT_BYTES", 1000)
+    factory = await open_factory()
+    q = await factory.queue("split")
+    ids = [f"m{i}" for i in range(9)] + ["m0"]
+    assert await q.push_many(["x" * 300] * 10, ids=ids) == ids
+    got = await q.pop_many(20, timeout=2)
+    assert [m.id for m in got] == ids[:9]
+    assert await q.push_many(["y" * 300] * 6) and await q.size() == 6
+
+
 async def test_bad_options_and_unreachable_server() -> None:
     with pytest.raises(aio_keuss.ConfigError):
         await aio_keuss.connect("postgres", url=POSTGRES_URL, schema='bad"; drop')
