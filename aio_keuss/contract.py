@@ -265,6 +265,12 @@ class Store(ABC):
     nothing at all): a cancelled caller's pop / reserve then still completes, and the queue
     puts back what it took, so it may run in the caller's own task (see ``coalesce.py``)."""
 
+    max_message_bytes: int | None = None
+    """Most bytes (encoded payload and headers) one message may have in this store, or None
+    for no bound of its own. The queue refuses a larger one with ``InvalidPayloadError``
+    before anything is written (a store that packs many messages in one storage unit has a
+    bound the database sets on that unit)."""
+
     def __init__(self, name: str, options: QueueOptions) -> None:
         self.name = name
         self.options = options

@@ -34,6 +34,7 @@ from .errors import (
     ClosedError,
     InvalidIdError,
     InvalidInputError,
+    InvalidPayloadError,
     NotSupportedError,
 )
 from .ids import new_id
@@ -235,6 +236,9 @@ class Queue:
                 Entry(message_id, encode_payload(payload), encoded_headers, seconds, dedup=True)
                 for message_id, payload in zip(checked, payloads, strict=True)
             ]
+        if self._store.max_message_bytes is not None:
+            for entry in entries:
+                self._check_size(entry.payload, entry.headers)
         await self._in_chunks(self._inserts, entries)
         return [entry.id for entry in entries]
 
@@ -249,6 +253,16 @@ class Queue:
         done = await asyncio.gather(*(coalescer.submit(chunk) for chunk in chunks))
         return [flag for flags in done for flag in flags]
 
+    def _check_size(self, blob: bytes, headers: bytes) -> None:
+        """Refuse a message larger than a store with a bound of its own can hold, before
+        anything is written."""
+        most = self._store.max_message_bytes or 0
+        if len(blob) + len(headers) > most:
+            raise InvalidPayloadError(
+                f"message of {len(blob) + len(headers)} bytes (payload and headers encoded):"
+                f" the {self.name!r} store holds at most {most}"
+            )
+
     def _delay(self, delay: float) -> float:
         seconds = check_seconds(delay, "delay")
         if seconds > 0:
@@ -260,6 +274,8 @@ class Queue:
     ) -> Entry:
         self._check_open()
         blob = encode_payload(payload)
+        if self._store.max_message_bytes is not None:
+            self._check_size(blob, headers)
         if message_id is None:
             return Entry(new_id(), blob, headers, delay)
         checked = check_id(message_id)  # bad input first, whatever the backend can do

@@ -30,12 +30,27 @@ from .storage import BucketStorage, NewBucket
 log = logging.getLogger("aio_keuss.buckets")
 
 
+SLOT_BYTES = 21
+"""Bytes a message takes in a bucket beside its payload and headers: their two u32 lengths
+in the blob, and its slot state (status byte, u32 tries, f64 mature)."""
+BUCKET_BYTES = 4
+"""Bytes of a bucket beside its slots (the u32 count)."""
+WRITE_MAX_BYTES = 256 * 2**20
+"""Most bytes of push buckets in one insert round trip (at least one bucket): PostgreSQL
+takes them as one statement, which must stay under its 1 GB protocol message."""
+
+
+def slot_bytes(entry: Entry) -> int:
+    return len(entry.payload) + len(entry.headers) + SLOT_BYTES
+
+
 class PushBucket:
     """A bucket being filled in memory. Whoever waits for it to be durable (a pusher, a
     flush) gets a future of its own in ``waiters`` rather than a shield of a shared one: a
     cancelled waiter cancels only its own."""
 
     __slots__ = (
+        "bytes",
         "flush_at",
         "headers",
         "id",
@@ -57,6 +72,7 @@ class PushBucket:
         self.waiters: list[asyncio.Future[None]] = []
         self.timer: asyncio.TimerHandle | None = None
         self.flush_at = 0.0
+        self.bytes = BUCKET_BYTES
 
     def written(self) -> asyncio.Future[None]:
         """A future of the caller's own, resolved (or failed) when the bucket is written."""
@@ -75,6 +91,7 @@ class PushBucket:
 
     def add(self, entry: Entry, mature: float) -> int:
         slot = len(self.payloads)
+        self.bytes += slot_bytes(entry)
         self.payloads.append(entry.payload)
         self.headers.append(entry.headers)
         self.mature.append(mature)
@@ -116,6 +133,7 @@ class PushSide:
         self._check_open()  # after close nothing may be buffered: no one would write it
         now = time.time()
         size = self._settings.bucket_max_size
+        most = self._storage.max_bucket_bytes
         touched: dict[int, PushBucket] = {}
         for entry in entries:
             if entry.dedup:
@@ -123,6 +141,9 @@ class PushSide:
             mature = entry.mature if entry.mature is not None else now + entry.delay
             key = READY_KEY if mature <= now else int(mature / DELAY_GRANULE)
             bucket = self._filling.get(key)
+            if bucket is not None and bucket.payloads and bucket.bytes + slot_bytes(entry) > most:
+                self._seal(bucket)  # full by bytes: the database bounds one bucket
+                bucket = None
             if bucket is None:
                 bucket = self._filling[key] = PushBucket(key)
                 if buffered:
@@ -232,10 +253,12 @@ class PushSide:
                         self._seal(bucket)
                 if not self._sealed:
                     return
-                batch, self._sealed = (
-                    self._sealed[:WRITE_MAX_BUCKETS],
-                    self._sealed[WRITE_MAX_BUCKETS:],
-                )
+                take, weight = 0, 0
+                for bucket in self._sealed[:WRITE_MAX_BUCKETS]:
+                    if take and weight + bucket.bytes > WRITE_MAX_BYTES:
+                        break
+                    take, weight = take + 1, weight + bucket.bytes
+                batch, self._sealed = self._sealed[:take], self._sealed[take:]
                 await self._write_push_buckets(batch)
         finally:
             self._writers -= 1

@@ -87,6 +87,13 @@ class BucketStorage(ABC):
     cancellation (see ``Store.uninterruptible``): a pusher may then write its bucket in its
     own task, since a cancelled pusher still finishes the write its fellows wait for."""
 
+    max_bucket_bytes: int = 128 * 2**20
+    """Most bytes of messages (payloads, headers and their slot state) one bucket may hold:
+    a push bucket is sealed before it grows past it, and a message that cannot fit in a
+    bucket of its own is refused. Each database bounds one stored value (Redis's
+    ``proto-max-bulk-len``, 512 MB; PostgreSQL's 1 GB protocol message; MongoDB's 16 MB
+    document)."""
+
     async def prepare(self) -> None:
         """Called before each queue's store is made (e.g. to create indexes on first use)."""
 

@@ -126,7 +126,7 @@ from ..message import append_headers
 from ..types import Capabilities, KoResult, Sizes
 from .codec import AVAILABLE, DONE, HANDED_OUT, U32, encode_blob, encode_state
 from .held import HeapEntry, HeldBucket
-from .push import PushBucket, PushSide
+from .push import BUCKET_BYTES, SLOT_BYTES, PushBucket, PushSide
 from .settings import (
     ACK_ON_BUFFER_RETRIES,
     BUFFERED_AT_LEAST,
@@ -182,6 +182,7 @@ class BucketStore(PushSide, StateWriter, Store):
         # There, as on the other Redis stores, a few calls in flight and the rest batched
         # behind them beats one state write per pop.
         self.uninterruptible = storage.uninterruptible
+        self.max_message_bytes = storage.max_bucket_bytes - BUCKET_BYTES - SLOT_BYTES
         if self.uninterruptible:
             self.batch_concurrency = PIPELINED_CALLS  # type: ignore[misc]
         self._settings = settings

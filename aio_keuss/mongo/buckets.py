@@ -67,6 +67,8 @@ LEASED_FIELDS: Document = {"blob": 1, "state": 1, "owner": 1, "remaining": 1}
 
 
 class MongoBucketStorage(BucketStorage):
+    max_bucket_bytes = 15 * 2**20  # a bucket is one document: MongoDB's 16 MB BSON limit
+
     def __init__(self, backend: MongoBackend) -> None:
         self._backend = backend
         self._coll: MongoCollection = backend.collection("buckets")

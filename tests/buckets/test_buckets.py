@@ -550,3 +550,30 @@ async def test_200k_messages_through_4_consumer_processes_exactly_once(
         assert sorted(seen) == list(range(total))  # ... and no gaps
         assert await q.total_size() == 0
         print(f"{case.id}: {total} reserve+ok in {elapsed:.1f} s by 4 processes")
+
+
+async def test_push_buckets_are_bounded_by_bytes_too(
+    bucket_case: tuple[BackendCase, dict[str, Any]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A bucket is one stored value, which each database bounds (Redis 512 MB, PostgreSQL
+    1 GB, MongoDB 16 MB): a push bucket counted only messages, so messages every other
+    backend stores (1000 x 600 kB on Redis; 1024 x 20 kB on MongoDB) were refused once they
+    shared a bucket. Here with a 1 MB bound: a bucket is sealed before it passes it, and a
+    message that cannot fit in a bucket of its own is refused before anything is written."""
+    from aio_keuss.buckets.storage import BucketStorage
+    from aio_keuss.mongo.buckets import MongoBucketStorage
+
+    for storage in (BucketStorage, MongoBucketStorage):  # Mongo has a bound of its own
+        monkeypatch.setattr(storage, "max_bucket_bytes", 1_000_000, raising=False)
+    case, options = bucket_case
+    async with aio_keuss.connect(case.name, **options) as factory:
+        q = await factory.queue("bytes")
+        ids = await q.push_many([b"y" * 400_000] * 5)
+        assert len({split_id(i)[0] for i in ids}) >= 3  # at most two 400 kB per 1 MB bucket
+        with pytest.raises(aio_keuss.InvalidPayloadError):
+            await q.push(b"z" * 1_000_000)
+        with pytest.raises(aio_keuss.InvalidPayloadError):
+            await q.push_many([b"ok", b"z" * 1_000_000])
+        got = await _take_all(q)
+        assert sorted(m.id for m in got) == sorted(ids)
+        assert all(m.payload == b"y" * 400_000 for m in got)
