@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
@@ -37,6 +38,10 @@ SignalKind = Literal["insert", "pause", "resume"]
 
 RECONNECT_FIRST = 0.05
 RECONNECT_CAP = 2.0
+STABLE_AFTER = 10.0
+"""Seconds a listener must stay in place before its next loss counts as a new outage: one
+lost sooner (a cluster in a fail state accepts a subscribe, then drops it) is the same
+outage, logged once, its reconnects still backing off."""
 OPEN_WAIT = 5.0
 """Longest ``open`` waits for the listener to be in place."""
 
@@ -80,6 +85,8 @@ class SignalBus:
         self._listening = asyncio.Event()  # set once the listener has listened
         self._opening = False  # while ``open`` waits for it
         self._failing = False
+        self._said_back = False
+        self._up_since: float | None = None
         self._backoff = RECONNECT_FIRST
         self._remote = type(self)._publish is not SignalBus._publish  # read on every push
 
@@ -167,10 +174,10 @@ class SignalBus:
     def _ready(self) -> None:
         """The listener is (again) in place. Every local queue is woken, since signals sent
         while it was away went unheard (on the first call there is no local queue yet)."""
-        self._backoff = RECONNECT_FIRST
-        if self._failing:
+        self._up_since = time.monotonic()
+        if self._failing and not self._said_back:
             log.info("%s listener is back", type(self).__name__)
-            self._failing = False
+            self._said_back = True
         for queue in list(self._listeners):
             self._deliver(Signal(queue, "insert"))
         self._listening.set()
@@ -186,10 +193,15 @@ class SignalBus:
                     raise  # it cannot listen at all: ``open`` raises this
                 reason = str(exc) or type(exc).__name__
             _raise_if_cancelled(None)
+            up_since, self._up_since = self._up_since, None
+            if up_since is not None and time.monotonic() - up_since >= STABLE_AFTER:
+                self._failing = False  # it stayed up: this loss is a new outage
+                self._backoff = RECONNECT_FIRST
             # one warning per outage, not one per attempt while the server is away
             level = logging.DEBUG if self._failing else logging.WARNING
             log.log(level, "%s listener lost (%s); retrying", type(self).__name__, reason)
-            self._failing = True
+            if not self._failing:
+                self._failing, self._said_back = True, False
             await asyncio.sleep(self._backoff)
             self._backoff = min(self._backoff * 2, RECONNECT_CAP)
 
