@@ -115,6 +115,8 @@ class Queue:
         self._sibling = sibling
         self._paused = False
         self._wakeups = Wakeups()
+        self._due_handle: asyncio.TimerHandle | None = None  # see ``_hand_on``
+        self._due_at = math.inf
         self._drains = 0
         self._closed = False
         self._background: set[asyncio.Task[Any]] = set()
@@ -239,17 +241,27 @@ class Queue:
         if self._store.max_message_bytes is not None:
             for entry in entries:
                 self._check_size(entry.payload, entry.headers)
-        await self._in_chunks(self._inserts, entries)
+        # Where batches run in tasks (PostgreSQL, MongoDB), chunks submitted together may run
+        # side by side (another caller's request starts a second batch task) and be stamped
+        # in any order: a later chunk could then come out first. One after the other there.
+        await self._in_chunks(self._inserts, entries, ordered=not self._store.run_in_caller)
         return [entry.id for entry in entries]
 
     async def _in_chunks(
-        self, coalescer: Coalescer[list[Item], list[bool]], items: list[Item]
+        self,
+        coalescer: Coalescer[list[Item], list[bool]],
+        items: list[Item],
+        *,
+        ordered: bool = False,
     ) -> list[bool]:
-        """Submit a caller's list in pieces of ``max_batch``; the flags of all, in order."""
+        """Submit a caller's list in pieces of ``max_batch``; the flags of all, in order.
+        With ``ordered``, each piece is submitted once the one before it is done."""
         size = self.options.max_batch
         if len(items) <= size:
             return await coalescer.submit(items) if items else []
         chunks = [items[i : i + size] for i in range(0, len(items), size)]
+        if ordered:
+            return [flag for chunk in chunks for flag in await coalescer.submit(chunk)]
         done = await asyncio.gather(*(coalescer.submit(chunk) for chunk in chunks))
         return [flag for flags in done for flag in flags]
 
@@ -409,46 +421,75 @@ class Queue:
         backoff = MIN_WAIT
         failures = 0
         wakeups = self._wakeups
-        while not self._closed and self._drains == drains:
-            announced = wakeups.announced  # taken before trying: a push meanwhile is seen
-            next_mature = None
-            wait = self.options.poll_interval
-            failed = False
-            if not self._paused:
-                generation = 0 if outage is None else outage.generation
-                try:
-                    stored, next_mature = await source.submit(n)
-                except Exception as exc:
-                    if outage is None:
-                        raise
-                    outage.failed(exc, generation, doing)  # raises what is not worth retrying
-                    stored, wait, failed = [], retry_backoff(failures), True
-                    failures += 1
-                else:
-                    failures = 0
-                    if outage is not None:
-                        outage.succeeded()
-                if stored:
-                    if _more_ready(stored, n, next_mature):
-                        wakeups.wake(1)  # pass the baton to a sleeper, if any
-                    return stored
-            if next_mature is not None:
-                until = next_mature - time.time()
-                if until > 0:
-                    wait, backoff = min(wait, max(until, MIN_WAIT)), MIN_WAIT
-                else:
-                    wait, backoff = min(wait, backoff), backoff * 2
-            if deadline is not None:
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    break
-                wait = min(wait, remaining)
-            if wakeups.announced != announced and not failed and not self._paused:
-                continue  # something was announced while we fetched: look again
-            woken = await wakeups.sleep(n, wait)
-            if not woken and self._paused:
-                self._paused = await self._poll_paused(outage)  # a lost resume
+        # A future mature time this loop learned and sleeps toward. The announcement of that
+        # message woke this consumer only: if it leaves before then (a timeout, a
+        # cancellation), the wake-up is handed on for that time, else the sleepers left
+        # would wait out the poll interval.
+        due: float | None = None
+        try:
+            while not self._closed and self._drains == drains:
+                announced = wakeups.announced  # taken before trying: a push meanwhile is seen
+                next_mature = None
+                wait = self.options.poll_interval
+                failed = False
+                if not self._paused:
+                    generation = 0 if outage is None else outage.generation
+                    try:
+                        stored, next_mature = await source.submit(n)
+                    except Exception as exc:
+                        if outage is None:
+                            raise
+                        outage.failed(exc, generation, doing)  # raises what isn't worth retrying
+                        stored, wait, failed = [], retry_backoff(failures), True
+                        failures += 1
+                    else:
+                        failures, due = 0, None
+                        if outage is not None:
+                            outage.succeeded()
+                    if stored:
+                        if _more_ready(stored, n, next_mature):
+                            wakeups.wake(1)  # pass the baton to a sleeper, if any
+                        return stored
+                if next_mature is not None:
+                    until = next_mature - time.time()
+                    if until > 0:
+                        wait, backoff = min(wait, max(until, MIN_WAIT)), MIN_WAIT
+                        due = next_mature
+                    else:
+                        wait, backoff = min(wait, backoff), backoff * 2
+                if deadline is not None:
+                    remaining = deadline - time.monotonic()
+                    if remaining <= 0:
+                        break
+                    wait = min(wait, remaining)
+                if wakeups.announced != announced and not failed and not self._paused:
+                    continue  # something was announced while we fetched: look again
+                woken = await wakeups.sleep(n, wait)
+                if not woken and self._paused:
+                    self._paused = await self._poll_paused(outage)  # a lost resume
+        except BaseException:
+            if due is not None:
+                self._hand_on(due)
+            raise
+        if due is not None:
+            self._hand_on(due)
         return []
+
+    def _hand_on(self, due: float) -> None:
+        """A consumer that knew something falls due at ``due`` (epoch seconds) left before
+        then: wake one sleeper at that time (one timer per queue, the earliest)."""
+        if self._closed or (self._due_handle is not None and self._due_at <= due):
+            return
+        if self._due_handle is not None:
+            self._due_handle.cancel()
+        self._due_at = due
+        loop = asyncio.get_running_loop()
+        self._due_handle = loop.call_later(max(due - time.time(), 0.0), self._fall_due)
+
+    def _fall_due(self) -> None:
+        self._due_handle, self._due_at = None, math.inf
+        if not self._closed and not self._paused:
+            self._wakeups.announce(1)
 
     async def _poll_paused(self, outage: Outage | None) -> bool:
         if outage is None:
@@ -994,6 +1035,9 @@ class Queue:
             await consumer.stop()
         await self.drain()
         self._closed = True
+        if self._due_handle is not None:
+            self._due_handle.cancel()
+            self._due_handle = None
         self._wakeups.announce(None)
         self._unsubscribe()
         for coalescer in (

@@ -178,3 +178,33 @@ async def test_cancel_storm_during_traffic_loses_nothing(queue: aio_keuss.Queue)
     await asyncio.sleep(0.1)  # put-backs of cancelled batches are written in the background
     left = [m.payload for m in await drain_all(queue)]
     assert sorted(received + left) == list(range(total))
+
+
+async def test_push_many_in_chunks_keeps_order_beside_another_producer(
+    factory: aio_keuss.Factory,
+) -> None:
+    """A push_many longer than max_batch goes in as several chunks; while another task
+    pushes too, its chunks may run side by side, and they must still come out in push order
+    (PostgreSQL stamped each chunk with its own transaction's now(): a later chunk came out
+    first)."""
+    queue = await factory.queue("q1", max_batch=200)
+    if not queue.capabilities.fifo:
+        pytest.skip("order holds within a shard only")
+    total = 1000
+    for _ in range(5):
+        stop = asyncio.Event()
+
+        async def other_producer(stop: asyncio.Event) -> None:
+            while not stop.is_set():
+                await queue.push("other")
+                await asyncio.sleep(0)
+
+        beside = asyncio.create_task(other_producer(stop))
+        await asyncio.sleep(0.01)
+        await queue.push_many(list(range(total)))
+        stop.set()
+        await beside
+        got: list[object] = []
+        while batch := await queue.pop_many(200, timeout=0.5):
+            got.extend(m.payload for m in batch if m.payload != "other")
+        assert got == list(range(total))

@@ -156,3 +156,28 @@ async def test_many_consumers_get_each_message_exactly_once(queue: aio_keuss.Que
     assert len(seen) == total
     assert sorted(seen) == list(range(total))
     assert await queue.total_size() == 0
+
+
+@pytest.mark.parametrize("leave", ["timeout", "cancel"])
+async def test_a_delayed_wakeup_outlives_the_consumer_it_woke(connect: Connect, leave: str) -> None:
+    """The announcement of a delayed message wakes one sleeper, which then sleeps toward the
+    mature time; when that consumer leaves first (its timeout ends, it is cancelled), another
+    sleeper must still take the message when it matures, not a poll interval later."""
+    factory = await connect(poll_interval=30.0)
+    needs(factory, "delay")
+    q = await factory.queue("q1")
+    take = q.reserve if q.capabilities.reserve else q.pop
+    first = asyncio.create_task(take(timeout=0.6 if leave == "timeout" else 20))
+    await asyncio.sleep(0.2)  # the longest sleeper: the one the push wakes
+    second = asyncio.create_task(take(timeout=20))
+    await asyncio.sleep(0.2)
+    start = time.monotonic()
+    await q.push("later", delay=1.0)
+    if leave == "cancel":
+        await asyncio.sleep(0.3)
+        first.cancel()
+    await asyncio.gather(first, return_exceptions=True)
+    message = await asyncio.wait_for(second, 25)
+    elapsed = time.monotonic() - start
+    assert message is not None and message.payload == "later"
+    assert elapsed < 10.0, elapsed  # due after 1 s; the poll interval is 30 s
