@@ -35,6 +35,18 @@ COUNTERS = ("put", "get", "reserve", "commit", "rollback", "deadletter")
 
 Increments = dict[str, dict[str, int]]
 
+
+class PartlyWritten(Exception):
+    """Raised by :meth:`StatsStore._apply` when only part of a batch was written (a Redis
+    Cluster node away while the others answer): only ``unwritten`` goes back into the
+    buffer, since what was written must not be added again by the next flush."""
+
+    def __init__(self, unwritten: Increments, cause: BaseException) -> None:
+        super().__init__(str(cause) or type(cause).__name__)
+        self.unwritten = unwritten
+        self.__cause__ = cause
+
+
 CLOSE_WAIT = 2.0
 """Longest ``close`` waits for the flusher; a driver that never returns must not hang it."""
 
@@ -117,6 +129,9 @@ class StatsStore(ABC):
         self._buffer.clear()
         try:
             await self._apply(batch)
+        except PartlyWritten as exc:
+            self._merge_back(exc.unwritten)
+            raise
         except Exception:
             self._merge_back(batch)
             raise

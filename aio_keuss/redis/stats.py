@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 import orjson
 
-from ..stats import Increments, StatsStore
+from ..stats import Increments, PartlyWritten, StatsStore
 
 if TYPE_CHECKING:
     from .connection import RedisConnection
@@ -35,13 +35,26 @@ class RedisStats(StatsStore):
         """One HINCRBY per counter, all sent at once: pipelined on the fast lane's one
         connection, spread over pooled connections (and cluster nodes) through redis-py."""
         execute = self._backend.execute
-        await asyncio.gather(
-            *(
-                execute("HINCRBY", self._counters_key(queue), name, n)
-                for queue, counters in increments.items()
-                for name, n in counters.items()
-            )
-        )
+        items = [
+            (queue, name, n)
+            for queue, counters in increments.items()
+            for name, n in counters.items()
+            if n
+        ]
+
+        async def one(queue: str, name: str, n: int) -> None:
+            await execute("HINCRBY", self._counters_key(queue), name, n)
+
+        results = await asyncio.gather(*(one(*item) for item in items), return_exceptions=True)
+        unwritten: Increments = {}
+        failure: BaseException | None = None
+        for (queue, name, n), result in zip(items, results, strict=True):
+            if isinstance(result, BaseException):
+                failure = failure or result
+                unwritten.setdefault(queue, {})[name] = n
+        if failure is not None:
+            # Only what failed goes back: the increments that landed must not be added again.
+            raise PartlyWritten(unwritten, failure)
 
     async def _load_counters(self, queue: str) -> dict[str, int]:
         stored = await self._backend.hash_items(self._counters_key(queue))

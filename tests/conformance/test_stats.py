@@ -179,3 +179,49 @@ async def test_real_store_read_during_a_flush_counts_the_batch_once(connect: Any
     finally:
         release.set()
         await store.close()
+
+
+class _OneSlotAway:
+    """The factory's Redis connection, except that HINCRBY on queue ``away``'s key fails
+    (the node serving its slot is down) while ``away`` is set."""
+
+    def __init__(self, real: Any) -> None:
+        self._real = real
+        self.away = True
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._real, name)
+
+    def execute(self, *args: Any) -> Any:
+        if self.away and args[0] == "HINCRBY" and "{away}" in args[1]:
+
+            async def fail() -> None:
+                raise aio_keuss.KeussConnectionError("the node serving this slot is away")
+
+            return fail()
+        return self._real.execute(*args)
+
+
+@pytest.mark.parametrize(
+    "case", [c for c in CASES if c.id == "redis-oq"], indirect=True, ids=lambda c: c.id
+)
+async def test_a_partly_failed_flush_does_not_add_the_written_part_again(connect: Any) -> None:
+    factory: aio_keuss.Factory = await connect()
+    backend = _OneSlotAway(factory.backend)
+    store: StatsStore = type(factory.stats_store)(backend)
+    await store.open()
+    try:
+        store.incr("here", "put", 7)
+        store.incr("away", "put", 5)
+        await asyncio.sleep(0.6)  # several flushes: "here" lands, "away" keeps failing
+        backend.away = False
+        for _ in range(500):  # until a flush writes "away"
+            if (await store.counters("away"))["put"] == 5:
+                break
+            await asyncio.sleep(0.02)
+        assert (await store.counters("here"))["put"] == 7
+        assert (await store.counters("away"))["put"] == 5
+        assert (await factory.stats_store.counters("here"))["put"] == 7  # stored once
+    finally:
+        backend.away = False
+        await store.close()
