@@ -369,7 +369,8 @@ class Consumer:
         self._prefetch = prefetch
         self._batch = batch
         self._settle = settle
-        self._buffer: deque[Message] = deque()
+        # prefetched messages, each with the monotonic time its reservation runs out
+        self._buffer: deque[tuple[Message, float]] = deque()
         self._fetching = asyncio.Lock()
         # With prefetch, oks are sent in the background, several to a round trip: handled
         # messages wait in ``_oks`` for one of at most OK_SENDERS sender tasks; at most
@@ -479,7 +480,7 @@ class Consumer:
         if self._acks:
             await asyncio.gather(*self._acks, return_exceptions=True)
         while self._buffer:  # prefetched, never started: back at once, costing no try
-            message = self._buffer.popleft()
+            message, _ = self._buffer.popleft()
             if self._reserve:
                 await self._acknowledge("release", message, self.queue.release(message))
         self.queue.stopped(self)
@@ -527,11 +528,27 @@ class Consumer:
         if not self._prefetch:
             got = await self.queue.next(self._outage, 1)
             return got[0] if got else None
-        if not self._buffer:
-            async with self._fetching:
-                if not self._buffer:
-                    self._buffer.extend(await self.queue.next(self._outage, 1 + self._prefetch))
-        return self._buffer.popleft() if self._buffer else None
+        while True:
+            if not self._buffer:
+                async with self._fetching:
+                    if not self._buffer:
+                        got = await self.queue.next(self._outage, 1 + self._prefetch)
+                        until = math.inf  # handed out while at least half of it is left
+                        if self._reserve and self.queue.capabilities.reservation_expiry:
+                            until = time.monotonic() + self.queue.reserve_delay / 2
+                        self._buffer.extend((message, until) for message in got)
+            if not self._buffer:
+                return None
+            message, until = self._buffer.popleft()
+            if time.monotonic() < until:
+                return message
+            # most of its reservation ran out while it waited here (all of it, and another
+            # consumer may be handling it already): give it back, costing no try (refused if
+            # someone else holds it now), rather than start a handler it may outlive
+            log.debug(
+                "queue %r: prefetched message %s waited too long", self.queue.name, message.id
+            )
+            await self._acknowledge("release", message, self.queue.release(message))
 
     async def _handle(self, message: Message) -> None:
         started = time.monotonic()

@@ -238,3 +238,44 @@ async def test_factory_close_stops_consumers_first(connect: Connect) -> None:
     await asyncio.wait_for(started.wait(), 5)
     await factory.close()  # lets the running handler finish and ok its message
     assert finished == ["in flight"]
+
+
+async def test_a_prefetched_message_whose_reservation_ran_out_is_not_handled_twice_at_once(
+    connect: Connect,
+) -> None:
+    """A message prefetched by one consumer and left waiting past its reservation is taken
+    by another consumer: the first must not start a handler on it as well (a prefetched
+    message with less than half its reservation left is given back instead)."""
+    first = await connect(poll_interval=5.0)
+    needs(first, "reserve")
+    if not first.capabilities.reservation_expiry or not first.capabilities.shared:
+        pytest.skip("reservations that expire, seen by another factory")
+    second = await connect(poll_interval=5.0)
+    q1 = await first.queue("jobs", reserve_delay=2)
+    q2 = await second.queue("jobs", reserve_delay=2)
+    running: dict[str, int] = {}
+    overlaps: list[object] = []
+    handled: set[str] = set()
+
+    async def handler(message: Message) -> None:
+        if running.get(message.id):
+            overlaps.append(message.payload)
+        running[message.id] = running.get(message.id, 0) + 1
+        try:
+            await asyncio.sleep(1.5)
+        finally:
+            running[message.id] -= 1
+            handled.add(message.id)
+
+    ids = await q1.push_many([0, 1, 2, 3])
+    slow = q1.consume(handler, concurrency=1, prefetch=3)  # reserves all four at once
+    await asyncio.sleep(0.3)
+    other = q2.consume(handler, concurrency=2)
+    for _ in range(3000):
+        if handled >= set(ids):
+            break
+        await asyncio.sleep(0.01)
+    await slow.stop(5)
+    await other.stop(5)
+    assert handled >= set(ids)
+    assert overlaps == []
