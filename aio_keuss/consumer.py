@@ -84,6 +84,19 @@ TRACEBACK_EVERY = 10.0
 _NOT_RETRIED = (ClosedError, InvalidInputError, NotSupportedError, ConfigError)
 
 
+class HandlerCancelled(RuntimeError):
+    """A handler raised a ``CancelledError`` of its own (it awaited something another task
+    cancelled) while its worker was not asked to stop: a failure of that message (ko with
+    backoff), not a stop of the worker, which would end it with nothing logged."""
+
+
+def _asked_to_stop() -> bool:
+    """Whether the running task's own cancellation is pending (a stop, a timeout), as
+    opposed to a handler raising a ``CancelledError`` it got from something it awaited."""
+    task = asyncio.current_task()
+    return task is None or task.cancelling() > 0
+
+
 def retryable(exc: BaseException) -> bool:
     """Whether a failed round trip is worth retrying: connection and server errors are (and
     any unexpected exception from a store); a closed queue or a misuse never heals."""
@@ -390,6 +403,9 @@ class Consumer:
         self._stopping = False
         self._stop_asked = asyncio.Event()  # ends a backoff the worker waits itself
         self._waiting: set[asyncio.Task[None]] = set()
+        # Workers running their handler: the only ones a stop past its grace cancels (one
+        # whose handler returned finishes its ok / ko: cancelling it could drop the ok).
+        self._handling: set[asyncio.Task[Any]] = set()
         self._outage = Outage(queue.name, "consumer")
         self._in_flight = 0
         self.handled = 0
@@ -475,7 +491,8 @@ class Consumer:
             task.cancel()
         _, late = await asyncio.wait(self._workers, timeout=grace)
         for task in late:
-            task.cancel()
+            if task in self._handling:
+                task.cancel()
         await asyncio.gather(*self._workers, return_exceptions=True)
         if self._acks:
             await asyncio.gather(*self._acks, return_exceptions=True)
@@ -553,14 +570,23 @@ class Consumer:
     async def _handle(self, message: Message) -> None:
         started = time.monotonic()
         deadline: asyncio.Timeout | None = None
+        task = cast(asyncio.Task[Any], asyncio.current_task())
+        self._handling.add(task)
         try:
-            result = cast(Handler, self._handler)(message)
-            if inspect.isawaitable(result):
-                if self._timeout is None:
-                    result = await result
-                else:
-                    async with asyncio.timeout(self._timeout) as deadline:
+            try:
+                result = cast(Handler, self._handler)(message)
+                if inspect.isawaitable(result):
+                    if self._timeout is None:
                         result = await result
+                    else:
+                        async with asyncio.timeout(self._timeout) as deadline:
+                            result = await result
+            except asyncio.CancelledError as exc:
+                if _asked_to_stop():
+                    raise
+                raise HandlerCancelled(f"the handler raised {exc!r} unasked") from exc
+            finally:
+                self._handling.discard(task)
         except asyncio.CancelledError:
             self._ran(started, "cancelled")
             if self._reserve:
@@ -664,11 +690,20 @@ class Consumer:
         ko-ed (each with its own backoff) when it raises, all given back when cancelled."""
         started = time.monotonic()
         deadline: asyncio.Timeout | None = None
+        task = cast(asyncio.Task[Any], asyncio.current_task())
+        self._handling.add(task)
         try:
-            result = cast(BatchHandler, self._handler)(messages)
-            if inspect.isawaitable(result):
-                async with asyncio.timeout(self._timeout) as deadline:
-                    await result
+            try:
+                result = cast(BatchHandler, self._handler)(messages)
+                if inspect.isawaitable(result):
+                    async with asyncio.timeout(self._timeout) as deadline:
+                        await result
+            except asyncio.CancelledError as exc:
+                if _asked_to_stop():
+                    raise
+                raise HandlerCancelled(f"the handler raised {exc!r} unasked") from exc
+            finally:
+                self._handling.discard(task)
         except asyncio.CancelledError:
             self._ran(started, "cancelled")
             if self._reserve:

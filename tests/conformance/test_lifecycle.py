@@ -279,3 +279,72 @@ async def test_a_prefetched_message_whose_reservation_ran_out_is_not_handled_twi
     await other.stop(5)
     assert handled >= set(ids)
     assert overlaps == []
+
+
+async def test_a_handler_raising_cancelled_error_itself_fails_and_the_worker_goes_on(
+    connect: Connect,
+) -> None:
+    """A CancelledError the handler raises (it awaited a task someone else cancelled) is a
+    handler failure, not a stop: the worker must not die with it, silently, for good."""
+    factory = await connect(poll_interval=5.0)
+    q = await factory.queue("jobs")
+    seen: list[str] = []
+
+    async def handler(message: Message) -> None:
+        seen.append(message.payload)
+        if message.payload == "poison":
+            other = asyncio.ensure_future(asyncio.sleep(10))
+            await asyncio.sleep(0)
+            other.cancel()
+            await other  # CancelledError, raised inside the handler
+
+    consumer = q.consume(handler, concurrency=1, retry_delay=0.01, max_retry_delay=0.05)
+    try:
+        await q.push("poison")
+        for _ in range(100):
+            if seen:
+                break
+            await asyncio.sleep(0.05)
+        await q.push("after")
+        for _ in range(200):
+            if "after" in seen:
+                break
+            await asyncio.sleep(0.05)
+        assert consumer.state == "running"
+        assert "after" in seen
+        assert consumer.failed >= 1
+    finally:
+        await consumer.stop(grace=1)
+
+
+async def test_a_stop_whose_grace_ends_as_a_handler_returns_keeps_its_ok(
+    connect: Connect,
+) -> None:
+    """A handler that returned is done: the stop's grace running out while its ok is on
+    the way must not cancel the ok (the message would stay reserved, then be handled
+    again)."""
+    factory = await connect(poll_interval=5.0)
+    needs(factory, "reserve")
+    q = await factory.queue("jobs", reserve_delay=600)
+    loop = asyncio.get_running_loop()
+    for attempt in range(3):
+        await q.push(attempt)
+        started = asyncio.Event()
+        finish: asyncio.Future[None] = loop.create_future()
+
+        async def handler(message: Message, started=started, finish=finish) -> None:
+            started.set()
+            await finish
+
+        consumer = q.consume(handler)
+        await asyncio.wait_for(started.wait(), 30)
+        # the handler returns in the loop iteration in which the grace runs out
+        loop.call_at(loop.time() + 0.3, finish.set_result, None)
+        await consumer.stop(grace=0.3)
+        await asyncio.sleep(0.2)
+        sizes = await q.sizes()
+        if consumer.handled:
+            assert sizes.total == 0, f"handled, but still held: {sizes}"
+        else:  # cancelled in time: given back, ready at once
+            assert sizes.reserved == 0
+            assert await q.pop_many(1, timeout=5)
