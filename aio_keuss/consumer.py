@@ -402,6 +402,7 @@ class Consumer:
         self._reserve = queue.capabilities.reserve
         self._stopping = False
         self._stop_asked = asyncio.Event()  # ends a backoff the worker waits itself
+        self._stopper: asyncio.Task[None] | None = None  # a stop a handler asked for
         self._waiting: set[asyncio.Task[None]] = set()
         # Workers running their handler: the only ones a stop past its grace cancels (one
         # whose handler returned finishes its ok / ko: cancelling it could drop the ok).
@@ -484,12 +485,30 @@ class Consumer:
 
     async def stop(self, grace: float | None = 30.0) -> None:
         """Stop taking messages; wait ``grace`` seconds for running handlers, then cancel them
-        (their messages go back at once)."""
+        (their messages go back at once). Called by one of this consumer's own handlers,
+        it cannot wait for that handler to end: it starts the stop and returns."""
+        if asyncio.current_task() in self._workers:
+            self._stopping = True
+            if self._stopper is None:
+                self._stopper = self._loop.create_task(self.stop(grace))
+            return
         self._stopping = True
         self._stop_asked.set()
         for task in self._waiting:  # waiting for a message: cancelling loses nothing
             task.cancel()
-        _, late = await asyncio.wait(self._workers, timeout=grace)
+        try:
+            _, late = await asyncio.wait(self._workers, timeout=grace)
+        except asyncio.CancelledError:
+            # the caller is cancelled during the grace (a shutdown timeout, a second ^C):
+            # stop at once rather than leave the workers unsupervised and the prefetched
+            # messages held until their reservations expire
+            await asyncio.shield(self._stopped({t for t in self._workers if not t.done()}))
+            raise
+        await self._stopped(late)
+
+    async def _stopped(self, late: set[asyncio.Task[None]]) -> None:
+        """The end of a stop: cancel the workers still inside their handler, wait for every
+        worker and acknowledgement, give back what was prefetched."""
         for task in late:
             if task in self._handling:
                 task.cancel()

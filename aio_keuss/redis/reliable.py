@@ -828,10 +828,19 @@ class RedisReliableStore(Store):
         for task in tasks:
             await stop_task(task)
         if tasks:
-            await self._scripts.retire(
-                keys=[self._processing, self._consumers, self._heartbeat],
-                args=[self.consumer],
-            )
+            try:
+                await self._scripts.retire(
+                    keys=[self._processing, self._consumers, self._heartbeat],
+                    args=[self.consumer],
+                )
+            except Exception as exc:  # the server is away at close: as if the process died
+                log.warning(
+                    "redis-reliable %r: could not unregister consumer %s on close (%r); what it"
+                    " holds comes back once its heartbeat expires",
+                    self.name,
+                    self.consumer,
+                    exc,
+                )
 
 
 class _Scripts:

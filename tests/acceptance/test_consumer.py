@@ -401,3 +401,20 @@ async def test_prefetch_oks_are_all_in_when_stop_returns(connect: Connect) -> No
     assert sorted(handled) == list(range(300))
     assert await q.total_size() == 0  # every ok landed: nothing left reserved
     assert (await q.stats())["commit"] == 300
+
+
+async def test_redis_reliable_close_with_the_server_away_closes_every_queue() -> None:
+    """README: if the server is down at close, reservations come back when they expire.
+    Closing must not raise, and must still stop every queue's consumers."""
+
+    async def handler(message: Message) -> None:
+        pass
+
+    with own_redis() as server:
+        factory = await aio_keuss.connect("redis-reliable", url=server.url, prefix="rc")
+        first = (await factory.queue("a")).consume(handler)
+        second = (await factory.queue("b")).consume(handler)
+        await asyncio.sleep(0.3)  # both have reserved once: their recovery tasks run
+        await asyncio.to_thread(server.stop)
+        await factory.close()
+        assert first.state == "stopped" and second.state == "stopped"

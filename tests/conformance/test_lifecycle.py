@@ -348,3 +348,54 @@ async def test_a_stop_whose_grace_ends_as_a_handler_returns_keeps_its_ok(
         else:  # cancelled in time: given back, ready at once
             assert sizes.reserved == 0
             assert await q.pop_many(1, timeout=5)
+
+
+async def test_a_stop_cancelled_during_its_grace_still_gives_everything_back(
+    connect: Connect,
+) -> None:
+    """Leaving ``async with q.consume(...)`` by a cancellation, then being cancelled again
+    during the stop's grace (a shutdown timeout, a second Ctrl-C): the running handlers are
+    cancelled and every message held, prefetched ones too, is given back at once."""
+    factory = await connect(poll_interval=5.0)
+    needs(factory, "reserve")
+    q = await factory.queue("jobs", reserve_delay=600)
+    await q.push_many(list(range(20)))
+    started = asyncio.Event()
+
+    async def handler(message: Message) -> None:
+        started.set()
+        await asyncio.sleep(0.5)
+
+    async def service() -> None:
+        async with q.consume(handler, concurrency=2, prefetch=5):
+            await asyncio.sleep(100)
+
+    task = asyncio.create_task(service())
+    await asyncio.wait_for(started.wait(), 30)
+    await asyncio.sleep(0.1)
+    task.cancel()  # the stop begins, with its 30 s grace
+    await asyncio.sleep(0.1)
+    task.cancel()  # and is cancelled in turn
+    await asyncio.gather(task, return_exceptions=True)
+    await asyncio.sleep(1.0)  # past the end of any handler left running
+    sizes = await q.sizes()
+    assert sizes.reserved == 0, sizes
+
+
+async def test_a_handler_may_stop_its_own_consumer(connect: Connect) -> None:
+    """``await consumer.stop()`` from the consumer's own handler ("stop after this one")
+    must not wait for itself: the stop completes, the message is acknowledged."""
+    factory = await connect(poll_interval=5.0)
+    q = await factory.queue("jobs")
+    consumer = None
+
+    async def handler(message: Message) -> None:
+        assert consumer is not None
+        await consumer.stop(grace=2)
+
+    consumer = q.consume(handler, concurrency=2)
+    await q.push("last")
+    await asyncio.wait_for(consumer.wait(), 30)
+    assert consumer.handled == 1
+    if q.capabilities.reserve:
+        assert (await q.sizes()).total == 0
