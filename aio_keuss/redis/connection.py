@@ -92,6 +92,10 @@ def _is_connection_error(exc: BaseException) -> bool:
         return str(exc).split(" ", 1)[0] in _NOT_READY_CODES
     if isinstance(exc, redis_errors.SlotNotCoveredError):
         return True  # redis-py's cluster client: no node serves the slot (a failover)
+    if isinstance(exc, redis_errors.ClusterError) and str(exc) == "TTL exhausted.":
+        # redis-py's cluster client gave up following redirections (MOVED, ASK) and
+        # TRYAGAIN replies: a slot being resharded, without the last reply as the cause
+        return True
     if isinstance(exc, redis_errors.RedisClusterException):
         # e.g. "Redis Cluster cannot be connected", raised from the connection error
         return isinstance(exc.__cause__, _CONNECTION_ERRORS)

@@ -457,3 +457,24 @@ async def test_a_listener_whose_driver_swallows_the_cancellation_still_stops() -
     await bus.open()
     async with asyncio.timeout(10):
         await bus.close()
+
+
+async def test_redis_cluster_tryagain_past_redis_pys_retries_is_a_connection_error() -> None:
+    """redis-py's cluster client retries TRYAGAIN (a slot being resharded) 16 times, then
+    raises ClusterError("TTL exhausted.") without the reply as its cause: still a slot that
+    cannot be served right now, so KeussConnectionError as the README's table says."""
+    import redis_cluster
+
+    reason = redis_cluster.start_redis_cluster()
+    if reason:
+        pytest.skip(reason)
+    async with aio_keuss.connect(
+        "redis-oq", url=redis_cluster.CLUSTER_URL, cluster=True, prefix="akt-tryagain"
+    ) as factory:
+        backend: Any = factory.backend
+        with pytest.raises(KeussConnectionError):
+            await backend.execute(
+                "EVAL", "return redis.error_reply(ARGV[1])", 1, "akt-tryagain:{q}:z",
+                "TRYAGAIN Multiple keys request during rehashing of slot",
+            )  # fmt: skip
+        await backend.execute("PING")
