@@ -27,6 +27,7 @@ from ..loading import import_object
 from ..options import check_seconds
 from ..pipeline import Pipeline, from_dict, load
 from .health import HealthServer
+from .settings import named_twice
 
 log = logging.getLogger("aio_keuss.worker")
 
@@ -79,6 +80,9 @@ async def run_worker(
         raise InvalidInputError(
             "a handler and queues (a queue name or a non-empty list of names) are needed"
         )
+    twice = named_twice(names)
+    if twice:
+        raise InvalidInputError(twice)
     grace = check_seconds(grace, "grace")
     if factory is None:
         own = await connect(backend, **options)

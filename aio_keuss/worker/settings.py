@@ -83,7 +83,23 @@ def _queues(value: Any) -> tuple[str, ...]:
             check_queue_name(name)
         except InvalidQueueNameError as exc:
             raise ConfigError(str(exc)) from None
+    twice = named_twice(names)
+    if twice:
+        raise ConfigError(twice)
     return names
+
+
+def named_twice(names: Sequence[str]) -> str | None:
+    """Why a list of queues naming one twice is refused, or None. Two consumers on one
+    queue in one process only do what ``concurrency`` does, and would report the same
+    metric series twice (a scrape Prometheus rejects)."""
+    twice = sorted({name for name in names if names.count(name) > 1})
+    if not twice:
+        return None
+    return (
+        f"queue {', '.join(map(repr, twice))} given more than once: one consumer per queue"
+        " (raise concurrency for more handlers)"
+    )
 
 
 _LEVELS = ("debug", "info", "warning", "error", "critical")

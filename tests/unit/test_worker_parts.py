@@ -263,3 +263,21 @@ def test_settings_take_a_pipeline_instead_of_a_handler() -> None:
     assert resolve({}, {"AIO_KEUSS_PIPELINE": "etl.toml"}).pipeline == "etl.toml"
     with pytest.raises(ConfigError, match="not both"):
         resolve({"pipeline": "etl:build", "handler": "m:f", "queues": ["q"]}, {})
+
+
+async def test_a_queue_given_twice_to_a_worker_is_refused() -> None:
+    async def handle(message: Message) -> None:
+        return None
+
+    stop = asyncio.Event()
+    stop.set()  # without the check, run_worker would return at once rather than raise
+    async with aio_keuss.connect("memory") as factory:
+        with pytest.raises(InvalidInputError, match="more than once"):
+            await aio_keuss.run_worker(handle, ["a", "b", "a"], factory=factory, stop=stop)
+        assert not factory.open_queues()  # refused before any queue was opened
+    for flags, env in [
+        ({"handler": "m:f", "queues": ["a", "a"]}, {}),
+        ({"handler": "m:f"}, {"AIO_KEUSS_QUEUE": "a, a"}),
+    ]:
+        with pytest.raises(ConfigError, match="more than once"):
+            resolve(flags, env)
