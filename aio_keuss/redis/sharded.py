@@ -59,6 +59,9 @@ class RedisShardStorage(ShardStorage):
     def __init__(self, backend: RedisBackend) -> None:
         self._backend = backend
         self._run = backend.run_script
+        if backend.cluster:  # shard scripts must not run while their slot migrates
+            run, guarded = backend.run_script, lua.CLUSTER_GUARDED
+            self._run = lambda script, keys, args: run(guarded.get(script, script), keys, args)
         self.registry_key = f"{backend.prefix}:sharded:queues"
         self.lease_key = f"{backend.prefix}:sharded:leader"
         self._shards: dict[str, dict[int, tuple[str, list[str]]]] = {}

@@ -527,3 +527,31 @@ INSERT, FIRE, COMMIT, ROLLBACK, SIZES, SWEEP, SHOVEL = (
 READY_ADD, READY_DROP, READY_HEAD, ENROL, LEASE, RELEASE, META = (
     Script(body) for body in (_READY_ADD, _READY_DROP, _READY_HEAD, _ENROL, _LEASE, _RELEASE, _META)
 )
+
+# On Redis Cluster a shard script touches record keys it cannot declare (their pointers are
+# found as it runs). While the shard's slot migrates, such a key may sit on the other node:
+# on the migrating node the script then fails half-way (writes made before it stay), and on
+# the importing node (reached by ASK) it reads the key as missing and takes the record for
+# acknowledged. So on a cluster each shard script first checks that this node is neither
+# migrating nor importing its slot (CLUSTER NODES marks them ``[slot->-`` / ``[slot-<-``)
+# and, if it is, answers TRYAGAIN before anything is read or written: the client retries,
+# as it does for a multi-key command during resharding.
+_CLUSTER_GUARD = """
+do
+  local slot = redis.call('CLUSTER', 'KEYSLOT', KEYS[1])
+  for line in string.gmatch(redis.call('CLUSTER', 'NODES'), '[^\\n]+') do
+    if string.find(line, 'myself', 1, true) then
+      if string.find(line, '[' .. slot .. '-', 1, true) then
+        return redis.error_reply('TRYAGAIN hash slot ' .. slot .. ' is being migrated')
+      end
+      break
+    end
+  end
+end
+"""
+
+CLUSTER_GUARDED: dict[Script, Script] = {
+    script: Script(_CLUSTER_GUARD + script.text.decode())
+    for script in (INSERT, FIRE, COMMIT, ROLLBACK, SIZES, SWEEP, SHOVEL)
+}
+"""The shard scripts as run on a Redis Cluster (see ``_CLUSTER_GUARD``)."""

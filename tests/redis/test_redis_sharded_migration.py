@@ -1,0 +1,172 @@
+"""redis-sharded on Redis Cluster while a shard's hash slot migrates: its scripts touch record
+keys they cannot declare, so they must not run half on one node and half on the other.
+Runs on the suite's cluster (redis_cluster.PORTS); each test moves one slot and puts it back.
+"""
+
+from __future__ import annotations
+
+import subprocess
+from collections.abc import AsyncIterator
+
+import pytest
+from backends import new_token
+
+import aio_keuss
+from aio_keuss.errors import KeussError
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def _cli(port: int, *args: object) -> str:
+    done = subprocess.run(
+        ["redis-cli", "-p", str(port), *map(str, args)], capture_output=True, text=True, timeout=10
+    )
+    return done.stdout.strip()
+
+
+def _masters(port: int) -> dict[str, tuple[int, list[str]]]:
+    out = {}
+    for line in _cli(port, "cluster", "nodes").splitlines():
+        f = line.split()
+        if "master" in f[2] and "fail" not in f[2]:
+            out[f[0]] = (int(f[1].split(":")[1].split("@")[0]), f[8:])
+    return out
+
+
+def _owner(port: int, slot: int) -> tuple[str, int]:
+    for nid, (p, ranges) in _masters(port).items():
+        for r in ranges:
+            if not r.startswith("["):
+                a, _, b = r.partition("-")
+                if int(a) <= slot <= int(b or a):
+                    return nid, p
+    raise AssertionError(f"slot {slot} not served")
+
+
+class Migration:
+    """One slot moved from its owner to another master in steps, as redis-cli --cluster
+    reshard moves it (SETSLOT IMPORTING / MIGRATING, MIGRATE key by key, SETSLOT NODE)."""
+
+    def __init__(self, port: int, slot: int) -> None:
+        self.port, self.slot = port, slot
+        self.src_id, self.src = _owner(port, slot)
+        self.dst_id, self.dst = next(
+            (n, p) for n, (p, _) in _masters(port).items() if n != self.src_id
+        )
+
+    def start(self) -> None:
+        _cli(self.dst, "cluster", "setslot", self.slot, "importing", self.src_id)
+        _cli(self.src, "cluster", "setslot", self.slot, "migrating", self.dst_id)
+
+    def move(self, keys: list[str]) -> None:
+        for key in keys:
+            _cli(self.src, "migrate", "127.0.0.1", self.dst, key, 0, 5000)
+
+    def finish(self, back: bool = False) -> None:
+        src, dst, dst_id = (
+            (self.dst, self.src, self.src_id) if back else (self.src, self.dst, self.dst_id)
+        )
+        self.move_all(src, dst)
+        for p, _ in _masters(self.port).values():
+            _cli(p, "cluster", "setslot", self.slot, "node", dst_id)
+
+    def move_all(self, src: int, dst: int) -> None:
+        keys = _cli(src, "cluster", "getkeysinslot", self.slot, 100000).split()
+        for key in keys:
+            _cli(src, "migrate", "127.0.0.1", dst, key, 0, 5000)
+
+    def put_back(self) -> None:
+        """Where the slot was before the test."""
+        self.start_back()
+        self.finish(back=True)
+
+    def start_back(self) -> None:
+        _cli(self.src, "cluster", "setslot", self.slot, "importing", self.dst_id)
+        _cli(self.dst, "cluster", "setslot", self.slot, "migrating", self.src_id)
+
+
+@pytest.fixture
+async def cluster_factory() -> AsyncIterator[tuple[aio_keuss.Factory, str]]:
+    import redis_cluster
+
+    reason = redis_cluster.start_redis_cluster()
+    if reason:
+        pytest.skip(reason)
+    prefix = f"akt-shm-{new_token()}"
+    factory = await aio_keuss.connect(
+        "redis-sharded", url=redis_cluster.CLUSTER_URL, prefix=prefix, cluster=True,
+        shards=1, sweeper=False, poll_interval=0.5,
+    )  # fmt: skip
+    try:
+        yield factory, prefix
+    finally:
+        await factory.close()
+        await redis_cluster._drop_redis_cluster_prefix({"prefix": prefix})
+
+
+async def _shard_with_every_declared_key(q: aio_keuss.Queue) -> None:
+    await q.push("dedup", id="explicit-0")  # the shard's dedup ZSET exists
+    await q.push("later", delay=3600)  # and its schedule
+
+
+async def test_a_fire_on_the_importing_node_loses_no_record(
+    cluster_factory: tuple[aio_keuss.Factory, str],
+) -> None:
+    import redis_cluster
+
+    factory, prefix = cluster_factory
+    q = await factory.queue("q", reserve_delay=30)
+    await _shard_with_every_declared_key(q)
+    for n in range(3):
+        await q.push(n)
+    base = f"{prefix}:{{q#0}}:"
+    slot = int(_cli(redis_cluster.PORTS[0], "cluster", "keyslot", base + "m"))
+    migration = Migration(redis_cluster.PORTS[0], slot)
+    migration.start()
+    try:
+        migration.move([base + k for k in ("m", "ix", "d", "z")])  # the records not yet
+        got = []
+        try:
+            if (m := await q.reserve(timeout=0.2)) is not None:
+                got.append(m)
+        except KeussError:
+            pass  # refused while the slot migrates: retried below
+        migration.finish()
+        while (m := await q.reserve(timeout=1)) is not None:
+            got.append(m)
+        assert sorted(str(m.payload) for m in got) == ["0", "1", "2", "dedup"]
+    finally:
+        migration.put_back()
+
+
+async def test_a_ko_while_the_slot_migrates_loses_nothing(
+    cluster_factory: tuple[aio_keuss.Factory, str],
+) -> None:
+    import redis_cluster
+
+    factory, prefix = cluster_factory
+    q = await factory.queue("q", reserve_delay=30)
+    await _shard_with_every_declared_key(q)
+    await q.push("victim")
+    held = [m async for m in _reserve_all(q)]
+    victim = next(m for m in held if m.payload == "victim")
+    slot = int(_cli(redis_cluster.PORTS[0], "cluster", "keyslot", f"{prefix}:{{q#0}}:m"))
+    migration = Migration(redis_cluster.PORTS[0], slot)
+    migration.start()
+    try:
+        try:
+            await q.ko(victim)
+        except KeussError:
+            migration.finish()
+            assert await q.ko(victim)  # the caller's retry
+        else:
+            migration.finish()
+        again = await q.reserve(timeout=2)
+        assert again is not None and again.payload == "victim"
+    finally:
+        migration.put_back()
+
+
+async def _reserve_all(q: aio_keuss.Queue) -> AsyncIterator[aio_keuss.Message]:
+    while (m := await q.reserve(timeout=0.5)) is not None:
+        yield m
