@@ -120,6 +120,7 @@ class Queue:
         self._drains = 0
         self._closed = False
         self._background: set[asyncio.Task[Any]] = set()
+        self._pause_signals = 0  # pauses and resumes heard: a resync read older than one loses
         self._consumers: set[Consumer] = set()
         self._handler_failures = HandlerFailures(name)
         # Reservations handed out here and not yet ok-ed, ko-ed or released (id -> tries),
@@ -1057,13 +1058,34 @@ class Queue:
     # internals ------------------------------------------------------------------------
 
     def _on_signal(self, signal: Signal) -> None:
-        if signal.kind == "pause":
+        kind = signal.kind
+        if kind == "pause":
+            self._pause_signals += 1
             self._paused = True
             return
-        if signal.kind == "resume":
+        if kind == "resume":
+            self._pause_signals += 1
             self._paused = False
+        elif kind == "resync" and not self._closed:
+            self._in_background(self._resync_paused())
         if not self._paused:
-            self._wakeups.announce(signal.count if signal.kind == "insert" else None)
+            self._wakeups.announce(signal.count if kind == "insert" else None)
+
+    async def _resync_paused(self) -> None:
+        """The signal listener was away: a pause or resume sent meanwhile went unheard (a
+        lost insert costs a poll, a lost pause would cost for ever), so the paused flag is
+        read again, unless a pause or resume is heard meanwhile (it is newer)."""
+        heard = self._pause_signals
+        try:
+            paused = await self._stats.is_paused(self.name)
+        except Exception as exc:  # the next reconnection, or a resume's poll, tries again
+            log.debug("queue %r: paused flag not read again: %s", self.name, exc)
+            return
+        if heard != self._pause_signals or paused == self._paused:
+            return
+        self._paused = paused
+        if not paused:
+            self._wakeups.announce(None)
 
     def _check_open(self) -> None:
         if self._closed:

@@ -34,7 +34,7 @@ from .coalesce import stop_task
 
 log = logging.getLogger("aio_keuss.signal")
 
-SignalKind = Literal["insert", "pause", "resume"]
+SignalKind = Literal["insert", "pause", "resume", "resync"]
 
 RECONNECT_FIRST = 0.05
 RECONNECT_CAP = 2.0
@@ -172,14 +172,15 @@ class SignalBus:
         """
 
     def _ready(self) -> None:
-        """The listener is (again) in place. Every local queue is woken, since signals sent
-        while it was away went unheard (on the first call there is no local queue yet)."""
+        """The listener is (again) in place. Every local queue is told to resync (woken, and
+        its paused flag read again), since signals sent while it was away went unheard (on
+        the first call there is no local queue yet)."""
         self._up_since = time.monotonic()
         if self._failing and not self._said_back:
             log.info("%s listener is back", type(self).__name__)
             self._said_back = True
         for queue in list(self._listeners):
-            self._deliver(Signal(queue, "insert"))
+            self._deliver(Signal(queue, "resync"))
         self._listening.set()
 
     async def _listen_forever(self) -> None:

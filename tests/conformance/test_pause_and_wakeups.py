@@ -181,3 +181,32 @@ async def test_a_delayed_wakeup_outlives_the_consumer_it_woke(connect: Connect, 
     elapsed = time.monotonic() - start
     assert message is not None and message.payload == "later"
     assert elapsed < 10.0, elapsed  # due after 1 s; the poll interval is 30 s
+
+
+async def test_a_pause_sent_while_the_listener_was_away_is_seen_once_it_is_back(
+    connect: Connect, case: Any
+) -> None:
+    """A pause announced while another factory's signal listener is away (its connection
+    killed, a server restart) was never heard there: once back, the bus only woke its
+    queues, which went on delivering from a paused queue for good. The listener being away
+    is simulated by a bus that delivers nothing, then what the listener calls once back."""
+    if not case.shared:
+        pytest.skip("queues are per factory")
+    one, two = await connect(poll_interval=1.0), await connect(poll_interval=1.0)
+    if not two.signal.remote:
+        pytest.skip("no signal transport")
+    q1, q2 = await one.queue("shared"), await two.queue("shared")
+    two.signal._deliver = lambda signal: None  # type: ignore[method-assign]  # away
+    await q1.pause()
+    await asyncio.sleep(0.3)
+    del two.signal._deliver  # back: the listener listens again ...
+    two.signal._ready()  # ... and tells the bus so
+    for _ in range(500):  # the flag is read again in the background
+        if q2._paused:
+            break
+        await asyncio.sleep(0.02)
+    await q1.push("while paused")
+    assert await q2.pop(timeout=1.5) is None  # paused in every process
+    await q1.resume()
+    message = await q2.pop(timeout=5)
+    assert message is not None and message.payload == "while paused"
