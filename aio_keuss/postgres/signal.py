@@ -31,6 +31,10 @@ _CLOSE_WAIT = 2.0
 _CHECK_EVERY = 5.0
 """Seconds between liveness checks of the listener connection, in case the termination
 callback never comes (a silently dropped TCP connection)."""
+_PING_WAIT = 5.0
+"""Longest a liveness check waits for the server's answer before the connection is taken
+for dead: ``is_closed()`` alone only knows what this side saw, and a connection dropped
+silently (a NAT or firewall forgetting it) looks open forever."""
 
 
 class PostgresSignalBus(SignalBus):
@@ -55,6 +59,14 @@ class PostgresSignalBus(SignalBus):
                 with contextlib.suppress(TimeoutError):
                     async with asyncio.timeout(_CHECK_EVERY):
                         await lost.wait()
+                if lost.is_set() or connection.is_closed():
+                    break
+                try:  # a round trip: only the server's answer shows the connection is alive
+                    async with asyncio.timeout(_PING_WAIT):
+                        await connection.fetchval("SELECT 1")
+                except Exception:  # no answer in time, or the connection broke: listen again
+                    connection.terminate()
+                    return
         finally:
             if connection.is_closed():
                 connection.terminate()  # frees what a broken connection still holds

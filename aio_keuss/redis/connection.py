@@ -49,6 +49,10 @@ RedisClient = aioredis.Redis | RedisCluster
 _T = TypeVar("_T")
 _HASH_TAG = re.compile(r"[A-Za-z0-9_.:\-]{1,64}")
 CONNECT_TIMEOUT = 10.0
+SUBSCRIBE_PING_EVERY = 5.0
+"""Seconds of silence on the signal subscription after which it PINGs the server; no answer
+in as long again and the connection is taken for dead (a connection dropped silently, by a
+NAT or firewall forgetting it, would otherwise be listened to forever)."""
 CANCEL_GRACE = 10.0
 """How long a cancelled caller may wait for the reply to a command already sent."""
 
@@ -605,10 +609,16 @@ class RedisConnection(Backend):
         pubsub: Any = self.client.pubsub()
         try:
             await translated(pubsub.subscribe(channel))
+            pinged = False
             while True:
-                message = await translated(pubsub.get_message(timeout=None))
+                message = await translated(pubsub.get_message(timeout=SUBSCRIBE_PING_EVERY))
                 if message is None:
+                    if pinged:  # silence since the PING: nobody is at the other end
+                        raise KeussConnectionError("no answer to PING on the signal channel")
+                    await translated(pubsub.ping())
+                    pinged = True
                     continue
+                pinged = False  # anything heard (a pong too) shows the connection is alive
                 if message["type"] == "message":
                     on_message(message["data"])
                 elif message["type"] == "subscribe":

@@ -17,13 +17,16 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit, urlunsplit
 
 import pytest
 from backends import POSTGRES_URL, new_token
+from black_hole import BlackHole
 from own_servers import OwnPostgres
 
 import aio_keuss
 from aio_keuss import KoResult
+from aio_keuss.postgres import signal as pg_signal
 
 asyncpg = pytest.importorskip("asyncpg")
 
@@ -861,3 +864,33 @@ async def test_a_connection_the_driver_cannot_use_is_not_handed_out_again(schema
             await behind_our_back
     finally:
         await factory.close()
+
+
+async def test_a_silently_dropped_listener_connection_is_replaced(
+    open_factory: Open, schema: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(pg_signal, "_CHECK_EVERY", 0.5)
+    monkeypatch.setattr(pg_signal, "_PING_WAIT", 0.5, raising=False)
+    url = urlsplit(POSTGRES_URL)
+    hole = BlackHole(url.hostname or "127.0.0.1", url.port or 5432, b"LISTEN")
+    await hole.start()
+    try:
+        proxied = urlunsplit(url._replace(netloc=f"{url.username}@127.0.0.1:{hole.port}"))
+        consumer_factory = await aio_keuss.connect(
+            "postgres", url=proxied, schema=schema, poll_interval=30.0
+        )
+        producer = await open_factory(signal_debounce=0.0)
+        qc = await consumer_factory.queue("silent")
+        qp = await producer.queue("silent")
+        assert hole.swallow() == 1  # the listener's connection: open, but dead
+        await asyncio.sleep(3.0)  # several liveness checks
+        waiting = asyncio.ensure_future(qc.pop(timeout=20))
+        await asyncio.sleep(0.2)
+        start = time.monotonic()
+        await qp.push("after the drop")
+        message = await asyncio.wait_for(waiting, 25)
+        assert message is not None and message.payload == "after the drop"
+        assert time.monotonic() - start < 5.0  # woken by a new listener, not by the 30 s poll
+        await asyncio.wait_for(consumer_factory.close(), 10)
+    finally:
+        hole.close()

@@ -18,8 +18,10 @@ from typing import Any
 import pytest
 import redis.asyncio as aioredis
 from backends import REDIS_URL, _drop_redis_prefix, new_token
+from black_hole import BlackHole
 
 import aio_keuss
+from aio_keuss.redis import connection as redis_connection
 
 Open = Callable[..., Awaitable[aio_keuss.Factory]]
 
@@ -333,3 +335,30 @@ def test_only_the_connection_module_talks_to_the_driver() -> None:
         text = path.read_text()
         assert "import redis" not in text and "from redis" not in text, path
         assert ".client" not in text and "errors_translated" not in text, path
+
+
+async def test_a_silently_dropped_subscription_is_replaced(
+    open_factory: Open, prefix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(redis_connection, "SUBSCRIBE_PING_EVERY", 0.5, raising=False)
+    hole = BlackHole("127.0.0.1", 6379, b"SUBSCRIBE")
+    await hole.start()
+    try:
+        consumer_factory = await aio_keuss.connect(
+            "redis-oq", url=f"redis://127.0.0.1:{hole.port}/0", prefix=prefix, poll_interval=30.0
+        )
+        producer = await open_factory(signal_debounce=0.0)
+        qc = await consumer_factory.queue("silent")
+        qp = await producer.queue("silent")
+        assert hole.swallow() == 1  # the subscription's connection: open, but dead
+        await asyncio.sleep(3.0)
+        waiting = asyncio.ensure_future(qc.pop(timeout=20))
+        await asyncio.sleep(0.2)
+        start = time.monotonic()
+        await qp.push("after the drop")
+        message = await asyncio.wait_for(waiting, 25)
+        assert message is not None and message.payload == "after the drop"
+        assert time.monotonic() - start < 5.0  # woken by a new subscription, not the 30 s poll
+        await asyncio.wait_for(consumer_factory.close(), 10)
+    finally:
+        hole.close()

@@ -1,0 +1,55 @@
+"""A TCP proxy that drops connections silently, for the signal listeners' liveness tests."""
+
+from __future__ import annotations
+
+import asyncio
+
+
+class BlackHole:
+    """A TCP proxy to a server; :meth:`swallow` makes the connections that sent ``marker``
+    (LISTEN, SUBSCRIBE) forward nothing more, in either direction, without closing them:
+    a connection a NAT or firewall dropped silently (no FIN, no RST)."""
+
+    def __init__(self, host: str, port: int, marker: bytes) -> None:
+        self.target = (host, port)
+        self.marker = marker
+        self.listeners: list[dict[str, bool]] = []
+        self.port = 0
+
+    async def start(self) -> None:
+        self.server = await asyncio.start_server(self._handle, "127.0.0.1", 0)
+        self.port = self.server.sockets[0].getsockname()[1]
+
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        to_reader, to_writer = await asyncio.open_connection(*self.target)
+        state = {"listen": False, "hole": False}
+        self.listeners.append(state)
+
+        async def pipe(src: asyncio.StreamReader, dst: asyncio.StreamWriter, up: bool) -> None:
+            while data := await src.read(65536):
+                if up and self.marker in data:
+                    state["listen"] = True
+                if not state["hole"]:
+                    dst.write(data)
+                    await dst.drain()
+
+        tasks = [
+            asyncio.ensure_future(pipe(reader, to_writer, True)),
+            asyncio.ensure_future(pipe(to_reader, writer, False)),
+        ]
+        try:
+            await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in tasks:
+                task.cancel()
+            writer.transport.abort()
+            to_writer.transport.abort()
+
+    def swallow(self) -> int:
+        held = [s for s in self.listeners if s["listen"]]
+        for state in held:
+            state["hole"] = True
+        return len(held)
+
+    def close(self) -> None:
+        self.server.close()
