@@ -203,6 +203,10 @@ class SignalBus:
             log.log(level, "%s listener lost (%s); retrying", type(self).__name__, reason)
             if not self._failing:
                 self._failing, self._said_back = True, False
+                # the server may be away: waiting consumers look now, and report an outage
+                # (consumer state, /healthz) at once rather than at their next poll
+                for queue in list(self._listeners):
+                    self._deliver(Signal(queue, "insert"))
             await asyncio.sleep(self._backoff)
             self._backoff = min(self._backoff * 2, RECONNECT_CAP)
 

@@ -418,3 +418,26 @@ async def test_redis_reliable_close_with_the_server_away_closes_every_queue() ->
         await asyncio.to_thread(server.stop)
         await factory.close()
         assert first.state == "stopped" and second.state == "stopped"
+
+
+async def test_an_idle_consumer_reports_an_outage_without_waiting_for_its_poll() -> None:
+    """The signal bus notices a lost server at once: an idle consumer must show it
+    ("reconnecting", hence /healthz 503) well before its poll_interval."""
+
+    async def handler(message: Message) -> None:
+        pass
+
+    with own_redis() as server:
+        async with aio_keuss.connect(
+            "redis-oq", url=server.url, prefix="idle", poll_interval=60.0
+        ) as factory:
+            consumer = (await factory.queue("jobs")).consume(handler)
+            await asyncio.sleep(0.5)
+            await asyncio.to_thread(server.stop)
+            for _ in range(100):  # 10 s, far below the 60 s poll
+                if consumer.state == "reconnecting":
+                    break
+                await asyncio.sleep(0.1)
+            assert consumer.state == "reconnecting"
+            await asyncio.to_thread(server.start)
+            await consumer.stop(1)
