@@ -32,6 +32,9 @@ from .settings import named_twice
 log = logging.getLogger("aio_keuss.worker")
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+_counting_workers = 0
+"""Workers of this process running with metrics they enabled: the last of them to stop
+disables them (the first would turn them off under the others)."""
 
 
 PipelineSource = Pipeline | Callable[[Factory], Pipeline] | str
@@ -98,9 +101,11 @@ async def run_worker(
     now = asyncio.Event()
     restore = _on_signals(stop, now)
     stopped = False
-    counting = health_port is not None and observe.active is None
+    global _counting_workers
+    counting = health_port is not None and (observe.active is None or _counting_workers > 0)
     if counting:
         observe.enable()
+        _counting_workers += 1
     try:
         if pipeline is not None:
             stations = _pipeline(pipeline, opened)
@@ -138,7 +143,9 @@ async def run_worker(
             if health is not None:
                 await health.close()
             if counting:
-                observe.disable()
+                _counting_workers -= 1
+                if not _counting_workers:
+                    observe.disable()
             if own is not None:
                 await own.close()
     log.info("worker %d stopped", os.getpid())

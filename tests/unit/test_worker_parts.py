@@ -10,7 +10,7 @@ import orjson
 import pytest
 
 import aio_keuss
-from aio_keuss import HandlerTimeoutError, KoResult, Message, PipelineError
+from aio_keuss import HandlerTimeoutError, KoResult, Message, PipelineError, observe
 from aio_keuss.errors import ConfigError, InvalidInputError
 from aio_keuss.metrics import Histogram, QueueMetrics, prometheus_text
 from aio_keuss.pipeline import Forward, Pipeline
@@ -281,3 +281,36 @@ async def test_a_queue_given_twice_to_a_worker_is_refused() -> None:
     ]:
         with pytest.raises(ConfigError, match="more than once"):
             resolve(flags, env)
+
+
+async def test_metrics_stay_enabled_until_the_last_worker_that_enabled_them_stops() -> None:
+    observe.disable()
+
+    async def handle(message: Message) -> None:
+        return None
+
+    async with aio_keuss.connect("memory") as factory:
+        stop_a, stop_b = asyncio.Event(), asyncio.Event()
+        a = asyncio.create_task(
+            aio_keuss.run_worker(handle, "a", factory=factory, health_port=0, stop=stop_a)
+        )
+        while observe.active is None:  # noqa: ASYNC110
+            await asyncio.sleep(0.01)
+        b = asyncio.create_task(
+            aio_keuss.run_worker(handle, "b", factory=factory, health_port=0, stop=stop_b)
+        )
+        await asyncio.sleep(0.2)
+        stop_a.set()
+        await asyncio.wait_for(a, 30)
+        assert observe.active is not None  # b still serves /metrics
+        await (await factory.queue("b")).push_many([1, 2, 3])
+        for _ in range(500):
+            series = observe.active.series.get("b") if observe.active else None
+            if series is not None and series.total("get", "reserve") == 3:
+                break
+            await asyncio.sleep(0.01)
+        else:
+            raise AssertionError("worker b's deliveries were not counted")
+        stop_b.set()
+        await asyncio.wait_for(b, 30)
+        assert observe.active is None
