@@ -147,8 +147,14 @@ class Factory:
             return
         self._closed = True
         try:
+            failure: Exception | None = None
             for queue in list(self._queues.values()):
-                await queue.close()
+                try:  # one queue failing to close (its server away) must not keep the
+                    await queue.close()  # others' consumers running
+                except Exception as exc:
+                    failure = failure or exc
+            if failure is not None:
+                raise failure
         finally:
             try:
                 await self.stats_store.close()  # raises when the server is away at close

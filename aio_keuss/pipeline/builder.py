@@ -38,7 +38,7 @@ class Pipeline:
     """Stations over the queues of one factory. Build it with :meth:`link`, :meth:`choice`
     and :meth:`sink` (each returns the pipeline, so calls chain), then ``async with
     pipeline.run(concurrency=...)``. ``acyclic``: refuse topologies with a cycle.
-    ``queue_options``: options of the queues by name (``max_ko``, ``reserve_delay``...),
+    ``queue_options``: options of the queues by name (``reserve_delay``, ``max_batch``...),
     used when the run opens them."""
 
     def __init__(

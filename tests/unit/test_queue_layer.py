@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 
+import aio_keuss
 from aio_keuss import Queue
 from aio_keuss.contract import Ack, Entry, Fetched
 from aio_keuss.memory import MemoryBackend, MemoryStore
@@ -123,3 +124,25 @@ async def test_a_reserve_cancelled_after_the_store_took_gives_the_message_back(
     again = await queue.reserve(timeout=5)
     assert again is not None and again.payload == "only"
     assert again.tries == 0  # given back unseen: it cost no try
+
+
+async def test_factory_close_closes_every_queue_when_one_fails(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # One queue failing to close (redis-reliable with its server away) stopped the loop:
+    # the other queues' consumers ran on after close.
+    async def handler(message: aio_keuss.Message) -> None:
+        pass
+
+    factory = await aio_keuss.connect("memory")
+    first, second = await factory.queue("a"), await factory.queue("b")
+    first.consume(handler)
+    others = second.consume(handler)
+
+    async def away() -> None:
+        raise aio_keuss.KeussConnectionError("the server is away")
+
+    monkeypatch.setattr(first, "close", away)
+    with pytest.raises(aio_keuss.KeussConnectionError):
+        await factory.close()
+    assert others.state == "stopped"
