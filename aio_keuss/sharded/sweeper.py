@@ -35,6 +35,7 @@ import time
 from collections.abc import Awaitable, Callable, Iterable
 
 from ..coalesce import stop_task
+from ..errors import KeussError
 from .settings import SHOVEL_BATCH, SWEEP_BATCH, SWEEP_CONCURRENCY, ShardedOptions
 from .storage import ReadyMark, ShardStorage
 
@@ -80,11 +81,18 @@ class Sweeper:
         while True:
             try:
                 await self.step()
-            except Exception:
-                if not self._failing:
-                    log.warning("sharded sweeper pass failed", exc_info=True)
+            except Exception as exc:
+                if not self._failing:  # once per outage; a traceback only for the unexpected
+                    expected = isinstance(exc, KeussError)
+                    log.warning(
+                        "sharded sweeper pass failed (%s); retrying",
+                        exc,
+                        exc_info=not expected,
+                    )
                 self._failing = True
             else:
+                if self._failing:
+                    log.info("sharded sweeper passes again")
                 self._failing = False
             await asyncio.sleep(self._options.sweep_interval)
 

@@ -8,6 +8,7 @@ storage (SIGKILLed consumers, the consumer cap across factories) is in
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 import zlib
 from collections.abc import Awaitable, Callable
@@ -253,6 +254,31 @@ async def test_one_leader_at_a_time_and_a_takeover_on_release(sharded: Connect) 
     await second.step()
     assert second.passes == 1
     await second.stop()
+
+
+async def test_a_sweeper_in_an_outage_warns_once_without_a_traceback(
+    sharded: Connect, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    backend = backend_of(await sharded(sweeper=False))
+    sweeper = Sweeper(backend.storage, backend.sharded, lambda *_: None)
+    failures = 3
+
+    async def step() -> None:
+        nonlocal failures
+        if failures:
+            failures -= 1
+            raise aio_keuss.KeussConnectionError("the server is away")
+
+    monkeypatch.setattr(sweeper, "step", step)
+    caplog.set_level(logging.INFO, logger="aio_keuss.sharded")
+    sweeper.start()
+    for _ in range(1000):
+        if not failures and any("again" in r.getMessage() for r in caplog.records):
+            break
+        await asyncio.sleep(0.01)
+    await sweeper.stop()
+    said = [(r.levelno, bool(r.exc_info)) for r in caplog.records if "sweeper" in r.msg]
+    assert said == [(logging.WARNING, False), (logging.INFO, False)]
 
 
 # metadata, queue expiry, message TTL ------------------------------------------------------
