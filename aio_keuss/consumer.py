@@ -97,6 +97,17 @@ def _asked_to_stop() -> bool:
     return task is None or task.cancelling() > 0
 
 
+async def _bounded(tasks: set[asyncio.Task[Any]] | list[asyncio.Task[None]]) -> None:
+    """Wait for ``tasks`` at most ``ACK_WAIT`` seconds, then cancel what is left and wait
+    for it to end."""
+    if not tasks:
+        return
+    _, late = await asyncio.wait(set(tasks), timeout=ACK_WAIT)
+    for task in late:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+
+
 def retryable(exc: BaseException) -> bool:
     """Whether a failed round trip is worth retrying: connection and server errors are (and
     any unexpected exception from a store); a closed queue or a misuse never heals."""
@@ -252,6 +263,10 @@ class HandlerFailures:
             self._suppressed = 0
 
 
+ACK_WAIT = 10.0
+"""Longest a stop waits, past its grace, for acknowledgements already on their way (the ok
+of a handler that returned, prefetched messages given back): a server that never answers
+must not hold a stop for ever. What is cut short comes back when its reservation expires."""
 OK_SENDERS = 2
 """Background ok round trips a consumer with prefetch keeps out at once: while one is
 answered, the oks of the messages handled meanwhile go out together in the other."""
@@ -512,13 +527,16 @@ class Consumer:
         for task in late:
             if task in self._handling:
                 task.cancel()
-        await asyncio.gather(*self._workers, return_exceptions=True)
-        if self._acks:
-            await asyncio.gather(*self._acks, return_exceptions=True)
-        while self._buffer:  # prefetched, never started: back at once, costing no try
-            message, _ = self._buffer.popleft()
-            if self._reserve:
-                await self._acknowledge("release", message, self.queue.release(message))
+        await _bounded(self._workers)  # the others are acknowledging what they handled
+        await _bounded(self._acks)
+        try:
+            async with asyncio.timeout(ACK_WAIT):
+                while self._buffer:  # prefetched, never started: back at once, costing no try
+                    message, _ = self._buffer.popleft()
+                    if self._reserve:
+                        await self._acknowledge("release", message, self.queue.release(message))
+        except TimeoutError:
+            log.warning("queue %r: prefetched messages not given back in time", self.queue.name)
         self.queue.stopped(self)
 
     async def _work(self) -> None:

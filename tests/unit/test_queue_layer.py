@@ -146,3 +146,32 @@ async def test_factory_close_closes_every_queue_when_one_fails(
     with pytest.raises(aio_keuss.KeussConnectionError):
         await factory.close()
     assert others.state == "stopped"
+
+
+@pytest.mark.parametrize("prefetch", [0, 2])
+async def test_a_stop_is_bounded_when_an_ok_never_returns(
+    monkeypatch: pytest.MonkeyPatch, prefetch: int
+) -> None:
+    # A worker whose handler returned waits for its ok, which a stop lets finish; a server
+    # that never answers must still not hold the stop past its grace and ACK_WAIT.
+    from aio_keuss import consumer as consumer_module
+
+    monkeypatch.setattr(consumer_module, "ACK_WAIT", 0.3, raising=False)
+    async with aio_keuss.connect("memory") as factory:
+        q = await factory.queue("q")
+        await q.push({"a": 1})
+        handled = asyncio.Event()
+
+        async def handler(message: aio_keuss.Message) -> None:
+            handled.set()
+
+        async def never(*args: Any, **kwargs: Any) -> Any:
+            await asyncio.Event().wait()  # a dead server: no answer
+
+        monkeypatch.setattr(q, "ok", never)
+        monkeypatch.setattr(q, "ok_many", never)
+        consumer = q.consume(handler, prefetch=prefetch)
+        await asyncio.wait_for(handled.wait(), 10)
+        await asyncio.sleep(0.05)  # its ok is on its way
+        await asyncio.wait_for(consumer.stop(grace=0.2), 10)
+        assert consumer.state == "stopped"
