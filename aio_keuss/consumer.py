@@ -602,7 +602,8 @@ class Consumer:
             log.debug(
                 "queue %r: prefetched message %s waited too long", self.queue.name, message.id
             )
-            await self._acknowledge("release", message, self.queue.release(message))
+            # out of the buffer already: a stop cancelling this wait must not cancel it
+            await asyncio.shield(self._acknowledge("release", message, self.queue.release(message)))
 
     async def _handle(self, message: Message) -> None:
         started = time.monotonic()

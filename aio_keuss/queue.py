@@ -450,6 +450,8 @@ class Queue:
                     if stored:
                         if _more_ready(stored, n, next_mature):
                             wakeups.wake(1)  # pass the baton to a sleeper, if any
+                        elif next_mature is not None:  # one due later: a sleeper then
+                            self._hand_on(next_mature)
                         return stored
                 if next_mature is not None:
                     until = next_mature - time.time()
@@ -468,7 +470,7 @@ class Queue:
                 woken = await wakeups.sleep(n, wait)
                 if not woken and self._paused:
                     self._paused = await self._poll_paused(outage)  # a lost resume
-        except BaseException:
+        except (Exception, asyncio.CancelledError):  # not GeneratorExit: no loop then
             if due is not None:
                 self._hand_on(due)
             raise
