@@ -23,7 +23,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
@@ -39,9 +38,9 @@ SignalKind = Literal["insert", "pause", "resume", "resync"]
 RECONNECT_FIRST = 0.05
 RECONNECT_CAP = 2.0
 STABLE_AFTER = 10.0
-"""Seconds a listener must stay in place before its next loss counts as a new outage: one
-lost sooner (a cluster in a fail state accepts a subscribe, then drops it) is the same
-outage, logged once, its reconnects still backing off."""
+"""Seconds a listener must stay in place after an outage before it counts as back (logged,
+backoff reset): one lost sooner (a cluster in a fail state accepts a subscribe, then drops
+it) is the same outage, logged once, its reconnects still backing off."""
 OPEN_WAIT = 5.0
 """Longest ``open`` waits for the listener to be in place."""
 
@@ -85,8 +84,7 @@ class SignalBus:
         self._listening = asyncio.Event()  # set once the listener has listened
         self._opening = False  # while ``open`` waits for it
         self._failing = False
-        self._said_back = False
-        self._up_since: float | None = None
+        self._settling: asyncio.TimerHandle | None = None  # until it counts as back
         self._backoff = RECONNECT_FIRST
         self._remote = type(self)._publish is not SignalBus._publish  # read on every push
 
@@ -175,13 +173,18 @@ class SignalBus:
         """The listener is (again) in place. Every local queue is told to resync (woken, and
         its paused flag read again), since signals sent while it was away went unheard (on
         the first call there is no local queue yet)."""
-        self._up_since = time.monotonic()
-        if self._failing and not self._said_back:
-            log.info("%s listener is back", type(self).__name__)
-            self._said_back = True
+        if self._failing and self._settling is None:
+            self._settling = asyncio.get_running_loop().call_later(STABLE_AFTER, self._back)
         for queue in list(self._listeners):
             self._deliver(Signal(queue, "resync"))
         self._listening.set()
+
+    def _back(self) -> None:
+        """The listener stayed in place ``STABLE_AFTER`` after an outage: it is over."""
+        self._settling = None
+        log.info("%s listener is back", type(self).__name__)
+        self._failing = False
+        self._backoff = RECONNECT_FIRST
 
     async def _listen_forever(self) -> None:
         while True:
@@ -194,15 +197,14 @@ class SignalBus:
                     raise  # it cannot listen at all: ``open`` raises this
                 reason = str(exc) or type(exc).__name__
             _raise_if_cancelled(None)
-            up_since, self._up_since = self._up_since, None
-            if up_since is not None and time.monotonic() - up_since >= STABLE_AFTER:
-                self._failing = False  # it stayed up: this loss is a new outage
-                self._backoff = RECONNECT_FIRST
+            if self._settling is not None:  # lost again before it counted as back
+                self._settling.cancel()
+                self._settling = None
             # one warning per outage, not one per attempt while the server is away
             level = logging.DEBUG if self._failing else logging.WARNING
             log.log(level, "%s listener lost (%s); retrying", type(self).__name__, reason)
             if not self._failing:
-                self._failing, self._said_back = True, False
+                self._failing = True
                 # the server may be away: waiting consumers look now, and report an outage
                 # (consumer state, /healthz) at once rather than at their next poll
                 for queue in list(self._listeners):
@@ -211,6 +213,9 @@ class SignalBus:
             self._backoff = min(self._backoff * 2, RECONNECT_CAP)
 
     async def _stop_listener(self) -> None:
+        if self._settling is not None:
+            self._settling.cancel()
+            self._settling = None
         listener, self._listener = self._listener, None
         if listener is not None:
             await stop_task(listener)

@@ -92,6 +92,7 @@ async def test_reconnects_with_capped_backoff_and_wakes_every_queue(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     monkeypatch.setattr(base, "RECONNECT_CAP", 0.2)
+    monkeypatch.setattr(base, "STABLE_AFTER", 0.05)
     bus = ScriptedBus("listen", "fail", "fail", "fail", "listen")
     await bus.open()
     woken: list[Signal] = []
@@ -109,6 +110,7 @@ async def test_reconnects_with_capped_backoff_and_wakes_every_queue(
         ("b", "insert"),
         ("b", "resync"),
     ]
+    await _until(lambda: bus._backoff == base.RECONNECT_FIRST)  # back once it stayed
     levels = [r.levelno for r in caplog.records if r.name == "aio_keuss.signal"]
     assert levels.count(logging.WARNING) == 1  # once per outage, not per attempt
     assert levels[-1] == logging.INFO  # and once when it is back
@@ -120,26 +122,32 @@ async def test_a_listener_lost_soon_after_it_came_back_is_the_same_outage(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     # A cluster in a fail state accepts a subscribe, then drops it: each comeback is short.
-    # That flapping is one outage (one warning, one "back"), its reconnects backing off;
-    # only a loss after the listener stayed up STABLE_AFTER is a new one.
+    # That flapping is one outage (one warning), its reconnects backing off; it is back
+    # (logged, backoff reset) once the listener stayed STABLE_AFTER, and only a loss after
+    # that is a new outage.
     monkeypatch.setattr(base, "RECONNECT_CAP", 0.2)
     monkeypatch.setattr(base, "STABLE_AFTER", 3600.0)
     bus = ScriptedBus("listen")
     await bus.open()
     caplog.set_level(logging.DEBUG, logger="aio_keuss.signal")
+
+    def said(level: int) -> int:
+        return [r.levelno for r in caplog.records if r.name == "aio_keuss.signal"].count(level)
+
     for attempt in range(2, 6):
         bus.drop()
         await _until(lambda: len(bus.backoffs) == attempt and bus.running == 1)  # noqa: B023
     # each attempt records the backoff its successor will sleep: never reset by a comeback
     assert bus.backoffs == [0.05, 0.1, 0.2, 0.2, 0.2]
-    levels = [r.levelno for r in caplog.records if r.name == "aio_keuss.signal"]
-    assert levels.count(logging.WARNING) == 1 and levels.count(logging.INFO) == 1
-    monkeypatch.setattr(base, "STABLE_AFTER", 0.0)  # it stayed up long enough now
+    assert said(logging.WARNING) == 1 and said(logging.INFO) == 0
+    monkeypatch.setattr(base, "STABLE_AFTER", 0.05)  # this time it stays
     bus.drop()
     await _until(lambda: len(bus.backoffs) == 6 and bus.running == 1)
-    assert bus.backoffs[-1] == 2 * base.RECONNECT_FIRST  # reset: a new outage starts over
-    levels = [r.levelno for r in caplog.records if r.name == "aio_keuss.signal"]
-    assert levels.count(logging.WARNING) == 2 and levels.count(logging.INFO) == 2
+    await _until(lambda: said(logging.INFO) == 1)
+    assert bus._backoff == base.RECONNECT_FIRST and said(logging.WARNING) == 1
+    bus.drop()  # a new outage
+    await _until(lambda: len(bus.backoffs) == 7 and bus.running == 1)
+    assert said(logging.WARNING) == 2
     await bus.close()
 
 
