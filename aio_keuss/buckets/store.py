@@ -126,7 +126,7 @@ from ..message import append_headers
 from ..types import Capabilities, KoResult, Sizes
 from .codec import AVAILABLE, DONE, HANDED_OUT, U32, encode_blob, encode_state
 from .held import HeapEntry, HeldBucket
-from .push import BUCKET_BYTES, SLOT_BYTES, PushBucket, PushSide
+from .push import BUCKET_BYTES, SLOT_BYTES, WRITE_MAX_BYTES, PushBucket, PushSide
 from .settings import (
     ACK_ON_BUFFER_RETRIES,
     BUFFERED_AT_LEAST,
@@ -535,6 +535,33 @@ class BucketStore(PushSide, StateWriter, Store):
             await self._deadletter(moving, deadletter, now)
         return results
 
+    def _dead_buckets(
+        self, payloads: list[bytes], headers: list[bytes], now: float
+    ) -> list[NewBucket]:
+        """Buckets of deadlettered messages, each within the storage's byte bound (as a push
+        bucket is sealed before it passes it)."""
+        most = self._storage.max_bucket_bytes
+        buckets: list[NewBucket] = []
+        start, size = 0, BUCKET_BYTES
+        for end in range(len(payloads) + 1):
+            length = 0 if end == len(payloads) else len(payloads[end]) + len(headers[end])
+            if end == len(payloads) or (end > start and size + length + SLOT_BYTES > most):
+                count = end - start
+                buckets.append(
+                    NewBucket(
+                        new_bucket_id(),
+                        now,
+                        count,
+                        encode_blob(payloads[start:end], headers[start:end]),
+                        encode_state(
+                            bytes(count), array(U32, [0] * count), array("d", [now] * count)
+                        ),
+                    )
+                )
+                start, size = end, BUCKET_BYTES
+            size += length + SLOT_BYTES
+        return buckets
+
     async def _deadletter(self, moving: list[_Moving], plan: DeadletterPlan, now: float) -> None:
         """Write the messages into the deadletter queue (durable), then mark them done here:
         a crash in between leaves a duplicate, never a loss. A failed write hands them back
@@ -544,22 +571,9 @@ class BucketStore(PushSide, StateWriter, Store):
             stored = bucket.message(slot, tries, now)
             payloads.append(stored.payload)
             headers.append(append_headers(stored.headers, plan.headers(tries, now)))
-        count = len(payloads)
         try:
-            await self._storage.insert_buckets(
-                plan.queue,
-                [
-                    NewBucket(
-                        new_bucket_id(),
-                        now,
-                        count,
-                        encode_blob(payloads, headers),
-                        encode_state(
-                            bytes(count), array(U32, [0] * count), array("d", [now] * count)
-                        ),
-                    )
-                ],
-            )
+            for write in _writes(self._dead_buckets(payloads, headers, now)):
+                await self._storage.insert_buckets(plan.queue, write)
         except BaseException:
             for bucket, slot, _, deadline, tries in moving:
                 if bucket.states[slot] == HANDED_OUT and bucket.deadline.get(slot) == math.inf:
@@ -698,3 +712,17 @@ class BucketBackend:
     async def store(self, queue: str, options: QueueOptions) -> Store:
         await self._storage.prepare()
         return BucketStore(queue, options, self._storage, self.bucket_settings)
+
+
+def _writes(buckets: list[NewBucket]) -> list[list[NewBucket]]:
+    """Buckets in insert round trips of at most ``WRITE_MAX_BYTES`` (at least one each)."""
+    writes: list[list[NewBucket]] = []
+    size = 0
+    for bucket in buckets:
+        weight = len(bucket.blob) + len(bucket.state)
+        if not writes or (writes[-1] and size + weight > WRITE_MAX_BYTES):
+            writes.append([])
+            size = 0
+        writes[-1].append(bucket)
+        size += weight
+    return writes

@@ -8,6 +8,7 @@ real crash: no finally blocks, no flush, no lease release.
 from __future__ import annotations
 
 import asyncio
+import collections
 import json
 import os
 import signal
@@ -577,3 +578,33 @@ async def test_push_buckets_are_bounded_by_bytes_too(
         got = await _take_all(q)
         assert sorted(m.id for m in got) == sorted(ids)
         assert all(m.payload == b"y" * 400_000 for m in got)
+
+
+async def test_deadlettered_messages_go_in_buckets_bounded_by_bytes(
+    bucket_case: tuple[BackendCase, dict[str, Any]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The messages one ko batch deadletters went into one bucket whatever their bytes:
+    past the database's bound (MongoDB's 16 MB document) the write failed, the messages
+    came back, and failed again, never reaching the deadletter queue. Here a 1 MB bound."""
+    from aio_keuss.buckets.storage import BucketStorage
+    from aio_keuss.mongo.buckets import MongoBucketStorage
+
+    for storage in (BucketStorage, MongoBucketStorage):
+        monkeypatch.setattr(storage, "max_bucket_bytes", 1_000_000, raising=False)
+    case, options = bucket_case
+    async with aio_keuss.connect(case.name, deadletter={"max_ko": 0}, **options) as factory:
+        q = await factory.queue("dying")
+        for _ in range(5):
+            await q.push_many([b"d" * 300_000] * 2)
+        held: list[aio_keuss.Message] = []
+        for _ in range(100):
+            held += await q.reserve_many(10, timeout=1)
+            if len(held) == 10:
+                break
+        assert len(held) == 10
+        assert all(await asyncio.gather(*(q.ko(m) for m in held)))  # kos batched
+        dead = await factory.queue("__deadletter__")
+        got = await _take_all(dead)
+        assert len(got) == 10 and all(m.payload == b"d" * 300_000 for m in got)
+        per_bucket = collections.Counter(split_id(m.id)[0] for m in got)
+        assert max(per_bucket.values()) <= 3  # three of 300 kB fill a 1 MB bucket
