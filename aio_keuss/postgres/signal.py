@@ -22,6 +22,7 @@ import contextlib
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from ..errors import KeussConnectionError
 from ..signal import SignalBus
 
 if TYPE_CHECKING:
@@ -64,9 +65,10 @@ class PostgresSignalBus(SignalBus):
                 try:  # a round trip: only the server's answer shows the connection is alive
                     async with asyncio.timeout(_PING_WAIT):
                         await connection.fetchval("SELECT 1")
-                except Exception:  # no answer in time, or the connection broke: listen again
+                except Exception as exc:  # no answer in time, or the connection broke
                     connection.terminate()
-                    return
+                    reason = "no answer to SELECT 1" if isinstance(exc, TimeoutError) else exc
+                    raise KeussConnectionError(f"listener connection lost: {reason}") from exc
         finally:
             if connection.is_closed():
                 connection.terminate()  # frees what a broken connection still holds

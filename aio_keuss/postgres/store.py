@@ -145,18 +145,15 @@ class PostgresStore(Store):
         ):  # several statements, in order: the first of an id still wins
             groups = _by_bytes(entries, STATEMENT_BYTES)
             return [flag for group in groups for flag in await self.insert(group)]
-        flags = await self._insert(entries)
         if self._db.keeps_history:
             # A popped message put back (its caller was cancelled) was never consumed: the
             # record its pop's DELETE left in the history goes, as mongo-history revives it.
-            back = [
-                e.id
-                for e, ok in zip(entries, flags, strict=True)
-                if ok and e.mature is not None and not e.dedup
-            ]
+            # Before the insert: once back, the message may be popped again at once, and
+            # that pop's record would then be the latest.
+            back = [e.id for e in entries if e.mature is not None and not e.dedup]
             if back:
                 await self._db.execute(self._sql["forget_history"], self.name, back)
-        return flags
+        return await self._insert(entries)
 
     async def _insert(self, entries: Sequence[Entry]) -> list[bool]:
         if not entries:

@@ -188,11 +188,12 @@ class ShardedStore(Store):
 
     async def _keep_place(self) -> None:
         """Renew the place between fetches. A consumer waiting for messages fetches only
-        every ``poll_interval`` (15 s by default, longer than ``lease_ttl``), and a handler
-        may run longer than the lease: without this, another process would take the place
-        meanwhile and this consumer's next fetch would be refused. A queue object that has
-        not fetched for ``poll_interval`` + ``lease_ttl`` is no longer waiting: its place
-        then lapses as a dead process's does."""
+        every ``poll_interval`` (15 s by default, longer than ``lease_ttl``): without this,
+        another process would take the place meanwhile and this consumer's next fetch would
+        be refused. A queue object that has not fetched for ``poll_interval`` + ``lease_ttl``
+        (a handler running longer than that, a paused queue, one no longer used) is taken
+        for gone: its place lapses as a dead process's does, and its next fetch enrols
+        again, or is refused if the place was taken."""
         lease = self._sharded.lease_ttl
         idle_after = self.options.poll_interval + lease
         while self._enrolled:
