@@ -44,7 +44,7 @@ import math
 import random
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, Literal, Protocol, cast
@@ -605,13 +605,26 @@ class Consumer:
             # out of the buffer already: a stop cancelling this wait must not cancel it
             await asyncio.shield(self._acknowledge("release", message, self.queue.release(message)))
 
-    async def _handle(self, message: Message) -> None:
-        started = time.monotonic()
-        deadline: asyncio.Timeout | None = None
+    @contextlib.contextmanager
+    def _in_handler(self) -> Iterator[None]:
+        """While a handler runs: its worker is one a stop past its grace cancels, and a
+        ``CancelledError`` the handler raises unasked is a failure, not a stop."""
         task = cast(asyncio.Task[Any], asyncio.current_task())
         self._handling.add(task)
         try:
-            try:
+            yield
+        except asyncio.CancelledError as exc:
+            if _asked_to_stop():
+                raise
+            raise HandlerCancelled(f"the handler raised {exc!r} unasked") from exc
+        finally:
+            self._handling.discard(task)
+
+    async def _handle(self, message: Message) -> None:
+        started = time.monotonic()
+        deadline: asyncio.Timeout | None = None
+        try:
+            with self._in_handler():
                 result = cast(Handler, self._handler)(message)
                 if inspect.isawaitable(result):
                     if self._timeout is None:
@@ -619,12 +632,6 @@ class Consumer:
                     else:
                         async with asyncio.timeout(self._timeout) as deadline:
                             result = await result
-            except asyncio.CancelledError as exc:
-                if _asked_to_stop():
-                    raise
-                raise HandlerCancelled(f"the handler raised {exc!r} unasked") from exc
-            finally:
-                self._handling.discard(task)
         except asyncio.CancelledError:
             self._ran(started, "cancelled")
             if self._reserve:
@@ -728,20 +735,12 @@ class Consumer:
         ko-ed (each with its own backoff) when it raises, all given back when cancelled."""
         started = time.monotonic()
         deadline: asyncio.Timeout | None = None
-        task = cast(asyncio.Task[Any], asyncio.current_task())
-        self._handling.add(task)
         try:
-            try:
+            with self._in_handler():
                 result = cast(BatchHandler, self._handler)(messages)
                 if inspect.isawaitable(result):
                     async with asyncio.timeout(self._timeout) as deadline:
                         await result
-            except asyncio.CancelledError as exc:
-                if _asked_to_stop():
-                    raise
-                raise HandlerCancelled(f"the handler raised {exc!r} unasked") from exc
-            finally:
-                self._handling.discard(task)
         except asyncio.CancelledError:
             self._ran(started, "cancelled")
             if self._reserve:

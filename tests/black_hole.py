@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import time
+
+import aio_keuss
 
 
 class BlackHole:
@@ -53,3 +56,22 @@ class BlackHole:
 
     def close(self) -> None:
         self.server.close()
+
+
+async def assert_a_silent_drop_is_survived(
+    hole: BlackHole, consumer_factory: aio_keuss.Factory, producer: aio_keuss.Factory
+) -> None:
+    """The consumer factory's listener (through ``hole``) is dropped silently: a push from
+    ``producer`` must still wake a consumer there soon, by a new listener, not its poll."""
+    qc = await consumer_factory.queue("silent")
+    qp = await producer.queue("silent")
+    assert hole.swallow() == 1  # the listener's connection: open, but dead
+    await asyncio.sleep(3.0)  # several liveness checks
+    waiting = asyncio.ensure_future(qc.pop(timeout=20))
+    await asyncio.sleep(0.2)
+    start = time.monotonic()
+    await qp.push("after the drop")
+    message = await asyncio.wait_for(waiting, 25)
+    assert message is not None and message.payload == "after the drop"
+    assert time.monotonic() - start < 5.0  # woken by a new listener, not by the 30 s poll
+    await asyncio.wait_for(consumer_factory.close(), 10)

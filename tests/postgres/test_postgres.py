@@ -21,7 +21,7 @@ from urllib.parse import urlsplit, urlunsplit
 
 import pytest
 from backends import POSTGRES_URL, new_token
-from black_hole import BlackHole
+from black_hole import BlackHole, assert_a_silent_drop_is_survived
 from own_servers import OwnPostgres
 
 import aio_keuss
@@ -880,17 +880,6 @@ async def test_a_silently_dropped_listener_connection_is_replaced(
             "postgres", url=proxied, schema=schema, poll_interval=30.0
         )
         producer = await open_factory(signal_debounce=0.0)
-        qc = await consumer_factory.queue("silent")
-        qp = await producer.queue("silent")
-        assert hole.swallow() == 1  # the listener's connection: open, but dead
-        await asyncio.sleep(3.0)  # several liveness checks
-        waiting = asyncio.ensure_future(qc.pop(timeout=20))
-        await asyncio.sleep(0.2)
-        start = time.monotonic()
-        await qp.push("after the drop")
-        message = await asyncio.wait_for(waiting, 25)
-        assert message is not None and message.payload == "after the drop"
-        assert time.monotonic() - start < 5.0  # woken by a new listener, not by the 30 s poll
-        await asyncio.wait_for(consumer_factory.close(), 10)
+        await assert_a_silent_drop_is_survived(hole, consumer_factory, producer)
     finally:
         hole.close()

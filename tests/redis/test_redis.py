@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 import redis.asyncio as aioredis
 from backends import REDIS_URL, _drop_redis_prefix, new_token
-from black_hole import BlackHole
+from black_hole import BlackHole, assert_a_silent_drop_is_survived
 
 import aio_keuss
 from aio_keuss.redis import connection as redis_connection
@@ -348,17 +348,6 @@ async def test_a_silently_dropped_subscription_is_replaced(
             "redis-oq", url=f"redis://127.0.0.1:{hole.port}/0", prefix=prefix, poll_interval=30.0
         )
         producer = await open_factory(signal_debounce=0.0)
-        qc = await consumer_factory.queue("silent")
-        qp = await producer.queue("silent")
-        assert hole.swallow() == 1  # the subscription's connection: open, but dead
-        await asyncio.sleep(3.0)
-        waiting = asyncio.ensure_future(qc.pop(timeout=20))
-        await asyncio.sleep(0.2)
-        start = time.monotonic()
-        await qp.push("after the drop")
-        message = await asyncio.wait_for(waiting, 25)
-        assert message is not None and message.payload == "after the drop"
-        assert time.monotonic() - start < 5.0  # woken by a new subscription, not the 30 s poll
-        await asyncio.wait_for(consumer_factory.close(), 10)
+        await assert_a_silent_drop_is_survived(hole, consumer_factory, producer)
     finally:
         hole.close()

@@ -104,24 +104,28 @@ async def cluster_factory() -> AsyncIterator[tuple[aio_keuss.Factory, str]]:
         await redis_cluster._drop_redis_cluster_prefix({"prefix": prefix})
 
 
-async def _shard_with_every_declared_key(q: aio_keuss.Queue) -> None:
+async def _queue_with_every_declared_key(
+    factory: aio_keuss.Factory, prefix: str
+) -> tuple[aio_keuss.Queue, Migration]:
+    """Queue ``q`` of one shard whose declared keys all exist (else Redis itself answers
+    TRYAGAIN during a migration), and a migration of its slot, not yet started."""
+    import redis_cluster
+
+    q = await factory.queue("q", reserve_delay=30)
     await q.push("dedup", id="explicit-0")  # the shard's dedup ZSET exists
     await q.push("later", delay=3600)  # and its schedule
+    slot = int(_cli(redis_cluster.PORTS[0], "cluster", "keyslot", f"{prefix}:{{q#0}}:m"))
+    return q, Migration(redis_cluster.PORTS[0], slot)
 
 
 async def test_a_fire_on_the_importing_node_loses_no_record(
     cluster_factory: tuple[aio_keuss.Factory, str],
 ) -> None:
-    import redis_cluster
-
     factory, prefix = cluster_factory
-    q = await factory.queue("q", reserve_delay=30)
-    await _shard_with_every_declared_key(q)
+    q, migration = await _queue_with_every_declared_key(factory, prefix)
     for n in range(3):
         await q.push(n)
     base = f"{prefix}:{{q#0}}:"
-    slot = int(_cli(redis_cluster.PORTS[0], "cluster", "keyslot", base + "m"))
-    migration = Migration(redis_cluster.PORTS[0], slot)
     migration.start()
     try:
         migration.move([base + k for k in ("m", "ix", "d", "z")])  # the records not yet
@@ -142,16 +146,11 @@ async def test_a_fire_on_the_importing_node_loses_no_record(
 async def test_a_ko_while_the_slot_migrates_loses_nothing(
     cluster_factory: tuple[aio_keuss.Factory, str],
 ) -> None:
-    import redis_cluster
-
     factory, prefix = cluster_factory
-    q = await factory.queue("q", reserve_delay=30)
-    await _shard_with_every_declared_key(q)
+    q, migration = await _queue_with_every_declared_key(factory, prefix)
     await q.push("victim")
     held = [m async for m in _reserve_all(q)]
     victim = next(m for m in held if m.payload == "victim")
-    slot = int(_cli(redis_cluster.PORTS[0], "cluster", "keyslot", f"{prefix}:{{q#0}}:m"))
-    migration = Migration(redis_cluster.PORTS[0], slot)
     migration.start()
     try:
         try:
