@@ -241,11 +241,14 @@ async def test_factory_close_stops_consumers_first(connect: Connect) -> None:
 
 
 async def test_a_prefetched_message_whose_reservation_ran_out_is_not_handled_twice_at_once(
-    connect: Connect,
+    connect: Connect, case: Any
 ) -> None:
     """A message prefetched by one consumer and left waiting past its reservation is taken
     by another consumer: the first must not start a handler on it as well (a prefetched
-    message with less than half its reservation left is given back instead)."""
+    message with less than half its reservation left is given back instead). The give-back
+    is the consumer's, the same on every backend: one of each kind of store runs it."""
+    if case.id not in ("redis-oq", "postgres", "mongo", "bucket-redis", "redis-sharded"):
+        pytest.skip("run on one backend of each kind")
     first = await connect(poll_interval=5.0)
     needs(first, "reserve")
     if not first.capabilities.reservation_expiry or not first.capabilities.shared:
@@ -327,7 +330,7 @@ async def test_a_stop_whose_grace_ends_as_a_handler_returns_keeps_its_ok(
     needs(factory, "reserve")
     q = await factory.queue("jobs", reserve_delay=600)
     loop = asyncio.get_running_loop()
-    for attempt in range(3):
+    for attempt in range(2):
         await q.push(attempt)
         started = asyncio.Event()
         finish: asyncio.Future[None] = loop.create_future()

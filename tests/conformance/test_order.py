@@ -187,11 +187,11 @@ async def test_push_many_in_chunks_keeps_order_beside_another_producer(
     pushes too, its chunks may run side by side, and they must still come out in push order
     (PostgreSQL stamped each chunk with its own transaction's now(): a later chunk came out
     first)."""
-    queue = await factory.queue("q1", max_batch=200)
+    queue = await factory.queue("q1", max_batch=100)
     if not queue.capabilities.fifo:
         pytest.skip("order holds within a shard only")
-    total = 1000
-    for _ in range(5):
+    total = 500
+    for _ in range(4):
         stop = asyncio.Event()
 
         async def other_producer(stop: asyncio.Event) -> None:
@@ -205,6 +205,6 @@ async def test_push_many_in_chunks_keeps_order_beside_another_producer(
         stop.set()
         await beside
         got: list[object] = []
-        while batch := await queue.pop_many(200, timeout=0.5):
+        while batch := await queue.pop_many(100, timeout=0.5):
             got.extend(m.payload for m in batch if m.payload != "other")
         assert got == list(range(total))

@@ -159,10 +159,16 @@ async def test_many_consumers_get_each_message_exactly_once(queue: aio_keuss.Que
 
 
 @pytest.mark.parametrize("leave", ["timeout", "cancel"])
-async def test_a_delayed_wakeup_outlives_the_consumer_it_woke(connect: Connect, leave: str) -> None:
+async def test_a_delayed_wakeup_outlives_the_consumer_it_woke(
+    connect: Connect, case: Any, leave: str
+) -> None:
     """The announcement of a delayed message wakes one sleeper, which then sleeps toward the
     mature time; when that consumer leaves first (its timeout ends, it is cancelled), another
-    sleeper must still take the message when it matures, not a poll interval later."""
+    sleeper must still take the message when it matures, not a poll interval later. Both
+    ways of leaving end in the same queue-layer code: a cancellation on one backend of each
+    kind."""
+    if leave == "cancel" and case.id not in ("memory", "redis-oq", "postgres", "mongo"):
+        pytest.skip("run on one backend of each kind")
     factory = await connect(poll_interval=30.0)
     needs(factory, "delay")
     q = await factory.queue("q1")
