@@ -173,12 +173,12 @@ async def test_a_delayed_wakeup_outlives_the_consumer_it_woke(
     needs(factory, "delay")
     q = await factory.queue("q1")
     take = q.reserve if q.capabilities.reserve else q.pop
-    first = asyncio.create_task(take(timeout=0.6 if leave == "timeout" else 20))
+    first = asyncio.create_task(take(timeout=0.5 if leave == "timeout" else 20))
     await asyncio.sleep(0.2)  # the longest sleeper: the one the push wakes
     second = asyncio.create_task(take(timeout=20))
     await asyncio.sleep(0.2)
     start = time.monotonic()
-    await q.push("later", delay=1.0)
+    await q.push("later", delay=0.7)
     if leave == "cancel":
         await asyncio.sleep(0.3)
         first.cancel()
@@ -186,7 +186,7 @@ async def test_a_delayed_wakeup_outlives_the_consumer_it_woke(
     message = await asyncio.wait_for(second, 25)
     elapsed = time.monotonic() - start
     assert message is not None and message.payload == "later"
-    assert elapsed < 10.0, elapsed  # due after 1 s; the poll interval is 30 s
+    assert elapsed < 10.0, elapsed  # due after 0.7 s; the poll interval is 30 s
 
 
 async def test_a_pause_sent_while_the_listener_was_away_is_seen_once_it_is_back(

@@ -289,12 +289,12 @@ async def test_a_waiting_consumer_keeps_its_place_and_an_idle_one_loses_it(
     """A consumer waiting in reserve fetches only every poll_interval (longer than the lease
     here, as by default): its place must not lapse meanwhile to another process, whose
     consumer would shut it out at its next fetch. One that stopped fetching gives it up."""
-    settings = {"sweeper": False, "max_consumers": 1, "lease_ttl": 2.0, "poll_interval": 4.0}
+    settings = {"sweeper": False, "max_consumers": 1, "lease_ttl": 2.0, "poll_interval": 3.5}
     first, second = [await connect(**settings) for _ in range(2)]
     a, b = await first.queue("q"), await second.queue("q")
     assert await a.reserve(timeout=0) is None  # a is the queue's one consumer
     waiting = asyncio.create_task(a.reserve(timeout=30))
-    await asyncio.sleep(3.0)  # past a lease, no fetch meanwhile
+    await asyncio.sleep(2.7)  # past a lease, no fetch meanwhile
     with pytest.raises(aio_keuss.TooManyConsumersError):
         await b.reserve(timeout=0)
     await b.push("for a")
