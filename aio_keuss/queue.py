@@ -911,12 +911,7 @@ class Queue:
         message that failed there. A message under an active reservation is left alone.
         Returns id here -> id in its origin (renamed ``<id>.rq`` if taken there)."""
         self._check_open()
-        if ids is None and origin is None:
-            raise InvalidInputError("requeue needs ids, origin, or both")
-        if ids is not None and (isinstance(ids, str) or not isinstance(ids, Sequence)):
-            raise InvalidInputError("requeue takes a sequence of ids")
-        if origin is not None:
-            check_queue_name(origin)
+        visibility.check_requeue(ids, origin)
         self._require("peek")
         self._require("hold")
         self._require("move")
@@ -953,12 +948,7 @@ class Queue:
         in [since, until), into ``to`` (default: this queue). Copies get new ids and an
         ``x-replay-of`` header; the history stays. Returns the new ids."""
         self._check_open()
-        if ids is not None and (isinstance(ids, str) or not isinstance(ids, Sequence)):
-            raise InvalidInputError("replay takes a sequence of ids")
-        if ids is None and since is None and until is None:
-            raise InvalidInputError("replay needs ids or a since / until range")
-        start = visibility.check_time(since, "since", 0.0)
-        end = visibility.check_time(until, "until", visibility.MAX_TIME)
+        start, end = visibility.check_replay(ids, since, until)
         target_name = visibility.check_target(to, self.name)
         self._require("history")
         target = self

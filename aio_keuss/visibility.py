@@ -300,5 +300,27 @@ SiblingQueue = Callable[[str], Awaitable["Queue"]]
 """How a queue opens another queue of its factory (the deadletter queue, a replay target)."""
 
 
+def check_requeue(ids: Sequence[str] | None, origin: str | None) -> None:
+    """The arguments of a requeue, refused before anything is opened or moved."""
+    if ids is None and origin is None:
+        raise InvalidInputError("requeue needs ids, origin, or both")
+    if ids is not None and (isinstance(ids, str) or not isinstance(ids, Sequence)):
+        raise InvalidInputError("requeue takes a sequence of ids")
+    if origin is not None:
+        check_queue_name(origin)
+
+
+def check_replay(
+    ids: Sequence[str] | None, since: datetime | float | None, until: datetime | float | None
+) -> tuple[float, float]:
+    """The arguments of a replay, refused before anything is opened or pushed; returns the
+    range as epoch seconds."""
+    if ids is not None and (isinstance(ids, str) or not isinstance(ids, Sequence)):
+        raise InvalidInputError("replay takes a sequence of ids")
+    if ids is None and since is None and until is None:
+        raise InvalidInputError("replay needs ids or a since / until range")
+    return check_time(since, "since", 0.0), check_time(until, "until", MAX_TIME)
+
+
 def check_target(name: str | None, default: str) -> str:
     return default if name is None else check_queue_name(name)

@@ -47,7 +47,7 @@ from ..message import MAX_KNOWN_ID_LENGTH, Message, check_id, encode_headers, en
 from ..options import QUEUE_OPTION_NAMES, check_queue_name
 from ..queue import Queue
 from ..types import MessageView, Page
-from ..visibility import check_time
+from ..visibility import check_replay, check_requeue
 from .settings import connection_settings, option_value
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_UNREACHABLE = 0, 1, 2, 3
@@ -326,8 +326,7 @@ async def _move(factory: Factory, args: argparse.Namespace, out: Output) -> int:
 async def _requeue(factory: Factory, args: argparse.Namespace, out: Output) -> int:
     _require(factory, "peek", "hold", "move")
     _check_ids(args.ids)
-    if not args.ids and args.origin is None:
-        raise InvalidInputError("requeue needs ids, --origin, or both")
+    check_requeue(args.ids or None, args.origin)
     q = await _open(factory, args.queue)
     if args.origin is not None:
         await _open(factory, args.origin, create=True)
@@ -383,10 +382,7 @@ async def _replay(factory: Factory, args: argparse.Namespace, out: Output) -> in
     _require(factory, "history")
     _check_ids(args.ids)
     since, until = _time(args.since), _time(args.until)
-    if not args.ids and since is None and until is None:
-        raise InvalidInputError("replay needs ids or a --since / --until range")
-    check_time(since, "--since", 0.0)
-    check_time(until, "--until", 0.0)
+    check_replay(args.ids or None, since, until)
     q = await _open(factory, args.queue)
     if args.to is not None:
         await _open(factory, args.to, create=True)
