@@ -423,6 +423,9 @@ class Consumer:
         # whose handler returned finishes its ok / ko: cancelling it could drop the ok).
         self._handling: set[asyncio.Task[Any]] = set()
         self._outage = Outage(queue.name, "consumer")
+        self.failure: Exception | None = None
+        """The error that stopped a worker (one not worth retrying, see ``retryable``)."""
+        self._failed = asyncio.Event()
         self._in_flight = 0
         self.handled = 0
         self.failed = 0
@@ -498,6 +501,13 @@ class Consumer:
         workers running."""
         await asyncio.wait(self._workers)
 
+    async def wait_failure(self) -> Exception:
+        """Wait until a worker stops on an error not worth retrying; returns that error
+        (:attr:`failure`). A supervisor such as ``run_worker`` exits on it."""
+        await self._failed.wait()
+        assert self.failure is not None
+        return self.failure
+
     async def stop(self, grace: float | None = 30.0) -> None:
         """Stop taking messages; wait ``grace`` seconds for running handlers, then cancel them
         (their messages go back at once). Called by one of this consumer's own handlers,
@@ -553,8 +563,11 @@ class Consumer:
                 raise
             except ClosedError:
                 return
-            except Exception:  # not worth retrying (see ``retryable``): say so, loudly
+            except Exception as exc:  # not worth retrying (see ``retryable``): say so, loudly
                 log.exception("queue %r: consumer worker stopped", queue.name)
+                if self.failure is None:
+                    self.failure = exc
+                    self._failed.set()
                 return
             finally:
                 self._waiting.discard(task)

@@ -86,6 +86,12 @@ class TooManyConsumersError(KeussError):
     100 per queue across processes, ``max_consumers``); raised before anything is fetched."""
 
 
+class ConsumerFailedError(KeussError):
+    """A consumer's worker stopped on an error not worth retrying (a missing table, a
+    refused command): ``run_worker`` stops the others and raises this, so the process
+    exits 1 and its supervisor restarts it. The error is the ``__cause__``."""
+
+
 class ClosedError(KeussError):
     """The factory or queue was closed; open a new one to go on."""
 

@@ -21,7 +21,7 @@ from typing import Any
 
 from .. import observe
 from ..consumer import Consumer, Handler
-from ..errors import InvalidInputError, PipelineError
+from ..errors import ConsumerFailedError, InvalidInputError, PipelineError
 from ..factory import Factory, connect
 from ..loading import import_object
 from ..options import check_seconds
@@ -73,7 +73,8 @@ async def run_worker(
     then enabled from the start, and disabled at the end unless they already were.
 
     Returns once every consumer has stopped and every message it held is acknowledged or
-    given back. Signal handlers are installed only while it runs, in the main thread.
+    given back. Raises :class:`~aio_keuss.ConsumerFailedError` (after stopping the others)
+    when a consumer's worker stops on an error not worth retrying. Signal handlers are installed only while it runs, in the main thread.
     """
     names = [queues] if isinstance(queues, str) else list(queues)
     if pipeline is not None:
@@ -131,9 +132,15 @@ async def run_worker(
             concurrency,
             opened.backend.name,
         )
-        await _until(stop, consumers)
+        failed = await _until(stop, consumers)
+        if failed is not None:
+            log.error("stopping: the consumer of queue %r failed", failed.queue.name)
         await _stop(consumers, grace, now)
         stopped = True
+        if failed is not None:
+            raise ConsumerFailedError(
+                f"the consumer of queue {failed.queue.name!r} stopped on {failed.failure!r}"
+            ) from failed.failure
     finally:
         restore()
         try:
@@ -173,20 +180,23 @@ def _pipeline(source: PipelineSource, factory: Factory) -> Pipeline:
     raise PipelineError(f"not a pipeline: {source!r}")
 
 
-async def _until(stop: asyncio.Event, consumers: Sequence[Consumer]) -> None:
-    """Until a stop is asked for, or every consumer has ended by itself (its queue closed)."""
+async def _until(stop: asyncio.Event, consumers: Sequence[Consumer]) -> Consumer | None:
+    """Until a stop is asked for, every consumer has ended by itself (its queue closed), or
+    one failed (a worker stopped on an error not worth retrying): then returns that one."""
 
     async def ended() -> None:
         for consumer in consumers:
             await consumer.wait()
 
-    waits = [asyncio.ensure_future(stop.wait()), asyncio.ensure_future(ended())]
+    failing = {asyncio.ensure_future(c.wait_failure()): c for c in consumers}
+    waits = [asyncio.ensure_future(stop.wait()), asyncio.ensure_future(ended()), *failing]
     try:
         await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
     finally:
         for waiting in waits:
             waiting.cancel()
         await asyncio.gather(*waits, return_exceptions=True)
+    return next((c for c in consumers if c.failure is not None), None)
 
 
 async def _stop(consumers: Sequence[Consumer], grace: float, now: asyncio.Event) -> None:

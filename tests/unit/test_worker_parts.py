@@ -265,6 +265,26 @@ def test_settings_take_a_pipeline_instead_of_a_handler() -> None:
         resolve({"pipeline": "etl:build", "handler": "m:f", "queues": ["q"]}, {})
 
 
+async def test_a_consumer_stopped_by_an_error_ends_the_worker_with_an_error() -> None:
+    """A worker whose consumer stops on an error not worth retrying exits (1 for the
+    command) rather than run on with a queue nobody consumes."""
+
+    async def handle(message: Message) -> None:
+        return None
+
+    async def refused(*args: object, **kwargs: object) -> list[Message]:
+        raise ConfigError("the store refuses this for good")
+
+    async with aio_keuss.connect("memory") as factory:
+        await (await factory.queue("a")).push(1)
+        broken = await factory.queue("b")
+        broken._next = refused  # type: ignore[method-assign]
+        with pytest.raises(aio_keuss.ConsumerFailedError, match="'b'") as raised:
+            await asyncio.wait_for(aio_keuss.run_worker(handle, ["a", "b"], factory=factory), 60)
+        assert isinstance(raised.value.__cause__, ConfigError)
+        assert await (await factory.queue("a")).size() == 0
+
+
 async def test_a_queue_given_twice_to_a_worker_is_refused() -> None:
     async def handle(message: Message) -> None:
         return None
