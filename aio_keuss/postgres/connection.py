@@ -380,15 +380,25 @@ class PostgresConnection(Backend):
         """Apply the migration steps the schema lacks, in order, each recorded in
         ``schema_versions`` in the same transaction, all under the schema's advisory lock.
         A schema of the first release has no versions table: the steps that release already
-        took are written to be no-ops there (``IF NOT EXISTS``, or a guard)."""
+        took are written to be no-ops there (``IF NOT EXISTS``, or a guard). A schema a later
+        release migrated past the steps this one knows is refused (ConfigError), not served
+        with statements written for an older layout."""
         schema = self.quoted_schema
+        steps = migrations()
+        known = steps[-1][0] if steps else 0
         async with self.transaction() as connection:
             await connection.execute(_SCHEMA_LOCK, self.schema)
             await connection.execute(_VERSIONS_DDL.replace("{s}", schema))
             done = await connection.fetchval(
                 f"SELECT coalesce(max(version), 0) FROM {schema}.schema_versions"
             )
-            for version, step in migrations():
+            if done > known:
+                raise ConfigError(
+                    f"schema {self.schema!r} is at version {done}, made by a newer aio-keuss"
+                    f" than this one (which knows versions up to {known}): upgrade aio-keuss"
+                    " to open it"
+                )
+            for version, step in steps:
                 if version > done:
                     await connection.execute(step.replace("{s}", schema))
                     await connection.execute(

@@ -597,6 +597,28 @@ async def test_a_schema_of_the_first_release_is_upgraded_in_place(
     assert await _versions(schema) == latest
 
 
+async def test_a_schema_a_newer_release_migrated_is_refused(
+    schema: str, open_factory: Open
+) -> None:
+    """A schema past the steps this release knows (a later release's step recorded) is
+    refused with a clear ConfigError, not served with statements for the older layout."""
+    from aio_keuss.postgres.sql import migrations
+
+    latest = migrations()[-1][0]
+    await (await open_factory()).close()
+    connection = await asyncpg.connect(POSTGRES_URL)
+    try:
+        await connection.execute(
+            f'INSERT INTO "{schema}".schema_versions (version) VALUES ($1)', latest + 1
+        )
+    finally:
+        await connection.close()
+    for backend in ("postgres", "bucket-postgres"):
+        with pytest.raises(aio_keuss.ConfigError, match=f"version {latest + 1}.*newer"):
+            await aio_keuss.connect(backend, url=POSTGRES_URL, schema=schema)
+    assert await _versions(schema) == [*range(1, latest + 1), latest + 1]  # nothing written
+
+
 async def test_a_bucket_schema_of_the_first_release_is_upgraded_in_place(schema: str) -> None:
     """bucket-postgres of the first release made its table on connect, outside any versions
     table: the bucket migration step finds it and leaves it, and the buckets in it (written
