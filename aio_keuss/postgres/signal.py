@@ -42,7 +42,9 @@ class PostgresSignalBus(SignalBus):
     def __init__(self, backend: PostgresConnection, debounce: float = 0.05) -> None:
         super().__init__(debounce)
         self._backend = backend
-        self.channel = f"aio_keuss_{backend.schema}".lower()
+        # Case kept: schema names are quoted, so "Jobs" and "jobs" are two schemas, and a
+        # shared channel would let one's pause / resume act on the other's queues.
+        self.channel = f"aio_keuss_{backend.schema}"
 
     async def _publish(self, payload: bytes) -> None:
         await self._backend.execute(

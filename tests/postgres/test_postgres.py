@@ -905,3 +905,39 @@ async def test_a_silently_dropped_listener_connection_is_replaced(
         await assert_a_silent_drop_is_survived(hole, consumer_factory, producer)
     finally:
         hole.close()
+
+
+async def test_schemas_differing_only_in_case_do_not_share_signals(
+    open_factory: Open, schema: str
+) -> None:
+    """Schema names are quoted, so "Jobs" and "jobs" are two schemas: a resume of a queue in
+    one must not resume the queue of the same name in the other (it was a shared NOTIFY
+    channel, so the other schema's paused queue delivered in every other process)."""
+    other = schema.upper()
+    try:
+        lower_a = await open_factory()
+        lower_b = await open_factory(poll_interval=30.0)
+        upper_a = await aio_keuss.connect("postgres", url=POSTGRES_URL, schema=other)
+        upper_b = await aio_keuss.connect("postgres", url=POSTGRES_URL, schema=other)
+        try:
+            qa, qb = await lower_a.queue("jobs"), await lower_b.queue("jobs")
+            await qa.pause()
+            await qa.push("held")
+            assert await qb.is_paused()
+            ua, ub = await upper_a.queue("jobs"), await upper_b.queue("jobs", poll_interval=30.0)
+            waiter = asyncio.create_task(ub.pop(timeout=20))
+            await ua.pause()
+            await ua.resume()
+            await ua.push("woken")  # the mixed-case schema's own signals still travel
+            got = await asyncio.wait_for(waiter, 25)
+            assert got is not None and got.payload == "woken"
+            assert await qb.reserve(timeout=1.0) is None  # still paused in its schema
+        finally:
+            await upper_a.close()
+            await upper_b.close()
+    finally:
+        connection = await asyncpg.connect(POSTGRES_URL)
+        try:
+            await connection.execute(f'DROP SCHEMA IF EXISTS "{other}" CASCADE')
+        finally:
+            await connection.close()
