@@ -59,8 +59,12 @@ class Link:
             raise PipelineError(f"station {self.name or self.source!r}: {exc}") from exc
         if not self.name:
             object.__setattr__(self, "name", self.source)
-        if not isinstance(self.name, str):
-            raise PipelineError(f"a station name must be a str, not {self.name!r}")
+        if not isinstance(self.name, str) or not self.name.isprintable():
+            # stored in the topology (a PostgreSQL jsonb refuses \u0000, a lone surrogate
+            # is no JSON at all): refused here, as a pipeline's own name is
+            raise PipelineError(
+                f"a station name must be a str of printable characters, not {self.name!r}"
+            )
         if not callable(self.handler):
             raise PipelineError(f"station {self.name!r}: handler must be callable")
         if self.source in self.destinations:

@@ -122,3 +122,13 @@ async def test_a_closed_factory_makes_no_pipeline(factory: aio_keuss.Factory) ->
     await factory.close()
     with pytest.raises(aio_keuss.ClosedError):
         factory.pipeline("late")
+
+
+@pytest.mark.parametrize("name", ["a\x00b", "a\ud800", "tab\there"])
+async def test_a_station_name_that_cannot_be_stored_is_refused(
+    factory: aio_keuss.Factory, name: str
+) -> None:
+    """The topology is stored (PostgreSQL: jsonb, which refuses \\u0000; a lone surrogate is
+    no JSON): such a name is refused when the station is added, on every backend."""
+    with pytest.raises(PipelineError, match="printable"):
+        factory.pipeline("p").sink("a", _noop, name=name)
