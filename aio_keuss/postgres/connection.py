@@ -343,14 +343,22 @@ class PostgresConnection(Backend):
             raise ConfigError("the postgres backend is not open")
         return self._pool
 
-    @property
-    def connect_params(self) -> dict[str, Any]:
-        """How to open a connection outside the pool (the signal bus's LISTEN connection)."""
+    async def _connect_outside_pool(self) -> Any:
+        """A connection outside the pool (the signal bus's LISTEN connection), made the way
+        the pool makes its own: from our URL, or, for a user's pool, with its arguments and
+        its ``connect`` hook (asyncpg >= 0.30: ``create_pool(connect=...)``, e.g. for
+        rotating credentials; without it, such a pool has no arguments, and the listener
+        went to the driver's defaults -- another server, whose NOTIFYs never come)."""
         if self._owns_pool:
-            return {"dsn": self.url}
-        # A user's pool: reuse its connection arguments.
-        args, kwargs = self.pool._connect_args, self.pool._connect_kwargs
-        return {"dsn": args[0] if args else None, **kwargs}
+            return await asyncpg.connect(self.url)
+        pool = self.pool
+        connect = getattr(pool, "_connect", None) or asyncpg.connect
+        return await connect(
+            *pool._connect_args,
+            connection_class=pool._connection_class,
+            record_class=pool._record_class,
+            **pool._connect_kwargs,
+        )
 
     @translated
     async def open(self) -> None:
@@ -488,7 +496,7 @@ class PostgresConnection(Backend):
         """A connection of its own LISTENing on ``channel`` (never one of the pool's: those
         are handed to other callers, and a release would drop the LISTEN). ``on_lost`` is
         called when the server or the network ends it; the caller closes it."""
-        connection = await asyncpg.connect(**self.connect_params)
+        connection = await self._connect_outside_pool()
         try:
             connection.add_termination_listener(on_lost)
             await connection.add_listener(channel, on_notify)

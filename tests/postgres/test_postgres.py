@@ -941,3 +941,38 @@ async def test_schemas_differing_only_in_case_do_not_share_signals(
             await connection.execute(f'DROP SCHEMA IF EXISTS "{other}" CASCADE')
         finally:
             await connection.close()
+
+
+async def test_a_user_pool_with_a_connect_hook_gets_its_listener_from_the_hook(
+    open_factory: Open, schema: str
+) -> None:
+    """asyncpg >= 0.30 pools can make their connections with a ``connect=`` function (e.g.
+    rotating credentials) and then hold no connection arguments: the LISTEN connection must
+    come from the same function, not from the driver's defaults (another server or database,
+    where the NOTIFYs never arrive)."""
+    if "connect" not in asyncpg.create_pool.__code__.co_varnames:
+        pytest.skip("this asyncpg has no connect= hook")
+    made = 0
+
+    async def connect(*args: Any, **kwargs: Any) -> Any:
+        nonlocal made
+        made += 1
+        return await asyncpg.connect(POSTGRES_URL, **kwargs)
+
+    pool = await asyncpg.create_pool(connect=connect, min_size=1, max_size=4)
+    try:
+        consumer = await aio_keuss.connect("postgres", pool=pool, schema=schema, poll_interval=30.0)
+        try:
+            producer = await open_factory()
+            waiter = asyncio.create_task((await consumer.queue("hooked")).pop(timeout=20))
+            await asyncio.sleep(0.3)
+            started = time.monotonic()
+            await (await producer.queue("hooked")).push("woken")
+            got = await asyncio.wait_for(waiter, 25)
+            assert got is not None and got.payload == "woken"
+            assert time.monotonic() - started < 10.0  # woken (poll 30 s, timeout 20 s)
+            assert made > pool.get_size()  # the listener's connection came from the hook too
+        finally:
+            await consumer.close()
+    finally:
+        await pool.close()
