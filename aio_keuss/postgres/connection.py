@@ -99,12 +99,16 @@ _SCHEMA_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,47}")
 
 
 def quote_schema(schema: object) -> str:
-    """Validate a schema name (letters, digits, underscore) and return it double-quoted."""
+    """Validate a schema name (letters, digits, underscore) and return it double-quoted.
+    ``pg_...`` is refused too: PostgreSQL reserves that prefix for system schemas (manual,
+    CREATE SCHEMA), so the server would refuse it at the first connection."""
     if not isinstance(schema, str) or not _SCHEMA_NAME.fullmatch(schema):
         raise ConfigError(
             f"schema must be 1-48 letters, digits or underscores, not starting with a digit,"
             f" not {schema!r}"
         )
+    if schema.startswith("pg_"):
+        raise ConfigError(f"schema {schema!r}: the prefix pg_ is reserved by PostgreSQL")
     return '"' + schema + '"'
 
 

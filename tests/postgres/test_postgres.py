@@ -310,6 +310,9 @@ async def test_an_insert_past_the_statement_budget_goes_in_as_several_in_order(
 async def test_bad_options_and_unreachable_server() -> None:
     with pytest.raises(aio_keuss.ConfigError):
         await aio_keuss.connect("postgres", url=POSTGRES_URL, schema='bad"; drop')
+    for backend in ("postgres", "bucket-postgres"):  # the server reserves pg_ for itself
+        with pytest.raises(aio_keuss.ConfigError, match="pg_"):
+            await aio_keuss.connect(backend, url=POSTGRES_URL, schema="pg_jobs")
     with pytest.raises(aio_keuss.KeussConnectionError):
         await aio_keuss.connect("postgres", url="postgresql://postgres@127.0.0.1:1/test")
 
