@@ -202,9 +202,16 @@ SERVER_SETTINGS = {
     # manual, PREPARE, "plan_cache_mode"); for our queue statements it keeps doing so, and
     # planning cost about 0.3 ms of a 0.7 ms pop. Their generic plans use the same indexes.
     "plan_cache_mode": "force_generic_plan",
+    # The statements are written for READ COMMITTED (FOR UPDATE SKIP LOCKED picks, updates
+    # that re-check a row changed meanwhile). A database or role whose
+    # default_transaction_isolation is repeatable read or serializable made concurrent
+    # reserves, oks and pushes fail with "could not serialize access" (40001).
+    "default_transaction_isolation": "read committed",
 }
 
-_SET_SERVER_SETTINGS = "; ".join(f"SET {name} = {value}" for name, value in SERVER_SETTINGS.items())
+_SET_SERVER_SETTINGS = "; ".join(
+    f"SET {name} = '{value}'" for name, value in SERVER_SETTINGS.items()
+)
 
 HELD_CONNECTIONS = 8
 """At most this many pool connections are held by one backend for its statements."""
@@ -262,11 +269,11 @@ class _HeldConnections:
                 if held:
                     self._held -= 1
                 raise
-            if held and self._setup is not None:
+            if self._setup is not None:  # borrowed ones too: the isolation level matters
                 try:
                     await connection.execute(self._setup)
                 except BaseException as exc:
-                    self._let_go(connection, exc)
+                    self._let_go(connection, exc, held)
                     raise
         try:
             result = await getattr(connection, method)(query, *args)

@@ -979,3 +979,41 @@ async def test_a_user_pool_with_a_connect_hook_gets_its_listener_from_the_hook(
             await consumer.close()
     finally:
         await pool.close()
+
+
+@pytest.mark.parametrize("backend", ["postgres", "bucket-postgres"])
+async def test_a_serializable_default_isolation_does_not_fail_concurrent_consumers(
+    schema: str, backend: str
+) -> None:
+    """The statements are written for READ COMMITTED; a role (or database) whose
+    default_transaction_isolation is serializable made concurrent reserves and oks fail with
+    "could not serialize access" (40001). The backend's sessions run READ COMMITTED."""
+    role = f"{schema}_serial"
+    admin = await asyncpg.connect(POSTGRES_URL)
+    await admin.execute(f'CREATE ROLE "{role}" LOGIN SUPERUSER')
+    await admin.execute(f"ALTER ROLE \"{role}\" SET default_transaction_isolation = 'serializable'")
+    url = urlsplit(POSTGRES_URL)
+    as_role = urlunsplit(url._replace(netloc=f"{role}@{url.hostname}:{url.port or 5432}"))
+    factories: list[aio_keuss.Factory] = []
+    try:
+        for _ in range(3):
+            factories.append(await aio_keuss.connect(backend, url=as_role, schema=schema))
+        db = factories[0].backend
+        assert await db.fetchval("SHOW transaction_isolation") == "read committed"
+        queues = [await f.queue("iso") for f in factories]
+        await queues[0].push_many(list(range(300)))
+        got: list[int] = []
+
+        async def work(q: aio_keuss.Queue) -> None:
+            while (message := await q.reserve(timeout=0.3)) is not None:
+                got.append(message.payload)
+                assert await q.ok(message)
+
+        await asyncio.gather(*(work(q) for q in queues for _ in range(3)))
+        assert sorted(got) == list(range(300))
+    finally:
+        for factory in factories:
+            await factory.close()
+        await admin.execute(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
+        await admin.execute(f'DROP ROLE "{role}"')
+        await admin.close()
