@@ -95,6 +95,12 @@ local function read_chunked(cmd, key, args)
   end
   return out
 end
+-- At maxmemory with the noeviction policy Redis refuses a script whose first write is a
+-- command that may grow memory (ZADD, SADD, HSET, ...), and lets one that has written run
+-- to its end (Redis manual, "Scripting with Lua": "maxmemory"). A reserve or a ko grows
+-- memory by a few bytes, and the ok that follows frees the message: so those scripts first
+-- write with one that cannot grow it (SREM of the ids they hold or are about to add back),
+-- and consumers still reserve, and drain, a Redis that is full.
 local function first_mature(z)
   local head = redis.call('ZRANGE', z, 0, 0, 'WITHSCORES')
   return head[2] or false
@@ -310,6 +316,7 @@ _RESERVE = """
 local n, now = tonumber(ARGV[1]), server_now()
 local ids, payloads, headers, tries, matures, expired = take_mature(n, now)
 if #ids > 0 then
+  redis.call('SREM', KEYS[5], ids[1])  -- first, a write that cannot grow memory (above)
   local deadline, zadd = now + tonumber(ARGV[2]), {}
   for k = 1, #ids do zadd[#zadd + 1] = deadline; zadd[#zadd + 1] = ids[k] end
   run_chunked('ZADD', KEYS[1], zadd)
@@ -377,12 +384,14 @@ for i = 4, #ARGV, 4 do
         for _, v in ipairs({id, payload, headers, stored}) do deferred[#deferred + 1] = v end
         -- held for the client's next two steps (a reservation that had lapsed would hand
         -- it out again meanwhile); after a crash between them it comes back
+        redis.call('SREM', KEYS[5], id)  -- first, a write that cannot grow memory
+        redis.call('SADD', KEYS[5], id)
         redis.call('ZADD', KEYS[1], now + DEFER_HOLD, id)
         flags[#flags + 1] = 3
       end
     else
+      redis.call('SREM', KEYS[5], id)  -- first: a write that cannot grow memory
       if tries > 0 then redis.call('HSET', KEYS[4], id, tries) end
-      redis.call('SREM', KEYS[5], id)
       redis.call('ZADD', KEYS[1], now + tonumber(ARGV[i + 2]), id)
       flags[#flags + 1] = 1
     end
@@ -495,11 +504,15 @@ local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
 local head = redis.call('ZRANGE', KEYS[1], '-inf', now, 'BYSCORE', 'LIMIT', 0, 1, 'WITHSCORES')
 local id = head[1]
 if not id then return {redis.call('ZRANGE', KEYS[1], 0, 0, 'WITHSCORES')[2] or false} end
+-- The first write cannot grow memory (SREM): at maxmemory (noeviction) Redis refuses a
+-- script whose first write may, so a full Redis could not be drained by reserve and ok.
+local lapsed = redis.call('SREM', KEYS[5], id) == 1
 redis.call('ZADD', KEYS[1], now + tonumber(ARGV[1]), id)
+redis.call('SADD', KEYS[5], id)
 local payload = redis.call('HGET', KEYS[2], id)
 local headers = redis.call('HGET', KEYS[3], id)
 local tries = tonumber(redis.call('HGET', KEYS[4], id) or 0)
-if redis.call('SADD', KEYS[5], id) == 0 then
+if lapsed then
   tries = tries + 1
   redis.call('HSET', KEYS[4], id, tries)
 end

@@ -191,8 +191,12 @@ return out
 # KEYS: pending, processing, consumers, heartbeat. ARGV: base, n, cid, heartbeat_ttl_ms.
 # Registering and refreshing the heartbeat here, atomically with the LMOVEs, means a
 # reservation is never in a processing list that recovery cannot see.
+# The first write is one that cannot grow memory (PEXPIRE): at maxmemory (noeviction) Redis
+# refuses a script whose first write may (SET, LMOVE, ...) and lets one that has written run
+# to its end, and consumers must still reserve, then ok, to drain a Redis that is full.
 _RESERVE = """
 local base = ARGV[1]
+redis.call('PEXPIRE', KEYS[4], tonumber(ARGV[4]))
 redis.call('SET', KEYS[4], '1', 'PX', tonumber(ARGV[4]))
 redis.call('SADD', KEYS[3], ARGV[3])
 local out = {0}
@@ -400,6 +404,17 @@ for i = 2, #ARGV do
   end
 end
 return moved
+"""
+
+# KEYS: heartbeat, consumers. ARGV: cid, heartbeat_ttl_ms. A live consumer's heartbeat,
+# refreshed first by PEXPIRE, a write that cannot grow memory, so that it goes on at
+# maxmemory (noeviction), where a plain SET is refused: else a live consumer would count as
+# dead while Redis is full (see _RESERVE).
+_BEAT = """
+redis.call('PEXPIRE', KEYS[1], tonumber(ARGV[2]))
+redis.call('SET', KEYS[1], '1', 'PX', tonumber(ARGV[2]))
+redis.call('SADD', KEYS[2], ARGV[1])
+return 1
 """
 
 # KEYS: processing, consumers, heartbeat. ARGV: cid. A clean close: unregister only when
@@ -757,11 +772,7 @@ class RedisReliableStore(Store):
 
     async def _beat(self) -> None:
         """Keep this consumer alive and registered (re-registered if recovery took it)."""
-        execute = self._backend.execute
-        await asyncio.gather(
-            execute("SET", self._heartbeat, b"1", "PX", int(self._ttl_ms)),
-            execute("SADD", self._consumers, self.consumer),
-        )
+        await self._scripts.beat([self._heartbeat, self._consumers], [self.consumer, self._ttl_ms])
 
     async def recover(self) -> int:
         """Give back to ``pending`` what consumers with an expired heartbeat held, each with
@@ -866,6 +877,7 @@ class _Scripts:
         self.recover = bind(_RECOVER)
         self.recover_own = bind(_RECOVER_OWN)
         self.retire = bind(_RETIRE)
+        self.beat = bind(_BEAT)
         self.peek = bind(_PEEK)
         self.locate = bind(_LOCATE)
 

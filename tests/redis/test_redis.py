@@ -19,6 +19,7 @@ import pytest
 import redis.asyncio as aioredis
 from backends import REDIS_URL, _drop_redis_prefix, new_token
 from black_hole import BlackHole, assert_a_silent_drop_is_survived
+from own_servers import own_redis
 
 import aio_keuss
 from aio_keuss.redis import connection as redis_connection
@@ -351,3 +352,38 @@ async def test_a_silently_dropped_subscription_is_replaced(
         await assert_a_silent_drop_is_survived(hole, consumer_factory, producer)
     finally:
         hole.close()
+
+
+# a full Redis (maxmemory, noeviction) ------------------------------------------------------
+
+
+@pytest.mark.parametrize("backend", ["redis-oq", "redis-reliable"])
+async def test_consumers_drain_a_redis_at_maxmemory(backend: str) -> None:
+    """At maxmemory with noeviction a push is refused (OOM, a BackendError), but reserve, ko
+    and ok still work, so consumers drain the full Redis: Redis refuses a script whose first
+    write may grow memory, and the consuming scripts' first write cannot."""
+    with own_redis("--maxmemory-policy", "noeviction") as server:
+        admin = aioredis.Redis.from_url(server.url)
+        factory = await aio_keuss.connect(backend, url=server.url, prefix="full")
+        try:
+            q = await factory.queue("full", reserve_delay=30.0)
+            used = (await admin.info("memory"))["used_memory"]
+            await admin.config_set("maxmemory", used + 500_000)
+            pushed = 0
+            with pytest.raises(aio_keuss.BackendError, match="OOM"):
+                for pushed in range(100):  # 500 kB is full at 20 kB each
+                    await q.push({"n": pushed, "pad": "x" * 20_000})
+            assert 10 < pushed < 100
+            first = await q.reserve(timeout=0)
+            assert first is not None
+            assert await q.ko(first) == aio_keuss.KoResult.ROLLED_BACK
+            taken = []
+            while (message := await q.reserve(timeout=0)) is not None:
+                taken.append(message.payload["n"])
+                assert await q.ok(message)
+            assert sorted(taken) == list(range(pushed))
+            await q.push("room again")  # the oks freed the memory
+        finally:
+            await admin.config_set("maxmemory", 0)
+            await factory.close()
+            await admin.aclose()
