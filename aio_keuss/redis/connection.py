@@ -151,20 +151,34 @@ class _Reply(asyncio.Future[Any]):
 
 class _ScriptReply(_Reply):
     """The reply to an EVALSHA, with what to send again should the server lack the script
-    (NOSCRIPT, after a restart or a SCRIPT FLUSH): the protocol then loads it and runs the
-    same command once more, and this future gets that second reply."""
+    (NOSCRIPT, after a restart or a SCRIPT FLUSH): the protocol then sends the same command
+    as an EVAL of the script's text, and this future gets that second reply."""
 
     __slots__ = ("packed", "script")
     script: Script | None
     packed: bytes
 
 
-def _discarded(loop: asyncio.AbstractEventLoop) -> asyncio.Future[Any]:
-    """A future already done: the slot of a reply nobody awaits (a SCRIPT LOAD sent before
-    an EVALSHA runs again; an error in it shows in the EVALSHA's own reply)."""
-    future: asyncio.Future[Any] = loop.create_future()
-    future.cancel()
-    return future
+_EVALSHA_HEAD = b"$7\r\nEVALSHA\r\n$40\r\n"
+
+
+def _as_eval(packed: bytes, script: Script) -> bytes:
+    """A packed ``EVALSHA sha numkeys ...`` as ``EVAL text numkeys ...``.
+
+    EVAL runs the script and caches it in one command: a SCRIPT LOAD followed by the
+    EVALSHA again would need the SCRIPT command (an ACL may deny it, and the real cause was
+    then hidden behind a second NOSCRIPT), and a SCRIPT FLUSH landing between the two made
+    the caller see NOSCRIPT after all."""
+    start = packed.index(b"\n") + 1  # after the "*<count>" line, which stays the same
+    sha_end = start + len(_EVALSHA_HEAD) + 40 + 2
+    assert packed[start : start + len(_EVALSHA_HEAD)] == _EVALSHA_HEAD, packed[:64]
+    text = script.text
+    return b"%b$4\r\nEVAL\r\n$%d\r\n%b\r\n%b" % (
+        packed[:start],
+        len(text),
+        text,
+        packed[sha_end:],
+    )
 
 
 class _LaneProtocol(asyncio.Protocol):
@@ -202,14 +216,13 @@ class _LaneProtocol(asyncio.Protocol):
             and future.script is not None
             and message.startswith("NOSCRIPT")
             and not future.done()
-        ):  # load it and run the command again, once; its reply is this future's
+        ):  # run it again as an EVAL, once (which also caches it); its reply is this future's
             if self.transport is None:  # dropped meanwhile (a failover): the caller retries
                 future.set_exception(KeussConnectionError("connection to Redis lost"))
                 return
             script, future.script = future.script, None
-            self._waiting.append(_discarded(self._loop))
             self._waiting.append(future)
-            self.transport.write(_pack(("SCRIPT", "LOAD", script.text)) + future.packed)
+            self.transport.write(_as_eval(future.packed, script))
             return
         cause = _response_error(message)
         error = _ours(cause) or BackendError(message)
@@ -570,9 +583,9 @@ class RedisConnection(Backend):
         try:
             return await self.execute("EVALSHA", script.sha, len(keys), *keys, *args)
         except ScriptMissing:
-            # on a cluster redis-py loads it on every primary
-            await translated(self.client.script_load(script.text))
-            return await self.execute("EVALSHA", script.sha, len(keys), *keys, *args)
+            # EVAL runs it and caches it in one command (see ``_as_eval``); on a cluster,
+            # on the node serving the keys
+            return await self.execute("EVAL", script.text, len(keys), *keys, *args)
 
     def bind_script(self, script: Script, keys: Sequence[str]) -> Callable[..., Awaitable[Any]]:
         """``script`` on fixed ``keys``, called with its arguments only: ``run(*args)``.

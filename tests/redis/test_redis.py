@@ -326,6 +326,35 @@ async def test_scripts_the_server_lost_are_loaded_again(
         await client.aclose()
 
 
+@pytest.mark.parametrize("backend", ["redis-oq", "redis-reliable", "redis-sharded"])
+@pytest.mark.parametrize("path", ["lane", "redispy"])
+async def test_a_lost_script_runs_again_without_the_script_command(backend: str, path: str) -> None:
+    """A script the server lacks is sent again as an EVAL, which runs and caches it in one
+    command: a user whose ACL denies SCRIPT (but allows EVALSHA and EVAL) gets its
+    results, where a SCRIPT LOAD was refused and the caller saw NOSCRIPT."""
+    with own_redis() as server:
+        admin = aioredis.Redis.from_url(server.url)
+        try:
+            await admin.acl_setuser(
+                "noscript", enabled=True, passwords=["+pw"], keys=["*"], channels=["*"],
+                commands=["+@all", "-script"],
+            )  # fmt: skip
+            url = f"redis://noscript:pw@127.0.0.1:{server.port}/0"
+            url += "" if path == "lane" else "?socket_timeout=30"
+            async with aio_keuss.connect(backend, url=url, prefix="acl") as factory:
+                assert factory.backend.has_fast_lane is (path == "lane")  # type: ignore[attr-defined]
+                q = await factory.queue("q")
+                await q.push("kept")
+                await admin.script_flush()
+                message = await q.reserve(timeout=5)
+                assert message is not None and message.payload == "kept"
+                await admin.script_flush()
+                assert await q.ok(message)
+                assert await q.size() == 0
+        finally:
+            await admin.aclose()
+
+
 def test_only_the_connection_module_talks_to_the_driver() -> None:
     """Every command goes through the translating methods of the connection: no other module
     of the package imports redis-py or reaches for its client."""
