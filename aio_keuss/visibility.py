@@ -274,11 +274,20 @@ async def replay(
             rows_ = [r for r in found if r is not None and r.state == State.PROCESSED]
             copied.extend(await _copy(target, rows_))
         return copied
+    # The walk keeps no snapshot: a copy pushed here and consumed while it goes on is a
+    # processed record past its cursor (and inside an open range). It is not copied again,
+    # else a replay on a live queue would feed on its own copies for as long as a consumer
+    # keeps up.
+    mine: set[str] = set()
     chunk: list[Peeked] = []
     async for row in history_rows(source, since, until, None, batch):
+        if row.message.id in mine:
+            continue
         chunk.append(row)
         if len(chunk) == batch:
-            copied.extend(await _copy(target, chunk))
+            made = await _copy(target, chunk)
+            copied.extend(made)
+            mine.update(made)
             chunk = []
     copied.extend(await _copy(target, chunk))
     return copied
