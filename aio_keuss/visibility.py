@@ -201,15 +201,25 @@ async def requeue(
             moved.update(await _hold_and_move(queue, targets))
         return moved
     assert origin is not None
+    # The walk keeps no snapshot: a message moved back and deadlettered again while it goes
+    # on (its origin's consumer failed it once more) lands past the cursor, under the name
+    # it had there. It is left for the next requeue, else a requeue beside a failing
+    # consumer would move the same messages round for as long as that consumer keeps up.
+    done: set[str] = set()
     cursor: Cursor | None = None
     while True:
         page = await store.peek("all", cursor, queue.options.max_batch)
         targets = {
             row.message.id: origin
             for row in page.rows
-            if row.state != State.RESERVED and _origin_of(row) == origin
+            if row.state != State.RESERVED
+            and row.message.id not in done
+            and _origin_of(row) == origin
         }
-        moved.update(await _hold_and_move(queue, targets))
+        now_moved = await _hold_and_move(queue, targets)
+        moved.update(now_moved)
+        done.update(now_moved)
+        done.update(now_moved.values())
         if page.cursor is None:
             return moved
         cursor = page.cursor

@@ -329,6 +329,35 @@ async def test_requeue_every_message_of_one_origin(connect: Connect) -> None:
     assert await dl.ok(held)
 
 
+async def test_requeue_of_an_origin_does_not_move_again_what_failed_again_meanwhile(
+    connect: Connect,
+) -> None:
+    # The origin's worker fails each batch right after requeue moved it: deadlettered again,
+    # it lands past the walk's cursor. Moved again, a requeue beside a failing consumer went
+    # round for as long as that consumer kept up (here: for ever).
+    factory = await connect(deadletter={"max_ko": 0}, max_batch=2, poll_interval=5.0)
+    needs(factory, "reserve", "peek", "hold", "move")
+    jobs = await factory.queue("jobs")
+    dl = await factory.queue("__deadletter__")
+    ids = [await _deadletter_one(jobs, n) for n in range(4)]
+    moving = dl._move_batch
+    moves = 0
+
+    async def move_then_fail(plans: list[Any]) -> list[str | None]:
+        nonlocal moves
+        results = await moving(plans)
+        moves += sum(r is not None for r in results)
+        assert moves <= 20, "requeue moves again what it moved"
+        for message in await jobs.reserve_many(len(plans), timeout=5):
+            assert await jobs.ko(message) == KoResult.DEADLETTERED
+        return results
+
+    dl._move_batch = move_then_fail  # type: ignore[method-assign]
+    moved = await dl.requeue(origin="jobs")
+    assert sorted(moved) == sorted(ids) and moves == 4
+    assert await dl.total_size() == 4 and await jobs.total_size() == 0
+
+
 # history and replay ---------------------------------------------------------------------
 
 
