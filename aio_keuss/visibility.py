@@ -336,6 +336,9 @@ def check_replay(
     range as epoch seconds."""
     if ids is not None and (isinstance(ids, str) or not isinstance(ids, Sequence)):
         raise InvalidInputError("replay takes a sequence of ids")
+    if ids is not None:  # before a target queue is opened (which records it)
+        for message_id in ids:
+            check_id(message_id, MAX_KNOWN_ID_LENGTH)
     if ids is None and since is None and until is None:
         raise InvalidInputError("replay needs ids or a since / until range")
     return check_time(since, "since", 0.0), check_time(until, "until", MAX_TIME)

@@ -286,6 +286,11 @@ async def _push(factory: Factory, args: argparse.Namespace, out: Output) -> int:
     for payload in payloads:  # refused before the queue is opened (which records it)
         encode_payload(payload)
     encode_headers(headers or None)
+    if args.id is not None:
+        check_id(args.id)
+        _require(factory, "idempotent")
+    if args.delay:
+        _require(factory, "delay")
     q = await _open(factory, args.queue, create=True)
     ids = await q.push_many(
         payloads,

@@ -278,3 +278,15 @@ async def test_a_refused_move_requeue_or_replay_records_no_target_queue(
         done = await cli.run(*args)
         assert done.returncode == 2, (args, done.returncode, done.stderr)
     assert [row["queue"] for row in await cli.json("list")] == ["jobs"]
+
+
+async def test_a_push_refused_for_its_id_or_delay_records_no_queue(redis_cli: Cli) -> None:
+    """Exit 2 and 5 say "nothing was written": a push whose --id is malformed, or whose --id
+    or --delay the backend cannot do, opened (and so recorded) its queue first."""
+    cli = redis_cli
+    assert (await cli.run("push", "t1", "1", "--id", "bad id")).returncode == 2
+    plain = Cli("redis-list", cli.options)  # no delays, no idempotent ids
+    for args in (("push", "t2", "1", "--delay", "5"), ("push", "t3", "1", "--id", "x")):
+        done = await plain.run(*args)
+        assert done.returncode == 5, (args, done.returncode, done.stderr)
+    assert (await cli.json("list")) == [] and (await plain.json("list")) == []

@@ -72,6 +72,18 @@ async def test_bad_arguments_are_refused_first(factory: aio_keuss.Factory) -> No
             await call
 
 
+async def test_a_replay_refused_for_its_ids_records_no_target_queue(
+    factory: aio_keuss.Factory,
+) -> None:
+    # The ids were checked once the target queue was opened, which recorded it.
+    needs(factory, "history")
+    q = await factory.queue("args")
+    for ids in ([5], ["bad id"], ["x" * 1001]):
+        with pytest.raises(aio_keuss.InvalidIdError):
+            await q.replay(ids, to="replayed")  # type: ignore[list-item]
+    assert "replayed" not in await factory.list()
+
+
 async def test_made_up_cursors_and_bounds_out_of_range_are_refused(
     factory: aio_keuss.Factory,
 ) -> None:
