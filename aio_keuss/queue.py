@@ -113,6 +113,7 @@ class Queue:
             else None
         )
         self._sibling = sibling
+        self._targets: set[str] = set()  # queues moved into, opened through the factory
         self._paused = False
         self._wakeups = Wakeups()
         self._due_handle: asyncio.TimerHandle | None = None  # see ``_hand_on``
@@ -763,6 +764,7 @@ class Queue:
         self._check_open()
         self._require("move")
         plan = self._move_plan(message, queue, payload, headers, delay)
+        await self._open_target(plan.queue)
         return await self._moves.submit(plan)
 
     async def move_many(
@@ -783,6 +785,7 @@ class Queue:
         plans = [self._move_plan(m, queue, UNCHANGED, headers, delay) for m in messages]
         if not plans:
             return []
+        await self._open_target(plans[0].queue)
         return list(await asyncio.gather(*(self._moves.submit(plan) for plan in plans)))
 
     def _move_plan(
@@ -802,6 +805,15 @@ class Queue:
         encode_headers(headers)
         seconds = self._delay(delay)
         return Move(message_id, tries, destination, blob, dict(headers or {}), seconds, MOVE_TAG)
+
+    async def _open_target(self, name: str) -> None:
+        """Open a queue moved into through the factory (once), which records it: else its
+        messages sat in a queue that ``factory.list()``, the admin commands and the
+        dashboard do not know."""
+        if name in self._targets or self._sibling is None:
+            return
+        await self._sibling(name)
+        self._targets.add(name)
 
     async def _submit_move(self, plan: Move) -> str | None:
         """A move checked earlier by :meth:`_move_plan` (a pipeline station checks its

@@ -240,6 +240,8 @@ async def _hold_and_move(queue: Queue, targets: dict[str, str | None]) -> dict[s
     plans = {i: t for i, t in targets.items() if t is not None and t != queue.name}
     if not plans:
         return {}
+    for target in sorted(set(plans.values())):  # recorded before anything moves there
+        await queue._open_target(target)
     ids = list(plans)
     tries = await queue._store.hold(ids, HOLD_SECONDS)
     moves = [

@@ -207,3 +207,23 @@ async def test_concurrent_moves_share_round_trips_and_each_lands_once(connect: C
         got.extend(batch)
     assert sorted(m.payload for m in got) == [2 * n for n in range(200)]
     assert await q.total_size() == 0
+
+
+async def test_a_queue_first_reached_by_a_move_is_known_to_the_backend(connect: Connect) -> None:
+    # The messages moved into a queue nobody had opened sat in a queue that factory.list(),
+    # the admin commands (exit 4, "no queue named ...") and the dashboard did not know.
+    factory = await connect(deadletter={"max_ko": 0}, poll_interval=5.0)
+    needs(factory, "reserve", "move")
+    q = await factory.queue("src")
+    await q.push_many([1, 2, 3])
+    held = await q.reserve_many(3, timeout=5)
+    assert len(held) == 3
+    assert await q.move(held[0], "by-move") == held[0].id
+    assert await q.move_many(held[1:2], "by-move-many") == [held[1].id]
+    known = await factory.list()
+    assert "by-move" in known and "by-move-many" in known
+    if factory.capabilities.peek and factory.capabilities.hold:
+        assert await q.ko(held[2]) == KoResult.DEADLETTERED
+        dl = await factory.queue("__deadletter__")
+        assert await dl.requeue([held[2].id], origin="by-requeue") == {held[2].id: held[2].id}
+        assert "by-requeue" in await factory.list()
