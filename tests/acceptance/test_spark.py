@@ -15,7 +15,7 @@ from typing import Any
 
 import orjson
 import pytest
-from backends import CASES, BackendCase, new_token
+from backends import CASES, REDIS_URL, BackendCase, _drop_redis_prefix, new_token
 
 pyspark = pytest.importorskip("pyspark")
 pytest.importorskip("pyarrow")
@@ -206,6 +206,47 @@ def test_maps_arrive_as_objects_even_empty_and_per_message_rows_once(
     rows = [{"n": i, "h": None, "t": dt.datetime(2024, 1, 1) if i % 2 else None} for i in range(4)]
     assert keuss_spark.push_rows(spec, rows, None) == 4
     assert sorted(p["n"] for p in _drain(backend, opts, "each")) == [0, 1, 2, 3]
+
+
+def test_a_bad_delay_or_headers_in_one_row_fails_before_any_row_is_written(
+    target: tuple[str, dict[str, Any]],
+) -> None:
+    """Rows with a delay or headers column are pushed one by one: only their payloads were
+    checked before, so the rows before one with a refused delay (negative, or any delay on a
+    backend without delays) or bad headers were written, then the task failed, and Spark's
+    retry wrote them again (without idempotent ids: twice). The executor's path, without
+    Spark."""
+    backend, opts = target
+    rows = [{"n": i, "d": 0.0, "h": None} for i in range(3)]
+    bad_rows = [
+        ([*rows, {"n": 3, "d": -1.0, "h": None}], "d", aio_keuss.InvalidDelayError),
+        ([*rows, {"n": 3, "d": 0.0, "h": {"k": [1]}}], "d", aio_keuss.InvalidHeadersError),
+    ]
+    for bad, delay_column, error in bad_rows:
+        spec = keuss_spark.WriteSpec(
+            backend=backend,
+            queue="bad",
+            options=opts,
+            delay_column=delay_column,
+            headers_column="h",
+            idempotent=False,
+        )
+        with pytest.raises(error):
+            keuss_spark.push_rows(spec, bad, None)
+    with pytest.raises(aio_keuss.NotSupportedError):  # redis-list: no delays
+        spec = keuss_spark.WriteSpec(
+            backend="redis-list",
+            queue="bad",
+            options={"url": REDIS_URL, "prefix": opts.get("prefix", f"akt-{new_token()}")},
+            delay_column="d",
+            idempotent=False,
+        )
+        keuss_spark.push_rows(spec, [*rows[:2], {"n": 2, "d": 5.0}], None)
+    with sync.connect(backend, **opts) as factory:
+        assert factory.queue("bad").total_size() == 0
+    with sync.connect("redis-list", **spec.options) as factory:
+        assert factory.queue("bad").total_size() == 0
+    asyncio.run(_drop_redis_prefix(spec.options))
 
 
 def test_bad_options_fail_before_writing(
