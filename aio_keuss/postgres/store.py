@@ -32,6 +32,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -110,8 +111,12 @@ def _by_bytes(entries: Sequence[Entry], most: int) -> list[Sequence[Entry]]:
 
 
 def _fetched(rows: list[Any]) -> Fetched:
-    """Rows of get / reserve: messages (NULL id when none) each carrying next_mature."""
-    next_mature = rows[0][5] if rows else None
+    """Rows of get / reserve: messages (NULL id when none) each carrying next_in, the
+    seconds from the server's now to the next mature time, made a time on our clock (the
+    wait loop sleeps on it: a client clock off the server's must not wake that much early
+    or late)."""
+    next_in = rows[0][5] if rows else None
+    next_mature = None if next_in is None else time.time() + next_in
     messages = [Stored(r[0], r[1], r[2], r[3], r[4]) for r in rows if r[0] is not None]
     return Fetched(messages, next_mature)
 

@@ -175,12 +175,17 @@ local function take_mature(n, now)
     with_headers, with_tries, with_held
 end
 -- Reply: next mature, then ids, payloads, headers (nil = none), tries, matures (k of each).
+-- The next mature time is given as seconds from the server's now (false: the queue is
+-- empty), since the client sleeps toward it on its own clock, which may be off ours.
 -- When all n asked for were found, the queue layer ignores the next mature time (it only
--- looks at it when nothing was handed out), so ``now`` stands in for it there, sparing a
+-- looks at it when nothing was handed out), so 0 (now) stands in for it there, sparing a
 -- ZRANGE: a lower bound, which is all a hint has to be.
 local function fetched_reply(n, now, ids, payloads, headers, tries, matures)
-  local head
-  if #ids >= n then head = fmt(now) else head = first_mature(KEYS[1]) end
+  local head = '0'
+  if #ids < n then
+    head = first_mature(KEYS[1])
+    if head then head = fmt(tonumber(head) - now) end
+  end
   local reply = {head}
   for _, column in ipairs({ids, payloads, headers, tries, matures}) do
     for k = 1, #ids do reply[#reply + 1] = column[k] end
@@ -484,7 +489,10 @@ local t = redis.call('TIME')
 local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
 local head = redis.call('ZRANGE', KEYS[1], '-inf', now, 'BYSCORE', 'LIMIT', 0, 1, 'WITHSCORES')
 local id = head[1]
-if not id then return {redis.call('ZRANGE', KEYS[1], 0, 0, 'WITHSCORES')[2] or false} end
+if not id then
+  local first = redis.call('ZRANGE', KEYS[1], 0, 0, 'WITHSCORES')[2]
+  return {first and string.format('%.17g', tonumber(first) - now) or false}
+end
 local payload = redis.call('HGET', KEYS[2], id)
 local headers = redis.call('HGET', KEYS[3], id)
 local stored = redis.call('HGET', KEYS[4], id)
@@ -494,7 +502,7 @@ redis.call('HDEL', KEYS[2], id)
 if headers then redis.call('HDEL', KEYS[3], id) end
 if stored then redis.call('HDEL', KEYS[4], id) end
 if redis.call('SREM', KEYS[5], id) == 1 then tries = tries + 1 end
-return {string.format('%.17g', now), id, payload, headers, tries, head[2]}
+return {'0', id, payload, headers, tries, head[2]}
 """
 
 # KEYS: z p h t r. ARGV: reserve delay. Reply as at reserve, for n = 1.
@@ -503,7 +511,10 @@ local t = redis.call('TIME')
 local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
 local head = redis.call('ZRANGE', KEYS[1], '-inf', now, 'BYSCORE', 'LIMIT', 0, 1, 'WITHSCORES')
 local id = head[1]
-if not id then return {redis.call('ZRANGE', KEYS[1], 0, 0, 'WITHSCORES')[2] or false} end
+if not id then
+  local first = redis.call('ZRANGE', KEYS[1], 0, 0, 'WITHSCORES')[2]
+  return {first and string.format('%.17g', tonumber(first) - now) or false}
+end
 -- The first write cannot grow memory (SREM): at maxmemory (noeviction) Redis refuses a
 -- script whose first write may, so a full Redis could not be drained by reserve and ok.
 local lapsed = redis.call('SREM', KEYS[5], id) == 1
@@ -516,7 +527,7 @@ if lapsed then
   tries = tries + 1
   redis.call('HSET', KEYS[4], id, tries)
 end
-return {string.format('%.17g', now), id, payload, headers, tries, head[2]}
+return {'0', id, payload, headers, tries, head[2]}
 """
 
 # KEYS: z p h t r. ARGV: id, tries held ('' = no guard). Reply: 1 / 0.
@@ -568,10 +579,14 @@ def _record(
 
 
 def _fetched(reply: list[Any]) -> Fetched:
-    """Decode a get / reserve reply: next mature, then five columns of k values."""
+    """Decode a get / reserve reply: next mature, then five columns of k values. The script
+    gives the next mature time as seconds from the server's clock, made a time on ours here:
+    the wait loop sleeps on our clock, so a client whose clock is off the server's still
+    wakes when the message matures, not that far before or after it."""
     head = reply[0]
+    next_mature = None if head is None else time.time() + float(head)
     if len(reply) == 6:  # one message: the one-message scripts' reply, no columns to cut
-        return Fetched([_record(*reply[1:])], None if head is None else float(head))
+        return Fetched([_record(*reply[1:])], next_mature)
     k = (len(reply) - 1) // 5
     messages = [
         _record(*row)
@@ -584,7 +599,7 @@ def _fetched(reply: list[Any]) -> Fetched:
             strict=True,
         )
     ]
-    return Fetched(messages, None if head is None else float(head))
+    return Fetched(messages, next_mature)
 
 
 # Looking without taking (peek, find) and holding by id (requeue): scripts of their own,

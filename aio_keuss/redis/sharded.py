@@ -12,6 +12,7 @@ per prefix. Times are the server's (``TIME`` in the scripts).
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Sequence
 from typing import Any, ClassVar
 
@@ -204,7 +205,10 @@ class RedisShardStorage(ShardStorage):
 
     async def ready_head(self, queue: str) -> ReadyHead:
         reply = await self._run(lua.READY_HEAD, self._ready(queue)[:1], ())
-        return ReadyHead([int(s) for s in reply[1:]], _time(reply[0]))
+        due_in = _time(reply[0])  # from the server's now: made a time on our clock
+        return ReadyHead(
+            [int(s) for s in reply[1:]], None if due_in is None else time.time() + due_in
+        )
 
     async def enrol(self, queue: str, token: str, lease: float, most: int) -> bool:
         key = self._backend.key(queue, "consumers")

@@ -450,13 +450,16 @@ end
 return dropped
 """
 
-# KEYS: ready. ARGV: none. Reply: {earliest due time ('' = empty index), then the shards due
-# now (server clock)}.
+# KEYS: ready. ARGV: none. Reply: {seconds from the server's now to the earliest due time
+# ('' = empty index), then the shards due now (server clock)}. The earliest time goes to the
+# wait loop, which sleeps on the client's clock: given from now, a client clock off the
+# server's does not wake it that much early or late.
 _READY_HEAD = """
 local t = redis.call('TIME')
-local now = string.format('%.17g', tonumber(t[1]) + tonumber(t[2]) / 1000000)
+local seconds = tonumber(t[1]) + tonumber(t[2]) / 1000000
+local now = string.format('%.17g', seconds)
 local head = redis.call('ZRANGE', KEYS[1], 0, 0, 'WITHSCORES')
-local out = {head[2] or ''}
+local out = {head[2] and string.format('%.17g', tonumber(head[2]) - seconds) or ''}
 for _, s in ipairs(redis.call('ZRANGE', KEYS[1], '-inf', now, 'BYSCORE')) do
   out[#out + 1] = s
 end

@@ -179,7 +179,9 @@ class ReadyHead:
     due: list[int]
     """Shards due now, earliest first."""
     earliest: float | None
-    """Earliest due time in the index (None: the index is empty)."""
+    """Earliest due time in the index (None: the index is empty), on this process's clock
+    (``time.time()``): the wait loop sleeps toward it, so a storage on a server's clock
+    gives it as the server's time from now, added to ours."""
 
 
 class ShardStorage(ABC):

@@ -120,6 +120,28 @@ async def test_waiting_for_a_delayed_message_wakes_on_time(connect: Connect) -> 
     assert 0.3 <= elapsed < 15.0  # the poll interval is 30 s
 
 
+async def test_a_client_clock_behind_the_servers_still_wakes_when_a_message_matures(
+    connect: Connect, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where mature times are the server's clock (redis-oq, redis-sharded, postgres), the
+    wait loop slept toward the server's next mature time on the client's clock: a client 5 s
+    behind the server got a message due in 0.3 s after 5.3 s (a poll interval at worst), one
+    ahead of it woke early and backed off. The client's clock is set back here; where times
+    are the client's own, the whole test runs on that clock and passes alike."""
+    factory = await connect(poll_interval=30.0)
+    needs(factory, "delay")
+    q = await factory.queue("q1")
+    take = q.reserve if q.capabilities.reserve else q.pop
+    real = time.time
+    monkeypatch.setattr(time, "time", lambda: real() - 5.0)
+    await q.push("later", delay=0.3)
+    start = time.monotonic()
+    message = await take(timeout=20)
+    elapsed = time.monotonic() - start
+    assert message is not None and message.payload == "later"
+    assert elapsed < 3.0, elapsed  # due after 0.3 s; the client clock is 5 s behind
+
+
 async def test_burst_within_debounce_wakes_every_consumer(connect: Connect, case: Any) -> None:
     producer = await connect(poll_interval=30.0, signal_debounce=0.2)
     consumer = await connect(poll_interval=30.0) if case.shared else producer

@@ -145,7 +145,8 @@ SELECT id FROM inserted
 -- deleted rows, so they are excluded by id. It is looked up only when fewer than $2 were
 -- taken: a full batch means "maybe more now" (NULL), and the queue layer needs no more (a
 -- scalar subquery in a CASE branch not taken is not run). One row with a NULL id when
--- nothing was taken.
+-- nothing was taken. The next mature time is returned as seconds from the server's now
+-- (next_in): the client sleeps toward it on its own clock, which may be off the server's.
 WITH pick AS MATERIALIZED (
     SELECT id FROM {s}.messages
     WHERE queue = $1 AND mature <= extract(epoch from now())::float8
@@ -165,7 +166,8 @@ WITH pick AS MATERIALIZED (
         LIMIT 1
     ) END AS next_mature
 )
-SELECT t.id, t.payload, t.headers, t.tries, t.mature, n.next_mature
+SELECT t.id, t.payload, t.headers, t.tries, t.mature,
+    n.next_mature - extract(epoch from now())::float8 AS next_in
 FROM next n LEFT JOIN taken t ON true
 ORDER BY t.mature, t.seq
 
@@ -197,7 +199,8 @@ WITH pick AS MATERIALIZED (
              THEN extract(epoch from now())::float8 + $3::float8 END
     ) END AS next_mature
 )
-SELECT h.id, h.payload, h.headers, h.tries, h.mature, n.next_mature
+SELECT h.id, h.payload, h.headers, h.tries, h.mature,
+    n.next_mature - extract(epoch from now())::float8 AS next_in
 FROM next n LEFT JOIN held h ON true
 ORDER BY h.mature, h.seq
 
