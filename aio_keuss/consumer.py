@@ -90,6 +90,23 @@ class HandlerCancelled(RuntimeError):
     backoff), not a stop of the worker, which would end it with nothing logged."""
 
 
+class HandlerAborted(RuntimeError):
+    """A handler raised a ``BaseException`` that is not an ``Exception`` (``GeneratorExit``,
+    a class of its own): a failure of that message (ko with backoff), as any exception is.
+    Left to propagate, it would end the worker silently for good, its message neither ko-ed
+    nor given back (``KeyboardInterrupt`` and ``SystemExit`` still propagate: they stop the
+    process, and closing the factory gives its reservations back)."""
+
+
+def describe(exc: BaseException) -> str:
+    """``repr(exc)``, or what it is when its ``__repr__`` raises: logging a handler's
+    exception must not fail in its turn (the message would not be ko-ed)."""
+    try:
+        return repr(exc)
+    except Exception:
+        return f"<{type(exc).__qualname__} (its repr raised)>"
+
+
 def _asked_to_stop() -> bool:
     """Whether the running task's own cancellation is pending (a stop, a timeout), as
     opposed to a handler raising a ``CancelledError`` it got from something it awaited."""
@@ -226,22 +243,22 @@ class HandlerFailures:
             self.flush()
             self._quiet_until = now + self.every
             log.warning(
-                "queue %r: handler failed on message %s (tries %d): %r",
+                "queue %r: handler failed on message %s (tries %d): %s",
                 self.queue,
                 message.id,
                 message.tries,
-                exc,
+                describe(exc),
                 exc_info=exc,
             )
             return
         self._suppressed += 1
-        self._last = f"{exc!r} on message {message.id} (tries {message.tries})"
+        self._last = f"{describe(exc)} on message {message.id} (tries {message.tries})"
         log.debug(
-            "queue %r: handler failed on message %s (tries %d): %r",
+            "queue %r: handler failed on message %s (tries %d): %s",
             self.queue,
             message.id,
             message.tries,
-            exc,
+            self._last,
         )
         if self._timer is None:
             self._timer = asyncio.get_running_loop().call_later(self._quiet_until - now, self.flush)
@@ -630,6 +647,10 @@ class Consumer:
             if _asked_to_stop():
                 raise
             raise HandlerCancelled(f"the handler raised {exc!r} unasked") from exc
+        except (Exception, KeyboardInterrupt, SystemExit):
+            raise
+        except BaseException as exc:
+            raise HandlerAborted(f"the handler raised {describe(exc)}") from exc
         finally:
             self._handling.discard(task)
 
@@ -750,7 +771,9 @@ class Consumer:
         deadline: asyncio.Timeout | None = None
         try:
             with self._in_handler():
-                result = cast(BatchHandler, self._handler)(messages)
+                # a copy: what the handler does to its list (takes messages off it) must not
+                # change which messages are acknowledged
+                result = cast(BatchHandler, self._handler)(list(messages))
                 if inspect.isawaitable(result):
                     async with asyncio.timeout(self._timeout) as deadline:
                         await result

@@ -334,3 +334,115 @@ async def test_metrics_stay_enabled_until_the_last_worker_that_enabled_them_stop
         stop_b.set()
         await asyncio.wait_for(b, 30)
         assert observe.active is None
+
+
+class _Abort(BaseException):
+    """Neither an Exception nor a CancelledError: what some libraries raise to unwind."""
+
+
+@pytest.mark.parametrize("raised", [_Abort("mine"), GeneratorExit()], ids=["own", "GeneratorExit"])
+async def test_a_handler_raising_a_base_exception_fails_and_the_worker_goes_on(
+    raised: BaseException,
+) -> None:
+    """A handler raising a BaseException that is not an Exception must fail its message (ko)
+    like any exception: it used to end its worker silently, the message held until its
+    reservation expired, and run_worker returned (exit 0) as if the queue had closed."""
+    async with aio_keuss.connect("memory") as factory:
+        q = await factory.queue("jobs", reserve_delay=600)
+        seen: list[str] = []
+        after = asyncio.Event()
+
+        async def handler(message: Message) -> None:
+            seen.append(message.payload)
+            if message.payload == "poison":
+                raise raised
+            after.set()
+
+        consumer = q.consume(handler, retry_delay=60.0)
+        await q.push("poison")
+        await q.push("after")
+        await asyncio.wait_for(after.wait(), 30)
+        await consumer.stop()
+        assert consumer.failed == 1 and consumer.retried == 1 and consumer.handled == 1
+        sizes = await q.sizes()
+        assert (sizes.reserved, sizes.scheduled) == (0, 1)  # ko-ed with its backoff
+
+
+async def test_run_worker_goes_on_past_a_handler_raising_a_base_exception() -> None:
+    async with aio_keuss.connect("memory") as factory:
+        q = await factory.queue("jobs", reserve_delay=600)
+        stop = asyncio.Event()
+
+        async def handler(message: Message) -> None:
+            if message.payload == "poison":
+                raise GeneratorExit()
+            stop.set()
+
+        await q.push_many(["poison", "after"])
+        await asyncio.wait_for(aio_keuss.run_worker(handler, "jobs", factory=factory, stop=stop), 30)
+        assert stop.is_set()  # ended by the stop, not by its one worker dying
+        assert (await q.sizes()).reserved == 0
+
+
+async def test_a_handler_exception_whose_repr_raises_is_still_ko_ed() -> None:
+    """The failures logged without a traceback keep ``repr(exc)``: one that raises must not
+    keep the message from its ko (it stayed reserved until its reservation expired)."""
+
+    class Ugly(Exception):
+        def __repr__(self) -> str:
+            raise ValueError("no repr")
+
+        __str__ = __repr__
+
+    async with aio_keuss.connect("memory") as factory:
+        q = await factory.queue("jobs", reserve_delay=600)
+        failing = 0
+        all_failed = asyncio.Event()
+
+        async def handler(message: Message) -> None:
+            nonlocal failing
+            failing += 1
+            if failing == 3:
+                all_failed.set()
+            raise Ugly()
+
+        consumer = q.consume(handler, retry_delay=60.0)
+        await q.push_many(["a", "b", "c"])
+        await asyncio.wait_for(all_failed.wait(), 30)
+        await consumer.stop()
+        assert (consumer.failed, consumer.retried) == (3, 3)
+        sizes = await q.sizes()
+        assert (sizes.reserved, sizes.scheduled) == (0, 3)
+
+
+async def test_a_batch_handler_taking_messages_off_its_list_still_acks_them_all() -> None:
+    """A batch handler may consume the list it is given (``while messages: messages.pop()``):
+    every message of the batch is still ok-ed when it returns, ko-ed when it raises."""
+    async with aio_keuss.connect("memory") as factory:
+        q = await factory.queue("jobs", reserve_delay=600)
+        taken: list[str] = []
+        batches = 0
+        second = asyncio.Event()
+
+        async def handler(messages: list[Message]) -> None:
+            nonlocal batches
+            batches += 1
+            while messages:
+                taken.append(messages.pop().payload)
+            if batches == 2:
+                second.set()
+                raise RuntimeError("after taking them all")
+
+        await q.push_many(["a", "b", "c"])
+        consumer = q.consume(handler, batch=3, retry_delay=60.0)
+        for _ in range(3000):
+            if len(taken) == 3:
+                break
+            await asyncio.sleep(0.01)
+        await q.push_many(["d", "e"])
+        await asyncio.wait_for(second.wait(), 30)
+        await consumer.stop()
+        assert sorted(taken) == ["a", "b", "c", "d", "e"]
+        assert (consumer.handled, consumer.failed, consumer.retried) == (3, 2, 2)
+        sizes = await q.sizes()
+        assert (sizes.reserved, sizes.scheduled, sizes.total) == (0, 2, 2)
