@@ -528,7 +528,11 @@ class Consumer:
     async def stop(self, grace: float | None = 30.0) -> None:
         """Stop taking messages; wait ``grace`` seconds for running handlers, then cancel them
         (their messages go back at once). Called by one of this consumer's own handlers,
-        it cannot wait for that handler to end: it starts the stop and returns."""
+        it cannot wait for that handler to end: it starts the stop and returns. ``grace``:
+        seconds in [0, 1e9], or None to wait as long as the handlers run; anything else is
+        refused (:class:`InvalidDelayError`) before the stop begins."""
+        if grace is not None:
+            grace = check_seconds(grace, "grace")
         if asyncio.current_task() in self._workers:
             self._stopping = True
             if self._stopper is None:

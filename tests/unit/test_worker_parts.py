@@ -446,3 +446,26 @@ async def test_a_batch_handler_taking_messages_off_its_list_still_acks_them_all(
         assert (consumer.handled, consumer.failed, consumer.retried) == (3, 2, 2)
         sizes = await q.sizes()
         assert (sizes.reserved, sizes.scheduled, sizes.total) == (0, 2, 2)
+
+
+async def test_a_bad_grace_is_refused_before_the_stop_begins() -> None:
+    """``stop(grace=...)`` with a grace that is not seconds raised a TypeError from asyncio
+    (or, for NaN, never returned) after the consumer had begun to stop: left half stopped,
+    its running handler and prefetched messages held."""
+    async with aio_keuss.connect("memory") as factory:
+        q = await factory.queue("jobs", reserve_delay=600)
+        await q.push_many(list(range(5)))
+        started = asyncio.Event()
+
+        async def block(message: Message) -> None:
+            started.set()
+            await asyncio.sleep(3600)
+
+        consumer = q.consume(block, prefetch=2)
+        await asyncio.wait_for(started.wait(), 30)
+        for bad in ("1", -1.0, True, float("nan")):
+            with pytest.raises(aio_keuss.InvalidDelayError):
+                await asyncio.wait_for(consumer.stop(bad), 5)  # type: ignore[arg-type]
+            assert consumer.state == "running"
+        await consumer.stop(0)
+        assert await q.resv_size() == 0
