@@ -326,6 +326,9 @@ class Source(Protocol):
     def release(self, message: Message) -> Awaitable[None]:
         """Give back a message whose handler was cancelled, costing no try."""
 
+    def put_back(self, messages: list[Message]) -> Awaitable[None]:
+        """Put popped messages no handler started back in the queue (without reserve)."""
+
     def handler_failed(self, message: Message, exc: Exception) -> None:
         """Log a handler's exception (rate-limited per queue)."""
 
@@ -566,6 +569,10 @@ class Consumer:
                     message, _ = self._buffer.popleft()
                     if self._reserve:
                         await self._acknowledge("release", message, self.queue.release(message))
+                    else:  # popped: put back in the queue, else they would be lost
+                        popped = [message, *(m for m, _ in self._buffer)]
+                        self._buffer.clear()
+                        await self._acknowledge_all("put back", popped, self.queue.put_back(popped))
         except TimeoutError:
             log.warning("queue %r: prefetched messages not given back in time", self.queue.name)
         self.queue.stopped(self)

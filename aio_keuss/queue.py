@@ -535,6 +535,21 @@ class Queue:
             self._forget(nacks)
             self._in_background(self._put_back(self._store.rollback(nacks, None), len(nacks)))
 
+    async def _put_back_unhandled(self, messages: Sequence[Message]) -> None:
+        """Popped (a backend without reserve) for a consumer that stopped before a handler
+        took them: back where they were, as a cancelled pop's are."""
+        entries = [
+            Entry(
+                m.id,
+                encode_payload(m.payload),
+                encode_headers(m.headers),
+                tries=m.tries,
+                mature=m.mature.timestamp(),
+            )
+            for m in messages
+        ]
+        await self._put_back(self._store.insert(entries), len(entries))
+
     async def _release(self, message: Message) -> None:
         """Give back a reservation whose handler was cancelled, costing no try."""
         nack = Nack(message.id, message.tries, 0.0, count_try=False)
@@ -1190,6 +1205,9 @@ class _ConsumerLink:
 
     def release(self, message: Message) -> Awaitable[None]:
         return self._queue._release(message)
+
+    def put_back(self, messages: list[Message]) -> Awaitable[None]:
+        return self._queue._put_back_unhandled(messages)
 
     def handler_failed(self, message: Message, exc: Exception) -> None:
         self._queue._handler_failures.report(message, exc)

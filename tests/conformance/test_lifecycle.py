@@ -385,6 +385,32 @@ async def test_a_stop_cancelled_during_its_grace_still_gives_everything_back(
     assert sizes.reserved == 0, sizes
 
 
+async def test_prefetched_messages_popped_without_reserve_are_put_back_on_stop(
+    connect: Connect,
+) -> None:
+    """Without reserve the workers pop: a stop must put the prefetched messages no handler
+    started back in the queue, not drop them (they were neither handled nor failed)."""
+    factory = await connect(poll_interval=5.0)
+    q = await factory.queue("jobs")
+    if q.capabilities.reserve:
+        pytest.skip("with reserve they are released, costing no try")
+    await q.push_many(list(range(20)))
+    handled: list[int] = []
+    started = asyncio.Event()
+
+    async def handler(message: Message) -> None:
+        handled.append(message.payload)
+        started.set()
+        await asyncio.sleep(0.1)
+
+    consumer = q.consume(handler, concurrency=1, prefetch=5)
+    await asyncio.wait_for(started.wait(), 30)
+    await consumer.stop(grace=5)
+    left = [m.payload for m in await q.pop_many(100, timeout=0)]
+    assert sorted(handled + left) == list(range(20))
+    assert left == sorted(left)  # back in their places
+
+
 async def test_a_handler_may_stop_its_own_consumer(connect: Connect) -> None:
     """``await consumer.stop()`` from the consumer's own handler ("stop after this one")
     must not wait for itself: the stop completes, the message is acknowledged."""
