@@ -442,6 +442,9 @@ class Consumer:
         # Workers running their handler: the only ones a stop past its grace cancels (one
         # whose handler returned finishes its ok / ko: cancelling it could drop the ok).
         self._handling: set[asyncio.Task[Any]] = set()
+        self.busy: set[str] = set()
+        """Ids of the messages whose handler runs (until acknowledged): what a close of
+        the queue by one of those handlers must not give back."""
         self._outage = Outage(queue.name, "consumer")
         self.failure: Exception | None = None
         """The error that stopped a worker (one not worth retrying, see ``retryable``)."""
@@ -602,6 +605,8 @@ class Consumer:
             if not message:  # only on drain or close, as there is no timeout
                 return
             self._in_flight += 1
+            busy = [m.id for m in message] if isinstance(message, list) else [message.id]
+            self.busy.update(busy)
             try:
                 if isinstance(message, list):
                     await self._handle_batch(message)
@@ -610,10 +615,10 @@ class Consumer:
             except ClosedError:
                 return
             except Exception:  # a bug of ours: logged, and the worker goes on
-                what = message[0].id if isinstance(message, list) else message.id
-                log.exception("queue %r: consumer failed on message %s", queue.name, what)
+                log.exception("queue %r: consumer failed on message %s", queue.name, busy[0])
             finally:
                 self._in_flight -= 1
+                self.busy.difference_update(busy)
 
     async def _next(self) -> Message | list[Message] | None:
         """A message to handle: from the prefetch buffer, else from the queue (with
@@ -720,7 +725,10 @@ class Consumer:
             while self._oks:
                 batch, self._oks = self._oks, []
                 try:
-                    await self._acknowledge_all("ok", batch, self.queue.ok_many(batch))
+                    # closed under them (by a handler of this consumer): they come back when
+                    # their reservations expire; a ClosedError here was never retrieved
+                    with contextlib.suppress(ClosedError):
+                        await self._acknowledge_all("ok", batch, self.queue.ok_many(batch))
                 finally:
                     self._oks_unanswered -= len(batch)
                     room = self._ok_room
@@ -767,7 +775,8 @@ class Consumer:
     async def _ko_after(self, message: Message, hold: float) -> None:
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self._stop_asked.wait(), hold)
-        self._count(await self._acknowledge("ko", message, self.queue.ko(message, None)))
+        with contextlib.suppress(ClosedError):  # as for the oks of _send_oks
+            self._count(await self._acknowledge("ko", message, self.queue.ko(message, None)))
 
     def _count(self, outcome: Any) -> None:
         if outcome == KoResult.DEADLETTERED:

@@ -577,12 +577,16 @@ class Queue:
             elif item.tries is not None and item.tries != tries:
                 held[item.id] = tries  # a stale holder's ack: our newer reservation stands
 
-    async def _give_back(self) -> None:
+    async def _give_back(self, busy: set[str]) -> None:
         """On close: reservations handed out here that nobody acknowledged go back at once,
         costing no try, instead of staying invisible until ``reserve_delay`` expires. Best
-        effort: if the backend cannot be reached, they come back when they expire."""
+        effort: if the backend cannot be reached, they come back when they expire. Not the
+        ``busy`` ones, whose handler still runs (it closed its own queue): given back, another
+        consumer would handle them at the same time; they come back when they expire."""
         held = {**self._held_before, **self._held}
         self._held, self._held_before = {}, {}
+        for message_id in busy:
+            held.pop(message_id, None)
         if not held:
             return
         nacks = [Nack(i, tries, 0.0, count_try=False) for i, tries in held.items()]
@@ -1071,7 +1075,9 @@ class Queue:
             await coalescer.wait_idle()
         while self._background:
             await asyncio.gather(*self._background, return_exceptions=True)
-        await self._give_back()
+        # a consumer still here was stopped by its own handler (which is closing this queue):
+        # the messages its handlers hold are theirs still
+        await self._give_back({i for consumer in self._consumers for i in consumer.busy})
         await self._store.close()
 
     # internals ------------------------------------------------------------------------

@@ -411,6 +411,38 @@ async def test_prefetched_messages_popped_without_reserve_are_put_back_on_stop(
     assert left == sorted(left)  # back in their places
 
 
+async def test_a_handler_closing_its_queue_keeps_its_message_from_other_consumers(
+    connect: Connect, case: Any
+) -> None:
+    """A handler that closes its own queue ("shut down after this one"): the close cannot
+    wait for that handler, but must not give back the message it is still running, or
+    another consumer handles it at the same time. The consumer's, the same on every
+    backend: one of each kind of store runs it."""
+    if case.id not in ("redis-oq", "redis-reliable", "postgres", "mongo"):
+        pytest.skip("run on one backend of each kind")
+    first = await connect(poll_interval=5.0)
+    needs(first, "reserve")
+    second = await connect(poll_interval=5.0)
+    q1 = await first.queue("jobs", reserve_delay=600)
+    q2 = await second.queue("jobs", reserve_delay=600)
+    await q2.push("last")
+    closed = asyncio.Event()
+    finish = asyncio.Event()
+
+    async def closes(message: Message) -> None:
+        await q1.close()
+        closed.set()
+        await finish.wait()  # still handling it
+
+    consumer = q1.consume(closes)
+    try:
+        await asyncio.wait_for(closed.wait(), 30)
+        assert await q2.reserve_many(1, timeout=0.5) == []  # not given to anyone else
+    finally:
+        finish.set()
+        await asyncio.wait_for(consumer.wait(), 30)
+
+
 async def test_a_handler_may_stop_its_own_consumer(connect: Connect) -> None:
     """``await consumer.stop()`` from the consumer's own handler ("stop after this one")
     must not wait for itself: the stop completes, the message is acknowledged."""
