@@ -379,7 +379,8 @@ async def test_run_worker_goes_on_past_a_handler_raising_a_base_exception() -> N
             stop.set()
 
         await q.push_many(["poison", "after"])
-        await asyncio.wait_for(aio_keuss.run_worker(handler, "jobs", factory=factory, stop=stop), 30)
+        running = aio_keuss.run_worker(handler, "jobs", factory=factory, stop=stop)
+        await asyncio.wait_for(running, 30)
         assert stop.is_set()  # ended by the stop, not by its one worker dying
         assert (await q.sizes()).reserved == 0
 
