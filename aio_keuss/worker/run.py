@@ -74,7 +74,8 @@ async def run_worker(
 
     Returns once every consumer has stopped and every message it held is acknowledged or
     given back. Raises :class:`~aio_keuss.ConsumerFailedError` (after stopping the others)
-    when a consumer's worker stops on an error not worth retrying. Signal handlers are installed only while it runs, in the main thread.
+    when a consumer's worker stops on an error not worth retrying. Signal handlers are
+    installed only while it runs, in the main thread.
     """
     names = [queues] if isinstance(queues, str) else list(queues)
     if pipeline is not None:
