@@ -525,7 +525,8 @@ async def test_200k_messages_through_4_consumer_processes_exactly_once(
     bucket_case: tuple[BackendCase, dict[str, Any]], tmp_path: Path
 ) -> None:
     case, options = bucket_case
-    total = 200_000
+    # The bucket layer is shared: 200,000 on one storage, a quarter on the others (suite time)
+    total = 200_000 if case.name == "bucket-redis" else 50_000
     async with aio_keuss.connect(case.name, **options) as factory:
         q = await factory.queue("fanout")
         for start in range(0, total, 10_000):
