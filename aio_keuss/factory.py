@@ -67,7 +67,23 @@ class Factory:
             await self._open_queue(self.deadletter.queue, self.defaults)
         return found
 
-    async def _open_queue(self, name: str, options: QueueOptions) -> Queue:
+    async def _sibling(self, name: str) -> Queue:
+        """A queue one of ours reaches (move, requeue, replay, deadletter lookups): opened
+        with the defaults if this factory has not opened it, and recorded only if the
+        backend does not know it yet. Another process may have recorded it with options of
+        its own (the admin commands reopen it with them): a move here must not replace them
+        with this factory's defaults."""
+        if self._closed:
+            raise ClosedError("factory is closed")
+        check_queue_name(name)
+        found = self._queues.get(name)
+        if found is None:
+            found = await self._open_queue(name, self.defaults, replace_record=False)
+        return found
+
+    async def _open_queue(
+        self, name: str, options: QueueOptions, *, replace_record: bool = True
+    ) -> Queue:
         opening = self._opening.get(name)
         if opening is not None:  # opened concurrently: share the one being made
             return await asyncio.shield(opening)
@@ -83,10 +99,11 @@ class Factory:
                 self.signal,
                 self.stats_store,
                 self.deadletter,
-                self.queue,
+                self._sibling,
             )
             await queue._open()
-            await self.stats_store.save_options(name, options.as_dict())
+            if replace_record or name not in await self.stats_store.queues():
+                await self.stats_store.save_options(name, options.as_dict())
         except BaseException as exc:
             future.set_exception(exc)
             future.exception()  # retrieved: the awaiting callers re-raise it themselves

@@ -227,3 +227,21 @@ async def test_a_queue_first_reached_by_a_move_is_known_to_the_backend(connect: 
         dl = await factory.queue("__deadletter__")
         assert await dl.requeue([held[2].id], origin="by-requeue") == {held[2].id: held[2].id}
         assert "by-requeue" in await factory.list()
+
+
+async def test_a_move_keeps_the_options_another_process_recorded_for_its_target(
+    connect: Connect, case: Any
+) -> None:
+    # Opening the target through the factory recorded this factory's defaults over the
+    # options its own process had recorded (which the admin commands reopen it with).
+    owner = await connect(poll_interval=5.0)
+    needs(owner, "reserve", "move")
+    if not case.shared:
+        pytest.skip("one factory's queues only")
+    await owner.queue("kept", reserve_delay=600.0)
+    mover = await connect(poll_interval=5.0)
+    q = await mover.queue("src")
+    await q.push(1)
+    (held,) = await q.reserve_many(1, timeout=5)
+    assert await q.move(held, "kept") == held.id
+    assert (await mover.list())["kept"]["reserve_delay"] == 600.0
