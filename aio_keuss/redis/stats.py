@@ -73,7 +73,12 @@ class RedisStats(StatsStore):
         return bool(await self._backend.execute("EXISTS", self._paused_key(queue)))
 
     async def save_options(self, queue: str, options: dict[str, Any]) -> None:
-        await self._backend.execute("HSET", self._queues_key, queue, orjson.dumps(options))
+        # Not written again when unchanged (a process restarting): at maxmemory (noeviction)
+        # Redis refuses the HSET, and a consumer could not even open the queue to drain it.
+        blob = orjson.dumps(options)
+        if await self._backend.execute("HGET", self._queues_key, queue) == blob:
+            return
+        await self._backend.execute("HSET", self._queues_key, queue, blob)
 
     async def queues(self) -> dict[str, dict[str, Any]]:
         stored = await self._backend.hash_items(self._queues_key)
