@@ -196,8 +196,9 @@ return out
 # to its end, and consumers must still reserve, then ok, to drain a Redis that is full.
 _RESERVE = """
 local base = ARGV[1]
-redis.call('PEXPIRE', KEYS[4], tonumber(ARGV[4]))
-redis.call('SET', KEYS[4], '1', 'PX', tonumber(ARGV[4]))
+if redis.call('PEXPIRE', KEYS[4], tonumber(ARGV[4])) == 0 then  -- refreshed, or made
+  redis.call('SET', KEYS[4], '1', 'PX', tonumber(ARGV[4]))
+end
 redis.call('SADD', KEYS[3], ARGV[3])
 local out = {0}
 for _ = 1, tonumber(ARGV[2]) do
@@ -370,6 +371,9 @@ return dead
 # so two processes recovering the same consumer cannot both move a message.
 _RECOVER = """
 if redis.call('EXISTS', KEYS[4]) == 1 then return -1 end
+-- first, a write that cannot grow memory (a no-op: the heartbeat is gone), so a dead
+-- consumer's messages come back at maxmemory too (see _RESERVE)
+redis.call('PEXPIRE', KEYS[4], 1)
 local base, moved = ARGV[1], 0
 for _ = 1, tonumber(ARGV[3]) do
   local id = redis.call('LMOVE', KEYS[1], KEYS[2], 'LEFT', 'RIGHT')
@@ -411,8 +415,9 @@ return moved
 # maxmemory (noeviction), where a plain SET is refused: else a live consumer would count as
 # dead while Redis is full (see _RESERVE).
 _BEAT = """
-redis.call('PEXPIRE', KEYS[1], tonumber(ARGV[2]))
-redis.call('SET', KEYS[1], '1', 'PX', tonumber(ARGV[2]))
+if redis.call('PEXPIRE', KEYS[1], tonumber(ARGV[2])) == 0 then
+  redis.call('SET', KEYS[1], '1', 'PX', tonumber(ARGV[2]))
+end
 redis.call('SADD', KEYS[2], ARGV[1])
 return 1
 """

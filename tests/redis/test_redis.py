@@ -416,3 +416,49 @@ async def test_consumers_drain_a_redis_at_maxmemory(backend: str) -> None:
             await admin.config_set("maxmemory", 0)
             await factory.close()
             await admin.aclose()
+
+
+async def test_a_dead_consumers_messages_come_back_at_maxmemory() -> None:
+    """redis-reliable: recovery's first write was LMOVE, which Redis refuses at maxmemory
+    (noeviction): a dead consumer's reservations stayed stuck while Redis was full."""
+    with own_redis("--maxmemory-policy", "noeviction") as server:
+        admin = aioredis.Redis.from_url(server.url)
+        dead = await aio_keuss.connect("redis-reliable", url=server.url, prefix="full")
+        alive = await aio_keuss.connect("redis-reliable", url=server.url, prefix="full")
+        try:
+            q = await dead.queue("full", reserve_delay=30.0)
+            other = await alive.queue("full", reserve_delay=30.0)
+            await q.push_many(list(range(3)))
+            assert len(await q.reserve_many(3, timeout=5)) == 3
+            await admin.delete(q._store._heartbeat)  # type: ignore[attr-defined]
+            used = (await admin.info("memory"))["used_memory"]
+            await admin.config_set("maxmemory", used)
+            assert await other._store.recover() == 3  # type: ignore[attr-defined]
+        finally:
+            await admin.config_set("maxmemory", 0)
+            await dead.close()
+            await alive.close()
+            await admin.aclose()
+
+
+@pytest.mark.parametrize("backend", ["redis-oq", "redis-reliable"])
+async def test_a_consumer_started_at_maxmemory_opens_its_queue_and_drains_it(backend: str) -> None:
+    """Opening a queue recorded its options with an HSET, which Redis refuses at maxmemory
+    (noeviction): a consumer (re)started while Redis was full could not drain it."""
+    with own_redis("--maxmemory-policy", "noeviction") as server:
+        admin = aioredis.Redis.from_url(server.url)
+        async with aio_keuss.connect(backend, url=server.url, prefix="full") as factory:
+            await (await factory.queue("full")).push_many(list(range(5)))
+        factory = await aio_keuss.connect(backend, url=server.url, prefix="full")
+        try:
+            await admin.config_set("maxmemory", (await admin.info("memory"))["used_memory"])
+            q = await factory.queue("full")
+            got = []
+            while (message := await q.reserve(timeout=0)) is not None:
+                got.append(message.payload)
+                assert await q.ok(message)
+            assert got == list(range(5))
+        finally:
+            await admin.config_set("maxmemory", 0)
+            await factory.close()
+            await admin.aclose()
