@@ -75,7 +75,7 @@ MIN_WAIT = 0.005
 in the past (clock skew between client and server) without handing anything out."""
 
 CLOCK_SLACK = 1.0
-"""Seconds a store's clock may run ahead of ours when judging "ready now"."""
+"""Seconds ahead of now a message's mature time still counts as "ready now"."""
 
 
 HELD_CHECK = 1024
@@ -1129,8 +1129,8 @@ class Queue:
 def _more_ready(stored: list[Stored], wanted: int, next_mature: float | None) -> bool:
     """Whether, after taking ``stored``, more messages look ready: the store's next mature
     time is (about) now, or, where a store does not tell, the batch came back full.
-    ``CLOCK_SLACK`` covers a server clock ahead of ours (PostgreSQL's): at worst one more
-    consumer wakes early for a message maturing within it."""
+    A message maturing within ``CLOCK_SLACK`` counts as ready (the stores give the time left
+    by the server's clock, made a time on ours): at worst one more consumer wakes early."""
     if next_mature is None:
         return len(stored) == wanted
     return next_mature <= time.time() + CLOCK_SLACK
