@@ -264,8 +264,27 @@ class MongoStore(Store):
             return []
         now = time.time()
         flags = [True] * len(entries)
-        if any(e.dedup for e in entries):
-            await self._claim_ids(entries, flags, now)
+        if not any(e.dedup for e in entries):
+            return await self._insert_entries(entries, flags, now)
+        # The claims and the insert are separate round trips: when the insert fails, a
+        # claim left behind would make the retry of this (unacknowledged) push a silent
+        # no-op, and the message would never be stored. So this call's claims (tagged with
+        # its token) are given back before the error is raised.
+        token = os.urandom(8).hex()
+        try:
+            await self._claim_ids(entries, flags, now, token)
+            return await self._insert_entries(entries, flags, now)
+        except BaseException:
+            claimed = list({e.id for e in entries if e.dedup})
+            with contextlib.suppress(Exception):
+                await asyncio.shield(
+                    self._dedup.delete_many({"_id": {"$in": claimed}, "by": token})
+                )
+            raise
+
+    async def _insert_entries(
+        self, entries: Sequence[Entry], flags: list[bool], now: float
+    ) -> list[bool]:
         docs: list[Document] = []
         where: list[int] = []
         for i, entry in enumerate(entries):
@@ -292,9 +311,12 @@ class MongoStore(Store):
                 flags[i] = ok
         return flags
 
-    async def _claim_ids(self, entries: Sequence[Entry], flags: list[bool], now: float) -> None:
+    async def _claim_ids(
+        self, entries: Sequence[Entry], flags: list[bool], now: float, token: str
+    ) -> None:
         """Claim user-chosen ids in the dedup collection: a fresh insert, or an atomic
-        take-over of an expired entry. Refused entries get a false flag."""
+        take-over of an expired entry, marked with the caller's ``token``. Refused entries
+        get a false flag."""
         expires = _date(now + self.options.dedup_window)
         first: dict[str, int] = {}
         for i, entry in enumerate(entries):
@@ -306,7 +328,7 @@ class MongoStore(Store):
         ids = list(first)
         try:
             await self._dedup.insert_many(
-                [{"_id": i, "expires": expires} for i in ids], ordered=False
+                [{"_id": i, "expires": expires, "by": token} for i in ids], ordered=False
             )
             return
         except mongo_errors.BulkWriteError as exc:
@@ -319,7 +341,7 @@ class MongoStore(Store):
             *(self._dedup.delete_one({"_id": i, "expires": expired}) for i in taken)
         )
         results = await asyncio.gather(
-            *(self._dedup.insert_one({"_id": i, "expires": expires}) for i in taken),
+            *(self._dedup.insert_one({"_id": i, "expires": expires, "by": token}) for i in taken),
             return_exceptions=True,
         )
         for message_id, result in zip(taken, results, strict=True):

@@ -163,6 +163,31 @@ async def test_dedup_after_consumption(open_factory: Open, backend: str) -> None
     assert await other.total_size() == 0
 
 
+@pytest.mark.parametrize("backend", ["mongo", "mongo-history"])
+async def test_a_failed_push_with_an_id_can_be_retried(open_factory: Open, backend: str) -> None:
+    """The id is claimed in the dedup collection before the message is inserted: when the
+    insert fails (the connection lost between the two), the push raises and its claim is
+    given back, so retrying the same idempotent push stores the message (not a silent
+    no-op that loses it)."""
+    q = await (await open_factory(backend)).queue("retry")
+    messages = q._store._coll  # type: ignore[attr-defined]
+    real_insert = messages.insert_many
+
+    async def lost(*args: Any, **kwargs: Any) -> Any:
+        messages.insert_many = real_insert
+        raise pymongo.errors.AutoReconnect("injected: connection closed after the claim")
+
+    messages.insert_many = lost
+    with pytest.raises(aio_keuss.KeussConnectionError):
+        await q.push({"order": 17}, id="order-17")
+    assert await q.push({"order": 17}, id="order-17") == "order-17"
+    message = await q.reserve(timeout=1)
+    assert message is not None and message.payload == {"order": 17}
+    assert await q.ok(message)
+    await q.push({"order": 17}, id="order-17")  # and the window holds again
+    assert await q.total_size() == 0
+
+
 async def test_deadletter_move(open_factory: Open, client: Any, database: str) -> None:
     factory = await open_factory(deadletter={"max_ko": 1})
     q = await factory.queue("work")
