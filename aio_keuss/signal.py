@@ -116,6 +116,13 @@ class SignalBus:
             listener.result()
 
     async def close(self) -> None:
+        # Trailing signals of open debounce windows go out now: once closed, the window's
+        # timer would drop them (the last announcement of a burst, e.g. what a queue
+        # closing just before gave back).
+        for queue, pending in list(self._windows.items()):
+            if pending is not None:
+                self._send(Signal(queue, "insert", *pending))
+        self._windows.clear()
         self._closed = True
         if self._publishing:
             await asyncio.gather(*self._publishing, return_exceptions=True)

@@ -14,7 +14,7 @@ import asyncio
 import logging
 import math
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 
 from ..coalesce import Uncancellable
 from .codec import AVAILABLE
@@ -41,6 +41,7 @@ class StateWriter:
     _departing: dict[str, tuple[HeldBucket, str]]
     _leaving: dict[str, HeldBucket]
     _flusher: asyncio.Task[None] | None
+    _visible: Callable[[float], None] | None
 
     async def _sync(
         self,
@@ -120,7 +121,10 @@ class StateWriter:
             for bucket in buckets:
                 bucket.writing = None
             future.set_result(None)
+        released: list[float] = []
         for bucket, write, version, kept in zip(buckets, writes, versions, flags, strict=True):
+            if kept and write.mode == RELEASE and write.remaining:
+                released.append(write.score)
             if not kept:
                 if not bucket.lost:
                     log.warning("queue %r: lease of bucket %s was lost", self.name, bucket.id)
@@ -133,6 +137,11 @@ class StateWriter:
             else:
                 bucket.gone = True
                 self._forget(bucket)
+        if released and self._visible is not None:
+            # Messages only this store could serve are free for every consumer now: tell
+            # the ones waiting elsewhere (they leased nothing while it held them, and would
+            # otherwise sleep until their poll interval).
+            self._visible(min(released))
 
     def _forget(self, bucket: HeldBucket) -> None:
         bucket.live = False

@@ -468,6 +468,32 @@ async def test_close_gives_leased_buckets_back_at_once(
         assert all(m.tries == 0 for m in got)
 
 
+async def test_a_bucket_given_back_on_close_wakes_consumers_elsewhere(
+    bucket_case: tuple[BackendCase, dict[str, Any]],
+) -> None:
+    """A consumer of another factory waiting on the queue while a holder leases its only
+    bucket found nothing to lease; when the holder closes and gives the bucket back, the
+    waiting consumer is woken (a signal once the release is written), not left asleep
+    until its poll interval."""
+    case, options = bucket_case
+    settings = {**options, "poll_interval": 30.0}
+    async with aio_keuss.connect(case.name, **settings) as other:
+        waiting_q = await other.queue("handed-back")
+        holder = await aio_keuss.connect(case.name, **settings)
+        try:
+            q = await holder.queue("handed-back")
+            await q.push_many(["first", "second", "third"])
+            first = await q.reserve(timeout=5)  # leases the bucket: all three held here
+            assert first is not None and await q.ok(first)
+            waiting = asyncio.ensure_future(waiting_q.reserve_many(2, timeout=10))
+            await asyncio.sleep(0.3)  # it leased nothing and sleeps now
+        finally:
+            await holder.close()
+        got = await asyncio.wait_for(waiting, 5)  # the poll interval is 30 s
+        assert sorted(m.payload for m in got) == ["second", "third"]
+        assert await waiting_q.ok_many(got) == [True, True]
+
+
 # crashes ---------------------------------------------------------------------------------
 
 

@@ -82,3 +82,13 @@ async def test_close_stops_a_listener_that_swallowed_its_cancellation() -> None:
     await bus.open()
     async with asyncio.timeout(30):  # only keeps a broken run from hanging the suite
         await bus.close()
+
+
+async def test_close_sends_the_trailing_signal_of_an_open_window() -> None:
+    """The last signal of a burst (what a queue closing just before announced) goes out
+    when the bus closes inside its debounce window, instead of being dropped by it."""
+    bus = RecordingBus(debounce=10.0)
+    bus.insert("q", 5.0, 1)
+    bus.insert("q", 7.0, 2)  # folded into the window's trailing signal
+    await bus.close()
+    assert [(s["m"], s["n"]) for s in bus.sent] == [(5.0, 1), (7.0, 2)]
