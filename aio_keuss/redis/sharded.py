@@ -223,7 +223,7 @@ class RedisShardStorage(ShardStorage):
             args += (field, value)
         keys = [self._backend.key(queue, "meta"), self._ready(queue)[1]]
         stored = await self._run(lua.META, keys, args)
-        await self._backend.execute("HSET", self.registry_key, queue, stored[0])
+        await self._run(lua.LIST, [self.registry_key], [queue, stored[0]])
         names = ("shards", "message_ttl", "max_consumers")
         return {name: v.decode() for name, v in zip(names, stored, strict=True) if v is not None}
 

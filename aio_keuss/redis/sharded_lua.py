@@ -42,6 +42,14 @@ local function server_now()
   return tonumber(t[1]) + tonumber(t[2]) / 1000000
 end
 local function fmt(x) return string.format('%.17g', x) end
+-- At maxmemory with the noeviction policy Redis refuses a script whose first write is a
+-- command that may grow memory (HSET, ZADD, HINCRBY, ...), and lets one that has written run
+-- to its end (Redis manual, "Scripting with Lua": "maxmemory"). A fire, a ko, a sweep or a
+-- shovel grows memory by a few bytes at most, and the oks that follow free the messages: so
+-- those scripts begin with this, a write that cannot grow memory (HDEL of a field no shard
+-- hash has), and consumers still fire, and drain, a Redis that is full. A push (INSERT) does
+-- not: it is refused there.
+local function first_write() redis.call('HDEL', KEYS[1], '') end
 local function ptr(x) return string.format('%d', x) end
 -- A record past its end of life (message TTL) is deleted wherever a script meets it.
 local function dead(e, now) return e and tonumber(e) <= now end
@@ -159,6 +167,7 @@ return out
 _FIRE = """
 local base, n, delay = ARGV[1], tonumber(ARGV[2]), ARGV[3]
 local now = server_now()
+first_write()
 promote(base, now, 1000)
 local m = meta({'l', 'f', 'r', 'e'})
 local l, f, r, expired = m[1], m[2], m[3], 0
@@ -239,6 +248,7 @@ _ROLLBACK = (
 local DEADLETTER_HOLD = 60
 local base, max_ko = ARGV[1], tonumber(ARGV[2])
 local now = server_now()
+first_write()
 local l = meta({'l'})[1]
 local out, back, gone, soonest = {0, 0, ''}, 0, 0, nil
 for i = 3, #ARGV, 4 do
@@ -320,6 +330,7 @@ _SIZES = (
     _PURGE
     + """
 local now = server_now()
+first_write()
 purge(ARGV[1], now, 1000)
 local m = meta({'l', 'f', 'r', 'sl', 'sf', 'n', 'v', 'w', 'e'})
 local matured = redis.call('ZCOUNT', KEYS[4], '-inf', fmt(now))
@@ -342,6 +353,7 @@ _SWEEP = (
     + """
 local base, batch = ARGV[1], tonumber(ARGV[2])
 local now = server_now()
+first_write()
 purge(base, now, batch)
 local m = meta({'l', 'f', 'w', 'sl', 'r', 'n', 'e'})
 local expired = 0
@@ -386,6 +398,7 @@ return {moved, f - w, l - f, version(), stopped, sl - meta({'sf'})[1], next_due(
 _SHOVEL = """
 local base, batch = ARGV[1], tonumber(ARGV[2])
 local now = server_now()
+first_write()
 local m = meta({'l', 'sl', 'sf', 'v', 'e'})
 local l, sl, sf, v = m[1], m[2], m[3], m[4]
 local moved, expired = 0, 0
@@ -416,7 +429,10 @@ return {moved + expired, sl - sf, version()}
 
 # KEYS: ready, stamps. ARGV: triples shard, version, due ('' = now). A producer's
 # announcement: the shard has work from ``due`` on (a shard already due keeps its place).
+# It begins with a write that cannot grow memory (see ``first_write`` in the prelude): a ko
+# and the sweeper announce at maxmemory too, and a push announces only what it could load.
 _READY_ADD = """
+redis.call('HDEL', KEYS[2], '')
 local t = redis.call('TIME')
 local now = string.format('%.17g', tonumber(t[1]) + tonumber(t[2]) / 1000000)
 for i = 1, #ARGV, 3 do
@@ -434,8 +450,9 @@ return 1
 # KEYS: ready, stamps. ARGV: triples shard, version seen, next mature scheduled ('' =
 # none). A consumer's report of shards whose magazine it emptied: each leaves the index, or
 # waits there for its next scheduled record, unless a producer announced a later version
-# meanwhile.
+# meanwhile. First a write that cannot grow memory (see ``first_write``).
 _READY_DROP = """
+redis.call('HDEL', KEYS[2], '')
 local dropped = 0
 for i = 1, #ARGV, 3 do
   local s = ARGV[i]
@@ -490,6 +507,7 @@ if holder == ARGV[1] then
   return 1
 end
 if not holder then
+  redis.call('DEL', KEYS[1])  -- first, a write that cannot grow memory (see first_write)
   redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
   return 1
 end
@@ -505,8 +523,10 @@ return 0
 # KEYS: queue meta, stamps. ARGV: metadata TTL ms ('0' = none), then pairs field, value.
 # Writes the record if there is none (its first writer's settings are the queue's, its shard
 # count at least every stamped shard's), marks it active and seen now, and extends its life.
-# Reply: the stored shards, message TTL ('' = none) and most consumers.
+# Reply: the stored shards, message TTL ('' = none) and most consumers. It begins with a
+# write that cannot grow memory (see ``first_write``): consumers renew it at maxmemory too.
 _META = """
+redis.call('HDEL', KEYS[1], '')
 local t = redis.call('TIME')
 if redis.call('EXISTS', KEYS[1]) == 0 then
   redis.call('HSET', KEYS[1], unpack(ARGV, 2))
@@ -523,12 +543,21 @@ if ARGV[1] ~= '0' then redis.call('PEXPIRE', KEYS[1], ARGV[1]) end
 return redis.call('HMGET', KEYS[1], 'shards', 'message_ttl', 'max_consumers')
 """
 
+# KEYS: the sweeper's list of queues. ARGV: queue, shards. Lists the queue; first a write
+# that cannot grow memory (see ``first_write``), so a consumer's renewal works at maxmemory.
+_LIST = """
+redis.call('HDEL', KEYS[1], '')
+redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
+return 1
+"""
+
 INSERT, FIRE, COMMIT, ROLLBACK, SIZES, SWEEP, SHOVEL = (
     Script(_PRELUDE + body)
     for body in (_INSERT, _FIRE, _COMMIT, _ROLLBACK, _SIZES, _SWEEP, _SHOVEL)
 )
-READY_ADD, READY_DROP, READY_HEAD, ENROL, LEASE, RELEASE, META = (
-    Script(body) for body in (_READY_ADD, _READY_DROP, _READY_HEAD, _ENROL, _LEASE, _RELEASE, _META)
+READY_ADD, READY_DROP, READY_HEAD, ENROL, LEASE, RELEASE, META, LIST = (
+    Script(body)
+    for body in (_READY_ADD, _READY_DROP, _READY_HEAD, _ENROL, _LEASE, _RELEASE, _META, _LIST)
 )
 
 # On Redis Cluster a shard script touches record keys it cannot declare (their pointers are

@@ -386,7 +386,7 @@ async def test_a_silently_dropped_subscription_is_replaced(
 # a full Redis (maxmemory, noeviction) ------------------------------------------------------
 
 
-@pytest.mark.parametrize("backend", ["redis-oq", "redis-reliable"])
+@pytest.mark.parametrize("backend", ["redis-oq", "redis-reliable", "redis-sharded"])
 async def test_consumers_drain_a_redis_at_maxmemory(backend: str) -> None:
     """At maxmemory with noeviction a push is refused (OOM, a BackendError), but reserve, ko
     and ok still work, so consumers drain the full Redis: Redis refuses a script whose first
@@ -458,6 +458,50 @@ async def test_a_consumer_started_at_maxmemory_opens_its_queue_and_drains_it(bac
                 got.append(message.payload)
                 assert await q.ok(message)
             assert got == list(range(5))
+        finally:
+            await admin.config_set("maxmemory", 0)
+            await factory.close()
+            await admin.aclose()
+
+
+async def test_redis_sharded_at_maxmemory_brings_lapsed_reservations_back(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """redis-sharded at maxmemory (noeviction, full of other data): the leader's lease is
+    taken again (its holder died), the sweeper and the shovel bring back reservations whose
+    deadline passed, a ko with a delay is scheduled, and consumers renew the queue's metadata
+    record and their place (every lease_ttl): each script's first write cannot grow memory."""
+    options = {"shards": 2, "sweep_interval": 0.1, "shovel_interval": 0.1, "lease_ttl": 1.0}
+    with own_redis("--maxmemory-policy", "noeviction") as server:
+        admin = aioredis.Redis.from_url(server.url)
+        factory = await aio_keuss.connect("redis-sharded", url=server.url, prefix="full", **options)
+        try:
+            # the reservations lapse after the first renewal is due (lease_ttl): it runs
+            # while the Redis is full
+            q = await factory.queue("full", reserve_delay=1.5)
+            await q.push_many(list(range(6)))
+            await admin.config_set("maxmemory", 1)  # full, whatever the oks free
+            with pytest.raises(aio_keuss.BackendError, match="OOM"):
+                await q.push(6)
+            await admin.delete("full:sharded:leader")  # the leader died: another takes over
+            held = []  # every message reserved; two acknowledged, the others left to lapse
+            while (message := await q.reserve(timeout=0)) is not None:
+                held.append(message.payload)
+                if len(held) <= 2:
+                    assert await q.ok(message)
+            assert sorted(held) == list(range(6))
+            first = await q.reserve(timeout=30)  # swept, shoveled: back with one more try
+            assert first is not None and first.tries == 1
+            assert await q.ko(first, delay=0.2) == aio_keuss.KoResult.ROLLED_BACK
+            taken = []  # the four lapsed ones (the ko-ed one among them, once its delay ends)
+            while len(taken) < 4 and (message := await q.reserve(timeout=30)) is not None:
+                assert message.tries >= 1
+                taken.append(message.payload)
+                assert await q.ok(message)
+            assert sorted(taken + held[:2]) == list(range(6))
+            assert (await q.sizes()).total == 0
+            failed = [r.message for r in caplog.records if "sweeper pass failed" in r.message]
+            assert not failed  # nor did a pass fail (over acknowledged records, say)
         finally:
             await admin.config_set("maxmemory", 0)
             await factory.close()
