@@ -221,7 +221,8 @@ class RedisShardStorage(ShardStorage):
         args: list[Any] = [math.ceil(life * 1000) if life else 0]
         for field, value in record.items():
             args += (field, value)
-        keys = [self._backend.key(queue, "meta"), self._ready(queue)[1]]
+        key = self._backend.key
+        keys = [key(queue, "meta"), self._ready(queue)[1], key(queue, "shards")]
         stored = await self._run(lua.META, keys, args)
         await self._run(lua.LIST, [self.registry_key], [queue, stored[0]])
         names = ("shards", "message_ttl", "max_consumers")

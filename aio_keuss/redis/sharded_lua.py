@@ -18,7 +18,8 @@ Shard keys (hash tag ``{queue#shard}``), ``<base>`` being ``prefix:{queue#shard}
                            scheduled)
     <base>d          ZSET  id -> end of its dedup window (explicit ids only)
 
-Queue keys (hash tag ``{queue}``): ``consumers`` ZSET consumer -> end of its lease,
+Queue keys (hash tag ``{queue}``): ``meta`` HASH the metadata record, ``shards`` STRING its
+shard count, kept past the record (see META), ``consumers`` ZSET consumer -> end of its lease,
 ``ready`` ZSET shard -> since when it has had records to fire (or, with only scheduled
 records, when the first matures), ``stamps`` HASH shard -> the highest version a producer
 announced there (what lets a consumer drop a shard it emptied without losing a producer's
@@ -520,9 +521,12 @@ if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) 
 return 0
 """
 
-# KEYS: queue meta, stamps. ARGV: metadata TTL ms ('0' = none), then pairs field, value.
-# Writes the record if there is none (its first writer's settings are the queue's, its shard
-# count at least every stamped shard's), marks it active and seen now, and extends its life.
+# KEYS: queue meta, stamps, shards. ARGV: metadata TTL ms ('0' = none), then pairs field,
+# value. Writes the record if there is none (its first writer's settings are the queue's),
+# marks it active and seen now, and extends its life. The shard count is also kept apart
+# (``shards``, no TTL): a record written again after it expired keeps the count the queue
+# had if a producer ever loaded it (its data is in those shards, an explicit id's shard is
+# crc32(id) % count), and at least every stamped shard's.
 # Reply: the stored shards, message TTL ('' = none) and most consumers. It begins with a
 # write that cannot grow memory (see ``first_write``): consumers renew it at maxmemory too.
 _META = """
@@ -531,13 +535,16 @@ local t = redis.call('TIME')
 if redis.call('EXISTS', KEYS[1]) == 0 then
   redis.call('HSET', KEYS[1], unpack(ARGV, 2))
   -- a queue opened again after it expired: its data stays in the shards it had (each one a
-  -- producer ever loaded has a stamp), so the count never shrinks below them
+  -- producer ever loaded has a stamp), and routes by the count it had
   local most = tonumber(redis.call('HGET', KEYS[1], 'shards'))
-  for _, s in ipairs(redis.call('HKEYS', KEYS[2])) do
+  local stamped = redis.call('HKEYS', KEYS[2])
+  if #stamped > 0 then most = tonumber(redis.call('GET', KEYS[3]) or most) end
+  for _, s in ipairs(stamped) do
     if tonumber(s) + 1 > most then most = tonumber(s) + 1 end
   end
   redis.call('HSET', KEYS[1], 'shards', most)
 end
+redis.call('SET', KEYS[3], redis.call('HGET', KEYS[1], 'shards'))
 redis.call('HSET', KEYS[1], 'active', 'true', 'seen', t[1])
 if ARGV[1] ~= '0' then redis.call('PEXPIRE', KEYS[1], ARGV[1]) end
 return redis.call('HMGET', KEYS[1], 'shards', 'message_ttl', 'max_consumers')

@@ -174,6 +174,8 @@ class _Queue:
         self.consumers: dict[str, float] = {}
         self.meta: dict[str, str] | None = None
         self.meta_end: float | None = None
+        self.count: int | None = None
+        """The shard count, kept past the record (as Redis's ``shards`` key)."""
 
     def shard(self, shard: int) -> _Shard:
         found = self.shards.get(shard)
@@ -447,9 +449,12 @@ class MemoryShardStorage(ShardStorage):
         if stored is None:
             stored = q.meta = dict(record)
             # opened again after it expired: its data stays in the shards it had (each one a
-            # producer ever loaded has a stamp), so the count never shrinks below them
-            most = max([int(stored["shards"]), *(shard + 1 for shard in q.stamps)])
-            stored["shards"] = str(most)
+            # producer ever loaded has a stamp), and routes by the count it had
+            most = int(stored["shards"])
+            if q.stamps and q.count is not None:
+                most = q.count
+            stored["shards"] = str(max([most, *(shard + 1 for shard in q.stamps)]))
+        q.count = int(stored["shards"])
         stored["active"] = "true"
         stored["seen"] = str(int(now))
         if life is not None:

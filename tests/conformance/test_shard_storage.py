@@ -332,6 +332,28 @@ async def test_the_metadata_record_is_written_once_and_lists_the_queue(
     assert (await st.touch("brief", other, None))["shards"] == "8"  # written anew
 
 
+async def test_a_record_written_again_keeps_the_shard_count_its_data_routes_by(
+    st: ShardStorage,
+) -> None:
+    """A queue whose record expired keeps its messages in its shards, and an explicit id's
+    shard is crc32(id) % count: the record written again keeps the count the queue had (a
+    larger one, or a smaller one above every stamped shard, would route ok / ko and the
+    dedup check of those ids to another shard)."""
+    eight = {"shards": "8", "message_ttl": "", "max_consumers": "7", "created": "1.5"}
+    for queue, other in (("grown", "16"), ("shrunk", "2")):
+        await st.touch(queue, eight, 0.05)
+        loaded = await st.load(queue, 1, [entry("a")], 60.0, None)  # shard 1 of 8
+        await st.ready_add(queue, [ReadyMark(1, loaded.version)])
+
+        async def ended(queue: str = queue) -> bool:
+            return await st.read_meta(queue) is None
+
+        await until(ended)
+        again = {**eight, "shards": other}
+        assert (await st.touch(queue, again, None))["shards"] == "8"
+        assert (await st.listed())[queue] == 8
+
+
 async def test_one_lease_holder_at_a_time(st: ShardStorage) -> None:
     assert await st.lease("a", FAR)
     assert not await st.lease("b", FAR)

@@ -11,6 +11,7 @@ import contextlib
 import os
 import signal
 import sys
+import zlib
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -338,6 +339,41 @@ async def test_an_expired_queue_opened_again_keeps_the_shards_its_data_is_in(
     for _ in range(16):
         message = await q.reserve(timeout=1)
         assert message is not None and await q.ok(message)
+
+
+async def test_an_expired_queue_opened_again_keeps_the_shard_count_its_ids_route_by(
+    connect: Connect, prefix: str
+) -> None:
+    """A message pushed with an explicit id sits in shard crc32(id) % count: a process
+    opening the expired queue again with more shards (explicit, or the default 32) routed
+    its ok to another shard (ok False, the message delivered again for ever) and its dedup
+    check too. The queue keeps its count: an explicit other one is refused, a default
+    adopts it."""
+    mid = next(f"order-{i}" for i in range(100) if zlib.crc32(f"order-{i}".encode()) % 8 >= 4)
+    first = await connect(sweeper=False, shards=4, queue_expiry=0.2)
+    await (await first.queue("q")).push("x", id=mid)
+    await first.close()
+    probe = await connect(sweeper=False, queue_expiry=0.2)
+    for _ in range(500):  # the record lives 2 * queue_expiry
+        if "q" not in await probe.list():
+            break
+        await asyncio.sleep(0.05)
+    else:
+        raise AssertionError("the metadata record never expired")
+    more = await connect(sweeper=False, shards=8, queue_expiry=0.2)
+    with pytest.raises(aio_keuss.ConfigError, match="4 shards"):
+        await more.queue("q")
+    factory = await aio_keuss.connect(  # the default shard count (32), not an explicit one
+        "redis-sharded", url=REDIS_URL, prefix=prefix, sweeper=False
+    )
+    try:
+        q = await factory.queue("q")
+        message = await q.reserve(timeout=5)
+        assert message is not None and message.id == mid
+        assert await q.ok(message)
+        assert (await q.sizes()).total == 0
+    finally:
+        await factory.close()
 
 
 async def test_a_queue_whose_keys_a_node_lost_is_served_again(
