@@ -131,7 +131,9 @@ class StatsStore(ABC):
             await self._apply(batch)
         except PartlyWritten as exc:
             self._merge_back(exc.unwritten)
-            raise
+            # the caller (close, flush) gets the typed error a write raised, not this
+            # bookkeeping class, which is no aio_keuss error
+            raise exc.__cause__ or exc from None
         except Exception:
             self._merge_back(batch)
             raise

@@ -478,3 +478,16 @@ async def test_redis_cluster_tryagain_past_redis_pys_retries_is_a_connection_err
                 "TRYAGAIN Multiple keys request during rehashing of slot",
             )  # fmt: skip
         await backend.execute("PING")
+
+
+async def test_a_factory_closed_with_its_server_away_raises_a_typed_error() -> None:
+    """The stats increments a close flushes cannot be written: close raises the
+    KeussConnectionError of that write, not the store's internal PartlyWritten (no
+    aio_keuss error), and the increments stay buffered."""
+    with own_redis() as server:
+        factory = await aio_keuss.connect("redis-oq", url=server.url, prefix="away")
+        q = await factory.queue("q")
+        await q.push(1)  # a counted event, buffered until the next flush
+        server.stop(kill=True)
+        with pytest.raises(KeussConnectionError):
+            await factory.close()
