@@ -13,9 +13,20 @@ from typing import TYPE_CHECKING, Any
 import orjson
 
 from ..stats import Increments, PartlyWritten, StatsStore
+from .connection import Script
 
 if TYPE_CHECKING:
     from .connection import RedisConnection
+
+
+# KEYS: a HASH. ARGV: field, value. HSET, but first a write that cannot grow memory: at
+# maxmemory (noeviction) Redis refuses a script whose first write may (an HSET), and a
+# process opening a queue (which records its options) to drain a full Redis must not be.
+_REPLACE = Script("""
+redis.call('HDEL', KEYS[1], ARGV[1])
+redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
+return 1
+""")
 
 
 class RedisStats(StatsStore):
@@ -73,12 +84,7 @@ class RedisStats(StatsStore):
         return bool(await self._backend.execute("EXISTS", self._paused_key(queue)))
 
     async def save_options(self, queue: str, options: dict[str, Any]) -> None:
-        # Not written again when unchanged (a process restarting): at maxmemory (noeviction)
-        # Redis refuses the HSET, and a consumer could not even open the queue to drain it.
-        blob = orjson.dumps(options)
-        if await self._backend.execute("HGET", self._queues_key, queue) == blob:
-            return
-        await self._backend.execute("HSET", self._queues_key, queue, blob)
+        await self._backend.run_script(_REPLACE, [self._queues_key], [queue, orjson.dumps(options)])
 
     async def queues(self) -> dict[str, dict[str, Any]]:
         stored = await self._backend.hash_items(self._queues_key)

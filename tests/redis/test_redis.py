@@ -506,3 +506,28 @@ async def test_redis_sharded_at_maxmemory_brings_lapsed_reservations_back(
             await admin.config_set("maxmemory", 0)
             await factory.close()
             await admin.aclose()
+
+
+@pytest.mark.parametrize("backend", ["redis-oq", "redis-reliable", "redis-sharded"])
+async def test_a_consumer_opens_its_queue_at_maxmemory(backend: str) -> None:
+    """A consumer process started to drain a full Redis (noeviction) opens its queue: the
+    factory records the queue's options with a write that cannot be refused there (a plain
+    HSET was, and the open raised an OOM BackendError)."""
+    with own_redis("--maxmemory-policy", "noeviction") as server:
+        admin = aioredis.Redis.from_url(server.url)
+        producer = await aio_keuss.connect(backend, url=server.url, prefix="full")
+        consumer = await aio_keuss.connect(backend, url=server.url, prefix="full")
+        try:
+            await (await producer.queue("full")).push_many(list(range(3)))
+            await admin.config_set("maxmemory", 1)  # full, whatever the oks free
+            q = await consumer.queue("full")
+            taken = []
+            while (message := await q.reserve(timeout=0)) is not None:
+                taken.append(message.payload)
+                assert await q.ok(message)
+            assert sorted(taken) == [0, 1, 2]
+        finally:
+            await admin.config_set("maxmemory", 0)
+            await consumer.close()
+            await producer.close()
+            await admin.aclose()
