@@ -64,6 +64,14 @@ from .spec import (
     required,
 )
 
+try:  # pyspark >= 4.1: Trigger.AvailableNow asks the reader itself for each batch
+    from pyspark.sql.streaming.datasource import SupportsTriggerAvailableNow
+except ImportError:  # pragma: no cover - pyspark 4.0
+
+    class SupportsTriggerAvailableNow:  # type: ignore[no-redef]
+        """Absent before pyspark 4.1 (Spark then wraps the reader itself)."""
+
+
 try:  # pyspark >= 4.1: Arrow batches straight from the JVM
     from pyspark.sql.datasource import DataSourceStreamArrowWriter as _StreamWriterBase
 except ImportError:  # pragma: no cover - pyspark 4.0
@@ -254,13 +262,21 @@ class KeussBatchReader(DataSourceReader):
                 _ok(queue, messages)
 
 
-class KeussStreamReader(DataSourceStreamReader):
+class KeussStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
     """Runs on the driver (one long-lived Python process per query), except ``read``.
 
     Offsets are ``{"run": <this reader's token>, "seq": n}``: the messages of offset n were
     reserved by this reader in ``latestOffset`` and are kept here until ``commit`` oks them.
     A batch replayed after a restart names another run's offset: it is planned empty, and
     its messages, never acknowledged, come back when their reservations expire.
+
+    ``Trigger.AvailableNow``: the reader takes it on itself (``prepareForTriggerAvailableNow``)
+    rather than let Spark wrap it. Spark's wrapper asks ``latestOffset`` once, for one batch of
+    ``max_rows_per_batch``, and then never again: the rest stayed in the queue and that batch
+    was never acknowledged (no later ``latestOffset`` to commit it in), so it came back after
+    ``reserve_delay`` and went through the sink again, on every run. Here the run goes on,
+    batch by batch, through what was ready when it started, and the ``latestOffset`` that
+    finds nothing more acknowledges the last batch before the query ends.
     """
 
     def __init__(self, spec: ReadSpec) -> None:
@@ -269,6 +285,9 @@ class KeussStreamReader(DataSourceStreamReader):
         self._seq = 0
         self._pending: dict[int, list[Message]] = {}
         self._queue: sync.SyncQueue | None = None
+        self._budget: int | None = None
+        """Under ``Trigger.AvailableNow``: how many more messages this run may take (those
+        ready when it started; what arrives later waits for the next run)."""
 
     def __getstate__(self) -> dict[str, Any]:
         # Pickled to the executors for ``read``: only the spec travels, not the connection.
@@ -286,6 +305,9 @@ class KeussStreamReader(DataSourceStreamReader):
 
     def initialOffset(self) -> dict[str, Any]:
         return {"run": "", "seq": 0}
+
+    def prepareForTriggerAvailableNow(self) -> None:
+        self._budget = self._q().size()
 
     def getDefaultReadLimit(self) -> Any:
         from pyspark.sql.streaming.datasource import ReadMaxRows
@@ -305,6 +327,8 @@ class KeussStreamReader(DataSourceStreamReader):
         max_rows = getattr(limit, "max_rows", None)
         if isinstance(max_rows, int):
             wanted = min(wanted, max_rows)
+        if self._budget is not None:
+            wanted = min(wanted, self._budget)
         queue = self._q()
         chunk = queue.queue.options.max_batch
         reserved: list[Message] = []
@@ -315,6 +339,8 @@ class KeussStreamReader(DataSourceStreamReader):
             reserved.extend(got)
         if not reserved:
             return start
+        if self._budget is not None:
+            self._budget -= len(reserved)
         self._seq = max(self._seq, int(start.get("seq", 0))) + 1
         self._pending[self._seq] = reserved
         return {"run": self.run, "seq": self._seq}
