@@ -74,6 +74,8 @@ class _Runtime:
         """Factories not closed yet: strong references, so atexit can still close them."""
         self.generation = 0
         """Bumped by a fork: factories of an older generation belong to the parent."""
+        self.loop_thread: int | None = None
+        """``threading.get_ident()`` of the loop thread while it runs."""
 
     def acquire(self) -> tuple[BlockingPortal, int]:
         """The running portal (started if needed), counted as one more user."""
@@ -82,6 +84,7 @@ class _Runtime:
                 stack = contextlib.ExitStack()
                 self.portal = stack.enter_context(start_blocking_portal())
                 self.stack = stack
+                self.loop_thread = self.portal.call(_thread_ident)
             self.users += 1
             return self.portal, self.generation
 
@@ -94,8 +97,18 @@ class _Runtime:
             if self.users > 0:
                 return
             stack, self.stack, self.portal = self.stack, None, None
+            self.loop_thread = None
         if stack is not None:
             stack.close()
+
+    def refuse_on_loop_thread(self, what: str) -> None:
+        """Raise :class:`LoopThreadError` when called on the loop thread itself (from a
+        coroutine given to ``call``): waiting there for the loop would wait for itself."""
+        if self.loop_thread is not None and threading.get_ident() == self.loop_thread:
+            raise LoopThreadError(
+                f"a blocking aio_keuss.sync {what} on the shim's own loop thread would wait"
+                " for itself: use the async API there (SyncFactory.factory)"
+            )
 
     def shutdown(self) -> None:
         """At interpreter exit: close forgotten factories (their buffers are flushed and
@@ -107,6 +120,7 @@ class _Runtime:
                 factory.close()
         with self.lock:
             stack, self.stack, self.portal, self.users = self.stack, None, None, 0
+            self.loop_thread = None
         if stack is not None:
             stack.close()
 
@@ -126,6 +140,7 @@ class _Runtime:
         self.users = 0
         self.open = set()
         self.generation += 1
+        self.loop_thread = None
 
 
 _inherited: list[object] = []
@@ -139,6 +154,7 @@ os.register_at_fork(after_in_child=_runtime.forget)
 def connect(backend: str = "memory", **options: Any) -> SyncFactory:
     """Blocking :func:`aio_keuss.connect`: same backends and options. Close the factory (or
     use ``with``) to release its connections; the loop thread stops with the last one."""
+    _runtime.refuse_on_loop_thread("connect")
     portal, generation = _runtime.acquire()
     try:
         factory: Factory = portal.call(_open_factory, backend, options)
@@ -146,6 +162,10 @@ def connect(backend: str = "memory", **options: Any) -> SyncFactory:
         _runtime.release(generation)
         raise
     return SyncFactory(factory, portal, generation)
+
+
+def _thread_ident() -> int:
+    return threading.get_ident()
 
 
 async def _open_factory(backend: str, options: dict[str, Any]) -> Factory:
@@ -251,6 +271,8 @@ class SyncFactory:
     def close(self) -> None:
         """Close the async factory (drains its queues); the last factory stops the loop.
         Idempotent, and a no-op for a factory inherited from the parent of a fork."""
+        if not self.closed:  # before anything changes: the factory stays open and usable
+            _runtime.refuse_on_loop_thread("close")
         with self._close_lock:
             if self._closed:
                 return

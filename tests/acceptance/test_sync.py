@@ -247,6 +247,29 @@ def test_a_blocking_call_on_the_loop_thread_is_a_library_error() -> None:
         assert q.size() == 0
 
 
+def test_connect_or_close_on_the_loop_thread_is_a_library_error() -> None:
+    """``sync.connect`` and ``close`` from a coroutine given to ``call``: anyio's bare
+    RuntimeError, and a close marked the factory closed without closing it, and left the
+    loop thread running once every factory was closed."""
+    factory = sync.connect("memory")
+    q = factory.queue("jobs")
+    q.push({"a": 1})
+
+    async def nested_connect() -> None:
+        sync.connect("memory")
+
+    async def nested_close() -> None:
+        factory.close()
+
+    for nested in (nested_connect, nested_close):
+        with pytest.raises(aio_keuss.LoopThreadError):
+            factory.call(nested)
+    assert not factory.closed
+    assert q.size() == 1  # still open and usable
+    factory.close()
+    assert portal_threads() == []
+
+
 def test_loop_thread_lives_while_any_factory_is_open() -> None:
     baseline = threading.active_count()
     assert portal_threads() == []
