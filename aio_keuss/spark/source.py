@@ -196,7 +196,7 @@ class ReadSpec:
         return cls(
             backend=backend,
             queue=required(lowered, "queue"),
-            options=connect_options(lowered, WRITE_OPTIONS | READ_OPTIONS),
+            options=connect_options(lowered, WRITE_OPTIONS | READ_OPTIONS, backend),
             read_mode=mode,
             max_rows=None if max_rows in (None, "") else parse_positive_int(max_rows, "max_rows"),
             max_rows_per_batch=parse_positive_int(

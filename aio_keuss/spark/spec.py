@@ -79,14 +79,23 @@ def parse_positive_int(value: object, name: str) -> int:
     return number
 
 
-def connect_options(raw: Mapping[str, Any], own: frozenset[str]) -> dict[str, Any]:
-    """The ``aio_keuss.connect`` options among ``raw`` (Spark's are strings: typed back)."""
+def connect_options(
+    raw: Mapping[str, Any], own: frozenset[str], backend: str | None = None
+) -> dict[str, Any]:
+    """The ``aio_keuss.connect`` options among ``raw`` (Spark's are strings: typed back).
+
+    ``backend``'s own options are typed back by the type of their default (a flag such as
+    ``history`` or ``cluster``, a count such as ``shards`` or ``max_pool_size``, seconds such
+    as ``history_ttl``): Spark turns ``.option("history", True)`` into ``"true"``, which
+    ``connect`` would refuse, so no Spark read or write could set them."""
+    typed: Mapping[str, Any] = {} if backend is None else load_backend(backend).options
     result: dict[str, Any] = {}
     for key, value in raw.items():
         name = key.lower()
         if name in own or name in _SPARK_OWN:
             continue
         if isinstance(value, str):
+            default = typed.get(name)
             try:
                 if name in _FLOAT_OPTIONS:
                     value = float(value)
@@ -94,6 +103,12 @@ def connect_options(raw: Mapping[str, Any], own: frozenset[str]) -> dict[str, An
                     value = int(value)
                 elif name in _JSON_OPTIONS:
                     value = orjson.loads(value)
+                elif isinstance(default, bool):
+                    value = parse_bool(value, name)
+                elif isinstance(default, int):
+                    value = int(value)
+                elif isinstance(default, float):
+                    value = float(value)
             except (ValueError, orjson.JSONDecodeError) as exc:
                 raise ConfigError(f"option {name!r}: cannot read {value!r}: {exc}") from exc
         result[name] = value
@@ -135,7 +150,9 @@ class WriteSpec:
         spec = cls(
             backend=required(lowered, "backend"),
             queue=required(lowered, "queue"),
-            options=connect_options(lowered, WRITE_OPTIONS | READ_OPTIONS),
+            options=connect_options(
+                lowered, WRITE_OPTIONS | READ_OPTIONS, required(lowered, "backend")
+            ),
             payload_column=column("payload_column"),
             headers_column=column("headers_column"),
             delay_column=column("delay_column"),

@@ -280,6 +280,30 @@ def test_bad_read_options_fail_on_the_driver(target: tuple[str, dict[str, Any]])
     KeussDataSource(good).reader(None)  # type: ignore[arg-type]
 
 
+def test_flag_and_count_options_given_as_spark_strings_reach_connect(
+    target: tuple[str, dict[str, Any]],
+) -> None:
+    """Spark hands options over as strings: a backend's flags and counts (``history``,
+    ``durable_acks``, ``max_pool_size``, ``cluster``...) reached ``connect`` as text and were
+    refused, so no read or write through the data source could set them."""
+    from aio_keuss.spark.source import KeussDataSource, ReadSpec
+
+    backend, opts = target
+    typed: dict[str, Any] = (
+        {"history": True, "durable_acks": False, "max_pool_size": 3, "history_ttl": 60.0}
+        if backend == "postgres"
+        else {"cluster": False}
+    )
+    strings = {"backend": backend, "queue": "typed", **opts}
+    strings.update({key: str(value).lower() for key, value in typed.items()})
+    strings = {key: str(value) for key, value in strings.items()}
+    assert keuss_spark.WriteSpec.from_options(strings).options == {**opts, **typed}
+    assert ReadSpec.from_options(strings).options == {**opts, **typed}
+    KeussDataSource(strings).reader(None)  # type: ignore[arg-type]  # connects on the driver
+    with pytest.raises(aio_keuss.ConfigError):
+        keuss_spark.WriteSpec.from_options({**strings, next(iter(typed)): "maybe"})
+
+
 def test_stream_write_replayed_batch_does_not_duplicate(
     spark: SparkSession, target: tuple[str, dict[str, Any]], tmp_path: Path
 ) -> None:
