@@ -39,6 +39,8 @@ def from_dict(factory: Factory, doc: Mapping[str, Any], *, name: str | None = No
     if not isinstance(doc, Mapping):
         raise PipelineError(f"a pipeline description must be a table, not {type(doc).__name__}")
     doc = doc.get("pipeline", doc) if "stations" not in doc else doc
+    if not isinstance(doc, Mapping):  # a [pipeline] that is no table
+        raise PipelineError(f"a pipeline description must be a table, not {type(doc).__name__}")
     unknown = set(doc) - _TOP
     if unknown:
         raise PipelineError(f"pipeline description: unknown key(s) {sorted(unknown)}")

@@ -132,3 +132,12 @@ async def test_a_station_name_that_cannot_be_stored_is_refused(
     no JSON): such a name is refused when the station is added, on every backend."""
     with pytest.raises(PipelineError, match="printable"):
         factory.pipeline("p").sink("a", _noop, name=name)
+
+
+async def test_a_pipeline_key_that_is_no_table_is_a_pipeline_error(
+    factory: aio_keuss.Factory,
+) -> None:
+    """``{"pipeline": 5}`` (a TOML ``pipeline = 5``) raised a bare TypeError."""
+    for bad in (5, None, "orders"):
+        with pytest.raises(PipelineError, match="must be a table"):
+            from_dict(factory, {"pipeline": bad})
