@@ -121,12 +121,23 @@ async def test_consumer_in_another_process_wakes_on_push(open_factory: Open, pre
         await process.wait()
 
 
-async def test_signal_listener_survives_connection_kill(open_factory: Open) -> None:
-    producer = await open_factory(signal_debounce=0.0)
-    consumer_factory = await open_factory(poll_interval=30.0)
+async def test_signal_listener_survives_connection_kill() -> None:
+    with own_redis() as server:  # killing every pub/sub client must not hit other runs
+        producer = await aio_keuss.connect("redis-oq", url=server.url, signal_debounce=0.0)
+        consumer_factory = await aio_keuss.connect("redis-oq", url=server.url, poll_interval=30)
+        try:
+            await _signal_listener_survives_connection_kill(producer, consumer_factory, server.url)
+        finally:
+            await producer.close()
+            await consumer_factory.close()
+
+
+async def _signal_listener_survives_connection_kill(
+    producer: aio_keuss.Factory, consumer_factory: aio_keuss.Factory, url: str
+) -> None:
     consumer = await consumer_factory.queue("revive")
     q = await producer.queue("revive")
-    killer = aioredis.Redis.from_url(REDIS_URL)
+    killer = aioredis.Redis.from_url(url)
     try:
         await killer.client_kill_filter(_type="pubsub")
         await asyncio.sleep(3.0)  # the listener backs off (cap 2 s) and subscribes again
