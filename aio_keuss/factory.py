@@ -64,7 +64,9 @@ class Factory:
         if options and found.options != queue_options:
             raise ConfigError(f"queue {name!r} is already open with {found.options}")
         if self.deadletter is not None and self.deadletter.queue not in self._queues:
-            await self._open_queue(self.deadletter.queue, self.defaults)
+            # opened for its routing, with the defaults: not recorded over the options the
+            # process that owns it recorded (as for a move's target, see ``_sibling``)
+            await self._open_queue(self.deadletter.queue, self.defaults, replace_record=False)
         return found
 
     async def _sibling(self, name: str) -> Queue:

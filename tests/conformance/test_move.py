@@ -245,3 +245,17 @@ async def test_a_move_keeps_the_options_another_process_recorded_for_its_target(
     (held,) = await q.reserve_many(1, timeout=5)
     assert await q.move(held, "kept") == held.id
     assert (await mover.list())["kept"]["reserve_delay"] == 600.0
+
+
+async def test_opening_a_queue_keeps_the_options_another_process_recorded_for_the_deadletter(
+    connect: Connect, case: Any
+) -> None:
+    # factory.queue() opens the deadletter queue for its routing (with the defaults): that
+    # recorded the defaults over the options the process owning it had recorded.
+    owner = await connect(poll_interval=5.0)
+    if not case.shared:
+        pytest.skip("one factory's queues only")
+    await owner.queue("__deadletter__", reserve_delay=600.0)
+    other = await connect(poll_interval=5.0, deadletter={"max_ko": 3})
+    await other.queue("work")
+    assert (await other.list())["__deadletter__"]["reserve_delay"] == 600.0
