@@ -40,6 +40,9 @@ return #ARGV / 5
 # ARGV: token, now, deadline, want, max_buckets, n_ids, ids...
 # Returns {{id, blob, state, previous owner}, ...}, lowest score left (or nil).
 _LEASE = Script("""
+-- first, a write that cannot grow memory (no bucket id is ''): at maxmemory (noeviction)
+-- Redis refuses a script whose first write may (HSET), and consumers must drain a full Redis
+redis.call('HDEL', KEYS[4], '')
 local token, now, deadline = ARGV[1], tonumber(ARGV[2]), ARGV[3]
 local want, max_buckets, n_ids = tonumber(ARGV[4]), tonumber(ARGV[5]), tonumber(ARGV[6])
 local picked = {}
@@ -77,6 +80,7 @@ return {out, first[2] or false}
 
 # ARGV: token, then (id, mode, score, remaining, state or '') per write. Mode k / r / d.
 _WRITE = Script("""
+redis.call('HDEL', KEYS[4], '')  -- first, a write that cannot grow memory (see _LEASE)
 local token = ARGV[1]
 local result = {}
 for i = 2, #ARGV, 5 do

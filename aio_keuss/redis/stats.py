@@ -29,6 +29,15 @@ return 1
 """)
 
 
+# KEYS: a queue's counters HASH. ARGV: pairs counter, increment. First a write that cannot
+# grow memory (see _REPLACE): the flush of consumers draining a full Redis is not refused.
+_INCREMENT = Script("""
+redis.call('HDEL', KEYS[1], '')
+for i = 1, #ARGV, 2 do redis.call('HINCRBY', KEYS[1], ARGV[i], ARGV[i + 1]) end
+return 1
+""")
+
+
 class RedisStats(StatsStore):
     def __init__(self, backend: RedisConnection) -> None:
         super().__init__()
@@ -43,26 +52,26 @@ class RedisStats(StatsStore):
         return self._backend.key(queue, "paused")
 
     async def _apply(self, increments: Increments) -> None:
-        """One HINCRBY per counter, all sent at once: pipelined on the fast lane's one
-        connection, spread over pooled connections (and cluster nodes) through redis-py."""
-        execute = self._backend.execute
-        items = [
-            (queue, name, n)
+        """One script per queue (its counters' HINCRBYs after a write that cannot grow
+        memory, so the flush works at maxmemory too, and a close there does not raise), all
+        sent at once: pipelined on the fast lane's one connection, spread over pooled
+        connections (and cluster nodes) through redis-py."""
+        batches = [
+            (queue, [x for name, n in counters.items() if n for x in (name, n)])
             for queue, counters in increments.items()
-            for name, n in counters.items()
-            if n
         ]
-
-        async def one(queue: str, name: str, n: int) -> None:
-            await execute("HINCRBY", self._counters_key(queue), name, n)
-
-        results = await asyncio.gather(*(one(*item) for item in items), return_exceptions=True)
+        batches = [(queue, args) for queue, args in batches if args]
+        run = self._backend.run_script
+        results = await asyncio.gather(
+            *(run(_INCREMENT, [self._counters_key(queue)], args) for queue, args in batches),
+            return_exceptions=True,
+        )
         unwritten: Increments = {}
         failure: BaseException | None = None
-        for (queue, name, n), result in zip(items, results, strict=True):
+        for (queue, _), result in zip(batches, results, strict=True):
             if isinstance(result, BaseException):
                 failure = failure or result
-                unwritten.setdefault(queue, {})[name] = n
+                unwritten[queue] = {name: n for name, n in increments[queue].items() if n}
         if failure is not None:
             # Only what failed goes back: the increments that landed must not be added again.
             raise PartlyWritten(unwritten, failure)

@@ -17,6 +17,7 @@ import pytest
 from backends import CASES
 
 import aio_keuss
+from aio_keuss.redis.stats import _INCREMENT
 from aio_keuss.stats import Increments, StatsStore
 
 pytestmark = pytest.mark.timeout(60)
@@ -182,8 +183,8 @@ async def test_real_store_read_during_a_flush_counts_the_batch_once(connect: Any
 
 
 class _OneSlotAway:
-    """The factory's Redis connection, except that HINCRBY on queue ``away``'s key fails
-    (the node serving its slot is down) while ``away`` is set."""
+    """The factory's Redis connection, except that the increments of queue ``away``'s key
+    fail (the node serving its slot is down) while ``away`` is set."""
 
     def __init__(self, real: Any) -> None:
         self._real = real
@@ -200,6 +201,15 @@ class _OneSlotAway:
 
             return fail()
         return self._real.execute(*args)
+
+    def run_script(self, script: Any, keys: Any, args: Any) -> Any:
+        if self.away and script is _INCREMENT and "{away}" in keys[0]:
+
+            async def fail() -> None:
+                raise aio_keuss.KeussConnectionError("the node serving this slot is away")
+
+            return fail()
+        return self._real.run_script(script, keys, args)
 
 
 @pytest.mark.parametrize(

@@ -542,3 +542,31 @@ async def test_a_consumer_opens_its_queue_at_maxmemory(backend: str) -> None:
             await consumer.close()
             await producer.close()
             await admin.aclose()
+
+
+@pytest.mark.parametrize("backend", ["redis-oq", "redis-reliable", "redis-sharded", "bucket-redis"])
+async def test_a_consumer_drains_a_full_redis_and_closes_cleanly(backend: str) -> None:
+    """At maxmemory (noeviction): bucket-redis's lease and state write began with an HSET
+    (refused: its consumers could not drain), and the stats flush's HINCRBYs were refused,
+    so every Redis factory's close raised a BackendError there."""
+    with own_redis("--maxmemory-policy", "noeviction") as server:
+        admin = aioredis.Redis.from_url(server.url)
+        async with aio_keuss.connect(backend, url=server.url, prefix="full") as producer:
+            await (await producer.queue("full")).push_many(list(range(3)))
+        consumer = await aio_keuss.connect(backend, url=server.url, prefix="full")
+        try:
+            await admin.config_set("maxmemory", 1)  # full, whatever the oks free
+            q = await consumer.queue("full")
+            taken = []
+            while (message := await q.reserve(timeout=0.5)) is not None:
+                taken.append(message.payload)
+                assert await q.ok(message)
+            assert sorted(taken) == [0, 1, 2]
+            await consumer.close()  # its stats flush is not refused
+            await admin.config_set("maxmemory", 0)
+            key = consumer.stats_store._counters_key("full")  # type: ignore[attr-defined]
+            assert await admin.hget(key, "commit") == b"3"
+        finally:
+            await admin.config_set("maxmemory", 0)
+            await consumer.close()
+            await admin.aclose()
