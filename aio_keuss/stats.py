@@ -133,7 +133,10 @@ class StatsStore(ABC):
             self._merge_back(exc.unwritten)
             # the caller (close, flush) gets the typed error a write raised, not this
             # bookkeeping class, which is no aio_keuss error
-            raise exc.__cause__ or exc from None
+            typed = exc.__cause__
+            if typed is None:
+                raise
+            raise typed from typed.__cause__  # keeps the driver's error as its cause
         except Exception:
             self._merge_back(batch)
             raise
