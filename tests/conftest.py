@@ -10,10 +10,21 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 
 from backends import CASES, BackendCase, new_token
+from mongo_server import start_mongo
+from redis_cluster import start_redis_cluster
 
 import aio_keuss
 
 Connect = Callable[..., Awaitable[aio_keuss.Factory]]
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Under pytest-xdist the controller starts the servers the suite starts itself, once,
+    before any worker: workers starting them at once would race for their ports, and the
+    one that started MongoDB would stop it on exit while another still used it."""
+    if config.getoption("numprocesses", None) and not hasattr(config, "workerinput"):
+        start_mongo()
+        start_redis_cluster()
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -28,10 +28,11 @@ from aio_keuss import spark as keuss_spark  # noqa: E402
 from aio_keuss import sync  # noqa: E402
 
 SPARK_IDS = ("redis-oq", "postgres")
-pytestmark = pytest.mark.timeout(240)
+# one worker of pytest-xdist runs them all, on one JVM started once
+pytestmark = [pytest.mark.timeout(240), pytest.mark.xdist_group("spark")]
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def spark() -> Iterator[SparkSession]:
     if shutil.which("java") is None:
         pytest.skip("no java on PATH (tests/services.sh installs it)")
