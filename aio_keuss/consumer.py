@@ -519,6 +519,16 @@ class Consumer:
             durations=self.durations,
         )
 
+    def runs_in(self, task: asyncio.Task[Any]) -> bool:
+        """Whether ``task`` is one of this consumer's workers, the tasks its handlers run in
+        (a stop or close they ask for cannot wait for them)."""
+        return task in self._workers
+
+    def stop_taking(self) -> None:
+        """Start no more handlers: what a stop does first, for a close that begins the stop
+        in a task of its own (a handler asked for it) to do at once, as ``stop`` would."""
+        self._stopping = True
+
     async def wait(self) -> None:
         """Run until stopped (or the queue closes). Cancelling this wait leaves the
         workers running."""

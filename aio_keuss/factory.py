@@ -4,6 +4,7 @@ and the queues opened through them."""
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Generator, Mapping
 from types import TracebackType
 from typing import Any
@@ -18,6 +19,8 @@ from .registry import load_backend
 from .signal import LocalSignalBus, SignalBus
 from .stats import MemoryStats, StatsStore
 from .types import Capabilities
+
+log = logging.getLogger("aio_keuss.factory")
 
 _FACTORY_OPTIONS = frozenset({"signal", "stats", "deadletter", "signal_debounce"})
 
@@ -41,6 +44,8 @@ class Factory:
         self._queues: dict[str, Queue] = {}
         self._opening: dict[str, asyncio.Future[Queue]] = {}
         self._closed = False
+        self._closing: asyncio.Task[None] | None = None  # the close, once begun
+        self._close_awaited = False  # a caller waits for it (and gets its failure)
         observe.track(self)  # weakly: metrics read the sizes of its open queues
 
     @property
@@ -161,10 +166,33 @@ class Factory:
         Each queue first stops its consumers (their running handlers finish and acknowledge),
         then gives back the reservations it handed out that nobody ok-ed or ko-ed: they are
         deliverable again at once, with the tries they had, instead of after ``reserve_delay``.
+        Called by a consumer's handler, it cannot wait for that handler to end: it starts the
+        close and returns (as ``consumer.stop()`` does). Closes called while one is under way
+        wait for it.
         """
-        if self._closed:
+        closing = self._closing
+        if closing is None:
+            self._closed = True
+            closing = self._closing = asyncio.get_running_loop().create_task(self._close())
+            closing.add_done_callback(self._close_ended)
+        elif closing.done():
             return
-        self._closed = True
+        queues = list(self._queues.values())
+        if any(queue._runs_a_handler() for queue in queues):
+            for queue in queues:  # from now on, as a stop from a handler does
+                queue._stop_taking()
+            return
+        self._close_awaited = True
+        await asyncio.shield(closing)  # a cancelled caller leaves the close going on
+
+    def _close_ended(self, closing: asyncio.Task[None]) -> None:
+        if closing.cancelled():
+            return
+        exc = closing.exception()  # retrieved: a close a handler began may be awaited by nobody
+        if exc is not None and not self._close_awaited:
+            log.warning("factory close failed: %r", exc)
+
+    async def _close(self) -> None:
         try:
             failure: Exception | None = None
             for queue in list(self._queues.values()):

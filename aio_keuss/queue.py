@@ -120,6 +120,8 @@ class Queue:
         self._due_at = math.inf
         self._drains = 0
         self._closed = False
+        self._closing: asyncio.Task[None] | None = None  # the close, once begun (see ``close``)
+        self._close_awaited = False  # a caller waits for it (and gets its failure)
         self._background: set[asyncio.Task[Any]] = set()
         self._pause_signals = 0  # pauses and resumes heard: a resync read older than one loses
         self._consumers: set[Consumer] = set()
@@ -1052,10 +1054,44 @@ class Queue:
     async def close(self) -> None:
         """Stop the consumers, drain, give back the reservations handed out here that nobody
         ok-ed or ko-ed (at once, costing no try), then refuse further calls; the factory
-        closes its queues for you."""
-        if self._closed:
+        closes its queues for you. Called by a handler of one of this queue's consumers, it
+        cannot wait for that handler to end: it starts the close and returns (as
+        ``consumer.stop()`` does), and the close lets every handler finish and acknowledge
+        before it gives anything back. Closes called while one is under way wait for it."""
+        closing = self._closing
+        if closing is None:
+            closing = self._closing = asyncio.get_running_loop().create_task(self._close())
+            closing.add_done_callback(self._close_ended)
+        elif closing.done():
             return
-        for consumer in list(self._consumers):  # their in-flight handlers finish first
+        if self._runs_a_handler():
+            self._stop_taking()  # from now on, as a stop from a handler does
+            return
+        self._close_awaited = True
+        # a caller cancelled while it waits (a shutdown timeout) leaves the close going on,
+        # not a queue half closed
+        await asyncio.shield(closing)
+
+    def _runs_a_handler(self) -> bool:
+        """Whether the running task is a worker of one of this queue's consumers (a handler
+        calls): a close it waited for would wait for that very handler."""
+        task = asyncio.current_task()
+        return task is not None and any(c.runs_in(task) for c in self._consumers)
+
+    def _stop_taking(self) -> None:
+        for consumer in self._consumers:
+            consumer.stop_taking()
+
+    def _close_ended(self, closing: asyncio.Task[None]) -> None:
+        if closing.cancelled():
+            return
+        exc = closing.exception()  # retrieved: a close a handler began may be awaited by nobody
+        if exc is not None and not self._close_awaited:
+            log.warning("queue %r: close failed: %r", self.name, exc)
+
+    async def _close(self) -> None:
+        # their in-flight handlers finish and acknowledge first (consume() is refused now)
+        for consumer in list(self._consumers):
             await consumer.stop()
         await self.drain()
         self._closed = True
@@ -1075,8 +1111,8 @@ class Queue:
             await coalescer.wait_idle()
         while self._background:
             await asyncio.gather(*self._background, return_exceptions=True)
-        # a consumer still here was stopped by its own handler (which is closing this queue):
-        # the messages its handlers hold are theirs still
+        # a consumer still here was cut short (its stop did not end): the messages its
+        # handlers hold are theirs still
         await self._give_back({i for consumer in self._consumers for i in consumer.busy})
         await self._store.close()
 

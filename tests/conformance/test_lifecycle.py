@@ -443,6 +443,76 @@ async def test_a_handler_closing_its_queue_keeps_its_message_from_other_consumer
         await asyncio.wait_for(consumer.wait(), 30)
 
 
+@pytest.mark.parametrize("closing", ["queue", "factory"])
+async def test_a_handler_closing_its_queue_lets_the_other_handlers_acknowledge_first(
+    connect: Connect, case: Any, closing: str
+) -> None:
+    """A handler closes its queue (or its factory) while another handler of its consumer
+    has returned and its ok is still to be sent (with prefetch, oks go out in the
+    background): the close must let that ok go through before it gives back what nobody
+    acknowledged, or the message, handled, comes back to be handled again. The close cannot
+    wait for the handler that called it, so it goes on after it returns, as a stop asked by
+    a handler does, and that handler's message is acknowledged too. The consumer's and the
+    queue's, the same on every backend: one of each kind of store runs it."""
+    if case.id not in ("memory", "redis-oq", "redis-reliable", "postgres", "mongo"):
+        pytest.skip("run on one backend of each kind")
+    factory = await connect(poll_interval=5.0)
+    needs(factory, "reserve")
+    q = await factory.queue("jobs", reserve_delay=600)
+    ids = await q.push_many(["first", "closer", "more"])
+    handled: list[str] = []
+    first_done = asyncio.Event()
+
+    async def close() -> None:
+        await (q.close() if closing == "queue" else factory.close())
+
+    async def handler(message: Message) -> None:
+        handled.append(message.id)
+        if message.payload == "first":
+            first_done.set()  # and returns: its ok goes to the background sender
+        elif message.payload == "closer":
+            await first_done.wait()
+            await close()
+
+    consumer = q.consume(handler, concurrency=2, prefetch=1)
+    await asyncio.wait_for(consumer.wait(), 30)
+    await asyncio.wait_for(close(), 30)  # waits for the close the handler began
+    if factory.capabilities.shared:
+        other = await (await connect(poll_interval=5.0)).queue("jobs", reserve_delay=600)
+        sizes = await other.sizes()
+        left = [m.id for m in await other.pop_many(10, timeout=0)]
+    else:  # read past the closed queue object
+        store = await factory.backend.store("jobs", q.options)
+        sizes = await store.sizes()
+        left = [s.id for s in (await store.get(10)).messages]
+    assert set(handled).isdisjoint(left), "handled, then given back to be handled again"
+    assert sizes.reserved == 0, sizes  # the closing handler's message was acknowledged too
+    assert sorted(handled + left) == sorted(ids)
+
+
+async def test_closes_at_once_wait_for_the_one_under_way(connect: Connect) -> None:
+    """``queue.close()`` and ``factory.close()`` at once (a shutdown hook and a lifespan's
+    exit) while a handler runs: the second waits for the close under way, neither raises
+    (the second ran the whole close again, and its drain raised ClosedError)."""
+    factory = await connect(poll_interval=5.0)
+    q = await factory.queue("jobs")
+    started, finish = asyncio.Event(), asyncio.Event()
+
+    async def handler(message: Message) -> None:
+        started.set()
+        await finish.wait()
+
+    consumer = q.consume(handler)
+    await q.push("x")
+    await asyncio.wait_for(started.wait(), 30)
+    closes = [asyncio.create_task(q.close()), asyncio.create_task(factory.close())]
+    finish.set()  # the closes begin first, then the handler returns
+    assert await asyncio.wait_for(asyncio.gather(*closes), 30) == [None, None]
+    assert consumer.handled == 1
+    with pytest.raises(aio_keuss.ClosedError):
+        await q.push(1)
+
+
 async def test_a_handler_may_stop_its_own_consumer(connect: Connect) -> None:
     """``await consumer.stop()`` from the consumer's own handler ("stop after this one")
     must not wait for itself: the stop completes, the message is acknowledged."""
