@@ -687,6 +687,8 @@ class Queue:
         """``consume``; with ``settle``, what a handler returned decides how its message is
         acknowledged (a pipeline station moves it on instead of ``ok``)."""
         self._check_open()
+        if self._closing is not None:  # that close would not stop it: its oks would be refused
+            raise ClosedError(f"queue {self.name!r} is closing")
         check_settings(
             concurrency,
             retry_delay,

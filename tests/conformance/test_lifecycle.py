@@ -513,6 +513,32 @@ async def test_closes_at_once_wait_for_the_one_under_way(connect: Connect) -> No
         await q.push(1)
 
 
+async def test_consume_is_refused_once_a_close_began(connect: Connect) -> None:
+    """A close under way stops the consumers it found; one started meanwhile would go on
+    handling messages whose oks the closed queue then refuses (each handled again after
+    ``reserve_delay``): ``consume`` is refused as soon as the close begins."""
+    factory = await connect(poll_interval=5.0)
+    q = await factory.queue("jobs")
+    started, finish = asyncio.Event(), asyncio.Event()
+
+    async def handler(message: Message) -> None:
+        started.set()
+        await finish.wait()
+
+    q.consume(handler)
+    await q.push("x")
+    await asyncio.wait_for(started.wait(), 30)
+    closing = asyncio.create_task(q.close())
+    await asyncio.sleep(0)  # the close begins: it waits for the running handler
+    try:
+        with pytest.raises(aio_keuss.ClosedError):
+            late = q.consume(handler)
+            await late.stop()
+    finally:
+        finish.set()
+        await asyncio.wait_for(closing, 30)
+
+
 async def test_a_handler_may_stop_its_own_consumer(connect: Connect) -> None:
     """``await consumer.stop()`` from the consumer's own handler ("stop after this one")
     must not wait for itself: the stop completes, the message is acknowledged."""
