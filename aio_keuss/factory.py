@@ -14,7 +14,7 @@ from .contract import Backend
 from .errors import ClosedError, ConfigError
 from .options import QUEUE_OPTION_NAMES, DeadletterOptions, QueueOptions, check_queue_name
 from .pipeline import Pipeline, check_pipeline_name
-from .queue import Queue
+from .queue import Queue, wait_close
 from .registry import load_backend
 from .signal import LocalSignalBus, SignalBus
 from .stats import MemoryStats, StatsStore
@@ -170,11 +170,12 @@ class Factory:
         close and returns (as ``consumer.stop()`` does). Closes called while one is under way
         wait for it.
         """
-        closing = self._closing
+        closing, owner = self._closing, False
         if closing is None:
             self._closed = True
             closing = self._closing = asyncio.get_running_loop().create_task(self._close())
             closing.add_done_callback(self._close_ended)
+            owner = True
         elif closing.done():
             return
         queues = list(self._queues.values())
@@ -183,7 +184,7 @@ class Factory:
                 queue._stop_taking()
             return
         self._close_awaited = True
-        await asyncio.shield(closing)  # a cancelled caller leaves the close going on
+        await wait_close(closing, owner)
 
     def _close_ended(self, closing: asyncio.Task[None]) -> None:
         if closing.cancelled():

@@ -687,7 +687,8 @@ class Queue:
         """``consume``; with ``settle``, what a handler returned decides how its message is
         acknowledged (a pipeline station moves it on instead of ``ok``)."""
         self._check_open()
-        if self._closing is not None:  # that close would not stop it: its oks would be refused
+        if self._closing is not None and not self._closing.done():
+            # that close would not stop it, and the closed queue would refuse its oks
             raise ClosedError(f"queue {self.name!r} is closing")
         check_settings(
             concurrency,
@@ -1060,19 +1061,18 @@ class Queue:
         cannot wait for that handler to end: it starts the close and returns (as
         ``consumer.stop()`` does), and the close lets every handler finish and acknowledge
         before it gives anything back. Closes called while one is under way wait for it."""
-        closing = self._closing
-        if closing is None:
+        closing, owner = self._closing, False
+        if closing is None or (closing.cancelled() and not self._closed):  # (again, as before)
             closing = self._closing = asyncio.get_running_loop().create_task(self._close())
             closing.add_done_callback(self._close_ended)
+            owner = True
         elif closing.done():
             return
         if self._runs_a_handler():
             self._stop_taking()  # from now on, as a stop from a handler does
             return
         self._close_awaited = True
-        # a caller cancelled while it waits (a shutdown timeout) leaves the close going on,
-        # not a queue half closed
-        await asyncio.shield(closing)
+        await wait_close(closing, owner)
 
     def _runs_a_handler(self) -> bool:
         """Whether the running task is a worker of one of this queue's consumers (a handler
@@ -1162,6 +1162,24 @@ class Queue:
         task = asyncio.ensure_future(work)
         self._background.add(task)
         task.add_done_callback(self._background.discard)
+
+
+async def wait_close(closing: asyncio.Task[None], owner: bool) -> None:
+    """Wait for a close (of a queue or a factory) under way. The caller that began it waits
+    on it directly: its cancellation (a shutdown timeout, a second Ctrl-C) cancels the close,
+    which stops the consumers at once, as a cancelled ``stop`` does, rather than leave it
+    going on in the background. Other callers wait shielded, and return if the close ends
+    cancelled by the one that began it."""
+    if owner:
+        await closing
+        return
+    try:
+        await asyncio.shield(closing)
+    except asyncio.CancelledError:
+        task = asyncio.current_task()
+        if closing.cancelled() and (task is None or not task.cancelling()):
+            return  # its owner's cancellation, not ours
+        raise
 
 
 def _more_ready(stored: list[Stored], wanted: int, next_mature: float | None) -> bool:

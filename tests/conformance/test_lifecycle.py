@@ -385,6 +385,47 @@ async def test_a_stop_cancelled_during_its_grace_still_gives_everything_back(
     assert sizes.reserved == 0, sizes
 
 
+async def test_a_close_cancelled_during_its_grace_still_gives_everything_back(
+    connect: Connect, case: Any
+) -> None:
+    """Leaving ``async with connect(...)`` by a cancellation, then being cancelled again
+    while the close waits for the running handlers (a shutdown timeout, a second Ctrl-C):
+    the close stops at once, as a stop does, and every message held is given back; it does
+    not go on in the background with the handlers running."""
+    from backends import new_token
+
+    if case.id not in ("redis-oq", "redis-reliable", "postgres", "mongo"):
+        pytest.skip("run on one backend of each kind, read from a second factory")
+    options = case.options(new_token())
+    started = asyncio.Event()
+
+    async def handler(message: Message) -> None:
+        started.set()
+        await asyncio.Event().wait()  # runs until cancelled
+
+    async def service() -> None:
+        async with aio_keuss.connect(case.name, poll_interval=5.0, **options) as factory:
+            needs(factory, "reserve")
+            q = await factory.queue("jobs", reserve_delay=600)
+            await q.push_many(list(range(10)))
+            q.consume(handler, concurrency=2, prefetch=3)
+            await asyncio.sleep(100)
+
+    try:
+        task = asyncio.create_task(service())
+        await asyncio.wait_for(started.wait(), 30)
+        task.cancel()  # the close begins, with its stop's 30 s grace
+        await asyncio.sleep(0.1)
+        task.cancel()  # and is cancelled in turn
+        await asyncio.gather(task, return_exceptions=True)
+        async with aio_keuss.connect(case.name, poll_interval=5.0, **options) as other:
+            sizes = await (await other.queue("jobs")).sizes()
+        assert sizes.reserved == 0, sizes
+    finally:
+        if case.cleanup is not None:
+            await case.cleanup(options)
+
+
 async def test_prefetched_messages_popped_without_reserve_are_put_back_on_stop(
     connect: Connect,
 ) -> None:
