@@ -66,12 +66,16 @@ class Factory:
         found = self._queues.get(name)
         if found is None:
             found = await self._open_queue(name, queue_options)
+            if self._closed:  # closed while it opened (the close waited for it, and closed it)
+                raise ClosedError("factory is closed")
         if options and found.options != queue_options:
             raise ConfigError(f"queue {name!r} is already open with {found.options}")
         if self.deadletter is not None and self.deadletter.queue not in self._queues:
             # opened for its routing, with the defaults: not recorded over the options the
             # process that owns it recorded (as for a move's target, see ``_sibling``)
             await self._open_queue(self.deadletter.queue, self.defaults, replace_record=False)
+            if self._closed:
+                raise ClosedError("factory is closed")
         return found
 
     async def _sibling(self, name: str) -> Queue:
@@ -94,6 +98,8 @@ class Factory:
         opening = self._opening.get(name)
         if opening is not None:  # opened concurrently: share the one being made
             return await asyncio.shield(opening)
+        if self._closed:
+            raise ClosedError("factory is closed")
         future: asyncio.Future[Queue] = asyncio.get_running_loop().create_future()
         self._opening[name] = future
         try:
@@ -195,6 +201,10 @@ class Factory:
 
     async def _close(self) -> None:
         try:
+            # queues still opening when the close began are closed with the others, not
+            # handed out open over a closed backend (and never closed)
+            while self._opening:
+                await asyncio.wait(list(self._opening.values()))
             failure: Exception | None = None
             for queue in list(self._queues.values()):
                 try:  # one queue failing to close (its server away) must not keep the

@@ -221,6 +221,19 @@ async def test_connect_context_manager_and_list(case: Any) -> None:
             await case.cleanup(options)
 
 
+async def test_a_queue_opening_as_the_factory_closes_is_closed_with_it(connect: Connect) -> None:
+    """``factory.queue()`` still opening when ``factory.close()`` runs: the close waits for
+    it and closes it with the others; it was handed out open over the closed backend, never
+    closed (a push went to the server on redis-oq, failed with a ConfigError on postgres)."""
+    factory = await connect(poll_interval=5.0)
+    opening = asyncio.create_task(factory.queue("late"))
+    await asyncio.sleep(0)  # it begins opening
+    await asyncio.wait_for(factory.close(), 30)
+    with pytest.raises(aio_keuss.ClosedError):
+        q = await opening  # (opened at once on some backends, before the close began)
+        await q.push("after close")
+
+
 async def test_factory_close_stops_consumers_first(connect: Connect) -> None:
     factory = await connect(poll_interval=5.0)
     needs(factory, "reserve")
