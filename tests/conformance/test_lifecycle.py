@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import time
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import pytest
@@ -544,12 +545,10 @@ async def test_a_handler_closing_its_queue_lets_the_other_handlers_acknowledge_f
     assert sorted(handled + left) == sorted(ids)
 
 
-async def test_closes_at_once_wait_for_the_one_under_way(connect: Connect) -> None:
-    """``queue.close()`` and ``factory.close()`` at once (a shutdown hook and a lifespan's
-    exit) while a handler runs: the second waits for the close under way, neither raises
-    (the second ran the whole close again, and its drain raised ClosedError)."""
-    factory = await connect(poll_interval=5.0)
-    q = await factory.queue("jobs")
+async def _a_handler_running(
+    q: aio_keuss.Queue,
+) -> tuple[Any, Callable[[Message], Awaitable[None]], asyncio.Event]:
+    """A consumer whose handler is running on a message until the event returned is set."""
     started, finish = asyncio.Event(), asyncio.Event()
 
     async def handler(message: Message) -> None:
@@ -559,6 +558,16 @@ async def test_closes_at_once_wait_for_the_one_under_way(connect: Connect) -> No
     consumer = q.consume(handler)
     await q.push("x")
     await asyncio.wait_for(started.wait(), 30)
+    return consumer, handler, finish
+
+
+async def test_closes_at_once_wait_for_the_one_under_way(connect: Connect) -> None:
+    """``queue.close()`` and ``factory.close()`` at once (a shutdown hook and a lifespan's
+    exit) while a handler runs: the second waits for the close under way, neither raises
+    (the second ran the whole close again, and its drain raised ClosedError)."""
+    factory = await connect(poll_interval=5.0)
+    q = await factory.queue("jobs")
+    consumer, _, finish = await _a_handler_running(q)
     closes = [asyncio.create_task(q.close()), asyncio.create_task(factory.close())]
     finish.set()  # the closes begin first, then the handler returns
     assert await asyncio.wait_for(asyncio.gather(*closes), 30) == [None, None]
@@ -573,15 +582,7 @@ async def test_consume_is_refused_once_a_close_began(connect: Connect) -> None:
     ``reserve_delay``): ``consume`` is refused as soon as the close begins."""
     factory = await connect(poll_interval=5.0)
     q = await factory.queue("jobs")
-    started, finish = asyncio.Event(), asyncio.Event()
-
-    async def handler(message: Message) -> None:
-        started.set()
-        await finish.wait()
-
-    q.consume(handler)
-    await q.push("x")
-    await asyncio.wait_for(started.wait(), 30)
+    _, handler, finish = await _a_handler_running(q)
     closing = asyncio.create_task(q.close())
     await asyncio.sleep(0)  # the close begins: it waits for the running handler
     try:

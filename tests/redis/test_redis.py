@@ -452,29 +452,6 @@ async def test_a_dead_consumers_messages_come_back_at_maxmemory() -> None:
             await admin.aclose()
 
 
-@pytest.mark.parametrize("backend", ["redis-oq", "redis-reliable"])
-async def test_a_consumer_started_at_maxmemory_opens_its_queue_and_drains_it(backend: str) -> None:
-    """Opening a queue recorded its options with an HSET, which Redis refuses at maxmemory
-    (noeviction): a consumer (re)started while Redis was full could not drain it."""
-    with own_redis("--maxmemory-policy", "noeviction") as server:
-        admin = aioredis.Redis.from_url(server.url)
-        async with aio_keuss.connect(backend, url=server.url, prefix="full") as factory:
-            await (await factory.queue("full")).push_many(list(range(5)))
-        factory = await aio_keuss.connect(backend, url=server.url, prefix="full")
-        try:
-            await admin.config_set("maxmemory", (await admin.info("memory"))["used_memory"])
-            q = await factory.queue("full")
-            got = []
-            while (message := await q.reserve(timeout=0)) is not None:
-                got.append(message.payload)
-                assert await q.ok(message)
-            assert got == list(range(5))
-        finally:
-            await admin.config_set("maxmemory", 0)
-            await factory.close()
-            await admin.aclose()
-
-
 async def test_redis_sharded_at_maxmemory_brings_lapsed_reservations_back(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
@@ -519,36 +496,12 @@ async def test_redis_sharded_at_maxmemory_brings_lapsed_reservations_back(
             await admin.aclose()
 
 
-@pytest.mark.parametrize("backend", ["redis-oq", "redis-reliable", "redis-sharded"])
-async def test_a_consumer_opens_its_queue_at_maxmemory(backend: str) -> None:
-    """A consumer process started to drain a full Redis (noeviction) opens its queue: the
-    factory records the queue's options with a write that cannot be refused there (a plain
-    HSET was, and the open raised an OOM BackendError)."""
-    with own_redis("--maxmemory-policy", "noeviction") as server:
-        admin = aioredis.Redis.from_url(server.url)
-        producer = await aio_keuss.connect(backend, url=server.url, prefix="full")
-        consumer = await aio_keuss.connect(backend, url=server.url, prefix="full")
-        try:
-            await (await producer.queue("full")).push_many(list(range(3)))
-            await admin.config_set("maxmemory", 1)  # full, whatever the oks free
-            q = await consumer.queue("full")
-            taken = []
-            while (message := await q.reserve(timeout=0)) is not None:
-                taken.append(message.payload)
-                assert await q.ok(message)
-            assert sorted(taken) == [0, 1, 2]
-        finally:
-            await admin.config_set("maxmemory", 0)
-            await consumer.close()
-            await producer.close()
-            await admin.aclose()
-
-
 @pytest.mark.parametrize("backend", ["redis-oq", "redis-reliable", "redis-sharded", "bucket-redis"])
 async def test_a_consumer_drains_a_full_redis_and_closes_cleanly(backend: str) -> None:
-    """At maxmemory (noeviction): bucket-redis's lease and state write began with an HSET
-    (refused: its consumers could not drain), and the stats flush's HINCRBYs were refused,
-    so every Redis factory's close raised a BackendError there."""
+    """A consumer process started at maxmemory (noeviction) opens its queue (the options
+    were recorded by a plain HSET, refused), drains it (bucket-redis's lease and state write
+    began with an HSET) and closes (the stats flush's HINCRBYs were refused, so every Redis
+    factory's close raised a BackendError there)."""
     with own_redis("--maxmemory-policy", "noeviction") as server:
         admin = aioredis.Redis.from_url(server.url)
         async with aio_keuss.connect(backend, url=server.url, prefix="full") as producer:

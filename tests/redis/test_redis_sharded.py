@@ -323,13 +323,7 @@ async def test_an_expired_queue_opened_again_keeps_the_shards_its_data_is_in(
     for i in range(16):
         await q.push(f"m{i}")  # round-robin: every shard has some
     await first.close()
-    probe = await connect(sweeper=False, queue_expiry=0.2)
-    for _ in range(500):  # the record lives 2 * queue_expiry
-        if "q" not in await probe.list():
-            break
-        await asyncio.sleep(0.05)
-    else:
-        raise AssertionError("the metadata record never expired")
+    await _until_the_record_expired(await connect(sweeper=False, queue_expiry=0.2))
     later = await connect(sweeper=False, shards=2, queue_expiry=0.2)
     with pytest.raises(aio_keuss.ConfigError, match="8 shards"):
         await later.queue("q")
@@ -339,6 +333,15 @@ async def test_an_expired_queue_opened_again_keeps_the_shards_its_data_is_in(
     for _ in range(16):
         message = await q.reserve(timeout=1)
         assert message is not None and await q.ok(message)
+
+
+async def _until_the_record_expired(probe: aio_keuss.Factory) -> None:
+    """Until queue "q"'s metadata record is gone (it lives 2 * queue_expiry)."""
+    for _ in range(500):
+        if "q" not in await probe.list():
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError("the metadata record never expired")
 
 
 async def test_an_expired_queue_opened_again_keeps_the_shard_count_its_ids_route_by(
@@ -353,13 +356,7 @@ async def test_an_expired_queue_opened_again_keeps_the_shard_count_its_ids_route
     first = await connect(sweeper=False, shards=4, queue_expiry=0.2)
     await (await first.queue("q")).push("x", id=mid)
     await first.close()
-    probe = await connect(sweeper=False, queue_expiry=0.2)
-    for _ in range(500):  # the record lives 2 * queue_expiry
-        if "q" not in await probe.list():
-            break
-        await asyncio.sleep(0.05)
-    else:
-        raise AssertionError("the metadata record never expired")
+    await _until_the_record_expired(await connect(sweeper=False, queue_expiry=0.2))
     more = await connect(sweeper=False, shards=8, queue_expiry=0.2)
     with pytest.raises(aio_keuss.ConfigError, match="4 shards"):
         await more.queue("q")
