@@ -4,7 +4,6 @@ and the queues opened through them."""
 from __future__ import annotations
 
 import asyncio
-import logging
 from collections.abc import Generator, Mapping
 from types import TracebackType
 from typing import Any
@@ -14,13 +13,11 @@ from .contract import Backend
 from .errors import ClosedError, ConfigError
 from .options import QUEUE_OPTION_NAMES, DeadletterOptions, QueueOptions, check_queue_name
 from .pipeline import Pipeline, check_pipeline_name
-from .queue import Queue, wait_close
+from .queue import Closing, Queue
 from .registry import load_backend
 from .signal import LocalSignalBus, SignalBus
 from .stats import MemoryStats, StatsStore
 from .types import Capabilities
-
-log = logging.getLogger("aio_keuss.factory")
 
 _FACTORY_OPTIONS = frozenset({"signal", "stats", "deadletter", "signal_debounce"})
 
@@ -44,8 +41,7 @@ class Factory:
         self._queues: dict[str, Queue] = {}
         self._opening: dict[str, asyncio.Future[Queue]] = {}
         self._closed = False
-        self._closing: asyncio.Task[None] | None = None  # the close, once begun
-        self._close_awaited = False  # a caller waits for it (and gets its failure)
+        self._closing = Closing("factory")
         observe.track(self)  # weakly: metrics read the sizes of its open queues
 
     @property
@@ -176,28 +172,18 @@ class Factory:
         close and returns (as ``consumer.stop()`` does). Closes called while one is under way
         wait for it.
         """
-        closing, owner = self._closing, False
-        if closing is None:
+        owner = self._closing.task is None
+        if owner:
             self._closed = True
-            closing = self._closing = asyncio.get_running_loop().create_task(self._close())
-            closing.add_done_callback(self._close_ended)
-            owner = True
-        elif closing.done():
+            self._closing.begin(self._close())
+        elif not self._closing.under_way:
             return
         queues = list(self._queues.values())
         if any(queue._runs_a_handler() for queue in queues):
             for queue in queues:  # from now on, as a stop from a handler does
                 queue._stop_taking()
             return
-        self._close_awaited = True
-        await wait_close(closing, owner)
-
-    def _close_ended(self, closing: asyncio.Task[None]) -> None:
-        if closing.cancelled():
-            return
-        exc = closing.exception()  # retrieved: a close a handler began may be awaited by nobody
-        if exc is not None and not self._close_awaited:
-            log.warning("factory close failed: %r", exc)
+        await self._closing.wait(owner)
 
     async def _close(self) -> None:
         try:

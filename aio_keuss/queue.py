@@ -13,7 +13,7 @@ import logging
 import math
 import sys
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Coroutine, Sequence
 from datetime import datetime
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -120,8 +120,7 @@ class Queue:
         self._due_at = math.inf
         self._drains = 0
         self._closed = False
-        self._closing: asyncio.Task[None] | None = None  # the close, once begun (see ``close``)
-        self._close_awaited = False  # a caller waits for it (and gets its failure)
+        self._closing = Closing(f"queue {name!r}")  # see ``close``
         self._background: set[asyncio.Task[Any]] = set()
         self._pause_signals = 0  # pauses and resumes heard: a resync read older than one loses
         self._consumers: set[Consumer] = set()
@@ -687,7 +686,7 @@ class Queue:
         """``consume``; with ``settle``, what a handler returned decides how its message is
         acknowledged (a pipeline station moves it on instead of ``ok``)."""
         self._check_open()
-        if self._closing is not None and not self._closing.done():
+        if self._closing.under_way:
             # that close would not stop it, and the closed queue would refuse its oks
             raise ClosedError(f"queue {self.name!r} is closing")
         check_settings(
@@ -1061,18 +1060,16 @@ class Queue:
         cannot wait for that handler to end: it starts the close and returns (as
         ``consumer.stop()`` does), and the close lets every handler finish and acknowledge
         before it gives anything back. Closes called while one is under way wait for it."""
-        closing, owner = self._closing, False
-        if closing is None or (closing.cancelled() and not self._closed):  # (again, as before)
-            closing = self._closing = asyncio.get_running_loop().create_task(self._close())
-            closing.add_done_callback(self._close_ended)
-            owner = True
-        elif closing.done():
+        begun = self._closing.task
+        owner = begun is None or (begun.cancelled() and not self._closed)  # (again, as before)
+        if owner:
+            self._closing.begin(self._close())
+        elif not self._closing.under_way:
             return
         if self._runs_a_handler():
             self._stop_taking()  # from now on, as a stop from a handler does
             return
-        self._close_awaited = True
-        await wait_close(closing, owner)
+        await self._closing.wait(owner)
 
     def _runs_a_handler(self) -> bool:
         """Whether the running task is a worker of one of this queue's consumers (a handler
@@ -1083,13 +1080,6 @@ class Queue:
     def _stop_taking(self) -> None:
         for consumer in self._consumers:
             consumer.stop_taking()
-
-    def _close_ended(self, closing: asyncio.Task[None]) -> None:
-        if closing.cancelled():
-            return
-        exc = closing.exception()  # retrieved: a close a handler began may be awaited by nobody
-        if exc is not None and not self._close_awaited:
-            log.warning("queue %r: close failed: %r", self.name, exc)
 
     async def _close(self) -> None:
         # their in-flight handlers finish and acknowledge first (consume() is refused now)
@@ -1164,22 +1154,49 @@ class Queue:
         task.add_done_callback(self._background.discard)
 
 
-async def wait_close(closing: asyncio.Task[None], owner: bool) -> None:
-    """Wait for a close (of a queue or a factory) under way. The caller that began it waits
-    on it directly: its cancellation (a shutdown timeout, a second Ctrl-C) cancels the close,
-    which stops the consumers at once, as a cancelled ``stop`` does, rather than leave it
-    going on in the background. Other callers wait shielded, and return if the close ends
-    cancelled by the one that began it."""
-    if owner:
-        await closing
-        return
-    try:
-        await asyncio.shield(closing)
-    except asyncio.CancelledError:
-        task = asyncio.current_task()
-        if closing.cancelled() and (task is None or not task.cancelling()):
-            return  # its owner's cancellation, not ours
-        raise
+class Closing:
+    """The close of a queue or a factory: begun by its first caller, joined by the others.
+
+    The caller that began it waits on it directly: its cancellation (a shutdown timeout, a
+    second Ctrl-C) cancels the close, which stops the consumers at once, as a cancelled
+    ``stop`` does, rather than leave it going on in the background. Other callers wait
+    shielded, and return if the close ends cancelled by the one that began it. A close
+    nobody waits for (a handler began it) logs its failure."""
+
+    def __init__(self, what: str) -> None:
+        self._what = what
+        self.task: asyncio.Task[None] | None = None
+        self._awaited = False  # a caller waits for it (and gets its failure)
+
+    @property
+    def under_way(self) -> bool:
+        return self.task is not None and not self.task.done()
+
+    def begin(self, close: Coroutine[Any, Any, None]) -> None:
+        self.task = asyncio.get_running_loop().create_task(close)
+        self.task.add_done_callback(self._ended)
+
+    async def wait(self, owner: bool) -> None:
+        closing = self.task
+        assert closing is not None
+        self._awaited = True
+        if owner:
+            await closing
+            return
+        try:
+            await asyncio.shield(closing)
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if closing.cancelled() and (task is None or not task.cancelling()):
+                return  # its owner's cancellation, not ours
+            raise
+
+    def _ended(self, closing: asyncio.Task[None]) -> None:
+        if closing.cancelled():
+            return
+        exc = closing.exception()  # retrieved: a close a handler began may be awaited by nobody
+        if exc is not None and not self._awaited:
+            log.warning("%s: close failed: %r", self._what, exc)
 
 
 def _more_ready(stored: list[Stored], wanted: int, next_mature: float | None) -> bool:
