@@ -17,10 +17,10 @@ import logging
 import os
 import signal
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 from .. import observe
-from ..consumer import Consumer, Handler
+from ..consumer import Consumer, Handler, describe
 from ..errors import ConsumerFailedError, InvalidInputError, PipelineError
 from ..factory import Factory, connect
 from ..loading import import_object
@@ -140,7 +140,8 @@ async def run_worker(
         stopped = True
         if failed is not None:
             raise ConsumerFailedError(
-                f"the consumer of queue {failed.queue.name!r} stopped on {failed.failure!r}"
+                f"the consumer of queue {failed.queue.name!r} stopped on"
+                f" {describe(cast(Exception, failed.failure))}"
             ) from failed.failure
     finally:
         restore()
@@ -189,7 +190,7 @@ async def _until(stop: asyncio.Event, consumers: Sequence[Consumer]) -> Consumer
         for consumer in consumers:
             await consumer.wait()
 
-    failing = {asyncio.ensure_future(c.wait_failure()): c for c in consumers}
+    failing = [asyncio.ensure_future(c.wait_failure()) for c in consumers]
     waits = [asyncio.ensure_future(stop.wait()), asyncio.ensure_future(ended()), *failing]
     try:
         await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
