@@ -210,6 +210,10 @@ class RedisShardStorage(ShardStorage):
             [int(s) for s in reply[1:]], None if due_in is None else time.time() + due_in
         )
 
+    async def stamps(self, queue: str) -> dict[int, int]:
+        found = await self._backend.hash_items(self._ready(queue)[1])
+        return {int(shard): int(version) for shard, version in found if shard}
+
     async def enrol(self, queue: str, token: str, lease: float, most: int) -> bool:
         key = self._backend.key(queue, "consumers")
         return bool(await self._run(lua.ENROL, [key], [token, max(1, round(lease * 1000)), most]))

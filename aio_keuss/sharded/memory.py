@@ -430,6 +430,9 @@ class MemoryShardStorage(ShardStorage):
         ordered = sorted(q.ready.items(), key=lambda item: (item[1], str(item[0])))
         return ReadyHead([s for s, due in ordered if due <= now], ordered[0][1])
 
+    async def stamps(self, queue: str) -> dict[int, int]:
+        return dict(self._queue(queue).stamps)
+
     async def enrol(self, queue: str, token: str, lease: float, most: int) -> bool:
         q = self._queue(queue)
         now = time.time()

@@ -35,6 +35,11 @@ SHOVEL_BATCH = 1000
 """Records one shovel step moves."""
 SWEEP_CONCURRENCY = 8
 """Shards of one queue swept at once."""
+REPAIR_PASSES = 10
+"""Every this many passes the sweeper sweeps every shard, those it found with nothing to do
+included: so a ready hint lost when a process died between its load and its announcement is
+restored within ``REPAIR_PASSES * sweep_interval`` (10 s by default). The other passes
+sweep only the shards that may have work (see the sweeper)."""
 
 
 @dataclass(frozen=True)

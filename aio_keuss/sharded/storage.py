@@ -321,6 +321,13 @@ class ShardStorage(ABC):
         """The shards due now and the index's earliest due time, in one read."""
 
     @abstractmethod
+    async def stamps(self, queue: str) -> dict[int, int]:
+        """The index's stamps: per shard, the highest version announced (shards never
+        announced left out), in one read. Every step that gives a shard work announces it
+        (a load into an empty magazine, a schedule, a reload), so the sweeper passes over a
+        shard it found with nothing to do while its stamp stays as it was."""
+
+    @abstractmethod
     async def enrol(self, queue: str, token: str, lease: float, most: int) -> bool:
         """Enrol or renew consumer ``token`` for ``lease`` seconds, after forgetting those
         whose lease ended; false (and nothing written) when the queue already has ``most``

@@ -16,6 +16,13 @@ Each pass the leader walks every shard of every queue listed in the storage:
   swept counter advance in the same step.
 - ready index repair: a shard with records in its magazine is announced again, which
   restores a hint lost when a process died between a shard's step and the index's.
+- quiet shards: a shard the sweep found with nothing to do (nothing fired and not
+  acknowledged, nothing in its magazine, sideline or schedule) can only get work by a step
+  that announces it in the ready index, which raises the shard's stamp. So the next passes
+  read the queue's stamps (one read) and sweep only the shards whose stamp moved since, or
+  that had work; every ``REPAIR_PASSES``-th pass sweeps them all, for the hint a process
+  lost by dying between its load and its announcement. An idle queue then costs a pass one
+  read instead of a script per shard.
 - shovel (every ``shovel_interval``, ``shovel_concurrency`` shards at once): sideline
   records go back into the magazine, one more try each, and an insertion signal wakes the
   consumers. IgnisMQ needs a "sideline sweep" and a threshold keeping records about to be
@@ -36,7 +43,13 @@ from collections.abc import Awaitable, Callable, Iterable
 
 from ..coalesce import stop_task
 from ..errors import KeussError
-from .settings import SHOVEL_BATCH, SWEEP_BATCH, SWEEP_CONCURRENCY, ShardedOptions
+from .settings import (
+    REPAIR_PASSES,
+    SHOVEL_BATCH,
+    SWEEP_BATCH,
+    SWEEP_CONCURRENCY,
+    ShardedOptions,
+)
 from .storage import ReadyMark, ShardStorage
 
 log = logging.getLogger("aio_keuss.sharded")
@@ -62,6 +75,9 @@ class Sweeper:
         self._failing = False
         self._sidelined: dict[str, set[int]] = {}
         """Per queue, the shards whose sideline the last sweeps found records in."""
+        self._quiet: dict[str, dict[int, int | None]] = {}
+        """Per queue, the shards the last sweep found with nothing to do, each with its
+        stamp as read before that sweep (None: never announced)."""
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._loop(), name="keuss-sharded-sweeper")
@@ -101,6 +117,7 @@ class Sweeper:
         held = await self._storage.lease(self.token, self._options.lease_ttl)
         if held and not self.leader:
             log.info("sharded: this process now runs the sweeper (%s)", self.token)
+            self._quiet.clear()  # another leader swept meanwhile: start from every shard
         self.leader = held
         return held
 
@@ -110,26 +127,39 @@ class Sweeper:
             return
         storage = self._storage
         queues = await storage.listed()
-        for name in list(queues):
-            if await storage.read_meta(name) is None:
-                # idle past queue_expiry: no longer swept, its data kept (see .meta)
-                await storage.unlist(name)
-                del queues[name]
-                log.info("sharded %r: queue expired, no longer swept", name)
+        everything = self.passes % REPAIR_PASSES == 0
+        if everything:
+            for name in list(queues):
+                if await storage.read_meta(name) is None:
+                    # idle past queue_expiry: no longer swept, its data kept (see .meta)
+                    await storage.unlist(name)
+                    del queues[name]
+                    log.info("sharded %r: queue expired, no longer swept", name)
+        for name in [name for name in self._quiet if name not in queues]:
+            del self._quiet[name]
         for name, shards in queues.items():
-            await self.sweep_queue(name, shards)
+            await self.sweep_queue(name, shards, everything)
         if time.monotonic() >= self._next_shovel:
             self._next_shovel = time.monotonic() + self._options.shovel_interval
             for name, shards in queues.items():
                 await self.shovel_queue(name, shards)
         self.passes += 1
 
-    async def sweep_queue(self, name: str, shards: int) -> int:
-        """Sweep every shard of one queue; returns how many records went to the sideline."""
+    async def sweep_queue(self, name: str, shards: int, everything: bool = True) -> int:
+        """Sweep the shards of one queue (all of them, or with ``everything`` false only
+        those that may have work: see the module docstring); returns how many records went
+        to the sideline."""
         storage = self._storage
         marks: list[ReadyMark] = []
         moved = 0
         to_shovel = self._sidelined.setdefault(name, set())
+        quiet = self._quiet.setdefault(name, {})
+        stamps = await storage.stamps(name)  # read before the sweeps it vouches for
+        todo = [
+            shard
+            for shard in range(shards)
+            if everything or shard not in quiet or quiet[shard] != stamps.get(shard)
+        ]
 
         async def one(shard: int) -> None:
             nonlocal moved
@@ -144,8 +174,13 @@ class Sweeper:
                 marks.append(ReadyMark(shard, step.version, step.next_scheduled))
             if step.sidelined > 0:
                 to_shovel.add(shard)
+            idle = step.left <= 0 and step.in_magazine <= 0 and step.sidelined <= 0
+            if idle and step.next_scheduled is None:
+                quiet[shard] = stamps.get(shard)
+            else:
+                quiet.pop(shard, None)
 
-        await _bounded(SWEEP_CONCURRENCY, one, range(shards))
+        await _bounded(SWEEP_CONCURRENCY, one, todo)
         if marks:
             await storage.ready_add(name, marks)
         if moved:

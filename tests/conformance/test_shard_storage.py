@@ -284,6 +284,14 @@ async def test_the_ready_index_keeps_the_latest_announcement(st: ShardStorage) -
     assert sorted((await st.ready_head("q")).due) == [0, 2]
 
 
+async def test_stamps_keep_each_shards_highest_announced_version(st: ShardStorage) -> None:
+    assert await st.stamps("q") == {}
+    await st.ready_add("q", [ReadyMark(1, 5), ReadyMark(3, 2, time.time() + FAR)])
+    await st.ready_add("q", [ReadyMark(1, 4)])  # older: the stamp stays
+    await st.ready_drop("q", [ReadyMark(1, 9)])  # a drop leaves the stamps as they are
+    assert await st.stamps("q") == {1: 5, 3: 2}
+
+
 # consumers, metadata, lease --------------------------------------------------------------
 
 

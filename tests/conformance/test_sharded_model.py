@@ -20,9 +20,11 @@ from conftest import Connect, usable_case
 from sharded_checks import assert_metadata_of_q
 
 import aio_keuss
+from aio_keuss.contract import Entry
+from aio_keuss.message import EMPTY_HEADERS
 from aio_keuss.registry import load_backend
 from aio_keuss.sharded.backend import ShardedBackend
-from aio_keuss.sharded.settings import shard_of
+from aio_keuss.sharded.settings import REPAIR_PASSES, shard_of
 from aio_keuss.sharded.storage import ReadyMark, ShardStorage
 from aio_keuss.sharded.store import ShardedStore
 from aio_keuss.sharded.sweeper import Sweeper
@@ -149,6 +151,79 @@ async def test_a_lost_ready_hint_is_restored_by_the_sweeper(sharded: Connect) ->
     assert await ready_shards(storage, "q") == []
     message = await q.pop(timeout=30)
     assert message is not None and message.payload == "stranded"
+
+
+class CountedSweeps:
+    """Counts the sweep steps a storage runs, per shard (the real steps still run)."""
+
+    def __init__(self, storage: ShardStorage) -> None:
+        self.shards: list[int] = []
+        real = storage.sweep
+
+        async def sweep(queue: str, shard: int, batch: int) -> Any:
+            self.shards.append(shard)
+            return await real(queue, shard, batch)
+
+        storage.sweep = sweep  # type: ignore[method-assign]
+
+    def take(self) -> list[int]:
+        taken, self.shards = sorted(self.shards), []
+        return taken
+
+
+async def test_an_idle_queue_costs_a_pass_no_shard_sweep(sharded: Connect) -> None:
+    """A pass swept every shard of every queue: 32 scripts a second per idle queue with the
+    shipped settings. A shard found with nothing to do is passed over until its stamp moves
+    (a load, a schedule, a reload announce it), and every REPAIR_PASSES-th pass sweeps all."""
+    factory = await sharded(sweeper=False, reserve_delay=0.2)
+    q = await factory.queue("q")
+    await q.push("warm-up")  # lists the queue
+    assert await q.pop(timeout=5) is not None
+    backend = backend_of(factory)
+    counted = CountedSweeps(backend.storage)
+    leader = Sweeper(backend.storage, backend.sharded, lambda *_: None)
+    await leader.step()
+    assert counted.take() == [0, 1, 2, 3]  # the first pass sweeps everything
+    for _ in range(REPAIR_PASSES - 1):
+        await leader.step()
+    assert counted.take() == []  # idle: nothing swept
+    await leader.step()
+    assert counted.take() == [0, 1, 2, 3]  # the repair pass
+    # a reservation on a quiet shard: its announcement moves the stamp, the shard is swept
+    mid = await q.push("held")
+    held = await q.reserve(timeout=5)
+    assert held is not None and held.id == mid
+    await leader.step()
+    assert counted.take() == [shard_of(mid, 4)]
+    await asyncio.sleep(0.4)  # the reservation lapses
+    await leader.step()
+    assert counted.take() == [shard_of(mid, 4)]
+    assert leader.swept == 1
+    assert not await q.ok(held)
+    await leader.stop()
+
+
+async def test_a_lost_hint_on_a_quiet_shard_is_restored_by_the_repair_pass(
+    sharded: Connect,
+) -> None:
+    factory = await sharded(sweeper=False)
+    q = await factory.queue("q")
+    await q.push("warm-up")
+    assert await q.pop(timeout=5) is not None
+    backend = backend_of(factory)
+    leader = Sweeper(backend.storage, backend.sharded, lambda *_: None)
+    await leader.step()  # every shard found quiet
+    # as if a pusher died between its load and its announcement: no stamp moved
+    entry = Entry("lost~2", b'J"stranded"', EMPTY_HEADERS)
+    loaded = await backend.storage.load("q", 2, [entry], 0.0, None)
+    assert loaded.announce and await ready_shards(backend.storage, "q") == []
+    while leader.passes % REPAIR_PASSES:
+        await leader.step()
+    await leader.step()
+    assert await ready_shards(backend.storage, "q") == [2]
+    message = await q.pop(timeout=5)
+    assert message is not None and message.payload == "stranded"
+    await leader.stop()
 
 
 async def test_bad_options_are_refused(case: BackendCase) -> None:
