@@ -40,6 +40,8 @@ class Coalescer(Generic[Req, Res]):
         *,
         max_batch: int,
         weight: Callable[[Req], int] = lambda _: 1,
+        size: Callable[[Req], int] | None = None,
+        max_size: int = 0,
         concurrency: int = 1,
         on_orphan: Callable[[Req, Res], None] | None = None,
         run_in_caller: bool = True,
@@ -48,6 +50,11 @@ class Coalescer(Generic[Req, Res]):
         self._run_batch = run
         self._max_batch = max_batch
         self._weight = weight
+        # A second bound, in bytes, where the store has one per call: a batch is split
+        # between callers, so a call that fails fails only its own callers (a larger
+        # request goes alone; the store splits it, and its failure is its caller's).
+        self._size = size
+        self._max_size = max_size
         self._concurrency = concurrency
         self._on_orphan = on_orphan
         self._inline = run_in_caller and (on_orphan is None or uninterruptible)
@@ -132,6 +139,7 @@ class Coalescer(Generic[Req, Res]):
     def _take_batch(self) -> list[tuple[Req, asyncio.Future[Res]]]:
         batch: list[tuple[Req, asyncio.Future[Res]]] = []
         total = 0
+        size, nbytes = self._size, 0
         while self._pending:
             request, future = self._pending[0]
             if future.done():  # cancelled before it was sent: nothing to do
@@ -140,6 +148,11 @@ class Coalescer(Generic[Req, Res]):
             weight = self._weight(request)
             if batch and total + weight > self._max_batch:
                 break
+            if size is not None:
+                more = size(request)
+                if batch and nbytes + more > self._max_size:
+                    break
+                nbytes += more
             self._pending.popleft()
             batch.append((request, future))
             total += weight

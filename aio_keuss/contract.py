@@ -271,6 +271,13 @@ class Store(ABC):
     before anything is written (a store that packs many messages in one storage unit has a
     bound the database sets on that unit)."""
 
+    max_insert_bytes: int | None = None
+    """Most payload and header bytes one ``insert`` should carry, or None for no bound: the
+    queue then hands concurrent pushes to the store in several calls, split between callers,
+    so that a call failing fails only the callers in it (a store that splits a larger batch
+    itself would fail every caller of the batch, those it had stored included, and their
+    retry would store them twice). One push larger than this still goes in one call."""
+
     def __init__(self, name: str, options: QueueOptions) -> None:
         self.name = name
         self.options = options

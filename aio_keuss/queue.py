@@ -134,10 +134,13 @@ class Queue:
         self._rotate_at = -math.inf
         batch, depth = options.max_batch, store.batch_concurrency
         in_caller, uninterruptible = store.run_in_caller, store.uninterruptible
+        max_insert_bytes = store.max_insert_bytes
         self._inserts: Coalescer[list[Entry], list[bool]] = Coalescer(
             self._insert_batch,
             max_batch=batch,
             weight=len,
+            size=None if max_insert_bytes is None else _entry_bytes,
+            max_size=max_insert_bytes or 0,
             concurrency=depth,
             run_in_caller=in_caller,
         )
@@ -1216,6 +1219,11 @@ def _earliest(entries: list[Entry]) -> float:
         return first.mature if first.mature is not None else time.time() + first.delay
     now = time.time()
     return min(e.mature if e.mature is not None else now + e.delay for e in entries)
+
+
+def _entry_bytes(entries: list[Entry]) -> int:
+    """Payload and header bytes of one push's entries (the store's insert bound)."""
+    return sum(len(e.payload) + len(e.headers) for e in entries)
 
 
 def _split(requests: Sequence[Sequence[Any]], flags: list[bool]) -> list[list[bool]]:

@@ -72,8 +72,9 @@ HISTORY_EXPIRY_BATCH = 10_000
 STATEMENT_BYTES = 256 * 2**20
 """Most payload and header bytes one insert statement carries. PostgreSQL refuses a protocol
 message of 1 GB or more ("invalid message length") and drops the connection, so a batch of
-messages each fine on its own (concurrent large pushes coalesced, a push_many) goes in as
-several statements, in order, rather than failing every caller in it."""
+messages each fine on its own goes in as several statements, in order, rather than failing
+every caller in it: concurrent pushes are split between callers by the queue (see
+``max_insert_bytes``), and one larger ``push_many`` here."""
 
 _RELAX = "AND (SELECT set_config('synchronous_commit', 'off', true)) IS NOT NULL"
 """With durable_acks=False, reserve / commit / rollback / move carry this condition: an
@@ -141,6 +142,7 @@ class PostgresStore(Store):
 
     def __init__(self, name: str, options: QueueOptions, backend: PostgresQueueBackend) -> None:
         super().__init__(name, options)
+        self.max_insert_bytes = STATEMENT_BYTES  # concurrent pushes past it: several calls
         self._db = backend
         self._sql = backend.sql
 

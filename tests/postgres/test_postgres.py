@@ -307,6 +307,41 @@ async def test_an_insert_past_the_statement_budget_goes_in_as_several_in_order(
     assert await q.push_many(["y" * 300] * 6) and await q.size() == 6
 
 
+async def test_concurrent_pushes_past_the_budget_fail_only_the_callers_not_stored(
+    open_factory: Open, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Concurrent pushes coalesced past one statement's budget were split by the store into
+    several statements; when a later one failed, every caller got the error, those already
+    stored included, so their retry stored them twice. The queue now splits such a batch
+    between callers, each call on its own. The second statement is made to fail."""
+    from aio_keuss.postgres import store as postgres_store
+
+    monkeypatch.setattr(postgres_store, "STATEMENT_BYTES", 1000)
+    factory = await open_factory()
+    q = await factory.queue("split")
+    store = q._store  # type: ignore[attr-defined]
+    real_insert = store._insert
+    calls = 0
+
+    async def second_fails(entries: Any) -> list[bool]:
+        nonlocal calls
+        calls += 1
+        if calls == 2:
+            raise aio_keuss.KeussConnectionError("the connection broke")
+        result: list[bool] = await real_insert(entries)
+        return result
+
+    monkeypatch.setattr(store, "_insert", second_fails)
+    pushes = [q.push("x" * 300, id=f"m{i}") for i in range(4)]
+    results = await asyncio.gather(*pushes, return_exceptions=True)
+    stored = [r for r in results if isinstance(r, str)]
+    failed = [r for r in results if isinstance(r, BaseException)]
+    assert len(stored) == 3 and len(failed) == 1, results  # three fit one statement
+    assert isinstance(failed[0], aio_keuss.KeussConnectionError)
+    got = await q.pop_many(10, timeout=2)
+    assert sorted(m.id for m in got) == sorted(stored)  # every reported success is in
+
+
 async def test_bad_options_and_unreachable_server() -> None:
     with pytest.raises(aio_keuss.ConfigError):
         await aio_keuss.connect("postgres", url=POSTGRES_URL, schema='bad"; drop')
