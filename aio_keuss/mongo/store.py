@@ -225,6 +225,10 @@ class MongoStore(Store):
     messages end (:meth:`_consumed`) and how an id collision is resolved (:meth:`_make_room`)."""
 
     batch_concurrency: ClassVar[int] = 2
+    max_insert_bytes = 48 * 2**20
+    """The server's ``maxMessageSizeBytes``: PyMongo sends a larger ``insert_many`` as
+    several messages, and one failing after others went in would fail every caller of a
+    coalesced batch, those stored included (see ``Store.max_insert_bytes``)."""
 
     def __init__(self, name: str, options: QueueOptions, backend: MongoBackend) -> None:
         super().__init__(name, options)
@@ -269,18 +273,28 @@ class MongoStore(Store):
         # The claims and the insert are separate round trips: when the insert fails, a
         # claim left behind would make the retry of this (unacknowledged) push a silent
         # no-op, and the message would never be stored. So this call's claims (tagged with
-        # its token) are given back before the error is raised.
+        # its token) are given back before the error is raised -- but not those of messages
+        # the insert stored before it failed (a batch goes in several server messages):
+        # their retry must stay refused, or once consumed they would be stored twice.
         token = os.urandom(8).hex()
         try:
             await self._claim_ids(entries, flags, now, token)
             return await self._insert_entries(entries, flags, now)
         except BaseException:
-            claimed = list({e.id for e in entries if e.dedup})
-            with contextlib.suppress(Exception):
-                await asyncio.shield(
-                    self._dedup.delete_many({"_id": {"$in": claimed}, "by": token})
-                )
+            await asyncio.shield(self._give_back(list({e.id for e in entries if e.dedup}), token))
             raise
+
+    async def _give_back(self, claimed: list[str], token: str) -> None:
+        """Give back the claims of a failed insert whose messages are not in the queue. If
+        that cannot be read, all of them: a retry may then store again one that went in
+        (at least once), rather than refuse one that never did (lost)."""
+        with contextlib.suppress(Exception):
+            cursor = self._coll.find({"_id": {"$in": claimed}}, {"_id": 1})
+            landed = {doc["_id"] async for doc in cursor}
+            claimed = [message_id for message_id in claimed if message_id not in landed]
+        if claimed:
+            with contextlib.suppress(Exception):
+                await self._dedup.delete_many({"_id": {"$in": claimed}, "by": token})
 
     async def _insert_entries(
         self, entries: Sequence[Entry], flags: list[bool], now: float

@@ -188,6 +188,33 @@ async def test_a_failed_push_with_an_id_can_be_retried(open_factory: Open, backe
     assert await q.total_size() == 0
 
 
+@pytest.mark.parametrize("backend", ["mongo", "mongo-history"])
+async def test_a_partly_failed_push_keeps_the_claims_of_what_went_in(
+    open_factory: Open, backend: str
+) -> None:
+    """A batch goes in as several server messages; when a later one failed, every claim of
+    the call was given back, those of the messages stored included: once such a message
+    was consumed, the retry of the push stored it a second time."""
+    q = await (await open_factory(backend)).queue("partial")
+    messages = q._store._coll  # type: ignore[attr-defined]
+    real_insert = messages.insert_many
+
+    async def first_only(docs: list[Any], *args: Any, **kwargs: Any) -> Any:
+        messages.insert_many = real_insert
+        await real_insert(docs[:1], *args, **kwargs)
+        raise pymongo.errors.AutoReconnect("injected: connection closed half-way")
+
+    messages.insert_many = first_only
+    with pytest.raises(aio_keuss.KeussConnectionError):
+        await q.push_many(["a", "b"], ids=["a", "b"])
+    first = await q.pop(timeout=1)
+    assert first is not None and first.id == "a"  # went in, and is consumed
+    await q.push_many(["a", "b"], ids=["a", "b"])  # the retry: "a" is refused
+    second = await q.pop(timeout=1)
+    assert second is not None and second.id == "b"
+    assert await q.total_size() == 0
+
+
 async def test_deadletter_move(open_factory: Open, client: Any, database: str) -> None:
     factory = await open_factory(deadletter={"max_ko": 1})
     q = await factory.queue("work")
