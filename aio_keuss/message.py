@@ -97,6 +97,17 @@ class Message:
     mature: datetime = field(default_factory=lambda: datetime.now(UTC))
 
 
+@dataclass(slots=True, frozen=True)
+class NewMessage:
+    """One message of ``Queue.push_each``, with the options ``push`` takes: a batch whose
+    messages differ in delay, headers or id (BullMQ's ``addBulk``)."""
+
+    payload: Payload
+    delay: float = 0.0
+    headers: Headers | None = None
+    id: str | None = None
+
+
 def encode_payload(payload: Payload) -> bytes:
     """Serialize a payload, raising :class:`InvalidPayloadError` for what would not round-trip
     (the rules are in this module's docstring)."""

@@ -43,6 +43,7 @@ from .message import (
     UNCHANGED,
     Headers,
     Message,
+    NewMessage,
     Payload,
     Unchanged,
     check_id,
@@ -314,6 +315,27 @@ class Queue:
             self._stats.incr(self.name, "put", len(inserted))
             self._signal.insert(self.name, _earliest(inserted), len(inserted))
         return _split(requests, flags)
+
+    async def push_each(self, messages: Sequence[NewMessage]) -> list[str]:
+        """Queue many messages, each with its own delay, headers and id (a ``NewMessage``
+        each): every one is checked as ``push`` checks it before any is written, then they
+        go in order with as few round trips as ``max_batch`` allows, as ``push_many``."""
+        self._check_open()
+        if isinstance(messages, str | bytes | bytearray | dict) or not isinstance(
+            messages, Sequence
+        ):
+            raise InvalidInputError("push_each takes a sequence (list, tuple) of NewMessage")
+        entries: list[Entry] = []
+        for message in messages:
+            if not isinstance(message, NewMessage):
+                raise InvalidInputError(
+                    f"push_each takes NewMessage items, not {type(message).__name__}"
+                )
+            delay = self._delay(message.delay)
+            headers = encode_headers(message.headers)
+            entries.append(self._entry(message.payload, delay, headers, message.id))
+        await self._in_chunks(self._inserts, entries, ordered=not self._store.run_in_caller)
+        return [entry.id for entry in entries]
 
     # consuming ------------------------------------------------------------------------
 

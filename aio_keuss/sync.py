@@ -48,7 +48,7 @@ from anyio.from_thread import BlockingPortal, start_blocking_portal
 from .errors import ClosedError, LoopThreadError
 from .factory import Factory
 from .factory import connect as _async_connect
-from .message import UNCHANGED, Headers, Message, Payload, Unchanged
+from .message import UNCHANGED, Headers, Message, NewMessage, Payload, Unchanged
 from .queue import Queue
 from .types import Capabilities, KoResult, MessageView, Page, Sizes
 
@@ -356,6 +356,11 @@ class SyncQueue:
     ) -> list[str]:
         """Queue many messages in order, in as few round trips as ``max_batch`` allows."""
         return self._call(self.queue.push_many, payloads, delay=delay, headers=headers, ids=ids)
+
+    def push_each(self, messages: Sequence[NewMessage]) -> list[str]:
+        """Queue many messages, each with its own delay, headers and id, all checked before
+        any is written (see ``Queue.push_each``)."""
+        return self._call(self.queue.push_each, messages)
 
     # consuming ------------------------------------------------------------------------
 

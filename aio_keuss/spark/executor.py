@@ -36,7 +36,7 @@ import orjson
 
 from .. import sync
 from ..errors import ConfigError, InvalidIdError, InvalidInputError, InvalidPayloadError
-from ..message import Headers, Payload, encode_headers
+from ..message import Headers, NewMessage, Payload
 from ..queue import Queue
 from .spec import WriteSpec, new_job_key, parse_positive_int
 
@@ -278,20 +278,20 @@ async def _push_many(queue: Queue, batch: _Batch) -> list[str]:
 
 
 async def _push_each(queue: Queue, batch: _Batch) -> list[str]:
-    """Messages with their own headers / delay: each checked as a push checks it (payload,
-    delay, headers, id), all of them before any is written, then inserted together so the
-    queue coalesces them into batch round trips. A refusal must come before anything is
-    written, as push_many's does: the batch is then pushed again made plain, or the task
-    fails and Spark retries it, and without idempotent ids what went in would go in twice."""
+    """Messages with their own headers / delay, through ``Queue.push_each``: every one is
+    checked as a push checks it before any is written, then they go in together in batch
+    round trips. A refusal must come before anything is written, as push_many's does: the
+    batch is then pushed again made plain, or the task fails and Spark retries it, and
+    without idempotent ids what went in would go in twice."""
     ids: Sequence[str | None] = batch.ids or [None] * len(batch.payloads)
-    entries = [
-        queue._entry(payload, queue._delay(delay), encode_headers(headers), message_id)
-        for payload, delay, headers, message_id in zip(
-            batch.payloads, batch.delays, batch.headers, ids, strict=True
-        )
-    ]
-    await queue._insert_entries(entries)
-    return [entry.id for entry in entries]
+    return await queue.push_each(
+        [
+            NewMessage(payload, delay, headers, message_id)
+            for payload, delay, headers, message_id in zip(
+                batch.payloads, batch.delays, batch.headers, ids, strict=True
+            )
+        ]
+    )
 
 
 def _pusher(spec: WriteSpec, id_base: str | None) -> _Pusher:

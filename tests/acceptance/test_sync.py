@@ -119,6 +119,12 @@ def test_mirror_of_the_queue_api(options: tuple[str, dict[str, Any]]) -> None:
         assert len(ids) == 3
         popped = q.pop_many(10, timeout=1)
         assert [m.payload for m in popped] == [b"x", [1, 2], None]
+        each = q.push_each([aio_keuss.NewMessage(i, headers={"n": i}) for i in range(2)])
+        assert len(each) == 2
+        assert [(m.payload, m.headers) for m in q.pop_many(10, timeout=1)] == [
+            (0, {"n": 0}),
+            (1, {"n": 1}),
+        ]
 
         q.push("r")
         got = q.reserve(timeout=1)

@@ -147,3 +147,30 @@ async def test_consume_batches_pop_without_reserve(connect: Connect) -> None:
     async with q.consume(handle, batch=3):
         await asyncio.wait_for(all_done.wait(), 60)
     assert sorted(seen) == list(range(6))
+
+
+async def test_push_each_gives_each_message_its_own_options(queue: aio_keuss.Queue) -> None:
+    """push_many shares one delay, one set of headers; push_each (BullMQ's addBulk) takes
+    each message's own, in one call."""
+    caps = queue.capabilities
+    ids = [f"own-{i}" for i in range(3)] if caps.idempotent else [None] * 3
+    messages = [
+        aio_keuss.NewMessage({"n": i}, headers={"k": str(i)}, id=ids[i]) for i in range(3)
+    ]
+    if caps.delay:
+        messages.append(aio_keuss.NewMessage("later", delay=3600))
+    pushed = await queue.push_each(messages)
+    assert len(pushed) == len(messages) and len(set(pushed)) == len(messages)
+    if caps.idempotent:
+        assert pushed[:3] == ids
+        assert await queue.push_each([aio_keuss.NewMessage("again", id=ids[0])]) == ids[:1]
+    if caps.pop:
+        got: list[Message] = []
+        while len(got) < 3:  # a sharded queue serves some shards per call
+            got += await queue.pop_many(10, timeout=5)
+        assert sorted((m.payload["n"], m.headers) for m in got) == [
+            (i, {"k": str(i)}) for i in range(3)
+        ]
+    sizes = await queue.sizes()
+    assert sizes.scheduled == (1 if caps.delay else 0)
+    assert await queue.push_each([]) == []

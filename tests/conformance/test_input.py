@@ -612,6 +612,23 @@ async def test_push_many_ids_must_be_a_sequence_as_long_as_the_payloads(
     assert await queue.total_size() == 0
 
 
+async def test_push_each_checks_every_message_before_writing_any(queue: aio_keuss.Queue) -> None:
+    fine = aio_keuss.NewMessage("fine")
+    for messages in ("ab", b"ab", {"a": 1}, (m for m in [fine]), 5, [fine, "plain"], [None]):
+        with pytest.raises(aio_keuss.InvalidInputError):
+            await queue.push_each(messages)  # type: ignore[arg-type]
+    bad_ones = [
+        (aio_keuss.InvalidPayloadError, aio_keuss.NewMessage(float("nan"))),
+        (aio_keuss.InvalidDelayError, aio_keuss.NewMessage(1, delay=-1)),
+        (aio_keuss.InvalidHeadersError, aio_keuss.NewMessage(1, headers={"k": object()})),  # type: ignore[dict-item]
+        (aio_keuss.InvalidIdError, aio_keuss.NewMessage(1, id="bad\x00id")),
+    ]
+    for error, bad in bad_ones:
+        with pytest.raises(error):
+            await queue.push_each([fine, fine, bad])
+    assert await queue.total_size() == 0
+
+
 # 11. URLs --------------------------------------------------------------------------------
 
 BAD_URLS: list[tuple[str, str]] = [
