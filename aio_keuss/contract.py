@@ -276,7 +276,8 @@ class Store(ABC):
     queue then hands concurrent pushes to the store in several calls, split between callers,
     so that a call failing fails only the callers in it (a store that splits a larger batch
     itself would fail every caller of the batch, those it had stored included, and their
-    retry would store them twice). One push larger than this still goes in one call."""
+    retry would store them twice). One push larger than this still goes in one call. Moves
+    carrying new payloads are bounded the same way."""
 
     def __init__(self, name: str, options: QueueOptions) -> None:
         self.name = name

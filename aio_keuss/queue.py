@@ -179,6 +179,8 @@ class Queue:
         self._moves: Coalescer[Move, str | None] = Coalescer(
             self._move_batch,
             max_batch=batch,
+            size=None if max_insert_bytes is None else _move_bytes,
+            max_size=max_insert_bytes or 0,
             concurrency=depth,
             run_in_caller=in_caller,
         )
@@ -1246,6 +1248,11 @@ def _earliest(entries: list[Entry]) -> float:
 def _entry_bytes(entries: list[Entry]) -> int:
     """Payload and header bytes of one push's entries (the store's insert bound)."""
     return sum(len(e.payload) + len(e.headers) for e in entries)
+
+
+def _move_bytes(move: Move) -> int:
+    """Bytes a move sends: its new payload (a kept payload is copied by the server)."""
+    return len(move.payload) if move.payload is not None else 0
 
 
 def _split(requests: Sequence[Sequence[Any]], flags: list[bool]) -> list[list[bool]]:

@@ -342,6 +342,36 @@ async def test_concurrent_pushes_past_the_budget_fail_only_the_callers_not_store
     assert sorted(m.id for m in got) == sorted(stored)  # every reported success is in
 
 
+async def test_concurrent_moves_with_new_payloads_keep_to_the_budget(
+    open_factory: Open, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Moves carrying new payloads were batched by count only: a thousand concurrent moves
+    of 2 MB each made one 2 GB statement, which PostgreSQL refuses by dropping the
+    connection. They are now split at the statement budget (here 1 kB) between callers."""
+    from aio_keuss.postgres import store as postgres_store
+
+    monkeypatch.setattr(postgres_store, "STATEMENT_BYTES", 1000)
+    factory = await open_factory()
+    q = await factory.queue("from")
+    await factory.queue("to")
+    await q.push_many(list(range(8)))
+    held = await q.reserve_many(8, timeout=2)
+    store = q._store  # type: ignore[attr-defined]
+    real_move = store.move
+    batches: list[int] = []
+
+    async def counted(moves: Any) -> Any:
+        batches.append(len(moves))
+        return await real_move(moves)
+
+    monkeypatch.setattr(store, "move", counted)
+    moved = await asyncio.gather(*(q.move(m, "to", payload="p" * 300) for m in held))
+    assert None not in moved and sum(batches) == 8
+    assert max(batches) <= 3  # three 300-byte payloads fit one statement's budget
+    got = await (await factory.queue("to")).pop_many(10, timeout=2)
+    assert [m.payload for m in got] == ["p" * 300] * 8
+
+
 async def test_bad_options_and_unreachable_server() -> None:
     with pytest.raises(aio_keuss.ConfigError):
         await aio_keuss.connect("postgres", url=POSTGRES_URL, schema='bad"; drop')
