@@ -84,7 +84,7 @@ class _Runtime:
                 stack = contextlib.ExitStack()
                 self.portal = stack.enter_context(start_blocking_portal())
                 self.stack = stack
-                self.loop_thread = self.portal.call(_thread_ident)
+                self.loop_thread = self.portal.call(threading.get_ident)
             self.users += 1
             return self.portal, self.generation
 
@@ -162,10 +162,6 @@ def connect(backend: str = "memory", **options: Any) -> SyncFactory:
         _runtime.release(generation)
         raise
     return SyncFactory(factory, portal, generation)
-
-
-def _thread_ident() -> int:
-    return threading.get_ident()
 
 
 async def _open_factory(backend: str, options: dict[str, Any]) -> Factory:
