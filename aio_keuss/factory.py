@@ -111,8 +111,7 @@ class Factory:
                 self._sibling,
             )
             await queue._open()
-            if replace_record or name not in await self.stats_store.queues():
-                await self.stats_store.save_options(name, options.as_dict())
+            await self.stats_store.save_options(name, options.as_dict(), replace=replace_record)
         except BaseException as exc:
             future.set_exception(exc)
             future.exception()  # retrieved: the awaiting callers re-raise it themselves

@@ -211,8 +211,13 @@ class StatsStore(ABC):
     async def is_paused(self, queue: str) -> bool: ...
 
     @abstractmethod
-    async def save_options(self, queue: str, options: dict[str, Any]) -> None:
-        """Record a queue and its options so ``factory.list()`` finds it from any process."""
+    async def save_options(
+        self, queue: str, options: dict[str, Any], *, replace: bool = True
+    ) -> None:
+        """Record a queue and its options so ``factory.list()`` finds it from any process.
+        With ``replace`` false, only if none are recorded yet, in one atomic step: a queue
+        reached by a move is recorded with this process's defaults, and a check then a
+        write would replace the options another process recorded in between."""
 
     @abstractmethod
     async def queues(self) -> dict[str, dict[str, Any]]:
@@ -271,8 +276,11 @@ class MemoryStats(StatsStore):
     async def is_paused(self, queue: str) -> bool:
         return queue in self._paused
 
-    async def save_options(self, queue: str, options: dict[str, Any]) -> None:
-        self._options[queue] = dict(options)
+    async def save_options(
+        self, queue: str, options: dict[str, Any], *, replace: bool = True
+    ) -> None:
+        if replace or queue not in self._options:
+            self._options[queue] = dict(options)
 
     async def queues(self) -> dict[str, dict[str, Any]]:
         return {name: dict(opts) for name, opts in self._options.items()}

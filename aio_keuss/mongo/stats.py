@@ -10,9 +10,11 @@ are buffered by :class:`StatsStore` and written as ONE ``bulk_write`` of upserti
 
 from __future__ import annotations
 
+import contextlib
 from typing import TYPE_CHECKING, Any
 
 from pymongo import UpdateOne
+from pymongo.errors import DuplicateKeyError
 
 from ..stats import COUNTERS, Increments, StatsStore
 from .connection import translated
@@ -62,8 +64,15 @@ class MongoStats(StatsStore):
         return bool(doc and doc.get("paused"))
 
     @translated
-    async def save_options(self, queue: str, options: dict[str, Any]) -> None:
-        await self._coll.update_one({"_id": queue}, {"$set": {"options": options}}, upsert=True)
+    async def save_options(
+        self, queue: str, options: dict[str, Any], *, replace: bool = True
+    ) -> None:
+        if replace:
+            await self._coll.update_one({"_id": queue}, {"$set": {"options": options}}, upsert=True)
+            return
+        unrecorded = {"_id": queue, "options": {"$exists": False}}
+        with contextlib.suppress(DuplicateKeyError):  # recorded: the upsert met its record
+            await self._coll.update_one(unrecorded, {"$set": {"options": options}}, upsert=True)
 
     @translated
     async def queues(self) -> dict[str, dict[str, Any]]:

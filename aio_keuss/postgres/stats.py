@@ -50,10 +50,11 @@ class PostgresStats(StatsStore):
     async def is_paused(self, queue: str) -> bool:
         return bool(await self._db.fetchval(self._sql["stats_is_paused"], queue))
 
-    async def save_options(self, queue: str, options: dict[str, Any]) -> None:
-        await self._db.execute(
-            self._sql["stats_save_options"], queue, orjson.dumps(options).decode()
-        )
+    async def save_options(
+        self, queue: str, options: dict[str, Any], *, replace: bool = True
+    ) -> None:
+        statement = self._sql["stats_save_options" if replace else "stats_keep_options"]
+        await self._db.execute(statement, queue, orjson.dumps(options).decode())
 
     async def queues(self) -> dict[str, dict[str, Any]]:
         rows = await self._db.fetch(self._sql["stats_queues"])

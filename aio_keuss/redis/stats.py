@@ -92,8 +92,14 @@ class RedisStats(StatsStore):
     async def is_paused(self, queue: str) -> bool:
         return bool(await self._backend.execute("EXISTS", self._paused_key(queue)))
 
-    async def save_options(self, queue: str, options: dict[str, Any]) -> None:
-        await self._backend.run_script(_REPLACE, [self._queues_key], [queue, orjson.dumps(options)])
+    async def save_options(
+        self, queue: str, options: dict[str, Any], *, replace: bool = True
+    ) -> None:
+        if replace:
+            args = [queue, orjson.dumps(options)]
+            await self._backend.run_script(_REPLACE, [self._queues_key], args)
+        else:
+            await self._backend.execute("HSETNX", self._queues_key, queue, orjson.dumps(options))
 
     async def queues(self) -> dict[str, dict[str, Any]]:
         stored = await self._backend.hash_items(self._queues_key)

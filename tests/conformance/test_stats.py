@@ -235,3 +235,22 @@ async def test_a_partly_failed_flush_does_not_add_the_written_part_again(connect
     finally:
         backend.away = False
         await store.close()
+
+
+async def test_options_recorded_if_absent_keep_what_is_there(connect: Any) -> None:
+    """A queue reached by a move or a deadletter is recorded with this process's defaults
+    only if it is not recorded yet. That was a read of every recorded queue, then a write:
+    options another process recorded in between were replaced. Now one atomic step."""
+    factory = await connect(poll_interval=5.0)
+    if factory.backend.name.endswith("-sharded"):
+        pytest.skip("lists only queues with a live metadata record (their stats stores' own)")
+    stats = factory.stats_store
+    await stats.save_options("fresh", {"reserve_delay": 5.0}, replace=False)
+    await stats.save_options("fresh", {"reserve_delay": 7.0}, replace=False)
+    await stats.set_paused("paused-only", True)  # a record without options
+    await stats.save_options("paused-only", {"reserve_delay": 9.0}, replace=False)
+    recorded = await stats.queues()
+    assert recorded["fresh"] == {"reserve_delay": 5.0}
+    assert recorded["paused-only"] == {"reserve_delay": 9.0}
+    await stats.save_options("fresh", {"reserve_delay": 7.0})  # replace: the default
+    assert (await stats.queues())["fresh"] == {"reserve_delay": 7.0}

@@ -428,6 +428,12 @@ SELECT paused FROM {s}.queues WHERE queue = $1
 INSERT INTO {s}.queues (queue, options) VALUES ($1, $2::text::jsonb)
 ON CONFLICT (queue) DO UPDATE SET options = EXCLUDED.options
 
+-- name: stats_keep_options
+-- Record a queue's options unless some are recorded ('{}': a row made by a pause only).
+INSERT INTO {s}.queues (queue, options) VALUES ($1, $2::text::jsonb)
+ON CONFLICT (queue) DO UPDATE SET options = EXCLUDED.options
+WHERE {s}.queues.options = '{}'::jsonb
+
 -- name: stats_queues
 SELECT queue, options::text FROM {s}.queues ORDER BY queue
 
