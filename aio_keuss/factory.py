@@ -190,14 +190,14 @@ class Factory:
             # handed out open over a closed backend (and never closed)
             while self._opening:
                 await asyncio.wait(list(self._opening.values()))
-            failure: Exception | None = None
-            for queue in list(self._queues.values()):
-                try:  # one queue failing to close (its server away) must not keep the
-                    await queue.close()  # others' consumers running
-                except Exception as exc:
-                    failure = failure or exc
-            if failure is not None:
-                raise failure
+            # side by side: one queue failing to close (its server away) must not keep the
+            # others' consumers running, and a cancelled close (a second Ctrl-C) reaches
+            # every queue's close at once, not only the one it was waiting for
+            closes = [queue.close() for queue in list(self._queues.values())]
+            results = await asyncio.gather(*closes, return_exceptions=True)
+            for result in results:
+                if isinstance(result, Exception):
+                    raise result
         finally:
             try:
                 await self.stats_store.close()  # raises when the server is away at close

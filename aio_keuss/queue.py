@@ -1109,6 +1109,17 @@ class Queue:
             consumer.stop_taking()
 
     async def _close(self) -> None:
+        try:
+            await self._close_steps()
+        except asyncio.CancelledError:
+            # Cancelled (a shutdown timeout, a second Ctrl-C): the consumers' cancelled stops
+            # gave their messages back, but a store holding state of its own (a bucket
+            # store's leased buckets) must still hand it back before the backend closes
+            # under it, or what it holds stays held until its lease lapses.
+            await self._store.close()
+            raise
+
+    async def _close_steps(self) -> None:
         # their in-flight handlers finish and acknowledge first (consume() is refused now)
         for consumer in list(self._consumers):
             await consumer.stop()
