@@ -680,6 +680,12 @@ class BucketStore(PushSide, StateWriter, Store):
                 failure = exc
             while self._writer_tasks:  # no new one starts: nothing is pushed any more
                 await asyncio.gather(*self._writer_tasks, return_exceptions=True)
+            if self._flusher is not None:
+                # A state write of the flusher in flight holds the buckets it gives back
+                # (out of those the loop below looks at): were it to fail after the loop
+                # found nothing left, they would stay stored, their oks undone once the
+                # lease lapsed. Stopped first, its write lands or puts them back.
+                await stop_task(self._flusher)
             attempt = 0
             while self._held_buckets or self._departing:
                 try:

@@ -341,6 +341,42 @@ async def test_sizes_count_a_bucket_whose_final_write_is_in_flight(
         assert await q.total_size() == 0
 
 
+async def test_close_during_the_flushers_final_write_still_deletes_the_bucket(
+    bucket_case: tuple[BackendCase, dict[str, Any]],
+) -> None:
+    """The state flusher had taken a finished bucket out of memory for its delete when
+    the close began: the close found nothing left to give back, then stopped the flusher,
+    whose cancelled write put the bucket back in memory with nobody left to write it. The
+    bucket stayed stored, its oks undone once the lease lapsed. The flusher's write is
+    held at a gate until it is cancelled."""
+    case, options = bucket_case
+    factory = await aio_keuss.connect(case.name, **{**options, "state_flush_period": 0.05})
+    try:
+        q = await factory.queue("closing")
+        await q.push_many(list(range(3)))
+        got = await q.reserve_many(3, timeout=1)
+        assert len(got) == 3
+        store = q._store  # type: ignore[attr-defined]
+        storage = store._storage
+        await store.flush()
+        real_write = storage.write
+        reached = asyncio.Event()
+
+        async def held_first(*args: Any, **kwargs: Any) -> Any:
+            if not reached.is_set():  # the flusher's: held until it is cancelled
+                reached.set()
+                await asyncio.Event().wait()
+            return await real_write(*args, **kwargs)
+
+        storage.write = held_first
+        assert await q.ok_many(got) == [True] * 3
+        await asyncio.wait_for(reached.wait(), 10)
+    finally:
+        await factory.close()
+    async with aio_keuss.connect(case.name, **options) as other:
+        assert await (await other.queue("closing")).total_size() == 0
+
+
 async def test_a_holder_that_stopped_consuming_gives_its_bucket_back(
     bucket_case: tuple[BackendCase, dict[str, Any]],
 ) -> None:
