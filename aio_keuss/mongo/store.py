@@ -289,7 +289,9 @@ class MongoStore(Store):
         that cannot be read, all of them: a retry may then store again one that went in
         (at least once), rather than refuse one that never did (lost)."""
         with contextlib.suppress(Exception):
-            cursor = self._coll.find({"_id": {"$in": claimed}}, {"_id": 1})
+            # a consumed record mongo-history keeps under the id is not this push's message
+            live = {"_id": {"$in": claimed}, "processed": {"$exists": False}}
+            cursor = self._coll.find(live, {"_id": 1})
             landed = {doc["_id"] async for doc in cursor}
             claimed = [message_id for message_id in claimed if message_id not in landed]
         if claimed:

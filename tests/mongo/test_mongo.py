@@ -215,6 +215,33 @@ async def test_a_partly_failed_push_keeps_the_claims_of_what_went_in(
     assert await q.total_size() == 0
 
 
+async def test_a_failed_push_of_an_id_whose_consumed_record_is_kept_can_be_retried(
+    open_factory: Open,
+) -> None:
+    """mongo-history keeps a consumed message's record under its id. When the push of that id
+    again (past its dedup window) failed before anything went in, the give-back found the
+    consumed record, took it for the new message and kept the claim: the retry was refused
+    as a duplicate and the message was never stored."""
+    q = await (await open_factory("mongo-history")).queue("again", dedup_window=0.5)
+    await q.push("first", id="order-1")
+    first = await q.pop(timeout=1)
+    assert first is not None and first.payload == "first"  # its record stays, processed
+    await asyncio.sleep(0.6)  # the dedup window ends
+    messages = q._store._coll  # type: ignore[attr-defined]
+    real_insert = messages.insert_many
+
+    async def lost(*args: Any, **kwargs: Any) -> Any:
+        messages.insert_many = real_insert
+        raise pymongo.errors.AutoReconnect("injected: connection closed after the claim")
+
+    messages.insert_many = lost
+    with pytest.raises(aio_keuss.KeussConnectionError):
+        await q.push("second", id="order-1")
+    await q.push("second", id="order-1")  # the retry
+    second = await q.pop(timeout=1)
+    assert second is not None and second.payload == "second"
+
+
 async def test_deadletter_move(open_factory: Open, client: Any, database: str) -> None:
     factory = await open_factory(deadletter={"max_ko": 1})
     q = await factory.queue("work")
