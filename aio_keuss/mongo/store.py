@@ -225,10 +225,13 @@ class MongoStore(Store):
     messages end (:meth:`_consumed`) and how an id collision is resolved (:meth:`_make_room`)."""
 
     batch_concurrency: ClassVar[int] = 2
-    max_insert_bytes = 48 * 2**20
-    """The server's ``maxMessageSizeBytes``: PyMongo sends a larger ``insert_many`` as
-    several messages, and one failing after others went in would fail every caller of a
-    coalesced batch, those stored included (see ``Store.max_insert_bytes``)."""
+    max_insert_bytes = 40_000_000
+    """Below the server's ``maxMessageSizeBytes`` (48,000,000, decimal: PyMongo's
+    ``MAX_MESSAGE_SIZE``): PyMongo sends a larger ``insert_many`` as several messages, and
+    one failing after others went in would fail every caller of a coalesced batch, those
+    stored included (see ``Store.max_insert_bytes``). The bound counts payloads and headers
+    only; the 8 MB left cover the rest of each document (field names, id, times: about 100
+    bytes and the id each) for ``max_batch`` documents of ids up to 1,000 characters."""
 
     def __init__(self, name: str, options: QueueOptions, backend: MongoBackend) -> None:
         super().__init__(name, options)

@@ -242,6 +242,55 @@ async def test_a_failed_push_of_an_id_whose_consumed_record_is_kept_can_be_retri
     assert second is not None and second.payload == "second"
 
 
+async def test_a_coalesced_batch_within_the_insert_bound_goes_in_one_server_message(
+    database: str,
+) -> None:
+    """max_insert_bytes exists so that concurrent pushes are never split by PyMongo into
+    several server messages (one failing after another went in fails every caller, those
+    stored included). It was 48 MiB, above the server's maxMessageSizeBytes (48,000,000)
+    before the documents' own bytes are counted: three concurrent 16 MB pushes went in as
+    one insert_many that PyMongo sent as two insert commands."""
+
+    class Inserts(pymongo.monitoring.CommandListener):
+        def __init__(self) -> None:
+            self.commands = 0
+            self.name = ""
+
+        def started(self, event: Any) -> None:
+            if event.command_name == "insert" and event.command.get("insert") == self.name:
+                self.commands += 1
+
+        def succeeded(self, event: Any) -> None:
+            pass
+
+        def failed(self, event: Any) -> None:
+            pass
+
+    inserts = Inserts()
+    own = pymongo.AsyncMongoClient(MONGO_URL, tz_aware=True, event_listeners=[inserts])
+    factory = await aio_keuss.connect("mongo", client=own, database=database, poll_interval=30.0)
+    try:
+        q = await factory.queue("bound")
+        store: Any = q._store  # type: ignore[attr-defined]
+        inserts.name = store._coll.name
+        real_insert = store._coll.insert_many
+        calls = 0
+
+        async def counted(*args: Any, **kwargs: Any) -> Any:
+            nonlocal calls
+            calls += 1
+            return await real_insert(*args, **kwargs)
+
+        store._coll.insert_many = counted
+        blob = b"x" * 16_000_000
+        await asyncio.gather(*(q.push(blob) for _ in range(3)))
+        assert calls >= 1 and inserts.commands == calls
+        assert await q.size() == 3
+    finally:
+        await factory.close()
+        await own.close()
+
+
 async def test_deadletter_move(open_factory: Open, client: Any, database: str) -> None:
     factory = await open_factory(deadletter={"max_ko": 1})
     q = await factory.queue("work")
