@@ -78,6 +78,10 @@ class Sweeper:
         self._quiet: dict[str, dict[int, int | None]] = {}
         """Per queue, the shards the last sweep found with nothing to do, each with its
         stamp as read before that sweep (None: never announced)."""
+        self._repair_in = 0
+        """Passes tried before the next one that sweeps every shard (0 or less: this one).
+        Counted over the passes tried, not those completed: a queue whose sweep fails on
+        every pass (its node down) must not hold back the repair of the others."""
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._loop(), name="keuss-sharded-sweeper")
@@ -125,9 +129,16 @@ class Sweeper:
         """One pass: renew the lease, and if held, sweep (and shovel when due) every queue."""
         if not await self.renew():
             return
+        everything = self._repair_in <= 0
+        self._repair_in -= 1
+        await self._pass(everything)
+        if everything:
+            self._repair_in = REPAIR_PASSES - 1
+        self.passes += 1
+
+    async def _pass(self, everything: bool) -> None:
         storage = self._storage
         queues = await storage.listed()
-        everything = self.passes % REPAIR_PASSES == 0
         if everything:
             for name in list(queues):
                 if await storage.read_meta(name) is None:
@@ -143,7 +154,6 @@ class Sweeper:
             self._next_shovel = time.monotonic() + self._options.shovel_interval
             for name, shards in queues.items():
                 await self.shovel_queue(name, shards)
-        self.passes += 1
 
     async def sweep_queue(self, name: str, shards: int, everything: bool = True) -> int:
         """Sweep the shards of one queue (all of them, or with ``everything`` false only

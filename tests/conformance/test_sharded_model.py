@@ -226,6 +226,43 @@ async def test_a_lost_hint_on_a_quiet_shard_is_restored_by_the_repair_pass(
     await leader.stop()
 
 
+async def test_a_queue_whose_sweeps_fail_does_not_hold_back_the_repair_of_the_others(
+    sharded: Connect,
+) -> None:
+    """The repair pass came every REPAIR_PASSES completed passes: while one queue's sweep
+    failed on every pass (its node down), no pass completed, and a hint lost in another
+    queue was never restored."""
+    factory = await sharded(sweeper=False)
+    backend = backend_of(factory)
+    storage = backend.storage
+    for name in ("a", "b"):
+        q = await factory.queue(name)
+        await q.push("warm-up")  # lists the queue
+        assert await q.pop(timeout=5) is not None
+    listed = list(await storage.listed())
+    assert sorted(listed) == ["a", "b"]
+    healthy, failing = listed  # swept in this order
+    leader = Sweeper(storage, backend.sharded, lambda *_: None)
+    await leader.step()  # every shard found quiet
+    real = storage.stamps
+
+    async def stamps(queue: str) -> dict[int, int]:
+        if queue == failing:
+            raise aio_keuss.KeussConnectionError("injected: the queue's node is down")
+        return await real(queue)
+
+    storage.stamps = stamps  # type: ignore[method-assign]
+    # as if a pusher died between its load and its announcement
+    entry = Entry("lost~2", b'J"stranded"', EMPTY_HEADERS)
+    assert (await storage.load(healthy, 2, [entry], 0.0, None)).announce
+    for _ in range(REPAIR_PASSES + 1):
+        with pytest.raises(aio_keuss.KeussConnectionError):
+            await leader.step()
+    storage.stamps = real  # type: ignore[method-assign]
+    assert await ready_shards(storage, healthy) == [2]
+    await leader.stop()
+
+
 async def test_bad_options_are_refused(case: BackendCase) -> None:
     backend = load_backend(case.name)
     for bad in (
