@@ -32,7 +32,7 @@ import time
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
-from ..coalesce import SideBySide, stop_task
+from ..coalesce import RunToEnd, SideBySide, stop_task
 from ..contract import (
     Ack,
     DeadletterPlan,
@@ -141,6 +141,24 @@ class ShardedStore(Store):
             await self._storage.touch(self.name, record, meta.life(self._sharded))
 
     async def insert(self, entries: Sequence[Entry]) -> list[bool]:
+        if not self.uninterruptible:
+            return await self._insert(entries)
+        # A cancellation arriving while a load's reply is awaited (a reply that refuses it)
+        # would otherwise be raised once the load is in, before the announcement: the
+        # messages would sit in a shard the ready index and the sweeper's stamps know
+        # nothing of until a repair pass. Held here until the announcement is made too.
+        work = RunToEnd(self._insert(entries))
+        try:
+            flags = await work
+        except Exception:
+            if work.held is not None:  # the caller is gone: it gets its cancellation
+                raise work.held from None
+            raise
+        if work.held is not None:
+            raise work.held
+        return flags
+
+    async def _insert(self, entries: Sequence[Entry]) -> list[bool]:
         await self._touch()
         by_shard = self._route(entries)
         shards = list(by_shard)

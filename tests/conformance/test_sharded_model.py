@@ -8,6 +8,7 @@ storage (SIGKILLed consumers, the consumer cap across factories) is in
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 import zlib
@@ -224,6 +225,35 @@ async def test_a_lost_hint_on_a_quiet_shard_is_restored_by_the_repair_pass(
     message = await q.pop(timeout=5)
     assert message is not None and message.payload == "stranded"
     await leader.stop()
+
+
+async def test_a_push_cancelled_while_its_load_is_answered_announces_the_shard(
+    sharded: Connect,
+) -> None:
+    """A cancellation arriving while a load's reply is awaited (a reply that refuses it) was
+    raised once the load was in, before the announcement: the message sat in a shard the
+    ready index did not list and whose stamp did not move, so no consumer saw it and the
+    sweeper passed the shard over until its repair pass (REPAIR_PASSES passes)."""
+    factory = await sharded(sweeper=False)
+    storage = backend_of(factory).storage
+    if not storage.uninterruptible:
+        pytest.skip("a cancellation there interrupts the request (the repair pass restores it)")
+    q = await factory.queue("q")
+    real = storage.load
+    pusher: asyncio.Task[str] | None = None
+
+    async def load(*args: Any) -> Any:
+        assert pusher is not None
+        pusher.cancel()  # lands while the reply is awaited
+        return await real(*args)
+
+    storage.load = load  # type: ignore[method-assign]
+    pusher = asyncio.create_task(q.push("cancelled", id="c-1"))
+    with contextlib.suppress(asyncio.CancelledError):
+        await pusher
+    storage.load = real  # type: ignore[method-assign]
+    assert await q.size() == 1  # it went in
+    assert await ready_shards(storage, "q") == [shard_of("c-1", 4)]
 
 
 async def test_a_queue_whose_sweeps_fail_does_not_hold_back_the_repair_of_the_others(
