@@ -49,7 +49,7 @@ from ..message import append_headers
 from ..types import KoResult, Sizes
 from . import meta
 from .settings import FIRE_SHARE, PUSH_CHUNK, REFRESH, ShardedOptions, key_shard, shard_of
-from .storage import Doomed, ReadyMark, ShardSizes, ShardStorage
+from .storage import Doomed, Loaded, ReadyMark, ShardSizes, ShardStorage
 
 if TYPE_CHECKING:
     from ..options import QueueOptions
@@ -58,6 +58,14 @@ T = TypeVar("T")
 
 StoreOf = Callable[[str, "QueueOptions"], Awaitable["ShardedStore"]]
 """How a store finds another queue's store of its backend (the deadletter queue)."""
+
+
+async def _caught(call: Awaitable[T]) -> T | Exception:
+    """``call``'s result, or the exception it raised."""
+    try:
+        return await call
+    except Exception as exc:
+        return exc
 
 
 class ShardedStore(Store):
@@ -163,9 +171,23 @@ class ShardedStore(Store):
         by_shard = self._route(entries)
         shards = list(by_shard)
         load = self._storage.load
-        loads = await self._each(
-            [load(self.name, s, by_shard[s], self._window, self._ttl) for s in shards]
-        )
+        calls = [load(self.name, s, by_shard[s], self._window, self._ttl) for s in shards]
+        if len(calls) == 1:
+            loads: list[Loaded] = [await calls[0]]
+            failure: Exception | None = None
+        else:
+            # A load failing on one shard (its node down) must not lose the announcements
+            # of those that went in: their shards would stay out of the ready index, and
+            # their stamps unmoved, until a repair pass; a retry would not announce them
+            # either (it finds their magazines no longer empty).
+            outcomes = await self._each([_caught(call) for call in calls])
+            failure = next((o for o in outcomes if isinstance(o, Exception)), None)
+            loads = []
+            for shard, outcome in zip(list(shards), outcomes, strict=True):
+                if isinstance(outcome, Exception):
+                    shards.remove(shard)
+                else:
+                    loads.append(outcome)
         marks: list[ReadyMark] = []
         for shard, loaded in zip(shards, loads, strict=True):
             if loaded.announce:  # the magazine was empty: this push announces the shard
@@ -174,6 +196,8 @@ class ShardedStore(Store):
                 marks.append(ReadyMark(shard, loaded.version, loaded.scheduled))
         if marks:
             await self._storage.ready_add(self.name, marks)
+        if failure is not None:
+            raise failure
         if len(loads) == 1:
             return loads[0].flags
         flags: dict[int, bool] = {}

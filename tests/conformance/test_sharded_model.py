@@ -256,6 +256,40 @@ async def test_a_push_cancelled_while_its_load_is_answered_announces_the_shard(
     assert await ready_shards(storage, "q") == [shard_of("c-1", 4)]
 
 
+async def test_a_push_failing_on_one_shard_announces_the_shards_it_loaded(
+    sharded: Connect,
+) -> None:
+    """A push spread over several shards whose load failed on one (its node down) raised
+    before announcing the others: their messages sat out of the ready index with their
+    stamps unmoved until a repair pass, and the caller's retry, finding those magazines no
+    longer empty, did not announce them either."""
+    factory = await sharded(sweeper=False)
+    storage = backend_of(factory).storage
+    q = await factory.queue("q")
+    ids: dict[int, str] = {}
+    n = 0
+    while len(ids) < 4:
+        ids.setdefault(shard_of(f"m{n}", 4), f"m{n}")
+        n += 1
+    real = storage.load
+
+    async def load(queue: str, shard: int, *rest: Any) -> Any:
+        if shard == 3:
+            raise aio_keuss.KeussConnectionError("injected: the shard's node is down")
+        return await real(queue, shard, *rest)
+
+    storage.load = load  # type: ignore[method-assign]
+    with pytest.raises(aio_keuss.KeussConnectionError):
+        await q.push_many(["x"] * 4, ids=[ids[shard] for shard in range(4)])
+    storage.load = real  # type: ignore[method-assign]
+    assert sorted(await ready_shards(storage, "q")) == [0, 1, 2]
+    got: list[aio_keuss.Message] = []
+    while len(got) < 3:  # a fetch serves some shards per call
+        more = await q.pop_many(10, timeout=5)
+        assert more, "a message that went in was never served"
+        got += more
+
+
 async def test_a_queue_whose_sweeps_fail_does_not_hold_back_the_repair_of_the_others(
     sharded: Connect,
 ) -> None:
