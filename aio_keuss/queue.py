@@ -1119,10 +1119,23 @@ class Queue:
             await self._store.close()
             raise
 
+    async def _stop_consumers(self) -> None:
+        """Stop every consumer, side by side: their in-flight handlers finish and acknowledge.
+        A cancellation (a shutdown timeout, a second Ctrl-C) reaches every consumer's stop,
+        each of which then gives back what it holds: one after the other, it reached only
+        the stop under way, and the consumers after it were never stopped (their handlers
+        ran on over the closed queue, their messages reserved until ``reserve_delay``)."""
+        consumers = list(self._consumers)
+        if not consumers:
+            return
+        stops = await asyncio.gather(*(c.stop() for c in consumers), return_exceptions=True)
+        for outcome in stops:
+            if isinstance(outcome, Exception):
+                raise outcome
+
     async def _close_steps(self) -> None:
         # their in-flight handlers finish and acknowledge first (consume() is refused now)
-        for consumer in list(self._consumers):
-            await consumer.stop()
+        await self._stop_consumers()
         await self.drain()
         self._closed = True
         if self._due_handle is not None:

@@ -444,6 +444,43 @@ async def test_a_close_cancelled_during_its_grace_still_gives_everything_back(
             await case.cleanup(options)
 
 
+async def test_a_cancelled_close_stops_every_consumer_of_the_queue(
+    connect: Connect, case: Any
+) -> None:
+    """A queue with two consumers, its close cancelled while it waits for their running
+    handlers (a shutdown timeout, a second Ctrl-C): the cancellation reached only the stop
+    of the first consumer (they were stopped one after the other); the second was never
+    stopped, its handlers ran on over the closed queue and its messages, prefetched ones
+    too, stayed reserved until ``reserve_delay`` passed."""
+    kinds = ("redis-oq", "redis-reliable", "postgres", "mongo")
+    if case.id not in (*kinds, "bucket-redis", "bucket-postgres", "bucket-mongo"):
+        pytest.skip("run on one backend of each kind")
+    factory = await connect(poll_interval=5.0)
+    needs(factory, "reserve")
+    q = await factory.queue("jobs", reserve_delay=600)
+    await q.push_many(list(range(20)))
+    running = 0
+    both = asyncio.Event()
+
+    async def handler(message: Message) -> None:
+        nonlocal running
+        running += 1
+        if running == 4:
+            both.set()
+        await asyncio.Event().wait()  # runs until cancelled
+
+    consumers = [q.consume(handler, concurrency=2, prefetch=3) for _ in range(2)]
+    await asyncio.wait_for(both.wait(), 30)
+    closing = asyncio.create_task(q.close())
+    await asyncio.sleep(0.1)  # the close waits for the handlers, with the stops' grace
+    closing.cancel()
+    await asyncio.gather(closing, return_exceptions=True)
+    assert [c.state for c in consumers] == ["stopped", "stopped"]
+    await asyncio.wait_for(asyncio.gather(*(c.wait() for c in consumers)), 30)
+    other = await (await connect(poll_interval=5.0)).queue("jobs")
+    assert (await other.sizes()).reserved == 0, await other.sizes()
+
+
 async def test_prefetched_messages_popped_without_reserve_are_put_back_on_stop(
     connect: Connect,
 ) -> None:
