@@ -190,12 +190,24 @@ class Factory:
             # handed out open over a closed backend (and never closed)
             while self._opening:
                 await asyncio.wait(list(self._opening.values()))
-            # side by side: one queue failing to close (its server away) must not keep the
-            # others' consumers running, and a cancelled close (a second Ctrl-C) reaches
-            # every queue's close at once, not only the one it was waiting for
-            closes = [queue.close() for queue in list(self._queues.values())]
-            results = await asyncio.gather(*closes, return_exceptions=True)
-            for result in results:
+            queues = list(self._queues.values())
+            # Every queue's consumers stop first, side by side, while every queue is still
+            # open: a handler finishing in its grace may push into another queue of this
+            # factory (closed under it, its push failed and its message was handled again).
+            # A cancelled close (a second Ctrl-C) reaches every consumer's stop at once.
+            stops: list[BaseException | None] = []
+            try:
+                stops = await asyncio.gather(
+                    *(queue._stop_consumers() for queue in queues), return_exceptions=True
+                )
+            finally:
+                # then the queues close, side by side: one failing to close (its server
+                # away) must not keep the others open; after a cancelled stop too, so that
+                # each still gives back what it holds before the backend closes under it
+                closes = await asyncio.gather(
+                    *(queue.close() for queue in queues), return_exceptions=True
+                )
+            for result in (*stops, *closes):
                 if isinstance(result, Exception):
                     raise result
         finally:

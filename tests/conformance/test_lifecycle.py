@@ -235,6 +235,45 @@ async def test_a_queue_opening_as_the_factory_closes_is_closed_with_it(connect: 
         await q.push("after close")
 
 
+async def test_a_handler_pushing_to_another_queue_finishes_during_the_factory_close(
+    connect: Connect, case: Any
+) -> None:
+    """A handler still running when ``factory.close()`` begins pushes into another queue of
+    the factory when it ends: the close lets it finish with every queue open (its consumers
+    stop before any queue closes). Closing the queues side by side closed the other queue
+    under it at once: its push raised ClosedError, the message it had handled was ko-ed to
+    be handled again, and a traceback was logged."""
+    if case.id not in ("memory", "redis-oq", "redis-reliable", "postgres", "mongo", "bucket-redis"):
+        pytest.skip("run on one backend of each kind")
+    factory = await connect(poll_interval=5.0)
+    jobs = await factory.queue("jobs", reserve_delay=600)
+    results = await factory.queue("results")
+    started, closing_began = asyncio.Event(), asyncio.Event()
+    pushed: list[str] = []
+
+    async def handler(message: Message) -> None:
+        started.set()
+        await closing_began.wait()
+        for _ in range(100):  # the other queue closes now if it is going to
+            if results._closed:
+                break
+            await asyncio.sleep(0.02)
+        pushed.append(await results.push({"done": message.payload}))
+
+    consumer = jobs.consume(handler)
+    await jobs.push("job")
+    await asyncio.wait_for(started.wait(), 30)
+    closing = asyncio.create_task(factory.close())
+    await asyncio.sleep(0)  # the close begins: it waits for the running handler
+    closing_began.set()
+    await asyncio.wait_for(closing, 30)
+    assert (consumer.handled, consumer.failed) == (1, 0)
+    assert len(pushed) == 1
+    if factory.capabilities.shared:
+        other = await (await connect(poll_interval=5.0)).queue("results")
+        assert [m.id for m in await other.pop_many(10, timeout=0)] == pushed
+
+
 async def test_factory_close_stops_consumers_first(connect: Connect) -> None:
     factory = await connect(poll_interval=5.0)
     needs(factory, "reserve")
