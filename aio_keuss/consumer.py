@@ -566,7 +566,15 @@ class Consumer:
             # messages held until their reservations expire
             await asyncio.shield(self._stopped({t for t in self._workers if not t.done()}))
             raise
-        await self._stopped(late)
+        ending = asyncio.ensure_future(self._stopped(late))
+        try:
+            await asyncio.shield(ending)
+        except asyncio.CancelledError:
+            # cancelled as it gives back what it holds (a round trip per prefetched
+            # message): it ends doing so, as when cancelled during the grace, else what it
+            # had not given back yet stayed reserved until its reservation expired
+            await asyncio.shield(ending)
+            raise
 
     async def _stopped(self, late: set[asyncio.Task[None]]) -> None:
         """The end of a stop: cancel the workers still inside their handler, wait for every

@@ -438,6 +438,46 @@ async def test_a_stop_cancelled_during_its_grace_still_gives_everything_back(
     assert sizes.reserved == 0, sizes
 
 
+async def test_a_stop_cancelled_as_it_gives_back_its_prefetched_messages_still_does(
+    connect: Connect, case: Any
+) -> None:
+    """The handlers returned within the grace and the stop is giving back the prefetched
+    messages (a round trip each) when it is cancelled (a shutdown timeout, a second Ctrl-C):
+    it ends giving them back, as a stop cancelled during its grace does. The end of the stop
+    was not shielded there: the messages not yet given back stayed reserved until
+    ``reserve_delay`` passed."""
+    if case.id not in ("memory", "redis-oq", "redis-reliable", "postgres", "mongo", "bucket-redis"):
+        pytest.skip("run on one backend of each kind")
+    factory = await connect(poll_interval=5.0)
+    needs(factory, "reserve")
+    q = await factory.queue("jobs", reserve_delay=600)
+    await q.push_many(list(range(10)))
+    started, finish, releasing = asyncio.Event(), asyncio.Event(), asyncio.Event()
+    release = q._release
+
+    async def slow_release(message: Message) -> None:  # a round trip to a far server
+        releasing.set()
+        await asyncio.sleep(0.05)
+        await release(message)
+
+    q._release = slow_release  # type: ignore[method-assign]
+
+    async def handler(message: Message) -> None:
+        started.set()
+        await finish.wait()
+
+    consumer = q.consume(handler, concurrency=1, prefetch=5)
+    await asyncio.wait_for(started.wait(), 30)
+    stopping = asyncio.create_task(consumer.stop())
+    await asyncio.sleep(0)  # the stop begins: it waits for the running handler
+    finish.set()
+    await asyncio.wait_for(releasing.wait(), 30)
+    stopping.cancel()
+    await asyncio.gather(stopping, return_exceptions=True)
+    sizes = await q.sizes()
+    assert (consumer.handled, sizes.reserved, sizes.total) == (1, 0, 9), sizes
+
+
 async def test_a_close_cancelled_during_its_grace_still_gives_everything_back(
     connect: Connect, case: Any
 ) -> None:
