@@ -41,6 +41,9 @@ class Factory:
         self._queues: dict[str, Queue] = {}
         self._opening: dict[str, asyncio.Future[Queue]] = {}
         self._closed = False
+        # While a close waits for the running handlers: a queue one of them reaches (a move's
+        # target) still opens, and is closed with the others.
+        self._siblings_open = False
         self._closing = Closing("factory")
         observe.track(self)  # weakly: metrics read the sizes of its open queues
 
@@ -79,22 +82,29 @@ class Factory:
         with the defaults if this factory has not opened it, and recorded only if the
         backend does not know it yet. Another process may have recorded it with options of
         its own (the admin commands reopen it with them): a move here must not replace them
-        with this factory's defaults."""
-        if self._closed:
+        with this factory's defaults. Also while a close waits for the running handlers."""
+        if self._closed and not self._siblings_open:
             raise ClosedError("factory is closed")
         check_queue_name(name)
         found = self._queues.get(name)
         if found is None:
-            found = await self._open_queue(name, self.defaults, replace_record=False)
+            found = await self._open_queue(
+                name, self.defaults, replace_record=False, sibling=True
+            )
         return found
 
     async def _open_queue(
-        self, name: str, options: QueueOptions, *, replace_record: bool = True
+        self,
+        name: str,
+        options: QueueOptions,
+        *,
+        replace_record: bool = True,
+        sibling: bool = False,
     ) -> Queue:
         opening = self._opening.get(name)
         if opening is not None:  # opened concurrently: share the one being made
             return await asyncio.shield(opening)
-        if self._closed:
+        if self._closed and not (sibling and self._siblings_open):
             raise ClosedError("factory is closed")
         future: asyncio.Future[Queue] = asyncio.get_running_loop().create_future()
         self._opening[name] = future
@@ -191,6 +201,7 @@ class Factory:
             while self._opening:
                 await asyncio.wait(list(self._opening.values()))
             queues = list(self._queues.values())
+            self._siblings_open = True  # a handler's move may open its target meanwhile
             # Every queue's consumers stop first, side by side, while every queue is still
             # open: a handler finishing in its grace may push into another queue of this
             # factory (closed under it, its push failed and its message was handled again).
@@ -201,6 +212,10 @@ class Factory:
                     *(queue._stop_consumers() for queue in queues), return_exceptions=True
                 )
             finally:
+                self._siblings_open = False
+                while self._opening:  # opened by a handler's move while it finished
+                    await asyncio.wait(list(self._opening.values()))
+                queues = list(self._queues.values())
                 # then the queues close, side by side: one failing to close (its server
                 # away) must not keep the others open; after a cancelled stop too, so that
                 # each still gives back what it holds before the backend closes under it

@@ -274,6 +274,42 @@ async def test_a_handler_pushing_to_another_queue_finishes_during_the_factory_cl
         assert [m.id for m in await other.pop_many(10, timeout=0)] == pushed
 
 
+async def test_a_handler_moving_to_an_unopened_queue_finishes_during_the_factory_close(
+    connect: Connect, case: Any
+) -> None:
+    """A handler still running when ``factory.close()`` begins moves its message into a
+    queue this factory has not opened yet: the move opens (and records) it as at any other
+    time, and the close closes it with the others. The move raised ClosedError ("factory is
+    closed"), the message stayed and was ko-ed to be handled again, with a traceback."""
+    if case.id not in ("memory", "redis-oq", "redis-reliable", "postgres", "mongo", "bucket-redis"):
+        pytest.skip("run on one backend of each kind")
+    factory = await connect(poll_interval=5.0)
+    needs(factory, "reserve", "move")
+    jobs = await factory.queue("jobs", reserve_delay=600)
+    started, closing_began = asyncio.Event(), asyncio.Event()
+    moved: list[str | None] = []
+
+    async def handler(message: Message) -> None:
+        started.set()
+        await closing_began.wait()
+        moved.append(await jobs.move(message, "done"))
+
+    consumer = jobs.consume(handler)
+    job = await jobs.push("job")
+    await asyncio.wait_for(started.wait(), 30)
+    closing = asyncio.create_task(factory.close())
+    await asyncio.sleep(0)  # the close begins: it waits for the running handler
+    closing_began.set()
+    await asyncio.wait_for(closing, 30)
+    assert (consumer.handled, consumer.failed, moved) == (1, 0, [job])
+    if factory.capabilities.shared:
+        other = await connect(poll_interval=5.0)
+        assert "done" in await other.list()
+        assert [m.payload for m in await (await other.queue("done")).pop_many(10, timeout=0)] == [
+            "job"
+        ]
+
+
 async def test_factory_close_stops_consumers_first(connect: Connect) -> None:
     factory = await connect(poll_interval=5.0)
     needs(factory, "reserve")
