@@ -193,6 +193,7 @@ class BucketStore(PushSide, StateWriter, Store):
         self._delta_factor = (options.reserve_delay or 30.0) if factor is None else factor
         self._token = os.urandom(8).hex()
         self._closed = False
+        self._shut = False  # a close ran to its end (see ``close``)
         # push side
         self._filling: dict[int, PushBucket] = {}
         self._sealed: list[PushBucket] = []
@@ -668,8 +669,12 @@ class BucketStore(PushSide, StateWriter, Store):
         start, so there is a last bucket to write. A write that fails is tried again a few
         times (a short outage); then close raises, and what was not written is a crash's
         cost (see the module docstring)."""
-        if self._closed:
+        if self._shut:
             return
+        # Refused from now on; but only a close that ended is done: one cancelled (a shutdown
+        # timeout, a second Ctrl-C: the queue's cancelled close closes its store again) or
+        # failed runs again, else the buckets still leased stayed out of reach until their
+        # lease lapsed.
         self._closed = True
         self._make_room()  # pushers held by backpressure: refused
         failure: Exception | None = None
@@ -698,6 +703,7 @@ class BucketStore(PushSide, StateWriter, Store):
         finally:
             if self._flusher is not None:
                 await stop_task(self._flusher)
+        self._shut = True
         if failure is not None:
             raise failure
 

@@ -504,6 +504,40 @@ async def test_close_gives_leased_buckets_back_at_once(
         assert all(m.tries == 0 for m in got)
 
 
+async def test_a_close_cancelled_as_it_gives_the_buckets_back_still_gives_them_back(
+    bucket_case: tuple[BackendCase, dict[str, Any]],
+) -> None:
+    """A queue's close cancelled (a shutdown timeout, a second Ctrl-C) while its store gives
+    the leased buckets back: the cancelled close closes the store again, and that close
+    gives them back. It returned at once, the store being closed already, and so did every
+    later close: the buckets stayed leased, their messages out of reach, until the lease
+    lapsed (minutes)."""
+    case, options = bucket_case
+    async with aio_keuss.connect(case.name, **options, reserve_delay=600.0) as first:
+        q = await first.queue("handover")
+        await q.push_many(list(range(10)))
+        assert len(await q.reserve_many(3, timeout=5)) == 3
+        store: Any = q._store
+        flush_state = store._flush_state
+        releasing = asyncio.Event()
+
+        async def slow_flush_state(release_all: bool = False) -> None:
+            if release_all:  # the close's: a round trip to a far server
+                releasing.set()
+                await asyncio.sleep(0.2)
+            await flush_state(release_all)
+
+        store._flush_state = slow_flush_state
+        closing = asyncio.create_task(q.close())
+        await asyncio.wait_for(releasing.wait(), 30)
+        closing.cancel()
+        await asyncio.gather(closing, return_exceptions=True)
+    async with aio_keuss.connect(case.name, **options) as second:
+        got = await _take_all(await second.queue("handover"), idle=0.5)
+        assert sorted(m.payload for m in got) == list(range(10))
+        assert all(m.tries == 0 for m in got)
+
+
 async def test_a_bucket_given_back_on_close_wakes_consumers_elsewhere(
     bucket_case: tuple[BackendCase, dict[str, Any]],
 ) -> None:
