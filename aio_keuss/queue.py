@@ -622,6 +622,12 @@ class Queue:
         try:
             for start in range(0, len(nacks), size):
                 await self._store.rollback(nacks[start : start + size], None)
+        except ClosedError:
+            # a close that was cancelled closed the store already: a store that refuses
+            # calls once closed (the bucket stores) gives back all it holds as it closes
+            # (a store close that failed runs again at the end of this close)
+            log.debug("queue %r: reservations given back by the store's close", self.name)
+            return
         except Exception as exc:
             log.warning(
                 "queue %r: could not give back %d unacknowledged reservations on close (%r); "

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -536,6 +537,39 @@ async def test_a_close_cancelled_as_it_gives_the_buckets_back_still_gives_them_b
         got = await _take_all(await second.queue("handover"), idle=0.5)
         assert sorted(m.payload for m in got) == list(range(10))
         assert all(m.tries == 0 for m in got)
+
+
+async def test_a_second_close_after_a_cancelled_one_warns_of_nothing(
+    bucket_case: tuple[BackendCase, dict[str, Any]], caplog: pytest.LogCaptureFixture
+) -> None:
+    """A queue's close cancelled while it waits for a running handler closes its store,
+    which gives back every bucket, reservations and all. Closing the queue again then
+    warned that the reservations it had handed out "could not be given back" and would
+    "come back when their reservations expire" (the closed store refused them), when they
+    were back already."""
+    case, options = bucket_case
+    async with aio_keuss.connect(case.name, **options, reserve_delay=600.0) as first:
+        q = await first.queue("handover")
+        await q.push_many(list(range(10)))
+        assert len(await q.reserve_many(3, timeout=5)) == 3  # held, never acknowledged
+        started = asyncio.Event()
+
+        async def handler(message: aio_keuss.Message) -> None:
+            started.set()
+            await asyncio.Event().wait()  # runs until cancelled
+
+        q.consume(handler)
+        await asyncio.wait_for(started.wait(), 30)
+        closing = asyncio.create_task(q.close())
+        await asyncio.sleep(0.1)  # the close waits for the handler, with the stop's grace
+        closing.cancel()
+        await asyncio.gather(closing, return_exceptions=True)
+        with caplog.at_level(logging.WARNING, logger="aio_keuss"):
+            await q.close()
+        assert not caplog.records, [r.getMessage() for r in caplog.records]
+    async with aio_keuss.connect(case.name, **options) as second:
+        got = await _take_all(await second.queue("handover"), idle=0.5)
+        assert sorted(m.payload for m in got) == list(range(10))
 
 
 async def test_a_bucket_given_back_on_close_wakes_consumers_elsewhere(
