@@ -88,9 +88,7 @@ class Factory:
         check_queue_name(name)
         found = self._queues.get(name)
         if found is None:
-            found = await self._open_queue(
-                name, self.defaults, replace_record=False, sibling=True
-            )
+            found = await self._open_queue(name, self.defaults, replace_record=False, sibling=True)
         return found
 
     async def _open_queue(

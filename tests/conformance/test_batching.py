@@ -154,9 +154,7 @@ async def test_push_each_gives_each_message_its_own_options(queue: aio_keuss.Que
     each message's own, in one call."""
     caps = queue.capabilities
     ids = [f"own-{i}" for i in range(3)] if caps.idempotent else [None] * 3
-    messages = [
-        aio_keuss.NewMessage({"n": i}, headers={"k": str(i)}, id=ids[i]) for i in range(3)
-    ]
+    messages = [aio_keuss.NewMessage({"n": i}, headers={"k": str(i)}, id=ids[i]) for i in range(3)]
     if caps.delay:
         messages.append(aio_keuss.NewMessage("later", delay=3600))
     pushed = await queue.push_each(messages)
