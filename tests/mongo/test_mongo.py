@@ -163,6 +163,21 @@ async def test_dedup_after_consumption(open_factory: Open, backend: str) -> None
     assert await other.total_size() == 0
 
 
+def fail_next_insert(q: aio_keuss.Queue, stored: int = 0) -> None:
+    """The queue's next insert_many stores its first ``stored`` documents, then fails as a
+    lost connection does; the ones after it work."""
+    messages = q._store._coll  # type: ignore[attr-defined]
+    real_insert = messages.insert_many
+
+    async def lost(docs: list[Any], *args: Any, **kwargs: Any) -> Any:
+        messages.insert_many = real_insert
+        if stored:
+            await real_insert(docs[:stored], *args, **kwargs)
+        raise pymongo.errors.AutoReconnect("injected: connection closed")
+
+    messages.insert_many = lost
+
+
 @pytest.mark.parametrize("backend", ["mongo", "mongo-history"])
 async def test_a_failed_push_with_an_id_can_be_retried(open_factory: Open, backend: str) -> None:
     """The id is claimed in the dedup collection before the message is inserted: when the
@@ -170,14 +185,7 @@ async def test_a_failed_push_with_an_id_can_be_retried(open_factory: Open, backe
     given back, so retrying the same idempotent push stores the message (not a silent
     no-op that loses it)."""
     q = await (await open_factory(backend)).queue("retry")
-    messages = q._store._coll  # type: ignore[attr-defined]
-    real_insert = messages.insert_many
-
-    async def lost(*args: Any, **kwargs: Any) -> Any:
-        messages.insert_many = real_insert
-        raise pymongo.errors.AutoReconnect("injected: connection closed after the claim")
-
-    messages.insert_many = lost
+    fail_next_insert(q)
     with pytest.raises(aio_keuss.KeussConnectionError):
         await q.push({"order": 17}, id="order-17")
     assert await q.push({"order": 17}, id="order-17") == "order-17"
@@ -196,15 +204,7 @@ async def test_a_partly_failed_push_keeps_the_claims_of_what_went_in(
     the call was given back, those of the messages stored included: once such a message
     was consumed, the retry of the push stored it a second time."""
     q = await (await open_factory(backend)).queue("partial")
-    messages = q._store._coll  # type: ignore[attr-defined]
-    real_insert = messages.insert_many
-
-    async def first_only(docs: list[Any], *args: Any, **kwargs: Any) -> Any:
-        messages.insert_many = real_insert
-        await real_insert(docs[:1], *args, **kwargs)
-        raise pymongo.errors.AutoReconnect("injected: connection closed half-way")
-
-    messages.insert_many = first_only
+    fail_next_insert(q, stored=1)
     with pytest.raises(aio_keuss.KeussConnectionError):
         await q.push_many(["a", "b"], ids=["a", "b"])
     first = await q.pop(timeout=1)
@@ -227,14 +227,7 @@ async def test_a_failed_push_of_an_id_whose_consumed_record_is_kept_can_be_retri
     first = await q.pop(timeout=1)
     assert first is not None and first.payload == "first"  # its record stays, processed
     await asyncio.sleep(0.6)  # the dedup window ends
-    messages = q._store._coll  # type: ignore[attr-defined]
-    real_insert = messages.insert_many
-
-    async def lost(*args: Any, **kwargs: Any) -> Any:
-        messages.insert_many = real_insert
-        raise pymongo.errors.AutoReconnect("injected: connection closed after the claim")
-
-    messages.insert_many = lost
+    fail_next_insert(q)
     with pytest.raises(aio_keuss.KeussConnectionError):
         await q.push("second", id="order-1")
     await q.push("second", id="order-1")  # the retry
