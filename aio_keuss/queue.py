@@ -218,17 +218,12 @@ class Queue:
     ) -> list[str]:
         """Queue many messages in order with as few round trips as ``max_batch`` allows."""
         self._check_open()
-        if isinstance(payloads, str | bytes | bytearray | dict) or not isinstance(
-            payloads, Sequence
-        ):
+        if not _listed(payloads):
             raise InvalidInputError("push_many takes a sequence (list, tuple) of payloads")
         checked: list[str] | None = None
         if ids is not None:
-            if (
-                isinstance(ids, str | bytes | bytearray)
-                or not isinstance(ids, Sequence)
-                or len(ids) != len(payloads)
-            ):  # a set or a generator would pair ids with payloads in no defined order
+            if not _listed(ids) or len(ids) != len(payloads):
+                # a set or a generator would pair ids with payloads in no defined order
                 raise InvalidInputError("ids must be a sequence (list, tuple) as long as payloads")
             checked = [check_id(message_id) for message_id in ids]
         seconds = self._delay(delay)
@@ -323,9 +318,7 @@ class Queue:
         each): every one is checked as ``push`` checks it before any is written, then they
         go in order with as few round trips as ``max_batch`` allows, as ``push_many``."""
         self._check_open()
-        if isinstance(messages, str | bytes | bytearray | dict) or not isinstance(
-            messages, Sequence
-        ):
+        if not _listed(messages):
             raise InvalidInputError("push_each takes a sequence (list, tuple) of NewMessage")
         entries: list[Entry] = []
         for message in messages:
@@ -1273,6 +1266,12 @@ def _earliest(entries: list[Entry]) -> float:
         return first.mature if first.mature is not None else time.time() + first.delay
     now = time.time()
     return min(e.mature if e.mature is not None else now + e.delay for e in entries)
+
+
+def _listed(value: object) -> bool:
+    """A sequence of items (a list, a tuple), not text or bytes, which are sequences too; a
+    set, a dict or a generator is not one (no defined order, or not items)."""
+    return isinstance(value, Sequence) and not isinstance(value, str | bytes | bytearray)
 
 
 def _entry_bytes(entries: list[Entry]) -> int:
