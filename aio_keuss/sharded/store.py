@@ -182,12 +182,13 @@ class ShardedStore(Store):
             # either (it finds their magazines no longer empty).
             outcomes = await self._each([_caught(call) for call in calls])
             failure = next((o for o in outcomes if isinstance(o, Exception)), None)
-            loads = []
-            for shard, outcome in zip(list(shards), outcomes, strict=True):
-                if isinstance(outcome, Exception):
-                    shards.remove(shard)
-                else:
-                    loads.append(outcome)
+            went_in = [
+                (shard, outcome)
+                for shard, outcome in zip(shards, outcomes, strict=True)
+                if not isinstance(outcome, Exception)
+            ]
+            shards = [shard for shard, _ in went_in]
+            loads = [loaded for _, loaded in went_in]
         marks: list[ReadyMark] = []
         for shard, loaded in zip(shards, loads, strict=True):
             if loaded.announce:  # the magazine was empty: this push announces the shard
