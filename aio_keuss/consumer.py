@@ -420,6 +420,7 @@ class Consumer:
         # prefetched messages, each with the monotonic time its reservation runs out
         self._buffer: deque[tuple[Message, float]] = deque()
         self._fetching = asyncio.Lock()
+        self._starving = 0  # workers that found the buffer empty and wait for a fetch
         # With prefetch, oks are sent in the background, several to a round trip: handled
         # messages wait in ``_oks`` for one of at most OK_SENDERS sender tasks; at most
         # OK_ROOM * (concurrency + prefetch) are unanswered (queued or in flight) at a time.
@@ -648,13 +649,17 @@ class Consumer:
             return got[0] if got else None
         while True:
             if not self._buffer:
-                async with self._fetching:
-                    if not self._buffer:
-                        got = await self.queue.next(self._outage, 1 + self._prefetch)
-                        until = math.inf  # handed out while at least half of it is left
-                        if self._reserve and self.queue.capabilities.reservation_expiry:
-                            until = time.monotonic() + self.queue.reserve_delay / 2
-                        self._buffer.extend((message, until) for message in got)
+                self._starving += 1
+                try:
+                    async with self._fetching:
+                        if not self._buffer:
+                            got = await self.queue.next(self._outage, self._want())
+                            until = math.inf  # handed out while at least half is left
+                            if self._reserve and self.queue.capabilities.reservation_expiry:
+                                until = time.monotonic() + self.queue.reserve_delay / 2
+                            self._buffer.extend((message, until) for message in got)
+                finally:
+                    self._starving -= 1
             if not self._buffer:
                 return None
             message, until = self._buffer.popleft()
@@ -668,6 +673,14 @@ class Consumer:
             )
             # out of the buffer already: a stop cancelling this wait must not cancel it
             await asyncio.shield(self._acknowledge("release", message, self.queue.release(message)))
+
+    def _want(self) -> int:
+        """How many one fetch reserves: one for each worker waiting for it (the fetcher
+        included), plus the prefetch. With one message more than the prefetch per fetch,
+        many workers with short handlers were fed ``prefetch + 1`` messages a round trip,
+        one round trip at a time, and spent their time waiting for it (32 workers, prefetch
+        10: no faster than 3 workers)."""
+        return self._starving + self._prefetch
 
     @contextlib.contextmanager
     def _in_handler(self) -> Iterator[None]:

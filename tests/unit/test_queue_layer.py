@@ -175,3 +175,30 @@ async def test_a_stop_is_bounded_when_an_ok_never_returns(
         await asyncio.sleep(0.05)  # its ok is on its way
         await asyncio.wait_for(consumer.stop(grace=0.2), 10)
         assert consumer.state == "stopped"
+
+
+async def test_a_prefetching_consumer_fetches_for_every_waiting_worker() -> None:
+    # With prefetch P, a fetch used to reserve P + 1 whatever the number of idle workers:
+    # 32 workers with short handlers were fed 11 messages a round trip, one round trip at a
+    # time. A fetch now reserves one for each worker waiting on it, plus P.
+    queue, store = _queue(in_caller=False)
+    await queue.push_many(list(range(100)))
+    started: list[int] = []
+    release = asyncio.Event()
+
+    async def handler(message: aio_keuss.Message) -> None:
+        started.append(message.payload)
+        await release.wait()
+
+    consumer = queue.consume(handler, concurrency=8, prefetch=2)
+    for _ in range(1000):
+        if len(started) == 8:
+            break
+        await asyncio.sleep(0)
+    assert len(started) == 8
+    # the first worker fetched alone (1 + 2); the seven behind it waited for that fetch,
+    # and the next fetch was for the five of them still without a message (5 + 2)
+    assert store.made("reserve") == [3, 7]
+    release.set()
+    await consumer.stop()
+    await queue.close()
