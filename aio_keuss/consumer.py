@@ -50,6 +50,7 @@ from types import TracebackType
 from typing import Any, Literal, Protocol, cast
 
 from . import observe
+from .deadlines import Deadlines, Limit
 from .errors import (
     ClosedError,
     ConfigError,
@@ -460,6 +461,7 @@ class Consumer:
         """Seconds each handler ran, whatever its outcome."""
         # Kept: on Python 3.11 asyncio.get_running_loop() costs a getpid() call.
         self._loop = loop = asyncio.get_running_loop()
+        self._deadlines = None if timeout is None else Deadlines(loop, timeout)
         self._workers = [loop.create_task(self._work()) for _ in range(concurrency)]
 
     async def __aenter__(self) -> Consumer:
@@ -683,7 +685,7 @@ class Consumer:
         return self._starving + self._prefetch
 
     @contextlib.contextmanager
-    def _in_handler(self) -> Iterator[None]:
+    def _in_handler(self) -> Iterator[asyncio.Task[Any]]:
         """While a handler runs: its worker is one a stop past its grace cancels, and a
         ``CancelledError`` the handler raises unasked is a failure, not a stop."""
         # with the loop given: without it, Python 3.11 looks the running loop up, which
@@ -692,7 +694,7 @@ class Consumer:
         task = cast(asyncio.Task[Any], asyncio.current_task(self._loop))
         self._handling.add(task)
         try:
-            yield
+            yield task
         except asyncio.CancelledError as exc:
             if _asked_to_stop():
                 raise
@@ -706,16 +708,16 @@ class Consumer:
 
     async def _handle(self, message: Message) -> None:
         started = time.monotonic()
-        deadline: asyncio.Timeout | None = None
+        deadline: Limit | None = None
         try:
-            with self._in_handler():
+            with self._in_handler() as task:
                 result = cast(Handler, self._handler)(message)
                 if inspect.isawaitable(result):
-                    if self._timeout is None:
+                    if self._deadlines is None:
                         result = await result
                     else:
-                        async with asyncio.timeout(self._timeout) as deadline:
-                            result = await result
+                        deadline = self._deadlines.start(task)
+                        result = await self._within(deadline, result)
         except asyncio.CancelledError:
             self._ran(started, "cancelled")
             if self._reserve:
@@ -772,12 +774,22 @@ class Consumer:
         finally:
             self._ok_senders -= 1
 
-    def _failure(
-        self, exc: Exception, deadline: asyncio.Timeout | None, started: float
-    ) -> Exception:
+    async def _within(self, deadline: Limit, handler: Awaitable[Any]) -> Any:
+        """Await a handler under its deadline (``timeout``): past it, the handler is
+        cancelled and a ``TimeoutError`` raised instead."""
+        deadlines = cast(Deadlines, self._deadlines)
+        try:
+            result = await handler
+        except BaseException as exc:
+            deadlines.end(deadline, exc)
+            raise
+        deadlines.end(deadline, None)
+        return result
+
+    def _failure(self, exc: Exception, deadline: Limit | None, started: float) -> Exception:
         """What a handler's exception is logged as: past its timeout, a HandlerTimeoutError
         (its duration recorded with that outcome)."""
-        if deadline is None or not deadline.expired():
+        if deadline is None or not deadline.expired:
             self._ran(started, "error")
             return exc
         self._ran(started, "timeout")
@@ -822,15 +834,18 @@ class Consumer:
         """A batch handler's messages share its outcome: all ok-ed when it returns, all
         ko-ed (each with its own backoff) when it raises, all given back when cancelled."""
         started = time.monotonic()
-        deadline: asyncio.Timeout | None = None
+        deadline: Limit | None = None
         try:
-            with self._in_handler():
+            with self._in_handler() as task:
                 # a copy: what the handler does to its list (takes messages off it) must not
                 # change which messages are acknowledged
                 result = cast(BatchHandler, self._handler)(list(messages))
                 if inspect.isawaitable(result):
-                    async with asyncio.timeout(self._timeout) as deadline:
+                    if self._deadlines is None:
                         await result
+                    else:
+                        deadline = self._deadlines.start(task)
+                        await self._within(deadline, result)
         except asyncio.CancelledError:
             self._ran(started, "cancelled")
             if self._reserve:
