@@ -37,6 +37,7 @@ from .observe import enable as enable_metrics
 from .otel import enable_opentelemetry
 from .queue import Queue
 from .registry import backend_names
+from .repeat import Repeater
 from .types import Capabilities, KoResult, MessageView, Page, Sizes, State
 from .worker import run_worker
 
@@ -73,6 +74,7 @@ __all__ = [
     "PipelineError",
     "Page",
     "Queue",
+    "Repeater",
     "Sizes",
     "State",
     "TooManyConsumersError",

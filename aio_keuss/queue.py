@@ -61,6 +61,7 @@ from .options import (
     check_seconds,
     check_timeout,
 )
+from .repeat import Repeater, RepeatPlan
 from .types import Capabilities, KoResult, MessageView, Page, Sizes
 from .visibility import SiblingQueue
 from .wakeups import Wakeups
@@ -125,6 +126,7 @@ class Queue:
         self._background: set[asyncio.Task[Any]] = set()
         self._pause_signals = 0  # pauses and resumes heard: a resync read older than one loses
         self._consumers: set[Consumer] = set()
+        self._repeaters: set[Repeater] = set()
         self._handler_failures = HandlerFailures(name)
         # Reservations handed out here and not yet ok-ed, ko-ed or released (id -> tries),
         # given back by ``close``. Two generations: where reservations expire, one older
@@ -739,6 +741,42 @@ class Queue:
         self._consumers.add(consumer)
         return consumer
 
+    def repeat(
+        self,
+        key: str,
+        payload: Payload,
+        *,
+        every: float | None = None,
+        cron: str | None = None,
+        headers: Headers | None = None,
+        tz: str = "UTC",
+    ) -> Repeater:
+        """Push ``payload`` on a schedule, ``every`` seconds (aligned to the epoch) or by a
+        five-field ``cron`` expression read in ``tz``, as messages with ids
+        ``f"{key}@{ms}"``: any number of processes may run the same repeat, the queue's
+        dedup keeps one copy of each occurrence. Stop with ``await repeater.stop()``,
+        ``async with``, or by closing the queue. See :mod:`aio_keuss.repeat`."""
+        self._check_open()
+        if self._closing.under_way:
+            raise ClosedError(f"queue {self.name!r} is closing")
+        plan = RepeatPlan.make(key, every, cron, tz, headers)
+        now = time.time()
+        first = plan.schedule.next_after(now)
+        # payload, headers, id and the idempotent capability, checked as a push checks them
+        self._entry(payload, 0.0, encode_headers(plan.headers_at(first)), plan.message_id(first))
+        self._require("delay")
+        if self.capabilities.shared:
+            warning = plan.dedup_warning(self.options.dedup_window, now)
+            if warning is not None:
+                log.warning("queue %r: %s", self.name, warning)
+
+        def push(delay: float, headers: Headers, message_id: str) -> Awaitable[str]:
+            return self.push(payload, delay=delay, headers=headers, id=message_id)
+
+        repeater = Repeater(plan, self.name, push, self._repeaters.discard)
+        self._repeaters.add(repeater)
+        return repeater
+
     # acknowledging --------------------------------------------------------------------
 
     async def ok(self, message: Message | str) -> bool:
@@ -1133,6 +1171,8 @@ class Queue:
                 raise outcome
 
     async def _close_steps(self) -> None:
+        # nothing is pushed on a schedule into a closing queue
+        await asyncio.gather(*(repeater.stop() for repeater in list(self._repeaters)))
         # their in-flight handlers finish and acknowledge first (consume() is refused now)
         await self._stop_consumers()
         await self.drain()

@@ -1,0 +1,253 @@
+"""``queue.repeat(key, payload, every=... | cron=...)``: a push that recurs on a schedule.
+
+What BullMQ's repeatable jobs (``repeat: {pattern | every}``), saq's ``CronJob``, arq's
+``cron`` and procrastinate's periodic tasks offer, built from two things every queue with
+explicit ids and delays already has, so that any number of processes may run the same
+repeat without a leader or a lock:
+
+- Occurrence ``t`` is pushed as a delayed message whose id is ``f"{key}@{ms}"`` (``ms``: ``t``
+  in whole milliseconds since the epoch). Every process computes the same instants (see
+  :mod:`aio_keuss.cron`), hence the same ids, and the queue drops a second push of an id
+  within its ``dedup_window``, even after the first was consumed: each occurrence is
+  delivered once however many processes push it.
+- The repeater keeps the NEXT occurrence already queued: it pushes the first one after now
+  when it starts, then sleeps until that time and pushes the one after. A process that dies
+  leaves its next occurrence queued, so a restart within a period loses nothing.
+
+Every push of occurrence ``t`` is made between the occurrence before it and ``t`` itself (a
+push that keeps failing is given up at ``t``, the occurrence skipped), so the dedup holds as
+long as ``dedup_window`` outlasts the longest gap between two occurrences; ``repeat()`` logs a
+warning when it does not. Occurrences that fell due while no repeater ran are not made up,
+as with cron: a repeat is a schedule of future pushes, not a ledger of past ones.
+
+A repeater is a background task like a consumer: it rides out outages (each failed push is
+retried with the consumers' jittered backoff, the outage logged once), ``stop()`` ends it and
+may be called any number of times, and the queue's ``close()`` stops the repeaters it
+started.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from datetime import datetime
+from types import TracebackType
+from typing import Any
+
+from .consumer import Outage, State, retry_backoff
+from .cron import Schedule, every, parse_cron, zone
+from .errors import ClosedError, InvalidHeadersError, InvalidInputError
+from .message import Headers, to_datetime
+
+log = logging.getLogger("aio_keuss.repeat")
+
+KEY_HEADER = "repeat"
+"""Header naming the repeat an occurrence comes from (its key)."""
+SCHEDULED_HEADER = "scheduled"
+"""Header with the occurrence's time, ISO-8601 UTC text."""
+LONGEST_NAP = 60.0
+"""Longest single sleep while waiting for an occurrence: the wall clock is read again after
+it, so a clock stepped by NTP or a suspended machine delays an occurrence by at most this."""
+DEDUP_MARGIN = 60.0
+"""Seconds of clock skew and round trip that ``dedup_window`` should leave above the longest
+gap between occurrences (see :meth:`RepeatPlan.dedup_warning`)."""
+
+Push = Callable[[float, Headers, str], Awaitable[Any]]
+"""Pushes the repeat's payload with a delay, headers and id (``Queue.push``, bound)."""
+
+
+@dataclass(frozen=True, slots=True)
+class RepeatPlan:
+    """What ``repeat()`` was asked, checked: the key, the schedule and the user's headers."""
+
+    key: str
+    schedule: Schedule
+    headers: Headers
+
+    @staticmethod
+    def make(key: object, every_s: object, cron: object, tz: object, headers: object) -> RepeatPlan:
+        """Check everything but the payload and the backend (the queue does those), raising
+        a typed error before anything is written."""
+        if not isinstance(key, str) or not key:
+            raise InvalidInputError(f"repeat key must be a non-empty str, not {key!r:.80}")
+        if (every_s is None) == (cron is None):
+            raise InvalidInputError("repeat takes exactly one of every= (seconds) and cron=")
+        schedule: Schedule
+        if cron is not None:
+            schedule = parse_cron(cron, tz)
+        else:
+            zone(tz)  # checked all the same: a typo should not wait for a switch to cron
+            schedule = every(every_s)
+        if headers is None:
+            headers = {}
+        elif not isinstance(headers, dict):
+            raise InvalidHeadersError(f"headers must be a dict, not {type(headers).__name__}")
+        taken = sorted({KEY_HEADER, SCHEDULED_HEADER} & set(headers))
+        if taken:
+            raise InvalidHeadersError(
+                f"headers {taken} are set by repeat() on each occurrence; use other names"
+            )
+        return RepeatPlan(key, schedule, dict(headers))
+
+    def message_id(self, t: float) -> str:
+        return occurrence_id(self.key, t)
+
+    def headers_at(self, t: float) -> Headers:
+        return {
+            **self.headers,
+            KEY_HEADER: self.key,
+            SCHEDULED_HEADER: to_datetime(t).isoformat(timespec="milliseconds"),
+        }
+
+    def dedup_warning(self, dedup_window: float, now: float) -> str | None:
+        """Why several processes could push an occurrence twice, or None: a push of an
+        occurrence is made up to one gap before it, and a second push after its message
+        was consumed is dropped only while the first push's id is remembered."""
+        gap = self.schedule.longest_gap(now)
+        if gap + DEDUP_MARGIN <= dedup_window:
+            return None
+        return (
+            f"repeat {self.key!r}: occurrences are up to {gap:g} s apart but the queue's"
+            f" dedup_window is {dedup_window:g} s: several processes running this repeat"
+            f" could push an occurrence twice; open the queue with dedup_window >="
+            f" {gap + DEDUP_MARGIN:g} to rule it out"
+        )
+
+
+def occurrence_id(key: str, t: float) -> str:
+    """The message id of occurrence ``t`` of repeat ``key``: the same in every process."""
+    return f"{key}@{round(t * 1000)}"
+
+
+class Repeater:
+    """A running repeat (see the module's docstring); made by ``Queue.repeat``."""
+
+    def __init__(
+        self,
+        plan: RepeatPlan,
+        queue: str,
+        push: Push,
+        stopped: Callable[[Repeater], None],
+    ) -> None:
+        self.key = plan.key
+        self.queue = queue
+        self.schedule = plan.schedule
+        self._plan = plan
+        self._push = push
+        self._stopped = stopped
+        self.pushed = 0
+        """Occurrences this repeater pushed (a push another process had made counts too:
+        the queue dropped it as a duplicate)."""
+        self.missed = 0
+        """Occurrences given up because every push of theirs failed until their time."""
+        self.next_at: datetime | None = None
+        """The occurrence pushed last (or being pushed): the next one to be delivered."""
+        self.failure: Exception | None = None
+        """The error that ended the repeater, when one not worth retrying did."""
+        self._outage = Outage(queue, f"repeat {plan.key!r}")
+        self._failures = 0
+        self._stopping = False
+        self._task = asyncio.get_running_loop().create_task(self._run())
+        self._task.add_done_callback(self._ended)
+
+    def __repr__(self) -> str:
+        return f"<Repeater {self.key!r} on {self.queue!r} {self.state}>"
+
+    async def __aenter__(self) -> Repeater:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.stop()
+
+    @property
+    def state(self) -> State:
+        """One of "running", "reconnecting" (pushes fail; it retries) or "stopped"."""
+        if self._stopping or self._task.done():
+            return "stopped"
+        return "reconnecting" if self._outage.failing else "running"
+
+    @property
+    def last_error(self) -> Exception | None:
+        """The last failed push, kept after the outage ended."""
+        return self._outage.last_error
+
+    async def stop(self) -> None:
+        """Stop pushing. The occurrence already queued stays queued (other processes may
+        push it too; stopping one process must not take it from them): ``remove`` its id
+        to drop it. Safe to call again, and to cancel (the repeater stops all the same)."""
+        self._stopping = True
+        self._task.cancel()
+        await asyncio.wait([self._task])
+
+    async def wait(self) -> None:
+        """Until the repeater stops. Cancelling this wait leaves it running."""
+        await asyncio.wait([self._task])
+
+    def _ended(self, task: asyncio.Task[None]) -> None:
+        self._stopped(self)
+
+    async def _run(self) -> None:
+        try:
+            t = self.schedule.next_after(time.time())
+            while True:
+                if await self._push_occurrence(t):
+                    await _sleep_until(t)
+                # after a late wake (a loaded loop, a suspended machine) what fell due meanwhile
+                # is not made up, as with cron
+                t = self.schedule.next_after(max(t, time.time()))
+        except ClosedError:
+            log.debug("queue %r: repeat %r stops: the queue closed", self.queue, self.key)
+        except Exception as exc:  # not worth retrying (a refused push): stop, loudly
+            self.failure = exc
+            log.exception("queue %r: repeat %r stopped", self.queue, self.key)
+
+    async def _push_occurrence(self, t: float) -> bool:
+        """Push occurrence ``t``, retrying with backoff until it is in or its time has come
+        (then it is skipped: a push after ``t`` could follow the consumption of a copy
+        another process pushed, past what the dedup window covers)."""
+        self.next_at = to_datetime(t)
+        message_id, headers = self._plan.message_id(t), self._plan.headers_at(t)
+        while True:
+            generation = self._outage.generation
+            try:
+                await self._push(max(0.0, t - time.time()), headers, message_id)
+            except ClosedError:
+                raise
+            except Exception as exc:
+                self._outage.failed(exc, generation, "push")  # raises what cannot heal
+                pause = retry_backoff(self._failures)
+                self._failures += 1
+                left = t - time.time()
+                if left <= pause:
+                    await asyncio.sleep(max(0.0, left))
+                    self.missed += 1
+                    log.debug(
+                        "queue %r: repeat %r: occurrence %s skipped: no push got through",
+                        self.queue,
+                        self.key,
+                        message_id,
+                    )
+                    return False
+                await asyncio.sleep(pause)
+                continue
+            self._failures = 0
+            self._outage.succeeded()
+            self.pushed += 1
+            return True
+
+
+async def _sleep_until(t: float) -> None:
+    """Sleep until the wall clock reads ``t`` (asyncio sleeps on the monotonic clock)."""
+    while True:
+        left = t - time.time()
+        if left <= 0:
+            return
+        await asyncio.sleep(min(left, LONGEST_NAP))

@@ -1,0 +1,208 @@
+"""Conformance: repeatable pushes (``Queue.repeat``) on every backend that has explicit ids
+and delays, and their refusal (before anything is written) elsewhere.
+
+Occurrences come every 0.5 s. Nothing here asserts a time or a duration: the tests wait, with
+generous bounds, for ids, counts and uniqueness, and an occurrence a loaded machine skips
+(a repeater that woke after the next one was due) only makes a wait longer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from datetime import datetime
+
+import pytest
+from backends import BackendCase
+from conftest import Connect, needs
+
+import aio_keuss
+from aio_keuss import Message
+
+pytestmark = pytest.mark.timeout(90)
+
+EVERY = 0.5
+WAIT = 20.0
+
+
+async def _distinct(queues: list[aio_keuss.Queue], count: int) -> list[Message]:
+    """Pop from ``queues`` until ``count`` messages are in (all of them, duplicates too)."""
+    got: list[Message] = []
+    deadline = time.monotonic() + WAIT
+    while len({m.id for m in got}) < count:
+        assert time.monotonic() < deadline, f"only {len(got)} occurrences in {WAIT} s"
+        for q in queues:
+            message = await q.pop(timeout=0.2)
+            if message is not None:
+                got.append(message)
+    return got
+
+
+async def _empty(q: aio_keuss.Queue) -> list[Message]:
+    """Pop until nothing is left, the occurrence still delayed included."""
+    got: list[Message] = []
+    deadline = time.monotonic() + WAIT
+    while await q.total_size() > 0:
+        assert time.monotonic() < deadline
+        message = await q.pop(timeout=1.0)
+        if message is not None:
+            got.append(message)
+    return got
+
+
+def _repeatable(holder: aio_keuss.Factory | aio_keuss.Queue) -> None:
+    needs(holder, "idempotent", "delay")
+
+
+async def test_occurrences_arrive_with_their_ids_and_headers(queue: aio_keuss.Queue) -> None:
+    _repeatable(queue)
+    async with queue.repeat("tick", {"n": 1}, every=EVERY, headers={"who": "test"}) as repeater:
+        assert repeater.state == "running"
+        got = await _distinct([queue], 3)
+    assert repeater.state == "stopped"
+    for message in got:
+        key, _, ms = message.id.partition("@")
+        assert key == "tick" and int(ms) % 500 == 0  # aligned to the epoch
+        assert message.payload == {"n": 1}
+        assert message.headers["repeat"] == "tick" and message.headers["who"] == "test"
+        scheduled = datetime.fromisoformat(str(message.headers["scheduled"]))
+        assert scheduled.utcoffset() is not None and scheduled.utcoffset().total_seconds() == 0
+        assert round(scheduled.timestamp() * 1000) == int(ms)
+    assert len({m.id for m in got}) == len(got)
+    assert repeater.pushed >= 3 and repeater.failure is None
+
+
+async def test_cron_repeat_keeps_its_next_occurrence_queued(queue: aio_keuss.Queue) -> None:
+    _repeatable(queue)
+    repeater = queue.repeat("minutely", "x", cron="* * * * *", tz="Europe/Madrid")
+    deadline = time.monotonic() + WAIT
+    while repeater.pushed == 0:
+        assert time.monotonic() < deadline
+        await asyncio.sleep(0.05)
+    await repeater.stop()
+    # the next minute, delayed (and the one before, should a minute have turned meanwhile)
+    assert 1 <= await queue.total_size() <= repeater.pushed
+    assert repeater.next_at is not None
+    assert repeater.next_at.second == 0 and repeater.next_at.microsecond == 0
+    if queue.capabilities.remove:
+        assert await queue.remove(f"minutely@{round(repeater.next_at.timestamp() * 1000)}")
+
+
+async def test_two_processes_push_each_occurrence_once(case: BackendCase, connect: Connect) -> None:
+    first = await connect()
+    _repeatable(first)
+    # two processes' worth: two factories on one server (one, where queues are not shared)
+    second = await connect() if case.shared else first
+    q1, q2 = await first.queue("q1"), await second.queue("q1")
+    r1 = q1.repeat("both", {"p": 1}, every=EVERY)
+    r2 = q2.repeat("both", {"p": 1}, every=EVERY)
+    got = await _distinct([q1, q2], 3)
+    await asyncio.gather(r1.stop(), r2.stop())
+    got += await _empty(q1)
+    ids = [m.id for m in got]
+    assert len(ids) == len(set(ids)), f"an occurrence came twice: {sorted(ids)}"
+    assert r1.pushed >= 1 and r2.pushed >= 1
+
+
+async def test_stop_stops_pushing(queue: aio_keuss.Queue) -> None:
+    _repeatable(queue)
+    repeater = queue.repeat("stopped", 0, every=EVERY)
+    deadline = time.monotonic() + WAIT
+    while await queue.total_size() == 0:
+        assert time.monotonic() < deadline
+        await asyncio.sleep(0.05)
+    await repeater.stop()
+    await repeater.stop()  # again: nothing more to do
+    assert repeater.state == "stopped"
+    left = await _empty(queue)  # the occurrence it had queued is still delivered
+    assert len(left) <= 2
+    await asyncio.sleep(3 * EVERY)
+    assert await queue.total_size() == 0
+
+
+async def test_close_stops_its_repeaters(case: BackendCase, connect: Connect) -> None:
+    factory = await connect()
+    _repeatable(factory)
+    q = await factory.queue("q1")
+    repeater = q.repeat("closing", 0, every=EVERY)
+    deadline = time.monotonic() + WAIT
+    while repeater.pushed == 0:
+        assert time.monotonic() < deadline
+        await asyncio.sleep(0.05)
+    await factory.close()
+    assert repeater.state == "stopped" and repeater.failure is None
+    with pytest.raises(aio_keuss.ClosedError):
+        q.repeat("late", 0, every=EVERY)
+    if case.shared:  # seen from another process: nothing pushed after the close
+        other = await (await connect()).queue("q1")
+        await _empty(other)
+        await asyncio.sleep(3 * EVERY)
+        assert await other.total_size() == 0
+
+
+BAD_INPUT: list[tuple[dict[str, object], type[Exception]]] = [
+    ({"key": "k", "payload": 1}, aio_keuss.InvalidInputError),  # neither every nor cron
+    ({"key": "k", "payload": 1, "every": 1, "cron": "* * * * *"}, aio_keuss.InvalidInputError),
+    ({"key": "k", "payload": 1, "every": 0}, aio_keuss.InvalidDelayError),
+    ({"key": "k", "payload": 1, "every": -5}, aio_keuss.InvalidDelayError),
+    ({"key": "k", "payload": 1, "every": True}, aio_keuss.InvalidDelayError),
+    ({"key": "k", "payload": 1, "every": "60"}, aio_keuss.InvalidDelayError),
+    ({"key": "k", "payload": 1, "cron": "61 * * * *"}, aio_keuss.InvalidInputError),
+    ({"key": "k", "payload": 1, "cron": "* * * *"}, aio_keuss.InvalidInputError),
+    (
+        {"key": "k", "payload": 1, "cron": "0 0 * * *", "tz": "Nowhere/Town"},
+        aio_keuss.InvalidInputError,
+    ),
+    ({"key": "", "payload": 1, "every": 1}, aio_keuss.InvalidInputError),
+    ({"key": 7, "payload": 1, "every": 1}, aio_keuss.InvalidInputError),
+    ({"key": "has space", "payload": 1, "every": 1}, aio_keuss.InvalidIdError),
+    ({"key": "k" * 200, "payload": 1, "every": 1}, aio_keuss.InvalidIdError),
+    ({"key": "k", "payload": float("nan"), "every": 1}, aio_keuss.InvalidPayloadError),
+    ({"key": "k", "payload": (1, 2), "every": 1}, aio_keuss.InvalidPayloadError),
+    ({"key": "k", "payload": 1, "every": 1, "headers": {"a": []}}, aio_keuss.InvalidHeadersError),
+    (
+        {"key": "k", "payload": 1, "every": 1, "headers": {"repeat": "x"}},
+        aio_keuss.InvalidHeadersError,
+    ),
+]
+
+
+async def test_bad_input_is_refused_before_anything_is_written(queue: aio_keuss.Queue) -> None:
+    """On every backend, capable or not: input is checked before the backend's abilities."""
+    for given, error in BAD_INPUT:
+        arguments = dict(given)
+        key, payload = arguments.pop("key"), arguments.pop("payload")
+        with pytest.raises(error):
+            queue.repeat(key, payload, **arguments)  # type: ignore[arg-type]
+    await asyncio.sleep(0.1)
+    assert await queue.total_size() == 0
+
+
+async def test_backend_without_ids_or_delay_is_refused(queue: aio_keuss.Queue) -> None:
+    capabilities = queue.capabilities
+    if capabilities.idempotent and capabilities.delay:
+        pytest.skip("this backend can repeat")
+    with pytest.raises(aio_keuss.NotSupportedError):
+        queue.repeat("k", 1, every=EVERY)
+    with pytest.raises(aio_keuss.NotSupportedError):
+        queue.repeat("k", 1, cron="* * * * *")
+    await asyncio.sleep(0.1)
+    assert await queue.total_size() == 0
+
+
+async def test_period_beyond_dedup_window_is_logged(
+    connect: Connect, caplog: pytest.LogCaptureFixture
+) -> None:
+    factory = await connect(dedup_window=100.0)
+    _repeatable(factory)
+    needs(factory, "shared")
+    q = await factory.queue("q1")
+    with caplog.at_level(logging.WARNING, logger="aio_keuss.queue"):
+        async with q.repeat("often", 1, every=30.0):
+            pass
+        assert not caplog.records
+        async with q.repeat("daily", 1, cron="0 3 * * *"):
+            pass
+    (record,) = caplog.records
+    assert "dedup_window" in record.getMessage() and "'daily'" in record.getMessage()
