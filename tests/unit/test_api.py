@@ -11,6 +11,7 @@ from aio_keuss.sync import SyncQueue
 ASYNC_ONLY = {
     "consume": "workers are tasks on the event loop; a sync program runs its own loop",
     "close": "the sync factory closes its queues",
+    "repeat": "a repeater is a task on the event loop, as consume's workers are",
 }
 
 
