@@ -24,8 +24,9 @@ summarised in one line, so a poison message retried in a loop cannot flood the l
 A handler given a ``timeout`` that runs longer is cancelled and counts as failed
 (:class:`~aio_keuss.errors.HandlerTimeoutError`): its message is ko-ed with the usual backoff,
 and deadlettered past ``max_ko``. With ``prefetch`` N, a worker that finds nothing buffered
-reserves up to N + 1 messages in one round trip and leaves the rest for the next free
-workers; those never started are given back at once, costing no try, when the consumer stops.
+reserves, in one round trip, one message for each worker waiting with it plus N, and leaves
+the rest for the next free workers; those never started are given back at once, costing no
+try, when the consumer stops (not after its grace).
 With ``prefetch`` a worker also does not wait for the ``ok`` of a handled message before it
 takes the next one: the ok goes to a background sender (at most ``2 * (concurrency +
 prefetch)`` unanswered; ``stop`` waits for them), which sends the oks handled while its last
@@ -561,6 +562,12 @@ class Consumer:
         self._stop_asked.set()
         for task in self._waiting:  # waiting for a message: cancelling loses nothing
             task.cancel()
+        if self._buffer:
+            # prefetched, and no worker takes them now (a fetch reserves for every waiting
+            # worker, just cancelled): back at once, not held through the grace
+            giving_back = self._loop.create_task(self._give_back())
+            self._acks.add(giving_back)  # _stopped waits for it
+            giving_back.add_done_callback(self._acks.discard)
         try:
             _, late = await asyncio.wait(self._workers, timeout=grace)
         except asyncio.CancelledError:
@@ -589,17 +596,21 @@ class Consumer:
         await _bounded(self._acks)
         try:
             async with asyncio.timeout(ACK_WAIT):
-                while self._buffer:  # prefetched, never started: back at once, costing no try
-                    message, _ = self._buffer.popleft()
-                    if self._reserve:
-                        await self._acknowledge("release", message, self.queue.release(message))
-                    else:  # popped: put back in the queue, else they would be lost
-                        popped = [message, *(m for m, _ in self._buffer)]
-                        self._buffer.clear()
-                        await self._acknowledge_all("put back", popped, self.queue.put_back(popped))
+                await self._give_back()
         except TimeoutError:
             log.warning("queue %r: prefetched messages not given back in time", self.queue.name)
         self.queue.stopped(self)
+
+    async def _give_back(self) -> None:
+        """Give back what was prefetched and never started, at once, costing no try."""
+        while self._buffer:
+            message, _ = self._buffer.popleft()
+            if self._reserve:
+                await self._acknowledge("release", message, self.queue.release(message))
+            else:  # popped: put back in the queue, else they would be lost
+                popped = [message, *(m for m, _ in self._buffer)]
+                self._buffer.clear()
+                await self._acknowledge_all("put back", popped, self.queue.put_back(popped))
 
     async def _work(self) -> None:
         task = asyncio.current_task()

@@ -202,3 +202,46 @@ async def test_a_prefetching_consumer_fetches_for_every_waiting_worker() -> None
     release.set()
     await consumer.stop()
     await queue.close()
+
+
+async def test_a_stopping_consumer_gives_back_at_once_what_it_prefetched() -> None:
+    # A fetch reserves one message for each waiting worker plus the prefetch: a stop that
+    # comes while the waiting workers take theirs (here a handler begins it) cancels them,
+    # leaving their messages, more than the prefetch, in the buffer. They were held, never
+    # to be started, for the whole grace (here as long as the handlers run) instead of
+    # going back to the queue for other consumers.
+    async with aio_keuss.connect("memory") as factory:
+        queue = await factory.queue("jobs")
+        started: list[int] = []
+        release = asyncio.Event()
+        consumers: list[aio_keuss.Consumer] = []
+
+        async def handler(message: aio_keuss.Message) -> None:
+            started.append(message.payload)
+            if len(started) == 4:
+                await consumers[0].stop(grace=None)  # from a handler: begins the stop
+            await release.wait()
+
+        consumer = queue.consume(handler, concurrency=8, prefetch=2)
+        consumers.append(consumer)
+        for _ in range(3000):  # every worker waits for a message
+            if consumer._starving == 8:
+                break
+            await asyncio.sleep(0.01)
+        await queue.push_many(list(range(40)))
+        for _ in range(3000):  # stopping: the workers not in a handler have ended
+            running = sum(not task.done() for task in consumer._workers)
+            if consumer.state == "stopped" and running == len(started):
+                break
+            await asyncio.sleep(0.01)
+        assert 4 <= len(started) < 8
+        taken: list[aio_keuss.Message] = []
+        try:
+            for _ in range(300):  # another consumer gets every message no handler started
+                taken += await queue.reserve_many(40, timeout=0.03)
+                if len(started) + len(taken) == 40:
+                    break
+            assert len(started) + len(taken) == 40
+        finally:
+            release.set()
+        await asyncio.wait_for(consumer.wait(), 30)
