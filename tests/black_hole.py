@@ -75,3 +75,28 @@ async def assert_a_silent_drop_is_survived(
     assert message is not None and message.payload == "after the drop"
     assert time.monotonic() - start < 5.0  # woken by a new listener, not by the 30 s poll
     await asyncio.wait_for(consumer_factory.close(), 10)
+
+
+class Silent(asyncio.Protocol):
+    """A server that accepts connections and never answers (nor closes them): a database
+    host whose server hangs, so a client's connect waits for as long as it is let to.
+    ``accepted`` is set once a client got in."""
+
+    def __init__(self) -> None:
+        self.accepted = asyncio.Event()
+        self.port = 0
+        self._transports: list[asyncio.BaseTransport] = []
+
+    async def start(self) -> None:
+        loop = asyncio.get_running_loop()
+        self.server = await loop.create_server(lambda: self, "127.0.0.1", 0)
+        self.port = self.server.sockets[0].getsockname()[1]
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self._transports.append(transport)
+        self.accepted.set()
+
+    def close(self) -> None:
+        self.server.close()
+        for transport in self._transports:
+            transport.close()

@@ -64,7 +64,8 @@ async def run_worker(
 
     ``factory``: an open factory to use (you close it); without one, the worker connects to
     ``backend`` with ``options`` (``url=``, ``prefix=``, ...) once for the process and closes
-    it at the end, so a server out of reach at start raises ``KeussConnectionError`` here.
+    it at the end, so a server out of reach at start raises ``KeussConnectionError`` here; a
+    stop asked for while it connects abandons the connect and returns.
     Each queue gets ``concurrency`` workers (see ``Queue.consume`` for ``timeout`` and
     ``prefetch``), opened with ``queue_options``; with ``pipeline``, each station gets
     them unless it says otherwise. ``grace``: seconds running handlers get to
@@ -89,19 +90,25 @@ async def run_worker(
     if twice:
         raise InvalidInputError(twice)
     grace = check_seconds(grace, "grace")
-    if factory is None:
-        own = await connect(backend, **options)
-    elif options:
+    if factory is not None and options:
         raise InvalidInputError("backend options are for a worker that connects by itself")
-    else:
-        own = None
-    opened = factory or own
-    assert opened is not None
-    consumers: list[Consumer] = []
-    health: HealthServer | None = None
     stop = stop or asyncio.Event()
     now = asyncio.Event()
+    # Before connecting: a SIGTERM during a slow connect (a server that accepts and does not
+    # answer) would otherwise kill the process by the signal's default action.
     restore = _on_signals(stop, now)
+    try:
+        own = None if factory is not None else await _connect_unless_stopped(stop, backend, options)
+    except BaseException:
+        restore()
+        raise
+    opened = factory or own
+    if opened is None:
+        restore()
+        log.info("worker %d stopped while connecting", os.getpid())
+        return
+    consumers: list[Consumer] = []
+    health: HealthServer | None = None
     stopped = False
     global _counting_workers
     counting = health_port is not None and (observe.active is None or _counting_workers > 0)
@@ -180,6 +187,31 @@ def _pipeline(source: PipelineSource, factory: Factory) -> Pipeline:
             return built
         raise PipelineError(f"the pipeline builder returned {built!r}, not a Pipeline")
     raise PipelineError(f"not a pipeline: {source!r}")
+
+
+async def _connect_unless_stopped(
+    stop: asyncio.Event, backend: str, options: Mapping[str, Any]
+) -> Factory | None:
+    """The factory, or None when a stop comes first: the connect is then cancelled, as a
+    stop must not wait for a server that may never answer (or for its connect timeout)."""
+
+    async def opening() -> Factory:
+        return await connect(backend, **options)
+
+    connecting = asyncio.ensure_future(opening())
+    stopping = asyncio.ensure_future(stop.wait())
+    try:
+        await asyncio.wait((connecting, stopping), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        stopping.cancel()
+        while not connecting.done():
+            # Again until it takes: Python 3.11's asyncio.wait_for (the drivers use it)
+            # loses a cancellation that lands as the call it waits for completes.
+            connecting.cancel()
+            await asyncio.wait((connecting,), timeout=0.1)
+    if connecting.cancelled() or (stop.is_set() and connecting.exception() is not None):
+        return None  # a failure of a connect a stop abandoned is no failure to start
+    return connecting.result()  # connected as the stop came: the caller stops it at once
 
 
 async def _until(stop: asyncio.Event, consumers: Sequence[Consumer]) -> Consumer | None:

@@ -24,6 +24,7 @@ from typing import Any
 
 import pytest
 from backends import REDIS_URL, _drop_redis_prefix, new_token
+from black_hole import Silent
 from own_servers import free_port, own_redis
 
 import aio_keuss
@@ -345,6 +346,28 @@ def test_a_backend_out_of_reach_at_start_exits_3(workdir: Path, backend: str) ->
     worker = Worker(workdir, "jobs:slow", "--backend", backend, "--url", url, "--queue", "q")
     assert worker.finish() == 3, worker.output
     assert "cannot reach the backend" in worker.output
+
+
+@pytest.mark.parametrize("backend", ["redis-oq", "postgres"])
+async def test_a_sigterm_while_connecting_stops_cleanly(workdir: Path, backend: str) -> None:
+    """The signal handlers were installed only once connected: a SIGTERM during a connect
+    to a server that never answers killed the process (status 143) instead of stopping it."""
+    silent = Silent()
+    await silent.start()
+    url = (
+        f"redis://127.0.0.1:{silent.port}/0"
+        if backend == "redis-oq"
+        else f"postgresql://postgres@127.0.0.1:{silent.port}/test"
+    )
+    worker = Worker(workdir, "jobs:slow", "--backend", backend, "--url", url, "--queue", "q")
+    try:
+        await asyncio.wait_for(silent.accepted.wait(), 60)
+        worker.signal(signal.SIGTERM)
+        assert await asyncio.to_thread(worker.finish) == 0, worker.output
+        assert "stopped while connecting" in worker.output
+    finally:
+        await asyncio.to_thread(worker.kill)
+        silent.close()
 
 
 async def test_health_is_503_while_the_server_restarts_and_200_again(
