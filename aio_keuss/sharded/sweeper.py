@@ -31,6 +31,8 @@ Each pass the leader walks every shard of every queue listed in the storage:
   half-shoveled and has nothing to be swept from.
 
 A queue whose metadata record ended (``queue_expiry``) is taken off the list: its data stays.
+A queue whose sweep, shovel or expiry check fails (its node down) is logged and passed over
+until the next pass; the others go on.
 """
 
 from __future__ import annotations
@@ -73,6 +75,8 @@ class Sweeper:
         self._task: asyncio.Task[None] | None = None
         self._next_shovel = 0.0
         self._failing = False
+        self._failing_queues: set[tuple[str, str]] = set()
+        """(sweep or shovel, queue) of the queue steps whose last try failed."""
         self._sidelined: dict[str, set[int]] = {}
         """Per queue, the shards whose sideline the last sweeps found records in."""
         self._quiet: dict[str, dict[int, int | None]] = {}
@@ -141,19 +145,46 @@ class Sweeper:
         queues = await storage.listed()
         if everything:
             for name in list(queues):
-                if await storage.read_meta(name) is None:
-                    # idle past queue_expiry: no longer swept, its data kept (see .meta)
-                    await storage.unlist(name)
-                    del queues[name]
-                    log.info("sharded %r: queue expired, no longer swept", name)
+                await self._each_queue("expiry check", name, self._expire(name, queues))
         for name in [name for name in self._quiet if name not in queues]:
             del self._quiet[name]
         for name, shards in queues.items():
-            await self.sweep_queue(name, shards, everything)
+            await self._each_queue("sweep", name, self.sweep_queue(name, shards, everything))
         if time.monotonic() >= self._next_shovel:
             self._next_shovel = time.monotonic() + self._options.shovel_interval
             for name, shards in queues.items():
-                await self.shovel_queue(name, shards)
+                await self._each_queue("shovel", name, self.shovel_queue(name, shards))
+
+    async def _expire(self, name: str, queues: dict[str, int]) -> int:
+        """Take ``name`` off the list (and ``queues``) if idle past ``queue_expiry``: no
+        longer swept, its data kept (see .meta); 1 if it was."""
+        if await self._storage.read_meta(name) is not None:
+            return 0
+        await self._storage.unlist(name)
+        del queues[name]
+        log.info("sharded %r: queue expired, no longer swept", name)
+        return 1
+
+    async def _each_queue(self, what: str, name: str, work: Awaitable[int]) -> None:
+        """One queue's sweep, shovel or expiry check, its failure logged and not raised: a
+        queue out of reach (its node down) must not keep the queues listed after it from
+        theirs. Logged once per outage of that queue, a traceback only for the unexpected."""
+        try:
+            await work
+        except Exception as exc:
+            if (what, name) not in self._failing_queues:
+                log.warning(
+                    "sharded %r: %s failed (%s); the other queues go on",
+                    name,
+                    what,
+                    exc,
+                    exc_info=not isinstance(exc, KeussError),
+                )
+                self._failing_queues.add((what, name))
+        else:
+            if (what, name) in self._failing_queues:
+                self._failing_queues.discard((what, name))
+                log.info("sharded %r: %s works again", name, what)
 
     async def sweep_queue(self, name: str, shards: int, everything: bool = True) -> int:
         """Sweep the shards of one queue (all of them, or with ``everything`` false only

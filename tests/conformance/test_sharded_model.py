@@ -320,10 +320,50 @@ async def test_a_queue_whose_sweeps_fail_does_not_hold_back_the_repair_of_the_ot
     entry = Entry("lost~2", b'J"stranded"', EMPTY_HEADERS)
     assert (await storage.load(healthy, 2, [entry], 0.0, None)).announce
     for _ in range(REPAIR_PASSES + 1):
-        with pytest.raises(aio_keuss.KeussConnectionError):
-            await leader.step()
+        await leader.step()
     storage.stamps = real  # type: ignore[method-assign]
     assert await ready_shards(storage, healthy) == [2]
+    await leader.stop()
+
+
+async def test_a_queue_whose_sweep_fails_does_not_stop_the_queues_after_it(
+    sharded: Connect, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A pass swept the listed queues one after the other and ended at the first that
+    failed (its node down): the queues listed after it were not swept, nor any shoveled,
+    and their lapsed reservations stayed out of reach for as long as the failure lasted."""
+    factory = await sharded(sweeper=False, reserve_delay=0.2)
+    backend = backend_of(factory)
+    storage = backend.storage
+    for name in ("a", "b"):
+        await (await factory.queue(name)).push("warm-up")  # lists the queue
+    listed = list(await storage.listed())
+    assert sorted(listed) == ["a", "b"]
+    failing, healthy = listed  # swept in this order
+    q = await factory.queue(healthy)
+    held = await q.reserve(timeout=5)
+    assert held is not None
+    real = storage.sweep
+
+    async def sweep(queue: str, shard: int, batch: int) -> Any:
+        if queue == failing:
+            raise aio_keuss.KeussConnectionError("injected: the queue's node is down")
+        return await real(queue, shard, batch)
+
+    storage.sweep = sweep  # type: ignore[method-assign]
+    leader = Sweeper(storage, backend.sharded, lambda *_: None)
+    await asyncio.sleep(0.4)  # the reservation lapses; nobody has swept it yet
+    caplog.set_level(logging.INFO, logger="aio_keuss.sharded")
+    await leader.step()  # one pass
+    assert (leader.swept, leader.shoveled) == (1, 1)
+    again = await q.reserve(timeout=5)
+    assert again is not None and (again.id, again.tries) == (held.id, 1)
+    assert await q.ok(again)
+    await leader.step()  # failing again: said once
+    storage.sweep = real  # type: ignore[method-assign]
+    await leader.step()
+    said = [(r.levelno, r.getMessage()) for r in caplog.records if repr(failing) in r.getMessage()]
+    assert [level for level, _ in said] == [logging.WARNING, logging.INFO], said
     await leader.stop()
 
 
