@@ -18,7 +18,7 @@ from datetime import datetime
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from . import observe, visibility
-from .coalesce import Coalescer
+from .coalesce import Coalescer, RunToEnd
 from .consumer import (
     BatchHandler,
     Consumer,
@@ -305,7 +305,11 @@ class Queue:
             entries = requests[0]
         else:
             entries = [entry for request in requests for entry in request]
-        flags = await self._store.insert(entries)
+        # Run to the end: a caller cancelled once the store answered (the messages are in)
+        # must still count and signal them, or consumers of other processes, which only the
+        # signal tells, wait for their poll interval. The cancellation is raised after.
+        work = RunToEnd(self._store.insert(entries))
+        flags = await work
         if all(flags):  # the usual case: nothing was a duplicate
             inserted = entries
         else:
@@ -313,6 +317,8 @@ class Queue:
         if inserted:
             self._stats.incr(self.name, "put", len(inserted))
             self._signal.insert(self.name, _earliest(inserted), len(inserted))
+        if work.held is not None:
+            raise work.held
         return _split(requests, flags)
 
     async def push_each(self, messages: Sequence[NewMessage]) -> list[str]:

@@ -299,8 +299,11 @@ class PushSide:
                 for bucket in batch:
                     bucket.settle(exc)
                 return
+            # A pusher cancelled while its bucket was written no longer signals its messages
+            # (the queue signals once the insert returns): they are in, so it is done here.
+            abandoned = any(w.cancelled() for bucket in batch for w in bucket.waiters)
             for bucket in batch:
                 bucket.settle(None)
-            if self._settings.ack_on_buffer and self._visible is not None:
+            if (self._settings.ack_on_buffer or abandoned) and self._visible is not None:
                 self._visible(min(b.score for b in encoded))  # now other processes see them
             return

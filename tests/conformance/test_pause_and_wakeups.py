@@ -7,6 +7,7 @@ functional limits, never performance assertions.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from typing import Any
 
@@ -106,6 +107,47 @@ async def test_push_wakes_a_consumer_of_another_factory(connect: Connect, case: 
     message = await asyncio.wait_for(waiter, 25)
     assert message is not None and message.payload == "across"
     assert time.monotonic() - start < 15.0  # woken, not polled: the poll interval is 30 s
+
+
+@pytest.mark.parametrize("push", ["push", "push_many", "push_each"])
+async def test_a_push_cancelled_once_stored_still_wakes_a_consumer_of_another_factory(
+    connect: Connect, case: Any, push: str
+) -> None:
+    """A push cancelled while the store's answer was awaited (the message stored, or on the
+    bucket backends its bucket being written) raised before the insert signal: a consumer
+    of another process, which only the signal can tell, waited for its poll interval (60 s
+    here). Where a batch task does the insert (PostgreSQL, MongoDB, Redis Cluster), it
+    signalled already; the test pins that too."""
+    if not case.shared:
+        pytest.skip("queues are per factory")
+    producer, consumer = await connect(poll_interval=60.0), await connect(poll_interval=60.0)
+    qp, qc = await producer.queue("shared"), await consumer.queue("shared")
+    store = qp._store  # type: ignore[attr-defined]
+    take = qc.reserve if qc.capabilities.reserve else qc.pop
+    waiter = asyncio.create_task(take(timeout=50))
+    while not len(qc._wakeups):  # type: ignore[attr-defined]  # it looked, and waits
+        assert not waiter.done(), waiter
+        await asyncio.sleep(0.01)
+    real = store.insert
+    pusher: asyncio.Task[Any] | None = None
+
+    async def insert(entries: Any) -> Any:
+        assert pusher is not None
+        pusher.cancel()  # lands while the store's answer is awaited
+        return await real(entries)
+
+    store.insert = insert
+    calls = {
+        "push": lambda: qp.push("cancelled"),
+        "push_many": lambda: qp.push_many(["cancelled"]),
+        "push_each": lambda: qp.push_each([aio_keuss.NewMessage("cancelled")]),
+    }
+    pusher = asyncio.create_task(calls[push]())
+    with contextlib.suppress(asyncio.CancelledError):
+        await pusher
+    store.insert = real
+    message = await asyncio.wait_for(waiter, 20)  # the poll interval is 60 s
+    assert message is not None and message.payload == "cancelled"
 
 
 async def test_waiting_for_a_delayed_message_wakes_on_time(connect: Connect) -> None:
