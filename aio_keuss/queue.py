@@ -307,7 +307,8 @@ class Queue:
             entries = [entry for request in requests for entry in request]
         # Run to the end: a caller cancelled once the store answered (the messages are in)
         # must still count and signal them, or consumers of other processes, which only the
-        # signal tells, wait for their poll interval. The cancellation is raised after.
+        # signal tells, wait for their poll interval. The cancellation is raised after. The
+        # same holds for the other store calls that change what is queued.
         work = RunToEnd(self._store.insert(entries))
         flags = await work
         if all(flags):  # the usual case: nothing was a duplicate
@@ -317,8 +318,7 @@ class Queue:
         if inserted:
             self._stats.incr(self.name, "put", len(inserted))
             self._signal.insert(self.name, _earliest(inserted), len(inserted))
-        if work.held is not None:
-            raise work.held
+        _raise_held(work)
         return _split(requests, flags)
 
     async def push_each(self, messages: Sequence[NewMessage]) -> list[str]:
@@ -814,13 +814,16 @@ class Queue:
 
     async def _commit_batch(self, requests: list[list[Ack]]) -> list[list[bool]]:
         acks = requests[0] if len(requests) == 1 else [a for request in requests for a in request]
-        results = await self._store.commit(acks)
+        work = RunToEnd(self._store.commit(acks))  # see _insert_batch
+        results = await work
         self._forget(acks)
         self._stats.incr(self.name, "commit", sum(results))
+        _raise_held(work)
         return _split(requests, results)
 
     async def _rollback_batch(self, nacks: list[Nack]) -> list[KoResult]:
-        results = await self._store.rollback(nacks, self._deadletter)
+        work = RunToEnd(self._store.rollback(nacks, self._deadletter))  # see _insert_batch
+        results = await work
         self._forget(nacks)
         back = [n for n, r in zip(nacks, results, strict=True) if r is KoResult.ROLLED_BACK]
         moved = results.count(KoResult.DEADLETTERED)
@@ -832,6 +835,7 @@ class Queue:
             self._stats.incr(self.name, "deadletter", moved)
             self._stats.incr(self._deadletter.queue, "put", moved)
             self._signal.insert(self._deadletter.queue, now, moved)
+        _raise_held(work)
         return results
 
     async def move(
@@ -915,7 +919,8 @@ class Queue:
         return await self._moves.submit(plan)
 
     async def _move_batch(self, plans: list[Move]) -> list[str | None]:
-        results = await self._store.move(plans)
+        work = RunToEnd(self._store.move(plans))  # see _insert_batch
+        results = await work
         self._forget([Ack(plan.id, plan.tries) for plan in plans])
         now = time.time()
         arrivals: dict[str, tuple[float, int]] = {}
@@ -934,6 +939,7 @@ class Queue:
                 observe.active.count(self.name, "move", moved)
         for destination, (due, count) in arrivals.items():
             self._signal.insert(destination, due, count)
+        _raise_held(work)
         return results
 
     async def remove(self, message: Message | str) -> bool:
@@ -1328,6 +1334,13 @@ def _entry_bytes(entries: list[Entry]) -> int:
 def _move_bytes(move: Move) -> int:
     """Bytes a move sends: its new payload (a kept payload is copied by the server)."""
     return len(move.payload) if move.payload is not None else 0
+
+
+def _raise_held(work: RunToEnd[Any]) -> None:
+    """Raise the cancellation a store call ran to its end through, once what the queue
+    does after that call (counts, signals, the reservations it forgets) is done."""
+    if work.held is not None:
+        raise work.held
 
 
 def _split(requests: Sequence[Sequence[Any]], flags: list[bool]) -> list[list[bool]]:

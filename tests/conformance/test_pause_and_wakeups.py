@@ -150,6 +150,49 @@ async def test_a_push_cancelled_once_stored_still_wakes_a_consumer_of_another_fa
     assert message is not None and message.payload == "cancelled"
 
 
+@pytest.mark.parametrize("step", ["ko", "move"])
+async def test_a_ko_or_move_cancelled_once_stored_still_wakes_a_consumer_of_another_factory(
+    connect: Connect, case: Any, step: str
+) -> None:
+    """As a push: a ko (the message back in its queue) or a move (in the other queue)
+    cancelled while the store's answer was awaited raised before the queue's signal, so a
+    consumer of another process waited for its poll interval (60 s here)."""
+    if not case.shared:
+        pytest.skip("queues are per factory")
+    holder, consumer = await connect(poll_interval=60.0), await connect(poll_interval=60.0)
+    needs(holder, "reserve", "move" if step == "move" else "reserve")
+    source = await holder.queue("source")
+    target = "target" if step == "move" else "source"
+    await source.push("it")
+    held = await source.reserve(timeout=10)
+    assert held is not None
+    qc = await consumer.queue(target)
+    waiter = asyncio.create_task(qc.reserve(timeout=50))
+    while not len(qc._wakeups):  # type: ignore[attr-defined]  # it looked, and waits
+        assert not waiter.done(), waiter
+        await asyncio.sleep(0.01)
+    store = source._store  # type: ignore[attr-defined]
+    primitive = "rollback" if step == "ko" else "move"
+    real = getattr(store, primitive)
+    stepper: asyncio.Task[Any] | None = None
+
+    async def cancelled_meanwhile(*args: Any) -> Any:
+        assert stepper is not None
+        stepper.cancel()  # lands while the store's answer is awaited
+        return await real(*args)
+
+    setattr(store, primitive, cancelled_meanwhile)
+    if step == "ko":
+        stepper = asyncio.create_task(source.ko(held, 0.0))
+    else:
+        stepper = asyncio.create_task(source.move(held, target))
+    with contextlib.suppress(asyncio.CancelledError):
+        await stepper
+    setattr(store, primitive, real)
+    message = await asyncio.wait_for(waiter, 20)  # the poll interval is 60 s
+    assert message is not None and message.payload == "it"
+
+
 async def test_waiting_for_a_delayed_message_wakes_on_time(connect: Connect) -> None:
     factory = await connect(poll_interval=30.0)
     needs(factory, "delay")
