@@ -266,21 +266,22 @@ class SyncFactory:
 
     def close(self) -> None:
         """Close the async factory (drains its queues); the last factory stops the loop.
-        Idempotent, and a no-op for a factory inherited from the parent of a fork."""
+        Idempotent, and a no-op for a factory inherited from the parent of a fork. A close
+        called while another thread's is under way waits for it, as the async close does."""
         if not self.closed:  # before anything changes: the factory stays open and usable
             _runtime.refuse_on_loop_thread("close")
-        with self._close_lock:
+        with self._close_lock:  # held throughout: a second close returns once this one ends
             if self._closed:
                 return
             self._closed = True
-        if self._generation != _runtime.generation:
-            return
-        with _runtime.lock:
-            _runtime.open.discard(self)
-        try:
-            self._portal.call(self.factory.close)
-        finally:
-            _runtime.release(self._generation)
+            if self._generation != _runtime.generation:
+                return
+            with _runtime.lock:
+                _runtime.open.discard(self)
+            try:
+                self._portal.call(self.factory.close)
+            finally:
+                _runtime.release(self._generation)
 
     def __enter__(self) -> SyncFactory:
         return self

@@ -15,6 +15,7 @@ from backends import CASES, BackendCase, new_token
 
 import aio_keuss
 from aio_keuss import sync
+from aio_keuss.factory import Factory
 from aio_keuss.pipeline import Forward
 
 SYNC_IDS = ("memory", "redis-oq", "postgres")
@@ -327,4 +328,38 @@ def test_forked_child_starts_its_own_loop() -> None:
         assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0
         msg = pq.pop(timeout=1)  # the parent's loop is untouched
         assert msg is not None and msg.payload == "before"
+    assert portal_threads() == []
+
+
+def test_a_close_while_another_is_under_way_waits_for_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """As the async close: a second close (another thread) returns once the first is done.
+    It returned at once, while the first was still draining and closing the connection."""
+    real = Factory.close
+    entered, release, finished = threading.Event(), threading.Event(), threading.Event()
+
+    async def gated(self: Factory) -> None:
+        entered.set()
+        await asyncio.to_thread(release.wait, 120)
+        await real(self)
+        finished.set()
+
+    monkeypatch.setattr(Factory, "close", gated)
+    factory = sync.connect("memory")
+    factory.queue("jobs").push(1)
+    first = threading.Thread(target=factory.close)
+    first.start()
+    assert entered.wait(60)
+    seen: list[bool] = []
+
+    def close_again() -> None:
+        factory.close()
+        seen.append(finished.is_set())
+
+    second = threading.Thread(target=close_again)
+    second.start()
+    second.join(timeout=1)  # not an assertion: gives a wrong close the time to return early
+    release.set()
+    first.join(60)
+    second.join(60)
+    assert seen == [True]
     assert portal_threads() == []
