@@ -76,6 +76,8 @@ class _Runtime:
         """Bumped by a fork: factories of an older generation belong to the parent."""
         self.loop_thread: int | None = None
         """``threading.get_ident()`` of the loop thread while it runs."""
+        self.loop: asyncio.AbstractEventLoop | None = None
+        """Its event loop, for callbacks that must not wait for it (see ``SyncFactory._take``)."""
 
     def acquire(self) -> tuple[BlockingPortal, int]:
         """The running portal (started if needed), counted as one more user."""
@@ -85,6 +87,7 @@ class _Runtime:
                 self.portal = stack.enter_context(start_blocking_portal())
                 self.stack = stack
                 self.loop_thread = self.portal.call(threading.get_ident)
+                self.loop = self.portal.call(asyncio.get_running_loop)
             self.users += 1
             return self.portal, self.generation
 
@@ -98,6 +101,7 @@ class _Runtime:
                 return
             stack, self.stack, self.portal = self.stack, None, None
             self.loop_thread = None
+            self.loop = None
         if stack is not None:
             stack.close()
 
@@ -121,6 +125,7 @@ class _Runtime:
         with self.lock:
             stack, self.stack, self.portal, self.users = self.stack, None, None, 0
             self.loop_thread = None
+            self.loop = None
         if stack is not None:
             stack.close()
 
@@ -141,6 +146,7 @@ class _Runtime:
         self.open = set()
         self.generation += 1
         self.loop_thread = None
+        self.loop = None
 
 
 _inherited: list[object] = []
@@ -186,6 +192,7 @@ class SyncFactory:
         self._generation = generation
         self._close_lock = threading.Lock()
         self._closed = False
+        self._loop = _runtime.loop
         with _runtime.lock:
             if generation == _runtime.generation:
                 _runtime.open.add(self)
@@ -213,10 +220,43 @@ class SyncFactory:
         Used by every blocking method, and open to callers that want several async calls
         in one hop (``asyncio.gather`` of many pushes) instead of one hop each.
         """
+        future = self._start(func, *args)
+        try:
+            return future.result()
+        except BaseException:
+            # Interrupted (KeyboardInterrupt) while waiting: cancel the task too. A no-op
+            # when the future already holds the coroutine's own exception.
+            future.cancel()
+            raise
+
+    def _take(self, queue: Queue, give_back: _GiveBack, func: Callable[[], Awaitable[T]]) -> T:
+        """:meth:`call` for what takes messages (pop, reserve, the next of ``messages``).
+
+        Interrupted while waiting (KeyboardInterrupt), the caller will never see what was
+        taken: the loop thread cancels the call if it still runs (a cancelled pop or
+        reserve puts back what it held), or gives back what it returned. Cancelling the
+        future instead, as :meth:`call` does, dropped a result that was already on its way:
+        a popped message was lost, a reserved one invisible for ``reserve_delay``.
+        """
+        taking = _Taking()
+        try:
+            # inside the try: anyio's start_task_soon waits for the task to be spawned, and
+            # an interruption there leaves it running for nobody
+            future: Future[T] = self._start(_take, taking, func)
+            return future.result()
+        except BaseException:
+            # Also after the call's own error: then nothing was taken and the task has ended.
+            # A callback, not a portal call, which would wait for the loop thread.
+            if self._loop is not None:
+                with contextlib.suppress(RuntimeError):  # the loop stopped: nothing runs there
+                    self._loop.call_soon_threadsafe(_abandon, taking, queue, give_back)
+            raise
+
+    def _start(self, func: Callable[..., Awaitable[T]], *args: Any) -> Future[T]:
         if self.closed:
             raise ClosedError("factory is closed" if self._closed else "factory of the parent")
         try:
-            future = self._portal.start_task_soon(func, *args)
+            return self._portal.start_task_soon(func, *args)
         except RuntimeError as exc:  # the loop stopped under us: closed by another thread
             if self.closed:
                 raise ClosedError("factory is closed") from exc
@@ -225,14 +265,6 @@ class SyncFactory:
                     "a blocking aio_keuss.sync call on the shim's own loop thread would wait"
                     " for itself: await the async queue there (SyncQueue.queue)"
                 ) from exc
-            raise
-        try:
-            return future.result()
-        except BaseException:
-            # Interrupted (KeyboardInterrupt) while waiting: cancel the task too, so a pop or
-            # reserve does not complete for nobody. Cancelling them never loses a message.
-            # A no-op when the future already holds the coroutine's own exception.
-            future.cancel()
             raise
 
     def call_soon(self, func: Callable[..., Awaitable[T]], *args: Any) -> Future[T]:
@@ -363,23 +395,28 @@ class SyncQueue:
 
     def pop(self, timeout: float | None = None) -> Message | None:
         """Take one message at-most-once; None when ``timeout`` passes (or on drain/close)."""
-        return self._call(self.queue.pop, timeout)
+        return self._take(_put_back_popped, self.queue.pop, timeout)
 
     def pop_many(
         self, n: int, timeout: float | None = None, *, max_wait: float | None = None
     ) -> list[Message]:
         """Up to ``n``; once one is in, up to ``max_wait`` s more to fill (as async)."""
-        return self._call(self.queue.pop_many, n, timeout, max_wait=max_wait)
+        return self._take(_put_back_popped, self.queue.pop_many, n, timeout, max_wait=max_wait)
 
     def reserve(self, timeout: float | None = None) -> Message | None:
         """Reserve one message at-least-once; ``ok`` or ``ko`` it afterwards."""
-        return self._call(self.queue.reserve, timeout)
+        return self._take(_release, self.queue.reserve, timeout)
 
     def reserve_many(
         self, n: int, timeout: float | None = None, *, max_wait: float | None = None
     ) -> list[Message]:
         """Up to ``n``; once one is in, up to ``max_wait`` s more to fill (as async)."""
-        return self._call(self.queue.reserve_many, n, timeout, max_wait=max_wait)
+        return self._take(_release, self.queue.reserve_many, n, timeout, max_wait=max_wait)
+
+    def _take(
+        self, give_back: _GiveBack, func: Callable[..., Awaitable[T]], *args: Any, **kwargs: Any
+    ) -> T:
+        return self._factory._take(self.queue, give_back, functools.partial(func, *args, **kwargs))
 
     def messages(self, timeout: float | None = None) -> Iterator[Message]:
         """Reserved messages (popped ones on a backend without reserve) until drain, close,
@@ -387,9 +424,10 @@ class SyncQueue:
         # The async iterator itself, advanced through the portal: it rides out server
         # outages (backoff, one warning per outage) exactly as ``async for`` does.
         iterator = self.queue.messages(timeout)
+        give_back = _release if self.queue.capabilities.reserve else _put_back_popped
         try:
             while not self._factory.closed:
-                message = self._call(_advance, iterator)
+                message = self._take(give_back, _advance, iterator)
                 if message is None:
                     return
                 yield message
@@ -523,6 +561,54 @@ class SyncQueue:
 
     def drain(self) -> None:
         self._call(self.queue.drain)
+
+
+_GiveBack = Callable[[Queue, list[Message]], None]
+"""Gives back, on the loop thread, what a call took for a caller that was interrupted."""
+
+
+class _Taking:
+    """A pop or reserve run for a thread that may be interrupted while it waits. Its fields
+    are only touched on the loop thread, so "still running" or "done" is never ambiguous."""
+
+    __slots__ = ("abandoned", "taken", "task")
+
+    def __init__(self) -> None:
+        self.task: asyncio.Task[Any] | None = None
+        self.taken: list[Message] | None = None
+        self.abandoned = False
+
+
+async def _take(taking: _Taking, func: Callable[[], Awaitable[T]]) -> T:
+    if taking.abandoned:  # the caller was interrupted before this even started
+        raise asyncio.CancelledError
+    taking.task = asyncio.current_task()
+    result = await func()
+    # no await from here to the return: an abandon runs before this line or after it
+    if isinstance(result, Message):
+        taking.taken = [result]
+    elif isinstance(result, list):
+        taking.taken = result
+    return result
+
+
+def _abandon(taking: _Taking, queue: Queue, give_back: _GiveBack) -> None:
+    """On the loop thread (a callback, after the one that spawned the task, if any), once
+    the caller of ``_take`` was interrupted."""
+    taking.abandoned = True
+    if taking.taken:
+        give_back(queue, taking.taken)
+    elif taking.task is not None:
+        taking.task.cancel()  # a no-op once it ended (nothing taken, or its own error)
+
+
+def _put_back_popped(queue: Queue, messages: list[Message]) -> None:
+    queue._in_background(queue._put_back_unhandled(messages))
+
+
+def _release(queue: Queue, messages: list[Message]) -> None:
+    for message in messages:
+        queue._in_background(queue._release(message))
 
 
 async def _advance(iterator: AsyncGenerator[Message, None]) -> Message | None:

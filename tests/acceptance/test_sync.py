@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import asyncio
 import os
+import signal
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -16,7 +17,9 @@ from backends import CASES, BackendCase, new_token
 import aio_keuss
 from aio_keuss import sync
 from aio_keuss.factory import Factory
+from aio_keuss.message import Message
 from aio_keuss.pipeline import Forward
+from aio_keuss.queue import Queue
 
 SYNC_IDS = ("memory", "redis-oq", "postgres")
 
@@ -363,3 +366,81 @@ def test_a_close_while_another_is_under_way_waits_for_it(monkeypatch: pytest.Mon
     second.join(60)
     assert seen == [True]
     assert portal_threads() == []
+
+
+def wait_for(condition: Callable[[], bool], seconds: float = 60.0) -> bool:
+    deadline = time.monotonic() + seconds
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+@on_backends
+@pytest.mark.parametrize("taking", ["pop", "reserve", "messages"])
+def test_an_interrupted_pop_or_reserve_gives_back_what_it_took(
+    options: tuple[str, dict[str, Any]], taking: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Ctrl-C in a thread waiting on a pop or reserve whose result is already on its way
+    (taken from the store, not yet handed over): the shim cancelled the portal's future,
+    which drops that result, so a popped message was lost and a reserved one stayed
+    invisible for reserve_delay. It now comes back at once."""
+    if threading.current_thread() is not threading.main_thread():
+        pytest.skip("a signal interrupts the main thread only")
+    backend, opts = options
+    real_consume = Queue._consume
+    taken, resume = threading.Event(), threading.Event()
+
+    async def consume_then_hang(self: Queue, *args: Any, **kwargs: Any) -> list[Message]:
+        stored = await real_consume(self, *args, **kwargs)
+        if stored:
+            taken.set()
+            resume.wait(60)  # holds the loop thread: the result is not handed over yet
+        return stored
+
+    main = threading.get_ident()
+
+    def interrupt() -> None:
+        if taken.wait(60):
+            signal.pthread_kill(main, signal.SIGINT)
+
+    with sync.connect(backend, **opts) as factory:
+        q = factory.queue("interrupted", reserve_delay=600.0)
+        q.push({"a": 1})
+        monkeypatch.setattr(Queue, "_consume", consume_then_hang)
+        # The loop thread goes on once the interrupted thread has reacted (messages() then
+        # closes its iterator, which waits for the loop thread).
+        monkeypatch.setattr(
+            factory, "_loop", _Relay(getattr(factory, "_loop", None), resume), raising=False
+        )
+        interrupter = threading.Thread(target=interrupt)
+        interrupter.start()
+        try:
+            with pytest.raises(KeyboardInterrupt):
+                if taking == "messages":
+                    for _ in q.messages():
+                        pass
+                else:
+                    getattr(q, taking)(timeout=60)
+        finally:
+            resume.set()
+            interrupter.join(60)
+        monkeypatch.setattr(Queue, "_consume", real_consume)
+        assert wait_for(lambda: q.size() == 1), q.sizes()
+        msg = q.pop(timeout=60)
+        assert msg is not None and msg.payload == {"a": 1}
+
+
+class _Relay:
+    """The shim's loop, seen by the shim: lets the test know when a callback was sent."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop | None, sent: threading.Event) -> None:
+        self.loop, self.sent = loop, sent
+
+    def call_soon_threadsafe(self, *args: Any) -> asyncio.Handle:
+        assert self.loop is not None
+        try:
+            return self.loop.call_soon_threadsafe(*args)
+        finally:
+            self.sent.set()
