@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import operator
 import os
 import time
 from collections.abc import Sequence
@@ -198,6 +199,8 @@ async def _walk(
     bounds: Document = where.get(field, {})
 
     async def group(value: Any, past_id: str | None, most: int) -> list[Document]:
+        if not _within(value, bounds):  # a cursor's time outside them: none of its ties
+            return []
         found = await coll.find({**others, field: value}, hint=hint).to_list()
         found.sort(key=lambda d: d["_id"])
         if past_id is not None:
@@ -210,7 +213,9 @@ async def _walk(
         docs = await group(after[0], after[1], limit)
         if len(docs) == limit:
             return docs
-        beyond = {**others, field: {**bounds, "$gt": after[0]}}
+        # past the cursor and within the bounds: a scheduled walk's "$gt": now stays
+        lower = max(after[0], bounds["$gt"]) if "$gt" in bounds else after[0]
+        beyond = {**others, field: {**bounds, "$gt": lower}}
     most = limit - len(docs)
     rest = await coll.find(beyond, sort=hint, limit=most, hint=hint).to_list()
     rest.sort(key=lambda d: (d[field], d["_id"]))
@@ -218,6 +223,17 @@ async def _walk(
         edge = rest[-1][field]
         rest = [d for d in rest if d[field] != edge] + await group(edge, None, limit)
     return (docs + rest)[:limit]
+
+
+_COMPARE = {"$gt": operator.gt, "$gte": operator.ge, "$lt": operator.lt, "$lte": operator.le}
+
+
+def _within(value: Any, bounds: Document) -> bool:
+    """Whether ``value`` meets the comparison operators of a :func:`_walk` field. Times as
+    epoch seconds only (``mature``): a stored date may come back as text or naive."""
+    if not isinstance(value, float | int):
+        return True
+    return all(_COMPARE[op](value, bound) for op, bound in bounds.items())
 
 
 class MongoStore(Store):

@@ -729,6 +729,10 @@ class RedisReliableStore(Store):
         if state == "scheduled":
             return PeekPage([], None)
         offset, section = (0, "r" if state == "reserved" else "p") if after is None else after
+        if state == "reserved" and section == "p":  # a cursor of a ready / all walk
+            offset, section = 0, "r"
+        if state == "ready" and section == "r":  # past every ready message
+            return PeekPage([], None)
         limit = min(limit, PEEK_PAGE)
         keys = [self._pending, self._consumers]
         flat = await self._scripts.peek(keys, [self._base, section, int(offset), limit])

@@ -496,3 +496,33 @@ async def test_browse_of_scheduled_and_reserved_goes_past_the_first_page(
         assert len(held) == 20
         walked = [v.message.id async for v in q.browse(state="reserved", page_size=5)]
         assert sorted(walked) == sorted(m.id for m in held)
+
+
+async def test_a_walk_of_one_state_lists_that_state_only_whatever_the_cursor(
+    factory: aio_keuss.Factory,
+) -> None:
+    # mongo replaced the lower bound of a scheduled / reserved walk ("past now") by the
+    # cursor's time: from a cursor among ready messages (a page of another state, or one of
+    # this state older than the messages that matured since) it listed ready messages too.
+    needs(factory, "peek")
+    q = await factory.queue("states-past-cursor", reserve_delay=600)
+    caps = factory.capabilities
+    ready = await q.push_many(["a", "b", "c"])
+    first = await q.page(state="all", limit=1)
+    assert [v.message.id for v in first.items] == ready[:1] and first.cursor is not None
+    for state in ("scheduled", "reserved"):
+        page = await q.page(state=state, after=first.cursor, limit=10)
+        assert page.items == [], (state, page.items)
+        walked = [v async for v in q.browse(state=state, after=first.cursor)]
+        assert walked == [], (state, walked)
+    if caps.delay:
+        later = await q.push("d", delay=300)
+        page = await q.page(state="scheduled", after=first.cursor, limit=10)
+        assert [(v.message.id, v.state) for v in page.items] == [(later, State.SCHEDULED)]
+    if caps.reserve:
+        assert await q.reserve(timeout=5) is not None
+        held = await q.page(state="reserved", limit=1)
+        if held.cursor is not None:  # and from a cursor among reserved messages, ready ones
+            page = await q.page(state="ready", after=held.cursor, limit=10)
+            assert all(v.state is State.READY for v in page.items), page.items
+    assert await q.total_size() == 3 + caps.delay
