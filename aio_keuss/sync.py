@@ -162,12 +162,30 @@ def connect(backend: str = "memory", **options: Any) -> SyncFactory:
     use ``with``) to release its connections; the loop thread stops with the last one."""
     _runtime.refuse_on_loop_thread("connect")
     portal, generation = _runtime.acquire()
+    opening: Future[Factory] | None = None
     try:
-        factory: Factory = portal.call(_open_factory, backend, options)
+        opening = portal.start_task_soon(_open_factory, backend, options)
+        factory = opening.result()
     except BaseException:
-        _runtime.release(generation)
+        try:
+            if opening is not None:
+                _close_unwanted(portal, opening)
+        finally:
+            _runtime.release(generation)
         raise
     return SyncFactory(factory, portal, generation)
+
+
+def _close_unwanted(portal: BlockingPortal, opening: Future[Factory]) -> None:
+    """Interrupted (KeyboardInterrupt) while a factory opened: it opens anyway (stopping the
+    loop would wait for it too), and nobody would close it, leaving its connections open.
+    Wait for it, and close it."""
+    try:
+        opened = opening.result()
+    except Exception:  # it failed to open: nothing to close
+        return
+    with contextlib.suppress(Exception):  # the interruption is what the caller hears of
+        portal.call(opened.close)
 
 
 async def _open_factory(backend: str, options: dict[str, Any]) -> Factory:

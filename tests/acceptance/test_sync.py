@@ -444,3 +444,47 @@ class _Relay:
             return self.loop.call_soon_threadsafe(*args)
         finally:
             self.sent.set()
+
+
+def test_an_interrupted_connect_closes_the_factory_it_opened(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Ctrl-C while a connect was under way: the factory went on opening, and stayed open
+    (its connections too) once the loop thread had stopped under it."""
+    if threading.current_thread() is not threading.main_thread():
+        pytest.skip("a signal interrupts the main thread only")
+    real_open = sync._open_factory
+    opened: list[Factory] = []
+    interrupted = threading.Event()
+
+    async def open_slowly(backend: str, options: dict[str, Any]) -> Factory:
+        factory = await real_open(backend, options)
+        opened.append(factory)
+        await asyncio.to_thread(interrupted.wait, 60)  # the caller is interrupted meanwhile
+        return factory
+
+    def on_sigint(*_: Any) -> None:
+        interrupted.set()
+        raise KeyboardInterrupt
+
+    main = threading.get_ident()
+
+    def interrupt() -> None:
+        deadline = time.monotonic() + 60
+        while not opened and time.monotonic() < deadline:
+            time.sleep(0.01)
+        signal.pthread_kill(main, signal.SIGINT)
+
+    monkeypatch.setattr(sync, "_open_factory", open_slowly)
+    previous = signal.signal(signal.SIGINT, on_sigint)
+    try:
+        interrupter = threading.Thread(target=interrupt)
+        interrupter.start()
+        with pytest.raises(KeyboardInterrupt):
+            sync.connect("memory")
+        interrupter.join(60)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    assert len(opened) == 1
+    assert opened[0]._closed
+    assert portal_threads() == []
