@@ -37,7 +37,7 @@ from .message import (
     decode_message,
     to_datetime,
 )
-from .options import check_queue_name
+from .options import brief, check_queue_name
 from .types import PEEK_STATES, MessageView, Page, State
 
 if TYPE_CHECKING:
@@ -116,13 +116,14 @@ def check_time(value: datetime | float | None, name: str, default: float) -> flo
     elif isinstance(value, bool) or not isinstance(value, int | float):
         raise InvalidInputError(f"{name} must be a datetime or epoch seconds, not {value!r}")
     else:
-        seconds = float(value)
+        seconds = value  # compared before float(): an int too big for one is refused, not
+        # an OverflowError
     if not 0.0 <= seconds <= MAX_TIME + 1:  # NaN fails too; datetime.max (float: +1) is the end
         raise InvalidInputError(
             f"{name} must be between 1970-01-01 and 9999-12-31 (epoch seconds 0 to"
-            f" {MAX_TIME:.0f}), not {value!r}"
+            f" {MAX_TIME:.0f}), not {brief(value)}"
         )
-    return min(seconds, MAX_TIME)
+    return min(float(seconds), MAX_TIME)
 
 
 # views --------------------------------------------------------------------------------
