@@ -38,7 +38,7 @@ def check_queue_name(name: object) -> str:
     """Names become Redis key parts, SQL values and collection names: keep them plain."""
     if not isinstance(name, str) or not _QUEUE_NAME.fullmatch(name):
         raise InvalidQueueNameError(
-            f"invalid queue name {name!r}: 1-128 characters of letters, digits and _ . : -,"
+            f"invalid queue name {brief(name)}: 1-128 characters of letters, digits and _ . : -,"
             " not starting with . : -"
         )
     return name

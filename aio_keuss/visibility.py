@@ -76,15 +76,15 @@ def decode_cursor(cursor: str | None) -> Cursor | None:
     if cursor is None:
         return None
     if not isinstance(cursor, str) or "|" not in cursor:
-        raise InvalidInputError(f"not a cursor from browse / history: {cursor!r}")
+        raise InvalidInputError(f"not a cursor from browse / history: {brief(cursor)}")
     when, _, message_id = cursor.partition("|")
     try:
         at = float(when)
         message_id.encode()
     except (ValueError, UnicodeEncodeError):
-        raise InvalidInputError(f"not a cursor from browse / history: {cursor!r}") from None
+        raise InvalidInputError(f"not a cursor from browse / history: {brief(cursor)}") from None
     if not 0.0 <= at <= MAX_TIME or len(message_id) > MAX_KNOWN_ID_LENGTH:
-        raise InvalidInputError(f"not a cursor from browse / history: {cursor!r}")
+        raise InvalidInputError(f"not a cursor from browse / history: {brief(cursor)}")
     return at, message_id
 
 
@@ -94,14 +94,14 @@ def decode_cursor(cursor: str | None) -> Cursor | None:
 def check_state(state: object) -> str:
     if not isinstance(state, str) or state not in PEEK_STATES:
         raise InvalidInputError(
-            f"state must be one of {', '.join(sorted(PEEK_STATES))}, not {state!r}"
+            f"state must be one of {', '.join(sorted(PEEK_STATES))}, not {brief(state)}"
         )
     return state
 
 
 def check_limit(limit: object, name: str = "n") -> int:
     if isinstance(limit, bool) or not isinstance(limit, int) or not 1 <= limit <= MAX_LIMIT:
-        raise InvalidInputError(f"{name} must be an int in [1, {MAX_LIMIT:_}], not {limit!r}")
+        raise InvalidInputError(f"{name} must be an int in [1, {MAX_LIMIT:_}], not {brief(limit)}")
     return limit
 
 
@@ -114,7 +114,7 @@ def check_time(value: datetime | float | None, name: str, default: float) -> flo
             raise InvalidInputError(f"{name} must be an aware datetime (with a tzinfo)")
         seconds = value.timestamp()
     elif isinstance(value, bool) or not isinstance(value, int | float):
-        raise InvalidInputError(f"{name} must be a datetime or epoch seconds, not {value!r}")
+        raise InvalidInputError(f"{name} must be a datetime or epoch seconds, not {brief(value)}")
     else:
         seconds = value  # compared before float(): an int too big for one is refused, not
         # an OverflowError

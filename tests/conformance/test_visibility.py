@@ -110,6 +110,14 @@ async def test_made_up_cursors_and_bounds_out_of_range_are_refused(
         q.history(since=10**400),
         q.history(until=-(10**5000)),
         q.replay(until=10**400),
+        # an int past 4,300 digits, whose repr raises: a plain ValueError of the message
+        q.peek(10**5000),
+        q.peek(state=10**5000),  # type: ignore[arg-type]
+        q.page(limit=10**5000),
+        q.page(after=10**5000),  # type: ignore[arg-type]
+        q.history(limit=-(10**5000)),
+        q.requeue(origin=10**5000),  # type: ignore[arg-type]
+        q.replay(["a"], to=10**5000),  # type: ignore[arg-type]
     ]
     for call in refused:
         with pytest.raises(aio_keuss.InvalidInputError):
