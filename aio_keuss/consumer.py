@@ -48,7 +48,7 @@ from collections import deque
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from types import TracebackType
-from typing import Any, Literal, Protocol, cast
+from typing import Any, Literal, Protocol, Self, cast
 
 from . import observe
 from .deadlines import Deadlines, Limit
@@ -400,7 +400,26 @@ def check_settings(
         raise InvalidInputError("batch cannot be combined with prefetch (nor in a pipeline)")
 
 
-class Consumer:
+class StoppedOnExit:
+    """``async with`` a background runner (a consumer, a repeater) stops it on the way out,
+    however the block ends."""
+
+    async def stop(self) -> None:
+        raise NotImplementedError
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.stop()
+
+
+class Consumer(StoppedOnExit):
     def __init__(
         self,
         queue: Source,
@@ -464,17 +483,6 @@ class Consumer:
         self._loop = loop = asyncio.get_running_loop()
         self._deadlines = None if timeout is None else Deadlines(loop, timeout)
         self._workers = [loop.create_task(self._work()) for _ in range(concurrency)]
-
-    async def __aenter__(self) -> Consumer:
-        return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        await self.stop()
 
     @property
     def processed(self) -> int:

@@ -34,10 +34,9 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from datetime import datetime
-from types import TracebackType
 from typing import Any
 
-from .consumer import Outage, State, retry_backoff
+from .consumer import Outage, State, StoppedOnExit, retry_backoff
 from .cron import Schedule, every, parse_cron, zone
 from .errors import ClosedError, InvalidHeadersError, InvalidInputError
 from .message import Headers, to_datetime
@@ -122,7 +121,7 @@ def occurrence_id(key: str, t: float) -> str:
     return f"{key}@{round(t * 1000)}"
 
 
-class Repeater:
+class Repeater(StoppedOnExit):
     """A running repeat (see the module's docstring); made by ``Queue.repeat``."""
 
     def __init__(
@@ -155,17 +154,6 @@ class Repeater:
 
     def __repr__(self) -> str:
         return f"<Repeater {self.key!r} on {self.queue!r} {self.state}>"
-
-    async def __aenter__(self) -> Repeater:
-        return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        await self.stop()
 
     @property
     def state(self) -> State:
