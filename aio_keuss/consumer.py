@@ -736,7 +736,7 @@ class Consumer(StoppedOnExit):
                         result = await result
                     else:
                         deadline = self._deadlines.start(task)
-                        result = await self._within(deadline, result)
+                        result = await self._deadlines.watch(deadline, result)
         except asyncio.CancelledError:
             self._ran(started, "cancelled")
             if self._reserve:
@@ -792,18 +792,6 @@ class Consumer(StoppedOnExit):
                         room.set()
         finally:
             self._ok_senders -= 1
-
-    async def _within(self, deadline: Limit, handler: Awaitable[Any]) -> Any:
-        """Await a handler under its deadline (``timeout``): past it, the handler is
-        cancelled and a ``TimeoutError`` raised instead."""
-        deadlines = cast(Deadlines, self._deadlines)
-        try:
-            result = await handler
-        except BaseException as exc:
-            deadlines.end(deadline, exc)
-            raise
-        deadlines.end(deadline, None)
-        return result
 
     def _failure(self, exc: Exception, deadline: Limit | None, started: float) -> Exception:
         """What a handler's exception is logged as: past its timeout, a HandlerTimeoutError
@@ -864,7 +852,7 @@ class Consumer(StoppedOnExit):
                         await result
                     else:
                         deadline = self._deadlines.start(task)
-                        await self._within(deadline, result)
+                        await self._deadlines.watch(deadline, result)
         except asyncio.CancelledError:
             self._ran(started, "cancelled")
             if self._reserve:

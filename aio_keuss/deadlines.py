@@ -14,6 +14,7 @@ also cancelled by someone else meanwhile (a stop past its grace), which then win
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable
 from typing import Any
 
 EARLY = 0.001
@@ -57,6 +58,17 @@ class Deadlines:
             return
         if limit.task.uncancel() <= limit.cancelling and isinstance(error, asyncio.CancelledError):
             raise TimeoutError from error
+
+    async def watch(self, limit: Limit, work: Awaitable[Any]) -> Any:
+        """Await a handler's ``work`` under ``limit`` (from :meth:`start`): past it, the
+        handler is cancelled and a ``TimeoutError`` raised instead."""
+        try:
+            result = await work
+        except BaseException as exc:
+            self.end(limit, exc)
+            raise
+        self.end(limit, None)
+        return result
 
     def _expire(self) -> None:
         """Cancel every handler past its deadline; set the timer for the next one."""

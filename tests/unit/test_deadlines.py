@@ -17,14 +17,7 @@ async def _limited(deadlines: Deadlines, work: Any) -> Any:
     """Run ``work`` under a deadline as the consumer does."""
     task = asyncio.current_task()
     assert task is not None
-    limit = deadlines.start(task)
-    try:
-        result = await work
-    except BaseException as exc:
-        deadlines.end(limit, exc)
-        raise
-    deadlines.end(limit, None)
-    return result
+    return await deadlines.watch(deadlines.start(task), work)
 
 
 async def test_a_handler_past_its_deadline_gets_a_timeout_error() -> None:
