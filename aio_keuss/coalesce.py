@@ -107,10 +107,6 @@ class Coalescer(Generic[Req, Res]):
         work = RunToEnd(self._run_batch([request]))
         try:
             (result,) = await work
-        except Exception:
-            if work.held is not None:  # the caller is gone: it gets its cancellation
-                raise work.held from None
-            raise
         finally:
             self._ran_inline()
         if work.held is not None:  # cancelled once the reply was in: the work is done
@@ -217,7 +213,13 @@ class RunToEnd(Generic[T]):
     """Awaits a coroutine in the current task, step by step, so that a cancellation thrown
     in while the awaited future already holds its result (a reply that refused to be
     cancelled) does not interrupt the work: it is held in ``held`` and the coroutine goes on
-    to the end. Any other cancellation interrupts as usual."""
+    to the end. Any other cancellation interrupts as usual.
+
+    The awaiter does what must follow the work (counts, signals, hand-backs), then calls
+    :meth:`raise_held`. Should the work fail after a cancellation was held, the awaiter gets
+    the cancellation instead of the failure: its task was cancelled and must end so, or
+    ``asyncio.timeout`` and task groups, which count on the cancellation coming back to
+    them, would see an ordinary error and leave the task's cancel request standing."""
 
     __slots__ = ("_coro", "held")
 
@@ -234,6 +236,10 @@ class RunToEnd(Generic[T]):
             except StopIteration as stop:
                 value: T = stop.value
                 return value
+            except Exception:
+                if self.held is not None:
+                    raise self.held from None
+                raise
             error = None
             try:
                 yield step
@@ -244,6 +250,11 @@ class RunToEnd(Generic[T]):
                     error = exc
             except BaseException as exc:  # pragma: no cover - only cancellation is thrown in
                 error = exc
+
+    def raise_held(self) -> None:
+        """Raise the cancellation held while the work ran to its end, if there was one."""
+        if self.held is not None:
+            raise self.held
 
 
 RECANCEL_PERIOD = 0.5

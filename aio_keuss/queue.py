@@ -318,7 +318,7 @@ class Queue:
         if inserted:
             self._stats.incr(self.name, "put", len(inserted))
             self._signal.insert(self.name, _earliest(inserted), len(inserted))
-        _raise_held(work)
+        work.raise_held()
         return _split(requests, flags)
 
     async def push_each(self, messages: Sequence[NewMessage]) -> list[str]:
@@ -818,7 +818,7 @@ class Queue:
         results = await work
         self._forget(acks)
         self._stats.incr(self.name, "commit", sum(results))
-        _raise_held(work)
+        work.raise_held()
         return _split(requests, results)
 
     async def _rollback_batch(self, nacks: list[Nack]) -> list[KoResult]:
@@ -835,7 +835,7 @@ class Queue:
             self._stats.incr(self.name, "deadletter", moved)
             self._stats.incr(self._deadletter.queue, "put", moved)
             self._signal.insert(self._deadletter.queue, now, moved)
-        _raise_held(work)
+        work.raise_held()
         return results
 
     async def move(
@@ -939,7 +939,7 @@ class Queue:
                 observe.active.count(self.name, "move", moved)
         for destination, (due, count) in arrivals.items():
             self._signal.insert(destination, due, count)
-        _raise_held(work)
+        work.raise_held()
         return results
 
     async def remove(self, message: Message | str) -> bool:
@@ -1334,13 +1334,6 @@ def _entry_bytes(entries: list[Entry]) -> int:
 def _move_bytes(move: Move) -> int:
     """Bytes a move sends: its new payload (a kept payload is copied by the server)."""
     return len(move.payload) if move.payload is not None else 0
-
-
-def _raise_held(work: RunToEnd[Any]) -> None:
-    """Raise the cancellation a store call ran to its end through, once what the queue
-    does after that call (counts, signals, the reservations it forgets) is done."""
-    if work.held is not None:
-        raise work.held
 
 
 def _split(requests: Sequence[Sequence[Any]], flags: list[bool]) -> list[list[bool]]:

@@ -156,14 +156,8 @@ class ShardedStore(Store):
         # messages would sit in a shard the ready index and the sweeper's stamps know
         # nothing of until a repair pass. Held here until the announcement is made too.
         work = RunToEnd(self._insert(entries))
-        try:
-            flags = await work
-        except Exception:
-            if work.held is not None:  # the caller is gone: it gets its cancellation
-                raise work.held from None
-            raise
-        if work.held is not None:
-            raise work.held
+        flags = await work
+        work.raise_held()
         return flags
 
     async def _insert(self, entries: Sequence[Entry]) -> list[bool]:

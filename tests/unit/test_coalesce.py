@@ -7,7 +7,7 @@ import asyncio
 
 import pytest
 
-from aio_keuss.coalesce import Coalescer, SideBySide
+from aio_keuss.coalesce import Coalescer, RunToEnd, SideBySide
 
 
 async def test_first_call_runs_at_once_and_the_rest_share_the_next_batch() -> None:
@@ -356,3 +356,73 @@ async def test_a_caller_coming_back_later_gets_a_batch_of_its_own() -> None:
     assert batches == [[1], [2]]
     await coalescer.wait_idle()
     assert not coalescer._tasks and coalescer._running == 0
+
+
+async def test_work_failing_after_a_held_cancellation_ends_the_caller_cancelled() -> None:
+    """The caller was cancelled while a reply that refuses cancellation was awaited; the
+    work then failed. The caller must end cancelled, not with the failure: an
+    ``asyncio.timeout`` around it counts on getting its cancellation back."""
+    reply = _Refusing()
+
+    async def work() -> int:
+        await reply
+        raise RuntimeError("the store refused")
+
+    async def caller() -> int:
+        run = RunToEnd(work())
+        value = await run
+        run.raise_held()
+        return value
+
+    task = asyncio.create_task(caller())
+    await asyncio.sleep(0)
+    task.cancel()
+    await asyncio.sleep(0)
+    reply.set_result(1)
+    with pytest.raises(asyncio.CancelledError):
+        await task
+
+
+async def test_a_timeout_around_work_failing_after_it_fired_raises_timeout_error() -> None:
+    reply = _Refusing()
+
+    async def work() -> int:
+        await reply
+        raise RuntimeError("the store refused")
+
+    async def caller() -> None:
+        async with asyncio.timeout(0):
+            run = RunToEnd(work())
+            asyncio.get_running_loop().call_soon(reply.set_result, 1)
+            await run
+
+    with pytest.raises(TimeoutError):
+        await caller()
+    task = asyncio.current_task()
+    assert task is not None and task.cancelling() == 0
+
+
+async def test_work_run_to_its_end_raises_the_held_cancellation_once_done() -> None:
+    reply = _Refusing()
+    done: list[str] = []
+
+    async def work() -> int:
+        value = await reply
+        done.append("after the reply")
+        return value
+
+    async def caller() -> int:
+        run = RunToEnd(work())
+        value = await run
+        done.append("the caller's own follow-up")
+        run.raise_held()
+        return value
+
+    task = asyncio.create_task(caller())
+    await asyncio.sleep(0)
+    task.cancel()
+    await asyncio.sleep(0)
+    reply.set_result(7)
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert done == ["after the reply", "the caller's own follow-up"]
