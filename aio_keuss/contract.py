@@ -314,6 +314,13 @@ class Store(ABC):
         queue signals other processes then. Others ignore it: an acknowledged insert is
         visible everywhere, and the queue signals at acknowledgement."""
 
+    def on_orphaned_insert(self, listener: Callable[[int, float], None]) -> None:
+        """For stores whose insert a cancelled caller may leave while its messages are still
+        written (a write shared by several callers goes on without the one cancelled):
+        ``listener(count, earliest mature)`` once they are, so the queue counts and signals
+        them as it does when an insert returns. Others ignore it: their insert either ran
+        to its end (the queue counts it then) or was interrupted with the caller."""
+
     def default_ko_delay(self, tries: int | None) -> float:
         """Delay of a ko that gave none (``tries``: the holder's count, if known). Immediate
         here; bucket stores use Keuss's ``reject_delta_base + reject_delta_factor * tries``."""

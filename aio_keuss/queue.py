@@ -188,6 +188,7 @@ class Queue:
         )
         self._unsubscribe = signal.subscribe(name, self._on_signal)
         store.on_visible(lambda mature: signal.insert(name, mature))
+        store.on_orphaned_insert(self._inserted_for_nobody)
 
     async def _open(self) -> None:
         self._paused = await self._stats.is_paused(self.name)
@@ -320,6 +321,12 @@ class Queue:
             self._signal.insert(self.name, _earliest(inserted), len(inserted))
         work.raise_held()
         return _split(requests, flags)
+
+    def _inserted_for_nobody(self, count: int, mature: float) -> None:
+        """Messages a store wrote after their pusher was cancelled: counted and signalled
+        as those of an insert that returned (see ``_insert_batch``)."""
+        self._stats.incr(self.name, "put", count)
+        self._signal.insert(self.name, mature, count)
 
     async def push_each(self, messages: Sequence[NewMessage]) -> list[str]:
         """Queue many messages, each with its own delay, headers and id (a ``NewMessage``

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from array import array
 from collections.abc import Callable, Sequence
@@ -44,6 +45,28 @@ def slot_bytes(entry: Entry) -> int:
     return len(entry.payload) + len(entry.headers) + SLOT_BYTES
 
 
+class Waiter:
+    """One caller waiting for a bucket to be written: its own future, and the slots of its
+    messages in the bucket (``count`` from ``first``; none for a flush). A cancelled pusher
+    leaves its messages in the bucket, which is written all the same: then they are counted
+    for it (see ``PushSide._orphaned``)."""
+
+    __slots__ = ("bucket", "count", "first", "future")
+
+    def __init__(self, bucket: PushBucket, first: int, count: int) -> None:
+        self.bucket = bucket
+        self.first = first
+        self.count = count
+        self.future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        bucket.waiters.append(self)
+
+    def earliest(self) -> float:
+        """When the first of its messages matures."""
+        if not self.count:
+            return math.inf
+        return min(self.bucket.mature[self.first : self.first + self.count])
+
+
 class PushBucket:
     """A bucket being filled in memory. Whoever waits for it to be durable (a pusher, a
     flush) gets a future of its own in ``waiters`` rather than a shield of a shared one: a
@@ -69,25 +92,30 @@ class PushBucket:
         self.headers: list[bytes] = []
         self.mature = array("d")
         self.tries = array(U32)
-        self.waiters: list[asyncio.Future[None]] = []
+        self.waiters: list[Waiter] = []
         self.timer: asyncio.TimerHandle | None = None
         self.flush_at = 0.0
         self.bytes = BUCKET_BYTES
 
     def written(self) -> asyncio.Future[None]:
         """A future of the caller's own, resolved (or failed) when the bucket is written."""
-        waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self.waiters.append(waiter)
-        return waiter
+        return Waiter(self, 0, 0).future
 
-    def settle(self, error: Exception | None) -> None:
+    def settle(self, error: Exception | None) -> list[Waiter]:
+        """Resolve (or fail) every waiter. Once written, the cancelled waiters whose messages
+        were in it: nobody counted them yet."""
+        orphans = []
         for waiter in self.waiters:
-            if waiter.done():  # its waiter was cancelled
+            future = waiter.future
+            if future.done():  # its waiter was cancelled
+                if error is None and waiter.count:
+                    orphans.append(waiter)
                 continue
             if error is None:
-                waiter.set_result(None)
+                future.set_result(None)
             else:
-                waiter.set_exception(error)
+                future.set_exception(error)
+        return orphans
 
     def add(self, entry: Entry, mature: float) -> int:
         slot = len(self.payloads)
@@ -123,6 +151,7 @@ class PushSide:
     _room: list[asyncio.Future[None]]
     _turns: LoopTurns
     _visible: Callable[[float], None] | None
+    _orphaned: Callable[[int, float], None] | None
 
     async def insert(self, entries: Sequence[Entry]) -> list[bool]:
         if not entries:
@@ -134,7 +163,7 @@ class PushSide:
         now = time.time()
         size = self._settings.bucket_max_size
         most = self._storage.max_bucket_bytes
-        touched: dict[int, PushBucket] = {}
+        touched: dict[int, tuple[PushBucket, int]] = {}  # and the first slot of this call
         for entry in entries:
             if entry.dedup:
                 raise InvalidInputError("bucket backends do not support user-chosen ids")
@@ -151,22 +180,49 @@ class PushSide:
                     bucket.timer = asyncio.get_running_loop().call_later(
                         self._settings.bucket_max_wait, self._seal, bucket
                     )
-            entry.id = f"{bucket.id}-{bucket.add(entry, mature)}"
+            slot = bucket.add(entry, mature)
+            entry.id = f"{bucket.id}-{slot}"
             self._buffered += 1
-            touched[id(bucket)] = bucket
+            if id(bucket) not in touched:
+                touched[id(bucket)] = (bucket, slot)
             if len(bucket.payloads) >= size:
                 self._seal(bucket)
         if buffered:
             return [True] * len(entries)
-        waiters = [bucket.written() for bucket in touched.values()]
+        # No await since the first entry: this call's slots of a bucket are consecutive.
+        waiters = [Waiter(b, first, len(b.payloads) - first) for b, first in touched.values()]
         own = self._storage.uninterruptible and self._writers < PUSH_WRITERS
-        if own and (mine := [b for b in touched.values() if self._unfill(b)]):
-            await self._write_own(mine)
-        else:
-            self._start_writer()
-        for waiter in waiters:
-            await waiter
+        try:
+            if own and (mine := [b for b, _ in touched.values() if self._unfill(b)]):
+                await self._write_own(mine)
+            else:
+                self._start_writer()
+            for waiter in waiters:
+                await waiter.future
+        except asyncio.CancelledError:
+            self._abandon(waiters)
+            raise
         return [True] * len(entries)
+
+    def _abandon(self, waiters: list[Waiter]) -> None:
+        """A pusher cancelled while its buckets are written: they are written all the same
+        (each write is shared, and goes on), but the queue counts and signals only what an
+        insert returns. What was written already is counted here, the rest by its write:
+        the pusher's waiters still pending are cancelled, so that the write finds them."""
+        written = []
+        for waiter in waiters:
+            future = waiter.future
+            if not future.done():
+                future.cancel()
+            elif not future.cancelled() and future.exception() is None and waiter.count:
+                written.append(waiter)
+        if written:
+            self._count_orphans(written)
+
+    def _count_orphans(self, waiters: list[Waiter]) -> None:
+        if self._orphaned is not None:
+            earliest = min(waiter.earliest() for waiter in waiters)
+            self._orphaned(sum(waiter.count for waiter in waiters), earliest)
 
     async def _admit(self, count: int) -> None:
         """``ack_on_buffer``: let the event loop run, and hold the push while the messages
@@ -211,6 +267,9 @@ class PushSide:
 
     def on_visible(self, listener: Callable[[float], None]) -> None:
         self._visible = listener
+
+    def on_orphaned_insert(self, listener: Callable[[int, float], None]) -> None:
+        self._orphaned = listener
 
     def _unfill(self, bucket: PushBucket) -> bool:
         """Take a bucket out of the filling ones; false if it was already."""
@@ -299,11 +358,12 @@ class PushSide:
                 for bucket in batch:
                     bucket.settle(exc)
                 return
-            # A pusher cancelled while its bucket was written no longer signals its messages
-            # (the queue signals once the insert returns): they are in, so it is done here.
-            abandoned = any(w.cancelled() for bucket in batch for w in bucket.waiters)
-            for bucket in batch:
-                bucket.settle(None)
-            if (self._settings.ack_on_buffer or abandoned) and self._visible is not None:
+            # A pusher cancelled while its bucket was written no longer counts nor signals
+            # its messages (the queue does once the insert returns): they are in, so it is
+            # done here.
+            orphans = [waiter for bucket in batch for waiter in bucket.settle(None)]
+            if orphans:
+                self._count_orphans(orphans)
+            if self._settings.ack_on_buffer and self._visible is not None:
                 self._visible(min(b.score for b in encoded))  # now other processes see them
             return

@@ -214,6 +214,7 @@ class BucketStore(PushSide, StateWriter, Store):
         self._storage_next: float | None = None
         self._flusher: asyncio.Task[None] | None = None
         self._visible: Callable[[float], None] | None = None
+        self._orphaned: Callable[[int, float], None] | None = None
         # Buckets that left memory (released or finished) whose final write failed: retried
         # by the next state flush, else their oks would come back once their lease lapses.
         self._departing: dict[str, tuple[HeldBucket, str]] = {}

@@ -28,6 +28,7 @@ import aio_keuss
 from aio_keuss import KeussConnectionError, KoResult
 from aio_keuss.buckets.codec import decode_blob, decode_state, encode_blob, encode_state
 from aio_keuss.buckets.settings import BucketSettings, split_id
+from aio_keuss.coalesce import Uncancellable
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -276,6 +277,61 @@ async def test_cancelled_pushers_never_strand_the_ones_sharing_their_write(
         assert len(stored) == len(set(stored))
         assert acknowledged <= set(stored) <= set(range(value))
         assert len(acknowledged) >= value // 2
+
+
+async def test_a_push_cancelled_while_its_buckets_are_written_is_still_counted(
+    bucket_case: tuple[BackendCase, dict[str, Any]],
+) -> None:
+    """A pusher cancelled while its buckets are written: they are written all the same (the
+    write is shared, and goes on), so the queue's ``put`` counts every message of it, as it
+    counts a cancelled push the store took on every other backend. Two cases: one bucket,
+    its write held back at a gate; and many buckets, the first round trip done before the
+    cancellation and the second held back. The gate refuses cancellation, as a Redis reply
+    does, so a pusher writing its own bucket in its own task is cancelled once it is written."""
+    case, options = bucket_case
+    async with aio_keuss.connect(case.name, **options, bucket_max_size=1) as factory:
+        q = await factory.queue("cancelled-counted")
+        storage = q._store._storage  # type: ignore[attr-defined]
+        real_insert = storage.insert_buckets
+        calls = 0
+        hold_call = 1
+        reached = asyncio.Event()
+        gate = Uncancellable()
+
+        async def gated_insert(queue: str, buckets: Any) -> None:
+            nonlocal calls
+            calls += 1
+            if calls == hold_call:
+                reached.set()
+                await gate
+            await real_insert(queue, buckets)
+
+        async def counted() -> int:
+            await q._store.flush()  # type: ignore[attr-defined]  # the write under way ends
+            return (await q.stats())["put"]
+
+        storage.insert_buckets = gated_insert
+        try:
+            pushing = asyncio.create_task(q.push("one"))
+            await asyncio.wait_for(reached.wait(), 10)
+            pushing.cancel()
+            gate.set_result(None)
+            with pytest.raises(asyncio.CancelledError):
+                await pushing
+            assert await counted() == 1
+
+            # 17 one-message buckets: 16 in the first round trip, the last in a second one.
+            calls, hold_call, reached, gate = 0, 2, asyncio.Event(), Uncancellable()
+            pushing = asyncio.create_task(q.push_many(list(range(17))))
+            await asyncio.wait_for(reached.wait(), 10)
+            pushing.cancel()
+            gate.set_result(None)
+            with pytest.raises(asyncio.CancelledError):
+                await pushing
+            assert await counted() == 18
+        finally:
+            storage.insert_buckets = real_insert
+        assert len(await _take_all(q)) == 18
 
 
 async def test_a_failed_lease_gives_back_what_the_pop_took_from_memory(
