@@ -46,15 +46,16 @@ class OwnRedis:
     """A ``redis-server`` of the test's own; ``stop()`` / ``start()`` make an outage.
 
     ``extra`` are more ``--option value`` arguments (e.g. persistence for a restart that
-    must load data back).
+    must load data back); ``env`` more environment variables (e.g. a locale).
     """
 
-    def __init__(self, *extra: str) -> None:
+    def __init__(self, *extra: str, env: dict[str, str] | None = None) -> None:
         if shutil.which("redis-server") is None:
             raise RuntimeError("redis-server is not installed")
         self.port = free_port()
         self.dir = tempfile.mkdtemp(prefix="ak-redis-")
         self.extra = extra
+        self.env = None if env is None else {**os.environ, **env}
         self.process: subprocess.Popen[bytes] | None = None
 
     @property
@@ -74,6 +75,7 @@ class OwnRedis:
             ],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
+            env=self.env,
         )  # fmt: skip
         _wait_port(self.port, up=True)
 
@@ -157,13 +159,45 @@ class OwnPostgres:
 
 
 @contextlib.contextmanager
-def own_redis(*extra: str) -> Iterator[OwnRedis]:
-    server = OwnRedis(*extra)
+def own_redis(*extra: str, env: dict[str, str] | None = None) -> Iterator[OwnRedis]:
+    server = OwnRedis(*extra, env=env)
     try:
         server.start()
         yield server
     finally:
         server.cleanup()
+
+
+COLLATING_LOCALES = ("en_US.UTF-8", "en_US.utf8", "de_DE.UTF-8", "de_DE.utf8", "fr_FR.utf8")
+"""Locales whose collation is not byte order (case folded first, punctuation ignored)."""
+
+
+def collating_locale(directory: str) -> dict[str, str] | str:
+    """Environment giving a child process a locale that does not collate in byte order:
+    an installed one, else en_US.UTF-8 compiled into ``directory`` by glibc's ``localedef``
+    from the ``locales`` package's sources (``LOCPATH`` then points the child at it, so
+    nothing is installed). A string says why there is none."""
+    installed: set[str] = set()
+    if shutil.which("locale") is not None:
+        listed = subprocess.run(["locale", "-a"], capture_output=True, text=True, check=False)
+        installed = set(listed.stdout.split())
+    for name in COLLATING_LOCALES:
+        if name in installed:
+            return {"LC_ALL": name}
+    if shutil.which("localedef") is None:
+        return f"no collating locale installed ({', '.join(sorted(installed))}) and no localedef"
+    made = subprocess.run(
+        ["localedef", "-i", "en_US", "-f", "UTF-8", os.path.join(directory, "en_US.UTF-8")],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    if not os.path.isdir(os.path.join(directory, "en_US.UTF-8")):
+        return (
+            f"no collating locale installed ({', '.join(sorted(installed))}), and localedef"
+            f" could not make en_US.UTF-8 (the locales package?): {made.stderr.strip()[-200:]}"
+        )
+    return {"LOCPATH": directory, "LC_ALL": "en_US.UTF-8"}
 
 
 @contextlib.contextmanager

@@ -36,6 +36,13 @@ if ! psql -h 127.0.0.1 -U postgres -d test -c "select 1" >/dev/null 2>&1; then
   psql -h 127.0.0.1 -U postgres -c "create database test" >/dev/null
 fi
 
+# Locale sources for the test that runs a Redis under a collating locale: it compiles
+# en_US.UTF-8 into a temporary directory with localedef (glibc's) from them.
+if ! [ -d /usr/share/i18n/locales ]; then
+  echo "installing locales"
+  need_package locales
+fi
+
 # Java for the Spark tests (pyspark runs a JVM); Debian's headless JRE is enough.
 if ! command -v java >/dev/null 2>&1; then
   echo "installing java"

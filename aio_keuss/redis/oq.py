@@ -610,6 +610,17 @@ def _fetched(reply: list[Any]) -> Fetched:
 # from the start), cursor id, limit, scan budget. Reply: cursor score and id (false, false at
 # the end), then per row: id, payload, headers, tries, score, state.
 _PEEK = """
+-- Whether id a lies at or before id b among equal scores. The sorted set orders ties by
+-- their bytes (Redis manual, "Sorted sets"), but Lua's < on strings is strcoll, which
+-- follows the LC_COLLATE Redis sets from its environment at start: compare bytes instead.
+local function at_or_before(a, b)
+  if a == b then return true end
+  for i = 1, math.min(#a, #b) do
+    local x, y = string.byte(a, i), string.byte(b, i)
+    if x ~= y then return x < y end
+  end
+  return #a < #b
+end
 local now = server_now()
 local state, cscore, cid = ARGV[1], ARGV[2], ARGV[3]
 local limit, budget = tonumber(ARGV[4]), tonumber(ARGV[5])
@@ -627,7 +638,7 @@ if cscore ~= '' then
       local part = redis.call('ZRANGE', z, start, start + 99, 'WITHSCORES')
       if #part == 0 then break end
       for i = 1, #part, 2 do
-        if tonumber(part[i + 1]) == at and part[i] <= cid then start = start + 1
+        if tonumber(part[i + 1]) == at and at_or_before(part[i], cid) then start = start + 1
         else done = true; break end
       end
     end
