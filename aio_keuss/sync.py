@@ -36,11 +36,12 @@ import atexit
 import contextlib
 import functools
 import os
+import signal
 import threading
 from collections.abc import AsyncGenerator, Awaitable, Callable, Iterator, Sequence
 from concurrent.futures import Future
 from datetime import datetime
-from types import TracebackType
+from types import FrameType, TracebackType
 from typing import Any, TypeVar
 
 from anyio.from_thread import BlockingPortal, start_blocking_portal
@@ -159,37 +160,107 @@ os.register_at_fork(after_in_child=_runtime.forget)
 
 def connect(backend: str = "memory", **options: Any) -> SyncFactory:
     """Blocking :func:`aio_keuss.connect`: same backends and options. Close the factory (or
-    use ``with``) to release its connections; the loop thread stops with the last one."""
+    use ``with``) to release its connections; the loop thread stops with the last one.
+
+    Interrupted (KeyboardInterrupt), it leaves nothing behind: neither a loop thread nor a
+    factory nobody closes. Starting the loop thread, spawning the opening task and making
+    the sync factory are each done whole, a Ctrl-C meanwhile being raised once they are
+    (see ``_sigint_held``); the opening itself, which may wait for a server, stays
+    interruptible, and what it opens is closed (see ``_Opening``)."""
     _runtime.refuse_on_loop_thread("connect")
-    portal, generation = _runtime.acquire()
-    opening: Future[Factory] | None = None
+    state = _Opening()
+    acquired: tuple[BlockingPortal, int] | None = None
+    made: SyncFactory | None = None
     try:
-        opening = portal.start_task_soon(_open_factory, backend, options)
+        with _sigint_held():
+            acquired = _runtime.acquire()
+            opening = acquired[0].start_task_soon(_open_factory, state, backend, options)
         factory = opening.result()
+        with _sigint_held():
+            made = SyncFactory(factory, *acquired)
     except BaseException:
-        try:
-            if opening is not None:
-                _close_unwanted(portal, opening)
-        finally:
-            _runtime.release(generation)
+        if made is not None:  # counted as open: its own close undoes it all
+            made.close()
+        elif acquired is not None:
+            try:
+                _close_unwanted(acquired[0], state)
+            finally:
+                _runtime.release(acquired[1])
         raise
-    return SyncFactory(factory, portal, generation)
+    return made
 
 
-def _close_unwanted(portal: BlockingPortal, opening: Future[Factory]) -> None:
-    """Interrupted (KeyboardInterrupt) while a factory opened: it opens anyway (stopping the
-    loop would wait for it too), and nobody would close it, leaving its connections open.
-    Wait for it, and close it."""
-    try:
-        opened = opening.result()
-    except Exception:  # it failed to open: nothing to close
+class _Opening:
+    """A factory being opened for a connect that may be interrupted. The task spawned for
+    it may run even when the caller never learnt of it (interrupted while anyio's
+    ``start_task_soon`` waited for the spawn), and may finish after the caller gave up:
+    whichever of the two comes second closes the factory, under ``lock``."""
+
+    __slots__ = ("abandoned", "factory", "lock")
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()  # held for two assignments, also on the loop thread
+        self.factory: Factory | None = None
+        self.abandoned = False
+
+
+async def _open_factory(state: _Opening, backend: str, options: dict[str, Any]) -> Factory:
+    factory = await _async_connect(backend, **options)
+    with state.lock:
+        abandoned = state.abandoned
+        state.factory = factory
+    if abandoned:  # the caller is gone: nobody else would close it
+        await factory.close()
+    return factory
+
+
+def _close_unwanted(portal: BlockingPortal, state: _Opening) -> None:
+    """Interrupted (KeyboardInterrupt) while a factory opened: it opens anyway, and nobody
+    would close it, leaving its connections open. Close it if it is open; else the opening
+    task closes it once open (the loop thread, if this was its last user, stops only once
+    that task has ended)."""
+    with state.lock:
+        state.abandoned = True
+        opened = state.factory
+    if opened is not None:
+        with contextlib.suppress(Exception):  # the interruption is what the caller hears of
+            portal.call(opened.close)
+
+
+@contextlib.contextmanager
+def _sigint_held() -> Iterator[None]:
+    """Hold a Ctrl-C until the block ends, then run the SIGINT handler that was there.
+
+    Python runs signal handlers in the main thread, between two bytecodes (Python docs,
+    signal, "Execution of Python signal handlers"), so ``KeyboardInterrupt`` can cut any
+    step of a connect half-way: inside anyio's portal start it left a loop thread running
+    for nobody; inside ``start_task_soon`` a task opening a factory nobody would close.
+    Held here for steps that wait only for the loop thread's next turn, never for a
+    server. Other threads never see ``KeyboardInterrupt``: nothing to hold there, nor
+    where the handler is not Python's (ignored, default, or set from C)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
         return
-    with contextlib.suppress(Exception):  # the interruption is what the caller hears of
-        portal.call(opened.close)
+    previous = signal.getsignal(signal.SIGINT)
+    if not callable(previous):
+        yield
+        return
+    held: list[tuple[int, FrameType | None]] = []
 
+    def hold(signum: int, frame: FrameType | None) -> None:
+        held.append((signum, frame))
 
-async def _open_factory(backend: str, options: dict[str, Any]) -> Factory:
-    return await _async_connect(backend, **options)
+    try:
+        signal.signal(signal.SIGINT, hold)
+    except ValueError:  # the main thread of another interpreter
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        if held:
+            previous(*held[0])
 
 
 def _loop_running_here() -> bool:

@@ -4,15 +4,19 @@ fork-safe, same results, timeouts and errors as the async API."""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
-from backends import CASES, BackendCase, new_token
+from backends import CASES, REDIS_URL, BackendCase, _drop_redis_prefix, new_token
 
 import aio_keuss
 from aio_keuss import sync
@@ -457,8 +461,8 @@ def test_an_interrupted_connect_closes_the_factory_it_opened(
     opened: list[Factory] = []
     interrupted = threading.Event()
 
-    async def open_slowly(backend: str, options: dict[str, Any]) -> Factory:
-        factory = await real_open(backend, options)
+    async def open_slowly(state: Any, backend: str, options: dict[str, Any]) -> Factory:
+        factory = await real_open(state, backend, options)
         opened.append(factory)
         await asyncio.to_thread(interrupted.wait, 60)  # the caller is interrupted meanwhile
         return factory
@@ -488,3 +492,112 @@ def test_an_interrupted_connect_closes_the_factory_it_opened(
     assert len(opened) == 1
     assert opened[0]._closed
     assert portal_threads() == []
+
+
+# A connect interrupted by a real Ctrl-C (SIGINT sent to the process) at one point:
+# ``python -c INTERRUPTED <point> <backend> <options json>``. It prints what was left.
+INTERRUPTED = r"""
+import json, os, signal, sys, threading, time
+import anyio.from_thread
+from anyio.from_thread import BlockingPortal
+from aio_keuss import sync
+
+point, backend, options = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+opened = []
+real_connect = sync._async_connect
+
+async def recording_connect(backend, **options):
+    factory = await real_connect(backend, **options)
+    opened.append(factory)
+    return factory
+
+sync._async_connect = recording_connect
+armed = [True]
+
+def interrupt():
+    if armed.pop() if armed else False:
+        os.kill(os.getpid(), signal.SIGINT)  # runs the handler at the next bytecode...
+        time.sleep(2)  # ...in this sleep (retried, as PEP 475 says, when the handler returns)
+
+if point == "loop-thread-start":  # anyio's portal start: its thread running, not yet waited for
+    class Started(threading.Thread):
+        def start(self):
+            super().start()
+            interrupt()
+    anyio.from_thread.Thread = Started
+elif point == "loop-thread-ident":  # the new loop thread asked who it is
+    real_call = BlockingPortal.call
+    def call(self, func, *args):
+        result = real_call(self, func, *args)
+        if func is threading.get_ident:
+            interrupt()
+        return result
+    BlockingPortal.call = call
+elif point == "spawn":  # start_task_soon: the opening task spawned, not yet returned
+    real_spawn = BlockingPortal._spawn_task_from_thread
+    def spawn(self, func, *args):
+        real_spawn(self, func, *args)
+        if func is sync._open_factory:  # portal.call spawns through here too
+            interrupt()
+    BlockingPortal._spawn_task_from_thread = spawn
+elif point == "made":  # the sync factory made, not yet returned
+    real_init = sync.SyncFactory.__init__
+    def init(self, *args):
+        real_init(self, *args)
+        interrupt()
+    sync.SyncFactory.__init__ = init
+
+def others():
+    return sorted(t.name for t in threading.enumerate() if t is not threading.main_thread())
+
+try:
+    sync.connect(backend, **options)
+    outcome = "connected"
+except KeyboardInterrupt:
+    outcome = "interrupted"
+report = {
+    "outcome": outcome,
+    "threads": others(),
+    "unclosed": sum(not factory._closed for factory in opened),
+    "users": sync._runtime.users,
+    "open": len(sync._runtime.open),
+}
+with sync.connect(backend, **options) as factory:  # the shim still works
+    report["pushed"] = bool(factory.queue("after").push(1))
+report["threads after"] = others()
+print(json.dumps(report), flush=True)
+"""
+
+
+@pytest.mark.parametrize("point", ["loop-thread-start", "loop-thread-ident", "spawn", "made"])
+def test_a_ctrl_c_anywhere_in_connect_leaves_no_thread_nor_factory(point: str) -> None:
+    """A real SIGINT at each step of a connect that the previous fix did not cover: inside
+    anyio's portal start (its loop thread went on running for nobody), while the shim
+    asked the new loop thread for its ident (the loop kept, counted by nobody), inside
+    start_task_soon (the factory opened and nobody closed it), and once the sync factory
+    was made (returned to nobody, its loop and factory open). Now each step is done whole
+    and the Ctrl-C raised after it, with everything undone."""
+    options = {"url": REDIS_URL, "prefix": f"aks-{new_token()}"}
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[2])}
+    try:
+        done = subprocess.run(
+            [sys.executable, "-c", INTERRUPTED, point, "redis-oq", json.dumps(options)],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=60,
+        )
+    except subprocess.TimeoutExpired as exc:
+        pytest.fail(f"the interrupted program hung: {exc.stdout!r} {exc.stderr!r}")
+    finally:
+        asyncio.run(_drop_redis_prefix(options))
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout) == {
+        "outcome": "interrupted",
+        "threads": [],
+        "unclosed": 0,
+        "users": 0,
+        "open": 0,
+        "pushed": True,
+        "threads after": [],
+    }
