@@ -1,0 +1,449 @@
+"""The bottom of the sqlite package: the database file, the thread that owns its connection,
+the schema and its migrations, and the one place where ``sqlite3``'s errors become ours.
+
+``sqlite3`` blocks, and a connection belongs to the thread that made it (Python's sqlite3
+documentation, ``check_same_thread``). So every open backend starts one thread of its own,
+which opens the file, then runs the calls the event loop hands it, one at a time, and hands
+each result back to the loop of its caller (``call_soon_threadsafe``): the event loop never
+waits on the disk or on another process's lock. A call is a plain function of the
+connection; a write runs inside ``BEGIN IMMEDIATE`` ... ``COMMIT``, which takes the database's
+write lock at its start rather than at its first write, so two processes never both read
+a row and then fight over updating it (SQLite documentation, "BEGIN TRANSACTION": a
+deferred transaction that later writes can fail with SQLITE_BUSY instead of waiting).
+
+The file is in WAL mode (SQLite documentation, "Write-Ahead Logging"): readers and the one
+writer do not block each other, and several processes can share the file on one machine
+(not over a network file system, which WAL does not support). Writers from other processes
+wait for each other through the busy timeout (``busy_timeout``, "PRAGMA busy_timeout").
+With ``synchronous=FULL`` (the default) a commit is on disk when it returns, so nothing
+acknowledged is lost even to a power cut; ``NORMAL`` keeps it through a crash of the
+process but may lose the last commits to a power cut (SQLite documentation, "PRAGMA
+synchronous").
+
+The thread also watches the file for commits of other connections when the signal bus asks
+it to (:meth:`SqliteConnection.watch`): ``PRAGMA data_version`` changes when, and only when,
+another connection committed (SQLite documentation, "PRAGMA data_version"); it is read
+while the thread is idle, every ``signal_poll`` seconds, without waking the event loop.
+
+The schema is versioned: ``sql/migrations`` holds numbered steps and the file's
+``user_version`` (SQLite documentation, "PRAGMA user_version") the last one applied; steps
+run inside one ``BEGIN IMMEDIATE`` transaction, so processes opening the file at once take
+turns. ``application_id`` marks the file as ours, so a database of another program is
+refused rather than written to.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import queue
+import sqlite3
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, ClassVar, NoReturn, TypeVar
+
+from ..contract import Backend
+from ..errors import (
+    BackendError,
+    ClosedError,
+    ConfigError,
+    KeussConnectionError,
+    KeussError,
+    raise_translated,
+    translating,
+)
+from ..options import BackendOptions, brief, check_option_seconds
+from .sql import migrations, queries
+
+log = logging.getLogger("aio_keuss.sqlite")
+
+T = TypeVar("T")
+Work = Callable[[sqlite3.Connection], T]
+
+MEMORY = ":memory:"
+"""A database in this connection's memory: one factory's queues, gone when it closes."""
+APPLICATION_ID = 0x4B455553
+"""``PRAGMA application_id`` of our files ("KEUS"): SQLite documentation, "Database File
+Format", offset 68, an id for the program a file belongs to."""
+SYNCHRONOUS = ("full", "normal")
+MAX_SIGNAL_POLL = 10.0
+LONGEST_ROW = 1_000_000_000 - 65_536
+"""SQLite's default ``SQLITE_MAX_LENGTH`` bounds a string, a BLOB and a whole row at
+1,000,000,000 bytes (SQLite documentation, "Limits In SQLite"): a message's payload and
+headers together stay under it with room for the rest of its row."""
+
+# Primary result codes (SQLite documentation, "Result and Error Codes").
+_BUSY = (sqlite3.SQLITE_BUSY, sqlite3.SQLITE_LOCKED)
+_UNUSABLE_FILE = (
+    sqlite3.SQLITE_CANTOPEN,
+    sqlite3.SQLITE_NOTADB,
+    sqlite3.SQLITE_PERM,
+    sqlite3.SQLITE_READONLY,
+    sqlite3.SQLITE_AUTH,
+)
+
+
+def _code(exc: sqlite3.Error) -> int | None:
+    code: int | None = getattr(exc, "sqlite_errorcode", None)
+    return None if code is None else code & 0xFF
+
+
+def _ours(exc: Exception) -> KeussError | None:
+    """The error of ours a ``sqlite3`` error becomes: the file locked by another process
+    past the busy timeout -> KeussConnectionError (retry later); a file that cannot be
+    opened, read or written -> ConfigError; a closed connection -> KeussConnectionError;
+    anything else -> BackendError. None for what is not ``sqlite3``'s."""
+    if not isinstance(exc, sqlite3.Error):
+        return None
+    text = f"sqlite3.{type(exc).__name__}: {exc}"
+    code = _code(exc)
+    if code in _BUSY:
+        return KeussConnectionError(text)
+    if code in _UNUSABLE_FILE:
+        return ConfigError(text)
+    if isinstance(exc, sqlite3.ProgrammingError) and "closed" in str(exc):
+        return KeussConnectionError(text)
+    return BackendError(text)
+
+
+def _at_open(exc: Exception) -> KeussError | None:
+    """At open, every error but a busy file means the path is not a usable database."""
+    ours = _ours(exc)
+    if ours is None or isinstance(ours, KeussConnectionError):
+        return ours
+    return ConfigError(str(ours))
+
+
+translated = translating(_ours)
+"""For the connection's methods that reach the database: sqlite3's errors leave as ours."""
+
+
+def raise_ours(exc: Exception) -> NoReturn:
+    """Raise what ``exc`` becomes (a failure met on the database thread outside a call,
+    in a watch)."""
+    raise_translated(exc, _ours)
+
+
+def path_from_url(url: object) -> str:
+    """The path in a ``sqlite://`` URL, read as SQLAlchemy reads it (its "SQLite" dialect
+    documentation): ``sqlite:///relative.db``, ``sqlite:////absolute/path.db``, and
+    ``sqlite://`` or ``sqlite:///:memory:`` for a database in memory. No host, no query."""
+    if not isinstance(url, str):
+        raise ConfigError(f"url must be a str, not {type(url).__name__}")
+    scheme, slashes, rest = url.partition("://")
+    if not slashes or scheme.lower() != "sqlite":
+        raise ConfigError(
+            f"url {brief(url)}: expected sqlite:///relative.db or sqlite:////absolute.db"
+        )
+    if not rest:
+        return MEMORY
+    if not rest.startswith("/"):
+        raise ConfigError(f"url {brief(url)}: a sqlite url has no host (sqlite:///path)")
+    if "?" in rest or "#" in rest:
+        raise ConfigError(f"url {brief(url)}: a sqlite url takes no query or fragment")
+    return rest[1:] or MEMORY
+
+
+def check_path(path: object) -> str:
+    """The database file, checked before anything opens it: a str or path-like naming a
+    file (or ``:memory:``) whose directory exists. SQLite would create the file, but not
+    its directory, and its error says only "unable to open database file"."""
+    if not isinstance(path, str | os.PathLike):
+        raise ConfigError(f"path must be a str or path-like, not {type(path).__name__}")
+    text = os.fspath(path)
+    if not isinstance(text, str) or not text:
+        raise ConfigError(f"path must be a non-empty file name, not {brief(path)}")
+    if text == MEMORY:
+        return text
+    if "\x00" in text:
+        raise ConfigError(f"path {brief(text)} has a NUL character")
+    file = Path(text)
+    if file.is_dir():
+        raise ConfigError(f"path {text!r} is a directory, not a database file")
+    if not file.parent.is_dir():
+        raise ConfigError(f"path {text!r}: no directory {str(file.parent)!r}")
+    return text
+
+
+@dataclass(frozen=True)
+class SqliteOptions(BackendOptions):
+    """The ``sqlite`` backend's options: the database file as ``path=`` or ``url=``
+    (``sqlite:///relative.db``, ``sqlite:////absolute.db``; ``:memory:`` for one factory's
+    own in-memory database), ``busy_timeout`` (seconds a write waits for another
+    process's, default 5), ``synchronous`` (``"full"``, default, or ``"normal"``) and
+    ``signal_poll`` (seconds between looks for other processes' signals, default 0.02)."""
+
+    path: Any = None
+    url: str | None = None
+    busy_timeout: float = 5.0
+    synchronous: str = "full"
+    signal_poll: float = 0.02
+
+    def __post_init__(self) -> None:
+        if (self.path is None) == (self.url is None):
+            raise ConfigError("the sqlite backend needs path= or url= (one of them)")
+        self.database()
+        check_option_seconds(self.busy_timeout, "busy_timeout")
+        if self.synchronous not in SYNCHRONOUS:
+            raise ConfigError(
+                f"synchronous must be one of {', '.join(SYNCHRONOUS)}, not"
+                f" {brief(self.synchronous)}"
+            )
+        poll = check_option_seconds(self.signal_poll, "signal_poll")
+        if not 0 < poll <= MAX_SIGNAL_POLL:
+            raise ConfigError(f"signal_poll must be in (0, {MAX_SIGNAL_POLL}] seconds")
+
+    def database(self) -> str:
+        """The checked file name (or ``:memory:``)."""
+        if self.url is None:
+            return check_path(self.path)
+        try:
+            return check_path(path_from_url(self.url))
+        except ConfigError as exc:
+            if str(exc).startswith("url "):
+                raise
+            raise ConfigError(f"url {brief(self.url)}: {exc}") from None
+
+
+class _Reply(asyncio.Future[Any]):
+    """The answer of a call on the database thread. It refuses cancellation: the thread
+    does the work whatever happens to the caller, so a caller cancelled meanwhile still
+    learns what was done (a pop's messages are then put back, see ``Store.uninterruptible``)
+    rather than leaving it half known."""
+
+    def cancel(self, msg: Any | None = None) -> bool:
+        return False
+
+
+def _settle(reply: _Reply, result: Any, error: BaseException | None) -> None:
+    if reply.done():  # pragma: no cover - a reply refuses cancellation
+        return
+    if error is None:
+        reply.set_result(result)
+    else:
+        reply.set_exception(error)
+
+
+_Call = tuple[Callable[[sqlite3.Connection], Any], asyncio.AbstractEventLoop, _Reply]
+_LOOK = object()
+"""Put on the call queue to wake the thread for a look at the file (a new watch)."""
+
+
+class _Thread:
+    """The thread that owns the connection: runs calls in order, and between them, while
+    a watch is set, looks for other connections' commits every ``poll`` seconds."""
+
+    def __init__(self, database: str, busy_timeout: float, poll: float) -> None:
+        self._database = database
+        self._busy_timeout = busy_timeout
+        self._poll = poll
+        self._calls: queue.SimpleQueue[_Call | object | None] = queue.SimpleQueue()
+        self._watch: Callable[[sqlite3.Connection], None] | None = None
+        self._thread = threading.Thread(
+            target=self._main, name=f"aio-keuss sqlite {database}", daemon=True
+        )
+        self._thread.start()
+
+    def submit(self, work: Callable[[sqlite3.Connection], Any]) -> _Reply:
+        loop = asyncio.get_running_loop()
+        reply = _Reply(loop=loop)
+        self._calls.put((work, loop, reply))
+        return reply
+
+    def watch(self, look: Callable[[sqlite3.Connection], None] | None) -> None:
+        self._watch = look
+        self._calls.put(_LOOK)
+
+    def stop(self) -> None:
+        self._calls.put(None)
+
+    def _connect(self) -> sqlite3.Connection | sqlite3.Error:
+        try:
+            # isolation_level=None: no implicit transactions; every write says BEGIN
+            # IMMEDIATE itself. timeout: the busy timeout, in seconds.
+            return sqlite3.connect(
+                self._database,
+                timeout=self._busy_timeout,
+                isolation_level=None,
+                cached_statements=256,
+            )
+        except sqlite3.Error as exc:
+            return exc
+
+    def _main(self) -> None:
+        connection = self._connect()
+        next_look = 0.0
+        try:
+            while True:
+                look = self._watch
+                wait = None if look is None else max(0.0, next_look - time.monotonic())
+                try:
+                    item = self._calls.get(timeout=wait)
+                except queue.Empty:
+                    item = _LOOK
+                if item is None:
+                    return
+                if isinstance(item, tuple):
+                    self._serve(connection, item)
+                look = self._watch
+                if (
+                    look is not None
+                    and isinstance(connection, sqlite3.Connection)
+                    and time.monotonic() >= next_look
+                ):
+                    next_look = time.monotonic() + self._poll
+                    try:
+                        look(connection)
+                    except Exception:  # its owner reports its own failures; keep serving
+                        log.exception("sqlite watch failed")
+        finally:
+            if isinstance(connection, sqlite3.Connection):
+                with contextlib.suppress(sqlite3.Error):
+                    connection.close()
+
+    @staticmethod
+    def _serve(connection: sqlite3.Connection | sqlite3.Error, call: _Call) -> None:
+        work, loop, reply = call
+        result: Any = None
+        error: BaseException | None = None
+        try:
+            if isinstance(connection, sqlite3.Error):
+                raise connection
+            result = work(connection)
+        except BaseException as exc:  # handed to the caller, whatever it is
+            error = exc
+        with contextlib.suppress(RuntimeError):  # its loop is closed: nobody waits
+            loop.call_soon_threadsafe(_settle, reply, result, error)
+
+
+def in_transaction(connection: sqlite3.Connection, work: Work[T]) -> T:
+    """Run ``work`` inside ``BEGIN IMMEDIATE`` ... ``COMMIT`` (on the database thread);
+    rolled back if it raises, so a primitive is applied whole or not at all."""
+    connection.execute("BEGIN IMMEDIATE")
+    try:
+        result = work(connection)
+        connection.execute("COMMIT")
+    except BaseException:
+        if connection.in_transaction:
+            with contextlib.suppress(sqlite3.Error):
+                connection.execute("ROLLBACK")
+        raise
+    return result
+
+
+def _migrate(connection: sqlite3.Connection) -> None:
+    """Apply the steps the file lacks, in order, and record the last in ``user_version``,
+    all in one write transaction. A file another program marked as its own, or one a newer
+    aio-keuss migrated past what this one knows, is refused (ConfigError) before anything
+    is written to it."""
+    steps = migrations()
+    known = steps[-1][0] if steps else 0
+
+    def done(connection: sqlite3.Connection) -> int:
+        owner = connection.execute("PRAGMA application_id").fetchone()[0]
+        version: int = connection.execute("PRAGMA user_version").fetchone()[0]
+        if owner not in (0, APPLICATION_ID) or (owner == 0 and version != 0):
+            raise ConfigError(
+                "the file is a database of another program (its application_id or"
+                " user_version is not aio-keuss's): use a file of its own for the queues"
+            )
+        if version > known:
+            raise ConfigError(
+                f"the database is at schema version {version}, made by a newer aio-keuss"
+                f" than this one (which knows versions up to {known}): upgrade aio-keuss"
+                " to open it"
+            )
+        return version
+
+    if done(connection) == known:
+        return
+
+    def apply(connection: sqlite3.Connection) -> None:
+        version = done(connection)  # again: another process may have migrated meanwhile
+        for step, statements in steps:
+            if step > version:
+                for statement in statements:
+                    connection.execute(statement)
+                connection.execute(f"PRAGMA user_version = {step:d}")
+        connection.execute(f"PRAGMA application_id = {APPLICATION_ID:d}")
+
+    in_transaction(connection, apply)
+
+
+def _setup(connection: sqlite3.Connection, options: SqliteOptions, memory: bool) -> None:
+    """WAL, durability, then the schema. ``journal_mode`` is the first statement that reads
+    the file: one that is not a database fails there, before anything is written."""
+    if not memory:
+        mode = connection.execute("PRAGMA journal_mode = WAL").fetchone()[0]
+        if str(mode).lower() != "wal":
+            raise ConfigError(f"the database could not be put in WAL mode (it is in {mode})")
+    connection.execute(f"PRAGMA synchronous = {options.synchronous.upper()}")
+    _migrate(connection)
+
+
+class SqliteConnection(Backend):
+    """The database thread (started on open), the schema and the statements, for every
+    role of the sqlite backend; the only way they reach the file."""
+
+    options_type: ClassVar[type[SqliteOptions]] = SqliteOptions
+    options: ClassVar[dict[str, Any]] = SqliteOptions.defaults()
+
+    def __init__(self, options: dict[str, Any]) -> None:
+        super().__init__(options)
+        self.config = self.options_type.parse_own(options)
+        self.database = self.config.database()
+        self.memory = self.database == MEMORY
+        self.sql: dict[str, str] = queries()
+        self._thread: _Thread | None = None
+
+    @translating(_at_open)
+    async def open(self) -> None:
+        thread = _Thread(self.database, self.config.busy_timeout, self.config.signal_poll)
+        self._thread = thread
+        config, memory = self.config, self.memory
+        try:
+            await thread.submit(lambda connection: _setup(connection, config, memory))
+        except BaseException:
+            self._thread = None
+            thread.stop()
+            raise
+
+    async def close(self) -> None:
+        """Stop the thread; it closes the connection (the last connection to close
+        checkpoints the WAL into the file and removes it)."""
+        thread, self._thread = self._thread, None
+        if thread is not None:
+            with contextlib.suppress(sqlite3.Error):
+                await thread.submit(lambda connection: connection.close())
+            thread.stop()
+
+    def _running(self) -> _Thread:
+        if self._thread is None:
+            raise ClosedError("the sqlite backend is not open")
+        return self._thread
+
+    # The choke point: every statement of every role goes through one of these.
+
+    @translated
+    async def read(self, work: Work[T]) -> T:
+        """Run ``work`` on the database thread, outside any explicit transaction (each of
+        its statements sees the latest commit)."""
+        result: T = await self._running().submit(work)
+        return result
+
+    @translated
+    async def write(self, work: Work[T]) -> T:
+        """Run ``work`` on the database thread in a write transaction (``BEGIN IMMEDIATE``):
+        atomic, and alone among the writers of every process sharing the file."""
+        result: T = await self._running().submit(lambda c: in_transaction(c, work))
+        return result
+
+    def watch(self, look: Callable[[sqlite3.Connection], None] | None) -> None:
+        """Have the database thread call ``look`` with the connection every
+        ``signal_poll`` seconds while idle, or stop (None). ``look`` runs on that thread."""
+        self._running().watch(look)

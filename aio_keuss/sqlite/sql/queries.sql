@@ -1,0 +1,161 @@
+-- Every statement of the sqlite backend, each after a "-- name: <name>" line: the store,
+-- the stats store and the signal bus. The store runs several of them in one write
+-- transaction (BEGIN IMMEDIATE) per primitive; "?" are positional parameters, and times
+-- are float seconds since the epoch from the caller (the clock of the machine every
+-- process sharing the file runs on).
+
+-- The store ------------------------------------------------------------------------------
+
+-- name: insert
+-- One message; ignored (no row changed) when the queue holds its id already.
+INSERT OR IGNORE INTO messages (queue, id, mature, tries, payload, headers)
+VALUES (?, ?, ?, ?, ?, ?)
+
+-- name: dedup_active
+-- Whether an id the user chose is remembered within its window: (queue, id, now).
+SELECT 1 FROM dedup WHERE queue = ? AND id = ? AND expires > ?
+
+-- name: dedup_remember
+INSERT INTO dedup (queue, id, expires) VALUES (?, ?, ?)
+ON CONFLICT (queue, id) DO UPDATE SET expires = excluded.expires
+
+-- name: dedup_purge
+-- Up to a hundred expired ids of a queue, found by the (queue, expires) index: (queue, now).
+DELETE FROM dedup WHERE queue = ?1 AND id IN (
+    SELECT id FROM dedup WHERE queue = ?1 AND expires <= ?2 LIMIT 100)
+
+-- name: mature
+-- Up to n mature messages, earliest first: (queue, now, n). tries counts a delivery whose
+-- reservation expired (reserved and mature again) as a try.
+SELECT seq, id, payload, headers, tries + reserved, mature FROM messages
+WHERE queue = ? AND mature <= ?
+ORDER BY mature, seq
+LIMIT ?
+
+-- name: delete_seq
+DELETE FROM messages WHERE seq = ?
+
+-- name: reserve_seq
+-- (deadline, seq)
+UPDATE messages SET mature = ?, tries = tries + reserved, reserved = 1 WHERE seq = ?
+
+-- name: next_mature
+SELECT mature FROM messages WHERE queue = ? ORDER BY mature, seq LIMIT 1
+
+-- name: held
+-- A message under reservation with the tries its holder was given (NULL: any):
+-- (queue, id, tries). Answers its seq, tries, payload and headers.
+SELECT seq, tries, payload, headers FROM messages
+WHERE queue = ?1 AND id = ?2 AND reserved = 1 AND (?3 IS NULL OR tries = ?3)
+
+-- name: commit
+-- Delete what is still reserved with the tries its holder was given (NULL: any):
+-- (queue, id, tries); a consumer whose reservation expired and went to someone else
+-- deletes nothing.
+DELETE FROM messages
+WHERE queue = ?1 AND id = ?2 AND reserved = 1 AND (?3 IS NULL OR tries = ?3)
+
+-- name: release_seq
+-- A rollback: (tries, mature, seq).
+UPDATE messages SET tries = ?, reserved = 0, mature = ? WHERE seq = ?
+
+-- name: name_taken
+-- Whether queue ?1 holds a message called ?2 other than the one being moved (seq ?3).
+SELECT 1 FROM messages WHERE queue = ?1 AND id = ?2 AND seq <> ?3
+
+-- name: move_seq
+-- The one body of a move (Queue.move, a deadletter): (queue, id, mature, payload, headers,
+-- seq); tries start over and the reservation ends.
+UPDATE messages
+SET queue = ?, id = ?, tries = 0, reserved = 0, mature = ?, payload = ?, headers = ?
+WHERE seq = ?
+
+-- name: remove
+-- Anything of the queue but an active reservation: (queue, id, now).
+DELETE FROM messages
+WHERE queue = ? AND id = ? AND NOT (reserved = 1 AND mature > ?3)
+
+-- name: sizes
+-- (queue, now): ready, total, scheduled, reserved.
+SELECT coalesce(sum(mature <= ?2), 0),
+       count(*),
+       coalesce(sum(mature > ?2 AND reserved = 0), 0),
+       coalesce(sum(mature > ?2 AND reserved = 1), 0)
+FROM messages WHERE queue = ?1
+
+-- name: peek
+-- Look without taking: up to ?5 messages in state ?4 past the cursor (?2 mature, ?3 seq),
+-- in the order of the (queue, mature, seq) index, which the row value comparison walks
+-- (SQLite documentation, "Row Values"); ?6 is now.
+SELECT seq, id, payload, headers, tries, mature, reserved FROM messages
+WHERE queue = ?1 AND (mature, seq) > (?2, ?3)
+  AND CASE ?4 WHEN 'ready' THEN mature <= ?6
+              WHEN 'scheduled' THEN mature > ?6 AND reserved = 0
+              WHEN 'reserved' THEN mature > ?6 AND reserved = 1
+              ELSE 1 END
+ORDER BY mature, seq
+LIMIT ?5
+
+-- name: locate
+SELECT seq, id, payload, headers, tries, mature, reserved FROM messages
+WHERE queue = ? AND id = ?
+
+-- name: hold_seq
+-- Reserve a given message (requeue) as reserve does: (deadline, seq).
+UPDATE messages SET mature = ?, tries = tries + reserved, reserved = 1 WHERE seq = ?
+
+-- The stats store ------------------------------------------------------------------------
+
+-- name: stats_apply
+INSERT INTO stats (queue, counter, value) VALUES (?, ?, ?)
+ON CONFLICT (queue, counter) DO UPDATE SET value = value + excluded.value
+
+-- name: stats_counters
+SELECT counter, value FROM stats WHERE queue = ?
+
+-- name: stats_reset
+DELETE FROM stats WHERE queue = ?
+
+-- name: stats_set_paused
+INSERT INTO queues (queue, paused) VALUES (?, ?)
+ON CONFLICT (queue) DO UPDATE SET paused = excluded.paused
+
+-- name: stats_is_paused
+SELECT paused FROM queues WHERE queue = ?
+
+-- name: stats_save_options
+INSERT INTO queues (queue, options) VALUES (?, ?)
+ON CONFLICT (queue) DO UPDATE SET options = excluded.options
+
+-- name: stats_keep_options
+-- Record a queue's options unless some are recorded ('{}': a row made by a pause only).
+INSERT INTO queues (queue, options) VALUES (?, ?)
+ON CONFLICT (queue) DO UPDATE SET options = excluded.options WHERE queues.options = '{}'
+
+-- name: stats_queues
+SELECT queue, options FROM queues ORDER BY queue
+
+-- name: stats_save_pipeline
+INSERT INTO pipelines (name, topology, saved_at) VALUES (?, ?, ?)
+ON CONFLICT (name) DO UPDATE SET topology = excluded.topology, saved_at = excluded.saved_at
+
+-- name: stats_pipelines
+SELECT name, topology FROM pipelines ORDER BY name
+
+-- name: stats_remove_pipeline
+DELETE FROM pipelines WHERE name = ?
+
+-- The signal bus -------------------------------------------------------------------------
+
+-- name: signal_publish
+INSERT INTO signals (at, payload) VALUES (?, ?)
+
+-- name: signal_prune
+-- Rows older than a minute: every listener has read them long before.
+DELETE FROM signals WHERE at < ?
+
+-- name: signal_last
+SELECT coalesce(max(seq), 0) FROM signals
+
+-- name: signal_since
+SELECT seq, payload FROM signals WHERE seq > ? ORDER BY seq
