@@ -22,6 +22,7 @@ _REGISTRY: dict[str, tuple[str, str, str | None]] = {
     "bucket-mongo": ("aio_keuss.mongo.buckets", "MongoBucketBackend", "mongo"),
     "mongo": ("aio_keuss.mongo.store", "MongoQueueBackend", "mongo"),
     "mongo-history": ("aio_keuss.mongo.store", "MongoHistoryBackend", "mongo"),
+    "sqlite": ("aio_keuss.sqlite.store", "SqliteQueueBackend", None),
 }
 
 
