@@ -7,8 +7,10 @@ Adding a backend = one Store module + one entry here.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import os
+import tempfile
 import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -91,6 +93,17 @@ async def _drop_mongo_database(options: dict[str, Any]) -> None:
         await client.drop_database(options["database"])
     finally:
         await client.close()
+
+
+async def _drop_sqlite_file(options: dict[str, Any]) -> None:
+    for suffix in ("", "-wal", "-shm", "-journal"):
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(options["path"] + suffix)
+
+
+def _sqlite(token: str) -> dict[str, Any]:
+    """A database file of the test's own, in the temporary directory."""
+    return {"path": os.path.join(tempfile.gettempdir(), f"akt-{token}.db")}
 
 
 def _mongo(token: str) -> dict[str, Any]:
@@ -188,6 +201,7 @@ CASES: list[BackendCase] = [
     BackendCase(
         "bucket-postgres", lambda t: {**_postgres(t), **_BUCKET_FAST}, _drop_postgres_schema
     ),
+    BackendCase("sqlite", _sqlite, _drop_sqlite_file),
     BackendCase("mongo", _mongo, _drop_mongo_database, setup=start_mongo),
     BackendCase("mongo-history", _mongo, _drop_mongo_database, setup=start_mongo),
     BackendCase(

@@ -510,6 +510,10 @@ BAD_FACTORY_OPTIONS: list[tuple[str, dict[str, Any]]] = [
     ("mongo", {"server_selection_timeout": math.nan}),
     ("mongo", {"server_selection_timeout": 1e6}),
     ("mongo-history", {"history_ttl": 10**400}),
+    ("sqlite", {"path": "/tmp/akt.db", "busy_timeout": 10**400}),
+    ("sqlite", {"path": "/tmp/akt.db", "signal_poll": 0}),
+    ("sqlite", {"path": "/tmp/akt.db", "signal_poll": math.nan}),
+    ("sqlite", {"path": "/tmp/akt.db", "synchronous": "off"}),
 ]
 
 
@@ -663,6 +667,11 @@ BAD_URLS: list[tuple[str, str]] = [
     ("mongo", "mongodb://"),
     ("mongo-history", "mongodb://127.0.0.1:port"),
     ("bucket-mongo", "mongodb+srv://host.example:27017"),  # +srv takes no port
+    ("sqlite", "file:///tmp/akt.db"),
+    ("sqlite", "sqlite:/tmp/akt.db"),
+    ("sqlite", "sqlite://host/tmp/akt.db"),
+    ("sqlite", "sqlite:////tmp/akt.db?mode=ro"),
+    ("sqlite", "sqlite:////no/such/directory/akt.db"),
 ]
 
 

@@ -20,6 +20,18 @@ from aio_keuss import Message
 
 pytestmark = pytest.mark.timeout(90)
 
+_ONE_OF_EACH_KIND = (
+    "memory",
+    "redis-oq",
+    "redis-reliable",
+    "postgres",
+    "mongo",
+    "bucket-redis",
+    "sqlite",
+)
+"""One backend of each kind of store: tests of the queue layer or the consumer whose
+outcome depends only on how a store answers run on these."""
+
 
 # stats ----------------------------------------------------------------------------------
 
@@ -243,7 +255,7 @@ async def test_a_handler_pushing_to_another_queue_finishes_during_the_factory_cl
     stop before any queue closes). Closing the queues side by side closed the other queue
     under it at once: its push raised ClosedError, the message it had handled was ko-ed to
     be handled again, and a traceback was logged."""
-    if case.id not in ("memory", "redis-oq", "redis-reliable", "postgres", "mongo", "bucket-redis"):
+    if case.id not in _ONE_OF_EACH_KIND:
         pytest.skip("run on one backend of each kind")
     factory = await connect(poll_interval=5.0)
     jobs = await factory.queue("jobs", reserve_delay=600)
@@ -281,7 +293,7 @@ async def test_a_handler_moving_to_an_unopened_queue_finishes_during_the_factory
     queue this factory has not opened yet: the move opens (and records) it as at any other
     time, and the close closes it with the others. The move raised ClosedError ("factory is
     closed"), the message stayed and was ko-ed to be handled again, with a traceback."""
-    if case.id not in ("memory", "redis-oq", "redis-reliable", "postgres", "mongo", "bucket-redis"):
+    if case.id not in _ONE_OF_EACH_KIND:
         pytest.skip("run on one backend of each kind")
     factory = await connect(poll_interval=5.0)
     needs(factory, "reserve", "move")
@@ -336,7 +348,7 @@ async def test_a_prefetched_message_whose_reservation_ran_out_is_not_handled_twi
     by another consumer: the first must not start a handler on it as well (a prefetched
     message with less than half its reservation left is given back instead). The give-back
     is the consumer's, the same on every backend: one of each kind of store runs it."""
-    if case.id not in ("redis-oq", "postgres", "mongo", "bucket-redis", "redis-sharded"):
+    if case.id not in ("redis-oq", "postgres", "mongo", "bucket-redis", "redis-sharded", "sqlite"):
         pytest.skip("run on one backend of each kind")
     first = await connect(poll_interval=5.0)
     needs(first, "reserve")
@@ -482,7 +494,7 @@ async def test_a_stop_cancelled_as_it_gives_back_its_prefetched_messages_still_d
     it ends giving them back, as a stop cancelled during its grace does. The end of the stop
     was not shielded there: the messages not yet given back stayed reserved until
     ``reserve_delay`` passed."""
-    if case.id not in ("memory", "redis-oq", "redis-reliable", "postgres", "mongo", "bucket-redis"):
+    if case.id not in _ONE_OF_EACH_KIND:
         pytest.skip("run on one backend of each kind")
     factory = await connect(poll_interval=5.0)
     needs(factory, "reserve")
@@ -525,7 +537,7 @@ async def test_a_close_cancelled_during_its_grace_still_gives_everything_back(
     held: reserved until their lease lapsed."""
     from backends import new_token
 
-    kinds = ("redis-oq", "redis-reliable", "postgres", "mongo")
+    kinds = ("redis-oq", "redis-reliable", "postgres", "mongo", "sqlite")
     if case.id not in (*kinds, "bucket-redis", "bucket-postgres", "bucket-mongo"):
         pytest.skip("run on one backend of each kind, read from a second factory")
     options = case.options(new_token())
@@ -567,7 +579,7 @@ async def test_a_cancelled_close_stops_every_consumer_of_the_queue(
     of the first consumer (they were stopped one after the other); the second was never
     stopped, its handlers ran on over the closed queue and its messages, prefetched ones
     too, stayed reserved until ``reserve_delay`` passed."""
-    kinds = ("redis-oq", "redis-reliable", "postgres", "mongo")
+    kinds = ("redis-oq", "redis-reliable", "postgres", "mongo", "sqlite")
     if case.id not in (*kinds, "bucket-redis", "bucket-postgres", "bucket-mongo"):
         pytest.skip("run on one backend of each kind")
     factory = await connect(poll_interval=5.0)
@@ -629,7 +641,7 @@ async def test_a_handler_closing_its_queue_keeps_its_message_from_other_consumer
     wait for that handler, but must not give back the message it is still running, or
     another consumer handles it at the same time. The consumer's, the same on every
     backend: one of each kind of store runs it."""
-    kinds = ("redis-oq", "redis-reliable", "postgres", "mongo")
+    kinds = ("redis-oq", "redis-reliable", "postgres", "mongo", "sqlite")
     if case.id not in (*kinds, "bucket-redis", "bucket-postgres", "bucket-mongo"):
         pytest.skip("run on one backend of each kind")
     first = await connect(poll_interval=5.0)
@@ -666,7 +678,7 @@ async def test_a_handler_closing_its_queue_lets_the_other_handlers_acknowledge_f
     wait for the handler that called it, so it goes on after it returns, as a stop asked by
     a handler does, and that handler's message is acknowledged too. The consumer's and the
     queue's, the same on every backend: one of each kind of store runs it."""
-    if case.id not in ("memory", "redis-oq", "redis-reliable", "postgres", "mongo"):
+    if case.id not in ("memory", "redis-oq", "redis-reliable", "postgres", "mongo", "sqlite"):
         pytest.skip("run on one backend of each kind")
     factory = await connect(poll_interval=5.0)
     needs(factory, "reserve")

@@ -274,7 +274,7 @@ async def test_a_delayed_wakeup_outlives_the_consumer_it_woke(
     sleeper must still take the message when it matures, not a poll interval later. Both
     ways of leaving end in the same queue-layer code: a cancellation on one backend of each
     kind."""
-    if leave == "cancel" and case.id not in ("memory", "redis-oq", "postgres", "mongo"):
+    if leave == "cancel" and case.id not in ("memory", "redis-oq", "postgres", "mongo", "sqlite"):
         pytest.skip("run on one backend of each kind")
     factory = await connect(poll_interval=30.0)
     needs(factory, "delay")

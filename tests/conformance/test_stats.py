@@ -146,7 +146,7 @@ async def test_close_lets_a_flush_in_flight_land() -> None:
     assert store.stored == {"q": {"put": 7}}  # neither lost by a cancel nor written twice
 
 
-_FLUSHING = ("redis-oq", "postgres", "mongo")
+_FLUSHING = ("redis-oq", "postgres", "mongo", "sqlite")
 
 
 @pytest.mark.parametrize(
