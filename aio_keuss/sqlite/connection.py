@@ -42,6 +42,7 @@ import queue
 import sqlite3
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -234,11 +235,28 @@ _LOOK = object()
 """Put on the call queue to wake the thread for a look at the file (a new watch)."""
 
 
+_OPEN_THREADS: weakref.WeakSet[_Thread] = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    """A forked child has none of its parent's threads: a call handed to one would wait
+    for ever. SQLite's documentation ("How To Corrupt An SQLite Database File", 2.6) also
+    forbids carrying an open connection across a fork. So the child refuses the calls."""
+    for thread in _OPEN_THREADS:
+        thread.orphaned = True
+
+
+if hasattr(os, "register_at_fork"):  # not on Windows, where processes are spawned
+    os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
 class _Thread:
     """The thread that owns the connection: runs calls in order, and between them, while
     a watch is set, looks for other connections' commits every ``poll`` seconds."""
 
     def __init__(self, database: str, busy_timeout: float, poll: float) -> None:
+        self.orphaned = False
+        _OPEN_THREADS.add(self)
         self._database = database
         self._busy_timeout = busy_timeout
         self._poll = poll
@@ -250,6 +268,11 @@ class _Thread:
         self._thread.start()
 
     def submit(self, work: Callable[[sqlite3.Connection], Any]) -> _Reply:
+        if self.orphaned:
+            raise KeussConnectionError(
+                "this sqlite backend was opened before a fork, in the parent process:"
+                " connect again in this one"
+            )
         loop = asyncio.get_running_loop()
         reply = _Reply(loop=loop)
         self._calls.put((work, loop, reply))
@@ -336,36 +359,33 @@ def in_transaction(connection: sqlite3.Connection, work: Work[T]) -> T:
     return result
 
 
-def _migrate(connection: sqlite3.Connection) -> None:
-    """Apply the steps the file lacks, in order, and record the last in ``user_version``,
-    all in one write transaction. A file another program marked as its own, or one a newer
-    aio-keuss migrated past what this one knows, is refused (ConfigError) before anything
-    is written to it."""
-    steps = migrations()
-    known = steps[-1][0] if steps else 0
+def _version(connection: sqlite3.Connection, known: int) -> int:
+    """The schema version of the file, refusing (ConfigError) a file another program
+    marked as its own, or one a newer aio-keuss migrated past the ``known`` steps. These
+    are the first reads of the file: one that is not a database fails here too."""
+    owner = connection.execute("PRAGMA application_id").fetchone()[0]
+    version: int = connection.execute("PRAGMA user_version").fetchone()[0]
+    if owner not in (0, APPLICATION_ID) or (owner == 0 and version != 0):
+        raise ConfigError(
+            "the file is a database of another program (its application_id or"
+            " user_version is not aio-keuss's): use a file of its own for the queues"
+        )
+    if version > known:
+        raise ConfigError(
+            f"the database is at schema version {version}, made by a newer aio-keuss"
+            f" than this one (which knows versions up to {known}): upgrade aio-keuss"
+            " to open it"
+        )
+    return version
 
-    def done(connection: sqlite3.Connection) -> int:
-        owner = connection.execute("PRAGMA application_id").fetchone()[0]
-        version: int = connection.execute("PRAGMA user_version").fetchone()[0]
-        if owner not in (0, APPLICATION_ID) or (owner == 0 and version != 0):
-            raise ConfigError(
-                "the file is a database of another program (its application_id or"
-                " user_version is not aio-keuss's): use a file of its own for the queues"
-            )
-        if version > known:
-            raise ConfigError(
-                f"the database is at schema version {version}, made by a newer aio-keuss"
-                f" than this one (which knows versions up to {known}): upgrade aio-keuss"
-                " to open it"
-            )
-        return version
 
-    if done(connection) == known:
-        return
+def _migrate(connection: sqlite3.Connection, known: int) -> None:
+    """Apply the steps the file lacks, in order, record the last in ``user_version`` and
+    mark the file as ours, all in one write transaction."""
 
     def apply(connection: sqlite3.Connection) -> None:
-        version = done(connection)  # again: another process may have migrated meanwhile
-        for step, statements in steps:
+        version = _version(connection, known)  # again: another process may have migrated
+        for step, statements in migrations():
             if step > version:
                 for statement in statements:
                     connection.execute(statement)
@@ -376,14 +396,18 @@ def _migrate(connection: sqlite3.Connection) -> None:
 
 
 def _setup(connection: sqlite3.Connection, options: SqliteOptions, memory: bool) -> None:
-    """WAL, durability, then the schema. ``journal_mode`` is the first statement that reads
-    the file: one that is not a database fails there, before anything is written."""
+    """Check the file is ours (or new) before anything is written to it, then WAL,
+    durability, and the schema steps it lacks."""
+    steps = migrations()
+    known = steps[-1][0] if steps else 0
+    version = _version(connection, known)
     if not memory:
         mode = connection.execute("PRAGMA journal_mode = WAL").fetchone()[0]
         if str(mode).lower() != "wal":
             raise ConfigError(f"the database could not be put in WAL mode (it is in {mode})")
     connection.execute(f"PRAGMA synchronous = {options.synchronous.upper()}")
-    _migrate(connection)
+    if version < known:
+        _migrate(connection, known)
 
 
 class SqliteConnection(Backend):
