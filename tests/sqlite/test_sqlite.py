@@ -1,0 +1,333 @@
+"""SQLite-specific behaviour: several processes and factories on one file, wake-ups across
+processes, what survives a close, the file refused before anything is written to it, the
+event loop free while another process holds the write lock, and ``:memory:``.
+
+Each test works on a database file of its own in pytest's ``tmp_path``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import sqlite3
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import aio_keuss
+from aio_keuss.sqlite.connection import APPLICATION_ID
+
+pytestmark = pytest.mark.timeout(120)
+
+ROOT = Path(__file__).resolve().parents[2]
+
+Open = Callable[..., Awaitable[aio_keuss.Factory]]
+
+
+@pytest.fixture
+def database(tmp_path: Path) -> str:
+    return str(tmp_path / "queues.db")
+
+
+@pytest.fixture
+async def open_factory(database: str) -> AsyncIterator[Open]:
+    """Factories on the test's file, closed after the test."""
+    opened: list[aio_keuss.Factory] = []
+
+    async def _open(**options: Any) -> aio_keuss.Factory:
+        options.setdefault("path", database)
+        factory = await aio_keuss.connect("sqlite", **options)
+        opened.append(factory)
+        return factory
+
+    yield _open
+    for factory in opened:
+        with contextlib.suppress(aio_keuss.KeussError):
+            await factory.close()
+
+
+# consumers in other OS processes ----------------------------------------------------------
+
+_CONSUMER = r"""
+import asyncio, json, sys, time
+import aio_keuss
+
+async def main(path, mode, quiet):
+    async with aio_keuss.connect("sqlite", path=path, poll_interval=30.0) as factory:
+        q = await factory.queue("jobs")
+        print("ready", flush=True)
+        if mode == "wake":
+            message = await q.reserve(timeout=20)
+            print(json.dumps({"latency": time.time() - message.payload}), flush=True)
+            await q.ok(message)
+            return
+        ids = []
+        while True:
+            batch = await q.reserve_many(20, timeout=quiet)
+            if not batch:
+                break
+            assert all(await asyncio.gather(*(q.ok(m) for m in batch))), "an ok failed"
+            ids.extend(m.id for m in batch)
+        print(json.dumps({"ids": ids}), flush=True)
+
+asyncio.run(main(sys.argv[1], sys.argv[2], float(sys.argv[3])))
+"""
+
+
+async def _spawn(path: str, mode: str, quiet: float = 1.5) -> asyncio.subprocess.Process:
+    process = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-c",
+        _CONSUMER,
+        path,
+        mode,
+        str(quiet),
+        stdout=subprocess.PIPE,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    assert process.stdout is not None
+    line = await asyncio.wait_for(process.stdout.readline(), 30)
+    assert line.strip() == b"ready", line
+    return process
+
+
+async def _result(process: asyncio.subprocess.Process) -> dict[str, Any]:
+    out, _ = await asyncio.wait_for(process.communicate(), 90)
+    assert process.returncode == 0
+    result: dict[str, Any] = json.loads(out.decode().strip().splitlines()[-1])
+    return result
+
+
+async def test_two_processes_never_get_the_same_message(open_factory: Open, database: str) -> None:
+    """Consumers in two processes and one here, on one file: every message is handed to
+    exactly one of them (a reserve's select and update run under the file's write lock)."""
+    factory = await open_factory()
+    q = await factory.queue("jobs")
+    workers = [await _spawn(database, "reserve"), await _spawn(database, "reserve")]
+    pushed: list[str] = []
+    for start in range(0, 2000, 100):
+        pushed += await q.push_many([{"n": n} for n in range(start, start + 100)])
+    mine: list[str] = []
+    while batch := await q.reserve_many(10, timeout=1.0):
+        assert all([await q.ok(m) for m in batch])
+        mine.extend(m.id for m in batch)
+    theirs = [(await _result(w))["ids"] for w in workers]
+    taken = mine + theirs[0] + theirs[1]
+    assert sorted(taken) == sorted(pushed)  # each exactly once
+    assert all(theirs), "both other processes got messages"
+    assert (await q.sizes()).total == 0
+
+
+async def test_two_factories_in_one_process_share_exactly_once(open_factory: Open) -> None:
+    """Two factories on one file have a connection (and a thread) each: they share the
+    queue as two processes would."""
+    first, second = await open_factory(), await open_factory()
+    q1, q2 = await first.queue("jobs"), await second.queue("jobs")
+    pushed = set(await q1.push_many(list(range(500))))
+
+    async def drain(q: aio_keuss.Queue) -> list[str]:
+        got: list[str] = []
+        while batch := await q.reserve_many(7, timeout=0.5):
+            assert all(await asyncio.gather(*(q.ok(m) for m in batch)))
+            got.extend(m.id for m in batch)
+        return got
+
+    a, b = await asyncio.gather(drain(q1), drain(q2))
+    assert len(a) + len(b) == len(pushed) and set(a) | set(b) == pushed
+
+
+async def test_a_consumer_in_another_process_wakes_on_a_push(
+    open_factory: Open, database: str
+) -> None:
+    """Its poll interval is 30 s: only the signal (a row it reads when PRAGMA data_version
+    changes) can wake it that soon."""
+    factory = await open_factory()
+    q = await factory.queue("jobs")
+    worker = await _spawn(database, "wake")
+    await asyncio.sleep(0.5)  # it is waiting by now
+    await q.push(time.time())
+    latency = (await _result(worker))["latency"]
+    assert latency < 2.0
+
+
+async def test_a_factory_in_this_process_wakes_on_another_factorys_push(
+    open_factory: Open,
+) -> None:
+    consumer, producer = await open_factory(poll_interval=30.0), await open_factory()
+    waiting = asyncio.create_task((await consumer.queue("jobs")).pop(timeout=20))
+    await asyncio.sleep(0.3)
+    started = time.monotonic()
+    await (await producer.queue("jobs")).push("hello")
+    message = await waiting
+    assert message is not None and message.payload == "hello"
+    assert time.monotonic() - started < 1.0
+
+
+# durability -------------------------------------------------------------------------------
+
+
+async def test_what_was_acknowledged_survives_closing_and_reopening(open_factory: Open) -> None:
+    factory = await open_factory()
+    q = await factory.queue("jobs")
+    kept = await q.push({"keep": True}, headers={"h": 1})
+    done = await q.push("done")
+    retried = await q.push("retried")
+    delayed = await q.push("later", delay=3600)
+    first = await q.reserve(timeout=1)
+    assert first is not None and first.id == kept
+    assert await q.ko(first)  # back in the queue, one try spent
+    for message in [await q.reserve(timeout=1), await q.reserve(timeout=1)]:
+        assert message is not None
+        if message.id == done:
+            assert await q.ok(message)
+        else:
+            assert message.id == retried
+            assert await q.ko(message)
+    await factory.close()
+
+    again = await open_factory()
+    q = await again.queue("jobs")
+    assert await q.sizes() == aio_keuss.Sizes(size=2, total=3, scheduled=1, reserved=0)
+    left = {m.id: m for m in await q.pop_many(10, timeout=0)}
+    assert set(left) == {kept, retried}
+    assert left[kept].payload == {"keep": True} and left[kept].headers == {"h": 1}
+    assert left[kept].tries == 1
+    assert await q.remove(delayed)
+    assert (await q.stats())["commit"] == 1
+
+
+# bad files: refused before anything is written ------------------------------------------
+
+
+def _exists(path: str) -> bool:
+    return Path(path).exists()
+
+
+def _files(directory: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in directory.iterdir()}
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"path": "/no/such/directory/queues.db"},
+        {"url": "sqlite:////no/such/directory/queues.db"},
+        {"path": 17},
+        {"path": ""},
+        {},
+    ],
+)
+async def test_a_path_that_cannot_be_a_database_is_a_config_error(
+    options: dict[str, Any],
+) -> None:
+    with pytest.raises(aio_keuss.ConfigError):
+        await (await aio_keuss.connect("sqlite", **options)).close()
+    assert not _exists("/no/such/directory")
+
+
+async def test_a_directory_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(aio_keuss.ConfigError, match="directory"):
+        await (await aio_keuss.connect("sqlite", path=tmp_path)).close()
+    assert _files(tmp_path) == {}
+
+
+async def test_a_file_that_is_not_a_database_is_refused_untouched(tmp_path: Path) -> None:
+    path = tmp_path / "notes.txt"
+    path.write_bytes(b"not a database, " * 512)
+    before = _files(tmp_path)
+    with pytest.raises(aio_keuss.ConfigError):
+        await (await aio_keuss.connect("sqlite", path=str(path))).close()
+    assert _files(tmp_path) == before
+
+
+@pytest.mark.parametrize("pragma", ["application_id = 1234", "user_version = 3"])
+async def test_a_database_of_another_program_is_refused_untouched(
+    tmp_path: Path, pragma: str
+) -> None:
+    path = tmp_path / "theirs.db"
+    with contextlib.closing(sqlite3.connect(path)) as theirs:
+        theirs.execute("CREATE TABLE t (x)")
+        theirs.execute(f"PRAGMA {pragma}")
+        theirs.commit()
+    before = _files(tmp_path)
+    with pytest.raises(aio_keuss.ConfigError, match="another program"):
+        await (await aio_keuss.connect("sqlite", path=str(path))).close()
+    assert _files(tmp_path) == before
+
+
+async def test_a_schema_from_a_newer_release_is_refused(open_factory: Open, database: str) -> None:
+    await (await open_factory()).close()
+    with contextlib.closing(sqlite3.connect(database)) as raw:
+        raw.execute("PRAGMA user_version = 999")
+        raw.commit()
+        assert raw.execute("PRAGMA application_id").fetchone()[0] == APPLICATION_ID
+    with pytest.raises(aio_keuss.ConfigError, match="newer aio-keuss"):
+        await open_factory()
+
+
+async def test_a_relative_url_names_a_file_in_the_working_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    async with aio_keuss.connect("sqlite", url="sqlite:///here.db") as factory:
+        await (await factory.queue("q")).push(1)
+    assert (tmp_path / "here.db").is_file()
+
+
+# the event loop and the write lock --------------------------------------------------------
+
+
+async def test_the_event_loop_runs_while_another_process_holds_the_write_lock(
+    open_factory: Open, database: str
+) -> None:
+    """A push waits (on the database thread) for a writer of another connection, up to the
+    busy timeout, then fails with a typed connection error; the loop ticks on meanwhile,
+    and the queue works again once the lock is let go."""
+    factory = await open_factory(busy_timeout=0.5)
+    q = await factory.queue("jobs")
+    await q.push("warm-up")
+    other = sqlite3.connect(database, isolation_level=None)
+    try:
+        other.execute("BEGIN IMMEDIATE")
+        ticks = 0
+
+        async def tick() -> None:
+            nonlocal ticks
+            while True:
+                await asyncio.sleep(0.01)
+                ticks += 1
+
+        ticker = asyncio.create_task(tick())
+        with pytest.raises(aio_keuss.KeussConnectionError, match="locked"):
+            await q.push("blocked")
+        ticker.cancel()
+        assert ticks >= 20  # the loop ran through the 0.5 s wait
+    finally:
+        other.execute("ROLLBACK")
+        other.close()
+    await q.push("after")
+    assert [m.payload for m in await q.pop_many(10, timeout=0)] == ["warm-up", "after"]
+
+
+# :memory: ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "options", [{"path": ":memory:"}, {"url": "sqlite://"}, {"url": "sqlite:///:memory:"}]
+)
+async def test_memory_databases_belong_to_one_factory(options: dict[str, Any]) -> None:
+    async with aio_keuss.connect("sqlite", **options) as first:
+        assert not first.capabilities.shared
+        q = await first.queue("q")
+        await q.push("only here")
+        async with aio_keuss.connect("sqlite", **options) as second:
+            assert await (await second.queue("q")).pop(timeout=0) is None
+        message = await q.pop(timeout=0)
+        assert message is not None and message.payload == "only here"
