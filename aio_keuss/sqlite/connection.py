@@ -442,8 +442,9 @@ class SqliteConnection(Backend):
         checkpoints the WAL into the file and removes it)."""
         thread, self._thread = self._thread, None
         if thread is not None:
-            with contextlib.suppress(sqlite3.Error):
-                await thread.submit(lambda connection: connection.close())
+            if not thread.orphaned:  # in a forked child there is no thread to close it
+                with contextlib.suppress(sqlite3.Error):
+                    await thread.submit(lambda connection: connection.close())
             thread.stop()
 
     def _running(self) -> _Thread:

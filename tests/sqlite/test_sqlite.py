@@ -14,6 +14,7 @@ import os
 import sqlite3
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
@@ -314,6 +315,48 @@ async def test_the_event_loop_runs_while_another_process_holds_the_write_lock(
         other.close()
     await q.push("after")
     assert [m.payload for m in await q.pop_many(10, timeout=0)] == ["warm-up", "after"]
+
+
+# fork ----------------------------------------------------------------------------------------
+
+
+def _call_in_a_forked_child(backend: Any) -> int:
+    """In the child: 0 when a call on the parent's backend is refused with a typed error
+    (at once: it must not wait for a thread the child does not have)."""
+
+    async def call() -> int:
+        try:
+            async with asyncio.timeout(5):
+                await backend.read(lambda connection: 1)
+        except aio_keuss.KeussConnectionError:
+            await backend.close()
+            return 0
+        return 1
+
+    outcome: list[int] = []
+    # a thread of its own: this one's thread-local still names the parent's running loop
+    runner = threading.Thread(target=lambda: outcome.append(asyncio.run(call())))
+    runner.start()
+    runner.join()
+    return outcome[0] if outcome else 2
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="no fork here")
+async def test_a_backend_forked_into_a_child_refuses_calls_there(open_factory: Open) -> None:
+    factory = await open_factory()
+    q = await factory.queue("jobs")
+    await q.push("before")
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child
+        code = 3
+        try:
+            code = _call_in_a_forked_child(factory.backend)
+        finally:
+            os._exit(code)
+    _, status = await asyncio.to_thread(os.waitpid, pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    message = await q.pop(timeout=0)  # the parent's connection is untouched
+    assert message is not None and message.payload == "before"
 
 
 # :memory: ----------------------------------------------------------------------------------
