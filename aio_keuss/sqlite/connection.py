@@ -10,6 +10,8 @@ connection; a write runs inside ``BEGIN IMMEDIATE`` ... ``COMMIT``, which takes 
 write lock at its start rather than at its first write, so two processes never both read
 a row and then fight over updating it (SQLite documentation, "BEGIN TRANSACTION": a
 deferred transaction that later writes can fail with SQLITE_BUSY instead of waiting).
+Writes queued behind each other share one transaction, each in a savepoint of its own, and
+are answered after its one COMMIT: one sync to disk serves them all.
 
 The file is in WAL mode (SQLite documentation, "Write-Ahead Logging"): readers and the one
 writer do not block each other, and several processes can share the file on one machine
@@ -230,9 +232,32 @@ def _settle(reply: _Reply, result: Any, error: BaseException | None) -> None:
         reply.set_exception(error)
 
 
-_Call = tuple[Callable[[sqlite3.Connection], Any], asyncio.AbstractEventLoop, _Reply]
+class _Call:
+    """One call handed to the database thread: ``work`` and where its answer goes.
+    ``write``: run it in a write transaction (shared with the writes queued behind it)."""
+
+    __slots__ = ("loop", "reply", "work", "write")
+
+    def __init__(
+        self,
+        work: Callable[[sqlite3.Connection], Any],
+        write: bool,
+        loop: asyncio.AbstractEventLoop,
+    ) -> None:
+        self.work = work
+        self.write = write
+        self.loop = loop
+        self.reply = _Reply(loop=loop)
+
+    def answer(self, result: Any, error: BaseException | None) -> None:
+        with contextlib.suppress(RuntimeError):  # its loop is closed: nobody waits
+            self.loop.call_soon_threadsafe(_settle, self.reply, result, error)
+
+
 _LOOK = object()
 """Put on the call queue to wake the thread for a look at the file (a new watch)."""
+GROUP_MOST = 64
+"""Most write calls one transaction (one commit) serves."""
 
 
 _OPEN_THREADS: weakref.WeakSet[_Thread] = weakref.WeakSet()
@@ -261,22 +286,22 @@ class _Thread:
         self._busy_timeout = busy_timeout
         self._poll = poll
         self._calls: queue.SimpleQueue[_Call | object | None] = queue.SimpleQueue()
+        self._next: _Call | object | None = None  # taken from the queue, not served yet
         self._watch: Callable[[sqlite3.Connection], None] | None = None
         self._thread = threading.Thread(
             target=self._main, name=f"aio-keuss sqlite {database}", daemon=True
         )
         self._thread.start()
 
-    def submit(self, work: Callable[[sqlite3.Connection], Any]) -> _Reply:
+    def submit(self, work: Callable[[sqlite3.Connection], Any], write: bool = False) -> _Reply:
         if self.orphaned:
             raise KeussConnectionError(
                 "this sqlite backend was opened before a fork, in the parent process:"
                 " connect again in this one"
             )
-        loop = asyncio.get_running_loop()
-        reply = _Reply(loop=loop)
-        self._calls.put((work, loop, reply))
-        return reply
+        call = _Call(work, write, asyncio.get_running_loop())
+        self._calls.put(call)
+        return call.reply
 
     def watch(self, look: Callable[[sqlite3.Connection], None] | None) -> None:
         self._watch = look
@@ -305,14 +330,21 @@ class _Thread:
             while True:
                 look = self._watch
                 wait = None if look is None else max(0.0, next_look - time.monotonic())
-                try:
-                    item = self._calls.get(timeout=wait)
-                except queue.Empty:
-                    item = _LOOK
+                item, self._next = self._next, None
+                if item is None:
+                    try:
+                        item = self._calls.get(timeout=wait)
+                    except queue.Empty:
+                        item = _LOOK
                 if item is None:
                     return
-                if isinstance(item, tuple):
-                    self._serve(connection, item)
+                if isinstance(item, _Call):
+                    if isinstance(connection, sqlite3.Error):
+                        item.answer(None, connection)
+                    elif item.write:
+                        _write_group(connection, self._group(item))
+                    else:
+                        _read(connection, item)
                 look = self._watch
                 if (
                     look is not None
@@ -329,19 +361,68 @@ class _Thread:
                 with contextlib.suppress(sqlite3.Error):
                     connection.close()
 
-    @staticmethod
-    def _serve(connection: sqlite3.Connection | sqlite3.Error, call: _Call) -> None:
-        work, loop, reply = call
-        result: Any = None
-        error: BaseException | None = None
+    def _group(self, first: _Call) -> list[_Call]:
+        """``first`` and the write calls queued right behind it (up to ``GROUP_MOST``):
+        they share one transaction and so one commit, which with ``synchronous=FULL`` is
+        one sync of the WAL to disk instead of one per call (SQLite documentation, "PRAGMA
+        synchronous"). The first other item is kept to be served next, in order."""
+        group = [first]
+        while len(group) < GROUP_MOST:
+            try:
+                item = self._calls.get_nowait()
+            except queue.Empty:
+                break
+            if isinstance(item, _Call) and item.write:
+                group.append(item)
+            else:
+                self._next = item
+                break
+        return group
+
+
+def _read(connection: sqlite3.Connection, call: _Call) -> None:
+    try:
+        result = call.work(connection)
+    except BaseException as exc:  # handed to the caller, whatever it is
+        call.answer(None, exc)
+    else:
+        call.answer(result, None)
+
+
+def _write_group(connection: sqlite3.Connection, group: list[_Call]) -> None:
+    """Run the calls of ``group`` in one ``BEGIN IMMEDIATE`` transaction, each inside a
+    savepoint of its own (SQLite documentation, "SAVEPOINT"): a call that fails is rolled
+    back alone and answered with its error; the others are answered once the one COMMIT
+    has returned, so none is acknowledged before it is durable. If the transaction cannot
+    begin or commit, every call of it is answered with that error, having changed
+    nothing."""
+    outcomes: list[tuple[Any, BaseException | None]] = []
+    try:
+        connection.execute("BEGIN IMMEDIATE")
         try:
-            if isinstance(connection, sqlite3.Error):
-                raise connection
-            result = work(connection)
-        except BaseException as exc:  # handed to the caller, whatever it is
-            error = exc
-        with contextlib.suppress(RuntimeError):  # its loop is closed: nobody waits
-            loop.call_soon_threadsafe(_settle, reply, result, error)
+            for call in group:
+                connection.execute("SAVEPOINT call")
+                try:
+                    result = call.work(connection)
+                except BaseException as exc:
+                    if not connection.in_transaction:
+                        raise  # SQLite rolled the whole transaction back (an I/O error)
+                    connection.execute("ROLLBACK TO call")
+                    connection.execute("RELEASE call")
+                    outcomes.append((None, exc))
+                else:
+                    connection.execute("RELEASE call")
+                    outcomes.append((result, None))
+            connection.execute("COMMIT")
+        except BaseException:
+            if connection.in_transaction:
+                with contextlib.suppress(sqlite3.Error):
+                    connection.execute("ROLLBACK")
+            raise
+    except BaseException as exc:  # nothing of the group was kept
+        outcomes = [(None, exc)] * len(group)
+    for call, (result, error) in zip(group, outcomes, strict=True):
+        call.answer(result, error)
 
 
 def in_transaction(connection: sqlite3.Connection, work: Work[T]) -> T:
@@ -465,7 +546,7 @@ class SqliteConnection(Backend):
     async def write(self, work: Work[T]) -> T:
         """Run ``work`` on the database thread in a write transaction (``BEGIN IMMEDIATE``):
         atomic, and alone among the writers of every process sharing the file."""
-        result: T = await self._running().submit(lambda c: in_transaction(c, work))
+        result: T = await self._running().submit(work, write=True)
         return result
 
     def watch(self, look: Callable[[sqlite3.Connection], None] | None) -> None:

@@ -21,7 +21,8 @@ Each primitive is a function of the connection run on the database thread inside
 delete, a reserve's select and update, a move's checks and update happen while this
 connection holds the file's only write lock, so no other consumer, in this process or
 another, can take the same message in between; and a coalesced batch costs one
-transaction, one commit, whatever its size. Reads (sizes, peek) run outside a write
+transaction whatever its size (writes of other queues queued at the same moment share its
+commit, each in a savepoint of its own). Reads (sizes, peek) run outside a write
 transaction and never wait for writers (WAL). Times are ``time.time()`` taken inside the
 transaction, once the lock is held: every process sharing the file runs on the same machine,
 so on the same clock, and a reservation deadline is *now* plus ``reserve_delay`` (never the

@@ -317,6 +317,38 @@ async def test_the_event_loop_runs_while_another_process_holds_the_write_lock(
     assert [m.payload for m in await q.pop_many(10, timeout=0)] == ["warm-up", "after"]
 
 
+# writes sharing a commit ---------------------------------------------------------------------
+
+
+async def test_writes_queued_together_share_a_commit_and_fail_alone(open_factory: Open) -> None:
+    """Writes queued behind each other on the database thread run in one transaction, each
+    in a savepoint: the one that fails is undone and answered with its error, the others
+    are kept."""
+    backend = (await open_factory()).backend
+    insert = "INSERT INTO stats (queue, counter, value) VALUES (?, 'x', 1)"
+
+    def good(name: str) -> Callable[[sqlite3.Connection], int]:
+        return lambda c: c.execute(insert, (name,)).rowcount
+
+    def bad(c: sqlite3.Connection) -> int:
+        c.execute(insert, ("bad",))
+        raise ValueError("boom")
+
+    busy = asyncio.ensure_future(backend.read(lambda c: time.sleep(0.3)))  # they queue up
+    await asyncio.sleep(0.05)
+    outcomes = await asyncio.gather(
+        backend.write(good("a")),
+        backend.write(bad),
+        backend.write(good("b")),
+        return_exceptions=True,
+    )
+    await busy
+    assert outcomes[0] == 1 and outcomes[2] == 1
+    assert isinstance(outcomes[1], ValueError)
+    kept = await backend.read(lambda c: c.execute("SELECT queue FROM stats ORDER BY 1").fetchall())
+    assert kept == [("a",), ("b",)]
+
+
 # fork ----------------------------------------------------------------------------------------
 
 
