@@ -23,6 +23,7 @@ import os
 import platform
 import statistics
 import sys
+import tempfile
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass
@@ -54,6 +55,7 @@ DEFAULT_OPTIONS: dict[str, dict[str, Any]] = {
     "mongo": {"url": "mongodb://127.0.0.1:27017", "database": "akbench"},
     "mongo-history": {"url": "mongodb://127.0.0.1:27017", "database": "akbench"},
     "bucket-mongo": {"url": "mongodb://127.0.0.1:27017", "database": "akbench"},
+    "sqlite": {"path": os.path.join(tempfile.gettempdir(), "akbench.db")},
 }
 PIPELINE_MESSAGES = 10_000
 PREFETCH = 10
