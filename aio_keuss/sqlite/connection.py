@@ -544,8 +544,10 @@ class SqliteConnection(Backend):
 
     @translated
     async def write(self, work: Work[T]) -> T:
-        """Run ``work`` on the database thread in a write transaction (``BEGIN IMMEDIATE``):
-        atomic, and alone among the writers of every process sharing the file."""
+        """Run ``work`` on the database thread in a write transaction (``BEGIN IMMEDIATE``),
+        inside a savepoint of its own when writes queued behind it share the transaction:
+        applied whole or not at all, with no writer of any process in between, and
+        answered once committed."""
         result: T = await self._running().submit(work, write=True)
         return result
 
