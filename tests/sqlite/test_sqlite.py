@@ -204,6 +204,55 @@ async def test_what_was_acknowledged_survives_closing_and_reopening(open_factory
     assert (await q.stats())["commit"] == 1
 
 
+_PUSHER = r"""
+import asyncio, sys
+import aio_keuss
+
+async def main(path):
+    factory = await aio_keuss.connect("sqlite", path=path)
+    q = await factory.queue("jobs", reserve_delay=3.0)
+    for n in range(200):
+        print(await q.push(n), flush=True)
+    message = await q.reserve(timeout=1)
+    print("reserved", message.id, flush=True)
+    await asyncio.sleep(60)  # killed here, the factory never closed
+
+asyncio.run(main(sys.argv[1]))
+"""
+
+
+async def test_what_a_killed_process_acknowledged_is_there_after_it(
+    open_factory: Open, database: str
+) -> None:
+    """SIGKILL, no close: every push that returned is in the file (its commit is in the
+    WAL, which the next connection recovers), and the message the process held comes back
+    when its reservation ends."""
+    process = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-c",
+        _PUSHER,
+        database,
+        stdout=subprocess.PIPE,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    assert process.stdout is not None
+    acknowledged: list[str] = []
+    while True:
+        line = (await asyncio.wait_for(process.stdout.readline(), 30)).decode().split()
+        if line[0] == "reserved":
+            held = line[1]
+            break
+        acknowledged.append(line[0])
+    process.kill()
+    await process.wait()
+    q = await (await open_factory()).queue("jobs")
+    assert await q.sizes() == aio_keuss.Sizes(size=199, total=200, scheduled=0, reserved=1)
+    got = [m.id for m in await q.pop_many(500, timeout=0)]
+    assert held not in got and sorted(got) == sorted(set(acknowledged) - {held})
+    again = await q.reserve(timeout=10)  # once the killed process's 3 s have passed
+    assert again is not None and again.id == held and again.tries == 1
+
+
 # bad files: refused before anything is written ------------------------------------------
 
 
