@@ -25,7 +25,8 @@ synchronous").
 The thread also watches the file for commits of other connections when the signal bus asks
 it to (:meth:`SqliteConnection.watch`): ``PRAGMA data_version`` changes when, and only when,
 another connection committed (SQLite documentation, "PRAGMA data_version"); it is read
-while the thread is idle, every ``signal_poll`` seconds, without waking the event loop.
+between calls, every ``signal_poll`` seconds, without waking the event loop, and less
+often (up to five times that) once the file has been quiet for a while.
 
 The schema is versioned: ``sql/migrations`` holds numbered steps and the file's
 ``user_version`` (SQLite documentation, "PRAGMA user_version") the last one applied; steps
@@ -256,6 +257,10 @@ class _Call:
 
 _LOOK = object()
 """Put on the call queue to wake the thread for a look at the file (a new watch)."""
+_NOTHING = object()
+"""No item taken from the call queue and left to serve."""
+IDLE_SLOWDOWN = 5
+"""How many times ``signal_poll`` apart the looks at an idle file may grow."""
 GROUP_MOST = 64
 """Most write calls one transaction (one commit) serves."""
 
@@ -286,8 +291,10 @@ class _Thread:
         self._busy_timeout = busy_timeout
         self._poll = poll
         self._calls: queue.SimpleQueue[_Call | object | None] = queue.SimpleQueue()
-        self._next: _Call | object | None = None  # taken from the queue, not served yet
-        self._watch: Callable[[sqlite3.Connection], None] | None = None
+        self._next: object = _NOTHING  # taken from the queue, not served yet
+        self._next_look = 0.0
+        self._active = time.monotonic()  # when the file last changed or a call came
+        self._watch: Callable[[sqlite3.Connection], bool] | None = None
         self._thread = threading.Thread(
             target=self._main, name=f"aio-keuss sqlite {database}", daemon=True
         )
@@ -303,8 +310,9 @@ class _Thread:
         self._calls.put(call)
         return call.reply
 
-    def watch(self, look: Callable[[sqlite3.Connection], None] | None) -> None:
+    def watch(self, look: Callable[[sqlite3.Connection], bool] | None) -> None:
         self._watch = look
+        self._next_look = 0.0  # at once
         self._calls.put(_LOOK)
 
     def stop(self) -> None:
@@ -325,13 +333,11 @@ class _Thread:
 
     def _main(self) -> None:
         connection = self._connect()
-        next_look = 0.0
         try:
             while True:
-                look = self._watch
-                wait = None if look is None else max(0.0, next_look - time.monotonic())
-                item, self._next = self._next, None
-                if item is None:
+                item, self._next = self._next, _NOTHING
+                if item is _NOTHING:
+                    wait = None if self._watch is None else self._until_look()
                     try:
                         item = self._calls.get(timeout=wait)
                     except queue.Empty:
@@ -339,27 +345,40 @@ class _Thread:
                 if item is None:
                     return
                 if isinstance(item, _Call):
+                    self._active = time.monotonic()
                     if isinstance(connection, sqlite3.Error):
                         item.answer(None, connection)
                     elif item.write:
                         _write_group(connection, self._group(item))
                     else:
                         _read(connection, item)
-                look = self._watch
-                if (
-                    look is not None
-                    and isinstance(connection, sqlite3.Connection)
-                    and time.monotonic() >= next_look
-                ):
-                    next_look = time.monotonic() + self._poll
-                    try:
-                        look(connection)
-                    except Exception:  # its owner reports its own failures; keep serving
-                        log.exception("sqlite watch failed")
+                if isinstance(connection, sqlite3.Connection):
+                    self._look_if_due(connection)
         finally:
             if isinstance(connection, sqlite3.Connection):
                 with contextlib.suppress(sqlite3.Error):
                     connection.close()
+
+    def _until_look(self) -> float:
+        return max(0.0, self._next_look - time.monotonic())
+
+    def _look_if_due(self, connection: sqlite3.Connection) -> None:
+        """Run the watch if its time has come. Looks are ``poll`` apart while the file
+        changes (or this thread serves calls); after a quiet spell they slow down, to a
+        tenth of its length, at most ``IDLE_SLOWDOWN`` times ``poll``: each look wakes this
+        thread, which costs more than the look itself, and an idle factory should cost next
+        to nothing."""
+        look = self._watch
+        now = time.monotonic()
+        if look is None or now < self._next_look:
+            return
+        try:
+            if look(connection):
+                self._active = now
+        except Exception:  # its owner reports its own failures; keep serving
+            log.exception("sqlite watch failed")
+        quiet = now - self._active
+        self._next_look = now + min(self._poll * IDLE_SLOWDOWN, max(self._poll, quiet / 10))
 
     def _group(self, first: _Call) -> list[_Call]:
         """``first`` and the write calls queued right behind it (up to ``GROUP_MOST``):
@@ -551,7 +570,9 @@ class SqliteConnection(Backend):
         result: T = await self._running().submit(work, write=True)
         return result
 
-    def watch(self, look: Callable[[sqlite3.Connection], None] | None) -> None:
-        """Have the database thread call ``look`` with the connection every
-        ``signal_poll`` seconds while idle, or stop (None). ``look`` runs on that thread."""
+    def watch(self, look: Callable[[sqlite3.Connection], bool] | None) -> None:
+        """Have the database thread call ``look`` with the connection between calls, every
+        ``signal_poll`` seconds (up to ``IDLE_SLOWDOWN`` times that once the file has been
+        quiet a while), or stop (None). ``look`` runs on that thread and answers whether
+        the file changed."""
         self._running().watch(look)

@@ -7,11 +7,14 @@ insert has returned), so it never precedes them. Other processes find it without
 the table on a timer: ``PRAGMA data_version`` answers a different number once another
 connection has committed to the file, and the same number otherwise (SQLite documentation,
 "PRAGMA data_version"); it reads the WAL index in shared memory, not the table. The
-database thread looks at it every ``signal_poll`` seconds (20 ms by default) while it has
-nothing else to do, and only when it changed reads the rows past the last one it read and
-hands them to the event loop. So an idle process costs a cheap look per poll on a thread
-and no wake-up of the event loop, and a consumer of another process wakes within about
-``signal_poll`` of a push. Rows older than a minute are pruned by publishers; our own
+database thread looks at it between calls, every ``signal_poll`` seconds (20 ms by
+default), and only when it changed reads the rows past the last one it read and hands them
+to the event loop. Once the file has been quiet for a while the looks slow down (a tenth of
+the quiet time apart, at most five times ``signal_poll``: 100 ms by default), since each
+one wakes the thread. So an idle process costs a few cheap looks a second on a thread and
+no wake-up of the event loop, and a consumer of another process wakes within about
+``signal_poll`` of a push while the file is busy, within about 100 ms after a quiet
+spell. Rows older than a minute are pruned by publishers; our own
 rows come back among the others' and are dropped by their origin (``SignalBus._receive``).
 """
 
@@ -80,11 +83,11 @@ class SqliteSignalBus(SignalBus):
 
         seen = await self._db.read(start)
 
-        def look(c: sqlite3.Connection) -> None:
+        def look(c: sqlite3.Connection) -> bool:
             try:
                 version = c.execute("PRAGMA data_version").fetchone()[0]
                 if version == seen.version:
-                    return
+                    return False
                 seen.version = version
                 rows = c.execute(sql["signal_since"], (seen.last,)).fetchall()
                 if rows:
@@ -94,6 +97,7 @@ class SqliteSignalBus(SignalBus):
             except Exception as exc:  # the bus reopens its listener after a pause
                 with contextlib.suppress(RuntimeError):
                     loop.call_soon_threadsafe(_fail, failed, exc)
+            return True
 
         self._db.watch(look)
         try:
