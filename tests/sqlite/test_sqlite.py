@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 
 import aio_keuss
-from aio_keuss.sqlite.connection import APPLICATION_ID
+from aio_keuss.sqlite.connection import APPLICATION_ID, path_from_url
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -320,6 +320,22 @@ async def test_a_schema_from_a_newer_release_is_refused(open_factory: Open, data
         assert raw.execute("PRAGMA application_id").fetchone()[0] == APPLICATION_ID
     with pytest.raises(aio_keuss.ConfigError, match="newer aio-keuss"):
         await open_factory()
+
+
+@pytest.mark.parametrize(
+    "url,path",
+    [
+        ("sqlite:///queues.db", "queues.db"),
+        ("sqlite:///data/queues.db", "data/queues.db"),
+        ("sqlite:////var/lib/queues.db", "/var/lib/queues.db"),
+        ("SQLITE:////var/lib/queues.db", "/var/lib/queues.db"),
+        ("sqlite://", ":memory:"),
+        ("sqlite:///", ":memory:"),
+        ("sqlite:///:memory:", ":memory:"),
+    ],
+)
+def test_urls_are_read_as_sqlalchemy_reads_them(url: str, path: str) -> None:
+    assert path_from_url(url) == path
 
 
 async def test_a_relative_url_names_a_file_in_the_working_directory(
