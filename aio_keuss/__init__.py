@@ -37,7 +37,7 @@ from .observe import enable as enable_metrics
 from .otel import enable_opentelemetry
 from .queue import Queue
 from .registry import backend_names
-from .repeat import Repeater
+from .repeat import Repeat, Repeater
 from .types import Capabilities, KoResult, MessageView, Page, Sizes, State
 from .worker import run_worker
 
@@ -74,6 +74,7 @@ __all__ = [
     "PipelineError",
     "Page",
     "Queue",
+    "Repeat",
     "Repeater",
     "Sizes",
     "State",

@@ -39,7 +39,8 @@ from typing import Any
 from .consumer import Outage, State, StoppedOnExit, retry_backoff
 from .cron import Schedule, every, parse_cron, zone
 from .errors import ClosedError, InvalidHeadersError, InvalidInputError
-from .message import Headers, to_datetime
+from .message import Headers, Payload, check_id, encode_headers, encode_payload, to_datetime
+from .options import check_queue_name
 
 log = logging.getLogger("aio_keuss.repeat")
 
@@ -114,6 +115,37 @@ class RepeatPlan:
             f" could push an occurrence twice; open the queue with dedup_window >="
             f" {gap + DEDUP_MARGIN:g} to rule it out"
         )
+
+
+@dataclass(frozen=True)
+class Repeat:
+    """A repeat to run, not yet running: ``Queue.repeat``'s arguments and the queue they go
+    to, for ``run_worker(repeats=...)`` (the worker's counterpart of arq's ``cron_jobs``,
+    BullMQ's repeatable jobs, procrastinate's periodic tasks).
+
+    A description rather than a started :class:`Repeater`, because a worker must check all
+    of them before it connects: a typo in a cron expression should stop a deploy at once,
+    not surface after the worker has started consuming (or, for a schedule that fires once
+    a month, weeks later)."""
+
+    queue: str
+    key: str
+    payload: Payload = None
+    every: float | None = None
+    cron: str | None = None
+    headers: Headers | None = None
+    tz: str = "UTC"
+
+    def check(self) -> RepeatPlan:
+        """Raise what ``Queue.repeat`` raises for this input, without a queue: everything
+        but what only the backend knows (explicit ids and delays, a message size limit)."""
+        check_queue_name(self.queue)
+        plan = RepeatPlan.make(self.key, self.every, self.cron, self.tz, self.headers)
+        first = plan.schedule.next_after(time.time())
+        encode_payload(self.payload)
+        encode_headers(plan.headers_at(first))
+        check_id(plan.message_id(first))
+        return plan
 
 
 def occurrence_id(key: str, t: float) -> str:
