@@ -2,12 +2,12 @@
 
 A deliberately small HTTP/1.1 server on asyncio's streams (one request per connection,
 ``Connection: close``): two read-only endpoints do not justify a web framework as a
-dependency. ``/healthz`` answers 200 while every consumer runs and 503 while one reconnects
-or has stopped, which is what a Kubernetes liveness or readiness probe, or a load balancer's
-health check, looks at (the status code; the JSON body is for people). ``/metrics`` shows
-each consumer's handler counters, then, while metrics are enabled (:mod:`aio_keuss.observe`:
-the worker enables them when it serves this endpoint), every queue's counters, sizes and
-delivery latency.
+dependency. ``/healthz`` answers 200 while every consumer and repeater runs and 503 while
+one reconnects or has stopped, which is what a Kubernetes liveness or readiness probe, or
+a load balancer's health check, looks at (the status code; the JSON body is for people).
+``/metrics`` shows each consumer's handler counters, then, while metrics are enabled
+(:mod:`aio_keuss.observe`: the worker enables them when it serves this endpoint), every
+queue's counters, sizes and delivery latency.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from .. import observe
 from ..consumer import Consumer
 from ..errors import ConfigError, KeussError
 from ..metrics import prometheus_text
+from ..repeat import Repeater
 
 log = logging.getLogger("aio_keuss.worker")
 
@@ -42,10 +43,12 @@ _REASONS = {
 }
 
 
-def health(consumers: Sequence[Consumer]) -> tuple[int, bytes]:
-    """(status code, JSON body) of ``/healthz``."""
+def health(consumers: Sequence[Consumer], repeaters: Sequence[Repeater] = ()) -> tuple[int, bytes]:
+    """(status code, JSON body) of ``/healthz``. A repeater that cannot push counts as a
+    consumer that cannot take: either way the backend is out of reach from this process."""
     statuses = [c.status() for c in consumers]
-    healthy = bool(statuses) and all(s.state == "running" for s in statuses)
+    states = [s.state for s in statuses] + [r.state for r in repeaters]
+    healthy = bool(states) and all(state == "running" for state in states)
     body = {
         "status": "ok" if healthy else "unavailable",
         "consumers": [
@@ -65,15 +68,36 @@ def health(consumers: Sequence[Consumer]) -> tuple[int, bytes]:
             }
             for s in statuses
         ],
+        "repeats": [
+            {
+                "queue": r.queue,
+                "key": r.key,
+                "state": r.state,
+                "pushed": r.pushed,
+                "missed": r.missed,
+                "next_at": None if r.next_at is None else r.next_at.isoformat(),
+                "last_error": None if r.last_error is None else repr(r.last_error),
+            }
+            for r in repeaters
+        ],
     }
     return (200 if healthy else 503), orjson.dumps(body)
 
 
 class HealthServer:
-    """Serves the endpoints for the consumers ``consumers()`` returns at request time."""
+    """Serves the endpoints for the consumers ``consumers()`` (and the repeaters
+    ``repeaters()``) return at request time."""
 
-    def __init__(self, consumers: Callable[[], Sequence[Consumer]], host: str, port: int):
+    def __init__(
+        self,
+        consumers: Callable[[], Sequence[Consumer]],
+        host: str,
+        port: int,
+        *,
+        repeaters: Callable[[], Sequence[Repeater]] = lambda: (),
+    ):
         self._consumers = consumers
+        self._repeaters = repeaters
         self.host = host
         self.port = port
         self._server: asyncio.Server | None = None
@@ -141,7 +165,7 @@ class HealthServer:
         if method not in (b"GET", b"HEAD"):
             return 405, "text/plain", b"GET only\n"
         if target == b"/healthz":
-            status, body = health(self._consumers())
+            status, body = health(self._consumers(), self._repeaters())
             return status, "application/json", body
         if target == b"/metrics":
             text = prometheus_text(c.metrics() for c in self._consumers())

@@ -7,6 +7,13 @@ stop``): the first SIGTERM or SIGINT stops taking new messages and gives running
 given back at once, costing no try, so another worker takes them without waiting for a
 reservation to expire. A second signal skips the rest of the grace (still giving the
 messages back). Messages prefetched and never started are given back the same way.
+
+A worker may also run repeats (``repeats=``): what arq's ``cron_jobs``, BullMQ's repeatable
+jobs and procrastinate's periodic tasks give a worker process. They start once the worker
+is connected and before it consumes, so a backend that cannot repeat stops the worker
+before it takes any message, and they stop with the consumers. As every replica of a
+worker pushes the same occurrence ids, the queue's dedup keeps one copy of each: running
+the repeats in each replica needs no leader (see ``Queue.repeat``).
 """
 
 from __future__ import annotations
@@ -21,11 +28,12 @@ from typing import Any, cast
 
 from .. import observe
 from ..consumer import Consumer, Handler, describe
-from ..errors import ConsumerFailedError, InvalidInputError, PipelineError
+from ..errors import ConsumerFailedError, InvalidInputError, NotSupportedError, PipelineError
 from ..factory import Factory, connect
 from ..loading import import_object
-from ..options import check_seconds
+from ..options import brief, check_seconds
 from ..pipeline import Pipeline, from_dict, load
+from ..repeat import Repeat, Repeater
 from .health import HealthServer
 from .settings import named_twice
 
@@ -47,6 +55,7 @@ async def run_worker(
     queues: str | Sequence[str] = (),
     *,
     pipeline: PipelineSource | None = None,
+    repeats: Sequence[Repeat] = (),
     factory: Factory | None = None,
     backend: str = "memory",
     concurrency: int = 1,
@@ -60,7 +69,7 @@ async def run_worker(
     **options: Any,
 ) -> None:
     """Consume ``queues`` with ``handler`` (or run ``pipeline``'s stations) until SIGTERM /
-    SIGINT (or ``stop`` is set).
+    SIGINT (or ``stop`` is set), and run ``repeats`` meanwhile.
 
     ``factory``: an open factory to use (you close it); without one, the worker connects to
     ``backend`` with ``options`` (``url=``, ``prefix=``, ...) once for the process and closes
@@ -73,18 +82,31 @@ async def run_worker(
     there (0 picks a free port), on ``health_host``; metrics (:mod:`aio_keuss.observe`) are
     then enabled from the start, and disabled at the end unless they already were.
 
+    ``repeats``: :class:`~aio_keuss.Repeat` specs, all checked before anything connects
+    (raising what ``Queue.repeat`` raises), started once connected and before consuming, and
+    stopped with the consumers; their queues need not be consumed here, and with repeats
+    neither a handler nor queues are needed (a process that only schedules, for consumers
+    that run elsewhere). Their queues are opened with ``queue_options`` (with ``pipeline``,
+    a queue of the pipeline with the pipeline's options). A backend that cannot repeat (no
+    explicit ids or delays) raises :class:`~aio_keuss.NotSupportedError` before any repeat
+    or consumer starts.
+
     Returns once every consumer has stopped and every message it held is acknowledged or
     given back. Raises :class:`~aio_keuss.ConsumerFailedError` (after stopping the others)
-    when a consumer's worker stops on an error not worth retrying. Signal handlers are
-    installed only while it runs, in the main thread.
+    when a consumer's worker, or a repeat, stops on an error not worth retrying. Signal
+    handlers are installed only while it runs, in the main thread.
     """
     names = [queues] if isinstance(queues, str) else list(queues)
+    specs = _checked_repeats(repeats)
     if pipeline is not None:
         if handler is not None or names:
             raise InvalidInputError("give a pipeline, or a handler and queues, not both")
+    elif handler is None and not names and specs:
+        pass  # only scheduling, for consumers elsewhere
     elif handler is None or not names or not all(isinstance(n, str) for n in names):
         raise InvalidInputError(
-            "a handler and queues (a queue name or a non-empty list of names) are needed"
+            "a handler and queues (a queue name or a non-empty list of names) are needed,"
+            " or repeats alone"
         )
     twice = named_twice(names)
     if twice:
@@ -108,6 +130,7 @@ async def run_worker(
         log.info("worker %d stopped while connecting", os.getpid())
         return
     consumers: list[Consumer] = []
+    repeaters: list[Repeater] = []
     health: HealthServer | None = None
     stopped = False
     global _counting_workers
@@ -116,45 +139,54 @@ async def run_worker(
         observe.enable()
         _counting_workers += 1
     try:
-        if pipeline is not None:
-            stations = _pipeline(pipeline, opened)
+        stations = None if pipeline is None else _pipeline(pipeline, opened)
+        await _start_repeats(opened, specs, stations, queue_options or {}, repeaters)
+        if stations is not None:
             running = stations.run(concurrency, timeout=timeout, prefetch=prefetch)
             try:
                 await running.start()
             finally:
                 consumers.extend(running.consumers)
             names = [f"pipeline {stations.name!r} ({', '.join(stations.queues)})"]
-        else:
-            assert handler is not None
+        elif handler is not None:
             for name in names:
                 queue = await opened.queue(name, **dict(queue_options or {}))
                 consumer = queue.consume(handler, concurrency, timeout=timeout, prefetch=prefetch)
                 consumers.append(consumer)
         if health_port is not None:
-            health = HealthServer(lambda: consumers, health_host, health_port)
+            health = HealthServer(
+                lambda: consumers, health_host, health_port, repeaters=lambda: repeaters
+            )
             await health.start()
-        log.info(
-            "worker %d consuming %s (%d per queue) on %s",
-            os.getpid(),
-            ", ".join(names),
-            concurrency,
-            opened.backend.name,
-        )
-        failed = await _until(stop, consumers)
+        if names:
+            log.info(
+                "worker %d consuming %s (%d per queue) on %s",
+                os.getpid(),
+                ", ".join(names),
+                concurrency,
+                opened.backend.name,
+            )
+        if repeaters:
+            log.info(
+                "worker %d repeating %s on %s",
+                os.getpid(),
+                ", ".join(_schedule(spec) for spec in specs),
+                opened.backend.name,
+            )
+        failed = await _until(stop, consumers, repeaters)
         if failed is not None:
-            log.error("stopping: the consumer of queue %r failed", failed.queue.name)
-        await _stop(consumers, grace, now)
+            log.error("stopping: %s failed", _runner(failed))
+        await _stop(consumers, repeaters, grace, now)
         stopped = True
         if failed is not None:
             raise ConsumerFailedError(
-                f"the consumer of queue {failed.queue.name!r} stopped on"
-                f" {describe(cast(Exception, failed.failure))}"
+                f"{_runner(failed)} stopped on {describe(cast(Exception, failed.failure))}"
             ) from failed.failure
     finally:
         restore()
         try:
-            if consumers and not stopped:  # cancelled or failed above: still give work back
-                await asyncio.shield(_stop(consumers, 0.0, now))
+            if (consumers or repeaters) and not stopped:  # cancelled or failed above
+                await asyncio.shield(_stop(consumers, repeaters, 0.0, now))
         finally:
             if health is not None:
                 await health.close()
@@ -189,6 +221,71 @@ def _pipeline(source: PipelineSource, factory: Factory) -> Pipeline:
     raise PipelineError(f"not a pipeline: {source!r}")
 
 
+def _checked_repeats(repeats: Sequence[Repeat]) -> list[Repeat]:
+    """``repeats``, each checked as ``Queue.repeat`` checks its input: a bad one raises
+    before the worker connects, so a deploy with a typo fails at once."""
+    if isinstance(repeats, Repeat | str | Mapping) or not isinstance(repeats, Sequence):
+        raise InvalidInputError(f"repeats must be a list of Repeat, not {brief(repeats)}")
+    seen: set[tuple[str, str]] = set()
+    for spec in repeats:
+        if not isinstance(spec, Repeat):
+            raise InvalidInputError(f"repeats takes Repeat specs, not {brief(spec)}")
+        spec.check()
+        if (spec.queue, spec.key) in seen:
+            # the same ids pushed twice over: harmless to the queue, but surely a mistake
+            raise InvalidInputError(f"repeat {spec.key!r} on queue {spec.queue!r} given twice")
+        seen.add((spec.queue, spec.key))
+    return list(repeats)
+
+
+async def _start_repeats(
+    factory: Factory,
+    specs: Sequence[Repeat],
+    pipeline: Pipeline | None,
+    queue_options: Mapping[str, Any],
+    started: list[Repeater],
+) -> None:
+    """Start the repeats once every one's queue is open and can repeat: a backend without
+    explicit ids or delays stops the worker before any occurrence is pushed (what
+    :meth:`Repeat.check` could not see before connecting)."""
+    queues = []
+    for spec in specs:
+        options = queue_options
+        if pipeline is not None and spec.queue in pipeline.queues:
+            options = pipeline.queue_options.get(spec.queue, {})  # as its run opens it
+        queue = await factory.queue(spec.queue, **dict(options))
+        if not (queue.capabilities.idempotent and queue.capabilities.delay):
+            raise NotSupportedError(
+                f"repeat {spec.key!r} on queue {spec.queue!r}: backend"
+                f" {factory.backend_name!r} cannot repeat (it has no explicit ids or delays)"
+            )
+        queues.append(queue)
+    for spec, queue in zip(specs, queues, strict=True):
+        started.append(
+            queue.repeat(
+                spec.key,
+                spec.payload,
+                every=spec.every,
+                cron=spec.cron,
+                headers=spec.headers,
+                tz=spec.tz,
+            )
+        )
+
+
+def _schedule(spec: Repeat) -> str:
+    when = f"every {spec.every:g} s" if spec.every is not None else f"cron {spec.cron!r}"
+    if spec.cron is not None and spec.tz != "UTC":
+        when += f" in {spec.tz}"
+    return f"{spec.key!r} on {spec.queue} ({when})"
+
+
+def _runner(runner: Consumer | Repeater) -> str:
+    if isinstance(runner, Repeater):
+        return f"repeat {runner.key!r} on queue {runner.queue!r}"
+    return f"the consumer of queue {runner.queue.name!r}"
+
+
 async def _connect_unless_stopped(
     stop: asyncio.Event, backend: str, options: Mapping[str, Any]
 ) -> Factory | None:
@@ -214,15 +311,29 @@ async def _connect_unless_stopped(
     return connecting.result()  # connected as the stop came: the caller stops it at once
 
 
-async def _until(stop: asyncio.Event, consumers: Sequence[Consumer]) -> Consumer | None:
-    """Until a stop is asked for, every consumer has ended by itself (its queue closed), or
-    one failed (a worker stopped on an error not worth retrying): then returns that one."""
+async def _until(
+    stop: asyncio.Event, consumers: Sequence[Consumer], repeaters: Sequence[Repeater]
+) -> Consumer | Repeater | None:
+    """Until a stop is asked for, every consumer and repeater has ended by itself (its queue
+    closed), or one failed (on an error not worth retrying): then returns that one. A
+    repeat that died quietly would leave its schedule unserved with nothing to show for it;
+    ending the worker lets its supervisor restart it, as for a consumer."""
 
     async def ended() -> None:
         for consumer in consumers:
             await consumer.wait()
+        for repeater in repeaters:
+            await repeater.wait()
 
-    failing = [asyncio.ensure_future(c.wait_failure()) for c in consumers]
+    async def repeat_failure(repeater: Repeater) -> None:
+        await repeater.wait()
+        if repeater.failure is None:  # its queue closed: ended() sees to that
+            await asyncio.Event().wait()
+
+    failing: list[asyncio.Future[Any]] = [
+        *(asyncio.ensure_future(c.wait_failure()) for c in consumers),
+        *(asyncio.ensure_future(repeat_failure(r)) for r in repeaters),
+    ]
     waits = [asyncio.ensure_future(stop.wait()), asyncio.ensure_future(ended()), *failing]
     try:
         await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
@@ -230,11 +341,20 @@ async def _until(stop: asyncio.Event, consumers: Sequence[Consumer]) -> Consumer
         for waiting in waits:
             waiting.cancel()
         await asyncio.gather(*waits, return_exceptions=True)
-    return next((c for c in consumers if c.failure is not None), None)
+    runners: list[Consumer | Repeater] = [*consumers, *repeaters]
+    return next((r for r in runners if r.failure is not None), None)
 
 
-async def _stop(consumers: Sequence[Consumer], grace: float, now: asyncio.Event) -> None:
-    """Stop every consumer with ``grace``, cut short when ``now`` is set."""
+async def _stop(
+    consumers: Sequence[Consumer],
+    repeaters: Sequence[Repeater],
+    grace: float,
+    now: asyncio.Event,
+) -> None:
+    """Stop every repeater, and every consumer with ``grace``, cut short when ``now`` is set.
+    The repeaters stop beside the consumers, not before them: a push under way, which a
+    stop lets end, must not eat into the handlers' grace."""
+    halting = asyncio.gather(*(r.stop() for r in repeaters))
     running = sum(c.status().in_flight for c in consumers)
     if grace and running:
         log.info("stopping: up to %g s for %d running handlers", grace, running)
@@ -248,6 +368,7 @@ async def _stop(consumers: Sequence[Consumer], grace: float, now: asyncio.Event)
         await stopping
     finally:
         hurry.cancel()
+        await halting
 
 
 def _on_signals(stop: asyncio.Event, now: asyncio.Event) -> Any:
