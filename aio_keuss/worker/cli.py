@@ -2,9 +2,9 @@
 the command line of the worker.
 
 Exit codes: 0 after a clean stop (SIGTERM / SIGINT), 2 for bad settings (an unknown flag, a
-bad value, a handler that cannot be imported), 3 when the backend cannot be reached at
-start, 1 for anything unexpected. A supervisor can tell "fix the unit file" (2) from "the
-database is down" (3), and restart only on the latter.
+bad value, a handler that cannot be imported, a repeat the backend cannot run), 3 when the
+backend cannot be reached at start, 1 for anything unexpected. A supervisor can tell "fix
+the unit file" (2) from "the database is down" (3), and restart only on the latter.
 """
 
 from __future__ import annotations
@@ -17,11 +17,17 @@ from collections.abc import Sequence
 from typing import Any
 
 from ..dashboard import command as dashboard_command
-from ..errors import ConfigError, InvalidInputError, KeussConnectionError, KeussError
+from ..errors import (
+    ConfigError,
+    InvalidInputError,
+    KeussConnectionError,
+    KeussError,
+    NotSupportedError,
+)
 from ..loading import add_connection_flags, import_callable, import_object
 from . import admin
 from .run import run_worker
-from .settings import WorkerSettings, connection_settings, option_value, resolve
+from .settings import REPEAT_FORM, WorkerSettings, connection_settings, option_value, resolve
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_UNREACHABLE = 0, 1, 2, 3
 
@@ -60,6 +66,16 @@ def _parser() -> argparse.ArgumentParser:
     add("--log-level", help="debug, info (default), warning, error")
     add("--health-port", help="serve GET /healthz and /metrics on this port")
     add("--health-host", help="the address they are served on (default 127.0.0.1)")
+    add(
+        "--repeat",
+        action="append",
+        dest="repeats",
+        metavar=f"'{REPEAT_FORM}'",
+        help="push PAYLOAD_JSON (default null) to QUEUE on a schedule, as repeat KEY (each "
+        "occurrence once however many workers run it): SCHEDULE is every=SECONDS, a nickname "
+        "such as @daily, or the five fields of a cron expression; ZONE an IANA time zone "
+        "(default UTC). Repeatable; with no HANDLER and no --queue the worker only schedules",
+    )
     admin.add_commands(commands)
     dashboard_command.add_parser(commands)
     return parser
@@ -86,6 +102,7 @@ def _flags(args: argparse.Namespace) -> dict[str, Any]:
         "log_level": args.log_level,
         "health_port": args.health_port,
         "health_host": args.health_host,
+        "repeats": args.repeats,
         "options": options or None,
     }
 
@@ -93,9 +110,10 @@ def _flags(args: argparse.Namespace) -> dict[str, Any]:
 async def _run(settings: WorkerSettings) -> None:
     pipeline = settings.pipeline
     await run_worker(
-        None if pipeline else import_callable(settings.handler),
+        import_callable(settings.handler) if settings.handler else None,
         settings.queues,
         pipeline=pipeline or None,
+        repeats=settings.repeats,
         backend=settings.backend,
         concurrency=settings.concurrency,
         timeout=settings.timeout,
@@ -125,7 +143,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         # fail before logging is set up or anything opens
         if settings.pipeline and not settings.pipeline.endswith(".toml"):
             import_object(settings.pipeline, "pipeline")
-        elif not settings.pipeline:
+        elif settings.handler:
             import_callable(settings.handler)
     except ConfigError as exc:
         print(f"aio-keuss worker: error: {exc}", file=sys.stderr)
@@ -139,7 +157,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeussConnectionError as exc:
         log.error("cannot reach the backend at start: %s", exc)
         return EXIT_UNREACHABLE
-    except (ConfigError, InvalidInputError) as exc:  # e.g. a prefetch above max_batch
+    except (ConfigError, InvalidInputError, NotSupportedError) as exc:
+        # e.g. a prefetch above max_batch, a repeat on a backend without delays
         log.error("%s", exc)
         return EXIT_USAGE
     except KeussError as exc:

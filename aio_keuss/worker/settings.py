@@ -4,6 +4,9 @@ Precedence is the usual one (as in pip, Docker and most twelve-factor tools): a 
 an ``AIO_KEUSS_*`` environment variable, which beats the file named by ``--config`` (or
 ``AIO_KEUSS_CONFIG``), which beats the defaults. Every value is checked here, so a typo
 stops the command before it connects to anything.
+
+Repeats are a list, like queues: the layer that gives any (the ``--repeat`` flags, the
+lines of ``AIO_KEUSS_REPEAT``, the file's ``[[repeat]]`` tables) gives all of them.
 """
 
 from __future__ import annotations
@@ -14,9 +17,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from ..errors import ConfigError, InvalidQueueNameError
+from ..errors import ConfigError, InvalidInputError, InvalidQueueNameError
 from ..loading import read_toml
-from ..options import check_queue_name
+from ..options import brief, check_queue_name
+from ..repeat import Repeat
 
 ENV_PREFIX = "AIO_KEUSS_"
 
@@ -41,6 +45,9 @@ class WorkerSettings:
     log_level: str = "info"
     health_port: int | None = None
     health_host: str = "127.0.0.1"
+    repeats: tuple[Repeat, ...] = ()
+    """Run beside the consumers; with neither ``handler`` nor ``queues``, the worker only
+    schedules."""
     options: Mapping[str, Any] = field(default_factory=dict)
 
     def connect_options(self) -> dict[str, Any]:
@@ -102,6 +109,115 @@ def named_twice(names: Sequence[str]) -> str | None:
     )
 
 
+REPEAT_FORM = "QUEUE KEY SCHEDULE [tz=ZONE] [PAYLOAD_JSON]"
+"""A repeat on one line (``--repeat``, a line of ``AIO_KEUSS_REPEAT``). SCHEDULE is
+``every=SECONDS``, a nickname (``@daily``) or the five fields of a crontab(5) expression, bare:
+a cron field never holds a space, ``=`` or a ``{``, so five words are unambiguous and the
+line needs quoting once, by the shell, as a crontab line needs none. The payload comes last,
+as the rest of the line, so its JSON may hold spaces."""
+
+
+def parse_repeat(text: str) -> Repeat:
+    """The repeat a ``--repeat`` value describes (see :data:`REPEAT_FORM`), checked."""
+
+    def bad(why: str) -> ConfigError:
+        return ConfigError(f"--repeat {text!r}: {why}; the form is {REPEAT_FORM!r}")
+
+    words = text.split(None, 2)
+    if len(words) < 3:
+        raise bad("a queue, a key and a schedule are needed")
+    queue, key, rest = words
+    word, rest = _first_word(rest)
+    every: float | None = None
+    cron: str | None = None
+    if word.startswith("every="):
+        try:
+            every = float(word.removeprefix("every="))
+        except ValueError:
+            raise bad(f"{word!r} is not a number of seconds") from None
+    elif word.startswith("@"):
+        cron = word
+    else:
+        cron_fields = [word]
+        while len(cron_fields) < 5:
+            word, rest = _first_word(rest)
+            if not word:
+                raise bad(f"a cron schedule has five fields, not {len(cron_fields)}")
+            cron_fields.append(word)
+        cron = " ".join(cron_fields)
+    tz = "UTC"
+    if rest.startswith("tz="):
+        word, rest = _first_word(rest)
+        tz = word.removeprefix("tz=")
+    payload = None
+    if rest:
+        try:
+            payload = json.loads(rest)
+        except ValueError as exc:
+            hint = "" if cron is None else " (a cron schedule is five fields, the payload after)"
+            raise bad(f"the payload {rest!r} is not JSON: {exc}{hint}") from None
+    spec = Repeat(queue, key, payload, every=every, cron=cron, tz=tz)
+    return _checked_repeat(spec, f"--repeat {text!r}")
+
+
+def _first_word(text: str) -> tuple[str, str]:
+    """(the first word of ``text``, the rest with no leading space)."""
+    parts = text.split(None, 1)
+    if not parts:
+        return "", ""
+    return parts[0], parts[1] if len(parts) > 1 else ""
+
+
+def _checked_repeat(spec: Repeat, where: str) -> Repeat:
+    try:
+        spec.check()
+    except InvalidInputError as exc:
+        raise ConfigError(f"{where}: {exc}") from None
+    return spec
+
+
+_REPEAT_FIELDS = tuple(f.name for f in fields(Repeat))
+
+
+def _repeat_table(table: Any, number: int) -> Repeat:
+    """A ``[[repeat]]`` table of the file: the fields of :class:`Repeat` by name."""
+    where = f"repeat #{number}"
+    if not isinstance(table, Mapping):
+        raise ConfigError(
+            f"{where} must be a table of {', '.join(_REPEAT_FIELDS)}, not {brief(table)}"
+        )
+    unknown = sorted(set(table) - set(_REPEAT_FIELDS))
+    if unknown:
+        raise ConfigError(
+            f"{where}: unknown setting(s) {unknown}; known: {', '.join(_REPEAT_FIELDS)}"
+        )
+    missing = [name for name in ("queue", "key") if name not in table]
+    if missing:
+        raise ConfigError(f"{where}: no {' and no '.join(missing)}")
+    return _checked_repeat(Repeat(**table), f"{where} ({table['key']!r})")
+
+
+def _repeats(value: Any) -> tuple[Repeat, ...]:
+    if isinstance(value, str):  # AIO_KEUSS_REPEAT: one repeat per line
+        value = [line for line in value.splitlines() if line.strip()]
+    if not isinstance(value, list | tuple):
+        raise ConfigError(f"repeat must be a list of repeats, not {brief(value)}")
+    specs: list[Repeat] = []
+    for number, item in enumerate(value, start=1):
+        if isinstance(item, str):
+            specs.append(parse_repeat(item))
+        elif isinstance(item, Repeat):
+            specs.append(_checked_repeat(item, f"repeat {item.key!r}"))
+        else:
+            specs.append(_repeat_table(item, number))
+    seen: set[tuple[str, str]] = set()
+    for spec in specs:
+        if (spec.queue, spec.key) in seen:
+            raise ConfigError(f"repeat {spec.key!r} on queue {spec.queue!r} given twice")
+        seen.add((spec.queue, spec.key))
+    return tuple(specs)
+
+
 _LEVELS = ("debug", "info", "warning", "error", "critical")
 
 
@@ -124,6 +240,8 @@ def _check(raw: Mapping[str, Any]) -> dict[str, Any]:
                 raise ConfigError("timeout must be > 0 seconds")
         elif name == "queues":
             value = _queues(value)
+        elif name == "repeats":
+            value = _repeats(value)
         elif name == "log_level":
             if not isinstance(value, str) or value.lower() not in _LEVELS:
                 raise ConfigError(f"log_level must be one of {', '.join(_LEVELS)}, not {value!r}")
@@ -140,24 +258,41 @@ def _check(raw: Mapping[str, Any]) -> dict[str, Any]:
 
 def from_file(path: str) -> dict[str, Any]:
     """The settings of a TOML file: the names of :class:`WorkerSettings` (``queues`` a list,
-    ``options`` a table), at the top or under ``[worker]``."""
+    ``options`` a table), at the top or under ``[worker]``, and ``[[repeat]]`` tables. Those
+    may follow a ``[worker]`` table at the top, where TOML puts them (``[[worker.repeat]]``
+    is the same)."""
     data = read_toml(path, "config file")
     section = data.get("worker", data)
     if not isinstance(section, dict):
         raise ConfigError(f"config file {path!r}: [worker] must be a table")
+    section = dict(section)
     if "queue" in section:
-        section = {**section, "queues": section.pop("queue")}
-    return dict(section)
+        section["queues"] = section.pop("queue")
+    if "worker" in data and "repeat" in data:
+        if "repeat" in section:
+            raise ConfigError(
+                f"config file {path!r}: repeats in both [[repeat]] and [[worker.repeat]]"
+            )
+        section["repeat"] = data["repeat"]
+    if "repeat" in section:
+        if "repeats" in section:
+            raise ConfigError(f"config file {path!r}: give repeat or repeats, not both")
+        section["repeats"] = section.pop("repeat")
+    return section
 
 
 def from_environment(environ: Mapping[str, str]) -> dict[str, Any]:
-    """``AIO_KEUSS_<NAME>`` for each setting (``AIO_KEUSS_QUEUE`` comma-separated)."""
+    """``AIO_KEUSS_<NAME>`` for each setting (``AIO_KEUSS_QUEUE`` comma-separated,
+    ``AIO_KEUSS_REPEAT`` one repeat per line)."""
     found: dict[str, Any] = {}
     for f in fields(WorkerSettings):
-        key = ENV_PREFIX + ("QUEUE" if f.name == "queues" else f.name.upper())
+        key = ENV_PREFIX + _ENV_NAMES.get(f.name, f.name.upper())
         if f.name != "options" and key in environ:
             found[f.name] = environ[key]
     return found
+
+
+_ENV_NAMES = {"queues": "QUEUE", "repeats": "REPEAT"}
 
 
 def option_value(text: str) -> Any:
@@ -185,8 +320,13 @@ def resolve(flags: Mapping[str, Any], environ: Mapping[str, str] = os.environ) -
         if settings.handler or settings.queues:
             raise ConfigError("give --pipeline, or a handler and --queue, not both")
         return settings
+    if not settings.handler and not settings.queues and settings.repeats:
+        return settings  # only scheduling, for consumers that run elsewhere
     if not settings.handler:
-        raise ConfigError("no handler: give module:function (or AIO_KEUSS_HANDLER), or --pipeline")
+        raise ConfigError(
+            "no handler: give module:function (or AIO_KEUSS_HANDLER), or --pipeline"
+            " (or only --repeat, to schedule without consuming)"
+        )
     if not settings.queues:
         raise ConfigError("no queue: give --queue NAME (or AIO_KEUSS_QUEUE)")
     return settings
