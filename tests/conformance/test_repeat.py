@@ -206,3 +206,32 @@ async def test_period_beyond_dedup_window_is_logged(
             pass
     (record,) = caplog.records
     assert "dedup_window" in record.getMessage() and "'daily'" in record.getMessage()
+
+
+async def test_a_worker_runs_its_repeats_or_refuses_the_backend(connect: Connect) -> None:
+    """``run_worker(repeats=...)``: the worker consumes the occurrences its own repeat
+    pushes; a backend that cannot repeat is refused once connected, before anything is
+    pushed or consumed."""
+    factory = await connect()
+    q = await factory.queue("q1")
+    await q.push({"n": 0})  # there to be consumed, unless the worker is refused
+    stop = asyncio.Event()
+    handled: list[str] = []
+
+    async def note(message: Message) -> None:
+        handled.append(message.id)
+        if len({i for i in handled if i.startswith("tick@")}) >= 3:
+            stop.set()
+
+    tick = aio_keuss.Repeat("q1", "tick", {"n": 1}, every=EVERY)
+    running = aio_keuss.run_worker(note, "q1", repeats=[tick], factory=factory, stop=stop)
+    if not (factory.capabilities.idempotent and factory.capabilities.delay):
+        with pytest.raises(aio_keuss.NotSupportedError, match="cannot repeat"):
+            await running
+        assert handled == []
+        await asyncio.sleep(0.1)
+        assert await q.total_size() == 1
+        return
+    await asyncio.wait_for(running, 2 * WAIT)
+    ticks = [i for i in handled if i.startswith("tick@")]
+    assert len(ticks) == len(set(ticks)) >= 3
