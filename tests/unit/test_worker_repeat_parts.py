@@ -18,6 +18,7 @@ import pytest
 from own_servers import free_port
 
 import aio_keuss
+import aio_keuss.pipeline as aio_keuss_pipeline
 from aio_keuss import Message, Repeat
 from aio_keuss.errors import (
     ConfigError,
@@ -339,3 +340,36 @@ def test_repeats_in_two_places_of_a_file_are_refused(tmp_path: Path) -> None:
         resolve({"config": str(config)}, {})
     with pytest.raises(ConfigError, match="repeat must be a list"):
         resolve({"repeats": 5}, {})
+
+
+async def test_a_repeat_into_a_pipeline_opens_its_queue_with_the_pipelines_options() -> None:
+    """Opened with the worker's options instead, the pipeline's own open of that queue would
+    be refused (one Queue per name, and other options)."""
+    async with aio_keuss.connect("memory") as factory:
+        stop = asyncio.Event()
+        ended: list[int] = []
+
+        async def double(message: Message) -> aio_keuss_pipeline.Forward:
+            return aio_keuss_pipeline.Forward(payload=message.payload * 2)
+
+        async def end(message: Message) -> None:
+            ended.append(message.payload)
+            if len(ended) >= 3:
+                stop.set()
+
+        def build(opened: aio_keuss.Factory) -> aio_keuss_pipeline.Pipeline:
+            stations = opened.pipeline("doubling", queue_options={"in": {"reserve_delay": 30}})
+            return stations.link("in", "out", double).sink("out", end)
+
+        await asyncio.wait_for(
+            aio_keuss.run_worker(
+                pipeline=build,
+                repeats=[Repeat("in", "tick", 21, every=EVERY)],
+                queue_options={"reserve_delay": 5},
+                factory=factory,
+                stop=stop,
+            ),
+            WAIT,
+        )
+        assert set(ended) == {42}
+        assert (await factory.queue("in")).options.reserve_delay == 30
