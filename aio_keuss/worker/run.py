@@ -35,7 +35,7 @@ from ..options import brief, check_seconds
 from ..pipeline import Pipeline, from_dict, load
 from ..repeat import Repeat, Repeater
 from .health import HealthServer
-from .settings import named_twice
+from .settings import named_twice, repeated_twice
 
 log = logging.getLogger("aio_keuss.worker")
 
@@ -226,15 +226,13 @@ def _checked_repeats(repeats: Sequence[Repeat]) -> list[Repeat]:
     before the worker connects, so a deploy with a typo fails at once."""
     if isinstance(repeats, Repeat | str | Mapping) or not isinstance(repeats, Sequence):
         raise InvalidInputError(f"repeats must be a list of Repeat, not {brief(repeats)}")
-    seen: set[tuple[str, str]] = set()
     for spec in repeats:
         if not isinstance(spec, Repeat):
             raise InvalidInputError(f"repeats takes Repeat specs, not {brief(spec)}")
         spec.check()
-        if (spec.queue, spec.key) in seen:
-            # the same ids pushed twice over: harmless to the queue, but surely a mistake
-            raise InvalidInputError(f"repeat {spec.key!r} on queue {spec.queue!r} given twice")
-        seen.add((spec.queue, spec.key))
+    twice = repeated_twice(repeats)
+    if twice:
+        raise InvalidInputError(twice)
     return list(repeats)
 
 

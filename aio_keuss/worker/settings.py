@@ -112,9 +112,10 @@ def named_twice(names: Sequence[str]) -> str | None:
 REPEAT_FORM = "QUEUE KEY SCHEDULE [tz=ZONE] [PAYLOAD_JSON]"
 """A repeat on one line (``--repeat``, a line of ``AIO_KEUSS_REPEAT``). SCHEDULE is
 ``every=SECONDS``, a nickname (``@daily``) or the five fields of a crontab(5) expression, bare:
-a cron field never holds a space, ``=`` or a ``{``, so five words are unambiguous and the
-line needs quoting once, by the shell, as a crontab line needs none. The payload comes last,
-as the rest of the line, so its JSON may hold spaces."""
+a cron field holds no space and no ``=`` and does not begin with ``@``, so the schedule's
+first word tells its kind, a cron expression is the five words from there, and the value is
+quoted once, for the shell, with no quotes of its own inside (as a crontab line has none).
+The payload comes last, as the rest of the line, so its JSON may hold spaces."""
 
 
 def parse_repeat(text: str) -> Repeat:
@@ -210,12 +211,22 @@ def _repeats(value: Any) -> tuple[Repeat, ...]:
             specs.append(_checked_repeat(item, f"repeat {item.key!r}"))
         else:
             specs.append(_repeat_table(item, number))
+    twice = repeated_twice(specs)
+    if twice:
+        raise ConfigError(twice)
+    return tuple(specs)
+
+
+def repeated_twice(specs: Sequence[Repeat]) -> str | None:
+    """Why a list of repeats naming one (queue, key) twice is refused, or None: the two would
+    push the same ids, which the queue's dedup makes harmless, so it is surely a mistake
+    (two schedules meant under one key, the second silently losing)."""
     seen: set[tuple[str, str]] = set()
     for spec in specs:
         if (spec.queue, spec.key) in seen:
-            raise ConfigError(f"repeat {spec.key!r} on queue {spec.queue!r} given twice")
+            return f"repeat {spec.key!r} on queue {spec.queue!r} given twice"
         seen.add((spec.queue, spec.key))
-    return tuple(specs)
+    return None
 
 
 _LEVELS = ("debug", "info", "warning", "error", "critical")
@@ -281,6 +292,9 @@ def from_file(path: str) -> dict[str, Any]:
     return section
 
 
+_ENV_NAMES = {"queues": "QUEUE", "repeats": "REPEAT"}
+
+
 def from_environment(environ: Mapping[str, str]) -> dict[str, Any]:
     """``AIO_KEUSS_<NAME>`` for each setting (``AIO_KEUSS_QUEUE`` comma-separated,
     ``AIO_KEUSS_REPEAT`` one repeat per line)."""
@@ -290,9 +304,6 @@ def from_environment(environ: Mapping[str, str]) -> dict[str, Any]:
         if f.name != "options" and key in environ:
             found[f.name] = environ[key]
     return found
-
-
-_ENV_NAMES = {"queues": "QUEUE", "repeats": "REPEAT"}
 
 
 def option_value(text: str) -> Any:
