@@ -13,32 +13,14 @@ Python strings, so it reads (and diffs) as SQL.
 
 from __future__ import annotations
 
-import re
 from functools import cache
-from importlib import resources
 
-_STEP = re.compile(r"(\d+)_\w+\.sql")
-
-
-def _trimmed(body: str) -> str:
-    """A block without the comment and blank lines around its statement (the comments stay
-    in the file; the server need not parse them on every prepare)."""
-    lines = body.splitlines()
-    while lines and (not lines[0].strip() or lines[0].lstrip().startswith("--")):
-        del lines[0]
-    while lines and (not lines[-1].strip() or lines[-1].lstrip().startswith("--")):
-        del lines[-1]
-    return "\n".join(lines)
+from ...sqlfiles import named_blocks, numbered_steps
 
 
 @cache
 def _blocks() -> dict[str, str]:
-    text = resources.files(__package__).joinpath("queries.sql").read_text("utf-8")
-    found: dict[str, str] = {}
-    for block in text.split("\n-- name: ")[1:]:
-        name, _, body = block.partition("\n")
-        found[name.strip()] = _trimmed(body)
-    return found
+    return named_blocks(__package__)
 
 
 @cache
@@ -60,13 +42,4 @@ def queries(schema: str, relax: str = "") -> dict[str, str]:
 @cache
 def migrations() -> tuple[tuple[int, str], ...]:
     """(version, SQL) of every step in ``migrations/``, in order of version."""
-    steps: dict[int, str] = {}
-    for item in resources.files(__package__).joinpath("migrations").iterdir():
-        found = _STEP.fullmatch(item.name)
-        if found is None:
-            continue
-        version = int(found[1])
-        if version in steps:
-            raise RuntimeError(f"two migration steps numbered {version}")
-        steps[version] = item.read_text("utf-8")
-    return tuple(sorted(steps.items()))
+    return tuple(numbered_steps(__package__))

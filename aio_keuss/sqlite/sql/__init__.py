@@ -10,33 +10,16 @@ The files are read once per process.
 
 from __future__ import annotations
 
-import re
 import sqlite3
 from functools import cache
-from importlib import resources
 
-_STEP = re.compile(r"(\d+)_\w+\.sql")
-
-
-def _trimmed(body: str) -> str:
-    """A block without the comment and blank lines around its statement."""
-    lines = body.splitlines()
-    while lines and (not lines[0].strip() or lines[0].lstrip().startswith("--")):
-        del lines[0]
-    while lines and (not lines[-1].strip() or lines[-1].lstrip().startswith("--")):
-        del lines[-1]
-    return "\n".join(lines)
+from ...sqlfiles import named_blocks, numbered_steps, trimmed
 
 
 @cache
 def queries() -> dict[str, str]:
     """The statements of ``queries.sql`` by name."""
-    text = resources.files(__package__).joinpath("queries.sql").read_text("utf-8")
-    found: dict[str, str] = {}
-    for block in text.split("\n-- name: ")[1:]:
-        name, _, body = block.partition("\n")
-        found[name.strip()] = _trimmed(body)
-    return found
+    return named_blocks(__package__)
 
 
 def statements(script: str) -> list[str]:
@@ -48,11 +31,11 @@ def statements(script: str) -> list[str]:
     for line in script.splitlines(keepends=True):
         pending += line
         if sqlite3.complete_statement(pending):
-            statement = _trimmed(pending)
+            statement = trimmed(pending)
             if statement:
                 found.append(statement)
             pending = ""
-    if _trimmed(pending):
+    if trimmed(pending):
         raise RuntimeError(f"a migration step ends in an incomplete statement: {pending!r}")
     return found
 
@@ -60,13 +43,6 @@ def statements(script: str) -> list[str]:
 @cache
 def migrations() -> tuple[tuple[int, tuple[str, ...]], ...]:
     """(version, statements) of every step in ``migrations/``, in order of version."""
-    steps: dict[int, tuple[str, ...]] = {}
-    for item in resources.files(__package__).joinpath("migrations").iterdir():
-        found = _STEP.fullmatch(item.name)
-        if found is None:
-            continue
-        version = int(found[1])
-        if version in steps:
-            raise RuntimeError(f"two migration steps numbered {version}")
-        steps[version] = tuple(statements(item.read_text("utf-8")))
-    return tuple(sorted(steps.items()))
+    return tuple(
+        (version, tuple(statements(text))) for version, text in numbered_steps(__package__)
+    )
