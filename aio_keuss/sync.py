@@ -51,6 +51,7 @@ from .factory import Factory
 from .factory import connect as _async_connect
 from .message import UNCHANGED, Headers, Message, NewMessage, Payload, Unchanged
 from .queue import Queue
+from .repeat import Repeater
 from .types import Capabilities, KoResult, MessageView, Page, Sizes
 
 __all__ = ["SyncFactory", "SyncQueue", "connect"]
@@ -480,6 +481,23 @@ class SyncQueue:
         any is written (see ``Queue.push_each``)."""
         return self._call(self.queue.push_each, messages)
 
+    def repeat(
+        self,
+        key: str,
+        payload: Payload,
+        *,
+        every: float | None = None,
+        cron: str | None = None,
+        headers: Headers | None = None,
+        tz: str = "UTC",
+    ) -> SyncRepeater:
+        """Blocking :meth:`aio_keuss.Queue.repeat`: the repeater runs on the loop thread,
+        pushing each occurrence while this thread goes on; ``stop()`` it, use ``with``, or
+        close the factory. Its input is refused as ``Queue.repeat`` refuses it, before
+        anything is written."""
+        repeater = self._call(_start_repeat, self.queue, key, payload, every, cron, headers, tz)
+        return SyncRepeater(self._factory, repeater)
+
     # consuming ------------------------------------------------------------------------
 
     def pop(self, timeout: float | None = None) -> Message | None:
@@ -654,6 +672,59 @@ class SyncQueue:
 
 _GiveBack = Callable[[Queue, list[Message]], None]
 """Gives back, on the loop thread, what a call took for a caller that was interrupted."""
+
+
+class SyncRepeater:
+    """Blocking handle of a :class:`aio_keuss.Repeater` running on the loop thread."""
+
+    def __init__(self, factory: SyncFactory, repeater: Repeater) -> None:
+        self._factory = factory
+        self.repeater = repeater
+        """The async repeater: its counters (``pushed``, ``missed``), ``next_at``, ``state``."""
+
+    def __repr__(self) -> str:
+        return f"<SyncRepeater {self.repeater.key!r} on {self.repeater.queue!r}>"
+
+    @property
+    def key(self) -> str:
+        return self.repeater.key
+
+    @property
+    def state(self) -> str:
+        """One of "running", "reconnecting" (pushes fail; it retries) or "stopped"."""
+        return self.repeater.state
+
+    def stop(self) -> None:
+        """Stop pushing (the occurrence already queued stays queued). Safe to call again,
+        and after the factory closed, which stopped it already."""
+        if self._factory.closed:
+            return
+        with contextlib.suppress(ClosedError):  # closed meanwhile: that close stopped it
+            self._factory.call(self.repeater.stop)
+
+    def __enter__(self) -> SyncRepeater:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()
+
+
+async def _start_repeat(
+    queue: Queue,
+    key: str,
+    payload: Payload,
+    every: float | None,
+    cron: str | None,
+    headers: Headers | None,
+    tz: str,
+) -> Repeater:
+    """On the loop thread: a repeater's task belongs to the loop it runs on."""
+    return queue.repeat(key, payload, every=every, cron=cron, headers=headers, tz=tz)
 
 
 class _Taking:

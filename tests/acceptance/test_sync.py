@@ -247,6 +247,58 @@ def test_bad_input_raises_the_library_errors(options: tuple[str, dict[str, Any]]
     assert portal_threads() == []  # a failed connect gives its loop back
 
 
+@on_backends
+def test_repeat_pushes_occurrences_until_stopped(options: tuple[str, dict[str, Any]]) -> None:
+    """``SyncQueue.repeat`` runs the repeater on the loop thread while this thread takes
+    its occurrences; leaving ``with`` stops it, and so does closing the factory."""
+    backend, opts = options
+    with sync.connect(backend, **opts) as factory:
+        q = factory.queue("ticks")
+        with q.repeat("tick", {"n": 1}, every=0.5, headers={"kind": "tick"}) as repeater:
+            assert repeater.key == "tick"
+            assert repeater.state in ("running", "reconnecting")
+            seen = []
+            while len(seen) < 2:
+                message = q.pop(timeout=30)
+                assert message is not None, "no occurrence within 30 s"
+                seen.append(message)
+        assert repeater.state == "stopped"
+        repeater.stop()  # again: nothing happens
+        assert [m.payload for m in seen] == [{"n": 1}, {"n": 1}]
+        assert all(m.id.startswith("tick@") and m.headers["kind"] == "tick" for m in seen)
+        assert all(m.headers["repeat"] == "tick" for m in seen)
+        assert seen[0].id != seen[1].id
+        kept = q.repeat("kept", 1, cron="* * * * *")
+    assert kept.state == "stopped"  # the factory's close stopped it
+    kept.stop()  # after the close: nothing to do, no error
+
+
+@on_backends
+def test_repeat_refuses_bad_input_before_pushing(options: tuple[str, dict[str, Any]]) -> None:
+    backend, opts = options
+    with sync.connect(backend, **opts) as factory:
+        q = factory.queue("bad-repeats")
+        with pytest.raises(aio_keuss.InvalidInputError):
+            q.repeat("r", 1, every=1.0, cron="* * * * *")
+        with pytest.raises(aio_keuss.InvalidInputError):
+            q.repeat("r", 1, cron="61 * * * *")
+        with pytest.raises(aio_keuss.InvalidPayloadError):
+            q.repeat("r", object(), every=1.0)  # type: ignore[arg-type]
+        assert q.total_size() == 0
+
+
+def test_repeat_on_a_backend_without_ids_is_not_supported() -> None:
+    options = {"url": REDIS_URL, "prefix": f"aks-{new_token()}"}
+    try:
+        with (
+            sync.connect("redis-list", **options) as factory,
+            pytest.raises(aio_keuss.NotSupportedError),
+        ):
+            factory.queue("plain").repeat("r", 1, every=1.0)
+    finally:
+        asyncio.run(_drop_redis_prefix(options))
+
+
 def test_a_blocking_call_on_the_loop_thread_is_a_library_error() -> None:
     """A blocking call made on the shim's own loop thread (from a coroutine given to
     ``call``) would wait for itself: a LoopThreadError (it was anyio's bare RuntimeError)."""
