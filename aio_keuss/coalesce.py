@@ -12,6 +12,16 @@ calls of every task ready in this one have joined it. A batch task goes on while
 callers keep asking as soon as they are answered (a producer's loop): their next calls form
 its next batch, sent on the iteration they are made in, one sooner than a new task would.
 
+Crowding: once a batch carries more than ``CROWDED`` callers, callers outnumber the slots.
+A free slot is then worth more to the batch the next callers form than to one caller
+alone, so a lone call runs in its caller only while nothing is in flight; and, with
+``run_in_caller`` (round trips that pipeline), the callers queued are shared out over the
+free slots, ``MIN_SHARE`` at least to a batch, rather than all sent in the first one.
+Without it, 32 clients on four slots settled into one batch of 29 and three one-caller
+round trips, each of those a ``write()`` and a reply of its own (32 clients on redis-oq and
+redis-reliable, interleaved runs: push +19 to +32 %, pop +23 to +60 %, reserve + ok +30 %;
+3 clients, PostgreSQL and the memory store unchanged).
+
 Cancellation: a queued request cancelled before its batch starts is dropped; one whose
 caller is cancelled after the store did the work has its result handed to ``on_orphan``,
 so a queue can put popped or reserved messages back instead of losing them. A request run
@@ -27,6 +37,12 @@ import asyncio
 from collections import deque
 from collections.abc import Callable, Coroutine, Generator
 from typing import Any, Generic, TypeVar
+
+CROWDED = 2
+"""A batch of more callers than this means they crowd the slots (see the module's docstring)."""
+MIN_SHARE = 10
+"""The fewest callers a crowd is split into batches of: smaller batches cost more round trips
+than the slots they fill are worth."""
 
 Req = TypeVar("Req")
 Res = TypeVar("Res")
@@ -58,9 +74,13 @@ class Coalescer(Generic[Req, Res]):
         self._concurrency = concurrency
         self._on_orphan = on_orphan
         self._inline = run_in_caller and (on_orphan is None or uninterruptible)
+        # Crowds are spread over the slots only where round trips pipeline: where each call
+        # is a durable commit, fewer and larger batches are what counts.
+        self._spread = run_in_caller
         self._pending: deque[tuple[Req, asyncio.Future[Res]]] = deque()
         self._running = 0
         self._scheduled = False
+        self._crowded = False  # the last batch carried more than CROWDED callers
         self._tasks: set[asyncio.Task[None]] = set()
         self._inline_done: asyncio.Event | None = None  # set for wait_idle when one ends
         # The loop, looked up once: on Python 3.11 ``asyncio.get_running_loop()`` costs a
@@ -68,7 +88,8 @@ class Coalescer(Generic[Req, Res]):
         self._loop: asyncio.AbstractEventLoop | None = None
 
     async def submit(self, request: Req) -> Res:
-        if self._inline and not self._pending and self._running < self._concurrency:
+        free = not self._running if self._crowded else self._running < self._concurrency
+        if self._inline and free and not self._pending:
             return await self._run_inline(request)
         loop = self._loop
         if loop is None:
@@ -136,7 +157,11 @@ class Coalescer(Generic[Req, Res]):
         batch: list[tuple[Req, asyncio.Future[Res]]] = []
         total = 0
         size, nbytes = self._size, 0
-        while self._pending:
+        # This batch's share of the callers queued: the slots free beside its own take the
+        # rest, each started now (see "Crowding" in the module's docstring).
+        slots = self._concurrency - self._running + 1 if self._spread else 1
+        share = max(MIN_SHARE, -(-len(self._pending) // slots)) if slots > 1 else len(self._pending)
+        while self._pending and len(batch) < share:
             request, future = self._pending[0]
             if future.done():  # cancelled before it was sent: nothing to do
                 self._pending.popleft()
@@ -152,6 +177,8 @@ class Coalescer(Generic[Req, Res]):
             self._pending.popleft()
             batch.append((request, future))
             total += weight
+        if self._pending:
+            self._schedule()
         return batch
 
     async def _run(self) -> None:
@@ -177,6 +204,7 @@ class Coalescer(Generic[Req, Res]):
             self._schedule()
 
     async def _send(self, batch: list[tuple[Req, asyncio.Future[Res]]]) -> None:
+        self._crowded = len(batch) > CROWDED
         try:
             results = await self._run_batch([request for request, _ in batch])
         except Exception as exc:

@@ -7,7 +7,7 @@ import asyncio
 
 import pytest
 
-from aio_keuss.coalesce import Coalescer, RunToEnd, SideBySide
+from aio_keuss.coalesce import MIN_SHARE, Coalescer, RunToEnd, SideBySide
 
 
 async def test_first_call_runs_at_once_and_the_rest_share_the_next_batch() -> None:
@@ -426,3 +426,63 @@ async def test_work_run_to_its_end_raises_the_held_cancellation_once_done() -> N
     with pytest.raises(asyncio.CancelledError):
         await task
     assert done == ["after the reply", "the caller's own follow-up"]
+
+
+async def test_a_crowd_is_shared_out_over_the_free_slots() -> None:
+    """32 clients on four slots settled into one batch of 29 and three one-caller round
+    trips. Once a batch carries a crowd, the callers queued are shared out over the free
+    slots (MIN_SHARE at least each), and callers no longer take free slots one by one while
+    anything is in flight."""
+    batches: list[list[int]] = []
+    replies: list[asyncio.Future[None]] = []
+
+    async def run(requests: list[int]) -> list[int]:
+        batches.append(requests)
+        reply = asyncio.get_running_loop().create_future()
+        replies.append(reply)
+        await reply
+        return requests
+
+    def answer_all() -> None:
+        for reply in replies:
+            if not reply.done():
+                reply.set_result(None)
+
+    async def turns(n: int) -> None:
+        for _ in range(n):
+            await asyncio.sleep(0)
+
+    coalescer: Coalescer[int, int] = Coalescer(run, max_batch=100, concurrency=4)
+    first = [asyncio.create_task(coalescer.submit(i)) for i in range(4)]  # four lone calls
+    await turns(1)
+    crowd = [asyncio.create_task(coalescer.submit(i)) for i in range(4, 34)]
+    await turns(1)
+    assert [len(b) for b in batches] == [1, 1, 1, 1]
+    answer_all()
+    await asyncio.gather(*first)
+    await turns(5)
+    assert [len(b) for b in batches[4:]] == [MIN_SHARE] * 3  # side by side, not 30 in one
+    # Callers asking in one loop iteration while the crowd is in flight share one batch,
+    # instead of each taking a free slot alone.
+    more = [asyncio.create_task(coalescer.submit(i)) for i in range(100, 105)]
+    await turns(3)
+    assert batches[7:] == [list(range(100, 105))]
+    answer_all()
+    assert await asyncio.gather(*crowd) == list(range(4, 34))
+    assert await asyncio.gather(*more) == list(range(100, 105))
+    await coalescer.wait_idle()
+
+
+async def test_where_each_call_is_a_commit_a_crowd_goes_in_one_batch() -> None:
+    batches: list[list[int]] = []
+
+    async def run(requests: list[int]) -> list[int]:
+        batches.append(requests)
+        await asyncio.sleep(0.01)
+        return requests
+
+    coalescer: Coalescer[int, int] = Coalescer(
+        run, max_batch=100, concurrency=4, run_in_caller=False
+    )
+    assert await asyncio.gather(*(coalescer.submit(i) for i in range(30))) == list(range(30))
+    assert batches == [list(range(30))]
