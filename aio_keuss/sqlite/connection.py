@@ -116,7 +116,10 @@ def _ours(exc: Exception) -> KeussError | None:
 
 
 def _at_open(exc: Exception) -> KeussError | None:
-    """At open, every error but a busy file means the path is not a usable database."""
+    """At open, every error but a busy file means the path is not a usable database; so
+    does a path ``sqlite3.connect`` itself refuses (a ValueError: one it cannot encode)."""
+    if isinstance(exc, ValueError | OSError) and not isinstance(exc, sqlite3.Error):
+        return ConfigError(f"{type(exc).__name__}: {exc}")
     ours = _ours(exc)
     if ours is None or isinstance(ours, KeussConnectionError):
         return ours
@@ -295,6 +298,8 @@ class _Thread:
         self._next_look = 0.0
         self._active = time.monotonic()  # when the file last changed or a call came
         self._watch: Callable[[sqlite3.Connection], bool] | None = None
+        self._serving: list[_Call] = []  # the calls being run, answered or not yet
+        self._ended: BaseException | None = None  # what ended the thread, if it failed
         self._thread = threading.Thread(
             target=self._main, name=f"aio-keuss sqlite {database}", daemon=True
         )
@@ -306,9 +311,18 @@ class _Thread:
                 "this sqlite backend was opened before a fork, in the parent process:"
                 " connect again in this one"
             )
+        if self._ended is not None:
+            raise self._end_error()
         call = _Call(work, write, asyncio.get_running_loop())
         self._calls.put(call)
+        if self._ended is not None:  # it ended meanwhile, maybe after its last look
+            self._fail_queued()
         return call.reply
+
+    @property
+    def ended(self) -> BaseException | None:
+        """What ended the thread, if it failed."""
+        return self._ended
 
     def watch(self, look: Callable[[sqlite3.Connection], bool] | None) -> None:
         self._watch = look
@@ -318,7 +332,7 @@ class _Thread:
     def stop(self) -> None:
         self._calls.put(None)
 
-    def _connect(self) -> sqlite3.Connection | sqlite3.Error:
+    def _connect(self) -> sqlite3.Connection | Exception:
         try:
             # isolation_level=None: no implicit transactions; every write says BEGIN
             # IMMEDIATE itself. timeout: the busy timeout, in seconds.
@@ -328,10 +342,48 @@ class _Thread:
                 isolation_level=None,
                 cached_statements=256,
             )
-        except sqlite3.Error as exc:
+        except Exception as exc:  # a path it cannot encode is a ValueError, say
             return exc
 
     def _main(self) -> None:
+        """Serve calls until stopped. Should the thread fail anyway, every call it took
+        and every call still queued is answered with that failure: a reply refuses
+        cancellation, so a call nobody answers holds its caller for ever, past any
+        timeout."""
+        try:
+            self._serve()
+        except BaseException as exc:
+            log.critical("the sqlite database thread failed", exc_info=True)
+            self._end(exc)
+
+    def _end(self, exc: BaseException) -> None:
+        self._ended = exc
+        error = self._end_error()
+        for call in self._serving:  # one answered already keeps its answer (_settle)
+            call.answer(None, error)
+        left, self._next = self._next, _NOTHING
+        if isinstance(left, _Call):
+            left.answer(None, error)
+        self._fail_queued()
+
+    def _end_error(self) -> KeussConnectionError:
+        return KeussConnectionError(
+            f"the sqlite database thread failed ({self._ended!r}): connect again"
+        )
+
+    def _fail_queued(self) -> None:
+        """Answer the calls queued for a thread that has ended (from either thread: each
+        call is taken off the queue once)."""
+        error = self._end_error()
+        while True:
+            try:
+                item = self._calls.get_nowait()
+            except queue.Empty:
+                return
+            if isinstance(item, _Call):
+                item.answer(None, error)
+
+    def _serve(self) -> None:
         connection = self._connect()
         try:
             while True:
@@ -346,12 +398,15 @@ class _Thread:
                     return
                 if isinstance(item, _Call):
                     self._active = time.monotonic()
-                    if isinstance(connection, sqlite3.Error):
+                    self._serving = [item]
+                    if not isinstance(connection, sqlite3.Connection):
                         item.answer(None, connection)
                     elif item.write:
-                        _write_group(connection, self._group(item))
+                        self._serving = self._group(item)
+                        _write_group(connection, self._serving)
                     else:
                         _read(connection, item)
+                    self._serving = []
                 if isinstance(connection, sqlite3.Connection):
                     self._look_if_due(connection)
         finally:
@@ -542,7 +597,8 @@ class SqliteConnection(Backend):
         checkpoints the WAL into the file and removes it)."""
         thread, self._thread = self._thread, None
         if thread is not None:
-            if not thread.orphaned:  # in a forked child there is no thread to close it
+            # in a forked child there is no thread to close it; a failed one closed it
+            if not thread.orphaned and thread.ended is None:
                 with contextlib.suppress(sqlite3.Error):
                     await thread.submit(lambda connection: connection.close())
             thread.stop()

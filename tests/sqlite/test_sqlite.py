@@ -471,3 +471,77 @@ async def test_memory_databases_belong_to_one_factory(options: dict[str, Any]) -
             assert await (await second.queue("q")).pop(timeout=0) is None
         message = await q.pop(timeout=0)
         assert message is not None and message.payload == "only here"
+
+
+# the database thread -----------------------------------------------------------------------
+
+
+def _outcome_within(seconds: float, main: Callable[[], Awaitable[Any]]) -> Any:
+    """Run ``main`` on a loop of its own in a daemon thread and return what it returned or
+    raised, or fail the test if it has not ended after ``seconds``: a reply nobody answers
+    holds its caller past any ``asyncio.timeout``, so the wait is kept out of the test's
+    loop."""
+    outcome: list[Any] = []
+
+    def run() -> None:
+        try:
+            outcome.append(asyncio.run(main()))  # type: ignore[arg-type]
+        except BaseException as exc:
+            outcome.append(exc)
+
+    runner = threading.Thread(target=run, daemon=True)
+    runner.start()
+    runner.join(seconds)
+    assert outcome, f"still waiting after {seconds} s"
+    return outcome[0]
+
+
+def test_a_connect_that_fails_oddly_fails_the_open(
+    database: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``sqlite3.connect`` raising something other than a ``sqlite3.Error`` ended the
+    thread before it answered the open, which then waited for ever."""
+
+    def refuse(*args: Any, **kwargs: Any) -> sqlite3.Connection:
+        raise ValueError("cannot encode that path")
+
+    monkeypatch.setattr(sqlite3, "connect", refuse)
+
+    async def main() -> Any:
+        return await aio_keuss.connect("sqlite", path=database)
+
+    assert isinstance(_outcome_within(10, main), aio_keuss.ConfigError)
+
+
+def test_a_failed_database_thread_answers_every_call(
+    database: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Should the thread fail outside a call's work, the call it was serving and those
+    queued or made after are answered with a connection error, not left waiting."""
+    from aio_keuss.sqlite import connection
+
+    async def main() -> list[Any]:
+        factory = await aio_keuss.connect("sqlite", path=database, signal="local")
+        backend = factory.backend
+
+        def broken(self: Any, first: Any) -> list[Any]:
+            raise RuntimeError("a bug on the database thread")
+
+        monkeypatch.setattr(connection._Thread, "_group", broken)
+        outcomes = list(
+            await asyncio.gather(
+                backend.write(lambda c: 1),
+                backend.read(lambda c: 2),
+                return_exceptions=True,
+            )
+        )
+        try:
+            await backend.read(lambda c: 3)
+        except aio_keuss.KeussError as exc:
+            outcomes.append(exc)
+        await backend.close()
+        return outcomes
+
+    outcomes = _outcome_within(10, main)
+    assert isinstance(outcomes, list) and len(outcomes) == 3
+    assert all(isinstance(o, aio_keuss.KeussConnectionError) for o in outcomes), outcomes
