@@ -169,6 +169,13 @@ def check_path(path: object) -> str:
         return text
     if "\x00" in text:
         raise ConfigError(f"path {brief(text)} has a NUL character")
+    try:
+        os.fsencode(text)  # what sqlite3.connect does with it (Python's os documentation)
+    except UnicodeEncodeError:
+        raise ConfigError(
+            f"path {brief(text)} cannot be a file name here: it has a character the file"
+            " system encoding cannot encode"
+        ) from None
     file = Path(text)
     if file.is_dir():
         raise ConfigError(f"path {text!r} is a directory, not a database file")

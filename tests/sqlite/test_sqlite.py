@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 
 import aio_keuss
-from aio_keuss.sqlite.connection import APPLICATION_ID, path_from_url
+from aio_keuss.sqlite.connection import APPLICATION_ID, SqliteOptions, path_from_url
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -280,6 +280,13 @@ async def test_a_path_that_cannot_be_a_database_is_a_config_error(
     with pytest.raises(aio_keuss.ConfigError):
         await (await aio_keuss.connect("sqlite", **options)).close()
     assert not _exists("/no/such/directory")
+
+
+def test_a_path_the_file_system_cannot_encode_is_refused_before_opening() -> None:
+    """A lone surrogate has no bytes in the file system's encoding: refused with the
+    options, before a thread or a file is made for it."""
+    with pytest.raises(aio_keuss.ConfigError, match="cannot be a file name"):
+        SqliteOptions.parse({"path": "/tmp/queues-\ud800.db"})
 
 
 async def test_a_directory_is_refused(tmp_path: Path) -> None:
