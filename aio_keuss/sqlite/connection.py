@@ -176,6 +176,10 @@ def check_path(path: object) -> str:
             f"path {brief(text)} cannot be a file name here: it has a character the file"
             " system encoding cannot encode"
         ) from None
+    if text.endswith(tuple(filter(None, (os.sep, os.altsep)))):
+        # Path() drops the separator and SQLite opens the name without it: "data/" made a
+        # file called "data" where a directory was meant
+        raise ConfigError(f"path {text!r} ends with a separator: it names a directory")
     file = Path(text)
     if file.is_dir():
         raise ConfigError(f"path {text!r} is a directory, not a database file")

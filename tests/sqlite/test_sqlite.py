@@ -282,6 +282,13 @@ async def test_a_path_that_cannot_be_a_database_is_a_config_error(
     assert not _exists("/no/such/directory")
 
 
+async def test_a_path_ending_with_a_separator_is_refused(tmp_path: Path) -> None:
+    """``queues/`` means a directory: SQLite made a file ``queues`` of it."""
+    with pytest.raises(aio_keuss.ConfigError, match="directory"):
+        await (await aio_keuss.connect("sqlite", path=f"{tmp_path / 'queues'}/")).close()
+    assert _files(tmp_path) == {}
+
+
 def test_a_path_the_file_system_cannot_encode_is_refused_before_opening() -> None:
     """A lone surrogate has no bytes in the file system's encoding: refused with the
     options, before a thread or a file is made for it."""
