@@ -75,6 +75,10 @@ APPLICATION_ID = 0x4B455553
 """``PRAGMA application_id`` of our files ("KEUS"): SQLite documentation, "Database File
 Format", offset 68, an id for the program a file belongs to."""
 SYNCHRONOUS = ("full", "normal")
+MAX_BUSY_TIMEOUT = (2**31 - 1) // 1000
+"""Most seconds of ``busy_timeout``: SQLite takes it as an ``int`` of milliseconds, and one
+at or below zero turns the busy handler off (SQLite documentation, "sqlite3_busy_timeout"),
+so a larger value, wrapped into an int by ``sqlite3.connect``, made writes fail at once."""
 MAX_SIGNAL_POLL = 10.0
 LONGEST_ROW = 1_000_000_000 - 65_536
 """SQLite's default ``SQLITE_MAX_LENGTH`` bounds a string, a BLOB and a whole row at
@@ -206,7 +210,11 @@ class SqliteOptions(BackendOptions):
         if (self.path is None) == (self.url is None):
             raise ConfigError("the sqlite backend needs path= or url= (one of them)")
         self.database()
-        check_option_seconds(self.busy_timeout, "busy_timeout")
+        if check_option_seconds(self.busy_timeout, "busy_timeout") > MAX_BUSY_TIMEOUT:
+            raise ConfigError(
+                f"busy_timeout must be at most {MAX_BUSY_TIMEOUT:,} seconds (SQLite's limit),"
+                f" not {brief(self.busy_timeout)}"
+            )
         if self.synchronous not in SYNCHRONOUS:
             raise ConfigError(
                 f"synchronous must be one of {', '.join(SYNCHRONOUS)}, not"

@@ -289,6 +289,15 @@ async def test_a_path_ending_with_a_separator_is_refused(tmp_path: Path) -> None
     assert _files(tmp_path) == {}
 
 
+@pytest.mark.parametrize("seconds", [2_147_484, 1e9])
+def test_a_busy_timeout_past_what_sqlite_takes_is_refused(seconds: float) -> None:
+    """SQLite's busy timeout is an int of milliseconds: past it, the wrapped value turned
+    the busy handler off and every write met a lock failed at once."""
+    with pytest.raises(aio_keuss.ConfigError, match="busy_timeout"):
+        SqliteOptions.parse({"path": ":memory:", "busy_timeout": seconds})
+    SqliteOptions.parse({"path": ":memory:", "busy_timeout": 2_147_483})
+
+
 def test_a_path_the_file_system_cannot_encode_is_refused_before_opening() -> None:
     """A lone surrogate has no bytes in the file system's encoding: refused with the
     options, before a thread or a file is made for it."""
