@@ -615,11 +615,14 @@ class SqliteConnection(Backend):
         """Stop the thread; it closes the connection (the last connection to close
         checkpoints the WAL into the file and removes it)."""
         thread, self._thread = self._thread, None
-        if thread is not None:
+        if thread is None:
+            return
+        try:
             # in a forked child there is no thread to close it; a failed one closed it
             if not thread.orphaned and thread.ended is None:
                 with contextlib.suppress(sqlite3.Error):
                     await thread.submit(lambda connection: connection.close())
+        finally:  # a close cancelled while the thread closed the connection: it still ends
             thread.stop()
 
     def _running(self) -> _Thread:

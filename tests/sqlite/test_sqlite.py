@@ -568,3 +568,27 @@ def test_a_failed_database_thread_answers_every_call(
     outcomes = _outcome_within(10, main)
     assert isinstance(outcomes, list) and len(outcomes) == 3
     assert all(isinstance(o, aio_keuss.KeussConnectionError) for o in outcomes), outcomes
+
+
+def _database_threads(database: str) -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name == f"aio-keuss sqlite {database}"]
+
+
+async def test_a_cancelled_close_still_ends_the_thread(database: str) -> None:
+    """The close's own call refuses cancellation, but the cancellation came back once it
+    was answered, before the thread was told to stop: it waited for calls for ever."""
+    factory = await aio_keuss.connect("sqlite", path=database, signal="local")
+    backend = factory.backend
+    busy = asyncio.ensure_future(backend.read(lambda c: time.sleep(0.3)))
+    closing = asyncio.ensure_future(backend.close())
+    await asyncio.sleep(0.05)  # its call waits behind the busy one
+    closing.cancel()
+    await busy
+    with pytest.raises(asyncio.CancelledError):
+        await closing
+    for _ in range(100):
+        if not _database_threads(database):
+            break
+        await asyncio.sleep(0.02)
+    assert _database_threads(database) == []
+    await factory.close()
