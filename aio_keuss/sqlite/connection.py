@@ -539,10 +539,19 @@ def _version(connection: sqlite3.Connection, known: int) -> int:
     are the first reads of the file: one that is not a database fails here too."""
     owner = connection.execute("PRAGMA application_id").fetchone()[0]
     version: int = connection.execute("PRAGMA user_version").fetchone()[0]
-    if owner not in (0, APPLICATION_ID) or (owner == 0 and version != 0):
+    # Unmarked, it is ours to take only while empty: most programs set neither mark, and
+    # ours sets both in the transaction that makes its first table (SQLite documentation,
+    # "The Schema Table").
+    unmarked = owner == 0 and version == 0
+    if (
+        owner not in (0, APPLICATION_ID)
+        or (owner == 0 and version != 0)
+        or (unmarked and connection.execute("SELECT count(*) FROM sqlite_master").fetchone()[0])
+    ):
         raise ConfigError(
             "the file is a database of another program (its application_id or"
-            " user_version is not aio-keuss's): use a file of its own for the queues"
+            " user_version is not aio-keuss's, or it has tables without aio-keuss's"
+            " application_id): use a file of its own for the queues"
         )
     if version > known:
         raise ConfigError(

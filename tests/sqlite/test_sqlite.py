@@ -320,7 +320,11 @@ async def test_a_file_that_is_not_a_database_is_refused_untouched(tmp_path: Path
     assert _files(tmp_path) == before
 
 
-@pytest.mark.parametrize("pragma", ["application_id = 1234", "user_version = 3"])
+@pytest.mark.parametrize(
+    "pragma",
+    # the last leaves both marks at 0, as most programs do: a schema is not ours to take
+    ["application_id = 1234", "user_version = 3", "user_version = 0"],
+)
 async def test_a_database_of_another_program_is_refused_untouched(
     tmp_path: Path, pragma: str
 ) -> None:
