@@ -247,7 +247,7 @@ class _Reply(asyncio.Future[Any]):
 
 
 def _settle(reply: _Reply, result: Any, error: BaseException | None) -> None:
-    if reply.done():  # pragma: no cover - a reply refuses cancellation
+    if reply.done():  # answered before a failed thread answered it again: the first stands
         return
     if error is None:
         reply.set_result(result)
