@@ -79,6 +79,10 @@ MAX_BUSY_TIMEOUT = (2**31 - 1) // 1000
 """Most seconds of ``busy_timeout``: SQLite takes it as an ``int`` of milliseconds, and one
 at or below zero turns the busy handler off (SQLite documentation, "sqlite3_busy_timeout"),
 so a larger value, wrapped into an int by ``sqlite3.connect``, made writes fail at once."""
+MIN_SIGNAL_POLL = 0.001
+"""Fewest seconds of ``signal_poll``: the thread wakes for every look, even on an idle file
+(at most ``IDLE_SLOWDOWN`` times this apart), so a microsecond kept one CPU core busy for
+as long as the factory was open, for wake-ups no finer than the event loop's timers."""
 MAX_SIGNAL_POLL = 10.0
 LONGEST_ROW = 1_000_000_000 - 65_536
 """SQLite's default ``SQLITE_MAX_LENGTH`` bounds a string, a BLOB and a whole row at
@@ -221,8 +225,10 @@ class SqliteOptions(BackendOptions):
                 f" {brief(self.synchronous)}"
             )
         poll = check_option_seconds(self.signal_poll, "signal_poll")
-        if not 0 < poll <= MAX_SIGNAL_POLL:
-            raise ConfigError(f"signal_poll must be in (0, {MAX_SIGNAL_POLL}] seconds")
+        if not MIN_SIGNAL_POLL <= poll <= MAX_SIGNAL_POLL:
+            raise ConfigError(
+                f"signal_poll must be in [{MIN_SIGNAL_POLL}, {MAX_SIGNAL_POLL}] seconds"
+            )
 
     def database(self) -> str:
         """The checked file name (or ``:memory:``)."""

@@ -298,6 +298,15 @@ def test_a_busy_timeout_past_what_sqlite_takes_is_refused(seconds: float) -> Non
     SqliteOptions.parse({"path": ":memory:", "busy_timeout": 2_147_483})
 
 
+@pytest.mark.parametrize("seconds", [1e-9, 0.0005])
+def test_a_signal_poll_that_would_spin_the_thread_is_refused(seconds: float) -> None:
+    """The database thread wakes for every look, idle or not: a signal_poll of a
+    nanosecond kept a CPU core busy for an idle factory."""
+    with pytest.raises(aio_keuss.ConfigError, match="signal_poll"):
+        SqliteOptions.parse({"path": ":memory:", "signal_poll": seconds})
+    SqliteOptions.parse({"path": ":memory:", "signal_poll": 0.001})
+
+
 def test_a_path_the_file_system_cannot_encode_is_refused_before_opening() -> None:
     """A lone surrogate has no bytes in the file system's encoding: refused with the
     options, before a thread or a file is made for it."""
