@@ -16,7 +16,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from pathlib import Path
 from typing import Any
 
@@ -512,7 +512,7 @@ async def test_memory_databases_belong_to_one_factory(options: dict[str, Any]) -
 # the database thread -----------------------------------------------------------------------
 
 
-def _outcome_within(seconds: float, main: Callable[[], Awaitable[Any]]) -> Any:
+def _outcome_within(seconds: float, main: Callable[[], Coroutine[Any, Any, Any]]) -> Any:
     """Run ``main`` on a loop of its own in a daemon thread and return what it returned or
     raised, or fail the test if it has not ended after ``seconds``: a reply nobody answers
     holds its caller past any ``asyncio.timeout``, so the wait is kept out of the test's
@@ -521,7 +521,7 @@ def _outcome_within(seconds: float, main: Callable[[], Awaitable[Any]]) -> Any:
 
     def run() -> None:
         try:
-            outcome.append(asyncio.run(main()))  # type: ignore[arg-type]
+            outcome.append(asyncio.run(main()))
         except BaseException as exc:
             outcome.append(exc)
 
