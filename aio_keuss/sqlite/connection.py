@@ -488,6 +488,10 @@ def _read(connection: sqlite3.Connection, call: _Call) -> None:
         call.answer(result, None)
 
 
+_Outcome = tuple[Any, BaseException | None]
+"""A call's result, or the error it is answered with."""
+
+
 def _write_group(connection: sqlite3.Connection, group: list[_Call]) -> None:
     """Run the calls of ``group`` in one ``BEGIN IMMEDIATE`` transaction, each inside a
     savepoint of its own (SQLite documentation, "SAVEPOINT"): a call that fails is rolled
@@ -495,29 +499,26 @@ def _write_group(connection: sqlite3.Connection, group: list[_Call]) -> None:
     has returned, so none is acknowledged before it is durable. If the transaction cannot
     begin or commit, every call of it is answered with that error, having changed
     nothing."""
-    outcomes: list[tuple[Any, BaseException | None]] = []
+
+    def each_in_a_savepoint(connection: sqlite3.Connection) -> list[_Outcome]:
+        outcomes: list[_Outcome] = []
+        for call in group:
+            connection.execute("SAVEPOINT call")
+            try:
+                result = call.work(connection)
+            except BaseException as exc:
+                if not connection.in_transaction:
+                    raise  # SQLite rolled the whole transaction back (an I/O error)
+                connection.execute("ROLLBACK TO call")
+                connection.execute("RELEASE call")
+                outcomes.append((None, exc))
+            else:
+                connection.execute("RELEASE call")
+                outcomes.append((result, None))
+        return outcomes
+
     try:
-        connection.execute("BEGIN IMMEDIATE")
-        try:
-            for call in group:
-                connection.execute("SAVEPOINT call")
-                try:
-                    result = call.work(connection)
-                except BaseException as exc:
-                    if not connection.in_transaction:
-                        raise  # SQLite rolled the whole transaction back (an I/O error)
-                    connection.execute("ROLLBACK TO call")
-                    connection.execute("RELEASE call")
-                    outcomes.append((None, exc))
-                else:
-                    connection.execute("RELEASE call")
-                    outcomes.append((result, None))
-            connection.execute("COMMIT")
-        except BaseException:
-            if connection.in_transaction:
-                with contextlib.suppress(sqlite3.Error):
-                    connection.execute("ROLLBACK")
-            raise
+        outcomes = in_transaction(connection, each_in_a_savepoint)
     except BaseException as exc:  # nothing of the group was kept
         outcomes = [(None, exc)] * len(group)
     for call, (result, error) in zip(group, outcomes, strict=True):
