@@ -177,7 +177,7 @@ class Coalescer(Generic[Req, Res]):
             self._pending.popleft()
             batch.append((request, future))
             total += weight
-        if self._pending:
+        if self._pending and self._spread:  # the other shares start now, in free slots
             self._schedule()
         return batch
 
