@@ -28,7 +28,15 @@ so a queue can put popped or reserved messages back instead of losing them. A re
 in the caller's task is only allowed with ``on_orphan`` when the store is *uninterruptible*
 (its primitives await only replies that refuse cancellation, see ``Store.uninterruptible``):
 the caller's cancellation then waits for the reply, the work completes, and the result goes
-to ``on_orphan`` just the same.
+to ``on_orphan`` just the same. On such a store a batch task's own cancellation waits for
+the reply too, and hands every result on.
+
+What ``on_orphan`` returns to do (a put-back's round trip) is awaited by the task whose
+cancellation orphaned the result, before that task ends, never left to a task of its own:
+``asyncio.run`` cancels every task left when its main coroutine ends and then runs the loop
+only until those tasks have ended (Python's asyncio documentation, "Runners"), so a task
+started meanwhile, or cancelled before its first step, would never send the put-back, and
+messages a store had already taken would be lost.
 """
 
 from __future__ import annotations
@@ -59,7 +67,7 @@ class Coalescer(Generic[Req, Res]):
         size: Callable[[Req], int] | None = None,
         max_size: int = 0,
         concurrency: int = 1,
-        on_orphan: Callable[[Req, Res], None] | None = None,
+        on_orphan: Callable[[Req, Res], Coroutine[Any, Any, None] | None] | None = None,
         run_in_caller: bool = True,
         uninterruptible: bool = False,
     ) -> None:
@@ -73,6 +81,7 @@ class Coalescer(Generic[Req, Res]):
         self._max_size = max_size
         self._concurrency = concurrency
         self._on_orphan = on_orphan
+        self._uninterruptible = uninterruptible
         self._inline = run_in_caller and (on_orphan is None or uninterruptible)
         # Crowds are spread over the slots only where round trips pipeline: where each call
         # is a durable commit, fewer and larger batches are what counts.
@@ -102,7 +111,7 @@ class Coalescer(Generic[Req, Res]):
         except asyncio.CancelledError:
             # Cancelled after the batch already produced our result: hand it on.
             if future.done() and not future.cancelled() and future.exception() is None:
-                self._orphan(request, future.result())
+                await self.hand_back(request, future.result())
             raise
 
     async def wait_idle(self) -> None:
@@ -131,7 +140,7 @@ class Coalescer(Generic[Req, Res]):
         finally:
             self._ran_inline()
         if work.held is not None:  # cancelled once the reply was in: the work is done
-            self._orphan(request, result)
+            await self.hand_back(request, result)
             raise work.held
         return result
 
@@ -205,26 +214,65 @@ class Coalescer(Generic[Req, Res]):
 
     async def _send(self, batch: list[tuple[Req, asyncio.Future[Res]]]) -> None:
         self._crowded = len(batch) > CROWDED
+        requests = [request for request, _ in batch]
+        # This task is cancelled only as the loop ends (``asyncio.run`` cancels every task
+        # left). Where the store's work cannot be interrupted it is done by the time the
+        # cancellation lands: its results are handed on, not dropped with the callers.
+        work: RunToEnd[list[Res]] | None = None
         try:
-            results = await self._run_batch([request for request, _ in batch])
+            if self._on_orphan is not None and self._uninterruptible:
+                work = RunToEnd(self._run_batch(requests))
+                results = await work
+            else:
+                results = await self._run_batch(requests)
         except Exception as exc:
             for _, future in batch:
                 if not future.done():
                     future.set_exception(exc)
+            return
         except BaseException:  # cancelled (loop shutting down) or interpreter exit
             for _, future in batch:
                 future.cancel()
             raise
-        else:
-            for (request, future), result in zip(batch, results, strict=True):
-                if future.done():
-                    self._orphan(request, result)
-                else:
-                    future.set_result(result)
+        orphans: list[tuple[Req, Res]] = []
+        for (request, future), result in zip(batch, results, strict=True):
+            if future.done():
+                orphans.append((request, result))
+            else:
+                future.set_result(result)
+        cancelled: asyncio.CancelledError | None = None
+        for request, result in orphans:
+            try:  # its caller is gone: nobody else hands it back
+                await self.hand_back(request, result)
+            except asyncio.CancelledError as exc:  # the next ones are still handed back
+                cancelled = exc
+        if work is not None:
+            work.raise_held()
+        if cancelled is not None:
+            raise cancelled
 
-    def _orphan(self, request: Req, result: Res) -> None:
-        if self._on_orphan is not None:
-            self._on_orphan(request, result)
+    async def hand_back(self, request: Req, result: Res) -> None:
+        """Do what ``on_orphan`` returns for a result nobody will receive, in the task whose
+        cancellation orphaned it (see "Cancellation" in the module's docstring).
+
+        On an uninterruptible store the work runs here, step by step: its first step sends
+        the request in this very step, and a cancellation that lands meanwhile waits for the
+        reply that refuses it, then is raised. Elsewhere a cancellation would interrupt it
+        midway, so it runs as a task of its own, shielded: this task still waits for it,
+        and should it be cancelled again, the hand-back goes on without it. The work is
+        not to raise (a queue logs what failed): the caller ends with its cancellation."""
+        if self._on_orphan is None:
+            return
+        back = self._on_orphan(request, result)
+        if back is None:
+            return
+        if self._uninterruptible:
+            work = RunToEnd(back)
+            await work
+            work.raise_held()
+            return
+        loop = self._loop or asyncio.get_running_loop()
+        await asyncio.shield(loop.create_task(back))
 
 
 class Uncancellable(asyncio.Future[None]):

@@ -434,8 +434,7 @@ class Queue:
                     break
                 stored = stored + more
         except BaseException:
-            put_back = self._put_back_popped if source is self._gets else self._put_back_reserved
-            put_back(len(stored), (stored, None))
+            await source.hand_back(len(stored), (stored, None))
             raise
         return stored
 
@@ -556,20 +555,38 @@ class Queue:
                 held[stored.id] = stored.tries
         return _share(requests, fetched)
 
-    def _put_back_popped(self, _: int, result: FetchResult) -> None:
-        """A popped batch whose caller was cancelled goes back where it was."""
-        if result[0]:
-            entries = [
-                Entry(s.id, s.payload, s.headers, tries=s.tries, mature=s.mature) for s in result[0]
-            ]
-            self._in_background(self._put_back(self._store.insert(entries), len(entries)))
+    def _put_back_popped(self, _: int, result: FetchResult) -> Coroutine[Any, Any, None] | None:
+        """A popped batch whose caller was cancelled goes back where it was (awaited by the
+        cancelled task, see ``Coalescer.hand_back``)."""
+        if not result[0]:
+            return None
+        entries = [
+            Entry(s.id, s.payload, s.headers, tries=s.tries, mature=s.mature) for s in result[0]
+        ]
+        return self._hand_back(self._store.insert(entries), len(entries), "popped messages")
 
-    def _put_back_reserved(self, _: int, result: FetchResult) -> None:
+    def _put_back_reserved(self, _: int, result: FetchResult) -> Coroutine[Any, Any, None] | None:
         """Reserved for a cancelled caller: released at once, costing no try."""
-        if result[0]:
-            nacks = [Nack(s.id, s.tries, 0.0, count_try=False) for s in result[0]]
-            self._forget(nacks)
-            self._in_background(self._put_back(self._store.rollback(nacks, None), len(nacks)))
+        if not result[0]:
+            return None
+        nacks = [Nack(s.id, s.tries, 0.0, count_try=False) for s in result[0]]
+        self._forget(nacks)
+        return self._hand_back(self._store.rollback(nacks, None), len(nacks), "reservations")
+
+    async def _hand_back(self, work: Awaitable[Any], count: int, what: str) -> None:
+        """A put-back nobody awaits the outcome of (its caller was cancelled): a failure is
+        logged, not raised over the cancellation the caller ends with."""
+        try:
+            await self._put_back(work, count)
+        except Exception as exc:
+            # a popped message is then lost, a reservation comes back when it expires
+            log.warning(
+                "queue %r: could not put back %d %s taken for a cancelled caller: %r",
+                self.name,
+                count,
+                what,
+                exc,
+            )
 
     async def _put_back_unhandled(self, messages: Sequence[Message]) -> None:
         """Popped (a backend without reserve) for a consumer that stopped before a handler

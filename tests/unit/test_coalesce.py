@@ -165,6 +165,79 @@ async def test_uninterruptible_call_cancelled_in_flight_completes_and_is_handed_
     await coalescer.wait_idle()
 
 
+async def test_a_batch_task_cancelled_in_flight_hands_back_before_it_ends() -> None:
+    """The loop ending (``asyncio.run`` cancels every task left, then waits only for them):
+    the batch task's reply refuses the cancellation, and what its cancelled callers were to
+    get is handed back in the batch task itself, awaited before it ends. A hand-back left
+    to a task of its own would not run once the loop is gone."""
+    replies = [_Refusing(), _Refusing()]
+    handed: list[tuple[int, int]] = []
+    back = asyncio.Event()
+
+    async def run(requests: list[int]) -> list[int]:
+        value = await replies[0] if requests == [0] else await replies[1]
+        return [value + r for r in requests]
+
+    async def hand_back(request: int, result: int) -> None:
+        await back.wait()  # a round trip
+        handed.append((request, result))
+
+    coalescer: Coalescer[int, int] = Coalescer(
+        run, max_batch=10, on_orphan=hand_back, uninterruptible=True
+    )
+    first = asyncio.create_task(coalescer.submit(0))  # runs in its own task
+    await asyncio.sleep(0)
+    callers = [asyncio.create_task(coalescer.submit(i)) for i in (1, 2)]  # queued
+    await asyncio.sleep(0)
+    replies[0].set_result(100)
+    assert await first == 100
+    await asyncio.sleep(0)  # the batch of 1 and 2 is sent, by a task
+    (batch,) = coalescer._tasks
+    for task in (*callers, batch):  # as asyncio.run does
+        task.cancel()
+    await asyncio.sleep(0.01)
+    assert not batch.done()  # waits for its reply
+    replies[1].set_result(200)
+    await asyncio.sleep(0.01)
+    assert not batch.done()  # and for the hand-backs
+    back.set()
+    results = await asyncio.gather(*callers, batch, return_exceptions=True)
+    assert all(isinstance(r, asyncio.CancelledError) for r in results)
+    assert sorted(handed) == [(1, 201), (2, 202)]
+
+
+async def test_a_cancelled_caller_ends_once_its_result_is_handed_back() -> None:
+    """A caller cancelled once its batch answered: its cancellation is raised after the
+    hand-back is done, not while it is still to be sent."""
+    handed: list[int] = []
+    back = asyncio.Event()
+    release = asyncio.Event()
+
+    async def run(requests: list[int]) -> list[int]:
+        await release.wait()
+        return requests
+
+    async def hand_back(request: int, result: int) -> None:
+        await back.wait()
+        handed.append(result)
+
+    coalescer: Coalescer[int, int] = Coalescer(
+        run, max_batch=10, on_orphan=hand_back, run_in_caller=False
+    )
+    caller = asyncio.create_task(coalescer.submit(7))
+    await asyncio.sleep(0.01)
+    release.set()
+    await asyncio.sleep(0)  # the batch answered: the caller's result is set
+    caller.cancel()
+    await asyncio.sleep(0.01)
+    assert not caller.done()
+    back.set()
+    with pytest.raises(asyncio.CancelledError):
+        await caller
+    assert handed == [7]
+    await coalescer.wait_idle()
+
+
 async def test_cancellation_of_an_ordinary_await_interrupts_the_call() -> None:
     orphans: list[tuple[int, int]] = []
 

@@ -1,0 +1,163 @@
+"""The event loop ending under a factory nobody closed: ``asyncio.run(main())`` returning (or
+raising) while a pop or a reserve is in flight.
+
+``asyncio.run`` then cancels every task left and runs the loop until they have ended (Python's
+asyncio documentation, "Runners"). On stores whose calls cannot be interrupted (Redis's own
+connection, SQLite's database thread) the store takes the messages whatever happens to the
+caller; the cancelled tasks must give them back before they end, since nothing runs once the
+loop is closed. Each case runs a script in a process of its own, holds the reply of one batch
+of pops (or reserves) taken by a batch task until ``asyncio.run`` has cancelled everything,
+and then counts, from this process, what the callers got and what is still in the queue:
+every message is one or the other, exactly once.
+
+The reply is held, not raced: on Redis the script stops reading its connection (the commands
+are on the wire, Redis runs them, their replies wait in the socket), on SQLite it holds the
+file's write lock from a connection of its own; a task that only waits releases either when
+``asyncio.run`` cancels it, after ``main`` has returned.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from backends import CASES, BackendCase, new_token
+
+import aio_keuss
+
+pytestmark = pytest.mark.timeout(120)
+
+ROOT = Path(__file__).resolve().parents[2]
+MESSAGES = 30
+
+_SCRIPT = r"""
+import asyncio, json, sqlite3, sys
+import aio_keuss
+
+backend, options, kind, ending = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3], sys.argv[4]
+got = []
+
+
+async def main():
+    factory = await aio_keuss.connect(backend, **options)  # never closed: the point
+    q = await factory.queue("jobs", reserve_delay=3600.0)
+    await q.push_many([{"n": n} for n in range(int(sys.argv[5]))])
+    store = q._store
+    if backend == "sqlite":
+        blocker = sqlite3.connect(options["path"], timeout=60, isolation_level=None)
+        hold = lambda: blocker.execute("BEGIN IMMEDIATE")
+        release = lambda: blocker.execute("ROLLBACK")
+    else:
+        transport = factory.backend._lane._protocol.transport
+        hold, release = transport.pause_reading, transport.resume_reading
+    callers = set()
+    in_flight = asyncio.Event()
+    primitive = getattr(store, kind)
+
+    async def held(*args):
+        if asyncio.current_task() not in callers and not in_flight.is_set():
+            hold()  # a batch task's round trip: its reply waits until the loop ends
+            in_flight.set()
+        return await primitive(*args)
+
+    setattr(store, kind, held)
+
+    async def caller():
+        messages = await (q.pop_many(2) if kind == "get" else q.reserve_many(2))
+        got.extend(m.id for m in messages)
+
+    async def releaser():
+        try:
+            await asyncio.Event().wait()
+        finally:
+            release()  # cancelled by asyncio.run, after main ended
+
+    asyncio.create_task(releaser())
+    # More callers than the store has slots: the first run in their own tasks, the rest
+    # queue up and go in a batch task as soon as a slot frees.
+    for _ in range(store.batch_concurrency + 4):
+        callers.add(asyncio.create_task(caller()))
+    await in_flight.wait()
+    if ending == "raise":
+        raise RuntimeError("main failed")
+
+
+try:
+    asyncio.run(main())
+except RuntimeError as exc:
+    assert str(exc) == "main failed", exc
+print(json.dumps({"got": got}), flush=True)
+"""
+
+_CASES = {case.id: case for case in CASES}
+
+
+@pytest.fixture(
+    params=[
+        pytest.param((backend, kind, ending), id=f"{backend}-{kind}-{ending}")
+        for backend in ("redis-oq", "redis-reliable", "sqlite")
+        for kind in ("get", "reserve")
+        for ending in ("return", "raise")
+    ]
+)
+async def setup(
+    request: pytest.FixtureRequest,
+) -> AsyncIterator[tuple[BackendCase, dict[str, Any], str, str]]:
+    backend, kind, ending = request.param
+    case = _CASES[backend]
+    reason = case.available()
+    if reason:
+        pytest.skip(reason)
+    options = case.options(new_token())
+    if backend == "sqlite":
+        options["busy_timeout"] = 60.0
+    yield case, options, kind, ending
+    if case.cleanup is not None:
+        await case.cleanup(options)
+
+
+async def test_messages_taken_as_the_loop_ends_are_delivered_or_still_queued(
+    setup: tuple[BackendCase, dict[str, Any], str, str],
+) -> None:
+    """The messages a batch had taken when ``asyncio.run`` cancelled its callers (and the
+    batch task itself) are back in the queue, popped ones as they were and reservations
+    released, ready at once: none is lost, none is both delivered and queued."""
+    case, options, kind, ending = setup
+    process = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-c",
+        _SCRIPT,
+        case.name,
+        json.dumps(options),
+        kind,
+        ending,
+        str(MESSAGES),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    out, err = await asyncio.wait_for(process.communicate(), 90)
+    assert process.returncode == 0, err.decode()
+    got: list[str] = json.loads(out.decode().strip().splitlines()[-1])["got"]
+    factory = await aio_keuss.connect(case.name, **options)
+    try:
+        q = await factory.queue("jobs", reserve_delay=3600.0)
+        queued: list[str] = []
+        while batch := await q.pop_many(100, timeout=0):
+            queued.extend(m.id for m in batch)
+        sizes = await q.sizes()
+    finally:
+        await factory.close()
+    assert len(set(got)) == len(got)
+    assert not set(got) & set(queued), "delivered and still queued"
+    # what a caller got was delivered (a reservation it holds stays reserved); the rest
+    # is ready now, not reserved for the batch nobody received
+    assert len(got) + len(queued) == MESSAGES, (len(got), len(queued), err.decode())
+    assert sizes.total == (len(got) if kind == "reserve" else 0)
