@@ -402,6 +402,12 @@ class Queue:
         stored = await self._wait_for(source, n, check_timeout(timeout), outage, capability)
         if stored and gather and len(stored) < n:
             stored = await self._fill(source, n, stored, gather, outage, capability)
+        if stored and self._closed and source is self._reserves:
+            # Reserved by a round trip a close waited for: the close gives back every
+            # reservation held once those end, these too. Handed out as well, they would be
+            # handed to two consumers at once. (A pop's are the caller's: nothing gives them
+            # back.)
+            return []
         if stored:
             self._stats.incr(self.name, counter, len(stored))
             if observe.active is not None:

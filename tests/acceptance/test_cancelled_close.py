@@ -1,0 +1,108 @@
+"""A factory close cancelled while a round trip is in flight (``asyncio.timeout`` around
+``factory.close()``, a second Ctrl-C), with reservations the user holds and has not
+acknowledged.
+
+The close is cancelled at a point the test controls: while it waits for a pop sent before it
+began, whose reply the test holds (on Redis the client stops reading its connection: the
+command ran, its reply waits in the socket; on SQLite a connection of the test's own holds
+the file's write lock, so the pop runs once it is released). The reply is let through once
+the cancellation is in. Then a second factory counts: every message was received by the
+pop, or is ready again, none left reserved for a closed queue or lost with a connection
+closed under its reply.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sqlite3
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import pytest
+from backends import CASES, BackendCase, new_token
+
+import aio_keuss
+
+pytestmark = pytest.mark.timeout(120)
+
+MESSAGES = 10
+_CASES = {case.id: case for case in CASES}
+
+
+@pytest.fixture(params=["redis-oq", "redis-reliable", "sqlite"])
+async def case_options(request: pytest.FixtureRequest) -> AsyncIterator[tuple[BackendCase, Any]]:
+    case = _CASES[request.param]
+    reason = case.available()
+    if reason:
+        pytest.skip(reason)
+    # Counters and wake-ups in memory: their close makes no round trip of its own, which
+    # would wait behind the held reply and let it through before the connection closed.
+    options = {**case.options(new_token()), "stats": "memory", "signal": "local"}
+    if case.name == "sqlite":
+        options["busy_timeout"] = 60.0
+    yield case, options
+    if case.cleanup is not None:
+        await case.cleanup(options)
+
+
+def _holder(
+    factory: aio_keuss.Factory, case: BackendCase, options: dict[str, Any]
+) -> tuple[Callable[[], object], Callable[[], object]]:
+    """(hold, release) of the replies to the factory's next calls (see the module's
+    docstring)."""
+    if case.name == "sqlite":
+        blocker = sqlite3.connect(options["path"], timeout=60, isolation_level=None)
+        return (lambda: blocker.execute("BEGIN IMMEDIATE")), (lambda: blocker.execute("ROLLBACK"))
+    transport = factory.backend._lane._protocol.transport  # type: ignore[attr-defined]
+    return transport.pause_reading, transport.resume_reading
+
+
+@pytest.mark.parametrize("cancelled", [False], ids=["plain"])
+@pytest.mark.parametrize("kind", ["pop", "reserve"])
+async def test_a_close_during_a_round_trip_loses_nothing_and_hands_out_nothing_twice(
+    case_options: tuple[BackendCase, dict[str, Any]], kind: str, cancelled: bool
+) -> None:
+    """A close cancelled while a pop or a reserve is in flight still waits for it (closing
+    the connection under it lost the messages Redis had popped) and gives back the
+    reservations the user held (they stayed reserved for ``reserve_delay``). Cancelled or
+    not, the messages a reserve in flight took are given back with the rest, and so are not
+    handed to its caller as well (another consumer could take them at once)."""
+    case, options = case_options
+    factory = await aio_keuss.connect(case.name, **options)
+    q = await factory.queue("jobs", reserve_delay=3600.0)
+    await q.push_many([{"n": n} for n in range(MESSAGES)])
+    held = await q.reserve_many(3)  # the user's, never acknowledged
+    assert len(held) == 3
+    hold, release = _holder(factory, case, options)
+    hold()
+    taking = asyncio.create_task(q.pop_many(2) if kind == "pop" else q.reserve_many(2))
+    await asyncio.sleep(0)  # the call is sent; its reply is held
+    closing = asyncio.create_task(factory.close())
+    for _ in range(1000):  # until the close waits for the call (not timed: watched)
+        if q._closed:
+            break
+        await asyncio.sleep(0.01)
+    assert q._closed and not taking.done()
+    if cancelled:
+        closing.cancel()  # as asyncio.timeout around the close would
+        await asyncio.sleep(0.05)
+    release()
+    outcome = await asyncio.gather(closing, return_exceptions=True)
+    assert isinstance(outcome[0], asyncio.CancelledError) if cancelled else outcome == [None]
+    got = [m.id for m in await asyncio.wait_for(taking, 30)]
+    with pytest.raises(aio_keuss.ClosedError):
+        await q.ok(held[0])
+    other = await aio_keuss.connect(case.name, **options)
+    try:
+        o = await other.queue("jobs", reserve_delay=3600.0)
+        ready: list[str] = []
+        while batch := await o.pop_many(100, timeout=0):
+            ready.extend(m.id for m in batch)
+        sizes = await o.sizes()
+    finally:
+        await other.close()
+    assert sizes.total == 0, sizes  # nothing left reserved for a closed queue
+    assert {m.id for m in held} <= set(ready)  # given back, ready at once
+    assert not set(got) & set(ready), "handed out and queued again"
+    assert len(ready) + len(got) == MESSAGES
+    assert len(got) == (2 if kind == "pop" else 0)
