@@ -80,6 +80,10 @@ CLOCK_SLACK = 1.0
 """Seconds ahead of now a message's mature time still counts as "ready now"."""
 
 
+CANCELLED_CLOSE_GRACE = 10.0
+"""Seconds a cancelled close still spends finishing: waiting for the round trips in flight,
+giving back the reservations nobody acknowledged (see ``Queue._close``)."""
+
 HELD_CHECK = 1024
 """Reservations held unacknowledged between two checks for expired ones (see ``_rotate_held``)."""
 
@@ -1192,10 +1196,27 @@ class Queue:
             await self._close_steps()
         except asyncio.CancelledError:
             # Cancelled (a shutdown timeout, a second Ctrl-C): the consumers' cancelled stops
-            # gave their messages back, but a store holding state of its own (a bucket
-            # store's leased buckets) must still hand it back before the backend closes
-            # under it, or what it holds stays held until its lease lapses.
-            await self._store.close()
+            # gave their messages back and the grace is over, but the rest of the close
+            # still runs. The factory closes the backend as soon as this ends: a round trip
+            # still in flight then lost its reply (the messages a pop had taken), the
+            # reservations the user held stayed reserved until ``reserve_delay``, and a
+            # store holding state of its own (a bucket store's leased buckets) kept it until
+            # its lease lapsed. Bounded: past ``CANCELLED_CLOSE_GRACE`` (a server that does
+            # not answer), or cancelled again, the rest is given up, but the store still
+            # closes.
+            try:
+                async with asyncio.timeout(CANCELLED_CLOSE_GRACE):
+                    await self._finish_close()
+            except (Exception, asyncio.CancelledError) as exc:
+                log.warning(
+                    "queue %r: cancelled close given up (%r): round trips in flight may"
+                    " lose their replies, reservations not given back come back when they"
+                    " expire",
+                    self.name,
+                    exc,
+                )
+            finally:
+                await self._store.close()
             raise
 
     async def _stop_consumers(self) -> None:
@@ -1217,13 +1238,20 @@ class Queue:
         await asyncio.gather(*(repeater.stop() for repeater in list(self._repeaters)))
         # their in-flight handlers finish and acknowledge first (consume() is refused now)
         await self._stop_consumers()
-        await self.drain()
-        self._closed = True
-        if self._due_handle is not None:
-            self._due_handle.cancel()
-            self._due_handle = None
-        self._wakeups.announce(None)
-        self._unsubscribe()
+        await self._finish_close()
+
+    async def _finish_close(self) -> None:
+        """The close once the consumers are stopped: refuse calls, let those in flight end,
+        give back what nobody acknowledged, close the store. Run again by a close cancelled
+        midway (see ``_close``): each step picks up where the cancelled one stopped."""
+        if not self._closed:
+            await self.drain()
+            self._closed = True
+            if self._due_handle is not None:
+                self._due_handle.cancel()
+                self._due_handle = None
+            self._wakeups.announce(None)
+            self._unsubscribe()
         for coalescer in (
             self._inserts,
             self._gets,

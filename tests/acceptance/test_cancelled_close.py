@@ -57,7 +57,7 @@ def _holder(
     return transport.pause_reading, transport.resume_reading
 
 
-@pytest.mark.parametrize("cancelled", [False], ids=["plain"])
+@pytest.mark.parametrize("cancelled", [True, False], ids=["cancelled", "plain"])
 @pytest.mark.parametrize("kind", ["pop", "reserve"])
 async def test_a_close_during_a_round_trip_loses_nothing_and_hands_out_nothing_twice(
     case_options: tuple[BackendCase, dict[str, Any]], kind: str, cancelled: bool
@@ -106,3 +106,50 @@ async def test_a_close_during_a_round_trip_loses_nothing_and_hands_out_nothing_t
     assert not set(got) & set(ready), "handed out and queued again"
     assert len(ready) + len(got) == MESSAGES
     assert len(got) == (2 if kind == "pop" else 0)
+
+
+async def test_a_cancelled_close_waits_for_a_silent_server_only_so_long(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A cancelled close gives up finishing after ``CANCELLED_CLOSE_GRACE`` when a reply
+    does not come (a server that stopped answering): a shutdown timeout still bounds the
+    close. What it could not give back stays reserved until its reservation expires (and
+    is logged), and is not handed out by the reserve whose reply never came."""
+    import aio_keuss.queue
+
+    case = _CASES["redis-oq"]
+    reason = case.available()
+    if reason:
+        pytest.skip(reason)
+    monkeypatch.setattr(aio_keuss.queue, "CANCELLED_CLOSE_GRACE", 0.2)
+    options = {**case.options(new_token()), "stats": "memory", "signal": "local"}
+    try:
+        factory = await aio_keuss.connect(case.name, **options)
+        q = await factory.queue("jobs", reserve_delay=3600.0)
+        await q.push_many([{"n": n} for n in range(MESSAGES)])
+        held = await q.reserve_many(3)
+        hold, _ = _holder(factory, case, options)
+        hold()  # and never released: the server seems silent from here on
+        taking = asyncio.create_task(q.reserve_many(2))
+        await asyncio.sleep(0)
+        closing = asyncio.create_task(factory.close())
+        for _ in range(1000):
+            if q._closed:
+                break
+            await asyncio.sleep(0.01)
+        closing.cancel()
+        outcome = await asyncio.wait_for(asyncio.gather(closing, return_exceptions=True), 10)
+        assert isinstance(outcome[0], asyncio.CancelledError)
+        assert "cancelled close given up" in caplog.text
+        with pytest.raises(aio_keuss.KeussConnectionError):  # its connection closed
+            await asyncio.wait_for(taking, 10)
+        other = await aio_keuss.connect(case.name, **options)
+        try:
+            sizes = await (await other.queue("jobs")).sizes()
+        finally:
+            await other.close()
+        # reserved until they expire (at-least-once), none lost
+        assert (sizes.reserved, sizes.total) == (len(held) + 2, MESSAGES), sizes
+    finally:
+        if case.cleanup is not None:
+            await case.cleanup(options)
