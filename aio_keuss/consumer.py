@@ -482,7 +482,7 @@ class Consumer(StoppedOnExit):
         # Kept: on Python 3.11 asyncio.get_running_loop() costs a getpid() call.
         self._loop = loop = asyncio.get_running_loop()
         self._deadlines = None if timeout is None else Deadlines(loop, timeout)
-        self._workers = [loop.create_task(self._work()) for _ in range(concurrency)]
+        self._workers = [loop.create_task(self._run_worker()) for _ in range(concurrency)]
 
     @property
     def processed(self) -> int:
@@ -619,6 +619,19 @@ class Consumer(StoppedOnExit):
                 popped = [message, *(m for m, _ in self._buffer)]
                 self._buffer.clear()
                 await self._acknowledge_all("put back", popped, self.queue.put_back(popped))
+
+    async def _run_worker(self) -> None:
+        try:
+            await self._work()
+        except asyncio.CancelledError:
+            # Cancelled with no stop: only the loop ending does that (``asyncio.run``
+            # cancels every task left, then runs the loop until they end; Python's asyncio
+            # documentation, "Runners"). What was prefetched goes back now, in this task,
+            # which that run waits for: popped messages would be lost, reservations held
+            # until they expire. Every worker tries; the first takes them all.
+            if not self._stopping and self._buffer:
+                await self._give_back()
+            raise
 
     async def _work(self) -> None:
         task = asyncio.current_task()

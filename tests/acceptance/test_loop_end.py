@@ -161,3 +161,76 @@ async def test_messages_taken_as_the_loop_ends_are_delivered_or_still_queued(
     # is ready now, not reserved for the batch nobody received
     assert len(got) + len(queued) == MESSAGES, (len(got), len(queued), err.decode())
     assert sizes.total == (len(got) if kind == "reserve" else 0)
+
+
+_CONSUMER_SCRIPT = r"""
+import asyncio, json, sys
+import aio_keuss
+
+backend, options = sys.argv[1], json.loads(sys.argv[2])
+started = []
+
+
+async def main():
+    factory = await aio_keuss.connect(backend, **options)  # never closed: the point
+    q = await factory.queue("jobs", reserve_delay=3600.0)
+    await q.push_many([{"n": n} for n in range(int(sys.argv[3]))])
+    running = asyncio.Event()
+
+    async def handler(message):
+        started.append(message.id)
+        running.set()
+        await asyncio.Event().wait()  # runs until the loop ends
+
+    q.consume(handler, prefetch=5)
+    await running.wait()  # one message handled, the rest of the fetch prefetched
+
+
+asyncio.run(main())
+print(json.dumps({"started": started}), flush=True)
+"""
+
+
+@pytest.mark.parametrize("backend", ["redis-list", "redis-oq", "sqlite"])
+async def test_a_consumer_s_prefetched_messages_go_back_as_the_loop_ends(backend: str) -> None:
+    """``main`` returns with a consumer running and its factory never closed: the messages
+    it had prefetched, and not started, go back before the loop ends (popped ones on
+    ``redis-list`` were lost, reservations held until ``reserve_delay``); the one whose
+    handler was running is released where there are reservations, and was delivered (at
+    most once) where there are not."""
+    case = _CASES[backend]
+    reason = case.available()
+    if reason:
+        pytest.skip(reason)
+    options = case.options(new_token())
+    try:
+        process = await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-c",
+            _CONSUMER_SCRIPT,
+            case.name,
+            json.dumps(options),
+            str(MESSAGES),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            env={**os.environ, "PYTHONPATH": str(ROOT)},
+        )
+        out, err = await asyncio.wait_for(process.communicate(), 90)
+        assert process.returncode == 0, err.decode()
+        started: list[str] = json.loads(out.decode().strip().splitlines()[-1])["started"]
+        assert len(started) == 1
+        factory = await aio_keuss.connect(case.name, **options)
+        try:
+            q = await factory.queue("jobs", reserve_delay=3600.0)
+            ready = 0
+            while batch := await q.pop_many(100, timeout=0):
+                ready += len(batch)
+            sizes = await q.sizes()
+        finally:
+            await factory.close()
+        reserve = factory.capabilities.reserve
+        assert ready == MESSAGES - (0 if reserve else 1), (ready, err.decode())
+        assert sizes.total == 0, sizes
+    finally:
+        if case.cleanup is not None:
+            await case.cleanup(options)
