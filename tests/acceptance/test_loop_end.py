@@ -43,6 +43,7 @@ import aio_keuss
 
 backend, options, kind, ending = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3], sys.argv[4]
 got = []
+kept = []  # the loop holds its tasks weakly: one nothing else refers to may be collected
 
 
 async def main():
@@ -73,17 +74,20 @@ async def main():
         messages = await (q.pop_many(2) if kind == "get" else q.reserve_many(2))
         got.extend(m.id for m in messages)
 
+    forever = asyncio.Event()
+
     async def releaser():
         try:
-            await asyncio.Event().wait()
+            await forever.wait()
         finally:
             release()  # cancelled by asyncio.run, after main ended
 
-    asyncio.create_task(releaser())
+    kept.append(asyncio.create_task(releaser()))
     # More callers than the store has slots: the first run in their own tasks, the rest
     # queue up and go in a batch task as soon as a slot frees.
     for _ in range(store.batch_concurrency + 4):
         callers.add(asyncio.create_task(caller()))
+    kept.extend((factory, *callers))
     await in_flight.wait()
     if ending == "raise":
         raise RuntimeError("main failed")
@@ -145,6 +149,7 @@ async def test_messages_taken_as_the_loop_ends_are_delivered_or_still_queued(
     )
     out, err = await asyncio.wait_for(process.communicate(), 90)
     assert process.returncode == 0, err.decode()
+    assert b"destroyed but it is pending" not in err, err.decode()  # all ended in the loop
     got: list[str] = json.loads(out.decode().strip().splitlines()[-1])["got"]
     factory = await aio_keuss.connect(case.name, **options)
     try:
@@ -169,6 +174,7 @@ import aio_keuss
 
 backend, options = sys.argv[1], json.loads(sys.argv[2])
 started = []
+kept = []  # the loop holds its tasks weakly: what nothing else refers to may be collected
 
 
 async def main():
@@ -182,7 +188,7 @@ async def main():
         running.set()
         await asyncio.Event().wait()  # runs until the loop ends
 
-    q.consume(handler, prefetch=5)
+    kept.extend((factory, q.consume(handler, prefetch=5)))
     await running.wait()  # one message handled, the rest of the fetch prefetched
 
 
@@ -217,6 +223,7 @@ async def test_a_consumer_s_prefetched_messages_go_back_as_the_loop_ends(backend
         )
         out, err = await asyncio.wait_for(process.communicate(), 90)
         assert process.returncode == 0, err.decode()
+        assert b"destroyed but it is pending" not in err, err.decode()
         started: list[str] = json.loads(out.decode().strip().splitlines()[-1])["started"]
         assert len(started) == 1
         factory = await aio_keuss.connect(case.name, **options)
