@@ -177,7 +177,10 @@ class Factory:
         deliverable again at once, with the tries they had, instead of after ``reserve_delay``.
         Called by a consumer's handler, it cannot wait for that handler to end: it starts the
         close and returns (as ``consumer.stop()`` does). Closes called while one is under way
-        wait for it.
+        wait for it. Cancelled (a shutdown timeout), it skips the handlers' grace but still
+        lets each queue finish for up to ``CANCELLED_CLOSE_GRACE`` seconds before the
+        connection closes: a round trip in flight would lose its reply, and the reservations
+        held would stay out of reach until they expire.
         """
         owner = self._closing.task is None
         if owner:

@@ -1169,7 +1169,9 @@ class Queue:
         closes its queues for you. Called by a handler of one of this queue's consumers, it
         cannot wait for that handler to end: it starts the close and returns (as
         ``consumer.stop()`` does), and the close lets every handler finish and acknowledge
-        before it gives anything back. Closes called while one is under way wait for it."""
+        before it gives anything back. Closes called while one is under way wait for it.
+        Cancelled, it still finishes (calls in flight end, reservations go back) for up to
+        ``CANCELLED_CLOSE_GRACE`` seconds, or until cancelled again."""
         begun = self._closing.task
         owner = begun is None or (begun.cancelled() and not self._closed)  # (again, as before)
         if owner:
