@@ -251,6 +251,11 @@ class Coalescer(Generic[Req, Res]):
         if cancelled is not None:
             raise cancelled
 
+    def on_orphan_work(self, request: Req, result: Res) -> Coroutine[Any, Any, None] | None:
+        """What ``on_orphan`` returns to do for a result nobody will receive, not started:
+        for a caller that cannot await it (its coroutine is being closed)."""
+        return None if self._on_orphan is None else self._on_orphan(request, result)
+
     async def hand_back(self, request: Req, result: Res) -> None:
         """Do what ``on_orphan`` returns for a result nobody will receive, in the task whose
         cancellation orphaned it (see "Cancellation" in the module's docstring).
@@ -261,9 +266,7 @@ class Coalescer(Generic[Req, Res]):
         midway, so it runs as a task of its own, shielded: this task still waits for it,
         and should it be cancelled again, the hand-back goes on without it. The work is
         not to raise (a queue logs what failed): the caller ends with its cancellation."""
-        if self._on_orphan is None:
-            return
-        back = self._on_orphan(request, result)
+        back = self.on_orphan_work(request, result)
         if back is None:
             return
         if self._uninterruptible:

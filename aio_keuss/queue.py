@@ -443,8 +443,15 @@ class Queue:
                 if not more:
                     break
                 stored = stored + more
-        except BaseException:
+        except (Exception, asyncio.CancelledError):
             await source.hand_back(len(stored), (stored, None))
+            raise
+        except BaseException:
+            # GeneratorExit (the coroutine closed, not cancelled) or KeyboardInterrupt: no
+            # await is possible here, so the put-back goes to a task of its own
+            back = source.on_orphan_work(len(stored), (stored, None))
+            if back is not None:
+                self._in_background(back)
             raise
         return stored
 

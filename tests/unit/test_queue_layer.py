@@ -245,3 +245,21 @@ async def test_a_stopping_consumer_gives_back_at_once_what_it_prefetched() -> No
         finally:
             release.set()
         await asyncio.wait_for(consumer.wait(), 30)
+
+
+async def test_a_gathering_pop_whose_coroutine_is_closed_puts_back_what_it_took() -> None:
+    """A coroutine closed rather than cancelled (a task garbage-collected while pending, an
+    interpreter exit) gets GeneratorExit, and may not await anything then: the messages a
+    ``pop_many`` gathering for ``max_wait`` had taken go back by a task of their own, instead
+    of the put-back (a round trip) raising "coroutine ignored GeneratorExit" unsent."""
+    queue, store = _queue(in_caller=True)
+    await queue.push("first")
+    gathering = queue.pop_many(5, timeout=1, max_wait=30)
+    # Driven by hand until it sleeps for more: a future yielded, not a round trip's bare yield
+    step = gathering.send(None)
+    while step is None:
+        step = gathering.send(None)
+    gathering.close()
+    again = await queue.pop(timeout=1)
+    assert again is not None and again.payload == "first"
+    assert store.made("insert") == [1, 1]  # the push, then the put-back
