@@ -99,7 +99,24 @@ class Coalescer(Generic[Req, Res]):
     async def submit(self, request: Req) -> Res:
         free = not self._running if self._crowded else self._running < self._concurrency
         if self._inline and free and not self._pending:
-            return await self._run_inline(request)
+            # In the caller's task, here rather than in a coroutine of its own: one frame
+            # fewer on the hot path of every call that finds a free slot.
+            self._running += 1
+            if self._on_orphan is None:  # nothing to hand back: a plain await is enough
+                try:
+                    (result,) = await self._run_batch([request])
+                    return result
+                finally:
+                    self._ran_inline()
+            work = RunToEnd(self._run_batch([request]))
+            try:
+                (result,) = await work
+            finally:
+                self._ran_inline()
+            if work.held is not None:  # cancelled once the reply was in: the work is done
+                await self.hand_back(request, result)
+                raise work.held
+            return result
         loop = self._loop
         if loop is None:
             loop = self._loop = asyncio.get_running_loop()
@@ -125,24 +142,6 @@ class Coalescer(Generic[Req, Res]):
             else:
                 self._inline_done = asyncio.Event()
                 await self._inline_done.wait()
-
-    async def _run_inline(self, request: Req) -> Res:
-        self._running += 1
-        if self._on_orphan is None:  # nothing to hand back: a plain await is enough
-            try:
-                (result,) = await self._run_batch([request])
-                return result
-            finally:
-                self._ran_inline()
-        work = RunToEnd(self._run_batch([request]))
-        try:
-            (result,) = await work
-        finally:
-            self._ran_inline()
-        if work.held is not None:  # cancelled once the reply was in: the work is done
-            await self.hand_back(request, result)
-            raise work.held
-        return result
 
     def _ran_inline(self) -> None:
         self._running -= 1

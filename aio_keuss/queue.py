@@ -355,8 +355,7 @@ class Queue:
 
     async def pop(self, timeout: float | None = None) -> Message | None:
         """Take one message, at-most-once; None when ``timeout`` passes (or on drain/close)."""
-        messages = await self._consume(self._gets, 1, timeout, "pop", "get")
-        return messages[0] if messages else None
+        return await self._consume_one(self._gets, timeout, "pop", "get")
 
     async def pop_many(
         self, n: int, timeout: float | None = None, *, max_wait: float | None = None
@@ -369,8 +368,7 @@ class Queue:
     async def reserve(self, timeout: float | None = None) -> Message | None:
         """Reserve one message, at-least-once: ``ok`` it, ``ko`` it, or it comes back after
         ``reserve_delay`` with one more try."""
-        messages = await self._consume(self._reserves, 1, timeout, "reserve", "reserve")
-        return messages[0] if messages else None
+        return await self._consume_one(self._reserves, timeout, "reserve", "reserve")
 
     async def reserve_many(
         self, n: int, timeout: float | None = None, *, max_wait: float | None = None
@@ -381,6 +379,37 @@ class Queue:
         return await self._consume(
             self._reserves, n, timeout, "reserve", "reserve", max_wait=max_wait
         )
+
+    async def _consume_one(
+        self, source: Coalescer[int, FetchResult], timeout: float | None, doing: str, counter: str
+    ) -> Message | None:
+        """``pop`` and ``reserve``: ``_consume`` for one message, with its first try made
+        here and the wait loop entered only when nothing was ready. A busy queue's message
+        then costs two coroutine frames and the batch bookkeeping fewer (redis-oq, 3
+        clients: 9 % of a pop's client instructions, counted with callgrind)."""
+        self._check_open()
+        self._require(doing)
+        seconds = check_timeout(timeout)
+        if self._paused:
+            stored = await self._wait_for(source, 1, seconds, None, doing)
+        else:
+            deadline = None if seconds is None else time.monotonic() + seconds
+            drains, announced = self._drains, self._wakeups.announced  # taken before trying
+            stored, next_mature = await source.submit(1)
+            if not stored:
+                tried = (drains, announced, next_mature, deadline)
+                stored = await self._wait_for(source, 1, seconds, None, doing, tried=tried)
+            elif _more_ready(stored, 1, next_mature):
+                self._wakeups.wake(1)  # pass the baton to a sleeper, if any
+            elif next_mature is not None:  # one due later: a sleeper then
+                self._hand_on(next_mature)
+        if not stored or (self._closed and source is self._reserves):
+            return None  # (a reserve a close waited for: see _consume)
+        self._stats.incr(self.name, counter, 1)
+        if observe.active is not None:
+            observe.active.delivered(self.name, stored)
+        s = stored[0]
+        return decode_message(s.id, s.payload, s.headers, s.tries, s.mature)
 
     async def _consume(
         self,
@@ -462,16 +491,22 @@ class Queue:
         timeout: float | None,
         outage: Outage | None = None,
         doing: str = "reserve",
+        tried: tuple[int, int, float | None, float | None] | None = None,
     ) -> list[Stored]:
         """The wait loop: try, then sleep until a signal, the next mature
         time, the poll interval or the timeout, whichever comes first.
 
         With an ``outage`` (``consume`` and ``messages``), a failed round trip is recorded
-        there and retried after a capped, jittered backoff instead of raised."""
+        there and retried after a capped, jittered backoff instead of raised. ``tried``: a
+        first try the caller made, which found nothing (the drain count and the
+        announcements seen before it, the next mature time it learned, the deadline)."""
         # time.monotonic(), not the loop's clock: asyncio.get_running_loop() costs a getpid()
         # system call on Python 3.11, on every call of the hot path.
-        deadline = None if timeout is None else time.monotonic() + timeout
-        drains = self._drains
+        if tried is None:
+            deadline = None if timeout is None else time.monotonic() + timeout
+            drains = self._drains
+        else:
+            drains, _, _, deadline = tried
         backoff = MIN_WAIT
         failures = 0
         wakeups = self._wakeups
@@ -486,7 +521,10 @@ class Queue:
                 next_mature = None
                 wait = self.options.poll_interval
                 failed = False
-                if not self._paused:
+                if tried is not None:  # the caller's try, as if made here
+                    _, announced, next_mature, _ = tried
+                    tried = None
+                elif not self._paused:
                     generation = 0 if outage is None else outage.generation
                     try:
                         stored, next_mature = await source.submit(n)
@@ -1418,6 +1456,8 @@ def _split(requests: Sequence[Sequence[Any]], flags: list[bool]) -> list[list[bo
 
 def _share(requests: list[int], fetched: Fetched) -> list[FetchResult]:
     """Hand a batch's messages to the requests in order; all see the same next mature."""
+    if len(requests) == 1:  # a call of its own (a free slot's): nothing to cut
+        return [(fetched.messages, fetched.next_mature)]
     results, start = [], 0
     for wanted in requests:
         results.append((fetched.messages[start : start + wanted], fetched.next_mature))
