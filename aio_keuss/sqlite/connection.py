@@ -42,6 +42,7 @@ import contextlib
 import logging
 import os
 import queue
+import re
 import sqlite3
 import threading
 import time
@@ -144,10 +145,55 @@ def raise_ours(exc: Exception) -> NoReturn:
     raise_translated(exc, _ours)
 
 
+_ESCAPE = re.compile(r"%([0-9A-Fa-f]{2})?")
+
+
+def _unescape(url: str, segment: str) -> str:
+    """One path segment with its ``%HH`` escapes decoded: each escape is one octet (RFC
+    3986, 2.1), and text is UTF-8 before it is escaped (RFC 3986, 2.5; SQLite's "URI
+    Filenames" reads its own ``file:`` URIs as UTF-8 too). A ``%`` not followed by two hex
+    digits is refused: RFC 3986 has no such thing, and taking it literally would open a
+    file other than the one meant (a literal ``%`` is written ``%25``). So is an escaped
+    separator (``%2F``): RFC 3986 (2.2) makes it data inside the segment, not a separator,
+    and no file name can hold one; and so are octets that are not UTF-8, whose file name
+    would depend on the platform's encoding."""
+    if "%" not in segment:
+        return segment  # nothing to decode (a name the file system cannot take: check_path)
+    octets = bytearray()
+    start = 0
+    for escape in _ESCAPE.finditer(segment):
+        if escape.group(1) is None:
+            raise ConfigError(
+                f"url {brief(url)}: '%' must start an escape of two hex digits (%HH);"
+                " a '%' of the file name is written %25"
+            )
+        octets += segment[start : escape.start()].encode(errors="surrogatepass")
+        octets.append(int(escape.group(1), 16))
+        start = escape.end()
+    try:
+        octets += segment[start:].encode(errors="surrogatepass")
+        text = octets.decode("utf-8")
+    except UnicodeError:  # a lone surrogate beside the escapes, or octets not UTF-8
+        raise ConfigError(
+            f"url {brief(url)}: its %-escapes are not UTF-8 (RFC 3986, 2.5)"
+        ) from None
+    if any(sep in text for sep in filter(None, ("/", os.sep, os.altsep))):
+        raise ConfigError(
+            f"url {brief(url)}: an escaped path separator (%2F) is part of a file name, which"
+            " cannot hold one (RFC 3986, 2.2): write the separator itself"
+        )
+    return text
+
+
 def path_from_url(url: object) -> str:
-    """The path in a ``sqlite://`` URL, read as SQLAlchemy reads it (its "SQLite" dialect
-    documentation): ``sqlite:///relative.db``, ``sqlite:////absolute/path.db``, and
-    ``sqlite://`` or ``sqlite:///:memory:`` for a database in memory. No host, no query."""
+    """The path in a ``sqlite://`` URL, laid out as SQLAlchemy lays it out (its "SQLite"
+    dialect documentation): ``sqlite:///relative.db``, ``sqlite:////absolute/path.db``,
+    and ``sqlite://`` or ``sqlite:///:memory:`` for a database in memory. No host, no
+    query, no fragment: an unescaped ``?`` or ``#`` is where RFC 3986 (3.4, 3.5) ends the
+    path, and dropping what follows would open another file, so it is refused. The path's
+    ``%HH`` escapes are decoded segment by segment (:func:`_unescape`), as RFC 3986 and
+    SQLite's "URI Filenames" decode them: ``%20`` is a space, ``%23`` a ``#``, ``%3F`` a
+    ``?``, ``%25`` a ``%``; other characters stand for themselves."""
     if not isinstance(url, str):
         raise ConfigError(f"url must be a str, not {type(url).__name__}")
     scheme, slashes, rest = url.partition("://")
@@ -160,8 +206,12 @@ def path_from_url(url: object) -> str:
     if not rest.startswith("/"):
         raise ConfigError(f"url {brief(url)}: a sqlite url has no host (sqlite:///path)")
     if "?" in rest or "#" in rest:
-        raise ConfigError(f"url {brief(url)}: a sqlite url takes no query or fragment")
-    return rest[1:] or MEMORY
+        raise ConfigError(
+            f"url {brief(url)}: a sqlite url takes no query or fragment (a '?' or '#' of the"
+            " file name is written %3F or %23)"
+        )
+    path = "/".join(_unescape(url, segment) for segment in rest[1:].split("/"))
+    return path or MEMORY
 
 
 def check_path(path: object) -> str:

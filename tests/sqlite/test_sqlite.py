@@ -374,6 +374,61 @@ def test_urls_are_read_as_sqlalchemy_reads_them(url: str, path: str) -> None:
     assert path_from_url(url) == path
 
 
+@pytest.mark.parametrize(
+    "url,path",
+    [
+        ("sqlite:///my%20queues.db", "my queues.db"),
+        ("sqlite:////var/lib/a%23b%3Fc.db", "/var/lib/a#b?c.db"),
+        ("sqlite:////var/lib/100%25.db", "/var/lib/100%.db"),
+        ("sqlite:////var/lib/caf%C3%A9/q.db", "/var/lib/café/q.db"),
+        ("sqlite:////var/l%69b/%71.db", "/var/lib/q.db"),  # unreserved, escaped or not
+        ("sqlite:////var/lib/café.db", "/var/lib/café.db"),  # an IRI's letters as they are
+        ("sqlite:///%3Amemory%3A", ":memory:"),
+    ],
+)
+def test_url_escapes_are_decoded(url: str, path: str) -> None:
+    """RFC 3986 and SQLite's own URI filenames decode ``%HH``: the file is the decoded
+    name, not one with the escapes in it."""
+    assert path_from_url(url) == path
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "a%.db",  # a '%' alone
+        "a%2.db",  # one hex digit
+        "a%zz.db",  # not hex
+        "a%C3.db",  # a UTF-8 sequence cut short
+        "a%FF.db",  # never UTF-8
+        "a%00.db",  # NUL: no file name holds one
+        "a%2Fb.db",  # an escaped separator is data, not a separator (RFC 3986, 2.2)
+        "a%2fb.db",
+        "a%20\ud800.db",  # a lone surrogate beside an escape: it has no UTF-8
+    ],
+)
+async def test_a_bad_escape_in_a_url_is_refused_before_anything_is_written(
+    tmp_path: Path, name: str
+) -> None:
+    url = f"sqlite:///{tmp_path}/{name}"
+    with pytest.raises(aio_keuss.ConfigError, match="url"):
+        SqliteOptions.parse({"url": url})
+    with pytest.raises(aio_keuss.ConfigError, match="url"):
+        await (await aio_keuss.connect("sqlite", url=url)).close()
+    assert _files(tmp_path) == {}
+
+
+async def test_a_url_with_escapes_opens_the_file_it_names(tmp_path: Path) -> None:
+    """``%20`` and ``%23`` are a space and a ``#`` of the file's name: the queue is in
+    ``my queues#1.db``, and no file with ``%`` in its name is made."""
+    url = f"sqlite:///{tmp_path}/my%20queues%231.db"
+    async with aio_keuss.connect("sqlite", url=url) as factory:
+        await (await factory.queue("q")).push("here")
+    async with aio_keuss.connect("sqlite", path=str(tmp_path / "my queues#1.db")) as factory:
+        message = await (await factory.queue("q")).pop(timeout=0)
+        assert message is not None and message.payload == "here"
+    assert not [name for name in _files(tmp_path) if "%" in name]
+
+
 async def test_a_relative_url_names_a_file_in_the_working_directory(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
