@@ -20,7 +20,10 @@ wait for each other through the busy timeout (``busy_timeout``, "PRAGMA busy_tim
 With ``synchronous=FULL`` (the default) a commit is on disk when it returns, so nothing
 acknowledged is lost even to a power cut; ``NORMAL`` keeps it through a crash of the
 process but may lose the last commits to a power cut (SQLite documentation, "PRAGMA
-synchronous").
+synchronous"). The WAL is copied back into the database by the thread itself, between
+calls, once it has grown past a few MB, not by SQLite inside whichever commit crosses its
+threshold (SQLite documentation, "Write-Ahead Logging", "Automatic Checkpoint"): a
+checkpoint never delays the answer of the commit before it.
 
 The thread also watches the file for commits of other connections when the signal bus asks
 it to (:meth:`SqliteConnection.watch`): ``PRAGMA data_version`` changes when, and only when,
@@ -341,6 +344,12 @@ IDLE_SLOWDOWN = 5
 """How many times ``signal_poll`` apart the looks at an idle file may grow."""
 GROUP_MOST = 64
 """Most write calls one transaction (one commit) serves."""
+CHECKPOINT_BYTES = 4 * 1024 * 1024
+"""WAL bytes past which the database thread checkpoints: about SQLite's own default of
+1000 pages of 4 KiB (SQLite documentation, "Write-Ahead Logging", "Automatic Checkpoint"),
+and the size the WAL file is cut back to once the log restarts ("PRAGMA
+journal_size_limit"). Once a checkpoint has to wait for calls queued behind it, it waits
+for one more of these at most."""
 
 
 _OPEN_THREADS: weakref.WeakSet[_Thread] = weakref.WeakSet()
@@ -374,6 +383,10 @@ class _Thread:
         self._active = time.monotonic()  # when the file last changed or a call came
         self._watch: Callable[[sqlite3.Connection], bool] | None = None
         self._serving: list[_Call] = []  # the calls being run, answered or not yet
+        self._wal: str | None = None  # the WAL file, once this thread checkpoints it
+        self._wrote = False  # a write since the last look at the WAL's size
+        self._checkpoint_past = CHECKPOINT_BYTES  # WAL bytes that call for a checkpoint
+        self._checkpointed_at = 0  # the WAL's size at this thread's last checkpoint
         self._ended: BaseException | None = None  # what ended the thread, if it failed
         self._thread = threading.Thread(
             target=self._main, name=f"aio-keuss sqlite {database}", daemon=True
@@ -398,6 +411,11 @@ class _Thread:
     def ended(self) -> BaseException | None:
         """What ended the thread, if it failed."""
         return self._ended
+
+    def checkpoint(self, wal: str) -> None:
+        """Have this thread checkpoint ``wal`` (the connection's own automatic checkpoint
+        was turned off): called once the setup call returned, before any other call."""
+        self._wal = wal
 
     def watch(self, look: Callable[[sqlite3.Connection], bool] | None) -> None:
         self._watch = look
@@ -479,11 +497,14 @@ class _Thread:
                     elif item.write:
                         self._serving = self._group(item)
                         _write_group(connection, self._serving)
+                        self._wrote = True
                     else:
                         _read(connection, item)
                     self._serving = []
                 if isinstance(connection, sqlite3.Connection):
                     self._look_if_due(connection)
+                    if self._wrote:
+                        self._checkpoint_if_due(connection)
         finally:
             if isinstance(connection, sqlite3.Connection):
                 with contextlib.suppress(sqlite3.Error):
@@ -509,6 +530,58 @@ class _Thread:
             log.exception("sqlite watch failed")
         quiet = now - self._active
         self._next_look = now + min(self._poll * IDLE_SLOWDOWN, max(self._poll, quiet / 10))
+
+    def _checkpoint_if_due(self, connection: sqlite3.Connection) -> None:
+        """Copy the WAL back into the database once it has grown past ``CHECKPOINT_BYTES``,
+        here, after the calls of the last commit were answered, rather than inside that
+        commit: with SQLite's automatic checkpoint the COMMIT that crosses the threshold
+        runs the checkpoint before it returns (SQLite documentation, "Write-Ahead
+        Logging", "Automatic Checkpoint"), so one caller in a thousand pages waited for
+        it. It waits for the thread to be idle (nothing queued), unless calls keep coming
+        until the WAL has grown by one more ``CHECKPOINT_BYTES``: then it runs between two
+        of them, so the WAL cannot grow without bound.
+
+        PASSIVE never waits for readers or writers, of this process or another ("PRAGMA
+        wal_checkpoint"): it copies what no reader still needs. What a reader's snapshot
+        holds back is copied by a later checkpoint, tried once the WAL has grown by
+        another ``CHECKPOINT_BYTES`` (not after every commit, which would only find the
+        same reader). Once every frame is copied, the next writer of any process starts
+        the log over and, with ``journal_size_limit``, cuts the file back to
+        ``CHECKPOINT_BYTES``; the WAL file's size on disk is what is watched (a ``stat``,
+        no lock taken), and its shrinking tells that the log started over."""
+        wal = self._wal
+        if wal is None:
+            self._wrote = False
+            return
+        try:
+            size = os.stat(wal).st_size
+        except OSError:  # not made yet, or removed by the last connection to close
+            size = 0
+        if size < self._checkpointed_at:  # the log started over since: count afresh
+            self._checkpoint_past, self._checkpointed_at = CHECKPOINT_BYTES, 0
+        if size <= self._checkpoint_past:
+            self._wrote = False
+            return
+        idle = self._next is _NOTHING and self._calls.empty()
+        if not idle and size <= self._checkpoint_past + CHECKPOINT_BYTES:
+            return  # after the calls queued, or between two of them past one more
+        self._wrote = False
+        self._checkpointed_at = size
+        self._checkpoint_past = size + CHECKPOINT_BYTES
+        try:
+            busy, log_frames, copied = connection.execute(
+                "PRAGMA wal_checkpoint(PASSIVE)"
+            ).fetchone()
+        except sqlite3.Error:  # nothing is lost: the frames stay in the WAL for the next
+            log.warning("sqlite checkpoint failed", exc_info=True)
+            return
+        log.debug(
+            "sqlite checkpoint of %s: %d of %d frames copied%s",
+            wal,
+            copied,
+            log_frames,
+            " (another checkpoint was running)" if busy else "",
+        )
 
     def _group(self, first: _Call) -> list[_Call]:
         """``first`` and the write calls queued right behind it (up to ``GROUP_MOST``):
@@ -635,19 +708,31 @@ def _migrate(connection: sqlite3.Connection, known: int) -> None:
     in_transaction(connection, apply)
 
 
-def _setup(connection: sqlite3.Connection, options: SqliteOptions, memory: bool) -> None:
+def _setup(connection: sqlite3.Connection, options: SqliteOptions, memory: bool) -> str | None:
     """Check the file is ours (or new) before anything is written to it, then WAL,
-    durability, and the schema steps it lacks."""
+    durability, and the schema steps it lacks. Answers the WAL file's name, for the
+    database thread to checkpoint (None in memory): this connection's automatic
+    checkpoint is turned off ("PRAGMA wal_autocheckpoint"), since it would run inside
+    the commit that crosses its threshold, and ``journal_size_limit`` cuts the WAL file
+    back once the log starts over, which SQLite does not do by default ("PRAGMA
+    journal_size_limit")."""
     steps = migrations()
     known = steps[-1][0] if steps else 0
     version = _version(connection, known)
+    wal = None
     if not memory:
         mode = connection.execute("PRAGMA journal_mode = WAL").fetchone()[0]
         if str(mode).lower() != "wal":
             raise ConfigError(f"the database could not be put in WAL mode (it is in {mode})")
+        connection.execute("PRAGMA wal_autocheckpoint = 0")
+        connection.execute(f"PRAGMA journal_size_limit = {CHECKPOINT_BYTES:d}")
+        # the file's full name, as SQLite opened it: a later chdir does not move it
+        files = {row[1]: row[2] for row in connection.execute("PRAGMA database_list")}
+        wal = files["main"] + "-wal"
     connection.execute(f"PRAGMA synchronous = {options.synchronous.upper()}")
     if version < known:
         _migrate(connection, known)
+    return wal
 
 
 class SqliteConnection(Backend):
@@ -671,11 +756,13 @@ class SqliteConnection(Backend):
         self._thread = thread
         config, memory = self.config, self.memory
         try:
-            await thread.submit(lambda connection: _setup(connection, config, memory))
+            wal = await thread.submit(lambda connection: _setup(connection, config, memory))
         except BaseException:
             self._thread = None
             thread.stop()
             raise
+        if wal is not None:
+            thread.checkpoint(wal)
 
     async def close(self) -> None:
         """Stop the thread; it closes the connection (the last connection to close

@@ -23,7 +23,12 @@ from typing import Any
 import pytest
 
 import aio_keuss
-from aio_keuss.sqlite.connection import APPLICATION_ID, SqliteOptions, path_from_url
+from aio_keuss.sqlite.connection import (
+    APPLICATION_ID,
+    CHECKPOINT_BYTES,
+    SqliteOptions,
+    path_from_url,
+)
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -503,6 +508,99 @@ async def test_writes_queued_together_share_a_commit_and_fail_alone(open_factory
     assert isinstance(outcomes[1], ValueError)
     kept = await backend.read(lambda c: c.execute("SELECT queue FROM stats ORDER BY 1").fetchall())
     assert kept == [("a",), ("b",)]
+
+
+# checkpoints -------------------------------------------------------------------------------
+
+
+def _size(path: str) -> int:
+    try:
+        return os.stat(path).st_size
+    except FileNotFoundError:
+        return 0
+
+
+async def test_a_commit_is_answered_before_the_checkpoint_it_calls_for(
+    open_factory: Open, database: str
+) -> None:
+    """A push that takes the WAL past the checkpoint threshold is answered before any page
+    is copied back into the database file (in WAL mode only a checkpoint writes that
+    file): SQLite's automatic checkpoint ran inside that push's COMMIT. The checkpoint
+    waits for the calls queued behind the push, then runs once the thread is idle."""
+    factory = await open_factory(signal="local", synchronous="normal")
+    backend = factory.backend
+    q = await factory.queue("jobs")
+    await q.push("warm-up")
+    calls = backend._thread._calls
+    before = _size(database)
+    started, first, second = threading.Event(), threading.Event(), threading.Event()
+
+    async def queued(count: int) -> None:
+        for _ in range(3000):
+            if calls.qsize() >= count:
+                return
+            await asyncio.sleep(0.01)
+        raise AssertionError(f"fewer than {count} calls queued")
+
+    def hold(c: sqlite3.Connection) -> bool:
+        started.set()
+        return first.wait(60)
+
+    try:
+        busy = asyncio.ensure_future(backend.read(hold))
+        await asyncio.to_thread(started.wait, 60)  # the thread is held: what follows queues
+        pushing = asyncio.ensure_future(q.push("x" * (CHECKPOINT_BYTES + CHECKPOINT_BYTES // 4)))
+        await queued(1)  # the push's write
+        behind = asyncio.ensure_future(backend.read(lambda c: second.wait(60)))
+        await queued(2)  # a call behind it: the thread is not idle after the push's commit
+        first.set()
+        await pushing
+        assert _size(database) == before, "pages were copied before the push was answered"
+        second.set()
+        await asyncio.gather(busy, behind)
+    finally:  # a failure above must not leave the thread held
+        first.set()
+        second.set()
+    for _ in range(3000):
+        if _size(database) > before + CHECKPOINT_BYTES:
+            break
+        await asyncio.sleep(0.01)
+    assert _size(database) > before + CHECKPOINT_BYTES, "no checkpoint once the thread was idle"
+
+
+async def test_the_wal_stays_bounded_and_another_process_reads_every_message(
+    open_factory: Open, database: str
+) -> None:
+    """A long stream of writes keeps the WAL file under a bound; while another
+    connection's read snapshot holds the checkpoints back the WAL has to grow, and once it
+    lets go the file comes back under the bound (SQLite's automatic checkpoint left it at
+    its largest size for good). A consumer in another process then gets every message."""
+    factory = await open_factory(synchronous="normal")
+    q = await factory.queue("jobs")
+    wal, bound = database + "-wal", 3 * CHECKPOINT_BYTES
+    payload = "x" * 16_000
+    pushed: list[str] = []
+
+    async def stream(megabytes: int) -> int:
+        largest = 0
+        for _ in range(megabytes * 4):
+            pushed.extend(await q.push_many([payload] * 16))  # 256 KB a commit
+            largest = max(largest, _size(wal))
+        return largest
+
+    assert await stream(16) <= bound
+    reader = sqlite3.connect(database, isolation_level=None)
+    try:
+        reader.execute("BEGIN")
+        reader.execute("SELECT count(*) FROM messages").fetchone()  # a snapshot, held
+        assert await stream(16) > bound  # the checkpoints could not copy past it
+    finally:
+        reader.execute("COMMIT")
+        reader.close()
+    await stream(16)
+    assert _size(wal) <= bound
+    consumer = await _spawn(database, "reserve")
+    assert sorted((await _result(consumer))["ids"]) == sorted(pushed)
 
 
 # fork ----------------------------------------------------------------------------------------
