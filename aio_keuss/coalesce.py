@@ -92,6 +92,7 @@ class Coalescer(Generic[Req, Res]):
         self._crowded = False  # the last batch carried more than CROWDED callers
         self._tasks: set[asyncio.Task[None]] = set()
         self._inline_done: asyncio.Event | None = None  # set for wait_idle when one ends
+        self._backs = 0  # hand-backs under way (see ``hand_back``), which a close waits for
         # The loop, looked up once: on Python 3.11 ``asyncio.get_running_loop()`` costs a
         # getpid() system call (its fork check), which a call per request would pay.
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -132,8 +133,9 @@ class Coalescer(Generic[Req, Res]):
             raise
 
     async def wait_idle(self) -> None:
-        """Wait for the batches in flight, run by tasks or by callers (used on close)."""
-        while self._tasks or self._running:
+        """Wait for the batches in flight, run by tasks or by callers, and the hand-backs
+        under way (used on close)."""
+        while self._tasks or self._running or self._backs:
             if self._tasks:
                 await asyncio.gather(*self._tasks, return_exceptions=True)
                 # A task cancelled before its first step never ran the ``finally`` that
@@ -147,6 +149,11 @@ class Coalescer(Generic[Req, Res]):
         self._running -= 1
         if self._pending:
             self._schedule()
+        if self._inline_done is not None:
+            self._inline_done.set()
+
+    def _handed_back(self, _: object = None) -> None:
+        self._backs -= 1
         if self._inline_done is not None:
             self._inline_done.set()
 
@@ -268,13 +275,21 @@ class Coalescer(Generic[Req, Res]):
         back = self.on_orphan_work(request, result)
         if back is None:
             return
+        # Counted until the work ends, for a close to wait for (``wait_idle``): closed under
+        # it, the connection would lose the put-back, or never get its connection back.
+        self._backs += 1
         if self._uninterruptible:
-            work = RunToEnd(back)
-            await work
+            try:
+                work = RunToEnd(back)
+                await work
+            finally:
+                self._handed_back()
             work.raise_held()
             return
         loop = self._loop or asyncio.get_running_loop()
-        await asyncio.shield(loop.create_task(back))
+        task = loop.create_task(back)
+        task.add_done_callback(self._handed_back)
+        await asyncio.shield(task)
 
 
 class Uncancellable(asyncio.Future[None]):

@@ -1,0 +1,84 @@
+"""A close under way while a cancelled caller's put-back is still a round trip in flight, on
+a store whose calls can be interrupted (PostgreSQL): the put-back runs in a task of its own
+(``Coalescer.hand_back``), which the close must wait for before the connection closes, as it
+waits for every other call in flight.
+
+The put-back is held at a point the test controls: a connection of the test's own locks the
+messages table once the pop has taken its messages, so the put-back's INSERT waits for the
+lock; the close is started meanwhile, and the lock released once it has had time to run.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+from backends import CASES, new_token
+
+import aio_keuss
+
+pytestmark = pytest.mark.timeout(120)
+
+_CASES = {case.id: case for case in CASES}
+
+
+async def test_a_close_waits_for_a_cancelled_pop_s_put_back() -> None:
+    """A pop cancelled once its batch had answered puts its messages back; a close begun
+    meanwhile waits for that put-back before it closes the pool. It did not: the pool's
+    close then waited for ever for the put-back's connection, which went back to a set of
+    held connections already closed (and a put-back starting later found no pool, and the
+    popped messages were lost)."""
+    asyncpg = pytest.importorskip("asyncpg")
+    case = _CASES["postgres"]
+    reason = case.available()
+    if reason:
+        pytest.skip(reason)
+    options: dict[str, Any] = {**case.options(new_token()), "stats": "memory", "signal": "local"}
+    blocker = None
+    try:
+        factory = await aio_keuss.connect(case.name, **options)
+        q = await factory.queue("jobs")
+        await q.push_many([{"n": 1}, {"n": 2}])
+        blocker = await asyncpg.connect(options["url"])
+        store: Any = q._store
+        primitive = store.get
+        loop = asyncio.get_running_loop()
+        locked = asyncio.Event()
+
+        async def get(n: int) -> Any:
+            fetched = await primitive(n)
+            # the put-back's INSERT will wait for this lock
+            await blocker.execute(
+                f'BEGIN; LOCK TABLE "{options["schema"]}".messages IN EXCLUSIVE MODE'
+            )
+            locked.set()
+            # the caller is cancelled after its result is set, before it resumes
+            loop.call_soon(popping.cancel)
+            return fetched
+
+        store.get = get
+        popping = asyncio.create_task(q.pop_many(2, max_wait=0))
+        await asyncio.wait_for(locked.wait(), 10)
+        await asyncio.sleep(0.05)  # the caller is cancelled, its put-back waits for the lock
+        assert not popping.done()
+        closing = asyncio.create_task(factory.close())
+        await asyncio.sleep(0.3)
+        await blocker.execute("ROLLBACK")
+        done, _ = await asyncio.wait({closing}, timeout=10)
+        assert closing in done, "the close hangs"
+        closing.result()
+        with pytest.raises(asyncio.CancelledError):
+            await popping
+        other = await aio_keuss.connect(case.name, **options)
+        try:
+            o = await other.queue("jobs")
+            ready = await o.pop_many(10, timeout=0)
+        finally:
+            await other.close()
+        assert len(ready) == 2  # put back, none lost
+    finally:
+        if blocker is not None:
+            await blocker.close()
+        if case.cleanup is not None:
+            await case.cleanup(options)
