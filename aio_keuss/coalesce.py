@@ -280,7 +280,9 @@ class Coalescer(Generic[Req, Res]):
         self._backs += 1
         if self._uninterruptible:
             try:
-                work = RunToEnd(back)
+                # a turn it gives the loop (the memory store's insert) is no reply to wait
+                # for: a cancellation there, interrupting it, lost what it put back
+                work = RunToEnd(back, turns=True)
                 await work
             finally:
                 self._handed_back()
@@ -308,16 +310,22 @@ class RunToEnd(Generic[T]):
     cancelled) does not interrupt the work: it is held in ``held`` and the coroutine goes on
     to the end. Any other cancellation interrupts as usual.
 
+    With ``turns``, a cancellation thrown in at a bare yield (``asyncio.sleep(0)``: a turn
+    given to the loop, which nothing waits on) is held too, and the coroutine resumed: for
+    work that must not stop once begun (a hand-back), on a store where nothing else is
+    awaited.
+
     The awaiter does what must follow the work (counts, signals, hand-backs), then calls
     :meth:`raise_held`. Should the work fail after a cancellation was held, the awaiter gets
     the cancellation instead of the failure: its task was cancelled and must end so, or
     ``asyncio.timeout`` and task groups, which count on the cancellation coming back to
     them, would see an ordinary error and leave the task's cancel request standing."""
 
-    __slots__ = ("_coro", "held")
+    __slots__ = ("_coro", "_turns", "held")
 
-    def __init__(self, coro: Coroutine[Any, Any, T]) -> None:
+    def __init__(self, coro: Coroutine[Any, Any, T], *, turns: bool = False) -> None:
         self._coro = coro
+        self._turns = turns
         self.held: asyncio.CancelledError | None = None
 
     def __await__(self) -> Generator[Any, None, T]:
@@ -339,6 +347,8 @@ class RunToEnd(Generic[T]):
             except asyncio.CancelledError as exc:
                 if isinstance(step, asyncio.Future) and step.done() and not step.cancelled():
                     self.held = exc
+                elif step is None and self._turns:
+                    self.held = self.held or exc
                 else:
                     error = exc
             except BaseException as exc:  # pragma: no cover - only cancellation is thrown in

@@ -263,3 +263,22 @@ async def test_a_gathering_pop_whose_coroutine_is_closed_puts_back_what_it_took(
     again = await queue.pop(timeout=1)
     assert again is not None and again.payload == "first"
     assert store.made("insert") == [1, 1]  # the push, then the put-back
+
+
+async def test_a_put_back_cancelled_again_as_it_yields_a_turn_still_puts_everything_back() -> None:
+    """A gathering ``pop_many`` cancelled puts back what it took, in its own task; a second
+    cancellation landing while that put-back yields a turn to the loop (the memory store's
+    insert does, once per ``PUSH_TURN`` messages) interrupted the insert before it ran, and
+    every message taken was lost."""
+    async with aio_keuss.connect("memory") as factory:
+        q = await factory.queue("q")
+        await q.push_many(list(range(40)))  # more than PUSH_TURN: the put-back yields once
+        taking = asyncio.create_task(q.pop_many(100, max_wait=30))
+        await asyncio.sleep(0.05)  # took the 40, and gathers for more
+        assert await q.size() == 0
+        taking.cancel()
+        await asyncio.sleep(0)  # its put-back begins, and yields a turn
+        taking.cancel()  # a second cancellation (a task group, a shutdown) lands there
+        with pytest.raises(asyncio.CancelledError):
+            await taking
+        assert await q.size() == 40
