@@ -137,7 +137,10 @@ class Coalescer(Generic[Req, Res]):
         under way (used on close)."""
         while self._tasks or self._running or self._backs:
             if self._tasks:
-                await asyncio.gather(*self._tasks, return_exceptions=True)
+                # Not gather: cancelled (a close cancelled), gather would cancel the batches
+                # themselves, whose callers were not (an interruptible store's round trip,
+                # cut short once the server had done it, lost what it took).
+                await asyncio.wait(self._tasks)
                 # A task cancelled before its first step never ran the ``finally`` that
                 # removes it.
                 self._tasks = {task for task in self._tasks if not task.done()}

@@ -153,3 +153,53 @@ async def test_a_cancelled_close_waits_for_a_silent_server_only_so_long(
     finally:
         if case.cleanup is not None:
             await case.cleanup(options)
+
+
+async def test_a_cancelled_close_lets_a_batch_in_flight_end_on_postgres() -> None:
+    """On PostgreSQL a pop runs in a batch task, whose statement a cancellation interrupts
+    (asyncpg cancels it: where the server had already run it, the messages it deleted are
+    lost). A close cancelled while it waits for that batch cancelled it along with the
+    wait, and its caller, never cancelled itself, got a CancelledError. The close now lets
+    the batch end: its caller gets its messages, and none is lost."""
+    asyncpg = pytest.importorskip("asyncpg")
+    case = _CASES["postgres"]
+    reason = case.available()
+    if reason:
+        pytest.skip(reason)
+    options = {**case.options(new_token()), "stats": "memory", "signal": "local"}
+    blocker = None
+    try:
+        factory = await aio_keuss.connect(case.name, **options)
+        q = await factory.queue("jobs")
+        await q.push_many([{"n": n} for n in range(MESSAGES)])
+        blocker = await asyncpg.connect(options["url"])
+        # the pop's DELETE waits for this lock, in the batch task
+        await blocker.execute(f'BEGIN; LOCK TABLE "{options["schema"]}".messages IN EXCLUSIVE MODE')
+        taking = asyncio.create_task(q.pop_many(2))
+        await asyncio.sleep(0.2)
+        assert q._gets._tasks and not taking.done()
+        closing = asyncio.create_task(factory.close())
+        for _ in range(1000):  # until the close waits for the batch
+            if q._closed:
+                break
+            await asyncio.sleep(0.01)
+        assert q._closed
+        closing.cancel()  # as asyncio.timeout around the close would
+        await asyncio.sleep(0.05)
+        await blocker.execute("ROLLBACK")
+        outcome = await asyncio.gather(closing, return_exceptions=True)
+        assert isinstance(outcome[0], asyncio.CancelledError)
+        got = [m.id for m in await asyncio.wait_for(taking, 30)]  # not cancelled: no CancelledError
+        other = await aio_keuss.connect(case.name, **options)
+        try:
+            o = await other.queue("jobs")
+            ready = [m.id for m in await o.pop_many(100, timeout=0)]
+        finally:
+            await other.close()
+        assert len(got) == 2
+        assert len(ready) + len(got) == MESSAGES
+    finally:
+        if blocker is not None:
+            await blocker.close()
+        if case.cleanup is not None:
+            await case.cleanup(options)
