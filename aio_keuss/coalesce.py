@@ -148,6 +148,13 @@ class Coalescer(Generic[Req, Res]):
                 self._inline_done = asyncio.Event()
                 await self._inline_done.wait()
 
+    def cancel_batches(self) -> None:
+        """Cancel the batch tasks in flight: for a close that gave up waiting for them (the
+        connection closes next, and on PostgreSQL its pool's close waits for every
+        statement to end)."""
+        for task in self._tasks:
+            task.cancel()
+
     def _ran_inline(self) -> None:
         self._running -= 1
         if self._pending:

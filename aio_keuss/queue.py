@@ -1255,6 +1255,8 @@ class Queue:
                 async with asyncio.timeout(CANCELLED_CLOSE_GRACE):
                     await self._finish_close()
             except (Exception, asyncio.CancelledError) as exc:
+                for coalescer in self._coalescers():
+                    coalescer.cancel_batches()  # not waited for any more (see wait_idle)
                 log.warning(
                     "queue %r: cancelled close given up (%r): round trips in flight may"
                     " lose their replies, reservations not given back come back when they"
@@ -1299,14 +1301,7 @@ class Queue:
                 self._due_handle = None
             self._wakeups.announce(None)
             self._unsubscribe()
-        for coalescer in (
-            self._inserts,
-            self._gets,
-            self._reserves,
-            self._commits,
-            self._rollbacks,
-            self._moves,
-        ):
+        for coalescer in self._coalescers():
             await coalescer.wait_idle()
         while self._background:
             await asyncio.gather(*self._background, return_exceptions=True)
@@ -1314,6 +1309,16 @@ class Queue:
         # handlers hold are theirs still
         await self._give_back({i for consumer in self._consumers for i in consumer.busy})
         await self._store.close()
+
+    def _coalescers(self) -> tuple[Coalescer[Any, Any], ...]:
+        return (
+            self._inserts,
+            self._gets,
+            self._reserves,
+            self._commits,
+            self._rollbacks,
+            self._moves,
+        )
 
     # internals ------------------------------------------------------------------------
 

@@ -203,3 +203,50 @@ async def test_a_cancelled_close_lets_a_batch_in_flight_end_on_postgres() -> Non
             await blocker.close()
         if case.cleanup is not None:
             await case.cleanup(options)
+
+
+async def test_a_cancelled_close_past_its_grace_ends_with_a_batch_stuck_on_postgres(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Past ``CANCELLED_CLOSE_GRACE`` a cancelled close gives up the batch it waited for (a
+    statement that does not end, here one waiting for a lock nobody releases): the batch is
+    cancelled then, so the pool's close, which waits for every connection, can end."""
+    import aio_keuss.queue
+
+    asyncpg = pytest.importorskip("asyncpg")
+    case = _CASES["postgres"]
+    reason = case.available()
+    if reason:
+        pytest.skip(reason)
+    monkeypatch.setattr(aio_keuss.queue, "CANCELLED_CLOSE_GRACE", 0.2)
+    options = {**case.options(new_token()), "stats": "memory", "signal": "local"}
+    blocker = None
+    try:
+        factory = await aio_keuss.connect(case.name, **options)
+        q = await factory.queue("jobs")
+        await q.push_many([{"n": n} for n in range(MESSAGES)])
+        blocker = await asyncpg.connect(options["url"])
+        await blocker.execute(f'BEGIN; LOCK TABLE "{options["schema"]}".messages IN EXCLUSIVE MODE')
+        taking = asyncio.create_task(q.pop_many(2))
+        await asyncio.sleep(0.2)
+        closing = asyncio.create_task(factory.close())
+        for _ in range(1000):
+            if q._closed:
+                break
+            await asyncio.sleep(0.01)
+        closing.cancel()
+        outcome = await asyncio.wait_for(asyncio.gather(closing, return_exceptions=True), 10)
+        assert isinstance(outcome[0], asyncio.CancelledError)
+        await asyncio.gather(taking, return_exceptions=True)
+        await blocker.execute("ROLLBACK")
+        other = await aio_keuss.connect(case.name, **options)
+        try:
+            sizes = await (await other.queue("jobs")).sizes()
+        finally:
+            await other.close()
+        assert sizes.total == MESSAGES  # the pop's statement was cancelled: nothing taken
+    finally:
+        if blocker is not None:
+            await blocker.close()
+        if case.cleanup is not None:
+            await case.cleanup(options)
