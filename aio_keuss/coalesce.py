@@ -93,6 +93,7 @@ class Coalescer(Generic[Req, Res]):
         self._tasks: set[asyncio.Task[None]] = set()
         self._inline_done: asyncio.Event | None = None  # set for wait_idle when one ends
         self._backs = 0  # hand-backs under way (see ``hand_back``), which a close waits for
+        self._back_tasks: set[asyncio.Task[None]] = set()  # those running in tasks
         # The loop, looked up once: on Python 3.11 ``asyncio.get_running_loop()`` costs a
         # getpid() system call (its fork check), which a call per request would pay.
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -149,10 +150,10 @@ class Coalescer(Generic[Req, Res]):
                 await self._inline_done.wait()
 
     def cancel_batches(self) -> None:
-        """Cancel the batch tasks in flight: for a close that gave up waiting for them (the
-        connection closes next, and on PostgreSQL its pool's close waits for every
-        statement to end)."""
-        for task in self._tasks:
+        """Cancel the batch tasks in flight, and the hand-backs running in tasks: for a
+        close that gave up waiting for them (the connection closes next, and on PostgreSQL
+        its pool's close waits for every statement to end)."""
+        for task in (*self._tasks, *self._back_tasks):
             task.cancel()
 
     def _ran_inline(self) -> None:
@@ -162,8 +163,10 @@ class Coalescer(Generic[Req, Res]):
         if self._inline_done is not None:
             self._inline_done.set()
 
-    def _handed_back(self, _: object = None) -> None:
+    def _handed_back(self, task: asyncio.Task[None] | None = None) -> None:
         self._backs -= 1
+        if task is not None:
+            self._back_tasks.discard(task)
         if self._inline_done is not None:
             self._inline_done.set()
 
@@ -300,6 +303,7 @@ class Coalescer(Generic[Req, Res]):
             return
         loop = self._loop or asyncio.get_running_loop()
         task = loop.create_task(back)
+        self._back_tasks.add(task)
         task.add_done_callback(self._handed_back)
         await asyncio.shield(task)
 

@@ -82,3 +82,59 @@ async def test_a_close_waits_for_a_cancelled_pop_s_put_back() -> None:
             await blocker.close()
         if case.cleanup is not None:
             await case.cleanup(options)
+
+
+async def test_a_cancelled_close_past_its_grace_ends_with_a_put_back_stuck(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The same put-back, whose INSERT never ends (a lock held through the test), and the
+    close cancelled: past ``CANCELLED_CLOSE_GRACE`` the close gives the put-back up (it is
+    cancelled, as the batches are) and ends, rather than wait for ever in the pool's close."""
+    import aio_keuss.queue
+
+    asyncpg = pytest.importorskip("asyncpg")
+    case = _CASES["postgres"]
+    reason = case.available()
+    if reason:
+        pytest.skip(reason)
+    monkeypatch.setattr(aio_keuss.queue, "CANCELLED_CLOSE_GRACE", 0.2)
+    options: dict[str, Any] = {**case.options(new_token()), "stats": "memory", "signal": "local"}
+    blocker = None
+    try:
+        factory = await aio_keuss.connect(case.name, **options)
+        q = await factory.queue("jobs")
+        await q.push_many([{"n": 1}, {"n": 2}])
+        blocker = await asyncpg.connect(options["url"])
+        store: Any = q._store
+        primitive = store.get
+        loop = asyncio.get_running_loop()
+        locked = asyncio.Event()
+
+        async def get(n: int) -> Any:
+            fetched = await primitive(n)
+            await blocker.execute(
+                f'BEGIN; LOCK TABLE "{options["schema"]}".messages IN EXCLUSIVE MODE'
+            )
+            locked.set()
+            loop.call_soon(popping.cancel)
+            return fetched
+
+        store.get = get
+        popping = asyncio.create_task(q.pop_many(2, max_wait=0))
+        await asyncio.wait_for(locked.wait(), 10)
+        await asyncio.sleep(0.05)
+        closing = asyncio.create_task(factory.close())
+        for _ in range(1000):
+            if q._closed:
+                break
+            await asyncio.sleep(0.01)
+        closing.cancel()
+        done, _ = await asyncio.wait({closing}, timeout=10)
+        assert closing in done, "the close hangs"
+        assert closing.cancelled()
+        await asyncio.gather(popping, return_exceptions=True)
+    finally:
+        if blocker is not None:
+            await blocker.close()
+        if case.cleanup is not None:
+            await case.cleanup(options)
