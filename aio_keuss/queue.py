@@ -699,9 +699,16 @@ class Queue:
             return
         nacks = [Nack(i, tries, 0.0, count_try=False) for i, tries in held.items()]
         size = self.options.max_batch
+        sent = 0
         try:
             for start in range(0, len(nacks), size):
-                await self._store.rollback(nacks[start : start + size], None)
+                sent = start + size
+                await self._store.rollback(nacks[start:sent], None)
+        except asyncio.CancelledError:
+            # a cancelled close: those not sent yet are still held, for its grace to give
+            # back (not those in flight: given back already, they may be another's now)
+            self._held.update(list(held.items())[sent:])
+            raise
         except ClosedError:
             # a close that was cancelled closed the store already: a store that refuses
             # calls once closed (the bucket stores) gives back all it holds as it closes

@@ -250,3 +250,47 @@ async def test_a_cancelled_close_past_its_grace_ends_with_a_batch_stuck_on_postg
             await blocker.close()
         if case.cleanup is not None:
             await case.cleanup(options)
+
+
+async def test_a_close_cancelled_while_it_gives_back_still_gives_back_the_rest(
+    case_options: tuple[BackendCase, dict[str, Any]],
+) -> None:
+    """The close gives back the reservations nobody acknowledged, ``max_batch`` to a round
+    trip. Cancelled during the first of those round trips, its grace gave back nothing
+    more: the reservations not yet sent had been taken out of those held, and stayed
+    reserved until ``reserve_delay``. They go back in the grace now."""
+    case, options = case_options
+    factory = await aio_keuss.connect(case.name, **options)
+    q = await factory.queue("jobs", reserve_delay=3600.0, max_batch=2)
+    await q.push_many([{"n": n} for n in range(6)])
+    held = [m for _ in range(3) for m in await q.reserve_many(2)]  # the user's, never acked
+    assert len(held) == 6
+    hold, release = _holder(factory, case, options)
+    store: Any = q._store
+    primitive = store.rollback
+    giving_back = asyncio.Event()
+
+    async def rollback(*args: Any) -> Any:
+        if not giving_back.is_set():
+            hold()  # the first give-back's reply waits
+            giving_back.set()
+        return await primitive(*args)
+
+    store.rollback = rollback
+    closing = asyncio.create_task(factory.close())
+    await asyncio.wait_for(giving_back.wait(), 10)
+    await asyncio.sleep(0.05)
+    closing.cancel()  # as asyncio.timeout around the close would
+    await asyncio.sleep(0.05)
+    release()
+    outcome = await asyncio.gather(closing, return_exceptions=True)
+    assert isinstance(outcome[0], asyncio.CancelledError)
+    other = await aio_keuss.connect(case.name, **options)
+    try:
+        o = await other.queue("jobs", reserve_delay=3600.0)
+        ready = await o.pop_many(100, timeout=0)
+        sizes = await o.sizes()
+    finally:
+        await other.close()
+    assert sizes.total == 0, sizes  # nothing left reserved for a closed queue
+    assert {m.id for m in ready} == {m.id for m in held}
