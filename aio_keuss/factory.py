@@ -208,10 +208,14 @@ class Factory:
             # factory (closed under it, its push failed and its message was handled again).
             # A cancelled close (a second Ctrl-C) reaches every consumer's stop at once.
             stops: list[BaseException | None] = []
+            cut_short = False
             try:
                 stops = await asyncio.gather(
                     *(queue._stop_consumers() for queue in queues), return_exceptions=True
                 )
+            except asyncio.CancelledError:
+                cut_short = True  # the queues' closes are bounded as cancelled ones
+                raise
             finally:
                 self._siblings_open = False
                 while self._opening:  # opened by a handler's move while it finished
@@ -221,7 +225,8 @@ class Factory:
                 # away) must not keep the others open; after a cancelled stop too, so that
                 # each still gives back what it holds before the backend closes under it
                 closes = await asyncio.gather(
-                    *(queue.close() for queue in queues), return_exceptions=True
+                    *(queue._close_cut_short() if cut_short else queue.close() for queue in queues),
+                    return_exceptions=True,
                 )
             for result in (*stops, *closes):
                 if isinstance(result, Exception):

@@ -1245,7 +1245,14 @@ class Queue:
         for consumer in self._consumers:
             consumer.stop_taking()
 
-    async def _close(self) -> None:
+    async def _close(self, cut_short: bool = False) -> None:
+        if cut_short:
+            # Begun by a factory's close cancelled while the consumers stopped: all of it is
+            # the rest of a cancelled close, bounded alike.
+            cancelled = await self._in_grace(self._close_steps())
+            if cancelled is not None:
+                raise cancelled
+            return
         try:
             await self._close_steps()
         except asyncio.CancelledError:
@@ -1255,25 +1262,43 @@ class Queue:
             # still in flight then lost its reply (the messages a pop had taken), the
             # reservations the user held stayed reserved until ``reserve_delay``, and a
             # store holding state of its own (a bucket store's leased buckets) kept it until
-            # its lease lapsed. Bounded: past ``CANCELLED_CLOSE_GRACE`` (a server that does
-            # not answer), or cancelled again, the rest is given up, but the store still
-            # closes.
-            try:
-                async with asyncio.timeout(CANCELLED_CLOSE_GRACE):
-                    await self._finish_close()
-            except (Exception, asyncio.CancelledError) as exc:
-                for coalescer in self._coalescers():
-                    coalescer.cancel_batches()  # not waited for any more (see wait_idle)
-                log.warning(
-                    "queue %r: cancelled close given up (%r): round trips in flight may"
-                    " lose their replies, reservations not given back come back when they"
-                    " expire",
-                    self.name,
-                    exc,
-                )
-            finally:
-                await self._store.close()
+            # its lease lapsed.
+            await self._in_grace(self._finish_close())
             raise
+
+    async def _close_cut_short(self) -> None:
+        """``close`` for a factory whose own close was cancelled before this one began
+        (while the consumers stopped): bounded as a cancelled close is, not left to wait
+        for its round trips in flight without end."""
+        begun = self._closing.task
+        if begun is None or (begun.cancelled() and not self._closed):
+            self._closing.begin(self._close(cut_short=True))
+            await self._closing.wait(True)
+        else:
+            await self.close()
+
+    async def _in_grace(self, rest: Coroutine[Any, Any, None]) -> asyncio.CancelledError | None:
+        """Run ``rest`` of a cancelled close, then close the store. Bounded: past
+        ``CANCELLED_CLOSE_GRACE`` (a server that does not answer), or cancelled again, the
+        rest is given up (the cancellation that did it is returned), but the store still
+        closes."""
+        try:
+            async with asyncio.timeout(CANCELLED_CLOSE_GRACE):
+                await rest
+        except (Exception, asyncio.CancelledError) as exc:
+            for coalescer in self._coalescers():
+                coalescer.cancel_batches()  # not waited for any more (see wait_idle)
+            log.warning(
+                "queue %r: cancelled close given up (%r): round trips in flight may"
+                " lose their replies, reservations not given back come back when they"
+                " expire",
+                self.name,
+                exc,
+            )
+            return exc if isinstance(exc, asyncio.CancelledError) else None
+        finally:
+            await self._store.close()
+        return None
 
     async def _stop_consumers(self) -> None:
         """Stop every consumer, side by side: their in-flight handlers finish and acknowledge.

@@ -294,3 +294,54 @@ async def test_a_close_cancelled_while_it_gives_back_still_gives_back_the_rest(
         await other.close()
     assert sizes.total == 0, sizes  # nothing left reserved for a closed queue
     assert {m.id for m in ready} == {m.id for m in held}
+
+
+async def test_a_close_cancelled_during_the_handlers_grace_is_still_bounded(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A shutdown timeout shorter than the handlers' grace cancels the factory's close while
+    it stops the consumers; the queues then closed as if nothing had been cancelled, each
+    waiting for its round trips in flight without bound: a pop whose statement does not end
+    (a server that stopped answering) held the close for ever, past
+    ``CANCELLED_CLOSE_GRACE``."""
+    import aio_keuss.consumer
+    import aio_keuss.queue
+
+    case = _CASES["postgres"]
+    reason = case.available()
+    if reason:
+        pytest.skip(reason)
+    monkeypatch.setattr(aio_keuss.queue, "CANCELLED_CLOSE_GRACE", 0.2)
+    monkeypatch.setattr(aio_keuss.consumer, "ACK_WAIT", 0.2)
+    options = {**case.options(new_token()), "stats": "memory", "signal": "local"}
+    try:
+        factory = await aio_keuss.connect(case.name, **options)
+        q = await factory.queue("jobs", reserve_delay=3600.0)
+        await q.push_many([{"n": n} for n in range(MESSAGES)])
+        handling = asyncio.Event()
+
+        async def handler(message: aio_keuss.Message) -> None:
+            handling.set()
+            await asyncio.Event().wait()  # outlives any grace
+
+        consumer = q.consume(handler)
+        await asyncio.wait_for(handling.wait(), 10)
+        store: Any = q._store
+
+        async def silent(n: int) -> Any:
+            await asyncio.Event().wait()  # a reply that never comes
+
+        store.get = silent
+        taking = asyncio.create_task(q.pop_many(2))
+        await asyncio.sleep(0.1)
+        closing = asyncio.create_task(factory.close())
+        await asyncio.sleep(0.3)  # in the handler's grace
+        assert consumer.state == "stopped" and not closing.done()
+        closing.cancel()  # as asyncio.timeout around the close would
+        done, _ = await asyncio.wait({closing}, timeout=10)
+        assert closing in done, "the close hangs"
+        assert closing.cancelled()
+        await asyncio.gather(taking, return_exceptions=True)
+    finally:
+        if case.cleanup is not None:
+            await case.cleanup(options)
