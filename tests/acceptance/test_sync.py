@@ -445,7 +445,7 @@ def test_an_interrupted_pop_or_reserve_gives_back_what_it_took(
     if threading.current_thread() is not threading.main_thread():
         pytest.skip("a signal interrupts the main thread only")
     backend, opts = options
-    real_consume = Queue._consume
+    real_consume, real_consume_one = Queue._consume, Queue._consume_one
     taken, resume = threading.Event(), threading.Event()
 
     async def consume_then_hang(self: Queue, *args: Any, **kwargs: Any) -> list[Message]:
@@ -453,6 +453,14 @@ def test_an_interrupted_pop_or_reserve_gives_back_what_it_took(
         if stored:
             taken.set()
             resume.wait(60)  # holds the loop thread: the result is not handed over yet
+        return stored
+
+    async def consume_one_then_hang(self: Queue, *args: Any, **kwargs: Any) -> Message | None:
+        # pop and reserve take their one message here, not through _consume
+        stored = await real_consume_one(self, *args, **kwargs)
+        if stored is not None:
+            taken.set()
+            resume.wait(60)
         return stored
 
     main = threading.get_ident()
@@ -465,6 +473,7 @@ def test_an_interrupted_pop_or_reserve_gives_back_what_it_took(
         q = factory.queue("interrupted", reserve_delay=600.0)
         q.push({"a": 1})
         monkeypatch.setattr(Queue, "_consume", consume_then_hang)
+        monkeypatch.setattr(Queue, "_consume_one", consume_one_then_hang)
         # The loop thread goes on once the interrupted thread has reacted (messages() then
         # closes its iterator, which waits for the loop thread).
         monkeypatch.setattr(
@@ -483,6 +492,7 @@ def test_an_interrupted_pop_or_reserve_gives_back_what_it_took(
             resume.set()
             interrupter.join(60)
         monkeypatch.setattr(Queue, "_consume", real_consume)
+        monkeypatch.setattr(Queue, "_consume_one", real_consume_one)
         assert wait_for(lambda: q.size() == 1), q.sizes()
         msg = q.pop(timeout=60)
         assert msg is not None and msg.payload == {"a": 1}
