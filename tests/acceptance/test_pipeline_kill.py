@@ -1,5 +1,6 @@
 """Pipelines under SIGKILL: 6,000 messages through three stations whose worker processes
-(``aio-keuss worker --pipeline``) are killed at random about once a second and restarted.
+(``aio-keuss worker --pipeline``) are killed at random about once a second and restarted
+(each victim once it has been consuming for a random 0.2 to 1 s).
 
 What must hold at the end: the last queue holds every message exactly once (no loss, no
 duplicate made between stations) and the stations' queues are empty. Handlers do run again
@@ -117,6 +118,24 @@ def _start(workdir: Path, backend: str, flags: list[str], port: int) -> subproce
     )  # fmt: skip
 
 
+async def _until_ready(worker: Station, deadline: float) -> None:
+    """Wait until ``worker`` consumes (its health endpoint comes up after its consumers).
+
+    A victim is killed only after this and a random while more: a worker killed while still
+    starting holds no message, so its kill tests nothing of the pipeline, and on a busy
+    machine, where a start takes seconds, kills on the clock alone outpaced the starts: the
+    stations made little progress, the postgres run took minutes (262 s in a loaded suite)
+    and neared its deadline. Gated, every kill lands on a worker that is handling messages
+    (side by side, one core busy: postgres 32 kills and 89 handler re-runs in 39 s, against
+    35 to 75 kills and 80 to 133 re-runs in 35 to 77 s before; redis-oq 8 kills and 21
+    re-runs in 10 s, against 26 to 47 kills and about 75 re-runs in 24 to 48 s).
+    """
+    while not await asyncio.to_thread(worker.ready):
+        assert worker.process.poll() is None, "a worker exited by itself"
+        assert time.monotonic() < deadline, "a worker did not come up"
+        await asyncio.sleep(0.05)
+
+
 @pytest.mark.parametrize("setup", [_redis, _postgres], ids=["redis-oq", "postgres"])
 async def test_sigkilled_stations_lose_and_duplicate_nothing(
     tmp_path: Path, setup: Callable[[str], Any]
@@ -138,16 +157,15 @@ async def test_sigkilled_stations_lose_and_duplicate_nothing(
             deadline = time.monotonic() + 420
             while await done.size() < MESSAGES:
                 assert time.monotonic() < deadline, f"only {await done.size()} arrived"
-                await asyncio.sleep(rng.uniform(0.5, 1.5))
                 victim = rng.randrange(WORKERS)
+                await _until_ready(workers[victim], deadline)
+                await asyncio.sleep(rng.uniform(0.2, 1.0))
                 workers[victim].process.send_signal(signal.SIGKILL)
                 await asyncio.to_thread(workers[victim].process.wait)
                 kills += 1
                 workers[victim] = Station(tmp_path, backend, flags)
             for worker in workers:
-                while not await asyncio.to_thread(worker.ready):
-                    assert worker.process.poll() is None, "a worker exited by itself"
-                    await asyncio.sleep(0.1)
+                await _until_ready(worker, time.monotonic() + 60)
                 worker.process.send_signal(signal.SIGTERM)
             for worker in workers:
                 assert await asyncio.to_thread(worker.process.wait, 60) == 0
