@@ -140,9 +140,13 @@ async def test_consumers_share_the_queue_and_the_loop(queue: aio_keuss.Queue, op
         while (message := await getattr(queue, op)(timeout=1)) is not None:
             if op == "reserve":
                 assert await queue.ok(message)
+            if message.payload == "stop":
+                return
             taken[me] += 1
             if sum(taken) == total:
                 ticks_while_flowing = ticks
+                # one to end each consumer now: an empty queue's timeout took 1 s a test
+                await queue.push_many(["stop"] * 3)
 
     beside = asyncio.create_task(ticker())
     await asyncio.gather(*(consume(i) for i in range(3)))
