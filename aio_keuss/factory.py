@@ -225,7 +225,10 @@ class Factory:
                 # away) must not keep the others open; after a cancelled stop too, so that
                 # each still gives back what it holds before the backend closes under it
                 closes = await asyncio.gather(
-                    *(queue._close_cut_short() if cut_short else queue.close() for queue in queues),
+                    *(
+                        queue._shut(cut_short=True) if cut_short else queue.close()
+                        for queue in queues
+                    ),
                     return_exceptions=True,
                 )
             for result in (*stops, *closes):

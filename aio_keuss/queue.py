@@ -396,18 +396,13 @@ class Queue:
             deadline = None if seconds is None else time.monotonic() + seconds
             drains, announced = self._drains, self._wakeups.announced  # taken before trying
             stored, next_mature = await source.submit(1)
-            if not stored:
+            if stored:
+                self._after_take(stored, 1, next_mature)
+            else:
                 tried = (drains, announced, next_mature, deadline)
                 stored = await self._wait_for(source, 1, seconds, None, doing, tried=tried)
-            elif _more_ready(stored, 1, next_mature):
-                self._wakeups.wake(1)  # pass the baton to a sleeper, if any
-            elif next_mature is not None:  # one due later: a sleeper then
-                self._hand_on(next_mature)
-        if not stored or (self._closed and source is self._reserves):
-            return None  # (a reserve a close waited for: see _consume)
-        self._stats.incr(self.name, counter, 1)
-        if observe.active is not None:
-            observe.active.delivered(self.name, stored)
+        if not self._handed_out(source, stored, counter):
+            return None
         s = stored[0]
         return decode_message(s.id, s.payload, s.headers, s.tries, s.mature)
 
@@ -435,17 +430,32 @@ class Queue:
         stored = await self._wait_for(source, n, check_timeout(timeout), outage, capability)
         if stored and gather and len(stored) < n:
             stored = await self._fill(source, n, stored, gather, outage, capability)
-        if stored and self._closed and source is self._reserves:
+        if not self._handed_out(source, stored, counter):
+            return []
+        return [decode_message(s.id, s.payload, s.headers, s.tries, s.mature) for s in stored]
+
+    def _after_take(self, stored: list[Stored], n: int, next_mature: float | None) -> None:
+        """A take of ``n`` got ``stored``: if more look ready, the baton goes to a sleeper;
+        if one falls due later, a sleeper is woken then."""
+        if _more_ready(stored, n, next_mature):
+            self._wakeups.wake(1)
+        elif next_mature is not None:
+            self._hand_on(next_mature)
+
+    def _handed_out(
+        self, source: Coalescer[int, FetchResult], stored: list[Stored], counter: str
+    ) -> bool:
+        """Whether what a pop or reserve took goes to its caller (counted, then)."""
+        if not stored or (self._closed and source is self._reserves):
             # Reserved by a round trip a close waited for: the close gives back every
             # reservation held once those end, these too. Handed out as well, they would be
             # handed to two consumers at once. (A pop's are the caller's: nothing gives them
             # back.)
-            return []
-        if stored:
-            self._stats.incr(self.name, counter, len(stored))
-            if observe.active is not None:
-                observe.active.delivered(self.name, stored)
-        return [decode_message(s.id, s.payload, s.headers, s.tries, s.mature) for s in stored]
+            return False
+        self._stats.incr(self.name, counter, len(stored))
+        if observe.active is not None:
+            observe.active.delivered(self.name, stored)
+        return True
 
     async def _fill(
         self,
@@ -539,10 +549,7 @@ class Queue:
                         if outage is not None:
                             outage.succeeded()
                     if stored:
-                        if _more_ready(stored, n, next_mature):
-                            wakeups.wake(1)  # pass the baton to a sleeper, if any
-                        elif next_mature is not None:  # one due later: a sleeper then
-                            self._hand_on(next_mature)
+                        self._after_take(stored, n, next_mature)
                         return stored
                 if next_mature is not None:
                     until = next_mature - time.time()
@@ -1224,10 +1231,17 @@ class Queue:
         before it gives anything back. Closes called while one is under way wait for it.
         Cancelled, it still finishes (calls in flight end, reservations go back) for up to
         ``CANCELLED_CLOSE_GRACE`` seconds, or until cancelled again."""
+        await self._shut(cut_short=False)
+
+    async def _shut(self, cut_short: bool) -> None:
+        """``close``; with ``cut_short``, for a factory whose own close was cancelled before
+        this one began (while the consumers stopped): all of it then runs as the rest of a
+        cancelled close, bounded alike, not left to wait for round trips in flight without
+        end."""
         begun = self._closing.task
         owner = begun is None or (begun.cancelled() and not self._closed)  # (again, as before)
         if owner:
-            self._closing.begin(self._close())
+            self._closing.begin(self._close(cut_short))
         elif not self._closing.under_way:
             return
         if self._runs_a_handler():
@@ -1245,7 +1259,7 @@ class Queue:
         for consumer in self._consumers:
             consumer.stop_taking()
 
-    async def _close(self, cut_short: bool = False) -> None:
+    async def _close(self, cut_short: bool) -> None:
         if cut_short:
             # Begun by a factory's close cancelled while the consumers stopped: all of it is
             # the rest of a cancelled close, bounded alike.
@@ -1265,17 +1279,6 @@ class Queue:
             # its lease lapsed.
             await self._in_grace(self._finish_close())
             raise
-
-    async def _close_cut_short(self) -> None:
-        """``close`` for a factory whose own close was cancelled before this one began
-        (while the consumers stopped): bounded as a cancelled close is, not left to wait
-        for its round trips in flight without end."""
-        begun = self._closing.task
-        if begun is None or (begun.cancelled() and not self._closed):
-            self._closing.begin(self._close(cut_short=True))
-            await self._closing.wait(True)
-        else:
-            await self.close()
 
     async def _in_grace(self, rest: Coroutine[Any, Any, None]) -> asyncio.CancelledError | None:
         """Run ``rest`` of a cancelled close, then close the store. Bounded: past
