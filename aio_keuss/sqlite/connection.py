@@ -149,6 +149,8 @@ def raise_ours(exc: Exception) -> NoReturn:
 
 
 _ESCAPE = re.compile(r"%([0-9A-Fa-f]{2})?")
+_SEPARATORS = tuple(filter(None, (os.sep, os.altsep)))
+"""The path separators of this platform ("/" among them everywhere Python runs)."""
 
 
 def _unescape(url: str, segment: str) -> str:
@@ -180,7 +182,7 @@ def _unescape(url: str, segment: str) -> str:
         raise ConfigError(
             f"url {brief(url)}: its %-escapes are not UTF-8 (RFC 3986, 2.5)"
         ) from None
-    if any(sep in text for sep in filter(None, ("/", os.sep, os.altsep))):
+    if any(sep in text for sep in _SEPARATORS):
         raise ConfigError(
             f"url {brief(url)}: an escaped path separator (%2F) is part of a file name, which"
             " cannot hold one (RFC 3986, 2.2): write the separator itself"
@@ -237,7 +239,7 @@ def check_path(path: object) -> str:
             f"path {brief(text)} cannot be a file name here: it has a character the file"
             " system encoding cannot encode"
         ) from None
-    if text.endswith(tuple(filter(None, (os.sep, os.altsep)))):
+    if text.endswith(_SEPARATORS):
         # Path() drops the separator and SQLite opens the name without it: "data/" made a
         # file called "data" where a directory was meant
         raise ConfigError(f"path {text!r} ends with a separator: it names a directory")
