@@ -7,6 +7,7 @@ Adding a backend = one Store module + one entry here.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import importlib
 import os
@@ -219,3 +220,12 @@ SHARDED_CASES = [c for c in CASES if c.name.endswith("-sharded")]
 
 def new_token() -> str:
     return uuid.uuid4().hex[:12]
+
+
+async def until_closed(queue: Any) -> None:
+    """Until ``queue``'s close has marked it closed, and so waits for what is in flight:
+    watched rather than timed, for tests that act on a close at that point (10 s at most)."""
+    for _ in range(1000):
+        if queue._closed:
+            return
+        await asyncio.sleep(0.01)

@@ -19,7 +19,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import pytest
-from backends import CASES, BackendCase, new_token
+from backends import CASES, BackendCase, new_token, until_closed
 
 import aio_keuss
 
@@ -78,10 +78,7 @@ async def test_a_close_during_a_round_trip_loses_nothing_and_hands_out_nothing_t
     taking = asyncio.create_task(q.pop_many(2) if kind == "pop" else q.reserve_many(2))
     await asyncio.sleep(0)  # the call is sent; its reply is held
     closing = asyncio.create_task(factory.close())
-    for _ in range(1000):  # until the close waits for the call (not timed: watched)
-        if q._closed:
-            break
-        await asyncio.sleep(0.01)
+    await until_closed(q)  # the close waits for what is in flight
     assert q._closed and not taking.done()
     if cancelled:
         closing.cancel()  # as asyncio.timeout around the close would
@@ -133,10 +130,7 @@ async def test_a_cancelled_close_waits_for_a_silent_server_only_so_long(
         taking = asyncio.create_task(q.reserve_many(2))
         await asyncio.sleep(0)
         closing = asyncio.create_task(factory.close())
-        for _ in range(1000):
-            if q._closed:
-                break
-            await asyncio.sleep(0.01)
+        await until_closed(q)  # the close waits for what is in flight
         closing.cancel()
         outcome = await asyncio.wait_for(asyncio.gather(closing, return_exceptions=True), 10)
         assert isinstance(outcome[0], asyncio.CancelledError)
@@ -179,10 +173,7 @@ async def test_a_cancelled_close_lets_a_batch_in_flight_end_on_postgres() -> Non
         await asyncio.sleep(0.2)
         assert q._gets._tasks and not taking.done()
         closing = asyncio.create_task(factory.close())
-        for _ in range(1000):  # until the close waits for the batch
-            if q._closed:
-                break
-            await asyncio.sleep(0.01)
+        await until_closed(q)  # the close waits for what is in flight
         assert q._closed
         closing.cancel()  # as asyncio.timeout around the close would
         await asyncio.sleep(0.05)
@@ -230,10 +221,7 @@ async def test_a_cancelled_close_past_its_grace_ends_with_a_batch_stuck_on_postg
         taking = asyncio.create_task(q.pop_many(2))
         await asyncio.sleep(0.2)
         closing = asyncio.create_task(factory.close())
-        for _ in range(1000):
-            if q._closed:
-                break
-            await asyncio.sleep(0.01)
+        await until_closed(q)  # the close waits for what is in flight
         closing.cancel()
         outcome = await asyncio.wait_for(asyncio.gather(closing, return_exceptions=True), 10)
         assert isinstance(outcome[0], asyncio.CancelledError)

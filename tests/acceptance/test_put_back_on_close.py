@@ -16,7 +16,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
-from backends import CASES, new_token
+from backends import CASES, new_token, until_closed
 
 import aio_keuss
 
@@ -111,10 +111,7 @@ async def test_a_cancelled_close_past_its_grace_ends_with_a_put_back_stuck(
     monkeypatch.setattr(aio_keuss.queue, "CANCELLED_CLOSE_GRACE", 0.2)
     async with _a_put_back_held_by_a_lock(put_back=False) as (factory, q, popping, _):
         closing = asyncio.create_task(factory.close())
-        for _ in range(1000):
-            if q._closed:
-                break
-            await asyncio.sleep(0.01)
+        await until_closed(q)  # the close waits for what is in flight
         closing.cancel()
         done, _ = await asyncio.wait({closing}, timeout=10)
         assert closing in done, "the close hangs"
