@@ -277,6 +277,7 @@ def to_datetime(timestamp: float) -> datetime:
 
 
 _new_object = object.__new__
+_from_timestamp = datetime.fromtimestamp
 _set_id, _set_payload, _set_headers, _set_tries, _set_mature = (
     Message.__dict__[name].__set__ for name in ("id", "payload", "headers", "tries", "mature")
 )
@@ -292,7 +293,8 @@ def decode_message(
     message = _new_object(Message)
     _set_id(message, message_id)
     _set_payload(message, decode_payload(payload))
-    _set_headers(message, decode_headers(headers))
+    # no headers, the usual case, and the time, without a call each
+    _set_headers(message, {} if headers == EMPTY_HEADERS else decode_headers(headers))
     _set_tries(message, tries)
-    _set_mature(message, to_datetime(mature))
+    _set_mature(message, _from_timestamp(mature, UTC))
     return message
