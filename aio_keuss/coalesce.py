@@ -56,6 +56,11 @@ Req = TypeVar("Req")
 Res = TypeVar("Res")
 T = TypeVar("T")
 
+OneCall = tuple[Callable[[], "asyncio.Future[Any] | None"], Callable[[Any], T]]
+"""A store's own one-request call, as (send, read): ``send()`` puts the request on the wire
+at once and returns the future of its reply, which refuses cancellation (or None: it
+cannot now); ``read(reply)`` is the request's result."""
+
 
 class Coalescer(Generic[Req, Res]):
     def __init__(
@@ -98,12 +103,38 @@ class Coalescer(Generic[Req, Res]):
         # getpid() system call (its fork check), which a call per request would pay.
         self._loop: asyncio.AbstractEventLoop | None = None
 
-    async def submit(self, request: Req) -> Res:
+    async def submit(self, request: Req, one: OneCall[Res] | None = None) -> Res:
+        """The result of ``request``, run with others' in a batch or alone (see the
+        module's docstring). ``one``: the store's own (send, read) for this request (see
+        ``Store.one_take``), used where the request runs alone in the caller's task."""
         free = not self._running if self._crowded else self._running < self._concurrency
         if self._inline and free and not self._pending:
             # In the caller's task, here rather than in a coroutine of its own: one frame
             # fewer on the hot path of every call that finds a free slot.
             self._running += 1
+            if one is not None:
+                try:
+                    reply = one[0]()
+                except BaseException:
+                    self._ran_inline()
+                    raise
+                if reply is not None:
+                    # The reply refuses cancellation: a cancellation lands once it is in,
+                    # and what it took is handed back as a batch's would be. Awaited here,
+                    # with no coroutine between the caller and the reply (what ``RunToEnd``
+                    # does for a batch, at a fraction of the cost).
+                    try:
+                        raw = await reply
+                    except asyncio.CancelledError:
+                        self._ran_inline()
+                        if replied(reply):
+                            await self.hand_back(request, one[1](reply.result()))
+                        raise
+                    except BaseException:
+                        self._ran_inline()
+                        raise
+                    self._ran_inline()
+                    return one[1](raw)
             if self._on_orphan is None:  # nothing to hand back: a plain await is enough
                 try:
                     (result,) = await self._run_batch([request])
@@ -132,6 +163,30 @@ class Coalescer(Generic[Req, Res]):
             if future.done() and not future.cancelled() and future.exception() is None:
                 await self.hand_back(request, future.result())
             raise
+
+    def send_one(
+        self, send: Callable[..., asyncio.Future[Any] | None], *args: Any
+    ) -> asyncio.Future[Any] | None:
+        """For a one-message call the store sends itself (``Store.one_commit``, ``one_insert``)
+        and whose caller records its outcome: where a call would run in its caller's task
+        now, take the slot and ``send(*args)``; the reply future, to await, then call
+        :meth:`ran_one`. None: no free slot, or nothing sent; ``submit`` the call instead."""
+        free = not self._running if self._crowded else self._running < self._concurrency
+        if not (self._inline and free and not self._pending):
+            return None
+        self._running += 1
+        try:
+            reply = send(*args)
+        except BaseException:
+            self._ran_inline()
+            raise
+        if reply is None:
+            self._running -= 1  # nothing was queued meanwhile: no batch to start
+        return reply
+
+    def ran_one(self) -> None:
+        """A call :meth:`send_one` sent has its reply (or gave up on it): the slot is free."""
+        self._ran_inline()
 
     async def wait_idle(self) -> None:
         """Wait for the batches in flight, run by tasks or by callers, and the hand-backs
@@ -306,6 +361,13 @@ class Coalescer(Generic[Req, Res]):
         self._back_tasks.add(task)
         task.add_done_callback(self._handed_back)
         await asyncio.shield(task)
+
+
+def replied(reply: asyncio.Future[Any]) -> bool:
+    """Whether a reply that refuses cancellation came in (a cancellation of its awaiter
+    then landed after the store had done the work), rather than failing or being given up
+    on."""
+    return reply.done() and not reply.cancelled() and reply.exception() is None
 
 
 class Uncancellable(asyncio.Future[None]):

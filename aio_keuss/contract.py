@@ -14,6 +14,7 @@ lives on a server should use the server's clock so several clients agree on what
 
 from __future__ import annotations
 
+import asyncio
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -147,6 +148,17 @@ class Fetched:
 
     messages: list[Stored]
     next_mature: float | None
+
+
+OneTake = tuple[
+    Callable[[], "asyncio.Future[Any] | None"],
+    Callable[[Any], tuple[list[Stored], float | None]],
+]
+"""A store's one-message get or reserve: see ``Store.one_take``."""
+OneCommit = tuple[Callable[[str, int | None], "asyncio.Future[Any] | None"], Callable[[Any], bool]]
+"""A store's one-message commit: see ``Store.one_commit``."""
+OneInsert = tuple[Callable[["Entry"], "asyncio.Future[Any] | None"], Callable[[Any], bool]]
+"""A store's one-message insert: see ``Store.one_insert``."""
 
 
 @dataclass(slots=True)
@@ -297,6 +309,32 @@ class Store(ABC):
         A message whose earlier reservation expired counts that delivery as a try.
         """
         raise NotSupportedError(f"{type(self).__name__} has no reserve")
+
+    def one_take(self, reserve_delay: float | None) -> OneTake | None:
+        """Optional: a one-message get (``reserve_delay`` None) or reserve the queue can
+        send without a coroutine around it, made once per queue, as (send, read). ``send()``
+        sends the request at once and returns the future of its reply, or None when it
+        cannot send now (not connected yet: the queue then calls ``get`` / ``reserve``);
+        ``read(reply)`` is what ``get(1)`` / ``reserve(1, ...)`` would have returned, as
+        ``(messages, next_mature)``. None here: the store has no such call.
+
+        Only for an ``uninterruptible`` store whose reply futures refuse cancellation: the
+        queue awaits the future directly, and a caller cancelled once the reply is in
+        still has what was taken put back. No coroutine then runs between a pop and its
+        reply, a cost a busy queue otherwise pays on every message."""
+        return None
+
+    def one_commit(self) -> OneCommit | None:
+        """Optional, as :meth:`one_take`: (send, read) of the commit of one reservation;
+        ``send(id, tries)`` is ``commit([Ack(id, tries)])`` sent at once, ``read(reply)``
+        the flag ``commit`` would give it."""
+        return None
+
+    def one_insert(self) -> OneInsert | None:
+        """Optional, as :meth:`one_take`: (send, read) of the insert of one entry (a push);
+        ``send(entry)`` returns None also for an entry the store inserts otherwise, and
+        ``read(reply)`` is the flag ``insert`` would give it."""
+        return None
 
     async def commit(self, acks: Sequence[Ack]) -> list[bool]:
         """Delete reserved messages; false for unknown, unreserved or stale ones."""

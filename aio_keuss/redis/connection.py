@@ -21,7 +21,7 @@ import re
 from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, replace
-from typing import Any, ClassVar, TypeVar, cast
+from typing import Any, ClassVar, Protocol, TypeVar, cast
 from urllib.parse import parse_qs, urlsplit
 
 from ..contract import Backend
@@ -283,6 +283,12 @@ class _FastLane:
         """
         return self.call_packed(_pack(args))
 
+    @property
+    def connected(self) -> _LaneProtocol | None:
+        """The connection, when it is up."""
+        protocol = self._protocol
+        return protocol if protocol is not None and protocol.transport is not None else None
+
     def call_packed(self, packed: bytes, script: Script | None = None) -> Awaitable[Any]:
         """:meth:`call` with the command already packed; for an EVALSHA of ``script``, a
         server that lacks the script gets it loaded, and the command again, by the
@@ -369,6 +375,43 @@ _KEPT_PACKED = 1024
 payloads are not held on to between calls."""
 
 
+class BoundCall(Protocol):
+    """A command with its first words fixed (see :meth:`RedisConnection.bind`)."""
+
+    def __call__(self, *args: Any) -> Awaitable[Any]:
+        """The command with ``args`` after its first words; its reply is what it awaits."""
+
+    def sender(self, *args: Any) -> Callable[[], asyncio.Future[Any] | None]:
+        """The command with ``args``, sent by each call of the result at once as a reply
+        future that refuses cancellation (see ``_Reply``), or None when that cannot be done
+        then (not connected, or no fast lane)."""
+
+    def send_now(self, *args: Any) -> asyncio.Future[Any] | None:
+        """:meth:`sender`'s call made once, with its packing: the future, or None."""
+
+
+def _send_nothing() -> None:
+    return None
+
+
+class _Unbound:
+    """A bound command on redis-py's client (no fast lane): nothing to pack ahead."""
+
+    __slots__ = ("_run",)
+
+    def __init__(self, run: Callable[[tuple[Any, ...]], Awaitable[Any]]) -> None:
+        self._run = run
+
+    def __call__(self, *args: Any) -> Awaitable[Any]:
+        return self._run(args)
+
+    def sender(self, *args: Any) -> Callable[[], asyncio.Future[Any] | None]:
+        return _send_nothing
+
+    def send_now(self, *args: Any) -> asyncio.Future[Any] | None:
+        return None
+
+
 class _Bound:
     """A command with its first words packed once (see :meth:`RedisConnection.bind`)."""
 
@@ -386,6 +429,35 @@ class _Bound:
         self._last_packed = b""
 
     def __call__(self, *args: Any) -> Awaitable[Any]:
+        return self._lane.call_packed(self._packed(args), self._script)
+
+    def sender(self, *args: Any) -> Callable[[], asyncio.Future[Any] | None]:
+        """The call with these ``args``, packed now, and sent by each call of the result
+        as its reply future; None when the lane is not connected (the caller then makes
+        the call, which connects)."""
+        lane, packed, script = self._lane, self._packed(args), self._script
+
+        def send() -> asyncio.Future[Any] | None:
+            protocol = lane._protocol  # not ``connected``: a call less on every pop
+            if protocol is None or protocol.transport is None:
+                return None
+            if script is None:
+                return protocol.send(packed)
+            return protocol.send_script(script, packed)
+
+        return send
+
+    def send_now(self, *args: Any) -> asyncio.Future[Any] | None:
+        """The call with these ``args``, sent at once as its reply future; None when the
+        lane is not connected (the caller then makes the call, which connects)."""
+        protocol = self._lane._protocol
+        if protocol is None or protocol.transport is None:
+            return None
+        if self._script is None:
+            return protocol.send(self._packed(args))
+        return protocol.send_script(self._script, self._packed(args))
+
+    def _packed(self, args: tuple[Any, ...]) -> bytes:
         last = self._last_args
         # Equal and of the same types (1 == 1.0 == True, but they pack apart)
         if args == last and all(map(operator.is_, map(type, args), map(type, last))):
@@ -405,7 +477,7 @@ class _Bound:
                 )
             if len(packed) <= _KEPT_PACKED:  # a pop's or a reserve's, not a batch of payloads
                 self._last_args, self._last_packed = args, packed
-        return self._lane.call_packed(packed, self._script)
+        return packed
 
 
 _MAX_DB = 2**31 - 1
@@ -587,7 +659,7 @@ class RedisConnection(Backend):
             # on the node serving the keys
             return await self.execute("EVAL", script.text, len(keys), *keys, *args)
 
-    def bind_script(self, script: Script, keys: Sequence[str]) -> Callable[..., Awaitable[Any]]:
+    def bind_script(self, script: Script, keys: Sequence[str]) -> BoundCall:
         """``script`` on fixed ``keys``, called with its arguments only: ``run(*args)``.
 
         On the fast lane the command is packed from a prefix packed once, and a call with
@@ -595,15 +667,15 @@ class RedisConnection(Backend):
         same bytes again without packing anything."""
         lane = self._lane
         if lane is None:
-            return lambda *args: self._run_script_slow(script, keys, args)
+            return _Unbound(lambda args: self._run_script_slow(script, keys, args))
         return _Bound(lane, ("EVALSHA", script.sha, len(keys), *keys), script)
 
-    def bind(self, *head: Any) -> Callable[..., Awaitable[Any]]:
+    def bind(self, *head: Any) -> BoundCall:
         """A command's first words (``"RPOP", key``), called with the rest: ``run(*args)``,
         packed as :meth:`bind_script` packs a script's call."""
         lane = self._lane
         if lane is None:
-            return lambda *args: self.execute(*head, *args)
+            return _Unbound(lambda args: self.execute(*head, *args))
         return _Bound(lane, head, None)
 
     async def hash_items(self, key: str) -> list[tuple[bytes, bytes]]:

@@ -29,6 +29,7 @@ message comes back), never a loss.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -43,6 +44,9 @@ from ..contract import (
     Fetched,
     Move,
     Nack,
+    OneCommit,
+    OneInsert,
+    OneTake,
     Peeked,
     PeekPage,
     Store,
@@ -583,10 +587,10 @@ def _fetched(reply: list[Any]) -> Fetched:
     gives the next mature time as seconds from the server's clock, made a time on ours here:
     the wait loop sleeps on our clock, so a client whose clock is off the server's still
     wakes when the message matures, not that far before or after it."""
+    if len(reply) <= 6:  # none, or the one-message scripts' reply: no columns to cut
+        return Fetched(*_read_one(reply))
     head = reply[0]
     next_mature = None if head is None else time.time() + float(head)
-    if len(reply) == 6:  # one message: the one-message scripts' reply, no columns to cut
-        return Fetched([_record(*reply[1:])], next_mature)
     k = (len(reply) - 1) // 5
     messages = [
         _record(*row)
@@ -762,6 +766,20 @@ def _peeked_rows(values: list[Any]) -> list[Peeked | None]:
     return rows
 
 
+def _read_one(reply: list[Any]) -> tuple[list[Stored], float | None]:
+    """A one-message get / reserve reply (see ``Store.one_take``): the next mature time
+    as ``_fetched`` reads it, then the message's five fields, if one was ready."""
+    head = reply[0]
+    next_mature = None if head is None else time.time() + float(head)
+    if len(reply) == 6:
+        return [_record(*reply[1:])], next_mature
+    return [], next_mature
+
+
+def _is_one(reply: Any) -> bool:
+    return bool(reply == 1)
+
+
 class RedisOQVisibility:
     """peek / locate / hold of a redis-oq queue (mixed into :class:`RedisOQStore`)."""
 
@@ -821,6 +839,18 @@ class RedisOQStore(RedisOQVisibility, Store):
         self._get_one = bind(GET_ONE, self._keys)
         self._reserve_one = bind(RESERVE_ONE, self._keys)
         self._commit_one = bind(COMMIT_ONE, self._keys)
+
+    def one_insert(self) -> OneInsert | None:
+        if not self._backend.has_fast_lane:
+            return None
+        send = self._insert_one.send_now
+
+        def insert(e: Entry) -> asyncio.Future[Any] | None:
+            if not e.dedup and e.mature is None and e.tries == 0 and e.headers == EMPTY_HEADERS:
+                return send(e.id, e.payload, e.delay)
+            return None
+
+        return insert, _is_one
 
     async def insert(self, entries: Sequence[Entry]) -> list[bool]:
         if len(entries) == 1:  # a push: checked first, it is the common call
@@ -885,6 +915,23 @@ class RedisOQStore(RedisOQVisibility, Store):
         if n == 1:
             return _fetched(await self._reserve_one(reserve_delay))
         return _fetched(await self._run(RESERVE, self._keys, [n, reserve_delay]))
+
+    def one_take(self, reserve_delay: float | None) -> OneTake | None:
+        if not self._backend.has_fast_lane:
+            return None
+        if reserve_delay is None:
+            return self._get_one.sender(), _read_one
+        return self._reserve_one.sender(reserve_delay), _read_one
+
+    def one_commit(self) -> OneCommit | None:
+        if not self._backend.has_fast_lane:
+            return None
+        send = self._commit_one.send_now
+
+        def commit(message_id: str, tries: int | None) -> asyncio.Future[Any] | None:
+            return send(message_id, "" if tries is None else tries)
+
+        return commit, _is_one
 
     async def commit(self, acks: Sequence[Ack]) -> list[bool]:
         if len(acks) == 1:

@@ -137,6 +137,7 @@ async def test_a_push_cancelled_once_stored_still_wakes_a_consumer_of_another_fa
         return await real(entries)
 
     store.insert = insert
+    qp._one_insert = None  # type: ignore[attr-defined]  # (that one: test_one_message_calls)
     calls = {
         "push": lambda: qp.push("cancelled"),
         "push_many": lambda: qp.push_many(["cancelled"]),
