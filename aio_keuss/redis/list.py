@@ -15,15 +15,18 @@ goes back to the popping end with RPUSH, keeping its place.
 
 from __future__ import annotations
 
+import asyncio
 import struct
 import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from ..contract import (
     Cursor,
     Entry,
     Fetched,
+    OneInsert,
+    OneTake,
     Peeked,
     PeekPage,
     Store,
@@ -66,6 +69,17 @@ def _unpack(element: bytes) -> Stored:
     )
 
 
+def _read_one(elements: list[bytes] | None) -> tuple[list[Stored], float | None]:
+    """An ``RPOP key 1`` reply, as ``get(1)`` reads it."""
+    if not elements:
+        return [], None
+    return [_unpack(elements[0])], time.time()
+
+
+def _inserted(_: Any) -> bool:
+    return True
+
+
 class RedisListStore(Store):
     batch_concurrency: ClassVar[int] = 4
 
@@ -95,6 +109,21 @@ class RedisListStore(Store):
         # Fewer than asked means the list was empty afterwards; the wait loop only looks at
         # next_mature when nothing was handed out, so no LLEN round trip is needed.
         return Fetched([_unpack(e) for e in elements], time.time() if len(elements) == n else None)
+
+    def one_take(self, reserve_delay: float | None) -> OneTake | None:
+        if reserve_delay is not None or not self.uninterruptible:
+            return None
+        return self._rpop.sender(1), _read_one
+
+    def one_insert(self) -> OneInsert | None:
+        if not self.uninterruptible:
+            return None
+        send = self._lpush.send_now
+
+        def insert(e: Entry) -> asyncio.Future[Any] | None:
+            return None if e.mature is not None else send(_pack(e, time.time()))
+
+        return insert, _inserted
 
     def check_cursor(self, cursor: Cursor | None) -> Cursor | None:
         return position_cursor(cursor, ("",))

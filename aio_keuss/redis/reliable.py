@@ -67,6 +67,9 @@ from ..contract import (
     Fetched,
     Move,
     Nack,
+    OneCommit,
+    OneInsert,
+    OneTake,
     Peeked,
     PeekPage,
     Store,
@@ -505,6 +508,15 @@ def _stored(flat: list[Any], start: int) -> list[Stored]:
     ]
 
 
+def _read_got(flat: list[Any]) -> tuple[list[Stored], float | None]:
+    """A one-message get's reply, as ``get(1)`` reads it."""
+    return _stored(flat, 1), time.time() if flat[0] else None
+
+
+def _first_is_one(flags: list[Any]) -> bool:
+    return bool(flags[0] == 1)
+
+
 class RedisReliableStore(Store):
     """One queue, seen by one consumer (``self.consumer``): reservations made through this
     object sit in its own processing list until ok / ko, or until recovery after its
@@ -577,6 +589,49 @@ class RedisReliableStore(Store):
         stored = _stored(flat, 1)
         self._out.update(message.id for message in stored)
         return Fetched(stored, time.time() if flat[0] else None)
+
+    def one_take(self, reserve_delay: float | None) -> OneTake | None:
+        if not self.uninterruptible:
+            return None
+        if reserve_delay is None:
+            return self._get.sender(self._base, 1), _read_got
+        send_reserve = self._reserve.sender(self._base, 1, self.consumer, self._ttl_ms)
+        out = self._out
+
+        def send() -> asyncio.Future[Any] | None:
+            if not self._tasks:
+                self._start()
+            return send_reserve()
+
+        def read(flat: list[Any]) -> tuple[list[Stored], float | None]:
+            stored = _stored(flat, 1)
+            if stored:
+                out.add(stored[0].id)
+            return stored, time.time() if flat[0] else None
+
+        return send, read
+
+    def one_insert(self) -> OneInsert | None:
+        if not self.uninterruptible:
+            return None
+        send, base, window = self._insert.send_now, self._base, self._window_ms
+
+        def insert(e: Entry) -> asyncio.Future[Any] | None:
+            dedup, mature = "1" if e.dedup else "0", "" if e.mature is None else repr(e.mature)
+            return send(base, window, e.id, e.payload, e.headers, e.tries, dedup, mature)
+
+        return insert, _first_is_one
+
+    def one_commit(self) -> OneCommit | None:
+        if not self.uninterruptible:
+            return None
+        send, base, out = self._commit.send_now, self._base, self._out
+
+        def commit(message_id: str, tries: int | None) -> asyncio.Future[Any] | None:
+            out.discard(message_id)
+            return send(base, message_id, "" if tries is None else tries)
+
+        return commit, _first_is_one
 
     # acknowledging -----------------------------------------------------------------------
 

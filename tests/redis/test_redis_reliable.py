@@ -407,6 +407,7 @@ async def test_a_reservation_no_caller_of_a_live_consumer_holds_comes_back(
     lost = aio_keuss.KeussConnectionError("connection to Redis lost")
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(store, "_commit", _failing(lost))
+        patch.setattr(q, "_one_commit", None)  # the ok through the store's commit, failing
         with pytest.raises(aio_keuss.KeussConnectionError):
             await q.ok(held)
     back: list[aio_keuss.Message] = []
