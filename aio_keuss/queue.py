@@ -1374,6 +1374,8 @@ class Queue:
         except (Exception, asyncio.CancelledError) as exc:
             for coalescer in self._coalescers():
                 coalescer.cancel_batches()  # not waited for any more (see wait_idle)
+            for task in self._background:
+                task.cancel()  # nor these
             log.warning(
                 "queue %r: cancelled close given up (%r): round trips in flight may"
                 " lose their replies, reservations not given back come back when they"
@@ -1422,7 +1424,12 @@ class Queue:
         for coalescer in self._coalescers():
             await coalescer.wait_idle()
         while self._background:
-            await asyncio.gather(*self._background, return_exceptions=True)
+            # Not gather: cancelled (a close cancelled), gather would cancel these too, and
+            # a put-back among them would lose the messages it carries.
+            done, _ = await asyncio.wait(self._background)
+            for task in done:  # their failures were logged; seen, so asyncio does not again
+                if not task.cancelled():
+                    task.exception()
         # a consumer still here was cut short (its stop did not end): the messages its
         # handlers hold are theirs still
         await self._give_back({i for consumer in self._consumers for i in consumer.busy})

@@ -282,3 +282,34 @@ async def test_a_put_back_cancelled_again_as_it_yields_a_turn_still_puts_everyth
         with pytest.raises(asyncio.CancelledError):
             await taking
         assert await q.size() == 40
+
+
+async def test_a_cancelled_close_lets_a_background_put_back_finish() -> None:
+    """The put-back of a closed coroutine (see above) runs in a task of its own, which a
+    close waits for. A close cancelled while it waited cancelled that put-back with it
+    (``asyncio.gather`` cancels what it gathers), and the messages it carried were lost;
+    the rest of a cancelled close is meant to still run (within its grace)."""
+    queue, store = _queue(in_caller=True)
+    await queue.push("first")
+    gathering = queue.pop_many(5, timeout=1, max_wait=30)
+    step = gathering.send(None)
+    while step is None:
+        step = gathering.send(None)
+    gate = asyncio.Event()
+    real = store.insert
+
+    async def slow_insert(entries: Sequence[Entry]) -> list[bool]:
+        await gate.wait()  # a round trip that takes its time
+        return await real(entries)
+
+    store.insert = slow_insert  # type: ignore[method-assign]
+    gathering.close()  # its put-back starts in a task of its own, held at the gate
+    closing = asyncio.ensure_future(queue.close())
+    await asyncio.sleep(0.05)  # the close waits for the put-back
+    assert not closing.done()
+    closing.cancel()
+    await asyncio.sleep(0.05)
+    gate.set()
+    with pytest.raises(asyncio.CancelledError):
+        await closing
+    assert (await store.sizes()).size == 1  # put back, not lost
