@@ -184,10 +184,6 @@ class Coalescer(Generic[Req, Res]):
             self._running -= 1  # nothing was queued meanwhile: no batch to start
         return reply
 
-    def ran_one(self) -> None:
-        """A call :meth:`send_one` sent has its reply (or gave up on it): the slot is free."""
-        self._ran_inline()
-
     async def wait_idle(self) -> None:
         """Wait for the batches in flight, run by tasks or by callers, and the hand-backs
         under way (used on close)."""
@@ -212,11 +208,15 @@ class Coalescer(Generic[Req, Res]):
             task.cancel()
 
     def _ran_inline(self) -> None:
+        """A call run in its caller's task has ended: the slot is free."""
         self._running -= 1
         if self._pending:
             self._schedule()
         if self._inline_done is not None:
             self._inline_done.set()
+
+    ran_one = _ran_inline
+    """For a call :meth:`send_one` sent, once its reply is in (or given up on)."""
 
     def _handed_back(self, task: asyncio.Task[None] | None = None) -> None:
         self._backs -= 1

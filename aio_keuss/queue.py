@@ -249,7 +249,7 @@ class Queue:
             inserts.ran_one()
             if replied(reply) and one[1](reply.result()):
                 self._stats.incr(self.name, "put", 1)
-                self._signal.insert(self.name, _earliest([entry]), 1)
+                self._signal.insert(self.name, time.time() + entry.delay, 1)  # its mature time
         return entry.id
 
     async def push_many(
