@@ -5,7 +5,7 @@ database is involved; the store is the real one, only counted."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+from collections.abc import Coroutine, Sequence
 from typing import Any
 
 import pytest
@@ -247,18 +247,24 @@ async def test_a_stopping_consumer_gives_back_at_once_what_it_prefetched() -> No
         await asyncio.wait_for(consumer.wait(), 30)
 
 
+async def _gathering_first(queue: Queue) -> Coroutine[Any, Any, list[aio_keuss.Message]]:
+    """A ``pop_many`` that took the one message pushed here and gathers for more: driven by
+    hand until it sleeps (a future yielded, not a round trip's bare yield), to be closed."""
+    await queue.push("first")
+    gathering = queue.pop_many(5, timeout=1, max_wait=30)
+    step = gathering.send(None)
+    while step is None:
+        step = gathering.send(None)
+    return gathering
+
+
 async def test_a_gathering_pop_whose_coroutine_is_closed_puts_back_what_it_took() -> None:
     """A coroutine closed rather than cancelled (a task garbage-collected while pending, an
     interpreter exit) gets GeneratorExit, and may not await anything then: the messages a
     ``pop_many`` gathering for ``max_wait`` had taken go back by a task of their own, instead
     of the put-back (a round trip) raising "coroutine ignored GeneratorExit" unsent."""
     queue, store = _queue(in_caller=True)
-    await queue.push("first")
-    gathering = queue.pop_many(5, timeout=1, max_wait=30)
-    # Driven by hand until it sleeps for more: a future yielded, not a round trip's bare yield
-    step = gathering.send(None)
-    while step is None:
-        step = gathering.send(None)
+    gathering = await _gathering_first(queue)
     gathering.close()
     again = await queue.pop(timeout=1)
     assert again is not None and again.payload == "first"
@@ -290,11 +296,7 @@ async def test_a_cancelled_close_lets_a_background_put_back_finish() -> None:
     (``asyncio.gather`` cancels what it gathers), and the messages it carried were lost;
     the rest of a cancelled close is meant to still run (within its grace)."""
     queue, store = _queue(in_caller=True)
-    await queue.push("first")
-    gathering = queue.pop_many(5, timeout=1, max_wait=30)
-    step = gathering.send(None)
-    while step is None:
-        step = gathering.send(None)
+    gathering = await _gathering_first(queue)
     gate = asyncio.Event()
     real = store.insert
 
