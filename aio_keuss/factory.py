@@ -224,13 +224,24 @@ class Factory:
                 # then the queues close, side by side: one failing to close (its server
                 # away) must not keep the others open; after a cancelled stop too, so that
                 # each still gives back what it holds before the backend closes under it
-                closes = await asyncio.gather(
-                    *(
-                        queue._shut(cut_short=True) if cut_short else queue.close()
-                        for queue in queues
-                    ),
-                    return_exceptions=True,
-                )
+                try:
+                    closes = await asyncio.gather(
+                        *(
+                            queue._shut(cut_short=True) if cut_short else queue.close()
+                            for queue in queues
+                        ),
+                        return_exceptions=True,
+                    )
+                except asyncio.CancelledError:
+                    # Cancelled before a queue's close had run its first step, that close
+                    # never ran (a task cancelled before it starts runs nothing): it runs now
+                    # as the rest of a cancelled close, bounded alike; one under way is
+                    # waited for. Else the backend closed under the calls in flight.
+                    await asyncio.gather(
+                        *(queue._shut(cut_short=True) for queue in queues),
+                        return_exceptions=True,
+                    )
+                    raise
             for result in (*stops, *closes):
                 if isinstance(result, Exception):
                     raise result

@@ -333,3 +333,44 @@ async def test_a_close_cancelled_during_the_handlers_grace_is_still_bounded(
     finally:
         if case.cleanup is not None:
             await case.cleanup(options)
+
+
+async def test_a_close_cancelled_before_the_queues_closes_ran_still_finishes_them(
+    case_options: tuple[BackendCase, dict[str, Any]],
+) -> None:
+    """A factory close cancelled once it had started its queues' closes, but before those
+    had run a step (each a task, and a task cancelled before it starts runs nothing): no
+    queue close ran, and the backend closed under the pop in flight (the messages Redis had
+    popped were lost) and left the reservations the user held reserved. The cancellation is
+    made at each loop turn of the close's start in turn (from the turn its own task has
+    begun), so whatever the turn it lands on, the close finishes as a cancelled one."""
+    case, options = case_options
+    for turns in range(3, 12):
+        factory = await aio_keuss.connect(case.name, **options)
+        q = await factory.queue(f"jobs{turns}", reserve_delay=3600.0)
+        await q.push_many([{"n": n} for n in range(MESSAGES)])
+        held = await q.reserve_many(3)
+        hold, release = _holder(factory, case, options)
+        hold()
+        taking = asyncio.create_task(q.pop_many(2))
+        await asyncio.sleep(0)  # the call is sent; its reply is held
+        closing = asyncio.create_task(factory.close())
+        for _ in range(turns):
+            await asyncio.sleep(0)
+        closing.cancel()
+        await asyncio.sleep(0.05)
+        release()
+        await asyncio.gather(closing, return_exceptions=True)
+        got = [m.id for m in await asyncio.wait_for(taking, 30)]
+        other = await aio_keuss.connect(case.name, **options)
+        try:
+            o = await other.queue(f"jobs{turns}", reserve_delay=3600.0)
+            ready: list[str] = []
+            while batch := await o.pop_many(100, timeout=0):
+                ready.extend(m.id for m in batch)
+            sizes = await o.sizes()
+        finally:
+            await other.close()
+        assert sizes.total == 0, (turns, sizes)
+        assert {m.id for m in held} <= set(ready), turns
+        assert len(ready) + len(got) == MESSAGES, turns
