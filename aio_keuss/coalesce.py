@@ -125,10 +125,14 @@ class Coalescer(Generic[Req, Res]):
                     # does for a batch, at a fraction of the cost).
                     try:
                         raw = await reply
-                    except asyncio.CancelledError:
+                    except asyncio.CancelledError as cancelled:
                         self._ran_inline()
                         if replied(reply):
-                            await self.hand_back(request, one[1](reply.result()))
+                            try:
+                                result = one[1](reply.result())
+                            except Exception:  # unreadable: the caller still ends cancelled
+                                raise cancelled from None
+                            await self.hand_back(request, result)
                         raise
                     except BaseException:
                         self._ran_inline()

@@ -559,3 +559,40 @@ async def test_where_each_call_is_a_commit_a_crowd_goes_in_one_batch() -> None:
     )
     assert await asyncio.gather(*(coalescer.submit(i) for i in range(30))) == list(range(30))
     assert batches == [list(range(30))]
+
+
+@pytest.mark.parametrize("readable", [True, False])
+async def test_a_one_call_cancelled_in_flight_hands_back_what_its_reply_holds(
+    readable: bool,
+) -> None:
+    """A store's own one-request call (``submit(request, one)``): awaited with nothing
+    between, a cancellation lands once the reply is in, and what the reply holds goes to
+    ``on_orphan``; a reply that cannot be read still ends the caller cancelled, not with the
+    read's error (as a batch run to its end does)."""
+    orphans: list[tuple[int, int]] = []
+    reply = _Refusing()
+
+    def read(raw: int) -> int:
+        if not readable:
+            raise ValueError("unreadable")
+        return raw + 1
+
+    async def run(requests: list[int]) -> list[int]:
+        raise AssertionError("the batch path is not taken")
+
+    coalescer: Coalescer[int, int] = Coalescer(
+        run,
+        max_batch=10,
+        on_orphan=lambda req, res: orphans.append((req, res)),
+        uninterruptible=True,
+    )
+    task = asyncio.create_task(coalescer.submit(1, (lambda: reply, read)))
+    await asyncio.sleep(0)
+    task.cancel()
+    await asyncio.sleep(0.01)
+    assert not task.done()  # waits for the reply
+    reply.set_result(41)
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert orphans == ([(1, 42)] if readable else [])
+    await coalescer.wait_idle()
