@@ -57,6 +57,22 @@ def _holder(
     return transport.pause_reading, transport.resume_reading
 
 
+async def _left_in(
+    case: BackendCase, options: dict[str, Any], name: str
+) -> tuple[list[str], aio_keuss.Sizes]:
+    """Through another factory, once the close is over: the ids ready in queue ``name``
+    (taken, so the sizes after show what stayed reserved), and those sizes."""
+    other = await aio_keuss.connect(case.name, **options)
+    try:
+        o = await other.queue(name, reserve_delay=3600.0)
+        ready: list[str] = []
+        while batch := await o.pop_many(100, timeout=0):
+            ready.extend(m.id for m in batch)
+        return ready, await o.sizes()
+    finally:
+        await other.close()
+
+
 @pytest.mark.parametrize("cancelled", [True, False], ids=["cancelled", "plain"])
 @pytest.mark.parametrize("kind", ["pop", "reserve"])
 async def test_a_close_during_a_round_trip_loses_nothing_and_hands_out_nothing_twice(
@@ -89,15 +105,7 @@ async def test_a_close_during_a_round_trip_loses_nothing_and_hands_out_nothing_t
     got = [m.id for m in await asyncio.wait_for(taking, 30)]
     with pytest.raises(aio_keuss.ClosedError):
         await q.ok(held[0])
-    other = await aio_keuss.connect(case.name, **options)
-    try:
-        o = await other.queue("jobs", reserve_delay=3600.0)
-        ready: list[str] = []
-        while batch := await o.pop_many(100, timeout=0):
-            ready.extend(m.id for m in batch)
-        sizes = await o.sizes()
-    finally:
-        await other.close()
+    ready, sizes = await _left_in(case, options, "jobs")
     assert sizes.total == 0, sizes  # nothing left reserved for a closed queue
     assert {m.id for m in held} <= set(ready)  # given back, ready at once
     assert not set(got) & set(ready), "handed out and queued again"
@@ -362,15 +370,7 @@ async def test_a_close_cancelled_before_the_queues_closes_ran_still_finishes_the
         release()
         await asyncio.gather(closing, return_exceptions=True)
         got = [m.id for m in await asyncio.wait_for(taking, 30)]
-        other = await aio_keuss.connect(case.name, **options)
-        try:
-            o = await other.queue(f"jobs{turns}", reserve_delay=3600.0)
-            ready: list[str] = []
-            while batch := await o.pop_many(100, timeout=0):
-                ready.extend(m.id for m in batch)
-            sizes = await o.sizes()
-        finally:
-            await other.close()
+        ready, sizes = await _left_in(case, options, f"jobs{turns}")
         assert sizes.total == 0, (turns, sizes)
         assert {m.id for m in held} <= set(ready), turns
         assert len(ready) + len(got) == MESSAGES, turns
