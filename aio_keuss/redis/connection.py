@@ -283,12 +283,6 @@ class _FastLane:
         """
         return self.call_packed(_pack(args))
 
-    @property
-    def connected(self) -> _LaneProtocol | None:
-        """The connection, when it is up."""
-        protocol = self._protocol
-        return protocol if protocol is not None and protocol.transport is not None else None
-
     def call_packed(self, packed: bytes, script: Script | None = None) -> Awaitable[Any]:
         """:meth:`call` with the command already packed; for an EVALSHA of ``script``, a
         server that lacks the script gets it loaded, and the command again, by the
@@ -438,7 +432,7 @@ class _Bound:
         lane, packed, script = self._lane, self._packed(args), self._script
 
         def send() -> asyncio.Future[Any] | None:
-            protocol = lane._protocol  # not ``connected``: a call less on every pop
+            protocol = lane._protocol
             if protocol is None or protocol.transport is None:
                 return None
             if script is None:
