@@ -776,6 +776,12 @@ def _read_one(reply: list[Any]) -> tuple[list[Stored], float | None]:
     return [], next_mature
 
 
+def _plain(e: Entry) -> bool:
+    """A push the one-message insert script takes: new, without an id to deduplicate,
+    without headers."""
+    return not e.dedup and e.mature is None and e.tries == 0 and e.headers == EMPTY_HEADERS
+
+
 def _is_one(reply: Any) -> bool:
     return bool(reply == 1)
 
@@ -846,16 +852,14 @@ class RedisOQStore(RedisOQVisibility, Store):
         send = self._insert_one.send_now
 
         def insert(e: Entry) -> asyncio.Future[Any] | None:
-            if not e.dedup and e.mature is None and e.tries == 0 and e.headers == EMPTY_HEADERS:
-                return send(e.id, e.payload, e.delay)
-            return None
+            return send(e.id, e.payload, e.delay) if _plain(e) else None
 
         return insert, _is_one
 
     async def insert(self, entries: Sequence[Entry]) -> list[bool]:
         if len(entries) == 1:  # a push: checked first, it is the common call
             e = entries[0]
-            if not e.dedup and e.mature is None and e.tries == 0 and e.headers == EMPTY_HEADERS:
+            if _plain(e):
                 await self._insert_one(e.id, e.payload, e.delay)
                 return [True]
         if bulk_load(entries):

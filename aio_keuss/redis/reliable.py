@@ -509,8 +509,14 @@ def _stored(flat: list[Any], start: int) -> list[Stored]:
 
 
 def _read_got(flat: list[Any]) -> tuple[list[Stored], float | None]:
-    """A one-message get's reply, as ``get(1)`` reads it."""
+    """A get's or a reserve's reply: its messages, and whether more look ready (now)."""
     return _stored(flat, 1), time.time() if flat[0] else None
+
+
+def _entry_args(e: Entry) -> tuple[Any, ...]:
+    """One entry's arguments to the insert script."""
+    dedup, mature = "1" if e.dedup else "0", "" if e.mature is None else repr(e.mature)
+    return e.id, e.payload, e.headers, e.tries, dedup, mature
 
 
 def _first_is_one(flags: list[Any]) -> bool:
@@ -563,22 +569,14 @@ class RedisReliableStore(Store):
     async def insert(self, entries: Sequence[Entry]) -> list[bool]:
         args: list[Any] = [self._base, self._window_ms]
         for e in entries:
-            args += (
-                e.id,
-                e.payload,
-                e.headers,
-                e.tries,
-                "1" if e.dedup else "0",
-                "" if e.mature is None else repr(e.mature),
-            )
+            args += _entry_args(e)
         flags = await self._insert(*args)
         return [flag == 1 for flag in flags]
 
     # consuming ---------------------------------------------------------------------------
 
     async def get(self, n: int) -> Fetched:
-        flat = await self._get(self._base, n)
-        return Fetched(_stored(flat, 1), time.time() if flat[0] else None)
+        return Fetched(*_read_got(await self._get(self._base, n)))
 
     async def reserve(self, n: int, reserve_delay: float) -> Fetched:
         """LMOVE up to ``n`` ids into this consumer's processing list. ``reserve_delay`` is
@@ -586,9 +584,15 @@ class RedisReliableStore(Store):
         if not self._tasks:
             self._start()
         flat = await self._reserve(self._base, n, self.consumer, self._ttl_ms)
-        stored = _stored(flat, 1)
-        self._out.update(message.id for message in stored)
-        return Fetched(stored, time.time() if flat[0] else None)
+        return Fetched(*self._read_reserved(flat))
+
+    def _read_reserved(self, flat: list[Any]) -> tuple[list[Stored], float | None]:
+        """A reserve's reply; its ids are now out with this process's callers."""
+        stored, next_mature = _read_got(flat)
+        out = self._out
+        for message in stored:
+            out.add(message.id)
+        return stored, next_mature
 
     def one_take(self, reserve_delay: float | None) -> OneTake | None:
         if not self.uninterruptible:
@@ -596,20 +600,13 @@ class RedisReliableStore(Store):
         if reserve_delay is None:
             return self._get.sender(self._base, 1), _read_got
         send_reserve = self._reserve.sender(self._base, 1, self.consumer, self._ttl_ms)
-        out = self._out
 
         def send() -> asyncio.Future[Any] | None:
             if not self._tasks:
                 self._start()
             return send_reserve()
 
-        def read(flat: list[Any]) -> tuple[list[Stored], float | None]:
-            stored = _stored(flat, 1)
-            if stored:
-                out.add(stored[0].id)
-            return stored, time.time() if flat[0] else None
-
-        return send, read
+        return send, self._read_reserved
 
     def one_insert(self) -> OneInsert | None:
         if not self.uninterruptible:
@@ -617,8 +614,7 @@ class RedisReliableStore(Store):
         send, base, window = self._insert.send_now, self._base, self._window_ms
 
         def insert(e: Entry) -> asyncio.Future[Any] | None:
-            dedup, mature = "1" if e.dedup else "0", "" if e.mature is None else repr(e.mature)
-            return send(base, window, e.id, e.payload, e.headers, e.tries, dedup, mature)
+            return send(base, window, *_entry_args(e))
 
         return insert, _first_is_one
 
