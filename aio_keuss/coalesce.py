@@ -107,38 +107,32 @@ class Coalescer(Generic[Req, Res]):
         """The result of ``request``, run with others' in a batch or alone (see the
         module's docstring). ``one``: the store's own (send, read) for this request (see
         ``Store.one_take``), used where the request runs alone in the caller's task."""
+        if one is not None and (reply := self.send_one(one[0])) is not None:
+            # The reply refuses cancellation: a cancellation lands once it is in, and what
+            # it took is handed back as a batch's would be. Awaited here, with no coroutine
+            # between the caller and the reply (what ``RunToEnd`` does for a batch, at a
+            # fraction of the cost).
+            try:
+                raw = await reply
+            except asyncio.CancelledError as cancelled:
+                self._ran_inline()
+                if replied(reply):
+                    try:
+                        result = one[1](reply.result())
+                    except Exception:  # unreadable: the caller still ends cancelled
+                        raise cancelled from None
+                    await self.hand_back(request, result)
+                raise
+            except BaseException:
+                self._ran_inline()
+                raise
+            self._ran_inline()
+            return one[1](raw)
         free = not self._running if self._crowded else self._running < self._concurrency
         if self._inline and free and not self._pending:
             # In the caller's task, here rather than in a coroutine of its own: one frame
             # fewer on the hot path of every call that finds a free slot.
             self._running += 1
-            if one is not None:
-                try:
-                    reply = one[0]()
-                except BaseException:
-                    self._ran_inline()
-                    raise
-                if reply is not None:
-                    # The reply refuses cancellation: a cancellation lands once it is in,
-                    # and what it took is handed back as a batch's would be. Awaited here,
-                    # with no coroutine between the caller and the reply (what ``RunToEnd``
-                    # does for a batch, at a fraction of the cost).
-                    try:
-                        raw = await reply
-                    except asyncio.CancelledError as cancelled:
-                        self._ran_inline()
-                        if replied(reply):
-                            try:
-                                result = one[1](reply.result())
-                            except Exception:  # unreadable: the caller still ends cancelled
-                                raise cancelled from None
-                            await self.hand_back(request, result)
-                        raise
-                    except BaseException:
-                        self._ran_inline()
-                        raise
-                    self._ran_inline()
-                    return one[1](raw)
             if self._on_orphan is None:  # nothing to hand back: a plain await is enough
                 try:
                     (result,) = await self._run_batch([request])
@@ -171,10 +165,10 @@ class Coalescer(Generic[Req, Res]):
     def send_one(
         self, send: Callable[..., asyncio.Future[Any] | None], *args: Any
     ) -> asyncio.Future[Any] | None:
-        """For a one-message call the store sends itself (``Store.one_commit``, ``one_insert``)
-        and whose caller records its outcome: where a call would run in its caller's task
-        now, take the slot and ``send(*args)``; the reply future, to await, then call
-        :meth:`ran_one`. None: no free slot, or nothing sent; ``submit`` the call instead."""
+        """For a one-message call the store sends itself (``Store.one_take``, ``one_commit``,
+        ``one_insert``): where a call would run in its caller's task now, take the slot and
+        ``send(*args)``; the reply future, to await, then call :meth:`ran_one`. None: no
+        free slot, or nothing sent; ``submit`` the call instead."""
         free = not self._running if self._crowded else self._running < self._concurrency
         if not (self._inline and free and not self._pending):
             return None
