@@ -2,14 +2,21 @@
 
 Keys of a queue ``q`` (all tagged ``{q}``, so one cluster slot holds the whole queue):
 
-- ``z``: ZSET id -> mature time (float seconds, server clock). A reserved message's score is
-  its reservation deadline, so an expired reservation simply becomes mature again.
-- ``p`` / ``h``: HASHes id -> payload bytes / header JSON bytes (columns rather than a hash
-  per message: a batch reads or deletes them with one variadic HMGET / HDEL).
-- ``t``: HASH id -> tries, only for messages with tries > 0.
-- ``r``: SET of reserved ids.
+- ``due``: ZSET id -> mature time (float seconds, server clock). A reserved message's score
+  is its reservation deadline, so an expired reservation simply becomes mature again.
+- ``msg``: HASH id -> the message's record, its tries, headers and payload in one value (see
+  ``record``): a script reads or deletes a message with one call into Redis, a batch of
+  them with one variadic HMGET / HDEL. Each call a script makes costs the server about a
+  microsecond, the larger part of a one-message script's time.
+- ``held``: SET of reserved ids.
 - ``d``: ZSET id -> dedup expiry for ids the user chose; purged lazily on the next such push,
   so an id stays refused for the dedup window even after its message was consumed.
+
+Queues written before 2026-11-29 kept a message in five keys (see ``_TAKE_OVER``), which
+this layout takes over when a queue is opened and whenever a take finds nothing ready (what
+an older process pushes during a rolling upgrade). An older process does not see the
+messages taken over (the keys' names differ), so its consumers find nothing once the
+queue's messages were moved: upgrade consumers first, or all processes together.
 
 Every script reads the server clock (``TIME``), so clients with skewed clocks agree on what is
 mature. A reservation deadline is the server's *now* + ``reserve_delay`` (Keuss added the
@@ -64,9 +71,66 @@ from .connection import Script
 if TYPE_CHECKING:
     from ..options import QueueOptions
 
+# Queues written before 2026-11-29 kept a message in five keys, z (mature time), p (payload),
+# h (headers, when any), t (tries, when > 0) and r (reserved ids): each part cost a script a
+# call into Redis. ``take_over`` moves a bounded part of what it finds there to this layout
+# (KEYS[1..3]: due, msg, held; the old keys are named beside them), and is true if there was
+# any. A store runs it when it opens a queue, and a take that finds nothing ready runs it
+# too, so that what a process of an older release pushes during a rolling upgrade is taken
+# over (the new keys' names keep such a process away from the messages moved: it would
+# delete a message it could not read). It frees before it adds: at maxmemory (noeviction)
+# Redis refuses a script whose first write may grow memory.
+_TAKE_OVER = """
+local function take_over()
+  local base = string.sub(KEYS[1], 1, -4)
+  local z, p, h, t, r = base .. 'z', base .. 'p', base .. 'h', base .. 't', base .. 'r'
+  if redis.call('EXISTS', z, p, h, t, r) == 0 then return false end
+  local cursor, moved = '0', 0
+  repeat
+    local page = redis.call('HSCAN', p, cursor, 'COUNT', 200)
+    cursor = page[1]
+    local ids, payloads = {}, {}
+    for i = 1, #page[2], 2 do
+      ids[#ids + 1] = page[2][i]
+      payloads[#payloads + 1] = page[2][i + 1]
+    end
+    if #ids > 0 then
+      local scores = redis.call('ZMSCORE', z, unpack(ids))
+      local headers = redis.call('HMGET', h, unpack(ids))
+      local tries = redis.call('HMGET', t, unpack(ids))
+      local held = redis.call('SMISMEMBER', r, unpack(ids))
+      for _, key in ipairs({p, h, t}) do redis.call('HDEL', key, unpack(ids)) end
+      redis.call('ZREM', z, unpack(ids))
+      redis.call('SREM', r, unpack(ids))
+      local zadd, mset, sadd = {}, {}, {}
+      for k = 1, #ids do
+        if scores[k] then  -- a payload without its index entry was never deliverable
+          local head = headers[k] or ''
+          if head == '{}' then head = '' end
+          zadd[#zadd + 1] = scores[k]; zadd[#zadd + 1] = ids[k]
+          mset[#mset + 1] = ids[k]
+          mset[#mset + 1] = (tries[k] or '0') .. ':' .. #head .. ':' .. head .. payloads[k]
+          if held[k] == 1 then sadd[#sadd + 1] = ids[k] end
+        end
+      end
+      if #zadd > 0 then
+        redis.call('ZADD', KEYS[1], unpack(zadd))
+        redis.call('HSET', KEYS[2], unpack(mset))
+      end
+      if #sadd > 0 then redis.call('SADD', KEYS[3], unpack(sadd)) end
+      moved = moved + #ids
+    end
+  until cursor == '0' or moved >= 1000
+  if cursor == '0' then redis.call('DEL', z, p, h, t, r) end
+  return true
+end
+"""
+
 # Shared Lua helpers. Redis' Lua caps unpack() near 8000 values, so variadic commands are
-# issued in chunks. KEYS[1..5] are always z, p, h, t, r of the queue the script works on.
-_PRELUDE = """
+# issued in chunks. KEYS[1..3] are always due, msg, held of the queue the script works on.
+_PRELUDE = (
+    _TAKE_OVER
+    + """
 local CHUNK = 4000
 local function server_now()
   local t = redis.call('TIME')
@@ -99,6 +163,26 @@ local function read_chunked(cmd, key, args)
   end
   return out
 end
+-- A message's record (the value of its id in m): '<tries>:<length of headers>:<headers>
+-- <payload>', the headers '' when there are none. The client builds and reads records;
+-- a script reads one only to check or change its tries, or to move it.
+local function tries_of(rec) return tonumber(string.match(rec, '^%d+')) end
+local function with_tries(rec, tries)
+  local i = string.find(rec, ':', 1, true)
+  return tries .. string.sub(rec, i)
+end
+local function unpack_record(rec)  -- tries, headers ('{}' when none), payload
+  local i = string.find(rec, ':', 1, true)
+  local j = string.find(rec, ':', i + 1, true)
+  local n = tonumber(string.sub(rec, i + 1, j - 1))
+  local headers = '{}'
+  if n > 0 then headers = string.sub(rec, j + 1, j + n) end
+  return tonumber(string.sub(rec, 1, i - 1)), headers, string.sub(rec, j + n + 1)
+end
+local function new_record(tries, headers, payload)
+  if headers == '{}' then headers = '' end
+  return tries .. ':' .. #headers .. ':' .. headers .. payload
+end
 -- At maxmemory with the noeviction policy Redis refuses a script whose first write is a
 -- command that may grow memory (ZADD, SADD, HSET, ...), and lets one that has written run
 -- to its end (Redis manual, "Scripting with Lua": "maxmemory"). A reserve or a ko grows
@@ -109,23 +193,20 @@ local function first_mature(z)
   local head = redis.call('ZRANGE', z, 0, 0, 'WITHSCORES')
   return head[2] or false
 end
--- Delete messages. Each redis.call costs a few µs of script time, so a caller that knows
--- which of them have headers / tries / a reservation passes those subsets (nil = all).
-local function forget(ids, with_headers, with_tries, held)
+-- Delete messages; ``held``: those of them that may be reserved (nil = all).
+local function forget(ids, held)
   if #ids == 0 then return end
   run_chunked('ZREM', KEYS[1], ids)
   run_chunked('HDEL', KEYS[2], ids)
-  run_chunked('HDEL', KEYS[3], with_headers or ids)
-  run_chunked('HDEL', KEYS[4], with_tries or ids)
-  run_chunked('SREM', KEYS[5], held or ids)
+  run_chunked('SREM', KEYS[3], held or ids)
 end
 -- The one move body (Queue.move and deadletter): take held message ``id`` out of this
--- queue into the queue whose z, p, h keys are given, due at ``due``, with ``payload`` (nil:
+-- queue into the queue whose z, m keys are given, due at ``due``, with ``payload`` (nil:
 -- its own) and ``added`` header text ('' = none) added to its headers, renamed by the rule
 -- of every backend if the id is taken there: <id>, <id>.<tag>, <id>.<tag>.2, ...
-local function move_to(id, dz, dp, dh, payload, added, due, tag)
-  payload = payload or redis.call('HGET', KEYS[2], id)
-  local headers = redis.call('HGET', KEYS[3], id) or '{}'
+local function move_to(id, dz, dm, payload, added, due, tag)
+  local _, headers, own = unpack_record(redis.call('HGET', KEYS[2], id))
+  payload = payload or own
   if added ~= '' then
     if headers == '{}' then headers = '{' .. added .. '}'
     else headers = string.sub(headers, 1, -2) .. ',' .. added .. '}' end
@@ -137,17 +218,16 @@ local function move_to(id, dz, dp, dh, payload, added, due, tag)
     target = id .. '.' .. tag .. (n > 1 and ('.' .. n) or '')
   end
   redis.call('ZADD', dz, due, target)
-  redis.call('HSET', dp, target, payload)
-  if headers ~= '{}' then redis.call('HSET', dh, target, headers) end
+  redis.call('HSET', dm, target, new_record(0, headers, payload))
   return target
 end
 -- Whether ``id`` is held here with ``guard`` tries ('' = any holder).
 local function is_held(id, guard)
-  if redis.call('SISMEMBER', KEYS[5], id) == 0 then return false end
-  return guard == '' or tonumber(guard) == tonumber(redis.call('HGET', KEYS[4], id) or 0)
+  if redis.call('SISMEMBER', KEYS[3], id) == 0 then return false end
+  return guard == '' or tonumber(guard) == tries_of(redis.call('HGET', KEYS[2], id))
 end
--- The mature ids (up to n, earliest first) with everything a consumer gets; tries of a
--- message whose reservation expired count that delivery.
+-- The mature ids (up to n, earliest first), their records and mature times, and which of
+-- them were reserved (an expired reservation: that delivery counts as a try, ``bumps``).
 local function take_mature(n, now)
   local head = redis.call('ZRANGE', KEYS[1], '-inf', now, 'BYSCORE', 'LIMIT', 0, n, 'WITHSCORES')
   local ids, matures = {}, {}
@@ -156,75 +236,62 @@ local function take_mature(n, now)
     matures[#matures + 1] = head[i + 1]
   end
   if #ids == 0 then return ids end
-  local stored = read_chunked('HMGET', KEYS[4], ids)
-  local held = read_chunked('SMISMEMBER', KEYS[5], ids)
-  local tries, expired = {}, {}
-  local with_tries, with_held = {}, {}
+  local held = read_chunked('SMISMEMBER', KEYS[3], ids)
+  local bumps, with_held = {}, {}
   for k = 1, #ids do
-    local n_tries = tonumber(stored[k] or 0)
-    if stored[k] then with_tries[#with_tries + 1] = ids[k] end
-    if held[k] == 1 then
-      n_tries = n_tries + 1
-      expired[#expired + 1] = ids[k]
-      expired[#expired + 1] = n_tries
-      with_held[#with_held + 1] = ids[k]
-    end
-    tries[k] = n_tries
+    bumps[k] = held[k]
+    if held[k] == 1 then with_held[#with_held + 1] = ids[k] end
   end
-  local headers, with_headers = read_chunked('HMGET', KEYS[3], ids), {}
-  for k = 1, #ids do
-    if headers[k] then with_headers[#with_headers + 1] = ids[k] end
-  end
-  return ids, read_chunked('HMGET', KEYS[2], ids), headers, tries, matures, expired,
-    with_headers, with_tries, with_held
+  return ids, read_chunked('HMGET', KEYS[2], ids), matures, bumps, with_held
 end
--- Reply: next mature, then ids, payloads, headers (nil = none), tries, matures (k of each).
--- The next mature time is given as seconds from the server's now (false: the queue is
--- empty), since the client sleeps toward it on its own clock, which may be off ours.
--- When all n asked for were found, the queue layer ignores the next mature time (it only
--- looks at it when nothing was handed out), so 0 (now) stands in for it there, sparing a
--- ZRANGE: a lower bound, which is all a hint has to be.
-local function fetched_reply(n, now, ids, payloads, headers, tries, matures)
+-- Reply: next mature, then ids, records, matures and bumps (k of each; a bump of 1 is a
+-- try the record does not count yet). The next mature time is given as seconds from the
+-- server's now (false: the queue is empty), since the client sleeps toward it on its own
+-- clock, which may be off ours. When all n asked for were found, the queue layer ignores
+-- the next mature time (it only looks at it when nothing was handed out), so 0 (now)
+-- stands in for it there, sparing a ZRANGE: a lower bound, which is all a hint has to be.
+local function fetched_reply(n, now, ids, records, matures, bumps)
   local head = '0'
   if #ids < n then
     head = first_mature(KEYS[1])
     if head then head = fmt(tonumber(head) - now) end
+    if #ids == 0 and take_over() then head = '0' end  -- taken over: look again now
   end
   local reply = {head}
-  for _, column in ipairs({ids, payloads, headers, tries, matures}) do
+  for _, column in ipairs({ids, records, matures, bumps}) do
     for k = 1, #ids do reply[#reply + 1] = column[k] end
   end
   return reply
 end
 """
+)
 
-# KEYS: z p h t r d. ARGV: dedup window, delay, headers ('' = none), ranked ('' = no,
-# the ids rise), then per entry: id, payload (and its rank when ranked). _INSERT for a bulk
-# load (see ``contract.bulk_load``): every id the user's, so each is looked up in z and d,
-# two arguments an entry instead of eight, and the mature and expiry times formatted once
-# for the batch (once per step when ranked). Reply: 1 / 0 per entry.
+# KEYS: due msg held d. ARGV: dedup window, delay, ranked ('' = no, the ids rise), then per
+# entry: id, record (and its rank when ranked). _INSERT for a bulk load (see
+# ``contract.bulk_load``): every id the user's, so each is looked up in z and d, two
+# arguments an entry instead of five, and the mature and expiry times formatted once for
+# the batch (once per step when ranked). Reply: 1 / 0 per entry.
 _INSERT_BULK = """
 local now = server_now()
 local expires = fmt(now + tonumber(ARGV[1]))
 local due = now + tonumber(ARGV[2])
 local mature = fmt(due)
-local headers = ARGV[3]
-local stride = ARGV[4] == '' and 2 or 3
+local stride = ARGV[3] == '' and 2 or 3
 local ids = {}
-for i = 5, #ARGV, stride do ids[#ids + 1] = ARGV[i] end
+for i = 4, #ARGV, stride do ids[#ids + 1] = ARGV[i] end
 local steps, last = 0, nil
 local queued = read_chunked('ZMSCORE', KEYS[1], ids)
-redis.call('ZREMRANGEBYSCORE', KEYS[6], '-inf', now)
-local held = read_chunked('ZMSCORE', KEYS[6], ids)
+redis.call('ZREMRANGEBYSCORE', KEYS[4], '-inf', now)
+local held = read_chunked('ZMSCORE', KEYS[4], ids)
 local seen, flags = {}, {}
-local zadd, pset, hset, dset = {}, {}, {}, {}
+local zadd, mset, dset = {}, {}, {}
 for k = 1, #ids do
   local id = ids[k]
   if queued[k] or held[k] or seen[id] then
     flags[k] = 0
   else
     seen[id] = true  -- a repeat later in this batch is refused
-    local at = 5 + (k - 1) * stride
+    local at = 4 + (k - 1) * stride
     if stride == 3 then
       local rank = tonumber(ARGV[at + 2])
       if last and rank < last then
@@ -234,31 +301,28 @@ for k = 1, #ids do
       last = rank
     end
     zadd[#zadd + 1] = mature; zadd[#zadd + 1] = id
-    pset[#pset + 1] = id; pset[#pset + 1] = ARGV[at + 1]
-    if headers ~= '' then hset[#hset + 1] = id; hset[#hset + 1] = headers end
+    mset[#mset + 1] = id; mset[#mset + 1] = ARGV[at + 1]
     dset[#dset + 1] = expires; dset[#dset + 1] = id
     flags[k] = 1
   end
 end
 run_chunked('ZADD', KEYS[1], zadd)
-run_chunked('HSET', KEYS[2], pset)
-run_chunked('HSET', KEYS[3], hset)
-run_chunked('ZADD', KEYS[6], dset)
+run_chunked('HSET', KEYS[2], mset)
+run_chunked('ZADD', KEYS[4], dset)
 return flags
 """
 
-# KEYS: z p h t r d. ARGV: dedup window, ranked ('' = no, the ids rise), then per entry: id,
-# payload, headers ('' = none, read back as {}), delay, absolute mature ('' = now + delay),
-# tries, check ('' = an id the queue generated, unique by construction, so nothing to look
-# up; 'c' = refused while queued; 'd' = also refused within the dedup window), and its rank
-# when ranked. Reply: 1 / 0 per entry.
+# KEYS: due msg held d. ARGV: dedup window, ranked ('' = no, the ids rise), then per entry: id,
+# record, delay, absolute mature ('' = now + delay), check ('' = an id the queue generated,
+# unique by construction, so nothing to look up; 'c' = refused while queued; 'd' = also
+# refused within the dedup window), and its rank when ranked. Reply: 1 / 0 per entry.
 _INSERT = """
 local now = server_now()
 local window = tonumber(ARGV[1])
-local stride = ARGV[2] == '' and 7 or 8
+local stride = ARGV[2] == '' and 5 or 6
 local checked, deduped = {}, {}
 for i = 3, #ARGV, stride do
-  local check = ARGV[i + 6]
+  local check = ARGV[i + 4]
   if check ~= '' then checked[#checked + 1] = ARGV[i] end
   if check == 'd' then deduped[#deduped + 1] = ARGV[i] end
 end
@@ -272,31 +336,29 @@ end
 if #deduped > 0 then
   -- purge the expired, then one ZMSCORE for the batch: a ZSCORE per id costs a
   -- redis.call each, the larger part of the script's time on an idempotent bulk push
-  redis.call('ZREMRANGEBYSCORE', KEYS[6], '-inf', now)
-  local scores = read_chunked('ZMSCORE', KEYS[6], deduped)
+  redis.call('ZREMRANGEBYSCORE', KEYS[4], '-inf', now)
+  local scores = read_chunked('ZMSCORE', KEYS[4], deduped)
   for k = 1, #deduped do
     if scores[k] then held[deduped[k]] = true end
   end
 end
 local flags = {}
-local zadd, pset, hset, tset, dset = {}, {}, {}, {}, {}
+local zadd, mset, dset = {}, {}, {}
 local steps, last = 0, nil
 for i = 3, #ARGV, stride do
-  local id, check = ARGV[i], ARGV[i + 6]
+  local id, check = ARGV[i], ARGV[i + 4]
   local fresh = check == '' or not (queued[id] or (check == 'd' and held[id]))
   if fresh then
     if check ~= '' then queued[id] = true end  -- a repeat later in this batch is refused
-    if stride == 8 then
-      local rank = tonumber(ARGV[i + 7])
+    if stride == 6 then
+      local rank = tonumber(ARGV[i + 5])
       if last and rank < last then steps = steps + 1 end
       last = rank
     end
-    local mature = ARGV[i + 4]
-    if mature == '' then mature = now + tonumber(ARGV[i + 3]) + steps * STEP end
+    local mature = ARGV[i + 3]
+    if mature == '' then mature = now + tonumber(ARGV[i + 2]) + steps * STEP end
     zadd[#zadd + 1] = mature; zadd[#zadd + 1] = id
-    pset[#pset + 1] = id; pset[#pset + 1] = ARGV[i + 1]
-    if ARGV[i + 2] ~= '' then hset[#hset + 1] = id; hset[#hset + 1] = ARGV[i + 2] end
-    if ARGV[i + 5] ~= '0' then tset[#tset + 1] = id; tset[#tset + 1] = ARGV[i + 5] end
+    mset[#mset + 1] = id; mset[#mset + 1] = ARGV[i + 1]
     if check == 'd' then dset[#dset + 1] = now + window; dset[#dset + 1] = id end
     flags[#flags + 1] = 1
   else
@@ -304,61 +366,67 @@ for i = 3, #ARGV, stride do
   end
 end
 run_chunked('ZADD', KEYS[1], zadd)
-run_chunked('HSET', KEYS[2], pset)
-run_chunked('HSET', KEYS[3], hset)
-run_chunked('HSET', KEYS[4], tset)
-run_chunked('ZADD', KEYS[6], dset)
+run_chunked('HSET', KEYS[2], mset)
+run_chunked('ZADD', KEYS[4], dset)
 return flags
 """
 
-# KEYS: z p h t r. ARGV: n.
+# KEYS: due msg held. ARGV: n.
 _GET = """
 local n, now = tonumber(ARGV[1]), server_now()
-local ids, payloads, headers, tries, matures, _, with_headers, with_tries, held =
-  take_mature(n, now)
-forget(ids, with_headers, with_tries, held)
-return fetched_reply(n, now, ids, payloads, headers, tries, matures)
+local ids, records, matures, bumps, held = take_mature(n, now)
+forget(ids, held)
+return fetched_reply(n, now, ids, records, matures, bumps)
 """
 
-# KEYS: z p h t r. ARGV: n, reserve delay.
+# KEYS: due msg held. ARGV: n, reserve delay.
 _RESERVE = """
 local n, now = tonumber(ARGV[1]), server_now()
-local ids, payloads, headers, tries, matures, expired = take_mature(n, now)
+local ids, records, matures, bumps = take_mature(n, now)
 if #ids > 0 then
-  redis.call('SREM', KEYS[5], ids[1])  -- first, a write that cannot grow memory (above)
-  local deadline, zadd = now + tonumber(ARGV[2]), {}
-  for k = 1, #ids do zadd[#zadd + 1] = deadline; zadd[#zadd + 1] = ids[k] end
+  redis.call('SREM', KEYS[3], ids[1])  -- first, a write that cannot grow memory (above)
+  local deadline, zadd, counted = now + tonumber(ARGV[2]), {}, {}
+  for k = 1, #ids do
+    zadd[#zadd + 1] = deadline; zadd[#zadd + 1] = ids[k]
+    if bumps[k] == 1 then
+      counted[#counted + 1] = ids[k]
+      counted[#counted + 1] = with_tries(records[k], tries_of(records[k]) + 1)
+    end
+  end
   run_chunked('ZADD', KEYS[1], zadd)
-  run_chunked('SADD', KEYS[5], ids)
-  run_chunked('HSET', KEYS[4], expired)
+  run_chunked('SADD', KEYS[3], ids)
+  run_chunked('HSET', KEYS[2], counted)
 end
-return fetched_reply(n, now, ids, payloads, headers, tries, matures)
+return fetched_reply(n, now, ids, records, matures, bumps)
 """
 
-# KEYS: z p h t r. ARGV: per ack: id, tries held ('' = no guard). Reply: 1 / 0 per ack.
+# KEYS: due msg held. ARGV: per ack: id, tries held ('' = no guard). Reply: 1 / 0 per ack.
 _COMMIT = """
-local ids = {}
-for i = 1, #ARGV, 2 do ids[#ids + 1] = ARGV[i] end
-local held = read_chunked('SMISMEMBER', KEYS[5], ids)
-local stored = read_chunked('HMGET', KEYS[4], ids)
-local gone, with_tries, done, flags = {}, {}, {}, {}
+local ids, guarded = {}, false
+for i = 1, #ARGV, 2 do
+  ids[#ids + 1] = ARGV[i]
+  if ARGV[i + 1] ~= '' then guarded = true end
+end
+local held = read_chunked('SMISMEMBER', KEYS[3], ids)
+local records = {}
+if guarded then records = read_chunked('HMGET', KEYS[2], ids) end
+local gone, done, flags = {}, {}, {}
 for k = 1, #ids do
   local id, guard = ids[k], ARGV[2 * k]
   if held[k] == 1 and not done[id]
-      and (guard == '' or tonumber(guard) == tonumber(stored[k] or 0)) then
+      and (guard == '' or tonumber(guard) == tries_of(records[k])) then
     done[id] = true
     gone[#gone + 1] = id
-    if stored[k] then with_tries[#with_tries + 1] = id end
     flags[k] = 1
   else
     flags[k] = 0
   end
 end
-forget(gone, nil, with_tries, gone)
+forget(gone, gone)
 return flags
 """
 
-# KEYS: z p h t r of the queue [, z p h of the deadletter queue when mode is 'move'].
+# KEYS: due msg held of the queue [, due msg of the deadletter queue when mode is 'move'].
 # ARGV: mode ('' = no deadletter, 'move', 'defer'), max_ko, deadletter header text without
 # x-dl-tries, then per nack: id, tries held ('' = no guard), delay, count try ('1' / '0').
 # Reply: 0 missing / 1 rolled back / 2 deadlettered / 3 to move (defer), per nack; then for
@@ -375,8 +443,10 @@ end
 local flags, deferred = {}, {}
 for i = 4, #ARGV, 4 do
   local id, guard = ARGV[i], ARGV[i + 1]
-  local stored = tonumber(redis.call('HGET', KEYS[4], id) or 0)
-  if redis.call('SISMEMBER', KEYS[5], id) == 0 or (guard ~= '' and tonumber(guard) ~= stored) then
+  local rec = false
+  if redis.call('SISMEMBER', KEYS[3], id) == 1 then rec = redis.call('HGET', KEYS[2], id) end
+  local stored = rec and tries_of(rec)
+  if not rec or (guard ~= '' and tonumber(guard) ~= stored) then
     flags[#flags + 1] = 0
   else
     local counted = ARGV[i + 3] == '1'
@@ -385,22 +455,22 @@ for i = 4, #ARGV, 4 do
     if mode ~= '' and counted and tries > max_ko then
       if mode == 'move' then
         local added = extra .. ',"x-dl-tries":' .. tries
-        move_to(id, KEYS[6], KEYS[7], KEYS[8], nil, added, now, 'dl' .. tries)
+        move_to(id, KEYS[4], KEYS[5], nil, added, now, 'dl' .. tries)
         flags[#flags + 1] = 2
       else
-        local payload = redis.call('HGET', KEYS[2], id)
-        local headers = dl_headers(redis.call('HGET', KEYS[3], id) or '{}', tries)
+        local _, headers, payload = unpack_record(rec)
+        headers = dl_headers(headers, tries)
         for _, v in ipairs({id, payload, headers, stored}) do deferred[#deferred + 1] = v end
         -- held for the client's next two steps (a reservation that had lapsed would hand
         -- it out again meanwhile); after a crash between them it comes back
-        redis.call('SREM', KEYS[5], id)  -- first, a write that cannot grow memory
-        redis.call('SADD', KEYS[5], id)
+        redis.call('SREM', KEYS[3], id)  -- first, a write that cannot grow memory
+        redis.call('SADD', KEYS[3], id)
         redis.call('ZADD', KEYS[1], now + DEFER_HOLD, id)
         flags[#flags + 1] = 3
       end
     else
-      redis.call('SREM', KEYS[5], id)  -- first: a write that cannot grow memory
-      if tries > 0 then redis.call('HSET', KEYS[4], id, tries) end
+      redis.call('SREM', KEYS[3], id)  -- first: a write that cannot grow memory
+      if tries ~= stored then redis.call('HSET', KEYS[2], id, with_tries(rec, tries)) end
       redis.call('ZADD', KEYS[1], now + tonumber(ARGV[i + 2]), id)
       flags[#flags + 1] = 1
     end
@@ -410,8 +480,8 @@ for _, v in ipairs(deferred) do flags[#flags + 1] = v end
 return flags
 """
 
-# KEYS: z p h t r of the queue, then z p h of each destination. ARGV per move: id, tries held
-# ('' = no guard), destination number (1 = KEYS[6..8]), '1' if a payload follows else '0',
+# KEYS: due msg held of the queue, then due msg of each destination. ARGV per move: id, tries held
+# ('' = no guard), destination number (1 = KEYS[4..5]), '1' if a payload follows else '0',
 # payload, added header text ('' = none), delay, tag. Reply: per move, the id it has in its
 # destination, or '' when it was not held (an id is never empty).
 _MOVE = """
@@ -420,12 +490,11 @@ local out = {}
 for i = 1, #ARGV, 8 do
   local id = ARGV[i]
   if is_held(id, ARGV[i + 1]) then
-    local d = 3 + 3 * tonumber(ARGV[i + 2])
+    local d = 2 + 2 * tonumber(ARGV[i + 2])
     local payload = nil
     if ARGV[i + 3] == '1' then payload = ARGV[i + 4] end
     local due = now + tonumber(ARGV[i + 6])
-    out[#out + 1] = move_to(id, KEYS[d], KEYS[d + 1], KEYS[d + 2], payload, ARGV[i + 5], due,
-      ARGV[i + 7])
+    out[#out + 1] = move_to(id, KEYS[d], KEYS[d + 1], payload, ARGV[i + 5], due, ARGV[i + 7])
   else
     out[#out + 1] = ''
   end
@@ -433,11 +502,11 @@ end
 return out
 """
 
-# KEYS: z p h t r. ARGV: ids. Reply: 1 / 0 per id.
+# KEYS: due msg held. ARGV: ids. Reply: 1 / 0 per id.
 _REMOVE = """
 local now = server_now()
 local matures = read_chunked('ZMSCORE', KEYS[1], ARGV)
-local held = read_chunked('SMISMEMBER', KEYS[5], ARGV)
+local held = read_chunked('SMISMEMBER', KEYS[3], ARGV)
 local gone, done, flags = {}, {}, {}
 for k = 1, #ARGV do
   local id = ARGV[k]
@@ -453,11 +522,11 @@ forget(gone)
 return flags
 """
 
-# KEYS: z p h t r. Reply: mature now (expired reservations included), total, reserved.
+# KEYS: due msg held. Reply: mature now (expired reservations included), total, reserved.
 _SIZES = """
 local now = server_now()
 local reserved = 0
-local members = redis.call('SMEMBERS', KEYS[5])
+local members = redis.call('SMEMBERS', KEYS[3])
 if #members > 0 then
   for _, deadline in ipairs(read_chunked('ZMSCORE', KEYS[1], members)) do
     if deadline and tonumber(deadline) > now then reserved = reserved + 1 end
@@ -478,7 +547,7 @@ return first_mature(KEYS[1])
 # redis.call()s, Redis manual, "INFO commandstats"). A reserved message is recognised by
 # the return of SADD / SREM rather than a separate SISMEMBER.
 
-# KEYS: z p. ARGV: id (generated: unique), payload, delay. Reply: 1.
+# KEYS: due msg. ARGV: id (generated: unique), record, delay. Reply: 1.
 _INSERT_ONE = """
 local t = redis.call('TIME')
 local mature = tonumber(t[1]) + tonumber(t[2]) / 1000000 + tonumber(ARGV[3])
@@ -487,64 +556,69 @@ redis.call('HSET', KEYS[2], ARGV[1], ARGV[2])
 return 1
 """
 
-# KEYS: z p h t r. Reply as at get, for n = 1.
-_GET_ONE = """
+# The start of the one-message get and reserve: the queue's first message by rank, which is
+# mature or not by its score (one ZRANGE by rank costs Redis about half of one BYSCORE with
+# a LIMIT, measured with "INFO commandstats"), and when it is not, the next mature time.
+_TAKE_ONE = (
+    """
 local t = redis.call('TIME')
 local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
-local head = redis.call('ZRANGE', KEYS[1], '-inf', now, 'BYSCORE', 'LIMIT', 0, 1, 'WITHSCORES')
+local head = redis.call('ZRANGE', KEYS[1], 0, 0, 'WITHSCORES')
 local id = head[1]
-if not id then
-  local first = redis.call('ZRANGE', KEYS[1], 0, 0, 'WITHSCORES')[2]
-  return {first and string.format('%.17g', tonumber(first) - now) or false}
+if not id or tonumber(head[2]) > now then
+"""
+    + _TAKE_OVER
+    + """
+  if take_over() then return {'0'} end  -- taken over: look again now
+  return {id and string.format('%.17g', tonumber(head[2]) - now) or false}
 end
-local payload = redis.call('HGET', KEYS[2], id)
-local headers = redis.call('HGET', KEYS[3], id)
-local stored = redis.call('HGET', KEYS[4], id)
-local tries = tonumber(stored or 0)
+"""
+)
+
+# KEYS: due msg held. Reply as at get, for n = 1.
+_GET_ONE = (
+    _TAKE_ONE
+    + """
+local rec = redis.call('HGET', KEYS[2], id)
 redis.call('ZREM', KEYS[1], id)
 redis.call('HDEL', KEYS[2], id)
-if headers then redis.call('HDEL', KEYS[3], id) end
-if stored then redis.call('HDEL', KEYS[4], id) end
-if redis.call('SREM', KEYS[5], id) == 1 then tries = tries + 1 end
-return {'0', id, payload, headers, tries, head[2]}
+return {'0', id, rec, head[2], redis.call('SREM', KEYS[3], id)}
 """
+)
 
-# KEYS: z p h t r. ARGV: reserve delay. Reply as at reserve, for n = 1.
-_RESERVE_ONE = """
-local t = redis.call('TIME')
-local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
-local head = redis.call('ZRANGE', KEYS[1], '-inf', now, 'BYSCORE', 'LIMIT', 0, 1, 'WITHSCORES')
-local id = head[1]
-if not id then
-  local first = redis.call('ZRANGE', KEYS[1], 0, 0, 'WITHSCORES')[2]
-  return {first and string.format('%.17g', tonumber(first) - now) or false}
-end
+# KEYS: due msg held. ARGV: reserve delay. Reply as at reserve, for n = 1.
+_RESERVE_ONE = (
+    _TAKE_ONE
+    + """
 -- The first write cannot grow memory (SREM): at maxmemory (noeviction) Redis refuses a
 -- script whose first write may, so a full Redis could not be drained by reserve and ok.
-local lapsed = redis.call('SREM', KEYS[5], id) == 1
+local lapsed = redis.call('SREM', KEYS[3], id)
 redis.call('ZADD', KEYS[1], now + tonumber(ARGV[1]), id)
-redis.call('SADD', KEYS[5], id)
-local payload = redis.call('HGET', KEYS[2], id)
-local headers = redis.call('HGET', KEYS[3], id)
-local tries = tonumber(redis.call('HGET', KEYS[4], id) or 0)
-if lapsed then
-  tries = tries + 1
-  redis.call('HSET', KEYS[4], id, tries)
+redis.call('SADD', KEYS[3], id)
+local rec = redis.call('HGET', KEYS[2], id)
+if lapsed == 1 then
+  local i = string.find(rec, ':', 1, true)
+  redis.call('HSET', KEYS[2], id, (tonumber(string.sub(rec, 1, i - 1)) + 1) .. string.sub(rec, i))
 end
-return {'0', id, payload, headers, tries, head[2]}
+return {'0', id, rec, head[2], lapsed}
 """
+)
 
-# KEYS: z p h t r. ARGV: id, tries held ('' = no guard). Reply: 1 / 0.
+# KEYS: due msg held. ARGV: id, tries held ('' = no guard). Reply: 1 / 0. The reservation is
+# taken off first (a write that cannot grow memory, and the test of it in one call), and
+# put back when the tries show another holder's.
 _COMMIT_ONE = """
 local id, guard = ARGV[1], ARGV[2]
-if redis.call('SISMEMBER', KEYS[5], id) == 0 then return 0 end
-local stored = redis.call('HGET', KEYS[4], id)
-if guard ~= '' and tonumber(guard) ~= tonumber(stored or 0) then return 0 end
+if redis.call('SREM', KEYS[3], id) == 0 then return 0 end
+if guard ~= '' then
+  local rec = redis.call('HGET', KEYS[2], id)
+  if tonumber(guard) ~= tonumber(string.match(rec, '^%d+')) then
+    redis.call('SADD', KEYS[3], id)
+    return 0
+  end
+end
 redis.call('ZREM', KEYS[1], id)
 redis.call('HDEL', KEYS[2], id)
-redis.call('HDEL', KEYS[3], id)
-if stored then redis.call('HDEL', KEYS[4], id) end
-redis.call('SREM', KEYS[5], id)
 return 1
 """
 
@@ -569,37 +643,54 @@ INSERT, INSERT_BULK, GET, RESERVE, COMMIT, ROLLBACK, MOVE, REMOVE, SIZES, NEXT_M
 )
 
 
-def _record(
-    message_id: bytes, payload: bytes, headers: bytes | None, tries: int, mature: bytes
-) -> Stored:
-    """One message of a get / reserve reply."""
+_PLAIN = b"0:0:"
+"""The head of the record of a message without headers or tries (see ``record``)."""
+
+
+def record(payload: bytes, headers: bytes = EMPTY_HEADERS, tries: int = 0) -> bytes:
+    """A message as its queue's hash ``m`` keeps it: ``<tries>:<length of headers>:`` then
+    the headers (none when empty) and the payload, one value, so that a script reads or
+    deletes a message with one call into Redis rather than one per part."""
+    if tries == 0 and headers == EMPTY_HEADERS:
+        return _PLAIN + payload
+    if headers == EMPTY_HEADERS:
+        headers = b""
+    return b"%d:%d:%b%b" % (tries, len(headers), headers, payload)
+
+
+def _unrecord(message_id: bytes, rec: bytes, mature: bytes | float, bump: int) -> Stored:
+    """A message of a reply: its id, record, mature time, and a try its record does not
+    count yet (an expired reservation's, ``bump`` 1)."""
+    if rec[:4] == _PLAIN:
+        return Stored(message_id.decode(), rec[4:], EMPTY_HEADERS, bump, float(mature))
+    tries, size, rest = rec.split(b":", 2)
+    n = int(size)
     return Stored(
         message_id.decode(),
-        payload,
-        EMPTY_HEADERS if headers is None else headers,
-        tries,
+        rest[n:],
+        rest[:n] if n else EMPTY_HEADERS,
+        int(tries) + bump,
         float(mature),
     )
 
 
 def _fetched(reply: list[Any]) -> Fetched:
-    """Decode a get / reserve reply: next mature, then five columns of k values. The script
+    """Decode a get / reserve reply: next mature, then four columns of k values. The script
     gives the next mature time as seconds from the server's clock, made a time on ours here:
     the wait loop sleeps on our clock, so a client whose clock is off the server's still
     wakes when the message matures, not that far before or after it."""
-    if len(reply) <= 6:  # none, or the one-message scripts' reply: no columns to cut
+    if len(reply) <= 5:  # none, or one message: no columns to cut
         return Fetched(*_read_one(reply))
     head = reply[0]
     next_mature = None if head is None else time.time() + float(head)
-    k = (len(reply) - 1) // 5
+    k = (len(reply) - 1) // 4
     messages = [
-        _record(*row)
+        _unrecord(*row)
         for row in zip(
             reply[1 : k + 1],
             reply[k + 1 : 2 * k + 1],
             reply[2 * k + 1 : 3 * k + 1],
-            reply[3 * k + 1 : 4 * k + 1],
-            reply[4 * k + 1 :],
+            reply[3 * k + 1 :],
             strict=True,
         )
     ]
@@ -610,9 +701,9 @@ def _fetched(reply: list[Any]) -> Fetched:
 # sharing the prelude. A walk goes in ZSET order: (score, id), the score being the mature
 # time or, for a reserved message, its deadline.
 
-# KEYS: z p h t r. ARGV: state ('ready', 'scheduled', 'reserved', 'all'), cursor score ('' =
+# KEYS: due msg held. ARGV: state ('ready', 'scheduled', 'reserved', 'all'), cursor score ('' =
 # from the start), cursor id, limit, scan budget. Reply: cursor score and id (false, false at
-# the end), then per row: id, payload, headers, tries, score, state.
+# the end), then per row: id, record, score, state.
 _PEEK = """
 -- Whether id a lies at or before id b among equal scores. The sorted set orders ties by
 -- their bytes (Redis manual, "Sorted sets"), but Lua's < on strings is strcoll, which
@@ -657,8 +748,9 @@ local part = redis.call('ZRANGE', z, start, start + span - 1, 'WITHSCORES')
 local ids, scores = {}, {}
 for i = 1, #part, 2 do ids[#ids + 1] = part[i]; scores[#scores + 1] = part[i + 1] end
 local held = {}
-if #ids > 0 then held = read_chunked('SMISMEMBER', KEYS[5], ids) end
+if #ids > 0 then held = read_chunked('SMISMEMBER', KEYS[3], ids) end
 local rows, last, finished = {}, nil, #ids < span
+local states = {}
 for k = 1, #ids do
   local s
   if tonumber(scores[k]) <= now then s = 'ready'
@@ -666,6 +758,7 @@ for k = 1, #ids do
   else s = 'scheduled' end
   if state == 'ready' and s ~= 'ready' then finished = true; break end
   last = k
+  states[k] = s
   if state == 'all' or s == state then rows[#rows + 1] = k end
   if #rows == limit then
     if k < #ids then finished = false end  -- stopped at the limit: more lie past it
@@ -678,13 +771,9 @@ else reply = {scores[last], ids[last]} end
 if #rows > 0 then
   local sel = {}
   for _, k in ipairs(rows) do sel[#sel + 1] = ids[k] end
-  local payloads = read_chunked('HMGET', KEYS[2], sel)
-  local headers = read_chunked('HMGET', KEYS[3], sel)
-  local tries = read_chunked('HMGET', KEYS[4], sel)
+  local records = read_chunked('HMGET', KEYS[2], sel)
   for j, k in ipairs(rows) do
-    local s = 'scheduled'
-    if tonumber(scores[k]) <= now then s = 'ready' elseif held[k] == 1 then s = 'reserved' end
-    for _, v in ipairs({ids[k], payloads[j], headers[j], tries[j] or '0', scores[k], s}) do
+    for _, v in ipairs({ids[k], records[j], scores[k], states[k]}) do
       reply[#reply + 1] = v
     end
   end
@@ -692,7 +781,7 @@ end
 return reply
 """
 
-# KEYS: z p h t r. ARGV: ids. Reply: per id, six values as in _PEEK, or six falses.
+# KEYS: due msg held. ARGV: ids. Reply: per id, four values as in _PEEK, or four falses.
 _LOCATE = """
 local now = server_now()
 local reply = {}
@@ -701,19 +790,18 @@ for _, id in ipairs(ARGV) do
   if score then
     local s = 'scheduled'
     if tonumber(score) <= now then s = 'ready'
-    elseif redis.call('SISMEMBER', KEYS[5], id) == 1 then s = 'reserved' end
-    for _, v in ipairs({id, redis.call('HGET', KEYS[2], id), redis.call('HGET', KEYS[3], id),
-        redis.call('HGET', KEYS[4], id) or '0', score, s}) do
+    elseif redis.call('SISMEMBER', KEYS[3], id) == 1 then s = 'reserved' end
+    for _, v in ipairs({id, redis.call('HGET', KEYS[2], id), score, s}) do
       reply[#reply + 1] = v
     end
   else
-    for _ = 1, 6 do reply[#reply + 1] = false end
+    for _ = 1, 4 do reply[#reply + 1] = false end
   end
 end
 return reply
 """
 
-# KEYS: z p h t r. ARGV: reserve delay, then ids. Reply: per id, the tries its holder
+# KEYS: due msg held. ARGV: reserve delay, then ids. Reply: per id, the tries its holder
 # presents, or -1 when it is missing or under an active reservation.
 _HOLD = """
 local now = server_now()
@@ -722,24 +810,32 @@ local reply = {}
 for i = 2, #ARGV do
   local id = ARGV[i]
   local score = redis.call('ZSCORE', KEYS[1], id)
-  local held = redis.call('SISMEMBER', KEYS[5], id) == 1
+  local held = redis.call('SISMEMBER', KEYS[3], id) == 1
   if not score or (held and tonumber(score) > now) then
     reply[#reply + 1] = -1
   else
-    local tries = tonumber(redis.call('HGET', KEYS[4], id) or 0)
+    local rec = redis.call('HGET', KEYS[2], id)
+    local tries = tries_of(rec)
     if held then  -- an expired reservation: that delivery was a try
       tries = tries + 1
-      redis.call('HSET', KEYS[4], id, tries)
+      redis.call('HSET', KEYS[2], id, with_tries(rec, tries))
     end
     redis.call('ZADD', KEYS[1], deadline, id)
-    redis.call('SADD', KEYS[5], id)
+    redis.call('SADD', KEYS[3], id)
     reply[#reply + 1] = tries
   end
 end
 return reply
 """
 
-PEEK, LOCATE, HOLD = (Script(_PRELUDE + body) for body in (_PEEK, _LOCATE, _HOLD))
+# KEYS: due msg held. Reply: 1 while some of the earlier layout is left, else 0.
+_UPGRADE = """
+return take_over() and 1 or 0
+"""
+
+PEEK, LOCATE, HOLD, UPGRADE = (
+    Script(_PRELUDE + body) for body in (_PEEK, _LOCATE, _HOLD, _UPGRADE)
+)
 
 PEEK_BUDGET = 2000
 """Members a peek scans per call at most (a bounded script run): a larger page is handed
@@ -747,39 +843,32 @@ out in several calls."""
 
 
 def _peeked_rows(values: list[Any]) -> list[Peeked | None]:
-    """Six values per row as the peek / locate scripts reply them (id false: not there)."""
+    """Four values per row as the peek / locate scripts reply them (id false: not there)."""
     rows: list[Peeked | None] = []
-    for i in range(0, len(values), 6):
-        message_id, payload, headers, tries, score, state = values[i : i + 6]
+    for i in range(0, len(values), 4):
+        message_id, rec, score, state = values[i : i + 4]
         if not message_id:
             rows.append(None)
             continue
-        at = float(score)
-        stored = Stored(
-            message_id.decode(),
-            payload,
-            EMPTY_HEADERS if headers is None else headers,
-            int(tries),
-            at,
-        )
-        rows.append(Peeked(stored, state.decode(), at))
+        stored = _unrecord(message_id, rec, score, 0)
+        rows.append(Peeked(stored, state.decode(), stored.mature))
     return rows
 
 
 def _read_one(reply: list[Any]) -> tuple[list[Stored], float | None]:
     """A one-message get / reserve reply (see ``Store.one_take``): the next mature time
-    as ``_fetched`` reads it, then the message's five fields, if one was ready."""
+    as ``_fetched`` reads it, then the message's id, record, mature time and bump, if one
+    was ready."""
     head = reply[0]
     next_mature = None if head is None else time.time() + float(head)
-    if len(reply) == 6:
-        return [_record(*reply[1:])], next_mature
+    if len(reply) == 5:
+        return [_unrecord(*reply[1:])], next_mature
     return [], next_mature
 
 
 def _plain(e: Entry) -> bool:
-    """A push the one-message insert script takes: new, without an id to deduplicate,
-    without headers."""
-    return not e.dedup and e.mature is None and e.tries == 0 and e.headers == EMPTY_HEADERS
+    """A push the one-message insert script takes: new, without an id to deduplicate."""
+    return not e.dedup and e.mature is None
 
 
 def _is_one(reply: Any) -> bool:
@@ -852,7 +941,7 @@ class RedisOQStore(RedisOQVisibility, Store):
         send = self._insert_one.send_now
 
         def insert(e: Entry) -> asyncio.Future[Any] | None:
-            return send(e.id, e.payload, e.delay) if _plain(e) else None
+            return send(e.id, record(e.payload, e.headers, e.tries), e.delay) if _plain(e) else None
 
         return insert, _is_one
 
@@ -860,24 +949,20 @@ class RedisOQStore(RedisOQVisibility, Store):
         if len(entries) == 1:  # a push: checked first, it is the common call
             e = entries[0]
             if _plain(e):
-                await self._insert_one(e.id, e.payload, e.delay)
+                await self._insert_one(e.id, record(e.payload, e.headers, e.tries), e.delay)
                 return [True]
         if bulk_load(entries):
             first = entries[0]
             ranks = _ranks(entries)
-            args: list[Any] = [
-                self._dedup_window,
-                first.delay,
-                b"" if first.headers == EMPTY_HEADERS else first.headers,
-                "" if ranks is None else 1,
-            ]
+            args: list[Any] = [self._dedup_window, first.delay, "" if ranks is None else 1]
+            head = record(b"", first.headers)  # every record of the batch begins alike
             extend = args.extend
             if ranks is None:
                 for e in entries:
-                    extend((e.id, e.payload))
+                    extend((e.id, head + e.payload))
             else:
                 for e, rank in zip(entries, ranks, strict=True):
-                    extend((e.id, e.payload, rank))
+                    extend((e.id, head + e.payload, rank))
             flags = await self._run(INSERT_BULK, self._insert_keys, args)
             return [flag == 1 for flag in flags]
         return await self._insert(entries, check_all=False)
@@ -897,11 +982,9 @@ class RedisOQStore(RedisOQVisibility, Store):
             extend(
                 (
                     e.id,
-                    e.payload,
-                    b"" if e.headers == EMPTY_HEADERS else e.headers,
+                    record(e.payload, e.headers, e.tries),
                     e.delay,
                     "" if e.mature is None else e.mature,
-                    e.tries,
                     check,
                 )
             )
@@ -958,7 +1041,7 @@ class RedisOQStore(RedisOQVisibility, Store):
         else:
             mode = "move" if self._backend.one_slot else "defer"
             if mode == "move":
-                keys = keys + self._backend.queue_keys(deadletter.queue)[:3]
+                keys = keys + self._backend.queue_keys(deadletter.queue)[:2]
             extra = deadletter.headers(0, time.time())
             del extra["x-dl-tries"]  # the script appends it, counted on the server
             head = [mode, deadletter.max_ko, orjson.dumps(extra)[1:-1]]
@@ -1013,7 +1096,7 @@ class RedisOQStore(RedisOQVisibility, Store):
             number = destinations.get(move.queue)
             if number is None:
                 number = destinations[move.queue] = len(destinations) + 1
-                keys.extend(self._backend.queue_keys(move.queue)[:3])
+                keys.extend(self._backend.queue_keys(move.queue)[:2])
             args.extend(
                 (
                     move.id,
@@ -1047,7 +1130,10 @@ class RedisOQBackend(RedisBackend):
     capabilities: Capabilities = Capabilities(move=True, peek=True, hold=True)
 
     def queue_keys(self, queue: str) -> list[str]:
-        return [self.key(queue, part) for part in ("z", "p", "h", "t", "r")]
+        return [self.key(queue, part) for part in ("due", "msg", "held")]
 
     async def store(self, queue: str, options: QueueOptions) -> Store:
+        keys = self.queue_keys(queue)
+        while await self.run_script(UPGRADE, keys, ()):  # a queue of the earlier layout
+            pass
         return RedisOQStore(queue, options, self)

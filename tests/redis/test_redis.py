@@ -58,7 +58,7 @@ async def test_old_message_is_not_reserved_twice(open_factory: Open) -> None:
     client = aioredis.Redis.from_url(REDIS_URL)
     try:
         await q.push("x")
-        zset = factory.backend.key("old", "z")  # type: ignore[attr-defined]
+        zset = factory.backend.key("old", "due")  # type: ignore[attr-defined]
         (member,) = await client.zrange(zset, 0, -1)
         await client.zadd(zset, {member: time.time() - 3600})  # pushed an hour ago
     finally:

@@ -1,0 +1,124 @@
+"""redis-oq queues written in the layout before 2026-11-29 (a message's mature time, payload,
+headers, tries and reservation in five keys ``z``, ``p``, ``h``, ``t``, ``r``) are taken over
+into one record per message when opened, and messages an older process pushes into them
+later when a take finds nothing ready.
+
+Runs against the real server at AK_REDIS_URL, under a key prefix of its own.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+
+import pytest
+import redis.asyncio as aioredis
+from backends import REDIS_URL, _drop_redis_prefix, new_token
+
+import aio_keuss
+
+PLAIN = 2_500  # more than one upgrade call converts (its budget is 2,000)
+
+
+@pytest.fixture
+async def prefix() -> AsyncIterator[str]:
+    token = f"akl-{new_token()}"
+    yield token
+    await _drop_redis_prefix({"url": REDIS_URL, "prefix": token})
+
+
+async def _write_old_layout(factory: aio_keuss.Factory, queue: str) -> None:
+    """The keys the earlier redis-oq wrote: z (mature or deadline), p (payload with its
+    encoding tag), h (headers, when any), t (tries, when > 0), r (reserved ids)."""
+    key = factory.backend.key  # type: ignore[attr-defined]
+    now = time.time()
+    scores: dict[str, float] = {f"m{i:05}": now - 100 + i / 1000 for i in range(PLAIN)}
+    payloads = {m_id: b"J%d" % i for i, m_id in enumerate(scores)}
+    scores |= {"hd": now - 200, "lapsed": now - 180, "tr": now - 150}
+    scores |= {"held": now + 3600, "later": now + 3600}
+    payloads |= {m_id: b'J"' + m_id.encode() + b'"' for m_id in scores if m_id[0] != "m"}
+    client = aioredis.Redis.from_url(REDIS_URL)
+    try:
+        await client.zadd(key(queue, "z"), scores)
+        await client.hset(key(queue, "p"), mapping=payloads)  # type: ignore[misc]
+        await client.hset(key(queue, "h"), "hd", b'{"k":"v"}')  # type: ignore[misc]
+        await client.hset(key(queue, "t"), mapping={"tr": 2, "lapsed": 1})  # type: ignore[misc]
+        await client.sadd(key(queue, "r"), "lapsed", "held")  # type: ignore[misc]
+    finally:
+        await client.aclose()
+
+
+async def test_a_queue_of_the_old_layout_is_converted_when_opened(prefix: str) -> None:
+    async with aio_keuss.connect("redis-oq", url=REDIS_URL, prefix=prefix) as factory:
+        await _write_old_layout(factory, "old")
+        q = await factory.queue("old", reserve_delay=30)
+        key = factory.backend.key  # type: ignore[attr-defined]
+        client = aioredis.Redis.from_url(REDIS_URL)
+        try:
+            assert await client.exists(*(key("old", part) for part in "zphtr")) == 0
+            assert await client.hlen(key("old", "msg")) == PLAIN + 5  # type: ignore[misc]
+        finally:
+            await client.aclose()
+        sizes = await q.sizes()
+        assert (sizes.size, sizes.scheduled, sizes.reserved) == (PLAIN + 3, 1, 1)
+        (held,) = await q.peek(state="reserved")
+        assert (held.message.id, held.message.payload) == ("held", "held")
+
+        first = await q.reserve(timeout=1)
+        assert first is not None
+        assert (first.id, first.payload, first.headers, first.tries) == ("hd", "hd", {"k": "v"}, 0)
+        lapsed = await q.reserve(timeout=1)  # its reservation had expired: a try more
+        assert lapsed is not None and (lapsed.id, lapsed.tries) == ("lapsed", 2)
+        assert await q.ko(lapsed, delay=3600)
+        (scheduled,) = [v for v in await q.peek(state="scheduled") if v.message.id == "lapsed"]
+        assert scheduled.message.tries == 3
+        tried = await q.pop(timeout=1)
+        assert tried is not None and (tried.id, tried.payload, tried.tries) == ("tr", "tr", 2)
+        assert await q.ok(first)
+
+        popped: list[object] = []
+        while len(popped) < PLAIN:
+            batch = await q.pop_many(500, timeout=1)
+            assert batch
+            popped.extend(m.payload for m in batch)
+        assert popped == list(range(PLAIN))
+        assert await q.pop(timeout=0) is None
+
+
+async def test_a_queue_opened_twice_is_converted_once(prefix: str) -> None:
+    """A second open (another process, or a factory reopened) finds nothing left to do;
+    messages pushed after the first open are kept as they are."""
+    async with aio_keuss.connect("redis-oq", url=REDIS_URL, prefix=prefix) as factory:
+        await _write_old_layout(factory, "twice")
+        q = await factory.queue("twice")
+        await q.push({"new": 1}, headers={"h": 1})
+    async with aio_keuss.connect("redis-oq", url=REDIS_URL, prefix=prefix) as factory:
+        q = await factory.queue("twice")
+        assert (await q.sizes()).total == PLAIN + 6
+        views = await q.peek(PLAIN + 10, state="all")
+        new = [v.message for v in views if v.message.payload == {"new": 1}]
+        assert len(new) == 1 and new[0].headers == {"h": 1}
+
+
+@pytest.mark.parametrize("take", ["pop", "reserve", "pop_many", "reserve_many"])
+async def test_what_an_older_process_pushes_later_is_taken_over(prefix: str, take: str) -> None:
+    """A rolling upgrade: the queue is open already when an older release's producer
+    pushes into the earlier layout; a take that finds nothing ready takes it over, by the
+    one-message scripts and by the batch ones alike."""
+    async with aio_keuss.connect("redis-oq", url=REDIS_URL, prefix=prefix) as factory:
+        q = await factory.queue("late")
+        await q.push("new")
+        await _write_old_layout(factory, "late")
+        got: list[object] = []
+        while len(got) < PLAIN + 4:  # all but the one reserved with time to run
+            if take in ("pop", "reserve"):
+                one = await getattr(q, take)(timeout=1)
+                assert one is not None
+                got.append(one.payload)
+            else:
+                many = await getattr(q, take)(1000, timeout=1)
+                assert many
+                got.extend(m.payload for m in many)
+        assert sorted(map(str, got)) == sorted(
+            ["new", "hd", "lapsed", "tr", *map(str, range(PLAIN))]
+        ), got[:10]
