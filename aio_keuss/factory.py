@@ -4,7 +4,7 @@ and the queues opened through them."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Generator, Mapping
+from collections.abc import Generator, Mapping, Sequence
 from types import TracebackType
 from typing import Any
 
@@ -45,6 +45,7 @@ class Factory:
         # target) still opens, and is closed with the others.
         self._siblings_open = False
         self._closing = Closing("factory")
+        self._close_begun = False  # its task ran a step (see close)
         observe.track(self)  # weakly: metrics read the sizes of its open queues
 
     @property
@@ -193,26 +194,40 @@ class Factory:
             for queue in queues:  # from now on, as a stop from a handler does
                 queue._stop_taking()
             return
-        await self._closing.wait(owner)
-
-    async def _close(self) -> None:
         try:
-            # queues still opening when the close began are closed with the others, not
-            # handed out open over a closed backend (and never closed)
-            while self._opening:
-                await asyncio.wait(list(self._opening.values()))
-            queues = list(self._queues.values())
-            self._siblings_open = True  # a handler's move may open its target meanwhile
-            # Every queue's consumers stop first, side by side, while every queue is still
-            # open: a handler finishing in its grace may push into another queue of this
-            # factory (closed under it, its push failed and its message was handled again).
-            # A cancelled close (a second Ctrl-C) reaches every consumer's stop at once.
-            stops: list[BaseException | None] = []
-            cut_short = False
+            await self._closing.wait(owner)
+        except asyncio.CancelledError:
+            if owner and not self._close_begun:
+                # Cancelled before the close's task ran a step (a task cancelled before it
+                # starts runs nothing): no queue closed, the reservations held stayed
+                # reserved and the backend open. It runs here, as a cancelled close.
+                await self._close(cut_short=True)
+            raise
+
+    async def _stop_consumers(self) -> Sequence[BaseException | None]:
+        """Every queue's consumers stop first, side by side, while every queue is still
+        open: a handler finishing in its grace may push into another queue of this factory
+        (closed under it, its push failed and its message was handled again). A cancelled
+        close (a second Ctrl-C) reaches every consumer's stop at once."""
+        # queues still opening when the close began are closed with the others, not handed
+        # out open over a closed backend (and never closed)
+        while self._opening:
+            await asyncio.wait(list(self._opening.values()))
+        self._siblings_open = True  # a handler's move may open its target meanwhile
+        return await asyncio.gather(
+            *(queue._stop_consumers() for queue in list(self._queues.values())),
+            return_exceptions=True,
+        )
+
+    async def _close(self, cut_short: bool = False) -> None:
+        """``close``'s work; ``cut_short``: the rest of a close cancelled before it began,
+        without the consumers' grace (bounded as a cancelled close)."""
+        self._close_begun = True
+        try:
+            stops: Sequence[BaseException | None] = ()
             try:
-                stops = await asyncio.gather(
-                    *(queue._stop_consumers() for queue in queues), return_exceptions=True
-                )
+                if not cut_short:
+                    stops = await self._stop_consumers()
             except asyncio.CancelledError:
                 cut_short = True  # the queues' closes are bounded as cancelled ones
                 raise
