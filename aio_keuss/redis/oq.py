@@ -99,18 +99,23 @@ local function take_over()
       local headers = redis.call('HMGET', h, unpack(ids))
       local tries = redis.call('HMGET', t, unpack(ids))
       local held = redis.call('SMISMEMBER', r, unpack(ids))
+      local queued = redis.call('ZMSCORE', KEYS[1], unpack(ids))
       for _, key in ipairs({p, h, t}) do redis.call('HDEL', key, unpack(ids)) end
       redis.call('ZREM', z, unpack(ids))
       redis.call('SREM', r, unpack(ids))
-      local zadd, mset, sadd = {}, {}, {}
+      local zadd, mset, sadd, clashes = {}, {}, {}, {}
       for k = 1, #ids do
         if scores[k] then  -- a payload without its index entry was never deliverable
           local head = headers[k] or ''
           if head == '{}' then head = '' end
-          zadd[#zadd + 1] = scores[k]; zadd[#zadd + 1] = ids[k]
-          mset[#mset + 1] = ids[k]
-          mset[#mset + 1] = (tries[k] or '0') .. ':' .. #head .. ':' .. head .. payloads[k]
-          if held[k] == 1 then sadd[#sadd + 1] = ids[k] end
+          local rec = (tries[k] or '0') .. ':' .. #head .. ':' .. head .. payloads[k]
+          if queued[k] then
+            clashes[#clashes + 1] = {ids[k], scores[k], rec, held[k]}
+          else
+            zadd[#zadd + 1] = scores[k]; zadd[#zadd + 1] = ids[k]
+            mset[#mset + 1] = ids[k]; mset[#mset + 1] = rec
+            if held[k] == 1 then sadd[#sadd + 1] = ids[k] end
+          end
         end
       end
       if #zadd > 0 then
@@ -118,6 +123,20 @@ local function take_over()
         redis.call('HSET', KEYS[2], unpack(mset))
       end
       if #sadd > 0 then redis.call('SADD', KEYS[3], unpack(sadd)) end
+      -- An id in both layouts (a user's id pushed again once its dedup window ended, by a
+      -- process that looked in one layout only): overwriting the newer message would lose
+      -- it, and cut its reservation short. The older one is renamed by the rule a move
+      -- follows: <id>.up, <id>.up.2, ...
+      for _, c in ipairs(clashes) do
+        local target, n = c[1], 0
+        while redis.call('ZSCORE', KEYS[1], target) do
+          n = n + 1
+          target = c[1] .. '.up' .. (n > 1 and ('.' .. n) or '')
+        end
+        redis.call('ZADD', KEYS[1], c[2], target)
+        redis.call('HSET', KEYS[2], target, c[3])
+        if c[4] == 1 then redis.call('SADD', KEYS[3], target) end
+      end
       moved = moved + #ids
     end
   until cursor == '0' or moved >= 1000

@@ -122,3 +122,28 @@ async def test_what_an_older_process_pushes_later_is_taken_over(prefix: str, tak
         assert sorted(map(str, got)) == sorted(
             ["new", "hd", "lapsed", "tr", *map(str, range(PLAIN))]
         ), got[:10]
+
+
+async def test_an_id_in_both_layouts_keeps_both_messages(prefix: str) -> None:
+    """An id the user chose can be in both layouts at once: its dedup window ran out while
+    the first message waited, and an older process, which looks only at the earlier keys,
+    pushed it again (or this one did, while the earlier keys still held it). Taking the
+    older one over must neither overwrite the newer one (a message acknowledged, lost) nor
+    cut short its reservation (handed out twice)."""
+    async with aio_keuss.connect("redis-oq", url=REDIS_URL, prefix=prefix) as factory:
+        q = await factory.queue("clash", reserve_delay=3600)
+        await q.push("new", id="job")
+        held = await q.reserve(timeout=1)
+        assert held is not None and held.id == "job"
+        key = factory.backend.key  # type: ignore[attr-defined]
+        client = aioredis.Redis.from_url(REDIS_URL)
+        try:
+            await client.zadd(key("clash", "z"), {"job": time.time() - 10})
+            await client.hset(key("clash", "p"), "job", b'J"old"')  # type: ignore[misc]
+        finally:
+            await client.aclose()
+        old = await q.pop(timeout=1)  # nothing ready here: the take takes the old one over
+        assert old is not None and old.payload == "old" and old.id != "job"
+        assert await q.pop(timeout=0) is None  # the reserved one is not handed out again
+        assert await q.ok(held)  # and its holder still holds it
+        assert (await q.sizes()).total == 0
