@@ -89,12 +89,17 @@ local function take_over()
   repeat
     local page = redis.call('HSCAN', p, cursor, 'COUNT', 200)
     cursor = page[1]
-    local ids, payloads = {}, {}
-    for i = 1, #page[2], 2 do
-      ids[#ids + 1] = page[2][i]
-      payloads[#payloads + 1] = page[2][i + 1]
-    end
-    if #ids > 0 then
+    -- A hash small enough to be kept compact (hash-max-listpack-entries, which servers may
+    -- set to thousands) comes whole in one page, whatever COUNT asks (Redis manual, "SCAN",
+    -- "The COUNT option"): it is taken in slices of 1000 ids, so that no call below passes
+    -- more values than Lua's unpack() takes (about 8000).
+    local fields = page[2]
+    for from = 1, #fields, 2000 do
+      local ids, payloads = {}, {}
+      for i = from, math.min(from + 1999, #fields), 2 do
+        ids[#ids + 1] = fields[i]
+        payloads[#payloads + 1] = fields[i + 1]
+      end
       local scores = redis.call('ZMSCORE', z, unpack(ids))
       local headers = redis.call('HMGET', h, unpack(ids))
       local tries = redis.call('HMGET', t, unpack(ids))

@@ -14,6 +14,7 @@ from collections.abc import AsyncIterator
 import pytest
 import redis.asyncio as aioredis
 from backends import REDIS_URL, _drop_redis_prefix, new_token
+from own_servers import own_redis
 
 import aio_keuss
 
@@ -147,3 +148,27 @@ async def test_an_id_in_both_layouts_keeps_both_messages(prefix: str) -> None:
         assert await q.pop(timeout=0) is None  # the reserved one is not handed out again
         assert await q.ok(held)  # and its holder still holds it
         assert (await q.sizes()).total == 0
+
+
+async def test_a_compact_hash_of_the_old_layout_is_taken_over() -> None:
+    """A hash at most ``hash-max-listpack-entries`` long is one compact block, and HSCAN
+    hands it out whole whatever its COUNT (Redis manual, "SCAN": "COUNT"). Servers tuned to
+    keep hashes of thousands compact gave a page past what Lua's unpack() takes (about
+    8,000 values), and the queue could not be opened."""
+    with own_redis("--hash-max-listpack-entries", "20000") as server:
+        client = aioredis.Redis.from_url(server.url)
+        try:
+            async with aio_keuss.connect("redis-oq", url=server.url, prefix="c") as factory:
+                key = factory.backend.key  # type: ignore[attr-defined]
+                now = time.time()
+                ids = [f"m{i:05}" for i in range(9_000)]
+                scores = {m: now - 100 + i / 1e4 for i, m in enumerate(ids)}
+                payloads = {m: b"J%d" % i for i, m in enumerate(ids)}
+                await client.zadd(key("big", "z"), scores)
+                await client.hset(key("big", "p"), mapping=payloads)  # type: ignore[misc]
+                assert await client.object("encoding", key("big", "p")) == b"listpack"
+                q = await factory.queue("big")
+                assert (await q.sizes()).total == 9_000
+                assert [m.payload for m in await q.pop_many(3, timeout=0)] == [0, 1, 2]
+        finally:
+            await client.aclose()
