@@ -74,8 +74,8 @@ if TYPE_CHECKING:
 # Queues written before 2026-11-29 kept a message in five keys, z (mature time), p (payload),
 # h (headers, when any), t (tries, when > 0) and r (reserved ids): each part cost a script a
 # call into Redis. ``take_over`` moves a bounded part of what it finds there to this layout
-# (KEYS[1..3]: due, msg, held; the old keys are named beside them), and is true if there was
-# any. A store runs it when it opens a queue, and a take that finds nothing ready runs it
+# (KEYS[1..3]: due, msg, held; the old keys are named beside them): whether there was any,
+# and whether some is left. A store runs it when it opens a queue, and a take that finds nothing ready runs it
 # too, so that what a process of an older release pushes during a rolling upgrade is taken
 # over (the new keys' names keep such a process away from the messages moved: it would
 # delete a message it could not read). It frees before it adds: at maxmemory (noeviction)
@@ -146,7 +146,7 @@ local function take_over()
     end
   until cursor == '0' or moved >= 1000
   if cursor == '0' then redis.call('DEL', z, p, h, t, r) end
-  return true
+  return true, cursor ~= '0'
 end
 """
 
@@ -593,8 +593,13 @@ if not id or tonumber(head[2]) > now then
 """
     + _TAKE_OVER
     + """
-  if take_over() then return {'0'} end  -- taken over: look again now
-  return {id and string.format('%.17g', tonumber(head[2]) - now) or false}
+  if take_over() then  -- taken over: look again
+    head = redis.call('ZRANGE', KEYS[1], 0, 0, 'WITHSCORES')
+    id = head[1]
+  end
+  if not id or tonumber(head[2]) > now then
+    return {id and string.format('%.17g', tonumber(head[2]) - now) or false}
+  end
 end
 """
 )
@@ -854,7 +859,8 @@ return reply
 
 # KEYS: due msg held. Reply: 1 while some of the earlier layout is left, else 0.
 _UPGRADE = """
-return take_over() and 1 or 0
+local _, left = take_over()
+return left and 1 or 0
 """
 
 PEEK, LOCATE, HOLD, UPGRADE = (

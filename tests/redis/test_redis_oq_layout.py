@@ -28,12 +28,12 @@ async def prefix() -> AsyncIterator[str]:
     await _drop_redis_prefix({"url": REDIS_URL, "prefix": token})
 
 
-async def _write_old_layout(factory: aio_keuss.Factory, queue: str) -> None:
+async def _write_old_layout(factory: aio_keuss.Factory, queue: str, plain: int = PLAIN) -> None:
     """The keys the earlier redis-oq wrote: z (mature or deadline), p (payload with its
     encoding tag), h (headers, when any), t (tries, when > 0), r (reserved ids)."""
     key = factory.backend.key  # type: ignore[attr-defined]
     now = time.time()
-    scores: dict[str, float] = {f"m{i:05}": now - 100 + i / 1000 for i in range(PLAIN)}
+    scores: dict[str, float] = {f"m{i:05}": now - 100 + i / 1000 for i in range(plain)}
     payloads = {m_id: b"J%d" % i for i, m_id in enumerate(scores)}
     scores |= {"hd": now - 200, "lapsed": now - 180, "tr": now - 150}
     scores |= {"held": now + 3600, "later": now + 3600}
@@ -172,3 +172,15 @@ async def test_a_compact_hash_of_the_old_layout_is_taken_over() -> None:
                 assert [m.payload for m in await q.pop_many(3, timeout=0)] == [0, 1, 2]
         finally:
             await client.aclose()
+
+
+async def test_a_take_that_takes_over_hands_out_at_once(prefix: str) -> None:
+    """A pop or reserve with no time to wait, that finds only what an older process pushed
+    since the open, takes it over and hands it out in the same call."""
+    async with aio_keuss.connect("redis-oq", url=REDIS_URL, prefix=prefix) as factory:
+        q = await factory.queue("now")
+        await _write_old_layout(factory, "now", plain=10)  # taken over in one call
+        first = await q.pop(timeout=0)
+        assert first is not None and first.id == "hd"
+        second = await q.reserve(timeout=0)
+        assert second is not None and (second.id, second.tries) == ("lapsed", 2)
