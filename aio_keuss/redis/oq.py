@@ -74,12 +74,12 @@ if TYPE_CHECKING:
 # Queues written before 2026-11-29 kept a message in five keys, z (mature time), p (payload),
 # h (headers, when any), t (tries, when > 0) and r (reserved ids): each part cost a script a
 # call into Redis. ``take_over`` moves a bounded part of what it finds there to this layout
-# (KEYS[1..3]: due, msg, held; the old keys are named beside them): whether there was any,
-# and whether some is left. A store runs it when it opens a queue, and a take that finds nothing ready runs it
-# too, so that what a process of an older release pushes during a rolling upgrade is taken
-# over (the new keys' names keep such a process away from the messages moved: it would
-# delete a message it could not read). It frees before it adds: at maxmemory (noeviction)
-# Redis refuses a script whose first write may grow memory.
+# (KEYS[1..3]: due, msg, held; the old keys are named beside them), and tells whether there
+# was any and whether some is left. A store runs it when it opens a queue, and a take that
+# finds nothing ready runs it too, so that what a process of an older release pushes during
+# a rolling upgrade is taken over (the new keys' names keep such a process away from the
+# messages moved: it would delete a message it could not read). It frees before it adds: at
+# maxmemory (noeviction) Redis refuses a script whose first write may grow memory.
 _TAKE_OVER = """
 local function take_over()
   local base = string.sub(KEYS[1], 1, -4)
