@@ -845,6 +845,7 @@ for i = 2, #ARGV do
   else
     local rec = redis.call('HGET', KEYS[2], id)
     local tries = tries_of(rec)
+    redis.call('SREM', KEYS[3], id)  -- first, a write that cannot grow memory (prelude)
     if held then  -- an expired reservation: that delivery was a try
       tries = tries + 1
       redis.call('HSET', KEYS[2], id, with_tries(rec, tries))

@@ -563,3 +563,29 @@ async def test_a_consumer_drains_a_full_redis_and_closes_cleanly(backend: str) -
             await admin.config_set("maxmemory", 0)
             await consumer.close()
             await admin.aclose()
+
+
+async def test_a_full_redis_still_requeues_from_the_deadletter_queue() -> None:
+    """At maxmemory (noeviction) Redis refuses a script whose first write may grow memory:
+    requeue's hold of a deadlettered message began with a ZADD, so a full Redis could not
+    send its failed messages back to be consumed (and freed) again."""
+    with own_redis("--maxmemory-policy", "noeviction") as server:
+        admin = aioredis.Redis.from_url(server.url)
+        factory = await aio_keuss.connect(
+            "redis-oq", url=server.url, prefix="full", deadletter={"max_ko": 0}
+        )
+        try:
+            q = await factory.queue("work")
+            await q.push("failed")
+            held = await q.reserve(timeout=1)
+            assert held is not None and await q.ko(held) == aio_keuss.KoResult.DEADLETTERED
+            dl = await factory.queue("__deadletter__")
+            await admin.config_set("maxmemory", 1)  # full, whatever the moves free
+            assert await dl.requeue(origin="work") == {held.id: held.id}
+            back = await q.reserve(timeout=1)
+            assert back is not None and back.payload == "failed"
+            assert await q.ok(back)
+        finally:
+            await admin.config_set("maxmemory", 0)
+            await factory.close()
+            await admin.aclose()
