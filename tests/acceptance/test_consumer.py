@@ -230,7 +230,7 @@ async def test_backend_errors_from_reserve_are_logged_and_retried(
         q = await factory.queue("broken")
         handled: list[Any] = []
         consumer = q.consume(lambda m: handled.append(m.payload), concurrency=2)
-        key = f"{options['prefix']}:{{broken}}:z"
+        key = f"{options['prefix']}:{{broken}}:due"
         await client.delete(key)
         await client.set(key, "not a sorted set")
         await eventually(lambda: consumer.state == "reconnecting", "the backend error")
