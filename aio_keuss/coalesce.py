@@ -203,7 +203,7 @@ class Coalescer(Generic[Req, Res]):
         close that gave up waiting for them (the connection closes next, and on PostgreSQL
         its pool's close waits for every statement to end)."""
         for task in (*self._tasks, *self._back_tasks):
-            task.cancel()
+            task.cancel(GIVE_UP)  # a task awaiting ``to_the_end`` work passes it on
 
     def _ran_inline(self) -> None:
         """A call run in its caller's task has ended: the slot is free."""
@@ -292,7 +292,9 @@ class Coalescer(Generic[Req, Res]):
         # cancellation lands: its results are handed on, not dropped with the callers.
         work: RunToEnd[list[Res]] | None = None
         try:
-            if self._on_orphan is not None and self._uninterruptible:
+            if self._on_orphan is not None:
+                # (on a store that can be interrupted, a cancellation is held only where
+                # the store awaits a task of ``to_the_end``, or a future already done)
                 work = RunToEnd(self._run_batch(requests))
                 results = await work
             else:
@@ -432,6 +434,44 @@ class RunToEnd(Generic[T]):
         """Raise the cancellation held while the work ran to its end, if there was one."""
         if self.held is not None:
             raise self.held
+
+
+TO_THE_END_GRACE = 10.0
+"""How long the work of ``to_the_end`` may go on once cancelled."""
+
+GIVE_UP = "aio_keuss: given up"
+"""The message of a cancellation that ``to_the_end`` work obeys at once: a close past its
+grace gives up the batches it waited for (asyncio hands a cancellation's message on to
+the task a cancelled task awaits)."""
+
+
+class _ToTheEnd(asyncio.Task[T]):
+    """A task that a cancellation does not interrupt: it takes effect when the work has
+    ended, or after ``TO_THE_END_GRACE`` seconds. Its awaiter (which asyncio cancels by
+    cancelling the task it waits on) then gets the cancellation once the result is in, and
+    ``RunToEnd`` holds it there, as for a reply that refuses cancellation."""
+
+    _grace: asyncio.TimerHandle | None = None
+
+    def cancel(self, msg: Any | None = None) -> bool:
+        if msg == GIVE_UP:
+            return super().cancel(msg)
+        if not self.done() and self._grace is None:
+            self._grace = self.get_loop().call_later(TO_THE_END_GRACE, self._give_up, msg)
+        return False
+
+    def _give_up(self, msg: Any | None) -> None:
+        super().cancel(msg)
+
+
+def to_the_end(work: Coroutine[Any, Any, T]) -> asyncio.Task[T]:
+    """``work`` as a task that runs to its end whatever its awaiter does: for a statement
+    that takes messages out of a database (a pop's ``DELETE``, a reserve's ``UPDATE``),
+    whose effect stands once it is sent, so that an interrupted wait would lose what it
+    took. ``asyncio.run`` cancels every task left as the loop ends and runs the loop until
+    they have ended (Python's asyncio documentation, "Runners"): this one ends with its
+    result, and the batch that awaited it hands that back."""
+    return _ToTheEnd(work, loop=asyncio.get_running_loop())
 
 
 RECANCEL_PERIOD = 0.5

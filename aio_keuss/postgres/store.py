@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import orjson
 
-from ..coalesce import stop_task
+from ..coalesce import stop_task, to_the_end
 from ..contract import (
     Ack,
     Cursor,
@@ -212,11 +212,13 @@ class PostgresStore(Store):
         return _first_occurrences(ids, {r[0] for r in rows})
 
     async def get(self, n: int) -> Fetched:
-        rows = await self._db.fetch(self._sql["get"], self.name, n)
+        # to its end: a cancellation (the loop ending) must not lose what the DELETE took
+        rows = await to_the_end(self._db.fetch(self._sql["get"], self.name, n))
         return _fetched(rows)
 
     async def reserve(self, n: int, reserve_delay: float) -> Fetched:
-        rows = await self._db.fetch(self._sql["reserve"], self.name, n, reserve_delay)
+        # to its end: what it reserved is then given back, not left reserved
+        rows = await to_the_end(self._db.fetch(self._sql["reserve"], self.name, n, reserve_delay))
         return _fetched(rows)
 
     async def commit(self, acks: Sequence[Ack]) -> list[bool]:

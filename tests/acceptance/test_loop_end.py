@@ -10,8 +10,9 @@ of pops (or reserves) taken by a batch task until ``asyncio.run`` has cancelled 
 and then counts, from this process, what the callers got and what is still in the queue:
 every message is one or the other, exactly once.
 
-The reply is held, not raced: on Redis the script stops reading its connection (the commands
-are on the wire, Redis runs them, their replies wait in the socket), on SQLite it holds the
+The reply is held, not raced: on Redis and PostgreSQL the script stops reading its
+connections (the commands are on the wire, the server runs them, their replies wait in the
+socket), on SQLite it holds the
 file's write lock from a connection of its own; a task that only waits releases either when
 ``asyncio.run`` cancels it, after ``main`` has returned.
 """
@@ -55,6 +56,21 @@ async def main():
         blocker = sqlite3.connect(options["path"], timeout=60, isolation_level=None)
         hold = lambda: blocker.execute("BEGIN IMMEDIATE")
         release = lambda: blocker.execute("ROLLBACK")
+    elif backend == "postgres":
+        # the pool's connections stop reading: the statement runs and commits, its rows
+        # wait in the socket. Prepared first on each (asyncpg waits for the server's
+        # description of a new statement before it sends it to run).
+        warm = await factory.queue("warm")
+        for _ in range(3):
+            await asyncio.gather(
+                *(warm.pop_many(2, timeout=0) for _ in range(8)),
+                *(warm.reserve_many(2, timeout=0) for _ in range(8)),
+            )
+        holders = factory.backend._pool._holders
+        def transports():
+            return [h._con._transport for h in holders if h._con is not None]
+        hold = lambda: [t.pause_reading() for t in transports()]
+        release = lambda: [t.resume_reading() for t in transports() if not t.is_closing()]
     else:
         transport = factory.backend._lane._protocol.transport
         hold, release = transport.pause_reading, transport.resume_reading
@@ -106,7 +122,7 @@ _CASES = {case.id: case for case in CASES}
 @pytest.fixture(
     params=[
         pytest.param((backend, kind, ending), id=f"{backend}-{kind}-{ending}")
-        for backend in ("redis-oq", "redis-reliable", "sqlite")
+        for backend in ("redis-oq", "redis-reliable", "sqlite", "postgres")
         for kind in ("get", "reserve")
         for ending in ("return", "raise")
     ]
