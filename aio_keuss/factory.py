@@ -46,6 +46,9 @@ class Factory:
         self._siblings_open = False
         self._closing = Closing("factory")
         self._close_begun = False  # its task ran a step (see close)
+        # The close run by a caller after its task was cancelled before it ran a step (see
+        # close): the closes called meanwhile wait for it
+        self._rest: asyncio.Future[None] | None = None
         observe.track(self)  # weakly: metrics read the sizes of its open queues
 
     @property
@@ -187,7 +190,7 @@ class Factory:
         if owner:
             self._closed = True
             self._closing.begin(self._close())
-        elif not self._closing.under_way:
+        elif not self._closing.under_way and not self._rest_due():
             return
         queues = list(self._queues.values())
         if any(queue._runs_a_handler() for queue in queues):
@@ -197,12 +200,44 @@ class Factory:
         try:
             await self._closing.wait(owner)
         except asyncio.CancelledError:
-            if owner and not self._close_begun:
+            if owner and self._rest_due():
                 # Cancelled before the close's task ran a step (a task cancelled before it
                 # starts runs nothing): no queue closed, the reservations held stayed
                 # reserved and the backend open. It runs here, as a cancelled close.
-                await self._close(cut_short=True)
+                await self._run_rest()
             raise
+        # A close joined here returns once the close is over: one whose task its owner's
+        # cancellation ended before it ran a step is then still to run, or running in the
+        # owner's task (or, should the owner not wait for it, here).
+        if self._rest_due():
+            await self._run_rest()
+
+    def _rest_due(self) -> bool:
+        """Whether the close's task was cancelled before it ran a step, and the close it
+        did not run has not ended since."""
+        task = self._closing.task
+        if task is None or not task.cancelled():
+            return False
+        if self._rest is not None:
+            return not self._rest.done()
+        return not self._close_begun
+
+    async def _run_rest(self) -> None:
+        """Run the close the cancelled task did not, as a cancelled close, or wait for the
+        caller running it."""
+        if self._rest is not None:
+            await asyncio.shield(self._rest)
+            return
+        rest = self._rest = asyncio.get_running_loop().create_future()
+        try:
+            await self._close(cut_short=True)
+        except Exception as exc:
+            rest.set_exception(exc)
+            rest.exception()  # retrieved: the closes waiting re-raise it themselves
+            raise
+        finally:
+            if not rest.done():
+                rest.set_result(None)
 
     async def _stop_consumers(self) -> Sequence[BaseException | None]:
         """Every queue's consumers stop first, side by side, while every queue is still

@@ -375,3 +375,44 @@ async def test_a_close_cancelled_before_the_queues_closes_ran_still_finishes_the
         assert sizes.total == 0, (turns, sizes)
         assert {m.id for m in held} <= set(ready), turns
         assert len(ready) + len(got) == MESSAGES, turns
+
+
+async def test_a_close_joined_while_its_cancelled_owner_runs_it_returns_once_it_is_over(
+    case_options: tuple[BackendCase, dict[str, Any]],
+) -> None:
+    """A factory close whose caller is cancelled before the close's own task ran a step is
+    run by that caller. Closes called meanwhile (one that joined it before the cancellation,
+    one called while the caller runs it) returned at once, as if the close were over: the
+    reservations held not yet given back and the backend still open (and with the loop
+    ending next, the close was cut short). They return once it is over."""
+    case, options = case_options
+    factory = await aio_keuss.connect(case.name, **options)
+    q = await factory.queue("joined", reserve_delay=3600.0)
+    await q.push_many([{"n": n} for n in range(MESSAGES)])
+    await q.reserve_many(3)
+    backend_closed = asyncio.Event()
+    close_backend = factory.backend.close
+
+    async def closing_backend() -> None:
+        await close_backend()
+        backend_closed.set()
+
+    factory.backend.close = closing_backend  # type: ignore[method-assign]
+    hold, release = _holder(factory, case, options)
+    hold()  # the close's round trips wait: it cannot be over before the release
+    owner = asyncio.create_task(factory.close())
+    joined = asyncio.create_task(factory.close())
+    await asyncio.sleep(0)  # both are in close; the close's own task has not run a step
+    owner.cancel()
+    await asyncio.sleep(0.05)
+    late = asyncio.create_task(factory.close())
+    await asyncio.sleep(0.05)
+    early = [task for task in (joined, late) if task.done()]
+    release()
+    await asyncio.wait_for(asyncio.gather(joined, late), 30)
+    assert backend_closed.is_set()
+    assert not early, "a close returned before the close was over"
+    await asyncio.gather(owner, return_exceptions=True)
+    assert owner.cancelled()
+    ready, sizes = await _left_in(case, options, "joined")
+    assert sizes.total == 0 and len(ready) == MESSAGES, sizes
