@@ -81,6 +81,11 @@ if TYPE_CHECKING:
 # messages moved: it would delete a message it could not read). It frees before it adds: at
 # maxmemory (noeviction) Redis refuses a script whose first write may grow memory.
 _TAKE_OVER = """
+-- A message's record (see the prelude), from its parts ('{}': no headers).
+local function new_record(tries, headers, payload)
+  if headers == '{}' then headers = '' end
+  return tries .. ':' .. #headers .. ':' .. headers .. payload
+end
 local function take_over()
   local base = string.sub(KEYS[1], 1, -4)
   local z, p, h, t, r = base .. 'z', base .. 'p', base .. 'h', base .. 't', base .. 'r'
@@ -111,9 +116,7 @@ local function take_over()
       local zadd, mset, sadd, clashes = {}, {}, {}, {}
       for k = 1, #ids do
         if scores[k] then  -- a payload without its index entry was never deliverable
-          local head = headers[k] or ''
-          if head == '{}' then head = '' end
-          local rec = (tries[k] or '0') .. ':' .. #head .. ':' .. head .. payloads[k]
+          local rec = new_record(tries[k] or '0', headers[k] or '{}', payloads[k])
           if queued[k] then
             clashes[#clashes + 1] = {ids[k], scores[k], rec, held[k]}
           else
@@ -187,7 +190,7 @@ local function read_chunked(cmd, key, args)
   end
   return out
 end
--- A message's record (the value of its id in m): '<tries>:<length of headers>:<headers>
+-- A message's record (the value of its id in msg): '<tries>:<length of headers>:<headers>
 -- <payload>', the headers '' when there are none. The client builds and reads records;
 -- a script reads one only to check or change its tries, or to move it.
 local function tries_of(rec) return tonumber(string.match(rec, '^%d+')) end
@@ -202,10 +205,6 @@ local function unpack_record(rec)  -- tries, headers ('{}' when none), payload
   local headers = '{}'
   if n > 0 then headers = string.sub(rec, j + 1, j + n) end
   return tonumber(string.sub(rec, 1, i - 1)), headers, string.sub(rec, j + n + 1)
-end
-local function new_record(tries, headers, payload)
-  if headers == '{}' then headers = '' end
-  return tries .. ':' .. #headers .. ':' .. headers .. payload
 end
 -- At maxmemory with the noeviction policy Redis refuses a script whose first write is a
 -- command that may grow memory (ZADD, SADD, HSET, ...), and lets one that has written run
@@ -224,17 +223,21 @@ local function forget(ids, held)
   run_chunked('HDEL', KEYS[2], ids)
   run_chunked('SREM', KEYS[3], held or ids)
 end
+-- Header JSON ``headers`` with the members of ``added`` (JSON text without braces, '' =
+-- none) appended.
+local function with_headers(headers, added)
+  if added == '' then return headers end
+  if headers == '{}' then return '{' .. added .. '}' end
+  return string.sub(headers, 1, -2) .. ',' .. added .. '}'
+end
 -- The one move body (Queue.move and deadletter): take held message ``id`` out of this
--- queue into the queue whose z, m keys are given, due at ``due``, with ``payload`` (nil:
+-- queue into the queue whose due, msg keys are given, due at ``due``, with ``payload`` (nil:
 -- its own) and ``added`` header text ('' = none) added to its headers, renamed by the rule
 -- of every backend if the id is taken there: <id>, <id>.<tag>, <id>.<tag>.2, ...
 local function move_to(id, dz, dm, payload, added, due, tag)
   local _, headers, own = unpack_record(redis.call('HGET', KEYS[2], id))
   payload = payload or own
-  if added ~= '' then
-    if headers == '{}' then headers = '{' .. added .. '}'
-    else headers = string.sub(headers, 1, -2) .. ',' .. added .. '}' end
-  end
+  headers = with_headers(headers, added)
   forget({id})
   local target, n = id, 0
   while redis.call('ZSCORE', dz, target) do
@@ -459,11 +462,6 @@ _ROLLBACK = """
 local DEFER_HOLD = 60
 local now = server_now()
 local mode, max_ko, extra = ARGV[1], tonumber(ARGV[2]), ARGV[3]
-local function dl_headers(headers, failed)
-  local added = extra .. ',"x-dl-tries":' .. failed
-  if headers == '{}' then return '{' .. added .. '}' end
-  return string.sub(headers, 1, -2) .. ',' .. added .. '}'
-end
 local flags, deferred = {}, {}
 for i = 4, #ARGV, 4 do
   local id, guard = ARGV[i], ARGV[i + 1]
@@ -477,13 +475,13 @@ for i = 4, #ARGV, 4 do
     local tries = stored
     if counted then tries = stored + 1 end
     if mode ~= '' and counted and tries > max_ko then
+      local added = extra .. ',"x-dl-tries":' .. tries
       if mode == 'move' then
-        local added = extra .. ',"x-dl-tries":' .. tries
         move_to(id, KEYS[4], KEYS[5], nil, added, now, 'dl' .. tries)
         flags[#flags + 1] = 2
       else
         local _, headers, payload = unpack_record(rec)
-        headers = dl_headers(headers, tries)
+        headers = with_headers(headers, added)
         for _, v in ipairs({id, payload, headers, stored}) do deferred[#deferred + 1] = v end
         -- held for the client's next two steps (a reservation that had lapsed would hand
         -- it out again meanwhile); after a crash between them it comes back
