@@ -702,6 +702,7 @@ class Queue:
         logged, not raised over the cancellation the caller ends with."""
         try:
             await self._put_back(work, count)
+            await self._signal.published()
         except Exception as exc:
             # a popped message is then lost, a reservation comes back when it expires
             log.warning(

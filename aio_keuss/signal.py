@@ -124,9 +124,15 @@ class SignalBus:
                 self._send(Signal(queue, "insert", *pending))
         self._windows.clear()
         self._closed = True
+        await self.published()
+        await self._stop_listener()
+
+    async def published(self) -> None:
+        """Wait for the signals on their way out: for work that ends as the loop does (a
+        put-back for a cancelled caller as ``asyncio.run`` ends), whose publish would
+        otherwise be a task still pending when the loop closes."""
         if self._publishing:
             await asyncio.gather(*self._publishing, return_exceptions=True)
-        await self._stop_listener()
 
     def subscribe(self, queue: str, listener: Listener) -> Callable[[], None]:
         self._listeners.setdefault(queue, set()).add(listener)

@@ -51,14 +51,15 @@ import contextlib
 import operator
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 from pymongo import ASCENDING, ReturnDocument
 from pymongo import errors as mongo_errors
 
+from ..coalesce import to_the_end
 from ..contract import (
     Ack,
     Cursor,
@@ -90,6 +91,8 @@ if TYPE_CHECKING:
     from pymongo.asynchronous.client_session import AsyncClientSession
 
     from ..options import QueueOptions
+
+T = TypeVar("T")
 
 FAR_FUTURE = 253402300799.0
 """9999-12-31T23:59:59Z: the mature time of consumed history records (seed: ``$INFINITE``)."""
@@ -234,6 +237,26 @@ def _within(value: Any, bounds: Document) -> bool:
     if not isinstance(value, float | int):
         return True
     return all(_COMPARE[op](value, bound) for op, bound in bounds.items())
+
+
+def _given_up() -> bool:
+    """Whether the task running a claim was cancelled itself (a close past its grace gives
+    up the work it waited for), rather than pymongo's tasks under it."""
+    task = asyncio.current_task()
+    return task is None or task.cancelling() > 0
+
+
+async def _again_if_cut(op: Callable[[], Awaitable[T]]) -> T:
+    """``op()``, run again if pymongo's own tasks were cancelled under it: ``asyncio.run``
+    cancels every task of the loop as it ends (Python's asyncio documentation, "Runners"),
+    pymongo's per-read tasks too, while the claim's task (see ``to_the_end``) runs on to
+    give back what it took. Only for ``op`` that is harmless to repeat."""
+    try:
+        return await op()
+    except asyncio.CancelledError:
+        if _given_up():
+            raise
+        return await op()
 
 
 class MongoStore(Store):
@@ -412,6 +435,11 @@ class MongoStore(Store):
 
     @translated
     async def get(self, n: int) -> Fetched:
+        # Run to the end whatever the caller does: a claim or delete the server ran while
+        # the wait was cancelled would lose the messages it took (see ``to_the_end``).
+        return await to_the_end(self._get(n))
+
+    async def _get(self, n: int) -> Fetched:
         now = time.time()
         consumed = self._consumed(now)
         if n == 1:
@@ -427,15 +455,17 @@ class MongoStore(Store):
             lease = {"$set": {"mature": now + CLAIM_LEASE, "reserved": True}}
             docs, token = await self._claim(n, now, lease)
             if docs:
-                await self._coll.delete_many(
-                    {"_id": {"$in": [d["_id"] for d in docs]}, "owner": token}
-                )
+                mine = {"_id": {"$in": [d["_id"] for d in docs]}, "owner": token}
+                await _again_if_cut(lambda: self._coll.delete_many(mine))
         else:
             docs, _ = await self._claim(n, now, consumed)
         return await self._fetched(docs, n)
 
     @translated
     async def reserve(self, n: int, reserve_delay: float) -> Fetched:
+        return await to_the_end(self._reserve(n, reserve_delay))
+
+    async def _reserve(self, n: int, reserve_delay: float) -> Fetched:
         now = time.time()
         update = {"$set": {"mature": now + reserve_delay, "reserved": True}, "$inc": {"tries": 1}}
         if n == 1:
@@ -463,12 +493,25 @@ class MongoStore(Store):
             if not candidates:
                 break
             ids = [d["_id"] for d in candidates]
-            result = await self._coll.update_many({"_id": {"$in": ids}, **due}, update)
-            if result.modified_count == len(candidates):
+            claim = {"_id": {"$in": ids}, **due}
+            modified: int | None
+            try:
+                modified = (await self._coll.update_many(claim, update)).modified_count
+            except asyncio.CancelledError:
+                if _given_up():
+                    raise
+                # Whether the claim ran is unknown. Running it again changes nothing it
+                # changed (those no longer match ``mature <= now``); our token tells ours.
+                await self._coll.update_many(claim, update)
+                modified = None
+            if modified == len(candidates):
                 mine.extend(candidates)
-            elif result.modified_count:
-                cursor = self._coll.find({"_id": {"$in": ids}, "owner": token}, {"_id": 1})
-                ours = {d["_id"] for d in await cursor.to_list()}
+            elif modified is None or modified:
+                read_back = {"_id": {"$in": ids}, "owner": token}
+                found = await _again_if_cut(
+                    lambda: self._coll.find(read_back, {"_id": 1}).to_list()  # noqa: B023
+                )
+                ours = {d["_id"] for d in found}
                 mine.extend(d for d in candidates if d["_id"] in ours)
             if len(mine) == n or len(candidates) < wanted:
                 break

@@ -12,9 +12,11 @@ every message is one or the other, exactly once.
 
 The reply is held, not raced: on Redis and PostgreSQL the script stops reading its
 connections (the commands are on the wire, the server runs them, their replies wait in the
-socket), on SQLite it holds the
-file's write lock from a connection of its own; a task that only waits releases either when
-``asyncio.run`` cancels it, after ``main`` has returned.
+socket); on MongoDB, whose driver resumes reading on every call, a proxy in threads of its
+own holds the server's replies from the moment a batch sends its claim (the find before it
+has been answered); on SQLite it holds the file's write lock from a connection of its own.
+A task that only waits releases either when ``asyncio.run`` cancels it, after ``main`` has
+returned.
 """
 
 from __future__ import annotations
@@ -43,6 +45,11 @@ import asyncio, json, sqlite3, sys
 import aio_keuss
 
 backend, options, kind, ending = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3], sys.argv[4]
+if backend.startswith("mongo"):
+    from reply_gate import ReplyGate  # holds the server's replies in threads of its own
+
+    gate = ReplyGate(*options["url"].rsplit("/", 1)[-1].split(":"))
+    options["url"] = f"mongodb://127.0.0.1:{gate.port}/?directConnection=true"
 got = []
 kept = []  # the loop holds its tasks weakly: one nothing else refers to may be collected
 
@@ -71,20 +78,25 @@ async def main():
             return [h._con._transport for h in holders if h._con is not None]
         hold = lambda: [t.pause_reading() for t in transports()]
         release = lambda: [t.resume_reading() for t in transports() if not t.is_closing()]
+    elif backend.startswith("mongo"):
+        # a batch of n claims its messages with an update_many after a find: the gate shuts
+        # as the claim is sent, so the find's reply has come and the claim's waits
+        hold, release = gate.shut, gate.open
     else:
         transport = factory.backend._lane._protocol.transport
         hold, release = transport.pause_reading, transport.resume_reading
     callers = set()
     in_flight = asyncio.Event()
-    primitive = getattr(store, kind)
+    owner, name = (store._coll, "update_many") if backend.startswith("mongo") else (store, kind)
+    primitive = getattr(owner, name)
 
-    async def held(*args):
+    async def held(*args, **kwargs):
         if asyncio.current_task() not in callers and not in_flight.is_set():
             hold()  # a batch task's round trip: its reply waits until the loop ends
             in_flight.set()
-        return await primitive(*args)
+        return await primitive(*args, **kwargs)
 
-    setattr(store, kind, held)
+    setattr(owner, name, held)
 
     async def caller():
         messages = await (q.pop_many(2) if kind == "get" else q.reserve_many(2))
@@ -122,7 +134,14 @@ _CASES = {case.id: case for case in CASES}
 @pytest.fixture(
     params=[
         pytest.param((backend, kind, ending), id=f"{backend}-{kind}-{ending}")
-        for backend in ("redis-oq", "redis-reliable", "sqlite", "postgres")
+        for backend in (
+            "redis-oq",
+            "redis-reliable",
+            "sqlite",
+            "postgres",
+            "mongo",
+            "mongo-history",
+        )
         for kind in ("get", "reserve")
         for ending in ("return", "raise")
     ]
@@ -161,7 +180,7 @@ async def test_messages_taken_as_the_loop_ends_are_delivered_or_still_queued(
         str(MESSAGES),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        env={**os.environ, "PYTHONPATH": os.pathsep.join((str(ROOT), str(ROOT / "tests")))},
     )
     out, err = await asyncio.wait_for(process.communicate(), 90)
     assert process.returncode == 0, err.decode()
