@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import re
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
@@ -234,6 +235,12 @@ def _fit_to_keep(connection: Any, failure: BaseException | None) -> bool:
     return False
 
 
+log = logging.getLogger("aio_keuss.postgres")
+
+CLOSE_GRACE = 10.0
+"""How long a close waits for the pool's connections to come back before it terminates them."""
+
+
 class _HeldConnections:
     """Connections taken from the pool once and kept, for the one-statement calls.
 
@@ -254,7 +261,7 @@ class _HeldConnections:
         self._setup = setup
         self._idle: list[Any] = []
         self._held = 0
-        self._handing_back: set[asyncio.Task[None]] = set()
+        self._handing_back: dict[asyncio.Task[None], Any] = {}  # the task -> its connection
 
     async def run(self, method: str, query: str, args: tuple[Any, ...]) -> Any:
         connection = self._take_idle()
@@ -303,8 +310,8 @@ class _HeldConnections:
         if held:
             self._held -= 1
         task = asyncio.get_running_loop().create_task(self._release(connection, failure))
-        self._handing_back.add(task)
-        task.add_done_callback(self._handing_back.discard)
+        self._handing_back[task] = connection
+        task.add_done_callback(self._handing_back.pop)
 
     async def _release(self, connection: Any, failure: BaseException | None = None) -> None:
         if (
@@ -328,6 +335,14 @@ class _HeldConnections:
             await self._release(connection)
         if self._handing_back:
             await asyncio.gather(*self._handing_back, return_exceptions=True)
+
+    def terminate(self) -> None:
+        """Close at once the connections still on their way back: each waits for the
+        server to end a cancelled statement, which a server that stopped answering never
+        does. The pool replaces a terminated connection."""
+        for connection in self._handing_back.values():
+            with contextlib.suppress(Exception):
+                connection.terminate()
 
 
 class PostgresConnection(Backend):
@@ -426,12 +441,32 @@ class PostgresConnection(Backend):
 
     @translated
     async def close(self) -> None:
-        if self._held is not None:
-            held, self._held = self._held, None
-            await held.close()
-        if self._owns_pool and self._pool is not None:
-            pool, self._pool = self._pool, None
-            await pool.close()
+        """Hand the held connections back and close our pool, for up to ``CLOSE_GRACE``
+        seconds: past it, or cancelled, the connections still out are terminated (asyncpg's
+        ``Pool.close`` waits for every connection to be released, and a connection whose
+        statement was cancelled waits for the server to answer, which one that stopped
+        answering never does)."""
+        held, self._held = self._held, None
+        pool = self._pool if self._owns_pool else None
+        if pool is not None:
+            self._pool = None
+        try:
+            async with asyncio.timeout(CLOSE_GRACE):
+                if held is not None:
+                    await held.close()
+                if pool is not None:
+                    await pool.close()
+        except (TimeoutError, asyncio.CancelledError) as exc:
+            if held is not None:
+                held.terminate()
+            if pool is not None:
+                pool.terminate()
+            if not isinstance(exc, TimeoutError):
+                raise
+            log.warning(
+                "postgres: connections not back %s s into the close were terminated",
+                CLOSE_GRACE,
+            )
 
     # The choke point: every statement of every role goes through one of these.
 

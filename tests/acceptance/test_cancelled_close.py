@@ -416,3 +416,54 @@ async def test_a_close_joined_while_its_cancelled_owner_runs_it_returns_once_it_
     assert owner.cancelled()
     ready, sizes = await _left_in(case, options, "joined")
     assert sizes.total == 0 and len(ready) == MESSAGES, sizes
+
+
+async def test_a_cancelled_close_ends_when_postgres_stops_answering(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A cancelled close on a PostgreSQL server that stopped answering (here the pool's
+    connections stop reading: the server runs the statements, their replies never come)
+    gives up the batch in flight after ``CANCELLED_CLOSE_GRACE``; then the pool's close,
+    which waits for every connection to come back, waited on asyncpg's cancellation of
+    that batch's statement, which waits for the server's reply: the close never ended. It
+    ends now: past ``CLOSE_GRACE`` the connections still out are terminated. The
+    reservation given up (the server ran it) comes back when it expires: none is lost."""
+    import aio_keuss.postgres.connection
+    import aio_keuss.queue
+
+    case = _CASES["postgres"]
+    reason = case.available()
+    if reason:
+        pytest.skip(reason)
+    monkeypatch.setattr(aio_keuss.queue, "CANCELLED_CLOSE_GRACE", 0.2)
+    monkeypatch.setattr(aio_keuss.postgres.connection, "CLOSE_GRACE", 0.5, raising=False)
+    options = {**case.options(new_token()), "stats": "memory", "signal": "local"}
+    try:
+        factory = await aio_keuss.connect(case.name, **options)
+        q = await factory.queue("jobs", reserve_delay=3600.0)
+        await q.push_many([{"n": n} for n in range(MESSAGES)])
+        warm = await factory.queue("warm")
+        for _ in range(3):  # statements prepared on every connection (see test_loop_end)
+            await asyncio.gather(*(warm.reserve_many(2, timeout=0) for _ in range(8)))
+        holders = factory.backend._pool._holders  # type: ignore[attr-defined]
+        for holder in holders:
+            if holder._con is not None:
+                holder._con._transport.pause_reading()  # and never resumed
+        taking = asyncio.create_task(q.reserve_many(2))
+        await asyncio.sleep(0.2)
+        closing = asyncio.create_task(factory.close())
+        await until_closed(q)
+        closing.cancel()
+        outcome = await asyncio.wait_for(asyncio.gather(closing, return_exceptions=True), 30)
+        assert isinstance(outcome[0], asyncio.CancelledError)
+        await asyncio.wait_for(asyncio.gather(taking, return_exceptions=True), 30)
+        assert "were terminated" in caplog.text
+        other = await aio_keuss.connect(case.name, **options)
+        try:
+            sizes = await (await other.queue("jobs")).sizes()
+        finally:
+            await other.close()
+        assert sizes.total == MESSAGES, sizes
+    finally:
+        if case.cleanup is not None:
+            await case.cleanup(options)
