@@ -458,7 +458,12 @@ class _ToTheEnd(asyncio.Task[T]):
             return super().cancel(msg)
         if not self.done() and self._grace is None:
             self._grace = self.get_loop().call_later(TO_THE_END_GRACE, self._give_up, msg)
+            self.add_done_callback(_ToTheEnd._ended)  # the timer would keep it for 10 s
         return False
+
+    def _ended(self) -> None:
+        if self._grace is not None:
+            self._grace.cancel()
 
     def _give_up(self, msg: Any | None) -> None:
         super().cancel(msg)

@@ -7,7 +7,7 @@ import asyncio
 
 import pytest
 
-from aio_keuss.coalesce import MIN_SHARE, Coalescer, RunToEnd, SideBySide
+from aio_keuss.coalesce import GIVE_UP, MIN_SHARE, Coalescer, RunToEnd, SideBySide, to_the_end
 
 
 async def test_first_call_runs_at_once_and_the_rest_share_the_next_batch() -> None:
@@ -596,3 +596,34 @@ async def test_a_one_call_cancelled_in_flight_hands_back_what_its_reply_holds(
         await task
     assert orphans == ([(1, 42)] if readable else [])
     await coalescer.wait_idle()
+
+
+async def test_to_the_end_work_finishes_though_cancelled_and_then_raises() -> None:
+    """A cancellation waits for the work's end: its awaiter gets the cancellation once the
+    result is in (held there by ``RunToEnd``), and the grace timer it set is cancelled
+    with the work's end rather than left on the loop."""
+    release = asyncio.Event()
+
+    async def work() -> str:
+        await release.wait()
+        return "rows"
+
+    task = to_the_end(work())
+    await asyncio.sleep(0)
+    assert task.cancel() is False
+    await asyncio.sleep(0)
+    assert not task.done()
+    release.set()
+    assert await task == "rows"
+    assert task._grace is not None and task._grace.cancelled()  # type: ignore[attr-defined]
+
+
+async def test_to_the_end_work_obeys_a_give_up_at_once() -> None:
+    async def work() -> None:
+        await asyncio.Event().wait()
+
+    task = to_the_end(work())
+    await asyncio.sleep(0)
+    task.cancel(GIVE_UP)
+    with pytest.raises(asyncio.CancelledError):
+        await task
