@@ -53,7 +53,8 @@ SIDELINED = "s"
 
 
 async def _pass() -> None:
-    """One pass of the event loop, taken before an operation's work: a caller in a loop
+    """One pass of the event loop, taken before an operation's work (a load's after it, so
+    that side-by-side loads keep their callers' order): a caller in a loop
     (``while True: await q.pop()``) then lets other tasks run. It refuses cancellation like a
     server's reply, so under ``RunToEnd`` a fetch over several shards cancelled midway still
     completes (and the queue puts back what it took), while a caller not under it is
@@ -221,8 +222,21 @@ class MemoryShardStorage(ShardStorage):
         dedup_window: float,
         message_ttl: float | None,
     ) -> Loaded:
+        # The turn given to the loop comes after the work: push_many's chunks run side by
+        # side and keep their order only if each loads in its first step (see the store).
+        loaded = self._load(queue, shard, entries, dedup_window, message_ttl)
         if self._turns.due(len(entries)):
             await _pass()
+        return loaded
+
+    def _load(
+        self,
+        queue: str,
+        shard: int,
+        entries: Sequence[Entry],
+        dedup_window: float,
+        message_ttl: float | None,
+    ) -> Loaded:
         s = self._shard(queue, shard)
         now = time.time()
         was_empty = s.load == s.fire

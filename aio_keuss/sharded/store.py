@@ -161,7 +161,9 @@ class ShardedStore(Store):
         return flags
 
     async def _insert(self, entries: Sequence[Entry]) -> list[bool]:
-        await self._touch()
+        # The loads are sent in this coroutine's first step, the metadata renewal after
+        # them: push_many's chunks run side by side where round trips pipeline, and keep
+        # their order (one key's messages theirs) only if each sends its load at once.
         by_shard = self._route(entries)
         shards = list(by_shard)
         load = self._storage.load
@@ -193,6 +195,7 @@ class ShardedStore(Store):
             await self._storage.ready_add(self.name, marks)
         if failure is not None:
             raise failure
+        await self._touch()
         if len(loads) == 1:
             return loads[0].flags
         flags: dict[int, bool] = {}

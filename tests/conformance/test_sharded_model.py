@@ -118,6 +118,25 @@ async def test_delayed_messages_with_one_key_keep_their_order(sharded: Connect) 
     assert [m.payload for m in got] == list(range(12))
 
 
+async def test_a_push_many_past_max_batch_with_one_key_keeps_its_order(sharded: Connect) -> None:
+    """push_many's chunks of max_batch run side by side on these stores (their round trips
+    pipeline), trusting each chunk to send its load in its first step. A chunk that awaited
+    something else first (the metadata renewal, due every lease_ttl; memory's turn given to
+    the loop) had its load overtaken by the chunks after it: one key's messages came out
+    out of order."""
+    factory = await sharded(sweeper=False)
+    q = await factory.queue("q", max_batch=10)
+    for _ in range(2):
+        store_of(q)._touch_at = 0.0  # the metadata record's renewal is due (lease_ttl on)
+        await q.push_many(list(range(50)), headers={"x-shard-key": "k"})
+        got: list[int] = []
+        while len(got) < 50:
+            batch = await q.pop_many(10, timeout=5)
+            assert batch, "messages pushed were not served"
+            got += [m.payload for m in batch]
+        assert got == list(range(50))
+
+
 async def test_round_robin_spreads_batches_and_reserve_takes_from_each(sharded: Connect) -> None:
     factory = await sharded(sweeper=False)
     storage = backend_of(factory).storage
