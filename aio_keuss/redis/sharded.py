@@ -83,14 +83,16 @@ class RedisShardStorage(ShardStorage):
         return self._backend.key(f"{queue}#{shard}") + ":"
 
     def _shard(self, queue: str, shard: int) -> tuple[str, list[str]]:
-        """The base and the keys every shard script is given: m, ix, d, z (computed once)."""
+        """The base and the keys every shard script is given: m, ix, d, z, k (computed
+        once)."""
         of_queue = self._shards.get(queue)
         if of_queue is None:
             of_queue = self._shards[queue] = {}
         found = of_queue.get(shard)
         if found is None:
             base = self.shard_base(queue, shard)
-            found = of_queue[shard] = (base, [base + "m", base + "ix", base + "d", base + "z"])
+            keys = [base + "m", base + "ix", base + "d", base + "z", base + "k"]
+            found = of_queue[shard] = (base, keys)
         return found
 
     def _ready(self, queue: str) -> list[str]:

@@ -17,6 +17,9 @@ Shard keys (hash tag ``{queue#shard}``), ``<base>`` being ``prefix:{queue#shard}
     <base>ix         HASH  id -> pointer of its record ('s' while sidelined, 'z<seq>' while
                            scheduled)
     <base>d          ZSET  id -> end of its dedup window (explicit ids only)
+    <base>k          ZSET  pointer -> deadline of the reservations the sweep stepped over
+                           (within their deadline when it passed them), looked at again
+                           once that deadline passes
 
 Queue keys (hash tag ``{queue}``): ``meta`` HASH the metadata record, ``shards`` STRING its
 shard count, kept past the record (see META), ``consumers`` ZSET consumer -> end of its lease,
@@ -341,14 +344,19 @@ return {m[1] - m[2] + matured, m[3], m[4] - m[5], m[1], m[6], m[7], m[8], m[2], 
 """
 )
 
-# KEYS: m ix - z. ARGV: base, most records to look at. Walks the fired region from the sweep
-# pointer: an acknowledged record (gone) is passed over, one fired by a pop never exists,
-# one whose reservation deadline passed moves to the sideline (its id marked 's', so its
-# stale holder's ok / ko fail), and the first still within its deadline stops the walk.
-# A record past its end of life is deleted rather than sidelined, and the magazine's expired
-# head is purged, so the leader clears expired messages of idle queues too.
-# Reply: {moved, records left to look at, left in the magazine, version, 1 if the walk
-# stopped at a record within its deadline, records in the sideline, next mature scheduled}.
+# KEYS: m ix - z k. ARGV: base, most records to look at. First the reservations an earlier
+# step stepped over (k) whose deadline has passed since: each still held there moves to the
+# sideline (one held longer meanwhile, a deadletter's hold, is noted again with its new
+# deadline). Then walks the fired region from the sweep pointer: an acknowledged record
+# (gone) is passed over, one fired by a pop never exists, one whose reservation deadline
+# passed moves to the sideline (its id marked 's', so its stale holder's ok / ko fail), and
+# one still within its deadline is stepped over and noted in k (pointer -> deadline): the
+# sweep pointer passes it, so however long it is held, the lapsed records behind it, a batch
+# away or more, are swept. A record past its end of life is deleted rather than sidelined,
+# and the magazine's expired head is purged, so the leader clears expired messages of idle
+# queues too.
+# Reply: {moved, records left to look at, left in the magazine, version, 1 if reservations
+# within their deadline are noted in k, records in the sideline, next mature scheduled}.
 _SWEEP = (
     _PURGE
     + """
@@ -357,38 +365,54 @@ local now = server_now()
 first_write()
 purge(base, now, batch)
 local m = meta({'l', 'f', 'w', 'sl', 'r', 'n', 'e'})
-local expired = 0
 local l, f, w, sl, r, n = m[1], m[2], m[3], m[4], m[5], m[6]
+local moved, expired = 0, 0
+local function lapse(key, id, e)
+  if dead(e, now) then
+    drop(key, id)
+    expired = expired + 1
+  else
+    redis.call('RENAME', key, base .. 's:' .. ptr(sl))
+    redis.call('HSET', KEYS[2], id, 's')
+    sl = sl + 1
+    moved = moved + 1
+  end
+end
+for _, at in ipairs(redis.call('ZRANGE', KEYS[5], '-inf', fmt(now), 'BYSCORE', 'LIMIT', 0,
+    batch)) do
+  local key = base .. 'r:' .. at
+  local rec = redis.call('HMGET', key, 'i', 'x', 'e')
+  if rec[1] and rec[2] and tonumber(rec[2]) > now then
+    redis.call('ZADD', KEYS[5], rec[2], at)
+  else
+    if rec[1] and rec[2] then lapse(key, rec[1], rec[3]) end
+    redis.call('ZREM', KEYS[5], at)
+  end
+end
 -- Deadlines need not rise in fire order (reserve_delay is each process's own, a
--- deadletter holds its record longer): a record still within its deadline is stepped
--- over, not stopped at, and the pointer stays at the first such record.
-local stop, moved, stopped = math.min(f, w + batch), 0, 0
-local at, live = w, nil
+-- deadletter holds its record longer): a record still within its deadline is noted and
+-- stepped over, never stopped at.
+local stop, at = math.min(f, w + batch), w
 while at < stop do
   local key = base .. 'r:' .. ptr(at)
   local rec = redis.call('HMGET', key, 'i', 'x', 'e')
   if rec[1] and rec[2] then
     if tonumber(rec[2]) > now then
-      stopped = 1
-      live = live or at
-    elseif dead(rec[3], now) then
-      drop(key, rec[1])
-      expired = expired + 1
+      redis.call('ZADD', KEYS[5], rec[2], ptr(at))
     else
-      redis.call('RENAME', key, base .. 's:' .. ptr(sl))
-      redis.call('HSET', KEYS[2], rec[1], 's')
-      sl = sl + 1
-      moved = moved + 1
+      lapse(key, rec[1], rec[3])
     end
   end
   at = at + 1
 end
-w = live or at
+w = at
 if w > m[3] or moved > 0 or expired > 0 then
   redis.call('HSET', KEYS[1], 'w', ptr(w), 'sl', ptr(sl), 'r', ptr(r - moved - expired),
     'n', ptr(n + moved), 'e', ptr(m[7] + expired))
 end
-return {moved, f - w, l - f, version(), stopped, sl - meta({'sf'})[1], next_due()}
+local held = 0
+if redis.call('EXISTS', KEYS[5]) == 1 then held = 1 end
+return {moved, f - w, l - f, version(), held, sl - meta({'sf'})[1], next_due()}
 """
 )
 

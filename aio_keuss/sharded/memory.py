@@ -95,6 +95,8 @@ class _Shard:
         self.where: dict[str, int | str] = {}
         self.windows: dict[str, float] = {}  # explicit id -> end of its dedup window
         self.window_ends: list[tuple[float, str]] = []  # heap, to purge ended windows
+        self.stepped: list[tuple[float, int]] = []
+        """Heap of (deadline, pointer): reservations the sweep stepped over (Redis's k)."""
 
     @property
     def version(self) -> int:
@@ -152,6 +154,21 @@ class _Shard:
         if tries is not None and tries != record.tries:
             return None
         return at, record
+
+    def lapse(self, at: int, record: _Record, now: float) -> int:
+        """A reservation past its deadline leaves the magazine: to the sideline, or deleted
+        if past its end of life; 1 if it went to the sideline."""
+        del self.magazine[at]
+        self.fired -= 1
+        if record.dead(now):
+            self.forget(record)
+            self.expired += 1
+            return 0
+        self.sideline[self.side_load] = record
+        self.where[record.id] = SIDELINED
+        self.side_load += 1
+        self.swept += 1
+        return 1
 
     def purge(self, now: float, most: int) -> None:
         """Delete the magazine's expired head (up to ``most`` records looked at)."""
@@ -361,37 +378,36 @@ class MemoryShardStorage(ShardStorage):
         s = self._shard(queue, shard)
         now = time.time()
         s.purge(now, batch)
-        stop = min(s.fire, s.sweep + batch)
         moved = 0
-        stopped = False
-        at, live = s.sweep, None  # past a record within its deadline, as the Redis sweep
+        # first the reservations stepped over earlier whose deadline has passed since
+        looked = 0
+        while s.stepped and s.stepped[0][0] <= now and looked < batch:
+            _, at = heapq.heappop(s.stepped)
+            looked += 1
+            record = s.magazine.get(at)
+            if record is not None and record.deadline is not None:
+                if record.deadline > now:  # held longer meanwhile (a deadletter's hold)
+                    heapq.heappush(s.stepped, (record.deadline, at))
+                else:
+                    moved += s.lapse(at, record, now)
+        # then the walk: one within its deadline is noted and stepped over (as Redis)
+        stop = min(s.fire, s.sweep + batch)
+        at = s.sweep
         while at < stop:
             record = s.magazine.get(at)
             if record is not None and record.deadline is not None:
                 if record.deadline > now:
-                    stopped = True
-                    live = at if live is None else live
-                    at += 1
-                    continue
-                del s.magazine[at]
-                s.fired -= 1
-                if record.dead(now):
-                    s.forget(record)
-                    s.expired += 1
+                    heapq.heappush(s.stepped, (record.deadline, at))
                 else:
-                    s.sideline[s.side_load] = record
-                    s.where[record.id] = SIDELINED
-                    s.side_load += 1
-                    s.swept += 1
-                    moved += 1
+                    moved += s.lapse(at, record, now)
             at += 1
-        s.sweep = at if live is None else live
+        s.sweep = at
         return SweepStep(
             moved,
             s.fire - s.sweep,
             s.load - s.fire,
             s.version,
-            stopped,
+            bool(s.stepped),
             s.side_load - s.side_fire,
             s.next_scheduled(),
         )

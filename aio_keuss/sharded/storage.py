@@ -145,7 +145,8 @@ class SweepStep:
     """Records past the fire pointer (the sweeper announces the shard when > 0)."""
     version: int
     stopped: bool
-    """True when the walk stopped at a record still within its deadline."""
+    """True when reservations still within their deadline are held stepped over (noted by
+    the storage, looked at again once their deadline passes): the shard is not idle."""
     sidelined: int
     """Records in the sideline after the step (the shovel's work)."""
     next_scheduled: float | None
@@ -276,13 +277,17 @@ class ShardStorage(ABC):
 
     @abstractmethod
     async def sweep(self, queue: str, shard: int, batch: int) -> SweepStep:
-        """One sweep step, atomic on the shard: purge the expired head (up to ``batch``),
-        then walk at most ``batch`` fired records from the sweep pointer: a record gone
-        (acknowledged, or fired by a pop) is passed over, one past its deadline moves to the
-        sideline (so its stale holder's ``ok`` / ``ko`` find nothing held; one past its end
-        of life is deleted instead), and the first still within its deadline stops the
-        walk. The sweep pointer, the fired count and the swept / expired counters advance
-        in the same step, so two sweepers overlapping never move a record twice.
+        """One sweep step, atomic on the shard: purge the expired head (up to ``batch``);
+        look again at up to ``batch`` reservations stepped over by earlier steps whose
+        deadline has passed since (each still held moves to the sideline; one held longer
+        meanwhile, a deadletter's hold, is noted again); then walk at most ``batch`` fired
+        records from the sweep pointer: a record gone (acknowledged, or fired by a pop) is
+        passed over, one past its deadline moves to the sideline (so its stale holder's
+        ``ok`` / ``ko`` find nothing held; one past its end of life is deleted instead), and
+        one still within its deadline is noted with its deadline and stepped over: the
+        pointer never stops at a long reservation, so lapsed ones behind it, however far,
+        come back. The sweep pointer, the fired count and the swept / expired counters
+        advance in the same step, so two sweepers overlapping never move a record twice.
 
         Needs: the pointer advance and the moves as one step, or each move claimed by the
         sideline pointer taken first and the magazine record's delete generation-checked

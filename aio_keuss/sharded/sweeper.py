@@ -11,8 +11,10 @@ Each pass the leader walks every shard of every queue listed in the storage:
 
 - sweep: from the shard's sweep pointer, up to ``SWEEP_BATCH`` records a step (IgnisMQ's
   ``SWEEP_BATCH_SIZE``), records fired by a reserve whose deadline (fire time +
-  ``reserve_delay``, IgnisMQ's ``sweepDuration``) passed move to the shard's sideline; the
-  walk stops at the first record still within its deadline. The shard's sweep pointer and
+  ``reserve_delay``, IgnisMQ's ``sweepDuration``) passed move to the shard's sideline; a
+  record still within its deadline is noted and stepped over, and looked at again by the
+  first step after its deadline passes (so one long reservation does not keep the lapsed
+  ones behind it, however far, from coming back). The shard's sweep pointer and
   swept counter advance in the same step.
 - ready index repair: a shard with records in its magazine is announced again, which
   restores a hint lost when a process died between a shard's step and the index's.
@@ -207,7 +209,7 @@ class Sweeper:
             while True:
                 step = await storage.sweep(name, shard, SWEEP_BATCH)
                 moved += step.moved
-                if step.left <= 0 or step.stopped:
+                if step.left <= 0:  # each step passes up to a batch: this ends
                     break
             if step.in_magazine > 0:
                 marks.append(ReadyMark(shard, step.version))
@@ -215,7 +217,8 @@ class Sweeper:
                 marks.append(ReadyMark(shard, step.version, step.next_scheduled))
             if step.sidelined > 0:
                 to_shovel.add(shard)
-            idle = step.left <= 0 and step.in_magazine <= 0 and step.sidelined <= 0
+            idle = step.left <= 0 and not step.stopped
+            idle = idle and step.in_magazine <= 0 and step.sidelined <= 0
             if idle and step.next_scheduled is None:
                 quiet[shard] = stamps.get(shard)
             else:

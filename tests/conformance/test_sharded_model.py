@@ -21,11 +21,11 @@ from conftest import Connect, usable_case
 from sharded_checks import assert_metadata_of_q
 
 import aio_keuss
-from aio_keuss.contract import Entry
+from aio_keuss.contract import Ack, Entry
 from aio_keuss.message import EMPTY_HEADERS
 from aio_keuss.registry import load_backend
 from aio_keuss.sharded.backend import ShardedBackend
-from aio_keuss.sharded.settings import REPAIR_PASSES, shard_of
+from aio_keuss.sharded.settings import REPAIR_PASSES, SWEEP_BATCH, shard_of
 from aio_keuss.sharded.storage import ReadyMark, ShardStorage
 from aio_keuss.sharded.store import ShardedStore
 from aio_keuss.sharded.sweeper import Sweeper
@@ -440,6 +440,42 @@ async def test_an_expired_reservation_behind_a_longer_one_comes_back(sharded: Co
     again = await q.reserve(timeout=30)  # once it lapsed, swept and shoveled: < 1 s
     assert again is not None and (again.id, again.tries) == (short.id, 1)
     assert await q.ok(again)
+
+
+async def test_lapsed_reservations_past_a_sweep_batch_behind_a_long_one_come_back(
+    sharded: Connect,
+) -> None:
+    """The sweep pointer stopped at the first reservation still within its deadline, and
+    each step walked SWEEP_BATCH records from it: behind one long reservation, lapsed ones
+    further than a batch away were never swept until it ended (here an hour: 501 of 1,500
+    held that long)."""
+    factory = await sharded(sweeper=False)
+    backend = backend_of(factory)
+    storage = backend.storage
+    await factory.queue("q")
+    entries = [Entry(f"m{k}~0", b'J"x"', EMPTY_HEADERS) for k in range(SWEEP_BATCH + 501)]
+    await storage.load("q", 0, entries, 0.0, None)
+    (long,) = (await storage.fire("q", 0, 1, 3600.0)).messages
+    lapsed = (await storage.fire("q", 0, SWEEP_BATCH + 500, 0.0)).messages  # deadline: now
+    assert len(lapsed) == SWEEP_BATCH + 500
+    leader = Sweeper(storage, backend.sharded, lambda *_: None)
+    for _ in range(3):
+        await leader.sweep_queue("q", 4)
+    sizes = await storage.sizes("q", 0)
+    assert (sizes.fired, sizes.sidelined) == (1, SWEEP_BATCH + 500)
+    # the long one, stepped over, is still its holder's; a shorter one stepped over is
+    # swept once its deadline passes
+    await storage.load("q", 0, [Entry("short~0", b'J"x"', EMPTY_HEADERS)], 0.0, None)
+    await storage.fire("q", 0, 1, 0.5)
+    await leader.sweep_queue("q", 4)
+
+    async def swept() -> bool:
+        await leader.sweep_queue("q", 4)
+        return (await storage.sizes("q", 0)).fired == 1
+
+    await until(swept)
+    assert await storage.commit("q", 0, [Ack(long.id, long.tries)]) == [True]
+    await leader.stop()
 
 
 async def test_a_message_being_deadlettered_is_not_swept_back(sharded: Connect) -> None:
