@@ -489,7 +489,11 @@ class MongoStore(Store):
         mine: list[Document] = []
         for _ in range(CLAIM_ATTEMPTS):  # others may snatch candidates; try a few times
             wanted = n - len(mine)
-            candidates = await self._coll.find(due, sort=BY_MATURE, limit=wanted).to_list()
+            # (repeated if cut: a read, and a later attempt's cut would lose what the
+            # earlier ones claimed)
+            candidates = await _again_if_cut(
+                lambda: self._coll.find(due, sort=BY_MATURE, limit=wanted).to_list()  # noqa: B023
+            )
             if not candidates:
                 break
             ids = [d["_id"] for d in candidates]
@@ -520,8 +524,9 @@ class MongoStore(Store):
 
     async def _fetched(self, docs: list[Document], n: int) -> Fetched:
         # The wait loop reads next_mature only when a request got nothing: a full batch
-        # spares the extra round trip.
-        next_mature = None if len(docs) == n else await self._next_mature()
+        # spares the extra round trip. Repeated if cut: the messages are taken by now, and
+        # a CancelledError here would end the batch without them.
+        next_mature = None if len(docs) == n else await _again_if_cut(self._next_mature)
         return Fetched([_stored(d) for d in docs], next_mature)
 
     # acknowledging ------------------------------------------------------------------------

@@ -276,3 +276,101 @@ async def test_a_consumer_s_prefetched_messages_go_back_as_the_loop_ends(backend
     finally:
         if case.cleanup is not None:
             await case.cleanup(options)
+
+
+_LAST_READ_SCRIPT = r"""
+import asyncio, json, sys
+import aio_keuss
+from reply_gate import ReplyGate
+
+backend, options, kind = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3]
+gate = ReplyGate(*options["url"].rsplit("/", 1)[-1].split(":"))
+options["url"] = f"mongodb://127.0.0.1:{gate.port}/?directConnection=true"
+got = []
+kept = []  # the loop holds its tasks weakly: what nothing else refers to may be collected
+
+
+async def main():
+    factory = await aio_keuss.connect(backend, **options)  # never closed: the point
+    q = await factory.queue("jobs", reserve_delay=3600.0)
+    await q.push_many([{"n": n} for n in range(int(sys.argv[4]))])
+    coll = q._store._coll
+    find_one = coll.find_one
+    in_flight = asyncio.Event()
+
+    def held(*args, **kwargs):
+        # the batch's last read (what matures next: it got fewer than it asked for), sent
+        # once its claim is done: its reply waits until the loop ends
+        if type(asyncio.current_task()).__name__ == "_ToTheEnd" and not in_flight.is_set():
+            gate.shut()
+            in_flight.set()
+        return find_one(*args, **kwargs)
+
+    coll.find_one = held
+
+    async def caller():
+        messages = await (q.pop_many(10) if kind == "get" else q.reserve_many(10))
+        got.extend(m.id for m in messages)
+
+    async def releaser():
+        try:
+            await asyncio.Event().wait()
+        finally:
+            gate.open()  # cancelled by asyncio.run, after main ended
+
+    kept.append(asyncio.create_task(releaser()))
+    kept.extend((factory, asyncio.create_task(caller())))
+    await in_flight.wait()
+
+
+asyncio.run(main())
+print(json.dumps({"got": got}), flush=True)
+"""
+
+
+@pytest.mark.parametrize("kind", ["get", "reserve"])
+@pytest.mark.parametrize("backend", ["mongo", "mongo-history"])
+async def test_a_batch_s_read_after_its_claim_cut_as_the_loop_ends_loses_nothing(
+    backend: str, kind: str
+) -> None:
+    """A batch that got fewer messages than it asked for reads what matures next once its
+    claim (and a pop's delete) is done: ``asyncio.run`` cancelling PyMongo's task under that
+    read ended the batch with a CancelledError, and what it had taken with it (popped ones
+    were lost, reservations held for ``reserve_delay``)."""
+    case = _CASES[backend]
+    reason = case.available()
+    if reason:
+        pytest.skip(reason)
+    options = case.options(new_token())
+    try:
+        process = await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-c",
+            _LAST_READ_SCRIPT,
+            case.name,
+            json.dumps(options),
+            kind,
+            "3",
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            env={**os.environ, "PYTHONPATH": os.pathsep.join((str(ROOT), str(ROOT / "tests")))},
+        )
+        out, err = await asyncio.wait_for(process.communicate(), 90)
+        assert process.returncode == 0, err.decode()
+        assert b"destroyed but it is pending" not in err, err.decode()
+        got: list[str] = json.loads(out.decode().strip().splitlines()[-1])["got"]
+        factory = await aio_keuss.connect(case.name, **options)
+        try:
+            q = await factory.queue("jobs", reserve_delay=3600.0)
+            queued: list[str] = []
+            while batch := await q.pop_many(100, timeout=0):
+                queued.extend(m.id for m in batch)
+            sizes = await q.sizes()
+        finally:
+            await factory.close()
+        assert not set(got) & set(queued), "delivered and still queued"
+        assert len(got) + len(queued) == 3, (len(got), len(queued), err.decode())
+        assert sizes.total == (len(got) if kind == "reserve" else 0), sizes
+    finally:
+        if case.cleanup is not None:
+            await case.cleanup(options)
