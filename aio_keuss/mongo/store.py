@@ -497,7 +497,11 @@ class MongoStore(Store):
             if not candidates:
                 break
             ids = [d["_id"] for d in candidates]
-            claim = {"_id": {"$in": ids}, **due}
+            # Not already ours: a claim run again (below) must not change what the first
+            # run changed, and with a ``reserve_delay`` of 0 that still matches ``due``
+            # (mature = now). ``$nin``, not ``$ne``: nx-27017's ``$ne`` skips documents
+            # without the field.
+            claim = {"_id": {"$in": ids}, **due, "owner": {"$nin": [token]}}
             modified: int | None
             try:
                 modified = (await self._coll.update_many(claim, update)).modified_count
@@ -505,7 +509,7 @@ class MongoStore(Store):
                 if _given_up():
                     raise
                 # Whether the claim ran is unknown. Running it again changes nothing it
-                # changed (those no longer match ``mature <= now``); our token tells ours.
+                # changed (those carry our token); our token tells ours.
                 await self._coll.update_many(claim, update)
                 modified = None
             if modified == len(candidates):

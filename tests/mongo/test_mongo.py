@@ -15,6 +15,7 @@ import subprocess
 import sys
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -23,6 +24,7 @@ from mongo_server import MONGO_URL, REAL_MONGO_URL, start_mongo
 
 import aio_keuss
 from aio_keuss import KoResult
+from aio_keuss.mongo import store as store_module
 
 pymongo = pytest.importorskip("pymongo")
 
@@ -403,3 +405,64 @@ def test_every_method_that_reaches_the_server_translates_its_errors() -> None:
     for name in ("open", "close", "_create_indexes"):
         assert hasattr(getattr(MongoConnection, name), "__wrapped__"), name
     assert checked >= 20
+
+
+@pytest.mark.parametrize("backend", ["mongo", "mongo-history"])
+async def test_a_claim_run_again_after_its_reply_was_cut_changes_nothing_twice(
+    database: str, client: Any, backend: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A batch's claim whose reply PyMongo's task lost (``asyncio.run`` cancelling it as the
+    loop ends) is run again: with ``reserve_delay`` 0 the messages it had reserved still
+    matched it (mature = now), and the second run counted a second try, so the holder's
+    ok was refused as a stale holder's."""
+    from reply_gate import ReplyGate
+
+    gate = ReplyGate(*MONGO_URL.rsplit("/", 1)[-1].split(":"))
+    factory = await aio_keuss.connect(
+        backend,
+        url=f"mongodb://127.0.0.1:{gate.port}/?directConnection=true",
+        database=database,
+        poll_interval=30.0,
+    )
+    try:
+        q = await factory.queue("jobs", reserve_delay=0.0)
+        await q.push_many(["a", "b", "c"])
+        coll = q._store._coll  # type: ignore[attr-defined]
+        update_many = coll.update_many
+        cuts: list[asyncio.Task[None]] = []
+
+        async def cut() -> None:
+            """What ``asyncio.run`` does to PyMongo's tasks of the read in flight."""
+            stored = client[database][coll.name]
+            for _ in range(500):  # the claim runs on the server; its reply is held
+                if await stored.count_documents({"owner": {"$exists": True}}) == 3:
+                    break
+                await asyncio.sleep(0.01)
+            pymongo_reads = ("PyMongoProtocol.read", "_poll_cancellation")
+            for task in asyncio.all_tasks():
+                if task.get_coro().__qualname__ in pymongo_reads:  # type: ignore[union-attr]
+                    task.cancel()
+            await asyncio.sleep(0.05)
+            gate.open()
+
+        def held(*args: Any, **kwargs: Any) -> Any:
+            if not cuts:
+                gate.shut()
+                cuts.append(asyncio.create_task(cut()))
+            return update_many(*args, **kwargs)
+
+        coll.update_many = held
+        # nx-27017 rounds the doubles an update sets to 15 digits: a time of fewer keeps the
+        # reservation's mature time (now + 0) exactly now, as a real mongod stores it
+        clock = time.time
+        monkeypatch.setattr(store_module, "time", SimpleNamespace(time=lambda: round(clock(), 2)))
+        messages = await q.reserve_many(3, timeout=5)
+        await cuts[0]
+        assert sorted(m.payload for m in messages) == ["a", "b", "c"]
+        assert [m.tries for m in messages] == [0, 0, 0]
+        docs = await client[database][coll.name].find({}, {"tries": 1}).to_list()
+        assert sorted(d["tries"] for d in docs) == [1, 1, 1]
+        assert [await q.ok(m) for m in messages] == [True, True, True]
+    finally:
+        gate.open()
+        await factory.close()
