@@ -328,13 +328,18 @@ class _HeldConnections:
             await self._pool.release(connection)
 
     async def close(self) -> None:
-        """Give every held connection back (a pool waits for its connections on close)."""
+        """Give every held connection back (a pool waits for its connections on close).
+        The idle ones go back as the others do, each in a task of ``_handing_back`` (a
+        user's pool resets a connection on release: a round trip), so that ``terminate``
+        reaches every one still on its way back."""
         idle, self._idle = self._idle, []
-        self._held -= len(idle)
         for connection in idle:
-            await self._release(connection)
-        if self._handing_back:
-            await asyncio.gather(*self._handing_back, return_exceptions=True)
+            self._let_go(connection, None)
+        while self._handing_back:
+            # Not gather: cancelled (a close past its grace), it would cancel the hand-backs,
+            # whose tasks then left ``_handing_back`` before ``terminate`` read it, and
+            # asyncpg's release, shielded, waited on with nothing to end it.
+            await asyncio.wait(list(self._handing_back))
 
     def terminate(self) -> None:
         """Close at once the connections still on their way back: each waits for the

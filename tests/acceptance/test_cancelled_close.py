@@ -467,3 +467,58 @@ async def test_a_cancelled_close_ends_when_postgres_stops_answering(
     finally:
         if case.cleanup is not None:
             await case.cleanup(options)
+
+
+@pytest.mark.parametrize("cancelled", [True, False], ids=["cancelled", "plain"])
+async def test_a_close_past_its_grace_hands_a_user_s_pool_back_every_connection(
+    monkeypatch: pytest.MonkeyPatch, cancelled: bool
+) -> None:
+    """The same close on a pool of the user's (``pool=``, which the close leaves open):
+    nothing terminated the connections still on their way back, which stayed checked out
+    of the user's pool for good. Cancelled, the batch given up's connection: the close's
+    ``gather`` over the hand-backs, cancelled by ``CLOSE_GRACE``, cancelled their tasks,
+    which thereby left the set ``terminate`` reads. Plain, the idle held connections: their
+    hand-back (the user's pool resets each on release: a round trip) was awaited in turn,
+    outside that set, and those after the first were never handed back at all."""
+    import asyncpg
+
+    import aio_keuss.postgres.connection
+    import aio_keuss.queue
+
+    case = _CASES["postgres"]
+    reason = case.available()
+    if reason:
+        pytest.skip(reason)
+    monkeypatch.setattr(aio_keuss.queue, "CANCELLED_CLOSE_GRACE", 0.2)
+    monkeypatch.setattr(aio_keuss.postgres.connection, "CLOSE_GRACE", 0.5)
+    options = {**case.options(new_token()), "stats": "memory", "signal": "local"}
+    pool = await asyncpg.create_pool(options.pop("url"), min_size=4, max_size=12)
+    try:
+        factory = await aio_keuss.connect(case.name, pool=pool, **options)
+        q = await factory.queue("jobs", reserve_delay=3600.0)
+        await q.push_many([{"n": n} for n in range(MESSAGES)])
+        warm = await factory.queue("warm")
+        for _ in range(3):  # statements prepared on every connection (see test_loop_end)
+            await asyncio.gather(*(warm.reserve_many(2, timeout=0) for _ in range(8)))
+        if not cancelled:  # idle held connections, more than one
+            await asyncio.gather(*(q.size() for _ in range(4)))
+        holders = pool._holders  # type: ignore[attr-defined]
+        for holder in holders:
+            if holder._con is not None:
+                holder._con._transport.pause_reading()  # and never resumed
+        if cancelled:
+            taking = asyncio.create_task(q.reserve_many(2))
+            await asyncio.sleep(0.2)
+            closing = asyncio.create_task(factory.close())
+            await until_closed(q)
+            closing.cancel()
+            await asyncio.wait_for(asyncio.gather(closing, taking, return_exceptions=True), 30)
+        else:
+            await asyncio.wait_for(factory.close(), 30)
+        await asyncio.sleep(0.1)
+        out = [holder for holder in holders if holder._in_use is not None]
+        assert not out, f"{len(out)} connections still checked out of the user's pool"
+    finally:
+        pool.terminate()
+        if case.cleanup is not None:
+            await case.cleanup(options)
