@@ -132,7 +132,8 @@ class SignalBus:
         put-back for a cancelled caller as ``asyncio.run`` ends), whose publish would
         otherwise be a task still pending when the loop closes."""
         if self._publishing:
-            await asyncio.gather(*self._publishing, return_exceptions=True)
+            # not gather: cancelled, it would cancel the publishes of others' work too
+            await asyncio.wait(tuple(self._publishing))
 
     def subscribe(self, queue: str, listener: Listener) -> Callable[[], None]:
         self._listeners.setdefault(queue, set()).add(listener)
