@@ -67,7 +67,8 @@ class Entry:
     ``dedup`` is set when the id came from the user: the store then refuses the entry while
     a message with that id is queued or was pushed within the queue's dedup window.
     ``mature`` (absolute) overrides ``delay``; it is used to put back a popped message whose
-    caller was cancelled, keeping its place in the queue.
+    caller was cancelled, keeping its place in the queue, and ``expires`` the end of life
+    it had there (see :attr:`Stored.expires`).
 
     A store may replace ``id`` of an entry without ``dedup`` during ``insert`` (a bucket store
     encodes bucket and slot in it); the queue layer reads the ids back after the insert.
@@ -80,6 +81,7 @@ class Entry:
     tries: int = 0
     dedup: bool = False
     mature: float | None = None
+    expires: float | None = None
 
 
 def bulk_load(entries: Sequence[Entry]) -> bool:
@@ -105,6 +107,9 @@ class Stored:
     headers: bytes
     tries: int
     mature: float
+    expires: float | None = None
+    """End of life (absolute), where the store gives messages one (a message TTL counted
+    from the push): a put-back keeps it."""
 
 
 Cursor = tuple[float, str]

@@ -685,7 +685,8 @@ class Queue:
         if not result[0]:
             return None
         entries = [
-            Entry(s.id, s.payload, s.headers, tries=s.tries, mature=s.mature) for s in result[0]
+            Entry(s.id, s.payload, s.headers, tries=s.tries, mature=s.mature, expires=s.expires)
+            for s in result[0]
         ]
         return self._hand_back(self._store.insert(entries), len(entries), "popped messages")
 

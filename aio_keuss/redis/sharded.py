@@ -125,6 +125,7 @@ class RedisShardStorage(ShardStorage):
                 check,
                 "" if e.mature is None else repr(e.mature),
                 e.delay if e.mature is None else 0,
+                "" if e.mature is None or e.expires is None else repr(e.expires),
             )
         reply = await self._run(lua.INSERT, keys, args)
         return Loaded([f == 1 for f in reply[3:]], reply[0], reply[1] == 1, _time(reply[2]))
@@ -140,8 +141,9 @@ class RedisShardStorage(ShardStorage):
                 reply[i + 2],
                 int(reply[i + 3]),
                 float(reply[i + 4]),
+                _time(reply[i + 5]),
             )
-            for i in range(3, len(reply), 5)
+            for i in range(3, len(reply), 6)
         ]
         return Fired(messages, reply[0], reply[1], _time(reply[2]))
 

@@ -106,10 +106,10 @@ local function next_due()
 end
 """
 
-# KEYS: m ix d z. ARGV: base, dedup window, message TTL ('' = none), then 7 per entry: id,
+# KEYS: m ix d z. ARGV: base, dedup window, message TTL ('' = none), then 8 per entry: id,
 # payload, headers, tries, check ('' = an id the queue made: unique by construction;
 # 'c' = refused while queued; 'd' = also refused within the dedup window), mature ('' = now),
-# delay (seconds; > 0: scheduled).
+# delay (seconds; > 0: scheduled), end of life ('' = now + TTL; a put-back keeps its own).
 # Reply: {version after, 1 if the caller must announce the shard (its magazine was empty and
 # got a record: whoever loaded the first record of a non-empty one announced it already),
 # earliest mature time scheduled by this call ('' = none), then 1 / 0 per entry}.
@@ -119,7 +119,7 @@ local now = server_now()
 local m = meta({'l', 'f'})
 local l = m[1]
 local out, purged, loaded, soonest = {0, 0, ''}, false, false, nil
-for i = 4, #ARGV, 7 do
+for i = 4, #ARGV, 8 do
   local id, check = ARGV[i], ARGV[i + 4]
   local fresh = true
   if check ~= '' then
@@ -139,7 +139,11 @@ for i = 4, #ARGV, 7 do
     local key = base .. 'r:' .. ptr(l)
     redis.call('HSET', key, 'i', id, 'p', ARGV[i + 1], 'h', ARGV[i + 2], 't', ARGV[i + 3],
       'm', mature)
-    if ttl then redis.call('HSET', key, 'e', fmt(now + ttl)) end
+    if ARGV[i + 7] ~= '' then
+      redis.call('HSET', key, 'e', ARGV[i + 7])
+    elseif ttl then
+      redis.call('HSET', key, 'e', fmt(now + ttl))
+    end
     if check == 'd' then redis.call('ZADD', KEYS[3], fmt(now + window), id) end
     local delay = tonumber(ARGV[i + 6])
     if delay > 0 then
@@ -167,7 +171,7 @@ return out
 # fired). Matured scheduled records are loaded first. Records past their end of life are
 # deleted on the way (at most n + 1000 looked at).
 # Reply: {left in the magazine, version, next mature scheduled ('' = none), then id p h t m
-# per message}.
+# e (end of life, nil = none) per message}.
 _FIRE = """
 local base, n, delay = ARGV[1], tonumber(ARGV[2]), ARGV[3]
 local now = server_now()
@@ -192,7 +196,7 @@ while taken < n and f < stop do
       redis.call('DEL', key)
       redis.call('HDEL', KEYS[2], rec[1])
     end
-    for k = 1, 5 do out[#out + 1] = rec[k] end
+    for k = 1, 6 do out[#out + 1] = rec[k] end
     taken = taken + 1
   end
   f = f + 1

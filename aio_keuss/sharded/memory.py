@@ -266,9 +266,11 @@ class MemoryShardStorage(ShardStorage):
             if checked and s.duplicate(e, now):
                 flags.append(False)
                 continue
-            record = _Record(
-                e.id, e.payload, e.headers, e.tries, now if e.mature is None else e.mature, end
-            )
+            if e.mature is None:  # a push: its life counts from now
+                record = _Record(e.id, e.payload, e.headers, e.tries, now, end)
+            else:  # a put-back keeps the end of life it had
+                life = end if e.expires is None else e.expires
+                record = _Record(e.id, e.payload, e.headers, e.tries, e.mature, life)
             if e.dedup:
                 s.windows[e.id] = now + dedup_window
                 heapq.heappush(s.window_ends, (now + dedup_window, e.id))
@@ -303,7 +305,14 @@ class MemoryShardStorage(ShardStorage):
                     del s.magazine[s.fire]
                     s.forget(record)
                 messages.append(
-                    Stored(record.id, record.payload, record.headers, record.tries, record.mature)
+                    Stored(
+                        record.id,
+                        record.payload,
+                        record.headers,
+                        record.tries,
+                        record.mature,
+                        record.end,
+                    )
                 )
             s.fire += 1
         return Fired(messages, s.load - s.fire, s.version, s.next_scheduled())

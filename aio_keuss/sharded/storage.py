@@ -222,7 +222,8 @@ class ShardStorage(ABC):
         push of that id (expired windows are purged first); an accepted one opens a window
         of ``dedup_window`` seconds. An entry with ``mature`` set (a put-back) is refused
         while its id is in the shard, and is loaded now whatever its ``delay``, keeping its
-        ``mature`` and ``tries``. Any other entry's id is unique by construction.
+        ``mature`` and ``tries``, and ``expires`` as its end of life when given (a TTL counts
+        from the push, not from a put-back). Any other entry's id is unique by construction.
 
         An accepted entry with ``delay`` > 0 goes to the schedule, mature at now + delay;
         the others are loaded at the load pointer, which advances by one each. With
@@ -239,8 +240,9 @@ class ShardStorage(ABC):
         First load the matured scheduled records (up to 1,000). Records past their end of
         life are deleted on the way (at most ``n`` + 1,000 looked at). With ``reserve_delay``
         each record taken stays in place, stamped with its deadline (now + reserve_delay) and
-        counted as fired; without (a pop) it is deleted. The fire pointer advances past
-        everything looked at.
+        counted as fired; without (a pop) it is deleted. Each message handed out carries its
+        end of life (``Stored.expires``), which a put-back gives back. The fire pointer
+        advances past everything looked at.
 
         Needs: two fires never take the same record (the pointer advance is the claim); a
         reserved record is stamped before it is handed out, so that whatever happens to

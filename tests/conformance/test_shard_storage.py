@@ -100,6 +100,28 @@ async def test_a_put_back_keeps_its_mature_time_and_tries_and_is_refused_while_q
     assert (await st.load("q", 0, [back], 60.0, None)).flags == [True]
 
 
+async def test_a_put_back_keeps_the_end_of_life_it_was_fired_with(st: ShardStorage) -> None:
+    before = time.time()
+    await st.load("q", 0, [entry("p")], 60.0, FAR)
+    (fired,) = (await st.fire("q", 0, 5, None)).messages
+    assert fired.expires is not None and before + FAR - 60 <= fired.expires <= time.time() + FAR
+    back = entry("p", mature=fired.mature, expires=fired.expires)
+    assert (await st.load("q", 0, [back], 60.0, 2 * FAR)).flags == [True]  # TTL from the push
+    (again,) = (await st.fire("q", 0, 5, None)).messages
+    assert again.expires == fired.expires
+    # past its end of life when put back: never delivered
+    await st.load("q", 0, [entry("gone", mature=before, expires=before)], 60.0, FAR)
+    assert await fire_ids(st, 0, 5) == []
+    assert (await st.sizes("q", 0)).expired == 1
+    # without a TTL a message has no end of life, and a put-back without one is given one
+    await st.load("q", 1, [entry("n")], 60.0, None)
+    (forever,) = (await st.fire("q", 1, 5, None)).messages
+    assert forever.expires is None
+    await st.load("q", 1, [entry("n", mature=forever.mature)], 60.0, FAR)
+    (given,) = (await st.fire("q", 1, 5, None)).messages
+    assert given.expires is not None and given.expires >= before + FAR - 60
+
+
 async def test_a_delayed_load_waits_in_the_schedule_until_it_matures(st: ShardStorage) -> None:
     before = time.time()
     later = await st.load("q", 0, [entry("late", delay=FAR)], 60.0, None)

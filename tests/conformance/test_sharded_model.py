@@ -77,6 +77,32 @@ async def ready_shards(storage: ShardStorage, queue: str) -> list[int]:
     return (await storage.ready_head(queue)).due
 
 
+def _cancel_after_fire(storage: ShardStorage, caller: asyncio.Future[Any]) -> Callable[[], None]:
+    """Make the storage's fire cancel ``caller`` (a pop) as it starts: the cancellation
+    lands while the fire is answered (a reply that refuses it, or a batch task's), so the
+    fire takes its records and the queue puts back what it took. Returns what undoes it."""
+    fire = storage.fire
+
+    async def fire_then_cancel(*args: Any) -> Any:
+        caller.cancel()
+        return await fire(*args)
+
+    setattr(storage, "fire", fire_then_cancel)  # noqa: B010
+    return lambda: delattr(storage, "fire")
+
+
+async def _popped_then_cancelled(q: aio_keuss.Queue, storage: ShardStorage) -> None:
+    """A pop that takes a message and is cancelled before its caller gets it."""
+    task = asyncio.ensure_future(q.pop(timeout=5))
+    undo = _cancel_after_fire(storage, task)
+    try:
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+    finally:
+        undo()
+    assert task.cancelled()
+
+
 # routing --------------------------------------------------------------------------------
 
 
@@ -596,6 +622,24 @@ async def test_expired_messages_are_never_delivered_nor_counted(sharded: Connect
     assert await q.pop(timeout=0.3) is None
     expired = sum(shard.expired for shard in await store_of(q).shard_sizes())
     assert expired == 10
+
+
+async def test_a_message_put_back_after_a_cancelled_pop_keeps_its_end_of_life(
+    sharded: Connect,
+) -> None:
+    """The TTL counts from the push, a put-back included: the message is not given a new
+    life from the put-back."""
+    factory = await sharded(sweeper=False, message_ttl=2.0)
+    q = await factory.queue("q")
+    await q.pop(timeout=0)  # enrolled
+    await q.push("short-lived")
+    pushed = time.time()
+    await asyncio.sleep(1.5)  # the put-back comes at least 1.5 s after the push
+    await _popped_then_cancelled(q, backend_of(factory).storage)
+    await asyncio.sleep(max(0.0, pushed + 2.3 - time.time()))  # past its end of life
+    # (given a new life at the put-back, it would live until 3.5 s after the push at least)
+    assert await q.pop(timeout=0) is None
+    assert sum(shard.expired for shard in await store_of(q).shard_sizes()) == 1
 
 
 async def test_messages_within_their_ttl_are_delivered(sharded: Connect) -> None:
