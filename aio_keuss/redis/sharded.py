@@ -112,9 +112,12 @@ class RedisShardStorage(ShardStorage):
         entries: Sequence[Entry],
         dedup_window: float,
         message_ttl: float | None,
+        *,
+        front: bool = False,
     ) -> Loaded:
         base, keys = self._shard(queue, shard)
-        args: list[Any] = [base, dedup_window, "" if message_ttl is None else repr(message_ttl)]
+        ttl = "" if message_ttl is None else repr(message_ttl)
+        args: list[Any] = [base, dedup_window, ttl, "1" if front else ""]
         for e in entries:
             check = "d" if e.dedup else ("c" if e.mature is not None else "")
             args += (

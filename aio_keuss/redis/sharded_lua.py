@@ -6,7 +6,8 @@ Shard keys (hash tag ``{queue#shard}``), ``<base>`` being ``prefix:{queue#shard}
     <base>m          HASH  l load pointer, f fire pointer, w sweep pointer, r fired and not
                            yet acknowledged, n swept ever, sl / sf sideline load / fire
                            pointers, v shoveled ever, e expired (message TTL) ever, q scheduled
-                           ever (the next scheduled record's seq)
+                           ever (the next scheduled record's seq), b put back before the
+                           fire pointer ever (a cancelled pop's records)
     <base>r:<ptr>    HASH  one record per message of the magazine: i id, p payload,
                            h headers, t tries, m mature, x reservation deadline once fired,
                            e end of life (message TTL; absent: none)
@@ -26,8 +27,8 @@ shard count, kept past the record (see META), ``consumers`` ZSET consumer -> end
 ``ready`` ZSET shard -> since when it has had records to fire (or, with only scheduled
 records, when the first matures), ``stamps`` HASH shard -> the highest version a producer
 announced there (what lets a consumer drop a shard it emptied without losing a producer's
-announcement that raced with it). A shard's version is ``l + q``: it grows with every
-load and every scheduled record.
+announcement that raced with it). A shard's version is ``l + q + b``: it grows with every
+load, every scheduled record and every put-back.
 
 Scheduled records are loaded into the magazine when they mature, by the next fire on their
 shard (up to 1,000 at a time): a magazine is FIFO, so a delay waits outside it.
@@ -97,8 +98,8 @@ local function promote(base, now, most)
 end
 -- The shard's version (see the module docstring) and its next mature time ('' = none).
 local function version()
-  local m = meta({'l', 'q'})
-  return m[1] + m[2]
+  local m = meta({'l', 'q', 'b'})
+  return m[1] + m[2] + m[3]
 end
 local function next_due()
   local head = redis.call('ZRANGE', KEYS[4], 0, 0, 'WITHSCORES')
@@ -106,7 +107,10 @@ local function next_due()
 end
 """
 
-# KEYS: m ix d z. ARGV: base, dedup window, message TTL ('' = none), then 8 per entry: id,
+# KEYS: m ix d z. ARGV: base, dedup window, message TTL ('' = none), front ('1': entries with
+# a mature time are put-backs of a cancelled pop, loaded back where they were fired from, in
+# the free slots just before the fire pointer, which moves back over them; those with no
+# room there, a held reservation just behind, go to the load pointer), then 8 per entry: id,
 # payload, headers, tries, check ('' = an id the queue made: unique by construction;
 # 'c' = refused while queued; 'd' = also refused within the dedup window), mature ('' = now),
 # delay (seconds; > 0: scheduled), end of life ('' = now + TTL; a put-back keeps its own).
@@ -115,15 +119,17 @@ end
 # earliest mature time scheduled by this call ('' = none), then 1 / 0 per entry}.
 _INSERT = """
 local base, window, ttl = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3])
+local front = ARGV[4] == '1'
 local now = server_now()
-local m = meta({'l', 'f'})
+local m = meta({'l', 'f', 'w'})
 local l = m[1]
 local out, purged, loaded, soonest = {0, 0, ''}, false, false, nil
-for i = 4, #ARGV, 8 do
+local accepted, seen, backs = {}, {}, 0
+for i = 5, #ARGV, 8 do
   local id, check = ARGV[i], ARGV[i + 4]
   local fresh = true
   if check ~= '' then
-    if redis.call('HEXISTS', KEYS[2], id) == 1 then
+    if seen[id] or redis.call('HEXISTS', KEYS[2], id) == 1 then
       fresh = false
     elseif check == 'd' then
       if not purged then
@@ -134,30 +140,52 @@ for i = 4, #ARGV, 8 do
     end
   end
   if fresh then
-    local mature = ARGV[i + 5]
-    if mature == '' then mature = fmt(now) end
-    local key = base .. 'r:' .. ptr(l)
-    redis.call('HSET', key, 'i', id, 'p', ARGV[i + 1], 'h', ARGV[i + 2], 't', ARGV[i + 3],
-      'm', mature)
-    if ARGV[i + 7] ~= '' then
-      redis.call('HSET', key, 'e', ARGV[i + 7])
-    elseif ttl then
-      redis.call('HSET', key, 'e', fmt(now + ttl))
-    end
+    seen[id] = true
     if check == 'd' then redis.call('ZADD', KEYS[3], fmt(now + window), id) end
-    local delay = tonumber(ARGV[i + 6])
-    if delay > 0 then
-      redis.call('HSET', key, 'm', fmt(now + delay))
-      schedule(key, base, id, now + delay)
-      if not soonest or now + delay < soonest then soonest = now + delay end
-    else
-      redis.call('HSET', KEYS[2], id, ptr(l))
-      l = l + 1
-      loaded = true
-    end
+    if front and ARGV[i + 5] ~= '' then backs = backs + 1 end
+    accepted[#accepted + 1] = i
     out[#out + 1] = 1
   else
     out[#out + 1] = 0
+  end
+end
+-- room for the put-backs just before the fire pointer
+local room = 0
+while room < backs and m[2] - room - 1 >= 0
+    and redis.call('EXISTS', base .. 'r:' .. ptr(m[2] - room - 1)) == 0 do
+  room = room + 1
+end
+local slot = m[2] - room
+if room > 0 then
+  redis.call('HSET', KEYS[1], 'f', ptr(slot))
+  if m[3] > slot then redis.call('HSET', KEYS[1], 'w', ptr(slot)) end
+  redis.call('HINCRBY', KEYS[1], 'b', room)
+  loaded = true
+end
+for _, i in ipairs(accepted) do
+  local id, mature = ARGV[i], ARGV[i + 5]
+  local at, back = l, false
+  if front and mature ~= '' and room > 0 then
+    at, back, slot, room = slot, true, slot + 1, room - 1
+  end
+  if mature == '' then mature = fmt(now) end
+  local key = base .. 'r:' .. ptr(at)
+  redis.call('HSET', key, 'i', id, 'p', ARGV[i + 1], 'h', ARGV[i + 2], 't', ARGV[i + 3],
+    'm', mature)
+  if ARGV[i + 7] ~= '' then
+    redis.call('HSET', key, 'e', ARGV[i + 7])
+  elseif ttl then
+    redis.call('HSET', key, 'e', fmt(now + ttl))
+  end
+  local delay = tonumber(ARGV[i + 6])
+  if delay > 0 then
+    redis.call('HSET', key, 'm', fmt(now + delay))
+    schedule(key, base, id, now + delay)
+    if not soonest or now + delay < soonest then soonest = now + delay end
+  else
+    redis.call('HSET', KEYS[2], id, ptr(at))
+    if not back then l = l + 1 end
+    loaded = true
   end
 end
 redis.call('HSET', KEYS[1], 'l', ptr(l))

@@ -87,6 +87,7 @@ class _Shard:
         self.load = self.fire = self.sweep = 0
         self.side_load = self.side_fire = 0
         self.seq = 0
+        self.back = 0  # records put back before the fire pointer, ever (Redis's b)
         self.fired = self.swept = self.shoveled = self.expired = 0
         self.magazine: dict[int, _Record] = {}
         self.sideline: dict[int, _Record] = {}
@@ -100,7 +101,7 @@ class _Shard:
 
     @property
     def version(self) -> int:
-        return self.load + self.seq
+        return self.load + self.seq + self.back
 
     def next_scheduled(self) -> float | None:
         return self.schedule[0][0] if self.schedule else None
@@ -113,6 +114,23 @@ class _Shard:
         self.magazine[self.load] = record
         self.where[record.id] = self.load
         self.load += 1
+
+    def put_back(self, records: list[_Record]) -> list[_Record]:
+        """Load put-backs where they were fired from: in the free slots just before the fire
+        pointer, which moves back over them (the sweep pointer too, if past it). Those there
+        is no room for (a reservation still held right behind) are returned."""
+        room = 0
+        while room < len(records) and self.fire - room - 1 >= 0:
+            if self.fire - room - 1 in self.magazine:
+                break
+            room += 1
+        self.fire -= room
+        self.sweep = min(self.sweep, self.fire)
+        self.back += room
+        for at, record in enumerate(records[:room], self.fire):
+            self.magazine[at] = record
+            self.where[record.id] = at
+        return records[room:]
 
     def schedule_at(self, record: _Record, due: float) -> None:
         record.mature = due
@@ -238,10 +256,12 @@ class MemoryShardStorage(ShardStorage):
         entries: Sequence[Entry],
         dedup_window: float,
         message_ttl: float | None,
+        *,
+        front: bool = False,
     ) -> Loaded:
         # The turn given to the loop comes after the work: push_many's chunks run side by
         # side and keep their order only if each loads in its first step (see the store).
-        loaded = self._load(queue, shard, entries, dedup_window, message_ttl)
+        loaded = self._load(queue, shard, entries, dedup_window, message_ttl, front)
         if self._turns.due(len(entries)):
             await _pass()
         return loaded
@@ -253,6 +273,7 @@ class MemoryShardStorage(ShardStorage):
         entries: Sequence[Entry],
         dedup_window: float,
         message_ttl: float | None,
+        front: bool,
     ) -> Loaded:
         s = self._shard(queue, shard)
         now = time.time()
@@ -261,11 +282,14 @@ class MemoryShardStorage(ShardStorage):
         flags: list[bool] = []
         loaded = False
         soonest: float | None = None
+        seen: set[str] = set()
+        accepted: list[tuple[Entry, _Record]] = []
         for e in entries:
             checked = e.dedup or e.mature is not None
-            if checked and s.duplicate(e, now):
+            if checked and (e.id in seen or s.duplicate(e, now)):
                 flags.append(False)
                 continue
+            seen.add(e.id)
             if e.mature is None:  # a push: its life counts from now
                 record = _Record(e.id, e.payload, e.headers, e.tries, now, end)
             else:  # a put-back keeps the end of life it had
@@ -274,13 +298,19 @@ class MemoryShardStorage(ShardStorage):
             if e.dedup:
                 s.windows[e.id] = now + dedup_window
                 heapq.heappush(s.window_ends, (now + dedup_window, e.id))
+            accepted.append((e, record))
+            flags.append(True)
+        # put-backs first, where they were fired from: the loads below then index the rest
+        backs = [record for e, record in accepted if front and e.mature is not None]
+        behind = {id(record) for record in s.put_back(backs)} if backs else set()
+        loaded = len(behind) < len(backs)
+        for e, record in accepted:
             if e.mature is None and e.delay > 0:
                 s.schedule_at(record, now + e.delay)
                 soonest = now + e.delay if soonest is None else min(soonest, now + e.delay)
-            else:
+            elif not (front and e.mature is not None) or id(record) in behind:
                 s.put(record)
                 loaded = True
-            flags.append(True)
         return Loaded(flags, s.version, loaded and was_empty, soonest)
 
     async def fire(self, queue: str, shard: int, n: int, reserve_delay: float | None) -> Fired:

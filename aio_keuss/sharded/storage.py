@@ -23,7 +23,8 @@ prefix. Per shard the storage keeps (names as the Redis storage spells its keys 
   the dedup check find a record without a scan; and explicit ids -> end of their dedup
   window.
 
-A shard's *version* is ``l + q``: it grows with every load and every scheduled record, and
+A shard's *version* is ``l + q + b`` (``b``: records put back before the fire pointer, ever):
+it grows with every load, every scheduled record and every put-back, and
 lets the ready index tell a consumer's stale "this shard is empty" from a producer's later
 "it has work" (see :meth:`ShardStorage.ready_drop`).
 
@@ -214,6 +215,8 @@ class ShardStorage(ABC):
         entries: Sequence[Entry],
         dedup_window: float,
         message_ttl: float | None,
+        *,
+        front: bool = False,
     ) -> Loaded:
         """Store ``entries`` in order, atomically on the shard.
 
@@ -228,6 +231,14 @@ class ShardStorage(ABC):
         An accepted entry with ``delay`` > 0 goes to the schedule, mature at now + delay;
         the others are loaded at the load pointer, which advances by one each. With
         ``message_ttl`` each record ends its life at now + ``message_ttl``.
+
+        With ``front`` (the queue layer's put-backs, not a deadletter copy) the entries with
+        ``mature`` go back where they were fired from, before the others of their shard (a
+        cancelled pop's caller never saw them, so one key's order must hold): in the free
+        slots just before the fire pointer, in order, the fire pointer moving back over
+        them, and the sweep pointer too if it was past; those there is no room for (a
+        reservation still held just behind the fire pointer) are loaded at the load pointer.
+        A put-back raises the shard's version as a load does.
 
         Needs: two loads never get the same pointer; the duplicate check and the index
         entry of an id are one step (on Aerospike, a create-only map put or record write).

@@ -149,25 +149,31 @@ class ShardedStore(Store):
             await self._storage.touch(self.name, record, meta.life(self._sharded))
 
     async def insert(self, entries: Sequence[Entry]) -> list[bool]:
+        """Push, or put back where they were the messages of a cancelled pop."""
+        return await self._insert_guarded(entries, front=True)
+
+    async def _insert_guarded(self, entries: Sequence[Entry], *, front: bool) -> list[bool]:
         if not self.uninterruptible:
-            return await self._insert(entries)
+            return await self._insert(entries, front)
         # A cancellation arriving while a load's reply is awaited (a reply that refuses it)
         # would otherwise be raised once the load is in, before the announcement: the
         # messages would sit in a shard the ready index and the sweeper's stamps know
         # nothing of until a repair pass. Held here until the announcement is made too.
-        work = RunToEnd(self._insert(entries))
+        work = RunToEnd(self._insert(entries, front))
         flags = await work
         work.raise_held()
         return flags
 
-    async def _insert(self, entries: Sequence[Entry]) -> list[bool]:
+    async def _insert(self, entries: Sequence[Entry], front: bool) -> list[bool]:
         # The loads are sent in this coroutine's first step, the metadata renewal after
         # them: push_many's chunks run side by side where round trips pipeline, and keep
         # their order (one key's messages theirs) only if each sends its load at once.
         by_shard = self._route(entries)
         shards = list(by_shard)
         load = self._storage.load
-        calls = [load(self.name, s, by_shard[s], self._window, self._ttl) for s in shards]
+        calls = [
+            load(self.name, s, by_shard[s], self._window, self._ttl, front=front) for s in shards
+        ]
         if len(calls) == 1:
             loads: list[Loaded] = [await calls[0]]
             failure: Exception | None = None
@@ -395,7 +401,7 @@ class ShardedStore(Store):
                 )
                 for mid, headers, payload, tries in pending
             ]
-            flags = await target.insert(entries)
+            flags = await target._insert_guarded(entries, front=False)  # arrivals: at the back
             pending = [p for p, ok in zip(pending, flags, strict=True) if not ok]
             clash += 1
         await self.commit([Ack(d.id, d.tries) for d in doomed])

@@ -122,6 +122,36 @@ async def test_a_put_back_keeps_the_end_of_life_it_was_fired_with(st: ShardStora
     assert given.expires is not None and given.expires >= before + FAR - 60
 
 
+async def test_put_backs_go_back_before_the_fire_pointer_where_there_is_room(
+    st: ShardStorage,
+) -> None:
+    await st.load("q", 0, [entry(m) for m in "abcde"], 60.0, None)
+    popped = (await st.fire("q", 0, 2, None)).messages
+    backs = [entry(m.id, mature=m.mature) for m in popped]
+    loaded = await st.load("q", 0, backs, 60.0, None, front=True)
+    assert loaded.flags == [True, True] and loaded.version == 7  # raised as by a load
+    assert await fire_ids(st, 0, 10) == list("abcde")
+    # no room: a reservation still held just behind the fire pointer
+    await st.load("q", 0, [entry(m) for m in "pqr"], 60.0, None)
+    (p,) = (await st.fire("q", 0, 1, None)).messages
+    assert await fire_ids(st, 0, 1, FAR) == ["q"]
+    await st.load("q", 0, [entry("p", mature=p.mature)], 60.0, None, front=True)
+    await st.load("q", 0, [entry("s")], 60.0, None)
+    assert await fire_ids(st, 0, 10) == ["r", "p", "s"]
+    # put back behind the sweep pointer: a reservation of it that lapses is still swept
+    await st.load("q", 1, [entry("u")], 60.0, None)
+    (u,) = (await st.fire("q", 1, 1, None)).messages
+    await st.sweep("q", 1, 1000)
+    await st.load("q", 1, [entry("u", mature=u.mature)], 60.0, None, front=True)
+    assert await fire_ids(st, 1, 1, 0.0) == ["u"]
+    assert (await st.sweep("q", 1, 1000)).moved == 1
+    # without front (a deadletter copy) an entry with a mature time goes to the back
+    await st.load("q", 2, [entry("v"), entry("w")], 60.0, None)
+    (v,) = (await st.fire("q", 2, 1, None)).messages
+    await st.load("q", 2, [entry("v", mature=v.mature)], 60.0, None)
+    assert await fire_ids(st, 2, 10) == ["w", "v"]
+
+
 async def test_a_delayed_load_waits_in_the_schedule_until_it_matures(st: ShardStorage) -> None:
     before = time.time()
     later = await st.load("q", 0, [entry("late", delay=FAR)], 60.0, None)

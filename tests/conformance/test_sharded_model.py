@@ -287,10 +287,10 @@ async def test_a_push_cancelled_while_its_load_is_answered_announces_the_shard(
     real = storage.load
     pusher: asyncio.Task[str] | None = None
 
-    async def load(*args: Any) -> Any:
+    async def load(*args: Any, **named: Any) -> Any:
         assert pusher is not None
         pusher.cancel()  # lands while the reply is awaited
-        return await real(*args)
+        return await real(*args, **named)
 
     storage.load = load  # type: ignore[method-assign]
     pusher = asyncio.create_task(q.push("cancelled", id="c-1"))
@@ -318,10 +318,10 @@ async def test_a_push_failing_on_one_shard_announces_the_shards_it_loaded(
         n += 1
     real = storage.load
 
-    async def load(queue: str, shard: int, *rest: Any) -> Any:
+    async def load(queue: str, shard: int, *rest: Any, **named: Any) -> Any:
         if shard == 3:
             raise aio_keuss.KeussConnectionError("injected: the shard's node is down")
-        return await real(queue, shard, *rest)
+        return await real(queue, shard, *rest, **named)
 
     storage.load = load  # type: ignore[method-assign]
     with pytest.raises(aio_keuss.KeussConnectionError):
@@ -695,6 +695,27 @@ async def test_fetches_over_several_shards_cancelled_anywhere_lose_nothing(
 
     await until(all_back)  # put-backs are written in the background
     assert sorted(received + left) == list(range(total))
+    assert await q.sizes() == Sizes(0, 0, 0, 0)
+
+
+async def test_a_message_put_back_after_a_cancelled_pop_keeps_its_place_in_its_key(
+    sharded: Connect,
+) -> None:
+    """A pop cancelled once it took the first message of a key puts it back where it was
+    (the caller never saw it): the key's messages still come out in order."""
+    factory = await sharded(sweeper=False)
+    q = await factory.queue("q")
+    await q.pop(timeout=0)  # enrolled
+    key = {"x-shard-key": "customer-4"}
+    for n in range(4):
+        await q.push(n, headers=key)
+    await _popped_then_cancelled(q, backend_of(factory).storage)
+
+    async def all_back() -> bool:
+        return await q.size() == 4
+
+    await until(all_back)  # the put-back may be written in the background (a batch task)
+    assert [m.payload for m in await q.pop_many(10, timeout=0)] == [0, 1, 2, 3]
     assert await q.sizes() == Sizes(0, 0, 0, 0)
 
 
