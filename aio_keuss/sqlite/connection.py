@@ -251,6 +251,23 @@ def check_path(path: object) -> str:
     return text
 
 
+URI_PREFIX = "file:"
+"""How a URI filename starts: SQLite reads a name starting so as a URI even when the
+caller did not ask for one (``uri=False``), if it was built with ``SQLITE_USE_URI`` (SQLite
+documentation, "URI Filenames", 3.0; Debian's and others' builds are), and ``sqlite3``
+has no way to turn that off for one connection."""
+
+
+def file_name(database: str) -> str:
+    """The name handed to ``sqlite3.connect`` for the checked ``database``: itself, but a
+    relative name that SQLite would read as a URI (``file:queues.db`` opened
+    ``queues.db``; ``file:q.db?mode=ro`` opened ``q.db`` read-only) is given as
+    ``./file:...``, the same file, which no SQLite reads as a URI."""
+    if database.startswith(URI_PREFIX):
+        return os.path.join(os.curdir, database)
+    return database
+
+
 @dataclass(frozen=True)
 class SqliteOptions(BackendOptions):
     """The ``sqlite`` backend's options: the database file as ``path=`` or ``url=``
@@ -432,7 +449,7 @@ class _Thread:
             # isolation_level=None: no implicit transactions; every write says BEGIN
             # IMMEDIATE itself. timeout: the busy timeout, in seconds.
             return sqlite3.connect(
-                self._database,
+                file_name(self._database),
                 timeout=self._busy_timeout,
                 isolation_level=None,
                 cached_statements=256,

@@ -443,6 +443,26 @@ async def test_a_relative_url_names_a_file_in_the_working_directory(
     assert (tmp_path / "here.db").is_file()
 
 
+@pytest.mark.parametrize("name", ["file:queues.db", "file:q.db?mode=ro", "file:q.db?mode=memory"])
+@pytest.mark.parametrize("option", ["path", "url"])
+async def test_a_relative_name_starting_with_file_colon_is_that_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, name: str, option: str
+) -> None:
+    """SQLite built with SQLITE_USE_URI (this one, Debian's) reads a name starting with
+    ``file:`` as a URI though sqlite3 did not ask for one: ``file:queues.db`` opened
+    ``queues.db``, ``?mode=ro`` opened it read-only, ``?mode=memory`` a database in memory
+    (which then failed to go to WAL). ``path=`` is a file name, taken as it is."""
+    monkeypatch.chdir(tmp_path)
+    url = "sqlite:///" + name.replace("?", "%3F")
+    options = {"path": name} if option == "path" else {"url": url}
+    async with aio_keuss.connect("sqlite", **options) as factory:
+        await (await factory.queue("q")).push("here")
+    assert set(_files(tmp_path)) == {name}
+    async with aio_keuss.connect("sqlite", path=str(tmp_path / name)) as factory:
+        message = await (await factory.queue("q")).pop(timeout=0)
+        assert message is not None and message.payload == "here"
+
+
 # the event loop and the write lock --------------------------------------------------------
 
 
