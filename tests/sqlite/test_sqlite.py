@@ -363,6 +363,42 @@ async def test_a_schema_from_a_newer_release_is_refused(open_factory: Open, data
         await open_factory()
 
 
+async def test_a_new_file_migrated_by_another_while_it_is_checked_is_taken(
+    database: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two processes opening a new file at once: the check read the file's marks and its
+    tables in separate statements, so one that read the marks before the other's migration
+    committed and the tables after it took the file for another program's (ConfigError;
+    two in six processes opening a new file at once). The other's whole open is run here
+    between the check's first read and its second."""
+    from aio_keuss.sqlite import connection
+
+    with contextlib.closing(sqlite3.connect(database)) as empty:  # WAL: readers don't block it
+        empty.execute("PRAGMA journal_mode = WAL")
+    connect = connection._Thread._connect
+    raced: list[str] = []
+
+    def other_opens(statement: str) -> None:
+        if statement == "PRAGMA user_version" and not raced:
+            raced.append(statement)
+            with contextlib.closing(sqlite3.connect(database, isolation_level=None)) as other:
+                connection._setup(other, SqliteOptions.parse({"path": database}), False)
+
+    def racing(self: Any) -> Any:
+        opened = connect(self)
+        if isinstance(opened, sqlite3.Connection):
+            opened.set_trace_callback(other_opens)
+        return opened
+
+    monkeypatch.setattr(connection._Thread, "_connect", racing)
+    async with aio_keuss.connect("sqlite", path=database, signal="local") as factory:
+        await (await factory.queue("q")).push("here")
+    assert raced
+    monkeypatch.undo()
+    async with aio_keuss.connect("sqlite", path=database) as factory:
+        assert (await (await factory.queue("q")).sizes()).size == 1
+
+
 @pytest.mark.parametrize(
     "url,path",
     [
