@@ -1072,7 +1072,11 @@ class Queue:
         if destination == self.name:
             raise InvalidInputError(f"move: {queue!r} is this queue; use ko to put it back")
         blob = None if payload is UNCHANGED else encode_payload(payload)
-        encode_headers(headers)
+        added = encode_headers(headers)
+        if self._store.max_message_bytes is not None:
+            # what the moved message will hold at least: a push's bound, checked as a
+            # push's (else the database refused the row, or the driver could not send it)
+            self._check_size(blob or b"", added)
         seconds = self._delay(delay)
         return Move(message_id, tries, destination, blob, dict(headers or {}), seconds, MOVE_TAG)
 

@@ -499,6 +499,37 @@ async def test_a_relative_name_starting_with_file_colon_is_that_file(
         assert message is not None and message.payload == "here"
 
 
+# bad input: refused before anything is written -------------------------------------------
+
+
+@pytest.mark.parametrize("grown", ["payload", "headers"])
+async def test_a_move_past_the_largest_row_is_refused_as_a_push_is(
+    open_factory: Open, monkeypatch: pytest.MonkeyPatch, grown: str
+) -> None:
+    """A push larger than a row holds is refused (InvalidPayloadError) before anything is
+    written, but a move's new payload or added headers were not checked: SQLite refused the
+    row (BackendError, "string or blob too big") past 1e9 bytes, and past 2 GiB sqlite3's
+    binding raised a bare OverflowError. Here the bound is lowered to keep the test small."""
+    from aio_keuss.sqlite.store import SqliteStore
+
+    monkeypatch.setattr(SqliteStore, "max_message_bytes", 1000)
+    factory = await open_factory()
+    q = await factory.queue("jobs")
+    with pytest.raises(aio_keuss.InvalidPayloadError):
+        await q.push("x" * 2000)
+    await q.push("small")
+    message = await q.reserve(timeout=0)
+    assert message is not None
+    big: dict[str, Any] = (
+        {"payload": "x" * 2000} if grown == "payload" else {"headers": {"h": "x" * 2000}}
+    )
+    with pytest.raises(aio_keuss.InvalidPayloadError):
+        await q.move(message, "other", **big)
+    assert (await q.sizes()).reserved == 1
+    assert (await (await factory.queue("other")).sizes()).total == 0
+    assert await q.ok(message)
+
+
 # the event loop and the write lock --------------------------------------------------------
 
 
