@@ -137,6 +137,23 @@ def _guard(message_id: str, tries: int | None) -> Document:
     return guard
 
 
+def _unclaimed(guard: Document, now: float) -> Document:
+    """``guard``, unless another move (or deadletter) has claimed the message and its claim
+    still runs. Without transactions a move is claim, insert, delete; the claim leaves the
+    message reserved with the holder's count (its holder's guard still matches it), so
+    without this a second move of the same held message (``move_many([m, m])``, two moves
+    to two queues at once) claimed it again and inserted a second copy. A claim that lapsed
+    (its mover died) does not keep the message from being moved once it is delivered again.
+    ``$and``, not sibling fields: see :meth:`MongoStore.remove`."""
+    free = {"$or": [{"moving": {"$exists": False}}, {"moving": {"$lte": now}}]}
+    return {"$and": [guard, free]}
+
+
+def _claim(token: str, now: float) -> Document:
+    """A move's claim of a held message: for ``CLAIM_LEASE`` seconds, under ``token``."""
+    return {"$set": {"mature": now + CLAIM_LEASE, "owner": token, "moving": now + CLAIM_LEASE}}
+
+
 def _by_tries(held: dict[str, int]) -> Document:
     """One filter over held messages, each with its own count: one clause per count."""
     groups: dict[int, list[str]] = {}
@@ -630,8 +647,7 @@ class MongoStore(Store):
                 return None if doc is None else await self._move_doc(doc, move, now)
             # Without transactions the claim is taken with the read: one round trip.
             token = os.urandom(8).hex()
-            claim = {"$set": {"mature": now + CLAIM_LEASE, "owner": token}}
-            doc = await self._coll.find_one_and_update(guard, claim)
+            doc = await self._coll.find_one_and_update(_unclaimed(guard, now), _claim(token, now))
             return None if doc is None else await self._move_doc(doc, move, now, token)
 
         return list(await asyncio.gather(*(one(m) for m in moves)))
@@ -662,9 +678,7 @@ class MongoStore(Store):
         token = claimed
         if token is None:
             token = os.urandom(8).hex()
-            claim = await self._coll.update_one(
-                held, {"$set": {"mature": now + CLAIM_LEASE, "owner": token}}
-            )
+            claim = await self._coll.update_one(_unclaimed(held, now), _claim(token, now))
             if not claim.matched_count:
                 return None
         for name in names:

@@ -259,3 +259,24 @@ async def test_opening_a_queue_keeps_the_options_another_process_recorded_for_th
     other = await connect(poll_interval=5.0, deadletter={"max_ko": 3})
     await other.queue("work")
     assert (await other.list())["__deadletter__"]["reserve_delay"] == 600.0
+
+
+async def test_a_message_moved_twice_at_once_lands_once(connect: Connect) -> None:
+    """Two moves of one held message in flight together: one moves it, the other finds it
+    no longer held. On MongoDB without transactions both claimed it (the claim left the
+    holder's guard matching), both inserted a copy: it landed twice, as <id> and <id>.mv."""
+    factory = await connect(poll_interval=5.0)
+    needs(factory, "reserve", "move")
+    q = await factory.queue("src")
+    dst = await factory.queue("dst")
+    other = await factory.queue("other")
+    await q.push_many(["twice to one queue", "to two queues"])
+    first, second = await q.reserve_many(2, timeout=5)
+    moved = await q.move_many([first, first], "dst")
+    assert sorted(moved, key=str) == [first.id, None]
+    apart = await asyncio.gather(q.move(second, "dst"), q.move(second, "other"))
+    assert apart.count(None) == 1 and second.id in apart
+    assert await q.total_size() == 0
+    assert await dst.total_size() + await other.total_size() == 2
+    arrived = await dst.pop_many(10, timeout=0) + await other.pop_many(10, timeout=0)
+    assert sorted(m.payload for m in arrived) == ["to two queues", "twice to one queue"]
