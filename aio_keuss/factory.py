@@ -160,12 +160,13 @@ class Factory:
         """Pipelines stored in this backend (by any process, when they started): their
         topology (stations, handlers by name, queues). With ``sizes``, each also has
         ``"sizes"``: the :class:`~aio_keuss.Sizes` of every queue it touches (which opens
-        them in this factory)."""
+        them in this factory, as a move reaches a queue: not recorded over the options the
+        pipeline's process recorded for them)."""
         found = await self.stats_store.pipelines()
         if sizes:
             for topology in found.values():
                 topology["sizes"] = {
-                    name: await (await self.queue(name)).sizes() for name in topology["queues"]
+                    name: await (await self._sibling(name)).sizes() for name in topology["queues"]
                 }
         return found
 

@@ -307,3 +307,26 @@ async def test_bad_pipeline_input_is_refused_before_anything_is_opened_or_stored
             await factory.remove_pipeline(name)  # type: ignore[arg-type]
     assert await factory.pipelines() == {}
     assert not {"in", "out"} & set(await factory.list())
+
+
+async def test_listing_pipelines_keeps_the_options_recorded_for_their_queues(
+    connect: Connect, case: Any
+) -> None:
+    # pipelines(sizes=True) (the admin command, the dashboard) opened every queue of every
+    # pipeline with the lister's defaults and recorded them over the options the pipeline's
+    # process had recorded: a listing changed what list() (and the admin commands) read.
+    owner = await connect(poll_interval=5.0)
+    needs(owner, "move")
+    if not case.shared:
+        pytest.skip("one factory's queues only")
+    pipeline = owner.pipeline("kept", queue_options={"raw": {"reserve_delay": 45}}).link(
+        "raw", "clean", _forward
+    )
+    await owner.queue("clean", reserve_delay=600)
+    async with pipeline.run():
+        pass
+    lister = await connect(poll_interval=5.0)
+    listed = await lister.pipelines(sizes=True)
+    assert set(listed["kept"]["sizes"]) == {"raw", "clean"}
+    recorded = await lister.list()
+    assert (recorded["raw"]["reserve_delay"], recorded["clean"]["reserve_delay"]) == (45, 600)
