@@ -196,8 +196,13 @@ class PipelineRun:
             except InvalidInputError as exc:
                 raise PipelineError(f"station {link.name!r}: {exc}") from exc
         queues: dict[str, Queue] = {}
+        inputs = {link.source for link in pipeline.links}
         for name in pipeline.queues:
-            queues[name] = await factory.queue(name, **pipeline.queue_options.get(name, {}))
+            given = pipeline.queue_options.get(name)
+            if name in inputs or given is not None:
+                queues[name] = await factory.queue(name, **(given or {}))
+            else:  # only moved into: opened as a move reaches a queue, see Factory._sibling
+                queues[name] = await factory._sibling(name)
         await pipeline.save()
         try:
             for link, settings in stations:

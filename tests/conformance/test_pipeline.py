@@ -330,3 +330,27 @@ async def test_listing_pipelines_keeps_the_options_recorded_for_their_queues(
     assert set(listed["kept"]["sizes"]) == {"raw", "clean"}
     recorded = await lister.list()
     assert (recorded["raw"]["reserve_delay"], recorded["clean"]["reserve_delay"]) == (45, 600)
+
+
+async def test_a_pipeline_keeps_the_options_another_process_recorded_for_its_end_queues(
+    connect: Connect, case: Any
+) -> None:
+    # A queue no station consumes is only moved into: its run recorded the pipeline
+    # factory's defaults over the options the process consuming it had recorded, which a
+    # Queue.move into it no longer does.
+    owner = await connect(poll_interval=5.0)
+    needs(owner, "move")
+    if not case.shared:
+        pytest.skip("one factory's queues only")
+    await owner.queue("rejected", reserve_delay=600.0)
+    mover = await connect(poll_interval=5.0)
+    pipeline = mover.pipeline("ends").choice("incoming", ["valid", "rejected"], _forward_first)
+    async with pipeline.run():
+        pass
+    recorded = await mover.list()
+    assert recorded["rejected"]["reserve_delay"] == 600.0
+    assert {"incoming", "valid"} <= set(recorded)
+
+
+async def _forward_first(message: Message) -> Forward:
+    return Forward(to=0)
