@@ -281,6 +281,13 @@ class MongoStore(Store):
     messages end (:meth:`_consumed`) and how an id collision is resolved (:meth:`_make_room`)."""
 
     batch_concurrency: ClassVar[int] = 2
+    max_message_bytes = 16 * 2**20 - 8 * 2**10
+    """A message is one document, which MongoDB holds up to 16 MiB of BSON (MongoDB manual,
+    "MongoDB Limits and Thresholds", "BSON Document Size"); 8 KiB are left for the rest of
+    it (field names, an id of up to 1,000 characters as a move or the history renames it,
+    times, counts, a claim's token). A larger one is refused before anything is written:
+    PyMongo raised DocumentTooLarge as it was sent, and a move had claimed the message by
+    then."""
     max_insert_bytes = 40_000_000
     """Below the server's ``maxMessageSizeBytes`` (48,000,000, decimal: PyMongo's
     ``MAX_MESSAGE_SIZE``): PyMongo sends a larger ``insert_many`` as several messages, and

@@ -286,6 +286,32 @@ async def test_a_coalesced_batch_within_the_insert_bound_goes_in_one_server_mess
         await own.close()
 
 
+@pytest.mark.parametrize("backend", ["mongo", "mongo-history"])
+async def test_a_message_past_a_document_s_size_is_refused_before_anything_is_written(
+    open_factory: Open, backend: str
+) -> None:
+    """A message is one document, at most 16 MiB of BSON: a larger push, or a move whose new
+    payload is larger, gets InvalidPayloadError before anything is written (on a real
+    mongod PyMongo raised DocumentTooLarge as it sent it; a move had claimed the message by
+    then, held for its lease)."""
+    factory = await open_factory(backend)
+    q = await factory.queue("big")
+    most = q._store.max_message_bytes  # type: ignore[attr-defined]
+    assert most is not None and most < 16 * 2**20
+    with pytest.raises(aio_keuss.InvalidPayloadError):
+        await q.push(b"x" * (most + 1))
+    with pytest.raises(aio_keuss.InvalidPayloadError):
+        await q.push_many([b"small", b"x" * (most + 1)])
+    assert await q.size() == 0
+    await q.push(b"x" * (most - 64))  # within the bound: a document MongoDB holds
+    await q.push("small")
+    held = await q.reserve_many(2)
+    small = next(m for m in held if m.payload == "small")
+    with pytest.raises(aio_keuss.InvalidPayloadError):
+        await q.move(small, "next", payload=b"x" * (most + 1))
+    assert await q.ok(small)  # still held by its reserver: the move wrote nothing
+
+
 async def test_deadletter_move(open_factory: Open, client: Any, database: str) -> None:
     factory = await open_factory(deadletter={"max_ko": 1})
     q = await factory.queue("work")
