@@ -113,7 +113,8 @@ class DirectLink(Link):
             return ACKNOWLEDGE
         if isinstance(result, Forward):
             (destination,) = self.destinations
-            if result.to in (None, destination, 0):
+            to = result.to
+            if to is None or to == destination or (type(to) is int and to == 0):
                 return self._forward(result, destination)
             raise PipelineError(
                 f"station {self.name!r}: forwarded to {result.to!r}, but it leads only to "

@@ -63,6 +63,10 @@ def test_each_link_checks_what_its_handler_returned() -> None:
     assert direct.settle(Drop).destination is None
     with pytest.raises(PipelineError, match=r"station 'step'.*returned 42"):
         direct.settle(42)
+    assert direct.settle(Forward(to=0)).destination == "b"
+    for not_an_index in (False, 0.0):  # equal to 0, but not its index
+        with pytest.raises(PipelineError, match=r"station 'step'.*forwarded to"):
+            direct.settle(Forward(to=not_an_index))  # type: ignore[arg-type]
     with pytest.raises(PipelineError, match=r"station 'step'.*forwarded to 'c'"):
         direct.settle(Forward(to="c"))
     choice = ChoiceLink("a", ["b", "c"], _noop)
