@@ -271,7 +271,7 @@ return out
 """
 )
 
-# KEYS: m ix - z. ARGV: base, max_ko ('' = no deadletter), then 4 per nack: id, tries ('' =
+# KEYS: m ix - z k. ARGV: base, max_ko ('' = no deadletter), then 4 per nack: id, tries ('' =
 # unchecked), count try ('1' / '0'), delay. A nack is a reload: the record leaves its place
 # and is loaded again at the load pointer (the magazine has no other way back in), or, with
 # a delay, scheduled.
@@ -302,6 +302,10 @@ for i = 3, #ARGV, 4 do
       -- past would let the sweep set it aside for another delivery meanwhile); after a
       -- crash between the steps it is swept back
       redis.call('HSET', key, 'x', fmt(now + DEADLETTER_HOLD))
+      -- if the sweep stepped over it (noted in k with its reservation deadline, maybe far
+      -- later), it is looked at again when the hold ends, not at that deadline
+      redis.call('ZADD', KEYS[5], 'XX', 'LT', fmt(now + DEADLETTER_HOLD),
+        string.sub(key, #base + 3))
       out[#out + 1] = 3
       out[#out + 1] = rec[1]; out[#out + 1] = rec[2]; out[#out + 1] = stored
     else

@@ -378,6 +378,8 @@ class MemoryShardStorage(ShardStorage):
             if max_ko is not None and nack.count_try and tries > max_ko:
                 doomed.append(Doomed(record.id, record.payload, record.headers, record.tries))
                 record.deadline = now + DEADLETTER_HOLD  # held while it is copied (as Redis)
+                if at < s.sweep:  # stepped over by the sweep: looked at when the hold ends
+                    heapq.heappush(s.stepped, (record.deadline, at))
                 results.append(KoResult.DEADLETTERED)
                 continue
             del s.magazine[at]

@@ -245,6 +245,24 @@ async def test_past_max_ko_the_record_stays_held_for_the_deadletter_copy(
     assert await st.commit("q", 0, [Ack("a", 2)]) == [True]
 
 
+@pytest.mark.timeout(150)
+async def test_a_deadletter_hold_shorter_than_the_noted_deadline_is_swept_when_it_ends(
+    st: ShardStorage,
+) -> None:
+    """A reservation the sweep stepped over (noted with its deadline, an hour away) and then
+    ko-ed past max_ko is held 60 s for its deadletter copy; if the copy's process dies before
+    the drop, the record comes back once those 60 s are over (README), not an hour later."""
+    await st.load("q", 0, [entry("a")], 60.0, None)
+    (a,) = (await st.fire("q", 0, 1, FAR)).messages
+    assert (await st.sweep("q", 0, 1000)).stopped  # stepped over, noted: due in an hour
+    done = await st.rollback("q", 0, [Nack("a", a.tries, 0.0)], 0)
+    assert done.results == [KoResult.DEADLETTERED]  # held 60 s; the copier dies here
+    await asyncio.sleep(61.0)  # past the hold (a lower bound: no upper one is assumed)
+    step = await st.sweep("q", 0, 1000)
+    assert (step.moved, step.sidelined) == (1, 1)  # before: (0, 0), held until the hour
+    assert await st.commit("q", 0, [Ack("a", a.tries)]) == [False]
+
+
 # sweep / shovel -------------------------------------------------------------------------
 
 
