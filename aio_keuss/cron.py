@@ -24,6 +24,9 @@ seconds since 1970-01-01 UTC, so every process computes the same instants withou
 from __future__ import annotations
 
 import bisect
+import calendar
+import functools
+import itertools
 import math
 from dataclasses import dataclass
 from datetime import UTC, date, datetime, timedelta
@@ -98,7 +101,7 @@ class Every:
             t = k * self.seconds
         return t
 
-    def longest_gap(self, after: float, count: int = 64) -> float:
+    def longest_gap(self, after: float) -> float:
         return self.seconds
 
 
@@ -145,15 +148,31 @@ class Cron:
                 return instant
             wall += timedelta(minutes=1)
 
-    def longest_gap(self, after: float, count: int = 64) -> float:
-        """The longest time between two of the ``count`` occurrences after ``after``: a
-        sample, enough to compare a schedule with the queue's ``dedup_window``."""
-        t = self.next_after(after)
-        longest = 0.0
-        for _ in range(count):
-            following = self.next_after(t)
-            longest = max(longest, following - t)
-            t = following
+    def longest_gap(self, after: float) -> float:
+        """The longest time between two occurrences in a row, to compare a schedule with the
+        queue's ``dedup_window``: the longest gap of the wall-clock pattern over a whole
+        400-year cycle of the calendar (within a day, and from a matching day's last
+        occurrence to the next matching day's first), and the real gaps around the offset
+        changes of ``tz`` in the :data:`GAP_YEARS` after ``after`` (a skipped or repeated
+        hour), walked occurrence by occurrence. Not a sample of the occurrences after
+        ``after``: those of the hours and days next to it miss the gap of a schedule
+        restricted to some hours or weekdays (every minute of 9:00 to 10:59, every five
+        minutes on Mondays) unless it happens to come soon."""
+        times = sorted(hour * 3600 + minute * 60 for hour in self.hours for minute in self.minutes)
+        within = max((b - a for a, b in itertools.pairwise(times)), default=0)
+        days = _most_days_between(
+            self.days, self.months, self.weekdays, self.any_day, self.any_weekday
+        )
+        longest = float(max(within, days * 86400 - (times[-1] - times[0])))
+        for change in _offset_changes(self.tz, after, after + GAP_YEARS * 366 * 86400):
+            # the occurrence before the change is at most the pattern's gap (plus a change
+            # of offset, at most two hours in any zone) before it; after it, the walls
+            # skipped or repeated span at most two hours
+            t = self.next_after(change - longest - _MOST_OFFSET_CHANGE)
+            while t <= change + _MOST_OFFSET_CHANGE:
+                following = self.next_after(t)
+                longest = max(longest, following - t)
+                t = following
         return longest
 
     def _instant(self, wall: datetime) -> float | None:
@@ -198,6 +217,71 @@ class Cron:
 
 
 Schedule = Every | Cron
+
+GAP_YEARS = 4
+"""Years after now whose offset changes :meth:`Cron.longest_gap` walks through."""
+_MOST_OFFSET_CHANGE = 2 * 3600.0
+"""The largest change of UTC offset a zone makes, daylight saving or not (Antarctica/Troll:
+two hours); larger one-off ones (Pacific/Apia's skipped day in 2011) lie in the past."""
+
+
+@functools.lru_cache(maxsize=256)
+def _most_days_between(
+    days: frozenset[int],
+    months: tuple[int, ...],
+    weekdays: frozenset[int],
+    any_day: bool,
+    any_weekday: bool,
+) -> int:
+    """The most days from one matching day to the next, over two 400-year cycles of the
+    Gregorian calendar (its weekdays and leap years repeat every 400 years). A year's
+    matching days depend only on whether it is a leap year and on its first weekday."""
+    rule = Cron("", (0,), (0,), days, months, weekdays, any_day, any_weekday, ZoneInfo("UTC"))
+    kinds: dict[tuple[bool, int], list[int]] = {}
+    longest = 0
+    last: int | None = None
+    for year in range(2000, 2801):
+        first = date(year, 1, 1)
+        kind = (calendar.isleap(year), first.weekday())
+        if kind not in kinds:
+            kinds[kind] = [
+                offset
+                for offset in range(366 if kind[0] else 365)
+                if (day := first + timedelta(days=offset)).month in months and rule.day_matches(day)
+            ]
+        matching = kinds[kind]
+        if not matching:
+            continue
+        ordinal = first.toordinal()
+        if last is not None:
+            longest = max(longest, ordinal + matching[0] - last)
+        longest = max([longest, *(b - a for a, b in itertools.pairwise(matching))])
+        last = ordinal + matching[-1]
+    return longest
+
+
+def _offset_changes(tz: ZoneInfo, start: float, end: float) -> list[float]:
+    """The instants in [start, end] where ``tz``'s UTC offset changes (to the second)."""
+    changes: list[float] = []
+    step = 86400.0
+
+    def offset(t: float) -> timedelta | None:
+        return datetime.fromtimestamp(t, tz).utcoffset()
+
+    t = start
+    while t < end:
+        following = min(t + step, end)
+        if offset(t) != offset(following):
+            low, high = t, following
+            while high - low > 1:
+                middle = (low + high) / 2
+                if offset(middle) == offset(low):
+                    low = middle
+                else:
+                    high = middle
+            changes.append(high)
+        t = following
+    return changes
 
 
 def zone(tz: object) -> ZoneInfo:

@@ -8,13 +8,14 @@ saving changes in the span.
 from __future__ import annotations
 
 import math
-from datetime import UTC, datetime, timedelta
+from datetime import UTC, date, datetime, timedelta
 from zoneinfo import ZoneInfo
 
 import pytest
 
 from aio_keuss import InvalidDelayError, InvalidInputError
 from aio_keuss.cron import Cron, Every, every, parse_cron, zone
+from aio_keuss.repeat import RepeatPlan
 
 
 def _at(text: str, tz: str = "UTC") -> float:
@@ -226,6 +227,40 @@ def test_longest_gap() -> None:
     weekdays = parse_cron("0 9 * * mon-fri")
     assert weekdays.longest_gap(_at("2026-05-01 00:00")) == 3 * 86400
     assert parse_cron("*/5 * * * *").longest_gap(0.0) == 300
+
+
+@pytest.mark.parametrize(
+    ("expression", "tz", "start", "gap"),
+    [
+        # every minute of 9:00 to 10:59: 10:59 to 9:00 the next day, whenever asked
+        ("* 9-10 * * *", "UTC", "2026-06-01 08:59", 22 * 3600 + 60),
+        ("* 9-10 * * *", "UTC", "2026-06-01 11:00", 22 * 3600 + 60),
+        # every five minutes on Mondays, asked on a Monday morning: Monday 23:55 to the next
+        ("*/5 * * * mon", "UTC", "2026-06-01 00:00", 6 * 86400 + 300),
+        # every half hour: 90 minutes over the autumn change, months away
+        ("*/30 * * * *", "Europe/Madrid", "2026-06-01 00:00", 5400),
+        # 2:30 a.m. does not exist on the spring change: two days less an hour, months away
+        ("30 2 * * *", "Europe/Madrid", "2026-06-01 00:00", 2 * 86400 - 3600),
+        # February 29: eight years across 2100
+        (
+            "0 0 29 2 *",
+            "UTC",
+            "2026-06-01 00:00",
+            (date(2104, 2, 29) - date(2096, 2, 29)).days * 86400,
+        ),
+    ],
+)
+def test_longest_gap_does_not_depend_on_when_it_is_asked(
+    expression: str, tz: str, start: str, gap: float
+) -> None:
+    """The gap compared with dedup_window is the schedule's longest, not the longest of the
+    next 64 occurrences (they missed all of these), so the warning of a repeat whose
+    occurrences outlast the window no longer depends on the time its process started."""
+    assert parse_cron(expression, tz).longest_gap(_at(start, tz)) == gap
+    plan = RepeatPlan.make("k", None, expression, tz, None)
+    assert plan.dedup_warning(gap + 60, _at(start, tz)) is None
+    warning = plan.dedup_warning(gap + 59, _at(start, tz))
+    assert warning is not None and f"up to {gap:g} s apart" in warning
 
 
 @pytest.mark.parametrize(
