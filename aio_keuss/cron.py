@@ -284,12 +284,22 @@ def _offset_changes(tz: ZoneInfo, start: float, end: float) -> list[float]:
     return changes
 
 
+HOST_ZONE = "localtime"
+"""The name under which a system's zone directory holds the host's own zone (a link to
+``/etc/localtime``), which ``ZoneInfo`` loads like any IANA key."""
+
+
 def zone(tz: object) -> ZoneInfo:
     """The IANA zone named ``tz`` (or ``tz`` itself, a ``ZoneInfo``)."""
     if isinstance(tz, ZoneInfo):
         return tz
     if not isinstance(tz, str) or not tz:
         raise InvalidInputError(f"tz must be an IANA time zone name (str), not {brief(tz)}")
+    if tz == HOST_ZONE:
+        raise InvalidInputError(
+            f"tz {tz!r} is each machine's own zone, so processes on different machines would"
+            " compute different instants (and message ids): name the IANA zone"
+        )
     try:
         return ZoneInfo(tz)
     except (ZoneInfoNotFoundError, ValueError) as exc:
