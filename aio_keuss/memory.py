@@ -33,6 +33,7 @@ from .contract import (
     deadletter_tag,
     moved_id,
 )
+from .errors import InvalidInputError
 from .message import append_headers
 from .types import Capabilities, KoResult, Sizes
 
@@ -261,20 +262,31 @@ class MemoryStore(Store):
                 results.append(True)
         return results
 
+    def check_cursor(self, cursor: Cursor | None) -> Cursor | None:
+        """(mature, seq): seq the decimal digits of a record's sequence number."""
+        if cursor is not None:
+            seq = cursor[1]
+            if not (seq.isascii() and seq.isdigit() and int(seq) < 2**63):
+                raise InvalidInputError(f"not a cursor from browse / history here: {cursor!r}")
+        return cursor
+
     async def peek(self, state: str, after: Cursor | None, limit: int) -> PeekPage:
         """A walk is a bounded selection over all records per page (``heapq.nsmallest``):
-        no index to keep for a store that lives in this process anyway."""
+        no index to keep for a store that lives in this process anyway. It goes in the
+        heap's order, (mature, sequence), so messages due together are listed as they are
+        delivered (push order), not by id; the cursor is (mature, sequence)."""
         now = time.time()
         records = self._data.records.values()
+        past = None if after is None else (after[0], int(after[1]))
         candidates = (
             r
             for r in records
-            if (after is None or (r.mature, r.id) > after)
+            if (past is None or (r.mature, r.seq) > past)
             and (state == "all" or _state(r, now) == state)
         )
-        page = heapq.nsmallest(limit, candidates, key=lambda r: (r.mature, r.id))
+        page = heapq.nsmallest(limit, candidates, key=lambda r: (r.mature, r.seq))
         rows = [_peeked(r, now) for r in page]
-        cursor = (page[-1].mature, page[-1].id) if len(page) == limit else None
+        cursor = (page[-1].mature, str(page[-1].seq)) if len(page) == limit else None
         return PeekPage(rows, cursor)
 
     async def locate(self, ids: Sequence[str]) -> list[Peeked | None]:

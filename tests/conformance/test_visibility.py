@@ -207,6 +207,26 @@ async def test_browse_pages_behind_a_cursor(factory: aio_keuss.Factory) -> None:
     assert await q.total_size() == 2500
 
 
+async def test_a_walk_lists_messages_due_together_in_the_order_they_are_delivered(
+    factory: aio_keuss.Factory,
+) -> None:
+    """Messages of one push are due at the same time; a peek shows them as they will be
+    delivered (push order), not sorted by id. The memory store walked (mature, id) while
+    its heap delivers (mature, push sequence): with ids chosen out of order, peek(1) named
+    "job-1" while the next pop took "job-9", and a browse listed them sorted by id."""
+    needs(factory, "peek", "idempotent")
+    q = await factory.queue("ties")
+    ids = ["job-9", "job-10", "job-11", "job-1", "job-8", "job-2"]
+    assert await q.push_many(list(range(len(ids))), ids=ids) == ids
+    assert [v.message.id for v in await q.peek(len(ids))] == ids
+    assert [v.message.id for v in await q.peek(1)] == ids[:1]
+    assert [v.message.id async for v in q.browse(page_size=2)] == ids
+    assert [v.message.id async for v in q.browse(state="ready", page_size=1)] == ids
+    first = await q.pop(timeout=5)
+    assert first is not None and first.id == ids[0]
+    assert [v.message.id for v in await q.peek(len(ids))] == ids[1:]
+
+
 @pytest.mark.slow
 async def test_browse_of_20000_messages_in_constant_memory(factory: aio_keuss.Factory) -> None:
     """Forty pages: a walk that held every view would keep 20,000 of them (about 13 MB on
