@@ -122,7 +122,11 @@ def _state(record: _Record, now: float) -> str:
 
 
 def _peeked(record: _Record, now: float) -> Peeked:
-    return Peeked(_stored(record, record.tries, record.mature), _state(record, now), record.mature)
+    """A record as peek shows it: a ready one with the tries its next delivery is given
+    (a lapsed reservation was a try its record does not count yet, see ``get``)."""
+    lapsed = record.reserved and record.mature <= now
+    tries = record.tries + 1 if lapsed else record.tries
+    return Peeked(_stored(record, tries, record.mature), _state(record, now), record.mature)
 
 
 class MemoryStore(Store):

@@ -184,9 +184,10 @@ def _state_filter(state: str, now: float) -> Document:
 
 def _peeked(doc: Document, now: float) -> Peeked:
     """A live message as peek shows it; a reserve counted its try up front (see the module
-    docstring), so a held one shows the count its holder was given."""
+    docstring), so a held one shows the count its holder was given, and a ready one (a
+    lapsed reservation too: its try is counted) the count its next delivery is given."""
     mature = float(doc["mature"])
-    tries = int(doc["tries"]) - (1 if doc.get("reserved") else 0)
+    tries = int(doc["tries"]) - (1 if doc.get("reserved") and mature > now else 0)
     stored = Stored(doc["_id"], bytes(doc["payload"]), bytes(doc["headers"]), tries, mature)
     if mature <= now:
         return Peeked(stored, "ready", mature)

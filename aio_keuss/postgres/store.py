@@ -123,10 +123,13 @@ def _fetched(rows: list[Any]) -> Fetched:
 
 
 def _peeked(row: Any) -> Peeked:
-    """A row of peek / locate: id, payload, headers, tries, mature, seq, reserved, now."""
+    """A row of peek / locate: id, payload, headers, tries, mature, seq, reserved, now. A
+    ready one shows the tries its next delivery is given: a lapsed reservation was a try
+    its row does not count yet (reserve adds it)."""
     mature, now = row[4], row[7]
     state = "ready" if mature <= now else "reserved" if row[6] else "scheduled"
-    return Peeked(Stored(row[0], row[1], row[2], row[3], mature), state, mature)
+    tries = row[3] + 1 if row[6] and mature <= now else row[3]
+    return Peeked(Stored(row[0], row[1], row[2], tries, mature), state, mature)
 
 
 def _processed(row: Any) -> Peeked:

@@ -786,6 +786,7 @@ for k = 1, #ids do
   if state == 'ready' and s ~= 'ready' then finished = true; break end
   last = k
   states[k] = s
+  if s == 'ready' and held[k] == 1 then states[k] = 'lapsed' end  -- its try not counted yet
   if state == 'all' or s == state then rows[#rows + 1] = k end
   if #rows == limit then
     if k < #ids then finished = false end  -- stopped at the limit: more lie past it
@@ -816,8 +817,9 @@ for _, id in ipairs(ARGV) do
   local score = redis.call('ZSCORE', KEYS[1], id)
   if score then
     local s = 'scheduled'
-    if tonumber(score) <= now then s = 'ready'
-    elseif redis.call('SISMEMBER', KEYS[3], id) == 1 then s = 'reserved' end
+    local held = redis.call('SISMEMBER', KEYS[3], id) == 1
+    if tonumber(score) <= now then s = held and 'lapsed' or 'ready'
+    elseif held then s = 'reserved' end
     for _, v in ipairs({id, redis.call('HGET', KEYS[2], id), score, s}) do
       reply[#reply + 1] = v
     end
@@ -879,8 +881,11 @@ def _peeked_rows(values: list[Any]) -> list[Peeked | None]:
         if not message_id:
             rows.append(None)
             continue
-        stored = _unrecord(message_id, rec, score, 0)
-        rows.append(Peeked(stored, state.decode(), stored.mature))
+        # 'lapsed': ready, its reservation expired; that delivery was a try its record
+        # does not count yet, and its next delivery is given it
+        lapsed = state == b"lapsed"
+        stored = _unrecord(message_id, rec, score, 1 if lapsed else 0)
+        rows.append(Peeked(stored, "ready" if lapsed else state.decode(), stored.mature))
     return rows
 
 

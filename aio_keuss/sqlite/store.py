@@ -69,10 +69,13 @@ Row = tuple[Any, ...]
 
 
 def _peeked(row: Row, now: float) -> Peeked:
-    """A row of peek / locate: seq, id, payload, headers, tries, mature, reserved."""
+    """A row of peek / locate: seq, id, payload, headers, tries, mature, reserved. A ready
+    one shows the tries its next delivery is given: a lapsed reservation was a try its row
+    does not count yet (reserve adds it)."""
     mature = row[5]
     state = "ready" if mature <= now else "reserved" if row[6] else "scheduled"
-    return Peeked(Stored(row[1], row[2], row[3], row[4], mature), state, mature)
+    tries = row[4] + 1 if row[6] and mature <= now else row[4]
+    return Peeked(Stored(row[1], row[2], row[3], tries, mature), state, mature)
 
 
 class SqliteStore(Store):

@@ -227,6 +227,35 @@ async def test_a_walk_lists_messages_due_together_in_the_order_they_are_delivere
     assert [v.message.id for v in await q.peek(len(ids))] == ids[1:]
 
 
+async def test_a_lapsed_reservation_shows_the_tries_of_the_next_delivery(
+    factory: aio_keuss.Factory,
+) -> None:
+    """docs/visibility.md: a view's ``tries`` is "what the next delivery would be given, or
+    what its holder was given". A reservation that lapsed (its consumer died) was a try: the
+    message is ready again and its next delivery is given 1. peek, browse and find showed
+    0, the count from before that delivery, so a message that kept killing its consumers
+    looked one failure younger than it was."""
+    needs(factory, "peek", "reserve", "reservation_expiry")
+    q = await factory.queue("lapsed", reserve_delay=0.2)
+    mid = await q.push({"n": 1})
+    held = await q.reserve(timeout=5)
+    assert held is not None and held.tries == 0
+    (shown,) = await q.peek(1, state="reserved")
+    assert shown.message.tries == 0  # what its holder was given
+    deadline = time.monotonic() + 30
+    while not await q.peek(1, state="ready"):
+        assert time.monotonic() < deadline
+        await asyncio.sleep(0.1)
+    (ready,) = await q.peek(1, state="ready")
+    (walked,) = [v async for v in q.browse(state="all")]
+    found = await q.find(mid)
+    assert found is not None and found.state is State.READY
+    shown_tries = [ready.message.tries, walked.message.tries, found.message.tries]
+    again = await q.reserve(timeout=5)
+    assert again is not None and again.id == mid and again.tries == 1
+    assert shown_tries == [1, 1, 1]
+
+
 @pytest.mark.slow
 async def test_browse_of_20000_messages_in_constant_memory(factory: aio_keuss.Factory) -> None:
     """Forty pages: a walk that held every view would keep 20,000 of them (about 13 MB on
