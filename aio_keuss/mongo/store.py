@@ -305,8 +305,9 @@ class MongoStore(Store):
 
     # variant hooks ------------------------------------------------------------------------
 
-    def _consumed(self, now: float) -> Document | None:
-        """The update that ends a consumed message; None = delete it (mongo)."""
+    def _consumed(self, now: float, held: bool = False) -> Document | None:
+        """The update that ends a consumed message; None = delete it (mongo). ``held``: it
+        ends under a reservation (ok, move, deadletter), whose try the count includes."""
         return None
 
     async def _make_room(
@@ -317,10 +318,16 @@ class MongoStore(Store):
         return set(), set()
 
     async def _finish(
-        self, filter: Document, now: float, session: AsyncClientSession | None = None
+        self,
+        filter: Document,
+        now: float,
+        session: AsyncClientSession | None = None,
+        *,
+        held: bool = False,
     ) -> int:
-        """End every message matching ``filter`` (delete, or mark processed); how many."""
-        update = self._consumed(now)
+        """End every message matching ``filter`` (delete, or mark processed); how many.
+        ``held``: ``filter`` matches reserved messages only (see :meth:`_consumed`)."""
+        update = self._consumed(now, held)
         if update is None:
             deleted = await self._coll.delete_many(filter, session=session)
             return deleted.deleted_count
@@ -566,7 +573,8 @@ class MongoStore(Store):
             return []
         now = time.time()
         if len(acks) == 1:
-            return [await self._finish(_guard(acks[0].id, acks[0].tries), now) == 1]
+            guard = _guard(acks[0].id, acks[0].tries)
+            return [await self._finish(guard, now, held=True) == 1]
         ids = list({a.id: None for a in acks})
         cursor = self._coll.find({"_id": {"$in": ids}, "reserved": True}, {"tries": 1})
         stored = {d["_id"]: int(d["tries"]) for d in await cursor.to_list()}
@@ -582,7 +590,7 @@ class MongoStore(Store):
             if ok and tries is not None:
                 held[ack.id] = tries
             results.append(ok)
-        if held and await self._finish(_by_tries(held), now) != len(held):
+        if held and await self._finish(_by_tries(held), now, held=True) != len(held):
             # something changed between the read and the delete: what is still there
             # unchanged was not ours to take
             still = await self._coll.find(_by_tries(held), {"_id": 1}).to_list()
@@ -694,7 +702,7 @@ class MongoStore(Store):
                 break
         else:  # pragma: no cover - MOVE_NAMES earlier lives of one id
             raise ConfigError(f"no free id for {doc['_id']!r} in {move.queue!r}")
-        await self._finish({"_id": doc["_id"], "owner": token}, now)
+        await self._finish({"_id": doc["_id"], "owner": token}, now, held=True)
         return name
 
     async def _move_in_transaction(
@@ -706,7 +714,7 @@ class MongoStore(Store):
         now: float,
     ) -> str | None:
         async def move(session: AsyncClientSession) -> str | None:
-            if not await self._finish(held, now, session):
+            if not await self._finish(held, now, session, held=True):
                 await session.abort_transaction()
                 return None
             cursor = target.find({"_id": {"$in": names}}, {"_id": 1}, session=session)
@@ -819,8 +827,14 @@ class MongoStore(Store):
 class MongoHistoryStore(MongoStore):
     """Consumed messages stay, marked ``processed``, until the TTL index expires them."""
 
-    def _consumed(self, now: float) -> Document | None:
-        return {"$set": {"processed": _date(now), "mature": FAR_FUTURE, "reserved": False}}
+    def _consumed(self, now: float, held: bool = False) -> Document | None:
+        """Marked processed. A reserve counted its try up front: a message ended under a
+        reservation gives it back, so that its record shows what its holder was given
+        (as a pop's shows what the pop was given)."""
+        done: Document = {
+            "$set": {"processed": _date(now), "mature": FAR_FUTURE, "reserved": False}
+        }
+        return {**done, "$inc": {"tries": -1}} if held else done
 
     async def _make_room(
         self, coll: Collection, docs: list[Document], revive: set[str]

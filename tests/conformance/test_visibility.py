@@ -466,6 +466,34 @@ async def test_history_lists_processed_messages_and_replay_copies_them(
     assert len(everything) == 5 and await q.size() == 5
 
 
+async def test_history_shows_the_tries_its_last_holder_was_given(connect: Connect) -> None:
+    """A processed record's ``tries`` is what its holder was given (docs/visibility.md), as
+    postgres keeps it. mongo-history counts a reservation's try up front and kept that
+    count when an ok (or a move, or a deadletter) ended the message: every acknowledged
+    message showed one try more than its consumer was handed (here 1 instead of 0)."""
+    factory = await connect(deadletter={"max_ko": 0}, poll_interval=5.0)
+    needs(factory, "history", "reserve")
+    q = await factory.queue("counted")
+    first = await q.push("ok at once")
+    held = await q.reserve(timeout=5)
+    assert held is not None and held.id == first and held.tries == 0
+    assert await q.ok(held)
+    second = await q.push("popped")
+    popped = await q.pop(timeout=5)
+    assert popped is not None and popped.id == second and popped.tries == 0
+    third = await q.push("deadlettered")
+    held = await q.reserve(timeout=5)
+    assert held is not None and held.id == third and held.tries == 0
+    assert await q.ko(held) == KoResult.DEADLETTERED
+    records = {v.message.id: v.message.tries for v in (await q.history(limit=10)).items}
+    shown = {i: records.get(i) for i in (first, second)}
+    assert shown == {first: 0, second: 0}
+    if third in records:  # mongo-history keeps a deadlettered message as processed
+        assert records[third] == 0
+    found = await q.find(first)
+    assert found is not None and found.state is State.PROCESSED and found.message.tries == 0
+
+
 async def test_replay_of_a_range_does_not_copy_its_own_copies_consumed_meanwhile(
     factory: aio_keuss.Factory,
 ) -> None:
