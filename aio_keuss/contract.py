@@ -113,6 +113,18 @@ class Stored:
 
 
 Cursor = tuple[float, str]
+
+
+def check_seq_cursor(cursor: Cursor | None) -> Cursor | None:
+    """``Store.check_cursor`` for a store whose cursor is (sort time, sequence number): the
+    second part the decimal digits of a 64-bit sequence number (a rowid, a bigint)."""
+    if cursor is not None:
+        seq = cursor[1]
+        if not (seq.isascii() and seq.isdigit() and int(seq) < 2**63):
+            raise InvalidInputError(f"not a cursor from browse / history here: {cursor!r}")
+    return cursor
+
+
 """Where a walk over a queue stands: (sort time, tie-breaker) of the last message it saw.
 Stores walk a queue in the order of their own index: the sort time is the mature time, or
 the reservation deadline of a reserved message; the tie-breaker is the id, or whatever the

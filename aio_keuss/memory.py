@@ -30,10 +30,10 @@ from .contract import (
     PeekPage,
     Store,
     Stored,
+    check_seq_cursor,
     deadletter_tag,
     moved_id,
 )
-from .errors import InvalidInputError
 from .message import append_headers
 from .types import Capabilities, KoResult, Sizes
 
@@ -268,11 +268,7 @@ class MemoryStore(Store):
 
     def check_cursor(self, cursor: Cursor | None) -> Cursor | None:
         """(mature, seq): seq the decimal digits of a record's sequence number."""
-        if cursor is not None:
-            seq = cursor[1]
-            if not (seq.isascii() and seq.isdigit() and int(seq) < 2**63):
-                raise InvalidInputError(f"not a cursor from browse / history here: {cursor!r}")
-        return cursor
+        return check_seq_cursor(cursor)
 
     async def peek(self, state: str, after: Cursor | None, limit: int) -> PeekPage:
         """A walk is a bounded selection over all records per page (``heapq.nsmallest``):

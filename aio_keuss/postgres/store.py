@@ -53,8 +53,9 @@ from ..contract import (
     Store,
     Stored,
     bulk_load,
+    check_seq_cursor,
 )
-from ..errors import ConfigError, InvalidInputError, KeussError
+from ..errors import ConfigError, KeussError
 from ..options import check_bool
 from ..types import Capabilities, KoResult, Sizes
 from .backend import PostgresBackend
@@ -299,11 +300,7 @@ class PostgresStore(Store):
 
     def check_cursor(self, cursor: Cursor | None) -> Cursor | None:
         """(time, seq): seq a bigint's decimal digits."""
-        if cursor is not None:
-            seq = cursor[1]
-            if not (seq.isascii() and seq.isdigit() and int(seq) < 2**63):
-                raise InvalidInputError(f"not a cursor from browse / history here: {cursor!r}")
-        return cursor
+        return check_seq_cursor(cursor)
 
     async def peek(self, state: str, after: Cursor | None, limit: int) -> PeekPage:
         """The cursor is (mature, seq): the order of the table's index."""

@@ -50,10 +50,10 @@ from ..contract import (
     PeekPage,
     Store,
     Stored,
+    check_seq_cursor,
     deadletter_tag,
     moved_id,
 )
-from ..errors import InvalidInputError
 from ..message import append_headers
 from ..signal import LocalSignalBus, SignalBus
 from ..stats import StatsStore
@@ -256,11 +256,7 @@ class SqliteStore(Store):
 
     def check_cursor(self, cursor: Cursor | None) -> Cursor | None:
         """(mature, seq): seq the decimal digits of a rowid (a 64-bit int)."""
-        if cursor is not None:
-            seq = cursor[1]
-            if not (seq.isascii() and seq.isdigit() and int(seq) < 2**63):
-                raise InvalidInputError(f"not a cursor from browse / history here: {cursor!r}")
-        return cursor
+        return check_seq_cursor(cursor)
 
     async def peek(self, state: str, after: Cursor | None, limit: int) -> PeekPage:
         """The cursor is (mature, seq): the order of the table's index."""
