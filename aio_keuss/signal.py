@@ -128,9 +128,14 @@ class SignalBus:
         await self._stop_listener()
 
     async def published(self) -> None:
-        """Wait for the signals on their way out: for work that ends as the loop does (a
-        put-back for a cancelled caller as ``asyncio.run`` ends), whose publish would
-        otherwise be a task still pending when the loop closes."""
+        """Send the trailing signals of open debounce windows now, and wait for the signals
+        on their way out: for work that ends as the loop does (a put-back for a cancelled
+        caller as ``asyncio.run`` ends), whose publish would otherwise be a task still
+        pending when the loop closes, or one a window's timer starts as it does."""
+        for queue, pending in list(self._windows.items()):
+            if pending is not None:
+                self._windows[queue] = None  # the window stays open, its signal sent
+                self._send(Signal(queue, "insert", *pending))
         if self._publishing:
             # not gather: cancelled, it would cancel the publishes of others' work too
             await asyncio.wait(tuple(self._publishing))
