@@ -119,12 +119,10 @@ class SignalBus:
         # Trailing signals of open debounce windows go out now: once closed, the window's
         # timer would drop them (the last announcement of a burst, e.g. what a queue
         # closing just before gave back).
-        for queue, pending in list(self._windows.items()):
-            if pending is not None:
-                self._send(Signal(queue, "insert", *pending))
+        self._send_trailing()
         self._windows.clear()
         self._closed = True
-        await self.published()
+        await self._sent()
         await self._stop_listener()
 
     async def published(self) -> None:
@@ -132,10 +130,17 @@ class SignalBus:
         on their way out: for work that ends as the loop does (a put-back for a cancelled
         caller as ``asyncio.run`` ends), whose publish would otherwise be a task still
         pending when the loop closes, or one a window's timer starts as it does."""
+        self._send_trailing()
+        await self._sent()
+
+    def _send_trailing(self) -> None:
+        """The signals folded into open debounce windows go out now; the windows stay open."""
         for queue, pending in list(self._windows.items()):
             if pending is not None:
-                self._windows[queue] = None  # the window stays open, its signal sent
+                self._windows[queue] = None
                 self._send(Signal(queue, "insert", *pending))
+
+    async def _sent(self) -> None:
         if self._publishing:
             # not gather: cancelled, it would cancel the publishes of others' work too
             await asyncio.wait(tuple(self._publishing))
