@@ -149,7 +149,7 @@ def _unclaimed(guard: Document, now: float) -> Document:
     return {"$and": [guard, free]}
 
 
-def _claim(token: str, now: float) -> Document:
+def _move_claim(token: str, now: float) -> Document:
     """A move's claim of a held message: for ``CLAIM_LEASE`` seconds, under ``token``."""
     return {"$set": {"mature": now + CLAIM_LEASE, "owner": token, "moving": now + CLAIM_LEASE}}
 
@@ -663,7 +663,9 @@ class MongoStore(Store):
                 return None if doc is None else await self._move_doc(doc, move, now)
             # Without transactions the claim is taken with the read: one round trip.
             token = os.urandom(8).hex()
-            doc = await self._coll.find_one_and_update(_unclaimed(guard, now), _claim(token, now))
+            doc = await self._coll.find_one_and_update(
+                _unclaimed(guard, now), _move_claim(token, now)
+            )
             return None if doc is None else await self._move_doc(doc, move, now, token)
 
         return list(await asyncio.gather(*(one(m) for m in moves)))
@@ -694,7 +696,7 @@ class MongoStore(Store):
         token = claimed
         if token is None:
             token = os.urandom(8).hex()
-            claim = await self._coll.update_one(_unclaimed(held, now), _claim(token, now))
+            claim = await self._coll.update_one(_unclaimed(held, now), _move_claim(token, now))
             if not claim.matched_count:
                 return None
         for name in names:
