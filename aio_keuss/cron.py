@@ -163,17 +163,33 @@ class Cron:
         days = _most_days_between(
             self.days, self.months, self.weekdays, self.any_day, self.any_weekday
         )
-        longest = float(max(within, days * 86400 - (times[-1] - times[0])))
+        pattern = float(max(within, days * 86400 - (times[-1] - times[0])))
+        longest = pattern
         for change in _offset_changes(self.tz, after, after + GAP_YEARS * 366 * 86400):
-            # the occurrence before the change is at most the pattern's gap (plus a change
-            # of offset, at most two hours in any zone) before it; after it, the walls
-            # skipped or repeated span at most two hours
-            t = self.next_after(change - longest - _MOST_OFFSET_CHANGE)
-            while t <= change + _MOST_OFFSET_CHANGE:
+            # Away from a change the offset is constant, so real gaps are the pattern's;
+            # only the gap across the change (a skipped or repeated hour) and the one after
+            # it (walls of a repeated hour stepped over) can differ. The last occurrence at
+            # or before the change is found by bisection, not by walking a pattern's gap of
+            # occurrences up to it (a week of minutes for ``* * * * 1``).
+            t = self._last_at_or_before(change, pattern + _MOST_OFFSET_CHANGE)
+            for _ in range(2):
                 following = self.next_after(t)
                 longest = max(longest, following - t)
                 t = following
         return longest
+
+    def _last_at_or_before(self, instant: float, reach: float) -> float:
+        """The last occurrence at or before ``instant``, given one lies within ``reach``
+        seconds before it. Occurrences are at least a minute apart, so once the bracket is
+        under a second, the first occurrence after its low end is the one."""
+        low, high = instant - reach, instant  # next_after(low) <= instant < next_after(high)
+        while high - low > 1.0:
+            middle = (low + high) / 2
+            if self.next_after(middle) <= instant:
+                low = middle
+            else:
+                high = middle
+        return self.next_after(low)
 
     def _instant(self, wall: datetime) -> float | None:
         """Seconds since the epoch of a wall-clock time of ``tz`` (its first instant), or
@@ -237,25 +253,26 @@ def _most_days_between(
     Gregorian calendar (its weekdays and leap years repeat every 400 years). A year's
     matching days depend only on whether it is a leap year and on its first weekday."""
     rule = Cron("", (0,), (0,), days, months, weekdays, any_day, any_weekday, ZoneInfo("UTC"))
-    kinds: dict[tuple[bool, int], list[int]] = {}
+    kinds: dict[tuple[bool, int], tuple[list[int], int]] = {}  # matching days, longest gap
     longest = 0
     last: int | None = None
     for year in range(2000, 2801):
         first = date(year, 1, 1)
         kind = (calendar.isleap(year), first.weekday())
         if kind not in kinds:
-            kinds[kind] = [
+            found = [
                 offset
                 for offset in range(366 if kind[0] else 365)
                 if (day := first + timedelta(days=offset)).month in months and rule.day_matches(day)
             ]
-        matching = kinds[kind]
+            kinds[kind] = found, max((b - a for a, b in itertools.pairwise(found)), default=0)
+        matching, within = kinds[kind]
         if not matching:
             continue
         ordinal = first.toordinal()
         if last is not None:
             longest = max(longest, ordinal + matching[0] - last)
-        longest = max([longest, *(b - a for a, b in itertools.pairwise(matching))])
+        longest = max(longest, within)
         last = ordinal + matching[-1]
     return longest
 
