@@ -67,8 +67,9 @@ class Entry:
     ``dedup`` is set when the id came from the user: the store then refuses the entry while
     a message with that id is queued or was pushed within the queue's dedup window.
     ``mature`` (absolute) overrides ``delay``; it is used to put back a popped message whose
-    caller was cancelled, keeping its place in the queue, and ``expires`` the end of life
-    it had there (see :attr:`Stored.expires`).
+    caller was cancelled, keeping its place in the queue, ``expires`` the end of life it
+    had there and ``place`` where the store had it (see :attr:`Stored.expires` and
+    :attr:`Stored.place`).
 
     A store may replace ``id`` of an entry without ``dedup`` during ``insert`` (a bucket store
     encodes bucket and slot in it); the queue layer reads the ids back after the insert.
@@ -82,6 +83,7 @@ class Entry:
     dedup: bool = False
     mature: float | None = None
     expires: float | None = None
+    place: int | None = None
 
 
 def bulk_load(entries: Sequence[Entry]) -> bool:
@@ -110,6 +112,9 @@ class Stored:
     expires: float | None = None
     """End of life (absolute), where the store gives messages one (a message TTL counted
     from the push): a put-back keeps it."""
+    place: int | None = None
+    """Where the store had it, where a put-back needs it to go back to its place: a
+    sharded shard's order number of the record (None elsewhere)."""
 
 
 Cursor = tuple[float, str]

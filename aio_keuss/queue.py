@@ -684,10 +684,7 @@ class Queue:
         cancelled task, see ``Coalescer.hand_back``)."""
         if not result[0]:
             return None
-        entries = [
-            Entry(s.id, s.payload, s.headers, tries=s.tries, mature=s.mature, expires=s.expires)
-            for s in result[0]
-        ]
+        entries = [_back_entry(s) for s in result[0]]
         return self._hand_back(self._store.insert(entries), len(entries), "popped messages")
 
     def _put_back_reserved(self, _: int, result: FetchResult) -> Coroutine[Any, Any, None] | None:
@@ -1535,6 +1532,20 @@ class Closing:
         exc = closing.exception()  # retrieved: a close a handler began may be awaited by nobody
         if exc is not None and not self._awaited:
             log.warning("%s: close failed: %r", self._what, exc)
+
+
+def _back_entry(s: Stored) -> Entry:
+    """A popped message going back where it was: its mature time, tries, end of life and
+    place kept."""
+    return Entry(
+        s.id,
+        s.payload,
+        s.headers,
+        tries=s.tries,
+        mature=s.mature,
+        expires=s.expires,
+        place=s.place,
+    )
 
 
 def _more_ready(stored: list[Stored], wanted: int, next_mature: float | None) -> bool:

@@ -129,6 +129,7 @@ class RedisShardStorage(ShardStorage):
                 "" if e.mature is None else repr(e.mature),
                 e.delay if e.mature is None else 0,
                 "" if e.mature is None or e.expires is None else repr(e.expires),
+                "" if e.mature is None or e.place is None else e.place,
             )
         reply = await self._run(lua.INSERT, keys, args)
         return Loaded([f == 1 for f in reply[3:]], reply[0], reply[1] == 1, _time(reply[2]))
@@ -145,8 +146,9 @@ class RedisShardStorage(ShardStorage):
                 int(reply[i + 3]),
                 float(reply[i + 4]),
                 _time(reply[i + 5]),
+                int(reply[i + 6]),
             )
-            for i in range(3, len(reply), 6)
+            for i in range(3, len(reply), 7)
         ]
         return Fired(messages, reply[0], reply[1], _time(reply[2]))
 

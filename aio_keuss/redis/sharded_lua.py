@@ -10,7 +10,9 @@ Shard keys (hash tag ``{queue#shard}``), ``<base>`` being ``prefix:{queue#shard}
                            fire pointer ever (a cancelled pop's records)
     <base>r:<ptr>    HASH  one record per message of the magazine: i id, p payload,
                            h headers, t tries, m mature, x reservation deadline once fired,
-                           e end of life (message TTL; absent: none)
+                           e end of life (message TTL; absent: none), o its place in the
+                           shard's order when put back before the fire pointer (the
+                           pointer it was loaded at; absent: <ptr>)
     <base>s:<ptr>    HASH  a record of the sideline magazine (swept, waiting for the shovel)
     <base>q:<seq>    HASH  a scheduled record (pushed or ko-ed with a delay), not yet loaded;
                            <seq> zero-padded to 20 digits (older records: unpadded)
@@ -109,11 +111,13 @@ end
 
 # KEYS: m ix d z. ARGV: base, dedup window, message TTL ('' = none), front ('1': entries with
 # a mature time are put-backs of a cancelled pop, loaded back where they were fired from, in
-# the free slots just before the fire pointer, which moves back over them; those with no
-# room there, a held reservation just behind, go to the load pointer), then 8 per entry: id,
-# payload, headers, tries, check ('' = an id the queue made: unique by construction;
-# 'c' = refused while queued; 'd' = also refused within the dedup window), mature ('' = now),
-# delay (seconds; > 0: scheduled), end of life ('' = now + TTL; a put-back keeps its own).
+# the free slots just before the fire pointer, which moves back over them, ordered by their
+# places among themselves and the put-backs already there; those with no room there, a held
+# reservation just behind, go to the load pointer), then 9 per entry: id, payload, headers,
+# tries, check ('' = an id the queue made: unique by construction; 'c' = refused while
+# queued; 'd' = also refused within the dedup window), mature ('' = now), delay (seconds;
+# > 0: scheduled), end of life ('' = now + TTL; a put-back keeps its own), place (a
+# put-back's place in the shard's order as fired; '' = unknown, before any other).
 # Reply: {version after, 1 if the caller must announce the shard (its magazine was empty and
 # got a record: whoever loaded the first record of a non-empty one announced it already),
 # earliest mature time scheduled by this call ('' = none), then 1 / 0 per entry}.
@@ -124,8 +128,8 @@ local now = server_now()
 local m = meta({'l', 'f', 'w'})
 local l = m[1]
 local out, purged, loaded, soonest = {0, 0, ''}, false, false, nil
-local accepted, seen, backs = {}, {}, 0
-for i = 5, #ARGV, 8 do
+local accepted, seen, backs = {}, {}, {}
+for i = 5, #ARGV, 9 do
   local id, check = ARGV[i], ARGV[i + 4]
   local fresh = true
   if check ~= '' then
@@ -142,32 +146,15 @@ for i = 5, #ARGV, 8 do
   if fresh then
     seen[id] = true
     if check == 'd' then redis.call('ZADD', KEYS[3], fmt(now + window), id) end
-    if front and ARGV[i + 5] ~= '' then backs = backs + 1 end
+    if front and ARGV[i + 5] ~= '' then backs[#backs + 1] = i end
     accepted[#accepted + 1] = i
     out[#out + 1] = 1
   else
     out[#out + 1] = 0
   end
 end
--- room for the put-backs just before the fire pointer
-local room = 0
-while room < backs and m[2] - room - 1 >= 0
-    and redis.call('EXISTS', base .. 'r:' .. ptr(m[2] - room - 1)) == 0 do
-  room = room + 1
-end
-local slot = m[2] - room
-if room > 0 then
-  redis.call('HSET', KEYS[1], 'f', ptr(slot))
-  if m[3] > slot then redis.call('HSET', KEYS[1], 'w', ptr(slot)) end
-  redis.call('HINCRBY', KEYS[1], 'b', room)
-  loaded = true
-end
-for _, i in ipairs(accepted) do
+local function write(at, i, place)
   local id, mature = ARGV[i], ARGV[i + 5]
-  local at, back = l, false
-  if front and mature ~= '' and room > 0 then
-    at, back, slot, room = slot, true, slot + 1, room - 1
-  end
   if mature == '' then mature = fmt(now) end
   local key = base .. 'r:' .. ptr(at)
   redis.call('HSET', key, 'i', id, 'p', ARGV[i + 1], 'h', ARGV[i + 2], 't', ARGV[i + 3],
@@ -177,15 +164,77 @@ for _, i in ipairs(accepted) do
   elseif ttl then
     redis.call('HSET', key, 'e', fmt(now + ttl))
   end
-  local delay = tonumber(ARGV[i + 6])
-  if delay > 0 then
-    redis.call('HSET', key, 'm', fmt(now + delay))
-    schedule(key, base, id, now + delay)
-    if not soonest or now + delay < soonest then soonest = now + delay end
-  else
-    redis.call('HSET', KEYS[2], id, ptr(at))
-    if not back then l = l + 1 end
-    loaded = true
+  if place then redis.call('HSET', key, 'o', ptr(place)) end
+  return key
+end
+-- room for the put-backs just before the fire pointer
+local room = 0
+while room < #backs and m[2] - room - 1 >= 0
+    and redis.call('EXISTS', base .. 'r:' .. ptr(m[2] - room - 1)) == 0 do
+  room = room + 1
+end
+local placed = {}
+if room > 0 then
+  -- the earliest places go in front (ties: the order given), in order of place with the
+  -- put-backs already just past the fire pointer whose place is earlier, moved down
+  local function place_of(i) return tonumber(ARGV[i + 8]) or -1 end
+  table.sort(backs, function(a, b)
+    local pa, pb = place_of(a), place_of(b)
+    if pa ~= pb then return pa < pb end
+    return a < b
+  end)
+  local chosen = {}
+  for k = 1, room do
+    chosen[k] = backs[k]
+    placed[backs[k]] = true
+  end
+  local top = place_of(chosen[room])
+  local ahead, at = {}, m[2]
+  while at < l do
+    local rec = redis.call('HMGET', base .. 'r:' .. ptr(at), 'i', 'o')
+    if not rec[1] then break end
+    local place = tonumber(rec[2]) or at
+    if place >= top then break end
+    ahead[#ahead + 1] = {at, place, rec[1]}
+    at = at + 1
+  end
+  local slot, a, c = m[2] - room, 1, 1
+  redis.call('HSET', KEYS[1], 'f', ptr(slot))
+  if m[3] > slot then redis.call('HSET', KEYS[1], 'w', ptr(slot)) end
+  redis.call('HINCRBY', KEYS[1], 'b', room)
+  loaded = true
+  -- new slots never pass old ones: renamed in order, each lands on a free one
+  while a <= #ahead or c <= room do
+    if c > room or (a <= #ahead and ahead[a][2] <= place_of(chosen[c])) then
+      local old = ahead[a]
+      if old[1] ~= slot then
+        redis.call('RENAME', base .. 'r:' .. ptr(old[1]), base .. 'r:' .. ptr(slot))
+        redis.call('HSET', base .. 'r:' .. ptr(slot), 'o', ptr(old[2]))
+        redis.call('HSET', KEYS[2], old[3], ptr(slot))
+      end
+      a = a + 1
+    else
+      local i = chosen[c]
+      write(slot, i, tonumber(ARGV[i + 8]))
+      redis.call('HSET', KEYS[2], ARGV[i], ptr(slot))
+      c = c + 1
+    end
+    slot = slot + 1
+  end
+end
+for _, i in ipairs(accepted) do
+  if not placed[i] then
+    local key = write(l, i, nil)
+    local delay = tonumber(ARGV[i + 6])
+    if delay > 0 then
+      redis.call('HSET', key, 'm', fmt(now + delay))
+      schedule(key, base, ARGV[i], now + delay)
+      if not soonest or now + delay < soonest then soonest = now + delay end
+    else
+      redis.call('HSET', KEYS[2], ARGV[i], ptr(l))
+      l = l + 1
+      loaded = true
+    end
   end
 end
 redis.call('HSET', KEYS[1], 'l', ptr(l))
@@ -199,7 +248,7 @@ return out
 # fired). Matured scheduled records are loaded first. Records past their end of life are
 # deleted on the way (at most n + 1000 looked at).
 # Reply: {left in the magazine, version, next mature scheduled ('' = none), then id p h t m
-# e (end of life, nil = none) per message}.
+# e (end of life, nil = none) o (place in the shard's order) per message}.
 _FIRE = """
 local base, n, delay = ARGV[1], tonumber(ARGV[2]), ARGV[3]
 local now = server_now()
@@ -212,7 +261,7 @@ local taken, deadline, stop = 0, nil, math.min(l, f + n + 1000)
 if delay ~= '' then deadline = fmt(now + tonumber(delay)) end
 while taken < n and f < stop do
   local key = base .. 'r:' .. ptr(f)
-  local rec = redis.call('HMGET', key, 'i', 'p', 'h', 't', 'm', 'e')
+  local rec = redis.call('HMGET', key, 'i', 'p', 'h', 't', 'm', 'e', 'o')
   if rec[1] and dead(rec[6], now) then
     drop(key, rec[1])
     expired = expired + 1
@@ -225,6 +274,7 @@ while taken < n and f < stop do
       redis.call('HDEL', KEYS[2], rec[1])
     end
     for k = 1, 6 do out[#out + 1] = rec[k] end
+    out[#out + 1] = rec[7] or ptr(f)
     taken = taken + 1
   end
   f = f + 1
@@ -310,7 +360,7 @@ for i = 3, #ARGV, 4 do
       out[#out + 1] = rec[1]; out[#out + 1] = rec[2]; out[#out + 1] = stored
     else
       local delay = tonumber(ARGV[i + 3])
-      redis.call('HDEL', key, 'x')
+      redis.call('HDEL', key, 'x', 'o')  -- reloaded at the back: a new place
       redis.call('HSET', key, 't', tries)
       if delay > 0 then
         redis.call('HSET', key, 'm', fmt(now + delay))
@@ -473,7 +523,7 @@ while sf < sl and moved + expired < batch do
   elseif id then
     local target = base .. 'r:' .. ptr(l)
     redis.call('RENAME', key, target)
-    redis.call('HDEL', target, 'x')
+    redis.call('HDEL', target, 'x', 'o')
     redis.call('HINCRBY', target, 't', 1)
     redis.call('HSET', KEYS[2], id, ptr(l))
     l = l + 1

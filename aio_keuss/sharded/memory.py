@@ -75,6 +75,9 @@ class _Record:
     """End of life (message TTL; None: none)."""
     deadline: float | None = None
     """Reservation deadline, once fired by a reserve."""
+    place: int = -1
+    """Its place in the shard's order (Redis's o field, else its pointer): the pointer it
+    was loaded at, kept by a put-back before the fire pointer."""
 
     def dead(self, now: float) -> bool:
         return self.end is not None and self.end <= now
@@ -113,24 +116,44 @@ class _Shard:
         """Load at the load pointer."""
         self.magazine[self.load] = record
         self.where[record.id] = self.load
+        record.place = self.load
         self.load += 1
 
-    def put_back(self, records: list[_Record]) -> list[_Record]:
-        """Load put-backs where they were fired from: in the free slots just before the fire
-        pointer, which moves back over them (the sweep pointer too, if past it). Those there
-        is no room for (a reservation still held right behind) are returned."""
+    def put_back(self, records: list[tuple[int | None, _Record]]) -> list[_Record]:
+        """Load put-backs (each with its place, None: unknown) where they were fired from:
+        in the free slots just before the fire pointer, which moves back over them (the
+        sweep pointer too, if past it), in the order of their places among themselves and
+        the put-backs already there, so those of one key given back one by one keep their
+        order. Those there is no room for (a reservation still held right behind) are
+        returned, the latest places first to go."""
         room = 0
         while room < len(records) and self.fire - room - 1 >= 0:
             if self.fire - room - 1 in self.magazine:
                 break
             room += 1
+        if not room:
+            return [record for _, record in records]
+        ordered = sorted(records, key=lambda pr: -1 if pr[0] is None else pr[0])
+        chosen = ordered[:room]
+        for place, record in chosen:
+            record.place = -1 if place is None else place
+        # the records ahead with an earlier place (put back before) move down with them
+        top = chosen[-1][1].place
+        at, ahead = self.fire, []
+        while at < self.load:
+            found = self.magazine.get(at)
+            if found is None or found.place >= top:
+                break
+            ahead.append(found)
+            at += 1
+        merged = sorted([*ahead, *(r for _, r in chosen)], key=lambda r: r.place)
         self.fire -= room
         self.sweep = min(self.sweep, self.fire)
         self.back += room
-        for at, record in enumerate(records[:room], self.fire):
-            self.magazine[at] = record
-            self.where[record.id] = at
-        return records[room:]
+        for slot, record in enumerate(merged, self.fire):
+            self.magazine[slot] = record
+            self.where[record.id] = slot
+        return [record for _, record in ordered[room:]]
 
     def schedule_at(self, record: _Record, due: float) -> None:
         record.mature = due
@@ -301,7 +324,7 @@ class MemoryShardStorage(ShardStorage):
             accepted.append((e, record))
             flags.append(True)
         # put-backs first, where they were fired from: the loads below then index the rest
-        backs = [record for e, record in accepted if front and e.mature is not None]
+        backs = [(e.place, record) for e, record in accepted if front and e.mature is not None]
         behind = {id(record) for record in s.put_back(backs)} if backs else set()
         loaded = len(behind) < len(backs)
         for e, record in accepted:
@@ -342,6 +365,7 @@ class MemoryShardStorage(ShardStorage):
                         record.tries,
                         record.mature,
                         record.end,
+                        record.place,
                     )
                 )
             s.fire += 1

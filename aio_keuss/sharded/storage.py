@@ -18,7 +18,8 @@ prefix. Per shard the storage keeps (names as the Redis storage spells its keys 
   ever, ``v`` shoveled ever, ``e`` expired ever;
 - a record per message of the magazine (keyed by its pointer), of the sideline (by its
   sideline pointer) and of the schedule (by its sequence): id, payload, headers, tries,
-  mature time, reservation deadline once fired, end of life (message TTL);
+  mature time, reservation deadline once fired, end of life (message TTL), and its place in
+  the shard's order (the pointer it was loaded at, kept by a put-back);
 - an index id -> where its record is (pointer, sideline, schedule), so ``ok`` / ``ko`` and
   the dedup check find a record without a scan; and explicit ids -> end of their dedup
   window.
@@ -235,10 +236,14 @@ class ShardStorage(ABC):
         With ``front`` (the queue layer's put-backs, not a deadletter copy) the entries with
         ``mature`` go back where they were fired from, before the others of their shard (a
         cancelled pop's caller never saw them, so one key's order must hold): in the free
-        slots just before the fire pointer, in order, the fire pointer moving back over
-        them, and the sweep pointer too if it was past; those there is no room for (a
-        reservation still held just behind the fire pointer) are loaded at the load pointer.
-        A put-back raises the shard's version as a load does.
+        slots just before the fire pointer, the fire pointer moving back over them, and the
+        sweep pointer too if it was past; ordered by ``place`` (as fired; None: before any)
+        among themselves and the put-backs already there, which move down to make room, so
+        the put-backs of several cancelled callers, each its own call in any order, come out
+        in the order they were fired. Those there is no room for (a reservation still held
+        just behind the fire pointer) are loaded at the load pointer, the latest places
+        first, and take a new place there (as a ko or the shovel's reloads do). A put-back
+        raises the shard's version as a load does.
 
         Needs: two loads never get the same pointer; the duplicate check and the index
         entry of an id are one step (on Aerospike, a create-only map put or record write).
@@ -252,7 +257,8 @@ class ShardStorage(ABC):
         life are deleted on the way (at most ``n`` + 1,000 looked at). With ``reserve_delay``
         each record taken stays in place, stamped with its deadline (now + reserve_delay) and
         counted as fired; without (a pop) it is deleted. Each message handed out carries its
-        end of life (``Stored.expires``), which a put-back gives back. The fire pointer
+        end of life (``Stored.expires``) and its place (``Stored.place``), which a put-back
+        gives back. The fire pointer
         advances past everything looked at.
 
         Needs: two fires never take the same record (the pointer advance is the claim); a

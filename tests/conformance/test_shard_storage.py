@@ -14,7 +14,7 @@ import pytest
 from backends import SHARDED_CASES, BackendCase
 from conftest import Connect, usable_case
 
-from aio_keuss.contract import Ack, Entry, Nack
+from aio_keuss.contract import Ack, Entry, Nack, Stored
 from aio_keuss.redis.sharded import RedisShardStorage
 from aio_keuss.sharded.backend import ShardedBackend
 from aio_keuss.sharded.memory import DEADLETTER_HOLD, MemoryShardStorage
@@ -152,6 +152,42 @@ async def test_put_backs_go_back_before_the_fire_pointer_where_there_is_room(
     (v,) = (await st.fire("q", 2, 1, None)).messages
     await st.load("q", 2, [entry("v", mature=v.mature)], 60.0, None)
     assert await fire_ids(st, 2, 10) == ["w", "v"]
+
+
+async def test_put_backs_given_back_one_by_one_keep_the_order_they_were_fired_in(
+    st: ShardStorage,
+) -> None:
+    """Each cancelled caller gives back its own: the put-backs of one shard arrive one by one,
+    in any order, and still come out in the order they were fired (their places)."""
+
+    def back(m: Stored) -> Entry:
+        return entry(m.id, mature=m.mature, expires=m.expires, place=m.place)
+
+    await st.load("q", 0, [entry(m) for m in "abcdef"], 60.0, None)
+    fired = (await st.fire("q", 0, 3, None)).messages
+    for m in fired:  # in the order they were fired
+        await st.load("q", 0, [back(m)], 60.0, None, front=True)
+    assert await fire_ids(st, 0, 10) == list("abcdef")  # before: c, b, a, d, e, f
+    # in any order, one fired again and put back again keeping its first place, and a
+    # put-back of several given out of order
+    await st.load("q", 1, [entry(m) for m in "abcdef"], 60.0, None)
+    a, b, c, d = (await st.fire("q", 1, 4, None)).messages
+    await st.load("q", 1, [back(c)], 60.0, None, front=True)
+    await st.load("q", 1, [back(a)], 60.0, None, front=True)
+    (again,) = (await st.fire("q", 1, 1, None)).messages
+    assert again.id == "a" and again.place == a.place
+    await st.load("q", 1, [back(d), back(b)], 60.0, None, front=True)
+    await st.load("q", 1, [back(again)], 60.0, None, front=True)
+    assert await fire_ids(st, 1, 10) == list("abcdef")
+    # a record reloaded at the back (a ko) takes a new place there
+    await st.load("q", 2, [entry(m) for m in "xy"], 60.0, None)
+    (x,) = (await st.fire("q", 2, 1, FAR)).messages
+    await st.rollback("q", 2, [Nack("x", x.tries, 0.0)], None)
+    y, x2 = (await st.fire("q", 2, 2, None)).messages
+    assert (y.id, x2.id) == ("y", "x")
+    await st.load("q", 2, [back(x2)], 60.0, None, front=True)
+    await st.load("q", 2, [back(y)], 60.0, None, front=True)
+    assert await fire_ids(st, 2, 10) == ["y", "x"]
 
 
 async def test_a_delayed_load_waits_in_the_schedule_until_it_matures(st: ShardStorage) -> None:

@@ -719,6 +719,51 @@ async def test_a_message_put_back_after_a_cancelled_pop_keeps_its_place_in_its_k
     assert await q.sizes() == Sizes(0, 0, 0, 0)
 
 
+async def test_the_put_backs_of_two_cancelled_pops_of_one_key_keep_its_order(
+    sharded: Connect,
+) -> None:
+    """Two pops cancelled once their fires took 0 and 1 of one key each give back their
+    own, 0's first: the key's messages still come out 0, 1, 2, 3 (the second put-back does
+    not go in front of the first)."""
+    factory = await sharded(sweeper=False)
+    q = await factory.queue("q")
+    await q.pop(timeout=0)  # enrolled
+    key = {"x-shard-key": "customer-4"}
+    for n in range(4):
+        await q.push(n, headers=key)
+    storage = backend_of(factory).storage
+    real = storage.load
+    gates: list[asyncio.Event] = []
+
+    async def load(*args: Any, front: bool = False, **named: Any) -> Any:
+        if front:  # a put-back: held until the test lets it in
+            gate = asyncio.Event()
+            gates.append(gate)
+            await gate.wait()
+        return await real(*args, front=front, **named)
+
+    async def held_back() -> bool:
+        return len(gates) == len(pops)
+
+    storage.load = load  # type: ignore[method-assign]
+    pops: list[asyncio.Task[Any]] = []
+    for _ in range(2):
+        pops.append(asyncio.ensure_future(q.pop(timeout=5)))
+        undo = _cancel_after_fire(storage, pops[-1])
+        try:
+            await until(held_back)  # its fire answered, its put-back waiting at its gate
+        finally:
+            undo()
+    for gate, task in zip(gates, pops, strict=True):  # 0's put-back first, then 1's
+        gate.set()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        assert task.cancelled()
+    del storage.load
+    assert [m.payload for m in await q.pop_many(10, timeout=0)] == [0, 1, 2, 3]
+    assert await q.sizes() == Sizes(0, 0, 0, 0)
+
+
 # delays ---------------------------------------------------------------------------------
 
 
