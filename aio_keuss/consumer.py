@@ -45,12 +45,13 @@ import math
 import random
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator, Mapping
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, Literal, Protocol, Self, cast
 
 from . import observe
+from .contract import Stored
 from .deadlines import Deadlines, Limit
 from .errors import (
     ClosedError,
@@ -314,10 +315,13 @@ class Source(Protocol):
         """Seconds a reservation lasts."""
         ...
 
-    async def next(self, outage: Outage, n: int, gather: bool = False) -> list[Message]:
+    async def next(
+        self, outage: Outage, n: int, gather: bool = False, kept: dict[str, Stored] | None = None
+    ) -> list[Message]:
         """The next 1 to ``n`` messages (reserved, or popped without reserve), riding out
         outages; none once the queue drains or closes. ``gather``: wait up to the queue's
-        ``max_wait_time`` for ``n``."""
+        ``max_wait_time`` for ``n``. ``kept``: popped ones are noted there by id as the
+        store handed them out, what a put-back of them needs."""
 
     def ok(self, message: Message) -> Awaitable[bool]: ...
 
@@ -328,8 +332,11 @@ class Source(Protocol):
     def release(self, message: Message) -> Awaitable[None]:
         """Give back a message whose handler was cancelled, costing no try."""
 
-    def put_back(self, messages: list[Message]) -> Awaitable[None]:
-        """Put popped messages no handler started back in the queue (without reserve)."""
+    def put_back(
+        self, messages: list[Message], kept: Mapping[str, Stored] | None = None
+    ) -> Awaitable[None]:
+        """Put popped messages no handler started back in the queue (without reserve),
+        keeping the end of life and place noted in ``kept`` (see :meth:`next`)."""
 
     def handler_failed(self, message: Message, exc: Exception) -> None:
         """Log a handler's exception (rate-limited per queue)."""
@@ -440,6 +447,9 @@ class Consumer(StoppedOnExit):
         self._settle = settle
         # prefetched messages, each with the monotonic time its reservation runs out
         self._buffer: deque[tuple[Message, float]] = deque()
+        # what the store handed out for the popped ones in the buffer (without reserve), by
+        # id: a Message has neither the end of life nor the place their put-back keeps
+        self._kept: dict[str, Stored] = {}
         self._fetching = asyncio.Lock()
         self._starving = 0  # workers that found the buffer empty and wait for a fetch
         # With prefetch, oks are sent in the background, several to a round trip: handled
@@ -618,7 +628,9 @@ class Consumer(StoppedOnExit):
             else:  # popped: put back in the queue, else they would be lost
                 popped = [message, *(m for m, _ in self._buffer)]
                 self._buffer.clear()
-                await self._acknowledge_all("put back", popped, self.queue.put_back(popped))
+                kept, self._kept = self._kept, {}
+                back = self.queue.put_back(popped, kept)
+                await self._acknowledge_all("put back", popped, back)
 
     async def _run_worker(self) -> None:
         try:
@@ -687,7 +699,8 @@ class Consumer(StoppedOnExit):
                 try:
                     async with self._fetching:
                         if not self._buffer:
-                            got = await self.queue.next(self._outage, self._want())
+                            kept = None if self._reserve else self._kept
+                            got = await self.queue.next(self._outage, self._want(), kept=kept)
                             until = math.inf  # handed out while at least half is left
                             if self._reserve and self.queue.capabilities.reservation_expiry:
                                 until = time.monotonic() + self.queue.reserve_delay / 2
@@ -697,6 +710,7 @@ class Consumer(StoppedOnExit):
             if not self._buffer:
                 return None
             message, until = self._buffer.popleft()
+            self._kept.pop(message.id, None)  # handed to a worker: no longer ours to give back
             if time.monotonic() < until:
                 return message
             # most of its reservation ran out while it waited here (all of it, and another

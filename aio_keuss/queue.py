@@ -13,7 +13,14 @@ import logging
 import math
 import sys
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Coroutine, Sequence
+from collections.abc import (
+    AsyncGenerator,
+    AsyncIterator,
+    Awaitable,
+    Coroutine,
+    Mapping,
+    Sequence,
+)
 from datetime import datetime
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -388,6 +395,19 @@ class Queue:
         """Take one message, at-most-once; None when ``timeout`` passes (or on drain/close)."""
         return await self._consume_one(self._gets, timeout, "pop", "get", self._one_get)
 
+    async def _pop_kept(self, kept: dict[str, Stored], timeout: float | None) -> Message | None:
+        """``pop`` for a caller that may put the message back unseen (the sync shim): what
+        the store handed out is noted in ``kept`` by id, for ``_put_back_unhandled``."""
+        return await self._consume_one(self._gets, timeout, "pop", "get", self._one_get, kept)
+
+    async def _pop_many_kept(
+        self, kept: dict[str, Stored], n: int, timeout: float | None, max_wait: float | None
+    ) -> list[Message]:
+        """``pop_many``, noting what was handed out in ``kept`` (see ``_pop_kept``)."""
+        return await self._consume(
+            self._gets, n, timeout, "pop", "get", max_wait=max_wait, kept=kept
+        )
+
     async def pop_many(
         self, n: int, timeout: float | None = None, *, max_wait: float | None = None
     ) -> list[Message]:
@@ -420,6 +440,7 @@ class Queue:
         doing: str,
         counter: str,
         one: OneTake | None,
+        kept: dict[str, Stored] | None = None,
     ) -> Message | None:
         """``pop`` and ``reserve``: ``_consume`` for one message, with its first try made
         here and the wait loop entered only when nothing was ready. A busy queue's message
@@ -444,6 +465,8 @@ class Queue:
         if not self._handed_out(source, stored, counter):
             return None
         s = stored[0]
+        if kept is not None:
+            kept[s.id] = s
         return decode_message(s.id, s.payload, s.headers, s.tries, s.mature)
 
     async def _consume(
@@ -456,6 +479,7 @@ class Queue:
         outage: Outage | None = None,
         *,
         max_wait: float | None = None,
+        kept: dict[str, Stored] | None = None,
     ) -> list[Message]:
         self._check_open()
         self._require(capability)
@@ -472,6 +496,8 @@ class Queue:
             stored = await self._fill(source, n, stored, gather, outage, capability)
         if not self._handed_out(source, stored, counter):
             return []
+        if kept is not None:
+            kept.update((s.id, s) for s in stored)
         return [decode_message(s.id, s.payload, s.headers, s.tries, s.mature) for s in stored]
 
     def _after_take(self, stored: list[Stored], n: int, next_mature: float | None) -> None:
@@ -711,11 +737,20 @@ class Queue:
                 exc,
             )
 
-    async def _put_back_unhandled(self, messages: Sequence[Message]) -> None:
-        """Popped (a backend without reserve) for a consumer that stopped before a handler
-        took them: back where they were, as a cancelled pop's are."""
+    async def _put_back_unhandled(
+        self, messages: Sequence[Message], kept: Mapping[str, Stored] | None = None
+    ) -> None:
+        """Popped for a consumer that stopped before a handler took them (a backend without
+        reserve), or for a sync caller interrupted before it got them: back where they were,
+        as a cancelled pop's are. ``kept``: what the store handed out, by id, noted when
+        they were taken (``_pop_kept``, ``_next``): a Message carries neither the end of
+        life (message TTL) nor the place a put-back must keep; one not noted there is
+        rebuilt from the Message, given a new end of life."""
+        found = {} if kept is None else kept
         entries = [
-            Entry(
+            _back_entry(s)
+            if (s := found.get(m.id)) is not None
+            else Entry(
                 m.id,
                 encode_payload(m.payload),
                 encode_headers(m.headers),
@@ -814,17 +849,25 @@ class Queue:
             yield got[0]
 
     async def _next(
-        self, timeout: float | None, outage: Outage, n: int = 1, gather: bool = False
+        self,
+        timeout: float | None,
+        outage: Outage,
+        n: int = 1,
+        gather: bool = False,
+        kept: dict[str, Stored] | None = None,
     ) -> list[Message]:
         """Up to ``n`` messages for ``consume`` and ``messages``: reserved (popped on a
         backend without reserve), riding out backend outages; with ``gather``, for up to
-        ``max_wait_time`` until ``n`` are in (a prefetch takes what is ready)."""
+        ``max_wait_time`` until ``n`` are in (a prefetch takes what is ready). ``kept``:
+        popped ones are noted there by id, for ``_put_back_unhandled``."""
         wait = None if gather else 0.0
         if self.capabilities.reserve:
             return await self._consume(
                 self._reserves, n, timeout, "reserve", "reserve", outage, max_wait=wait
             )
-        return await self._consume(self._gets, n, timeout, "pop", "get", outage, max_wait=wait)
+        return await self._consume(
+            self._gets, n, timeout, "pop", "get", outage, max_wait=wait, kept=kept
+        )
 
     def consume(
         self,
@@ -1637,8 +1680,10 @@ class _ConsumerLink:
     def reserve_delay(self) -> float:
         return self._queue.options.reserve_delay
 
-    async def next(self, outage: Outage, n: int, gather: bool = False) -> list[Message]:
-        return await self._queue._next(None, outage, n, gather)
+    async def next(
+        self, outage: Outage, n: int, gather: bool = False, kept: dict[str, Stored] | None = None
+    ) -> list[Message]:
+        return await self._queue._next(None, outage, n, gather, kept)
 
     def ok(self, message: Message) -> Awaitable[bool]:
         return self._queue.ok(message)
@@ -1652,8 +1697,10 @@ class _ConsumerLink:
     def release(self, message: Message) -> Awaitable[None]:
         return self._queue._release(message)
 
-    def put_back(self, messages: list[Message]) -> Awaitable[None]:
-        return self._queue._put_back_unhandled(messages)
+    def put_back(
+        self, messages: list[Message], kept: Mapping[str, Stored] | None = None
+    ) -> Awaitable[None]:
+        return self._queue._put_back_unhandled(messages, kept)
 
     def handler_failed(self, message: Message, exc: Exception) -> None:
         self._queue._handler_failures.report(message, exc)

@@ -38,7 +38,7 @@ import functools
 import os
 import signal
 import threading
-from collections.abc import AsyncGenerator, Awaitable, Callable, Iterator, Sequence
+from collections.abc import AsyncGenerator, Awaitable, Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future
 from datetime import datetime
 from types import FrameType, TracebackType
@@ -46,6 +46,7 @@ from typing import Any, TypeVar
 
 from anyio.from_thread import BlockingPortal, start_blocking_portal
 
+from .contract import Stored
 from .errors import ClosedError, LoopThreadError
 from .factory import Factory
 from .factory import connect as _async_connect
@@ -319,8 +320,10 @@ class SyncFactory:
             future.cancel()
             raise
 
-    def _take(self, queue: Queue, give_back: _GiveBack, func: Callable[[], Awaitable[T]]) -> T:
-        """:meth:`call` for what takes messages (pop, reserve, the next of ``messages``).
+    def _take(self, queue: Queue, give_back: _GiveBack, func: _Taker[T]) -> T:
+        """:meth:`call` for what takes messages (pop, reserve, the next of ``messages``),
+        ``func`` given a dict in which a pop notes what the store handed out (what a
+        put-back keeps: the end of life and place a Message does not carry).
 
         Interrupted while waiting (KeyboardInterrupt), the caller will never see what was
         taken: the loop thread cancels the call if it still runs (a cancelled pop or
@@ -502,28 +505,30 @@ class SyncQueue:
 
     def pop(self, timeout: float | None = None) -> Message | None:
         """Take one message at-most-once; None when ``timeout`` passes (or on drain/close)."""
-        return self._take(_put_back_popped, self.queue.pop, timeout)
+        return self._take(_put_back_popped, lambda kept: self.queue._pop_kept(kept, timeout))
 
     def pop_many(
         self, n: int, timeout: float | None = None, *, max_wait: float | None = None
     ) -> list[Message]:
         """Up to ``n``; once one is in, up to ``max_wait`` s more to fill (as async)."""
-        return self._take(_put_back_popped, self.queue.pop_many, n, timeout, max_wait=max_wait)
+        return self._take(
+            _put_back_popped, lambda kept: self.queue._pop_many_kept(kept, n, timeout, max_wait)
+        )
 
     def reserve(self, timeout: float | None = None) -> Message | None:
         """Reserve one message at-least-once; ``ok`` or ``ko`` it afterwards."""
-        return self._take(_release, self.queue.reserve, timeout)
+        return self._take(_release, lambda _: self.queue.reserve(timeout))
 
     def reserve_many(
         self, n: int, timeout: float | None = None, *, max_wait: float | None = None
     ) -> list[Message]:
         """Up to ``n``; once one is in, up to ``max_wait`` s more to fill (as async)."""
-        return self._take(_release, self.queue.reserve_many, n, timeout, max_wait=max_wait)
+        return self._take(
+            _release, lambda _: self.queue.reserve_many(n, timeout, max_wait=max_wait)
+        )
 
-    def _take(
-        self, give_back: _GiveBack, func: Callable[..., Awaitable[T]], *args: Any, **kwargs: Any
-    ) -> T:
-        return self._factory._take(self.queue, give_back, functools.partial(func, *args, **kwargs))
+    def _take(self, give_back: _GiveBack, func: _Taker[T]) -> T:
+        return self._factory._take(self.queue, give_back, func)
 
     def messages(self, timeout: float | None = None) -> Iterator[Message]:
         """Reserved messages (popped ones on a backend without reserve) until drain, close,
@@ -534,7 +539,7 @@ class SyncQueue:
         give_back = _release if self.queue.capabilities.reserve else _put_back_popped
         try:
             while not self._factory.closed:
-                message = self._take(give_back, _advance, iterator)
+                message = self._take(give_back, lambda _: _advance(iterator))
                 if message is None:
                     return
                 yield message
@@ -670,8 +675,12 @@ class SyncQueue:
         self._call(self.queue.drain)
 
 
-_GiveBack = Callable[[Queue, list[Message]], None]
-"""Gives back, on the loop thread, what a call took for a caller that was interrupted."""
+_GiveBack = Callable[[Queue, list[Message], Mapping[str, Stored]], None]
+"""Gives back, on the loop thread, what a call took for a caller that was interrupted (with
+what the store handed out for it, by id, where the call noted it)."""
+
+_Taker = Callable[[dict[str, Stored]], Awaitable[T]]
+"""A call that takes messages, given where to note what the store handed out."""
 
 
 class SyncRepeater:
@@ -731,19 +740,20 @@ class _Taking:
     """A pop or reserve run for a thread that may be interrupted while it waits. Its fields
     are only touched on the loop thread, so "still running" or "done" is never ambiguous."""
 
-    __slots__ = ("abandoned", "taken", "task")
+    __slots__ = ("abandoned", "kept", "taken", "task")
 
     def __init__(self) -> None:
         self.task: asyncio.Task[Any] | None = None
         self.taken: list[Message] | None = None
+        self.kept: dict[str, Stored] = {}
         self.abandoned = False
 
 
-async def _take(taking: _Taking, func: Callable[[], Awaitable[T]]) -> T:
+async def _take(taking: _Taking, func: _Taker[T]) -> T:
     if taking.abandoned:  # the caller was interrupted before this even started
         raise asyncio.CancelledError
     taking.task = asyncio.current_task()
-    result = await func()
+    result = await func(taking.kept)
     # no await from here to the return: an abandon runs before this line or after it
     if isinstance(result, Message):
         taking.taken = [result]
@@ -757,16 +767,16 @@ def _abandon(taking: _Taking, queue: Queue, give_back: _GiveBack) -> None:
     the caller of ``_take`` was interrupted."""
     taking.abandoned = True
     if taking.taken:
-        give_back(queue, taking.taken)
+        give_back(queue, taking.taken, taking.kept)
     elif taking.task is not None:
         taking.task.cancel()  # a no-op once it ended (nothing taken, or its own error)
 
 
-def _put_back_popped(queue: Queue, messages: list[Message]) -> None:
-    queue._in_background(queue._put_back_unhandled(messages))
+def _put_back_popped(queue: Queue, messages: list[Message], kept: Mapping[str, Stored]) -> None:
+    queue._in_background(queue._put_back_unhandled(messages, kept))
 
 
-def _release(queue: Queue, messages: list[Message]) -> None:
+def _release(queue: Queue, messages: list[Message], _: Mapping[str, Stored]) -> None:
     for message in messages:
         queue._in_background(queue._release(message))
 

@@ -498,6 +498,58 @@ def test_an_interrupted_pop_or_reserve_gives_back_what_it_took(
         assert msg is not None and msg.payload == {"a": 1}
 
 
+def test_an_interrupted_pop_on_a_sharded_queue_keeps_the_end_of_life(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The put-back of an interrupted pop was built from the Message, which carries no end
+    of life: on a sharded queue with message_ttl the message got a whole new TTL from the
+    put-back. It keeps the one it had (what the store handed out is noted as it is taken),
+    and its place ahead of its key's later message."""
+    if threading.current_thread() is not threading.main_thread():
+        pytest.skip("a signal interrupts the main thread only")
+    real_consume_one = Queue._consume_one
+    taken, resume = threading.Event(), threading.Event()
+
+    async def consume_one_then_hang(self: Queue, *args: Any, **kwargs: Any) -> Message | None:
+        stored = await real_consume_one(self, *args, **kwargs)
+        if stored is not None:
+            taken.set()
+            resume.wait(60)  # holds the loop thread: the result is not handed over yet
+        return stored
+
+    main = threading.get_ident()
+
+    def interrupt() -> None:
+        if taken.wait(60):
+            signal.pthread_kill(main, signal.SIGINT)
+
+    with sync.connect("memory-sharded", shards=1, message_ttl=3600.0, sweeper=False) as factory:
+        q = factory.queue("interrupted")
+        ids = [q.push(n, headers={"x-shard-key": "k"}) for n in range(2)]
+        pushed = time.time()
+        while time.time() <= pushed + 0.01:  # the put-back comes later than the push
+            time.sleep(0.01)
+        monkeypatch.setattr(Queue, "_consume_one", consume_one_then_hang)
+        monkeypatch.setattr(
+            factory, "_loop", _Relay(getattr(factory, "_loop", None), resume), raising=False
+        )
+        interrupter = threading.Thread(target=interrupt)
+        interrupter.start()
+        try:
+            with pytest.raises(KeyboardInterrupt):
+                q.pop(timeout=60)
+        finally:
+            resume.set()
+            interrupter.join(60)
+        monkeypatch.setattr(Queue, "_consume_one", real_consume_one)
+        assert wait_for(lambda: q.size() == 2), q.sizes()
+        storage = factory.factory.backend.storage  # type: ignore[attr-defined]
+        fired = factory.call(storage.fire, "interrupted", 0, 10, None).messages
+        assert [m.id for m in fired] == ids
+        ends = [m.expires for m in fired]
+        assert all(end is not None and end <= pushed + 3600.0 for end in ends), (pushed, ends)
+
+
 class _Relay:
     """The shim's loop, seen by the shim: lets the test know when a callback was sent."""
 
