@@ -22,6 +22,10 @@ Headers: a dict of ``str`` keys to ``str``, ``int`` (64-bit), finite ``float`` o
 values, exact types (an ``IntEnum`` or ``str`` subclass value is refused), else
 :class:`InvalidHeadersError`.
 
+What another program wrote, or corruption, can still be read back: :func:`decode_message`
+raises on it, and :func:`salvage_message` then hands the message over as stored, marked
+:data:`UNDECODABLE`, rather than failing the batch it came in (which is already taken).
+
 The common case costs one ``orjson.dumps`` plus, for a dict or list, a check of the types of
 its values done in C (``frozenset.issuperset`` over ``map(type, ...)``); NaN and infinities,
 which orjson writes as ``null``, are looked for only when the output contains ``null``.
@@ -62,6 +66,14 @@ ones pushed, and every one of them must still be acknowledged."""
 MAX_TRIES = 2**31 - 1
 """Largest ``tries`` a message can carry: PostgreSQL stores it as an ``integer``."""
 EMPTY_HEADERS = b"{}"
+UNDECODABLE = "x-undecodable"
+"""The header of a message delivered although part of its stored form could not be read
+(written by another program, or corrupted): why, e.g. ``payload: <error>``. Delivering it
+as it is, rather than failing the batch it came in, loses nothing: a handler that cannot
+use it fails it, and it ends in the deadletter queue like any poison message."""
+RAW_HEADERS = "x-raw-headers"
+"""With :data:`UNDECODABLE`, the stored headers that could not be read, as text (bytes that
+are not UTF-8 replaced): they replace the headers, which had no usable form."""
 # What comes back as itself from JSON (floats only when finite): anything else orjson
 # accepts (tuple, UUID, Enum, Fragment) would come back as something else.
 _LEAVES: frozenset[type] = frozenset({str, int, float, bool, type(None)})
@@ -195,11 +207,17 @@ small blob costs less than making a memoryview of it; larger ones are not copied
 
 
 def decode_payload(blob: bytes) -> Payload:
-    if blob[:1] == _BYTES_TAG:
+    """A payload from its stored blob; ``ValueError`` for one not written by
+    :func:`encode_payload` (another program's, or corrupted). The tag is checked, not
+    assumed: an untagged ``42`` would otherwise be read as ``2``."""
+    tag = blob[:1]
+    if tag == _JSON_TAG:
+        if len(blob) < _SLICE_BELOW:
+            return orjson.loads(blob[1:])
+        return orjson.loads(memoryview(blob)[1:])
+    if tag == _BYTES_TAG:
         return bytes(blob[1:])
-    if len(blob) < _SLICE_BELOW:
-        return orjson.loads(blob[1:])
-    return orjson.loads(memoryview(blob)[1:])
+    raise ValueError(f"no payload tag (starts with {bytes(blob[:8])!r})")
 
 
 def encode_headers(headers: Headers | None) -> bytes:
@@ -227,9 +245,13 @@ def encode_headers(headers: Headers | None) -> bytes:
 
 
 def decode_headers(blob: bytes | str) -> Headers:
+    """Headers from their stored text; ``ValueError`` for text that is not a JSON object
+    (another program's, or corrupted), which would otherwise reach the caller as a list."""
     if blob == EMPTY_HEADERS or blob == "{}":
         return {}
     decoded: Headers = orjson.loads(blob)
+    if type(decoded) is not dict:
+        raise ValueError(f"not a JSON object but a {type(decoded).__name__}")
     return decoded
 
 
@@ -289,7 +311,9 @@ def decode_message(
     """A :class:`Message` from its stored form, for every delivery. Built through its slots
     rather than the frozen dataclass's ``__init__``, which goes through
     ``object.__setattr__`` once per field: a third of the cost, on the hot path of every pop
-    and reserve. The result is the same object the constructor would make."""
+    and reserve. The result is the same object the constructor would make. Raises on a
+    stored form it cannot read, checking nothing more than decoding does: the caller
+    falls back to :func:`salvage_message` for that rare message."""
     message = _new_object(Message)
     _set_id(message, message_id)
     _set_payload(message, decode_payload(payload))
@@ -297,4 +321,38 @@ def decode_message(
     _set_headers(message, {} if headers == EMPTY_HEADERS else decode_headers(headers))
     _set_tries(message, tries)
     _set_mature(message, _from_timestamp(mature, UTC))
+    return message
+
+
+def salvage_message(
+    message_id: str, payload: bytes, headers: bytes | str, tries: int, mature: float
+) -> Message:
+    """:func:`decode_message` for a message it refused: what can be read is, and what cannot
+    is handed over as stored, with :data:`UNDECODABLE` saying why. Called only after a
+    failure, so that the common case pays for no check beyond the decoding itself."""
+    reasons: list[str] = []
+    try:
+        decoded_headers = decode_headers(headers)
+    except Exception as exc:  # orjson.JSONDecodeError is a ValueError; whatever else, kept
+        reasons.append(f"headers: {exc}")
+        raw = headers if isinstance(headers, str) else bytes(headers).decode(errors="replace")
+        decoded_headers = {RAW_HEADERS: raw}
+    try:
+        decoded_payload = decode_payload(payload)
+    except Exception as exc:
+        reasons.append(f"payload: {exc}")
+        decoded_payload = bytes(payload)
+    try:
+        when = _from_timestamp(mature, UTC)
+    except Exception as exc:  # NaN, out of range: the message is deliverable now
+        reasons.append(f"mature: {exc}")
+        when = datetime.now(UTC)
+    if reasons:
+        decoded_headers[UNDECODABLE] = "; ".join(reasons)
+    message = _new_object(Message)
+    _set_id(message, message_id)
+    _set_payload(message, decoded_payload)
+    _set_headers(message, decoded_headers)
+    _set_tries(message, tries)
+    _set_mature(message, when)
     return message

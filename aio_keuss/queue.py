@@ -59,6 +59,7 @@ from .ids import new_id
 from .message import (
     MAX_KNOWN_ID_LENGTH,
     UNCHANGED,
+    UNDECODABLE,
     Headers,
     Message,
     NewMessage,
@@ -69,6 +70,7 @@ from .message import (
     decode_message,
     encode_headers,
     encode_payload,
+    salvage_message,
     to_datetime,
 )
 from .options import (
@@ -467,7 +469,10 @@ class Queue:
         s = stored[0]
         if kept is not None:
             kept[s.id] = s
-        return decode_message(s.id, s.payload, s.headers, s.tries, s.mature)
+        try:
+            return decode_message(s.id, s.payload, s.headers, s.tries, s.mature)
+        except Exception:
+            return self._salvage(s)
 
     async def _consume(
         self,
@@ -498,7 +503,28 @@ class Queue:
             return []
         if kept is not None:
             kept.update((s.id, s) for s in stored)
-        return [decode_message(s.id, s.payload, s.headers, s.tries, s.mature) for s in stored]
+        try:
+            return [decode_message(s.id, s.payload, s.headers, s.tries, s.mature) for s in stored]
+        except Exception:
+            return [self._salvage(s) for s in stored]
+
+    def _salvage(self, s: Stored) -> Message:
+        """A message of a batch whose decoding failed. The batch is already taken (a pop's
+        deleted, a reservation's held): raising would lose the pop's messages and strand
+        the reservations until they expire, and a consumer would retry the same failure
+        as an outage. So each message is decoded alone, and one that still fails is
+        delivered as stored, marked ``x-undecodable`` (see ``message.salvage_message``)."""
+        try:
+            return decode_message(s.id, s.payload, s.headers, s.tries, s.mature)
+        except Exception:
+            message = salvage_message(s.id, s.payload, s.headers, s.tries, s.mature)
+        log.warning(
+            "queue %r: message %r delivered undecoded: %s",
+            self.name,
+            s.id,
+            message.headers.get(UNDECODABLE),
+        )
+        return message
 
     def _after_take(self, stored: list[Stored], n: int, next_mature: float | None) -> None:
         """A take of ``n`` got ``stored``: if more look ready, the baton goes to a sleeper;

@@ -35,6 +35,7 @@ from .message import (
     check_id,
     decode_headers,
     decode_message,
+    salvage_message,
     to_datetime,
 )
 from .options import brief, check_queue_name
@@ -131,7 +132,11 @@ def check_time(value: datetime | float | None, name: str, default: float) -> flo
 
 def view(queue: str, row: Peeked) -> MessageView:
     stored = row.message
-    message = decode_message(stored.id, stored.payload, stored.headers, stored.tries, stored.mature)
+    parts = stored.id, stored.payload, stored.headers, stored.tries, stored.mature
+    try:
+        message = decode_message(*parts)
+    except Exception:  # shown as stored, so that one bad message does not hide its page
+        message = salvage_message(*parts)
     return MessageView(queue, State(row.state), to_datetime(row.at), message)
 
 
@@ -229,11 +234,12 @@ async def requeue(
 def _origin_of(row: Peeked) -> str | None:
     """The queue a deadlettered message failed in, or None when its header names none a
     queue can have (anyone may push into a deadletter queue, headers and all): such a
-    message stays where it is rather than moving where nobody could reach it."""
-    found = decode_headers(row.message.headers).get(DL_FROM)
+    message stays where it is rather than moving where nobody could reach it; so does one
+    whose headers cannot be read."""
     try:
+        found = decode_headers(row.message.headers).get(DL_FROM)
         return check_queue_name(found)
-    except InvalidInputError:
+    except (InvalidInputError, ValueError):  # ValueError: headers that are not JSON
         return None
 
 

@@ -1,0 +1,154 @@
+"""Conformance: a stored message that cannot be decoded (written by another program, or
+corrupted) is delivered as stored, marked ``x-undecodable``, and never fails its batch.
+
+Every backend runs it, skipping what it does not claim. The bad messages are written with the
+store's own insert and bytes chosen here, as another program writing the same rows would.
+Time bounds are generous functional limits, never performance assertions.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+from conftest import Connect, needs
+
+import aio_keuss
+from aio_keuss import Message
+from aio_keuss.contract import Entry
+from aio_keuss.ids import new_id
+from aio_keuss.message import EMPTY_HEADERS, encode_payload
+
+pytestmark = pytest.mark.timeout(120)
+
+UNDECODABLE = "x-undecodable"  # the headers' names, as users read them
+RAW_HEADERS = "x-raw-headers"
+BAD_PAYLOAD = b"not our tagged JSON"
+BAD_HEADERS = b"[1, 2]"
+
+
+async def plant(queue: aio_keuss.Queue, payload: bytes, headers: bytes) -> str:
+    """Store a message with these stored bytes as they are; its id."""
+    entry = Entry(new_id(), payload, headers)
+    assert await queue._store.insert([entry]) == [True]  # type: ignore[attr-defined]
+    return entry.id  # a bucket store names the slot it took
+
+
+async def mixed(queue: aio_keuss.Queue) -> tuple[list[str], str, str]:
+    """Good messages around a bad payload and bad headers: (good ids, bad payload's id, bad
+    headers' id)."""
+    good = [await queue.push({"n": 0})]
+    bad_payload = await plant(queue, BAD_PAYLOAD, EMPTY_HEADERS)
+    good.append(await queue.push({"n": 1}, headers={"k": "v"}))
+    bad_headers = await plant(queue, encode_payload({"n": "h"}), BAD_HEADERS)
+    good.append(await queue.push({"n": 2}))
+    return good, bad_payload, bad_headers
+
+
+def check_bad(by_id: dict[str, Message], bad_payload: str, bad_headers: str) -> None:
+    payload_one = by_id[bad_payload]
+    assert payload_one.payload == BAD_PAYLOAD and type(payload_one.payload) is bytes
+    assert set(payload_one.headers) == {UNDECODABLE}
+    assert str(payload_one.headers[UNDECODABLE]).startswith("payload: ")
+    headers_one = by_id[bad_headers]
+    assert headers_one.payload == {"n": "h"}
+    assert headers_one.headers[RAW_HEADERS] == BAD_HEADERS.decode()
+    assert str(headers_one.headers[UNDECODABLE]).startswith("headers: ")
+    assert set(headers_one.headers) == {UNDECODABLE, RAW_HEADERS}
+
+
+async def take_all(
+    queue: aio_keuss.Queue, how: str, ids: set[str], bound: float = 30.0
+) -> dict[str, Message]:
+    """Take with ``pop_many`` / ``reserve_many`` until every id in ``ids`` came (a sharded
+    queue hands out one shard's at a time), for up to ``bound`` seconds."""
+    take = queue.pop_many if how == "pop" else queue.reserve_many
+    got: dict[str, Message] = {}
+    deadline = time.monotonic() + bound
+    while not ids <= set(got) and time.monotonic() < deadline:
+        for message in await take(10, timeout=1):
+            assert message.id not in got
+            got[message.id] = message
+    return got
+
+
+async def test_pop_many_delivers_a_batch_with_undecodable_messages(
+    queue: aio_keuss.Queue, caplog: pytest.LogCaptureFixture
+) -> None:
+    """One bad message used to fail the whole pop, whose messages were already deleted."""
+    good, bad_payload, bad_headers = await mixed(queue)
+    with caplog.at_level("WARNING", logger="aio_keuss.queue"):
+        got = await take_all(queue, "pop", {*good, bad_payload, bad_headers})
+    assert set(got) == {*good, bad_payload, bad_headers}
+    assert [got[i].payload for i in good] == [{"n": 0}, {"n": 1}, {"n": 2}]
+    assert got[good[1]].headers == {"k": "v"}
+    check_bad(got, bad_payload, bad_headers)
+    warned = [r.getMessage() for r in caplog.records if r.name == "aio_keuss.queue"]
+    assert len(warned) == 2 and all("undecoded" in w for w in warned)
+    assert await queue.total_size() == 0
+
+
+async def test_reserve_many_delivers_a_batch_with_undecodable_messages(
+    connect: Connect,
+) -> None:
+    """One bad message used to fail the whole reserve: the batch stayed reserved, delivered
+    to nobody, until its reservations expired. Each is delivered, and can be ok-ed."""
+    factory = await connect(poll_interval=5.0, reserve_delay=600)
+    needs(factory, "reserve")
+    queue = await factory.queue("q1")
+    good, bad_payload, bad_headers = await mixed(queue)
+    got = await take_all(queue, "reserve", {*good, bad_payload, bad_headers})
+    assert set(got) == {*good, bad_payload, bad_headers}
+    assert [got[i].payload for i in good] == [{"n": 0}, {"n": 1}, {"n": 2}]
+    check_bad(got, bad_payload, bad_headers)
+    assert [await queue.ok(m) for m in got.values()] == [True] * 5
+    assert await queue.total_size() == 0
+
+
+async def test_peek_shows_undecodable_messages(queue: aio_keuss.Queue) -> None:
+    needs(queue, "peek")
+    good, bad_payload, bad_headers = await mixed(queue)
+    seen = {v.message.id: v.message for v in await queue.peek(10, state="all")}
+    assert set(seen) == {*good, bad_payload, bad_headers}
+    check_bad(seen, bad_payload, bad_headers)
+
+
+async def test_consume_goes_on_past_an_undecodable_message(connect: Connect) -> None:
+    """A consumer used to take the decoding failure for an outage of the backend, and stop
+    delivering the batch that held it. The bad message reaches the handler; one that fails
+    on it has it ko-ed, and deadlettered like any poison message (handled, where a queue
+    only pops)."""
+    factory = await connect(poll_interval=5.0, reserve_delay=600, deadletter={"max_ko": 0})
+    queue = await factory.queue("work")
+    dl = await factory.queue("__deadletter__")
+    good, bad_payload, bad_headers = await mixed(queue)
+    reserving = queue.capabilities.reserve
+    seen: dict[str, Message] = {}
+    handled: set[str] = set()
+
+    async def handle(message: Message) -> None:
+        seen[message.id] = message
+        if reserving and message.id == bad_payload:
+            raise ValueError("cannot use it")
+        handled.add(message.id)
+
+    wanted = {*good, bad_headers} if reserving else {*good, bad_payload, bad_headers}
+    dead: list[Message] = []
+    async with queue.consume(handle, concurrency=2, retry_delay=0.0):
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            if reserving and not dead:
+                dead = await dl.pop_many(10, timeout=0)
+            if handled == wanted and (dead or not reserving):
+                break
+            await asyncio.sleep(0.05)
+    assert handled == wanted
+    check_bad(seen, bad_payload, bad_headers)
+    if reserving:
+        assert len(dead) == 1 and dead[0].payload == BAD_PAYLOAD
+        # its stored headers, {}, got the deadletter's; the payload is still not ours
+        assert dead[0].headers["x-dl-from-queue"] == "work"
+        assert str(dead[0].headers[UNDECODABLE]).startswith("payload: ")
+    assert await queue.total_size() == 0
+
