@@ -16,6 +16,9 @@ goes back to the popping end with RPUSH, keeping its place.
 from __future__ import annotations
 
 import asyncio
+import functools
+import logging
+import math
 import struct
 import time
 from collections.abc import Sequence
@@ -33,11 +36,15 @@ from ..contract import (
     Stored,
     position_cursor,
 )
+from ..ids import new_id
+from ..message import UNDECODABLE, encode_headers, encode_payload
 from ..types import Capabilities, Sizes
 from .backend import RedisBackend
 
 if TYPE_CHECKING:
     from ..options import QueueOptions
+
+log = logging.getLogger("aio_keuss.redis_list")
 
 _HEAD = struct.Struct(">dHI")
 _HEAD_SIZE = _HEAD.size
@@ -60,6 +67,8 @@ def _unpack(element: bytes) -> Stored:
     mature, id_length, headers_length = _HEAD.unpack_from(element)
     headers_start = _HEAD_SIZE + id_length
     payload_start = headers_start + headers_length
+    if payload_start > len(element):  # lengths past its end: not one of ours
+        raise ValueError(f"lengths {id_length} + {headers_length} past the end")
     return Stored(
         element[_HEAD_SIZE:headers_start].decode(),
         element[payload_start:],
@@ -69,11 +78,42 @@ def _unpack(element: bytes) -> Stored:
     )
 
 
-def _read_one(elements: list[bytes] | None) -> tuple[list[Stored], float | None]:
+def _unpack_all(elements: Sequence[bytes], key: str | None = None) -> list[Stored]:
+    """The messages of popped (``key`` given) or peeked elements. Popped ones are gone
+    from the list: one that is not in our framing (LPUSHed by another program, or
+    corrupted) must not fail the others, so each is tried alone once the whole fails."""
+    try:
+        return [_unpack(e) for e in elements]
+    except Exception:
+        return [_unpack_or_wrap(e, key) for e in elements]
+
+
+def _unpack_or_wrap(element: bytes, key: str | None) -> Stored:
+    """An element that is not in our framing, whole, as a bytes payload under a new id
+    (it has no readable one) marked ``x-undecodable``. The id names nothing to
+    acknowledge: a pop needs no ``ok``, and a put-back (its caller was cancelled) writes
+    it back framed, as it was delivered."""
+    try:
+        return _unpack(element)
+    except Exception as exc:
+        reason = f"element: {exc!s}"
+    wrapped = Stored(
+        new_id(),
+        encode_payload(bytes(element)),
+        encode_headers({UNDECODABLE: reason}),
+        0,
+        time.time(),
+    )
+    if key is not None:
+        log.warning("list %r: element delivered undecoded as %r: %s", key, wrapped.id, reason)
+    return wrapped
+
+
+def _read_one(key: str, elements: list[bytes] | None) -> tuple[list[Stored], float | None]:
     """An ``RPOP key 1`` reply, as ``get(1)`` reads it."""
     if not elements:
         return [], None
-    return [_unpack(elements[0])], time.time()
+    return _unpack_all(elements, key), time.time()
 
 
 def _inserted(_: Any) -> bool:
@@ -108,12 +148,13 @@ class RedisListStore(Store):
             return Fetched([], None)
         # Fewer than asked means the list was empty afterwards; the wait loop only looks at
         # next_mature when nothing was handed out, so no LLEN round trip is needed.
-        return Fetched([_unpack(e) for e in elements], time.time() if len(elements) == n else None)
+        more = time.time() if len(elements) == n else None
+        return Fetched(_unpack_all(elements, self._key), more)
 
     def one_take(self, reserve_delay: float | None) -> OneTake | None:
         if reserve_delay is not None or not self.uninterruptible:
             return None
-        return self._rpop.sender(1), _read_one
+        return self._rpop.sender(1), functools.partial(_read_one, self._key)
 
     def one_insert(self) -> OneInsert | None:
         if not self.uninterruptible:
@@ -135,7 +176,7 @@ class RedisListStore(Store):
             return PeekPage([], None)
         offset = 0 if after is None else int(after[0])
         part = await self._execute("LRANGE", self._key, -offset - limit, -offset - 1)
-        rows = [Peeked(s, "ready", s.mature) for s in map(_unpack, reversed(part))]
+        rows = [Peeked(s, "ready", s.mature) for s in _unpack_all(part[::-1])]
         return PeekPage(rows, (offset + limit, "") if len(part) == limit else None)
 
     async def locate(self, ids: Sequence[str]) -> list[Peeked | None]:
@@ -160,7 +201,13 @@ class RedisListStore(Store):
 
     async def next_mature(self) -> float | None:
         oldest = await self._execute("LINDEX", self._key, -1)
-        return None if oldest is None else float(_HEAD.unpack_from(oldest)[0])
+        if oldest is None:
+            return None
+        try:
+            mature = float(_HEAD.unpack_from(oldest)[0])
+        except struct.error:  # not one of ours (see _unpack_or_wrap): ready, as any element
+            return time.time()
+        return mature if math.isfinite(mature) else time.time()
 
 
 class RedisListBackend(RedisBackend):

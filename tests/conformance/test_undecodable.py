@@ -9,6 +9,7 @@ Time bounds are generous functional limits, never performance assertions.
 from __future__ import annotations
 
 import asyncio
+import struct
 import time
 
 import pytest
@@ -152,3 +153,25 @@ async def test_consume_goes_on_past_an_undecodable_message(connect: Connect) -> 
         assert str(dead[0].headers[UNDECODABLE]).startswith("payload: ")
     assert await queue.total_size() == 0
 
+
+async def test_a_list_element_not_in_our_framing_is_delivered_whole(
+    queue: aio_keuss.Queue,
+) -> None:
+    """redis-list keeps a message's id and headers framed in its list element: one pushed
+    there by another program failed the whole pop, after the pop had removed it and the
+    others. Each is delivered, the bad ones whole as bytes under an id of their own."""
+    store = queue._store  # type: ignore[attr-defined]
+    if not hasattr(store, "_key") or queue.capabilities.reserve:
+        pytest.skip("redis-list's framing")
+    not_utf8_id = struct.pack(">dHI", time.time(), 2, 2) + b"\xff\xfe{}Jnull"
+    raw = [b"hi", b"a plain text from another program", not_utf8_id]
+    first = await queue.push("first")
+    await store._execute("LPUSH", store._key, *raw)
+    last = await queue.push("last")
+    got = await take_all(queue, "pop", {first, last}, bound=10)
+    assert set(got) >= {first, last} and len(got) == 5
+    assert got[first].payload == "first" and got[last].payload == "last"
+    others = [m for m in got.values() if m.id not in (first, last)]
+    assert sorted(m.payload for m in others) == sorted(raw)
+    assert all(str(m.headers[UNDECODABLE]).startswith("element: ") for m in others)
+    assert await queue.total_size() == 0
