@@ -37,6 +37,7 @@ message comes back), never a loss.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -63,10 +64,12 @@ from ..contract import (
     moved_id,
 )
 from ..errors import NotSupportedError
-from ..message import EMPTY_HEADERS
+from ..message import EMPTY_HEADERS, UNDECODABLE, encode_headers, encode_payload
 from ..types import Capabilities, KoResult, Sizes
 from .backend import RedisBackend
 from .connection import Script
+
+log = logging.getLogger("aio_keuss.redis_oq")
 
 if TYPE_CHECKING:
     from ..options import QueueOptions
@@ -701,6 +704,31 @@ def _unrecord(message_id: bytes, rec: bytes, mature: bytes | float, bump: int) -
     )
 
 
+def _unrecord_all(columns: Sequence[list[Any]]) -> list[Stored]:
+    """The messages of a get / reserve reply's columns (ids, records, mature times, bumps).
+    Their records are already deleted (a get's) or held (a reserve's): one not in our
+    framing (written into the hash by another program, or corrupted) must not fail the
+    others, so each is read alone once the whole fails."""
+    try:
+        return [_unrecord(*row) for row in zip(*columns, strict=True)]
+    except Exception:
+        return [_unrecord_or_wrap(*row) for row in zip(*columns, strict=True)]
+
+
+def _unrecord_or_wrap(message_id: bytes, rec: bytes, mature: bytes | float, bump: int) -> Stored:
+    """A record not in our framing, whole, as a bytes payload marked ``x-undecodable``,
+    under its own id. A pop loses nothing; a reserve's holder cannot ``ok`` or ``ko`` it,
+    as the scripts' guard reads the tries from the record: it stays until removed."""
+    try:
+        return _unrecord(message_id, rec, mature, bump)
+    except Exception as exc:
+        reason = f"record: {exc!s}"
+    name = message_id.decode(errors="replace")
+    log.warning("redis-oq: the record of message %r is not in our framing: %s", name, reason)
+    payload, headers = encode_payload(bytes(rec)), encode_headers({UNDECODABLE: reason})
+    return Stored(name, payload, headers, bump, float(mature))
+
+
 def _fetched(reply: list[Any]) -> Fetched:
     """Decode a get / reserve reply: next mature, then four columns of k values. The script
     gives the next mature time as seconds from the server's clock, made a time on ours here:
@@ -711,16 +739,14 @@ def _fetched(reply: list[Any]) -> Fetched:
     head = reply[0]
     next_mature = None if head is None else time.time() + float(head)
     k = (len(reply) - 1) // 4
-    messages = [
-        _unrecord(*row)
-        for row in zip(
+    messages = _unrecord_all(
+        (
             reply[1 : k + 1],
             reply[k + 1 : 2 * k + 1],
             reply[2 * k + 1 : 3 * k + 1],
             reply[3 * k + 1 :],
-            strict=True,
         )
-    ]
+    )
     return Fetched(messages, next_mature)
 
 
@@ -884,7 +910,7 @@ def _peeked_rows(values: list[Any]) -> list[Peeked | None]:
         # 'lapsed': ready, its reservation expired; that delivery was a try its record
         # does not count yet, and its next delivery is given it
         lapsed = state == b"lapsed"
-        stored = _unrecord(message_id, rec, score, 1 if lapsed else 0)
+        stored = _unrecord_or_wrap(message_id, rec, score, 1 if lapsed else 0)
         rows.append(Peeked(stored, "ready" if lapsed else state.decode(), stored.mature))
     return rows
 
@@ -896,7 +922,10 @@ def _read_one(reply: list[Any]) -> tuple[list[Stored], float | None]:
     head = reply[0]
     next_mature = None if head is None else time.time() + float(head)
     if len(reply) == 5:
-        return [_unrecord(*reply[1:])], next_mature
+        try:
+            return [_unrecord(*reply[1:])], next_mature
+        except Exception:  # taken already: see _unrecord_all
+            return [_unrecord_or_wrap(*reply[1:])], next_mature
     return [], next_mature
 
 

@@ -175,3 +175,25 @@ async def test_a_list_element_not_in_our_framing_is_delivered_whole(
     assert sorted(m.payload for m in others) == sorted(raw)
     assert all(str(m.headers[UNDECODABLE]).startswith("element: ") for m in others)
     assert await queue.total_size() == 0
+
+
+async def test_a_redis_oq_record_not_in_our_framing_is_delivered_whole(
+    queue: aio_keuss.Queue,
+) -> None:
+    """redis-oq keeps tries and headers framed in the hash value of a message's record:
+    one written there by another program failed the whole pop, after the pop had deleted
+    it and the others. It is delivered whole as bytes, under its own id."""
+    store = queue._store  # type: ignore[attr-defined]
+    if type(store).__name__ != "RedisOQStore":
+        pytest.skip("redis-oq's framing")
+    first = await queue.push("first")
+    due, records = store._keys[0], store._keys[1]
+    for bad_id, raw in (("bad-1", b"no framing at all"), ("bad-2", b"x:y:z")):
+        await store._backend.execute("HSET", records, bad_id, raw)
+        await store._backend.execute("ZADD", due, 0, bad_id)
+    got = await take_all(queue, "pop", {first, "bad-1", "bad-2"}, bound=10)
+    assert set(got) == {first, "bad-1", "bad-2"}
+    assert got[first].payload == "first"
+    assert got["bad-1"].payload == b"no framing at all" and got["bad-2"].payload == b"x:y:z"
+    assert all(str(got[i].headers[UNDECODABLE]).startswith("record: ") for i in ("bad-1", "bad-2"))
+    assert await queue.total_size() == 0
