@@ -18,8 +18,11 @@ Operations (``now`` = client clock; "live" = not yet consumed):
   chose is first claimed in ``<prefix>_dedup_<queue>`` (insert, or take over an expired entry
   atomically), so an id consumed within the dedup window stays refused. Messages of one batch
   get mature times one microsecond apart, which keeps their order on the ``mature`` index.
-- pop / reserve of one: ``find_one_and_delete`` / ``find_one_and_update`` on ``mature <= now``
-  sorted by ``mature`` (one atomic round trip).
+- pop / reserve of one: ``find_one_and_update`` on ``mature <= now`` sorted by ``mature``,
+  setting a per-call ``owner`` token, so that a message whose reply was lost can be found
+  again. A reserve is that one round trip; a mongo-history pop too (marked processed); a
+  mongo pop claims the message with a short lease, then deletes it (two round trips: a
+  ``find_one_and_delete`` whose reply was lost left nothing to find it by).
 - pop / reserve of n (a coalesced batch): *claim*: find up to n candidates, then ONE
   ``update_many`` over their ids, still conditioned on ``mature <= now`` and setting a
   per-batch ``owner`` token, so documents another consumer took meanwhile are simply not ours;
@@ -53,7 +56,7 @@ import os
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 from pymongo import ASCENDING, ReturnDocument
@@ -93,6 +96,7 @@ if TYPE_CHECKING:
     from ..options import QueueOptions
 
 T = TypeVar("T")
+V = TypeVar("V", float, datetime)
 
 FAR_FUTURE = 253402300799.0
 """9999-12-31T23:59:59Z: the mature time of consumed history records (seed: ``$INFINITE``)."""
@@ -121,6 +125,13 @@ def _epoch(when: datetime | str) -> float:
 def _ms_date(timestamp: float) -> datetime:
     """A time as MongoDB stores dates: whole milliseconds (so a cursor matches its record)."""
     return datetime.fromtimestamp(min(round(timestamp, 3), FAR_FUTURE), UTC)
+
+
+def _near(value: V, margin: Any) -> Document:
+    """Within ``margin`` of ``value``: a value as written, found again. Not an equality:
+    some servers speaking the protocol keep 15 significant digits of a double (nx-27017),
+    so a time written as 1795970268.2163913 reads 1795970268.21639."""
+    return {"$gte": value - margin, "$lte": value + margin}
 
 
 def _stored(doc: Document) -> Stored:
@@ -475,14 +486,7 @@ class MongoStore(Store):
         now = time.time()
         consumed = self._consumed(now)
         if n == 1:
-            due = {"mature": {"$lte": now}}
-            if consumed is None:
-                doc = await self._coll.find_one_and_delete(due, sort=BY_MATURE)
-            else:
-                doc = await self._coll.find_one_and_update(
-                    due, consumed, sort=BY_MATURE, return_document=ReturnDocument.BEFORE
-                )
-            docs = [] if doc is None else [doc]
+            docs = await self._pop_one(now, consumed)
         elif consumed is None:
             lease = {"$set": {"mature": now + CLAIM_LEASE, "reserved": True}}
             docs, token = await self._claim(n, now, lease)
@@ -492,6 +496,56 @@ class MongoStore(Store):
         else:
             docs, _ = await self._claim(n, now, consumed)
         return await self._fetched(docs, n)
+
+    async def _pop_one(self, now: float, consumed: Document | None) -> list[Document]:
+        """The earliest mature message, taken by a pop of one alone (no batch).
+
+        Taken under a token of this pop's, so that it can be found again when the reply
+        that hands it over is lost (see :meth:`_take_one`). mongo claims it for a lease
+        then deletes it: a findAndModify remove leaves nothing on the server to find the
+        message by once it ran, and a pop cut then (``asyncio.run`` ending) lost it; a
+        claim cut leaves it claimed, read back and handed on, or back after the lease.
+        mongo-history marks it processed in the one findAndModify: the record stays, and
+        is read back by its processed time and the token."""
+        token = os.urandom(8).hex()
+        if consumed is None:
+            lease_end = now + CLAIM_LEASE
+            change = {"$set": {"mature": lease_end, "reserved": True, "owner": token}}
+            mark: Document = {"mature": _near(lease_end, 1.0), "owner": token}
+        else:
+            change = {**consumed, "$set": {**consumed["$set"], "owner": token}}
+            processed: datetime = consumed["$set"]["processed"]
+            mark = {"processed": _near(processed, timedelta(seconds=1)), "owner": token}
+        doc = await self._take_one(now, change, mark, {"mature": now})
+        if doc is None:
+            return []
+        if consumed is None:
+            mine = {"_id": doc["_id"], "owner": token}
+            await _again_if_cut(lambda: self._coll.delete_one(mine))
+        return [doc]
+
+    async def _take_one(
+        self, now: float, change: Document, mark: Document, before: Document
+    ) -> Document | None:
+        """The earliest mature message changed by ``change``, as it was before (one
+        findAndModify). ``change`` sets the caller's token, and ``mark`` (a narrow range of
+        an indexed field, and the token) finds the message once changed: when PyMongo's task
+        reading the reply is cancelled under this one (``asyncio.run`` ending, see
+        :func:`_again_if_cut`), whether the change ran is unknown, and the message is read
+        back by ``mark``, with ``before`` standing for the fields ``change`` overwrote (its
+        mature time is then the take's: it was due by then)."""
+        try:
+            return await self._coll.find_one_and_update(
+                {"mature": {"$lte": now}},
+                change,
+                sort=BY_MATURE,
+                return_document=ReturnDocument.BEFORE,
+            )
+        except asyncio.CancelledError:
+            if _given_up():
+                raise
+        doc = await _again_if_cut(lambda: self._coll.find_one(mark))
+        return None if doc is None else {**doc, **before}
 
     @translated
     async def reserve(self, n: int, reserve_delay: float) -> Fetched:

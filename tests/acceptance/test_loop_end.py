@@ -346,3 +346,115 @@ async def test_a_batch_s_read_after_its_claim_cut_as_the_loop_ends_loses_nothing
     finally:
         if case.cleanup is not None:
             await case.cleanup(options)
+
+
+_LONE_SCRIPT = r"""
+import asyncio, json, sys, time
+import aio_keuss
+from pymongo import AsyncMongoClient
+from reply_gate import ReplyGate
+
+backend, options, kind, held_names, done = sys.argv[1:6]
+options = json.loads(options)
+direct = AsyncMongoClient(options["url"])  # not through the gate
+gate = ReplyGate(*options["url"].rsplit("/", 1)[-1].split(":"))
+options["url"] = f"mongodb://127.0.0.1:{gate.port}/?directConnection=true"
+got = []
+kept = []  # the loop holds its tasks weakly: what nothing else refers to may be collected
+
+
+async def main():
+    factory = await aio_keuss.connect(backend, **options)  # never closed: the point
+    q = await factory.queue("jobs", reserve_delay=3600.0)
+    await q.push_many([{"n": n} for n in range(3)])
+    coll = q._store._coll
+    # connections enough in the pool: one opened once the gate is shut would wait for the
+    # reply to its handshake, and the command held would never be sent
+    await asyncio.gather(*(coll.find_one({"_id": n}) for n in range(8)))
+    in_flight = asyncio.Event()
+
+    def holding(primitive):
+        def held(*args, **kwargs):
+            # the first command of these the store's get / reserve task sends: its reply
+            # waits until the loop ends
+            if type(asyncio.current_task()).__name__ == "_ToTheEnd" and not in_flight.is_set():
+                gate.shut()
+                in_flight.set()
+            return primitive(*args, **kwargs)
+
+        return held
+
+    for name in held_names.split(","):
+        setattr(coll, name, holding(getattr(coll, name)))
+
+    async def caller():
+        message = await (q.pop() if kind == "get" else q.reserve())
+        if message is not None:
+            got.append(message.id)
+
+    async def releaser():
+        try:
+            await asyncio.Event().wait()
+        finally:
+            gate.open()  # cancelled by asyncio.run, after main ended
+
+    kept.append(asyncio.create_task(releaser()))
+    kept.extend((factory, asyncio.create_task(caller())))
+    try:
+        await asyncio.wait_for(in_flight.wait(), 30)
+    except TimeoutError:
+        sys.exit(f"the {kind} of one sent none of {held_names}")
+    # the server has run the command whose reply is held: 2 messages left ready (the
+    # take) or in the collection (the delete), read beside the gate
+    mine = direct[options["database"]][coll.name]
+    deadline = time.monotonic() + 30
+    while True:
+        now = time.time()
+        where = {"mature": {"$lte": now}} if done == "taken" else {}
+        if await mine.count_documents(where) == 2:
+            break
+        if time.monotonic() > deadline:
+            sys.exit(f"the server did not run the held command ({done})")
+        await asyncio.sleep(0.01)
+    await direct.close()
+
+
+asyncio.run(main())
+print(json.dumps({"got": got}), flush=True)
+"""
+
+
+@pytest.mark.parametrize(
+    ("backend", "kind", "held", "done"),
+    [
+        # the command that takes the message: a plain pop's claim (before: its
+        # findAndModify remove), a history pop's findAndModify marking it processed
+        ("mongo", "get", "find_one_and_update,find_one_and_delete", "taken"),
+        ("mongo-history", "get", "find_one_and_update,find_one_and_delete", "taken"),
+        # a plain pop's delete of the message it claimed
+        ("mongo", "get", "delete_one,delete_many", "deleted"),
+    ],
+)
+async def test_a_lone_take_cut_as_the_loop_ends_loses_nothing(
+    backend: str, kind: str, held: str, done: str
+) -> None:
+    """A pop of one message alone (no batch: one findAndModify) whose reply ``asyncio.run``
+    cut, cancelling PyMongo's task that read it, ended with a CancelledError: the message
+    it had taken on the server was lost. Now it is back in the queue (or was delivered)."""
+    case = _CASES[backend]
+    reason = case.available()
+    if reason:
+        pytest.skip(reason)
+    options = case.options(new_token())
+    try:
+        record, err = await _run_script(
+            _LONE_SCRIPT, case.name, json.dumps(options), kind, held, done
+        )
+        got: list[str] = record["got"]
+        queued, total = await _left_in_jobs(case, options)
+        assert not set(got) & set(queued), "delivered and still queued"
+        assert len(got) + len(queued) == 3, (len(got), len(queued), err)
+        assert total == (len(got) if kind == "reserve" else 0)
+    finally:
+        if case.cleanup is not None:
+            await case.cleanup(options)
