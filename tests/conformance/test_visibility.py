@@ -494,6 +494,35 @@ async def test_history_shows_the_tries_its_last_holder_was_given(connect: Connec
     assert found is not None and found.state is State.PROCESSED and found.message.tries == 0
 
 
+async def test_history_counts_the_try_of_a_lapsed_reservation(
+    factory: aio_keuss.Factory,
+) -> None:
+    """A message whose reservation lapsed was tried once (peek shows 1, the next delivery
+    is given 1): popped or removed then, its record shows 1, as on mongo-history, where
+    postgres's showed the count from before that delivery (0). An ok its holder sends
+    late (lapsed, not delivered again) is still its holder's: its record shows 0."""
+    needs(factory, "history", "reserve", "reservation_expiry")
+    q = await factory.queue("lapsing", reserve_delay=0.2)
+    ids = []
+    held = []
+    for name in ("popped", "removed", "ok late"):  # reserved in turn: they lapse in turn
+        ids.append(await q.push(name))
+        message = await q.reserve(timeout=5)
+        assert message is not None and message.id == ids[-1] and message.tries == 0
+        held.append(message)
+    deadline = time.monotonic() + 30
+    while len(await q.peek(3, state="ready")) < 3:
+        assert time.monotonic() < deadline
+        await asyncio.sleep(0.05)
+    assert [v.message.tries for v in await q.peek(3, state="ready")] == [1, 1, 1]
+    popped = await q.pop(timeout=5)
+    assert popped is not None and popped.id == ids[0] and popped.tries == 1
+    assert await q.remove(ids[1])
+    assert await q.ok(held[2])
+    records = {v.message.id: v.message.tries for v in (await q.history(limit=10)).items}
+    assert [records.get(i) for i in ids] == [1, 1, 0]
+
+
 async def test_replay_of_a_range_does_not_copy_its_own_copies_consumed_meanwhile(
     factory: aio_keuss.Factory,
 ) -> None:
