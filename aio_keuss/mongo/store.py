@@ -516,7 +516,7 @@ class MongoStore(Store):
             change = {**consumed, "$set": {**consumed["$set"], "owner": token}}
             processed: datetime = consumed["$set"]["processed"]
             mark = {"processed": _near(processed, timedelta(seconds=1)), "owner": token}
-        doc = await self._take_one(now, change, mark, {"mature": now})
+        doc = await self._take_one(now, change, mark)
         if doc is None:
             return []
         if consumed is None:
@@ -524,16 +524,14 @@ class MongoStore(Store):
             await _again_if_cut(lambda: self._coll.delete_one(mine))
         return [doc]
 
-    async def _take_one(
-        self, now: float, change: Document, mark: Document, before: Document
-    ) -> Document | None:
+    async def _take_one(self, now: float, change: Document, mark: Document) -> Document | None:
         """The earliest mature message changed by ``change``, as it was before (one
         findAndModify). ``change`` sets the caller's token, and ``mark`` (a narrow range of
         an indexed field, and the token) finds the message once changed: when PyMongo's task
         reading the reply is cancelled under this one (``asyncio.run`` ending, see
         :func:`_again_if_cut`), whether the change ran is unknown, and the message is read
-        back by ``mark``, with ``before`` standing for the fields ``change`` overwrote (its
-        mature time is then the take's: it was due by then)."""
+        back by ``mark``, its counts taken back by what ``change`` added and its mature time
+        then the take's (it was due by then; the one it had is overwritten)."""
         try:
             return await self._coll.find_one_and_update(
                 {"mature": {"$lte": now}},
@@ -545,7 +543,10 @@ class MongoStore(Store):
             if _given_up():
                 raise
         doc = await _again_if_cut(lambda: self._coll.find_one(mark))
-        return None if doc is None else {**doc, **before}
+        if doc is None:
+            return None
+        added: dict[str, int] = change.get("$inc", {})
+        return {**doc, "mature": now, **{k: doc[k] - step for k, step in added.items()}}
 
     @translated
     async def reserve(self, n: int, reserve_delay: float) -> Fetched:
@@ -553,14 +554,15 @@ class MongoStore(Store):
 
     async def _reserve(self, n: int, reserve_delay: float) -> Fetched:
         now = time.time()
-        update = {"$set": {"mature": now + reserve_delay, "reserved": True}, "$inc": {"tries": 1}}
+        until = now + reserve_delay
+        update: Document = {"$set": {"mature": until, "reserved": True}, "$inc": {"tries": 1}}
         if n == 1:
-            doc = await self._coll.find_one_and_update(
-                {"mature": {"$lte": now}},
-                update,
-                sort=BY_MATURE,
-                return_document=ReturnDocument.BEFORE,
-            )
+            # under a token, as a lone pop: a reservation whose reply was cut is found
+            # again and given back, not left held until reserve_delay
+            token = os.urandom(8).hex()
+            change = {**update, "$set": {**update["$set"], "owner": token}}
+            mark = {"mature": _near(until, 1.0), "owner": token}
+            doc = await self._take_one(now, change, mark)
             docs = [] if doc is None else [doc]
         else:
             docs, _ = await self._claim(n, now, update)

@@ -433,6 +433,9 @@ print(json.dumps({"got": got}), flush=True)
         ("mongo-history", "get", "find_one_and_update,find_one_and_delete", "taken"),
         # a plain pop's delete of the message it claimed
         ("mongo", "get", "delete_one,delete_many", "deleted"),
+        # a reserve's findAndModify (before: held until reserve_delay, an hour here)
+        ("mongo", "reserve", "find_one_and_update", "taken"),
+        ("mongo-history", "reserve", "find_one_and_update", "taken"),
     ],
 )
 async def test_a_lone_take_cut_as_the_loop_ends_loses_nothing(
@@ -440,7 +443,8 @@ async def test_a_lone_take_cut_as_the_loop_ends_loses_nothing(
 ) -> None:
     """A pop of one message alone (no batch: one findAndModify) whose reply ``asyncio.run``
     cut, cancelling PyMongo's task that read it, ended with a CancelledError: the message
-    it had taken on the server was lost. Now it is back in the queue (or was delivered)."""
+    it had taken on the server was lost (a reserve's stayed reserved for ``reserve_delay``).
+    Now it is back in the queue, ready (or was delivered)."""
     case = _CASES[backend]
     reason = case.available()
     if reason:
