@@ -636,6 +636,12 @@ async def test_a_message_put_back_after_a_cancelled_pop_keeps_its_end_of_life(
     pushed = time.time()
     await asyncio.sleep(1.5)  # the put-back comes at least 1.5 s after the push
     await _popped_then_cancelled(q, backend_of(factory).storage)
+
+    async def put_back() -> bool:  # written (maybe by a batch task), or expired already
+        shards = await store_of(q).shard_sizes()
+        return sum(shard.ready + shard.expired for shard in shards) == 1
+
+    await until(put_back)
     await asyncio.sleep(max(0.0, pushed + 2.3 - time.time()))  # past its end of life
     # (given a new life at the put-back, it would live until 3.5 s after the push at least)
     assert await q.pop(timeout=0) is None
@@ -754,11 +760,16 @@ async def test_the_put_backs_of_two_cancelled_pops_of_one_key_keep_its_order(
             await until(held_back)  # its fire answered, its put-back waiting at its gate
         finally:
             undo()
-    for gate, task in zip(gates, pops, strict=True):  # 0's put-back first, then 1's
+    for size, (gate, task) in enumerate(zip(gates, pops, strict=True), 3):  # 0's, then 1's
         gate.set()
         with contextlib.suppress(asyncio.CancelledError):
             await task
         assert task.cancelled()
+
+        async def written(size: int = size) -> bool:  # maybe by a batch task, after the pop
+            return await q.size() == size
+
+        await until(written)
     del storage.load
     assert [m.payload for m in await q.pop_many(10, timeout=0)] == [0, 1, 2, 3]
     assert await q.sizes() == Sizes(0, 0, 0, 0)
