@@ -109,11 +109,75 @@ local function next_due()
 end
 """
 
+
+# Put records back where they were fired from: a cancelled pop's put-backs (INSERT with
+# front). ``backs`` is a list of {id, place
+# (its place in the shard's order; nil = unknown, before any other), land = a function
+# writing the record at the key it is given}, out of the magazine. They go into the free
+# slots just before the fire pointer, which moves back over them (the sweep pointer too, if
+# past), the earliest places first (ties: the order given), in order of place with the
+# put-backs already just past the fire pointer whose place is earlier, which move down
+# (renamed in order: new slots never pass old ones, each lands on a free one). Each placed
+# one gets its o and index entry and is marked ``placed``; ``backs`` is left sorted by
+# place. Returns how many were placed (0: no room, a reservation held just behind).
+_PUT_BACK = """
+local function put_back(base, backs)
+  local m = meta({'l', 'f', 'w'})
+  local l, f = m[1], m[2]
+  local room = 0
+  while room < #backs and f - room - 1 >= 0
+      and redis.call('EXISTS', base .. 'r:' .. ptr(f - room - 1)) == 0 do
+    room = room + 1
+  end
+  if room == 0 then return 0 end
+  local function place_of(b) return b.place or -1 end
+  for k, b in ipairs(backs) do b.n = k end
+  table.sort(backs, function(a, b)
+    local pa, pb = place_of(a), place_of(b)
+    if pa ~= pb then return pa < pb end
+    return a.n < b.n
+  end)
+  local top = place_of(backs[room])
+  local ahead, at = {}, f
+  while at < l do
+    local rec = redis.call('HMGET', base .. 'r:' .. ptr(at), 'i', 'o')
+    if not rec[1] then break end
+    local place = tonumber(rec[2]) or at
+    if place >= top then break end
+    ahead[#ahead + 1] = {at, place, rec[1]}
+    at = at + 1
+  end
+  local slot, a, c = f - room, 1, 1
+  redis.call('HSET', KEYS[1], 'f', ptr(slot))
+  if m[3] > slot then redis.call('HSET', KEYS[1], 'w', ptr(slot)) end
+  redis.call('HINCRBY', KEYS[1], 'b', room)
+  while a <= #ahead or c <= room do
+    if c > room or (a <= #ahead and ahead[a][2] <= place_of(backs[c])) then
+      local old = ahead[a]
+      if old[1] ~= slot then
+        redis.call('RENAME', base .. 'r:' .. ptr(old[1]), base .. 'r:' .. ptr(slot))
+        redis.call('HSET', base .. 'r:' .. ptr(slot), 'o', ptr(old[2]))
+        redis.call('HSET', KEYS[2], old[3], ptr(slot))
+      end
+      a = a + 1
+    else
+      local b, key = backs[c], base .. 'r:' .. ptr(slot)
+      b.land(key)
+      if b.place then redis.call('HSET', key, 'o', ptr(b.place)) end
+      redis.call('HSET', KEYS[2], b.id, ptr(slot))
+      b.placed = true
+      c = c + 1
+    end
+    slot = slot + 1
+  end
+  return room
+end
+"""
+
 # KEYS: m ix d z. ARGV: base, dedup window, message TTL ('' = none), front ('1': entries with
-# a mature time are put-backs of a cancelled pop, loaded back where they were fired from, in
-# the free slots just before the fire pointer, which moves back over them, ordered by their
-# places among themselves and the put-backs already there; those with no room there, a held
-# reservation just behind, go to the load pointer), then 9 per entry: id, payload, headers,
+# a mature time are put-backs of a cancelled pop, loaded back where they were fired from by
+# put_back; those with no room there, a held reservation just behind, go to the load
+# pointer), then 9 per entry: id, payload, headers,
 # tries, check ('' = an id the queue made: unique by construction; 'c' = refused while
 # queued; 'd' = also refused within the dedup window), mature ('' = now), delay (seconds;
 # > 0: scheduled), end of life ('' = now + TTL; a put-back keeps its own), place (a
@@ -121,7 +185,9 @@ end
 # Reply: {version after, 1 if the caller must announce the shard (its magazine was empty and
 # got a record: whoever loaded the first record of a non-empty one announced it already),
 # earliest mature time scheduled by this call ('' = none), then 1 / 0 per entry}.
-_INSERT = """
+_INSERT = (
+    _PUT_BACK
+    + """
 local base, window, ttl = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3])
 local front = ARGV[4] == '1'
 local now = server_now()
@@ -129,6 +195,17 @@ local m = meta({'l', 'f', 'w'})
 local l = m[1]
 local out, purged, loaded, soonest = {0, 0, ''}, false, false, nil
 local accepted, seen, backs = {}, {}, {}
+local function write(key, i)
+  local mature = ARGV[i + 5]
+  if mature == '' then mature = fmt(now) end
+  redis.call('HSET', key, 'i', ARGV[i], 'p', ARGV[i + 1], 'h', ARGV[i + 2], 't', ARGV[i + 3],
+    'm', mature)
+  if ARGV[i + 7] ~= '' then
+    redis.call('HSET', key, 'e', ARGV[i + 7])
+  elseif ttl then
+    redis.call('HSET', key, 'e', fmt(now + ttl))
+  end
+end
 for i = 5, #ARGV, 9 do
   local id, check = ARGV[i], ARGV[i + 4]
   local fresh = true
@@ -146,85 +223,24 @@ for i = 5, #ARGV, 9 do
   if fresh then
     seen[id] = true
     if check == 'd' then redis.call('ZADD', KEYS[3], fmt(now + window), id) end
-    if front and ARGV[i + 5] ~= '' then backs[#backs + 1] = i end
-    accepted[#accepted + 1] = i
+    local one = {id = id, i = i}
+    if front and ARGV[i + 5] ~= '' then
+      one.place = tonumber(ARGV[i + 8])
+      one.land = function(key) write(key, i) end
+      backs[#backs + 1] = one
+    end
+    accepted[#accepted + 1] = one
     out[#out + 1] = 1
   else
     out[#out + 1] = 0
   end
 end
-local function write(at, i, place)
-  local id, mature = ARGV[i], ARGV[i + 5]
-  if mature == '' then mature = fmt(now) end
-  local key = base .. 'r:' .. ptr(at)
-  redis.call('HSET', key, 'i', id, 'p', ARGV[i + 1], 'h', ARGV[i + 2], 't', ARGV[i + 3],
-    'm', mature)
-  if ARGV[i + 7] ~= '' then
-    redis.call('HSET', key, 'e', ARGV[i + 7])
-  elseif ttl then
-    redis.call('HSET', key, 'e', fmt(now + ttl))
-  end
-  if place then redis.call('HSET', key, 'o', ptr(place)) end
-  return key
-end
--- room for the put-backs just before the fire pointer
-local room = 0
-while room < #backs and m[2] - room - 1 >= 0
-    and redis.call('EXISTS', base .. 'r:' .. ptr(m[2] - room - 1)) == 0 do
-  room = room + 1
-end
-local placed = {}
-if room > 0 then
-  -- the earliest places go in front (ties: the order given), in order of place with the
-  -- put-backs already just past the fire pointer whose place is earlier, moved down
-  local function place_of(i) return tonumber(ARGV[i + 8]) or -1 end
-  table.sort(backs, function(a, b)
-    local pa, pb = place_of(a), place_of(b)
-    if pa ~= pb then return pa < pb end
-    return a < b
-  end)
-  local chosen = {}
-  for k = 1, room do
-    chosen[k] = backs[k]
-    placed[backs[k]] = true
-  end
-  local top = place_of(chosen[room])
-  local ahead, at = {}, m[2]
-  while at < l do
-    local rec = redis.call('HMGET', base .. 'r:' .. ptr(at), 'i', 'o')
-    if not rec[1] then break end
-    local place = tonumber(rec[2]) or at
-    if place >= top then break end
-    ahead[#ahead + 1] = {at, place, rec[1]}
-    at = at + 1
-  end
-  local slot, a, c = m[2] - room, 1, 1
-  redis.call('HSET', KEYS[1], 'f', ptr(slot))
-  if m[3] > slot then redis.call('HSET', KEYS[1], 'w', ptr(slot)) end
-  redis.call('HINCRBY', KEYS[1], 'b', room)
-  loaded = true
-  -- new slots never pass old ones: renamed in order, each lands on a free one
-  while a <= #ahead or c <= room do
-    if c > room or (a <= #ahead and ahead[a][2] <= place_of(chosen[c])) then
-      local old = ahead[a]
-      if old[1] ~= slot then
-        redis.call('RENAME', base .. 'r:' .. ptr(old[1]), base .. 'r:' .. ptr(slot))
-        redis.call('HSET', base .. 'r:' .. ptr(slot), 'o', ptr(old[2]))
-        redis.call('HSET', KEYS[2], old[3], ptr(slot))
-      end
-      a = a + 1
-    else
-      local i = chosen[c]
-      write(slot, i, tonumber(ARGV[i + 8]))
-      redis.call('HSET', KEYS[2], ARGV[i], ptr(slot))
-      c = c + 1
-    end
-    slot = slot + 1
-  end
-end
-for _, i in ipairs(accepted) do
-  if not placed[i] then
-    local key = write(l, i, nil)
+if #backs > 0 and put_back(base, backs) > 0 then loaded = true end
+for _, one in ipairs(accepted) do
+  if not one.placed then
+    local i = one.i
+    local key = base .. 'r:' .. ptr(l)
+    write(key, i)
     local delay = tonumber(ARGV[i + 6])
     if delay > 0 then
       redis.call('HSET', key, 'm', fmt(now + delay))
@@ -243,6 +259,7 @@ if loaded and m[1] == m[2] then out[2] = 1 end
 if soonest then out[3] = fmt(soonest) end
 return out
 """
+)
 
 # KEYS: m ix - z. ARGV: base, n, reserve delay ('' = pop: the record is deleted as it is
 # fired). Matured scheduled records are loaded first. Records past their end of life are
