@@ -14,6 +14,7 @@ Shard keys (hash tag ``{queue#shard}``), ``<base>`` being ``prefix:{queue#shard}
                            shard's order when put back before the fire pointer (the
                            pointer it was loaded at; absent: <ptr>)
     <base>s:<ptr>    HASH  a record of the sideline magazine (swept, waiting for the shovel)
+    <base>t:<n>      HASH  a record leaving its slot within one ROLLBACK (never left behind)
     <base>q:<seq>    HASH  a scheduled record (pushed or ko-ed with a delay), not yet loaded;
                            <seq> zero-padded to 20 digits (older records: unpadded)
     <base>z          ZSET  seq -> mature time of the scheduled records
@@ -111,7 +112,7 @@ end
 
 
 # Put records back where they were fired from: a cancelled pop's put-backs (INSERT with
-# front). ``backs`` is a list of {id, place
+# front) and reservations released at no try (ROLLBACK). ``backs`` is a list of {id, place
 # (its place in the shard's order; nil = unknown, before any other), land = a function
 # writing the record at the key it is given}, out of the magazine. They go into the free
 # slots just before the fire pointer, which moves back over them (the sweep pointer too, if
@@ -339,21 +340,26 @@ return out
 )
 
 # KEYS: m ix - z k. ARGV: base, max_ko ('' = no deadletter), then 4 per nack: id, tries ('' =
-# unchecked), count try ('1' / '0'), delay. A nack is a reload: the record leaves its place
-# and is loaded again at the load pointer (the magazine has no other way back in), or, with
-# a delay, scheduled.
+# unchecked), count try ('1' / '0'), delay. A nack with a delay schedules the record. One
+# without leaves its place and is loaded again at the load pointer (a new place), but for a
+# release at no try (count try '0': its holder never saw it), which goes back to its place
+# before the fire pointer as a cancelled pop's put-back does (see put_back); those with no
+# room there go to the load pointer too, all in the nacks' order. Those leaving the magazine
+# are first moved out of their slots, to <base>t:<n> (renamed away before the script ends),
+# so each release finds its own slot free.
 # Reply: {version, 1 if something was reloaded, earliest mature scheduled ('' = none), then
 # per nack 0 missing / 1 reloaded / 3 to deadletter (left held), each 3 followed by its p,
 # h, tries held}.
 _ROLLBACK = (
     _HELD
+    + _PUT_BACK
     + """
 local DEADLETTER_HOLD = 60
 local base, max_ko = ARGV[1], tonumber(ARGV[2])
 local now = server_now()
 first_write()
-local l = meta({'l'})[1]
-local out, back, gone, soonest = {0, 0, ''}, 0, 0, nil
+local out, gone, soonest = {0, 0, ''}, 0, nil
+local leaving, releases = {}, {}
 for i = 3, #ARGV, 4 do
   local id = ARGV[i]
   local key, stored = held(base, id, ARGV[i + 1])
@@ -377,28 +383,46 @@ for i = 3, #ARGV, 4 do
       out[#out + 1] = rec[1]; out[#out + 1] = rec[2]; out[#out + 1] = stored
     else
       local delay = tonumber(ARGV[i + 3])
-      redis.call('HDEL', key, 'x', 'o')  -- reloaded at the back: a new place
       redis.call('HSET', key, 't', tries)
       if delay > 0 then
+        redis.call('HDEL', key, 'x', 'o')  -- scheduled: a new place when it loads
         redis.call('HSET', key, 'm', fmt(now + delay))
         schedule(key, base, id, now + delay)
         if not soonest or now + delay < soonest then soonest = now + delay end
       else
-        local target = base .. 'r:' .. ptr(l)
-        redis.call('RENAME', key, target)
-        redis.call('HSET', KEYS[2], id, ptr(l))
-        l = l + 1
-        back = back + 1
+        local place = tonumber(redis.call('HGET', key, 'o') or string.sub(key, #base + 3))
+        local temp = base .. 't:' .. ptr(#leaving)
+        redis.call('RENAME', key, temp)
+        redis.call('HDEL', temp, 'x')
+        local one = {id = id, temp = temp}
+        leaving[#leaving + 1] = one
+        if not counted then
+          one.place = place
+          one.land = function(target) redis.call('RENAME', temp, target) end
+          releases[#releases + 1] = one
+        end
       end
       gone = gone + 1
       out[#out + 1] = 1
     end
   end
 end
-if back > 0 then redis.call('HSET', KEYS[1], 'l', ptr(l)) end
+if #releases > 0 then put_back(base, releases) end
+local l = meta({'l'})[1]
+local back = 0
+for _, one in ipairs(leaving) do
+  if not one.placed then
+    local target = base .. 'r:' .. ptr(l + back)
+    redis.call('RENAME', one.temp, target)
+    redis.call('HDEL', target, 'o')  -- reloaded at the back: a new place
+    redis.call('HSET', KEYS[2], one.id, ptr(l + back))
+    back = back + 1
+  end
+end
+if back > 0 then redis.call('HSET', KEYS[1], 'l', ptr(l + back)) end
 if gone > 0 then redis.call('HINCRBY', KEYS[1], 'r', -gone) end
 out[1] = version()
-if back > 0 then out[2] = 1 end
+if #leaving > 0 then out[2] = 1 end
 if soonest then out[3] = fmt(soonest) end
 return out
 """

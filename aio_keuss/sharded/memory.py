@@ -124,8 +124,9 @@ class _Shard:
         in the free slots just before the fire pointer, which moves back over them (the
         sweep pointer too, if past it), in the order of their places among themselves and
         the put-backs already there, so those of one key given back one by one keep their
-        order. Those there is no room for (a reservation still held right behind) are
-        returned, the latest places first to go."""
+        order. A cancelled pop's put-back (a load with ``front``) and a reservation released
+        at no try (a rollback) both come here. Those there is no room for (a reservation
+        still held right behind) are returned, the latest places first to go."""
         room = 0
         while room < len(records) and self.fire - room - 1 >= 0:
             if self.fire - room - 1 in self.magazine:
@@ -390,8 +391,8 @@ class MemoryShardStorage(ShardStorage):
         now = time.time()
         results: list[KoResult] = []
         doomed: list[Doomed] = []
-        reloaded = False
         soonest: float | None = None
+        leaving: list[tuple[_Record, bool]] = []  # back into the magazine; released unseen?
         for nack in nacks:
             found = s.held(nack.id, nack.tries)
             if found is None:
@@ -415,9 +416,19 @@ class MemoryShardStorage(ShardStorage):
                 s.schedule_at(record, due)
                 soonest = due if soonest is None else min(soonest, due)
             else:
-                s.put(record)
-                reloaded = True
+                leaving.append((record, not nack.count_try))
             results.append(KoResult.ROLLED_BACK)
+        # released at no try (its holder never saw it): back to its place, as a put-back;
+        # the others, and those with no room there, reloaded at the back in the nacks' order
+        # (their slots are all free by now, so each release finds the room its own left)
+        releases: list[tuple[int | None, _Record]] = [
+            (record.place, record) for record, unseen in leaving if unseen
+        ]
+        behind = {id(record) for record in s.put_back(releases)} if releases else set()
+        for record, unseen in leaving:
+            if not unseen or id(record) in behind:
+                s.put(record)
+        reloaded = bool(leaving)
         return RolledBack(results, doomed, s.version, reloaded, soonest)
 
     async def sizes(self, queue: str, shard: int) -> ShardSizes:

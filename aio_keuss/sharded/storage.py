@@ -281,8 +281,15 @@ class ShardStorage(ABC):
 
         A nack that counts a try raises the record's tries; if that passes ``max_ko`` the
         record is left held and returned as :class:`Doomed`. Otherwise its stamp is removed
-        and it is reloaded at the load pointer, or with ``delay`` > 0 scheduled at now +
-        delay (its mature time set to that).
+        and it is reloaded at the load pointer (a new place), or with ``delay`` > 0
+        scheduled at now + delay (its mature time set to that). A release at no try
+        (``count_try`` false, no delay: its holder never saw it) goes back to its place
+        instead, as a put-back of :meth:`load` with ``front`` does: in the free slots just
+        before the fire pointer, ordered by place with the other releases of the call and
+        the put-backs already there; those there is no room for (a reservation still held
+        just behind) are reloaded at the load pointer. The slots of all the call's records
+        leaving the magazine count as free, and those reloaded at the load pointer go in
+        the nacks' order.
 
         Needs: the guard of :meth:`commit`, and the record leaves its place and enters the
         magazine (a new pointer) or the schedule in one step, or at least in an order that

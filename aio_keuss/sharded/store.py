@@ -351,8 +351,9 @@ class ShardedStore(Store):
     async def rollback(
         self, nacks: Sequence[Nack], deadletter: DeadletterPlan | None
     ) -> list[KoResult]:
-        """Reload each at the load pointer of its shard, or schedule it after its delay,
-        or past ``max_ko`` copy it into the deadletter queue, then drop it here."""
+        """Reload each at the load pointer of its shard (a release at no try: back to its
+        place, see :meth:`ShardStorage.rollback`), or schedule it after its delay, or past
+        ``max_ko`` copy it into the deadletter queue, then drop it here."""
         out = [KoResult.MISSING] * len(nacks)
         doomed: list[Doomed] = []
         marks: list[ReadyMark] = []

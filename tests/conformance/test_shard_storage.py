@@ -243,7 +243,7 @@ async def test_a_popped_record_is_not_held(st: ShardStorage) -> None:
     assert (await st.rollback("q", 0, [Nack("a", None, 0.0)], None)).results == [KoResult.MISSING]
 
 
-async def test_a_rollback_reloads_at_the_back_with_a_try_counted_or_not(
+async def test_a_rollback_counting_a_try_reloads_at_the_back_and_a_release_at_its_place(
     st: ShardStorage,
 ) -> None:
     await st.load("q", 0, [entry("a"), entry("b"), entry("c")], 60.0, None)
@@ -254,8 +254,101 @@ async def test_a_rollback_reloads_at_the_back_with_a_try_counted_or_not(
     assert done.results == [KoResult.ROLLED_BACK, KoResult.ROLLED_BACK]
     assert done.reloaded and done.scheduled is None and done.doomed == []
     again = (await st.fire("q", 0, 5, None)).messages
-    assert [(m.id, m.tries) for m in again] == [("c", 0), ("a", 1), ("b", 0)]
+    assert [(m.id, m.tries) for m in again] == [("b", 0), ("c", 0), ("a", 1)]
     assert (await st.sizes("q", 0)).fired == 0
+
+
+def release(m: Stored) -> Nack:
+    """What the queue layer gives back for a reservation its holder never saw."""
+    return Nack(m.id, m.tries, 0.0, count_try=False)
+
+
+async def test_a_reservation_released_at_no_try_goes_back_to_its_place(
+    st: ShardStorage,
+) -> None:
+    """A release costing no try (a cancelled reserve, a close's give-back, a consumer's
+    prefetched reservations) goes back where it was fired from, before the fire pointer,
+    as a cancelled pop's put-back does: released one by one, the latest first (the room
+    before the fire pointer ends at a reservation still held), or several at once in any
+    order, the shard's records still come out in the order they were loaded."""
+    await st.load("q", 0, [entry(m, tries=2) for m in "abcdef"], 60.0, None)
+    a, b, c = (await st.fire("q", 0, 3, FAR)).messages
+    version = (await st.sizes("q", 0)).load
+    done = await st.rollback("q", 0, [release(c)], None)
+    assert done.results == [KoResult.ROLLED_BACK] and done.reloaded
+    assert done.version > version  # raised, as by a load: the shard is announced again
+    for m in (b, a):
+        assert (await st.rollback("q", 0, [release(m)], None)).results == [
+            KoResult.ROLLED_BACK
+        ]
+    sizes = await st.sizes("q", 0)
+    assert (sizes.ready, sizes.fired, sizes.load) == (6, 0, 6)  # not reloaded at the back
+    again = (await st.fire("q", 0, 2, FAR)).messages
+    assert [(m.id, m.tries, m.place) for m in again] == [("a", 2, a.place), ("b", 2, b.place)]
+    assert await st.commit("q", 0, [Ack(m.id, m.tries) for m in again]) == [True, True]
+    assert await fire_ids(st, 0, 10) == list("cdef")
+    # several in one call, given out of order: in the order they were fired
+    await st.load("q", 1, [entry(m) for m in "abcd"], 60.0, None)
+    a, b, c = (await st.fire("q", 1, 3, FAR)).messages
+    done = await st.rollback("q", 1, [release(c), release(a), release(b)], None)
+    assert done.results == [KoResult.ROLLED_BACK] * 3 and done.reloaded
+    assert await fire_ids(st, 1, 10) == list("abcd")  # before: d, c, a, b
+    # released with a delay it is scheduled, as a ko with a delay
+    await st.load("q", 2, [entry("x"), entry("y")], 60.0, None)
+    (x,) = (await st.fire("q", 2, 1, FAR)).messages
+    done = await st.rollback("q", 2, [Nack("x", x.tries, FAR, count_try=False)], None)
+    assert not done.reloaded and done.scheduled is not None
+    assert await fire_ids(st, 2, 10) == ["y"]
+
+
+async def test_releases_and_put_backs_of_one_shard_keep_the_order_they_were_fired_in(
+    st: ShardStorage,
+) -> None:
+    """Releases and a cancelled pop's put-backs share the room before the fire pointer and
+    its ordering by place; one with no room (a reservation still held just behind it) is
+    reloaded at the back, with a new place, as a put-back with no room is."""
+
+    def back(m: Stored) -> Entry:
+        return entry(m.id, mature=m.mature, expires=m.expires, place=m.place)
+
+    await st.load("q", 0, [entry(m) for m in "abcdef"], 60.0, None)
+    a, b = (await st.fire("q", 0, 2, None)).messages  # popped
+    c, d = (await st.fire("q", 0, 2, FAR)).messages  # reserved
+    await st.rollback("q", 0, [release(d), release(c)], None)
+    await st.load("q", 0, [back(a)], 60.0, None, front=True)
+    await st.load("q", 0, [back(b)], 60.0, None, front=True)
+    assert await fire_ids(st, 0, 10) == list("abcdef")  # before: a, b, e, f, d, c
+    # put back before the release: the release goes in front of it, by place
+    await st.load("q", 1, [entry(m) for m in "abcd"], 60.0, None)
+    (a,) = (await st.fire("q", 1, 1, FAR)).messages
+    (b,) = (await st.fire("q", 1, 1, None)).messages
+    await st.load("q", 1, [back(b)], 60.0, None, front=True)
+    await st.rollback("q", 1, [release(a)], None)
+    assert await fire_ids(st, 1, 10) == list("abcd")  # before: b, c, d, a
+    # no room: b still held just behind a's slot, so a goes to the back with a new place;
+    # then b's release finds its slot free
+    await st.load("q", 2, [entry(m) for m in "abc"], 60.0, None)
+    (a,) = (await st.fire("q", 2, 1, FAR)).messages
+    (b,) = (await st.fire("q", 2, 1, FAR)).messages
+    await st.rollback("q", 2, [release(a)], None)
+    await st.rollback("q", 2, [release(b)], None)
+    fired = (await st.fire("q", 2, 10, None)).messages
+    assert [m.id for m in fired] == ["b", "c", "a"]
+    assert fired[2].place != a.place
+
+
+async def test_a_released_reservation_stepped_over_by_the_sweep_is_still_swept(
+    st: ShardStorage,
+) -> None:
+    """Released behind the sweep pointer (the sweep stepped over it while it was held):
+    fired again, a reservation of it that lapses is swept."""
+    await st.load("q", 0, [entry("u"), entry("v")], 60.0, None)
+    (u,) = (await st.fire("q", 0, 1, FAR)).messages
+    assert (await st.sweep("q", 0, 1000)).moved == 0  # stepped over, noted
+    await st.rollback("q", 0, [release(u)], None)
+    assert await fire_ids(st, 0, 1, 0.0) == ["u"]
+    assert (await st.sweep("q", 0, 1000)).moved == 1
+    assert await fire_ids(st, 0, 10) == ["v"]
 
 
 async def test_a_rollback_with_a_delay_schedules_the_record(st: ShardStorage) -> None:

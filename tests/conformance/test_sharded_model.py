@@ -775,17 +775,12 @@ async def test_the_put_backs_of_two_cancelled_pops_of_one_key_keep_its_order(
     assert await q.sizes() == Sizes(0, 0, 0, 0)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="known: a released reservation (a cancelled reserve, a close's give-back, a "
-    "consumer's prefetched or cancelled-handler release) is reloaded at the back of its shard",
-)
 async def test_a_reservation_released_after_a_cancelled_reserve_keeps_its_place_in_its_key(
     sharded: Connect,
 ) -> None:
     """A reserve cancelled once its fire took the first message of a key releases it (a
-    rollback costing no try): the key's messages should still come out 0, 1, 2, 3; the
-    rollback reloads it at the load pointer, so they come out 1, 2, 3, 0."""
+    rollback costing no try): it goes back to its place, so the key's messages still come
+    out 0, 1, 2, 3 (reloaded at the load pointer, they came out 1, 2, 3, 0)."""
     factory = await sharded(sweeper=False)
     q = await factory.queue("q")
     await q.pop(timeout=0)  # enrolled
