@@ -246,8 +246,9 @@ def encode_headers(headers: Headers | None) -> bytes:
 
 def decode_headers(blob: bytes | str) -> Headers:
     """Headers from their stored text; ``ValueError`` for text that is not a JSON object
-    (another program's, or corrupted), which would otherwise reach the caller as a list."""
-    if blob == EMPTY_HEADERS or blob == "{}":
+    (another program's, or corrupted), which would otherwise reach the caller as a list.
+    Empty text, which another program may store for none, is no headers."""
+    if blob == EMPTY_HEADERS or blob == "{}" or not blob:
         return {}
     decoded: Headers = orjson.loads(blob)
     if type(decoded) is not dict:
@@ -256,9 +257,10 @@ def decode_headers(blob: bytes | str) -> Headers:
 
 
 def append_headers(encoded: bytes, extra: Headers) -> bytes:
-    """Add keys to an encoded header object; on a repeated key the added value wins on decode."""
+    """Add keys to an encoded header object; on a repeated key the added value wins on decode.
+    Empty stored headers (another program's "none"; ours are ``{}``) take a new object."""
     addition = orjson.dumps(extra)[1:-1]
-    if encoded == EMPTY_HEADERS:
+    if encoded == EMPTY_HEADERS or not encoded:
         return b"{" + addition + b"}"
     return encoded[:-1] + b"," + addition + b"}"
 

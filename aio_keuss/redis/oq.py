@@ -230,7 +230,7 @@ end
 -- none) appended.
 local function with_headers(headers, added)
   if added == '' then return headers end
-  if headers == '{}' then return '{' .. added .. '}' end
+  if headers == '{}' or headers == '' then return '{' .. added .. '}' end
   return string.sub(headers, 1, -2) .. ',' .. added .. '}'
 end
 -- The one move body (Queue.move and deadletter): take held message ``id`` out of this

@@ -111,15 +111,16 @@ end
 # The one move body (Queue.move and deadletter), for a message already taken off the
 # processing list: its body moves under the destination base (``dst``), renamed by the rule
 # of every backend if the id is taken there (<id>, <id>.<tag>, <id>.<tag>.2, ...), with
-# ``payload`` (nil: its own) and ``added`` header text ('' = none), tries 0, and its id goes
-# to the end of the destination's pending list.
+# ``payload`` (nil: its own) and ``added`` header text ('' = none; appended to stored headers
+# '{}' or empty, as another program may write them, as a new object), tries 0, and its id
+# goes to the end of the destination's pending list.
 _MOVE_TO = """
 local function move_to(id, body, dst, dst_pending, payload, added, tag, stamp)
   local b = redis.call('HMGET', body, 'p', 'h')
   redis.call('DEL', body)
   local headers = b[2]
   if added ~= '' then
-    if headers == '{}' then headers = '{' .. added .. '}'
+    if headers == '{}' or not headers or headers == '' then headers = '{' .. added .. '}'
     else headers = string.sub(headers, 1, -2) .. ',' .. added .. '}' end
   end
   local target, clash = id, 0

@@ -197,3 +197,52 @@ async def test_a_redis_oq_record_not_in_our_framing_is_delivered_whole(
     assert got["bad-1"].payload == b"no framing at all" and got["bad-2"].payload == b"x:y:z"
     assert all(str(got[i].headers[UNDECODABLE]).startswith("record: ") for i in ("bad-1", "bad-2"))
     assert await queue.total_size() == 0
+
+
+# stored headers another program may write: the deadletter and move headers are added to them
+
+STORED_HEADERS = [b"", b"{}", b'{"a": "b"}']
+
+
+@pytest.mark.parametrize("stored", STORED_HEADERS, ids=["empty", "empty-object", "object"])
+async def test_deadletter_adds_its_headers_to_any_stored_headers(
+    connect: Connect, stored: bytes
+) -> None:
+    """Headers stored as empty bytes (ours are ``{}``, another program may write nothing):
+    PostgreSQL's append took a substring of length -1, so the ko failed, every time, and
+    the message stayed reserved; elsewhere the deadletter copy's headers came out as
+    ``,"x-dl-from-queue":...}``, undecodable."""
+    factory = await connect(poll_interval=5.0, reserve_delay=600, deadletter={"max_ko": 0})
+    needs(factory, "reserve")
+    queue = await factory.queue("work")
+    dl = await factory.queue("__deadletter__")
+    await plant(queue, encode_payload({"n": 1}), stored)
+    message = await queue.reserve(timeout=30)
+    assert message is not None and message.payload == {"n": 1}
+    assert UNDECODABLE not in message.headers  # empty stored headers are none
+    assert await queue.ko(message) is aio_keuss.KoResult.DEADLETTERED
+    dead = await dl.pop(timeout=30)
+    assert dead is not None and dead.payload == {"n": 1}
+    assert UNDECODABLE not in dead.headers, dead.headers
+    assert dead.headers["x-dl-from-queue"] == "work"
+    assert dead.headers.get("a") == ("b" if stored.startswith(b'{"a"') else None)
+    assert await queue.total_size() == 0
+
+
+@pytest.mark.parametrize("stored", STORED_HEADERS, ids=["empty", "empty-object", "object"])
+async def test_move_adds_its_headers_to_any_stored_headers(connect: Connect, stored: bytes) -> None:
+    """The same append, for a move with headers."""
+    factory = await connect(poll_interval=5.0, reserve_delay=600)
+    needs(factory, "reserve", "move")
+    queue = await factory.queue("from")
+    other = await factory.queue("to")
+    await plant(queue, encode_payload({"n": 1}), stored)
+    message = await queue.reserve(timeout=30)
+    assert message is not None
+    assert await queue.move(message, "to", headers={"m": 1}) is not None
+    moved = await other.pop(timeout=30)
+    assert moved is not None and moved.payload == {"n": 1}
+    assert UNDECODABLE not in moved.headers, moved.headers
+    assert moved.headers["m"] == 1
+    assert moved.headers.get("a") == ("b" if stored.startswith(b'{"a"') else None)
+    assert await queue.total_size() == 0
