@@ -35,6 +35,10 @@ Operations (``now`` = client clock; "live" = not yet consumed):
 - remove: delete unless under an active reservation (``reserved and mature > now``).
 - sizes: one ``$group`` aggregation; next mature: the first document on the ``mature`` index.
 
+A document another program inserted is read tolerantly (see :func:`_payload` and
+:func:`_headers`); one without a str ``_id`` and a number of ``tries`` is never claimed,
+shown or counted (:data:`OURS`), and one without a number ``mature`` matches no query.
+
 Deadletter: on a replica set / mongos (``transactions``) the move is one transaction; elsewhere
 it is ordered so that nothing is lost: the source is first re-claimed for a lease (a crash now
 means the message comes back to its queue), then inserted into the deadletter queue, then
@@ -59,6 +63,8 @@ from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
+import orjson
+from bson import json_util
 from pymongo import ASCENDING, ReturnDocument
 from pymongo import errors as mongo_errors
 
@@ -79,7 +85,7 @@ from ..contract import (
     moved_id,
 )
 from ..errors import ConfigError
-from ..message import append_headers
+from ..message import EMPTY_HEADERS, append_headers
 from ..types import Capabilities, KoResult, Sizes
 from .backend import MongoBackend
 from .connection import (
@@ -101,6 +107,12 @@ V = TypeVar("V", float, datetime)
 FAR_FUTURE = 253402300799.0
 """9999-12-31T23:59:59Z: the mature time of consumed history records (seed: ``$INFINITE``)."""
 LIVE: Document = {"mature": {"$lt": FAR_FUTURE}}
+OURS: Document = {"_id": {"$type": "string"}, "tries": {"$type": "number"}}
+"""What every read that may hand a message out asks of a document besides its ``mature``
+time: a str ``_id``, the only kind of id a holder can ok, ko or remove by, and a number of
+``tries``, which a reserve's ``$inc`` fails on otherwise (failing the whole claim, with
+what it had claimed left reserved). A document another program inserted without them is
+left where it is: never claimed, shown, or counted. Flat fields (see :func:`_walk`)."""
 CLAIM_LEASE = 30.0
 """How long a pop's or a deadletter move's claim holds a message before it comes back."""
 TIE_STEP = 1e-6
@@ -134,10 +146,39 @@ def _near(value: V, margin: Any) -> Document:
     return {"$gte": value - margin, "$lte": value + margin}
 
 
+def _as_text(value: Any) -> bytes:
+    """A stored value that is not bytes, as its JSON text (Extended JSON for BSON types)."""
+    try:
+        return json_util.dumps(value).encode()
+    except Exception:  # pragma: no cover - json_util writes every type BSON decodes to
+        return orjson.dumps(repr(value))
+
+
+def _payload(doc: Document) -> bytes:
+    """A document's payload blob, ours a BSON binary. One another program inserted may hold
+    anything, or nothing: its JSON text, or empty bytes, neither of which starts with a
+    payload's tag, so that the queue layer delivers it as those bytes, marked
+    ``x-undecodable``. (``bytes(...)`` of a str raised, once the batch was taken: a pop's
+    messages were lost, a reserve's left reserved to nobody.)"""
+    value = doc.get("payload", b"")
+    return bytes(value) if isinstance(value, bytes) else _as_text(value)
+
+
+def _headers(doc: Document) -> bytes:
+    """A document's header text, ours a BSON binary of a JSON object. Another program's may
+    be missing or null (no headers), text (as it is: a JSON object reads), a sub-document
+    (its JSON text: it reads), or else (its JSON text, which is not an object: delivered
+    as ``x-raw-headers``, marked ``x-undecodable``)."""
+    value = doc.get("headers")
+    if value is None:
+        return EMPTY_HEADERS
+    if isinstance(value, bytes):
+        return bytes(value)
+    return value.encode() if isinstance(value, str) else _as_text(value)
+
+
 def _stored(doc: Document) -> Stored:
-    return Stored(
-        doc["_id"], bytes(doc["payload"]), bytes(doc["headers"]), int(doc["tries"]), doc["mature"]
-    )
+    return Stored(doc["_id"], _payload(doc), _headers(doc), int(doc["tries"]), float(doc["mature"]))
 
 
 def _guard(message_id: str, tries: int | None) -> Document:
@@ -187,10 +228,10 @@ def _dup_indexes(exc: mongo_errors.BulkWriteError) -> set[int]:
 def _state_filter(state: str, now: float) -> Document:
     """Live messages in a peek state (consumed history records are never live)."""
     if state == "ready":
-        return {"mature": {"$lte": now}}
+        return {"mature": {"$lte": now}, **OURS}
     if state == "all":
-        return LIVE
-    return {"mature": {"$gt": now, "$lt": FAR_FUTURE}, "reserved": state == "reserved"}
+        return {**LIVE, **OURS}
+    return {"mature": {"$gt": now, "$lt": FAR_FUTURE}, "reserved": state == "reserved", **OURS}
 
 
 def _peeked(doc: Document, now: float) -> Peeked:
@@ -199,7 +240,7 @@ def _peeked(doc: Document, now: float) -> Peeked:
     lapsed reservation too: its try is counted) the count its next delivery is given."""
     mature = float(doc["mature"])
     tries = int(doc["tries"]) - (1 if doc.get("reserved") and mature > now else 0)
-    stored = Stored(doc["_id"], bytes(doc["payload"]), bytes(doc["headers"]), tries, mature)
+    stored = Stored(doc["_id"], _payload(doc), _headers(doc), tries, mature)
     if mature <= now:
         return Peeked(stored, "ready", mature)
     return Peeked(stored, "reserved" if doc.get("reserved") else "scheduled", mature)
@@ -209,7 +250,7 @@ def _processed(doc: Document) -> Peeked:
     """A consumed record of mongo-history, its mature time taken to be when it ended."""
     when = _epoch(doc["processed"])
     message_id: str = doc.get("id") or doc["_id"]  # an archived record keeps its id aside
-    stored = Stored(message_id, bytes(doc["payload"]), bytes(doc["headers"]), doc["tries"], when)
+    stored = Stored(message_id, _payload(doc), _headers(doc), int(doc["tries"]), when)
     return Peeked(stored, "processed", when)
 
 
@@ -534,7 +575,7 @@ class MongoStore(Store):
         then the take's (it was due by then; the one it had is overwritten)."""
         try:
             return await self._coll.find_one_and_update(
-                {"mature": {"$lte": now}},
+                {"mature": {"$lte": now}, **OURS},
                 change,
                 sort=BY_MATURE,
                 return_document=ReturnDocument.BEFORE,
@@ -574,13 +615,14 @@ class MongoStore(Store):
         token = os.urandom(8).hex()
         update = {**update, "$set": {**update["$set"], "owner": token}}
         due = {"mature": {"$lte": now}}
+        ready = {**due, **OURS}  # the claim itself names candidates by id
         mine: list[Document] = []
         for _ in range(CLAIM_ATTEMPTS):  # others may snatch candidates; try a few times
             wanted = n - len(mine)
             # (repeated if cut: a read, and a later attempt's cut would lose what the
             # earlier ones claimed)
             candidates = await _again_if_cut(
-                lambda: self._coll.find(due, sort=BY_MATURE, limit=wanted).to_list()  # noqa: B023
+                lambda: self._coll.find(ready, sort=BY_MATURE, limit=wanted).to_list()  # noqa: B023
             )
             if not candidates:
                 break
@@ -735,9 +777,9 @@ class MongoStore(Store):
         where the server has them; else claimed here, inserted there, then deleted here: a
         crash in between leaves a duplicate (the claim lapses), never a loss. None when it
         was no longer held. ``claimed``: the token of a claim the caller already holds."""
-        headers = bytes(doc["headers"])
+        headers = _headers(doc)
         moved: Document = {
-            "payload": doc["payload"] if move.payload is None else move.payload,
+            "payload": _payload(doc) if move.payload is None else move.payload,
             "headers": append_headers(headers, move.headers) if move.headers else headers,
             "mature": now + move.delay,
             "tries": 0,
@@ -828,7 +870,7 @@ class MongoStore(Store):
 
         async def one(message_id: str) -> int | None:
             doc = await self._coll.find_one_and_update(
-                {"$and": [{"_id": message_id, **LIVE}, free]},
+                {"$and": [{"_id": message_id, **LIVE, "tries": OURS["tries"]}, free]},
                 update,
                 return_document=ReturnDocument.BEFORE,
             )
@@ -853,7 +895,7 @@ class MongoStore(Store):
     async def sizes(self) -> Sizes:
         now = time.time()
         pipeline: list[Document] = [
-            {"$match": LIVE},
+            {"$match": {**LIVE, **OURS}},
             {
                 "$group": {
                     "_id": None,
@@ -878,7 +920,7 @@ class MongoStore(Store):
         return await self._next_mature()
 
     async def _next_mature(self) -> float | None:
-        doc = await self._coll.find_one(LIVE, {"mature": 1}, sort=BY_MATURE)
+        doc = await self._coll.find_one({**LIVE, **OURS}, {"mature": 1}, sort=BY_MATURE)
         return None if doc is None else float(doc["mature"])
 
 
