@@ -852,7 +852,9 @@ class MongoStore(Store):
     @translated
     async def locate(self, ids: Sequence[str]) -> list[Peeked | None]:
         now = time.time()
-        found = {d["_id"]: d for d in await self._coll.find({"_id": {"$in": list(ids)}}).to_list()}
+        # not a document whose tries peek cannot read (see OURS): not found
+        where = {"_id": {"$in": list(ids)}, "tries": OURS["tries"]}
+        found = {d["_id"]: d for d in await self._coll.find(where).to_list()}
         rows: list[Peeked | None] = []
         for message_id in ids:
             doc = found.get(message_id)

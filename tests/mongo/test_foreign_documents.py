@@ -193,3 +193,7 @@ async def test_peek_and_browse_show_foreign_documents(factory: aio_keuss.Factory
     check(ready, good)
     walked = [v.message.id async for v in queue.browse(page_size=2)]
     assert sorted(walked) == sorted(seen)
+    for message_id in delivered():
+        view = await queue.find(message_id)
+        assert view is not None and view.message == seen[message_id]
+    assert await queue.find("no-tries") is None and await queue.find("text-tries") is None
