@@ -218,9 +218,11 @@ async def _ok_all(queue: Any, messages: Sequence[Message]) -> int:
 
 
 async def _release_all(queue: Any, messages: Sequence[Message]) -> None:
+    """Give reservations back at no try, as a stopped consumer does: a ``ko`` would count
+    one, and past the deadletter's ``max_ko`` move a message that never failed there."""
     import asyncio
 
-    await asyncio.gather(*(queue.ko(message, 0.0) for message in messages))
+    await asyncio.gather(*(queue._release(message) for message in messages))
 
 
 def _ok(queue: sync.SyncQueue, messages: Sequence[Message]) -> int:
@@ -374,7 +376,7 @@ class KeussStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
 
     def stop(self) -> None:
         """Give back what was reserved and not committed, at once rather than after
-        ``reserve_delay`` (it may have reached the sink: at-least-once)."""
+        ``reserve_delay`` (it may have reached the sink: at-least-once), costing no try."""
         if self._queue is None:
             return
         try:

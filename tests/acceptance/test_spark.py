@@ -428,3 +428,30 @@ def test_stream_read_available_now_takes_what_is_ready_and_acknowledges_it(
     assert run() == 0
     payloads = [row["payload"] for row in spark.read.parquet(str(out)).collect()]
     assert sorted(orjson.loads(p)["n"] for p in payloads) == list(range(total))
+
+
+def test_a_stopped_stream_gives_back_its_reservations_costing_no_try(
+    target: tuple[str, dict[str, Any]],
+) -> None:
+    """A stream's ``stop`` gave back what it held with ``ko``, which counts a try: every stop
+    and restart of a query (a deploy) cost its pending messages one, and past the
+    deadletter's ``max_ko`` a message that never failed left the queue for the deadletter
+    queue. The reader's own calls, without Spark."""
+    from aio_keuss.spark.source import KeussStreamReader, ReadSpec
+
+    backend, opts = target
+    opts = {**opts, "deadletter": {"max_ko": 1}}
+    with sync.connect(backend, **opts) as factory:
+        factory.queue("held").push({"n": 1})
+    strings = {k: v if isinstance(v, str) else orjson.dumps(v).decode() for k, v in opts.items()}
+    for _ in range(3):  # three runs stopped while their batch was pending
+        reader = KeussStreamReader(
+            ReadSpec.from_options({"backend": backend, "queue": "held", **strings})
+        )
+        end = reader.latestOffset(reader.initialOffset(), None)
+        assert end["seq"] == 1
+        reader.stop()
+    with sync.connect(backend, **opts) as factory:
+        assert factory.queue("__deadletter__").total_size() == 0
+        msg = factory.queue("held").pop(timeout=0)
+        assert msg is not None and msg.payload == {"n": 1} and msg.tries == 0
