@@ -177,6 +177,12 @@ class WriteSpec:
                 f"backend {self.backend!r} cannot deduplicate message ids, so a retried Spark"
                 " task would push its rows twice; set option idempotent=false to accept that"
             )
+        if self.idempotent and self.options.get("dedup_window") == 0:
+            raise ConfigError(
+                "dedup_window=0 keeps no id once its message is consumed, so a retried Spark"
+                " task could push its rows twice;"
+                " give a window longer than the job or set option idempotent=false"
+            )
         if not self.idempotent and self.id_column is not None:
             raise ConfigError("id_column needs idempotent pushes; drop idempotent=false")
         if self.delay_column is not None and not backend_class.capabilities.delay:

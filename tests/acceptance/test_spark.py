@@ -455,3 +455,23 @@ def test_a_stopped_stream_gives_back_its_reservations_costing_no_try(
         assert factory.queue("__deadletter__").total_size() == 0
         msg = factory.queue("held").pop(timeout=0)
         assert msg is not None and msg.payload == {"n": 1} and msg.tries == 0
+
+
+def test_idempotent_writes_refuse_a_dedup_window_of_zero(
+    target: tuple[str, dict[str, Any]],
+) -> None:
+    """``dedup_window=0`` keeps no id once its message is consumed: the "idempotent" write
+    was accepted, and rows pushed again under the same ids by a retried task after a
+    consumer took the first attempt's were stored twice (seen on redis-oq and postgres).
+    Refused before anything is written, as a backend without idempotent ids is;
+    ``idempotent=false`` says duplicates are accepted."""
+    backend, opts = target
+    strings = {"backend": backend, "queue": "window", **opts, "dedup_window": "0"}
+    with pytest.raises(aio_keuss.ConfigError, match="dedup_window"):
+        keuss_spark.WriteSpec.from_options(strings)
+    with pytest.raises(aio_keuss.ConfigError, match="dedup_window"):
+        keuss_spark.push_partitions(backend, "window", dedup_window=0, **opts)
+    spec = keuss_spark.WriteSpec.from_options({**strings, "idempotent": "false"})
+    assert keuss_spark.push_rows(spec, [{"n": 1}], None) == 1
+    with sync.connect(backend, **opts) as factory:
+        assert factory.queue("window").total_size() == 1
