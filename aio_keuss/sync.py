@@ -356,7 +356,8 @@ class SyncFactory:
             if _loop_running_here():  # anyio refuses a call from the portal's own thread
                 raise LoopThreadError(
                     "a blocking aio_keuss.sync call on the shim's own loop thread would wait"
-                    " for itself: await the async queue there (SyncQueue.queue)"
+                    " for itself (call_soon is refused there too): await the async queue"
+                    " there (SyncQueue.queue)"
                 ) from exc
             raise
 
@@ -364,14 +365,7 @@ class SyncFactory:
         """Start ``await func(*args)`` on the loop thread and return at once; ``result()`` on
         the future waits for it. Lets a producer prepare its next batch while the last one
         is on the wire (a Spark executor pushing a partition)."""
-        if self.closed:
-            raise ClosedError("factory is closed" if self._closed else "factory of the parent")
-        try:
-            return self._portal.start_task_soon(func, *args)
-        except RuntimeError as exc:  # the loop stopped under us: closed by another thread
-            if self.closed:
-                raise ClosedError("factory is closed") from exc
-            raise
+        return self._start(func, *args)
 
     def queue(self, name: str, **options: Any) -> SyncQueue:
         """Blocking :meth:`Factory.queue`: the queue ``name``, created on first use."""

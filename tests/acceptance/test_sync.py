@@ -313,6 +313,24 @@ def test_a_blocking_call_on_the_loop_thread_is_a_library_error() -> None:
         assert q.size() == 0
 
 
+def test_call_soon_on_the_loop_thread_is_a_library_error() -> None:
+    """``call_soon`` from a coroutine given to ``call`` raised anyio's bare RuntimeError
+    (``call`` and every blocking method raise LoopThreadError there)."""
+    with sync.connect("memory") as factory:
+        q = factory.queue("jobs")
+
+        async def nested() -> None:
+            q.call_soon(Queue.push, {"a": 1})
+
+        async def nested_factory() -> None:
+            factory.call_soon(q.queue.push, {"a": 1})
+
+        for coroutine in (nested, nested_factory):
+            with pytest.raises(aio_keuss.LoopThreadError):
+                factory.call(coroutine)
+        assert q.size() == 0
+
+
 def test_connect_or_close_on_the_loop_thread_is_a_library_error() -> None:
     """``sync.connect`` and ``close`` from a coroutine given to ``call``: anyio's bare
     RuntimeError, and a close marked the factory closed without closing it, and left the
