@@ -185,6 +185,19 @@ class _Pusher:
         spec = self.spec
         if not all(type(row) is dict for row in rows):
             rows = [row if isinstance(row, dict) else _as_dict(row) for row in rows]
+        try:
+            return self._batch_of(rows)
+        except KeyError as exc:  # a named column a row lacks (push_rows, push_partitions)
+            for what in ("payload_column", "headers_column", "delay_column", "id_column"):
+                if exc.args and getattr(spec, what) == exc.args[0]:
+                    raise ConfigError(
+                        f"{what} {exc.args[0]!r} is not a column of every row (rows from"
+                        f" {self.index} on); the first has: {', '.join(map(str, rows[0]))}"
+                    ) from exc
+            raise
+
+    def _batch_of(self, rows: list[dict[str, Any]]) -> _Batch:
+        spec = self.spec
         batch = _Batch()
         if spec.payload_column is not None:
             column = spec.payload_column

@@ -5,6 +5,7 @@ nothing across a stop and a restart from its checkpoint."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import shutil
 import sys
@@ -475,3 +476,20 @@ def test_idempotent_writes_refuse_a_dedup_window_of_zero(
     assert keuss_spark.push_rows(spec, [{"n": 1}], None) == 1
     with sync.connect(backend, **opts) as factory:
         assert factory.queue("window").total_size() == 1
+
+
+def test_a_named_column_missing_from_the_rows_is_a_config_error(
+    target: tuple[str, dict[str, Any]],
+) -> None:
+    """``push_rows`` / ``push_partitions`` (which cannot check the columns on the driver, as
+    the data source does) met a row without the id, payload, headers or delay column with a
+    bare KeyError. A ConfigError naming the option, before anything is written."""
+    backend, opts = target
+    rows = [{"n": n} for n in range(3)]
+    for option in ("id_column", "payload_column", "headers_column", "delay_column"):
+        spec = keuss_spark.WriteSpec(backend=backend, queue="columns", options=opts)
+        spec = dataclasses.replace(spec, **{option: "absent"})
+        with pytest.raises(aio_keuss.ConfigError, match=f"{option} 'absent'"):
+            keuss_spark.push_rows(spec, rows, "job:0")
+    with sync.connect(backend, **opts) as factory:
+        assert factory.queue("columns").total_size() == 0
