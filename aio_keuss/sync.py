@@ -392,15 +392,22 @@ class SyncFactory:
         with self._close_lock:  # held throughout: a second close returns once this one ends
             if self._closed:
                 return
-            self._closed = True
             if self._generation != _runtime.generation:
+                self._closed = True
                 return
-            with _runtime.lock:
-                _runtime.open.discard(self)
             try:
-                self._portal.call(self.factory.close)
+                # Done whole, a Ctrl-C held until the close is under way: marked closed and
+                # not closing, the async factory was closed by nobody (no later close nor
+                # the exit would), and the loop thread stayed counted for it.
+                with _sigint_held():
+                    self._closed = True
+                    with _runtime.lock:
+                        _runtime.open.discard(self)
+                    closing = self._portal.start_task_soon(self.factory.close)
+                closing.result()
             finally:
-                _runtime.release(self._generation)
+                if self._closed:  # else interrupted before anything changed: still open
+                    _runtime.release(self._generation)
 
     def __enter__(self) -> SyncFactory:
         return self

@@ -733,3 +733,71 @@ def test_a_ctrl_c_anywhere_in_connect_leaves_no_thread_nor_factory(point: str) -
         "pushed": True,
         "threads after": [],
     }
+
+
+# A close interrupted by a real Ctrl-C while it marks itself closed:
+# ``python -c CLOSE_INTERRUPTED <options json>``. It prints what was left.
+CLOSE_INTERRUPTED = r"""
+import json, os, signal, sys, threading, time
+from aio_keuss import sync
+
+options = json.loads(sys.argv[1])
+
+class Interrupting(set):
+    def discard(self, item):
+        super().discard(item)
+        os.kill(os.getpid(), signal.SIGINT)  # runs the handler at the next bytecode...
+        time.sleep(2)  # ...in this sleep (retried, as PEP 475 says, when the handler returns)
+
+factory = sync.connect("redis-oq", **options)
+factory.queue("held", reserve_delay=600.0).push(1)
+held = factory.queue("held").reserve(timeout=5)
+sync._runtime.open = Interrupting(sync._runtime.open)
+try:
+    factory.close()
+    outcome = "closed"
+except KeyboardInterrupt:
+    outcome = "interrupted"
+sync._runtime.open = set(sync._runtime.open)
+report = {
+    "outcome": outcome,
+    "held": held is not None,
+    "async closed": factory.factory._closed,
+    "users": sync._runtime.users,
+    "threads": sorted(t.name for t in threading.enumerate() if t is not threading.main_thread()),
+}
+with sync.connect("redis-oq", **options) as again:  # the reservation was given back
+    report["ready"] = again.queue("held").size()
+print(json.dumps(report), flush=True)
+"""
+
+
+def test_a_ctrl_c_while_close_marks_itself_closed_still_closes() -> None:
+    """A real SIGINT in the close's bookkeeping (the factory marked closed, not yet closing):
+    the async factory was never closed (its reservations held until reserve_delay, its
+    connections open) and, being marked closed, no later close or exit closed it; the
+    loop thread stayed counted for it. The bookkeeping and the start of the close are now
+    done whole, the Ctrl-C raised after them."""
+    options = {"url": REDIS_URL, "prefix": f"aks-{new_token()}"}
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[2])}
+    try:
+        done = subprocess.run(
+            [sys.executable, "-c", CLOSE_INTERRUPTED, json.dumps(options)],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=60,
+        )
+    except subprocess.TimeoutExpired as exc:
+        pytest.fail(f"the interrupted program hung: {exc.stdout!r} {exc.stderr!r}")
+    finally:
+        asyncio.run(_drop_redis_prefix(options))
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout) == {
+        "outcome": "interrupted",
+        "held": True,
+        "async closed": True,
+        "users": 0,
+        "threads": [],
+        "ready": 1,
+    }
