@@ -48,7 +48,12 @@ READ_OPTIONS = frozenset(
     }
 )
 # Spark options are strings: these connect options are converted back to numbers.
-_FLOAT_OPTIONS = frozenset(QUEUE_OPTION_NAMES - {"max_batch"}) | {"signal_debounce"}
+# The bucket backends' optional seconds default to None, which tells no type.
+_FLOAT_OPTIONS = frozenset(QUEUE_OPTION_NAMES - {"max_batch"}) | {
+    "signal_debounce",
+    "reject_delta_factor",
+    "reject_timeout_grace",
+}
 _INT_OPTIONS = frozenset({"max_batch"})
 _JSON_OPTIONS = frozenset({"deadletter"})
 # Options Spark itself adds to a data source's options.

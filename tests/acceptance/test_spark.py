@@ -493,3 +493,21 @@ def test_a_named_column_missing_from_the_rows_is_a_config_error(
             keuss_spark.push_rows(spec, rows, "job:0")
     with sync.connect(backend, **opts) as factory:
         assert factory.queue("columns").total_size() == 0
+
+
+def test_optional_seconds_of_the_bucket_backends_reach_connect_as_numbers() -> None:
+    """``reject_delta_factor`` and ``reject_timeout_grace`` default to None, so they were not
+    typed back from Spark's strings and ``connect`` refused them: no read or write through
+    the data source could set them on a bucket backend."""
+    from aio_keuss.spark.source import ReadSpec
+
+    options = {"url": REDIS_URL, "prefix": f"akt-{new_token()}"}
+    strings = {"backend": "bucket-redis", "queue": "typed", **options}
+    strings.update({"reject_delta_factor": "0.5", "reject_timeout_grace": "5"})
+    typed = {**options, "reject_delta_factor": 0.5, "reject_timeout_grace": 5.0}
+    try:
+        assert ReadSpec.from_options(strings).options == typed
+        with sync.connect("bucket-redis", **ReadSpec.from_options(strings).options) as factory:
+            factory.queue("typed")
+    finally:
+        asyncio.run(_drop_redis_prefix(options))
