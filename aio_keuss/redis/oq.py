@@ -27,11 +27,12 @@ keys (the same Lua body for ``Queue.move`` and for the ko that deadletters). On 
 a script can only touch keys of one hash slot, and each queue has its own slot unless the
 factory is opened with ``hash_tag=...`` (then every queue's keys carry that tag and share
 one slot). Without it, ``move`` is refused and deadletter is done in three steps: the ko
-script hands back what must move (the message stays reserved meanwhile, for 60 s from the ko
-whatever was left of its reservation, so it is not handed out again), it is inserted into
-the deadletter queue, then deleted from the source with the same stale-holder guard as a
-commit. A crash between the steps leaves a duplicate (the reservation expires and the
-message comes back), never a loss.
+script hands back what must move and sets the message aside (no longer held, so a racing
+ok, ko or move of the same reservation finds nothing, as after a one-script deadletter;
+due 60 s from the ko, its try counted, so it is not handed out again meanwhile), it is
+inserted into the deadletter queue, then deleted from the source unless it was taken again
+since. A crash between the steps leaves a duplicate (the message comes back after the 60 s,
+as a ko with that delay would), never a loss.
 """
 
 from __future__ import annotations
@@ -460,7 +461,7 @@ return flags
 # ARGV: mode ('' = no deadletter, 'move', 'defer'), max_ko, deadletter header text without
 # x-dl-tries, then per nack: id, tries held ('' = no guard), delay, count try ('1' / '0').
 # Reply: 0 missing / 1 rolled back / 2 deadlettered / 3 to move (defer), per nack; then for
-# each 3: id, payload, new headers, tries held.
+# each 3: id, payload, new headers, tries counted (what DROP_DEFERRED is given).
 _ROLLBACK = """
 local DEFER_HOLD = 60
 local now = server_now()
@@ -485,11 +486,13 @@ for i = 4, #ARGV, 4 do
       else
         local _, headers, payload = unpack_record(rec)
         headers = with_headers(headers, added)
-        for _, v in ipairs({id, payload, headers, stored}) do deferred[#deferred + 1] = v end
-        -- held for the client's next two steps (a reservation that had lapsed would hand
-        -- it out again meanwhile); after a crash between them it comes back
+        for _, v in ipairs({id, payload, headers, tries}) do deferred[#deferred + 1] = v end
+        -- Out of its holder's hands (no longer held: a racing ok, ko or move of the same
+        -- reservation finds nothing, as after a one-script deadletter) and out of reach
+        -- for the client's next two steps, its try counted as a ko counts it; after a
+        -- crash between them it comes back then, as a ko with that delay would.
         redis.call('SREM', KEYS[3], id)  -- first, a write that cannot grow memory
-        redis.call('SADD', KEYS[3], id)
+        redis.call('HSET', KEYS[2], id, with_tries(rec, tries))
         redis.call('ZADD', KEYS[1], now + DEFER_HOLD, id)
         flags[#flags + 1] = 3
       end
@@ -502,6 +505,27 @@ for i = 4, #ARGV, 4 do
   end
 end
 for _, v in ipairs(deferred) do flags[#flags + 1] = v end
+return flags
+"""
+
+# Cluster deadletter, last step. KEYS: due msg held. ARGV per message: id, tries counted.
+# Deletes each message a deferred rollback set aside (not held, the tries it wrote), once
+# its copy is in the deadletter queue; one taken again since (held, or ko-ed: other tries)
+# stays. Reply: 1 / 0 per message.
+_DROP_DEFERRED = """
+local gone, flags = {}, {}
+for i = 1, #ARGV, 2 do
+  local id = ARGV[i]
+  local rec = redis.call('HGET', KEYS[2], id)
+  if rec and redis.call('SISMEMBER', KEYS[3], id) == 0
+      and tries_of(rec) == tonumber(ARGV[i + 1]) then
+    gone[#gone + 1] = id
+    flags[#flags + 1] = 1
+  else
+    flags[#flags + 1] = 0
+  end
+end
+forget(gone, {})
 return flags
 """
 
@@ -656,7 +680,19 @@ INSERT_ONE, GET_ONE, RESERVE_ONE, COMMIT_ONE = (
     Script(body) for body in (_INSERT_ONE, _GET_ONE, _RESERVE_ONE, _COMMIT_ONE)
 )
 
-INSERT, INSERT_BULK, GET, RESERVE, COMMIT, ROLLBACK, MOVE, REMOVE, SIZES, NEXT_MATURE = (
+(
+    INSERT,
+    INSERT_BULK,
+    GET,
+    RESERVE,
+    COMMIT,
+    ROLLBACK,
+    DROP_DEFERRED,
+    MOVE,
+    REMOVE,
+    SIZES,
+    NEXT_MATURE,
+) = (
     Script(_PRELUDE + body)
     for body in (
         _INSERT,
@@ -665,6 +701,7 @@ INSERT, INSERT_BULK, GET, RESERVE, COMMIT, ROLLBACK, MOVE, REMOVE, SIZES, NEXT_M
         _RESERVE,
         _COMMIT,
         _ROLLBACK,
+        _DROP_DEFERRED,
         _MOVE,
         _REMOVE,
         _SIZES,
@@ -1138,13 +1175,16 @@ class RedisOQStore(RedisOQVisibility, Store):
         pending, attempt = moved, 0
         while pending:
             entries = [
-                Entry(moved_id(m_id, deadletter_tag(tries + 1), attempt), payload, headers)
+                Entry(moved_id(m_id, deadletter_tag(tries), attempt), payload, headers)
                 for m_id, payload, headers, tries in pending
             ]
             flags = await target._insert(entries, check_all=True)  # fixed ids: look them up
             pending = [m for m, ok in zip(pending, flags, strict=True) if not ok]
             attempt += 1
-        await self.commit([Ack(m_id, tries) for m_id, _, _, tries in moved])
+        args: list[Any] = []
+        for m_id, _, _, tries in moved:
+            args += (m_id, tries)
+        await self._run(DROP_DEFERRED, self._keys, args)
 
     async def move(self, moves: Sequence[Move]) -> list[str | None]:
         if not self._backend.one_slot:

@@ -10,6 +10,7 @@ import asyncio
 from datetime import UTC, datetime
 
 import pytest
+from backends import BackendCase
 from conftest import Connect, drain_all, needs, needs_reserve
 
 import aio_keuss
@@ -108,3 +109,39 @@ async def test_deadletter_twice_with_the_same_id_keeps_both(connect: Connect) ->
     # the one rename rule of every backend: its own id, then .dl<failed>, then .dl<failed>.N
     names = {m.payload["round"]: m.id for m in dead}
     assert names == {0: "same-order", 1: "same-order.dl1", 2: "same-order.dl1.2"}
+
+
+@pytest.mark.parametrize("second", ["ko", "ok"])
+async def test_a_ko_past_max_ko_racing_another_ok_or_ko_of_the_holder_ends_in_one_place(
+    connect: Connect, second: str, case: BackendCase, request: pytest.FixtureRequest
+) -> None:
+    """One holder's ko past max_ko and, at the same time, another ko or an ok of the same
+    reservation (two tasks handling one message): whichever lands first decides, and the
+    message ends in exactly one place. On Redis Cluster (deadletter in three steps) the
+    message stayed held while its copy was written, so the racing ko deadlettered it a
+    second time (two copies, both kos DEADLETTERED) and the racing ok acknowledged it
+    beside its deadletter copy."""
+    if case.name == "redis-sharded":  # its two-step deadletter keeps the record held
+        request.applymarker(
+            pytest.mark.xfail(reason="redis-sharded: a racing ko deadletters twice", strict=False)
+        )
+    factory = await connect(deadletter={"max_ko": 0}, poll_interval=5.0)
+    needs(factory, "reserve")
+    q = await factory.queue("work")
+    dl = await factory.queue("__deadletter__")
+    await q.push({"x": 1})
+    held = await q.reserve(timeout=30)
+    assert held is not None
+    outcomes = await asyncio.gather(q.ko(held), q.ko(held) if second == "ko" else q.ok(held))
+    copies = 0
+    while await dl.pop(timeout=0.5) is not None:
+        copies += 1
+    if second == "ko":
+        assert outcomes.count(KoResult.DEADLETTERED) == 1, outcomes
+        assert copies == 1, outcomes
+    else:
+        assert copies + (outcomes[1] is True) == 1, outcomes
+        assert (outcomes[0] is KoResult.DEADLETTERED) == (copies == 1), outcomes
+    assert await q.total_size() == 0
+    stats = await q.stats()
+    assert stats["deadletter"] == copies, (stats, outcomes)
