@@ -6,7 +6,8 @@ Storage model (all keys of queue ``q`` share the hash tag ``{q}``, see
 
     <base>pending               LIST  ids waiting; LPUSH at the left, consumed at the right
     <base>processing:<cid>      LIST  ids reserved by consumer <cid> (one per Store object)
-    <base>msg:<id>              HASH  p=payload, h=headers, t=tries, m=mature (first queued)
+    <base>msg:<id>              HASH  p=payload, h=headers, t=tries, m=mature (first queued),
+                                      x=1 while a cluster deadletter sets it aside
     <base>dedup:<id>            STRING  "1" with a TTL of dedup_window: explicit ids seen
     <base>failed                LIST  ids moved to the deadletter queue (newest left, capped)
     <base>processed             INT   commits (ok) ever made
@@ -41,8 +42,10 @@ deadletter queue (its own keys, same prefix) with tries 0 and the ``x-dl-*`` hea
 the id to this queue's ``failed`` list (capped at ``failed_max`` entries, a log like the
 seed's failed list) and increments ``failed-count``. Outside Redis Cluster that is one
 script, atomic. On a cluster the two queues live in different slots, so it is done in
-three steps that keep the message held by the consumer until its copy is in the deadletter
-queue: a crash in between may leave a duplicate there, never a loss.
+three steps that keep the message in the consumer's processing list until its copy is in
+the deadletter queue, set aside (body field ``x``, its try counted) so that a racing ok, ko
+or move of it finds nothing, as after the one-script move: a crash in between may leave a
+duplicate there (recovery gives it back, that try not counted again), never a loss.
 """
 
 from __future__ import annotations
@@ -221,14 +224,16 @@ return out
 """
 
 # KEYS: processing, processed. ARGV: base, then 2 per ack: id, tries ('' = unchecked).
-# Held = in this consumer's processing list with the tries its holder was given.
+# Held = in this consumer's processing list with the tries its holder was given, and not set
+# aside by a ko deadlettering it in three steps (field x, see _ROLLBACK).
 _COMMIT = """
 local base = ARGV[1]
 local out, done = {}, 0
 for i = 2, #ARGV, 2 do
   local id, want = ARGV[i], ARGV[i + 1]
   local body = base .. 'msg:' .. id
-  local t = redis.call('HGET', body, 't')
+  local b = redis.call('HMGET', body, 't', 'x')  -- x: set aside by a deferred deadletter
+  local t = not b[2] and b[1]
   if t and (want == '' or t == want) and redis.call('LREM', KEYS[1], -1, id) > 0 then
     redis.call('DEL', body)
     done = done + 1
@@ -258,7 +263,8 @@ local stamp = nil
 for i = 6, #ARGV, 3 do
   local id, want, count = ARGV[i], ARGV[i + 1], ARGV[i + 2] == '1'
   local body = base .. 'msg:' .. id
-  local t = redis.call('HGET', body, 't')
+  local b = redis.call('HMGET', body, 't', 'x')
+  local t = not b[2] and b[1]
   if not t or (want ~= '' and t ~= want) then
     out[#out + 1] = 0
   else
@@ -268,6 +274,10 @@ for i = 6, #ARGV, 3 do
       if dl == 'defer' then
         if redis.call('LPOS', KEYS[2], id) then  -- O(in-flight), like LREM
           local b = redis.call('HMGET', body, 'p', 'h')
+          -- set aside (x), its try counted: out of its holders' hands until the last
+          -- step drops it, so a racing ok, ko or move of it finds nothing; recovery
+          -- after a crash gives it back without counting that try again
+          redis.call('HSET', body, 't', tries, 'x', 1)
           out[#out + 1] = 3
           out[#out + 1] = b[1]; out[#out + 1] = b[2]; out[#out + 1] = tries
         else
@@ -316,7 +326,8 @@ local base, out, stamp = ARGV[1], {}, nil
 for i = 2, #ARGV, 8 do
   local id, want = ARGV[i], ARGV[i + 1]
   local body = base .. 'msg:' .. id
-  local t = redis.call('HGET', body, 't')
+  local b = redis.call('HMGET', body, 't', 'x')
+  local t = not b[2] and b[1]
   if not t or (want ~= '' and t ~= want) or redis.call('LREM', KEYS[1], -1, id) == 0 then
     out[#out + 1] = ''
   else
@@ -333,11 +344,13 @@ return out
 )
 
 # Cluster deadletter, last step. KEYS: processing, failed, failed-count. ARGV: failed_max,
-# base, ids. Drops messages whose copies are now in the deadletter queue.
+# base, ids. Drops messages whose copies are now in the deadletter queue: those still set
+# aside (x) in this consumer's list (one recovered meanwhile may be another's now).
 _DROP_DEADLETTERED = """
 local base, done = ARGV[2], 0
 for i = 3, #ARGV do
-  if redis.call('LREM', KEYS[1], -1, ARGV[i]) > 0 then
+  if redis.call('HEXISTS', base .. 'msg:' .. ARGV[i], 'x') == 1
+      and redis.call('LREM', KEYS[1], -1, ARGV[i]) > 0 then
     redis.call('DEL', base .. 'msg:' .. ARGV[i])
     redis.call('LPUSH', KEYS[2], ARGV[i])
     done = done + 1
@@ -384,7 +397,8 @@ for _ = 1, tonumber(ARGV[3]) do
   if not id then break end
   local body = base .. 'msg:' .. id
   if redis.call('EXISTS', body) == 1 then
-    redis.call('HINCRBY', body, 't', 1)
+    -- set aside by a deferred deadletter (x): its try was counted then
+    if redis.call('HDEL', body, 'x') == 0 then redis.call('HINCRBY', body, 't', 1) end
     moved = moved + 1
   else
     redis.call('RPOP', KEYS[2])  -- an id without a body: drop it
@@ -405,7 +419,7 @@ for i = 2, #ARGV do
   if redis.call('LREM', KEYS[1], 1, id) == 1 then
     local body = base .. 'msg:' .. id
     if redis.call('EXISTS', body) == 1 then
-      redis.call('HINCRBY', body, 't', 1)
+      if redis.call('HDEL', body, 'x') == 0 then redis.call('HINCRBY', body, 't', 1) end
       redis.call('RPUSH', KEYS[2], id)
       moved = moved + 1
     end

@@ -390,6 +390,46 @@ async def test_on_redis_cluster_deadletter_crosses_slots() -> None:
         await redis_cluster._drop_redis_cluster_prefix(options)
 
 
+@pytest.mark.parametrize("second", ["ko", "ok"])
+async def test_on_redis_cluster_a_racing_ok_or_ko_of_a_message_being_deadlettered(
+    second: str,
+) -> None:
+    """The three-step deadletter kept the message in the holder's processing list as it
+    was, so a second ko of the same reservation racing the first deadlettered it again (two
+    copies) and a racing ok acknowledged it beside its copy. The first step now sets it
+    aside: whichever lands first decides, and the message ends in one place."""
+    import redis_cluster
+
+    reason = redis_cluster.start_redis_cluster()
+    if reason:
+        pytest.skip(reason)
+    options = {"url": redis_cluster.CLUSTER_URL, "cluster": True, "prefix": f"akt-rr-{new_token()}"}
+    try:
+        async with aio_keuss.connect(
+            "redis-reliable",
+            heartbeat_ttl=TTL,
+            deadletter={"max_ko": 0, "queue": "dlq"},
+            **options,
+        ) as factory:
+            q = await factory.queue("q1")
+            dlq = await factory.queue("dlq")
+            await q.push({"a": 1})
+            m = await q.reserve(timeout=1)
+            assert m is not None
+            outcomes = await asyncio.gather(q.ko(m), q.ko(m) if second == "ko" else q.ok(m))
+            copies = await dlq.pop_many(10, timeout=0.5)
+            if second == "ko":
+                assert outcomes.count(KoResult.DEADLETTERED) == 1, outcomes
+                assert len(copies) == 1, outcomes
+            else:  # whichever landed first
+                assert len(copies) + (outcomes[1] is True) == 1, outcomes
+                assert (outcomes[0] is KoResult.DEADLETTERED) == (len(copies) == 1), outcomes
+            assert all(c.headers["x-dl-tries"] == 1 for c in copies)
+            assert await q.sizes() == Sizes(0, 0, 0, 0)
+    finally:
+        await redis_cluster._drop_redis_cluster_prefix(options)
+
+
 async def test_a_reservation_no_caller_of_a_live_consumer_holds_comes_back(
     connect: Connect,
 ) -> None:
