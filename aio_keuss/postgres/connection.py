@@ -405,10 +405,14 @@ class PostgresConnection(Backend):
         # transactions and the rest). A user's pool is shared with the user: half of it.
         # The user's pool has its own settings: ours are SET on what we hold, and the
         # pool's reset on release (RESET ALL by default) undoes them.
+        # At least one always stays in the pool: a held connection never goes back to it,
+        # so a call finding every held one busy, waiting on a pool they had emptied (a pool
+        # of one connection), waited forever.
         size = self._pool.get_max_size()
         limit = size - 2 if self._owns_pool else size // 2
         setup = None if self._owns_pool else _SET_SERVER_SETTINGS
-        self._held = _HeldConnections(self._pool, max(1, min(HELD_CONNECTIONS, limit)), setup)
+        limit = min(HELD_CONNECTIONS, max(1, limit), size - 1)
+        self._held = _HeldConnections(self._pool, limit, setup)
         try:
             await self.migrate()
         except BaseException:

@@ -1082,3 +1082,26 @@ async def test_a_serializable_default_isolation_does_not_fail_concurrent_consume
         await admin.execute(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
         await admin.execute(f'DROP ROLE "{role}"')
         await admin.close()
+
+
+@pytest.mark.parametrize("own_pool", [True, False])
+async def test_a_pool_of_one_connection_serves_concurrent_calls(
+    schema: str, own_pool: bool
+) -> None:
+    """With a pool of one connection, the connection the factory holds for its one-statement
+    calls was the pool's only one: a second call at the same time fell back on the pool and
+    waited there forever, since a held connection never goes back to the pool."""
+    pool = None if own_pool else await asyncpg.create_pool(POSTGRES_URL, min_size=0, max_size=1)
+    options: dict[str, Any] = (
+        {"min_pool_size": 0, "max_pool_size": 1} if own_pool else {"pool": pool}
+    )
+    try:
+        async with aio_keuss.connect("postgres", url=POSTGRES_URL, schema=schema, **options) as f:
+            q = await f.queue("tiny")
+            async with asyncio.timeout(30):  # a hang is forever: any bound shows it
+                await asyncio.gather(*(q.push(n) for n in range(5)), q.size(), q.stats())
+                got = await asyncio.gather(*(q.pop(timeout=0) for _ in range(5)))
+            assert sorted(m.payload for m in got if m is not None) == [0, 1, 2, 3, 4]
+    finally:
+        if pool is not None:
+            await pool.close()
