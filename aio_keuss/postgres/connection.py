@@ -430,6 +430,16 @@ class PostgresConnection(Backend):
         steps = migrations()
         known = steps[-1][0] if steps else 0
         async with self.transaction() as connection:
+            # Up to date (every open but the first of a release): nothing to write, so no
+            # lock and no DDL, which a role with only the rights to use the tables may not
+            # run (CREATE ... IF NOT EXISTS checks the CREATE privilege first).
+            versions = f"{schema}.schema_versions"
+            if await connection.fetchval("SELECT to_regclass($1) IS NOT NULL", versions):
+                done = await connection.fetchval(
+                    f"SELECT coalesce(max(version), 0) FROM {versions}"
+                )
+                if done == known:
+                    return
             await connection.execute(_SCHEMA_LOCK, self.schema)
             await connection.execute(_VERSIONS_DDL.replace("{s}", schema))
             done = await connection.fetchval(

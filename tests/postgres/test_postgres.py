@@ -1105,3 +1105,36 @@ async def test_a_pool_of_one_connection_serves_concurrent_calls(
     finally:
         if pool is not None:
             await pool.close()
+
+
+async def test_a_role_without_ddl_rights_opens_a_schema_already_up_to_date(
+    schema: str, open_factory: Open
+) -> None:
+    """The schema is made and upgraded by a role that may (here the first factory's); an
+    application's role with only the rights to use its tables must still open it. Every
+    open ran CREATE SCHEMA / CREATE TABLE IF NOT EXISTS, which PostgreSQL checks the CREATE
+    privilege for before it sees the object exists: "permission denied for database"."""
+    from aio_keuss.postgres.sql import migrations
+
+    await (await open_factory()).close()
+    role = f"akt_role_{new_token()}"
+    admin = await asyncpg.connect(POSTGRES_URL)
+    try:
+        await admin.execute(f'CREATE ROLE "{role}" LOGIN')
+        await admin.execute(
+            f'GRANT USAGE ON SCHEMA "{schema}" TO "{role}";'
+            f' GRANT SELECT, INSERT, UPDATE, DELETE ON ALL TABLES IN SCHEMA "{schema}"'
+            f' TO "{role}"; GRANT EXECUTE ON ALL FUNCTIONS IN SCHEMA "{schema}" TO "{role}"'
+        )
+        parts = urlsplit(POSTGRES_URL)
+        url = urlunsplit(parts._replace(netloc=f"{role}@{parts.hostname}:{parts.port or 5432}"))
+        async with aio_keuss.connect("postgres", url=url, schema=schema) as factory:
+            q = await factory.queue("limited")
+            await q.push("by the app's role")
+            got = await q.pop(timeout=5)
+            assert got is not None and got.payload == "by the app's role"
+        assert await _versions(schema) == [v for v, _ in migrations()]
+    finally:
+        await admin.execute(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
+        await admin.execute(f'DROP OWNED BY "{role}"; DROP ROLE "{role}"')
+        await admin.close()
