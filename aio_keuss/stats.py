@@ -123,7 +123,7 @@ class StatsStore(ABC):
     async def _flush_buffer(self) -> bool:
         """Write the buffer out; whether there was anything to write. On failure the batch
         goes back into the buffer for the next flush."""
-        if not self._buffer:
+        if not self._buffer and not self._unsettled():
             return False
         batch: Increments = {q: dict(c) for q, c in self._buffer.items()}
         self._buffer.clear()
@@ -159,7 +159,7 @@ class StatsStore(ABC):
                     log.info("%s: stats flush works again", type(self).__name__)
             finally:
                 self._flushing = False
-                if not self._buffer:  # a failed batch went back: it stays set
+                if not self._buffer and not self._unsettled():  # a failed batch: stays set
                     self._dirty.clear()
 
     def _flush_failed(self, exc: Exception) -> None:
@@ -185,6 +185,12 @@ class StatsStore(ABC):
                 self._buffer[queue][name] += value
 
     # what a database provides ---------------------------------------------------------
+
+    def _unsettled(self) -> bool:
+        """Whether a batch :meth:`_apply` kept aside (its outcome unknown, it raised
+        :class:`PartlyWritten` without it) must still be sent: the next flush calls
+        :meth:`_apply` for it even with nothing new buffered."""
+        return False
 
     @abstractmethod
     async def _apply(self, increments: Increments) -> None:

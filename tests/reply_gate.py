@@ -23,6 +23,7 @@ class ReplyGate:
         self._open = threading.Event()
         self._open.set()
         self._listener = socket.create_server(("127.0.0.1", 0))
+        self._sockets: list[socket.socket] = []
         self.port: int = self._listener.getsockname()[1]
         threading.Thread(target=self._accept, daemon=True).start()
 
@@ -32,10 +33,21 @@ class ReplyGate:
     def open(self) -> None:
         self._open.set()
 
+    def cut(self) -> None:
+        """Close every connection made so far, both ways: a reply held back is never
+        delivered (the server did the work; the client sees its connection lost)."""
+        sockets, self._sockets = self._sockets, []
+        for sock in sockets:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+            with contextlib.suppress(OSError):
+                sock.close()
+
     def _accept(self) -> None:
         while True:
             client, _ = self._listener.accept()
             server = socket.create_connection(self.target)
+            self._sockets += (client, server)
             for sock in (client, server):
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             threading.Thread(target=self._pump, args=(client, server, False), daemon=True).start()

@@ -1,21 +1,43 @@
 """Stats in PostgreSQL: counters, paused flags and queue options in the backend's schema.
 
-The tables (``stats``, ``queues``, ``pipelines``) are made by the schema's migrations with
-the message table, and the statements are the ``stats_*`` blocks of ``sql/queries.sql``. Increments
-are buffered by :class:`StatsStore` and written as ONE upsert per flush, whatever the number
-of queues and counters in it.
+The tables (``stats``, ``queues``, ``pipelines``, ``stats_flushes``) are made by the
+schema's migrations with the message table, and the statements are the ``stats_*`` blocks of
+``sql/queries.sql``. Increments are buffered by :class:`StatsStore` and written as ONE
+upsert per flush, whatever the number of queues and counters in it.
+
+Each flush carries a number, and the server applies it only if that number is past the last
+one this store had applied (``stats_flushes``, one row per store, in the same statement). A
+flush that fails is kept aside as it was, with its number, and sent again, alone and first,
+by the next flush: when the server had applied it and only the reply was lost (the
+connection broke), it is not applied a second time.
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
 from typing import TYPE_CHECKING, Any
 
 import orjson
 
-from ..stats import Increments, StatsStore
+from ..errors import KeussError
+from ..stats import Increments, PartlyWritten, StatsStore
 
 if TYPE_CHECKING:
     from .connection import PostgresConnection
+
+
+def _columns(increments: Increments) -> tuple[list[str], list[str], list[int]]:
+    queues: list[str] = []
+    names: list[str] = []
+    values: list[int] = []
+    for queue, counters in increments.items():
+        for name, value in counters.items():
+            if value:
+                queues.append(queue)
+                names.append(name)
+                values.append(value)
+    return queues, names, values
 
 
 class PostgresStats(StatsStore):
@@ -23,25 +45,58 @@ class PostgresStats(StatsStore):
         super().__init__()
         self._db = backend
         self._sql = backend.sql
+        self._origin = os.urandom(12).hex()
+        self._seq = 0  # the number of the last flush sent
+        self._unsent: Increments | None = None  # flush number _seq, outcome unknown
+
+    async def open(self) -> None:
+        await super().open()
+        with contextlib.suppress(KeussError):  # housekeeping: a later open does it
+            await self._db.execute(self._sql["stats_forget_flushes"], None)
+
+    async def close(self) -> None:
+        await super().close()
+        if self._seq and self._unsent is None:
+            with contextlib.suppress(KeussError):
+                await self._db.execute(self._sql["stats_forget_flushes"], self._origin)
+
+    def _unsettled(self) -> bool:
+        return self._unsent is not None
 
     async def _apply(self, increments: Increments) -> None:
-        queues: list[str] = []
-        names: list[str] = []
-        values: list[int] = []
-        for queue, counters in increments.items():
-            for name, value in counters.items():
-                if value:
-                    queues.append(queue)
-                    names.append(name)
-                    values.append(value)
-        if values:
-            await self._db.execute(self._sql["stats_apply"], queues, names, values)
+        if self._unsent is not None:  # raises again: the new batch goes back to the buffer
+            await self._write(self._unsent, self._seq)
+            self._unsent = None
+        if not any(_columns(increments)[2]):
+            return
+        self._seq += 1
+        try:
+            await self._write(increments, self._seq)
+        except Exception as exc:
+            # The server may have applied it: kept aside with its number, not merged back
+            self._unsent = increments
+            raise PartlyWritten({}, exc) from exc
+
+    async def _write(self, increments: Increments, seq: int) -> None:
+        queues, names, values = _columns(increments)
+        await self._db.execute(self._sql["stats_apply"], queues, names, values, self._origin, seq)
 
     async def _load_counters(self, queue: str) -> dict[str, int]:
+        counters: dict[str, int] = {}
+        if self._unsent is not None:  # applied already, or still to add?
+            flushed = await self._db.fetchval(self._sql["stats_flushed"], self._origin)
+            if flushed is not None and flushed >= self._seq:
+                self._unsent = None  # it had landed: nothing to send again
+            else:
+                counters = dict(self._unsent.get(queue, {}))
         rows = await self._db.fetch(self._sql["stats_counters"], queue)
-        return {row[0]: row[1] for row in rows}
+        for row in rows:
+            counters[row[0]] = counters.get(row[0], 0) + row[1]
+        return counters
 
     async def _reset(self, queue: str) -> None:
+        if self._unsent is not None:  # sent again without it: applied or not, it is zeroed
+            self._unsent.pop(queue, None)
         await self._db.execute(self._sql["stats_reset"], queue)
 
     async def set_paused(self, queue: str, paused: bool) -> None:

@@ -1138,3 +1138,54 @@ async def test_a_role_without_ddl_rights_opens_a_schema_already_up_to_date(
         await admin.execute(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
         await admin.execute(f'DROP OWNED BY "{role}"; DROP ROLE "{role}"')
         await admin.close()
+
+
+async def test_a_stats_flush_whose_reply_is_lost_is_not_counted_twice(schema: str) -> None:
+    """The server applied a flush of the counters and its reply was lost with the
+    connection: the batch went back into the buffer and the next flush added it again."""
+    from reply_gate import ReplyGate
+
+    host, port = urlsplit(POSTGRES_URL).hostname, urlsplit(POSTGRES_URL).port or 5432
+    gate = ReplyGate(host or "127.0.0.1", port)
+    parts = urlsplit(POSTGRES_URL)
+    url = urlunsplit(
+        parts._replace(netloc=parts.netloc.rsplit("@", 1)[0] + f"@127.0.0.1:{gate.port}")
+    )
+    direct = await asyncpg.connect(POSTGRES_URL)
+
+    async def stored_puts() -> int:
+        value = await direct.fetchval(
+            f"SELECT value FROM \"{schema}\".stats WHERE queue = 'counted' AND counter = 'put'"
+        )
+        return int(value or 0)
+
+    try:
+        factory = await aio_keuss.connect(  # one connection held: the flush's is prepared
+            "postgres", url=url, schema=schema, signal="local", max_pool_size=3
+        )
+        try:
+            q = await factory.queue("counted")
+            await q.push("first")
+            async with asyncio.timeout(30):
+                while await stored_puts() != 1:  # noqa: ASYNC110
+                    await asyncio.sleep(0.05)
+            await q.push_many([1, 2])
+            gate.shut()  # the flush runs and commits on the server; its reply is held
+            async with asyncio.timeout(30):
+                while await stored_puts() != 3:  # noqa: ASYNC110
+                    await asyncio.sleep(0.05)
+            gate.cut()  # ... and never delivered: the connection is lost
+            gate.open()
+            async with asyncio.timeout(30):
+                while True:  # the flusher sees the loss and writes again
+                    try:
+                        assert (await q.stats())["put"] == 3
+                        break
+                    except aio_keuss.KeussConnectionError:
+                        await asyncio.sleep(0.05)
+        finally:
+            await factory.close()
+        assert await stored_puts() == 3
+    finally:
+        gate.cut()
+        await direct.close()

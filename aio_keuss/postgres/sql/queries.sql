@@ -413,9 +413,30 @@ WHERE ctid = ANY(ARRAY(
 -- number of queues and counters in it.
 
 -- name: stats_apply
+-- Flush number $5 of the stats store $4: applied only if its number is past the last one
+-- that store had applied (a flush whose reply was lost is sent again with its number, and
+-- is then applied once, whether or not the server had it). One statement: the number and
+-- the counters commit together.
+WITH flush AS (
+    INSERT INTO {s}.stats_flushes AS f (origin, seq, at) VALUES ($4, $5, now())
+    ON CONFLICT (origin) DO UPDATE SET seq = EXCLUDED.seq, at = EXCLUDED.at
+    WHERE f.seq < EXCLUDED.seq
+    RETURNING 1
+)
 INSERT INTO {s}.stats (queue, counter, value)
-SELECT * FROM unnest($1::text[], $2::text[], $3::int8[])
+SELECT c.queue, c.counter, c.value
+FROM unnest($1::text[], $2::text[], $3::int8[]) AS c(queue, counter, value)
+WHERE EXISTS (SELECT 1 FROM flush)
 ON CONFLICT (queue, counter) DO UPDATE SET value = stats.value + EXCLUDED.value
+
+-- name: stats_flushed
+-- The number of the last flush stats store $1 had applied (NULL: none).
+SELECT seq FROM {s}.stats_flushes WHERE origin = $1
+
+-- name: stats_forget_flushes
+-- A stats store closing with nothing unsettled ($1), and those silent for a week (NULL).
+DELETE FROM {s}.stats_flushes
+WHERE origin = $1 OR ($1 IS NULL AND at < now() - interval '7 days')
 
 -- name: stats_counters
 SELECT counter, value FROM {s}.stats WHERE queue = $1
