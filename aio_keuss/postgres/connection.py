@@ -177,6 +177,8 @@ _SCHEMA_LOCK = "SELECT pg_advisory_xact_lock(hashtext('aio_keuss:' || $1))"
 """Serializes schema changes across processes (CREATE ... IF NOT EXISTS alone races on the
 catalog's unique indexes). The key is derived from the schema name."""
 
+_NO_TIMEOUTS = "SET LOCAL statement_timeout = 0; SET LOCAL lock_timeout = 0"
+
 _VERSIONS_DDL = """
 CREATE SCHEMA IF NOT EXISTS {s};
 CREATE TABLE IF NOT EXISTS {s}.schema_versions (
@@ -440,6 +442,10 @@ class PostgresConnection(Backend):
                 )
                 if done == known:
                     return
+            # Waiting for another process's migration, or building an index over a big
+            # table, may take longer than the role's statement_timeout / lock_timeout
+            # allow: for this transaction, none (a failed open would fail on every start).
+            await connection.execute(_NO_TIMEOUTS)
             await connection.execute(_SCHEMA_LOCK, self.schema)
             await connection.execute(_VERSIONS_DDL.replace("{s}", schema))
             done = await connection.fetchval(

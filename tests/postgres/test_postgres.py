@@ -1189,3 +1189,42 @@ async def test_a_stats_flush_whose_reply_is_lost_is_not_counted_twice(schema: st
     finally:
         gate.cut()
         await direct.close()
+
+
+async def test_a_role_statement_timeout_does_not_fail_an_open_waiting_its_turn(
+    schema: str,
+) -> None:
+    """Processes starting at once wait for the one migrating (the schema's advisory lock).
+    Under a role's or database's statement_timeout / lock_timeout shorter than that wait
+    (or than a step, such as an index built over a big table), the open failed with
+    "canceling statement due to statement timeout", on every start while the wait lasted."""
+    key = f"aio_keuss:{schema}"
+    holder = await asyncpg.connect(POSTGRES_URL)
+    try:
+        async with holder.transaction():  # as another process migrating would hold it
+            await holder.execute("SELECT pg_advisory_xact_lock(hashtext($1))", key)
+            opening = asyncio.ensure_future(
+                aio_keuss.connect(
+                    "postgres",
+                    url=f"{POSTGRES_URL}?statement_timeout=100&lock_timeout=100",
+                    schema=schema,
+                )
+            )
+            async with asyncio.timeout(30):
+                while not await holder.fetchval(  # noqa: ASYNC110
+                    "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory'"
+                    " AND NOT granted AND objid = hashtext($1)::oid",
+                    key,
+                ):
+                    assert not opening.done(), opening
+                    await asyncio.sleep(0.02)
+            await asyncio.sleep(0.5)  # the wait outlasts those timeouts
+        factory = await asyncio.wait_for(opening, 30)
+        try:
+            q = await factory.queue("after-waiting")
+            await q.push("in")
+            assert (await q.pop(timeout=5)).payload == "in"  # type: ignore[union-attr]
+        finally:
+            await factory.close()
+    finally:
+        await holder.close()
