@@ -1211,7 +1211,7 @@ async def test_a_role_statement_timeout_does_not_fail_an_open_waiting_its_turn(
                 )
             )
             async with asyncio.timeout(30):
-                while not await holder.fetchval(  # noqa: ASYNC110
+                while not await holder.fetchval(
                     "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory'"
                     " AND NOT granted AND objid = hashtext($1)::oid",
                     key,
