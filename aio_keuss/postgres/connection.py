@@ -434,13 +434,15 @@ class PostgresConnection(Backend):
         async with self.transaction() as connection:
             # Up to date (every open but the first of a release): nothing to write, so no
             # lock and no DDL, which a role with only the rights to use the tables may not
-            # run (CREATE ... IF NOT EXISTS checks the CREATE privilege first).
+            # run (CREATE ... IF NOT EXISTS checks the CREATE privilege first). Past this
+            # release's steps: refused here too, before any DDL such a role would fail on.
             versions = f"{schema}.schema_versions"
             if await connection.fetchval("SELECT to_regclass($1) IS NOT NULL", versions):
                 done = await connection.fetchval(
                     f"SELECT coalesce(max(version), 0) FROM {versions}"
                 )
-                if done == known:
+                if done >= known:
+                    self._refuse_newer(done, known)
                     return
             # Waiting for another process's migration, or building an index over a big
             # table, may take longer than the role's statement_timeout / lock_timeout
@@ -451,18 +453,22 @@ class PostgresConnection(Backend):
             done = await connection.fetchval(
                 f"SELECT coalesce(max(version), 0) FROM {schema}.schema_versions"
             )
-            if done > known:
-                raise ConfigError(
-                    f"schema {self.schema!r} is at version {done}, made by a newer aio-keuss"
-                    f" than this one (which knows versions up to {known}): upgrade aio-keuss"
-                    " to open it"
-                )
+            self._refuse_newer(done, known)
             for version, step in steps:
                 if version > done:
                     await connection.execute(step.replace("{s}", schema))
                     await connection.execute(
                         f"INSERT INTO {schema}.schema_versions (version) VALUES ($1)", version
                     )
+
+    def _refuse_newer(self, done: int, known: int) -> None:
+        """ConfigError for a schema at version ``done``, past the ``known`` steps."""
+        if done > known:
+            raise ConfigError(
+                f"schema {self.schema!r} is at version {done}, made by a newer aio-keuss"
+                f" than this one (which knows versions up to {known}): upgrade aio-keuss"
+                " to open it"
+            )
 
     @translated
     async def close(self) -> None:

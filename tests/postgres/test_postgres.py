@@ -1228,3 +1228,36 @@ async def test_a_role_statement_timeout_does_not_fail_an_open_waiting_its_turn(
             await factory.close()
     finally:
         await holder.close()
+
+
+async def test_a_role_without_ddl_rights_is_told_a_newer_release_migrated_the_schema(
+    schema: str, open_factory: Open
+) -> None:
+    """The up-to-date check read the version first but went on to the DDL for anything but
+    this release's version: a schema a newer release had migrated, opened by an application
+    role without the CREATE privilege, failed with "permission denied" rather than the
+    ConfigError that says to upgrade aio-keuss."""
+    from aio_keuss.postgres.sql import migrations
+
+    latest = migrations()[-1][0]
+    await (await open_factory()).close()
+    role = f"akt_role_{new_token()}"
+    admin = await asyncpg.connect(POSTGRES_URL)
+    try:
+        await admin.execute(
+            f'INSERT INTO "{schema}".schema_versions (version) VALUES ($1)', latest + 1
+        )
+        await admin.execute(f'CREATE ROLE "{role}" LOGIN')
+        await admin.execute(
+            f'GRANT USAGE ON SCHEMA "{schema}" TO "{role}";'
+            f' GRANT SELECT, INSERT, UPDATE, DELETE ON ALL TABLES IN SCHEMA "{schema}"'
+            f' TO "{role}"; GRANT EXECUTE ON ALL FUNCTIONS IN SCHEMA "{schema}" TO "{role}"'
+        )
+        parts = urlsplit(POSTGRES_URL)
+        url = urlunsplit(parts._replace(netloc=f"{role}@{parts.hostname}:{parts.port or 5432}"))
+        with pytest.raises(aio_keuss.ConfigError, match=f"version {latest + 1}.*newer"):
+            await aio_keuss.connect("postgres", url=url, schema=schema)
+    finally:
+        await admin.execute(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
+        await admin.execute(f'DROP OWNED BY "{role}"; DROP ROLE IF EXISTS "{role}"')
+        await admin.close()
