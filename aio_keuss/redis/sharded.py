@@ -173,13 +173,21 @@ class RedisShardStorage(ShardStorage):
         i = 3
         for nack in nacks:
             if reply[i] == 3:
-                doomed.append(Doomed(nack.id, reply[i + 1], reply[i + 2], int(reply[i + 3])))
+                tries, aside = int(reply[i + 3]), reply[i + 4].decode()
+                doomed.append(Doomed(nack.id, reply[i + 1], reply[i + 2], tries, aside))
                 results.append(KoResult.DEADLETTERED)
-                i += 4
+                i += 5
             else:
                 results.append(KoResult(reply[i]))
                 i += 1
         return RolledBack(results, doomed, reply[0], reply[1] == 1, _time(reply[2]))
+
+    async def drop_doomed(self, queue: str, shard: int, doomed: Sequence[Doomed]) -> list[bool]:
+        base, keys = self._shard(queue, shard)
+        args: list[Any] = [base]
+        for d in doomed:
+            args += (d.id, d.tries, d.aside)
+        return [flag == 1 for flag in await self._run(lua.DROP_DOOMED, keys, args)]
 
     async def sizes(self, queue: str, shard: int) -> ShardSizes:
         base, keys = self._shard(queue, shard)

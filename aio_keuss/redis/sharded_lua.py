@@ -15,7 +15,9 @@ Shard keys (hash tag ``{queue#shard}``), ``<base>`` being ``prefix:{queue#shard}
                            pointer it was loaded at; absent: <ptr>)
     <base>s:<ptr>    HASH  a record of the sideline magazine (swept, waiting for the shovel)
     <base>t:<n>      HASH  a record leaving its slot within one ROLLBACK (never left behind)
-    <base>q:<seq>    HASH  a scheduled record (pushed or ko-ed with a delay), not yet loaded;
+    <base>q:<seq>    HASH  a scheduled record (pushed or ko-ed with a delay, or set aside by
+                           a ko past max_ko while its deadletter copy is written), not yet
+                           loaded;
                            <seq> zero-padded to 20 digits (older records: unpadded)
     <base>z          ZSET  seq -> mature time of the scheduled records
     <base>ix         HASH  id -> pointer of its record ('s' while sidelined, 'z<seq>' while
@@ -42,6 +44,7 @@ below 1e14 records per shard.
 
 from __future__ import annotations
 
+from ..sharded.storage import DEADLETTER_HOLD
 from .connection import Script
 
 _PRELUDE = """
@@ -81,6 +84,7 @@ local function schedule(key, base, id, due)
   redis.call('RENAME', key, base .. 'q:' .. name)
   redis.call('ZADD', KEYS[4], fmt(due), name)
   redis.call('HSET', KEYS[2], id, 'z' .. name)
+  return 'z' .. name
 end
 -- Load the matured scheduled records (at most ``most``) at the load pointer.
 local function promote(base, now, most)
@@ -347,14 +351,18 @@ return out
 # room there go to the load pointer too, all in the nacks' order. Those leaving the magazine
 # are first moved out of their slots, to <base>t:<n> (renamed away before the script ends),
 # so each release finds its own slot free.
+# A nack past max_ko sets the record aside for the client's deadletter copy: scheduled
+# DEADLETTER_HOLD seconds later, its try counted, no longer held (see DROP_DOOMED).
 # Reply: {version, 1 if something was reloaded, earliest mature scheduled ('' = none), then
-# per nack 0 missing / 1 reloaded / 3 to deadletter (left held), each 3 followed by its p,
-# h, tries held}.
+# per nack 0 missing / 1 reloaded / 3 to deadletter (set aside), each 3 followed by its p,
+# h, tries counted, index entry (z<seq>)}.
 _ROLLBACK = (
     _HELD
     + _PUT_BACK
+    + f"""
+local DEADLETTER_HOLD = {DEADLETTER_HOLD!r}
+"""
     + """
-local DEADLETTER_HOLD = 60
 local base, max_ko = ARGV[1], tonumber(ARGV[2])
 local now = server_now()
 first_write()
@@ -371,16 +379,20 @@ for i = 3, #ARGV, 4 do
     if counted then tries = tries + 1 end
     if max_ko and counted and tries > max_ko then
       local rec = redis.call('HMGET', key, 'p', 'h')
-      -- held while the client copies it into the deadletter queue (a deadline already
-      -- past would let the sweep set it aside for another delivery meanwhile); after a
-      -- crash between the steps it is swept back
-      redis.call('HSET', key, 'x', fmt(now + DEADLETTER_HOLD))
-      -- if the sweep stepped over it (noted in k with its reservation deadline, maybe far
-      -- later), it is looked at again when the hold ends, not at that deadline
-      redis.call('ZADD', KEYS[5], 'XX', 'LT', fmt(now + DEADLETTER_HOLD),
-        string.sub(key, #base + 3))
+      -- Set aside while the client copies it into the deadletter queue: out of the
+      -- magazine (held by no one, so a racing ok or ko of the same reservation finds
+      -- nothing, and the sweep never meets it), its try counted, in the schedule until
+      -- the hold ends; after a crash between the steps it comes back then, as a ko with
+      -- that delay would.
+      local due = now + DEADLETTER_HOLD
+      redis.call('HDEL', key, 'x', 'o')
+      redis.call('HSET', key, 't', tries, 'm', fmt(due))
+      local aside = schedule(key, base, id, due)
+      if not soonest or due < soonest then soonest = due end
+      gone = gone + 1
       out[#out + 1] = 3
-      out[#out + 1] = rec[1]; out[#out + 1] = rec[2]; out[#out + 1] = stored
+      out[#out + 1] = rec[1]; out[#out + 1] = rec[2]; out[#out + 1] = tries
+      out[#out + 1] = aside
     else
       local delay = tonumber(ARGV[i + 3])
       redis.call('HSET', key, 't', tries)
@@ -428,6 +440,30 @@ return out
 """
 )
 
+# KEYS: m ix - z. ARGV: base, then 3 per record a ROLLBACK set aside: id, tries counted,
+# index entry (z<seq>). The deadletter's last step, once the copies are in the deadletter
+# queue: deletes each record still set aside as it was (its index entry and tries as given);
+# one that came back meanwhile (matured and loaded, fired again) stays. Only deletes, so it
+# needs no first_write. Reply: 1 / 0 per record.
+_DROP_DOOMED = """
+local base, out = ARGV[1], {}
+for i = 2, #ARGV, 3 do
+  local id, aside = ARGV[i], ARGV[i + 2]
+  local name = string.sub(aside, 2)
+  local key = base .. 'q:' .. name
+  if string.sub(aside, 1, 1) == 'z' and redis.call('HGET', KEYS[2], id) == aside
+      and tonumber(redis.call('HGET', key, 't')) == tonumber(ARGV[i + 1]) then
+    redis.call('DEL', key)
+    redis.call('ZREM', KEYS[4], name)
+    redis.call('HDEL', KEYS[2], id)
+    out[#out + 1] = 1
+  else
+    out[#out + 1] = 0
+  end
+end
+return out
+"""
+
 # The magazine's head past its end of life: deleted and passed over, up to ``most`` records;
 # returns the new fire pointer. Loads are in time order and a queue has one TTL, so expired
 # records are at the head, but for those reloaded by a ko or the shovel (they keep the end
@@ -473,15 +509,15 @@ return {m[1] - m[2] + matured, m[3], m[4] - m[5], m[1], m[6], m[7], m[8], m[2], 
 
 # KEYS: m ix - z k. ARGV: base, most records to look at. First the reservations an earlier
 # step stepped over (k) whose deadline has passed since: each still held there moves to the
-# sideline (one held longer meanwhile, a deadletter's hold, is noted again with its new
-# deadline). Then walks the fired region from the sweep pointer: an acknowledged record
-# (gone) is passed over, one fired by a pop never exists, one whose reservation deadline
-# passed moves to the sideline (its id marked 's', so its stale holder's ok / ko fail), and
-# one still within its deadline is stepped over and noted in k (pointer -> deadline): the
-# sweep pointer passes it, so however long it is held, the lapsed records behind it, a batch
-# away or more, are swept. A record past its end of life is deleted rather than sidelined,
-# and the magazine's expired head is purged, so the leader clears expired messages of idle
-# queues too.
+# sideline (a slot holding a later reservation meanwhile, fired again after a release, is
+# noted again with its new deadline). Then walks the fired region from the sweep pointer: an
+# acknowledged record (gone) is passed over, one fired by a pop never exists, one whose
+# reservation deadline passed moves to the sideline (its id marked 's', so its stale
+# holder's ok / ko fail), and one still within its deadline is stepped over and noted in k
+# (pointer -> deadline): the sweep pointer passes it, so however long it is held, the lapsed
+# records behind it, a batch away or more, are swept. A record past its end of life is
+# deleted rather than sidelined, and the magazine's expired head is purged, so the leader
+# clears expired messages of idle queues too.
 # Reply: {moved, records left to look at, left in the magazine, version, 1 if reservations
 # within their deadline are noted in k, records in the sideline, next mature scheduled}.
 _SWEEP = (
@@ -516,9 +552,8 @@ for _, at in ipairs(redis.call('ZRANGE', KEYS[5], '-inf', fmt(now), 'BYSCORE', '
     redis.call('ZREM', KEYS[5], at)
   end
 end
--- Deadlines need not rise in fire order (reserve_delay is each process's own, a
--- deadletter holds its record longer): a record still within its deadline is noted and
--- stepped over, never stopped at.
+-- Deadlines need not rise in fire order (reserve_delay is each process's own): a record
+-- still within its deadline is noted and stepped over, never stopped at.
 local stop, at = math.min(f, w + batch), w
 while at < stop do
   local key = base .. 'r:' .. ptr(at)
@@ -709,9 +744,9 @@ redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
 return 1
 """
 
-INSERT, FIRE, COMMIT, ROLLBACK, SIZES, SWEEP, SHOVEL = (
+INSERT, FIRE, COMMIT, ROLLBACK, DROP_DOOMED, SIZES, SWEEP, SHOVEL = (
     Script(_PRELUDE + body)
-    for body in (_INSERT, _FIRE, _COMMIT, _ROLLBACK, _SIZES, _SWEEP, _SHOVEL)
+    for body in (_INSERT, _FIRE, _COMMIT, _ROLLBACK, _DROP_DOOMED, _SIZES, _SWEEP, _SHOVEL)
 )
 READY_ADD, READY_DROP, READY_HEAD, ENROL, LEASE, RELEASE, META, LIST = (
     Script(body)
@@ -742,6 +777,6 @@ end
 
 CLUSTER_GUARDED: dict[Script, Script] = {
     script: Script(_CLUSTER_GUARD + script.text.decode())
-    for script in (INSERT, FIRE, COMMIT, ROLLBACK, SIZES, SWEEP, SHOVEL)
+    for script in (INSERT, FIRE, COMMIT, ROLLBACK, DROP_DOOMED, SIZES, SWEEP, SHOVEL)
 }
 """The shard scripts as run on a Redis Cluster (see ``_CLUSTER_GUARD``)."""

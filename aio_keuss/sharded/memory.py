@@ -25,6 +25,7 @@ from . import meta
 from .backend import ShardedBackend
 from .settings import CAPABILITIES, ShardedOptions
 from .storage import (
+    DEADLETTER_HOLD,
     Doomed,
     Fired,
     Loaded,
@@ -42,10 +43,6 @@ PROMOTE = 1000
 """Matured scheduled records a fire loads at most (as the Redis scripts)."""
 PURGE = 1000
 """Expired records at the magazine's head ``sizes`` deletes at most."""
-
-DEADLETTER_HOLD = 60.0
-"""Seconds a record ko-ed past max_ko stays held while its deadletter copy is written (as
-the Redis scripts): a crash between the two steps brings it back after that."""
 
 SIDELINED = "s"
 """Where an id's record is while it waits in the sideline (else its pointer, or
@@ -400,17 +397,21 @@ class MemoryShardStorage(ShardStorage):
                 continue
             at, record = found
             tries = record.tries + 1 if nack.count_try else record.tries
-            if max_ko is not None and nack.count_try and tries > max_ko:
-                doomed.append(Doomed(record.id, record.payload, record.headers, record.tries))
-                record.deadline = now + DEADLETTER_HOLD  # held while it is copied (as Redis)
-                if at < s.sweep:  # stepped over by the sweep: looked at when the hold ends
-                    heapq.heappush(s.stepped, (record.deadline, at))
-                results.append(KoResult.DEADLETTERED)
-                continue
             del s.magazine[at]
             record.deadline = None
             record.tries = tries
             s.fired -= 1
+            if max_ko is not None and nack.count_try and tries > max_ko:
+                # set aside while its copy is written (as Redis): held by no one, so a
+                # racing ok / ko of it finds nothing; back after the hold if the copier dies
+                due = now + DEADLETTER_HOLD
+                s.schedule_at(record, due)
+                soonest = due if soonest is None else min(soonest, due)
+                aside = s.where[record.id]
+                assert isinstance(aside, str)
+                doomed.append(Doomed(record.id, record.payload, record.headers, tries, aside))
+                results.append(KoResult.DEADLETTERED)
+                continue
             if nack.delay > 0:
                 due = now + nack.delay
                 s.schedule_at(record, due)
@@ -430,6 +431,22 @@ class MemoryShardStorage(ShardStorage):
                 s.put(record)
         reloaded = bool(leaving)
         return RolledBack(results, doomed, s.version, reloaded, soonest)
+
+    async def drop_doomed(self, queue: str, shard: int, doomed: Sequence[Doomed]) -> list[bool]:
+        s = self._shard(queue, shard)
+        out: list[bool] = []
+        for d in doomed:
+            seq = int(d.aside[1:]) if s.where.get(d.id) == d.aside else None
+            record = None if seq is None else s.waiting.get(seq)
+            if seq is None or record is None or record.tries != d.tries:
+                out.append(False)
+                continue
+            del s.waiting[seq]
+            s.forget(record)
+            s.schedule = [item for item in s.schedule if item[1] != seq]
+            heapq.heapify(s.schedule)
+            out.append(True)
+        return out
 
     async def sizes(self, queue: str, shard: int) -> ShardSizes:
         s = self._shard(queue, shard)
@@ -462,7 +479,7 @@ class MemoryShardStorage(ShardStorage):
             looked += 1
             record = s.magazine.get(at)
             if record is not None and record.deadline is not None:
-                if record.deadline > now:  # held longer meanwhile (a deadletter's hold)
+                if record.deadline > now:  # its slot fired again meanwhile, held longer
                     heapq.heappush(s.stepped, (record.deadline, at))
                 else:
                     moved += s.lapse(at, record, now)

@@ -91,13 +91,26 @@ class Fired:
 
 @dataclass(slots=True)
 class Doomed:
-    """A reservation a rollback found past ``max_ko``: left held, for the caller to copy into
-    the deadletter queue and then commit (guarded by ``tries``, what the holder presented)."""
+    """A reservation a rollback found past ``max_ko``: set aside (no longer held, so a
+    racing ``ok`` or ``ko`` of it finds nothing; scheduled ``DEADLETTER_HOLD`` seconds
+    later, its try counted, so that it comes back if the caller dies before the last step),
+    for the caller to copy into the deadletter queue and then drop with
+    :meth:`ShardStorage.drop_doomed`."""
 
     id: str
     payload: bytes
     headers: bytes
     tries: int
+    """Its tries counted, the ko's included (what the copy's ``x-dl-tries`` says)."""
+    aside: str
+    """Where the rollback set it aside (opaque to the caller; Redis: its index entry
+    ``z<seq>``), so that the drop deletes that record and no later one of the id."""
+
+
+DEADLETTER_HOLD = 60.0
+"""Seconds a record ko-ed past max_ko is set aside while its deadletter copy is written: a
+caller dying between the two steps leaves it to come back then (a duplicate, never a loss),
+its try counted once."""
 
 
 @dataclass(slots=True)
@@ -106,13 +119,14 @@ class RolledBack:
 
     results: list[KoResult]
     """Per nack: MISSING (not held as guarded), ROLLED_BACK (reloaded or scheduled) or
-    DEADLETTERED (past ``max_ko``: listed in ``doomed``, still held)."""
+    DEADLETTERED (past ``max_ko``: listed in ``doomed``, set aside)."""
     doomed: list[Doomed]
     version: int
     reloaded: bool
     """True when a record went back into the magazine (the caller announces the shard)."""
     scheduled: float | None
-    """Earliest mature time this rollback scheduled (None: none)."""
+    """Earliest mature time this rollback scheduled, a set-aside record's included (None:
+    none)."""
 
 
 @dataclass(slots=True)
@@ -280,7 +294,10 @@ class ShardStorage(ABC):
         """Release held records (the guard of :meth:`commit`), atomically on the shard.
 
         A nack that counts a try raises the record's tries; if that passes ``max_ko`` the
-        record is left held and returned as :class:`Doomed`. Otherwise its stamp is removed
+        record is set aside and returned as :class:`Doomed`: it leaves the magazine (no
+        longer held: a later ``ok`` / ``ko`` of the same reservation, in this call or
+        another, finds nothing, as if it were gone already) for the schedule, with its new
+        tries, mature ``DEADLETTER_HOLD`` seconds later. Otherwise its stamp is removed
         and it is reloaded at the load pointer (a new place), or with ``delay`` > 0
         scheduled at now + delay (its mature time set to that). A release at no try
         (``count_try`` false, no delay: its holder never saw it) goes back to its place
@@ -296,6 +313,16 @@ class ShardStorage(ABC):
         leaves a copy rather than none."""
 
     @abstractmethod
+    async def drop_doomed(self, queue: str, shard: int, doomed: Sequence[Doomed]) -> list[bool]:
+        """The deadletter's last step, once the copies are in the deadletter queue: delete
+        each record still set aside as :meth:`rollback` returned it (its id's index entry
+        still ``aside``, its tries still ``tries``); per record whether it was. One that
+        came back meanwhile (the caller took longer than ``DEADLETTER_HOLD``: matured,
+        fired again) stays: a duplicate, never a loss. Atomic on the shard.
+
+        Needs: check-and-delete per record, as :meth:`commit`."""
+
+    @abstractmethod
     async def sizes(self, queue: str, shard: int) -> ShardSizes:
         """Purge the magazine's expired head (up to 1,000 records past their end of life at
         the fire pointer), then count. Atomic on the shard; besides the purge, a read of
@@ -305,15 +332,16 @@ class ShardStorage(ABC):
     async def sweep(self, queue: str, shard: int, batch: int) -> SweepStep:
         """One sweep step, atomic on the shard: purge the expired head (up to ``batch``);
         look again at up to ``batch`` reservations stepped over by earlier steps whose
-        deadline has passed since (each still held moves to the sideline; one held longer
-        meanwhile, a deadletter's hold, is noted again); then walk at most ``batch`` fired
-        records from the sweep pointer: a record gone (acknowledged, or fired by a pop) is
-        passed over, one past its deadline moves to the sideline (so its stale holder's
-        ``ok`` / ``ko`` find nothing held; one past its end of life is deleted instead), and
-        one still within its deadline is noted with its deadline and stepped over: the
-        pointer never stops at a long reservation, so lapsed ones behind it, however far,
-        come back. The sweep pointer, the fired count and the swept / expired counters
-        advance in the same step, so two sweepers overlapping never move a record twice.
+        deadline has passed since (each still held moves to the sideline; one whose slot
+        holds a later reservation meanwhile, fired again after a release, is noted again);
+        then walk at most ``batch`` fired records from the sweep pointer: a record gone
+        (acknowledged, or fired by a pop) is passed over, one past its deadline moves to the
+        sideline (so its stale holder's ``ok`` / ``ko`` find nothing held; one past its end
+        of life is deleted instead), and one still within its deadline is noted with its
+        deadline and stepped over: the pointer never stops at a long reservation, so lapsed
+        ones behind it, however far, come back. The sweep pointer, the fired count and the
+        swept / expired counters advance in the same step, so two sweepers overlapping never
+        move a record twice.
 
         Needs: the pointer advance and the moves as one step, or each move claimed by the
         sideline pointer taken first and the magazine record's delete generation-checked

@@ -380,21 +380,21 @@ class ShardedStore(Store):
         return out
 
     async def _deadletter(self, doomed: list[Doomed], plan: DeadletterPlan) -> None:
-        """Copy into the deadletter queue, then drop here with the guard of a commit: the
-        message stays held until its copy exists, so a crash between the two steps leaves a
-        duplicate (swept back later), never a loss. An id already there is renamed by the
-        rule every backend follows."""
+        """Copy into the deadletter queue, then drop here what the rollback set aside (see
+        :class:`Doomed`): a crash between the two steps leaves a duplicate (it comes back
+        after the hold), never a loss. An id already there is renamed by the rule every
+        backend follows."""
         target = await self._store_of(plan.queue, self.options)
         now = time.time()
         pending = [
-            (d.id, append_headers(d.headers, plan.headers(d.tries + 1, now)), d.payload, d.tries)
+            (d.id, append_headers(d.headers, plan.headers(d.tries, now)), d.payload, d.tries)
             for d in doomed
         ]
         clash = 0
         while pending:
             entries = [
                 Entry(
-                    moved_id(mid, deadletter_tag(tries + 1), clash),
+                    moved_id(mid, deadletter_tag(tries), clash),
                     payload,
                     headers,
                     dedup=False,
@@ -405,7 +405,11 @@ class ShardedStore(Store):
             flags = await target._insert_guarded(entries, front=False)  # arrivals: at the back
             pending = [p for p, ok in zip(pending, flags, strict=True) if not ok]
             clash += 1
-        await self.commit([Ack(d.id, d.tries) for d in doomed])
+        drop = self._storage.drop_doomed
+        by_shard = self._by_shard([d.id for d in doomed])
+        await self._each(
+            [drop(self.name, s, [doomed[k] for k in members]) for s, members in by_shard.items()]
+        )
 
     # observing ---------------------------------------------------------------------------
 

@@ -10,7 +10,6 @@ import asyncio
 from datetime import UTC, datetime
 
 import pytest
-from backends import BackendCase
 from conftest import Connect, drain_all, needs, needs_reserve
 
 import aio_keuss
@@ -113,18 +112,14 @@ async def test_deadletter_twice_with_the_same_id_keeps_both(connect: Connect) ->
 
 @pytest.mark.parametrize("second", ["ko", "ok"])
 async def test_a_ko_past_max_ko_racing_another_ok_or_ko_of_the_holder_ends_in_one_place(
-    connect: Connect, second: str, case: BackendCase, request: pytest.FixtureRequest
+    connect: Connect, second: str
 ) -> None:
     """One holder's ko past max_ko and, at the same time, another ko or an ok of the same
     reservation (two tasks handling one message): whichever lands first decides, and the
-    message ends in exactly one place. On Redis Cluster (deadletter in three steps) the
-    message stayed held while its copy was written, so the racing ko deadlettered it a
-    second time (two copies, both kos DEADLETTERED) and the racing ok acknowledged it
-    beside its deadletter copy."""
-    if case.name == "redis-sharded":  # its two-step deadletter keeps the record held
-        request.applymarker(
-            pytest.mark.xfail(reason="redis-sharded: a racing ko deadletters twice", strict=False)
-        )
+    message ends in exactly one place. On Redis Cluster (deadletter in three steps) and on
+    redis-sharded (two steps) the message stayed held while its copy was written, so the
+    racing ko deadlettered it a second time (two copies, both kos DEADLETTERED) and the
+    racing ok acknowledged it beside its deadletter copy."""
     factory = await connect(deadletter={"max_ko": 0}, poll_interval=5.0)
     needs(factory, "reserve")
     q = await factory.queue("work")

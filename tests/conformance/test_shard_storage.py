@@ -17,8 +17,8 @@ from conftest import Connect, usable_case
 from aio_keuss.contract import Ack, Entry, Nack, Stored
 from aio_keuss.redis.sharded import RedisShardStorage
 from aio_keuss.sharded.backend import ShardedBackend
-from aio_keuss.sharded.memory import DEADLETTER_HOLD, MemoryShardStorage
-from aio_keuss.sharded.storage import Doomed, ReadyMark, ShardStorage
+from aio_keuss.sharded.memory import MemoryShardStorage
+from aio_keuss.sharded.storage import DEADLETTER_HOLD, ReadyMark, ShardStorage
 from aio_keuss.types import KoResult
 
 pytestmark = pytest.mark.timeout(90)
@@ -364,45 +364,71 @@ async def test_a_rollback_with_a_delay_schedules_the_record(st: ShardStorage) ->
     assert await fire_ids(st, 0, 5) == []
 
 
-async def test_past_max_ko_the_record_stays_held_for_the_deadletter_copy(
+async def test_past_max_ko_the_record_is_set_aside_for_the_deadletter_copy(
     st: ShardStorage,
 ) -> None:
+    """A ko past max_ko sets the record aside for the caller's copy into the deadletter
+    queue: no longer held, so a second ko or an ok of the same reservation (in the same call
+    or racing it) finds nothing, where before it stayed held and both kos deadlettered it;
+    its try counted, scheduled for the hold's end; the last step deletes it once."""
     await st.load("q", 0, [entry("a", tries=2), entry("b")], 60.0, None)
     (a, b) = (await st.fire("q", 0, 2, FAR)).messages
-    done = await st.rollback("q", 0, [Nack("a", a.tries, 0.0), Nack("b", b.tries, 0.0)], 2)
-    assert done.results == [KoResult.DEADLETTERED, KoResult.ROLLED_BACK]
-    assert done.doomed == [Doomed("a", b"p-a", b'{"h":1}', 2)]
-    assert (await st.sizes("q", 0)).fired == 1
-    assert await st.commit("q", 0, [Ack("a", 2)]) == [True]
+    before = time.time()
+    nacks = [Nack("a", a.tries, 0.0), Nack("a", a.tries, 0.0), Nack("b", b.tries, 0.0)]
+    done = await st.rollback("q", 0, nacks, 2)
+    assert done.results == [KoResult.DEADLETTERED, KoResult.MISSING, KoResult.ROLLED_BACK]
+    (doomed,) = done.doomed
+    assert (doomed.id, doomed.payload, doomed.headers, doomed.tries) == (
+        "a", b"p-a", b'{"h":1}', 3
+    )  # fmt: skip
+    assert done.scheduled is not None
+    assert before + DEADLETTER_HOLD - 5 <= done.scheduled <= time.time() + DEADLETTER_HOLD + 5
+    sizes = await st.sizes("q", 0)
+    assert (sizes.fired, sizes.ready, sizes.scheduled) == (0, 1, 1)
+    assert await st.commit("q", 0, [Ack("a", 2), Ack("a", 3), Ack("a")]) == [False] * 3
+    again = await st.rollback("q", 0, [Nack("a", 2, 0.0), Nack("a", None, 0.0)], 2)
+    assert again.results == [KoResult.MISSING] * 2 and again.doomed == []
+    assert await st.drop_doomed("q", 0, [doomed]) == [True]
+    assert await st.drop_doomed("q", 0, [doomed]) == [False]  # dropped once
+    sizes = await st.sizes("q", 0)
+    assert (sizes.fired, sizes.scheduled, sizes.next_scheduled) == (0, 0, None)
+    assert await fire_ids(st, 0, 10) == ["b"]
 
 
-async def _noted(st: ShardStorage, queue: str, shard: int) -> list[float]:
-    """The deadlines at which the sweep looks again at the reservations it stepped over
-    (read from inside each storage: Redis's ``k``, memory's heap), earliest first."""
+async def _mature_now(st: ShardStorage, queue: str, shard: int) -> None:
+    """Make every scheduled record of the shard mature now (from inside each storage:
+    Redis's ``z``, memory's heap), as if its time had come."""
     if isinstance(st, MemoryShardStorage):
-        return sorted(deadline for deadline, _ in st._shard(queue, shard).stepped)
+        s = st._shard(queue, shard)
+        s.schedule = [(0.0, seq) for _, seq in s.schedule]
+        return
     assert isinstance(st, RedisShardStorage)
     _, keys = st._shard(queue, shard)
-    reply = await st._backend.execute("ZRANGE", keys[4], 0, -1, "WITHSCORES")
-    if reply and isinstance(reply[0], list | tuple):  # redis-py's pairs (the cluster)
-        return sorted(float(score) for _, score in reply)
-    return sorted(float(score) for score in reply[1::2])  # the fast lane's flat reply
+    for name in await st._backend.execute("ZRANGE", keys[3], 0, -1):
+        await st._backend.execute("ZADD", keys[3], "0", name)
 
 
-async def test_a_deadletter_hold_shorter_than_the_noted_deadline_is_looked_at_when_it_ends(
-    st: ShardStorage,
-) -> None:
-    """A reservation the sweep stepped over (noted with its deadline, an hour away) and then
-    ko-ed past max_ko is held 60 s for its deadletter copy; if the copy's process dies before
-    the drop, the record comes back once those 60 s are over (README), not an hour later:
-    the sweep looks at it again when the hold ends (before, only at the hour)."""
+async def test_a_record_set_aside_comes_back_once_if_its_copier_dies(st: ShardStorage) -> None:
+    """The caller of a ko past max_ko dies before the last step: the record set aside comes
+    back when the hold ends (README: after 60 s), its try counted once, and is never swept
+    meanwhile, whatever the sweep noted of its reservation (an hour's, stepped over); the
+    dead caller's late drop then deletes nothing."""
     await st.load("q", 0, [entry("a")], 60.0, None)
     (a,) = (await st.fire("q", 0, 1, FAR)).messages
     assert (await st.sweep("q", 0, 1000)).stopped  # stepped over, noted: due in an hour
-    (hour,) = await _noted(st, "q", 0)
     done = await st.rollback("q", 0, [Nack("a", a.tries, 0.0)], 0)
-    assert done.results == [KoResult.DEADLETTERED]  # held 60 s; the copier dies here
-    assert (await _noted(st, "q", 0))[0] <= time.time() + DEADLETTER_HOLD + 1.0 < hour
+    assert done.results == [KoResult.DEADLETTERED]  # set aside; the copier dies here
+    (doomed,) = done.doomed
+    assert done.scheduled is not None and done.scheduled <= time.time() + DEADLETTER_HOLD + 5
+    assert (await st.sweep("q", 0, 1000)).moved == 0
+    await _mature_now(st, "q", 0)  # the hold is over
+    (back,) = (await st.fire("q", 0, 5, FAR)).messages
+    assert (back.id, back.tries) == ("a", 1)  # its try counted once
+    assert await st.drop_doomed("q", 0, [doomed]) == [False]  # back: the late drop misses
+    assert (await st.sweep("q", 0, 1000)).moved == 0  # held again: not swept
+    sizes = await st.sizes("q", 0)
+    assert (sizes.fired, sizes.sidelined, sizes.scheduled) == (1, 0, 0)
+    assert await st.commit("q", 0, [Ack("a", 1)]) == [True]
 
 
 # sweep / shovel -------------------------------------------------------------------------
