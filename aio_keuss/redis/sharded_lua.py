@@ -123,8 +123,9 @@ end
 # past), the earliest places first (ties: the order given), in order of place with the
 # put-backs already just past the fire pointer whose place is earlier, which move down
 # (renamed in order: new slots never pass old ones, each lands on a free one). Each placed
-# one gets its o and index entry and is marked ``placed``; ``backs`` is left sorted by
-# place. Returns how many were placed (0: no room, a reservation held just behind).
+# one gets its o (-1 for an unknown place, as memory keeps it) and index entry and is
+# marked ``placed``; ``backs`` is left sorted by place. Returns how many were placed (0: no
+# room, a reservation held just behind).
 _PUT_BACK = """
 local function put_back(base, backs)
   local m = meta({'l', 'f', 'w'})
@@ -168,7 +169,8 @@ local function put_back(base, backs)
     else
       local b, key = backs[c], base .. 'r:' .. ptr(slot)
       b.land(key)
-      if b.place then redis.call('HSET', key, 'o', ptr(b.place)) end
+      -- an unknown place is kept as -1 (before any), not left to default to the slot
+      redis.call('HSET', key, 'o', ptr(place_of(b)))
       redis.call('HSET', KEYS[2], b.id, ptr(slot))
       b.placed = true
       c = c + 1

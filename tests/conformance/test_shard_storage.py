@@ -190,6 +190,19 @@ async def test_put_backs_given_back_one_by_one_keep_the_order_they_were_fired_in
     assert await fire_ids(st, 2, 10) == ["y", "x"]
 
 
+async def test_a_put_back_of_unknown_place_stays_before_any_other(st: ShardStorage) -> None:
+    """A put-back without a place (rebuilt from a Message) goes before the put-backs with
+    one, now and when others come back after it, and is handed out again with that place:
+    every storage alike."""
+    await st.load("q", 0, [entry(m) for m in "abcd"], 60.0, None)
+    a, _, c = (await st.fire("q", 0, 3, None)).messages
+    await st.load("q", 0, [entry("c", mature=c.mature)], 60.0, None, front=True)
+    await st.load("q", 0, [entry("a", mature=a.mature, place=a.place)], 60.0, None, front=True)
+    fired = (await st.fire("q", 0, 10, None)).messages
+    assert [m.id for m in fired] == ["c", "a", "d"]  # before, on Redis: a, c, d
+    assert fired[0].place is not None and fired[0].place < a.place  # before, on Redis: 2
+
+
 async def test_a_delayed_load_waits_in_the_schedule_until_it_matures(st: ShardStorage) -> None:
     before = time.time()
     later = await st.load("q", 0, [entry("late", delay=FAR)], 60.0, None)
