@@ -622,11 +622,14 @@ class Consumer(StoppedOnExit):
     async def _give_back(self) -> None:
         """Give back what was prefetched and never started, at once, costing no try."""
         while self._buffer:
-            message, _ = self._buffer.popleft()
             if self._reserve:
+                # the latest first: a release goes back to its place only where nothing is
+                # held just behind it (sharded; redis-reliable puts each at the head), so
+                # given back earliest first, all but the last of a shard went to the back
+                message, _ = self._buffer.pop()
                 await self._acknowledge("release", message, self.queue.release(message))
             else:  # popped: put back in the queue, else they would be lost
-                popped = [message, *(m for m, _ in self._buffer)]
+                popped = [m for m, _ in self._buffer]
                 self._buffer.clear()
                 kept, self._kept = self._kept, {}
                 back = self.queue.put_back(popped, kept)

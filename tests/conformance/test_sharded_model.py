@@ -804,6 +804,41 @@ async def test_a_reservation_released_after_a_cancelled_reserve_keeps_its_place_
     assert [m.payload for m in await q.pop_many(10, timeout=0)] == [0, 1, 2, 3]
 
 
+async def test_a_stopping_consumer_gives_back_its_prefetched_reservations_in_key_order(
+    sharded: Connect,
+) -> None:
+    """A consumer stopping with reservations prefetched gives them back at no try, one by
+    one: each goes back to its place only if nothing is still held just behind it, so they
+    go latest first and the key's messages still come out in order (given back earliest
+    first, all but the last found the next one held and went to the back: 3, 4, 5, 6, 7, 1,
+    2)."""
+    factory = await sharded(sweeper=False)
+    q = await factory.queue("q")
+    await q.pop(timeout=0)  # enrolled
+    key = {"x-shard-key": "customer-4"}
+    for n in range(8):
+        await q.push(n, headers=key)
+    started, finish = asyncio.Event(), asyncio.Event()
+    seen: list[int] = []
+
+    async def handler(message: aio_keuss.Message) -> None:
+        seen.append(message.payload)
+        started.set()
+        await finish.wait()
+
+    consumer = q.consume(handler, concurrency=1, prefetch=3)
+    await started.wait()
+
+    async def prefetched() -> bool:
+        return len(consumer._buffer) == 3
+
+    await until(prefetched)
+    finish.set()
+    await consumer.stop()
+    assert seen == [0]
+    assert [m.payload for m in await q.pop_many(10, timeout=0)] == list(range(1, 8))
+
+
 # delays ---------------------------------------------------------------------------------
 
 
