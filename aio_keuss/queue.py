@@ -828,15 +828,19 @@ class Queue:
             return
         nacks = [Nack(i, tries, 0.0, count_try=False) for i, tries in held.items()]
         size = self.options.max_batch
+        # the latest batch first (each in the order taken): a release goes back to its
+        # place only where nothing is held just behind it (sharded), so given back earliest
+        # first, a shard's batch found the next batch still held and went to the back
         sent = 0
         try:
-            for start in range(0, len(nacks), size):
-                sent = start + size
-                await self._store.rollback(nacks[start:sent], None)
+            for end in range(len(nacks), 0, -size):
+                batch = nacks[max(0, end - size) : end]
+                sent += len(batch)
+                await self._store.rollback(batch, None)
         except asyncio.CancelledError:
             # a cancelled close: those not sent yet are still held, for its grace to give
             # back (not those in flight: given back already, they may be another's now)
-            self._held.update(list(held.items())[sent:])
+            self._held.update(list(held.items())[: len(nacks) - sent])
             raise
         except ClosedError:
             # a close that was cancelled closed the store already: a store that refuses

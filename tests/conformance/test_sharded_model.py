@@ -839,6 +839,28 @@ async def test_a_stopping_consumer_gives_back_its_prefetched_reservations_in_key
     assert [m.payload for m in await q.pop_many(10, timeout=0)] == list(range(1, 8))
 
 
+async def test_a_close_gives_back_more_than_a_batch_of_reservations_in_key_order(
+    sharded: Connect,
+) -> None:
+    """A queue closing with more reservations than one round trip carries (``max_batch``)
+    gives them back a batch at a time, at no try: the latest batch first, so each finds its
+    place free and the key's messages still come out in order (the earliest batch first
+    found the next still held and went to the back: 2, 3, 4, 5, 0, 1)."""
+    factory = await sharded(sweeper=False)
+    q = await factory.queue("q", max_batch=2)
+    await q.pop(timeout=0)  # enrolled
+    key = {"x-shard-key": "customer-4"}
+    ids = [await q.push(n, headers=key) for n in range(6)]
+    got = await q.reserve_many(2, timeout=0) + await q.reserve_many(2, timeout=0)
+    assert [m.payload for m in got] == [0, 1, 2, 3]
+    await q.close()
+    storage = backend_of(factory).storage
+    left: list[str] = []
+    for shard in range(store_of(q).shards):
+        left += [m.id for m in (await storage.fire("q", shard, 10, None)).messages]
+    assert left == ids
+
+
 # delays ---------------------------------------------------------------------------------
 
 
