@@ -861,6 +861,31 @@ async def test_a_close_gives_back_more_than_a_batch_of_reservations_in_key_order
     assert left == ids
 
 
+async def test_the_sync_shim_gives_back_an_interrupted_reserve_many_in_key_order(
+    sharded: Connect,
+) -> None:
+    """What a sync ``reserve_many`` took for a caller interrupted by Ctrl-C is released on
+    the loop thread, one release each: the latest first, so the key's messages still come
+    out in order (in the order taken: 2, 3, 4, 5, 0, 1)."""
+    from aio_keuss import sync
+
+    factory = await sharded(sweeper=False)
+    q = await factory.queue("q")
+    await q.pop(timeout=0)  # enrolled
+    key = {"x-shard-key": "customer-4"}
+    for n in range(6):
+        await q.push(n, headers=key)
+    got = await q.reserve_many(3, timeout=0)
+    assert [m.payload for m in got] == [0, 1, 2]
+    sync._release(q, got, {})  # as _abandon does, on the loop thread
+
+    async def all_back() -> bool:
+        return (await q.sizes()).reserved == 0
+
+    await until(all_back)
+    assert [m.payload for m in await q.pop_many(10, timeout=0)] == list(range(6))
+
+
 # delays ---------------------------------------------------------------------------------
 
 
