@@ -259,7 +259,7 @@ _ROLLBACK = (
 local base, dl, max_ko, fragment = ARGV[1], ARGV[2], tonumber(ARGV[3]), ARGV[4]
 local failed_max = tonumber(ARGV[5])
 local out, failed = {}, 0
-local stamp = nil
+local stamp, unseen = nil, {}
 for i = 6, #ARGV, 3 do
   local id, want, count = ARGV[i], ARGV[i + 1], ARGV[i + 2] == '1'
   local body = base .. 'msg:' .. id
@@ -300,12 +300,14 @@ for i = 6, #ARGV, 3 do
       if count then
         redis.call('LPUSH', KEYS[1], id)  -- a failed delivery: retried after the others
       else
-        redis.call('RPUSH', KEYS[1], id)  -- given back unseen: keeps its turn
+        unseen[#unseen + 1] = id  -- given back unseen: keeps its turn (below)
       end
       out[#out + 1] = 1
     end
   end
 end
+-- back at the consuming end, the latest first, so that they come out in the order given
+for k = #unseen, 1, -1 do redis.call('RPUSH', KEYS[1], unseen[k]) end
 if failed > 0 then
   redis.call('INCRBY', KEYS[4], failed)
   redis.call('LTRIM', KEYS[3], 0, failed_max - 1)

@@ -193,6 +193,21 @@ async def test_cancelled_pop_put_back_keeps_its_turn(connect: Connect) -> None:
     assert [m.payload for m in await q.pop_many(3, timeout=1)] == ["a", "b", "c"]
 
 
+async def test_reservations_given_back_together_keep_their_turn(connect: Connect) -> None:
+    """A close gives back what it holds in one rollback, in the order reserved; each went to
+    the consuming end in turn, so the later came out first (1, 0, 2, 3)."""
+    first = await connect()
+    q = await first.queue("q1")
+    await q.push_many([0, 1, 2, 3])
+    held = await q.reserve_many(2, timeout=5)
+    assert [m.payload for m in held] == [0, 1]
+    await first.close()  # gives back both, unseen, costing no try
+    again = await (await connect()).queue("q1")
+    got = await again.reserve_many(4, timeout=5)
+    assert [m.payload for m in got] == [0, 1, 2, 3]
+    assert [m.tries for m in got] == [0, 0, 0, 0]
+
+
 async def test_deadletter_moves_to_another_queue(
     connect: Connect, redis: aioredis.Redis, prefix: str
 ) -> None:
