@@ -215,6 +215,8 @@ class _Pusher:
             for offset, key in enumerate(keys):
                 if key is None or key == "":
                     raise InvalidIdError(f"row {self.index + offset} has no value in id_column")
+                if key != key:  # every NaN would be the id "nan": one message for them all
+                    raise InvalidIdError(f"row {self.index + offset} has NaN in id_column")
             batch.ids = [f"{prefix}{key}" for key in keys]
         elif self.id_base is not None:
             base = self.id_base

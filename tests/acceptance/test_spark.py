@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import math
 import os
 import shutil
 import sys
@@ -257,6 +258,22 @@ def test_a_bad_delay_or_headers_in_one_row_fails_before_any_row_is_written(
     with sync.connect("redis-list", **spec.options) as factory:
         assert factory.queue("bad").total_size() == 0
     asyncio.run(_drop_redis_prefix(spec.options))
+
+
+def test_a_nan_in_the_id_column_is_refused_before_any_row_is_written(
+    target: tuple[str, dict[str, Any]],
+) -> None:
+    """A NaN key made the id "nan": every such row of the job, whatever its payload, became
+    one message, the others dropped as its duplicates."""
+    backend, opts = target
+    spec = keuss_spark.WriteSpec(
+        backend=backend, queue="nan", options=opts, id_column="k", payload_column="v"
+    )
+    rows = [{"k": 1.5, "v": 0}, {"k": math.nan, "v": 1}, {"k": math.nan, "v": 2}]
+    with pytest.raises(aio_keuss.InvalidIdError, match="NaN"):
+        keuss_spark.push_rows(spec, rows, None)
+    with sync.connect(backend, **opts) as factory:
+        assert factory.queue("nan").total_size() == 0
 
 
 def test_bad_options_fail_before_writing(
