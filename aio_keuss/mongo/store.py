@@ -354,6 +354,8 @@ class MongoStore(Store):
         self._backend = backend
         self._coll = backend.queue_collection(name)
         self._dedup = backend.dedup_collection(name)
+        self._owed: dict[str, list[str]] = {}
+        """Token -> ids it claimed, of failed inserts whose claims could not be given back."""
 
     # variant hooks ------------------------------------------------------------------------
 
@@ -403,6 +405,7 @@ class MongoStore(Store):
         # the insert stored before it failed (a batch goes in several server messages):
         # their retry must stay refused, or once consumed they would be stored twice.
         token = os.urandom(8).hex()
+        await self._give_back_owed()
         try:
             await self._claim_ids(entries, flags, now, token)
             return await self._insert_entries(entries, flags, now)
@@ -413,7 +416,24 @@ class MongoStore(Store):
     async def _give_back(self, claimed: list[str], token: str) -> None:
         """Give back the claims of a failed insert whose messages are not in the queue. If
         that cannot be read, all of them: a retry may then store again one that went in
-        (at least once), rather than refuse one that never did (lost)."""
+        (at least once), rather than refuse one that never did (lost). When the give-back
+        itself fails (the connection is still down), the claims are owed: the next insert
+        with ids of its own on this queue gives them back first (see ``_give_back_owed``)."""
+        try:
+            await self._give_back_now(claimed, token)
+        except Exception:
+            self._owed[token] = claimed
+
+    async def _give_back_owed(self) -> None:
+        """Give back the claims failed inserts could not give back, before claiming anew.
+        Left behind, a claim made the caller's retry of its (unacknowledged) push a silent
+        no-op: the id was taken for a duplicate and the message was never stored. Raises
+        (the caller retries) while they cannot be given back."""
+        for token, claimed in list(self._owed.items()):
+            await self._give_back_now(claimed, token)
+            self._owed.pop(token, None)
+
+    async def _give_back_now(self, claimed: list[str], token: str) -> None:
         with contextlib.suppress(Exception):
             # a consumed record mongo-history keeps under the id is not this push's message
             live = {"_id": {"$in": claimed}, "processed": {"$exists": False}}
@@ -421,8 +441,7 @@ class MongoStore(Store):
             landed = {doc["_id"] async for doc in cursor}
             claimed = [message_id for message_id in claimed if message_id not in landed]
         if claimed:
-            with contextlib.suppress(Exception):
-                await self._dedup.delete_many({"_id": {"$in": claimed}, "by": token})
+            await self._dedup.delete_many({"_id": {"$in": claimed}, "by": token})
 
     async def _insert_entries(
         self, entries: Sequence[Entry], flags: list[bool], now: float

@@ -36,6 +36,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import struct
 from collections import Counter, defaultdict
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
@@ -374,3 +375,39 @@ async def test_faults_lose_nothing_acknowledged_and_hand_nothing_out_twice(
     if soak.reserve:
         extra = set(reserve.delivered) - set(reserve.acked)
         assert len(extra) <= reserve.errors["push"], (sorted(extra), reserve.errors)
+
+
+# Deterministic cases: the proxy cuts at one chosen point -------------------------------
+
+
+def _mongo_command(command: str, collection: str) -> bytes:
+    """The first element of a MongoDB command document as BSON: ``{command: collection}``."""
+    name = collection.encode() + b"\x00"
+    return b"\x02" + command.encode() + b"\x00" + struct.pack("<i", len(name)) + name
+
+
+@pytest.mark.parametrize("backend", ["mongo", "mongo-history"])
+async def test_a_push_whose_insert_and_give_back_failed_is_stored_by_its_retry(
+    backend: str,
+) -> None:
+    """A push with an id of its own claims the id, then inserts the message; when the insert
+    fails the claim is given back, so that the caller's retry is not taken for a duplicate.
+    Here the connection is reset before the insert reaches the server and again before the
+    give-back does: the claim stayed, and the retry returned the id without storing anything
+    (an acknowledged push lost)."""
+    async with (
+        _proxied(Soak(backend)) as (proxy, _, options),
+        aio_keuss.connect(backend, **options) as factory,
+    ):
+        q = await factory.queue("rq")
+        prefix = "keuss_history" if backend == "mongo-history" else "keuss"
+        proxy.arm("before", _mongo_command("insert", f"{prefix}_q_rq"))
+        proxy.arm("before", _mongo_command("find", f"{prefix}_q_rq"))  # the give-back's read
+        proxy.arm("before", _mongo_command("delete", f"{prefix}_dedup_rq"))  # its delete
+        with pytest.raises(KeussConnectionError):
+            await q.push({"n": 1}, id="m1")
+        assert proxy.armed() == 0, proxy.injected
+        retried = await _retrying(Ledger(RESERVE_DELAY), "push", lambda: q.push({"n": 1}, id="m1"))
+        assert retried == "m1"
+        message = await q.reserve(timeout=5)
+        assert message is not None and message.id == "m1"
