@@ -89,8 +89,9 @@ async def until(condition: Callable[[], Any], within: float, what: str) -> None:
 class Ledger:
     reserve_delay: float
     unsure: frozenset[str] = frozenset()
-    """Holders whose ok may fail unseen, when a failed ok releases the message (a consume()
-    worker's ok is sent in the background): a redelivery after theirs is not checked."""
+    """Holders whose reservation's start is not known (a consume() worker's handler runs
+    after its reserve's reply, however long that took): a redelivery after theirs is not
+    checked."""
     acked: dict[str, int] = field(default_factory=dict)
     """Ids whose push returned, with their number."""
     delivered: Counter[str] = field(default_factory=Counter)
@@ -149,6 +150,8 @@ class Soak:
     backend: str
     reserve: bool = True
     own_ids: bool = True
+    rate: float = RATE
+    """redis-list's pushes and pops go in few, large batches: fewer requests to fault."""
     released_on_failed_ok: bool = False
     """redis-reliable: a reservation whose ok failed is given back by its consumer within
     about ``heartbeat_ttl`` (the README's redis-reliable section); it is no longer held."""
@@ -158,7 +161,7 @@ class Soak:
 SOAKS = [
     Soak("redis-oq"),
     Soak("redis-reliable", released_on_failed_ok=True, factory_options={"heartbeat_ttl": 3.0}),
-    Soak("redis-list", reserve=False, own_ids=False),
+    Soak("redis-list", reserve=False, own_ids=False, rate=0.2),
     Soak("postgres"),
     Soak("mongo"),
 ]
@@ -274,9 +277,10 @@ async def test_faults_lose_nothing_acknowledged_and_hand_nothing_out_twice(
         factory = await aio_keuss.connect(soak.backend, poll_interval=1.0, **options)
         direct = await aio_keuss.connect(soak.backend, **direct_options)
         try:
-            reserve = Ledger(
-                RESERVE_DELAY, frozenset({"consume"}) if soak.released_on_failed_ok else frozenset()
-            )
+            # A consume() handler cannot see when its reserve was sent: a reserve slowed by a
+            # reconnection hands the message over with less than reserve_delay left (mongo
+            # sets the deadline from the call's start), so its deliveries are not checked.
+            reserve = Ledger(RESERVE_DELAY, frozenset({"consume"}))
             pop = Ledger(RESERVE_DELAY)
             stop = asyncio.Event()
             tasks: list[asyncio.Task[None]] = []
@@ -299,7 +303,7 @@ async def test_faults_lose_nothing_acknowledged_and_hand_nothing_out_twice(
             pq = await factory.queue("pq", reserve_delay=RESERVE_DELAY)
             tasks += [asyncio.create_task(_pop_loop(pq, pop, stop)) for _ in range(3)]
 
-            proxy.random(RATE, SEED)
+            proxy.random(soak.rate, SEED)
             producers = [
                 asyncio.create_task(_produce(pq, pop, range(i, N, 4), soak.own_ids))
                 for i in range(4)
