@@ -93,7 +93,12 @@ def _cancel_after_fire(storage: ShardStorage, caller: asyncio.Future[Any]) -> Ca
 
 async def _popped_then_cancelled(q: aio_keuss.Queue, storage: ShardStorage) -> None:
     """A pop that takes a message and is cancelled before its caller gets it."""
-    task = asyncio.ensure_future(q.pop(timeout=5))
+    await _taken_then_cancelled(q.pop, storage)
+
+
+async def _taken_then_cancelled(take: Callable[..., Awaitable[Any]], storage: ShardStorage) -> None:
+    """A pop or reserve that takes a message and is cancelled before its caller gets it."""
+    task = asyncio.ensure_future(take(timeout=5))
     undo = _cancel_after_fire(storage, task)
     try:
         with contextlib.suppress(asyncio.CancelledError):
@@ -788,14 +793,7 @@ async def test_a_reservation_released_after_a_cancelled_reserve_keeps_its_place_
     for n in range(4):
         await q.push(n, headers=key)
     storage = backend_of(factory).storage
-    task = asyncio.ensure_future(q.reserve(timeout=5))
-    undo = _cancel_after_fire(storage, task)
-    try:
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
-    finally:
-        undo()
-    assert task.cancelled()
+    await _taken_then_cancelled(q.reserve, storage)
 
     async def all_back() -> bool:
         return await q.size() == 4
