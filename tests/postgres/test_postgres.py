@@ -1117,9 +1117,25 @@ async def test_a_role_without_ddl_rights_opens_a_schema_already_up_to_date(
     from aio_keuss.postgres.sql import migrations
 
     await (await open_factory()).close()
+    async with _app_role(schema) as url:
+        async with aio_keuss.connect("postgres", url=url, schema=schema) as factory:
+            q = await factory.queue("limited")
+            await q.push("by the app's role")
+            got = await q.pop(timeout=5)
+            assert got is not None and got.payload == "by the app's role"
+        assert await _versions(schema) == [v for v, _ in migrations()]
+
+
+@contextlib.asynccontextmanager
+async def _app_role(schema: str, before: str | None = None) -> AsyncIterator[str]:
+    """The URL of a new role with only the rights to use the schema's tables and functions
+    (an application's role, no CREATE); ``before``: a statement run first as the admin.
+    The schema and the role are dropped after."""
     role = f"akt_role_{new_token()}"
     admin = await asyncpg.connect(POSTGRES_URL)
     try:
+        if before is not None:
+            await admin.execute(before)
         await admin.execute(f'CREATE ROLE "{role}" LOGIN')
         await admin.execute(
             f'GRANT USAGE ON SCHEMA "{schema}" TO "{role}";'
@@ -1127,16 +1143,10 @@ async def test_a_role_without_ddl_rights_opens_a_schema_already_up_to_date(
             f' TO "{role}"; GRANT EXECUTE ON ALL FUNCTIONS IN SCHEMA "{schema}" TO "{role}"'
         )
         parts = urlsplit(POSTGRES_URL)
-        url = urlunsplit(parts._replace(netloc=f"{role}@{parts.hostname}:{parts.port or 5432}"))
-        async with aio_keuss.connect("postgres", url=url, schema=schema) as factory:
-            q = await factory.queue("limited")
-            await q.push("by the app's role")
-            got = await q.pop(timeout=5)
-            assert got is not None and got.payload == "by the app's role"
-        assert await _versions(schema) == [v for v, _ in migrations()]
+        yield urlunsplit(parts._replace(netloc=f"{role}@{parts.hostname}:{parts.port or 5432}"))
     finally:
         await admin.execute(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
-        await admin.execute(f'DROP OWNED BY "{role}"; DROP ROLE "{role}"')
+        await admin.execute(f'DROP OWNED BY "{role}"; DROP ROLE IF EXISTS "{role}"')
         await admin.close()
 
 
@@ -1241,23 +1251,7 @@ async def test_a_role_without_ddl_rights_is_told_a_newer_release_migrated_the_sc
 
     latest = migrations()[-1][0]
     await (await open_factory()).close()
-    role = f"akt_role_{new_token()}"
-    admin = await asyncpg.connect(POSTGRES_URL)
-    try:
-        await admin.execute(
-            f'INSERT INTO "{schema}".schema_versions (version) VALUES ($1)', latest + 1
-        )
-        await admin.execute(f'CREATE ROLE "{role}" LOGIN')
-        await admin.execute(
-            f'GRANT USAGE ON SCHEMA "{schema}" TO "{role}";'
-            f' GRANT SELECT, INSERT, UPDATE, DELETE ON ALL TABLES IN SCHEMA "{schema}"'
-            f' TO "{role}"; GRANT EXECUTE ON ALL FUNCTIONS IN SCHEMA "{schema}" TO "{role}"'
-        )
-        parts = urlsplit(POSTGRES_URL)
-        url = urlunsplit(parts._replace(netloc=f"{role}@{parts.hostname}:{parts.port or 5432}"))
+    newer = f'INSERT INTO "{schema}".schema_versions (version) VALUES ({latest + 1})'
+    async with _app_role(schema, before=newer) as url:
         with pytest.raises(aio_keuss.ConfigError, match=f"version {latest + 1}.*newer"):
             await aio_keuss.connect("postgres", url=url, schema=schema)
-    finally:
-        await admin.execute(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
-        await admin.execute(f'DROP OWNED BY "{role}"; DROP ROLE IF EXISTS "{role}"')
-        await admin.close()
