@@ -789,9 +789,20 @@ class Queue:
 
     async def _release(self, message: Message) -> None:
         """Give back a reservation whose handler was cancelled, costing no try."""
-        nack = Nack(message.id, message.tries, 0.0, count_try=False)
-        await self._put_back(self._store.rollback([nack], None), 1)
-        self._forget([nack])
+        await self._release_all([message])
+
+    async def _release_all(self, messages: Sequence[Message]) -> None:
+        """Give back reservations nobody saw (an interrupted ``reserve_many``, a stopped
+        stream read), costing no try, in as few calls as ``max_batch`` allows and the latest
+        batch first: a sharded store puts a release back in its place only where nothing is
+        held just behind it, so several calls at once, run in any order, sent some of a
+        key's messages behind its later ones."""
+        nacks = [Nack(m.id, m.tries, 0.0, count_try=False) for m in messages]
+        size = self.options.max_batch
+        for end in range(len(nacks), 0, -size):
+            batch = nacks[max(0, end - size) : end]
+            await self._put_back(self._store.rollback(batch, None), len(batch))
+            self._forget(batch)
 
     def _rotate_held(self) -> dict[str, int]:
         """Drop the older generation of held reservations once ``reserve_delay`` has passed

@@ -778,11 +778,7 @@ def _put_back_popped(queue: Queue, messages: list[Message], kept: Mapping[str, S
 
 
 def _release(queue: Queue, messages: list[Message], _: Mapping[str, Stored]) -> None:
-    # the latest first: a release goes back to its place only where nothing is held just
-    # behind it (sharded), so given back in the order taken all but the last of a shard
-    # went to the back
-    for message in reversed(messages):
-        queue._in_background(queue._release(message))
+    queue._in_background(queue._release_all(messages))
 
 
 async def _advance(iterator: AsyncGenerator[Message, None]) -> Message | None:

@@ -220,9 +220,7 @@ async def _ok_all(queue: Any, messages: Sequence[Message]) -> int:
 async def _release_all(queue: Any, messages: Sequence[Message]) -> None:
     """Give reservations back at no try, as a stopped consumer does: a ``ko`` would count
     one, and past the deadletter's ``max_ko`` move a message that never failed there."""
-    import asyncio
-
-    await asyncio.gather(*(queue._release(message) for message in messages))
+    await queue._release_all(messages)
 
 
 def _ok(queue: sync.SyncQueue, messages: Sequence[Message]) -> int:
