@@ -75,6 +75,12 @@ async def main(path, mode, quiet):
             await q.ok(message)
             return
         ids = []
+        if mode == "paced":  # a first batch, then on when told (see the test)
+            batch = await q.reserve_many(20, timeout=30)
+            assert all(await asyncio.gather(*(q.ok(m) for m in batch))), "an ok failed"
+            ids.extend(m.id for m in batch)
+            print("took", flush=True)
+            await asyncio.to_thread(sys.stdin.readline)
         while True:
             batch = await q.reserve_many(20, timeout=quiet)
             if not batch:
@@ -95,6 +101,7 @@ async def _spawn(path: str, mode: str, quiet: float = 1.5) -> asyncio.subprocess
         path,
         mode,
         str(quiet),
+        stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         env={**os.environ, "PYTHONPATH": str(ROOT)},
     )
@@ -113,13 +120,23 @@ async def _result(process: asyncio.subprocess.Process) -> dict[str, Any]:
 
 async def test_two_processes_never_get_the_same_message(open_factory: Open, database: str) -> None:
     """Consumers in two processes and one here, on one file: every message is handed to
-    exactly one of them (a reserve's select and update run under the file's write lock)."""
+    exactly one of them (a reserve's select and update run under the file's write lock).
+    Each other process takes a first batch, then all three go on together: waiting a fixed
+    quiet time for its first one instead, a process started late on a busy machine found
+    the others had taken everything."""
     factory = await open_factory()
     q = await factory.queue("jobs")
-    workers = [await _spawn(database, "reserve"), await _spawn(database, "reserve")]
+    workers = [await _spawn(database, "paced"), await _spawn(database, "paced")]
     pushed: list[str] = []
     for start in range(0, 2000, 100):
         pushed += await q.push_many([{"n": n} for n in range(start, start + 100)])
+    for worker in workers:
+        assert worker.stdout is not None and worker.stdin is not None
+        assert (await asyncio.wait_for(worker.stdout.readline(), 60)).strip() == b"took"
+    for worker in workers:
+        assert worker.stdin is not None
+        worker.stdin.write(b"go\n")
+        await worker.stdin.drain()
     mine: list[str] = []
     while batch := await q.reserve_many(10, timeout=1.0):
         assert all([await q.ok(m) for m in batch])
@@ -237,6 +254,7 @@ async def test_what_a_killed_process_acknowledged_is_there_after_it(
         "-c",
         _PUSHER,
         database,
+        stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         env={**os.environ, "PYTHONPATH": str(ROOT)},
     )
