@@ -18,6 +18,7 @@ from collections.abc import (
     AsyncIterator,
     Awaitable,
     Coroutine,
+    Iterator,
     Mapping,
     Sequence,
 )
@@ -798,9 +799,7 @@ class Queue:
         held just behind it, so several calls at once, run in any order, sent some of a
         key's messages behind its later ones."""
         nacks = [Nack(m.id, m.tries, 0.0, count_try=False) for m in messages]
-        size = self.options.max_batch
-        for end in range(len(nacks), 0, -size):
-            batch = nacks[max(0, end - size) : end]
+        for batch in _latest_batches_first(nacks, self.options.max_batch):
             await self._put_back(self._store.rollback(batch, None), len(batch))
             self._forget(batch)
 
@@ -838,14 +837,9 @@ class Queue:
         if not held:
             return
         nacks = [Nack(i, tries, 0.0, count_try=False) for i, tries in held.items()]
-        size = self.options.max_batch
-        # the latest batch first (each in the order taken): a release goes back to its
-        # place only where nothing is held just behind it (sharded), so given back earliest
-        # first, a shard's batch found the next batch still held and went to the back
         sent = 0
         try:
-            for end in range(len(nacks), 0, -size):
-                batch = nacks[max(0, end - size) : end]
+            for batch in _latest_batches_first(nacks, self.options.max_batch):
                 sent += len(batch)
                 await self._store.rollback(batch, None)
         except asyncio.CancelledError:
@@ -1616,6 +1610,15 @@ class Closing:
         exc = closing.exception()  # retrieved: a close a handler began may be awaited by nobody
         if exc is not None and not self._awaited:
             log.warning("%s: close failed: %r", self._what, exc)
+
+
+def _latest_batches_first(nacks: list[Nack], size: int) -> Iterator[list[Nack]]:
+    """Releases in batches of ``size``, the latest batch first, each in the order taken: a
+    sharded store puts a release back in its place only where nothing is held just behind
+    it, so given back earliest first, a shard's batch found the next one still held and went
+    to the back of its shard."""
+    for end in range(len(nacks), 0, -size):
+        yield nacks[max(0, end - size) : end]
 
 
 def _back_entry(s: Stored) -> Entry:
