@@ -400,7 +400,8 @@ class MongoStore(Store):
         # the insert stored before it failed (a batch goes in several server messages):
         # their retry must stay refused, or once consumed they would be stored twice.
         token = os.urandom(8).hex()
-        await self._give_back_owed()
+        if self._owed:
+            await self._give_back_owed()
         try:
             await self._claim_ids(entries, flags, now, token)
             return await self._insert_entries(entries, flags, now)
