@@ -247,22 +247,38 @@ def encode_headers(headers: Headers | None) -> bytes:
 def decode_headers(blob: bytes | str) -> Headers:
     """Headers from their stored text; ``ValueError`` for text that is not a JSON object
     (another program's, or corrupted), which would otherwise reach the caller as a list.
-    Empty text, which another program may store for none, is no headers."""
+    Empty text (or whitespace only), which another program may store for none, is no
+    headers."""
     if blob == EMPTY_HEADERS or blob == "{}" or not blob:
         return {}
-    decoded: Headers = orjson.loads(blob)
+    try:
+        decoded: Headers = orjson.loads(blob)
+    except orjson.JSONDecodeError:
+        if not blob.strip():  # looked at only here: not a cost of every message
+            return {}
+        raise
     if type(decoded) is not dict:
         raise ValueError(f"not a JSON object but a {type(decoded).__name__}")
     return decoded
 
 
+_JSON_SPACE = b" \t\n\r"  # the whitespace JSON allows between tokens (RFC 8259, section 2)
+
+
 def append_headers(encoded: bytes, extra: Headers) -> bytes:
     """Add keys to an encoded header object; on a repeated key the added value wins on decode.
-    Empty stored headers (another program's "none"; ours are ``{}``) take a new object."""
+    Empty stored headers (another program's "none"; ours are ``{}``) take a new object, and
+    so does an object of whitespace only (``{ }``); whitespace another program left after
+    the closing brace is cut first, or the brace cut would be a space's."""
     addition = orjson.dumps(extra)[1:-1]
     if encoded == EMPTY_HEADERS or not encoded:
         return b"{" + addition + b"}"
-    return encoded[:-1] + b"," + addition + b"}"
+    if encoded[-1:] != b"}":
+        encoded = encoded.rstrip(_JSON_SPACE)
+    body = encoded[:-1]
+    if not body.strip(_JSON_SPACE + b"{"):
+        return b"{" + addition + b"}"
+    return body + b"," + addition + b"}"
 
 
 def check_id(message_id: object, longest: int = MAX_ID_LENGTH) -> str:

@@ -228,10 +228,14 @@ local function forget(ids, held)
   run_chunked('SREM', KEYS[3], held or ids)
 end
 -- Header JSON ``headers`` with the members of ``added`` (JSON text without braces, '' =
--- none) appended.
+-- none) appended. Stored headers of whitespace only, or an object of it (``{ }``), as
+-- another program may write them, take a new object; whitespace after the closing brace
+-- is cut first.
 local function with_headers(headers, added)
   if added == '' then return headers end
   if headers == '{}' or headers == '' then return '{' .. added .. '}' end
+  if string.sub(headers, -1) ~= '}' then headers = string.match(headers, '^(.-)%s*$') end
+  if string.find(headers, '^%s*{?%s*}?$') then return '{' .. added .. '}' end
   return string.sub(headers, 1, -2) .. ',' .. added .. '}'
 end
 -- The one move body (Queue.move and deadletter): take held message ``id`` out of this

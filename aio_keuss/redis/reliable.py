@@ -115,7 +115,8 @@ end
 # processing list: its body moves under the destination base (``dst``), renamed by the rule
 # of every backend if the id is taken there (<id>, <id>.<tag>, <id>.<tag>.2, ...), with
 # ``payload`` (nil: its own) and ``added`` header text ('' = none; appended to stored headers
-# '{}' or empty, as another program may write them, as a new object), tries 0, and its id
+# '{}', empty or of whitespace only, as another program may write them, as a new object;
+# whitespace after the closing brace cut first), tries 0, and its id
 # goes to the end of the destination's pending list.
 _MOVE_TO = """
 local function move_to(id, body, dst, dst_pending, payload, added, tag, stamp)
@@ -123,7 +124,9 @@ local function move_to(id, body, dst, dst_pending, payload, added, tag, stamp)
   redis.call('DEL', body)
   local headers = b[2]
   if added ~= '' then
-    if headers == '{}' or not headers or headers == '' then headers = '{' .. added .. '}'
+    if not headers then headers = '' end
+    if string.sub(headers, -1) ~= '}' then headers = string.match(headers, '^(.-)%s*$') end
+    if string.find(headers, '^%s*{?%s*}?$') then headers = '{' .. added .. '}'
     else headers = string.sub(headers, 1, -2) .. ',' .. added .. '}' end
   end
   local target, clash = id, 0

@@ -223,8 +223,10 @@ RETURNING m.id, m.tries
 -- "moving" (id, target, payload, headers, delay, tag) goes to queue target in place: tries
 -- 0, mature now + delay, its payload replaced if one is given (NULL = keep), the headers
 -- added to its own as message.append_headers does (JSON object text without the opening
--- brace, NULL = none; stored headers '{}' or empty, as another program may write them,
--- take a new object: cutting the last byte of empty ones was a negative length), and renamed by moved_id when the id is taken there. Answers the old
+-- brace, NULL = none; stored headers '{}', empty or of whitespace and braces only, as
+-- another program may write them, take a new object: cutting the last byte of empty ones
+-- was a negative length; JSON whitespace around the object is cut first), and renamed by
+-- moved_id when the id is taken there. Answers the old
 -- and the new id of each message moved, and the position of the request that moved it
 -- ("moving" carries it as ord: read from RETURNING, not joined back, as the planner
 -- expects one row of a CTE and a join back is a nested loop over the whole batch).
@@ -235,10 +237,12 @@ SET queue = v.target,
     mature = extract(epoch from now())::float8 + v.delay,
     payload = coalesce(v.payload, m.payload),
     headers = CASE WHEN v.headers IS NULL THEN m.headers
-                   WHEN m.headers = '\x7b7d'::bytea OR length(m.headers) = 0
+                   WHEN m.headers = '\x7b7d'::bytea
+                        OR length(btrim(m.headers, '\x7b7d20090a0d'::bytea)) = 0
                         THEN '\x7b'::bytea || v.headers
-                   ELSE substring(m.headers FROM 1 FOR length(m.headers) - 1) || '\x2c'::bytea
-                        || v.headers
+                   ELSE substring(btrim(m.headers, '\x20090a0d'::bytea)
+                                  FROM 1 FOR length(btrim(m.headers, '\x20090a0d'::bytea)) - 1)
+                        || '\x2c'::bytea || v.headers
               END
 FROM moving v
 WHERE m.queue = $1 AND m.id = v.id
