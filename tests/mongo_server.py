@@ -4,7 +4,8 @@
 signal transport or transactions, run only then). Otherwise the suite uses whatever listens
 on 127.0.0.1:27017, and when nothing does it starts ``nx-27017`` (a SQLite-backed server
 speaking the MongoDB wire protocol, installed by the ``mongo`` test extra) once per session
-and stops it when the interpreter exits.
+and stops it when the interpreter exits. ``AK_NX_PORT`` moves that port (27017 by default), so
+test runs in parallel checkouts each have a server of their own that no other run stops.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import time
 from pathlib import Path
 
 REAL_MONGO_URL = os.environ.get("AK_MONGO_URL")
-HOST, PORT = "127.0.0.1", 27017
+HOST, PORT = "127.0.0.1", int(os.environ.get("AK_NX_PORT", "27017"))
 MONGO_URL = REAL_MONGO_URL or f"mongodb://{HOST}:{PORT}"
 
 _started: subprocess.Popen[bytes] | None = None
@@ -59,7 +60,7 @@ def start_mongo() -> str | None:
         return None
     command = _executable()
     if command is None:
-        return "no MongoDB on 127.0.0.1:27017 and nx-27017 is not installed"
+        return f"no MongoDB on {HOST}:{PORT} and nx-27017 is not installed"
     logs = Path(tempfile.gettempdir()) / f"aio-keuss-nx-27017-{os.getpid()}"
     log = open(f"{logs}.log", "wb")  # noqa: SIM115 - owned by the server process
     _started = subprocess.Popen(
@@ -83,4 +84,4 @@ def start_mongo() -> str | None:
         if _started.poll() is not None:
             return f"nx-27017 exited with code {_started.returncode} (see {logs}.log)"
         time.sleep(0.05)
-    return "nx-27017 did not open port 27017 within 15 s"
+    return f"nx-27017 did not open port {PORT} within 15 s"
