@@ -329,8 +329,10 @@ class Source(Protocol):
 
     def ko(self, message: Message, delay: float | None) -> Awaitable[KoResult]: ...
 
-    def release(self, message: Message) -> Awaitable[None]:
-        """Give back a message whose handler was cancelled, costing no try."""
+    def release(self, messages: list[Message]) -> Awaitable[None]:
+        """Give back reservations whose handler was cancelled, or that no handler started,
+        costing no try: in one call, so that the store can put them back in their order
+        (several calls at once may run in any order)."""
 
     def put_back(
         self, messages: list[Message], kept: Mapping[str, Stored] | None = None
@@ -623,11 +625,13 @@ class Consumer(StoppedOnExit):
         """Give back what was prefetched and never started, at once, costing no try."""
         while self._buffer:
             if self._reserve:
-                # the latest first: a release goes back to its place only where nothing is
-                # held just behind it (sharded; redis-reliable puts each at the head), so
-                # given back earliest first, all but the last of a shard went to the back
-                message, _ = self._buffer.pop()
-                await self._acknowledge("release", message, self.queue.release(message))
+                # one call for all: it gives the latest back first, as a release goes back
+                # to its place only where nothing is held just behind it (sharded;
+                # redis-reliable puts each at the head). One call each, awaited in turn,
+                # cost a round trip per prefetched message on every stop
+                held = [m for m, _ in self._buffer]
+                self._buffer.clear()
+                await self._acknowledge_all("release", held, self.queue.release(held))
             else:  # popped: put back in the queue, else they would be lost
                 popped = [m for m, _ in self._buffer]
                 self._buffer.clear()
@@ -723,7 +727,9 @@ class Consumer(StoppedOnExit):
                 "queue %r: prefetched message %s waited too long", self.queue.name, message.id
             )
             # out of the buffer already: a stop cancelling this wait must not cancel it
-            await asyncio.shield(self._acknowledge("release", message, self.queue.release(message)))
+            await asyncio.shield(
+                self._acknowledge("release", message, self.queue.release([message]))
+            )
 
     def _want(self) -> int:
         """How many one fetch reserves: one for each worker waiting for it (the fetcher
@@ -771,7 +777,7 @@ class Consumer(StoppedOnExit):
             self._ran(started, "cancelled")
             if self._reserve:
                 await asyncio.shield(
-                    self._acknowledge("release", message, self.queue.release(message))
+                    self._acknowledge("release", message, self.queue.release([message]))
                 )
             raise
         except Exception as exc:
@@ -886,10 +892,10 @@ class Consumer(StoppedOnExit):
         except asyncio.CancelledError:
             self._ran(started, "cancelled")
             if self._reserve:
+                # one call: released one each at once, in any order, a sharded queue's
+                # messages of one key could go back behind the key's later ones
                 await asyncio.shield(
-                    asyncio.gather(
-                        *(self._acknowledge("release", m, self.queue.release(m)) for m in messages)
-                    )
+                    self._acknowledge_all("release", messages, self.queue.release(messages))
                 )
             raise
         except Exception as exc:

@@ -788,10 +788,6 @@ class Queue:
         ]
         await self._put_back(self._store.insert(entries), len(entries))
 
-    async def _release(self, message: Message) -> None:
-        """Give back a reservation whose handler was cancelled, costing no try."""
-        await self._release_all([message])
-
     async def _release_all(self, messages: Sequence[Message]) -> None:
         """Give back reservations nobody saw (an interrupted ``reserve_many``, a stopped
         stream read), costing no try, in as few calls as ``max_batch`` allows and the latest
@@ -1738,8 +1734,8 @@ class _ConsumerLink:
     def ko(self, message: Message, delay: float | None) -> Awaitable[KoResult]:
         return self._queue.ko(message, delay)
 
-    def release(self, message: Message) -> Awaitable[None]:
-        return self._queue._release(message)
+    def release(self, messages: list[Message]) -> Awaitable[None]:
+        return self._queue._release_all(messages)
 
     def put_back(
         self, messages: list[Message], kept: Mapping[str, Stored] | None = None

@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 import pytest
@@ -490,7 +490,7 @@ async def test_a_stop_cancelled_as_it_gives_back_its_prefetched_messages_still_d
     connect: Connect, case: Any
 ) -> None:
     """The handlers returned within the grace and the stop is giving back the prefetched
-    messages (a round trip each) when it is cancelled (a shutdown timeout, a second Ctrl-C):
+    messages (a round trip) when it is cancelled (a shutdown timeout, a second Ctrl-C):
     it ends giving them back, as a stop cancelled during its grace does. The end of the stop
     was not shielded there: the messages not yet given back stayed reserved until
     ``reserve_delay`` passed."""
@@ -501,14 +501,14 @@ async def test_a_stop_cancelled_as_it_gives_back_its_prefetched_messages_still_d
     q = await factory.queue("jobs", reserve_delay=600)
     await q.push_many(list(range(10)))
     started, finish, releasing = asyncio.Event(), asyncio.Event(), asyncio.Event()
-    release = q._release
+    release = q._release_all
 
-    async def slow_release(message: Message) -> None:  # a round trip to a far server
+    async def slow_release(messages: Sequence[Message]) -> None:  # a round trip to a far server
         releasing.set()
         await asyncio.sleep(0.05)
-        await release(message)
+        await release(messages)
 
-    q._release = slow_release  # type: ignore[method-assign]
+    q._release_all = slow_release  # type: ignore[method-assign]
 
     async def handler(message: Message) -> None:
         started.set()

@@ -837,6 +837,36 @@ async def test_a_stopping_consumer_gives_back_its_prefetched_reservations_in_key
     assert [m.payload for m in await q.pop_many(10, timeout=0)] == list(range(1, 8))
 
 
+async def test_a_batch_handler_cancelled_on_stop_gives_its_batch_back_in_key_order(
+    sharded: Connect,
+) -> None:
+    """A batch consumer's handler cancelled by a stop gives its batch back at no try, in one
+    call: released one each at once (each its own round trip, run in any order), all but the
+    last found the next one still held and went to the back of the key (4, 5, 6, 7, 3, 2, 1,
+    0 or the like)."""
+    factory = await sharded(sweeper=False)
+    q = await factory.queue("q")
+    await q.pop(timeout=0)  # enrolled
+    key = {"x-shard-key": "customer-4"}
+    for n in range(8):
+        await q.push(n, headers=key)
+    started = asyncio.Event()
+    seen: list[list[int]] = []
+
+    async def handler(messages: list[aio_keuss.Message]) -> None:
+        seen.append([m.payload for m in messages])
+        started.set()
+        await asyncio.Event().wait()  # until the stop cancels it
+
+    consumer = q.consume(handler, concurrency=1, batch=4)
+    await started.wait()
+    await consumer.stop(grace=0)
+    assert seen == [[0, 1, 2, 3]]
+    back = await q.pop_many(10, timeout=0)
+    assert [m.payload for m in back] == list(range(8))
+    assert {m.tries for m in back} == {0}
+
+
 async def test_a_close_gives_back_more_than_a_batch_of_reservations_in_key_order(
     sharded: Connect,
 ) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 from pathlib import Path
+from typing import Any
 
 import orjson
 import pytest
@@ -88,6 +89,34 @@ async def test_prefetched_messages_are_given_back_on_stop_at_no_cost() -> None:
         assert await q.resv_size() == 0
         back = await q.pop_many(100, timeout=0)
         assert len(back) == 20 and {m.tries for m in back} == {0}
+
+
+async def test_a_stop_gives_back_what_was_prefetched_in_one_call() -> None:
+    """Prefetched reservations go back together: one call each, awaited in turn, cost a
+    round trip per prefetched message on every stop of a consumer of a remote queue."""
+    async with aio_keuss.connect("memory") as factory:
+        q = await factory.queue("jobs")
+        await q.push_many(list(range(20)))
+        started = asyncio.Event()
+        store = q._store  # type: ignore[attr-defined]
+        rollback = store.rollback
+        calls: list[int] = []
+
+        def counted(nacks: Any, plan: Any) -> Any:
+            calls.append(len(nacks))
+            return rollback(nacks, plan)
+
+        store.rollback = counted
+
+        async def block(message: Message) -> None:
+            started.set()
+            await asyncio.sleep(3600)
+
+        consumer = q.consume(block, concurrency=1, prefetch=5)
+        await started.wait()
+        await consumer.stop(grace=0)
+        assert sorted(calls) == [1, 5]  # the cancelled handler's message, then the five
+        assert await q.resv_size() == 0
 
 
 async def test_prefetch_handles_everything_once() -> None:
