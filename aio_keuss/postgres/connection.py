@@ -572,9 +572,17 @@ class PostgresConnection(Backend):
     ) -> Any:
         """A connection of its own LISTENing on ``channel`` (never one of the pool's: those
         are handed to other callers, and a release would drop the LISTEN). ``on_lost`` is
-        called when the server or the network ends it; the caller closes it."""
+        called when the server or the network ends it; the caller closes it.
+
+        A LISTENing session is idle between notifications by design: a role's or
+        database's ``idle_session_timeout`` (PostgreSQL 14 and later; manual, "Client
+        Connection Defaults") shorter than the bus's liveness check ended it again and
+        again, each time a warning and a gap without wake-ups. This session turns it off
+        for itself; the pool's sessions keep it (they reconnect when next used)."""
         connection = await self._connect_outside_pool()
         try:
+            if connection.get_server_version().major >= 14:
+                await connection.execute("SET idle_session_timeout = 0")
             connection.add_termination_listener(on_lost)
             await connection.add_listener(channel, on_notify)
         except BaseException:

@@ -1084,6 +1084,43 @@ async def test_a_serializable_default_isolation_does_not_fail_concurrent_consume
         await admin.close()
 
 
+async def test_the_listener_outlives_a_short_idle_session_timeout(schema: str) -> None:
+    """A role whose idle_session_timeout (1 s here) is shorter than the signal bus's liveness
+    check: the server ended the LISTENing session each time it had been idle that long, and
+    the bus reconnected again and again (a warning each time, wake-ups lost meanwhile). The
+    listener's session now turns the timeout off for itself; the pool's sessions keep it and
+    reconnect when next used."""
+    role = f"{schema}_idle"
+    admin = await asyncpg.connect(POSTGRES_URL)
+    if admin.get_server_version().major < 14:
+        await admin.close()
+        pytest.skip("idle_session_timeout is PostgreSQL 14 and later")
+    await admin.execute(f'CREATE ROLE "{role}" LOGIN SUPERUSER')
+    await admin.execute(f"ALTER ROLE \"{role}\" SET idle_session_timeout = '1s'")
+    url = urlsplit(POSTGRES_URL)
+    as_role = urlunsplit(url._replace(netloc=f"{role}@{url.hostname}:{url.port or 5432}"))
+    listening = (
+        "SELECT pid FROM pg_stat_activity WHERE usename = $1 AND query LIKE 'LISTEN %'"
+    )
+    try:
+        async with aio_keuss.connect("postgres", url=as_role, schema=schema) as factory:
+            q = await factory.queue("idle")
+            waiting = asyncio.create_task(q.pop(timeout=60))
+            deadline = time.monotonic() + 30
+            while (first := await admin.fetchval(listening, role)) is None:
+                assert time.monotonic() < deadline, "no listener"
+                await asyncio.sleep(0.05)
+            await asyncio.sleep(3)  # three times the timeout, idle
+            assert await admin.fetchval(listening, role) == first
+            await q.push("after a while")  # the pool's sessions were ended: they reconnect
+            got = await waiting
+            assert got is not None and got.payload == "after a while"
+    finally:
+        await admin.execute(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
+        await admin.execute(f'DROP ROLE "{role}"')
+        await admin.close()
+
+
 @pytest.mark.parametrize("own_pool", [True, False])
 async def test_a_pool_of_one_connection_serves_concurrent_calls(
     schema: str, own_pool: bool
