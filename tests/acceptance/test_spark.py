@@ -9,6 +9,7 @@ import dataclasses
 import math
 import os
 import shutil
+import signal
 import sys
 import time
 from collections.abc import Iterator
@@ -40,6 +41,10 @@ def spark() -> Iterator[SparkSession]:
         pytest.skip("no java on PATH (tests/services.sh installs it)")
     os.environ["PYSPARK_PYTHON"] = sys.executable
     os.environ["PYSPARK_DRIVER_PYTHON"] = sys.executable
+    # A SparkContext made in the main thread installs a SIGINT handler of its own (it cancels
+    # Spark's jobs), and it stayed for every later test of this pytest worker: the sync
+    # shim's Ctrl-C tests then saw no KeyboardInterrupt. Python's is put back below.
+    sigint = signal.getsignal(signal.SIGINT)
     session = (
         SparkSession.builder.master("local[2,4]")
         .appName("aio-keuss-tests")
@@ -57,6 +62,7 @@ def spark() -> Iterator[SparkSession]:
         )
         .getOrCreate()
     )
+    signal.signal(signal.SIGINT, sigint)
     session.sparkContext.setLogLevel("ERROR")
     keuss_spark.register(session)
     yield session
