@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import signal
 import sys
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
@@ -16,6 +17,13 @@ from redis_cluster import start_redis_cluster
 import aio_keuss
 
 Connect = Callable[..., Awaitable[aio_keuss.Factory]]
+
+# Started in the background by a shell without job control (``make test &`` in a script, a CI
+# step), the suite inherits SIGINT ignored -- bash ignores it for asynchronous commands -- and
+# Python then installs no KeyboardInterrupt handler, in pytest-xdist's workers and in every
+# program a test starts. The tests of Ctrl-C handling need Python's own, as a terminal gives.
+if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def pytest_configure(config: pytest.Config) -> None:
