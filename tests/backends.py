@@ -195,6 +195,7 @@ CASES: list[BackendCase] = [
                 "test_move",
                 "test_pipeline",
                 "test_batching",
+                "test_chaos",
             }
         ),
     ),

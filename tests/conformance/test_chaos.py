@@ -1,0 +1,373 @@
+"""Conformance: a seeded random model test of the queue contract, with cancellations.
+
+Several tasks on one queue push, push_many (with and without ids of their own), pop,
+pop_many, reserve, reserve_many, ok and ko at random, and start many of those calls as
+tasks that they cancel after a random number of event-loop iterations (never after a
+wall-clock time). A model follows every call and checks, as it goes and at the end:
+
+- nothing a push acknowledged is lost: it is popped, ok-ed, or found by the final drain;
+- a popped message is never delivered again, nor an ok-ed one;
+- a message is never handed out while someone holds its reservation;
+- a message comes with tries equal to the kos it had (a reservation cancelled unseen is
+  released at no try);
+- a cancelled push is stored at most once, a retry of one with its own id exactly once,
+  and a second push of an id already stored is never delivered.
+
+Where queues are shared, half the tasks go through a second factory, closed at the end with
+the reservations its tasks still hold: the close gives them back at no try. Every other seed
+runs with max_batch 3, so callers' lists are cut in chunks.
+
+Messages are told apart by their payload (a counter), not their id. Each seed fixes the
+choices of every task; the interleaving of server replies still varies from run to run.
+Reservations last 600 s, so none lapses during a run. AK_CHAOS_SEEDS and AK_CHAOS_SPIN
+widen a run, to hunt (e.g. AK_CHAOS_SEEDS=1-50 AK_CHAOS_SPIN=3000).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import pytest
+from backends import BackendCase
+from conftest import Connect
+
+import aio_keuss
+from aio_keuss import KoResult
+
+pytestmark = pytest.mark.timeout(180)
+
+T = TypeVar("T")
+
+
+def _seeds() -> list[int]:
+    """AK_CHAOS_SEEDS=first-last runs more seeds, to hunt; three by default."""
+    first, _, last = os.environ.get("AK_CHAOS_SEEDS", "1-3").partition("-")
+    return list(range(int(first), int(last or first) + 1))
+
+
+SEEDS = _seeds()
+TASKS = 6
+STEPS = 30
+CANCEL_P = 0.35
+SPIN = int(os.environ.get("AK_CHAOS_SPIN", "5"))
+"""Most loop iterations before a cancellation; AK_CHAOS_SPIN=2000 reaches into server
+round trips (a reply being read, a put-back under way), to hunt."""
+
+
+class Cancelled(Exception):
+    """The call was cancelled before it returned."""
+
+
+CALLS: dict[str, int] = {}
+"""Outcomes of the calls chosen for cancellation (printed with -s): how many took."""
+
+
+@dataclass
+class Model:
+    seed: int
+    stable_ids: bool
+    """ids stay as the push returned them (bucket backends give a message put back or
+    ko-ed a slot of a new bucket, so a new id)."""
+    counter: int = 0
+    started: set[int] = field(default_factory=set)
+    """payloads whose push began (a push in flight may be delivered before it returns)."""
+    acked: dict[int, str] = field(default_factory=dict)
+    """payload -> id returned by its push."""
+    maybe: set[int] = field(default_factory=set)
+    """payloads of cancelled pushes (stored or not)."""
+    never: set[int] = field(default_factory=set)
+    """payloads pushed under an id already stored: never delivered."""
+    popped: dict[int, str] = field(default_factory=dict)
+    okd: set[int] = field(default_factory=set)
+    held: dict[int, int] = field(default_factory=dict)
+    """payload -> task holding its reservation."""
+    kos: dict[int, int] = field(default_factory=dict)
+    seen: dict[int, int] = field(default_factory=dict)
+    """payload -> deliveries (pop or reserve)."""
+    violations: list[str] = field(default_factory=list)
+
+    def new(self) -> int:
+        self.counter += 1
+        self.started.add(self.counter)
+        return self.counter
+
+    def delivered(self, who: int, how: str, message: aio_keuss.Message) -> int | None:
+        n = message.payload
+        if not isinstance(n, int):
+            self.violations.append(f"{how} by {who}: unknown payload {n!r}")
+            return None
+        self.seen[n] = self.seen.get(n, 0) + 1
+        where = f"{how} by task {who}: {n} (id {message.id}, tries {message.tries})"
+        if n not in self.started:
+            self.violations.append(f"{where}: never pushed")
+        if n in self.never:
+            self.violations.append(f"{where}: pushed under an id already stored")
+        if n in self.popped:
+            self.violations.append(f"{where}: already popped as {self.popped[n]}")
+        if n in self.okd:
+            self.violations.append(f"{where}: already ok-ed")
+        if n in self.held:
+            self.violations.append(f"{where}: held by task {self.held[n]}")
+        if message.tries != self.kos.get(n, 0):
+            self.violations.append(f"{where}: tries, {self.kos.get(n, 0)} kos")
+        if self.stable_ids and n in self.acked and message.id != self.acked[n]:
+            self.violations.append(f"{where}: pushed as {self.acked[n]}")
+        return n
+
+
+async def _call(
+    rng: random.Random, make: Callable[[], Awaitable[T]], cancel: bool | None = None
+) -> T:
+    """Run ``make()``; when chosen, as a task cancelled after 0..SPIN loop iterations.
+    Raises Cancelled when the cancellation took (the call's own result, if it finished
+    first or kept it, is returned as usual)."""
+    if cancel is None:
+        cancel = rng.random() < CANCEL_P
+    if not cancel:
+        return await make()
+    task = asyncio.ensure_future(make())
+    # 0..5 uniformly; a larger SPIN log-uniformly, so short and long waits both come up
+    spins = rng.randint(0, SPIN) if SPIN <= 5 else int(SPIN ** rng.random())
+    for _ in range(spins):
+        await asyncio.sleep(0)
+    task.cancel()
+    try:
+        result = await task
+        CALLS["finished"] = CALLS.get("finished", 0) + 1
+        return result
+    except asyncio.CancelledError:
+        CALLS["cancelled"] = CALLS.get("cancelled", 0) + 1
+        if asyncio.current_task().cancelling():  # type: ignore[union-attr]
+            raise  # the test itself is being cancelled
+        raise Cancelled from None
+
+
+class Worker:
+    def __init__(
+        self, i: int, q: aio_keuss.Queue, model: Model, *, reserve: bool, ids: bool
+    ) -> None:
+        self.i = i
+        self.q = q
+        self.model = model
+        self.rng = random.Random(f"{model.seed}-{i}")
+        self.reserve_ok = reserve
+        self.ids = ids
+        self.holding: dict[int, aio_keuss.Message] = {}
+        self.own_ids = 0
+
+    def _id(self) -> str:
+        self.own_ids += 1
+        return f"t{self.i}-{self.own_ids}"
+
+    # pushes ---------------------------------------------------------------------------
+
+    async def push(self) -> None:
+        m, rng = self.model, self.rng
+        n = m.new()
+        mid = self._id() if self.ids and rng.random() < 0.4 else None
+        try:
+            got = await _call(rng, lambda: self.q.push(n, id=mid))
+        except Cancelled:
+            m.maybe.add(n)
+            if mid is not None and rng.random() < 0.5:  # retried under the same id
+                got = await self.q.push(n, id=mid)
+                m.maybe.discard(n)
+                m.acked[n] = got
+            return
+        m.acked[n] = got
+        if mid is not None and rng.random() < 0.2:  # a second push of a stored id
+            dup = m.new()
+            m.never.add(dup)
+            assert await self.q.push(dup, id=mid) == mid
+
+    async def push_many(self) -> None:
+        m, rng = self.model, self.rng
+        ns = [m.new() for _ in range(rng.randint(1, 4))]
+        mids = [self._id() for _ in ns] if self.ids and rng.random() < 0.4 else None
+        try:
+            got = await _call(rng, lambda: self.q.push_many(ns, ids=mids))
+        except Cancelled:
+            m.maybe.update(ns)
+            if mids is not None and rng.random() < 0.5:
+                got = await self.q.push_many(ns, ids=mids)
+                m.maybe.difference_update(ns)
+                m.acked.update(zip(ns, got, strict=True))
+            return
+        assert len(got) == len(ns)
+        m.acked.update(zip(ns, got, strict=True))
+
+    # takes ----------------------------------------------------------------------------
+
+    def _timeout(self, cancel: bool) -> float | None:
+        """timeout=None only where a cancellation will end the wait."""
+        choices: list[float | None] = [0, 0.01, 0.05]
+        return self.rng.choice([*choices, None] if cancel else choices)
+
+    async def pop(self, many: bool) -> None:
+        cancel = self.rng.random() < CANCEL_P
+        timeout, n = self._timeout(cancel), self.rng.randint(1, 4)
+        wait = self.rng.choice([None, 0.01])  # max_wait: gather after the first for 10 ms
+        try:
+            if many:
+                got = await _call(
+                    self.rng, lambda: self.q.pop_many(n, timeout=timeout, max_wait=wait), cancel
+                )
+            else:
+                one = await _call(self.rng, lambda: self.q.pop(timeout=timeout), cancel)
+                got = [] if one is None else [one]
+        except Cancelled:
+            return
+        for message in got:
+            k = self.model.delivered(self.i, "pop", message)
+            if k is not None:
+                self.model.popped[k] = f"pop by task {self.i}"
+
+    async def reserve(self, many: bool) -> None:
+        cancel = self.rng.random() < CANCEL_P
+        timeout, n = self._timeout(cancel), self.rng.randint(1, 4)
+        wait = self.rng.choice([None, 0.01])  # max_wait: gather after the first for 10 ms
+        try:
+            if many:
+                got = await _call(
+                    self.rng, lambda: self.q.reserve_many(n, timeout=timeout, max_wait=wait), cancel
+                )
+            else:
+                one = await _call(self.rng, lambda: self.q.reserve(timeout=timeout), cancel)
+                got = [] if one is None else [one]
+        except Cancelled:
+            return
+        for message in got:
+            k = self.model.delivered(self.i, "reserve", message)
+            if k is not None:
+                self.model.held[k] = self.i
+                self.holding[k] = message
+
+    async def settle(self, n: int, ok: bool) -> None:
+        """ok or ko (delay 0) a held reservation; a cancelled one is sent again, which
+        does it or finds it done."""
+        m, message = self.model, self.holding.pop(n)
+        del m.held[n]  # released as soon as the store acts: another may take it then
+        if ok:
+            m.okd.add(n)
+            try:
+                done = await _call(self.rng, lambda: self.q.ok(message))
+            except Cancelled:
+                await self.q.ok(message)
+                return
+            if not done:
+                m.violations.append(f"ok by task {self.i} of {n}: False")
+        else:
+            m.kos[n] = m.kos.get(n, 0) + 1
+            try:
+                result = await _call(self.rng, lambda: self.q.ko(message, delay=0))
+            except Cancelled:
+                await self.q.ko(message, delay=0)
+                return
+            if result != KoResult.ROLLED_BACK:
+                m.violations.append(f"ko by task {self.i} of {n}: {result!r}")
+
+    async def ok_many(self, ns: list[int]) -> None:
+        """ok several held reservations in one call; a cancelled one is sent again."""
+        m = self.model
+        messages = [self.holding.pop(n) for n in ns]
+        for n in ns:
+            del m.held[n]
+            m.okd.add(n)
+        try:
+            done = await _call(self.rng, lambda: self.q.ok_many(messages))
+        except Cancelled:
+            await self.q.ok_many(messages)
+            return
+        if not all(done):
+            m.violations.append(f"ok_many by task {self.i} of {ns}: {done}")
+
+    # the run --------------------------------------------------------------------------
+
+    async def run(self, settle: bool = True) -> None:
+        """STEPS random calls; then ok or ko what is still held, unless ``settle`` is off
+        (the queue's close is to give it back)."""
+        rng = self.rng
+        for _ in range(STEPS):
+            choice = rng.random()
+            if choice < 0.2:
+                await self.push()
+            elif choice < 0.35:
+                await self.push_many()
+            elif choice < 0.45 or (choice < 0.75 and not self.reserve_ok):
+                await self.pop(many=rng.random() < 0.5)
+            elif choice < 0.75:
+                await self.reserve(many=rng.random() < 0.5)
+            elif self.holding and choice < 0.9:
+                await self.settle(rng.choice(sorted(self.holding)), ok=rng.random() < 0.5)
+            elif self.holding:
+                await self.ok_many(rng.sample(sorted(self.holding), min(3, len(self.holding))))
+        for n in sorted(self.holding) if settle else ():
+            await self.settle(n, ok=rng.random() < 0.5)
+
+
+async def _drain(q: aio_keuss.Queue, model: Model) -> None:
+    """Pop everything left, waiting a little for what is still on its way."""
+    while True:
+        got = await q.pop_many(100, timeout=1.0)
+        if not got:
+            return
+        for message in got:
+            k = model.delivered(-1, "drain", message)
+            if k is not None:
+                model.popped[k] = "drain"
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+async def test_random_workload_with_cancellations(
+    connect: Connect, case: BackendCase, seed: int
+) -> None:
+    # every other seed with small batches: callers' lists cut in chunks, batches shared
+    max_batch = 3 if seed % 2 == 0 else 1000
+    options = {"reserve_delay": 600.0, "poll_interval": 0.5, "max_batch": max_batch}
+    factory = await connect(**options)
+    q = await factory.queue("chaos")
+    # Where queues are shared, half the tasks work through a second factory (another
+    # process's view: signals and batches of its own), whose close at the end gives back
+    # what its tasks still hold.
+    other = await connect(**options) if case.shared else None
+    q2 = await other.queue("chaos") if other is not None else q
+    model = Model(seed, stable_ids=not case.name.startswith("bucket-"))
+    reserve, ids = q.capabilities.reserve, q.capabilities.idempotent
+    workers = [Worker(i, q2 if i % 2 else q, model, reserve=reserve, ids=ids) for i in range(TASKS)]
+    await asyncio.gather(*(w.run(settle=w.q is q) for w in workers))
+    if other is not None:
+        await other.close()
+        for w in workers:
+            for n in w.holding if w.q is q2 else ():
+                del model.held[n]  # given back at no try
+            w.holding.clear()
+    await _drain(q, model)
+    lost = sorted(set(model.acked) - set(model.popped) - model.okd)
+    # A second copy of a message (a cancelled push stored twice) shows as a delivery after
+    # the first was popped or ok-ed, while it is held, or with tries that its kos do not
+    # explain: the checks of Model.delivered.
+    sizes = await q.sizes()
+    if model.violations or lost or sizes.total:
+        pytest.fail(
+            "\n".join(
+                [
+                    *model.violations,
+                    f"lost (acknowledged, never delivered): {lost}",
+                    f"left in the queue: {sizes}",
+                ]
+            ),
+            pytrace=False,
+        )
+    _stats: dict[str, Any] = {
+        "pushed": len(model.started),
+        "acked": len(model.acked),
+        "maybe": len(model.maybe),
+        "deliveries": sum(model.seen.values()),
+    }
+    print(case.id, seed, _stats, CALLS)
+    CALLS.clear()
