@@ -26,6 +26,7 @@ widen a run, to hunt (e.g. AK_CHAOS_SEEDS=1-50 AK_CHAOS_SPIN=3000).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import random
 from collections.abc import Awaitable, Callable
@@ -121,16 +122,28 @@ class Model:
 
 
 async def _call(
-    rng: random.Random, make: Callable[[], Awaitable[T]], cancel: bool | None = None
+    rng: random.Random,
+    make: Callable[[], Awaitable[T]],
+    cancel: bool | None = None,
+    on_done: Callable[[T], None] | None = None,
 ) -> T:
     """Run ``make()``; when chosen, as a task cancelled after 0..SPIN loop iterations.
     Raises Cancelled when the cancellation took (the call's own result, if it finished
-    first or kept it, is returned as usual)."""
+    first or kept it, is returned as usual). ``on_done`` sees the result in the step the
+    call returned in, before any other task runs: a task cancelled later resumes its
+    caller only steps after, when another may have taken what it gave back."""
+
+    async def run() -> T:
+        result = await make()
+        if on_done is not None:
+            on_done(result)
+        return result
+
     if cancel is None:
         cancel = rng.random() < CANCEL_P
     if not cancel:
-        return await make()
-    task = asyncio.ensure_future(make())
+        return await run()
+    task = asyncio.ensure_future(run())
     # 0..5 uniformly; a larger SPIN log-uniformly, so short and long waits both come up
     spins = rng.randint(0, SPIN) if SPIN <= 5 else int(SPIN ** rng.random())
     for _ in range(spins):
@@ -147,6 +160,12 @@ async def _call(
         raise Cancelled from None
 
 
+def _listed(
+    got: list[aio_keuss.Message] | aio_keuss.Message | None,
+) -> list[aio_keuss.Message]:
+    return got if isinstance(got, list) else [] if got is None else [got]
+
+
 class Worker:
     def __init__(
         self, i: int, q: aio_keuss.Queue, model: Model, *, reserve: bool, ids: bool
@@ -159,6 +178,8 @@ class Worker:
         self.ids = ids
         self.holding: dict[int, aio_keuss.Message] = {}
         self.own_ids = 0
+        self.given_back = False
+        """Its queue's close has begun: what it reserves from now on is given back."""
 
     def _id(self) -> str:
         self.own_ids += 1
@@ -172,6 +193,9 @@ class Worker:
         mid = self._id() if self.ids and rng.random() < 0.4 else None
         try:
             got = await _call(rng, lambda: self.q.push(n, id=mid))
+        except aio_keuss.ClosedError:
+            m.maybe.add(n)
+            raise
         except Cancelled:
             m.maybe.add(n)
             if mid is not None and rng.random() < 0.5:  # retried under the same id
@@ -191,6 +215,9 @@ class Worker:
         mids = [self._id() for _ in ns] if self.ids and rng.random() < 0.4 else None
         try:
             got = await _call(rng, lambda: self.q.push_many(ns, ids=mids))
+        except aio_keuss.ClosedError:
+            m.maybe.update(ns)
+            raise
         except Cancelled:
             m.maybe.update(ns)
             if mids is not None and rng.random() < 0.5:
@@ -212,17 +239,19 @@ class Worker:
         cancel = self.rng.random() < CANCEL_P
         timeout, n = self._timeout(cancel), self.rng.randint(1, 4)
         wait = self.rng.choice([None, 0.01])  # max_wait: gather after the first for 10 ms
-        try:
+        with contextlib.suppress(Cancelled):
             if many:
-                got = await _call(
-                    self.rng, lambda: self.q.pop_many(n, timeout=timeout, max_wait=wait), cancel
+                await _call(
+                    self.rng,
+                    lambda: self.q.pop_many(n, timeout=timeout, max_wait=wait),
+                    cancel,
+                    self._popped,
                 )
             else:
-                one = await _call(self.rng, lambda: self.q.pop(timeout=timeout), cancel)
-                got = [] if one is None else [one]
-        except Cancelled:
-            return
-        for message in got:
+                await _call(self.rng, lambda: self.q.pop(timeout=timeout), cancel, self._popped)
+
+    def _popped(self, got: list[aio_keuss.Message] | aio_keuss.Message | None) -> None:
+        for message in _listed(got):
             k = self.model.delivered(self.i, "pop", message)
             if k is not None:
                 self.model.popped[k] = f"pop by task {self.i}"
@@ -231,20 +260,28 @@ class Worker:
         cancel = self.rng.random() < CANCEL_P
         timeout, n = self._timeout(cancel), self.rng.randint(1, 4)
         wait = self.rng.choice([None, 0.01])  # max_wait: gather after the first for 10 ms
-        try:
+        with contextlib.suppress(Cancelled):
             if many:
-                got = await _call(
-                    self.rng, lambda: self.q.reserve_many(n, timeout=timeout, max_wait=wait), cancel
+                await _call(
+                    self.rng,
+                    lambda: self.q.reserve_many(n, timeout=timeout, max_wait=wait),
+                    cancel,
+                    self._reserved,
                 )
             else:
-                one = await _call(self.rng, lambda: self.q.reserve(timeout=timeout), cancel)
-                got = [] if one is None else [one]
-        except Cancelled:
-            return
+                await _call(
+                    self.rng, lambda: self.q.reserve(timeout=timeout), cancel, self._reserved
+                )
+
+    def _reserved(self, got: list[aio_keuss.Message] | aio_keuss.Message | None) -> None:
+        m = self.model
+        got = _listed(got)
+        if got and self.q._closed:
+            m.violations.append(f"reserve by task {self.i}: {len(got)} after its queue closed")
         for message in got:
-            k = self.model.delivered(self.i, "reserve", message)
-            if k is not None:
-                self.model.held[k] = self.i
+            k = m.delivered(self.i, "reserve", message)
+            if k is not None and not self.given_back:
+                m.held[k] = self.i
                 self.holding[k] = message
 
     async def settle(self, n: int, ok: bool) -> None:
@@ -288,24 +325,33 @@ class Worker:
 
     # the run --------------------------------------------------------------------------
 
-    async def run(self, settle: bool = True) -> None:
-        """STEPS random calls; then ok or ko what is still held, unless ``settle`` is off
-        (the queue's close is to give it back)."""
+    async def run(self, settle: bool = True, step: Callable[[], None] | None = None) -> None:
+        """STEPS random calls; then ok or ko what is still held. Without ``settle``, it
+        never acks (its queue's close is to give back what it holds) and it ends at the
+        first ClosedError. ``step`` is called after each step."""
         rng = self.rng
-        for _ in range(STEPS):
-            choice = rng.random()
-            if choice < 0.2:
-                await self.push()
-            elif choice < 0.35:
-                await self.push_many()
-            elif choice < 0.45 or (choice < 0.75 and not self.reserve_ok):
-                await self.pop(many=rng.random() < 0.5)
-            elif choice < 0.75:
-                await self.reserve(many=rng.random() < 0.5)
-            elif self.holding and choice < 0.9:
-                await self.settle(rng.choice(sorted(self.holding)), ok=rng.random() < 0.5)
-            elif self.holding:
-                await self.ok_many(rng.sample(sorted(self.holding), min(3, len(self.holding))))
+        try:
+            for _ in range(STEPS):
+                choice = rng.random()
+                if choice < 0.2:
+                    await self.push()
+                elif choice < 0.35:
+                    await self.push_many()
+                elif choice < 0.45 or (choice < 0.75 and not self.reserve_ok):
+                    await self.pop(many=rng.random() < 0.5)
+                elif choice < 0.75:
+                    await self.reserve(many=rng.random() < 0.5)
+                elif self.holding and choice < 0.9 and settle:
+                    await self.settle(rng.choice(sorted(self.holding)), ok=rng.random() < 0.5)
+                elif self.holding and settle:
+                    some = rng.sample(sorted(self.holding), min(3, len(self.holding)))
+                    await self.ok_many(some)
+                if step is not None:
+                    step()
+        except aio_keuss.ClosedError:
+            if settle:
+                raise
+            return
         for n in sorted(self.holding) if settle else ():
             await self.settle(n, ok=rng.random() < 0.5)
 
@@ -320,6 +366,34 @@ async def _drain(q: aio_keuss.Queue, model: Model) -> None:
             k = model.delivered(-1, "drain", message)
             if k is not None:
                 model.popped[k] = "drain"
+
+
+def _check(model: Model, sizes: aio_keuss.Sizes) -> None:
+    """The end's checks: nothing acknowledged lost, nothing left (no reservation stuck)."""
+    lost = sorted(set(model.acked) - set(model.popped) - model.okd)
+    # A second copy of a message (a cancelled push stored twice) shows as a delivery after
+    # the first was popped or ok-ed, while it is held, or with tries that its kos do not
+    # explain: the checks of Model.delivered.
+    if model.violations or lost or sizes.total:
+        pytest.fail(
+            "\n".join(
+                [
+                    *model.violations,
+                    f"lost (acknowledged, never delivered): {lost}",
+                    f"left in the queue: {sizes}",
+                ]
+            ),
+            pytrace=False,
+        )
+
+
+def _give_back(model: Model, workers: list[Worker]) -> None:
+    """The close of these workers' queue begins: what they hold is given back at no try."""
+    for w in workers:
+        w.given_back = True
+        for n in w.holding:
+            del model.held[n]
+        w.holding.clear()
 
 
 @pytest.mark.parametrize("seed", SEEDS)
@@ -341,28 +415,10 @@ async def test_random_workload_with_cancellations(
     workers = [Worker(i, q2 if i % 2 else q, model, reserve=reserve, ids=ids) for i in range(TASKS)]
     await asyncio.gather(*(w.run(settle=w.q is q) for w in workers))
     if other is not None:
+        _give_back(model, [w for w in workers if w.q is q2])
         await other.close()
-        for w in workers:
-            for n in w.holding if w.q is q2 else ():
-                del model.held[n]  # given back at no try
-            w.holding.clear()
     await _drain(q, model)
-    lost = sorted(set(model.acked) - set(model.popped) - model.okd)
-    # A second copy of a message (a cancelled push stored twice) shows as a delivery after
-    # the first was popped or ok-ed, while it is held, or with tries that its kos do not
-    # explain: the checks of Model.delivered.
-    sizes = await q.sizes()
-    if model.violations or lost or sizes.total:
-        pytest.fail(
-            "\n".join(
-                [
-                    *model.violations,
-                    f"lost (acknowledged, never delivered): {lost}",
-                    f"left in the queue: {sizes}",
-                ]
-            ),
-            pytrace=False,
-        )
+    _check(model, await q.sizes())
     _stats: dict[str, Any] = {
         "pushed": len(model.started),
         "acked": len(model.acked),
@@ -371,3 +427,45 @@ async def test_random_workload_with_cancellations(
     }
     print(case.id, seed, _stats, CALLS)
     CALLS.clear()
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+async def test_random_workload_with_a_factory_closed_mid_run(
+    connect: Connect, case: BackendCase, seed: int
+) -> None:
+    """As above, and the second factory is closed while its tasks' calls are in flight
+    (after a random number of their steps): a push refused or cut by the close may be
+    stored or not, a pop in flight returns what it took, a reserve in flight returns
+    nothing once the close has begun, and what they held is given back at no try."""
+    if not case.shared:
+        pytest.skip("one factory's queues only")
+    max_batch = 3 if seed % 2 == 0 else 1000
+    options = {"reserve_delay": 600.0, "poll_interval": 0.5, "max_batch": max_batch}
+    q = await (await connect(**options)).queue("chaos")
+    other = await connect(**options)
+    q2 = await other.queue("chaos")
+    model = Model(seed, stable_ids=not case.name.startswith("bucket-"))
+    reserve, ids = q.capabilities.reserve, q.capabilities.idempotent
+    workers = [Worker(i, q2 if i % 2 else q, model, reserve=reserve, ids=ids) for i in range(TASKS)]
+    closers = [w for w in workers if w.q is q2]
+    close_at = random.Random(seed).randint(1, STEPS * len(closers) // 2)
+    due, steps = asyncio.Event(), 0
+
+    def step() -> None:
+        nonlocal steps
+        steps += 1
+        if steps >= close_at:
+            due.set()
+
+    running = asyncio.gather(
+        *(w.run(settle=w.q is q, step=step if w.q is q2 else None) for w in workers)
+    )
+
+    async def close() -> None:
+        await due.wait()
+        _give_back(model, closers)
+        await other.close()
+
+    await asyncio.gather(running, close())
+    await _drain(q, model)
+    _check(model, await q.sizes())
