@@ -120,7 +120,7 @@ from array import array
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple
 
-from ..coalesce import Uncancellable, stop_task
+from ..coalesce import Uncancellable, stop_task, to_the_end
 from ..contract import Ack, DeadletterPlan, Fetched, LoopTurns, Nack, Store, Stored
 from ..message import append_headers
 from ..types import Capabilities, KoResult, Sizes
@@ -567,15 +567,19 @@ class BucketStore(PushSide, StateWriter, Store):
     async def _deadletter(self, moving: list[_Moving], plan: DeadletterPlan, now: float) -> None:
         """Write the messages into the deadletter queue (durable), then mark them done here:
         a crash in between leaves a duplicate, never a loss. A failed write hands them back
-        their reservations, to come back when those lapse."""
+        their reservations, to come back when those lapse. The write runs to its end when
+        the ko is cancelled (``to_the_end``; the queue's ``RunToEnd`` holds the
+        cancellation until the ko is done): cut short, a write whose copy was already
+        stored handed the reservations back too, and the next ko wrote a second copy."""
         payloads, headers = [], []
         for bucket, slot, tries, _, _ in moving:
             stored = bucket.message(slot, tries, now)
             payloads.append(stored.payload)
             headers.append(append_headers(stored.headers, plan.headers(tries, now)))
         try:
-            for write in _writes(self._dead_buckets(payloads, headers, now)):
-                await self._storage.insert_buckets(plan.queue, write)
+            await to_the_end(
+                self._write_dead(plan.queue, self._dead_buckets(payloads, headers, now))
+            )
         except BaseException:
             for bucket, slot, _, deadline, tries in moving:
                 if bucket.states[slot] == HANDED_OUT and bucket.deadline.get(slot) == math.inf:
@@ -592,6 +596,10 @@ class BucketStore(PushSide, StateWriter, Store):
                 bucket.version += 1
                 touched[bucket.id] = bucket
         await self._sync(list(touched.values()))
+
+    async def _write_dead(self, queue: str, buckets: list[NewBucket]) -> None:
+        for write in _writes(buckets):
+            await self._storage.insert_buckets(queue, write)
 
     async def remove(self, ids: Sequence[str]) -> list[bool]:
         self._check_open()

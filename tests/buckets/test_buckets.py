@@ -490,6 +490,40 @@ async def test_a_failed_deadletter_write_gives_the_reservation_back(
         assert await q.total_size() == 0
 
 
+async def test_a_ko_cancelled_once_its_deadletter_copy_is_written_leaves_one_copy(
+    bucket_case: tuple[BackendCase, dict[str, Any]],
+) -> None:
+    """A ko cancelled while its deadletter write's reply is on its way (the copy stored)
+    gave the reservation back, as for a failed write: the ko sent again (or the message's
+    next delivery, ko-ed) wrote a second copy. Seen in the chaos test on bucket-postgres.
+    The write now runs to its end and the slot is done; the ko still ends cancelled."""
+    case, options = bucket_case
+    async with aio_keuss.connect(case.name, **options, deadletter={"max_ko": 0}) as factory:
+        q = await factory.queue("dl-cut", reserve_delay=30)
+        await q.push("poison")
+        held = await q.reserve(timeout=5)
+        assert held is not None
+        storage = q._store._storage  # type: ignore[attr-defined]
+        insert = storage.insert_buckets
+        cancel: list[asyncio.Task[KoResult]] = []
+
+        async def written_then_cancelled(*args: Any, **kwargs: Any) -> Any:
+            result = await insert(*args, **kwargs)
+            cancel[0].cancel()  # the copy is stored: the caller's cancellation comes now
+            await asyncio.sleep(0)
+            return result
+
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(storage, "insert_buckets", written_then_cancelled)
+            cancel.append(asyncio.ensure_future(q.ko(held)))
+            with pytest.raises(asyncio.CancelledError):
+                await cancel[0]
+        assert await q.ko(held) == KoResult.MISSING  # done, not deadlettered again
+        got = await _take_all(await factory.queue("__deadletter__"))
+        assert [m.payload for m in got] == ["poison"]
+        assert await q.total_size() == 0
+
+
 def _raising(error: Exception) -> Callable[..., Awaitable[Any]]:
     async def fail(*args: Any, **kwargs: Any) -> Any:
         raise error
