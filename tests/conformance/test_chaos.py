@@ -91,6 +91,10 @@ class Model:
     seen: dict[int, int] = field(default_factory=dict)
     """payload -> deliveries (pop or reserve)."""
     violations: list[str] = field(default_factory=list)
+    max_ko: int | None = None
+    """the factory's deadletter max_ko, when it has one."""
+    dead: set[int] = field(default_factory=set)
+    """payloads of messages deadlettered (by a ko past max_ko)."""
 
     def new(self) -> int:
         self.counter += 1
@@ -112,6 +116,8 @@ class Model:
             self.violations.append(f"{where}: already popped as {self.popped[n]}")
         if n in self.okd:
             self.violations.append(f"{where}: already ok-ed")
+        if n in self.dead:
+            self.violations.append(f"{where}: already deadlettered")
         if n in self.held:
             self.violations.append(f"{where}: held by task {self.held[n]}")
         if message.tries != self.kos.get(n, 0):
@@ -299,13 +305,18 @@ class Worker:
             if not done:
                 m.violations.append(f"ok by task {self.i} of {n}: False")
         else:
-            m.kos[n] = m.kos.get(n, 0) + 1
+            # the ko of a message's (max_ko + 1)-th failed delivery deadletters it
+            dies = m.max_ko is not None and m.kos.get(n, 0) >= m.max_ko
+            if dies:
+                m.dead.add(n)
+            else:
+                m.kos[n] = m.kos.get(n, 0) + 1
             try:
                 result = await _call(self.rng, lambda: self.q.ko(message, delay=0))
             except Cancelled:
                 await self.q.ko(message, delay=0)
                 return
-            if result != KoResult.ROLLED_BACK:
+            if result != (KoResult.DEADLETTERED if dies else KoResult.ROLLED_BACK):
                 m.violations.append(f"ko by task {self.i} of {n}: {result!r}")
 
     async def ok_many(self, ns: list[int]) -> None:
@@ -368,9 +379,52 @@ async def _drain(q: aio_keuss.Queue, model: Model) -> None:
                 model.popped[k] = "drain"
 
 
+def _options(seed: int) -> dict[str, Any]:
+    """Every other seed with small batches (callers' lists cut in chunks, batches shared),
+    and two seeds in four with a deadletter queue."""
+    options: dict[str, Any] = {"reserve_delay": 600.0, "poll_interval": 0.5}
+    options["max_batch"] = 3 if seed % 2 == 0 else 1000
+    if seed % 4 in (1, 2):  # the first ko or the second deadletters
+        options["deadletter"] = {"max_ko": seed % 4 - 1, "queue": "chaos-dl"}
+    return options
+
+
+def _model(case: BackendCase, seed: int) -> Model:
+    dl = _options(seed).get("deadletter")
+    return Model(
+        seed,
+        stable_ids=not case.name.startswith("bucket-"),
+        max_ko=None if dl is None else dl["max_ko"],
+    )
+
+
+async def _drain_deadletter(factory: aio_keuss.Factory, model: Model) -> set[int]:
+    """The deadletter queue's messages: each one deadlettered here, once, at tries 0."""
+    if model.max_ko is None:
+        return set()
+    dq = await factory.queue("chaos-dl")
+    found: set[int] = set()
+    while got := await dq.pop_many(100, timeout=1.0):
+        for message in got:
+            n = message.payload
+            where = f"deadletter queue: {n!r} (id {message.id}, tries {message.tries})"
+            if not isinstance(n, int) or n not in model.dead:
+                model.violations.append(f"{where}: not deadlettered")
+            elif n in found:
+                model.violations.append(f"{where}: twice")
+            elif message.tries != 0 or message.headers.get("x-dl-from-queue") != "chaos":
+                model.violations.append(f"{where}: headers {message.headers}")
+            if isinstance(n, int):
+                found.add(n)
+    missing = sorted(model.dead - found)
+    if missing:
+        model.violations.append(f"deadlettered, not in the deadletter queue: {missing}")
+    return found
+
+
 def _check(model: Model, sizes: aio_keuss.Sizes) -> None:
     """The end's checks: nothing acknowledged lost, nothing left (no reservation stuck)."""
-    lost = sorted(set(model.acked) - set(model.popped) - model.okd)
+    lost = sorted(set(model.acked) - set(model.popped) - model.okd - model.dead)
     # A second copy of a message (a cancelled push stored twice) shows as a delivery after
     # the first was popped or ok-ed, while it is held, or with tries that its kos do not
     # explain: the checks of Model.delivered.
@@ -400,9 +454,8 @@ def _give_back(model: Model, workers: list[Worker]) -> None:
 async def test_random_workload_with_cancellations(
     connect: Connect, case: BackendCase, seed: int
 ) -> None:
-    # every other seed with small batches: callers' lists cut in chunks, batches shared
-    max_batch = 3 if seed % 2 == 0 else 1000
-    options = {"reserve_delay": 600.0, "poll_interval": 0.5, "max_batch": max_batch}
+    CALLS.clear()
+    options = _options(seed)
     factory = await connect(**options)
     q = await factory.queue("chaos")
     # Where queues are shared, half the tasks work through a second factory (another
@@ -410,7 +463,7 @@ async def test_random_workload_with_cancellations(
     # what its tasks still hold.
     other = await connect(**options) if case.shared else None
     q2 = await other.queue("chaos") if other is not None else q
-    model = Model(seed, stable_ids=not case.name.startswith("bucket-"))
+    model = _model(case, seed)
     reserve, ids = q.capabilities.reserve, q.capabilities.idempotent
     workers = [Worker(i, q2 if i % 2 else q, model, reserve=reserve, ids=ids) for i in range(TASKS)]
     await asyncio.gather(*(w.run(settle=w.q is q) for w in workers))
@@ -418,15 +471,16 @@ async def test_random_workload_with_cancellations(
         _give_back(model, [w for w in workers if w.q is q2])
         await other.close()
     await _drain(q, model)
+    await _drain_deadletter(factory, model)
     _check(model, await q.sizes())
     _stats: dict[str, Any] = {
         "pushed": len(model.started),
         "acked": len(model.acked),
         "maybe": len(model.maybe),
         "deliveries": sum(model.seen.values()),
+        "deadlettered": len(model.dead),
     }
     print(case.id, seed, _stats, CALLS)
-    CALLS.clear()
 
 
 @pytest.mark.parametrize("seed", SEEDS)
@@ -439,12 +493,12 @@ async def test_random_workload_with_a_factory_closed_mid_run(
     nothing once the close has begun, and what they held is given back at no try."""
     if not case.shared:
         pytest.skip("one factory's queues only")
-    max_batch = 3 if seed % 2 == 0 else 1000
-    options = {"reserve_delay": 600.0, "poll_interval": 0.5, "max_batch": max_batch}
-    q = await (await connect(**options)).queue("chaos")
+    options = _options(seed)
+    factory = await connect(**options)
+    q = await factory.queue("chaos")
     other = await connect(**options)
     q2 = await other.queue("chaos")
-    model = Model(seed, stable_ids=not case.name.startswith("bucket-"))
+    model = _model(case, seed)
     reserve, ids = q.capabilities.reserve, q.capabilities.idempotent
     workers = [Worker(i, q2 if i % 2 else q, model, reserve=reserve, ids=ids) for i in range(TASKS)]
     closers = [w for w in workers if w.q is q2]
@@ -468,4 +522,5 @@ async def test_random_workload_with_a_factory_closed_mid_run(
 
     await asyncio.gather(running, close())
     await _drain(q, model)
+    await _drain_deadletter(factory, model)
     _check(model, await q.sizes())
