@@ -165,6 +165,7 @@ CASES: list[BackendCase] = [
                 "test_visibility",
                 "test_lifecycle",
                 "test_reserve",
+                "test_chaos",
             }
         ),
     ),
