@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -1082,6 +1083,26 @@ async def test_a_serializable_default_isolation_does_not_fail_concurrent_consume
         await admin.execute(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
         await admin.execute(f'DROP ROLE "{role}"')
         await admin.close()
+
+
+async def test_a_server_without_autovacuum_is_named_on_connect(
+    schema: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Consumed rows stay until VACUUM: with autovacuum off (as on the test machines' server)
+    pops slowed five times over after a million messages, and nothing said why. The open
+    warns when the server's autovacuum is off, and only then."""
+    admin = await asyncpg.connect(POSTGRES_URL)
+    try:
+        autovacuum = await admin.fetchval("SHOW autovacuum")
+    finally:
+        await admin.close()
+    caplog.set_level(logging.WARNING, logger="aio_keuss.postgres")
+    async with aio_keuss.connect("postgres", url=POSTGRES_URL, schema=schema):
+        pass
+    warned = [r for r in caplog.records if "autovacuum is off" in r.getMessage()]
+    assert len(warned) == (autovacuum != "on"), caplog.text
+    if warned:
+        assert f"{schema}.messages" in warned[0].getMessage()
 
 
 async def test_the_listener_outlives_a_short_idle_session_timeout(schema: str) -> None:
