@@ -462,6 +462,18 @@ async def test_a_holder_that_stopped_consuming_gives_its_bucket_back(
         assert await other_q.ok_many(got) == [True] * 10
 
 
+async def _poison_held(
+    factory: aio_keuss.Factory, name: str
+) -> tuple[aio_keuss.Queue, aio_keuss.Message]:
+    """Queue ``name`` holding one message, reserved (for 30 s) by the caller: what a ko
+    deadletters with ``max_ko`` 0."""
+    q = await factory.queue(name, reserve_delay=30)
+    await q.push("poison")
+    held = await q.reserve(timeout=5)
+    assert held is not None
+    return q, held
+
+
 async def test_a_failed_deadletter_write_gives_the_reservation_back(
     bucket_case: tuple[BackendCase, dict[str, Any]],
 ) -> None:
@@ -470,10 +482,7 @@ async def test_a_failed_deadletter_write_gives_the_reservation_back(
     still reserved, and the same ko can be sent again."""
     case, options = bucket_case
     async with aio_keuss.connect(case.name, **options, deadletter={"max_ko": 0}) as factory:
-        q = await factory.queue("dl-fails", reserve_delay=30)
-        await q.push("poison")
-        held = await q.reserve(timeout=5)
-        assert held is not None
+        q, held = await _poison_held(factory, "dl-fails")
         with pytest.MonkeyPatch.context() as patch:
             patch.setattr(
                 q._store._storage,  # type: ignore[attr-defined]
@@ -499,10 +508,7 @@ async def test_a_ko_cancelled_once_its_deadletter_copy_is_written_leaves_one_cop
     The write now runs to its end and the slot is done; the ko still ends cancelled."""
     case, options = bucket_case
     async with aio_keuss.connect(case.name, **options, deadletter={"max_ko": 0}) as factory:
-        q = await factory.queue("dl-cut", reserve_delay=30)
-        await q.push("poison")
-        held = await q.reserve(timeout=5)
-        assert held is not None
+        q, held = await _poison_held(factory, "dl-cut")
         storage = q._store._storage  # type: ignore[attr-defined]
         insert = storage.insert_buckets
         cancel: list[asyncio.Task[KoResult]] = []

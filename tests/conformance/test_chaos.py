@@ -241,43 +241,30 @@ class Worker:
         choices: list[float | None] = [0, 0.01, 0.05]
         return self.rng.choice([*choices, None] if cancel else choices)
 
-    async def pop(self, many: bool) -> None:
+    async def take(self, kind: str, many: bool) -> None:
+        """A pop or a reserve (``kind``), of one message or of up to four."""
         cancel = self.rng.random() < CANCEL_P
         timeout, n = self._timeout(cancel), self.rng.randint(1, 4)
         wait = self.rng.choice([None, 0.01])  # max_wait: gather after the first for 10 ms
+        q = self.q
+        one, several = (q.pop, q.pop_many) if kind == "pop" else (q.reserve, q.reserve_many)
+        noted = self._popped if kind == "pop" else self._reserved
         with contextlib.suppress(Cancelled):
             if many:
                 await _call(
                     self.rng,
-                    lambda: self.q.pop_many(n, timeout=timeout, max_wait=wait),
+                    lambda: several(n, timeout=timeout, max_wait=wait),
                     cancel,
-                    self._popped,
+                    noted,
                 )
             else:
-                await _call(self.rng, lambda: self.q.pop(timeout=timeout), cancel, self._popped)
+                await _call(self.rng, lambda: one(timeout=timeout), cancel, noted)
 
     def _popped(self, got: list[aio_keuss.Message] | aio_keuss.Message | None) -> None:
         for message in _listed(got):
             k = self.model.delivered(self.i, "pop", message)
             if k is not None:
                 self.model.popped[k] = f"pop by task {self.i}"
-
-    async def reserve(self, many: bool) -> None:
-        cancel = self.rng.random() < CANCEL_P
-        timeout, n = self._timeout(cancel), self.rng.randint(1, 4)
-        wait = self.rng.choice([None, 0.01])  # max_wait: gather after the first for 10 ms
-        with contextlib.suppress(Cancelled):
-            if many:
-                await _call(
-                    self.rng,
-                    lambda: self.q.reserve_many(n, timeout=timeout, max_wait=wait),
-                    cancel,
-                    self._reserved,
-                )
-            else:
-                await _call(
-                    self.rng, lambda: self.q.reserve(timeout=timeout), cancel, self._reserved
-                )
 
     def _reserved(self, got: list[aio_keuss.Message] | aio_keuss.Message | None) -> None:
         m = self.model
@@ -349,9 +336,9 @@ class Worker:
                 elif choice < 0.35:
                     await self.push_many()
                 elif choice < 0.45 or (choice < 0.75 and not self.reserve_ok):
-                    await self.pop(many=rng.random() < 0.5)
+                    await self.take("pop", many=rng.random() < 0.5)
                 elif choice < 0.75:
-                    await self.reserve(many=rng.random() < 0.5)
+                    await self.take("reserve", many=rng.random() < 0.5)
                 elif self.holding and choice < 0.9 and settle:
                     await self.settle(rng.choice(sorted(self.holding)), ok=rng.random() < 0.5)
                 elif self.holding and settle:

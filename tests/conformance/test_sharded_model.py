@@ -709,17 +709,24 @@ async def test_fetches_over_several_shards_cancelled_anywhere_lose_nothing(
     assert await q.sizes() == Sizes(0, 0, 0, 0)
 
 
+async def _one_key(
+    sharded: Connect, count: int, **options: Any
+) -> tuple[aio_keuss.Factory, aio_keuss.Queue, list[str]]:
+    """A queue of a sharded factory (no sweeper) this process is enrolled in, holding the
+    messages 0 .. ``count`` - 1 of one key, in order; and their ids."""
+    factory = await sharded(sweeper=False)
+    q = await factory.queue("q", **options)
+    await q.pop(timeout=0)  # enrolled
+    ids = [await q.push(n, headers={"x-shard-key": "customer-4"}) for n in range(count)]
+    return factory, q, ids
+
+
 async def test_a_message_put_back_after_a_cancelled_pop_keeps_its_place_in_its_key(
     sharded: Connect,
 ) -> None:
     """A pop cancelled once it took the first message of a key puts it back where it was
     (the caller never saw it): the key's messages still come out in order."""
-    factory = await sharded(sweeper=False)
-    q = await factory.queue("q")
-    await q.pop(timeout=0)  # enrolled
-    key = {"x-shard-key": "customer-4"}
-    for n in range(4):
-        await q.push(n, headers=key)
+    factory, q, _ = await _one_key(sharded, 4)
     await _popped_then_cancelled(q, backend_of(factory).storage)
 
     async def all_back() -> bool:
@@ -736,12 +743,7 @@ async def test_the_put_backs_of_two_cancelled_pops_of_one_key_keep_its_order(
     """Two pops cancelled once their fires took 0 and 1 of one key each give back their
     own, 0's first: the key's messages still come out 0, 1, 2, 3 (the second put-back does
     not go in front of the first)."""
-    factory = await sharded(sweeper=False)
-    q = await factory.queue("q")
-    await q.pop(timeout=0)  # enrolled
-    key = {"x-shard-key": "customer-4"}
-    for n in range(4):
-        await q.push(n, headers=key)
+    factory, q, _ = await _one_key(sharded, 4)
     storage = backend_of(factory).storage
     real = storage.load
     gates: list[asyncio.Event] = []
@@ -786,12 +788,7 @@ async def test_a_reservation_released_after_a_cancelled_reserve_keeps_its_place_
     """A reserve cancelled once its fire took the first message of a key releases it (a
     rollback costing no try): it goes back to its place, so the key's messages still come
     out 0, 1, 2, 3 (reloaded at the load pointer, they came out 1, 2, 3, 0)."""
-    factory = await sharded(sweeper=False)
-    q = await factory.queue("q")
-    await q.pop(timeout=0)  # enrolled
-    key = {"x-shard-key": "customer-4"}
-    for n in range(4):
-        await q.push(n, headers=key)
+    factory, q, _ = await _one_key(sharded, 4)
     storage = backend_of(factory).storage
     await _taken_then_cancelled(q.reserve, storage)
 
@@ -810,12 +807,7 @@ async def test_a_stopping_consumer_gives_back_its_prefetched_reservations_in_key
     go latest first and the key's messages still come out in order (given back earliest
     first, all but the last found the next one held and went to the back: 3, 4, 5, 6, 7, 1,
     2)."""
-    factory = await sharded(sweeper=False)
-    q = await factory.queue("q")
-    await q.pop(timeout=0)  # enrolled
-    key = {"x-shard-key": "customer-4"}
-    for n in range(8):
-        await q.push(n, headers=key)
+    _, q, _ = await _one_key(sharded, 8)
     started, finish = asyncio.Event(), asyncio.Event()
     seen: list[int] = []
 
@@ -844,12 +836,7 @@ async def test_a_batch_handler_cancelled_on_stop_gives_its_batch_back_in_key_ord
     call: released one each at once (each its own round trip, run in any order), all but the
     last found the next one still held and went to the back of the key (4, 5, 6, 7, 3, 2, 1,
     0 or the like)."""
-    factory = await sharded(sweeper=False)
-    q = await factory.queue("q")
-    await q.pop(timeout=0)  # enrolled
-    key = {"x-shard-key": "customer-4"}
-    for n in range(8):
-        await q.push(n, headers=key)
+    _, q, _ = await _one_key(sharded, 8)
     started = asyncio.Event()
     seen: list[list[int]] = []
 
@@ -874,11 +861,7 @@ async def test_a_close_gives_back_more_than_a_batch_of_reservations_in_key_order
     gives them back a batch at a time, at no try: the latest batch first, so each finds its
     place free and the key's messages still come out in order (the earliest batch first
     found the next still held and went to the back: 2, 3, 4, 5, 0, 1)."""
-    factory = await sharded(sweeper=False)
-    q = await factory.queue("q", max_batch=2)
-    await q.pop(timeout=0)  # enrolled
-    key = {"x-shard-key": "customer-4"}
-    ids = [await q.push(n, headers=key) for n in range(6)]
+    factory, q, ids = await _one_key(sharded, 6, max_batch=2)
     got = await q.reserve_many(2, timeout=0) + await q.reserve_many(2, timeout=0)
     assert [m.payload for m in got] == [0, 1, 2, 3]
     await q.close()
@@ -898,12 +881,7 @@ async def test_the_sync_shim_gives_back_an_interrupted_reserve_many_in_key_order
     task of its own, Redis Cluster ran them out of order once: 1, 2, 3, 4, 5, 0)."""
     from aio_keuss import sync
 
-    factory = await sharded(sweeper=False)
-    q = await factory.queue("q")
-    await q.pop(timeout=0)  # enrolled
-    key = {"x-shard-key": "customer-4"}
-    for n in range(6):
-        await q.push(n, headers=key)
+    _, q, _ = await _one_key(sharded, 6)
     got = await q.reserve_many(3, timeout=0)
     assert [m.payload for m in got] == [0, 1, 2]
     sync._release(q, got, {})  # as _abandon does, on the loop thread
