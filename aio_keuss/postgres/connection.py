@@ -252,6 +252,7 @@ def _warn_no_autovacuum(schema: str) -> None:
         schema,
     )
 
+
 CLOSE_GRACE = 10.0
 """How long a close waits for the pool's connections to come back before it terminates them."""
 

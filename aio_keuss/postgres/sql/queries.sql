@@ -226,8 +226,8 @@ RETURNING m.id, m.tries
 -- brace, NULL = none; stored headers '{}', empty or of whitespace and braces only, as
 -- another program may write them, take a new object: cutting the last byte of empty ones
 -- was a negative length; JSON whitespace around the object is cut first), and renamed by
--- moved_id when the id is taken there. Answers the old
--- and the new id of each message moved, and the position of the request that moved it
+-- moved_id when the id is taken there. Answers the old and the new id of each message
+-- moved, and the position of the request that moved it
 -- ("moving" carries it as ord: read from RETURNING, not joined back, as the planner
 -- expects one row of a CTE and a join back is a nested loop over the whole batch).
 UPDATE {s}.messages m
