@@ -25,6 +25,15 @@ Connect = Callable[..., Awaitable[aio_keuss.Factory]]
 if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
     signal.signal(signal.SIGINT, signal.default_int_handler)
 
+try:  # The test server's autovacuum is off (the suite vacuums before it runs): that the
+    # library says so once, at the first open, is tested on its own; elsewhere it would be
+    # a warning of the machine's in tests that check what a close or a repeat logs.
+    from aio_keuss.postgres import connection as _pg_connection
+
+    _pg_connection.warned_no_autovacuum = True
+except ImportError:  # asyncpg not installed
+    pass
+
 
 def pytest_configure(config: pytest.Config) -> None:
     """Under pytest-xdist the controller starts the servers the suite starts itself, once,

@@ -240,11 +240,20 @@ def _fit_to_keep(connection: Any, failure: BaseException | None) -> bool:
 log = logging.getLogger("aio_keuss.postgres")
 
 
+warned_no_autovacuum = False
+"""Whether this process has said that the server's autovacuum is off (said once: every
+factory opened on such a server would say it again)."""
+
+
 def _warn_no_autovacuum(schema: str) -> None:
     """A queue deletes every row it delivers, and PostgreSQL keeps a deleted row (and its
     index entries, which every pop walks past) until VACUUM reclaims it (manual, "Routine
     Vacuuming"). With autovacuum off nothing does, unless the user runs VACUUM: measured
     here, a million consumed messages made pops five times slower."""
+    global warned_no_autovacuum
+    if warned_no_autovacuum:
+        return
+    warned_no_autovacuum = True
     log.warning(
         "PostgreSQL's autovacuum is off: the rows of %s.messages that queues consume are"
         " never reclaimed, and pops and reserves slow down as they pile up; turn autovacuum"
