@@ -1521,22 +1521,28 @@ class Queue:
 
     def _on_signal(self, signal: Signal) -> None:
         kind = signal.kind
-        if kind == "pause":
+        if kind == "pause" or kind == "resume":
+            # Taken at once, then confirmed from the stored flag: signals of one process
+            # may arrive out of order (each is published on its own), and a pause heard
+            # after its resume left other processes' queues paused until a poll, or,
+            # heard the other way round, consuming a paused queue until something made
+            # them read the flag. The last signal's read sees the last change.
             self._pause_signals += 1
-            self._paused = True
-            return
-        if kind == "resume":
-            self._pause_signals += 1
-            self._paused = False
+            self._paused = kind == "pause"
+            if not self._closed:
+                self._in_background(self._resync_paused())
+            if self._paused:
+                return
         elif kind == "resync" and not self._closed:
             self._in_background(self._resync_paused())
         if not self._paused:
             self._wakeups.announce(signal.count if kind == "insert" else None)
 
     async def _resync_paused(self) -> None:
-        """The signal listener was away: a pause or resume sent meanwhile went unheard (a
-        lost insert costs a poll, a lost pause would cost for ever), so the paused flag is
-        read again, unless a pause or resume is heard meanwhile (it is newer)."""
+        """The paused flag read again, unless a pause or resume is heard meanwhile (it is
+        newer): after one is heard (signals may arrive out of order), and after the signal
+        listener was away (a pause or resume sent meanwhile went unheard: a lost insert
+        costs a poll, a lost pause would cost for ever)."""
         heard = self._pause_signals
         try:
             paused = await self._stats.is_paused(self.name)

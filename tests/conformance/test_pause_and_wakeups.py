@@ -334,3 +334,31 @@ async def test_a_pause_sent_while_the_listener_was_away_is_seen_once_it_is_back(
     await q1.resume()
     message = await q2.pop(timeout=5)
     assert message is not None and message.payload == "while paused"
+
+
+@pytest.mark.parametrize("last", ["resume", "pause"])
+async def test_a_pause_or_resume_heard_out_of_order_ends_in_the_stored_state(
+    connect: Connect, last: str
+) -> None:
+    """Each pause or resume is published on its own, so another process may hear a pause
+    and the resume after it in the other order. The queue took the last signal heard as
+    the truth: paused after ``pause(); resume()`` until a poll (a consumer waited out its
+    whole timeout, seen under load), or consuming a paused queue after ``resume();
+    pause()`` until something made it read the flag. It now reads the stored flag after
+    each, and ends as stored."""
+    from aio_keuss.signal import Signal
+
+    factory = await connect(poll_interval=30.0)
+    q = await factory.queue("order")
+    await q.push("ready")
+    first = "pause" if last == "resume" else "resume"
+    await getattr(q, first)()
+    await getattr(q, last)()
+    q._on_signal(Signal(q.name, first))  # type: ignore[attr-defined]  # heard late
+    stored_paused = last == "pause"
+    deadline = time.monotonic() + 30
+    while q._paused != stored_paused:  # type: ignore[attr-defined]
+        assert time.monotonic() < deadline, f"still {'paused' if q._paused else 'resumed'}"
+        await asyncio.sleep(0.01)
+    got = await q.pop(timeout=0)
+    assert (got is None) == stored_paused
