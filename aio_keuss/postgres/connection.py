@@ -188,6 +188,17 @@ CREATE TABLE IF NOT EXISTS {s}.schema_versions (
 """
 
 
+async def _no_idle_timeout(connection: Any) -> None:
+    """Pool connection hook, once per connection of our own pool. Our connections are kept
+    for reuse, idle between statements by design; a role's or database's
+    ``idle_session_timeout`` (PostgreSQL 14 and later) ended them while idle, and a
+    statement sent as the server's notice came in failed with a connection error (asyncpg:
+    "another operation is in progress"), a pop waiting across it included. Set here, not in
+    ``server_settings``: an older server refuses an unknown setting at connect."""
+    if connection.get_server_version().major >= 14:
+        await connection.execute("SET idle_session_timeout = 0")
+
+
 async def _light_reset(connection: Any) -> None:
     """Pool release hook. asyncpg's default reset costs one more round trip per statement
     (UNLISTEN *, RESET ALL, ...); our statements leave no session state behind (one implicit
@@ -424,6 +435,7 @@ class PostgresConnection(Backend):
                 min_size=self.config.min_pool_size,
                 max_size=self.config.max_pool_size,
                 server_settings=SERVER_SETTINGS,
+                init=_no_idle_timeout,
                 reset=_light_reset,
             )
         # Our own pool: all but two of its connections may be held (the two serve

@@ -1112,8 +1112,9 @@ async def test_the_listener_outlives_a_short_idle_session_timeout(schema: str) -
     """A role whose idle_session_timeout (1 s here) is shorter than the signal bus's liveness
     check: the server ended the LISTENing session each time it had been idle that long, and
     the bus reconnected again and again (a warning each time, wake-ups lost meanwhile). The
-    listener's session now turns the timeout off for itself; the pool's sessions keep it and
-    reconnect when next used."""
+    listener's session now turns the timeout off for itself, and so do the sessions of our
+    own pool: one ended while idle failed the next statement sent on it, the pop waiting here
+    included (asyncpg: "another operation is in progress"), one run in several."""
     role = f"{schema}_idle"
     admin = await asyncpg.connect(POSTGRES_URL)
     if admin.get_server_version().major < 14:
@@ -1123,9 +1124,7 @@ async def test_the_listener_outlives_a_short_idle_session_timeout(schema: str) -
     await admin.execute(f"ALTER ROLE \"{role}\" SET idle_session_timeout = '1s'")
     url = urlsplit(POSTGRES_URL)
     as_role = urlunsplit(url._replace(netloc=f"{role}@{url.hostname}:{url.port or 5432}"))
-    listening = (
-        "SELECT pid FROM pg_stat_activity WHERE usename = $1 AND query LIKE 'LISTEN %'"
-    )
+    listening = "SELECT pid FROM pg_stat_activity WHERE usename = $1 AND query LIKE 'LISTEN %'"
     try:
         async with aio_keuss.connect("postgres", url=as_role, schema=schema) as factory:
             q = await factory.queue("idle")
@@ -1134,9 +1133,12 @@ async def test_the_listener_outlives_a_short_idle_session_timeout(schema: str) -
             while (first := await admin.fetchval(listening, role)) is None:
                 assert time.monotonic() < deadline, "no listener"
                 await asyncio.sleep(0.05)
+            sessions = "SELECT array_agg(pid ORDER BY pid) FROM pg_stat_activity WHERE usename = $1"
+            before = await admin.fetchval(sessions, role)
             await asyncio.sleep(3)  # three times the timeout, idle
             assert await admin.fetchval(listening, role) == first
-            await q.push("after a while")  # the pool's sessions were ended: they reconnect
+            assert await admin.fetchval(sessions, role) == before  # none ended
+            await q.push("after a while")
             got = await waiting
             assert got is not None and got.payload == "after a while"
     finally:
