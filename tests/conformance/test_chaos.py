@@ -58,6 +58,8 @@ CANCEL_P = 0.35
 SPIN = int(os.environ.get("AK_CHAOS_SPIN", "5"))
 """Most loop iterations before a cancellation; AK_CHAOS_SPIN=2000 reaches into server
 round trips (a reply being read, a put-back under way), to hunt."""
+DRAIN_BOUND = 60.0
+"""Seconds the final drain waits for messages the queue counts and no pop finds yet."""
 
 
 class Cancelled(Exception):
@@ -355,11 +357,16 @@ class Worker:
 
 
 async def _taken_to_the_end(q: aio_keuss.Queue) -> list[aio_keuss.Message]:
-    """The next messages left; a wait (1 s) only while the queue still counts some that no
-    pop found at once, rather than on every drain's last, empty pop (most of a seed's time)."""
+    """The next messages left. While the queue still counts some that no pop finds at once
+    (a bucket whose release is being written, a put-back under way), it waits for them,
+    polling, for as long as a loaded machine may need: the bound only keeps a stuck message
+    from hanging the run (it then fails the end's check). An empty queue costs no wait,
+    so most of a seed's time is not spent on its drain's last, empty pop."""
     got = await q.pop_many(100, timeout=0)
-    if not got and await q.total_size() > 0:
-        got = await q.pop_many(100, timeout=1.0)
+    loop = asyncio.get_running_loop()
+    until = loop.time() + DRAIN_BOUND
+    while not got and loop.time() < until and await q.total_size() > 0:
+        got = await q.pop_many(100, timeout=0.5)
     return got
 
 
