@@ -412,7 +412,10 @@ class MongoStore(Store):
     async def _give_back(self, claimed: list[str], token: str) -> None:
         """Give back the claims of a failed insert whose messages are not in the queue. If
         that cannot be read, all of them: a retry may then store again one that went in
-        (at least once), rather than refuse one that never did (lost). When the give-back
+        (at least once), rather than refuse one that never did (lost). The same holds for
+        a message that went in, lost its reply and was consumed (deleted) before this
+        read: nothing is left to tell it from one that never went in, short of a
+        transaction around claim and insert. When the give-back
         itself fails (the connection is still down), the claims are owed: the next insert
         with ids of its own on this queue gives them back first (see ``_give_back_owed``)."""
         try:
