@@ -370,6 +370,23 @@ async def _taken_to_the_end(q: aio_keuss.Queue) -> list[aio_keuss.Message]:
     return got
 
 
+async def _settled(
+    connect: Connect, options: dict[str, Any], factory: aio_keuss.Factory, case: BackendCase
+) -> tuple[aio_keuss.Factory, aio_keuss.Queue]:
+    """A factory and queue to drain through once everything the run began has landed.
+
+    A call its caller cancelled may still be under way when the tasks end: a push's batch
+    shared with others, a bucket being written. Drained before it lands, its message was
+    left in the queue after the drain (CI, loaded, twice). Where queues are shared, the
+    run's factory is closed, which waits for all of it, and a fresh one drains; the memory
+    backends' work is done by the time their tasks end."""
+    if not case.shared:
+        return factory, await factory.queue("chaos")
+    await factory.close()
+    fresh = await connect(**options)
+    return fresh, await fresh.queue("chaos")
+
+
 async def _drain(q: aio_keuss.Queue, model: Model) -> None:
     """Pop everything left, waiting a little for what is still on its way."""
     while True:
@@ -473,6 +490,7 @@ async def test_random_workload_with_cancellations(
     if other is not None:
         _give_back(model, [w for w in workers if w.q is q2])
         await other.close()
+    factory, q = await _settled(connect, options, factory, case)
     await _drain(q, model)
     await _drain_deadletter(factory, model)
     _check(model, await q.sizes())
@@ -524,6 +542,7 @@ async def test_random_workload_with_a_factory_closed_mid_run(
         await other.close()
 
     await asyncio.gather(running, close())
+    factory, q = await _settled(connect, options, factory, case)
     await _drain(q, model)
     await _drain_deadletter(factory, model)
     _check(model, await q.sizes())
