@@ -291,9 +291,7 @@ async def test_a_reservation_released_at_no_try_goes_back_to_its_place(
     assert done.results == [KoResult.ROLLED_BACK] and done.reloaded
     assert done.version > version  # raised, as by a load: the shard is announced again
     for m in (b, a):
-        assert (await st.rollback("q", 0, [release(m)], None)).results == [
-            KoResult.ROLLED_BACK
-        ]
+        assert (await st.rollback("q", 0, [release(m)], None)).results == [KoResult.ROLLED_BACK]
     sizes = await st.sizes("q", 0)
     assert (sizes.ready, sizes.fired, sizes.load) == (6, 0, 6)  # not reloaded at the back
     again = (await st.fire("q", 0, 2, FAR)).messages
