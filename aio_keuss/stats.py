@@ -21,8 +21,10 @@ that is logged once per outage (a warning), and once more (info) when a flush la
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import copy
 import logging
+import os
 from abc import ABC, abstractmethod
 from collections import defaultdict
 from typing import Any
@@ -204,7 +206,11 @@ class StatsStore(ABC):
         flight lands first, not after the reset (reads and flushes take turns)."""
         async with self._turns:
             self._buffer.pop(queue, None)
+            self._forget_unsent(queue)
             await self._reset(queue)
+
+    def _forget_unsent(self, queue: str) -> None:
+        """Drop ``queue`` from a batch kept aside (see :meth:`_unsettled`): a reset zeroes it."""
 
     @abstractmethod
     async def _reset(self, queue: str) -> None:
@@ -244,6 +250,86 @@ class StatsStore(ABC):
     async def remove_pipeline(self, name: str) -> bool:
         """Forget a pipeline's topology (its queues stay); False if none was recorded."""
         return self._local_pipelines.pop(name, None) is not None
+
+
+class NumberedFlushes(StatsStore):
+    """For a database where a flush may be applied and its reply lost (the connection broke
+    on the way back): merged back into the buffer, that batch was added a second time by the
+    next flush. Each flush carries this store's ``origin`` and a number, and the database
+    applies a queue's part of it only if that number is past the last one it applied for
+    this origin and queue, in the same atomic step as the increments. A flush that failed is
+    kept aside as it was, with its number, and sent again, alone and first, by the next one;
+    a read counts it only for the queues where it has not landed.
+
+    A database provides :meth:`_write` (the conditional increments), :meth:`_landed`,
+    :meth:`_stored_counters` and :meth:`_forget_flushes` (the numbers of a store closing
+    with nothing kept aside, which nothing can send again)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._origin = os.urandom(12).hex()
+        self._seq = 0  # the number of the last flush sent
+        self._unsent: Increments | None = None  # flush number _seq, outcome unknown
+        self._flushed: set[str] = set()  # queues a flush was sent for
+
+    async def close(self) -> None:
+        await super().close()
+        if self._flushed and self._unsent is None:
+            with contextlib.suppress(Exception):  # housekeeping: left for its expiry
+                await self._forget_flushes(sorted(self._flushed))
+
+    def _unsettled(self) -> bool:
+        return self._unsent is not None
+
+    def _forget_unsent(self, queue: str) -> None:
+        if self._unsent is not None:  # sent again without it: applied or not, it is zeroed
+            self._unsent.pop(queue, None)
+
+    async def _apply(self, increments: Increments) -> None:
+        if self._unsent is not None:  # raises again: the new batch goes back to the buffer
+            await self._write(self._unsent, self._seq)
+            self._unsent = None
+        increments = {q: c for q, c in increments.items() if any(c.values())}
+        if not increments:
+            return
+        self._seq += 1
+        self._flushed.update(increments)
+        try:
+            await self._write(increments, self._seq)
+        except Exception as exc:
+            # The database may have applied it: kept aside with its number, not merged back
+            self._unsent = increments
+            raise PartlyWritten({}, exc) from exc
+
+    async def _load_counters(self, queue: str) -> dict[str, int]:
+        counters: dict[str, int] = {}
+        unsent = self._unsent
+        if unsent is not None and queue in unsent:  # applied already, or still to add?
+            if await self._landed(queue, self._seq):
+                del unsent[queue]  # nothing to send again for it
+                if not unsent:
+                    self._unsent = None
+            else:
+                counters = dict(unsent[queue])
+        for name, value in (await self._stored_counters(queue)).items():
+            counters[name] = counters.get(name, 0) + value
+        return counters
+
+    @abstractmethod
+    async def _write(self, increments: Increments, seq: int) -> None:
+        """Apply each queue's increments unless flush ``seq`` of this origin already was."""
+
+    @abstractmethod
+    async def _landed(self, queue: str, seq: int) -> bool:
+        """Whether flush ``seq`` of this origin was applied to ``queue``."""
+
+    @abstractmethod
+    async def _stored_counters(self, queue: str) -> dict[str, int]:
+        """The counters the database holds for ``queue``."""
+
+    @abstractmethod
+    async def _forget_flushes(self, queues: list[str]) -> None:
+        """Delete this origin's flush numbers (of ``queues``, where they are kept apart)."""
 
 
 class MemoryStats(StatsStore):

@@ -15,13 +15,12 @@ connection broke), it is not applied a second time.
 from __future__ import annotations
 
 import contextlib
-import os
 from typing import TYPE_CHECKING, Any
 
 import orjson
 
 from ..errors import KeussError
-from ..stats import Increments, PartlyWritten, StatsStore
+from ..stats import Increments, NumberedFlushes
 
 if TYPE_CHECKING:
     from .connection import PostgresConnection
@@ -40,63 +39,35 @@ def _columns(increments: Increments) -> tuple[list[str], list[str], list[int]]:
     return queues, names, values
 
 
-class PostgresStats(StatsStore):
+class PostgresStats(NumberedFlushes):
     def __init__(self, backend: PostgresConnection) -> None:
         super().__init__()
         self._db = backend
         self._sql = backend.sql
-        self._origin = os.urandom(12).hex()
-        self._seq = 0  # the number of the last flush sent
-        self._unsent: Increments | None = None  # flush number _seq, outcome unknown
 
     async def open(self) -> None:
         await super().open()
         with contextlib.suppress(KeussError):  # housekeeping: a later open does it
             await self._db.execute(self._sql["stats_forget_flushes"], None)
 
-    async def close(self) -> None:
-        await super().close()
-        if self._seq and self._unsent is None:
-            with contextlib.suppress(KeussError):
-                await self._db.execute(self._sql["stats_forget_flushes"], self._origin)
-
-    def _unsettled(self) -> bool:
-        return self._unsent is not None
-
-    async def _apply(self, increments: Increments) -> None:
-        if self._unsent is not None:  # raises again: the new batch goes back to the buffer
-            await self._write(self._unsent, self._seq)
-            self._unsent = None
-        if not any(_columns(increments)[2]):
-            return
-        self._seq += 1
-        try:
-            await self._write(increments, self._seq)
-        except Exception as exc:
-            # The server may have applied it: kept aside with its number, not merged back
-            self._unsent = increments
-            raise PartlyWritten({}, exc) from exc
+    async def _forget_flushes(self, queues: list[str]) -> None:
+        await self._db.execute(self._sql["stats_forget_flushes"], self._origin)
 
     async def _write(self, increments: Increments, seq: int) -> None:
+        """One upsert for every queue; the flush's number is checked and recorded in the
+        same statement (one row per origin: a flush lands whole or not at all)."""
         queues, names, values = _columns(increments)
         await self._db.execute(self._sql["stats_apply"], queues, names, values, self._origin, seq)
 
-    async def _load_counters(self, queue: str) -> dict[str, int]:
-        counters: dict[str, int] = {}
-        if self._unsent is not None:  # applied already, or still to add?
-            flushed = await self._db.fetchval(self._sql["stats_flushed"], self._origin)
-            if flushed is not None and flushed >= self._seq:
-                self._unsent = None  # it had landed: nothing to send again
-            else:
-                counters = dict(self._unsent.get(queue, {}))
+    async def _landed(self, queue: str, seq: int) -> bool:
+        flushed = await self._db.fetchval(self._sql["stats_flushed"], self._origin)
+        return flushed is not None and flushed >= seq
+
+    async def _stored_counters(self, queue: str) -> dict[str, int]:
         rows = await self._db.fetch(self._sql["stats_counters"], queue)
-        for row in rows:
-            counters[row[0]] = counters.get(row[0], 0) + row[1]
-        return counters
+        return {row[0]: row[1] for row in rows}
 
     async def _reset(self, queue: str) -> None:
-        if self._unsent is not None:  # sent again without it: applied or not, it is zeroed
-            self._unsent.pop(queue, None)
         await self._db.execute(self._sql["stats_reset"], queue)
 
     async def set_paused(self, queue: str, paused: bool) -> None:

@@ -2,7 +2,9 @@
 pipeline topologies.
 
 Per-queue keys carry the queue's hash tag, so in cluster mode they spread over the nodes; the
-increments of one flush go out together.
+increments of one flush go out together, one script per queue, each applied only if the
+flush's number is past the one this store last applied there (a key beside the counters),
+so a flush sent again after its reply was lost is not counted twice.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 import orjson
 
-from ..stats import Increments, PartlyWritten, StatsStore
+from ..stats import Increments, NumberedFlushes
 from .connection import Script
 
 if TYPE_CHECKING:
@@ -29,16 +31,26 @@ return 1
 """)
 
 
-# KEYS: a queue's counters HASH. ARGV: pairs counter, increment. First a write that cannot
-# grow memory (see _REPLACE): the flush of consumers draining a full Redis is not refused.
+# KEYS: a queue's counters HASH, this store's flush number for the queue. ARGV: the flush's
+# number, that number's time to live, then pairs counter, increment. Applied only when the
+# number is past the one recorded (a flush sent again after its reply was lost is not added
+# twice). First a write that cannot grow memory (see _REPLACE): the flush of consumers
+# draining a full Redis is not refused.
 _INCREMENT = Script("""
 redis.call('HDEL', KEYS[1], '')
-for i = 1, #ARGV, 2 do redis.call('HINCRBY', KEYS[1], ARGV[i], ARGV[i + 1]) end
+if tonumber(redis.call('GET', KEYS[2]) or '0') >= tonumber(ARGV[1]) then return 0 end
+for i = 3, #ARGV, 2 do redis.call('HINCRBY', KEYS[1], ARGV[i], ARGV[i + 1]) end
+redis.call('SET', KEYS[2], ARGV[1], 'EX', ARGV[2])
 return 1
 """)
 
+FLUSH_NUMBER_TTL = 7 * 86400
+"""Seconds a flush number is kept: a store closing with nothing to send again deletes its
+own; a dead process's go after this, and a flush it sends again later than that (an
+outage of a week) may be counted twice."""
 
-class RedisStats(StatsStore):
+
+class RedisStats(NumberedFlushes):
     def __init__(self, backend: RedisConnection) -> None:
         super().__init__()
         self._backend = backend
@@ -51,34 +63,36 @@ class RedisStats(StatsStore):
     def _paused_key(self, queue: str) -> str:
         return self._backend.key(queue, "paused")
 
-    async def _apply(self, increments: Increments) -> None:
-        """One script per queue (its counters' HINCRBYs after a write that cannot grow
-        memory, so the flush works at maxmemory too, and a close there does not raise), all
-        sent at once: pipelined on the fast lane's one connection, spread over pooled
-        connections (and cluster nodes) through redis-py."""
-        batches = [
-            (queue, [x for name, n in counters.items() if n for x in (name, n)])
-            for queue, counters in increments.items()
-        ]
-        batches = [(queue, args) for queue, args in batches if args]
-        run = self._backend.run_script
-        results = await asyncio.gather(
-            *(run(_INCREMENT, [self._counters_key(queue)], args) for queue, args in batches),
-            return_exceptions=True,
-        )
-        unwritten: Increments = {}
-        failure: BaseException | None = None
-        for (queue, _), result in zip(batches, results, strict=True):
-            if isinstance(result, BaseException):
-                failure = failure or result
-                unwritten[queue] = {name: n for name, n in increments[queue].items() if n}
-        if failure is not None:
-            # Only what failed goes back: the increments that landed must not be added again.
-            raise PartlyWritten(unwritten, failure)
+    def _flush_key(self, queue: str) -> str:
+        return self._backend.key(queue, "stats-flushed", self._origin)
 
-    async def _load_counters(self, queue: str) -> dict[str, int]:
+    async def _write(self, increments: Increments, seq: int) -> None:
+        """One script per queue (its counters' HINCRBYs, unless this flush number already
+        landed there), all sent at once: pipelined on the fast lane's one connection,
+        spread over pooled connections (and cluster nodes) through redis-py. Some may land
+        and others fail: sent again, those that landed are not added twice."""
+        run = self._backend.run_script
+        calls = []
+        for queue, counters in increments.items():
+            pairs = [x for name, n in counters.items() if n for x in (name, n)]
+            keys = [self._counters_key(queue), self._flush_key(queue)]
+            calls.append(run(_INCREMENT, keys, [seq, FLUSH_NUMBER_TTL, *pairs]))
+        for result in await asyncio.gather(*calls, return_exceptions=True):
+            if isinstance(result, BaseException):
+                raise result
+
+    async def _landed(self, queue: str, seq: int) -> bool:
+        flushed = await self._backend.execute("GET", self._flush_key(queue))
+        return flushed is not None and int(flushed) >= seq
+
+    async def _stored_counters(self, queue: str) -> dict[str, int]:
         stored = await self._backend.hash_items(self._counters_key(queue))
         return {name.decode(): int(value) for name, value in stored}
+
+    async def _forget_flushes(self, queues: list[str]) -> None:
+        await asyncio.gather(
+            *(self._backend.execute("DEL", self._flush_key(queue)) for queue in queues)
+        )
 
     async def _reset(self, queue: str) -> None:
         await self._backend.execute("DEL", self._counters_key(queue))

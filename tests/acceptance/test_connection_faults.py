@@ -441,3 +441,36 @@ async def test_a_push_whose_insert_and_give_back_failed_is_stored_by_its_retry(
         assert retried == "m1"
         message = await q.reserve(timeout=5)
         assert message is not None and message.id == "m1"
+
+
+@pytest.mark.parametrize("backend", ["redis-oq", "mongo"])
+async def test_a_stats_flush_whose_reply_is_lost_is_not_counted_twice(backend: str) -> None:
+    """The server applied a flush of the counters and its reply was lost with the
+    connection: the batch went back into the buffer and the next flush added it again
+    (PostgreSQL's case is in its own tests)."""
+    async with (
+        _proxied(Soak(backend)) as (proxy, direct_options, options),
+        aio_keuss.connect(backend, **options) as factory,
+        aio_keuss.connect(backend, **direct_options) as direct,
+    ):
+        q = await factory.queue("counted")
+        stored = await direct.queue("counted")
+
+        async def stored_puts(expected: int) -> None:
+            async with asyncio.timeout(30):
+                while (await stored.stats())["put"] != expected:  # noqa: ASYNC110
+                    await asyncio.sleep(0.05)
+
+        await q.push("first")
+        await stored_puts(1)
+        stats = factory.stats_store
+        if backend == "mongo":
+            proxy.arm("after", _mongo_command("update", "keuss_stats"))
+        else:
+            proxy.arm("after", b"}:stats")
+        await q.push_many([1, 2])
+        await until(lambda: proxy.armed() == 0, 30, "the flush's reply lost")
+        # sent again until it works, then nothing of it left in this process
+        await until(lambda: not stats._buffer and not stats._unsettled(), 30, "a flush landed")
+        assert (await stored.stats())["put"] == 3
+        assert (await q.stats())["put"] == 3
