@@ -636,8 +636,17 @@ class BucketStore(PushSide, StateWriter, Store):
     # state persistence ---------------------------------------------------------------
 
     async def sizes(self) -> Sizes:
+        """Every bucket counted once: from storage, or from memory where this store's state
+        is the true one (``in_memory``) and for push buckets not yet written. A push bucket
+        whose insert is in flight is counted from memory too (and left out of the census,
+        which may or may not see it yet): it was counted nowhere for that round trip, and
+        with ``ack_on_buffer`` acknowledged messages dropped out of the sizes meanwhile (a
+        put-back of a cancelled pop's messages, likewise)."""
         mine = self.in_memory()
-        census = await self._storage.census(self.name, mine.keys(), time.time())
+        pushing = [*self._filling.values(), *self._sealed, *self._in_flight]
+        census = await self._storage.census(
+            self.name, [*mine.keys(), *(p.id for p in pushing)], time.time()
+        )
         now = time.time()
         ready, scheduled, reserved = census.ready, census.scheduled, census.reserved
         for bucket in mine.values():  # final state even if released meanwhile
@@ -653,7 +662,7 @@ class BucketStore(PushSide, StateWriter, Store):
                         ready += 1
                     else:
                         reserved += 1
-        for push in [*self._filling.values(), *self._sealed]:  # ack_on_buffer: not yet written
+        for push in pushing:  # not yet written, or their insert's reply not yet read
             for mature_t in push.mature:
                 if mature_t <= now:
                     ready += 1

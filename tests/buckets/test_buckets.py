@@ -835,3 +835,42 @@ async def test_deadlettered_messages_go_in_buckets_bounded_by_bytes(
         assert len(got) == 10 and all(m.payload == b"d" * 300_000 for m in got)
         per_bucket = collections.Counter(split_id(m.id)[0] for m in got)
         assert max(per_bucket.values()) <= 3  # three of 300 kB fill a 1 MB bucket
+
+
+async def test_sizes_count_buckets_whose_insert_is_in_flight(
+    bucket_case: tuple[BackendCase, dict[str, Any]],
+) -> None:
+    """A push bucket is counted from memory while it fills or waits for a writer, and from
+    storage once written. It was counted nowhere while its insert was in flight: with
+    ``ack_on_buffer`` an acknowledged message then dropped out of ``total_size`` for a round
+    trip (and a put-back of a cancelled pop's message, so a drain could end before it was
+    back). Now counted from memory until its insert returns, and left out of the census
+    meanwhile, so never twice either: the insert is held at a gate, then let through with
+    the census asked in between."""
+    case, options = bucket_case
+    async with aio_keuss.connect(case.name, **options, ack_on_buffer=True) as factory:
+        q = await factory.queue("in-flight-counted")
+        storage = q._store._storage  # type: ignore[attr-defined]
+        real_insert = storage.insert_buckets
+        reached, gate, written = asyncio.Event(), Uncancellable(), asyncio.Event()
+
+        async def gated_insert(queue: str, buckets: Any) -> None:
+            reached.set()
+            await gate
+            await real_insert(queue, buckets)
+            written.set()
+
+        storage.insert_buckets = gated_insert
+        await q.push("one")
+        assert await q.total_size() == 1  # buffered
+        flushing = asyncio.create_task(q._store.flush())  # type: ignore[attr-defined]
+        try:
+            await asyncio.wait_for(reached.wait(), 10)
+            assert await q.total_size() == 1  # its insert in flight (was 0)
+        finally:
+            gate.set_result(None)  # else the close waits for the write for ever
+        await asyncio.wait_for(written.wait(), 10)
+        assert await q.total_size() == 1  # written, its insert's reply not yet read
+        await flushing
+        assert await q.sizes() == aio_keuss.Sizes(1, 1, 0, 0)
+        assert [m.payload for m in await q.pop_many(10, timeout=5)] == ["one"]
