@@ -33,6 +33,7 @@ class HeldBucket:
         "persisted",
         "remaining",
         "seq",
+        "serving",
         "states",
         "tries",
         "version",
@@ -57,6 +58,9 @@ class HeldBucket:
             self.version = 1
         self.remaining = self.count - self.states.count(DONE)
         self.writing: asyncio.Future[None] | None = None
+        # Fetches in flight that served slots of it and may still make them available
+        # again (see ``BucketStore._fetch``): the state flusher leaves it in memory meanwhile.
+        self.serving = 0
         self.live = True  # served from
         self.gone = False  # released or deleted in storage: no more writes
         self.lost = False  # someone else took the lease over

@@ -172,8 +172,10 @@ class StateWriter:
         keep: list[HeldBucket] = []
         final: dict[str, str] = {}
         for bucket in list(self._held_buckets.values()):
-            if bucket.writing is not None and not release_all:
-                continue  # a write of it is in flight, and renews its lease
+            if (bucket.writing is not None or bucket.serving) and not release_all:
+                # a write of it is in flight, and renews its lease; or a fetch served slots
+                # of it, which it makes available again should it fail
+                continue
             if bucket.remaining == 0:
                 final[bucket.id] = DELETE
             elif release_all:

@@ -874,3 +874,39 @@ async def test_sizes_count_buckets_whose_insert_is_in_flight(
         await flushing
         assert await q.sizes() == aio_keuss.Sizes(1, 1, 0, 0)
         assert [m.payload for m in await q.pop_many(10, timeout=5)] == ["one"]
+
+
+async def test_a_pop_whose_lease_fails_keeps_what_it_served_from_a_bucket_gone_meanwhile(
+    bucket_case: tuple[BackendCase, dict[str, Any]],
+) -> None:
+    """A pop serves what memory holds, then leases for more. Should that lease fail, what it
+    served is made available again (as the test above has it), but that was done only in
+    buckets still held: the state flusher could delete (or release) a bucket meanwhile,
+    with those slots done, and they were lost, neither returned nor stored. Here the pop
+    takes the last message of its bucket, a state flush runs while the lease is held at a
+    gate, and the lease fails: the message is still there (the flush leaves the bucket)."""
+    case, options = bucket_case
+    async with aio_keuss.connect(case.name, **options) as factory:
+        q = await factory.queue("served-then-failed")
+        store = q._store  # type: ignore[attr-defined]
+        await q.push_many(["a", "b"])  # one bucket
+        assert [m.payload for m in await q.pop_many(1, timeout=5)] == ["a"]  # now held
+        real_lease = store._storage.lease
+        reached, gate = asyncio.Event(), Uncancellable()
+
+        async def failing_lease(*args: Any, **kwargs: Any) -> Any:
+            reached.set()
+            await gate
+            raise KeussConnectionError("the server went away")
+
+        store._storage.lease = failing_lease
+        try:
+            popping = asyncio.create_task(store.get(5))
+            await asyncio.wait_for(reached.wait(), 10)
+            await store._flush_state()  # "b" served: nothing left, the bucket was deleted
+        finally:
+            gate.set_result(None)
+        with pytest.raises(KeussConnectionError):
+            await popping
+        store._storage.lease = real_lease
+        assert [m.payload for m in await q.pop_many(5, timeout=0)] == ["b"]  # lost before
