@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import time
 
 import aio_keuss
 
@@ -67,13 +66,12 @@ async def assert_a_silent_drop_is_survived(
     qp = await producer.queue("silent")
     assert hole.swallow() == 1  # the listener's connection: open, but dead
     await asyncio.sleep(3.0)  # several liveness checks
+    # its timeout comes before its 30 s poll: only a new listener's wake-up gets it the message
     waiting = asyncio.ensure_future(qc.pop(timeout=20))
     await asyncio.sleep(0.2)
-    start = time.monotonic()
     await qp.push("after the drop")
     message = await asyncio.wait_for(waiting, 25)
     assert message is not None and message.payload == "after the drop"
-    assert time.monotonic() - start < 5.0  # woken by a new listener, not by the 30 s poll
     await asyncio.wait_for(consumer_factory.close(), 10)
 
 
