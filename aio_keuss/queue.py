@@ -740,11 +740,24 @@ class Queue:
         entries = [_back_entry(s) for s in result[0]]
         return self._hand_back(self._store.insert(entries), len(entries), "popped messages")
 
+    def _still_held(self, stored: Stored) -> bool:
+        """Whether this reservation is still noted as handed out here (see ``_hold``)."""
+        tries = self._held.get(stored.id)
+        if tries is None:
+            tries = self._held_before.get(stored.id)
+        return tries == stored.tries
+
     def _put_back_reserved(self, _: int, result: FetchResult) -> Coroutine[Any, Any, None] | None:
-        """Reserved for a cancelled caller: released at once, costing no try."""
-        if not result[0]:
+        """Reserved for a cancelled caller: released at once, costing no try. Only those
+        still noted as held here: one a close gave back already (a gathering ``_fill``
+        cancelled after the close took its list) may be another consumer's reservation by
+        now, with the very tries this one had (the give-back took its try back), and a
+        second release would pass that holder's guard and take its reservation from it
+        (its ok then failed, the message was delivered again while held)."""
+        held = [s for s in result[0] if self._still_held(s)]
+        if not held:
             return None
-        nacks = [Nack(s.id, s.tries, 0.0, count_try=False) for s in result[0]]
+        nacks = [Nack(s.id, s.tries, 0.0, count_try=False) for s in held]
         self._forget(nacks)
         return self._hand_back(self._store.rollback(nacks, None), len(nacks), "reservations")
 

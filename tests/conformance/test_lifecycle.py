@@ -13,6 +13,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 import pytest
+from backends import BackendCase
 from conftest import Connect, needs
 
 import aio_keuss
@@ -780,3 +781,61 @@ async def test_a_handler_may_stop_its_own_consumer(connect: Connect) -> None:
     assert consumer.handled == 1
     if q.capabilities.reserve:
         assert (await q.sizes()).total == 0
+
+
+async def test_a_gathering_cancelled_after_its_close_gave_back_gives_nothing_back_again(
+    connect: Connect, case: BackendCase
+) -> None:
+    """A ``reserve_many`` gathering more (``max_wait``) holds a reservation when its queue
+    closes: the close gives it back, at no try. Another factory's consumer reserves the
+    message then, with those very tries. The gathering's caller, cancelled now (before it
+    saw the close), must not give it back a second time: that release passed the new
+    holder's guard and took its reservation from it (its ok returned False, and the message
+    was delivered again while held). The order is fixed by the close's give-back, which
+    cancels the caller, waits for the other reserve, and only then lets a second release
+    through."""
+    if not case.shared or case.name.startswith("bucket-"):
+        pytest.skip("a message another factory reserves at the same tries")
+    closing = await connect(reserve_delay=600, poll_interval=60)
+    needs(closing, "reserve")
+    other = await connect(reserve_delay=600)
+    q1, q2 = await closing.queue("gathered"), await other.queue("gathered")
+    await q1.push("x")
+    gathering = asyncio.ensure_future(q1.reserve_many(5, timeout=60, max_wait=60))
+    for _ in range(6000):  # until it holds "x" and sleeps for more (no round trip)
+        if not (await q1.size() or q1._reserves._running):
+            break
+        await asyncio.sleep(0.01)
+    else:
+        raise AssertionError("the gathering never took the message")
+    give_back = q1._store.rollback
+    taken: list[Message | None] = []
+    reserved_again, released_again = asyncio.Event(), asyncio.Event()
+    calls = 0
+
+    async def rollback(*args: Any) -> Any:
+        nonlocal calls
+        calls += 1
+        if calls > 1:  # a second release: only once the other factory holds the message
+            await reserved_again.wait()
+            try:
+                return await give_back(*args)
+            finally:
+                released_again.set()
+        gathering.cancel()  # the close has taken its list; the caller has not resumed yet
+        result = await give_back(*args)
+        taken.append(await q2.reserve(timeout=30))
+        reserved_again.set()
+        return result
+
+    q1._store.rollback = rollback  # type: ignore[method-assign]
+    await closing.close()
+    with pytest.raises(asyncio.CancelledError):
+        await gathering
+    if calls > 1:
+        await released_again.wait()
+    held = taken[0]
+    assert held is not None and held.payload == "x" and held.tries == 0
+    assert await q2.ok(held) is True
+    assert await q2.total_size() == 0
+    await other.close()
