@@ -189,7 +189,8 @@ CREATE TABLE IF NOT EXISTS {s}.schema_versions (
 
 
 async def _no_idle_timeout(connection: Any) -> None:
-    """Pool connection hook, once per connection of our own pool. Our connections are kept
+    """Pool connection hook, once per connection of our own pool (and run by the signal
+    listener's session, idle between notifications alike). Our connections are kept
     for reuse, idle between statements by design; a role's or database's
     ``idle_session_timeout`` (PostgreSQL 14 and later) ended them while idle, and a
     statement sent as the server's notice came in failed with a connection error (asyncpg:
@@ -618,11 +619,10 @@ class PostgresConnection(Backend):
         database's ``idle_session_timeout`` (PostgreSQL 14 and later; manual, "Client
         Connection Defaults") shorter than the bus's liveness check ended it again and
         again, each time a warning and a gap without wake-ups. This session turns it off
-        for itself; the pool's sessions keep it (they reconnect when next used)."""
+        for itself, as the sessions of our own pool do (``_no_idle_timeout``)."""
         connection = await self._connect_outside_pool()
         try:
-            if connection.get_server_version().major >= 14:
-                await connection.execute("SET idle_session_timeout = 0")
+            await _no_idle_timeout(connection)
             connection.add_termination_listener(on_lost)
             await connection.add_listener(channel, on_notify)
         except BaseException:
