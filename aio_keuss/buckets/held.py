@@ -4,6 +4,8 @@ until the state is written back and the lease released."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from collections.abc import Iterable, Iterator
 
 from ..contract import Stored
 from .codec import AVAILABLE, DONE, HANDED_OUT, decode_blob, decode_state, encode_state
@@ -59,7 +61,7 @@ class HeldBucket:
         self.remaining = self.count - self.states.count(DONE)
         self.writing: asyncio.Future[None] | None = None
         # Fetches in flight that served slots of it and may still make them available
-        # again (see ``BucketStore._fetch``): the state flusher leaves it in memory meanwhile.
+        # again (see ``serving``): the state flusher leaves it in memory meanwhile.
         self.serving = 0
         self.live = True  # served from
         self.gone = False  # released or deleted in storage: no more writes
@@ -126,6 +128,23 @@ class HeldBucket:
             self.mature[slot] = now
         if lapsed:
             self.version += 1
+
+
+@contextlib.contextmanager
+def serving(buckets: Iterable[HeldBucket]) -> Iterator[None]:
+    """Keep ``buckets`` in memory while a fetch that served slots of them awaits (a lease
+    for more, its state write): should that fail, the fetch makes those slots available
+    again, so they must still be there. The state flusher would otherwise delete or release
+    one meanwhile (its last deliverable slot served, it is idle) with those slots done, and
+    they were lost, neither returned nor stored."""
+    pinned = list(buckets)
+    for bucket in pinned:
+        bucket.serving += 1
+    try:
+        yield
+    finally:
+        for bucket in pinned:
+            bucket.serving -= 1
 
 
 HeapEntry = tuple[float, int, int, HeldBucket]

@@ -125,7 +125,7 @@ from ..contract import Ack, DeadletterPlan, Fetched, LoopTurns, Nack, Store, Sto
 from ..message import append_headers
 from ..types import Capabilities, KoResult, Sizes
 from .codec import AVAILABLE, DONE, HANDED_OUT, U32, encode_blob, encode_state
-from .held import HeapEntry, HeldBucket
+from .held import HeapEntry, HeldBucket, serving
 from .push import BUCKET_BYTES, SLOT_BYTES, WRITE_MAX_BYTES, PushBucket, PushSide
 from .settings import (
     ACK_ON_BUFFER_RETRIES,
@@ -405,21 +405,12 @@ class BucketStore(PushSide, StateWriter, Store):
             # Waiting for another caller's lease, this one may find its buckets emptied by
             # others by the time it runs again: then it leases for itself.
             shared = self._leasing is not None
-            # Should the lease fail, the slots served are made available again: their
-            # buckets must still be in memory then. The state flusher would otherwise
-            # delete or release one meanwhile (its last deliverable slot served, it is
-            # idle) with those slots done, and they were lost, neither returned nor stored.
-            pinned = list(touched.values())
-            for bucket in pinned:
-                bucket.serving += 1
-            try:
-                await self._lease(max(n - len(out), LEASE_AT_LEAST))
-            except BaseException:
-                self._unserve(out, touched)  # never handed to the caller
-                raise
-            finally:
-                for bucket in pinned:
-                    bucket.serving -= 1
+            with serving(touched.values()):  # made available again should the lease fail
+                try:
+                    await self._lease(max(n - len(out), LEASE_AT_LEAST))
+                except BaseException:
+                    self._unserve(out, touched)  # never handed to the caller
+                    raise
             out += self._serve(n - len(out), time.time(), reserve_delay, touched)
             if not shared:
                 break
@@ -430,17 +421,12 @@ class BucketStore(PushSide, StateWriter, Store):
         touched: dict[str, HeldBucket] = {}
         out = await self._fetch(n, None, touched)
         if out:
-            pinned = list(touched.values())  # as in ``_fetch``: kept while the write waits
-            for bucket in pinned:
-                bucket.serving += 1
-            try:
-                await self._sync(touched.values())
-            except BaseException:
-                self._unserve(out, touched)
-                raise
-            finally:
-                for bucket in pinned:
-                    bucket.serving -= 1
+            with serving(touched.values()):  # made available again should the write fail
+                try:
+                    await self._sync(touched.values())
+                except BaseException:
+                    self._unserve(out, touched)
+                    raise
             if any(b.lost for b in touched.values()):
                 # a bucket whose lease was lost meanwhile: its new holder delivers those
                 out = [m for m in out if not touched[m.id.rpartition("-")[0]].lost]
