@@ -1544,8 +1544,6 @@ class Queue:
             self._paused = kind == "pause"
             if not self._closed:
                 self._in_background(self._resync_paused())
-            if self._paused:
-                return
         elif kind == "resync" and not self._closed:
             self._in_background(self._resync_paused())
         if not self._paused:
