@@ -18,12 +18,14 @@ import asyncio
 import contextlib
 import operator
 import re
+import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, ClassVar, Protocol, TypeVar, cast
 from urllib.parse import parse_qs, urlsplit
 
+from .. import cpu
 from ..contract import Backend
 from ..errors import (
     BackendError,
@@ -181,22 +183,40 @@ def _as_eval(packed: bytes, script: Script) -> bytes:
     )
 
 
+WRITE_MODES = ("auto", "each", "gather")
+
+
+def _cpu_wait(write_mode: str) -> cpu.CpuWait:
+    if write_mode == "auto":
+        return cpu.this_thread()
+    return cpu.CpuWait.fixed(write_mode == "gather")
+
+
 class _LaneProtocol(asyncio.Protocol):
     """Replies come back in request order, so a FIFO of futures is all the bookkeeping.
     Errors are set on the futures as ours already, each caused by the redis-py exception
-    redis-py would have raised for the same reply, so both paths raise alike."""
+    redis-py would have raised for the same reply, so both paths raise alike.
 
-    def __init__(self) -> None:
+    A command is written as it is sent while the loop's thread gets a CPU when it wants
+    one; while it has to wait for one (a busy machine, see :mod:`aio_keuss.cpu`), the
+    commands sent in one loop iteration are gathered into one write at its end."""
+
+    def __init__(self, write_mode: str = "auto") -> None:
         self._reader = hiredis.Reader()
         self._waiting: deque[asyncio.Future[Any]] = deque()
         self.transport: asyncio.Transport | None = None
         self._loop = asyncio.get_running_loop()
+        self._cpu = _cpu_wait(write_mode)
+        self._gathered: list[bytes] = []
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         # No isinstance check: uvloop's transports do not derive from asyncio's classes.
         self.transport = cast(asyncio.Transport, transport)
 
     def data_received(self, data: bytes) -> None:
+        cpu_wait, now = self._cpu, time.monotonic()
+        if now >= cpu_wait.next_check:
+            cpu_wait.sample(now)
         self._reader.feed(data)
         try:
             while (reply := self._reader.gets()) is not False:
@@ -222,7 +242,7 @@ class _LaneProtocol(asyncio.Protocol):
                 return
             script, future.script = future.script, None
             self._waiting.append(future)
-            self.transport.write(_as_eval(future.packed, script))
+            self._write(_as_eval(future.packed, script))
             return
         cause = _response_error(message)
         error = _ours(cause) or BackendError(message)
@@ -251,8 +271,29 @@ class _LaneProtocol(asyncio.Protocol):
             raise KeussConnectionError("connection to Redis lost")
         future = _Reply(loop=self._loop)
         self._waiting.append(future)
-        self.transport.write(packed)
+        self._write(packed)
         return future
+
+    def _write(self, packed: bytes) -> None:
+        """Written now, or gathered for the loop iteration's one write (see the class);
+        behind anything gathered still unwritten, so that commands keep their order."""
+        gathered = self._gathered
+        if gathered or self._cpu.contended:
+            gathered.append(packed)
+            if len(gathered) == 1:
+                self._loop.call_soon(self.flush)
+        else:
+            cast(asyncio.Transport, self.transport).write(packed)
+
+    def flush(self) -> None:
+        """Write what was gathered. Nothing if the connection was lost or aborted
+        meanwhile: ``connection_lost`` fails the callers waiting for those replies."""
+        gathered, transport = self._gathered, self.transport
+        if not gathered:
+            return
+        self._gathered = []
+        if transport is not None and not transport.is_closing():
+            transport.write(gathered[0] if len(gathered) == 1 else b"".join(gathered))
 
     def send_script(self, script: Script, packed: bytes) -> asyncio.Future[Any]:
         """Send an EVALSHA of ``script``; loaded and sent again if the server lacks it."""
@@ -262,15 +303,16 @@ class _LaneProtocol(asyncio.Protocol):
         future.script = script
         future.packed = packed
         self._waiting.append(future)
-        self.transport.write(packed)
+        self._write(packed)
         return future
 
 
 class _FastLane:
     """One pipelined connection, reconnected on the next call after it was lost."""
 
-    def __init__(self, settings: dict[str, Any]) -> None:
+    def __init__(self, settings: dict[str, Any], write_mode: str = "auto") -> None:
         self._settings = settings
+        self._write_mode = write_mode
         self._protocol: _LaneProtocol | None = None
         self._connecting: asyncio.Lock | None = None
 
@@ -308,12 +350,16 @@ class _FastLane:
                 return self._protocol  # another caller reconnected meanwhile
             loop = asyncio.get_running_loop()
             settings = self._settings
+
+            def make() -> _LaneProtocol:
+                return _LaneProtocol(self._write_mode)
+
             async with asyncio.timeout(CONNECT_TIMEOUT):
                 if settings.get("path"):
-                    _, protocol = await loop.create_unix_connection(_LaneProtocol, settings["path"])
+                    _, protocol = await loop.create_unix_connection(make, settings["path"])
                 else:
                     _, protocol = await loop.create_connection(
-                        _LaneProtocol, settings.get("host", "localhost"), settings.get("port", 6379)
+                        make, settings.get("host", "localhost"), settings.get("port", 6379)
                     )
                 handshake = []
                 if settings.get("password") is not None:
@@ -337,6 +383,7 @@ class _FastLane:
 
     def close(self) -> None:
         if self._protocol is not None and self._protocol.transport is not None:
+            self._protocol.flush()
             self._protocol.transport.close()
         self._protocol = None
 
@@ -530,14 +577,18 @@ def check_redis_url(url: object, cluster: bool) -> str:
 @dataclass(frozen=True)
 class RedisOptions(BackendOptions):
     """``url=`` (or an existing redis-py ``client=``), ``prefix=`` of every key,
-    ``cluster=`` for Redis Cluster, and ``hash_tag=`` to keep every queue of the factory in
-    one cluster hash slot (what ``move`` between queues needs on a cluster)."""
+    ``cluster=`` for Redis Cluster, ``hash_tag=`` to keep every queue of the factory in
+    one cluster hash slot (what ``move`` between queues needs on a cluster), and
+    ``write_mode=`` of the library's own connection: ``auto`` (each command written as it
+    is sent, or one write a loop iteration while the machine's cores are busy), ``each``
+    or ``gather`` (always one or the other)."""
 
     url: str = "redis://127.0.0.1:6379/0"
     client: Any = None
     prefix: str = "keuss"
     cluster: bool = False
     hash_tag: str | None = None
+    write_mode: str = "auto"
 
     def __post_init__(self) -> None:
         prefix = self.prefix
@@ -549,6 +600,10 @@ class RedisOptions(BackendOptions):
         tag = self.hash_tag
         if tag is not None and (not isinstance(tag, str) or not _HASH_TAG.fullmatch(tag)):
             raise ConfigError(f"hash_tag must be 1-64 letters, digits or _ . : -, not {tag!r}")
+        if self.write_mode not in WRITE_MODES:
+            raise ConfigError(
+                f"write_mode must be one of {', '.join(WRITE_MODES)}, not {self.write_mode!r}"
+            )
 
 
 class RedisConnection(Backend):
@@ -593,7 +648,7 @@ class RedisConnection(Backend):
         parsed = parse_url(url)
         if set(parsed) - {"host", "port", "db", "username", "password", "path", "connection_class"}:
             return None  # query options (timeouts, ...) that only redis-py honours
-        return _FastLane(dict(parsed))
+        return _FastLane(dict(parsed), self.config.write_mode)
 
     @property
     def has_fast_lane(self) -> bool:
