@@ -9,7 +9,8 @@ columns, cached too, starts the Python workers and lets the JVM compile the plan
 the timed writes measure the data source and the backend, not Spark's start-up. ``--reps``
 timed writes (3 by default), each into a queue of its own (the rows of earlier ones stay, as
 in a queue that grows); prints each and the median: backend, rows, seconds, rows/s
-(``--json``: one JSON record a line, ``run`` naming the rep or the median).
+(``--json``: one JSON record a line, ``run`` naming the rep or the median). ``--set
+OPTION=VALUE`` passes a data source option (``--set write_mode=each``).
 """
 
 from __future__ import annotations
@@ -63,6 +64,13 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=1000)
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--json", action="store_true")
+    parser.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="OPTION=VALUE",
+        help="a data source option, e.g. --set write_mode=each",
+    )
     args = parser.parse_args()
     if args.reps < 1:
         parser.error("--reps must be at least 1")
@@ -84,6 +92,9 @@ def main() -> None:
     token = uuid.uuid4().hex[:10]
     options = backend_options(args.backend, token)
     extra = {"batch_size": args.batch_size}
+    for setting in args.set:
+        name, _, value = setting.partition("=")
+        extra[name] = value
     if args.backend == "redis-list":
         extra["idempotent"] = "false"  # redis-list cannot deduplicate ids
     columns = ("id", "concat('name-', id) AS name", "id * 2 AS value")
