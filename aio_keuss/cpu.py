@@ -5,13 +5,14 @@ run queue for a CPU (``/proc/<pid>/task/<tid>/schedstat``, fields 1 and 2; see t
 *Scheduler Statistics* documentation). On a machine with cores to spare that wait stays near
 zero; when other processes keep the cores busy it grows to about as long as the thread runs.
 
-The Redis fast lane writes differently in the two cases (see ``WriteMode``). Writing each
-command at once lets Redis work on it while the client prepares the next: the best on a
-quiet machine, where each side has a core. When the cores are taken, every write wakes Redis
-on a CPU someone else wants, and one write for all the commands of a loop iteration does the
-same work for a fraction of the wake-ups and system calls. Measured side by side on two cores
-with one kept busy (3 clients on redis-oq), that took push and pop from 21,000 to about
-34,000 msgs/s; on the quiet machine it halved them, since client and server then take turns.
+The Redis fast lane writes differently in the two cases (its ``write_mode``). Writing the
+first command of a loop iteration at once lets Redis work on it while the client runs the
+rest of the iteration: the best on a quiet machine, where each side has a core. When the
+cores are taken, every write wakes Redis on a CPU someone else wants, and one write for all
+the commands of the iteration does the same work for a fraction of the wake-ups and system
+calls. Measured side by side on two cores with one kept busy (3 clients on redis-oq), that
+took push and pop from 21,000 to about 34,000 msgs/s; on the quiet machine it halved them,
+since client and server then took turns, each idle while the other worked.
 
 Where the file cannot be read (another system, a kernel without scheduler statistics) the
 thread is taken as never waiting, which is what the lane did before it could tell.

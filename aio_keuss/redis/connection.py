@@ -183,7 +183,7 @@ def _as_eval(packed: bytes, script: Script) -> bytes:
     )
 
 
-WRITE_MODES = ("auto", "each", "gather")
+WRITE_MODES = ("auto", "first", "gather", "each")
 
 
 def _cpu_wait(write_mode: str) -> cpu.CpuWait:
@@ -197,9 +197,12 @@ class _LaneProtocol(asyncio.Protocol):
     Errors are set on the futures as ours already, each caused by the redis-py exception
     redis-py would have raised for the same reply, so both paths raise alike.
 
-    A command is written as it is sent while the loop's thread gets a CPU when it wants
-    one; while it has to wait for one (a busy machine, see :mod:`aio_keuss.cpu`), the
-    commands sent in one loop iteration are gathered into one write at its end."""
+    Writes (``write_mode``): while the loop's thread gets a CPU when it wants one, the
+    first command of a loop iteration is written as it is sent, so Redis starts on it
+    while the callers woken with it run, and their commands go in one write at the end of
+    the iteration; while the thread has to wait for a CPU (a busy machine, see
+    :mod:`aio_keuss.cpu`) every command of the iteration waits for that one write.
+    ``each`` writes every command as it is sent."""
 
     def __init__(self, write_mode: str = "auto") -> None:
         self._reader = hiredis.Reader()
@@ -207,7 +210,9 @@ class _LaneProtocol(asyncio.Protocol):
         self.transport: asyncio.Transport | None = None
         self._loop = asyncio.get_running_loop()
         self._cpu = _cpu_wait(write_mode)
+        self._each = write_mode == "each"
         self._gathered: list[bytes] = []
+        self._flush_due = False
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         # No isinstance check: uvloop's transports do not derive from asyncio's classes.
@@ -275,19 +280,26 @@ class _LaneProtocol(asyncio.Protocol):
         return future
 
     def _write(self, packed: bytes) -> None:
-        """Written now, or gathered for the loop iteration's one write (see the class);
-        behind anything gathered still unwritten, so that commands keep their order."""
-        gathered = self._gathered
-        if gathered or self._cpu.contended:
-            gathered.append(packed)
-            if len(gathered) == 1:
-                self._loop.call_soon(self.flush)
-        else:
+        """Written now, or gathered for the iteration's write at its end (see the class).
+        Once a flush is due, whatever the mode says now, a command goes behind what was
+        gathered: replies are matched to callers by order alone."""
+        if self._flush_due:
+            self._gathered.append(packed)
+        elif self._cpu.contended:
+            self._gathered.append(packed)
+            self._flush_due = True
+            self._loop.call_soon(self.flush)
+        elif self._each:
             cast(asyncio.Transport, self.transport).write(packed)
+        else:  # the iteration's first: now; the others of the iteration, gathered
+            cast(asyncio.Transport, self.transport).write(packed)
+            self._flush_due = True
+            self._loop.call_soon(self.flush)
 
     def flush(self) -> None:
         """Write what was gathered. Nothing if the connection was lost or aborted
         meanwhile: ``connection_lost`` fails the callers waiting for those replies."""
+        self._flush_due = False
         gathered, transport = self._gathered, self.transport
         if not gathered:
             return
@@ -579,9 +591,11 @@ class RedisOptions(BackendOptions):
     """``url=`` (or an existing redis-py ``client=``), ``prefix=`` of every key,
     ``cluster=`` for Redis Cluster, ``hash_tag=`` to keep every queue of the factory in
     one cluster hash slot (what ``move`` between queues needs on a cluster), and
-    ``write_mode=`` of the library's own connection: ``auto`` (each command written as it
-    is sent, or one write a loop iteration while the machine's cores are busy), ``each``
-    or ``gather`` (always one or the other)."""
+    ``write_mode=`` of the library's own connection: ``auto`` (``first`` while the loop's
+    thread gets a CPU when it wants one, ``gather`` while it waits for one), ``first``
+    (the first command of a loop iteration written as it is sent, the iteration's others
+    in one write at its end), ``gather`` (one write at the end of each iteration) or
+    ``each`` (every command as it is sent)."""
 
     url: str = "redis://127.0.0.1:6379/0"
     client: Any = None

@@ -1,8 +1,9 @@
-"""The fast lane's two ways of writing, each forced with ``write_mode`` (``auto`` picks one by
-how busy the machine's cores are, see the README's Redis section): every command written as it
-is sent, or the commands of one loop iteration gathered into one write. Both must deliver the
-same results in the same order, survive a lost connection and a lost script cache, and a
-switch from one to the other must not reorder what is already on its way."""
+"""The fast lane's ways of writing, each forced with ``write_mode`` (``auto`` picks ``first`` or
+``gather`` by how busy the machine's cores are, see the README's Redis section): every command
+written as it is sent (``each``), the first of a loop iteration at once and the rest of it in
+one write at its end (``first``), or all of them in that write (``gather``). All must deliver
+the same results in the same order, survive a lost connection and a lost script cache, and a
+switch from one to another must not reorder what is already on its way."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ import aio_keuss
 from aio_keuss import cpu
 
 Open = Callable[..., Awaitable[aio_keuss.Factory]]
-MODES = ["each", "gather"]
+MODES = ["each", "first", "gather"]
 
 
 @pytest.fixture
@@ -89,6 +90,22 @@ async def test_a_switch_of_mode_keeps_commands_in_order(open_factory: Open) -> N
     assert await backend.execute("ECHO", "d") == b"d"  # now written at once
 
 
+async def test_first_writes_an_iterations_first_command_at_once_and_gathers_the_rest(
+    open_factory: Open,
+) -> None:
+    factory = await open_factory("redis-oq", write_mode="first")
+    backend: Any = factory.backend
+    assert await backend.execute("ECHO", "warm") == b"warm"
+    protocol = _protocol(factory)
+    sent = [backend.execute("ECHO", str(n)) for n in range(4)]
+    assert len(protocol._gathered) == 3  # the first is on the wire already
+    assert await asyncio.gather(*sent) == [b"0", b"1", b"2", b"3"]
+    assert protocol._gathered == [] and not protocol._flush_due
+    alone = backend.execute("ECHO", "next")  # a new iteration: written at once again
+    assert protocol._gathered == []
+    assert await alone == b"next"
+
+
 async def test_gathered_commands_of_an_aborted_connection_fail_as_connection_errors(
     open_factory: Open,
 ) -> None:
@@ -98,6 +115,7 @@ async def test_gathered_commands_of_an_aborted_connection_fail_as_connection_err
     factory = await open_factory("redis-oq", write_mode="gather")
     backend: Any = factory.backend
     assert await backend.execute("ECHO", "warm") == b"warm"
+    assert not _protocol(factory)._gathered
     pending = [backend.execute("ECHO", str(n)) for n in range(3)]
     _protocol(factory).transport.abort()
     results = await asyncio.gather(*pending, return_exceptions=True)
@@ -109,13 +127,14 @@ async def test_gathered_commands_of_an_aborted_connection_fail_as_connection_err
     assert message is not None and await q.ok(message)
 
 
+@pytest.mark.parametrize("mode", ["first", "gather"])
 @pytest.mark.parametrize("backend", ["redis-oq", "redis-reliable"])
 async def test_a_lost_script_cache_is_refilled_while_writes_are_gathered(
-    open_factory: Open, backend: str
+    open_factory: Open, backend: str, mode: str
 ) -> None:
     """NOSCRIPT for a whole gathered write: every command is sent again as an EVAL behind
     the others, and each caller still gets its own reply."""
-    factory = await open_factory(backend, write_mode="gather")
+    factory = await open_factory(backend, write_mode=mode)
     q = await factory.queue("q")
     await q.push("before")
     admin = factory.backend.client  # type: ignore[attr-defined]
