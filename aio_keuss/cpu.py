@@ -27,12 +27,15 @@ import time
 SCHEDSTAT = "/proc/thread-self/schedstat"
 CHECK_EVERY = 0.2
 """Seconds between two readings: a mode follows the machine within a second or less."""
-ENTER_SHARE = 0.25
+ENTER_SHARE = 0.3
 """Share of the time the thread wanted a CPU that it spent waiting for one, from which the
 machine counts as busy (about 0.5 with one of two cores taken, under 0.05 on a quiet one)."""
 LEAVE_SHARE = 0.12
 """The share under which a busy machine counts as quiet again: lower than ``ENTER_SHARE``
 so that a share near the threshold does not switch modes at every reading."""
+READINGS_TO_SWITCH = 2
+"""Readings in a row that must agree before the mode changes: a burst of another process
+(a quarter of a second at 27 % was seen on a quiet machine) does not switch it."""
 MIN_DEMAND = 0.02
 """Seconds of running plus waiting a window needs before it counts: an idle thread's few
 microseconds say nothing about the machine, and the mode stays as it was."""
@@ -44,10 +47,11 @@ class CpuWait:
     counters at most every ``CHECK_EVERY`` seconds (``next_check``), and never where they
     cannot be read."""
 
-    __slots__ = ("_path", "_ran", "_waited", "contended", "next_check")
+    __slots__ = ("_against", "_path", "_ran", "_waited", "contended", "next_check")
 
     def __init__(self, path: str = SCHEDSTAT) -> None:
         self.contended = False
+        self._against = 0
         self._path = path
         reading = self._read()
         if reading is None:
@@ -62,6 +66,7 @@ class CpuWait:
         """One that never reads the counters (``write_mode`` set to always or never)."""
         forced = cls.__new__(cls)
         forced.contended = contended
+        forced._against = 0
         forced.next_check = math.inf
         forced._path = ""
         forced._ran = forced._waited = 0
@@ -83,7 +88,12 @@ class CpuWait:
             return self.contended  # too little to judge by; the window goes on
         self._ran, self._waited = ran, waited
         share = waited_now / demand
-        self.contended = share >= (LEAVE_SHARE if self.contended else ENTER_SHARE)
+        if (share >= (LEAVE_SHARE if self.contended else ENTER_SHARE)) == self.contended:
+            self._against = 0
+        else:
+            self._against += 1
+            if self._against >= READINGS_TO_SWITCH:
+                self.contended, self._against = not self.contended, 0
         return self.contended
 
     def _read(self) -> tuple[int, int] | None:

@@ -35,36 +35,47 @@ def _reading(tmp_path: Path) -> tuple[cpu.CpuWait, Counters]:
     return cpu.CpuWait(str(counters.path)), counters
 
 
+def _next(reading: cpu.CpuWait, counters: Counters, ran_ms: int, waited_ms: int) -> bool:
+    counters.add(ran_ms, waited_ms)
+    return reading.sample(reading.next_check)
+
+
 def test_a_thread_that_waits_as_long_as_it_runs_is_contended(tmp_path: Path) -> None:
     reading, counters = _reading(tmp_path)
     assert reading.contended is False
-    counters.add(100, 100)  # one of two cores taken by another process
-    assert reading.sample(reading.next_check) is True
+    assert cpu.READINGS_TO_SWITCH == 2
+    assert _next(reading, counters, 100, 100) is False  # one of two cores taken by another
+    assert _next(reading, counters, 100, 100) is True  # and still: the machine is busy
     assert reading.contended is True
 
 
-def test_a_quiet_machine_stays_quiet(tmp_path: Path) -> None:
+def test_one_burst_of_waiting_does_not_switch(tmp_path: Path) -> None:
     reading, counters = _reading(tmp_path)
     for _ in range(3):
-        counters.add(190, 4)
-        assert reading.sample(reading.next_check) is False
+        assert _next(reading, counters, 190, 4) is False
+        assert _next(reading, counters, 100, 100) is False
+    assert _next(reading, counters, 100, 100) is True
+    assert _next(reading, counters, 190, 4) is True  # nor one quiet reading back
+    assert _next(reading, counters, 100, 100) is True
+    assert _next(reading, counters, 190, 4) is True
+    assert _next(reading, counters, 190, 4) is False
 
 
 def test_a_share_between_the_thresholds_keeps_the_mode(tmp_path: Path) -> None:
     reading, counters = _reading(tmp_path)
     share = (cpu.ENTER_SHARE + cpu.LEAVE_SHARE) / 2
-    counters.add(round(100 * (1 - share)), round(100 * share))
-    assert reading.sample(reading.next_check) is False  # not enough to count as busy
-    counters.add(100, 100)
-    assert reading.sample(reading.next_check) is True
-    counters.add(round(100 * (1 - share)), round(100 * share))
-    assert reading.sample(reading.next_check) is True  # nor to count as quiet again
-    counters.add(195, 5)
-    assert reading.sample(reading.next_check) is False
+    between = (round(100 * (1 - share)), round(100 * share))
+    for _ in range(3):
+        assert _next(reading, counters, *between) is False  # not enough to count as busy
+    _next(reading, counters, 100, 100)
+    assert _next(reading, counters, 100, 100) is True
+    for _ in range(3):
+        assert _next(reading, counters, *between) is True  # nor to count as quiet again
 
 
 def test_nothing_is_read_before_the_next_check(tmp_path: Path) -> None:
     reading, counters = _reading(tmp_path)
+    _next(reading, counters, 100, 100)
     due = reading.next_check
     counters.add(100, 100)
     assert reading.sample(due - cpu.CHECK_EVERY / 2) is False
@@ -76,14 +87,11 @@ def test_nothing_is_read_before_the_next_check(tmp_path: Path) -> None:
 def test_an_idle_window_is_added_to_the_next(tmp_path: Path) -> None:
     """A few milliseconds of demand say nothing; they are judged with what follows."""
     reading, counters = _reading(tmp_path)
-    counters.add(1, 9)  # 90 % waiting, but of 10 ms
-    assert reading.sample(reading.next_check) is False
-    counters.add(30, 0)  # with the window before: 9 ms of 40 waited, 22 %
-    assert reading.sample(reading.next_check) is False
-    counters.add(5, 5)  # with those 40 ms it would be 14 of 50, 28 %: they were judged
-    assert reading.sample(reading.next_check) is False
-    counters.add(5, 5)  # 10 of 20 since
-    assert reading.sample(reading.next_check) is True
+    assert _next(reading, counters, 100, 100) is False  # one busy reading of two
+    assert _next(reading, counters, 1, 9) is False  # 90 % waiting, but of 10 ms: no reading
+    assert _next(reading, counters, 30, 0) is False  # with the 10 ms: 9 of 40, 22 %: quiet
+    assert _next(reading, counters, 100, 100) is False  # so this busy one is the first again
+    assert _next(reading, counters, 100, 100) is True
 
 
 def test_counters_that_cannot_be_read_mean_never_contended(tmp_path: Path) -> None:
