@@ -83,6 +83,9 @@ class CpuWait:
         self.next_check = now + CHECK_EVERY
         ran, waited = reading
         ran_now, waited_now = ran - self._ran, waited - self._waited
+        if ran_now < 0 or waited_now < 0:  # other counters: a process forked from this one
+            self._ran, self._waited = ran, waited
+            return self.contended
         demand = ran_now + waited_now
         if demand < MIN_DEMAND * 1e9:
             return self.contended  # too little to judge by; the window goes on

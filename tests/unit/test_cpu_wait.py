@@ -94,6 +94,20 @@ def test_an_idle_window_is_added_to_the_next(tmp_path: Path) -> None:
     assert _next(reading, counters, 100, 100) is True
 
 
+def test_counters_that_went_back_start_a_new_window(tmp_path: Path) -> None:
+    """A process forked from a loop's thread inherits its reading but has counters of its
+    own, smaller: they are the new baseline, not a window of negative demand that would
+    never reach ``MIN_DEMAND``."""
+    reading, counters = _reading(tmp_path)
+    counters.add(5000, 0)
+    reading.sample(reading.next_check)
+    counters.ran, counters.waited = 0, 0
+    counters.write()
+    assert _next(reading, counters, 0, 0) is False  # the baseline is taken again
+    assert _next(reading, counters, 100, 100) is False
+    assert _next(reading, counters, 100, 100) is True
+
+
 def test_counters_that_cannot_be_read_mean_never_contended(tmp_path: Path) -> None:
     missing = cpu.CpuWait(str(tmp_path / "absent"))
     assert missing.next_check == math.inf and missing.contended is False
