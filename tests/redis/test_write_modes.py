@@ -8,39 +8,16 @@ switch from one to another must not reorder what is already on its way."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import pytest
-from backends import REDIS_URL, _drop_redis_prefix, new_token
 
 import aio_keuss
 from aio_keuss import cpu
 
 Open = Callable[..., Awaitable[aio_keuss.Factory]]
 MODES = ["each", "first", "gather"]
-
-
-@pytest.fixture
-async def prefix() -> AsyncIterator[str]:
-    token = f"akw-{new_token()}"
-    yield token
-    await _drop_redis_prefix({"url": REDIS_URL, "prefix": token})
-
-
-@pytest.fixture
-async def open_factory(prefix: str) -> AsyncIterator[Open]:
-    opened: list[aio_keuss.Factory] = []
-
-    async def _open(backend: str, **options: Any) -> aio_keuss.Factory:
-        factory = await aio_keuss.connect(backend, url=REDIS_URL, prefix=prefix, **options)
-        assert factory.backend.has_fast_lane  # type: ignore[attr-defined]
-        opened.append(factory)
-        return factory
-
-    yield _open
-    for factory in opened:
-        await factory.close()
 
 
 def _protocol(factory: aio_keuss.Factory) -> Any:
@@ -53,6 +30,7 @@ async def test_many_concurrent_callers_get_each_message_once(
     open_factory: Open, backend: str, mode: str
 ) -> None:
     factory = await open_factory(backend, write_mode=mode)
+    assert factory.backend.has_fast_lane  # type: ignore[attr-defined]
     q = await factory.queue("q")
     await asyncio.gather(*(q.push({"n": n}) for n in range(150)))
     await q.push_many([{"n": n} for n in range(150, 300)])
