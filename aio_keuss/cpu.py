@@ -15,7 +15,8 @@ took push and pop from 21,000 to about 34,000 msgs/s; on the quiet machine it ha
 since client and server then took turns, each idle while the other worked.
 
 Where the file cannot be read (another system, a kernel without scheduler statistics) the
-thread is taken as never waiting, which is what the lane did before it could tell.
+thread is taken as never waiting and the file is not tried again; a reading that fails
+later (too many open files) counts as quiet, and the next one is tried as usual.
 """
 
 from __future__ import annotations
@@ -76,15 +77,15 @@ class CpuWait:
         """Read the counters if ``CHECK_EVERY`` has passed; returns ``contended``."""
         if now < self.next_check:
             return self.contended
-        reading = self._read()
-        if reading is None:
-            self.next_check = math.inf
-            return self.contended
         self.next_check = now + CHECK_EVERY
+        reading = self._read()
+        if reading is None:  # a read that failed (too many open files...): as if quiet,
+            self.contended, self._against = False, 0  # what unreadable counters mean
+            return False
         ran, waited = reading
         ran_now, waited_now = ran - self._ran, waited - self._waited
         if ran_now < 0 or waited_now < 0:  # other counters: a process forked from this one
-            self._ran, self._waited = ran, waited
+            self._ran, self._waited, self._against = ran, waited, 0
             return self.contended
         demand = ran_now + waited_now
         if demand < MIN_DEMAND * 1e9:

@@ -8,6 +8,7 @@ switch from one to another must not reorder what is already on its way."""
 from __future__ import annotations
 
 import asyncio
+import random
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -15,6 +16,8 @@ import pytest
 
 import aio_keuss
 from aio_keuss import cpu
+from aio_keuss.redis import connection as redis_connection
+from aio_keuss.redis.connection import Script
 
 Open = Callable[..., Awaitable[aio_keuss.Factory]]
 MODES = ["each", "first", "gather"]
@@ -84,21 +87,25 @@ async def test_first_writes_an_iterations_first_command_at_once_and_gathers_the_
     assert await alone == b"next"
 
 
+@pytest.mark.parametrize("mode", ["first", "gather"])
 async def test_gathered_commands_of_an_aborted_connection_fail_as_connection_errors(
-    open_factory: Open,
+    open_factory: Open, mode: str
 ) -> None:
     """Nothing gathered is written to a connection aborted before the iteration's write: its
     callers get a connection error (not a reply meant for another), and the next call
-    connects again."""
-    factory = await open_factory("redis-oq", write_mode="gather")
+    connects again, on a protocol of its own (the old one's flush writes nothing)."""
+    factory = await open_factory("redis-oq", write_mode=mode)
     backend: Any = factory.backend
     assert await backend.execute("ECHO", "warm") == b"warm"
-    assert not _protocol(factory)._gathered
+    old = _protocol(factory)
+    assert not old._gathered
     pending = [backend.execute("ECHO", str(n)) for n in range(3)]
-    _protocol(factory).transport.abort()
+    old.transport.abort()
     results = await asyncio.gather(*pending, return_exceptions=True)
     assert all(isinstance(r, aio_keuss.KeussConnectionError) for r in results), results
-    assert await backend.execute("ECHO", "again") == b"again"
+    again = [backend.execute("ECHO", str(n)) for n in range(3)]
+    assert await asyncio.gather(*again) == [b"0", b"1", b"2"]
+    assert not old._flush_due and old._gathered == []
     q = await factory.queue("q")
     await q.push("after")
     message = await q.reserve(timeout=5)
@@ -143,3 +150,73 @@ async def test_auto_follows_this_threads_reading(open_factory: Open) -> None:
     for factory in (first, second):
         assert await factory.backend.execute("PING") in (b"PONG", "PONG")  # type: ignore[attr-defined]
     assert _protocol(first)._cpu is _protocol(second)._cpu is cpu.this_thread()
+
+
+async def test_a_close_writes_what_was_gathered(open_factory: Open, prefix: str) -> None:
+    """Closing the connection flushes first: commands already sent reach the server (their
+    callers are told the connection closed before the replies came)."""
+    factory = await open_factory("redis-oq", write_mode="gather")
+    backend: Any = factory.backend
+    assert await backend.execute("ECHO", "warm") == b"warm"
+    pending = [backend.execute("SET", f"{prefix}:k{n}", n) for n in range(3)]
+    backend._lane.close()
+    results = await asyncio.gather(*pending, return_exceptions=True)
+    assert all(isinstance(r, aio_keuss.KeussConnectionError) for r in results), results
+    assert await backend.client.get(f"{prefix}:k2") == b"2"
+    assert await backend.execute("ECHO", "again") == b"again"
+
+
+@pytest.mark.parametrize("mode", MODES)
+async def test_replies_stay_matched_while_modes_flip_and_scripts_are_lost(
+    open_factory: Open, prefix: str, mode: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """16 callers mixing plain commands and scripts, the mode flipped at random on every
+    loop iteration and the script cache flushed again and again: every caller gets its
+    own reply."""
+    factory = await open_factory("redis-oq", write_mode=mode)
+    backend: Any = factory.backend
+    assert await backend.execute("ECHO", "warm") == b"warm"
+    script = Script(f"-- {prefix}\nreturn ARGV[1]")
+    admin = backend.client
+    chance = random.Random(7)
+    resent = 0
+    as_eval = redis_connection._as_eval
+
+    def counted(packed: bytes, lost: Script) -> bytes:
+        nonlocal resent
+        resent += 1
+        return as_eval(packed, lost)
+
+    monkeypatch.setattr(redis_connection, "_as_eval", counted)
+    done = asyncio.Event()
+
+    async def flip() -> None:
+        while not done.is_set():
+            protocol = _protocol(factory)
+            if protocol is not None and mode != "each":
+                protocol._cpu = cpu.CpuWait.fixed(chance.random() < 0.5)
+            await asyncio.sleep(0)
+
+    async def lose_scripts() -> None:
+        while not done.is_set():
+            await admin.script_flush()
+            await asyncio.sleep(chance.random() * 0.003)
+
+    async def caller(number: int) -> None:
+        for n in range(200):
+            tag = f"{number}:{n}"
+            if chance.random() < 0.5:
+                assert await backend.execute("ECHO", tag) == tag.encode()
+            else:
+                assert await backend.run_script(script, [], [tag]) == tag.encode()
+            for _ in range(chance.randrange(3)):
+                await asyncio.sleep(0)
+
+    await admin.script_flush()  # the first script call at least is sent again
+    helpers = [asyncio.ensure_future(flip()), asyncio.ensure_future(lose_scripts())]
+    try:
+        await asyncio.gather(*(caller(number) for number in range(16)))
+    finally:
+        done.set()
+        await asyncio.gather(*helpers)
+    assert resent >= 1

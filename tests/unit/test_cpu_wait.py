@@ -110,11 +110,36 @@ def test_counters_that_went_back_start_a_new_window(tmp_path: Path) -> None:
 
 def test_counters_that_cannot_be_read_mean_never_contended(tmp_path: Path) -> None:
     missing = cpu.CpuWait(str(tmp_path / "absent"))
-    assert missing.next_check == math.inf and missing.contended is False
+    assert missing.next_check == math.inf and missing.contended is False  # never tried again
     reading, counters = _reading(tmp_path)
     counters.path.write_text("not numbers\n")
     assert reading.sample(reading.next_check) is False
-    assert reading.next_check == math.inf  # not tried again
+
+
+def test_a_read_that_fails_on_a_busy_machine_does_not_freeze_the_mode(tmp_path: Path) -> None:
+    """Found in review: a failed read stopped the readings, leaving a busy thread's
+    connections gathering for the life of the thread."""
+    reading, counters = _reading(tmp_path)
+    _next(reading, counters, 100, 100)
+    assert _next(reading, counters, 100, 100) is True
+    counters.path.rename(tmp_path / "gone")  # one read fails (as open() would with EMFILE)
+    assert reading.sample(reading.next_check) is False
+    (tmp_path / "gone").rename(counters.path)
+    assert reading.next_check < math.inf  # read again, as usual
+    assert _next(reading, counters, 190, 1) is False
+    _next(reading, counters, 100, 100)
+    assert _next(reading, counters, 100, 100) is True
+
+
+def test_after_a_fork_two_readings_still_make_a_switch(tmp_path: Path) -> None:
+    """Found in review: the parent's first reading of two counted for the child."""
+    reading, counters = _reading(tmp_path)
+    assert _next(reading, counters, 100, 100) is False  # the parent's first busy reading
+    counters.ran, counters.waited = 0, 0  # the child's own counters
+    counters.write()
+    reading.sample(reading.next_check)  # a new baseline
+    assert _next(reading, counters, 100, 100) is False
+    assert _next(reading, counters, 100, 100) is True
 
 
 def test_a_fixed_mode_never_reads() -> None:
