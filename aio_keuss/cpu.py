@@ -64,7 +64,7 @@ class CpuWait:
 
     @classmethod
     def fixed(cls, contended: bool) -> CpuWait:
-        """One that never reads the counters (``write_mode`` set to always or never)."""
+        """One that never reads the counters: a ``write_mode`` other than ``auto``."""
         forced = cls.__new__(cls)
         forced.contended = contended
         forced._against = 0
