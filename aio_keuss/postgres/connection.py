@@ -547,6 +547,15 @@ class PostgresConnection(Backend):
         status: str = await self._run("execute", query, args)
         return status
 
+    async def execute_without_timeouts(self, query: str) -> None:
+        """``query`` in a transaction of its own with no statement or lock timeout, as the
+        migrations run: DDL that waits for other clients' writes (CREATE TRIGGER takes a
+        lock they hold) would otherwise fail under a role's or database's shorter
+        timeouts, and so would every open while the writes went on."""
+        async with self.transaction() as connection:
+            await connection.execute(_NO_TIMEOUTS)
+            await connection.execute(query)
+
     @translated
     async def execute_unless_duplicate(self, query: str, *args: Any) -> bool:
         """Run a statement that may break a unique constraint: False when it did (SQLSTATE

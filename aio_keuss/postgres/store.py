@@ -397,7 +397,7 @@ class PostgresQueueBackend(PostgresBackend):
         no statement holds locks for long."""
         await super().open()
         if self.keeps_history:
-            await self.execute(self.sql["history_on"])
+            await self.execute_without_timeouts(self.sql["history_on"])
             self._expiry = asyncio.create_task(self._expire(), name="keuss-history-expiry")
 
     async def _expire(self) -> None:

@@ -84,3 +84,45 @@ async def test_old_records_expire_in_bounded_batches(schema: str) -> None:
                 break
             await asyncio.sleep(0.1)
     assert len(await _history_rows(schema)) == 1
+
+
+async def test_a_role_lock_timeout_does_not_fail_an_open_waiting_to_install_the_trigger(
+    schema: str,
+) -> None:
+    """The first open with ``history`` creates the schema's trigger, which waits for the
+    transactions writing to the messages table. Under a role's or database's
+    lock_timeout shorter than that wait, the open failed ("canceling statement due to lock
+    timeout"), and so did every start while the writes went on: the trigger is created,
+    like the schema's migrations, with no timeout for its transaction."""
+    async with aio_keuss.connect("postgres", url=POSTGRES_URL, schema=schema) as factory:
+        await (await factory.queue("q")).push("before")
+    writer = await asyncpg.connect(POSTGRES_URL)
+    try:
+        async with writer.transaction():  # a write in progress, as another client's would be
+            await writer.execute(f'LOCK TABLE "{schema}".messages IN ROW EXCLUSIVE MODE')
+            opening = asyncio.ensure_future(
+                aio_keuss.connect(
+                    "postgres",
+                    url=f"{POSTGRES_URL}?statement_timeout=100&lock_timeout=100",
+                    schema=schema,
+                    history=True,
+                )
+            )
+            async with asyncio.timeout(30):
+                while not await writer.fetchval(
+                    "SELECT count(*) FROM pg_locks WHERE NOT granted AND relation = $1::regclass",
+                    f'"{schema}".messages',
+                ):
+                    assert not opening.done(), opening
+                    await asyncio.sleep(0.02)
+            await asyncio.sleep(0.5)  # the wait outlasts those timeouts
+        factory = await asyncio.wait_for(opening, 30)
+        try:
+            q = await factory.queue("q")
+            got = await q.pop(timeout=5)
+            assert got is not None and got.payload == "before"
+            assert [v.message.id for v in (await q.history()).items] == [got.id]
+        finally:
+            await factory.close()
+    finally:
+        await writer.close()
