@@ -19,7 +19,7 @@ import asyncio
 import contextlib
 import logging
 import re
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -228,6 +228,18 @@ _SET_SERVER_SETTINGS = "; ".join(
     f"SET {name} = '{value}'" for name, value in SERVER_SETTINGS.items()
 )
 
+
+async def _user_pool_setup(connection: Any) -> None:
+    """Run on each connection taken from a user's pool: our settings, and no
+    ``idle_session_timeout`` (see ``_no_idle_timeout``; a held connection is idle between
+    statements by design), in one round trip. The pool's reset on release (RESET ALL by
+    default) gives the user's sessions their own settings back."""
+    setup = _SET_SERVER_SETTINGS
+    if connection.get_server_version().major >= 14:
+        setup += "; SET idle_session_timeout = 0"
+    await connection.execute(setup)
+
+
 HELD_CONNECTIONS = 8
 """At most this many pool connections are held by one backend for its statements."""
 
@@ -292,7 +304,9 @@ class _HeldConnections:
     other way is closed, and the pool opens a new one in its place.
     """
 
-    def __init__(self, pool: Any, limit: int, setup: str | None = None) -> None:
+    def __init__(
+        self, pool: Any, limit: int, setup: Callable[[Any], Awaitable[None]] | None = None
+    ) -> None:
         self._pool = pool
         self._limit = limit
         self._setup = setup
@@ -315,7 +329,7 @@ class _HeldConnections:
                 raise
             if self._setup is not None:  # borrowed ones too: the isolation level matters
                 try:
-                    await connection.execute(self._setup)
+                    await self._setup(connection)
                 except BaseException as exc:
                     self._let_go(connection, exc, held)
                     raise
@@ -448,7 +462,7 @@ class PostgresConnection(Backend):
         # of one connection), waited forever.
         size = self._pool.get_max_size()
         limit = size - 2 if self._owns_pool else size // 2
-        setup = None if self._owns_pool else _SET_SERVER_SETTINGS
+        setup = None if self._owns_pool else _user_pool_setup
         limit = min(HELD_CONNECTIONS, max(1, limit), size - 1)
         self._held = _HeldConnections(self._pool, limit, setup)
         try:

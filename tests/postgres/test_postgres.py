@@ -1147,6 +1147,42 @@ async def test_the_listener_outlives_a_short_idle_session_timeout(schema: str) -
         await admin.close()
 
 
+async def test_the_connections_held_from_a_users_pool_outlive_its_idle_session_timeout(
+    schema: str,
+) -> None:
+    """A user's pool whose sessions have a short idle_session_timeout (1 s here): the
+    connections the factory held from it for its statements were ended by the server while
+    idle between calls, and a statement sent as the server's notice came in failed with a
+    connection error. What the factory holds turns the timeout off for itself, as the
+    sessions of our own pool do; the pool's reset (RESET ALL) restores it on release."""
+    admin = await asyncpg.connect(POSTGRES_URL)
+    if admin.get_server_version().major < 14:
+        await admin.close()
+        pytest.skip("idle_session_timeout is PostgreSQL 14 and later")
+    pool = await asyncpg.create_pool(
+        POSTGRES_URL, min_size=0, max_size=4, server_settings={"idle_session_timeout": "1000"}
+    )
+    alive = "SELECT count(*) FROM pg_stat_activity WHERE pid = ANY($1::int[])"
+    try:
+        async with aio_keuss.connect("postgres", pool=pool, schema=schema) as factory:
+            q = await factory.queue("idle")
+            await asyncio.gather(*(q.push(n) for n in range(4)))
+            idle = factory.backend._held._idle  # type: ignore[attr-defined]
+            async with asyncio.timeout(30):
+                while not idle:  # held, and back from the calls in flight
+                    assert (await q.pop(timeout=0)) is not None
+            await q.push("x")
+            held = [c.get_server_pid() for c in idle]
+            await asyncio.sleep(3)  # three times the timeout, idle
+            assert await admin.fetchval(alive, held) == len(held)  # none ended
+            assert await q.size() >= 1 and (await q.pop(timeout=5)) is not None
+        async with pool.acquire() as connection:  # the user's sessions keep their setting
+            assert await connection.fetchval("SHOW idle_session_timeout") == "1s"
+    finally:
+        await pool.close()
+        await admin.close()
+
+
 @pytest.mark.parametrize("own_pool", [True, False])
 async def test_a_pool_of_one_connection_serves_concurrent_calls(
     schema: str, own_pool: bool
