@@ -12,12 +12,13 @@ import subprocess
 import sys
 import textwrap
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import redis.asyncio as aioredis
-from backends import REDIS_URL, _drop_redis_prefix
+from backends import REDIS_URL, _drop_redis_prefix, new_token
 from black_hole import BlackHole, assert_a_silent_drop_is_survived
 from own_servers import collating_locale, own_redis
 
@@ -25,6 +26,28 @@ import aio_keuss
 from aio_keuss.redis import connection as redis_connection
 
 Open = Callable[..., Awaitable[aio_keuss.Factory]]
+
+
+@pytest.fixture
+async def prefix() -> AsyncIterator[str]:
+    token = f"akr-{new_token()}"
+    yield token
+    await _drop_redis_prefix({"url": REDIS_URL, "prefix": token})
+
+
+@pytest.fixture
+async def open_factory(prefix: str) -> AsyncIterator[Open]:
+    opened: list[aio_keuss.Factory] = []
+
+    async def _open(backend: str = "redis-oq", **options: Any) -> aio_keuss.Factory:
+        options.setdefault("url", REDIS_URL)
+        factory = await aio_keuss.connect(backend, prefix=prefix, **options)
+        opened.append(factory)
+        return factory
+
+    yield _open
+    for factory in opened:
+        await factory.close()
 
 
 async def test_old_message_is_not_reserved_twice(open_factory: Open) -> None:

@@ -9,15 +9,23 @@ Runs against the real server at AK_REDIS_URL, under a key prefix of its own.
 from __future__ import annotations
 
 import time
+from collections.abc import AsyncIterator
 
 import pytest
 import redis.asyncio as aioredis
-from backends import REDIS_URL
+from backends import REDIS_URL, _drop_redis_prefix, new_token
 from own_servers import own_redis
 
 import aio_keuss
 
 PLAIN = 2_500  # more than one upgrade call converts (its budget is 2,000)
+
+
+@pytest.fixture
+async def prefix() -> AsyncIterator[str]:
+    token = f"akl-{new_token()}"
+    yield token
+    await _drop_redis_prefix({"url": REDIS_URL, "prefix": token})
 
 
 async def _write_old_layout(factory: aio_keuss.Factory, queue: str, plain: int = PLAIN) -> None:

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from backends import REDIS_URL, new_token
+from backends import REDIS_URL, _drop_redis_prefix, new_token
 
 import aio_keuss
 from aio_keuss.contract import Entry
@@ -47,6 +47,13 @@ def _bus_options() -> dict[str, Any]:
 
 
 Connect = Callable[..., Awaitable[aio_keuss.Factory]]
+
+
+@pytest.fixture
+async def prefix() -> AsyncIterator[str]:
+    name = f"akt-rr-{new_token()}"
+    yield name
+    await _drop_redis_prefix({"url": REDIS_URL, "prefix": name})
 
 
 @pytest.fixture

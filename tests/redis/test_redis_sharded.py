@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from backends import REDIS_URL, new_token
+from backends import REDIS_URL, _drop_redis_prefix, new_token
 from sharded_checks import assert_metadata_of_q
 
 import aio_keuss
@@ -35,6 +35,13 @@ ROOT = Path(__file__).resolve().parents[2]
 FAST = {"sweep_interval": 0.1, "shovel_interval": 0.2, "lease_ttl": 2.0}
 
 Connect = Callable[..., Awaitable[aio_keuss.Factory]]
+
+
+@pytest.fixture
+async def prefix() -> AsyncIterator[str]:
+    name = f"akt-sh-{new_token()}"
+    yield name
+    await _drop_redis_prefix({"url": REDIS_URL, "prefix": name})
 
 
 @pytest.fixture

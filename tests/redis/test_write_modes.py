@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import asyncio
 import random
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import pytest
+from backends import REDIS_URL, _drop_redis_prefix, new_token
 
 import aio_keuss
 from aio_keuss import cpu
@@ -21,6 +22,27 @@ from aio_keuss.redis.connection import Script
 
 Open = Callable[..., Awaitable[aio_keuss.Factory]]
 MODES = ["each", "first", "gather"]
+
+
+@pytest.fixture
+async def prefix() -> AsyncIterator[str]:
+    token = f"akw-{new_token()}"
+    yield token
+    await _drop_redis_prefix({"url": REDIS_URL, "prefix": token})
+
+
+@pytest.fixture
+async def open_factory(prefix: str) -> AsyncIterator[Open]:
+    opened: list[aio_keuss.Factory] = []
+
+    async def _open(backend: str, **options: Any) -> aio_keuss.Factory:
+        factory = await aio_keuss.connect(backend, url=REDIS_URL, prefix=prefix, **options)
+        opened.append(factory)
+        return factory
+
+    yield _open
+    for factory in opened:
+        await factory.close()
 
 
 def _protocol(factory: aio_keuss.Factory) -> Any:
