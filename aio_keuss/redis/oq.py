@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -157,10 +158,24 @@ local function take_over()
 end
 """
 
+# A record not in our framing (another program's, or corrupted) counts as the record this
+# makes of it, and becomes it when a script first writes it (a try counted, a move): 0
+# tries, its bytes whole as a bytes payload (tag B), marked as the client marks what it
+# cannot read. Before, a script that counted a try on one failed: once its reservation
+# lapsed, every reserve of the queue did; and its holder's ok and ko never passed the guard.
+_FRAMED = """
+local ADOPTED = '{"x-undecodable":"record: not in our framing"}'
+local function framed(rec)
+  if string.match(rec, '^%d+:%d+:') then return rec end
+  return '0:' .. #ADOPTED .. ':' .. ADOPTED .. 'B' .. rec
+end
+"""
+
 # Shared Lua helpers. Redis' Lua caps unpack() near 8000 values, so variadic commands are
 # issued in chunks. KEYS[1..3] are always due, msg, held of the queue the script works on.
 _PRELUDE = (
     _TAKE_OVER
+    + _FRAMED
     + """
 local CHUNK = 4000
 local function server_now()
@@ -196,13 +211,16 @@ local function read_chunked(cmd, key, args)
 end
 -- A message's record (the value of its id in msg): '<tries>:<length of headers>:<headers>
 -- <payload>', the headers '' when there are none. The client builds and reads records;
--- a script reads one only to check or change its tries, or to move it.
-local function tries_of(rec) return tonumber(string.match(rec, '^%d+')) end
+-- a script reads one only to check or change its tries, or to move it. A record not in
+-- that framing counts as ``framed`` makes it (see _FRAMED).
+local function tries_of(rec) return tonumber(string.match(framed(rec), '^%d+')) end
 local function with_tries(rec, tries)
+  rec = framed(rec)
   local i = string.find(rec, ':', 1, true)
   return tries .. string.sub(rec, i)
 end
 local function unpack_record(rec)  -- tries, headers ('{}' when none), payload
+  rec = framed(rec)
   local i = string.find(rec, ':', 1, true)
   local j = string.find(rec, ':', i + 1, true)
   local n = tonumber(string.sub(rec, i + 1, j - 1))
@@ -646,7 +664,8 @@ return {'0', id, rec, head[2], redis.call('SREM', KEYS[3], id)}
 
 # KEYS: due msg held. ARGV: reserve delay. Reply as at reserve, for n = 1.
 _RESERVE_ONE = (
-    _TAKE_ONE
+    _FRAMED
+    + _TAKE_ONE
     + """
 -- The first write cannot grow memory (SREM): at maxmemory (noeviction) Redis refuses a
 -- script whose first write may, so a full Redis could not be drained by reserve and ok.
@@ -655,8 +674,10 @@ redis.call('ZADD', KEYS[1], now + tonumber(ARGV[1]), id)
 redis.call('SADD', KEYS[3], id)
 local rec = redis.call('HGET', KEYS[2], id)
 if lapsed == 1 then
-  local i = string.find(rec, ':', 1, true)
-  redis.call('HSET', KEYS[2], id, (tonumber(string.sub(rec, 1, i - 1)) + 1) .. string.sub(rec, i))
+  local framed_rec = framed(rec)
+  local i = string.find(framed_rec, ':', 1, true)
+  local tries = tonumber(string.sub(framed_rec, 1, i - 1)) + 1
+  redis.call('HSET', KEYS[2], id, tries .. string.sub(framed_rec, i))
 end
 return {'0', id, rec, head[2], lapsed}
 """
@@ -669,8 +690,8 @@ _COMMIT_ONE = """
 local id, guard = ARGV[1], ARGV[2]
 if redis.call('SREM', KEYS[3], id) == 0 then return 0 end
 if guard ~= '' then
-  local rec = redis.call('HGET', KEYS[2], id)
-  if tonumber(guard) ~= tonumber(string.match(rec, '^%d+')) then
+  local tries = string.match(redis.call('HGET', KEYS[2], id), '^(%d+):%d+:')
+  if tonumber(guard) ~= (tries and tonumber(tries) or 0) then  -- see _FRAMED
     redis.call('SADD', KEYS[3], id)
     return 0
   end
@@ -756,10 +777,14 @@ def _unrecord_all(columns: Sequence[list[Any]]) -> list[Stored]:
         return [_unrecord_or_wrap(*row) for row in zip(*columns, strict=True)]
 
 
+_LEADING_TRIES = re.compile(rb"(\d+):\d+:")
+
+
 def _unrecord_or_wrap(message_id: bytes, rec: bytes, mature: bytes | float, bump: int) -> Stored:
     """A record not in our framing, whole, as a bytes payload marked ``x-undecodable``,
-    under its own id. A pop loses nothing; a reserve's holder cannot ``ok`` or ``ko`` it,
-    as the scripts' guard reads the tries from the record: it stays until removed."""
+    under its own id. Its tries are what the scripts count for it (those its framing
+    still tells, else none: see the scripts' ``framed``), so that its holder's ``ok``
+    or ``ko`` passes their guard."""
     try:
         return _unrecord(message_id, rec, mature, bump)
     except Exception as exc:
@@ -767,7 +792,9 @@ def _unrecord_or_wrap(message_id: bytes, rec: bytes, mature: bytes | float, bump
     name = message_id.decode(errors="replace")
     log.warning("redis-oq: the record of message %r is not in our framing: %s", name, reason)
     payload, headers = encode_payload(bytes(rec)), encode_headers({UNDECODABLE: reason})
-    return Stored(name, payload, headers, bump, float(mature))
+    leading = _LEADING_TRIES.match(rec)
+    tries = int(leading.group(1)) if leading else 0
+    return Stored(name, payload, headers, tries + bump, float(mature))
 
 
 def _fetched(reply: list[Any]) -> Fetched:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import struct
 import time
+from typing import Any
 
 import pytest
 from conftest import Connect, needs
@@ -197,6 +198,53 @@ async def test_a_redis_oq_record_not_in_our_framing_is_delivered_whole(
     assert got["bad-1"].payload == b"no framing at all" and got["bad-2"].payload == b"x:y:z"
     assert all(str(got[i].headers[UNDECODABLE]).startswith("record: ") for i in ("bad-1", "bad-2"))
     assert await queue.total_size() == 0
+
+
+@pytest.mark.parametrize("again", ["lone", "batch"])
+async def test_a_redis_oq_record_not_in_our_framing_is_acknowledged_and_counts_its_tries(
+    connect: Connect, again: str
+) -> None:
+    """Its holder's ok and ko never passed the scripts' guard (the tries read from the
+    record), so it came back for ever; and once its reservation lapsed, counting that try
+    failed every reserve of the queue ("attempt to perform arithmetic on a nil value").
+    The scripts now count it as a record of its bytes whole, which it becomes when one of
+    them first writes it; a record whose framing still tells its tries keeps them."""
+    factory = await connect(poll_interval=5.0, reserve_delay=0.5)
+    queue = await factory.queue("foreign")
+    store = queue._store  # type: ignore[attr-defined]
+    if type(store).__name__ != "RedisOQStore":
+        pytest.skip("redis-oq's framing")
+    due, records = store._keys[0], store._keys[1]
+    raw = {"bare": b"no framing at all", "acked": b"x:y:z", "kept": b"7:2:{}untagged"}
+    for bad_id, record in raw.items():
+        await store._backend.execute("HSET", records, bad_id, record)
+        await store._backend.execute("ZADD", due, 0, bad_id)
+    first = await take_all(queue, "reserve", set(raw))
+    assert {i: (m.payload, m.tries) for i, m in first.items()} == {
+        "bare": (raw["bare"], 0),
+        "acked": (raw["acked"], 0),
+        "kept": (b"untagged", 7),
+    }  # "kept" is in our framing: its payload alone is not ours
+    assert await queue.ok(first["acked"])
+    assert await queue.ko(first["kept"], delay=0) is aio_keuss.KoResult.ROLLED_BACK
+    # "bare" is left to lapse: the next reserve counts that try
+    take = queue.reserve if again == "lone" else lambda **kw: _first(queue.reserve_many(1, **kw))
+    back: dict[str, Message] = {}
+    deadline = time.monotonic() + 30
+    while set(back) != {"bare", "kept"} and time.monotonic() < deadline:
+        message = await take(timeout=1)
+        if message is not None:
+            back[message.id] = message
+    assert back["bare"].tries == 1 and back["bare"].payload == raw["bare"]
+    assert str(back["bare"].headers[UNDECODABLE]).startswith("record: ")
+    assert back["kept"].tries == 8 and back["kept"].payload == b"untagged"
+    assert all([await queue.ok(m) for m in back.values()])
+    assert await queue.total_size() == 0
+
+
+async def _first(taking: Any) -> Message | None:
+    got = await taking
+    return got[0] if got else None
 
 
 # stored headers another program may write: the deadletter and move headers are added to them
