@@ -65,12 +65,8 @@ class CpuWait:
     @classmethod
     def fixed(cls, contended: bool) -> CpuWait:
         """One that never reads the counters: a ``write_mode`` other than ``auto``."""
-        forced = cls.__new__(cls)
+        forced = cls(path="")  # no counters there: never read
         forced.contended = contended
-        forced._against = 0
-        forced.next_check = math.inf
-        forced._path = ""
-        forced._ran = forced._waited = 0
         return forced
 
     def sample(self, now: float) -> bool:

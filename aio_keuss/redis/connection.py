@@ -285,16 +285,15 @@ class _LaneProtocol(asyncio.Protocol):
         gathered: replies are matched to callers by order alone."""
         if self._flush_due:
             self._gathered.append(packed)
-        elif self._cpu.contended:
+            return
+        if self._cpu.contended:
             self._gathered.append(packed)
-            self._flush_due = True
-            self._loop.call_soon(self.flush)
-        elif self._each:
+        else:  # the iteration's first: now (and, but for each, its others gathered)
             cast(asyncio.Transport, self.transport).write(packed)
-        else:  # the iteration's first: now; the others of the iteration, gathered
-            cast(asyncio.Transport, self.transport).write(packed)
-            self._flush_due = True
-            self._loop.call_soon(self.flush)
+            if self._each:
+                return
+        self._flush_due = True
+        self._loop.call_soon(self.flush)
 
     def flush(self) -> None:
         """Write what was gathered. Nothing if the connection was lost or aborted
