@@ -158,16 +158,26 @@ local function take_over()
 end
 """
 
-# A record not in our framing (another program's, or corrupted) counts as the record this
-# makes of it, and becomes it when a script first writes it (a try counted, a move): 0
-# tries, its bytes whole as a bytes payload (tag B), marked as the client marks what it
-# cannot read. Before, a script that counted a try on one failed: once its reservation
-# lapsed, every reserve of the queue did; and its holder's ok and ko never passed the guard.
+# A message's record (the value of its id in msg): '<tries>:<length of headers>:<headers>
+# <payload>', the headers '' when there are none. The client builds and reads records; a
+# script reads one only to check or change its tries (these helpers, which the one-message
+# scripts share with the prelude's), or to move it. A record not in that framing (another
+# program's, or corrupted) counts as the record ``framed`` makes of it, and becomes it when
+# a script first writes it (a try counted, a move): 0 tries, its bytes whole as a bytes
+# payload (tag B), marked as the client marks what it cannot read. Before, a script that
+# counted a try on one failed: once its reservation lapsed, every reserve of the queue
+# did; and its holder's ok and ko never passed the guard.
 _FRAMED = """
 local ADOPTED = '{"x-undecodable":"record: not in our framing"}'
 local function framed(rec)
   if string.match(rec, '^%d+:%d+:') then return rec end
   return '0:' .. #ADOPTED .. ':' .. ADOPTED .. 'B' .. rec
+end
+local function tries_of(rec) return tonumber(string.match(framed(rec), '^%d+')) end
+local function with_tries(rec, tries)
+  rec = framed(rec)
+  local i = string.find(rec, ':', 1, true)
+  return tries .. string.sub(rec, i)
 end
 """
 
@@ -209,16 +219,7 @@ local function read_chunked(cmd, key, args)
   end
   return out
 end
--- A message's record (the value of its id in msg): '<tries>:<length of headers>:<headers>
--- <payload>', the headers '' when there are none. The client builds and reads records;
--- a script reads one only to check or change its tries, or to move it. A record not in
--- that framing counts as ``framed`` makes it (see _FRAMED).
-local function tries_of(rec) return tonumber(string.match(framed(rec), '^%d+')) end
-local function with_tries(rec, tries)
-  rec = framed(rec)
-  local i = string.find(rec, ':', 1, true)
-  return tries .. string.sub(rec, i)
-end
+-- A record (see _FRAMED), taken apart to be moved.
 local function unpack_record(rec)  -- tries, headers ('{}' when none), payload
   rec = framed(rec)
   local i = string.find(rec, ':', 1, true)
@@ -673,12 +674,7 @@ local lapsed = redis.call('SREM', KEYS[3], id)
 redis.call('ZADD', KEYS[1], now + tonumber(ARGV[1]), id)
 redis.call('SADD', KEYS[3], id)
 local rec = redis.call('HGET', KEYS[2], id)
-if lapsed == 1 then
-  local framed_rec = framed(rec)
-  local i = string.find(framed_rec, ':', 1, true)
-  local tries = tonumber(string.sub(framed_rec, 1, i - 1)) + 1
-  redis.call('HSET', KEYS[2], id, tries .. string.sub(framed_rec, i))
-end
+if lapsed == 1 then redis.call('HSET', KEYS[2], id, with_tries(rec, tries_of(rec) + 1)) end
 return {'0', id, rec, head[2], lapsed}
 """
 )
@@ -686,12 +682,13 @@ return {'0', id, rec, head[2], lapsed}
 # KEYS: due msg held. ARGV: id, tries held ('' = no guard). Reply: 1 / 0. The reservation is
 # taken off first (a write that cannot grow memory, and the test of it in one call), and
 # put back when the tries show another holder's.
-_COMMIT_ONE = """
+_COMMIT_ONE = (
+    _FRAMED
+    + """
 local id, guard = ARGV[1], ARGV[2]
 if redis.call('SREM', KEYS[3], id) == 0 then return 0 end
 if guard ~= '' then
-  local tries = string.match(redis.call('HGET', KEYS[2], id), '^(%d+):%d+:')
-  if tonumber(guard) ~= (tries and tonumber(tries) or 0) then  -- see _FRAMED
+  if tonumber(guard) ~= tries_of(redis.call('HGET', KEYS[2], id)) then
     redis.call('SADD', KEYS[3], id)
     return 0
   end
@@ -700,6 +697,7 @@ redis.call('ZREM', KEYS[1], id)
 redis.call('HDEL', KEYS[2], id)
 return 1
 """
+)
 
 INSERT_ONE, GET_ONE, RESERVE_ONE, COMMIT_ONE = (
     Script(body) for body in (_INSERT_ONE, _GET_ONE, _RESERVE_ONE, _COMMIT_ONE)
