@@ -196,8 +196,13 @@ async def _no_idle_timeout(connection: Any) -> None:
     statement sent as the server's notice came in failed with a connection error (asyncpg:
     "another operation is in progress"), a pop waiting across it included. Set here, not in
     ``server_settings``: an older server refuses an unknown setting at connect."""
-    if connection.get_server_version().major >= 14:
-        await connection.execute("SET idle_session_timeout = 0")
+    if idle_off := _idle_timeout_off(connection):
+        await connection.execute(idle_off)
+
+
+def _idle_timeout_off(connection: Any) -> str:
+    """The statement turning ``idle_session_timeout`` off, '' on a server before 14."""
+    return "SET idle_session_timeout = 0" if connection.get_server_version().major >= 14 else ""
 
 
 async def _light_reset(connection: Any) -> None:
@@ -234,10 +239,10 @@ async def _user_pool_setup(connection: Any) -> None:
     ``idle_session_timeout`` (see ``_no_idle_timeout``; a held connection is idle between
     statements by design), in one round trip. The pool's reset on release (RESET ALL by
     default) gives the user's sessions their own settings back."""
-    setup = _SET_SERVER_SETTINGS
-    if connection.get_server_version().major >= 14:
-        setup += "; SET idle_session_timeout = 0"
-    await connection.execute(setup)
+    idle_off = _idle_timeout_off(connection)
+    await connection.execute(
+        f"{_SET_SERVER_SETTINGS}; {idle_off}" if idle_off else _SET_SERVER_SETTINGS
+    )
 
 
 HELD_CONNECTIONS = 8
