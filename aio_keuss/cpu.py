@@ -28,6 +28,13 @@ import time
 SCHEDSTAT = "/proc/thread-self/schedstat"
 CHECK_EVERY = 0.2
 """Seconds between two readings: a mode follows the machine within a second or less."""
+EARLY_CHECK_EVERY = 0.05
+"""Seconds between the first ``EARLY_READINGS`` readings: a process that starts working at
+once (a batch job, a benchmark's first 10,000 pushes) would otherwise spend its first half
+second or more in the quiet machine's mode. Such a window still holds tens of milliseconds
+of the thread's demand when it is busy, more than ``MIN_DEMAND``."""
+EARLY_READINGS = 20
+"""How many readings are taken ``EARLY_CHECK_EVERY`` apart (a second's worth)."""
 ENTER_SHARE = 0.3
 """Share of the time the thread wanted a CPU that it spent waiting for one, from which the
 machine counts as busy (about 0.5 with one of two cores taken, under 0.05 on a quiet one)."""
@@ -35,8 +42,10 @@ LEAVE_SHARE = 0.12
 """The share under which a busy machine counts as quiet again: lower than ``ENTER_SHARE``
 so that a share near the threshold does not switch modes at every reading."""
 READINGS_TO_SWITCH = 2
-"""Readings in a row that must agree before the mode changes: a burst of another process
-(a quarter of a second at 27 % was seen on a quiet machine) does not switch it."""
+"""Readings in a row that must agree before the mode changes, once past the early ones: a
+burst of another process (a quarter of a second at 27 % was seen on a quiet machine) does
+not switch it. An early reading switches alone: a wrong switch in the first second costs a
+reading's worth of the other mode, a late one the whole start of a job."""
 MIN_DEMAND = 0.02
 """Seconds of running plus waiting a window needs before it counts: an idle thread's few
 microseconds say nothing about the machine, and the mode stays as it was."""
@@ -48,11 +57,12 @@ class CpuWait:
     counters at most every ``CHECK_EVERY`` seconds (``next_check``), and never where they
     cannot be read."""
 
-    __slots__ = ("_against", "_path", "_ran", "_waited", "contended", "next_check")
+    __slots__ = ("_against", "_early", "_path", "_ran", "_waited", "contended", "next_check")
 
     def __init__(self, path: str = SCHEDSTAT) -> None:
         self.contended = False
         self._against = 0
+        self._early = EARLY_READINGS
         self._path = path
         reading = self._read()
         if reading is None:
@@ -60,7 +70,7 @@ class CpuWait:
             self._ran = self._waited = 0
         else:
             self._ran, self._waited = reading
-            self.next_check = time.monotonic() + CHECK_EVERY
+            self.next_check = time.monotonic() + EARLY_CHECK_EVERY
 
     @classmethod
     def fixed(cls, contended: bool) -> CpuWait:
@@ -70,19 +80,25 @@ class CpuWait:
         return forced
 
     def sample(self, now: float) -> bool:
-        """Read the counters if ``CHECK_EVERY`` has passed; returns ``contended``."""
+        """Read the counters if ``next_check`` has come; returns ``contended``."""
         if now < self.next_check:
             return self.contended
-        self.next_check = now + CHECK_EVERY
         reading = self._read()
+        if reading is not None and (reading[0] < self._ran or reading[1] < self._waited):
+            # Counters smaller than the last: a process forked from this one, which starts
+            # anew from them, early readings included.
+            self._ran, self._waited = reading
+            self._against, self._early = 0, EARLY_READINGS
+            self.next_check = now + EARLY_CHECK_EVERY
+            return self.contended
+        early = self._early > 0
+        self._early -= early
+        self.next_check = now + (EARLY_CHECK_EVERY if self._early > 0 else CHECK_EVERY)
         if reading is None:  # a read that failed (too many open files...): as if quiet,
             self.contended, self._against = False, 0  # what unreadable counters mean
             return False
         ran, waited = reading
         ran_now, waited_now = ran - self._ran, waited - self._waited
-        if ran_now < 0 or waited_now < 0:  # other counters: a process forked from this one
-            self._ran, self._waited, self._against = ran, waited, 0
-            return self.contended
         demand = ran_now + waited_now
         if demand < MIN_DEMAND * 1e9:
             return self.contended  # too little to judge by; the window goes on
@@ -92,7 +108,7 @@ class CpuWait:
             self._against = 0
         else:
             self._against += 1
-            if self._against >= READINGS_TO_SWITCH:
+            if self._against >= (1 if early else READINGS_TO_SWITCH):
                 self.contended, self._against = not self.contended, 0
         return self.contended
 

@@ -30,9 +30,14 @@ class Counters:
         self.write()
 
 
-def _reading(tmp_path: Path) -> tuple[cpu.CpuWait, Counters]:
+def _reading(tmp_path: Path, *, settled: bool = True) -> tuple[cpu.CpuWait, Counters]:
+    """A reading and its counters; ``settled``: past its early readings, quiet ones."""
     counters = Counters(tmp_path / "schedstat")
-    return cpu.CpuWait(str(counters.path)), counters
+    reading = cpu.CpuWait(str(counters.path))
+    if settled:
+        for _ in range(cpu.EARLY_READINGS):
+            assert _next(reading, counters, 49, 1) is False
+    return reading, counters
 
 
 def _next(reading: cpu.CpuWait, counters: Counters, ran_ms: int, waited_ms: int) -> bool:
@@ -104,8 +109,7 @@ def test_counters_that_went_back_start_a_new_window(tmp_path: Path) -> None:
     counters.ran, counters.waited = 0, 0
     counters.write()
     assert _next(reading, counters, 0, 0) is False  # the baseline is taken again
-    assert _next(reading, counters, 100, 100) is False
-    assert _next(reading, counters, 100, 100) is True
+    assert _next(reading, counters, 100, 100) is True  # counted (early again: one is enough)
 
 
 def test_counters_that_cannot_be_read_mean_never_contended(tmp_path: Path) -> None:
@@ -131,14 +135,34 @@ def test_a_read_that_fails_on_a_busy_machine_does_not_freeze_the_mode(tmp_path: 
     assert _next(reading, counters, 100, 100) is True
 
 
-def test_after_a_fork_two_readings_still_make_a_switch(tmp_path: Path) -> None:
-    """Found in review: the parent's first reading of two counted for the child."""
+def test_after_a_fork_the_parents_half_made_switch_does_not_count(tmp_path: Path) -> None:
+    """Found in review: the parent's first reading of two counted for the child. The child
+    starts its own early readings, as a new process does."""
     reading, counters = _reading(tmp_path)
     assert _next(reading, counters, 100, 100) is False  # the parent's first busy reading
     counters.ran, counters.waited = 0, 0  # the child's own counters
     counters.write()
-    reading.sample(reading.next_check)  # a new baseline
-    assert _next(reading, counters, 100, 100) is False
+    now = reading.next_check
+    reading.sample(now)  # a new baseline
+    assert reading.next_check == now + cpu.EARLY_CHECK_EVERY
+    assert _next(reading, counters, 45, 5) is False  # quiet: the parent's half switch is gone
+    assert _next(reading, counters, 25, 25) is True  # early: one busy reading is enough
+
+
+def test_early_readings_come_often_and_one_switches(tmp_path: Path) -> None:
+    """A process that sets to work at once is judged within a tenth of a second, not half a
+    second or more: its first ``EARLY_READINGS`` readings are ``EARLY_CHECK_EVERY`` apart,
+    and one of them is enough to switch."""
+    reading, counters = _reading(tmp_path, settled=False)
+    start = reading.next_check
+    assert _next(reading, counters, 25, 25) is True
+    assert reading.next_check == start + cpu.EARLY_CHECK_EVERY
+    assert _next(reading, counters, 49, 1) is False
+    for _ in range(cpu.EARLY_READINGS - 2):
+        assert _next(reading, counters, 49, 1) is False
+    now = reading.next_check
+    assert _next(reading, counters, 100, 100) is False  # settled: two readings again
+    assert reading.next_check == now + cpu.CHECK_EVERY
     assert _next(reading, counters, 100, 100) is True
 
 
