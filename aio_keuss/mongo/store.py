@@ -16,8 +16,11 @@ Operations (``now`` = client clock; "live" = not yet consumed):
 
 - push: ``insert_many(ordered=False)``; duplicate-key errors are the refusals. An id the user
   chose is first claimed in ``<prefix>_dedup_<queue>`` (insert, or take over an expired entry
-  atomically), so an id consumed within the dedup window stays refused. Messages of one batch
-  get mature times one microsecond apart, which keeps their order on the ``mature`` index.
+  atomically), so an id consumed within the dedup window stays refused; the claim is pending
+  until the insert is done, then settled (a third round trip), so that a pusher dying
+  between the two does not leave its id refused with no message stored. Messages of one
+  batch get mature times one microsecond apart, which keeps their order on the ``mature``
+  index.
 - pop / reserve of one: ``find_one_and_update`` on ``mature <= now`` sorted by ``mature``,
   setting a per-call ``owner`` token, so that a message whose reply was lost can be found
   again. A reserve is that one round trip; a mongo-history pop too (marked processed); a
@@ -113,6 +116,11 @@ CLAIM_LEASE = 30.0
 TIE_STEP = 1e-6
 """Mature-time step between the messages of one insert batch (keeps their order)."""
 CLAIM_ATTEMPTS = 3
+DEDUP_LEASE = 30.0
+"""How long a push's claim of an id stays *pending* (its message not yet known stored) before
+another push of that id may take the pusher for dead (see ``MongoStore._contend``)."""
+CONTEND_PAUSE = (0.01, 0.25)
+"""First and longest pause between two looks at an id another push holds pending."""
 MOVE_NAMES = 50
 """Names a moved message may try in its destination before the move is refused."""
 BY_MATURE = [("mature", ASCENDING)]
@@ -351,6 +359,8 @@ class MongoStore(Store):
         self._dedup = backend.dedup_collection(name)
         self._owed: dict[str, list[str]] = {}
         """Token -> ids it claimed, of failed inserts whose claims could not be given back."""
+        self._unsettled: dict[str, list[str]] = {}
+        """Token -> ids it claimed, of stored messages whose claims could not be settled."""
 
     # variant hooks ------------------------------------------------------------------------
 
@@ -399,15 +409,42 @@ class MongoStore(Store):
         # its token) are given back before the error is raised -- but not those of messages
         # the insert stored before it failed (a batch goes in several server messages):
         # their retry must stay refused, or once consumed they would be stored twice.
+        # A process that dies between the two gives nothing back: its claims stay pending,
+        # and a push of those ids takes them over once their lease ends (``_contend``).
         token = os.urandom(8).hex()
         if self._owed:
             await self._give_back_owed()
+        if self._unsettled:
+            await self._settle_unsettled()
         try:
-            await self._claim_ids(entries, flags, now, token)
-            return await self._insert_entries(entries, flags, now)
+            claimed = await self._claim_ids(entries, flags, now, token)
+            flags = await self._insert_entries(entries, flags, now)
         except BaseException:
             await asyncio.shield(self._give_back(list({e.id for e in entries if e.dedup}), token))
             raise
+        await self._settle(claimed, token)
+        return flags
+
+    async def _settle(self, claimed: list[str], token: str) -> None:
+        """Mark this push's claims settled: their messages are stored (or were refused as
+        live), so a later push of those ids is refused at once, consumed or not. When that
+        fails the messages are in all the same: the push succeeded, and the claims are
+        settled by the next insert with ids of its own here. Until then, and for good if
+        this process dies first, they look pending; past their lease a push of one of those
+        ids stores it again if it was consumed meanwhile (a duplicate, never a loss)."""
+        if not claimed:
+            return
+        try:
+            await self._dedup.update_many(
+                {"_id": {"$in": claimed}, "by": token}, {"$unset": {"pending": ""}}
+            )
+        except Exception:
+            self._unsettled[token] = claimed
+
+    async def _settle_unsettled(self) -> None:
+        for token, claimed in list(self._unsettled.items()):
+            del self._unsettled[token]
+            await self._settle(claimed, token)
 
     async def _give_back(self, claimed: list[str], token: str) -> None:
         """Give back the claims of a failed insert whose messages are not in the queue. If
@@ -433,14 +470,18 @@ class MongoStore(Store):
             self._owed.pop(token, None)
 
     async def _give_back_now(self, claimed: list[str], token: str) -> None:
+        """Delete the claims of what did not go in; settle those of what did."""
+        landed: list[str] = []
         with contextlib.suppress(Exception):
             # a consumed record mongo-history keeps under the id is not this push's message
             live = {"_id": {"$in": claimed}, "processed": {"$exists": False}}
             cursor = self._coll.find(live, {"_id": 1})
-            landed = {doc["_id"] async for doc in cursor}
-            claimed = [message_id for message_id in claimed if message_id not in landed]
+            found = {doc["_id"] async for doc in cursor}
+            landed = [message_id for message_id in claimed if message_id in found]
+            claimed = [message_id for message_id in claimed if message_id not in found]
         if claimed:
             await self._dedup.delete_many({"_id": {"$in": claimed}, "by": token})
+        await self._settle(landed, token)
 
     async def _insert_entries(
         self, entries: Sequence[Entry], flags: list[bool], now: float
@@ -473,11 +514,10 @@ class MongoStore(Store):
 
     async def _claim_ids(
         self, entries: Sequence[Entry], flags: list[bool], now: float, token: str
-    ) -> None:
-        """Claim user-chosen ids in the dedup collection: a fresh insert, or an atomic
-        take-over of an expired entry, marked with the caller's ``token``. Refused entries
-        get a false flag."""
-        expires = _date(now + self.options.dedup_window)
+    ) -> list[str]:
+        """Claim user-chosen ids in the dedup collection, marked with the caller's ``token``
+        and *pending* until the insert is done (see ``_settle``). Refused entries get a false
+        flag; returns the ids claimed."""
         first: dict[str, int] = {}
         for i, entry in enumerate(entries):
             if entry.dedup:
@@ -488,27 +528,94 @@ class MongoStore(Store):
         ids = list(first)
         try:
             await self._dedup.insert_many(
-                [{"_id": i, "expires": expires, "by": token} for i in ids], ordered=False
+                [self._id_claim(i, now, token) for i in ids], ordered=False
             )
-            return
+            return ids
         except mongo_errors.BulkWriteError as exc:
             taken = [ids[k] for k in sorted(_dup_indexes(exc))]
-        # An expired entry (the TTL monitor runs only once a minute) is taken over by deleting
-        # it and inserting anew: of concurrent contenders exactly one insert succeeds. (Not an
-        # update: dates are only ever written by inserts, which every server stores as dates.)
-        expired = {"$lte": _date(now)}
-        await asyncio.gather(
-            *(self._dedup.delete_one({"_id": i, "expires": expired}) for i in taken)
-        )
-        results = await asyncio.gather(
-            *(self._dedup.insert_one({"_id": i, "expires": expires, "by": token}) for i in taken),
-            return_exceptions=True,
-        )
-        for message_id, result in zip(taken, results, strict=True):
-            if isinstance(result, mongo_errors.DuplicateKeyError):
-                flags[first[message_id]] = False
-            elif isinstance(result, BaseException):
-                raise result
+        refused = await self._contend(taken, token)
+        for message_id in refused:
+            flags[first[message_id]] = False
+        return [i for i in ids if i not in refused]
+
+    def _id_claim(self, message_id: str, now: float, token: str) -> Document:
+        return {
+            "_id": message_id,
+            "expires": _date(now + self.options.dedup_window),
+            "by": token,
+            "since": _date(now),
+            "pending": _date(now + DEDUP_LEASE),
+        }
+
+    async def _contend(self, taken: list[str], token: str) -> set[str]:
+        """Resolve ids another claim holds; returns those refused. A settled claim refuses
+        the id (its message was stored). An expired one (the TTL monitor runs only once a
+        minute), or a pending one past its lease whose message is not in the queue (its
+        pusher died between claim and insert, or gave it back), is taken over: deleted,
+        then inserted anew, of concurrent contenders exactly one insert succeeding. (Not an
+        update: dates are only ever written by inserts, which every server stores as
+        dates.) One still pending within its lease is waited for: refusing it would lose the
+        message if its pusher then died, as a Spark task's speculative twin does."""
+        refused: set[str] = set()
+        pause, longest = CONTEND_PAUSE
+        while taken:
+            now = time.time()
+            found = {doc["_id"]: doc async for doc in self._dedup.find({"_id": {"$in": taken}})}
+            free: dict[str, Document | None] = {}  # id -> the filter of what to delete first
+            stale: dict[str, float] = {}  # id -> when its pending claim was made
+            held: list[str] = []
+            for message_id in taken:
+                doc = found.get(message_id)
+                if doc is None:  # given back meanwhile
+                    free[message_id] = None
+                elif doc.get("by") == token:  # ours, written by a retried insert_many
+                    continue
+                elif _epoch(doc["expires"]) <= now:
+                    free[message_id] = {"_id": message_id, "expires": {"$lte": _date(now)}}
+                elif "pending" not in doc:
+                    refused.add(message_id)
+                elif _epoch(doc["pending"]) > now:
+                    held.append(message_id)
+                else:
+                    stale[message_id] = _epoch(doc["since"])
+            if stale:
+                landed = await self._landed(stale)
+                refused.update(landed)
+                for message_id in stale.keys() - landed:
+                    free[message_id] = {
+                        "_id": message_id,
+                        "by": found[message_id]["by"],
+                        "pending": {"$lte": _date(now)},
+                    }
+            won = await asyncio.gather(
+                *(self._take_over(i, f, now, token) for i, f in free.items())
+            )
+            taken = held + [i for i, ok in zip(free, won, strict=True) if not ok]
+            if held:
+                await asyncio.sleep(pause)
+                pause = min(pause * 2, longest)
+        return refused
+
+    async def _take_over(
+        self, message_id: str, stale: Document | None, now: float, token: str
+    ) -> bool:
+        if stale is not None:
+            await self._dedup.delete_one(stale)
+        try:
+            await self._dedup.insert_one(self._id_claim(message_id, now, token))
+            return True
+        except mongo_errors.DuplicateKeyError:
+            return False  # another contender's: looked at again
+
+    async def _landed(self, since: dict[str, float]) -> set[str]:
+        """Of ids claimed at ``since[id]``, those whose message is in the queue: live, or,
+        where consumed messages are kept (mongo-history), consumed after the claim."""
+        cursor = self._coll.find({"_id": {"$in": list(since)}}, {"_id": 1, "processed": 1})
+        return {
+            doc["_id"]
+            async for doc in cursor
+            if "processed" not in doc or _epoch(doc["processed"]) >= since[doc["_id"]]
+        }
 
     async def _insert_docs(
         self, coll: Collection, docs: list[Document], revive: set[str] | None = None

@@ -24,6 +24,8 @@ from mongo_server import MONGO_URL, REAL_MONGO_URL, start_mongo
 
 import aio_keuss
 from aio_keuss import KoResult
+from aio_keuss.contract import Entry
+from aio_keuss.message import EMPTY_HEADERS, encode_payload
 from aio_keuss.mongo import store as store_module
 
 pymongo = pytest.importorskip("pymongo")
@@ -235,6 +237,91 @@ async def test_a_failed_push_of_an_id_whose_consumed_record_is_kept_can_be_retri
     await q.push("second", id="order-1")  # the retry
     second = await q.pop(timeout=1)
     assert second is not None and second.payload == "second"
+
+
+async def plant_claim(q: aio_keuss.Queue, message_id: str, *, pending: float | None) -> None:
+    """An id claim as another process's push writes it: ``pending`` seconds from now to the
+    end of its lease (negative: past it), None = settled (its message was stored)."""
+    now = time.time()
+    claim: dict[str, Any] = {
+        "_id": message_id,
+        "expires": store_module._date(now + 3600),
+        "by": "another-process",
+        "since": store_module._date(now - 60),
+    }
+    if pending is not None:
+        claim["pending"] = store_module._date(now + pending)
+    await q._store._dedup.insert_one(claim)  # type: ignore[attr-defined]
+
+
+async def plant_message(q: aio_keuss.Queue, message_id: str, payload: str) -> None:
+    """A message stored by that other process's insert, without going through a claim."""
+    entry = Entry(message_id, encode_payload(payload), EMPTY_HEADERS)
+    assert await q._store.insert([entry]) == [True]  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("backend", ["mongo", "mongo-history"])
+async def test_a_claim_whose_pusher_died_before_its_insert_does_not_refuse_the_retry(
+    open_factory: Open, backend: str
+) -> None:
+    """Without transactions a push of an id of its own claims the id, then inserts. A process
+    that died between the two (a Spark executor lost mid-task) left its claim for the whole
+    dedup window: the retry of the same rows was refused as duplicates, and the messages
+    were never stored. Past its lease such a claim is taken over when its message is not in
+    the queue."""
+    q = await (await open_factory(backend)).queue("died")
+    await plant_claim(q, "order-1", pending=-1.0)
+    await plant_claim(q, "order-2", pending=-1.0)
+    assert await q.push_many(["one", "two"], ids=["order-1", "order-2"]) == ["order-1", "order-2"]
+    got = await q.pop_many(10, timeout=1)
+    assert sorted(m.payload for m in got) == ["one", "two"]
+    await q.push("again", id="order-1")  # now settled: the window holds again
+    assert await q.total_size() == 0
+
+
+@pytest.mark.parametrize("backend", ["mongo", "mongo-history"])
+async def test_a_lapsed_claim_whose_message_went_in_still_refuses(
+    open_factory: Open, backend: str
+) -> None:
+    """The pusher died after its insert but before settling its claim: the message is in the
+    queue (or, kept as history, was consumed since the claim), so the id stays refused."""
+    q = await (await open_factory(backend)).queue("landed")
+    await plant_claim(q, "live", pending=-1.0)
+    await plant_message(q, "live", "first")
+    await q.push("second", id="live")
+    assert await q.total_size() == 1
+    if backend == "mongo-history":
+        consumed = await q.pop(timeout=1)
+        assert consumed is not None and consumed.payload == "first"
+        await q._store._dedup.delete_one({"_id": "live"})  # type: ignore[attr-defined]
+        await plant_claim(q, "live", pending=-1.0)  # made a minute before that pop
+        await q.push("third", id="live")
+        assert await q.total_size() == 0
+
+
+@pytest.mark.parametrize("outcome", ["stored", "given back"])
+async def test_a_push_waits_for_a_claim_still_pending_and_follows_its_outcome(
+    open_factory: Open, outcome: str
+) -> None:
+    """A claim within its lease belongs to a push still under way, whose insert may yet fail
+    or never come (its process dying): refusing the id then would lose the message if the
+    other push does not store it (a Spark task and its speculative twin). The push waits:
+    refused once the other settles its claim, stored once it gives the claim back."""
+    q = await (await open_factory("mongo")).queue("pending")
+    await plant_claim(q, "job", pending=60.0)
+    pushing = asyncio.ensure_future(q.push("mine", id="job"))
+    await asyncio.sleep(0.1)
+    assert not pushing.done()  # held while the other push is under way
+    dedup = q._store._dedup  # type: ignore[attr-defined]
+    if outcome == "stored":
+        await plant_message(q, "job", "theirs")
+        await dedup.update_one({"_id": "job"}, {"$unset": {"pending": ""}})
+    else:
+        await dedup.delete_one({"_id": "job"})
+    assert await asyncio.wait_for(pushing, 30) == "job"
+    message = await q.pop(timeout=1)
+    assert message is not None and message.payload == ("theirs" if outcome == "stored" else "mine")
+    assert await q.total_size() == 0
 
 
 async def test_a_coalesced_batch_within_the_insert_bound_goes_in_one_server_message(
