@@ -116,6 +116,8 @@ CLAIM_LEASE = 30.0
 TIE_STEP = 1e-6
 """Mature-time step between the messages of one insert batch (keeps their order)."""
 CLAIM_ATTEMPTS = 3
+LATE_RESERVE = 0.5
+"""Seconds a reserve may take before its reservations are started again from its reply."""
 DEDUP_LEASE = 30.0
 """How long a push's claim of an id stays *pending* (its message not yet known stored) before
 another push of that id may take the pusher for dead (see ``MongoStore._contend``)."""
@@ -731,8 +733,29 @@ class MongoStore(Store):
             doc = await self._take_one(now, change, mark)
             docs = [] if doc is None else [doc]
         else:
-            docs, _ = await self._claim(n, now, update)
+            docs, token = await self._claim(n, now, update)
+        if docs and time.time() - now > LATE_RESERVE:
+            docs = await self._renew(docs, token, reserve_delay)
         return await self._fetched(docs, n)
+
+    async def _renew(
+        self, docs: list[Document], token: str, reserve_delay: float
+    ) -> list[Document]:
+        """Start the reservations of a late reserve from now: their end was computed from
+        the client's clock at the call's start (MongoDB has no cheap server time), and a
+        reserve slowed by a reconnect or a busy pool handed its holder what was left of
+        ``reserve_delay``, so that another consumer could take the message while the first
+        one still worked on it. Those another reserve took meanwhile (their reservation
+        lapsed before the reply came) are not handed over: they are that consumer's."""
+        ids = [doc["_id"] for doc in docs]
+        mine = {"_id": {"$in": ids}, "owner": token, "reserved": True}
+        renewed = {"$set": {"mature": time.time() + reserve_delay}}
+        result = await _again_if_cut(lambda: self._coll.update_many(mine, renewed))
+        if result.matched_count == len(docs):
+            return docs
+        found = await _again_if_cut(lambda: self._coll.find(mine, {"_id": 1}).to_list())
+        ours = {doc["_id"] for doc in found}
+        return [doc for doc in docs if doc["_id"] in ours]
 
     async def _claim(self, n: int, now: float, update: Document) -> tuple[list[Document], str]:
         """Up to ``n`` mature messages, earliest first, each changed by ``update`` exactly

@@ -324,6 +324,67 @@ async def test_a_push_waits_for_a_claim_still_pending_and_follows_its_outcome(
     assert await q.total_size() == 0
 
 
+@pytest.mark.parametrize("how", ["lone", "batch"])
+async def test_a_late_reserve_hands_over_the_whole_reserve_delay(
+    open_factory: Open, how: str
+) -> None:
+    """A reservation's end is the client's time at the call's start plus ``reserve_delay``:
+    a reserve slowed on its way (a reconnect, a busy pool; here 3 s before its command
+    goes out) handed its holder what was left, and another consumer could take the message
+    while the first still worked on it. Its reservations now start from the reply."""
+    q = await (await open_factory("mongo")).queue("late", reserve_delay=4.0)
+    await q.push_many(["a", "b"])
+    coll = q._store._coll  # type: ignore[attr-defined]
+    name = "find_one_and_update" if how == "lone" else "update_many"
+    real = getattr(coll, name)
+
+    async def slowed(*args: Any, **kwargs: Any) -> Any:
+        setattr(coll, name, real)
+        await asyncio.sleep(3.0)
+        return await real(*args, **kwargs)
+
+    setattr(coll, name, slowed)
+    if how == "lone":
+        got = await q.reserve(timeout=1)
+        held = [got] if got is not None else []
+    else:
+        held = await q.reserve_many(2, timeout=1)
+    handed_over = time.time()
+    assert held
+    for message in held:
+        doc = await coll.find_one({"_id": message.id})
+        assert doc["mature"] >= handed_over + 4.0 - 1.5  # not 3 s short
+        assert await q.ok(message)
+
+
+async def test_a_reserve_so_late_that_another_took_its_message_hands_nothing_over(
+    open_factory: Open,
+) -> None:
+    """Its reservation had lapsed by the time the reply came and another consumer holds the
+    message: handing it over too would give it to two consumers at once."""
+    q = await (await open_factory("mongo")).queue("later", reserve_delay=1.0)
+    other = await (await open_factory("mongo")).queue("later", reserve_delay=30.0)
+    await q.push("only")
+    coll = q._store._coll  # type: ignore[attr-defined]
+    real_take, real_renew = coll.find_one_and_update, coll.update_many
+    taken: list[aio_keuss.Message | None] = []
+
+    async def slowed(*args: Any, **kwargs: Any) -> Any:
+        coll.find_one_and_update = real_take
+        await asyncio.sleep(1.5)  # the reservation ends before it is made
+        return await real_take(*args, **kwargs)
+
+    async def another_first(*args: Any, **kwargs: Any) -> Any:
+        coll.update_many = real_renew
+        taken.append(await other.reserve(timeout=5))  # the lapsed reservation, taken
+        return await real_renew(*args, **kwargs)
+
+    coll.find_one_and_update, coll.update_many = slowed, another_first
+    assert await q.reserve(timeout=0) is None
+    assert taken and taken[0] is not None and taken[0].payload == "only"
+    assert await other.ok(taken[0])
+
+
 async def test_a_coalesced_batch_within_the_insert_bound_goes_in_one_server_message(
     database: str,
 ) -> None:
