@@ -118,6 +118,9 @@ TIE_STEP = 1e-6
 CLAIM_ATTEMPTS = 3
 LATE_RESERVE = 0.5
 """Seconds a reserve may take before its reservations are started again from its reply."""
+LATE_POP = CLAIM_LEASE / 2
+"""Seconds a pop's claim may take before it is checked, and renewed, before the delete: past
+its lease another consumer may have taken the message."""
 DEDUP_LEASE = 30.0
 """How long a push's claim of an id stays *pending* (its message not yet known stored) before
 another push of that id may take the pusher for dead (see ``MongoStore._contend``)."""
@@ -658,6 +661,8 @@ class MongoStore(Store):
         elif consumed is None:
             lease = {"$set": {"mature": now + CLAIM_LEASE, "reserved": True}}
             docs, token = await self._claim(n, now, lease)
+            if docs and time.time() - now > LATE_POP:
+                docs = await self._renew(docs, token, CLAIM_LEASE)
             if docs:
                 mine = {"_id": {"$in": [d["_id"] for d in docs]}, "owner": token}
                 await _again_if_cut(lambda: self._coll.delete_many(mine))
@@ -688,6 +693,9 @@ class MongoStore(Store):
         if doc is None:
             return []
         if consumed is None:
+            late = time.time() - now > LATE_POP
+            if late and not await self._renew([doc], token, CLAIM_LEASE):
+                return []
             mine = {"_id": doc["_id"], "owner": token}
             await _again_if_cut(lambda: self._coll.delete_one(mine))
         return [doc]
@@ -738,18 +746,17 @@ class MongoStore(Store):
             docs = await self._renew(docs, token, reserve_delay)
         return await self._fetched(docs, n)
 
-    async def _renew(
-        self, docs: list[Document], token: str, reserve_delay: float
-    ) -> list[Document]:
-        """Start the reservations of a late reserve from now: their end was computed from
-        the client's clock at the call's start (MongoDB has no cheap server time), and a
-        reserve slowed by a reconnect or a busy pool handed its holder what was left of
-        ``reserve_delay``, so that another consumer could take the message while the first
-        one still worked on it. Those another reserve took meanwhile (their reservation
-        lapsed before the reply came) are not handed over: they are that consumer's."""
+    async def _renew(self, docs: list[Document], token: str, hold: float) -> list[Document]:
+        """Start the reservations (or a pop's claims) of a late call again from now, for
+        ``hold`` seconds: their end was computed from the client's clock at the call's start
+        (MongoDB has no cheap server time), and a reserve slowed by a reconnect or a busy
+        pool handed its holder what was left of ``reserve_delay``, so that another consumer
+        could take the message while the first one still worked on it. Those another
+        consumer took meanwhile (their reservation lapsed before the reply came) are not
+        handed over: they are that consumer's."""
         ids = [doc["_id"] for doc in docs]
         mine = {"_id": {"$in": ids}, "owner": token, "reserved": True}
-        renewed = {"$set": {"mature": time.time() + reserve_delay}}
+        renewed = {"$set": {"mature": time.time() + hold}}
         result = await _again_if_cut(lambda: self._coll.update_many(mine, renewed))
         if result.matched_count == len(docs):
             return docs

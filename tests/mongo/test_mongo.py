@@ -385,6 +385,44 @@ async def test_a_reserve_so_late_that_another_took_its_message_hands_nothing_ove
     assert await other.ok(taken[0])
 
 
+@pytest.mark.parametrize("how", ["lone", "batch"])
+async def test_a_pop_so_late_that_another_took_its_message_hands_nothing_over(
+    open_factory: Open, how: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A pop claims its messages for a lease, then deletes them. A claim slowed past its
+    lease (here 1 s, its command held 1.5 s) let another consumer take the message before
+    the delete, and both handed it over."""
+    monkeypatch.setattr(store_module, "CLAIM_LEASE", 1.0)
+    monkeypatch.setattr(store_module, "LATE_POP", 0.5)
+    q = await (await open_factory("mongo")).queue("late-pop")
+    other = await (await open_factory("mongo")).queue("late-pop", reserve_delay=30.0)
+    await q.push("only")
+    coll = q._store._coll  # type: ignore[attr-defined]
+    claim_name = "find_one_and_update" if how == "lone" else "update_many"
+    real_claim, real_update = getattr(coll, claim_name), coll.update_many
+    taken: list[aio_keuss.Message | None] = []
+
+    async def slowed(*args: Any, **kwargs: Any) -> Any:
+        setattr(coll, claim_name, real_claim)
+        coll.update_many = another_first
+        await asyncio.sleep(1.5)  # the claim's lease ends before it is made
+        return await real_claim(*args, **kwargs)
+
+    async def another_first(*args: Any, **kwargs: Any) -> Any:
+        coll.update_many = real_update
+        taken.append(await other.reserve(timeout=5))  # the lapsed claim, taken
+        return await real_update(*args, **kwargs)
+
+    setattr(coll, claim_name, slowed)
+    if how == "lone":
+        assert await q.pop(timeout=0) is None
+    else:
+        assert await q.pop_many(2, timeout=0) == []
+    assert taken and taken[0] is not None and taken[0].payload == "only"
+    assert await other.ok(taken[0])
+    assert await q.total_size() == 0
+
+
 async def test_a_coalesced_batch_within_the_insert_bound_goes_in_one_server_message(
     database: str,
 ) -> None:
