@@ -44,10 +44,15 @@ below 1e14 records per shard.
 
 from __future__ import annotations
 
+from ..message import RAW_HEADERS, UNDECODABLE
 from ..sharded.storage import DEADLETTER_HOLD
 from .connection import Script
 
-_PRELUDE = """
+_PRELUDE = (
+    f"""
+local UNDECODABLE, RAW_HEADERS = {UNDECODABLE!r}, {RAW_HEADERS!r}
+"""
+    + """
 local function server_now()
   local t = redis.call('TIME')
   return tonumber(t[1]) + tonumber(t[2]) / 1000000
@@ -62,11 +67,50 @@ local function fmt(x) return string.format('%.17g', x) end
 -- not: it is refused there.
 local function first_write() redis.call('HDEL', KEYS[1], '') end
 local function ptr(x) return string.format('%d', x) end
+-- A number as the client reads it (Python's float), else false.
+local function number(s)
+  return s and string.match(s, '^%-?%d[%d.eE+-]*$') and tonumber(s) or false
+end
 -- A record past its end of life (message TTL) is deleted wherever a script meets it.
-local function dead(e, now) return e and tonumber(e) <= now end
+local function dead(e, now)
+  e = number(e)
+  return e and e <= now
+end
 local function drop(key, id)
   redis.call('DEL', key)
   redis.call('HDEL', KEYS[2], id)
+end
+-- A record (see the module docstring) read as FIRE reads it, {i, p, h, t, m, e, o}, when it
+-- is not in our framing (another program's, or corrupted: a field missing, or not a number
+-- where one belongs): the record ``framed`` makes of it, which it becomes when a reserve
+-- fires it, so it is the same on every delivery and the other scripts meet only ours. Its
+-- payload field whole as a bytes payload (tag B), marked as the client marks what it
+-- cannot read, its stored headers beside the mark; the tries, mature time, end of life
+-- and place it still tells, else 0, now, none, unknown. Written while held, tries that
+-- cannot be read count as 0 (``tries_of``), an end of life as none (``dead``) and a
+-- reservation deadline as passed (SWEEP). Before, one failed the fire that met it (in
+-- the client, after a pop had deleted the records it fired; for an end of life, every
+-- fire of its shard, in the script), and its holder's ok and ko never passed the guard.
+local function tries_of(t) return t and string.match(t, '^%d+$') and tonumber(t) or 0 end
+local function framed(rec, now, key)
+  local p, h, t, m, e, o = rec[2], rec[3], rec[4], rec[5], rec[6], rec[7]
+  local tries, place = t and string.match(t, '^%d+$'), o and string.match(o, '^%-?%d+$')
+  local bad = (not p and 'no payload') or (not h and 'no headers')
+    or (not tries and (t and 'tries not a number' or 'no tries'))
+    or (not number(m) and (m and 'mature time not a number' or 'no mature time'))
+    or (e and not number(e) and 'end of life not a number')
+    or (o and not place and 'place not a number')
+  if not bad then return rec end
+  local marks = {[UNDECODABLE] = 'record: not in our framing (' .. bad .. ')'}
+  if h and h ~= '' and h ~= '{}' then marks[RAW_HEADERS] = h end
+  local out = {rec[1], 'B' .. (p or ''), cjson.encode(marks), tries or '0',
+    number(m) and m or fmt(now), number(e) and e or false, place or false}
+  if key then
+    redis.call('HSET', key, 'p', out[2], 'h', out[3], 't', out[4], 'm', out[5])
+    if e and not out[6] then redis.call('HDEL', key, 'e') end
+    if o and not out[7] then redis.call('HDEL', key, 'o') end
+  end
+  return out
 end
 local function meta(fields)
   local got = redis.call('HMGET', KEYS[1], unpack(fields))
@@ -113,6 +157,7 @@ local function next_due()
   return head[2] or ''
 end
 """
+)
 
 
 # Put records back where they were fired from: a cancelled pop's put-backs (INSERT with
@@ -290,6 +335,7 @@ while taken < n and f < stop do
     drop(key, rec[1])
     expired = expired + 1
   elseif rec[1] then
+    rec = framed(rec, now, deadline and key)
     if deadline then
       redis.call('HSET', key, 'x', deadline)
       r = r + 1
@@ -318,8 +364,8 @@ local function held(base, id, want)
   if not at or at == 's' or string.sub(at, 1, 1) == 'z' then return nil end
   local key = base .. 'r:' .. at
   local rec = redis.call('HMGET', key, 'x', 't')
-  if not rec[1] or (want ~= '' and tonumber(want) ~= tonumber(rec[2])) then return nil end
-  return key, tonumber(rec[2])
+  if not rec[1] or (want ~= '' and tonumber(want) ~= tries_of(rec[2])) then return nil end
+  return key, tries_of(rec[2])
 end
 """
 
@@ -547,7 +593,7 @@ for _, at in ipairs(redis.call('ZRANGE', KEYS[5], '-inf', fmt(now), 'BYSCORE', '
     batch)) do
   local key = base .. 'r:' .. at
   local rec = redis.call('HMGET', key, 'i', 'x', 'e')
-  if rec[1] and rec[2] and tonumber(rec[2]) > now then
+  if rec[1] and rec[2] and (number(rec[2]) or 0) > now then  -- unreadable: passed
     redis.call('ZADD', KEYS[5], rec[2], at)
   else
     if rec[1] and rec[2] then lapse(key, rec[1], rec[3]) end
@@ -561,7 +607,7 @@ while at < stop do
   local key = base .. 'r:' .. ptr(at)
   local rec = redis.call('HMGET', key, 'i', 'x', 'e')
   if rec[1] and rec[2] then
-    if tonumber(rec[2]) > now then
+    if (number(rec[2]) or 0) > now then
       redis.call('ZADD', KEYS[5], rec[2], ptr(at))
     else
       lapse(key, rec[1], rec[3])
@@ -602,7 +648,7 @@ while sf < sl and moved + expired < batch do
     local target = base .. 'r:' .. ptr(l)
     redis.call('RENAME', key, target)
     redis.call('HDEL', target, 'x', 'o')
-    redis.call('HINCRBY', target, 't', 1)
+    redis.call('HSET', target, 't', tries_of(redis.call('HGET', target, 't')) + 1)
     redis.call('HSET', KEYS[2], id, ptr(l))
     l = l + 1
     moved = moved + 1
