@@ -404,6 +404,141 @@ async def test_a_redis_sharded_record_unreadable_while_held_is_acknowledged_or_c
     assert await queue.total_size() == 0
 
 
+async def sharded_key(queue: aio_keuss.Queue, message_id: str) -> tuple[Any, list[str], str]:
+    """(the storage's backend, the shard's keys, the key of the message's record)."""
+    store = queue._store  # type: ignore[attr-defined]
+    storage = store._storage
+    base, keys = storage._shard(queue.name, shard_of(message_id, store.shards))
+    at = await storage._backend.execute("HGET", keys[1], message_id)
+    return storage._backend, keys, base + "r:" + (at.decode() if isinstance(at, bytes) else str(at))
+
+
+@pytest.mark.parametrize("how", ["pop", "reserve"])
+@pytest.mark.parametrize("kind", ["not-utf8", "no-id", "control"])
+async def test_a_redis_sharded_record_whose_id_is_not_usable_is_delivered_under_a_new_one(
+    connect: Connect, how: str, kind: str
+) -> None:
+    """An id that is not UTF-8 failed the whole batch in the client (for a pop, after the
+    script had deleted it and the others: lost), and a record with no id was passed over,
+    left behind for ever. Each is delivered whole under a new id, which its holder's ok
+    acknowledges, and leaves nothing behind."""
+    factory = await connect(poll_interval=5.0, reserve_delay=600)
+    queue = await factory.queue("ids")
+    needs_redis_sharded(queue)
+    good = [await queue.push({"n": 0})]
+    stored: dict[str, bytes] = {}
+    planted = []
+    for name in (kind, kind + "-too"):
+        await queue.push(name, id=name)
+        backend, keys, key = await sharded_key(queue, name)
+        stored[name] = await backend.execute("HGET", key, "p")
+        planted.append(key)
+        raw = {"not-utf8": b"\xff\xfe", "control": b"a\nb"}.get(kind)
+        raw = raw and raw + name[len(kind) :].encode()
+        await backend.execute("HDEL", keys[1], name)
+        if raw is None:
+            await backend.execute("HDEL", key, "i")
+        else:  # indexed under its stored id, as another program would
+            await backend.execute("HSET", key, "i", raw)
+            await backend.execute("HSET", keys[1], raw, key.rsplit(":", 1)[1])
+        good.append(await queue.push({"n": len(good)}))
+    got: dict[str, Message] = {}
+    deadline = time.monotonic() + 30
+    while len(got) < len(good) + len(stored) and time.monotonic() < deadline:
+        taken = await (queue.pop_many if how == "pop" else queue.reserve_many)(10, timeout=1)
+        got.update((m.id, m) for m in taken)
+    assert set(good) <= set(got) and len(got) == len(good) + len(stored)
+    assert [got[i].payload for i in good] == [{"n": n} for n in range(len(good))]
+    others = {m.payload: m for m in got.values() if m.id not in good}
+    assert set(others) == set(stored.values())
+    for message in others.values():
+        assert str(message.headers[UNDECODABLE]).startswith("record: "), message.headers
+    if how == "reserve":
+        assert all([await queue.ok(m) for m in got.values()])
+    assert await queue.total_size() == 0
+    store = queue._store  # type: ignore[attr-defined]
+    for shard in range(store.shards):
+        assert await backend.execute("HLEN", store._storage._shard(queue.name, shard)[1][1]) == 0
+    assert [await backend.execute("EXISTS", key) for key in planted] == [0] * len(planted)
+
+
+async def test_a_redis_sharded_record_key_of_another_type_is_delivered_whole(
+    connect: Connect,
+) -> None:
+    """A record's key holding a string or a list (another program's, or corrupted) failed
+    every fetch of its shard (WRONGTYPE): one key blocked the shard for ever. A string is
+    delivered as its bytes, any other type as its DUMP serialization, under a new id;
+    one written over a held record comes back through the sweeper, its stale holder's
+    ok refused."""
+    factory = await connect(poll_interval=5.0, reserve_delay=1.0)
+    queue = await factory.queue("types")
+    needs_redis_sharded(queue)
+    good = [await queue.push({"n": 0})]
+    for name in ("string", "list"):
+        await queue.push(name, id=name)
+        backend, _, key = await sharded_key(queue, name)
+        await backend.execute("DEL", key)
+        if name == "string":
+            await backend.execute("SET", key, b"plain bytes")
+        else:
+            await backend.execute("RPUSH", key, b"a", b"b")
+        good.append(await queue.push({"n": len(good)}))
+    held = await queue.push("held", id="held")
+    got: dict[str, Message] = {}
+    deadline = time.monotonic() + 30
+    while len(got) < len(good) + 3 and time.monotonic() < deadline:
+        got.update((m.id, m) for m in await queue.reserve_many(10, timeout=1))
+    assert set(good) | {held} <= set(got) and len(got) == len(good) + 3
+    assert [got[i].payload for i in good] == [{"n": n} for n in range(len(good))]
+    others = [m for m in got.values() if m.id not in good and m.id != held]
+    assert sorted(str(m.headers[UNDECODABLE]) for m in others) == [
+        "record: a list, not a hash (its DUMP serialization)",
+        "record: a string, not a hash",
+    ]
+    assert b"plain bytes" in [m.payload for m in others]
+    assert all([await queue.ok(m) for m in (*others, *(got[i] for i in good))])
+    _, _, key = await sharded_key(queue, held)
+    await backend.execute("DEL", key)
+    await backend.execute("SET", key, b"written over")
+    assert not await queue.ok(got[held])
+    back: dict[str, Message] = {}
+    deadline = time.monotonic() + 30
+    while not back and time.monotonic() < deadline:
+        message = await queue.reserve(timeout=1)
+        if message is not None:
+            back[message.id] = message
+            assert await queue.ok(message)
+    assert [m.payload for m in back.values()] == [b"written over"]
+    assert await queue.total_size() == 0
+
+
+async def test_a_redis_sharded_record_losing_its_payload_while_held_is_deadlettered(
+    connect: Connect,
+) -> None:
+    """Its payload or headers deleted while it is held, a ko past max_ko handed the client
+    a nil for them (the reply shifted: the ko failed). The deadletter copy is the record
+    whole: its payload field (empty when gone) as bytes, marked."""
+    factory = await connect(poll_interval=5.0, reserve_delay=600, deadletter={"max_ko": 0})
+    queue = await factory.queue("gone")
+    needs_redis_sharded(queue)
+    dl = await factory.queue("__deadletter__")
+    ids = [await queue.push(name, id=name) for name in ("no-p", "no-h", "neither")]
+    got = await take_all(queue, "reserve", set(ids))
+    await rewrite_sharded(queue, "no-p", p=None)
+    await rewrite_sharded(queue, "no-h", h=None)
+    await rewrite_sharded(queue, "neither", p=None, h=None)
+    for name in ids:
+        assert await queue.ko(got[name]) is aio_keuss.KoResult.DEADLETTERED, name
+    dead = await take_all(dl, "pop", set(ids))
+    assert set(dead) == set(ids)
+    assert dead["no-p"].payload == b"" and dead["neither"].payload == b""
+    assert dead["no-h"].payload == encode_payload("no-h")
+    for message in dead.values():
+        assert str(message.headers[UNDECODABLE]).startswith("record: "), message.headers
+        assert message.headers["x-dl-from-queue"] == "gone"
+    assert await queue.total_size() == 0
+
+
 # stored headers another program may write: the deadletter and move headers are added to them
 
 STORED_HEADERS = [b"", b"{}", b'{"a": "b"}', b" \n", b"{ }", b'{"a": "b"}\n', b' {"a": "b" }\r\n']
