@@ -80,35 +80,99 @@ local function drop(key, id)
   redis.call('DEL', key)
   redis.call('HDEL', KEYS[2], id)
 end
+-- An id its consumer can name (ok and ko refuse one that is not printable UTF-8 of 1 to
+-- 1000 characters): printable ASCII, the usual case, told with one match; else strict
+-- UTF-8 without the control characters and the no-break space a match can tell.
+local function usable(id)
+  if string.find(id, '^[!-~]+$') then return #id <= 1000 end
+  local n, i, len = 0, 1, #id
+  if len == 0 then return false end
+  while i <= len do
+    local c = string.byte(id, i)
+    local k, lo, hi = 0, 0x80, 0xbf
+    if c < 0x80 then
+      if c <= 0x20 or c == 0x7f then return false end
+    elseif c >= 0xc2 and c <= 0xdf then
+      k = 1
+      if c == 0xc2 then lo = 0xa1 end  -- U+0080 to U+00A0: C1 controls, no-break space
+    elseif c >= 0xe0 and c <= 0xef then
+      k = 2
+      if c == 0xe0 then lo = 0xa0 elseif c == 0xed then hi = 0x9f end  -- overlong, surrogates
+    elseif c >= 0xf0 and c <= 0xf4 then
+      k = 3
+      if c == 0xf0 then lo = 0x90 elseif c == 0xf4 then hi = 0x8f end  -- overlong, > U+10FFFF
+    else
+      return false
+    end
+    for j = 1, k do
+      local d = string.byte(id, i + j)
+      if not d or d < lo or d > hi then return false end
+      lo, hi = 0x80, 0xbf
+    end
+    i, n = i + k + 1, n + 1
+  end
+  return n <= 1000
+end
+-- A new id for a record whose own cannot be named: in the queue's form (ending in
+-- ~<shard>, so ok and ko find its shard), unique in the shard.
+local function new_id(at)
+  local shard = string.match(ARGV[1], '#(%d+)}:$')
+  local stem = 'undecodable-' .. ptr(server_now() * 1000000) .. '-' .. at
+  local id, k = stem .. '~' .. shard, 0
+  while redis.call('HEXISTS', KEYS[2], id) == 1 do
+    k = k + 1
+    id = stem .. '-' .. k .. '~' .. shard
+  end
+  return id
+end
+-- A record's payload and headers fields, whole, as a payload of bytes (tag B) marked as the
+-- client marks what it cannot read, its stored headers beside the mark.
+local function whole(p, h, bad)
+  local marks = {[UNDECODABLE] = 'record: ' .. bad}
+  if h and h ~= '' and h ~= '{}' then marks[RAW_HEADERS] = h end
+  return 'B' .. (p or ''), cjson.encode(marks)
+end
 -- A record (see the module docstring) read as FIRE reads it, {i, p, h, t, m, e, o}, when it
 -- is not in our framing (another program's, or corrupted: a field missing, or not a number
--- where one belongs): the record ``framed`` makes of it, which it becomes when a reserve
--- fires it, so it is the same on every delivery and the other scripts meet only ours. Its
--- payload field whole as a bytes payload (tag B), marked as the client marks what it
--- cannot read, its stored headers beside the mark; the tries, mature time, end of life
--- and place it still tells, else 0, now, none, unknown. Written while held, tries that
--- cannot be read count as 0 (``tries_of``), an end of life as none (``dead``) and a
--- reservation deadline as passed (SWEEP). Before, one failed the fire that met it (in
--- the client, after a pop had deleted the records it fired; for an end of life, every
--- fire of its shard, in the script), and its holder's ok and ko never passed the guard.
+-- where one belongs, or an id its consumer cannot name): the record ``framed`` makes of
+-- it, which it becomes when a reserve fires it (``hold``), so it is the same on every
+-- delivery and the other scripts meet only ours. Its payload and headers ``whole``; the
+-- tries, mature time, end of life and place it still tells, else 0, now, none, unknown.
+-- An id that is missing ('') or not ``usable`` is replaced by a ``new_id``, in the index
+-- too: an id that is not UTF-8 failed the client's whole batch (for a pop, lost: its
+-- records were deleted), and one its consumer cannot name could never be acknowledged.
+-- Written while held, tries that cannot be read count as 0 (``tries_of``), an end of life
+-- as none (``dead``) and a reservation deadline as passed (SWEEP).
 local function tries_of(t) return t and string.match(t, '^%d+$') and tonumber(t) or 0 end
-local function framed(rec, now, key)
-  local p, h, t, m, e, o = rec[2], rec[3], rec[4], rec[5], rec[6], rec[7]
-  if p and h and not e and not o and t and string.find(t, '^%d+$') and number(m) then
+local function shown(id)
+  return string.gsub(string.sub(id, 1, 100), '[^!-~]',
+    function(c) return string.format('\\x%02x', string.byte(c)) end)
+end
+local function framed(rec, now, key, hold)
+  local i, p, h, t, m, e, o = rec[1], rec[2], rec[3], rec[4], rec[5], rec[6], rec[7]
+  if p and h and not e and not o and t and string.find(t, '^%d+$') and number(m)
+      and string.find(i, '^[!-~]+$') and #i <= 1000 then
     return rec  -- ours, the usual case, told apart with the fewest string matches
   end
+  local named = i ~= '' and usable(i)
   local tries, place = t and string.match(t, '^%d+$'), o and string.match(o, '^%-?%d+$')
-  local bad = (not p and 'no payload') or (not h and 'no headers')
+  local bad = (i == '' and 'no id') or (not named and 'id not usable: ' .. shown(i))
+    or (not p and 'no payload') or (not h and 'no headers')
     or (not tries and (t and 'tries not a number' or 'no tries'))
     or (not number(m) and (m and 'mature time not a number' or 'no mature time'))
     or (e and not number(e) and 'end of life not a number')
     or (o and not place and 'place not a number')
   if not bad then return rec end
-  local marks = {[UNDECODABLE] = 'record: not in our framing (' .. bad .. ')'}
-  if h and h ~= '' and h ~= '{}' then marks[RAW_HEADERS] = h end
-  local out = {rec[1], 'B' .. (p or ''), cjson.encode(marks), tries or '0',
-    number(m) and m or fmt(now), number(e) and e or false, place or false}
-  if key then
+  local payload, marks = whole(p, h, 'not in our framing (' .. bad .. ')')
+  local out = {i, payload, marks, tries or '0', number(m) and m or fmt(now),
+    number(e) and e or false, place or false}
+  if not named then
+    local at = string.sub(key, #ARGV[1] + 3)
+    out[1] = new_id(at)
+    if i ~= '' and redis.call('HGET', KEYS[2], i) == at then redis.call('HDEL', KEYS[2], i) end
+    if hold then redis.call('HSET', key, 'i', out[1]); redis.call('HSET', KEYS[2], out[1], at) end
+  end
+  if hold then
     redis.call('HSET', key, 'p', out[2], 'h', out[3], 't', out[4], 'm', out[5])
     if e and not out[6] then redis.call('HDEL', key, 'e') end
     if o and not out[7] then redis.call('HDEL', key, 'o') end
@@ -334,11 +398,13 @@ if delay ~= '' then deadline = fmt(now + tonumber(delay)) end
 while taken < n and f < stop do
   local key = base .. 'r:' .. ptr(f)
   local rec = redis.call('HMGET', key, 'i', 'p', 'h', 't', 'm', 'e', 'o')
+  -- a record without an id (not a slot left empty) is delivered under a new one (framed)
+  if not rec[1] and redis.call('EXISTS', key) == 1 then rec[1] = '' end
   if rec[1] and dead(rec[6], now) then
     drop(key, rec[1])
     expired = expired + 1
   elseif rec[1] then
-    rec = framed(rec, now, deadline and key)
+    rec = framed(rec, now, key, deadline)
     if deadline then
       redis.call('HSET', key, 'x', deadline)
       r = r + 1
@@ -528,6 +594,7 @@ local function purge(base, now, most)
     local key = base .. 'r:' .. ptr(f)
     local rec = redis.call('HMGET', key, 'i', 'e')
     if rec[1] and not dead(rec[2], now) then break end
+    if not rec[1] and redis.call('EXISTS', key) == 1 then break end  -- no id: FIRE's
     if rec[1] then
       drop(key, rec[1])
       expired = expired + 1
