@@ -125,6 +125,34 @@ local function new_id(at)
   end
   return id
 end
+-- A record's fields (HMGET ``...``). A key of another type there (another program's, or
+-- corrupted) failed the script that read it, so every fetch of its shard, for ever: it is
+-- ``adopt``ed first. The read is a pcall, not one more call: the usual record costs nothing.
+local function adopt(key, lapsed)
+  local kind, bytes, note = redis.call('TYPE', key)['ok'], nil, ''
+  if kind == 'string' then
+    bytes = redis.call('GET', key)
+  else
+    bytes, note = redis.call('DUMP', key), ' (its DUMP serialization)'
+  end
+  local at = string.sub(key, #ARGV[1] + 1)
+  local place = string.sub(at, 3)
+  local entry = ({r = place, s = 's', q = 'z' .. place})[string.sub(at, 1, 1)]
+  local id = new_id(place)
+  redis.call('DEL', key)
+  redis.call('HSET', key, 'i', id, 'p', 'B' .. bytes, 't', '0', 'm', fmt(server_now()),
+    'h', cjson.encode({[UNDECODABLE] = 'record: a ' .. kind .. ', not a hash' .. note}))
+  if lapsed then redis.call('HSET', key, 'x', '0') end  -- held by no one: swept back
+  if entry then redis.call('HSET', KEYS[2], id, entry) end
+end
+local function read(key, lapsed, ...)
+  local rec = redis.pcall('HMGET', key, ...)
+  if rec.err then
+    adopt(key, lapsed)
+    rec = redis.call('HMGET', key, ...)
+  end
+  return rec
+end
 -- A record's payload and headers fields, whole, as a payload of bytes (tag B) marked as the
 -- client marks what it cannot read, its stored headers beside the mark.
 local function whole(p, h, bad)
@@ -204,7 +232,7 @@ local function promote(base, now, most)
   local l = meta({'l'})[1]
   for _, q in ipairs(due) do
     local key = base .. 'q:' .. q
-    local id = redis.call('HGET', key, 'i')
+    local id = read(key, false, 'i')[1]
     if id then
       redis.call('RENAME', key, base .. 'r:' .. ptr(l))
       redis.call('HSET', KEYS[2], id, ptr(l))
@@ -258,7 +286,7 @@ local function put_back(base, backs)
   local top = place_of(backs[room])
   local ahead, at = {}, f
   while at < l do
-    local rec = redis.call('HMGET', base .. 'r:' .. ptr(at), 'i', 'o')
+    local rec = read(base .. 'r:' .. ptr(at), false, 'i', 'o')
     if not rec[1] then break end
     local place = tonumber(rec[2]) or at
     if place >= top then break end
@@ -397,7 +425,7 @@ local taken, deadline, stop = 0, nil, math.min(l, f + n + 1000)
 if delay ~= '' then deadline = fmt(now + tonumber(delay)) end
 while taken < n and f < stop do
   local key = base .. 'r:' .. ptr(f)
-  local rec = redis.call('HMGET', key, 'i', 'p', 'h', 't', 'm', 'e', 'o')
+  local rec = read(key, false, 'i', 'p', 'h', 't', 'm', 'e', 'o')
   -- a record without an id (not a slot left empty) is delivered under a new one (framed)
   if not rec[1] and redis.call('EXISTS', key) == 1 then rec[1] = '' end
   if rec[1] and dead(rec[6], now) then
@@ -432,8 +460,10 @@ local function held(base, id, want)
   local at = redis.call('HGET', KEYS[2], id)
   if not at or at == 's' or string.sub(at, 1, 1) == 'z' then return nil end
   local key = base .. 'r:' .. at
-  local rec = redis.call('HMGET', key, 'x', 't')
-  if not rec[1] or (want ~= '' and tonumber(want) ~= tries_of(rec[2])) then return nil end
+  -- another type there, or a record another id took over (see adopt): not held
+  local rec = redis.pcall('HMGET', key, 'x', 't', 'i')
+  if rec.err or not rec[1] or rec[3] ~= id then return nil end
+  if want ~= '' and tonumber(want) ~= tries_of(rec[2]) then return nil end
   return key, tries_of(rec[2])
 end
 """
@@ -569,7 +599,7 @@ for i = 2, #ARGV, 3 do
   local name = string.sub(aside, 2)
   local key = base .. 'q:' .. name
   if string.sub(aside, 1, 1) == 'z' and redis.call('HGET', KEYS[2], id) == aside
-      and tonumber(redis.call('HGET', key, 't')) == tonumber(ARGV[i + 1]) then
+      and tonumber(redis.pcall('HGET', key, 't')) == tonumber(ARGV[i + 1]) then
     redis.call('DEL', key)
     redis.call('ZREM', KEYS[4], name)
     redis.call('HDEL', KEYS[2], id)
@@ -592,7 +622,7 @@ local function purge(base, now, most)
   local expired = 0
   while f < stop do
     local key = base .. 'r:' .. ptr(f)
-    local rec = redis.call('HMGET', key, 'i', 'e')
+    local rec = read(key, false, 'i', 'e')
     if rec[1] and not dead(rec[2], now) then break end
     if not rec[1] and redis.call('EXISTS', key) == 1 then break end  -- no id: FIRE's
     if rec[1] then
@@ -662,7 +692,7 @@ end
 for _, at in ipairs(redis.call('ZRANGE', KEYS[5], '-inf', fmt(now), 'BYSCORE', 'LIMIT', 0,
     batch)) do
   local key = base .. 'r:' .. at
-  local rec = redis.call('HMGET', key, 'i', 'x', 'e')
+  local rec = read(key, true, 'i', 'x', 'e')
   if rec[1] and rec[2] and (number(rec[2]) or 0) > now then  -- unreadable: passed
     redis.call('ZADD', KEYS[5], rec[2], at)
   else
@@ -675,7 +705,7 @@ end
 local stop, at = math.min(f, w + batch), w
 while at < stop do
   local key = base .. 'r:' .. ptr(at)
-  local rec = redis.call('HMGET', key, 'i', 'x', 'e')
+  local rec = read(key, true, 'i', 'x', 'e')
   if rec[1] and rec[2] then
     if (number(rec[2]) or 0) > now then
       redis.call('ZADD', KEYS[5], rec[2], ptr(at))
@@ -709,7 +739,7 @@ local l, sl, sf, v = m[1], m[2], m[3], m[4]
 local moved, expired = 0, 0
 while sf < sl and moved + expired < batch do
   local key = base .. 's:' .. ptr(sf)
-  local rec = redis.call('HMGET', key, 'i', 'e')
+  local rec = read(key, false, 'i', 'e')
   local id = rec[1]
   if id and dead(rec[2], now) then
     drop(key, id)
