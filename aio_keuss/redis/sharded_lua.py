@@ -526,6 +526,10 @@ for i = 3, #ARGV, 4 do
     if counted then tries = tries + 1 end
     if max_ko and counted and tries > max_ko then
       local rec = redis.call('HMGET', key, 'p', 'h')
+      if not (rec[1] and rec[2]) then  -- deleted while held: the copy is the record whole
+        local bad = rec[1] and 'no headers' or 'no payload'
+        rec[1], rec[2] = whole(rec[1], rec[2], 'not in our framing (' .. bad .. ')')
+      end
       -- Set aside while the client copies it into the deadletter queue: out of the
       -- magazine (held by no one, so a racing ok or ko of the same reservation finds
       -- nothing, and the sweep never meets it), its try counted, in the schedule until
