@@ -47,6 +47,7 @@ def pytest_configure(config: pytest.Config) -> None:
 XDIST_GROUPS = {
     "tests/acceptance/test_spark.py": "spark",
     "tests/conformance/test_idle.py": "idle",
+    "tests/redis/test_redis_sharded_migration.py": "slot-migration",
 }
 """The modules whose tests one worker runs together (``--dist loadgroup``), by the name of
 their ``xdist_group`` mark. pytest-xdist 3.8 groups by a suffix it writes into each item's
