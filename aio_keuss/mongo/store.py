@@ -1021,7 +1021,10 @@ class MongoStore(Store):
     @translated
     async def hold(self, ids: Sequence[str], reserve_delay: float) -> list[int | None]:
         now = time.time()
-        update = {"$set": {"mature": now + reserve_delay, "reserved": True}, "$inc": {"tries": 1}}
+        # a token of its own, as every take: a late reserve or pop that held the message
+        # before renews (and hands over) only what still carries its token (``_renew``)
+        taken = {"mature": now + reserve_delay, "reserved": True, "owner": os.urandom(8).hex()}
+        update = {"$set": taken, "$inc": {"tries": 1}}
         free = {"$or": [{"reserved": False}, {"mature": {"$lte": now}}]}
 
         async def one(message_id: str) -> int | None:

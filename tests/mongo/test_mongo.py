@@ -423,6 +423,36 @@ async def test_a_pop_so_late_that_another_took_its_message_hands_nothing_over(
     assert await q.total_size() == 0
 
 
+async def test_a_reserve_so_late_that_its_message_was_held_by_id_hands_nothing_over(
+    open_factory: Open,
+) -> None:
+    """``hold`` (a redrive by id) reserves a message without a token of its own: it kept the
+    ``owner`` of the reservation before. A reserve so late that its reservation lapsed and
+    the message was held meanwhile renewed that holder's reservation as its own, and
+    handed the message over while the redrive moved it: two consumers at once."""
+    q = await (await open_factory("mongo")).queue("late-held", reserve_delay=1.0)
+    other = await (await open_factory("mongo")).queue("late-held")
+    await q.push("only")
+    coll = q._store._coll  # type: ignore[attr-defined]
+    real_take, real_renew = coll.find_one_and_update, coll.update_many
+    held: list[int | None] = []
+
+    async def slowed(*args: Any, **kwargs: Any) -> Any:
+        coll.find_one_and_update = real_take
+        await asyncio.sleep(1.5)  # the reservation ends before it is made
+        return await real_take(*args, **kwargs)
+
+    async def held_first(*args: Any, **kwargs: Any) -> Any:
+        coll.update_many = real_renew
+        message_id = (await coll.find_one({}))["_id"]
+        held.extend(await other._store.hold([message_id], 30.0))  # type: ignore[attr-defined]
+        return await real_renew(*args, **kwargs)
+
+    coll.find_one_and_update, coll.update_many = slowed, held_first
+    assert await q.reserve(timeout=0) is None
+    assert held == [1]  # the lapsed reservation, held by id
+
+
 async def test_a_coalesced_batch_within_the_insert_bound_goes_in_one_server_message(
     database: str,
 ) -> None:
