@@ -422,13 +422,43 @@ class MongoStore(Store):
         if self._unsettled:
             await self._settle_unsettled()
         try:
-            claimed = await self._claim_ids(entries, flags, now, token)
-            flags = await self._insert_entries(entries, flags, now)
+            claimed, held = await self._claim_ids(entries, flags, now, token)
+            if held:  # what this push holds goes in first (see ``_insert_held_last``)
+                flags, claimed = await self._insert_held_last(
+                    entries, flags, now, token, claimed, held
+                )
+            else:
+                flags = await self._insert_entries(entries, flags, now)
         except BaseException:
             await asyncio.shield(self._give_back(list({e.id for e in entries if e.dedup}), token))
             raise
         await self._settle(claimed, token)
         return flags
+
+    async def _insert_held_last(
+        self,
+        entries: Sequence[Entry],
+        flags: list[bool],
+        now: float,
+        token: str,
+        claimed: list[str],
+        held: set[str],
+    ) -> tuple[list[bool], list[str]]:
+        """Insert and settle the entries whose ids this push claimed, then wait for those
+        another push holds pending (``held``), and insert those this one gets. Waiting with
+        its own claims pending, a push and a twin pushing the same ids (a Spark task's
+        speculative twin), each of which claimed some of them first, waited for each other
+        until their leases ran out. ``claimed``: the ids claimed at once. Returns the flags,
+        and the ids claimed after the wait (not settled yet)."""
+        later = {i for i, e in enumerate(entries) if flags[i] and e.dedup and e.id in held}
+        first = [flag and i not in later for i, flag in enumerate(flags)]
+        first = await self._insert_entries(entries, first, now)
+        await self._settle(claimed, token)
+        refused, _ = await self._contend(list(held), token, wait=True)
+        second = [i in later and e.id not in refused for i, e in enumerate(entries)]
+        second = await self._insert_entries(entries, second, now)
+        flags = [second[i] if i in later else flag for i, flag in enumerate(first)]
+        return flags, [i for i in held if i not in refused]
 
     async def _settle(self, claimed: list[str], token: str) -> None:
         """Mark this push's claims settled: their messages are stored (or were refused as
@@ -519,10 +549,11 @@ class MongoStore(Store):
 
     async def _claim_ids(
         self, entries: Sequence[Entry], flags: list[bool], now: float, token: str
-    ) -> list[str]:
+    ) -> tuple[list[str], set[str]]:
         """Claim user-chosen ids in the dedup collection, marked with the caller's ``token``
         and *pending* until the insert is done (see ``_settle``). Refused entries get a false
-        flag; returns the ids claimed."""
+        flag; returns the ids claimed, and those other pushes hold pending (not waited for
+        here: see ``_insert_held_last``)."""
         first: dict[str, int] = {}
         for i, entry in enumerate(entries):
             if entry.dedup:
@@ -535,13 +566,13 @@ class MongoStore(Store):
             await self._dedup.insert_many(
                 [self._id_claim(i, now, token) for i in ids], ordered=False
             )
-            return ids
+            return ids, set()
         except mongo_errors.BulkWriteError as exc:
             taken = [ids[k] for k in sorted(_dup_indexes(exc))]
-        refused = await self._contend(taken, token)
+        refused, held = await self._contend(taken, token, wait=False)
         for message_id in refused:
             flags[first[message_id]] = False
-        return [i for i in ids if i not in refused]
+        return [i for i in ids if i not in refused and i not in held], held
 
     def _id_claim(self, message_id: str, now: float, token: str) -> Document:
         return {
@@ -552,15 +583,18 @@ class MongoStore(Store):
             "pending": _date(now + DEDUP_LEASE),
         }
 
-    async def _contend(self, taken: list[str], token: str) -> set[str]:
-        """Resolve ids another claim holds; returns those refused. A settled claim refuses
+    async def _contend(
+        self, taken: list[str], token: str, *, wait: bool
+    ) -> tuple[set[str], set[str]]:
+        """Resolve ids another claim holds (see Returns below). A settled claim refuses
         the id (its message was stored). An expired one (the TTL monitor runs only once a
         minute), or a pending one past its lease whose message is not in the queue (its
         pusher died between claim and insert, or gave it back), is taken over: deleted,
         then inserted anew, of concurrent contenders exactly one insert succeeding. (Not an
         update: dates are only ever written by inserts, which every server stores as
         dates.) One still pending within its lease is waited for: refusing it would lose the
-        message if its pusher then died, as a Spark task's speculative twin does."""
+        message if its pusher then died, as a Spark task's speculative twin does. Returns the
+        ids refused, and (unless ``wait``) those still held pending by another push."""
         refused: set[str] = set()
         pause, longest = CONTEND_PAUSE
         while taken:
@@ -595,11 +629,14 @@ class MongoStore(Store):
             won = await asyncio.gather(
                 *(self._take_over(i, f, now, token) for i, f in free.items())
             )
-            taken = held + [i for i, ok in zip(free, won, strict=True) if not ok]
-            if held:
+            lost = [i for i, ok in zip(free, won, strict=True) if not ok]
+            if held and not wait and not lost:
+                return refused, set(held)
+            taken = held + lost
+            if held and wait:
                 await asyncio.sleep(pause)
                 pause = min(pause * 2, longest)
-        return refused
+        return refused, set()
 
     async def _take_over(
         self, message_id: str, stale: Document | None, now: float, token: str

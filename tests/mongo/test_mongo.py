@@ -324,6 +324,51 @@ async def test_a_push_waits_for_a_claim_still_pending_and_follows_its_outcome(
     assert await q.total_size() == 0
 
 
+async def test_two_pushes_of_the_same_ids_each_holding_some_do_not_wait_out_the_lease(
+    open_factory: Open,
+) -> None:
+    """A server runs the inserts of two ``insert_many`` side by side (a Spark task and its
+    speculative twin pushing the same rows): each push can claim some of the ids and meet
+    the other's pending claims on the rest. Each waited for the other's outcome before
+    inserting anything of its own: both waited out the 30 s lease, then took the other for
+    dead. Each now stores what it holds before waiting for the rest."""
+    q = await (await open_factory("mongo")).queue("twins")
+    twin = await (await open_factory("mongo")).queue("twins")
+    dedup, twin_dedup = q._store._dedup, twin._store._dedup  # type: ignore[attr-defined]
+    real, twin_real = dedup.insert_many, twin_dedup.insert_many
+    twin_push: asyncio.Future[asyncio.Future[list[str]]] = asyncio.Future()
+    twin_claimed = asyncio.Event()
+
+    async def twin_claims(*args: Any, **kwargs: Any) -> Any:
+        twin_dedup.insert_many = twin_real
+        try:
+            return await twin_real(*args, **kwargs)
+        finally:
+            twin_claimed.set()
+
+    async def side_by_side(docs: list[Any], **kwargs: Any) -> Any:
+        dedup.insert_many = real
+        refused = []
+        for k, doc in enumerate(docs):
+            try:
+                await dedup.insert_one(doc)
+            except pymongo.errors.DuplicateKeyError:
+                refused.append({"index": k, "code": 11000, "errmsg": "duplicate key"})
+            if k == 0:  # the twin's insert goes in between: it claims "b"
+                twin_push.set_result(asyncio.ensure_future(twin.push_many(["A2", "B2"], ids=ids)))
+                await twin_claimed.wait()
+        if refused:
+            raise pymongo.errors.BulkWriteError({"writeErrors": refused, "nInserted": 1})
+
+    ids = ["a", "b"]
+    dedup.insert_many, twin_dedup.insert_many = side_by_side, twin_claims
+    mine = asyncio.ensure_future(q.push_many(["A1", "B1"], ids=ids))
+    twins = await asyncio.wait_for(twin_push, 5)
+    assert await asyncio.wait_for(asyncio.gather(mine, twins), 10) == [ids, ids]
+    got = await q.pop_many(10, timeout=1)
+    assert sorted(m.payload for m in got) == ["A1", "B2"]
+
+
 @pytest.mark.parametrize("how", ["lone", "batch"])
 async def test_a_late_reserve_hands_over_the_whole_reserve_delay(
     open_factory: Open, how: str
