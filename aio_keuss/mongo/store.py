@@ -477,9 +477,10 @@ class MongoStore(Store):
             self._unsettled[token] = claimed
 
     async def _settle_unsettled(self) -> None:
-        for token, claimed in list(self._unsettled.items()):
-            del self._unsettled[token]
-            await self._settle(claimed, token)
+        for token in list(self._unsettled):
+            claimed = self._unsettled.pop(token, None)  # None: another insert took it
+            if claimed is not None:
+                await self._settle(claimed, token)
 
     async def _give_back(self, claimed: list[str], token: str) -> None:
         """Give back the claims of a failed insert whose messages are not in the queue. If

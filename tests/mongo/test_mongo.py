@@ -369,6 +369,31 @@ async def test_two_pushes_of_the_same_ids_each_holding_some_do_not_wait_out_the_
     assert sorted(m.payload for m in got) == ["A1", "B2"]
 
 
+async def test_two_pushes_settling_the_claims_left_unsettled_do_not_fail(
+    open_factory: Open,
+) -> None:
+    """Claims whose settling failed are settled by the next inserts with ids; two such
+    inserts side by side (two batches in flight) each took the list, and the first to go
+    on deleted an entry the other had already taken: the push failed with a KeyError."""
+    q = await (await open_factory("mongo")).queue("unsettled")
+    store = q._store  # type: ignore[attr-defined]
+    store._unsettled.update({"earlier-1": ["x1"], "earlier-2": ["x2"]})
+    dedup = store._dedup
+    real = dedup.update_many
+
+    async def slow(*args: Any, **kwargs: Any) -> Any:
+        await asyncio.sleep(0.2)
+        return await real(*args, **kwargs)
+
+    dedup.update_many = slow
+    first = asyncio.ensure_future(q.push("a", id="a"))
+    await asyncio.sleep(0.1)  # settling the first of the two
+    second = asyncio.ensure_future(q.push("b", id="b"))
+    assert await asyncio.wait_for(asyncio.gather(first, second), 10) == ["a", "b"]
+    assert store._unsettled == {}
+    assert await q.total_size() == 2
+
+
 @pytest.mark.parametrize("how", ["lone", "batch"])
 async def test_a_late_reserve_hands_over_the_whole_reserve_delay(
     open_factory: Open, how: str
