@@ -117,7 +117,8 @@ TIE_STEP = 1e-6
 """Mature-time step between the messages of one insert batch (keeps their order)."""
 CLAIM_ATTEMPTS = 3
 LATE_RESERVE = 0.5
-"""Seconds a reserve may take before its reservations are started again from its reply."""
+"""Seconds a reserve may take (or half its ``reserve_delay``, when shorter) before its
+reservations are started again from its reply."""
 LATE_POP = CLAIM_LEASE / 2
 """Seconds a pop's claim may take before it is checked, and renewed, before the delete: past
 its lease another consumer may have taken the message."""
@@ -780,7 +781,11 @@ class MongoStore(Store):
             docs = [] if doc is None else [doc]
         else:
             docs, token = await self._claim(n, now, update)
-        if docs and time.time() - now > LATE_RESERVE:
+        # late past half of a reserve_delay shorter than LATE_RESERVE too: by the reply,
+        # the reservation may have lapsed and the message been taken (one of 0 lapses at
+        # once whatever is done)
+        late = min(LATE_RESERVE, reserve_delay / 2)
+        if docs and reserve_delay > 0 and time.time() - now > late:
             docs = await self._renew(docs, token, reserve_delay)
         return await self._fetched(docs, n)
 

@@ -455,6 +455,32 @@ async def test_a_reserve_so_late_that_another_took_its_message_hands_nothing_ove
     assert await other.ok(taken[0])
 
 
+async def test_a_reserve_later_than_a_short_reserve_delay_hands_over_nothing_taken(
+    open_factory: Open,
+) -> None:
+    """A reserve is late once it took more than half a second, or more than half of a
+    shorter ``reserve_delay``: with 0.3 s, one that took 0.4 s handed over a message whose
+    reservation had lapsed before the reply came, and which another consumer had taken."""
+    q = await (await open_factory("mongo")).queue("short", reserve_delay=0.3)
+    other = await (await open_factory("mongo")).queue("short", reserve_delay=30.0)
+    await q.push("only")
+    coll = q._store._coll  # type: ignore[attr-defined]
+    real_take = coll.find_one_and_update
+    taken: list[aio_keuss.Message | None] = []
+
+    async def slowed(*args: Any, **kwargs: Any) -> Any:
+        coll.find_one_and_update = real_take
+        await asyncio.sleep(0.4)  # the reservation ends before it is made
+        found = await real_take(*args, **kwargs)
+        taken.append(await other.reserve(timeout=0))  # before the reply reaches the first
+        return found
+
+    coll.find_one_and_update = slowed
+    assert await q.reserve(timeout=0) is None
+    assert taken and taken[0] is not None and taken[0].payload == "only"
+    assert await other.ok(taken[0])
+
+
 @pytest.mark.parametrize("how", ["lone", "batch"])
 async def test_a_pop_so_late_that_another_took_its_message_hands_nothing_over(
     open_factory: Open, how: str, monkeypatch: pytest.MonkeyPatch
