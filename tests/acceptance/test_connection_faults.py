@@ -150,8 +150,13 @@ class Ledger:
             self.held.pop(message.id, None)
             return
         sent = self.held.get(message.id, (who, 0.0))[1]
-        if asyncio.get_running_loop().time() - sent < self.reserve_delay * 0.75:
-            self.violations.append(f"ok of {message.id} by {who} returned False while held")
+        since = asyncio.get_running_loop().time() - sent
+        if since < self.reserve_delay * 0.75:
+            self.violations.append(
+                f"ok of {message.id} by {who} returned False while held ({since:.2f} s after"
+                f" its reserve was sent; tries {message.tries}, delivered"
+                f" {self.delivered[message.id]} times)"
+            )
 
     def failed(self, kind: str, exc: BaseException) -> None:
         if isinstance(exc, KeussConnectionError):
