@@ -427,6 +427,29 @@ async def test_a_late_reserve_hands_over_the_whole_reserve_delay(
         assert await q.ok(message)
 
 
+async def reserved_late(
+    q: aio_keuss.Queue, meanwhile: Callable[[], Awaitable[None]]
+) -> aio_keuss.Message | None:
+    """A lone reserve of ``q`` whose command is held 1.5 s on its way, longer than the queue's
+    ``reserve_delay`` of 1 s, so that its reservation ends before it is made; ``meanwhile``
+    runs once the reservation is made, before the reserve renews it."""
+    coll = q._store._coll  # type: ignore[attr-defined]
+    real_take, real_renew = coll.find_one_and_update, coll.update_many
+
+    async def slowed(*args: Any, **kwargs: Any) -> Any:
+        coll.find_one_and_update = real_take
+        await asyncio.sleep(1.5)
+        return await real_take(*args, **kwargs)
+
+    async def renewed(*args: Any, **kwargs: Any) -> Any:
+        coll.update_many = real_renew
+        await meanwhile()
+        return await real_renew(*args, **kwargs)
+
+    coll.find_one_and_update, coll.update_many = slowed, renewed
+    return await q.reserve(timeout=0)
+
+
 async def test_a_reserve_so_late_that_another_took_its_message_hands_nothing_over(
     open_factory: Open,
 ) -> None:
@@ -435,22 +458,12 @@ async def test_a_reserve_so_late_that_another_took_its_message_hands_nothing_ove
     q = await (await open_factory("mongo")).queue("later", reserve_delay=1.0)
     other = await (await open_factory("mongo")).queue("later", reserve_delay=30.0)
     await q.push("only")
-    coll = q._store._coll  # type: ignore[attr-defined]
-    real_take, real_renew = coll.find_one_and_update, coll.update_many
     taken: list[aio_keuss.Message | None] = []
 
-    async def slowed(*args: Any, **kwargs: Any) -> Any:
-        coll.find_one_and_update = real_take
-        await asyncio.sleep(1.5)  # the reservation ends before it is made
-        return await real_take(*args, **kwargs)
-
-    async def another_first(*args: Any, **kwargs: Any) -> Any:
-        coll.update_many = real_renew
+    async def another_first() -> None:
         taken.append(await other.reserve(timeout=5))  # the lapsed reservation, taken
-        return await real_renew(*args, **kwargs)
 
-    coll.find_one_and_update, coll.update_many = slowed, another_first
-    assert await q.reserve(timeout=0) is None
+    assert await reserved_late(q, another_first) is None
     assert taken and taken[0] is not None and taken[0].payload == "only"
     assert await other.ok(taken[0])
 
@@ -529,23 +542,13 @@ async def test_a_reserve_so_late_that_its_message_was_held_by_id_hands_nothing_o
     q = await (await open_factory("mongo")).queue("late-held", reserve_delay=1.0)
     other = await (await open_factory("mongo")).queue("late-held")
     await q.push("only")
-    coll = q._store._coll  # type: ignore[attr-defined]
-    real_take, real_renew = coll.find_one_and_update, coll.update_many
     held: list[int | None] = []
 
-    async def slowed(*args: Any, **kwargs: Any) -> Any:
-        coll.find_one_and_update = real_take
-        await asyncio.sleep(1.5)  # the reservation ends before it is made
-        return await real_take(*args, **kwargs)
-
-    async def held_first(*args: Any, **kwargs: Any) -> Any:
-        coll.update_many = real_renew
-        message_id = (await coll.find_one({}))["_id"]
+    async def held_first() -> None:
+        message_id = (await q._store._coll.find_one({}))["_id"]  # type: ignore[attr-defined]
         held.extend(await other._store.hold([message_id], 30.0))  # type: ignore[attr-defined]
-        return await real_renew(*args, **kwargs)
 
-    coll.find_one_and_update, coll.update_many = slowed, held_first
-    assert await q.reserve(timeout=0) is None
+    assert await reserved_late(q, held_first) is None
     assert held == [1]  # the lapsed reservation, held by id
 
 
