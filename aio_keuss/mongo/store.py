@@ -700,8 +700,7 @@ class MongoStore(Store):
         elif consumed is None:
             lease = {"$set": {"mature": now + CLAIM_LEASE, "reserved": True}}
             docs, token = await self._claim(n, now, lease)
-            if docs and time.time() - now > LATE_POP:
-                docs = await self._renew(docs, token, CLAIM_LEASE)
+            docs = await self._renew(docs, token, now, LATE_POP, CLAIM_LEASE)
             if docs:
                 mine = {"_id": {"$in": [d["_id"] for d in docs]}, "owner": token}
                 await _again_if_cut(lambda: self._coll.delete_many(mine))
@@ -732,8 +731,7 @@ class MongoStore(Store):
         if doc is None:
             return []
         if consumed is None:
-            late = time.time() - now > LATE_POP
-            if late and not await self._renew([doc], token, CLAIM_LEASE):
+            if not await self._renew([doc], token, now, LATE_POP, CLAIM_LEASE):
                 return []
             mine = {"_id": doc["_id"], "owner": token}
             await _again_if_cut(lambda: self._coll.delete_one(mine))
@@ -784,19 +782,24 @@ class MongoStore(Store):
         # late past half of a reserve_delay shorter than LATE_RESERVE too: by the reply,
         # the reservation may have lapsed and the message been taken (one of 0 lapses at
         # once whatever is done)
-        late = min(LATE_RESERVE, reserve_delay / 2)
-        if docs and reserve_delay > 0 and time.time() - now > late:
-            docs = await self._renew(docs, token, reserve_delay)
+        if reserve_delay > 0:
+            late = min(LATE_RESERVE, reserve_delay / 2)
+            docs = await self._renew(docs, token, now, late, reserve_delay)
         return await self._fetched(docs, n)
 
-    async def _renew(self, docs: list[Document], token: str, hold: float) -> list[Document]:
-        """Start the reservations (or a pop's claims) of a late call again from now, for
-        ``hold`` seconds: their end was computed from the client's clock at the call's start
+    async def _renew(
+        self, docs: list[Document], token: str, started: float, late: float, hold: float
+    ) -> list[Document]:
+        """``docs`` as taken, unless the call that took them (at ``started``) took more than
+        ``late`` seconds: then their reservations (or a pop's claims) start again from now,
+        for ``hold`` seconds. Their end was computed from the client's clock at the call's start
         (MongoDB has no cheap server time), and a reserve slowed by a reconnect or a busy
         pool handed its holder what was left of ``reserve_delay``, so that another consumer
         could take the message while the first one still worked on it. Those another
         consumer took meanwhile (their reservation lapsed before the reply came) are not
         handed over: they are that consumer's."""
+        if not docs or time.time() - started <= late:
+            return docs
         ids = [doc["_id"] for doc in docs]
         mine = {"_id": {"$in": ids}, "owner": token, "reserved": True}
         renewed = {"$set": {"mature": time.time() + hold}}
