@@ -18,6 +18,7 @@ import asyncio
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from itertools import repeat
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from .errors import InvalidInputError, NotSupportedError
@@ -86,18 +87,38 @@ class Entry:
     place: int | None = None
 
 
-def bulk_load(entries: Sequence[Entry]) -> bool:
-    """True for entries that differ only in id and payload, every id the user's, none a
-    put-back: what ``push_many(..., ids=...)`` makes (a Spark write). A store may send
-    such a batch as two columns rather than one record per entry."""
+class BulkLoad(list[Entry]):
+    """The entries of one ``push_many(..., ids=...)`` (a Spark write): every id the user's,
+    one headers and one delay for all, none a put-back. Made from its columns, which it
+    keeps (:attr:`ids`, :attr:`payloads`): a store sending the batch as columns takes them
+    as they are, with no pass over the entries to find them out or take them apart."""
+
+    __slots__ = ("ids", "payloads")
+
+    def __init__(self, ids: list[str], payloads: list[bytes], headers: bytes, delay: float):
+        super().__init__(
+            map(Entry, ids, payloads, repeat(headers), repeat(delay), repeat(0), repeat(True))
+        )
+        self.ids = ids
+        self.payloads = payloads
+
+
+def bulk_columns(entries: Sequence[Entry]) -> tuple[list[str], list[bytes]] | None:
+    """The ids and payloads of entries that differ only in those, every id the user's, none
+    a put-back (a :class:`BulkLoad`, or several coalesced that are alike); else None. A
+    store may send such a batch as two columns rather than one record per entry."""
+    if type(entries) is BulkLoad:
+        return (entries.ids, entries.payloads) if entries else None
     if not entries:
-        return False
+        return None
     first = entries[0]
     headers, delay = first.headers, first.delay
-    return all(
+    if all(
         e.dedup and e.mature is None and e.tries == 0 and e.delay == delay and e.headers == headers
         for e in entries
-    )
+    ):
+        return [e.id for e in entries], [e.payload for e in entries]
+    return None
 
 
 @dataclass(slots=True)

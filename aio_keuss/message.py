@@ -35,10 +35,11 @@ from __future__ import annotations
 
 import enum
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from enum import Enum
+from itertools import chain, repeat
 from typing import Any, Final, cast
 from uuid import UUID
 
@@ -201,6 +202,40 @@ def _refusal(value: object) -> str:
     return f"a {kind} has no exact JSON form"
 
 
+def encode_payloads(payloads: Sequence[Payload]) -> list[bytes]:
+    """:func:`encode_payload` of each, in order: the same blobs, the same refusals (raised
+    for the first payload refused, before anything is written).
+
+    A batch of flat dicts (what a DataFrame's rows make) is checked as a whole: one pass in
+    C over the types of every value of every payload, then ``orjson.dumps`` mapped over
+    them, with no Python frame per payload. Only if some output holds a ``null`` (a
+    ``None``, or a NaN or an infinity, which orjson writes as ``null``) are those payloads
+    looked at again. Any other batch, or one the pass finds something in (a nested value,
+    a type that is refused), goes one by one."""
+    if len(payloads) < _BATCH_AT_LEAST or set(map(type, payloads)) != _ONLY_DICTS:
+        return [encode_payload(payload) for payload in payloads]
+    if not _LEAVES.issuperset(map(type, chain.from_iterable(map(dict.values, payloads)))):
+        return [encode_payload(payload) for payload in payloads]
+    try:
+        texts = list(map(orjson.dumps, payloads, _UNSERIALIZABLE, _OPTIONS))
+    except TypeError:  # a key that is not a str, an int beyond 64 bits, a lone surrogate
+        return [encode_payload(payload) for payload in payloads]  # says which, and why
+    if b"".join(texts).find(b"null") >= 0:
+        for payload, text in zip(payloads, texts, strict=True):
+            if text.find(b"null") >= 0:
+                _check_tree(payload.values(), _LEAVES_BUT_FLOAT)
+    return list(map(_JSON_TAG.__add__, texts))
+
+
+_BATCH_AT_LEAST = 8
+"""Below this many payloads the batch pass costs more than it saves."""
+_ONLY_DICTS = {dict}
+_UNSERIALIZABLE = repeat(_unserializable)
+_OPTIONS = repeat(_DUMPS_OPTIONS)
+"""orjson's arguments as endless columns: ``map`` passes them by position, which costs less
+than a ``partial`` with keywords (a dict of them made on every call)."""
+
+
 _SLICE_BELOW = 4096
 """Payloads shorter than this are decoded from a copy without their tag byte: copying a
 small blob costs less than making a memoryview of it; larger ones are not copied."""
@@ -300,6 +335,27 @@ def check_id(message_id: object, longest: int = MAX_ID_LENGTH) -> str:
             f"message id {message_id!r} has whitespace, control characters or lone surrogates"
         )
     return message_id
+
+
+def check_ids(message_ids: Sequence[object], longest: int = MAX_ID_LENGTH) -> list[str]:
+    """:func:`check_id` of each, in order, raising for the first one refused. A batch of
+    plain str ids is checked as a whole: the rules hold for every id exactly when they hold
+    for the ids joined (``isprintable`` and the space are per character), so a few calls in C
+    serve the batch (a bulk load, a Spark write, sends thousands)."""
+    if set(map(type, message_ids)) == _ONLY_STR:
+        ids = cast("list[str]", list(message_ids))
+        joined = "".join(ids)
+        lengths = list(map(len, ids))
+        if (
+            joined.isprintable()
+            and " " not in joined
+            and 0 < min(lengths) <= max(lengths) <= longest
+        ):
+            return ids
+    return [check_id(message_id, longest) for message_id in message_ids]
+
+
+_ONLY_STR = {str}
 
 
 def check_tries(tries: object) -> int:

@@ -23,6 +23,7 @@ from collections.abc import (
     Sequence,
 )
 from datetime import datetime
+from itertools import repeat
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from . import observe, visibility
@@ -40,6 +41,7 @@ from .consumer import (
 from .contract import (
     MOVE_TAG,
     Ack,
+    BulkLoad,
     DeadletterPlan,
     Entry,
     Fetched,
@@ -67,10 +69,12 @@ from .message import (
     Payload,
     Unchanged,
     check_id,
+    check_ids,
     check_tries,
     decode_message,
     encode_headers,
     encode_payload,
+    encode_payloads,
     salvage_message,
     to_datetime,
 )
@@ -273,23 +277,20 @@ class Queue:
             if not _listed(ids) or len(ids) != len(payloads):
                 # a set or a generator would pair ids with payloads in no defined order
                 raise InvalidInputError("ids must be a sequence (list, tuple) as long as payloads")
-            checked = [check_id(message_id) for message_id in ids]
+            checked = check_ids(ids)
         seconds = self._delay(delay)
         encoded_headers = encode_headers(headers)
+        # A bulk load (a Spark write) spends its client time here: the payloads and ids are
+        # checked a batch at a time, and the entries made with no Python frame per message.
+        blobs = encode_payloads(payloads)
+        entries: list[Entry]
         if checked is None:
-            entries = [
-                Entry(new_id(), encode_payload(payload), encoded_headers, seconds)
-                for payload in payloads
-            ]
+            new_ids = [new_id() for _ in blobs]
+            entries = list(map(Entry, new_ids, blobs, repeat(encoded_headers), repeat(seconds)))
         else:
             if checked:
                 self._require("idempotent")
-            # Ids checked once for the batch, not again per entry: a bulk load (a Spark
-            # write) spends its client time in this loop.
-            entries = [
-                Entry(message_id, encode_payload(payload), encoded_headers, seconds, dedup=True)
-                for message_id, payload in zip(checked, payloads, strict=True)
-            ]
+            entries = BulkLoad(checked, blobs, encoded_headers, seconds)
         if self._store.max_message_bytes is not None:
             for entry in entries:
                 self._check_size(entry.payload, entry.headers)
@@ -297,6 +298,8 @@ class Queue:
         # side by side (another caller's request starts a second batch task) and be stamped
         # in any order: a later chunk could then come out first. One after the other there.
         await self._in_chunks(self._inserts, entries, ordered=not self._store.run_in_caller)
+        if checked is not None:
+            return list(checked)  # a store replaces only ids the queue made
         return [entry.id for entry in entries]
 
     async def _in_chunks(
@@ -1659,8 +1662,9 @@ def _more_ready(stored: list[Stored], wanted: int, next_mature: float | None) ->
 
 
 def _earliest(entries: list[Entry]) -> float:
-    """When the first of these inserted entries matures (a push's own, without a loop)."""
-    if len(entries) == 1:
+    """When the first of these inserted entries matures (a push's own, or a bulk load's,
+    without a loop)."""
+    if len(entries) == 1 or type(entries) is BulkLoad:
         first = entries[0]
         return first.mature if first.mature is not None else time.time() + first.delay
     now = time.time()

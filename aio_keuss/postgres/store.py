@@ -52,7 +52,7 @@ from ..contract import (
     PeekPage,
     Store,
     Stored,
-    bulk_load,
+    bulk_columns,
     check_seq_cursor,
 )
 from ..errors import ConfigError, KeussError
@@ -169,12 +169,12 @@ class PostgresStore(Store):
     async def _insert(self, entries: Sequence[Entry]) -> list[bool]:
         if not entries:
             return []
-        ids = [e.id for e in entries]
-        if bulk_load(entries):
+        if (bulk_load := bulk_columns(entries)) is not None:
+            ids, payloads = bulk_load
             bulk = (
                 self.name,
                 ids,
-                [e.payload for e in entries],
+                payloads,
                 entries[0].headers,
                 entries[0].delay,
                 self.options.dedup_window,
@@ -185,6 +185,7 @@ class PostgresStore(Store):
             if len(rows) == len(entries):
                 return [True] * len(entries)
             return _first_occurrences(ids, {r[0] for r in rows})
+        ids = [e.id for e in entries]
         payloads = [e.payload for e in entries]
         headers = [e.headers for e in entries]
         delays = [e.delay for e in entries]

@@ -42,6 +42,7 @@ import logging
 import re
 import time
 from collections.abc import Sequence
+from itertools import chain
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import orjson
@@ -61,7 +62,7 @@ from ..contract import (
     PeekPage,
     Store,
     Stored,
-    bulk_load,
+    bulk_columns,
     deadletter_tag,
     moved_id,
 )
@@ -322,7 +323,7 @@ end
 
 # KEYS: due msg held d. ARGV: dedup window, delay, ranked ('' = no, the ids rise), then per
 # entry: id, record (and its rank when ranked). _INSERT for a bulk load (see
-# ``contract.bulk_load``): every id the user's, so each is looked up in z and d, two
+# ``contract.bulk_columns``): every id the user's, so each is looked up in z and d, two
 # arguments an entry instead of five, and the mature and expiry times formatted once for
 # the batch (once per step when ranked). Reply: 1 / 0 per entry.
 _INSERT_BULK = """
@@ -1030,13 +1031,12 @@ class RedisOQVisibility:
         return [None if tries < 0 else int(tries) for tries in reply]
 
 
-def _ranks(entries: Sequence[Entry]) -> list[int] | None:
+def _ranks(ids: list[str]) -> list[int] | None:
     """None when the ids rise in the order the ZSET gives equal scores (the bytes of their
     UTF-8: Redis manual, "Sorted sets"), so that push order needs nothing more; else each
     entry's rank in that order, from which the insert scripts keep push order (see STEP in
     their prelude). Python orders str by code point, which is the byte order of UTF-8, and
     ranks spare the script a string comparison (Lua's follows the server's locale)."""
-    ids = [e.id for e in entries]
     if all(map(str.__lt__, ids, ids[1:])):
         return None
     ranks = [0] * len(ids)
@@ -1080,25 +1080,24 @@ class RedisOQStore(RedisOQVisibility, Store):
             if _plain(e):
                 await self._insert_one(e.id, record(e.payload, e.headers, e.tries), e.delay)
                 return [True]
-        if bulk_load(entries):
+        if (columns := bulk_columns(entries)) is not None:
+            ids, payloads = columns
             first = entries[0]
-            ranks = _ranks(entries)
+            ranks = _ranks(ids)
             args: list[Any] = [self._dedup_window, first.delay, "" if ranks is None else 1]
             head = record(b"", first.headers)  # every record of the batch begins alike
-            extend = args.extend
+            records = map(head.__add__, payloads)
             if ranks is None:
-                for e in entries:
-                    extend((e.id, head + e.payload))
+                args.extend(chain.from_iterable(zip(ids, records, strict=True)))
             else:
-                for e, rank in zip(entries, ranks, strict=True):
-                    extend((e.id, head + e.payload, rank))
+                args.extend(chain.from_iterable(zip(ids, records, ranks, strict=True)))
             flags = await self._run(INSERT_BULK, self._insert_keys, args)
             return [flag == 1 for flag in flags]
         return await self._insert(entries, check_all=False)
 
     async def _insert(self, entries: Sequence[Entry], *, check_all: bool) -> list[bool]:
         """``check_all``: refuse ids already queued even where the queue generated them."""
-        ranks = _ranks(entries)
+        ranks = _ranks([e.id for e in entries])
         args: list[Any] = [self._dedup_window, "" if ranks is None else 1]
         extend = args.extend
         for k, e in enumerate(entries):

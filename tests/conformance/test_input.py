@@ -32,9 +32,11 @@ from aio_keuss.message import (
     MAX_KNOWN_ID_LENGTH,
     MAX_TRIES,
     check_id,
+    check_ids,
     decode_message,
     encode_headers,
     encode_payload,
+    encode_payloads,
 )
 from aio_keuss.options import MAX_COUNT, MAX_SECONDS, brief, check_seconds
 from aio_keuss.redis.connection import check_redis_url
@@ -318,6 +320,55 @@ def test_a_decoded_message_is_the_one_the_constructor_makes(payload: Any) -> Non
         made.tries = 4  # type: ignore[misc]
 
 
+def _encoded_one_by_one(payloads: list[Any]) -> list[bytes] | str:
+    """What ``encode_payload`` makes of each, or the refusal of the first one refused."""
+    try:
+        return [encode_payload(p) for p in payloads]
+    except aio_keuss.InvalidPayloadError as exc:
+        return str(exc)
+
+
+def _encoded_together(payloads: list[Any]) -> list[bytes] | str:
+    try:
+        return encode_payloads(payloads)
+    except aio_keuss.InvalidPayloadError as exc:
+        return str(exc)
+
+
+# Rows of a DataFrame: flat dicts of leaves, the batch path's case, a bad value rare enough
+# that a batch often holds one alone (a NaN, a UUID, an Enum: what orjson writes anyway)
+_ROW_VALUES = st.one_of(*[_GOOD_LEAVES] * 8, _BAD_LEAVES)
+_COLUMNS = st.sampled_from(["id", "name", "value", "x"])
+_ROWS = st.dictionaries(_COLUMNS, _ROW_VALUES, max_size=4)
+_FLOAT_ROWS = st.dictionaries(_COLUMNS, st.one_of(*[_GOOD_LEAVES] * 8, _NON_FINITE), max_size=4)
+_BATCHES = st.one_of(
+    st.lists(_ROWS, min_size=8, max_size=24),
+    st.lists(_FLOAT_ROWS, min_size=8, max_size=24),
+    st.lists(st.dictionaries(_KEYS, _ROW_VALUES, max_size=3), max_size=12),
+    st.lists(PAYLOADS, max_size=12),
+)
+
+
+@settings(max_examples=600, deadline=None, database=None)
+@given(batch=_BATCHES)
+def test_a_batch_is_encoded_as_each_of_its_payloads_alone(batch: list[Any]) -> None:
+    """push_many encodes its payloads together: the same blobs, the same refusal."""
+    assert _encoded_together(batch) == _encoded_one_by_one(batch)
+
+
+@pytest.mark.parametrize(
+    "payload", [p for _, p in REFUSED_PAYLOADS], ids=[n for n, _ in REFUSED_PAYLOADS]
+)
+def test_a_refused_value_among_rows_refuses_the_batch(payload: Any) -> None:
+    rows: list[Any] = [{"id": k, "name": f"n{k}", "value": k / 3, "none": None} for k in range(20)]
+    rows[13] = {**rows[13], "bad": payload}
+    with pytest.raises(aio_keuss.InvalidPayloadError):
+        encode_payloads(rows)
+    rows[13] = payload
+    with pytest.raises(aio_keuss.InvalidPayloadError):
+        encode_payloads(rows)
+
+
 REFUSED_HEADERS: list[tuple[str, Any]] = [
     ("NaN", {"h": math.nan}),
     ("inf", {"h": math.inf}),
@@ -572,6 +623,20 @@ def test_check_id_refuses_what_is_not_utf8_or_printable() -> None:
         with pytest.raises(aio_keuss.InvalidIdError):
             check_id(bad)
     assert check_id("é😀-1") == "é😀-1"
+
+
+def test_ids_checked_together_are_refused_as_each_alone() -> None:
+    fine = [f"job:{k}:é😀" for k in range(20)]
+    assert check_ids(fine) == fine and check_ids([]) == []
+    for bad in [*BAD_IDS, "a\u2028b", "a\u200bb"]:
+        for at in (0, 7, 19):
+            ids = [*fine[:at], bad, *fine[at + 1 :]]
+            with pytest.raises(aio_keuss.InvalidIdError) as together:
+                check_ids(ids)
+            with pytest.raises(aio_keuss.InvalidIdError) as alone:
+                check_id(bad)
+            assert str(together.value) == str(alone.value)
+    assert check_ids(["x" * 1000], MAX_KNOWN_ID_LENGTH) == ["x" * 1000]
 
 
 async def test_hand_built_messages_are_validated(queue: aio_keuss.Queue) -> None:
