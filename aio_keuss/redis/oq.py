@@ -332,37 +332,53 @@ local expires = fmt(now + tonumber(ARGV[1]))
 local due = now + tonumber(ARGV[2])
 local mature = fmt(due)
 local stride = ARGV[3] == '' and 2 or 3
-local ids = {}
-for i = 4, #ARGV, stride do ids[#ids + 1] = ARGV[i] end
+-- counters, not #t: the length operator searches the table on every append
+local ids, n = {}, 0
+for i = 4, #ARGV, stride do n = n + 1; ids[n] = ARGV[i] end
 local steps, last = 0, nil
 local queued = read_chunked('ZMSCORE', KEYS[1], ids)
 redis.call('ZREMRANGEBYSCORE', KEYS[4], '-inf', now)
 local held = read_chunked('ZMSCORE', KEYS[4], ids)
 local seen, flags = {}, {}
-local zadd, mset, dset = {}, {}, {}
-for k = 1, #ids do
+local zadd, dset, z, fresh = {}, {}, 0, 0
+for k = 1, n do
   local id = ids[k]
   if queued[k] or held[k] or seen[id] then
     flags[k] = 0
   else
     seen[id] = true  -- a repeat later in this batch is refused
-    local at = 4 + (k - 1) * stride
     if stride == 3 then
-      local rank = tonumber(ARGV[at + 2])
+      local rank = tonumber(ARGV[4 + (k - 1) * 3 + 2])
       if last and rank < last then
         steps = steps + 1
         mature = fmt(due + steps * STEP)
       end
       last = rank
     end
-    zadd[#zadd + 1] = mature; zadd[#zadd + 1] = id
-    mset[#mset + 1] = id; mset[#mset + 1] = ARGV[at + 1]
-    dset[#dset + 1] = expires; dset[#dset + 1] = id
+    zadd[z + 1] = mature; zadd[z + 2] = id
+    dset[z + 1] = expires; dset[z + 2] = id
+    z = z + 2
     flags[k] = 1
+    fresh = fresh + 1
   end
 end
 run_chunked('ZADD', KEYS[1], zadd)
-run_chunked('HSET', KEYS[2], mset)
+if stride == 2 and fresh == n then
+  -- the usual bulk load, all of it new: ARGV past the header is id, record, id, record...,
+  -- what HSET takes, passed on without a table built of it
+  for i = 4, #ARGV, CHUNK do
+    redis.call('HSET', KEYS[2], unpack(ARGV, i, math.min(i + CHUNK - 1, #ARGV)))
+  end
+else
+  local mset, m = {}, 0
+  for k = 1, n do
+    if flags[k] == 1 then
+      mset[m + 1] = ids[k]; mset[m + 2] = ARGV[4 + (k - 1) * stride + 1]
+      m = m + 2
+    end
+  end
+  run_chunked('HSET', KEYS[2], mset)
+end
 run_chunked('ZADD', KEYS[4], dset)
 return flags
 """

@@ -219,6 +219,26 @@ async def test_a_bulk_load_larger_than_a_script_chunk(open_factory: Open, width:
     assert await q.size() == 0
 
 
+@pytest.mark.parametrize("width", [5, 0], ids=["rising-ids", "ranked-ids"])
+async def test_a_bulk_load_with_some_ids_refused_stores_the_rest_in_order(
+    open_factory: Open, width: int
+) -> None:
+    """A bulk load all of whose ids are new writes its records straight from the
+    arguments; one with some refused (queued already, or repeated in the batch) builds
+    them from those accepted: across script chunks, the right payload under each id, in
+    push order."""
+    factory = await open_factory("redis-oq", max_batch=10_000)
+    q = await factory.queue("some-refused")
+    keys = [f"k{i:0{width}d}" for i in range(9_000)]
+    queued = keys[::3]
+    await q.push_many(["old"] * len(queued), ids=queued)
+    batch_ids = [*keys, keys[7]]  # the last repeats one of the batch: refused
+    await q.push_many([*range(9_000), -1], ids=batch_ids)
+    got = await q.pop_many(10_000, timeout=1)
+    expected = [(k, "old") for k in queued] + [(k, i) for i, k in enumerate(keys) if i % 3 != 0]
+    assert [(m.id, m.payload) for m in got] == expected
+
+
 async def test_one_insert_of_several_kinds_keeps_push_order(open_factory: Open) -> None:
     """A coalesced batch of pushes that differ in headers and delay goes by the per-entry
     insert script; with falling ids (and a refused one among them) it keeps push order."""
