@@ -39,7 +39,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from enum import Enum
-from itertools import chain, repeat
+from itertools import chain, compress, repeat
 from typing import Any, Final, cast
 from uuid import UUID
 
@@ -206,21 +206,36 @@ def encode_payloads(payloads: Sequence[Payload]) -> list[bytes]:
     """:func:`encode_payload` of each, in order: the same blobs, the same refusals (raised
     for the first payload refused, before anything is written).
 
-    A batch of flat dicts (what a DataFrame's rows make) is checked as a whole: one pass in
-    C over the types of every value of every payload, then ``orjson.dumps`` mapped over
-    them, with no Python frame per payload. Only if some output holds a ``null`` (a
-    ``None``, or a NaN or an infinity, which orjson writes as ``null``) are those payloads
-    looked at again. Any other batch, or one the pass finds something in (a nested value,
-    a type that is refused), goes one by one."""
+    A batch of dicts (what a DataFrame's rows make) is checked as a whole, a level of
+    nesting at a time: the types of every value of every payload in one pass in C, then
+    those of what the lists and dicts among them hold, and so on; then ``orjson.dumps``
+    mapped over them, with no Python frame per payload. Only if some output holds a
+    ``null`` (a ``None``, or a NaN or an infinity, which orjson writes as ``null``) while
+    the batch has floats are those payloads looked at again. Any other batch, or one the
+    pass finds something in that is refused, goes one by one, which says what and why."""
     if len(payloads) < _BATCH_AT_LEAST or set(map(type, payloads)) != _ONLY_DICTS:
         return [encode_payload(payload) for payload in payloads]
-    if not _LEAVES.issuperset(map(type, chain.from_iterable(map(dict.values, payloads)))):
+    has_float = False
+    values: Iterable[Any] = chain.from_iterable(map(dict.values, payloads))
+    for _ in range(_DEEPEST):  # past orjson's depth (or a list holding itself): one by one
+        level = list(values)
+        kinds = list(map(type, level))
+        found = set(kinds)
+        has_float = has_float or float in found
+        if _LEAVES.issuperset(found):
+            break
+        if not _LEAVES_AND_CONTAINERS.issuperset(found):
+            return [encode_payload(payload) for payload in payloads]
+        lists = compress(level, map(_IS_LIST, kinds))
+        dicts = compress(level, map(_IS_DICT, kinds))
+        values = chain(chain.from_iterable(lists), chain.from_iterable(map(dict.values, dicts)))
+    else:
         return [encode_payload(payload) for payload in payloads]
     try:
         texts = list(map(orjson.dumps, payloads, _UNSERIALIZABLE, _OPTIONS))
     except TypeError:  # a key that is not a str, an int beyond 64 bits, a lone surrogate
-        return [encode_payload(payload) for payload in payloads]  # says which, and why
-    if b"".join(texts).find(b"null") >= 0:
+        return [encode_payload(payload) for payload in payloads]
+    if has_float and b"".join(texts).find(b"null") >= 0:
         for payload, text in zip(payloads, texts, strict=True):
             if text.find(b"null") >= 0:
                 _check_tree(payload.values(), _LEAVES_BUT_FLOAT)
@@ -230,6 +245,11 @@ def encode_payloads(payloads: Sequence[Payload]) -> list[bytes]:
 _BATCH_AT_LEAST = 8
 """Below this many payloads the batch pass costs more than it saves."""
 _ONLY_DICTS = {dict}
+_LEAVES_AND_CONTAINERS = _LEAVES | {list, dict}
+_DEEPEST = 256
+"""Levels of nesting the batch pass walks: orjson refuses more than 255."""
+_IS_LIST = {list}.__contains__
+_IS_DICT = {dict}.__contains__
 _UNSERIALIZABLE = repeat(_unserializable)
 _OPTIONS = repeat(_DUMPS_OPTIONS)
 """orjson's arguments as endless columns: ``map`` passes them by position, which costs less

@@ -344,6 +344,8 @@ _FLOAT_ROWS = st.dictionaries(_COLUMNS, st.one_of(*[_GOOD_LEAVES] * 8, _NON_FINI
 _BATCHES = st.one_of(
     st.lists(_ROWS, min_size=8, max_size=24),
     st.lists(_FLOAT_ROWS, min_size=8, max_size=24),
+    st.lists(st.dictionaries(_COLUMNS, _GOOD_NESTED, max_size=4), min_size=8, max_size=16),
+    st.lists(st.dictionaries(_COLUMNS, _ANY_NESTED, max_size=3), min_size=8, max_size=16),
     st.lists(st.dictionaries(_KEYS, _ROW_VALUES, max_size=3), max_size=12),
     st.lists(PAYLOADS, max_size=12),
 )
@@ -364,9 +366,23 @@ def test_a_refused_value_among_rows_refuses_the_batch(payload: Any) -> None:
     rows[13] = {**rows[13], "bad": payload}
     with pytest.raises(aio_keuss.InvalidPayloadError):
         encode_payloads(rows)
+    rows[13] = {**rows[13], "bad": [1, {"deep": [payload]}], "fine": [{"n": [1.5, None]}]}
+    with pytest.raises(aio_keuss.InvalidPayloadError):
+        encode_payloads(rows)
     rows[13] = payload
     with pytest.raises(aio_keuss.InvalidPayloadError):
         encode_payloads(rows)
+
+
+def test_rows_holding_themselves_are_refused_not_walked_for_ever() -> None:
+    loop: list[Any] = []
+    loop.append(loop)
+    with pytest.raises(aio_keuss.InvalidPayloadError):
+        encode_payloads([{"x": loop}] * 10)
+    assert (
+        encode_payloads([{"x": _nested_lists(200)}] * 10)
+        == [encode_payload({"x": _nested_lists(200)})] * 10
+    )
 
 
 REFUSED_HEADERS: list[tuple[str, Any]] = [
