@@ -363,7 +363,7 @@ class MongoStore(Store):
         self._backend = backend
         self._coll = backend.queue_collection(name)
         self._dedup = backend.dedup_collection(name)
-        self._owed: dict[str, list[str]] = {}
+        self._owed: dict[str, tuple[list[str], float]] = {}
         """Token -> ids it claimed, of failed inserts whose claims could not be given back."""
         self._unsettled: dict[str, list[str]] = {}
         """Token -> ids it claimed, of stored messages whose claims could not be settled."""
@@ -431,7 +431,8 @@ class MongoStore(Store):
             else:
                 flags = await self._insert_entries(entries, flags, now)
         except BaseException:
-            await asyncio.shield(self._give_back(list({e.id for e in entries if e.dedup}), token))
+            claimed_ids = list({e.id for e in entries if e.dedup})
+            await asyncio.shield(self._give_back(claimed_ids, token, now))
             raise
         await self._settle(claimed, token)
         return flags
@@ -483,37 +484,38 @@ class MongoStore(Store):
             if claimed is not None:
                 await self._settle(claimed, token)
 
-    async def _give_back(self, claimed: list[str], token: str) -> None:
+    async def _give_back(self, claimed: list[str], token: str, since: float) -> None:
         """Give back the claims of a failed insert whose messages are not in the queue. If
         that cannot be read, all of them: a retry may then store again one that went in
-        (at least once), rather than refuse one that never did (lost). The same holds for
-        a message that went in, lost its reply and was consumed (deleted) before this
-        read: nothing is left to tell it from one that never went in, short of a
-        transaction around claim and insert. When the give-back
+        (at least once), rather than refuse one that never did (lost). The same holds, on
+        mongo, for a message that went in, lost its reply and was consumed (deleted) before
+        this read: nothing is left to tell it from one that never went in, short of a
+        transaction around claim and insert (mongo-history keeps its record, which tells).
+        When the give-back
         itself fails (the connection is still down), the claims are owed: the next insert
         with ids of its own on this queue gives them back first (see ``_give_back_owed``)."""
         try:
-            await self._give_back_now(claimed, token)
+            await self._give_back_now(claimed, token, since)
         except Exception:
-            self._owed[token] = claimed
+            self._owed[token] = (claimed, since)
 
     async def _give_back_owed(self) -> None:
         """Give back the claims failed inserts could not give back, before claiming anew.
         Left behind, a claim made the caller's retry of its (unacknowledged) push a silent
         no-op: the id was taken for a duplicate and the message was never stored. Raises
         (the caller retries) while they cannot be given back."""
-        for token, claimed in list(self._owed.items()):
-            await self._give_back_now(claimed, token)
+        for token, (claimed, since) in list(self._owed.items()):
+            await self._give_back_now(claimed, token, since)
             self._owed.pop(token, None)
 
-    async def _give_back_now(self, claimed: list[str], token: str) -> None:
-        """Delete the claims of what did not go in; settle those of what did."""
+    async def _give_back_now(self, claimed: list[str], token: str, since: float) -> None:
+        """Delete the claims of what did not go in; settle those of what did: live, or,
+        where consumed records are kept (mongo-history), consumed since the claims were made
+        at ``since`` (a consumer may take a message between the insert that failed and this
+        look; read as never stored, its retry stored it again)."""
         landed: list[str] = []
         with contextlib.suppress(Exception):
-            # a consumed record mongo-history keeps under the id is not this push's message
-            live = {"_id": {"$in": claimed}, "processed": {"$exists": False}}
-            cursor = self._coll.find(live, {"_id": 1})
-            found = {doc["_id"] async for doc in cursor}
+            found = await self._landed(dict.fromkeys(claimed, _epoch(_date(since))))
             landed = [message_id for message_id in claimed if message_id in found]
             claimed = [message_id for message_id in claimed if message_id not in found]
         if claimed:

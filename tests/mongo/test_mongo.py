@@ -167,9 +167,14 @@ async def test_dedup_after_consumption(open_factory: Open, backend: str) -> None
     assert await other.total_size() == 0
 
 
-def fail_next_insert(q: aio_keuss.Queue, stored: int = 0) -> None:
+def fail_next_insert(
+    q: aio_keuss.Queue,
+    stored: int = 0,
+    meanwhile: Callable[[], Awaitable[Any]] | None = None,
+) -> None:
     """The queue's next insert_many stores its first ``stored`` documents, then fails as a
-    lost connection does; the ones after it work."""
+    lost connection does (after ``meanwhile``: what others do before the reply would have
+    come); the ones after it work."""
     messages = q._store._coll  # type: ignore[attr-defined]
     real_insert = messages.insert_many
 
@@ -177,6 +182,8 @@ def fail_next_insert(q: aio_keuss.Queue, stored: int = 0) -> None:
         messages.insert_many = real_insert
         if stored:
             await real_insert(docs[:stored], *args, **kwargs)
+        if meanwhile is not None:
+            await meanwhile()
         raise pymongo.errors.AutoReconnect("injected: connection closed")
 
     messages.insert_many = lost
@@ -213,6 +220,30 @@ async def test_a_partly_failed_push_keeps_the_claims_of_what_went_in(
         await q.push_many(["a", "b"], ids=["a", "b"])
     first = await q.pop(timeout=1)
     assert first is not None and first.id == "a"  # went in, and is consumed
+    await q.push_many(["a", "b"], ids=["a", "b"])  # the retry: "a" is refused
+    second = await q.pop(timeout=1)
+    assert second is not None and second.id == "b"
+    assert await q.total_size() == 0
+
+
+async def test_a_stored_message_consumed_before_the_give_back_looked_stays_refused(
+    open_factory: Open,
+) -> None:
+    """mongo-history: a batch's insert stored its first message, then failed, and another
+    consumer took that message before the push gave its claims back. The give-back looked
+    for live records only, took the consumed one for a message never stored and gave its
+    claim back: the retry stored it a second time. The record it keeps tells."""
+    q = await (await open_factory("mongo-history")).queue("eaten")
+    other = await (await open_factory("mongo-history")).queue("eaten")
+    taken: list[aio_keuss.Message | None] = []
+
+    async def another_consumer() -> None:
+        taken.append(await other.pop(timeout=1))
+
+    fail_next_insert(q, stored=1, meanwhile=another_consumer)
+    with pytest.raises(aio_keuss.KeussConnectionError):
+        await q.push_many(["a", "b"], ids=["a", "b"])
+    assert taken[0] is not None and taken[0].id == "a"
     await q.push_many(["a", "b"], ids=["a", "b"])  # the retry: "a" is refused
     second = await q.pop(timeout=1)
     assert second is not None and second.id == "b"
