@@ -357,6 +357,36 @@ def check_id(message_id: object, longest: int = MAX_ID_LENGTH) -> str:
     return message_id
 
 
+def check_known_id(message_id: object) -> str:
+    """Return the id of a stored message as ``ok``, ``ko``, ``move``, ``find``,
+    ``remove``, ``requeue`` and ``replay`` take it, else raise :class:`InvalidIdError`: a
+    str of 1 to :data:`MAX_KNOWN_ID_LENGTH` characters that is valid UTF-8 and holds no NUL.
+
+    Looser than :func:`check_id`, which a push's id must pass: whatever id a store hands
+    out must be acknowledgeable. Which characters are printable depends on the Unicode
+    version of the Python that asks (Python 3.11 knows Unicode 14.0, 3.13 knows 15.1: a
+    character added since is unassigned, so not printable, on the older one), so an id a
+    newer Python pushed would be refused by the ``ok`` of an older one, and its message
+    never acknowledged; so would an id another program stored (a space, a zero-width
+    character)."""
+    if type(message_id) is str and 0 < len(message_id) <= MAX_KNOWN_ID_LENGTH:
+        if message_id.isprintable():  # the common case: nothing more to look at
+            return message_id
+        if "\x00" not in message_id:
+            try:
+                message_id.encode("utf-8")
+            except UnicodeEncodeError:
+                pass
+            else:
+                return message_id
+        raise InvalidIdError(f"message id {message_id!r} has a NUL or lone surrogates")
+    if not isinstance(message_id, str):
+        raise InvalidIdError(f"message ids are str, not {type(message_id).__name__}")
+    if not message_id or len(message_id) > MAX_KNOWN_ID_LENGTH:
+        raise InvalidIdError(f"message ids have 1 to {MAX_KNOWN_ID_LENGTH} characters")
+    return check_known_id(str(message_id))  # a str subclass: checked as the str it holds
+
+
 def check_ids(message_ids: Sequence[object], longest: int = MAX_ID_LENGTH) -> list[str]:
     """:func:`check_id` of each, in order, raising for the first one refused. A batch of
     plain str ids is checked as a whole: the rules hold for every id exactly when they hold

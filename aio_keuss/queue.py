@@ -60,7 +60,6 @@ from .errors import (
 )
 from .ids import new_id
 from .message import (
-    MAX_KNOWN_ID_LENGTH,
     UNCHANGED,
     UNDECODABLE,
     Headers,
@@ -70,6 +69,7 @@ from .message import (
     Unchanged,
     check_id,
     check_ids,
+    check_known_id,
     check_tries,
     decode_message,
     encode_headers,
@@ -1715,9 +1715,9 @@ def _target(message: Message | str) -> tuple[str, int | None]:
     """(id, tries) of what to acknowledge; tries guards against a stale holder. A Message
     may be built by hand: its id and tries are checked like an id given as a str."""
     if isinstance(message, Message):
-        return check_id(message.id, MAX_KNOWN_ID_LENGTH), check_tries(message.tries)
+        return check_known_id(message.id), check_tries(message.tries)
     if isinstance(message, str):
-        return check_id(message, MAX_KNOWN_ID_LENGTH), None
+        return check_known_id(message), None
     raise InvalidIdError(f"expected a Message or a message id, not {type(message).__name__}")
 
 

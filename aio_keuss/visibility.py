@@ -32,7 +32,7 @@ from .ids import new_id
 from .message import (
     MAX_KNOWN_ID_LENGTH,
     append_headers,
-    check_id,
+    check_known_id,
     decode_headers,
     decode_message,
     salvage_message,
@@ -195,7 +195,7 @@ async def requeue(
     store = queue._store
     moved: dict[str, str] = {}
     if ids is not None:
-        wanted = [check_id(i, MAX_KNOWN_ID_LENGTH) for i in ids]
+        wanted = [check_known_id(i) for i in ids]
         for start in range(0, len(wanted), queue.options.max_batch):
             chunk = wanted[start : start + queue.options.max_batch]
             found = await store.locate(chunk)
@@ -287,7 +287,7 @@ async def replay(
     batch = target.options.max_batch
     copied: list[str] = []
     if ids is not None:
-        wanted = [check_id(i, MAX_KNOWN_ID_LENGTH) for i in ids]
+        wanted = [check_known_id(i) for i in ids]
         for start in range(0, len(wanted), batch):
             found = await source.locate(wanted[start : start + batch])
             rows_ = [r for r in found if r is not None and r.state == State.PROCESSED]
@@ -347,7 +347,7 @@ def check_replay(
         raise InvalidInputError("replay takes a sequence of ids")
     if ids is not None:  # before a target queue is opened (which records it)
         for message_id in ids:
-            check_id(message_id, MAX_KNOWN_ID_LENGTH)
+            check_known_id(message_id)
     if ids is None and since is None and until is None:
         raise InvalidInputError("replay needs ids or a since / until range")
     return check_time(since, "since", 0.0), check_time(until, "until", MAX_TIME)

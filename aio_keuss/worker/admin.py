@@ -43,7 +43,7 @@ from ..errors import (
 )
 from ..factory import Factory, connect
 from ..loading import add_connection_flags
-from ..message import MAX_KNOWN_ID_LENGTH, Message, check_id, encode_headers, encode_payload
+from ..message import Message, check_id, check_known_id, encode_headers, encode_payload
 from ..options import QUEUE_OPTION_NAMES, check_queue_name
 from ..queue import Queue
 from ..types import MessageView, Page
@@ -314,7 +314,7 @@ def _check_ids(ids: Sequence[str]) -> None:
     """Ids named on the command line, refused before a target queue is opened (opening
     one records it in the backend)."""
     for message_id in ids:
-        check_id(message_id, MAX_KNOWN_ID_LENGTH)
+        check_known_id(message_id)
 
 
 async def _move(factory: Factory, args: argparse.Namespace, out: Output) -> int:

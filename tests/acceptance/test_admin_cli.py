@@ -266,12 +266,13 @@ async def test_a_refused_move_requeue_or_replay_records_no_target_queue(
     so recorded) their target queue before checking the ids and times they were given."""
     cli = Cli(postgres_cli.backend, {**postgres_cli.options, "history": "true"})
     assert (await cli.run("push", "jobs", "1")).returncode == 0
+    bad_id = "x" * 1001  # longer than any id a store holds
     for args in (
-        ("move", "jobs", "t1", "bad id"),
+        ("move", "jobs", "t1", bad_id),
         ("move", "jobs", "jobs", "x"),  # into itself: usage, not "gone or held" (4)
-        ("requeue", "jobs", "bad id", "--origin", "t2"),
+        ("requeue", "jobs", bad_id, "--origin", "t2"),
         ("replay", "jobs", "--since", "garbage", "--to", "t3"),
-        ("replay", "jobs", "bad id", "--to", "t4"),
+        ("replay", "jobs", bad_id, "--to", "t4"),
         ("replay", "jobs", "--since", "1e20", "--to", "t5"),
         ("replay", "jobs", "--to", "t6"),
     ):

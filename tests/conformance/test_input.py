@@ -630,7 +630,8 @@ async def test_a_default_ko_delay_is_bounded_too(connect: Connect, case: Backend
 
 BAD_IDS: list[Any] = ["\ud800", "a\udfffb", "a\x00b", "", "a b", "x" * 201, 17, None]
 # An id that names a stored message may be longer than a pushed one (a rename's suffix)
-BAD_KNOWN_IDS: list[Any] = [*BAD_IDS[:5], "x" * (MAX_KNOWN_ID_LENGTH + 1), *BAD_IDS[6:]]
+# (not "a b": an id another program stored, or a newer Python pushed, must stay nameable)
+BAD_KNOWN_IDS: list[Any] = [*BAD_IDS[:4], "x" * (MAX_KNOWN_ID_LENGTH + 1), *BAD_IDS[6:]]
 BAD_TRIES: list[Any] = [-1, MAX_TRIES + 1, 2**100, True, 1.0, "0", None]
 
 

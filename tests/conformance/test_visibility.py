@@ -78,7 +78,7 @@ async def test_a_replay_refused_for_its_ids_records_no_target_queue(
     # The ids were checked once the target queue was opened, which recorded it.
     needs(factory, "history")
     q = await factory.queue("args")
-    for ids in ([5], ["bad id"], ["x" * 1001]):
+    for ids in ([5], ["bad\x00id"], ["x" * 1001]):
         with pytest.raises(aio_keuss.InvalidIdError):
             await q.replay(ids, to="replayed")  # type: ignore[list-item]
     assert "replayed" not in await factory.list()
