@@ -676,6 +676,31 @@ async def test_hand_built_messages_are_validated(queue: aio_keuss.Queue) -> None
     assert await queue.total_size() == 0
 
 
+# Ids the naming calls take though no push here makes them: each names nothing stored
+STRANGE_KNOWN_IDS = ["a b", "tab\there", "x\u2028y", "zw\u200bsp", "q:1", "~0", "é😀", "x" * 1000]
+
+
+async def test_ids_nobody_stored_name_nothing(queue: aio_keuss.Queue) -> None:
+    """Every store is handed ids it never made by ok, ko, remove and find: a bucket id's
+    slot, a sharded id's shard, a space, must each come back as nothing there (False,
+    MISSING, None), never an error, and leave the real reservation alone."""
+    needs(queue, "reserve")
+    await queue.push("x")
+    real = await queue.reserve(timeout=10)
+    assert real is not None
+    for strange in STRANGE_KNOWN_IDS:
+        assert await queue.ok(strange) is False
+        assert await queue.ok(dataclasses.replace(real, id=strange)) is False
+        assert await queue.ko(strange) is aio_keuss.KoResult.MISSING
+        if queue.capabilities.remove:
+            assert await queue.remove(strange) is False
+        if queue.capabilities.peek:
+            assert await queue.find(strange) is None
+    assert await queue.resv_size() == 1
+    assert await queue.ok(real)
+    assert await queue.total_size() == 0
+
+
 async def test_pushed_ids_must_be_utf8_and_printable(queue: aio_keuss.Queue) -> None:
     for bad in BAD_IDS:
         if bad is None:  # push(id=None): an id is made
