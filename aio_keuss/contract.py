@@ -250,6 +250,11 @@ class Move:
 
 MOVE_TAG = "mv"
 """The tag of a message renamed by :meth:`Store.move` called from ``Queue.move``."""
+PUT_BACK_TAG = "pb"
+"""The tag of a popped message put back (its caller never got it) whose id was taken
+meanwhile: past its dedup window, pushed again."""
+MAX_RENAMES = 100
+"""Names a put-back tries (``<id>.pb`` to ``<id>.pb.100``) before it gives up."""
 
 
 def deadletter_tag(failed_deliveries: int) -> str:

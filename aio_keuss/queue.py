@@ -39,7 +39,9 @@ from .consumer import (
     retry_backoff,
 )
 from .contract import (
+    MAX_RENAMES,
     MOVE_TAG,
+    PUT_BACK_TAG,
     Ack,
     BulkLoad,
     DeadletterPlan,
@@ -50,12 +52,14 @@ from .contract import (
     OneTake,
     Store,
     Stored,
+    moved_id,
 )
 from .errors import (
     ClosedError,
     InvalidIdError,
     InvalidInputError,
     InvalidPayloadError,
+    KeussError,
     NotSupportedError,
 )
 from .ids import new_id
@@ -741,7 +745,28 @@ class Queue:
         if not result[0]:
             return None
         entries = [_back_entry(s) for s in result[0]]
-        return self._hand_back(self._store.insert(entries), len(entries), "popped messages")
+        return self._hand_back(self._insert_back(entries), len(entries), "popped messages")
+
+    async def _insert_back(self, entries: list[Entry]) -> None:
+        """Put popped messages back in the store. One the store refuses finds its id taken:
+        its dedup window over, the id was pushed again while the message was out. Dropped,
+        it was lost; it goes back under the name a move would give it (``<id>.pb``, then
+        ``<id>.pb.2``, ...), as every store names a moved message whose id is taken."""
+        originals = [entry.id for entry in entries]
+        flags = await self._store.insert(entries)
+        for clash in range(1, MAX_RENAMES + 1):
+            if all(flags):
+                return
+            refused = [k for k, flag in enumerate(flags) if not flag]
+            originals = [originals[k] for k in refused]
+            entries = [entries[k] for k in refused]
+            for entry, message_id in zip(entries, originals, strict=True):
+                entry.id = moved_id(message_id, PUT_BACK_TAG, clash)
+            flags = await self._store.insert(entries)
+        if not all(flags):
+            raise KeussError(
+                f"no free name for {len(entries)} messages put back, like {entries[0].id!r}"
+            )
 
     def _still_held(self, stored: Stored) -> bool:
         """Whether this reservation is still noted as handed out here (see ``_hold``)."""
@@ -802,7 +827,7 @@ class Queue:
             )
             for m in messages
         ]
-        await self._put_back(self._store.insert(entries), len(entries))
+        await self._put_back(self._insert_back(entries), len(entries))
 
     async def _release_all(self, messages: Sequence[Message]) -> None:
         """Give back reservations nobody saw (an interrupted ``reserve_many``, a stopped

@@ -635,6 +635,28 @@ async def test_prefetched_messages_popped_without_reserve_are_put_back_on_stop(
     assert left == sorted(left)  # back in their places
 
 
+async def test_a_popped_message_put_back_after_its_id_was_pushed_again_is_kept(
+    connect: Connect,
+) -> None:
+    """A popped message goes back when its caller never got it (a cancelled pop, a stopped
+    consumer, an interrupted sync call). Past its dedup window its id may have been pushed
+    again meanwhile: the put-back was refused as a duplicate of that new message, and the
+    popped one was dropped. It is kept under the name a move gives (``<id>.pb``)."""
+    factory = await connect(poll_interval=5.0)
+    q = await factory.queue("again", dedup_window=0)
+    needs(q, "idempotent")
+    await q.push("first", id="k")
+    popped = await q.pop(timeout=10)
+    assert popped is not None and popped.payload == "first"
+    assert await q.push("second", id="k") == "k"  # no window: the id is free once consumed
+    await q._put_back_unhandled([popped])  # type: ignore[attr-defined]
+    left: dict[str, Any] = {}
+    deadline = time.monotonic() + 30  # a sharded queue hands out one shard's at a time
+    while len(left) < 2 and time.monotonic() < deadline:
+        left.update((m.id, m.payload) for m in await q.pop_many(10, timeout=1))
+    assert left == {"k": "second", "k.pb": "first"}
+
+
 async def test_a_handler_closing_its_queue_keeps_its_message_from_other_consumers(
     connect: Connect, case: Any
 ) -> None:
