@@ -206,18 +206,26 @@ def encode_payloads(payloads: Sequence[Payload]) -> list[bytes]:
     """:func:`encode_payload` of each, in order: the same blobs, the same refusals (raised
     for the first payload refused, before anything is written).
 
-    A batch of dicts (what a DataFrame's rows make) is checked as a whole, a level of
+    A batch of dicts (what a DataFrame's rows make) is serialized by ``orjson.dumps``
+    mapped over them, with no Python frame per payload, then checked as a whole, a level of
     nesting at a time: the types of every value of every payload in one pass in C, then
-    those of what the lists and dicts among them hold, and so on; then ``orjson.dumps``
-    mapped over them, with no Python frame per payload. Only if some output holds a
-    ``null`` (a ``None``, or a NaN or an infinity, which orjson writes as ``null``) while
-    the batch has floats are those payloads looked at again. Any other batch, or one the
-    pass finds something in that is refused, goes one by one, which says what and why."""
+    those of what the lists and dicts among them hold, and so on. Serialized first: what
+    orjson takes holds no cycle and is under 255 levels deep, so the walk visits no more
+    items than the texts have values; walked first, a list holding itself twice doubled at
+    each level (2**k items at level k: all memory taken before the depth bound). Only if
+    some output holds a ``null`` (a ``None``, or a NaN or an infinity, which orjson writes
+    as ``null``) while the batch has floats are those payloads looked at again. Any other
+    batch, or one that orjson or the pass finds something in that is refused, goes one by
+    one, which says what and why."""
     if len(payloads) < _BATCH_AT_LEAST or set(map(type, payloads)) != _ONLY_DICTS:
+        return [encode_payload(payload) for payload in payloads]
+    try:
+        texts = list(map(orjson.dumps, payloads, _UNSERIALIZABLE, _OPTIONS))
+    except TypeError:  # a key that is not a str, an int beyond 64 bits, a cycle, too deep...
         return [encode_payload(payload) for payload in payloads]
     has_float = False
     values: Iterable[Any] = chain.from_iterable(map(dict.values, payloads))
-    for _ in range(_DEEPEST):  # past orjson's depth (or a list holding itself): one by one
+    for _ in range(_DEEPEST):  # past orjson's depth (which it refused): one by one
         level = list(values)
         kinds = list(map(type, level))
         found = set(kinds)
@@ -230,10 +238,6 @@ def encode_payloads(payloads: Sequence[Payload]) -> list[bytes]:
         dicts = compress(level, map(_IS_DICT, kinds))
         values = chain(chain.from_iterable(lists), chain.from_iterable(map(dict.values, dicts)))
     else:
-        return [encode_payload(payload) for payload in payloads]
-    try:
-        texts = list(map(orjson.dumps, payloads, _UNSERIALIZABLE, _OPTIONS))
-    except TypeError:  # a key that is not a str, an int beyond 64 bits, a lone surrogate
         return [encode_payload(payload) for payload in payloads]
     if has_float and b"".join(texts).find(b"null") >= 0:
         for payload, text in zip(payloads, texts, strict=True):

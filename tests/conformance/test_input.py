@@ -12,6 +12,8 @@ import dataclasses
 import enum
 import functools
 import math
+import subprocess
+import sys
 import time
 import uuid
 from collections import OrderedDict
@@ -383,6 +385,32 @@ def test_rows_holding_themselves_are_refused_not_walked_for_ever() -> None:
         encode_payloads([{"x": _nested_lists(200)}] * 10)
         == [encode_payload({"x": _nested_lists(200)})] * 10
     )
+
+
+_TWICE_HELD_LOOP = """
+import resource
+resource.setrlimit(resource.RLIMIT_AS, (2 << 30, 2 << 30))
+import aio_keuss
+from aio_keuss.message import encode_payloads
+loop = []
+loop += [loop, loop]
+try:
+    encode_payloads([{"x": loop}] * 10)
+except aio_keuss.InvalidPayloadError:
+    print("refused")
+"""
+
+
+def test_rows_holding_themselves_twice_are_refused_not_walked_level_by_level() -> None:
+    """A list holding itself twice doubles at each level: walked a level at a time it had
+    2**k items at level k, and the batch pass took all memory (MemoryError at level ~27
+    under a 2 GiB limit) where ``encode_payload`` refuses it at once (orjson's depth
+    limit). Run apart, under a memory limit, so that a regression fails rather than takes
+    the machine's memory."""
+    done = subprocess.run(
+        [sys.executable, "-c", _TWICE_HELD_LOOP], capture_output=True, text=True, check=False
+    )
+    assert done.stdout.strip() == "refused", done.stderr[-2000:]
 
 
 REFUSED_HEADERS: list[tuple[str, Any]] = [
