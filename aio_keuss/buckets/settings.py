@@ -130,9 +130,15 @@ def new_bucket_id() -> str:
 
 
 def split_id(message_id: str) -> tuple[str, int] | None:
-    """(bucket id, slot) of a message id, or None when it is not one of ours."""
+    """(bucket id, slot) of a message id, or None when it is not one of ours. The slot is
+    as ours are written: ASCII digits, no leading zero. ``isdigit`` alone also takes other
+    scripts' digits, which ``int`` reads (``-\u0663`` named slot 3, as ``-03`` did: an id
+    nobody was given acknowledged a message), and superscripts, which it refuses (a
+    ValueError out of ``ok``)."""
     bucket_id, dash, slot = message_id.rpartition("-")
-    if not dash or not bucket_id or not slot.isdigit() or len(slot) > 6:
+    if not dash or not bucket_id or not slot.isascii() or not slot.isdigit():
+        return None
+    if len(slot) > 6 or (slot[0] == "0" and len(slot) > 1):
         return None
     return bucket_id, int(slot)
 

@@ -729,6 +729,41 @@ async def test_ids_nobody_stored_name_nothing(queue: aio_keuss.Queue) -> None:
     assert await queue.total_size() == 0
 
 
+_ARABIC_INDIC = str.maketrans("0123456789", "".join(map(chr, range(0x660, 0x66A))))
+
+
+def _other_forms(message_id: str) -> list[str]:
+    """Ids that differ from ``message_id`` in how its number after the last ``-`` is
+    written (a bucket id's slot): a leading zero, Arabic-Indic digits, a superscript two, a
+    circled one. ``int`` reads the first two as that number and refuses the others, which
+    ``isdigit`` takes for digits."""
+    head, _, number = message_id.rpartition("-")
+    arabic = number.translate(_ARABIC_INDIC)
+    return [f"{head}-0{number}", f"{head}-{arabic}", f"{head}-\u00b2", f"{head}-\u2460"]
+
+
+async def test_a_number_written_another_way_names_nothing(queue: aio_keuss.Queue) -> None:
+    """A bucket store read the slot of an id with ``int`` once ``isdigit`` passed: a leading
+    zero or Arabic-Indic digits named the real message (ok of an id nobody was given
+    acknowledged it), and a superscript digit, a digit to ``isdigit`` but not to ``int``,
+    failed ok, ko and remove with a ValueError."""
+    needs(queue, "reserve")
+    await queue.push("x")
+    real = await queue.reserve(timeout=10)
+    assert real is not None
+    for other in _other_forms(real.id):
+        assert await queue.ok(other) is False
+        assert await queue.ok(dataclasses.replace(real, id=other)) is False
+        assert await queue.ko(other) is aio_keuss.KoResult.MISSING
+        if queue.capabilities.remove:
+            assert await queue.remove(other) is False
+        if queue.capabilities.peek:
+            assert await queue.find(other) is None
+    assert await queue.resv_size() == 1
+    assert await queue.ok(real)
+    assert await queue.total_size() == 0
+
+
 async def test_pushed_ids_must_be_utf8_and_printable(queue: aio_keuss.Queue) -> None:
     for bad in BAD_IDS:
         if bad is None:  # push(id=None): an id is made
