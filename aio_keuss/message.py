@@ -388,7 +388,11 @@ def check_known_id(message_id: object) -> str:
         raise InvalidIdError(f"message ids are str, not {type(message_id).__name__}")
     if not message_id or len(message_id) > MAX_KNOWN_ID_LENGTH:
         raise InvalidIdError(f"message ids have 1 to {MAX_KNOWN_ID_LENGTH} characters")
-    return check_known_id(str(message_id))  # a str subclass: checked as the str it holds
+    # A str subclass: checked as the str it holds, and returned as given, as check_id does
+    # (the push that took it did so). Not ``str(message_id)``: that is whatever its
+    # ``__str__`` says (a str-mixed Enum's name on Python 3.11), and ok named another id.
+    check_known_id(str.__str__(message_id))
+    return message_id
 
 
 def check_ids(message_ids: Sequence[object], longest: int = MAX_ID_LENGTH) -> list[str]:

@@ -764,6 +764,25 @@ async def test_a_number_written_another_way_names_nothing(queue: aio_keuss.Queue
     assert await queue.total_size() == 0
 
 
+class LegacyId(str, enum.Enum):  # noqa: UP042 (the str() a StrEnum does not have)
+    """A str-mixed Enum: on Python 3.11 its ``str()`` is ``LegacyId.JOB``, not its value."""
+
+    JOB = "job-1"
+
+
+async def test_an_id_of_a_str_subclass_names_what_it_pushed(queue: aio_keuss.Queue) -> None:
+    """ok and remove checked a str subclass's id as ``str(id)``: for a str-mixed Enum that
+    is its name (``LegacyId.JOB``), not the id it pushed, so ok of the id a push took
+    returned False and the message came back for ever."""
+    needs(queue, "reserve")
+    needs(queue, "idempotent")
+    await queue.push("x", id=LegacyId.JOB)
+    real = await queue.reserve(timeout=10)
+    assert real is not None and real.id == "job-1"
+    assert await queue.ok(LegacyId.JOB)
+    assert await queue.total_size() == 0
+
+
 async def test_pushed_ids_must_be_utf8_and_printable(queue: aio_keuss.Queue) -> None:
     for bad in BAD_IDS:
         if bad is None:  # push(id=None): an id is made
