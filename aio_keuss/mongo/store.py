@@ -143,6 +143,15 @@ def _epoch(when: datetime | str) -> float:
     return when.replace(tzinfo=UTC).timestamp() if when.tzinfo is None else when.timestamp()
 
 
+def _as_stored(timestamp: float) -> float:
+    """``timestamp`` as a date field written from it reads back: BSON dates hold whole
+    milliseconds, and the driver truncates. A time compared with a stored one (a record's
+    processed time) must be so too: to the microsecond, the start of a push read as later
+    than a consumption in the same millisecond after it."""
+    when = _date(timestamp)
+    return _epoch(when.replace(microsecond=when.microsecond // 1000 * 1000))
+
+
 def _ms_date(timestamp: float) -> datetime:
     """A time as MongoDB stores dates: whole milliseconds (so a cursor matches its record)."""
     return datetime.fromtimestamp(min(round(timestamp, 3), FAR_FUTURE), UTC)
@@ -515,7 +524,7 @@ class MongoStore(Store):
         look; read as never stored, its retry stored it again)."""
         landed: list[str] = []
         with contextlib.suppress(Exception):
-            found = await self._landed(dict.fromkeys(claimed, _epoch(_date(since))))
+            found = await self._landed(dict.fromkeys(claimed, _as_stored(since)))
             landed = [message_id for message_id in claimed if message_id in found]
             claimed = [message_id for message_id in claimed if message_id not in found]
         if claimed:

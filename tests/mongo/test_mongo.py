@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import subprocess
 import sys
 import time
@@ -244,6 +245,37 @@ async def test_a_stored_message_consumed_before_the_give_back_looked_stays_refus
     with pytest.raises(aio_keuss.KeussConnectionError):
         await q.push_many(["a", "b"], ids=["a", "b"])
     assert taken[0] is not None and taken[0].id == "a"
+    await q.push_many(["a", "b"], ids=["a", "b"])  # the retry: "a" is refused
+    second = await q.pop(timeout=1)
+    assert second is not None and second.id == "b"
+    assert await q.total_size() == 0
+
+
+async def test_a_message_consumed_in_the_millisecond_its_push_began_stays_refused(
+    open_factory: Open, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """mongo-history: as above, the consumer taking the message in the millisecond the push
+    began, after it. The give-back compared the record's processed time, which MongoDB
+    keeps to the millisecond (truncated), with the push's start to the microsecond: the
+    record looked older than the push, its claim was given back and the retry stored the
+    message a second time. The clock is set by hand: the push begins 0.2 ms into a
+    millisecond, the consumer takes the message 0.7 ms into it."""
+    q = await (await open_factory("mongo-history")).queue("eaten")
+    other = await (await open_factory("mongo-history")).queue("eaten")
+    start = float(math.floor(time.time()))  # a whole second: its milliseconds are exact
+    clock = SimpleNamespace(now=start + 0.0002)
+    monkeypatch.setattr(store_module, "time", SimpleNamespace(time=lambda: clock.now))
+    taken: list[aio_keuss.Message | None] = []
+
+    async def another_consumer() -> None:
+        clock.now = start + 0.0007
+        taken.append(await other.pop(timeout=1))
+
+    fail_next_insert(q, stored=1, meanwhile=another_consumer)
+    with pytest.raises(aio_keuss.KeussConnectionError):
+        await q.push_many(["a", "b"], ids=["a", "b"])
+    assert taken[0] is not None and taken[0].id == "a"
+    monkeypatch.setattr(store_module, "time", time)  # the clock runs again: "b" matures
     await q.push_many(["a", "b"], ids=["a", "b"])  # the retry: "a" is refused
     second = await q.pop(timeout=1)
     assert second is not None and second.id == "b"
