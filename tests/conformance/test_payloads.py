@@ -131,11 +131,14 @@ async def test_bad_arguments(factory: aio_keuss.Factory, queue: aio_keuss.Queue)
     with pytest.raises(aio_keuss.InvalidInputError):
         await queue.push_many([1, 2], ids=["only-one"])
     if queue.capabilities.reserve:
-        for bad in [None, 5, "", "with space"]:
+        # (not "with space": an id another program stored must stay nameable; see
+        # check_known_id)
+        for bad in [None, 5, "", "nul\x00byte", "x" * 1001]:
             with pytest.raises(aio_keuss.InvalidIdError):
                 await queue.ok(bad)  # type: ignore[arg-type]
             with pytest.raises(aio_keuss.InvalidIdError):
                 await queue.ko(bad)  # type: ignore[arg-type]
+        assert await queue.ok("with space") is False
         with pytest.raises(aio_keuss.InvalidDelayError):
             await queue.ko("some-id", delay=-3)
     assert await queue.total_size() == 0
