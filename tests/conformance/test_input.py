@@ -712,18 +712,26 @@ async def test_ids_nobody_stored_name_nothing(queue: aio_keuss.Queue) -> None:
     """Every store is handed ids it never made by ok, ko, remove and find: a bucket id's
     slot, a sharded id's shard, a space, must each come back as nothing there (False,
     MISSING, None), never an error, and leave the real reservation alone."""
+    await _each_names_nothing(queue, lambda _: STRANGE_KNOWN_IDS)
+
+
+async def _each_names_nothing(
+    queue: aio_keuss.Queue, others: Callable[[Message], list[str]]
+) -> None:
+    """ok, ko, remove and find of each of ``others(real)`` (``real``: a message reserved
+    here) name nothing, and leave ``real``'s reservation alone."""
     needs(queue, "reserve")
     await queue.push("x")
     real = await queue.reserve(timeout=10)
     assert real is not None
-    for strange in STRANGE_KNOWN_IDS:
-        assert await queue.ok(strange) is False
-        assert await queue.ok(dataclasses.replace(real, id=strange)) is False
-        assert await queue.ko(strange) is aio_keuss.KoResult.MISSING
+    for other in others(real):
+        assert await queue.ok(other) is False
+        assert await queue.ok(dataclasses.replace(real, id=other)) is False
+        assert await queue.ko(other) is aio_keuss.KoResult.MISSING
         if queue.capabilities.remove:
-            assert await queue.remove(strange) is False
+            assert await queue.remove(other) is False
         if queue.capabilities.peek:
-            assert await queue.find(strange) is None
+            assert await queue.find(other) is None
     assert await queue.resv_size() == 1
     assert await queue.ok(real)
     assert await queue.total_size() == 0
@@ -747,21 +755,7 @@ async def test_a_number_written_another_way_names_nothing(queue: aio_keuss.Queue
     zero or Arabic-Indic digits named the real message (ok of an id nobody was given
     acknowledged it), and a superscript digit, a digit to ``isdigit`` but not to ``int``,
     failed ok, ko and remove with a ValueError."""
-    needs(queue, "reserve")
-    await queue.push("x")
-    real = await queue.reserve(timeout=10)
-    assert real is not None
-    for other in _other_forms(real.id):
-        assert await queue.ok(other) is False
-        assert await queue.ok(dataclasses.replace(real, id=other)) is False
-        assert await queue.ko(other) is aio_keuss.KoResult.MISSING
-        if queue.capabilities.remove:
-            assert await queue.remove(other) is False
-        if queue.capabilities.peek:
-            assert await queue.find(other) is None
-    assert await queue.resv_size() == 1
-    assert await queue.ok(real)
-    assert await queue.total_size() == 0
+    await _each_names_nothing(queue, lambda real: _other_forms(real.id))
 
 
 class LegacyId(str, enum.Enum):  # noqa: UP042 (the str() a StrEnum does not have)
