@@ -500,9 +500,9 @@ class MongoStore(Store):
         mongo, for a message that went in, lost its reply and was consumed (deleted) before
         this read: nothing is left to tell it from one that never went in, short of a
         transaction around claim and insert (mongo-history keeps its record, which tells).
-        When the give-back
-        itself fails (the connection is still down), the claims are owed: the next insert
-        with ids of its own on this queue gives them back first (see ``_give_back_owed``)."""
+        When the give-back itself fails (the connection is still down), the claims are owed:
+        the next insert with ids of its own on this queue gives them back first (see
+        ``_give_back_owed``)."""
         try:
             await self._give_back_now(claimed, token, since)
         except Exception:
