@@ -20,8 +20,9 @@ Shard keys (hash tag ``{queue#shard}``), ``<base>`` being ``prefix:{queue#shard}
                            loaded;
                            <seq> zero-padded to 20 digits (older records: unpadded)
     <base>z          ZSET  seq -> mature time of the scheduled records
-    <base>ix         HASH  id -> pointer of its record ('s' while sidelined, 'z<seq>' while
-                           scheduled)
+    <base>ix         HASH  id -> pointer of its record ('s<ptr>' while sidelined, older
+                           versions wrote 's'; 'z<seq>' while scheduled). An entry whose
+                           record now has another id, or none, is stale (see queued)
     <base>d          ZSET  id -> end of its dedup window (explicit ids only)
     <base>k          ZSET  pointer -> deadline of the reservations the sweep stepped over
                            (within their deadline when it passed them), looked at again
@@ -137,7 +138,7 @@ local function adopt(key, lapsed)
   end
   local at = string.sub(key, #ARGV[1] + 1)
   local place = string.sub(at, 3)
-  local entry = ({r = place, s = 's', q = 'z' .. place})[string.sub(at, 1, 1)]
+  local entry = ({r = place, s = 's' .. place, q = 'z' .. place})[string.sub(at, 1, 1)]
   local id = new_id(place)
   redis.call('DEL', key)
   redis.call('HSET', key, 'i', id, 'p', 'B' .. bytes, 't', '0', 'm', fmt(server_now()),
@@ -207,6 +208,34 @@ local function framed(rec, now, key, hold)
   end
   return out
 end
+-- A record that lost its id where it waited (another program deleted the field): held, in
+-- the sideline or in the schedule, the scripts moving it on (SWEEP, SHOVEL, promote) passed
+-- it over, left there for ever. It is framed, as FIRE frames one, under a new id (its
+-- index entry is set by the step moving it), and its id returned; false if ``key`` holds no
+-- record. Its lost id's entry cannot be found from it: ``queued`` finds it stale.
+local function renamed(key, now)
+  if redis.call('EXISTS', key) == 0 then return false end
+  local rec = redis.call('HMGET', key, 'i', 'p', 'h', 't', 'm', 'e', 'o')
+  rec[1] = ''
+  return framed(rec, now, key, true)[1]
+end
+-- Whether ``id`` is queued: its index entry, checked against the record it names, which
+-- must bear that id. A record renamed (see ``renamed``) leaves its lost id's entry behind,
+-- naming a record of another id or none: that entry is dropped here, so the id can be
+-- pushed again. An older version's sideline entry ('s', no pointer) cannot be checked and
+-- counts, as does one naming a key of another type (``adopt`` renames it when met).
+local function queued(base, id)
+  local at = redis.call('HGET', KEYS[2], id)
+  if not at then return false end
+  if at == 's' then return true end
+  local kind, rest = string.sub(at, 1, 1), string.sub(at, 2)
+  local key = base .. 'r:' .. at
+  if kind == 's' then key = base .. 's:' .. rest elseif kind == 'z' then key = base .. 'q:' .. rest end
+  local named = redis.pcall('HGET', key, 'i')
+  if type(named) == 'table' and named.err or named == id then return true end
+  redis.call('HDEL', KEYS[2], id)
+  return false
+end
 local function meta(fields)
   local got = redis.call('HMGET', KEYS[1], unpack(fields))
   for k = 1, #got do got[k] = tonumber(got[k] or 0) end
@@ -232,7 +261,7 @@ local function promote(base, now, most)
   local l = meta({'l'})[1]
   for _, q in ipairs(due) do
     local key = base .. 'q:' .. q
-    local id = read(key, false, 'i')[1]
+    local id = read(key, false, 'i')[1] or renamed(key, now)
     if id then
       redis.call('RENAME', key, base .. 'r:' .. ptr(l))
       redis.call('HSET', KEYS[2], id, ptr(l))
@@ -357,7 +386,7 @@ for i = 5, #ARGV, 9 do
   local id, check = ARGV[i], ARGV[i + 4]
   local fresh = true
   if check ~= '' then
-    if seen[id] or redis.call('HEXISTS', KEYS[2], id) == 1 then
+    if seen[id] or queued(base, id) then
       fresh = false
     elseif check == 'd' then
       if not purged then
@@ -458,7 +487,8 @@ return out
 _HELD = """
 local function held(base, id, want)
   local at = redis.call('HGET', KEYS[2], id)
-  if not at or at == 's' or string.sub(at, 1, 1) == 'z' then return nil end
+  local kind = at and string.sub(at, 1, 1)
+  if not at or kind == 's' or kind == 'z' then return nil end
   local key = base .. 'r:' .. at
   -- another type there, or a record another id took over (see adopt): not held
   local rec = redis.pcall('HMGET', key, 'x', 't', 'i')
@@ -688,19 +718,31 @@ local function lapse(key, id, e)
     expired = expired + 1
   else
     redis.call('RENAME', key, base .. 's:' .. ptr(sl))
-    redis.call('HSET', KEYS[2], id, 's')
+    redis.call('HSET', KEYS[2], id, 's' .. ptr(sl))
     sl = sl + 1
     moved = moved + 1
   end
 end
+-- A record in the fired region (before the fire pointer) is held: one found there without
+-- its id or its deadline (another program deleted the field) is taken as lapsed, under a new
+-- id if it lost its own (``renamed``). A slot at or past the fire pointer holds a record put
+-- back since it was noted, waiting to be fired: not held.
+local function held_at(key, at)
+  local rec = read(key, true, 'i', 'x', 'e')
+  if rec[1] and rec[2] then return rec end
+  if at >= f then return nil end
+  if not rec[1] then rec[1] = renamed(key, now) end
+  if rec[1] then return rec end
+  return nil
+end
 for _, at in ipairs(redis.call('ZRANGE', KEYS[5], '-inf', fmt(now), 'BYSCORE', 'LIMIT', 0,
     batch)) do
   local key = base .. 'r:' .. at
-  local rec = read(key, true, 'i', 'x', 'e')
-  if rec[1] and rec[2] and (number(rec[2]) or 0) > now then  -- unreadable: passed
+  local rec = held_at(key, tonumber(at))
+  if rec and (number(rec[2]) or 0) > now then  -- unreadable or missing: passed
     redis.call('ZADD', KEYS[5], rec[2], at)
   else
-    if rec[1] and rec[2] then lapse(key, rec[1], rec[3]) end
+    if rec then lapse(key, rec[1], rec[3]) end
     redis.call('ZREM', KEYS[5], at)
   end
 end
@@ -709,8 +751,8 @@ end
 local stop, at = math.min(f, w + batch), w
 while at < stop do
   local key = base .. 'r:' .. ptr(at)
-  local rec = read(key, true, 'i', 'x', 'e')
-  if rec[1] and rec[2] then
+  local rec = held_at(key, at)
+  if rec then
     if (number(rec[2]) or 0) > now then
       redis.call('ZADD', KEYS[5], rec[2], ptr(at))
     else
@@ -744,7 +786,7 @@ local moved, expired = 0, 0
 while sf < sl and moved + expired < batch do
   local key = base .. 's:' .. ptr(sf)
   local rec = read(key, false, 'i', 'e')
-  local id = rec[1]
+  local id = rec[1] or renamed(key, now)
   if id and dead(rec[2], now) then
     drop(key, id)
     expired = expired + 1

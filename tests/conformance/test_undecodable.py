@@ -22,6 +22,7 @@ from aio_keuss.contract import Entry
 from aio_keuss.ids import new_id
 from aio_keuss.message import EMPTY_HEADERS, encode_payload
 from aio_keuss.sharded.settings import shard_of
+from aio_keuss.sharded.sweeper import Sweeper
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -498,6 +499,77 @@ async def test_a_redis_sharded_record_whose_id_is_not_usable_is_delivered_under_
     for shard in range(store.shards):
         assert await backend.execute("HLEN", store._storage._shard(queue.name, shard)[1][1]) == 0
     assert [await backend.execute("EXISTS", key) for key in planted] == [0] * len(planted)
+
+
+@pytest.mark.parametrize(
+    ("where", "field"), [("held", "i"), ("held", "x"), ("sidelined", "i"), ("scheduled", "i")]
+)
+async def test_a_redis_sharded_record_stripped_where_it_waits_comes_back(
+    connect: Connect, case: Any, where: str, field: str
+) -> None:
+    """A record another program stripped of its id while it was held, in the sideline or in
+    the schedule was passed over by the sweep, the shovel or the load of matured records
+    (left there for ever, counted as reserved or scheduled), and its lost id's index entry
+    refused every later push of that id; a held one stripped of its reservation deadline
+    was passed over too. Each comes back (whole under a new id, if it lost its own), its
+    stale holder's ok refused, and its old id can be pushed again."""
+    if case.name != "redis-sharded":
+        pytest.skip("redis-sharded's framing")
+    # no dedup window: an id is refused only while queued (what the lost id's entry said)
+    factory = await connect(poll_interval=5.0, reserve_delay=0.2, sweeper=False, dedup_window=0)
+    queue = await factory.queue("stripped")
+    backend_ = factory.backend
+    leader = Sweeper(backend_.storage, backend_.sharded, lambda *_: None)  # type: ignore[attr-defined]
+    shards = queue._store.shards  # type: ignore[attr-defined]
+    await queue.push("kept", id="kept", delay=0.2 if where == "scheduled" else 0.0)
+    backend, keys, _ = await sharded_key(queue, "kept")
+    base = keys[0][:-1]
+    seen: set[str] = set()
+
+    async def record_key() -> str:
+        at = (await backend.execute("HGET", keys[1], "kept")).decode()
+        key = base + {"s": "s:" + at[1:], "z": "q:" + at[1:]}.get(at[0], "r:" + at)
+        seen.add(key)
+        return key
+
+    held = None if where == "scheduled" else await queue.reserve(timeout=5)
+    if held is not None:
+        assert held.id == "kept"
+        await record_key()
+    if where == "sidelined":
+        deadline = time.monotonic() + 30
+        while not await leader.sweep_queue(queue.name, shards):
+            assert time.monotonic() < deadline, "never swept"
+            await asyncio.sleep(0.05)
+    key = await record_key()
+    stored = await backend.execute("HGET", key, "p")
+    assert await backend.execute("HDEL", key, field) == 1
+    if held is not None:
+        assert not await queue.ok(held)
+    back = None
+    deadline = time.monotonic() + 30
+    while back is None:
+        assert time.monotonic() < deadline, "never came back"
+        await leader.sweep_queue(queue.name, shards)
+        await leader.shovel_queue(queue.name, shards)
+        back = await queue.reserve(timeout=0.1)
+    if field == "i":
+        assert back.id != "kept" and back.payload == stored
+        assert "(no id)" in str(back.headers[UNDECODABLE])
+    else:
+        assert (back.id, back.payload) == ("kept", "kept")
+    assert back.tries == (0 if where == "scheduled" else 1)
+    assert await queue.ok(back)
+    await queue.push("again", id="kept")
+    again = await queue.reserve(timeout=5)
+    assert again is not None and (again.id, again.payload) == ("kept", "again")
+    assert await queue.ok(again)
+    assert await queue.total_size() == 0
+    for shard in range(shards):
+        index = queue._store._storage._shard(queue.name, shard)[1][1]  # type: ignore[attr-defined]
+        assert await backend.execute("HLEN", index) == 0
+    assert [await backend.execute("EXISTS", k) for k in sorted(seen)] == [0] * len(seen)
+    await leader.stop()
 
 
 async def test_a_redis_sharded_record_key_of_another_type_is_delivered_whole(
