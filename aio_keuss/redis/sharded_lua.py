@@ -728,9 +728,8 @@ end
 -- id if it lost its own (``renamed``). A slot at or past the fire pointer holds a record put
 -- back since it was noted, waiting to be fired: not held.
 local function held_at(key, at)
+  if at >= f then return nil end  -- not read: a key of another type is FIRE's to adopt
   local rec = read(key, true, 'i', 'x', 'e')
-  if rec[1] and rec[2] then return rec end
-  if at >= f then return nil end
   if not rec[1] then rec[1] = renamed(key, now) end
   if rec[1] then return rec end
   return nil

@@ -18,7 +18,7 @@ from conftest import Connect, needs
 
 import aio_keuss
 from aio_keuss import Message
-from aio_keuss.contract import Entry
+from aio_keuss.contract import Entry, Nack
 from aio_keuss.ids import new_id
 from aio_keuss.message import EMPTY_HEADERS, encode_payload
 from aio_keuss.sharded.settings import shard_of
@@ -570,6 +570,41 @@ async def test_a_redis_sharded_record_stripped_where_it_waits_comes_back(
         assert await backend.execute("HLEN", index) == 0
     assert [await backend.execute("EXISTS", k) for k in sorted(seen)] == [0] * len(seen)
     await leader.stop()
+
+
+async def test_a_redis_sharded_key_of_another_type_put_back_where_a_reservation_was_noted(
+    connect: Connect, case: Any
+) -> None:
+    """A reservation the sweep stepped over is noted for a later look; released unseen, its
+    record goes back to its slot, before the fire pointer. A key of another type written
+    there was adopted by that later look as a lapsed reservation: sidelined although
+    never fired, and the count of reservations went below zero. It is delivered whole by
+    a fetch instead, and nothing counts it as held."""
+    if case.name != "redis-sharded":
+        pytest.skip("redis-sharded's framing")
+    factory = await connect(poll_interval=5.0, sweeper=False)
+    queue = await factory.queue("noted")
+    store = queue._store  # type: ignore[attr-defined]
+    storage = store._storage
+    entries = [Entry(f"held{k}~0", b'J"x"', EMPTY_HEADERS) for k in range(2)]
+    await storage.load(queue.name, 0, entries, 0.0, None)
+    held = (await storage.fire(queue.name, 0, 2, 600.0)).messages
+    assert (await storage.sweep(queue.name, 0, 1000)).stopped  # within their deadline: noted
+    released = await storage.rollback(
+        queue.name, 0, [Nack(m.id, 0, 0.0, False) for m in held], None
+    )
+    assert released.results == [aio_keuss.KoResult.ROLLED_BACK] * 2
+    base, keys = storage._shard(queue.name, 0)
+    backend = storage._backend
+    assert await backend.execute("HGET", keys[1], "held1~0") == b"1"  # back in its slot
+    await backend.execute("SET", base + "r:1", b"plain bytes")  # behind a live one
+    await backend.execute("ZADD", keys[4], 0, "1")  # its noted deadline, as if passed
+    step = await storage.sweep(queue.name, 0, 1000)
+    assert (step.moved, step.sidelined) == (0, 0)
+    sizes = await storage.sizes(queue.name, 0)
+    assert (sizes.fired, sizes.sidelined, sizes.ready) == (0, 0, 2)
+    got = (await storage.fire(queue.name, 0, 2, None)).messages
+    assert [m.payload for m in got] == [b'J"x"', b"Bplain bytes"]
 
 
 async def test_a_redis_sharded_record_key_of_another_type_is_delivered_whole(
