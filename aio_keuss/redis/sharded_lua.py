@@ -729,8 +729,13 @@ end
 -- back since it was noted, waiting to be fired: not held.
 local function held_at(key, at)
   if at >= f then return nil end  -- not read: a key of another type is FIRE's to adopt
-  local rec = read(key, true, 'i', 'x', 'e')
-  if not rec[1] then rec[1] = renamed(key, now) end
+  local rec = read(key, true, 'i', 'x', 'e', 't', 'm')
+  if rec[1] then return rec end
+  -- No id: acknowledged (the slot is empty), or stripped of it. Each of our records has
+  -- tries and a mature time, so one with none of the fields read counts as gone: the walk
+  -- passes an acknowledged slot per message, and an EXISTS for each cost the leader a
+  -- call a message.
+  if rec[2] or rec[3] or rec[4] or rec[5] then rec[1] = renamed(key, now) end
   if rec[1] then return rec end
   return nil
 end
