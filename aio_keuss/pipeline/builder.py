@@ -166,11 +166,10 @@ class PipelineRun:
         self.consumers: list[Consumer] = []
         self._started = False
 
-    async def start(self) -> PipelineRun:
-        """Check the pipeline, open its queues, store its topology and start its stations."""
-        if self._started:
-            raise PipelineError(f"pipeline {self.pipeline.name!r} is already running")
-        self._started = True
+    def check(self) -> list[tuple[Link, dict[str, Any]]]:
+        """Check the pipeline and every station's settings, opening nothing: what ``start``
+        refuses, raised before anything is opened or written (a worker checks this before
+        its repeats push). Returns each station with its settings."""
         pipeline = self.pipeline
         pipeline.validate()
         factory = pipeline.factory
@@ -195,6 +194,16 @@ class PipelineRun:
                 check_settings(**settings, settled=True, max_batch=options.max_batch)
             except InvalidInputError as exc:
                 raise PipelineError(f"station {link.name!r}: {exc}") from exc
+        return stations
+
+    async def start(self) -> PipelineRun:
+        """Check the pipeline, open its queues, store its topology and start its stations."""
+        if self._started:
+            raise PipelineError(f"pipeline {self.pipeline.name!r} is already running")
+        self._started = True
+        stations = self.check()
+        pipeline = self.pipeline
+        factory = pipeline.factory
         queues: dict[str, Queue] = {}
         inputs = {link.source for link in pipeline.links}
         for name in pipeline.queues:

@@ -27,12 +27,13 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any, cast
 
 from .. import observe
-from ..consumer import Consumer, Handler, describe
+from ..consumer import Consumer, Handler, check_settings, describe
 from ..errors import ConsumerFailedError, InvalidInputError, NotSupportedError, PipelineError
 from ..factory import Factory, connect
 from ..loading import import_object
 from ..options import brief, check_seconds
 from ..pipeline import Pipeline, from_dict, load
+from ..queue import Queue
 from ..repeat import Repeat, Repeater
 from .health import HealthServer
 from .settings import named_twice, repeated_twice
@@ -112,6 +113,12 @@ async def run_worker(
     if twice:
         raise InvalidInputError(twice)
     grace = check_seconds(grace, "grace")
+    if pipeline is None and handler is not None:
+        # what consume() refuses, before connecting (and before a repeat pushes); a
+        # prefetch above a queue's max_batch is checked as soon as the queues are open
+        check_settings(
+            concurrency, timeout=timeout, prefetch=prefetch, settled=False, max_batch=prefetch
+        )
     if factory is not None and options:
         raise InvalidInputError("backend options are for a worker that connects by itself")
     stop = stop or asyncio.Event()
@@ -140,17 +147,32 @@ async def run_worker(
         _counting_workers += 1
     try:
         stations = None if pipeline is None else _pipeline(pipeline, opened)
-        await _start_repeats(opened, specs, stations, queue_options or {}, repeaters)
+        running = None
+        to_consume: list[Queue] = []
+        # every consumer's settings checked before a repeat pushes anything
         if stations is not None:
             running = stations.run(concurrency, timeout=timeout, prefetch=prefetch)
+            running.check()
+        elif handler is not None:
+            for name in names:
+                queue = await opened.queue(name, **dict(queue_options or {}))
+                check_settings(
+                    concurrency,
+                    timeout=timeout,
+                    prefetch=prefetch,
+                    settled=False,
+                    max_batch=queue.options.max_batch,
+                )
+                to_consume.append(queue)
+        await _start_repeats(opened, specs, stations, queue_options or {}, repeaters)
+        if stations is not None and running is not None:
             try:
                 await running.start()
             finally:
                 consumers.extend(running.consumers)
             names = [f"pipeline {stations.name!r} ({', '.join(stations.queues)})"]
         elif handler is not None:
-            for name in names:
-                queue = await opened.queue(name, **dict(queue_options or {}))
+            for queue in to_consume:
                 consumer = queue.consume(handler, concurrency, timeout=timeout, prefetch=prefetch)
                 consumers.append(consumer)
         if health_port is not None:

@@ -373,3 +373,65 @@ async def test_a_repeat_into_a_pipeline_opens_its_queue_with_the_pipelines_optio
         )
         assert set(ended) == {42}
         assert (await factory.queue("in")).options.reserve_delay == 30
+
+
+@pytest.mark.parametrize(
+    ("settings", "error"),
+    [
+        ({"concurrency": 0}, InvalidInputError),
+        ({"concurrency": True}, InvalidInputError),
+        ({"timeout": -1}, InvalidDelayError),
+        ({"prefetch": -1}, InvalidInputError),
+    ],
+)
+async def test_bad_consumer_settings_are_refused_before_anything_connects(
+    settings: dict[str, Any], error: type[Exception]
+) -> None:
+    """Against a port where nothing listens: checked only as the consumers start, they
+    raised KeussConnectionError instead (and, with a server there, after the repeats had
+    pushed their first occurrences)."""
+    url = f"redis://127.0.0.1:{free_port()}/0"
+    tick = Repeat("jobs", "tick", 0, every=60)
+    with pytest.raises(error):
+        await aio_keuss.run_worker(
+            print, "jobs", repeats=[tick], backend="redis-oq", url=url, **settings
+        )
+
+
+async def test_a_prefetch_above_max_batch_is_refused_before_a_repeat_pushes() -> None:
+    """A prefetch the queue's max_batch refuses is found once the queue is open, but before
+    any repeat starts: the worker that raised left no occurrence behind."""
+    tick = Repeat("jobs", "tick", 0, every=60)
+    async with aio_keuss.connect("memory") as factory:
+        with pytest.raises(InvalidInputError, match="max_batch"):
+            await aio_keuss.run_worker(
+                print,
+                "jobs",
+                repeats=[tick],
+                factory=factory,
+                prefetch=6,
+                queue_options={"max_batch": 5},
+            )
+        assert await _waiting(await factory.queue("jobs")) == 0
+
+
+async def test_a_station_prefetch_above_max_batch_is_refused_before_a_repeat_pushes() -> None:
+    """The same for a pipeline: its stations' settings are checked before any repeat
+    starts, not as the stations start."""
+
+    async def end(message: Message) -> None:
+        pass
+
+    def build(opened: aio_keuss.Factory) -> aio_keuss_pipeline.Pipeline:
+        stations = opened.pipeline("ending", queue_options={"in": {"max_batch": 5}})
+        return stations.sink("in", end)
+
+    async with aio_keuss.connect("memory") as factory:
+        with pytest.raises(aio_keuss.PipelineError, match="max_batch"):
+            await aio_keuss.run_worker(
+                pipeline=build,
+                repeats=[Repeat("in", "tick", 0, every=60)],
+                factory=factory,
+                prefetch=6,
+            )
+        assert await _waiting(await factory.queue("in", max_batch=5)) == 0
