@@ -128,6 +128,10 @@ async def _bounded(tasks: set[asyncio.Task[Any]] | list[asyncio.Task[None]]) -> 
     await asyncio.gather(*tasks, return_exceptions=True)
 
 
+async def _awaited(work: Awaitable[Any]) -> Any:
+    return await work
+
+
 def retryable(exc: BaseException) -> bool:
     """Whether a failed round trip is worth retrying: connection and server errors are (and
     any unexpected exception from a store); a closed queue or a misuse never heals."""
@@ -726,10 +730,19 @@ class Consumer(StoppedOnExit):
             log.debug(
                 "queue %r: prefetched message %s waited too long", self.queue.name, message.id
             )
-            # out of the buffer already: a stop cancelling this wait must not cancel it
+            # out of the buffer already: a stop cancelling this wait must not cancel it,
+            # and waits for it (see _stopped), as for the other give-backs: left unowned,
+            # it could still be out as the queue's close gave the same reservation back
             await asyncio.shield(
-                self._acknowledge("release", message, self.queue.release([message]))
+                self._tracked(self._acknowledge("release", message, self.queue.release([message])))
             )
+
+    def _tracked(self, work: Awaitable[Any]) -> asyncio.Task[Any]:
+        """``work`` in a task of its own that a stop waits for (``_acks``)."""
+        task = self._loop.create_task(_awaited(work))
+        self._acks.add(task)
+        task.add_done_callback(self._acks.discard)
+        return task
 
     def _want(self) -> int:
         """How many one fetch reserves: one for each worker waiting for it (the fetcher

@@ -499,3 +499,46 @@ async def test_a_bad_grace_is_refused_before_the_stop_begins() -> None:
             assert consumer.state == "running"
         await consumer.stop(0)
         assert await q.resv_size() == 0
+
+
+async def test_a_stop_waits_for_the_give_back_of_a_prefetched_message_past_its_time() -> None:
+    """A prefetched message past half its reservation is given back rather than started; a
+    stop that lands while that give-back is out waits for it, as for every other one: left
+    running unowned, it could still be out as the queue's close gave the same reservation
+    back once more (by then perhaps another consumer's, which the second give-back took),
+    and the store could close under it."""
+    async with aio_keuss.connect("memory", reserve_delay=0.2) as factory:
+        q = await factory.queue("jobs")
+        await q.push_many(["a", "b", "c"])
+        started, go = asyncio.Event(), asyncio.Event()
+
+        async def handler(message: Message) -> None:
+            if message.payload == "a":
+                started.set()
+                await go.wait()
+
+        consumer = q.consume(handler, concurrency=1, prefetch=2)  # a, b and c at once
+        await asyncio.wait_for(started.wait(), 30)
+        await asyncio.sleep(0.2)  # b's reservation is half over well before this: at least
+        store = q._store  # type: ignore[attr-defined]
+        rollback = store.rollback
+        entered, released = asyncio.Event(), asyncio.Event()
+
+        async def slow_first(nacks: Any, plan: Any) -> Any:
+            if entered.is_set():
+                return await rollback(nacks, plan)
+            entered.set()
+            for _ in range(3000):  # the give-back of b lasts until the stop has begun
+                if consumer._stopping and all(t.done() for t in consumer._workers):  # type: ignore[attr-defined]
+                    break
+                await asyncio.sleep(0.01)
+            try:
+                return await rollback(nacks, plan)
+            finally:
+                released.set()
+
+        store.rollback = slow_first
+        go.set()  # a returns; b, past its time, is given back
+        await asyncio.wait_for(entered.wait(), 30)
+        await consumer.stop(grace=30)
+        assert released.is_set()
