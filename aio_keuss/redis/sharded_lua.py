@@ -230,7 +230,11 @@ local function queued(base, id)
   if at == 's' then return true end
   local kind, rest = string.sub(at, 1, 1), string.sub(at, 2)
   local key = base .. 'r:' .. at
-  if kind == 's' then key = base .. 's:' .. rest elseif kind == 'z' then key = base .. 'q:' .. rest end
+  if kind == 's' then
+    key = base .. 's:' .. rest
+  elseif kind == 'z' then
+    key = base .. 'q:' .. rest
+  end
   local named = redis.pcall('HGET', key, 'i')
   if type(named) == 'table' and named.err or named == id then return true end
   redis.call('HDEL', KEYS[2], id)
