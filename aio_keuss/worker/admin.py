@@ -9,7 +9,7 @@ to stderr), and exits with a code a script can trust:
 
 ====  ===================================================================================
 0     done
-1     failed (a backend error; nothing is known about what was done)
+1     failed (a backend error, or interrupted; nothing is known about what was done)
 2     bad usage: an unknown flag, a bad value, invalid JSON; nothing was written
 3     the backend cannot be reached
 4     not found: ``find`` of a message that is nowhere, ``pop`` of an empty queue, a queue
@@ -545,9 +545,12 @@ def run(args: argparse.Namespace, environ: Mapping[str, str] = os.environ) -> in
         print(f"{name}: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
 
+    finished: list[int] = []
+
     async def main() -> int:
         async with connect(backend, **options) as factory:
             code: int = await args.run(factory, args, out)
+            finished.append(code)
             return code
 
     try:
@@ -568,4 +571,10 @@ def run(args: argparse.Namespace, environ: Mapping[str, str] = os.environ) -> in
         print(f"{name}: failed: {exc!r}", file=sys.stderr)
         return EXIT_FAILED
     except KeyboardInterrupt:
-        return EXIT_OK
+        # asyncio.run raises it once the main task ends, even when the command ran to its
+        # end (a purge answered by an end of input): that command's code stands. Else only
+        # stats --watch ends this way when all went well; another command was cut short,
+        # and nothing is known about what it did.
+        if finished:
+            return finished[0]
+        return EXIT_OK if args.command == "stats" else EXIT_FAILED

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import signal
 import subprocess
 import sys
 from collections.abc import AsyncIterator
@@ -140,6 +141,33 @@ async def test_purge_asks_first_and_pop_takes(redis_cli: Cli) -> None:
     empty = await cli.run("pop", "jobs", "--json")
     assert empty.returncode == 4 and json.loads(empty.stdout) == []
     assert (await cli.json("purge", "jobs", "--yes"))["removed"] == 0
+
+
+async def test_a_purge_interrupted_at_its_question_exits_not_confirmed(redis_cli: Cli) -> None:
+    """Ctrl-C at purge's question removed nothing and said so ("not confirmed, nothing
+    removed"), yet the command exited 0, "done": the KeyboardInterrupt asyncio.run raises
+    once its main task returns was answered as a Ctrl-C of stats --watch is."""
+    cli = redis_cli
+    await cli.json("push", "jobs", "1")
+    command = [sys.executable, "-m", "aio_keuss", "purge", "jobs", *cli.flags()]
+    process = await asyncio.create_subprocess_exec(
+        *command,
+        stdin=asyncio.subprocess.PIPE,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    assert process.stderr is not None
+    asked = b""
+    while b"[y/N]" not in asked:
+        part = await process.stderr.read(100)
+        assert part, asked
+        asked += part
+    process.send_signal(signal.SIGINT)  # then the question is answered by an end of input
+    assert process.stdin is not None
+    process.stdin.close()
+    _, rest = await asyncio.wait_for(process.communicate(), 60)
+    assert process.returncode == 6, (asked + rest).decode()
+    assert (await cli.json("info", "jobs"))["total"] == 1
 
 
 async def test_pause_resume_and_stats_watch(redis_cli: Cli) -> None:
