@@ -185,6 +185,14 @@ class PipelineRun:
             (link, {**self.defaults.given(), **link.settings.given()}) for link in pipeline.links
         ]
         opened = {q.name: q.options for q in factory.open_queues()}
+        for name in pipeline.queues:  # what factory.queue refuses once others are opened
+            given = pipeline.queue_options.get(name)
+            found = opened.get(name)
+            if given and found is not None and found != factory.defaults.updated(given):
+                raise PipelineError(
+                    f"pipeline {pipeline.name!r}: queue {name!r} is already open with {found},"
+                    f" not the pipeline's queue_options {given}"
+                )
         for link, settings in stations:  # every setting checked before a queue is opened
             given = pipeline.queue_options.get(link.source)
             options = opened.get(link.source) if given is None else None

@@ -354,3 +354,29 @@ async def test_a_pipeline_keeps_the_options_another_process_recorded_for_its_end
 
 async def _forward_first(message: Message) -> Forward:
     return Forward(to=0)
+
+
+async def test_options_for_a_queue_open_with_others_are_refused_before_anything_is_written(
+    connect: Connect,
+) -> None:
+    # run.check() passed, then start() opened and recorded the queues before the one this
+    # factory had open with other options, and failed there with a ConfigError: the queue
+    # record was written (and a worker's repeats had pushed, since it trusts check()).
+    factory = await connect(poll_interval=5.0)
+    needs(factory, "move")
+    await factory.queue("late", reserve_delay=30)
+    pipeline = (
+        factory.pipeline("clash", queue_options={"late": {"reserve_delay": 45}})
+        .link("early", "late", _forward)
+        .sink("late", _forward_nothing)
+    )
+    with pytest.raises(aio_keuss.PipelineError, match=r"'late'.*already open"):
+        pipeline.run().check()
+    with pytest.raises(aio_keuss.PipelineError, match=r"'late'.*already open"):
+        async with pipeline.run():
+            pass
+    assert "early" not in await factory.list()
+    assert await factory.pipelines() == {}
+    same = factory.pipeline("same", queue_options={"late": {"reserve_delay": 30}})
+    async with same.link("early", "late", _forward).run():  # the options it is open with
+        pass
