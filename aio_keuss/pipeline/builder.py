@@ -123,6 +123,12 @@ class Pipeline:
     def validate(self) -> None:
         """Raise :class:`PipelineError` when the pipeline cannot run as built."""
         graph.check(self.name, self._links, self.acyclic)
+        unused = [queue for queue in self.queue_options if queue not in self.queues]
+        if unused:  # never opened by the run: options that would silently not apply
+            raise PipelineError(
+                f"pipeline {self.name!r}: queue_options name {unused[0]!r}, which is not one "
+                f"of its queues {self.queues}"
+            )
 
     def topology(self) -> dict[str, Any]:
         """The pipeline as plain data (what is stored in the backend and what

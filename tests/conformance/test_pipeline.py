@@ -380,3 +380,27 @@ async def test_options_for_a_queue_open_with_others_are_refused_before_anything_
     same = factory.pipeline("same", queue_options={"late": {"reserve_delay": 30}})
     async with same.link("early", "late", _forward).run():  # the options it is open with
         pass
+
+
+async def test_options_for_a_queue_outside_the_pipeline_are_refused(connect: Connect) -> None:
+    # they were stored with the topology and never applied: a misspelt queue's options
+    # (``[queue_options.incomming]``) were silently ignored
+    factory = await connect(poll_interval=5.0)
+    needs(factory, "move")
+    pipeline = factory.pipeline("typo", queue_options={"incomming": {"reserve_delay": 45}}).link(
+        "incoming", "out", _forward
+    )
+    with pytest.raises(aio_keuss.PipelineError, match=r"'incomming'.*not one of its queues"):
+        pipeline.validate()
+    with pytest.raises(aio_keuss.PipelineError, match="'incomming'"):
+        async with pipeline.run():
+            pass
+    doc = {
+        "name": "typo",
+        "stations": [{"from": "incoming", "to": "out", "handler": f"{__name__}:_forward"}],
+        "queue_options": {"incomming": {"reserve_delay": 45}},
+    }
+    with pytest.raises(aio_keuss.PipelineError, match="'incomming'"):
+        from_dict(factory, doc)
+    assert await factory.pipelines() == {}
+    assert not {"incoming", "out", "incomming"} & set(await factory.list())
