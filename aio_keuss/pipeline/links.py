@@ -57,7 +57,7 @@ class Link:
                 check_queue_name(destination)
         except InvalidInputError as exc:
             raise PipelineError(f"station {self.name or self.source!r}: {exc}") from exc
-        if not self.name:
+        if isinstance(self.name, str) and not self.name:  # not any falsy name: 0, [], False
             object.__setattr__(self, "name", self.source)
         if not isinstance(self.name, str) or not self.name.isprintable():
             # stored in the topology (a PostgreSQL jsonb refuses \u0000, a lone surrogate

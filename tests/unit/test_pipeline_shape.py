@@ -145,3 +145,16 @@ async def test_a_pipeline_key_that_is_no_table_is_a_pipeline_error(
     for bad in (5, None, "orders"):
         with pytest.raises(PipelineError, match="must be a table"):
             from_dict(factory, {"pipeline": bad})
+
+
+@pytest.mark.parametrize("name", [0, [], False])
+async def test_a_station_name_that_is_no_str_is_refused(
+    factory: aio_keuss.Factory, name: Any
+) -> None:
+    """A falsy name of another type (``name = 0`` in a TOML file) was taken for "no name"
+    and the station silently named after its input queue."""
+    with pytest.raises(PipelineError, match="station name must be a str"):
+        factory.pipeline("p").sink("a", _noop, name=name)
+    doc = {"name": "p", "stations": [{"name": name, "from": "a", "handler": f"{__name__}:_noop"}]}
+    with pytest.raises(PipelineError, match="station name must be a str"):
+        from_dict(factory, doc)
