@@ -228,9 +228,7 @@ def _pipeline(source: PipelineSource, factory: Factory) -> Pipeline:
             return load(factory, source)
         source = import_object(source, "pipeline", error=PipelineError)
     if isinstance(source, Pipeline):
-        if source.factory is not factory:
-            raise PipelineError(f"pipeline {source.name!r} was built on another factory")
-        return source
+        return _ours(source, factory)
     if isinstance(source, Mapping):
         return from_dict(factory, source)
     if callable(source):
@@ -238,9 +236,17 @@ def _pipeline(source: PipelineSource, factory: Factory) -> Pipeline:
         if isinstance(built, Mapping):
             return from_dict(factory, built)
         if isinstance(built, Pipeline):
-            return built
+            return _ours(built, factory)
         raise PipelineError(f"the pipeline builder returned {built!r}, not a Pipeline")
     raise PipelineError(f"not a pipeline: {source!r}")
+
+
+def _ours(pipeline: Pipeline, factory: Factory) -> Pipeline:
+    """``pipeline``, if built on the worker's factory (else its stations would run on a
+    backend the worker neither connected to nor closes)."""
+    if pipeline.factory is not factory:
+        raise PipelineError(f"pipeline {pipeline.name!r} was built on another factory")
+    return pipeline
 
 
 def _checked_repeats(repeats: Sequence[Repeat]) -> list[Repeat]:

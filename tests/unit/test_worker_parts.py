@@ -287,6 +287,27 @@ async def test_run_worker_runs_a_pipeline_until_asked_to_stop() -> None:
             await aio_keuss.run_worker(pipeline="nowhere_x:build", factory=factory)
 
 
+async def test_a_pipeline_builder_must_build_on_the_worker_s_factory() -> None:
+    """A Pipeline given as such is refused when built on another factory; one returned by a
+    builder (ignoring the factory it was given) ran there instead: on a backend the worker
+    neither connected to nor closes, its stations out of the worker's reach."""
+    async with (
+        aio_keuss.connect("memory") as factory,
+        aio_keuss.connect("memory") as other,
+    ):
+
+        async def forward(message: Message) -> Forward:
+            return Forward()
+
+        elsewhere = other.pipeline("elsewhere").link("in", "out", forward)
+        stopped = asyncio.Event()
+        stopped.set()  # else it runs until stopped: not a wait for the refusal
+        for source in (elsewhere, lambda opened: elsewhere):
+            with pytest.raises(PipelineError, match="built on another factory"):
+                await aio_keuss.run_worker(pipeline=source, factory=factory, stop=stopped)
+        assert await other.pipelines() == {} and await factory.pipelines() == {}
+
+
 def test_settings_take_a_pipeline_instead_of_a_handler() -> None:
     assert resolve({"pipeline": "etl:build"}, {}).pipeline == "etl:build"
     assert resolve({}, {"AIO_KEUSS_PIPELINE": "etl.toml"}).pipeline == "etl.toml"
