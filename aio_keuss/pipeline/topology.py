@@ -62,6 +62,17 @@ def from_dict(factory: Factory, doc: Mapping[str, Any], *, name: str | None = No
     for index, station in enumerate(stations):
         pipeline.add(_link(title, index, station))
     pipeline.validate()
+    queues = doc.get("queues")
+    if queues is not None and (
+        not isinstance(queues, list)
+        or not all(isinstance(q, str) for q in queues)
+        or sorted(queues) != sorted(pipeline.queues)
+    ):
+        # what topology() writes: derived from the stations, so it must agree with them
+        raise PipelineError(
+            f"pipeline {title!r}: 'queues' must list its stations' queues {pipeline.queues},"
+            f" not {queues!r}"
+        )
     return pipeline
 
 

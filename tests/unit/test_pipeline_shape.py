@@ -158,3 +158,17 @@ async def test_a_station_name_that_is_no_str_is_refused(
     doc = {"name": "p", "stations": [{"name": name, "from": "a", "handler": f"{__name__}:_noop"}]}
     with pytest.raises(PipelineError, match="station name must be a str"):
         from_dict(factory, doc)
+
+
+async def test_a_description_s_queues_must_be_its_stations_queues(
+    factory: aio_keuss.Factory,
+) -> None:
+    """``queues`` (what ``topology()`` writes, read back) was accepted whatever it held and
+    ignored: a list naming a queue no station touches, or no list at all."""
+    stations = [{"from": "a", "to": "b", "handler": f"{__name__}:_noop"}]
+    read_back = from_dict(factory, {"name": "p", "stations": stations}).topology()
+    assert from_dict(factory, read_back).topology() == read_back
+    assert from_dict(factory, {"name": "p", "stations": stations, "queues": ["b", "a"]})
+    for queues in (["a", "b", "c"], ["a"], 5, "a", [1, 2]):
+        with pytest.raises(PipelineError, match="queues"):
+            from_dict(factory, {"name": "p", "stations": stations, "queues": queues})
