@@ -145,6 +145,7 @@ class Pipeline:
         """Store the topology in the backend, where any process can list it
         (``factory.pipelines()``); ``run`` does it when it starts."""
         self.validate()
+        self.run()._stations()  # a station's settings are stored too: what run refuses is not
         await self.factory.stats_store.save_pipeline(self.name, self.topology())
 
     def run(
@@ -187,6 +188,13 @@ class PipelineRun:
                 f"pipeline {pipeline.name!r}: backend {factory.backend_name!r} cannot move a "
                 f"message between queues atomically{hint}"
             )
+        return self._stations()
+
+    def _stations(self) -> list[tuple[Link, dict[str, Any]]]:
+        """Each station with its settings, checked as ``consume`` checks them, and the
+        pipeline's queue options against those its queues are open with."""
+        pipeline = self.pipeline
+        factory = pipeline.factory
         stations = [
             (link, {**self.defaults.given(), **link.settings.given()}) for link in pipeline.links
         ]

@@ -404,3 +404,17 @@ async def test_options_for_a_queue_outside_the_pipeline_are_refused(connect: Con
         from_dict(factory, doc)
     assert await factory.pipelines() == {}
     assert not {"incoming", "out", "incomming"} & set(await factory.list())
+
+
+async def test_save_refuses_the_station_settings_run_refuses(connect: Connect) -> None:
+    # save() checked the shape only: a station's settings that run() refuses were stored
+    # with the topology, and one that is no JSON raised a bare TypeError from the encoder
+    factory = await connect(poll_interval=5.0)
+    needs(factory, "move")
+    for settings in ({"concurrency": 0}, {"prefetch": 10**9}, {"timeout": object()}):
+        pipeline = factory.pipeline("saved").link("in", "out", _forward, **settings)
+        with pytest.raises(aio_keuss.PipelineError, match="station 'in'"):
+            await pipeline.save()
+    assert await factory.pipelines() == {}
+    await factory.pipeline("saved").link("in", "out", _forward, concurrency=2).save()
+    assert list(await factory.pipelines()) == ["saved"]
