@@ -209,7 +209,8 @@ class PipelineRun:
                 )
         for link, settings in stations:  # every setting checked before a queue is opened
             given = pipeline.queue_options.get(link.source)
-            options = opened.get(link.source) if given is None else None
+            # no options (None or {}): the queue as it is open, as factory.queue returns it
+            options = opened.get(link.source) if not given else None
             if options is None:
                 options = factory.defaults.updated(given or {})
             try:

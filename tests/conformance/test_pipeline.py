@@ -418,3 +418,20 @@ async def test_save_refuses_the_station_settings_run_refuses(connect: Connect) -
     assert await factory.pipelines() == {}
     await factory.pipeline("saved").link("in", "out", _forward, concurrency=2).save()
     assert list(await factory.pipelines()) == ["saved"]
+
+
+async def test_empty_queue_options_check_prefetch_against_the_open_queue(connect: Connect) -> None:
+    # queue_options={"a": {}} opens "a" as it is open already (max_batch 5 here), but check()
+    # measured the prefetch against the defaults' max_batch: it passed, and start() refused
+    # the station only after opening the queues and storing the topology
+    factory = await connect(poll_interval=5.0)
+    needs(factory, "move")
+    await factory.queue("narrow", max_batch=5)
+    pipeline = factory.pipeline("wide", queue_options={"narrow": {}}).link("narrow", "b", _forward)
+    with pytest.raises(aio_keuss.PipelineError, match=r"station 'narrow'.*max_batch \(5\)"):
+        pipeline.run(prefetch=10).check()
+    with pytest.raises(aio_keuss.PipelineError, match=r"station 'narrow'.*max_batch \(5\)"):
+        async with pipeline.run(prefetch=10):
+            pass
+    assert await factory.pipelines() == {}
+    assert "b" not in await factory.list()
