@@ -94,9 +94,13 @@ class Every:
 
     def next_after(self, after: float) -> float:
         """The first occurrence strictly after ``after`` (seconds since the epoch)."""
+        # The division may round either way near a multiple: step down while the one before
+        # is still past ``after``, then up while this one is not.
         k = math.floor(after / self.seconds) + 1
+        while (k - 1) * self.seconds > after:
+            k -= 1
         t = k * self.seconds
-        while t <= after:  # float rounding of the division near a multiple
+        while t <= after:
             k += 1
             t = k * self.seconds
         return t
