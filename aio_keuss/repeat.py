@@ -142,8 +142,9 @@ class Repeat:
         check_queue_name(self.queue)
         plan = RepeatPlan.make(self.key, self.every, self.cron, self.tz, self.headers)
         first = plan.schedule.next_after(time.time())
-        encode_payload(self.payload)
+        # in the order a push checks them, so input bad twice raises what q.repeat raises
         encode_headers(plan.headers_at(first))
+        encode_payload(self.payload)
         check_id(plan.message_id(first))
         return plan
 

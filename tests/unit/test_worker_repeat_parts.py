@@ -435,3 +435,24 @@ async def test_a_station_prefetch_above_max_batch_is_refused_before_a_repeat_pus
                 prefetch=6,
             )
         assert await _waiting(await factory.queue("in", max_batch=5)) == 0
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        Repeat("jobs", "k", float("nan"), every=1, headers={"a": [1]}),  # type: ignore[dict-item]
+        Repeat("jobs", "k", (1, 2), cron="* * * * *", headers={1: "x"}),  # type: ignore[dict-item]
+    ],
+)
+async def test_check_raises_what_queue_repeat_raises_for_input_bad_twice(spec: Repeat) -> None:
+    """A payload and headers both bad: ``check()`` names the same fault ``q.repeat`` does."""
+    factory = await aio_keuss.connect("memory")
+    try:
+        q = await factory.queue(spec.queue)
+        with pytest.raises(InvalidInputError) as by_queue:
+            q.repeat(spec.key, spec.payload, every=spec.every, cron=spec.cron, headers=spec.headers)
+        with pytest.raises(InvalidInputError) as by_check:
+            spec.check()
+        assert type(by_check.value) is type(by_queue.value)
+    finally:
+        await factory.close()
