@@ -96,10 +96,12 @@ class RepeatPlan:
         return occurrence_id(self.key, t)
 
     def headers_at(self, t: float) -> Headers:
+        # the millisecond of the id (rounded), not ``t`` truncated by isoformat
+        scheduled = to_datetime(round(t * 1000) / 1000)
         return {
             **self.headers,
             KEY_HEADER: self.key,
-            SCHEDULED_HEADER: to_datetime(t).isoformat(timespec="milliseconds"),
+            SCHEDULED_HEADER: scheduled.isoformat(timespec="milliseconds"),
         }
 
     def dedup_warning(self, dedup_window: float, now: float) -> str | None:

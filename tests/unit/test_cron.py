@@ -350,3 +350,16 @@ def test_every_just_before_an_occurrence_returns_it(seconds: float, k: int) -> N
     occurrence = k * seconds
     after = math.nextafter(occurrence, -math.inf)
     assert every(seconds).next_after(after) == occurrence
+
+
+@pytest.mark.parametrize("seconds", [1 / 3, 0.0015, 0.0025])
+def test_scheduled_header_and_id_name_the_same_millisecond(seconds: float) -> None:
+    """Occurrences off the millisecond grid: the ``scheduled`` header reads the instant the
+    id's milliseconds give, not one truncated a millisecond earlier."""
+    plan = RepeatPlan.make("k", seconds, None, "UTC", None)
+    t = 1_777_777_777.0
+    for _ in range(20):
+        t = plan.schedule.next_after(t)
+        ms = int(plan.message_id(t).rpartition("@")[2])
+        scheduled = datetime.fromisoformat(str(plan.headers_at(t)["scheduled"]))
+        assert round(scheduled.timestamp() * 1000) == ms
