@@ -387,13 +387,15 @@ class SyncFactory:
         """Close the async factory (drains its queues); the last factory stops the loop.
         Idempotent, and a no-op for a factory inherited from the parent of a fork. A close
         called while another thread's is under way waits for it, as the async close does."""
+        if self._generation != _runtime.generation:
+            # Inherited from the parent of a fork: nothing to close here, and its close lock
+            # may be held by a parent thread that does not exist in this process.
+            self._closed = True
+            return
         if not self.closed:  # before anything changes: the factory stays open and usable
             _runtime.refuse_on_loop_thread("close")
         with self._close_lock:  # held throughout: a second close returns once this one ends
             if self._closed:
-                return
-            if self._generation != _runtime.generation:
-                self._closed = True
                 return
             try:
                 # Done whole, a Ctrl-C held until the close is under way: marked closed and

@@ -442,6 +442,56 @@ def test_a_close_while_another_is_under_way_waits_for_it(monkeypatch: pytest.Mon
     assert portal_threads() == []
 
 
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+def test_a_child_forked_during_a_close_closes_its_inherited_factory(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A fork while another thread of the parent closed a factory: the child inherits the
+    close lock held by a thread that does not exist there, and its close() of that factory
+    (a no-op for an inherited factory) waited for it forever."""
+    real = Factory.close
+    entered, release = threading.Event(), threading.Event()
+
+    async def gated(self: Factory) -> None:
+        entered.set()
+        await asyncio.to_thread(release.wait, 120)
+        await real(self)
+
+    monkeypatch.setattr(Factory, "close", gated)
+    factory = sync.connect("memory")
+    closer = threading.Thread(target=factory.close)
+    closer.start()
+    try:
+        assert entered.wait(60)
+        pid = os.fork()
+        if pid == 0:  # child: never returns into pytest
+            ok = False
+            try:
+                factory.close()
+                with factory:  # and the with block's close
+                    pass
+                ok = factory.closed
+            finally:
+                os._exit(0 if ok else 1)
+        status = None
+        deadline = time.monotonic() + 60
+        while status is None and time.monotonic() < deadline:
+            done, code = os.waitpid(pid, os.WNOHANG)
+            if done:
+                status = code
+            else:
+                time.sleep(0.05)
+        if status is None:  # hung: do not leave it behind
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+        assert status is not None, "the child's close() hung"
+        assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0
+    finally:
+        release.set()
+        closer.join(60)
+    assert portal_threads() == []
+
+
 def wait_for(condition: Callable[[], bool], seconds: float = 60.0) -> bool:
     deadline = time.monotonic() + seconds
     while not condition():
