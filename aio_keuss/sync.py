@@ -282,6 +282,9 @@ class SyncFactory:
         self._portal = portal
         self._generation = generation
         self._close_lock = threading.Lock()
+        self._closers: set[int] = set()
+        """Threads in :meth:`close` (a signal handler may run a close within a close)."""
+        self._closing: Future[None] | None = None
         self._closed = False
         self._loop = _runtime.loop
         with _runtime.lock:
@@ -394,6 +397,23 @@ class SyncFactory:
             return
         if not self.closed:  # before anything changes: the factory stays open and usable
             _runtime.refuse_on_loop_thread("close")
+        me = threading.get_ident()
+        if me in self._closers:
+            # A signal handler (a script's "close on SIGTERM") run by this thread in the
+            # middle of its own close: the lock is held by the close it interrupted, which
+            # goes on only once the handler returns. Wait for the async close, if begun.
+            closing = self._closing
+            if closing is not None:
+                with contextlib.suppress(Exception):  # the close under way raises it
+                    closing.result()
+            return
+        try:  # added inside: a Ctrl-C right after the add would leave it there
+            self._closers.add(me)
+            self._close_once()
+        finally:
+            self._closers.discard(me)
+
+    def _close_once(self) -> None:
         with self._close_lock:  # held throughout: a second close returns once this one ends
             if self._closed:
                 return
@@ -405,7 +425,7 @@ class SyncFactory:
                     self._closed = True
                     with _runtime.lock:
                         _runtime.open.discard(self)
-                    closing = self._portal.start_task_soon(self.factory.close)
+                    self._closing = closing = self._portal.start_task_soon(self.factory.close)
                 closing.result()
             finally:
                 if self._closed:  # else interrupted before anything changed: still open

@@ -867,3 +867,70 @@ def test_a_ctrl_c_while_close_marks_itself_closed_still_closes() -> None:
         "threads": [],
         "ready": 1,
     }, inherited
+
+
+# A close called from a signal handler that runs in the middle of the same thread's close:
+# ``python -c CLOSE_IN_HANDLER``. It prints what each close saw.
+CLOSE_IN_HANDLER = r"""
+import asyncio, json, signal, threading
+from aio_keuss import sync
+from aio_keuss.factory import Factory
+
+real_close = Factory.close
+entered, in_handler, go = threading.Event(), threading.Event(), threading.Event()
+seen = {}
+
+async def gated(self):
+    entered.set()
+    await asyncio.to_thread(go.wait, 120)
+    await real_close(self)
+    seen["async closed"] = True
+
+Factory.close = gated
+factory = sync.connect("memory")
+factory.queue("jobs").push(1)
+
+def on_sigterm(signum, frame):  # a script's "stop on SIGTERM"
+    in_handler.set()
+    factory.close()
+    seen["handler's close saw it closed"] = seen.get("async closed", False)
+
+signal.signal(signal.SIGTERM, on_sigterm)
+
+def terminate():
+    if entered.wait(60):
+        signal.pthread_kill(threading.main_thread().ident, signal.SIGTERM)
+        in_handler.wait(60)
+    go.set()
+
+threading.Thread(target=terminate).start()
+factory.close()  # the end of a with block
+seen["threads"] = [t.name for t in threading.enumerate() if "portal" in t.name]
+seen["users"] = sync._runtime.users
+print(json.dumps(seen), flush=True)
+"""
+
+
+def test_a_close_from_a_signal_handler_during_the_same_threads_close_returns() -> None:
+    """A signal handler that closes the factory (stop on SIGTERM), run by the main thread
+    while that thread was itself closing it: the handler's close waited for the close lock
+    held by the close it interrupted, which could not go on until the handler returned, and
+    the process hung. It now waits for the close under way, as another thread's would."""
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[2])}
+    try:
+        done = subprocess.run(
+            [sys.executable, "-c", CLOSE_IN_HANDLER],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=120,
+        )
+    except subprocess.TimeoutExpired as exc:
+        pytest.fail(f"the close hung: {exc.stdout!r} {exc.stderr!r}")
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout) == {
+        "async closed": True,
+        "handler's close saw it closed": True,
+        "threads": [],
+        "users": 0,
+    }
