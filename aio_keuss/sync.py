@@ -323,7 +323,13 @@ class SyncFactory:
             future.cancel()
             raise
 
-    def _take(self, queue: Queue, give_back: _GiveBack, func: _Taker[T]) -> T:
+    def _take(
+        self,
+        queue: Queue,
+        give_back: _GiveBack,
+        func: _Taker[T],
+        taking: _Taking | None = None,
+    ) -> T:
         """:meth:`call` for what takes messages (pop, reserve, the next of ``messages``),
         ``func`` given a dict in which a pop notes what the store handed out (what a
         put-back keeps: the end of life and place a Message does not carry).
@@ -334,7 +340,8 @@ class SyncFactory:
         future instead, as :meth:`call` does, dropped a result that was already on its way:
         a popped message was lost, a reserved one invisible for ``reserve_delay``.
         """
-        taking = _Taking()
+        if taking is None:
+            taking = _Taking()
         try:
             # inside the try: anyio's start_task_soon waits for the task to be spawned, and
             # an interruption there leaves it running for nobody
@@ -550,8 +557,8 @@ class SyncQueue:
             _release, lambda _: self.queue.reserve_many(n, timeout, max_wait=max_wait)
         )
 
-    def _take(self, give_back: _GiveBack, func: _Taker[T]) -> T:
-        return self._factory._take(self.queue, give_back, func)
+    def _take(self, give_back: _GiveBack, func: _Taker[T], taking: _Taking | None = None) -> T:
+        return self._factory._take(self.queue, give_back, func, taking)
 
     def messages(self, timeout: float | None = None) -> Iterator[Message]:
         """Reserved messages (popped ones on a backend without reserve) until drain, close,
@@ -560,15 +567,17 @@ class SyncQueue:
         # outages (backoff, one warning per outage) exactly as ``async for`` does.
         iterator = self.queue.messages(timeout)
         give_back = _release if self.queue.capabilities.reserve else _put_back_popped
+        taking: _Taking | None = None
         try:
             while not self._factory.closed:
-                message = self._take(give_back, lambda _: _advance(iterator))
+                taking = _Taking()
+                message = self._take(give_back, lambda _: _advance(iterator), taking)
                 if message is None:
                     return
                 yield message
         finally:
             if not self._factory.closed:
-                self._call(iterator.aclose)
+                self._call(_close_after, taking, iterator)
 
     def __iter__(self) -> Iterator[Message]:
         return self.messages()
@@ -801,6 +810,18 @@ def _put_back_popped(queue: Queue, messages: list[Message], kept: Mapping[str, S
 
 def _release(queue: Queue, messages: list[Message], _: Mapping[str, Stored]) -> None:
     queue._in_background(queue._release_all(messages))
+
+
+async def _close_after(taking: _Taking | None, iterator: AsyncGenerator[Message, None]) -> None:
+    """Close ``iterator`` once its last advance has ended. Abandoned (the caller
+    interrupted), that advance may still run: cancelled once the reply was in, it hands back
+    what it took first, and an async generator closed meanwhile raises RuntimeError
+    ("already running") in place of the interruption. Run after the abandon (spawned
+    later), so the advance has begun by now if it ever will."""
+    task = None if taking is None else taking.task
+    if task is not None and not task.done():
+        await asyncio.wait([task])
+    await iterator.aclose()
 
 
 async def _advance(iterator: AsyncGenerator[Message, None]) -> Message | None:

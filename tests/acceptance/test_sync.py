@@ -21,6 +21,7 @@ from backends import CASES, REDIS_URL, BackendCase, _drop_redis_prefix, new_toke
 import aio_keuss
 from aio_keuss import sync
 from aio_keuss.factory import Factory
+from aio_keuss.memory import MemoryStore
 from aio_keuss.message import Message
 from aio_keuss.pipeline import Forward
 from aio_keuss.queue import Queue
@@ -561,6 +562,65 @@ def test_an_interrupted_pop_or_reserve_gives_back_what_it_took(
             interrupter.join(60)
         monkeypatch.setattr(Queue, "_consume", real_consume)
         monkeypatch.setattr(Queue, "_consume_one", real_consume_one)
+        assert wait_for(lambda: q.size() == 1), q.sizes()
+        msg = q.pop(timeout=60)
+        assert msg is not None and msg.payload == {"a": 1}
+
+
+def test_messages_interrupted_as_the_reply_comes_in_raises_the_interruption(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Ctrl-C in a messages() loop whose reserve's reply came in on the loop thread's turn
+    that cancelled it: the cancelled reserve goes on to hand back what it took, and the
+    iterator's close, run meanwhile, failed with RuntimeError ("asynchronous generator is
+    already running") raised in place of the KeyboardInterrupt. It now waits for it."""
+    if threading.current_thread() is not threading.main_thread():
+        pytest.skip("a signal interrupts the main thread only")
+    real_reserve = MemoryStore.reserve
+    asked = threading.Event()
+    replies: list[asyncio.Future[None]] = []
+
+    async def reply_held(self: MemoryStore, *args: Any) -> Any:
+        if not replies:  # the first reserve's reply waits for the interruption
+            replies.append(asyncio.get_running_loop().create_future())
+            asked.set()
+            await replies[0]
+        return await real_reserve(self, *args)
+
+    class ReplyWithAbandon:
+        """The shim's loop, seen by the shim: its callback for the interrupted thread runs
+        on the turn the reply comes in."""
+
+        def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+            self.loop = loop
+
+        def call_soon_threadsafe(self, callback: Callable[..., Any], *args: Any) -> Any:
+            def both() -> None:
+                replies[0].set_result(None)
+                callback(*args)
+
+            return self.loop.call_soon_threadsafe(both)
+
+    main = threading.get_ident()
+
+    def interrupt() -> None:
+        if asked.wait(60):
+            signal.pthread_kill(main, signal.SIGINT)
+
+    with sync.connect("memory") as factory:
+        q = factory.queue("interrupted", reserve_delay=600.0)
+        q.push({"a": 1})
+        monkeypatch.setattr(MemoryStore, "reserve", reply_held)
+        monkeypatch.setattr(factory, "_loop", ReplyWithAbandon(factory._loop))
+        interrupter = threading.Thread(target=interrupt)
+        interrupter.start()
+        try:
+            with pytest.raises(KeyboardInterrupt):
+                for _ in q.messages():
+                    pass
+        finally:
+            interrupter.join(60)
+        monkeypatch.setattr(MemoryStore, "reserve", real_reserve)
         assert wait_for(lambda: q.size() == 1), q.sizes()
         msg = q.pop(timeout=60)
         assert msg is not None and msg.payload == {"a": 1}
