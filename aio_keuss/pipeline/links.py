@@ -57,7 +57,8 @@ class Link:
                 check_queue_name(destination)
         except InvalidInputError as exc:
             raise PipelineError(f"station {self.name or self.source!r}: {exc}") from exc
-        if isinstance(self.name, str) and not self.name:  # not any falsy name: 0, [], False
+        # None or "" is no name given; not any falsy name (0, [], False)
+        if self.name is None or (isinstance(self.name, str) and not self.name):
             object.__setattr__(self, "name", self.source)
         if not isinstance(self.name, str) or not self.name.isprintable():
             # stored in the topology (a PostgreSQL jsonb refuses \u0000, a lone surrogate

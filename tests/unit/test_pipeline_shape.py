@@ -172,3 +172,12 @@ async def test_a_description_s_queues_must_be_its_stations_queues(
     for queues in (["a", "b", "c"], ["a"], 5, "a", [1, 2]):
         with pytest.raises(PipelineError, match="queues"):
             from_dict(factory, {"name": "p", "stations": stations, "queues": queues})
+
+
+async def test_a_station_name_of_none_is_no_name(factory: aio_keuss.Factory) -> None:
+    """None is "no name given" (a JSON ``"name": null``, as a null ``kind`` or ``to`` is
+    read as absent): the station is named after its input queue, as it always was."""
+    unnamed: Any = None
+    assert factory.pipeline("p").sink("a", _noop, name=unnamed).links[0].name == "a"
+    doc = {"name": "p", "stations": [{"name": None, "from": "a", "handler": f"{__name__}:_noop"}]}
+    assert from_dict(factory, doc).links[0].name == "a"
