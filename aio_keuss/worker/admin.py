@@ -577,4 +577,5 @@ def run(args: argparse.Namespace, environ: Mapping[str, str] = os.environ) -> in
         # and nothing is known about what it did.
         if finished:
             return finished[0]
-        return EXIT_OK if args.command == "stats" else EXIT_FAILED
+        watching = args.command == "stats" and args.watch is not None
+        return EXIT_OK if watching else EXIT_FAILED

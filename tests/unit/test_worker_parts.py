@@ -563,3 +563,18 @@ async def test_a_stop_waits_for_the_give_back_of_a_prefetched_message_past_its_t
         await asyncio.wait_for(entered.wait(), 30)
         await consumer.stop(grace=30)
         assert released.is_set()
+
+
+@pytest.mark.parametrize(("flags", "code"), [([], 1), (["--watch", "5"], 0)])
+def test_a_stats_cut_short_by_ctrl_c_exits_1_unless_it_watches(flags: list[str], code: int) -> None:
+    """Only ``stats --watch`` ends with a Ctrl-C when all went well; a plain ``stats``
+    interrupted before it printed was cut short, like any other command."""
+    from aio_keuss.worker import admin, cli
+
+    args = cli._parser().parse_args(["stats", "--backend", "memory", *flags])
+
+    async def interrupted(*_: Any) -> int:
+        raise KeyboardInterrupt
+
+    args.run = interrupted
+    assert admin.run(args, environ={}) == code
