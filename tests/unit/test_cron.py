@@ -343,7 +343,9 @@ def test_zone_instances_and_names() -> None:
     assert timedelta(seconds=noon - _at("2026-05-01 00:00", "Asia/Kolkata")).seconds == 43200
 
 
-@pytest.mark.parametrize(("seconds", "k"), [(0.1, 17_304_598_408), (0.1, 4_593_533_577), (0.3, 123)])
+@pytest.mark.parametrize(
+    ("seconds", "k"), [(0.1, 17_304_598_408), (0.1, 4_593_533_577), (0.3, 123)]
+)
 def test_every_just_before_an_occurrence_returns_it(seconds: float, k: int) -> None:
     """``after`` one float below occurrence ``k``: the division may round up to ``k``, which
     must not make the search start at ``k + 1`` and skip the occurrence."""
