@@ -615,6 +615,7 @@ class BucketStore(PushSide, StateWriter, Store):
             bucket.last_used = -math.inf
         results = []
         touched = {}
+        removed: list[tuple[int, HeldBucket]] = []
         for p in parsed:
             found = None if p is None else self._held_buckets.get(p[0])
             if p is None or found is None or p[1] >= found.count:
@@ -630,9 +631,14 @@ class BucketStore(PushSide, StateWriter, Store):
             bucket.remaining -= 1
             bucket.version += 1
             touched[bucket.id] = bucket
+            removed.append((len(results), bucket))
             results.append(True)
         if touched:
             await self._sync(list(touched.values()))
+            # A bucket whose lease was lost (another consumer took it over after ours
+            # lapsed): the write was refused, and its new holder still has the message.
+            for index, bucket in removed:
+                results[index] = not bucket.lost
         return results
 
     # state persistence ---------------------------------------------------------------

@@ -909,3 +909,65 @@ async def test_a_pop_whose_lease_fails_keeps_what_it_served_from_a_bucket_gone_m
             await popping
         store._storage.lease = real_lease
         assert [m.payload for m in await q.pop_many(5, timeout=0)] == ["b"]  # lost before
+
+
+async def _stop_renewing(store: Any) -> None:
+    """The holder stops writing (as a stopped process would): no state flush, no renewal,
+    until every lease it holds has lapsed (watched, not timed: 30 s at most)."""
+    from aio_keuss.coalesce import stop_task
+
+    await store.flush()  # what it did so far is written, as a running holder's is
+    store._start_flusher = lambda: None
+    if store._flusher is not None:
+        await stop_task(store._flusher)
+    for _ in range(3000):
+        if all(b.lease_until < time.time() for b in store._held_buckets.values()):
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError("the leases never lapsed")
+
+
+async def test_a_remove_by_a_holder_whose_bucket_was_taken_over_is_false(
+    bucket_case: tuple[BackendCase, dict[str, Any]],
+) -> None:
+    """A holder stopped past its lease; another process took the bucket over. The old
+    holder's remove of a message in it cannot happen (its state write is refused): it
+    answers False, and the message is still delivered by the new holder."""
+    case, options = bucket_case
+    async with (
+        aio_keuss.connect(case.name, **options) as old,
+        aio_keuss.connect(case.name, **options) as new,
+    ):
+        old_q = await old.queue("taken-over", reserve_delay=1.0)
+        new_q = await new.queue("taken-over", reserve_delay=1.0)
+        await old_q.push_many(["a", "b"])  # one bucket
+        held = await old_q.reserve(timeout=5)  # leases the bucket
+        assert held is not None
+        other = "b" if held.payload == "a" else "a"
+        other_id = held.id.rpartition("-")[0] + "-" + str(1 - int(held.id.rpartition("-")[2]))
+        await _stop_renewing(old_q._store)  # type: ignore[attr-defined]
+        got = await new_q.reserve_many(10, timeout=10)
+        assert sorted(m.payload for m in got) == ["a", "b"]
+        assert await old_q.remove(other_id) is False
+        assert await new_q.ok_many(got) == [True, True]
+        assert other in [m.payload for m in got]
+
+
+async def test_an_ok_by_a_holder_whose_bucket_was_taken_over_is_false(
+    bucket_case: tuple[BackendCase, dict[str, Any]],
+) -> None:
+    case, options = bucket_case
+    async with (
+        aio_keuss.connect(case.name, **options) as old,
+        aio_keuss.connect(case.name, **options) as new,
+    ):
+        old_q = await old.queue("taken-over-ok", reserve_delay=1.0)
+        new_q = await new.queue("taken-over-ok", reserve_delay=1.0)
+        await old_q.push("m")
+        held = await old_q.reserve(timeout=5)
+        assert held is not None
+        await _stop_renewing(old_q._store)  # type: ignore[attr-defined]
+        got = await new_q.reserve(timeout=10)
+        assert got is not None and got.id == held.id and got.tries == 1
+        assert await old_q.ok(held) is False
+        assert await new_q.ok(got) is True
