@@ -158,6 +158,7 @@ class _Moving(NamedTuple):
     tries: int
     deadline: float
     held_tries: int
+    result: int  # its index in the ko's results
 
 
 class BucketStore(PushSide, StateWriter, Store):
@@ -509,6 +510,7 @@ class BucketStore(PushSide, StateWriter, Store):
         now = time.time()
         results: list[KoResult] = []
         moving: list[_Moving] = []
+        lapsed: list[tuple[int, HeldBucket]] = []
         for nack in nacks:
             found = self._handed_out(nack.id, nack.tries)
             if found is None:
@@ -521,7 +523,9 @@ class BucketStore(PushSide, StateWriter, Store):
                 # lapse into another delivery (that one would be deadlettered or ok-ed too),
                 # nor its holder ko it again. Still handed out, as storage has it meanwhile.
                 moving.append(
-                    _Moving(bucket, slot, tries, bucket.deadline[slot], bucket.tries[slot])
+                    _Moving(
+                        bucket, slot, tries, bucket.deadline[slot], bucket.tries[slot], len(results)
+                    )
                 )
                 bucket.deadline[slot] = math.inf
                 bucket.tries[slot] = tries
@@ -534,9 +538,19 @@ class BucketStore(PushSide, StateWriter, Store):
             bucket.mature[slot] = mature
             bucket.version += 1
             heapq.heappush(self._ready, (mature, bucket.seq, slot, bucket))
+            if bucket.lease_until <= now:
+                lapsed.append((len(results), bucket))
             results.append(KoResult.ROLLED_BACK)
         if moving and deadletter is not None:
-            await self._deadletter(moving, deadletter, now)
+            for index in await self._deadletter(moving, deadletter, now):
+                results[index] = KoResult.MISSING
+        if lapsed:
+            # As an ok there (see ``commit``): written before it answers, MISSING if
+            # another consumer took the bucket over (it serves the message again itself).
+            await self._sync({bucket for _, bucket in lapsed})
+            for index, bucket in lapsed:
+                if bucket.lost:
+                    results[index] = KoResult.MISSING
         return results
 
     def _dead_buckets(
@@ -566,15 +580,33 @@ class BucketStore(PushSide, StateWriter, Store):
             size += length + SLOT_BYTES
         return buckets
 
-    async def _deadletter(self, moving: list[_Moving], plan: DeadletterPlan, now: float) -> None:
+    async def _deadletter(
+        self, moving: list[_Moving], plan: DeadletterPlan, now: float
+    ) -> list[int]:
         """Write the messages into the deadletter queue (durable), then mark them done here:
         a crash in between leaves a duplicate, never a loss. A failed write hands them back
         their reservations, to come back when those lapse. The write runs to its end when
         the ko is cancelled (``to_the_end``; the queue's ``RunToEnd`` holds the
         cancellation until the ko is done): cut short, a write whose copy was already
-        stored handed the reservations back too, and the next ko wrote a second copy."""
+        stored handed the reservations back too, and the next ko wrote a second copy.
+
+        A bucket whose lease lapsed is written first (renewing the lease): if another
+        consumer took it over meanwhile, it serves those messages again, and a copy written
+        here would be a second one. Those are not moved; their results' indexes are
+        returned (MISSING)."""
+        lapsed = {m.bucket for m in moving if m.bucket.lease_until <= now}
+        if lapsed:
+            try:
+                await self._sync(lapsed, renew_before=time.time() + self._grace / 2)
+            except BaseException:
+                self._give_back_moving(moving)
+                raise
+        missing = [m.result for m in moving if m.bucket.lost]
+        moving = [m for m in moving if not m.bucket.lost]
+        if not moving:
+            return missing
         payloads, headers = [], []
-        for bucket, slot, tries, _, _ in moving:
+        for bucket, slot, tries, _, _, _ in moving:
             stored = bucket.message(slot, tries, now)
             payloads.append(stored.payload)
             headers.append(append_headers(stored.headers, plan.headers(tries, now)))
@@ -583,14 +615,10 @@ class BucketStore(PushSide, StateWriter, Store):
                 self._write_dead(plan.queue, self._dead_buckets(payloads, headers, now))
             )
         except BaseException:
-            for bucket, slot, _, deadline, tries in moving:
-                if bucket.states[slot] == HANDED_OUT and bucket.deadline.get(slot) == math.inf:
-                    bucket.deadline[slot] = deadline
-                    bucket.tries[slot] = tries
-                    heapq.heappush(self._held, (deadline, bucket.seq, slot, bucket))
+            self._give_back_moving(moving)
             raise
         touched = {}
-        for bucket, slot, _, _, _ in moving:
+        for bucket, slot, _, _, _, _ in moving:
             if bucket.states[slot] == HANDED_OUT:
                 bucket.states[slot] = DONE
                 bucket.deadline.pop(slot, None)
@@ -598,6 +626,15 @@ class BucketStore(PushSide, StateWriter, Store):
                 bucket.version += 1
                 touched[bucket.id] = bucket
         await self._sync(list(touched.values()))
+        return missing
+
+    def _give_back_moving(self, moving: list[_Moving]) -> None:
+        """The slots of a deadletter move that failed: their reservations, as they were."""
+        for bucket, slot, _, deadline, tries, _ in moving:
+            if bucket.states[slot] == HANDED_OUT and bucket.deadline.get(slot) == math.inf:
+                bucket.deadline[slot] = deadline
+                bucket.tries[slot] = tries
+                heapq.heappush(self._held, (deadline, bucket.seq, slot, bucket))
 
     async def _write_dead(self, queue: str, buckets: list[NewBucket]) -> None:
         for write in _writes(buckets):

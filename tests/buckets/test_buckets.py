@@ -953,6 +953,30 @@ async def test_a_remove_by_a_holder_whose_bucket_was_taken_over_is_false(
         assert other in [m.payload for m in got]
 
 
+async def test_a_deadletter_ko_by_a_holder_whose_bucket_was_taken_over_is_missing(
+    bucket_case: tuple[BackendCase, dict[str, Any]],
+) -> None:
+    """As above, a ko past max_ko of the old holder: the new holder has the message (it
+    handed it out again), so it must not be deadlettered as well (a second copy)."""
+    case, options = bucket_case
+    async with (
+        aio_keuss.connect(case.name, **options, deadletter={"max_ko": 0}) as old,
+        aio_keuss.connect(case.name, **options, deadletter={"max_ko": 0}) as new,
+    ):
+        old_q = await old.queue("taken-over-dl", reserve_delay=1.0)
+        new_q = await new.queue("taken-over-dl", reserve_delay=1.0)
+        await old_q.push("poison")
+        held = await old_q.reserve(timeout=5)
+        assert held is not None
+        await _stop_renewing(old_q._store)  # type: ignore[attr-defined]
+        got = await new_q.reserve(timeout=10)
+        assert got is not None and got.id == held.id
+        assert await old_q.ko(held) == KoResult.MISSING
+        assert await new_q.ok(got) is True
+        dead_q = await new.queue("__deadletter__")
+        assert await dead_q.pop(timeout=0.5) is None
+
+
 async def test_an_ok_by_a_holder_whose_bucket_was_taken_over_is_false(
     bucket_case: tuple[BackendCase, dict[str, Any]],
 ) -> None:
@@ -970,4 +994,27 @@ async def test_an_ok_by_a_holder_whose_bucket_was_taken_over_is_false(
         got = await new_q.reserve(timeout=10)
         assert got is not None and got.id == held.id and got.tries == 1
         assert await old_q.ok(held) is False
+        assert await new_q.ok(got) is True
+
+
+async def test_a_ko_by_a_holder_whose_bucket_was_taken_over_is_missing(
+    bucket_case: tuple[BackendCase, dict[str, Any]],
+) -> None:
+    """A ko (with a delay) of the old holder cannot apply: the new holder has the message
+    and serves it again at once. It answers MISSING, as a ko of a reservation no longer
+    held does, not ROLLED_BACK."""
+    case, options = bucket_case
+    async with (
+        aio_keuss.connect(case.name, **options) as old,
+        aio_keuss.connect(case.name, **options) as new,
+    ):
+        old_q = await old.queue("taken-over-ko", reserve_delay=1.0)
+        new_q = await new.queue("taken-over-ko", reserve_delay=1.0)
+        await old_q.push("m")
+        held = await old_q.reserve(timeout=5)
+        assert held is not None
+        await _stop_renewing(old_q._store)  # type: ignore[attr-defined]
+        got = await new_q.reserve(timeout=10)
+        assert got is not None and got.id == held.id
+        assert await old_q.ko(held, delay=60) == KoResult.MISSING
         assert await new_q.ok(got) is True
