@@ -212,6 +212,7 @@ class BucketStore(PushSide, StateWriter, Store):
         self._ready: list[HeapEntry] = []
         self._held: list[HeapEntry] = []
         self._leasing: asyncio.Future[None] | None = None
+        self._leases: set[asyncio.Future[None]] = set()  # every lease in flight (close waits)
         self._storage_next: float | None = None
         self._flusher: asyncio.Task[None] | None = None
         self._visible: Callable[[float], None] | None = None
@@ -249,6 +250,7 @@ class BucketStore(PushSide, StateWriter, Store):
         future = Uncancellable()
         if ids is None:
             self._leasing = future
+        self._leases.add(future)
         try:
             now = time.time()
             lease = await self._storage.lease(
@@ -302,6 +304,7 @@ class BucketStore(PushSide, StateWriter, Store):
         finally:
             if ids is None:
                 self._leasing = None
+            self._leases.discard(future)
             future.set_result(None)
 
     # pop / reserve -------------------------------------------------------------------
@@ -748,6 +751,11 @@ class BucketStore(PushSide, StateWriter, Store):
                 failure = exc
             while self._writer_tasks:  # no new one starts: nothing is pushed any more
                 await asyncio.gather(*self._writer_tasks, return_exceptions=True)
+            while self._leases:
+                # A lease begun before the close (a remove's, of a bucket held nowhere: no
+                # queue call waits for it) takes buckets the loop below must give back;
+                # landing after it, they stayed leased until the lease lapsed.
+                await asyncio.gather(*self._leases, return_exceptions=True)
             if self._flusher is not None:
                 # A state write of the flusher in flight holds the buckets it gives back
                 # (out of those the loop below looks at): were it to fail after the loop

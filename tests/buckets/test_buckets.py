@@ -1018,3 +1018,49 @@ async def test_a_ko_by_a_holder_whose_bucket_was_taken_over_is_missing(
         assert got is not None and got.id == held.id
         assert await old_q.ko(held, delay=60) == KoResult.MISSING
         assert await new_q.ok(got) is True
+
+
+async def test_a_remove_in_flight_when_the_queue_closes_leaves_nothing_leased(
+    bucket_case: tuple[BackendCase, dict[str, Any]],
+) -> None:
+    """A remove of a message in a bucket this store does not hold leases that bucket. A
+    close while that lease is in flight gave back what the store held then; the bucket
+    leased after it stayed leased by a closed store (nothing flushes there any more), its
+    other messages out of every consumer's reach until the lease lapsed. The lease is held
+    until the close is over, or (a close that waits for it) for up to 2 s: the close's
+    outcome checked after does not depend on which."""
+    case, options = bucket_case
+    async with aio_keuss.connect(case.name, **options) as other:
+        factory = await aio_keuss.connect(case.name, **options)
+        try:
+            q = await factory.queue("remove-closing", reserve_delay=60)
+            await q.push_many(["a", "b"])  # one bucket, nobody holds it
+            other_q = await other.queue("remove-closing", reserve_delay=60)
+            probe = await other_q.reserve(timeout=5)
+            assert probe is not None  # find the bucket's id, then give it back
+            await other_q._store.close()  # type: ignore[attr-defined]
+            bucket_id = probe.id.rpartition("-")[0]
+            store = q._store  # type: ignore[attr-defined]
+            real_lease = store._storage.lease
+            reached, closing_started = asyncio.Event(), asyncio.Event()
+
+            async def gated_lease(*args: Any, **kwargs: Any) -> Any:
+                reached.set()
+                await closing_started.wait()
+                await asyncio.wait({closing}, timeout=2)
+                return await real_lease(*args, **kwargs)
+
+            store._storage.lease = gated_lease
+            removing = asyncio.create_task(q.remove(f"{bucket_id}-0"))
+            await asyncio.wait_for(reached.wait(), 10)
+            closing = asyncio.create_task(q.close())
+            closing_started.set()
+            await closing
+            await removing
+            store._storage.lease = real_lease
+            assert not store._held_buckets
+        finally:
+            await factory.close()
+    async with aio_keuss.connect(case.name, **options) as third:
+        sizes = await (await third.queue("remove-closing")).sizes()
+        assert sizes.reserved == 0
