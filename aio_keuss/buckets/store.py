@@ -260,6 +260,14 @@ class BucketStore(PushSide, StateWriter, Store):
                 self._storage_next = lease.next_score
             taken = []
             for row in lease.buckets:
+                if row.id in self._leaving:
+                    # Given back by a final write (release, delete) still in flight, slower
+                    # than the lease: taken again from the state storage holds until it
+                    # lands, its messages were served as they were before (a ko's delay
+                    # undone), and the write then freed the bucket under that copy. The
+                    # write is conditioned on this store's token, which this lease set
+                    # again: it lands (or, failing, is retried), and gives the bucket back.
+                    continue
                 mine = self._held_buckets.get(row.id)
                 departing = self._departing.pop(row.id, None)
                 if row.previous_owner == self._token and (mine or departing) is not None:

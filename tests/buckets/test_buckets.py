@@ -1064,3 +1064,52 @@ async def test_a_remove_in_flight_when_the_queue_closes_leaves_nothing_leased(
     async with aio_keuss.connect(case.name, **options) as third:
         sizes = await (await third.queue("remove-closing")).sizes()
         assert sizes.reserved == 0
+
+
+async def test_a_bucket_whose_final_write_is_in_flight_is_not_leased_again_from_its_old_state(
+    bucket_case: tuple[BackendCase, dict[str, Any]],
+) -> None:
+    """The state flusher gives back a bucket (its only message ko-ed with a delay) and
+    its write is slow, slower than the lease (a stalled server). A lease of this same store
+    meanwhile found the bucket's lease lapsed, with itself as the holder: it took it again
+    from the state storage still held (the message reserved, not yet ko-ed), so the
+    message was served at once despite its delay, and the release landing after freed the
+    bucket under the new copy. The give-back is in flight still: the lease leaves it be.
+    The release is held at a gate until the lease lapsed and a reserve ran."""
+    case, options = bucket_case
+    async with aio_keuss.connect(case.name, **options) as factory:
+        q = await factory.queue("slow-release", reserve_delay=1.0)
+        await q.push("a")
+        held = await q.reserve(timeout=5)
+        assert held is not None
+        store = q._store  # type: ignore[attr-defined]
+        await store.flush()  # stored: reserved
+        real_write = store._storage.write
+        reached, gate = asyncio.Event(), asyncio.Event()
+
+        async def gated_write(queue: str, token: str, writes: Any) -> Any:
+            if any(w.mode == "r" for w in writes):
+                reached.set()
+                await gate.wait()
+            return await real_write(queue, token, writes)
+
+        store._storage.write = gated_write
+        try:
+            assert await q.ko(held, delay=30) == KoResult.ROLLED_BACK
+            await asyncio.wait_for(reached.wait(), 10)  # the give-back, held
+            (leaving,) = store._leaving.values()
+            for _ in range(3000):
+                if leaving.lease_until < time.time():
+                    break
+                await asyncio.sleep(0.01)
+            assert await q.reserve(timeout=0) is None  # not due for 30 s
+        finally:
+            gate.set()
+        for _ in range(1000):
+            if not store._leaving:
+                break
+            await asyncio.sleep(0.01)
+        store._storage.write = real_write
+        assert not store._held_buckets
+        sizes = await q.sizes()
+        assert (sizes.total, sizes.scheduled, sizes.reserved) == (1, 1, 0)
