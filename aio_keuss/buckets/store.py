@@ -651,6 +651,12 @@ class BucketStore(PushSide, StateWriter, Store):
         for write in _writes(buckets):
             await self._storage.insert_buckets(queue, write)
 
+    async def _borrow(self, ids: list[str]) -> None:
+        """Lease the buckets ``ids`` (held nowhere) for a remove: released by the next state
+        flush if unused."""
+        for bucket in await self._lease(0, ids):
+            bucket.last_used = -math.inf
+
     async def remove(self, ids: Sequence[str]) -> list[bool]:
         self._check_open()
         now = time.time()
@@ -658,9 +664,10 @@ class BucketStore(PushSide, StateWriter, Store):
         elsewhere = sorted(
             {p[0] for p in parsed if p is not None and p[0] not in self._held_buckets}
         )
-        borrowed = await self._lease(0, elsewhere) if elsewhere else []
-        for bucket in borrowed:  # leased only for this: released by the next flush if unused
-            bucket.last_used = -math.inf
+        if elsewhere:
+            # To its end: cut short once the lease is taken (a cancelled remove), its reply
+            # was dropped, and the buckets stayed leased, unknown here, until it lapsed.
+            await to_the_end(self._borrow(elsewhere))
         results = []
         touched = {}
         removed: list[tuple[int, HeldBucket]] = []

@@ -1113,3 +1113,47 @@ async def test_a_bucket_whose_final_write_is_in_flight_is_not_leased_again_from_
         assert not store._held_buckets
         sizes = await q.sizes()
         assert (sizes.total, sizes.scheduled, sizes.reserved) == (1, 1, 0)
+
+
+async def test_a_remove_cancelled_while_it_leases_strands_no_bucket(
+    bucket_case: tuple[BackendCase, dict[str, Any]],
+) -> None:
+    """A remove of a message in a bucket nobody holds leases that bucket. Cancelled once
+    the lease was taken (its reply on its way), it dropped the reply: the bucket stayed
+    leased by a store that did not know it held it, its messages out of every consumer's
+    reach until the lease lapsed (0.8 x reserve_delay, 48 s here). The lease is held at a
+    gate once taken, and the remove cancelled there."""
+    case, options = bucket_case
+    async with (
+        aio_keuss.connect(case.name, **options) as factory,
+        aio_keuss.connect(case.name, **options) as other,
+    ):
+        q = await factory.queue("remove-cancelled", reserve_delay=60)
+        other_q = await other.queue("remove-cancelled", reserve_delay=60)
+        await q.push_many(["a", "b"])  # one bucket, nobody holds it
+        probe = await other_q.reserve(timeout=5)
+        assert probe is not None  # the bucket's id; then given back
+        assert await other_q.ko(probe, delay=0) == KoResult.ROLLED_BACK
+        other_store = other_q._store  # type: ignore[attr-defined]
+        await other_store._flush_state(release_all=True)
+        bucket_id = probe.id.rpartition("-")[0]
+        store = q._store  # type: ignore[attr-defined]
+        real_lease = store._storage.lease
+        taken, gate = asyncio.Event(), asyncio.Event()
+
+        async def gated_lease(*args: Any, **kwargs: Any) -> Any:
+            lease = await real_lease(*args, **kwargs)
+            taken.set()
+            await gate.wait()
+            return lease
+
+        store._storage.lease = gated_lease
+        removing = asyncio.create_task(q.remove(f"{bucket_id}-0"))
+        await asyncio.wait_for(taken.wait(), 10)
+        removing.cancel()
+        gate.set()
+        with pytest.raises(asyncio.CancelledError):
+            await removing
+        store._storage.lease = real_lease
+        got = await other_q.reserve_many(10, timeout=20)
+        assert sorted(m.payload for m in got) == ["a", "b"]
