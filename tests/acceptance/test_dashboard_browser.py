@@ -242,6 +242,28 @@ async def test_dashboard_on_memory(browser: Any, tmp_path: Path) -> None:
             await _check_requeue_and_markup(page, jobs, dead_id)
 
 
+async def test_queue_names_of_object_members_do_not_break_the_page(browser: Any) -> None:
+    """Valid queue names such as ``constructor`` or ``__proto__`` are also names of members of
+    every JavaScript object: looked up in the rates object before a series exists for them,
+    they found a function or ``Object.prototype`` and the drawing stopped with a TypeError,
+    leaving the queues after them, the deadletter view and the pipelines undrawn."""
+    names = ["__proto__", "constructor", "hasOwnProperty", "jobs"]
+    async with aio_keuss.connect("memory", deadletter={"max_ko": 0}) as factory:
+        for name in names:
+            await (await factory.queue(name)).push({"n": 1})
+        # no second sample within the test: no queue has a rate series yet
+        async with Dashboard(factory, port=0, sample_every=3600) as dashboard:
+            page = await _page(browser)
+            await page.goto(dashboard.url)
+            await expect(page.locator("body")).to_have_attribute(
+                "data-refreshes", re.compile(r"^[1-9]"), timeout=WAIT
+            )
+            for name in names:
+                await expect(_row(page, name).locator("td.ready")).to_have_text("1")
+                await expect(_row(page, name).locator("span.figures")).to_have_text("")
+            await expect(page.locator("#status")).not_to_have_class("bad")
+
+
 # real servers, through the command --------------------------------------------------------
 
 

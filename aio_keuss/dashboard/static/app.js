@@ -153,7 +153,8 @@
       stateCell.textContent = queue.paused ? "paused" : "running";
       stateCell.className = `state state-${queue.paused ? "paused" : "running"}`;
       row.querySelector("button.toggle").textContent = queue.paused ? "Resume" : "Pause";
-      const series = state.rates[queue.name];
+      // own keys only: a queue may be named like a member of every object (constructor)
+      const series = Object.hasOwn(state.rates, queue.name) ? state.rates[queue.name] : undefined;
       row.querySelector("span.chart").replaceChildren(sparkline(series));
       row.querySelector("span.figures").textContent = rateText(series);
     }
