@@ -225,7 +225,8 @@ class Dashboard:
 async def _body(request: web.Request) -> dict[str, Any]:
     try:
         body = await request.json(loads=json.loads)
-    except (ValueError, RecursionError):  # RecursionError: nested deeper than json reads
+    # RecursionError: nested deeper than json reads; LookupError: a charset Python lacks
+    except (ValueError, RecursionError, LookupError):
         raise web.HTTPBadRequest(text="the body is not JSON") from None
     if not isinstance(body, dict):
         raise web.HTTPBadRequest(text="the body must be a JSON object")

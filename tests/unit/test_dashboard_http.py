@@ -221,6 +221,24 @@ async def test_bad_requests_get_typed_answers(factory: aio_keuss.Factory, client
         await dashboard.stop()
 
 
+async def test_a_body_in_an_unknown_charset_is_a_bad_request(
+    factory: aio_keuss.Factory, client: Any
+) -> None:
+    """The charset of the Content-Type decodes the body: an unknown one raised LookupError,
+    which is no ValueError, and the answer was aiohttp's untyped 500."""
+    dashboard = await _started(factory)
+    headers = _post_headers(dashboard, **{"Content-Type": "application/json; charset=no-such"})
+    try:
+        async with client.post(
+            dashboard.url + "api/pause", data=b'{"queue": "jobs"}', headers=headers
+        ) as response:
+            assert response.status == 400
+            assert "not JSON" in await response.text()
+        assert not await (await factory.queue("jobs")).is_paused()
+    finally:
+        await dashboard.stop()
+
+
 def test_a_secret_that_is_not_utf8_is_a_wrong_secret() -> None:
     """A header byte that is not UTF-8 reaches the comparison as a lone surrogate (aiohttp
     decodes headers with surrogateescape): a mismatch, not a UnicodeEncodeError (a 500 to
