@@ -264,6 +264,56 @@ async def test_queue_names_of_object_members_do_not_break_the_page(browser: Any)
             await expect(page.locator("#status")).not_to_have_class("bad")
 
 
+async def test_a_late_answer_for_another_queue_never_fills_the_peek(browser: Any) -> None:
+    """Peek at alpha, then at beta before alpha's messages came back: alpha's late answer
+    must not replace beta's rows under the heading "Messages in beta" (until a refresh
+    drew beta's again). The page counts the answers it has read, so the test waits for
+    alpha's to be read, and an observer records any alpha row ever drawn."""
+    async with aio_keuss.connect("memory") as factory:
+        await (await factory.queue("alpha")).push({"n": 1}, id="from-alpha")
+        await (await factory.queue("beta")).push({"n": 2}, id="from-beta")
+        async with Dashboard(factory, port=0, sample_every=3600) as dashboard:
+            page = await _page(browser)
+            await page.add_init_script(
+                """
+                window.alphaRead = 0;
+                window.alphaDrawn = false;
+                const json = Response.prototype.json;
+                Response.prototype.json = async function () {
+                  const value = await json.call(this);
+                  if (this.url.includes("queue=alpha&")) window.alphaRead += 1;
+                  return value;
+                };
+                new MutationObserver(() => {
+                  if (document.querySelector('#peek tr[data-id="from-alpha"]')) {
+                    window.alphaDrawn = true;
+                  }
+                }).observe(document, { subtree: true, childList: true });
+                """
+            )
+            release = asyncio.Event()
+            held: list[Any] = []
+
+            async def hold_alpha(route: Any) -> None:
+                held.append(route)
+                await release.wait()
+                await route.continue_()
+
+            await page.route(re.compile(r"/api/messages\?queue=alpha&"), hold_alpha)
+            await page.goto(dashboard.url)
+            await expect(_row(page, "beta").locator("td.ready")).to_have_text("1", timeout=WAIT)
+            await _row(page, "alpha").locator("button.peek").click()
+            await _row(page, "beta").locator("button.peek").click()
+            await expect(page.locator('#peek tr[data-id="from-beta"]')).to_be_visible(timeout=WAIT)
+            assert held, "alpha's peek was asked for"
+            asked = len(held)
+            release.set()
+            await page.wait_for_function(f"window.alphaRead >= {asked}", timeout=WAIT)
+            assert not await page.evaluate("window.alphaDrawn")
+            await expect(page.locator("#peek-queue")).to_have_text("beta")
+            await expect(page.locator('#peek tr[data-id="from-beta"]')).to_be_visible()
+
+
 # real servers, through the command --------------------------------------------------------
 
 

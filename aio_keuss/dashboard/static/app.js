@@ -185,10 +185,15 @@
       body.replaceChildren();
       return;
     }
+    const asked = peekQueue;
     const chosen = document.getElementById("peek-state").value;
-    const query = new URLSearchParams({ queue: peekQueue, state: chosen, n: "50" });
+    const query = new URLSearchParams({ queue: asked, state: chosen, n: "50" });
+    // an answer for a queue or state no longer chosen (it came back late) is dropped
+    const stale = () =>
+      peekQueue !== asked || document.getElementById("peek-state").value !== chosen;
     try {
       const messages = await api(`/api/messages?${query}`);
+      if (stale()) return;
       const rows = messages.map((m) => {
         const row = el("tr", { "data-id": m.id });
         row.appendChild(cell("id", m.id));
@@ -204,6 +209,7 @@
       note.textContent = messages.length ? `first ${messages.length} (at most 50)` : "empty";
       note.className = "note";
     } catch (error) {
+      if (stale()) return;
       note.textContent = String(error.message);
       note.className = "note bad";
     }
