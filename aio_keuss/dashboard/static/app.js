@@ -154,7 +154,8 @@
       stateCell.className = `state state-${queue.paused ? "paused" : "running"}`;
       row.querySelector("button.toggle").textContent = queue.paused ? "Resume" : "Pause";
       // own keys only: a queue may be named like a member of every object (constructor)
-      const series = Object.hasOwn(state.rates, queue.name) ? state.rates[queue.name] : undefined;
+      const own = Object.prototype.hasOwnProperty.call(state.rates, queue.name);
+      const series = own ? state.rates[queue.name] : undefined;
       row.querySelector("span.chart").replaceChildren(sparkline(series));
       row.querySelector("span.figures").textContent = rateText(series);
     }
