@@ -349,7 +349,10 @@ class _HeldConnections:
         if held:
             self._idle.append(connection)
         else:  # all are busy: borrowed for this statement only, as Pool.fetch would
-            await self._pool.release(connection)
+            # Given back in the background: the pool's reset on release (a round trip on a
+            # user's pool) may fail or be cancelled, and the statement has done its work
+            # (a pop's DELETE committed): its result must reach the caller all the same.
+            self._let_go(connection, None, held=False)
         return result
 
     def _take_idle(self) -> Any:
@@ -361,8 +364,9 @@ class _HeldConnections:
         return None
 
     def _let_go(self, connection: Any, failure: BaseException | None, held: bool = True) -> None:
-        """Hand ``connection`` back to the pool after ``failure`` (None: it had ended), in
-        the background: a release may have to wait for a cancelled statement to wind down."""
+        """Hand ``connection`` back to the pool after ``failure`` (None: it had ended, or
+        was borrowed for a statement now done), in the background: a release may have to
+        wait for a cancelled statement to wind down, or fail in the pool's reset."""
         if held:
             self._held -= 1
         task = asyncio.get_running_loop().create_task(self._release(connection, failure))

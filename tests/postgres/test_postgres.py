@@ -1354,3 +1354,39 @@ async def test_a_role_without_ddl_rights_is_told_a_newer_release_migrated_the_sc
     async with _app_role(schema, before=newer) as url:
         with pytest.raises(aio_keuss.ConfigError, match=f"version {latest + 1}.*newer"):
             await aio_keuss.connect("postgres", url=url, schema=schema)
+
+
+async def test_a_pop_on_a_borrowed_connection_whose_release_fails_hands_its_messages_back(
+    schema: str,
+) -> None:
+    """When every held connection is busy, a statement borrows one from the pool and gives it
+    back at once; a user's pool resets it on release (a round trip). The connection breaking
+    during that reset made the pop raise KeussConnectionError after its DELETE had committed
+    and its rows had come back: the messages were gone from the queue and handed to no one."""
+    breaking: list[Any] = []
+
+    async def reset(connection: Any) -> None:
+        if breaking and connection is not breaking[0]:
+            breaking.clear()  # the connection breaks during its reset, after the pop's reply
+            await connection.execute("SELECT pg_terminate_backend(pg_backend_pid())")
+
+    pool = await asyncpg.create_pool(POSTGRES_URL, min_size=2, max_size=2, reset=reset)
+    try:
+        async with aio_keuss.connect("postgres", pool=pool, schema=schema) as factory:
+            q = await factory.queue("q")
+            await q.push("kept")
+            held = factory.backend._held  # type: ignore[attr-defined]
+            for _ in range(1000):  # the push's notify may still be using it
+                if held._idle:
+                    break
+                await asyncio.sleep(0.01)
+            busy = held._idle.pop()  # the one held connection, busy: the pop borrows
+            breaking.append(busy)
+            try:
+                got = await q.pop(timeout=0)
+            finally:
+                held._idle.append(busy)
+            assert not breaking  # the borrowed connection did break on its way back
+            assert got is not None and got.payload == "kept"
+    finally:
+        await pool.close()
