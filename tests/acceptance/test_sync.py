@@ -815,6 +815,24 @@ print(json.dumps(report), flush=True)
 """
 
 
+def _program(source: str, *args: str, limit: float = 60) -> subprocess.CompletedProcess[str]:
+    """Run ``source`` as a Python program of its own (``args`` its arguments); it must end
+    within ``limit`` seconds (a bound against hangs, not a timing) and exit 0."""
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[2])}
+    try:
+        done = subprocess.run(
+            [sys.executable, "-c", source, *args],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=limit,
+        )
+    except subprocess.TimeoutExpired as exc:
+        pytest.fail(f"the program hung: {exc.stdout!r} {exc.stderr!r}")
+    assert done.returncode == 0, done.stderr
+    return done
+
+
 @pytest.mark.parametrize("point", ["loop-thread-start", "loop-thread-ident", "spawn", "made"])
 def test_a_ctrl_c_anywhere_in_connect_leaves_no_thread_nor_factory(point: str) -> None:
     """A real SIGINT at each step of a connect that the previous fix did not cover: inside
@@ -824,20 +842,10 @@ def test_a_ctrl_c_anywhere_in_connect_leaves_no_thread_nor_factory(point: str) -
     was made (returned to nobody, its loop and factory open). Now each step is done whole
     and the Ctrl-C raised after it, with everything undone."""
     options = {"url": REDIS_URL, "prefix": f"aks-{new_token()}"}
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[2])}
     try:
-        done = subprocess.run(
-            [sys.executable, "-c", INTERRUPTED, point, "redis-oq", json.dumps(options)],
-            capture_output=True,
-            text=True,
-            env=env,
-            timeout=60,
-        )
-    except subprocess.TimeoutExpired as exc:
-        pytest.fail(f"the interrupted program hung: {exc.stdout!r} {exc.stderr!r}")
+        done = _program(INTERRUPTED, point, "redis-oq", json.dumps(options))
     finally:
         asyncio.run(_drop_redis_prefix(options))
-    assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout) == {
         "outcome": "interrupted",
         "threads": [],
@@ -903,20 +911,10 @@ def test_a_ctrl_c_while_close_marks_itself_closed_still_closes() -> None:
     loop thread stayed counted for it. The bookkeeping and the start of the close are now
     done whole, the Ctrl-C raised after them."""
     options = {"url": REDIS_URL, "prefix": f"aks-{new_token()}"}
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[2])}
     try:
-        done = subprocess.run(
-            [sys.executable, "-c", CLOSE_INTERRUPTED, json.dumps(options)],
-            capture_output=True,
-            text=True,
-            env=env,
-            timeout=60,
-        )
-    except subprocess.TimeoutExpired as exc:
-        pytest.fail(f"the interrupted program hung: {exc.stdout!r} {exc.stderr!r}")
+        done = _program(CLOSE_INTERRUPTED, json.dumps(options))
     finally:
         asyncio.run(_drop_redis_prefix(options))
-    assert done.returncode == 0, done.stderr
     report = json.loads(done.stdout)
     inherited = report.pop("inherited")  # the SIGINT state the program was started with
     assert report == {
@@ -976,18 +974,7 @@ def test_a_close_from_a_signal_handler_during_the_same_threads_close_returns() -
     while that thread was itself closing it: the handler's close waited for the close lock
     held by the close it interrupted, which could not go on until the handler returned, and
     the process hung. It now waits for the close under way, as another thread's would."""
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[2])}
-    try:
-        done = subprocess.run(
-            [sys.executable, "-c", CLOSE_IN_HANDLER],
-            capture_output=True,
-            text=True,
-            env=env,
-            timeout=120,
-        )
-    except subprocess.TimeoutExpired as exc:
-        pytest.fail(f"the close hung: {exc.stdout!r} {exc.stderr!r}")
-    assert done.returncode == 0, done.stderr
+    done = _program(CLOSE_IN_HANDLER, limit=120)
     assert json.loads(done.stdout) == {
         "async closed": True,
         "handler's close saw it closed": True,

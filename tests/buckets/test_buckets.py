@@ -19,7 +19,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import pytest
 from backends import CASES, BackendCase, new_token
@@ -927,19 +927,32 @@ async def _stop_renewing(store: Any) -> None:
     raise AssertionError("the leases never lapsed")
 
 
+@asynccontextmanager
+async def _two_factories(
+    bucket_case: tuple[BackendCase, dict[str, Any]],
+    name: str,
+    reserve_delay: float,
+    **extra: Any,
+) -> AsyncIterator[tuple[aio_keuss.Queue, aio_keuss.Queue, aio_keuss.Factory]]:
+    """Queue ``name`` opened by two factories (two processes, as far as the buckets go):
+    the first's, the second's, and the second factory."""
+    case, options = bucket_case
+    async with (
+        aio_keuss.connect(case.name, **options, **extra) as first,
+        aio_keuss.connect(case.name, **options, **extra) as second,
+    ):
+        one = await first.queue(name, reserve_delay=reserve_delay)
+        two = await second.queue(name, reserve_delay=reserve_delay)
+        yield one, two, second
+
+
 async def test_a_remove_by_a_holder_whose_bucket_was_taken_over_is_false(
     bucket_case: tuple[BackendCase, dict[str, Any]],
 ) -> None:
     """A holder stopped past its lease; another process took the bucket over. The old
     holder's remove of a message in it cannot happen (its state write is refused): it
     answers False, and the message is still delivered by the new holder."""
-    case, options = bucket_case
-    async with (
-        aio_keuss.connect(case.name, **options) as old,
-        aio_keuss.connect(case.name, **options) as new,
-    ):
-        old_q = await old.queue("taken-over", reserve_delay=1.0)
-        new_q = await new.queue("taken-over", reserve_delay=1.0)
+    async with _two_factories(bucket_case, "taken-over", 1.0) as (old_q, new_q, _):
         await old_q.push_many(["a", "b"])  # one bucket
         held = await old_q.reserve(timeout=5)  # leases the bucket
         assert held is not None
@@ -953,48 +966,48 @@ async def test_a_remove_by_a_holder_whose_bucket_was_taken_over_is_false(
         assert other in [m.payload for m in got]
 
 
-async def test_a_deadletter_ko_by_a_holder_whose_bucket_was_taken_over_is_missing(
-    bucket_case: tuple[BackendCase, dict[str, Any]],
-) -> None:
-    """As above, a ko past max_ko of the old holder: the new holder has the message (it
-    handed it out again), so it must not be deadlettered as well (a second copy)."""
-    case, options = bucket_case
-    async with (
-        aio_keuss.connect(case.name, **options, deadletter={"max_ko": 0}) as old,
-        aio_keuss.connect(case.name, **options, deadletter={"max_ko": 0}) as new,
-    ):
-        old_q = await old.queue("taken-over-dl", reserve_delay=1.0)
-        new_q = await new.queue("taken-over-dl", reserve_delay=1.0)
-        await old_q.push("poison")
-        held = await old_q.reserve(timeout=5)
-        assert held is not None
-        await _stop_renewing(old_q._store)  # type: ignore[attr-defined]
-        got = await new_q.reserve(timeout=10)
-        assert got is not None and got.id == held.id
-        assert await old_q.ko(held) == KoResult.MISSING
-        assert await new_q.ok(got) is True
-        dead_q = await new.queue("__deadletter__")
-        assert await dead_q.pop(timeout=0.5) is None
+class _TakenOver(NamedTuple):
+    old: aio_keuss.Queue  # the holder stopped past its lease
+    new: aio_keuss.Queue  # of the factory that took its bucket over
+    held: aio_keuss.Message  # the old holder's reservation
+    got: aio_keuss.Message  # the new holder's, of the same message
+    factory: aio_keuss.Factory  # the new holder's
 
 
-async def test_an_ok_by_a_holder_whose_bucket_was_taken_over_is_false(
-    bucket_case: tuple[BackendCase, dict[str, Any]],
-) -> None:
-    case, options = bucket_case
-    async with (
-        aio_keuss.connect(case.name, **options) as old,
-        aio_keuss.connect(case.name, **options) as new,
-    ):
-        old_q = await old.queue("taken-over-ok", reserve_delay=1.0)
-        new_q = await new.queue("taken-over-ok", reserve_delay=1.0)
+@asynccontextmanager
+async def _taken_over(
+    bucket_case: tuple[BackendCase, dict[str, Any]], name: str, **extra: Any
+) -> AsyncIterator[_TakenOver]:
+    """One message reserved, its holder stopped past its lease, the bucket taken over by a
+    second factory."""
+    async with _two_factories(bucket_case, name, 1.0, **extra) as (old_q, new_q, new):
         await old_q.push("m")
         held = await old_q.reserve(timeout=5)
         assert held is not None
         await _stop_renewing(old_q._store)  # type: ignore[attr-defined]
         got = await new_q.reserve(timeout=10)
         assert got is not None and got.id == held.id and got.tries == 1
-        assert await old_q.ok(held) is False
-        assert await new_q.ok(got) is True
+        yield _TakenOver(old_q, new_q, held, got, new)
+
+
+async def test_a_deadletter_ko_by_a_holder_whose_bucket_was_taken_over_is_missing(
+    bucket_case: tuple[BackendCase, dict[str, Any]],
+) -> None:
+    """The old holder's ko past max_ko cannot apply: the new holder has the message (and
+    handed it out again), so it must not be deadlettered as well (a second copy)."""
+    async with _taken_over(bucket_case, "taken-over-dl", deadletter={"max_ko": 0}) as t:
+        assert await t.old.ko(t.held) == KoResult.MISSING
+        assert await t.new.ok(t.got) is True
+        dead_q = await t.factory.queue("__deadletter__")
+        assert await dead_q.pop(timeout=0.5) is None
+
+
+async def test_an_ok_by_a_holder_whose_bucket_was_taken_over_is_false(
+    bucket_case: tuple[BackendCase, dict[str, Any]],
+) -> None:
+    async with _taken_over(bucket_case, "taken-over-ok") as t:
+        assert await t.old.ok(t.held) is False
+        assert await t.new.ok(t.got) is True
 
 
 async def test_a_ko_by_a_holder_whose_bucket_was_taken_over_is_missing(
@@ -1003,21 +1016,9 @@ async def test_a_ko_by_a_holder_whose_bucket_was_taken_over_is_missing(
     """A ko (with a delay) of the old holder cannot apply: the new holder has the message
     and serves it again at once. It answers MISSING, as a ko of a reservation no longer
     held does, not ROLLED_BACK."""
-    case, options = bucket_case
-    async with (
-        aio_keuss.connect(case.name, **options) as old,
-        aio_keuss.connect(case.name, **options) as new,
-    ):
-        old_q = await old.queue("taken-over-ko", reserve_delay=1.0)
-        new_q = await new.queue("taken-over-ko", reserve_delay=1.0)
-        await old_q.push("m")
-        held = await old_q.reserve(timeout=5)
-        assert held is not None
-        await _stop_renewing(old_q._store)  # type: ignore[attr-defined]
-        got = await new_q.reserve(timeout=10)
-        assert got is not None and got.id == held.id
-        assert await old_q.ko(held, delay=60) == KoResult.MISSING
-        assert await new_q.ok(got) is True
+    async with _taken_over(bucket_case, "taken-over-ko") as t:
+        assert await t.old.ko(t.held, delay=60) == KoResult.MISSING
+        assert await t.new.ok(t.got) is True
 
 
 async def test_a_remove_in_flight_when_the_queue_closes_leaves_nothing_leased(
@@ -1123,13 +1124,7 @@ async def test_a_remove_cancelled_while_it_leases_strands_no_bucket(
     leased by a store that did not know it held it, its messages out of every consumer's
     reach until the lease lapsed (0.8 x reserve_delay, 48 s here). The lease is held at a
     gate once taken, and the remove cancelled there."""
-    case, options = bucket_case
-    async with (
-        aio_keuss.connect(case.name, **options) as factory,
-        aio_keuss.connect(case.name, **options) as other,
-    ):
-        q = await factory.queue("remove-cancelled", reserve_delay=60)
-        other_q = await other.queue("remove-cancelled", reserve_delay=60)
+    async with _two_factories(bucket_case, "remove-cancelled", 60) as (q, other_q, _):
         await q.push_many(["a", "b"])  # one bucket, nobody holds it
         probe = await other_q.reserve(timeout=5)
         assert probe is not None  # the bucket's id; then given back
