@@ -300,6 +300,9 @@ class NumberedFlushes(StatsStore):
             # The database may have applied it: kept aside with its number, not merged back
             self._unsent = increments
             raise PartlyWritten({}, exc) from exc
+        except BaseException:  # cancelled (close gave up waiting): as unknown, kept aside
+            self._unsent = increments
+            raise
 
     async def _load_counters(self, queue: str) -> dict[str, int]:
         counters: dict[str, int] = {}

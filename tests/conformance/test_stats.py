@@ -182,6 +182,41 @@ async def test_real_store_read_during_a_flush_counts_the_batch_once(connect: Any
         await store.close()
 
 
+_NUMBERED = ("redis-oq", "postgres")
+
+
+@pytest.mark.parametrize(
+    "case", [c for c in CASES if c.id in _NUMBERED], indirect=True, ids=lambda c: c.id
+)
+@pytest.mark.parametrize("landed", [False, True], ids=["before-sending", "reply-lost"])
+async def test_close_giving_up_on_a_stuck_flush_sends_its_batch_again(
+    connect: Any, monkeypatch: pytest.MonkeyPatch, landed: bool
+) -> None:
+    """close waits CLOSE_WAIT for a flush in flight, then cancels it: its batch, sent or
+    not, is sent again by close's own flush (numbered, so it lands once either way)."""
+    monkeypatch.setattr("aio_keuss.stats.CLOSE_WAIT", 0.05)
+    factory: aio_keuss.Factory = await connect()
+    real = type(factory.stats_store)
+    taken, release = asyncio.Event(), asyncio.Event()
+
+    class Stuck(real):  # type: ignore[valid-type, misc]
+        async def _write(self, increments: Increments, seq: int) -> None:
+            first = not taken.is_set()  # the first write hangs, before or after landing
+            taken.set()
+            if first and not landed:
+                await release.wait()
+            await super()._write(increments, seq)
+            if first and landed:
+                await release.wait()
+
+    store: StatsStore = Stuck(factory.backend)
+    await store.open()
+    store.incr("stuck", "put", 7)
+    await taken.wait()
+    await store.close()
+    assert (await factory.stats_store.counters("stuck"))["put"] == 7  # neither lost nor twice
+
+
 class _OneSlotAway:
     """The factory's Redis connection, except that the increments of queue ``away``'s key
     fail (the node serving its slot is down) while ``away`` is set."""
