@@ -570,10 +570,12 @@ class RedisReliableStore(Store):
         self._ttl = backend.heartbeat_ttl
         self._ttl_ms = str(max(1, round(self._ttl * 1000)))
         self._tasks: list[asyncio.Task[None]] = []
-        # Ids handed out by reserve and not yet acknowledged (an ok / ko / move takes an id
-        # out when it is sent): whatever else sits in our processing list no caller holds,
-        # and recovery gives it back (see ``_recover_own``).
-        self._out: set[str] = set()
+        # Ids handed out by reserve and not yet acknowledged, with the tries they were
+        # handed out with (an ok / ko / move takes an id out when it is sent, unless it
+        # names other tries: a stale holder's, refused, must not release the current one):
+        # whatever else sits in our processing list no caller holds, and recovery gives it
+        # back (see ``_recover_own``).
+        self._out: dict[str, int] = {}
         self._unheld: set[str] = set()
         self._scripts = backend.scripts
         bind = backend.bind_script
@@ -611,8 +613,16 @@ class RedisReliableStore(Store):
         stored, next_mature = _read_got(flat)
         out = self._out
         for message in stored:
-            out.add(message.id)
+            out[message.id] = message.tries
         return stored, next_mature
+
+    def _release(self, message_id: str, tries: int | None) -> None:
+        """An ok / ko / move of ``message_id`` is sent: no caller holds it any more, unless
+        the ack names tries other than those it was handed out with (a stale holder's, which
+        the script refuses while the current holder keeps it)."""
+        out = self._out
+        if tries is None or out.get(message_id) == tries:
+            out.pop(message_id, None)
 
     def one_take(self, reserve_delay: float | None) -> OneTake | None:
         if not self.uninterruptible:
@@ -641,10 +651,10 @@ class RedisReliableStore(Store):
     def one_commit(self) -> OneCommit | None:
         if not self.uninterruptible:
             return None
-        send, base, out = self._commit.send_now, self._base, self._out
+        send, base, release = self._commit.send_now, self._base, self._release
 
         def commit(message_id: str, tries: int | None) -> asyncio.Future[Any] | None:
-            out.discard(message_id)
+            release(message_id, tries)
             return send(base, message_id, "" if tries is None else tries)
 
         return commit, _first_is_one
@@ -655,7 +665,8 @@ class RedisReliableStore(Store):
         args: list[Any] = [self._base]
         for ack in acks:
             args += (ack.id, "" if ack.tries is None else ack.tries)
-        self._out.difference_update(ack.id for ack in acks)
+        for ack in acks:
+            self._release(ack.id, ack.tries)
         flags = await self._commit(*args)
         return [flag == 1 for flag in flags]
 
@@ -679,7 +690,8 @@ class RedisReliableStore(Store):
         for nack in nacks:
             tries = "" if nack.tries is None else nack.tries
             head += (nack.id, tries, "1" if nack.count_try else "0")
-        self._out.difference_update(nack.id for nack in nacks)
+        for nack in nacks:
+            self._release(nack.id, nack.tries)
         keys = [self._pending, self._processing, self._failed, self._failed_count, dl_pending]
         codes = await self._scripts.rollback(keys, head)
         results: list[KoResult] = []
@@ -724,7 +736,8 @@ class RedisReliableStore(Store):
                     move.tag,
                 )
             )
-        self._out.difference_update(move.id for move in moves)
+        for move in moves:
+            self._release(move.id, move.tries)
         reply = await self._scripts.move(keys, args)
         return [new_id.decode() if new_id else None for new_id in reply]
 
@@ -891,7 +904,7 @@ class RedisReliableStore(Store):
         if not self._tasks:
             return 0
         listed = await self._backend.execute("LRANGE", self._processing, 0, -1)
-        unheld = {raw.decode() for raw in listed} - self._out
+        unheld = {raw.decode() for raw in listed} - self._out.keys()
         due = unheld & self._unheld
         self._unheld = unheld - due
         if not due:

@@ -480,3 +480,33 @@ def _failing(error: Exception) -> Callable[..., Awaitable[Any]]:
         raise error
 
     return fail
+
+
+@pytest.mark.parametrize("stale", ["ok", "ko", "ok_many", "move"])
+async def test_a_stale_ack_leaves_the_current_holders_reservation_alone(
+    connect: Connect, stale: str
+) -> None:
+    """A stale holder's ok / ko (refused: the message was reserved again since, with more
+    tries) took the id out of what this consumer's callers hold, so its own recovery gave
+    the message back to pending while the current holder still held it: delivered to a
+    second consumer at once, and the current holder's ok then refused."""
+    q = await (await connect()).queue("stale-ack")
+    store = q._store  # type: ignore[attr-defined]
+    await q.push("x")
+    first = await q.reserve(timeout=1)
+    assert first is not None and await q.ko(first) == KoResult.ROLLED_BACK
+    current = await q.reserve(timeout=1)
+    assert current is not None and current.id == first.id and current.tries == 1
+    if stale == "ok":
+        assert not await q.ok(first)
+    elif stale == "ko":
+        assert await q.ko(first) == KoResult.MISSING
+    elif stale == "ok_many":
+        assert await q.ok_many([first]) == [False]
+    else:
+        assert await q.move(first, "stale-ack-elsewhere") is None
+    for _ in range(2):  # an id counts once seen unheld in two passes in a row
+        await store.recover()
+    assert await q.reserve(timeout=0) is None, "a held message was handed out again"
+    assert await q.ok(current)
+    assert await q.total_size() == 0
