@@ -308,7 +308,10 @@ async def test_a_late_answer_for_another_queue_never_fills_the_peek(browser: Any
             assert held, "alpha's peek was asked for"
             asked = len(held)
             release.set()
-            await page.wait_for_function(f"window.alphaRead >= {asked}", timeout=WAIT)
+            # a bound against a hang, longer than WAIT: once released, the answer goes
+            # through the route's handler, the browser's network stack and the page's
+            # reading, each of which a loaded machine (the full suite beside it) delays
+            await page.wait_for_function(f"window.alphaRead >= {asked}", timeout=4 * WAIT)
             assert not await page.evaluate("window.alphaDrawn")
             await expect(page.locator("#peek-queue")).to_have_text("beta")
             await expect(page.locator('#peek tr[data-id="from-beta"]')).to_be_visible()
