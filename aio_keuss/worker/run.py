@@ -165,12 +165,13 @@ async def run_worker(
                 )
                 to_consume.append(queue)
         await _start_repeats(opened, specs, stations, queue_options or {}, repeaters)
-        if stations is not None and running is not None:
+        if running is not None:
             try:
                 await running.start()
             finally:
                 consumers.extend(running.consumers)
-            names = [f"pipeline {stations.name!r} ({', '.join(stations.queues)})"]
+            built = running.pipeline
+            names = [f"pipeline {built.name!r} ({', '.join(built.queues)})"]
         elif handler is not None:
             for queue in to_consume:
                 consumer = queue.consume(handler, concurrency, timeout=timeout, prefetch=prefetch)
