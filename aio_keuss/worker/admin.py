@@ -27,9 +27,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import base64
+import contextlib
 import json
 import os
 import sys
+import threading
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from datetime import UTC, datetime
 from typing import Any, TextIO
@@ -197,6 +199,54 @@ def _json_arg(text: str, what: str) -> Any:
         raise InvalidInputError(f"{what} is nested deeper than JSON is read here") from None
 
 
+async def _ask(question: str) -> str:
+    """Print ``question`` on stderr and wait for one line of stdin without blocking the
+    event loop. Read on the loop's thread, the line held a Ctrl-C until it came: Python
+    retries a read that a signal interrupts once the handler returns (PEP 475), and the
+    handler asyncio.run installs only cancels the main task, which cannot happen while
+    its thread sits in that read. Read in a thread of its own, the wait is an await a
+    Ctrl-C cancels at once. The thread is a daemon (a process that ends does not wait for
+    an answer) and reads the descriptor, not ``sys.stdin``, whose buffer lock it would
+    hold at interpreter shutdown."""
+    print(question, end="", file=sys.stderr, flush=True)
+    loop = asyncio.get_running_loop()
+    answered: asyncio.Future[str] = loop.create_future()
+
+    def settle(line: str) -> None:
+        if not answered.done():
+            answered.set_result(line)
+
+    def read() -> None:
+        line = _read_line()
+        with contextlib.suppress(RuntimeError):  # the loop closed: nobody waits any more
+            loop.call_soon_threadsafe(settle, line)
+
+    threading.Thread(target=read, name="aio-keuss-question", daemon=True).start()
+    return await answered
+
+
+def _read_line() -> str:
+    """One line of stdin ("" at its end), read a byte at a time so that nothing past the
+    line is taken from a pipe."""
+    stdin = sys.stdin
+    if stdin is None:
+        return ""
+    try:
+        fd = stdin.fileno()
+    except (OSError, ValueError):  # replaced by an object without a descriptor
+        return stdin.readline()
+    line = b""
+    while not line.endswith(b"\n"):
+        try:
+            part = os.read(fd, 1)
+        except OSError:
+            break
+        if not part:
+            break
+        line += part
+    return line.decode(errors="replace")
+
+
 # commands -----------------------------------------------------------------------------
 
 
@@ -353,10 +403,12 @@ async def _purge(factory: Factory, args: argparse.Namespace, out: Output) -> int
     q = await _open(factory, args.queue)
     if not args.yes:
         total = (await q.sizes()).total
-        print(f"purge {total} message(s) of {q.name!r}? [y/N] ", end="", file=sys.stderr)
-        sys.stderr.flush()
-        answer = sys.stdin.readline().strip().lower()
-        if answer not in ("y", "yes"):
+        try:
+            answer = await _ask(f"purge {total} message(s) of {q.name!r}? [y/N] ")
+        except asyncio.CancelledError:  # Ctrl-C: asyncio.run cancels this task
+            print("\naio-keuss purge: interrupted, nothing removed", file=sys.stderr)
+            raise
+        if answer.strip().lower() not in ("y", "yes"):
             print("aio-keuss purge: not confirmed, nothing removed", file=sys.stderr)
             return EXIT_DECLINED
     removed = await q.purge()
