@@ -287,7 +287,10 @@ async def replay(
     batch = target.options.max_batch
     copied: list[str] = []
     if ids is not None:
-        wanted = [check_known_id(i) for i in ids]
+        # an id names one message, however often it is named: one copy each, in the
+        # order first named (each naming was located and copied, so a pasted list pushed
+        # a message as many times as it held its id)
+        wanted = list(dict.fromkeys(check_known_id(i) for i in ids))
         for start in range(0, len(wanted), batch):
             found = await source.locate(wanted[start : start + batch])
             rows_ = [r for r in found if r is not None and r.state == State.PROCESSED]

@@ -466,6 +466,20 @@ async def test_history_lists_processed_messages_and_replay_copies_them(
     assert len(everything) == 5 and await q.size() == 5
 
 
+async def test_replay_of_an_id_named_twice_makes_one_copy(factory: aio_keuss.Factory) -> None:
+    """Each id named was located and copied, so a repeated one (a list pasted twice, an id
+    given once per failure) pushed as many copies as it was named: ids name messages, and
+    a replay copies each message it names once, in the order first named."""
+    needs(factory, "history")
+    q = await factory.queue("twice", max_batch=2)  # the repeats fall in different batches
+    first, second = await q.push_many(["a", "b"])
+    assert len(await q.pop_many(2, timeout=5)) == 2
+    copies = await q.replay([second, second, first, second, first], to="twice-again")
+    again = await (await factory.queue("twice-again")).pop_many(10, timeout=5)
+    assert [m.id for m in again] == copies
+    assert [m.headers["x-replay-of"] for m in again] == [second, first]
+
+
 async def test_history_shows_the_tries_its_last_holder_was_given(connect: Connect) -> None:
     """A processed record's ``tries`` is what its holder was given (docs/visibility.md), as
     postgres keeps it. mongo-history counts a reservation's try up front and kept that
