@@ -30,6 +30,7 @@ import base64
 import contextlib
 import json
 import os
+import shlex
 import sys
 import threading
 from collections.abc import Awaitable, Callable, Mapping, Sequence
@@ -113,6 +114,33 @@ def _printable(text: str) -> str:
     breaks, other control and format characters) written as Python escapes: a payload
     cannot clear the screen, retitle the window or forge a row of the table."""
     return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+
+
+def _shell_word(text: str) -> str:
+    """``text`` as one word a shell reads back as ``text``, for a hint a person copies into
+    the next command: a cursor holds a ``|`` (a pipe), and may end with an id another
+    program stored (quotes, ``$(...)``, line breaks, terminal escapes, bidi overrides).
+    Printable text is single-quoted (``shlex.quote``). Text with characters a terminal would
+    obey or hide takes the ``$'...'`` form with those as escapes (``\\xHH``, ``\\uHHHH``,
+    ``\\UHHHHHHHH``, always of full width so that no following character joins one):
+    visible on the screen, the same value once pasted into bash (Bash Reference Manual,
+    "ANSI-C Quoting"; ``\\u`` and ``\\U`` in a UTF-8 locale) or zsh (zsh manual,
+    "Quoting")."""
+    if text.isprintable():
+        return shlex.quote(text)
+    parts = []
+    for char in text:
+        if char in "\\'":
+            parts.append("\\" + char)
+        elif char.isprintable():
+            parts.append(char)
+        elif char < "\x80":
+            parts.append(f"\\x{ord(char):02x}")
+        elif char <= "\uffff":
+            parts.append(f"\\u{ord(char):04x}")
+        else:
+            parts.append(f"\\U{ord(char):08x}")
+    return "$'" + "".join(parts) + "'"
 
 
 def _table(rows: list[dict[str, Any]]) -> str:
@@ -293,7 +321,7 @@ def _emit_page(out: Output, page: Page) -> int:
     items = [_view(v) for v in page.items]
     out.emit({"items": items, "cursor": page.cursor}, items)
     if page.cursor is not None and not out.as_json:
-        out.note(f"more after --after {page.cursor}")
+        out.note(f"more after --after {_shell_word(page.cursor)}")
     return EXIT_OK
 
 

@@ -4,6 +4,7 @@ tables for people, their JSON for scripts, and their exit codes."""
 from __future__ import annotations
 
 import asyncio
+import importlib
 import json
 import os
 import signal
@@ -11,6 +12,7 @@ import subprocess
 import sys
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -293,6 +295,51 @@ async def test_tables_show_control_characters_as_escapes(redis_cli: Cli) -> None
     assert "\x1b" not in shown.stdout and "\x07" not in shown.stdout
     assert "\\x1b[2J" in shown.stdout and "\\nfake row" in shown.stdout
     assert len(shown.stdout.strip().splitlines()) == 2  # the header and one row
+
+
+async def test_the_cursor_hint_is_one_shell_word_shown_as_escapes(
+    history_cli: Cli, tmp_path: Path
+) -> None:
+    """The "more after --after CURSOR" line is meant to be copied into the next command,
+    and was printed raw: a cursor holds a "|" (a shell pipe), and on MongoDB and Redis the
+    id it ends with, which may be any characters another program stored (quotes, "$(...)",
+    a line break, terminal escapes, a bidi override). It is now one word the shell reads
+    back as the cursor, with what a terminal would obey or hide written as escapes."""
+    cli = history_cli
+    first, second = (await cli.json("push", "jobs", stdin="1\n2\n"))["ids"]
+    odd = "it's $(touch pwned) `x`\\\x1b]0;title\x07\nrow\u202eevil\x85\U0001f600|"
+    pymongo = importlib.import_module("pymongo")
+    client = pymongo.AsyncMongoClient(cli.options["url"])
+    try:  # stored under another id, as another program may have
+        database = client[cli.options["database"]]
+        for name in await database.list_collection_names():
+            doc = await database[name].find_one({"_id": first})
+            if doc is not None:
+                await database[name].insert_one({**doc, "_id": odd})
+                await database[name].delete_one({"_id": first})
+    finally:
+        await client.close()
+    cursor = (await cli.json("peek", "jobs", "-n", "1"))["cursor"]
+    assert cursor is not None and cursor.endswith("|" + odd)
+    shown = await cli.run("peek", "jobs", "-n", "1")
+    assert shown.returncode == 0, shown.stderr
+    assert not any(c in shown.stdout for c in "\x1b\x07\u202e\x85")
+    hints = [line for line in shown.stdout.splitlines() if line.startswith("more after")]
+    assert len(hints) == 1 and len(shown.stdout.splitlines()) == 3, shown.stdout
+    word = hints[0].removeprefix("more after --after ")
+    read_back = await asyncio.to_thread(
+        subprocess.run,
+        ["bash", "-c", f"printf %s {word}"],
+        capture_output=True,
+        cwd=tmp_path,
+        env={**os.environ, "LC_ALL": "C.UTF-8"},
+        timeout=60,
+    )
+    assert read_back.returncode == 0, read_back.stderr
+    assert read_back.stdout.decode() == cursor
+    assert os.listdir(tmp_path) == []  # nothing in it was run
+    rest = await cli.json("peek", "jobs", "--after", cursor)
+    assert [item["id"] for item in rest["items"]] == [second]
 
 
 async def test_a_refused_move_requeue_or_replay_records_no_target_queue(
