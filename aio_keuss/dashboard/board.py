@@ -8,8 +8,9 @@ Rates come from the shared counters (``Queue.stats``): a background task samples
 ``sample_every`` seconds and keeps the last ``keep`` seconds, so the chart has a history as
 soon as a page opens, and pages open at once cost no more than one.
 
-A payload is rendered here to text (indented JSON, or a hex preview of bytes) and the page
-inserts it as text; nothing in a message ever becomes markup.
+A payload is rendered here to text (indented JSON, or a hex preview of bytes), and headers
+too, with line breaks and bidi controls as escapes (:func:`visible`); the page inserts them
+as text, so nothing in a message ever becomes markup or reorders what is shown.
 """
 
 from __future__ import annotations
@@ -43,12 +44,23 @@ class UnknownQueueError(InvalidInputError):
     """The queue is not among those the backend lists."""
 
 
+def visible(text: str, keep: str = "") -> str:
+    """``text`` with what would change how the page reads rather than show (line breaks,
+    other control characters, and format characters such as the bidirectional overrides
+    and isolates U+202A-U+202E, U+2066-U+2069, which reorder what follows on screen: see
+    Unicode Standard Annex #9 and CVE-2021-42574) written as Python escapes (``\\n``,
+    ``\\u202e``). A header value cannot forge a line of the headers shown, nor show other
+    characters than it holds. Characters in ``keep`` stay as they are."""
+    return "".join(c if c.isprintable() or c in keep else repr(c)[1:-1] for c in text)
+
+
 def payload_text(payload: Any) -> str:
     if isinstance(payload, bytes):
         head = payload[:BYTES_SHOWN].hex(" ")
         more = " ..." if len(payload) > BYTES_SHOWN else ""
         return f"({len(payload)} bytes) {head}{more}"
-    text = orjson.dumps(payload, option=orjson.OPT_INDENT_2, default=repr).decode()
+    # JSON escapes only what is below U+0020; the line breaks left are the indentation's
+    text = visible(orjson.dumps(payload, option=orjson.OPT_INDENT_2, default=repr).decode(), "\n")
     if len(text) > PAYLOAD_CHARS:
         return text[:PAYLOAD_CHARS] + f"\n... ({len(text) - PAYLOAD_CHARS} more characters)"
     return text
@@ -62,7 +74,7 @@ def message_data(found: MessageView) -> dict[str, Any]:
         "state": found.state,
         "at": found.at.timestamp(),
         "tries": message.tries,
-        "headers": {key: str(value) for key, value in message.headers.items()},
+        "headers": {visible(key): visible(str(value)) for key, value in message.headers.items()},
         "payload": payload_text(message.payload),
     }
 

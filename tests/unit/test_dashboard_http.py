@@ -354,6 +354,36 @@ async def test_payloads_travel_as_json_text_never_as_markup(
         await dashboard.stop()
 
 
+async def test_headers_and_payloads_show_line_breaks_and_bidi_controls_as_escapes(
+    factory: aio_keuss.Factory, client: Any
+) -> None:
+    """Header values went to the page as stored: a line break forged a header line of its
+    own (here a deadletter origin), a right-to-left override (U+202E) showed what follows
+    reversed, so an operator read something else than what the message holds. Payload
+    text kept such characters too (JSON escapes only those below U+0020)."""
+    jobs = await factory.queue("jobs")
+    forged = "1\nx-dl-from-queue: payments"
+    reversed_ = "invoice \u202efdp.exe"
+    await jobs.push(
+        "a\u202eb\u2028c\x85d\u200fe",
+        headers={"x-note": forged, "x-file": reversed_, "x-\u202ekey": "v"},
+    )
+    dashboard = await _started(factory)
+    try:
+        async with client.get(dashboard.url + "api/messages?queue=jobs&state=all") as response:
+            found = (await response.json())["result"]
+    finally:
+        await dashboard.stop()
+    shown = next(m for m in found if "x-note" in m["headers"])
+    assert shown["headers"] == {
+        "x-note": "1\\nx-dl-from-queue: payments",
+        "x-file": "invoice \\u202efdp.exe",
+        "x-\\u202ekey": "v",
+    }
+    assert shown["payload"] == '"a\\u202eb\\u2028c\\x85d\\u200fe"'
+    assert payload_text({"a": 1}) == '{\n  "a": 1\n}'  # its own line breaks stay
+
+
 def test_payload_text() -> None:
     assert payload_text(b"\x00\xff") == "(2 bytes) 00 ff"
     assert payload_text({"a": [1]}) == '{\n  "a": [\n    1\n  ]\n}'
