@@ -275,6 +275,34 @@ async def test_requeue_without_ids_takes_every_deadlettered_message_back(
         await dashboard.stop()
 
 
+async def test_requeue_to_a_queue_nobody_opened_creates_it_there(
+    factory: aio_keuss.Factory, client: Any
+) -> None:
+    """What docs/dashboard.md says of an origin the backend does not know: a valid queue
+    name is opened (recorded with the dashboard factory's defaults, listed from then on)
+    and the message moved into it; no header, or one that is no queue name, stays put."""
+    dead = await factory.queue("__deadletter__")
+    ghost_id = await dead.push("to ghost", headers={"x-dl-from-queue": "ghost"})
+    bad_id = await dead.push("bad name", headers={"x-dl-from-queue": "bad name!"})
+    bare_id = await dead.push("no header")
+    assert "ghost" not in await factory.list()
+    dashboard = await _started(factory)
+    try:
+        async with client.post(
+            dashboard.url + "api/requeue",
+            data=b'{"queue": "__deadletter__", "ids": null}',
+            headers=_post_headers(dashboard),
+        ) as response:
+            assert response.status == 200
+            assert (await response.json())["result"] == {ghost_id: ghost_id}
+    finally:
+        await dashboard.stop()
+    listed = await factory.list()
+    assert listed["ghost"] == factory.defaults.as_dict()
+    assert (await (await factory.queue("ghost")).find(ghost_id)) is not None
+    assert {v.message.id for v in await dead.peek(10, state="all")} == {bad_id, bare_id}
+
+
 # with a token --------------------------------------------------------------------------
 
 
