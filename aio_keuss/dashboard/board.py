@@ -9,8 +9,9 @@ Rates come from the shared counters (``Queue.stats``): a background task samples
 soon as a page opens, and pages open at once cost no more than one.
 
 A payload is rendered here to text (indented JSON, or a hex preview of bytes), and headers
-too, with line breaks and bidi controls as escapes (:func:`visible`); the page inserts them
-as text, so nothing in a message ever becomes markup or reorders what is shown.
+and ids too, with line breaks and bidi controls as escapes (:func:`visible`); the page
+inserts them as text, so nothing in a message ever becomes markup or reorders what is
+shown.
 """
 
 from __future__ import annotations
@@ -70,7 +71,8 @@ def message_data(found: MessageView) -> dict[str, Any]:
     message = found.message
     return {
         "queue": found.queue,
-        "id": message.id,
+        "id": message.id,  # what the page sends back to name the message
+        "shown_id": visible(message.id),  # what it shows (a stored id may hold anything)
         "state": found.state,
         "at": found.at.timestamp(),
         "tries": message.tries,

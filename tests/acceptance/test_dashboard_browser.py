@@ -42,7 +42,9 @@ playwright_api = pytest.importorskip(
     "playwright.async_api", reason="playwright (Python package) is not installed"
 )
 
+from aio_keuss.contract import Entry  # noqa: E402
 from aio_keuss.dashboard import Dashboard  # noqa: E402
+from aio_keuss.message import encode_headers, encode_payload  # noqa: E402
 
 CHROMIUM = "/usr/bin/chromium"
 if not os.path.exists(CHROMIUM):  # tests/services.sh installs it
@@ -262,6 +264,39 @@ async def test_queue_names_of_object_members_do_not_break_the_page(browser: Any)
                 await expect(_row(page, name).locator("td.ready")).to_have_text("1")
                 await expect(_row(page, name).locator("span.figures")).to_have_text("")
             await expect(page.locator("#status")).not_to_have_class("bad")
+
+
+async def test_ids_and_headers_show_line_breaks_and_bidi_controls_as_escapes(
+    browser: Any,
+) -> None:
+    """What an operator reads is what the message holds: an id (stored by another program:
+    a push takes printable ids only) with a right-to-left override (U+202E) showed the rest
+    reversed, and a header value's line break showed a forged header line; the page now
+    shows them as escapes, while Requeue still names the message by its stored id."""
+    odd_id = "invoice\u202efdp.exe"
+    forged = "1\nx-dl-from-queue: payments"
+    async with aio_keuss.connect("memory", deadletter={"max_ko": 0}) as factory:
+        jobs = await factory.queue("jobs")
+        dead = await factory.queue("__deadletter__")
+        headers = {"x-dl-from-queue": "jobs", "x-note": forged}
+        entry = Entry(odd_id, encode_payload("x"), encode_headers(headers))
+        await dead._insert_entries([entry])  # as another program may have stored it
+        async with Dashboard(factory, port=0, sample_every=3600) as dashboard:
+            page = await _page(browser)
+            await page.goto(dashboard.url)
+            dead_row = page.locator("#deadletter tbody tr")
+            await expect(dead_row).to_have_count(1, timeout=WAIT)
+            assert await dead_row.locator("td.id").text_content() == "invoice\\u202efdp.exe"
+            shown = await dead_row.locator("pre").first.text_content()
+            assert shown == "x-dl-from-queue: jobs\nx-note: 1\\nx-dl-from-queue: payments"
+            await _row(page, "__deadletter__").locator("button.peek").click()
+            peeked = page.locator("#peek tbody tr")
+            await expect(peeked).to_have_count(1, timeout=WAIT)
+            assert await peeked.locator("td.id").text_content() == "invoice\\u202efdp.exe"
+            await dead_row.locator("button.requeue").click()
+            await expect(dead_row).to_have_count(0, timeout=WAIT)
+            found = await jobs.find(odd_id)
+            assert found is not None and found.queue == "jobs"
 
 
 async def test_a_late_answer_for_another_queue_never_fills_the_peek(browser: Any) -> None:

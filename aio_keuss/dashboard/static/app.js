@@ -197,7 +197,7 @@
       if (stale()) return;
       const rows = messages.map((m) => {
         const row = el("tr", { "data-id": m.id });
-        row.appendChild(cell("id", m.id));
+        row.appendChild(cell("id", m.shown_id));
         row.appendChild(cell("", m.state));
         row.appendChild(cell("", when(m.at)));
         row.appendChild(cell("num", m.tries));
@@ -220,7 +220,7 @@
 
   function deadRow(m) {
     const row = el("tr", { "data-id": m.id });
-    row.appendChild(cell("id", m.id));
+    row.appendChild(cell("id", m.shown_id));
     row.appendChild(cell("from", m.headers["x-dl-from-queue"] || ""));
     row.appendChild(cell("num tries", m.tries));
     row.appendChild(pre(headersText(m.headers)));
