@@ -361,6 +361,19 @@ def check_id(message_id: object, longest: int = MAX_ID_LENGTH) -> str:
     return message_id
 
 
+def visible(text: str, keep: str = "") -> str:
+    """``text`` with what a terminal or a page would obey or hide rather than show (line
+    breaks, escape sequences, other control characters, and format characters such as the
+    bidirectional overrides and isolates U+202A-U+202E, U+2066-U+2069, which reorder what
+    follows on screen: Unicode Standard Annex #9, CVE-2021-42574) written as Python escapes
+    (``\\n``, ``\\u202e``): an id, header or payload another program stored can neither
+    forge a line of what an operator reads nor show other characters than it holds.
+    Characters in ``keep`` stay as they are."""
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() or c in keep else repr(c)[1:-1] for c in text)
+
+
 def check_known_id(message_id: object) -> str:
     """Return the id of a stored message as ``ok``, ``ko``, ``move``, ``find``,
     ``remove``, ``requeue`` and ``replay`` take it, else raise :class:`InvalidIdError`: a

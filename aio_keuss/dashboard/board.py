@@ -28,6 +28,7 @@ import orjson
 
 from ..errors import InvalidInputError, KeussError
 from ..factory import Factory
+from ..message import visible
 from ..options import QUEUE_OPTION_NAMES, check_queue_name
 from ..queue import Queue
 from ..types import PEEK_STATES, MessageView
@@ -43,16 +44,6 @@ REQUEUE_MAX = 1000
 
 class UnknownQueueError(InvalidInputError):
     """The queue is not among those the backend lists."""
-
-
-def visible(text: str, keep: str = "") -> str:
-    """``text`` with what would change how the page reads rather than show (line breaks,
-    other control characters, and format characters such as the bidirectional overrides
-    and isolates U+202A-U+202E, U+2066-U+2069, which reorder what follows on screen: see
-    Unicode Standard Annex #9 and CVE-2021-42574) written as Python escapes (``\\n``,
-    ``\\u202e``). A header value cannot forge a line of the headers shown, nor show other
-    characters than it holds. Characters in ``keep`` stay as they are."""
-    return "".join(c if c.isprintable() or c in keep else repr(c)[1:-1] for c in text)
 
 
 def payload_text(payload: Any) -> str:

@@ -46,7 +46,14 @@ from ..errors import (
 )
 from ..factory import Factory, connect
 from ..loading import add_connection_flags
-from ..message import Message, check_id, check_known_id, encode_headers, encode_payload
+from ..message import (
+    Message,
+    check_id,
+    check_known_id,
+    encode_headers,
+    encode_payload,
+    visible,
+)
 from ..options import QUEUE_OPTION_NAMES, check_queue_name
 from ..queue import Queue
 from ..types import MessageView, Page
@@ -104,16 +111,9 @@ def _cell(value: Any) -> str:
     if isinstance(value, datetime):
         return value.isoformat(timespec="milliseconds")
     if isinstance(value, str):
-        return value if value.isprintable() else _printable(value)
+        return visible(value)
     text = json.dumps(value, default=_json_default, separators=(",", ":"))
     return text if len(text) <= 60 else text[:57] + "..."
-
-
-def _printable(text: str) -> str:
-    """``text`` with what a terminal would obey rather than show (escape sequences, line
-    breaks, other control and format characters) written as Python escapes: a payload
-    cannot clear the screen, retitle the window or forge a row of the table."""
-    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
 
 
 def _shell_word(text: str) -> str:
