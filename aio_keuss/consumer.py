@@ -369,10 +369,11 @@ class Source(Protocol):
 
     def ko(self, message: Message, delay: float | None) -> Awaitable[KoResult]: ...
 
-    def release(self, messages: list[Message]) -> Awaitable[None]:
-        """Give back reservations whose handler was cancelled, or that no handler started,
-        costing no try: in one call, so that the store can put them back in their order
-        (several calls at once may run in any order)."""
+    def release(self, messages: list[Message], *, unseen: bool = False) -> Awaitable[None]:
+        """Give back reservations whose handler was cancelled, or that no handler started
+        (``unseen``: not counted as reserved then), costing no try: in one call, so that
+        the store can put them back in their order (several calls at once may run in any
+        order)."""
 
     def put_back(
         self, messages: list[Message], kept: Mapping[str, Stored] | None = None
@@ -671,7 +672,8 @@ class Consumer(StoppedOnExit):
                 # cost a round trip per prefetched message on every stop
                 held = [m for m, _ in self._buffer]
                 self._buffer.clear()
-                await self._acknowledge_all("release", held, self.queue.release(held))
+                back = self.queue.release(held, unseen=True)
+                await self._acknowledge_all("release", held, back)
             else:  # popped: put back in the queue, else they would be lost
                 popped = [m for m, _ in self._buffer]
                 self._buffer.clear()
@@ -770,7 +772,11 @@ class Consumer(StoppedOnExit):
             # and waits for it (see _stopped), as for the other give-backs: left unowned,
             # it could still be out as the queue's close gave the same reservation back
             await asyncio.shield(
-                self._tracked(self._acknowledge("release", message, self.queue.release([message])))
+                self._tracked(
+                    self._acknowledge(
+                        "release", message, self.queue.release([message], unseen=True)
+                    )
+                )
             )
 
     def _tracked(self, work: Awaitable[Any]) -> asyncio.Task[Any]:

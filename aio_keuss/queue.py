@@ -827,14 +827,19 @@ class Queue:
             )
             for m in messages
         ]
+        # nobody saw them, whether or not the put-back lands: counted when taken again
+        self._stats.uncount(self.name, "get", len(entries))
         await self._put_back(self._insert_back(entries), len(entries))
 
-    async def _release_all(self, messages: Sequence[Message]) -> None:
-        """Give back reservations nobody saw (an interrupted ``reserve_many``, a stopped
-        stream read), costing no try, in as few calls as ``max_batch`` allows and the latest
-        batch first: a sharded store puts a release back in its place only where nothing is
-        held just behind it, so several calls at once, run in any order, sent some of a
-        key's messages behind its later ones."""
+    async def _release_all(self, messages: Sequence[Message], *, unseen: bool = False) -> None:
+        """Give back reservations, costing no try, in as few calls as ``max_batch`` allows
+        and the latest batch first: a sharded store puts a release back in its place only
+        where nothing is held just behind it, so several calls at once, run in any order,
+        sent some of a key's messages behind its later ones. ``unseen``: no user code got
+        them (a stopped consumer's prefetch, an interrupted blocking call), so they are not
+        counted as reserved; a cancelled handler's were delivered, and count."""
+        if unseen:
+            self._stats.uncount(self.name, "reserve", len(messages))
         nacks = [Nack(m.id, m.tries, 0.0, count_try=False) for m in messages]
         for batch in _latest_batches_first(nacks, self.options.max_batch):
             await self._put_back(self._store.rollback(batch, None), len(batch))
@@ -1780,8 +1785,8 @@ class _ConsumerLink:
     def ko(self, message: Message, delay: float | None) -> Awaitable[KoResult]:
         return self._queue.ko(message, delay)
 
-    def release(self, messages: list[Message]) -> Awaitable[None]:
-        return self._queue._release_all(messages)
+    def release(self, messages: list[Message], *, unseen: bool = False) -> Awaitable[None]:
+        return self._queue._release_all(messages, unseen=unseen)
 
     def put_back(
         self, messages: list[Message], kept: Mapping[str, Stored] | None = None

@@ -99,6 +99,15 @@ class StatsStore(ABC):
             observe.active.count(queue, counter, n)
         self._add(queue, counter, n)
 
+    def uncount(self, queue: str, counter: str, n: int) -> None:
+        """Take back ``n`` events of ``counter``: messages counted as taken (``get``,
+        ``reserve``) when the store handed them out, then put back before user code saw
+        them (a stopped consumer's prefetch, an interrupted blocking call). Taken again,
+        they are counted again; so the counters show one take per delivery. Metrics are
+        left alone: a Prometheus counter only goes up, a decrease reads as a restart
+        (Prometheus documentation, "Metric types")."""
+        self._add(queue, counter, -n)
+
     def _add(self, queue: str, counter: str, n: int) -> None:
         """Buffered until the next flush (a local store overrides this)."""
         if n:

@@ -809,7 +809,7 @@ def _put_back_popped(queue: Queue, messages: list[Message], kept: Mapping[str, S
 
 
 def _release(queue: Queue, messages: list[Message], _: Mapping[str, Stored]) -> None:
-    queue._in_background(queue._release_all(messages))
+    queue._in_background(queue._release_all(messages, unseen=True))
 
 
 async def _close_after(taking: _Taking | None, iterator: AsyncGenerator[Message, None]) -> None:

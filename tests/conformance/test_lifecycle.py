@@ -504,10 +504,12 @@ async def test_a_stop_cancelled_as_it_gives_back_its_prefetched_messages_still_d
     started, finish, releasing = asyncio.Event(), asyncio.Event(), asyncio.Event()
     release = q._release_all
 
-    async def slow_release(messages: Sequence[Message]) -> None:  # a round trip to a far server
+    async def slow_release(  # a round trip to a far server
+        messages: Sequence[Message], *, unseen: bool = False
+    ) -> None:
         releasing.set()
         await asyncio.sleep(0.05)
-        await release(messages)
+        await release(messages, unseen=unseen)
 
     q._release_all = slow_release  # type: ignore[method-assign]
 

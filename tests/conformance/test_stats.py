@@ -17,6 +17,7 @@ import pytest
 from backends import CASES
 
 import aio_keuss
+from aio_keuss.consumer import Consumer
 from aio_keuss.redis.stats import _INCREMENT
 from aio_keuss.stats import Increments, StatsStore
 
@@ -289,3 +290,37 @@ async def test_options_recorded_if_absent_keep_what_is_there(connect: Any) -> No
     assert recorded["paused-only"] == {"reserve_delay": 9.0}
     await stats.save_options("fresh", {"reserve_delay": 7.0})  # replace: the default
     assert (await stats.queues())["fresh"] == {"reserve_delay": 7.0}
+
+
+async def test_prefetched_messages_given_back_unseen_are_counted_once(connect: Any) -> None:
+    """A consumer's stop gives back what it prefetched and no handler started. Counted as
+    taken when the store handed them out, and again when taken after the give-back, those
+    messages showed two gets (or reserves) for one delivery to user code."""
+    factory: aio_keuss.Factory = await connect(poll_interval=5.0)
+    q = await factory.queue("prefetched", reserve_delay=600)
+    await q.push_many(list(range(4)))
+    counter = "reserve" if q.capabilities.reserve else "get"
+    handled: list[aio_keuss.Message] = []
+    consumers: list[Consumer] = []
+
+    async def handler(message: aio_keuss.Message) -> None:
+        handled.append(message)
+        await consumers[0].stop()  # from its handler: the stop gives back the prefetched
+
+    consumers.append(q.consume(handler, concurrency=1, prefetch=3))
+    await consumers[0].wait()
+    await consumers[0].stop()
+    assert len(handled) == 1
+    taken: list[aio_keuss.Message] = []
+    for _ in range(50):  # the three given back, whatever number a take returns
+        if len(taken) == 3:
+            break
+        if q.capabilities.reserve:
+            batch = await q.reserve_many(3 - len(taken), timeout=5)
+            assert all(await q.ok_many(batch))
+        else:
+            batch = await q.pop_many(3 - len(taken), timeout=5)
+        taken.extend(batch)
+    assert sorted(m.payload for m in handled + taken) == [0, 1, 2, 3]
+    stats = await q.stats()
+    assert (stats["put"], stats[counter]) == (4, 4), stats
