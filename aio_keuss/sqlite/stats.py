@@ -3,40 +3,73 @@ topologies, in the tables the schema's migrations make beside the messages.
 
 Increments are buffered by :class:`StatsStore` and written as one transaction per flush,
 whatever the number of queues and counters in it.
+
+The database thread runs a write to its end whatever becomes of its caller, and a caller
+cancelled meanwhile (a close that gave up waiting) is told only that: not whether the write
+committed. So each flush carries a number, recorded in ``stats_flushes`` in the same
+transaction as the counters, and a flush whose outcome is unknown is kept aside and sent
+again with its number, which applies it only if it had not committed (see
+:class:`NumberedFlushes`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import sqlite3
 import time
 from typing import TYPE_CHECKING, Any
 
 import orjson
 
-from ..stats import Increments, StatsStore
+from ..errors import KeussError
+from ..stats import Increments, NumberedFlushes
 
 if TYPE_CHECKING:
     from .connection import SqliteConnection
 
+STALE_FLUSHES = 7 * 24 * 3600.0
+"""Seconds after which a store's flush number is taken for that of a process that ended
+without closing, and deleted by the next factory to open."""
 
-class SqliteStats(StatsStore):
+
+class SqliteStats(NumberedFlushes):
     def __init__(self, backend: SqliteConnection) -> None:
         super().__init__()
         self._db = backend
         self._sql = backend.sql
 
-    async def _apply(self, increments: Increments) -> None:
+    async def open(self) -> None:
+        await super().open()
+        with contextlib.suppress(KeussError):  # housekeeping: a later open does it
+            await self._run("stats_forget_stale_flushes", time.time() - STALE_FLUSHES)
+
+    async def _forget_flushes(self, queues: list[str]) -> None:
+        await self._run("stats_forget_flushes", self._origin)
+
+    async def _write(self, increments: Increments, seq: int) -> None:
+        """The flush's number is claimed and the counters added in one transaction: a
+        flush lands whole, once, or not at all."""
         rows = [
             (queue, name, value)
             for queue, counters in increments.items()
             for name, value in counters.items()
             if value
         ]
-        if rows:
-            statement = self._sql["stats_apply"]
-            await self._db.write(lambda c: c.executemany(statement, rows))
+        claim, apply = self._sql["stats_flush_claim"], self._sql["stats_apply"]
+        flush = (self._origin, seq, time.time())
 
-    async def _load_counters(self, queue: str) -> dict[str, int]:
+        def write(c: sqlite3.Connection) -> None:
+            if c.execute(claim, flush).rowcount:
+                c.executemany(apply, rows)
+
+        await self._db.write(write)
+
+    async def _landed(self, queue: str, seq: int) -> bool:
+        statement, origin = self._sql["stats_flushed"], self._origin
+        row = await self._db.read(lambda c: c.execute(statement, (origin,)).fetchone())
+        return row is not None and row[0] >= seq
+
+    async def _stored_counters(self, queue: str) -> dict[str, int]:
         statement = self._sql["stats_counters"]
         rows = await self._db.read(lambda c: c.execute(statement, (queue,)).fetchall())
         return {row[0]: row[1] for row in rows}

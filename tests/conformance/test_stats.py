@@ -183,7 +183,7 @@ async def test_real_store_read_during_a_flush_counts_the_batch_once(connect: Any
         await store.close()
 
 
-_NUMBERED = ("redis-oq", "postgres")
+_NUMBERED = ("redis-oq", "postgres", "sqlite")
 
 
 @pytest.mark.parametrize(

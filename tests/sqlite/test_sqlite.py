@@ -29,6 +29,7 @@ from aio_keuss.sqlite.connection import (
     SqliteOptions,
     path_from_url,
 )
+from aio_keuss.sqlite.stats import SqliteStats
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -863,3 +864,56 @@ async def test_a_cancelled_close_still_ends_the_thread(database: str) -> None:
         await asyncio.sleep(0.02)
     assert _database_threads(database) == []
     await factory.close()
+
+
+# stats flushes ------------------------------------------------------------------------------
+
+
+class _WritesSeen:
+    """The factory's backend, setting ``sent`` when a write is handed to its thread."""
+
+    def __init__(self, real: Any) -> None:
+        self._real = real
+        self.sent = asyncio.Event()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._real, name)
+
+    def write(self, work: Callable[[sqlite3.Connection], Any]) -> Awaitable[Any]:
+        self.sent.set()  # the test runs on once the caller waits for the reply
+        return self._real.write(work)
+
+
+@pytest.mark.parametrize("committed", [False, True], ids=["write-failed", "write-committed"])
+async def test_a_stats_flush_cancelled_on_the_database_thread_lands_once(
+    open_factory: Open, database: str, committed: bool
+) -> None:
+    """The database thread runs a write whatever becomes of its caller, and a caller
+    cancelled meanwhile learns only that it was cancelled, not whether the write committed.
+    A stats flush cancelled so dropped its batch: lost when the write failed (the file
+    locked by another process). It is now sent again by the next flush, and lands once
+    whether the cancelled write committed or not."""
+    factory = await open_factory(busy_timeout=0)  # a locked file fails the write at once
+    backend = _WritesSeen(factory.backend)
+    store = SqliteStats(backend)  # type: ignore[arg-type]
+    gate = threading.Event()
+    held = asyncio.ensure_future(factory.backend.read(lambda c: gate.wait(60)))
+    other = sqlite3.connect(database, isolation_level=None)
+    try:
+        if not committed:
+            other.execute("BEGIN IMMEDIATE")  # another connection holds the write lock
+        store.incr("q", "put", 7)
+        flushing = asyncio.create_task(store.flush())
+        await backend.sent.wait()  # the flush's write waits behind the held call
+        flushing.cancel()
+        gate.set()  # the thread goes on to the flush's write
+        await held
+        with pytest.raises(asyncio.CancelledError):
+            await flushing
+    finally:
+        gate.set()
+        if other.in_transaction:
+            other.execute("ROLLBACK")
+        other.close()
+    await store.close()  # its last flush sends what is not known to have landed
+    assert (await factory.stats_store.counters("q"))["put"] == 7  # neither lost nor twice

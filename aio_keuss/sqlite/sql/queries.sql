@@ -110,6 +110,26 @@ UPDATE messages SET mature = ?, tries = tries + reserved, reserved = 1 WHERE seq
 INSERT INTO stats (queue, counter, value) VALUES (?, ?, ?)
 ON CONFLICT (queue, counter) DO UPDATE SET value = value + excluded.value
 
+-- name: stats_flush_claim
+-- Record flush ?2 of stats store ?1 (at ?3) unless that one or a later one was: one row
+-- changed means the flush is new, and its counters are applied in the same transaction;
+-- none, that it was applied already (sent again, its first outcome unknown to the store).
+INSERT INTO stats_flushes (origin, seq, at) VALUES (?1, ?2, ?3)
+ON CONFLICT (origin) DO UPDATE SET seq = excluded.seq, at = excluded.at
+WHERE stats_flushes.seq < excluded.seq
+
+-- name: stats_flushed
+-- The number of the last flush stats store ? had applied (no row: none).
+SELECT seq FROM stats_flushes WHERE origin = ?
+
+-- name: stats_forget_flushes
+-- A stats store closing with nothing unsettled.
+DELETE FROM stats_flushes WHERE origin = ?
+
+-- name: stats_forget_stale_flushes
+-- The stats stores silent since ? (a week ago): processes that ended without closing.
+DELETE FROM stats_flushes WHERE at < ?
+
 -- name: stats_counters
 SELECT counter, value FROM stats WHERE queue = ?
 
