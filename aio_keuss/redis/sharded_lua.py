@@ -7,7 +7,8 @@ Shard keys (hash tag ``{queue#shard}``), ``<base>`` being ``prefix:{queue#shard}
                            yet acknowledged, n swept ever, sl / sf sideline load / fire
                            pointers, v shoveled ever, e expired (message TTL) ever, q scheduled
                            ever (the next scheduled record's seq), b put back before the
-                           fire pointer ever (a cancelled pop's records)
+                           fire pointer ever (a cancelled pop's records), c the sweep's
+                           HSCAN cursor over ix
     <base>r:<ptr>    HASH  one record per message of the magazine: i id, p payload,
                            h headers, t tries, m mature, x reservation deadline once fired,
                            e end of life (message TTL; absent: none), o its place in the
@@ -22,7 +23,9 @@ Shard keys (hash tag ``{queue#shard}``), ``<base>`` being ``prefix:{queue#shard}
     <base>z          ZSET  seq -> mature time of the scheduled records
     <base>ix         HASH  id -> pointer of its record ('s<ptr>' while sidelined, older
                            versions wrote 's'; 'z<seq>' while scheduled). An entry whose
-                           record now has another id, or none, is stale (see queued)
+                           record now has another id, or none, is stale, and dropped where
+                           it is met: a push of its id, a refused ok / ko, the sweep's look
+                           over a slice of the index each step (see current)
     <base>d          ZSET  id -> end of its dedup window (explicit ids only)
     <base>k          ZSET  pointer -> deadline of the reservations the sweep stepped over
                            (within their deadline when it passed them), looked at again
@@ -219,14 +222,20 @@ local function renamed(key, now)
   rec[1] = ''
   return framed(rec, now, key, true)[1]
 end
--- Whether ``id`` is queued: its index entry, checked against the record it names, which
--- must bear that id. A record renamed (see ``renamed``) leaves its lost id's entry behind,
--- naming a record of another id or none: that entry is dropped here, so the id can be
--- pushed again. An older version's sideline entry ('s', no pointer) cannot be checked and
--- counts, as does one naming a key of another type (``adopt`` renames it when met).
-local function queued(base, id)
-  local at = redis.call('HGET', KEYS[2], id)
-  if not at then return false end
+local function meta(fields)
+  local got = redis.call('HMGET', KEYS[1], unpack(fields))
+  for k = 1, #got do got[k] = tonumber(got[k] or 0) end
+  return got
+end
+-- Whether the index entry ``at`` of ``id`` is current: it names a record bearing that id. A
+-- record renamed (see ``renamed``) leaves its lost id's entry behind, naming a record of
+-- another id, and one deleted by another program (or evicted, or lost in a failover) an
+-- entry naming none: such an entry is stale, and dropped wherever it is met (a push of its
+-- id, a refused ok / ko, the sweep's look over the index), so the id can be pushed again
+-- and the index does not keep it for ever. An older version's sideline entry ('s', no
+-- pointer) cannot be checked and counts, as does one naming a key of another type
+-- (``adopt`` renames it when met).
+local function current(base, id, at)
   if at == 's' then return true end
   local kind, rest = string.sub(at, 1, 1), string.sub(at, 2)
   local key = base .. 'r:' .. at
@@ -240,10 +249,10 @@ local function queued(base, id)
   redis.call('HDEL', KEYS[2], id)
   return false
 end
-local function meta(fields)
-  local got = redis.call('HMGET', KEYS[1], unpack(fields))
-  for k = 1, #got do got[k] = tonumber(got[k] or 0) end
-  return got
+-- Whether ``id`` is queued: its index entry, if ``current``.
+local function queued(base, id)
+  local at = redis.call('HGET', KEYS[2], id)
+  return at and current(base, id, at) or false
 end
 -- Put a record aside until ``due``: it waits in the shard's schedule (KEYS[4] = z).
 -- Its name in the schedule is the sequence number zero-padded to a fixed width, so records
@@ -491,12 +500,21 @@ return out
 _HELD = """
 local function held(base, id, want)
   local at = redis.call('HGET', KEYS[2], id)
-  local kind = at and string.sub(at, 1, 1)
-  if not at or kind == 's' or kind == 'z' then return nil end
+  if not at then return nil end
+  local kind = string.sub(at, 1, 1)
+  if kind == 's' or kind == 'z' then
+    current(base, id, at)  -- a stale entry met here is dropped
+    return nil
+  end
   local key = base .. 'r:' .. at
-  -- another type there, or a record another id took over (see adopt): not held
+  -- another type there (see adopt): not held; a record of another id, or none: stale
   local rec = redis.pcall('HMGET', key, 'x', 't', 'i')
-  if rec.err or not rec[1] or rec[3] ~= id then return nil end
+  if rec.err then return nil end
+  if rec[3] ~= id then
+    redis.call('HDEL', KEYS[2], id)
+    return nil
+  end
+  if not rec[1] then return nil end
   if want ~= '' and tonumber(want) ~= tries_of(rec[2]) then return nil end
   return key, tries_of(rec[2])
 end
@@ -703,7 +721,8 @@ return {m[1] - m[2] + matured, m[3], m[4] - m[5], m[1], m[6], m[7], m[8], m[2], 
 # (pointer -> deadline): the sweep pointer passes it, so however long it is held, the lapsed
 # records behind it, a batch away or more, are swept. A record past its end of life is
 # deleted rather than sidelined, and the magazine's expired head is purged, so the leader
-# clears expired messages of idle queues too.
+# clears expired messages of idle queues too. Last, a slice of the id index is looked over
+# for stale entries (see ``current``).
 # Reply: {moved, records left to look at, left in the magazine, version, 1 if reservations
 # within their deadline are noted in k, records in the sideline, next mature scheduled}.
 _SWEEP = (
@@ -770,6 +789,15 @@ while at < stop do
   at = at + 1
 end
 w = at
+-- A slice of the id index (HSCAN from the cursor kept in m, about 100 entries; a small
+-- index, kept as a listpack, is returned whole): its stale entries, which a push of their
+-- id or an ok / ko would drop but whose id may never be named again, are dropped here, so
+-- the index does not grow with them. One HGET per entry looked at; HSCAN returns every
+-- entry present for a whole cycle at least once (Redis manual, SCAN: "Scan guarantees").
+local cursor = redis.call('HGET', KEYS[1], 'c') or '0'
+local slice = redis.call('HSCAN', KEYS[2], cursor, 'COUNT', 100)
+for k = 1, #slice[2], 2 do current(base, slice[2][k], slice[2][k + 1]) end
+if slice[1] ~= cursor then redis.call('HSET', KEYS[1], 'c', slice[1]) end
 if w > m[3] or moved > 0 or expired > 0 then
   redis.call('HSET', KEYS[1], 'w', ptr(w), 'sl', ptr(sl), 'r', ptr(r - moved - expired),
     'n', ptr(n + moved), 'e', ptr(m[7] + expired))

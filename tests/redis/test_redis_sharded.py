@@ -394,6 +394,46 @@ async def test_a_queue_whose_keys_a_node_lost_is_served_again(
     assert sorted(got) == ["after", "before"]
 
 
+# the id index ----------------------------------------------------------------------------
+
+
+async def _one_shard_queue(connect: Connect) -> tuple[aio_keuss.Queue, RedisShardStorage, str]:
+    """A queue of one shard, no leader, no dedup window (an id is refused only while its
+    index entry says it is queued); its storage and the base of its keys."""
+    factory = await connect(sweeper=False, shards=1, dedup_window=0)
+    storage = backend_of(factory).storage
+    assert isinstance(storage, RedisShardStorage)
+    q = await factory.queue("q")
+    return q, storage, storage.shard_base("q", 0)
+
+
+async def test_a_stale_index_entry_is_dropped_by_the_sweep(
+    connect: Connect, redis: aioredis.Redis
+) -> None:
+    """An index entry whose record is gone (deleted by another program, evicted, lost by a
+    failover) was dropped only by a later push of its id: one never pushed again stayed in
+    the index for ever. The sweep looks over a slice of the index each step."""
+    q, storage, base = await _one_shard_queue(connect)
+    await q.push("a", id="gone")
+    await q.push("b", id="kept")
+    assert await redis.delete(base + "r:0") == 1
+    await storage.sweep("q", 0, 1000)
+    assert await redis.hgetall(base + "ix") == {b"kept": b"1"}
+
+
+async def test_a_refused_ok_drops_the_stale_index_entry_it_read(
+    connect: Connect, redis: aioredis.Redis
+) -> None:
+    """The ok of a record that is gone reads its id's entry already: it drops it there."""
+    q, _, base = await _one_shard_queue(connect)
+    await q.push("a", id="gone")
+    held = await q.reserve(timeout=1)
+    assert held is not None and held.id == "gone"
+    assert await redis.delete(base + "r:0") == 1
+    assert not await q.ok(held)
+    assert not await redis.hexists(base + "ix", "gone")
+
+
 # Redis Cluster ---------------------------------------------------------------------------
 
 
