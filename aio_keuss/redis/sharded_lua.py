@@ -22,7 +22,8 @@ Shard keys (hash tag ``{queue#shard}``), ``<base>`` being ``prefix:{queue#shard}
                            <seq> zero-padded to 20 digits (older records: unpadded)
     <base>z          ZSET  seq -> mature time of the scheduled records
     <base>ix         HASH  id -> pointer of its record ('s<ptr>' while sidelined, older
-                           versions wrote 's'; 'z<seq>' while scheduled). An entry whose
+                           versions wrote 's', looked for in the sideline (see legacy);
+                           'z<seq>' while scheduled). An entry whose
                            record now has another id, or none, is stale, and dropped where
                            it is met: a push of its id, a refused ok / ko, the sweep's look
                            over a slice of the index each step (see current)
@@ -227,16 +228,34 @@ local function meta(fields)
   for k = 1, #got do got[k] = tonumber(got[k] or 0) end
   return got
 end
+-- Sideline records an older version's entry ('s', no pointer) is looked for among, from the
+-- sideline's fire pointer, at most: the sideline is FIFO, so a record swept before this
+-- version ran is among its first; past the bound the entry counts as queued until the
+-- shovel has moved the sideline on.
+local LEGACY_LOOK = 1000
+-- Whether the entry 's' of ``id`` names a sideline record bearing that id. None there (it
+-- lost its id and the shovel moved it on under a new one, ``renamed``): the entry is
+-- stale, dropped. One whose record is there needs no rewrite: the shovel that moves the
+-- record writes its entry anew.
+local function legacy(base, id)
+  local m = meta({'sl', 'sf'})
+  local stop = math.min(m[1], m[2] + LEGACY_LOOK)
+  for at = m[2], stop - 1 do
+    if redis.pcall('HGET', base .. 's:' .. ptr(at), 'i') == id then return true end
+  end
+  if stop < m[1] then return true end
+  redis.call('HDEL', KEYS[2], id)
+  return false
+end
 -- Whether the index entry ``at`` of ``id`` is current: it names a record bearing that id. A
 -- record renamed (see ``renamed``) leaves its lost id's entry behind, naming a record of
 -- another id, and one deleted by another program (or evicted, or lost in a failover) an
 -- entry naming none: such an entry is stale, and dropped wherever it is met (a push of its
 -- id, a refused ok / ko, the sweep's look over the index), so the id can be pushed again
--- and the index does not keep it for ever. An older version's sideline entry ('s', no
--- pointer) cannot be checked and counts, as does one naming a key of another type
+-- and the index does not keep it for ever. One naming a key of another type counts
 -- (``adopt`` renames it when met).
 local function current(base, id, at)
-  if at == 's' then return true end
+  if at == 's' then return legacy(base, id) end
   local kind, rest = string.sub(at, 1, 1), string.sub(at, 2)
   local key = base .. 'r:' .. at
   if kind == 's' then

@@ -21,6 +21,7 @@ from backends import REDIS_URL, _drop_redis_prefix, new_token
 from sharded_checks import assert_metadata_of_q
 
 import aio_keuss
+from aio_keuss.contract import Entry
 from aio_keuss.redis.sharded import RedisShardedBackend, RedisShardStorage
 from aio_keuss.types import Sizes
 
@@ -432,6 +433,53 @@ async def test_a_refused_ok_drops_the_stale_index_entry_it_read(
     assert await redis.delete(base + "r:0") == 1
     assert not await q.ok(held)
     assert not await redis.hexists(base + "ix", "gone")
+
+
+async def _pushed_again(storage: RedisShardStorage, id: str) -> bool:
+    """Whether a push of ``id`` is stored (false: refused as queued)."""
+    entry = Entry(id, b"again", b"{}", dedup=True)
+    return (await storage.load("q", 0, [entry], 0.0, None)).flags == [True]
+
+
+async def _legacy_sidelined(q: aio_keuss.Queue, storage: RedisShardStorage, redis: Any) -> str:
+    """A record of id ``old`` in the sideline, its index entry ``s`` as older versions wrote
+    it (no pointer). Returns the base of the shard's keys."""
+    base = storage.shard_base("q", 0)
+    await q.push("old", id="old")
+    held = await q.reserve(timeout=1)
+    assert held is not None
+    await redis.hset(base + "r:0", "x", "0")  # its reservation lapsed
+    assert (await storage.sweep("q", 0, 1000)).moved == 1
+    assert await redis.hget(base + "ix", "old") == b"s0"
+    await redis.hset(base + "ix", "old", "s")
+    return base
+
+
+async def test_an_older_sideline_entry_of_a_record_that_lost_its_id_is_stale(
+    connect: Connect, redis: aioredis.Redis
+) -> None:
+    """Older versions wrote a sidelined record's index entry as ``s`` with no pointer: one
+    whose record lost its id (renamed when the shovel met it) refused its id for ever."""
+    q, storage, _ = await _one_shard_queue(connect)
+    base = await _legacy_sidelined(q, storage, redis)
+    assert await redis.hdel(base + "s:0", "i") == 1
+    assert (await storage.shovel("q", 0, 1000)).moved == 1
+    assert await _pushed_again(storage, "old")
+
+
+async def test_an_older_sideline_entry_of_a_record_still_there_counts(
+    connect: Connect, redis: aioredis.Redis
+) -> None:
+    """An older sideline entry whose record is still in the sideline keeps its id refused,
+    through a sweep's look over the index too, until the shovel moves the record on."""
+    q, storage, _ = await _one_shard_queue(connect)
+    base = await _legacy_sidelined(q, storage, redis)
+    assert not await _pushed_again(storage, "old")
+    await storage.sweep("q", 0, 1000)
+    assert await redis.hget(base + "ix", "old") == b"s"
+    assert (await storage.shovel("q", 0, 1000)).moved == 1
+    assert await redis.hget(base + "ix", "old") == b"1"  # its pointer in the magazine
+    assert not await _pushed_again(storage, "old")
 
 
 # Redis Cluster ---------------------------------------------------------------------------
