@@ -248,8 +248,16 @@ class StatsStore(ABC):
     # (every database's store does, so ``factory.pipelines()`` sees every process's).
 
     async def save_pipeline(self, name: str, topology: dict[str, Any]) -> None:
-        """Record a pipeline's topology so ``factory.pipelines()`` finds it."""
+        """Record a pipeline's topology so ``factory.pipelines()`` finds it, replacing the
+        one recorded under that name, if any."""
         self._local_pipelines[name] = copy.deepcopy(topology)
+
+    async def keep_pipeline(self, name: str, topology: dict[str, Any]) -> dict[str, Any]:
+        """Record a pipeline's topology unless one is recorded under that name, in one
+        atomic step (two processes starting it at once: one records, the other reads what
+        it recorded); returns the topology recorded after the call."""
+        kept = self._local_pipelines.setdefault(name, copy.deepcopy(topology))
+        return copy.deepcopy(kept)
 
     async def pipelines(self) -> dict[str, dict[str, Any]]:
         """Every recorded pipeline's topology, by name."""

@@ -86,6 +86,18 @@ class MongoStats(StatsStore):
         )
 
     @translated
+    async def keep_pipeline(self, name: str, topology: dict[str, Any]) -> dict[str, Any]:
+        # an insert refused on the _id (one step: the unique _id index), then the one in
+        # place; removed in between, the insert is tried again
+        while True:
+            with contextlib.suppress(DuplicateKeyError):
+                await self._pipelines.insert_one({"_id": name, "topology": topology})
+                return topology
+            doc = await self._pipelines.find_one({"_id": name})
+            if doc is not None:
+                return dict(doc["topology"])
+
+    @translated
     async def pipelines(self) -> dict[str, dict[str, Any]]:
         docs = await self._pipelines.find({}).to_list()
         return {d["_id"]: dict(d["topology"]) for d in sorted(docs, key=lambda d: d["_id"])}

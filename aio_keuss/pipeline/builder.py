@@ -16,6 +16,8 @@ from collections.abc import Mapping, Sequence
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
+import orjson
+
 from ..consumer import Consumer, ConsumerStatus, Handler, check_settings
 from ..contract import Move
 from ..errors import InvalidInputError, NotSupportedError, PipelineError
@@ -141,12 +143,59 @@ class Pipeline:
             "queue_options": self.queue_options,
         }
 
-    async def save(self) -> None:
+    async def save(self, *, replace: bool = False) -> None:
         """Store the topology in the backend, where any process can list it
-        (``factory.pipelines()``); ``run`` does it when it starts."""
+        (``factory.pipelines()``); ``run`` does it when it starts.
+
+        A pipeline is one definition shared by every process running it: one stored under
+        this name with another topology (another process's, or an earlier release's) is
+        not overwritten but refused with :class:`PipelineError`, as a queue's recorded
+        options are; the same topology is taken as it is. ``replace`` stores this one
+        over it, deliberately (as ``factory.remove_pipeline`` then a start does)."""
+        self.stations()  # a station's settings are stored too: what run refuses is not
+        topology = self.topology()
+        store = self.factory.stats_store
+        if replace:
+            await store.save_pipeline(self.name, topology)
+            return
+        stored = await store.keep_pipeline(self.name, topology)
+        if stored != orjson.loads(orjson.dumps(topology)):  # as read back from the store
+            raise PipelineError(
+                f"pipeline {self.name!r} is stored with another topology ({stored}); this "
+                f"one ({topology}) is not written over it: save(replace=True) replaces it, "
+                "or remove it first (factory.remove_pipeline)"
+            )
+
+    def stations(
+        self, defaults: StationSettings | None = None
+    ) -> list[tuple[Link, dict[str, Any]]]:
+        """Check the pipeline and each station's settings (over ``defaults``, a run's; None:
+        ``consume``'s) as ``consume`` checks them, and the queue options against those its
+        queues are open with, opening nothing; returns each station with its settings."""
         self.validate()
-        self.run()._stations()  # a station's settings are stored too: what run refuses is not
-        await self.factory.stats_store.save_pipeline(self.name, self.topology())
+        factory = self.factory
+        given_defaults = defaults.given() if defaults is not None else {}
+        stations = [(link, {**given_defaults, **link.settings.given()}) for link in self.links]
+        opened = {q.name: q.options for q in factory.open_queues()}
+        for name in self.queues:  # what factory.queue refuses once others are opened
+            given = self.queue_options.get(name)
+            found = opened.get(name)
+            if given and found is not None and found != factory.defaults.updated(given):
+                raise PipelineError(
+                    f"pipeline {self.name!r}: queue {name!r} is already open with {found},"
+                    f" not the pipeline's queue_options {given}"
+                )
+        for link, settings in stations:  # every setting checked before a queue is opened
+            given = self.queue_options.get(link.source)
+            # no options (None or {}): the queue as it is open, as factory.queue returns it
+            options = opened.get(link.source) if not given else None
+            if options is None:
+                options = factory.defaults.updated(given or {})
+            try:
+                check_settings(**settings, settled=True, max_batch=options.max_batch)
+            except InvalidInputError as exc:
+                raise PipelineError(f"station {link.name!r}: {exc}") from exc
+        return stations
 
     def run(
         self,
@@ -188,45 +237,18 @@ class PipelineRun:
                 f"pipeline {pipeline.name!r}: backend {factory.backend_name!r} cannot move a "
                 f"message between queues atomically{hint}"
             )
-        return self._stations()
-
-    def _stations(self) -> list[tuple[Link, dict[str, Any]]]:
-        """Each station with its settings, checked as ``consume`` checks them, and the
-        pipeline's queue options against those its queues are open with."""
-        pipeline = self.pipeline
-        factory = pipeline.factory
-        stations = [
-            (link, {**self.defaults.given(), **link.settings.given()}) for link in pipeline.links
-        ]
-        opened = {q.name: q.options for q in factory.open_queues()}
-        for name in pipeline.queues:  # what factory.queue refuses once others are opened
-            given = pipeline.queue_options.get(name)
-            found = opened.get(name)
-            if given and found is not None and found != factory.defaults.updated(given):
-                raise PipelineError(
-                    f"pipeline {pipeline.name!r}: queue {name!r} is already open with {found},"
-                    f" not the pipeline's queue_options {given}"
-                )
-        for link, settings in stations:  # every setting checked before a queue is opened
-            given = pipeline.queue_options.get(link.source)
-            # no options (None or {}): the queue as it is open, as factory.queue returns it
-            options = opened.get(link.source) if not given else None
-            if options is None:
-                options = factory.defaults.updated(given or {})
-            try:
-                check_settings(**settings, settled=True, max_batch=options.max_batch)
-            except InvalidInputError as exc:
-                raise PipelineError(f"station {link.name!r}: {exc}") from exc
-        return stations
+        return pipeline.stations(self.defaults)
 
     async def start(self) -> PipelineRun:
-        """Check the pipeline, open its queues, store its topology and start its stations."""
+        """Check the pipeline, store its topology (refused when another is stored under its
+        name, see :meth:`Pipeline.save`), open its queues and start its stations."""
         if self._started:
             raise PipelineError(f"pipeline {self.pipeline.name!r} is already running")
         self._started = True
         stations = self.check()
         pipeline = self.pipeline
         factory = pipeline.factory
+        await pipeline.save()  # before any queue is opened: a refused one opens nothing
         queues: dict[str, Queue] = {}
         inputs = {link.source for link in pipeline.links}
         for name in pipeline.queues:
@@ -235,7 +257,6 @@ class PipelineRun:
                 queues[name] = await factory.queue(name, **(given or {}))
             else:  # only moved into: opened as a move reaches a queue, see Factory._sibling
                 queues[name] = await factory._sibling(name)
-        await pipeline.save()
         try:
             for link, settings in stations:
                 handler, settle = _station(link, queues[link.source])

@@ -91,6 +91,12 @@ class PostgresStats(NumberedFlushes):
             self._sql["stats_save_pipeline"], name, orjson.dumps(topology).decode()
         )
 
+    async def keep_pipeline(self, name: str, topology: dict[str, Any]) -> dict[str, Any]:
+        statement = self._sql["stats_keep_pipeline"]
+        kept = await self._db.fetchval(statement, name, orjson.dumps(topology).decode())
+        stored: dict[str, Any] = orjson.loads(kept)
+        return stored
+
     async def pipelines(self) -> dict[str, dict[str, Any]]:
         rows = await self._db.fetch(self._sql["stats_pipelines"])
         return {row[0]: orjson.loads(row[1]) for row in rows}

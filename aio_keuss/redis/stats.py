@@ -31,6 +31,14 @@ return 1
 """)
 
 
+# KEYS: a HASH. ARGV: field, value. HSETNX, then the value in place (the one given when it
+# was set): one step, so a remove between the two cannot answer nil.
+_KEEP = Script("""
+if redis.call('HSETNX', KEYS[1], ARGV[1], ARGV[2]) == 1 then return ARGV[2] end
+return redis.call('HGET', KEYS[1], ARGV[1])
+""")
+
+
 # KEYS: a queue's counters HASH, this store's flush number for the queue. ARGV: the flush's
 # number, that number's time to live, then pairs counter, increment. Applied only when the
 # number is past the one recorded (a flush sent again after its reply was lost is not added
@@ -121,6 +129,12 @@ class RedisStats(NumberedFlushes):
 
     async def save_pipeline(self, name: str, topology: dict[str, Any]) -> None:
         await self._backend.execute("HSET", self._pipelines_key, name, orjson.dumps(topology))
+
+    async def keep_pipeline(self, name: str, topology: dict[str, Any]) -> dict[str, Any]:
+        args = [name, orjson.dumps(topology)]
+        kept = await self._backend.run_script(_KEEP, [self._pipelines_key], args)
+        stored: dict[str, Any] = orjson.loads(kept)
+        return stored
 
     async def pipelines(self) -> dict[str, dict[str, Any]]:
         stored = await self._backend.hash_items(self._pipelines_key)

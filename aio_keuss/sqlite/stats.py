@@ -99,6 +99,18 @@ class SqliteStats(NumberedFlushes):
     async def save_pipeline(self, name: str, topology: dict[str, Any]) -> None:
         await self._run("stats_save_pipeline", name, orjson.dumps(topology).decode(), time.time())
 
+    async def keep_pipeline(self, name: str, topology: dict[str, Any]) -> dict[str, Any]:
+        keep, read = self._sql["stats_keep_pipeline"], self._sql["stats_pipeline"]
+        args = (name, orjson.dumps(topology).decode(), time.time())
+
+        def run(c: sqlite3.Connection) -> str:  # one write transaction: nothing in between
+            c.execute(keep, args)
+            found: str = c.execute(read, (name,)).fetchone()[0]
+            return found
+
+        stored: dict[str, Any] = orjson.loads(await self._db.write(run))
+        return stored
+
     async def pipelines(self) -> dict[str, dict[str, Any]]:
         statement = self._sql["stats_pipelines"]
         rows = await self._db.read(lambda c: c.execute(statement).fetchall())

@@ -15,7 +15,7 @@ from conftest import Connect, needs
 
 import aio_keuss
 from aio_keuss import Message
-from aio_keuss.pipeline import Drop, Forward, from_dict, load
+from aio_keuss.pipeline import Drop, Forward, Pipeline, from_dict, load
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -181,6 +181,42 @@ async def test_the_topology_is_stored_for_every_process(connect: Connect, case: 
     assert set(etl["sizes"]) == {"raw", "clean"}
     assert await other.remove_pipeline("etl") and not await other.remove_pipeline("etl")
     assert await factory.pipelines() == {}
+
+
+async def test_a_pipeline_stored_with_another_topology_is_refused_until_replaced(
+    connect: Connect, case: Any
+) -> None:
+    """A second process starting a pipeline of the same name with another definition wrote
+    its topology over the first one's, silently: the last one to start won. Starting, or
+    saving, a pipeline whose stored topology differs is refused; the same one is taken;
+    ``save(replace=True)`` replaces it deliberately."""
+    factory = await connect(poll_interval=5.0)
+    needs(factory, "move")
+    first = factory.pipeline("etl").link("raw", "clean", _forward).sink("clean", _forward_nothing)
+    async with first.run():
+        pass
+    other = await connect(poll_interval=5.0) if case.shared else factory
+
+    def changed() -> Pipeline:
+        return (
+            other.pipeline("etl")
+            .link("raw", "clean", _forward, concurrency=3)
+            .sink("clean", _forward_nothing)
+        )
+
+    with pytest.raises(aio_keuss.PipelineError, match="'etl' is stored with another"):
+        async with changed().run():
+            pass
+    with pytest.raises(aio_keuss.PipelineError, match="'etl' is stored with another"):
+        await changed().save()
+    assert (await other.pipelines())["etl"] == first.topology()
+    same = other.pipeline("etl").link("raw", "clean", _forward).sink("clean", _forward_nothing)
+    async with same.run():
+        pass
+    await changed().save(replace=True)
+    assert (await factory.pipelines())["etl"] == changed().topology()
+    async with changed().run():
+        pass
 
 
 async def _forward(message: Message) -> Forward:

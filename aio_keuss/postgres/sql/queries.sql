@@ -472,6 +472,15 @@ SELECT queue, options::text FROM {s}.queues ORDER BY queue
 INSERT INTO {s}.pipelines (name, topology) VALUES ($1, $2::text::jsonb)
 ON CONFLICT (name) DO UPDATE SET topology = EXCLUDED.topology, saved_at = clock_timestamp()
 
+-- name: stats_keep_pipeline
+-- Record a pipeline's topology unless one is recorded; the one recorded after. DO UPDATE
+-- (to the same value) rather than DO NOTHING: it locks the row and RETURNING gives the row
+-- in place, a conflicting insert committed after this statement's snapshot included
+-- (PostgreSQL manual, INSERT: "ON CONFLICT Clause").
+INSERT INTO {s}.pipelines (name, topology) VALUES ($1, $2::text::jsonb)
+ON CONFLICT (name) DO UPDATE SET topology = {s}.pipelines.topology
+RETURNING topology::text
+
 -- name: stats_pipelines
 SELECT name, topology::text FROM {s}.pipelines ORDER BY name
 

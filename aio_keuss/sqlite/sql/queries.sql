@@ -159,6 +159,13 @@ SELECT queue, options FROM queues ORDER BY queue
 INSERT INTO pipelines (name, topology, saved_at) VALUES (?, ?, ?)
 ON CONFLICT (name) DO UPDATE SET topology = excluded.topology, saved_at = excluded.saved_at
 
+-- name: stats_keep_pipeline
+INSERT INTO pipelines (name, topology, saved_at) VALUES (?, ?, ?)
+ON CONFLICT (name) DO NOTHING
+
+-- name: stats_pipeline
+SELECT topology FROM pipelines WHERE name = ?
+
 -- name: stats_pipelines
 SELECT name, topology FROM pipelines ORDER BY name
 
