@@ -426,12 +426,14 @@ def check_settings(
     batch: object = 0,
     *,
     settled: bool,
-    max_batch: int,
+    max_batch: int | None,
 ) -> None:
     """Refuse, with :class:`InvalidInputError`, what ``consume`` (or a pipeline station, which
     is ``settled`` by its link) cannot run with: checked in full before anything starts, so
     a pipeline opens no queue and stores no topology for a setting it will refuse. The
-    defaults are ``consume``'s, for a station that leaves a setting to them."""
+    defaults are ``consume``'s, for a station that leaves a setting to them. ``max_batch``
+    None: the queue is not known yet (a worker checks before it connects), and
+    :func:`check_batch_bounds` checks the bounds once it is."""
     if isinstance(concurrency, bool) or not isinstance(concurrency, int) or concurrency < 1:
         raise InvalidInputError(f"concurrency must be a positive int, not {concurrency!r}")
     check_seconds(retry_delay, "retry_delay")  # they become ko delays: same bounds
@@ -440,14 +442,21 @@ def check_settings(
         raise InvalidDelayError(f"timeout must be > 0 seconds, not {timeout!r}")
     if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
         raise InvalidInputError(f"prefetch must be an int >= 0, not {prefetch!r}")
-    if prefetch > max_batch:
-        raise InvalidInputError(f"prefetch must be at most max_batch ({max_batch}), not {prefetch}")
     if isinstance(batch, bool) or not isinstance(batch, int) or batch < 0:
         raise InvalidInputError(f"batch must be an int >= 0, not {batch!r}")
-    if batch > max_batch:
-        raise InvalidInputError(f"batch must be at most max_batch ({max_batch}), not {batch}")
     if batch and (prefetch or settled):
         raise InvalidInputError("batch cannot be combined with prefetch (nor in a pipeline)")
+    if max_batch is not None:
+        check_batch_bounds(prefetch, batch, max_batch)
+
+
+def check_batch_bounds(prefetch: int, batch: int, max_batch: int) -> None:
+    """Refuse a ``prefetch`` or ``batch`` (checked by :func:`check_settings`) above the
+    queue's ``max_batch``: what one fetch may take."""
+    if prefetch > max_batch:
+        raise InvalidInputError(f"prefetch must be at most max_batch ({max_batch}), not {prefetch}")
+    if batch > max_batch:
+        raise InvalidInputError(f"batch must be at most max_batch ({max_batch}), not {batch}")
 
 
 class StoppedOnExit:

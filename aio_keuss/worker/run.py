@@ -27,7 +27,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any, cast
 
 from .. import observe
-from ..consumer import Consumer, Handler, check_settings, describe
+from ..consumer import Consumer, Handler, check_batch_bounds, check_settings, describe
 from ..errors import ConsumerFailedError, InvalidInputError, NotSupportedError, PipelineError
 from ..factory import Factory, connect
 from ..loading import import_object
@@ -117,7 +117,7 @@ async def run_worker(
         # what consume() refuses, before connecting (and before a repeat pushes); a
         # prefetch above a queue's max_batch is checked as soon as the queues are open
         check_settings(
-            concurrency, timeout=timeout, prefetch=prefetch, settled=False, max_batch=prefetch
+            concurrency, timeout=timeout, prefetch=prefetch, settled=False, max_batch=None
         )
     if factory is not None and options:
         raise InvalidInputError("backend options are for a worker that connects by itself")
@@ -156,13 +156,7 @@ async def run_worker(
         elif handler is not None:
             for name in names:
                 queue = await opened.queue(name, **dict(queue_options or {}))
-                check_settings(
-                    concurrency,
-                    timeout=timeout,
-                    prefetch=prefetch,
-                    settled=False,
-                    max_batch=queue.options.max_batch,
-                )
+                check_batch_bounds(prefetch, 0, queue.options.max_batch)
                 to_consume.append(queue)
         await _start_repeats(opened, specs, stations, queue_options or {}, repeaters)
         if running is not None:

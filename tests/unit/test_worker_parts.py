@@ -12,6 +12,7 @@ import pytest
 
 import aio_keuss
 from aio_keuss import HandlerTimeoutError, KoResult, Message, PipelineError, observe
+from aio_keuss.consumer import check_batch_bounds, check_settings
 from aio_keuss.errors import ConfigError, InvalidInputError
 from aio_keuss.metrics import Histogram, QueueMetrics, prometheus_text
 from aio_keuss.pipeline import Forward, Pipeline
@@ -194,6 +195,19 @@ async def test_bad_timeout_and_prefetch_are_refused() -> None:
         for bad_prefetch in (-1, True, 1.5, 10**9):
             with pytest.raises(InvalidInputError):
                 q.consume(print, prefetch=bad_prefetch)  # type: ignore[arg-type]
+
+
+def test_settings_are_checked_before_a_queue_is_known_and_its_bound_once_it_is() -> None:
+    """run_worker checks a handler's settings before connecting, when no queue's max_batch
+    is known yet: it passed the prefetch itself as the bound (a check that could not fail)
+    and checked every setting again per queue. The settings are checked without the bound
+    (max_batch None), and the bound alone once each queue is open."""
+    check_settings(4, timeout=1.0, prefetch=10**9, settled=False, max_batch=None)
+    with pytest.raises(InvalidInputError, match="concurrency"):
+        check_settings(0, prefetch=1, settled=False, max_batch=None)
+    with pytest.raises(InvalidInputError, match="at most max_batch"):
+        check_batch_bounds(prefetch=6, batch=0, max_batch=5)
+    check_batch_bounds(prefetch=5, batch=0, max_batch=5)
 
 
 async def test_run_worker_consumes_until_asked_to_stop() -> None:
