@@ -1,6 +1,6 @@
 """``aio-keuss list | info | peek | find | push | pop | move | requeue | purge | pause |
-resume | history | replay | stats | pipelines``: look into queues and repair them from a
-shell, on the same console script as the worker.
+resume | history | replay | stats | pipelines | remove-pipeline``: look into queues and
+repair them from a shell, on the same console script as the worker.
 
 Every command takes the worker's connection settings (``--backend``, ``--url``,
 ``--option KEY=VALUE``, ``--config``, and the ``AIO_KEUSS_*`` environment variables), prints
@@ -520,6 +520,12 @@ async def _pipelines(factory: Factory, args: argparse.Namespace, out: Output) ->
     return EXIT_OK
 
 
+async def _remove_pipeline(factory: Factory, args: argparse.Namespace, out: Output) -> int:
+    removed = await factory.remove_pipeline(args.pipeline)
+    out.emit({"pipeline": args.pipeline, "removed": removed})
+    return EXIT_OK if removed else EXIT_NOT_FOUND
+
+
 # the parser ---------------------------------------------------------------------------
 
 
@@ -609,6 +615,11 @@ def add_commands(commands: Any) -> None:
     p.add_argument("--watch", type=_seconds, help="print again every so many seconds")
     p.add_argument("--count", type=_positive, help="with --watch: stop after so many prints")
     command("pipelines", _pipelines, "stored pipelines: topology and queue sizes")
+    command(
+        "remove-pipeline",
+        _remove_pipeline,
+        "forget a stored pipeline's topology (its queues stay), so a changed one can start",
+    ).add_argument("pipeline")
 
 
 def run(args: argparse.Namespace, environ: Mapping[str, str] = os.environ) -> int:

@@ -253,6 +253,18 @@ async def test_pipelines_show_topology_and_sizes(redis_cli: Cli) -> None:
     ]
 
 
+async def test_a_stored_pipeline_is_removed_so_a_changed_one_can_start(redis_cli: Cli) -> None:
+    """A worker refuses to start a pipeline whose stored topology differs; an operator
+    without code of their own forgets the stored one from the command line."""
+    cli = redis_cli
+    async with cli.connect() as factory:
+        await factory.stats_store.save_pipeline("etl", {"name": "etl", "stations": []})
+    removed = await cli.run("remove-pipeline", "etl")
+    assert removed.returncode == 0, removed.stderr
+    assert await cli.json("pipelines") == {}
+    assert (await cli.run("remove-pipeline", "etl")).returncode == 4  # not found
+
+
 async def test_exit_codes_scripts_can_trust(redis_cli: Cli) -> None:
     cli = redis_cli
     bad_json = await cli.run("push", "jobs", "{nope")
