@@ -23,10 +23,10 @@ Shard keys (hash tag ``{queue#shard}``), ``<base>`` being ``prefix:{queue#shard}
     <base>z          ZSET  seq -> mature time of the scheduled records
     <base>ix         HASH  id -> pointer of its record ('s<ptr>' while sidelined, older
                            versions wrote 's', looked for in the sideline (see legacy);
-                           'z<seq>' while scheduled). An entry whose
-                           record now has another id, or none, is stale, and dropped where
-                           it is met: a push of its id, a refused ok / ko, the sweep's look
-                           over a slice of the index each step (see current)
+                           'z<seq>' while scheduled). An entry whose record now has another
+                           id, or none, is stale, and dropped where it is met: a push of its
+                           id, a refused ok / ko, the sweep's look over a slice of the index
+                           each step (see current)
     <base>d          ZSET  id -> end of its dedup window (explicit ids only)
     <base>k          ZSET  pointer -> deadline of the reservations the sweep stepped over
                            (within their deadline when it passed them), looked at again
