@@ -503,6 +503,10 @@ class Consumer(StoppedOnExit):
         # id: a Message has neither the end of life nor the place their put-back keeps
         self._kept: dict[str, Stored] = {}
         self._fetching = asyncio.Lock()
+        self._landed = asyncio.Event()  # set when the fetch out ends (a new one per fetch)
+        self._fetch_unsent = False  # a fetch began in this loop iteration
+        # with several workers, the next fetch starts once this few are left, not none
+        self._refill_at = prefetch // 2 if concurrency > 1 else 0
         self._starving = 0  # workers that found the buffer empty and wait for a fetch
         # With prefetch, oks are sent in the background, several to a round trip: handled
         # messages wait in ``_oks`` for one of at most OK_SENDERS sender tasks; at most
@@ -751,23 +755,31 @@ class Consumer(StoppedOnExit):
         if not self._prefetch:
             got = await self.queue.next(self._outage, 1)
             return got[0] if got else None
+        buffer = self._buffer
         while True:
-            if not self._buffer:
+            if self._stopping:  # what is left in the buffer goes back (see stop)
+                return None
+            if buffer and (len(buffer) > self._refill_at or self._fetching.locked()):
+                if self._fetch_unsent:
+                    # a fetch was just started: its request goes out first (a handler that
+                    # never awaits would hand out the rest before it left, and its round
+                    # trip overlapped nothing); nothing is held across this wait, so a stop
+                    # cancelling it loses nothing
+                    await asyncio.sleep(0)
+                    continue
+            elif self._fetching.locked():  # a fetch is out: wait for what it brings
                 self._starving += 1
                 try:
-                    async with self._fetching:
-                        if not self._buffer:
-                            kept = None if self._reserve else self._kept
-                            got = await self.queue.next(self._outage, self._want(), kept=kept)
-                            until = math.inf  # handed out while at least half is left
-                            if self._reserve and self.queue.capabilities.reservation_expiry:
-                                until = time.monotonic() + self.queue.reserve_delay / 2
-                            self._buffer.extend((message, until) for message in got)
+                    await self._landed.wait()
                 finally:
                     self._starving -= 1
-            if not self._buffer:
-                return None
-            message, until = self._buffer.popleft()
+                continue
+            else:  # this worker fetches, for itself and every worker waiting
+                await self._fetch(starving=not buffer)
+                if not buffer:
+                    return None  # only on drain or close, as there is no timeout
+                continue
+            message, until = buffer.popleft()
             self._kept.pop(message.id, None)  # handed to a worker: no longer ours to give back
             if time.monotonic() < until:
                 return message
@@ -787,6 +799,34 @@ class Consumer(StoppedOnExit):
                     )
                 )
             )
+
+    async def _fetch(self, starving: bool) -> None:
+        """Fill the prefetch buffer: when it ran dry, or early (``starving`` False), once no
+        more than ``_refill_at`` are left, so that the round trip runs while the other
+        workers handle those (waiting for it with nothing to do, three workers with
+        short handlers were idle 40 % of the time on redis-oq)."""
+        if starving:
+            self._starving += 1
+        try:
+            async with self._fetching:  # free: taken without a wait (see _next)
+                self._fetch_unsent = True
+                self._loop.call_soon(self._fetch_sent)  # after what the fetch schedules
+                try:
+                    kept = None if self._reserve else self._kept
+                    got = await self.queue.next(self._outage, self._want(), kept=kept)
+                finally:
+                    landed, self._landed = self._landed, asyncio.Event()
+                    landed.set()
+                until = math.inf  # handed out while at least half is left
+                if self._reserve and self.queue.capabilities.reservation_expiry:
+                    until = time.monotonic() + self.queue.reserve_delay / 2
+                self._buffer.extend((message, until) for message in got)
+        finally:
+            if starving:
+                self._starving -= 1
+
+    def _fetch_sent(self) -> None:
+        self._fetch_unsent = False
 
     def _tracked(self, work: Awaitable[Any]) -> asyncio.Task[Any]:
         """``work`` in a task of its own that a stop waits for (``_acks``)."""
