@@ -70,6 +70,7 @@ class _Runtime:
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
+        """Never held by the main thread (see ``_aside``)."""
         self.stack: contextlib.ExitStack | None = None
         self.portal: BlockingPortal | None = None
         self.users = 0
@@ -84,6 +85,9 @@ class _Runtime:
 
     def acquire(self) -> tuple[BlockingPortal, int]:
         """The running portal (started if needed), counted as one more user."""
+        return _aside(self._acquire)
+
+    def _acquire(self) -> tuple[BlockingPortal, int]:
         with self.lock:
             if self.portal is None:
                 stack = contextlib.ExitStack()
@@ -96,6 +100,9 @@ class _Runtime:
 
     def release(self, generation: int) -> None:
         """One user fewer; the last one stops the loop thread (and waits for it to end)."""
+        _aside(functools.partial(self._release, generation))
+
+    def _release(self, generation: int) -> None:
         with self.lock:
             if generation != self.generation:  # opened by the parent before a fork
                 return
@@ -107,6 +114,21 @@ class _Runtime:
             self.loop = None
         if stack is not None:
             stack.close()
+
+    def note_open(self, factory: SyncFactory, generation: int) -> None:
+        _aside(functools.partial(self._note_open, factory, generation))
+
+    def _note_open(self, factory: SyncFactory, generation: int) -> None:
+        with self.lock:
+            if generation == self.generation:
+                self.open.add(factory)
+
+    def note_closed(self, factory: SyncFactory) -> None:
+        _aside(functools.partial(self._note_closed, factory))
+
+    def _note_closed(self, factory: SyncFactory) -> None:
+        with self.lock:
+            self.open.discard(factory)
 
     def refuse_on_loop_thread(self, what: str) -> None:
         """Raise :class:`LoopThreadError` when called on the loop thread itself (from a
@@ -120,11 +142,16 @@ class _Runtime:
     def shutdown(self) -> None:
         """At interpreter exit: close forgotten factories (their buffers are flushed and
         reservations released by the async close), then stop the loop thread."""
-        with self.lock:
-            factories = list(self.open)
-        for factory in factories:
+        for factory in _aside(self._open_now):
             with contextlib.suppress(Exception):
                 factory.close()
+        _aside(self._stop)
+
+    def _open_now(self) -> list[SyncFactory]:
+        with self.lock:
+            return list(self.open)
+
+    def _stop(self) -> None:
         with self.lock:
             stack, self.stack, self.portal, self.users = self.stack, None, None, 0
             self.loop_thread = None
@@ -150,6 +177,36 @@ class _Runtime:
         self.generation += 1
         self.loop_thread = None
         self.loop = None
+
+
+def _aside(work: Callable[[], T]) -> T:
+    """``work()``, which takes the runtime's lock, run by another thread when called by the
+    main thread, which waits for it.
+
+    Python runs signal handlers in the main thread, between two bytecodes (Python docs,
+    signal, "Execution of Python signal handlers"): a handler calling connect or close (a
+    script's "stop on SIGTERM") while that thread held the lock waited for a lock only the
+    thread it interrupted could release, and the process hung. No re-entrant lock would do:
+    the handler would change the state half-way through a change (a loop thread started
+    twice, a count lost). Done aside, the bookkeeping goes on while a handler runs, and a
+    connect or close in the handler waits for it as another thread's would."""
+    if threading.current_thread() is not threading.main_thread():
+        return work()
+    done: Future[T] = Future()
+
+    def run() -> None:
+        try:
+            done.set_result(work())
+        except BaseException as exc:
+            done.set_exception(exc)
+
+    helper = threading.Thread(target=run, name="aio-keuss sync bookkeeping", daemon=True)
+    try:
+        helper.start()
+    except RuntimeError:  # no new thread at interpreter exit (Python 3.12+): nothing to wait
+        return work()
+    helper.join()  # ended, not merely done: a caller counting threads next sees it gone
+    return done.result()
 
 
 _inherited: list[object] = []
@@ -287,9 +344,7 @@ class SyncFactory:
         self._closing: Future[None] | None = None
         self._closed = False
         self._loop = _runtime.loop
-        with _runtime.lock:
-            if generation == _runtime.generation:
-                _runtime.open.add(self)
+        _runtime.note_open(self, generation)
 
     def __repr__(self) -> str:
         state = "closed" if self.closed else "open"
@@ -430,8 +485,7 @@ class SyncFactory:
                 # the exit would), and the loop thread stayed counted for it.
                 with _sigint_held():
                     self._closed = True
-                    with _runtime.lock:
-                        _runtime.open.discard(self)
+                    _runtime.note_closed(self)
                     self._closing = closing = self._portal.start_task_soon(self.factory.close)
                 closing.result()
             finally:

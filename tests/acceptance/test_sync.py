@@ -985,3 +985,70 @@ def test_a_close_from_a_signal_handler_during_the_same_threads_close_returns() -
         "threads": [],
         "users": 0,
     }
+
+
+# A signal handler that calls connect() or close() while the main thread does the shim's
+# bookkeeping (under its runtime lock): ``python -c HANDLER_IN_BOOKKEEPING <point>``. The
+# signal is sent from inside that bookkeeping; the program prints what the handler did.
+HANDLER_IN_BOOKKEEPING = r"""
+import json, signal, sys, threading
+from aio_keuss import sync
+
+point = sys.argv[1]
+started = threading.Event()
+seen = {}
+first = []
+
+def on_sigusr1(signum, frame):  # a script's "report on SIGUSR1" / "stop on SIGTERM"
+    seen["lock held"] = sync._runtime.lock.locked()
+    started.set()
+    if point == "connect":
+        with sync.connect("memory") as factory:
+            seen["pushed"] = bool(factory.queue("from-handler").push(1))
+    else:
+        first[0].close()
+        seen["closed"] = first[0].closed
+
+signal.signal(signal.SIGUSR1, on_sigusr1)
+armed = [True]
+
+def signal_main():
+    # run under the runtime lock, by whichever thread does the bookkeeping
+    if armed.pop() if armed else False:
+        signal.pthread_kill(threading.main_thread().ident, signal.SIGUSR1)
+        started.wait(30)  # the handler runs while the lock is still held
+
+if point == "connect":  # the first connect starts the loop thread
+    real_start = sync.start_blocking_portal
+    def start_blocking_portal(*args, **kwargs):
+        signal_main()
+        return real_start(*args, **kwargs)
+    sync.start_blocking_portal = start_blocking_portal
+else:  # a second connect notes its factory as open while the first is closed
+    first.append(sync.connect("memory"))
+    class Noting(set):
+        def add(self, item):
+            super().add(item)
+            signal_main()
+    sync._runtime.open = Noting(sync._runtime.open)
+
+with sync.connect("memory") as factory:
+    seen["main pushed"] = bool(factory.queue("main").push(1))
+seen["users"] = sync._runtime.users
+seen["threads"] = [t.name for t in threading.enumerate() if t is not threading.main_thread()]
+print(json.dumps(seen), flush=True)
+"""
+
+
+@pytest.mark.parametrize("point", ["connect", "close"])
+def test_a_connect_or_close_from_a_signal_handler_during_the_bookkeeping_returns(
+    point: str,
+) -> None:
+    """A real signal whose handler calls connect() (while the main thread's connect starts
+    the loop thread) or close() (while it notes a new factory as open): the main thread held
+    the shim's runtime lock (a threading.Lock), the handler waited for it, and the process
+    hung. The main thread now has that bookkeeping done by a thread of its own."""
+    done = _program(HANDLER_IN_BOOKKEEPING, point, limit=60)
+    expected: dict[str, Any] = {"lock held": True, "main pushed": True, "users": 0, "threads": []}
+    expected |= {"pushed": True} if point == "connect" else {"closed": True}
+    assert json.loads(done.stdout) == expected
