@@ -17,6 +17,7 @@ from collections.abc import (
     AsyncGenerator,
     AsyncIterator,
     Awaitable,
+    Callable,
     Coroutine,
     Iterator,
     Mapping,
@@ -157,6 +158,9 @@ class Queue:
         self._closed = False
         self._closing = Closing(f"queue {name!r}")  # see ``close``
         self._background: set[asyncio.Task[Any]] = set()
+        self._handovers: set[Callable[[], Awaitable[None]]] = set()
+        """Calls of a blocking caller (``aio_keuss.sync``) whose result may not be in its
+        hands yet: the close awaits each, which gives back what its caller did not get."""
         self._pause_signals = 0  # pauses and resumes heard: a resync read older than one loses
         self._consumers: set[Consumer] = set()
         self._repeaters: set[Repeater] = set()
@@ -1541,6 +1545,14 @@ class Queue:
             self._unsubscribe()
         for coalescer in self._coalescers():
             await coalescer.wait_idle()
+        # Before the background wait: what they give back goes there. A blocking caller
+        # interrupted as its result came in gives it back through the loop thread, which
+        # could be after the store closed (a popped message then lost). Each is dropped once
+        # done: a close cancelled meanwhile runs it again in its grace.
+        while self._handovers:
+            settle = next(iter(self._handovers))
+            await settle()
+            self._handovers.discard(settle)
         while self._background:
             # Not gather: cancelled (a close cancelled), gather would cancel these too, and
             # a put-back among them would lose the messages it carries.

@@ -42,7 +42,7 @@ from collections.abc import AsyncGenerator, Awaitable, Callable, Iterator, Mappi
 from concurrent.futures import Future
 from datetime import datetime
 from types import FrameType, TracebackType
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 from anyio.from_thread import BlockingPortal, start_blocking_portal
 
@@ -394,14 +394,24 @@ class SyncFactory:
         reserve puts back what it held), or gives back what it returned. Cancelling the
         future instead, as :meth:`call` does, dropped a result that was already on its way:
         a popped message was lost, a reserved one invisible for ``reserve_delay``.
+
+        That give-back reaches the loop thread when the caller's interruption is handled,
+        possibly after another thread's close of the queue closed its store: so the close
+        itself gives back a result its caller has not got in hand (see ``_settle``), and
+        the caller then gets what a close gives a waiting call, nothing.
         """
         if taking is None:
             taking = _Taking()
         try:
             # inside the try: anyio's start_task_soon waits for the task to be spawned, and
             # an interruption there leaves it running for nobody
-            future: Future[T] = self._start(_take, taking, func)
-            return future.result()
+            future: Future[T] = self._start(_take, taking, queue, give_back, func)
+            result = future.result()
+            if not _settle_once(taking):  # given back by the queue's close meanwhile
+                result = cast(T, [] if isinstance(result, list) else None)
+            if taking.settle is not None:
+                queue._handovers.discard(taking.settle)
+            return result
         except BaseException:
             # Also after the call's own error: then nothing was taken and the task has ended.
             # A callback, not a portal call, which would wait for the loop thread.
@@ -824,27 +834,43 @@ async def _start_repeat(
 
 class _Taking:
     """A pop or reserve run for a thread that may be interrupted while it waits. Its fields
-    are only touched on the loop thread, so "still running" or "done" is never ambiguous."""
+    are set on the loop thread only, so "still running" or "done" is never ambiguous; the
+    caller's thread only reads them and empties ``unsettled``."""
 
-    __slots__ = ("abandoned", "kept", "taken", "task")
+    __slots__ = ("abandoned", "kept", "settle", "taken", "task", "unsettled")
 
     def __init__(self) -> None:
         self.task: asyncio.Task[Any] | None = None
         self.taken: list[Message] | None = None
         self.kept: dict[str, Stored] = {}
         self.abandoned = False
+        self.unsettled: list[None] = [None]
+        """Emptied once the result is taken in hand by its caller or given back (see
+        ``_settle_once``)."""
+        self.settle: Callable[[], Awaitable[None]] | None = None
+        """Noted on the queue while its caller may not have the result in hand."""
 
 
-async def _take(taking: _Taking, func: _Taker[T]) -> T:
+async def _take(taking: _Taking, queue: Queue, give_back: _GiveBack, func: _Taker[T]) -> T:
     if taking.abandoned:  # the caller was interrupted before this even started
         raise asyncio.CancelledError
     taking.task = asyncio.current_task()
-    result = await func(taking.kept)
+    # noted before the call: a close of the queue waits for it, and gives back what it took
+    # should its caller not take it in hand
+    taking.settle = settle = functools.partial(_settle, taking, queue, give_back)
+    queue._handovers.add(settle)
+    try:
+        result = await func(taking.kept)
+    except BaseException:
+        queue._handovers.discard(settle)
+        raise
     # no await from here to the return: an abandon runs before this line or after it
     if isinstance(result, Message):
         taking.taken = [result]
     elif isinstance(result, list):
         taking.taken = result
+    if not taking.taken:
+        queue._handovers.discard(settle)
     return result
 
 
@@ -853,9 +879,38 @@ def _abandon(taking: _Taking, queue: Queue, give_back: _GiveBack) -> None:
     the caller of ``_take`` was interrupted."""
     taking.abandoned = True
     if taking.taken:
-        give_back(queue, taking.taken, taking.kept)
+        if taking.settle is not None:
+            queue._handovers.discard(taking.settle)
+        _give_back_unsettled(taking, queue, give_back)
     elif taking.task is not None:
         taking.task.cancel()  # a no-op once it ended (nothing taken, or its own error)
+
+
+async def _settle(taking: _Taking, queue: Queue, give_back: _GiveBack) -> None:
+    """Run by the queue's close before it closes its store: once the call has ended, what
+    it took goes back unless its caller has it in hand already."""
+    task = taking.task
+    if task is not None and not task.done():
+        await asyncio.wait([task])
+    _give_back_unsettled(taking, queue, give_back)
+
+
+def _give_back_unsettled(taking: _Taking, queue: Queue, give_back: _GiveBack) -> None:
+    if taking.taken and _settle_once(taking):
+        give_back(queue, taking.taken, taking.kept)
+
+
+def _settle_once(taking: _Taking) -> bool:
+    """True for the first of the caller taking the result in hand and a give-back, False
+    for the other. A list's pop is one step that neither a thread switch nor a signal
+    handler splits; a lock would not do: held by the main thread when a handler ran there
+    (one closing the factory), the loop thread would wait for it, and the handler for the
+    loop thread."""
+    try:
+        taking.unsettled.pop()
+    except IndexError:
+        return False
+    return True
 
 
 def _put_back_popped(queue: Queue, messages: list[Message], kept: Mapping[str, Stored]) -> None:

@@ -4,6 +4,7 @@ fork-safe, same results, timeouts and errors as the async API."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -680,6 +681,81 @@ def test_an_interrupted_pop_on_a_sharded_queue_keeps_the_end_of_life(
         assert [m.id for m in fired] == ids
         ends = [m.expires for m in fired]
         assert all(end is not None and end <= pushed + 3600.0 for end in ends), (pushed, ends)
+
+
+@pytest.mark.parametrize(
+    "case",
+    [c for c in CASES if c.id in ("redis-oq", "postgres")],
+    indirect=True,
+    ids=lambda c: c.id,
+)
+@pytest.mark.parametrize("taking", ["pop", "reserve"])
+@pytest.mark.parametrize("loop", ["running", "stopped"])
+def test_a_give_back_after_another_threads_close_loses_nothing(
+    options: tuple[str, dict[str, Any]], taking: str, loop: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Ctrl-C in a thread whose pop or reserve had its message (taken from the store, not
+    yet handed over), and another thread's close of the factory run to its end before the
+    interrupted thread sent the loop thread its give-back: the give-back met a closed store
+    (or, that close the last, a stopped loop thread) and a popped message was lost. The
+    close now gives back what was taken for a caller that has not got it in hand, before it
+    closes the store."""
+    if threading.current_thread() is not threading.main_thread():
+        pytest.skip("a signal interrupts the main thread only")
+    backend, opts = options
+    real_consume_one = Queue._consume_one
+    taken, resume = threading.Event(), threading.Event()
+
+    async def consume_one_then_hang(self: Queue, *args: Any, **kwargs: Any) -> Message | None:
+        stored = await real_consume_one(self, *args, **kwargs)
+        if stored is not None:
+            taken.set()
+            resume.wait(60)  # holds the loop thread: the result is not handed over yet
+        return stored
+
+    main = threading.get_ident()
+
+    def interrupt() -> None:
+        if taken.wait(60):
+            signal.pthread_kill(main, signal.SIGINT)
+
+    closed = threading.Event()
+
+    class CloseFirst:
+        """The shim's loop, seen by the interrupted thread: its give-back is sent once
+        another thread's close of the factory has ended."""
+
+        def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+            self.loop = loop
+
+        def call_soon_threadsafe(self, *args: Any) -> asyncio.Handle:
+            resume.set()
+            closer = threading.Thread(target=lambda: (factory.close(), closed.set()))
+            closer.start()
+            closer.join(60)
+            return self.loop.call_soon_threadsafe(*args)
+
+    with contextlib.ExitStack() as stack:
+        if loop == "running":  # another factory keeps the loop thread running
+            stack.enter_context(sync.connect(backend, **opts))
+        factory = sync.connect(backend, **opts)
+        q = factory.queue("closed-under", reserve_delay=600.0)
+        q.push({"a": 1})
+        monkeypatch.setattr(Queue, "_consume_one", consume_one_then_hang)
+        monkeypatch.setattr(factory, "_loop", CloseFirst(factory._loop))
+        interrupter = threading.Thread(target=interrupt)
+        interrupter.start()
+        try:
+            with pytest.raises(KeyboardInterrupt):
+                getattr(q, taking)(timeout=60)
+        finally:
+            resume.set()
+            interrupter.join(60)
+        monkeypatch.setattr(Queue, "_consume_one", real_consume_one)
+        assert closed.is_set()
+    with sync.connect(backend, **opts) as again:
+        # no wait: the close that ended had given it back
+        assert again.queue("closed-under").size() == 1
 
 
 class _Relay:
