@@ -39,9 +39,12 @@ Operations (``now`` = client clock; "live" = not yet consumed):
 - sizes: one ``$group`` aggregation; next mature: the first document on the ``mature`` index.
 
 A document another program inserted is read tolerantly (see :func:`_payload` and
-:func:`_headers`); one without a number ``mature`` matches no query. One without a str
-``_id`` or a number of ``tries`` is not supported: a filter on their BSON types in every
-query made the test server (nx-27017) sixty times slower on a pop, so none is applied.
+:func:`_headers`); one without a number ``mature`` matches no query. A count of ``tries``
+that is not one of ours (a fraction, a Decimal128, NaN, negative, past ``MAX_TRIES``) is
+read as a sane one (see :func:`_tries`) and stored so when the message is reserved. One
+without a str ``_id`` or with ``tries`` of no numeric type is not supported: a filter on
+their BSON types in every query made the test server (nx-27017) sixty times slower on a
+pop, so none is applied.
 
 Deadletter: on a replica set / mongos (``transactions``) the move is one transaction; elsewhere
 it is ordered so that nothing is lost: the source is first re-claimed for a lease (a crash now
@@ -65,10 +68,12 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
+from decimal import Decimal
 from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 import orjson
 from bson import json_util
+from bson.decimal128 import Decimal128
 from pymongo import ASCENDING, ReturnDocument
 from pymongo import errors as mongo_errors
 
@@ -89,7 +94,7 @@ from ..contract import (
     moved_id,
 )
 from ..errors import ConfigError
-from ..message import EMPTY_HEADERS, append_headers
+from ..message import EMPTY_HEADERS, MAX_TRIES, append_headers
 from ..types import Capabilities, KoResult, Sizes
 from .backend import MongoBackend
 from .connection import (
@@ -195,8 +200,34 @@ def _headers(doc: Document) -> bytes:
     return value.encode() if isinstance(value, str) else _as_text(value)
 
 
+def _canonical(tries: Any) -> bool:
+    """Whether a stored count is one this library writes: an int in [0, MAX_TRIES]."""
+    return isinstance(tries, int) and not isinstance(tries, bool) and 0 <= tries <= MAX_TRIES
+
+
+def _tries(value: Any) -> int:
+    """A stored count of tries as the int a message carries. Another program (or an older
+    version) may have written a fraction, a Decimal128, NaN, an infinity, a negative count
+    or one past ``MAX_TRIES`` (which ok and ko refuse as input); ``int()`` of NaN or of a
+    Decimal128 raised once the message was taken, and a fraction never matched a holder's
+    guard again. Such a count reads as the nearest int in [0, MAX_TRIES], rounded down; one
+    that tells no number (NaN, not a number at all) as 0, the count of a message never
+    delivered. A take stores the count so read (:meth:`MongoStore._mend_tries`)."""
+    if isinstance(value, Decimal128):
+        value = value.to_decimal()
+    if isinstance(value, Decimal):
+        if value.is_nan():  # (a signalling NaN would raise in float())
+            return 0
+        value = float(value)
+    if isinstance(value, bool) or not isinstance(value, int | float) or value != value:
+        return 0
+    return int(min(max(value, 0), MAX_TRIES))
+
+
 def _stored(doc: Document) -> Stored:
-    return Stored(doc["_id"], _payload(doc), _headers(doc), int(doc["tries"]), float(doc["mature"]))
+    return Stored(
+        doc["_id"], _payload(doc), _headers(doc), _tries(doc["tries"]), float(doc["mature"])
+    )
 
 
 def _guard(message_id: str, tries: int | None) -> Document:
@@ -257,7 +288,7 @@ def _peeked(doc: Document, now: float) -> Peeked:
     docstring), so a held one shows the count its holder was given, and a ready one (a
     lapsed reservation too: its try is counted) the count its next delivery is given."""
     mature = float(doc["mature"])
-    tries = int(doc["tries"]) - (1 if doc.get("reserved") and mature > now else 0)
+    tries = _tries(doc["tries"]) - (1 if doc.get("reserved") and mature > now else 0)
     stored = Stored(doc["_id"], _payload(doc), _headers(doc), tries, mature)
     if mature <= now:
         return Peeked(stored, "ready", mature)
@@ -268,7 +299,7 @@ def _processed(doc: Document) -> Peeked:
     """A consumed record of mongo-history, its mature time taken to be when it ended."""
     when = _epoch(doc["processed"])
     message_id: str = doc.get("id") or doc["_id"]  # an archived record keeps its id aside
-    stored = Stored(message_id, _payload(doc), _headers(doc), int(doc["tries"]), when)
+    stored = Stored(message_id, _payload(doc), _headers(doc), _tries(doc["tries"]), when)
     return Peeked(stored, "processed", when)
 
 
@@ -770,7 +801,8 @@ class MongoStore(Store):
         if doc is None:
             return None
         added: dict[str, int] = change.get("$inc", {})
-        return {**doc, "mature": now, **{k: doc[k] - step for k, step in added.items()}}
+        before = {k: doc[k] - step for k, step in added.items() if _canonical(doc[k])}
+        return {**doc, "mature": now, **before}
 
     @translated
     async def reserve(self, n: int, reserve_delay: float) -> Fetched:
@@ -790,6 +822,7 @@ class MongoStore(Store):
             docs = [] if doc is None else [doc]
         else:
             docs, token = await self._claim(n, now, update)
+        await self._mend_tries(docs, token)
         # late past half of a reserve_delay shorter than LATE_RESERVE too: by the reply,
         # the reservation may have lapsed and the message been taken (one of 0 lapses at
         # once whatever is done)
@@ -797,6 +830,17 @@ class MongoStore(Store):
             late = min(LATE_RESERVE, reserve_delay / 2)
             docs = await self._renew(docs, token, now, late, reserve_delay)
         return await self._fetched(docs, n)
+
+    async def _mend_tries(self, docs: list[Document], token: str) -> None:
+        """Store the count of the messages just reserved (under ``token``) whose stored
+        count was not one of ours (see :func:`_tries`) as the count read + 1, as a reserve
+        of one of ours leaves it: the holder's guard (its count + 1) then matches, and ok,
+        ko and the next reserve count from there. One more round trip, for those only."""
+        for doc in docs:
+            if not _canonical(doc["tries"]):
+                mine = {"_id": doc["_id"], "owner": token}
+                fixed = {"$set": {"tries": _tries(doc["tries"]) + 1}}
+                await _again_if_cut(lambda: self._coll.update_one(mine, fixed))  # noqa: B023
 
     async def _renew(
         self, docs: list[Document], token: str, started: float, late: float, hold: float
@@ -887,7 +931,7 @@ class MongoStore(Store):
             return [await self._finish(guard, now, held=True) == 1]
         ids = list({a.id: None for a in acks})
         cursor = self._coll.find({"_id": {"$in": ids}, "reserved": True}, {"tries": 1})
-        stored = {d["_id"]: int(d["tries"]) for d in await cursor.to_list()}
+        stored = {d["_id"]: _tries(d["tries"]) for d in await cursor.to_list()}
         held: dict[str, int] = {}
         results = []
         for ack in acks:
@@ -951,12 +995,12 @@ class MongoStore(Store):
             if released.matched_count:
                 return KoResult.ROLLED_BACK
         doc = await self._coll.find_one(guard)
-        if doc is None or int(doc["tries"]) <= plan.max_ko:
+        if doc is None or _tries(doc["tries"]) <= plan.max_ko:
             return KoResult.MISSING
         return await self._deadletter(doc, plan, now)
 
     async def _deadletter(self, doc: Document, plan: DeadletterPlan, now: float) -> KoResult:
-        failed = int(doc["tries"])
+        failed = _tries(doc["tries"])
         headers = plan.headers(failed, now)
         move = Move(doc["_id"], None, plan.queue, None, headers, 0.0, deadletter_tag(failed))
         moved = await self._move_doc(doc, move, now)
@@ -1080,7 +1124,8 @@ class MongoStore(Store):
         now = time.time()
         # a token of its own, as every take: a late reserve or pop that held the message
         # before renews (and hands over) only what still carries its token (``_renew``)
-        taken = {"mature": now + reserve_delay, "reserved": True, "owner": os.urandom(8).hex()}
+        token = os.urandom(8).hex()
+        taken = {"mature": now + reserve_delay, "reserved": True, "owner": token}
         update = {"$set": taken, "$inc": {"tries": 1}}
         free = {"$or": [{"reserved": False}, {"mature": {"$lte": now}}]}
 
@@ -1090,7 +1135,10 @@ class MongoStore(Store):
                 update,
                 return_document=ReturnDocument.BEFORE,
             )
-            return None if doc is None else int(doc["tries"])
+            if doc is None:
+                return None
+            await self._mend_tries([doc], token)
+            return _tries(doc["tries"])
 
         return list(await asyncio.gather(*(one(i) for i in ids)))
 

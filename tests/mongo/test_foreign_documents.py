@@ -8,6 +8,7 @@ limits, never performance assertions.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -18,6 +19,7 @@ from mongo_server import MONGO_URL, start_mongo
 
 import aio_keuss
 from aio_keuss import KoResult, Message
+from aio_keuss.message import MAX_TRIES
 
 pymongo = pytest.importorskip("pymongo")
 bson = pytest.importorskip("bson")
@@ -190,3 +192,81 @@ async def test_peek_and_browse_show_foreign_documents(factory: aio_keuss.Factory
         view = await queue.find(message_id)
         assert view is not None and view.message == seen[message_id]
     assert await queue.find("no-mature") is None
+
+
+ODD_TRIES = {
+    "a fraction": (2.5, 2),
+    "a whole float": (3.0, 3),
+    "past an int32": (2**40, MAX_TRIES),
+    "the largest int64": (bson.int64.Int64(2**63 - 1), MAX_TRIES),
+    "negative": (-4, 0),
+    "NaN": (math.nan, 0),
+    "infinite": (math.inf, MAX_TRIES),
+    "a Decimal128": (bson.decimal128.Decimal128("3"), 3),
+    "a Decimal128 NaN": (bson.decimal128.Decimal128("NaN"), 0),
+}
+"""Counts another program (or an older version) may have written, and the count each is
+delivered with."""
+
+
+async def plant_odd_tries(queue: aio_keuss.Queue, tries: Any) -> Any:
+    """A document whose ``tries`` is ``tries``; skipped where the server cannot store it
+    (nx-27017 keeps documents as JSON: no NaN, no infinity, no Decimal128)."""
+    store: Any = queue._store  # type: ignore[attr-defined]
+    client: Any = pymongo.AsyncMongoClient(MONGO_URL)
+    coll = client[store._coll.database.name][store._coll.name]
+    doc = {"_id": "odd", "payload": b"x", "headers": b"{}", "mature": time.time() - 60}
+    try:
+        await coll.insert_one({**doc, "tries": tries, "reserved": False})
+    except pymongo.errors.WriteError as exc:
+        await client.close()
+        pytest.skip(f"the server cannot store {tries!r}: {exc}")
+    return client, coll
+
+
+@pytest.mark.parametrize("odd", ODD_TRIES, ids=list(ODD_TRIES))
+async def test_a_count_of_tries_no_int_is_read_sanely_and_can_be_ok_ed(
+    factory: aio_keuss.Factory, odd: str
+) -> None:
+    """A reserve handed ``int(tries)`` and the ok's guard then looked for that + 1: a
+    fraction was never ok-ed (delivered again at every lapse), a count past 2**31 - 1
+    failed the ok as invalid input, NaN or a Decimal128 failed the reserve itself. A count
+    is now read as the nearest sane one (NaN as 0) and stored so once reserved."""
+    stored, expected = ODD_TRIES[odd]
+    queue = await factory.queue("q")
+    client, _ = await plant_odd_tries(queue, stored)
+    try:
+        seen = await queue.peek(5, state="all")
+        assert [v.message.tries for v in seen] == [expected]
+        message = await queue.reserve(timeout=1)
+        assert message is not None and message.id == "odd" and message.tries == expected
+        assert await queue.ok(message)
+        assert await queue.total_size() == 0
+    finally:
+        await client.close()
+
+
+@pytest.mark.parametrize("odd", ODD_TRIES, ids=list(ODD_TRIES))
+async def test_a_count_of_tries_no_int_is_ko_ed_and_popped(
+    factory: aio_keuss.Factory, odd: str
+) -> None:
+    """A ko of such a message counts on from the sane count (here past ``max_ko`` 0: to the
+    deadletter queue), and a pop hands it over with that count."""
+    stored, expected = ODD_TRIES[odd]
+    queue = await factory.queue("q")
+    client, coll = await plant_odd_tries(queue, stored)
+    try:
+        message = await queue.reserve(timeout=1)
+        assert message is not None and message.tries == expected
+        assert await queue.ko(message) is KoResult.DEADLETTERED
+        dead = await (await factory.queue("__deadletter__")).pop(timeout=1)
+        assert dead is not None and dead.payload == b"x"
+        await coll.delete_many({})
+        await coll.insert_one(
+            {"_id": "odd", "payload": b"x", "mature": time.time() - 60, "tries": stored}
+        )
+        popped = await queue.pop(timeout=1)
+        assert popped is not None and popped.tries == expected
+        assert await queue.total_size() == 0
+    finally:
+        await client.close()

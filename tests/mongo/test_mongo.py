@@ -870,3 +870,28 @@ async def test_a_claim_run_again_after_its_reply_was_cut_changes_nothing_twice(
     finally:
         gate.open()
         await factory.close()
+
+
+def test_a_stored_count_of_tries_reads_as_a_sane_int() -> None:
+    """What the server of this suite cannot store (NaN, infinities, Decimal128: it keeps
+    JSON) is read here as a real mongod hands it over; the reserve-and-ok path of each runs
+    in the foreign documents tests against a real mongod."""
+    decimal = pytest.importorskip("bson.decimal128").Decimal128
+    readings = [
+        (math.nan, 0),
+        (-math.inf, 0),
+        (math.inf, store_module.MAX_TRIES),
+        (decimal("NaN"), 0),
+        (decimal("sNaN"), 0),
+        (decimal("4.9"), 4),
+        (decimal("1E+6000"), store_module.MAX_TRIES),
+        (2**63, store_module.MAX_TRIES),
+        (7.99, 7),
+        (True, 0),
+        ("3", 0),
+        (None, 0),
+        (5, 5),
+    ]
+    assert [(repr(v), store_module._tries(v)) for v, _ in readings] == [
+        (repr(v), n) for v, n in readings
+    ]
