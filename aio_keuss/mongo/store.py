@@ -69,6 +69,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from decimal import Decimal
+from time import monotonic
 from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 import orjson
@@ -638,11 +639,19 @@ class MongoStore(Store):
         update: dates are only ever written by inserts, which every server stores as
         dates.) One still pending within its lease is waited for: refusing it would lose the
         message if its pusher then died, as a Spark task's speculative twin does. Returns the
-        ids refused, and (unless ``wait``) those still held pending by another push."""
+        ids refused, and (unless ``wait``) those still held pending by another push.
+
+        A claim's lease end is its pusher's clock plus ``DEDUP_LEASE``: from a pusher whose
+        clock ran ahead, it held every push of the id that much longer (a day ahead, a day).
+        So a pending claim is waited for at most ``DEDUP_LEASE`` from when this call first
+        met it, on this process's monotonic clock, whatever its lease end says; and its
+        message is looked for as consumed since that meeting at the latest."""
         refused: set[str] = set()
         pause, longest = CONTEND_PAUSE
+        met: dict[tuple[str, str], tuple[float, float]] = {}  # (id, by) -> when first seen
         while taken:
             now = time.time()
+            clock = monotonic()
             found = {doc["_id"]: doc async for doc in self._dedup.find({"_id": {"$in": taken}})}
             free: dict[str, Document | None] = {}  # id -> the filter of what to delete first
             stale: dict[str, float] = {}  # id -> when its pending claim was made
@@ -657,18 +666,22 @@ class MongoStore(Store):
                     free[message_id] = {"_id": message_id, "expires": {"$lte": _date(now)}}
                 elif "pending" not in doc:
                     refused.add(message_id)
-                elif _epoch(doc["pending"]) > now:
-                    held.append(message_id)
                 else:
-                    stale[message_id] = _epoch(doc["since"])
+                    first = (clock, _as_stored(now))
+                    seen, seen_at = met.setdefault((message_id, doc["by"]), first)
+                    if _epoch(doc["pending"]) > now and clock - seen < DEDUP_LEASE:
+                        held.append(message_id)
+                    else:
+                        stale[message_id] = min(_epoch(doc["since"]), seen_at)
             if stale:
                 landed = await self._landed(stale)
                 refused.update(landed)
                 for message_id in stale.keys() - landed:
+                    # still that push's, still pending (its lease end may lie ahead of now)
                     free[message_id] = {
                         "_id": message_id,
                         "by": found[message_id]["by"],
-                        "pending": {"$lte": _date(now)},
+                        "pending": {"$exists": True},
                     }
             won = await asyncio.gather(
                 *(self._take_over(i, f, now, token) for i, f in free.items())

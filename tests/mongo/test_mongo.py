@@ -387,6 +387,39 @@ async def test_a_push_waits_for_a_claim_still_pending_and_follows_its_outcome(
     assert await q.total_size() == 0
 
 
+@pytest.mark.parametrize("backend", ["mongo", "mongo-history"])
+async def test_a_pending_claim_from_a_clock_ahead_holds_a_push_no_longer_than_the_lease(
+    open_factory: Open, backend: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A claim's lease end is written from its pusher's clock: a pusher a day ahead that
+    stalled (or died) between claim and insert held every push of that id for a day and
+    the lease. A push now waits for a pending claim at most the lease from when it first
+    met it (its own monotonic clock), then takes it over as it does a lapsed one. The
+    lease is shortened to keep the test short; the claim is written under the usual one."""
+    ahead = await (await open_factory(backend)).queue("skew")
+    q = await (await open_factory(backend)).queue("skew")
+    store = ahead._store  # type: ignore[attr-defined]
+    claimed, never = asyncio.Event(), asyncio.Event()
+
+    async def stalled(*args: Any, **kwargs: Any) -> Any:
+        claimed.set()
+        await never.wait()
+
+    store._coll.insert_many = stalled
+    monkeypatch.setattr(store_module, "time", SimpleNamespace(time=lambda: time.time() + 86400))
+    stuck = asyncio.ensure_future(ahead.push("theirs", id="job"))
+    await asyncio.wait_for(claimed.wait(), 30)
+    monkeypatch.setattr(store_module, "time", time)
+    monkeypatch.setattr(store_module, "DEDUP_LEASE", 1.0)
+    try:
+        assert await asyncio.wait_for(q.push("mine", id="job"), 60) == "job"
+        message = await q.pop(timeout=1)
+        assert message is not None and message.payload == "mine"
+    finally:
+        never.set()  # the stalled pusher goes on: its claim is not its own any more
+        await asyncio.wait_for(stuck, 30)
+
+
 async def test_two_pushes_of_the_same_ids_each_holding_some_do_not_wait_out_the_lease(
     open_factory: Open,
 ) -> None:
