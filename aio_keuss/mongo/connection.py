@@ -22,6 +22,9 @@ that never loses a message elsewhere (see ``MongoStore._deadletter``).
 Clock: MongoDB has no cheap server-time read (``$$NOW`` exists only inside pipeline updates,
 which not every server speaks), so every time is the *client's* ``time.time()``; clients of one
 deployment must keep their clocks in sync (NTP), a skew of s seconds shifting maturity by s.
+Two exceptions bound what a clock running ahead does: a reservation given back unseen is due
+at the server's time when that is earlier, and a push waits for another's pending id claim no
+longer than its lease from when it met it, whatever lease end the other wrote.
 """
 
 from __future__ import annotations

@@ -980,17 +980,29 @@ class MongoStore(Store):
         for k, nack in enumerate(nacks):
             by_id.setdefault(nack.id, []).append(k)
         results = [KoResult.MISSING] * len(nacks)
+        back = await self._given_back_at(now) if any(not n.count_try for n in nacks) else now
 
         async def in_turn(positions: list[int]) -> None:
             """Requests naming one id, in order, until one acts: a stale holder's ko in the
             same batch fails its guard and must not stand for the holder's."""
             for k in positions:
-                results[k] = await self._rollback_one(nacks[k], deadletter, now)
+                at = now if nacks[k].count_try else back
+                results[k] = await self._rollback_one(nacks[k], deadletter, at)
                 if results[k] is not KoResult.MISSING:
                     return
 
         await asyncio.gather(*(in_turn(positions) for positions in by_id.values()))
         return results
+
+    async def _given_back_at(self, now: float) -> float:
+        """When a reservation given back unseen (no try counted) is due again: ``now``, or
+        the server's time when this clock is ahead of it. A give-back means "at once", and
+        at a clock a day ahead it kept the message from every other consumer for a day.
+        Only give-backs pay this round trip (a close, a cancelled reserve); the server's
+        time is the ``localTime`` of its ``hello`` reply (MongoDB manual, "hello")."""
+        hello = await self._backend.client.admin.command("hello")
+        server = hello.get("localTime")
+        return min(now, _epoch(server)) if isinstance(server, datetime | str) else now
 
     async def _rollback_one(self, nack: Nack, plan: DeadletterPlan | None, now: float) -> KoResult:
         guard = _guard(nack.id, nack.tries)

@@ -420,6 +420,28 @@ async def test_a_pending_claim_from_a_clock_ahead_holds_a_push_no_longer_than_th
         await asyncio.wait_for(stuck, 30)
 
 
+@pytest.mark.parametrize("backend", ["mongo", "mongo-history"])
+async def test_a_reservation_given_back_by_a_consumer_whose_clock_is_ahead_is_ready_at_once(
+    open_factory: Open, backend: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A reservation nobody saw (the consumer closing, its caller cancelled) goes back with
+    no try counted, due at once: at the giver's clock, which a day ahead kept the message
+    from every other consumer for a day. It is now due at the server's time when the
+    giver's clock is ahead of it."""
+    closing = await open_factory(backend)
+    ahead = await closing.queue("given")
+    other = await (await open_factory(backend)).queue("given")
+    await other.push("job")
+    monkeypatch.setattr(store_module, "time", SimpleNamespace(time=lambda: time.time() + 86400))
+    held = await ahead.reserve(timeout=0)
+    assert held is not None and held.tries == 0
+    await closing.close()  # gives back what it holds
+    monkeypatch.setattr(store_module, "time", time)
+    again = await other.reserve(timeout=0)
+    assert again is not None and again.id == held.id and again.tries == 0
+    assert await other.ok(again)
+
+
 async def test_two_pushes_of_the_same_ids_each_holding_some_do_not_wait_out_the_lease(
     open_factory: Open,
 ) -> None:
