@@ -496,7 +496,13 @@ class SyncFactory:
                 with _sigint_held():
                     self._closed = True
                     _runtime.note_closed(self)
-                    self._closing = closing = self._portal.start_task_soon(self.factory.close)
+                    # made before the task starts, and settled by it on the loop thread: a
+                    # signal handler's close run by this thread while it is still inside
+                    # start_task_soon (which waits for the loop thread to spawn the task,
+                    # by then under way) waits for this one; a future start_task_soon
+                    # returns would exist only once the handler returned
+                    self._closing = closing = Future[None]()
+                    self._portal.start_task_soon(_settling, closing, self.factory.close)
                 closing.result()
             finally:
                 if self._closed:  # else interrupted before anything changed: still open
@@ -512,6 +518,16 @@ class SyncFactory:
         tb: TracebackType | None,
     ) -> None:
         self.close()
+
+
+async def _settling(done: Future[None], work: Callable[[], Awaitable[None]]) -> None:
+    """``await work()``, its outcome copied into ``done`` (see ``SyncFactory._close_once``)."""
+    try:
+        await work()
+    except BaseException as exc:
+        done.set_exception(exc)
+        raise
+    done.set_result(None)
 
 
 class SyncQueue:
