@@ -161,7 +161,8 @@ class QueueOptions:
         ``reserve_many`` returns (IgnisMQ's maxBatchSize).
     max_wait_time: seconds ``pop_many`` / ``reserve_many`` (and ``consume(batch=...)``) go on
         gathering, once a first message is in, until the batch is full (IgnisMQ's
-        maxWaitTime); 0 returns what is ready at once.
+        maxWaitTime); 0 returns what is ready at once. Reservations are gathered for half
+        of ``reserve_delay`` at most, so that none lapses before the batch is handed over.
     """
 
     reserve_delay: float = 120.0

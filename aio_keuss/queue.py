@@ -114,6 +114,10 @@ CANCELLED_CLOSE_GRACE = 10.0
 """Seconds a cancelled close still spends finishing: waiting for the round trips in flight,
 giving back the reservations nobody acknowledged (see ``Queue._close``)."""
 
+GATHER_SHARE = 0.5
+"""Share of ``reserve_delay`` a gathering of reservations may last at most (see
+``Queue._fill``), once its first message is in."""
+
 HELD_CHECK = 1024
 """Reservations held unacknowledged between two checks for expired ones (see ``_rotate_held``)."""
 
@@ -572,8 +576,17 @@ class Queue:
     ) -> list[Stored]:
         """Go on taking until ``n`` are in or ``seconds`` have passed. What was taken is the
         caller's: a cancellation puts it back (a pop's as it was, a reservation released at
-        no try), and a failure ends the gathering with what is already in."""
+        no try), and a failure ends the gathering with what is already in.
+
+        Reservations that expire are delivered again, so a gathering that outlived the
+        first one's ``reserve_delay`` held a message another consumer could reserve too (or
+        this gathering again), before any handler saw it. The gathering of reservations
+        therefore ends once half of that delay is gone, whatever ``seconds`` asks, as a
+        prefetched message is handed out only while half of its reservation is left: the
+        handler gets the other half."""
         deadline = time.monotonic() + seconds
+        if source is self._reserves and self.capabilities.reservation_expiry:
+            deadline = min(deadline, time.monotonic() + self.options.reserve_delay * GATHER_SHARE)
         try:
             while len(stored) < n:
                 remaining = deadline - time.monotonic()

@@ -130,6 +130,41 @@ async def test_consume_in_batches_oks_them_all_or_kos_them_all(connect: Connect)
         q.consume(handle, batch=-1)
 
 
+async def test_a_consumed_batch_is_handed_over_before_its_reservations_expire(
+    connect: Connect,
+) -> None:
+    """A batch gathered for longer than ``reserve_delay`` held a message whose reservation
+    had expired: another consumer reserved it while the batch still gathered, two holders
+    at once. The gathering now ends while the first reservation still runs: the handler
+    has the message before anyone else can take it."""
+    factory = await connect(reserve_delay=4, poll_interval=0.2)
+    needs(factory, "reserve")
+    q = await factory.queue("short-held", max_wait_time=LONG)
+    if not q.capabilities.reservation_expiry:
+        pytest.skip("reservations do not expire one by one here")
+    await q.push("only")
+    handed: asyncio.Future[list[Message]] = asyncio.get_running_loop().create_future()
+    let_go = asyncio.Event()
+
+    async def handle(batch: list[Message]) -> None:
+        handed.set_result(batch)
+        await let_go.wait()
+
+    consumer = q.consume(handle, batch=5)
+    try:
+        await _until_taken(q)  # reserved by the consumer's gathering batch
+        rival = asyncio.ensure_future(q.reserve(timeout=LONG))
+        done, _ = await asyncio.wait({handed, rival}, return_when=asyncio.FIRST_COMPLETED)
+        assert handed in done and not rival.done(), "reserved by another while gathering"
+        assert [(m.payload, m.tries) for m in handed.result()] == [("only", 0)]
+        rival.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await rival
+    finally:
+        let_go.set()
+        await consumer.stop()
+
+
 async def test_consume_batches_pop_without_reserve(connect: Connect) -> None:
     factory = await connect()
     q = await factory.queue("popped")
