@@ -62,6 +62,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import operator
 import os
 import time
@@ -114,6 +115,8 @@ if TYPE_CHECKING:
 T = TypeVar("T")
 V = TypeVar("V", float, datetime)
 
+log = logging.getLogger("aio_keuss.mongo")
+
 FAR_FUTURE = 253402300799.0
 """9999-12-31T23:59:59Z: the mature time of consumed history records (seed: ``$INFINITE``)."""
 LIVE: Document = {"mature": {"$lt": FAR_FUTURE}}
@@ -133,6 +136,8 @@ DEDUP_LEASE = 30.0
 another push of that id may take the pusher for dead (see ``MongoStore._contend``)."""
 CONTEND_PAUSE = (0.01, 0.25)
 """First and longest pause between two looks at an id another push holds pending."""
+MOVE_CLOSE_WAIT = 10.0
+"""Longest a store's close waits for the moves it claimed to end (see ``MongoStore.close``)."""
 MOVE_NAMES = 50
 """Names a moved message may try in its destination before the move is refused."""
 BY_MATURE = [("mature", ASCENDING)]
@@ -408,6 +413,8 @@ class MongoStore(Store):
         """Token -> ids it claimed, of failed inserts whose claims could not be given back."""
         self._unsettled: dict[str, list[str]] = {}
         """Token -> ids it claimed, of stored messages whose claims could not be settled."""
+        self._moving: set[asyncio.Task[str]] = set()
+        """Moves past their claim, without a transaction: copying there, then deleting here."""
 
     # variant hooks ------------------------------------------------------------------------
 
@@ -1078,13 +1085,56 @@ class MongoStore(Store):
             claim = await self._coll.update_one(_unclaimed(held, now), _move_claim(token, now))
             if not claim.matched_count:
                 return None
+        # The copy and the delete in a task of the store's own, which its close waits for:
+        # a close past its grace gives up the queue's round trips (cancels the ko or move
+        # awaiting this) and closes the store; cut between copy and delete, the move left
+        # the message in both queues, delivered again here once the claim lapsed.
+        copying = to_the_end(
+            self._copy_then_delete(doc["_id"], token, move.queue, target, moved, names, now)
+        )
+        self._moving.add(copying)
+        copying.add_done_callback(self._moved)
+        return await asyncio.shield(copying)
+
+    async def _copy_then_delete(
+        self,
+        message_id: str,
+        token: str,
+        queue: str,
+        target: Collection,
+        moved: Document,
+        names: list[str],
+        now: float,
+    ) -> str:
         for name in names:
             if (await self._insert_docs(target, [{"_id": name, **moved}]))[0]:
                 break
         else:  # pragma: no cover - MOVE_NAMES earlier lives of one id
-            raise ConfigError(f"no free id for {doc['_id']!r} in {move.queue!r}")
-        await self._finish({"_id": doc["_id"], "owner": token}, now, held=True)
+            raise ConfigError(f"no free id for {message_id!r} in {queue!r}")
+        await self._finish({"_id": message_id, "owner": token}, now, held=True)
         return name
+
+    def _moved(self, task: asyncio.Task[str]) -> None:
+        self._moving.discard(task)
+        if not task.cancelled():
+            task.exception()  # seen: its awaiter may be gone (a close gave it up)
+
+    @translated
+    async def close(self) -> None:
+        """Let the moves claimed here end before the backend closes the connection. Bounded
+        by ``MOVE_CLOSE_WAIT``: one whose server does not answer may leave its message in
+        both queues, as a crash between its copy and its delete would."""
+        if not self._moving:
+            return
+        _, late = await asyncio.wait(set(self._moving), timeout=MOVE_CLOSE_WAIT)
+        if late:
+            log.warning(
+                "queue %r: %d moves given up between copy and delete: their messages may"
+                " come back here once their claims lapse (%g s)",
+                self.name,
+                len(late),
+                CLAIM_LEASE,
+            )
 
     async def _move_in_transaction(
         self,

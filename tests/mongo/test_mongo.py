@@ -20,7 +20,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
-from backends import new_token
+from backends import new_token, until_closed
 from mongo_server import MONGO_URL, REAL_MONGO_URL, start_mongo
 
 import aio_keuss
@@ -760,6 +760,51 @@ async def test_deadletter_move(open_factory: Open, client: Any, database: str) -
     assert dead.headers["h"] == "v" and dead.headers["x-dl-tries"] == 2
     leftovers = await client[database]["keuss_q_work"].count_documents({})
     assert leftovers == 0
+
+
+async def test_a_deadletter_move_a_close_gives_up_on_still_ends_in_one_queue(
+    open_factory: Open, client: Any, database: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Without transactions a deadletter move is a claim here, a copy there, then a delete
+    here. A close past its grace gave up the ko's round trips and closed the store between
+    the copy and the delete: the message was in the deadletter queue and, once the claim
+    lapsed, delivered again here. The store's close now lets a claimed move end first."""
+    import aio_keuss.queue
+
+    monkeypatch.setattr(aio_keuss.queue, "CANCELLED_CLOSE_GRACE", 0.0)  # gives up at once
+    factory = await open_factory(
+        deadletter={"max_ko": 0}, transactions=False, stats="memory", signal="local"
+    )
+    q = await factory.queue("work")
+    await q.push("poison")
+    message = await q.reserve(timeout=5)
+    assert message is not None
+    store: Any = q._store
+    copied, store_closing = asyncio.Event(), asyncio.Event()
+    finish, close = store._finish, store.close
+
+    async def finish_once_the_store_closes(*args: Any, **kwargs: Any) -> Any:
+        if kwargs.get("held"):  # the move's delete here: its copy is in the other queue
+            copied.set()
+            await store_closing.wait()
+        return await finish(*args, **kwargs)
+
+    async def close_store() -> None:
+        store_closing.set()
+        await close()
+
+    store._finish, store.close = finish_once_the_store_closes, close_store
+    ko = asyncio.ensure_future(q.ko(message))
+    await copied.wait()
+    closing = asyncio.ensure_future(factory.close())
+    await until_closed(q)  # the close waits for the ko
+    closing.cancel()  # past its grace at once: the ko's round trip is given up
+    await asyncio.gather(closing, ko, return_exceptions=True)
+    db = client[database]
+    assert await db["keuss_q_work"].count_documents({}) == 0
+    dead = [name for name in await db.list_collection_names() if name.startswith("keuss_q_")]
+    assert sorted(dead) == ["keuss_q_____deadletter____", "keuss_q_work"]
+    assert await db["keuss_q_____deadletter____"].count_documents({}) == 1
 
 
 async def test_two_factories_share_batches_exactly_once(open_factory: Open) -> None:
