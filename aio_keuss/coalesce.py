@@ -43,7 +43,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import deque
-from collections.abc import Callable, Coroutine, Generator
+from collections.abc import Awaitable, Callable, Coroutine, Generator
 from typing import Any, Generic, TypeVar
 
 CROWDED = 2
@@ -477,6 +477,42 @@ def to_the_end(work: Coroutine[Any, Any, T]) -> asyncio.Task[T]:
     they have ended (Python's asyncio documentation, "Runners"): this one ends with its
     result, and the batch that awaited it hands that back."""
     return _ToTheEnd(work, loop=asyncio.get_running_loop())
+
+
+FINISH_WAIT = 10.0
+"""Longest a store's close waits for the work of its :class:`Finishing`."""
+
+
+class Finishing:
+    """Work a store sees to its end once begun, whoever awaited it: the later steps of a
+    move done in steps (a copy there, then a delete here), where no transaction makes it
+    one. A close past its grace gives up the queue's round trips (it cancels their
+    awaiters) and closes the store: cut between those steps, a message was left in both
+    queues. Each runs as ``to_the_end`` work its awaiter's cancellation does not reach,
+    and the store's close waits for it, ``FINISH_WAIT`` seconds at most."""
+
+    __slots__ = ("_tasks",)
+
+    def __init__(self) -> None:
+        self._tasks: set[asyncio.Task[Any]] = set()
+
+    def run(self, work: Coroutine[Any, Any, T]) -> Awaitable[T]:
+        task = to_the_end(work)
+        self._tasks.add(task)
+        task.add_done_callback(self._ended)
+        return asyncio.shield(task)
+
+    def _ended(self, task: asyncio.Task[Any]) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled():
+            task.exception()  # seen: its awaiter may be gone (a close gave it up)
+
+    async def wait(self) -> int:
+        """Wait for the work begun, ``FINISH_WAIT`` seconds at most; how much is left."""
+        if not self._tasks:
+            return 0
+        _, late = await asyncio.wait(set(self._tasks), timeout=FINISH_WAIT)
+        return len(late)
 
 
 RECANCEL_PERIOD = 0.5

@@ -79,7 +79,7 @@ from bson.decimal128 import Decimal128
 from pymongo import ASCENDING, ReturnDocument
 from pymongo import errors as mongo_errors
 
-from ..coalesce import to_the_end
+from ..coalesce import Finishing, to_the_end
 from ..contract import (
     Ack,
     Cursor,
@@ -136,8 +136,6 @@ DEDUP_LEASE = 30.0
 another push of that id may take the pusher for dead (see ``MongoStore._contend``)."""
 CONTEND_PAUSE = (0.01, 0.25)
 """First and longest pause between two looks at an id another push holds pending."""
-MOVE_CLOSE_WAIT = 10.0
-"""Longest a store's close waits for the moves it claimed to end (see ``MongoStore.close``)."""
 MOVE_NAMES = 50
 """Names a moved message may try in its destination before the move is refused."""
 BY_MATURE = [("mature", ASCENDING)]
@@ -413,7 +411,7 @@ class MongoStore(Store):
         """Token -> ids it claimed, of failed inserts whose claims could not be given back."""
         self._unsettled: dict[str, list[str]] = {}
         """Token -> ids it claimed, of stored messages whose claims could not be settled."""
-        self._moving: set[asyncio.Task[str]] = set()
+        self._moving = Finishing()
         """Moves past their claim, without a transaction: copying there, then deleting here."""
 
     # variant hooks ------------------------------------------------------------------------
@@ -1085,16 +1083,11 @@ class MongoStore(Store):
             claim = await self._coll.update_one(_unclaimed(held, now), _move_claim(token, now))
             if not claim.matched_count:
                 return None
-        # The copy and the delete in a task of the store's own, which its close waits for:
-        # a close past its grace gives up the queue's round trips (cancels the ko or move
-        # awaiting this) and closes the store; cut between copy and delete, the move left
-        # the message in both queues, delivered again here once the claim lapsed.
-        copying = to_the_end(
+        # cut between the copy and the delete, the message would be in both queues,
+        # delivered again here once the claim lapsed
+        return await self._moving.run(
             self._copy_then_delete(doc["_id"], token, move.queue, target, moved, names, now)
         )
-        self._moving.add(copying)
-        copying.add_done_callback(self._moved)
-        return await asyncio.shield(copying)
 
     async def _copy_then_delete(
         self,
@@ -1114,25 +1107,18 @@ class MongoStore(Store):
         await self._finish({"_id": message_id, "owner": token}, now, held=True)
         return name
 
-    def _moved(self, task: asyncio.Task[str]) -> None:
-        self._moving.discard(task)
-        if not task.cancelled():
-            task.exception()  # seen: its awaiter may be gone (a close gave it up)
-
     @translated
     async def close(self) -> None:
         """Let the moves claimed here end before the backend closes the connection. Bounded
-        by ``MOVE_CLOSE_WAIT``: one whose server does not answer may leave its message in
-        both queues, as a crash between its copy and its delete would."""
-        if not self._moving:
-            return
-        _, late = await asyncio.wait(set(self._moving), timeout=MOVE_CLOSE_WAIT)
+        (see ``Finishing``): one whose server does not answer may leave its message in both
+        queues, as a crash between its copy and its delete would."""
+        late = await self._moving.wait()
         if late:
             log.warning(
                 "queue %r: %d moves given up between copy and delete: their messages may"
                 " come back here once their claims lapse (%g s)",
                 self.name,
-                len(late),
+                late,
                 CLAIM_LEASE,
             )
 

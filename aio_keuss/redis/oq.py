@@ -47,6 +47,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import orjson
 
+from ..coalesce import Finishing
 from ..contract import (
     Ack,
     Cursor,
@@ -1079,6 +1080,8 @@ class RedisOQStore(RedisOQVisibility, Store):
         self._get_one = bind(GET_ONE, self._keys)
         self._reserve_one = bind(RESERVE_ONE, self._keys)
         self._commit_one = bind(COMMIT_ONE, self._keys)
+        self._deferring = Finishing()
+        """Cluster deadletters past their set-aside: copying there, then dropping here."""
 
     def one_insert(self) -> OneInsert | None:
         if not self._backend.has_fast_lane:
@@ -1202,7 +1205,9 @@ class RedisOQStore(RedisOQVisibility, Store):
         reply = await self._run(ROLLBACK, keys, args)
         flags = reply[: len(nacks)]
         if deadletter is not None and len(reply) > len(nacks):
-            await self._move_deferred(reply[len(nacks) :], deadletter.queue)
+            # cut between the copy and the drop (a close past its grace gives the ko up),
+            # the message would be in both queues, back here once set aside no more
+            await self._deferring.run(self._move_deferred(reply[len(nacks) :], deadletter.queue))
         return [KoResult.DEADLETTERED if f >= 2 else KoResult(f) for f in flags]
 
     async def _move_deferred(self, rows: list[Any], queue: str) -> None:
@@ -1229,6 +1234,19 @@ class RedisOQStore(RedisOQVisibility, Store):
         for m_id, _, _, tries in moved:
             args += (m_id, tries)
         await self._run(DROP_DEFERRED, self._keys, args)
+
+    async def close(self) -> None:
+        """Let the cluster deadletters begun here end before the connection closes. Bounded
+        (see ``Finishing``): one whose server does not answer may leave its message in both
+        queues, as a crash between its steps would."""
+        late = await self._deferring.wait()
+        if late:
+            log.warning(
+                "queue %r: %d deadletters given up between copy and drop: their messages"
+                " come back here once set aside no more",
+                self.name,
+                late,
+            )
 
     async def move(self, moves: Sequence[Move]) -> list[str | None]:
         if not self._backend.one_slot:

@@ -18,9 +18,10 @@ from typing import Any
 
 import pytest
 import redis.asyncio as aioredis
-from backends import REDIS_URL, _drop_redis_prefix, new_token
+from backends import REDIS_URL, _drop_redis_prefix, new_token, until_closed
 from black_hole import BlackHole, assert_a_silent_drop_is_survived
 from own_servers import collating_locale, own_redis
+from redis_cluster import _drop_redis_cluster_prefix, _redis_cluster, start_redis_cluster
 
 import aio_keuss
 from aio_keuss.redis import connection as redis_connection
@@ -609,3 +610,60 @@ async def test_a_full_redis_still_requeues_from_the_deadletter_queue() -> None:
             await admin.config_set("maxmemory", 0)
             await factory.close()
             await admin.aclose()
+
+
+async def test_a_cluster_deadletter_a_close_gives_up_on_still_ends_in_one_queue(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """On a Redis Cluster without hash_tag a deadletter is done in steps: set aside here, a
+    copy there, then a drop here. A close past its grace gave up the ko's round trips and
+    closed the store between the copy and the drop: the message was in the deadletter queue
+    and, once set aside no more (60 s), delivered again here. The close now lets it end."""
+    import aio_keuss.queue
+    from aio_keuss.redis.oq import RedisOQStore
+
+    reason = start_redis_cluster()
+    if reason:
+        pytest.skip(reason)
+    monkeypatch.setattr(aio_keuss.queue, "CANCELLED_CLOSE_GRACE", 0.0)  # gives up at once
+    options = {**_redis_cluster(new_token()), "stats": "memory", "signal": "local"}
+    copied, store_closing = asyncio.Event(), asyncio.Event()
+    insert = RedisOQStore._insert
+
+    async def insert_then_wait(store: Any, *args: Any, **kwargs: Any) -> Any:
+        done = await insert(store, *args, **kwargs)
+        if store.name == "__deadletter__":  # the copy is there: the drop here waits
+            copied.set()
+            await store_closing.wait()
+        return done
+
+    monkeypatch.setattr(RedisOQStore, "_insert", insert_then_wait)
+    try:
+        factory = await aio_keuss.connect("redis-oq", deadletter={"max_ko": 0}, **options)
+        q = await factory.queue("work")
+        await q.push("poison")
+        message = await q.reserve(timeout=5)
+        assert message is not None
+        store: Any = q._store
+        close = store.close
+
+        async def close_store() -> None:
+            store_closing.set()
+            await close()
+
+        store.close = close_store
+        ko = asyncio.ensure_future(q.ko(message))
+        await copied.wait()
+        closing = asyncio.ensure_future(factory.close())
+        await until_closed(q)  # the close waits for the ko
+        closing.cancel()  # past its grace at once: the ko's round trip is given up
+        await asyncio.gather(closing, ko, return_exceptions=True)
+        other = await aio_keuss.connect("redis-oq", **options)
+        try:
+            left = await (await other.queue("work")).total_size()
+            dead = await (await other.queue("__deadletter__")).total_size()
+        finally:
+            await other.close()
+        assert (left, dead) == (0, 1)
+    finally:
+        await _drop_redis_cluster_prefix(options)
