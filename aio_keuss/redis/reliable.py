@@ -61,7 +61,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import orjson
 
-from ..coalesce import stop_task
+from ..coalesce import Finishing, stop_task
 from ..contract import (
     Ack,
     Cursor,
@@ -570,6 +570,8 @@ class RedisReliableStore(Store):
         self._ttl = backend.heartbeat_ttl
         self._ttl_ms = str(max(1, round(self._ttl * 1000)))
         self._tasks: list[asyncio.Task[None]] = []
+        self._deferring = Finishing()
+        """Cluster deadletters past their set-aside: copying there, then dropping here."""
         # Ids handed out by reserve and not yet acknowledged, with the tries they were
         # handed out with (an ok / ko / move takes an id out when it is sent, unless it
         # names other tries: a stale holder's, refused, must not release the current one):
@@ -707,7 +709,9 @@ class RedisReliableStore(Store):
                 results.append(KoResult(code))
                 i += 1
         if deferred and deadletter is not None:
-            await self._deadletter_across_slots(deferred, deadletter, results)
+            # cut between the copy and the drop (a close past its grace gives the ko up),
+            # the message would be in both queues, recovered here later
+            await self._deferring.run(self._deadletter_across_slots(deferred, deadletter, results))
         return results
 
     async def move(self, moves: Sequence[Move]) -> list[str | None]:
@@ -926,8 +930,18 @@ class RedisReliableStore(Store):
 
         Reservations still held at close (the caller neither ok-ed nor ko-ed them) are left
         to recovery: they come back with one more try once the heartbeat key expires, as if
-        the process had died — the same as an expired reservation elsewhere.
+        the process had died — the same as an expired reservation elsewhere. Cluster
+        deadletters begun here end first (see ``Finishing``: a server that does not answer
+        may leave a message in both queues, as a crash between their steps would).
         """
+        late = await self._deferring.wait()
+        if late:
+            log.warning(
+                "redis-reliable %r: %d deadletters given up between copy and drop: their"
+                " messages come back here when recovered",
+                self.name,
+                late,
+            )
         tasks, self._tasks = self._tasks, []
         for task in tasks:
             await stop_task(task)

@@ -14,7 +14,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from backends import REDIS_URL, _drop_redis_prefix, new_token
+from backends import REDIS_URL, _drop_redis_prefix, new_token, until_closed
+from redis_cluster import _drop_redis_cluster_prefix, _redis_cluster, start_redis_cluster
 
 import aio_keuss
 from aio_keuss.contract import Entry
@@ -510,3 +511,55 @@ async def test_a_stale_ack_leaves_the_current_holders_reservation_alone(
     assert await q.reserve(timeout=0) is None, "a held message was handed out again"
     assert await q.ok(current)
     assert await q.total_size() == 0
+
+
+async def test_a_cluster_deadletter_a_close_gives_up_on_still_ends_in_one_queue(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """On a Redis Cluster without hash_tag a deadletter is done in steps: set aside in the
+    consumer's processing list, a copy in the deadletter queue, then a drop here. A close
+    past its grace gave up the ko's round trips and closed the store between the copy and
+    the drop: the message was in the deadletter queue and held here still, to be recovered
+    and delivered again. The close now lets it end."""
+    import aio_keuss.queue
+
+    reason = start_redis_cluster()
+    if reason:
+        pytest.skip(reason)
+    monkeypatch.setattr(aio_keuss.queue, "CANCELLED_CLOSE_GRACE", 0.0)  # gives up at once
+    options = {**_redis_cluster(new_token()), "stats": "memory", "signal": "local"}
+    try:
+        factory = await aio_keuss.connect("redis-reliable", deadletter={"max_ko": 0}, **options)
+        q = await factory.queue("work")
+        await q.push("poison")
+        message = await q.reserve(timeout=5)
+        assert message is not None
+        store: Any = q._store
+        copied, store_closing = asyncio.Event(), asyncio.Event()
+        drop, close = store._scripts.drop_deadlettered, store.close
+
+        async def drop_once_the_store_closes(*args: Any, **kwargs: Any) -> Any:
+            copied.set()  # the copy is in the deadletter queue
+            await store_closing.wait()
+            return await drop(*args, **kwargs)
+
+        async def close_store() -> None:
+            store_closing.set()
+            await close()
+
+        store._scripts.drop_deadlettered, store.close = drop_once_the_store_closes, close_store
+        ko = asyncio.ensure_future(q.ko(message))
+        await copied.wait()
+        closing = asyncio.ensure_future(factory.close())
+        await until_closed(q)  # the close waits for the ko
+        closing.cancel()  # past its grace at once: the ko's round trip is given up
+        await asyncio.gather(closing, ko, return_exceptions=True)
+        other = await aio_keuss.connect("redis-reliable", **options)
+        try:
+            left = await (await other.queue("work")).total_size()
+            dead = await (await other.queue("__deadletter__")).total_size()
+        finally:
+            await other.close()
+        assert (left, dead) == (0, 1)
+    finally:
+        await _drop_redis_cluster_prefix(options)
