@@ -26,13 +26,14 @@ shard only.
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import random
 import time
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
-from ..coalesce import RunToEnd, SideBySide, stop_task
+from ..coalesce import Finishing, RunToEnd, SideBySide, stop_task
 from ..contract import (
     Ack,
     DeadletterPlan,
@@ -55,6 +56,8 @@ if TYPE_CHECKING:
     from ..options import QueueOptions
 
 T = TypeVar("T")
+
+log = logging.getLogger("aio_keuss.sharded")
 
 StoreOf = Callable[[str, "QueueOptions"], Awaitable["ShardedStore"]]
 """How a store finds another queue's store of its backend (the deadletter queue)."""
@@ -107,6 +110,8 @@ class ShardedStore(Store):
         self._enrolled = False
         self._fetched_at = 0.0
         self._renewal: asyncio.Task[None] | None = None
+        self._deferring = Finishing()
+        """Deadletters past their set-aside: copying there, then dropping here."""
 
     async def _each(self, calls: list[Coroutine[Any, Any, T]]) -> list[T]:
         """Run one step per shard side by side: a lone one is awaited directly (the common
@@ -260,7 +265,17 @@ class ShardedStore(Store):
             self._enrol_at = time.monotonic() + lease / 3
 
     async def close(self) -> None:
-        """Leave the queue's consumers, so the place is free at once."""
+        """Leave the queue's consumers, so the place is free at once. The deadletters begun
+        here end first (see ``Finishing``: a storage that does not answer may leave a
+        message in both queues, as a crash between their steps would)."""
+        late = await self._deferring.wait()
+        if late:
+            log.warning(
+                "queue %r: %d deadletters given up between copy and drop: their messages"
+                " come back here once set aside no more",
+                self.name,
+                late,
+            )
         self._enrol_at = 0.0
         if self._renewal is not None:
             await stop_task(self._renewal)
@@ -376,7 +391,9 @@ class ShardedStore(Store):
         if marks:
             await self._storage.ready_add(self.name, marks)
         if doomed and deadletter is not None:
-            await self._deadletter(doomed, deadletter)
+            # cut between the copy and the drop (a close past its grace gives the ko up),
+            # the message would be in both queues, back here once set aside no more
+            await self._deferring.run(self._deadletter(doomed, deadletter))
         return out
 
     async def _deadletter(self, doomed: list[Doomed], plan: DeadletterPlan) -> None:

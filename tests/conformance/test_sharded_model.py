@@ -16,7 +16,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 import pytest
-from backends import SHARDED_CASES, BackendCase
+from backends import SHARDED_CASES, BackendCase, until_closed
 from conftest import Connect, usable_case
 from sharded_checks import assert_metadata_of_q
 
@@ -540,6 +540,51 @@ async def test_a_message_being_deadlettered_is_not_swept_back(sharded: Connect) 
     copy = await dl.pop(timeout=5)
     assert copy is not None and copy.payload == "poison"
     assert await q.total_size() == 0
+
+
+async def test_a_deadletter_a_close_gives_up_on_still_ends_in_one_queue(
+    sharded: Connect, case: BackendCase, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A ko past max_ko sets the message aside, copies it into the deadletter queue, then
+    drops it here. A close past its grace gave up the ko's round trips and closed the store
+    between the copy and the drop: the message was in the deadletter queue and, once set
+    aside no more, delivered again here. The store's close now lets the drop happen."""
+    import aio_keuss.queue
+
+    if not case.shared:
+        pytest.skip("a second factory does not see an in-process storage")
+    monkeypatch.setattr(aio_keuss.queue, "CANCELLED_CLOSE_GRACE", 0.0)  # gives up at once
+    factory = await sharded(shards=1, deadletter={"max_ko": 0})
+    q = await factory.queue("work")
+    await q.push("poison")
+    held = await q.reserve(timeout=30)
+    assert held is not None
+    store = store_of(q)
+    storage: Any = store._storage  # type: ignore[attr-defined]
+    copied, store_closing = asyncio.Event(), asyncio.Event()
+    drop, close = storage.drop_doomed, store.close
+
+    async def drop_once_the_store_closes(*args: Any) -> Any:
+        copied.set()  # the copy is in the deadletter queue
+        await store_closing.wait()
+        return await drop(*args)
+
+    async def close_store() -> None:
+        store_closing.set()
+        await close()
+
+    monkeypatch.setattr(storage, "drop_doomed", drop_once_the_store_closes)
+    monkeypatch.setattr(store, "close", close_store)
+    ko = asyncio.ensure_future(q.ko(held))
+    await copied.wait()
+    closing = asyncio.ensure_future(factory.close())
+    await until_closed(q)  # the close waits for the ko
+    closing.cancel()  # past its grace at once: the ko's round trip is given up
+    await asyncio.gather(closing, ko, return_exceptions=True)
+    other = await sharded(shards=1)
+    left = await (await other.queue("work")).total_size()
+    dead = await (await other.queue("__deadletter__")).total_size()
+    assert (left, dead) == (0, 1)
 
 
 async def test_one_leader_at_a_time_and_a_takeover_on_release(sharded: Connect) -> None:
