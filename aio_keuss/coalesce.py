@@ -43,7 +43,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import deque
-from collections.abc import Awaitable, Callable, Coroutine, Generator
+from collections.abc import Callable, Coroutine, Generator
 from typing import Any, Generic, TypeVar
 
 CROWDED = 2
@@ -483,29 +483,39 @@ FINISH_WAIT = 10.0
 """Longest a store's close waits for the work of its :class:`Finishing`."""
 
 
+class _Finish(_ToTheEnd[T]):
+    """``to_the_end`` work that a close's give-up does not cut at once either: like any
+    other cancellation, it takes effect when the work has ended, or after
+    ``TO_THE_END_GRACE`` seconds."""
+
+    def cancel(self, msg: Any | None = None) -> bool:
+        return super().cancel(None if msg == GIVE_UP else msg)
+
+
 class Finishing:
     """Work a store sees to its end once begun, whoever awaited it: the later steps of a
     move done in steps (a copy there, then a delete here), where no transaction makes it
-    one. A close past its grace gives up the queue's round trips (it cancels their
-    awaiters) and closes the store: cut between those steps, a message was left in both
-    queues. Each runs as ``to_the_end`` work its awaiter's cancellation does not reach,
-    and the store's close waits for it, ``FINISH_WAIT`` seconds at most."""
+    one. A close past its grace gives up the queue's round trips (it cancels the batches
+    awaiting them) and closes the store: cut between those steps, a message was left in
+    both queues. Each runs in a task that no cancellation cuts short before
+    ``TO_THE_END_GRACE`` (its awaiter's then lands once it has ended, as ``RunToEnd``
+    holds it), and the store's close waits for it, ``FINISH_WAIT`` seconds at most."""
 
     __slots__ = ("_tasks",)
 
     def __init__(self) -> None:
         self._tasks: set[asyncio.Task[Any]] = set()
 
-    def run(self, work: Coroutine[Any, Any, T]) -> Awaitable[T]:
-        task = to_the_end(work)
+    def run(self, work: Coroutine[Any, Any, T]) -> asyncio.Task[T]:
+        task = _Finish(work, loop=asyncio.get_running_loop())
         self._tasks.add(task)
         task.add_done_callback(self._ended)
-        return asyncio.shield(task)
+        return task
 
     def _ended(self, task: asyncio.Task[Any]) -> None:
         self._tasks.discard(task)
         if not task.cancelled():
-            task.exception()  # seen: its awaiter may be gone (a close gave it up)
+            task.exception()  # seen: its awaiter may be gone (the loop ended)
 
     async def wait(self) -> int:
         """Wait for the work begun, ``FINISH_WAIT`` seconds at most; how much is left."""

@@ -120,7 +120,7 @@ from array import array
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple
 
-from ..coalesce import Uncancellable, stop_task, to_the_end
+from ..coalesce import Finishing, Uncancellable, stop_task, to_the_end
 from ..contract import Ack, DeadletterPlan, Fetched, LoopTurns, Nack, Store, Stored
 from ..message import append_headers
 from ..types import Capabilities, KoResult, Sizes
@@ -213,6 +213,7 @@ class BucketStore(PushSide, StateWriter, Store):
         self._held: list[HeapEntry] = []
         self._leasing: asyncio.Future[None] | None = None
         self._leases: set[asyncio.Future[None]] = set()  # every lease in flight (close waits)
+        self._deadlettering = Finishing()  # deadletter writes and their marks (close waits)
         self._storage_next: float | None = None
         self._flusher: asyncio.Task[None] | None = None
         self._visible: Callable[[float], None] | None = None
@@ -597,8 +598,9 @@ class BucketStore(PushSide, StateWriter, Store):
         """Write the messages into the deadletter queue (durable), then mark them done here:
         a crash in between leaves a duplicate, never a loss. A failed write hands them back
         their reservations, to come back when those lapse. The write runs to its end when
-        the ko is cancelled (``to_the_end``; the queue's ``RunToEnd`` holds the
-        cancellation until the ko is done): cut short, a write whose copy was already
+        the ko is cancelled, even by a close past its grace (``Finishing``, which the
+        store's close waits for; the queue's ``RunToEnd`` holds the cancellation until the
+        ko is done): cut short, a write whose copy was already
         stored handed the reservations back too, and the next ko wrote a second copy.
 
         A bucket whose lease lapsed is written first (renewing the lease): if another
@@ -621,10 +623,20 @@ class BucketStore(PushSide, StateWriter, Store):
             stored = bucket.message(slot, tries, now)
             payloads.append(stored.payload)
             headers.append(append_headers(stored.headers, plan.headers(tries, now)))
+        dead = self._dead_buckets(payloads, headers, now)
+        touched = await self._deadlettering.run(self._write_dead_then_mark(moving, plan, dead))
+        await self._sync(touched)
+        return missing
+
+    async def _write_dead_then_mark(
+        self, moving: list[_Moving], plan: DeadletterPlan, dead: list[NewBucket]
+    ) -> list[HeldBucket]:
+        """The deadletter write and the marks that follow it, as one piece of work that the
+        store's close waits for: a close past its grace gives up the batch awaiting it, and
+        a write cut short there handed the reservations back, so that the close gave the
+        messages back here once written there already."""
         try:
-            await to_the_end(
-                self._write_dead(plan.queue, self._dead_buckets(payloads, headers, now))
-            )
+            await self._write_dead(plan.queue, dead)
         except BaseException:
             self._give_back_moving(moving)
             raise
@@ -636,8 +648,7 @@ class BucketStore(PushSide, StateWriter, Store):
                 bucket.remaining -= 1
                 bucket.version += 1
                 touched[bucket.id] = bucket
-        await self._sync(list(touched.values()))
-        return missing
+        return list(touched.values())
 
     def _give_back_moving(self, moving: list[_Moving]) -> None:
         """The slots of a deadletter move that failed: their reservations, as they were."""
@@ -760,6 +771,14 @@ class BucketStore(PushSide, StateWriter, Store):
         self._make_room()  # pushers held by backpressure: refused
         failure: Exception | None = None
         try:
+            # a deadletter written there and not yet marked done here would be given back
+            # with the buckets below: in both queues
+            if late := await self._deadlettering.wait():
+                log.warning(
+                    "queue %r: %d deadletter writes given up: their messages may be in both queues",
+                    self.name,
+                    late,
+                )
             try:
                 await self.flush()
             except Exception as exc:  # give the leases back all the same

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 import pytest
-from backends import CASES, BackendCase, new_token
+from backends import CASES, BackendCase, new_token, until_closed
 
 import aio_keuss
 from aio_keuss import KeussConnectionError, KoResult
@@ -632,6 +632,53 @@ async def test_a_close_cancelled_as_it_gives_the_buckets_back_still_gives_them_b
         got = await _take_all(await second.queue("handover"), idle=0.5)
         assert sorted(m.payload for m in got) == list(range(10))
         assert all(m.tries == 0 for m in got)
+
+
+async def test_a_deadletter_a_close_gives_up_on_still_ends_in_one_queue(
+    bucket_case: tuple[BackendCase, dict[str, Any]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A ko past max_ko writes the message into the deadletter queue, then marks it done
+    here. A close past its grace gave up the ko's round trips while the deadletter write
+    was in flight: the reservation was handed back and the close gave the bucket back with
+    the message available, once written there already: in both queues. The store's close
+    now lets the write and the mark end first."""
+    import aio_keuss.queue
+
+    monkeypatch.setattr(aio_keuss.queue, "CANCELLED_CLOSE_GRACE", 0.0)  # gives up at once
+    case, options = bucket_case
+    options = {**options, "stats": "memory", "signal": "local"}
+    factory = await aio_keuss.connect(case.name, deadletter={"max_ko": 0}, **options)
+    q = await factory.queue("work")
+    await q.push("poison")
+    message = await q.reserve(timeout=5)
+    assert message is not None
+    store: Any = q._store
+    copied, store_closing = asyncio.Event(), asyncio.Event()
+    write_dead, close = store._write_dead, store.close
+
+    async def write_then_wait(*args: Any) -> None:
+        await write_dead(*args)
+        copied.set()  # written there; not yet marked done here
+        await store_closing.wait()
+
+    async def close_store() -> None:
+        store_closing.set()
+        await close()
+
+    store._write_dead, store.close = write_then_wait, close_store
+    # in a batch task, as when every slot is busy (a ko alone runs in its caller's task,
+    # which the close does not cancel)
+    q._rollbacks._inline = False  # type: ignore[attr-defined]
+    ko = asyncio.ensure_future(q.ko(message))
+    await copied.wait()
+    closing = asyncio.ensure_future(factory.close())
+    await until_closed(q)  # the close waits for the ko
+    closing.cancel()  # past its grace at once: the ko's round trip is given up
+    await asyncio.gather(closing, ko, return_exceptions=True)
+    async with aio_keuss.connect(case.name, **options) as second:
+        left = await _take_all(await second.queue("work"), idle=0.5)
+        dead = await _take_all(await second.queue("__deadletter__"), idle=0.5)
+    assert ([m.payload for m in left], [m.payload for m in dead]) == ([], ["poison"])
 
 
 async def test_a_second_close_after_a_cancelled_one_warns_of_nothing(
