@@ -505,8 +505,12 @@ class Consumer(StoppedOnExit):
         self._fetching = asyncio.Lock()
         self._landed = asyncio.Event()  # set when the fetch out ends (a new one per fetch)
         self._fetch_unsent = False  # a fetch began in this loop iteration
-        # with several workers, the next fetch starts once this few are left, not none
-        self._refill_at = prefetch // 2 if concurrency > 1 else 0
+        # With several workers, the next fetch starts once this few are left, not none, so
+        # that its round trip runs while the others handle them (three workers with a no-op
+        # handler on redis-oq: idle 31 % of the time, then 8 %; +15 % messages/s). Not with
+        # more workers than the prefetch: the half left is gone at once, and fetches sized
+        # for every waiting worker cost fewer round trips (32 workers: -4 % with it).
+        self._refill_at = prefetch // 2 if 1 < concurrency <= prefetch else 0
         self._starving = 0  # workers that found the buffer empty and wait for a fetch
         # With prefetch, oks are sent in the background, several to a round trip: handled
         # messages wait in ``_oks`` for one of at most OK_SENDERS sender tasks; at most
