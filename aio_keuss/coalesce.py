@@ -42,9 +42,12 @@ messages a store had already taken would be lost.
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections import deque
 from collections.abc import Callable, Coroutine, Generator
 from typing import Any, Generic, TypeVar
+
+log = logging.getLogger(__name__)
 
 CROWDED = 2
 """A batch of more callers than this means they crowd the slots (see the module's docstring)."""
@@ -517,12 +520,14 @@ class Finishing:
         if not task.cancelled():
             task.exception()  # seen: its awaiter may be gone (the loop ended)
 
-    async def wait(self) -> int:
-        """Wait for the work begun, ``FINISH_WAIT`` seconds at most; how much is left."""
+    async def wait(self, queue: str, given_up: str) -> None:
+        """Wait for the work begun, ``FINISH_WAIT`` seconds at most; what is left is logged
+        as ``<count> <given_up>`` (what it is, and what becomes of its messages)."""
         if not self._tasks:
-            return 0
+            return
         _, late = await asyncio.wait(set(self._tasks), timeout=FINISH_WAIT)
-        return len(late)
+        if late:
+            log.warning("queue %r: %d %s", queue, len(late), given_up)
 
 
 RECANCEL_PERIOD = 0.5

@@ -773,12 +773,9 @@ class BucketStore(PushSide, StateWriter, Store):
         try:
             # a deadletter written there and not yet marked done here would be given back
             # with the buckets below: in both queues
-            if late := await self._deadlettering.wait():
-                log.warning(
-                    "queue %r: %d deadletter writes given up: their messages may be in both queues",
-                    self.name,
-                    late,
-                )
+            await self._deadlettering.wait(
+                self.name, "deadletter writes given up: their messages may be in both queues"
+            )
             try:
                 await self.flush()
             except Exception as exc:  # give the leases back all the same

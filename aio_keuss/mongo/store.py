@@ -1112,15 +1112,11 @@ class MongoStore(Store):
         """Let the moves claimed here end before the backend closes the connection. Bounded
         (see ``Finishing``): one whose server does not answer may leave its message in both
         queues, as a crash between its copy and its delete would."""
-        late = await self._moving.wait()
-        if late:
-            log.warning(
-                "queue %r: %d moves given up between copy and delete: their messages may"
-                " come back here once their claims lapse (%g s)",
-                self.name,
-                late,
-                CLAIM_LEASE,
-            )
+        await self._moving.wait(
+            self.name,
+            "moves given up between copy and delete: their messages may come back here once"
+            f" their claims lapse ({CLAIM_LEASE:g} s)",
+        )
 
     async def _move_in_transaction(
         self,

@@ -1239,14 +1239,11 @@ class RedisOQStore(RedisOQVisibility, Store):
         """Let the cluster deadletters begun here end before the connection closes. Bounded
         (see ``Finishing``): one whose server does not answer may leave its message in both
         queues, as a crash between its steps would."""
-        late = await self._deferring.wait()
-        if late:
-            log.warning(
-                "queue %r: %d deadletters given up between copy and drop: their messages"
-                " come back here once set aside no more",
-                self.name,
-                late,
-            )
+        await self._deferring.wait(
+            self.name,
+            "deadletters given up between copy and drop: their messages come back here once"
+            " set aside no more",
+        )
 
     async def move(self, moves: Sequence[Move]) -> list[str | None]:
         if not self._backend.one_slot:

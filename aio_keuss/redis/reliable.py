@@ -934,14 +934,11 @@ class RedisReliableStore(Store):
         deadletters begun here end first (see ``Finishing``: a server that does not answer
         may leave a message in both queues, as a crash between their steps would).
         """
-        late = await self._deferring.wait()
-        if late:
-            log.warning(
-                "redis-reliable %r: %d deadletters given up between copy and drop: their"
-                " messages come back here when recovered",
-                self.name,
-                late,
-            )
+        await self._deferring.wait(
+            self.name,
+            "deadletters given up between copy and drop: their messages come back here when"
+            " recovered",
+        )
         tasks, self._tasks = self._tasks, []
         for task in tasks:
             await stop_task(task)

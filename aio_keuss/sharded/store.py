@@ -268,14 +268,11 @@ class ShardedStore(Store):
         """Leave the queue's consumers, so the place is free at once. The deadletters begun
         here end first (see ``Finishing``: a storage that does not answer may leave a
         message in both queues, as a crash between their steps would)."""
-        late = await self._deferring.wait()
-        if late:
-            log.warning(
-                "queue %r: %d deadletters given up between copy and drop: their messages"
-                " come back here once set aside no more",
-                self.name,
-                late,
-            )
+        await self._deferring.wait(
+            self.name,
+            "deadletters given up between copy and drop: their messages come back here once"
+            " set aside no more",
+        )
         self._enrol_at = 0.0
         if self._renewal is not None:
             await stop_task(self._renewal)
