@@ -231,3 +231,26 @@ async def until_closed(queue: Any) -> None:
         if queue._closed:
             return
         await asyncio.sleep(0.01)
+
+
+async def ko_through_a_cut_close(
+    factory: Any, queue: Any, message: Any, copied: asyncio.Event, store_closing: asyncio.Event
+) -> None:
+    """ko ``message`` (a deadletter: max_ko 0) and close ``factory`` past its grace while the
+    move is between its steps: the caller's hold on the store's step after the copy sets
+    ``copied`` and waits for ``store_closing``, set here when the store's close begins.
+    For tests that check the message then ends in one queue only."""
+    store = queue._store
+    close = store.close
+
+    async def close_store() -> None:
+        store_closing.set()
+        await close()
+
+    store.close = close_store
+    ko = asyncio.ensure_future(queue.ko(message))
+    await copied.wait()
+    closing = asyncio.ensure_future(factory.close())
+    await until_closed(queue)  # the close waits for the ko
+    closing.cancel()  # past its grace at once: the ko's round trip is given up
+    await asyncio.gather(closing, ko, return_exceptions=True)

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 import pytest
-from backends import CASES, BackendCase, new_token, until_closed
+from backends import CASES, BackendCase, ko_through_a_cut_close, new_token
 
 import aio_keuss
 from aio_keuss import KeussConnectionError, KoResult
@@ -654,27 +654,18 @@ async def test_a_deadletter_a_close_gives_up_on_still_ends_in_one_queue(
     assert message is not None
     store: Any = q._store
     copied, store_closing = asyncio.Event(), asyncio.Event()
-    write_dead, close = store._write_dead, store.close
+    write_dead = store._write_dead
 
     async def write_then_wait(*args: Any) -> None:
         await write_dead(*args)
         copied.set()  # written there; not yet marked done here
         await store_closing.wait()
 
-    async def close_store() -> None:
-        store_closing.set()
-        await close()
-
-    store._write_dead, store.close = write_then_wait, close_store
+    store._write_dead = write_then_wait
     # in a batch task, as when every slot is busy (a ko alone runs in its caller's task,
     # which the close does not cancel)
     q._rollbacks._inline = False  # type: ignore[attr-defined]
-    ko = asyncio.ensure_future(q.ko(message))
-    await copied.wait()
-    closing = asyncio.ensure_future(factory.close())
-    await until_closed(q)  # the close waits for the ko
-    closing.cancel()  # past its grace at once: the ko's round trip is given up
-    await asyncio.gather(closing, ko, return_exceptions=True)
+    await ko_through_a_cut_close(factory, q, message, copied, store_closing)
     async with aio_keuss.connect(case.name, **options) as second:
         left = await _take_all(await second.queue("work"), idle=0.5)
         dead = await _take_all(await second.queue("__deadletter__"), idle=0.5)

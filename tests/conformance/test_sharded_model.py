@@ -16,7 +16,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 import pytest
-from backends import SHARDED_CASES, BackendCase, until_closed
+from backends import SHARDED_CASES, BackendCase, ko_through_a_cut_close
 from conftest import Connect, usable_case
 from sharded_checks import assert_metadata_of_q
 
@@ -562,25 +562,15 @@ async def test_a_deadletter_a_close_gives_up_on_still_ends_in_one_queue(
     store = store_of(q)
     storage: Any = store._storage  # type: ignore[attr-defined]
     copied, store_closing = asyncio.Event(), asyncio.Event()
-    drop, close = storage.drop_doomed, store.close
+    drop = storage.drop_doomed
 
     async def drop_once_the_store_closes(*args: Any) -> Any:
         copied.set()  # the copy is in the deadletter queue
         await store_closing.wait()
         return await drop(*args)
 
-    async def close_store() -> None:
-        store_closing.set()
-        await close()
-
     monkeypatch.setattr(storage, "drop_doomed", drop_once_the_store_closes)
-    monkeypatch.setattr(store, "close", close_store)
-    ko = asyncio.ensure_future(q.ko(held))
-    await copied.wait()
-    closing = asyncio.ensure_future(factory.close())
-    await until_closed(q)  # the close waits for the ko
-    closing.cancel()  # past its grace at once: the ko's round trip is given up
-    await asyncio.gather(closing, ko, return_exceptions=True)
+    await ko_through_a_cut_close(factory, q, held, copied, store_closing)
     other = await sharded(shards=1)
     left = await (await other.queue("work")).total_size()
     dead = await (await other.queue("__deadletter__")).total_size()

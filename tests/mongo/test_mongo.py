@@ -20,7 +20,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
-from backends import new_token, until_closed
+from backends import ko_through_a_cut_close, new_token
 from mongo_server import MONGO_URL, REAL_MONGO_URL, start_mongo
 
 import aio_keuss
@@ -781,7 +781,7 @@ async def test_a_deadletter_move_a_close_gives_up_on_still_ends_in_one_queue(
     assert message is not None
     store: Any = q._store
     copied, store_closing = asyncio.Event(), asyncio.Event()
-    finish, close = store._finish, store.close
+    finish = store._finish
 
     async def finish_once_the_store_closes(*args: Any, **kwargs: Any) -> Any:
         if kwargs.get("held"):  # the move's delete here: its copy is in the other queue
@@ -789,17 +789,8 @@ async def test_a_deadletter_move_a_close_gives_up_on_still_ends_in_one_queue(
             await store_closing.wait()
         return await finish(*args, **kwargs)
 
-    async def close_store() -> None:
-        store_closing.set()
-        await close()
-
-    store._finish, store.close = finish_once_the_store_closes, close_store
-    ko = asyncio.ensure_future(q.ko(message))
-    await copied.wait()
-    closing = asyncio.ensure_future(factory.close())
-    await until_closed(q)  # the close waits for the ko
-    closing.cancel()  # past its grace at once: the ko's round trip is given up
-    await asyncio.gather(closing, ko, return_exceptions=True)
+    store._finish = finish_once_the_store_closes
+    await ko_through_a_cut_close(factory, q, message, copied, store_closing)
     db = client[database]
     assert await db["keuss_q_work"].count_documents({}) == 0
     dead = [name for name in await db.list_collection_names() if name.startswith("keuss_q_")]

@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 import redis.asyncio as aioredis
-from backends import REDIS_URL, _drop_redis_prefix, new_token, until_closed
+from backends import REDIS_URL, _drop_redis_prefix, ko_through_a_cut_close, new_token
 from black_hole import BlackHole, assert_a_silent_drop_is_survived
 from own_servers import collating_locale, own_redis
 from redis_cluster import _drop_redis_cluster_prefix, _redis_cluster, start_redis_cluster
@@ -644,20 +644,8 @@ async def test_a_cluster_deadletter_a_close_gives_up_on_still_ends_in_one_queue(
         await q.push("poison")
         message = await q.reserve(timeout=5)
         assert message is not None
-        store: Any = q._store
-        close = store.close
 
-        async def close_store() -> None:
-            store_closing.set()
-            await close()
-
-        store.close = close_store
-        ko = asyncio.ensure_future(q.ko(message))
-        await copied.wait()
-        closing = asyncio.ensure_future(factory.close())
-        await until_closed(q)  # the close waits for the ko
-        closing.cancel()  # past its grace at once: the ko's round trip is given up
-        await asyncio.gather(closing, ko, return_exceptions=True)
+        await ko_through_a_cut_close(factory, q, message, copied, store_closing)
         other = await aio_keuss.connect("redis-oq", **options)
         try:
             left = await (await other.queue("work")).total_size()

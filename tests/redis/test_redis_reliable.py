@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from backends import REDIS_URL, _drop_redis_prefix, new_token, until_closed
+from backends import REDIS_URL, _drop_redis_prefix, ko_through_a_cut_close, new_token
 from redis_cluster import _drop_redis_cluster_prefix, _redis_cluster, start_redis_cluster
 
 import aio_keuss
@@ -536,24 +536,15 @@ async def test_a_cluster_deadletter_a_close_gives_up_on_still_ends_in_one_queue(
         assert message is not None
         store: Any = q._store
         copied, store_closing = asyncio.Event(), asyncio.Event()
-        drop, close = store._scripts.drop_deadlettered, store.close
+        drop = store._scripts.drop_deadlettered
 
         async def drop_once_the_store_closes(*args: Any, **kwargs: Any) -> Any:
             copied.set()  # the copy is in the deadletter queue
             await store_closing.wait()
             return await drop(*args, **kwargs)
 
-        async def close_store() -> None:
-            store_closing.set()
-            await close()
-
-        store._scripts.drop_deadlettered, store.close = drop_once_the_store_closes, close_store
-        ko = asyncio.ensure_future(q.ko(message))
-        await copied.wait()
-        closing = asyncio.ensure_future(factory.close())
-        await until_closed(q)  # the close waits for the ko
-        closing.cancel()  # past its grace at once: the ko's round trip is given up
-        await asyncio.gather(closing, ko, return_exceptions=True)
+        store._scripts.drop_deadlettered = drop_once_the_store_closes
+        await ko_through_a_cut_close(factory, q, message, copied, store_closing)
         other = await aio_keuss.connect("redis-reliable", **options)
         try:
             left = await (await other.queue("work")).total_size()
