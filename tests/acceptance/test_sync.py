@@ -503,6 +503,48 @@ def wait_for(condition: Callable[[], bool], seconds: float = 60.0) -> bool:
     return True
 
 
+class _HeldTakes:
+    """Queue._consume and Queue._consume_one held on the loop thread once they took a
+    message (``taken``) until ``resume``, so that the caller is interrupted while its result
+    is on its way; ``interrupt``, a thread's target, then sends the main thread a SIGINT."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.taken, self.resume = threading.Event(), threading.Event()
+        self._main = threading.get_ident()
+        self._patch = monkeypatch
+        self._real = Queue._consume, Queue._consume_one
+
+    def hold(self) -> None:
+        real_consume, real_consume_one = self._real
+        taken, resume = self.taken, self.resume
+
+        async def consume_then_hang(self: Queue, *args: Any, **kwargs: Any) -> list[Message]:
+            stored = await real_consume(self, *args, **kwargs)
+            if stored:
+                taken.set()
+                resume.wait(60)  # holds the loop thread: the result is not handed over yet
+            return stored
+
+        async def consume_one_then_hang(self: Queue, *args: Any, **kwargs: Any) -> Message | None:
+            # pop and reserve take their one message here, not through _consume
+            stored = await real_consume_one(self, *args, **kwargs)
+            if stored is not None:
+                taken.set()
+                resume.wait(60)
+            return stored
+
+        self._patch.setattr(Queue, "_consume", consume_then_hang)
+        self._patch.setattr(Queue, "_consume_one", consume_one_then_hang)
+
+    def release(self) -> None:
+        self._patch.setattr(Queue, "_consume", self._real[0])
+        self._patch.setattr(Queue, "_consume_one", self._real[1])
+
+    def interrupt(self) -> None:
+        if self.taken.wait(60):
+            signal.pthread_kill(self._main, signal.SIGINT)
+
+
 @on_backends
 @pytest.mark.parametrize("taking", ["pop", "reserve", "messages"])
 def test_an_interrupted_pop_or_reserve_gives_back_what_it_took(
@@ -516,41 +558,17 @@ def test_an_interrupted_pop_or_reserve_gives_back_what_it_took(
     if threading.current_thread() is not threading.main_thread():
         pytest.skip("a signal interrupts the main thread only")
     backend, opts = options
-    real_consume, real_consume_one = Queue._consume, Queue._consume_one
-    taken, resume = threading.Event(), threading.Event()
-
-    async def consume_then_hang(self: Queue, *args: Any, **kwargs: Any) -> list[Message]:
-        stored = await real_consume(self, *args, **kwargs)
-        if stored:
-            taken.set()
-            resume.wait(60)  # holds the loop thread: the result is not handed over yet
-        return stored
-
-    async def consume_one_then_hang(self: Queue, *args: Any, **kwargs: Any) -> Message | None:
-        # pop and reserve take their one message here, not through _consume
-        stored = await real_consume_one(self, *args, **kwargs)
-        if stored is not None:
-            taken.set()
-            resume.wait(60)
-        return stored
-
-    main = threading.get_ident()
-
-    def interrupt() -> None:
-        if taken.wait(60):
-            signal.pthread_kill(main, signal.SIGINT)
-
+    held = _HeldTakes(monkeypatch)
     with sync.connect(backend, **opts) as factory:
         q = factory.queue("interrupted", reserve_delay=600.0)
         q.push({"a": 1})
-        monkeypatch.setattr(Queue, "_consume", consume_then_hang)
-        monkeypatch.setattr(Queue, "_consume_one", consume_one_then_hang)
+        held.hold()
         # The loop thread goes on once the interrupted thread has reacted (messages() then
         # closes its iterator, which waits for the loop thread).
         monkeypatch.setattr(
-            factory, "_loop", _Relay(getattr(factory, "_loop", None), resume), raising=False
+            factory, "_loop", _Relay(getattr(factory, "_loop", None), held.resume), raising=False
         )
-        interrupter = threading.Thread(target=interrupt)
+        interrupter = threading.Thread(target=held.interrupt)
         interrupter.start()
         try:
             with pytest.raises(KeyboardInterrupt):
@@ -560,10 +578,9 @@ def test_an_interrupted_pop_or_reserve_gives_back_what_it_took(
                 else:
                     getattr(q, taking)(timeout=60)
         finally:
-            resume.set()
+            held.resume.set()
             interrupter.join(60)
-        monkeypatch.setattr(Queue, "_consume", real_consume)
-        monkeypatch.setattr(Queue, "_consume_one", real_consume_one)
+        held.release()
         assert wait_for(lambda: q.size() == 1), q.sizes()
         msg = q.pop(timeout=60)
         assert msg is not None and msg.payload == {"a": 1}
@@ -640,41 +657,26 @@ def test_an_interrupted_pop_on_a_sharded_queue_keeps_the_end_of_life(
     and its place ahead of its key's later message."""
     if threading.current_thread() is not threading.main_thread():
         pytest.skip("a signal interrupts the main thread only")
-    real_consume_one = Queue._consume_one
-    taken, resume = threading.Event(), threading.Event()
-
-    async def consume_one_then_hang(self: Queue, *args: Any, **kwargs: Any) -> Message | None:
-        stored = await real_consume_one(self, *args, **kwargs)
-        if stored is not None:
-            taken.set()
-            resume.wait(60)  # holds the loop thread: the result is not handed over yet
-        return stored
-
-    main = threading.get_ident()
-
-    def interrupt() -> None:
-        if taken.wait(60):
-            signal.pthread_kill(main, signal.SIGINT)
-
+    held = _HeldTakes(monkeypatch)
     with sync.connect("memory-sharded", shards=1, message_ttl=3600.0, sweeper=False) as factory:
         q = factory.queue("interrupted")
         ids = [q.push(n, headers={"x-shard-key": "k"}) for n in range(2)]
         pushed = time.time()
         while time.time() <= pushed + 0.01:  # the put-back comes later than the push
             time.sleep(0.01)
-        monkeypatch.setattr(Queue, "_consume_one", consume_one_then_hang)
+        held.hold()
         monkeypatch.setattr(
-            factory, "_loop", _Relay(getattr(factory, "_loop", None), resume), raising=False
+            factory, "_loop", _Relay(getattr(factory, "_loop", None), held.resume), raising=False
         )
-        interrupter = threading.Thread(target=interrupt)
+        interrupter = threading.Thread(target=held.interrupt)
         interrupter.start()
         try:
             with pytest.raises(KeyboardInterrupt):
                 q.pop(timeout=60)
         finally:
-            resume.set()
+            held.resume.set()
             interrupter.join(60)
-        monkeypatch.setattr(Queue, "_consume_one", real_consume_one)
+        held.release()
         assert wait_for(lambda: q.size() == 2), q.sizes()
         storage = factory.factory.backend.storage  # type: ignore[attr-defined]
         fired = factory.call(storage.fire, "interrupted", 0, 10, None).messages
@@ -703,22 +705,7 @@ def test_a_give_back_after_another_threads_close_loses_nothing(
     if threading.current_thread() is not threading.main_thread():
         pytest.skip("a signal interrupts the main thread only")
     backend, opts = options
-    real_consume_one = Queue._consume_one
-    taken, resume = threading.Event(), threading.Event()
-
-    async def consume_one_then_hang(self: Queue, *args: Any, **kwargs: Any) -> Message | None:
-        stored = await real_consume_one(self, *args, **kwargs)
-        if stored is not None:
-            taken.set()
-            resume.wait(60)  # holds the loop thread: the result is not handed over yet
-        return stored
-
-    main = threading.get_ident()
-
-    def interrupt() -> None:
-        if taken.wait(60):
-            signal.pthread_kill(main, signal.SIGINT)
-
+    held = _HeldTakes(monkeypatch)
     closed = threading.Event()
 
     class CloseFirst:
@@ -729,7 +716,7 @@ def test_a_give_back_after_another_threads_close_loses_nothing(
             self.loop = loop
 
         def call_soon_threadsafe(self, *args: Any) -> asyncio.Handle:
-            resume.set()
+            held.resume.set()
             closer = threading.Thread(target=lambda: (factory.close(), closed.set()))
             closer.start()
             closer.join(60)
@@ -741,17 +728,17 @@ def test_a_give_back_after_another_threads_close_loses_nothing(
         factory = sync.connect(backend, **opts)
         q = factory.queue("closed-under", reserve_delay=600.0)
         q.push({"a": 1})
-        monkeypatch.setattr(Queue, "_consume_one", consume_one_then_hang)
+        held.hold()
         monkeypatch.setattr(factory, "_loop", CloseFirst(factory._loop))
-        interrupter = threading.Thread(target=interrupt)
+        interrupter = threading.Thread(target=held.interrupt)
         interrupter.start()
         try:
             with pytest.raises(KeyboardInterrupt):
                 getattr(q, taking)(timeout=60)
         finally:
-            resume.set()
+            held.resume.set()
             interrupter.join(60)
-        monkeypatch.setattr(Queue, "_consume_one", real_consume_one)
+        held.release()
         assert closed.is_set()
     with sync.connect(backend, **opts) as again:
         # no wait: the close that ended had given it back
