@@ -20,6 +20,7 @@ from typing import Any
 from mongo_server import MONGO_URL, start_mongo
 from redis_cluster import _drop_redis_cluster_prefix, _redis_cluster, start_redis_cluster
 
+import aio_keuss
 from aio_keuss.registry import load_backend
 
 REDIS_URL = os.environ.get("AK_REDIS_URL", "redis://127.0.0.1:6379/0")
@@ -254,3 +255,22 @@ async def ko_through_a_cut_close(
     await until_closed(queue)  # the close waits for the ko
     closing.cancel()  # past its grace at once: the ko's round trip is given up
     await asyncio.gather(closing, ko, return_exceptions=True)
+
+
+async def a_poison_reserved(backend: str, **options: Any) -> tuple[Any, Any, Any]:
+    """A factory of ``backend`` whose first ko deadletters (max_ko 0), its queue ``work``,
+    and the one message pushed there, reserved."""
+    factory = await aio_keuss.connect(backend, deadletter={"max_ko": 0}, **options)
+    queue = await factory.queue("work")
+    await queue.push("poison")
+    message = await queue.reserve(timeout=5)
+    assert message is not None
+    return factory, queue, message
+
+
+async def sizes_after(backend: str, **options: Any) -> tuple[int, int]:
+    """How many messages ``work`` and the deadletter queue hold, seen by a new factory."""
+    async with aio_keuss.connect(backend, **options) as other:
+        left = await (await other.queue("work")).total_size()
+        dead = await (await other.queue("__deadletter__")).total_size()
+    return left, dead

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 import pytest
-from backends import CASES, BackendCase, ko_through_a_cut_close, new_token
+from backends import CASES, BackendCase, a_poison_reserved, ko_through_a_cut_close, new_token
 
 import aio_keuss
 from aio_keuss import KeussConnectionError, KoResult
@@ -647,11 +647,7 @@ async def test_a_deadletter_a_close_gives_up_on_still_ends_in_one_queue(
     monkeypatch.setattr(aio_keuss.queue, "CANCELLED_CLOSE_GRACE", 0.0)  # gives up at once
     case, options = bucket_case
     options = {**options, "stats": "memory", "signal": "local"}
-    factory = await aio_keuss.connect(case.name, deadletter={"max_ko": 0}, **options)
-    q = await factory.queue("work")
-    await q.push("poison")
-    message = await q.reserve(timeout=5)
-    assert message is not None
+    factory, q, message = await a_poison_reserved(case.name, **options)
     store: Any = q._store
     copied, store_closing = asyncio.Event(), asyncio.Event()
     write_dead = store._write_dead

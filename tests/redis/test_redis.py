@@ -18,7 +18,14 @@ from typing import Any
 
 import pytest
 import redis.asyncio as aioredis
-from backends import REDIS_URL, _drop_redis_prefix, ko_through_a_cut_close, new_token
+from backends import (
+    REDIS_URL,
+    _drop_redis_prefix,
+    a_poison_reserved,
+    ko_through_a_cut_close,
+    new_token,
+    sizes_after,
+)
 from black_hole import BlackHole, assert_a_silent_drop_is_survived
 from own_servers import collating_locale, own_redis
 from redis_cluster import _drop_redis_cluster_prefix, _redis_cluster, start_redis_cluster
@@ -639,19 +646,8 @@ async def test_a_cluster_deadletter_a_close_gives_up_on_still_ends_in_one_queue(
 
     monkeypatch.setattr(RedisOQStore, "_insert", insert_then_wait)
     try:
-        factory = await aio_keuss.connect("redis-oq", deadletter={"max_ko": 0}, **options)
-        q = await factory.queue("work")
-        await q.push("poison")
-        message = await q.reserve(timeout=5)
-        assert message is not None
-
+        factory, q, message = await a_poison_reserved("redis-oq", **options)
         await ko_through_a_cut_close(factory, q, message, copied, store_closing)
-        other = await aio_keuss.connect("redis-oq", **options)
-        try:
-            left = await (await other.queue("work")).total_size()
-            dead = await (await other.queue("__deadletter__")).total_size()
-        finally:
-            await other.close()
-        assert (left, dead) == (0, 1)
+        assert await sizes_after("redis-oq", **options) == (0, 1)
     finally:
         await _drop_redis_cluster_prefix(options)

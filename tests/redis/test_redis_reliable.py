@@ -14,7 +14,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from backends import REDIS_URL, _drop_redis_prefix, ko_through_a_cut_close, new_token
+from backends import (
+    REDIS_URL,
+    _drop_redis_prefix,
+    a_poison_reserved,
+    ko_through_a_cut_close,
+    new_token,
+    sizes_after,
+)
 from redis_cluster import _drop_redis_cluster_prefix, _redis_cluster, start_redis_cluster
 
 import aio_keuss
@@ -529,11 +536,7 @@ async def test_a_cluster_deadletter_a_close_gives_up_on_still_ends_in_one_queue(
     monkeypatch.setattr(aio_keuss.queue, "CANCELLED_CLOSE_GRACE", 0.0)  # gives up at once
     options = {**_redis_cluster(new_token()), "stats": "memory", "signal": "local"}
     try:
-        factory = await aio_keuss.connect("redis-reliable", deadletter={"max_ko": 0}, **options)
-        q = await factory.queue("work")
-        await q.push("poison")
-        message = await q.reserve(timeout=5)
-        assert message is not None
+        factory, q, message = await a_poison_reserved("redis-reliable", **options)
         store: Any = q._store
         copied, store_closing = asyncio.Event(), asyncio.Event()
         drop = store._scripts.drop_deadlettered
@@ -545,12 +548,6 @@ async def test_a_cluster_deadletter_a_close_gives_up_on_still_ends_in_one_queue(
 
         store._scripts.drop_deadlettered = drop_once_the_store_closes
         await ko_through_a_cut_close(factory, q, message, copied, store_closing)
-        other = await aio_keuss.connect("redis-reliable", **options)
-        try:
-            left = await (await other.queue("work")).total_size()
-            dead = await (await other.queue("__deadletter__")).total_size()
-        finally:
-            await other.close()
-        assert (left, dead) == (0, 1)
+        assert await sizes_after("redis-reliable", **options) == (0, 1)
     finally:
         await _drop_redis_cluster_prefix(options)
