@@ -54,6 +54,17 @@ def _post_headers(dashboard: Dashboard, **extra: str) -> dict[str, str]:
     }
 
 
+async def _requeue_all_dead(dashboard: Dashboard, client: Any) -> Any:
+    """POST a requeue of every message of the deadletter queue; its answer's ``result``."""
+    async with client.post(
+        dashboard.url + "api/requeue",
+        data=b'{"queue": "__deadletter__", "ids": null}',
+        headers=_post_headers(dashboard),
+    ) as response:
+        assert response.status == 200
+        return (await response.json())["result"]
+
+
 # binding ------------------------------------------------------------------------------
 
 
@@ -262,13 +273,7 @@ async def test_requeue_without_ids_takes_every_deadlettered_message_back(
     assert await dead.total_size() == 3
     dashboard = await _started(factory)
     try:
-        async with client.post(
-            dashboard.url + "api/requeue",
-            data=b'{"queue": "__deadletter__", "ids": null}',
-            headers=_post_headers(dashboard),
-        ) as response:
-            assert response.status == 200
-            assert len((await response.json())["result"]) == 3
+        assert len(await _requeue_all_dead(dashboard, client)) == 3
         assert await dead.total_size() == 0
         assert await jobs.total_size() == 3
     finally:
@@ -288,13 +293,7 @@ async def test_requeue_to_a_queue_nobody_opened_creates_it_there(
     assert "ghost" not in await factory.list()
     dashboard = await _started(factory)
     try:
-        async with client.post(
-            dashboard.url + "api/requeue",
-            data=b'{"queue": "__deadletter__", "ids": null}',
-            headers=_post_headers(dashboard),
-        ) as response:
-            assert response.status == 200
-            assert (await response.json())["result"] == {ghost_id: ghost_id}
+        assert await _requeue_all_dead(dashboard, client) == {ghost_id: ghost_id}
     finally:
         await dashboard.stop()
     listed = await factory.list()
