@@ -753,7 +753,8 @@ class Consumer(StoppedOnExit):
 
     async def _next(self) -> Message | list[Message] | None:
         """A message to handle: from the prefetch buffer, else from the queue (with
-        ``prefetch``, one worker at a time fetches for the others); with ``batch``, a list."""
+        ``prefetch``, one worker at a time fetches for the others, the others waiting for
+        what it brings); with ``batch``, a list. None once stopping, drained or closed."""
         if self._batch:
             return await self.queue.next(self._outage, self._batch, gather=True)
         if not self._prefetch:
@@ -808,13 +809,15 @@ class Consumer(StoppedOnExit):
         """Fill the prefetch buffer: when it ran dry, or early (``starving`` False), once no
         more than ``_refill_at`` are left, so that the round trip runs while the other
         workers handle those (waiting for it with nothing to do, three workers with
-        short handlers were idle 40 % of the time on redis-oq)."""
+        short handlers were idle about 30 % of the time on redis-oq)."""
         if starving:
             self._starving += 1
         try:
             async with self._fetching:  # free: taken without a wait (see _next)
                 self._fetch_unsent = True
-                self._loop.call_soon(self._fetch_sent)  # after what the fetch schedules
+                # cleared on the next iteration: a worker that yields to it (see _next)
+                # resumes behind what the fetch schedules now (its write, its batch task)
+                self._loop.call_soon(self._fetch_sent)
                 try:
                     kept = None if self._reserve else self._kept
                     got = await self.queue.next(self._outage, self._want(), kept=kept)
@@ -841,9 +844,10 @@ class Consumer(StoppedOnExit):
 
     def _want(self) -> int:
         """How many one fetch reserves: one for each worker waiting for it (the fetcher
-        included), plus the prefetch. With one message more than the prefetch per fetch,
-        many workers with short handlers were fed ``prefetch + 1`` messages a round trip,
-        one round trip at a time, and spent their time waiting for it (32 workers, prefetch
+        included when it found the buffer empty), plus the prefetch. With one message more
+        than the prefetch per fetch, many workers with short handlers were fed ``prefetch +
+        1`` messages a round trip, one round trip at a time, and spent their time waiting
+        for it (32 workers, prefetch
         10: no faster than 3 workers)."""
         return self._starving + self._prefetch
 
