@@ -847,8 +847,7 @@ class Consumer(StoppedOnExit):
         included when it found the buffer empty), plus the prefetch. With one message more
         than the prefetch per fetch, many workers with short handlers were fed ``prefetch +
         1`` messages a round trip, one round trip at a time, and spent their time waiting
-        for it (32 workers, prefetch
-        10: no faster than 3 workers)."""
+        for it (32 workers, prefetch 10: no faster than 3 workers)."""
         return self._starving + self._prefetch
 
     def _in_handler(self) -> _HandlerScope:
