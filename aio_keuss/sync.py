@@ -475,9 +475,16 @@ class SyncFactory:
             # middle of its own close: the lock is held by the close it interrupted, which
             # goes on only once the handler returns. Wait for the async close, if begun.
             closing = self._closing
-            if closing is not None:
+            if closing is not None and closing.done():
+                return
+            if self._closed:
+                # Its task may not be handed to the loop thread yet (interrupted before
+                # start_task_soon submitted it): its future would never settle, and
+                # waiting for it hung both. A second async close waits for the first, or
+                # runs it (the first then finds it done); the portal runs until the
+                # interrupted close's future is done.
                 with contextlib.suppress(Exception):  # the close under way raises it
-                    closing.result()
+                    self._portal.call(self.factory.close)
             return
         try:  # added inside: a Ctrl-C right after the add would leave it there
             self._closers.add(me)

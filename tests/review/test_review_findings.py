@@ -49,3 +49,57 @@ async def test_early_refill_keeps_at_most_prefetch_waiting(prefix: str) -> None:
                 gate.set()
             await consumer.stop()
         assert waiting_at[3] <= 4, f"{waiting_at[3]} prefetched messages wait, prefetch 4"
+
+
+CLOSE_FROM_HANDLER_AT_SPAWN = r"""
+import json, signal, threading
+from aio_keuss import sync
+
+seen = {}
+factory = sync.connect("memory")
+factory.queue("jobs").push(1)
+
+def on_sigusr1(signum, frame):  # a script's "stop on SIGTERM": close the factory
+    factory.close()
+    seen["closed in handler"] = factory.closed
+
+signal.signal(signal.SIGUSR1, on_sigusr1)
+portal = factory._portal
+real_start = portal.start_task_soon
+armed = [True]
+
+def start_task_soon(*args, **kwargs):
+    # the signal arrives as the close enters start_task_soon, before the task is spawned
+    if armed and armed.pop() and args and getattr(args[0], "__name__", "") == "_settling":
+        signal.pthread_kill(threading.main_thread().ident, signal.SIGUSR1)
+    return real_start(*args, **kwargs)
+
+portal.start_task_soon = start_task_soon
+factory.close()
+seen["closed"] = factory.closed
+print(json.dumps(seen), flush=True)
+"""
+
+
+def test_a_close_from_a_signal_handler_as_the_close_enters_start_task_soon_returns() -> None:
+    """A handler's close waits for the future the interrupted close made just before it
+    called start_task_soon; interrupted before that call submitted the task, nothing ever
+    settles the future: the handler waits for ever, the close it interrupted with it."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    env = {"PYTHONPATH": str(Path(__file__).parents[2]), "PATH": "/usr/bin:/bin"}
+    try:
+        done = subprocess.run(
+            [sys.executable, "-c", CLOSE_FROM_HANDLER_AT_SPAWN],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=60,  # a bound against a hang, not a timing
+        )
+    except subprocess.TimeoutExpired as exc:
+        pytest.fail(f"the program hung: {exc.stdout!r} {exc.stderr!r}")
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout) == {"closed in handler": True, "closed": True}
