@@ -1563,7 +1563,9 @@ class Queue:
         # could be after the store closed (a popped message then lost). Each is dropped once
         # done: a close cancelled meanwhile runs it again in its grace.
         while self._handovers:
-            settle = next(iter(self._handovers))
+            # a copy (one step in C): a caller's thread drops its own entry when it takes
+            # its result, and a set changed between iter() and next() raises RuntimeError
+            settle = next(iter(self._handovers.copy()))
             await settle()
             self._handovers.discard(settle)
         while self._background:
