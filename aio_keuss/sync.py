@@ -858,18 +858,17 @@ async def _start_repeat(
 class _Taking:
     """A pop or reserve run for a thread that may be interrupted while it waits. Its fields
     are set on the loop thread only, so "still running" or "done" is never ambiguous; the
-    caller's thread only reads them and empties ``unsettled``."""
+    caller's thread only reads them and adds to ``claims``."""
 
-    __slots__ = ("abandoned", "kept", "settle", "taken", "task", "unsettled")
+    __slots__ = ("abandoned", "claims", "kept", "settle", "taken", "task")
 
     def __init__(self) -> None:
         self.task: asyncio.Task[Any] | None = None
         self.taken: list[Message] | None = None
         self.kept: dict[str, Stored] = {}
         self.abandoned = False
-        self.unsettled: list[None] = [None]
-        """Emptied once the result is taken in hand by its caller or given back (see
-        ``_settle_once``)."""
+        self.claims: list[str] = []
+        """Who claimed the result, in turn (see ``_settle_once``): the first one decides."""
         self.settle: Callable[[], Awaitable[None]] | None = None
         """Noted on the queue while its caller may not have the result in hand."""
 
@@ -904,7 +903,12 @@ def _abandon(taking: _Taking, queue: Queue, give_back: _GiveBack) -> None:
     if taking.taken:
         if taking.settle is not None:
             queue._handovers.discard(taking.settle)
-        _give_back_unsettled(taking, queue, give_back)
+        # the caller never returned the result, even when it had claimed it first (the
+        # interruption came between its claim and its return): back, unless a close gave
+        # it back already
+        taking.claims.append(_ABANDONED)
+        if taking.claims[0] is not _CLOSE:
+            give_back(queue, taking.taken, taking.kept)
     elif taking.task is not None:
         taking.task.cancel()  # a no-op once it ended (nothing taken, or its own error)
 
@@ -915,25 +919,25 @@ async def _settle(taking: _Taking, queue: Queue, give_back: _GiveBack) -> None:
     task = taking.task
     if task is not None and not task.done():
         await asyncio.wait([task])
-    _give_back_unsettled(taking, queue, give_back)
-
-
-def _give_back_unsettled(taking: _Taking, queue: Queue, give_back: _GiveBack) -> None:
-    if taking.taken and _settle_once(taking):
+    # once: a close cancelled meanwhile runs this again in its grace
+    if taking.taken and _CLOSE not in taking.claims and _settle_once(taking, _CLOSE):
         give_back(queue, taking.taken, taking.kept)
 
 
-def _settle_once(taking: _Taking) -> bool:
-    """True for the first of the caller taking the result in hand and a give-back, False
-    for the other. A list's pop is one step that neither a thread switch nor a signal
-    handler splits; a lock would not do: held by the main thread when a handler ran there
-    (one closing the factory), the loop thread would wait for it, and the handler for the
-    loop thread."""
-    try:
-        taking.unsettled.pop()
-    except IndexError:
-        return False
-    return True
+_CALLER, _CLOSE, _ABANDONED = "caller", "close", "abandoned"
+
+
+def _settle_once(taking: _Taking, who: str = _CALLER) -> bool:
+    """True for the first of the caller taking the result in hand and a close's give-back,
+    False for the other. A list's append is one step that neither a thread switch nor a
+    signal handler splits, and the first claim stays first; a lock would not do: held by
+    the main thread when a handler ran there (one closing the factory), the loop thread
+    would wait for it, and the handler for the loop thread. Kept, the claims also tell the
+    caller's give-back (``_abandon``) whether the caller had claimed the result before an
+    interruption kept it from returning it: a claim removed (a pop) could not."""
+    claims = taking.claims
+    claims.append(who)
+    return claims[0] is who
 
 
 def _put_back_popped(queue: Queue, messages: list[Message], kept: Mapping[str, Stored]) -> None:

@@ -103,3 +103,40 @@ def test_a_close_from_a_signal_handler_as_the_close_enters_start_task_soon_retur
         pytest.fail(f"the program hung: {exc.stdout!r} {exc.stderr!r}")
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout) == {"closed in handler": True, "closed": True}
+
+
+@pytest.mark.parametrize("taking", ["pop", "reserve"])
+def test_a_ctrl_c_just_after_the_caller_settled_its_result_loses_nothing(
+    prefix: str, taking: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A real SIGINT that lands as the blocking caller takes its result in hand
+    (``_settle_once`` won): the caller raises KeyboardInterrupt instead of returning the
+    message, and its give-back (``_abandon``) finds the result settled already, so gives
+    nothing back: the popped message was lost (a reservation held to its end)."""
+    import signal
+    import threading
+
+    from aio_keuss import sync
+
+    if threading.current_thread() is not threading.main_thread():
+        pytest.skip("a signal interrupts the main thread only")
+    real = sync._settle_once
+    armed = [True]
+
+    def settle_then_interrupted(taking_: object) -> bool:
+        won = real(taking_)  # type: ignore[arg-type]
+        if won and armed and armed.pop():
+            signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)  # type: ignore[arg-type]
+        return won
+
+    with sync.connect("redis-oq", url=REDIS_URL, prefix=prefix) as factory:
+        q = factory.queue("jobs", reserve_delay=600.0)
+        q.push({"a": 1})
+        monkeypatch.setattr(sync, "_settle_once", settle_then_interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            getattr(q, taking)(timeout=60)
+        monkeypatch.setattr(sync, "_settle_once", real)
+    # the close waited for every give-back sent before it
+    with sync.connect("redis-oq", url=REDIS_URL, prefix=prefix) as again:
+        sizes = again.queue("jobs").sizes()
+        assert (sizes.total, sizes.reserved) == (1, 0), sizes
