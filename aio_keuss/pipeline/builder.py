@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import logging
+import shlex
 from collections.abc import Mapping, Sequence
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
@@ -151,7 +152,9 @@ class Pipeline:
         this name with another topology (another process's, or an earlier release's) is
         not overwritten but refused with :class:`PipelineError`, as a queue's recorded
         options are; the same topology is taken as it is. ``replace`` stores this one
-        over it, deliberately (as ``factory.remove_pipeline`` then a start does)."""
+        over it, deliberately (as ``factory.remove_pipeline`` then a start does, or
+        ``run(replace=True)``)."""
+        replace = _checked_replace(replace)
         self.stations()  # a station's settings are stored too: what run refuses is not
         topology = self.topology()
         store = self.factory.stats_store
@@ -162,8 +165,10 @@ class Pipeline:
         if stored != orjson.loads(orjson.dumps(topology)):  # as read back from the store
             raise PipelineError(
                 f"pipeline {self.name!r} is stored with another topology ({stored}); this "
-                f"one ({topology}) is not written over it: save(replace=True) replaces it, "
-                "or remove it first (factory.remove_pipeline)"
+                f"one ({topology}) is not written over it. To replace it: save(replace=True)"
+                " or run(replace=True) in code, --replace-pipeline (AIO_KEUSS_REPLACE_PIPELINE"
+                "=true) for a worker, or remove it first with aio-keuss remove-pipeline"
+                f" {shlex.quote(self.name)} (factory.remove_pipeline) and start again"
             )
 
     def stations(
@@ -205,20 +210,28 @@ class Pipeline:
         prefetch: int = 0,
         retry_delay: float = 1.0,
         max_retry_delay: float = 60.0,
+        replace: bool = False,
     ) -> PipelineRun:
         """Start every station (``async with``, or ``await run.start()``): each with
         ``concurrency`` workers unless it says otherwise; the other arguments are those
-        of ``Queue.consume``, again per station unless it says otherwise."""
+        of ``Queue.consume``, again per station unless it says otherwise. ``replace``: the
+        start stores this topology over another one stored under the pipeline's name (as
+        ``save(replace=True)``) instead of refusing to start; for the release that changes
+        the pipeline."""
         defaults = StationSettings(concurrency, timeout, prefetch, retry_delay, max_retry_delay)
-        return PipelineRun(self, defaults)
+        return PipelineRun(self, defaults, replace=replace)
 
 
 class PipelineRun:
-    """The running stations of a pipeline; stop it like a consumer."""
+    """The running stations of a pipeline; stop it like a consumer. ``replace``: what
+    :meth:`Pipeline.run` says."""
 
-    def __init__(self, pipeline: Pipeline, defaults: StationSettings) -> None:
+    def __init__(
+        self, pipeline: Pipeline, defaults: StationSettings, *, replace: bool = False
+    ) -> None:
         self.pipeline = pipeline
         self.defaults = defaults
+        self.replace = _checked_replace(replace)
         self.consumers: list[Consumer] = []
         self._started = False
 
@@ -241,14 +254,16 @@ class PipelineRun:
 
     async def start(self) -> PipelineRun:
         """Check the pipeline, store its topology (refused when another is stored under its
-        name, see :meth:`Pipeline.save`), open its queues and start its stations."""
+        name unless the run was made with ``replace=True``, see :meth:`Pipeline.save`), open
+        its queues and start its stations."""
         if self._started:
             raise PipelineError(f"pipeline {self.pipeline.name!r} is already running")
         self._started = True
         stations = self.check()
         pipeline = self.pipeline
         factory = pipeline.factory
-        await pipeline.save()  # before any queue is opened: a refused one opens nothing
+        # before any queue is opened: a refused one opens nothing
+        await pipeline.save(replace=self.replace)
         queues: dict[str, Queue] = {}
         inputs = {link.source for link in pipeline.links}
         for name in pipeline.queues:
@@ -315,6 +330,13 @@ def check_pipeline_name(name: object, longest: int | None = MAX_PIPELINE_NAME) -
             f" not {name!r}"
         )
     return name
+
+
+def _checked_replace(replace: object) -> bool:
+    """``replace`` as given, a bool: a truthy "no" must not write over a stored topology."""
+    if not isinstance(replace, bool):
+        raise PipelineError(f"replace must be True or False, not {replace!r}")
+    return replace
 
 
 def _checked_queue_options(

@@ -189,7 +189,7 @@ async def test_a_pipeline_stored_with_another_topology_is_refused_until_replaced
     """A second process starting a pipeline of the same name with another definition wrote
     its topology over the first one's, silently: the last one to start won. Starting, or
     saving, a pipeline whose stored topology differs is refused; the same one is taken;
-    ``save(replace=True)`` replaces it deliberately."""
+    ``save(replace=True)``, or a start with ``run(replace=True)``, replaces it deliberately."""
     factory = await connect(poll_interval=5.0)
     needs(factory, "move")
     first = factory.pipeline("etl").link("raw", "clean", _forward).sink("clean", _forward_nothing)
@@ -204,9 +204,12 @@ async def test_a_pipeline_stored_with_another_topology_is_refused_until_replaced
             .sink("clean", _forward_nothing)
         )
 
-    with pytest.raises(aio_keuss.PipelineError, match="'etl' is stored with another"):
+    with pytest.raises(aio_keuss.PipelineError, match="'etl' is stored with another") as refused:
         async with changed().run():
             pass
+    # the refusal names every way out: in code, for a worker, by hand
+    for way in ("replace=True", "--replace-pipeline", "aio-keuss remove-pipeline etl"):
+        assert way in str(refused.value)
     with pytest.raises(aio_keuss.PipelineError, match="'etl' is stored with another"):
         await changed().save()
     assert (await other.pipelines())["etl"] == first.topology()
@@ -217,6 +220,21 @@ async def test_a_pipeline_stored_with_another_topology_is_refused_until_replaced
     assert (await factory.pipelines())["etl"] == changed().topology()
     async with changed().run():
         pass
+
+    def added() -> Pipeline:  # a station more: what a release changing the pipeline starts
+        return changed().sink("raw-dead", _forward_nothing)
+
+    with pytest.raises(aio_keuss.PipelineError, match="'etl' is stored with another"):
+        async with added().run():
+            pass
+    async with added().run(replace=True):  # the start replaces it, as save(replace=True)
+        pass
+    assert (await factory.pipelines())["etl"] == added().topology()
+    async with added().run(replace=True):  # the same one again: taken
+        pass
+    with pytest.raises(aio_keuss.PipelineError, match="'etl' is stored with another"):
+        async with changed().run():  # the old definition is now the one refused
+            pass
 
 
 async def _forward(message: Message) -> Forward:

@@ -181,3 +181,16 @@ async def test_a_station_name_of_none_is_no_name(factory: aio_keuss.Factory) -> 
     assert factory.pipeline("p").sink("a", _noop, name=unnamed).links[0].name == "a"
     doc = {"name": "p", "stations": [{"name": None, "from": "a", "handler": f"{__name__}:_noop"}]}
     assert from_dict(factory, doc).links[0].name == "a"
+
+
+async def test_a_replace_that_is_no_bool_is_refused_before_anything_is_stored(
+    factory: aio_keuss.Factory,
+) -> None:
+    """``replace="no"`` is truthy: taken as such, it would write over a stored topology."""
+    pipeline = factory.pipeline("p").link("a", "b", _noop).sink("b", _noop)
+    for given in ("no", 1, None):
+        with pytest.raises(PipelineError, match="replace must be True or False"):
+            pipeline.run(replace=given)  # type: ignore[arg-type]
+        with pytest.raises(PipelineError, match="replace must be True or False"):
+            await pipeline.save(replace=given)  # type: ignore[arg-type]
+    assert await factory.pipelines() == {}
