@@ -57,6 +57,12 @@ def _parser() -> argparse.ArgumentParser:
         help="run a pipeline's stations instead: module:attr (a Pipeline, a function of the "
         "factory returning one, or a topology dict) or a .toml file describing it",
     )
+    add(
+        "--replace-pipeline",
+        action=argparse.BooleanOptionalAction,
+        help="start --pipeline over another topology stored under its name, storing this one,"
+        " instead of refusing to start (for the release that changes the pipeline; default off)",
+    )
     add_connection_flags(worker)
     add("--queue", action="append", dest="queues", help="a queue to consume (repeatable)")
     add("--concurrency", help="handlers running at once, per queue (default 1)")
@@ -92,6 +98,7 @@ def _flags(args: argparse.Namespace) -> dict[str, Any]:
         "config": args.config,
         "handler": args.handler,
         "pipeline": args.pipeline,
+        "replace_pipeline": args.replace_pipeline,
         "backend": args.backend,
         "url": args.url,
         "queues": args.queues,
@@ -113,6 +120,7 @@ async def _run(settings: WorkerSettings) -> None:
         import_callable(settings.handler) if settings.handler else None,
         settings.queues,
         pipeline=pipeline or None,
+        replace_pipeline=settings.replace_pipeline,
         repeats=settings.repeats,
         backend=settings.backend,
         concurrency=settings.concurrency,

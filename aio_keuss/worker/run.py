@@ -56,6 +56,7 @@ async def run_worker(
     queues: str | Sequence[str] = (),
     *,
     pipeline: PipelineSource | None = None,
+    replace_pipeline: bool = False,
     repeats: Sequence[Repeat] = (),
     factory: Factory | None = None,
     backend: str = "memory",
@@ -76,6 +77,9 @@ async def run_worker(
     ``backend`` with ``options`` (``url=``, ``prefix=``, ...) once for the process and closes
     it at the end, so a server out of reach at start raises ``KeussConnectionError`` here; a
     stop asked for while it connects abandons the connect and returns.
+    ``replace_pipeline``: start ``pipeline`` over another topology stored under its name,
+    storing this one (``Pipeline.run(replace=True)``), instead of refusing with
+    :class:`~aio_keuss.PipelineError`: for the release that changes the pipeline.
     Each queue gets ``concurrency`` workers (see ``Queue.consume`` for ``timeout`` and
     ``prefetch``), opened with ``queue_options``; with ``pipeline``, each station gets
     them unless it says otherwise. ``grace``: seconds running handlers get to
@@ -112,6 +116,10 @@ async def run_worker(
     twice = named_twice(names)
     if twice:
         raise InvalidInputError(twice)
+    if not isinstance(replace_pipeline, bool):
+        raise InvalidInputError(f"replace_pipeline must be True or False, not {replace_pipeline!r}")
+    if replace_pipeline and pipeline is None:
+        raise InvalidInputError("replace_pipeline is for a pipeline, and none is given")
     grace = check_seconds(grace, "grace")
     if pipeline is None and handler is not None:
         # what consume() refuses, before connecting (and before a repeat pushes); a
@@ -151,7 +159,9 @@ async def run_worker(
         to_consume: list[Queue] = []
         # every consumer's settings checked before a repeat pushes anything
         if stations is not None:
-            running = stations.run(concurrency, timeout=timeout, prefetch=prefetch)
+            running = stations.run(
+                concurrency, timeout=timeout, prefetch=prefetch, replace=replace_pipeline
+            )
             running.check()
         elif handler is not None:
             for name in names:

@@ -35,6 +35,10 @@ class WorkerSettings:
     """``module:attr`` of a pipeline (or a function building one from the factory, or a
     topology dict), or the path of a ``.toml`` file describing one: run instead of
     ``handler`` and ``queues``."""
+    replace_pipeline: bool = False
+    """Start ``pipeline`` over another topology stored under its name, storing this one
+    (``Pipeline.run(replace=True)``), instead of refusing to start: for the release that
+    changes the pipeline."""
     backend: str = "memory"
     url: str | None = None
     queues: tuple[str, ...] = ()
@@ -77,6 +81,22 @@ def _seconds(value: Any, name: str) -> float:
     if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value <= 1e9:
         raise ConfigError(f"{name} must be seconds in [0, 1e9], not {value!r}")
     return float(value)
+
+
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off", "")
+
+
+def _boolean(value: Any, name: str) -> bool:
+    """A bool, or its spelling in an environment variable (``true``/``false``, ``1``/``0``,
+    ``yes``/``no``, ``on``/``off``, any case; empty: false, as unset)."""
+    if isinstance(value, str):
+        text = value.strip().lower()
+        if text in _TRUE or text in _FALSE:
+            return text in _TRUE
+    elif isinstance(value, bool):
+        return value
+    raise ConfigError(f"{name} must be a boolean (true or false, 1 or 0), not {value!r}")
 
 
 def _queues(value: Any) -> tuple[str, ...]:
@@ -253,6 +273,8 @@ def _check(raw: Mapping[str, Any]) -> dict[str, Any]:
             value = _queues(value)
         elif name == "repeats":
             value = _repeats(value)
+        elif name == "replace_pipeline":
+            value = _boolean(value, name)
         elif name == "log_level":
             if not isinstance(value, str) or value.lower() not in _LEVELS:
                 raise ConfigError(f"log_level must be one of {', '.join(_LEVELS)}, not {value!r}")
@@ -327,6 +349,11 @@ def resolve(flags: Mapping[str, Any], environ: Mapping[str, str] = os.environ) -
         options.update(checked.pop("options", {}))
         merged.update(checked)
     settings = WorkerSettings(**merged, options=options)
+    if settings.replace_pipeline and not settings.pipeline:
+        raise ConfigError(
+            "replace_pipeline is for a --pipeline (it replaces the topology stored under the"
+            " pipeline's name), and none is given"
+        )
     if settings.pipeline:
         if settings.handler or settings.queues:
             raise ConfigError("give --pipeline, or a handler and --queue, not both")

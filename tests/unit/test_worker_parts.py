@@ -16,6 +16,7 @@ from aio_keuss.consumer import check_batch_bounds, check_settings
 from aio_keuss.errors import ConfigError, InvalidInputError
 from aio_keuss.metrics import Histogram, QueueMetrics, prometheus_text
 from aio_keuss.pipeline import Forward, Pipeline
+from aio_keuss.worker import cli
 from aio_keuss.worker.health import health
 from aio_keuss.worker.settings import resolve
 
@@ -327,6 +328,90 @@ def test_settings_take_a_pipeline_instead_of_a_handler() -> None:
     assert resolve({}, {"AIO_KEUSS_PIPELINE": "etl.toml"}).pipeline == "etl.toml"
     with pytest.raises(ConfigError, match="not both"):
         resolve({"pipeline": "etl:build", "handler": "m:f", "queues": ["q"]}, {})
+
+
+def test_replace_pipeline_comes_from_a_flag_the_environment_or_the_file(tmp_path: Path) -> None:
+    """A boolean, off by default: the flag (``--no-replace-pipeline`` too) beats the
+    environment, which beats the file; a value that is no boolean, or the setting without a
+    pipeline, stops the command before it connects."""
+    assert resolve({"pipeline": "etl:build"}, {}).replace_pipeline is False
+    assert resolve({"pipeline": "etl:build", "replace_pipeline": True}, {}).replace_pipeline
+    for text, wanted in [
+        ("true", True), ("1", True), ("YES", True), (" on ", True),
+        ("false", False), ("0", False), ("No", False), ("off", False), ("", False),
+    ]:  # fmt: skip
+        env = {"AIO_KEUSS_PIPELINE": "etl.toml", "AIO_KEUSS_REPLACE_PIPELINE": text}
+        assert resolve({}, env).replace_pipeline is wanted, text
+    env = {"AIO_KEUSS_REPLACE_PIPELINE": "true"}
+    flags = {"pipeline": "etl:build", "replace_pipeline": False}
+    assert resolve(flags, env).replace_pipeline is False  # --no-replace-pipeline
+    config = tmp_path / "w.toml"
+    config.write_text('[worker]\npipeline = "etl.toml"\nreplace_pipeline = true\n')
+    assert resolve({"config": str(config)}, {}).replace_pipeline is True
+    assert not resolve(
+        {"config": str(config)}, {"AIO_KEUSS_REPLACE_PIPELINE": "0"}
+    ).replace_pipeline
+    for bad in ("maybe", "2", "truee", 1, 0.0):
+        with pytest.raises(ConfigError, match="replace_pipeline must be a boolean"):
+            resolve({"pipeline": "etl:build", "replace_pipeline": bad}, {})
+    with pytest.raises(ConfigError, match="replace_pipeline is for a --pipeline"):
+        resolve({"handler": "m:f", "queues": ["q"], "replace_pipeline": True}, {})
+    flags = {"handler": "m:f", "queues": ["q"], "replace_pipeline": False}
+    assert resolve(flags, {}).replace_pipeline is False
+
+
+def test_the_worker_command_reads_replace_pipeline(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    parse = cli._parser().parse_args
+    assert cli._flags(parse(["worker", "--pipeline", "p.toml"]))["replace_pipeline"] is None
+    given = cli._flags(parse(["worker", "--pipeline", "p.toml", "--replace-pipeline"]))
+    assert given["replace_pipeline"] is True
+    given = cli._flags(parse(["worker", "--pipeline", "p.toml", "--no-replace-pipeline"]))
+    assert given["replace_pipeline"] is False
+    monkeypatch.setenv("AIO_KEUSS_REPLACE_PIPELINE", "sometimes")
+    # exit 2, the value named, before the pipeline is imported or the backend reached
+    args = ["worker", "--pipeline", "nowhere_x:build", "--backend", "postgres"]
+    assert cli.main([*args, "--url", "postgresql://nobody@127.0.0.1:1/none"]) == 2
+    assert "replace_pipeline must be a boolean" in capsys.readouterr().err
+
+
+async def test_run_worker_replaces_a_stored_pipeline_only_when_told_to() -> None:
+    """A worker starting a changed pipeline (a station added) is refused while another
+    topology is stored under its name, and stores its own with ``replace_pipeline``."""
+
+    async def forward(message: Message) -> Forward:
+        return Forward()
+
+    async def end(message: Message) -> None:
+        return None
+
+    def old(opened: aio_keuss.Factory) -> Pipeline:
+        return opened.pipeline("etl").link("in", "out", forward).sink("out", end)
+
+    def new(opened: aio_keuss.Factory) -> Pipeline:
+        return old(opened).sink("rejected", end)
+
+    stop = asyncio.Event()
+    stop.set()  # it starts the stations, then stops at once
+    async with aio_keuss.connect("memory") as factory:
+        await aio_keuss.run_worker(pipeline=old, factory=factory, stop=stop)
+        with pytest.raises(PipelineError, match="--replace-pipeline"):
+            await aio_keuss.run_worker(pipeline=new, factory=factory, stop=stop)
+        assert (await factory.pipelines())["etl"] == old(factory).topology()
+        await aio_keuss.run_worker(pipeline=new, factory=factory, stop=stop, replace_pipeline=True)
+        assert (await factory.pipelines())["etl"] == new(factory).topology()
+        with pytest.raises(InvalidInputError, match="replace_pipeline must be True or False"):
+            await aio_keuss.run_worker(
+                pipeline=new,
+                factory=factory,
+                stop=stop,
+                replace_pipeline="no",  # type: ignore[arg-type]
+            )
+        with pytest.raises(InvalidInputError, match="replace_pipeline is for a pipeline"):
+            await aio_keuss.run_worker(
+                end, ["in"], factory=factory, stop=stop, replace_pipeline=True
+            )
 
 
 async def test_a_consumer_stopped_by_an_error_ends_the_worker_with_an_error() -> None:
