@@ -314,6 +314,112 @@ def test_a_pipeline_that_cannot_be_built_is_named(workdir: Path) -> None:
     assert "station 'check'" in worker.output and "no attribute 'gone'" in worker.output
 
 
+STEPS = textwrap.dedent(
+    """
+    from aio_keuss.pipeline import Forward
+    from jobs import note
+
+    async def check(message):
+        return Forward(to="out" if message.payload.get("ok") else "rejected")
+
+    async def forward(message):
+        return Forward()
+
+    async def store(message):
+        note("done", message)
+    """
+)
+
+OLD_ETL = """
+name = "etl"
+[[stations]]
+from = "in"
+to = "out"
+handler = "jobs_v1:forward"
+[[stations]]
+from = "out"
+handler = "jobs_v1:store"
+"""
+
+NEW_ETL = """
+name = "etl"
+[[stations]]
+from = "in"
+to = ["out", "rejected"]
+handler = "steps:check"
+[[stations]]
+from = "out"
+handler = "steps:store"
+[[stations]]
+from = "rejected"
+handler = "steps:store"
+"""
+
+
+def _until_logged(worker: Worker, text: str) -> None:
+    """Read the worker's output until ``text`` shows (the pytest timeout bounds the wait)."""
+    while text not in worker.output:
+        line = worker.process.stdout.readline() if worker.process.stdout else b""
+        if not line:
+            worker.finish()
+            pytest.fail(f"the worker exited before logging {text!r}:\n{worker.output}")
+        worker.output += line.decode(errors="replace")
+
+
+async def _stored_etl(prefix: str) -> list[tuple[str, str]]:
+    """(input queue, handler) of each station of the topology stored as 'etl'."""
+    async with aio_keuss.connect("redis-oq", url=REDIS_URL, prefix=prefix) as factory:
+        stored = (await factory.pipelines())["etl"]
+    return [(station["from"], station["handler"]) for station in stored["stations"]]
+
+
+async def test_a_changed_pipeline_starts_over_the_stored_one_only_with_replace_pipeline(
+    workdir: Path, prefix: str, workers: list[Worker]
+) -> None:
+    """A rolling deploy changing a pipeline (its handlers moved to another module, a station
+    added): the new release's worker was refused (exit 2) for as long as the old topology
+    was stored, with no way to start it but a remove-pipeline by hand. With
+    ``--replace-pipeline`` it starts and stores its own, beside an old worker still running;
+    an old worker restarted (without the flag) is refused in turn and stores nothing."""
+    (workdir / "jobs_v1.py").write_text(STEPS)
+    (workdir / "steps.py").write_text(STEPS)
+    (workdir / "old.toml").write_text(OLD_ETL)
+    (workdir / "new.toml").write_text(NEW_ETL)
+    connection = ["--backend", "redis-oq", "--url", REDIS_URL, "--option", f"prefix={prefix}"]
+    old_stations = [("in", "jobs_v1:forward"), ("out", "jobs_v1:store")]
+    new_stations = [("in", "steps:check"), ("out", "steps:store"), ("rejected", "steps:store")]
+
+    old = Worker(workdir, "--pipeline", "old.toml", *connection)
+    workers.append(old)
+    _until_logged(old, "consuming pipeline 'etl' (in, out)")
+    assert await _stored_etl(prefix) == old_stations
+
+    refused = Worker(workdir, "--pipeline", "new.toml", *connection)
+    assert refused.finish() == 2, refused.output
+    assert "'etl' is stored with another topology" in refused.output
+    for way in ("replace=True", "--replace-pipeline", "aio-keuss remove-pipeline etl"):
+        assert way in refused.output
+    assert "Traceback" not in refused.output
+    assert await _stored_etl(prefix) == old_stations  # refused: nothing written
+
+    new = Worker(workdir, "--pipeline", "new.toml", "--replace-pipeline", *connection)
+    workers.append(new)
+    _until_logged(new, "consuming pipeline 'etl' (in, out, rejected)")
+    assert await _stored_etl(prefix) == new_stations
+    async with aio_keuss.connect("redis-oq", url=REDIS_URL, prefix=prefix) as factory:
+        await (await factory.queue("rejected")).push({"n": 1})  # only the new station's input
+    new.wait_for("done", 1)  # the added station runs
+
+    again = Worker(workdir, "--pipeline", "old.toml", *connection)  # an old one restarted
+    assert again.finish() == 2, again.output
+    assert "'etl' is stored with another topology" in again.output
+    assert await _stored_etl(prefix) == new_stations
+
+    for running in (old, new):
+        running.signal(signal.SIGTERM)
+        assert running.finish() == 0, running.output
+
+
 def test_a_dotted_handler_and_settings_from_the_environment_and_a_file(
     workdir: Path, workers: list[Worker]
 ) -> None:
