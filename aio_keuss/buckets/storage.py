@@ -111,12 +111,17 @@ class BucketStorage(ABC):
         want: int,
         max_buckets: int,
         ids: Sequence[str] | None = None,
+        exclude: Collection[str] = (),
     ) -> Lease:
         """Atomically take buckets: set owner = token, score = deadline.
 
         Without ``ids``: buckets with ``score <= now`` in (score, id) order, stopping once
         their ``remaining`` adds up to ``want`` or ``max_buckets`` were taken. With ``ids``:
         those of them that are free (whatever their score) or whose lease expired.
+
+        ``exclude`` (without ``ids``): buckets never taken, nor counted in ``next_score``:
+        those the asking store still has in memory (see ``BucketStore._lease``), whose
+        stored state is older than its own and whose next time it knows itself.
         """
 
     @abstractmethod

@@ -244,7 +244,16 @@ class BucketStore(PushSide, StateWriter, Store):
     # lease ---------------------------------------------------------------------------
 
     async def _lease(self, want: int, ids: Sequence[str] | None = None) -> list[HeldBucket]:
-        """Take more buckets into memory; concurrent callers share one lease in flight."""
+        """Take more buckets into memory; concurrent callers share one lease in flight.
+
+        Never a bucket this store still has in memory (``_unleasable``): its stored state is
+        older than the one here, and a write of it may be in flight on another connection.
+        Taken again, with this store's token, a final write (release) landing after the
+        lease freed it under the copy the lease read, while its reply, read first, took the
+        bucket out of memory: that stale copy was then served (an ok-ed message delivered
+        again) and the free bucket served elsewhere too. Such a bucket is renewed, released
+        or found lost by the state flusher, as any held one; one whose lease lapsed is
+        renewed first, here (``_renew_lapsed``), as the lease once took it again."""
         if ids is None and self._leasing is not None:
             await self._leasing
             return []
@@ -253,38 +262,36 @@ class BucketStore(PushSide, StateWriter, Store):
             self._leasing = future
         self._leases.add(future)
         try:
+            await self._renew_lapsed()
             now = time.time()
+            unleasable = self._unleasable(now)
+            if ids is not None:
+                ids = [i for i in ids if i not in unleasable]
+                if not ids:
+                    return []
             lease = await self._storage.lease(
-                self.name, self._token, now, now + self._grace, want, LEASE_MAX_BUCKETS, ids
+                self.name,
+                self._token,
+                now,
+                now + self._grace,
+                want,
+                LEASE_MAX_BUCKETS,
+                ids,
+                () if ids is not None else unleasable,
             )
             if ids is None:
                 self._storage_next = lease.next_score
             taken = []
             for row in lease.buckets:
-                if row.id in self._leaving:
-                    # Given back by a final write (release, delete) still in flight, slower
-                    # than the lease: taken again from the state storage holds until it
-                    # lands, its messages were served as they were before (a ko's delay
-                    # undone), and the write then freed the bucket under that copy. The
-                    # write is conditioned on this store's token, which this lease set
-                    # again: it lands (or, failing, is retried), and gives the bucket back.
-                    continue
-                mine = self._held_buckets.get(row.id)
                 departing = self._departing.pop(row.id, None)
-                if row.previous_owner == self._token and (mine or departing) is not None:
-                    # our own lease had lapsed, and nobody took it meanwhile: ours still
-                    if mine is not None:
-                        mine.lease_until = now + self._grace
-                    if departing is not None:  # its final write is retried
-                        self._departing[row.id] = departing
-                    continue
                 stale_write = None
-                for stale in (mine, departing[0] if departing else None):
+                for stale in (self._held_buckets.get(row.id), departing and departing[0]):
                     if stale is not None:
-                        # Another consumer held the bucket since our lease lapsed: our copy
-                        # is stale (writing it would undo that consumer's work). A write of
-                        # it still in flight may land after this lease (the owner is us
-                        # again): the fresh state is written after it.
+                        # Left out of the lease while its lease was this store's: here,
+                        # another consumer held the bucket since (a clock ahead of ours),
+                        # and our copy is stale (writing it would undo that consumer's
+                        # work). A write of it still in flight may land after this lease
+                        # (the owner is us again): the fresh state is written after it.
                         stale.lost = True
                         self._forget(stale)
                         stale_write = stale.writing or stale_write
@@ -315,6 +322,27 @@ class BucketStore(PushSide, StateWriter, Store):
                 self._leasing = None
             self._leases.discard(future)
             future.set_result(None)
+
+    async def _renew_lapsed(self) -> None:
+        """Renew the held buckets whose lease lapsed (the server was away, the flusher
+        stalled), before a lease that leaves them out: each is then served from again, or
+        found lost (another consumer took it over meanwhile) and forgotten, so that this
+        lease takes it from storage. Left to the next state flush, a lease meanwhile found
+        neither its slots nor the bucket (the old lease took it again, in one round
+        trip)."""
+        now = time.time()
+        lapsed = [b for b in self._held_buckets.values() if b.lease_until <= now]
+        if lapsed:
+            await self._sync(lapsed, renew_before=now + self._grace / 2)
+
+    def _unleasable(self, now: float) -> set[str]:
+        """The buckets a lease of this store must leave alone: every one leaving memory
+        (final write in flight or to retry) and every held one a lease could take (its
+        lease lapsed; storage may hold a later deadline, never an earlier one)."""
+        found = set(self._leaving)
+        found.update(self._departing)
+        found.update(i for i, b in self._held_buckets.items() if b.lease_until <= now)
+        return found
 
     # pop / reserve -------------------------------------------------------------------
 

@@ -123,6 +123,7 @@ class MongoBucketStorage(BucketStorage):
         want: int,
         max_buckets: int,
         ids: Sequence[str] | None = None,
+        exclude: Collection[str] = (),
     ) -> Lease:
         take = {"$set": {"owner": token, "score": deadline}}
         if ids is not None:
@@ -141,7 +142,9 @@ class MongoBucketStorage(BucketStorage):
                 )
             )
             return Lease([_leased(d) for d in found if d is not None], None)
-        due = {"queue": queue, "score": {"$lte": now}}
+        due: Document = {"queue": queue, "score": {"$lte": now}}
+        if exclude:
+            due["_id"] = {"$nin": list(exclude)}
         taken: list[LeasedBucket] = []
         total = 0
         while len(taken) < max_buckets and (total < want or not taken):
@@ -162,8 +165,8 @@ class MongoBucketStorage(BucketStorage):
             # ``now`` ("look again") spares a round trip on every covered lease.
             return Lease(taken, now)
         rest: Document = {"queue": queue}
-        if taken:
-            rest["_id"] = {"$nin": [b.id for b in taken]}
+        if taken or exclude:
+            rest["_id"] = {"$nin": [*(b.id for b in taken), *exclude]}
         low = await self._coll.find_one(rest, {"score": 1}, sort=BY_SCORE)
         return Lease(taken, None if low is None else float(low["score"]))
 

@@ -50,6 +50,7 @@ class PostgresBucketStorage(BucketStorage):
         want: int,
         max_buckets: int,
         ids: Sequence[str] | None = None,
+        exclude: Collection[str] = (),
     ) -> Lease:
         if ids is not None:
             rows = await self._db.fetch(
@@ -57,7 +58,14 @@ class PostgresBucketStorage(BucketStorage):
             )
             return Lease([LeasedBucket(r[0], r[1], r[2], r[3]) for r in rows], None)
         rows = await self._db.fetch(
-            self._sql["buckets_lease"], queue, token, now, deadline, want, max_buckets
+            self._sql["buckets_lease"],
+            queue,
+            token,
+            now,
+            deadline,
+            want,
+            max_buckets,
+            list(exclude),
         )
         buckets = [LeasedBucket(r[0], r[1], r[2], r[3]) for r in rows if r[0] is not None]
         return Lease(buckets, rows[0][4] if rows else None)

@@ -37,7 +37,8 @@ end
 return #ARGV / 5
 """)
 
-# ARGV: token, now, deadline, want, max_buckets, n_ids, ids...
+# ARGV: token, now, deadline, want, max_buckets, n_ids, ids..., excluded ids... (never
+# taken, nor the lowest score left: those the leasing store still has in memory).
 # Returns {{id, blob, state, previous owner}, ...}, lowest score left (or nil).
 _LEASE = Script("""
 -- first, a write that cannot grow memory (no bucket id is ''): at maxmemory (noeviction)
@@ -45,6 +46,8 @@ _LEASE = Script("""
 redis.call('HDEL', KEYS[4], '')
 local token, now, deadline = ARGV[1], tonumber(ARGV[2]), ARGV[3]
 local want, max_buckets, n_ids = tonumber(ARGV[4]), tonumber(ARGV[5]), tonumber(ARGV[6])
+local skip, n_skip = {}, 0
+for i = 7 + n_ids, #ARGV do skip[ARGV[i]] = true; n_skip = n_skip + 1 end
 local picked = {}
 if n_ids > 0 then
   for i = 1, n_ids do
@@ -59,12 +62,14 @@ if n_ids > 0 then
   end
 else
   local candidates = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', ARGV[2],
-                                'LIMIT', 0, max_buckets)
+                                'LIMIT', 0, max_buckets + n_skip)
   local total = 0
   for _, id in ipairs(candidates) do
-    if total >= want and #picked > 0 then break end
-    picked[#picked + 1] = id
-    total = total + tonumber(redis.call('HGET', KEYS[5], id) or '0')
+    if #picked >= max_buckets or (total >= want and #picked > 0) then break end
+    if not skip[id] then
+      picked[#picked + 1] = id
+      total = total + tonumber(redis.call('HGET', KEYS[5], id) or '0')
+    end
   end
 end
 local out = {}
@@ -74,8 +79,11 @@ for _, id in ipairs(picked) do
   redis.call('ZADD', KEYS[1], deadline, id)
   out[#out + 1] = {id, redis.call('HGET', KEYS[2], id), redis.call('HGET', KEYS[3], id), owner}
 end
-local first = redis.call('ZRANGE', KEYS[1], 0, 0, 'WITHSCORES')
-return {out, first[2] or false}
+local first = redis.call('ZRANGE', KEYS[1], 0, n_skip, 'WITHSCORES')
+for i = 1, #first, 2 do
+  if not skip[first[i]] then return {out, first[i + 1]} end
+end
+return {out, false}
 """)
 
 # ARGV: token, then (id, mode, score, remaining, state or '') per write. Mode k / r / d.
@@ -167,9 +175,11 @@ class RedisBucketStorage(BucketStorage):
         want: int,
         max_buckets: int,
         ids: Sequence[str] | None = None,
+        exclude: Collection[str] = (),
     ) -> Lease:
         given = list(ids or ())
         args = [token, repr(now), repr(deadline), want, max_buckets, len(given), *given]
+        args += exclude
         rows, low = await self._backend.run_script(_LEASE, self._keys(queue), args)
         buckets = [LeasedBucket(_text(r[0]), r[1], r[2], _text(r[3])) for r in rows]
         return Lease(buckets, _float(low))

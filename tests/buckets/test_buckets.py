@@ -1186,3 +1186,72 @@ async def test_a_remove_cancelled_while_it_leases_strands_no_bucket(
         store._storage.lease = real_lease
         got = await other_q.reserve_many(10, timeout=20)
         assert sorted(m.payload for m in got) == ["a", "b"]
+
+
+async def test_a_lease_landing_before_our_own_release_does_not_serve_the_old_state(
+    bucket_case: tuple[BackendCase, dict[str, Any]],
+) -> None:
+    """The state flusher gives back a bucket whose lease lapsed (one message ok-ed, the
+    other ko-ed with a delay) while a lease of this same store is on its way on another
+    connection. The lease lands first and takes the bucket (its lease lapsed, the holder
+    being this store) from the state storage still holds, both messages reserved; the
+    release lands next and, conditioned on this store's token which the lease wrote
+    again, frees the bucket. Its reply arrives first, so the lease's reply finds nothing
+    of the bucket in memory: the copy it took was served, the ok-ed message delivered
+    again (and, the bucket being free in storage, anyone could serve it a third time).
+    The server order and the reply order are set by gates: the release waits for the
+    lease to land, the lease's reply for the release's to be read."""
+    case, options = bucket_case
+    async with aio_keuss.connect(case.name, **options) as factory:
+        q = await factory.queue("lease-before-release", reserve_delay=1.0)
+        await q.push_many(["a", "b"])  # one bucket
+        got = await q.reserve_many(2, timeout=5)
+        assert sorted(m.payload for m in got) == ["a", "b"]
+        store = q._store  # type: ignore[attr-defined]
+        await store.flush()  # stored: both reserved
+        storage = store._storage
+        real_write, real_lease = storage.write, storage.lease
+        releasing, landed, replied = asyncio.Event(), asyncio.Event(), asyncio.Event()
+
+        async def gated_write(queue: str, token: str, writes: Any) -> Any:
+            if not any(w.mode == "r" for w in writes):
+                return await real_write(queue, token, writes)
+            releasing.set()
+            await landed.wait()
+            try:
+                return await real_write(queue, token, writes)
+            finally:
+                asyncio.get_running_loop().call_soon(replied.set)
+
+        async def gated_lease(*args: Any, **kwargs: Any) -> Any:
+            lease = await real_lease(*args, **kwargs)
+            landed.set()
+            if releasing.is_set():
+                await asyncio.wait_for(replied.wait(), 10)
+            return lease
+
+        store._storage.write = gated_write
+        store._storage.lease = gated_lease
+        try:
+            a = next(m for m in got if m.payload == "a")
+            b = next(m for m in got if m.payload == "b")
+            assert await q.ok(a) is True
+            assert await q.ko(b, delay=30) == KoResult.ROLLED_BACK
+            await asyncio.wait_for(releasing.wait(), 10)  # the give-back, held
+            (leaving,) = store._leaving.values()
+            for _ in range(3000):  # its lease lapses (watched, not timed)
+                if leaving.lease_until < time.time():
+                    break
+                await asyncio.sleep(0.01)
+            again = await q.reserve(timeout=0)
+            assert again is None, f"{again.payload!r} served again"
+        finally:
+            landed.set()
+            store._storage.write = real_write
+            store._storage.lease = real_lease
+        for _ in range(1000):
+            if not store._leaving:
+                break
+            await asyncio.sleep(0.01)
+        sizes = await q.sizes()
+        assert (sizes.total, sizes.scheduled, sizes.reserved) == (1, 1, 0)

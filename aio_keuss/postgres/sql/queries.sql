@@ -196,7 +196,7 @@ WITH pick AS MATERIALIZED (
 ), next AS (
     SELECT CASE WHEN (SELECT count(*) FROM pick) < $2 THEN least(
         (SELECT mature FROM {s}.messages
-         WHERE queue = $1 AND id NOT IN (SELECT id FROM pick)
+         WHERE queue = $1 AND id NOT IN (SELECT id FROM pick) AND id <> ALL($7::text[])
          ORDER BY mature, seq LIMIT 1),
         CASE WHEN EXISTS (SELECT 1 FROM pick)
              THEN extract(epoch from now())::float8 + $3::float8 END
@@ -504,14 +504,16 @@ FROM unnest($2::text[], $3::float8[], $4::int4[], $5::bytea[], $6::bytea[])
      AS b(id, score, count, blob, state)
 
 -- name: buckets_lease
--- $2 token, $3 now, $4 deadline, $5 want, $6 max buckets. Candidates are locked (skipping
+-- $2 token, $3 now, $4 deadline, $5 want, $6 max buckets, $7 ids left out (those the
+-- leasing store still has in memory: never taken, nor counted in the lowest score left).
+-- Candidates are locked (skipping
 -- ones another lease holds), then the oldest are kept until their remaining messages cover
 -- want. Locking CTEs are MATERIALIZED so they are evaluated exactly once whatever plan is
 -- chosen: a lease updates exactly the buckets it returns. One row per leased bucket plus
 -- the lowest score left; a single row with a NULL id when nothing was leased.
 WITH candidate AS MATERIALIZED (
     SELECT id, score, owner, remaining FROM {s}.buckets
-    WHERE queue = $1 AND score <= $3
+    WHERE queue = $1 AND score <= $3 AND id <> ALL($7::text[])
     ORDER BY score, id
     LIMIT $6
     FOR UPDATE SKIP LOCKED
@@ -530,7 +532,7 @@ WITH candidate AS MATERIALIZED (
     RETURNING b.id, b.blob, b.state, pick.owner AS previous, pick.score AS old_score
 ), rest AS (
     SELECT min(score) AS low FROM {s}.buckets
-    WHERE queue = $1 AND id NOT IN (SELECT id FROM pick)
+    WHERE queue = $1 AND id NOT IN (SELECT id FROM pick) AND id <> ALL($7::text[])
 )
 SELECT l.id, l.blob, l.state, l.previous, r.low
 FROM rest r LEFT JOIN leased l ON true
