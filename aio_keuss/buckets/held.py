@@ -31,6 +31,7 @@ class HeldBucket:
         "live",
         "lost",
         "mature",
+        "owner",
         "payload_at",
         "persisted",
         "remaining",
@@ -42,8 +43,9 @@ class HeldBucket:
         "writing",
     )
 
-    def __init__(self, row: LeasedBucket, seq: int, now: float) -> None:
+    def __init__(self, row: LeasedBucket, owner: str, seq: int, now: float) -> None:
         self.id = row.id
+        self.owner = owner  # the token of the lease that took it: its writes' condition
         self.seq = seq
         self.blob = row.blob
         self.count, self.payload_at, self.headers_at = decode_blob(row.blob)

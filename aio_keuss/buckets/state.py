@@ -3,9 +3,10 @@
 Every ``min(state_flush_period, reject_timeout_grace / 3)`` it writes the state of every
 leased bucket that changed and renews every lease that needs it; deletes buckets with nothing
 left; releases buckets with nothing deliverable and nothing reserved (or unused for
-``IDLE_RELEASE`` seconds). Writes are conditional on the lease token, so a holder whose
-lease was taken over never overwrites the new holder's state; a final write (delete,
-release) that failed is tried again by the next flush.
+``IDLE_RELEASE`` seconds). Writes are conditional on the token of the lease the bucket was
+taken under, so a holder whose lease was taken over never overwrites the new holder's
+state, nor does a write of an earlier lease of this store that reaches the server late;
+a final write (delete, release) that failed is tried again by the next flush.
 """
 
 from __future__ import annotations
@@ -33,7 +34,6 @@ class StateWriter:
 
     name: str
     _storage: BucketStorage
-    _token: str
     _grace: float
     _period: float
     _closed: bool
@@ -92,7 +92,7 @@ class StateWriter:
             versions.append(bucket.version)
             mode = DELETE if bucket.remaining == 0 else final.get(bucket.id, KEEP)
             if mode == DELETE:
-                writes.append(StateWrite(bucket.id, DELETE, now, 0, None))
+                writes.append(StateWrite(bucket.id, DELETE, now, 0, None, bucket.owner))
             elif mode == RELEASE:
                 score = bucket.next_available()
                 writes.append(
@@ -102,6 +102,7 @@ class StateWriter:
                         now if score is None else score,
                         bucket.remaining,
                         bucket.snapshot(),
+                        bucket.owner,
                     )
                 )
             else:
@@ -113,10 +114,11 @@ class StateWriter:
                         now + self._grace,
                         bucket.remaining,
                         bucket.snapshot() if dirty else None,
+                        bucket.owner,
                     )
                 )
         try:
-            flags = await self._storage.write(self.name, self._token, writes)
+            flags = await self._storage.write(self.name, writes)
         finally:
             for bucket in buckets:
                 bucket.writing = None

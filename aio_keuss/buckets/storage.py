@@ -4,6 +4,19 @@ A database stores whole buckets and offers five atomic operations over them: pre
 what it needs), insert new buckets, lease free ones (taking over a dead holder's), write the
 state of leased ones (guarded by the lease token) and count them. Everything else, pushing,
 serving from leased buckets and writing their state back, is the engine's, written once.
+
+The owner a lease writes is a token of that lease alone (the store's token and a lease
+number), not of the store: a write is applied only while the bucket's owner is still the
+token of the lease it was made under. A write whose reply never came may still reach the
+server after its store gave the bucket back and leased it again; under one token per store
+it then landed on the new lease (a release freed the bucket under it, its reservations
+served elsewhere too); under one per lease it is refused, as a fencing token refuses a
+stale lock holder (M. Kleppmann, "How to do distributed locking", 2016,
+https://martin.kleppmann.com/2016/02/08/how-to-do-distributed-locking.html). The stored
+owner is the same string field as before, so existing data needs no migration: a bucket
+stored by an earlier release holds ``""`` (free) or that release's store token, which no
+write of this one carries (a write's owner is never ``""``), so nothing stale matches it,
+and such a bucket is leased (taken over once its lease lapses) as any other.
 """
 
 from __future__ import annotations
@@ -48,7 +61,8 @@ KEEP, RELEASE, DELETE = "k", "r", "d"
 
 @dataclass(slots=True)
 class StateWrite:
-    """Write back a leased bucket, only if ``owner`` is still the writer's token.
+    """Write back a leased bucket, only if its stored owner is still ``owner``: the token
+    of the lease it was taken under (never ``""``).
 
     ``mode``: KEEP (stay leased, score = lease deadline), RELEASE (owner = "", score = when
     it is next worth leasing) or DELETE (nothing left). ``state`` None keeps the stored state
@@ -60,6 +74,7 @@ class StateWrite:
     score: float
     remaining: int
     state: bytes | None
+    owner: str
 
 
 @dataclass(slots=True)
@@ -113,7 +128,7 @@ class BucketStorage(ABC):
         ids: Sequence[str] | None = None,
         exclude: Collection[str] = (),
     ) -> Lease:
-        """Atomically take buckets: set owner = token, score = deadline.
+        """Atomically take buckets: set owner = token (this lease's), score = deadline.
 
         Without ``ids``: buckets with ``score <= now`` in (score, id) order, stopping once
         their ``remaining`` adds up to ``want`` or ``max_buckets`` were taken. With ``ids``:
@@ -125,9 +140,10 @@ class BucketStorage(ABC):
         """
 
     @abstractmethod
-    async def write(self, queue: str, token: str, writes: Sequence[StateWrite]) -> list[bool]:
-        """Apply each write whose bucket is still owned by ``token``; one flag per write,
-        false when the lease was lost (taken over, or the bucket is gone)."""
+    async def write(self, queue: str, writes: Sequence[StateWrite]) -> list[bool]:
+        """Apply each write whose bucket is still owned by its ``owner``; one flag per
+        write, false when that lease is over (taken over, given back, or the bucket is
+        gone)."""
 
     @abstractmethod
     async def census(self, queue: str, exclude: Collection[str], now: float) -> Census:

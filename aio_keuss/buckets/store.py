@@ -52,10 +52,11 @@ every further call (``ClosedError``), then writes what is buffered and gives eve
 bucket back.
 
 Pop / reserve: serve from buckets leased into memory. Leasing atomically takes free buckets
-(and buckets whose lease expired) with ``score <= now``, sets ``owner`` to this store's token
-and ``score`` to ``now + reject_timeout_grace``. A bucket leased while it still had an owner
-means its previous holder died (or stalled past its lease): its handed-out slots become
-available again with one more try. A holder serves nothing from a bucket whose lease lapsed
+(and buckets whose lease expired) with ``score <= now``, sets ``owner`` to a token of that
+lease alone (this store's token and a lease number; see ``storage.py``) and ``score`` to
+``now + reject_timeout_grace``. A bucket leased while it still had an owner means its
+previous holder died (or stalled past its lease): its handed-out slots become available
+again with one more try. A holder serves nothing from a bucket whose lease lapsed
 (it could not renew it in time), since another consumer may be serving it by now; an ok on
 such a bucket writes the state before it answers. Each slot keeps its own mature time and
 is never served before it. Pop is at-most-once even across a crash: the state of the touched
@@ -74,7 +75,7 @@ of every leased bucket that changed and renews every lease (score = now + grace)
 it, changed or not; deletes buckets with nothing left; releases buckets with nothing
 deliverable and nothing reserved (and, after ``IDLE_RELEASE`` seconds unused, buckets nobody
 here serves from) with score = earliest mature time of their available slots; a delete or
-release that failed is tried again. Writes are conditional on the lease token, so a holder
+release that failed is tried again. Writes are conditional on the lease's token, so a holder
 whose lease was taken over never overwrites the new holder's state, and writes of one bucket
 are serialized (a later snapshot always contains the earlier changes).
 
@@ -192,7 +193,8 @@ class BucketStore(PushSide, StateWriter, Store):
         self._period = min(settings.state_flush_period, self._grace / 3)
         factor = settings.reject_delta_factor
         self._delta_factor = (options.reserve_delay or 30.0) if factor is None else factor
-        self._token = os.urandom(8).hex()
+        self._token = os.urandom(8).hex()  # a lease's is this and its number (``_lease``)
+        self._lease_number = 0
         self._closed = False
         self._shut = False  # a close ran to its end (see ``close``)
         # push side
@@ -248,12 +250,14 @@ class BucketStore(PushSide, StateWriter, Store):
 
         Never a bucket this store still has in memory (``_unleasable``): its stored state is
         older than the one here, and a write of it may be in flight on another connection.
-        Taken again, with this store's token, a final write (release) landing after the
-        lease freed it under the copy the lease read, while its reply, read first, took the
-        bucket out of memory: that stale copy was then served (an ok-ed message delivered
-        again) and the free bucket served elsewhere too. Such a bucket is renewed, released
-        or found lost by the state flusher, as any held one; one whose lease lapsed is
-        renewed first, here (``_renew_lapsed``), as the lease once took it again."""
+        Taken again, the lease read that older state, and its copy was served once the
+        reply of a final write (release) landing after the lease had taken the bucket out of
+        memory: an ok-ed message was delivered again (and, the write conditioned on one
+        token per store then, the bucket freed under that copy was served elsewhere too;
+        with one token per lease the write is refused, its oks undone all the same). Such a
+        bucket is renewed, released or found lost by the state flusher, as any held one; one
+        whose lease lapsed is renewed first, here (``_renew_lapsed``), as the lease once
+        took it again."""
         if ids is None and self._leasing is not None:
             await self._leasing
             return []
@@ -264,6 +268,10 @@ class BucketStore(PushSide, StateWriter, Store):
         try:
             await self._renew_lapsed()
             now = time.time()
+            # One token per lease (see ``storage.py``): a write of an earlier lease of this
+            # store landing late is refused, not applied to this one.
+            self._lease_number += 1
+            token = f"{self._token}.{self._lease_number}"
             unleasable = self._unleasable(now)
             if ids is not None:
                 ids = [i for i in ids if i not in unleasable]
@@ -271,7 +279,7 @@ class BucketStore(PushSide, StateWriter, Store):
                     return []
             lease = await self._storage.lease(
                 self.name,
-                self._token,
+                token,
                 now,
                 now + self._grace,
                 want,
@@ -290,13 +298,13 @@ class BucketStore(PushSide, StateWriter, Store):
                         # Left out of the lease while its lease was this store's: here,
                         # another consumer held the bucket since (a clock ahead of ours),
                         # and our copy is stale (writing it would undo that consumer's
-                        # work). A write of it still in flight may land after this lease
-                        # (the owner is us again): the fresh state is written after it.
+                        # work). A write of it still in flight is refused (its lease's token
+                        # is not this one's); the fresh state is written after it.
                         stale.lost = True
                         self._forget(stale)
                         stale_write = stale.writing or stale_write
                 self._seq += 1
-                bucket = HeldBucket(row, self._seq, now)
+                bucket = HeldBucket(row, token, self._seq, now)
                 bucket.lease_until = now + self._grace
                 if stale_write is not None:
                     bucket.version = bucket.persisted + 1

@@ -23,7 +23,8 @@ Every operation is atomic per bucket, not across buckets (no multi-document tran
   for the lowest score left; when they do, ``next_score`` is ``now`` ("look again"), as
   only a fetch that came up short reads it, and such a fetch leases again. By id (a
   remove): one ``find_one_and_update`` per bucket.
-- write: every update in ONE ``bulk_write``, conditioned on ``owner == token`` and stamping
+- write: every update in ONE ``bulk_write``, each conditioned on ``owner`` being the token
+  of the lease it was made under, and stamping
   a per-call nonce; a bulk result only counts matches, so when fewer matched than were sent
   the nonce says which did (a release taken over and written by its next holder before
   that read is reported lost: the bucket left either way, only a warning is logged). A
@@ -171,13 +172,13 @@ class MongoBucketStorage(BucketStorage):
         return Lease(taken, None if low is None else float(low["score"]))
 
     @translated
-    async def write(self, queue: str, token: str, writes: Sequence[StateWrite]) -> list[bool]:
+    async def write(self, queue: str, writes: Sequence[StateWrite]) -> list[bool]:
         nonce = os.urandom(8).hex()
         updates: list[int] = []
         requests: list[UpdateOne] = []
         deletes: list[int] = []
         for k, w in enumerate(writes):
-            mine = {"_id": w.id, "queue": queue, "owner": token}
+            mine = {"_id": w.id, "queue": queue, "owner": w.owner}
             if w.mode == DELETE:
                 deletes.append(k)
                 continue
@@ -192,7 +193,9 @@ class MongoBucketStorage(BucketStorage):
         deleted, matched = await asyncio.gather(
             asyncio.gather(
                 *(
-                    self._coll.delete_one({"_id": writes[k].id, "queue": queue, "owner": token})
+                    self._coll.delete_one(
+                        {"_id": writes[k].id, "queue": queue, "owner": writes[k].owner}
+                    )
                     for k in deletes
                 )
             ),

@@ -70,11 +70,11 @@ class PostgresBucketStorage(BucketStorage):
         buckets = [LeasedBucket(r[0], r[1], r[2], r[3]) for r in rows if r[0] is not None]
         return Lease(buckets, rows[0][4] if rows else None)
 
-    async def write(self, queue: str, token: str, writes: Sequence[StateWrite]) -> list[bool]:
+    async def write(self, queue: str, writes: Sequence[StateWrite]) -> list[bool]:
         rows = await self._db.fetch(
             self._sql["buckets_write"],
             queue,
-            token,
+            [w.owner for w in writes],
             [w.id for w in writes],
             [w.mode for w in writes],
             [w.score for w in writes],

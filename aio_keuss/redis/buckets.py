@@ -86,14 +86,14 @@ end
 return {out, false}
 """)
 
-# ARGV: token, then (id, mode, score, remaining, state or '') per write. Mode k / r / d.
+# ARGV: (id, mode, score, remaining, state or '', owner) per write. Mode k / r / d. Each
+# applies only while the bucket's owner is still the token of the lease it was made under.
 _WRITE = Script("""
 redis.call('HDEL', KEYS[4], '')  -- first, a write that cannot grow memory (see _LEASE)
-local token = ARGV[1]
 local result = {}
-for i = 2, #ARGV, 5 do
+for i = 1, #ARGV, 6 do
   local id, mode = ARGV[i], ARGV[i + 1]
-  if redis.call('HGET', KEYS[4], id) ~= token then
+  if redis.call('HGET', KEYS[4], id) ~= ARGV[i + 5] then
     result[#result + 1] = 0
   else
     if mode == 'd' then
@@ -184,10 +184,10 @@ class RedisBucketStorage(BucketStorage):
         buckets = [LeasedBucket(_text(r[0]), r[1], r[2], _text(r[3])) for r in rows]
         return Lease(buckets, _float(low))
 
-    async def write(self, queue: str, token: str, writes: Sequence[StateWrite]) -> list[bool]:
-        args: list[Any] = [token]
+    async def write(self, queue: str, writes: Sequence[StateWrite]) -> list[bool]:
+        args: list[Any] = []
         for w in writes:
-            args += [w.id, w.mode, repr(w.score), w.remaining, w.state or b""]
+            args += [w.id, w.mode, repr(w.score), w.remaining, w.state or b"", w.owner]
         flags = await self._backend.run_script(_WRITE, self._keys(queue), args)
         return [bool(f) for f in flags]
 

@@ -1122,11 +1122,11 @@ async def test_a_bucket_whose_final_write_is_in_flight_is_not_leased_again_from_
         real_write = store._storage.write
         reached, gate = asyncio.Event(), asyncio.Event()
 
-        async def gated_write(queue: str, token: str, writes: Any) -> Any:
+        async def gated_write(queue: str, writes: Any) -> Any:
             if any(w.mode == "r" for w in writes):
                 reached.set()
                 await gate.wait()
-            return await real_write(queue, token, writes)
+            return await real_write(queue, writes)
 
         store._storage.write = gated_write
         try:
@@ -1213,13 +1213,13 @@ async def test_a_lease_landing_before_our_own_release_does_not_serve_the_old_sta
         real_write, real_lease = storage.write, storage.lease
         releasing, landed, replied = asyncio.Event(), asyncio.Event(), asyncio.Event()
 
-        async def gated_write(queue: str, token: str, writes: Any) -> Any:
+        async def gated_write(queue: str, writes: Any) -> Any:
             if not any(w.mode == "r" for w in writes):
-                return await real_write(queue, token, writes)
+                return await real_write(queue, writes)
             releasing.set()
             await landed.wait()
             try:
-                return await real_write(queue, token, writes)
+                return await real_write(queue, writes)
             finally:
                 asyncio.get_running_loop().call_soon(replied.set)
 
@@ -1255,3 +1255,62 @@ async def test_a_lease_landing_before_our_own_release_does_not_serve_the_old_sta
             await asyncio.sleep(0.01)
         sizes = await q.sizes()
         assert (sizes.total, sizes.scheduled, sizes.reserved) == (1, 1, 0)
+
+
+async def test_a_release_landing_after_the_store_leased_the_bucket_again_is_refused(
+    bucket_case: tuple[BackendCase, dict[str, Any]],
+) -> None:
+    """A release whose reply never came (the connection dropped, a client timeout) may
+    still reach the server later. The store retried it (it landed, the bucket went back),
+    then leased the bucket again and reserved its message; the first release then landed,
+    and, conditioned on the owner being this store, freed the bucket under the new lease:
+    the reserved message was free again, served elsewhere at once (delivered twice). The
+    first release is held (as a request still on its way) until the new lease took the
+    message."""
+    case, options = bucket_case
+    async with (
+        aio_keuss.connect(case.name, **options) as factory,
+        aio_keuss.connect(case.name, **options) as elsewhere,
+    ):
+        q = await factory.queue("late-release", reserve_delay=1.0)
+        other = await elsewhere.queue("late-release", reserve_delay=1.0)
+        await q.push_many(["a", "b"])  # one bucket
+        got = await q.reserve_many(2, timeout=5)
+        assert sorted(m.payload for m in got) == ["a", "b"]
+        store = q._store  # type: ignore[attr-defined]
+        await store.flush()  # stored: both reserved
+        real_write = store._storage.write
+        gate = asyncio.Event()
+        late: list[asyncio.Task[Any]] = []
+
+        async def on_its_way(*args: Any) -> Any:
+            await gate.wait()
+            return await real_write(*args)
+
+        async def lost_reply(*args: Any) -> Any:
+            if not late and any(w.mode == "r" for w in args[-1]):
+                late.append(asyncio.create_task(on_its_way(*args)))
+                raise KeussConnectionError("the reply was lost")
+            return await real_write(*args)
+
+        store._storage.write = lost_reply
+        try:
+            assert await q.ok(next(m for m in got if m.payload == "a")) is True
+            b = next(m for m in got if m.payload == "b")
+            assert await q.ko(b, delay=0.2) == KoResult.ROLLED_BACK
+            for _ in range(3000):  # given back by the retry (watched, not timed)
+                if late and not store.in_memory():
+                    break
+                await asyncio.sleep(0.01)
+            again = await q.reserve(timeout=10)  # leased again once b is due
+            assert again is not None and again.payload == "b"
+            gate.set()
+            await late[0]  # the first release lands now
+        finally:
+            gate.set()
+            store._storage.write = real_write
+        twice = await other.reserve(timeout=0)
+        assert twice is None, f"{twice.payload!r} delivered twice"
+        assert await q.ok(again) is True
+        await store.flush()
+        assert await other.total_size() == 0

@@ -551,20 +551,22 @@ WHERE b.queue = $1 AND b.id = pick.id
 RETURNING b.id, b.blob, b.state, pick.owner AS previous
 
 -- name: buckets_write
--- $2 token, then one array per field of a state write; only rows still owned by $2.
+-- $2.. one array per field of a state write, $2 the owner each is conditioned on (the
+-- token of the lease it was made under): only rows still owned by it.
 WITH w AS (
-    SELECT * FROM unnest($3::text[], $4::text[], $5::float8[], $6::int4[], $7::bytea[])
-        AS w(id, mode, score, remaining, state)
+    SELECT * FROM unnest($2::text[], $3::text[], $4::text[], $5::float8[], $6::int4[],
+                         $7::bytea[])
+        AS w(owner, id, mode, score, remaining, state)
 ), deleted AS (
     DELETE FROM {s}.buckets b USING w
-    WHERE b.queue = $1 AND b.id = w.id AND b.owner = $2 AND w.mode = 'd'
+    WHERE b.queue = $1 AND b.id = w.id AND b.owner = w.owner AND w.mode = 'd'
     RETURNING b.id
 ), updated AS (
     UPDATE {s}.buckets b
     SET score = w.score, remaining = w.remaining, state = coalesce(w.state, b.state),
         owner = CASE WHEN w.mode = 'r' THEN '' ELSE b.owner END
     FROM w
-    WHERE b.queue = $1 AND b.id = w.id AND b.owner = $2 AND w.mode <> 'd'
+    WHERE b.queue = $1 AND b.id = w.id AND b.owner = w.owner AND w.mode <> 'd'
     RETURNING b.id
 )
 SELECT id FROM deleted UNION ALL SELECT id FROM updated
