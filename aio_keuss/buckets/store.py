@@ -83,7 +83,12 @@ What a crash can cost (at-least-once holds; pop stays at-most-once):
 - reservations not yet persisted come back with their old ``tries`` count;
 - oks not yet persisted come back (delivered again);
 - a deadletter move writes the message to the deadletter queue first and then marks the slot
-  done: a crash between the two leaves a duplicate, never a loss.
+  done: a crash between the two leaves a duplicate, never a loss. So does a takeover there
+  (the holder's lease lapsing while the copy is on its way, even just after the ko renewed
+  it): the new holder delivers the message again, the copy lands, the mark is refused. The
+  copy and the mark are writes to two queues' records, atomic together on no storage
+  here (Redis Cluster keeps each queue in its own hash slot, and bucket-mongo has no
+  multi-document transactions), so this window stays (pinned by a strict xfail test).
 
 What an outage can cost. A lease is a holder's only claim on a bucket, and it lapses
 ``reject_timeout_grace`` (default 0.8 x reserve_delay) after its last renewal; renewing it,
