@@ -820,12 +820,7 @@ class Consumer(StoppedOnExit):
                 self._loop.call_soon(self._fetch_sent)
                 try:
                     kept = None if self._reserve else self._kept
-                    want = self._want()
-                    if not starving:
-                        # early: this worker, not counted as starving, takes one of them,
-                        # and those still buffered count toward the prefetch (at most P wait)
-                        want = max(1, want + 1 - len(self._buffer))
-                    got = await self.queue.next(self._outage, want, kept=kept)
+                    got = await self.queue.next(self._outage, self._want(), kept=kept)
                 finally:
                     landed, self._landed = self._landed, asyncio.Event()
                     landed.set()
