@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
-from backends import new_token
+from backends import REDIS_URL, _drop_redis_prefix, new_token
 from conftest import Connect, needs
 from own_servers import own_mongo, own_postgres, own_redis
 
@@ -441,3 +441,40 @@ async def test_an_idle_consumer_reports_an_outage_without_waiting_for_its_poll()
             assert consumer.state == "reconnecting"
             await asyncio.to_thread(server.start)
             await consumer.stop(1)
+
+
+async def test_an_early_fetch_keeps_at_most_half_a_prefetch_more_waiting() -> None:
+    """With 2 to P workers the next fetch starts once P/2 are left and reserves P more (the
+    README's bound: at most P wait beyond the waiting workers, P + P/2 while the next fetch
+    is under way): never more, so that none waits long enough to be given back."""
+    prefix = f"akt-{new_token()}"
+    try:
+        async with aio_keuss.connect("redis-oq", url=REDIS_URL, prefix=prefix) as factory:
+            q = await factory.queue("jobs")
+            await q.push_many(list(range(40)))
+            gates = {k: asyncio.Event() for k in range(40)}
+            started = {k: asyncio.Event() for k in range(40)}
+            waiting_at: dict[int, int] = {}
+            consumer: aio_keuss.Consumer | None = None
+
+            async def handle(message: Message) -> None:
+                assert consumer is not None
+                waiting_at[message.payload] = len(consumer._buffer)
+                started[message.payload].set()
+                await gates[message.payload].wait()
+
+            consumer = q.consume(handle, concurrency=2, prefetch=4)
+            try:
+                await started[0].wait()
+                await started[1].wait()
+                gates[0].set()  # its worker takes 2, leaving P/2 = 2
+                await started[2].wait()
+                gates[1].set()  # its worker fetches early, then takes 3
+                await started[3].wait()
+            finally:
+                for gate in gates.values():
+                    gate.set()
+                await consumer.stop()
+            assert waiting_at[3] <= 4 + 4 // 2, waiting_at
+    finally:
+        await _drop_redis_prefix({"url": REDIS_URL, "prefix": prefix})

@@ -1115,3 +1115,81 @@ def test_a_connect_or_close_from_a_signal_handler_during_the_bookkeeping_returns
     expected: dict[str, Any] = {"lock held": True, "main pushed": True, "users": 0, "threads": []}
     expected |= {"pushed": True} if point == "connect" else {"closed": True}
     assert json.loads(done.stdout) == expected
+
+
+# A close from a signal handler that runs as the same thread's close enters start_task_soon,
+# before the loop thread got its task: ``python -c CLOSE_FROM_HANDLER_AT_SPAWN``.
+CLOSE_FROM_HANDLER_AT_SPAWN = r"""
+import json, signal, threading
+from aio_keuss import sync
+
+seen = {}
+factory = sync.connect("memory")
+factory.queue("jobs").push(1)
+
+def on_sigusr1(signum, frame):  # a script's "stop on SIGTERM": close the factory
+    factory.close()
+    seen["closed in handler"] = factory.closed
+
+signal.signal(signal.SIGUSR1, on_sigusr1)
+portal = factory._portal
+real_start = portal.start_task_soon
+armed = [True]
+
+def start_task_soon(*args, **kwargs):
+    # the signal arrives as the close enters start_task_soon, before the task is spawned
+    if armed and armed.pop() and args and getattr(args[0], "__name__", "") == "_settling":
+        signal.pthread_kill(threading.main_thread().ident, signal.SIGUSR1)
+    return real_start(*args, **kwargs)
+
+portal.start_task_soon = start_task_soon
+factory.close()
+seen["closed"] = factory.closed
+print(json.dumps(seen), flush=True)
+"""
+
+
+def test_a_close_from_a_signal_handler_as_the_close_enters_start_task_soon_returns() -> None:
+    """A handler's close waited for the future the interrupted close made just before it
+    called start_task_soon; interrupted before that call submitted the task, nothing ever
+    settled the future: the handler waited for ever, the close it interrupted with it. The
+    handler's close now runs the async close itself (a second one waits for the first)."""
+    done = _program(CLOSE_FROM_HANDLER_AT_SPAWN)
+    assert json.loads(done.stdout) == {"closed in handler": True, "closed": True}
+
+
+@pytest.mark.parametrize("taking", ["pop", "reserve"])
+def test_a_ctrl_c_just_after_the_caller_settled_its_result_loses_nothing(
+    taking: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A real SIGINT that lands as the blocking caller takes its result in hand (its claim
+    won): the caller raises KeyboardInterrupt instead of returning the message, and its
+    give-back found the result claimed already, so gave nothing back: the popped message
+    was lost (a reservation held to its end). The claims are kept, and the give-back sees
+    that the caller claimed the result but never returned it."""
+    if threading.current_thread() is not threading.main_thread():
+        pytest.skip("a signal interrupts the main thread only")
+    real = sync._settle_once
+    armed = [True]
+
+    def settle_then_interrupted(taking_: Any, *args: Any) -> bool:
+        won = real(taking_, *args)
+        if won and armed and armed.pop():
+            signal.pthread_kill(threading.main_thread().ident or 0, signal.SIGINT)
+        return won
+
+    options = {"url": REDIS_URL, "prefix": f"aks-{new_token()}"}
+    try:
+        with sync.connect("redis-oq", **options) as factory:
+            q = factory.queue("jobs", reserve_delay=600.0)
+            q.push({"a": 1})
+            monkeypatch.setattr(sync, "_settle_once", settle_then_interrupted)
+            with pytest.raises(KeyboardInterrupt):
+                getattr(q, taking)(timeout=60)
+            monkeypatch.setattr(sync, "_settle_once", real)
+        # the close waited for every give-back sent before it
+        with sync.connect("redis-oq", **options) as again:
+            sizes = again.queue("jobs").sizes()
+            assert (sizes.total, sizes.reserved) == (1, 0), sizes
+    finally:
+        asyncio.run(_drop_redis_prefix(options))
