@@ -196,7 +196,7 @@ WITH pick AS MATERIALIZED (
 ), next AS (
     SELECT CASE WHEN (SELECT count(*) FROM pick) < $2 THEN least(
         (SELECT mature FROM {s}.messages
-         WHERE queue = $1 AND id NOT IN (SELECT id FROM pick) AND id <> ALL($7::text[])
+         WHERE queue = $1 AND id NOT IN (SELECT id FROM pick)
          ORDER BY mature, seq LIMIT 1),
         CASE WHEN EXISTS (SELECT 1 FROM pick)
              THEN extract(epoch from now())::float8 + $3::float8 END
