@@ -813,9 +813,21 @@ w = at
 -- id or an ok / ko would drop but whose id may never be named again, are dropped here, so
 -- the index does not grow with them. One HGET per entry looked at; HSCAN returns every
 -- entry present for a whole cycle at least once (Redis manual, SCAN: "Scan guarantees").
+-- An older version's entry ('s') costs up to LEGACY_LOOK look-ups: one a step, at most (the
+-- others wait for the next cycle, or a push of their id), so that a slice of them does not
+-- hold Redis for a hundred times that.
 local cursor = redis.call('HGET', KEYS[1], 'c') or '0'
 local slice = redis.call('HSCAN', KEYS[2], cursor, 'COUNT', 100)
-for k = 1, #slice[2], 2 do current(base, slice[2][k], slice[2][k + 1]) end
+local legacies = 0
+for k = 1, #slice[2], 2 do
+  local at = slice[2][k + 1]
+  if at ~= 's' then
+    current(base, slice[2][k], at)
+  elseif legacies == 0 then
+    legacies = 1
+    current(base, slice[2][k], at)
+  end
+end
 if slice[1] ~= cursor then redis.call('HSET', KEYS[1], 'c', slice[1]) end
 if w > m[3] or moved > 0 or expired > 0 then
   redis.call('HSET', KEYS[1], 'w', ptr(w), 'sl', ptr(sl), 'r', ptr(r - moved - expired),
