@@ -1365,3 +1365,40 @@ async def test_a_takeover_while_a_deadletter_copy_is_on_its_way_leaves_one_copy(
         dead = await _take_all(await factory.queue("__deadletter__"), idle=0.5)
         copies = len(dead) + (got is not None)
         assert copies == 1, f"ko {result!r}, redelivered {got is not None}, dead {len(dead)}"
+
+
+async def test_a_bucket_held_by_an_earlier_release_that_died_is_taken_over(
+    bucket_case: tuple[BackendCase, dict[str, Any]],
+) -> None:
+    """A bucket stored by the previous release: its owner that release's store token (no
+    lease number), its lease lapsed, one slot handed out and one done. This release takes
+    it over as any other: the handed-out message comes back with one more try, the done
+    one does not, and the state this release writes under its own lease is kept."""
+    from array import array
+
+    from aio_keuss.buckets.codec import DONE, HANDED_OUT
+    from aio_keuss.buckets.storage import KEEP, StateWrite
+
+    case, options = bucket_case
+    async with aio_keuss.connect(case.name, **options) as factory:
+        q = await factory.queue("earlier-release", reserve_delay=1.0)
+        await q.push_many(["a", "b"])  # one bucket
+        store = q._store  # type: ignore[attr-defined]
+        await store.flush()
+        storage = store._storage
+        old_token = os.urandom(8).hex()  # as the previous release wrote it
+        now = time.time()
+        lease = await storage.lease(q.name, old_token, now, now + 60, 2, 10)
+        (row,) = lease.buckets
+        states = bytes([DONE, HANDED_OUT])
+        old_state = encode_state(states, array("I", [0, 0]), array("d", [now, now]))
+        (kept,) = await storage.write(
+            q.name, [StateWrite(row.id, KEEP, now - 1, 1, old_state, old_token)]
+        )
+        assert kept
+        got = await q.reserve(timeout=5)
+        assert got is not None and got.payload == "b" and got.tries == 1
+        assert await q.reserve(timeout=0) is None
+        assert await q.ok(got) is True
+        await store.flush()
+        assert await q.total_size() == 0
