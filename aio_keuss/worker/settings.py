@@ -96,7 +96,10 @@ def _boolean(value: Any, name: str) -> bool:
             return text in _TRUE
     elif isinstance(value, bool):
         return value
-    raise ConfigError(f"{name} must be a boolean (true or false, 1 or 0), not {value!r}")
+    raise ConfigError(
+        f"{name} must be true or false (in the environment also 1 / 0, yes / no, on / off),"
+        f" not {value!r}"
+    )
 
 
 def _queues(value: Any) -> tuple[str, ...]:

@@ -352,7 +352,7 @@ def test_replace_pipeline_comes_from_a_flag_the_environment_or_the_file(tmp_path
         {"config": str(config)}, {"AIO_KEUSS_REPLACE_PIPELINE": "0"}
     ).replace_pipeline
     for bad in ("maybe", "2", "truee", 1, 0.0):
-        with pytest.raises(ConfigError, match="replace_pipeline must be a boolean"):
+        with pytest.raises(ConfigError, match="replace_pipeline must be true or false"):
             resolve({"pipeline": "etl:build", "replace_pipeline": bad}, {})
     with pytest.raises(ConfigError, match="replace_pipeline is for a --pipeline"):
         resolve({"handler": "m:f", "queues": ["q"], "replace_pipeline": True}, {})
@@ -373,7 +373,7 @@ def test_the_worker_command_reads_replace_pipeline(
     # exit 2, the value named, before the pipeline is imported or the backend reached
     args = ["worker", "--pipeline", "nowhere_x:build", "--backend", "postgres"]
     assert cli.main([*args, "--url", "postgresql://nobody@127.0.0.1:1/none"]) == 2
-    assert "replace_pipeline must be a boolean" in capsys.readouterr().err
+    assert "replace_pipeline must be true or false" in capsys.readouterr().err
 
 
 async def test_run_worker_replaces_a_stored_pipeline_only_when_told_to() -> None:
