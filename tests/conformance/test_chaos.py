@@ -29,6 +29,8 @@ import asyncio
 import contextlib
 import os
 import random
+import re
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -97,6 +99,12 @@ class Model:
     """the factory's deadletter max_ko, when it has one."""
     dead: set[int] = field(default_factory=set)
     """payloads of messages deadlettered (by a ko past max_ko)."""
+    story: dict[int, list[str]] = field(default_factory=dict)
+    context: list[str] = field(default_factory=list)
+    """payload -> what happened to it, timed (printed for the payloads a failure names)."""
+
+    def note(self, n: int, what: str) -> None:
+        self.story.setdefault(n, []).append(f"{time.time():.3f} {what}")
 
     def new(self) -> int:
         self.counter += 1
@@ -110,6 +118,7 @@ class Model:
             return None
         self.seen[n] = self.seen.get(n, 0) + 1
         where = f"{how} by task {who}: {n} (id {message.id}, tries {message.tries})"
+        self.note(n, where)
         if n not in self.started:
             self.violations.append(f"{where}: never pushed")
         if n in self.never:
@@ -284,6 +293,7 @@ class Worker:
         does it or finds it done."""
         m, message = self.model, self.holding.pop(n)
         del m.held[n]  # released as soon as the store acts: another may take it then
+        m.note(n, f"{'ok' if ok else 'ko'} by task {self.i} sent")
         if ok:
             m.okd.add(n)
             try:
@@ -305,6 +315,7 @@ class Worker:
             except Cancelled:
                 await self.q.ko(message, delay=0)
                 return
+            m.note(n, f"ko by task {self.i}: {result!r}")
             if result != (KoResult.DEADLETTERED if dies else KoResult.ROLLED_BACK):
                 m.violations.append(f"ko by task {self.i} of {n}: {result!r}")
 
@@ -442,9 +453,34 @@ async def _drain_deadletter(factory: aio_keuss.Factory, model: Model) -> set[int
     return found
 
 
-def _check(model: Model, sizes: aio_keuss.Sizes) -> None:
-    """The end's checks: nothing acknowledged lost, nothing left (no reservation stuck)."""
-    lost = sorted(set(model.acked) - set(model.popped) - model.okd - model.dead)
+def _lost(model: Model) -> list[int]:
+    return sorted(set(model.acked) - set(model.popped) - model.okd - model.dead)
+
+
+async def _whereabouts(q: aio_keuss.Queue, model: Model) -> list[str]:
+    """Where the lost messages are (state, tries, until when), to tell who holds one."""
+    if not q.capabilities.peek:
+        return []
+    lines = []
+    for n in _lost(model)[:10]:
+        view = await q.find(model.acked[n])
+        lines.append(f"{n} ({model.acked[n]}) is {view!r} at {time.time():.3f}")
+    return lines
+
+
+def _named(model: Model, lost: list[int]) -> list[int]:
+    """The payloads a failure names (the first lost ones, those of its violations)."""
+    named = set(lost[:10])
+    for violation in model.violations[:10]:
+        named.update(int(n) for n in re.findall(r"(?:of|:) \[?(\d+)", violation))
+    return sorted(named & set(model.story))
+
+
+def _check(model: Model, sizes: aio_keuss.Sizes, where: list[str] | None = None) -> None:
+    """The end's checks: nothing acknowledged lost, nothing left (no reservation stuck).
+    A failure tells the story of the payloads it names (``Model.note``) and ``where`` the
+    lost ones are."""
+    lost = _lost(model)
     # A second copy of a message (a cancelled push stored twice) shows as a delivery after
     # the first was popped or ok-ed, while it is held, or with tries that its kos do not
     # explain: the checks of Model.delivered.
@@ -455,6 +491,9 @@ def _check(model: Model, sizes: aio_keuss.Sizes) -> None:
                     *model.violations,
                     f"lost (acknowledged, never delivered): {lost}",
                     f"left in the queue: {sizes}",
+                    *(where or []),
+                    *model.context,
+                    *(f"{n}: {'; '.join(model.story[n])}" for n in _named(model, lost)),
                 ]
             ),
             pytrace=False,
@@ -467,6 +506,7 @@ def _give_back(model: Model, workers: list[Worker]) -> None:
         w.given_back = True
         for n in w.holding:
             del model.held[n]
+            model.note(n, f"given back by the close of task {w.i}'s queue")
         w.holding.clear()
 
 
@@ -493,7 +533,7 @@ async def test_random_workload_with_cancellations(
     factory, q = await _settled(connect, options, factory, case)
     await _drain(q, model)
     await _drain_deadletter(factory, model)
-    _check(model, await q.sizes())
+    _check(model, await q.sizes(), await _whereabouts(q, model))
     _stats: dict[str, Any] = {
         "pushed": len(model.started),
         "acked": len(model.acked),
@@ -539,10 +579,12 @@ async def test_random_workload_with_a_factory_closed_mid_run(
     async def close() -> None:
         await due.wait()
         _give_back(model, closers)
+        began = time.time()
         await other.close()
+        model.context.append(f"the second factory closed {began:.3f}-{time.time():.3f}")
 
     await asyncio.gather(running, close())
     factory, q = await _settled(connect, options, factory, case)
     await _drain(q, model)
     await _drain_deadletter(factory, model)
-    _check(model, await q.sizes())
+    _check(model, await q.sizes(), await _whereabouts(q, model))
