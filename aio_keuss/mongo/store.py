@@ -980,6 +980,14 @@ class MongoStore(Store):
     ) -> list[KoResult]:
         if not nacks:
             return []
+        # to its end, once begun: a give-back first reads the server's time, and a close
+        # cancelled during that round trip counted the give-back as sent while none of its
+        # updates had left (the reservations then held until reserve_delay ran out)
+        return await to_the_end(self._rollback(nacks, deadletter))
+
+    async def _rollback(
+        self, nacks: Sequence[Nack], deadletter: DeadletterPlan | None
+    ) -> list[KoResult]:
         now = time.time()
         by_id: dict[str, list[int]] = {}
         for k, nack in enumerate(nacks):
@@ -1005,7 +1013,12 @@ class MongoStore(Store):
         at a clock a day ahead it kept the message from every other consumer for a day.
         Only give-backs pay this round trip (a close, a cancelled reserve); the server's
         time is the ``localTime`` of its ``hello`` reply (MongoDB manual, "hello")."""
-        hello = await self._backend.client.admin.command("hello")
+        try:
+            hello = await self._backend.client.admin.command("hello")
+        except (
+            mongo_errors.PyMongoError
+        ):  # a server without hello (before 4.4.2), or a failed read:
+            return now  # the give-back itself still goes (its own failure is reported)
         server = hello.get("localTime")
         return min(now, _epoch(server)) if isinstance(server, datetime | str) else now
 
