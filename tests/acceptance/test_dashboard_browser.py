@@ -345,8 +345,14 @@ async def test_a_late_answer_for_another_queue_never_fills_the_peek(browser: Any
             release.set()
             # a bound against a hang, longer than WAIT: once released, the answer goes
             # through the route's handler, the browser's network stack and the page's
-            # reading, each of which a loaded machine (the full suite beside it) delays
-            await page.wait_for_function(f"window.alphaRead >= {asked}", timeout=4 * WAIT)
+            # reading, each of which a loaded machine (the full suite beside it) delays.
+            # Polled from here: wait_for_function polls by evaluating a string in the page,
+            # which the page's own policy (script-src 'self', no eval) refuses whenever the
+            # first look finds the answer not read yet
+            deadline = time.monotonic() + 4 * WAIT / 1000
+            while await page.evaluate("window.alphaRead") < asked:
+                assert time.monotonic() < deadline, "alpha's late answer was never read"
+                await asyncio.sleep(0.05)
             assert not await page.evaluate("window.alphaDrawn")
             await expect(page.locator("#peek-queue")).to_have_text("beta")
             await expect(page.locator('#peek tr[data-id="from-beta"]')).to_be_visible()
