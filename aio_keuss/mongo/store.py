@@ -62,7 +62,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import logging
 import operator
 import os
 import time
@@ -114,8 +113,6 @@ if TYPE_CHECKING:
 
 T = TypeVar("T")
 V = TypeVar("V", float, datetime)
-
-log = logging.getLogger("aio_keuss.mongo")
 
 FAR_FUTURE = 253402300799.0
 """9999-12-31T23:59:59Z: the mature time of consumed history records (seed: ``$INFINITE``)."""
@@ -1015,10 +1012,10 @@ class MongoStore(Store):
         time is the ``localTime`` of its ``hello`` reply (MongoDB manual, "hello")."""
         try:
             hello = await self._backend.client.admin.command("hello")
-        except (
-            mongo_errors.PyMongoError
-        ):  # a server without hello (before 4.4.2), or a failed read:
-            return now  # the give-back itself still goes (its own failure is reported)
+        except mongo_errors.PyMongoError:
+            # a server without hello (before 4.4.2), or a failed read: the give-back itself
+            # still goes (its own failure is reported)
+            return now
         server = hello.get("localTime")
         return min(now, _epoch(server)) if isinstance(server, datetime | str) else now
 

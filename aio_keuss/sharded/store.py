@@ -26,7 +26,6 @@ shard only.
 from __future__ import annotations
 
 import asyncio
-import logging
 import os
 import random
 import time
@@ -57,7 +56,6 @@ if TYPE_CHECKING:
 
 T = TypeVar("T")
 
-log = logging.getLogger("aio_keuss.sharded")
 
 StoreOf = Callable[[str, "QueueOptions"], Awaitable["ShardedStore"]]
 """How a store finds another queue's store of its backend (the deadletter queue)."""
