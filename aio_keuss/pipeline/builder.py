@@ -156,6 +156,10 @@ class Pipeline:
         ``run(replace=True)``)."""
         replace = _checked_replace(replace)
         self.stations()  # a station's settings are stored too: what run refuses is not
+        await self._store(replace)
+
+    async def _store(self, replace: bool) -> None:
+        """``save``'s write, for a caller that checked the stations already (a run's start)."""
         topology = self.topology()
         store = self.factory.stats_store
         if replace:
@@ -263,7 +267,7 @@ class PipelineRun:
         pipeline = self.pipeline
         factory = pipeline.factory
         # before any queue is opened: a refused one opens nothing
-        await pipeline.save(replace=self.replace)
+        await pipeline._store(self.replace)  # checked above, with the run's own defaults
         queues: dict[str, Queue] = {}
         inputs = {link.source for link in pipeline.links}
         for name in pipeline.queues:
