@@ -65,6 +65,7 @@ from .errors import (
 from .message import Message
 from .metrics import Histogram, QueueMetrics
 from .options import check_seconds
+from .renewals import Renewals
 from .types import Capabilities, KoResult
 
 log = logging.getLogger("aio_keuss.consumer")
@@ -369,6 +370,9 @@ class Source(Protocol):
 
     def ko(self, message: Message, delay: float | None) -> Awaitable[KoResult]: ...
 
+    def extend_many(self, messages: list[Message]) -> Awaitable[list[bool]]:
+        """Extend these reservations by ``reserve_delay`` from now (see :mod:`.renewals`)."""
+
     def release(self, messages: list[Message], *, unseen: bool = False) -> Awaitable[None]:
         """Give back reservations whose handler was cancelled, or that no handler started
         (``unseen``: not counted as reserved then), costing no try: in one call, so that
@@ -490,6 +494,7 @@ class Consumer(StoppedOnExit):
         prefetch: int = 0,
         settle: Settle | None = None,
         batch: int = 0,
+        renew: bool = True,
     ) -> None:
         if not callable(handler):
             raise InvalidInputError("handler must be callable")
@@ -552,6 +557,10 @@ class Consumer(StoppedOnExit):
         # Kept: on Python 3.11 asyncio.get_running_loop() costs a getpid() call.
         self._loop = loop = asyncio.get_running_loop()
         self._deadlines = None if timeout is None else Deadlines(loop, timeout)
+        capabilities = queue.capabilities
+        self._renewals: Renewals | None = None
+        if renew and self._reserve and capabilities.extend and capabilities.reservation_expiry:
+            self._renewals = Renewals(queue.name, queue.reserve_delay, queue.extend_many, loop)
         self._workers = [loop.create_task(self._run_worker()) for _ in range(concurrency)]
 
     @property
@@ -671,6 +680,8 @@ class Consumer(StoppedOnExit):
             if task in self._handling:
                 task.cancel()
         await _bounded(self._workers)  # the others are acknowledging what they handled
+        if self._renewals is not None:
+            await self._renewals.close()
         await _bounded(self._acks)
         try:
             async with asyncio.timeout(ACK_WAIT):
@@ -738,6 +749,9 @@ class Consumer(StoppedOnExit):
             self._in_flight += 1
             busy = [m.id for m in message] if isinstance(message, list) else [message.id]
             self.busy.update(busy)
+            renewals = self._renewals
+            if renewals is not None:
+                renewals.started(message if isinstance(message, list) else (message,))
             try:
                 if isinstance(message, list):
                     await self._handle_batch(message)
@@ -750,6 +764,8 @@ class Consumer(StoppedOnExit):
             finally:
                 self._in_flight -= 1
                 self.busy.difference_update(busy)
+                if renewals is not None:
+                    renewals.ended(busy)
 
     async def _next(self) -> Message | list[Message] | None:
         """A message to handle: from the prefetch buffer, else from the queue (with

@@ -229,6 +229,20 @@ class Nack:
 
 
 @dataclass(slots=True)
+class Extend:
+    """Push the end of a reservation its holder still has to ``seconds`` from now.
+
+    The guard is the one of :class:`Ack`: with ``tries`` set, only while the message is
+    still reserved with that count, so a holder whose reservation lapsed and was handed to
+    another consumer cannot take it back. A reservation that lapsed but that nobody took
+    since is still the holder's, and is extended (the message was not delivered again)."""
+
+    id: str
+    tries: int | None
+    seconds: float
+
+
+@dataclass(slots=True)
 class Move:
     """Take a held message out of this queue and put it into ``queue``, atomically.
 
@@ -393,6 +407,14 @@ class Store(ABC):
     ) -> list[KoResult]:
         """Release reservations after their delay, or move them to the deadletter queue."""
         raise NotSupportedError(f"{type(self).__name__} has no reserve")
+
+    async def extend(self, extends: Sequence[Extend]) -> list[bool]:
+        """Optional (``Capabilities.extend``): reservations their holders still hold last
+        until now + each one's ``seconds``; false for unknown, unreserved or stale ones.
+        What a consumer's handler that runs longer than ``reserve_delay`` needs, so that
+        its message is not delivered to a second consumer meanwhile (as BullMQ renews a
+        job's lock, or SQS's ChangeMessageVisibility extends a receipt)."""
+        raise NotSupportedError(f"{type(self).__name__} cannot extend a reservation")
 
     def on_visible(self, listener: Callable[[float], None]) -> None:
         """For stores that acknowledge inserts before other processes can see them

@@ -22,6 +22,7 @@ from .contract import (
     Cursor,
     DeadletterPlan,
     Entry,
+    Extend,
     Fetched,
     LoopTurns,
     Move,
@@ -206,6 +207,16 @@ class MemoryStore(Store):
             results.append(record is not None)
         return results
 
+    async def extend(self, extends: Sequence[Extend]) -> list[bool]:
+        now = time.time()
+        results = []
+        for extend in extends:
+            record = self._held(extend.id, extend.tries)
+            if record is not None:
+                self._data.reschedule(record, now + extend.seconds)
+            results.append(record is not None)
+        return results
+
     async def rollback(
         self, nacks: Sequence[Nack], deadletter: DeadletterPlan | None
     ) -> list[KoResult]:
@@ -329,7 +340,9 @@ class MemoryStore(Store):
 
 class MemoryBackend(Backend):
     name = "memory"
-    capabilities: Capabilities = Capabilities(shared=False, move=True, peek=True, hold=True)
+    capabilities: Capabilities = Capabilities(
+        shared=False, move=True, peek=True, hold=True, extend=True
+    )
 
     def __init__(self, options: dict[str, object]) -> None:
         super().__init__(options)

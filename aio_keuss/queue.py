@@ -47,6 +47,7 @@ from .contract import (
     BulkLoad,
     DeadletterPlan,
     Entry,
+    Extend,
     Fetched,
     Move,
     Nack,
@@ -57,6 +58,7 @@ from .contract import (
 )
 from .errors import (
     ClosedError,
+    InvalidDelayError,
     InvalidIdError,
     InvalidInputError,
     InvalidPayloadError,
@@ -216,6 +218,13 @@ class Queue:
         self._rollbacks: Coalescer[Nack, KoResult] = Coalescer(
             self._rollback_batch,
             max_batch=batch,
+            concurrency=depth,
+            run_in_caller=in_caller,
+        )
+        self._extends: Coalescer[list[Extend], list[bool]] = Coalescer(
+            self._extend_batch,
+            max_batch=batch,
+            weight=len,
             concurrency=depth,
             run_in_caller=in_caller,
         )
@@ -973,6 +982,7 @@ class Queue:
         timeout: float | None = None,
         prefetch: int = 0,
         batch: int = 0,
+        renew: bool = True,
     ) -> Consumer:
         """Start ``concurrency`` workers: reserve -> handler -> ok; an exception -> ko with
         exponential backoff. Stop with ``await consumer.stop()`` or ``async with``.
@@ -984,7 +994,10 @@ class Queue:
         round trips for short handlers; given back, costing no try, on stop). ``batch``:
         the handler gets a list of up to ``batch`` messages, gathered for up to the queue's
         ``max_wait_time`` (IgnisMQ's maxBatchSize / maxWaitTime); all are ok-ed when it
-        returns, all ko-ed when it raises.
+        returns, all ko-ed when it raises. ``renew``: while a handler runs, its reservation
+        is extended (:meth:`extend`) before it lapses, so that a handler running longer than
+        ``reserve_delay`` does not see its message delivered to another consumer meanwhile
+        (on backends that can extend one, ``capabilities.extend``); False lets it lapse.
         """
         return self._start_consumer(
             handler,
@@ -994,6 +1007,7 @@ class Queue:
             timeout=timeout,
             prefetch=prefetch,
             batch=batch,
+            renew=renew,
         )
 
     def _start_consumer(
@@ -1007,10 +1021,13 @@ class Queue:
         prefetch: int = 0,
         settle: Settle | None = None,
         batch: int = 0,
+        renew: bool = True,
     ) -> Consumer:
         """``consume``; with ``settle``, what a handler returned decides how its message is
         acknowledged (a pipeline station moves it on instead of ``ok``)."""
         self._check_open()
+        if not isinstance(renew, bool):
+            raise InvalidInputError(f"renew must be True or False, not {type(renew).__name__}")
         if self._closing.under_way:
             # that close would not stop it, and the closed queue would refuse its oks
             raise ClosedError(f"queue {self.name!r} is closing")
@@ -1034,6 +1051,7 @@ class Queue:
             prefetch,
             settle,
             batch,
+            renew,
         )
         self._consumers.add(consumer)
         return consumer
@@ -1118,6 +1136,40 @@ class Queue:
         else:
             seconds = self._delay(delay)
         return await self._rollbacks.submit(Nack(message_id, tries, seconds))
+
+    async def extend(self, message: Message | str, seconds: float | None = None) -> bool:
+        """Make a reservation you still hold last ``seconds`` more from now (default: the
+        queue's ``reserve_delay``): True if it was still yours and now runs that long, False
+        if it was ok-ed, ko-ed, or lapsed and taken by another consumer meanwhile. For work
+        that takes longer than ``reserve_delay``; ``consume`` does it for its handlers."""
+        return (await self.extend_many([message], seconds))[0]
+
+    async def extend_many(
+        self, messages: Sequence[Message | str], seconds: float | None = None
+    ) -> list[bool]:
+        """:meth:`extend` of several reservations, in as few round trips as ``max_batch``
+        allows; one flag per message, in order. Every item is checked before any is sent."""
+        self._check_open()
+        self._require("reserve")
+        self._require("extend")
+        if isinstance(messages, str | Message) or not isinstance(messages, Sequence):
+            raise InvalidInputError("extend_many takes a sequence (list, tuple) of messages or ids")
+        span = self.options.reserve_delay if seconds is None else check_seconds(seconds, "seconds")
+        if span <= 0:
+            raise InvalidDelayError("an extension must be longer than 0 seconds")
+        extends = [Extend(*_target(m), span) for m in messages]
+        return await self._in_chunks(self._extends, extends)
+
+    async def _extend_batch(self, requests: list[list[Extend]]) -> list[list[bool]]:
+        extends = [e for request in requests for e in request]
+        results = await self._store.extend(extends)
+        held, before = self._held, self._held_before
+        for extend, kept in zip(extends, results, strict=True):
+            if kept and extend.tries is not None:
+                # ours for another span: what a close gives back, in the current generation
+                before.pop(extend.id, None)
+                held[extend.id] = extend.tries
+        return _split(requests, results)
 
     async def _commit_batch(self, requests: list[list[Ack]]) -> list[list[bool]]:
         acks = requests[0] if len(requests) == 1 else [a for request in requests for a in request]
@@ -1811,6 +1863,9 @@ class _ConsumerLink:
 
     def ko(self, message: Message, delay: float | None) -> Awaitable[KoResult]:
         return self._queue.ko(message, delay)
+
+    def extend_many(self, messages: list[Message]) -> Awaitable[list[bool]]:
+        return self._queue.extend_many(messages)
 
     def release(self, messages: list[Message], *, unseen: bool = False) -> Awaitable[None]:
         return self._queue._release_all(messages, unseen=unseen)

@@ -680,6 +680,14 @@ class SyncQueue:
     def ko(self, message: Message | str, delay: float | None = None) -> KoResult:
         return self._call(self.queue.ko, message, delay)
 
+    def extend(self, message: Message | str, seconds: float | None = None) -> bool:
+        return self._call(self.queue.extend, message, seconds)
+
+    def extend_many(
+        self, messages: Sequence[Message | str], seconds: float | None = None
+    ) -> list[bool]:
+        return self._call(self.queue.extend_many, messages, seconds)
+
     def move(
         self,
         message: Message | str,

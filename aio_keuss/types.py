@@ -34,6 +34,9 @@ class Capabilities:
     """given messages can be reserved by id, which with ``move`` makes ``requeue``."""
     history: bool = False
     """consumed messages are kept for a while (``history``, ``replay``)."""
+    extend: bool = False
+    """a reservation can be made longer by its holder (``Queue.extend``), which
+    ``consume`` does for handlers that run long."""
     fifo: bool = True
     """messages of a queue come out in the order they were pushed (mature time first where
     there are delays); a sharded queue keeps that order only within a shard."""
