@@ -419,6 +419,12 @@ class ConsumerStatus:
     """When it happened (seconds since the epoch)."""
     reconnecting_for: float | None
     """Seconds since the current outage began, or None."""
+    extended: int = 0
+    """Reservations of running handlers extended (see ``consume(renew=...)``)."""
+    lapsed: int = 0
+    """Reservations found lapsed and taken by another consumer while their handler ran
+    (its message may be handled twice: raise ``reserve_delay``, or check why the extensions
+    did not reach the backend in time)."""
 
 
 def check_settings(
@@ -594,6 +600,8 @@ class Consumer(StoppedOnExit):
             last_error=outage.last_error,
             last_error_at=outage.last_error_at,
             reconnecting_for=None if outage.since is None else time.monotonic() - outage.since,
+            extended=0 if self._renewals is None else self._renewals.extended,
+            lapsed=0 if self._renewals is None else self._renewals.lapsed,
         )
 
     def metrics(self) -> QueueMetrics:

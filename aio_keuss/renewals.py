@@ -59,6 +59,10 @@ class Renewals:
         self._timer: asyncio.TimerHandle | None = None
         self._renewing: asyncio.Task[None] | None = None
         self._closed = False
+        self.extended = 0
+        """Reservations extended so far."""
+        self.lapsed = 0
+        """Reservations found taken by another consumer while their handler ran."""
 
     def started(self, messages: Sequence[Message]) -> None:
         """Their handler starts now."""
@@ -112,11 +116,14 @@ class Renewals:
                 continue  # its handler ended meanwhile
             if ours:
                 running[message.id] = (message, again)
+                self.extended += 1
                 continue
             del running[message.id]
+            self.lapsed += 1
             log.warning(
-                "queue %r: message %s: its reservation lapsed while its handler ran (%.3g s"
-                " reserve_delay), and it may be delivered again; its ok will be refused",
+                "queue %r: message %s: its reservation lapsed while its handler ran and"
+                " another consumer took it (%.3g s reserve_delay): it may be handled twice,"
+                " and this handler's ok will be refused",
                 self._queue,
                 message.id,
                 self._reserve_delay,

@@ -62,6 +62,8 @@ def health(consumers: Sequence[Consumer], repeaters: Sequence[Repeater] = ()) ->
                 "timed_out": s.timed_out,
                 "retried": s.retried,
                 "deadlettered": s.deadlettered,
+                "extended": s.extended,
+                "lapsed": s.lapsed,
                 "reconnecting_for": s.reconnecting_for,
                 "last_error": None if s.last_error is None else repr(s.last_error),
                 "last_error_at": s.last_error_at,
