@@ -20,7 +20,8 @@ queue's messages were moved: upgrade consumers first, or all processes together.
 
 Every script reads the server clock (``TIME``), so clients with skewed clocks agree on what is
 mature. A reservation deadline is the server's *now* + ``reserve_delay`` (Keuss added the
-delay to the old score, so a message older than the delay could be reserved twice).
+delay to the old score, so a message older than the delay could be reserved twice), and an
+extension's is the server's *now* + its seconds, written over the same score.
 
 Move and deadletter: on a single Redis one script moves the message into the other queue's
 keys (the same Lua body for ``Queue.move`` and for the ko that deadletters). On Redis Cluster
@@ -53,6 +54,7 @@ from ..contract import (
     Cursor,
     DeadletterPlan,
     Entry,
+    Extend,
     Fetched,
     Move,
     Nack,
@@ -498,6 +500,42 @@ forget(gone, gone)
 return flags
 """
 
+# KEYS: due msg held. ARGV per extend: id, tries held ('' = no guard), seconds. Reply: 1 / 0
+# per extend. The guard is _COMMIT's: held, and with the tries given when there are any (a
+# lapsed reservation taken again has one more). A reservation's end is its score in due and
+# nowhere else, so the ZADD is all an extension writes: a lapsed one that nobody took stays
+# held, its score back in the future, and the try a retake would have counted is not.
+_EXTEND = """
+local now = server_now()
+local ids, guarded = {}, false
+for i = 1, #ARGV, 3 do
+  ids[#ids + 1] = ARGV[i]
+  if ARGV[i + 1] ~= '' then guarded = true end
+end
+local held = read_chunked('SMISMEMBER', KEYS[3], ids)
+local records = {}
+if guarded then records = read_chunked('HMGET', KEYS[2], ids) end
+local zadd, flags = {}, {}
+for k = 1, #ids do
+  local guard = ARGV[3 * k - 1]
+  if held[k] == 1 and (guard == '' or tonumber(guard) == tries_of(records[k])) then
+    zadd[#zadd + 1] = fmt(now + tonumber(ARGV[3 * k])); zadd[#zadd + 1] = ids[k]
+    flags[k] = 1
+  else
+    flags[k] = 0
+  end
+end
+if #zadd > 0 then
+  -- first, a write that cannot grow memory (prelude): the id goes out of held and back
+  redis.call('SREM', KEYS[3], zadd[2])
+  redis.call('SADD', KEYS[3], zadd[2])
+  for i = 1, #zadd, CHUNK do  -- XX: never a due entry without its record
+    redis.call('ZADD', KEYS[1], 'XX', unpack(zadd, i, math.min(i + CHUNK - 1, #zadd)))
+  end
+end
+return flags
+"""
+
 # KEYS: due msg held of the queue [, due msg of the deadletter queue when mode is 'move'].
 # ARGV: mode ('' = no deadletter, 'move', 'defer'), max_ko, deadletter header text without
 # x-dl-tries, then per nack: id, tries held ('' = no guard), delay, count try ('1' / '0').
@@ -727,6 +765,7 @@ INSERT_ONE, GET_ONE, RESERVE_ONE, COMMIT_ONE = (
     GET,
     RESERVE,
     COMMIT,
+    EXTEND,
     ROLLBACK,
     DROP_DEFERRED,
     MOVE,
@@ -741,6 +780,7 @@ INSERT_ONE, GET_ONE, RESERVE_ONE, COMMIT_ONE = (
         _GET,
         _RESERVE,
         _COMMIT,
+        _EXTEND,
         _ROLLBACK,
         _DROP_DEFERRED,
         _MOVE,
@@ -1179,6 +1219,15 @@ class RedisOQStore(RedisOQVisibility, Store):
         flags = await self._run(COMMIT, self._keys, args)
         return [flag == 1 for flag in flags]
 
+    async def extend(self, extends: Sequence[Extend]) -> list[bool]:
+        """One script for the batch: a queue's keys share one hash slot (``{q}``), so on a
+        cluster too it is one round trip to the node that owns the queue."""
+        args: list[Any] = []
+        for e in extends:
+            args.extend((e.id, "" if e.tries is None else e.tries, e.seconds))
+        flags = await self._run(EXTEND, self._keys, args)
+        return [flag == 1 for flag in flags]
+
     async def rollback(
         self, nacks: Sequence[Nack], deadletter: DeadletterPlan | None
     ) -> list[KoResult]:
@@ -1289,7 +1338,7 @@ class RedisOQStore(RedisOQVisibility, Store):
 
 class RedisOQBackend(RedisBackend):
     name = "redis-oq"
-    capabilities: Capabilities = Capabilities(move=True, peek=True, hold=True)
+    capabilities: Capabilities = Capabilities(move=True, peek=True, hold=True, extend=True)
 
     def queue_keys(self, queue: str) -> list[str]:
         return [self.key(queue, part) for part in ("due", "msg", "held")]

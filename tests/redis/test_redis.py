@@ -651,3 +651,58 @@ async def test_a_cluster_deadletter_a_close_gives_up_on_still_ends_in_one_queue(
         assert await sizes_after("redis-oq", **options) == (0, 1)
     finally:
         await _drop_redis_cluster_prefix(options)
+
+
+# extending a reservation (redis-oq) --------------------------------------------------------
+
+
+async def test_a_lapsed_reservation_nobody_took_is_extended_without_a_try(
+    open_factory: Open,
+) -> None:
+    """redis-oq keeps a reservation's end as its message's score in the due set, and counts
+    a lapsed reservation's try when the message is taken again: extended after it lapsed
+    (nobody took it since), the message is reserved again until the new end, its tries
+    untouched, and its holder's guarded ok goes through."""
+    factory = await open_factory(reserve_delay=0.2, poll_interval=5.0)
+    q = await factory.queue("q1")
+    await q.push("slow")
+    held = await q.reserve(timeout=5)
+    assert held is not None and held.tries == 0
+    seen = await q.find(held.id)
+    deadline = time.monotonic() + 30
+    while seen is not None and seen.state == "reserved" and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)  # until the store tells it lapsed, however long that takes
+        seen = await q.find(held.id)
+    assert seen is not None and seen.state == "ready" and seen.message.tries == 1  # a try to count
+    asked = time.time()
+    assert await q.extend(held, 60) is True
+    seen = await q.find(held.id)
+    assert seen is not None and seen.state == "reserved" and seen.message.tries == 0, seen
+    assert seen.at.timestamp() >= asked + 59
+    assert await q.reserve(timeout=0) is None
+    assert await q.sizes() == aio_keuss.Sizes(0, 1, 0, 1)
+    assert await q.ok(held) is True
+
+
+async def test_extend_works_on_a_redis_at_maxmemory() -> None:
+    """At maxmemory (noeviction) Redis refuses a script whose first write may grow memory
+    (Redis manual, "Scripting with Lua", maxmemory): a long handler's renewals must still
+    go through while consumers drain a full Redis, or its message is delivered twice."""
+    with own_redis("--maxmemory-policy", "noeviction") as server:
+        admin = aioredis.Redis.from_url(server.url)
+        factory = await aio_keuss.connect("redis-oq", url=server.url, prefix="full")
+        try:
+            q = await factory.queue("full", reserve_delay=30.0)
+            await q.push_many(["a", "b"])
+            held = await q.reserve_many(2, timeout=5)
+            assert len(held) == 2
+            await admin.config_set("maxmemory", 1)  # full, whatever the oks free
+            with pytest.raises(aio_keuss.BackendError, match="OOM"):
+                await q.push("c")
+            assert await q.extend_many(held, 120) == [True, True]
+            assert await q.extend(held[0], 60) is True
+            assert await q.ok_many(held) == [True, True]
+        finally:
+            await admin.config_set("maxmemory", 0)
+            await factory.close()
+            await admin.aclose()
