@@ -482,7 +482,6 @@ async def test_an_older_sideline_entry_of_a_record_still_there_counts(
     assert not await _pushed_again(storage, "old")
 
 
-
 async def test_a_sweep_step_looks_for_one_older_sideline_entry_at_most(
     connect: Connect, redis: aioredis.Redis
 ) -> None:
@@ -495,6 +494,7 @@ async def test_a_sweep_step_looks_for_one_older_sideline_entry_at_most(
     assert len(await redis.hgetall(base + "ix")) == 1
     await storage.sweep("q", 0, 1000)
     assert await redis.hgetall(base + "ix") == {}
+
 
 # Redis Cluster ---------------------------------------------------------------------------
 
