@@ -1402,3 +1402,51 @@ async def test_a_bucket_held_by_an_earlier_release_that_died_is_taken_over(
         assert await q.ok(got) is True
         await store.flush()
         assert await q.total_size() == 0
+
+
+async def test_an_older_state_write_of_the_same_lease_landing_late_is_refused(
+    bucket_case: tuple[BackendCase, dict[str, Any]],
+) -> None:
+    """A state write whose reply never came (the connection dropped, a client timeout) may
+    still reach the server later, after a newer flush of the same lease landed. Both carry
+    the lease's token, so the owner alone let the older one in: the bucket's stored state
+    went back to before the ok, and the next holder (this one stopped past its lease)
+    delivered the ok-ed message again. The first write is held (as a request still on its
+    way) until the newer flush landed."""
+    async with _two_factories(bucket_case, "late-state-write", 1.0) as (q, other, _):
+        await q.push_many(["a", "b"])  # one bucket
+        got = await q.reserve_many(2, timeout=5)
+        assert sorted(m.payload for m in got) == ["a", "b"]
+        store = q._store  # type: ignore[attr-defined]
+        real_write = store._storage.write
+        gate = asyncio.Event()
+        late: list[asyncio.Task[Any]] = []
+
+        async def on_its_way(*args: Any) -> Any:
+            await gate.wait()
+            return await real_write(*args)
+
+        async def lost_reply(*args: Any) -> Any:
+            if not late and any(w.state is not None for w in args[-1]):
+                late.append(asyncio.create_task(on_its_way(*args)))
+                raise KeussConnectionError("the reply was lost")
+            return await real_write(*args)
+
+        store._storage.write = lost_reply
+        try:
+            with pytest.raises(KeussConnectionError):
+                await store.flush()  # both reserved: on its way, its reply lost
+            assert await q.ok(next(m for m in got if m.payload == "a")) is True
+            await store.flush()  # the newer state (a done) lands first
+            gate.set()
+            await late[0]  # the older one (a reserved) lands now
+        finally:
+            gate.set()
+            store._storage.write = real_write
+        (bucket,) = store._held_buckets.values()
+        assert not bucket.lost  # our own older write refused: the lease is still ours
+        await _stop_renewing(store)
+        again = await other.reserve_many(10, timeout=10)  # taken over: the stored state
+        assert [m.payload for m in again] == ["b"], "the ok-ed message was delivered again"
+        assert again[0].tries == 1
+        assert await other.ok_many(again) == [True]
