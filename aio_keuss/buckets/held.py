@@ -16,7 +16,9 @@ class HeldBucket:
     """A bucket this store holds: the messages plus the authoritative slot state.
 
     ``version`` counts changes; ``persisted`` is the version last written. ``writing`` is
-    the write in flight, so writes of one bucket never overtake each other.
+    the write in flight, so writes of one bucket never overtake each other here; one
+    given up on (its reply lost) may still be on its way, and ``writes`` numbers each
+    write of this lease, so that storage refuses it once a later one landed.
     """
 
     __slots__ = (
@@ -40,6 +42,7 @@ class HeldBucket:
         "states",
         "tries",
         "version",
+        "writes",
         "writing",
     )
 
@@ -62,6 +65,7 @@ class HeldBucket:
             self.version = 1
         self.remaining = self.count - self.states.count(DONE)
         self.writing: asyncio.Future[None] | None = None
+        self.writes = 0  # the last write's number in this lease (``StateWrite.seq``)
         # Fetches in flight that served slots of it and may still make them available
         # again (see ``serving``): the state flusher leaves it in memory meanwhile.
         self.serving = 0

@@ -6,7 +6,9 @@ left; releases buckets with nothing deliverable and nothing reserved (or unused 
 ``IDLE_RELEASE`` seconds). Writes are conditional on the token of the lease the bucket was
 taken under, so a holder whose lease was taken over never overwrites the new holder's
 state, nor does a write of an earlier lease of this store that reaches the server late;
-a final write (delete, release) that failed is tried again by the next flush.
+and each carries its number in the lease, so neither does an older write of the same
+lease landing after a newer one (its reply was lost, and the flush after wrote again). A
+final write (delete, release) that failed is tried again by the next flush.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from .held import HeldBucket
 from .settings import (
     IDLE_RELEASE,
 )
-from .storage import DELETE, KEEP, RELEASE, BucketStorage, StateWrite
+from .storage import DELETE, KEEP, RELEASE, BucketStorage, Outcome, StateWrite
 
 log = logging.getLogger("aio_keuss.buckets")
 
@@ -89,10 +91,12 @@ class StateWriter:
         writes, versions = [], []
         for bucket in buckets:
             bucket.writing = future
+            bucket.writes += 1
+            seq = bucket.writes
             versions.append(bucket.version)
             mode = DELETE if bucket.remaining == 0 else final.get(bucket.id, KEEP)
             if mode == DELETE:
-                writes.append(StateWrite(bucket.id, DELETE, now, 0, None, bucket.owner))
+                writes.append(StateWrite(bucket.id, DELETE, now, 0, None, bucket.owner, seq))
             elif mode == RELEASE:
                 score = bucket.next_available()
                 writes.append(
@@ -103,6 +107,7 @@ class StateWriter:
                         bucket.remaining,
                         bucket.snapshot(),
                         bucket.owner,
+                        seq,
                     )
                 )
             else:
@@ -115,19 +120,28 @@ class StateWriter:
                         bucket.remaining,
                         bucket.snapshot() if dirty else None,
                         bucket.owner,
+                        seq,
                     )
                 )
         try:
-            flags = await self._storage.write(self.name, writes)
+            outcomes = await self._storage.write(self.name, writes)
         finally:
             for bucket in buckets:
                 bucket.writing = None
             future.set_result(None)
         released: list[float] = []
-        for bucket, write, version, kept in zip(buckets, writes, versions, flags, strict=True):
-            if kept and write.mode == RELEASE and write.remaining:
+        for bucket, write, version, outcome in zip(
+            buckets, writes, versions, outcomes, strict=True
+        ):
+            if outcome is Outcome.SUPERSEDED:
+                # A later write of this lease is stored: the lease is still ours. Nothing
+                # is known of what that write carried here (its reply is another's), so
+                # the bucket stays as it was; a caller still needing it written (``_sync``)
+                # writes again, under a number past every one sent.
+                continue
+            if outcome is Outcome.WRITTEN and write.mode == RELEASE and write.remaining:
                 released.append(write.score)
-            if not kept:
+            if outcome is Outcome.LOST:
                 if not bucket.lost:
                     log.warning("queue %r: lease of bucket %s was lost", self.name, bucket.id)
                 bucket.lost = True

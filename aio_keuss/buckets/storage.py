@@ -17,6 +17,14 @@ owner is the same string field as before, so existing data needs no migration: a
 stored by an earlier release holds ``""`` (free) or that release's store token, which no
 write of this one carries (a write's owner is never ``""``), so nothing stale matches it,
 and such a bucket is leased (taken over once its lease lapses) as any other.
+
+The token fences other leases, not the same lease's own older writes: a write whose reply
+never came (a dropped connection, a client timeout) may still reach the server after a
+newer write of that lease landed, and, carrying the same token, rolled the bucket's state
+back (an ok-ed message live again, a ko's delay gone). So every write of a lease also
+carries a sequence number, counted per bucket from 1 in each lease, and is applied only
+when it is past the one stored, in the same atomic step as the owner check; a lease sets
+the stored one back to 0. A bucket stored by an earlier release has none: read as 0.
 """
 
 from __future__ import annotations
@@ -24,6 +32,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
+from enum import Enum
 
 
 @dataclass(slots=True)
@@ -62,7 +71,8 @@ KEEP, RELEASE, DELETE = "k", "r", "d"
 @dataclass(slots=True)
 class StateWrite:
     """Write back a leased bucket, only if its stored owner is still ``owner``: the token
-    of the lease it was taken under (never ``""``).
+    of the lease it was taken under (never ``""``), and its stored sequence number (0 when
+    leased, or when none is stored) is below ``seq``, this write's number in that lease.
 
     ``mode``: KEEP (stay leased, score = lease deadline), RELEASE (owner = "", score = when
     it is next worth leasing) or DELETE (nothing left). ``state`` None keeps the stored state
@@ -75,6 +85,20 @@ class StateWrite:
     remaining: int
     state: bytes | None
     owner: str
+    seq: int
+
+
+class Outcome(Enum):
+    """What became of one :class:`StateWrite`."""
+
+    WRITTEN = "written"
+    """Applied; or this very write was already (its number is the one stored: a retry)."""
+    SUPERSEDED = "superseded"
+    """Refused: a later write of the same lease is stored, with everything this one had
+    (a lease's writes of a bucket are serialized, each snapshot after the one before).
+    The lease is still the writer's."""
+    LOST = "lost"
+    """Refused: that lease is over (taken over, given back, or the bucket is gone)."""
 
 
 @dataclass(slots=True)
@@ -128,7 +152,8 @@ class BucketStorage(ABC):
         ids: Sequence[str] | None = None,
         exclude: Collection[str] = (),
     ) -> Lease:
-        """Atomically take buckets: set owner = token (this lease's), score = deadline.
+        """Atomically take buckets: set owner = token (this lease's), score = deadline,
+        and the stored write sequence number back to 0 (``StateWrite.seq``).
 
         Without ``ids``: buckets with ``score <= now`` in (score, id) order, stopping once
         their ``remaining`` adds up to ``want`` or ``max_buckets`` were taken. With ``ids``:
@@ -140,10 +165,10 @@ class BucketStorage(ABC):
         """
 
     @abstractmethod
-    async def write(self, queue: str, writes: Sequence[StateWrite]) -> list[bool]:
-        """Apply each write whose bucket is still owned by its ``owner``; one flag per
-        write, false when that lease is over (taken over, given back, or the bucket is
-        gone)."""
+    async def write(self, queue: str, writes: Sequence[StateWrite]) -> list[Outcome]:
+        """Apply each write whose bucket is still owned by its ``owner`` and whose ``seq``
+        is past the stored one (the check and the write one atomic step per bucket); one
+        outcome per write."""
 
     @abstractmethod
     async def census(self, queue: str, exclude: Collection[str], now: float) -> Census:

@@ -6,7 +6,10 @@ The client, database, signal bus and stats store are those of the ``mongo`` back
 ``<prefix>_buckets``: one document per bucket, every queue in it::
 
     {_id: bucket id, id: bucket id, queue, score, owner, count, remaining,
-     blob: Binary, state: Binary}
+     blob: Binary, state: Binary, seq}
+
+(``seq``: the number of the last state write of its lease, 0 once leased; a document
+of an earlier release has none, read as 0.)
 
 indexed by (queue, score, id) for leasing (created on first use; creating it again, or
 concurrently, is harmless). ``id`` repeats ``_id`` because some servers (the SQLite-backed
@@ -24,11 +27,14 @@ Every operation is atomic per bucket, not across buckets (no multi-document tran
   only a fetch that came up short reads it, and such a fetch leases again. By id (a
   remove): one ``find_one_and_update`` per bucket.
 - write: every update in ONE ``bulk_write``, each conditioned on ``owner`` being the token
-  of the lease it was made under, and stamping
-  a per-call nonce; a bulk result only counts matches, so when fewer matched than were sent
-  the nonce says which did (a release taken over and written by its next holder before
-  that read is reported lost: the bucket left either way, only a warning is logged). A
-  delete is its own ``delete_one`` (once in a bucket's life), so its result is its own.
+  of the lease it was made under and on ``seq`` being below its own (missing counts as
+  0), and stamping a per-call nonce; a bulk result only counts matches, so when fewer
+  matched than were sent one read says which did (the nonce) and which were refused by
+  ``seq`` alone (owner still theirs: superseded, the lease kept). A release taken over and
+  written by its next holder before that read is reported lost: the bucket left either
+  way, only a warning is logged. A delete is its own ``delete_one`` (once in a bucket's
+  life, bar a retry), so its result is its own; a refused one is looked at by the same
+  read.
 - census: one ``$group`` aggregation.
 
 Times come from the caller (see ``bucket.py``).
@@ -53,6 +59,7 @@ from ..buckets.storage import (
     Lease,
     LeasedBucket,
     NewBucket,
+    Outcome,
     StateWrite,
 )
 from ..buckets.store import BucketBackend
@@ -126,7 +133,7 @@ class MongoBucketStorage(BucketStorage):
         ids: Sequence[str] | None = None,
         exclude: Collection[str] = (),
     ) -> Lease:
-        take = {"$set": {"owner": token, "score": deadline}}
+        take = {"$set": {"owner": token, "score": deadline, "seq": 0}}
         if ids is not None:
             # Free, or its lease expired. Spelled with $and: the SQLite-backed test
             # server drops the other fields of a write's filter next to a top-level $or.
@@ -172,48 +179,62 @@ class MongoBucketStorage(BucketStorage):
         return Lease(taken, None if low is None else float(low["score"]))
 
     @translated
-    async def write(self, queue: str, writes: Sequence[StateWrite]) -> list[bool]:
+    async def write(self, queue: str, writes: Sequence[StateWrite]) -> list[Outcome]:
         nonce = os.urandom(8).hex()
         updates: list[int] = []
         requests: list[UpdateOne] = []
         deletes: list[int] = []
         for k, w in enumerate(writes):
-            mine = {"_id": w.id, "queue": queue, "owner": w.owner}
             if w.mode == DELETE:
                 deletes.append(k)
                 continue
-            fields: Document = {"score": w.score, "remaining": w.remaining, "wid": nonce}
+            fields: Document = {
+                "score": w.score,
+                "remaining": w.remaining,
+                "seq": w.seq,
+                "wid": nonce,
+            }
             if w.state is not None:
                 fields["state"] = w.state
             if w.mode == RELEASE:
                 fields["owner"] = ""
             updates.append(k)
-            requests.append(UpdateOne(mine, {"$set": fields}))
-        flags = [False] * len(writes)
+            requests.append(UpdateOne(_mine(queue, w), {"$set": fields}))
+        outcomes = [Outcome.LOST] * len(writes)
         deleted, matched = await asyncio.gather(
-            asyncio.gather(
-                *(
-                    self._coll.delete_one(
-                        {"_id": writes[k].id, "queue": queue, "owner": writes[k].owner}
-                    )
-                    for k in deletes
-                )
-            ),
+            asyncio.gather(*(self._coll.delete_one(_mine(queue, writes[k])) for k in deletes)),
             self._bulk(requests),
         )
-        for k, result in zip(deletes, deleted, strict=True):
-            flags[k] = result.deleted_count == 1
+        refused = [
+            k for k, result in zip(deletes, deleted, strict=True) if not result.deleted_count
+        ]
+        for k in deletes:
+            if k not in refused:
+                outcomes[k] = Outcome.WRITTEN
         if matched == len(updates):
             for k in updates:
-                flags[k] = True
-        elif matched:  # some lost their lease: those that carry the nonce were written
+                outcomes[k] = Outcome.WRITTEN
+        else:
+            refused += updates
+        if refused:
+            # Which matched (the nonce), and which were refused by their number alone: the
+            # owner is still theirs then (a lease's token never comes back once replaced),
+            # so a later write of that lease is stored.
             cursor = self._coll.find(
-                {"_id": {"$in": [writes[k].id for k in updates]}, "wid": nonce}, {"_id": 1}
+                {"_id": {"$in": [writes[k].id for k in refused]}},
+                {"_id": 1, "wid": 1, "owner": 1, "seq": 1},
             )
-            done = {d["_id"] for d in await cursor.to_list()}
-            for k in updates:
-                flags[k] = writes[k].id in done
-        return flags
+            found = {d["_id"]: d for d in await cursor.to_list()}
+            for k in refused:
+                doc = found.get(writes[k].id)
+                if doc is None:
+                    continue
+                if doc.get("wid") == nonce:
+                    outcomes[k] = Outcome.WRITTEN
+                elif doc.get("owner") == writes[k].owner:
+                    seq = int(doc.get("seq", 0))
+                    outcomes[k] = Outcome.WRITTEN if seq == writes[k].seq else Outcome.SUPERSEDED
+        return outcomes
 
     async def _bulk(self, requests: list[UpdateOne]) -> int:
         if not requests:
@@ -266,6 +287,15 @@ class MongoBucketStorage(BucketStorage):
             int(row["reserved"]),
             None if low is None else float(low),
         )
+
+
+def _mine(queue: str, write: StateWrite) -> Document:
+    """The filter of ``write``: its bucket, still owned by its lease, its number past the
+    one stored (a document of an earlier release has none). Spelled with $and around the
+    $or: the SQLite-backed test server drops the other fields of a filter next to a
+    top-level $or."""
+    newer = {"$or": [{"seq": {"$lt": write.seq}}, {"seq": {"$exists": False}}]}
+    return {"$and": [{"_id": write.id}, {"queue": queue}, {"owner": write.owner}, newer]}
 
 
 def _leased(doc: Document) -> LeasedBucket:

@@ -5,7 +5,7 @@ the ``buckets_*`` blocks of ``sql/queries.sql``.
 The pool, schema, signal bus (LISTEN/NOTIFY) and stats store are those every PostgreSQL
 backend shares (:class:`PostgresBackend`). The table is one of the schema's migrations:
 
-``buckets(queue, id, score, owner, count, remaining, blob, state)``, keyed by (queue, id),
+``buckets(queue, id, score, owner, count, remaining, blob, state, seq)``, keyed by (queue, id),
 indexed by (queue, score, id) for leasing, ``blob`` and ``state`` stored uncompressed.
 
 Leasing is ``UPDATE ... FROM (SELECT ... ORDER BY score, id FOR UPDATE SKIP LOCKED)``, so
@@ -19,7 +19,15 @@ from collections.abc import Collection, Sequence
 from typing import Any, ClassVar
 
 from ..buckets.settings import bucket_backend_options
-from ..buckets.storage import BucketStorage, Census, Lease, LeasedBucket, NewBucket, StateWrite
+from ..buckets.storage import (
+    BucketStorage,
+    Census,
+    Lease,
+    LeasedBucket,
+    NewBucket,
+    Outcome,
+    StateWrite,
+)
 from ..buckets.store import BucketBackend
 from .backend import PostgresBackend
 from .connection import PostgresConnectionOptions
@@ -70,7 +78,7 @@ class PostgresBucketStorage(BucketStorage):
         buckets = [LeasedBucket(r[0], r[1], r[2], r[3]) for r in rows if r[0] is not None]
         return Lease(buckets, rows[0][4] if rows else None)
 
-    async def write(self, queue: str, writes: Sequence[StateWrite]) -> list[bool]:
+    async def write(self, queue: str, writes: Sequence[StateWrite]) -> list[Outcome]:
         rows = await self._db.fetch(
             self._sql["buckets_write"],
             queue,
@@ -80,14 +88,23 @@ class PostgresBucketStorage(BucketStorage):
             [w.score for w in writes],
             [w.remaining for w in writes],
             [w.state for w in writes],
+            [w.seq for w in writes],
         )
-        done = {r[0] for r in rows}
-        return [w.id in done for w in writes]
+        stored = {r[0]: r[1] for r in rows}
+        return [_outcome(w, stored.get(w.id)) for w in writes]
 
     async def census(self, queue: str, exclude: Collection[str], now: float) -> Census:
         row = await self._db.fetchrow(self._sql["buckets_census"], queue, now, list(exclude))
         assert row is not None  # an aggregate always answers one row
         return Census(int(row[0]), int(row[1]), int(row[2]), row[3])
+
+
+def _outcome(write: StateWrite, stored: int | None) -> Outcome:
+    """A write's outcome from the number its row holds after it (None: no row owned by its
+    lease)."""
+    if stored is None:
+        return Outcome.LOST
+    return Outcome.WRITTEN if stored == write.seq else Outcome.SUPERSEDED
 
 
 class PostgresBucketBackend(BucketBackend, PostgresBackend):

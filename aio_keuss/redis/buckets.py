@@ -8,6 +8,9 @@ Keys of a queue ``q`` (all tagged ``{q}``, so one cluster slot holds the whole q
 - ``bs``: HASH bucket id -> slot state blob.
 - ``bo``: HASH bucket id -> owner (lease token; ``""`` when free).
 - ``br``: HASH bucket id -> remaining (slots not done).
+- ``bn``: HASH bucket id -> the number of the last state write of its lease (see
+  ``StateWrite.seq``); absent (0) while free and once leased, so it holds leased buckets
+  only. A queue written by an earlier release has no such hash: every bucket reads 0.
 
 Columns as hashes (rather than a hash per bucket) keep the key count flat and let a script
 reach any bucket's field with one HGET. Times come from the caller (see ``bucket.py``).
@@ -19,12 +22,20 @@ from collections.abc import Collection, Sequence
 from typing import Any, ClassVar
 
 from ..buckets.settings import bucket_backend_options
-from ..buckets.storage import BucketStorage, Census, Lease, LeasedBucket, NewBucket, StateWrite
+from ..buckets.storage import (
+    BucketStorage,
+    Census,
+    Lease,
+    LeasedBucket,
+    NewBucket,
+    Outcome,
+    StateWrite,
+)
 from ..buckets.store import BucketBackend
 from .backend import RedisBackend
 from .connection import Script
 
-# KEYS: bz, bb, bs, bo, br. ARGV: (id, score, count, blob, state) per bucket.
+# KEYS: bz, bb, bs, bo, br, bn. ARGV: (id, score, count, blob, state) per bucket.
 _INSERT = Script("""
 for i = 1, #ARGV, 5 do
   local id = ARGV[i]
@@ -76,6 +87,7 @@ local out = {}
 for _, id in ipairs(picked) do
   local owner = redis.call('HGET', KEYS[4], id) or ''
   redis.call('HSET', KEYS[4], id, token)
+  redis.call('HDEL', KEYS[6], id)  -- this lease's writes count from 0
   redis.call('ZADD', KEYS[1], deadline, id)
   out[#out + 1] = {id, redis.call('HGET', KEYS[2], id), redis.call('HGET', KEYS[3], id), owner}
 end
@@ -86,15 +98,20 @@ end
 return {out, false}
 """)
 
-# ARGV: (id, mode, score, remaining, state or '', owner) per write. Mode k / r / d. Each
-# applies only while the bucket's owner is still the token of the lease it was made under.
+# ARGV: (id, mode, score, remaining, state or '', owner, seq) per write. Mode k / r / d.
+# Each applies only while the bucket's owner is still the token of the lease it was made
+# under and its seq is past the stored one. Returns per write 1 (written, or this one was
+# already: its seq is the stored one), 2 (superseded by a later write of the lease), 0 (lost).
 _WRITE = Script("""
 redis.call('HDEL', KEYS[4], '')  -- first, a write that cannot grow memory (see _LEASE)
 local result = {}
-for i = 1, #ARGV, 6 do
-  local id, mode = ARGV[i], ARGV[i + 1]
+for i = 1, #ARGV, 7 do
+  local id, mode, seq = ARGV[i], ARGV[i + 1], tonumber(ARGV[i + 6])
+  local stored = tonumber(redis.call('HGET', KEYS[6], id) or '0')
   if redis.call('HGET', KEYS[4], id) ~= ARGV[i + 5] then
     result[#result + 1] = 0
+  elseif stored >= seq then
+    result[#result + 1] = stored == seq and 1 or 2
   else
     if mode == 'd' then
       redis.call('ZREM', KEYS[1], id)
@@ -102,17 +119,25 @@ for i = 1, #ARGV, 6 do
       redis.call('HDEL', KEYS[3], id)
       redis.call('HDEL', KEYS[4], id)
       redis.call('HDEL', KEYS[5], id)
+      redis.call('HDEL', KEYS[6], id)
     else
       if ARGV[i + 4] ~= '' then redis.call('HSET', KEYS[3], id, ARGV[i + 4]) end
       redis.call('HSET', KEYS[5], id, ARGV[i + 3])
       redis.call('ZADD', KEYS[1], ARGV[i + 2], id)
-      if mode == 'r' then redis.call('HSET', KEYS[4], id, '') end
+      if mode == 'r' then
+        redis.call('HSET', KEYS[4], id, '')
+        redis.call('HDEL', KEYS[6], id)  -- free: no write of any lease matches it now
+      else
+        redis.call('HSET', KEYS[6], id, ARGV[i + 6])
+      end
     end
     result[#result + 1] = 1
   end
 end
 return result
 """)
+
+_OUTCOMES = {0: Outcome.LOST, 1: Outcome.WRITTEN, 2: Outcome.SUPERSEDED}
 
 # ARGV: now, excluded ids... Returns {ready, scheduled, reserved, lowest score or nil}.
 _CENSUS = Script("""
@@ -158,7 +183,7 @@ class RedisBucketStorage(BucketStorage):
 
     def _keys(self, queue: str) -> list[str]:
         key = self._backend.key
-        return [key(queue, part) for part in ("bz", "bb", "bs", "bo", "br")]
+        return [key(queue, part) for part in ("bz", "bb", "bs", "bo", "br", "bn")]
 
     async def insert_buckets(self, queue: str, buckets: Sequence[NewBucket]) -> None:
         args: list[Any] = []
@@ -184,12 +209,12 @@ class RedisBucketStorage(BucketStorage):
         buckets = [LeasedBucket(_text(r[0]), r[1], r[2], _text(r[3])) for r in rows]
         return Lease(buckets, _float(low))
 
-    async def write(self, queue: str, writes: Sequence[StateWrite]) -> list[bool]:
+    async def write(self, queue: str, writes: Sequence[StateWrite]) -> list[Outcome]:
         args: list[Any] = []
         for w in writes:
-            args += [w.id, w.mode, repr(w.score), w.remaining, w.state or b"", w.owner]
-        flags = await self._backend.run_script(_WRITE, self._keys(queue), args)
-        return [bool(f) for f in flags]
+            args += [w.id, w.mode, repr(w.score), w.remaining, w.state or b"", w.owner, w.seq]
+        codes = await self._backend.run_script(_WRITE, self._keys(queue), args)
+        return [_OUTCOMES[int(c)] for c in codes]
 
     async def census(self, queue: str, exclude: Collection[str], now: float) -> Census:
         ready, scheduled, reserved, low = await self._backend.run_script(

@@ -1377,7 +1377,7 @@ async def test_a_bucket_held_by_an_earlier_release_that_died_is_taken_over(
     from array import array
 
     from aio_keuss.buckets.codec import DONE, HANDED_OUT
-    from aio_keuss.buckets.storage import KEEP, StateWrite
+    from aio_keuss.buckets.storage import KEEP, Outcome, StateWrite
 
     case, options = bucket_case
     async with aio_keuss.connect(case.name, **options) as factory:
@@ -1393,9 +1393,9 @@ async def test_a_bucket_held_by_an_earlier_release_that_died_is_taken_over(
         states = bytes([DONE, HANDED_OUT])
         old_state = encode_state(states, array("I", [0, 0]), array("d", [now, now]))
         (kept,) = await storage.write(
-            q.name, [StateWrite(row.id, KEEP, now - 1, 1, old_state, old_token)]
+            q.name, [StateWrite(row.id, KEEP, now - 1, 1, old_state, old_token, 1)]
         )
-        assert kept
+        assert kept is Outcome.WRITTEN
         got = await q.reserve(timeout=5)
         assert got is not None and got.payload == "b" and got.tries == 1
         assert await q.reserve(timeout=0) is None
@@ -1413,6 +1413,8 @@ async def test_an_older_state_write_of_the_same_lease_landing_late_is_refused(
     went back to before the ok, and the next holder (this one stopped past its lease)
     delivered the ok-ed message again. The first write is held (as a request still on its
     way) until the newer flush landed."""
+    from aio_keuss.buckets.storage import Outcome
+
     async with _two_factories(bucket_case, "late-state-write", 1.0) as (q, other, _):
         await q.push_many(["a", "b"])  # one bucket
         got = await q.reserve_many(2, timeout=5)
@@ -1439,7 +1441,8 @@ async def test_an_older_state_write_of_the_same_lease_landing_late_is_refused(
             assert await q.ok(next(m for m in got if m.payload == "a")) is True
             await store.flush()  # the newer state (a done) lands first
             gate.set()
-            await late[0]  # the older one (a reserved) lands now
+            # the older one (a reserved) lands now: refused, and not as a lost lease
+            assert await late[0] == [Outcome.SUPERSEDED]
         finally:
             gate.set()
             store._storage.write = real_write

@@ -526,7 +526,7 @@ WITH candidate AS MATERIALIZED (
     ) c
     WHERE before < $5 OR n = 1
 ), leased AS (
-    UPDATE {s}.buckets b SET owner = $2, score = $4
+    UPDATE {s}.buckets b SET owner = $2, score = $4, seq = 0
     FROM pick
     WHERE b.queue = $1 AND b.id = pick.id
     RETURNING b.id, b.blob, b.state, pick.owner AS previous, pick.score AS old_score
@@ -545,31 +545,43 @@ WITH pick AS MATERIALIZED (
     WHERE queue = $1 AND id = ANY($5::text[]) AND (owner = '' OR score <= $3)
     FOR UPDATE SKIP LOCKED
 )
-UPDATE {s}.buckets b SET owner = $2, score = $4
+UPDATE {s}.buckets b SET owner = $2, score = $4, seq = 0
 FROM pick
 WHERE b.queue = $1 AND b.id = pick.id
 RETURNING b.id, b.blob, b.state, pick.owner AS previous
 
 -- name: buckets_write
 -- $2.. one array per field of a state write, $2 the owner each is conditioned on (the
--- token of the lease it was made under): only rows still owned by it.
+-- token of the lease it was made under), $8 its number in that lease: only rows still
+-- owned by it, and only past the number stored. One row per write of a row still owned by
+-- its lease, with the number stored after it: the write's own (written, or this very write
+-- was already) or a larger one (refused: a later write of the lease is stored; the row is
+-- left as it was, a stale delete included). No row: the lease is over. Settled in the
+-- update itself, not read beside it: under READ COMMITTED an update waiting for another
+-- one's row lock checks its condition again on the row that one left, which a plain read
+-- of the same statement does not see (PostgreSQL manual, "Read Committed Isolation Level").
 WITH w AS (
     SELECT * FROM unnest($2::text[], $3::text[], $4::text[], $5::float8[], $6::int4[],
-                         $7::bytea[])
-        AS w(owner, id, mode, score, remaining, state)
+                         $7::bytea[], $8::int8[])
+        AS w(owner, id, mode, score, remaining, state, seq)
 ), deleted AS (
     DELETE FROM {s}.buckets b USING w
     WHERE b.queue = $1 AND b.id = w.id AND b.owner = w.owner AND w.mode = 'd'
-    RETURNING b.id
+      AND b.seq < w.seq
+    RETURNING b.id, w.seq
 ), updated AS (
     UPDATE {s}.buckets b
-    SET score = w.score, remaining = w.remaining, state = coalesce(w.state, b.state),
-        owner = CASE WHEN w.mode = 'r' THEN '' ELSE b.owner END
+    SET score = CASE WHEN b.seq < w.seq THEN w.score ELSE b.score END,
+        remaining = CASE WHEN b.seq < w.seq THEN w.remaining ELSE b.remaining END,
+        state = CASE WHEN b.seq < w.seq THEN coalesce(w.state, b.state) ELSE b.state END,
+        owner = CASE WHEN b.seq < w.seq AND w.mode = 'r' THEN '' ELSE b.owner END,
+        seq = greatest(b.seq, w.seq)
     FROM w
-    WHERE b.queue = $1 AND b.id = w.id AND b.owner = w.owner AND w.mode <> 'd'
-    RETURNING b.id
+    WHERE b.queue = $1 AND b.id = w.id AND b.owner = w.owner
+      AND (w.mode <> 'd' OR b.seq >= w.seq)
+    RETURNING b.id, b.seq
 )
-SELECT id FROM deleted UNION ALL SELECT id FROM updated
+SELECT id, seq FROM deleted UNION ALL SELECT id, seq FROM updated
 
 -- name: buckets_census
 -- $2 now, $3 ids left out (the buckets this process holds in memory).
