@@ -1453,3 +1453,46 @@ async def test_an_older_state_write_of_the_same_lease_landing_late_is_refused(
         assert [m.payload for m in again] == ["b"], "the ok-ed message was delivered again"
         assert again[0].tries == 1
         assert await other.ok_many(again) == [True]
+
+
+async def test_a_state_write_refused_as_superseded_keeps_the_lease(
+    bucket_case: tuple[BackendCase, dict[str, Any]],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A write of this lease refused because a later one of the same lease is stored says
+    nothing of the lease being over: the holder keeps the bucket (no lost-lease warning, its
+    oks still count) and writes again. A later write is put ahead of the flush's own."""
+    import dataclasses
+
+    from aio_keuss.buckets.storage import Outcome
+
+    async with _two_factories(bucket_case, "superseded-write", 1.0) as (q, other, _):
+        await q.push_many(["a", "b"])  # one bucket
+        got = await q.reserve_many(2, timeout=5)
+        assert sorted(m.payload for m in got) == ["a", "b"]
+        assert await q.ok(next(m for m in got if m.payload == "a")) is True
+        store = q._store  # type: ignore[attr-defined]
+        real_write = store._storage.write
+        outcomes: list[list[Outcome]] = []
+
+        async def overtaken(queue: str, writes: Any) -> Any:
+            if not outcomes:
+                ahead = [dataclasses.replace(w, seq=w.seq + 1) for w in writes]
+                await real_write(queue, ahead)
+            outcomes.append(await real_write(queue, writes))
+            return outcomes[-1]
+
+        store._storage.write = overtaken
+        try:
+            with caplog.at_level(logging.WARNING, "aio_keuss.buckets"):
+                await store.flush()
+        finally:
+            store._storage.write = real_write
+        assert outcomes[0] == [Outcome.SUPERSEDED]
+        assert "was lost" not in caplog.text
+        (bucket,) = store._held_buckets.values()
+        assert not bucket.lost and bucket.persisted == bucket.version
+        await _stop_renewing(store)
+        again = await other.reserve_many(10, timeout=10)  # taken over: the stored state
+        assert [m.payload for m in again] == ["b"]
+        assert await other.ok_many(again) == [True]
