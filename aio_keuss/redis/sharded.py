@@ -16,7 +16,7 @@ import time
 from collections.abc import Sequence
 from typing import Any, ClassVar
 
-from ..contract import Ack, Entry, Nack, Stored
+from ..contract import Ack, Entry, Extend, Nack, Stored
 from ..sharded import meta
 from ..sharded.backend import ShardedBackend
 from ..sharded.settings import ShardedOptions
@@ -158,6 +158,13 @@ class RedisShardStorage(ShardStorage):
         for ack in acks:
             args += (ack.id, "" if ack.tries is None else ack.tries)
         return [flag == 1 for flag in await self._run(lua.COMMIT, keys, args)]
+
+    async def extend(self, queue: str, shard: int, extends: Sequence[Extend]) -> list[bool]:
+        base, keys = self._shard(queue, shard)
+        args: list[Any] = [base]
+        for extend in extends:
+            args += (extend.id, "" if extend.tries is None else extend.tries, repr(extend.seconds))
+        return [flag == 1 for flag in await self._run(lua.EXTEND, keys, args)]
 
     async def rollback(
         self, queue: str, shard: int, nacks: Sequence[Nack], max_ko: int | None

@@ -561,6 +561,35 @@ return out
 """
 )
 
+# KEYS: m ix - - k. ARGV: base, then 3 per extend: id, tries ('' = unchecked), seconds. Each
+# record still held (the guard of COMMIT) gets the deadline now + seconds, nearer or later,
+# and its note in k, if the sweep stepped over it, moves with it (ZADD XX: only an existing
+# note): the walk never comes back to a record it passed, so a deadline brought nearer would
+# otherwise be found only at the one noted first. It begins with a write that cannot grow
+# memory (see ``first_write``): a long handler's consumer extends at maxmemory too.
+# Reply: 1 / 0 per extend.
+_EXTEND = (
+    _HELD
+    + """
+local base = ARGV[1]
+local now = server_now()
+first_write()
+local out = {}
+for i = 2, #ARGV, 3 do
+  local key = held(base, ARGV[i], ARGV[i + 1])
+  if key then
+    local deadline = fmt(now + tonumber(ARGV[i + 2]))
+    redis.call('HSET', key, 'x', deadline)
+    redis.call('ZADD', KEYS[5], 'XX', deadline, string.sub(key, #base + 3))
+    out[#out + 1] = 1
+  else
+    out[#out + 1] = 0
+  end
+end
+return out
+"""
+)
+
 # KEYS: m ix - z k. ARGV: base, max_ko ('' = no deadletter), then 4 per nack: id, tries ('' =
 # unchecked), count try ('1' / '0'), delay. A nack with a delay schedules the record. One
 # without leaves its place and is loaded again at the load pointer (a new place), but for a
@@ -1005,9 +1034,9 @@ redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
 return 1
 """
 
-INSERT, FIRE, COMMIT, ROLLBACK, DROP_DOOMED, SIZES, SWEEP, SHOVEL = (
+INSERT, FIRE, COMMIT, EXTEND, ROLLBACK, DROP_DOOMED, SIZES, SWEEP, SHOVEL = (
     Script(_PRELUDE + body)
-    for body in (_INSERT, _FIRE, _COMMIT, _ROLLBACK, _DROP_DOOMED, _SIZES, _SWEEP, _SHOVEL)
+    for body in (_INSERT, _FIRE, _COMMIT, _EXTEND, _ROLLBACK, _DROP_DOOMED, _SIZES, _SWEEP, _SHOVEL)
 )
 READY_ADD, READY_DROP, READY_HEAD, ENROL, LEASE, RELEASE, META, LIST = (
     Script(body)
@@ -1038,6 +1067,6 @@ end
 
 CLUSTER_GUARDED: dict[Script, Script] = {
     script: Script(_CLUSTER_GUARD + script.text.decode())
-    for script in (INSERT, FIRE, COMMIT, ROLLBACK, DROP_DOOMED, SIZES, SWEEP, SHOVEL)
+    for script in (INSERT, FIRE, COMMIT, EXTEND, ROLLBACK, DROP_DOOMED, SIZES, SWEEP, SHOVEL)
 }
 """The shard scripts as run on a Redis Cluster (see ``_CLUSTER_GUARD``)."""

@@ -18,7 +18,7 @@ from dataclasses import dataclass, replace
 from typing import Any, ClassVar
 
 from ..coalesce import Uncancellable
-from ..contract import Ack, Entry, LoopTurns, Nack, Stored
+from ..contract import Ack, Entry, Extend, LoopTurns, Nack, Stored
 from ..stats import MemoryStats, StatsStore
 from ..types import Capabilities, KoResult
 from . import meta
@@ -379,6 +379,22 @@ class MemoryShardStorage(ShardStorage):
                 s.forget(found[1])
                 s.fired -= 1
             out.append(found is not None)
+        return out
+
+    async def extend(self, queue: str, shard: int, extends: Sequence[Extend]) -> list[bool]:
+        s = self._shard(queue, shard)
+        now = time.time()
+        out: list[bool] = []
+        moved: dict[int, float] = {}
+        for extend in extends:
+            found = s.held(extend.id, extend.tries)
+            if found is not None:
+                found[1].deadline = moved[found[0]] = now + extend.seconds
+            out.append(found is not None)
+        if moved and s.stepped:
+            # the sweep's notes of these slots move with them (as Redis's ZADD XX of k)
+            s.stepped = [(moved.get(at, due), at) for due, at in s.stepped]
+            heapq.heapify(s.stepped)
         return out
 
     async def rollback(

@@ -13,7 +13,9 @@ from ..errors import ConfigError
 from ..options import BackendOptions, check_bool, check_int, check_option_seconds
 from ..types import Capabilities
 
-CAPABILITIES = Capabilities(remove=False, reservation_expiry=True, move=False, fifo=False)
+CAPABILITIES = Capabilities(
+    remove=False, reservation_expiry=True, move=False, fifo=False, extend=True
+)
 """No remove, no atomic move (so no pipelines), order within a shard only."""
 
 SHARD_KEY_HEADER = "x-shard-key"

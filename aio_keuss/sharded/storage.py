@@ -53,7 +53,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from ..contract import Ack, Entry, Nack, Stored
+from ..contract import Ack, Entry, Extend, Nack, Stored
 from ..types import KoResult
 
 MetaRecord = Mapping[str, str]
@@ -286,6 +286,19 @@ class ShardStorage(ABC):
 
         Needs: check-and-delete per record (on Aerospike, a generation-checked delete), so
         a holder whose record was swept and fired again deletes nothing."""
+
+    @abstractmethod
+    async def extend(self, queue: str, shard: int, extends: Sequence[Extend]) -> list[bool]:
+        """Move the deadline of each record still held (the guard of :meth:`commit`: one
+        past its deadline that the sweep has not moved yet is still held) to now + its
+        ``seconds``, nearer or later; per extend whether it was held. Atomic on the shard.
+        Nothing else changes: tries, place, pointers, counters.
+
+        Needs: the guard and the deadline's write as one step (on Aerospike, a
+        generation-checked write), and the shard's note of a reservation the sweep stepped
+        over moved to the new deadline in the same step: the walk never comes back to a
+        record it passed, so one whose end came nearer would otherwise be found only at
+        the end noted first."""
 
     @abstractmethod
     async def rollback(

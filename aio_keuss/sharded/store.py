@@ -37,6 +37,7 @@ from ..contract import (
     Ack,
     DeadletterPlan,
     Entry,
+    Extend,
     Fetched,
     Nack,
     Store,
@@ -355,6 +356,21 @@ class ShardedStore(Store):
                 out[k] = flag
 
         by_shard = self._by_shard([ack.id for ack in acks])
+        await self._each([one(s, m) for s, m in by_shard.items()])
+        return out
+
+    async def extend(self, extends: Sequence[Extend]) -> list[bool]:
+        """One step per shard, side by side, as :meth:`commit`: each moves the deadline the
+        sweeper goes by, so a reservation extended past its first deadline is not sidelined
+        (see :meth:`ShardStorage.extend`)."""
+        out = [False] * len(extends)
+
+        async def one(shard: int, members: list[int]) -> None:
+            flags = await self._storage.extend(self.name, shard, [extends[k] for k in members])
+            for k, flag in zip(members, flags, strict=True):
+                out[k] = flag
+
+        by_shard = self._by_shard([e.id for e in extends])
         await self._each([one(s, m) for s, m in by_shard.items()])
         return out
 
