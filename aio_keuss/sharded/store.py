@@ -460,7 +460,10 @@ class ShardedStore(Store):
 
     async def next_mature(self) -> float | None:
         """Now if a record is ready or sidelined; else the earliest scheduled mature time,
-        or for reservations their latest possible deadline (now + ``reserve_delay``)."""
+        or for reservations their latest possible deadline (now + ``reserve_delay``). An
+        estimate: the shards keep no index of every deadline (only of those the sweep
+        stepped over), so one :meth:`extend` moved past that is not seen, and the answer
+        is then early (a caller looks again), never a reason to miss a message."""
         now = time.time()
         times: list[float] = []
         for shard in await self.shard_sizes():
