@@ -198,6 +198,7 @@ CASES: list[BackendCase] = [
                 "test_pipeline",
                 "test_batching",
                 "test_chaos",
+                "test_extend",
             }
         ),
     ),

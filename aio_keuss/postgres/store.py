@@ -45,6 +45,7 @@ from ..contract import (
     Cursor,
     DeadletterPlan,
     Entry,
+    Extend,
     Fetched,
     Move,
     Nack,
@@ -242,6 +243,25 @@ class PostgresStore(Store):
                 flags.append(False)
         return flags
 
+    async def extend(self, extends: Sequence[Extend]) -> list[bool]:
+        if not extends:
+            return []
+        rows = await self._db.fetch(
+            self._sql["extend"],
+            self.name,
+            [e.id for e in extends],
+            [e.tries for e in extends],
+            [e.seconds for e in extends],
+        )
+        extended = {r[0]: r[1] for r in rows}  # id -> the tries its holder was given
+        # every request whose guard the row met holds it (an extension leaves the guard as
+        # it found it, so the requests of a batch naming one id do not exclude each other)
+        flags = []
+        for extend in extends:
+            tries = extended.get(extend.id)
+            flags.append(tries is not None and extend.tries in (None, tries))
+        return flags
+
     async def rollback(
         self, nacks: Sequence[Nack], deadletter: DeadletterPlan | None
     ) -> list[KoResult]:
@@ -377,7 +397,7 @@ class PostgresQueueBackend(PostgresBackend):
     """``postgres``: one table for every queue of the schema."""
 
     name = "postgres"
-    capabilities: Capabilities = Capabilities(move=True, peek=True, hold=True)
+    capabilities: Capabilities = Capabilities(move=True, peek=True, hold=True, extend=True)
     options_type: ClassVar[type[PostgresConnectionOptions]] = PostgresOptions
     options: ClassVar[dict[str, Any]] = PostgresOptions.defaults()
 

@@ -504,6 +504,7 @@ async def test_relaxed_acks_behave_the_same(open_factory: Open) -> None:
     assert first is not None and await q.ko(first) == KoResult.ROLLED_BACK
     again = await q.reserve_many(2)
     assert sorted(m.payload for m in again) == ["a", "b"]
+    assert await q.extend_many(again, 60) == [True, True]
     assert all([await q.ok(m) for m in again])
     assert await q.total_size() == 0
     with pytest.raises(aio_keuss.ConfigError):
@@ -898,6 +899,78 @@ async def test_a_bulk_load_of_new_ids_takes_one_plain_insert(schema: str) -> Non
         await backend.close()
     assert [(r["id"], r["payload"]) for r in rows] == [("h", b"h"), ("a", b"a")]
     assert [r["id"] for r in remembered] == list("abdefgh")  # "c": refused, row purged
+
+
+async def test_one_extend_statement_serves_a_batch_naming_an_id_more_than_once(
+    schema: str,
+) -> None:
+    """Concurrent extends coalesce into one batch that may name an id several times: each
+    request whose guard holds is true (an extension leaves the guard as it found it), a
+    stale holder's is false, and the last one that holds sets the end, as if they had run
+    one after another; the whole batch is one statement, and tries stay as they were."""
+    from aio_keuss.contract import Entry, Extend
+    from aio_keuss.options import QueueOptions
+
+    backend, sent = await _recording_backend(schema)
+    try:
+        store = await backend.store("q", QueueOptions())
+        await store.insert([Entry(i, i.encode(), b"{}") for i in "abc"])
+        assert len((await store.reserve(2, 30.0)).messages) == 2  # a and b, tries 0
+        sent.clear()
+        flags = await store.extend(
+            [
+                Extend("a", 0, 600.0),
+                Extend("a", 1, 5000.0),  # a holder it never had
+                Extend("a", None, 1200.0),
+                Extend("b", 0, 60.0),
+                Extend("c", None, 60.0),  # never reserved
+                Extend("x", None, 60.0),  # unknown
+                Extend("b", None, 120.0),
+            ]
+        )
+        assert sent == ["extend"]
+        rows = await backend.sql_fetch(
+            f"""SELECT id, tries, reserved, mature - extract(epoch from now())::float8 AS left_
+                FROM "{schema}".messages WHERE queue = 'q' ORDER BY id"""
+        )
+    finally:
+        await backend.close()
+    assert flags == [True, False, True, True, False, False, True]
+    found = {r["id"]: r for r in rows}
+    assert [(found[i]["tries"], found[i]["reserved"]) for i in "abc"] == [
+        (0, True),
+        (0, True),
+        (0, False),
+    ]
+    assert 900 < found["a"]["left_"] <= 1200
+    assert 60 < found["b"]["left_"] <= 120
+    assert found["c"]["left_"] <= 0
+
+
+async def test_a_lapsed_reservation_nobody_took_is_extended_with_its_tries(
+    open_factory: Open, schema: str
+) -> None:
+    """The row of a lapsed reservation still says reserved with the tries its holder was
+    given (the next reserve counts the lapse): the holder's extend finds it there, and the
+    message stays reserved with those tries, so the holder's ok still goes through."""
+    factory = await open_factory(reserve_delay=60.0, poll_interval=5.0)
+    q = await factory.queue("lapsed")
+    await q.push("x")
+    held = await q.reserve(timeout=5)
+    assert held is not None and held.tries == 0
+    connection = await asyncpg.connect(POSTGRES_URL)
+    try:  # the reservation lapses: its deadline an hour ago
+        await connection.execute(f'UPDATE "{schema}".messages SET mature = mature - 3600')
+    finally:
+        await connection.close()
+    seen = await q.find(held.id)
+    assert seen is not None and seen.state == "ready" and seen.message.tries == 1
+    assert await q.extend(held, 60) is True
+    seen = await q.find(held.id)
+    assert seen is not None and seen.state == "reserved" and seen.message.tries == 0
+    assert await q.reserve(timeout=0) is None
+    assert await q.ok(held) is True
+    assert await q.total_size() == 0
 
 
 # errors are translated where the package meets the driver ------------------------------

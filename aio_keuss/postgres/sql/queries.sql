@@ -218,6 +218,34 @@ WHERE m.queue = $1 AND m.id = a.id AND m.reserved
   AND (a.tries IS NULL OR m.tries = a.tries) {relax}
 RETURNING m.id, m.tries
 
+-- name: extend
+-- Extend: what is still reserved by its holder (the guard of a commit: $3[k] the tries the
+-- holder was given, NULL = any) gets mature = server now + $4[k], its new deadline; tries
+-- and reserved stay, so a lapsed reservation nobody took since is extended as it was and a
+-- later ok of its holder still matches. The guarded rows are locked first and the guard
+-- evaluated again on a row a concurrent reserve or commit changed meanwhile (PostgreSQL
+-- manual, SELECT: "The Locking Clause"), so a holder whose message was taken by another
+-- consumer cannot take it back. An UPDATE joined to several rows for one target row takes
+-- one of them at random (manual, UPDATE: "from_item"), so a batch naming an id twice is cut
+-- to the last request whose guard holds, as if the requests ran in order. Answers each
+-- extended id with its tries, from which the client tells which requests held.
+WITH ext AS (
+    SELECT e.* FROM unnest($2::text[], $3::int4[], $4::float8[])
+           WITH ORDINALITY AS e(id, tries, seconds, ord)
+), guarded AS MATERIALIZED (
+    SELECT m.id, e.seconds, e.ord
+    FROM {s}.messages m JOIN ext e ON m.queue = $1 AND m.id = e.id
+    WHERE m.reserved AND (e.tries IS NULL OR m.tries = e.tries) {relax}
+    FOR UPDATE OF m
+), last AS (
+    SELECT DISTINCT ON (g.id) g.id, g.seconds FROM guarded g ORDER BY g.id, g.ord DESC
+)
+UPDATE {s}.messages m
+SET mature = extract(epoch from now())::float8 + l.seconds
+FROM last l
+WHERE m.queue = $1 AND m.id = l.id
+RETURNING m.id, m.tries
+
 -- name: _move_rows
 -- The one body of a move, used by move and by rollback's deadletter: each row of the CTE
 -- "moving" (id, target, payload, headers, delay, tag) goes to queue target in place: tries
