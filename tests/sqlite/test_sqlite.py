@@ -616,6 +616,70 @@ async def test_writes_queued_together_share_a_commit_and_fail_alone(open_factory
     assert kept == [("a",), ("b",)]
 
 
+# extending a reservation -------------------------------------------------------------------
+
+
+async def test_an_extend_batch_naming_an_id_more_than_once_runs_as_in_order(
+    open_factory: Open,
+) -> None:
+    """Concurrent extends coalesce into one batch that may name an id several times: each
+    request whose guard holds is true (an extension leaves the guard as it found it), a
+    stale holder's is false, the last one that holds sets the end, and tries stay."""
+    from aio_keuss.contract import Entry, Extend
+    from aio_keuss.options import QueueOptions
+
+    backend = (await open_factory()).backend
+    store = await backend.store("q", QueueOptions())
+    await store.insert([Entry(i, i.encode(), b"{}") for i in "abc"])
+    assert len((await store.reserve(2, 30.0)).messages) == 2  # a and b, tries 0
+    asked = time.time()
+    flags = await store.extend(
+        [
+            Extend("a", 0, 600.0),
+            Extend("a", 1, 5000.0),  # a holder it never had
+            Extend("a", None, 1200.0),
+            Extend("b", 0, 60.0),
+            Extend("c", None, 60.0),  # never reserved
+            Extend("x", None, 60.0),  # unknown
+            Extend("b", None, 120.0),
+        ]
+    )
+    assert flags == [True, False, True, True, False, False, True]
+    rows = await backend.read(
+        lambda c: c.execute(
+            "SELECT id, tries, reserved, mature FROM messages WHERE queue = 'q' ORDER BY id"
+        ).fetchall()
+    )
+    found = {r[0]: r[1:] for r in rows}
+    assert [found[i][:2] for i in "abc"] == [(0, 1), (0, 1), (0, 0)]
+    assert asked + 1200 <= found["a"][2] < asked + 5000
+    assert asked + 120 <= found["b"][2] < asked + 600
+    assert found["c"][2] <= time.time()
+
+
+async def test_a_lapsed_reservation_another_factory_did_not_take_is_extended(
+    open_factory: Open, database: str
+) -> None:
+    """The row of a lapsed reservation still says reserved with the tries its holder was
+    given (the next reserve counts the lapse): the holder's extend finds it there and keeps
+    those tries, and a consumer of another factory on the file then finds nothing."""
+    holder = await (await open_factory(reserve_delay=60.0, poll_interval=5.0)).queue("jobs")
+    rival = await (await open_factory(reserve_delay=60.0, poll_interval=5.0)).queue("jobs")
+    await holder.push("x")
+    held = await holder.reserve(timeout=5)
+    assert held is not None and held.tries == 0
+    with contextlib.closing(sqlite3.connect(database)) as connection, connection:
+        connection.execute("UPDATE messages SET mature = mature - 3600")  # it lapses
+    seen = await rival.find(held.id)
+    assert seen is not None and seen.state == "ready" and seen.message.tries == 1
+    assert await holder.extend(held, 60) is True
+    seen = await rival.find(held.id)
+    assert seen is not None and seen.state == "reserved" and seen.message.tries == 0
+    assert await rival.reserve(timeout=0) is None
+    assert await holder.ok(held) is True
+    assert await rival.total_size() == 0
+
+
 # checkpoints -------------------------------------------------------------------------------
 
 

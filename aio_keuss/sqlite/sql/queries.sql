@@ -55,6 +55,14 @@ WHERE queue = ?1 AND id = ?2 AND reserved = 1 AND (?3 IS NULL OR tries = ?3)
 DELETE FROM messages
 WHERE queue = ?1 AND id = ?2 AND reserved = 1 AND (?3 IS NULL OR tries = ?3)
 
+-- name: extend
+-- Push the deadline of what is still reserved with the tries its holder was given (NULL:
+-- any), the guard of a commit: (queue, id, tries, deadline). tries and reserved stay, so a
+-- lapsed reservation nobody took since is extended as it was, and its holder's ok still
+-- matches.
+UPDATE messages SET mature = ?4
+WHERE queue = ?1 AND id = ?2 AND reserved = 1 AND (?3 IS NULL OR tries = ?3)
+
 -- name: release_seq
 -- A rollback: (tries, mature, seq).
 UPDATE messages SET tries = ?, reserved = 0, mature = ? WHERE seq = ?
