@@ -136,6 +136,11 @@ class Stored:
     place: int | None = None
     """Where the store had it, where a put-back needs it to go back to its place: a
     sharded shard's order number of the record (None elsewhere)."""
+    token: str | None = None
+    """What names this one reservation, where the store has such a thing (a reserve's own
+    random mark); None elsewhere. Opaque to the queue layer, which hands it back with the
+    holder's :class:`Ack`, :class:`Nack` or :class:`Move`: the count of tries alone does
+    not tell two reservations apart once a give-back took a try back."""
 
 
 Cursor = tuple[float, str]
@@ -210,22 +215,29 @@ class Ack:
 
     ``tries`` is what the holder was given; when set, the store commits only if the message
     is still reserved with that same count, so a consumer whose reservation expired and was
-    handed to someone else cannot delete the other consumer's message.
+    handed to someone else cannot delete the other consumer's message. ``token`` is the
+    :attr:`Stored.token` of the reservation, where the store gave one: when set, the store
+    commits only that reservation. A give-back takes its try back, so the next reservation,
+    another consumer's, has the count the first holder had: only the token tells a late or
+    repeated request of the first holder from one of the second.
     """
 
     id: str
     tries: int | None = None
+    token: str | None = None
 
 
 @dataclass(slots=True)
 class Nack:
     """Rollback of a reservation. ``count_try`` is false when the message goes back unseen
-    (its consumer was cancelled before it got it), so it costs no try."""
+    (its consumer was cancelled before it got it), so it costs no try. Guarded as
+    :class:`Ack` is, ``token`` included."""
 
     id: str
     tries: int | None
     delay: float
     count_try: bool = True
+    token: str | None = None
 
 
 @dataclass(slots=True)
@@ -247,10 +259,11 @@ class Move:
     """Take a held message out of this queue and put it into ``queue``, atomically.
 
     The guard is the one of :class:`Ack`: with ``tries`` set, only while the message is
-    still reserved with that count. In ``queue`` it starts over (tries 0), due after
-    ``delay``, with ``payload`` instead of its own when given (already encoded), and the
-    ``headers`` added to its own (a repeated key takes the new value). Its id is kept
-    unless ``queue`` already holds one like it; then :func:`moved_id` names it, with ``tag``.
+    still reserved with that count (and under ``token``, when set). In ``queue`` it starts
+    over (tries 0), due after ``delay``, with ``payload`` instead of its own when given
+    (already encoded), and the ``headers`` added to its own (a repeated key takes the new
+    value). Its id is kept unless ``queue`` already holds one like it; then
+    :func:`moved_id` names it, with ``tag``.
     """
 
     id: str
@@ -260,6 +273,7 @@ class Move:
     headers: Headers = field(default_factory=dict)
     delay: float = 0.0
     tag: str = "mv"
+    token: str | None = None
 
 
 MOVE_TAG = "mv"
@@ -389,7 +403,8 @@ class Store(ABC):
     def one_commit(self) -> OneCommit | None:
         """Optional, as :meth:`one_take`: (send, read) of the commit of one reservation;
         ``send(id, tries)`` is ``commit([Ack(id, tries)])`` sent at once, ``read(reply)``
-        the flag ``commit`` would give it."""
+        the flag ``commit`` would give it. Never used for a reservation with a
+        :attr:`Stored.token` (the call carries none): those go through :meth:`commit`."""
         return None
 
     def one_insert(self) -> OneInsert | None:

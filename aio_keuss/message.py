@@ -108,6 +108,10 @@ class Message:
     headers: Headers = field(default_factory=dict)
     tries: int = 0
     mature: datetime = field(default_factory=lambda: datetime.now(UTC))
+    _token: str | None = field(default=None, init=False, repr=False, compare=False)
+    """The store's name of the reservation that delivered it (see ``Stored.token``), handed
+    back with its ok / ko / move / give-back so that only that reservation is acted on.
+    Not part of the value: a Message built by hand has none, and is guarded by ``tries``."""
 
 
 @dataclass(slots=True, frozen=True)
@@ -445,13 +449,19 @@ def to_datetime(timestamp: float) -> datetime:
 
 _new_object = object.__new__
 _from_timestamp = datetime.fromtimestamp
-_set_id, _set_payload, _set_headers, _set_tries, _set_mature = (
-    Message.__dict__[name].__set__ for name in ("id", "payload", "headers", "tries", "mature")
+_set_id, _set_payload, _set_headers, _set_tries, _set_mature, _set_token = (
+    Message.__dict__[name].__set__
+    for name in ("id", "payload", "headers", "tries", "mature", "_token")
 )
 
 
 def decode_message(
-    message_id: str, payload: bytes, headers: bytes | str, tries: int, mature: float
+    message_id: str,
+    payload: bytes,
+    headers: bytes | str,
+    tries: int,
+    mature: float,
+    token: str | None = None,
 ) -> Message:
     """A :class:`Message` from its stored form, for every delivery. Built through its slots
     rather than the frozen dataclass's ``__init__``, which goes through
@@ -466,11 +476,17 @@ def decode_message(
     _set_headers(message, {} if headers == EMPTY_HEADERS else decode_headers(headers))
     _set_tries(message, tries)
     _set_mature(message, _from_timestamp(mature, UTC))
+    _set_token(message, token)
     return message
 
 
 def salvage_message(
-    message_id: str, payload: bytes, headers: bytes | str, tries: int, mature: float
+    message_id: str,
+    payload: bytes,
+    headers: bytes | str,
+    tries: int,
+    mature: float,
+    token: str | None = None,
 ) -> Message:
     """:func:`decode_message` for a message it refused: what can be read is, and what cannot
     is handed over as stored, with :data:`UNDECODABLE` saying why. Called only after a
@@ -500,4 +516,5 @@ def salvage_message(
     _set_headers(message, decoded_headers)
     _set_tries(message, tries)
     _set_mature(message, when)
+    _set_token(message, token)
     return message

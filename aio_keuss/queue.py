@@ -124,6 +124,8 @@ HELD_CHECK = 1024
 """Reservations held unacknowledged between two checks for expired ones (see ``_rotate_held``)."""
 
 FetchResult = tuple[list[Stored], float | None]
+Held = tuple[int, str | None]
+"""A reservation handed out here: the tries and the store's token it was given."""
 
 
 Item = TypeVar("Item")
@@ -171,11 +173,12 @@ class Queue:
         self._consumers: set[Consumer] = set()
         self._repeaters: set[Repeater] = set()
         self._handler_failures = HandlerFailures(name)
-        # Reservations handed out here and not yet ok-ed, ko-ed or released (id -> tries),
-        # given back by ``close``. Two generations: where reservations expire, one older
-        # than ``reserve_delay`` is dropped, so those nobody acknowledged cannot pile up.
-        self._held: dict[str, int] = {}
-        self._held_before: dict[str, int] = {}
+        # Reservations handed out here and not yet ok-ed, ko-ed or released (id -> tries
+        # and the store's token), given back by ``close``. Two generations: where
+        # reservations expire, one older than ``reserve_delay`` is dropped, so those nobody
+        # acknowledged cannot pile up.
+        self._held: dict[str, Held] = {}
+        self._held_before: dict[str, Held] = {}
         self._held_check = HELD_CHECK if capabilities.reservation_expiry else sys.maxsize
         self._rotate_at = -math.inf
         batch, depth = options.max_batch, store.batch_concurrency
@@ -495,7 +498,7 @@ class Queue:
         if kept is not None:
             kept[s.id] = s
         try:
-            return decode_message(s.id, s.payload, s.headers, s.tries, s.mature)
+            return decode_message(s.id, s.payload, s.headers, s.tries, s.mature, s.token)
         except Exception:
             return self._salvage(s)
 
@@ -529,7 +532,10 @@ class Queue:
         if kept is not None:
             kept.update((s.id, s) for s in stored)
         try:
-            return [decode_message(s.id, s.payload, s.headers, s.tries, s.mature) for s in stored]
+            return [
+                decode_message(s.id, s.payload, s.headers, s.tries, s.mature, s.token)
+                for s in stored
+            ]
         except Exception:
             return [self._salvage(s) for s in stored]
 
@@ -540,9 +546,9 @@ class Queue:
         as an outage. So each message is decoded alone, and one that still fails is
         delivered as stored, marked ``x-undecodable`` (see ``message.salvage_message``)."""
         try:
-            return decode_message(s.id, s.payload, s.headers, s.tries, s.mature)
+            return decode_message(s.id, s.payload, s.headers, s.tries, s.mature, s.token)
         except Exception:
-            message = salvage_message(s.id, s.payload, s.headers, s.tries, s.mature)
+            message = salvage_message(s.id, s.payload, s.headers, s.tries, s.mature, s.token)
         log.warning(
             "queue %r: message %r delivered undecoded: %s",
             self.name,
@@ -763,7 +769,7 @@ class Queue:
         if len(held) >= self._held_check:  # only while many are held unacknowledged
             held = self._rotate_held()
         for stored in reserved:
-            held[stored.id] = stored.tries
+            held[stored.id] = (stored.tries, stored.token)
 
     def _put_back_popped(self, _: int, result: FetchResult) -> Coroutine[Any, Any, None] | None:
         """A popped batch whose caller was cancelled goes back where it was (awaited by the
@@ -796,10 +802,10 @@ class Queue:
 
     def _still_held(self, stored: Stored) -> bool:
         """Whether this reservation is still noted as handed out here (see ``_hold``)."""
-        tries = self._held.get(stored.id)
-        if tries is None:
-            tries = self._held_before.get(stored.id)
-        return tries == stored.tries
+        held = self._held.get(stored.id)
+        if held is None:
+            held = self._held_before.get(stored.id)
+        return held == (stored.tries, stored.token)
 
     def _put_back_reserved(self, _: int, result: FetchResult) -> Coroutine[Any, Any, None] | None:
         """Reserved for a cancelled caller: released at once, costing no try. Only those
@@ -811,7 +817,7 @@ class Queue:
         held = [s for s in result[0] if self._still_held(s)]
         if not held:
             return None
-        nacks = [Nack(s.id, s.tries, 0.0, count_try=False) for s in held]
+        nacks = [Nack(s.id, s.tries, 0.0, False, s.token) for s in held]
         self._forget(nacks)
         return self._hand_back(self._store.rollback(nacks, None), len(nacks), "reservations")
 
@@ -866,12 +872,12 @@ class Queue:
         counted as reserved; a cancelled handler's were delivered, and count."""
         if unseen:
             self._stats.uncount(self.name, "reserve", len(messages))
-        nacks = [Nack(m.id, m.tries, 0.0, count_try=False) for m in messages]
+        nacks = [Nack(m.id, m.tries, 0.0, False, m._token) for m in messages]
         for batch in _latest_batches_first(nacks, self.options.max_batch):
             await self._put_back(self._store.rollback(batch, None), len(batch))
             self._forget(batch)
 
-    def _rotate_held(self) -> dict[str, int]:
+    def _rotate_held(self) -> dict[str, Held]:
         """Drop the older generation of held reservations once ``reserve_delay`` has passed
         since the last rotation: everything in it was reserved before that rotation, so its
         reservations have expired (and are delivered again, by this process or another)."""
@@ -886,11 +892,13 @@ class Queue:
         """These reservations were acknowledged (or found gone): not ours to give back."""
         held = self._held
         for item in done:
-            tries = held.pop(item.id, None)
-            if tries is None:
+            noted = held.pop(item.id, None)
+            if noted is None:
                 self._held_before.pop(item.id, None)
-            elif item.tries is not None and item.tries != tries:
-                held[item.id] = tries  # a stale holder's ack: our newer reservation stands
+            elif (item.token is not None and item.token != noted[1]) or (
+                item.tries is not None and item.tries != noted[0]
+            ):
+                held[item.id] = noted  # a stale holder's ack: our newer reservation stands
 
     async def _give_back(self, busy: set[str]) -> None:
         """On close: reservations handed out here that nobody acknowledged go back at once,
@@ -904,7 +912,7 @@ class Queue:
             held.pop(message_id, None)
         if not held:
             return
-        nacks = [Nack(i, tries, 0.0, count_try=False) for i, tries in held.items()]
+        nacks = [Nack(i, tries, 0.0, False, token) for i, (tries, token) in held.items()]
         sent = 0
         try:
             for batch in _latest_batches_first(nacks, self.options.max_batch):
@@ -1099,10 +1107,14 @@ class Queue:
         if self._closed or not self.capabilities.reserve:
             self._check_open()
             self._require("reserve")
-        message_id, tries = _target(message)
+        message_id, tries, token = _target(message)
         commits, one = self._commits, self._one_commit
-        if one is None or (reply := commits.send_one(one[0], message_id, tries)) is None:
-            (done,) = await commits.submit([Ack(message_id, tries)])
+        if (
+            one is None
+            or token is not None  # (the one-message call carries no token)
+            or (reply := commits.send_one(one[0], message_id, tries)) is None
+        ):
+            (done,) = await commits.submit([Ack(message_id, tries, token)])
             return done
         # The store's own one-message commit (see ``Store.one_commit``), awaited here:
         # its reply refuses cancellation, so once the reply is in, this caller's commit is
@@ -1130,12 +1142,12 @@ class Queue:
         """Roll a reservation back (due again after ``delay``), or deadletter it past max_ko."""
         self._check_open()
         self._require("reserve")
-        message_id, tries = _target(message)
+        message_id, tries, token = _target(message)
         if delay is None:  # a retry polynomial of many tries must not pass the bound either
             seconds = min(self._store.default_ko_delay(tries), MAX_SECONDS)
         else:
             seconds = self._delay(delay)
-        return await self._rollbacks.submit(Nack(message_id, tries, seconds))
+        return await self._rollbacks.submit(Nack(message_id, tries, seconds, True, token))
 
     async def extend(self, message: Message | str, seconds: float | None = None) -> bool:
         """Make a reservation you still hold last ``seconds`` more from now (default: the
@@ -1253,7 +1265,7 @@ class Queue:
         delay: float,
     ) -> Move:
         """A checked move: every argument refused here, before anything is written."""
-        message_id, tries = _target(message)
+        message_id, tries, token = _target(message)
         destination = check_queue_name(queue)
         if destination == self.name:
             raise InvalidInputError(f"move: {queue!r} is this queue; use ko to put it back")
@@ -1264,7 +1276,8 @@ class Queue:
             # push's (else the database refused the row, or the driver could not send it)
             self._check_size(blob or b"", added)
         seconds = self._delay(delay)
-        return Move(message_id, tries, destination, blob, dict(headers or {}), seconds, MOVE_TAG)
+        extra = dict(headers or {})
+        return Move(message_id, tries, destination, blob, extra, seconds, MOVE_TAG, token)
 
     async def _open_target(self, name: str) -> None:
         """Open a queue moved into through the factory (once), which records it: else its
@@ -1284,7 +1297,7 @@ class Queue:
     async def _move_batch(self, plans: list[Move]) -> list[str | None]:
         work = RunToEnd(self._store.move(plans))  # see _insert_batch
         results = await work
-        self._forget([Ack(plan.id, plan.tries) for plan in plans])
+        self._forget([Ack(plan.id, plan.tries, plan.token) for plan in plans])
         now = time.time()
         arrivals: dict[str, tuple[float, int]] = {}
         moved = 0
@@ -1820,13 +1833,14 @@ def _share(requests: list[int], fetched: Fetched) -> list[FetchResult]:
     return results
 
 
-def _target(message: Message | str) -> tuple[str, int | None]:
-    """(id, tries) of what to acknowledge; tries guards against a stale holder. A Message
-    may be built by hand: its id and tries are checked like an id given as a str."""
+def _target(message: Message | str) -> tuple[str, int | None, str | None]:
+    """(id, tries, token) of what to acknowledge; tries and the store's token of the
+    reservation (where it gave one) guard against a stale holder. A Message may be built by
+    hand: its id and tries are checked like an id given as a str (it has no token)."""
     if isinstance(message, Message):
-        return check_known_id(message.id), check_tries(message.tries)
+        return check_known_id(message.id), check_tries(message.tries), message._token
     if isinstance(message, str):
-        return check_known_id(message), None
+        return check_known_id(message), None, None
     raise InvalidIdError(f"expected a Message or a message id, not {type(message).__name__}")
 
 
