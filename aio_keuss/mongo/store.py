@@ -225,18 +225,33 @@ def _tries(value: Any) -> int:
     return int(min(max(value, 0), MAX_TRIES))
 
 
-def _stored(doc: Document) -> Stored:
+def _stored(doc: Document, token: str | None = None) -> Stored:
+    tries = _tries(doc["tries"])
     return Stored(
-        doc["_id"], _payload(doc), _headers(doc), _tries(doc["tries"]), float(doc["mature"])
+        doc["_id"], _payload(doc), _headers(doc), tries, float(doc["mature"]), token=token
     )
 
 
-def _guard(message_id: str, tries: int | None) -> Document:
-    """Still reserved, by the holder that was handed ``tries`` (when known)."""
+def _guard(message_id: str, tries: int | None, token: str | None = None) -> Document:
+    """Still reserved, by the holder that was handed ``tries`` and the reservation's
+    ``owner`` token (each when known). The count alone matched another holder's
+    reservation: a give-back takes its try back, so the next reserve of the message hands
+    out the very count the first holder had, and that holder's give-back landing again
+    (retried after a lost reply), or its late ok, released or deleted the new one."""
     guard: Document = {"_id": message_id, "reserved": True}
     if tries is not None:
         guard["tries"] = tries + 1
+    if token is not None:
+        guard["owner"] = token
     return guard
+
+
+def _as_read(doc: Document) -> Document:
+    """The reservation ``doc`` was read under, as a filter: unchanged since the read."""
+    held: Document = {"_id": doc["_id"], "reserved": True, "tries": doc["tries"]}
+    if "owner" in doc:
+        held["owner"] = doc["owner"]
+    return held
 
 
 def _unclaimed(guard: Document, now: float) -> Document:
@@ -252,17 +267,40 @@ def _unclaimed(guard: Document, now: float) -> Document:
 
 
 def _move_claim(token: str, now: float) -> Document:
-    """A move's claim of a held message: for ``CLAIM_LEASE`` seconds, under ``token``."""
-    return {"$set": {"mature": now + CLAIM_LEASE, "owner": token, "moving": now + CLAIM_LEASE}}
+    """A move's claim of a held message: for ``CLAIM_LEASE`` seconds, under ``token`` (as
+    ``mover``: the holder's ``owner`` stays, so that its ok or ko still acts once a move
+    failed past its claim, as it did when the guard was the count alone)."""
+    lease_end = now + CLAIM_LEASE
+    return {"$set": {"mature": lease_end, "mover": token, "moving": lease_end}}
 
 
-def _by_tries(held: dict[str, int]) -> Document:
-    """One filter over held messages, each with its own count: one clause per count."""
-    groups: dict[int, list[str]] = {}
-    for message_id, tries in held.items():
-        groups.setdefault(tries, []).append(message_id)
-    clauses = [{"_id": {"$in": ids}, "tries": t, "reserved": True} for t, ids in groups.items()]
+def _claimed(message_id: str, token: str, doc: Document) -> Document:
+    """The message a move claimed under ``token``, still under the reservation ``doc`` was
+    read under: a claim that lapsed leaves ``mover``, and the next reserve writes an owner
+    of its own, which this no longer matches."""
+    owner = doc.get("owner", {"$exists": False})
+    return {"_id": message_id, "mover": token, "owner": owner}
+
+
+Holding = tuple[int, str | None]
+"""A held message's count, and the owner token an ok gave for it (None: any)."""
+
+
+def _by_tries(held: dict[str, Holding]) -> Document:
+    """One filter over held messages, each with its own count and owner: one clause per
+    count and owner (a reserve of many writes one token over its batch)."""
+    groups: dict[Holding, list[str]] = {}
+    for message_id, holding in held.items():
+        groups.setdefault(holding, []).append(message_id)
+    clauses = [_guard_many(ids, tries, owner) for (tries, owner), ids in groups.items()]
     return clauses[0] if len(clauses) == 1 else {"$or": clauses}
+
+
+def _guard_many(ids: list[str], tries: int, owner: str | None) -> Document:
+    clause: Document = {"_id": {"$in": ids}, "tries": tries, "reserved": True}
+    if owner is not None:
+        clause["owner"] = owner
+    return clause
 
 
 def _dup_indexes(exc: mongo_errors.BulkWriteError) -> set[int]:
@@ -844,7 +882,7 @@ class MongoStore(Store):
         if reserve_delay > 0:
             late = min(LATE_RESERVE, reserve_delay / 2)
             docs = await self._renew(docs, token, now, late, reserve_delay)
-        return await self._fetched(docs, n)
+        return await self._fetched(docs, n, token)
 
     async def _mend_tries(self, docs: list[Document], token: str) -> None:
         """Store the count of the messages just reserved (under ``token``) whose stored
@@ -927,12 +965,12 @@ class MongoStore(Store):
         mine.sort(key=lambda d: d["mature"])
         return mine, token
 
-    async def _fetched(self, docs: list[Document], n: int) -> Fetched:
+    async def _fetched(self, docs: list[Document], n: int, token: str | None = None) -> Fetched:
         # The wait loop reads next_mature only when a request got nothing: a full batch
         # spares the extra round trip. Repeated if cut: the messages are taken by now, and
         # a CancelledError here would end the batch without them.
         next_mature = None if len(docs) == n else await _again_if_cut(self._next_mature)
-        return Fetched([_stored(d) for d in docs], next_mature)
+        return Fetched([_stored(d, token) for d in docs], next_mature)
 
     # acknowledging ------------------------------------------------------------------------
 
@@ -942,22 +980,25 @@ class MongoStore(Store):
             return []
         now = time.time()
         if len(acks) == 1:
-            guard = _guard(acks[0].id, acks[0].tries)
+            ack = acks[0]
+            guard = _guard(ack.id, ack.tries, ack.token)
             return [await self._finish(guard, now, held=True) == 1]
         ids = list({a.id: None for a in acks})
-        cursor = self._coll.find({"_id": {"$in": ids}, "reserved": True}, {"tries": 1})
-        stored = {d["_id"]: _tries(d["tries"]) for d in await cursor.to_list()}
-        held: dict[str, int] = {}
+        where = {"_id": {"$in": ids}, "reserved": True}
+        cursor = self._coll.find(where, {"tries": 1, "owner": 1})
+        stored = {d["_id"]: (_tries(d["tries"]), d.get("owner")) for d in await cursor.to_list()}
+        held: dict[str, Holding] = {}
         results = []
         for ack in acks:
-            tries = stored.get(ack.id)
+            found = stored.get(ack.id)
             ok = (
-                tries is not None
+                found is not None
                 and ack.id not in held
-                and (ack.tries is None or tries == ack.tries + 1)
+                and (ack.tries is None or found[0] == ack.tries + 1)
+                and (ack.token is None or found[1] == ack.token)
             )
-            if ok and tries is not None:
-                held[ack.id] = tries
+            if ok and found is not None:
+                held[ack.id] = (found[0], ack.token)
             results.append(ok)
         if held and await self._finish(_by_tries(held), now, held=True) != len(held):
             # something changed between the read and the delete: what is still there
@@ -1020,7 +1061,7 @@ class MongoStore(Store):
         return min(now, _epoch(server)) if isinstance(server, datetime | str) else now
 
     async def _rollback_one(self, nack: Nack, plan: DeadletterPlan | None, now: float) -> KoResult:
-        guard = _guard(nack.id, nack.tries)
+        guard = _guard(nack.id, nack.tries, nack.token)
         update: Document = {"$set": {"reserved": False, "mature": now + nack.delay}}
         if not nack.count_try:
             update["$inc"] = {"tries": -1}  # gone back unseen: the delivery does not count
@@ -1051,7 +1092,7 @@ class MongoStore(Store):
         now = time.time()
 
         async def one(move: Move) -> str | None:
-            guard = _guard(move.id, move.tries)
+            guard = _guard(move.id, move.tries, move.token)
             if self._backend.transactions:
                 doc = await self._coll.find_one(guard)
                 return None if doc is None else await self._move_doc(doc, move, now)
@@ -1084,7 +1125,7 @@ class MongoStore(Store):
         names = [moved_id(doc["_id"], move.tag, clash) for clash in range(MOVE_NAMES)]
         await self._backend.ensure_indexes(move.queue)
         target = self._backend.queue_collection(move.queue)
-        held = {"_id": doc["_id"], "reserved": True, "tries": doc["tries"]}
+        held = _as_read(doc)
         if self._backend.transactions:
             return await self._move_in_transaction(held, target, moved, names, now)
         token = claimed
@@ -1095,26 +1136,27 @@ class MongoStore(Store):
                 return None
         # cut between the copy and the delete, the message would be in both queues,
         # delivered again here once the claim lapsed
+        mine = _claimed(doc["_id"], token, doc)
         return await self._moving.run(
-            self._copy_then_delete(doc["_id"], token, move.queue, target, moved, names, now)
+            self._copy_then_delete(mine, move.queue, target, moved, names, now)
         )
 
     async def _copy_then_delete(
         self,
-        message_id: str,
-        token: str,
+        mine: Document,
         queue: str,
         target: Collection,
         moved: Document,
         names: list[str],
         now: float,
     ) -> str:
+        """Copy there, then delete here what is still under this move's claim ``mine``."""
         for name in names:
             if (await self._insert_docs(target, [{"_id": name, **moved}]))[0]:
                 break
         else:  # pragma: no cover - MOVE_NAMES earlier lives of one id
-            raise ConfigError(f"no free id for {message_id!r} in {queue!r}")
-        await self._finish({"_id": message_id, "owner": token}, now, held=True)
+            raise ConfigError(f"no free id for {mine['_id']!r} in {queue!r}")
+        await self._finish(mine, now, held=True)
         return name
 
     @translated

@@ -986,3 +986,70 @@ def test_a_stored_count_of_tries_reads_as_a_sane_int() -> None:
     assert [(repr(v), store_module._tries(v)) for v, _ in readings] == [
         (repr(v), n) for v, n in readings
     ]
+
+
+@pytest.mark.parametrize("backend", ["mongo", "mongo-history"])
+async def test_a_give_back_replayed_after_another_reserved_the_message_leaves_it_held(
+    open_factory: Open, backend: str
+) -> None:
+    """A give-back (a close's, a cancelled caller's) takes its try back, so the next
+    reservation of the message, by another consumer, has the very count the first holder
+    had. That holder's give-back landing again (retried after its reply was lost), or its
+    ok, ko or move, matched the new reservation by that count: the message was released
+    (then delivered to two consumers at once) or deleted under its new holder. Each
+    reservation is now known by its own token."""
+    first = await open_factory(backend)
+    a = await first.queue("given")
+    b = await (await open_factory(backend)).queue("given")
+    await b.push("job")
+    sent: list[Any] = []
+    rollback = a._store.rollback  # type: ignore[attr-defined]
+
+    async def recorded(nacks: Any, deadletter: Any) -> Any:
+        sent.extend(nacks)
+        return await rollback(nacks, deadletter)
+
+    a._store.rollback = recorded  # type: ignore[attr-defined]
+    mine = await a.reserve(timeout=0)
+    assert mine is not None and mine.tries == 0
+    await a._release_all([mine], unseen=True)  # type: ignore[attr-defined]  # as a consumer's
+    assert len(sent) == 1
+    theirs = await b.reserve(timeout=0)
+    assert theirs is not None and theirs.id == mine.id and theirs.tries == mine.tries
+    # the first holder's give-back, sent again; then its ok, ko and move
+    assert await b._store.rollback(sent, None) == [KoResult.MISSING]  # type: ignore[attr-defined]
+    assert not await a.ok(mine)
+    assert await a.ko(mine) is KoResult.MISSING
+    assert await a.move(mine, "elsewhere") is None
+    assert await a.ok_many([mine, mine]) == [False, False]  # (the batch commit)
+    (row,) = await b.peek(state="reserved")
+    assert row.message.id == theirs.id
+    assert await b.ok(theirs)
+    assert await b.total_size() == 0
+
+
+@pytest.mark.parametrize("backend", ["mongo", "mongo-history"])
+async def test_a_holder_s_ok_after_its_move_failed_past_the_claim_still_commits(
+    open_factory: Open, backend: str
+) -> None:
+    """Without transactions a move claims the held message, copies it, then deletes it. A
+    copy that fails leaves the claim, the message still reserved to its holder: the
+    holder's ok (its reservation's own guard) still commits it."""
+    q = await (await open_factory(backend, transactions=False)).queue("from")
+    await q.push("job")
+    message = await q.reserve(timeout=0)
+    assert message is not None
+    store: Any = q._store  # type: ignore[attr-defined]
+    insert_docs = store._insert_docs
+
+    async def refused_there(coll: Any, *args: Any, **kwargs: Any) -> Any:
+        if coll.name != store._coll.name:
+            raise pymongo.errors.OperationFailure("copy refused", 2)
+        return await insert_docs(coll, *args, **kwargs)
+
+    store._insert_docs = refused_there
+    with pytest.raises(aio_keuss.KeussError):
+        await q.move(message, "to")
+    store._insert_docs = insert_docs
+    assert await q.ok(message)
+    assert await q.total_size() == 0
