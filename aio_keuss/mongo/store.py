@@ -10,7 +10,9 @@ reserve does ``$inc: {tries: 1}`` unconditionally and hands the consumer the val
 so a reservation that expires has already been counted and the next reserve needs no
 conditional arithmetic (pipeline updates, which not every server speaks). A ko with a try
 keeps the count, a ko without one (``Nack.count_try`` false) takes it back, and a holder's
-ok / ko is accepted only while ``tries`` is still its own count + 1 (the stale-holder guard).
+ok / ko / move is accepted only while ``tries`` is still its own count + 1 and ``owner`` the
+token its reserve wrote (the stale-holder guard; a give-back took a try back, so the count
+alone matched the next reservation, another consumer's, too).
 
 Operations (``now`` = client clock; "live" = not yet consumed):
 
@@ -49,7 +51,9 @@ pop, so none is applied.
 Deadletter: on a replica set / mongos (``transactions``) the move is one transaction; elsewhere
 it is ordered so that nothing is lost: the source is first re-claimed for a lease (a crash now
 means the message comes back to its queue), then inserted into the deadletter queue, then
-deleted (a crash now means one duplicate, never a loss).
+deleted (a crash now means one duplicate, never a loss). The claim writes its token as
+``mover``, leaving the holder's ``owner``: the holder's ok or ko still acts on a message whose
+move failed past its claim.
 
 mongo-history (:class:`MongoHistoryStore`) keeps consumed messages: pop, ok, remove and the
 source side of a deadletter move set ``processed`` (a date) and push ``mature`` to
