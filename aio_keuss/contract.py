@@ -252,6 +252,8 @@ class Extend:
     id: str
     tries: int | None
     seconds: float
+    token: str | None = None
+    """The reservation's :attr:`Stored.token`, as for :class:`Ack`."""
 
 
 @dataclass(slots=True)

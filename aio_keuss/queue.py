@@ -1169,7 +1169,7 @@ class Queue:
         span = self.options.reserve_delay if seconds is None else check_seconds(seconds, "seconds")
         if span <= 0:
             raise InvalidDelayError("an extension must be longer than 0 seconds")
-        extends = [Extend(*_target(m), span) for m in messages]
+        extends = [Extend(i, tries, span, token) for i, tries, token in map(_target, messages)]
         return await self._in_chunks(self._extends, extends)
 
     async def _extend_batch(self, requests: list[list[Extend]]) -> list[list[bool]]:
@@ -1180,7 +1180,7 @@ class Queue:
             if kept and extend.tries is not None:
                 # ours for another span: what a close gives back, in the current generation
                 before.pop(extend.id, None)
-                held[extend.id] = extend.tries
+                held[extend.id] = (extend.tries, extend.token)
         return _split(requests, results)
 
     async def _commit_batch(self, requests: list[list[Ack]]) -> list[list[bool]]:

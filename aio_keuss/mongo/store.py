@@ -88,6 +88,7 @@ from ..contract import (
     Cursor,
     DeadletterPlan,
     Entry,
+    Extend,
     Fetched,
     Move,
     Nack,
@@ -298,6 +299,16 @@ def _by_tries(held: dict[str, Holding]) -> Document:
         groups.setdefault(holding, []).append(message_id)
     clauses = [_guard_many(ids, tries, owner) for (tries, owner), ids in groups.items()]
     return clauses[0] if len(clauses) == 1 else {"$or": clauses}
+
+
+def _extended_by(extend: Extend, doc: Document) -> bool:
+    """Whether ``doc``, as read after an extension (``tries`` None: not read, every guard
+    matched), is the reservation ``extend`` named."""
+    if doc["tries"] is None:
+        return True
+    if extend.tries is not None and _tries(doc["tries"]) != extend.tries + 1:
+        return False
+    return extend.token is None or doc.get("owner") == extend.token
 
 
 def _guard_many(ids: list[str], tries: int, owner: str | None) -> Document:
@@ -1017,6 +1028,40 @@ class MongoStore(Store):
         return results
 
     @translated
+    async def extend(self, extends: Sequence[Extend]) -> list[bool]:
+        """One update per length asked for (a consumer's renewals all ask for its
+        ``reserve_delay``): each guard as ok's, and not under a move's claim (whose lease
+        end ``mature`` then is). Every message it extends gets the very same end, which tells
+        them when the update matched fewer than asked: one read of those, only then (within
+        half a second of it, see :func:`_near`)."""
+        if not extends:
+            return []
+        now = time.time()
+        by_length: dict[float, list[Extend]] = {}
+        for extend in extends:
+            by_length.setdefault(extend.seconds, []).append(extend)
+        extended: dict[float, list[Document]] = {}
+
+        async def one_length(seconds: float, group: list[Extend]) -> None:
+            until = now + seconds
+            guards = [_guard(e.id, e.tries, e.token) for e in group]
+            held = _unclaimed(guards[0] if len(guards) == 1 else {"$or": guards}, now)
+            updated = await self._coll.update_many(held, {"$set": {"mature": until}})
+            if updated.matched_count == len(group):
+                extended[seconds] = [{"_id": e.id, "tries": None} for e in group]
+                return
+            ids = list({e.id for e in group})
+            mine = {"_id": {"$in": ids}, "mature": _near(until, 0.5), "reserved": True}
+            extended[seconds] = await self._coll.find(mine, {"tries": 1, "owner": 1}).to_list()
+
+        await asyncio.gather(*(one_length(s, g) for s, g in by_length.items()))
+        results = []
+        for extend in extends:
+            docs = [d for d in extended[extend.seconds] if d["_id"] == extend.id]
+            results.append(any(_extended_by(extend, doc) for doc in docs))
+        return results
+
+    @translated
     async def rollback(
         self, nacks: Sequence[Nack], deadletter: DeadletterPlan | None
     ) -> list[KoResult]:
@@ -1348,7 +1393,7 @@ class MongoQueueBackend(MongoBackend):
     """``mongo``: consumed messages are deleted."""
 
     name = "mongo"
-    capabilities: Capabilities = Capabilities(move=True, peek=True, hold=True)
+    capabilities: Capabilities = Capabilities(move=True, peek=True, hold=True, extend=True)
     store_class: ClassVar[type[MongoStore]] = MongoStore
 
     async def store(self, queue: str, options: QueueOptions) -> Store:
@@ -1374,7 +1419,9 @@ class MongoHistoryBackend(MongoQueueBackend):
     marked ``processed``; ``prefix`` defaults to ``keuss_history``."""
 
     name = "mongo-history"
-    capabilities: Capabilities = Capabilities(move=True, peek=True, hold=True, history=True)
+    capabilities: Capabilities = Capabilities(
+        move=True, peek=True, hold=True, history=True, extend=True
+    )
     default_prefix = "keuss_history"
     store_class = MongoHistoryStore
     options_type: ClassVar[type[MongoOptions]] = MongoHistoryOptions

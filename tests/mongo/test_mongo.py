@@ -1022,6 +1022,8 @@ async def test_a_give_back_replayed_after_another_reserved_the_message_leaves_it
     assert await a.ko(mine) is KoResult.MISSING
     assert await a.move(mine, "elsewhere") is None
     assert await a.ok_many([mine, mine]) == [False, False]  # (the batch commit)
+    assert await a.extend_many([mine, theirs], 3600) == [False, True]
+    assert await a.extend(mine) is False
     (row,) = await b.peek(state="reserved")
     assert row.message.id == theirs.id
     assert await b.ok(theirs)
