@@ -1195,59 +1195,79 @@ def test_a_ctrl_c_just_after_the_caller_settled_its_result_loses_nothing(
         asyncio.run(_drop_redis_prefix(options))
 
 
+class _Handovers(set[Any]):
+    """A queue's handovers, seen by the test: ``caller_dropped`` runs when the caller's
+    thread drops its entry, as it does once it has its result in hand."""
+
+    caller_dropped: Callable[[], None] = staticmethod(lambda: None)
+
+    def discard(self, item: Any) -> None:
+        super().discard(item)
+        if threading.current_thread() is threading.main_thread():
+            self.caller_dropped()
+
+
 @pytest.mark.parametrize(
-    ("taking", "loop"),
-    [
-        pytest.param(
-            "pop",
-            "stopped",
-            marks=pytest.mark.xfail(
-                strict=True,
-                reason="known hole: the close was the last, the loop thread stopped, and the"
-                " caller's give-back has nowhere to run: the popped message is lost",
-            ),
-        ),
-        ("pop", "running"),
-        ("reserve", "stopped"),
-        ("reserve", "running"),
-    ],
+    "case",
+    [c for c in CASES if c.id in ("redis-oq", "postgres")],
+    indirect=True,
+    ids=lambda c: c.id,
 )
+@pytest.mark.parametrize("point", ["claim", "entry-dropped"])
+@pytest.mark.parametrize("taking", ["pop", "reserve"])
+@pytest.mark.parametrize("loop", ["running", "stopped"])
 def test_a_ctrl_c_after_the_claim_with_another_threads_close_between_loses_nothing(
-    taking: str, loop: str, monkeypatch: pytest.MonkeyPatch
+    options: tuple[str, dict[str, Any]],
+    point: str,
+    taking: str,
+    loop: str,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """The caller's claim won (so the close, run by another thread, gave nothing back for
     it), the close ran to its end, and only then a SIGINT landed before the caller
-    returned: the caller's give-back met a closed store (or a stopped loop thread)."""
+    returned: the caller's give-back met a closed store (postgres: the popped message was
+    lost), or a stopped loop thread (the last close: lost on every backend). At the
+    claim, the close still ran the caller's handover entry (and left the result to the
+    caller); once the caller had dropped it, the close did not see it at all. A popped
+    message now goes back through a connection of its own; a reservation the close gave
+    back."""
     if threading.current_thread() is not threading.main_thread():
         pytest.skip("a signal interrupts the main thread only")
+    backend, opts = options
     real = sync._settle_once
     armed = [True]
     factory: Any = None
 
-    def settle_close_then_interrupted(taking_: Any, *args: Any) -> bool:
-        won = real(taking_, *args)
-        if won and not args and armed and armed.pop():
+    def close_then_interrupted() -> None:
+        if armed and armed.pop():
             closer = threading.Thread(target=factory.close)
             closer.start()
             closer.join(60)
             signal.pthread_kill(threading.main_thread().ident or 0, signal.SIGINT)
+
+    def settle_close_then_interrupted(taking_: Any, *args: Any) -> bool:
+        won = real(taking_, *args)
+        if won and not args:
+            close_then_interrupted()
         return won
 
-    options = {"url": REDIS_URL, "prefix": f"aks-{new_token()}"}
-    try:
-        with contextlib.ExitStack() as stack:
-            if loop == "running":  # another factory keeps the loop thread running
-                stack.enter_context(sync.connect("redis-oq", **options))
-            factory = sync.connect("redis-oq", **options)
-            q = factory.queue("jobs", reserve_delay=600.0)
-            q.push({"a": 1})
+    with contextlib.ExitStack() as stack:
+        if loop == "running":  # another factory keeps the loop thread running
+            stack.enter_context(sync.connect(backend, **opts))
+        factory = sync.connect(backend, **opts)
+        q = factory.queue("jobs", reserve_delay=600.0)
+        q.push({"a": 1})
+        if point == "claim":
             monkeypatch.setattr(sync, "_settle_once", settle_close_then_interrupted)
-            with pytest.raises(KeyboardInterrupt):
-                getattr(q, taking)(timeout=60)
-            monkeypatch.setattr(sync, "_settle_once", real)
-            factory.close()
-        with sync.connect("redis-oq", **options) as again:
-            sizes = again.queue("jobs").sizes()
-            assert (sizes.total, sizes.reserved) == (1, 0), sizes
-    finally:
-        asyncio.run(_drop_redis_prefix(options))
+        else:
+            handovers = _Handovers()
+            handovers.caller_dropped = close_then_interrupted
+            q.queue._handovers = handovers
+        with pytest.raises(KeyboardInterrupt):
+            getattr(q, taking)(timeout=60)
+        monkeypatch.setattr(sync, "_settle_once", real)
+        assert not armed  # the close ran where the test meant it to
+        factory.close()
+    with sync.connect(backend, **opts) as again:
+        sizes = again.queue("jobs").sizes()
+        assert (sizes.total, sizes.reserved) == (1, 0), sizes
