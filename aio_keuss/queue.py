@@ -169,6 +169,9 @@ class Queue:
         self._handovers: set[Callable[[], Awaitable[None]]] = set()
         """Calls of a blocking caller (``aio_keuss.sync``) whose result may not be in its
         hands yet: the close awaits each, which gives back what its caller did not get."""
+        self._handovers_sealed = False
+        """Set by the close once it has run every handover: a blocking caller interrupted
+        after it took its result in hand adds one back, then reads this (see ``close``)."""
         self._pause_signals = 0  # pauses and resumes heard: a resync read older than one loses
         self._consumers: set[Consumer] = set()
         self._repeaters: set[Repeater] = set()
@@ -1627,12 +1630,22 @@ class Queue:
         # interrupted as its result came in gives it back through the loop thread, which
         # could be after the store closed (a popped message then lost). Each is dropped once
         # done: a close cancelled meanwhile runs it again in its grace.
-        while self._handovers:
-            # a copy (one step in C): a caller's thread drops its own entry when it takes
-            # its result, and a set changed between iter() and next() raises RuntimeError
-            settle = next(iter(self._handovers.copy()))
-            await settle()
-            self._handovers.discard(settle)
+        while True:
+            while self._handovers:
+                # a copy (one step in C): a caller's thread drops its own entry when it
+                # takes its result, and a set changed between iter() and next() raises
+                # RuntimeError
+                settle = next(iter(self._handovers.copy()))
+                await settle()
+                self._handovers.discard(settle)
+            if self._handovers_sealed:
+                break
+            # A caller interrupted after it took its result in hand, but before its call
+            # returned, adds an entry back from its own thread, then reads this flag: either
+            # it reads it unset, and the pass after this one runs its entry (added before
+            # the flag was set), or it reads it set, and gives back elsewhere what this
+            # close may not run (the two decide between them who does: ``aio_keuss.sync``).
+            self._handovers_sealed = True
         while self._background:
             # Not gather: cancelled (a close cancelled), gather would cancel these too, and
             # a put-back among them would lose the messages it carries.

@@ -35,6 +35,7 @@ import asyncio
 import atexit
 import contextlib
 import functools
+import logging
 import os
 import signal
 import threading
@@ -51,13 +52,15 @@ from .errors import ClosedError, LoopThreadError
 from .factory import Factory
 from .factory import connect as _async_connect
 from .message import UNCHANGED, Headers, Message, NewMessage, Payload, Unchanged
-from .queue import Queue
+from .queue import CANCELLED_CLOSE_GRACE, Queue
 from .repeat import Repeater
 from .types import Capabilities, KoResult, MessageView, Page, Sizes
 
 __all__ = ["SyncFactory", "SyncQueue", "connect"]
 
 T = TypeVar("T")
+
+log = logging.getLogger("aio_keuss.sync")
 
 
 class _Runtime:
@@ -236,7 +239,7 @@ def connect(backend: str = "memory", **options: Any) -> SyncFactory:
             opening = acquired[0].start_task_soon(_open_factory, state, backend, options)
         factory = opening.result()
         with _sigint_held():
-            made = SyncFactory(factory, *acquired)
+            made = SyncFactory(factory, *acquired, (backend, options))
     except BaseException:
         if made is not None:  # counted as open: its own close undoes it all
             made.close()
@@ -333,7 +336,13 @@ def _loop_running_here() -> bool:
 class SyncFactory:
     """Blocking :class:`aio_keuss.Factory`; safe to share between threads."""
 
-    def __init__(self, factory: Factory, portal: BlockingPortal, generation: int) -> None:
+    def __init__(
+        self,
+        factory: Factory,
+        portal: BlockingPortal,
+        generation: int,
+        reopen: tuple[str, dict[str, Any]] | None = None,
+    ) -> None:
         self.factory = factory
         """The async factory, for code already running on the loop thread (see ``call``)."""
         self._portal = portal
@@ -344,6 +353,9 @@ class SyncFactory:
         self._closing: Future[None] | None = None
         self._closed = False
         self._loop = _runtime.loop
+        self._reopen = reopen
+        """What :func:`connect` was given: a popped message whose caller was interrupted
+        after this factory's close goes back through a connection of its own."""
         _runtime.note_open(self, generation)
 
     def __repr__(self) -> str:
@@ -384,6 +396,7 @@ class SyncFactory:
         give_back: _GiveBack,
         func: _Taker[T],
         taking: _Taking | None = None,
+        elsewhere: _Elsewhere | None = None,
     ) -> T:
         """:meth:`call` for what takes messages (pop, reserve, the next of ``messages``),
         ``func`` given a dict in which a pop notes what the store handed out (what a
@@ -399,6 +412,11 @@ class SyncFactory:
         possibly after another thread's close of the queue closed its store: so the close
         itself gives back a result its caller has not got in hand (see ``_settle``), and
         the caller then gets what a close gives a waiting call, nothing.
+
+        Interrupted once it had the result in hand (its claim first) but before it returned
+        it, the caller gives it back, and that close may have run meanwhile, the loop
+        thread stopped with it: see ``_after_claim``; ``elsewhere`` then gives back a
+        popped message (a reservation is given back by the close, or lapses).
         """
         if taking is None:
             taking = _Taking()
@@ -413,12 +431,83 @@ class SyncFactory:
                 queue._handovers.discard(taking.settle)
             return result
         except BaseException:
+            if taking.taken and taking.claims and taking.claims[0] is _CALLER:
+                self._after_claim(taking, queue, give_back, elsewhere)
+                raise
             # Also after the call's own error: then nothing was taken and the task has ended.
             # A callback, not a portal call, which would wait for the loop thread.
             if self._loop is not None:
                 with contextlib.suppress(RuntimeError):  # the loop stopped: nothing runs there
                     self._loop.call_soon_threadsafe(_abandon, taking, queue, give_back)
             raise
+
+    def _after_claim(
+        self,
+        taking: _Taking,
+        queue: Queue,
+        give_back: _GiveBack,
+        elsewhere: _Elsewhere | None,
+    ) -> None:
+        """Give back what the caller had in hand (its claim first, so no close gave it back)
+        when it was interrupted before returning it: a signal handler runs between two
+        bytecodes, any of them. Another thread's close of the queue may have run its
+        give-backs meanwhile, closed the store, and (the last close) stopped the loop
+        thread: a give-back sent there then had nowhere to run, and a popped message was
+        lost. A close cannot wait for the caller instead: the caller may be the one
+        waiting for it (a signal handler closing the factory, run by the caller's thread).
+
+        The entry added back is one the close either runs (the close gives back, on the
+        loop thread, before its store closes) or leaves to this thread (the flag the close
+        sets once it ran them all, read after the add). Both may think the other late;
+        ``_gives_back`` lets the first of them do it. Here, a popped message goes back
+        through a new connection (``elsewhere``), waited for: a second Ctrl-C stops the
+        wait, not the give-back, and one during the few steps before it is held until
+        they are done (cut there, the close might have run the entry before the caller's
+        mark, and nobody given the message back)."""
+        helper: threading.Thread | None = None
+        with _sigint_held():
+            # a new entry, not the one a close may be dropping as it ends its run
+            taking.settle = settle = functools.partial(_settle, taking, queue, give_back)
+            queue._handovers.add(settle)
+            taking.claims.append(_ABANDONED)
+            if not queue._handovers_sealed:  # that close's next pass, or the callback
+                if self._loop is not None:
+                    with contextlib.suppress(RuntimeError):
+                        self._loop.call_soon_threadsafe(_abandon, taking, queue, give_back)
+            elif elsewhere is not None and taking.taken and _gives_back(taking):
+                helper = elsewhere(taking.taken, taking.kept)
+        if helper is not None:
+            helper.join()
+
+    def _put_back_elsewhere(
+        self, queue: Queue, messages: list[Message], kept: Mapping[str, Stored]
+    ) -> threading.Thread | None:
+        """Start putting back popped ``messages`` of ``queue`` through a connection of their
+        own, on an event loop of their own (the shared one may have stopped), in a thread
+        returned to be waited for. Not a daemon: the interpreter, exiting on the Ctrl-C,
+        lets it end first; each step is bounded by ``CANCELLED_CLOSE_GRACE``, as a
+        cancelled close is. Nothing to do where the queues live in this process only (the
+        memory backend): they closed with the factory."""
+        if self._reopen is None or not self.factory.capabilities.shared:
+            return None
+        backend, options = self._reopen
+        name, queue_options = queue.name, queue.options.as_dict()
+
+        def run() -> None:
+            try:
+                asyncio.run(_put_back_anew(backend, options, name, queue_options, messages, kept))
+            except Exception as exc:  # a popped message is then lost
+                log.warning(
+                    "queue %r: could not put back %d popped message(s) of an interrupted"
+                    " caller after the close: %r",
+                    name,
+                    len(messages),
+                    exc,
+                )
+
+        helper = threading.Thread(target=run, name="aio-keuss sync give-back")
+        helper.start()
+        return helper
 
     def _start(self, func: Callable[..., Awaitable[T]], *args: Any) -> Future[T]:
         if self.closed:
@@ -622,14 +711,20 @@ class SyncQueue:
 
     def pop(self, timeout: float | None = None) -> Message | None:
         """Take one message at-most-once; None when ``timeout`` passes (or on drain/close)."""
-        return self._take(_put_back_popped, lambda kept: self.queue._pop_kept(kept, timeout))
+        return self._take(
+            _put_back_popped,
+            lambda kept: self.queue._pop_kept(kept, timeout),
+            elsewhere=self._put_back_elsewhere,
+        )
 
     def pop_many(
         self, n: int, timeout: float | None = None, *, max_wait: float | None = None
     ) -> list[Message]:
         """Up to ``n``; once one is in, up to ``max_wait`` s more to fill (as async)."""
         return self._take(
-            _put_back_popped, lambda kept: self.queue._pop_many_kept(kept, n, timeout, max_wait)
+            _put_back_popped,
+            lambda kept: self.queue._pop_many_kept(kept, n, timeout, max_wait),
+            elsewhere=self._put_back_elsewhere,
         )
 
     def reserve(self, timeout: float | None = None) -> Message | None:
@@ -644,8 +739,20 @@ class SyncQueue:
             _release, lambda _: self.queue.reserve_many(n, timeout, max_wait=max_wait)
         )
 
-    def _take(self, give_back: _GiveBack, func: _Taker[T], taking: _Taking | None = None) -> T:
-        return self._factory._take(self.queue, give_back, func, taking)
+    def _take(
+        self,
+        give_back: _GiveBack,
+        func: _Taker[T],
+        taking: _Taking | None = None,
+        *,
+        elsewhere: _Elsewhere | None = None,
+    ) -> T:
+        return self._factory._take(self.queue, give_back, func, taking, elsewhere)
+
+    def _put_back_elsewhere(
+        self, messages: list[Message], kept: Mapping[str, Stored]
+    ) -> threading.Thread | None:
+        return self._factory._put_back_elsewhere(self.queue, messages, kept)
 
     def messages(self, timeout: float | None = None) -> Iterator[Message]:
         """Reserved messages (popped ones on a backend without reserve) until drain, close,
@@ -653,12 +760,16 @@ class SyncQueue:
         # The async iterator itself, advanced through the portal: it rides out server
         # outages (backoff, one warning per outage) exactly as ``async for`` does.
         iterator = self.queue.messages(timeout)
-        give_back = _release if self.queue.capabilities.reserve else _put_back_popped
+        popping = not self.queue.capabilities.reserve
+        give_back = _put_back_popped if popping else _release
+        elsewhere = self._put_back_elsewhere if popping else None
         taking: _Taking | None = None
         try:
             while not self._factory.closed:
                 taking = _Taking()
-                message = self._take(give_back, lambda _: _advance(iterator), taking)
+                message = self._take(
+                    give_back, lambda _: _advance(iterator), taking, elsewhere=elsewhere
+                )
                 if message is None:
                     return
                 yield message
@@ -809,6 +920,11 @@ what the store handed out for it, by id, where the call noted it)."""
 _Taker = Callable[[dict[str, Stored]], Awaitable[T]]
 """A call that takes messages, given where to note what the store handed out."""
 
+_Elsewhere = Callable[[list[Message], Mapping[str, Stored]], threading.Thread | None]
+"""Starts giving back, not through the loop thread, what a call took for a caller
+interrupted after it had it in hand, once the queue's close has run: the thread doing it,
+for the caller to wait for (None: nothing to do)."""
+
 
 class SyncRepeater:
     """Blocking handle of a :class:`aio_keuss.Repeater` running on the loop thread."""
@@ -866,9 +982,10 @@ async def _start_repeat(
 class _Taking:
     """A pop or reserve run for a thread that may be interrupted while it waits. Its fields
     are set on the loop thread only, so "still running" or "done" is never ambiguous; the
-    caller's thread only reads them and adds to ``claims``."""
+    caller's thread only reads them and adds to ``claims`` (and, interrupted after its
+    claim, to ``givers``, with a new ``settle``: see ``SyncFactory._after_claim``)."""
 
-    __slots__ = ("abandoned", "claims", "kept", "settle", "taken", "task")
+    __slots__ = ("abandoned", "claims", "givers", "kept", "settle", "taken", "task")
 
     def __init__(self) -> None:
         self.task: asyncio.Task[Any] | None = None
@@ -877,6 +994,9 @@ class _Taking:
         self.abandoned = False
         self.claims: list[str] = []
         """Who claimed the result, in turn (see ``_settle_once``): the first one decides."""
+        self.givers: list[object] = []
+        """Who gives back a result its caller claimed but never returned (see
+        ``SyncFactory._after_claim``): the first one does."""
         self.settle: Callable[[], Awaitable[None]] | None = None
         """Noted on the queue while its caller may not have the result in hand."""
 
@@ -908,6 +1028,15 @@ def _abandon(taking: _Taking, queue: Queue, give_back: _GiveBack) -> None:
     """On the loop thread (a callback, after the one that spawned the task, if any), once
     the caller of ``_take`` was interrupted."""
     taking.abandoned = True
+    if taking.taken and taking.claims and taking.claims[0] is _CALLER:
+        # interrupted after it claimed the result: sent by ``SyncFactory._after_claim`` only
+        # if the queue's close had not run its handovers then (this runs before the close
+        # ends, which waits for the entry that thread added back)
+        if _gives_back(taking):
+            if taking.settle is not None:
+                queue._handovers.discard(taking.settle)
+            give_back(queue, taking.taken, taking.kept)
+        return
     if taking.taken:
         if taking.settle is not None:
             queue._handovers.discard(taking.settle)
@@ -927,12 +1056,29 @@ async def _settle(taking: _Taking, queue: Queue, give_back: _GiveBack) -> None:
     task = taking.task
     if task is not None and not task.done():
         await asyncio.wait([task])
+    if not taking.taken:
+        return
+    claims = taking.claims
     # once: a close cancelled meanwhile runs this again in its grace
-    if taking.taken and _CLOSE not in taking.claims and _settle_once(taking, _CLOSE):
+    if _CLOSE not in claims and _settle_once(taking, _CLOSE):
+        give_back(queue, taking.taken, taking.kept)
+    elif claims[0] is _CALLER and _ABANDONED in claims and _gives_back(taking):
+        # the caller claimed it, then was interrupted before it returned it
         give_back(queue, taking.taken, taking.kept)
 
 
 _CALLER, _CLOSE, _ABANDONED = "caller", "close", "abandoned"
+
+
+def _gives_back(taking: _Taking) -> bool:
+    """True for the first of the close, the callback of the interrupted caller (both on
+    the loop thread) and that caller's own thread to give back a result the caller claimed
+    but never returned: each appends a token of its own, in one step (as in
+    ``_settle_once``), and the first token's owner does it."""
+    me = object()
+    givers = taking.givers
+    givers.append(me)
+    return givers[0] is me
 
 
 def _settle_once(taking: _Taking, who: str = _CALLER) -> bool:
@@ -954,6 +1100,26 @@ def _put_back_popped(queue: Queue, messages: list[Message], kept: Mapping[str, S
 
 def _release(queue: Queue, messages: list[Message], _: Mapping[str, Stored]) -> None:
     queue._in_background(queue._release_all(messages, unseen=True))
+
+
+async def _put_back_anew(
+    backend: str,
+    options: dict[str, Any],
+    name: str,
+    queue_options: dict[str, Any],
+    messages: list[Message],
+    kept: Mapping[str, Stored],
+) -> None:
+    """Popped ``messages`` back into queue ``name`` through a factory opened for it alone."""
+    async with asyncio.timeout(CANCELLED_CLOSE_GRACE):
+        factory = await _async_connect(backend, **options)
+    try:
+        async with asyncio.timeout(CANCELLED_CLOSE_GRACE):
+            queue = await factory.queue(name, **queue_options)
+            await queue._put_back_unhandled(messages, kept)
+    finally:
+        async with asyncio.timeout(CANCELLED_CLOSE_GRACE):  # then a cancelled close's grace
+            await factory.close()
 
 
 async def _close_after(taking: _Taking | None, iterator: AsyncGenerator[Message, None]) -> None:
