@@ -545,9 +545,10 @@ class Consumer(StoppedOnExit):
         # Workers running their handler: the only ones a stop past its grace cancels (one
         # whose handler returned finishes its ok / ko: cancelling it could drop the ok).
         self._handling: set[asyncio.Task[Any]] = set()
-        self.busy: set[str] = set()
-        """Ids of the messages whose handler runs (until acknowledged): what a close of
-        the queue by one of those handlers must not give back."""
+        self.busy: dict[str, Message] = {}
+        """The messages whose handler runs (until acknowledged), by id: what a close of the
+        queue by one of those handlers must not give back, and whose reservations are
+        extended meanwhile (see :mod:`.renewals`)."""
         self._outage = Outage(queue.name, "consumer")
         self.failure: Exception | None = None
         """The error that stopped a worker (one not worth retrying, see ``retryable``)."""
@@ -566,7 +567,9 @@ class Consumer(StoppedOnExit):
         capabilities = queue.capabilities
         self._renewals: Renewals | None = None
         if renew and self._reserve and capabilities.extend and capabilities.reservation_expiry:
-            self._renewals = Renewals(queue.name, queue.reserve_delay, queue.extend_many, loop)
+            self._renewals = Renewals(
+                queue.name, queue.reserve_delay, queue.extend_many, loop, self.busy
+            )
         self._workers = [loop.create_task(self._run_worker()) for _ in range(concurrency)]
 
     @property
@@ -755,11 +758,15 @@ class Consumer(StoppedOnExit):
             if not message:  # only on drain or close, as there is no timeout
                 return
             self._in_flight += 1
-            busy = [m.id for m in message] if isinstance(message, list) else [message.id]
-            self.busy.update(busy)
+            busy = self.busy
+            first = message[0] if isinstance(message, list) else message
+            if isinstance(message, list):
+                busy.update((m.id, m) for m in message)
+            else:
+                busy[message.id] = message
             renewals = self._renewals
-            if renewals is not None:
-                renewals.started(message if isinstance(message, list) else (message,))
+            if renewals is not None and renewals.idle:
+                renewals.wake()
             try:
                 if isinstance(message, list):
                     await self._handle_batch(message)
@@ -768,12 +775,14 @@ class Consumer(StoppedOnExit):
             except ClosedError:
                 return
             except Exception:  # a bug of ours: logged, and the worker goes on
-                log.exception("queue %r: consumer failed on message %s", queue.name, busy[0])
+                log.exception("queue %r: consumer failed on message %s", queue.name, first.id)
             finally:
                 self._in_flight -= 1
-                self.busy.difference_update(busy)
-                if renewals is not None:
-                    renewals.ended(busy)
+                if isinstance(message, list):
+                    for m in message:
+                        busy.pop(m.id, None)
+                else:
+                    busy.pop(message.id, None)
 
     async def _next(self) -> Message | list[Message] | None:
         """A message to handle: from the prefetch buffer, else from the queue (with

@@ -3,14 +3,16 @@
 A reservation lasts ``reserve_delay``; a handler that runs longer would see its message
 delivered to a second consumer while it still works on it. A consumer therefore extends
 the reservations of its running handlers (as BullMQ renews a job's lock while its
-processor runs, and as SQS's ChangeMessageVisibility is called from a heartbeat). A
-handler that ends before a quarter of ``reserve_delay`` costs nothing but two dict
-operations: no timer or task per message. One timer ticks every tenth of
-``reserve_delay`` while a handler runs; each tick extends, in one ``extend_many``, those
-due: a quarter of ``reserve_delay`` after their handler started, then a third of it after
-their last extension. A prefetched message may have waited up to half its reservation
-before its handler started, so its first extension still comes with at least a tenth of
-the reservation left (a quarter, plus a tick of delay, after that half).
+processor runs, and as SQS's ChangeMessageVisibility is called from a heartbeat).
+
+It costs a handler that ends soon nothing of its own: the consumer already keeps its
+running messages by id (what a close must not give back), and this reads that dict. A
+timer looks at it every twelfth of ``reserve_delay`` while any handler runs, noting the look
+that first saw each message; one seen for ``LOOKS`` looks (a quarter to a third of
+``reserve_delay`` after its handler started) is extended, with every other one due, in one
+``extend_many``, and then again ``LOOKS`` looks after its last extension. A prefetched
+message may have waited up to half its reservation before its handler started, so its
+first extension still goes out with a sixth of the reservation left.
 
 If the process dies, the extensions stop with it and the messages come back once their
 reservations lapse: at-least-once still holds.
@@ -20,20 +22,20 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
-from collections.abc import Awaitable, Callable, Sequence
+import sys
+from collections.abc import Awaitable, Callable
 
 from .errors import ClosedError
 from .message import Message
 
 log = logging.getLogger(__name__)
 
-FIRST = 1 / 4
-"""Share of ``reserve_delay`` a handler runs before its reservation is first extended."""
-AGAIN = 1 / 3
-"""Share of ``reserve_delay`` between two extensions of one reservation."""
-TICK = 1 / 10
+LOOK_SHARE = 1 / 12
 """Share of ``reserve_delay`` between two looks at the running handlers."""
+LOOKS = 3
+"""Looks a message is seen running before its reservation is extended (again)."""
+NEVER = sys.maxsize
+"""The look of a message found taken by another consumer: not extended again."""
 
 Extender = Callable[[list[Message]], Awaitable[list[bool]]]
 
@@ -47,47 +49,49 @@ class Renewals:
         reserve_delay: float,
         extend: Extender,
         loop: asyncio.AbstractEventLoop,
+        running: dict[str, Message],
     ) -> None:
         self._queue = queue
         self._reserve_delay = reserve_delay
         self._extend = extend
         self._loop = loop
-        self._first = reserve_delay * FIRST
-        self._again = reserve_delay * AGAIN
-        self._tick = reserve_delay * TICK
-        self._running: dict[str, tuple[Message, float]] = {}  # id -> (message, next due)
+        self._running = running
+        """The consumer's running messages by id (it adds and drops them)."""
+        self._every = reserve_delay * LOOK_SHARE
+        self._looks = 0
+        self._since: dict[str, int] = {}  # id -> the look that first saw it, or extended it
         self._timer: asyncio.TimerHandle | None = None
         self._renewing: asyncio.Task[None] | None = None
         self._closed = False
+        self.idle = True
+        """No timer runs: the consumer calls :meth:`wake` when a handler starts."""
         self.extended = 0
         """Reservations extended so far."""
         self.lapsed = 0
         """Reservations found taken by another consumer while their handler ran."""
 
-    def started(self, messages: Sequence[Message]) -> None:
-        """Their handler starts now."""
-        due = time.monotonic() + self._first
-        running = self._running
-        for message in messages:
-            running[message.id] = (message, due)
-        if self._timer is None and not self._closed:
-            self._timer = self._loop.call_later(self._tick, self._look)
-
-    def ended(self, ids: Sequence[str]) -> None:
-        """Their handler ended (its ok or ko is on its way)."""
-        running = self._running
-        for message_id in ids:
-            running.pop(message_id, None)
+    def wake(self) -> None:
+        """A handler started while idle: look again in a while."""
+        if not self._closed:
+            self.idle = False
+            self._timer = self._loop.call_later(self._every, self._look)
 
     def _look(self) -> None:
         self._timer = None
-        if self._closed or not self._running:
-            return  # the next handler to start arms the timer again
-        self._timer = self._loop.call_later(self._tick, self._look)
+        running, since = self._running, self._since
+        if self._closed or not running:
+            since.clear()
+            self.idle = True  # the next handler to start wakes it
+            return
+        self._looks = looks = self._looks + 1
+        for gone in since.keys() - running.keys():
+            del since[gone]
+        for message_id in running:
+            since.setdefault(message_id, looks)
+        self._timer = self._loop.call_later(self._every, self._look)
         if self._renewing is not None:
-            return  # the last extension is still out: those due wait for the next tick
-        now = time.monotonic()
-        due = [message for message, when in self._running.values() if when <= now]
+            return  # the last extension is still out: those due wait for the next look
+        due = [running[i] for i, seen in since.items() if looks - seen >= LOOKS]
         if due:
             self._renewing = self._loop.create_task(self._renew(due))
 
@@ -96,29 +100,27 @@ class Renewals:
             kept = await self._extend(due)
         except ClosedError:
             return  # the queue closed under its handlers: nothing to keep now
-        except Exception as exc:  # an outage: tried again on the next tick
+        except Exception as exc:  # an outage: tried again on the next look
             log.warning(
                 "queue %r: extending %d reservations of running handlers failed (tried"
                 " again in %.3g s): %s",
                 self._queue,
                 len(due),
-                self._tick,
+                self._every,
                 exc,
             )
             return
         finally:
             self._renewing = None
-        again = time.monotonic() + self._again
-        running = self._running
+        running, since = self._running, self._since
         for message, ours in zip(due, kept, strict=True):
-            entry = running.get(message.id)
-            if entry is None or entry[0] is not message:
+            if running.get(message.id) is not message:
                 continue  # its handler ended meanwhile
             if ours:
-                running[message.id] = (message, again)
+                since[message.id] = self._looks
                 self.extended += 1
                 continue
-            del running[message.id]
+            since[message.id] = NEVER
             self.lapsed += 1
             log.warning(
                 "queue %r: message %s: its reservation lapsed while its handler ran and"
@@ -132,6 +134,7 @@ class Renewals:
     async def close(self) -> None:
         """No more extensions: the consumer's handlers have all ended."""
         self._closed = True
+        self.idle = False  # never woken again
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
@@ -139,4 +142,4 @@ class Renewals:
         if renewing is not None:
             renewing.cancel()
             await asyncio.gather(renewing, return_exceptions=True)
-        self._running.clear()
+        self._since.clear()

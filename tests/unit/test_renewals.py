@@ -13,7 +13,7 @@ import aio_keuss
 from aio_keuss import Message
 from aio_keuss.renewals import Renewals
 
-RESERVE_DELAY = 0.2  # a tick every 20 ms: the tests wait for calls, never for times
+RESERVE_DELAY = 0.24  # a look every 20 ms: the tests wait for calls, never for times
 
 
 def _message(message_id: str) -> Message:
@@ -45,17 +45,35 @@ class Extender:
             await asyncio.wait_for(self.called.wait(), 10)
 
 
-def _renewals(extender: Extender) -> Renewals:
-    return Renewals("jobs", RESERVE_DELAY, extender, asyncio.get_running_loop())
+class Handlers:
+    """A consumer's running messages, as the renewals see them."""
+
+    def __init__(self, extender: Extender) -> None:
+        self.running: dict[str, Message] = {}
+        self.renewals = Renewals(
+            "jobs", RESERVE_DELAY, extender, asyncio.get_running_loop(), self.running
+        )
+
+    def started(self, *ids: str) -> list[Message]:
+        messages = [_message(i) for i in ids]
+        self.running.update((m.id, m) for m in messages)
+        if self.renewals.idle:
+            self.renewals.wake()
+        return messages
+
+    def ended(self, *ids: str) -> None:
+        for i in ids:
+            del self.running[i]
 
 
 async def test_a_running_handlers_reservation_is_extended_again_and_again() -> None:
     extender = Extender()
-    renewals = _renewals(extender)
-    renewals.started([_message("a")])
+    handlers = Handlers(extender)
+    renewals = handlers.renewals
+    handlers.started("a")
     await extender.wait_calls(3)
     assert extender.asked[:3] == [["a"], ["a"], ["a"]]
-    renewals.ended(["a"])
+    handlers.ended("a")
     await renewals.close()
     assert renewals.extended >= 3 and renewals.lapsed == 0
 
@@ -64,8 +82,9 @@ async def test_a_reservation_found_lapsed_is_counted_logged_and_dropped(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     extender = Extender([False, True])
-    renewals = _renewals(extender)
-    renewals.started([_message("lost"), _message("kept")])
+    handlers = Handlers(extender)
+    renewals = handlers.renewals
+    handlers.started("lost", "kept")
     with caplog.at_level(logging.WARNING, "aio_keuss.renewals"):
         await extender.wait_calls(2)
     assert extender.asked[0] == ["lost", "kept"]
@@ -78,10 +97,11 @@ async def test_a_reservation_found_lapsed_is_counted_logged_and_dropped(
 async def test_a_handler_ending_while_its_extension_is_out_is_not_a_lapse() -> None:
     extender = Extender([False])
     extender.release.clear()
-    renewals = _renewals(extender)
-    renewals.started([_message("a")])
+    handlers = Handlers(extender)
+    renewals = handlers.renewals
+    handlers.started("a")
     await extender.wait_calls(1)
-    renewals.ended(["a"])  # its ok went first: the extension finds it gone
+    handlers.ended("a")  # its ok went first: the extension finds it gone
     extender.release.set()
     await asyncio.sleep(0)
     await asyncio.sleep(0)
@@ -91,8 +111,9 @@ async def test_a_handler_ending_while_its_extension_is_out_is_not_a_lapse() -> N
 
 async def test_a_failed_extension_is_tried_again(caplog: pytest.LogCaptureFixture) -> None:
     extender = Extender(aio_keuss.KeussConnectionError("down"))
-    renewals = _renewals(extender)
-    renewals.started([_message("a")])
+    handlers = Handlers(extender)
+    renewals = handlers.renewals
+    handlers.started("a")
     with caplog.at_level(logging.WARNING, "aio_keuss.renewals"):
         await extender.wait_calls(2)
     assert "failed" in caplog.text and "down" in caplog.text
@@ -103,18 +124,19 @@ async def test_a_failed_extension_is_tried_again(caplog: pytest.LogCaptureFixtur
 async def test_close_cancels_an_extension_out_and_stops_the_timer() -> None:
     extender = Extender()
     extender.release.clear()
-    renewals = _renewals(extender)
-    renewals.started([_message("a")])
+    handlers = Handlers(extender)
+    renewals = handlers.renewals
+    handlers.started("a")
     await extender.wait_calls(1)
     await renewals.close()
-    renewals.started([_message("b")])  # after close: no timer again
+    handlers.started("b")  # after close: no timer again
     await asyncio.sleep(RESERVE_DELAY)
     assert extender.asked == [["a"]]
 
 
 async def test_consume_counts_its_extensions_in_its_status() -> None:
-    # a second-long reservation: extended at 0.25 s, then every third of a second, so a
-    # loaded machine's late tick still finds it held
+    # a second-long reservation: extended a quarter to a third of a second in, then as
+    # often, so a loaded machine's late look still finds it held
     async with aio_keuss.connect("memory", reserve_delay=1.0) as factory:
         q = await factory.queue("jobs")
         await q.push("long")
