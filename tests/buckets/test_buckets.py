@@ -1496,3 +1496,83 @@ async def test_a_state_write_refused_as_superseded_keeps_the_lease(
         again = await other.reserve_many(10, timeout=10)  # taken over: the stored state
         assert [m.payload for m in again] == ["b"]
         assert await other.ok_many(again) == [True]
+
+
+# extend ----------------------------------------------------------------------------------
+
+
+async def test_an_extended_reservation_outlives_the_lease_it_was_made_under(
+    bucket_case: tuple[BackendCase, dict[str, Any]],
+) -> None:
+    """A reservation's end lives only in its holder's memory (the stored state says handed
+    out, not until when): another process takes it only by taking the whole bucket over,
+    which it may once the holder's lease lapses. Extended past the lease it was made under,
+    the reservation holds because the holder keeps renewing the lease while a reservation
+    of the bucket is live: once that lease and the reservation first given have both ended
+    (watched, not timed), another process still finds nothing, and the holder's ok stands."""
+    async with _two_factories(bucket_case, "extend-lease", 0.5, reject_timeout_grace=2.0) as (
+        q,
+        other,
+        _,
+    ):
+        await q.push("long")
+        held = await q.reserve(timeout=5)
+        assert held is not None
+        store = q._store  # type: ignore[attr-defined]
+        (bucket,) = store._held_buckets.values()
+        asked = time.time()
+        assert await q.extend(held, 60) is True
+        first_lease = bucket.lease_until
+        for _ in range(3000):
+            if time.time() > max(first_lease, asked + 0.5) and bucket.lease_until > first_lease:
+                break
+            await asyncio.sleep(0.01)
+        else:
+            raise AssertionError("the lease was never renewed")
+        assert await other.reserve(timeout=0) is None
+        assert (await other.sizes()).reserved == 1  # a bucket leased elsewhere
+        assert (await q.sizes()).reserved == 1
+        assert await q.ok(held) is True
+        await store.flush()
+        assert await other.total_size() == 0
+
+
+async def test_an_extend_on_a_lapsed_lease_nobody_took_renews_it_first(
+    bucket_case: tuple[BackendCase, dict[str, Any]],
+) -> None:
+    """The holder could not renew its lease in time, but nobody took the bucket over: the
+    reservation is still its own, and so is the extension, but only once the lease is
+    renewed (until then another process may take the bucket at any moment). The extend
+    writes before it answers, as an ok there does."""
+    async with _two_factories(bucket_case, "extend-lapsed", 0.5, reject_timeout_grace=2.0) as (
+        q,
+        other,
+        _,
+    ):
+        await q.push("long")
+        held = await q.reserve(timeout=5)
+        assert held is not None
+        store = q._store  # type: ignore[attr-defined]
+        await _stop_renewing(store)
+        (bucket,) = store._held_buckets.values()
+        lapsed = bucket.lease_until
+        assert await q.extend(held, 60) is True
+        assert bucket.lease_until > lapsed and not bucket.lost  # renewed by the extend
+        del store._start_flusher  # renewing again, as a holder that came back does
+        store._start_flusher()
+        assert await other.reserve(timeout=0) is None
+        assert await q.ok(held) is True
+        await store.flush()
+        assert await other.total_size() == 0
+
+
+async def test_an_extend_by_a_holder_whose_bucket_was_taken_over_is_false(
+    bucket_case: tuple[BackendCase, dict[str, Any]],
+) -> None:
+    """Its stale copy still says handed out with the same tries, but the bucket is the new
+    holder's, which serves the message again: the old holder's extend is refused (found
+    lost by the write it makes first), and the new holder's reservation stands."""
+    async with _taken_over(bucket_case, "taken-over-extend") as t:
+        assert await t.old.extend(t.held, 60) is False
+        assert await t.new.extend(t.got, 60) is True
+        assert await t.new.ok(t.got) is True
