@@ -13,8 +13,9 @@ from ..errors import ConfigError, InvalidDelayError
 from ..options import check_seconds
 from ..types import Capabilities
 
-CAPABILITIES = Capabilities(idempotent=False)
-"""pop, reserve, delay, remove and reservation expiry; no user-chosen (idempotent) ids."""
+CAPABILITIES = Capabilities(idempotent=False, extend=True)
+"""pop, reserve, delay, remove, reservation expiry and extension; no user-chosen
+(idempotent) ids."""
 
 BUCKET_OPTIONS: Mapping[str, Any] = {
     "bucket_max_size": 1024,

@@ -98,7 +98,10 @@ takes it over with the state last written, exactly as if the holder had crashed:
 - its oks, kos and reservations made since that state write are undone, as in a crash: ok-ed
   messages are delivered again; reserved ones come back with one more try, possibly to
   another consumer while the first still works on them (a reservation is exclusive until
-  ``reserve_delay`` passes or its holder's lease lapses, whichever comes first);
+  its end, ``reserve_delay`` or as extended, or until its holder's lease lapses, whichever
+  comes first: a reservation's end lives only in its holder's memory, the stored state
+  saying handed out, never until when, so an extension holds through the lease, which the
+  flusher renews while a reservation of the bucket is live);
 - the old holder finds out at its next write (refused: a warning is logged, the bucket is
   forgotten, and oks of its slots return False), or when it leases the bucket again (it
   then starts from the stored state, never from its stale copy).
@@ -108,7 +111,7 @@ write from the ok until its lease lapses and another consumer then leases the bu
 the holder's write gets through. If the holder writes first (its lease is still its own in
 storage, nobody having leased the bucket), everything it acknowledged is kept. An ok on a
 bucket whose lease already lapsed writes before it answers: True only once written, an
-error while the server is away.
+error while the server is away. So does an extend there (``extend``).
 
 Clock: every time here is this process's clock (``time.time()``), also for leases; processes
 sharing a queue need synchronized clocks (NTP), as with Keuss.
@@ -127,7 +130,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple
 
 from ..coalesce import Finishing, Uncancellable, stop_task, to_the_end
-from ..contract import Ack, DeadletterPlan, Fetched, LoopTurns, Nack, Store, Stored
+from ..contract import Ack, DeadletterPlan, Extend, Fetched, LoopTurns, Nack, Store, Stored
 from ..message import append_headers
 from ..types import Capabilities, KoResult, Sizes
 from .codec import AVAILABLE, DONE, HANDED_OUT, U32, encode_blob, encode_state
@@ -548,6 +551,41 @@ class BucketStore(PushSide, StateWriter, Store):
             results.append(found is not None)
         if lapsed:
             await self._sync({bucket for _, bucket in lapsed})
+            for index, bucket in lapsed:
+                results[index] = not bucket.lost
+        return results
+
+    async def extend(self, extends: Sequence[Extend]) -> list[bool]:
+        """Move the slots' reservation ends, which live in this store's memory alone: the
+        stored state says a slot is handed out, never until when, and whoever takes the
+        bucket over makes it available again with a try, whatever its end. So what keeps
+        another process from a reservation extended past the lease it was made under is
+        that lease, renewed by the state flusher for as long as a reservation of the bucket
+        is live (an idle bucket is released, one with a live reservation never is).
+
+        Where the lease lapsed (its renewal failed), another consumer may take the bucket
+        over at any moment: as an ok there (``commit``), the extend writes first, renewing
+        the lease, true only if the lease was still this store's."""
+        self._check_open()
+        results: list[bool] = []
+        now = time.time()
+        lapsed: list[tuple[int, HeldBucket]] = []
+        for extend in extends:
+            found = self._handed_out(extend.id, extend.tries)
+            if found is not None:
+                bucket, slot = found
+                deadline = now + extend.seconds
+                bucket.deadline[slot] = deadline
+                heapq.heappush(self._held, (deadline, bucket.seq, slot, bucket))
+                if bucket.lease_until <= now:
+                    lapsed.append((len(results), bucket))
+            results.append(found is not None)
+        if lapsed:
+            # Nothing stored changed (no version to write): a renewal, as a deadletter
+            # move's on a lapsed lease.
+            await self._sync(
+                {bucket for _, bucket in lapsed}, renew_before=time.time() + self._grace / 2
+            )
             for index, bucket in lapsed:
                 results[index] = not bucket.lost
         return results
