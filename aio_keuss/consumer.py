@@ -778,11 +778,15 @@ class Consumer(StoppedOnExit):
                 log.exception("queue %r: consumer failed on message %s", queue.name, first.id)
             finally:
                 self._in_flight -= 1
-                if isinstance(message, list):
-                    for m in message:
-                        busy.pop(m.id, None)
+                # only its own entry: another worker may run a later delivery of the same id
+                # (this one's reservation lapsed), whose entry must stay
+                if not isinstance(message, list):
+                    if busy.get(message.id) is message:
+                        del busy[message.id]
                 else:
-                    busy.pop(message.id, None)
+                    for m in message:
+                        if busy.get(m.id) is m:
+                            del busy[m.id]
 
     async def _next(self) -> Message | list[Message] | None:
         """A message to handle: from the prefetch buffer, else from the queue (with

@@ -1180,10 +1180,19 @@ class Queue:
         results = await self._store.extend(extends)
         held, before = self._held, self._held_before
         for extend, kept in zip(extends, results, strict=True):
-            if kept and extend.tries is not None:
-                # ours for another span: what a close gives back, in the current generation
-                before.pop(extend.id, None)
-                held[extend.id] = (extend.tries, extend.token)
+            if not kept or extend.tries is None:
+                continue
+            # Ours for another span: kept in the current generation of what a close gives
+            # back, but only while still noted as this very reservation. An ok, ko or
+            # give-back answered while the extension was out dropped it; noted again, a
+            # close would give back a reservation another consumer has since taken with
+            # the same count (a give-back costs no try).
+            noted = (extend.tries, extend.token)
+            if held.get(extend.id) == noted:
+                continue
+            if before.get(extend.id) == noted:
+                del before[extend.id]
+                held[extend.id] = noted
         return _split(requests, results)
 
     async def _commit_batch(self, requests: list[list[Ack]]) -> list[list[bool]]:

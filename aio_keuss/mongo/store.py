@@ -1030,10 +1030,12 @@ class MongoStore(Store):
     @translated
     async def extend(self, extends: Sequence[Extend]) -> list[bool]:
         """One update per length asked for (a consumer's renewals all ask for its
-        ``reserve_delay``): each guard as ok's, and not under a move's claim (whose lease
-        end ``mature`` then is). Every message it extends gets the very same end, which tells
-        them when the update matched fewer than asked: one read of those, only then (within
-        half a second of it, see :func:`_near`)."""
+        ``reserve_delay``): each guard as ok's. A message under its holder's own move claim
+        is extended too (refused, the holder's renewals took it for one another consumer
+        took; should the mover die between copy and delete, the copy left here comes back
+        at the extended end rather than the claim's). Every message it extends gets the
+        very same end, which tells them when the update matched fewer than asked: one read
+        of those, only then (within half a second of it, see :func:`_near`)."""
         if not extends:
             return []
         now = time.time()
@@ -1045,7 +1047,7 @@ class MongoStore(Store):
         async def one_length(seconds: float, group: list[Extend]) -> None:
             until = now + seconds
             guards = [_guard(e.id, e.tries, e.token) for e in group]
-            held = _unclaimed(guards[0] if len(guards) == 1 else {"$or": guards}, now)
+            held = guards[0] if len(guards) == 1 else {"$or": guards}
             updated = await self._coll.update_many(held, {"$set": {"mature": until}})
             if updated.matched_count == len(group):
                 extended[seconds] = [{"_id": e.id, "tries": None} for e in group]

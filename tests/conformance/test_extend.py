@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import math
 import time
+from typing import Any
 
 import pytest
 from conftest import Connect, needs
@@ -159,3 +160,43 @@ async def test_consume_with_renew_false_lets_a_reservation_lapse(connect: Connec
     assert await q.ok(second) is True
     with pytest.raises(InvalidInputError):
         q.consume(handler, renew=1)  # type: ignore[arg-type]
+
+
+async def test_an_extension_answered_after_a_give_back_does_not_note_it_held_again(
+    connect: Connect,
+) -> None:
+    """An extension was out as its holder gave the message back (a stopped consumer, a
+    cancelled handler: no try counted), and another process reserved it with the same
+    count. The extension's late True must not note the reservation as this queue's again:
+    its close would give back the other process's reservation."""
+    factory = await connect(reserve_delay=30.0, poll_interval=5.0)
+    needs(factory, "reserve", "reservation_expiry", "extend", "shared")
+    a = await factory.queue("q1")
+    b = await (await connect(reserve_delay=30.0, poll_interval=5.0)).queue("q1")
+    await a.push("x")
+    mine = await a.reserve(timeout=5)
+    assert mine is not None
+    store = a._store  # type: ignore[attr-defined]
+    real_extend, answered, release = store.extend, asyncio.Event(), asyncio.Event()
+
+    async def late(extends: Any) -> list[bool]:
+        kept = await real_extend(extends)  # done at the store: its reply is late
+        answered.set()
+        await release.wait()
+        return kept
+
+    store.extend = late
+    extending = asyncio.ensure_future(a.extend(mine, 60))
+    await asyncio.wait_for(answered.wait(), 10)
+    await a._release_all([mine], unseen=True)  # type: ignore[attr-defined]
+    if factory.backend_name.startswith("bucket-"):
+        release.set()
+        await extending
+        pytest.skip("a bucket's messages go to no other process while this one leases it")
+    theirs = await b.reserve(timeout=5)
+    assert theirs is not None and theirs.id == mine.id and theirs.tries == mine.tries
+    release.set()
+    await extending
+    await factory.close()  # gives back what it notes as held
+    assert (await b.sizes()).reserved == 1, "the close gave back the other's reservation"
+    assert await b.ok(theirs) is True

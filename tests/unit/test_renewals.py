@@ -163,3 +163,42 @@ async def test_consume_counts_its_extensions_in_its_status() -> None:
         status = consumer.status()
         assert status.handled == 1 and status.lapsed == 0
         assert await q.total_size() == 0
+
+
+async def test_a_worker_ending_leaves_the_entry_of_a_later_delivery_of_its_id() -> None:
+    """The first delivery's reservation lapsed (its extensions failed) and a second worker
+    runs the message again: the first worker's end must not drop the second one's entry
+    (its reservation would no longer be extended, nor kept from a close's give-back)."""
+    async with aio_keuss.connect("memory", reserve_delay=0.3) as factory:
+        q = await factory.queue("jobs")
+        await q.push("twice")
+
+        async def failing(messages: list[Message], seconds: float | None = None) -> list[bool]:
+            raise aio_keuss.KeussConnectionError("down")
+
+        q.extend_many = failing  # type: ignore[method-assign,assignment]
+        second_started, first_ended, deliveries = asyncio.Event(), asyncio.Event(), []
+
+        async def handler(message: Message) -> None:
+            deliveries.append(message)
+            if message.tries == 0:
+                await second_started.wait()
+            else:
+                second_started.set()
+                await first_ended.wait()
+
+        real_ok, first_acknowledged = q.ok, asyncio.Event()
+
+        async def ok(message: Message | str) -> bool:
+            done = await real_ok(message)
+            if isinstance(message, Message) and message.tries == 0:
+                first_acknowledged.set()  # its worker ends in this same step
+            return done
+
+        q.ok = ok  # type: ignore[method-assign]
+        consumer = q.consume(handler, 2)
+        await asyncio.wait_for(first_acknowledged.wait(), 10)
+        assert consumer.busy == {deliveries[1].id: deliveries[1]}
+        first_ended.set()
+        await consumer.stop()
+        assert consumer.busy == {}
