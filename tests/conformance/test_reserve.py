@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import asyncio
 import time
+from typing import Any
 
 import pytest
+from backends import BackendCase
 from conftest import Connect, needs, needs_reserve
 
 import aio_keuss
@@ -233,3 +235,39 @@ async def test_remove_takes_only_the_message_named(queue: aio_keuss.Queue) -> No
     await queue.drain()  # bucket stores: serve what is held in memory, write the rest
     left = await queue.pop_many(10, timeout=1)
     assert [(m.id, m.payload) for m in left] == [(first, "first"), (third, "third")]
+
+
+async def test_a_release_whose_reply_was_lost_is_not_given_back_again_on_close(
+    case: BackendCase, connect: Connect
+) -> None:
+    """A give-back costs no try, so the next reservation of the message, by another
+    process, has the count the first holder had. A consumer's release that reached the
+    store but lost its reply (a dropped connection) stayed noted as held, and the close
+    gave it back once more: that second release passed the new holder's guard and took
+    its reservation from it (the message then free for a third consumer while held)."""
+    if not case.shared or case.name.startswith("bucket-"):
+        # (a bucket's messages are reserved by the process leasing it, no other)
+        pytest.skip("no other process reserves the message meanwhile")
+    first = await connect(poll_interval=5.0)
+    needs(first, "reserve")
+    a = await first.queue("q1")
+    b = await (await connect(poll_interval=5.0)).queue("q1")
+    await b.push("job")
+    store: Any = a._store  # type: ignore[attr-defined]
+    rollback = store.rollback
+
+    async def applied_then_cut(nacks: Any, deadletter: Any) -> Any:
+        await rollback(nacks, deadletter)
+        raise aio_keuss.KeussConnectionError("connection lost before the reply")
+
+    mine = await a.reserve(timeout=5)
+    assert mine is not None
+    store.rollback = applied_then_cut
+    with pytest.raises(aio_keuss.KeussConnectionError):
+        await a._release_all([mine], unseen=True)  # type: ignore[attr-defined]  # a consumer's
+    store.rollback = rollback
+    theirs = await b.reserve(timeout=5)
+    assert theirs is not None and theirs.id == mine.id and theirs.tries == mine.tries
+    await a.close()
+    assert await b.ok(theirs)
+    assert await b.total_size() == 0
