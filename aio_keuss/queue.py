@@ -872,13 +872,19 @@ class Queue:
         where nothing is held just behind it, so several calls at once, run in any order,
         sent some of a key's messages behind its later ones. ``unseen``: no user code got
         them (a stopped consumer's prefetch, an interrupted blocking call), so they are not
-        counted as reserved; a cancelled handler's were delivered, and count."""
+        counted as reserved; a cancelled handler's were delivered, and count.
+
+        Each batch is no longer noted as held here once it is sent, not once it is
+        answered: a release whose reply was lost (a dropped connection) may have landed, and
+        the message, its try not counted, be reserved by another process with the count it
+        had here. Given back once more by the close, it passed that holder's guard and was
+        taken from it. Not sent, it comes back when its reservation expires."""
         if unseen:
             self._stats.uncount(self.name, "reserve", len(messages))
         nacks = [Nack(m.id, m.tries, 0.0, False, m._token) for m in messages]
         for batch in _latest_batches_first(nacks, self.options.max_batch):
-            await self._put_back(self._store.rollback(batch, None), len(batch))
             self._forget(batch)
+            await self._put_back(self._store.rollback(batch, None), len(batch))
 
     def _rotate_held(self) -> dict[str, Held]:
         """Drop the older generation of held reservations once ``reserve_delay`` has passed
