@@ -803,12 +803,14 @@ class Queue:
                 f"no free name for {len(entries)} messages put back, like {entries[0].id!r}"
             )
 
+    def _noted(self, message_id: str) -> Held | None:
+        """The reservation of ``message_id`` noted as handed out here (see ``_hold``)."""
+        held = self._held.get(message_id)
+        return self._held_before.get(message_id) if held is None else held
+
     def _still_held(self, stored: Stored) -> bool:
         """Whether this reservation is still noted as handed out here (see ``_hold``)."""
-        held = self._held.get(stored.id)
-        if held is None:
-            held = self._held_before.get(stored.id)
-        return held == (stored.tries, stored.token)
+        return self._noted(stored.id) == (stored.tries, stored.token)
 
     def _put_back_reserved(self, _: int, result: FetchResult) -> Coroutine[Any, Any, None] | None:
         """Reserved for a cancelled caller: released at once, costing no try. Only those
@@ -878,10 +880,18 @@ class Queue:
         answered: a release whose reply was lost (a dropped connection) may have landed, and
         the message, its try not counted, be reserved by another process with the count it
         had here. Given back once more by the close, it passed that holder's guard and was
-        taken from it. Not sent, it comes back when its reservation expires."""
+        taken from it. Not sent, it comes back when its reservation expires.
+
+        Only those still noted as held, as for a cancelled caller's (``_put_back_reserved``):
+        a consumer cut short gives back its prefetched messages alongside the close, which
+        may have given them back already."""
         if unseen:
             self._stats.uncount(self.name, "reserve", len(messages))
-        nacks = [Nack(m.id, m.tries, 0.0, False, m._token) for m in messages]
+        nacks = [
+            Nack(m.id, m.tries, 0.0, False, m._token)
+            for m in messages
+            if self._noted(m.id) == (m.tries, m._token)
+        ]
         for batch in _latest_batches_first(nacks, self.options.max_batch):
             self._forget(batch)
             await self._put_back(self._store.rollback(batch, None), len(batch))
