@@ -8,6 +8,7 @@ import asyncio
 import dataclasses
 import math
 import os
+import pickle
 import shutil
 import signal
 import sys
@@ -479,6 +480,64 @@ def test_a_stopped_stream_gives_back_its_reservations_costing_no_try(
         assert factory.queue("__deadletter__").total_size() == 0
         msg = factory.queue("held").pop(timeout=0)
         assert msg is not None and msg.payload == {"n": 1} and msg.tries == 0
+
+
+def test_a_stream_keeps_its_pending_reservations_alive_until_commit(
+    target: tuple[str, dict[str, Any]],
+) -> None:
+    """A micro-batch that ran longer than ``reserve_delay`` let the reservations the reader
+    held for it lapse: another consumer (or this stream's next batch) got the messages
+    again, and the sink saw them twice. The reader now extends what it holds from the
+    driver until ``commit``. Its own calls, without Spark, as the data source makes it."""
+    from aio_keuss.spark.source import RENEWALS_PER_DELAY, KeussDataSource
+
+    backend, opts = target
+    delay = 2.0
+    with sync.connect(backend, **opts) as factory:
+        factory.queue("kept").push_many([{"n": n} for n in range(5)])
+    strings = {k: v if isinstance(v, str) else orjson.dumps(v).decode() for k, v in opts.items()}
+    source = KeussDataSource(
+        {"backend": backend, "queue": "kept", **strings, "reserve_delay": str(delay)}
+    )
+    reader = source.streamReader(None)  # type: ignore[arg-type]
+
+    def wait_until(done: Any) -> None:
+        deadline = time.monotonic() + 120
+        while not done() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert done()
+
+    end = reader.latestOffset(reader.initialOffset(), None)
+    assert end["seq"] == 1
+    # Each round waits its share of reserve_delay first: so many rounds outlast three of them.
+    rounds = 3 * RENEWALS_PER_DELAY + 1
+    wait_until(lambda: reader.renewals >= rounds)
+    # Spark pickles the reader for the executors while its thread runs: the copy neither
+    # carries the thread nor ever starts one.
+    copy = pickle.loads(pickle.dumps(reader))
+    assert copy.renewer is None and not copy.renews
+    with sync.connect(backend, **opts) as factory:
+        assert factory.queue("kept").reserve_many(10, timeout=0) == []
+    assert reader.lapsed == 0 and reader.extended >= 5 * rounds
+    thread = reader.renewer
+    assert thread is not None and thread.is_alive()
+    reader.commit(end)  # every one still ours: ok-ed, none left
+    with sync.connect(backend, **opts) as factory:
+        assert factory.queue("kept").sizes() == aio_keuss.Sizes(0, 0, 0, 0)
+    thread.join(60)  # nothing pending: the thread ends
+    assert not thread.is_alive() and reader.renewer is None
+
+    with sync.connect(backend, **opts) as factory:
+        factory.queue("kept").push({"n": 5})
+    end = reader.latestOffset(end, None)
+    assert end["seq"] == 2
+    thread = reader.renewer
+    assert thread is not None and thread.is_alive()
+    reader.stop()  # gives the message back and ends the thread
+    assert not thread.is_alive() and reader.renewer is None
+    with sync.connect(backend, **opts) as factory:
+        msg = factory.queue("kept").pop(timeout=0)
+        assert msg is not None and msg.payload == {"n": 5}
 
 
 def test_idempotent_writes_refuse_a_dedup_window_of_zero(
