@@ -10,8 +10,11 @@ Register it with ``aio_keuss.spark.register(spark)``, then:
 - ``spark.readStream.format("aio_keuss")`` reserves messages on the driver, hands them to
   the tasks inside the input partitions, and acknowledges (``ok``) them only in
   ``commit(end)``, after the micro-batch reached the sink: at-least-once, nothing lost by a
-  crash. Reservations not acknowledged (a crash, a stop) come back after ``reserve_delay``:
-  keep it well above the longest micro-batch (trigger interval + processing time);
+  crash. While it holds them the driver extends their reservations (where the backend can,
+  ``capabilities.extend``), so a micro-batch may run longer than ``reserve_delay``; those of a
+  driver that dies come back once ``reserve_delay`` has passed, those of a stopped query at
+  once. Without ``extend``, keep ``reserve_delay`` well above the longest micro-batch
+  (trigger interval + processing time);
 - ``spark.read.format("aio_keuss")`` takes what is ready now: with ``read_mode=reserve``
   (the default where the backend can reserve) each task reserves a chunk, yields its rows and
   oks the chunk once Spark has taken all of them from the reader. The Python Data Source API
@@ -29,6 +32,7 @@ mature timestamp, payload_bytes binary`` (bytes payloads land in ``payload_bytes
 from __future__ import annotations
 
 import itertools
+import logging
 import threading
 import uuid
 from collections.abc import Iterator, Mapping, Sequence
@@ -83,6 +87,12 @@ __all__ = ["KeussDataSource"]
 
 BATCH_ID_PROPERTY = "streaming.sql.batchId"
 QUERY_ID_PROPERTY = "sql.streaming.queryId"
+
+RENEWALS_PER_DELAY = 4
+"""A stream reader extends what it holds every ``reserve_delay / RENEWALS_PER_DELAY``: a
+round that fails, or a driver stalled for a while, still leaves most of the reservation."""
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -284,18 +294,40 @@ class KeussStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         self.run = uuid.uuid4().hex[:12]
         self._seq = 0
         self._pending: dict[int, list[Message]] = {}
+        """Changed on Spark's thread only, and then under ``_lock``: the renewer reads it."""
         self._queue: sync.SyncQueue | None = None
         self._budget: int | None = None
         """Under ``Trigger.AvailableNow``: how many more messages this run may take (those
         ready when it started; what arrives later waits for the next run)."""
+        self._lock = threading.Lock()
+        self._wake = threading.Condition(self._lock)
+        """Wakes the renewer before its time: stopped, or nothing pending any more."""
+        self._stopping = False
+        self._lost: set[int] = set()
+        """Pending messages (by identity) another consumer took: not extended again."""
+        self._acking: set[int] = set()
+        """Batches ``commit`` is acknowledging: an extension answered False for one of their
+        messages means it was ok-ed meanwhile, not taken by another consumer."""
+        self.renews = True
+        """False in the copies Spark unpickles on the executors: they never start a renewer."""
+        self.renewer: threading.Thread | None = None
+        """The driver's thread extending the pending reservations, while there are any."""
+        self.renewals = 0
+        """Rounds of extensions answered."""
+        self.extended = 0
+        """Reservations extended so far."""
+        self.lapsed = 0
+        """Pending messages found taken by another consumer (delivered twice)."""
 
     def __getstate__(self) -> dict[str, Any]:
-        # Pickled to the executors for ``read``: only the spec travels, not the connection.
+        # Pickled to the executors for ``read``: only the spec travels, not the connection,
+        # nor the renewer, its lock or its timer (a lock does not pickle anyway).
         return {"spec": self.spec, "run": self.run}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__init__(state["spec"])  # type: ignore[misc]
         self.run = state["run"]
+        self.renews = False  # an executor's copy: it only reads its partition
 
     def _q(self) -> sync.SyncQueue:
         if self._queue is None:
@@ -342,8 +374,99 @@ class KeussStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         if self._budget is not None:
             self._budget -= len(reserved)
         self._seq = max(self._seq, int(start.get("seq", 0))) + 1
-        self._pending[self._seq] = reserved
+        with self._lock:
+            self._pending[self._seq] = reserved
+            self._start_renewer(queue)
         return {"run": self.run, "seq": self._seq}
+
+    def _start_renewer(self, queue: sync.SyncQueue) -> None:
+        """Keep the pending reservations alive until ``commit`` (the batch may outlast
+        ``reserve_delay``: a long sink, a slow trigger), as ``consume`` does for running
+        handlers. One thread on the driver, only while something is pending. Under
+        ``_lock``."""
+        if self.renewer is not None or not self.renews or not queue.capabilities.extend:
+            return
+        every = queue.queue.options.reserve_delay / RENEWALS_PER_DELAY
+        self.renewer = threading.Thread(
+            target=self._renew_loop,
+            args=(queue, every),
+            name=f"aio-keuss-spark-renew-{self.run}",
+            daemon=True,  # a driver ending without stop(): its reservations lapse, as a crash's
+        )
+        self.renewer.start()
+
+    def _renew_loop(self, queue: sync.SyncQueue, every: float) -> None:
+        while True:
+            with self._lock:
+                self._wake.wait_for(lambda: self._stopping or not self._pending, every)
+                if self._stopping or not self._pending:
+                    self.renewer = None  # the next batch reserved starts another
+                    return
+                due = [
+                    m
+                    for seq in sorted(self._pending)
+                    if seq not in self._acking
+                    for m in self._pending[seq]
+                    if id(m) not in self._lost
+                ]
+            if due:
+                self._renew(queue, due, every)
+
+    def _renew(self, queue: sync.SyncQueue, due: list[Message], every: float) -> None:
+        try:
+            kept = queue.extend_many(due)
+        except Exception as exc:  # an outage: tried again next round, the reservation lasts
+            log.warning(
+                "queue %r: extending the %d reservations of a pending micro-batch failed"
+                " (tried again in %.3g s): %s",
+                queue.name,
+                len(due),
+                every,
+                exc,
+            )
+            return
+        with self._lock:
+            held = {
+                id(m)
+                for seq, batch in self._pending.items()
+                if seq not in self._acking
+                for m in batch
+            }
+            for message, ours in zip(due, kept, strict=True):
+                if id(message) not in held:
+                    continue  # committed or given back while the extension was out
+                if ours:
+                    self.extended += 1
+                    continue
+                self._lost.add(id(message))
+                self.lapsed += 1
+                log.warning(
+                    "queue %r: message %s: its reservation lapsed while its micro-batch was"
+                    " pending and another consumer took it (%.3g s reserve_delay): it may"
+                    " reach the sink twice",
+                    queue.name,
+                    message.id,
+                    queue.queue.options.reserve_delay,
+                )
+            self.renewals += 1
+
+    def _forget(self, seqs: list[int]) -> None:
+        """Drop acknowledged or given back batches; wakes the renewer to end when none is
+        left. Under ``_lock``."""
+        for seq in seqs:
+            self._lost.difference_update(id(m) for m in self._pending.pop(seq))
+        if not self._pending:
+            self._wake.notify_all()
+
+    def _stop_renewer(self) -> None:
+        with self._lock:
+            renewer = self.renewer
+            self._stopping = True
+            self._wake.notify_all()
+        if renewer is not None:
+            renewer.join()  # at most one extension still out
+        with self._lock:
+            self._stopping = False
 
     def partitions(self, start: dict[str, Any], end: dict[str, Any]) -> Sequence[InputPartition]:
         if end.get("run") != self.run:
@@ -368,20 +491,30 @@ class KeussStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
             return
         done = [seq for seq in self._pending if seq <= int(end["seq"])]
         messages = [m for seq in sorted(done) for m in self._pending[seq]]
-        _ok(self._q(), messages)
-        for seq in done:
-            del self._pending[seq]
+        with self._lock:
+            self._acking.update(done)
+        try:
+            _ok(self._q(), messages)
+        except BaseException:
+            with self._lock:  # still pending (Spark retries the commit): extended again
+                self._acking.difference_update(done)
+            raise
+        with self._lock:
+            self._acking.difference_update(done)
+            self._forget(done)
 
     def stop(self) -> None:
         """Give back what was reserved and not committed, at once rather than after
         ``reserve_delay`` (it may have reached the sink: at-least-once), costing no try."""
+        self._stop_renewer()
         if self._queue is None:
             return
         try:
             pending = [m for seq in sorted(self._pending) for m in self._pending[seq]]
             if pending:
                 self._queue._factory.call(_release_all, self._queue.queue, pending)
-            self._pending.clear()
+            with self._lock:
+                self._forget(list(self._pending))
         finally:
             self._factory.close()
             self._queue = None
