@@ -6,10 +6,11 @@
         --url postgresql://postgres@127.0.0.1:5432/test --out /tmp/orders-parquet
 
 The source reserves up to ``--batch`` messages per micro-batch on the driver and
-acknowledges them only once the micro-batch is committed to the Parquet sink: a crash or a
-stop loses nothing; the reservations it held come back after ``reserve_delay`` (keep that
-well above trigger interval + processing time) and are read again on restart from the same
-checkpoint. Stop with Ctrl-C or after ``--seconds``; run it again to resume.
+acknowledges them only once the micro-batch is committed to the Parquet sink, extending
+their reservations meanwhile (so a slow micro-batch does not let them lapse): a crash or a
+stop loses nothing. A stop gives back what it held at once; a crash's reservations come back
+after ``reserve_delay``; either way they are read again on restart from the same checkpoint.
+Stop with Ctrl-C or after ``--seconds``; run it again to resume.
 """
 
 from __future__ import annotations
