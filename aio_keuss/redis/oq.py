@@ -284,6 +284,24 @@ local function is_held(id, guard)
   if redis.call('SISMEMBER', KEYS[3], id) == 0 then return false end
   return guard == '' or tonumber(guard) == tries_of(redis.call('HGET', KEYS[2], id))
 end
+-- A batch of guarded requests in ARGV, ``stride`` values each (id, tries held or '' for
+-- any holder, then the request's own): their ids, and ``holds(k)``, whether the k-th
+-- request's holder still holds its message (is_held for all of them in two reads).
+local function guards_held(stride)
+  local ids, guarded = {}, false
+  for i = 1, #ARGV, stride do
+    ids[#ids + 1] = ARGV[i]
+    if ARGV[i + 1] ~= '' then guarded = true end
+  end
+  local held = read_chunked('SMISMEMBER', KEYS[3], ids)
+  local records = {}
+  if guarded then records = read_chunked('HMGET', KEYS[2], ids) end
+  local function holds(k)
+    local guard = ARGV[stride * (k - 1) + 2]
+    return held[k] == 1 and (guard == '' or tonumber(guard) == tries_of(records[k]))
+  end
+  return ids, holds
+end
 -- The mature ids (up to n, earliest first), their records and mature times, and which of
 -- them were reserved (an expired reservation: that delivery counts as a try, ``bumps``).
 local function take_mature(n, now)
@@ -476,19 +494,11 @@ return fetched_reply(n, now, ids, records, matures, bumps)
 
 # KEYS: due msg held. ARGV: per ack: id, tries held ('' = no guard). Reply: 1 / 0 per ack.
 _COMMIT = """
-local ids, guarded = {}, false
-for i = 1, #ARGV, 2 do
-  ids[#ids + 1] = ARGV[i]
-  if ARGV[i + 1] ~= '' then guarded = true end
-end
-local held = read_chunked('SMISMEMBER', KEYS[3], ids)
-local records = {}
-if guarded then records = read_chunked('HMGET', KEYS[2], ids) end
+local ids, holds = guards_held(2)
 local gone, done, flags = {}, {}, {}
 for k = 1, #ids do
-  local id, guard = ids[k], ARGV[2 * k]
-  if held[k] == 1 and not done[id]
-      and (guard == '' or tonumber(guard) == tries_of(records[k])) then
+  local id = ids[k]
+  if not done[id] and holds(k) then
     done[id] = true
     gone[#gone + 1] = id
     flags[k] = 1
@@ -507,18 +517,10 @@ return flags
 # held, its score back in the future, and the try a retake would have counted is not.
 _EXTEND = """
 local now = server_now()
-local ids, guarded = {}, false
-for i = 1, #ARGV, 3 do
-  ids[#ids + 1] = ARGV[i]
-  if ARGV[i + 1] ~= '' then guarded = true end
-end
-local held = read_chunked('SMISMEMBER', KEYS[3], ids)
-local records = {}
-if guarded then records = read_chunked('HMGET', KEYS[2], ids) end
+local ids, holds = guards_held(3)
 local zadd, flags = {}, {}
 for k = 1, #ids do
-  local guard = ARGV[3 * k - 1]
-  if held[k] == 1 and (guard == '' or tonumber(guard) == tries_of(records[k])) then
+  if holds(k) then
     zadd[#zadd + 1] = fmt(now + tonumber(ARGV[3 * k])); zadd[#zadd + 1] = ids[k]
     flags[k] = 1
   else
