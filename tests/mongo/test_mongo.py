@@ -1055,3 +1055,44 @@ async def test_a_holder_s_ok_after_its_move_failed_past_the_claim_still_commits(
     store._insert_docs = insert_docs
     assert await q.ok(message)
     assert await q.total_size() == 0
+
+
+@pytest.mark.parametrize("backend", ["mongo", "mongo-history"])
+@pytest.mark.parametrize("ended_there", [False, True], ids=["held-there", "ended-there"])
+async def test_a_batch_ok_is_false_for_a_message_taken_over_between_its_read_and_its_end(
+    open_factory: Open, backend: str, ended_there: bool
+) -> None:
+    """A batch ok reads its messages' counts and owners, then ends (deletes, or marks
+    processed) the valid ones with one filter. A message whose reservation lapsed and that
+    another consumer reserved in between no longer matched that filter, so it was not
+    ended; yet the short count's read-back, finding it no longer under the filter, answered
+    True for it (and counted a commit). The holder is told False; the new holder's ok ends
+    it. Should the new holder end it before the batch's end lands, two messages are gone
+    and one was ended here: which one is unknown, so neither is answered True."""
+    q = await (await open_factory(backend, stats="memory")).queue("raced")
+    other = await (await open_factory(backend, stats="memory")).queue("raced")
+    await q.push_many(["a", "b"], ids=["a", "b"])
+    held = await q.reserve_many(2, timeout=0)
+    assert sorted(m.id for m in held) == ["a", "b"]
+    a, b = sorted(held, key=lambda m: m.id)
+    store: Any = q._store  # type: ignore[attr-defined]
+    finish = store._finish
+    taken: list[aio_keuss.Message | None] = []
+
+    async def taken_over_first(*args: Any, **kwargs: Any) -> Any:
+        store._finish = finish
+        # b's reservation lapses, and the other consumer reserves it: after the read
+        await store._coll.update_one({"_id": b.id}, {"$set": {"mature": time.time() - 60}})
+        taken.append(theirs := await other.reserve(timeout=0))
+        if ended_there:
+            assert theirs is not None and await other.ok(theirs) is True
+        return await finish(*args, **kwargs)
+
+    store._finish = taken_over_first
+    assert await q.ok_many([a, b]) == [not ended_there, False]
+    (theirs,) = taken
+    assert theirs is not None and theirs.id == b.id and theirs.tries == b.tries + 1
+    assert (await q.stats())["commit"] == (0 if ended_there else 1)
+    if not ended_there:
+        assert await other.ok(theirs) is True
+    assert await q.size() == 0 and await q.resv_size() == 0
