@@ -35,7 +35,8 @@ Operations (``now`` = client clock; "live" = not yet consumed):
   is the reservation itself (``mature = now + reserve_delay``); a pop claims with a short lease
   and then deletes what it claimed, so a consumer dying in between loses nothing: the message
   comes back after the lease.
-- ok: delete (n > 1: read the holders' counts, then one ``delete_many`` per count).
+- ok: delete (n > 1: read the holders' counts, then one ``delete_many``; after a short count,
+  which of them are gone, by id).
 - ko: update (reserved false, mature = now + delay); past ``max_ko`` a deadletter move.
 - remove: delete unless under an active reservation (``reserved and mature > now``).
 - sizes: one ``$group`` aggregation; next mature: the first document on the ``mature`` index.
@@ -1015,17 +1016,32 @@ class MongoStore(Store):
             if ok and found is not None:
                 held[ack.id] = (found[0], ack.token)
             results.append(ok)
-        if held and await self._finish(_by_tries(held), now, held=True) != len(held):
-            # something changed between the read and the delete: what is still there
-            # unchanged was not ours to take
-            still = await self._coll.find(_by_tries(held), {"_id": 1}).to_list()
-            kept = {d["_id"] for d in still}
-            seen: set[str] = set()
-            for k, ack in enumerate(acks):
-                if results[k] and ack.id not in seen:
-                    seen.add(ack.id)
-                    results[k] = ack.id not in kept
+        if held:
+            ended = await self._finish(_by_tries(held), now, held=True)
+            if ended != len(held):
+                ours = await self._ended_here(list(held), ended)
+                results = [done and ack.id in ours for done, ack in zip(results, acks, strict=True)]
         return results
+
+    async def _ended_here(self, ids: list[str], ended: int) -> set[str]:
+        """Which of ``ids`` a batch ok's end (delete, or mark processed) ended, when it
+        counted ``ended`` of them, fewer than all: something changed between the read and
+        the end. A message stops matching the filter without being ended when its
+        reservation lapsed and another consumer reserved it (a new count, a new owner):
+        what is still live was not ended here. What is gone (deleted, or processed) was
+        ended here or by something else in between: the same holder's concurrent ok, move
+        or deadletter of that reservation, a remove once it lapsed, another consumer that
+        reserved it and ended it too. A delete or an update reports how many documents it
+        changed, never which (MongoDB manual, the ``delete`` and ``update`` commands'
+        output ``n``), so the counts decide: as many gone as ended here are all ours; more,
+        and which are ours is unknown, so none is answered True. True tells the holder, and
+        the ``commit`` count, that this ok ended the message, which another consumer may
+        be handling; a False for one it did end costs only that count (the message is gone,
+        as its holder asked). One more read, after a short count only."""
+        cursor = self._coll.find({"_id": {"$in": ids}, **LIVE}, {"_id": 1})
+        live = {doc["_id"] for doc in await cursor.to_list()}
+        gone = set(ids) - live
+        return gone if len(gone) == ended else set()
 
     @translated
     async def extend(self, extends: Sequence[Extend]) -> list[bool]:
