@@ -302,14 +302,11 @@ def _by_tries(held: dict[str, Holding]) -> Document:
     return clauses[0] if len(clauses) == 1 else {"$or": clauses}
 
 
-def _extended_by(extend: Extend, doc: Document) -> bool:
-    """Whether ``doc``, as read after an extension (``tries`` None: not read, every guard
-    matched), is the reservation ``extend`` named."""
-    if doc["tries"] is None:
-        return True
-    if extend.tries is not None and _tries(doc["tries"]) != extend.tries + 1:
-        return False
-    return extend.token is None or doc.get("owner") == extend.token
+def _names(tries: int | None, token: str | None, stored: int, owner: object) -> bool:
+    """Whether a reservation stored with the count ``stored`` (as :func:`_tries` reads it)
+    and ``owner`` is the one its holder was handed ``tries`` and ``token`` for (each when
+    known): what :func:`_guard` matches, for a document already read."""
+    return (tries is None or stored == tries + 1) and (token is None or owner == token)
 
 
 def _guard_many(ids: list[str], tries: int, owner: str | None) -> Document:
@@ -1010,8 +1007,7 @@ class MongoStore(Store):
             ok = (
                 found is not None
                 and ack.id not in held
-                and (ack.tries is None or found[0] == ack.tries + 1)
-                and (ack.token is None or found[1] == ack.token)
+                and _names(ack.tries, ack.token, found[0], found[1])
             )
             if ok and found is not None:
                 held[ack.id] = (found[0], ack.token)
@@ -1058,7 +1054,7 @@ class MongoStore(Store):
         by_length: dict[float, list[Extend]] = {}
         for extend in extends:
             by_length.setdefault(extend.seconds, []).append(extend)
-        extended: dict[float, list[Document]] = {}
+        extended: dict[float, list[Document] | None] = {}  # None: every guard matched
 
         async def one_length(seconds: float, group: list[Extend]) -> None:
             until = now + seconds
@@ -1066,7 +1062,7 @@ class MongoStore(Store):
             held = guards[0] if len(guards) == 1 else {"$or": guards}
             updated = await self._coll.update_many(held, {"$set": {"mature": until}})
             if updated.matched_count == len(group):
-                extended[seconds] = [{"_id": e.id, "tries": None} for e in group]
+                extended[seconds] = None
                 return
             ids = list({e.id for e in group})
             mine = {"_id": {"$in": ids}, "mature": _near(until, 0.5), "reserved": True}
@@ -1075,8 +1071,15 @@ class MongoStore(Store):
         await asyncio.gather(*(one_length(s, g) for s, g in by_length.items()))
         results = []
         for extend in extends:
-            docs = [d for d in extended[extend.seconds] if d["_id"] == extend.id]
-            results.append(any(_extended_by(extend, doc) for doc in docs))
+            docs = extended[extend.seconds]
+            results.append(
+                docs is None
+                or any(
+                    d["_id"] == extend.id
+                    and _names(extend.tries, extend.token, _tries(d["tries"]), d.get("owner"))
+                    for d in docs
+                )
+            )
         return results
 
     @translated
