@@ -1040,9 +1040,8 @@ def _abandon(taking: _Taking, queue: Queue, give_back: _GiveBack) -> None:
     if taking.taken:
         if taking.settle is not None:
             queue._handovers.discard(taking.settle)
-        # the caller never returned the result, even when it had claimed it first (the
-        # interruption came between its claim and its return): back, unless a close gave
-        # it back already
+        # the caller never claimed the result (a claim of its own is the branch above):
+        # back, unless a close gave it back already
         taking.claims.append(_ABANDONED)
         if taking.claims[0] is not _CLOSE:
             give_back(queue, taking.taken, taking.kept)
