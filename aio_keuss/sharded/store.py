@@ -348,30 +348,30 @@ class ShardedStore(Store):
         return by_shard
 
     async def commit(self, acks: Sequence[Ack]) -> list[bool]:
-        out = [False] * len(acks)
-
-        async def one(shard: int, members: list[int]) -> None:
-            flags = await self._storage.commit(self.name, shard, [acks[k] for k in members])
-            for k, flag in zip(members, flags, strict=True):
-                out[k] = flag
-
-        by_shard = self._by_shard([ack.id for ack in acks])
-        await self._each([one(s, m) for s, m in by_shard.items()])
-        return out
+        return await self._flags_by_shard(acks, [a.id for a in acks], self._storage.commit)
 
     async def extend(self, extends: Sequence[Extend]) -> list[bool]:
         """One step per shard, side by side, as :meth:`commit`: each moves the deadline the
         sweeper goes by, so a reservation extended past its first deadline is not sidelined
         (see :meth:`ShardStorage.extend`)."""
-        out = [False] * len(extends)
+        return await self._flags_by_shard(extends, [e.id for e in extends], self._storage.extend)
+
+    async def _flags_by_shard(
+        self,
+        items: Sequence[T],
+        ids: list[str],
+        step: Callable[[str, int, list[T]], Awaitable[list[bool]]],
+    ) -> list[bool]:
+        """``step`` (a storage call) once per shard over its share of ``items`` (whose
+        ``ids`` say where each is), the shards side by side; one flag per item, in order."""
+        out = [False] * len(items)
 
         async def one(shard: int, members: list[int]) -> None:
-            flags = await self._storage.extend(self.name, shard, [extends[k] for k in members])
+            flags = await step(self.name, shard, [items[k] for k in members])
             for k, flag in zip(members, flags, strict=True):
                 out[k] = flag
 
-        by_shard = self._by_shard([e.id for e in extends])
-        await self._each([one(s, m) for s, m in by_shard.items()])
+        await self._each([one(s, m) for s, m in self._by_shard(ids).items()])
         return out
 
     async def rollback(
