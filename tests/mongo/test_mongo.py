@@ -1096,3 +1096,46 @@ async def test_a_batch_ok_is_false_for_a_message_taken_over_between_its_read_and
     if not ended_there:
         assert await other.ok(theirs) is True
     assert await q.size() == 0 and await q.resv_size() == 0
+
+
+async def test_a_requeue_whose_hold_lapsed_does_not_move_a_message_a_pop_has_claimed(
+    open_factory: Open,
+) -> None:
+    """A requeue holds a message by id, then moves it under the count the hold handed out.
+    A pop of mongo claims a message for a lease without counting a try (reserved, under
+    its own owner token, the count unchanged), then deletes it. Once the hold had lapsed, a
+    pop's claim still matched the move's guard (the count alone, no token): the message
+    was moved back to its origin while the pop handed it over, two deliveries of one
+    message. The hold now hands out its token too, and the move asks for it."""
+    dl = await (await open_factory("mongo")).queue("__deadletter__")
+    other = await (await open_factory("mongo")).queue("__deadletter__")
+    jobs = await (await open_factory("mongo")).queue("jobs")
+    message_id = await dl.push("job", headers={"x-dl-from-queue": "jobs"})
+    store: Any = dl._store  # type: ignore[attr-defined]
+    real_move = store.move
+    coll: Any = other._store._coll  # type: ignore[attr-defined]
+    real_delete = coll.delete_one
+    moved: list[str | None] = []
+    popped: list[aio_keuss.Message | None] = []
+
+    async def popped_around(moves: Any) -> Any:
+        store.move = real_move
+
+        async def moved_first(*args: Any, **kwargs: Any) -> Any:  # between claim and delete
+            coll.delete_one = real_delete
+            moved.extend(await real_move(moves))
+            return await real_delete(*args, **kwargs)
+
+        # the hold lapses, and another consumer's pop claims the message
+        await store._coll.update_one({"_id": message_id}, {"$set": {"mature": time.time() - 1}})
+        coll.delete_one = moved_first
+        popped.append(await other.pop(timeout=0))
+        return moved
+
+    store.move = popped_around
+    result = await dl.requeue([message_id])
+    (got,) = popped
+    assert got is not None and got.id == message_id
+    assert moved == [None]  # the pop's claim is not the hold's
+    assert result == {}
+    assert await jobs.total_size() == 0 and await dl.total_size() == 0
