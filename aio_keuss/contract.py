@@ -175,6 +175,18 @@ class Peeked:
     at: float
 
 
+@dataclass(frozen=True, slots=True)
+class Held:
+    """What :meth:`Store.hold` hands its holder for one message: what a reserve would hand
+    out, the ``tries`` and, where the store has one, the reservation's :attr:`Stored.token`,
+    both presented again with the :class:`Move` (or :class:`Ack`) that follows. The count
+    alone did not tell the hold from another consumer's take of the message once the hold
+    had lapsed (a take that counts no try, a give-back that took its try back)."""
+
+    tries: int
+    token: str | None = None
+
+
 @dataclass(slots=True)
 class PeekPage:
     """Up to ``limit`` messages past a cursor, and the cursor after them (None: the walk is
@@ -475,10 +487,11 @@ class Store(ABC):
         """Where each message is (a processed one too, on a history store), None if gone."""
         raise NotSupportedError(f"{type(self).__name__} cannot peek")
 
-    async def hold(self, ids: Sequence[str], reserve_delay: float) -> list[int | None]:
+    async def hold(self, ids: Sequence[str], reserve_delay: float) -> list[Held | None]:
         """Reserve these messages, if not under an active reservation, until now +
-        ``reserve_delay``: per id the tries a holder presents to :meth:`move` / :meth:`commit`
-        (what :meth:`reserve` would hand out), or None when it is missing or held."""
+        ``reserve_delay``: per id what a holder presents to :meth:`move` / :meth:`commit`
+        (what :meth:`reserve` would hand out: tries, and token), or None when it is missing
+        or held."""
         raise NotSupportedError(f"{type(self).__name__} cannot hold by id")
 
     async def history(

@@ -24,6 +24,7 @@ from .contract import (
     Entry,
     Extend,
     Fetched,
+    Held,
     LoopTurns,
     Move,
     Nack,
@@ -306,10 +307,10 @@ class MemoryStore(Store):
         found = [records.get(i) for i in ids]
         return [None if r is None else _peeked(r, now) for r in found]
 
-    async def hold(self, ids: Sequence[str], reserve_delay: float) -> list[int | None]:
+    async def hold(self, ids: Sequence[str], reserve_delay: float) -> list[Held | None]:
         now = time.time()
         records = self._data.records
-        results: list[int | None] = []
+        results: list[Held | None] = []
         for message_id in ids:
             record = records.get(message_id)
             if record is None or (record.reserved and record.mature > now):
@@ -319,7 +320,7 @@ class MemoryStore(Store):
                 record.tries += 1
             record.reserved = True
             self._data.reschedule(record, now + reserve_delay)
-            results.append(record.tries)
+            results.append(Held(record.tries))
         return results
 
     async def sizes(self) -> Sizes:

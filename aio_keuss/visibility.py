@@ -250,10 +250,12 @@ async def _hold_and_move(queue: Queue, targets: dict[str, str | None]) -> dict[s
     for target in sorted(set(plans.values())):  # recorded before anything moves there
         await queue._open_target(target)
     ids = list(plans)
-    tries = await queue._store.hold(ids, HOLD_SECONDS)
+    holds = await queue._store.hold(ids, HOLD_SECONDS)
+    # The move asks for the hold's token too: once the hold lapsed, another consumer's take
+    # of the message can carry the very count the hold was handed.
     moves = [
-        Move(message_id, held, plans[message_id], tag=REQUEUE_TAG)
-        for message_id, held in zip(ids, tries, strict=True)
+        Move(message_id, held.tries, plans[message_id], tag=REQUEUE_TAG, token=held.token)
+        for message_id, held in zip(ids, holds, strict=True)
         if held is not None
     ]
     results = await queue._move_batch(moves) if moves else []

@@ -91,6 +91,7 @@ from ..contract import (
     Entry,
     Extend,
     Fetched,
+    Held,
     Move,
     Nack,
     Peeked,
@@ -1299,16 +1300,18 @@ class MongoStore(Store):
         return rows
 
     @translated
-    async def hold(self, ids: Sequence[str], reserve_delay: float) -> list[int | None]:
+    async def hold(self, ids: Sequence[str], reserve_delay: float) -> list[Held | None]:
         now = time.time()
         # a token of its own, as every take: a late reserve or pop that held the message
-        # before renews (and hands over) only what still carries its token (``_renew``)
+        # before renews (and hands over) only what still carries its token (``_renew``);
+        # and the move that follows asks for it, since a pop's claim of the message once
+        # the hold lapsed keeps the count the hold left
         token = os.urandom(8).hex()
         taken = {"mature": now + reserve_delay, "reserved": True, "owner": token}
         update = {"$set": taken, "$inc": {"tries": 1}}
         free = {"$or": [{"reserved": False}, {"mature": {"$lte": now}}]}
 
-        async def one(message_id: str) -> int | None:
+        async def one(message_id: str) -> Held | None:
             doc = await self._coll.find_one_and_update(
                 {"$and": [{"_id": message_id, **LIVE}, free]},
                 update,
@@ -1317,7 +1320,7 @@ class MongoStore(Store):
             if doc is None:
                 return None
             await self._mend_tries([doc], token)
-            return _tries(doc["tries"])
+            return Held(_tries(doc["tries"]), token)
 
         return list(await asyncio.gather(*(one(i) for i in ids)))
 

@@ -47,6 +47,7 @@ from ..contract import (
     Entry,
     Extend,
     Fetched,
+    Held,
     Move,
     Nack,
     Peeked,
@@ -342,11 +343,11 @@ class PostgresStore(Store):
             found.update((r[0], _processed(r)) for r in kept)
         return [found.get(i) for i in ids]
 
-    async def hold(self, ids: Sequence[str], reserve_delay: float) -> list[int | None]:
+    async def hold(self, ids: Sequence[str], reserve_delay: float) -> list[Held | None]:
         if not ids:
             return []
         rows = await self._db.fetch(self._sql["hold"], self.name, list(ids), reserve_delay)
-        held: dict[str, int] = {r[0]: r[1] for r in rows}
+        held = {r[0]: Held(r[1]) for r in rows}
         return [held.pop(i, None) for i in ids]
 
     async def history(

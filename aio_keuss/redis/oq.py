@@ -56,6 +56,7 @@ from ..contract import (
     Entry,
     Extend,
     Fetched,
+    Held,
     Move,
     Nack,
     OneCommit,
@@ -1083,11 +1084,11 @@ class RedisOQVisibility:
             return []
         return _peeked_rows(await self._run(LOCATE, self._keys, list(ids)))
 
-    async def hold(self, ids: Sequence[str], reserve_delay: float) -> list[int | None]:
+    async def hold(self, ids: Sequence[str], reserve_delay: float) -> list[Held | None]:
         if not ids:
             return []
         reply = await self._run(HOLD, self._keys, [reserve_delay, *ids])
-        return [None if tries < 0 else int(tries) for tries in reply]
+        return [None if tries < 0 else Held(int(tries)) for tries in reply]
 
 
 def _ranks(ids: list[str]) -> list[int] | None:

@@ -45,6 +45,7 @@ from ..contract import (
     Entry,
     Extend,
     Fetched,
+    Held,
     Move,
     Nack,
     Peeked,
@@ -247,25 +248,25 @@ class SqliteStore(Store):
         statement, now = self._sql["remove"], time.time()
         return [c.execute(statement, (self.name, i, now)).rowcount == 1 for i in ids]
 
-    async def hold(self, ids: Sequence[str], reserve_delay: float) -> list[int | None]:
+    async def hold(self, ids: Sequence[str], reserve_delay: float) -> list[Held | None]:
         if not ids:
             return []
         return await self._db.write(lambda c: self._hold(c, ids, reserve_delay))
 
     def _hold(
         self, c: sqlite3.Connection, ids: Sequence[str], reserve_delay: float
-    ) -> list[int | None]:
+    ) -> list[Held | None]:
         """Reserve given messages (requeue) as reserve would, unless under an active
         reservation: per id, the tries its holder presents, or None."""
         sql, now = self._sql, time.time()
-        held: list[int | None] = []
+        held: list[Held | None] = []
         for message_id in ids:
             row = c.execute(sql["locate"], (self.name, message_id)).fetchone()
             if row is None or (row[6] and row[5] > now):
                 held.append(None)
                 continue
             c.execute(sql["hold_seq"], (now + reserve_delay, row[0]))
-            held.append(row[4] + row[6])
+            held.append(Held(row[4] + row[6]))
         return held
 
     # reads: outside any write transaction; WAL lets them run beside a writer -------------

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from aio_keuss import Queue
-from aio_keuss.contract import Cursor, Peeked, PeekPage
+from aio_keuss.contract import Cursor, Held, Peeked, PeekPage
 from aio_keuss.memory import MemoryBackend, MemoryStore
 from aio_keuss.options import DeadletterOptions, QueueOptions
 from aio_keuss.signal import LocalSignalBus
@@ -43,7 +43,7 @@ class RecordingStore(MemoryStore):
         self.calls.append("locate")
         return await super().locate(ids)
 
-    async def hold(self, ids: Sequence[str], reserve_delay: float) -> list[int | None]:
+    async def hold(self, ids: Sequence[str], reserve_delay: float) -> list[Held | None]:
         self.calls.append("hold")
         return await super().hold(ids, reserve_delay)
 
