@@ -200,3 +200,22 @@ async def test_an_extension_answered_after_a_give_back_does_not_note_it_held_aga
     await factory.close()  # gives back what it notes as held
     assert (await b.sizes()).reserved == 1, "the close gave back the other's reservation"
     assert await b.ok(theirs) is True
+
+
+async def test_next_mature_sees_an_extended_end(connect: Connect) -> None:
+    """With nothing else in the queue, the earliest mature time is the end of the one
+    reservation, as extended. A sharded queue answered its ``reserve_delay`` from now (what
+    a reservation not extended may last at most): early, so a caller waiting for it woke
+    and looked again for nothing."""
+    factory = await connect(reserve_delay=30.0, poll_interval=5.0)
+    needs(factory, "reserve", "reservation_expiry", "extend")
+    q = await factory.queue("q1")
+    await q.push("long job")
+    message = await q.reserve(timeout=5)
+    assert message is not None
+    asked = time.time()
+    assert await q.extend(message, 3600) is True
+    mature = await q.next_mature_t()
+    assert mature is not None and mature.timestamp() >= asked + 3500, mature
+    assert await q.ok(message) is True
+    assert await q.next_mature_t() is None
