@@ -21,6 +21,7 @@ from ..sharded import meta
 from ..sharded.backend import ShardedBackend
 from ..sharded.settings import ShardedOptions
 from ..sharded.storage import (
+    Deadlines,
     Doomed,
     Fired,
     Loaded,
@@ -206,6 +207,11 @@ class RedisShardStorage(ShardStorage):
             ready, fired, sidelined, load, swept, shoveled, sweep, fire, expired, scheduled,
             _time(reply[10]),
         )  # fmt: skip
+
+    async def next_deadline(self, queue: str, shard: int, most: int) -> Deadlines:
+        base, keys = self._shard(queue, shard)
+        whole, earliest = await self._run(lua.NEXT_DEADLINE, keys, [base, most])
+        return Deadlines(_time(earliest), whole == 1)
 
     async def sweep(self, queue: str, shard: int, batch: int) -> SweepStep:
         base, keys = self._shard(queue, shard)

@@ -759,6 +759,44 @@ return {m[1] - m[2] + matured, m[3], m[4] - m[5], m[1], m[6], m[7], m[8], m[2], 
 """
 )
 
+# KEYS: m ix - - k. ARGV: base, most records to look at. Reads, writes nothing: the
+# earliest reservation deadline of the records fired past the sweep pointer (at most ``most``
+# of them) and of those the sweep stepped over (k, in deadline order: EXTEND moves a note with
+# its record's deadline, so the first entry still held is the earliest; at most ``most``
+# entries looked at, an entry acknowledged since being passed over). A slot holding a key of
+# another type counts as not held (FIRE adopts it). Reply: {1 if every reservation was
+# looked at, earliest deadline ('' = none found)}.
+_NEXT_DEADLINE = """
+local base, most = ARGV[1], tonumber(ARGV[2])
+local m = meta({'f', 'w'})
+local f, w = m[1], m[2]
+local function deadline(at)
+  local x = redis.pcall('HGET', base .. 'r:' .. ptr(at), 'x')
+  if type(x) ~= 'string' then return nil end
+  return number(x) or nil
+end
+local best, whole = nil, 1
+local stop = math.min(f, w + most)
+if stop < f then whole = 0 end
+for at = w, stop - 1 do
+  local x = deadline(at)
+  if x and (not best or x < best) then best = x end
+end
+local noted = redis.call('ZRANGE', KEYS[5], 0, most - 1)
+local found = false
+for _, at in ipairs(noted) do
+  local slot = tonumber(at)
+  local x = slot and slot < f and deadline(slot)
+  if x then
+    if not best or x < best then best = x end
+    found = true
+    break
+  end
+end
+if not found and redis.call('ZCARD', KEYS[5]) > #noted then whole = 0 end
+return {whole, best and fmt(best) or ''}
+"""
+
 # KEYS: m ix - z k. ARGV: base, most records to look at. First the reservations an earlier
 # step stepped over (k) whose deadline has passed since: each still held there moves to the
 # sideline (a slot holding a later reservation meanwhile, fired again after a release, is
@@ -1034,9 +1072,20 @@ redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
 return 1
 """
 
-INSERT, FIRE, COMMIT, EXTEND, ROLLBACK, DROP_DOOMED, SIZES, SWEEP, SHOVEL = (
+INSERT, FIRE, COMMIT, EXTEND, ROLLBACK, DROP_DOOMED, SIZES, NEXT_DEADLINE, SWEEP, SHOVEL = (
     Script(_PRELUDE + body)
-    for body in (_INSERT, _FIRE, _COMMIT, _EXTEND, _ROLLBACK, _DROP_DOOMED, _SIZES, _SWEEP, _SHOVEL)
+    for body in (
+        _INSERT,
+        _FIRE,
+        _COMMIT,
+        _EXTEND,
+        _ROLLBACK,
+        _DROP_DOOMED,
+        _SIZES,
+        _NEXT_DEADLINE,
+        _SWEEP,
+        _SHOVEL,
+    )
 )
 READY_ADD, READY_DROP, READY_HEAD, ENROL, LEASE, RELEASE, META, LIST = (
     Script(body)
@@ -1067,6 +1116,17 @@ end
 
 CLUSTER_GUARDED: dict[Script, Script] = {
     script: Script(_CLUSTER_GUARD + script.text.decode())
-    for script in (INSERT, FIRE, COMMIT, EXTEND, ROLLBACK, DROP_DOOMED, SIZES, SWEEP, SHOVEL)
+    for script in (
+        INSERT,
+        FIRE,
+        COMMIT,
+        EXTEND,
+        ROLLBACK,
+        DROP_DOOMED,
+        SIZES,
+        NEXT_DEADLINE,
+        SWEEP,
+        SHOVEL,
+    )
 }
 """The shard scripts as run on a Redis Cluster (see ``_CLUSTER_GUARD``)."""

@@ -26,6 +26,7 @@ from .backend import ShardedBackend
 from .settings import CAPABILITIES, ShardedOptions
 from .storage import (
     DEADLETTER_HOLD,
+    Deadlines,
     Doomed,
     Fired,
     Loaded,
@@ -482,6 +483,24 @@ class MemoryShardStorage(ShardStorage):
             scheduled=len(s.schedule) - matured,
             next_scheduled=s.next_scheduled(),
         )
+
+    async def next_deadline(self, queue: str, shard: int, most: int) -> Deadlines:
+        s = self._shard(queue, shard)
+        ends: list[float] = []
+        whole = s.fire <= s.sweep + most
+        for at in range(s.sweep, min(s.fire, s.sweep + most)):
+            record = s.magazine.get(at)
+            if record is not None and record.deadline is not None:
+                ends.append(record.deadline)
+        noted = heapq.nsmallest(most, s.stepped)
+        for _, at in noted:  # in deadline order (an extension moves the note): first held
+            record = s.magazine.get(at) if at < s.fire else None
+            if record is not None and record.deadline is not None:
+                ends.append(record.deadline)
+                break
+        else:
+            whole = whole and len(s.stepped) == len(noted)
+        return Deadlines(min(ends, default=None), whole)
 
     async def sweep(self, queue: str, shard: int, batch: int) -> SweepStep:
         s = self._shard(queue, shard)

@@ -150,6 +150,16 @@ class ShardSizes:
 
 
 @dataclass(slots=True)
+class Deadlines:
+    """What :meth:`ShardStorage.next_deadline` read of a shard's reservations."""
+
+    earliest: float | None
+    """The earliest end among the reservations read (None: none read)."""
+    whole: bool
+    """Whether every reservation was read; if not, others may end earlier."""
+
+
+@dataclass(slots=True)
 class SweepStep:
     """One bounded sweep step on one shard."""
 
@@ -340,6 +350,17 @@ class ShardStorage(ABC):
         """Purge the magazine's expired head (up to 1,000 records past their end of life at
         the fire pointer), then count. Atomic on the shard; besides the purge, a read of
         the magazine record's counters and of the schedule."""
+
+    @abstractmethod
+    async def next_deadline(self, queue: str, shard: int, most: int) -> Deadlines:
+        """The earliest end of the shard's reservations, read without changing anything:
+        those of the records fired past the sweep pointer (at most ``most`` looked at), and
+        of those the sweep stepped over, from the note it keeps of them (its earliest held
+        one, at most ``most`` entries looked at). An extension moves a stepped-over
+        reservation's note (see :meth:`extend`), so its new end is what is read.
+
+        Needs: a read of the fired records past the sweep pointer, and of the note in
+        deadline order (on Aerospike, a sorted map bin read by rank)."""
 
     @abstractmethod
     async def sweep(self, queue: str, shard: int, batch: int) -> SweepStep:

@@ -49,7 +49,15 @@ from ..errors import TooManyConsumersError
 from ..message import append_headers
 from ..types import KoResult, Sizes
 from . import meta
-from .settings import FIRE_SHARE, PUSH_CHUNK, REFRESH, ShardedOptions, key_shard, shard_of
+from .settings import (
+    FIRE_SHARE,
+    PUSH_CHUNK,
+    REFRESH,
+    SWEEP_BATCH,
+    ShardedOptions,
+    key_shard,
+    shard_of,
+)
 from .storage import Doomed, Loaded, ReadyMark, ShardSizes, ShardStorage
 
 if TYPE_CHECKING:
@@ -459,18 +467,26 @@ class ShardedStore(Store):
         return Sizes(size, size + reserved + scheduled, scheduled, reserved)
 
     async def next_mature(self) -> float | None:
-        """Now if a record is ready or sidelined; else the earliest scheduled mature time,
-        or for reservations their latest possible deadline (now + ``reserve_delay``). An
-        estimate: the shards keep no index of every deadline (only of those the sweep
-        stepped over), so one :meth:`extend` moved past that is not seen, and the answer
-        is then early (a caller looks again), never a reason to miss a message."""
+        """Now if a record is ready or sidelined; else the earliest scheduled mature time or
+        reservation end. A shard reads its reservations' ends (see
+        :meth:`ShardStorage.next_deadline`), extended ones included; where it could not
+        read them all, the latest end a reservation not extended can have (now +
+        ``reserve_delay``) stands for the rest: early if they were extended (a caller looks
+        again), never a reason to miss a message."""
         now = time.time()
         times: list[float] = []
-        for shard in await self.shard_sizes():
-            if shard.ready or shard.sidelined:
+        held: list[int] = []
+        for shard, sizes in enumerate(await self.shard_sizes()):
+            if sizes.ready or sizes.sidelined:
                 return now
-            if shard.next_scheduled is not None:
-                times.append(shard.next_scheduled)
-            if shard.fired:
+            if sizes.next_scheduled is not None:
+                times.append(sizes.next_scheduled)
+            if sizes.fired:
+                held.append(shard)
+        read = self._storage.next_deadline
+        for found in await self._each([read(self.name, s, SWEEP_BATCH) for s in held]):
+            if found.earliest is not None:
+                times.append(found.earliest)
+            if not found.whole:
                 times.append(now + self.options.reserve_delay)
         return min(times) if times else None

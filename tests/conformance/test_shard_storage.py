@@ -18,7 +18,7 @@ from aio_keuss.contract import Ack, Entry, Extend, Nack, Stored
 from aio_keuss.redis.sharded import RedisShardStorage
 from aio_keuss.sharded.backend import ShardedBackend
 from aio_keuss.sharded.memory import MemoryShardStorage
-from aio_keuss.sharded.storage import DEADLETTER_HOLD, ReadyMark, ShardStorage
+from aio_keuss.sharded.storage import DEADLETTER_HOLD, Deadlines, ReadyMark, ShardStorage
 from aio_keuss.types import KoResult
 
 pytestmark = pytest.mark.timeout(90)
@@ -582,6 +582,35 @@ async def test_an_extend_moves_the_end_the_sweep_noted(st: ShardStorage) -> None
     assert moved == 1
     assert await st.commit("q", 0, [Ack("a", a.tries), Ack("b", b.tries)]) == [False, True]
     assert (await st.sizes("q", 0)).sidelined == 1
+
+
+async def test_next_deadline_reads_the_ends_extensions_gave(st: ShardStorage) -> None:
+    """The earliest end of a shard's reservations: read past the sweep pointer, and from
+    the note of those the sweep stepped over, which an extension moves. Past ``most``
+    records (or notes) not all were read, and it says so."""
+    assert await st.next_deadline("q", 0, 10) == Deadlines(None, True)
+    await st.load("q", 0, [entry(k) for k in "abc"], 60.0, None)
+    asked = time.time()
+    a, b, c = (await st.fire("q", 0, 3, 60.0)).messages
+    assert await st.extend("q", 0, [Extend("a", a.tries, FAR), Extend("c", c.tries, FAR)]) == [
+        True,
+        True,
+    ]
+    found = await st.next_deadline("q", 0, 10)
+    assert found.whole and found.earliest is not None
+    assert asked + 59 <= found.earliest < asked + FAR - 60  # b's, not extended
+    assert not (await st.next_deadline("q", 0, 1)).whole  # a's alone read
+    assert await st.commit("q", 0, [Ack("b", b.tries)]) == [True]
+    found = await st.next_deadline("q", 0, 10)
+    assert found.whole and found.earliest is not None and found.earliest >= asked + FAR - 1
+    assert (await st.sweep("q", 0, 1000)).stopped  # a and c stepped over, noted
+    assert await st.extend("q", 0, [Extend("c", c.tries, 2 * FAR)]) == [True]
+    assert await st.commit("q", 0, [Ack("a", a.tries)]) == [True]  # its note is left behind
+    found = await st.next_deadline("q", 0, 10)
+    assert found.whole and found.earliest is not None and found.earliest >= asked + 2 * FAR - 1
+    assert not (await st.next_deadline("q", 0, 1)).whole  # a's note, no longer held
+    assert await st.commit("q", 0, [Ack("c", c.tries)]) == [True]
+    assert (await st.next_deadline("q", 0, 10)).earliest is None
 
 
 # the ready index -----------------------------------------------------------------------
