@@ -75,6 +75,8 @@ class FaultProxy:
         self.injected: list[tuple[str, bytes]] = []
         """Each fault injected: its kind and the first bytes of the request it hit."""
         self.connections = 0
+        self.replies_cut = 0
+        """Replies dropped by ``AFTER`` / ``MID`` faults: each such request ran on the server."""
         self._lock = threading.Lock()
         self._rules: list[_Rule] = []
         self._rate = 0.0
@@ -82,6 +84,8 @@ class FaultProxy:
         self._rng = random.Random(0)
         self._links: set[_Link] = set()
         self._loop = asyncio.new_event_loop()
+        self._admitting = asyncio.Event()
+        self._admitting.set()
         ready = threading.Event()
         self._thread = threading.Thread(target=self._run, args=(ready,), daemon=True)
         self._thread.start()
@@ -113,6 +117,16 @@ class FaultProxy:
         """How many armed faults are still to be injected."""
         with self._lock:
             return sum(rule.count for rule in self._rules)
+
+    def hold_connections(self) -> None:
+        """Connections made from now on wait, accepted but not connected to the server
+        (what reaches them stays unsent), until :meth:`admit`: a client that reconnects to
+        send a command again is held between the fault and the replay."""
+        self._loop.call_soon_threadsafe(self._admitting.clear)
+
+    def admit(self) -> None:
+        """Let the held connections (and those made from now on) reach the server."""
+        self._loop.call_soon_threadsafe(self._admitting.set)
 
     def reset_all(self) -> None:
         """Reset every open connection now."""
@@ -182,6 +196,7 @@ class _ServerSide(asyncio.Protocol):
             return
         if link.cut == MID and len(data) > 1:
             link.client.write(data[: len(data) // 2])
+        self.proxy.replies_cut += 1
         self.proxy._kill(link)
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -206,6 +221,9 @@ class _ClientSide(asyncio.Protocol):
 
     async def _connect(self) -> None:
         link = self.link
+        await self.proxy._admitting.wait()
+        if link.dead:
+            return
         try:
             transport, _ = await asyncio.get_running_loop().create_connection(
                 lambda: _ServerSide(self.proxy, link), *self.proxy.target
