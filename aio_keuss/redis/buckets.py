@@ -228,6 +228,14 @@ class RedisBucketBackend(BucketBackend, RedisBackend):
     options of :data:`aio_keuss.buckets.settings.BUCKET_OPTIONS` (seconds)."""
 
     name = "bucket-redis"
+    # Leases and state writes are fenced (a token per lease, a sequence number per write):
+    # run again, a write is refused or finds itself done, and a lease takes only buckets
+    # still free, which nobody then holds until it lapses. A push is not: it writes its
+    # buckets whole, free.
+    replay_hazard = (
+        "a push sent again writes its buckets anew, free and unread, even if a consumer "
+        "leased one meanwhile: another may then take the same messages"
+    )
     options: ClassVar[dict[str, Any]] = bucket_backend_options(RedisBackend.options)
 
     def __init__(self, options: dict[str, Any]) -> None:

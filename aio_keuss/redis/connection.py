@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import operator
 import re
 import time
@@ -43,11 +44,14 @@ try:
     from redis import exceptions as redis_errors
     from redis.asyncio.cluster import RedisCluster
     from redis.asyncio.connection import parse_url
+    from redis.asyncio.retry import Retry
+    from redis.backoff import NoBackoff
 except ImportError as exc:  # pragma: no cover - depends on the environment
     raise MissingDependencyError("redis", exc.name or "redis") from exc
 
 
 RedisClient = aioredis.Redis | RedisCluster
+log = logging.getLogger("aio_keuss.redis")
 _T = TypeVar("_T")
 _HASH_TAG = re.compile(r"[A-Za-z0-9_.:\-]{1,64}")
 CONNECT_TIMEOUT = 10.0
@@ -106,6 +110,41 @@ def _is_connection_error(exc: BaseException) -> bool:
         # e.g. "Redis Cluster cannot be connected", raised from the connection error
         return isinstance(exc.__cause__, _CONNECTION_ERRORS)
     return False
+
+
+GIVE_BACK_REPLAY = (
+    "a give-back (no try counted) sent again after another consumer reserved the message, "
+    "with the same tries, passes that consumer's guard and releases its reservation: a third "
+    "may then take the message while the second still works on it"
+)
+"""The replay hazard (``RedisConnection.replay_hazard``) of the backends whose guard is
+"held, with the holder's tries"."""
+
+
+def _no_retry() -> Retry:
+    """redis-py's documented way to turn its retries off ("Retry Helpers" in the redis-py
+    docs): a command is sent once, whatever happens to its reply."""
+    return Retry(NoBackoff(), 0)
+
+
+def command_retries(client: object) -> int | None:
+    """How many times ``client`` sends a command again after a connection error (None for
+    a client that is not redis-py's). redis-py retries a command whose reply was lost
+    after the server ran it, so a retry may run a script twice.
+
+    A standalone client's commands get their connection's retry policy: the ``retry`` of
+    the connection keyword arguments, else one retry when ``retry_on_error`` or
+    ``retry_on_timeout`` is given, else none (redis-py's ``Connection``). A cluster client
+    retries at its own level (its nodes' connections never do)."""
+    if isinstance(client, RedisCluster):
+        return int(client.retry.get_retries())
+    if isinstance(client, aioredis.Redis):
+        kwargs = client.connection_pool.connection_kwargs
+        retry = kwargs.get("retry")
+        if retry is not None:
+            return int(retry.get_retries())
+        return 1 if kwargs.get("retry_on_error") or kwargs.get("retry_on_timeout") else 0
+    return None
 
 
 class ScriptMissing(BackendError):
@@ -624,6 +663,10 @@ class RedisConnection(Backend):
 
     options_type: ClassVar[type[RedisOptions]] = RedisOptions
     options: ClassVar[dict[str, Any]] = RedisOptions.defaults()
+    replay_hazard: ClassVar[str | None] = None
+    """What a command run twice does on this backend (redis-py sending it again after its
+    reply was lost), for the warning about a user's client that retries; None where
+    nothing goes wrong."""
 
     def __init__(self, options: dict[str, Any]) -> None:
         super().__init__(options)
@@ -631,6 +674,8 @@ class RedisConnection(Backend):
         self.prefix: str = self.config.prefix
         self._owns_client = self.config.client is None
         self.client: RedisClient = self.config.client or self._make_client()
+        if not self._owns_client:
+            self._warn_of_retries()
         self.cluster = isinstance(self.client, RedisCluster)
         self._tag = "" if self.config.hash_tag is None else "{" + self.config.hash_tag + "}:"
         self._lane = self._make_lane()
@@ -644,13 +689,35 @@ class RedisConnection(Backend):
         return not self.cluster or bool(self._tag)
 
     def _make_client(self) -> RedisClient:
+        """A redis-py client that never sends a command twice (see ``_no_retry``): the
+        retry overrules ``retry_on_timeout`` in the URL too. A lost reply then raises
+        KeussConnectionError, and what the command may have left reserved comes back when
+        its reservation ends. On a cluster, MOVED and ASK are still followed and the
+        topology reloaded after a connection error (by the next command): a redirected
+        command did not run on the node that refused it."""
         cluster, url = self.config.cluster, self.config.url
         try:
             if cluster:
-                return RedisCluster.from_url(url, decode_responses=False)
-            return aioredis.Redis.from_url(url, decode_responses=False)
+                return RedisCluster.from_url(url, decode_responses=False, retry=_no_retry())
+            return aioredis.Redis.from_url(url, decode_responses=False, retry=_no_retry())
         except ValueError as exc:  # a query argument redis-py cannot read
             raise ConfigError(f"url: {exc}") from exc
+
+    def _warn_of_retries(self) -> None:
+        """The user's client is theirs to configure (never changed here); say what its
+        retries risk, once, as the backend is made."""
+        retries = command_retries(self.client)
+        if not retries or self.replay_hazard is None:
+            return
+        log.warning(
+            "%s: the Redis client passed as client= sends a command again after a "
+            "connection error (%d retries): a command whose reply was lost after Redis ran "
+            "it then runs twice, and %s. Pass a client made with "
+            "retry=Retry(NoBackoff(), 0) (redis.asyncio.retry.Retry, redis.backoff.NoBackoff)",
+            self.name,
+            retries,
+            self.replay_hazard,
+        )
 
     def _make_lane(self) -> _FastLane | None:
         if not self._owns_client or self.cluster:

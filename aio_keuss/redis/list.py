@@ -212,6 +212,11 @@ class RedisListStore(Store):
 
 class RedisListBackend(RedisBackend):
     name = "redis-list"
+    # No reservations to take from anyone, but an LPUSH run twice stores its message
+    # twice. (An RPOP run twice loses nothing more: the first one's reply was lost anyway.)
+    replay_hazard = (
+        "a push sent again stores its messages twice, and two consumers then pop the same message"
+    )
     capabilities: Capabilities = Capabilities(
         reserve=False,
         delay=False,

@@ -74,7 +74,7 @@ from ..errors import NotSupportedError
 from ..message import EMPTY_HEADERS, UNDECODABLE, encode_headers, encode_payload
 from ..types import Capabilities, KoResult, Sizes
 from .backend import RedisBackend
-from .connection import Script
+from .connection import GIVE_BACK_REPLAY, Script
 
 log = logging.getLogger("aio_keuss.redis_oq")
 
@@ -1341,6 +1341,9 @@ class RedisOQStore(RedisOQVisibility, Store):
 
 class RedisOQBackend(RedisBackend):
     name = "redis-oq"
+    # An ok / ko / give-back's guard is "held, with the holder's tries", and a give-back
+    # counts no try: run again once another consumer reserved the message, it passes.
+    replay_hazard = GIVE_BACK_REPLAY
     capabilities: Capabilities = Capabilities(move=True, peek=True, hold=True, extend=True)
 
     def queue_keys(self, queue: str) -> list[str]:

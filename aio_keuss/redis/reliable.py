@@ -1014,6 +1014,14 @@ class RedisReliableBackend(RedisBackend):
     """
 
     name = "redis-reliable"
+    # The guard is "in this store's processing list, with the holder's tries": another
+    # process's reservation is in its own list, out of reach, but every caller of one store
+    # shares its list, and a give-back counts no try.
+    replay_hazard = (
+        "a give-back (no try counted) sent again after another caller of the same queue "
+        "object reserved the message releases that caller's reservation: a third may then "
+        "take the message while the second still works on it"
+    )
     capabilities: Capabilities = Capabilities(
         pop=True,
         reserve=True,

@@ -38,7 +38,7 @@ from ..stats import StatsStore
 from ..types import KoResult
 from . import sharded_lua as lua
 from .backend import RedisBackend
-from .connection import RedisOptions
+from .connection import GIVE_BACK_REPLAY, RedisOptions
 from .stats import RedisStats
 
 
@@ -321,6 +321,9 @@ class RedisShardedBackend(ShardedBackend, RedisBackend):
     """
 
     name = "redis-sharded"
+    # The acknowledgements' guard is redis-oq's ("fired by a reserve, with the holder's
+    # tries"), and a release at no try leaves the tries as they were: the same hazard.
+    replay_hazard = GIVE_BACK_REPLAY
     options: ClassVar[dict[str, Any]] = {**RedisOptions.defaults(), **ShardedOptions.defaults()}
 
     def __init__(self, options: dict[str, Any]) -> None:

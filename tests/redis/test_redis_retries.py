@@ -99,6 +99,7 @@ async def _moved_is_followed(prefix: str) -> None:
         client.nodes_manager.slots_cache[slot] = [other]
         message = await queues[0].reserve(timeout=1)
         assert message is not None and await queues[0].ok(message)
+        assert client.nodes_manager.slots_cache[slot][0].name == owner.name  # learnt again
         for q in queues[1:]:
             assert (m := await q.reserve(timeout=1)) is not None and await q.ok(m)
 
