@@ -5,13 +5,16 @@ nothing across a stop and a restart from its checkpoint."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
+import logging
 import math
 import os
 import pickle
 import shutil
 import signal
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -538,6 +541,196 @@ def test_a_stream_keeps_its_pending_reservations_alive_until_commit(
     with sync.connect(backend, **opts) as factory:
         msg = factory.queue("kept").pop(timeout=0)
         assert msg is not None and msg.payload == {"n": 5}
+
+
+def _wait_until(done: Any, seconds: float = 120.0) -> None:
+    deadline = time.monotonic() + seconds
+    while not done() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert done()
+
+
+def _stream_reader(backend: str, opts: dict[str, Any], queue: str, delay: float) -> Any:
+    """A stream reader as the data source makes it for Spark's driver, not started by Spark."""
+    from aio_keuss.spark.source import KeussDataSource
+
+    strings = {k: v if isinstance(v, str) else orjson.dumps(v).decode() for k, v in opts.items()}
+    source = KeussDataSource(
+        {"backend": backend, "queue": queue, **strings, "reserve_delay": str(delay)}
+    )
+    return source.streamReader(None)  # type: ignore[arg-type]
+
+
+def _in_extension(thread: threading.Thread) -> bool:
+    """Whether ``thread`` is waiting for the answer of an ``extend_many``."""
+    frame = sys._current_frames().get(thread.ident or 0)
+    while frame is not None:
+        if frame.f_code is sync.SyncQueue.extend_many.__code__:
+            return True
+        frame = frame.f_back
+    return False
+
+
+def _gated(opts: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
+    """A :class:`ReplyGate` in front of the server of ``opts``, and ``opts`` going through it."""
+    from urllib.parse import urlsplit, urlunsplit
+
+    from reply_gate import ReplyGate
+
+    parts = urlsplit(opts["url"])
+    gate = ReplyGate(parts.hostname or "127.0.0.1", parts.port or 0)
+    user = parts.netloc.rsplit("@", 1)[0] + "@" if "@" in parts.netloc else ""
+    url = urlunsplit(parts._replace(netloc=f"{user}127.0.0.1:{gate.port}"))
+    return gate, {**opts, "url": url}
+
+
+def test_a_failed_renewal_round_is_logged_counted_and_tried_again(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The backend unreachable while a micro-batch is pending: each round raises. The
+    renewer must not die of it (nothing would extend the batch any more, nor would a new
+    renewer start while the dead one is still noted): it logs, counts and tries again
+    every round, and extends once the server is back."""
+    from own_servers import own_redis
+
+    caplog.set_level(logging.WARNING, logger="aio_keuss.spark.source")
+    # The data outlives the restart: the reservations are still there when it is back.
+    with own_redis("--appendonly", "yes", "--appendfsync", "always") as server:
+        opts = {"url": server.url, "prefix": f"akt-{new_token()}"}
+        with sync.connect("redis-oq", **opts) as factory:
+            factory.queue("kept").push_many([{"n": n} for n in range(5)])
+        reader = _stream_reader("redis-oq", opts, "kept", 2.0)
+        try:
+            end = reader.latestOffset(reader.initialOffset(), None)
+            _wait_until(lambda: reader.renewals >= 1)
+            thread = reader.renewer
+            assert thread is not None
+            server.stop()
+            _wait_until(lambda: reader.failed >= 2)  # tried again while still away
+            assert thread.is_alive() and reader.renewer is thread
+            failures = [r for r in caplog.records if "extending the 5 reservations" in r.message]
+            assert len(failures) >= 2
+            with reader._lock:  # a round's counts change together, under the lock
+                answered, extended, failed = reader.renewals, reader.extended, reader.failed
+            server.start()
+            _wait_until(lambda: reader.renewals > answered)
+            # Nobody else reserves here: a lapsed reservation still answers True.
+            assert reader.lapsed == 0 and reader.extended > extended
+            assert reader.failed >= failed and reader.renewer is thread
+            reader.commit(end)
+            thread.join(60)
+            assert not thread.is_alive() and reader.renewer is None
+            with sync.connect("redis-oq", **opts) as factory:
+                assert factory.queue("kept").sizes() == aio_keuss.Sizes(0, 0, 0, 0)
+            reader.stop()
+        finally:
+            # a failure above may leave the server away: its refusal would hide that failure
+            with contextlib.suppress(aio_keuss.KeussConnectionError):
+                reader.stop()
+
+
+def test_a_pending_message_another_consumer_took_is_logged_counted_and_not_extended_again(
+    target: tuple[str, dict[str, Any]], caplog: pytest.LogCaptureFixture
+) -> None:
+    """The driver stalled past ``reserve_delay`` (a long GC pause: no round ran) and another
+    consumer reserved some of the pending messages. Those are logged and counted once, and
+    not extended again (each further try would answer False, and count it again); the rest
+    stay the reader's, and the other consumer's reservations are left alone."""
+    backend, opts = target
+    caplog.set_level(logging.WARNING, logger="aio_keuss.spark.source")
+    with sync.connect(backend, **opts) as factory:
+        factory.queue("taken").push_many([{"n": n} for n in range(5)])
+    reader = _stream_reader(backend, opts, "taken", 1.0)
+    try:
+        end = reader.latestOffset(reader.initialOffset(), None)
+        _wait_until(lambda: reader.renewals >= 1)
+        thread = reader.renewer
+        assert thread is not None
+        with sync.connect(backend, **opts) as factory:
+            other = factory.queue("taken", reserve_delay=600.0)
+            taken: list[Any] = []
+            with reader._lock:  # the renewer cannot start (or finish) a round meanwhile
+                deadline = time.monotonic() + 60
+                while len(taken) < 2 and time.monotonic() < deadline:
+                    taken += other.reserve_many(2 - len(taken), timeout=0)
+                    time.sleep(0.05)
+            assert len(taken) == 2
+            _wait_until(lambda: reader.lapsed >= 2)
+            with reader._lock:
+                answered, extended = reader.renewals, reader.extended
+            _wait_until(lambda: reader.renewals >= answered + 2)
+            with reader._lock:
+                more_rounds, more_extended = reader.renewals - answered, reader.extended - extended
+                assert reader.lapsed == 2  # the taken ones were not tried again
+            assert more_extended == 3 * more_rounds  # only the three still the reader's
+            lost = [r for r in caplog.records if "another consumer took it" in r.getMessage()]
+            assert sorted(m.id for m in taken) == sorted(r.args[1] for r in lost)  # type: ignore[index]
+            assert thread.is_alive()
+            assert other.extend_many(taken) == [True, True]  # the reader left them alone
+            reader.commit(end)  # oks its three; the two taken stay the other's
+            assert sum(other.ok(m) for m in taken) == 2
+            assert other.sizes() == aio_keuss.Sizes(0, 0, 0, 0)
+        thread.join(60)
+        assert not thread.is_alive() and reader.renewer is None
+    finally:
+        reader.stop()
+
+
+def test_commit_or_stop_during_a_renewal_round_leaks_nothing(
+    target: tuple[str, dict[str, Any]],
+) -> None:
+    """Spark's thread commits (or stops) while the renewer waits for an extension's answer.
+    An extension answered after the ok is not a message lost to another consumer; the
+    thread ends once the round is answered, and ``stop`` gives back what was pending."""
+    backend, opts = target
+    gate, through = _gated(opts)
+    with sync.connect(backend, **opts) as factory:
+        factory.queue("inflight").push_many([{"n": n} for n in range(5)])
+    reader = _stream_reader(backend, through, "inflight", 2.0)
+    try:
+
+        def held_round() -> threading.Thread:
+            """Shut the gate just after a round was answered: the next one is held."""
+            thread = reader.renewer
+            assert thread is not None
+            answered = reader.renewals
+            _wait_until(lambda: reader.renewals > answered)
+            gate.shut()
+            _wait_until(lambda: _in_extension(thread))
+            return thread
+
+        end = reader.latestOffset(reader.initialOffset(), None)
+        thread = held_round()
+        committing = threading.Thread(target=reader.commit, args=(end,))
+        committing.start()
+        _wait_until(lambda: bool(reader._acking))  # commit has begun, its ok is held too
+        gate.open()
+        committing.join(60)
+        thread.join(60)
+        assert not committing.is_alive() and not thread.is_alive() and reader.renewer is None
+        assert reader.lapsed == 0
+        with sync.connect(backend, **opts) as factory:
+            assert factory.queue("inflight").sizes() == aio_keuss.Sizes(0, 0, 0, 0)
+            factory.queue("inflight").push_many([{"n": n} for n in range(5, 8)])
+
+        end = reader.latestOffset(end, None)
+        thread = held_round()
+        stopping = threading.Thread(target=reader.stop)
+        stopping.start()
+        _wait_until(lambda: reader._stopping)  # stop waits for the round in flight
+        gate.open()
+        stopping.join(60)
+        assert not stopping.is_alive() and not thread.is_alive() and reader.renewer is None
+        assert reader.lapsed == 0
+        assert not [t for t in threading.enumerate() if t.name == thread.name]
+        with sync.connect(backend, **opts) as factory:
+            back = factory.queue("inflight").pop_many(10, timeout=0)
+            assert sorted(m.payload["n"] for m in back) == [5, 6, 7]
+            assert all(m.tries == 0 for m in back)
+    finally:
+        gate.open()
+        reader.stop()
+        gate.cut()
 
 
 def test_idempotent_writes_refuse_a_dedup_window_of_zero(
