@@ -314,6 +314,8 @@ class KeussStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         """The driver's thread extending the pending reservations, while there are any."""
         self.renewals = 0
         """Rounds of extensions answered."""
+        self.failed = 0
+        """Rounds of extensions that raised (the backend away): tried again the next round."""
         self.extended = 0
         """Reservations extended so far."""
         self.lapsed = 0
@@ -416,6 +418,8 @@ class KeussStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         try:
             kept = queue.extend_many(due)
         except Exception as exc:  # an outage: tried again next round, the reservation lasts
+            with self._lock:
+                self.failed += 1
             log.warning(
                 "queue %r: extending the %d reservations of a pending micro-batch failed"
                 " (tried again in %.3g s): %s",
