@@ -1316,19 +1316,16 @@ async def test_a_release_landing_after_the_store_leased_the_bucket_again_is_refu
         assert await other.total_size() == 0
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="known limit: the deadletter copy and the mark are two writes to two queues; a "
-    "takeover between them costs what a crash there costs (one message in both queues)",
-)
 async def test_a_takeover_while_a_deadletter_copy_is_on_its_way_leaves_one_copy(
     bucket_case: tuple[BackendCase, dict[str, Any]],
 ) -> None:
     """A ko past max_ko by a holder whose lease lapsed renews the lease, then writes the
     copy into the deadletter queue, then marks the slot done. Should the copy take longer
     than a lease (the holder unable to write meanwhile), another consumer takes the bucket
-    over from its stored state, the slot reserved, and delivers the message again; the copy
-    then lands and the mark is refused: the message is in both queues. The copy is held
+    over from its stored state. That state said the slot was reserved: the new holder
+    delivered the message again, the copy then landed and the mark was refused, the
+    message in both queues. Now it says the slot is on its way to the deadletter queue:
+    the new holder writes the copy (the same one) instead. The old holder's copy is held
     until the takeover happened."""
     async with _two_factories(bucket_case, "dl-takeover", 1.0, deadletter={"max_ko": 0}) as (
         old_q,
@@ -1357,7 +1354,9 @@ async def test_a_takeover_while_a_deadletter_copy_is_on_its_way_leaves_one_copy(
                 if bucket.lease_until < time.time():
                     break
                 await asyncio.sleep(0.01)
-            got = await new_q.reserve(timeout=10)  # taken over
+            got = await new_q.reserve(timeout=0)
+            # taken over, the copy written by the new holder, the slot done: nothing left
+            assert await new_q.total_size() == 0
         finally:
             gate.set()
             old._storage.insert_buckets = insert
@@ -1365,6 +1364,43 @@ async def test_a_takeover_while_a_deadletter_copy_is_on_its_way_leaves_one_copy(
         dead = await _take_all(await factory.queue("__deadletter__"), idle=0.5)
         copies = len(dead) + (got is not None)
         assert copies == 1, f"ko {result!r}, redelivered {got is not None}, dead {len(dead)}"
+        assert await new_q.total_size() == 0
+
+
+async def test_a_deadletter_move_whose_holder_died_after_the_mark_is_finished_by_the_next(
+    bucket_case: tuple[BackendCase, dict[str, Any]],
+) -> None:
+    """A holder stored a slot as on its way to the deadletter queue, then died before its
+    copy was written (here: its copy fails, and it writes nothing more). Whoever takes the
+    bucket over neither delivers the message again nor loses it: it writes the copy itself
+    and marks the slot done."""
+    async with _two_factories(bucket_case, "dl-died", 1.0, deadletter={"max_ko": 0}) as (
+        old_q,
+        new_q,
+        factory,
+    ):
+        await old_q.push("m")
+        held = await old_q.reserve(timeout=5)
+        assert held is not None
+        old = old_q._store  # type: ignore[attr-defined]
+        await _stop_renewing(old)
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(
+                old._storage, "insert_buckets", _raising(aio_keuss.BackendError("died"))
+            )
+            with pytest.raises(aio_keuss.BackendError):
+                await old_q.ko(held)  # the mark is stored, the copy is not
+        (bucket,) = old._held_buckets.values()
+        for _ in range(3000):  # its lease lapses (watched, not timed)
+            if bucket.lease_until < time.time():
+                break
+            await asyncio.sleep(0.01)
+        got = await new_q.reserve(timeout=0)
+        assert got is None, "delivered again"
+        assert await new_q.total_size() == 0  # taken over, copied, done
+        dead = await _take_all(await factory.queue("__deadletter__"), idle=0.5)
+        assert [(m.payload, m.headers["x-dl-from-queue"]) for m in dead] == [("m", "dl-died")]
+        assert await new_q.total_size() == 0
 
 
 async def test_a_bucket_held_by_an_earlier_release_that_died_is_taken_over(
