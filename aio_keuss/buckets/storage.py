@@ -138,7 +138,9 @@ class BucketStorage(ABC):
 
     @abstractmethod
     async def insert_buckets(self, queue: str, buckets: Sequence[NewBucket]) -> None:
-        """Insert free buckets (owner ``""``), durably, all or none."""
+        """Insert free buckets (owner ``""``), durably, all or none. One whose id is stored
+        already is left as it is: a deadletter copy, named after its slot, may be written
+        by two holders of that slot's bucket (see the bucket store's docstring)."""
 
     @abstractmethod
     async def lease(

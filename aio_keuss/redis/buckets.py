@@ -35,15 +35,19 @@ from ..buckets.store import BucketBackend
 from .backend import RedisBackend
 from .connection import Script
 
-# KEYS: bz, bb, bs, bo, br, bn. ARGV: (id, score, count, blob, state) per bucket.
+# KEYS: bz, bb, bs, bo, br, bn. ARGV: (id, score, count, blob, state) per bucket. A bucket
+# whose id is stored already is left as it is: a deadletter copy written again, or a retry
+# (written over, a bucket leased meanwhile was freed under its holder).
 _INSERT = Script("""
 for i = 1, #ARGV, 5 do
   local id = ARGV[i]
-  redis.call('HSET', KEYS[2], id, ARGV[i + 3])
-  redis.call('HSET', KEYS[3], id, ARGV[i + 4])
-  redis.call('HSET', KEYS[4], id, '')
-  redis.call('HSET', KEYS[5], id, ARGV[i + 2])
-  redis.call('ZADD', KEYS[1], ARGV[i + 1], id)
+  if redis.call('HEXISTS', KEYS[2], id) == 0 then
+    redis.call('HSET', KEYS[2], id, ARGV[i + 3])
+    redis.call('HSET', KEYS[3], id, ARGV[i + 4])
+    redis.call('HSET', KEYS[4], id, '')
+    redis.call('HSET', KEYS[5], id, ARGV[i + 2])
+    redis.call('ZADD', KEYS[1], ARGV[i + 1], id)
+  end
 end
 return #ARGV / 5
 """)

@@ -525,11 +525,13 @@ SELECT pg_notify($1, $2)
 -- $1 is always the queue name. Times come from the caller (the bucket engine's clock).
 
 -- name: buckets_insert
--- $2.. one array per column.
+-- $2.. one array per column. A bucket whose id is stored already is left as it is: a
+-- deadletter copy written again (its id is its slot's), or a retry.
 INSERT INTO {s}.buckets (queue, id, score, count, remaining, blob, state)
 SELECT $1, b.id, b.score, b.count, b.count, b.blob, b.state
 FROM unnest($2::text[], $3::float8[], $4::int4[], $5::bytea[], $6::bytea[])
      AS b(id, score, count, blob, state)
+ON CONFLICT (queue, id) DO NOTHING
 
 -- name: buckets_lease
 -- $2 token, $3 now, $4 deadline, $5 want, $6 max buckets, $7 ids left out (those the
