@@ -451,6 +451,11 @@ class Store(ABC):
         queue signals other processes then. Others ignore it: an acknowledged insert is
         visible everywhere, and the queue signals at acknowledgement."""
 
+    def on_deadletter(self, plan: DeadletterPlan | None) -> None:
+        """The queue's deadletter policy, told once: for stores that may have to finish a
+        deadletter move another process began (see the bucket stores), with no ko of
+        their own to carry it. Others ignore it: each ko brings the plan it needs."""
+
     def on_orphaned_insert(self, listener: Callable[[int, float], None]) -> None:
         """For stores whose insert a cancelled caller may leave while its messages are still
         written (a write shared by several callers goes on without the one cancelled):

@@ -197,12 +197,15 @@ class QueueOptions:
 QUEUE_OPTION_NAMES = frozenset(f.name for f in fields(QueueOptions))
 
 
+DEFAULT_DEADLETTER_QUEUE = "__deadletter__"
+
+
 @dataclass(frozen=True, slots=True)
 class DeadletterOptions:
     """A ko past ``max_ko`` kos moves the message to ``queue`` (in the same backend)."""
 
     max_ko: int
-    queue: str = "__deadletter__"
+    queue: str = DEFAULT_DEADLETTER_QUEUE
 
     @classmethod
     def parse(cls, value: object) -> DeadletterOptions | None:
@@ -216,7 +219,7 @@ class DeadletterOptions:
         if unknown:
             raise ConfigError(f"unknown deadletter option(s): {', '.join(sorted(unknown))}")
         max_ko = check_count(value.get("max_ko"), "deadletter max_ko", least=0)
-        queue = value.get("queue", "__deadletter__")
+        queue = value.get("queue", DEFAULT_DEADLETTER_QUEUE)
         try:
             check_queue_name(queue)
         except InvalidQueueNameError as exc:

@@ -253,6 +253,7 @@ class Queue:
         self._unsubscribe = signal.subscribe(name, self._on_signal)
         store.on_visible(lambda mature: signal.insert(name, mature))
         store.on_orphaned_insert(self._inserted_for_nobody)
+        store.on_deadletter(self._deadletter)
 
     async def _open(self) -> None:
         self._paused = await self._stats.is_paused(self.name)

@@ -9,8 +9,10 @@ from collections.abc import Sequence
 from itertools import accumulate
 from typing import Any
 
-AVAILABLE, DONE, HANDED_OUT = 0, 1, 2
-"""Slot states."""
+AVAILABLE, DONE, HANDED_OUT, DEADLETTERING = 0, 1, 2, 3
+"""Slot states. DEADLETTERING: on its way to the deadletter queue, stored so before the copy
+is written, so that whoever holds the bucket next neither delivers it again nor loses it
+(it writes the copy, under the same id, and marks the slot done)."""
 
 _LITTLE = sys.byteorder == "little"
 U32 = "I" if array("I").itemsize == 4 else "L"

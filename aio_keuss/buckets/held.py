@@ -8,7 +8,15 @@ import contextlib
 from collections.abc import Iterable, Iterator
 
 from ..contract import Stored
-from .codec import AVAILABLE, DONE, HANDED_OUT, decode_blob, decode_state, encode_state
+from .codec import (
+    AVAILABLE,
+    DEADLETTERING,
+    DONE,
+    HANDED_OUT,
+    decode_blob,
+    decode_state,
+    encode_state,
+)
 from .storage import LeasedBucket
 
 
@@ -121,6 +129,8 @@ class HeldBucket:
                     reserved = True
                 else:
                     deliverable = True
+            elif state == DEADLETTERING:  # held (and renewed) until its copy is written
+                reserved = True
         return deliverable, reserved
 
     def lapse(self, now: float) -> None:

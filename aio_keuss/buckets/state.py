@@ -159,6 +159,10 @@ class StateWriter:
             # otherwise sleep until their poll interval).
             self._visible(min(released))
 
+    async def _finish_deadletters(self, buckets: Iterable[HeldBucket]) -> None:
+        """The store's: copies of slots a previous holder left on their way to the
+        deadletter queue, written and marked done."""
+
     def _forget(self, bucket: HeldBucket) -> None:
         bucket.live = False
         if self._held_buckets.get(bucket.id) is bucket:
@@ -183,6 +187,12 @@ class StateWriter:
 
         ``release_all`` (close): every bucket goes back, reservations without a try.
         """
+        try:
+            await self._finish_deadletters(list(self._held_buckets.values()))
+        except (
+            Exception
+        ) as exc:  # the next flush tries again; a release leaves it to the next holder
+            log.warning("queue %r: deadletter copy failed: %s", self.name, exc)
         now = time.time()
         renew_before = now + self._grace / 2
         keep: list[HeldBucket] = []

@@ -21,7 +21,8 @@ Storage unit (one bucket):
 
       u8 state[count] | u32 tries[count] | f64 mature[count]
 
-  state 0 = available, 1 = done, 2 = handed out (reserved).
+  state 0 = available, 1 = done, 2 = handed out (reserved), 3 = on its way to the
+  deadletter queue.
 - ``score``: when the bucket is worth leasing. Free: a lower bound of the earliest mature
   time of its available slots (exact when this module writes it). Leased: the lease deadline.
 
@@ -82,13 +83,18 @@ are serialized (a later snapshot always contains the earlier changes).
 What a crash can cost (at-least-once holds; pop stays at-most-once):
 - reservations not yet persisted come back with their old ``tries`` count;
 - oks not yet persisted come back (delivered again);
-- a deadletter move writes the message to the deadletter queue first and then marks the slot
-  done: a crash between the two leaves a duplicate, never a loss. So does a takeover there
-  (the holder's lease lapsing while the copy is on its way, even just after the ko renewed
-  it): the new holder delivers the message again, the copy lands, the mark is refused. The
-  copy and the mark are writes to two queues' records, atomic together on no storage
-  here (Redis Cluster keeps each queue in its own hash slot, and bucket-mongo has no
-  multi-document transactions), so this window stays (pinned by a strict xfail test).
+- a deadletter move is three steps, since the copy and the mark are writes to two queues'
+  records, atomic together on no storage here (Redis Cluster keeps each queue in its own
+  hash slot, and bucket-mongo has no multi-document transactions): the slot is stored as on
+  its way (a state write under the lease, as an ok's), then the copy is written under an id
+  made of the slot's (``<bucket id>.dl<slot>``; an insert leaves an id already stored as it
+  is), then the slot is marked done. Whoever takes the bucket over between the first step
+  and the last (the holder crashed, or stalled past its lease) never delivers that slot
+  again: it writes the copy itself, which lands once whoever writes it first, and marks the
+  slot done. A second copy is still possible where the first one was taken out of the
+  deadletter queue (consumed, its bucket deleted) before the second write of the same id
+  reached it: a holder stalled past its lease right after its copy landed, or a copy whose
+  reply was lost (the ko fails, the reservation comes back) ko-ed again later.
 
 What an outage can cost. A lease is a holder's only claim on a bucket, and it lapses
 ``reject_timeout_grace`` (default 0.8 x reserve_delay) after its last renewal; renewing it,
@@ -126,14 +132,15 @@ import math
 import os
 import time
 from array import array
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple
 
 from ..coalesce import Finishing, Uncancellable, stop_task, to_the_end
 from ..contract import Ack, DeadletterPlan, Extend, Fetched, LoopTurns, Nack, Store, Stored
 from ..message import append_headers
+from ..options import DEFAULT_DEADLETTER_QUEUE
 from ..types import Capabilities, KoResult, Sizes
-from .codec import AVAILABLE, DONE, HANDED_OUT, U32, encode_blob, encode_state
+from .codec import AVAILABLE, DEADLETTERING, DONE, HANDED_OUT, U32, encode_blob, encode_state
 from .held import HeapEntry, HeldBucket, serving
 from .push import BUCKET_BYTES, SLOT_BYTES, WRITE_MAX_BYTES, PushBucket, PushSide
 from .settings import (
@@ -146,7 +153,6 @@ from .settings import (
     MIN_GRACE,
     PIPELINED_CALLS,
     BucketSettings,
-    new_bucket_id,
     split_id,
 )
 from .state import StateWriter
@@ -224,6 +230,8 @@ class BucketStore(PushSide, StateWriter, Store):
         self._leasing: asyncio.Future[None] | None = None
         self._leases: set[asyncio.Future[None]] = set()  # every lease in flight (close waits)
         self._deadlettering = Finishing()  # deadletter writes and their marks (close waits)
+        self._copying: set[tuple[str, int]] = set()  # (bucket id, slot) being deadlettered
+        self._plan: DeadletterPlan | None = None  # this queue's (``on_deadletter``)
         self._storage_next: float | None = None
         self._flusher: asyncio.Task[None] | None = None
         self._visible: Callable[[float], None] | None = None
@@ -332,6 +340,15 @@ class BucketStore(PushSide, StateWriter, Store):
                 taken.append(bucket)
             if taken:
                 self._start_flusher()
+            recovering = [b for b in taken if DEADLETTERING in b.states]
+            if recovering:
+                # Before anything else could read the queue's deadletter copies: the sooner
+                # the copy is written again, the less likely the first one was already
+                # consumed from there (see "What a crash can cost").
+                try:
+                    await self._finish_deadletters(recovering)
+                except Exception as exc:  # the state flusher tries again
+                    log.warning("queue %r: deadletter copy failed: %s", self.name, exc)
             return taken
         finally:
             if ids is None:
@@ -522,8 +539,6 @@ class BucketStore(PushSide, StateWriter, Store):
         slot = parsed[1]
         if bucket is None or slot >= bucket.count or bucket.states[slot] != HANDED_OUT:
             return None
-        if bucket.deadline.get(slot) == math.inf:  # on its way to the deadletter queue
-            return None
         if tries is not None and bucket.tries[slot] != tries:
             return None  # a stale holder: the message was handed to someone else since
         return bucket, slot
@@ -612,14 +627,22 @@ class BucketStore(PushSide, StateWriter, Store):
             if deadletter is not None and nack.count_try and tries > deadletter.max_ko:
                 # Out of reach while the deadletter write is awaited: its reservation must not
                 # lapse into another delivery (that one would be deadlettered or ok-ed too),
-                # nor its holder ko it again. Still handed out, as storage has it meanwhile.
+                # nor its holder ko it again. Stored so before the copy is written, so that
+                # whoever takes the bucket over meanwhile finishes the move (``_deadletter``).
                 moving.append(
                     _Moving(
-                        bucket, slot, tries, bucket.deadline[slot], bucket.tries[slot], len(results)
+                        bucket,
+                        slot,
+                        tries,
+                        bucket.deadline.pop(slot),
+                        bucket.tries[slot],
+                        len(results),
                     )
                 )
-                bucket.deadline[slot] = math.inf
+                bucket.states[slot] = DEADLETTERING
                 bucket.tries[slot] = tries
+                bucket.version += 1
+                self._copying.add((bucket.id, slot))
                 results.append(KoResult.DEADLETTERED)
                 continue
             del bucket.deadline[slot]
@@ -644,98 +667,129 @@ class BucketStore(PushSide, StateWriter, Store):
                     results[index] = KoResult.MISSING
         return results
 
-    def _dead_buckets(
-        self, payloads: list[bytes], headers: list[bytes], now: float
+    def _dead_copies(
+        self, slots: list[tuple[HeldBucket, int]], plan: DeadletterPlan, now: float
     ) -> list[NewBucket]:
-        """Buckets of deadlettered messages, each within the storage's byte bound (as a push
-        bucket is sealed before it passes it)."""
-        most = self._storage.max_bucket_bytes
-        buckets: list[NewBucket] = []
-        start, size = 0, BUCKET_BYTES
-        for end in range(len(payloads) + 1):
-            length = 0 if end == len(payloads) else len(payloads[end]) + len(headers[end])
-            if end == len(payloads) or (end > start and size + length + SLOT_BYTES > most):
-                count = end - start
-                buckets.append(
-                    NewBucket(
-                        new_bucket_id(),
-                        now,
-                        count,
-                        encode_blob(payloads[start:end], headers[start:end]),
-                        encode_state(
-                            bytes(count), array(U32, [0] * count), array("d", [now] * count)
-                        ),
-                    )
+        """One bucket per deadlettered message, named after its slot: whoever writes the copy
+        (this holder, or whoever took the bucket over while the copy was on its way) writes
+        the same bucket, which an insert stores once. One message each also keeps every
+        copy within the storage's byte bound."""
+        copies = []
+        for bucket, slot in slots:
+            tries = bucket.tries[slot]
+            stored = bucket.message(slot, tries, now)
+            headers = append_headers(stored.headers, plan.headers(tries, now))
+            copies.append(
+                NewBucket(
+                    f"{bucket.id}.dl{slot}",
+                    now,
+                    1,
+                    encode_blob([stored.payload], [headers]),
+                    encode_state(bytes(1), array(U32, [0]), array("d", [now])),
                 )
-                start, size = end, BUCKET_BYTES
-            size += length + SLOT_BYTES
-        return buckets
+            )
+        return copies
 
     async def _deadletter(
         self, moving: list[_Moving], plan: DeadletterPlan, now: float
     ) -> list[int]:
-        """Write the messages into the deadletter queue (durable), then mark them done here:
-        a crash in between leaves a duplicate, never a loss. A failed write hands them back
-        their reservations, to come back when those lapse. The write runs to its end when
-        the ko is cancelled, even by a close past its grace (``Finishing``, which the
-        store's close waits for; the queue's ``RunToEnd`` holds the cancellation until the
-        ko is done): cut short, a write whose copy was already
-        stored handed the reservations back too, and the next ko wrote a second copy.
+        """Store the slots as on their way (renewing the lease), write the copies into the
+        deadletter queue, then mark the slots done: see "What a crash can cost" in the
+        module docstring. A failed step before the copy is stored hands the reservations
+        back, to come back when those lapse. The copy runs to its end when the ko is
+        cancelled, even by a close past its grace (``Finishing``, which the store's close
+        waits for; the queue's ``RunToEnd`` holds the cancellation until the ko is done):
+        cut short, a write whose copy was already stored handed the reservations back too.
 
-        A bucket whose lease lapsed is written first (renewing the lease): if another
-        consumer took it over meanwhile, it serves those messages again, and a copy written
-        here would be a second one. Those are not moved; their results' indexes are
-        returned (MISSING)."""
-        lapsed = {m.bucket for m in moving if m.bucket.lease_until <= now}
-        if lapsed:
-            try:
-                await self._sync(lapsed, renew_before=time.time() + self._grace / 2)
-            except BaseException:
-                self._give_back_moving(moving)
-                raise
+        A bucket found taken over by the first write was so before the slots were stored
+        as on their way: its new holder serves them again, and a copy written here would be
+        a second one. Those are not moved; their results' indexes are returned
+        (MISSING)."""
+        try:
+            await self._sync({m.bucket for m in moving}, renew_before=time.time() + self._grace / 2)
+        except BaseException:
+            self._give_back_moving(moving)
+            raise
         missing = [m.result for m in moving if m.bucket.lost]
+        for m in moving:
+            if m.bucket.lost:
+                self._copying.discard((m.bucket.id, m.slot))
         moving = [m for m in moving if not m.bucket.lost]
         if not moving:
             return missing
-        payloads, headers = [], []
-        for bucket, slot, tries, _, _, _ in moving:
-            stored = bucket.message(slot, tries, now)
-            payloads.append(stored.payload)
-            headers.append(append_headers(stored.headers, plan.headers(tries, now)))
-        dead = self._dead_buckets(payloads, headers, now)
-        touched = await self._deadlettering.run(self._write_dead_then_mark(moving, plan, dead))
+        slots = [(m.bucket, m.slot) for m in moving]
+        touched = await self._deadlettering.run(self._copy_then_mark(slots, plan, moving))
         await self._sync(touched)
         return missing
 
-    async def _write_dead_then_mark(
-        self, moving: list[_Moving], plan: DeadletterPlan, dead: list[NewBucket]
+    async def _copy_then_mark(
+        self,
+        slots: list[tuple[HeldBucket, int]],
+        plan: DeadletterPlan,
+        moving: list[_Moving] | None = None,
     ) -> list[HeldBucket]:
         """The deadletter write and the marks that follow it, as one piece of work that the
         store's close waits for: a close past its grace gives up the batch awaiting it, and
         a write cut short there handed the reservations back, so that the close gave the
-        messages back here once written there already."""
+        messages back here once written there already. A failed write gives a ko's
+        reservations back (``moving``); slots a previous holder left are left as they are,
+        for the next state flush to try again."""
         try:
-            await self._write_dead(plan.queue, dead)
+            await self._write_dead(plan.queue, self._dead_copies(slots, plan, time.time()))
         except BaseException:
-            self._give_back_moving(moving)
+            if moving is not None:
+                self._give_back_moving(moving)
             raise
+        finally:
+            self._copying.difference_update((bucket.id, slot) for bucket, slot in slots)
         touched = {}
-        for bucket, slot, _, _, _, _ in moving:
-            if bucket.states[slot] == HANDED_OUT:
+        for bucket, slot in slots:
+            if bucket.states[slot] == DEADLETTERING:
                 bucket.states[slot] = DONE
-                bucket.deadline.pop(slot, None)
                 bucket.remaining -= 1
                 bucket.version += 1
                 touched[bucket.id] = bucket
         return list(touched.values())
 
     def _give_back_moving(self, moving: list[_Moving]) -> None:
-        """The slots of a deadletter move that failed: their reservations, as they were."""
+        """The slots of a deadletter move that failed: their reservations, as they were. Their
+        on-their-way state, if stored, is written over by the next state write; a takeover
+        before it writes the copy (the same one, should this one have landed)."""
         for bucket, slot, _, deadline, tries, _ in moving:
-            if bucket.states[slot] == HANDED_OUT and bucket.deadline.get(slot) == math.inf:
+            self._copying.discard((bucket.id, slot))
+            if bucket.states[slot] == DEADLETTERING:
+                bucket.states[slot] = HANDED_OUT
                 bucket.deadline[slot] = deadline
                 bucket.tries[slot] = tries
+                bucket.version += 1
                 heapq.heappush(self._held, (deadline, bucket.seq, slot, bucket))
+
+    async def _finish_deadletters(self, buckets: Iterable[HeldBucket]) -> None:
+        """Write the copies of the slots stored as on their way to the deadletter queue by a
+        holder this store took the bucket over from, and mark them done: that holder may
+        have died before writing its copy, and may still write it (the same bucket). The
+        target is this queue's deadletter queue, or the default one where this process
+        has none configured (a slot only gets there under a deadletter configuration)."""
+        plan = self._plan
+        if plan is None:
+            if self.name == DEFAULT_DEADLETTER_QUEUE:
+                return
+            plan = DeadletterPlan(0, DEFAULT_DEADLETTER_QUEUE, self.name)
+        slots = [
+            (bucket, slot)
+            for bucket in buckets
+            if DEADLETTERING in bucket.states and bucket.live and not bucket.lost
+            for slot, state in enumerate(bucket.states)
+            if state == DEADLETTERING and (bucket.id, slot) not in self._copying
+        ]
+        if not slots:
+            return
+        self._copying.update((bucket.id, slot) for bucket, slot in slots)
+        touched = await self._deadlettering.run(self._copy_then_mark(slots, plan))
+        await self._sync(touched)
+
+    def on_deadletter(self, plan: DeadletterPlan | None) -> None:
+        self._plan = plan
 
     async def _write_dead(self, queue: str, buckets: list[NewBucket]) -> None:
         for write in _writes(buckets):
@@ -768,7 +822,9 @@ class BucketStore(PushSide, StateWriter, Store):
                 continue
             bucket, slot = found, p[1]
             state = bucket.states[slot]
-            if state == DONE or (state == HANDED_OUT and bucket.deadline.get(slot, now) > now):
+            if state in (DONE, DEADLETTERING) or (
+                state == HANDED_OUT and bucket.deadline.get(slot, now) > now
+            ):
                 results.append(False)
                 continue
             bucket.states[slot] = DONE
@@ -815,6 +871,8 @@ class BucketStore(PushSide, StateWriter, Store):
                         ready += 1
                     else:
                         reserved += 1
+                elif state == DEADLETTERING:  # out of reach until it is done
+                    reserved += 1
         for push in pushing:  # not yet written, or their insert's reply not yet read
             for mature_t in push.mature:
                 if mature_t <= now:
