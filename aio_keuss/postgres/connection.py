@@ -24,6 +24,7 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+from .. import keepalive
 from ..contract import Backend
 from ..errors import (
     BackendError,
@@ -188,14 +189,23 @@ CREATE TABLE IF NOT EXISTS {s}.schema_versions (
 """
 
 
-async def _no_idle_timeout(connection: Any) -> None:
-    """Pool connection hook, once per connection of our own pool (and run by the signal
-    listener's session, idle between notifications alike). Our connections are kept
-    for reuse, idle between statements by design; a role's or database's
-    ``idle_session_timeout`` (PostgreSQL 14 and later) ended them while idle, and a
-    statement sent as the server's notice came in failed with a connection error (asyncpg:
-    "another operation is in progress"), a pop waiting across it included. Set here, not in
-    ``server_settings``: an older server refuses an unknown setting at connect."""
+async def _session_init(connection: Any) -> None:
+    """Connection hook, once per connection we make ourselves (our own pool's, the signal
+    listener's). Our connections are kept for reuse, idle between statements by design:
+
+    - a role's or database's ``idle_session_timeout`` (PostgreSQL 14 and later) ended them
+      while idle, and a statement sent as the server's notice came in failed with a
+      connection error (asyncpg: "another operation is in progress"), a pop waiting across
+      it included. Turned off here, not in ``server_settings``: an older server refuses an
+      unknown setting at connect;
+    - asyncpg turns no TCP keepalive on, so a connection a NAT or load balancer forgot
+      while idle hung its next statement for as long as the kernel retransmits (see
+      :mod:`aio_keuss.keepalive`). Its socket is reached through the connection's
+      transport, which asyncpg does not expose otherwise; where it cannot be, the server's
+      own probes (``SERVER_SETTINGS``) still keep the path alive."""
+    transport = getattr(connection, "_transport", None)
+    if transport is not None:
+        keepalive.keep_alive(transport.get_extra_info("socket"))
     if idle_off := _idle_timeout_off(connection):
         await connection.execute(idle_off)
 
@@ -227,6 +237,12 @@ SERVER_SETTINGS = {
     # default_transaction_isolation is repeatable read or serializable made concurrent
     # reserves, oks and pushes fail with "could not serialize access" (40001).
     "default_transaction_isolation": "read committed",
+    # The server probes our idle sessions too (PostgreSQL manual, "Connection Settings",
+    # tcp_keepalives_*; ignored over a Unix socket): a NAT or load balancer on the way then
+    # keeps them, a user's pool's included, whose sockets are not ours to set.
+    "tcp_keepalives_idle": str(keepalive.IDLE),
+    "tcp_keepalives_interval": str(keepalive.INTERVAL),
+    "tcp_keepalives_count": str(keepalive.COUNT),
 }
 
 _SET_SERVER_SETTINGS = "; ".join(
@@ -236,7 +252,7 @@ _SET_SERVER_SETTINGS = "; ".join(
 
 async def _user_pool_setup(connection: Any) -> None:
     """Run on each connection taken from a user's pool: our settings, and no
-    ``idle_session_timeout`` (see ``_no_idle_timeout``; a held connection is idle between
+    ``idle_session_timeout`` (see ``_session_init``; a held connection is idle between
     statements by design), in one round trip. The pool's reset on release (RESET ALL by
     default) gives the user's sessions their own settings back."""
     idle_off = _idle_timeout_off(connection)
@@ -459,7 +475,7 @@ class PostgresConnection(Backend):
                 min_size=self.config.min_pool_size,
                 max_size=self.config.max_pool_size,
                 server_settings=SERVER_SETTINGS,
-                init=_no_idle_timeout,
+                init=_session_init,
                 reset=_light_reset,
             )
         # Our own pool: all but two of its connections may be held (the two serve
@@ -651,10 +667,10 @@ class PostgresConnection(Backend):
         database's ``idle_session_timeout`` (PostgreSQL 14 and later; manual, "Client
         Connection Defaults") shorter than the bus's liveness check ended it again and
         again, each time a warning and a gap without wake-ups. This session turns it off
-        for itself, as the sessions of our own pool do (``_no_idle_timeout``)."""
+        for itself, as the sessions of our own pool do (``_session_init``)."""
         connection = await self._connect_outside_pool()
         try:
-            await _no_idle_timeout(connection)
+            await _session_init(connection)
             connection.add_termination_listener(on_lost)
             await connection.add_listener(channel, on_notify)
         except BaseException:

@@ -26,7 +26,7 @@ from dataclasses import dataclass, replace
 from typing import Any, ClassVar, Protocol, TypeVar, cast
 from urllib.parse import parse_qs, urlsplit
 
-from .. import cpu
+from .. import cpu, keepalive
 from ..contract import Backend
 from ..errors import (
     BackendError,
@@ -408,9 +408,10 @@ class _FastLane:
                 if settings.get("path"):
                     _, protocol = await loop.create_unix_connection(make, settings["path"])
                 else:
-                    _, protocol = await loop.create_connection(
+                    transport, protocol = await loop.create_connection(
                         make, settings.get("host", "localhost"), settings.get("port", 6379)
                     )
+                    keepalive.keep_alive(transport.get_extra_info("socket"))
                 handshake = []
                 if settings.get("password") is not None:
                     user = settings.get("username")

@@ -12,6 +12,7 @@ import contextlib
 import json
 import logging
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -26,7 +27,7 @@ from black_hole import BlackHole, assert_a_silent_drop_is_survived
 from own_servers import OwnPostgres
 
 import aio_keuss
-from aio_keuss import KoResult
+from aio_keuss import KoResult, keepalive
 from aio_keuss.postgres import connection as pg_connection
 from aio_keuss.postgres import signal as pg_signal
 
@@ -1464,3 +1465,32 @@ async def test_a_pop_on_a_borrowed_connection_whose_release_fails_hands_its_mess
             assert got is not None and got.payload == "kept"
     finally:
         await pool.close()
+
+
+@pytest.mark.parametrize("own_pool", [True, False])
+async def test_held_connections_are_kept_alive_over_tcp(schema: str, own_pool: bool) -> None:
+    """asyncpg turns no TCP keepalive on: a held connection a NAT or load balancer forgot
+    while idle hung its next statement for as long as the kernel retransmits. Our own
+    connections probe from both ends; a user's pool's sockets are the user's, and only the
+    server's probes (a session setting, reset on release) are asked for there."""
+    pool = None if own_pool else await asyncpg.create_pool(POSTGRES_URL, min_size=0, max_size=4)
+    options: dict[str, Any] = {"url": POSTGRES_URL} if pool is None else {"pool": pool}
+    try:
+        async with aio_keuss.connect("postgres", schema=schema, **options) as factory:
+            q = await factory.queue("keepalive")
+            await asyncio.gather(*(q.push(n) for n in range(4)))
+            idle = factory.backend._held._idle  # type: ignore[attr-defined]
+            async with asyncio.timeout(30):
+                while not idle:  # held, and back from the calls in flight
+                    assert (await q.pop(timeout=0)) is not None
+            for connection in list(idle):
+                sock = connection._transport.get_extra_info("socket")
+                assert sock.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE) == int(own_pool)
+                if own_pool:
+                    for option, value in keepalive.socket_options().items():
+                        assert sock.getsockopt(socket.IPPROTO_TCP, option) == value
+                shown = await connection.fetchval("SHOW tcp_keepalives_idle")
+                assert shown in (str(keepalive.IDLE), f"{keepalive.IDLE}s")
+    finally:
+        if pool is not None:
+            await pool.close()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import socket
 import subprocess
 import sys
 import textwrap
@@ -31,6 +32,7 @@ from own_servers import collating_locale, own_redis
 from redis_cluster import _drop_redis_cluster_prefix, _redis_cluster, start_redis_cluster
 
 import aio_keuss
+from aio_keuss import keepalive
 from aio_keuss.redis import connection as redis_connection
 
 Open = Callable[..., Awaitable[aio_keuss.Factory]]
@@ -706,3 +708,19 @@ async def test_extend_works_on_a_redis_at_maxmemory() -> None:
             await admin.config_set("maxmemory", 0)
             await factory.close()
             await admin.aclose()
+
+
+async def test_the_fast_lane_keeps_its_tcp_connection_alive(open_factory: Open) -> None:
+    """A connection a NAT or load balancer forgot while idle hung the next command for as
+    long as the kernel retransmits (about 15 minutes), and a reply from a dead host was
+    awaited for ever: the fast lane turned no keepalive on (redis-py's connections do)."""
+    factory = await open_factory("redis-oq")
+    q = await factory.queue("keepalive")
+    await q.push(1)  # the lane connects on first use
+    backend = factory.backend
+    assert backend.has_fast_lane  # type: ignore[attr-defined]
+    sock = backend._lane._protocol.transport.get_extra_info("socket")  # type: ignore[attr-defined]
+    assert sock.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE) == 1
+    for option, value in keepalive.socket_options().items():
+        assert sock.getsockopt(socket.IPPROTO_TCP, option) == value
+    assert await q.pop(timeout=0) is not None
