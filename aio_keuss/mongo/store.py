@@ -34,7 +34,8 @@ Operations (``now`` = client clock; "live" = not yet consumed):
   when fewer than n were modified, the ones carrying our token are read back. A reserve's claim
   is the reservation itself (``mature = now + reserve_delay``); a pop claims with a short lease
   and then deletes what it claimed, so a consumer dying in between loses nothing: the message
-  comes back after the lease.
+  comes back after the lease. A pop of either size hands over only what that delete removed
+  (see ``MongoStore._delete_claimed``).
 - ok: delete (n > 1: read the holders' counts, then one ``delete_many``; after a short count,
   which of them are gone, by id).
 - ko: update (reserved false, mature = now + delay); past ``max_ko`` a deadletter move.
@@ -810,9 +811,7 @@ class MongoStore(Store):
             lease = {"$set": {"mature": now + CLAIM_LEASE, "reserved": True}}
             docs, token = await self._claim(n, now, lease)
             docs = await self._renew(docs, token, now, LATE_POP, CLAIM_LEASE)
-            if docs:
-                mine = {"_id": {"$in": [d["_id"] for d in docs]}, "owner": token}
-                await _again_if_cut(lambda: self._coll.delete_many(mine))
+            docs = await self._delete_claimed(docs, token)
         else:
             docs, _ = await self._claim(n, now, consumed)
         return await self._fetched(docs, n)
@@ -840,11 +839,52 @@ class MongoStore(Store):
         if doc is None:
             return []
         if consumed is None:
-            if not await self._renew([doc], token, now, LATE_POP, CLAIM_LEASE):
-                return []
-            mine = {"_id": doc["_id"], "owner": token}
-            await _again_if_cut(lambda: self._coll.delete_one(mine))
+            docs = await self._renew([doc], token, now, LATE_POP, CLAIM_LEASE)
+            return await self._delete_claimed(docs, token)
         return [doc]
+
+    async def _delete_claimed(self, docs: list[Document], token: str) -> list[Document]:
+        """Of ``docs``, claimed by a pop under ``token``, those its delete removed: the pop
+        hands over only those. What it claimed may be taken before the delete lands: by a
+        consumer whose clock runs ``CLAIM_LEASE`` ahead (the claim looks lapsed to it; so
+        does one the pop delays past its lease) and that reserves it (a new owner), or by
+        an ok, ko or move by id (their guard is ``reserved`` alone) or a remove once the
+        claim lapsed. Handed over too, it was delivered twice (a pop is at-most-once).
+
+        A delete tells how many documents it removed, never which (MongoDB manual, the
+        ``delete`` command's output ``n``): all claimed, the common case, costs nothing
+        more. Fewer, and the live ones are someone else's; the gone ones are all ours when
+        as many are gone as were deleted, and when more are, which are ours is unknown, so
+        none is handed over (at most once: lost rather than delivered twice). A delete
+        whose reply was cut under this task (see :func:`_again_if_cut`) is sent again; the
+        first may have removed them, so every gone one counts as ours then."""
+        if not docs:
+            return []
+        ids = [doc["_id"] for doc in docs]
+        if len(ids) == 1:
+            mine: Document = {"_id": ids[0], "owner": token}
+            delete = self._coll.delete_one
+        else:
+            mine = {"_id": {"$in": ids}, "owner": token}
+            delete = self._coll.delete_many
+        cut = False
+        try:
+            deleted = (await delete(mine)).deleted_count
+        except asyncio.CancelledError:
+            if _given_up():
+                raise
+            cut = True
+            deleted = (await delete(mine)).deleted_count
+        if deleted == len(ids):
+            return docs
+        if deleted == 0 and not cut:
+            return []
+        where = {"_id": {"$in": ids}}
+        found = await _again_if_cut(lambda: self._coll.find(where, {"_id": 1}).to_list())
+        gone = set(ids) - {doc["_id"] for doc in found}
+        if not cut and len(gone) != deleted:
+            return []
+        return [doc for doc in docs if doc["_id"] in gone]
 
     async def _take_one(self, now: float, change: Document, mark: Document) -> Document | None:
         """The earliest mature message changed by ``change``, as it was before (one

@@ -650,6 +650,62 @@ async def test_a_pop_so_late_that_another_took_its_message_hands_nothing_over(
     assert await q.total_size() == 0
 
 
+@pytest.mark.parametrize("how", ["lone", "batch"])
+@pytest.mark.parametrize("taker", ["reserve", "ok-by-id"])
+async def test_a_pop_whose_delete_removed_nothing_does_not_hand_the_message_over(
+    open_factory: Open, how: str, taker: str
+) -> None:
+    """A pop of mongo claims its messages (reserved, under its own token, no try counted),
+    then deletes what still carries its token. Between the two, another consumer may take a
+    claimed message: one whose clock runs a lease ahead sees the claim as lapsed and
+    reserves it (here the lapse is written directly), or a stale holder's ok by id (which
+    guards by ``reserved`` alone) deletes it. The pop's delete then removed nothing, and the
+    pop handed the message over all the same: a second delivery. Only what the pop's own
+    delete removed is handed over: of the batch, "b" when "a" is still live under its new
+    holder; none when "a" is gone too (two gone, one deleted by the pop: which one is
+    unknown, and at most once, a pop then hands over neither)."""
+    q = await (await open_factory("mongo")).queue("pop-raced")
+    other = await (await open_factory("mongo")).queue("pop-raced", reserve_delay=30.0)
+    await q.push_many(["a", "b"], ids=["a", "b"])
+    stale: aio_keuss.Message | None = None
+    if taker == "ok-by-id":  # a reservation of "a" that lapsed before the pop claimed it
+        stale = await other.reserve(timeout=0)
+        assert stale is not None and stale.id == "a"
+        await other._store._coll.update_one(  # type: ignore[attr-defined]
+            {"_id": "a"}, {"$set": {"mature": time.time() - 60}}
+        )
+    coll = q._store._coll  # type: ignore[attr-defined]
+    name = "delete_one" if how == "lone" else "delete_many"
+    real_delete = getattr(coll, name)
+    taken: list[aio_keuss.Message | None] = []
+
+    async def taken_first(*args: Any, **kwargs: Any) -> Any:  # between claim and delete
+        setattr(coll, name, real_delete)
+        if taker == "reserve":
+            await coll.update_one({"_id": "a"}, {"$set": {"mature": time.time() - 60}})
+            taken.append(await other.reserve(timeout=0))
+        else:
+            assert await other.ok("a") is True
+        return await real_delete(*args, **kwargs)
+
+    setattr(coll, name, taken_first)
+    if how == "lone":
+        got = await q.pop(timeout=0)
+        popped = [] if got is None else [got]
+    else:
+        popped = await q.pop_many(2, timeout=0)
+    setattr(coll, name, real_delete)
+    handed = ["b"] if (how, taker) == ("batch", "reserve") else []
+    assert [m.id for m in popped] == handed
+    if taker == "reserve":
+        (theirs,) = taken
+        assert theirs is not None and theirs.id == "a"
+        assert await other.ok(theirs) is True
+    left = sorted(m.id for m in await q.pop_many(2, timeout=0))
+    assert left == (["b"] if how == "lone" else [])
+    assert await q.total_size() == 0
+
+
 async def test_a_reserve_so_late_that_its_message_was_held_by_id_hands_nothing_over(
     open_factory: Open,
 ) -> None:
