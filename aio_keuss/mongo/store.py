@@ -850,6 +850,7 @@ class MongoStore(Store):
         does one the pop delays past its lease) and that reserves it (a new owner), or by
         an ok, ko or move by id (their guard is ``reserved`` alone) or a remove once the
         claim lapsed. Handed over too, it was delivered twice (a pop is at-most-once).
+        One a move claimed is left to the move.
 
         A delete tells how many documents it removed, never which (MongoDB manual, the
         ``delete`` command's output ``n``): all claimed, the common case, costs nothing
@@ -861,12 +862,12 @@ class MongoStore(Store):
         if not docs:
             return []
         ids = [doc["_id"] for doc in docs]
-        if len(ids) == 1:
-            mine: Document = {"_id": ids[0], "owner": token}
-            delete = self._coll.delete_one
-        else:
-            mine = {"_id": {"$in": ids}, "owner": token}
-            delete = self._coll.delete_many
+        delete = self._coll.delete_one if len(ids) == 1 else self._coll.delete_many
+        claimed: Document = {"_id": ids[0] if len(ids) == 1 else {"$in": ids}, "owner": token}
+        # not one a move (by id) claimed from under this pop: that claim leaves ``owner``,
+        # and deleted here between the move's copy and its delete, the message was handed
+        # over while its copy stood in the other queue
+        mine = _unclaimed(claimed, time.time())
         cut = False
         try:
             deleted = (await delete(mine)).deleted_count

@@ -706,6 +706,46 @@ async def test_a_pop_whose_delete_removed_nothing_does_not_hand_the_message_over
     assert await q.total_size() == 0
 
 
+async def test_a_pop_does_not_delete_a_message_a_move_by_id_claimed_from_under_it(
+    open_factory: Open,
+) -> None:
+    """Without transactions a move claims the message (as ``mover``, the ``owner`` left as
+    it was), copies it, then deletes it; a move by id guards by ``reserved`` alone, so it
+    claims a message under a pop's claim too. The pop's delete landing between the move's
+    copy and its delete still matched the pop's token: the pop handed the message over
+    while its copy stood in the other queue, two deliveries. A message under a running
+    move claim is now the move's: the pop's delete leaves it, and the pop hands nothing."""
+    q = await (await open_factory("mongo")).queue("pop-moved")
+    other = await (await open_factory("mongo", transactions=False)).queue("pop-moved")
+    elsewhere = await (await open_factory("mongo")).queue("elsewhere")
+    await q.push("job", id="a")
+    coll = q._store._coll  # type: ignore[attr-defined]
+    mover: Any = other._store  # type: ignore[attr-defined]
+    real_delete, real_finish = coll.delete_one, mover._finish
+    moved: list[str | None] = []
+
+    async def moved_around(*args: Any, **kwargs: Any) -> Any:  # the pop's delete
+        coll.delete_one = real_delete
+        landed: list[Any] = []
+
+        async def pop_deletes_first(*finish_args: Any, **finish_kwargs: Any) -> Any:
+            mover._finish = real_finish  # the move copied "a"; the pop's delete lands now
+            landed.append(await real_delete(*args, **kwargs))
+            return await real_finish(*finish_args, **finish_kwargs)
+
+        mover._finish = pop_deletes_first
+        moved.append(await other.move("a", "elsewhere"))
+        return landed[0]
+
+    coll.delete_one = moved_around
+    got = await q.pop(timeout=0)
+    coll.delete_one = real_delete
+    assert moved == ["a"]
+    assert got is None
+    assert await q.total_size() == 0
+    assert [m.id for m in await elsewhere.pop_many(2, timeout=0)] == ["a"]
+
+
 async def test_a_reserve_so_late_that_its_message_was_held_by_id_hands_nothing_over(
     open_factory: Open,
 ) -> None:
