@@ -848,9 +848,9 @@ class MongoStore(Store):
         hands over only those. What it claimed may be taken before the delete lands: by a
         consumer whose clock runs ``CLAIM_LEASE`` ahead (the claim looks lapsed to it; so
         does one the pop delays past its lease) and that reserves it (a new owner), or by
-        an ok, ko or move by id (their guard is ``reserved`` alone) or a remove once the
-        claim lapsed. Handed over too, it was delivered twice (a pop is at-most-once).
-        One a move claimed is left to the move.
+        an ok by id (its guard is ``reserved`` alone), a ko by id and then a reserve, or
+        a remove once the claim lapsed. Handed over too, it was delivered twice (a pop is
+        at-most-once). One a move claimed is left to the move.
 
         A delete tells how many documents it removed, never which (MongoDB manual, the
         ``delete`` command's output ``n``): all claimed, the common case, costs nothing
