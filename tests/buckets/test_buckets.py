@@ -1316,6 +1316,16 @@ async def test_a_release_landing_after_the_store_leased_the_bucket_again_is_refu
         assert await other.total_size() == 0
 
 
+async def _lease_lapsed(store: Any) -> None:
+    """Until the lease of the one bucket ``store`` holds has lapsed (watched, not timed:
+    a bound of 30 s against a hang)."""
+    (bucket,) = store._held_buckets.values()
+    for _ in range(3000):
+        if bucket.lease_until < time.time():
+            return
+        await asyncio.sleep(0.01)
+
+
 async def test_a_takeover_while_a_deadletter_copy_is_on_its_way_leaves_one_copy(
     bucket_case: tuple[BackendCase, dict[str, Any]],
 ) -> None:
@@ -1349,11 +1359,7 @@ async def test_a_takeover_while_a_deadletter_copy_is_on_its_way_leaves_one_copy(
         try:
             ko = asyncio.create_task(old_q.ko(held))
             await asyncio.wait_for(reached.wait(), 10)  # renewed, the copy on its way
-            (bucket,) = old._held_buckets.values()
-            for _ in range(3000):  # the renewed lease lapses (watched, not timed)
-                if bucket.lease_until < time.time():
-                    break
-                await asyncio.sleep(0.01)
+            await _lease_lapsed(old)  # the renewed lease
             got = await new_q.reserve(timeout=0)
             # taken over, the copy written by the new holder, the slot done: nothing left
             assert await new_q.total_size() == 0
@@ -1390,11 +1396,7 @@ async def test_a_deadletter_move_whose_holder_died_after_the_mark_is_finished_by
             )
             with pytest.raises(aio_keuss.BackendError):
                 await old_q.ko(held)  # the mark is stored, the copy is not
-        (bucket,) = old._held_buckets.values()
-        for _ in range(3000):  # its lease lapses (watched, not timed)
-            if bucket.lease_until < time.time():
-                break
-            await asyncio.sleep(0.01)
+        await _lease_lapsed(old)
         got = await new_q.reserve(timeout=0)
         assert got is None, "delivered again"
         assert await new_q.total_size() == 0  # taken over, copied, done

@@ -1222,6 +1222,17 @@ async def test_the_listener_outlives_a_short_idle_session_timeout(schema: str) -
         await admin.close()
 
 
+async def _held_and_idle(factory: aio_keuss.Factory, q: aio_keuss.Queue) -> list[Any]:
+    """The connections ``factory`` holds for its statements, once some are held and back
+    from the calls in flight (pushes and pops on ``q``, which is left empty)."""
+    await asyncio.gather(*(q.push(n) for n in range(4)))
+    idle: list[Any] = factory.backend._held._idle  # type: ignore[attr-defined]
+    async with asyncio.timeout(30):
+        while not idle:
+            assert (await q.pop(timeout=0)) is not None
+    return idle
+
+
 async def test_the_connections_held_from_a_users_pool_outlive_its_idle_session_timeout(
     schema: str,
 ) -> None:
@@ -1241,11 +1252,7 @@ async def test_the_connections_held_from_a_users_pool_outlive_its_idle_session_t
     try:
         async with aio_keuss.connect("postgres", pool=pool, schema=schema) as factory:
             q = await factory.queue("idle")
-            await asyncio.gather(*(q.push(n) for n in range(4)))
-            idle = factory.backend._held._idle  # type: ignore[attr-defined]
-            async with asyncio.timeout(30):
-                while not idle:  # held, and back from the calls in flight
-                    assert (await q.pop(timeout=0)) is not None
+            idle = await _held_and_idle(factory, q)
             await q.push("x")
             held = [c.get_server_pid() for c in idle]
             await asyncio.sleep(3)  # three times the timeout, idle
@@ -1478,11 +1485,7 @@ async def test_held_connections_are_kept_alive_over_tcp(schema: str, own_pool: b
     try:
         async with aio_keuss.connect("postgres", schema=schema, **options) as factory:
             q = await factory.queue("keepalive")
-            await asyncio.gather(*(q.push(n) for n in range(4)))
-            idle = factory.backend._held._idle  # type: ignore[attr-defined]
-            async with asyncio.timeout(30):
-                while not idle:  # held, and back from the calls in flight
-                    assert (await q.pop(timeout=0)) is not None
+            idle = await _held_and_idle(factory, q)
             for connection in list(idle):
                 sock = connection._transport.get_extra_info("socket")
                 assert sock.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE) == int(own_pool)
