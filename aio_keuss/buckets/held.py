@@ -110,8 +110,12 @@ class HeldBucket:
     def snapshot(self) -> bytes:
         return encode_state(self.states, self.tries, self.mature)
 
-    def next_available(self) -> float | None:
-        """Earliest mature time of an available slot (the score when released)."""
+    def next_available(self, now: float) -> float | None:
+        """Earliest mature time of an available slot (the score when released); ``now``
+        with a slot on its way to the deadletter queue, whose move the next holder finishes
+        (else it waited for the bucket's next mature time, a ko's delay away perhaps)."""
+        if DEADLETTERING in self.states:
+            return now
         matures = [m for m, s in zip(self.mature, self.states, strict=True) if s == AVAILABLE]
         return min(matures) if matures else None
 

@@ -98,7 +98,7 @@ class StateWriter:
             if mode == DELETE:
                 writes.append(StateWrite(bucket.id, DELETE, now, 0, None, bucket.owner, seq))
             elif mode == RELEASE:
-                score = bucket.next_available()
+                score = bucket.next_available(now)
                 writes.append(
                     StateWrite(
                         bucket.id,

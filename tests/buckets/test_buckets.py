@@ -1405,6 +1405,60 @@ async def test_a_deadletter_move_whose_holder_died_after_the_mark_is_finished_by
         assert await new_q.total_size() == 0
 
 
+async def test_a_bucket_given_back_with_a_deadletter_move_unfinished_is_taken_at_once(
+    bucket_case: tuple[BackendCase, dict[str, Any]],
+) -> None:
+    """A holder stored a slot as on its way and died; the process that took the bucket over
+    could not write the copy either (the deadletter queue out of reach) and closed, giving
+    the bucket back with the slot still on its way. Its score was the earliest mature time
+    of its available slots: another message of the bucket ko-ed for an hour, nobody took
+    the bucket, nor finished the move, for an hour. A slot on its way makes the bucket
+    worth leasing at once."""
+    case, options = bucket_case
+    async with (
+        aio_keuss.connect(case.name, **options, deadletter={"max_ko": 1}) as first,
+        aio_keuss.connect(case.name, **options, deadletter={"max_ko": 1}) as second,
+        aio_keuss.connect(case.name, **options, deadletter={"max_ko": 1}) as third,
+    ):
+        old_q = await first.queue("dl-given-back", reserve_delay=1.0)
+        await old_q.push_many(["later", "poison"])  # one bucket
+        got = await old_q.reserve_many(2, timeout=5)
+        assert sorted(m.payload for m in got) == ["later", "poison"]
+        later, poison = sorted(got, key=lambda m: m.payload != "later")
+        assert await old_q.ko(later, delay=3600) == KoResult.ROLLED_BACK
+        assert await old_q.ko(poison) == KoResult.ROLLED_BACK
+        again = await old_q.reserve(timeout=5)
+        assert again is not None and again.payload == "poison"
+        old = old_q._store  # type: ignore[attr-defined]
+        await _stop_renewing(old)
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(
+                old._storage, "insert_buckets", _raising(aio_keuss.BackendError("died"))
+            )
+            with pytest.raises(aio_keuss.BackendError):
+                await old_q.ko(again)  # stored as on its way, the copy not written
+        (bucket,) = old._held_buckets.values()
+        for _ in range(3000):  # its lease lapses (watched, not timed)
+            if bucket.lease_until < time.time():
+                break
+            await asyncio.sleep(0.01)
+        taker = await second.queue("dl-given-back", reserve_delay=1.0)
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(
+                taker._store._storage,  # type: ignore[attr-defined]
+                "insert_buckets",
+                _raising(aio_keuss.BackendError("away")),
+            )
+            assert await taker.reserve(timeout=0) is None  # taken over, the copy failed
+            await taker.close()  # fails again: the bucket goes back, the move unfinished
+        last = await third.queue("dl-given-back", reserve_delay=1.0)
+        assert await last.reserve(timeout=0) is None  # taken at once, the move finished
+        dead = await _take_all(await third.queue("__deadletter__"), idle=0.5)
+        assert [m.payload for m in dead] == ["poison"]
+        sizes = await last.sizes()
+        assert (sizes.total, sizes.scheduled) == (1, 1)
+
+
 async def test_a_bucket_held_by_an_earlier_release_that_died_is_taken_over(
     bucket_case: tuple[BackendCase, dict[str, Any]],
 ) -> None:
