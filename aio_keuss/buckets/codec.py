@@ -5,14 +5,15 @@ from __future__ import annotations
 
 import sys
 from array import array
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from itertools import accumulate
 from typing import Any
 
 AVAILABLE, DONE, HANDED_OUT, DEADLETTERING = 0, 1, 2, 3
 """Slot states. DEADLETTERING: on its way to the deadletter queue, stored so before the copy
 is written, so that whoever holds the bucket next neither delivers it again nor loses it
-(it writes the copy, under the same id, and marks the slot done)."""
+(it writes the copy, under the same id, into the queue the state names, and marks the slot
+done)."""
 
 _LITTLE = sys.byteorder == "little"
 U32 = "I" if array("I").itemsize == 4 else "L"
@@ -64,3 +65,21 @@ def decode_state(blob: bytes, count: int) -> tuple[bytearray, array[int], array[
     tries = _from_le(U32, view[count : 5 * count])
     mature = _from_le("d", view[5 * count : 13 * count])
     return states, tries, mature
+
+
+def encode_targets(targets: Mapping[int, str]) -> bytes:
+    """The deadletter queue of each slot on its way there, after the fixed-width columns
+    (``<slot> <queue>`` lines; queue names hold neither): the next holder copies into the
+    queue the move began with, whatever its own deadletter option. A reader of the columns
+    alone (an earlier release) never sees it."""
+    return "".join(f"{slot} {queue}\n" for slot, queue in sorted(targets.items())).encode()
+
+
+def decode_targets(blob: bytes, count: int) -> dict[int, str]:
+    """What :func:`encode_targets` wrote past the columns (none in a state stored without)."""
+    targets: dict[int, str] = {}
+    for line in bytes(memoryview(blob)[13 * count :]).decode("ascii", "replace").splitlines():
+        slot, _, queue = line.partition(" ")
+        if slot.isdigit() and queue:
+            targets[int(slot)] = queue
+    return targets

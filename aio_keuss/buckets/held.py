@@ -15,7 +15,9 @@ from .codec import (
     HANDED_OUT,
     decode_blob,
     decode_state,
+    decode_targets,
     encode_state,
+    encode_targets,
 )
 from .storage import LeasedBucket
 
@@ -48,6 +50,7 @@ class HeldBucket:
         "seq",
         "serving",
         "states",
+        "targets",
         "tries",
         "version",
         "writes",
@@ -61,6 +64,8 @@ class HeldBucket:
         self.blob = row.blob
         self.count, self.payload_at, self.headers_at = decode_blob(row.blob)
         self.states, self.tries, self.mature = decode_state(row.state, self.count)
+        # slot -> the deadletter queue it is on its way to (state DEADLETTERING)
+        self.targets = decode_targets(row.state, self.count)
         self.deadline: dict[int, float] = {}
         self.version = self.persisted = 0
         # A slot stored as handed out is nobody's live reservation any more (its holder
@@ -108,7 +113,7 @@ class HeldBucket:
         )
 
     def snapshot(self) -> bytes:
-        return encode_state(self.states, self.tries, self.mature)
+        return encode_state(self.states, self.tries, self.mature) + encode_targets(self.targets)
 
     def next_available(self, now: float) -> float | None:
         """Earliest mature time of an available slot (the score when released); ``now``

@@ -640,6 +640,7 @@ class BucketStore(PushSide, StateWriter, Store):
                     )
                 )
                 bucket.states[slot] = DEADLETTERING
+                bucket.targets[slot] = deadletter.queue
                 bucket.tries[slot] = tries
                 bucket.version += 1
                 self._copying.add((bucket.id, slot))
@@ -718,15 +719,12 @@ class BucketStore(PushSide, StateWriter, Store):
         if not moving:
             return missing
         slots = [(m.bucket, m.slot) for m in moving]
-        touched = await self._deadlettering.run(self._copy_then_mark(slots, plan, moving))
+        touched = await self._deadlettering.run(self._copy_then_mark(slots, moving))
         await self._sync(touched)
         return missing
 
     async def _copy_then_mark(
-        self,
-        slots: list[tuple[HeldBucket, int]],
-        plan: DeadletterPlan,
-        moving: list[_Moving] | None = None,
+        self, slots: list[tuple[HeldBucket, int]], moving: list[_Moving] | None = None
     ) -> list[HeldBucket]:
         """The deadletter write and the marks that follow it, as one piece of work that the
         store's close waits for: a close past its grace gives up the batch awaiting it, and
@@ -734,8 +732,14 @@ class BucketStore(PushSide, StateWriter, Store):
         messages back here once written there already. A failed write gives a ko's
         reservations back (``moving``); slots a previous holder left are left as they are,
         for the next state flush to try again."""
+        into: dict[str, list[tuple[HeldBucket, int]]] = {}
+        for bucket, slot in slots:
+            into.setdefault(self._target(bucket, slot) or "", []).append((bucket, slot))
+        now = time.time()
         try:
-            await self._write_dead(plan.queue, self._dead_copies(slots, plan, time.time()))
+            for queue, copies in into.items():
+                plan = DeadletterPlan(0, queue, self.name)
+                await self._write_dead(queue, self._dead_copies(copies, plan, now))
         except BaseException:
             if moving is not None:
                 self._give_back_moving(moving)
@@ -746,6 +750,7 @@ class BucketStore(PushSide, StateWriter, Store):
         for bucket, slot in slots:
             if bucket.states[slot] == DEADLETTERING:
                 bucket.states[slot] = DONE
+                bucket.targets.pop(slot, None)
                 bucket.remaining -= 1
                 bucket.version += 1
                 touched[bucket.id] = bucket
@@ -759,6 +764,7 @@ class BucketStore(PushSide, StateWriter, Store):
             self._copying.discard((bucket.id, slot))
             if bucket.states[slot] == DEADLETTERING:
                 bucket.states[slot] = HANDED_OUT
+                bucket.targets.pop(slot, None)
                 bucket.deadline[slot] = deadline
                 bucket.tries[slot] = tries
                 bucket.version += 1
@@ -767,26 +773,33 @@ class BucketStore(PushSide, StateWriter, Store):
     async def _finish_deadletters(self, buckets: Iterable[HeldBucket]) -> None:
         """Write the copies of the slots stored as on their way to the deadletter queue by a
         holder this store took the bucket over from, and mark them done: that holder may
-        have died before writing its copy, and may still write it (the same bucket). The
-        target is this queue's deadletter queue, or the default one where this process
-        has none configured (a slot only gets there under a deadletter configuration)."""
-        plan = self._plan
-        if plan is None:
-            if self.name == DEFAULT_DEADLETTER_QUEUE:
-                return
-            plan = DeadletterPlan(0, DEFAULT_DEADLETTER_QUEUE, self.name)
+        have died before writing its copy, and may still write it (the same bucket, into
+        the queue the slot's state names, see ``_target``)."""
         slots = [
             (bucket, slot)
             for bucket in buckets
             if DEADLETTERING in bucket.states and bucket.live and not bucket.lost
             for slot, state in enumerate(bucket.states)
-            if state == DEADLETTERING and (bucket.id, slot) not in self._copying
+            if state == DEADLETTERING
+            and (bucket.id, slot) not in self._copying
+            and self._target(bucket, slot) is not None
         ]
         if not slots:
             return
         self._copying.update((bucket.id, slot) for bucket, slot in slots)
-        touched = await self._deadlettering.run(self._copy_then_mark(slots, plan))
+        touched = await self._deadlettering.run(self._copy_then_mark(slots))
         await self._sync(touched)
+
+    def _target(self, bucket: HeldBucket, slot: int) -> str | None:
+        """The deadletter queue of a slot on its way there: the one its state names, so
+        that a holder deadlettering elsewhere than this process would (another option, or
+        none) and the one finishing its move write the same copy into the same queue. A
+        state stored without it (by the release before) falls back to this queue's
+        deadletter queue, else the default one; None where that is this very queue."""
+        target = bucket.targets.get(slot)
+        if target is None:
+            target = DEFAULT_DEADLETTER_QUEUE if self._plan is None else self._plan.queue
+        return None if target == self.name else target
 
     def on_deadletter(self, plan: DeadletterPlan | None) -> None:
         self._plan = plan

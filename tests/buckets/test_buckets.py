@@ -143,6 +143,20 @@ def test_blob_and_state_round_trip() -> None:
     assert split_id("no-slot-x") is None and split_id("plain") is None
 
 
+def test_a_state_names_the_deadletter_queue_of_each_slot_on_its_way_there() -> None:
+    """Past the fixed-width columns, which a reader of those alone (an earlier release)
+    reads as before; a state stored without it names none."""
+    from array import array
+
+    from aio_keuss.buckets.codec import decode_targets, encode_targets
+
+    columns = encode_state(bytes([3, 1, 3]), array("I", [1, 0, 2]), array("d", [1.5, 2.5, 3.5]))
+    state = columns + encode_targets({2: "dead.b", 0: "graveyard"})
+    assert decode_targets(state, 3) == {0: "graveyard", 2: "dead.b"}
+    assert decode_state(state, 3) == decode_state(columns, 3)
+    assert decode_targets(columns, 3) == {}
+
+
 def test_settings_are_validated() -> None:
     base = {
         "bucket_max_size": 1024,
@@ -1403,6 +1417,59 @@ async def test_a_deadletter_move_whose_holder_died_after_the_mark_is_finished_by
         dead = await _take_all(await factory.queue("__deadletter__"), idle=0.5)
         assert [(m.payload, m.headers["x-dl-from-queue"]) for m in dead] == [("m", "dl-died")]
         assert await new_q.total_size() == 0
+
+
+async def test_a_deadletter_move_finished_by_a_taker_configured_otherwise_lands_where_it_began(
+    bucket_case: tuple[BackendCase, dict[str, Any]],
+) -> None:
+    """The holder deadletters into its own deadletter queue ("graveyard"); the process that
+    takes the bucket over while the copy is on its way has no deadletter option. It copied
+    into ``__deadletter__`` (the only queue it knew), the holder's copy landed in the
+    graveyard: the message in two deadletter queues, and in the wrong one had the holder
+    died. The slot's stored state names its target, so the taker writes the same copy."""
+    case, options = bucket_case
+    async with (
+        aio_keuss.connect(
+            case.name, **options, deadletter={"max_ko": 0, "queue": "graveyard"}
+        ) as first,
+        aio_keuss.connect(case.name, **options) as second,
+    ):
+        old_q = await first.queue("dl-elsewhere", reserve_delay=1.0)
+        new_q = await second.queue("dl-elsewhere", reserve_delay=1.0)
+        await old_q.push("m")
+        held = await old_q.reserve(timeout=5)
+        assert held is not None
+        old = old_q._store  # type: ignore[attr-defined]
+        await _stop_renewing(old)
+        insert = old._storage.insert_buckets
+        reached, gate = asyncio.Event(), asyncio.Event()
+
+        async def held_copy(*args: Any, **kwargs: Any) -> Any:
+            reached.set()
+            await gate.wait()
+            return await insert(*args, **kwargs)
+
+        old._storage.insert_buckets = held_copy
+        try:
+            ko = asyncio.create_task(old_q.ko(held))
+            await asyncio.wait_for(reached.wait(), 10)  # stored as on its way
+            (bucket,) = old._held_buckets.values()
+            for _ in range(3000):  # the renewed lease lapses (watched, not timed)
+                if bucket.lease_until < time.time():
+                    break
+                await asyncio.sleep(0.01)
+            assert await new_q.reserve(timeout=0) is None
+            assert await new_q.total_size() == 0
+        finally:
+            gate.set()
+            old._storage.insert_buckets = insert
+        await ko
+        stray = await _take_all(await second.queue("__deadletter__"), idle=0.5)
+        dead = await _take_all(await second.queue("graveyard"), idle=0.5)
+        assert [m.payload for m in stray] == []
+        assert [(m.payload, m.headers["x-dl-from-queue"]) for m in dead] == [
+            ("m", "dl-elsewhere")
+        ]
 
 
 async def test_a_bucket_given_back_with_a_deadletter_move_unfinished_is_taken_at_once(
