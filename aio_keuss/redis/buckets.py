@@ -234,11 +234,12 @@ class RedisBucketBackend(BucketBackend, RedisBackend):
     name = "bucket-redis"
     # Leases and state writes are fenced (a token per lease, a sequence number per write):
     # run again, a write is refused or finds itself done, and a lease takes only buckets
-    # still free, which nobody then holds until it lapses. A push is not: it writes its
-    # buckets whole, free.
+    # still free, which nobody then holds until it lapses. An insert leaves a bucket id
+    # already stored as it is (a leased one is not freed under its holder), but one whose
+    # messages were all acknowledged is deleted, and a push run again then writes it anew.
     replay_hazard = (
-        "a push sent again writes its buckets anew, free and unread, even if a consumer "
-        "leased one meanwhile: another may then take the same messages"
+        "a push sent again after its messages were consumed and their bucket deleted "
+        "writes them anew: they are delivered again"
     )
     options: ClassVar[dict[str, Any]] = bucket_backend_options(RedisBackend.options)
 

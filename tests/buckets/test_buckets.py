@@ -1526,6 +1526,40 @@ async def test_a_bucket_given_back_with_a_deadletter_move_unfinished_is_taken_at
         assert (sizes.total, sizes.scheduled) == (1, 1)
 
 
+async def test_an_insert_of_a_bucket_id_already_stored_leaves_the_stored_one_as_it_is(
+    bucket_case: tuple[BackendCase, dict[str, Any]],
+) -> None:
+    """A deadletter copy written by two holders, or a push sent again (a redis-py retry):
+    the second insert neither frees a leased bucket under its holder nor replaces its
+    content, and the holder's writes still land."""
+    from array import array
+
+    from aio_keuss.buckets.storage import RELEASE, NewBucket, Outcome, StateWrite
+
+    case, options = bucket_case
+    async with aio_keuss.connect(case.name, **options) as factory:
+        q = await factory.queue("insert-twice")
+        storage = q._store._storage  # type: ignore[attr-defined]
+        now = time.time()
+
+        def bucket(payload: bytes) -> NewBucket:
+            state = encode_state(bytes(1), array("I", [0]), array("d", [now]))
+            return NewBucket("b.dl0", now, 1, encode_blob([payload], [b"{}"]), state)
+
+        await storage.insert_buckets(q.name, [bucket(b"first")])
+        lease = await storage.lease(q.name, "holder.1", now, now + 60, 1, 10)
+        assert [row.id for row in lease.buckets] == ["b.dl0"]
+        await storage.insert_buckets(q.name, [bucket(b"second")])
+        assert (await storage.lease(q.name, "other.1", now, now + 60, 1, 10)).buckets == []
+        state = encode_state(bytes(1), array("I", [3]), array("d", [now]))
+        (written,) = await storage.write(
+            q.name, [StateWrite("b.dl0", RELEASE, now, 1, state, "holder.1", 1)]
+        )
+        assert written is Outcome.WRITTEN  # still the holder's, given back by it
+        (row,) = (await storage.lease(q.name, "holder.2", now, now + 60, 1, 10, ["b.dl0"])).buckets
+        assert (row.blob, row.state) == (lease.buckets[0].blob, state)
+
+
 async def test_a_bucket_held_by_an_earlier_release_that_died_is_taken_over(
     bucket_case: tuple[BackendCase, dict[str, Any]],
 ) -> None:
