@@ -579,6 +579,10 @@ class RedisReliableStore(Store):
         # back (see ``_recover_own``).
         self._out: dict[str, int] = {}
         self._unheld: set[str] = set()
+        # Ids handed to a caller while a pass of ``_recover_own`` waits for its look at the
+        # processing list (None between passes): one ok-ed or ko-ed before the look's reply
+        # is read was in the list with no caller holding it, and must not count as unheld.
+        self._taken: set[str] | None = None
         self._scripts = backend.scripts
         bind = backend.bind_script
         self._insert = bind(INSERT, [self._pending])
@@ -616,7 +620,19 @@ class RedisReliableStore(Store):
         out = self._out
         for message in stored:
             out[message.id] = message.tries
+        if stored and (self._unheld or self._taken is not None):
+            self._note_taken(stored)
         return stored, next_mature
+
+    def _note_taken(self, stored: list[Stored]) -> None:
+        """These ids reached a caller: an own recovery pass that saw one unheld saw it
+        before its reply was read (or before an earlier holder's ok / ko ran), so the
+        next pass must see it unheld twice more before giving it back."""
+        unheld, taken = self._unheld, self._taken
+        for message in stored:
+            unheld.discard(message.id)
+            if taken is not None:
+                taken.add(message.id)
 
     def _release(self, message_id: str, tries: int | None) -> None:
         """An ok / ko / move of ``message_id`` is sent: no caller holds it any more, unless
@@ -904,11 +920,19 @@ class RedisReliableStore(Store):
         error) or an ok / ko that failed. Such a message would otherwise stay reserved as
         long as this process lives, where elsewhere it comes back after ``reserve_delay``.
         An id counts once it was seen so in two passes in a row (``heartbeat_ttl`` / 2
-        apart), which leaves a reserve in flight time to hand its ids over."""
+        apart) and reached no caller in between, which leaves a reserve in flight time to
+        hand its ids over: an id seen twice may be one reserved again since, its reply
+        again on its way."""
         if not self._tasks:
             return 0
-        listed = await self._backend.execute("LRANGE", self._processing, 0, -1)
-        unheld = {raw.decode() for raw in listed} - self._out.keys()
+        taken: set[str] = set()
+        self._taken = taken
+        try:
+            listed = await self._backend.execute("LRANGE", self._processing, 0, -1)
+        finally:
+            if self._taken is taken:
+                self._taken = None
+        unheld = {raw.decode() for raw in listed} - self._out.keys() - taken
         due = unheld & self._unheld
         self._unheld = unheld - due
         if not due:

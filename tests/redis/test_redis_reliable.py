@@ -551,3 +551,48 @@ async def test_a_cluster_deadletter_a_close_gives_up_on_still_ends_in_one_queue(
         assert await sizes_after("redis-reliable", **options) == (0, 1)
     finally:
         await _drop_redis_cluster_prefix(options)
+
+
+async def test_own_recovery_leaves_a_message_reserved_again_between_its_passes(
+    connect: Connect,
+) -> None:
+    """An id counts as held by no caller once two passes of the consumer's own recovery saw
+    it so. Both passes may see a reservation whose reply is on its way to its caller (on a
+    pooled redis-py connection the reply of a reserve run before the look may be read after
+    it): the first pass saw one, its caller got it, ko-ed it, and reserved it again, the
+    reply of that on its way as the second pass looked. The second pass took it for the
+    same unheld id and gave it back to pending while its caller held it: handed out twice
+    at once, and the holder's ok refused."""
+    q = await (await connect(heartbeat_ttl=60.0)).queue("recycled")  # passes run by hand
+    store = q._store  # type: ignore[attr-defined]
+    reserve = store._reserve
+    ran, reply = asyncio.Event(), asyncio.Event()
+
+    async def reply_held_back(*args: Any) -> Any:
+        flat = await reserve(*args)  # the script ran: the id is in the processing list
+        ran.set()
+        await reply.wait()
+        return flat
+
+    async def reserve_while_recovery_looks() -> aio_keuss.Message:
+        ran.clear()
+        reply.clear()
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(store, "_reserve", reply_held_back)
+            patch.setattr(q, "_one_reserve", None)  # the reserve through the store's reserve
+            taking = asyncio.create_task(q.reserve(timeout=1))
+            await ran.wait()
+            await store.recover()  # a pass of its own recovery, before the reply is read
+            reply.set()
+            message = await taking
+        assert message is not None
+        return message
+
+    await q.push("x")
+    first = await reserve_while_recovery_looks()
+    assert await q.ko(first) == KoResult.ROLLED_BACK
+    current = await reserve_while_recovery_looks()
+    assert current.id == first.id and current.tries == 1
+    assert await q.reserve(timeout=0) is None, "a held message was handed out again"
+    assert await q.ok(current)
+    assert await q.total_size() == 0
