@@ -572,6 +572,9 @@ class RedisReliableStore(Store):
         self._tasks: list[asyncio.Task[None]] = []
         self._deferring = Finishing()
         """Cluster deadletters past their set-aside: copying there, then dropping here."""
+        self._deadlettering: set[str] = set()
+        """The ids of those, set aside in our processing list: no caller holds them, yet
+        they are not ours to give back until their drop ends (see ``_recover_own``)."""
         # Ids handed out by reserve and not yet acknowledged, with the tries they were
         # handed out with (an ok / ko / move takes an id out when it is sent, unless it
         # names other tries: a stale holder's, refused, must not release the current one):
@@ -727,7 +730,14 @@ class RedisReliableStore(Store):
         if deferred and deadletter is not None:
             # cut between the copy and the drop (a close past its grace gives the ko up),
             # the message would be in both queues, recovered here later
-            await self._deferring.run(self._deadletter_across_slots(deferred, deadletter, results))
+            ids = {mid for _, mid, _, _, _ in deferred}
+            self._deadlettering |= ids
+            steps = self._deferring.run(
+                self._deadletter_across_slots(deferred, deadletter, results)
+            )
+            # once the steps end, not when this caller stops awaiting them (cancelled)
+            steps.add_done_callback(lambda _: self._deadlettering.difference_update(ids))
+            await steps
         return results
 
     async def move(self, moves: Sequence[Move]) -> list[str | None]:
@@ -933,6 +943,9 @@ class RedisReliableStore(Store):
             if self._taken is taken:
                 self._taken = None
         unheld = {raw.decode() for raw in listed} - self._out.keys() - taken
+        # a cluster deadletter between its copy and its drop: given back meanwhile, its
+        # drop would find it gone and leave it in both queues
+        unheld -= self._deadlettering
         due = unheld & self._unheld
         self._unheld = unheld - due
         if not due:

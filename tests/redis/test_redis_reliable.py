@@ -596,3 +596,38 @@ async def test_own_recovery_leaves_a_message_reserved_again_between_its_passes(
     assert await q.reserve(timeout=0) is None, "a held message was handed out again"
     assert await q.ok(current)
     assert await q.total_size() == 0
+
+
+async def test_on_redis_cluster_own_recovery_leaves_a_deadletter_between_its_steps() -> None:
+    """On a Redis Cluster without hash_tag a deadletter sets the message aside in the
+    consumer's processing list, copies it into the deadletter queue, then drops it here.
+    The ko had let go of the id, so a copy slower than two passes of the consumer's own
+    recovery (the deadletter queue's node away for a while) had the set-aside message given
+    back to pending, out of its reach: the drop found it no longer set aside, and the
+    message was in both queues, delivered again though the ko said deadlettered."""
+    reason = start_redis_cluster()
+    if reason:
+        pytest.skip(reason)
+    options = {**_redis_cluster(new_token()), "stats": "memory", "signal": "local"}
+    try:
+        factory, q, message = await a_poison_reserved("redis-reliable", **options)
+        store: Any = q._store
+        copied, passes_done = asyncio.Event(), asyncio.Event()
+        drop = store._scripts.drop_deadlettered
+
+        async def drop_after_two_passes(*args: Any, **kwargs: Any) -> Any:
+            copied.set()  # the copy is in the deadletter queue
+            await passes_done.wait()
+            return await drop(*args, **kwargs)
+
+        store._scripts.drop_deadlettered = drop_after_two_passes
+        ko = asyncio.ensure_future(q.ko(message))
+        await copied.wait()
+        for _ in range(2):  # an id counts once seen unheld in two passes in a row
+            await store.recover()
+        passes_done.set()
+        assert await ko == KoResult.DEADLETTERED
+        await factory.close()
+        assert await sizes_after("redis-reliable", **options) == (0, 1)
+    finally:
+        await _drop_redis_cluster_prefix(options)
