@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import os
 import sqlite3
 import subprocess
@@ -928,6 +929,74 @@ async def test_a_cancelled_close_still_ends_the_thread(database: str) -> None:
         await asyncio.sleep(0.02)
     assert _database_threads(database) == []
     await factory.close()
+
+
+async def _queued(backend: Any, count: int) -> None:
+    """Until ``count`` calls wait on the database thread's queue."""
+    calls = backend._thread._calls
+    for _ in range(3000):
+        if calls.qsize() >= count:
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"fewer than {count} calls queued")
+
+
+async def test_nothing_runs_on_the_connection_after_the_close_call(
+    database: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A write that takes the WAL past the checkpoint threshold with the close's call queued
+    behind it leaves its checkpoint for later; the thread then tried it right after the
+    close's call had closed the connection, and logged "sqlite checkpoint failed" with a
+    traceback ("Cannot operate on a closed database"). Another factory keeps the WAL file;
+    the test's loop is held until the thread has looked, so the stop cannot come first."""
+    from aio_keuss.sqlite import connection
+
+    looked_after_close = threading.Event()
+    checkpoint_if_due = connection._Thread._checkpoint_if_due
+
+    def watched(self: Any, c: sqlite3.Connection) -> None:
+        try:
+            checkpoint_if_due(self, c)
+        finally:
+            try:
+                c.execute("SELECT 1")
+            except sqlite3.ProgrammingError:  # closed: this look came after the close
+                looked_after_close.set()
+
+    monkeypatch.setattr(connection._Thread, "_checkpoint_if_due", watched)
+    caplog.set_level(logging.WARNING, logger="aio_keuss.sqlite")
+    keeper = await aio_keuss.connect("sqlite", path=database, signal="local")
+    try:
+        factory = await aio_keuss.connect(
+            "sqlite", path=database, signal="local", stats="memory", synchronous="normal"
+        )
+        backend = factory.backend
+        q = await factory.queue("jobs")
+        started, gate = threading.Event(), threading.Event()
+
+        def hold(c: sqlite3.Connection) -> bool:
+            started.set()
+            return gate.wait(60)
+
+        try:
+            busy = asyncio.ensure_future(backend.read(hold))
+            await asyncio.to_thread(started.wait, 60)  # what follows queues behind it
+            pushing = asyncio.ensure_future(
+                q.push("x" * (CHECKPOINT_BYTES + CHECKPOINT_BYTES // 4))
+            )
+            await _queued(backend, 1)  # the push's write
+            closing = asyncio.ensure_future(backend.close())
+            await _queued(backend, 2)  # the close's call, behind it
+            gate.set()
+            # the loop is held here, so the close cannot tell the thread to stop yet
+            looked_after_close.wait(10)
+            await asyncio.gather(busy, pushing, closing)
+        finally:
+            gate.set()
+        await factory.close()
+    finally:
+        await keeper.close()
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == []
 
 
 # stats flushes ------------------------------------------------------------------------------
