@@ -444,6 +444,15 @@ class _Thread:
     def stop(self) -> None:
         self._calls.put(None)
 
+    def close_connection(self, connection: sqlite3.Connection) -> None:
+        """The close's call, run on this thread: the watch and the checkpoint are dropped
+        with the connection, so that nothing runs on it between this call and the stop that
+        follows (a checkpoint left for later by a write with this call queued behind it ran
+        on the closed connection, and logged its failure as a warning)."""
+        self._watch = None
+        self._wal = None
+        connection.close()
+
     def _connect(self) -> sqlite3.Connection | Exception:
         try:
             # isolation_level=None: no implicit transactions; every write says BEGIN
@@ -810,7 +819,7 @@ class SqliteConnection(Backend):
             # in a forked child there is no thread to close it; a failed one closed it
             if not thread.orphaned and thread.ended is None:
                 with contextlib.suppress(sqlite3.Error):
-                    await thread.submit(lambda connection: connection.close())
+                    await thread.submit(thread.close_connection)
         finally:  # a close cancelled while the thread closed the connection: it still ends
             thread.stop()
 
