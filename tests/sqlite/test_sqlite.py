@@ -617,6 +617,61 @@ async def test_writes_queued_together_share_a_commit_and_fail_alone(open_factory
     assert kept == [("a",), ("b",)]
 
 
+# looking without taking ------------------------------------------------------------------
+
+
+async def test_a_peek_walks_only_the_messages_of_its_state(open_factory: Open) -> None:
+    """Scheduled and reserved messages are all past now, ready ones all at or before it: a
+    peek of one state walks only that part of the (queue, mature, seq) index. Filtered
+    row by row instead, a peek of the reserved ones read every ready message first (0.3 s
+    a million here) and a peek of the ready ones every scheduled one after them, on the
+    factory's one database thread, so every pop, push and ok of the factory waited. The
+    work is counted in SQLite's virtual machine steps (a progress handler), not in time:
+    fewer steps than the backlog it skips has messages."""
+    factory = await open_factory(signal="local", stats="memory", reserve_delay=600.0)
+    backend = factory.backend
+    backlog, later = await factory.queue("backlog"), await factory.queue("later")
+    size = 3000
+    await backlog.push("held")
+    await backlog.push("due later", delay=3600)
+    await backlog.push_many(["ready"] * size)
+    held = await backlog.reserve(timeout=0)
+    assert held is not None and held.payload == "held"
+    await later.push("ready")
+    await later.push_many(["scheduled"] * size, delay=3600)
+    steps = 0
+
+    def count() -> int:
+        nonlocal steps
+        steps += 1
+        return 0
+
+    async def cost(q: aio_keuss.Queue, state: str) -> tuple[int, list[Any]]:
+        nonlocal steps
+        await backend.read(lambda c: c.set_progress_handler(count, 1))
+        steps = 0
+        try:
+            found = [view.message.payload for view in await q.peek(10, state=state)]
+        finally:
+            await backend.read(lambda c: c.set_progress_handler(None, 1))
+        return steps, found
+
+    reserved_steps, reserved = await cost(backlog, "reserved")
+    scheduled_steps, scheduled = await cost(backlog, "scheduled")
+    ready_steps, ready = await cost(later, "ready")
+    assert (reserved, scheduled, ready) == (["held"], ["due later"], ["ready"])
+    assert max(reserved_steps, scheduled_steps, ready_steps) < size, (
+        reserved_steps,
+        scheduled_steps,
+        ready_steps,
+    )
+    page = await backlog.page(state="reserved", limit=1)  # the cursor goes on from there
+    assert [view.message.payload for view in page.items] == ["held"]
+    assert page.cursor is not None
+    rest = await backlog.page(state="reserved", after=page.cursor, limit=1)
+    assert rest.items == [] and rest.cursor is None
+
+
 # extending a reservation -------------------------------------------------------------------
 
 
