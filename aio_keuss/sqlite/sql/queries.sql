@@ -94,9 +94,10 @@ FROM messages WHERE queue = ?1
 -- name: peek
 -- Look without taking: up to ?5 messages in state ?4 past the cursor (?2 mature, ?3 seq),
 -- in the order of the (queue, mature, seq) index, which the row value comparison walks
--- (SQLite documentation, "Row Values"); ?6 is now.
+-- (SQLite documentation, "Row Values"), up to mature ?7 (now for ready messages, else
+-- infinity), which bounds that walk; ?6 is now.
 SELECT seq, id, payload, headers, tries, mature, reserved FROM messages
-WHERE queue = ?1 AND (mature, seq) > (?2, ?3)
+WHERE queue = ?1 AND (mature, seq) > (?2, ?3) AND mature <= ?7
   AND CASE ?4 WHEN 'ready' THEN mature <= ?6
               WHEN 'scheduled' THEN mature > ?6 AND reserved = 0
               WHEN 'reserved' THEN mature > ?6 AND reserved = 1
