@@ -456,6 +456,12 @@ class Store(ABC):
         deadletter move another process began (see the bucket stores), with no ko of
         their own to carry it. Others ignore it: each ko brings the plan it needs."""
 
+    def on_finished_deadletter(self, listener: Callable[[str, int], None]) -> None:
+        """For stores that finish deadletter moves another process began (see
+        :meth:`on_deadletter`): ``listener(deadletter queue, count)`` once such copies are
+        written and their slots marked, so the queue counts and signals them as it does
+        after a ko that deadlettered (no ko of its own answers for them). Others ignore it."""
+
     def on_orphaned_insert(self, listener: Callable[[int, float], None]) -> None:
         """For stores whose insert a cancelled caller may leave while its messages are still
         written (a write shared by several callers goes on without the one cancelled):

@@ -253,6 +253,7 @@ class Queue:
         self._unsubscribe = signal.subscribe(name, self._on_signal)
         store.on_visible(lambda mature: signal.insert(name, mature))
         store.on_orphaned_insert(self._inserted_for_nobody)
+        store.on_finished_deadletter(self._deadlettered)
         store.on_deadletter(self._deadletter)
 
     async def _open(self) -> None:
@@ -1232,11 +1233,17 @@ class Queue:
             self._stats.incr(self.name, "rollback", len(back))
             self._signal.insert(self.name, now + min(n.delay for n in back), len(back))
         if moved and self._deadletter is not None:
-            self._stats.incr(self.name, "deadletter", moved)
-            self._stats.incr(self._deadletter.queue, "put", moved)
-            self._signal.insert(self._deadletter.queue, now, moved)
+            self._deadlettered(self._deadletter.queue, moved)
         work.raise_held()
         return results
+
+    def _deadlettered(self, queue: str, count: int) -> None:
+        """Messages now in deadletter queue ``queue``: counted here and there, and the
+        consumers waiting on it told, in every process. A ko's, and those of a move another
+        process began that this one's store finished (``Store.on_finished_deadletter``)."""
+        self._stats.incr(self.name, "deadletter", count)
+        self._stats.incr(queue, "put", count)
+        self._signal.insert(queue, time.time(), count)
 
     async def move(
         self,

@@ -132,6 +132,7 @@ import math
 import os
 import time
 from array import array
+from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple
 
@@ -232,6 +233,7 @@ class BucketStore(PushSide, StateWriter, Store):
         self._deadlettering = Finishing()  # deadletter writes and their marks (close waits)
         self._copying: set[tuple[str, int]] = set()  # (bucket id, slot) being deadlettered
         self._plan: DeadletterPlan | None = None  # this queue's (``on_deadletter``)
+        self._finished: Callable[[str, int], None] | None = None  # on_finished_deadletter
         self._storage_next: float | None = None
         self._flusher: asyncio.Task[None] | None = None
         self._visible: Callable[[float], None] | None = None
@@ -787,7 +789,11 @@ class BucketStore(PushSide, StateWriter, Store):
         if not slots:
             return
         self._copying.update((bucket.id, slot) for bucket, slot in slots)
+        targets = Counter(self._target(bucket, slot) or "" for bucket, slot in slots)
         touched = await self._deadlettering.run(self._copy_then_mark(slots))
+        if self._finished is not None:  # written: the queue counts them and tells consumers
+            for queue, count in targets.items():
+                self._finished(queue, count)
         await self._sync(touched)
 
     def _target(self, bucket: HeldBucket, slot: int) -> str | None:
@@ -803,6 +809,9 @@ class BucketStore(PushSide, StateWriter, Store):
 
     def on_deadletter(self, plan: DeadletterPlan | None) -> None:
         self._plan = plan
+
+    def on_finished_deadletter(self, listener: Callable[[str, int], None]) -> None:
+        self._finished = listener
 
     async def _write_dead(self, queue: str, buckets: list[NewBucket]) -> None:
         for write in _writes(buckets):

@@ -1394,7 +1394,9 @@ async def test_a_deadletter_move_whose_holder_died_after_the_mark_is_finished_by
     copy was written (here: its copy fails, and it writes nothing more). Whoever takes the
     bucket over neither delivers the message again nor loses it: it writes the copy itself
     and marks the slot done."""
-    async with _two_factories(bucket_case, "dl-died", 1.0, deadletter={"max_ko": 0}) as (
+    async with _two_factories(
+        bucket_case, "dl-died", 1.0, deadletter={"max_ko": 0}, poll_interval=3600.0
+    ) as (
         old_q,
         new_q,
         factory,
@@ -1411,12 +1413,21 @@ async def test_a_deadletter_move_whose_holder_died_after_the_mark_is_finished_by
             with pytest.raises(aio_keuss.BackendError):
                 await old_q.ko(held)  # the mark is stored, the copy is not
         await _lease_lapsed(old)
+        # A consumer of the deadletter queue waiting in the taker's process, whose poll
+        # would come only after an hour: the finished move's signal wakes it.
+        dlq = await factory.queue("__deadletter__")
+        waiting = asyncio.create_task(dlq.reserve(timeout=60))
+        await asyncio.sleep(0)
         got = await new_q.reserve(timeout=0)
         assert got is None, "delivered again"
         assert await new_q.total_size() == 0  # taken over, copied, done
-        dead = await _take_all(await factory.queue("__deadletter__"), idle=0.5)
-        assert [(m.payload, m.headers["x-dl-from-queue"]) for m in dead] == [("m", "dl-died")]
+        woken = await waiting
+        assert woken is not None and woken.payload == "m", "the deadletter queue was not told"
+        assert await dlq.ok(woken) is True
+        assert await dlq.total_size() == 0
         assert await new_q.total_size() == 0
+        stats = await new_q.stats()
+        assert stats["deadletter"] == 1 and (await dlq.stats())["put"] == 1, stats
 
 
 async def test_a_deadletter_move_finished_by_a_taker_configured_otherwise_lands_where_it_began(
