@@ -238,6 +238,7 @@ class PipelineRun:
         self.replace = _checked_replace(replace)
         self.consumers: list[Consumer] = []
         self._started = False
+        self._stored = False
 
     def check(self) -> list[tuple[Link, dict[str, Any]]]:
         """Check the pipeline and every station's settings, opening nothing: what ``start``
@@ -267,7 +268,7 @@ class PipelineRun:
         pipeline = self.pipeline
         factory = pipeline.factory
         # before any queue is opened: a refused one opens nothing
-        await pipeline._store(self.replace)  # checked above, with the run's own defaults
+        await self._store_topology()  # checked above, with the run's own defaults
         queues: dict[str, Queue] = {}
         inputs = {link.source for link in pipeline.links}
         for name in pipeline.queues:
@@ -290,6 +291,14 @@ class PipelineRun:
             await self.stop(0.0)
             raise
         return self
+
+    async def _store_topology(self) -> None:
+        """Store the topology (what ``start`` refuses when another one is stored), once: a
+        worker does it before its repeats push, so that a start refused for another
+        release's topology has written nothing, then starts the run."""
+        if not self._stored:
+            await self.pipeline._store(self.replace)
+            self._stored = True
 
     async def stop(self, grace: float | None = 30.0) -> None:
         """Stop every station: no new messages; running handlers get ``grace`` seconds,

@@ -163,6 +163,9 @@ async def run_worker(
                 concurrency, timeout=timeout, prefetch=prefetch, replace=replace_pipeline
             )
             running.check()
+            # another release's topology stored under its name refuses the start: found
+            # here, before a repeat pushes (the start below does not store it again)
+            await running._store_topology()
         elif handler is not None:
             for name in names:
                 queue = await opened.queue(name, **dict(queue_options or {}))

@@ -437,6 +437,28 @@ async def test_a_station_prefetch_above_max_batch_is_refused_before_a_repeat_pus
         assert await _waiting(await factory.queue("in", max_batch=5)) == 0
 
 
+async def test_a_pipeline_stored_with_another_topology_is_refused_before_a_repeat_pushes() -> None:
+    """Another release's topology under the pipeline's name refuses the start: found once the
+    worker is connected, but before any repeat starts, so the refused worker left no
+    occurrence behind (as for the other refusals above)."""
+
+    async def end(message: Message) -> None:
+        pass
+
+    def build(opened: aio_keuss.Factory) -> aio_keuss_pipeline.Pipeline:
+        return opened.pipeline("ending").sink("in", end)
+
+    async with aio_keuss.connect("memory") as factory:
+        await factory.pipeline("ending").link("in", "out", end).save()
+        with pytest.raises(aio_keuss.PipelineError, match="another topology"):
+            await aio_keuss.run_worker(
+                pipeline=build, repeats=[Repeat("in", "tick", 0, every=60)], factory=factory
+            )
+        assert await _waiting(await factory.queue("in")) == 0
+        stored = (await factory.pipelines())["ending"]
+        assert [station["kind"] for station in stored["stations"]] == ["direct"]
+
+
 @pytest.mark.parametrize(
     "spec",
     [
