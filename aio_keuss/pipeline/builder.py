@@ -238,7 +238,7 @@ class PipelineRun:
         self.replace = _checked_replace(replace)
         self.consumers: list[Consumer] = []
         self._started = False
-        self._stored = False
+        self._queues: dict[str, Queue] | None = None  # stored and opened (see _prepare)
 
     def check(self) -> list[tuple[Link, dict[str, Any]]]:
         """Check the pipeline and every station's settings, opening nothing: what ``start``
@@ -265,18 +265,7 @@ class PipelineRun:
             raise PipelineError(f"pipeline {self.pipeline.name!r} is already running")
         self._started = True
         stations = self.check()
-        pipeline = self.pipeline
-        factory = pipeline.factory
-        # before any queue is opened: a refused one opens nothing
-        await self._store_topology()  # checked above, with the run's own defaults
-        queues: dict[str, Queue] = {}
-        inputs = {link.source for link in pipeline.links}
-        for name in pipeline.queues:
-            given = pipeline.queue_options.get(name)
-            if name in inputs or given is not None:
-                queues[name] = await factory.queue(name, **(given or {}))
-            else:  # only moved into: opened as a move reaches a queue, see Factory._sibling
-                queues[name] = await factory._sibling(name)
+        queues = await self._prepare()  # checked above, with the run's own defaults
         try:
             for link, settings in stations:
                 handler, settle = _station(link, queues[link.source])
@@ -292,13 +281,34 @@ class PipelineRun:
             raise
         return self
 
-    async def _store_topology(self) -> None:
-        """Store the topology (what ``start`` refuses when another one is stored), once: a
-        worker does it before its repeats push, so that a start refused for another
-        release's topology has written nothing, then starts the run."""
-        if not self._stored:
-            await self.pipeline._store(self.replace)
-            self._stored = True
+    async def _prepare(self) -> dict[str, Queue]:
+        """Store the topology (what ``start`` refuses when another one is stored), then open
+        the queues, once: a worker does it before its repeats push (a start refused for
+        another release's topology has then written nothing, and a repeat's queue opened
+        first cannot open the deadletter queue with other options than the pipeline's), then
+        starts the run."""
+        if self._queues is not None:
+            return self._queues
+        pipeline = self.pipeline
+        factory = pipeline.factory
+        # before any queue is opened: a refused one opens nothing
+        await pipeline._store(self.replace)
+        queues: dict[str, Queue] = {}
+        inputs = {link.source for link in pipeline.links}
+        names = pipeline.queues
+        dead = None if factory.deadletter is None else factory.deadletter.queue
+        if dead in pipeline.queue_options:
+            # factory.queue opens the deadletter queue too, with the defaults: given options
+            # of its own, it is opened first, with them, else the run could never start
+            names = [dead, *(name for name in names if name != dead)]
+        for name in names:
+            given = pipeline.queue_options.get(name)
+            if name in inputs or given is not None:
+                queues[name] = await factory.queue(name, **(given or {}))
+            else:  # only moved into: opened as a move reaches a queue, see Factory._sibling
+                queues[name] = await factory._sibling(name)
+        self._queues = queues
+        return queues
 
     async def stop(self, grace: float | None = 30.0) -> None:
         """Stop every station: no new messages; running handlers get ``grace`` seconds,

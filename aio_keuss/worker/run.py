@@ -163,9 +163,10 @@ async def run_worker(
                 concurrency, timeout=timeout, prefetch=prefetch, replace=replace_pipeline
             )
             running.check()
-            # another release's topology stored under its name refuses the start: found
-            # here, before a repeat pushes (the start below does not store it again)
-            await running._store_topology()
+            # before a repeat pushes: another release's topology stored under the
+            # pipeline's name refuses the start here, and its queues are open with its
+            # options before a repeat's queue opens the deadletter queue with the defaults
+            await running._prepare()
         elif handler is not None:
             for name in names:
                 queue = await opened.queue(name, **dict(queue_options or {}))

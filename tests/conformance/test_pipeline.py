@@ -489,3 +489,21 @@ async def test_empty_queue_options_check_prefetch_against_the_open_queue(connect
             pass
     assert await factory.pipelines() == {}
     assert "b" not in await factory.list()
+
+
+async def test_a_station_on_the_deadletter_queue_runs_with_the_options_given_for_it(
+    connect: Connect,
+) -> None:
+    # The first queue a run opened opened the factory's deadletter queue too, with the
+    # defaults: options given for it then failed the start with a ConfigError, once the
+    # topology was stored and the queues before it opened
+    factory = await connect(poll_interval=5.0, deadletter={"max_ko": 1})
+    needs(factory, "move")
+    pipeline = (
+        factory.pipeline("repair", queue_options={"__deadletter__": {"reserve_delay": 45}})
+        .link("in", "out", _forward)
+        .link("__deadletter__", "in", _forward, name="repair")
+    )
+    async with pipeline.run():
+        pass
+    assert (await factory.queue("__deadletter__")).options.reserve_delay == 45

@@ -459,6 +459,35 @@ async def test_a_pipeline_stored_with_another_topology_is_refused_before_a_repea
         assert [station["kind"] for station in stored["stations"]] == ["direct"]
 
 
+async def test_a_repeat_does_not_open_the_deadletter_queue_under_a_pipeline_s_options() -> None:
+    """The repeat's queue opened first opened the deadletter queue too, with the defaults:
+    the pipeline's options for it were then refused, after the repeat had pushed."""
+    async with aio_keuss.connect("memory", deadletter={"max_ko": 1}) as factory:
+        stop = asyncio.Event()
+
+        async def fix(message: Message) -> aio_keuss_pipeline.Forward:
+            return aio_keuss_pipeline.Forward()
+
+        async def end(message: Message) -> None:
+            stop.set()
+
+        def build(opened: aio_keuss.Factory) -> aio_keuss_pipeline.Pipeline:
+            options = {"__deadletter__": {"reserve_delay": 45}}
+            stations = opened.pipeline("repair", queue_options=options)
+            return stations.link("__deadletter__", "in", fix).sink("in", end)
+
+        await asyncio.wait_for(
+            aio_keuss.run_worker(
+                pipeline=build,
+                repeats=[Repeat("in", "tick", 0, every=EVERY)],
+                factory=factory,
+                stop=stop,
+            ),
+            WAIT,
+        )
+        assert (await factory.queue("__deadletter__")).options.reserve_delay == 45
+
+
 @pytest.mark.parametrize(
     "spec",
     [
