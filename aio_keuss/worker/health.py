@@ -129,8 +129,14 @@ class HealthServer:
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         head = b""
         try:
-            async with asyncio.timeout(READ_TIMEOUT):
-                head = await reader.readuntil(b"\r\n\r\n")
+            try:
+                async with asyncio.timeout(READ_TIMEOUT):
+                    head = await reader.readuntil(b"\r\n\r\n")
+            except ConnectionError:  # reset by the client (some TCP probes do): it went away
+                writer.close()
+                return
+            # outside the try above: a ConnectionError raised while answering (a
+            # KeussConnectionError is one) is no client going away, and is logged below
             status, content_type, body = await self._answer(head)
         except asyncio.LimitOverrunError:
             status, content_type, body = 431, "text/plain", b"request head too large\n"

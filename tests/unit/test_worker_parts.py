@@ -4,6 +4,9 @@
 from __future__ import annotations
 
 import asyncio
+import logging
+import socket
+import struct
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +20,7 @@ from aio_keuss.errors import ConfigError, InvalidInputError
 from aio_keuss.metrics import Histogram, QueueMetrics, prometheus_text
 from aio_keuss.pipeline import Forward, Pipeline
 from aio_keuss.worker import cli
-from aio_keuss.worker.health import health
+from aio_keuss.worker.health import HealthServer, health
 from aio_keuss.worker.settings import resolve
 
 
@@ -677,3 +680,36 @@ def test_a_stats_cut_short_by_ctrl_c_exits_1_unless_it_watches(flags: list[str],
 
     args.run = interrupted
     assert admin.run(args, environ={}) == code
+
+
+async def test_a_client_resetting_its_connection_is_no_error_of_the_health_endpoint(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A probe that resets its connection (SO_LINGER 0, as some load balancers' TCP checks
+    do) went away, as one that closes it does: it was logged as an error of ours, with a
+    traceback, on every probe."""
+    served: asyncio.Queue[None] = asyncio.Queue()
+
+    class Noted(HealthServer):
+        async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            try:
+                await super()._serve(reader, writer)
+            finally:
+                served.put_nowait(None)
+
+    server = Noted(lambda: [], "127.0.0.1", 0)
+    await server.start()
+    try:
+        with caplog.at_level(logging.INFO, logger="aio_keuss"):
+            for sent in (b"", b"GET /heal"):
+                _, writer = await asyncio.open_connection("127.0.0.1", server.port)
+                if sent:
+                    writer.write(sent)
+                    await writer.drain()
+                sock = writer.get_extra_info("socket")
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                writer.transport.abort()
+                await asyncio.wait_for(served.get(), 30)
+    finally:
+        await server.close()
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == []
