@@ -168,10 +168,15 @@ async def run_worker(
             # options before a repeat's queue opens the deadletter queue with the defaults
             await running._prepare()
         elif handler is not None:
-            for name in names:
+            # factory.queue opens the deadletter queue too, with the defaults: consumed
+            # here, it is opened first, with queue_options as the others
+            dead = None if opened.deadletter is None else opened.deadletter.queue
+            by_name: dict[str, Queue] = {}
+            for name in sorted(names, key=lambda name: name != dead):
                 queue = await opened.queue(name, **dict(queue_options or {}))
                 check_batch_bounds(prefetch, 0, queue.options.max_batch)
-                to_consume.append(queue)
+                by_name[name] = queue
+            to_consume.extend(by_name[name] for name in names)
         await _start_repeats(opened, specs, stations, queue_options or {}, repeaters)
         if running is not None:
             try:

@@ -713,3 +713,23 @@ async def test_a_client_resetting_its_connection_is_no_error_of_the_health_endpo
     finally:
         await server.close()
     assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == []
+
+
+async def test_a_worker_consumes_the_deadletter_queue_with_its_queue_options() -> None:
+    """The first queue opened opened the factory's deadletter queue too, with the defaults:
+    consumed after it with ``queue_options``, the worker failed with a ConfigError."""
+    async with aio_keuss.connect("memory", deadletter={"max_ko": 1}) as factory:
+        stop = asyncio.Event()
+        stop.set()  # it opens its queues and starts its consumers, then stops
+        await asyncio.wait_for(
+            aio_keuss.run_worker(
+                print,
+                ["jobs", "__deadletter__"],
+                queue_options={"reserve_delay": 300},
+                factory=factory,
+                stop=stop,
+            ),
+            60,
+        )
+        dead = await factory.queue("__deadletter__")
+        assert dead.options.reserve_delay == 300
