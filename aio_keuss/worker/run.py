@@ -157,6 +157,7 @@ async def run_worker(
         stations = None if pipeline is None else _pipeline(pipeline, opened)
         running = None
         to_consume: list[Queue] = []
+        _check_repeats_can_run(opened, specs)  # before the pipeline's topology is stored
         # every consumer's settings checked before a repeat pushes anything
         if stations is not None:
             running = stations.run(
@@ -285,21 +286,14 @@ async def _start_repeats(
     queue_options: Mapping[str, Any],
     started: list[Repeater],
 ) -> None:
-    """Start the repeats once every one's queue is open and can repeat: a backend without
-    explicit ids or delays stops the worker before any occurrence is pushed (what
-    :meth:`Repeat.check` could not see before connecting)."""
+    """Start the repeats once every one's queue is open (checked by
+    :func:`_check_repeats_can_run` before)."""
     queues = []
     for spec in specs:
         options = queue_options
         if pipeline is not None and spec.queue in pipeline.queues:
             options = pipeline.queue_options.get(spec.queue, {})  # as its run opens it
-        queue = await factory.queue(spec.queue, **dict(options))
-        if not (queue.capabilities.idempotent and queue.capabilities.delay):
-            raise NotSupportedError(
-                f"repeat {spec.key!r} on queue {spec.queue!r}: backend"
-                f" {factory.backend_name!r} cannot repeat (it has no explicit ids or delays)"
-            )
-        queues.append(queue)
+        queues.append(await factory.queue(spec.queue, **dict(options)))
     for spec, queue in zip(specs, queues, strict=True):
         started.append(
             queue.repeat(
@@ -310,6 +304,19 @@ async def _start_repeats(
                 headers=spec.headers,
                 tz=spec.tz,
             )
+        )
+
+
+def _check_repeats_can_run(factory: Factory, specs: Sequence[Repeat]) -> None:
+    """A backend without explicit ids or delays stops the worker before any occurrence is
+    pushed, any queue opened or a pipeline's topology stored (what :meth:`Repeat.check`
+    could not see before connecting). Every queue of a factory has its capabilities."""
+    capabilities = factory.capabilities
+    if specs and not (capabilities.idempotent and capabilities.delay):
+        spec = specs[0]
+        raise NotSupportedError(
+            f"repeat {spec.key!r} on queue {spec.queue!r}: backend"
+            f" {factory.backend_name!r} cannot repeat (it has no explicit ids or delays)"
         )
 
 

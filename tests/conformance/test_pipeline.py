@@ -507,3 +507,19 @@ async def test_a_station_on_the_deadletter_queue_runs_with_the_options_given_for
     async with pipeline.run():
         pass
     assert (await factory.queue("__deadletter__")).options.reserve_delay == 45
+
+
+async def test_a_pipeline_worker_on_a_backend_that_cannot_repeat_stores_nothing(
+    connect: Connect,
+) -> None:
+    # a worker refused because its repeats cannot run here had stored its pipeline's
+    # topology first (the start that fails writes nothing, as for the other refusals)
+    factory = await connect(poll_interval=5.0)
+    needs(factory, "move")
+    if factory.capabilities.idempotent and factory.capabilities.delay:
+        pytest.skip("this backend can repeat")
+    pipeline = factory.pipeline("ticking").link("in", "out", _forward)
+    tick = aio_keuss.Repeat("in", "tick", 0, every=60)
+    with pytest.raises(aio_keuss.NotSupportedError, match="cannot repeat"):
+        await aio_keuss.run_worker(pipeline=pipeline, repeats=[tick], factory=factory)
+    assert await factory.pipelines() == {}
