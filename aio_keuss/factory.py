@@ -134,6 +134,13 @@ class Factory:
         future.set_result(queue)
         return queue
 
+    def _check_open(self) -> None:
+        """Refuse a call that reaches the stats store once the factory is closed: each
+        backend's closed client fails its own way, and a Redis client opens a connection
+        again that nothing closes."""
+        if self._closed:
+            raise ClosedError("factory is closed")
+
     def open_queues(self) -> list[Queue]:
         """The queues this factory has open now (none once it is closed)."""
         return [] if self._closed else list(self._queues.values())
@@ -162,6 +169,7 @@ class Factory:
         ``"sizes"``: the :class:`~aio_keuss.Sizes` of every queue it touches (which opens
         them in this factory, as a move reaches a queue: not recorded over the options the
         pipeline's process recorded for them)."""
+        self._check_open()
         found = await self.stats_store.pipelines()
         if sizes:
             for topology in found.values():
@@ -172,7 +180,9 @@ class Factory:
 
     async def remove_pipeline(self, name: str) -> bool:
         """Forget a stored pipeline topology (its queues and messages stay)."""
-        return await self.stats_store.remove_pipeline(check_pipeline_name(name, None))
+        checked = check_pipeline_name(name, None)
+        self._check_open()
+        return await self.stats_store.remove_pipeline(checked)
 
     async def close(self) -> None:
         """Drain and close every queue, then the stats store, signal bus and connection.

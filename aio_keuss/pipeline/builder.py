@@ -160,6 +160,7 @@ class Pipeline:
 
     async def _store(self, replace: bool) -> None:
         """``save``'s write, for a caller that checked the stations already (a run's start)."""
+        self.factory._check_open()
         topology = self.topology()
         store = self.factory.stats_store
         if replace:

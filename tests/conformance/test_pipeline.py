@@ -523,3 +523,25 @@ async def test_a_pipeline_worker_on_a_backend_that_cannot_repeat_stores_nothing(
     with pytest.raises(aio_keuss.NotSupportedError, match="cannot repeat"):
         await aio_keuss.run_worker(pipeline=pipeline, repeats=[tick], factory=factory)
     assert await factory.pipelines() == {}
+
+
+async def test_a_closed_factory_refuses_to_store_or_list_pipelines(
+    connect: Connect, case: Any
+) -> None:
+    # after close, save() and a run's start stored the topology anyway (on Redis over a new
+    # connection that nothing closed), and listing or removing raised what each backend
+    # raises on a closed client, if anything: not the ClosedError every other call raises
+    factory = await connect(poll_interval=5.0)
+    needs(factory, "move")
+    pipeline = factory.pipeline("late").link("in", "out", _forward)
+    await factory.close()
+    for call in (
+        pipeline.save,
+        pipeline.run().start,
+        factory.pipelines,
+        lambda: factory.remove_pipeline("late"),
+    ):
+        with pytest.raises(aio_keuss.ClosedError):
+            await call()
+    if case.shared:
+        assert await (await connect()).pipelines() == {}
