@@ -688,10 +688,12 @@ async def test_a_client_resetting_its_connection_is_no_error_of_the_health_endpo
     """A probe that resets its connection (SO_LINGER 0, as some load balancers' TCP checks
     do) went away, as one that closes it does: it was logged as an error of ours, with a
     traceback, on every probe."""
+    accepted: asyncio.Queue[None] = asyncio.Queue()
     served: asyncio.Queue[None] = asyncio.Queue()
 
     class Noted(HealthServer):
         async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            accepted.put_nowait(None)
             try:
                 await super()._serve(reader, writer)
             finally:
@@ -706,6 +708,7 @@ async def test_a_client_resetting_its_connection_is_no_error_of_the_health_endpo
                 if sent:
                     writer.write(sent)
                     await writer.drain()
+                await asyncio.wait_for(accepted.get(), 30)  # reset once it is being read
                 sock = writer.get_extra_info("socket")
                 sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
                 writer.transport.abort()
