@@ -863,3 +863,15 @@ async def test_a_gathering_cancelled_after_its_close_gave_back_gives_nothing_bac
     assert await q2.ok(held) is True
     assert await q2.total_size() == 0
     await other.close()
+
+
+async def test_a_closed_factory_refuses_to_list_its_queues(connect: Connect) -> None:
+    """``factory.list()`` after ``close()`` went to the store: on Redis the closed client
+    connected again (a connection nothing closed), elsewhere a driver-shaped error. Calls
+    after close raise ClosedError."""
+    factory = await connect(poll_interval=5.0)
+    await factory.queue("listed")
+    assert "listed" in await factory.list()
+    await factory.close()
+    with pytest.raises(aio_keuss.ClosedError):
+        await factory.list()
