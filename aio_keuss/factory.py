@@ -147,6 +147,7 @@ class Factory:
 
     async def list(self) -> dict[str, dict[str, Any]]:
         """Queues known to this backend (from any process) with their options."""
+        self._check_open()
         return await self.stats_store.queues()
 
     def pipeline(
