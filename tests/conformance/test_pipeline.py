@@ -237,6 +237,33 @@ async def test_a_pipeline_stored_with_another_topology_is_refused_until_replaced
             pass
 
 
+async def test_a_run_whose_start_was_refused_can_be_started_again(connect: Connect) -> None:
+    """A start refused (here: another topology stored under the pipeline's name) left the
+    run marked as running: once the way was cleared, starting that same run again said
+    "already running" and nothing could start it."""
+    factory = await connect(poll_interval=5.0)
+    needs(factory, "move")
+    first = factory.pipeline("etl").link("raw", "clean", _forward).sink("clean", _forward_nothing)
+    await first.save()
+    changed = (
+        factory.pipeline("etl")
+        .link("raw", "clean", _forward, concurrency=3)
+        .sink("clean", _forward_nothing)
+    )
+    run = changed.run()
+    with pytest.raises(aio_keuss.PipelineError, match="'etl' is stored with another"):
+        await run.start()
+    assert run.consumers == []
+    assert await factory.remove_pipeline("etl")
+    await run.start()
+    try:
+        assert len(run.consumers) == 2
+        with pytest.raises(aio_keuss.PipelineError, match="already running"):
+            await run.start()
+    finally:
+        await run.stop(0.0)
+
+
 async def _forward(message: Message) -> Forward:
     return Forward()
 
