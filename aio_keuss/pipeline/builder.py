@@ -264,9 +264,13 @@ class PipelineRun:
         its queues and start its stations."""
         if self._started:
             raise PipelineError(f"pipeline {self.pipeline.name!r} is already running")
-        self._started = True
-        stations = self.check()
-        queues = await self._prepare()  # checked above, with the run's own defaults
+        self._started = True  # a second start while this one opens is refused
+        try:
+            stations = self.check()
+            queues = await self._prepare()  # checked above, with the run's own defaults
+        except BaseException:  # nothing started: the run may be started again
+            self._started = False
+            raise
         try:
             for link, settings in stations:
                 handler, settle = _station(link, queues[link.source])
