@@ -419,7 +419,11 @@ class PostgresQueueBackend(PostgresBackend):
         no statement holds locks for long."""
         await super().open()
         if self.keeps_history:
-            await self.execute_without_timeouts(self.sql["history_on"])
+            try:
+                await self.execute_without_timeouts(self.sql["history_on"])
+            except BaseException:  # e.g. a role that may not create the trigger
+                await self.close()  # a failed open is not closed by its caller
+                raise
             self._expiry = asyncio.create_task(self._expire(), name="keuss-history-expiry")
 
     async def _expire(self) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator
+from urllib.parse import urlsplit, urlunsplit
 
 import asyncpg
 import pytest
@@ -126,3 +127,41 @@ async def test_a_role_lock_timeout_does_not_fail_an_open_waiting_to_install_the_
             await factory.close()
     finally:
         await writer.close()
+
+
+async def test_an_open_that_cannot_install_the_trigger_closes_its_pool(
+    schema: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A role that may use the schema's tables but does not own them cannot create the
+    trigger: the open fails, and the pool it had made for the migrations must not stay
+    open (each retried connect left its connections to the server)."""
+    async with aio_keuss.connect("postgres", url=POSTGRES_URL, schema=schema):
+        pass  # the schema, made without the trigger
+    role = f"akt_role_{new_token()}"
+    admin = await asyncpg.connect(POSTGRES_URL)
+    pools: list[asyncpg.Pool] = []
+    create_pool = asyncpg.create_pool
+
+    async def recording(*args: object, **kwargs: object) -> asyncpg.Pool:
+        pool = await create_pool(*args, **kwargs)
+        pools.append(pool)
+        return pool
+
+    monkeypatch.setattr(asyncpg, "create_pool", recording)
+    try:
+        await admin.execute(
+            f'CREATE ROLE "{role}" LOGIN; GRANT USAGE ON SCHEMA "{schema}" TO "{role}";'
+            f' GRANT SELECT, INSERT, UPDATE, DELETE ON ALL TABLES IN SCHEMA "{schema}"'
+            f' TO "{role}"'
+        )
+        host, port = urlsplit(POSTGRES_URL).hostname, urlsplit(POSTGRES_URL).port or 5432
+        url = urlunsplit(urlsplit(POSTGRES_URL)._replace(netloc=f"{role}@{host}:{port}"))
+        with pytest.raises(aio_keuss.BackendError, match=r"permission denied|owner"):
+            await aio_keuss.connect("postgres", url=url, schema=schema, history=True)
+        assert len(pools) == 1 and pools[0].is_closing()
+    finally:
+        for pool in pools:
+            pool.terminate()
+        await admin.execute(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
+        await admin.execute(f'DROP OWNED BY "{role}"; DROP ROLE IF EXISTS "{role}"')
+        await admin.close()
