@@ -334,6 +334,10 @@ class _HeldConnections:
         self._idle: list[Any] = []
         self._held = 0
         self._handing_back: dict[asyncio.Task[None], Any] = {}  # the task -> its connection
+        # Set by close: a statement still running then (a pop runs to its end past its
+        # caller's cancellation) gives its connection back to the pool once done, since
+        # nothing takes from ``_idle`` any more and a pool's close waits for it.
+        self._closed = False
 
     async def run(self, method: str, query: str, args: tuple[Any, ...]) -> Any:
         connection = self._take_idle()
@@ -357,18 +361,18 @@ class _HeldConnections:
         try:
             result = await getattr(connection, method)(query, *args)
         except BaseException as exc:
-            if held and _fit_to_keep(connection, exc):
+            if held and not self._closed and _fit_to_keep(connection, exc):
                 self._idle.append(connection)
             else:
                 self._let_go(connection, exc, held)
             raise
-        if held:
+        if held and not self._closed:
             self._idle.append(connection)
-        else:  # all are busy: borrowed for this statement only, as Pool.fetch would
+        else:  # borrowed for this statement only, as Pool.fetch would (or closed meanwhile)
             # Given back in the background: the pool's reset on release (a round trip on a
             # user's pool) may fail or be cancelled, and the statement has done its work
             # (a pop's DELETE committed): its result must reach the caller all the same.
-            self._let_go(connection, None, held=False)
+            self._let_go(connection, None, held)
         return result
 
     def _take_idle(self) -> Any:
@@ -408,6 +412,7 @@ class _HeldConnections:
         The idle ones go back as the others do, each in a task of ``_handing_back`` (a
         user's pool resets a connection on release: a round trip), so that ``terminate``
         reaches every one still on its way back."""
+        self._closed = True
         idle, self._idle = self._idle, []
         for connection in idle:
             self._let_go(connection, None)

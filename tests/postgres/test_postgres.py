@@ -1497,3 +1497,49 @@ async def test_held_connections_are_kept_alive_over_tcp(schema: str, own_pool: b
     finally:
         if pool is not None:
             await pool.close()
+
+
+@pytest.mark.parametrize("own_pool", [True, False])
+async def test_a_statement_still_running_when_the_backend_closes_gives_its_connection_back(
+    schema: str, own_pool: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A pop outlives its caller's cancellation (it runs to its end, so that what its DELETE
+    took is handed back), and so may outlive a close given up past its grace. Its held
+    connection, once the statement ended, went back among the idle ones of the closed
+    backend, never to the pool: a user's pool lost it for good, and our own pool's close
+    waited for it until the grace ran out."""
+    from aio_keuss.postgres.store import PostgresQueueBackend
+
+    monkeypatch.setattr(pg_connection, "CLOSE_GRACE", 3600.0)  # not what ends the close
+    pool = await asyncpg.create_pool(POSTGRES_URL, min_size=0, max_size=4)
+    options: dict[str, Any] = {"url": POSTGRES_URL, "schema": schema}
+    backend = PostgresQueueBackend(options if own_pool else {**options, "pool": pool})
+    await backend.open()
+    blocker = await asyncpg.connect(POSTGRES_URL)
+    try:
+        blocking = blocker.transaction()
+        await blocking.start()
+        key = int.from_bytes(os.urandom(3))  # this test's own lock on a shared server
+        await blocker.execute("SELECT pg_advisory_xact_lock($1)", key)
+        running = asyncio.ensure_future(backend.fetchval("SELECT pg_advisory_xact_lock($1)", key))
+        async with asyncio.timeout(30):  # waiting on the lock: in flight on a held connection
+            while not await blocker.fetchval(
+                "SELECT count(*) FROM pg_locks"
+                " WHERE locktype = 'advisory' AND objid = $1 AND NOT granted",
+                key,
+            ):
+                assert not running.done(), running
+                await asyncio.sleep(0.01)
+        own = backend._pool if own_pool else None
+        closing = asyncio.ensure_future(backend.close())
+        await asyncio.sleep(0)  # the close has begun
+        await blocking.commit()
+        await running
+        async with asyncio.timeout(30):  # a leaked connection is never given back: any bound
+            await closing
+            await pool.close()
+        assert own is None or own.is_closing()
+    finally:
+        await blocker.close()
+        pool.terminate()
+        await backend.close()
