@@ -650,9 +650,18 @@ class PostgresConnection(Backend):
     async def transaction(self) -> AsyncIterator[Any]:
         """A pooled connection in a transaction: committed when the block ends, rolled back
         when it raises. The block's own statements on it are translated here too (they
-        raise at the ``yield``)."""
+        raise at the ``yield``).
+
+        READ COMMITTED whatever the session's default: a user's pool keeps its own, and
+        under REPEATABLE READ or SERIALIZABLE the snapshot is taken by the first statement
+        (PostgreSQL manual, "Transaction Isolation"), so a migration that waited its turn
+        on the schema's lock did not see the steps the process before it had committed,
+        applied them again and failed."""
         try:
-            async with self.pool.acquire() as connection, connection.transaction():
+            async with (
+                self.pool.acquire() as connection,
+                connection.transaction(isolation="read_committed"),
+            ):
                 yield connection
         except Exception as exc:
             raise_translated(exc, _ours)

@@ -1543,3 +1543,51 @@ async def test_a_statement_still_running_when_the_backend_closes_gives_its_conne
         await blocker.close()
         pool.terminate()
         await backend.close()
+
+
+async def test_user_pools_of_serializable_sessions_open_a_new_schema_at_once(schema: str) -> None:
+    """The migrations run on a connection of the user's pool, in the user's default
+    isolation. Under REPEATABLE READ or SERIALIZABLE the transaction's snapshot is taken by
+    its first statement, before it waits its turn on the schema's advisory lock: the
+    process that waited then read no applied step (another process's commit came after
+    its snapshot), applied them all again and failed on the versions already recorded."""
+    settings = {"default_transaction_isolation": "serializable"}
+    pools = [
+        await asyncpg.create_pool(POSTGRES_URL, min_size=0, max_size=4, server_settings=settings)
+        for _ in range(2)
+    ]
+    blocker = await asyncpg.connect(POSTGRES_URL)
+    opening: list[asyncio.Future[aio_keuss.Factory]] = []
+    try:
+        async with blocker.transaction():  # the schema's lock, held while both take their turn
+            await blocker.execute(
+                "SELECT pg_advisory_xact_lock(hashtext('aio_keuss:' || $1))", schema
+            )
+            opening = [
+                asyncio.ensure_future(aio_keuss.connect("postgres", pool=pool, schema=schema))
+                for pool in pools
+            ]
+            async with asyncio.timeout(30):
+                while await blocker.fetchval(
+                    "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND NOT granted"
+                    " AND objid = hashtext('aio_keuss:' || $1)::oid",
+                    schema,
+                ) < len(pools):
+                    assert not any(o.done() for o in opening), opening
+                    await asyncio.sleep(0.01)
+        opened = await asyncio.gather(*opening, return_exceptions=True)
+        for factory in opened:
+            assert isinstance(factory, aio_keuss.Factory), factory
+            q = await factory.queue("q")
+            await q.push("in")
+            got = await q.pop(timeout=5)
+            assert got is not None and got.payload == "in"
+    finally:
+        for future in opening:
+            if not future.done():
+                future.cancel()
+            with contextlib.suppress(BaseException):
+                await (await future).close()
+        await blocker.close()
+        for pool in pools:
+            await pool.close()
