@@ -390,7 +390,7 @@ def _field(expression: str, index: int, text: str) -> set[int]:
 
     def value(item: str) -> int:
         if item.isascii() and item.isdigit():
-            number = int(item)
+            number = _whole(item)
         elif item.lower() in _NAMES.get(index, {}):
             return _NAMES[index][item.lower()]
         elif index in _NAMES:
@@ -399,7 +399,8 @@ def _field(expression: str, index: int, text: str) -> set[int]:
         else:
             raise fail(f"{item!r} is not a number")
         if not low <= number <= high:
-            raise fail(f"{number} is outside {low}-{high}")
+            shown = number if number < _TOO_LONG else f"a {len(item)}-digit number"
+            raise fail(f"{shown} is outside {low}-{high}")
         return number
 
     chosen: set[int] = set()
@@ -409,9 +410,9 @@ def _field(expression: str, index: int, text: str) -> set[int]:
         span, slash, step_text = item.partition("/")
         step = 1
         if slash:
-            if not (step_text.isascii() and step_text.isdigit()) or int(step_text) < 1:
+            if not (step_text.isascii() and step_text.isdigit()) or _whole(step_text) < 1:
                 raise fail(f"the step {step_text!r} is not a whole number of at least 1")
-            step = int(step_text)
+            step = _whole(step_text)
         if span == "*":
             # a plain * of day-of-week is 0-6: 7 is another name for Sunday
             start, end = low, 6 if index == 4 else high
@@ -426,3 +427,17 @@ def _field(expression: str, index: int, text: str) -> set[int]:
             start = end = value(span)
         chosen.update(range(start, end + 1, step))
     return chosen
+
+
+_TOO_LONG = 1_000_000
+"""A cron number with as many significant digits as this, or more, is read as this: it is
+out of every field's range (and a step that long picks the range's start alone), and Python
+refuses to convert decimal strings of more than 4300 digits with a ValueError of its own."""
+
+
+def _whole(digits: str) -> int:
+    """The value of a string of ASCII digits, capped at :data:`_TOO_LONG`."""
+    significant = digits.lstrip("0")
+    if len(significant) >= len(str(_TOO_LONG)):
+        return _TOO_LONG
+    return int(significant or "0")

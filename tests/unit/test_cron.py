@@ -365,3 +365,23 @@ def test_scheduled_header_and_id_name_the_same_millisecond(seconds: float) -> No
         ms = int(plan.message_id(t).rpartition("@")[2])
         scheduled = datetime.fromisoformat(str(plan.headers_at(t)["scheduled"]))
         assert round(scheduled.timestamp() * 1000) == ms
+
+
+@pytest.mark.parametrize(
+    ("expression", "words"),
+    [
+        ("1" * 5000 + " * * * *", ["minute field", "outside 0-59"]),
+        ("* * * * 1-" + "2" * 5000, ["day-of-week field", "outside 0-7"]),
+    ],
+)
+def test_numbers_too_long_for_int_are_refused_as_bad_input(
+    expression: str, words: list[str]
+) -> None:
+    """Python refuses to convert a decimal string of more than 4300 digits (a ValueError of
+    its own, not ours); such a number is only ever out of range."""
+    with pytest.raises(InvalidInputError) as caught:
+        parse_cron(expression)
+    for word in words:
+        assert word in str(caught.value)
+    # a step that long is valid: it picks the start of the range alone
+    assert parse_cron("*/" + "7" * 5000 + " * * * *").minutes == (0,)
