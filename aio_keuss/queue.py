@@ -79,6 +79,7 @@ from .message import (
     check_known_id,
     check_tries,
     decode_message,
+    decode_payload,
     encode_headers,
     encode_payload,
     encode_payloads,
@@ -1107,7 +1108,13 @@ class Queue:
         now = time.time()
         first = plan.schedule.next_after(now)
         # payload, headers, id and the idempotent capability, checked as a push checks them
-        self._entry(payload, 0.0, encode_headers(plan.headers_at(first)), plan.message_id(first))
+        entry = self._entry(
+            payload, 0.0, encode_headers(plan.headers_at(first)), plan.message_id(first)
+        )
+        # every occurrence pushes the payload checked here, not the caller's object as it is
+        # then: a dict reused and changed meanwhile would change the occurrences, or stop the
+        # repeater with an error this call should have raised
+        payload = decode_payload(entry.payload)
         self._require("delay")
         if self.capabilities.shared:
             warning = plan.dedup_warning(self.options.dedup_window, now)

@@ -73,6 +73,20 @@ async def test_occurrences_arrive_with_their_ids_and_headers(queue: aio_keuss.Qu
     assert repeater.pushed >= 3 and repeater.failure is None
 
 
+async def test_occurrences_carry_the_payload_as_it_was_given(queue: aio_keuss.Queue) -> None:
+    """The payload is checked when repeat() is called, so that is the payload pushed: a
+    caller changing the object afterwards (reusing a dict) neither changes the occurrences
+    nor, with something that cannot be stored, stops the repeater."""
+    _repeatable(queue)
+    payload: dict[str, object] = {"n": 1}
+    async with queue.repeat("given", payload, every=EVERY) as repeater:
+        payload["n"] = 2
+        payload["later"] = {1, 2}  # a set: no payload can hold it
+        got = await _distinct([queue], 2)
+        assert repeater.failure is None
+    assert [m.payload for m in got] == [{"n": 1}] * len(got)
+
+
 async def test_cron_repeat_keeps_its_next_occurrence_queued(queue: aio_keuss.Queue) -> None:
     _repeatable(queue)
     repeater = queue.repeat("minutely", "x", cron="* * * * *", tz="Europe/Madrid")
