@@ -31,7 +31,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
@@ -202,13 +202,18 @@ class Repeater(StoppedOnExit):
         """The last failed push, kept after the outage ended."""
         return self._outage.last_error
 
-    async def stop(self) -> None:
+    def stop(self) -> Coroutine[Any, Any, None]:
         """Stop pushing. The occurrence already queued stays queued (other processes may
         push it too; stopping one process must not take it from them): ``remove`` its id
-        to drop it. Safe to call again, and to cancel (the repeater stops all the same)."""
+        to drop it. Safe to call again, and to cancel (the repeater stops all the same).
+
+        Not a coroutine function: the stop is asked for by the call itself, since an
+        ``async def`` wrapped in a task (``gather``, a task group, the queue's close) and
+        cancelled before its first step would never have run its body at all. The awaitable
+        returned waits for the repeater to end."""
         self._stopping = True
         self._task.cancel()
-        await asyncio.wait([self._task])
+        return self.wait()
 
     async def wait(self) -> None:
         """Until the repeater stops. Cancelling this wait leaves it running."""

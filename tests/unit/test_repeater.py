@@ -123,3 +123,18 @@ async def test_stop_is_idempotent_and_cancellation_safe() -> None:
     async with repeater:
         pass
     assert repeater.failure is None
+
+
+async def test_a_stop_cancelled_before_it_ran_still_stops_it() -> None:
+    """A stop wrapped in a task (``gather``, a task group, the queue's close) may be cancelled
+    before its coroutine takes a step: the stop is asked for when ``stop()`` is called."""
+    push = Pushes()
+    repeater, stopped = _start(push, every=30.0)
+    await _until(lambda: repeater.pushed == 1)
+    stopping = asyncio.ensure_future(repeater.stop())
+    stopping.cancel()  # before it ever ran
+    with contextlib.suppress(asyncio.CancelledError):
+        await stopping
+    assert repeater.state == "stopped"
+    await asyncio.wait_for(repeater.wait(), WAIT)  # not still sleeping towards its next push
+    assert stopped == [repeater] and push.calls == 1
