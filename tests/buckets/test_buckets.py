@@ -16,8 +16,8 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from contextlib import asynccontextmanager, contextmanager
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -1330,6 +1330,26 @@ async def test_a_release_landing_after_the_store_leased_the_bucket_again_is_refu
         assert await other.total_size() == 0
 
 
+@contextmanager
+def _copies_held(store: Any) -> Iterator[asyncio.Event]:
+    """While the block runs, the bucket inserts of ``store`` (a deadletter ko's copies) wait
+    until it ends; the event yielded is set once one is waiting."""
+    insert = store._storage.insert_buckets
+    reached, gate = asyncio.Event(), asyncio.Event()
+
+    async def held_copy(*args: Any, **kwargs: Any) -> Any:
+        reached.set()
+        await gate.wait()
+        return await insert(*args, **kwargs)
+
+    store._storage.insert_buckets = held_copy
+    try:
+        yield reached
+    finally:
+        gate.set()
+        store._storage.insert_buckets = insert
+
+
 async def _lease_lapsed(store: Any) -> None:
     """Until the lease of the one bucket ``store`` holds has lapsed (watched, not timed:
     a bound of 30 s against a hang)."""
@@ -1361,25 +1381,13 @@ async def test_a_takeover_while_a_deadletter_copy_is_on_its_way_leaves_one_copy(
         assert held is not None
         old = old_q._store  # type: ignore[attr-defined]
         await _stop_renewing(old)
-        insert = old._storage.insert_buckets
-        reached, gate = asyncio.Event(), asyncio.Event()
-
-        async def held_copy(*args: Any, **kwargs: Any) -> Any:
-            reached.set()
-            await gate.wait()
-            return await insert(*args, **kwargs)
-
-        old._storage.insert_buckets = held_copy
-        try:
+        with _copies_held(old) as reached:
             ko = asyncio.create_task(old_q.ko(held))
             await asyncio.wait_for(reached.wait(), 10)  # renewed, the copy on its way
             await _lease_lapsed(old)  # the renewed lease
             got = await new_q.reserve(timeout=0)
             # taken over, the copy written by the new holder, the slot done: nothing left
             assert await new_q.total_size() == 0
-        finally:
-            gate.set()
-            old._storage.insert_buckets = insert
         result = await ko
         dead = await _take_all(await factory.queue("__deadletter__"), idle=0.5)
         copies = len(dead) + (got is not None)
@@ -1452,28 +1460,12 @@ async def test_a_deadletter_move_finished_by_a_taker_configured_otherwise_lands_
         assert held is not None
         old = old_q._store  # type: ignore[attr-defined]
         await _stop_renewing(old)
-        insert = old._storage.insert_buckets
-        reached, gate = asyncio.Event(), asyncio.Event()
-
-        async def held_copy(*args: Any, **kwargs: Any) -> Any:
-            reached.set()
-            await gate.wait()
-            return await insert(*args, **kwargs)
-
-        old._storage.insert_buckets = held_copy
-        try:
+        with _copies_held(old) as reached:
             ko = asyncio.create_task(old_q.ko(held))
             await asyncio.wait_for(reached.wait(), 10)  # stored as on its way
-            (bucket,) = old._held_buckets.values()
-            for _ in range(3000):  # the renewed lease lapses (watched, not timed)
-                if bucket.lease_until < time.time():
-                    break
-                await asyncio.sleep(0.01)
+            await _lease_lapsed(old)  # the renewed lease
             assert await new_q.reserve(timeout=0) is None
             assert await new_q.total_size() == 0
-        finally:
-            gate.set()
-            old._storage.insert_buckets = insert
         await ko
         stray = await _take_all(await second.queue("__deadletter__"), idle=0.5)
         dead = await _take_all(await second.queue("graveyard"), idle=0.5)
