@@ -163,6 +163,14 @@ class StateWriter:
         """The store's: copies of slots a previous holder left on their way to the
         deadletter queue, written and marked done."""
 
+    async def _try_finishing_deadletters(self, buckets: Iterable[HeldBucket]) -> None:
+        """:meth:`_finish_deadletters`, a failure logged: the next state flush tries again,
+        and a bucket released meanwhile leaves it to its next holder."""
+        try:
+            await self._finish_deadletters(buckets)
+        except Exception as exc:
+            log.warning("queue %r: deadletter copy failed: %s", self.name, exc)
+
     def _forget(self, bucket: HeldBucket) -> None:
         bucket.live = False
         if self._held_buckets.get(bucket.id) is bucket:
@@ -187,12 +195,7 @@ class StateWriter:
 
         ``release_all`` (close): every bucket goes back, reservations without a try.
         """
-        try:
-            await self._finish_deadletters(list(self._held_buckets.values()))
-        except (
-            Exception
-        ) as exc:  # the next flush tries again; a release leaves it to the next holder
-            log.warning("queue %r: deadletter copy failed: %s", self.name, exc)
+        await self._try_finishing_deadletters(list(self._held_buckets.values()))
         now = time.time()
         renew_before = now + self._grace / 2
         keep: list[HeldBucket] = []

@@ -132,7 +132,6 @@ import math
 import os
 import time
 from array import array
-from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple
 
@@ -347,10 +346,7 @@ class BucketStore(PushSide, StateWriter, Store):
                 # Before anything else could read the queue's deadletter copies: the sooner
                 # the copy is written again, the less likely the first one was already
                 # consumed from there (see "What a crash can cost").
-                try:
-                    await self._finish_deadletters(recovering)
-                except Exception as exc:  # the state flusher tries again
-                    log.warning("queue %r: deadletter copy failed: %s", self.name, exc)
+                await self._try_finishing_deadletters(recovering)
             return taken
         finally:
             if ids is None:
@@ -713,10 +709,9 @@ class BucketStore(PushSide, StateWriter, Store):
         except BaseException:
             self._give_back_moving(moving)
             raise
-        missing = [m.result for m in moving if m.bucket.lost]
-        for m in moving:
-            if m.bucket.lost:
-                self._copying.discard((m.bucket.id, m.slot))
+        lost = [m for m in moving if m.bucket.lost]
+        self._copying.difference_update((m.bucket.id, m.slot) for m in lost)
+        missing = [m.result for m in lost]
         moving = [m for m in moving if not m.bucket.lost]
         if not moving:
             return missing
@@ -734,9 +729,7 @@ class BucketStore(PushSide, StateWriter, Store):
         messages back here once written there already. A failed write gives a ko's
         reservations back (``moving``); slots a previous holder left are left as they are,
         for the next state flush to try again."""
-        into: dict[str, list[tuple[HeldBucket, int]]] = {}
-        for bucket, slot in slots:
-            into.setdefault(self._target(bucket, slot) or "", []).append((bucket, slot))
+        into = self._by_target(slots)
         now = time.time()
         try:
             for queue, copies in into.items():
@@ -789,12 +782,21 @@ class BucketStore(PushSide, StateWriter, Store):
         if not slots:
             return
         self._copying.update((bucket.id, slot) for bucket, slot in slots)
-        targets = Counter(self._target(bucket, slot) or "" for bucket, slot in slots)
         touched = await self._deadlettering.run(self._copy_then_mark(slots))
         if self._finished is not None:  # written: the queue counts them and tells consumers
-            for queue, count in targets.items():
-                self._finished(queue, count)
+            for queue, copies in self._by_target(slots).items():
+                self._finished(queue, len(copies))
         await self._sync(touched)
+
+    def _by_target(
+        self, slots: list[tuple[HeldBucket, int]]
+    ) -> dict[str, list[tuple[HeldBucket, int]]]:
+        """``slots`` by the deadletter queue their copies go to (see :meth:`_target`; a
+        ko's slots always have one: a queue deadletters into another)."""
+        into: dict[str, list[tuple[HeldBucket, int]]] = {}
+        for bucket, slot in slots:
+            into.setdefault(self._target(bucket, slot) or "", []).append((bucket, slot))
+        return into
 
     def _target(self, bucket: HeldBucket, slot: int) -> str | None:
         """The deadletter queue of a slot on its way there: the one its state names, so
