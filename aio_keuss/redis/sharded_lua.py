@@ -1072,7 +1072,7 @@ redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
 return 1
 """
 
-INSERT, FIRE, COMMIT, EXTEND, ROLLBACK, DROP_DOOMED, SIZES, NEXT_DEADLINE, SWEEP, SHOVEL = (
+SHARD_SCRIPTS = tuple(
     Script(_PRELUDE + body)
     for body in (
         _INSERT,
@@ -1086,6 +1086,10 @@ INSERT, FIRE, COMMIT, EXTEND, ROLLBACK, DROP_DOOMED, SIZES, NEXT_DEADLINE, SWEEP
         _SWEEP,
         _SHOVEL,
     )
+)
+"""The scripts that work on one shard (on a cluster, each guarded: see ``CLUSTER_GUARDED``)."""
+INSERT, FIRE, COMMIT, EXTEND, ROLLBACK, DROP_DOOMED, SIZES, NEXT_DEADLINE, SWEEP, SHOVEL = (
+    SHARD_SCRIPTS
 )
 READY_ADD, READY_DROP, READY_HEAD, ENROL, LEASE, RELEASE, META, LIST = (
     Script(body)
@@ -1115,18 +1119,6 @@ end
 """
 
 CLUSTER_GUARDED: dict[Script, Script] = {
-    script: Script(_CLUSTER_GUARD + script.text.decode())
-    for script in (
-        INSERT,
-        FIRE,
-        COMMIT,
-        EXTEND,
-        ROLLBACK,
-        DROP_DOOMED,
-        SIZES,
-        NEXT_DEADLINE,
-        SWEEP,
-        SHOVEL,
-    )
+    script: Script(_CLUSTER_GUARD + script.text.decode()) for script in SHARD_SCRIPTS
 }
 """The shard scripts as run on a Redis Cluster (see ``_CLUSTER_GUARD``)."""
