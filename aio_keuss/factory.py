@@ -4,7 +4,7 @@ and the queues opened through them."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Generator, Mapping, Sequence
+from collections.abc import Generator, Iterable, Mapping, Sequence
 from types import TracebackType
 from typing import Any
 
@@ -58,6 +58,13 @@ class Factory:
     @property
     def backend_name(self) -> str:
         return self.backend.name
+
+    def _deadletter_first(self, names: Iterable[str]) -> list[str]:
+        """``names`` in the order to open them, the deadletter queue first when it is one of
+        them: :meth:`queue` opens it with the defaults beside any other queue, so opened
+        later with options of its own it would be refused as already open."""
+        dead = None if self.deadletter is None else self.deadletter.queue
+        return sorted(names, key=lambda name: name != dead)
 
     async def queue(self, name: str, **options: Any) -> Queue:
         """The queue called ``name``, created on first use. One Queue object per name and

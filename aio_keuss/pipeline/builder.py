@@ -301,11 +301,8 @@ class PipelineRun:
         queues: dict[str, Queue] = {}
         inputs = {link.source for link in pipeline.links}
         names = pipeline.queues
-        dead = None if factory.deadletter is None else factory.deadletter.queue
-        if dead in pipeline.queue_options:
-            # factory.queue opens the deadletter queue too, with the defaults: given options
-            # of its own, it is opened first, with them, else the run could never start
-            names = [dead, *(name for name in names if name != dead)]
+        if factory.deadletter is not None and factory.deadletter.queue in pipeline.queue_options:
+            names = factory._deadletter_first(names)  # else, opened later, it is refused
         for name in names:
             given = pipeline.queue_options.get(name)
             if name in inputs or given is not None:

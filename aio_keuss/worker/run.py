@@ -169,11 +169,9 @@ async def run_worker(
             # options before a repeat's queue opens the deadletter queue with the defaults
             await running._prepare()
         elif handler is not None:
-            # factory.queue opens the deadletter queue too, with the defaults: consumed
-            # here, it is opened first, with queue_options as the others
-            dead = None if opened.deadletter is None else opened.deadletter.queue
+            # the deadletter queue, consumed here, opened with queue_options as the others
             by_name: dict[str, Queue] = {}
-            for name in sorted(names, key=lambda name: name != dead):
+            for name in opened._deadletter_first(names):
                 queue = await opened.queue(name, **dict(queue_options or {}))
                 check_batch_bounds(prefetch, 0, queue.options.max_batch)
                 by_name[name] = queue
