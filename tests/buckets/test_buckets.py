@@ -959,6 +959,17 @@ async def test_a_pop_whose_lease_fails_keeps_what_it_served_from_a_bucket_gone_m
         assert [m.payload for m in await q.pop_many(5, timeout=0)] == ["b"]  # lost before
 
 
+async def _held_unrenewed(q: aio_keuss.Queue) -> tuple[aio_keuss.Message, Any]:
+    """A message ("m") pushed and reserved through ``q``, whose store then stops writing
+    (see :func:`_stop_renewing`): the message, and that store."""
+    await q.push("m")
+    held = await q.reserve(timeout=5)
+    assert held is not None
+    store = q._store  # type: ignore[attr-defined]
+    await _stop_renewing(store)
+    return held, store
+
+
 async def _stop_renewing(store: Any) -> None:
     """The holder stops writing (as a stopped process would): no state flush, no renewal,
     until every lease it holds has lapsed (watched, not timed: 30 s at most)."""
@@ -1029,10 +1040,7 @@ async def _taken_over(
     """One message reserved, its holder stopped past its lease, the bucket taken over by a
     second factory."""
     async with _two_factories(bucket_case, name, 1.0, **extra) as (old_q, new_q, new):
-        await old_q.push("m")
-        held = await old_q.reserve(timeout=5)
-        assert held is not None
-        await _stop_renewing(old_q._store)  # type: ignore[attr-defined]
+        held, _ = await _held_unrenewed(old_q)
         got = await new_q.reserve(timeout=10)
         assert got is not None and got.id == held.id and got.tries == 1
         yield _TakenOver(old_q, new_q, held, got, new)
@@ -1376,11 +1384,7 @@ async def test_a_takeover_while_a_deadletter_copy_is_on_its_way_leaves_one_copy(
         new_q,
         factory,
     ):
-        await old_q.push("m")
-        held = await old_q.reserve(timeout=5)
-        assert held is not None
-        old = old_q._store  # type: ignore[attr-defined]
-        await _stop_renewing(old)
+        held, old = await _held_unrenewed(old_q)
         with _copies_held(old) as reached:
             ko = asyncio.create_task(old_q.ko(held))
             await asyncio.wait_for(reached.wait(), 10)  # renewed, the copy on its way
@@ -1409,11 +1413,7 @@ async def test_a_deadletter_move_whose_holder_died_after_the_mark_is_finished_by
         new_q,
         factory,
     ):
-        await old_q.push("m")
-        held = await old_q.reserve(timeout=5)
-        assert held is not None
-        old = old_q._store  # type: ignore[attr-defined]
-        await _stop_renewing(old)
+        held, old = await _held_unrenewed(old_q)
         with pytest.MonkeyPatch.context() as patch:
             patch.setattr(
                 old._storage, "insert_buckets", _raising(aio_keuss.BackendError("died"))
@@ -1455,11 +1455,7 @@ async def test_a_deadletter_move_finished_by_a_taker_configured_otherwise_lands_
     ):
         old_q = await first.queue("dl-elsewhere", reserve_delay=1.0)
         new_q = await second.queue("dl-elsewhere", reserve_delay=1.0)
-        await old_q.push("m")
-        held = await old_q.reserve(timeout=5)
-        assert held is not None
-        old = old_q._store  # type: ignore[attr-defined]
-        await _stop_renewing(old)
+        held, old = await _held_unrenewed(old_q)
         with _copies_held(old) as reached:
             ko = asyncio.create_task(old_q.ko(held))
             await asyncio.wait_for(reached.wait(), 10)  # stored as on its way
