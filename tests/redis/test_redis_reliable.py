@@ -520,6 +520,22 @@ async def test_a_stale_ack_leaves_the_current_holders_reservation_alone(
     assert await q.total_size() == 0
 
 
+def _drop_held(q: aio_keuss.Queue) -> tuple[asyncio.Event, asyncio.Event]:
+    """A cluster deadletter of ``q``'s store held between its steps: the first event is
+    set once the copy is in the deadletter queue, and the drop here waits for the second."""
+    store: Any = q._store
+    copied, go_on = asyncio.Event(), asyncio.Event()
+    drop = store._scripts.drop_deadlettered
+
+    async def held_drop(*args: Any, **kwargs: Any) -> Any:
+        copied.set()
+        await go_on.wait()
+        return await drop(*args, **kwargs)
+
+    store._scripts.drop_deadlettered = held_drop
+    return copied, go_on
+
+
 async def test_a_cluster_deadletter_a_close_gives_up_on_still_ends_in_one_queue(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -537,16 +553,7 @@ async def test_a_cluster_deadletter_a_close_gives_up_on_still_ends_in_one_queue(
     options = {**_redis_cluster(new_token()), "stats": "memory", "signal": "local"}
     try:
         factory, q, message = await a_poison_reserved("redis-reliable", **options)
-        store: Any = q._store
-        copied, store_closing = asyncio.Event(), asyncio.Event()
-        drop = store._scripts.drop_deadlettered
-
-        async def drop_once_the_store_closes(*args: Any, **kwargs: Any) -> Any:
-            copied.set()  # the copy is in the deadletter queue
-            await store_closing.wait()
-            return await drop(*args, **kwargs)
-
-        store._scripts.drop_deadlettered = drop_once_the_store_closes
+        copied, store_closing = _drop_held(q)
         await ko_through_a_cut_close(factory, q, message, copied, store_closing)
         assert await sizes_after("redis-reliable", **options) == (0, 1)
     finally:
@@ -612,15 +619,7 @@ async def test_on_redis_cluster_own_recovery_leaves_a_deadletter_between_its_ste
     try:
         factory, q, message = await a_poison_reserved("redis-reliable", **options)
         store: Any = q._store
-        copied, passes_done = asyncio.Event(), asyncio.Event()
-        drop = store._scripts.drop_deadlettered
-
-        async def drop_after_two_passes(*args: Any, **kwargs: Any) -> Any:
-            copied.set()  # the copy is in the deadletter queue
-            await passes_done.wait()
-            return await drop(*args, **kwargs)
-
-        store._scripts.drop_deadlettered = drop_after_two_passes
+        copied, passes_done = _drop_held(q)
         ko = asyncio.ensure_future(q.ko(message))
         await copied.wait()
         for _ in range(2):  # an id counts once seen unheld in two passes in a row
