@@ -30,13 +30,22 @@ async def _reserved_until(q: aio_keuss.Queue, message_id: str) -> float | None:
     return seen.at.timestamp()
 
 
-async def test_an_extended_reservation_outlives_reserve_delay(connect: Connect) -> None:
-    factory = await connect(reserve_delay=1.0, poll_interval=5.0)
+async def _a_long_job_held(
+    connect: Connect, reserve_delay: float
+) -> tuple[aio_keuss.Queue, aio_keuss.Message]:
+    """A queue of a backend that extends reservations (the test is skipped on others),
+    and the one message pushed into it, reserved."""
+    factory = await connect(reserve_delay=reserve_delay, poll_interval=5.0)
     needs(factory, "reserve", "reservation_expiry", "extend")
     q = await factory.queue("q1")
     await q.push("long job")
     message = await q.reserve(timeout=5)
     assert message is not None
+    return q, message
+
+
+async def test_an_extended_reservation_outlives_reserve_delay(connect: Connect) -> None:
+    q, message = await _a_long_job_held(connect, reserve_delay=1.0)
     asked = time.time()
     assert await q.extend(message, 60) is True
     until = await _reserved_until(q, message.id)
@@ -207,12 +216,7 @@ async def test_next_mature_sees_an_extended_end(connect: Connect) -> None:
     reservation, as extended. A sharded queue answered its ``reserve_delay`` from now (what
     a reservation not extended may last at most): early, so a caller waiting for it woke
     and looked again for nothing."""
-    factory = await connect(reserve_delay=30.0, poll_interval=5.0)
-    needs(factory, "reserve", "reservation_expiry", "extend")
-    q = await factory.queue("q1")
-    await q.push("long job")
-    message = await q.reserve(timeout=5)
-    assert message is not None
+    q, message = await _a_long_job_held(connect, reserve_delay=30.0)
     asked = time.time()
     assert await q.extend(message, 3600) is True
     mature = await q.next_mature_t()
