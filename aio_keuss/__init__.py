@@ -31,7 +31,7 @@ from .errors import (
     TooManyConsumersError,
 )
 from .factory import Factory, connect
-from .message import UNCHANGED, Message, NewMessage
+from .message import MAX_PRIORITY, MIN_PRIORITY, UNCHANGED, Message, NewMessage
 from .observe import disable as disable_metrics
 from .observe import enable as enable_metrics
 from .otel import enable_opentelemetry
@@ -66,6 +66,8 @@ __all__ = [
     "KeussConnectionError",
     "KeussError",
     "KoResult",
+    "MAX_PRIORITY",
+    "MIN_PRIORITY",
     "Message",
     "NewMessage",
     "MessageView",

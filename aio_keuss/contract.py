@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import asyncio
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from itertools import repeat
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -74,6 +74,10 @@ class Entry:
 
     A store may replace ``id`` of an entry without ``dedup`` during ``insert`` (a bucket store
     encodes bucket and slot in it); the queue layer reads the ids back after the insert.
+
+    ``priority`` is non-zero only for a store with ``capabilities.priority`` (the queue
+    layer refuses it elsewhere): of the messages mature, the store hands out the highest
+    priority first, and keeps it through reservations, ko's, moves and the deadletter.
     """
 
     id: str
@@ -85,6 +89,7 @@ class Entry:
     mature: float | None = None
     expires: float | None = None
     place: int | None = None
+    priority: int = 0
 
 
 class BulkLoad(list[Entry]):
@@ -93,28 +98,50 @@ class BulkLoad(list[Entry]):
     keeps (:attr:`ids`, :attr:`payloads`): a store sending the batch as columns takes them
     as they are, with no pass over the entries to find them out or take them apart."""
 
-    __slots__ = ("ids", "payloads")
+    __slots__ = ("ids", "payloads", "priority")
 
-    def __init__(self, ids: list[str], payloads: list[bytes], headers: bytes, delay: float):
-        super().__init__(
-            map(Entry, ids, payloads, repeat(headers), repeat(delay), repeat(0), repeat(True))
+    def __init__(
+        self,
+        ids: list[str],
+        payloads: list[bytes],
+        headers: bytes,
+        delay: float,
+        priority: int = 0,
+    ):
+        entries: Iterable[Entry] = map(
+            Entry, ids, payloads, repeat(headers), repeat(delay), repeat(0), repeat(True)
         )
+        if priority:
+            entries = (_prioritized(entry, priority) for entry in entries)
+        super().__init__(entries)
         self.ids = ids
         self.payloads = payloads
+        self.priority = priority
+
+
+def _prioritized(entry: Entry, priority: int) -> Entry:
+    entry.priority = priority
+    return entry
 
 
 def bulk_columns(entries: Sequence[Entry]) -> tuple[list[str], list[bytes]] | None:
     """The ids and payloads of entries that differ only in those, every id the user's, none
-    a put-back (a :class:`BulkLoad`, or several coalesced that are alike); else None. A
-    store may send such a batch as two columns rather than one record per entry."""
+    a put-back nor given a priority (a :class:`BulkLoad`, or several coalesced that are
+    alike); else None. A store may send such a batch as two columns rather than one record
+    per entry."""
     if type(entries) is BulkLoad:
-        return (entries.ids, entries.payloads) if entries else None
+        return (entries.ids, entries.payloads) if entries and not entries.priority else None
     if not entries:
         return None
     first = entries[0]
     headers, delay = first.headers, first.delay
     if all(
-        e.dedup and e.mature is None and e.tries == 0 and e.delay == delay and e.headers == headers
+        e.dedup
+        and e.mature is None
+        and e.tries == 0
+        and e.priority == 0
+        and e.delay == delay
+        and e.headers == headers
         for e in entries
     ):
         return [e.id for e in entries], [e.payload for e in entries]
@@ -141,6 +168,8 @@ class Stored:
     random mark); None elsewhere. Opaque to the queue layer, which hands it back with the
     holder's :class:`Ack`, :class:`Nack` or :class:`Move`: the count of tries alone does
     not tell two reservations apart once a give-back took a try back."""
+    priority: int = 0
+    """What it was pushed with (0 where the store has no ``capabilities.priority``)."""
 
 
 Cursor = tuple[float, str]

@@ -4,6 +4,10 @@ Each factory holds its own queues. A queue is a dict of records plus a heap orde
 (mature, sequence) with lazy deletion: a record whose mature time changes gets a new sequence
 number and a new heap entry, and stale entries are skipped when they surface. Every
 primitive runs without awaiting, which is what makes it atomic on one event loop.
+
+Priorities: once a queue has held a message with a priority, a take first moves what is
+mature from that heap into a second one ordered by (-priority, mature, sequence), and takes
+from there; a queue that never had one keeps the single heap and pays nothing for them.
 """
 
 from __future__ import annotations
@@ -44,10 +48,17 @@ if TYPE_CHECKING:
 
 
 class _Record:
-    __slots__ = ("headers", "id", "mature", "payload", "reserved", "seq", "tries")
+    __slots__ = ("headers", "id", "mature", "payload", "priority", "reserved", "seq", "tries")
 
     def __init__(
-        self, id: str, payload: bytes, headers: bytes, mature: float, seq: int, tries: int
+        self,
+        id: str,
+        payload: bytes,
+        headers: bytes,
+        mature: float,
+        seq: int,
+        tries: int,
+        priority: int,
     ) -> None:
         self.id = id
         self.payload = payload
@@ -55,6 +66,7 @@ class _Record:
         self.mature = mature
         self.seq = seq
         self.tries = tries
+        self.priority = priority
         self.reserved = False
 
 
@@ -64,12 +76,17 @@ class _QueueData:
     def __init__(self) -> None:
         self.records: dict[str, _Record] = {}
         self.heap: list[tuple[float, int, str]] = []
+        self.ready: list[tuple[int, float, int, str]] = []
+        """Mature records by (-priority, mature, seq), once ``prioritized``."""
+        self.prioritized = False
         self.sequence = itertools.count()
         self.dedup: dict[str, float] = {}
         self.dedup_expiry: deque[tuple[float, str]] = deque()
 
     def add(self, record: _Record) -> None:
         self.records[record.id] = record
+        if record.priority:
+            self.prioritized = True
         heapq.heappush(self.heap, (record.mature, record.seq, record.id))
 
     def reschedule(self, record: _Record, mature: float) -> None:
@@ -78,7 +95,10 @@ class _QueueData:
         heapq.heappush(self.heap, (mature, record.seq, record.id))
 
     def take_mature(self, n: int, now: float) -> list[_Record]:
-        """Unlink up to ``n`` mature records from the heap, earliest first."""
+        """Unlink up to ``n`` mature records from the heap, earliest first (highest
+        priority first, once the queue has priorities)."""
+        if self.prioritized:
+            return self._take_by_priority(n, now)
         taken: list[_Record] = []
         heap, records = self.heap, self.records
         while heap and len(taken) < n:
@@ -91,8 +111,30 @@ class _QueueData:
                 taken.append(record)
         return taken
 
+    def _take_by_priority(self, n: int, now: float) -> list[_Record]:
+        heap, ready, records = self.heap, self.ready, self.records
+        while heap and heap[0][0] <= now:
+            mature, seq, message_id = heapq.heappop(heap)
+            record = records.get(message_id)
+            if record is not None and record.seq == seq:
+                heapq.heappush(ready, (-record.priority, mature, seq, message_id))
+        taken: list[_Record] = []
+        while ready and len(taken) < n:
+            _, _, seq, message_id = heapq.heappop(ready)
+            record = records.get(message_id)
+            if record is not None and record.seq == seq:
+                taken.append(record)
+        return taken
+
     def next_mature(self) -> float | None:
-        heap, records = self.heap, self.records
+        ready, records = self.ready, self.records
+        while ready:  # mature already, whatever the other heap holds
+            _, mature, seq, message_id = ready[0]
+            record = records.get(message_id)
+            if record is not None and record.seq == seq:
+                return mature
+            heapq.heappop(ready)
+        heap = self.heap
         while heap:
             mature, seq, message_id = heap[0]
             record = records.get(message_id)
@@ -114,7 +156,9 @@ class _QueueData:
 
 
 def _stored(record: _Record, tries: int, mature: float) -> Stored:
-    return Stored(record.id, record.payload, record.headers, tries, mature)
+    return Stored(
+        record.id, record.payload, record.headers, tries, mature, priority=record.priority
+    )
 
 
 def _state(record: _Record, now: float) -> str:
@@ -158,7 +202,13 @@ class MemoryStore(Store):
                 continue
             mature = entry.mature if entry.mature is not None else now + entry.delay
             record = _Record(
-                entry.id, entry.payload, entry.headers, mature, next(data.sequence), entry.tries
+                entry.id,
+                entry.payload,
+                entry.headers,
+                mature,
+                next(data.sequence),
+                entry.tries,
+                entry.priority,
             )
             data.add(record)
             if entry.dedup:
@@ -258,7 +308,7 @@ class MemoryStore(Store):
         payload = record.payload if move.payload is None else move.payload
         headers = append_headers(record.headers, move.headers) if move.headers else record.headers
         target = self._backend.data(move.queue)
-        entry = Entry(record.id, payload, headers, move.delay)
+        entry = Entry(record.id, payload, headers, move.delay, priority=record.priority)
         clash = 0
         while not self._insert_into(target, [entry], now)[0]:
             clash += 1  # the id is there already, from an earlier life: rename
@@ -342,7 +392,7 @@ class MemoryStore(Store):
 class MemoryBackend(Backend):
     name = "memory"
     capabilities: Capabilities = Capabilities(
-        shared=False, move=True, peek=True, hold=True, extend=True
+        shared=False, move=True, peek=True, hold=True, extend=True, priority=True
     )
 
     def __init__(self, options: dict[str, object]) -> None:

@@ -100,7 +100,8 @@ class Message:
     """A message as a consumer receives it.
 
     ``tries`` counts earlier deliveries that did not end in ``ok``; ``mature`` is when it
-    became (or becomes) deliverable, as an aware UTC datetime.
+    became (or becomes) deliverable, as an aware UTC datetime; ``priority`` the one it was
+    pushed with (0 unless the backend has ``capabilities.priority``).
     """
 
     id: str
@@ -108,6 +109,7 @@ class Message:
     headers: Headers = field(default_factory=dict)
     tries: int = 0
     mature: datetime = field(default_factory=lambda: datetime.now(UTC))
+    priority: int = 0
     _token: str | None = field(default=None, init=False, repr=False, compare=False)
     """The store's name of the reservation that delivered it (see ``Stored.token``), handed
     back with its ok / ko / move / give-back so that only that reservation is acted on.
@@ -117,12 +119,13 @@ class Message:
 @dataclass(slots=True, frozen=True)
 class NewMessage:
     """One message of ``Queue.push_each``, with the options ``push`` takes: a batch whose
-    messages differ in delay, headers or id (BullMQ's ``addBulk``)."""
+    messages differ in delay, headers, id or priority (BullMQ's ``addBulk``)."""
 
     payload: Payload
     delay: float = 0.0
     headers: Headers | None = None
     id: str | None = None
+    priority: int = 0
 
 
 def encode_payload(payload: Payload) -> bytes:
@@ -443,15 +446,31 @@ def check_tries(tries: object) -> int:
     return tries
 
 
+MIN_PRIORITY = -(2**15)
+MAX_PRIORITY = 2**15 - 1
+"""The priorities a push may give: a 16-bit signed integer, which every database stores
+as it is (PostgreSQL's ``smallint``) and a Redis sorted-set score holds exactly."""
+
+
+def check_priority(priority: object) -> int:
+    """A push's ``priority``: an int in [:data:`MIN_PRIORITY`, :data:`MAX_PRIORITY`] (never
+    a bool, which would pass for 0 or 1 by accident), else :class:`InvalidInputError`."""
+    if type(priority) is not int or not MIN_PRIORITY <= priority <= MAX_PRIORITY:
+        raise InvalidInputError(
+            f"priority must be an int in [{MIN_PRIORITY}, {MAX_PRIORITY}], not {brief(priority)}"
+        )
+    return priority
+
+
 def to_datetime(timestamp: float) -> datetime:
     return datetime.fromtimestamp(timestamp, UTC)
 
 
 _new_object = object.__new__
 _from_timestamp = datetime.fromtimestamp
-_set_id, _set_payload, _set_headers, _set_tries, _set_mature, _set_token = (
+_set_id, _set_payload, _set_headers, _set_tries, _set_mature, _set_priority, _set_token = (
     Message.__dict__[name].__set__
-    for name in ("id", "payload", "headers", "tries", "mature", "_token")
+    for name in ("id", "payload", "headers", "tries", "mature", "priority", "_token")
 )
 
 
@@ -462,6 +481,7 @@ def decode_message(
     tries: int,
     mature: float,
     token: str | None = None,
+    priority: int = 0,
 ) -> Message:
     """A :class:`Message` from its stored form, for every delivery. Built through its slots
     rather than the frozen dataclass's ``__init__``, which goes through
@@ -476,6 +496,7 @@ def decode_message(
     _set_headers(message, {} if headers == EMPTY_HEADERS else decode_headers(headers))
     _set_tries(message, tries)
     _set_mature(message, _from_timestamp(mature, UTC))
+    _set_priority(message, priority)
     _set_token(message, token)
     return message
 
@@ -487,6 +508,7 @@ def salvage_message(
     tries: int,
     mature: float,
     token: str | None = None,
+    priority: int = 0,
 ) -> Message:
     """:func:`decode_message` for a message it refused: what can be read is, and what cannot
     is handed over as stored, with :data:`UNDECODABLE` saying why. Called only after a
@@ -516,5 +538,6 @@ def salvage_message(
     _set_headers(message, decoded_headers)
     _set_tries(message, tries)
     _set_mature(message, when)
+    _set_priority(message, priority)
     _set_token(message, token)
     return message

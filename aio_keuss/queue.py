@@ -77,6 +77,7 @@ from .message import (
     check_id,
     check_ids,
     check_known_id,
+    check_priority,
     check_tries,
     decode_message,
     decode_payload,
@@ -272,9 +273,12 @@ class Queue:
         delay: float = 0.0,
         headers: Headers | None = None,
         id: str | None = None,
+        priority: int = 0,
     ) -> str:
-        """Queue one message; returns its id (the given one, even when deduplicated)."""
-        entry = self._entry(payload, self._delay(delay), encode_headers(headers), id)
+        """Queue one message; returns its id (the given one, even when deduplicated). Of
+        the messages ready, those of a higher ``priority`` come out first (where the backend
+        has ``capabilities.priority``; 0, the default, everywhere)."""
+        entry = self._entry(payload, self._delay(delay), encode_headers(headers), id, priority)
         inserts, one = self._inserts, self._one_insert
         if one is None or (reply := inserts.send_one(one[0], entry)) is None:
             await inserts.submit([entry])
@@ -297,11 +301,14 @@ class Queue:
         delay: float = 0.0,
         headers: Headers | None = None,
         ids: Sequence[str] | None = None,
+        priority: int = 0,
     ) -> list[str]:
-        """Queue many messages in order with as few round trips as ``max_batch`` allows."""
+        """Queue many messages in order with as few round trips as ``max_batch`` allows,
+        all with the one ``priority`` (see :meth:`push`)."""
         self._check_open()
         if not _listed(payloads):
             raise InvalidInputError("push_many takes a sequence (list, tuple) of payloads")
+        priority = self._priority(priority)
         checked: list[str] | None = None
         if ids is not None:
             if not _listed(ids) or len(ids) != len(payloads):
@@ -317,10 +324,13 @@ class Queue:
         if checked is None:
             new_ids = [new_id() for _ in blobs]
             entries = list(map(Entry, new_ids, blobs, repeat(encoded_headers), repeat(seconds)))
+            if priority:
+                for entry in entries:
+                    entry.priority = priority
         else:
             if checked:
                 self._require("idempotent")
-            entries = BulkLoad(checked, blobs, encoded_headers, seconds)
+            entries = BulkLoad(checked, blobs, encoded_headers, seconds, priority)
         if self._store.max_message_bytes is not None:
             for entry in entries:
                 self._check_size(entry.payload, entry.headers)
@@ -366,18 +376,34 @@ class Queue:
             self._require("delay")
         return seconds
 
+    def _priority(self, priority: int) -> int:
+        """A push's priority, checked; any but 0 only where the backend has them."""
+        if priority == 0 and type(priority) is int:  # the usual case, at one comparison
+            return 0
+        checked = check_priority(priority)  # bad input first, whatever the backend can do
+        if checked:
+            self._require("priority")
+        return checked
+
     def _entry(
-        self, payload: Payload, delay: float, headers: bytes, message_id: str | None
+        self,
+        payload: Payload,
+        delay: float,
+        headers: bytes,
+        message_id: str | None,
+        priority: int = 0,
     ) -> Entry:
         self._check_open()
         blob = encode_payload(payload)
         if self._store.max_message_bytes is not None:
             self._check_size(blob, headers)
+        if priority or type(priority) is not int:
+            priority = self._priority(priority)
         if message_id is None:
-            return Entry(new_id(), blob, headers, delay)
+            return Entry(new_id(), blob, headers, delay, priority=priority)
         checked = check_id(message_id)  # bad input first, whatever the backend can do
         self._require("idempotent")
-        return Entry(checked, blob, headers, delay, dedup=True)
+        return Entry(checked, blob, headers, delay, dedup=True, priority=priority)
 
     async def _insert_batch(self, requests: list[list[Entry]]) -> list[list[bool]]:
         if len(requests) == 1:
@@ -407,9 +433,10 @@ class Queue:
         self._signal.insert(self.name, mature, count)
 
     async def push_each(self, messages: Sequence[NewMessage]) -> list[str]:
-        """Queue many messages, each with its own delay, headers and id (a ``NewMessage``
-        each): every one is checked as ``push`` checks it before any is written, then they
-        go in order with as few round trips as ``max_batch`` allows, as ``push_many``."""
+        """Queue many messages, each with its own delay, headers, id and priority (a
+        ``NewMessage`` each): every one is checked as ``push`` checks it before any is
+        written, then they go in order with as few round trips as ``max_batch`` allows, as
+        ``push_many``."""
         self._check_open()
         if not _listed(messages):
             raise InvalidInputError("push_each takes a sequence (list, tuple) of NewMessage")
@@ -421,7 +448,9 @@ class Queue:
                 )
             delay = self._delay(message.delay)
             headers = encode_headers(message.headers)
-            entries.append(self._entry(message.payload, delay, headers, message.id))
+            entries.append(
+                self._entry(message.payload, delay, headers, message.id, message.priority)
+            )
         await self._in_chunks(self._inserts, entries, ordered=not self._store.run_in_caller)
         return [entry.id for entry in entries]
 
@@ -504,7 +533,9 @@ class Queue:
         if kept is not None:
             kept[s.id] = s
         try:
-            return decode_message(s.id, s.payload, s.headers, s.tries, s.mature, s.token)
+            return decode_message(
+                s.id, s.payload, s.headers, s.tries, s.mature, s.token, s.priority
+            )
         except Exception:
             return self._salvage(s)
 
@@ -539,7 +570,7 @@ class Queue:
             kept.update((s.id, s) for s in stored)
         try:
             return [
-                decode_message(s.id, s.payload, s.headers, s.tries, s.mature, s.token)
+                decode_message(s.id, s.payload, s.headers, s.tries, s.mature, s.token, s.priority)
                 for s in stored
             ]
         except Exception:
@@ -552,9 +583,13 @@ class Queue:
         as an outage. So each message is decoded alone, and one that still fails is
         delivered as stored, marked ``x-undecodable`` (see ``message.salvage_message``)."""
         try:
-            return decode_message(s.id, s.payload, s.headers, s.tries, s.mature, s.token)
+            return decode_message(
+                s.id, s.payload, s.headers, s.tries, s.mature, s.token, s.priority
+            )
         except Exception:
-            message = salvage_message(s.id, s.payload, s.headers, s.tries, s.mature, s.token)
+            message = salvage_message(
+                s.id, s.payload, s.headers, s.tries, s.mature, s.token, s.priority
+            )
         log.warning(
             "queue %r: message %r delivered undecoded: %s",
             self.name,
@@ -1095,12 +1130,14 @@ class Queue:
         cron: str | None = None,
         headers: Headers | None = None,
         tz: str = "UTC",
+        priority: int = 0,
     ) -> Repeater:
         """Push ``payload`` on a schedule, ``every`` seconds (aligned to the epoch) or by a
         five-field ``cron`` expression read in ``tz``, as messages with ids
         ``f"{key}@{ms}"``: any number of processes may run the same repeat, the queue's
         dedup keeps one copy of each occurrence. Stop with ``await repeater.stop()``,
-        ``async with``, or by closing the queue. See :mod:`aio_keuss.repeat`."""
+        ``async with``, or by closing the queue. Each occurrence is pushed with
+        ``priority``. See :mod:`aio_keuss.repeat`."""
         self._check_open()
         if self._closing.under_way:
             raise ClosedError(f"queue {self.name!r} is closing")
@@ -1109,7 +1146,11 @@ class Queue:
         first = plan.schedule.next_after(now)
         # payload, headers, id and the idempotent capability, checked as a push checks them
         entry = self._entry(
-            payload, 0.0, encode_headers(plan.headers_at(first)), plan.message_id(first)
+            payload,
+            0.0,
+            encode_headers(plan.headers_at(first)),
+            plan.message_id(first),
+            priority,
         )
         # every occurrence pushes the payload checked here, not the caller's object as it is
         # then: a dict reused and changed meanwhile would change the occurrences, or stop the
@@ -1122,7 +1163,9 @@ class Queue:
                 log.warning("queue %r: %s", self.name, warning)
 
         def push(delay: float, headers: Headers, message_id: str) -> Awaitable[str]:
-            return self.push(payload, delay=delay, headers=headers, id=message_id)
+            return self.push(
+                payload, delay=delay, headers=headers, id=message_id, priority=entry.priority
+            )
 
         repeater = Repeater(plan, self.name, push, self._repeaters.discard)
         self._repeaters.add(repeater)
@@ -1823,6 +1866,7 @@ def _back_entry(s: Stored) -> Entry:
         mature=s.mature,
         expires=s.expires,
         place=s.place,
+        priority=s.priority,
     )
 
 

@@ -670,9 +670,13 @@ class SyncQueue:
         delay: float = 0.0,
         headers: Headers | None = None,
         id: str | None = None,
+        priority: int = 0,
     ) -> str:
-        """Queue one message; returns its id."""
-        return self._call(self.queue.push, payload, delay=delay, headers=headers, id=id)
+        """Queue one message; returns its id. Higher ``priority`` first, where the backend
+        has them (see ``Queue.push``)."""
+        return self._call(
+            self.queue.push, payload, delay=delay, headers=headers, id=id, priority=priority
+        )
 
     def push_many(
         self,
@@ -681,13 +685,21 @@ class SyncQueue:
         delay: float = 0.0,
         headers: Headers | None = None,
         ids: Sequence[str] | None = None,
+        priority: int = 0,
     ) -> list[str]:
         """Queue many messages in order, in as few round trips as ``max_batch`` allows."""
-        return self._call(self.queue.push_many, payloads, delay=delay, headers=headers, ids=ids)
+        return self._call(
+            self.queue.push_many,
+            payloads,
+            delay=delay,
+            headers=headers,
+            ids=ids,
+            priority=priority,
+        )
 
     def push_each(self, messages: Sequence[NewMessage]) -> list[str]:
-        """Queue many messages, each with its own delay, headers and id, all checked before
-        any is written (see ``Queue.push_each``)."""
+        """Queue many messages, each with its own delay, headers, id and priority, all
+        checked before any is written (see ``Queue.push_each``)."""
         return self._call(self.queue.push_each, messages)
 
     def repeat(
@@ -699,12 +711,15 @@ class SyncQueue:
         cron: str | None = None,
         headers: Headers | None = None,
         tz: str = "UTC",
+        priority: int = 0,
     ) -> SyncRepeater:
         """Blocking :meth:`aio_keuss.Queue.repeat`: the repeater runs on the loop thread,
         pushing each occurrence while this thread goes on; ``stop()`` it, use ``with``, or
         close the factory. Its input is refused as ``Queue.repeat`` refuses it, before
         anything is written."""
-        repeater = self._call(_start_repeat, self.queue, key, payload, every, cron, headers, tz)
+        repeater = self._call(
+            _start_repeat, self.queue, key, payload, every, cron, headers, tz, priority
+        )
         return SyncRepeater(self._factory, repeater)
 
     # consuming ------------------------------------------------------------------------
@@ -974,9 +989,12 @@ async def _start_repeat(
     cron: str | None,
     headers: Headers | None,
     tz: str,
+    priority: int,
 ) -> Repeater:
     """On the loop thread: a repeater's task belongs to the loop it runs on."""
-    return queue.repeat(key, payload, every=every, cron=cron, headers=headers, tz=tz)
+    return queue.repeat(
+        key, payload, every=every, cron=cron, headers=headers, tz=tz, priority=priority
+    )
 
 
 class _Taking:

@@ -40,6 +40,9 @@ class Capabilities:
     fifo: bool = True
     """messages of a queue come out in the order they were pushed (mature time first where
     there are delays); a sharded queue keeps that order only within a shard."""
+    priority: bool = False
+    """a push may give a ``priority``: of the messages ready, the highest priority comes
+    out first, and the order above holds among messages of one priority."""
 
 
 class KoResult(enum.IntEnum):

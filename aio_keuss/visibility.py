@@ -132,7 +132,8 @@ def check_time(value: datetime | float | None, name: str, default: float) -> flo
 
 def view(queue: str, row: Peeked) -> MessageView:
     stored = row.message
-    parts = stored.id, stored.payload, stored.headers, stored.tries, stored.mature
+    s = stored
+    parts = s.id, s.payload, s.headers, s.tries, s.mature, None, s.priority
     try:
         message = decode_message(*parts)
     except Exception:  # shown as stored, so that one bad message does not hide its page
