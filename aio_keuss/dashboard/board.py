@@ -67,6 +67,7 @@ def message_data(found: MessageView) -> dict[str, Any]:
         "state": found.state,
         "at": found.at.timestamp(),
         "tries": message.tries,
+        "priority": message.priority,
         "headers": {visible(key): visible(str(value)) for key, value in message.headers.items()},
         "payload": payload_text(message.payload),
     }

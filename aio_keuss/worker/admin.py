@@ -50,6 +50,7 @@ from ..message import (
     Message,
     check_id,
     check_known_id,
+    check_priority,
     encode_headers,
     encode_payload,
     visible,
@@ -158,6 +159,7 @@ def _message(message: Message) -> dict[str, Any]:
     return {
         "id": message.id,
         "tries": message.tries,
+        "priority": message.priority,
         "mature": message.mature,
         "headers": message.headers,
         "payload": message.payload,
@@ -171,6 +173,7 @@ def _view(found: MessageView) -> dict[str, Any]:
         "state": str(found.state),
         "at": found.at,
         "tries": found.message.tries,
+        "priority": found.message.priority,
         "headers": found.message.headers,
         "payload": found.message.payload,
     }
@@ -369,12 +372,15 @@ async def _push(factory: Factory, args: argparse.Namespace, out: Output) -> int:
         _require(factory, "idempotent")
     if args.delay:
         _require(factory, "delay")
+    if check_priority(args.priority):
+        _require(factory, "priority")
     q = await _open(factory, args.queue, create=True)
     ids = await q.push_many(
         payloads,
         delay=args.delay,
         headers=headers or None,
         ids=None if args.id is None else [args.id],
+        priority=args.priority,
     )
     out.emit({"ids": ids}, [{"id": i} for i in ids])
     return EXIT_OK
@@ -581,6 +587,9 @@ def add_commands(commands: Any) -> None:
     p.add_argument("--delay", type=_seconds, default=0.0)
     p.add_argument("--header", action="append", default=[], metavar="KEY=VALUE")
     p.add_argument("--id", help="the message id (deduplicated)")
+    p.add_argument(
+        "--priority", type=int, default=0, help="higher first among ready messages (default 0)"
+    )
     p = command("pop", _pop, "take messages, at-most-once (exit 4 if none)")
     p.add_argument("queue")
     p.add_argument("-n", type=_positive, default=1)

@@ -111,7 +111,16 @@ async def test_push_peek_find_info_list_as_tables_and_json(redis_cli: Cli) -> No
     table = await cli.run("peek", "jobs", "--state", "all", "-n", "10")
     assert table.returncode == 0
     header, *lines = table.stdout.splitlines()
-    assert header.split() == ["ID", "QUEUE", "STATE", "AT", "TRIES", "HEADERS", "PAYLOAD"]
+    assert header.split() == [
+        "ID",
+        "QUEUE",
+        "STATE",
+        "AT",
+        "TRIES",
+        "PRIORITY",
+        "HEADERS",
+        "PAYLOAD",
+    ]
     assert [line.split()[0] for line in lines] == ids
 
     found = await cli.json("find", "jobs", ids[1])

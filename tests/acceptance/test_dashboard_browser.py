@@ -98,7 +98,7 @@ async def _refreshes(page: Any) -> int:
 async def _check_push_shows(page: Any, queue: aio_keuss.Queue, expected: str) -> None:
     """Push one message; the refresh that began after it must show ``expected`` as ready."""
     started = time.monotonic()
-    await queue.push({"pushed": "while watching"})
+    await queue.push({"pushed": "while watching"}, priority=4 if queue.capabilities.priority else 0)
     seen = await _refreshes(page)
     deadline = started + WAIT / 1000
     while await _refreshes(page) < seen + 2:  # a wait, not an assertion on time
@@ -209,6 +209,8 @@ async def test_dashboard_on_memory(browser: Any, tmp_path: Path) -> None:
             await row.locator("button.peek").click()
             await expect(page.locator("#peek-queue")).to_have_text("jobs")
             await expect(page.locator("#peek tbody tr")).to_have_count(2, timeout=WAIT)
+            priorities = page.locator("#peek tbody td.priority")
+            await expect(priorities).to_have_text(["0", "4"])  # in (mature, push) order
 
             stop = asyncio.Event()
             traffic = asyncio.create_task(_traffic(orders, stop))

@@ -201,6 +201,7 @@
         row.appendChild(cell("", m.state));
         row.appendChild(cell("", when(m.at)));
         row.appendChild(cell("num", m.tries));
+        row.appendChild(cell("num priority", m.priority));
         row.appendChild(pre(headersText(m.headers)));
         row.appendChild(pre(m.payload));
         row.querySelector("td:last-child pre").classList.add("payload");
