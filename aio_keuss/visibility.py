@@ -321,8 +321,13 @@ async def replay(
 async def _copy(target: Queue, found: list[Peeked]) -> list[str]:
     if not found:
         return []
-    entries = [
-        Entry(new_id(), r.message.payload, append_headers(r.message.headers, {REPLAY_OF: i}))
+    entries = [  # a copy keeps the priority, where the history kept it
+        Entry(
+            new_id(),
+            r.message.payload,
+            append_headers(r.message.headers, {REPLAY_OF: i}),
+            priority=r.message.priority,
+        )
         for r in found
         for i in (r.message.id,)
     ]
