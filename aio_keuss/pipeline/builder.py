@@ -177,26 +177,31 @@ class Pipeline:
             )
 
     def stations(
-        self, defaults: StationSettings | None = None
+        self,
+        defaults: StationSettings | None = None,
+        *,
+        queue_defaults: Mapping[str, Any] | None = None,
     ) -> list[tuple[Link, dict[str, Any]]]:
         """Check the pipeline and each station's settings (over ``defaults``, a run's; None:
-        ``consume``'s) as ``consume`` checks them, and the queue options against those its
-        queues are open with, opening nothing; returns each station with its settings."""
+        ``consume``'s) as ``consume`` checks them, and the queue options (over
+        ``queue_defaults``, a run's) against those its queues are open with, opening
+        nothing; returns each station with its settings."""
         self.validate()
         factory = self.factory
+        queue_defaults = _checked_queue_defaults(factory, queue_defaults)
         given_defaults = defaults.given() if defaults is not None else {}
         stations = [(link, {**given_defaults, **link.settings.given()}) for link in self.links]
         opened = {q.name: q.options for q in factory.open_queues()}
         for name in self.queues:  # what factory.queue refuses once others are opened
-            given = self.queue_options.get(name)
+            given = self._opened_with(name, queue_defaults)
             found = opened.get(name)
             if given and found is not None and found != factory.defaults.updated(given):
                 raise PipelineError(
                     f"pipeline {self.name!r}: queue {name!r} is already open with {found},"
-                    f" not the pipeline's queue_options {given}"
+                    f" not the options the run opens it with {given}"
                 )
         for link, settings in stations:  # every setting checked before a queue is opened
-            given = self.queue_options.get(link.source)
+            given = self._opened_with(link.source, queue_defaults)
             # no options (None or {}): the queue as it is open, as factory.queue returns it
             options = opened.get(link.source) if not given else None
             if options is None:
@@ -207,6 +212,17 @@ class Pipeline:
                 raise PipelineError(f"station {link.name!r}: {exc}") from exc
         return stations
 
+    def _opened_with(self, name: str, queue_defaults: Mapping[str, Any]) -> dict[str, Any] | None:
+        """The options a run opens queue ``name`` with: a station's input, or a queue the
+        pipeline gives options for, with ``queue_defaults`` under the pipeline's own (empty:
+        as the queue is open already, as ``factory.queue`` returns it); None for a queue
+        only moved into, opened as a move reaches it, keeping the options another process
+        (the one consuming it) recorded."""
+        given = self.queue_options.get(name)
+        if given is None and all(link.source != name for link in self._links):
+            return None
+        return {**queue_defaults, **(given or {})}
+
     def run(
         self,
         concurrency: int = 1,
@@ -216,27 +232,38 @@ class Pipeline:
         retry_delay: float = 1.0,
         max_retry_delay: float = 60.0,
         replace: bool = False,
+        queue_defaults: Mapping[str, Any] | None = None,
     ) -> PipelineRun:
         """Start every station (``async with``, or ``await run.start()``): each with
         ``concurrency`` workers unless it says otherwise; the other arguments are those
         of ``Queue.consume``, again per station unless it says otherwise. ``replace``: the
         start stores this topology over another one stored under the pipeline's name (as
         ``save(replace=True)``) instead of refusing to start; for the release that changes
-        the pipeline."""
+        the pipeline. ``queue_defaults``: queue options (``reserve_delay``...) for every
+        queue the run opens as its own (a station's input, a queue ``queue_options`` names),
+        under the pipeline's ``queue_options`` for it: a worker's ``queue_options``. They
+        are the run's, not the pipeline's: not stored with the topology, so two releases
+        differing only in them share it."""
         defaults = StationSettings(concurrency, timeout, prefetch, retry_delay, max_retry_delay)
-        return PipelineRun(self, defaults, replace=replace)
+        return PipelineRun(self, defaults, replace=replace, queue_defaults=queue_defaults)
 
 
 class PipelineRun:
-    """The running stations of a pipeline; stop it like a consumer. ``replace``: what
-    :meth:`Pipeline.run` says."""
+    """The running stations of a pipeline; stop it like a consumer. ``replace`` and
+    ``queue_defaults``: what :meth:`Pipeline.run` says."""
 
     def __init__(
-        self, pipeline: Pipeline, defaults: StationSettings, *, replace: bool = False
+        self,
+        pipeline: Pipeline,
+        defaults: StationSettings,
+        *,
+        replace: bool = False,
+        queue_defaults: Mapping[str, Any] | None = None,
     ) -> None:
         self.pipeline = pipeline
         self.defaults = defaults
         self.replace = _checked_replace(replace)
+        self.queue_defaults = _checked_queue_defaults(pipeline.factory, queue_defaults)
         self.consumers: list[Consumer] = []
         self._started = False
         self._queues: dict[str, Queue] | None = None  # stored and opened (see _prepare)
@@ -256,7 +283,11 @@ class PipelineRun:
                 f"pipeline {pipeline.name!r}: backend {factory.backend_name!r} cannot move a "
                 f"message between queues atomically{hint}"
             )
-        return pipeline.stations(self.defaults)
+        return pipeline.stations(self.defaults, queue_defaults=self.queue_defaults)
+
+    def _options_of(self, name: str) -> dict[str, Any] | None:
+        """The options the run opens queue ``name`` with (see :meth:`Pipeline._opened_with`)."""
+        return self.pipeline._opened_with(name, self.queue_defaults)
 
     async def start(self) -> PipelineRun:
         """Check the pipeline, store its topology (refused when another is stored under its
@@ -299,14 +330,13 @@ class PipelineRun:
         # before any queue is opened: a refused one opens nothing
         await pipeline._store(self.replace)
         queues: dict[str, Queue] = {}
-        inputs = {link.source for link in pipeline.links}
         names = pipeline.queues
-        if factory.deadletter is not None and factory.deadletter.queue in pipeline.queue_options:
+        if factory.deadletter is not None and self._options_of(factory.deadletter.queue):
             names = factory._deadletter_first(names)  # else, opened later, it is refused
         for name in names:
-            given = pipeline.queue_options.get(name)
-            if name in inputs or given is not None:
-                queues[name] = await factory.queue(name, **(given or {}))
+            given = self._options_of(name)
+            if given is not None:
+                queues[name] = await factory.queue(name, **given)
             else:  # only moved into: opened as a move reaches a queue, see Factory._sibling
                 queues[name] = await factory._sibling(name)
         self._queues = queues
@@ -383,6 +413,17 @@ def _checked_queue_options(
         factory.defaults.updated(dict(options))  # raises what factory.queue would
         checked[queue] = dict(options)
     return checked
+
+
+def _checked_queue_defaults(factory: Factory, given: Mapping[str, Any] | None) -> dict[str, Any]:
+    """A run's ``queue_defaults``, checked as ``factory.queue`` checks its options, before
+    the run opens anything."""
+    if given is None:
+        return {}
+    if not isinstance(given, Mapping):
+        raise PipelineError(f"queue_defaults must be a mapping of options, not {given!r}")
+    factory.defaults.updated(dict(given))  # raises what factory.queue would
+    return dict(given)
 
 
 def _settings(given: Mapping[str, Any], station: str) -> StationSettings:

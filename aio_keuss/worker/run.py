@@ -32,7 +32,7 @@ from ..errors import ConsumerFailedError, InvalidInputError, NotSupportedError, 
 from ..factory import Factory, connect
 from ..loading import import_object
 from ..options import brief, check_seconds
-from ..pipeline import Pipeline, from_dict, load
+from ..pipeline import Pipeline, PipelineRun, from_dict, load
 from ..queue import Queue
 from ..repeat import Repeat, Repeater
 from .health import HealthServer
@@ -82,17 +82,20 @@ async def run_worker(
     :class:`~aio_keuss.PipelineError`: for the release that changes the pipeline.
     Each queue gets ``concurrency`` workers (see ``Queue.consume`` for ``timeout`` and
     ``prefetch``), opened with ``queue_options``; with ``pipeline``, each station gets
-    them unless it says otherwise. ``grace``: seconds running handlers get to
-    finish once a stop is asked for. ``health_port``: serve ``/healthz`` and ``/metrics``
-    there (0 picks a free port), on ``health_host``; metrics (:mod:`aio_keuss.observe`) are
-    then enabled from the start, and disabled at the end unless they already were.
+    them unless it says otherwise, and ``queue_options`` are the defaults of the queues
+    its run opens as its own (its stations' inputs, those the pipeline gives options for)
+    under the pipeline's per-queue options (see ``Pipeline.run``'s ``queue_defaults``).
+    ``grace``: seconds running handlers get to finish once a stop is asked for.
+    ``health_port``: serve ``/healthz`` and ``/metrics`` there (0 picks a free port), on
+    ``health_host``; metrics (:mod:`aio_keuss.observe`) are then enabled from the start, and
+    disabled at the end unless they already were.
 
     ``repeats``: :class:`~aio_keuss.Repeat` specs, all checked before anything connects
     (raising what ``Queue.repeat`` raises), started once connected and before consuming, and
     stopped with the consumers; their queues need not be consumed here, and with repeats
     neither a handler nor queues are needed (a process that only schedules, for consumers
     that run elsewhere). Their queues are opened with ``queue_options`` (with ``pipeline``,
-    a queue of the pipeline with the pipeline's options). A backend that cannot repeat (no
+    a queue of the pipeline as its run opens it). A backend that cannot repeat (no
     explicit ids or delays) raises :class:`~aio_keuss.NotSupportedError` before any repeat
     or consumer starts.
 
@@ -161,7 +164,11 @@ async def run_worker(
         # every consumer's settings checked before a repeat pushes anything
         if stations is not None:
             running = stations.run(
-                concurrency, timeout=timeout, prefetch=prefetch, replace=replace_pipeline
+                concurrency,
+                timeout=timeout,
+                prefetch=prefetch,
+                replace=replace_pipeline,
+                queue_defaults=queue_options,
             )
             running.check()
             # before a repeat pushes: another release's topology stored under the
@@ -176,7 +183,7 @@ async def run_worker(
                 check_batch_bounds(prefetch, 0, queue.options.max_batch)
                 by_name[name] = queue
             to_consume.extend(by_name[name] for name in names)
-        await _start_repeats(opened, specs, stations, queue_options or {}, repeaters)
+        await _start_repeats(opened, specs, running, queue_options or {}, repeaters)
         if running is not None:
             try:
                 await running.start()
@@ -280,7 +287,7 @@ def _checked_repeats(repeats: Sequence[Repeat]) -> list[Repeat]:
 async def _start_repeats(
     factory: Factory,
     specs: Sequence[Repeat],
-    pipeline: Pipeline | None,
+    running: PipelineRun | None,
     queue_options: Mapping[str, Any],
     started: list[Repeater],
 ) -> None:
@@ -289,8 +296,9 @@ async def _start_repeats(
     queues = []
     for spec in specs:
         options = queue_options
-        if pipeline is not None and spec.queue in pipeline.queues:
-            options = pipeline.queue_options.get(spec.queue, {})  # as its run opens it
+        if running is not None and spec.queue in running.pipeline.queues:
+            # as the run opened it (one only moved into: as it is open, {})
+            options = running._options_of(spec.queue) or {}
         queues.append(await factory.queue(spec.queue, **dict(options)))
     for spec, queue in zip(specs, queues, strict=True):
         started.append(

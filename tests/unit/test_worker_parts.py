@@ -736,3 +736,57 @@ async def test_a_worker_consumes_the_deadletter_queue_with_its_queue_options() -
         )
         dead = await factory.queue("__deadletter__")
         assert dead.options.reserve_delay == 300
+
+
+async def _forward(message: Message) -> Forward:
+    return Forward()
+
+
+async def test_a_pipeline_worker_opens_its_queues_with_its_queue_options() -> None:
+    """``run_worker(queue_options=...)`` are the defaults of every queue the worker opens as
+    its own: a station's input and a queue the pipeline gives options for, whose own options
+    win. They reached none of them (only the repeats' and the handlers' queues). A queue
+    only moved into is opened as a move reaches it (another process may own it), and the
+    stored topology is the pipeline's: the worker's options are no part of it."""
+    stop = asyncio.Event()
+    stop.set()  # it opens its queues and starts its stations, then stops
+    async with aio_keuss.connect("memory") as factory:
+        pipeline = (
+            factory.pipeline("etl", queue_options={"clean": {"reserve_delay": 45}})
+            .link("raw", "clean", _forward)
+            .link("clean", "out", _forward)
+        )
+        tick = aio_keuss.Repeat("raw", "tick", 0, every=3600)  # opened as the run opens it
+        await asyncio.wait_for(
+            aio_keuss.run_worker(
+                pipeline=pipeline,
+                repeats=[tick],
+                queue_options={"reserve_delay": 300, "max_batch": 50},
+                factory=factory,
+                stop=stop,
+            ),
+            60,
+        )
+        opened = {q.name: q.options for q in factory.open_queues()}
+        wanted = {"raw": (300, 50), "clean": (45, 50), "out": (120, 1000)}
+        assert {n: (opened[n].reserve_delay, opened[n].max_batch) for n in wanted} == wanted
+        assert (await factory.pipelines())["etl"] == pipeline.topology()
+
+
+async def test_a_pipeline_worker_checks_its_stations_against_its_queue_options() -> None:
+    """A prefetch above the ``max_batch`` the worker's queue_options give a station's queue
+    is refused before anything is opened or stored, as for a handler's queue."""
+    stop = asyncio.Event()
+    stop.set()
+    async with aio_keuss.connect("memory") as factory:
+        pipeline = factory.pipeline("narrow").link("raw", "out", _forward)
+        with pytest.raises(PipelineError, match=r"station 'raw'.*max_batch \(5\)"):
+            await aio_keuss.run_worker(
+                pipeline=pipeline,
+                prefetch=10,
+                queue_options={"max_batch": 5},
+                factory=factory,
+                stop=stop,
+            )
+        assert await factory.pipelines() == {}
+        assert factory.open_queues() == []
