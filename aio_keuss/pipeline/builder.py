@@ -68,12 +68,7 @@ class Pipeline:
     @property
     def queues(self) -> list[str]:
         """Every queue the pipeline touches, inputs first, in the order they were added."""
-        found: dict[str, None] = {}
-        for link in self._links:
-            found[link.source] = None
-        for link in self._links:
-            found.update(dict.fromkeys(link.destinations))
-        return list(found)
+        return queues_of(self._links)
 
     def add(self, link: Link) -> Pipeline:
         """Add a station built by hand (:class:`DirectLink`, :class:`ChoiceLink`, :class:`Sink`)."""
@@ -125,13 +120,7 @@ class Pipeline:
 
     def validate(self) -> None:
         """Raise :class:`PipelineError` when the pipeline cannot run as built."""
-        graph.check(self.name, self._links, self.acyclic)
-        unused = [queue for queue in self.queue_options if queue not in self.queues]
-        if unused:  # never opened by the run: options that would silently not apply
-            raise PipelineError(
-                f"pipeline {self.name!r}: queue_options name {unused[0]!r}, which is not one "
-                f"of its queues {self.queues}"
-            )
+        check_shape(self.name, self._links, self.acyclic, self.queue_options)
 
     def topology(self) -> dict[str, Any]:
         """The pipeline as plain data (what is stored in the backend and what
@@ -365,6 +354,31 @@ class PipelineRun:
         tb: TracebackType | None,
     ) -> None:
         await self.stop()
+
+
+def queues_of(links: Sequence[Link]) -> list[str]:
+    """Every queue ``links`` touch, inputs first, in the order they were added."""
+    found: dict[str, None] = {}
+    for link in links:
+        found[link.source] = None
+    for link in links:
+        found.update(dict.fromkeys(link.destinations))
+    return list(found)
+
+
+def check_shape(
+    name: str, links: Sequence[Link], acyclic: bool, queue_options: Mapping[str, Any]
+) -> None:
+    """What :meth:`Pipeline.validate` checks, which needs no backend (a worker checks a
+    described pipeline so before it connects)."""
+    graph.check(name, links, acyclic)
+    queues = queues_of(links)
+    unused = [queue for queue in queue_options if queue not in queues]
+    if unused:  # never opened by the run: options that would silently not apply
+        raise PipelineError(
+            f"pipeline {name!r}: queue_options name {unused[0]!r}, which is not one "
+            f"of its queues {queues}"
+        )
 
 
 MAX_PIPELINE_NAME = 128

@@ -20,11 +20,13 @@ The same shape is what :meth:`Pipeline.topology` returns and what the backend st
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ..errors import PipelineError
 from ..loading import import_callable, read_toml
-from .builder import STATION_SETTINGS, Pipeline, _settings
+from ..options import QueueOptions
+from .builder import STATION_SETTINGS, Pipeline, _settings, check_shape, queues_of
 from .links import ChoiceLink, DirectLink, Link, Sink
 
 if TYPE_CHECKING:
@@ -36,6 +38,49 @@ _STATION = frozenset({"name", "kind", "from", "to", "handler"}) | STATION_SETTIN
 
 def from_dict(factory: Factory, doc: Mapping[str, Any], *, name: str | None = None) -> Pipeline:
     """The pipeline ``doc`` describes (``name`` overrides the one it gives)."""
+    described = _described(doc, name)
+    pipeline = Pipeline(
+        factory,
+        described.name,
+        acyclic=described.acyclic,
+        queue_options=described.queue_options,
+    )
+    for link in described.links:
+        pipeline.add(link)
+    pipeline.validate()
+    return pipeline
+
+
+def check(doc: Any, *, name: str | None = None) -> None:
+    """Raise what :func:`from_dict` raises for ``doc`` without a backend: its shape, its
+    stations (their handlers imported) and the values of its queue options. A worker checks
+    a described pipeline so before it connects, so that a bad description (a handler that
+    cannot be imported) is told from a backend out of reach."""
+    described = _described(doc, name)
+    for options in described.queue_options.values():
+        QueueOptions().updated(dict(options))  # raises what factory.queue would
+
+
+def load(factory: Factory, path: str) -> Pipeline:
+    """The pipeline a TOML file describes (at the top level or under ``[pipeline]``)."""
+    return from_dict(factory, read(path))
+
+
+def read(path: str) -> dict[str, Any]:
+    """The tables of a pipeline's TOML file, unchecked (see :func:`check`)."""
+    return read_toml(path, "pipeline file", error=PipelineError)
+
+
+@dataclass(frozen=True)
+class _Description:
+    name: str
+    acyclic: bool
+    queue_options: Mapping[str, Mapping[str, Any]]
+    links: list[Link]
+
+
+def _described(doc: Any, name: str | None) -> _Description:
+    """``doc`` read and checked as far as no backend is needed."""
     if not isinstance(doc, Mapping):
         raise PipelineError(f"a pipeline description must be a table, not {type(doc).__name__}")
     doc = doc.get("pipeline", doc) if "stations" not in doc else doc
@@ -58,27 +103,20 @@ def from_dict(factory: Factory, doc: Mapping[str, Any], *, name: str | None = No
     stations = doc.get("stations")
     if not isinstance(stations, list) or not stations:
         raise PipelineError(f"pipeline {title!r}: 'stations' must be a non-empty list")
-    pipeline = Pipeline(factory, title, acyclic=acyclic, queue_options=queue_options)
-    for index, station in enumerate(stations):
-        pipeline.add(_link(title, index, station))
-    pipeline.validate()
+    links = [_link(title, index, station) for index, station in enumerate(stations)]
+    check_shape(title, links, acyclic, queue_options)
     queues = doc.get("queues")
     if queues is not None and (
         not isinstance(queues, list)
         or not all(isinstance(q, str) for q in queues)
-        or sorted(queues) != sorted(pipeline.queues)
+        or sorted(queues) != sorted(queues_of(links))
     ):
         # what topology() writes: derived from the stations, so it must agree with them
         raise PipelineError(
-            f"pipeline {title!r}: 'queues' must list its stations' queues {pipeline.queues},"
+            f"pipeline {title!r}: 'queues' must list its stations' queues {queues_of(links)},"
             f" not {queues!r}"
         )
-    return pipeline
-
-
-def load(factory: Factory, path: str) -> Pipeline:
-    """The pipeline a TOML file describes (at the top level or under ``[pipeline]``)."""
-    return from_dict(factory, read_toml(path, "pipeline file", error=PipelineError))
+    return _Description(title, acyclic, queue_options, links)
 
 
 def _link(pipeline: str, index: int, station: Any) -> Link:

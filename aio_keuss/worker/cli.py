@@ -2,7 +2,8 @@
 the command line of the worker.
 
 Exit codes: 0 after a clean stop (SIGTERM / SIGINT), 2 for bad settings (an unknown flag, a
-bad value, a handler that cannot be imported, a repeat the backend cannot run), 3 when the
+bad value, a handler that cannot be imported, a pipeline or its file's stations that cannot,
+a repeat the backend cannot run), found before connecting where they can be, 3 when the
 backend cannot be reached at start, 1 for anything unexpected. A supervisor can tell "fix
 the unit file" (2) from "the database is down" (3), and restart only on the latter.
 """
@@ -24,9 +25,9 @@ from ..errors import (
     KeussError,
     NotSupportedError,
 )
-from ..loading import add_connection_flags, import_callable, import_object
+from ..loading import add_connection_flags, import_callable
 from . import admin
-from .run import run_worker
+from .run import pipeline_source, run_worker
 from .settings import REPEAT_FORM, WorkerSettings, connection_settings, option_value, resolve
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_UNREACHABLE = 0, 1, 2, 3
@@ -148,9 +149,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return admin.run(args)
     try:
         settings = resolve(_flags(args))
-        # fail before logging is set up or anything opens
-        if settings.pipeline and not settings.pipeline.endswith(".toml"):
-            import_object(settings.pipeline, "pipeline")
+        # fail before logging is set up or anything opens (a pipeline file's handler that
+        # cannot be imported, too: not a backend down, exit 3, if the backend is down too)
+        if settings.pipeline:
+            pipeline_source(settings.pipeline)
         elif settings.handler:
             import_callable(settings.handler)
     except ConfigError as exc:

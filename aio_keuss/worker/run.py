@@ -32,7 +32,8 @@ from ..errors import ConsumerFailedError, InvalidInputError, NotSupportedError, 
 from ..factory import Factory, connect
 from ..loading import import_object
 from ..options import brief, check_seconds
-from ..pipeline import Pipeline, PipelineRun, from_dict, load
+from ..pipeline import Pipeline, PipelineRun, from_dict
+from ..pipeline.topology import check, read
 from ..queue import Queue
 from ..repeat import Repeat, Repeater
 from .health import HealthServer
@@ -46,9 +47,9 @@ _counting_workers = 0
 disables them (the first would turn them off under the others)."""
 
 
-PipelineSource = Pipeline | Callable[[Factory], Pipeline] | str
-"""A pipeline, a function building one from the factory, or ``module:attr`` naming either
-(or a topology dict), or the path of a TOML file describing one."""
+PipelineSource = Pipeline | Callable[[Factory], Pipeline] | Mapping[str, Any] | str
+"""A pipeline, a function building one from the factory, a topology dict, ``module:attr``
+naming any of them, or the path of a TOML file describing one."""
 
 
 async def run_worker(
@@ -124,6 +125,7 @@ async def run_worker(
     if replace_pipeline and pipeline is None:
         raise InvalidInputError("replace_pipeline is for a pipeline, and none is given")
     grace = check_seconds(grace, "grace")
+    source = None if pipeline is None else pipeline_source(pipeline)
     if pipeline is None and handler is not None:
         # what consume() refuses, before connecting (and before a repeat pushes); a
         # prefetch above a queue's max_batch is checked as soon as the queues are open
@@ -157,7 +159,7 @@ async def run_worker(
         observe.enable()
         _counting_workers += 1
     try:
-        stations = None if pipeline is None else _pipeline(pipeline, opened)
+        stations = None if source is None else _pipeline(source, opened)
         running = None
         to_consume: list[Queue] = []
         _check_repeats_can_run(opened, specs)  # before the pipeline's topology is stored
@@ -241,12 +243,28 @@ async def run_worker(
     log.info("worker %d stopped", os.getpid())
 
 
-def _pipeline(source: PipelineSource, factory: Factory) -> Pipeline:
-    """The pipeline ``source`` names, built over ``factory``."""
+def pipeline_source(source: PipelineSource) -> PipelineSource:
+    """``source`` checked as far as it can be without a backend, so that a bad one raises
+    before the worker connects (the command exits 2, bad settings, not 3 as if the backend
+    were down): ``module:attr`` imported, a TOML file read, and a description (a file's, a
+    dict) checked, its handlers imported (see :func:`aio_keuss.pipeline.topology.check`).
+    Returns what :func:`_pipeline` builds once connected."""
+    found: Any = source
     if isinstance(source, str):
         if source.endswith(".toml"):
-            return load(factory, source)
-        source = import_object(source, "pipeline", error=PipelineError)
+            found = read(source)
+        else:
+            found = import_object(source, "pipeline", error=PipelineError)
+    if isinstance(found, Mapping):
+        check(found)
+    return cast(PipelineSource, found)
+
+
+def _pipeline(source: PipelineSource, factory: Factory) -> Pipeline:
+    """The pipeline ``source`` names (as :func:`pipeline_source` returns it), built over
+    ``factory``."""
+    if isinstance(source, str):
+        source = pipeline_source(source)
     if isinstance(source, Pipeline):
         return _ours(source, factory)
     if isinstance(source, Mapping):

@@ -790,3 +790,49 @@ async def test_a_pipeline_worker_checks_its_stations_against_its_queue_options()
             )
         assert await factory.pipelines() == {}
         assert factory.open_queues() == []
+
+
+_DOWN = ["--backend", "redis-oq", "--url", "redis://127.0.0.1:1/0"]  # a closed port
+
+
+def test_a_pipeline_file_naming_a_missing_handler_exits_2_before_connecting(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A handler of a ``--pipeline`` TOML file that cannot be imported is bad configuration
+    (exit 2), found before the backend is reached: with the backend down it exited 3, as
+    if restarting could help."""
+    path = tmp_path / "etl.toml"
+    path.write_text(
+        'name = "etl"\n[[stations]]\nfrom = "raw"\nto = "clean"\nhandler = "nowhere_x.etl:clean"\n'
+    )
+    assert cli.main(["worker", "--pipeline", str(path), *_DOWN]) == 2
+    err = capsys.readouterr().err
+    assert "nowhere_x" in err and "cannot reach" not in err
+    twice = tmp_path / "twice.toml"  # two stations on one input: the shape, checked too
+    station = f'[[stations]]\nfrom = "raw"\nhandler = "{__name__}:_forward"\n'
+    twice.write_text(f'name = "twice"\n{station}{station}name = "b"\n')
+    assert cli.main(["worker", "--pipeline", str(twice), *_DOWN]) == 2
+    assert "cannot reach" not in capsys.readouterr().err
+
+
+async def test_run_worker_reads_a_pipeline_file_before_connecting(tmp_path: Path) -> None:
+    path = tmp_path / "etl.toml"
+    path.write_text(
+        'name = "etl"\n[[stations]]\nfrom = "raw"\nhandler = "nowhere_x.etl:store"\n'
+        "[queue_options.raw]\nreserve_delay = -1\n"
+    )
+    with pytest.raises(PipelineError, match="nowhere_x"):
+        await aio_keuss.run_worker(
+            pipeline=str(path), backend="redis-oq", url="redis://127.0.0.1:1/0"
+        )
+    path.write_text(
+        f'name = "etl"\n[[stations]]\nfrom = "raw"\nhandler = "{__name__}:_forward"\n'
+        "[queue_options.raw]\nreserve_delay = -1\n"
+    )
+    with pytest.raises(ConfigError, match="reserve_delay"):
+        await aio_keuss.run_worker(
+            pipeline=str(path), backend="redis-oq", url="redis://127.0.0.1:1/0"
+        )
+    doc = {"name": "etl", "stations": [{"from": "raw", "handler": "nowhere_x.etl:store"}]}
+    with pytest.raises(PipelineError, match="nowhere_x"):
+        await aio_keuss.run_worker(pipeline=doc, backend="redis-oq", url="redis://127.0.0.1:1/0")
