@@ -343,19 +343,34 @@ def option_value(text: str) -> Any:
 def resolve(flags: Mapping[str, Any], environ: Mapping[str, str] = os.environ) -> WorkerSettings:
     """Flags over environment over file over defaults."""
     config = flags.get("config") or environ.get(ENV_PREFIX + "CONFIG")
-    layers = [from_file(config) if config else {}, from_environment(environ)]
-    layers.append({k: v for k, v in flags.items() if k != "config" and v is not None})
+    layers = [
+        (from_file(config) if config else {}, f"replace_pipeline = true in {config!r}"),
+        (from_environment(environ), f"{ENV_PREFIX}REPLACE_PIPELINE={{}}"),
+        (
+            {k: v for k, v in flags.items() if k != "config" and v is not None},
+            "--replace-pipeline",
+        ),
+    ]
     merged: dict[str, Any] = {}
     options: dict[str, Any] = {}
-    for layer in layers:
+    replacing = ""  # where replace_pipeline was turned on, for the refusal below
+    for layer, where in layers:
         checked = _check(layer)
         options.update(checked.pop("options", {}))
         merged.update(checked)
+        if "replace_pipeline" in layer:
+            replacing = where.format(layer["replace_pipeline"])
     settings = WorkerSettings(**merged, options=options)
     if settings.replace_pipeline and not settings.pipeline:
+        # Refused rather than ignored, as --queue beside --pipeline is: a setting that would
+        # do nothing is a mistake worth a word (given to the wrong unit, the pipeline's
+        # worker that needed it goes without); --no-replace-pipeline turns it off for a
+        # worker sharing the environment of a pipeline's.
         raise ConfigError(
-            "replace_pipeline is for a --pipeline (it replaces the topology stored under the"
-            " pipeline's name), and none is given"
+            f"{replacing} is for a --pipeline worker, and this one runs no pipeline: it"
+            " replaces the topology stored under the pipeline's name, which a handler's (or"
+            " repeats') worker never stores. Unset it for this worker, or give"
+            " --no-replace-pipeline"
         )
     if settings.pipeline:
         if settings.handler or settings.queues:

@@ -357,7 +357,7 @@ def test_replace_pipeline_comes_from_a_flag_the_environment_or_the_file(tmp_path
     for bad in ("maybe", "2", "truee", 1, 0.0):
         with pytest.raises(ConfigError, match="replace_pipeline must be true or false"):
             resolve({"pipeline": "etl:build", "replace_pipeline": bad}, {})
-    with pytest.raises(ConfigError, match="replace_pipeline is for a --pipeline"):
+    with pytest.raises(ConfigError, match="--replace-pipeline is for a --pipeline worker"):
         resolve({"handler": "m:f", "queues": ["q"], "replace_pipeline": True}, {})
     flags = {"handler": "m:f", "queues": ["q"], "replace_pipeline": False}
     assert resolve(flags, {}).replace_pipeline is False
@@ -836,3 +836,27 @@ async def test_run_worker_reads_a_pipeline_file_before_connecting(tmp_path: Path
     doc = {"name": "etl", "stations": [{"from": "raw", "handler": "nowhere_x.etl:store"}]}
     with pytest.raises(PipelineError, match="nowhere_x"):
         await aio_keuss.run_worker(pipeline=doc, backend="redis-oq", url="redis://127.0.0.1:1/0")
+
+
+def test_replace_pipeline_set_for_a_handler_worker_is_refused_saying_where_and_why(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Kept a refusal (a setting that would do nothing, as ``--queue`` beside ``--pipeline``),
+    but the message named neither the variable nor the file it came from, nor a way out for
+    an environment shared with a pipeline worker: ``--no-replace-pipeline``."""
+    handler = ["worker", f"{__name__}:_forward", "--queue", "jobs", *_DOWN]
+    monkeypatch.setenv("AIO_KEUSS_REPLACE_PIPELINE", "true")
+    assert cli.main(handler) == 2
+    err = capsys.readouterr().err
+    assert "AIO_KEUSS_REPLACE_PIPELINE=true" in err and "runs no pipeline" in err
+    assert "--no-replace-pipeline" in err and "cannot reach" not in err
+    assert cli.main([*handler, "--no-replace-pipeline"]) == 3  # taken: the backend is down
+    monkeypatch.delenv("AIO_KEUSS_REPLACE_PIPELINE")
+    config = tmp_path / "w.toml"
+    config.write_text("[worker]\nreplace_pipeline = true\n")
+    assert cli.main([*handler, "--config", str(config)]) == 2
+    assert f"replace_pipeline = true in {str(config)!r}" in capsys.readouterr().err
+    assert cli.main([*handler[:4], "--replace-pipeline"]) == 2
+    assert "--replace-pipeline is for" in capsys.readouterr().err
+    monkeypatch.setenv("AIO_KEUSS_REPLACE_PIPELINE", "false")  # off: nothing to refuse
+    assert cli.main(handler) == 3
