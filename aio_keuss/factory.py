@@ -4,7 +4,7 @@ and the queues opened through them."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Generator, Iterable, Mapping, Sequence
+from collections.abc import Generator, Mapping, Sequence
 from types import TracebackType
 from typing import Any
 
@@ -39,6 +39,9 @@ class Factory:
         self.defaults = defaults
         self.deadletter = deadletter
         self._queues: dict[str, Queue] = {}
+        # Opened by the factory itself (the deadletter queue for a queue's routing, a move's
+        # or a replay's target), not yet asked for through ``queue``: see ``_claim``
+        self._unclaimed: set[str] = set()
         self._opening: dict[str, asyncio.Future[Queue]] = {}
         self._closed = False
         # While a close waits for the running handlers: a queue one of them reaches (a move's
@@ -59,16 +62,12 @@ class Factory:
     def backend_name(self) -> str:
         return self.backend.name
 
-    def _deadletter_first(self, names: Iterable[str]) -> list[str]:
-        """``names`` in the order to open them, the deadletter queue first when it is one of
-        them: :meth:`queue` opens it with the defaults beside any other queue, so opened
-        later with options of its own it would be refused as already open."""
-        dead = None if self.deadletter is None else self.deadletter.queue
-        return sorted(names, key=lambda name: name != dead)
-
     async def queue(self, name: str, **options: Any) -> Queue:
         """The queue called ``name``, created on first use. One Queue object per name and
-        factory: asking again with different options is an error."""
+        factory: asking again with different options is an error. A queue this factory
+        opened by itself with the defaults (the deadletter queue, for the routing of any
+        queue; a move's or a replay's target) is not asked for yet: the first ask with
+        options of its own reopens it with them."""
         if self._closed:
             raise ClosedError("factory is closed")
         check_queue_name(name)
@@ -76,17 +75,35 @@ class Factory:
         found = self._queues.get(name)
         if found is None:
             found = await self._open_queue(name, queue_options)
-            if self._closed:  # closed while it opened (the close waited for it, and closed it)
-                raise ClosedError("factory is closed")
+        if name in self._unclaimed:  # (also when this ask joined the factory's own open)
+            found = await self._claim(found, queue_options if options else found.options)
+        if self._closed:  # closed while it opened (the close waited for it, and closed it)
+            raise ClosedError("factory is closed")
         if options and found.options != queue_options:
             raise ConfigError(f"queue {name!r} is already open with {found.options}")
         if self.deadletter is not None and self.deadletter.queue not in self._queues:
             # opened for its routing, with the defaults: not recorded over the options the
-            # process that owns it recorded (as for a move's target, see ``_sibling``)
-            await self._open_queue(self.deadletter.queue, self.defaults, replace_record=False)
+            # process that owns it recorded (as for a move's target, see ``_sibling``), and
+            # not claimed (asked for later with options of its own, it reopens with them)
+            await self._open_queue(self.deadletter.queue, self.defaults, sibling=True)
             if self._closed:
                 raise ClosedError("factory is closed")
         return found
+
+    async def _claim(self, found: Queue, options: QueueOptions) -> Queue:
+        """The user's first ask for a queue the factory opened by itself: it is theirs from
+        now on, reopened with ``options`` when they differ (and recorded with them, as any
+        queue asked for). Nothing of it is lost: the factory never handed it out, so no
+        consumer or repeater runs on it, and its close lets the calls in flight end (its
+        messages are in the backend, which the queue reopened reads)."""
+        name = found.name
+        if self._closed:  # closed while this ask opened it (and closing it with the others)
+            raise ClosedError("factory is closed")
+        self._unclaimed.discard(name)
+        if found.options == options or found._consumers or found._repeaters:
+            return found  # (a consumer is never started on it: refused as already open)
+        del self._queues[name]
+        return await self._open_queue(name, options, replacing=found)
 
     async def _sibling(self, name: str) -> Queue:
         """A queue one of ours reaches (move, requeue, replay, deadletter lookups): opened
@@ -99,7 +116,7 @@ class Factory:
         check_queue_name(name)
         found = self._queues.get(name)
         if found is None:
-            found = await self._open_queue(name, self.defaults, replace_record=False, sibling=True)
+            found = await self._open_queue(name, self.defaults, sibling=True)
         return found
 
     async def _open_queue(
@@ -107,9 +124,13 @@ class Factory:
         name: str,
         options: QueueOptions,
         *,
-        replace_record: bool = True,
         sibling: bool = False,
+        replacing: Queue | None = None,
     ) -> Queue:
+        """Open ``name`` once however many ask at the same time. ``sibling``: opened by the
+        factory itself, with the defaults, recorded only if the backend does not know it
+        yet, and not claimed (see :meth:`queue`). ``replacing``: that queue (unclaimed, out
+        of ``_queues`` already) closes first, the asks meanwhile waiting for this open."""
         opening = self._opening.get(name)
         if opening is not None:  # opened concurrently: share the one being made
             return await asyncio.shield(opening)
@@ -118,6 +139,8 @@ class Factory:
         future: asyncio.Future[Queue] = asyncio.get_running_loop().create_future()
         self._opening[name] = future
         try:
+            if replacing is not None:
+                await replacing.close()
             store = await self.backend.store(name, options)
             queue = Queue(
                 name,
@@ -130,7 +153,7 @@ class Factory:
                 self._sibling,
             )
             await queue._open()
-            await self.stats_store.save_options(name, options.as_dict(), replace=replace_record)
+            await self.stats_store.save_options(name, options.as_dict(), replace=not sibling)
         except BaseException as exc:
             future.set_exception(exc)
             future.exception()  # retrieved: the awaiting callers re-raise it themselves
@@ -138,6 +161,8 @@ class Factory:
         finally:
             del self._opening[name]
         self._queues[name] = queue
+        if sibling:
+            self._unclaimed.add(name)
         future.set_result(queue)
         return queue
 
@@ -151,6 +176,15 @@ class Factory:
     def open_queues(self) -> list[Queue]:
         """The queues this factory has open now (none once it is closed)."""
         return [] if self._closed else list(self._queues.values())
+
+    def _claimed_options(self) -> dict[str, QueueOptions]:
+        """The options of the open queues asked for through :meth:`queue`: those it would
+        refuse other options for (one the factory opened by itself reopens with them)."""
+        return {
+            name: queue.options
+            for name, queue in self._queues.items()
+            if name not in self._unclaimed
+        }
 
     async def list(self) -> dict[str, dict[str, Any]]:
         """Queues known to this backend (from any process) with their options."""

@@ -180,7 +180,7 @@ class Pipeline:
         queue_defaults = _checked_queue_defaults(factory, queue_defaults)
         given_defaults = defaults.given() if defaults is not None else {}
         stations = [(link, {**given_defaults, **link.settings.given()}) for link in self.links]
-        opened = {q.name: q.options for q in factory.open_queues()}
+        opened = factory._claimed_options()
         for name in self.queues:  # what factory.queue refuses once others are opened
             given = self._opened_with(name, queue_defaults)
             found = opened.get(name)
@@ -309,9 +309,7 @@ class PipelineRun:
     async def _prepare(self) -> dict[str, Queue]:
         """Store the topology (what ``start`` refuses when another one is stored), then open
         the queues, once: a worker does it before its repeats push (a start refused for
-        another release's topology has then written nothing, and a repeat's queue opened
-        first cannot open the deadletter queue with other options than the pipeline's), then
-        starts the run."""
+        another release's topology has then written nothing), then starts the run."""
         if self._queues is not None:
             return self._queues
         pipeline = self.pipeline
@@ -319,10 +317,7 @@ class PipelineRun:
         # before any queue is opened: a refused one opens nothing
         await pipeline._store(self.replace)
         queues: dict[str, Queue] = {}
-        names = pipeline.queues
-        if factory.deadletter is not None and self._options_of(factory.deadletter.queue):
-            names = factory._deadletter_first(names)  # else, opened later, it is refused
-        for name in names:
+        for name in pipeline.queues:
             given = self._options_of(name)
             if given is not None:
                 queues[name] = await factory.queue(name, **given)

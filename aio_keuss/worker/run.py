@@ -174,17 +174,13 @@ async def run_worker(
             )
             running.check()
             # before a repeat pushes: another release's topology stored under the
-            # pipeline's name refuses the start here, and its queues are open with its
-            # options before a repeat's queue opens the deadletter queue with the defaults
+            # pipeline's name refuses the start here
             await running._prepare()
         elif handler is not None:
-            # the deadletter queue, consumed here, opened with queue_options as the others
-            by_name: dict[str, Queue] = {}
-            for name in opened._deadletter_first(names):
+            for name in names:
                 queue = await opened.queue(name, **dict(queue_options or {}))
                 check_batch_bounds(prefetch, 0, queue.options.max_batch)
-                by_name[name] = queue
-            to_consume.extend(by_name[name] for name in names)
+                to_consume.append(queue)
         await _start_repeats(opened, specs, running, queue_options or {}, repeaters)
         if running is not None:
             try:

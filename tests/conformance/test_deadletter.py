@@ -110,6 +110,63 @@ async def test_deadletter_twice_with_the_same_id_keeps_both(connect: Connect) ->
     assert names == {0: "same-order", 1: "same-order.dl1", 2: "same-order.dl1.2"}
 
 
+async def test_the_deadletter_queue_opens_with_options_of_its_own_after_another_queue(
+    connect: Connect,
+) -> None:
+    """Opening any queue opened the deadletter queue for its routing, with the defaults, and
+    that refused a later open of the deadletter queue with options of its own (ConfigError:
+    already open). An open the user never asked for is replaced by theirs: what was
+    deadlettered before stays, and what is deadlettered after lands in the same queue."""
+    factory = await connect(deadletter={"max_ko": 0}, poll_interval=5.0)
+    needs(factory, "reserve")
+    q = await factory.queue("work")
+    await q.push_many(["before", "after"])
+    message = await q.reserve(timeout=5)
+    assert message is not None
+    assert await q.ko(message) == KoResult.DEADLETTERED
+    dl = await factory.queue("__deadletter__", reserve_delay=45.0)
+    assert dl.options.reserve_delay == 45.0
+    assert (await factory.list())["__deadletter__"]["reserve_delay"] == 45.0
+    assert await factory.queue("__deadletter__") is dl
+    message = await q.reserve(timeout=5)
+    assert message is not None
+    assert await q.ko(message) == KoResult.DEADLETTERED
+    assert sorted(m.payload for m in await drain_all(dl)) == ["after", "before"]
+    # asked for once, its options are the user's: another set is refused as for any queue
+    with pytest.raises(aio_keuss.ConfigError, match="already open"):
+        await factory.queue("__deadletter__", reserve_delay=60.0)
+
+
+@pytest.mark.parametrize("first", [True, False])
+async def test_the_deadletter_queue_asked_for_with_options_while_others_open(
+    connect: Connect, first: bool
+) -> None:
+    """Asked for while other queues open (and open it for their routing): the ask that
+    joins the factory's own open of it, or that the factory's own open joins, ends with its
+    options all the same."""
+    factory = await connect(deadletter={"max_ko": 0}, poll_interval=5.0)
+    others = [factory.queue(name) for name in ("a", "b", "c")]
+    asked = factory.queue("__deadletter__", reserve_delay=45.0)
+    opened = await asyncio.gather(asked, *others) if first else await asyncio.gather(*others, asked)
+    dl = opened[0] if first else opened[-1]
+    assert dl.options.reserve_delay == 45.0
+    assert await factory.queue("__deadletter__") is dl
+    assert (await factory.list())["__deadletter__"]["reserve_delay"] == 45.0
+
+
+async def test_a_deadletter_queue_asked_for_with_the_defaults_keeps_them(
+    connect: Connect,
+) -> None:
+    """Only an open the user never asked for gives way: one asked for without options is
+    theirs (with the defaults), as for any other queue."""
+    factory = await connect(deadletter={"max_ko": 0}, poll_interval=5.0)
+    await factory.queue("work")
+    dl = await factory.queue("__deadletter__")
+    with pytest.raises(aio_keuss.ConfigError, match="already open"):
+        await factory.queue("__deadletter__", reserve_delay=45.0)
+    assert await factory.queue("__deadletter__") is dl
+
+
 @pytest.mark.parametrize("second", ["ko", "ok"])
 async def test_a_ko_past_max_ko_racing_another_ok_or_ko_of_the_holder_ends_in_one_place(
     connect: Connect, second: str

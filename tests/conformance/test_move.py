@@ -261,6 +261,24 @@ async def test_opening_a_queue_keeps_the_options_another_process_recorded_for_th
     assert (await other.list())["__deadletter__"]["reserve_delay"] == 600.0
 
 
+async def test_a_queue_first_reached_by_a_move_opens_with_options_of_its_own_after(
+    connect: Connect,
+) -> None:
+    # The move opened its target with the defaults, which refused a later open with the
+    # options its own consumer asks for (ConfigError: already open).
+    factory = await connect(poll_interval=5.0)
+    needs(factory, "reserve", "move")
+    q = await factory.queue("src")
+    await q.push("moved")
+    (held,) = await q.reserve_many(1, timeout=5)
+    assert await q.move(held, "later") == held.id
+    target = await factory.queue("later", reserve_delay=45.0)
+    assert target.options.reserve_delay == 45.0
+    assert (await factory.list())["later"]["reserve_delay"] == 45.0
+    moved = await target.pop(timeout=5)
+    assert moved is not None and moved.payload == "moved"
+
+
 async def test_a_message_moved_twice_at_once_lands_once(connect: Connect) -> None:
     """Two moves of one held message in flight together: one moves it, the other finds it
     no longer held. On MongoDB without transactions both claimed it (the claim left the

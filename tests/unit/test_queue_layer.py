@@ -148,6 +148,31 @@ async def test_factory_close_closes_every_queue_when_one_fails(
     assert others.state == "stopped"
 
 
+async def test_an_ask_joining_the_factory_s_own_open_of_the_deadletter_queue_gets_its_options(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # An ask with options arriving while the factory opened the deadletter queue for another
+    # queue's routing shared that open, with the defaults: refused as already open.
+    async with aio_keuss.connect("memory", deadletter={"max_ko": 1}) as factory:
+        opening, held = asyncio.Event(), asyncio.Event()
+        store = factory.backend.store
+
+        async def gated(name: str, options: QueueOptions) -> Any:
+            if name == "__deadletter__" and not held.is_set():
+                opening.set()
+                await held.wait()
+            return await store(name, options)
+
+        monkeypatch.setattr(factory.backend, "store", gated)
+        work = asyncio.ensure_future(factory.queue("work"))
+        await opening.wait()  # the factory's own open of it is under way
+        asked = asyncio.ensure_future(factory.queue("__deadletter__", reserve_delay=45.0))
+        await asyncio.sleep(0)  # the ask's first step: it joins that open
+        held.set()
+        await work
+        assert (await asked).options.reserve_delay == 45.0
+
+
 @pytest.mark.parametrize("prefetch", [0, 2])
 async def test_a_stop_is_bounded_when_an_ok_never_returns(
     monkeypatch: pytest.MonkeyPatch, prefetch: int

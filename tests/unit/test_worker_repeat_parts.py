@@ -488,6 +488,33 @@ async def test_a_repeat_does_not_open_the_deadletter_queue_under_a_pipeline_s_op
         assert (await factory.queue("__deadletter__")).options.reserve_delay == 45
 
 
+async def test_a_repeat_into_the_deadletter_queue_opens_it_with_the_worker_s_options() -> None:
+    """The consumed queue opened first opened the deadletter queue too, with the defaults:
+    the repeat's open of it with the worker's queue_options was then refused (ConfigError:
+    already open), after the consumer had started."""
+    async with aio_keuss.connect("memory", deadletter={"max_ko": 1}) as factory:
+        stop = asyncio.Event()
+
+        async def handle(message: Message) -> None:
+            stop.set()
+
+        await asyncio.wait_for(
+            aio_keuss.run_worker(
+                handle,
+                "in",
+                repeats=[
+                    Repeat("in", "tick", 0, every=EVERY),
+                    Repeat("__deadletter__", "tock", 0, every=EVERY),
+                ],
+                factory=factory,
+                queue_options={"reserve_delay": 45},
+                stop=stop,
+            ),
+            WAIT,
+        )
+        assert (await factory.queue("__deadletter__")).options.reserve_delay == 45
+
+
 @pytest.mark.parametrize(
     "spec",
     [
