@@ -13,8 +13,9 @@ Register it with ``aio_keuss.spark.register(spark)``, then:
   crash. While it holds them the driver extends their reservations (where the backend can,
   ``capabilities.extend``), so a micro-batch may run longer than ``reserve_delay``; those of a
   driver that dies come back once ``reserve_delay`` has passed, those of a stopped query at
-  once. Without ``extend``, keep ``reserve_delay`` well above the longest micro-batch
-  (trigger interval + processing time);
+  once (or, the server not answering within ``stop_timeout`` seconds, default 10, once they
+  expire: a stop does not wait on a dead connection for ever). Without ``extend``, keep
+  ``reserve_delay`` well above the longest micro-batch (trigger interval + processing time);
 - ``spark.read.format("aio_keuss")`` takes what is ready now: with ``read_mode=reserve``
   (the default where the backend can reserve) each task reserves a chunk, yields its rows and
   oks the chunk once Spark has taken all of them from the reader. The Python Data Source API
@@ -36,6 +37,8 @@ import logging
 import threading
 import uuid
 from collections.abc import Iterator, Mapping, Sequence
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeoutError
 from dataclasses import dataclass
 from typing import Any
 
@@ -64,6 +67,7 @@ from .spec import (
     connect_options,
     message_row,
     new_job_key,
+    parse_positive_float,
     parse_positive_int,
     required,
 )
@@ -91,6 +95,12 @@ QUERY_ID_PROPERTY = "sql.streaming.queryId"
 RENEWALS_PER_DELAY = 4
 """A stream reader extends what it holds every ``reserve_delay / RENEWALS_PER_DELAY``: a
 round that fails, or a driver stalled for a while, still leaves most of the reservation."""
+
+STOP_TIMEOUT = 10.0
+"""Seconds a stream reader's ``stop`` waits, by default (option ``stop_timeout``), for each of
+the renewal round in flight, the give-back of what it holds and the close of its connection,
+before it abandons that step: a server that answers nothing would hold Spark's stop of the
+query for ever."""
 
 log = logging.getLogger(__name__)
 
@@ -189,6 +199,7 @@ class ReadSpec:
     max_rows: int | None
     max_rows_per_batch: int
     num_partitions: int
+    stop_timeout: float = STOP_TIMEOUT
 
     @classmethod
     def from_options(cls, raw: Mapping[str, Any]) -> ReadSpec:
@@ -213,6 +224,9 @@ class ReadSpec:
                 lowered.get("max_rows_per_batch", 10_000), "max_rows_per_batch"
             ),
             num_partitions=parse_positive_int(lowered.get("num_partitions", 2), "num_partitions"),
+            stop_timeout=parse_positive_float(
+                lowered.get("stop_timeout", STOP_TIMEOUT), "stop_timeout"
+            ),
         )
 
     def queue_(self) -> sync.SyncQueue:
@@ -311,7 +325,8 @@ class KeussStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         self.renews = True
         """False in the copies Spark unpickles on the executors: they never start a renewer."""
         self.renewer: threading.Thread | None = None
-        """The driver's thread extending the pending reservations, while there are any."""
+        """The driver's thread extending the pending reservations, while there are any. A
+        thread that is no longer this one (abandoned by ``stop``) ends after its round."""
         self.renewals = 0
         """Rounds of extensions answered."""
         self.failed = 0
@@ -398,11 +413,15 @@ class KeussStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         self.renewer.start()
 
     def _renew_loop(self, queue: sync.SyncQueue, every: float) -> None:
+        me = threading.current_thread()
         while True:
             with self._lock:
-                self._wake.wait_for(lambda: self._stopping or not self._pending, every)
-                if self._stopping or not self._pending:
-                    self.renewer = None  # the next batch reserved starts another
+                self._wake.wait_for(
+                    lambda: self._stopping or not self._pending or self.renewer is not me, every
+                )
+                if self._stopping or not self._pending or self.renewer is not me:
+                    if self.renewer is me:
+                        self.renewer = None  # the next batch reserved starts another
                     return
                 due = [
                     m
@@ -419,6 +438,8 @@ class KeussStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
             kept = queue.extend_many(due)
         except Exception as exc:  # an outage: tried again next round, the reservation lasts
             with self._lock:
+                if self.renewer is not threading.current_thread():
+                    return  # abandoned by stop: its connection closed under the round
                 self.failed += 1
             log.warning(
                 "queue %r: extending the %d reservations of a pending micro-batch failed"
@@ -430,6 +451,8 @@ class KeussStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
             )
             return
         with self._lock:
+            if self.renewer is not threading.current_thread():
+                return  # abandoned by stop, which gave back or left to lapse what it held
             held = {
                 id(m)
                 for seq, batch in self._pending.items()
@@ -463,14 +486,41 @@ class KeussStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
             self._wake.notify_all()
 
     def _stop_renewer(self) -> None:
+        """End the renewer, giving the round it may have out ``stop_timeout`` seconds: past
+        them it is abandoned (the thread ends when the round does, or when the close cuts
+        its connection) rather than waited for without end."""
         with self._lock:
             renewer = self.renewer
             self._stopping = True
             self._wake.notify_all()
         if renewer is not None:
-            renewer.join()  # at most one extension still out
+            renewer.join(self.spec.stop_timeout)  # at most one extension still out
         with self._lock:
             self._stopping = False
+            if renewer is None or not renewer.is_alive():
+                return
+            if self.renewer is renewer:
+                self.renewer = None  # ends once its round does, touching nothing more
+        self._abandoned("the renewal round in flight")
+
+    def _abandoned(self, what: str) -> None:
+        log.warning(
+            "queue %r: stopping the stream reader: %s did not end within stop_timeout"
+            " (%.3g s), abandoned; the reservations not given back come back when they"
+            " expire (reserve_delay)",
+            self.spec.queue,
+            what,
+            self.spec.stop_timeout,
+        )
+
+    def _within(self, future: Future[Any], what: str) -> None:
+        """Wait ``stop_timeout`` seconds for ``future``; past them cancel it (its task on the
+        loop thread) and warn. Its own failure is raised."""
+        try:
+            future.result(self.spec.stop_timeout)
+        except FutureTimeoutError:
+            future.cancel()
+            self._abandoned(what)
 
     def partitions(self, start: dict[str, Any], end: dict[str, Any]) -> Sequence[InputPartition]:
         if end.get("run") != self.run:
@@ -509,19 +559,32 @@ class KeussStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
 
     def stop(self) -> None:
         """Give back what was reserved and not committed, at once rather than after
-        ``reserve_delay`` (it may have reached the sink: at-least-once), costing no try."""
+        ``reserve_delay`` (it may have reached the sink: at-least-once), costing no try.
+
+        Each step -- the renewal round in flight, the give-back, the close of the
+        connection -- waits at most ``stop_timeout`` seconds: a server that stopped
+        answering (a connection a firewall dropped silently) held them, and Spark's stop of
+        the query with them, for ever. Past it the step is abandoned with a warning; what
+        was not given back was never acknowledged, and comes back when its reservations
+        expire. A close cut short still takes up to the grace of a cancelled close
+        (``CANCELLED_CLOSE_GRACE``) to close its connections."""
         self._stop_renewer()
-        if self._queue is None:
+        queue = self._queue
+        if queue is None:
             return
         try:
             pending = [m for seq in sorted(self._pending) for m in self._pending[seq]]
             if pending:
-                self._queue._factory.call(_release_all, self._queue.queue, pending)
-            with self._lock:
-                self._forget(list(self._pending))
+                self._within(queue.call_soon(_release_all, pending), "the give-back")
         finally:
-            self._factory.close()
+            with self._lock:  # given back, or left to expire: none of them is ours any more
+                self._forget(list(self._pending))
             self._queue = None
+            factory = self._factory
+            try:
+                self._within(factory.call_soon(factory.factory.close), "the close")
+            finally:
+                factory.close()  # the loop thread's count; waits out a close cut short
 
 
 class KeussDataSource(DataSource):

@@ -45,6 +45,7 @@ READ_OPTIONS = frozenset(
         "max_rows",
         "max_rows_per_batch",
         "num_partitions",
+        "stop_timeout",
     }
 )
 # Spark options are strings: these connect options are converted back to numbers.
@@ -81,6 +82,16 @@ def parse_positive_int(value: object, name: str) -> int:
         number = 0
     if isinstance(value, bool) or number < 1:
         raise ConfigError(f"option {name!r} must be a positive integer, not {value!r}")
+    return number
+
+
+def parse_positive_float(value: object, name: str) -> float:
+    try:
+        number = float(str(value)) if not isinstance(value, int | float) else float(value)
+    except ValueError:
+        number = 0.0
+    if isinstance(value, bool) or not 0.0 < number < float("inf"):
+        raise ConfigError(f"option {name!r} must be a positive number of seconds, not {value!r}")
     return number
 
 

@@ -308,7 +308,13 @@ def test_bad_read_options_fail_on_the_driver(target: tuple[str, dict[str, Any]])
 
     backend, opts = target
     good = {"backend": backend, "queue": "read-bad", **{k: str(v) for k, v in opts.items()}}
-    for bad in ({"no_such_option": "1"}, {"reserve_delay": "nan"}, {"max_batch": "0"}):
+    bad_ones: list[dict[str, str]] = [
+        {"no_such_option": "1"},
+        {"reserve_delay": "nan"},
+        {"max_batch": "0"},
+        *({"stop_timeout": value} for value in ("0", "-1", "nan", "inf", "soon")),
+    ]
+    for bad in bad_ones:
         source = KeussDataSource({**good, **bad})
         with pytest.raises(aio_keuss.ConfigError):
             source.reader(None)  # type: ignore[arg-type]
@@ -550,13 +556,15 @@ def _wait_until(done: Any, seconds: float = 120.0) -> None:
     assert done()
 
 
-def _stream_reader(backend: str, opts: dict[str, Any], queue: str, delay: float) -> Any:
+def _stream_reader(
+    backend: str, opts: dict[str, Any], queue: str, delay: float, **extra: str
+) -> Any:
     """A stream reader as the data source makes it for Spark's driver, not started by Spark."""
     from aio_keuss.spark.source import KeussDataSource
 
     strings = {k: v if isinstance(v, str) else orjson.dumps(v).decode() for k, v in opts.items()}
     source = KeussDataSource(
-        {"backend": backend, "queue": queue, **strings, "reserve_delay": str(delay)}
+        {"backend": backend, "queue": queue, **strings, "reserve_delay": str(delay), **extra}
     )
     return source.streamReader(None)  # type: ignore[arg-type]
 
@@ -735,6 +743,49 @@ def test_commit_or_stop_during_a_renewal_round_leaks_nothing(
         gate.open()
         reader.stop()
         gate.cut()
+
+
+def test_a_stop_while_the_server_answers_nothing_returns_and_loses_nothing(
+    target: tuple[str, dict[str, Any]], caplog: pytest.LogCaptureFixture
+) -> None:
+    """The server stopped answering (a black-holed connection) while a renewal round was
+    out: ``stop`` waited for that round without end, and a Spark query's stop hung with it.
+    It gives the round ``stop_timeout`` seconds, then abandons it, and the give-back after
+    it, with a warning: nothing was acknowledged, so the messages come back once their
+    reservations expire. No reply gets through the gate until ``stop`` has returned."""
+    backend, opts = target
+    caplog.set_level(logging.WARNING, logger="aio_keuss.spark.source")
+    gate, through = _gated(opts)
+    with sync.connect(backend, **opts) as factory:
+        factory.queue("silent").push_many([{"n": n} for n in range(5)])
+    reader = _stream_reader(backend, through, "silent", 2.0, stop_timeout="0.5")
+    stopping = threading.Thread(target=reader.stop, daemon=True)
+    try:
+        reader.latestOffset(reader.initialOffset(), None)
+        thread = reader.renewer
+        assert thread is not None
+        _wait_until(lambda: reader.renewals >= 1)
+        gate.shut()  # from now on the server answers nothing
+        _wait_until(lambda: _in_extension(thread))
+        stopping.start()
+        stopping.join(120)  # a guard against the hang only: no reply comes before it returns
+        assert not stopping.is_alive()
+        given_up = [r.getMessage() for r in caplog.records if "stop" in r.getMessage()]
+        assert any("abandoned" in text for text in given_up)
+        assert reader.renewer is None
+    finally:
+        gate.open()
+    stopping.join(120)
+    thread.join(120)  # answered at last (or cut by the close): the renewer ends
+    assert not thread.is_alive()
+    with sync.connect(backend, **opts) as factory:
+        queue, back = factory.queue("silent"), []
+        deadline = time.monotonic() + 120
+        while len(back) < 5 and time.monotonic() < deadline:  # given back, or expired
+            back += queue.pop_many(5, timeout=1)
+        assert sorted(m.payload["n"] for m in back) == list(range(5))
+    reader.stop()  # a second stop: nothing left to do
+    gate.cut()
 
 
 def test_idempotent_writes_refuse_a_dedup_window_of_zero(
