@@ -567,7 +567,12 @@ class KeussStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         the query with them, for ever. Past it the step is abandoned with a warning; what
         was not given back was never acknowledged, and comes back when its reservations
         expire. A close cut short still takes up to the grace of a cancelled close
-        (``CANCELLED_CLOSE_GRACE``) to close its connections."""
+        (``CANCELLED_CLOSE_GRACE``) to close its connections.
+
+        Spark calls it on its own thread, as it does the reader's other calls. Called from
+        the loop thread of :mod:`aio_keuss.sync` it would wait for that very thread: it is
+        refused there (``LoopThreadError``) before anything changes."""
+        sync._runtime.refuse_on_loop_thread("stop of a stream reader")
         self._stop_renewer()
         queue = self._queue
         if queue is None:

@@ -788,6 +788,42 @@ def test_a_stop_while_the_server_answers_nothing_returns_and_loses_nothing(
     gate.cut()
 
 
+def test_a_stream_reader_stop_is_refused_on_the_loop_thread_before_anything_changes(
+    target: tuple[str, dict[str, Any]],
+) -> None:
+    """Spark stops a reader from its own thread. Called by a coroutine on the sync shim's
+    loop thread, ``stop`` would wait there for that very thread (the renewal round, the
+    give-back): it is refused before anything changes, and a stop from another thread then
+    gives back what is pending, as ever."""
+    from aio_keuss.spark.source import STOP_TIMEOUT, ReadSpec
+
+    backend, opts = target
+    with sync.connect(backend, **opts) as factory:
+        factory.queue("looped").push_many([{"n": n} for n in range(3)])
+    reader = _stream_reader(backend, opts, "looped", 30.0)
+    assert reader.spec.stop_timeout == STOP_TIMEOUT
+    strings = {"backend": backend, "queue": "q", **{k: str(v) for k, v in opts.items()}}
+    assert ReadSpec.from_options({**strings, "stop_timeout": "2.5"}).stop_timeout == 2.5
+    try:
+        end = reader.latestOffset(reader.initialOffset(), None)
+        assert end["seq"] == 1
+        thread = reader.renewer
+
+        async def stop_here() -> None:
+            reader.stop()
+
+        with sync.connect(backend, **opts) as factory, pytest.raises(aio_keuss.LoopThreadError):
+            factory.call(stop_here)
+        assert reader.renewer is thread and reader._queue is not None and reader._pending
+        reader.stop()
+        assert not reader._pending and reader._queue is None
+        with sync.connect(backend, **opts) as factory:
+            back = factory.queue("looped").pop_many(10, timeout=0)
+            assert sorted(m.payload["n"] for m in back) == [0, 1, 2]
+    finally:
+        reader.stop()
+
+
 def test_idempotent_writes_refuse_a_dedup_window_of_zero(
     target: tuple[str, dict[str, Any]],
 ) -> None:
