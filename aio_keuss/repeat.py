@@ -39,7 +39,15 @@ from typing import Any
 from .consumer import Outage, State, StoppedOnExit, retry_backoff
 from .cron import Schedule, every, parse_cron, zone
 from .errors import ClosedError, InvalidHeadersError, InvalidInputError
-from .message import Headers, Payload, check_id, encode_headers, encode_payload, to_datetime
+from .message import (
+    Headers,
+    Payload,
+    check_id,
+    check_priority,
+    encode_headers,
+    encode_payload,
+    to_datetime,
+)
 from .options import check_queue_name
 
 log = logging.getLogger("aio_keuss.repeat")
@@ -137,6 +145,7 @@ class Repeat:
     cron: str | None = None
     headers: Headers | None = None
     tz: str = "UTC"
+    priority: int = 0
 
     def check(self) -> RepeatPlan:
         """Raise what ``Queue.repeat`` raises for this input, without a queue: everything
@@ -148,6 +157,7 @@ class Repeat:
         encode_headers(plan.headers_at(first))
         encode_payload(self.payload)
         check_id(plan.message_id(first))
+        check_priority(self.priority)
         return plan
 
 

@@ -323,6 +323,7 @@ async def _start_repeats(
                 cron=spec.cron,
                 headers=spec.headers,
                 tz=spec.tz,
+                priority=spec.priority,
             )
         )
 
@@ -338,6 +339,12 @@ def _check_repeats_can_run(factory: Factory, specs: Sequence[Repeat]) -> None:
             f"repeat {spec.key!r} on queue {spec.queue!r}: backend"
             f" {factory.backend_name!r} cannot repeat (it has no explicit ids or delays)"
         )
+    for spec in specs:
+        if spec.priority and not capabilities.priority:
+            raise NotSupportedError(
+                f"repeat {spec.key!r} on queue {spec.queue!r}: backend"
+                f" {factory.backend_name!r} has no priorities"
+            )
 
 
 def _schedule(spec: Repeat) -> str:

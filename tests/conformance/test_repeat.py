@@ -249,3 +249,28 @@ async def test_a_worker_runs_its_repeats_or_refuses_the_backend(connect: Connect
     await asyncio.wait_for(running, 2 * WAIT)
     ticks = [i for i in handled if i.startswith("tick@")]
     assert len(ticks) == len(set(ticks)) >= 3
+
+
+async def test_a_worker_repeats_with_a_priority_or_refuses_the_backend(connect: Connect) -> None:
+    """``Repeat(priority=...)``: each occurrence carries it; a backend without priorities
+    is refused once connected, before anything is pushed (as one that cannot repeat)."""
+    factory = await connect()
+    needs(factory, "idempotent", "delay")
+    with pytest.raises(aio_keuss.InvalidInputError, match="priority"):
+        aio_keuss.Repeat("q1", "tick", every=EVERY, priority=2**15).check()
+    stop = asyncio.Event()
+    seen: list[int] = []
+
+    async def note(message: Message) -> None:
+        seen.append(message.priority)
+        stop.set()
+
+    tick = aio_keuss.Repeat("q1", "tick", every=EVERY, priority=5)
+    running = aio_keuss.run_worker(note, "q1", repeats=[tick], factory=factory, stop=stop)
+    if not factory.capabilities.priority:
+        with pytest.raises(aio_keuss.NotSupportedError, match="has no priorities"):
+            await running
+        assert await (await factory.queue("q1")).total_size() == 0
+        return
+    await asyncio.wait_for(running, 2 * WAIT)
+    assert seen and set(seen) == {5}
