@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import re
+import time
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -46,7 +47,7 @@ from ..errors import (
 from ..options import BackendOptions, brief, without_password
 
 try:
-    from pymongo import ASCENDING, AsyncMongoClient
+    from pymongo import ASCENDING, DESCENDING, AsyncMongoClient
     from pymongo import errors as mongo_errors
     from pymongo.asynchronous.collection import AsyncCollection
     from pymongo.asynchronous.database import AsyncDatabase
@@ -55,6 +56,16 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
 
 Document = dict[str, Any]
 Collection = AsyncCollection[Document]
+
+BY_PRIORITY = [("raised", DESCENDING), ("lowered", ASCENDING), ("mature", ASCENDING)]
+"""The take's order once a queue has priorities: a message's priority p is stored as
+``raised: p`` (p > 0) or ``lowered: -p`` (p < 0), and not at all when 0 (every document of
+an earlier release, every plain push). A missing field sorts as null, below every number
+(MongoDB manual, "Comparison/Sort Order"): one field holding p itself would put the
+negatives before the zeros when sorted descending; these two put the zeros between."""
+PRIORITY_LOOK = 1.0
+"""Seconds between two looks, by a queue's stores that have not seen one, for the index
+that tells that the queue has priorities (see :meth:`MongoConnection.prioritized`)."""
 
 CONNECTION_ERRORS: tuple[type[BaseException], ...] = (
     mongo_errors.ConnectionFailure,  # AutoReconnect, NetworkTimeout, ServerSelectionTimeout...
@@ -87,6 +98,13 @@ NOT_READY_CODES = frozenset(
         13436,  # NotPrimaryOrSecondary
     }
 )
+
+
+def _is_priority_index(key: Any) -> bool:
+    """Whether an index's key (as ``index_information`` gives it) is ``BY_PRIORITY``'s
+    fields. The directions are not compared: some look-alikes report 1 for every field."""
+    fields = [pair[0] for pair in key if isinstance(pair, list | tuple) and pair]
+    return fields == [field for field, _ in BY_PRIORITY]
 
 
 def _not_ready(exc: mongo_errors.OperationFailure) -> bool:
@@ -218,6 +236,10 @@ class MongoConnection(Backend):
         self.db: AsyncDatabase[Document] = self.client[self.database_name]
         self.transactions = False
         self._indexed: dict[str, asyncio.Future[None]] = {}
+        self._prioritized: set[str] = set()
+        """Queues known to have the index of ``BY_PRIORITY``."""
+        self._priority_look: dict[str, float] = {}
+        """Queue -> monotonic time before which it is not looked for again."""
 
     @translated
     async def open(self) -> None:
@@ -268,6 +290,34 @@ class MongoConnection(Backend):
             [("expires", ASCENDING)], expireAfterSeconds=0
         )
         await self._extra_indexes(queue)
+
+    async def ensure_priority(self, queue: str) -> None:
+        """Create the index of ``BY_PRIORITY`` on a queue, before its first message with a
+        priority goes in. Only then: on a queue that never has one it would be one more
+        index for every insert and every take to keep. Its being there is what tells every
+        store of the queue, in any process, to take by priority (:meth:`prioritized`)."""
+        if queue in self._prioritized:
+            return
+        await self.queue_collection(queue).create_index(BY_PRIORITY)
+        self._prioritized.add(queue)
+
+    async def prioritized(self, queue: str) -> bool:
+        """Whether a queue has priorities: known once its index of ``BY_PRIORITY`` was seen
+        or made here; else looked for at most once per ``PRIORITY_LOOK`` seconds (one
+        ``listIndexes``, the one call this adds to a plain queue's takes). A store of
+        another process that last looked just before a first priority was pushed keeps
+        taking by mature time alone until its next look."""
+        if queue in self._prioritized:
+            return True
+        now = time.monotonic()
+        if now < self._priority_look.get(queue, 0.0):
+            return False
+        self._priority_look[queue] = now + PRIORITY_LOOK
+        indexes = await self.queue_collection(queue).index_information()
+        if any(_is_priority_index(ix.get("key", ())) for ix in indexes.values()):
+            self._prioritized.add(queue)
+            return True
+        return False
 
     async def _extra_indexes(self, queue: str) -> None:
         """What a variant needs beyond the mature index (history: TTL on ``processed``)."""

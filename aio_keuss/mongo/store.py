@@ -103,10 +103,11 @@ from ..contract import (
     moved_id,
 )
 from ..errors import ConfigError
-from ..message import EMPTY_HEADERS, MAX_TRIES, append_headers
+from ..message import EMPTY_HEADERS, MAX_PRIORITY, MAX_TRIES, MIN_PRIORITY, append_headers
 from ..types import Capabilities, KoResult, Sizes
 from .backend import MongoBackend
 from .connection import (
+    BY_PRIORITY,
     DUPLICATE_KEY,
     Collection,
     Document,
@@ -233,10 +234,37 @@ def _tries(value: Any) -> int:
     return int(min(max(value, 0), MAX_TRIES))
 
 
+def _priority_fields(priority: int) -> Document:
+    """How a priority is stored (see ``BY_PRIORITY``): nothing for 0."""
+    if priority > 0:
+        return {"raised": priority}
+    return {"lowered": -priority} if priority < 0 else {}
+
+
+def _priority(doc: Document) -> int:
+    """A document's priority; 0 where it has none, or one this library did not write."""
+    for field, sign, most in (("raised", 1, MAX_PRIORITY), ("lowered", -1, -MIN_PRIORITY)):
+        value = doc.get(field)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return sign * min(value, most)
+    return 0
+
+
+def _rank(doc: Document) -> tuple[int, float]:
+    """Where a taken document goes in its batch: ``BY_PRIORITY``'s order."""
+    return -_priority(doc), float(doc["mature"])
+
+
 def _stored(doc: Document, token: str | None = None) -> Stored:
     tries = _tries(doc["tries"])
     return Stored(
-        doc["_id"], _payload(doc), _headers(doc), tries, float(doc["mature"]), token=token
+        doc["_id"],
+        _payload(doc),
+        _headers(doc),
+        tries,
+        float(doc["mature"]),
+        token=token,
+        priority=_priority(doc),
     )
 
 
@@ -344,6 +372,7 @@ def _peeked(doc: Document, now: float) -> Peeked:
     mature = float(doc["mature"])
     tries = _tries(doc["tries"]) - (1 if doc.get("reserved") and mature > now else 0)
     stored = Stored(doc["_id"], _payload(doc), _headers(doc), tries, mature)
+    stored.priority = _priority(doc)
     if mature <= now:
         return Peeked(stored, "ready", mature)
     return Peeked(stored, "reserved" if doc.get("reserved") else "scheduled", mature)
@@ -354,6 +383,7 @@ def _processed(doc: Document) -> Peeked:
     when = _epoch(doc["processed"])
     message_id: str = doc.get("id") or doc["_id"]  # an archived record keeps its id aside
     stored = Stored(message_id, _payload(doc), _headers(doc), _tries(doc["tries"]), when)
+    stored.priority = _priority(doc)
     return Peeked(stored, "processed", when)
 
 
@@ -636,9 +666,12 @@ class MongoStore(Store):
                         "mature": mature,
                         "tries": entry.tries,
                         "reserved": False,
+                        **_priority_fields(entry.priority),
                     }
                 )
                 where.append(i)
+        if any(e.priority for e in entries):  # its index first: then its takes see them
+            await self._backend.ensure_priority(self.name)
         if docs:
             # a popped message put back (its consumer was cancelled) has a mature time
             put_back = {e.id for e in entries if e.mature is not None and not e.dedup}
@@ -899,7 +932,7 @@ class MongoStore(Store):
             return await self._coll.find_one_and_update(
                 {"mature": {"$lte": now}},
                 change,
-                sort=BY_MATURE,
+                sort=await self._order(),
                 return_document=ReturnDocument.BEFORE,
             )
         except asyncio.CancelledError:
@@ -980,13 +1013,14 @@ class MongoStore(Store):
         update = {**update, "$set": {**update["$set"], "owner": token}}
         due = {"mature": {"$lte": now}}
         ready = due
+        order = await self._order()
         mine: list[Document] = []
         for _ in range(CLAIM_ATTEMPTS):  # others may snatch candidates; try a few times
             wanted = n - len(mine)
             # (repeated if cut: a read, and a later attempt's cut would lose what the
             # earlier ones claimed)
             candidates = await _again_if_cut(
-                lambda: self._coll.find(ready, sort=BY_MATURE, limit=wanted).to_list()  # noqa: B023
+                lambda: self._coll.find(ready, sort=order, limit=wanted).to_list()  # noqa: B023
             )
             if not candidates:
                 break
@@ -1017,8 +1051,15 @@ class MongoStore(Store):
                 mine.extend(d for d in candidates if d["_id"] in ours)
             if len(mine) == n or len(candidates) < wanted:
                 break
-        mine.sort(key=lambda d: d["mature"])
+        mine.sort(key=_rank)
         return mine, token
+
+    async def _order(self) -> list[tuple[str, int]]:
+        """The take's sort: by mature time, or ``BY_PRIORITY`` once the queue has
+        priorities. Not ``BY_PRIORITY`` always: a server that cannot sort on a compound
+        index (nx-27017, whose SQLite sorts every ready document for it) took a plain
+        queue's message 25 times slower with it, at 20,000 ready."""
+        return BY_PRIORITY if await self._backend.prioritized(self.name) else BY_MATURE
 
     async def _fetched(self, docs: list[Document], n: int, token: str | None = None) -> Fetched:
         # The wait loop reads next_mature only when a request got nothing: a full batch
@@ -1233,9 +1274,12 @@ class MongoStore(Store):
             "mature": now + move.delay,
             "tries": 0,
             "reserved": False,
+            **_priority_fields(_priority(doc)),
         }
         names = [moved_id(doc["_id"], move.tag, clash) for clash in range(MOVE_NAMES)]
         await self._backend.ensure_indexes(move.queue)
+        if _priority(doc):
+            await self._backend.ensure_priority(move.queue)
         target = self._backend.queue_collection(move.queue)
         held = _as_read(doc)
         if self._backend.transactions:
@@ -1458,7 +1502,9 @@ class MongoQueueBackend(MongoBackend):
     """``mongo``: consumed messages are deleted."""
 
     name = "mongo"
-    capabilities: Capabilities = Capabilities(move=True, peek=True, hold=True, extend=True)
+    capabilities: Capabilities = Capabilities(
+        move=True, peek=True, hold=True, extend=True, priority=True
+    )
     store_class: ClassVar[type[MongoStore]] = MongoStore
 
     async def store(self, queue: str, options: QueueOptions) -> Store:
@@ -1485,7 +1531,7 @@ class MongoHistoryBackend(MongoQueueBackend):
 
     name = "mongo-history"
     capabilities: Capabilities = Capabilities(
-        move=True, peek=True, hold=True, history=True, extend=True
+        move=True, peek=True, hold=True, history=True, extend=True, priority=True
     )
     default_prefix = "keuss_history"
     store_class = MongoHistoryStore
