@@ -3,7 +3,9 @@
 A message is one document ``{_id: id, payload: Binary, headers: Binary (JSON), mature: float
 epoch seconds, tries: int, reserved: bool}`` with an index on ``mature``; see
 :mod:`aio_keuss.mongo.connection` for the collection layout, why one collection per queue, and
-why times come from the client's clock.
+why times come from the client's clock. A message pushed with a priority also has ``raised``
+or ``lowered`` (see ``BY_PRIORITY``), and its queue a second index, by which its takes sort
+(see :meth:`MongoStore._order`).
 
 ``tries`` counts the deliveries that did not end in ok *including a running reservation*: a
 reserve does ``$inc: {tries: 1}`` unconditionally and hands the consumer the value from before,
