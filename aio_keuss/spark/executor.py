@@ -36,9 +36,10 @@ import orjson
 
 from .. import sync
 from ..errors import ConfigError, InvalidIdError, InvalidInputError, InvalidPayloadError
-from ..message import Headers, NewMessage, Payload
+from ..message import MAX_PRIORITY, MIN_PRIORITY, Headers, NewMessage, Payload
+from ..options import brief
 from ..queue import Queue
-from .spec import WriteSpec, new_job_key, parse_positive_int
+from .spec import COLUMN_OPTIONS, WriteSpec, new_job_key, parse_positive_int
 
 # -- the executor-side factory cache ------------------------------------------------------
 
@@ -139,12 +140,28 @@ def _seconds(value: Any) -> Any:
     return value
 
 
+def _priorities(values: list[Any], first: int) -> list[int]:
+    """A priority column's values (rows from ``first`` on): null is 0; anything but an int
+    in range is refused naming its row, before the batch is pushed (the queue's own check
+    would name no row)."""
+    for offset, value in enumerate(values):
+        if value is None:
+            continue
+        if type(value) is not int or not MIN_PRIORITY <= value <= MAX_PRIORITY:
+            raise InvalidInputError(
+                f"row {first + offset} has {brief(value)} in priority_column: a priority is"
+                f" an int in [{MIN_PRIORITY}, {MAX_PRIORITY}]"
+            )
+    return [0 if value is None else value for value in values]
+
+
 @dataclass(slots=True)
 class _Batch:
     payloads: list[Payload] = field(default_factory=list)
     ids: list[str] = field(default_factory=list)
     headers: list[Headers | None] = field(default_factory=list)
     delays: list[float] = field(default_factory=list)
+    priorities: list[int] = field(default_factory=list)
 
 
 IN_FLIGHT = 3
@@ -167,8 +184,9 @@ class _Pusher:
         self._pending: deque[tuple[Future[Any], _Batch]] = deque()
         self._rest: list[Any] = []
         self._make_plain = False
-        self._per_message = spec.headers_column is not None or spec.delay_column is not None
-        self._meta = {c for c in (spec.headers_column, spec.delay_column) if c is not None}
+        meta = (spec.headers_column, spec.delay_column, spec.priority_column)
+        self._per_message = any(c is not None for c in meta)
+        self._meta = {c for c in meta if c is not None}
 
     def add_many(self, rows: list[Any]) -> None:
         """Push ``rows`` (dicts, or Rows), ``batch_size`` to a push: what is left over waits
@@ -188,7 +206,7 @@ class _Pusher:
         try:
             return self._batch_of(rows)
         except KeyError as exc:  # a named column a row lacks (push_rows, push_partitions)
-            for what in ("payload_column", "headers_column", "delay_column", "id_column"):
+            for what in COLUMN_OPTIONS:
                 if exc.args and getattr(spec, what) == exc.args[0]:
                     raise ConfigError(
                         f"{what} {exc.args[0]!r} is not a column of every row (rows from"
@@ -232,6 +250,11 @@ class _Pusher:
                 batch.delays = [_seconds(row[column]) for row in rows]
             else:
                 batch.delays = [0.0] * len(rows)
+            if spec.priority_column is not None:
+                column = spec.priority_column
+                batch.priorities = _priorities([row[column] for row in rows], self.index)
+            else:
+                batch.priorities = [0] * len(rows)
         self.index += len(rows)
         return batch
 
@@ -244,6 +267,8 @@ class _Pusher:
 
     def _start(self, batch: _Batch) -> Future[Any]:
         if not self._per_message:
+            if self.spec.priority:
+                return self.queue.call_soon(_push_many_at, batch, self.spec.priority)
             return self.queue.call_soon(_push_many, batch)
         return self.queue.call_soon(_push_each, batch)
 
@@ -292,18 +317,24 @@ async def _push_many(queue: Queue, batch: _Batch) -> list[str]:
     return await queue.push_many(batch.payloads, ids=batch.ids or None)
 
 
+async def _push_many_at(queue: Queue, batch: _Batch, priority: int) -> list[str]:
+    """Rows all of one priority (option ``priority``): one ``push_many`` as without, its
+    priority checked once for the batch."""
+    return await queue.push_many(batch.payloads, ids=batch.ids or None, priority=priority)
+
+
 async def _push_each(queue: Queue, batch: _Batch) -> list[str]:
-    """Messages with their own headers / delay, through ``Queue.push_each``: every one is
-    checked as a push checks it before any is written, then they go in together in batch
-    round trips. A refusal must come before anything is written, as push_many's does: the
-    batch is then pushed again made plain, or the task fails and Spark retries it, and
-    without idempotent ids what went in would go in twice."""
+    """Messages with their own headers / delay / priority, through ``Queue.push_each``:
+    every one is checked as a push checks it before any is written, then they go in together
+    in batch round trips. A refusal must come before anything is written, as push_many's
+    does: the batch is then pushed again made plain, or the task fails and Spark retries
+    it, and without idempotent ids what went in would go in twice."""
     ids: Sequence[str | None] = batch.ids or [None] * len(batch.payloads)
     return await queue.push_each(
         [
-            NewMessage(payload, delay, headers, message_id)
-            for payload, delay, headers, message_id in zip(
-                batch.payloads, batch.delays, batch.headers, ids, strict=True
+            NewMessage(payload, delay, headers, message_id, priority)
+            for payload, delay, headers, message_id, priority in zip(
+                batch.payloads, batch.delays, batch.headers, ids, batch.priorities, strict=True
             )
         ]
     )
@@ -419,6 +450,8 @@ def push_partitions(
     payload_column: str | None = None,
     headers_column: str | None = None,
     delay_column: str | None = None,
+    priority_column: str | None = None,
+    priority: int = 0,
     id_prefix: str = "",
     idempotent: bool = True,
     **options: Any,
@@ -429,6 +462,8 @@ def push_partitions(
     Ids: ``f"{id_prefix}{row[id_column]}"``, else ``f"{job_key}:{partition}:{row index}"``.
     ``job_key`` defaults to a key made here, on the driver, once: every attempt of a task
     derives the same ids. Give your own to make a re-run of the whole job idempotent too.
+    ``priority_column`` (an integer column, null 0) or ``priority`` (every row's) need a
+    backend with ``capabilities.priority``.
     ``options`` go to ``aio_keuss.connect`` (``url``, ``prefix``, ``schema``...).
     """
     spec = WriteSpec(
@@ -443,6 +478,8 @@ def push_partitions(
         job_key=job_key,
         batch_size=parse_positive_int(batch_size, "batch_size"),
         idempotent=idempotent,
+        priority_column=priority_column,
+        priority=priority,
     )
     spec.check()
     spec = spec.with_job_key(new_job_key())

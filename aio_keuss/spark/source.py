@@ -56,6 +56,7 @@ from pyspark.sql.types import StructType
 from .. import sync
 from ..errors import ConfigError
 from ..message import Message
+from ..types import Capabilities
 from .executor import executor_factory, push_arrow_batches, push_rows
 from .spec import (
     FORMAT,
@@ -126,20 +127,25 @@ def _push(spec: WriteSpec, items: Iterator[Any], id_base: str | None) -> int:
 
 
 _checked_lock = threading.Lock()
-_checked: set[str] = set()
+_checked: dict[str, Capabilities] = {}
 
 
-def _check_connect(spec: WriteSpec | ReadSpec) -> None:
+def _check_connect(spec: WriteSpec | ReadSpec) -> Capabilities:
     """Open (and close) a factory on the driver once per option set, so an unknown option,
-    bad URL or unreachable server fails the query before any task writes or reads."""
+    bad URL or unreachable server fails the query before any task writes or reads. Returns
+    what the opened factory can do: options may take a capability away (a Redis cluster
+    has no ``move``), which the backend's class does not tell."""
     key = repr((spec.backend, sorted(spec.options.items())))
     with _checked_lock:
-        if key in _checked:
-            return
+        known = _checked.get(key)
+    if known is not None:
+        return known
     with sync.connect(spec.backend, **spec.options) as factory:
         factory.queue(spec.queue)
+        capabilities = factory.capabilities
     with _checked_lock:
-        _checked.add(key)
+        _checked[key] = capabilities
+    return capabilities
 
 
 def _context() -> TaskContext:
@@ -592,6 +598,18 @@ class KeussStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
                 factory.close()  # the loop thread's count; waits out a close cut short
 
 
+def _check_integral(schema: StructType, column: str | None) -> None:
+    """A priority column holds integers: another type (a double, a string) would fail every
+    task at its first row, after the job started."""
+    from pyspark.sql.types import IntegralType
+
+    if column is not None and not isinstance(schema[column].dataType, IntegralType):
+        raise ConfigError(
+            f"priority_column {column!r} is {schema[column].dataType.simpleString()},"
+            " not an integer column (tinyint, smallint, int, bigint)"
+        )
+
+
 class KeussDataSource(DataSource):
     """``format("aio_keuss")``; options: ``backend``, ``queue``, the backend's connect
     options (``url``, ``prefix``, ``schema``, ``reserve_delay``...) and those of the
@@ -607,7 +625,8 @@ class KeussDataSource(DataSource):
     def _write_spec(self, schema: StructType) -> WriteSpec:
         spec = WriteSpec.from_options(self.options)
         spec.check(schema.fieldNames())
-        _check_connect(spec)
+        _check_integral(schema, spec.priority_column)
+        spec.check_priority(_check_connect(spec).priority)
         return spec
 
     def writer(self, schema: StructType, overwrite: bool) -> KeussBatchWriter:

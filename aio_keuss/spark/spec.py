@@ -15,8 +15,8 @@ from typing import Any
 
 import orjson
 
-from ..errors import ConfigError, InvalidInputError
-from ..message import Message
+from ..errors import ConfigError, InvalidInputError, NotSupportedError
+from ..message import Message, check_priority
 from ..options import QUEUE_OPTION_NAMES, check_queue_name
 from ..registry import load_backend
 
@@ -30,6 +30,8 @@ WRITE_OPTIONS = frozenset(
         "payload_column",
         "headers_column",
         "delay_column",
+        "priority_column",
+        "priority",
         "id_column",
         "id_prefix",
         "job_key",
@@ -47,6 +49,14 @@ READ_OPTIONS = frozenset(
         "num_partitions",
         "stop_timeout",
     }
+)
+# The write options naming a column of the rows.
+COLUMN_OPTIONS = (
+    "payload_column",
+    "headers_column",
+    "delay_column",
+    "priority_column",
+    "id_column",
 )
 # Spark options are strings: these connect options are converted back to numbers.
 # The bucket backends' optional seconds default to None, which tells no type.
@@ -93,6 +103,15 @@ def parse_positive_float(value: object, name: str) -> float:
     if isinstance(value, bool) or not 0.0 < number < float("inf"):
         raise ConfigError(f"option {name!r} must be a positive number of seconds, not {value!r}")
     return number
+
+
+def parse_priority(value: object, name: str = "priority") -> int:
+    """A priority given as an option (Spark's are strings): an int the queue takes."""
+    try:
+        number = int(str(value).strip()) if isinstance(value, str) else value
+        return check_priority(number)
+    except (ValueError, InvalidInputError) as exc:
+        raise ConfigError(f"option {name!r}: {exc}") from exc
 
 
 def connect_options(
@@ -153,6 +172,14 @@ class WriteSpec:
     job_key: str | None = None
     batch_size: int = 1000
     idempotent: bool = True
+    priority_column: str | None = None
+    priority: int = 0
+
+    @property
+    def prioritized(self) -> bool:
+        """Rows go in with a priority: only a backend with ``capabilities.priority`` takes
+        them (checked on the driver, with the capabilities the opened factory has)."""
+        return self.priority_column is not None or self.priority != 0
 
     @classmethod
     def from_options(cls, raw: Mapping[str, Any]) -> WriteSpec:
@@ -177,6 +204,8 @@ class WriteSpec:
             job_key=column("job_key"),
             batch_size=parse_positive_int(lowered.get("batch_size", 1000), "batch_size"),
             idempotent=parse_bool(lowered.get("idempotent", True), "idempotent"),
+            priority_column=column("priority_column"),
+            priority=parse_priority(lowered.get("priority") or 0),
         )
         spec.check()
         return spec
@@ -203,8 +232,12 @@ class WriteSpec:
             raise ConfigError("id_column needs idempotent pushes; drop idempotent=false")
         if self.delay_column is not None and not backend_class.capabilities.delay:
             raise ConfigError(f"backend {self.backend!r} has no delay: drop delay_column")
+        parse_priority(self.priority)  # push_partitions' argument, or a spec made by hand
+        if self.priority_column is not None and self.priority != 0:
+            raise ConfigError("give priority_column or priority, not both")
+        self.check_priority(backend_class.capabilities.priority)
         if columns is not None:
-            for what in ("payload_column", "headers_column", "delay_column", "id_column"):
+            for what in COLUMN_OPTIONS:
                 name = getattr(self, what)
                 if name is not None and name not in columns:
                     raise ConfigError(
@@ -214,6 +247,16 @@ class WriteSpec:
             _check_id_part(self.job_key, "job_key")
         if self.id_prefix:
             _check_id_part(self.id_prefix, "id_prefix")
+
+    def check_priority(self, capable: bool) -> None:
+        """Refuse priorities where the backend has none, before any task writes: the queue
+        would refuse every batch of every task (``NotSupportedError``) after the driver
+        started the job."""
+        if self.prioritized and not capable:
+            what = "priority_column" if self.priority_column is not None else "priority"
+            raise NotSupportedError(
+                f"backend {self.backend!r} has no priorities (capabilities.priority): drop {what}"
+            )
 
     def with_job_key(self, job_key: str) -> WriteSpec:
         return self if self.job_key is not None else replace(self, job_key=job_key)

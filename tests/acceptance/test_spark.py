@@ -877,3 +877,214 @@ def test_optional_seconds_of_the_bucket_backends_reach_connect_as_numbers() -> N
             factory.queue("typed")
     finally:
         asyncio.run(_drop_redis_prefix(options))
+
+
+# -- priorities ------------------------------------------------------------------------------
+
+
+@pytest.fixture(params=[c for c in CASES if c.id in ("memory", *SPARK_IDS)], ids=lambda c: c.id)
+def pusher_target(request: pytest.FixtureRequest) -> Iterator[tuple[str, dict[str, Any]]]:
+    """The executor's path without Spark: the memory store too, whose queues live in this
+    process (in the factory the executor caches), which no Spark task could share."""
+    case: BackendCase = request.param
+    reason = case.available()
+    if reason:
+        pytest.skip(reason)
+    opts = case.options(new_token())
+    yield case.name, opts
+    keuss_spark.close_executor_factories()
+    if case.cleanup is not None:
+        asyncio.run(case.cleanup(opts))
+
+
+def _prioritized(backend: str, opts: dict[str, Any]) -> None:
+    with sync.connect(backend, **opts) as factory:
+        if not factory.capabilities.priority:
+            pytest.skip(f"{backend} has no capabilities.priority yet")
+
+
+def _taken(backend: str, opts: dict[str, Any], queue: str) -> list[Any]:
+    """Every message of ``queue``, reserved one at a time and ok-ed, in the order handed out;
+    through the executor's cached factory (the one a memory queue lives in)."""
+    q = keuss_spark.executor_queue(backend, queue, opts)
+    taken = []
+    while (message := q.reserve(timeout=0)) is not None:
+        assert q.ok(message)
+        taken.append(message)
+    return taken
+
+
+def _columns(**more: Any) -> Any:
+    """A write's schema: ``n bigint`` and ``more`` (names to Spark types)."""
+    from pyspark.sql.types import LongType, StructField, StructType
+
+    fields = {"n": LongType(), **more}
+    return StructType([StructField(name, kind) for name, kind in fields.items()])
+
+
+def test_priority_options_are_parsed_and_checked_before_anything_is_written() -> None:
+    """``priority`` must be an int in range; ``priority_column`` and ``priority`` are one or
+    the other; both refused as options, before any connection."""
+    base = {"backend": "memory", "queue": "opts"}
+    spec = keuss_spark.WriteSpec.from_options({**base, "priority": " -7 "})
+    assert spec.priority == -7 and spec.prioritized
+    spec = keuss_spark.WriteSpec.from_options({**base, "priority_column": "p"})
+    assert spec.priority_column == "p" and spec.priority == 0 and spec.prioritized
+    assert not keuss_spark.WriteSpec.from_options({**base, "priority": "0"}).prioritized
+    for bad in ("high", "1.5", "32768", "-32769", "true"):
+        with pytest.raises(aio_keuss.ConfigError, match="priority"):
+            keuss_spark.WriteSpec.from_options({**base, "priority": bad})
+    with pytest.raises(aio_keuss.ConfigError, match="not both"):
+        keuss_spark.WriteSpec.from_options({**base, "priority": "2", "priority_column": "p"})
+    for wrong in (True, 1 << 16, 2.0):
+        with pytest.raises(aio_keuss.ConfigError, match="priority"):
+            keuss_spark.push_partitions("memory", "opts", priority=wrong, idempotent=False)
+    assert {"priority", "priority_column"} <= keuss_spark.WRITE_OPTIONS
+
+
+def test_priorities_are_refused_on_the_driver_where_the_backend_has_none(
+    target: tuple[str, dict[str, Any]],
+) -> None:
+    """A backend without ``capabilities.priority`` would refuse every batch of every task,
+    once the job had started: the driver refuses the option first, with the opened
+    factory's capabilities, and nothing is written. ``priority=0`` is no priority."""
+    from pyspark.sql.types import IntegerType
+
+    from aio_keuss.spark.source import KeussDataSource
+
+    backend, opts = target
+    with sync.connect(backend, **opts) as factory:
+        if factory.capabilities.priority:
+            pytest.skip(f"{backend} has priorities: nothing to refuse")
+    strings = {"backend": backend, "queue": "refused", **{k: str(v) for k, v in opts.items()}}
+    schema = _columns(p=IntegerType())
+    for option in ({"priority_column": "p"}, {"priority": "3"}):
+        with pytest.raises(aio_keuss.NotSupportedError, match="priorit"):
+            keuss_spark.WriteSpec.from_options({**strings, **option})
+        with pytest.raises(aio_keuss.NotSupportedError, match="priorit"):
+            KeussDataSource({**strings, **option}).writer(schema, False)
+        with pytest.raises(aio_keuss.NotSupportedError, match="priorit"):
+            KeussDataSource({**strings, **option}).streamWriter(schema, False)
+    with pytest.raises(aio_keuss.NotSupportedError):
+        keuss_spark.push_partitions(backend, "refused", priority_column="p", **opts)
+    KeussDataSource({**strings, "priority": "0"}).writer(schema, False)
+    # The capabilities the driver checks are the opened factory's (cached with its check)
+    spec = keuss_spark.WriteSpec.from_options(strings)
+    assert not dataclasses.replace(spec, priority=0).prioritized
+    with pytest.raises(aio_keuss.NotSupportedError):
+        dataclasses.replace(spec, priority=1).check_priority(False)
+    with sync.connect(backend, **opts) as factory:
+        assert factory.queue("refused").total_size() == 0
+
+
+def test_a_priority_column_must_be_an_integer_column() -> None:
+    """A double or string column would fail every task at its first row: the driver refuses
+    it (on memory, which has priorities; no task runs here)."""
+    from pyspark.sql import types
+
+    from aio_keuss.spark.source import KeussDataSource
+
+    options = {"backend": "memory", "queue": "typed", "priority_column": "p"}
+    for kind in (types.DoubleType(), types.StringType(), types.DecimalType(4, 0)):
+        with pytest.raises(aio_keuss.ConfigError, match="not an integer column"):
+            KeussDataSource(options).writer(_columns(p=kind), False)
+    with pytest.raises(aio_keuss.ConfigError, match="priority_column 'p' is not a column"):
+        KeussDataSource(options).writer(_columns(), False)
+    for kind in (types.ByteType(), types.ShortType(), types.IntegerType(), types.LongType()):
+        KeussDataSource(options).writer(_columns(p=kind), False)
+
+
+def test_rows_without_priorities_keep_the_push_many_path(
+    pusher_target: tuple[str, dict[str, Any]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Rows without a priority go in by one ``push_many`` a batch, as before priorities:
+    no per-row priority is made, and neither ``push_each`` nor the check of a priority
+    column runs."""
+    from aio_keuss.spark import executor
+
+    backend, opts = pusher_target
+
+    def never(*args: Any) -> Any:
+        raise AssertionError("not on the fast path")
+
+    monkeypatch.setattr(executor, "_push_each", never)
+    monkeypatch.setattr(executor, "_push_many_at", never)
+    monkeypatch.setattr(executor, "_priorities", never)
+    spec = keuss_spark.WriteSpec(backend=backend, queue="fast", options=opts, batch_size=10)
+    pusher = executor._pusher(spec, "job:0")
+    assert not pusher._per_message and pusher._batch([{"n": 0}]).priorities == []
+    assert keuss_spark.push_rows(spec, [{"n": n} for n in range(25)], "job:0") == 25
+    taken = _taken(backend, opts, "fast")
+    assert sorted(m.payload["n"] for m in taken) == list(range(25))
+    assert all(m.priority == 0 for m in taken)
+
+
+def test_rows_with_priorities_come_out_highest_first(
+    pusher_target: tuple[str, dict[str, Any]],
+) -> None:
+    """A priority column (null: 0) goes in by ``push_each``, the column left out of the
+    payload; ``priority`` by ``push_many``. Ids stay idempotent: pushed again, nothing
+    doubles."""
+    import pyarrow as pa
+
+    backend, opts = pusher_target
+    _prioritized(backend, opts)
+    spec = keuss_spark.WriteSpec(
+        backend=backend, queue="ranked", options=opts, priority_column="p", batch_size=3
+    )
+    rows = [{"n": n, "p": p} for n, p in enumerate([0, 5, None, -2, 5, 32767, -32768])]
+    for _ in range(2):
+        assert keuss_spark.push_rows(spec, rows, "job:0") == len(rows)
+    taken = _taken(backend, opts, "ranked")
+    assert [m.payload["n"] for m in taken] == [5, 1, 4, 0, 2, 3, 6]
+    assert [m.priority for m in taken] == [32767, 5, 5, 0, 0, -2, -32768]
+    assert all(set(m.payload) == {"n"} for m in taken)
+
+    plain = keuss_spark.WriteSpec(backend=backend, queue="mixed", options=opts)
+    high = dataclasses.replace(plain, priority=9)
+    assert keuss_spark.push_rows(plain, [{"n": n} for n in range(3)], "plain:0") == 3
+    batches = [pa.RecordBatch.from_pydict({"n": [3, 4]})]
+    assert keuss_spark.push_arrow_batches(high, batches, "high:0") == 2
+    taken = _taken(backend, opts, "mixed")
+    assert [(m.payload["n"], m.priority) for m in taken] == [(3, 9), (4, 9), (0, 0), (1, 0), (2, 0)]
+
+
+def test_a_bad_priority_in_one_row_fails_before_its_batch_is_written(
+    pusher_target: tuple[str, dict[str, Any]],
+) -> None:
+    """A value out of range or not an integer fails the task with InvalidInputError naming
+    the row, before any row of its batch is written."""
+    backend, opts = pusher_target
+    _prioritized(backend, opts)
+    spec = keuss_spark.WriteSpec(
+        backend=backend, queue="badp", options=opts, priority_column="p", idempotent=False
+    )
+    good = [{"n": n, "p": n} for n in range(3)]
+    for bad in (32768, -32769, 1.5, "2", True):
+        with pytest.raises(aio_keuss.InvalidInputError, match=r"row 3 has .* in priority_column"):
+            keuss_spark.push_rows(spec, [*good, {"n": 3, "p": bad}], None)
+    assert keuss_spark.executor_queue(backend, "badp", opts).total_size() == 0
+
+
+def test_df_write_with_priorities_is_read_highest_first(
+    spark: SparkSession, target: tuple[str, dict[str, Any]]
+) -> None:
+    """Through Spark: a priority column and a priority option, each row once, handed out
+    highest first and read back with its priority."""
+    backend, opts = target
+    _prioritized(backend, opts)
+    df = spark.range(40, numPartitions=2).selectExpr(
+        "id", "CASE WHEN id % 4 = 0 THEN NULL ELSE CAST(id % 4 AS SMALLINT) END AS p"
+    )
+    _writer(df, backend, opts, "ranked", priority_column="p", batch_size=7).save()
+    low = spark.range(5).selectExpr("id + 100 AS id")
+    _writer(low, backend, opts, "ranked", priority=-1).save()
+    with sync.connect(backend, **opts) as factory:
+        q = factory.queue("ranked")
+        taken = []
+        while (m := q.pop(timeout=0)) is not None:
+            taken.append((m.priority, m.payload))
+    assert [p for p, _ in taken] == sorted((p for p, _ in taken), reverse=True)
+    assert sorted(payload["id"] for _, payload in taken) == [*range(40), *range(100, 105)]
+    assert all(set(payload) == {"id"} for _, payload in taken)
+    assert all(p == (-1 if x["id"] >= 100 else x["id"] % 4) for p, x in taken)
