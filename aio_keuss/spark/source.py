@@ -27,7 +27,8 @@ Register it with ``aio_keuss.spark.register(spark)``, then:
   a sink, read with ``readStream``, which oks only at commit.
 
 Read schema: ``id string, payload string (JSON), headers string (JSON object), tries int,
-mature timestamp, payload_bytes binary`` (bytes payloads land in ``payload_bytes``).
+mature timestamp, priority int, payload_bytes binary`` (bytes payloads land in
+``payload_bytes``; ``priority`` is 0 where the backend has no priorities).
 """
 
 from __future__ import annotations

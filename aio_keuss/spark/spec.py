@@ -275,24 +275,35 @@ def new_job_key() -> str:
 # -- messages to rows ----------------------------------------------------------------------
 
 READ_SCHEMA = (
-    "id string, payload string, headers string, tries int, mature timestamp, payload_bytes binary"
+    "id string, payload string, headers string, tries int, mature timestamp, priority int,"
+    " payload_bytes binary"
 )
 """``payload`` is the payload as JSON text; a bytes payload is in ``payload_bytes`` instead
-(``payload`` null). ``headers`` is a JSON object text."""
+(``payload`` null). ``headers`` is a JSON object text. ``priority`` is the one the message
+was pushed with (0 where the backend has no priorities)."""
 
-MessageRow = tuple[str, str | None, str, int, _dt.datetime, bytes | None]
+MessageRow = tuple[str, str | None, str, int, _dt.datetime, int, bytes | None]
 
 
 def message_row(message: Message) -> MessageRow:
     payload = message.payload
     headers = orjson.dumps(message.headers).decode() if message.headers else "{}"
     if isinstance(payload, bytes):
-        return (message.id, None, headers, message.tries, message.mature, payload)
+        return (
+            message.id,
+            None,
+            headers,
+            message.tries,
+            message.mature,
+            message.priority,
+            payload,
+        )
     return (
         message.id,
         orjson.dumps(payload).decode(),
         headers,
         message.tries,
         message.mature,
+        message.priority,
         None,
     )

@@ -1066,6 +1066,51 @@ def test_a_bad_priority_in_one_row_fails_before_its_batch_is_written(
     assert keuss_spark.executor_queue(backend, "badp", opts).total_size() == 0
 
 
+def test_the_read_schema_has_a_priority_column_after_mature(
+    spark: SparkSession, target: tuple[str, dict[str, Any]]
+) -> None:
+    """Batch and stream reads show each message's priority (0 where the backend has none),
+    in the column documented: after ``mature``, before ``payload_bytes``."""
+    from aio_keuss.spark.source import KeussStreamReader, ReadSpec
+
+    backend, opts = target
+    with sync.connect(backend, **opts) as factory:
+        capable = factory.capabilities.priority
+        q = factory.queue("cols")
+        q.push_many([{"n": 0}, {"n": 1}])
+        q.push(b"raw", priority=4 if capable else 0)
+    strings = {"backend": backend, "queue": "cols", **{k: str(v) for k, v in opts.items()}}
+    reader = KeussStreamReader(ReadSpec.from_options(strings))
+    try:
+        end = reader.latestOffset(reader.initialOffset(), None)
+        rows = [row for p in reader.partitions(reader.initialOffset(), end) for row in p.value]
+        reader.commit(end)
+    finally:
+        reader.stop()
+    raw = (4 if capable else 0, b"raw")
+    assert sorted((row[5], row[6] or b"") for row in rows) == sorted([(0, b""), (0, b""), raw])
+    assert sorted(orjson.loads(row[1])["n"] for row in rows if row[1] is not None) == [0, 1]
+
+    with sync.connect(backend, **opts) as factory:
+        factory.queue("cols").push_many([{"n": 2}, {"n": 3}])
+    read = spark.read.format("aio_keuss")
+    for key, value in strings.items():
+        read = read.option(key, value)
+    df = read.load()
+    assert df.columns == [
+        "id",
+        "payload",
+        "headers",
+        "tries",
+        "mature",
+        "priority",
+        "payload_bytes",
+    ]
+    assert dict(df.dtypes)["priority"] == "int"
+    got = sorted((orjson.loads(r["payload"])["n"], r["priority"]) for r in df.collect())
+    assert got == [(2, 0), (3, 0)]
+
+
 def test_df_write_with_priorities_is_read_highest_first(
     spark: SparkSession, target: tuple[str, dict[str, Any]]
 ) -> None:
