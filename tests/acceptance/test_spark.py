@@ -950,13 +950,16 @@ def test_priorities_are_refused_on_the_driver_where_the_backend_has_none(
     factory's capabilities, and nothing is written. ``priority=0`` is no priority."""
     from pyspark.sql.types import IntegerType
 
-    from aio_keuss.spark.source import KeussDataSource
+    from aio_keuss.spark.source import KeussDataSource, _check_connect
 
     backend, opts = target
     with sync.connect(backend, **opts) as factory:
         if factory.capabilities.priority:
             pytest.skip(f"{backend} has priorities: nothing to refuse")
+        capabilities = factory.capabilities
     strings = {"backend": backend, "queue": "refused", **{k: str(v) for k, v in opts.items()}}
+    # The driver checks what the opened factory can do (options may take a capability away)
+    assert _check_connect(keuss_spark.WriteSpec.from_options(strings)) == capabilities
     schema = _columns(p=IntegerType())
     for option in ({"priority_column": "p"}, {"priority": "3"}):
         with pytest.raises(aio_keuss.NotSupportedError, match="priorit"):
@@ -968,13 +971,29 @@ def test_priorities_are_refused_on_the_driver_where_the_backend_has_none(
     with pytest.raises(aio_keuss.NotSupportedError):
         keuss_spark.push_partitions(backend, "refused", priority_column="p", **opts)
     KeussDataSource({**strings, "priority": "0"}).writer(schema, False)
-    # The capabilities the driver checks are the opened factory's (cached with its check)
-    spec = keuss_spark.WriteSpec.from_options(strings)
-    assert not dataclasses.replace(spec, priority=0).prioritized
-    with pytest.raises(aio_keuss.NotSupportedError):
-        dataclasses.replace(spec, priority=1).check_priority(False)
     with sync.connect(backend, **opts) as factory:
         assert factory.queue("refused").total_size() == 0
+
+
+def test_priorities_are_refused_on_the_driver_by_redis_list() -> None:
+    """The refusal above where the Spark backends have priorities: redis-list has none."""
+    from pyspark.sql.types import IntegerType
+
+    from aio_keuss.registry import load_backend
+    from aio_keuss.spark.source import KeussDataSource
+
+    if load_backend("redis-list").capabilities.priority:
+        pytest.skip("redis-list has priorities: nothing to refuse")
+    options = {"url": REDIS_URL, "prefix": f"akt-{new_token()}"}
+    strings = {"backend": "redis-list", "queue": "refused", "idempotent": "false", **options}
+    try:
+        for option in ({"priority_column": "p"}, {"priority": "-1"}):
+            with pytest.raises(aio_keuss.NotSupportedError, match="priorit"):
+                KeussDataSource({**strings, **option}).writer(_columns(p=IntegerType()), False)
+        with sync.connect("redis-list", **options) as factory:
+            assert factory.queue("refused").total_size() == 0
+    finally:
+        asyncio.run(_drop_redis_prefix(options))
 
 
 def test_a_priority_column_must_be_an_integer_column() -> None:
