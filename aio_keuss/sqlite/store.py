@@ -31,10 +31,12 @@ old mature time plus the delay, Keuss's redis-oq mistake).
 
 from __future__ import annotations
 
+import heapq
 import math
 import sqlite3
 import time
 from collections.abc import Sequence
+from itertools import islice
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -56,7 +58,7 @@ from ..contract import (
     deadletter_tag,
     moved_id,
 )
-from ..message import append_headers
+from ..message import MAX_PRIORITY, append_headers
 from ..signal import LocalSignalBus, SignalBus
 from ..stats import StatsStore
 from ..types import Capabilities, KoResult, Sizes
@@ -70,16 +72,24 @@ if TYPE_CHECKING:
 Row = tuple[Any, ...]
 LARGEST_ROWID = 2**63 - 1
 """SQLite's largest rowid (SQLite documentation, "ROWID and the INTEGER PRIMARY KEY")."""
+ABOVE_ALL = MAX_PRIORITY + 1
+"""Past every priority: ``level_below`` it is the highest of a queue."""
+
+
+def _peek_order(row: Row) -> tuple[float, int]:
+    """(mature, seq) of a peek row."""
+    return row[5], row[0]
 
 
 def _peeked(row: Row, now: float) -> Peeked:
-    """A row of peek / locate: seq, id, payload, headers, tries, mature, reserved. A ready
+    """A row of peek / locate: seq, id, payload, headers, tries, mature, reserved, priority. A ready
     one shows the tries its next delivery is given: a lapsed reservation was a try its row
     does not count yet (reserve adds it)."""
     mature = row[5]
     state = "ready" if mature <= now else "reserved" if row[6] else "scheduled"
     tries = row[4] + 1 if row[6] and mature <= now else row[4]
-    return Peeked(Stored(row[1], row[2], row[3], tries, mature), state, mature)
+    stored = Stored(row[1], row[2], row[3], tries, mature, priority=row[7])
+    return Peeked(stored, state, mature)
 
 
 class SqliteStore(Store):
@@ -116,7 +126,7 @@ class SqliteStore(Store):
                 flags.append(False)
                 continue
             mature = now + e.delay if e.mature is None else e.mature
-            row = (name, e.id, mature, e.tries, e.payload, e.headers)
+            row = (name, e.id, mature, e.tries, e.payload, e.headers, e.priority)
             inserted = c.execute(sql["insert"], row).rowcount == 1
             if inserted and e.dedup:
                 c.execute(sql["dedup_remember"], (name, e.id, now + self.options.dedup_window))
@@ -130,23 +140,41 @@ class SqliteStore(Store):
         return await self._db.write(lambda c: self._take(c, n, reserve_delay))
 
     def _take(self, c: sqlite3.Connection, n: int, reserve_delay: float | None) -> Fetched:
-        """Pop (``reserve_delay`` None: delete) or reserve up to ``n`` mature messages,
-        earliest first. Consumers see the mature time a message had before (when it became
-        deliverable); a reserved one's row gets its deadline."""
+        """Pop (``reserve_delay`` None: delete) or reserve up to ``n`` mature messages, the
+        highest priority first, earliest first within one. Consumers see the mature time a
+        message had before (when it became deliverable); a reserved one's row gets its
+        deadline. The queue's priorities are walked down from the highest, one index seek
+        each (``level_below``), whatever messages they hold that are not mature: a queue that
+        never had a priority has one, 0."""
         sql, now = self._sql, time.time()
-        rows = c.execute(sql["mature"], (self.name, now, n)).fetchall()
+        rows: list[Row] = []
+        priorities: list[int] = []
+        below = ABOVE_ALL
+        while len(rows) < n:
+            level = c.execute(sql["level_below"], (self.name, below)).fetchone()
+            if level is None:
+                break
+            below, earliest = level
+            if earliest <= now:
+                found = c.execute(sql["mature"], (self.name, below, now, n - len(rows)))
+                taken = found.fetchall()
+                rows += taken
+                priorities += [below] * len(taken)
         if reserve_delay is None:
             c.executemany(sql["delete_seq"], [(r[0],) for r in rows])
         else:
             deadline = now + reserve_delay
             c.executemany(sql["reserve_seq"], [(deadline, r[0]) for r in rows])
-        messages = [Stored(r[1], r[2], r[3], r[4], r[5]) for r in rows]
+        messages = [
+            Stored(r[1], r[2], r[3], r[4], r[5], priority=p)
+            for r, p in zip(rows, priorities, strict=True)
+        ]
         # A full batch means "maybe more now": the wait loop needs no next time then.
         return Fetched(messages, self._next_mature(c) if len(rows) < n else None)
 
     def _next_mature(self, c: sqlite3.Connection) -> float | None:
-        row = c.execute(self._sql["next_mature"], (self.name,)).fetchone()
-        return None if row is None else float(row[0])
+        earliest = c.execute(self._sql["next_mature"], (self.name,)).fetchone()[0]
+        return None if earliest is None else float(earliest)
 
     async def commit(self, acks: Sequence[Ack]) -> list[bool]:
         if not acks:
@@ -278,12 +306,15 @@ class SqliteStore(Store):
         return check_seq_cursor(cursor)
 
     async def peek(self, state: str, after: Cursor | None, limit: int) -> PeekPage:
-        """The cursor is (mature, seq): the order of the table's index. The walk covers
-        only the stretch of the index where the state's messages can be: scheduled and
-        reserved ones are all past now, ready ones all at or before it. Filtered row by
-        row over the whole queue instead, a peek read every message of the other states
-        first, holding the database thread, and so every call of the factory, for as long
-        (a third of a second a million messages)."""
+        """The cursor is (mature, seq): the order messages of one priority are indexed in,
+        and the order a peek lists them in whatever their priorities (as the memory store
+        does). Each priority of the queue is one stretch of the index, and the walk of each
+        covers only the part where the state's messages can be: scheduled and reserved ones
+        are all past now, ready ones all at or before it. Filtered row by row over the whole
+        queue instead, a peek read every message of the other states first, holding the
+        database thread, and so every call of the factory, for as long (a third of a second
+        a million messages). A page reads up to ``limit`` rows of each priority the queue
+        has and keeps the ``limit`` first of them."""
         start = (-math.inf, -1) if after is None else (after[0], int(after[1]))
 
         def peek(c: sqlite3.Connection) -> PeekPage:
@@ -294,14 +325,26 @@ class SqliteStore(Store):
                 mature, seq = max(start, (now, LARGEST_ROWID))
             elif state == "ready":
                 until = now
-            rows = c.execute(
-                self._sql["peek"], (self.name, mature, seq, state, limit, now, until)
-            ).fetchall()
+            statement, walks = self._sql["peek"], []
+            for priority in self._priorities(c):
+                found = c.execute(
+                    statement, (self.name, mature, seq, state, limit, now, until, priority)
+                )
+                walks.append(found.fetchall())
+            rows = list(islice(heapq.merge(*walks, key=_peek_order), limit))
             last = rows[-1] if len(rows) == limit else None
             cursor = None if last is None else (float(last[5]), str(last[0]))
             return PeekPage([_peeked(r, now) for r in rows], cursor)
 
         return await self._db.read(peek)
+
+    def _priorities(self, c: sqlite3.Connection) -> list[int]:
+        """The priorities the queue's messages have, highest first: a seek each."""
+        found, below, statement = [], ABOVE_ALL, self._sql["level_below"]
+        while level := c.execute(statement, (self.name, below)).fetchone():
+            below = level[0]
+            found.append(below)
+        return found
 
     async def locate(self, ids: Sequence[str]) -> list[Peeked | None]:
         if not ids:
@@ -331,7 +374,9 @@ class SqliteQueueBackend(SqliteConnection):
     are not shared (``Capabilities.shared`` false) and its signals stay in-process."""
 
     name = "sqlite"
-    capabilities: Capabilities = Capabilities(move=True, peek=True, hold=True, extend=True)
+    capabilities: Capabilities = Capabilities(
+        move=True, peek=True, hold=True, extend=True, priority=True
+    )
 
     def __init__(self, options: dict[str, Any]) -> None:
         super().__init__(options)

@@ -8,8 +8,8 @@
 
 -- name: insert
 -- One message; ignored (no row changed) when the queue holds its id already.
-INSERT OR IGNORE INTO messages (queue, id, mature, tries, payload, headers)
-VALUES (?, ?, ?, ?, ?, ?)
+INSERT OR IGNORE INTO messages (queue, id, mature, tries, payload, headers, priority)
+VALUES (?, ?, ?, ?, ?, ?, ?)
 
 -- name: dedup_active
 -- Whether an id the user chose is remembered within its window: (queue, id, now).
@@ -24,13 +24,24 @@ ON CONFLICT (queue, id) DO UPDATE SET expires = excluded.expires
 DELETE FROM dedup WHERE queue = ?1 AND id IN (
     SELECT id FROM dedup WHERE queue = ?1 AND expires <= ?2 LIMIT 100)
 
+-- name: level_below
+-- The highest priority of the queue below ?2 (past the largest priority: the highest of
+-- all), with the mature time of its earliest message: one seek in the (queue, priority DESC,
+-- mature, seq) index, whatever the messages of the priorities passed. A take walks a queue's
+-- priorities with it, one after another, down from the highest.
+SELECT priority, mature FROM messages
+WHERE queue = ?1 AND priority < ?2
+ORDER BY priority DESC, mature, seq
+LIMIT 1
+
 -- name: mature
--- Up to n mature messages, earliest first: (queue, now, n). tries counts a delivery whose
--- reservation expired (reserved and mature again) as a try.
+-- Up to n mature messages of one priority, earliest first: (queue, priority, now, n), one
+-- stretch of the index. tries counts a delivery whose reservation expired (reserved and
+-- mature again) as a try.
 SELECT seq, id, payload, headers, tries + reserved, mature FROM messages
-WHERE queue = ? AND mature <= ?
+WHERE queue = ?1 AND priority = ?2 AND mature <= ?3
 ORDER BY mature, seq
-LIMIT ?
+LIMIT ?4
 
 -- name: delete_seq
 DELETE FROM messages WHERE seq = ?
@@ -40,7 +51,21 @@ DELETE FROM messages WHERE seq = ?
 UPDATE messages SET mature = ?, tries = tries + reserved, reserved = 1 WHERE seq = ?
 
 -- name: next_mature
-SELECT mature FROM messages WHERE queue = ? ORDER BY mature, seq LIMIT 1
+-- The earliest mature time of a queue (NULL: empty): the earliest of each of its priorities,
+-- found by walking them as a take does, two seeks a priority (SQLite documentation, "The
+-- WITH Clause", recursive common table expressions); SQLite's own skip-scan would need
+-- ANALYZE's statistics to be chosen, and ordering the queue by mature time alone a sort.
+WITH RECURSIVE level(priority) AS (
+    SELECT (SELECT priority FROM messages WHERE queue = ?1
+            ORDER BY priority DESC LIMIT 1)
+    UNION ALL
+    SELECT (SELECT priority FROM messages WHERE queue = ?1 AND priority < level.priority
+            ORDER BY priority DESC LIMIT 1)
+    FROM level WHERE level.priority IS NOT NULL
+)
+SELECT min((SELECT mature FROM messages WHERE queue = ?1 AND priority = level.priority
+            ORDER BY mature, seq LIMIT 1))
+FROM level WHERE level.priority IS NOT NULL
 
 -- name: held
 -- A message under reservation with the tries its holder was given (NULL: any):
@@ -92,12 +117,13 @@ SELECT coalesce(sum(mature <= ?2), 0),
 FROM messages WHERE queue = ?1
 
 -- name: peek
--- Look without taking: up to ?5 messages in state ?4 past the cursor (?2 mature, ?3 seq),
--- in the order of the (queue, mature, seq) index, which the row value comparison walks
--- (SQLite documentation, "Row Values"), up to mature ?7 (now for ready messages, else
--- infinity), which bounds that walk; ?6 is now.
-SELECT seq, id, payload, headers, tries, mature, reserved FROM messages
-WHERE queue = ?1 AND (mature, seq) > (?2, ?3) AND mature <= ?7
+-- Look without taking: up to ?5 messages of priority ?8 in state ?4 past the cursor (?2
+-- mature, ?3 seq), in the order of that priority's stretch of the (queue, priority DESC,
+-- mature, seq) index, which the row value comparison walks (SQLite documentation, "Row
+-- Values"), up to mature ?7 (now for ready messages, else infinity), which bounds that
+-- walk; ?6 is now.
+SELECT seq, id, payload, headers, tries, mature, reserved, priority FROM messages
+WHERE queue = ?1 AND priority = ?8 AND (mature, seq) > (?2, ?3) AND mature <= ?7
   AND CASE ?4 WHEN 'ready' THEN mature <= ?6
               WHEN 'scheduled' THEN mature > ?6 AND reserved = 0
               WHEN 'reserved' THEN mature > ?6 AND reserved = 1
@@ -106,7 +132,7 @@ ORDER BY mature, seq
 LIMIT ?5
 
 -- name: locate
-SELECT seq, id, payload, headers, tries, mature, reserved FROM messages
+SELECT seq, id, payload, headers, tries, mature, reserved, priority FROM messages
 WHERE queue = ? AND id = ?
 
 -- name: hold_seq
