@@ -36,8 +36,8 @@ import math
 import sqlite3
 import time
 from collections.abc import Sequence
-from itertools import islice
 from dataclasses import replace
+from itertools import islice
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from ..contract import (

@@ -12,6 +12,7 @@ import contextlib
 import json
 import logging
 import os
+import re
 import sqlite3
 import subprocess
 import sys
@@ -670,6 +671,137 @@ async def test_a_peek_walks_only_the_messages_of_its_state(open_factory: Open) -
     assert page.cursor is not None
     rest = await backlog.page(state="reserved", after=page.cursor, limit=1)
     assert rest.items == [] and rest.cursor is None
+
+
+# priorities ---------------------------------------------------------------------------------
+
+
+async def test_a_file_of_the_schema_before_priorities_opens_with_its_messages_at_0(
+    open_factory: Open, database: str, tmp_path: Path
+) -> None:
+    """A file the previous release made (schema version 2: no priority column, the
+    (queue, mature, seq) index) is migrated on open: its messages read as priority 0, keep
+    their order among themselves, and go after a message pushed with a priority."""
+    from aio_keuss.sqlite.sql import migrations
+
+    # messages as this release encodes them, copied into a file of the old schema
+    source = str(tmp_path / "source.db")
+    async with aio_keuss.connect("sqlite", path=source, signal="local") as factory:
+        q = await factory.queue("jobs")
+        for n in range(3):
+            await q.push({"n": n}, headers={"old": "yes"})
+    with contextlib.closing(sqlite3.connect(source)) as made:
+        rows = made.execute(
+            "SELECT queue, id, mature, payload, headers FROM messages ORDER BY seq"
+        ).fetchall()
+    with contextlib.closing(sqlite3.connect(database, isolation_level=None)) as old:
+        for step, statements in migrations():
+            if step <= 2:
+                for statement in statements:
+                    old.execute(statement)
+        old.execute("PRAGMA user_version = 2")
+        old.execute(f"PRAGMA application_id = {APPLICATION_ID:d}")
+        old.executemany(
+            "INSERT INTO messages (queue, id, mature, payload, headers) VALUES (?, ?, ?, ?, ?)",
+            rows,
+        )
+        assert "priority" not in {r[1] for r in old.execute("PRAGMA table_info(messages)")}
+
+    factory = await open_factory(signal="local")
+    q = await factory.queue("jobs")
+    assert [view.message.priority for view in await q.peek(5)] == [0, 0, 0]
+    await q.push("urgent", priority=1)
+    taken = await q.reserve_many(10, timeout=0)
+    assert [(m.payload, m.priority) for m in taken] == [
+        ("urgent", 1),
+        ({"n": 0}, 0),
+        ({"n": 1}, 0),
+        ({"n": 2}, 0),
+    ]
+    assert all(m.headers == {"old": "yes"} for m in taken[1:])
+    with contextlib.closing(sqlite3.connect(database)) as migrated:
+        assert migrated.execute("PRAGMA user_version").fetchone()[0] == migrations()[-1][0]
+        indexes = {r[1] for r in migrated.execute("PRAGMA index_list(messages)")}
+        assert "messages_by_priority" in indexes and "messages_by_mature" not in indexes
+
+
+async def test_the_take_steps_over_a_priority_of_unready_messages_in_one_seek(
+    open_factory: Open,
+) -> None:
+    """Thousands of reserved messages of a high priority and thousands delayed of a higher
+    one: a take of the one ready message below them, and the next mature time it answers,
+    cost a seek or two a priority, not a row each of those (counted in SQLite's virtual
+    machine steps, not in time, as the peek test does)."""
+    factory = await open_factory(signal="local", stats="memory", reserve_delay=600.0)
+    backend = factory.backend
+    q = await factory.queue("mixed")
+    size = 3000
+    await q.push_many(["held"] * size, priority=5)
+    while await q.size():
+        await q.reserve_many(1000, timeout=0)
+    await q.push_many(["later"] * size, priority=9, delay=3600)
+    await q.push("plain")
+    steps = 0
+
+    def count() -> int:
+        nonlocal steps
+        steps += 1
+        return 0
+
+    await backend.read(lambda c: c.set_progress_handler(count, 1))
+    try:
+        taken = await q.reserve_many(10, timeout=0)
+        next_mature = await q.next_mature_t()
+    finally:
+        await backend.read(lambda c: c.set_progress_handler(None, 1))
+    assert [m.payload for m in taken] == ["plain"]
+    assert next_mature is not None
+    assert steps < size, steps
+
+
+async def test_a_peek_lists_every_priority_in_mature_order_page_by_page(
+    open_factory: Open,
+) -> None:
+    """Peek keeps its (mature, seq) order and cursor: the priorities are walked one by one
+    and merged, so a page is the first messages of the queue whatever their priority."""
+    factory = await open_factory(signal="local")
+    q = await factory.queue("peeked")
+    pushed = []
+    for n, priority in enumerate([0, 3, -1, 3, 0, 7, -1, 0]):
+        await q.push(n, priority=priority)
+        pushed.append((n, priority))
+    seen: list[tuple[int, int]] = []
+    after = None
+    while True:
+        page = await q.page(limit=3, after=after)
+        seen += [(v.message.payload, v.message.priority) for v in page.items]
+        if page.cursor is None:
+            break
+        after = page.cursor
+    assert seen == pushed
+
+
+def test_the_queries_of_the_take_and_the_peek_search_the_index() -> None:
+    """What SQLite plans for them (EXPLAIN QUERY PLAN): searches of the (queue, priority,
+    mature, seq) index, never a scan of the table nor a sort."""
+    from aio_keuss.sqlite.sql import migrations, queries
+
+    with contextlib.closing(sqlite3.connect(":memory:")) as c:
+        for _, statements in migrations():
+            for statement in statements:
+                c.execute(statement)
+        for name in ("level_below", "mature", "next_mature", "peek"):
+            sql = queries()[name]
+            arity = max(int(n) for n in re.findall(r"\?(\d+)", sql))  # all numbered
+            plan = [r[3] for r in c.execute("EXPLAIN QUERY PLAN " + sql, [None] * arity)]
+            # the walk of the priorities (next_mature) reads its own rows: "level"
+            searches = [s for s in plan if "messages" in s or s.startswith("SCAN")]
+            assert searches and all(
+                re.match(r"SEARCH messages USING (COVERING )?INDEX messages_by_priority", s)
+                or s in ("SCAN CONSTANT ROW", "SCAN level")
+                for s in searches
+            ), (name, plan)
+            assert not any("TEMP B-TREE" in step for step in plan), (name, plan)
 
 
 # extending a reservation -------------------------------------------------------------------
