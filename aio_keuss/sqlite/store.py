@@ -143,34 +143,52 @@ class SqliteStore(Store):
         """Pop (``reserve_delay`` None: delete) or reserve up to ``n`` mature messages, the
         highest priority first, earliest first within one. Consumers see the mature time a
         message had before (when it became deliverable); a reserved one's row gets its
-        deadline. The queue's priorities are walked down from the highest, one index seek
-        each (``level_below``), whatever messages they hold that are not mature: a queue that
-        never had a priority has one, 0."""
+        deadline. The queue's priorities are walked down from the highest, one statement
+        each (``mature``): a queue that never had a priority has one, 0, and takes as it
+        did before priorities, in one statement when the batch fills."""
         sql, now = self._sql, time.time()
         rows: list[Row] = []
-        priorities: list[int] = []
+        later = math.inf  # the earliest mature time past now of the priorities walked
         below = ABOVE_ALL
         while len(rows) < n:
-            level = c.execute(sql["level_below"], (self.name, below)).fetchone()
+            level = self._take_level(c, below, now, n - len(rows), rows)
             if level is None:
                 break
-            below, earliest = level
-            if earliest <= now:
-                found = c.execute(sql["mature"], (self.name, below, now, n - len(rows)))
-                taken = found.fetchall()
-                rows += taken
-                priorities += [below] * len(taken)
+            below, first_later = level
+            later = min(later, first_later)
         if reserve_delay is None:
             c.executemany(sql["delete_seq"], [(r[0],) for r in rows])
-        else:
+        elif rows:
             deadline = now + reserve_delay
             c.executemany(sql["reserve_seq"], [(deadline, r[0]) for r in rows])
-        messages = [
-            Stored(r[1], r[2], r[3], r[4], r[5], priority=p)
-            for r, p in zip(rows, priorities, strict=True)
-        ]
-        # A full batch means "maybe more now": the wait loop needs no next time then.
-        return Fetched(messages, self._next_mature(c) if len(rows) < n else None)
+            later = min(later, deadline)
+        messages = [Stored(r[1], r[2], r[3], r[4], r[5], priority=r[6]) for r in rows]
+        # A full batch means "maybe more now": the wait loop needs no next time then. Short
+        # of one, every priority was walked, and each one's earliest message not taken is
+        # the first past now it read (or it had none left).
+        if len(rows) == n:
+            return Fetched(messages, None)
+        return Fetched(messages, None if later == math.inf else later)
+
+    def _take_level(
+        self, c: sqlite3.Connection, below: int, now: float, n: int, rows: list[Row]
+    ) -> tuple[int, float] | None:
+        """Add to ``rows`` up to ``n`` mature messages of the highest priority below
+        ``below``, reading its messages in order only as far as the first one not mature.
+        Answers that priority and the mature time of that first one (infinity: none read),
+        or None where the queue has no priority below."""
+        found = c.execute(self._sql["mature"], (self.name, below, n))
+        try:
+            priority, later = None, math.inf
+            for row in found:
+                priority = row[6]
+                if row[5] > now:
+                    later = row[5]
+                    break
+                rows.append(row)
+        finally:
+            found.close()  # ends the statement where the walk stopped
+        return None if priority is None else (priority, later)
 
     def _next_mature(self, c: sqlite3.Connection) -> float | None:
         earliest = c.execute(self._sql["next_mature"], (self.name,)).fetchone()[0]

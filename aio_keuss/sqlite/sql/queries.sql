@@ -26,22 +26,26 @@ DELETE FROM dedup WHERE queue = ?1 AND id IN (
 
 -- name: level_below
 -- The highest priority of the queue below ?2 (past the largest priority: the highest of
--- all), with the mature time of its earliest message: one seek in the (queue, priority DESC,
--- mature, seq) index, whatever the messages of the priorities passed. A take walks a queue's
--- priorities with it, one after another, down from the highest.
-SELECT priority, mature FROM messages
+-- all): one seek in the (queue, priority DESC, mature, seq) index, whatever the messages of
+-- the priorities passed. Peek walks a queue's priorities with it, one after another.
+SELECT priority FROM messages
 WHERE queue = ?1 AND priority < ?2
-ORDER BY priority DESC, mature, seq
+ORDER BY priority DESC
 LIMIT 1
 
 -- name: mature
--- Up to n mature messages of one priority, earliest first: (queue, priority, now, n), one
--- stretch of the index. tries counts a delivery whose reservation expired (reserved and
--- mature again) as a try.
-SELECT seq, id, payload, headers, tries + reserved, mature FROM messages
-WHERE queue = ?1 AND priority = ?2 AND mature <= ?3
+-- Up to ?3 messages of the highest priority of the queue below ?2, earliest first: a take
+-- walks a queue's priorities with it, down from the highest, one seek and one stretch of
+-- the (queue, priority DESC, mature, seq) index each, and reads each stretch only as far
+-- as its first message not mature (its rows are read one by one), so a priority whose
+-- messages are all reserved or delayed costs one row. tries counts a delivery whose
+-- reservation expired (reserved and mature again) as a try.
+SELECT seq, id, payload, headers, tries + reserved, mature, priority FROM messages
+WHERE queue = ?1 AND priority = (
+    SELECT priority FROM messages WHERE queue = ?1 AND priority < ?2
+    ORDER BY priority DESC LIMIT 1)
 ORDER BY mature, seq
-LIMIT ?4
+LIMIT ?3
 
 -- name: delete_seq
 DELETE FROM messages WHERE seq = ?
