@@ -73,7 +73,7 @@ Row = tuple[Any, ...]
 LARGEST_ROWID = 2**63 - 1
 """SQLite's largest rowid (SQLite documentation, "ROWID and the INTEGER PRIMARY KEY")."""
 ABOVE_ALL = MAX_PRIORITY + 1
-"""Past every priority: ``level_below`` it is the highest of a queue."""
+"""Past every priority: what is below it is all of a queue."""
 
 
 def _peek_order(row: Row) -> tuple[float, int]:
@@ -143,19 +143,18 @@ class SqliteStore(Store):
         """Pop (``reserve_delay`` None: delete) or reserve up to ``n`` mature messages, the
         highest priority first, earliest first within one. Consumers see the mature time a
         message had before (when it became deliverable); a reserved one's row gets its
-        deadline. The queue's priorities are walked down from the highest, one statement
-        each (``mature``): a queue that never had a priority has one, 0, and takes as it
-        did before priorities, in one statement when the batch fills."""
+        deadline. The walk down the queue's priorities starts over below a priority at its
+        first message not mature (see ``mature``): a queue that never had a priority has
+        one, 0, and takes in one statement as it did before priorities."""
         sql, now = self._sql, time.time()
         rows: list[Row] = []
         later = math.inf  # the earliest mature time past now of the priorities walked
         below = ABOVE_ALL
         while len(rows) < n:
-            level = self._take_level(c, below, now, n - len(rows), rows)
-            if level is None:
+            stop = self._take_until_later(c, below, now, n - len(rows), rows)
+            if stop is None:
                 break
-            below, first_later = level
-            later = min(later, first_later)
+            later, below = min(later, stop[0]), stop[1]
         if reserve_delay is None:
             c.executemany(sql["delete_seq"], [(r[0],) for r in rows])
         elif rows:
@@ -165,30 +164,27 @@ class SqliteStore(Store):
         messages = [Stored(r[1], r[2], r[3], r[4], r[5], priority=r[6]) for r in rows]
         # A full batch means "maybe more now": the wait loop needs no next time then. Short
         # of one, every priority was walked, and each one's earliest message not taken is
-        # the first past now it read (or it had none left).
+        # the first not mature the walk stopped at (or it had none left).
         if len(rows) == n:
             return Fetched(messages, None)
         return Fetched(messages, None if later == math.inf else later)
 
-    def _take_level(
+    def _take_until_later(
         self, c: sqlite3.Connection, below: int, now: float, n: int, rows: list[Row]
-    ) -> tuple[int, float] | None:
-        """Add to ``rows`` up to ``n`` mature messages of the highest priority below
-        ``below``, reading its messages in order only as far as the first one not mature.
-        Answers that priority and the mature time of that first one (infinity: none read),
-        or None where the queue has no priority below."""
+    ) -> tuple[float, int] | None:
+        """Add to ``rows`` up to ``n`` mature messages of the priorities below ``below``, in
+        the index's order, up to the first one not mature. Answers its mature time and
+        priority, or None where there was none (``n`` taken, or the queue walked to its
+        end)."""
         found = c.execute(self._sql["mature"], (self.name, below, n))
         try:
-            priority, later = None, math.inf
             for row in found:
-                priority = row[6]
                 if row[5] > now:
-                    later = row[5]
-                    break
+                    return row[5], row[6]
                 rows.append(row)
+            return None
         finally:
             found.close()  # ends the statement where the walk stopped
-        return None if priority is None else (priority, later)
 
     def _next_mature(self, c: sqlite3.Connection) -> float | None:
         earliest = c.execute(self._sql["next_mature"], (self.name,)).fetchone()[0]

@@ -34,17 +34,16 @@ ORDER BY priority DESC
 LIMIT 1
 
 -- name: mature
--- Up to ?3 messages of the highest priority of the queue below ?2, earliest first: a take
--- walks a queue's priorities with it, down from the highest, one seek and one stretch of
--- the (queue, priority DESC, mature, seq) index each, and reads each stretch only as far
--- as its first message not mature (its rows are read one by one), so a priority whose
--- messages are all reserved or delayed costs one row. tries counts a delivery whose
--- reservation expired (reserved and mature again) as a try.
+-- Up to ?3 messages of the queue's priorities below ?2, the highest priority first, then
+-- earliest first: the order of the (queue, priority DESC, mature, seq) index. A take reads
+-- them one by one only as far as the first one not mature: the messages of that priority
+-- after it are not mature either, and the take goes on with the priorities below it in a
+-- statement of its own. So a priority whose messages are all reserved or delayed costs one
+-- row, and a queue with one priority (0 for all that never had one) one statement. tries
+-- counts a delivery whose reservation expired (reserved and mature again) as a try.
 SELECT seq, id, payload, headers, tries + reserved, mature, priority FROM messages
-WHERE queue = ?1 AND priority = (
-    SELECT priority FROM messages WHERE queue = ?1 AND priority < ?2
-    ORDER BY priority DESC LIMIT 1)
-ORDER BY mature, seq
+WHERE queue = ?1 AND priority < ?2
+ORDER BY priority DESC, mature, seq
 LIMIT ?3
 
 -- name: delete_seq
