@@ -623,7 +623,7 @@ async def test_writes_queued_together_share_a_commit_and_fail_alone(open_factory
 
 async def test_a_peek_walks_only_the_messages_of_its_state(open_factory: Open) -> None:
     """Scheduled and reserved messages are all past now, ready ones all at or before it: a
-    peek of one state walks only that part of the (queue, mature, seq) index. Filtered
+    peek of one state walks only that part of each priority's stretch of the index. Filtered
     row by row instead, a peek of the reserved ones read every ready message first (0.3 s
     a million here) and a peek of the ready ones every scheduled one after them, on the
     factory's one database thread, so every pop, push and ok of the factory waited. The

@@ -55,8 +55,8 @@ UPDATE messages SET mature = ?, tries = tries + reserved, reserved = 1 WHERE seq
 
 -- name: next_mature
 -- The earliest mature time of a queue (NULL: empty): the earliest of each of its priorities,
--- found by walking them as a take does, two seeks a priority (SQLite documentation, "The
--- WITH Clause", recursive common table expressions); SQLite's own skip-scan would need
+-- found by walking them down from the highest, two seeks a priority (SQLite documentation,
+-- "The WITH Clause", recursive common table expressions); SQLite's own skip-scan would need
 -- ANALYZE's statistics to be chosen, and ordering the queue by mature time alone a sort.
 WITH RECURSIVE level(priority) AS (
     SELECT (SELECT priority FROM messages WHERE queue = ?1
