@@ -52,6 +52,7 @@ class HeldBucket:
         "states",
         "targets",
         "tries",
+        "uncounted",
         "version",
         "writes",
         "writing",
@@ -87,6 +88,9 @@ class HeldBucket:
         self.lost = False  # someone else took the lease over
         self.last_used = now
         self.lease_until = 0.0
+        # (version, deadletter queue) of each deadletter move finished here and not yet
+        # counted: counted once a write of that version lands (``_count_finished``).
+        self.uncounted: list[tuple[int, str]] = []
 
     def __lt__(self, other: HeldBucket) -> bool:  # heap ties (never reached in practice)
         return self.seq < other.seq

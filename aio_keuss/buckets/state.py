@@ -44,6 +44,7 @@ class StateWriter:
     _leaving: dict[str, HeldBucket]
     _flusher: asyncio.Task[None] | None
     _visible: Callable[[float], None] | None
+    _finished: Callable[[str, int], None] | None
 
     async def _sync(
         self,
@@ -148,6 +149,8 @@ class StateWriter:
                 self._forget(bucket)
                 continue
             bucket.persisted = max(bucket.persisted, version)
+            if bucket.uncounted:
+                self._count_finished(bucket)
             if write.mode == KEEP:
                 bucket.lease_until = write.score
             else:
@@ -158,6 +161,20 @@ class StateWriter:
             # the ones waiting elsewhere (they leased nothing while it held them, and would
             # otherwise sleep until their poll interval).
             self._visible(min(released))
+
+    def _count_finished(self, bucket: HeldBucket) -> None:
+        """Count the deadletter moves whose done mark is now stored (``on_finished_deadletter``:
+        the queue counts them and wakes the deadletter queue's consumers). One count per
+        move, by whoever's mark is stored: a mark is stored once, under the lease of the
+        holder that finished the move, and every other holder's is refused (a ko's result
+        counts the ko's own moves, see the store's ``_deadletter``)."""
+        stored = [queue for version, queue in bucket.uncounted if version <= bucket.persisted]
+        if not stored:
+            return
+        bucket.uncounted = [e for e in bucket.uncounted if e[0] > bucket.persisted]
+        if self._finished is not None:
+            for queue in dict.fromkeys(stored):
+                self._finished(queue, stored.count(queue))
 
     async def _finish_deadletters(self, buckets: Iterable[HeldBucket]) -> None:
         """The store's: copies of slots a previous holder left on their way to the

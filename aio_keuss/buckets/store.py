@@ -717,8 +717,19 @@ class BucketStore(PushSide, StateWriter, Store):
             return missing
         slots = [(m.bucket, m.slot) for m in moving]
         touched = await self._deadlettering.run(self._copy_then_mark(slots, moving))
-        await self._sync(touched)
-        return missing
+        try:
+            await self._sync(touched)
+        except BaseException:
+            # The ko fails, and counts nothing: the mark is counted by the state write that
+            # stores it (or, refused, by whoever then finishes the move).
+            for m in moving:
+                if m.bucket.states[m.slot] == DONE:
+                    m.bucket.uncounted.append((m.bucket.version, plan.queue))
+            raise
+        # A bucket taken over while the copy was on its way (this holder stalled past its
+        # lease): the taker read the slot as on its way, and finishes the move and counts
+        # it (``on_finished_deadletter``). Counted here too, it was counted twice.
+        return missing + [m.result for m in moving if m.bucket.lost]
 
     async def _copy_then_mark(
         self, slots: list[tuple[HeldBucket, int]], moving: list[_Moving] | None = None
@@ -744,11 +755,18 @@ class BucketStore(PushSide, StateWriter, Store):
         touched = {}
         for bucket, slot in slots:
             if bucket.states[slot] == DEADLETTERING:
+                target = self._target(bucket, slot)
                 bucket.states[slot] = DONE
                 bucket.targets.pop(slot, None)
                 bucket.remaining -= 1
                 bucket.version += 1
                 touched[bucket.id] = bucket
+                if moving is None and target is not None:
+                    # A previous holder's move: counted once the write of this mark lands
+                    # (see ``_count_finished``), never before: a mark refused (this store
+                    # stalled past its lease in turn) leaves the move to the next holder,
+                    # which reads the slot as on its way and counts it.
+                    bucket.uncounted.append((bucket.version, target))
         return list(touched.values())
 
     def _give_back_moving(self, moving: list[_Moving]) -> None:
@@ -783,9 +801,6 @@ class BucketStore(PushSide, StateWriter, Store):
             return
         self._copying.update((bucket.id, slot) for bucket, slot in slots)
         touched = await self._deadlettering.run(self._copy_then_mark(slots))
-        if self._finished is not None:  # written: the queue counts them and tells consumers
-            for queue, copies in self._by_target(slots).items():
-                self._finished(queue, len(copies))
         await self._sync(touched)
 
     def _by_target(

@@ -1415,9 +1415,7 @@ async def test_a_deadletter_move_whose_holder_died_after_the_mark_is_finished_by
     ):
         held, old = await _held_unrenewed(old_q)
         with pytest.MonkeyPatch.context() as patch:
-            patch.setattr(
-                old._storage, "insert_buckets", _raising(aio_keuss.BackendError("died"))
-            )
+            patch.setattr(old._storage, "insert_buckets", _raising(aio_keuss.BackendError("died")))
             with pytest.raises(aio_keuss.BackendError):
                 await old_q.ko(held)  # the mark is stored, the copy is not
         await _lease_lapsed(old)
@@ -1466,9 +1464,7 @@ async def test_a_deadletter_move_finished_by_a_taker_configured_otherwise_lands_
         stray = await _take_all(await second.queue("__deadletter__"), idle=0.5)
         dead = await _take_all(await second.queue("graveyard"), idle=0.5)
         assert [m.payload for m in stray] == []
-        assert [(m.payload, m.headers["x-dl-from-queue"]) for m in dead] == [
-            ("m", "dl-elsewhere")
-        ]
+        assert [(m.payload, m.headers["x-dl-from-queue"]) for m in dead] == [("m", "dl-elsewhere")]
 
 
 async def test_a_bucket_given_back_with_a_deadletter_move_unfinished_is_taken_at_once(
@@ -1498,9 +1494,7 @@ async def test_a_bucket_given_back_with_a_deadletter_move_unfinished_is_taken_at
         old = old_q._store  # type: ignore[attr-defined]
         await _stop_renewing(old)
         with pytest.MonkeyPatch.context() as patch:
-            patch.setattr(
-                old._storage, "insert_buckets", _raising(aio_keuss.BackendError("died"))
-            )
+            patch.setattr(old._storage, "insert_buckets", _raising(aio_keuss.BackendError("died")))
             with pytest.raises(aio_keuss.BackendError):
                 await old_q.ko(again)  # stored as on its way, the copy not written
         (bucket,) = old._held_buckets.values()
@@ -1768,3 +1762,63 @@ async def test_an_extend_by_a_holder_whose_bucket_was_taken_over_is_false(
         assert await t.old.extend(t.held, 60) is False
         assert await t.new.extend(t.got, 60) is True
         assert await t.new.ok(t.got) is True
+
+
+async def test_a_holder_resuming_after_a_taker_finished_its_deadletter_counts_it_once(
+    bucket_case: tuple[BackendCase, dict[str, Any]],
+) -> None:
+    """The holder's copy is held past its lease; a taker finishes the move and counts it.
+    The holder then resumes: its copy lands on the taker's (the same id), its mark is
+    refused (the lease is the taker's). Its ko counted the deadletter a second time; now
+    it answers MISSING (the move was the taker's to finish), and the count stays one."""
+    async with _two_factories(bucket_case, "dl-count-once", 1.0, deadletter={"max_ko": 0}) as (
+        old_q,
+        new_q,
+        factory,
+    ):
+        held, old = await _held_unrenewed(old_q)
+        with _copies_held(old) as reached:
+            ko = asyncio.create_task(old_q.ko(held))
+            await asyncio.wait_for(reached.wait(), 10)  # stored as on its way
+            await _lease_lapsed(old)  # the renewed lease
+            assert await new_q.reserve(timeout=0) is None  # taken over, finished, counted
+        assert await ko == KoResult.MISSING
+        dead = await _take_all(await factory.queue("__deadletter__"), idle=0.5)
+        assert [m.payload for m in dead] == ["m"]
+        assert (await new_q.stats())["deadletter"] == 1
+
+
+async def test_a_taker_stalled_before_its_mark_leaves_the_count_to_whoever_finishes(
+    bucket_case: tuple[BackendCase, dict[str, Any]],
+) -> None:
+    """A holder died with a slot on its way; a taker's copy is held past its own lease, and
+    a third process finishes the move. The taker then resumes: its copy lands on the
+    third's and its mark is refused. It counted the deadletter before its mark was
+    stored: counted twice. Now only the finisher whose mark is stored counts it."""
+    case, options = bucket_case
+    extra = {"deadletter": {"max_ko": 0}, "poll_interval": 3600.0}
+    async with (
+        aio_keuss.connect(case.name, **options, **extra) as first,
+        aio_keuss.connect(case.name, **options, **extra) as second,
+        aio_keuss.connect(case.name, **options, **extra) as third,
+    ):
+        old_q = await first.queue("dl-taker-stalls", reserve_delay=1.0)
+        held, old = await _held_unrenewed(old_q)
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(old._storage, "insert_buckets", _raising(aio_keuss.BackendError("died")))
+            with pytest.raises(aio_keuss.BackendError):
+                await old_q.ko(held)  # stored as on its way, the copy not written
+        await _lease_lapsed(old)
+        taker_q = await second.queue("dl-taker-stalls", reserve_delay=1.0)
+        taker = taker_q._store  # type: ignore[attr-defined]
+        with _copies_held(taker) as reached:
+            taking = asyncio.create_task(taker_q.reserve(timeout=0))
+            await asyncio.wait_for(reached.wait(), 10)  # taken over, its copy on its way
+            await _stop_renewing(taker)
+            last_q = await third.queue("dl-taker-stalls", reserve_delay=1.0)
+            assert await last_q.reserve(timeout=0) is None  # taken over, finished
+        assert await taking is None
+        dead = await _take_all(await third.queue("__deadletter__"), idle=0.5)
+        assert [m.payload for m in dead] == ["m"]
+        assert await last_q.total_size() == 0
+        assert (await last_q.stats())["deadletter"] == 1
