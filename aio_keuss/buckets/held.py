@@ -33,6 +33,7 @@ class HeldBucket:
 
     __slots__ = (
         "blob",
+        "copy_due",
         "count",
         "deadline",
         "gone",
@@ -91,6 +92,9 @@ class HeldBucket:
         # (version, deadletter queue) of each deadletter move finished here and not yet
         # counted: counted once a write of that version lands (``_count_finished``).
         self.uncounted: list[tuple[int, str]] = []
+        # When this store may next try to copy its slots on their way to the deadletter
+        # queue (a previous holder's move whose copy failed here; see ``COPY_RETRY_FIRST``).
+        self.copy_due = 0.0
 
     def __lt__(self, other: HeldBucket) -> bool:  # heap ties (never reached in practice)
         return self.seq < other.seq
@@ -120,18 +124,22 @@ class HeldBucket:
         return encode_state(self.states, self.tries, self.mature) + encode_targets(self.targets)
 
     def next_available(self, now: float) -> float | None:
-        """Earliest mature time of an available slot (the score when released); ``now``
-        with a slot on its way to the deadletter queue, whose move the next holder finishes
-        (else it waited for the bucket's next mature time, a ko's delay away perhaps)."""
-        if DEADLETTERING in self.states:
-            return now
+        """Earliest mature time of an available slot (the score when released); with a slot
+        on its way to the deadletter queue, whose move the next holder finishes, at the
+        latest when its copy may be tried again (``copy_due``; ``now`` unless a copy failed
+        here): else it waited for the bucket's next mature time, a ko's delay away perhaps."""
         matures = [m for m, s in zip(self.mature, self.states, strict=True) if s == AVAILABLE]
+        if DEADLETTERING in self.states:
+            matures.append(max(now, self.copy_due))
         return min(matures) if matures else None
 
     def is_idle(self, now: float) -> tuple[bool, bool]:
         """(has deliverable now, has an active reservation). A reservation past its deadline
         is deliverable again, not active: a holder that stopped consuming must not keep the
-        bucket, and that message, from every other process."""
+        bucket, and that message, from every other process. A slot on its way to the
+        deadletter queue is neither: while its copy is written the bucket is kept (the
+        state flusher leaves it alone), and a copy that failed is tried again by whoever
+        holds the bucket next, here or elsewhere (``next_available``)."""
         deliverable = reserved = False
         for slot, state in enumerate(self.states):
             if state == AVAILABLE:
@@ -142,8 +150,6 @@ class HeldBucket:
                     reserved = True
                 else:
                     deliverable = True
-            elif state == DEADLETTERING:  # held (and renewed) until its copy is written
-                reserved = True
         return deliverable, reserved
 
     def lapse(self, now: float) -> None:

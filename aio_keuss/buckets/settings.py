@@ -47,6 +47,13 @@ MIN_GRACE = 0.1
 IDLE_RELEASE = 5.0
 """Seconds a leased bucket with deliverable messages may sit unused before it is released
 for other processes (a process that stopped consuming must not hold messages for ever)."""
+COPY_RETRY_FIRST = 1.0
+COPY_RETRY_MAX = 60.0
+"""Seconds before a failed deadletter copy of a previous holder's move is tried again:
+``COPY_RETRY_FIRST``, doubled at each failure up to ``COPY_RETRY_MAX``. Meanwhile the bucket
+is kept or given back as it would be without that slot (its other messages stay deliverable,
+here or elsewhere), and given back it is worth leasing again when the copy's next try is due
+(not at once: every holder would lease it, fail and give it back in a loop)."""
 LEASE_MAX_BUCKETS = 64
 """Most buckets one lease takes; it stops earlier once their messages cover the request."""
 LEASE_AT_LEAST = 64

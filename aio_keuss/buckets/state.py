@@ -45,6 +45,7 @@ class StateWriter:
     _flusher: asyncio.Task[None] | None
     _visible: Callable[[float], None] | None
     _finished: Callable[[str, int], None] | None
+    _copying: set[tuple[str, int]]
 
     async def _sync(
         self,
@@ -217,6 +218,7 @@ class StateWriter:
         renew_before = now + self._grace / 2
         keep: list[HeldBucket] = []
         final: dict[str, str] = {}
+        copying = {bucket_id for bucket_id, _ in self._copying}
         for bucket in list(self._held_buckets.values()):
             if (bucket.writing is not None or bucket.serving) and not release_all:
                 # a write of it is in flight, and renews its lease; or a fetch served slots
@@ -228,6 +230,9 @@ class StateWriter:
                 final[bucket.id] = RELEASE
             else:
                 deliverable, reserved = bucket.is_idle(now)
+                # a deadletter copy of one of its slots on its way: kept (and renewed) until
+                # it is written and the slot marked done
+                reserved = reserved or bucket.id in copying
                 if not reserved and (not deliverable or now - bucket.last_used > IDLE_RELEASE):
                     final[bucket.id] = RELEASE
                 elif bucket.version > bucket.persisted or bucket.lease_until < renew_before:
@@ -239,6 +244,8 @@ class StateWriter:
                     bucket.states[slot] = AVAILABLE
                 bucket.deadline.clear()
                 bucket.version += 1
+                # this store's pace of deadletter copies is no other's: worth leasing at once
+                bucket.copy_due = 0.0
             else:  # idle, with no active reservation: lapsed ones go back with their try
                 bucket.lapse(now)
             self._forget(bucket)  # no longer served from; the write below gives it back

@@ -94,7 +94,12 @@ What a crash can cost (at-least-once holds; pop stays at-most-once):
   slot done. A second copy is still possible where the first one was taken out of the
   deadletter queue (consumed, its bucket deleted) before the second write of the same id
   reached it: a holder stalled past its lease right after its copy landed, or a copy whose
-  reply was lost (the ko fails, the reservation comes back) ko-ed again later.
+  reply was lost (the ko fails, the reservation comes back) ko-ed again later. The move is
+  counted once (``on_finished_deadletter``, or the ko's result), by the holder whose done
+  mark is stored: every other holder's mark is refused, its lease being over (a ko whose
+  mark is refused answers MISSING). A copy that fails for whoever took the bucket over is
+  tried again with backoff (``COPY_RETRY_FIRST``), the bucket meanwhile kept or given back
+  as if that slot were not there.
 
 What an outage can cost. A lease is a holder's only claim on a bucket, and it lapses
 ``reject_timeout_grace`` (default 0.8 x reserve_delay) after its last renewal; renewing it,
@@ -148,6 +153,8 @@ from .settings import (
     BUFFERED_AT_LEAST,
     BUFFERED_BUCKETS,
     CAPABILITIES,
+    COPY_RETRY_FIRST,
+    COPY_RETRY_MAX,
     LEASE_AT_LEAST,
     LEASE_MAX_BUCKETS,
     MIN_GRACE,
@@ -231,6 +238,10 @@ class BucketStore(PushSide, StateWriter, Store):
         self._leases: set[asyncio.Future[None]] = set()  # every lease in flight (close waits)
         self._deadlettering = Finishing()  # deadletter writes and their marks (close waits)
         self._copying: set[tuple[str, int]] = set()  # (bucket id, slot) being deadlettered
+        # bucket id -> (failures, next try) of a previous holder's deadletter copy that
+        # failed here: kept when the bucket is given back, so that leasing it again does
+        # not start the backoff over (see ``COPY_RETRY_FIRST``)
+        self._copy_retries: dict[str, tuple[int, float]] = {}
         self._plan: DeadletterPlan | None = None  # this queue's (``on_deadletter``)
         self._finished: Callable[[str, int], None] | None = None  # on_finished_deadletter
         self._storage_next: float | None = None
@@ -327,6 +338,10 @@ class BucketStore(PushSide, StateWriter, Store):
                     bucket.version = bucket.persisted + 1
                     bucket.follow(stale_write)
                 self._held_buckets[bucket.id] = bucket
+                if DEADLETTERING in bucket.states and bucket.id in self._copy_retries:
+                    bucket.copy_due = self._copy_retries[bucket.id][1]
+                else:
+                    self._copy_retries.pop(bucket.id, None)
                 ready = [
                     (bucket.mature[slot], bucket.seq, slot, bucket)
                     for slot, state in enumerate(bucket.states)
@@ -788,10 +803,14 @@ class BucketStore(PushSide, StateWriter, Store):
         holder this store took the bucket over from, and mark them done: that holder may
         have died before writing its copy, and may still write it (the same bucket, into
         the queue the slot's state names, see ``_target``)."""
+        now = time.time()
         slots = [
             (bucket, slot)
             for bucket in buckets
-            if DEADLETTERING in bucket.states and bucket.live and not bucket.lost
+            if DEADLETTERING in bucket.states
+            and bucket.live
+            and not bucket.lost
+            and bucket.copy_due <= now
             for slot, state in enumerate(bucket.states)
             if state == DEADLETTERING
             and (bucket.id, slot) not in self._copying
@@ -800,8 +819,34 @@ class BucketStore(PushSide, StateWriter, Store):
         if not slots:
             return
         self._copying.update((bucket.id, slot) for bucket, slot in slots)
-        touched = await self._deadlettering.run(self._copy_then_mark(slots))
+        moved = {bucket.id: bucket for bucket, _ in slots}
+        try:
+            touched = await self._deadlettering.run(self._copy_then_mark(slots))
+        except Exception:
+            self._copy_failed(moved.values())
+            raise
+        for bucket_id in moved:
+            self._copy_retries.pop(bucket_id, None)
         await self._sync(touched)
+
+    def _copy_failed(self, buckets: Iterable[HeldBucket]) -> None:
+        """A previous holder's deadletter copy failed (the deadletter queue refusing it, the
+        server erroring on that write): tried again with backoff, not at every state flush,
+        and meanwhile the bucket is kept or given back as it would be without that slot
+        (``HeldBucket.is_idle``), so that its other messages stay deliverable and a process
+        whose copy keeps failing does not hold them for ever. Giving it back rather than
+        holding it until the copy lands: another process (its own connection, perhaps its
+        own deadletter options' server) may succeed where this one fails, and either way a
+        lease is exclusive and the slot's stored state names its target, so a move passed
+        on is neither lost nor finished twice."""
+        now = time.time()
+        for bucket_id, (_, due) in list(self._copy_retries.items()):
+            if due < now - COPY_RETRY_MAX:  # finished elsewhere, or long enough ago
+                del self._copy_retries[bucket_id]
+        for bucket in buckets:
+            failures = self._copy_retries.get(bucket.id, (0, 0.0))[0] + 1
+            bucket.copy_due = now + min(COPY_RETRY_MAX, COPY_RETRY_FIRST * 2 ** (failures - 1))
+            self._copy_retries[bucket.id] = (failures, bucket.copy_due)
 
     def _by_target(
         self, slots: list[tuple[HeldBucket, int]]

@@ -1822,3 +1822,51 @@ async def test_a_taker_stalled_before_its_mark_leaves_the_count_to_whoever_finis
         assert [m.payload for m in dead] == ["m"]
         assert await last_q.total_size() == 0
         assert (await last_q.stats())["deadletter"] == 1
+
+
+async def test_a_deadletter_copy_that_keeps_failing_does_not_keep_the_bucket(
+    bucket_case: tuple[BackendCase, dict[str, Any]],
+) -> None:
+    """A holder died with a slot on its way; the process that took the bucket over (here for
+    a remove, which finds that slot not removable) cannot write the copy (its deadletter
+    queue refuses it, every time). It held the bucket for ever, retrying at every state
+    flush: the bucket's other message was never delivered anywhere else. Now a failed copy
+    is retried with backoff, and the bucket is kept only as it would be without that slot:
+    given back, another process finishes the move and delivers the rest."""
+    case, options = bucket_case
+    extra = {"deadletter": {"max_ko": 1}}
+    async with (
+        aio_keuss.connect(case.name, **options, **extra) as first,
+        aio_keuss.connect(case.name, **options, **extra) as second,
+        aio_keuss.connect(case.name, **options, **extra) as third,
+    ):
+        old_q = await first.queue("dl-keeps-failing", reserve_delay=1.0)
+        await old_q.push_many(["later", "poison"])  # one bucket
+        got = await old_q.reserve_many(2, timeout=5)
+        poison = next(m for m in got if m.payload == "poison")
+        assert await old_q.ko(poison) == KoResult.ROLLED_BACK
+        again = await old_q.reserve(timeout=5)
+        assert again is not None and again.payload == "poison"
+        old = old_q._store  # type: ignore[attr-defined]
+        await _stop_renewing(old)
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(old._storage, "insert_buckets", _raising(aio_keuss.BackendError("died")))
+            with pytest.raises(aio_keuss.BackendError):
+                await old_q.ko(again)  # stored as on its way, the copy not written
+        await _lease_lapsed(old)
+        taker = await second.queue("dl-keeps-failing", reserve_delay=1.0)
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(
+                taker._store._storage,  # type: ignore[attr-defined]
+                "insert_buckets",
+                _raising(aio_keuss.BackendError("refused")),
+            )
+            assert await taker.remove(again.id) is False  # on its way; the copy failed
+            last = await third.queue("dl-keeps-failing", reserve_delay=1.0)
+            later = await last.reserve(timeout=30)
+            assert later is not None and later.payload == "later"
+            assert await last.ok(later) is True
+        dead = await _take_all(await third.queue("__deadletter__"), idle=0.5)
+        assert [m.payload for m in dead] == ["poison"]
+        assert await last.total_size() == 0
+        assert (await last.stats())["deadletter"] == 1
