@@ -1870,3 +1870,39 @@ async def test_a_deadletter_copy_that_keeps_failing_does_not_keep_the_bucket(
         assert [m.payload for m in dead] == ["poison"]
         assert await last.total_size() == 0
         assert (await last.stats())["deadletter"] == 1
+
+
+async def test_a_deadletter_ko_whose_mark_fails_to_be_written_is_counted_once_it_is(
+    bucket_case: tuple[BackendCase, dict[str, Any]],
+) -> None:
+    """The copy landed, the write of the done mark failed (the server erroring on it): the
+    ko fails and counted nothing, and the next state write stored the mark: the move was
+    counted by nobody. Now the write that stores the mark counts it."""
+    case, options = bucket_case
+    async with aio_keuss.connect(case.name, **options, deadletter={"max_ko": 0}) as factory:
+        q, held = await _poison_held(factory, "dl-mark-fails")
+        store = q._store  # type: ignore[attr-defined]
+        insert, write = store._storage.insert_buckets, store._storage.write
+        copied: list[bool] = []
+
+        async def copy(*args: Any, **kwargs: Any) -> Any:
+            result = await insert(*args, **kwargs)
+            copied.append(True)
+            return result
+
+        async def mark(*args: Any, **kwargs: Any) -> Any:
+            if copied:  # the mark's write, once
+                copied.clear()
+                raise aio_keuss.BackendError("the mark's write failed")
+            return await write(*args, **kwargs)
+
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(store._storage, "insert_buckets", copy)
+            patch.setattr(store._storage, "write", mark)
+            with pytest.raises(aio_keuss.BackendError):
+                await q.ko(held)
+        await q.drain()  # the state write that stores the mark
+        got = await _take_all(await factory.queue("__deadletter__"), idle=0.5)
+        assert [m.payload for m in got] == ["poison"]
+        assert await q.total_size() == 0
+        assert (await q.stats())["deadletter"] == 1
