@@ -1863,7 +1863,7 @@ async def test_a_deadletter_copy_that_keeps_failing_does_not_keep_the_bucket(
             )
             assert await taker.remove(again.id) is False  # on its way; the copy failed
             last = await third.queue("dl-keeps-failing", reserve_delay=1.0)
-            later = await last.reserve(timeout=30)
+            later = await last.reserve(timeout=60)  # its lease deadline, or a poll
             assert later is not None and later.payload == "later"
             assert await last.ok(later) is True
         dead = await _take_all(await third.queue("__deadletter__"), idle=0.5)
