@@ -91,9 +91,11 @@ if TYPE_CHECKING:
 # messages moved: it would delete a message it could not read). It frees before it adds: at
 # maxmemory (noeviction) Redis refuses a script whose first write may grow memory.
 _TAKE_OVER = """
--- A message's record (see the prelude), from its parts ('{}': no headers).
-local function new_record(tries, headers, payload)
+-- A message's record (see the prelude), from its parts ('{}': no headers; p: its priority,
+-- nil or 0 for none).
+local function new_record(tries, headers, payload, p)
   if headers == '{}' then headers = '' end
+  if p and p ~= 0 then tries = tries .. ';' .. p end
   return tries .. ':' .. #headers .. ':' .. headers .. payload
 end
 local function take_over()
@@ -120,6 +122,10 @@ local function take_over()
       local tries = redis.call('HMGET', t, unpack(ids))
       local held = redis.call('SMISMEMBER', r, unpack(ids))
       local queued = redis.call('ZMSCORE', KEYS[1], unpack(ids))
+      for _, p in ipairs(redis.call('ZRANGE', base .. 'levels', 0, -1)) do
+        local more = redis.call('ZMSCORE', base .. 'due:' .. p, unpack(ids))
+        for k = 1, #ids do queued[k] = queued[k] or more[k] end
+      end
       for _, key in ipairs({p, h, t}) do redis.call('HDEL', key, unpack(ids)) end
       redis.call('ZREM', z, unpack(ids))
       redis.call('SREM', r, unpack(ids))
@@ -147,7 +153,7 @@ local function take_over()
       -- follows: <id>.up, <id>.up.2, ...
       for _, c in ipairs(clashes) do
         local target, n = c[1], 0
-        while redis.call('ZSCORE', KEYS[1], target) do
+        while redis.call('HEXISTS', KEYS[2], target) == 1 do
           n = n + 1
           target = c[1] .. '.up' .. (n > 1 and ('.' .. n) or '')
         end
@@ -164,7 +170,9 @@ end
 """
 
 # A message's record (the value of its id in msg): '<tries>:<length of headers>:<headers>
-# <payload>', the headers '' when there are none. The client builds and reads records; a
+# <payload>', the headers '' when there are none; a message with a priority p other than 0
+# has '<tries>;<p>:' at its head (a record without one, as earlier releases wrote all of
+# them, is of priority 0). The client builds and reads records; a
 # script reads one only to check or change its tries (these helpers, which the one-message
 # scripts share with the prelude's), or to move it. A record not in that framing (another
 # program's, or corrupted) counts as the record ``framed`` makes of it, and becomes it when
@@ -175,14 +183,14 @@ end
 _FRAMED = """
 local ADOPTED = '{"x-undecodable":"record: not in our framing"}'
 local function framed(rec)
-  if string.match(rec, '^%d+:%d+:') then return rec end
+  if string.match(rec, '^%d+:%d+:') or string.match(rec, '^%d+;%-?%d+:%d+:') then return rec end
   return '0:' .. #ADOPTED .. ':' .. ADOPTED .. 'B' .. rec
 end
 local function tries_of(rec) return tonumber(string.match(framed(rec), '^%d+')) end
+local function prio_of(rec) return tonumber(string.match(rec, '^%d+;(%-?%d+):%d+:') or 0) end
 local function with_tries(rec, tries)
   rec = framed(rec)
-  local i = string.find(rec, ':', 1, true)
-  return tries .. string.sub(rec, i)
+  return tries .. string.sub(rec, #string.match(rec, '^%d+') + 1)
 end
 """
 
@@ -225,14 +233,73 @@ local function read_chunked(cmd, key, args)
   return out
 end
 -- A record (see _FRAMED), taken apart to be moved.
-local function unpack_record(rec)  -- tries, headers ('{}' when none), payload
+local function unpack_record(rec)  -- tries, headers ('{}' when none), payload, priority
   rec = framed(rec)
   local i = string.find(rec, ':', 1, true)
   local j = string.find(rec, ':', i + 1, true)
   local n = tonumber(string.sub(rec, i + 1, j - 1))
   local headers = '{}'
   if n > 0 then headers = string.sub(rec, j + 1, j + n) end
-  return tonumber(string.sub(rec, 1, i - 1)), headers, string.sub(rec, j + n + 1)
+  return tries_of(rec), headers, string.sub(rec, j + n + 1), prio_of(rec)
+end
+-- Priorities: a message of priority p other than 0 is in the ZSET due:<p> beside due (same
+-- hash tag), and the ZSET levels (member p, score p) lists the p whose ZSET is not empty, so
+-- that a queue without priorities pays one read of an empty key per take. ``z`` is a
+-- queue's due key.
+local function level_key(z, p)
+  if p == 0 then return z end
+  return string.sub(z, 1, -4) .. 'due:' .. p
+end
+local function levels_key(z) return string.sub(z, 1, -4) .. 'levels' end
+local function levels_of(z) return redis.call('ZRANGE', levels_key(z), 0, -1) end
+-- The priorities of a queue whose levels are ``lv``, in the order a take walks them:
+-- those above 0 highest first, 0 (due), then those below 0.
+local function walk(lv)
+  local order = {}
+  for i = #lv, 1, -1 do
+    local p = tonumber(lv[i])
+    if p > 0 then order[#order + 1] = p end
+  end
+  order[#order + 1] = 0
+  for i = #lv, 1, -1 do
+    local p = tonumber(lv[i])
+    if p < 0 then order[#order + 1] = p end
+  end
+  return order
+end
+-- Once ids left level p (~= 0) of queue z: the level goes out of levels when empty.
+local function level_left(z, p)
+  if redis.call('EXISTS', level_key(z, p)) == 0 then redis.call('ZREM', levels_key(z), p) end
+end
+-- ZADD of {score, id, ...} per priority (``by``: p -> that list), levels listed first.
+local function add_by_level(z, by)
+  for p, zadd in pairs(by) do
+    if #zadd > 0 then
+      if p ~= 0 then redis.call('ZADD', levels_key(z), p, p) end
+      run_chunked('ZADD', level_key(z, p), zadd)
+    end
+  end
+end
+-- Per id, its score in queue z whatever its priority (false: not queued).
+local function queued_of(z, ids)
+  local scores = read_chunked('ZMSCORE', z, ids)
+  for _, p in ipairs(levels_of(z)) do
+    local more = read_chunked('ZMSCORE', level_key(z, tonumber(p)), ids)
+    for k = 1, #ids do scores[k] = scores[k] or more[k] end
+  end
+  return scores
+end
+-- Where message id is in this queue: its ZSET, score and record (the record nil when it was
+-- not read: found in due), or nil.
+local function locate_one(id)
+  local score = redis.call('ZSCORE', KEYS[1], id)
+  if score then return KEYS[1], score end
+  local rec = redis.call('HGET', KEYS[2], id)
+  if not rec then return nil end
+  local key = level_key(KEYS[1], prio_of(rec))
+  score = redis.call('ZSCORE', key, id)
+  if not score then return nil end
+  return key, score, rec
 end
 -- At maxmemory with the noeviction policy Redis refuses a script whose first write is a
 -- command that may grow memory (ZADD, SADD, HSET, ...), and lets one that has written run
@@ -240,14 +307,39 @@ end
 -- memory by a few bytes, and the ok that follows frees the message: so those scripts first
 -- write with one that cannot grow it (SREM of the ids they hold or are about to add back),
 -- and consumers still reserve, and drain, a Redis that is full.
-local function first_mature(z)
-  local head = redis.call('ZRANGE', z, 0, 0, 'WITHSCORES')
-  return head[2] or false
+-- The earliest score of queue z at any priority (``lv``: its levels, when read already).
+local function first_mature(z, lv)
+  local best = redis.call('ZRANGE', z, 0, 0, 'WITHSCORES')[2] or false
+  for _, p in ipairs(lv or levels_of(z)) do
+    local s = redis.call('ZRANGE', level_key(z, tonumber(p)), 0, 0, 'WITHSCORES')[2]
+    if s and (not best or tonumber(s) < tonumber(best)) then best = s end
+  end
+  return best
 end
--- Delete messages; ``held``: those of them that may be reserved (nil = all).
-local function forget(ids, held)
+-- Delete messages; ``held``: those of them that may be reserved (nil = all); ``records``
+-- theirs, when read already. Each is taken out of due first: only when some were not there
+-- (a priority's) are the records read, to find their level.
+local function forget(ids, held, records)
   if #ids == 0 then return end
-  run_chunked('ZREM', KEYS[1], ids)
+  local removed = 0
+  for i = 1, #ids, CHUNK do
+    removed = removed + redis.call('ZREM', KEYS[1], unpack(ids, i, math.min(i + CHUNK - 1, #ids)))
+  end
+  if removed < #ids then
+    records = records or read_chunked('HMGET', KEYS[2], ids)
+    local by = {}
+    for k = 1, #ids do
+      local p = records[k] and prio_of(records[k]) or 0
+      if p ~= 0 then
+        by[p] = by[p] or {}
+        table.insert(by[p], ids[k])
+      end
+    end
+    for p, some in pairs(by) do
+      run_chunked('ZREM', level_key(KEYS[1], p), some)
+      level_left(KEYS[1], p)
+    end
+  end
   run_chunked('HDEL', KEYS[2], ids)
   run_chunked('SREM', KEYS[3], held or ids)
 end
@@ -267,17 +359,19 @@ end
 -- its own) and ``added`` header text ('' = none) added to its headers, renamed by the rule
 -- of every backend if the id is taken there: <id>, <id>.<tag>, <id>.<tag>.2, ...
 local function move_to(id, dz, dm, payload, added, due, tag)
-  local _, headers, own = unpack_record(redis.call('HGET', KEYS[2], id))
+  local rec = redis.call('HGET', KEYS[2], id)
+  local _, headers, own, p = unpack_record(rec)
   payload = payload or own
   headers = with_headers(headers, added)
-  forget({id})
+  forget({id}, nil, {rec})
   local target, n = id, 0
-  while redis.call('ZSCORE', dz, target) do
+  while redis.call('HEXISTS', dm, target) == 1 do  -- queued there, at any priority
     n = n + 1
     target = id .. '.' .. tag .. (n > 1 and ('.' .. n) or '')
   end
-  redis.call('ZADD', dz, due, target)
-  redis.call('HSET', dm, target, new_record(0, headers, payload))
+  if p ~= 0 then redis.call('ZADD', levels_key(dz), p, p) end
+  redis.call('ZADD', level_key(dz, p), due, target)
+  redis.call('HSET', dm, target, new_record(0, headers, payload, p))
   return target
 end
 -- Whether ``id`` is held here with ``guard`` tries ('' = any holder).
@@ -303,23 +397,31 @@ local function guards_held(stride)
   end
   return ids, holds
 end
--- The mature ids (up to n, earliest first), their records and mature times, and which of
--- them were reserved (an expired reservation: that delivery counts as a try, ``bumps``).
+-- The mature ids (up to n, highest priority first, then earliest), their records and mature
+-- times, which of them were reserved (an expired reservation: that delivery counts as a try,
+-- ``bumps``), those ids, their priorities, and the queue's levels. Each level is read until
+-- n are found: a level whose messages are all reserved or delayed costs a read per take.
 local function take_mature(n, now)
-  local head = redis.call('ZRANGE', KEYS[1], '-inf', now, 'BYSCORE', 'LIMIT', 0, n, 'WITHSCORES')
-  local ids, matures = {}, {}
-  for i = 1, #head, 2 do
-    ids[#ids + 1] = head[i]
-    matures[#matures + 1] = head[i + 1]
+  local lv = levels_of(KEYS[1])
+  local ids, matures, prios = {}, {}, {}
+  for _, p in ipairs(walk(lv)) do
+    local head = redis.call('ZRANGE', level_key(KEYS[1], p), '-inf', now, 'BYSCORE',
+      'LIMIT', 0, n - #ids, 'WITHSCORES')
+    for i = 1, #head, 2 do
+      ids[#ids + 1] = head[i]
+      matures[#matures + 1] = head[i + 1]
+      prios[#prios + 1] = p
+    end
+    if #ids >= n then break end
   end
-  if #ids == 0 then return ids end
+  if #ids == 0 then return ids, nil, nil, nil, nil, nil, lv end
   local held = read_chunked('SMISMEMBER', KEYS[3], ids)
   local bumps, with_held = {}, {}
   for k = 1, #ids do
     bumps[k] = held[k]
     if held[k] == 1 then with_held[#with_held + 1] = ids[k] end
   end
-  return ids, read_chunked('HMGET', KEYS[2], ids), matures, bumps, with_held
+  return ids, read_chunked('HMGET', KEYS[2], ids), matures, bumps, with_held, prios, lv
 end
 -- Reply: next mature, then ids, records, matures and bumps (k of each; a bump of 1 is a
 -- try the record does not count yet). The next mature time is given as seconds from the
@@ -327,10 +429,10 @@ end
 -- clock, which may be off ours. When all n asked for were found, the queue layer ignores
 -- the next mature time (it only looks at it when nothing was handed out), so 0 (now)
 -- stands in for it there, sparing a ZRANGE: a lower bound, which is all a hint has to be.
-local function fetched_reply(n, now, ids, records, matures, bumps)
+local function fetched_reply(n, now, ids, records, matures, bumps, lv)
   local head = '0'
   if #ids < n then
-    head = first_mature(KEYS[1])
+    head = first_mature(KEYS[1], lv)
     if head then head = fmt(tonumber(head) - now) end
     if #ids == 0 and take_over() then head = '0' end  -- taken over: look again now
   end
@@ -358,7 +460,7 @@ local stride = ARGV[3] == '' and 2 or 3
 local ids, n = {}, 0
 for i = 4, #ARGV, stride do n = n + 1; ids[n] = ARGV[i] end
 local steps, last = 0, nil
-local queued = read_chunked('ZMSCORE', KEYS[1], ids)
+local queued = queued_of(KEYS[1], ids)
 redis.call('ZREMRANGEBYSCORE', KEYS[4], '-inf', now)
 local held = read_chunked('ZMSCORE', KEYS[4], ids)
 local seen, flags = {}, {}
@@ -408,11 +510,12 @@ return flags
 # KEYS: due msg held d. ARGV: dedup window, ranked ('' = no, the ids rise), then per entry: id,
 # record, delay, absolute mature ('' = now + delay), check ('' = an id the queue generated,
 # unique by construction, so nothing to look up; 'c' = refused while queued; 'd' = also
-# refused within the dedup window), and its rank when ranked. Reply: 1 / 0 per entry.
+# refused within the dedup window), priority, and its rank when ranked. Reply: 1 / 0 per
+# entry.
 _INSERT = """
 local now = server_now()
 local window = tonumber(ARGV[1])
-local stride = ARGV[2] == '' and 5 or 6
+local stride = ARGV[2] == '' and 6 or 7
 local checked, deduped = {}, {}
 for i = 3, #ARGV, stride do
   local check = ARGV[i + 4]
@@ -421,7 +524,7 @@ for i = 3, #ARGV, stride do
 end
 local queued, held = {}, {}
 if #checked > 0 then
-  local scores = read_chunked('ZMSCORE', KEYS[1], checked)
+  local scores = queued_of(KEYS[1], checked)
   for k = 1, #checked do
     if scores[k] then queued[checked[k]] = true end
   end
@@ -436,20 +539,23 @@ if #deduped > 0 then
   end
 end
 local flags = {}
-local zadd, mset, dset = {}, {}, {}
+local by, mset, dset = {[0] = {}}, {}, {}
 local steps, last = 0, nil
 for i = 3, #ARGV, stride do
   local id, check = ARGV[i], ARGV[i + 4]
   local fresh = check == '' or not (queued[id] or (check == 'd' and held[id]))
   if fresh then
     if check ~= '' then queued[id] = true end  -- a repeat later in this batch is refused
-    if stride == 6 then
-      local rank = tonumber(ARGV[i + 5])
+    if stride == 7 then
+      local rank = tonumber(ARGV[i + 6])
       if last and rank < last then steps = steps + 1 end
       last = rank
     end
     local mature = ARGV[i + 3]
     if mature == '' then mature = now + tonumber(ARGV[i + 2]) + steps * STEP end
+    local p = tonumber(ARGV[i + 5])
+    local zadd = by[p]
+    if not zadd then zadd = {}; by[p] = zadd end
     zadd[#zadd + 1] = mature; zadd[#zadd + 1] = id
     mset[#mset + 1] = id; mset[#mset + 1] = ARGV[i + 1]
     if check == 'd' then dset[#dset + 1] = now + window; dset[#dset + 1] = id end
@@ -458,7 +564,7 @@ for i = 3, #ARGV, stride do
     flags[#flags + 1] = 0
   end
 end
-run_chunked('ZADD', KEYS[1], zadd)
+add_by_level(KEYS[1], by)
 run_chunked('HSET', KEYS[2], mset)
 run_chunked('ZADD', KEYS[4], dset)
 return flags
@@ -467,30 +573,32 @@ return flags
 # KEYS: due msg held. ARGV: n.
 _GET = """
 local n, now = tonumber(ARGV[1]), server_now()
-local ids, records, matures, bumps, held = take_mature(n, now)
-forget(ids, held)
-return fetched_reply(n, now, ids, records, matures, bumps)
+local ids, records, matures, bumps, held, _, lv = take_mature(n, now)
+forget(ids, held, records)
+return fetched_reply(n, now, ids, records, matures, bumps, lv)
 """
 
 # KEYS: due msg held. ARGV: n, reserve delay.
 _RESERVE = """
 local n, now = tonumber(ARGV[1]), server_now()
-local ids, records, matures, bumps = take_mature(n, now)
+local ids, records, matures, bumps, _, prios, lv = take_mature(n, now)
 if #ids > 0 then
   redis.call('SREM', KEYS[3], ids[1])  -- first, a write that cannot grow memory (above)
-  local deadline, zadd, counted = now + tonumber(ARGV[2]), {}, {}
+  local deadline, by, counted = now + tonumber(ARGV[2]), {}, {}
   for k = 1, #ids do
+    local zadd = by[prios[k]]
+    if not zadd then zadd = {}; by[prios[k]] = zadd end
     zadd[#zadd + 1] = deadline; zadd[#zadd + 1] = ids[k]
     if bumps[k] == 1 then
       counted[#counted + 1] = ids[k]
       counted[#counted + 1] = with_tries(records[k], tries_of(records[k]) + 1)
     end
   end
-  run_chunked('ZADD', KEYS[1], zadd)
+  for p, zadd in pairs(by) do run_chunked('ZADD', level_key(KEYS[1], p), zadd) end
   run_chunked('SADD', KEYS[3], ids)
   run_chunked('HSET', KEYS[2], counted)
 end
-return fetched_reply(n, now, ids, records, matures, bumps)
+return fetched_reply(n, now, ids, records, matures, bumps, lv)
 """
 
 # KEYS: due msg held. ARGV: per ack: id, tries held ('' = no guard). Reply: 1 / 0 per ack.
@@ -532,8 +640,24 @@ if #zadd > 0 then
   -- first, a write that cannot grow memory (prelude): the id goes out of held and back
   redis.call('SREM', KEYS[3], zadd[2])
   redis.call('SADD', KEYS[3], zadd[2])
-  for i = 1, #zadd, CHUNK do  -- XX: never a due entry without its record
-    redis.call('ZADD', KEYS[1], 'XX', unpack(zadd, i, math.min(i + CHUNK - 1, #zadd)))
+  local by = {[0] = zadd}
+  if #levels_of(KEYS[1]) > 0 then  -- priorities: each in its level's ZSET
+    local ids = {}
+    for i = 2, #zadd, 2 do ids[#ids + 1] = zadd[i] end
+    local records = read_chunked('HMGET', KEYS[2], ids)
+    by = {}
+    for k = 1, #ids do
+      local p = records[k] and prio_of(records[k]) or 0
+      local some = by[p]
+      if not some then some = {}; by[p] = some end
+      some[#some + 1] = zadd[2 * k - 1]; some[#some + 1] = ids[k]
+    end
+  end
+  for p, some in pairs(by) do  -- XX: never a due entry without its record
+    local key = level_key(KEYS[1], p)
+    for i = 1, #some, CHUNK do
+      redis.call('ZADD', key, 'XX', unpack(some, i, math.min(i + CHUNK - 1, #some)))
+    end
   end
 end
 return flags
@@ -543,7 +667,7 @@ return flags
 # ARGV: mode ('' = no deadletter, 'move', 'defer'), max_ko, deadletter header text without
 # x-dl-tries, then per nack: id, tries held ('' = no guard), delay, count try ('1' / '0').
 # Reply: 0 missing / 1 rolled back / 2 deadlettered / 3 to move (defer), per nack; then for
-# each 3: id, payload, new headers, tries counted (what DROP_DEFERRED is given).
+# each 3: id, payload, new headers, tries counted (what DROP_DEFERRED is given), priority.
 _ROLLBACK = """
 local DEFER_HOLD = 60
 local now = server_now()
@@ -568,20 +692,22 @@ for i = 4, #ARGV, 4 do
       else
         local _, headers, payload = unpack_record(rec)
         headers = with_headers(headers, added)
-        for _, v in ipairs({id, payload, headers, tries}) do deferred[#deferred + 1] = v end
+        for _, v in ipairs({id, payload, headers, tries, prio_of(rec)}) do
+          deferred[#deferred + 1] = v
+        end
         -- Out of its holder's hands (no longer held: a racing ok, ko or move of the same
         -- reservation finds nothing, as after a one-script deadletter) and out of reach
         -- for the client's next two steps, its try counted as a ko counts it; after a
         -- crash between them it comes back then, as a ko with that delay would.
         redis.call('SREM', KEYS[3], id)  -- first, a write that cannot grow memory
         redis.call('HSET', KEYS[2], id, with_tries(rec, tries))
-        redis.call('ZADD', KEYS[1], now + DEFER_HOLD, id)
+        redis.call('ZADD', level_key(KEYS[1], prio_of(rec)), now + DEFER_HOLD, id)
         flags[#flags + 1] = 3
       end
     else
       redis.call('SREM', KEYS[3], id)  -- first: a write that cannot grow memory
       if tries ~= stored then redis.call('HSET', KEYS[2], id, with_tries(rec, tries)) end
-      redis.call('ZADD', KEYS[1], now + tonumber(ARGV[i + 2]), id)
+      redis.call('ZADD', level_key(KEYS[1], prio_of(rec)), now + tonumber(ARGV[i + 2]), id)
       flags[#flags + 1] = 1
     end
   end
@@ -595,19 +721,20 @@ return flags
 # its copy is in the deadletter queue; one taken again since (held, or ko-ed: other tries)
 # stays. Reply: 1 / 0 per message.
 _DROP_DEFERRED = """
-local gone, flags = {}, {}
+local gone, records, flags = {}, {}, {}
 for i = 1, #ARGV, 2 do
   local id = ARGV[i]
   local rec = redis.call('HGET', KEYS[2], id)
   if rec and redis.call('SISMEMBER', KEYS[3], id) == 0
       and tries_of(rec) == tonumber(ARGV[i + 1]) then
     gone[#gone + 1] = id
+    records[#records + 1] = rec
     flags[#flags + 1] = 1
   else
     flags[#flags + 1] = 0
   end
 end
-forget(gone, {})
+forget(gone, {}, records)
 return flags
 """
 
@@ -637,6 +764,14 @@ return out
 _REMOVE = """
 local now = server_now()
 local matures = read_chunked('ZMSCORE', KEYS[1], ARGV)
+if #levels_of(KEYS[1]) > 0 then  -- priorities: one not in due may be in its level
+  for k = 1, #ARGV do
+    if not matures[k] then
+      local key, score = locate_one(ARGV[k])
+      if key then matures[k] = score end
+    end
+  end
+end
 local held = read_chunked('SMISMEMBER', KEYS[3], ARGV)
 local gone, done, flags = {}, {}, {}
 for k = 1, #ARGV do
@@ -656,17 +791,22 @@ return flags
 # KEYS: due msg held. Reply: mature now (expired reservations included), total, reserved.
 _SIZES = """
 local now = server_now()
-local reserved = 0
+local ready, total, reserved = 0, 0, 0
 local members = redis.call('SMEMBERS', KEYS[3])
-if #members > 0 then
-  for _, deadline in ipairs(read_chunked('ZMSCORE', KEYS[1], members)) do
-    if deadline and tonumber(deadline) > now then reserved = reserved + 1 end
+for _, p in ipairs(walk(levels_of(KEYS[1]))) do
+  local z = level_key(KEYS[1], p)
+  if #members > 0 then
+    for _, deadline in ipairs(read_chunked('ZMSCORE', z, members)) do
+      if deadline and tonumber(deadline) > now then reserved = reserved + 1 end
+    end
   end
+  ready = ready + redis.call('ZCOUNT', z, '-inf', now)
+  total = total + redis.call('ZCARD', z)
 end
-return {redis.call('ZCOUNT', KEYS[1], '-inf', now), redis.call('ZCARD', KEYS[1]), reserved}
+return {ready, total, reserved}
 """
 
-# KEYS: z. Reply: the earliest score, reservation deadlines included, or nil.
+# KEYS: due. Reply: the earliest score at any priority, reservation deadlines included, or nil.
 _NEXT_MATURE = """
 return first_mature(KEYS[1])
 """
@@ -687,25 +827,47 @@ redis.call('HSET', KEYS[2], ARGV[1], ARGV[2])
 return 1
 """
 
-# The start of the one-message get and reserve: the queue's first message by rank, which is
-# mature or not by its score (one ZRANGE by rank costs Redis about half of one BYSCORE with
-# a LIMIT, measured with "INFO commandstats"), and when it is not, the next mature time.
+# The start of the one-message get and reserve: the first message by rank of each level in
+# the walk's order (see the prelude), which is mature or not by its score (one ZRANGE by rank
+# costs Redis about half of one BYSCORE with a LIMIT, measured with "INFO commandstats"), and
+# when none is, the next mature time. A queue without priorities pays one read of its empty
+# levels key. Then ``key`` is the ZSET of message ``id``, ``p`` its priority.
 _TAKE_ONE = (
     """
 local t = redis.call('TIME')
 local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
-local head = redis.call('ZRANGE', KEYS[1], 0, 0, 'WITHSCORES')
-local id = head[1]
-if not id or tonumber(head[2]) > now then
+local base = string.sub(KEYS[1], 1, -4)
+local function first_ready()  -- key, id, mature time, priority; or nil, nil, the earliest
+  local lv = redis.call('ZRANGE', base .. 'levels', 0, -1)
+  if #lv == 0 then
+    local head = redis.call('ZRANGE', KEYS[1], 0, 0, 'WITHSCORES')
+    if head[1] and tonumber(head[2]) <= now then return KEYS[1], head[1], head[2], 0 end
+    return nil, nil, head[2]
+  end
+  local order, soonest = {}, nil
+  for i = #lv, 1, -1 do if tonumber(lv[i]) > 0 then order[#order + 1] = lv[i] end end
+  order[#order + 1] = '0'
+  for i = #lv, 1, -1 do if tonumber(lv[i]) < 0 then order[#order + 1] = lv[i] end end
+  for _, p in ipairs(order) do
+    local key = p == '0' and KEYS[1] or base .. 'due:' .. p
+    local head = redis.call('ZRANGE', key, 0, 0, 'WITHSCORES')
+    if head[1] then
+      if tonumber(head[2]) <= now then return key, head[1], head[2], tonumber(p) end
+      if not soonest or tonumber(head[2]) < tonumber(soonest) then soonest = head[2] end
+    end
+  end
+  return nil, nil, soonest
+end
+local key, id, mature, p = first_ready()
+if not id then
 """
     + _TAKE_OVER
     + """
   if take_over() then  -- taken over: look again
-    head = redis.call('ZRANGE', KEYS[1], 0, 0, 'WITHSCORES')
-    id = head[1]
+    key, id, mature, p = first_ready()
   end
-  if not id or tonumber(head[2]) > now then
-    return {id and string.format('%.17g', tonumber(head[2]) - now) or false}
+  if not id then
+    return {mature and string.format('%.17g', tonumber(mature) - now) or false}
   end
 end
 """
@@ -716,9 +878,10 @@ _GET_ONE = (
     _TAKE_ONE
     + """
 local rec = redis.call('HGET', KEYS[2], id)
-redis.call('ZREM', KEYS[1], id)
+redis.call('ZREM', key, id)
 redis.call('HDEL', KEYS[2], id)
-return {'0', id, rec, head[2], redis.call('SREM', KEYS[3], id)}
+if p ~= 0 and redis.call('EXISTS', key) == 0 then redis.call('ZREM', base .. 'levels', p) end
+return {'0', id, rec, mature, redis.call('SREM', KEYS[3], id)}
 """
 )
 
@@ -730,29 +893,41 @@ _RESERVE_ONE = (
 -- The first write cannot grow memory (SREM): at maxmemory (noeviction) Redis refuses a
 -- script whose first write may, so a full Redis could not be drained by reserve and ok.
 local lapsed = redis.call('SREM', KEYS[3], id)
-redis.call('ZADD', KEYS[1], now + tonumber(ARGV[1]), id)
+redis.call('ZADD', key, now + tonumber(ARGV[1]), id)
 redis.call('SADD', KEYS[3], id)
 local rec = redis.call('HGET', KEYS[2], id)
 if lapsed == 1 then redis.call('HSET', KEYS[2], id, with_tries(rec, tries_of(rec) + 1)) end
-return {'0', id, rec, head[2], lapsed}
+return {'0', id, rec, mature, lapsed}
 """
 )
 
 # KEYS: due msg held. ARGV: id, tries held ('' = no guard). Reply: 1 / 0. The reservation is
 # taken off first (a write that cannot grow memory, and the test of it in one call), and
-# put back when the tries show another holder's.
+# put back when the tries show another holder's. A message not in due is of a priority,
+# which its record tells (read then only, when the guard did not read it).
 _COMMIT_ONE = (
     _FRAMED
     + """
-local id, guard = ARGV[1], ARGV[2]
+local id, guard, rec = ARGV[1], ARGV[2], nil
 if redis.call('SREM', KEYS[3], id) == 0 then return 0 end
 if guard ~= '' then
-  if tonumber(guard) ~= tries_of(redis.call('HGET', KEYS[2], id)) then
+  rec = redis.call('HGET', KEYS[2], id)
+  if tonumber(guard) ~= tries_of(rec) then
     redis.call('SADD', KEYS[3], id)
     return 0
   end
 end
-redis.call('ZREM', KEYS[1], id)
+if redis.call('ZREM', KEYS[1], id) == 0 then
+  rec = rec or redis.call('HGET', KEYS[2], id)
+  local p = rec and prio_of(rec) or 0
+  if p ~= 0 then
+    local key = string.sub(KEYS[1], 1, -4) .. 'due:' .. p
+    redis.call('ZREM', key, id)
+    if redis.call('EXISTS', key) == 0 then
+      redis.call('ZREM', string.sub(KEYS[1], 1, -4) .. 'levels', p)
+    end
+  end
+end
 redis.call('HDEL', KEYS[2], id)
 return 1
 """
@@ -798,14 +973,19 @@ _PLAIN = b"0:0:"
 """The head of the record of a message without headers or tries (see ``record``)."""
 
 
-def record(payload: bytes, headers: bytes = EMPTY_HEADERS, tries: int = 0) -> bytes:
+def record(
+    payload: bytes, headers: bytes = EMPTY_HEADERS, tries: int = 0, priority: int = 0
+) -> bytes:
     """A message as its queue's hash ``m`` keeps it: ``<tries>:<length of headers>:`` then
     the headers (none when empty) and the payload, one value, so that a script reads or
-    deletes a message with one call into Redis rather than one per part."""
-    if tries == 0 and headers == EMPTY_HEADERS:
+    deletes a message with one call into Redis rather than one per part. A priority other
+    than 0 follows the tries (``<tries>;<priority>:``), where a script finds its level."""
+    if tries == 0 and headers == EMPTY_HEADERS and not priority:
         return _PLAIN + payload
     if headers == EMPTY_HEADERS:
         headers = b""
+    if priority:
+        return b"%d;%d:%d:%b%b" % (tries, priority, len(headers), headers, payload)
     return b"%d:%d:%b%b" % (tries, len(headers), headers, payload)
 
 
@@ -816,12 +996,14 @@ def _unrecord(message_id: bytes, rec: bytes, mature: bytes | float, bump: int) -
         return Stored(message_id.decode(), rec[4:], EMPTY_HEADERS, bump, float(mature))
     tries, size, rest = rec.split(b":", 2)
     n = int(size)
+    tries, _, priority = tries.partition(b";")
     return Stored(
         message_id.decode(),
         rest[n:],
         rest[:n] if n else EMPTY_HEADERS,
         int(tries) + bump,
         float(mature),
+        priority=int(priority) if priority else 0,
     )
 
 
@@ -836,7 +1018,7 @@ def _unrecord_all(columns: Sequence[list[Any]]) -> list[Stored]:
         return [_unrecord_or_wrap(*row) for row in zip(*columns, strict=True)]
 
 
-_LEADING_TRIES = re.compile(rb"(\d+):\d+:")
+_LEADING_TRIES = re.compile(rb"(\d+)(?:;(-?\d+))?:\d+:")
 
 
 def _unrecord_or_wrap(message_id: bytes, rec: bytes, mature: bytes | float, bump: int) -> Stored:
@@ -853,7 +1035,8 @@ def _unrecord_or_wrap(message_id: bytes, rec: bytes, mature: bytes | float, bump
     payload, headers = encode_payload(bytes(rec)), encode_headers({UNDECODABLE: reason})
     leading = _LEADING_TRIES.match(rec)
     tries = int(leading.group(1)) if leading else 0
-    return Stored(name, payload, headers, tries + bump, float(mature))
+    priority = int(leading.group(2)) if leading and leading.group(2) else 0
+    return Stored(name, payload, headers, tries + bump, float(mature), priority=priority)
 
 
 def _fetched(reply: list[Any]) -> Fetched:
@@ -899,37 +1082,68 @@ end
 local now = server_now()
 local state, cscore, cid = ARGV[1], ARGV[2], ARGV[3]
 local limit, budget = tonumber(ARGV[4]), tonumber(ARGV[5])
-local z = KEYS[1]
-local start = 0
-if cscore ~= '' then
-  local at = tonumber(cscore)
-  local score = redis.call('ZSCORE', z, cid)
-  if score and tonumber(score) == at then
-    start = redis.call('ZRANK', z, cid) + 1
-  else  -- the cursor's message moved or left: start among its ties, after its id
-    start = redis.call('ZCOUNT', z, '-inf', '(' .. cscore)
-    local done = false
-    while not done do
-      local part = redis.call('ZRANGE', z, start, start + 99, 'WITHSCORES')
-      if #part == 0 then break end
-      for i = 1, #part, 2 do
-        if tonumber(part[i + 1]) == at and at_or_before(part[i], cid) then start = start + 1
-        else done = true; break end
+local span = limit
+if state == 'scheduled' or state == 'reserved' then span = math.max(limit, budget) end
+-- Up to span members of ZSET z past the cursor (and past its ready ones but for 'ready' and
+-- 'all'), with their scores.
+local function scan(z)
+  local start = 0
+  if cscore ~= '' then
+    local at = tonumber(cscore)
+    local score = redis.call('ZSCORE', z, cid)
+    if score and tonumber(score) == at then
+      start = redis.call('ZRANK', z, cid) + 1
+    else  -- the cursor's message moved or left: start among its ties, after its id
+      start = redis.call('ZCOUNT', z, '-inf', '(' .. cscore)
+      local done = false
+      while not done do
+        local part = redis.call('ZRANGE', z, start, start + 99, 'WITHSCORES')
+        if #part == 0 then break end
+        for i = 1, #part, 2 do
+          if tonumber(part[i + 1]) == at and at_or_before(part[i], cid) then start = start + 1
+          else done = true; break end
+        end
       end
     end
   end
+  if state ~= 'ready' and state ~= 'all' then
+    start = math.max(start, redis.call('ZCOUNT', z, '-inf', now))
+  end
+  return redis.call('ZRANGE', z, start, start + span - 1, 'WITHSCORES')
 end
-if state ~= 'ready' and state ~= 'all' then
-  start = math.max(start, redis.call('ZCOUNT', z, '-inf', now))
+-- Of two members {id, score}, whether a comes before b in ZSET order.
+local function before(a, b)
+  return a[2] < b[2] or (a[2] == b[2] and a[1] ~= b[1] and at_or_before(a[1], b[1]))
 end
-local span = limit
-if state == 'scheduled' or state == 'reserved' then span = math.max(limit, budget) end
-local part = redis.call('ZRANGE', z, start, start + span - 1, 'WITHSCORES')
-local ids, scores = {}, {}
-for i = 1, #part, 2 do ids[#ids + 1] = part[i]; scores[#scores + 1] = part[i + 1] end
+local ids, scores, finished = {}, {}, true
+local lv = levels_of(KEYS[1])
+if #lv == 0 then
+  local part = scan(KEYS[1])
+  for i = 1, #part, 2 do ids[#ids + 1] = part[i]; scores[#scores + 1] = part[i + 1] end
+  finished = #ids < span
+else
+  -- Priorities: every level's ZSET is scanned and the members merged in ZSET order, up to
+  -- the earliest last member of a level that has more past it (what lies beyond it there
+  -- is not read yet).
+  local all, horizon = {}, nil
+  for _, p in ipairs(walk(lv)) do
+    local part = scan(level_key(KEYS[1], p))
+    for i = 1, #part, 2 do all[#all + 1] = {part[i], tonumber(part[i + 1]), part[i + 1]} end
+    if #part == 2 * span then
+      local tail = all[#all]
+      if not horizon or before(tail, horizon) then horizon = tail end
+    end
+  end
+  table.sort(all, before)
+  finished = horizon == nil
+  for _, m in ipairs(all) do
+    if horizon and before(horizon, m) then break end
+    ids[#ids + 1] = m[1]; scores[#scores + 1] = m[3]
+  end
+end
 local held = {}
 if #ids > 0 then held = read_chunked('SMISMEMBER', KEYS[3], ids) end
-local rows, last, finished = {}, nil, #ids < span
+local rows, last = {}, nil
 local states = {}
 for k = 1, #ids do
   local s
@@ -967,13 +1181,13 @@ _LOCATE = """
 local now = server_now()
 local reply = {}
 for _, id in ipairs(ARGV) do
-  local score = redis.call('ZSCORE', KEYS[1], id)
+  local _, score, rec = locate_one(id)
   if score then
     local s = 'scheduled'
     local held = redis.call('SISMEMBER', KEYS[3], id) == 1
     if tonumber(score) <= now then s = held and 'lapsed' or 'ready'
     elseif held then s = 'reserved' end
-    for _, v in ipairs({id, redis.call('HGET', KEYS[2], id), score, s}) do
+    for _, v in ipairs({id, rec or redis.call('HGET', KEYS[2], id), score, s}) do
       reply[#reply + 1] = v
     end
   else
@@ -991,19 +1205,19 @@ local deadline = now + tonumber(ARGV[1])
 local reply = {}
 for i = 2, #ARGV do
   local id = ARGV[i]
-  local score = redis.call('ZSCORE', KEYS[1], id)
+  local key, score, rec = locate_one(id)
   local held = redis.call('SISMEMBER', KEYS[3], id) == 1
   if not score or (held and tonumber(score) > now) then
     reply[#reply + 1] = -1
   else
-    local rec = redis.call('HGET', KEYS[2], id)
+    rec = rec or redis.call('HGET', KEYS[2], id)
     local tries = tries_of(rec)
     redis.call('SREM', KEYS[3], id)  -- first, a write that cannot grow memory (prelude)
     if held then  -- an expired reservation: that delivery was a try
       tries = tries + 1
       redis.call('HSET', KEYS[2], id, with_tries(rec, tries))
     end
-    redis.call('ZADD', KEYS[1], deadline, id)
+    redis.call('ZADD', key, deadline, id)
     redis.call('SADD', KEYS[3], id)
     reply[#reply + 1] = tries
   end
@@ -1057,8 +1271,9 @@ def _read_one(reply: list[Any]) -> tuple[list[Stored], float | None]:
 
 
 def _plain(e: Entry) -> bool:
-    """A push the one-message insert script takes: new, without an id to deduplicate."""
-    return not e.dedup and e.mature is None
+    """A push the one-message insert script takes: new, without an id to deduplicate, of
+    priority 0."""
+    return not e.dedup and e.mature is None and not e.priority
 
 
 def _is_one(reply: Any) -> bool:
@@ -1172,10 +1387,11 @@ class RedisOQStore(RedisOQVisibility, Store):
             extend(
                 (
                     e.id,
-                    record(e.payload, e.headers, e.tries),
+                    record(e.payload, e.headers, e.tries, e.priority),
                     e.delay,
                     "" if e.mature is None else e.mature,
                     check,
+                    e.priority,
                 )
             )
             if ranks is not None:
@@ -1270,20 +1486,25 @@ class RedisOQStore(RedisOQVisibility, Store):
         """
         target = RedisOQStore(queue, self.options, self._backend)
         moved = [
-            (rows[i].decode(), rows[i + 1], rows[i + 2], int(rows[i + 3]))
-            for i in range(0, len(rows), 4)
+            (rows[i].decode(), rows[i + 1], rows[i + 2], int(rows[i + 3]), int(rows[i + 4]))
+            for i in range(0, len(rows), 5)
         ]
         pending, attempt = moved, 0
         while pending:
             entries = [
-                Entry(moved_id(m_id, deadletter_tag(tries), attempt), payload, headers)
-                for m_id, payload, headers, tries in pending
+                Entry(
+                    moved_id(m_id, deadletter_tag(tries), attempt),
+                    payload,
+                    headers,
+                    priority=priority,
+                )
+                for m_id, payload, headers, tries, priority in pending
             ]
             flags = await target._insert(entries, check_all=True)  # fixed ids: look them up
             pending = [m for m, ok in zip(pending, flags, strict=True) if not ok]
             attempt += 1
         args: list[Any] = []
-        for m_id, _, _, tries in moved:
+        for m_id, _, _, tries, _ in moved:
             args += (m_id, tries)
         await self._run(DROP_DEFERRED, self._keys, args)
 
@@ -1344,7 +1565,9 @@ class RedisOQBackend(RedisBackend):
     # An ok / ko / give-back's guard is "held, with the holder's tries", and a give-back
     # counts no try: run again once another consumer reserved the message, it passes.
     replay_hazard = GIVE_BACK_REPLAY
-    capabilities: Capabilities = Capabilities(move=True, peek=True, hold=True, extend=True)
+    capabilities: Capabilities = Capabilities(
+        move=True, peek=True, hold=True, extend=True, priority=True
+    )
 
     def queue_keys(self, queue: str) -> list[str]:
         return [self.key(queue, part) for part in ("due", "msg", "held")]

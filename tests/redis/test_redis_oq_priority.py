@@ -1,0 +1,205 @@
+"""redis-oq priorities, where the conformance file does not look: records written by earlier
+releases (no priority in them) read as priority 0, a level's keys go once its last message
+leaves whichever way it leaves, a queue without priorities writes no key of them, and the
+by-id scripts (extend, requeue, remove, find) and peek's paging reach every level.
+
+Runs against the real server at AK_REDIS_URL, under a key prefix of its own.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+
+import pytest
+import redis.asyncio as aioredis
+from backends import REDIS_URL, _drop_redis_prefix, new_token
+from redis_cluster import _drop_redis_cluster_prefix, _redis_cluster, start_redis_cluster
+
+import aio_keuss
+
+
+@pytest.fixture
+async def factory() -> AsyncIterator[aio_keuss.Factory]:
+    token = f"akp-{new_token()}"
+    async with aio_keuss.connect(
+        "redis-oq", url=REDIS_URL, prefix=token, deadletter={"max_ko": 1}
+    ) as made:
+        yield made
+    await _drop_redis_prefix({"url": REDIS_URL, "prefix": token})
+
+
+async def _keys(factory: aio_keuss.Factory, queue: str) -> set[str]:
+    """The names of the queue's keys, its prefix and hash tag cut off."""
+    head = factory.backend.key(queue, "")  # type: ignore[attr-defined]
+    client = aioredis.Redis.from_url(REDIS_URL)
+    try:
+        found = [k.decode() async for k in client.scan_iter(match=head + "*")]
+    finally:
+        await client.aclose()
+    return {k[len(head) :] for k in found}
+
+
+async def test_a_record_of_an_earlier_release_is_of_priority_0(
+    factory: aio_keuss.Factory,
+) -> None:
+    key = factory.backend.key  # type: ignore[attr-defined]
+    client = aioredis.Redis.from_url(REDIS_URL)
+    try:  # what the release before priorities wrote: '<tries>:<headers length>:' and the rest
+        await client.zadd(key("q", "due"), {"old": time.time() - 10})
+        await client.hset(key("q", "msg"), "old", b'1:9:{"k":"v"}J"old"')  # type: ignore[misc]
+    finally:
+        await client.aclose()
+    q = await factory.queue("q")
+    await q.push("low", priority=-1)
+    await q.push("high", priority=1)
+    [view] = [v for v in await q.peek(5) if v.message.id == "old"]
+    assert (view.message.priority, view.message.tries) == (0, 1)
+    got = [await q.reserve(timeout=1) for _ in range(3)]
+    assert [(m.payload, m.priority) for m in got if m] == [("high", 1), ("old", 0), ("low", -1)]
+    assert got[1] is not None and (got[1].headers, got[1].tries) == ({"k": "v"}, 1)
+    assert await q.ok_many([m for m in got if m]) == [True] * 3
+    assert await _keys(factory, "q") == set()
+
+
+async def test_a_queue_without_priorities_writes_no_key_of_them(
+    factory: aio_keuss.Factory,
+) -> None:
+    q = await factory.queue("q")
+    await q.push_many(["a", "b"])
+    await q.push("c", delay=3600)
+    m = await q.reserve(timeout=1)
+    assert m is not None
+    assert await _keys(factory, "q") == {"due", "msg", "held"}
+
+
+async def _deadletter(q: aio_keuss.Queue, n: int) -> list[aio_keuss.Message]:
+    """Reserve and ko the queue's n messages until they go to the deadletter queue (max_ko
+    1)."""
+    for result in (aio_keuss.KoResult.ROLLED_BACK, aio_keuss.KoResult.DEADLETTERED):
+        got = await q.reserve_many(n, timeout=1)
+        assert len(got) == n
+        assert [await q.ko(m, delay=0) for m in got] == [result] * n
+    return got
+
+
+@pytest.mark.parametrize(
+    "way", ["pop", "pop_many", "ok", "ok_many", "remove", "purge", "deadletter"]
+)
+async def test_a_level_goes_once_its_last_message_leaves(
+    factory: aio_keuss.Factory, way: str
+) -> None:
+    q = await factory.queue("q")
+    await q.push_many(["x", "y"], priority=4)
+    assert {"due:4", "levels"} <= await _keys(factory, "q")
+    for _ in range(2):
+        if way == "pop":
+            assert await q.pop(timeout=1) is not None
+        elif way == "pop_many":
+            assert len(await q.pop_many(5, timeout=1)) == 2
+            break
+        elif way == "ok":
+            m = await q.reserve(timeout=1)
+            assert m is not None and await q.ok(m)
+        elif way == "ok_many":
+            got = await q.reserve_many(5, timeout=1)
+            assert await q.ok_many(got) == [True, True]
+            break
+        elif way == "purge":
+            assert await q.purge() == 2
+            break
+        elif way == "remove":
+            (view, *_) = await q.peek(5)
+            assert await q.remove(view.message.id)
+        else:
+            await _deadletter(q, 2)
+            break
+    assert await _keys(factory, "q") == set()
+    if way == "deadletter":
+        dead = await factory.queue("__deadletter__")
+        got = await dead.pop_many(5, timeout=1)
+        assert sorted((m.payload, m.priority) for m in got) == [("x", 4), ("y", 4)]
+
+
+async def test_reserved_and_delayed_levels_do_not_hold_back_the_others(
+    factory: aio_keuss.Factory,
+) -> None:
+    """A take reads each level in turn: one whose messages are all reserved or delayed is
+    passed over, and what it holds counts in the sizes and the next mature time."""
+    q = await factory.queue("q", reserve_delay=3600)
+    await q.push("held", priority=9)
+    held = await q.reserve(timeout=1)
+    assert held is not None and held.priority == 9
+    await q.push("later", priority=5, delay=3600)
+    await q.push("plain")
+    await q.push("low", priority=-3)
+    got = await q.reserve_many(5, timeout=1)
+    assert [m.payload for m in got] == ["plain", "low"]
+    sizes = await q.sizes()
+    assert (sizes.size, sizes.scheduled, sizes.reserved) == (0, 1, 3)
+    assert await q.pop(timeout=0) is None
+    nxt = await q.next_mature_t()
+    assert nxt is not None and nxt.timestamp() > time.time() + 3000
+
+
+async def test_extend_ko_and_requeue_keep_a_message_in_its_level(
+    factory: aio_keuss.Factory,
+) -> None:
+    q = await factory.queue("q", reserve_delay=3600)
+    await q.push("plain")
+    await q.push("p", priority=2)
+    m = await q.reserve(timeout=1)
+    assert m is not None and m.payload == "p"
+    assert await q.extend(m, 7200)
+    view = await q.find(m)
+    assert view is not None and (view.state, view.message.priority) == ("reserved", 2)
+    assert await q.ko(m, delay=0) == aio_keuss.KoResult.ROLLED_BACK
+    again = await q.reserve(timeout=1)
+    assert again is not None and (again.payload, again.tries) == ("p", 1)
+    assert await q.ok(again)
+    assert await _keys(factory, "q") == {"due", "msg"}  # "plain" is left
+
+
+async def test_requeue_from_the_deadletter_queue_keeps_the_priority(
+    factory: aio_keuss.Factory,
+) -> None:
+    q = await factory.queue("q")
+    await q.push("p", priority=3)
+    [m] = await _deadletter(q, 1)
+    dead = await factory.queue("__deadletter__")
+    assert list(await dead.requeue([m.id])) == [m.id]
+    back = await q.pop(timeout=1)
+    assert back is not None and (back.payload, back.priority) == ("p", 3)
+    assert await _keys(factory, "__deadletter__") == set()
+
+
+async def test_peek_pages_through_every_level_in_order(factory: aio_keuss.Factory) -> None:
+    q = await factory.queue("q")
+    pushed = []
+    for n in range(25):
+        pushed.append(await q.push(n, priority=(n % 5) - 2))
+    seen: list[str] = []
+    async for view in q.browse(state="all", page_size=4):
+        seen.append(view.message.id)
+    assert seen == pushed  # mature time, then push order, whatever the level
+
+
+async def test_a_cluster_deadletter_in_steps_keeps_the_priority() -> None:
+    """On a Redis Cluster without hash_tag the deadletter is three steps (set aside here,
+    copy there, drop here): the copy has the priority, and the level here goes."""
+    reason = start_redis_cluster()
+    if reason:
+        pytest.skip(reason)
+    options = {**_redis_cluster(new_token()), "deadletter": {"max_ko": 0}}
+    try:
+        async with aio_keuss.connect("redis-oq", **options) as factory:
+            q = await factory.queue("q")
+            await q.push_many(["a", "b"], priority=-7)
+            got = await q.reserve_many(2, timeout=1)
+            assert [await q.ko(m) for m in got] == [aio_keuss.KoResult.DEADLETTERED] * 2
+            assert await q.total_size() == 0
+            dead = await factory.queue("__deadletter__")
+            moved = await dead.pop_many(5, timeout=1)
+            assert sorted((m.payload, m.priority) for m in moved) == [("a", -7), ("b", -7)]
+    finally:
+        await _drop_redis_cluster_prefix(options)
