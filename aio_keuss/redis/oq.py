@@ -11,6 +11,11 @@ Keys of a queue ``q`` (all tagged ``{q}``, so one cluster slot holds the whole q
 - ``held``: SET of reserved ids.
 - ``d``: ZSET id -> dedup expiry for ids the user chose; purged lazily on the next such push,
   so an id stays refused for the dedup window even after its message was consumed.
+- ``due:<p>``: for a message of priority p other than 0, what ``due`` is for those of 0;
+  ``levels``: ZSET of the p whose ``due:<p>`` is not empty (member p, score p). A take
+  walks the levels above 0 highest first, then ``due``, then those below 0; a script that
+  finds a message by id finds its level in its record (see ``record``). A queue without
+  priorities has neither, and pays one read of the empty ``levels`` per take.
 
 Queues written before 2026-11-29 kept a message in five keys (see ``_TAKE_OVER``), which
 this layout takes over when a queue is opened and whenever a take finds nothing ready (what
