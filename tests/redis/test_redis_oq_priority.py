@@ -203,3 +203,24 @@ async def test_a_cluster_deadletter_in_steps_keeps_the_priority() -> None:
             assert sorted((m.payload, m.priority) for m in moved) == [("a", -7), ("b", -7)]
     finally:
         await _drop_redis_cluster_prefix(options)
+
+
+async def test_a_take_over_renames_an_old_message_whose_id_is_queued_at_a_level(
+    factory: aio_keuss.Factory,
+) -> None:
+    """What an older process pushes is taken over when a take finds nothing ready; an id
+    already queued here at a priority counts as taken (renamed ``<id>.up``), as one in due
+    does."""
+    q = await factory.queue("q")
+    await q.push("new", id="dup", priority=5, delay=3600)
+    key = factory.backend.key  # type: ignore[attr-defined]
+    client = aioredis.Redis.from_url(REDIS_URL)
+    try:  # the earlier layout: z (mature time) and p (payload) of one message
+        await client.zadd(key("q", "z"), {"dup": time.time() - 10})
+        await client.hset(key("q", "p"), "dup", b'J"old"')  # type: ignore[misc]
+    finally:
+        await client.aclose()
+    old = await q.pop(timeout=1)
+    assert old is not None and (old.id, old.payload, old.priority) == ("dup.up", "old", 0)
+    view = await q.find("dup")
+    assert view is not None and (view.message.payload, view.message.priority) == ("new", 5)
