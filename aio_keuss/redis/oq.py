@@ -14,8 +14,10 @@ Keys of a queue ``q`` (all tagged ``{q}``, so one cluster slot holds the whole q
 - ``due:<p>``: for a message of priority p other than 0, what ``due`` is for those of 0;
   ``levels``: ZSET of the p whose ``due:<p>`` is not empty (member p, score p). A take
   walks the levels above 0 highest first, then ``due``, then those below 0; a script that
-  finds a message by id finds its level in its record (see ``record``). A queue without
-  priorities has neither, and pays one read of the empty ``levels`` per take.
+  finds a message by id finds its level in its record (see ``record``). While ``levels``
+  lists any, ``msg`` has a field ``''`` (no id is empty), which a take reads with the
+  records of due's head: a queue without priorities has none of these and pays no call
+  more, but a HEXISTS when due has nothing ready.
 
 Queues written before 2026-11-29 kept a message in five keys (see ``_TAKE_OVER``), which
 this layout takes over when a queue is opened and whenever a take finds nothing ready (what
@@ -248,9 +250,10 @@ local function unpack_record(rec)  -- tries, headers ('{}' when none), payload, 
   return tries_of(rec), headers, string.sub(rec, j + n + 1), prio_of(rec)
 end
 -- Priorities: a message of priority p other than 0 is in the ZSET due:<p> beside due (same
--- hash tag), and the ZSET levels (member p, score p) lists the p whose ZSET is not empty, so
--- that a queue without priorities pays one read of an empty key per take. ``z`` is a
--- queue's due key.
+-- hash tag), and the ZSET levels (member p, score p) lists the p whose ZSET is not empty.
+-- While it lists any, msg has a field '' (an id is never empty): a take reads it in the
+-- HMGET of the records it reads anyway, so that a queue without priorities pays no call
+-- more while due has something ready. ``z`` is a queue's due key.
 local function level_key(z, p)
   if p == 0 then return z end
   return string.sub(z, 1, -4) .. 'due:' .. p
@@ -272,15 +275,26 @@ local function walk(lv)
   end
   return order
 end
--- Once ids left level p (~= 0) of queue z: the level goes out of levels when empty.
+-- Once ids left level p (~= 0) of queue z: the level goes out of levels when empty, and
+-- the mark in msg once levels is.
 local function level_left(z, p)
-  if redis.call('EXISTS', level_key(z, p)) == 0 then redis.call('ZREM', levels_key(z), p) end
+  if redis.call('EXISTS', level_key(z, p)) == 0 then
+    redis.call('ZREM', levels_key(z), p)
+    if redis.call('EXISTS', levels_key(z)) == 0 then
+      redis.call('HDEL', string.sub(z, 1, -4) .. 'msg', '')
+    end
+  end
+end
+-- Level p (~= 0) of queue z is in use: listed, and marked in msg.
+local function add_level(z, p)
+  redis.call('ZADD', levels_key(z), p, p)
+  redis.call('HSET', string.sub(z, 1, -4) .. 'msg', '', 1)
 end
 -- ZADD of {score, id, ...} per priority (``by``: p -> that list), levels listed first.
 local function add_by_level(z, by)
   for p, zadd in pairs(by) do
     if #zadd > 0 then
-      if p ~= 0 then redis.call('ZADD', levels_key(z), p, p) end
+      if p ~= 0 then add_level(z, p) end
       run_chunked('ZADD', level_key(z, p), zadd)
     end
   end
@@ -374,7 +388,7 @@ local function move_to(id, dz, dm, payload, added, due, tag)
     n = n + 1
     target = id .. '.' .. tag .. (n > 1 and ('.' .. n) or '')
   end
-  if p ~= 0 then redis.call('ZADD', levels_key(dz), p, p) end
+  if p ~= 0 then add_level(dz, p) end
   redis.call('ZADD', level_key(dz, p), due, target)
   redis.call('HSET', dm, target, new_record(0, headers, payload, p))
   return target
@@ -404,20 +418,45 @@ local function guards_held(stride)
 end
 -- The mature ids (up to n, highest priority first, then earliest), their records and mature
 -- times, which of them were reserved (an expired reservation: that delivery counts as a try,
--- ``bumps``), those ids, their priorities, and the queue's levels. Each level is read until
--- n are found: a level whose messages are all reserved or delayed costs a read per take.
+-- ``bumps``), those ids, their priorities, and the queue's levels. Due is read first, and
+-- the mark of priorities with its records (see above): a queue without them pays no call
+-- more, but for a HEXISTS when due has nothing ready. With them, each level is read until n
+-- are found: a level whose messages are all reserved or delayed costs a read per take.
 local function take_mature(n, now)
-  local lv = levels_of(KEYS[1])
-  local ids, matures, prios = {}, {}, {}
-  for _, p in ipairs(walk(lv)) do
-    local head = redis.call('ZRANGE', level_key(KEYS[1], p), '-inf', now, 'BYSCORE',
-      'LIMIT', 0, n - #ids, 'WITHSCORES')
-    for i = 1, #head, 2 do
-      ids[#ids + 1] = head[i]
-      matures[#matures + 1] = head[i + 1]
-      prios[#prios + 1] = p
+  local due = redis.call('ZRANGE', KEYS[1], '-inf', now, 'BYSCORE', 'LIMIT', 0, n, 'WITHSCORES')
+  local ids, matures, prios, records, marked = {}, {}, {}, nil, false
+  for i = 1, #due, 2 do
+    ids[#ids + 1] = due[i]
+    matures[#matures + 1] = due[i + 1]
+    prios[#prios + 1] = 0
+  end
+  if #ids > 0 then
+    ids[#ids + 1] = ''
+    records = read_chunked('HMGET', KEYS[2], ids)
+    ids[#ids] = nil
+    marked = records[#records]
+    records[#records] = nil
+  else
+    marked = redis.call('HEXISTS', KEYS[2], '') == 1
+  end
+  local lv = {}
+  if marked then
+    lv = levels_of(KEYS[1])
+    ids, matures, prios = {}, {}, {}
+    for _, p in ipairs(walk(lv)) do
+      local head = due  -- read already: its first n - #ids are what a read would give
+      if p ~= 0 then
+        head = redis.call('ZRANGE', level_key(KEYS[1], p), '-inf', now, 'BYSCORE',
+          'LIMIT', 0, n - #ids, 'WITHSCORES')
+      end
+      for i = 1, math.min(#head, 2 * (n - #ids)), 2 do
+        ids[#ids + 1] = head[i]
+        matures[#matures + 1] = head[i + 1]
+        prios[#prios + 1] = p
+      end
+      if #ids >= n then break end
     end
-    if #ids >= n then break end
+    if #ids > 0 then records = read_chunked('HMGET', KEYS[2], ids) end
   end
   if #ids == 0 then return ids, nil, nil, nil, nil, nil, lv end
   local held = read_chunked('SMISMEMBER', KEYS[3], ids)
@@ -426,7 +465,7 @@ local function take_mature(n, now)
     bumps[k] = held[k]
     if held[k] == 1 then with_held[#with_held + 1] = ids[k] end
   end
-  return ids, read_chunked('HMGET', KEYS[2], ids), matures, bumps, with_held, prios, lv
+  return ids, records, matures, bumps, with_held, prios, lv
 end
 -- Reply: next mature, then ids, records, matures and bumps (k of each; a bump of 1 is a
 -- try the record does not count yet). The next mature time is given as seconds from the
@@ -835,20 +874,25 @@ return 1
 # The start of the one-message get and reserve: the first message by rank of each level in
 # the walk's order (see the prelude), which is mature or not by its score (one ZRANGE by rank
 # costs Redis about half of one BYSCORE with a LIMIT, measured with "INFO commandstats"), and
-# when none is, the next mature time. A queue without priorities pays one read of its empty
-# levels key. Then ``key`` is the ZSET of message ``id``, ``p`` its priority.
+# when none is, the next mature time. The first look is at due, and the record of its head
+# is read with the mark of priorities in msg (see the prelude): a queue without them pays
+# no call more, but for a HEXISTS when due has nothing ready. Then ``key`` is the ZSET of
+# message ``id``, ``p`` its priority, ``rec`` its record when read already.
 _TAKE_ONE = (
     """
 local t = redis.call('TIME')
 local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
 local base = string.sub(KEYS[1], 1, -4)
-local function first_ready()  -- key, id, mature time, priority; or nil, nil, the earliest
-  local lv = redis.call('ZRANGE', base .. 'levels', 0, -1)
-  if #lv == 0 then
-    local head = redis.call('ZRANGE', KEYS[1], 0, 0, 'WITHSCORES')
-    if head[1] and tonumber(head[2]) <= now then return KEYS[1], head[1], head[2], 0 end
+-- key, id, mature time, priority, record (nil: not read); or nil, nil, the earliest
+local function first_ready()
+  local head = redis.call('ZRANGE', KEYS[1], 0, 0, 'WITHSCORES')
+  if head[1] and tonumber(head[2]) <= now then
+    local got = redis.call('HMGET', KEYS[2], head[1], '')
+    if not got[2] then return KEYS[1], head[1], head[2], 0, got[1] end
+  elseif redis.call('HEXISTS', KEYS[2], '') == 0 then
     return nil, nil, head[2]
   end
+  local lv = redis.call('ZRANGE', base .. 'levels', 0, -1)
   local order, soonest = {}, nil
   for i = #lv, 1, -1 do if tonumber(lv[i]) > 0 then order[#order + 1] = lv[i] end end
   order[#order + 1] = '0'
@@ -863,13 +907,13 @@ local function first_ready()  -- key, id, mature time, priority; or nil, nil, th
   end
   return nil, nil, soonest
 end
-local key, id, mature, p = first_ready()
+local key, id, mature, p, rec = first_ready()
 if not id then
 """
     + _TAKE_OVER
     + """
   if take_over() then  -- taken over: look again
-    key, id, mature, p = first_ready()
+    key, id, mature, p, rec = first_ready()
   end
   if not id then
     return {mature and string.format('%.17g', tonumber(mature) - now) or false}
@@ -882,10 +926,13 @@ end
 _GET_ONE = (
     _TAKE_ONE
     + """
-local rec = redis.call('HGET', KEYS[2], id)
+rec = rec or redis.call('HGET', KEYS[2], id)
 redis.call('ZREM', key, id)
 redis.call('HDEL', KEYS[2], id)
-if p ~= 0 and redis.call('EXISTS', key) == 0 then redis.call('ZREM', base .. 'levels', p) end
+if p ~= 0 and redis.call('EXISTS', key) == 0 then  -- its level is empty: see the prelude
+  redis.call('ZREM', base .. 'levels', p)
+  if redis.call('EXISTS', base .. 'levels') == 0 then redis.call('HDEL', KEYS[2], '') end
+end
 return {'0', id, rec, mature, redis.call('SREM', KEYS[3], id)}
 """
 )
@@ -900,7 +947,7 @@ _RESERVE_ONE = (
 local lapsed = redis.call('SREM', KEYS[3], id)
 redis.call('ZADD', key, now + tonumber(ARGV[1]), id)
 redis.call('SADD', KEYS[3], id)
-local rec = redis.call('HGET', KEYS[2], id)
+rec = rec or redis.call('HGET', KEYS[2], id)
 if lapsed == 1 then redis.call('HSET', KEYS[2], id, with_tries(rec, tries_of(rec) + 1)) end
 return {'0', id, rec, mature, lapsed}
 """
@@ -928,8 +975,10 @@ if redis.call('ZREM', KEYS[1], id) == 0 then
   if p ~= 0 then
     local key = string.sub(KEYS[1], 1, -4) .. 'due:' .. p
     redis.call('ZREM', key, id)
-    if redis.call('EXISTS', key) == 0 then
-      redis.call('ZREM', string.sub(KEYS[1], 1, -4) .. 'levels', p)
+    if redis.call('EXISTS', key) == 0 then  -- its level is empty: see the prelude
+      local levels = string.sub(KEYS[1], 1, -4) .. 'levels'
+      redis.call('ZREM', levels, p)
+      if redis.call('EXISTS', levels) == 0 then redis.call('HDEL', KEYS[2], '') end
     end
   end
 end

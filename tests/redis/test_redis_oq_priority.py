@@ -40,6 +40,16 @@ async def _keys(factory: aio_keuss.Factory, queue: str) -> set[str]:
     return {k[len(head) :] for k in found}
 
 
+async def _marked(factory: aio_keuss.Factory, queue: str) -> bool:
+    """Whether the queue's msg hash has the mark of levels in use (field '')."""
+    client = aioredis.Redis.from_url(REDIS_URL)
+    try:
+        key = factory.backend.key(queue, "msg")  # type: ignore[attr-defined]
+        return bool(await client.hexists(key, ""))  # type: ignore[misc]
+    finally:
+        await client.aclose()
+
+
 async def test_a_record_of_an_earlier_release_is_of_priority_0(
     factory: aio_keuss.Factory,
 ) -> None:
@@ -71,6 +81,7 @@ async def test_a_queue_without_priorities_writes_no_key_of_them(
     m = await q.reserve(timeout=1)
     assert m is not None
     assert await _keys(factory, "q") == {"due", "msg", "held"}
+    assert not await _marked(factory, "q")
 
 
 async def _deadletter(q: aio_keuss.Queue, n: int) -> list[aio_keuss.Message]:
@@ -90,8 +101,10 @@ async def test_a_level_goes_once_its_last_message_leaves(
     factory: aio_keuss.Factory, way: str
 ) -> None:
     q = await factory.queue("q")
+    await q.push("plain", delay=3600)
     await q.push_many(["x", "y"], priority=4)
     assert {"due:4", "levels"} <= await _keys(factory, "q")
+    assert await _marked(factory, "q")
     for _ in range(2):
         if way == "pop":
             assert await q.pop(timeout=1) is not None
@@ -106,7 +119,7 @@ async def test_a_level_goes_once_its_last_message_leaves(
             assert await q.ok_many(got) == [True, True]
             break
         elif way == "purge":
-            assert await q.purge() == 2
+            assert await q.purge() == 3  # "plain" too
             break
         elif way == "remove":
             (view, *_) = await q.peek(5)
@@ -114,7 +127,9 @@ async def test_a_level_goes_once_its_last_message_leaves(
         else:
             await _deadletter(q, 2)
             break
-    assert await _keys(factory, "q") == set()
+    left = set() if way == "purge" else {"due", "msg"}  # "plain" is left
+    assert await _keys(factory, "q") == left
+    assert not await _marked(factory, "q")
     if way == "deadletter":
         dead = await factory.queue("__deadletter__")
         got = await dead.pop_many(5, timeout=1)
@@ -158,6 +173,7 @@ async def test_extend_ko_and_requeue_keep_a_message_in_its_level(
     assert again is not None and (again.payload, again.tries) == ("p", 1)
     assert await q.ok(again)
     assert await _keys(factory, "q") == {"due", "msg"}  # "plain" is left
+    assert not await _marked(factory, "q")
 
 
 async def test_requeue_from_the_deadletter_queue_keeps_the_priority(
