@@ -882,41 +882,48 @@ _TAKE_ONE = (
     """
 local t = redis.call('TIME')
 local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
-local base = string.sub(KEYS[1], 1, -4)
--- key, id, mature time, priority, record (nil: not read); or nil, nil, the earliest
-local function first_ready()
-  local head = redis.call('ZRANGE', KEYS[1], 0, 0, 'WITHSCORES')
-  if head[1] and tonumber(head[2]) <= now then
-    local got = redis.call('HMGET', KEYS[2], head[1], '')
-    if not got[2] then return KEYS[1], head[1], head[2], 0, got[1] end
-  elseif redis.call('HEXISTS', KEYS[2], '') == 0 then
-    return nil, nil, head[2]
-  end
-  local lv = redis.call('ZRANGE', base .. 'levels', 0, -1)
-  local order, soonest = {}, nil
-  for i = #lv, 1, -1 do if tonumber(lv[i]) > 0 then order[#order + 1] = lv[i] end end
-  order[#order + 1] = '0'
-  for i = #lv, 1, -1 do if tonumber(lv[i]) < 0 then order[#order + 1] = lv[i] end end
-  for _, p in ipairs(order) do
-    local key = p == '0' and KEYS[1] or base .. 'due:' .. p
-    local head = redis.call('ZRANGE', key, 0, 0, 'WITHSCORES')
-    if head[1] then
-      if tonumber(head[2]) <= now then return key, head[1], head[2], tonumber(p) end
-      if not soonest or tonumber(head[2]) < tonumber(soonest) then soonest = head[2] end
-    end
-  end
-  return nil, nil, soonest
+local head = redis.call('ZRANGE', KEYS[1], 0, 0, 'WITHSCORES')
+local key, id, mature, p, rec = KEYS[1], head[1], head[2], 0, nil
+local marked
+if id and tonumber(mature) <= now then
+  local got = redis.call('HMGET', KEYS[2], id, '')
+  rec, marked = got[1], got[2]
+else
+  id, marked = nil, redis.call('HEXISTS', KEYS[2], '') == 1
 end
-local key, id, mature, p, rec = first_ready()
-if not id then
+if marked or not id then
+  local base = string.sub(KEYS[1], 1, -4)
+  -- The walk: key, id, mature time, priority of the first ready; or nil, nil, the earliest
+  local function first_ready()
+    local lv = redis.call('ZRANGE', base .. 'levels', 0, -1)
+    local order, soonest = {}, nil
+    for i = #lv, 1, -1 do if tonumber(lv[i]) > 0 then order[#order + 1] = lv[i] end end
+    order[#order + 1] = '0'
+    for i = #lv, 1, -1 do if tonumber(lv[i]) < 0 then order[#order + 1] = lv[i] end end
+    for _, level in ipairs(order) do
+      local z = level == '0' and KEYS[1] or base .. 'due:' .. level
+      local first = redis.call('ZRANGE', z, 0, 0, 'WITHSCORES')
+      if first[1] then
+        if tonumber(first[2]) <= now then return z, first[1], first[2], tonumber(level) end
+        if not soonest or tonumber(first[2]) < tonumber(soonest) then soonest = first[2] end
+      end
+    end
+    return nil, nil, soonest
+  end
+  if marked then
+    key, id, mature, p = first_ready()
+    rec = nil
+  end
+  if not id then
 """
     + _TAKE_OVER
     + """
-  if take_over() then  -- taken over: look again
-    key, id, mature, p, rec = first_ready()
-  end
-  if not id then
-    return {mature and string.format('%.17g', tonumber(mature) - now) or false}
+    if take_over() then  -- taken over: look again
+      key, id, mature, p = first_ready()
+    end
+    if not id then
+      return {mature and string.format('%.17g', tonumber(mature) - now) or false}
+    end
   end
 end
 """
@@ -930,8 +937,9 @@ rec = rec or redis.call('HGET', KEYS[2], id)
 redis.call('ZREM', key, id)
 redis.call('HDEL', KEYS[2], id)
 if p ~= 0 and redis.call('EXISTS', key) == 0 then  -- its level is empty: see the prelude
-  redis.call('ZREM', base .. 'levels', p)
-  if redis.call('EXISTS', base .. 'levels') == 0 then redis.call('HDEL', KEYS[2], '') end
+  local levels = string.sub(KEYS[1], 1, -4) .. 'levels'
+  redis.call('ZREM', levels, p)
+  if redis.call('EXISTS', levels) == 0 then redis.call('HDEL', KEYS[2], '') end
 end
 return {'0', id, rec, mature, redis.call('SREM', KEYS[3], id)}
 """
