@@ -167,6 +167,7 @@ CASES: list[BackendCase] = [
                 "test_lifecycle",
                 "test_reserve",
                 "test_chaos",
+                "test_priority",  # a priority through a one-script move and deadletter
             }
         ),
     ),
