@@ -274,6 +274,22 @@ async def test_a_stored_pipeline_is_removed_so_a_changed_one_can_start(redis_cli
     assert (await cli.run("remove-pipeline", "etl")).returncode == 4  # not found
 
 
+async def test_push_with_a_priority_comes_out_first_and_shows_it(redis_cli: Cli) -> None:
+    cli = redis_cli
+    await cli.json("push", "jobs", '"plain"')
+    urgent = await cli.json("push", "jobs", '"urgent"', "--priority", "9")
+    found = await cli.json("find", "jobs", urgent["ids"][0])
+    assert found["priority"] == 9
+    popped = await cli.json("pop", "jobs")
+    assert [(m["payload"], m["priority"]) for m in popped] == [("urgent", 9)]
+    out_of_range = await cli.run("push", "jobs", '"x"', "--priority", "40000")
+    assert out_of_range.returncode == 2 and "priority" in out_of_range.stderr
+    plain_list = Cli("redis-list", cli.options)
+    refused = await plain_list.run("push", "other", '"x"', "--priority", "1")
+    assert refused.returncode == 5 and "priority" in refused.stderr
+    assert [r["queue"] for r in await cli.json("list")] == ["jobs"]  # nothing else written
+
+
 async def test_exit_codes_scripts_can_trust(redis_cli: Cli) -> None:
     cli = redis_cli
     bad_json = await cli.run("push", "jobs", "{nope")
