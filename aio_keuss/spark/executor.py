@@ -253,8 +253,8 @@ class _Pusher:
             if spec.priority_column is not None:
                 column = spec.priority_column
                 batch.priorities = _priorities([row[column] for row in rows], self.index)
-            else:
-                batch.priorities = [0] * len(rows)
+            else:  # the option's, every row's (a headers or delay column sends rows here)
+                batch.priorities = [spec.priority] * len(rows)
         self.index += len(rows)
         return batch
 

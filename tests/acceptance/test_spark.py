@@ -1068,6 +1068,23 @@ def test_rows_with_priorities_come_out_highest_first(
     assert [(m.payload["n"], m.priority) for m in taken] == [(3, 9), (4, 9), (0, 0), (1, 0), (2, 0)]
 
 
+def test_the_priority_option_holds_beside_a_headers_or_delay_column(
+    pusher_target: tuple[str, dict[str, Any]],
+) -> None:
+    """``priority`` with a headers or delay column: rows go by ``push_each`` then, each with
+    that priority (they went in at 0, the option dropped)."""
+    backend, opts = pusher_target
+    _prioritized(backend, opts)
+    spec = keuss_spark.WriteSpec(backend=backend, queue="meta", options=opts)
+    assert keuss_spark.push_rows(spec, [{"n": 0}], "plain:0") == 1
+    for column in ("headers_column", "delay_column"):
+        high = dataclasses.replace(spec, priority=7, **{column: "m"})
+        value: Any = {"k": "v"} if column == "headers_column" else 0.0
+        assert keuss_spark.push_rows(high, [{"n": 1, "m": value}], f"{column}:0") == 1
+    taken = _taken(backend, opts, "meta")
+    assert [(m.payload["n"], m.priority) for m in taken] == [(1, 7), (1, 7), (0, 0)]
+
+
 def test_a_bad_priority_in_one_row_fails_before_its_batch_is_written(
     pusher_target: tuple[str, dict[str, Any]],
 ) -> None:
