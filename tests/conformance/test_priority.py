@@ -194,6 +194,36 @@ async def test_a_priority_outlives_a_move_and_the_deadletter_queue(connect: Conn
     assert found is not None and (found.payload, found.priority) == ("moved", 6)
 
 
+async def test_a_priority_outlives_a_requeue_from_the_deadletter_queue(
+    connect: Connect,
+) -> None:
+    factory = await connect(deadletter={"max_ko": 0}, poll_interval=5.0)
+    q = await factory.queue("origin")
+    _needs_priority(q)
+    needs(q, "reserve", "peek", "hold", "move")
+    dl = await factory.queue("__deadletter__")
+    await q.push("urgent", priority=8)
+    held = await q.reserve(timeout=5)
+    assert held is not None and await q.ko(held) == aio_keuss.KoResult.DEADLETTERED
+    assert await dl.requeue(origin="origin") == {held.id: held.id}
+    await q.push("plain")
+    back = await q.reserve(timeout=5)
+    assert back is not None and (back.payload, back.priority, back.tries) == ("urgent", 8, 0)
+
+
+async def test_a_replay_copies_the_priority(factory: aio_keuss.Factory) -> None:
+    _needs_priority(factory)
+    needs(factory, "history")
+    q = await factory.queue("done")
+    await q.push("urgent", priority=-4)
+    popped = await q.pop(timeout=5)
+    assert popped is not None
+    [copy] = await q.replay([popped.id], to="again")
+    again = await factory.queue("again")
+    found = await again.pop(timeout=5)
+    assert found is not None and (found.id, found.priority) == (copy, -4)
+
+
 async def test_peek_and_find_show_the_priority(queue: aio_keuss.Queue) -> None:
     _needs_priority(queue)
     needs(queue, "peek")
