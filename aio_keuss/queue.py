@@ -899,6 +899,7 @@ class Queue:
                 encode_headers(m.headers),
                 tries=m.tries,
                 mature=m.mature.timestamp(),
+                priority=m.priority,
             )
             for m in messages
         ]

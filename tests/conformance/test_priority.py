@@ -244,21 +244,13 @@ async def test_repeat_pushes_with_its_priority(queue: aio_keuss.Queue) -> None:
     assert first is not None and (first.payload, first.priority) == ("tock", 2)
 
 
-PUT_BACK_LOSES_PRIORITY = (
-    "Queue._put_back_unhandled rebuilds an Entry from a Message not noted in kept without"
-    " priority=m.priority (aio_keuss/queue.py): it goes back at priority 0"
-)
-
-
 async def test_a_put_back_rebuilt_from_the_message_keeps_its_priority(
-    factory: aio_keuss.Factory, queue: aio_keuss.Queue, request: pytest.FixtureRequest
+    queue: aio_keuss.Queue,
 ) -> None:
     """A popped message given back with no note of what the store handed out (``kept``) is
     rebuilt from the Message: its priority goes back with it, as its tries and mature do.
     (mongo-history revives its record in place, the priority with it.)"""
     _needs_priority(queue)
-    if factory.backend_name != "mongo-history":
-        request.applymarker(pytest.mark.xfail(strict=True, reason=PUT_BACK_LOSES_PRIORITY))
     await queue.push("high", priority=3)
     popped = await queue.pop(timeout=5)
     assert popped is not None and popped.priority == 3
