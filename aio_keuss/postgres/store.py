@@ -10,6 +10,9 @@ in ``sql/migrations``; the statements are in ``sql/queries.sql``):
   identity column) breaks ties between equal mature times so equal-time messages leave in
   insertion order. One table for all queues means a move (``Queue.move``, deadletter, a
   pipeline step) is a single ``UPDATE ... SET queue = ...``: atomic by construction.
+  ``priority`` (0 unless pushed with one) stays with the row through all of that; only
+  rows with a priority enter a second, partial index, which the take reads beside the
+  first (see ``_pick`` in ``queries.sql``).
 - ``dedup``: ``(queue, id, expires)`` for ids the user chose, so an id stays refused for the
   dedup window even after its message was consumed. Expired rows are purged a hundred at a
   time by the next idempotent push of that queue.
@@ -121,18 +124,21 @@ def _fetched(rows: list[Any]) -> Fetched:
     or late)."""
     next_in = rows[0][5] if rows else None
     next_mature = None if next_in is None else time.time() + next_in
-    messages = [Stored(r[0], r[1], r[2], r[3], r[4]) for r in rows if r[0] is not None]
+    messages = [
+        Stored(r[0], r[1], r[2], r[3], r[4], priority=r[6]) for r in rows if r[0] is not None
+    ]
     return Fetched(messages, next_mature)
 
 
 def _peeked(row: Any) -> Peeked:
-    """A row of peek / locate: id, payload, headers, tries, mature, seq, reserved, now. A
+    """A row of peek / locate: id, payload, headers, tries, mature, seq, reserved, now,
+    priority. A
     ready one shows the tries its next delivery is given: a lapsed reservation was a try
     its row does not count yet (reserve adds it)."""
     mature, now = row[4], row[7]
     state = "ready" if mature <= now else "reserved" if row[6] else "scheduled"
     tries = row[3] + 1 if row[6] and mature <= now else row[3]
-    return Peeked(Stored(row[0], row[1], row[2], tries, mature), state, mature)
+    return Peeked(Stored(row[0], row[1], row[2], tries, mature, priority=row[8]), state, mature)
 
 
 def _processed(row: Any) -> Peeked:
@@ -194,7 +200,7 @@ class PostgresStore(Store):
         dedup = any(e.dedup for e in entries)
         if (
             not dedup
-            and all(e.mature is None and not e.tries for e in entries)
+            and all(e.mature is None and not e.tries and not e.priority for e in entries)
             and await self._db.execute_unless_duplicate(
                 self._sql["insert_new"], self.name, ids, payloads, headers, delays
             )
@@ -209,11 +215,12 @@ class PostgresStore(Store):
             [e.tries for e in entries],
             [e.mature for e in entries],
         ]
+        priorities = [e.priority for e in entries]
         if dedup:
-            columns += [[e.dedup for e in entries], self.options.dedup_window]
+            columns += [[e.dedup for e in entries], self.options.dedup_window, priorities]
             rows = await self._db.fetch(self._sql["insert_dedup"], *columns)
         else:
-            rows = await self._db.fetch(self._sql["insert"], *columns)
+            rows = await self._db.fetch(self._sql["insert"], *columns, priorities)
         if len(rows) == len(entries):  # the common case: everything went in
             return [True] * len(entries)
         return _first_occurrences(ids, {r[0] for r in rows})
@@ -398,7 +405,9 @@ class PostgresQueueBackend(PostgresBackend):
     """``postgres``: one table for every queue of the schema."""
 
     name = "postgres"
-    capabilities: Capabilities = Capabilities(move=True, peek=True, hold=True, extend=True)
+    capabilities: Capabilities = Capabilities(
+        move=True, peek=True, hold=True, extend=True, priority=True
+    )
     options_type: ClassVar[type[PostgresConnectionOptions]] = PostgresOptions
     options: ClassVar[dict[str, Any]] = PostgresOptions.defaults()
 

@@ -27,12 +27,14 @@ ORDER BY e.ord
 -- name: insert
 -- Insert without user ids where some entry is a put-back (a popped message whose caller was
 -- cancelled), or where insert_new found an id taken: no dedup table involved. A put-back
--- carries its own mature time and tries; others get now + delay.
-INSERT INTO {s}.messages (queue, id, mature, tries, payload, headers)
+-- carries its own mature time and tries; others get now + delay. $8: the priorities (a
+-- batch with one goes here too, insert_new has no column for them).
+INSERT INTO {s}.messages (queue, id, mature, tries, payload, headers, priority)
 SELECT $1, e.id, coalesce(e.mature, extract(epoch from now())::float8 + e.delay),
-       e.tries, e.payload, e.headers
-FROM unnest($2::text[], $3::bytea[], $4::bytea[], $5::float8[], $6::int4[], $7::float8[])
-     WITH ORDINALITY AS e(id, payload, headers, delay, tries, mature, ord)
+       e.tries, e.payload, e.headers, e.priority
+FROM unnest($2::text[], $3::bytea[], $4::bytea[], $5::float8[], $6::int4[], $7::float8[],
+            $8::int2[])
+     WITH ORDINALITY AS e(id, payload, headers, delay, tries, mature, priority, ord)
 ORDER BY e.ord
 ON CONFLICT DO NOTHING
 RETURNING id
@@ -55,19 +57,19 @@ expired AS MATERIALIZED (
 -- window is refused even though its message is gone; a queued one is refused by the primary
 -- key. Inserted user ids are remembered until now + window ($9). A hundred expired dedup
 -- rows of the queue are purged on the way (never ones this statement touches), found by
--- the (queue, expires) index. The dedup check is a scalar subquery, one primary-key probe
+-- the (queue, expires) index; $10: the priorities. The dedup check is a scalar subquery, one primary-key probe
 -- per entry: written as EXISTS, the planner may turn it into a hashed subplan that reads
 -- every dedup row of the queue on every insert, which made a bulk load quadratic (an
 -- expression subquery is never hashed: PostgreSQL manual, "Subquery Expressions").
 WITH entry AS (
     SELECT * FROM unnest($2::text[], $3::bytea[], $4::bytea[], $5::float8[], $6::int4[],
-                         $7::float8[], $8::bool[])
-           WITH ORDINALITY AS e(id, payload, headers, delay, tries, mature, dedup, ord)
+                         $7::float8[], $8::bool[], $10::int2[])
+           WITH ORDINALITY AS e(id, payload, headers, delay, tries, mature, dedup, priority, ord)
 ), {_purge_dedup}
 ), inserted AS (
-    INSERT INTO {s}.messages (queue, id, mature, tries, payload, headers)
+    INSERT INTO {s}.messages (queue, id, mature, tries, payload, headers, priority)
     SELECT $1, e.id, coalesce(e.mature, extract(epoch from now())::float8 + e.delay),
-           e.tries, e.payload, e.headers
+           e.tries, e.payload, e.headers, e.priority
     FROM entry e
     WHERE NOT (e.dedup AND (
         SELECT d.expires > extract(epoch from now())::float8 FROM {s}.dedup d
@@ -134,11 +136,50 @@ WITH {_bulk_entry}, {_purge_dedup}
 )
 SELECT id FROM inserted
 
+-- name: _pick
+-- The take of get and reserve, up to $2 ready messages (mature now, a lapsed reservation
+-- too), highest priority first, then by (mature, seq), skipping rows other consumers hold
+-- locked: four CTEs, the first three each one ordered index range. ``hi`` (priority > 0)
+-- and ``lo`` (< 0) walk the partial index messages_by_priority, which only prioritized rows
+-- enter; ``plain`` (0) walks messages_by_mature as a queue without priorities always did,
+-- for what ``hi`` left of $2 (a LIMIT of 0 does not run its scan). So a queue that never had
+-- a priority pays one probe of an index with no entries of its own before its usual range,
+-- and another after it only when that range held fewer than $2. The walks this leaves:
+-- ``hi`` and ``lo`` step over the entries of not-yet-mature (delayed, reserved) rows of the
+-- priorities above the ones they take (index entries only: mature is in the key), and
+-- ``plain`` over ready rows of other priorities older than the plain ones it takes (a
+-- backlog of negative ones; positive ones only while another take holds them), reading
+-- each of those rows. Each is MATERIALIZED so it runs once, locking exactly the rows it
+-- returns (see get).
+hi AS MATERIALIZED (
+    SELECT id, priority, mature, seq FROM {s}.messages
+    WHERE queue = $1 AND priority > 0 AND mature <= extract(epoch from now())::float8
+    ORDER BY priority DESC, mature, seq
+    LIMIT $2
+    FOR UPDATE SKIP LOCKED
+), plain AS MATERIALIZED (
+    SELECT id, priority, mature, seq FROM {s}.messages
+    WHERE queue = $1 AND mature <= extract(epoch from now())::float8 AND priority = 0
+    ORDER BY mature, seq
+    LIMIT $2 - (SELECT count(*) FROM hi)
+    FOR UPDATE SKIP LOCKED
+), lo AS MATERIALIZED (
+    SELECT id, priority, mature, seq FROM {s}.messages
+    WHERE queue = $1 AND priority < 0 AND mature <= extract(epoch from now())::float8
+    ORDER BY priority DESC, mature, seq
+    LIMIT $2 - (SELECT count(*) FROM hi) - (SELECT count(*) FROM plain)
+    FOR UPDATE SKIP LOCKED
+), pick AS MATERIALIZED (
+    -- LIMIT: a no-op, which tells the planner how few rows come (else it may join the
+    -- update or delete to them by a hash over the whole queue, not a primary-key probe each)
+    SELECT * FROM hi UNION ALL SELECT * FROM plain UNION ALL SELECT * FROM lo LIMIT $2
+
 -- name: get
--- Pop: delete up to $2 mature messages, earliest first, skipping rows other consumers hold
--- locked. The pick is MATERIALIZED: a ``LIMIT ... FOR UPDATE SKIP LOCKED`` subquery inlined
--- into the DELETE may be evaluated more than once by some plans (a rescan skips nothing it
--- locked itself, so it can match other rows), and the DELETE would then remove rows it
+-- Pop: delete what the take (_pick above) locked, highest priority first, then earliest
+-- first. Each CTE of the take is MATERIALIZED: a ``LIMIT ... FOR UPDATE SKIP LOCKED``
+-- subquery inlined into the DELETE may be evaluated more than once by some plans (a rescan
+-- skips nothing it locked itself, so it can match other rows), and the DELETE would then
+-- remove rows it
 -- never returns. A materialized CTE is computed exactly once (PostgreSQL manual, "WITH
 -- Queries": MATERIALIZED), so the statement deletes exactly the rows it locked and returns.
 -- next_mature comes in the same round trip: the statement's snapshot still sees the
@@ -147,12 +188,7 @@ SELECT id FROM inserted
 -- scalar subquery in a CASE branch not taken is not run). One row with a NULL id when
 -- nothing was taken. The next mature time is returned as seconds from the server's now
 -- (next_in): the client sleeps toward it on its own clock, which may be off the server's.
-WITH pick AS MATERIALIZED (
-    SELECT id FROM {s}.messages
-    WHERE queue = $1 AND mature <= extract(epoch from now())::float8
-    ORDER BY mature, seq
-    LIMIT $2
-    FOR UPDATE SKIP LOCKED
+WITH {_pick}
 ), taken AS (
     DELETE FROM {s}.messages m
     USING pick
@@ -160,7 +196,8 @@ WITH pick AS MATERIALIZED (
       -- a row still reserved has a lapsed reservation: history counts its try (see the
       -- history trigger, migrations/008_history_lapsed_try.sql)
       AND (SELECT set_config('keuss.lapsed_try', 'on', true)) IS NOT NULL
-    RETURNING m.id, m.payload, m.headers, m.tries + m.reserved::int AS tries, m.mature, m.seq
+    RETURNING m.id, m.payload, m.headers, m.tries + m.reserved::int AS tries, m.mature, m.seq,
+              m.priority
 ), next AS (
     SELECT CASE WHEN (SELECT count(*) FROM taken) < $2 THEN (
         SELECT mature FROM {s}.messages
@@ -170,29 +207,24 @@ WITH pick AS MATERIALIZED (
     ) END AS next_mature
 )
 SELECT t.id, t.payload, t.headers, t.tries, t.mature,
-    n.next_mature - extract(epoch from now())::float8 AS next_in
+    n.next_mature - extract(epoch from now())::float8 AS next_in, t.priority
 FROM next n LEFT JOIN taken t ON true
-ORDER BY t.mature, t.seq
+ORDER BY t.priority DESC, t.mature, t.seq
 
 -- name: reserve
--- Reserve: up to $2 mature messages get mature = server now + $3 (their deadline) and
--- reserved = true (the pick is MATERIALIZED for the reason given at pop); one whose
+-- Reserve: what the take (_pick above) locked gets mature = server now + $3 (its deadline)
+-- and reserved = true (its CTEs are MATERIALIZED for the reason given at pop); one whose
 -- earlier reservation expired counts that delivery as a try; next_mature as at pop.
 -- Consumers see the mature time the message had before (when it became deliverable).
-WITH pick AS MATERIALIZED (
-    SELECT id, mature, seq FROM {s}.messages
-    WHERE queue = $1 AND mature <= extract(epoch from now())::float8 {relax}
-    ORDER BY mature, seq
-    LIMIT $2
-    FOR UPDATE SKIP LOCKED
+WITH {_pick}
 ), held AS (
     UPDATE {s}.messages m
     SET mature = extract(epoch from now())::float8 + $3::float8,
         tries = m.tries + m.reserved::int,
         reserved = true
     FROM pick
-    WHERE m.queue = $1 AND m.id = pick.id
-    RETURNING m.id, m.payload, m.headers, m.tries, pick.mature, pick.seq
+    WHERE m.queue = $1 AND m.id = pick.id {relax}
+    RETURNING m.id, m.payload, m.headers, m.tries, pick.mature, pick.seq, m.priority
 ), next AS (
     SELECT CASE WHEN (SELECT count(*) FROM pick) < $2 THEN least(
         (SELECT mature FROM {s}.messages
@@ -203,9 +235,9 @@ WITH pick AS MATERIALIZED (
     ) END AS next_mature
 )
 SELECT h.id, h.payload, h.headers, h.tries, h.mature,
-    n.next_mature - extract(epoch from now())::float8 AS next_in
+    n.next_mature - extract(epoch from now())::float8 AS next_in, h.priority
 FROM next n LEFT JOIN held h ON true
-ORDER BY h.mature, h.seq
+ORDER BY h.priority DESC, h.mature, h.seq
 
 -- name: commit
 -- Commit: delete what is still reserved, with the tries the holder was given ($3[k], NULL =
@@ -364,7 +396,7 @@ SELECT mature FROM {s}.messages WHERE queue = $1 ORDER BY mature, seq LIMIT 1
 -- Look without taking: up to $5 messages in state $4 past the cursor ($2 mature, $3 seq), in
 -- the order of the (queue, mature, seq) index, which the row comparison walks. Scheduled and
 -- reserved messages are all past now, so their walk starts there.
-SELECT id, payload, headers, tries, mature, seq, reserved, t.now
+SELECT id, payload, headers, tries, mature, seq, reserved, t.now, priority
 FROM {s}.messages, (SELECT extract(epoch from now())::float8 AS now) t
 WHERE queue = $1 AND (mature, seq) > ($2::float8, $3::int8)
   AND mature > CASE WHEN $4::text IN ('scheduled', 'reserved') THEN t.now
@@ -377,7 +409,8 @@ ORDER BY mature, seq
 LIMIT $5
 
 -- name: locate
-SELECT id, payload, headers, tries, mature, seq, reserved, extract(epoch from now())::float8
+SELECT id, payload, headers, tries, mature, seq, reserved, extract(epoch from now())::float8,
+       priority
 FROM {s}.messages
 WHERE queue = $1 AND id = ANY($2::text[])
 
