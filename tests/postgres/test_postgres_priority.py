@@ -159,30 +159,35 @@ async def _take_plan(schema: str, name: str, *args: Any) -> list[dict[str, Any]]
     return nodes
 
 
+@pytest.mark.parametrize("analyzed", [True, False], ids=["analyzed", "no-statistics"])
 @pytest.mark.parametrize("take", ["get", "reserve"])
 async def test_a_queue_without_priorities_takes_from_its_usual_range(
-    schema: str, take: str
+    schema: str, take: str, analyzed: bool
 ) -> None:
     """Thousands of ready and of delayed plain messages: the take reads one entry of
     messages_by_mature per message taken, probes the (empty) partial index once, and
-    finds the rows it takes by primary key, never by reading the queue."""
+    finds the rows it takes by primary key, never by reading the queue; also before the
+    table has statistics (new, just upgraded, or autovacuum off), when a filter on
+    priority estimated as selective made the planner sort the whole ready range."""
     async with aio_keuss.connect("postgres", url=POSTGRES_URL, schema=schema) as factory:
         q = await factory.queue("plain")
         for _ in range(4):
             await q.push_many(list(range(1000)))
             await q.push_many(list(range(1000)), delay=3600)
         await (await factory.queue("other")).push_many(list(range(2000)))
-    connection = await asyncpg.connect(POSTGRES_URL)
-    try:
-        await connection.execute(f'ANALYZE "{schema}".messages')
-    finally:
-        await connection.close()
+    if analyzed:
+        connection = await asyncpg.connect(POSTGRES_URL)
+        try:
+            await connection.execute(f'ANALYZE "{schema}".messages')
+        finally:
+            await connection.close()
     args: tuple[Any, ...] = ("plain", 3) if take == "get" else ("plain", 3, 30.0)
     nodes = await _take_plan(schema, take, *args)
-    scans = [n for n in nodes if n.get("Relation Name") == "messages" and "Scan" in n["Node Type"]]
-    assert not [n for n in scans if "Index Name" not in n], scans  # no scan of the table
+    assert not [n for n in nodes if n["Node Type"] == "Seq Scan"]
+    scans = [n for n in nodes if n["Node Type"] in ("Index Scan", "Bitmap Index Scan")]
     by_mature = [n for n in scans if n["Index Name"] == "messages_by_mature"]
     assert [n["Actual Rows"] for n in by_mature if n["Actual Loops"]] == [3, 3]
+    assert all(n["Node Type"] == "Index Scan" for n in by_mature)  # in order, no sort
     by_priority = [n for n in scans if n["Index Name"] == "messages_by_priority"]
     assert {n["Actual Rows"] for n in by_priority} == {0}
     assert sum(n["Actual Loops"] for n in by_priority) == 2  # hi, once per plan; lo never
@@ -226,7 +231,7 @@ async def test_the_walks_the_take_leaves_are_the_ones_readme_names(schema: str) 
     nodes = await _take_plan(schema, "get", "mixed", 2)
     hi = [n for n in nodes if "priority > 0" in n.get("Index Cond", "")]
     assert hi and all(n["Actual Rows"] == 0 and not n.get("Rows Removed by Filter") for n in hi)
-    plain = [n for n in nodes if n.get("Filter") == "(priority = 0)"]
+    plain = [n for n in nodes if "priority = 0" in n.get("Filter", "")]
     assert [(n["Actual Rows"], n["Rows Removed by Filter"]) for n in plain] == [(2, 300)] * 2
     lo = [n for n in nodes if "priority < 0" in n.get("Index Cond", "")]
     assert lo and not any(n["Actual Loops"] for n in lo)  # the batch was full: not run
