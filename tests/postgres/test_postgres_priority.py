@@ -159,10 +159,11 @@ async def _take_plan(schema: str, name: str, *args: Any) -> list[dict[str, Any]]
     return nodes
 
 
+@pytest.mark.parametrize("mixed", [True, False], ids=["delayed-and-others", "ready-only"])
 @pytest.mark.parametrize("analyzed", [True, False], ids=["analyzed", "no-statistics"])
 @pytest.mark.parametrize("take", ["get", "reserve"])
 async def test_a_queue_without_priorities_takes_from_its_usual_range(
-    schema: str, take: str, analyzed: bool
+    schema: str, take: str, analyzed: bool, mixed: bool
 ) -> None:
     """Thousands of ready and of delayed plain messages: the take reads one entry of
     messages_by_mature per message taken, probes the (empty) partial index once, and
@@ -171,10 +172,12 @@ async def test_a_queue_without_priorities_takes_from_its_usual_range(
     priority estimated as selective made the planner sort the whole ready range."""
     async with aio_keuss.connect("postgres", url=POSTGRES_URL, schema=schema) as factory:
         q = await factory.queue("plain")
-        for _ in range(4):
+        for _ in range(4 if mixed else 3):
             await q.push_many(list(range(1000)))
-            await q.push_many(list(range(1000)), delay=3600)
-        await (await factory.queue("other")).push_many(list(range(2000)))
+            if mixed:
+                await q.push_many(list(range(1000)), delay=3600)
+        if mixed:
+            await (await factory.queue("other")).push_many(list(range(2000)))
     if analyzed:
         connection = await asyncpg.connect(POSTGRES_URL)
         try:

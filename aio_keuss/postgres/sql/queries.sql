@@ -57,8 +57,9 @@ expired AS MATERIALIZED (
 -- window is refused even though its message is gone; a queued one is refused by the primary
 -- key. Inserted user ids are remembered until now + window ($9). A hundred expired dedup
 -- rows of the queue are purged on the way (never ones this statement touches), found by
--- the (queue, expires) index; $10: the priorities. The dedup check is a scalar subquery, one primary-key probe
--- per entry: written as EXISTS, the planner may turn it into a hashed subplan that reads
+-- the (queue, expires) index; $10: the priorities. The dedup check is a scalar subquery,
+-- one primary-key probe per entry: written as EXISTS, the planner may turn it into a
+-- hashed subplan that reads
 -- every dedup row of the queue on every insert, which made a bulk load quadratic (an
 -- expression subquery is never hashed: PostgreSQL manual, "Subquery Expressions").
 WITH entry AS (
@@ -160,10 +161,13 @@ hi AS MATERIALIZED (
 ), plain AS MATERIALIZED (
     SELECT id, priority, mature, seq FROM {s}.messages
     WHERE queue = $1 AND mature <= extract(epoch from now())::float8
-      -- not "priority = 0": with no statistics of the column yet (a new table, one just
-      -- upgraded, autovacuum off) the planner takes that for one row in 200 and sorts the
-      -- whole ready range rather than walk the index; a CASE it takes for one in two
-      AND CASE WHEN priority = 0 THEN true ELSE false END
+      -- "priority = 0", written so that the planner's estimate of the range stays what it
+      -- was: with no statistics of the column yet (a new table, one just upgraded,
+      -- autovacuum off) it takes "priority = 0" for one row in 200 (a CASE for one in
+      -- two) and sorts the whole ready range rather than walk the index; an IS NOT NULL
+      -- of an expression it takes for 199 in 200, statistics or not (PostgreSQL source,
+      -- selfuncs.c: nulltestsel, DEFAULT_NOT_UNK_SEL)
+      AND (CASE WHEN priority = 0 THEN true END) IS NOT NULL
     ORDER BY mature, seq
     LIMIT $2 - (SELECT count(*) FROM hi)
     FOR UPDATE SKIP LOCKED
@@ -183,8 +187,7 @@ hi AS MATERIALIZED (
 -- first. Each CTE of the take is MATERIALIZED: a ``LIMIT ... FOR UPDATE SKIP LOCKED``
 -- subquery inlined into the DELETE may be evaluated more than once by some plans (a rescan
 -- skips nothing it locked itself, so it can match other rows), and the DELETE would then
--- remove rows it
--- never returns. A materialized CTE is computed exactly once (PostgreSQL manual, "WITH
+-- remove rows it never returns. A materialized CTE is computed exactly once (PostgreSQL manual, "WITH
 -- Queries": MATERIALIZED), so the statement deletes exactly the rows it locked and returns.
 -- next_mature comes in the same round trip: the statement's snapshot still sees the
 -- deleted rows, so they are excluded by id. It is looked up only when fewer than $2 were
