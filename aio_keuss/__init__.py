@@ -28,6 +28,7 @@ from .errors import (
     MissingDependencyError,
     NotSupportedError,
     PipelineError,
+    RateLimited,
     TooManyConsumersError,
 )
 from .factory import Factory, connect
@@ -76,6 +77,7 @@ __all__ = [
     "PipelineError",
     "Page",
     "Queue",
+    "RateLimited",
     "Repeat",
     "Repeater",
     "Sizes",

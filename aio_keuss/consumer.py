@@ -61,6 +61,7 @@ from .errors import (
     InvalidInputError,
     KeussConnectionError,
     NotSupportedError,
+    RateLimited,
 )
 from .message import Message
 from .metrics import Histogram, QueueMetrics
@@ -385,6 +386,11 @@ class Source(Protocol):
         """Put popped messages no handler started back in the queue (without reserve),
         keeping the end of life and place noted in ``kept`` (see :meth:`next`)."""
 
+    def rate_limited(self, messages: list[Message], seconds: object) -> Awaitable[bool]:
+        """A handler raised ``RateLimited(seconds)``: hold the queue's deliveries in every
+        process and give ``messages`` back at no try; False (nothing done) where the queue
+        has no rate limit."""
+
     def handler_failed(self, message: Message, exc: Exception) -> None:
         """Log a handler's exception (rate-limited per queue)."""
 
@@ -559,6 +565,8 @@ class Consumer(StoppedOnExit):
         self.timed_out = 0
         self.retried = 0
         self.deadlettered = 0
+        self.rate_limited = 0
+        """Messages given back because their handler raised ``RateLimited``."""
         self.durations = Histogram()
         """Seconds each handler ran, whatever its outcome."""
         # Kept: on Python 3.11 asyncio.get_running_loop() costs a getpid() call.
@@ -912,6 +920,8 @@ class Consumer(StoppedOnExit):
                 )
             raise
         except Exception as exc:
+            if isinstance(exc, RateLimited) and await self._held_back([message], exc, started):
+                return
             failure = self._failure(exc, deadline, started)
             self.failed += 1
             self.queue.handler_failed(message, failure)
@@ -1030,6 +1040,8 @@ class Consumer(StoppedOnExit):
                 )
             raise
         except Exception as exc:
+            if isinstance(exc, RateLimited) and await self._held_back(messages, exc, started):
+                return
             failure = self._failure(exc, deadline, started)
             self.failed += len(messages)
             self.queue.handler_failed(messages[0], failure)
@@ -1040,6 +1052,21 @@ class Consumer(StoppedOnExit):
         self.handled += len(messages)
         if self._reserve:
             await self._acknowledge_all("ok", messages, self.queue.ok_many(messages))
+
+    async def _held_back(self, messages: list[Message], exc: RateLimited, started: float) -> bool:
+        """A handler's ``RateLimited``: the queue's deliveries held, its messages given back
+        at no try (not a failure: no ko, no backoff). False where that could not be done
+        (no rate limit on the queue, bad seconds, the limiter unreachable): the handler's
+        exception is then a failure as any other."""
+        try:
+            held = await self.queue.rate_limited(messages, exc.seconds)
+        except Exception as failure:
+            log.warning("queue %r: RateLimited not applied: %r", self.queue.name, failure)
+            return False
+        if held:
+            self._ran(started, "rate_limited")
+            self.rate_limited += len(messages)
+        return held
 
     def _ran(self, started: float, outcome: str) -> None:
         """A handler ended (``ok``, ``error``, ``timeout`` or ``cancelled``): its duration."""

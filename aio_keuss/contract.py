@@ -15,6 +15,7 @@ lives on a server should use the server's clock so several clients agree on what
 from __future__ import annotations
 
 import asyncio
+import math
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -562,6 +563,78 @@ class Store(ABC):
         """Release per-queue resources; the backend owns the connection."""
 
 
+RATE_SLACK = 1e-6
+"""Seconds of rounding a limiter forgives: a grant that falls due at a time computed from
+the limiter's own answer is granted then, not a float's rounding later."""
+
+
+@dataclass(frozen=True, slots=True)
+class RateRule:
+    """A queue's rate limit, as its options give it: ``limit`` grants per ``period``
+    seconds, at most ``burst`` at once."""
+
+    limit: int
+    period: float
+    burst: int
+
+    @property
+    def interval(self) -> float:
+        """Seconds between two grants at the steady rate (GCRA's emission interval)."""
+        return self.period / self.limit
+
+
+@dataclass(frozen=True, slots=True)
+class RateState:
+    """What a backend keeps per rate-limited queue (one row, key or document).
+
+    ``tat``: GCRA's theoretical arrival time, epoch seconds on the backend's clock: a
+    grant is due while ``now >= tat - (burst - 1) * interval``. ``until``: deliveries are
+    held until then (a handler's :class:`aio_keuss.RateLimited`). A state whose both times
+    are past is the same as none: a backend may let it expire then."""
+
+    tat: float = 0.0
+    until: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class RateGrant:
+    """A limiter's answer: ``granted`` of the count asked, and ``wait``, the seconds (by the
+    backend's clock, from the call) until the next grant falls due; 0 when one is due
+    already."""
+
+    granted: int
+    wait: float
+
+
+def rate_step(
+    state: RateState, now: float, rule: RateRule, count: int, hold: float
+) -> tuple[RateState, RateGrant]:
+    """The one atomic step of a backend's :meth:`Backend.rate_take`, in Python: the memory
+    backend runs it as it is, the others port it to their database (the Redis one in Lua,
+    ``aio_keuss.redis.limiter``), as one read-modify-write of the queue's state, ``now``
+    read from the database's own clock within the same step.
+
+    - ``hold > 0`` first pushes ``until`` to at least ``now + hold``;
+    - ``count > 0`` takes up to ``count`` grants, none while held: each moves ``tat`` one
+      interval on, from ``now`` at the earliest (an idle limiter grants a full burst);
+    - ``count < 0`` gives ``-count`` unused grants back: ``tat`` moves back as many
+      intervals, to ``now`` at the latest (never before: that would lend grants the
+      limiter never had). Only ever what a take of the same caller just granted.
+    """
+    interval = rule.interval
+    until = max(state.until, now + hold) if hold > 0 else state.until
+    tat = max(state.tat, now)
+    granted = 0
+    if count > 0 and now >= until:
+        due = math.floor((now + rule.burst * interval - tat) / interval + RATE_SLACK)
+        granted = max(0, min(count, due))
+        tat += granted * interval
+    elif count < 0:
+        tat = max(tat + count * interval, now)
+    wait = max(0.0, until - now, tat - (rule.burst - 1) * interval - now)
+    return RateState(tat, until), RateGrant(granted, wait)
+
+
 class Backend(ABC):
     """One database connection per factory, and a Store per queue."""
 
@@ -594,3 +667,18 @@ class Backend(ABC):
         from .stats import MemoryStats
 
         return MemoryStats()
+
+    async def rate_take(self, queue: str, rule: RateRule, count: int, hold: float) -> RateGrant:
+        """Optional (``Capabilities.rate_limit``): :func:`rate_step` on ``queue``'s limiter
+        state, as one atomic read-modify-write of one row / key / document, on the
+        database's clock: every process and factory sharing the database shares the
+        queue's limit. A state not there yet is ``RateState()``; one whose ``tat`` and
+        ``until`` are both past may be dropped (expired). Each caller brings its own
+        ``rule``: the state is times only, so callers with different rules share it, each
+        held to its own. The queue layer calls it before a take (``count`` > 0), after a
+        take that got fewer messages than granted (``count`` < 0, the rest given back),
+        and for a handler's ``RateLimited`` (``count`` 0, ``hold`` > 0).
+
+        A backend that cannot do it atomically keeps this default and leaves the
+        capability false: a queue with a ``rate_limit`` is then refused at open."""
+        raise NotSupportedError(f"{type(self).__name__} has no rate limits")

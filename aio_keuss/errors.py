@@ -92,6 +92,18 @@ class ConsumerFailedError(KeussError):
     exits 1 and its supervisor restarts it. The error is the ``__cause__``."""
 
 
+class RateLimited(KeussError):
+    """Raised by a ``consume`` handler whose downstream refused for now (an HTTP 429): its
+    message is given back costing no try, and the queue's deliveries stop for ``seconds``
+    in every process sharing the backend (BullMQ's ``worker.rateLimit`` with its
+    ``RateLimitError``). Needs ``capabilities.rate_limit``; elsewhere the message is ko-ed
+    as after any other failure."""
+
+    def __init__(self, seconds: float, message: str | None = None) -> None:
+        super().__init__(message or f"rate limited for {seconds} s")
+        self.seconds = seconds
+
+
 class ClosedError(KeussError):
     """The factory or queue was closed; open a new one to go on."""
 

@@ -4,16 +4,17 @@ and the queues opened through them."""
 from __future__ import annotations
 
 import asyncio
+import functools
 from collections.abc import Generator, Mapping, Sequence
 from types import TracebackType
 from typing import Any
 
 from . import observe
-from .contract import Backend
+from .contract import Backend, RateRule
 from .errors import ClosedError, ConfigError
 from .options import QUEUE_OPTION_NAMES, DeadletterOptions, QueueOptions, check_queue_name
 from .pipeline import Pipeline, check_pipeline_name
-from .queue import Closing, Queue
+from .queue import Closing, Limiter, Queue
 from .registry import load_backend
 from .signal import LocalSignalBus, SignalBus
 from .stats import MemoryStats, StatsStore
@@ -139,6 +140,7 @@ class Factory:
         future: asyncio.Future[Queue] = asyncio.get_running_loop().create_future()
         self._opening[name] = future
         try:
+            limiter = self._limiter(name, options)  # refused before anything is written
             if replacing is not None:
                 await replacing.close()
             store = await self.backend.store(name, options)
@@ -151,6 +153,7 @@ class Factory:
                 self.stats_store,
                 self.deadletter,
                 self._sibling,
+                limiter,
             )
             await queue._open()
             await self.stats_store.save_options(name, options.as_dict(), replace=not sibling)
@@ -165,6 +168,17 @@ class Factory:
             self._unclaimed.add(name)
         future.set_result(queue)
         return queue
+
+    def _limiter(self, name: str, options: QueueOptions) -> Limiter | None:
+        """The rate limiter of a queue opened with a ``rate_limit`` (None without one); a
+        ConfigError where the backend has none."""
+        if not options.rate_limit:
+            return None
+        check_rate_limits(self.backend)
+        rule = RateRule(
+            options.rate_limit, options.rate_period, options.rate_burst or options.rate_limit
+        )
+        return functools.partial(self.backend.rate_take, name, rule)
 
     def _check_open(self) -> None:
         """Refuse a call that reaches the stats store once the factory is closed: each
@@ -431,6 +445,8 @@ async def _open_factory(backend_name: str, options: dict[str, Any]) -> Factory:
         raise ConfigError(f"stats must be 'memory' or left out, not {stats_kind!r}")
 
     backend = backend_class({k: v for k, v in options.items() if k in backend_class.options})
+    if defaults.rate_limit:
+        check_rate_limits(backend)
     await backend.open()
     try:
         signal = LocalSignalBus(debounce) if signal_kind else backend.signal_bus(debounce)
@@ -445,3 +461,9 @@ async def _open_factory(backend_name: str, options: dict[str, Any]) -> Factory:
         await backend.close()
         raise
     return Factory(backend, signal, stats, defaults, deadletter)
+
+
+def check_rate_limits(backend: Backend) -> None:
+    """Refuse a ``rate_limit`` where the backend cannot keep one."""
+    if not backend.capabilities.rate_limit:
+        raise ConfigError(f"backend {backend.name!r} has no rate limits (rate_limit must be 0)")

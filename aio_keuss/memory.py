@@ -34,11 +34,15 @@ from .contract import (
     Nack,
     Peeked,
     PeekPage,
+    RateGrant,
+    RateRule,
+    RateState,
     Store,
     Stored,
     check_seq_cursor,
     deadletter_tag,
     moved_id,
+    rate_step,
 )
 from .message import append_headers
 from .types import Capabilities, KoResult, Sizes
@@ -392,12 +396,19 @@ class MemoryStore(Store):
 class MemoryBackend(Backend):
     name = "memory"
     capabilities: Capabilities = Capabilities(
-        shared=False, move=True, peek=True, hold=True, extend=True, priority=True
+        shared=False,
+        move=True,
+        peek=True,
+        hold=True,
+        extend=True,
+        priority=True,
+        rate_limit=True,
     )
 
     def __init__(self, options: dict[str, object]) -> None:
         super().__init__(options)
         self._queues: dict[str, _QueueData] = {}
+        self._rates: dict[str, RateState] = {}
 
     def data(self, queue: str) -> _QueueData:
         found = self._queues.get(queue)
@@ -407,3 +418,11 @@ class MemoryBackend(Backend):
 
     async def store(self, queue: str, options: QueueOptions) -> Store:
         return MemoryStore(queue, options, self)
+
+    async def rate_take(self, queue: str, rule: RateRule, count: int, hold: float) -> RateGrant:
+        """The reference step as it is: nothing awaited, so atomic on the event loop."""
+        state, grant = rate_step(
+            self._rates.get(queue, RateState()), time.time(), rule, count, hold
+        )
+        self._rates[queue] = state
+        return grant

@@ -149,7 +149,8 @@ class Registry:
             sink.latency(queue, waited)
 
     def handled(self, queue: str, seconds: float, outcome: str) -> None:
-        """A handler ended: ``ok`` (returned), ``error``, ``timeout`` or ``cancelled``."""
+        """A handler ended: ``ok`` (returned), ``error``, ``timeout``, ``cancelled`` or
+        ``rate_limited`` (it raised ``RateLimited``)."""
         self.queue(queue).handlers.observe(seconds)
         for sink in self.sinks:
             sink.handled(queue, seconds, outcome)

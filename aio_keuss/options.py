@@ -163,6 +163,11 @@ class QueueOptions:
         gathering, once a first message is in, until the batch is full (IgnisMQ's
         maxWaitTime); 0 returns what is ready at once. Reservations are gathered for half
         of ``reserve_delay`` at most, so that none lapses before the batch is handed over.
+    rate_limit: deliveries (pops and reservations) of the queue, counted over every process
+        sharing the backend, per ``rate_period`` seconds (BullMQ's worker ``limiter``); 0, the
+        default, for none. A token bucket (GCRA) on the backend's clock: a steady
+        ``rate_limit`` per ``rate_period``, bursts of at most ``rate_burst`` (0: as many as
+        ``rate_limit``; 1 spaces deliveries evenly).
     """
 
     reserve_delay: float = 120.0
@@ -170,6 +175,9 @@ class QueueOptions:
     dedup_window: float = 3600.0
     max_batch: int = 1000
     max_wait_time: float = 0.0
+    rate_limit: int = 0
+    rate_period: float = 1.0
+    rate_burst: int = 0
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -184,6 +192,8 @@ class QueueOptions:
         for key, value in overrides.items():
             if key == "max_batch":
                 checked[key] = check_count(value, "max_batch")
+            elif key in _RATE_COUNTS:
+                checked[key] = check_count(value, key, least=0)
             else:
                 try:
                     checked[key] = check_seconds(value, key)
@@ -191,7 +201,16 @@ class QueueOptions:
                     raise ConfigError(str(exc)) from exc
         if checked.get("poll_interval", self.poll_interval) <= 0:
             raise ConfigError("poll_interval must be > 0")
+        if checked.get("rate_period", self.rate_period) <= 0:
+            raise ConfigError("rate_period must be > 0")
+        if checked.get("rate_burst", self.rate_burst) and not checked.get(
+            "rate_limit", self.rate_limit
+        ):
+            raise ConfigError("rate_burst needs a rate_limit")
         return replace(self, **checked)
+
+
+_RATE_COUNTS = frozenset({"rate_limit", "rate_burst"})
 
 
 QUEUE_OPTION_NAMES = frozenset(f.name for f in fields(QueueOptions))

@@ -52,6 +52,7 @@ from .contract import (
     Move,
     Nack,
     OneTake,
+    RateGrant,
     Store,
     Stored,
     moved_id,
@@ -126,6 +127,8 @@ HELD_CHECK = 1024
 """Reservations held unacknowledged between two checks for expired ones (see ``_rotate_held``)."""
 
 FetchResult = tuple[list[Stored], float | None]
+Limiter = Callable[[int, float], Awaitable[RateGrant]]
+"""A rate-limited queue's ``Backend.rate_take`` with its name and rule: (count, hold)."""
 Held = tuple[int, str | None]
 """A reservation handed out here: the tries and the store's token it was given."""
 
@@ -146,6 +149,7 @@ class Queue:
         stats: StatsStore,
         deadletter: DeadletterOptions | None,
         sibling: SiblingQueue | None = None,
+        limiter: Limiter | None = None,
     ) -> None:
         self.name = name
         self.options = options
@@ -159,6 +163,7 @@ class Queue:
             else None
         )
         self._sibling = sibling
+        self._limiter = limiter  # None without a rate_limit: the takes never look at it
         self._targets: set[str] = set()  # queues moved into, opened through the factory
         self._paused = False
         self._wakeups = Wakeups()
@@ -245,7 +250,8 @@ class Queue:
             run_in_caller=in_caller,
         )
         # The store's one-message calls, where it has them (see ``Store.one_take``)
-        one_calls = uninterruptible and in_caller
+        # (not for a rate-limited queue: each take asks the limiter first, in ``_limited``)
+        one_calls = uninterruptible and in_caller and limiter is None
         self._one_get = store.one_take(None) if one_calls and capabilities.pop else None
         self._one_reserve: OneTake | None = None
         if one_calls and capabilities.reserve:
@@ -781,13 +787,63 @@ class Queue:
         return paused
 
     async def _get_batch(self, requests: list[int]) -> list[FetchResult]:
+        if self._limiter is not None:
+            return _share(requests, await self._limited(sum(requests), self._store.get))
         return _share(requests, await self._store.get(sum(requests)))
 
     async def _reserve_batch(self, requests: list[int]) -> list[FetchResult]:
-        fetched = await self._store.reserve(sum(requests), self.options.reserve_delay)
+        if self._limiter is None:
+            fetched = await self._store.reserve(sum(requests), self.options.reserve_delay)
+        else:
+            fetched = await self._limited(sum(requests), self._reserve_granted)
         if fetched.messages:
             self._hold(fetched.messages)
         return _share(requests, fetched)
+
+    def _reserve_granted(self, n: int) -> Awaitable[Fetched]:
+        return self._store.reserve(n, self.options.reserve_delay)
+
+    async def _limited(self, n: int, take: Callable[[int], Awaitable[Fetched]]) -> Fetched:
+        """A take of a rate-limited queue: at most what the limiter grants of ``n``. What
+        was granted but found no message goes back to the limiter (else consumers polling
+        an empty queue spent the limit on nothing). The next mature time answered is no
+        sooner than the limiter's next grant while none is due: a consumer that found
+        nothing sleeps until then, and one leaving first hands that time on
+        (``_hand_on``), as it does a message's mature time."""
+        assert self._limiter is not None
+        grant = await self._limiter(n, 0.0)
+        due = time.time() + grant.wait  # the limiter's next grant, on our clock
+        if not grant.granted:
+            return Fetched([], due)
+        fetched = await take(grant.granted)
+        unused = grant.granted - len(fetched.messages)
+        if unused:
+            self._in_background(self._give_back_grants(unused))
+        if grant.wait <= 0 or fetched.next_mature is None:
+            return fetched
+        return Fetched(fetched.messages, max(fetched.next_mature, due))
+
+    async def _give_back_grants(self, count: int) -> None:
+        assert self._limiter is not None
+        try:
+            await self._limiter(-count, 0.0)
+        except Exception as exc:  # they are lost: fewer deliveries for a while, never more
+            log.debug("queue %r: %d unused rate grants not given back: %r", self.name, count, exc)
+
+    async def _rate_limited(self, messages: list[Message], seconds: object) -> bool:
+        """A handler raised ``RateLimited(seconds)``: every process's deliveries of this
+        queue stop for ``seconds`` (the limiter held until then), and ``messages`` go back
+        costing no try. False where the queue has no rate limit to hold (the consumer
+        then handles it as any failure)."""
+        if self._limiter is None:
+            return False
+        hold = check_seconds(seconds, "RateLimited seconds")
+        await self._limiter(0, hold)
+        if self.capabilities.reserve:
+            await self._release_all(messages)
+        else:
+            await self._put_back_unhandled(messages)
+        return True
 
     def _holding(self, one: OneTake | None) -> OneTake | None:
         """The store's one-message reserve, its reservations noted as ``_reserve_batch``
@@ -1989,6 +2045,9 @@ class _ConsumerLink:
 
     def handler_failed(self, message: Message, exc: Exception) -> None:
         self._queue._handler_failures.report(message, exc)
+
+    def rate_limited(self, messages: list[Message], seconds: object) -> Awaitable[bool]:
+        return self._queue._rate_limited(messages, seconds)
 
     def stopped(self, consumer: Consumer) -> None:
         self._queue._consumers.discard(consumer)

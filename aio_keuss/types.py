@@ -43,6 +43,9 @@ class Capabilities:
     priority: bool = False
     """a push may give a ``priority``: of the messages ready, the highest priority comes
     out first, and the order above holds among messages of one priority."""
+    rate_limit: bool = False
+    """a queue may limit its deliveries (``rate_limit`` per ``rate_period``) over every
+    process sharing the backend, on a limiter kept in the database (see ``Backend.rate_take``)."""
 
 
 class KoResult(enum.IntEnum):

@@ -1,20 +1,34 @@
-"""The roles Redis plays beside storing messages: the signal bus (pub/sub) and the stats
-store, on the connection every Redis backend shares."""
+"""The roles Redis plays beside storing messages: the signal bus (pub/sub), the stats store
+and the queues' rate limiters, on the connection every Redis backend shares."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+from typing import Any
+
+from ..contract import RateGrant, RateRule
 from ..signal import SignalBus
 from ..stats import StatsStore
 from .connection import RedisConnection
+from .limiter import rate_take
 from .signal import RedisSignalBus
 from .stats import RedisStats
 
 
 class RedisBackend(RedisConnection):
-    """Base of the Redis backends: signals and stats in the same Redis as the queues."""
+    """Base of the Redis backends: signals, stats and rate limits in the same Redis as the
+    queues."""
+
+    def __init__(self, options: dict[str, Any]) -> None:
+        super().__init__(options)
+        # every Redis backend has them: one key of the queue's own (see ``limiter``)
+        self.capabilities = replace(self.capabilities, rate_limit=True)
 
     def signal_bus(self, debounce: float) -> SignalBus:
         return RedisSignalBus(self, debounce)
 
     def stats_store(self) -> StatsStore:
         return RedisStats(self)
+
+    async def rate_take(self, queue: str, rule: RateRule, count: int, hold: float) -> RateGrant:
+        return await rate_take(self, queue, rule, count, hold)
