@@ -1,0 +1,264 @@
+"""Conformance: rate limits. A queue opened with ``rate_limit`` hands out (pop and reserve,
+so consumers too) at most ``rate_limit`` messages per ``rate_period``, over every factory
+and process sharing the backend, bursts of at most ``rate_burst``; a handler's
+``RateLimited(seconds)`` gives its message back at no try and holds the queue's deliveries
+everywhere for that long.
+
+Every backend runs it: those without ``capabilities.rate_limit`` refuse a rate limit when
+the queue opens (or at connect), before anything is written. Nothing here times the
+backend: grants are counted against the limiter's own clock with periods of an hour
+(nothing more falls due during a test), a short wait that nothing more comes is a bound on
+behaviour, and the long waits are hang guards.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+
+import pytest
+from conftest import Connect, needs
+
+import aio_keuss
+from aio_keuss import Message, RateLimited
+
+pytestmark = pytest.mark.timeout(120)
+
+HOUR = 3600.0
+"""A period no test outlives: no grant falls due again during it."""
+QUIET = 0.5
+"""How long a take waits to show that nothing more comes (a bound on behaviour)."""
+GUARD = 30.0
+"""Hang guard of a wait that must end."""
+
+
+async def _until(condition: Callable[[], Awaitable[bool] | bool], guard: float = GUARD) -> None:
+    """Wait for a condition, polling: a condition, not a guess at how long it takes."""
+
+    async def poll() -> None:
+        while True:
+            outcome = condition()
+            if outcome if isinstance(outcome, bool) else await outcome:
+                return
+            await asyncio.sleep(0.02)
+
+    await asyncio.wait_for(poll(), guard)
+
+
+async def _take(q: aio_keuss.Queue, n: int, *, reserve: bool = False) -> list[Message]:
+    """Up to ``n`` messages, waiting for the first (a bucket store's are visible once
+    flushed), then what comes within a short while."""
+    take = q.reserve_many if reserve else q.pop_many
+    got = await take(n, timeout=GUARD)
+    while got and len(got) < n:
+        more = await take(n - len(got), timeout=QUIET)
+        if not more:
+            break
+        got += more
+    return got
+
+
+async def _limited_queue(connect: Connect, name: str, **options: object) -> aio_keuss.Queue:
+    factory = await connect(poll_interval=60.0)
+    needs(factory, "rate_limit")
+    return await factory.queue(name, **options)
+
+
+# options and capability -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"rate_limit": -1},
+        {"rate_limit": True},
+        {"rate_limit": 1.5},
+        {"rate_limit": 2**31},
+        {"rate_limit": 5, "rate_period": 0},
+        {"rate_limit": 5, "rate_period": -1.0},
+        {"rate_limit": 5, "rate_period": "1"},
+        {"rate_limit": 5, "rate_burst": -1},
+        {"rate_burst": 3},
+    ],
+)
+async def test_bad_rate_options_are_refused(connect: Connect, options: dict[str, object]) -> None:
+    factory = await connect()
+    with pytest.raises(aio_keuss.ConfigError):
+        await factory.queue("bad", **options)
+    with pytest.raises(aio_keuss.ConfigError):
+        await connect(**options)
+    assert "bad" not in await factory.list()
+
+
+async def test_a_rate_limit_where_the_backend_has_none_is_refused_at_open(
+    connect: Connect,
+) -> None:
+    factory = await connect()
+    if factory.capabilities.rate_limit:
+        pytest.skip("this backend has rate limits")
+    with pytest.raises(aio_keuss.ConfigError, match="rate limits"):
+        await factory.queue("limited", rate_limit=5)
+    assert "limited" not in await factory.list()
+    with pytest.raises(aio_keuss.ConfigError, match="rate limits"):
+        await connect(rate_limit=5)
+    plain = await factory.queue("limited")  # the default, 0: no limit, opens as ever
+    await plain.push("x")
+    assert await plain.total_size() == 1
+
+
+# the limit --------------------------------------------------------------------------------
+
+
+async def test_only_the_limit_comes_out_then_the_consumer_waits(connect: Connect) -> None:
+    q = await _limited_queue(connect, "five", rate_limit=5, rate_period=HOUR)
+    await q.push_many(list(range(20)))
+    got = await _take(q, 20)
+    assert [m.payload for m in got] == list(range(5))
+    assert await q.pop_many(20, timeout=QUIET) == []
+    assert await q.total_size() == 15  # the rest waits, none lost
+
+
+async def test_pop_and_reserve_both_count(connect: Connect) -> None:
+    q = await _limited_queue(connect, "both", rate_limit=6, rate_period=HOUR)
+    needs(q, "pop", "reserve")
+    await q.push_many(list(range(20)))
+    popped = await _take(q, 4)
+    assert len(popped) == 4
+    reserved = await _take(q, 20, reserve=True)
+    assert len(reserved) == 2
+    assert await q.reserve(timeout=QUIET) is None
+    assert await q.pop(timeout=QUIET) is None
+    assert await q.ok_many(reserved) == [True, True]
+    assert await q.total_size() == 14
+
+
+async def test_an_empty_queue_does_not_spend_the_limit(connect: Connect) -> None:
+    """Takes that find nothing give their grants back: consumers polling an idle queue do
+    not use up the limit of the messages still to come."""
+    q = await _limited_queue(connect, "idle", rate_limit=3, rate_period=HOUR)
+    for _ in range(5):
+        assert await q.pop_many(3, timeout=0) == []
+    await q.push_many(list(range(10)))
+    got = await _take(q, 10)
+    assert len(got) == 3
+
+
+async def test_two_factories_share_one_limit(connect: Connect) -> None:
+    first = await connect(poll_interval=60.0)
+    needs(first, "rate_limit", "shared")
+    q1 = await first.queue("shared", rate_limit=4, rate_period=HOUR)
+    await q1.push_many(list(range(20)))
+    assert len(await _take(q1, 3)) == 3
+    await first.close()  # a bucket store's leased messages go back for the other to see
+    second = await connect(poll_interval=60.0)
+    q2 = await second.queue("shared", rate_limit=4, rate_period=HOUR)
+    assert len(await _take(q2, 20)) == 1
+    assert await q2.pop(timeout=QUIET) is None
+    assert await q2.total_size() == 16
+
+
+async def test_consumers_follow_the_limit(connect: Connect) -> None:
+    q = await _limited_queue(connect, "workers", rate_limit=3, rate_period=HOUR)
+    await q.push_many(list(range(10)))
+    seen: list[int] = []
+
+    async def handle(message: Message) -> None:
+        seen.append(message.payload)
+
+    consumer = q.consume(handle, concurrency=4, prefetch=2)
+    try:
+        await _until(lambda: len(seen) >= 3)
+        await asyncio.sleep(QUIET)
+        assert len(seen) == 3
+    finally:
+        await consumer.stop()
+    assert await q.total_size() == 7
+
+
+async def test_a_waiting_consumer_wakes_when_a_grant_falls_due(connect: Connect) -> None:
+    """One grant per half second, evenly spaced: the second take waits for the limiter's
+    next grant, woken by its own timer (the poll interval is a minute, and nothing is
+    pushed meanwhile to signal it)."""
+    q = await _limited_queue(connect, "spaced", rate_limit=1, rate_period=0.5, rate_burst=1)
+    await q.push_many(list(range(3)))
+    got = await _take(q, 3)
+    assert len(got) >= 1
+    while len(got) < 3:
+        more = await asyncio.wait_for(q.pop_many(3, timeout=GUARD), GUARD)
+        assert more, "the grant fell due, and the waiting consumer was not woken"
+        got += more
+    assert [m.payload for m in got] == [0, 1, 2]
+
+
+async def test_a_burst_spends_at_most_rate_burst(connect: Connect) -> None:
+    q = await _limited_queue(connect, "burst", rate_limit=10, rate_period=HOUR, rate_burst=2)
+    await q.push_many(list(range(10)))
+    assert len(await _take(q, 10)) == 2
+    assert await q.pop(timeout=QUIET) is None
+
+
+# RateLimited ------------------------------------------------------------------------------
+
+
+async def test_rate_limited_gives_back_and_stops_every_factory(connect: Connect) -> None:
+    q = await _limited_queue(connect, "refused", rate_limit=1000, rate_period=1.0)
+    await q.push("job")
+    refused: list[Message] = []
+
+    async def handle(message: Message) -> None:
+        refused.append(message)
+        raise RateLimited(HOUR)
+
+    consumer = q.consume(handle)
+    try:
+        await _until(lambda: consumer.rate_limited == 1)
+    finally:
+        await consumer.stop()
+    assert len(refused) == 1 and consumer.failed == 0
+    assert await q.total_size() == 1  # given back, not lost
+    assert await q.pop(timeout=QUIET) is None  # held here
+    if q.capabilities.shared:
+        other = await connect(poll_interval=60.0)
+        there = await other.queue("refused", rate_limit=1000, rate_period=1.0)
+        assert await there.pop(timeout=QUIET) is None  # and there
+    if q.capabilities.peek and q.capabilities.reserve:
+        (view,) = await q.peek(5, state="all")
+        assert view.message.tries == 0
+
+
+async def test_rate_limited_costs_no_try(connect: Connect) -> None:
+    q = await _limited_queue(connect, "retry", rate_limit=1000, rate_period=1.0)
+    needs(q, "reserve")
+    await q.push("job")
+    tries: list[int] = []
+
+    async def handle(message: Message) -> None:
+        tries.append(message.tries)
+        if len(tries) == 1:
+            raise RateLimited(0.2)
+
+    consumer = q.consume(handle, retry_delay=HOUR)  # a ko's backoff would not end in time
+    try:
+        await _until(lambda: consumer.handled == 1)
+    finally:
+        await consumer.stop()
+    assert tries == [0, 0]
+    assert consumer.rate_limited == 1 and consumer.failed == 0
+    assert await q.total_size() == 0
+
+
+async def test_rate_limited_without_a_rate_limit_is_a_failure(connect: Connect) -> None:
+    factory = await connect(poll_interval=60.0)
+    needs(factory, "reserve")
+    q = await factory.queue("unlimited")
+    await q.push("job")
+
+    async def handle(message: Message) -> None:
+        raise RateLimited(HOUR)
+
+    consumer = q.consume(handle, retry_delay=HOUR)
+    try:
+        await _until(lambda: consumer.failed == 1)
+    finally:
+        await consumer.stop()
+    assert consumer.rate_limited == 0
