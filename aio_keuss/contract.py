@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -633,6 +634,22 @@ def rate_step(
         tat = max(tat + count * interval, now)
     wait = max(0.0, until - now, tat - (rule.burst - 1) * interval - now)
     return RateState(tat, until), RateGrant(granted, wait)
+
+
+class LocalRates:
+    """The rate limiters of a backend that lives in this process (memory, memory-sharded):
+    :func:`rate_step` as it is, on this process's clock. Nothing is awaited, so each step
+    is atomic on the event loop."""
+
+    __slots__ = ("_states",)
+
+    def __init__(self) -> None:
+        self._states: dict[str, RateState] = {}
+
+    def take(self, queue: str, rule: RateRule, count: int, hold: float) -> RateGrant:
+        state = self._states.get(queue, RateState())
+        self._states[queue], grant = rate_step(state, time.time(), rule, count, hold)
+        return grant
 
 
 class Backend(ABC):

@@ -29,6 +29,7 @@ from .contract import (
     Extend,
     Fetched,
     Held,
+    LocalRates,
     LoopTurns,
     Move,
     Nack,
@@ -36,13 +37,11 @@ from .contract import (
     PeekPage,
     RateGrant,
     RateRule,
-    RateState,
     Store,
     Stored,
     check_seq_cursor,
     deadletter_tag,
     moved_id,
-    rate_step,
 )
 from .message import append_headers
 from .types import Capabilities, KoResult, Sizes
@@ -408,7 +407,7 @@ class MemoryBackend(Backend):
     def __init__(self, options: dict[str, object]) -> None:
         super().__init__(options)
         self._queues: dict[str, _QueueData] = {}
-        self._rates: dict[str, RateState] = {}
+        self._rates = LocalRates()
 
     def data(self, queue: str) -> _QueueData:
         found = self._queues.get(queue)
@@ -420,9 +419,4 @@ class MemoryBackend(Backend):
         return MemoryStore(queue, options, self)
 
     async def rate_take(self, queue: str, rule: RateRule, count: int, hold: float) -> RateGrant:
-        """The reference step as it is: nothing awaited, so atomic on the event loop."""
-        state, grant = rate_step(
-            self._rates.get(queue, RateState()), time.time(), rule, count, hold
-        )
-        self._rates[queue] = state
-        return grant
+        return self._rates.take(queue, rule, count, hold)

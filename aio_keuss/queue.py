@@ -806,7 +806,11 @@ class Queue:
     async def _limited(self, n: int, take: Callable[[int], Awaitable[Fetched]]) -> Fetched:
         """A take of a rate-limited queue: at most what the limiter grants of ``n``. What
         was granted but found no message goes back to the limiter (else consumers polling
-        an empty queue spent the limit on nothing). The next mature time answered is no
+        an empty queue spent the limit on nothing), before the take returns: a round trip
+        more only when the queue ran short. The give-back wakes nobody (two idle consumers
+        would wake each other for ever): a consumer of another process that found the
+        limit spent meanwhile sleeps until the limiter's next grant or its poll interval.
+        The next mature time answered is no
         sooner than the limiter's next grant while none is due: a consumer that found
         nothing sleeps until then, and one leaving first hands that time on
         (``_hand_on``), as it does a message's mature time."""
@@ -817,8 +821,8 @@ class Queue:
             return Fetched([], due)
         fetched = await take(grant.granted)
         unused = grant.granted - len(fetched.messages)
-        if unused:
-            self._in_background(self._give_back_grants(unused))
+        if unused:  # here, not in the background: the next take must find them back
+            await self._give_back_grants(unused)
         if grant.wait <= 0 or fetched.next_mature is None:
             return fetched
         return Fetched(fetched.messages, max(fetched.next_mature, due))

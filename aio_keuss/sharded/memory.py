@@ -18,7 +18,17 @@ from dataclasses import dataclass, replace
 from typing import Any, ClassVar
 
 from ..coalesce import Uncancellable
-from ..contract import Ack, Entry, Extend, LoopTurns, Nack, Stored
+from ..contract import (
+    Ack,
+    Entry,
+    Extend,
+    LocalRates,
+    LoopTurns,
+    Nack,
+    RateGrant,
+    RateRule,
+    Stored,
+)
 from ..stats import MemoryStats, StatsStore
 from ..types import Capabilities, KoResult
 from . import meta
@@ -667,13 +677,17 @@ class MemoryShardedBackend(ShardedBackend):
     but the Redis ones); for tests, and as the contract's second implementation."""
 
     name = "memory-sharded"
-    capabilities: Capabilities = replace(CAPABILITIES, shared=False)
+    capabilities: Capabilities = replace(CAPABILITIES, shared=False, rate_limit=True)
     options: ClassVar[dict[str, Any]] = ShardedOptions.defaults()
 
     def __init__(self, options: dict[str, Any]) -> None:
         sharded = ShardedOptions.parse_own(options)
         super().__init__(options)
         self.use_storage(MemoryShardStorage(), sharded, "shards" in options)
+        self._rates = LocalRates()
+
+    async def rate_take(self, queue: str, rule: RateRule, count: int, hold: float) -> RateGrant:
+        return self._rates.take(queue, rule, count, hold)
 
     def stats_store(self) -> StatsStore:
         return MemoryShardedStats(self)
