@@ -6,7 +6,9 @@ no stats, no signalling, no retry policy. Everything else lives once in :mod:`ai
 
 Adding a database means writing one module with a Backend and a Store subclass, registering
 its name in :mod:`aio_keuss.registry`, and adding it to ``tests/backends.py`` so the
-conformance suite runs against it.
+conformance suite runs against it. Rate limits (``Capabilities.rate_limit``) are a
+backend's, not a store's: one small atomic step on one row / key / document per queue
+(:meth:`Backend.rate_take`, :func:`rate_step`), which the queue layer asks before each take.
 
 Times are float seconds since the epoch (UTC), taken from the store's own clock: a store that
 lives on a server should use the server's clock so several clients agree on what is mature.
