@@ -444,9 +444,9 @@ async def _open_factory(backend_name: str, options: dict[str, Any]) -> Factory:
     if stats_kind not in (None, "memory"):
         raise ConfigError(f"stats must be 'memory' or left out, not {stats_kind!r}")
 
+    if defaults.rate_limit:  # before the backend makes a client it would have to close
+        check_rate_limits(backend_class)
     backend = backend_class({k: v for k, v in options.items() if k in backend_class.options})
-    if defaults.rate_limit:
-        check_rate_limits(backend)
     await backend.open()
     try:
         signal = LocalSignalBus(debounce) if signal_kind else backend.signal_bus(debounce)
@@ -463,7 +463,7 @@ async def _open_factory(backend_name: str, options: dict[str, Any]) -> Factory:
     return Factory(backend, signal, stats, defaults, deadletter)
 
 
-def check_rate_limits(backend: Backend) -> None:
+def check_rate_limits(backend: Backend | type[Backend]) -> None:
     """Refuse a ``rate_limit`` where the backend cannot keep one."""
     if not backend.capabilities.rate_limit:
         raise ConfigError(f"backend {backend.name!r} has no rate limits (rate_limit must be 0)")

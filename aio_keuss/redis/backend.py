@@ -19,10 +19,11 @@ class RedisBackend(RedisConnection):
     """Base of the Redis backends: signals, stats and rate limits in the same Redis as the
     queues."""
 
-    def __init__(self, options: dict[str, Any]) -> None:
-        super().__init__(options)
-        # every Redis backend has them: one key of the queue's own (see ``limiter``)
-        self.capabilities = replace(self.capabilities, rate_limit=True)
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        """Every Redis backend has rate limits (one key of the queue's own, see
+        ``limiter``), said on the class: ``connect`` reads it before making the backend."""
+        super().__init_subclass__(**kwargs)
+        cls.capabilities = replace(cls.capabilities, rate_limit=True)
 
     def signal_bus(self, debounce: float) -> SignalBus:
         return RedisSignalBus(self, debounce)
