@@ -207,7 +207,14 @@ class QueueOptions:
             "rate_limit", self.rate_limit
         ):
             raise ConfigError("rate_burst needs a rate_limit")
-        return replace(self, **checked)
+        made = replace(self, **checked)
+        if made.rate_limit and made.rate_burst * made.rate_period > MAX_SECONDS * made.rate_limit:
+            # the farthest a limiter's time runs ahead of now (a burst's worth of intervals):
+            # kept within what every time of a store holds (see check_seconds)
+            raise ConfigError(
+                f"rate_burst * rate_period / rate_limit must be at most {MAX_SECONDS:,.0f} s"
+            )
+        return made
 
 
 _RATE_COUNTS = frozenset({"rate_limit", "rate_burst"})

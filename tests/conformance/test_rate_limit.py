@@ -79,6 +79,7 @@ async def _limited_queue(connect: Connect, name: str, **options: object) -> aio_
         {"rate_limit": 5, "rate_period": "1"},
         {"rate_limit": 5, "rate_burst": -1},
         {"rate_burst": 3},
+        {"rate_limit": 1, "rate_period": 1e9, "rate_burst": 2},  # a burst of 2e9 s
     ],
 )
 async def test_bad_rate_options_are_refused(connect: Connect, options: dict[str, object]) -> None:
