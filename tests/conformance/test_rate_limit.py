@@ -266,3 +266,26 @@ async def test_rate_limited_without_a_rate_limit_is_a_failure(connect: Connect) 
     finally:
         await consumer.stop()
     assert consumer.rate_limited == 0
+
+
+async def test_rate_limited_from_a_batch_handler_gives_back_the_whole_batch(
+    connect: Connect,
+) -> None:
+    q = await _limited_queue(connect, "batches", rate_limit=1000, rate_period=1.0)
+    needs(q, "reserve")
+    await q.push_many(["a", "b", "c"])
+    batches: list[list[int]] = []
+
+    async def handle(batch: list[Message]) -> None:
+        batches.append([m.tries for m in batch])
+        if len(batches) == 1:
+            raise RateLimited(0.2)
+
+    consumer = q.consume(handle, batch=3, retry_delay=HOUR)
+    try:
+        await _until(lambda: consumer.handled == 3)
+    finally:
+        await consumer.stop()
+    assert consumer.rate_limited == len(batches[0]) and consumer.failed == 0
+    assert all(tries == 0 for batch in batches for tries in batch)
+    assert await q.total_size() == 0
