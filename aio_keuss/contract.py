@@ -613,8 +613,9 @@ def rate_step(
     state: RateState, now: float, rule: RateRule, count: int, hold: float
 ) -> tuple[RateState, RateGrant]:
     """The one atomic step of a backend's :meth:`Backend.rate_take`, in Python: the memory
-    backend runs it as it is, the others port it to their database (the Redis one in Lua,
-    ``aio_keuss.redis.limiter``), as one read-modify-write of the queue's state, ``now``
+    backend runs it as it is, so does SQLite's inside a write transaction
+    (``aio_keuss.sqlite.limiter``), the others port it to their database (the Redis one in
+    Lua, ``aio_keuss.redis.limiter``), as one read-modify-write of the queue's state, ``now``
     read from the database's own clock within the same step.
 
     - ``hold > 0`` first pushes ``until`` to at least ``now + hold``;

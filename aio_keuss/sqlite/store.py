@@ -13,6 +13,7 @@ statements are in ``sql/queries.sql``):
 - ``dedup``: ``(queue, id, expires)`` for ids the user chose, so an id stays refused for the
   dedup window even after its message was consumed; expired rows are purged a hundred at
   a time by the next idempotent push of that queue.
+- ``rates``: a row per rate-limited queue, its limiter (:mod:`aio_keuss.sqlite.limiter`).
 - ``stats``, ``queues``, ``pipelines`` belong to :mod:`aio_keuss.sqlite.stats`, ``signals``
   to :mod:`aio_keuss.sqlite.signal`.
 
@@ -52,6 +53,8 @@ from ..contract import (
     Nack,
     Peeked,
     PeekPage,
+    RateGrant,
+    RateRule,
     Store,
     Stored,
     check_seq_cursor,
@@ -63,6 +66,7 @@ from ..signal import LocalSignalBus, SignalBus
 from ..stats import StatsStore
 from ..types import Capabilities, KoResult, Sizes
 from .connection import LONGEST_ROW, SqliteConnection
+from .limiter import rate_take
 from .signal import SqliteSignalBus
 from .stats import SqliteStats
 
@@ -383,13 +387,14 @@ class SqliteStore(Store):
 
 
 class SqliteQueueBackend(SqliteConnection):
-    """``sqlite``: one table for every queue of a database file; signals and stats in the
-    same file. A ``:memory:`` database lives in this factory's connection only: its queues
-    are not shared (``Capabilities.shared`` false) and its signals stay in-process."""
+    """``sqlite``: one table for every queue of a database file; signals, stats and rate
+    limiters in the same file. A ``:memory:`` database lives in this factory's connection
+    only: its queues are not shared (``Capabilities.shared`` false) and its signals stay
+    in-process."""
 
     name = "sqlite"
     capabilities: Capabilities = Capabilities(
-        move=True, peek=True, hold=True, extend=True, priority=True
+        move=True, peek=True, hold=True, extend=True, priority=True, rate_limit=True
     )
 
     def __init__(self, options: dict[str, Any]) -> None:
@@ -407,3 +412,6 @@ class SqliteQueueBackend(SqliteConnection):
 
     def stats_store(self) -> StatsStore:
         return SqliteStats(self)
+
+    async def rate_take(self, queue: str, rule: RateRule, count: int, hold: float) -> RateGrant:
+        return await rate_take(self, queue, rule, count, hold)

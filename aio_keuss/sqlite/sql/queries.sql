@@ -210,6 +210,28 @@ SELECT name, topology FROM pipelines ORDER BY name
 -- name: stats_remove_pipeline
 DELETE FROM pipelines WHERE name = ?
 
+-- The rate limiters (aio_keuss.sqlite.limiter) ----------------------------------------------
+
+-- name: rate_state
+-- SQLite's clock and the queue's limiter state (NULLs: none), read in one step, so with one
+-- "now" (SQLite documentation, "Date And Time Functions": 'now' is the same for every use
+-- within one sqlite3_step). julianday holds whole milliseconds; rounded back to them, the
+-- epoch seconds are exact to the millisecond rather than a double's rounding of a day count.
+SELECT round((julianday('now') - 2440587.5) * 86400000.0) / 1000.0, r.tat, r.held_until
+FROM (SELECT 1) LEFT JOIN rates AS r ON r.queue = ?
+
+-- name: rate_save
+INSERT INTO rates (queue, tat, held_until) VALUES (?, ?, ?)
+ON CONFLICT (queue) DO UPDATE SET tat = excluded.tat, held_until = excluded.held_until
+
+-- name: rate_forget
+DELETE FROM rates WHERE queue = ?
+
+-- name: rate_purge
+-- Up to a hundred limiters whose times are both past (now): the same as none.
+DELETE FROM rates WHERE queue IN (
+    SELECT queue FROM rates WHERE max(tat, held_until) <= ?1 LIMIT 100)
+
 -- The signal bus -------------------------------------------------------------------------
 
 -- name: signal_publish
