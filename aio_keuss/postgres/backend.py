@@ -1,8 +1,13 @@
-"""The roles PostgreSQL plays beside storing messages: the signal bus (LISTEN / NOTIFY) and
-the stats store, on the connection every PostgreSQL backend shares."""
+"""The roles PostgreSQL plays beside storing messages: the signal bus (LISTEN / NOTIFY), the
+stats store and the queues' rate limiters, on the connection every PostgreSQL backend
+shares."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+from typing import Any
+
+from ..contract import RATE_SLACK, RateGrant, RateRule
 from ..signal import SignalBus
 from ..stats import StatsStore
 from .connection import PostgresConnection
@@ -11,11 +16,26 @@ from .stats import PostgresStats
 
 
 class PostgresBackend(PostgresConnection):
-    """Base of the PostgreSQL backends (messages, buckets): signals and stats in the same
-    database as the queues."""
+    """Base of the PostgreSQL backends (messages, buckets): signals, stats and rate limits in
+    the same database as the queues."""
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        """Every PostgreSQL backend has rate limits (one row of ``rate_limits`` per queue,
+        see ``rate_take``), said on the class: ``connect`` reads it before making the
+        backend."""
+        super().__init_subclass__(**kwargs)
+        cls.capabilities = replace(cls.capabilities, rate_limit=True)
 
     def signal_bus(self, debounce: float) -> SignalBus:
         return PostgresSignalBus(self, debounce)
 
     def stats_store(self) -> StatsStore:
         return PostgresStats(self)
+
+    async def rate_take(self, queue: str, rule: RateRule, count: int, hold: float) -> RateGrant:
+        """``contract.rate_step`` as one upsert of the queue's row, on the server's clock
+        (the statement ``rate_take`` of ``sql/queries.sql`` says which and why)."""
+        row = await self.fetchrow(
+            self.sql["rate_take"], queue, rule.interval, rule.burst, count, hold, RATE_SLACK
+        )
+        return RateGrant(int(row["granted"]), float(row["wait"]))

@@ -1,6 +1,6 @@
--- Every statement of the PostgreSQL backends, each after a "-- name: <name>" line, in four
--- parts: the postgres store (one statement per primitive), the stats store, the signal
--- bus, and the bucket storage of bucket-postgres. {s} is the quoted schema; {relax} is
+-- Every statement of the PostgreSQL backends, each after a "-- name: <name>" line, in five
+-- parts: the postgres store (one statement per primitive), the rate limiters, the stats
+-- store, the signal bus, and the bucket storage of bucket-postgres. {s} is the quoted schema; {relax} is
 -- empty, or the condition that relaxes synchronous_commit (durable_acks=False); a block
 -- named _x is a fragment, pasted where a statement says {_x}. The tables are made by the
 -- steps in migrations/.
@@ -479,6 +479,50 @@ WHERE ctid = ANY(ARRAY(
     SELECT ctid FROM {s}.history
     WHERE processed < extract(epoch from now())::float8 - $1::float8
     LIMIT $2))
+
+-- The rate limiters ---------------------------------------------------------------------
+-- A queue's limiter is one row of rate_limits; rate_take is contract.rate_step in one
+-- statement on it: $1 queue, $2 interval (seconds per grant), $3 burst, $4 count (> 0 take,
+-- < 0 give back, 0 none), $5 hold (seconds), $6 the reference's rounding slack. "now" is
+-- clock_timestamp(), not the now() of the rest of this file: an upsert that finds the row
+-- locked waits for the step holding it, and computes its SET after that step commits, so a
+-- clock read there orders the steps of one row by time, and the wait it answers is counted
+-- from the step itself, not from when the statement came in (now() is the transaction's
+-- start: a step delayed behind others would see an earlier time than the step before it).
+-- It is read once per evaluation of the step (a sub-SELECT with a volatile target list is
+-- not flattened into its parent: it is one row, computed once).
+
+-- name: _rate_step
+-- The new state from prev(tat, held_until), the old one: the columns stepped, held_until,
+-- tat and granted.
+SELECT c.now AS stepped, u.held_until,
+    CASE WHEN $4::int > 0 AND c.now >= u.held_until THEN t.tat + g.granted * $2::float8
+         WHEN $4::int < 0 THEN greatest(t.tat + $4::int * $2::float8, c.now)
+         ELSE t.tat END AS tat,
+    g.granted
+FROM (SELECT extract(epoch from clock_timestamp())::float8 AS now) c,
+LATERAL (SELECT CASE WHEN $5::float8 > 0 THEN greatest(prev.held_until, c.now + $5::float8)
+                     ELSE prev.held_until END AS held_until) u,
+LATERAL (SELECT greatest(prev.tat, c.now) AS tat) t,
+LATERAL (SELECT CASE WHEN $4::int > 0 AND c.now >= u.held_until
+    THEN greatest(0, least($4::int, floor(
+        (c.now + $3::int * $2::float8 - t.tat) / $2::float8 + $6::float8)))::int
+    ELSE 0 END AS granted) g
+
+-- name: rate_take
+-- One step of queue $1's limiter: a first step inserts the row (from the state of none),
+-- any later one updates it under its row lock (ON CONFLICT DO UPDATE), so concurrent steps
+-- of every process take turns on it. Answers granted, and wait: the seconds from the step
+-- until the next grant falls due (0: one is due already).
+INSERT INTO {s}.rate_limits AS r (queue, stepped, held_until, tat, granted)
+SELECT $1, n.stepped, n.held_until, n.tat, n.granted
+FROM (SELECT 0::float8 AS tat, 0::float8 AS held_until) prev, LATERAL ({_rate_step}) n
+ON CONFLICT (queue) DO UPDATE SET (stepped, held_until, tat, granted) = (
+    SELECT n.stepped, n.held_until, n.tat, n.granted
+    FROM (SELECT r.tat, r.held_until) prev, LATERAL ({_rate_step}) n
+)
+RETURNING r.granted, greatest(0, r.held_until - r.stepped,
+    r.tat - ($3::int - 1) * $2::float8 - r.stepped) AS wait
 
 -- The stats store ----------------------------------------------------------------------
 -- Counters are buffered in the client and written as one upsert per flush, whatever the
