@@ -676,7 +676,8 @@ async def test_a_schema_a_newer_release_migrated_is_refused(
     refused with a clear ConfigError, not served with statements for the older layout."""
     from aio_keuss.postgres.sql import migrations
 
-    latest = migrations()[-1][0]
+    known = [v for v, _ in migrations()]
+    latest = known[-1]
     await (await open_factory()).close()
     connection = await asyncpg.connect(POSTGRES_URL)
     try:
@@ -688,7 +689,7 @@ async def test_a_schema_a_newer_release_migrated_is_refused(
     for backend in ("postgres", "bucket-postgres"):
         with pytest.raises(aio_keuss.ConfigError, match=f"version {latest + 1}.*newer"):
             await aio_keuss.connect(backend, url=POSTGRES_URL, schema=schema)
-    assert await _versions(schema) == [*range(1, latest + 1), latest + 1]  # nothing written
+    assert await _versions(schema) == [*known, latest + 1]  # nothing written
 
 
 async def test_a_bucket_schema_of_the_first_release_is_upgraded_in_place(schema: str) -> None:
