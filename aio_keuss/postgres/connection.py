@@ -507,10 +507,16 @@ class PostgresConnection(Backend):
         A schema of the first release has no versions table: the steps that release already
         took are written to be no-ops there (``IF NOT EXISTS``, or a guard). A schema a later
         release migrated past the steps this one knows is refused (ConfigError), not served
-        with statements written for an older layout."""
+        with statements written for an older layout.
+
+        "Lacks" is by number, not by the last one recorded: steps are numbered on branches
+        that merge in any order, so a schema a build took to step n + 1 may lack a step n
+        merged after it, and is given it (steps of separate branches touch separate
+        things, so their order between them does not matter)."""
         schema = self.quoted_schema
         steps = migrations()
         known = steps[-1][0] if steps else 0
+        recorded = f"SELECT coalesce(array_agg(version), '{{}}') FROM {schema}.schema_versions"
         async with self.transaction() as connection:
             # Up to date (every open but the first of a release): nothing to write, so no
             # lock and no DDL, which a role with only the rights to use the tables may not
@@ -523,11 +529,9 @@ class PostgresConnection(Backend):
             if autovacuum != "on":
                 _warn_no_autovacuum(self.schema)
             if exists:
-                done = await connection.fetchval(
-                    f"SELECT coalesce(max(version), 0) FROM {versions}"
-                )
-                if done >= known:
-                    self._refuse_newer(done, known)
+                done = set(await connection.fetchval(recorded))
+                self._refuse_newer(max(done, default=0), known)
+                if all(version in done for version, _ in steps):
                     return
             # Waiting for another process's migration, or building an index over a big
             # table, may take longer than the role's statement_timeout / lock_timeout
@@ -535,12 +539,10 @@ class PostgresConnection(Backend):
             await connection.execute(_NO_TIMEOUTS)
             await connection.execute(_SCHEMA_LOCK, self.schema)
             await connection.execute(_VERSIONS_DDL.replace("{s}", schema))
-            done = await connection.fetchval(
-                f"SELECT coalesce(max(version), 0) FROM {schema}.schema_versions"
-            )
-            self._refuse_newer(done, known)
+            done = set(await connection.fetchval(recorded))
+            self._refuse_newer(max(done, default=0), known)
             for version, step in steps:
-                if version > done:
+                if version not in done:
                     await connection.execute(step.replace("{s}", schema))
                     await connection.execute(
                         f"INSERT INTO {schema}.schema_versions (version) VALUES ($1)", version
