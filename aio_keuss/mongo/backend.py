@@ -1,20 +1,40 @@
 """The roles MongoDB plays beside storing messages: the signal bus (change streams, else a
-capped collection) and the stats store, on the connection every MongoDB backend shares."""
+capped collection), the stats store and the queues' rate limiters, on the connection every
+MongoDB backend shares."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+from typing import Any
+
+from ..contract import RateGrant, RateRule
 from ..signal import SignalBus
 from ..stats import StatsStore
 from .connection import MongoConnection
+from .limiter import MongoRates
 from .signal import MongoSignalBus
 from .stats import MongoStats
 
 
 class MongoBackend(MongoConnection):
-    """Base of the MongoDB backends: signals and stats in the same database as the queues."""
+    """Base of the MongoDB backends: signals, stats and rate limits in the same database as
+    the queues."""
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        """Every MongoDB backend has rate limits (one document per queue, see ``limiter``),
+        said on the class: ``connect`` reads it before making the backend."""
+        super().__init_subclass__(**kwargs)
+        cls.capabilities = replace(cls.capabilities, rate_limit=True)
+
+    def __init__(self, options: dict[str, Any]) -> None:
+        super().__init__(options)
+        self._rates = MongoRates(self)
 
     def signal_bus(self, debounce: float) -> SignalBus:
         return MongoSignalBus(self, debounce)
 
     def stats_store(self) -> StatsStore:
         return MongoStats(self)
+
+    async def rate_take(self, queue: str, rule: RateRule, count: int, hold: float) -> RateGrant:
+        return await self._rates.take(queue, rule, count, hold)
