@@ -5,6 +5,7 @@ database is involved; the store is the real one, only counted."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import Coroutine, Sequence
 from typing import Any
 
@@ -340,3 +341,22 @@ async def test_a_cancelled_close_lets_a_background_put_back_finish() -> None:
     with pytest.raises(asyncio.CancelledError):
         await closing
     assert (await store.sizes()).size == 1  # put back, not lost
+
+
+async def test_a_rate_limit_on_a_backend_without_the_capability_is_refused(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Every backend shipped has rate limits; one that has none (a third party's) refuses
+    a queue with a ``rate_limit`` at open and a ``connect`` default before connecting,
+    writing nothing, while a queue without one opens as ever."""
+    without = dataclasses.replace(MemoryBackend.capabilities, rate_limit=False)
+    monkeypatch.setattr(MemoryBackend, "capabilities", without)
+    with pytest.raises(aio_keuss.ConfigError, match="rate limits"):
+        await aio_keuss.connect("memory", rate_limit=5)
+    async with aio_keuss.connect("memory") as factory:
+        with pytest.raises(aio_keuss.ConfigError, match="rate limits"):
+            await factory.queue("limited", rate_limit=5)
+        assert "limited" not in await factory.list()
+        plain = await factory.queue("limited")
+        await plain.push("x")
+        assert await plain.total_size() == 1
