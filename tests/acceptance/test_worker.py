@@ -532,3 +532,13 @@ def test_the_console_script_is_installed() -> None:
     command = Path(sys.executable).parent / "aio-keuss"
     shown = subprocess.run([command, "worker", "--help"], capture_output=True, check=True)
     assert b"--health-port" in shown.stdout
+
+
+def test_the_priorities_and_rate_limit_example_runs() -> None:
+    """examples/urgent_first.py on the embedded backend: the resets first, every one sent."""
+    example = Path(__file__).parents[2] / "examples" / "urgent_first.py"
+    done = subprocess.run(
+        [sys.executable, str(example)], capture_output=True, text=True, timeout=120, check=False
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "35 delivered" in done.stdout
