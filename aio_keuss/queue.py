@@ -164,6 +164,11 @@ class Queue:
         )
         self._sibling = sibling
         self._limiter = limiter  # None without a rate_limit: the takes never look at it
+        # When the limiter grants next, on our clock, as its latest answer says (see
+        # ``_ask_limiter``): till then a push cannot get a consumer anything (``_wait_for``).
+        self._rate_due = 0.0
+        self._rate_asked = 0  # limiter calls sent, and the last one whose answer is kept
+        self._rate_heard = 0
         self._targets: set[str] = set()  # queues moved into, opened through the factory
         self._paused = False
         self._wakeups = Wakeups()
@@ -745,9 +750,14 @@ class Queue:
                     if remaining <= 0:
                         break
                     wait = min(wait, remaining)
-                if wakeups.announced != announced and not failed and not self._paused:
+                # (a limit spent: nothing announced can be taken before its next grant)
+                spent = self._rate_spent()
+                if wakeups.announced != announced and not (failed or self._paused or spent):
                     continue  # something was announced while we fetched: look again
-                woken = await wakeups.sleep(n, wait)
+                if spent:
+                    woken = await self._sleep_rate_spent(n, wait, drains)
+                else:
+                    woken = await wakeups.sleep(n, wait)
                 if not woken and self._paused:
                     self._paused = await self._poll_paused(outage)  # a lost resume
         except (Exception, asyncio.CancelledError):  # not GeneratorExit: no loop then
@@ -757,6 +767,25 @@ class Queue:
         if due is not None:
             self._hand_on(due)
         return []
+
+    def _rate_spent(self) -> bool:
+        """Whether the limiter grants nothing before its next grant, ``_rate_due``."""
+        return self._limiter is not None and self._rate_due > time.time()
+
+    async def _sleep_rate_spent(self, n: int, wait: float, drains: int) -> bool:
+        """``Wakeups.sleep`` for a consumer the limiter refused: a push's announcement
+        (another message) cannot make a grant fall due sooner, so it sleeps on until the
+        limiter's next grant; a resume, a drain or a close still wake it. Woken by pushes,
+        each one cost a limiter round trip that answered no again, a backlog pushed faster
+        than the limit as many."""
+        end = time.monotonic() + wait
+        while True:
+            woken = await self._wakeups.sleep(n, wait)
+            if not woken or self._closed or self._drains != drains or self._paused:
+                return woken
+            wait = min(end - time.monotonic(), self._rate_due - time.time())
+            if wait <= 0:
+                return woken
 
     def _hand_on(self, due: float) -> None:
         """A consumer that knew something falls due at ``due`` (epoch seconds) left before
@@ -814,8 +843,7 @@ class Queue:
         sooner than the limiter's next grant while none is due: a consumer that found
         nothing sleeps until then, and one leaving first hands that time on
         (``_hand_on``), as it does a message's mature time."""
-        assert self._limiter is not None
-        grant = await self._limiter(n, 0.0)
+        grant = await self._ask_limiter(n, 0.0)
         due = time.time() + grant.wait  # the limiter's next grant, on our clock
         if not grant.granted:
             return Fetched([], due)
@@ -827,10 +855,22 @@ class Queue:
             return fetched
         return Fetched(fetched.messages, max(fetched.next_mature, due))
 
-    async def _give_back_grants(self, count: int) -> None:
+    async def _ask_limiter(self, count: int, hold: float) -> RateGrant:
+        """One step of the queue's limiter, its answer's next grant kept in ``_rate_due``
+        unless a later step's answer came in first (the steps of one process may answer
+        out of order, on a pool of connections)."""
         assert self._limiter is not None
+        self._rate_asked += 1
+        asked = self._rate_asked
+        grant = await self._limiter(count, hold)
+        if asked > self._rate_heard:
+            self._rate_heard = asked
+            self._rate_due = time.time() + grant.wait
+        return grant
+
+    async def _give_back_grants(self, count: int) -> None:
         try:
-            await self._limiter(-count, 0.0)
+            await self._ask_limiter(-count, 0.0)
         except Exception as exc:  # they are lost: fewer deliveries for a while, never more
             log.debug("queue %r: %d unused rate grants not given back: %r", self.name, count, exc)
 
@@ -842,7 +882,7 @@ class Queue:
         if self._limiter is None:
             return False
         hold = check_seconds(seconds, "RateLimited seconds")
-        await self._limiter(0, hold)
+        await self._ask_limiter(0, hold)
         if self.capabilities.reserve:
             await self._release_all(messages)
         else:

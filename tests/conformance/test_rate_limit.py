@@ -289,3 +289,34 @@ async def test_rate_limited_from_a_batch_handler_gives_back_the_whole_batch(
     assert consumer.rate_limited == len(batches[0]) and consumer.failed == 0
     assert all(tries == 0 for batch in batches for tries in batch)
     assert await q.total_size() == 0
+
+
+async def test_pushes_do_not_wake_a_consumer_the_limiter_holds(connect: Connect) -> None:
+    """A consumer the limiter refused sleeps until the next grant: the pushes meanwhile
+    cannot make one fall due sooner, so they do not wake it to ask the limiter again (each
+    push cost a limiter round trip, a backlog pushed faster than the limit as many)."""
+    factory = await connect(poll_interval=60.0)
+    needs(factory, "rate_limit")
+    asked: list[int] = []
+    rate_take = factory.backend.rate_take
+
+    async def counted(queue: str, rule: object, count: int, hold: float) -> object:
+        asked.append(count)
+        return await rate_take(queue, rule, count, hold)  # type: ignore[arg-type]
+
+    factory.backend.rate_take = counted  # type: ignore[method-assign,assignment]
+    q = await factory.queue("held", rate_limit=1, rate_period=HOUR)
+    await q.push("first")
+    assert len(await _take(q, 1)) == 1  # the limit spent for the hour
+    waiter = asyncio.create_task(q.pop(timeout=GUARD))
+    await _until(lambda: len(asked) >= 2)  # the waiter asked, and was refused
+    before = len(asked)
+    for k in range(20):
+        await q.push(k)
+        await asyncio.sleep(0.01)  # a turn for the signal to come in
+    await asyncio.sleep(QUIET)
+    assert not waiter.done()
+    assert len(asked) - before <= 1
+    waiter.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await waiter
