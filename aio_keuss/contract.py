@@ -607,10 +607,19 @@ class RateGrant:
 
     granted: int
     wait: float
+    end: float = math.inf
+    """The limiter's ``tat`` after the step (epoch seconds, the backend's clock): the end of
+    the time its grants took up, which a give-back of them brings back (see
+    :func:`rate_step`)."""
 
 
 def rate_step(
-    state: RateState, now: float, rule: RateRule, count: int, hold: float
+    state: RateState,
+    now: float,
+    rule: RateRule,
+    count: int,
+    hold: float,
+    end: float = math.inf,
 ) -> tuple[RateState, RateGrant]:
     """The one atomic step of a backend's :meth:`Backend.rate_take`, in Python: the memory
     backend runs it as it is, so does SQLite's inside a write transaction
@@ -621,9 +630,13 @@ def rate_step(
     - ``hold > 0`` first pushes ``until`` to at least ``now + hold``;
     - ``count > 0`` takes up to ``count`` grants, none while held: each moves ``tat`` one
       interval on, from ``now`` at the earliest (an idle limiter grants a full burst);
-    - ``count < 0`` gives ``-count`` unused grants back: ``tat`` moves back as many
-      intervals, to ``now`` at the latest (never before: that would lend grants the
-      limiter never had). Only ever what a take of the same caller just granted.
+    - ``count < 0`` gives ``-count`` unused grants back, ``end`` the one the take's answer
+      gave: they took up the intervals before it, and only the part of those still ahead
+      of ``now`` comes back (``tat`` moves back as much, to ``now`` at the latest: never
+      before, that would lend grants the limiter never had). Given back late (a slow take
+      between), the part gone by was spent: the step moved ``tat`` on since for the takes
+      made meanwhile, and taking every interval off its end lent their grants a second
+      time. Only ever what a take of the same caller granted.
     """
     interval = rule.interval
     until = max(state.until, now + hold) if hold > 0 else state.until
@@ -634,9 +647,9 @@ def rate_step(
         granted = max(0, min(count, due))
         tat += granted * interval
     elif count < 0:
-        tat = max(tat + count * interval, now)
+        tat = max(tat - min(-count * interval, max(0.0, end - now)), now)
     wait = max(0.0, until - now, tat - (rule.burst - 1) * interval - now)
-    return RateState(tat, until), RateGrant(granted, wait)
+    return RateState(tat, until), RateGrant(granted, wait, tat)
 
 
 class LocalRates:
@@ -649,9 +662,11 @@ class LocalRates:
     def __init__(self) -> None:
         self._states: dict[str, RateState] = {}
 
-    def take(self, queue: str, rule: RateRule, count: int, hold: float) -> RateGrant:
+    def take(
+        self, queue: str, rule: RateRule, count: int, hold: float, end: float = math.inf
+    ) -> RateGrant:
         state = self._states.get(queue, RateState())
-        self._states[queue], grant = rate_step(state, time.time(), rule, count, hold)
+        self._states[queue], grant = rate_step(state, time.time(), rule, count, hold, end)
         return grant
 
 
@@ -688,7 +703,9 @@ class Backend(ABC):
 
         return MemoryStats()
 
-    async def rate_take(self, queue: str, rule: RateRule, count: int, hold: float) -> RateGrant:
+    async def rate_take(
+        self, queue: str, rule: RateRule, count: int, hold: float, end: float = math.inf
+    ) -> RateGrant:
         """Optional (``Capabilities.rate_limit``): :func:`rate_step` on ``queue``'s limiter
         state, as one atomic read-modify-write of one row / key / document, on the
         database's clock: every process and factory sharing the database shares the
@@ -696,7 +713,8 @@ class Backend(ABC):
         ``until`` are both past may be dropped (expired). Each caller brings its own
         ``rule``: the state is times only, so callers with different rules share it, each
         held to its own. The queue layer calls it before a take (``count`` > 0), after a
-        take that got fewer messages than granted (``count`` < 0, the rest given back),
+        take that got fewer messages than granted (``count`` < 0, the rest given back, with
+        ``end`` from the take's answer, :attr:`RateGrant.end`),
         and for a handler's ``RateLimited`` (``count`` 0, ``hold`` > 0).
 
         A backend that cannot do it atomically keeps this default and leaves the

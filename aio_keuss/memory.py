@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import heapq
 import itertools
+import math
 import time
 from collections import deque
 from collections.abc import Sequence
@@ -418,5 +419,7 @@ class MemoryBackend(Backend):
     async def store(self, queue: str, options: QueueOptions) -> Store:
         return MemoryStore(queue, options, self)
 
-    async def rate_take(self, queue: str, rule: RateRule, count: int, hold: float) -> RateGrant:
-        return self._rates.take(queue, rule, count, hold)
+    async def rate_take(
+        self, queue: str, rule: RateRule, count: int, hold: float, end: float = math.inf
+    ) -> RateGrant:
+        return self._rates.take(queue, rule, count, hold, end)

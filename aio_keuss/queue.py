@@ -127,8 +127,8 @@ HELD_CHECK = 1024
 """Reservations held unacknowledged between two checks for expired ones (see ``_rotate_held``)."""
 
 FetchResult = tuple[list[Stored], float | None]
-Limiter = Callable[[int, float], Awaitable[RateGrant]]
-"""A rate-limited queue's ``Backend.rate_take`` with its name and rule: (count, hold)."""
+Limiter = Callable[[int, float, float], Awaitable[RateGrant]]
+"""A rate-limited queue's ``Backend.rate_take`` with its name and rule: (count, hold, end)."""
 Held = tuple[int, str | None]
 """A reservation handed out here: the tries and the store's token it was given."""
 
@@ -850,27 +850,29 @@ class Queue:
         fetched = await take(grant.granted)
         unused = grant.granted - len(fetched.messages)
         if unused:  # here, not in the background: the next take must find them back
-            await self._give_back_grants(unused)
+            await self._give_back_grants(unused, grant.end)
         if grant.wait <= 0 or fetched.next_mature is None:
             return fetched
         return Fetched(fetched.messages, max(fetched.next_mature, due))
 
-    async def _ask_limiter(self, count: int, hold: float) -> RateGrant:
+    async def _ask_limiter(self, count: int, hold: float, end: float = math.inf) -> RateGrant:
         """One step of the queue's limiter, its answer's next grant kept in ``_rate_due``
         unless a later step's answer came in first (the steps of one process may answer
         out of order, on a pool of connections)."""
         assert self._limiter is not None
         self._rate_asked += 1
         asked = self._rate_asked
-        grant = await self._limiter(count, hold)
+        grant = await self._limiter(count, hold, end)
         if asked > self._rate_heard:
             self._rate_heard = asked
             self._rate_due = time.time() + grant.wait
         return grant
 
-    async def _give_back_grants(self, count: int) -> None:
+    async def _give_back_grants(self, count: int, end: float) -> None:
+        """``count`` grants of a take whose answer said ``end`` (see ``contract.rate_step``:
+        only what is still ahead of the limiter's clock comes back)."""
         try:
-            await self._ask_limiter(-count, 0.0)
+            await self._ask_limiter(-count, 0.0, end)
         except Exception as exc:  # they are lost: fewer deliveries for a while, never more
             log.debug("queue %r: %d unused rate grants not given back: %r", self.name, count, exc)
 

@@ -4,6 +4,7 @@ MongoDB backend shares."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 from typing import Any
 
@@ -36,5 +37,7 @@ class MongoBackend(MongoConnection):
     def stats_store(self) -> StatsStore:
         return MongoStats(self)
 
-    async def rate_take(self, queue: str, rule: RateRule, count: int, hold: float) -> RateGrant:
-        return await self._rates.take(queue, rule, count, hold)
+    async def rate_take(
+        self, queue: str, rule: RateRule, count: int, hold: float, end: float = math.inf
+    ) -> RateGrant:
+        return await self._rates.take(queue, rule, count, hold, end)

@@ -67,13 +67,15 @@ class MongoRates:
         await self._coll.create_index([("expires", ASCENDING)], expireAfterSeconds=0)
 
     @translated
-    async def take(self, queue: str, rule: RateRule, count: int, hold: float) -> RateGrant:
+    async def take(
+        self, queue: str, rule: RateRule, count: int, hold: float, end: float
+    ) -> RateGrant:
         await self._ensure_index()
         while True:
             doc = await self._coll.find_one({"_id": queue})
             now = time.time()
             state = RateState() if doc is None else RateState(float(doc["t"]), float(doc["u"]))
-            new, grant = rate_step(state, now, rule, count, hold)
+            new, grant = rate_step(state, now, rule, count, hold, end)
             if await self._write(queue, doc, new, now):
                 return grant
 

@@ -4,6 +4,7 @@ shares."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 from typing import Any
 
@@ -32,10 +33,12 @@ class PostgresBackend(PostgresConnection):
     def stats_store(self) -> StatsStore:
         return PostgresStats(self)
 
-    async def rate_take(self, queue: str, rule: RateRule, count: int, hold: float) -> RateGrant:
+    async def rate_take(
+        self, queue: str, rule: RateRule, count: int, hold: float, end: float = math.inf
+    ) -> RateGrant:
         """``contract.rate_step`` as one upsert of the queue's row, on the server's clock
         (the statement ``rate_take`` of ``sql/queries.sql`` says which and why)."""
         row = await self.fetchrow(
-            self.sql["rate_take"], queue, rule.interval, rule.burst, count, hold, RATE_SLACK
+            self.sql["rate_take"], queue, rule.interval, rule.burst, count, hold, RATE_SLACK, end
         )
-        return RateGrant(int(row["granted"]), float(row["wait"]))
+        return RateGrant(int(row["granted"]), float(row["wait"]), float(row["tat"]))

@@ -3,6 +3,7 @@ and the queues' rate limiters, on the connection every Redis backend shares."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 from typing import Any
 
@@ -31,5 +32,7 @@ class RedisBackend(RedisConnection):
     def stats_store(self) -> StatsStore:
         return RedisStats(self)
 
-    async def rate_take(self, queue: str, rule: RateRule, count: int, hold: float) -> RateGrant:
-        return await rate_take(self, queue, rule, count, hold)
+    async def rate_take(
+        self, queue: str, rule: RateRule, count: int, hold: float, end: float = math.inf
+    ) -> RateGrant:
+        return await rate_take(self, queue, rule, count, hold, end)

@@ -18,10 +18,11 @@ if TYPE_CHECKING:
     from .connection import RedisConnection
 
 
-# KEYS: the limiter HASH. ARGV: interval (us), burst, count, hold (us). Returns {granted,
-# wait (us)}. Times are integers of microseconds carried as Lua numbers (doubles: exact up
-# to 2**53, centuries past now), written with %d: Lua's own tostring keeps 14 digits, and
-# Redis turns a number a script returns into an integer, truncating it. First a write that
+# KEYS: the limiter HASH. ARGV: interval (us), burst, count, hold (us), end (us: a
+# give-back's, RateGrant.end). Returns {granted, wait (us), tat (us, as text)}. Times are
+# integers of microseconds carried as Lua numbers (doubles: exact up to 2**53, centuries
+# past now), written with %d: Lua's own tostring keeps 14 digits, and Redis turns a number
+# a script returns into an integer, truncating it. First a write that
 # cannot grow memory (HDEL): at maxmemory (noeviction) Redis refuses a script whose first
 # write may, and consumers draining a full Redis must not be. The grant count follows
 # rate_step exactly, the same slack included.
@@ -33,6 +34,7 @@ local interval = tonumber(ARGV[1])
 local burst = tonumber(ARGV[2])
 local count = tonumber(ARGV[3])
 local hold = tonumber(ARGV[4])
+local ends = tonumber(ARGV[5])
 local state = redis.call('HMGET', KEYS[1], 't', 'u')
 local tat = math.max(tonumber(state[1] or '0'), now)
 local untl = tonumber(state[2] or '0')
@@ -43,30 +45,35 @@ if count > 0 and now >= untl then
   granted = math.max(0, math.min(count, due))
   tat = tat + granted * interval
 elseif count < 0 then
-  tat = math.max(tat + count * interval, now)
+  tat = math.max(tat - math.min(-count * interval, math.max(0, ends - now)), now)
 end
 local wait = math.max(0, untl - now, tat - (burst - 1) * interval - now)
+tat = math.ceil(tat)
 local last = math.max(tat, untl)
 if last > now then
-  redis.call('HSET', KEYS[1], 't', string.format('%d', math.ceil(tat)),
+  redis.call('HSET', KEYS[1], 't', string.format('%d', tat),
     'u', string.format('%d', math.ceil(untl)))
   redis.call('PEXPIRE', KEYS[1], math.ceil((last - now) / 1000) + 1000)
 else
   redis.call('DEL', KEYS[1])
 end
-return {granted, math.ceil(wait)}
+return {granted, math.ceil(wait), string.format('%d', tat)}
 """)
 
 
 async def rate_take(
-    backend: RedisConnection, queue: str, rule: RateRule, count: int, hold: float
+    backend: RedisConnection, queue: str, rule: RateRule, count: int, hold: float, end: float
 ) -> RateGrant:
     """``Backend.rate_take`` on ``backend``'s Redis (see the module's docstring)."""
     interval = rule.interval * 1e6
     reply = await backend.run_script(
         _TAKE,
         [backend.key(queue, "rate")],
-        [repr(interval), rule.burst, count, round(hold * 1e6)],
+        [repr(interval), rule.burst, count, round(hold * 1e6), _END if end > _END else end * 1e6],
     )
-    granted, wait = reply
-    return RateGrant(int(granted), int(wait) / 1e6)
+    granted, wait, tat = reply
+    return RateGrant(int(granted), int(wait) / 1e6, int(tat) / 1e6)
+
+
+_END = 1e300
+"""A give-back's end with none known (infinite): all of it ahead (Lua reads no 'inf')."""

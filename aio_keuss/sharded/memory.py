@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import heapq
+import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
@@ -686,8 +687,10 @@ class MemoryShardedBackend(ShardedBackend):
         self.use_storage(MemoryShardStorage(), sharded, "shards" in options)
         self._rates = LocalRates()
 
-    async def rate_take(self, queue: str, rule: RateRule, count: int, hold: float) -> RateGrant:
-        return self._rates.take(queue, rule, count, hold)
+    async def rate_take(
+        self, queue: str, rule: RateRule, count: int, hold: float, end: float = math.inf
+    ) -> RateGrant:
+        return self._rates.take(queue, rule, count, hold, end)
 
     def stats_store(self) -> StatsStore:
         return MemoryShardedStats(self)

@@ -26,7 +26,7 @@ if TYPE_CHECKING:
 
 
 async def rate_take(
-    db: SqliteConnection, queue: str, rule: RateRule, count: int, hold: float
+    db: SqliteConnection, queue: str, rule: RateRule, count: int, hold: float, end: float
 ) -> RateGrant:
     """``Backend.rate_take`` on ``db``'s file (see the module's docstring)."""
     sql = db.sql
@@ -34,7 +34,7 @@ async def rate_take(
     def step(c: sqlite3.Connection) -> RateGrant:
         now, tat, until = c.execute(sql["rate_state"], (queue,)).fetchone()
         state = RateState() if tat is None else RateState(tat, until)
-        new, grant = rate_step(state, now, rule, count, hold)
+        new, grant = rate_step(state, now, rule, count, hold, end)
         if max(new.tat, new.until) > now:
             if new != state:
                 c.execute(sql["rate_save"], (queue, new.tat, new.until))

@@ -413,5 +413,7 @@ class SqliteQueueBackend(SqliteConnection):
     def stats_store(self) -> StatsStore:
         return SqliteStats(self)
 
-    async def rate_take(self, queue: str, rule: RateRule, count: int, hold: float) -> RateGrant:
-        return await rate_take(self, queue, rule, count, hold)
+    async def rate_take(
+        self, queue: str, rule: RateRule, count: int, hold: float, end: float = math.inf
+    ) -> RateGrant:
+        return await rate_take(self, queue, rule, count, hold, end)

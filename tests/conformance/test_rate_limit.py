@@ -21,6 +21,7 @@ from conftest import Connect, needs
 
 import aio_keuss
 from aio_keuss import Message, RateLimited
+from aio_keuss.contract import RateGrant, RateRule
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -300,9 +301,9 @@ async def test_pushes_do_not_wake_a_consumer_the_limiter_holds(connect: Connect)
     asked: list[int] = []
     rate_take = factory.backend.rate_take
 
-    async def counted(queue: str, rule: object, count: int, hold: float) -> object:
+    async def counted(queue: str, rule: RateRule, count: int, *more: float) -> RateGrant:
         asked.append(count)
-        return await rate_take(queue, rule, count, hold)  # type: ignore[arg-type]
+        return await rate_take(queue, rule, count, *more)
 
     factory.backend.rate_take = counted  # type: ignore[method-assign,assignment]
     q = await factory.queue("held", rate_limit=1, rate_period=HOUR)
@@ -320,3 +321,23 @@ async def test_pushes_do_not_wake_a_consumer_the_limiter_holds(connect: Connect)
     waiter.cancel()
     with pytest.raises(asyncio.CancelledError):
         await waiter
+
+
+async def test_grants_given_back_late_lend_nothing_to_the_takes_made_since(
+    connect: Connect,
+) -> None:
+    """Backend.rate_take as the queue layer calls it: a take's grants given back once their
+    time went by (the take's store round trip was slow) give back nothing, so the grant
+    another take got meanwhile is not handed out a second time at once."""
+    factory = await connect(poll_interval=60.0)
+    needs(factory, "rate_limit")
+    rule = RateRule(1, 2.0, 1)  # one every 2 s, evenly
+    backend = factory.backend
+    first = await backend.rate_take("late", rule, 1, 0.0)
+    assert first.granted == 1
+    await asyncio.sleep(first.wait + 0.1)  # its time goes by: the next grant falls due
+    other = await backend.rate_take("late", rule, 1, 0.0)
+    assert other.granted == 1
+    await backend.rate_take("late", rule, -1, 0.0, first.end)  # the first found nothing
+    after = await backend.rate_take("late", rule, 1, 0.0)
+    assert after.granted == 0 and after.wait > 0  # before: granted beside the other's

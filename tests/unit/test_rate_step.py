@@ -86,3 +86,23 @@ def test_the_wait_answered_is_when_the_next_take_gets_one() -> None:
         assert grant.granted == 1
         _, none = rate_step(state, now + grant.wait * 0.99, rule, 10, 0.0)
         assert none.granted == 0
+
+
+def test_grants_given_back_late_give_back_only_what_is_still_ahead() -> None:
+    """A take's grants given back after their time went by (its store round trip was slow)
+    must not lend the grants of the takes made since: the step moved the limiter's time on
+    for them, and taking the give-back's intervals off the end of it handed out a second
+    burst at once (a burst of one: two deliveries together)."""
+    rule = RateRule(10, 10.0, 1)  # one a second
+    state, first = rate_step(RateState(), T0, rule, 1, 0.0)  # A: granted, its grant ends at 1
+    assert first.granted == 1 and first.end == pytest.approx(T0 + 1.0)
+    state, other = rate_step(state, T0 + 1.5, rule, 1, 0.0)  # B, once A's second went by
+    assert other.granted == 1
+    state, _ = rate_step(state, T0 + 1.5, rule, -1, 0.0, end=first.end)  # A found nothing
+    _, after = rate_step(state, T0 + 1.5, rule, 1, 0.0)
+    assert after.granted == 0  # before: 1, beside B's of this very instant
+    # given back at once, all of it is ahead: granted again
+    state, taken = rate_step(RateState(), T0, RateRule(3, 3600.0, 3), 3, 0.0)
+    state, _ = rate_step(state, T0, RateRule(3, 3600.0, 3), -2, 0.0, end=taken.end)
+    _, again = rate_step(state, T0, RateRule(3, 3600.0, 3), 5, 0.0)
+    assert again.granted == 2

@@ -483,7 +483,8 @@ WHERE ctid = ANY(ARRAY(
 -- The rate limiters ---------------------------------------------------------------------
 -- A queue's limiter is one row of rate_limits; rate_take is contract.rate_step in one
 -- statement on it: $1 queue, $2 interval (seconds per grant), $3 burst, $4 count (> 0 take,
--- < 0 give back, 0 none), $5 hold (seconds), $6 the reference's rounding slack. "now" is
+-- < 0 give back, 0 none), $5 hold (seconds), $6 the reference's rounding slack, $7 a
+-- give-back's end (the tat its take answered: only what is still ahead comes back). "now" is
 -- clock_timestamp(), not the now() of the rest of this file: an upsert that finds the row
 -- locked waits for the step holding it, and computes its SET after that step commits, so a
 -- clock read there orders the steps of one row by time, and the wait it answers is counted
@@ -497,7 +498,8 @@ WHERE ctid = ANY(ARRAY(
 -- tat and granted.
 SELECT c.now AS stepped, u.held_until,
     CASE WHEN $4::int > 0 AND c.now >= u.held_until THEN t.tat + g.granted * $2::float8
-         WHEN $4::int < 0 THEN greatest(t.tat + $4::int * $2::float8, c.now)
+         WHEN $4::int < 0 THEN greatest(
+             t.tat - least(-$4::int * $2::float8, greatest(0, $7::float8 - c.now)), c.now)
          ELSE t.tat END AS tat,
     g.granted
 FROM (SELECT extract(epoch from clock_timestamp())::float8 AS now) c,
@@ -522,7 +524,7 @@ ON CONFLICT (queue) DO UPDATE SET (stepped, held_until, tat, granted) = (
     FROM (SELECT r.tat, r.held_until) prev, LATERAL ({_rate_step}) n
 )
 RETURNING r.granted, greatest(0, r.held_until - r.stepped,
-    r.tat - ($3::int - 1) * $2::float8 - r.stepped) AS wait
+    r.tat - ($3::int - 1) * $2::float8 - r.stepped) AS wait, r.tat
 
 -- The stats store ----------------------------------------------------------------------
 -- Counters are buffered in the client and written as one upsert per flush, whatever the
