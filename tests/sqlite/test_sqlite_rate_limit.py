@@ -54,7 +54,7 @@ async def test_a_hold_is_kept_on_the_row_until_it_ends(tmp_path: Path) -> None:
         again = await factory.backend.rate_take("held", rule, 10, 0.0)
         assert again.granted == 0 and 119.0 < again.wait <= 120.0
         (tat, until) = _rows(path)["held"]
-        assert until - tat == pytest.approx(120.0, abs=0.01)
+        assert 119.0 < until - tat <= 120.0  # tat: the later step's clock
 
 
 async def test_a_new_limiter_row_clears_those_of_idle_queues(tmp_path: Path) -> None:
