@@ -254,12 +254,13 @@ class Queue:
             concurrency=depth,
             run_in_caller=in_caller,
         )
-        # The store's one-message calls, where it has them (see ``Store.one_take``)
-        # (not for a rate-limited queue: each take asks the limiter first, in ``_limited``)
-        one_calls = uninterruptible and in_caller and limiter is None
-        self._one_get = store.one_take(None) if one_calls and capabilities.pop else None
+        # The store's one-message calls, where it has them (see ``Store.one_take``); not
+        # the takes of a rate-limited queue: each asks the limiter first, in ``_limited``
+        one_calls = uninterruptible and in_caller
+        one_takes = one_calls and limiter is None
+        self._one_get = store.one_take(None) if one_takes and capabilities.pop else None
         self._one_reserve: OneTake | None = None
-        if one_calls and capabilities.reserve:
+        if one_takes and capabilities.reserve:
             self._one_reserve = self._holding(store.one_take(options.reserve_delay))
         self._one_commit = store.one_commit() if one_calls else None
         self._one_insert = store.one_insert() if one_calls else None

@@ -74,3 +74,17 @@ async def test_the_hash_tag_is_the_factorys_when_it_has_one(prefix: str) -> None
             assert await client.exists(f"{prefix}:{{app}}:{{jobs}}:rate") == 1
         finally:
             await client.aclose()
+
+
+async def test_a_rate_limited_queue_keeps_its_one_message_push_and_ok(prefix: str) -> None:
+    """Only a take asks the limiter: a rate-limited queue's pushes and oks still go by the
+    store's one-message calls (a quarter of a call's client work), its takes do not."""
+    async with aio_keuss.connect("redis-oq", url=REDIS_URL, prefix=prefix) as factory:
+        plain = await factory.queue("plain")
+        limited = await factory.queue("limited", rate_limit=5, rate_period=3600)
+        assert plain._one_insert is not None and plain._one_commit is not None
+        assert limited._one_insert is not None and limited._one_commit is not None
+        assert limited._one_get is None and limited._one_reserve is None
+        await limited.push("x")
+        message = await limited.reserve(timeout=30)
+        assert message is not None and await limited.ok(message)
