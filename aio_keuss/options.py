@@ -203,6 +203,9 @@ class QueueOptions:
             raise ConfigError("poll_interval must be > 0")
         if checked.get("rate_period", self.rate_period) <= 0:
             raise ConfigError("rate_period must be > 0")
+        if checked.get("rate_limit") == 0 and "rate_burst" not in checked:
+            # a queue opting out of a connect default: the default's burst goes with it
+            checked["rate_burst"] = 0
         if checked.get("rate_burst", self.rate_burst) and not checked.get(
             "rate_limit", self.rate_limit
         ):

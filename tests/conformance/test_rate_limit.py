@@ -92,6 +92,21 @@ async def test_bad_rate_options_are_refused(connect: Connect, options: dict[str,
     assert "bad" not in await factory.list()
 
 
+async def test_a_queue_opts_out_of_the_factorys_rate_limit_with_rate_limit_0(
+    connect: Connect,
+) -> None:
+    """A connect default of a limit and a burst: a queue given ``rate_limit=0`` has none,
+    its inherited burst going with it (it was refused as a burst without a limit)."""
+    factory = await connect(poll_interval=60.0, rate_limit=5, rate_burst=2)
+    needs(factory, "rate_limit")
+    free = await factory.queue("free", rate_limit=0)
+    assert (free.options.rate_limit, free.options.rate_burst) == (0, 0)
+    await free.push_many(list(range(5)))
+    assert len(await _take(free, 5)) == 5
+    with pytest.raises(aio_keuss.ConfigError):  # a burst given with no limit still is
+        await factory.queue("bad", rate_limit=0, rate_burst=3)
+
+
 async def test_a_rate_limit_where_the_backend_has_none_is_refused_at_open(
     connect: Connect,
 ) -> None:
