@@ -885,6 +885,8 @@ class Queue:
         if self._limiter is None:
             return False
         hold = check_seconds(seconds, "RateLimited seconds")
+        if hold <= 0:  # a handler raising it every time would spin at no try, for ever
+            raise InvalidDelayError("RateLimited takes seconds > 0")
         await self._ask_limiter(0, hold)
         if self.capabilities.reserve:
             await self._release_all(messages)

@@ -284,6 +284,25 @@ async def test_rate_limited_without_a_rate_limit_is_a_failure(connect: Connect) 
     assert consumer.rate_limited == 0
 
 
+async def test_rate_limited_for_no_time_is_a_failure(connect: Connect) -> None:
+    """``RateLimited(0)`` would give the message back at no try and take it again at once:
+    a handler raising it every time spun for ever. It counts as a failure (a try, then the
+    deadletter queue)."""
+    q = await _limited_queue(connect, "zero", rate_limit=1000, rate_period=1.0)
+    needs(q, "reserve")
+    await q.push("job")
+
+    async def handle(message: Message) -> None:
+        raise RateLimited(0)
+
+    consumer = q.consume(handle, retry_delay=HOUR)
+    try:
+        await _until(lambda: consumer.failed == 1)
+    finally:
+        await consumer.stop()
+    assert consumer.rate_limited == 0
+
+
 async def test_rate_limited_from_a_batch_handler_gives_back_the_whole_batch(
     connect: Connect,
 ) -> None:
