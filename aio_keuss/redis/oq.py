@@ -1146,9 +1146,9 @@ local state, cscore, cid = ARGV[1], ARGV[2], ARGV[3]
 local limit, budget = tonumber(ARGV[4]), tonumber(ARGV[5])
 local span = limit
 if state == 'scheduled' or state == 'reserved' then span = math.max(limit, budget) end
--- Up to span members of ZSET z past the cursor (and past its ready ones but for 'ready' and
--- 'all'), with their scores.
-local function scan(z)
+-- Up to ``count`` members of ZSET z past the cursor (and past its ready ones but for 'ready'
+-- and 'all'), with their scores.
+local function scan(z, count)
   local start = 0
   if cscore ~= '' then
     local at = tonumber(cscore)
@@ -1171,7 +1171,7 @@ local function scan(z)
   if state ~= 'ready' and state ~= 'all' then
     start = math.max(start, redis.call('ZCOUNT', z, '-inf', now))
   end
-  return redis.call('ZRANGE', z, start, start + span - 1, 'WITHSCORES')
+  return redis.call('ZRANGE', z, start, start + count - 1, 'WITHSCORES')
 end
 -- Of two members {id, score}, whether a comes before b in ZSET order.
 local function before(a, b)
@@ -1180,18 +1180,23 @@ end
 local ids, scores, finished = {}, {}, true
 local lv = levels_of(KEYS[1])
 if #lv == 0 then
-  local part = scan(KEYS[1])
+  local part = scan(KEYS[1], span)
   for i = 1, #part, 2 do ids[#ids + 1] = part[i]; scores[#scores + 1] = part[i + 1] end
   finished = #ids < span
 else
   -- Priorities: every level's ZSET is scanned and the members merged in ZSET order, up to
   -- the earliest last member of a level that has more past it (what lies beyond it there
-  -- is not read yet).
+  -- is not read yet). The levels share the span, at least one member each: read in full
+  -- at each level, a page over a few dozen busy levels read and sorted a hundred
+  -- thousand members, Redis blocked meanwhile. A page may then show fewer rows than its
+  -- limit, with a cursor, as one for 'scheduled' does past reserved messages.
+  local order = walk(lv)
+  local each = math.max(1, math.floor(span / #order))
   local all, horizon = {}, nil
-  for _, p in ipairs(walk(lv)) do
-    local part = scan(level_key(KEYS[1], p))
+  for _, p in ipairs(order) do
+    local part = scan(level_key(KEYS[1], p), each)
     for i = 1, #part, 2 do all[#all + 1] = {part[i], tonumber(part[i + 1]), part[i + 1]} end
-    if #part == 2 * span then
+    if #part == 2 * each then
       local tail = all[#all]
       if not horizon or before(tail, horizon) then horizon = tail end
     end

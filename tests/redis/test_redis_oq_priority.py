@@ -17,6 +17,7 @@ from backends import REDIS_URL, _drop_redis_prefix, new_token
 from redis_cluster import _drop_redis_cluster_prefix, _redis_cluster, start_redis_cluster
 
 import aio_keuss
+from aio_keuss.redis.oq import PEEK
 
 
 @pytest.fixture
@@ -198,6 +199,29 @@ async def test_peek_pages_through_every_level_in_order(factory: aio_keuss.Factor
     async for view in q.browse(state="all", page_size=4):
         seen.append(view.message.id)
     assert seen == pushed  # mature time, then push order, whatever the level
+
+
+async def test_a_peek_over_many_levels_reads_one_budget_in_all(
+    factory: aio_keuss.Factory,
+) -> None:
+    """A peek's script reads at most its budget of members (PEEK_BUDGET, a bounded run),
+    however many levels it merges: the budget is shared among them, not read at each
+    (60 levels of 2000 delayed messages made one peek for 'scheduled' read 120,000
+    members and sort them in Lua, Redis blocked for over a second). Seen here as how far
+    one call's cursor gets over messages none of which it shows."""
+    q = await factory.queue("q")
+    levels, budget = 10, 20
+    ids = await q.push_each(
+        [aio_keuss.NewMessage(n, priority=1 + n % levels, delay=3600) for n in range(300)]
+    )
+    store = q._store
+    reply = await store._run(PEEK, store._keys, ["reserved", "", "", 5, budget])
+    assert reply[2:] == []  # none is reserved
+    assert reply[1] is not None  # more to walk: a cursor
+    passed = sorted(ids).index(reply[1].decode()) + 1  # one mature time: id order
+    assert passed <= budget
+    views = [view.message.payload async for view in q.browse(state="scheduled", page_size=7)]
+    assert sorted(views) == list(range(300))
 
 
 async def test_a_cluster_deadletter_in_steps_keeps_the_priority() -> None:
