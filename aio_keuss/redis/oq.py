@@ -836,16 +836,32 @@ return flags
 _SIZES = """
 local now = server_now()
 local ready, total, reserved = 0, 0, 0
-local members = redis.call('SMEMBERS', KEYS[3])
-for _, p in ipairs(walk(levels_of(KEYS[1]))) do
+local lv = levels_of(KEYS[1])
+for _, p in ipairs(walk(lv)) do
   local z = level_key(KEYS[1], p)
-  if #members > 0 then
-    for _, deadline in ipairs(read_chunked('ZMSCORE', z, members)) do
+  ready = ready + redis.call('ZCOUNT', z, '-inf', now)
+  total = total + redis.call('ZCARD', z)
+end
+-- A held id's deadline is its score in its own level, which its record names: looked up
+-- there only (in every level, it was levels x reservations look-ups in this one script).
+local members = redis.call('SMEMBERS', KEYS[3])
+if #members > 0 then
+  local by = {[0] = members}
+  if #lv > 0 then
+    local records = read_chunked('HMGET', KEYS[2], members)
+    by = {}
+    for k = 1, #members do
+      local p = records[k] and prio_of(records[k]) or 0
+      local some = by[p]
+      if not some then some = {}; by[p] = some end
+      some[#some + 1] = members[k]
+    end
+  end
+  for p, some in pairs(by) do
+    for _, deadline in ipairs(read_chunked('ZMSCORE', level_key(KEYS[1], p), some)) do
       if deadline and tonumber(deadline) > now then reserved = reserved + 1 end
     end
   end
-  ready = ready + redis.call('ZCOUNT', z, '-inf', now)
-  total = total + redis.call('ZCARD', z)
 end
 return {ready, total, reserved}
 """

@@ -14,6 +14,7 @@ from collections.abc import AsyncIterator
 import pytest
 import redis.asyncio as aioredis
 from backends import REDIS_URL, _drop_redis_prefix, new_token
+from own_servers import own_redis
 from redis_cluster import _drop_redis_cluster_prefix, _redis_cluster, start_redis_cluster
 
 import aio_keuss
@@ -222,6 +223,34 @@ async def test_a_peek_over_many_levels_reads_one_budget_in_all(
     assert passed <= budget
     views = [view.message.payload async for view in q.browse(state="scheduled", page_size=7)]
     assert sorted(views) == list(range(300))
+
+
+async def test_sizes_read_each_reserved_message_in_its_own_level_only() -> None:
+    """The count of reserved messages reads each held id's deadline in its own level (its
+    record names it), not in every level: with many levels and many reservations that
+    was levels x reservations look-ups in one script, Redis blocked meanwhile (3000
+    levels and 2000 reserved messages: half a second a call). Counted here as the ZMSCORE
+    calls of one sizes, on a server of the test's own (whose command counters no other
+    client moves)."""
+    with own_redis() as server:
+        async with aio_keuss.connect("redis-oq", url=server.url, poll_interval=30) as factory:
+            q = await factory.queue("q")
+            await q.push_each(
+                [aio_keuss.NewMessage(p, priority=p, delay=3600) for p in range(1, 41)]
+            )
+            await q.push_many(["a", "b"], priority=-3)
+            await q.push("plain")
+            held = await q.reserve_many(2, timeout=1)
+            assert [m.payload for m in held] == ["plain", "a"]
+            client = aioredis.Redis.from_url(server.url)
+            try:
+                await client.config_resetstat()
+                sizes = await q._store.sizes()
+                stats = await client.info("commandstats")
+            finally:
+                await client.aclose()
+    assert (sizes.size, sizes.total, sizes.reserved, sizes.scheduled) == (1, 43, 2, 40)
+    assert stats["cmdstat_zmscore"]["calls"] <= 2  # one per level holding a reservation
 
 
 async def test_a_cluster_deadletter_in_steps_keeps_the_priority() -> None:
