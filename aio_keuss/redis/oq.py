@@ -299,14 +299,23 @@ local function add_by_level(z, by)
     end
   end
 end
--- Per id, its score in queue z whatever its priority (false: not queued).
+-- Per id, whether it is queued in queue z whatever its priority (false: not queued). One
+-- not in due, while there are levels, is looked up in msg, which has the record of every
+-- queued message (read only for those at a level): a look-up in each level was ids x
+-- levels calls' work in one script, a bulk load into a queue of many levels blocking Redis.
 local function queued_of(z, ids)
-  local scores = read_chunked('ZMSCORE', z, ids)
-  for _, p in ipairs(levels_of(z)) do
-    local more = read_chunked('ZMSCORE', level_key(z, tonumber(p)), ids)
-    for k = 1, #ids do scores[k] = scores[k] or more[k] end
+  local found = read_chunked('ZMSCORE', z, ids)
+  if #levels_of(z) > 0 then
+    local missing = {}
+    for k = 1, #ids do
+      if not found[k] then missing[#missing + 1] = k end
+    end
+    local names = {}
+    for j, k in ipairs(missing) do names[j] = ids[k] end
+    local records = read_chunked('HMGET', string.sub(z, 1, -4) .. 'msg', names)
+    for j, k in ipairs(missing) do found[k] = records[j] end
   end
-  return scores
+  return found
 end
 -- Where message id is in this queue: its ZSET, score and record (the record nil when it was
 -- not read: found in due), or nil.

@@ -253,6 +253,43 @@ async def test_sizes_read_each_reserved_message_in_its_own_level_only() -> None:
     assert stats["cmdstat_zmscore"]["calls"] <= 2  # one per level holding a reservation
 
 
+@pytest.mark.parametrize("way", ["push_each", "push_many"])
+async def test_an_idempotent_push_looks_its_ids_up_once_whatever_the_levels(way: str) -> None:
+    """Whether an id is queued, at any priority, is one look-up in msg (every queued
+    message has its record there), not one in each level: a bulk load of user ids into a
+    queue of many levels cost ids x levels look-ups in one script. Counted as the ZMSCORE
+    calls of one push (due's and the dedup window's), on a server of the test's own."""
+    with own_redis() as server:
+        async with aio_keuss.connect("redis-oq", url=server.url, poll_interval=30) as factory:
+            q = await factory.queue("q")
+            await q.push_each(
+                [aio_keuss.NewMessage(p, priority=p, delay=3600) for p in range(1, 41)]
+            )
+            await q.push("taken", id="k1", priority=7)
+            client = aioredis.Redis.from_url(server.url)
+            try:
+                await client.config_resetstat()
+                if way == "push_each":
+                    await q.push_each(
+                        [
+                            aio_keuss.NewMessage("again", id="k1"),
+                            aio_keuss.NewMessage("new", id="k2"),
+                        ]
+                    )
+                else:
+                    await q.push_many(["again", "new"], ids=["k1", "k2"])
+                stats = await client.info("commandstats")
+            finally:
+                await client.aclose()
+            assert stats["cmdstat_zmscore"]["calls"] <= 2
+            found = await q.find("k1")
+            assert found is not None and (found.message.payload, found.message.priority) == (
+                "taken",
+                7,
+            )
+            assert await q.total_size() == 42
+
+
 async def test_a_cluster_deadletter_in_steps_keeps_the_priority() -> None:
     """On a Redis Cluster without hash_tag the deadletter is three steps (set aside here,
     copy there, drop here): the copy has the priority, and the level here goes."""
