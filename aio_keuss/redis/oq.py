@@ -260,6 +260,8 @@ local function level_key(z, p)
 end
 local function levels_key(z) return string.sub(z, 1, -4) .. 'levels' end
 local function levels_of(z) return redis.call('ZRANGE', levels_key(z), 0, -1) end
+-- Whether queue z has any level: an EXISTS, not a read of every level (up to 65,536).
+local function has_levels(z) return redis.call('EXISTS', levels_key(z)) == 1 end
 -- The priorities of a queue whose levels are ``lv``, in the order a take walks them:
 -- those above 0 highest first, 0 (due), then those below 0.
 local function walk(lv)
@@ -305,7 +307,7 @@ end
 -- levels calls' work in one script, a bulk load into a queue of many levels blocking Redis.
 local function queued_of(z, ids)
   local found = read_chunked('ZMSCORE', z, ids)
-  if #levels_of(z) > 0 then
+  if has_levels(z) then
     local missing = {}
     for k = 1, #ids do
       if not found[k] then missing[#missing + 1] = k end
@@ -694,7 +696,7 @@ if #zadd > 0 then
   redis.call('SREM', KEYS[3], zadd[2])
   redis.call('SADD', KEYS[3], zadd[2])
   local by = {[0] = zadd}
-  if #levels_of(KEYS[1]) > 0 then  -- priorities: each in its level's ZSET
+  if has_levels(KEYS[1]) then  -- priorities: each in its level's ZSET
     local ids = {}
     for i = 2, #zadd, 2 do ids[#ids + 1] = zadd[i] end
     local records = read_chunked('HMGET', KEYS[2], ids)
@@ -817,7 +819,7 @@ return out
 _REMOVE = """
 local now = server_now()
 local matures = read_chunked('ZMSCORE', KEYS[1], ARGV)
-if #levels_of(KEYS[1]) > 0 then  -- priorities: one not in due may be in its level
+if has_levels(KEYS[1]) then  -- priorities: one not in due may be in its level
   for k = 1, #ARGV do
     if not matures[k] then
       local key, score = locate_one(ARGV[k])

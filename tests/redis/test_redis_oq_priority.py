@@ -290,6 +290,32 @@ async def test_an_idempotent_push_looks_its_ids_up_once_whatever_the_levels(way:
             assert await q.total_size() == 42
 
 
+async def test_by_id_scripts_ask_whether_there_are_levels_without_reading_them() -> None:
+    """extend, remove and an idempotent push only need to know whether the queue has
+    priority levels: an EXISTS, not a read of the whole levels ZSET (up to 65,536 members)
+    on every call. Counted as the ZRANGE calls they make, on a server of the test's own."""
+    with own_redis() as server:
+        async with aio_keuss.connect("redis-oq", url=server.url, poll_interval=30) as factory:
+            q = await factory.queue("q")
+            await q.push_each(
+                [aio_keuss.NewMessage(p, priority=p, delay=3600) for p in range(1, 41)]
+            )
+            await q.push("plain")
+            await q.push("gone", priority=3)
+            held = await q.reserve_many(2, timeout=1)
+            client = aioredis.Redis.from_url(server.url)
+            try:
+                await client.config_resetstat()
+                assert await q.extend_many(held, 60) == [True, True]
+                assert await q.remove(held[0].id) is False  # under an active reservation
+                await q.push("again", id="k1")
+                stats = await client.info("commandstats")
+            finally:
+                await client.aclose()
+            assert "cmdstat_zrange" not in stats
+            assert await q.total_size() == 43
+
+
 async def test_a_cluster_deadletter_in_steps_keeps_the_priority() -> None:
     """On a Redis Cluster without hash_tag the deadletter is three steps (set aside here,
     copy there, drop here): the copy has the priority, and the level here goes."""
