@@ -1174,8 +1174,8 @@ local limit, budget = tonumber(ARGV[4]), tonumber(ARGV[5])
 local span = limit
 if state == 'scheduled' or state == 'reserved' then span = math.max(limit, budget) end
 -- Up to ``count`` members of ZSET z past the cursor (and past its ready ones but for 'ready'
--- and 'all'), with their scores.
-local function scan(z, count)
+-- and 'all') and past the ``skip`` first of those, with their scores.
+local function scan(z, count, skip)
   local start = 0
   if cscore ~= '' then
     local at = tonumber(cscore)
@@ -1198,6 +1198,7 @@ local function scan(z, count)
   if state ~= 'ready' and state ~= 'all' then
     start = math.max(start, redis.call('ZCOUNT', z, '-inf', now))
   end
+  start = start + (skip or 0)
   return redis.call('ZRANGE', z, start, start + count - 1, 'WITHSCORES')
 end
 -- Of two members {id, score}, whether a comes before b in ZSET order.
@@ -1215,19 +1216,36 @@ else
   -- the earliest last member of a level that has more past it (what lies beyond it there
   -- is not read yet). The levels share the span, at least one member each: read in full
   -- at each level, a page over a few dozen busy levels read and sorted a hundred
-  -- thousand members, Redis blocked meanwhile. A page may then show fewer rows than its
-  -- limit, with a cursor, as one for 'scheduled' does past reserved messages.
+  -- thousand members, Redis blocked meanwhile. What a first even share leaves goes on
+  -- reading the level whose last member read is the earliest (the one that cuts the page
+  -- short), so that levels far apart in time still fill a page. A page may yet show fewer
+  -- rows than its limit, with a cursor, as one for 'scheduled' does past reserved messages.
   local order = walk(lv)
   local each = math.max(1, math.floor(span / #order))
-  local all, horizon = {}, nil
-  for _, p in ipairs(order) do
-    local part = scan(level_key(KEYS[1], p), each)
-    for i = 1, #part, 2 do all[#all + 1] = {part[i], tonumber(part[i + 1]), part[i + 1]} end
-    if #part == 2 * each then
-      local tail = all[#all]
-      if not horizon or before(tail, horizon) then horizon = tail end
-    end
+  local all, left = {}, span
+  local read, tails = {}, {}  -- per level: members read; last one when it may have more
+  local function extend(i, count)
+    local part = scan(level_key(KEYS[1], order[i]), count, read[i])
+    for j = 1, #part, 2 do all[#all + 1] = {part[j], tonumber(part[j + 1]), part[j + 1]} end
+    read[i] = read[i] + #part / 2
+    left = left - #part / 2
+    tails[i] = false
+    if #part == 2 * count then tails[i] = all[#all] end
   end
+  local function earliest()  -- the level of the horizon: its last member read is earliest
+    local best = nil
+    for i = 1, #order do
+      if tails[i] and (not best or before(tails[i], tails[best])) then best = i end
+    end
+    return best
+  end
+  for i = 1, #order do read[i] = 0; extend(i, each) end
+  local h = earliest()
+  while h and left > 0 do
+    extend(h, left)
+    h = earliest()
+  end
+  local horizon = h and tails[h] or nil
   table.sort(all, before)
   finished = horizon == nil
   for _, m in ipairs(all) do
