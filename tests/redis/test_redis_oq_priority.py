@@ -32,14 +32,15 @@ async def factory() -> AsyncIterator[aio_keuss.Factory]:
 
 
 async def _keys(factory: aio_keuss.Factory, queue: str) -> set[str]:
-    """The names of the queue's keys, its prefix and hash tag cut off."""
+    """The names of the queue's message keys, its prefix and hash tag cut off (not its
+    counters, stats and stats-flushed:..., which a flush writes whenever it runs)."""
     head = factory.backend.key(queue, "")  # type: ignore[attr-defined]
     client = aioredis.Redis.from_url(REDIS_URL)
     try:
         found = [k.decode() async for k in client.scan_iter(match=head + "*")]
     finally:
         await client.aclose()
-    return {k[len(head) :] for k in found}
+    return {k[len(head) :] for k in found if not k[len(head) :].startswith("stats")}
 
 
 async def _marked(factory: aio_keuss.Factory, queue: str) -> bool:
