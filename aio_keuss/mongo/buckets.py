@@ -64,7 +64,7 @@ from ..buckets.storage import (
 )
 from ..buckets.store import BucketBackend
 from .backend import MongoBackend
-from .connection import DUPLICATE_KEY, Document, translated
+from .connection import DUPLICATE_KEY, Document, Once, translated
 from .connection import Collection as MongoCollection
 
 BY_SCORE = [("queue", ASCENDING), ("score", ASCENDING), ("id", ASCENDING)]
@@ -80,19 +80,11 @@ class MongoBucketStorage(BucketStorage):
     def __init__(self, backend: MongoBackend) -> None:
         self._backend = backend
         self._coll: MongoCollection = backend.collection("buckets")
-        self._indexed: asyncio.Future[None] | None = None
+        self._indexed = Once()
 
     async def prepare(self) -> None:
-        """Create the lease index once per backend; concurrent first uses share it."""
-        if self._indexed is None:
-            self._indexed = asyncio.ensure_future(self._create_index())
-        pending = self._indexed
-        try:
-            await asyncio.shield(pending)
-        except BaseException:
-            if pending.done() and pending.exception() is not None:
-                self._indexed = None  # try again next time
-            raise
+        """Create the lease index once per backend (see :class:`Once`)."""
+        await self._indexed.run("buckets", self._create_index)
 
     @translated
     async def _create_index(self) -> None:

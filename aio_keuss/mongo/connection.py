@@ -33,6 +33,7 @@ from __future__ import annotations
 import asyncio
 import re
 import time
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -99,6 +100,27 @@ NOT_READY_CODES = frozenset(
         13436,  # NotPrimaryOrSecondary
     }
 )
+
+
+class Once:
+    """Index creations, each run once per backend and key (idempotent on the server too):
+    concurrent first callers share one creation, and a failed one is tried again by the
+    next caller rather than remembered."""
+
+    def __init__(self) -> None:
+        self._runs: dict[str, asyncio.Future[None]] = {}
+
+    async def run(self, key: str, make: Callable[[], Coroutine[Any, Any, None]]) -> None:
+        pending = self._runs.get(key)
+        if pending is None:
+            pending = self._runs[key] = asyncio.ensure_future(make())
+        try:
+            await asyncio.shield(pending)
+        except BaseException:
+            failed = pending.done() and pending.exception() is not None
+            if failed and self._runs.get(key) is pending:
+                del self._runs[key]  # try again next time
+            raise
 
 
 def _is_priority_index(key: Any) -> bool:
@@ -236,7 +258,7 @@ class MongoConnection(Backend):
         self.client: AsyncMongoClient[Document] = given
         self.db: AsyncDatabase[Document] = self.client[self.database_name]
         self.transactions = False
-        self._indexed: dict[str, asyncio.Future[None]] = {}
+        self._indexed = Once()
         self._prioritized: set[str] = set()
         """Queues known to have the index of ``BY_PRIORITY``."""
         self._priority_look: dict[str, float] = {}
@@ -272,17 +294,8 @@ class MongoConnection(Backend):
         return self.collection("dedup", collection_part(queue))
 
     async def ensure_indexes(self, queue: str) -> None:
-        """Create a queue's indexes once per backend (idempotent on the server too);
-        concurrent first uses share one creation."""
-        pending = self._indexed.get(queue)
-        if pending is None:
-            pending = self._indexed[queue] = asyncio.ensure_future(self._create_indexes(queue))
-        try:
-            await asyncio.shield(pending)
-        except BaseException:
-            if pending.done() and pending.exception() is not None:
-                self._indexed.pop(queue, None)  # try again next time
-            raise
+        """Create a queue's indexes once per backend (see :class:`Once`)."""
+        await self._indexed.run(queue, lambda: self._create_indexes(queue))
 
     @translated
     async def _create_indexes(self, queue: str) -> None:

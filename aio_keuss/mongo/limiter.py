@@ -24,7 +24,6 @@ clock ahead of a client's by less than that never drops a state still in force.
 
 from __future__ import annotations
 
-import asyncio
 import time
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING
@@ -34,7 +33,7 @@ from pymongo.errors import DuplicateKeyError
 
 from ..contract import RateGrant, RateRule, RateState, rate_step
 from ..ids import new_id
-from .connection import Document, translated
+from .connection import Document, Once, translated
 
 if TYPE_CHECKING:
     from .connection import MongoConnection
@@ -48,20 +47,11 @@ class MongoRates:
 
     def __init__(self, backend: MongoConnection) -> None:
         self._coll = backend.collection("rates")
-        self._indexed: asyncio.Future[None] | None = None
+        self._indexed = Once()
 
     async def _ensure_index(self) -> None:
-        """The TTL index, made once per backend (idempotent on the server too); concurrent
-        first steps share one creation, a failed one is tried again by the next."""
-        if self._indexed is None:
-            self._indexed = asyncio.ensure_future(self._create_index())
-        pending = self._indexed
-        try:
-            await asyncio.shield(pending)
-        except BaseException:
-            if pending.done() and pending.exception() is not None:
-                self._indexed = None
-            raise
+        """The TTL index, made once per backend (see :class:`Once`)."""
+        await self._indexed.run("rates", self._create_index)
 
     async def _create_index(self) -> None:
         await self._coll.create_index([("expires", ASCENDING)], expireAfterSeconds=0)
