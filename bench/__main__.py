@@ -195,6 +195,9 @@ class Bench:
                     q = await self.fresh_queue(factory)
                     await q.push_many([PAYLOAD] * self.messages)
                     await self.consume(q, clients, keuss[2] if clients == 3 else None)
+            if only == "all" and caps.priority:
+                progress(f"{self.backend}: {self.messages:,} messages over 4 priorities, 3 clients")
+                await self.prioritized(await self.fresh_queue(factory))
             if only == "all":
                 progress(f"{self.backend}: bulk, batches of 1,000")
                 await self.bulk(factory, caps)
@@ -227,7 +230,23 @@ class Bench:
             "pop", clients, self.messages, await run_clients(clients, self.messages, work), keuss
         )
 
-    async def reserve_ok(self, q: aio_keuss.Queue, clients: int, keuss: int | None) -> None:
+    async def prioritized(self, q: aio_keuss.Queue) -> None:
+        """What priorities cost: the push and reserve+ok rows with messages spread over
+        four levels (0 to 3), to compare with the plain rows above."""
+
+        async def work(share: int) -> int:
+            for n in range(share):
+                await q.push(PAYLOAD, priority=n % 4)
+            return share
+
+        seconds = await run_clients(3, self.messages, work)
+        self.record("push, 4 levels", 3, self.messages, seconds)
+        if q.capabilities.reserve:
+            await self.reserve_ok(q, 3, None, name="reserve+ok, 4 levels")
+
+    async def reserve_ok(
+        self, q: aio_keuss.Queue, clients: int, keuss: int | None, name: str = "reserve+ok"
+    ) -> None:
         async def work(share: int) -> int:
             for _ in range(share):
                 message = await q.reserve(timeout=10)
@@ -236,7 +255,7 @@ class Bench:
             return share
 
         seconds = await run_clients(clients, self.messages, work)
-        self.record("reserve+ok", clients, self.messages, seconds, keuss)
+        self.record(name, clients, self.messages, seconds, keuss)
 
     async def consume(self, q: aio_keuss.Queue, clients: int, keuss: int | None) -> None:
         """``consume`` with ``clients`` workers and a prefetch of 10 (reserve -> no-op
