@@ -840,10 +840,9 @@ class Queue:
         more only when the queue ran short. The give-back wakes nobody (two idle consumers
         would wake each other for ever): a consumer of another process that found the
         limit spent meanwhile sleeps until the limiter's next grant or its poll interval.
-        The next mature time answered is no
-        sooner than the limiter's next grant while none is due: a consumer that found
-        nothing sleeps until then, and one leaving first hands that time on
-        (``_hand_on``), as it does a message's mature time."""
+        The next mature time answered is no sooner than the limiter's next grant while none
+        is due: a consumer that found nothing sleeps until then, and one leaving first
+        hands that time on (``_hand_on``), as it does a message's mature time."""
         grant = await self._ask_limiter(n, 0.0)
         due = time.time() + grant.wait  # the limiter's next grant, on our clock
         if not grant.granted:
