@@ -262,6 +262,19 @@ local function levels_key(z) return string.sub(z, 1, -4) .. 'levels' end
 local function levels_of(z) return redis.call('ZRANGE', levels_key(z), 0, -1) end
 -- Whether queue z has any level: an EXISTS, not a read of every level (up to 65,536).
 local function has_levels(z) return redis.call('EXISTS', levels_key(z)) == 1 end
+-- ``ids`` by the level their ``records`` name (0 for one missing): {[p] = {...}}, each id
+-- after its score in ``scores`` where given (the pairs ZADD takes), else alone.
+local function by_level(ids, records, scores)
+  local by = {}
+  for k = 1, #ids do
+    local p = records[k] and prio_of(records[k]) or 0
+    local some = by[p]
+    if not some then some = {}; by[p] = some end
+    if scores then some[#some + 1] = scores[k] end
+    some[#some + 1] = ids[k]
+  end
+  return by
+end
 -- The priorities of a queue whose levels are ``lv``, in the order a take walks them:
 -- those above 0 highest first, 0 (due), then those below 0.
 local function walk(lv)
@@ -357,14 +370,8 @@ local function forget(ids, held, records)
   end
   if removed < #ids then
     records = records or read_chunked('HMGET', KEYS[2], ids)
-    local by = {}
-    for k = 1, #ids do
-      local p = records[k] and prio_of(records[k]) or 0
-      if p ~= 0 then
-        by[p] = by[p] or {}
-        table.insert(by[p], ids[k])
-      end
-    end
+    local by = by_level(ids, records)
+    by[0] = nil  -- taken out of due above
     for p, some in pairs(by) do
       run_chunked('ZREM', level_key(KEYS[1], p), some)
       level_left(KEYS[1], p)
@@ -697,16 +704,9 @@ if #zadd > 0 then
   redis.call('SADD', KEYS[3], zadd[2])
   local by = {[0] = zadd}
   if has_levels(KEYS[1]) then  -- priorities: each in its level's ZSET
-    local ids = {}
-    for i = 2, #zadd, 2 do ids[#ids + 1] = zadd[i] end
-    local records = read_chunked('HMGET', KEYS[2], ids)
-    by = {}
-    for k = 1, #ids do
-      local p = records[k] and prio_of(records[k]) or 0
-      local some = by[p]
-      if not some then some = {}; by[p] = some end
-      some[#some + 1] = zadd[2 * k - 1]; some[#some + 1] = ids[k]
-    end
+    local ids, scores = {}, {}
+    for i = 2, #zadd, 2 do ids[#ids + 1] = zadd[i]; scores[#scores + 1] = zadd[i - 1] end
+    by = by_level(ids, read_chunked('HMGET', KEYS[2], ids), scores)
   end
   for p, some in pairs(by) do  -- XX: never a due entry without its record
     local key = level_key(KEYS[1], p)
@@ -859,14 +859,7 @@ local members = redis.call('SMEMBERS', KEYS[3])
 if #members > 0 then
   local by = {[0] = members}
   if #lv > 0 then
-    local records = read_chunked('HMGET', KEYS[2], members)
-    by = {}
-    for k = 1, #members do
-      local p = records[k] and prio_of(records[k]) or 0
-      local some = by[p]
-      if not some then some = {}; by[p] = some end
-      some[#some + 1] = members[k]
-    end
+    by = by_level(members, read_chunked('HMGET', KEYS[2], members))
   end
   for p, some in pairs(by) do
     for _, deadline in ipairs(read_chunked('ZMSCORE', level_key(KEYS[1], p), some)) do
