@@ -21,7 +21,7 @@ import math
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from itertools import repeat
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -677,6 +677,15 @@ class Backend(ABC):
     capabilities: Capabilities
     options: ClassVar[Mapping[str, Any]] = {}
     """Backend-specific ``connect`` options and their defaults."""
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        """A backend class that implements :meth:`rate_take` has rate limits: the capability
+        is derived from the method, on the class (``connect`` reads it before making the
+        backend), rather than said a second time beside it."""
+        super().__init_subclass__(**kwargs)
+        capabilities = getattr(cls, "capabilities", None)
+        if capabilities is not None and cls.rate_take is not Backend.rate_take:
+            cls.capabilities = replace(capabilities, rate_limit=True)
 
     def __init__(self, options: Mapping[str, Any]) -> None:
         self.settings: dict[str, Any] = {**self.options, **options}

@@ -402,7 +402,6 @@ class MemoryBackend(Backend):
         hold=True,
         extend=True,
         priority=True,
-        rate_limit=True,
     )
 
     def __init__(self, options: dict[str, object]) -> None:

@@ -5,7 +5,6 @@ MongoDB backend shares."""
 from __future__ import annotations
 
 import math
-from dataclasses import replace
 from typing import Any
 
 from ..contract import RateGrant, RateRule
@@ -20,12 +19,6 @@ from .stats import MongoStats
 class MongoBackend(MongoConnection):
     """Base of the MongoDB backends: signals, stats and rate limits in the same database as
     the queues."""
-
-    def __init_subclass__(cls, **kwargs: Any) -> None:
-        """Every MongoDB backend has rate limits (one document per queue, see ``limiter``),
-        said on the class: ``connect`` reads it before making the backend."""
-        super().__init_subclass__(**kwargs)
-        cls.capabilities = replace(cls.capabilities, rate_limit=True)
 
     def __init__(self, options: dict[str, Any]) -> None:
         super().__init__(options)

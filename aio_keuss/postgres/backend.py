@@ -5,8 +5,6 @@ shares."""
 from __future__ import annotations
 
 import math
-from dataclasses import replace
-from typing import Any
 
 from ..contract import RATE_SLACK, RateGrant, RateRule
 from ..signal import SignalBus
@@ -19,13 +17,6 @@ from .stats import PostgresStats
 class PostgresBackend(PostgresConnection):
     """Base of the PostgreSQL backends (messages, buckets): signals, stats and rate limits in
     the same database as the queues."""
-
-    def __init_subclass__(cls, **kwargs: Any) -> None:
-        """Every PostgreSQL backend has rate limits (one row of ``rate_limits`` per queue,
-        see ``rate_take``), said on the class: ``connect`` reads it before making the
-        backend."""
-        super().__init_subclass__(**kwargs)
-        cls.capabilities = replace(cls.capabilities, rate_limit=True)
 
     def signal_bus(self, debounce: float) -> SignalBus:
         return PostgresSignalBus(self, debounce)

@@ -4,8 +4,6 @@ and the queues' rate limiters, on the connection every Redis backend shares."""
 from __future__ import annotations
 
 import math
-from dataclasses import replace
-from typing import Any
 
 from ..contract import RateGrant, RateRule
 from ..signal import SignalBus
@@ -19,12 +17,6 @@ from .stats import RedisStats
 class RedisBackend(RedisConnection):
     """Base of the Redis backends: signals, stats and rate limits in the same Redis as the
     queues."""
-
-    def __init_subclass__(cls, **kwargs: Any) -> None:
-        """Every Redis backend has rate limits (one key of the queue's own, see
-        ``limiter``), said on the class: ``connect`` reads it before making the backend."""
-        super().__init_subclass__(**kwargs)
-        cls.capabilities = replace(cls.capabilities, rate_limit=True)
 
     def signal_bus(self, debounce: float) -> SignalBus:
         return RedisSignalBus(self, debounce)

@@ -678,7 +678,7 @@ class MemoryShardedBackend(ShardedBackend):
     but the Redis ones); for tests, and as the contract's second implementation."""
 
     name = "memory-sharded"
-    capabilities: Capabilities = replace(CAPABILITIES, shared=False, rate_limit=True)
+    capabilities: Capabilities = replace(CAPABILITIES, shared=False)
     options: ClassVar[dict[str, Any]] = ShardedOptions.defaults()
 
     def __init__(self, options: dict[str, Any]) -> None:

@@ -394,7 +394,7 @@ class SqliteQueueBackend(SqliteConnection):
 
     name = "sqlite"
     capabilities: Capabilities = Capabilities(
-        move=True, peek=True, hold=True, extend=True, priority=True, rate_limit=True
+        move=True, peek=True, hold=True, extend=True, priority=True
     )
 
     def __init__(self, options: dict[str, Any]) -> None:
