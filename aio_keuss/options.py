@@ -201,16 +201,14 @@ class QueueOptions:
                     raise ConfigError(str(exc)) from exc
         if checked.get("poll_interval", self.poll_interval) <= 0:
             raise ConfigError("poll_interval must be > 0")
-        if checked.get("rate_period", self.rate_period) <= 0:
-            raise ConfigError("rate_period must be > 0")
         if checked.get("rate_limit") == 0 and "rate_burst" not in checked:
             # a queue opting out of a connect default: the default's burst goes with it
             checked["rate_burst"] = 0
-        if checked.get("rate_burst", self.rate_burst) and not checked.get(
-            "rate_limit", self.rate_limit
-        ):
-            raise ConfigError("rate_burst needs a rate_limit")
         made = replace(self, **checked)
+        if made.rate_period <= 0:
+            raise ConfigError("rate_period must be > 0")
+        if made.rate_burst and not made.rate_limit:
+            raise ConfigError("rate_burst needs a rate_limit")
         if made.rate_limit and made.rate_burst * made.rate_period > MAX_SECONDS * made.rate_limit:
             # the farthest a limiter's time runs ahead of now (a burst's worth of intervals):
             # kept within what every time of a store holds (see check_seconds)
