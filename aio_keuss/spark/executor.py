@@ -36,7 +36,7 @@ import orjson
 
 from .. import sync
 from ..errors import ConfigError, InvalidIdError, InvalidInputError, InvalidPayloadError
-from ..message import MAX_PRIORITY, MIN_PRIORITY, Headers, NewMessage, Payload
+from ..message import Headers, NewMessage, Payload, check_priority
 from ..options import brief
 from ..queue import Queue
 from .spec import COLUMN_OPTIONS, WriteSpec, new_job_key, parse_positive_int
@@ -147,11 +147,12 @@ def _priorities(values: list[Any], first: int) -> list[int]:
     for offset, value in enumerate(values):
         if value is None:
             continue
-        if type(value) is not int or not MIN_PRIORITY <= value <= MAX_PRIORITY:
+        try:
+            check_priority(value)
+        except InvalidInputError as exc:
             raise InvalidInputError(
-                f"row {first + offset} has {brief(value)} in priority_column: a priority is"
-                f" an int in [{MIN_PRIORITY}, {MAX_PRIORITY}]"
-            )
+                f"row {first + offset} has {brief(value)} in priority_column: {exc}"
+            ) from None
     return [0 if value is None else value for value in values]
 
 
