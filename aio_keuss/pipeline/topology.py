@@ -45,9 +45,8 @@ def from_dict(factory: Factory, doc: Mapping[str, Any], *, name: str | None = No
         acyclic=described.acyclic,
         queue_options=described.queue_options,
     )
-    for link in described.links:
+    for link in described.links:  # checked as validate() checks them, by _described
         pipeline.add(link)
-    pipeline.validate()
     return pipeline
 
 
