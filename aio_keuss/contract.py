@@ -31,6 +31,7 @@ from .types import Capabilities, KoResult, Sizes
 
 if TYPE_CHECKING:
     from .options import QueueOptions
+    from .results import ResultStore
     from .signal import SignalBus
     from .stats import StatsStore
 
@@ -684,8 +685,13 @@ class Backend(ABC):
         backend), rather than said a second time beside it."""
         super().__init_subclass__(**kwargs)
         capabilities = getattr(cls, "capabilities", None)
-        if capabilities is not None and cls.rate_take is not Backend.rate_take:
-            cls.capabilities = replace(capabilities, rate_limit=True)
+        if capabilities is None:
+            return
+        if cls.rate_take is not Backend.rate_take:
+            capabilities = replace(capabilities, rate_limit=True)
+        if cls.result_store is not Backend.result_store:
+            capabilities = replace(capabilities, results=True)
+        cls.capabilities = capabilities
 
     def __init__(self, options: Mapping[str, Any]) -> None:
         self.settings: dict[str, Any] = {**self.options, **options}
@@ -711,6 +717,15 @@ class Backend(ABC):
         from .stats import MemoryStats
 
         return MemoryStats()
+
+    def result_store(self) -> ResultStore:
+        """Optional (``Capabilities.results``): the store of finished messages' results in
+        this backend's own database, so that every process sharing it reads them. Made once
+        per factory, when a queue first needs it; the factory opens and closes it.
+
+        A backend whose database cannot keep them keeps this default and leaves the
+        capability false: ``result_ttl`` is then refused at open."""
+        raise NotSupportedError(f"{type(self).__name__} keeps no results")
 
     async def rate_take(
         self, queue: str, rule: RateRule, count: int, hold: float, end: float = math.inf

@@ -45,6 +45,7 @@ from .contract import (
     moved_id,
 )
 from .message import append_headers
+from .results import MemoryResults, ResultStore
 from .types import Capabilities, KoResult, Sizes
 
 if TYPE_CHECKING:
@@ -408,6 +409,7 @@ class MemoryBackend(Backend):
         super().__init__(options)
         self._queues: dict[str, _QueueData] = {}
         self._rates = LocalRates()
+        self._results = MemoryResults()
 
     def data(self, queue: str) -> _QueueData:
         found = self._queues.get(queue)
@@ -422,3 +424,6 @@ class MemoryBackend(Backend):
         self, queue: str, rule: RateRule, count: int, hold: float, end: float = math.inf
     ) -> RateGrant:
         return self._rates.take(queue, rule, count, hold, end)
+
+    def result_store(self) -> ResultStore:
+        return self._results

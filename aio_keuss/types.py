@@ -46,6 +46,10 @@ class Capabilities:
     rate_limit: bool = False
     """a queue may limit its deliveries (``rate_limit`` per ``rate_period``) over every
     process sharing the backend, on a limiter kept in the database (see ``Backend.rate_take``)."""
+    results: bool = False
+    """a queue may keep what its handlers returned, or why a message failed for good, for
+    ``result_ttl`` seconds, readable from any process (``Queue.result``,
+    ``Queue.push_and_wait``; see ``Backend.result_store``)."""
 
 
 class KoResult(enum.IntEnum):

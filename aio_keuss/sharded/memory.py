@@ -30,6 +30,7 @@ from ..contract import (
     RateRule,
     Stored,
 )
+from ..results import MemoryResults, ResultStore
 from ..stats import MemoryStats, StatsStore
 from ..types import Capabilities, KoResult
 from . import meta
@@ -686,6 +687,7 @@ class MemoryShardedBackend(ShardedBackend):
         super().__init__(options)
         self.use_storage(MemoryShardStorage(), sharded, "shards" in options)
         self._rates = LocalRates()
+        self._results = MemoryResults()
 
     async def rate_take(
         self, queue: str, rule: RateRule, count: int, hold: float, end: float = math.inf
@@ -694,3 +696,6 @@ class MemoryShardedBackend(ShardedBackend):
 
     def stats_store(self) -> StatsStore:
         return MemoryShardedStats(self)
+
+    def result_store(self) -> ResultStore:
+        return self._results

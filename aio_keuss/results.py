@@ -1,0 +1,77 @@
+"""Where the outcome of a finished message is kept for a while, for whoever waits for it.
+
+A queue opened with ``result_ttl`` keeps, for that many seconds, what its handler returned
+(or why the message failed for good) under the message's id, in the backend's own
+database, so another process can wait for it (arq's ``Job.result``, saq's ``Queue.apply``,
+BullMQ's ``Job.waitUntilFinished``). The queue layer encodes and decodes results and
+decides when one is written; a store only keeps bytes by (queue, id) until they expire, in
+batch-shaped calls of one round trip each.
+"""
+
+from __future__ import annotations
+
+import heapq
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+
+
+class ResultStore(ABC):
+    """Results by (queue, id), each kept ``ttl`` seconds from when it was put.
+
+    A result put again under the same id replaces the first (a message delivered twice
+    under at-least-once ends with the outcome of its last run) and starts its ``ttl``
+    anew. Expiry is on the database's clock where it has one. An expired result is never
+    returned; when its storage is reclaimed is the store's business, but it must not grow
+    without bound while results keep being put.
+    """
+
+    async def open(self) -> None:
+        """Make what the store needs (a table, an index); called once before first use."""
+
+    async def close(self) -> None:
+        """Release what ``open`` made; the database connection is the backend's."""
+
+    @abstractmethod
+    async def put(self, queue: str, results: Sequence[tuple[str, bytes]], ttl: float) -> None:
+        """Store each ``(id, body)`` of ``queue``, kept ``ttl`` seconds (> 0), in one round
+        trip; each result is written whole or not at all."""
+
+    @abstractmethod
+    async def get(self, queue: str, ids: Sequence[str]) -> list[bytes | None]:
+        """The unexpired body of each id of ``queue`` (None where there is none), in order,
+        in one round trip."""
+
+
+class MemoryResults(ResultStore):
+    """Results kept in this process (the memory backends): a dict, and a heap of expiry
+    times so that every put reclaims what has expired, in time logarithmic in the count."""
+
+    def __init__(self) -> None:
+        self._bodies: dict[tuple[str, str], tuple[float, bytes]] = {}
+        self._expiries: list[tuple[float, tuple[str, str]]] = []
+
+    async def put(self, queue: str, results: Sequence[tuple[str, bytes]], ttl: float) -> None:
+        now = time.monotonic()
+        self._reclaim(now)
+        expires = now + ttl
+        for message_id, body in results:
+            key = (queue, message_id)
+            self._bodies[key] = (expires, body)
+            heapq.heappush(self._expiries, (expires, key))
+
+    async def get(self, queue: str, ids: Sequence[str]) -> list[bytes | None]:
+        now = time.monotonic()
+        found: list[bytes | None] = []
+        for message_id in ids:
+            kept = self._bodies.get((queue, message_id))
+            found.append(kept[1] if kept is not None and kept[0] > now else None)
+        return found
+
+    def _reclaim(self, now: float) -> None:
+        expiries = self._expiries
+        while expiries and expiries[0][0] <= now:
+            expires, key = heapq.heappop(expiries)
+            kept = self._bodies.get(key)
+            if kept is not None and kept[0] == expires:  # not put again since
+                del self._bodies[key]
