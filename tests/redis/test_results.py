@@ -234,6 +234,29 @@ async def test_errors_leave_as_the_librarys() -> None:
                 await store.get("jobs", ["m0"])
 
 
+@pytest.mark.parametrize("via", ["fast lane", "redis-py"])
+async def test_a_put_after_the_servers_scripts_were_flushed_loads_its_script_again(
+    via: str,
+) -> None:
+    """A restart or SCRIPT FLUSH empties the script cache: the put runs anyway (on a
+    server of the test's own, whose scripts nobody else needs)."""
+    with own_redis() as server:
+        client = aioredis.Redis.from_url(server.url) if via == "redis-py" else None
+        try:
+            async with results_of(url=server.url, client=client) as (_, store):
+                await store.put("jobs", [("m1", b"1"), ("m2", b"2")], 60)
+                admin = aioredis.Redis.from_url(server.url)
+                try:
+                    await admin.script_flush()
+                finally:
+                    await admin.aclose()
+                await store.put("jobs", [("m2", b"two"), ("m3", b"3")], 60)
+                assert await store.get("jobs", ["m1", "m2", "m3"]) == [b"1", b"two", b"3"]
+        finally:
+            if client is not None:
+                await client.aclose()
+
+
 @pytest.mark.parametrize("hash_tag", [None, "app"])
 async def test_on_a_cluster_each_queues_results_are_one_round_trip_on_its_node(
     hash_tag: str | None,
