@@ -1,5 +1,5 @@
 -- Every statement of the sqlite backend, each after a "-- name: <name>" line: the store,
--- the stats store and the signal bus. The store runs several of them in one write
+-- the stats store, the rate limiters, the signal bus and the results. The store runs several of them in one write
 -- transaction (BEGIN IMMEDIATE) per primitive; "?" are positional parameters, and times
 -- are float seconds since the epoch from the caller (the clock of the machine every
 -- process sharing the file runs on).
@@ -246,3 +246,27 @@ SELECT coalesce(max(seq), 0) FROM signals
 
 -- name: signal_since
 SELECT seq, payload FROM signals WHERE seq > ? ORDER BY seq
+
+-- The results (aio_keuss.sqlite.results) --------------------------------------------------
+
+-- name: result_clock
+-- SQLite's clock in epoch seconds, the one the rate limiters use (julianday('now')): every
+-- process sharing the file runs on the machine that holds it.
+SELECT (julianday('now') - 2440587.5) * 86400.0
+
+-- name: result_put
+-- One result, replacing any of the same (queue, id) and its expiry: (queue, id, body,
+-- expires).
+INSERT INTO results (queue, id, body, expires) VALUES (?, ?, ?, ?)
+ON CONFLICT (queue, id) DO UPDATE SET body = excluded.body, expires = excluded.expires
+
+-- name: result_get
+-- One unexpired result by its primary key: (queue, id, now).
+SELECT body FROM results WHERE queue = ? AND id = ? AND expires > ?
+
+-- name: result_reclaim
+-- Up to ?1 expired results of any queue, found by the index on expires, on SQLite's clock.
+DELETE FROM results WHERE rowid IN (
+    SELECT rowid FROM results
+    WHERE expires <= (julianday('now') - 2440587.5) * 86400.0
+    LIMIT ?1)
