@@ -15,7 +15,8 @@ statements are in ``sql/queries.sql``):
   a time by the next idempotent push of that queue.
 - ``rates``: a row per rate-limited queue, its limiter (:mod:`aio_keuss.sqlite.limiter`).
 - ``stats``, ``queues``, ``pipelines`` belong to :mod:`aio_keuss.sqlite.stats`, ``signals``
-  to :mod:`aio_keuss.sqlite.signal`.
+  to :mod:`aio_keuss.sqlite.signal`, ``results`` (what finished messages' handlers
+  returned, for ``result_ttl``) to :mod:`aio_keuss.sqlite.results`.
 
 Each primitive is a function of the connection run on the database thread inside one
 ``BEGIN IMMEDIATE`` transaction (see :mod:`aio_keuss.sqlite.connection`): a pop's select and
@@ -62,11 +63,13 @@ from ..contract import (
     moved_id,
 )
 from ..message import MAX_PRIORITY, append_headers
+from ..results import ResultStore
 from ..signal import LocalSignalBus, SignalBus
 from ..stats import StatsStore
 from ..types import Capabilities, KoResult, Sizes
 from .connection import LONGEST_ROW, SqliteConnection
 from .limiter import rate_take
+from .results import SqliteResults
 from .signal import SqliteSignalBus
 from .stats import SqliteStats
 
@@ -387,10 +390,10 @@ class SqliteStore(Store):
 
 
 class SqliteQueueBackend(SqliteConnection):
-    """``sqlite``: one table for every queue of a database file; signals, stats and rate
-    limiters in the same file. A ``:memory:`` database lives in this factory's connection
-    only: its queues are not shared (``Capabilities.shared`` false) and its signals stay
-    in-process."""
+    """``sqlite``: one table for every queue of a database file; signals, stats, rate
+    limiters and results in the same file. A ``:memory:`` database lives in this factory's
+    connection only: its queues are not shared (``Capabilities.shared`` false) and its
+    signals stay in-process."""
 
     name = "sqlite"
     capabilities: Capabilities = Capabilities(
@@ -412,6 +415,9 @@ class SqliteQueueBackend(SqliteConnection):
 
     def stats_store(self) -> StatsStore:
         return SqliteStats(self)
+
+    def result_store(self) -> ResultStore:
+        return SqliteResults(self)
 
     async def rate_take(
         self, queue: str, rule: RateRule, count: int, hold: float, end: float = math.inf
