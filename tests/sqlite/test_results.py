@@ -164,6 +164,8 @@ async def test_a_result_put_again_replaces_the_first_and_its_expiry(
             rows = raw.execute("SELECT body, expires FROM results").fetchall()
         assert len(rows) == 1 and rows[0][0] == b"second"
         assert rows[0][1] > time.time() + 3000  # the second ttl's, not the first's
+        await store.put("q", [("b", b"once"), ("b", b"twice")], 60)  # one put: the last
+        assert await store.get("q", ["b"]) == [b"twice"]
 
 
 async def test_a_result_expires_on_sqlites_clock(open_factory: Open, database: str) -> None:
