@@ -1,6 +1,6 @@
--- Every statement of the PostgreSQL backends, each after a "-- name: <name>" line, in five
+-- Every statement of the PostgreSQL backends, each after a "-- name: <name>" line, in six
 -- parts: the postgres store (one statement per primitive), the rate limiters, the stats
--- store, the signal bus, and the bucket storage of bucket-postgres. {s} is the quoted schema; {relax} is
+-- store, the result store, the signal bus, and the bucket storage of bucket-postgres. {s} is the quoted schema; {relax} is
 -- empty, or the condition that relaxes synchronous_commit (durable_acks=False); a block
 -- named _x is a fragment, pasted where a statement says {_x}. The tables are made by the
 -- steps in migrations/.
@@ -600,6 +600,42 @@ SELECT name, topology::text FROM {s}.pipelines ORDER BY name
 
 -- name: stats_remove_pipeline
 DELETE FROM {s}.pipelines WHERE name = $1
+
+-- The result store ---------------------------------------------------------------------
+-- One row of results per (queue, id): see migrations/013_results.sql. $1 is always the
+-- queue name. A put reads clock_timestamp(), the time of the write itself; the reads use
+-- now() (the statement's start: each runs in a transaction of its own), which, being
+-- stable, can be an index condition (a volatile clock cannot).
+
+-- name: results_put
+-- Store each ($2 id, $3 body) of queue $1, expiring $4 seconds after it is written, on the
+-- server's clock, replacing a result kept under the same id (and its expiry). The ids are
+-- distinct (ON CONFLICT DO UPDATE cannot update a row twice in one statement): the caller
+-- keeps the last of each.
+INSERT INTO {s}.results (queue, id, body, expires)
+SELECT $1, p.id, p.body, clock_timestamp() + make_interval(secs => $4::float8)
+FROM unnest($2::text[], $3::bytea[]) AS p(id, body)
+ON CONFLICT (queue, id) DO UPDATE SET body = EXCLUDED.body, expires = EXCLUDED.expires
+
+-- name: results_get
+-- The unexpired results of ids $2 of queue $1 (an id without one has no row).
+SELECT id, body FROM {s}.results
+WHERE queue = $1 AND id = ANY($2::text[]) AND expires > now()
+
+-- name: results_expire
+-- Delete up to $1 expired results, the oldest first; run again while it deletes $1. The
+-- rows are picked by the expiry index, then deleted by their address (ctid). Rows another
+-- client is writing (a put replacing one) are skipped, not waited for; the rows picked
+-- are locked (FOR UPDATE), so none is put again between the pick and the delete, and a
+-- row put again just before the pick is seen with its new expiry (the lock re-reads the
+-- row's newest version: PostgreSQL manual, "Transaction Isolation", READ COMMITTED).
+DELETE FROM {s}.results
+WHERE ctid = ANY(ARRAY(
+    SELECT ctid FROM {s}.results
+    WHERE expires <= now()
+    ORDER BY expires
+    LIMIT $1
+    FOR UPDATE SKIP LOCKED))
 
 -- The signal bus ----------------------------------------------------------------------
 

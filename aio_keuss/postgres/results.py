@@ -1,0 +1,100 @@
+"""Results in PostgreSQL: one row of the schema's ``results`` table per (queue, id).
+
+The table is one of the schema's migrations, and the statements are the ``results_*``
+blocks of ``sql/queries.sql``; every one goes through the backend's connection, which
+translates the driver's errors. A put of any number of results is one upsert (the ids and
+bodies sent as two arrays, ``unnest``-ed by the server), a get of any number of ids one
+SELECT; a result expires on the server's clock, so every process agrees on when.
+
+PostgreSQL has no expiry of its own: expired rows are never read, and a put starts, at
+most once every ``cleanup_period`` seconds per store, a background task deleting them
+``cleanup_batch`` rows a statement (short statements, short row locks), until a statement
+finds fewer. The put does not wait for it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from ..coalesce import stop_task
+from ..errors import KeussError
+from ..results import ResultStore
+
+if TYPE_CHECKING:
+    from .connection import PostgresConnection
+
+log = logging.getLogger("aio_keuss.postgres")
+
+CLEANUP_PERIOD = 60.0
+"""Seconds between two cleanups started by one store: expired rows take no part in reads,
+so reclaiming their space can wait, and clients sharing a schema each run their own."""
+CLEANUP_BATCH = 1000
+"""Rows deleted by one statement of a cleanup."""
+
+
+class PostgresResults(ResultStore):
+    """The result store of every PostgreSQL backend, on the backend's connection and
+    schema."""
+
+    def __init__(self, backend: PostgresConnection) -> None:
+        self._db = backend
+        self._sql = backend.sql
+        self.cleanup_period = CLEANUP_PERIOD
+        self.cleanup_batch = CLEANUP_BATCH
+        self._last_cleanup = time.monotonic()  # the first, a period after the store is made
+        self._cleanup: asyncio.Task[None] | None = None
+
+    async def close(self) -> None:
+        """Stop a cleanup under way (the next store to put starts another)."""
+        if self._cleanup is not None:
+            await stop_task(self._cleanup)
+            self._cleanup = None
+
+    async def put(self, queue: str, results: Sequence[tuple[str, bytes]], ttl: float) -> None:
+        """One upsert of every result. An id given twice keeps its last body: the upsert
+        could not write one row twice, and a later result replaces an earlier one anyway."""
+        if not results:
+            return
+        last = dict(results)
+        await self._db.execute(
+            self._sql["results_put"], queue, list(last), list(last.values()), float(ttl)
+        )
+        self._maybe_clean_up()
+
+    async def get(self, queue: str, ids: Sequence[str]) -> list[bytes | None]:
+        if not ids:
+            return []
+        rows = await self._db.fetch(self._sql["results_get"], queue, list(ids))
+        found: dict[str, bytes] = {row[0]: row[1] for row in rows}
+        return [found.get(message_id) for message_id in ids]
+
+    async def clean_up_once(self) -> int:
+        """Delete up to ``cleanup_batch`` expired results (of every queue); how many."""
+        done = await self._db.execute(self._sql["results_expire"], self.cleanup_batch)
+        return int(done.rpartition(" ")[2])
+
+    def _maybe_clean_up(self) -> None:
+        """Start a cleanup if the period has passed since the last one started, and none
+        is running (a slow one is not doubled)."""
+        now = time.monotonic()
+        if now - self._last_cleanup < self.cleanup_period:
+            return
+        if self._cleanup is not None and not self._cleanup.done():
+            return
+        self._last_cleanup = now
+        self._cleanup = asyncio.create_task(self._clean_up(), name="keuss-results-cleanup")
+
+    async def _clean_up(self) -> None:
+        """Batches until one deletes fewer than a full batch; a failure (the server away)
+        is logged and left to the next period."""
+        try:
+            while True:
+                if await self.clean_up_once() < self.cleanup_batch:
+                    return
+                await asyncio.sleep(0)  # let the rest of the process run between batches
+        except KeussError as exc:
+            log.warning("postgres results cleanup failed (%r); retrying later", exc)
