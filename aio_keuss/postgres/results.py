@@ -6,16 +6,19 @@ translates the driver's errors. A put of any number of results is one upsert (th
 bodies sent as two arrays, ``unnest``-ed by the server), a get of any number of ids one
 SELECT; a result expires on the server's clock, so every process agrees on when.
 
-PostgreSQL has no expiry of its own: expired rows are never read, and a put starts, at
-most once every ``cleanup_period`` seconds per store, a background task deleting them
-``cleanup_batch`` rows a statement (short statements, short row locks), until a statement
-finds fewer. The put does not wait for it.
+PostgreSQL has no expiry of its own: expired rows are never read, and a put starts, on a
+store's first put and then at most once every ``cleanup_period`` seconds, a background
+task deleting them ``cleanup_batch`` rows a statement (short statements, short row locks),
+until a statement finds fewer. The put does not wait for it. The first put cleans at once
+so that processes living less than a period (a worker restarted often) still reclaim
+what expired.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
@@ -45,11 +48,11 @@ class PostgresResults(ResultStore):
         self._sql = backend.sql
         self.cleanup_period = CLEANUP_PERIOD
         self.cleanup_batch = CLEANUP_BATCH
-        self._last_cleanup = time.monotonic()  # the first, a period after the store is made
+        self._last_cleanup = -math.inf  # the first put starts one
         self._cleanup: asyncio.Task[None] | None = None
 
     async def close(self) -> None:
-        """Stop a cleanup under way (the next store to put starts another)."""
+        """Stop a cleanup under way: it holds a connection of the backend, about to close."""
         if self._cleanup is not None:
             await stop_task(self._cleanup)
             self._cleanup = None
@@ -78,10 +81,11 @@ class PostgresResults(ResultStore):
         return int(done.rpartition(" ")[2])
 
     def _maybe_clean_up(self) -> None:
-        """Start a cleanup if the period has passed since the last one started, and none
-        is running (a slow one is not doubled)."""
+        """Start a cleanup if the period has passed since the last one started (never,
+        when ``cleanup_period`` is infinite), and none is running (a slow one is not
+        doubled)."""
         now = time.monotonic()
-        if now - self._last_cleanup < self.cleanup_period:
+        if now - self._last_cleanup <= self.cleanup_period:
             return
         if self._cleanup is not None and not self._cleanup.done():
             return

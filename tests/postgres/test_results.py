@@ -130,6 +130,7 @@ async def test_many_ids_are_one_round_trip_each_way(
     open_store: Callable[..., Awaitable[Opened]], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     factory, store = await open_store()
+    store.cleanup_period = math.inf  # a first put's cleanup is not the put's: none here
     sent = _count_round_trips(factory, monkeypatch)
     results = [(f"id-{n}", f"body {n}".encode()) for n in range(500)]
     await store.put("jobs", results, 60)
@@ -252,26 +253,32 @@ async def test_a_cleanup_deletes_a_bounded_batch_of_expired_results(
 async def test_a_put_starts_a_cleanup_in_the_background(
     open_store: Callable[..., Awaitable[Opened]], schema: str
 ) -> None:
-    """Once the period has passed, a put starts a cleanup and returns without waiting for
-    it; the cleanup goes on past a full batch until every expired row is gone."""
-    _, store = await open_store()
-    store.cleanup_period = math.inf
-    store.cleanup_batch = 7
-    await store.put("old", [(f"{n}", b"x") for n in range(30)], 0.05)
+    """A store's first put starts a cleanup (expired rows another process left, here one
+    that never cleaned), and returns without waiting for it; the cleanup goes on past a
+    full batch until every expired row is gone. The puts after it, within the period,
+    start none."""
+    _, left_behind = await open_store()
+    left_behind.cleanup_period = math.inf
+    await left_behind.put("old", [(f"{n}", b"x") for n in range(30)], 0.05)
 
     async def old_gone() -> bool:
-        return await store.get("old", ["0", "29"]) == [None, None]
+        return await left_behind.get("old", ["0", "29"]) == [None, None]
 
     await _eventually(old_gone)
     assert await _rows(schema) == 30
-    store.cleanup_period = 0.0
+    _, store = await open_store()
+    store.cleanup_batch = 7
     await store.put("new", [("a", b"y")], 3600)
+    cleanup = store._cleanup
+    assert cleanup is not None
 
     async def one_left() -> bool:
         return await _rows(schema) == 1
 
     await _eventually(one_left)
     assert await store.get("new", ["a"]) == [b"y"]
+    await store.put("new", [("b", b"z")], 3600)
+    assert store._cleanup is cleanup and cleanup.done()
 
 
 async def test_a_failed_cleanup_is_logged_not_raised(
