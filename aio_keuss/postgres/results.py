@@ -59,13 +59,16 @@ class PostgresResults(ResultStore):
 
     async def put(self, queue: str, results: Sequence[tuple[str, bytes]], ttl: float) -> None:
         """One upsert of every result. An id given twice keeps its last body: the upsert
-        could not write one row twice, and a later result replaces an earlier one anyway."""
+        could not write one row twice, and a later result replaces an earlier one anyway.
+        The rows go in order of id: the upsert locks them in the order given, and two
+        puts sharing ids (a message delivered twice, ok-ed by both holders) that locked
+        them in opposite orders deadlocked, one failing (PostgreSQL manual, "Deadlocks")."""
         if not results:
             return
         last = dict(results)
-        await self._db.execute(
-            self._sql["results_put"], queue, list(last), list(last.values()), float(ttl)
-        )
+        ids = sorted(last)
+        bodies = [last[message_id] for message_id in ids]
+        await self._db.execute(self._sql["results_put"], queue, ids, bodies, float(ttl))
         self._maybe_clean_up()
 
     async def get(self, queue: str, ids: Sequence[str]) -> list[bytes | None]:

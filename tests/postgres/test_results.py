@@ -359,3 +359,21 @@ async def test_a_schema_of_the_release_before_results_is_upgraded_in_place(
         "results_by_expires",
     )
     assert index is not None and "(expires)" in index
+
+
+async def test_concurrent_puts_of_the_same_ids_in_any_order_never_deadlock(
+    open_store: Callable[..., Awaitable[Opened]],
+) -> None:
+    """Two processes putting the same ids (a message delivered twice, ok-ed by both in
+    batches of their own) lock the rows in one order, whatever the order they were given:
+    in opposite orders, each waited for a row the other held (40P01, deadlock detected)."""
+    _, first = await open_store()
+    _, second = await open_store()
+    ids = [f"id-{n:03}" for n in range(200)]
+    for round_ in range(10):
+        body = str(round_).encode()
+        await asyncio.gather(
+            first.put("jobs", [(i, body) for i in ids], 60),
+            second.put("jobs", [(i, body) for i in reversed(ids)], 60),
+        )
+    assert await first.get("jobs", ids) == [b"9"] * len(ids)
