@@ -9,6 +9,7 @@ backend live in ``database`` (default ``keuss``) and carry the backend's ``prefi
 - ``<prefix>_stats``: one document per queue (:mod:`aio_keuss.mongo.stats`),
 - ``<prefix>_signals``: the signal bus (:mod:`aio_keuss.mongo.signal`),
 - ``<prefix>_rates``: one document per rate-limited queue (:mod:`aio_keuss.mongo.limiter`).
+- ``<prefix>_results``: the kept results of finished messages (:mod:`aio_keuss.mongo.results`).
 
 Collection names are kept to letters, digits and underscores (some MongoDB look-alikes accept
 nothing else): a queue name's ``_ . : -`` are escaped as ``__ _d _c _h``, a one-to-one mapping.

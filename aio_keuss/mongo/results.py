@@ -1,0 +1,165 @@
+"""Job results in MongoDB: one document per (queue, id) in ``<prefix>_results``.
+
+A document is ``{_id: "<queue>/<id>", body: <binary>, expires: <date>}``. Queue names
+never contain ``/`` (letters, digits and ``_ . : -``), so the first ``/`` of an ``_id``
+ends the queue name whatever the message id holds: ``q1`` + ``a:b`` and ``q1:a`` + ``b``
+are ``q1/a:b`` and ``q1:a/b``.
+
+- put: one ``update`` command of upserts (``bulk_write``, ``ordered=False``), each
+  ``$set`` of the body and expiry, so each result is written whole and a second put of an
+  id replaces the first. An upsert racing another of the same ``_id`` is retried by the
+  server (MongoDB 4.2+, the manual's "Upsert with Unique Index").
+- get: one ``find`` by ``_id`` with ``expires > now``, its first batch sized to hold every
+  id asked for (a cursor's first batch is 101 documents by default).
+- expiry: a TTL index on ``expires`` (``expireAfterSeconds: 0``, the MongoDB manual's
+  "Expire Data from Collections by Setting TTL"), made once per backend. Its monitor runs
+  about once a minute and some servers speaking the protocol keep a date written by an
+  update as text, which no TTL monitor reads; so every store also deletes what has expired
+  itself, in the background at most once per :data:`SWEEP_INTERVAL`, in batches of at
+  most :data:`SWEEP_BATCH` documents, never holding up a put.
+
+Clock: the client's ``time.time()``, like every time of the MongoDB backends (see
+``aio_keuss.mongo.connection``); the TTL monitor deletes on the server's clock, so a server
+clock ahead of the writer's by s seconds ends a result up to s seconds early.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Sequence
+from datetime import UTC, datetime
+from typing import TYPE_CHECKING, Any
+
+from bson import json_util
+from pymongo import ASCENDING, UpdateOne
+
+from ..results import ResultStore
+from .connection import Once, translated
+
+if TYPE_CHECKING:
+    from .connection import Collection, MongoConnection
+
+log = logging.getLogger("aio_keuss.mongo")
+
+SWEEP_INTERVAL = 60.0
+"""Seconds between two sweeps of expired results by one store (see the module's docstring)."""
+SWEEP_BATCH = 1000
+"""Most documents one delete of a sweep removes."""
+SWEEP_BATCHES = 100
+"""Most deletes one sweep makes: past that, the rest waits for the next sweep."""
+
+
+def result_key(queue: str, message_id: str) -> str:
+    """The ``_id`` of a result (one-to-one: see the module's docstring)."""
+    return f"{queue}/{message_id}"
+
+
+def _date(timestamp: float) -> datetime:
+    return datetime.fromtimestamp(timestamp, UTC)
+
+
+def _body(value: Any) -> bytes:
+    """A stored body as bytes: another program's non-binary value as its Extended JSON
+    text, which the queue layer then reports as a result it could not read."""
+    if isinstance(value, bytes):
+        return bytes(value)
+    return json_util.dumps(value).encode()
+
+
+class MongoResults(ResultStore):
+    """The results of one MongoDB backend's queues (see the module's docstring)."""
+
+    def __init__(self, backend: MongoConnection, indexed: Once) -> None:
+        self._coll: Collection = backend.collection("results")
+        self._indexed = indexed
+        self.sweep_interval = SWEEP_INTERVAL
+        self._next_sweep = 0.0  # monotonic: the first put sweeps
+        self._sweeping: asyncio.Task[int] | None = None
+
+    async def open(self) -> None:
+        await self._ensure_index()
+
+    async def close(self) -> None:
+        task, self._sweeping = self._sweeping, None
+        if task is not None and not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+    async def _ensure_index(self) -> None:
+        """The TTL index, made once per backend (see :class:`Once`): ``open`` makes it, a
+        put tries again if that failed."""
+        await self._indexed.run("results", self._create_index)
+
+    @translated
+    async def _create_index(self) -> None:
+        await self._coll.create_index([("expires", ASCENDING)], expireAfterSeconds=0)
+
+    @translated
+    async def put(self, queue: str, results: Sequence[tuple[str, bytes]], ttl: float) -> None:
+        if not results:
+            return
+        await self._ensure_index()
+        expires = _date(time.time() + ttl)
+        last = dict(results)  # an id twice: its last body, as two puts would leave it
+        await self._coll.bulk_write(
+            [
+                UpdateOne(
+                    {"_id": result_key(queue, message_id)},
+                    {"$set": {"body": body, "expires": expires}},
+                    upsert=True,
+                )
+                for message_id, body in last.items()
+            ],
+            ordered=False,
+        )
+        self._maybe_sweep()
+
+    @translated
+    async def get(self, queue: str, ids: Sequence[str]) -> list[bytes | None]:
+        if not ids:
+            return []
+        keys = list(dict.fromkeys(result_key(queue, i) for i in ids))
+        cursor = self._coll.find(
+            {"_id": {"$in": keys}, "expires": {"$gt": _date(time.time())}},
+            {"body": 1},
+            batch_size=len(keys),
+        )
+        found = {doc["_id"]: _body(doc.get("body")) async for doc in cursor}
+        return [found.get(result_key(queue, i)) for i in ids]
+
+    def _maybe_sweep(self) -> None:
+        """Start a sweep in the background when one is due and none is running."""
+        now = time.monotonic()
+        if now < self._next_sweep or (self._sweeping is not None and not self._sweeping.done()):
+            return
+        self._next_sweep = now + self.sweep_interval
+        self._sweeping = asyncio.ensure_future(self._sweep_logged())
+
+    async def _sweep_logged(self) -> int:
+        try:
+            return await self.sweep()
+        except Exception as exc:  # the next sweep tries again; results still expire on read
+            log.warning("sweeping expired results failed: %s", exc)
+            return 0
+
+    @translated
+    async def sweep(self) -> int:
+        """Delete expired results, :data:`SWEEP_BATCH` at a time (each delete one bounded
+        command rather than one that walks a whole backlog); how many were deleted."""
+        deleted = 0
+        for _ in range(SWEEP_BATCHES):
+            expired = {"expires": {"$lte": _date(time.time())}}
+            docs = await self._coll.find(expired, {"_id": 1}, limit=SWEEP_BATCH).to_list()
+            if not docs:
+                break
+            ids = [doc["_id"] for doc in docs]
+            # expired again: a put may have renewed one since it was found
+            done = await self._coll.delete_many({"_id": {"$in": ids}, **expired})
+            deleted += done.deleted_count
+            if len(docs) < SWEEP_BATCH:
+                break
+        return deleted

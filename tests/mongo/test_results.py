@@ -1,0 +1,287 @@
+"""The MongoDB result store (``aio_keuss.mongo.results``): one document per (queue, id) in
+``<prefix>_results``, written by one bulk of upserts, read by one find, expiring on read
+at once and reclaimed by a TTL index and by the store's own bounded sweeps. Runs on the
+server of ``tests/mongo_server.py``, each test in a database of its own."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import pytest
+from backends import new_token
+from mongo_server import MONGO_URL, start_mongo
+
+import aio_keuss
+from aio_keuss.mongo import results as results_module
+from aio_keuss.mongo.results import MongoResults, result_key
+
+pymongo = pytest.importorskip("pymongo")
+
+pytestmark = pytest.mark.timeout(180)
+
+BACKENDS = ["mongo", "mongo-history", "bucket-mongo"]
+
+
+@pytest.fixture
+def database() -> str:
+    reason = start_mongo()
+    if reason:
+        pytest.skip(reason)
+    return f"akt_{new_token()}"
+
+
+class Commands(pymongo.monitoring.CommandListener):
+    """The commands sent on the results collection, by name."""
+
+    def __init__(self) -> None:
+        self.collection = ""
+        self.sent: list[tuple[str, dict[str, Any]]] = []
+
+    def started(self, event: Any) -> None:
+        command = event.command
+        name = event.command_name
+        target = command.get("collection") if name == "getMore" else command.get(name)
+        if target == self.collection:
+            self.sent.append((name, dict(command)))
+
+    def succeeded(self, event: Any) -> None:
+        pass
+
+    def failed(self, event: Any) -> None:
+        pass
+
+    def names(self) -> list[str]:
+        return [name for name, _ in self.sent]
+
+
+@pytest.fixture
+def commands() -> Commands:
+    return Commands()
+
+
+@pytest.fixture
+async def client(database: str, commands: Commands) -> AsyncIterator[Any]:
+    client = pymongo.AsyncMongoClient(MONGO_URL, tz_aware=True, event_listeners=[commands])
+    yield client
+    await client.drop_database(database)
+    await client.close()
+
+
+Open = Callable[..., Awaitable[MongoResults]]
+
+
+@pytest.fixture
+async def open_store(database: str, client: Any, commands: Commands) -> AsyncIterator[Open]:
+    """A factory's backend's result store, opened; the backend on the monitored client."""
+    opened: list[tuple[aio_keuss.Factory, MongoResults]] = []
+
+    async def _open(backend: str = "mongo") -> MongoResults:
+        factory = await aio_keuss.connect(backend, client=client, database=database)
+        store = factory.backend.result_store()
+        assert isinstance(store, MongoResults)
+        commands.collection = factory.backend.collection("results").name
+        await store.open()
+        opened.append((factory, store))
+        return store
+
+    yield _open
+    for factory, store in opened:
+        await store.close()
+        await factory.close()
+
+
+async def swept(store: MongoResults) -> None:
+    """Wait for the background sweep a put started, so its commands are not counted."""
+    if store._sweeping is not None:
+        await store._sweeping
+
+
+async def eventually(check: Callable[[], Awaitable[bool]], hang_guard: float = 120.0) -> None:
+    """Poll ``check`` until it holds; the deadline only stops a hang."""
+    deadline = time.monotonic() + hang_guard
+    while not await check():
+        assert time.monotonic() < deadline, "still not so"
+        await asyncio.sleep(0.05)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+async def test_every_mongo_backend_keeps_results_in_its_results_collection(
+    database: str, client: Any, open_store: Open, backend: str
+) -> None:
+    async with aio_keuss.connect(backend, client=client, database=database) as factory:
+        assert factory.capabilities.results
+    store = await open_store(backend)
+    await store.put("jobs", [("a", b"\x00body\xff")], 60.0)
+    assert await store.get("jobs", ["a", "b"]) == [b"\x00body\xff", None]
+    (doc,) = await client[database][store._coll.name].find({}).to_list()
+    assert doc["_id"] == "jobs/a" and doc["body"] == b"\x00body\xff"
+    assert doc["expires"].timestamp() == pytest.approx(time.time() + 60, abs=30)
+    indexes = await client[database][store._coll.name].index_information()
+    assert any(
+        ix.get("expireAfterSeconds") == 0 and [k for k, _ in ix["key"]] == ["expires"]
+        for ix in indexes.values()
+    )
+
+
+async def test_many_ids_go_in_one_command_and_come_back_in_one(
+    open_store: Open, commands: Commands
+) -> None:
+    store = await open_store()
+    ids = [f"id-{n}" for n in range(500)]
+    commands.sent.clear()
+    await store.put("many", [(i, i.encode()) for i in ids], 60.0)
+    assert commands.names() == ["update"]
+    assert commands.sent[0][1]["ordered"] is False
+    await swept(store)
+    commands.sent.clear()
+    wanted = [*ids, "missing", ids[0]]
+    assert await store.get("many", wanted) == [*(i.encode() for i in ids), None, b"id-0"]
+    assert commands.names() == ["find"]
+
+
+async def test_a_second_put_replaces_the_first_and_its_expiry(open_store: Open) -> None:
+    store = await open_store()
+    await store.put("q", [("a", b"first"), ("b", b"kept")], 0.05)
+    await store.put("q", [("a", b"second")], 600.0)
+    await store.put("q", [("c", b"one"), ("c", b"two")], 600.0)  # the last of an id wins
+    await asyncio.sleep(0.2)
+    assert await store.get("q", ["a", "c"]) == [b"second", b"two"]
+    await store.put("q", [("a", b"third")], 0.05)  # a shorter ttl than the one replaced
+
+    async def gone() -> bool:
+        return await store.get("q", ["a", "b"]) == [None, None]
+
+    await eventually(gone)
+    assert await store.get("q", ["c"]) == [b"two"]
+
+
+async def test_queues_and_ids_that_a_plain_join_would_mix_stay_apart(open_store: Open) -> None:
+    store = await open_store()
+    await store.put("q1", [("a:b", b"1"), ("a/b", b"2")], 60.0)
+    await store.put("q1:a", [("b", b"3")], 60.0)
+    await store.put("q1.a", [("b", b"4")], 60.0)
+    assert await store.get("q1", ["a:b", "a/b", "b"]) == [b"1", b"2", None]
+    assert await store.get("q1:a", ["b", "a:b"]) == [b"3", None]
+    assert await store.get("q1.a", ["b"]) == [b"4"]
+    assert await store.get("q2", ["a:b"]) == [None]
+    assert result_key("q1", "a:b") != result_key("q1:a", "b")
+
+
+async def without_ttl_index(client: Any, database: str, store: MongoResults) -> None:
+    """Drop the TTL index, as on a server whose TTL monitor never runs (the test server's
+    deletes expired documents within a fraction of a second): only sweeps reclaim."""
+    coll = client[database][store._coll.name]
+    for name, index in (await coll.index_information()).items():
+        if "expireAfterSeconds" in index:
+            await coll.drop_index(name)
+
+
+async def test_expired_results_are_never_read_and_the_sweep_deletes_them(
+    database: str, client: Any, open_store: Open
+) -> None:
+    store = await open_store()
+    await without_ttl_index(client, database, store)
+    store._next_sweep = math.inf  # only the sweep below
+    await store.put("short", [(f"s{n}", b"x") for n in range(3)], 0.05)
+    await store.put("long", [("l", b"y")], 600.0)
+
+    async def expired() -> bool:
+        return await store.get("short", ["s0", "s1", "s2"]) == [None, None, None]
+
+    await eventually(expired)
+    coll = client[database][store._coll.name]
+    assert await coll.count_documents({}) == 4  # expired, not read, still there
+    assert await store.sweep() == 3
+    remaining = await coll.find({}).to_list()
+    assert [doc["_id"] for doc in remaining] == ["long/l"]
+    assert await store.get("long", ["l"]) == [b"y"]
+
+
+async def test_a_sweep_deletes_in_bounded_batches(
+    database: str,
+    client: Any,
+    open_store: Open,
+    commands: Commands,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(results_module, "SWEEP_BATCH", 40)
+    store = await open_store()
+    await without_ttl_index(client, database, store)
+    store._next_sweep = math.inf  # only the sweep below
+    await store.put("many", [(f"id-{n}", b"x") for n in range(100)], 0.05)
+
+    async def expired() -> bool:
+        return await store.get("many", ["id-0", "id-99"]) == [None, None]
+
+    await eventually(expired)
+    commands.sent.clear()
+    assert await store.sweep() == 100
+    finds = [command for name, command in commands.sent if name == "find"]
+    deletes = [command for name, command in commands.sent if name == "delete"]
+    assert [find["limit"] for find in finds] == [40, 40, 40]
+    assert [len(d["deletes"][0]["q"]["_id"]["$in"]) for d in deletes] == [40, 40, 20]
+
+
+async def test_puts_sweep_in_the_background_at_most_once_per_interval(
+    database: str, client: Any, open_store: Open
+) -> None:
+    store = await open_store()
+    await without_ttl_index(client, database, store)
+    await store.put("kept", [("x", b"x")], 600.0)  # a store's first put sweeps
+    first = store._sweeping
+    assert first is not None
+    await swept(store)
+    await store.put("old", [("a", b"x"), ("b", b"x")], 0.05)
+
+    async def expired() -> bool:
+        return await store.get("old", ["a", "b"]) == [None, None]
+
+    await eventually(expired)
+    await store.put("kept", [("c", b"x")], 600.0)  # within the interval: no sweep
+    assert store._sweeping is first
+    coll = client[database][store._coll.name]
+    assert await coll.count_documents({}) == 4
+    store._next_sweep = 0.0  # due
+    await store.put("kept", [("d", b"x")], 600.0)  # one sweep, that the put does not await
+    assert store._sweeping is not first
+
+    async def reclaimed() -> bool:
+        return await coll.count_documents({}) == 3
+
+    await eventually(reclaimed)
+
+
+async def test_a_body_another_program_stored_is_read_as_bytes(
+    database: str, client: Any, open_store: Open
+) -> None:
+    store = await open_store()
+    coll = client[database][store._coll.name]
+    await coll.insert_one({"_id": "q/text", "body": "not bytes", "expires": _far()})
+    await coll.insert_one({"_id": "q/none", "expires": _far()})
+    assert await store.get("q", ["text", "none"]) == [b'"not bytes"', b"null"]
+
+
+async def test_errors_leave_as_the_library_s(database: str) -> None:
+    """An unreachable server: the driver's ServerSelectionTimeoutError leaves as ours."""
+    own = pymongo.AsyncMongoClient(MONGO_URL, tz_aware=True, serverSelectionTimeoutMS=300)
+    factory = await aio_keuss.connect("mongo", client=own, database=database)
+    store = factory.backend.result_store()
+    try:
+        await own.close()
+        with pytest.raises(aio_keuss.KeussError) as raised:
+            await store.put("q", [("a", b"x")], 60.0)
+        assert not isinstance(raised.value, pymongo.errors.PyMongoError)
+        with pytest.raises(aio_keuss.KeussError):
+            await store.get("q", ["a"])
+    finally:
+        await store.close()
+        await factory.close()
+
+
+def _far() -> datetime:
+    return datetime.now(UTC) + timedelta(hours=1)
