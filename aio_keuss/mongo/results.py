@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any
 from bson import json_util
 from pymongo import ASCENDING, UpdateOne
 
+from ..errors import InvalidPayloadError
 from ..results import ResultStore
 from .connection import Once, translated
 
@@ -44,6 +45,12 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("aio_keuss.mongo")
 
+MAX_BODY_BYTES = 16 * 2**20 - 8 * 2**10
+"""Longest body a result may have: a result is one document, which MongoDB holds up to
+16 MiB of BSON (MongoDB manual, "MongoDB Limits and Thresholds"); 8 KiB are left for its
+``_id`` (a queue name and an id) and expiry. A put with a longer one is refused with
+:class:`InvalidPayloadError` before anything is written, rather than by the driver as a
+backend error after the other results of its bulk went in."""
 SWEEP_INTERVAL = 60.0
 """Seconds between two sweeps of expired results by one store (see the module's docstring)."""
 SWEEP_BATCH = 1000
@@ -67,6 +74,15 @@ def _body(value: Any) -> bytes:
     if isinstance(value, bytes):
         return bytes(value)
     return json_util.dumps(value).encode()
+
+
+def _check_sizes(results: Sequence[tuple[str, bytes]]) -> None:
+    for message_id, body in results:
+        if len(body) > MAX_BODY_BYTES:
+            raise InvalidPayloadError(
+                f"result of {message_id!r} has {len(body)} bytes encoded: MongoDB results"
+                f" hold at most {MAX_BODY_BYTES}"
+            )
 
 
 class MongoResults(ResultStore):
@@ -102,6 +118,7 @@ class MongoResults(ResultStore):
     async def put(self, queue: str, results: Sequence[tuple[str, bytes]], ttl: float) -> None:
         if not results:
             return
+        _check_sizes(results)
         await self._ensure_index()
         expires = _date(time.time() + ttl)
         last = dict(results)  # an id twice: its last body, as two puts would leave it

@@ -18,7 +18,7 @@ from mongo_server import MONGO_URL, start_mongo
 
 import aio_keuss
 from aio_keuss.mongo import results as results_module
-from aio_keuss.mongo.results import MongoResults, result_key
+from aio_keuss.mongo.results import MAX_BODY_BYTES, MongoResults, result_key
 
 pymongo = pytest.importorskip("pymongo")
 
@@ -144,6 +144,21 @@ async def test_many_ids_go_in_one_command_and_come_back_in_one(
     assert commands.names() == ["find"]
 
 
+async def test_the_index_is_made_once_per_backend(
+    database: str, client: Any, commands: Commands
+) -> None:
+    async with aio_keuss.connect("mongo", client=client, database=database) as factory:
+        commands.collection = factory.backend.collection("results").name
+        stores = [factory.backend.result_store() for _ in range(3)]
+        try:
+            await asyncio.gather(*(store.open() for store in stores))
+            await asyncio.gather(*(store.put("q", [("a", b"x")], 60.0) for store in stores))
+            assert commands.names().count("createIndexes") == 1
+        finally:
+            for store in stores:
+                await store.close()
+
+
 async def test_a_second_put_replaces_the_first_and_its_expiry(open_store: Open) -> None:
     store = await open_store()
     await store.put("q", [("a", b"first"), ("b", b"kept")], 0.05)
@@ -264,6 +279,20 @@ async def test_a_body_another_program_stored_is_read_as_bytes(
     await coll.insert_one({"_id": "q/text", "body": "not bytes", "expires": _far()})
     await coll.insert_one({"_id": "q/none", "expires": _far()})
     assert await store.get("q", ["text", "none"]) == [b'"not bytes"', b"null"]
+
+
+async def test_a_body_past_a_document_s_size_is_refused_before_anything_is_written(
+    open_store: Open, commands: Commands
+) -> None:
+    store = await open_store()
+    await swept(store)
+    commands.sent.clear()
+    too_long = b"x" * (MAX_BODY_BYTES + 1)
+    with pytest.raises(aio_keuss.InvalidPayloadError):
+        await store.put("big", [("small", b"x"), ("big", too_long)], 60.0)
+    assert commands.sent == []
+    await store.put("big", [("most", b"x" * MAX_BODY_BYTES)], 60.0)
+    assert await store.get("big", ["small", "most"]) == [None, b"x" * MAX_BODY_BYTES]
 
 
 async def test_errors_leave_as_the_library_s(database: str) -> None:
