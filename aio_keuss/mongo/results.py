@@ -5,18 +5,21 @@ never contain ``/`` (letters, digits and ``_ . : -``), so the first ``/`` of an 
 ends the queue name whatever the message id holds: ``q1`` + ``a:b`` and ``q1:a`` + ``b``
 are ``q1/a:b`` and ``q1:a/b``.
 
-- put: one ``update`` command of upserts (``bulk_write``, ``ordered=False``), each
-  ``$set`` of the body and expiry, so each result is written whole and a second put of an
-  id replaces the first. An upsert racing another of the same ``_id`` is retried by the
-  server (MongoDB 4.2+, the manual's "Upsert with Unique Index").
+- put: one ``update`` command of upserts (``bulk_write``, ``ordered=False``; PyMongo splits
+  one past the server's 48 MB message into several), each a ``$set`` of the body and
+  expiry, so each result is written whole and a second put of an id replaces the first.
+  An upsert racing another of the same ``_id`` is retried by the server (MongoDB 4.2+, the
+  manual's "Upsert with Unique Index"). Not a replacement: a server speaking the protocol
+  (nx-27017) refuses to replace a document holding binary data.
 - get: one ``find`` by ``_id`` with ``expires > now``, its first batch sized to hold every
   id asked for (a cursor's first batch is 101 documents by default).
 - expiry: a TTL index on ``expires`` (``expireAfterSeconds: 0``, the MongoDB manual's
-  "Expire Data from Collections by Setting TTL"), made once per backend. Its monitor runs
-  about once a minute and some servers speaking the protocol keep a date written by an
-  update as text, which no TTL monitor reads; so every store also deletes what has expired
-  itself, in the background at most once per :data:`SWEEP_INTERVAL`, in batches of at
-  most :data:`SWEEP_BATCH` documents, never holding up a put.
+  "Expire Data from Collections by Setting TTL"), made once per backend. MongoDB's TTL
+  monitor runs about once a minute, and a server speaking the protocol may run none; so
+  every store also deletes what has expired itself, in the background at most once per
+  :data:`SWEEP_INTERVAL`, in batches of at most :data:`SWEEP_BATCH` documents, never
+  holding up a put. (nx-27017 hands back a date an update wrote as text; it still
+  compares and expires it as a date, and nothing here reads it back.)
 
 Clock: the client's ``time.time()``, like every time of the MongoDB backends (see
 ``aio_keuss.mongo.connection``); the TTL monitor deletes on the server's clock, so a server
