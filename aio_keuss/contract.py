@@ -324,6 +324,24 @@ class Move:
     token: str | None = None
 
 
+@dataclass(frozen=True, slots=True)
+class Amend:
+    """Change a waiting message where it stands (BullMQ's ``promote``, ``changeDelay``,
+    ``changePriority``): one that is in its queue and not under an active reservation (the
+    rule of :meth:`Store.remove`). Its id, payload, headers and tries stay.
+
+    ``delay``: it matures ``delay`` seconds from now, on the store's clock (None: its
+    mature time stays). With ``scheduled_only`` the change applies only to a message whose
+    mature time is still ahead (a promote: ``delay`` 0 makes it ready now). ``priority``:
+    its new priority (None: it stays); within its priority it keeps its place by mature
+    time and push order, as if pushed with it."""
+
+    id: str
+    delay: float | None = None
+    priority: int | None = None
+    scheduled_only: bool = False
+
+
 MOVE_TAG = "mv"
 """The tag of a message renamed by :meth:`Store.move` called from ``Queue.move``."""
 PUT_BACK_TAG = "pb"
@@ -511,6 +529,12 @@ class Store(ABC):
     async def remove(self, ids: Sequence[str]) -> list[bool]:
         """Delete messages that are not under an active reservation."""
         raise NotSupportedError(f"{type(self).__name__} has no remove")
+
+    async def amend(self, amends: Sequence[Amend]) -> list[bool]:
+        """Optional (``Capabilities.reschedule``): apply each :class:`Amend`, atomically per
+        message, in one round trip; True for each message that was waiting (and, with
+        ``scheduled_only``, scheduled) and is now changed."""
+        raise NotSupportedError(f"{type(self).__name__} cannot change waiting messages")
 
     async def move(self, moves: Sequence[Move]) -> list[str | None]:
         """Move held messages to other queues of this backend, each atomically (see

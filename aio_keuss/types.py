@@ -46,6 +46,10 @@ class Capabilities:
     rate_limit: bool = False
     """a queue may limit its deliveries (``rate_limit`` per ``rate_period``) over every
     process sharing the backend, on a limiter kept in the database (see ``Backend.rate_take``)."""
+    reschedule: bool = False
+    """a waiting message can be changed where it stands: made ready now (``promote``),
+    given a new mature time (``reschedule``) or, with ``priority``, a new priority
+    (``change_priority``); see ``Store.amend``."""
     results: bool = False
     """a queue may keep what its handlers returned, or why a message failed for good, for
     ``result_ttl`` seconds, readable from any process (``Queue.result``,
