@@ -200,6 +200,7 @@ CASES: list[BackendCase] = [
                 "test_batching",
                 "test_chaos",
                 "test_extend",
+                "test_priority",  # a replay copies the priority the history kept
             }
         ),
     ),

@@ -142,8 +142,10 @@ def _peeked(row: Any) -> Peeked:
 
 
 def _processed(row: Any) -> Peeked:
-    """A history row: id, payload, headers, tries, processed, seq."""
-    return Peeked(Stored(row[0], row[1], row[2], row[3], row[4]), "processed", row[4])
+    """A history row: id, payload, headers, tries, processed, seq, priority (kept so that
+    a replay pushes its copy at it)."""
+    message = Stored(row[0], row[1], row[2], row[3], row[4], priority=row[6])
+    return Peeked(message, "processed", row[4])
 
 
 class PostgresStore(Store):

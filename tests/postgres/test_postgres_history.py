@@ -165,3 +165,21 @@ async def test_an_open_that_cannot_install_the_trigger_closes_its_pool(
         await admin.execute(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
         await admin.execute(f'DROP OWNED BY "{role}"; DROP ROLE IF EXISTS "{role}"')
         await admin.close()
+
+
+async def test_the_history_keeps_the_priority_and_a_replay_pushes_at_it(schema: str) -> None:
+    """A record kept the payload and headers but not the priority, so a replay pushed its
+    copy at 0 (mongo-history keeps it; so does the memory backend's history)."""
+    options = {"url": POSTGRES_URL, "schema": schema, "history": True}
+    async with aio_keuss.connect("postgres", **options) as factory:
+        q = await factory.queue("q")
+        mid = await q.push("urgent", priority=5)
+        got = await q.pop(timeout=5)
+        assert got is not None and (got.id, got.priority) == (mid, 5)
+        [record] = (await q.history()).items
+        assert (record.message.id, record.message.priority) == (mid, 5)
+        found = await q.find(mid)
+        assert found is not None and found.message.priority == 5
+        [copy] = await q.replay([mid])
+        again = await q.pop(timeout=5)
+        assert again is not None and (again.id, again.priority) == (copy, 5)

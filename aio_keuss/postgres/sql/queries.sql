@@ -432,7 +432,7 @@ WHERE queue = $1 AND id = ANY($2::text[])
   AND NOT (reserved AND mature > extract(epoch from now())::float8)
 RETURNING id, tries
 
--- History (history=True): see migrations/006_history.sql.
+-- History (history=True): see migrations/006_history.sql (and 008, 014).
 
 -- name: history_on
 -- Install the trigger that keeps what is deleted from messages; once per schema (a trigger
@@ -449,7 +449,7 @@ END $$
 
 -- name: history
 -- Processed in [$2, $3), past the cursor ($4 processed, $5 seq), at most $6.
-SELECT id, payload, headers, tries, processed, seq
+SELECT id, payload, headers, tries, processed, seq, priority
 FROM {s}.history
 WHERE queue = $1 AND processed >= $2::float8 AND processed < $3::float8
   AND (processed, seq) > ($4::float8, $5::int8)
@@ -458,7 +458,7 @@ LIMIT $6
 
 -- name: locate_history
 -- The latest record of each id.
-SELECT DISTINCT ON (id) id, payload, headers, tries, processed, seq
+SELECT DISTINCT ON (id) id, payload, headers, tries, processed, seq, priority
 FROM {s}.history
 WHERE queue = $1 AND id = ANY($2::text[])
 ORDER BY id, processed DESC, seq DESC
