@@ -6,6 +6,7 @@ schema."""
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -92,3 +93,47 @@ async def test_concurrent_steps_of_two_factories_share_the_row_and_never_over_gr
         assert all(0 < g.wait <= 360.0 for g in grants if not g.granted)
         row, _ = await _row(schema, "shared")
         assert row["tat"] == pytest.approx(row["stepped"] + 3600, abs=60)
+
+
+async def _limiters(schema: str) -> dict[str, float]:
+    """Each limiter row's later time, less the server's clock: > 0 while it is ahead."""
+    connection = await asyncpg.connect(POSTGRES_URL)
+    try:
+        rows = await connection.fetch(
+            "SELECT queue, greatest(tat, held_until)"
+            " - extract(epoch from clock_timestamp())::float8 AS ahead"
+            f' FROM "{schema}".rate_limits'
+        )
+    finally:
+        await connection.close()
+    return {r["queue"]: r["ahead"] for r in rows}
+
+
+@pytest.mark.parametrize("backend", ["postgres", "bucket-postgres"])
+async def test_rows_whose_times_have_passed_are_reclaimed(schema: str, backend: str) -> None:
+    """An idle queue's row stayed for ever (one per queue ever limited: queues named per
+    tenant or per day pile up). A row whose times are past is the same as none; a client
+    stepping a limiter drops such rows, a bounded batch at a time, and leaves those still
+    ahead."""
+    options = {"url": POSTGRES_URL, "schema": schema}
+    async with aio_keuss.connect(backend, **options) as factory:
+        await factory.queue("idle", rate_limit=5, rate_period=3600)  # makes the schema
+    connection = await asyncpg.connect(POSTGRES_URL)
+    try:  # rows left by queues idle for a day: more than one reclaim batch
+        await connection.execute(
+            f'INSERT INTO "{schema}".rate_limits (queue, tat, held_until, stepped, granted)'
+            " SELECT 'idle' || g, $1::float8, $1::float8 - 60, $1::float8 - 60, 1"
+            " FROM generate_series(1, 2500) g",
+            time.time() - 86400,
+        )
+    finally:
+        await connection.close()
+    async with aio_keuss.connect(backend, **options) as factory:
+        busy = await factory.queue("busy", rate_limit=5, rate_period=3600)
+        await busy.push("y")
+        assert (await busy.pop(timeout=30)) is not None
+        for _ in range(1200):  # polled, 60 s at most: a hang guard
+            if len(await _limiters(schema)) == 1:
+                break
+            await asyncio.sleep(0.05)
+        assert list(await _limiters(schema)) == ["busy"]  # ahead by an hour: kept

@@ -526,6 +526,24 @@ ON CONFLICT (queue) DO UPDATE SET (stepped, held_until, tat, granted) = (
 RETURNING r.granted, greatest(0, r.held_until - r.stepped,
     r.tat - ($3::int - 1) * $2::float8 - r.stepped) AS wait, r.tat
 
+-- name: rate_reclaim
+-- Drop up to $1 limiter rows whose two times are past: such a row is the state of none,
+-- and the queue's next step makes it again. Run now and then by the clients that step
+-- limiters (PostgresBackend.rate_take), off the steps' path: a queue gone idle leaves no
+-- row for ever. The time is checked again in the DELETE's own condition, not only where
+-- the rows are picked: a row a step updated meanwhile is checked against that condition
+-- in the state the step left (PostgreSQL manual, "Read Committed Isolation Level"), so a
+-- row just stepped ahead stays; a step that finds its row gone inserts it again (INSERT ...
+-- ON CONFLICT ends in an insert or an update). No index on the times: every step moves
+-- them, and an indexed column updated makes every update write index entries (no HOT
+-- update); the pick reads the table, one small row per rate-limited queue.
+DELETE FROM {s}.rate_limits
+WHERE queue = ANY(ARRAY(
+    SELECT queue FROM {s}.rate_limits
+    WHERE greatest(tat, held_until) < extract(epoch from clock_timestamp())::float8
+    LIMIT $1))
+  AND greatest(tat, held_until) < extract(epoch from clock_timestamp())::float8
+
 -- The stats store ----------------------------------------------------------------------
 -- Counters are buffered in the client and written as one upsert per flush, whatever the
 -- number of queues and counters in it.
