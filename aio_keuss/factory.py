@@ -72,7 +72,7 @@ class Factory:
         if self._closed:
             raise ClosedError("factory is closed")
         check_queue_name(name)
-        queue_options = self.defaults.updated(options)
+        queue_options = self.defaults_for(name).updated(options)
         found = self._queues.get(name)
         if found is None:
             found = await self._open_queue(name, queue_options)
@@ -86,10 +86,22 @@ class Factory:
             # opened for its routing, with the defaults: not recorded over the options the
             # process that owns it recorded (as for a move's target, see ``_sibling``), and
             # not claimed (asked for later with options of its own, it reopens with them)
-            await self._open_queue(self.deadletter.queue, self.defaults, sibling=True)
+            dead = self.deadletter.queue
+            await self._open_queue(dead, self.defaults_for(dead), sibling=True)
             if self._closed:
                 raise ClosedError("factory is closed")
         return found
+
+    def defaults_for(self, name: str) -> QueueOptions:
+        """The options queue ``name`` opens with where it is given none: the connect
+        defaults, less their ``rate_limit`` for the deadletter queue. That queue gathers
+        the failures of every queue, and is drained (requeue, the admin commands) as one
+        job of its own, not at the pace set for the others' work; a limit given for it,
+        ``queue(name, rate_limit=...)``, still holds."""
+        dead = self.deadletter is not None and name == self.deadletter.queue
+        if dead and self.defaults.rate_limit:
+            return self.defaults.updated({"rate_limit": 0})  # its burst goes with it
+        return self.defaults
 
     async def _claim(self, found: Queue, options: QueueOptions) -> Queue:
         """The user's first ask for a queue the factory opened by itself: it is theirs from
@@ -117,7 +129,7 @@ class Factory:
         check_queue_name(name)
         found = self._queues.get(name)
         if found is None:
-            found = await self._open_queue(name, self.defaults, sibling=True)
+            found = await self._open_queue(name, self.defaults_for(name), sibling=True)
         return found
 
     async def _open_queue(
@@ -412,7 +424,8 @@ def connect(backend: str = "memory", **options: Any) -> _Connecting:
     """Connect to a backend by name (see ``aio_keuss.backend_names()``).
 
     Options: the backend's own (``url``, ``client``, ...), any queue option as a default for
-    every queue (``reserve_delay``, ``poll_interval``, ``dedup_window``, ``max_batch``),
+    every queue (``reserve_delay``, ``poll_interval``, ``dedup_window``, ``max_batch``;
+    ``rate_limit`` too, but not for the deadletter queue: see ``Factory.defaults_for``),
     ``deadletter={"max_ko": 3, "queue": "__deadletter__"}``, ``signal`` / ``stats``
     (``"local"`` / ``"memory"`` to keep them in-process; default: the backend's database),
     and ``signal_debounce`` (seconds, default 0.05).

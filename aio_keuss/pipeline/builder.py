@@ -184,7 +184,7 @@ class Pipeline:
         for name in self.queues:  # what factory.queue refuses once others are opened
             given = self._opened_with(name, queue_defaults)
             found = opened.get(name)
-            if given and found is not None and found != factory.defaults.updated(given):
+            if given and found is not None and found != factory.defaults_for(name).updated(given):
                 raise PipelineError(
                     f"pipeline {self.name!r}: queue {name!r} is already open with {found},"
                     f" not the options the run opens it with {given}"
@@ -194,7 +194,7 @@ class Pipeline:
             # no options (None or {}): the queue as it is open, as factory.queue returns it
             options = opened.get(link.source) if not given else None
             if options is None:
-                options = factory.defaults.updated(given or {})
+                options = factory.defaults_for(link.source).updated(given or {})
             try:
                 check_settings(**settings, settled=True, max_batch=options.max_batch)
             except InvalidInputError as exc:

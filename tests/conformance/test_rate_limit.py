@@ -107,6 +107,29 @@ async def test_a_queue_opts_out_of_the_factorys_rate_limit_with_rate_limit_0(
         await factory.queue("bad", rate_limit=0, rate_burst=3)
 
 
+async def test_a_connect_default_leaves_the_deadletter_queue_unlimited(connect: Connect) -> None:
+    """The deadletter queue took the connect defaults, a ``rate_limit`` with them: the
+    queue that gathers every queue's failures was drained (requeue, the admin commands) at
+    the rate meant for those queues' work. The connect default does not reach it, whoever
+    opens it first (the factory for its routing, or the user); a limit of its own does."""
+    options = {"poll_interval": 60.0, "rate_limit": 1, "rate_period": HOUR, "rate_burst": 1}
+    dead_options = {"deadletter": {"max_ko": 1, "queue": "dead"}}
+    factory = await connect(**options, **dead_options)
+    needs(factory, "rate_limit")
+    jobs = await factory.queue("jobs")  # the factory opens "dead" beside it, for its routing
+    assert jobs.options.rate_limit == 1
+    dead = await factory.queue("dead")
+    assert (dead.options.rate_limit, dead.options.rate_burst) == (0, 0)
+    await dead.push_many(list(range(5)))
+    assert len(await _take(dead, 5)) == 5
+    first = await (await connect(**options, **dead_options)).queue("dead")  # asked first
+    assert (first.options.rate_limit, first.options.rate_burst) == (0, 0)
+    own = await (await connect(**options, **dead_options)).queue("dead", rate_limit=2)
+    assert (own.options.rate_limit, own.options.rate_period) == (2, HOUR)
+    await own.push_many(list(range(5)))
+    assert len(await _take(own, 5)) == 2
+
+
 async def test_a_rate_limit_where_the_backend_has_none_is_refused_at_open(
     connect: Connect,
 ) -> None:
