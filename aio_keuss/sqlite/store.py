@@ -44,6 +44,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from ..contract import (
     Ack,
+    Amend,
     Cursor,
     DeadletterPlan,
     Entry,
@@ -299,6 +300,28 @@ class SqliteStore(Store):
         statement, now = self._sql["remove"], time.time()
         return [c.execute(statement, (self.name, i, now)).rowcount == 1 for i in ids]
 
+    async def amend(self, amends: Sequence[Amend]) -> list[bool]:
+        if not amends:
+            return []
+        return await self._db.write(lambda c: self._amend(c, amends))
+
+    def _amend(self, c: sqlite3.Connection, amends: Sequence[Amend]) -> list[bool]:
+        """All in the call's one write transaction, in order (an id named twice finds what
+        the amend before left). A message is amendable under the rule of :meth:`remove`:
+        any but an active reservation, so a lapsed reservation nobody took since counts as
+        waiting; amended, it stops being its old holder's (see the query "amend"). The new
+        mature time is on the clock every other primitive of this store uses, taken once
+        the write lock is held, so a take racing the amend in another process either
+        reserved the message first (the amend finds it reserved: False) or finds it
+        changed."""
+        statement, now = self._sql["amend"], time.time()
+        return [c.execute(statement, self._amend_row(a, now)).rowcount == 1 for a in amends]
+
+    def _amend_row(self, amend: Amend, now: float) -> Row:
+        """The query's parameters: a delay is counted from now."""
+        mature = None if amend.delay is None else now + amend.delay
+        return (self.name, amend.id, mature, amend.priority, now, amend.scheduled_only)
+
     async def hold(self, ids: Sequence[str], reserve_delay: float) -> list[Held | None]:
         if not ids:
             return []
@@ -397,7 +420,7 @@ class SqliteQueueBackend(SqliteConnection):
 
     name = "sqlite"
     capabilities: Capabilities = Capabilities(
-        move=True, peek=True, hold=True, extend=True, priority=True
+        move=True, peek=True, hold=True, extend=True, priority=True, reschedule=True
     )
 
     def __init__(self, options: dict[str, Any]) -> None:

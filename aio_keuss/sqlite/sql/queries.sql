@@ -111,6 +111,21 @@ WHERE seq = ?
 DELETE FROM messages
 WHERE queue = ? AND id = ? AND NOT (reserved = 1 AND mature > ?3)
 
+-- name: amend
+-- Change a waiting message where it stands (Queue.promote, reschedule, change_priority):
+-- (queue, id, mature, priority, now, scheduled_only); a NULL mature or priority stays. The
+-- rule of "remove": anything of the queue but an active reservation, so a lapsed one too,
+-- which becomes waiting: the lapse is counted as the try the next reserve would count
+-- (tries + reserved), and its old holder's ok, extend or ko no longer find it. With
+-- scheduled_only, only a message whose mature time is still ahead (never reserved then).
+-- Every right-hand side reads the row as it was (SQLite documentation, "UPDATE"). The seq
+-- stays, so within its priority it keeps its place by mature time and push order.
+UPDATE messages
+SET mature = coalesce(?3, mature), priority = coalesce(?4, priority),
+    tries = tries + reserved, reserved = 0
+WHERE queue = ?1 AND id = ?2 AND NOT (reserved = 1 AND mature > ?5)
+  AND (NOT ?6 OR mature > ?5)
+
 -- name: sizes
 -- (queue, now): ready, total, scheduled, reserved.
 SELECT coalesce(sum(mature <= ?2), 0),
