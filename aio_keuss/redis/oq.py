@@ -58,6 +58,7 @@ import orjson
 from ..coalesce import Finishing
 from ..contract import (
     Ack,
+    Amend,
     Cursor,
     DeadletterPlan,
     Entry,
@@ -843,6 +844,57 @@ forget(gone)
 return flags
 """
 
+# KEYS: due msg held. ARGV per amend: id, delay ('' = its mature time stays), priority ('' =
+# it stays), scheduled only ('1' / ''). Reply: 1 / 0 per amend. A message is amendable where
+# _REMOVE would delete it: queued at any level, and not held with its deadline ahead. One
+# whose reservation lapsed (held, its deadline past) is waiting there: the amend ends that
+# reservation as a take would, its delivery counted as a try in its record (what peek shows
+# already), so its last holder's ok / ko no longer passes the guard. The amends run in ARGV
+# order, each seeing the ones before (an id given twice: the second finds the first's work).
+# Its score leaves its ZSET first (a write that cannot grow memory, see the prelude), then
+# goes into the ZSET of its new level, listed and marked as a prioritized push does, and the
+# old level goes once empty, as after a take. Its score, unless a delay is given, stays: in
+# its new level it takes its place by mature time and id, as if pushed there.
+_AMEND = """
+local now = server_now()
+local flags = {}
+-- The record with priority p (0: none), its tries, headers and payload kept.
+local function with_prio(rec, p)
+  rec = framed(rec)
+  local tries = string.match(rec, '^%d+')
+  local rest = string.sub(rec, (string.find(rec, ':', 1, true)))  -- from the first ':'
+  if p ~= 0 then tries = tries .. ';' .. p end
+  return tries .. rest
+end
+for i = 1, #ARGV, 4 do
+  local id, delay, prio, only = ARGV[i], ARGV[i + 1], ARGV[i + 2], ARGV[i + 3] == '1'
+  local key, score, rec = locate_one(id)
+  local held = key and redis.call('SISMEMBER', KEYS[3], id) == 1
+  if not key or (held and tonumber(score) > now) or (only and tonumber(score) <= now) then
+    flags[#flags + 1] = 0
+  else
+    rec = rec or redis.call('HGET', KEYS[2], id)
+    local old = prio_of(rec)
+    local p = old
+    if prio ~= '' then p = tonumber(prio) end
+    if delay ~= '' then score = fmt(now + tonumber(delay)) end
+    redis.call('ZREM', key, id)  -- first, a write that cannot grow memory (prelude)
+    local new_rec = rec
+    if held then  -- a lapsed reservation, ended: that delivery was a try
+      redis.call('SREM', KEYS[3], id)
+      new_rec = with_tries(new_rec, tries_of(new_rec) + 1)
+    end
+    if p ~= old then new_rec = with_prio(new_rec, p) end
+    if p ~= 0 then add_level(KEYS[1], p) end
+    redis.call('ZADD', level_key(KEYS[1], p), score, id)
+    if new_rec ~= rec then redis.call('HSET', KEYS[2], id, new_rec) end
+    if old ~= 0 and old ~= p then level_left(KEYS[1], old) end
+    flags[#flags + 1] = 1
+  end
+end
+return flags
+"""
+
 # KEYS: due msg held. Reply: mature now (expired reservations included), total, reserved.
 _SIZES = """
 local now = server_now()
@@ -1030,6 +1082,7 @@ INSERT_ONE, GET_ONE, RESERVE_ONE, COMMIT_ONE = (
     DROP_DEFERRED,
     MOVE,
     REMOVE,
+    AMEND,
     SIZES,
     NEXT_MATURE,
 ) = (
@@ -1045,6 +1098,7 @@ INSERT_ONE, GET_ONE, RESERVE_ONE, COMMIT_ONE = (
         _DROP_DEFERRED,
         _MOVE,
         _REMOVE,
+        _AMEND,
         _SIZES,
         _NEXT_MATURE,
     )
@@ -1656,6 +1710,26 @@ class RedisOQStore(RedisOQVisibility, Store):
         flags = await self._run(REMOVE, self._keys, list(ids))
         return [flag == 1 for flag in flags]
 
+    async def amend(self, amends: Sequence[Amend]) -> list[bool]:
+        """One script for the batch, on the server's clock (its TIME, as every script
+        here). Amendable is what :meth:`remove` deletes: queued, and not under an active
+        reservation; one whose reservation lapsed is waiting, and the amend ends that
+        reservation, its delivery counted as a try (the tries a peek shows already)."""
+        if not amends:
+            return []
+        args: list[Any] = []
+        for a in amends:
+            args.extend(
+                (
+                    a.id,
+                    "" if a.delay is None else a.delay,
+                    "" if a.priority is None else a.priority,
+                    "1" if a.scheduled_only else "",
+                )
+            )
+        flags = await self._run(AMEND, self._keys, args)
+        return [flag == 1 for flag in flags]
+
     async def sizes(self) -> Sizes:
         ready, total, reserved = await self._run(SIZES, self._keys, ())
         return Sizes(ready, total, total - ready - reserved, reserved)
@@ -1671,7 +1745,7 @@ class RedisOQBackend(RedisBackend):
     # counts no try: run again once another consumer reserved the message, it passes.
     replay_hazard = GIVE_BACK_REPLAY
     capabilities: Capabilities = Capabilities(
-        move=True, peek=True, hold=True, extend=True, priority=True
+        move=True, peek=True, hold=True, extend=True, priority=True, reschedule=True
     )
 
     def queue_keys(self, queue: str) -> list[str]:
