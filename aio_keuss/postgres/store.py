@@ -25,7 +25,8 @@ costs the same single prepared statement. (Two exceptions, both inserts tried fi
 ``ON CONFLICT``: new messages of which one has an id already taken, never met with generated
 ids, and a bulk load of user ids of which one is queued or remembered go again by a second
 statement; see ``insert_new`` and ``insert_dedup_bulk_new`` in ``queries.sql``.) Time is
-always ``now()`` on the server: clients with skewed clocks agree on what is mature, and a
+always the server's: ``now()``, or for an amend ``clock_timestamp()`` read once its rows are
+locked; clients with skewed clocks agree on what is mature, and a
 reservation deadline is the server's *now* plus ``reserve_delay`` (never the old mature time
 plus the delay, Keuss's redis-oq mistake).
 """
@@ -45,6 +46,7 @@ import orjson
 from ..coalesce import stop_task, to_the_end
 from ..contract import (
     Ack,
+    Amend,
     Cursor,
     DeadletterPlan,
     Entry,
@@ -329,6 +331,26 @@ class PostgresStore(Store):
         rows = await self._db.fetch(self._sql["remove"], self.name, list(ids))
         return _first_occurrences(ids, {r[0] for r in rows})
 
+    async def amend(self, amends: Sequence[Amend]) -> list[bool]:
+        """One statement for the batch (``amend`` in ``queries.sql``). Waiting is
+        :meth:`remove`'s rule: a lapsed reservation nobody took since is amendable, and is
+        released by the change (its try counted, as the next reserve would have); requests
+        naming one id apply in their order."""
+        if not amends:
+            return []
+        rows = await self._db.fetch(
+            self._sql["amend"],
+            self.name,
+            [a.id for a in amends],
+            [a.delay for a in amends],
+            [a.priority for a in amends],
+            [a.scheduled_only for a in amends],
+        )
+        flags = [False] * len(amends)
+        for (position,) in rows:
+            flags[position - 1] = True
+        return flags
+
     def check_cursor(self, cursor: Cursor | None) -> Cursor | None:
         """(time, seq): seq a bigint's decimal digits."""
         return check_seq_cursor(cursor)
@@ -408,7 +430,7 @@ class PostgresQueueBackend(PostgresBackend):
 
     name = "postgres"
     capabilities: Capabilities = Capabilities(
-        move=True, peek=True, hold=True, extend=True, priority=True
+        move=True, peek=True, hold=True, extend=True, priority=True, reschedule=True
     )
     options_type: ClassVar[type[PostgresConnectionOptions]] = PostgresOptions
     options: ClassVar[dict[str, Any]] = PostgresOptions.defaults()

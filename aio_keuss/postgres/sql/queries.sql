@@ -7,7 +7,8 @@
 
 -- The postgres store -------------------------------------------------------------------
 -- $1 is always the queue name. "now" is extract(epoch from now()): the server's clock,
--- stable within the statement, usable as an index condition.
+-- stable within the statement, usable as an index condition (amend alone reads
+-- clock_timestamp(): see there).
 
 -- name: insert_new
 -- Insert new messages without user ids (every push but an idempotent one): no dedup table
@@ -387,6 +388,66 @@ WHERE queue = $1 AND id = ANY($2::text[])
   AND NOT (reserved AND mature > extract(epoch from now())::float8)
   AND (SELECT set_config('keuss.lapsed_try', 'on', true)) IS NOT NULL  -- as at get
 RETURNING id
+
+-- name: amend
+-- Amend (promote, reschedule, change_priority): change waiting messages where they stand,
+-- in one statement for the whole batch ($2 ids, $3 delays, $4 priorities, $5 scheduled_only;
+-- NULL delay or priority: that stays). A message is waiting by the rule of remove: anything
+-- of the queue but an active reservation, so a lapsed reservation nobody took since counts
+-- (changed, it is released as a reserve would count it: tries + 1, reserved false; its
+-- holder's late ok, extend or ko then finds nothing). The rows are locked first, in order
+-- of id (ORDER BY with a locking clause locks rows as they come out of the sort: PostgreSQL
+-- manual, SELECT, "The Locking Clause"), so two amends sharing ids take turns rather than
+-- deadlock, and a reserve skips them (SKIP LOCKED) or, having taken one first, leaves it
+-- reserved, which the lock's re-check of the condition on the newest row version then
+-- refuses (manual, "Read Committed Isolation Level"): never both. "now" is
+-- clock_timestamp() read once the rows are locked, the time of the write itself (now(),
+-- the transaction's start, would date a change that waited for a lock from before the
+-- wait). The requests are applied per id in their order by a recursive walk, as if sent
+-- one at a time: a scheduled_only one applies only while its message's mature time is
+-- still ahead. seq stays, so within its priority a message keeps its place by (mature, seq)
+-- as if pushed with it; a non-zero priority puts the row in messages_by_priority, as a
+-- prioritized push does. An UPDATE fires no DELETE trigger: history records nothing.
+-- Answers the position in $2 of each request that changed its message.
+WITH RECURSIVE req AS (
+    SELECT r.*, row_number() OVER (PARTITION BY r.id ORDER BY r.ord) AS k
+    FROM unnest($2::text[], $3::float8[], $4::int2[], $5::bool[])
+         WITH ORDINALITY AS r(id, delay, priority, scheduled_only, ord)
+), locked AS MATERIALIZED (
+    SELECT m.id, m.mature, m.priority FROM {s}.messages m
+    WHERE m.queue = $1 AND m.id = ANY($2::text[])
+      AND NOT (m.reserved AND m.mature > extract(epoch from clock_timestamp())::float8)
+    ORDER BY m.id
+    FOR UPDATE
+), clock AS MATERIALIZED (
+    -- read from the locked rows, so it runs once they are all locked
+    SELECT extract(epoch from clock_timestamp())::float8 AS now
+    FROM (SELECT count(*) FROM locked) l
+), step AS (
+    SELECT l.id, 0::int8 AS k, l.mature, l.priority, false AS ok FROM locked l
+    UNION ALL
+    SELECT s.id, r.k,
+           CASE WHEN a.ok THEN coalesce(c.now + r.delay, s.mature) ELSE s.mature END,
+           CASE WHEN a.ok THEN coalesce(r.priority, s.priority) ELSE s.priority END,
+           a.ok
+    FROM step s
+    JOIN req r ON r.id = s.id AND r.k = s.k + 1
+    CROSS JOIN clock c
+    CROSS JOIN LATERAL (SELECT NOT r.scheduled_only OR s.mature > c.now AS ok) a
+), final AS MATERIALIZED (
+    SELECT DISTINCT ON (s.id) s.id, s.mature, s.priority FROM step s
+    WHERE s.id IN (SELECT id FROM step WHERE ok)
+    ORDER BY s.id, s.k DESC
+), changed AS (
+    UPDATE {s}.messages m
+    SET mature = f.mature, priority = f.priority,
+        tries = m.tries + m.reserved::int, reserved = false
+    FROM final f
+    WHERE m.queue = $1 AND m.id = f.id
+    RETURNING m.id
+)
+SELECT r.ord FROM step s JOIN req r ON r.id = s.id AND r.k = s.k
+WHERE s.ok AND s.id IN (SELECT id FROM changed)
 
 -- name: sizes
 SELECT count(*) FILTER (WHERE mature <= t.now) AS size,
