@@ -291,3 +291,18 @@ async def test_amends_racing_reserves_never_hand_a_message_out_twice(
     assert sorted(delivered) == sorted(ids)
     sizes = await store.sizes()
     assert (sizes.reserved, sizes.scheduled, sizes.size) == (count, 0, 0)
+
+
+async def test_amends_sharing_ids_in_any_order_take_turns(factory: aio_keuss.Factory) -> None:
+    """Batches naming the same messages in opposite orders lock them in one order (by id),
+    so the server finds no deadlock to break by failing one of them."""
+    store = await _store(factory)
+    ids = [f"m{n:03}" for n in range(200)]
+    await _push(store, *((i, FAR, 0) for i in ids))
+
+    async def amend(order: list[str], priority: int) -> list[bool]:
+        return await store.amend([Amend(i, priority=priority) for i in order])
+
+    async with asyncio.timeout(HANG_GUARD):
+        done = await asyncio.gather(*(amend(ids if n % 2 else ids[::-1], n) for n in range(1, 9)))
+    assert all(all(flags) for flags in done)
