@@ -4,8 +4,9 @@ and the queues opened through them."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
-from collections.abc import Generator, Mapping, Sequence
+from collections.abc import AsyncIterator, Generator, Mapping, Sequence
 from types import TracebackType
 from typing import Any
 
@@ -18,7 +19,7 @@ from .queue import Closing, Limiter, Queue
 from .registry import load_backend
 from .signal import LocalSignalBus, SignalBus
 from .stats import MemoryStats, StatsStore
-from .types import Capabilities
+from .types import Capabilities, Sizes
 
 _FACTORY_OPTIONS = frozenset({"signal", "stats", "deadletter", "signal_debounce"})
 
@@ -43,6 +44,10 @@ class Factory:
         # Opened by the factory itself (the deadletter queue for a queue's routing, a move's
         # or a replay's target), not yet asked for through ``queue``: see ``_claim``
         self._unclaimed: set[str] = set()
+        # The calls using a queue the factory reached for them (see ``_using``): how many
+        # hold each, and the futures a claim's reopen waits on until none does
+        self._holds: dict[Queue, int] = {}
+        self._released: dict[Queue, asyncio.Future[None]] = {}
         self._opening: dict[str, asyncio.Future[Queue]] = {}
         self._closed = False
         # While a close waits for the running handlers: a queue one of them reaches (a move's
@@ -73,9 +78,7 @@ class Factory:
             raise ClosedError("factory is closed")
         check_queue_name(name)
         queue_options = self.defaults_for(name).updated(options)
-        found = self._queues.get(name)
-        if found is None:
-            found = await self._open_queue(name, queue_options)
+        found = await self._current(name, queue_options)
         if name in self._unclaimed:  # (also when this ask joined the factory's own open)
             found = await self._claim(found, queue_options if options else found.options)
         if self._closed:  # closed while it opened (the close waited for it, and closed it)
@@ -103,12 +106,35 @@ class Factory:
             return self.defaults.updated({"rate_limit": 0})  # its burst goes with it
         return self.defaults
 
+    async def _current(self, name: str, options: QueueOptions, *, sibling: bool = False) -> Queue:
+        """The queue open under ``name`` now, opened (see :meth:`_open_queue`) if none is.
+        An open this one joined may be claimed and replaced before this ask resumes: it
+        then gets the queue replacing it, never the one being closed."""
+        while True:
+            found = self._queues.get(name)
+            if found is not None:
+                return found
+            found = await self._open_queue(name, options, sibling=sibling)
+            if self._queues.get(name) is found:
+                return found
+
     async def _claim(self, found: Queue, options: QueueOptions) -> Queue:
         """The user's first ask for a queue the factory opened by itself: it is theirs from
         now on, reopened with ``options`` when they differ (and recorded with them, as any
         queue asked for). Nothing of it is lost: the factory never handed it out, so no
-        consumer or repeater runs on it, and its close lets the calls in flight end (its
-        messages are in the backend, which the queue reopened reads)."""
+        consumer or repeater runs on it, and its messages are in the backend, which the
+        queue reopened reads.
+
+        Nor does a call using it fail: the factory's own open is handed only to calls that
+        hold it while they use it (a replay into it, a find looking in it: see ``_using``),
+        and its close waits until none does; the calls that reach it meanwhile wait for the
+        reopened one. Why not the other ways round: the options cannot change on the queue
+        object in place (``max_batch`` sizes its batching, ``reserve_delay`` its one-message
+        reserve, ``rate_limit`` its limiter, ``dedup_window`` and ``reserve_delay`` its
+        store's own state), and the old one cannot close later, beside the reopened one: a
+        backend may hand both the same store (memory-sharded), which that close would shut
+        under the reopened queue. So this ask waits for those calls (as the close of any
+        queue waits for its round trips in flight)."""
         name = found.name
         if self._closed:  # closed while this ask opened it (and closing it with the others)
             raise ClosedError("factory is closed")
@@ -127,10 +153,34 @@ class Factory:
         if self._closed and not self._siblings_open:
             raise ClosedError("factory is closed")
         check_queue_name(name)
-        found = self._queues.get(name)
-        if found is None:
-            found = await self._open_queue(name, self.defaults_for(name), sibling=True)
-        return found
+        return await self._current(name, self.defaults_for(name), sibling=True)
+
+    @contextlib.asynccontextmanager
+    async def _using(self, name: str) -> AsyncIterator[Queue]:
+        """:meth:`_sibling`, held for one call that uses it (a replay's copies, a find's
+        lookup): a claim's reopen closes the factory's own open of it only once no call
+        holds it (see :meth:`_claim`)."""
+        queue = await self._sibling(name)
+        self._holds[queue] = self._holds.get(queue, 0) + 1
+        try:
+            yield queue
+        finally:
+            left = self._holds.pop(queue) - 1
+            if left:
+                self._holds[queue] = left
+            else:
+                released = self._released.pop(queue, None)
+                if released is not None and not released.done():
+                    released.set_result(None)
+
+    async def _unheld(self, queue: Queue) -> None:
+        """Until no call holds ``queue`` (see :meth:`_using`)."""
+        if queue not in self._holds:
+            return
+        released = self._released.get(queue)
+        if released is None:
+            released = self._released[queue] = asyncio.get_running_loop().create_future()
+        await asyncio.shield(released)  # a cancelled claim leaves it to the next one
 
     async def _open_queue(
         self,
@@ -143,7 +193,9 @@ class Factory:
         """Open ``name`` once however many ask at the same time. ``sibling``: opened by the
         factory itself, with the defaults, recorded only if the backend does not know it
         yet, and not claimed (see :meth:`queue`). ``replacing``: that queue (unclaimed, out
-        of ``_queues`` already) closes first, the asks meanwhile waiting for this open."""
+        of ``_queues`` already) closes first, once no call holds it, the asks meanwhile
+        waiting for this open; refused or cancelled before its close began, it is the
+        factory's own open again, which those asks then get."""
         opening = self._opening.get(name)
         if opening is not None:  # opened concurrently: share the one being made
             return await asyncio.shield(opening)
@@ -151,9 +203,12 @@ class Factory:
             raise ClosedError("factory is closed")
         future: asyncio.Future[Queue] = asyncio.get_running_loop().create_future()
         self._opening[name] = future
+        closing = False  # ``replacing``'s close begun
         try:
             limiter = self._limiter(name, options)  # refused before anything is written
             if replacing is not None:
+                await self._unheld(replacing)
+                closing = True
                 await replacing.close()
             store = await self.backend.store(name, options)
             queue = Queue(
@@ -164,14 +219,19 @@ class Factory:
                 self.signal,
                 self.stats_store,
                 self.deadletter,
-                self._sibling,
+                self._using,
                 limiter,
             )
             await queue._open()
             await self.stats_store.save_options(name, options.as_dict(), replace=not sibling)
         except BaseException as exc:
-            future.set_exception(exc)
-            future.exception()  # retrieved: the awaiting callers re-raise it themselves
+            if replacing is not None and not closing:  # still open: as it was
+                self._queues[name] = replacing
+                self._unclaimed.add(name)
+                future.set_result(replacing)
+            else:
+                future.set_exception(exc)
+                future.exception()  # retrieved: the awaiting callers re-raise it themselves
             raise
         finally:
             del self._opening[name]
@@ -242,9 +302,13 @@ class Factory:
         if sizes:
             for topology in found.values():
                 topology["sizes"] = {
-                    name: await (await self._sibling(name)).sizes() for name in topology["queues"]
+                    name: await self._sizes_of(name) for name in topology["queues"]
                 }
         return found
+
+    async def _sizes_of(self, name: str) -> Sizes:
+        async with self._using(name) as queue:
+            return await queue.sizes()
 
     async def remove_pipeline(self, name: str) -> bool:
         """Forget a stored pipeline topology (its queues and messages stay)."""

@@ -1476,8 +1476,8 @@ class Queue:
         dashboard do not know."""
         if name in self._targets or self._sibling is None:
             return
-        await self._sibling(name)
-        self._targets.add(name)
+        async with self._sibling(name):
+            self._targets.add(name)
 
     async def _submit_move(self, plan: Move) -> str | None:
         """A move checked earlier by :meth:`_move_plan` (a pipeline station checks its
@@ -1566,8 +1566,8 @@ class Queue:
         if row is not None and row.state != "processed":
             return visibility.view(self.name, row)
         if self._deadletter is not None and self._sibling is not None:
-            dead = await self._sibling(self._deadletter.queue)
-            (dead_row,) = await dead._store.locate([message_id])
+            async with self._sibling(self._deadletter.queue) as dead:
+                (dead_row,) = await dead._store.locate([message_id])
             if dead_row is not None and dead_row.state != "processed":
                 return visibility.view(dead.name, dead_row)
         return None if row is None else visibility.view(self.name, row)
@@ -1629,12 +1629,12 @@ class Queue:
         start, end = visibility.check_replay(ids, since, until)
         target_name = visibility.check_target(to, self.name)
         self._require("history")
-        target = self
-        if target_name != self.name:
-            if self._sibling is None:
-                raise NotSupportedError("replay to another queue needs a queue from a factory")
-            target = await self._sibling(target_name)
-        return await visibility.replay(self._store, target, ids, start, end)
+        if target_name == self.name:
+            return await visibility.replay(self._store, self, ids, start, end)
+        if self._sibling is None:
+            raise NotSupportedError("replay to another queue needs a queue from a factory")
+        async with self._sibling(target_name) as target:  # held till its last copy is in
+            return await visibility.replay(self._store, target, ids, start, end)
 
     async def _insert_entries(self, entries: list[Entry]) -> None:
         """Insert prepared entries (replay), counted and signalled like pushes."""

@@ -22,7 +22,8 @@ primitives for it (:meth:`Store.peek`, :meth:`Store.locate`, :meth:`Store.hold`,
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
+from contextlib import AbstractAsyncContextManager
 from datetime import datetime
 from typing import TYPE_CHECKING
 
@@ -335,8 +336,9 @@ async def _copy(target: Queue, found: list[Peeked]) -> list[str]:
     return [e.id for e in entries]
 
 
-SiblingQueue = Callable[[str], Awaitable["Queue"]]
-"""How a queue opens another queue of its factory (the deadletter queue, a replay target)."""
+SiblingQueue = Callable[[str], AbstractAsyncContextManager["Queue"]]
+"""How a queue reaches another queue of its factory (the deadletter queue, a replay target):
+held for the call that uses it, which the factory's reopen of it waits for."""
 
 
 def check_requeue(ids: Sequence[str] | None, origin: str | None) -> None:

@@ -1,0 +1,185 @@
+"""The factory's claim of a queue it opened by itself (the deadletter queue for a queue's
+routing, a move's or a replay's target): the user's first ``factory.queue(name, **options)``
+with other options reopens it with them, and nothing that uses the factory's own open at
+that moment may fail for it. Pinned on the real memory store, made to refuse calls once
+closed (as a bucket store does, or a client whose connection is gone) and to hold a call
+on an Event, so that each interleaving is made on purpose."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+import pytest
+
+import aio_keuss
+from aio_keuss.contract import Entry, Peeked, Store
+from aio_keuss.factory import Factory
+from aio_keuss.memory import MemoryStore
+from aio_keuss.options import QueueOptions
+from aio_keuss.types import State
+
+HANG_GUARD = 30.0  # seconds: only against a hang, never a timing assertion
+
+
+@dataclasses.dataclass
+class Gate:
+    """One store call held: ``entered`` once it is made, it goes on once ``go`` is set."""
+
+    entered: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)
+    go: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)
+
+
+class Stores:
+    """The stores a factory made, by queue, and the calls to hold (queue, call) -> Gate."""
+
+    def __init__(self) -> None:
+        self.made: dict[str, list[ShutStore]] = {}
+        self.gates: dict[tuple[str, str], Gate] = {}
+        self.processed: set[str] = set()  # queues whose messages locate shows as consumed
+
+    def hold(self, queue: str, call: str) -> Gate:
+        gate = self.gates[(queue, call)] = Gate()
+        return gate
+
+
+class ShutStore(MemoryStore):
+    """The memory store, refusing its calls once closed (its server connection gone)."""
+
+    def __init__(self, name: str, options: QueueOptions, backend: Any, stores: Stores) -> None:
+        super().__init__(name, options, backend)
+        self._stores = stores
+        self.shut = False
+
+    async def _through(self, call: str) -> None:
+        self._refuse_if_shut()
+        gate = self._stores.gates.pop((self.name, call), None)
+        if gate is not None:
+            gate.entered.set()
+            await gate.go.wait()
+        self._refuse_if_shut()  # closed while the round trip was out: its reply is lost
+
+    def _refuse_if_shut(self) -> None:
+        if self.shut:
+            raise aio_keuss.ClosedError(f"store of {self.name!r} is closed")
+
+    async def insert(self, entries: Sequence[Entry]) -> list[bool]:
+        await self._through("insert")
+        return await super().insert(entries)
+
+    async def locate(self, ids: Sequence[str]) -> list[Peeked | None]:
+        await self._through("locate")
+        found = await super().locate(ids)
+        if self.name not in self._stores.processed:
+            return found
+        return [None if r is None else dataclasses.replace(r, state=State.PROCESSED) for r in found]
+
+    async def close(self) -> None:
+        self.shut = True
+        await super().close()
+
+
+def _shut_stores(monkeypatch: pytest.MonkeyPatch, factory: Factory) -> Stores:
+    """Every store the factory makes from now on a ShutStore; the backend claims
+    ``history`` (a replay reads the messages of a queue in ``Stores.processed`` as
+    consumed ones)."""
+    stores = Stores()
+    backend = factory.backend
+
+    async def store(name: str, options: QueueOptions) -> Store:
+        made = ShutStore(name, options, backend, stores)
+        stores.made.setdefault(name, []).append(made)
+        return made
+
+    monkeypatch.setattr(backend, "store", store)
+    history = dataclasses.replace(backend.capabilities, history=True)
+    monkeypatch.setattr(backend, "capabilities", history)
+    return stores
+
+
+async def _turns(count: int) -> None:
+    """Let the other tasks run ``count`` loop turns (the memory store does no I/O: each
+    step of theirs is one turn)."""
+    for _ in range(count):
+        await asyncio.sleep(0)
+
+
+async def test_a_replay_into_the_factory_s_open_of_its_target_ends_across_the_claim(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A replay copies batch by batch into its target, opened by the factory with the
+    defaults. The user's open of the target with options of its own closed that open under
+    the replay: its next batch failed (ClosedError) after the first was pushed, and a
+    replay tried again pushed those copies twice."""
+    async with aio_keuss.connect("memory", max_batch=1) as factory:
+        stores = _shut_stores(monkeypatch, factory)
+        src = await factory.queue("src")
+        ids = await src.push_many(["a", "b", "c"])
+        stores.processed.add("src")
+        gate = stores.hold("tgt", "insert")
+        replaying = asyncio.ensure_future(src.replay(ids, to="tgt"))
+        await asyncio.wait_for(gate.entered.wait(), HANG_GUARD)  # its first copy is going in
+        claiming = asyncio.ensure_future(factory.queue("tgt", reserve_delay=45.0))
+        await _turns(50)  # the claim goes as far as it can meanwhile
+        gate.go.set()
+        copies = await asyncio.wait_for(replaying, HANG_GUARD)
+        tgt = await asyncio.wait_for(claiming, HANG_GUARD)
+        assert len(copies) == 3
+        assert tgt.options.reserve_delay == 45.0
+        assert await factory.queue("tgt") is tgt
+        popped = [await tgt.pop(timeout=0) for _ in range(4)]  # (max_batch 1)
+        assert sorted(m.payload for m in popped if m is not None) == ["a", "b", "c"]
+
+
+async def test_a_find_looking_in_the_deadletter_queue_ends_across_its_claim(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A find looks in the deadletter queue, opened by the factory for the routing. The
+    user's open of it with options of its own closed it under the find's lookup there."""
+    async with aio_keuss.connect("memory", deadletter={"max_ko": 1}) as factory:
+        stores = _shut_stores(monkeypatch, factory)
+        work = await factory.queue("work")
+        gate = stores.hold("__deadletter__", "locate")
+        finding = asyncio.ensure_future(work.find("nowhere"))
+        await asyncio.wait_for(gate.entered.wait(), HANG_GUARD)
+        claiming = asyncio.ensure_future(factory.queue("__deadletter__", reserve_delay=45.0))
+        await _turns(50)
+        gate.go.set()
+        assert await asyncio.wait_for(finding, HANG_GUARD) is None
+        dl = await asyncio.wait_for(claiming, HANG_GUARD)
+        assert dl.options.reserve_delay == 45.0
+        assert await work.find("nowhere") is None  # through the queue the user opened
+
+
+async def test_asks_joining_the_factory_s_own_open_get_the_queue_claimed(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Two asks of the deadletter queue, one with options and one without, joined the
+    factory's own open of it: the first claimed it (reopened with its options), the other
+    was handed the queue being closed, and its push failed (ClosedError)."""
+    async with aio_keuss.connect("memory", deadletter={"max_ko": 1}) as factory:
+        stores = _shut_stores(monkeypatch, factory)
+        opening, held = asyncio.Event(), asyncio.Event()
+        store = factory.backend.store
+
+        async def gated(name: str, options: QueueOptions) -> Any:
+            if name == "__deadletter__" and not held.is_set():
+                opening.set()
+                await held.wait()
+            return await store(name, options)
+
+        monkeypatch.setattr(factory.backend, "store", gated)
+        work = asyncio.ensure_future(factory.queue("work"))
+        await asyncio.wait_for(opening.wait(), HANG_GUARD)  # the factory's own open of it
+        asked = asyncio.ensure_future(factory.queue("__deadletter__", reserve_delay=45.0))
+        plain = asyncio.ensure_future(factory.queue("__deadletter__"))
+        await _turns(2)  # both join that open
+        held.set()
+        await asyncio.wait_for(work, HANG_GUARD)
+        dl = await asyncio.wait_for(asked, HANG_GUARD)
+        assert dl.options.reserve_delay == 45.0
+        assert await asyncio.wait_for(plain, HANG_GUARD) is dl
+        await dl.push("in")
+        assert len(stores.made["__deadletter__"]) == 2  # the factory's open, then the user's
