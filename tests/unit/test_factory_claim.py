@@ -19,7 +19,7 @@ from aio_keuss.contract import Entry, Peeked, Store
 from aio_keuss.factory import Factory
 from aio_keuss.memory import MemoryStore
 from aio_keuss.options import QueueOptions
-from aio_keuss.types import State
+from aio_keuss.types import Sizes, State
 
 HANG_GUARD = 30.0  # seconds: only against a hang, never a timing assertion
 
@@ -75,6 +75,10 @@ class ShutStore(MemoryStore):
         if self.name not in self._stores.processed:
             return found
         return [None if r is None else dataclasses.replace(r, state=State.PROCESSED) for r in found]
+
+    async def sizes(self) -> Sizes:
+        await self._through("sizes")
+        return await super().sizes()
 
     async def close(self) -> None:
         self.shut = True
@@ -183,3 +187,58 @@ async def test_asks_joining_the_factory_s_own_open_get_the_queue_claimed(
         assert await asyncio.wait_for(plain, HANG_GUARD) is dl
         await dl.push("in")
         assert len(stores.made["__deadletter__"]) == 2  # the factory's open, then the user's
+
+
+async def test_a_claim_cancelled_while_a_find_holds_the_queue_leaves_it_as_it_was(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A claim waiting for a find to let go of the deadletter queue, then cancelled (a
+    timeout around ``factory.queue``): the factory's own open stays open and unclaimed, and
+    what reached it meanwhile got it; a claim after that reopens it as the first would."""
+    async with aio_keuss.connect("memory", deadletter={"max_ko": 1}) as factory:
+        stores = _shut_stores(monkeypatch, factory)
+        work = await factory.queue("work")
+        own = factory._queues["__deadletter__"]
+        gate = stores.hold("__deadletter__", "locate")
+        finding = asyncio.ensure_future(work.find("nowhere"))
+        await asyncio.wait_for(gate.entered.wait(), HANG_GUARD)
+        claiming = asyncio.ensure_future(factory.queue("__deadletter__", reserve_delay=45.0))
+        await _turns(50)  # waiting for the find
+        reaching = asyncio.ensure_future(work.find("elsewhere"))  # waits for the reopen
+        await _turns(50)
+        claiming.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await claiming
+        assert await asyncio.wait_for(reaching, HANG_GUARD) is None
+        gate.go.set()
+        assert await asyncio.wait_for(finding, HANG_GUARD) is None
+        assert (
+            factory._queues["__deadletter__"] is own and not stores.made["__deadletter__"][0].shut
+        )
+        dl = await asyncio.wait_for(factory.queue("__deadletter__", reserve_delay=45.0), HANG_GUARD)
+        assert dl is not own and dl.options.reserve_delay == 45.0
+        assert stores.made["__deadletter__"][0].shut  # the factory's open closed by the claim
+        assert await work.find("nowhere") is None
+
+
+async def test_a_pipeline_s_sizes_read_across_the_claim_of_a_queue_it_reaches(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``factory.pipelines(sizes=True)`` reads the sizes of a queue it opens by itself; a
+    claim of it meanwhile waits for that read rather than closing the store under it."""
+    async with aio_keuss.connect("memory") as factory:
+        stores = _shut_stores(monkeypatch, factory)
+        gate = stores.hold("tgt", "sizes")
+        monkeypatch.setattr(factory.stats_store, "pipelines", _one_pipeline)
+        reading = asyncio.ensure_future(factory.pipelines(sizes=True))
+        await asyncio.wait_for(gate.entered.wait(), HANG_GUARD)
+        claiming = asyncio.ensure_future(factory.queue("tgt", reserve_delay=45.0))
+        await _turns(50)
+        gate.go.set()
+        found = await asyncio.wait_for(reading, HANG_GUARD)
+        assert found["p"]["sizes"]["tgt"].total == 0
+        assert (await asyncio.wait_for(claiming, HANG_GUARD)).options.reserve_delay == 45.0
+
+
+async def _one_pipeline() -> dict[str, dict[str, Any]]:
+    return {"p": {"queues": ["tgt"]}}
