@@ -7,6 +7,7 @@ functional limits, never performance assertions.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Sequence
 from datetime import UTC, datetime
 
 import pytest
@@ -14,6 +15,8 @@ from conftest import Connect, drain_all, needs, needs_reserve
 
 import aio_keuss
 from aio_keuss import KoResult
+from aio_keuss.contract import Peeked, Store
+from aio_keuss.options import QueueOptions
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -165,6 +168,81 @@ async def test_a_deadletter_queue_asked_for_with_the_defaults_keeps_them(
     with pytest.raises(aio_keuss.ConfigError, match="already open"):
         await factory.queue("__deadletter__", reserve_delay=45.0)
     assert await factory.queue("__deadletter__") is dl
+
+
+async def test_asks_joining_the_factory_s_own_open_of_the_deadletter_queue_get_one_queue(
+    connect: Connect, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two asks of the deadletter queue, with options and without, joined the factory's own
+    open of it (for another queue's routing): the first reopened it with its options, the
+    other was handed the queue being closed (its consumers, its sizes: ClosedError)."""
+    factory = await connect(deadletter={"max_ko": 0}, poll_interval=5.0)
+    opening, held = asyncio.Event(), asyncio.Event()
+    make = factory.backend.store
+
+    async def store(name: str, options: QueueOptions) -> Store:
+        if name == "__deadletter__" and not held.is_set():
+            opening.set()
+            await held.wait()
+        return await make(name, options)
+
+    monkeypatch.setattr(factory.backend, "store", store)
+    work = asyncio.ensure_future(factory.queue("work"))
+    await asyncio.wait_for(opening.wait(), 30)  # the factory's own open of it is under way
+    asked = asyncio.ensure_future(factory.queue("__deadletter__", reserve_delay=45.0))
+    plain = asyncio.ensure_future(factory.queue("__deadletter__"))
+    for _ in range(2):  # both join that open
+        await asyncio.sleep(0)
+    held.set()
+    await work
+    dl = await asked
+    assert dl.options.reserve_delay == 45.0
+    assert await plain is dl
+    await dl.push("in")
+    assert (await dl.sizes()).total == 1
+
+
+async def test_a_find_in_the_deadletter_queue_and_a_plain_ask_end_across_its_claim(
+    connect: Connect, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The deadletter queue opened for the routing, a find looking in it, the user's open
+    of it with options of its own, and an ask without options after it: the reopen closed
+    the factory's open under the find's lookup (which a store refusing calls once closed
+    failed), and now waits for it; the plain ask gets the reopened queue."""
+    factory = await connect(deadletter={"max_ko": 0}, poll_interval=5.0)
+    needs(factory, "peek")
+    entered, go = asyncio.Event(), asyncio.Event()
+    make = factory.backend.store
+
+    async def store(name: str, options: QueueOptions) -> Store:
+        made = await make(name, options)
+        if name == "__deadletter__" and not entered.is_set():  # the factory's own open
+            locate = made.locate
+
+            async def held(ids: Sequence[str]) -> list[Peeked | None]:
+                entered.set()
+                await go.wait()
+                return await locate(ids)
+
+            monkeypatch.setattr(made, "locate", held)
+        return made
+
+    monkeypatch.setattr(factory.backend, "store", store)
+    work = await factory.queue("work")
+    finding = asyncio.ensure_future(work.find("nowhere"))
+    await asyncio.wait_for(entered.wait(), 30)  # its lookup in the deadletter queue is out
+    asked = asyncio.ensure_future(factory.queue("__deadletter__", reserve_delay=45.0))
+    plain = asyncio.ensure_future(factory.queue("__deadletter__"))
+    for _ in range(50):  # the claim goes as far as it can meanwhile
+        await asyncio.sleep(0)
+    go.set()
+    assert await finding is None
+    dl = await asked
+    assert dl.options.reserve_delay == 45.0
+    assert await plain is dl
+    await dl.push("in")
+    assert (await dl.sizes()).total == 1
+    assert await work.find("nowhere") is None
 
 
 @pytest.mark.parametrize("second", ["ko", "ok"])
