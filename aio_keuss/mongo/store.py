@@ -42,6 +42,8 @@ Operations (``now`` = client clock; "live" = not yet consumed):
   which of them are gone, by id).
 - ko: update (reserved false, mature = now + delay); past ``max_ko`` a deadletter move.
 - remove: delete unless under an active reservation (``reserved and mature > now``).
+- amend: one ``update_one`` per message, all sent at once, each under remove's rule (see
+  :meth:`MongoStore.amend`).
 - sizes: one ``$group`` aggregation; next mature: the first document on the ``mature`` index.
 
 A document another program inserted is read tolerantly (see :func:`_payload` and
@@ -89,6 +91,7 @@ from pymongo import errors as mongo_errors
 from ..coalesce import Finishing, to_the_end
 from ..contract import (
     Ack,
+    Amend,
     Cursor,
     DeadletterPlan,
     Entry,
@@ -259,6 +262,33 @@ def _priority(doc: Document) -> int:
 def _rank(doc: Document) -> tuple[int, float]:
     """Where a taken document goes in its batch: ``BY_PRIORITY``'s order."""
     return -_priority(doc), float(doc["mature"])
+
+
+def _waiting(message_id: str, now: float, scheduled_only: bool = False) -> Document:
+    """A live message not under an active reservation: :meth:`MongoStore.remove`'s rule, a
+    lapsed reservation counting as waiting; with ``scheduled_only``, one still maturing.
+    ``$and``, not sibling fields: see :meth:`MongoStore.remove`."""
+    mature: Document = {"$gt": now, **LIVE["mature"]} if scheduled_only else LIVE["mature"]
+    free = {"$or": [{"reserved": False}, {"mature": {"$lte": now}}]}
+    return {"$and": [{"_id": message_id, "mature": mature}, free]}
+
+
+def _amended(amend: Amend, now: float) -> Document:
+    """The update of an amend: its mature time ``now + delay`` (when given) and its
+    priority as a push stores it (see ``BY_PRIORITY``: the other field, or both for 0,
+    removed). A message whose reservation lapsed is waiting again: ``reserved`` false and
+    no ``owner``, so that its lapsed holder's late ok, ko or renewal (guarded by both) no
+    longer acts on it, and a new mature time ahead does not read as a reservation. Its
+    count stays: the lapsed try was counted when it was reserved."""
+    changed: Document = {"reserved": False}
+    removed: Document = {"owner": ""}
+    if amend.delay is not None:
+        changed["mature"] = now + amend.delay
+    if amend.priority is not None:
+        fields = _priority_fields(amend.priority)
+        changed.update(fields)
+        removed.update({f: "" for f in ("raised", "lowered") if f not in fields})
+    return {"$set": changed, "$unset": removed}
 
 
 def _stored(doc: Document, token: str | None = None) -> Stored:
@@ -1369,6 +1399,46 @@ class MongoStore(Store):
         )
         return [count == 1 for count in counts]
 
+    @translated
+    async def amend(self, amends: Sequence[Amend]) -> list[bool]:
+        """Each amend is one ``update_one`` whose filter is the rule of :meth:`remove` (live,
+        and not reserved or its reservation lapsed: a lapsed one counts as waiting) and, with
+        ``scheduled_only``, ``mature > now``; the server applies a filter and its update to
+        one document atomically (MongoDB manual, "Atomicity and Transactions"), so an amend
+        and a reserve racing for a message do not both get it: the reserve's take needs
+        ``mature <= now`` and leaves it reserved, which this filter then refuses. True when
+        the filter matched (``matched_count``: an amend that changes nothing, a priority it
+        already has, is still True).
+
+        All the updates are sent at once (``asyncio.gather``, as :meth:`remove` does): one
+        round trip's wait, whatever their number. Not one ``bulk_write``: its result counts
+        the documents matched and modified, never which (MongoDB manual, the ``update``
+        command's output ``n`` and ``nModified``); only MongoDB 8.0's client ``bulkWrite``
+        with ``verboseResults`` tells each, which older servers and those merely speaking
+        the protocol lack. A marker set by the bulk update and read back costs a second
+        round trip and leaves a field to clean; ``findAndModify`` per message costs the
+        same commands as ``update_one`` and sends each document back, unused here.
+
+        Times come from the client's clock, as every time of this backend (see
+        :mod:`aio_keuss.mongo.connection`); amends of one call get mature times one
+        microsecond apart, as the messages of one push batch. A priority other than 0 makes
+        the queue's index of ``BY_PRIORITY`` first, as a prioritized push does (only the
+        first time: ``ensure_priority`` remembers it)."""
+        if not amends:
+            return []
+        if any(a.priority for a in amends):  # its index first: then its takes see them
+            await self._backend.ensure_priority(self.name)
+        now = time.time()
+        results = await asyncio.gather(
+            *(
+                self._coll.update_one(
+                    _waiting(a.id, now, a.scheduled_only), _amended(a, now + i * TIE_STEP)
+                )
+                for i, a in enumerate(amends)
+            )
+        )
+        return [result.matched_count == 1 for result in results]
+
     # looking without taking -------------------------------------------------------------
 
     @translated
@@ -1511,7 +1581,7 @@ class MongoQueueBackend(MongoBackend):
 
     name = "mongo"
     capabilities: Capabilities = Capabilities(
-        move=True, peek=True, hold=True, extend=True, priority=True
+        move=True, peek=True, hold=True, extend=True, priority=True, reschedule=True
     )
     store_class: ClassVar[type[MongoStore]] = MongoStore
 
@@ -1539,7 +1609,13 @@ class MongoHistoryBackend(MongoQueueBackend):
 
     name = "mongo-history"
     capabilities: Capabilities = Capabilities(
-        move=True, peek=True, hold=True, history=True, extend=True, priority=True
+        move=True,
+        peek=True,
+        hold=True,
+        history=True,
+        extend=True,
+        priority=True,
+        reschedule=True,
     )
     default_prefix = "keuss_history"
     store_class = MongoHistoryStore
