@@ -277,9 +277,10 @@ def _amended(amend: Amend, now: float) -> Document:
     """The update of an amend: its mature time ``now + delay`` (when given) and its
     priority as a push stores it (see ``BY_PRIORITY``: the other field, or both for 0,
     removed). A message whose reservation lapsed is waiting again: ``reserved`` false and
-    no ``owner``, so that its lapsed holder's late ok, ko or renewal (guarded by both) no
-    longer acts on it, and a new mature time ahead does not read as a reservation. Its
-    count stays: the lapsed try was counted when it was reserved."""
+    no ``owner``, so that its lapsed holder's late ok, ko or renewal (guarded by both), or
+    a mongo pop's delete after its claim lapsed (guarded by the token), no longer acts on
+    it, and a new mature time ahead does not read as a reservation. Its count stays: the
+    lapsed try was counted when it was reserved."""
     changed: Document = {"reserved": False}
     removed: Document = {"owner": ""}
     if amend.delay is not None:

@@ -298,3 +298,33 @@ async def test_reschedules_racing_reserves_hand_each_message_to_one_side(
 async def _has_priority_index(coll: Any) -> bool:
     indexes = await coll.index_information()
     return any([k for k, _ in ix["key"]] == PRIORITY_KEYS for ix in indexes.values())
+
+
+async def test_a_pop_whose_claim_lapsed_and_was_amended_hands_nothing_over(
+    factory: aio_keuss.Factory, backend: str
+) -> None:
+    """A mongo pop claims its message (reserved, under its token), then deletes what still
+    carries the token. A claim that lapsed first is waiting to an amend, which takes the
+    token away: the pop's delete removes nothing and the message stays, amended."""
+    if backend != "mongo":
+        pytest.skip("mongo-history's pop marks the message processed in one update")
+    q = await factory.queue("pop-lapsed")
+    message_id = await q.push("x")
+    coll = _coll(q)
+    real_delete = coll.delete_one
+    amended: list[bool] = []
+
+    async def amended_first(*args: Any, **kwargs: Any) -> Any:  # between claim and delete
+        coll.delete_one = real_delete
+        await _lapse(q, message_id)
+        amended.extend(await _amend(q, Amend(message_id, delay=600)))
+        return await real_delete(*args, **kwargs)
+
+    coll.delete_one = amended_first
+    try:
+        assert await q.pop(timeout=0) is None
+    finally:
+        coll.delete_one = real_delete
+    assert amended == [True]
+    doc = await _doc(q, message_id)
+    assert not doc["reserved"] and "owner" not in doc and doc["mature"] > time.time()
