@@ -1422,7 +1422,9 @@ class MongoStore(Store):
 
         Times come from the client's clock, as every time of this backend (see
         :mod:`aio_keuss.mongo.connection`); amends of one call get mature times one
-        microsecond apart, as the messages of one push batch. A priority other than 0 makes
+        microsecond apart, as the messages of one push batch. Amends of one message in one
+        call are applied in their order, each after the one before (a round trip more for
+        each repeat): sent at once, they landed in any order. A priority other than 0 makes
         the queue's index of ``BY_PRIORITY`` first, as a prioritized push does (only the
         first time: ``ensure_priority`` remembers it)."""
         if not amends:
@@ -1430,15 +1432,22 @@ class MongoStore(Store):
         if any(a.priority for a in amends):  # its index first: then its takes see them
             await self._backend.ensure_priority(self.name)
         now = time.time()
-        results = await asyncio.gather(
-            *(
-                self._coll.update_one(
-                    _waiting(a.id, now, a.scheduled_only), _amended(a, now + i * TIE_STEP)
-                )
-                for i, a in enumerate(amends)
-            )
-        )
-        return [result.matched_count == 1 for result in results]
+        done = [False] * len(amends)
+        calls: dict[str, list[int]] = {}
+        for i, amend in enumerate(amends):
+            calls.setdefault(amend.id, []).append(i)
+
+        async def in_turn(indexes: list[int]) -> None:
+            for i in indexes:
+                done[i] = await self._amend_one(amends[i], now + i * TIE_STEP)
+
+        await asyncio.gather(*(in_turn(indexes) for indexes in calls.values()))
+        return done
+
+    async def _amend_one(self, amend: Amend, now: float) -> bool:
+        where = _waiting(amend.id, now, amend.scheduled_only)
+        result = await self._coll.update_one(where, _amended(amend, now))
+        return result.matched_count == 1
 
     # looking without taking -------------------------------------------------------------
 

@@ -328,3 +328,21 @@ async def test_a_pop_whose_claim_lapsed_and_was_amended_hands_nothing_over(
     assert amended == [True]
     doc = await _doc(q, message_id)
     assert not doc["reserved"] and "owner" not in doc and doc["mature"] > time.time()
+
+
+async def test_amends_of_one_message_in_one_call_apply_in_their_order(
+    factory: aio_keuss.Factory,
+) -> None:
+    q = await factory.queue("twice")
+    message_id = await q.push("x", delay=600)
+    promote = Amend(message_id, delay=0, scheduled_only=True)
+    later = Amend(message_id, delay=600)
+    start = time.time()
+    assert await _amend(q, later, Amend(message_id, priority=3), promote) == [True] * 3
+    doc = await _doc(q, message_id)
+    assert doc["raised"] == 3 and start <= doc["mature"] <= time.time()
+    start = time.time()
+    assert await _amend(q, promote, later) == [False, True]  # it was ready: no promote
+    assert (await _doc(q, message_id))["mature"] >= start + 600
+    assert await _amend(q, promote, later, promote) == [True, True, True]
+    assert await q.pop(timeout=0) is not None
