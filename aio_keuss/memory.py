@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 
 from .contract import (
     Ack,
+    Amend,
     Backend,
     Cursor,
     DeadletterPlan,
@@ -117,26 +118,47 @@ class _QueueData:
         return taken
 
     def _take_by_priority(self, n: int, now: float) -> list[_Record]:
+        self.ripen(now)
+        ready, records = self.ready, self.records
+        taken: list[_Record] = []
+        seen: set[str] = set()  # a priority changed back and forth leaves two live entries
+        while ready and len(taken) < n:
+            rank, _, seq, message_id = heapq.heappop(ready)
+            record = records.get(message_id)
+            if record is not None and _live(record, rank, seq) and message_id not in seen:
+                seen.add(message_id)
+                taken.append(record)
+        return taken
+
+    def ripen(self, now: float) -> None:
+        """Move what is mature from the heap into the one by priority."""
         heap, ready, records = self.heap, self.ready, self.records
         while heap and heap[0][0] <= now:
             mature, seq, message_id = heapq.heappop(heap)
             record = records.get(message_id)
             if record is not None and record.seq == seq:
                 heapq.heappush(ready, (-record.priority, mature, seq, message_id))
-        taken: list[_Record] = []
-        while ready and len(taken) < n:
-            _, _, seq, message_id = heapq.heappop(ready)
-            record = records.get(message_id)
-            if record is not None and record.seq == seq:
-                taken.append(record)
-        return taken
+
+    def change_priority(self, record: _Record, priority: int, now: float) -> None:
+        """Give a record a new priority where it stands: its sequence number, so its place
+        among those of its new priority, stays (as if pushed with it). Its entry in the
+        heap by priority, if it has one, goes stale by its rank (see ``_live``)."""
+        if priority == record.priority:
+            return
+        record.priority = priority
+        if not self.prioritized:
+            self.prioritized = bool(priority)  # its entry is in the heap: read when taken
+            return
+        self.ripen(now)  # after this a mature record's live entry is in ``ready``
+        if record.mature <= now:
+            heapq.heappush(self.ready, (-priority, record.mature, record.seq, record.id))
 
     def next_mature(self) -> float | None:
         ready, records = self.ready, self.records
         while ready:  # mature already, whatever the other heap holds
-            _, mature, seq, message_id = ready[0]
+            rank, mature, seq, message_id = ready[0]
             record = records.get(message_id)
-            if record is not None and record.seq == seq:
+            if record is not None and _live(record, rank, seq):
                 return mature
             heapq.heappop(ready)
         heap = self.heap
@@ -158,6 +180,12 @@ class _QueueData:
     def remember(self, message_id: str, expiry: float) -> None:
         self.dedup[message_id] = expiry
         self.dedup_expiry.append((expiry, message_id))
+
+
+def _live(record: _Record, rank: int, seq: int) -> bool:
+    """Whether an entry of the heap by priority is the record's current one: a new mature
+    time gives a record a new sequence number, a new priority a new rank."""
+    return record.seq == seq and record.priority == -rank
 
 
 def _stored(record: _Record, tries: int, mature: float) -> Stored:
@@ -333,6 +361,31 @@ class MemoryStore(Store):
                 results.append(True)
         return results
 
+    async def amend(self, amends: Sequence[Amend]) -> list[bool]:
+        """Waiting is what ``remove`` takes: a record not under an active reservation, so a
+        lapsed one too. Amending that one ends its reservation as a new delivery would, the
+        lapsed delivery counted as a try (the tries ``peek`` shows already), so its old
+        holder can no longer ok it. All of it runs without awaiting: atomic against every
+        take of this loop."""
+        now = time.time()
+        return [self._amend_one(amend, now) for amend in amends]
+
+    def _amend_one(self, amend: Amend, now: float) -> bool:
+        data = self._data
+        record = data.records.get(amend.id)
+        if record is None or (record.reserved and record.mature > now):
+            return False
+        if amend.scheduled_only and record.mature <= now:
+            return False
+        if record.reserved:
+            record.reserved = False
+            record.tries += 1
+        if amend.priority is not None:
+            data.change_priority(record, amend.priority, now)
+        if amend.delay is not None:
+            data.reschedule(record, now + amend.delay)
+        return True
+
     def check_cursor(self, cursor: Cursor | None) -> Cursor | None:
         """(mature, seq): seq the decimal digits of a record's sequence number."""
         return check_seq_cursor(cursor)
@@ -403,6 +456,7 @@ class MemoryBackend(Backend):
         hold=True,
         extend=True,
         priority=True,
+        reschedule=True,
     )
 
     def __init__(self, options: dict[str, object]) -> None:
