@@ -44,6 +44,7 @@ from .contract import (
     MOVE_TAG,
     PUT_BACK_TAG,
     Ack,
+    Amend,
     BulkLoad,
     DeadletterPlan,
     Entry,
@@ -1515,6 +1516,56 @@ class Queue:
         self._require("remove")
         (removed,) = await self._store.remove([_target(message)[0]])
         return removed
+
+    # changing waiting messages (promote, reschedule, change_priority) ------------------
+
+    async def promote(self, message: Message | str) -> bool:
+        """Make a scheduled message ready now (BullMQ's ``job.promote()``): True when it
+        was waiting for its mature time; False when it is not here, is under an active
+        reservation or was ready already. It then comes out among the ready ones by its new
+        mature time, now. Needs ``capabilities.reschedule``."""
+        return await self._amend(message, 0.0, None, scheduled_only=True)
+
+    async def reschedule(self, message: Message | str, delay: float) -> bool:
+        """Make a waiting message (ready or scheduled, not under an active reservation)
+        mature ``delay`` seconds from now, as a push with that delay would: sooner or later
+        than it was. False when it is not here or is reserved. Needs
+        ``capabilities.reschedule``."""
+        self._check_open()
+        return await self._amend(message, check_seconds(delay, "delay"), None)
+
+    async def change_priority(self, message: Message | str, priority: int) -> bool:
+        """Give a waiting message a new priority (BullMQ's ``job.changePriority``); its
+        mature time stays, and among its new priority it takes the place a push with it
+        would have had. False when it is not here or is reserved. Needs
+        ``capabilities.reschedule`` and ``capabilities.priority``."""
+        self._check_open()
+        return await self._amend(message, None, check_priority(priority))
+
+    async def _amend(
+        self,
+        message: Message | str,
+        delay: float | None,
+        priority: int | None,
+        *,
+        scheduled_only: bool = False,
+    ) -> bool:
+        """One change, in one store call. One that gives a new mature time is signalled as
+        a push with it would be (consumers of every process wake for it when it is due; a
+        promote, due now, wakes one), whether it was sooner or later than before: the store
+        does not say which, and a wakeup for nothing costs a take."""
+        self._check_open()
+        message_id = _target(message)[0]  # bad input first, whatever the backend can do
+        self._require("reschedule")
+        if priority is not None:
+            self._require("priority")
+        amend = Amend(message_id, delay, priority, scheduled_only)
+        work = RunToEnd(self._store.amend([amend]))
+        (changed,) = await work
+        if changed and delay is not None:
+            self._signal.insert(self.name, time.time() + delay, 1)
+        work.raise_held()
+        return changed
 
     # looking inside and repairing (see aio_keuss.visibility) ---------------------------
 

@@ -840,6 +840,15 @@ class SyncQueue:
     def remove(self, message: Message | str) -> bool:
         return self._call(self.queue.remove, message)
 
+    def promote(self, message: Message | str) -> bool:
+        return self._call(self.queue.promote, message)
+
+    def reschedule(self, message: Message | str, delay: float) -> bool:
+        return self._call(self.queue.reschedule, message, delay)
+
+    def change_priority(self, message: Message | str, priority: int) -> bool:
+        return self._call(self.queue.change_priority, message, priority)
+
     # observing and administering ------------------------------------------------------
 
     def sizes(self) -> Sizes:
