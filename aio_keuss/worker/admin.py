@@ -18,6 +18,11 @@ to stderr), and exits with a code a script can trust:
 6     ``purge`` was not confirmed; nothing was written
 ====  ===================================================================================
 
+``promote QUEUE ID``, ``reschedule QUEUE ID --delay S`` and ``priority QUEUE ID P`` change
+a waiting message where it stands (``Queue.promote``, ``reschedule``, ``change_priority``):
+exit 4 when it is not waiting (gone, under an active reservation, or for ``promote`` ready
+already), 5 where the backend has no ``reschedule``.
+
 Opening a queue records its options in the backend; these commands open a queue with the
 options recorded there already, so looking at a queue never changes them.
 """
@@ -450,6 +455,28 @@ async def _purge(factory: Factory, args: argparse.Namespace, out: Output) -> int
     return EXIT_OK
 
 
+async def _amend(factory: Factory, args: argparse.Namespace, out: Output) -> int:
+    """promote, reschedule, priority: all checked before the queue is opened."""
+    message_id = check_known_id(args.id)
+    if args.command == "priority":
+        check_priority(args.priority)
+        _require(factory, "reschedule", "priority")
+    else:
+        _require(factory, "reschedule")
+    q = await _open(factory, args.queue)
+    if args.command == "promote":
+        changed = await q.promote(message_id)
+    elif args.command == "reschedule":
+        changed = await q.reschedule(message_id, args.delay)
+    else:
+        changed = await q.change_priority(message_id, args.priority)
+    out.emit({"queue": q.name, "id": message_id, "changed": changed})
+    if not changed:
+        print(f"aio-keuss {args.command}: {message_id!r} is not waiting", file=sys.stderr)
+        return EXIT_NOT_FOUND
+    return EXIT_OK
+
+
 async def _pause(factory: Factory, args: argparse.Namespace, out: Output) -> int:
     q = await _open(factory, args.queue, create=True)  # may be paused before its first push
     if args.command == "pause":
@@ -605,6 +632,7 @@ def add_commands(commands: Any) -> None:
     p = command("purge", _purge, "remove every message not under an active reservation")
     p.add_argument("queue")
     p.add_argument("--yes", action="store_true", help="do not ask for confirmation")
+    _add_amend_commands(command)
     command("pause", _pause, "stop deliveries of a queue in every process").add_argument("queue")
     command("resume", _pause, "resume deliveries of a queue").add_argument("queue")
     p = command("history", _history, "consumed messages kept by a history backend")
@@ -629,6 +657,20 @@ def add_commands(commands: Any) -> None:
         _remove_pipeline,
         "forget a stored pipeline's topology (its queues stay), so a changed one can start",
     ).add_argument("pipeline")
+
+
+def _add_amend_commands(command: Callable[[str, Command, str], argparse.ArgumentParser]) -> None:
+    p = command("promote", _amend, "make a scheduled message ready now (exit 4 if not)")
+    p.add_argument("queue")
+    p.add_argument("id")
+    p = command("reschedule", _amend, "make a waiting message mature DELAY seconds from now")
+    p.add_argument("queue")
+    p.add_argument("id")
+    p.add_argument("--delay", type=_seconds, required=True)
+    p = command("priority", _amend, "give a waiting message a new priority")
+    p.add_argument("queue")
+    p.add_argument("id")
+    p.add_argument("priority", type=int, help="higher first among ready messages")
 
 
 def run(args: argparse.Namespace, environ: Mapping[str, str] = os.environ) -> int:

@@ -411,3 +411,41 @@ async def test_a_push_refused_for_its_id_or_delay_records_no_queue(redis_cli: Cl
         done = await plain.run(*args)
         assert done.returncode == 5, (args, done.returncode, done.stderr)
     assert (await cli.json("list")) == [] and (await plain.json("list")) == []
+
+
+# promote, reschedule, priority ---------------------------------------------------------------
+
+
+async def test_promote_reschedule_and_priority_change_a_waiting_message(redis_cli: Cli) -> None:
+    cli = redis_cli
+    async with cli.connect() as factory:
+        if not factory.capabilities.reschedule:
+            pytest.skip("redis-oq has no reschedule on this branch yet")
+    (later,) = (await cli.json("push", "jobs", '"later"', "--delay", "3600"))["ids"]
+    done = await cli.json("promote", "jobs", later)
+    assert done == {"queue": "jobs", "id": later, "changed": True}
+    again = await cli.run("promote", "jobs", later)
+    assert again.returncode == 4 and "not waiting" in again.stderr  # ready already
+    assert (await cli.json("reschedule", "jobs", later, "--delay", "3600"))["changed"]
+    assert (await cli.json("find", "jobs", later))["state"] == "scheduled"
+    assert (await cli.json("priority", "jobs", later, "7"))["changed"]
+    assert (await cli.json("find", "jobs", later))["priority"] == 7
+    missing = await cli.run("reschedule", "jobs", "no-such-id", "--delay", "0")
+    assert missing.returncode == 4
+
+
+async def test_promote_reschedule_and_priority_refuse_before_writing(redis_cli: Cli) -> None:
+    cli = redis_cli
+    plain_list = Cli("redis-list", cli.options)
+    for args in (
+        ("promote", "jobs", "x"),
+        ("reschedule", "jobs", "x", "--delay", "1"),
+        ("priority", "jobs", "x", "1"),
+    ):
+        refused = await plain_list.run(*args)
+        assert refused.returncode == 5 and "reschedule" in refused.stderr, (args, refused.stderr)
+    assert (await cli.run("reschedule", "jobs", "x", "--delay", "-1")).returncode == 2
+    assert (await cli.run("reschedule", "jobs", "x")).returncode == 2  # --delay is required
+    assert (await cli.run("priority", "jobs", "x", "40000")).returncode == 2
+    assert (await cli.run("promote", "jobs", "a\x01b" * 400)).returncode == 2
+    assert (await cli.json("list")) == []  # nothing was written by the failures
