@@ -138,6 +138,7 @@ class Board:
             "capabilities": {
                 "peek": capabilities.peek,
                 "requeue": capabilities.peek and capabilities.hold and capabilities.move,
+                "promote": capabilities.reschedule,
             },
             "queues": rows,
             "pipelines": [_pipeline_data(doc) for doc in pipelines.values()],
@@ -172,6 +173,12 @@ class Board:
         queue = await self.queue(name)
         await (queue.pause() if paused else queue.resume())
         return await queue.is_paused()
+
+    async def promote(self, name: object, message_id: object) -> bool:
+        """Make a scheduled message ready now; False when it is no longer scheduled (taken,
+        removed, or ready meanwhile: the page showed an older peek)."""
+        queue = await self.queue(name)
+        return await queue.promote(message_id)  # type: ignore[arg-type]  # checked there
 
     async def requeue(self, name: object, ids: object) -> dict[str, str]:
         """Move deadlettered messages back where they failed: ``ids``, or every one when

@@ -14,6 +14,7 @@ Routes (see :mod:`aio_keuss.dashboard.security` for what every request must show
     GET  /api/messages?queue=&state=&n=   a peek, without taking anything
     POST /api/pause | /api/resume         {"queue": name}
     POST /api/requeue           {"queue": deadletter queue, "ids": [...] or null for all}
+    POST /api/promote           {"queue": name, "id": a scheduled message's id}
 """
 
 from __future__ import annotations
@@ -111,6 +112,7 @@ class Dashboard:
         app.router.add_post("/api/pause", self._pause)
         app.router.add_post("/api/resume", self._resume)
         app.router.add_post("/api/requeue", self._requeue)
+        app.router.add_post("/api/promote", self._promote)
         return app
 
     async def start(self) -> None:
@@ -220,6 +222,10 @@ class Dashboard:
     async def _requeue(self, request: web.Request) -> web.Response:
         body = await _body(request)
         return await _answer(self.board.requeue(body.get("queue"), body.get("ids")))
+
+    async def _promote(self, request: web.Request) -> web.Response:
+        body = await _body(request)
+        return await _answer(self.board.promote(body.get("queue"), body.get("id")))
 
 
 async def _body(request: web.Request) -> dict[str, Any]:

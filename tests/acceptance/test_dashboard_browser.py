@@ -186,7 +186,7 @@ async def test_dashboard_on_memory(browser: Any, tmp_path: Path) -> None:
         await factory.queue("rejected")
         dead_id = await _ko_to_deadletter(jobs, {"note": HOSTILE})
         await jobs.push({"job": 1})
-        await shipped.push({"order": 0}, delay=3600)
+        scheduled_id = await shipped.push({"order": 0}, delay=3600)
         pipeline = factory.pipeline("orders-flow")
         pipeline.choice("orders", ["shipped", "rejected"], check_order)
         pipeline.sink("shipped", notify)
@@ -244,6 +244,20 @@ async def test_dashboard_on_memory(browser: Any, tmp_path: Path) -> None:
                 await traffic
 
             await _check_requeue_and_markup(page, jobs, dead_id)
+            await _check_promote(page, shipped, scheduled_id)
+
+
+async def _check_promote(page: Any, queue: aio_keuss.Queue, scheduled_id: str) -> None:
+    """A scheduled row of the peek has a Promote button (a ready one has none); clicked,
+    the message is ready now and the row, redrawn by the refresh, says so."""
+    await _row(page, queue.name).locator("button.peek").click()
+    await expect(page.locator("#peek-queue")).to_have_text(queue.name)
+    peeked = page.locator(f'#peek tbody tr[data-id="{scheduled_id}"]')
+    await expect(peeked.locator("td").nth(1)).to_have_text("scheduled", timeout=WAIT)
+    await peeked.locator("button.promote").click()
+    await expect(peeked.locator("td").nth(1)).to_have_text("ready", timeout=WAIT)
+    await expect(peeked.locator("button.promote")).to_have_count(0)
+    assert (await queue.sizes()).scheduled == 0
 
 
 async def test_queue_names_of_object_members_do_not_break_the_page(browser: Any) -> None:

@@ -428,3 +428,32 @@ async def test_rates_come_from_samples_of_the_counters(factory: aio_keuss.Factor
     assert len(series) == 1
     _, pushed, done, total = series[0]
     assert pushed > 0 and done == 0 and total == 6
+
+
+async def test_promote_makes_a_scheduled_message_ready_once(
+    factory: aio_keuss.Factory, client: Any
+) -> None:
+    jobs = await factory.queue("jobs")
+    later = await jobs.push("later", delay=3600)
+    dashboard = await _started(factory)
+
+    async def promote(body: bytes) -> tuple[int, Any]:
+        url = dashboard.url + "api/promote"
+        async with client.post(url, data=body, headers=_post_headers(dashboard)) as response:
+            return response.status, await response.json()
+
+    try:
+        assert (await dashboard.board.state())["capabilities"]["promote"]
+        assert await promote(b'{"queue": "jobs", "id": "%s"}' % later.encode()) == (
+            200,
+            {"result": True},
+        )
+        assert (await jobs.sizes()).scheduled == 0
+        assert await promote(b'{"queue": "jobs", "id": "%s"}' % later.encode()) == (
+            200,
+            {"result": False},
+        )
+        assert (await promote(b'{"queue": "jobs", "id": 7}'))[0] == 400
+        assert (await promote(b'{"queue": "nope", "id": "x"}'))[0] == 404
+    finally:
+        await dashboard.stop()

@@ -205,6 +205,7 @@
         row.appendChild(pre(headersText(m.headers)));
         row.appendChild(pre(m.payload));
         row.querySelector("td:last-child pre").classList.add("payload");
+        row.appendChild(promoteCell(asked, m));
         return row;
       });
       body.replaceChildren(...rows);
@@ -215,6 +216,19 @@
       note.textContent = String(error.message);
       note.className = "note bad";
     }
+  }
+
+  // a scheduled message made ready now (where the backend has capabilities.reschedule)
+  function promoteCell(queue, m) {
+    const actions = el("td");
+    if (m.state !== "scheduled" || !state.capabilities.promote) return actions;
+    const button = el("button", { type: "button", class: "promote" }, "Promote");
+    button.addEventListener("click", () => act(button, async () => {
+      const promoted = await api("/api/promote", { queue, id: m.id });
+      if (!promoted) throw new Error("no longer scheduled (taken, removed or ready already)");
+    }));
+    actions.appendChild(button);
+    return actions;
   }
 
   // deadletter ---------------------------------------------------------------------------
