@@ -22,6 +22,7 @@ from .errors import (
     InvalidInputError,
     InvalidPayloadError,
     InvalidQueueNameError,
+    JobFailedError,
     KeussConnectionError,
     KeussError,
     LoopThreadError,
@@ -29,6 +30,7 @@ from .errors import (
     NotSupportedError,
     PipelineError,
     RateLimited,
+    ResultTimeoutError,
     TooManyConsumersError,
 )
 from .factory import Factory, connect
@@ -36,10 +38,11 @@ from .message import MAX_PRIORITY, MIN_PRIORITY, UNCHANGED, Message, NewMessage
 from .observe import disable as disable_metrics
 from .observe import enable as enable_metrics
 from .otel import enable_opentelemetry
+from .outcomes import NO_RESULT
 from .queue import Queue
 from .registry import backend_names
 from .repeat import Repeat, Repeater
-from .types import Capabilities, KoResult, MessageView, Page, Sizes, State
+from .types import Capabilities, JobResult, KoResult, MessageView, Page, Sizes, State
 from .worker import run_worker
 
 try:
@@ -64,6 +67,8 @@ __all__ = [
     "InvalidInputError",
     "InvalidPayloadError",
     "InvalidQueueNameError",
+    "JobFailedError",
+    "JobResult",
     "KeussConnectionError",
     "KeussError",
     "KoResult",
@@ -78,6 +83,8 @@ __all__ = [
     "Page",
     "Queue",
     "RateLimited",
+    "ResultTimeoutError",
+    "NO_RESULT",
     "Repeat",
     "Repeater",
     "Sizes",

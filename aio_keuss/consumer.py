@@ -66,6 +66,7 @@ from .errors import (
 from .message import Message
 from .metrics import Histogram, QueueMetrics
 from .options import check_seconds
+from .outcomes import exception_text
 from .renewals import Renewals
 from .types import Capabilities, KoResult
 
@@ -365,11 +366,20 @@ class Source(Protocol):
         ``max_wait_time`` for ``n``. ``kept``: popped ones are noted there by id as the
         store handed them out, what a put-back of them needs."""
 
-    def ok(self, message: Message) -> Awaitable[bool]: ...
+    def ok(self, message: Message, value: Any = ...) -> Awaitable[bool]:
+        """``value``: what the handler returned, kept as the message's result where the
+        queue keeps results (left out: nothing is kept)."""
 
-    def ok_many(self, messages: list[Message]) -> Awaitable[list[bool]]: ...
+    def ok_many(
+        self, messages: list[Message], values: list[Any] | None = None
+    ) -> Awaitable[list[bool]]:
+        """``values``: one per message, kept as for :meth:`ok` (None: nothing is kept)."""
 
-    def ko(self, message: Message, delay: float | None) -> Awaitable[KoResult]: ...
+    def ko(
+        self, message: Message, delay: float | None, failure: str | None = None
+    ) -> Awaitable[KoResult]:
+        """``failure``: why it failed, kept as its result where the queue keeps results
+        and this ko ends it for good (None: nothing is kept)."""
 
     def extend_many(self, messages: list[Message]) -> Awaitable[list[bool]]:
         """Extend these reservations by ``reserve_delay`` from now (see :mod:`.renewals`)."""
@@ -533,6 +543,7 @@ class Consumer(StoppedOnExit):
         # messages wait in ``_oks`` for one of at most OK_SENDERS sender tasks; at most
         # OK_ROOM * (concurrency + prefetch) are unanswered (queued or in flight) at a time.
         self._oks: list[Message] = []
+        self._ok_values: list[Any] = []  # what each one's handler returned (its result)
         self._oks_unanswered = 0
         self._ok_limit = OK_ROOM * (concurrency + prefetch)
         self._ok_room: asyncio.Event | None = None
@@ -926,18 +937,18 @@ class Consumer(StoppedOnExit):
             self.failed += 1
             self.queue.handler_failed(message, failure)
             if self._reserve:
-                await self._ko(message)
+                await self._ko(message, failure)
             return
         self._ran(started, "ok")
         self.handled += 1
         if self._settle is not None:
             await self._acknowledge("settle", message, self._settle(message, result))
         elif self._reserve and self._prefetch:
-            await self._ok_later(message)
+            await self._ok_later(message, result)
         elif self._reserve:
-            await self._acknowledge("ok", message, self.queue.ok(message))
+            await self._acknowledge("ok", message, self.queue.ok(message, result))
 
-    async def _ok_later(self, message: Message) -> None:
+    async def _ok_later(self, message: Message, value: Any) -> None:
         """Queue the ok of a handled message for a sender task (no task per message: oks
         handled while a round trip is out share the next one)."""
         while self._oks_unanswered >= self._ok_limit:
@@ -945,6 +956,7 @@ class Consumer(StoppedOnExit):
                 self._ok_room = asyncio.Event()
             await self._ok_room.wait()
         self._oks.append(message)
+        self._ok_values.append(value)
         self._oks_unanswered += 1
         if self._ok_senders < OK_SENDERS:
             self._ok_senders += 1
@@ -956,11 +968,12 @@ class Consumer(StoppedOnExit):
         try:
             while self._oks:
                 batch, self._oks = self._oks, []
+                values, self._ok_values = self._ok_values, []
                 try:
                     # closed under them (by a handler of this consumer): they come back when
                     # their reservations expire; a ClosedError here was never retrieved
                     with contextlib.suppress(ClosedError):
-                        await self._acknowledge_all("ok", batch, self.queue.ok_many(batch))
+                        await self._acknowledge_all("ok", batch, self.queue.ok_many(batch, values))
                 finally:
                     self._oks_unanswered -= len(batch)
                     room = self._ok_room
@@ -982,7 +995,13 @@ class Consumer(StoppedOnExit):
         failure.__cause__ = exc
         return failure
 
-    async def _ko(self, message: Message) -> None:
+    def _failure_text(self, failure: Exception) -> str | None:
+        """What a failure result keeps of a handler's last exception (``"ExcType:
+        message"``, bounded); None for a pipeline station, whose queue keeps no results
+        of its own."""
+        return None if self._settle is not None else exception_text(failure)
+
+    async def _ko(self, message: Message, failure: Exception) -> None:
         """ko after a failure, with capped exponential backoff by the message's tries. A
         backend without delays (redis-reliable) would hand a failing message straight back,
         so that a poison message spun at full speed: there the message is held for the
@@ -991,22 +1010,24 @@ class Consumer(StoppedOnExit):
         backoff = self._retry_delay * 2.0 ** min(message.tries, 64)  # no overflow
         delay = min(backoff, self._max_retry_delay)
         queue = self.queue
+        text = self._failure_text(failure)
         if queue.capabilities.delay:
-            self._count(await self._acknowledge("ko", message, queue.ko(message, delay)))
+            self._count(await self._acknowledge("ko", message, queue.ko(message, delay, text)))
             return
         hold = min(delay, queue.reserve_delay / 2)
         if hold <= 0 or self._stopping:
-            self._count(await self._acknowledge("ko", message, queue.ko(message, None)))
+            self._count(await self._acknowledge("ko", message, queue.ko(message, None, text)))
             return
-        later = self._loop.create_task(self._ko_after(message, hold))
+        later = self._loop.create_task(self._ko_after(message, hold, text))
         self._acks.add(later)  # stop waits for them, and ends their wait
         later.add_done_callback(self._acks.discard)
 
-    async def _ko_after(self, message: Message, hold: float) -> None:
+    async def _ko_after(self, message: Message, hold: float, text: str | None) -> None:
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self._stop_asked.wait(), hold)
         with contextlib.suppress(ClosedError):  # as for the oks of _send_oks
-            self._count(await self._acknowledge("ko", message, self.queue.ko(message, None)))
+            ko = self.queue.ko(message, None, text)
+            self._count(await self._acknowledge("ko", message, ko))
 
     def _count(self, outcome: Any) -> None:
         if outcome == KoResult.DEADLETTERED:
@@ -1026,10 +1047,10 @@ class Consumer(StoppedOnExit):
                 result = cast(BatchHandler, self._handler)(list(messages))
                 if inspect.isawaitable(result):
                     if self._deadlines is None:
-                        await result
+                        result = await result
                     else:
                         deadline = self._deadlines.start(task)
-                        await self._deadlines.watch(deadline, result)
+                        result = await self._deadlines.watch(deadline, result)
         except asyncio.CancelledError:
             self._ran(started, "cancelled")
             if self._reserve:
@@ -1046,12 +1067,14 @@ class Consumer(StoppedOnExit):
             self.failed += len(messages)
             self.queue.handler_failed(messages[0], failure)
             if self._reserve:
-                await asyncio.gather(*(self._ko(m) for m in messages))
+                await asyncio.gather(*(self._ko(m, failure) for m in messages))
             return
         self._ran(started, "ok")
         self.handled += len(messages)
         if self._reserve:
-            await self._acknowledge_all("ok", messages, self.queue.ok_many(messages))
+            # the one return value is each message's result
+            values = [result] * len(messages)
+            await self._acknowledge_all("ok", messages, self.queue.ok_many(messages, values))
 
     async def _held_back(self, messages: list[Message], exc: RateLimited, started: float) -> bool:
         """A handler's ``RateLimited``: the queue's deliveries held, its messages given back

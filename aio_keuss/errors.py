@@ -104,6 +104,25 @@ class RateLimited(KeussError):
         self.seconds = seconds
 
 
+class JobFailedError(KeussError):
+    """The message ``push_and_wait`` waited for failed for good (deadlettered after its last
+    try, or removed): ``error`` says why, as its failure result recorded it."""
+
+    def __init__(self, message_id: str, error: str | None) -> None:
+        super().__init__(f"message {message_id!r} failed: {error or 'no reason given'}")
+        self.id = message_id
+        self.error = error
+
+
+class ResultTimeoutError(KeussError, TimeoutError):
+    """``push_and_wait`` (or ``result`` with a timeout) saw no result within its timeout;
+    the message itself stays queued, and its result may still come."""
+
+    def __init__(self, message_id: str, timeout: float) -> None:
+        super().__init__(f"no result for message {message_id!r} within {timeout} s")
+        self.id = message_id
+
+
 class ClosedError(KeussError):
     """The factory or queue was closed; open a new one to go on."""
 

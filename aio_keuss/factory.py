@@ -17,6 +17,7 @@ from .options import QUEUE_OPTION_NAMES, DeadletterOptions, QueueOptions, check_
 from .pipeline import Pipeline, check_pipeline_name
 from .queue import Closing, Limiter, Queue
 from .registry import load_backend
+from .results import ResultStore
 from .signal import LocalSignalBus, SignalBus
 from .stats import MemoryStats, StatsStore
 from .types import Capabilities, Sizes
@@ -58,6 +59,7 @@ class Factory:
         # The close run by a caller after its task was cancelled before it ran a step (see
         # close): the closes called meanwhile wait for it
         self._rest: asyncio.Future[None] | None = None
+        self._results = _ResultStoreOnce(backend)
         observe.track(self)  # weakly: metrics read the sizes of its open queues
 
     @property
@@ -207,6 +209,8 @@ class Factory:
         closing = False  # ``replacing``'s close begun
         try:
             limiter = self._limiter(name, options)  # refused before anything is written
+            if options.result_ttl:
+                check_results(self.backend)
             if replacing is not None:
                 await self._unheld(replacing)
                 closing = True
@@ -222,8 +226,11 @@ class Factory:
                 self.deadletter,
                 self._using,
                 limiter,
+                self._results.get if self.capabilities.results else None,
             )
             await queue._open()
+            if options.result_ttl:  # made now: a store that cannot open fails the open
+                await self._results.get()
             await self.stats_store.save_options(name, options.as_dict(), replace=not sibling)
         except BaseException as exc:
             if replacing is not None and not closing:  # still open: as it was
@@ -446,7 +453,10 @@ class Factory:
                 try:
                     await self.signal.close()  # ... and the listener must still stop
                 finally:
-                    await self.backend.close()
+                    try:
+                        await self._results.close()
+                    finally:
+                        await self.backend.close()
 
     async def __aenter__(self) -> Factory:
         return self
@@ -524,6 +534,8 @@ async def _open_factory(backend_name: str, options: dict[str, Any]) -> Factory:
 
     if defaults.rate_limit:  # before the backend makes a client it would have to close
         check_rate_limits(backend_class)
+    if defaults.result_ttl:
+        check_results(backend_class)
     backend = backend_class({k: v for k, v in options.items() if k in backend_class.options})
     await backend.open()
     try:
@@ -545,3 +557,49 @@ def check_rate_limits(backend: Backend | type[Backend]) -> None:
     """Refuse a ``rate_limit`` where the backend cannot keep one."""
     if not backend.capabilities.rate_limit:
         raise ConfigError(f"backend {backend.name!r} has no rate limits (rate_limit must be 0)")
+
+
+def check_results(backend: Backend | type[Backend]) -> None:
+    """Refuse a ``result_ttl`` where the backend cannot keep results."""
+    if not backend.capabilities.results:
+        raise ConfigError(f"backend {backend.name!r} keeps no results (result_ttl must be 0)")
+
+
+class _ResultStoreOnce:
+    """The backend's result store of one factory: made and opened by the first queue that
+    needs it (a queue opened with ``result_ttl``, a first ``result``), closed with the
+    factory. A factory that never needs one never makes one (no table, no index)."""
+
+    def __init__(self, backend: Backend) -> None:
+        self._backend = backend
+        self._opening: asyncio.Task[ResultStore] | None = None
+
+    async def get(self) -> ResultStore:
+        opening = self._opening
+        if opening is None:
+            opening = asyncio.get_running_loop().create_task(self._open())
+            self._opening = opening
+        try:
+            # shielded: one caller's cancellation must not fail the others' open
+            return await asyncio.shield(opening)
+        except Exception:
+            if opening.done() and self._opening is opening:
+                self._opening = None  # the next caller tries again (a server back)
+            raise
+
+    async def _open(self) -> ResultStore:
+        store = self._backend.result_store()
+        await store.open()
+        return store
+
+    async def close(self) -> None:
+        opening, self._opening = self._opening, None
+        if opening is None:
+            return
+        if not opening.done():
+            opening.cancel()
+        try:
+            store = await opening
+        except (Exception, asyncio.CancelledError):
+            return  # never opened: nothing to close
+        await store.close()

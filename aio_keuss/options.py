@@ -168,6 +168,10 @@ class QueueOptions:
         default, for none. A token bucket (GCRA) on the backend's clock: a steady
         ``rate_limit`` per ``rate_period``, bursts of at most ``rate_burst`` (0: as many as
         ``rate_limit``; 1 spaces deliveries evenly).
+    result_ttl: seconds what a handler returned (or why a message failed for good) is kept
+        for ``Queue.result`` / ``Queue.push_and_wait`` (arq's ``Job.result``, BullMQ's
+        ``returnvalue``); 0, the default, keeps none and costs nothing. Needs
+        ``capabilities.results``.
     """
 
     reserve_delay: float = 120.0
@@ -178,6 +182,7 @@ class QueueOptions:
     rate_limit: int = 0
     rate_period: float = 1.0
     rate_burst: int = 0
+    result_ttl: float = 0.0
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)

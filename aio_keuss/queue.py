@@ -60,12 +60,15 @@ from .contract import (
 )
 from .errors import (
     ClosedError,
+    ConfigError,
     InvalidDelayError,
     InvalidIdError,
     InvalidInputError,
     InvalidPayloadError,
+    JobFailedError,
     KeussError,
     NotSupportedError,
+    ResultTimeoutError,
 )
 from .ids import new_id
 from .message import (
@@ -97,8 +100,17 @@ from .options import (
     check_seconds,
     check_timeout,
 )
+from .outcomes import (
+    NO_RESULT,
+    ResultWaits,
+    ResultWrites,
+    StoreGetter,
+    decode_result,
+    encode_failure,
+    encode_success,
+)
 from .repeat import Repeater, RepeatPlan
-from .types import Capabilities, KoResult, MessageView, Page, Sizes
+from .types import Capabilities, JobResult, KoResult, MessageView, Page, Sizes
 from .visibility import SiblingQueue
 from .wakeups import Wakeups
 
@@ -151,6 +163,7 @@ class Queue:
         deadletter: DeadletterOptions | None,
         sibling: SiblingQueue | None = None,
         limiter: Limiter | None = None,
+        results: StoreGetter | None = None,
     ) -> None:
         self.name = name
         self.options = options
@@ -265,6 +278,19 @@ class Queue:
             self._one_reserve = self._holding(store.one_take(options.reserve_delay))
         self._one_commit = store.one_commit() if one_calls else None
         self._one_insert = store.one_insert() if one_calls else None
+        self._result_store = results  # the factory's, made on first use; None: none kept
+        self._result_waits: ResultWaits | None = None  # made by the first wait
+        self._result_writes: ResultWrites | None = None  # only with a result_ttl
+        if options.result_ttl and results is not None:
+            self._result_writes = ResultWrites(
+                name,
+                results,
+                options.result_ttl,
+                signal,
+                max_batch=batch,
+                concurrency=depth,
+                run_in_caller=in_caller,
+            )
         self._unsubscribe = signal.subscribe(name, self._on_signal)
         store.on_visible(lambda mature: signal.insert(name, mature))
         store.on_orphaned_insert(self._inserted_for_nobody)
@@ -1279,8 +1305,13 @@ class Queue:
 
     # acknowledging --------------------------------------------------------------------
 
-    async def ok(self, message: Message | str) -> bool:
-        """Commit a reservation; True if it was reserved and is now gone."""
+    async def ok(self, message: Message | str, result: Any = NO_RESULT) -> bool:
+        """Commit a reservation; True if it was reserved and is now gone. With ``result``
+        (a queue with ``result_ttl``), that is kept as the message's result first: encoded
+        by the payload rules (``InvalidPayloadError`` before anything is written), then
+        stored, then the ok (a store that fails raises, and the ok is not done)."""
+        if result is not NO_RESULT:
+            return await self._ok_keeping(message, encode_success, result)
         if self._closed or not self.capabilities.reserve:
             self._check_open()
             self._require("reserve")
@@ -1306,25 +1337,124 @@ class Queue:
                     self._stats.incr(self.name, "commit", 1)
         return one[1](reply.result())
 
-    async def ok_many(self, messages: Sequence[Message | str]) -> list[bool]:
+    async def ok_many(
+        self, messages: Sequence[Message | str], results: Sequence[Any] | None = None
+    ) -> list[bool]:
         """Commit several reservations in as few round trips as ``max_batch`` allows (e.g.
-        those of a ``reserve_many``); one flag per message, in order, as :meth:`ok` gives."""
+        those of a ``reserve_many``); one flag per message, in order, as :meth:`ok` gives.
+        ``results``: one per message, kept first as :meth:`ok` keeps its ``result``."""
         self._check_open()
         self._require("reserve")
         if isinstance(messages, str | Message) or not isinstance(messages, Sequence):
             raise InvalidInputError("ok_many takes a sequence (list, tuple) of messages or ids")
-        return await self._in_chunks(self._commits, [Ack(*_target(m)) for m in messages])
+        acks = [Ack(*_target(m)) for m in messages]
+        if results is not None:
+            if not _listed(results) or len(results) != len(acks):
+                raise InvalidInputError(
+                    "results must be a sequence (list, tuple) as long as messages"
+                )
+            writes = self._writes("ok_many(results=...)")
+            bodies = [encode_success(value) for value in results]  # all checked first
+            await writes.put([(a.id, body) for a, body in zip(acks, bodies, strict=True)])
+        return await self._in_chunks(self._commits, acks)
 
-    async def ko(self, message: Message | str, delay: float | None = None) -> KoResult:
-        """Roll a reservation back (due again after ``delay``), or deadletter it past max_ko."""
+    async def _ok_keeping(
+        self, message: Message | str, encode: Callable[[Any], bytes], value: Any
+    ) -> bool:
+        """``ok`` with a result: kept first (see :meth:`ok`)."""
+        self._check_open()
+        self._require("reserve")
+        message_id = _target(message)[0]
+        writes = self._writes("ok(result=...)")
+        await writes.put([(message_id, encode(value))])
+        return await self.ok(message)
+
+    def _writes(self, what: str) -> ResultWrites:
+        """The result writes of a queue opened with a ``result_ttl``; else a ConfigError."""
+        if self._result_writes is None:
+            raise ConfigError(
+                f"queue {self.name!r}: {what} needs the queue opened with result_ttl > 0"
+            )
+        return self._result_writes
+
+    def _handled_body(self, message_id: str, value: Any) -> bytes:
+        """What a consumer keeps of its handler's return value. One the payload rules
+        refuse is not kept, but the message is still ok-ed (the work is done: retrying it
+        would do it again), and a failure saying so is kept instead."""
+        try:
+            return encode_success(value)
+        except InvalidPayloadError as exc:
+            log.warning(
+                "queue %r: the handler's return value for %r is not storable: %s",
+                self.name,
+                message_id,
+                exc,
+            )
+            return encode_failure(f"result not storable: {exc}")
+
+    async def _ok_handled(self, message: Message, value: Any) -> bool:
+        """A consumer's ok of a handled message on a queue with a ``result_ttl``: its
+        handler's value kept first."""
+        return await self._ok_keeping(
+            message, lambda kept: self._handled_body(message.id, kept), value
+        )
+
+    async def _ok_many_handled(self, messages: list[Message], values: list[Any]) -> list[bool]:
+        """A consumer's ok of handled messages (see ``_ok_handled``)."""
+        self._check_open()
+        assert self._result_writes is not None  # (the link calls this only then)
+        bodies = [
+            (m.id, self._handled_body(m.id, value))
+            for m, value in zip(messages, values, strict=True)
+        ]
+        await self._result_writes.put(bodies)
+        return await self.ok_many(messages)
+
+    async def _keep_failure(self, message_id: str, error: str) -> None:
+        """A failure result for a message that will never finish (deadlettered, removed),
+        so that its waiters do not wait for ever. What failed to be kept is logged: the
+        ko or remove it follows is done and stays done."""
+        writes = self._result_writes
+        if writes is None:
+            return
+        try:
+            await writes.put([(message_id, encode_failure(error))])
+        except Exception as exc:
+            log.warning(
+                "queue %r: failure result of %r not kept (%r): its waiters wait for their timeout",
+                self.name,
+                message_id,
+                exc,
+            )
+
+    async def ko(
+        self, message: Message | str, delay: float | None = None, error: str | None = None
+    ) -> KoResult:
+        """Roll a reservation back (due again after ``delay``), or deadletter it past max_ko.
+        On a queue with ``result_ttl``, a ko that deadletters keeps a failure result, with
+        ``error`` as its reason (default: how many deliveries failed)."""
+        return await self._ko(message, delay, error, keep=True)
+
+    async def _ko(
+        self, message: Message | str, delay: float | None, error: str | None, *, keep: bool
+    ) -> KoResult:
+        """``ko``; ``keep``: a deadlettered message's failure is kept (not a pipeline
+        station's: its queue's results are not its own to keep)."""
         self._check_open()
         self._require("reserve")
         message_id, tries, token = _target(message)
+        if error is not None and not isinstance(error, str):
+            raise InvalidInputError(f"error must be a str or None, not {type(error).__name__}")
         if delay is None:  # a retry polynomial of many tries must not pass the bound either
             seconds = min(self._store.default_ko_delay(tries), MAX_SECONDS)
         else:
             seconds = self._delay(delay)
-        return await self._rollbacks.submit(Nack(message_id, tries, seconds, True, token))
+        outcome = await self._rollbacks.submit(Nack(message_id, tries, seconds, True, token))
+        if outcome is KoResult.DEADLETTERED and keep and self._result_writes is not None:
+            if error is None:
+                error = "failed for good" if tries is None else f"failed after {tries + 1} tries"
+            await self._keep_failure(message_id, error)
+        return outcome
 
     async def extend(self, message: Message | str, seconds: float | None = None) -> bool:
         """Make a reservation you still hold last ``seconds`` more from now (default: the
@@ -1514,7 +1644,10 @@ class Queue:
         """Delete a message that is not under an active reservation."""
         self._check_open()
         self._require("remove")
-        (removed,) = await self._store.remove([_target(message)[0]])
+        message_id = _target(message)[0]
+        (removed,) = await self._store.remove([message_id])
+        if removed:  # its waiters are told it will never finish
+            await self._keep_failure(message_id, "removed")
         return removed
 
     # changing waiting messages (promote, reschedule, change_priority) ------------------
@@ -1566,6 +1699,67 @@ class Queue:
             self._signal.insert(self.name, time.time() + delay, 1)
         work.raise_held()
         return changed
+
+    # results ----------------------------------------------------------------------------
+
+    async def result(self, message: Message | str, timeout: float | None = 0.0) -> JobResult | None:
+        """The kept result of a message (see ``result_ttl``), or None: ``timeout`` 0 looks
+        once, more waits up to that long, None waits for ever. Woken by the result's signal
+        from whichever process keeps it, else by the queue's ``poll_interval``; the waits
+        of a queue share their round trips. Any queue object of a backend with
+        ``capabilities.results`` may read, whatever its own ``result_ttl``."""
+        self._check_open()
+        message_id = _target(message)[0]
+        seconds = check_timeout(timeout)
+        self._require("results")
+        waits = self._waits()
+        if seconds == 0:
+            (body,) = await waits.look([message_id])
+        else:
+            body = await waits.wait(message_id, seconds)
+        return None if body is None else decode_result(self.name, message_id, body)
+
+    async def push_and_wait(
+        self,
+        payload: Payload,
+        *,
+        timeout: float | None = None,
+        delay: float = 0.0,
+        headers: Headers | None = None,
+        id: str | None = None,
+        priority: int = 0,
+    ) -> Any:
+        """Push a message, then wait for what its handler returns (``JobFailedError`` if it
+        fails for good, ``ResultTimeoutError`` past ``timeout``: the message stays queued).
+        Needs ``result_ttl`` on this queue, and on the consumers' queue objects, which keep
+        the results."""
+        self._check_open()
+        seconds = check_timeout(timeout)
+        self._require("results")
+        self._writes("push_and_wait")
+        message_id = await self.push(
+            payload, delay=delay, headers=headers, id=id, priority=priority
+        )
+        body = await self._waits().wait(message_id, seconds)
+        if body is None:
+            raise ResultTimeoutError(message_id, seconds or 0.0)
+        outcome = decode_result(self.name, message_id, body)
+        if not outcome.ok:
+            raise JobFailedError(message_id, outcome.error)
+        return outcome.value
+
+    def _waits(self) -> ResultWaits:
+        if self._result_waits is None:
+            if self._result_store is None:
+                raise NotSupportedError(f"queue {self.name!r}: this backend has no results")
+            self._result_waits = ResultWaits(
+                self.name,
+                self._result_store,
+                self._signal,
+                self.options.poll_interval,
+                self.options.max_batch,
+            )
+        return self._result_waits
 
     # looking inside and repairing (see aio_keuss.visibility) ---------------------------
 
@@ -1863,6 +2057,8 @@ class Queue:
                 self._due_handle = None
             self._wakeups.announce(None)
             self._unsubscribe()
+            if self._result_waits is not None:
+                await self._result_waits.close()
         for coalescer in self._coalescers():
             await coalescer.wait_idle()
         # Before the background wait: what they give back goes there. A blocking caller
@@ -2122,14 +2318,24 @@ class _ConsumerLink:
     ) -> list[Message]:
         return await self._queue._next(None, outage, n, gather, kept)
 
-    def ok(self, message: Message) -> Awaitable[bool]:
-        return self._queue.ok(message)
+    def ok(self, message: Message, value: Any = NO_RESULT) -> Awaitable[bool]:
+        queue = self._queue
+        if value is NO_RESULT or queue._result_writes is None:  # (no frame more then)
+            return queue.ok(message)
+        return queue._ok_handled(message, value)
 
-    def ok_many(self, messages: list[Message]) -> Awaitable[list[bool]]:
-        return self._queue.ok_many(messages)
+    def ok_many(
+        self, messages: list[Message], values: list[Any] | None = None
+    ) -> Awaitable[list[bool]]:
+        queue = self._queue
+        if values is None or queue._result_writes is None:
+            return queue.ok_many(messages)
+        return queue._ok_many_handled(messages, values)
 
-    def ko(self, message: Message, delay: float | None) -> Awaitable[KoResult]:
-        return self._queue.ko(message, delay)
+    def ko(
+        self, message: Message, delay: float | None, failure: str | None = None
+    ) -> Awaitable[KoResult]:
+        return self._queue._ko(message, delay, failure, keep=failure is not None)
 
     def extend_many(self, messages: list[Message]) -> Awaitable[list[bool]]:
         return self._queue.extend_many(messages)

@@ -23,7 +23,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -33,7 +33,18 @@ from .coalesce import stop_task
 
 log = logging.getLogger("aio_keuss.signal")
 
-SignalKind = Literal["insert", "pause", "resume", "resync"]
+SignalKind = Literal["insert", "pause", "resume", "resync", "result"]
+
+RESULTS_ROUTE = "?results "
+"""What a "result" signal's queue field starts with (the queue's name follows): no queue
+name can start with ``?`` (see ``options.check_queue_name``), so a listener of a release
+that knows no results, which routes signals by that field, finds nobody to wake: its
+consumers are never woken by results (a result put is frequent, one per ok)."""
+MAX_SIGNAL_IDS = 64
+"""Most ids a "result" signal names; beyond, it names none and every waiter looks."""
+MAX_SIGNAL_BYTES = 7000
+"""Longest encoded signal sent with ids: PostgreSQL's NOTIFY payload holds less than 8,000
+bytes (its documentation, NOTIFY); longer, the ids are left out."""
 
 RECONNECT_FIRST = 0.05
 RECONNECT_CAP = 2.0
@@ -65,6 +76,8 @@ class Signal:
     count: int | None = None
     """How many messages an insert announces (it wakes that many waiting consumers);
     None: unknown, which wakes them all."""
+    ids: list[str] | None = None
+    """The messages a "result" signal announces results of; None: unknown (all look)."""
 
 
 Listener = Callable[[Signal], None]
@@ -177,6 +190,19 @@ class SignalBus:
         self._open_window(queue)
         self._send(signal)
 
+    def subscribe_results(self, queue: str, listener: Listener) -> Callable[[], None]:
+        """Hear the "result" signals of ``queue`` (and, as any listener, the resyncs after
+        the transport was away: a result announced meanwhile went unheard)."""
+        return self.subscribe(RESULTS_ROUTE + queue, listener)
+
+    def results(self, queue: str, ids: Sequence[str]) -> None:
+        """Announce that results of ``ids`` of ``queue`` were kept; never debounced (the
+        waiters of each id are woken by its own), never blocks."""
+        named = list(ids) if len(ids) <= MAX_SIGNAL_IDS else None
+        signal = Signal(RESULTS_ROUTE + queue, "result", ids=named)
+        self._deliver(signal)
+        self._send(signal)
+
     def paused(self, queue: str, paused: bool) -> None:
         """Announce a pause or resume; never debounced."""
         signal = Signal(queue, "pause" if paused else "resume")
@@ -253,7 +279,12 @@ class SignalBus:
             data = orjson.loads(payload)
             if data["o"] == self.origin:
                 return
-            self._deliver(Signal(data["q"], data["k"], data.get("m"), data.get("n")))
+            ids = data.get("i")
+            if ids is not None and not (
+                isinstance(ids, list) and all(isinstance(i, str) for i in ids)
+            ):
+                ids = None  # all look: a lost id would cost a waiter its poll interval
+            self._deliver(Signal(data["q"], data["k"], data.get("m"), data.get("n"), ids))
         except (orjson.JSONDecodeError, KeyError, TypeError, ValueError):
             log.warning("ignoring malformed signal %r", payload)
 
@@ -284,15 +315,19 @@ class SignalBus:
     def _send(self, signal: Signal) -> None:
         if self._closed or not self._remote:
             return
-        payload = orjson.dumps(
-            {
-                "o": self.origin,
-                "q": signal.queue,
-                "k": signal.kind,
-                "m": signal.mature,
-                "n": signal.count,
-            }
-        )
+        fields: dict[str, object] = {
+            "o": self.origin,
+            "q": signal.queue,
+            "k": signal.kind,
+            "m": signal.mature,
+            "n": signal.count,
+        }
+        if signal.ids is not None:
+            fields["i"] = signal.ids
+        payload = orjson.dumps(fields)
+        if len(payload) > MAX_SIGNAL_BYTES and signal.ids is not None:
+            del fields["i"]  # every waiter of the queue looks, rather than the signal lost
+            payload = orjson.dumps(fields)
         task = asyncio.get_running_loop().create_task(self._publish_quietly(payload))
         self._publishing.add(task)
         task.add_done_callback(self._publishing.discard)

@@ -52,9 +52,10 @@ from .errors import ClosedError, LoopThreadError
 from .factory import Factory
 from .factory import connect as _async_connect
 from .message import UNCHANGED, Headers, Message, NewMessage, Payload, Unchanged
+from .outcomes import NO_RESULT
 from .queue import CANCELLED_CLOSE_GRACE, Queue
 from .repeat import Repeater
-from .types import Capabilities, KoResult, MessageView, Page, Sizes
+from .types import Capabilities, JobResult, KoResult, MessageView, Page, Sizes
 
 __all__ = ["SyncFactory", "SyncQueue", "connect"]
 
@@ -797,14 +798,18 @@ class SyncQueue:
 
     # acknowledging --------------------------------------------------------------------
 
-    def ok(self, message: Message | str) -> bool:
-        return self._call(self.queue.ok, message)
+    def ok(self, message: Message | str, result: Any = NO_RESULT) -> bool:
+        return self._call(self.queue.ok, message, result)
 
-    def ok_many(self, messages: Sequence[Message | str]) -> list[bool]:
-        return self._call(self.queue.ok_many, messages)
+    def ok_many(
+        self, messages: Sequence[Message | str], results: Sequence[Any] | None = None
+    ) -> list[bool]:
+        return self._call(self.queue.ok_many, messages, results)
 
-    def ko(self, message: Message | str, delay: float | None = None) -> KoResult:
-        return self._call(self.queue.ko, message, delay)
+    def ko(
+        self, message: Message | str, delay: float | None = None, error: str | None = None
+    ) -> KoResult:
+        return self._call(self.queue.ko, message, delay, error)
 
     def extend(self, message: Message | str, seconds: float | None = None) -> bool:
         return self._call(self.queue.extend, message, seconds)
@@ -848,6 +853,33 @@ class SyncQueue:
 
     def change_priority(self, message: Message | str, priority: int) -> bool:
         return self._call(self.queue.change_priority, message, priority)
+
+    # results --------------------------------------------------------------------------
+
+    def result(self, message: Message | str, timeout: float | None = 0.0) -> JobResult | None:
+        """Blocking :meth:`Queue.result`."""
+        return self._call(self.queue.result, message, timeout)
+
+    def push_and_wait(
+        self,
+        payload: Payload,
+        *,
+        timeout: float | None = None,
+        delay: float = 0.0,
+        headers: Headers | None = None,
+        id: str | None = None,
+        priority: int = 0,
+    ) -> Any:
+        """Blocking :meth:`Queue.push_and_wait`."""
+        return self._call(
+            self.queue.push_and_wait,
+            payload,
+            timeout=timeout,
+            delay=delay,
+            headers=headers,
+            id=id,
+            priority=priority,
+        )
 
     # observing and administering ------------------------------------------------------
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 from datetime import datetime
+from typing import Any
 
 from .message import Message
 
@@ -116,3 +117,17 @@ class Page:
 
     items: list[MessageView]
     cursor: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class JobResult:
+    """How a message ended, as kept for ``result_ttl`` seconds on a queue opened with one:
+    ``ok`` with what its handler returned (``value``), or not, with why (``error``: the
+    handler's last exception, a ko's reason, ``"removed"``). ``finished``: when it was
+    recorded (aware, UTC)."""
+
+    id: str
+    ok: bool
+    value: Any
+    error: str | None
+    finished: datetime
