@@ -1,0 +1,375 @@
+"""Conformance: results. A queue opened with ``result_ttl`` keeps what its handlers returned
+(or why a message failed for good) for that long, readable from any process through
+``Queue.result`` and awaited by ``Queue.push_and_wait`` (arq's ``Job.result``, BullMQ's
+``Job.waitUntilFinished``).
+
+Every backend runs it: those without ``capabilities.results`` refuse a ``result_ttl`` (at
+connect, or when the queue opens) before anything is written, and the rest is skipped
+there. Nothing here times the backend: waits that must end have generous hang guards, and
+expiry is asserted only as happening eventually.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any
+
+import pytest
+from conftest import Connect, needs
+
+import aio_keuss
+from aio_keuss import JobFailedError, JobResult, Message, ResultTimeoutError
+from aio_keuss.results import ResultStore
+
+pytestmark = pytest.mark.timeout(120)
+
+GUARD = 30.0
+"""Hang guard of a wait that must end."""
+TTL = 600.0
+"""A result_ttl no test outlives."""
+
+
+async def _until(condition: Callable[[], Awaitable[bool]], guard: float = GUARD) -> None:
+    async def poll() -> None:
+        while True:
+            if await condition():
+                return
+            await asyncio.sleep(0.02)
+
+    await asyncio.wait_for(poll(), guard)
+
+
+async def _results_factory(connect: Connect, **options: Any) -> aio_keuss.Factory:
+    factory = await connect(**{"poll_interval": 60.0, **options})
+    needs(factory, "results")
+    return factory
+
+
+async def _store_of(factory: aio_keuss.Factory) -> ResultStore:
+    """The factory's result store, as its queues reach it."""
+    return await factory._results.get()
+
+
+# options and capability -------------------------------------------------------------------
+
+
+async def test_result_ttl_is_refused_where_the_backend_keeps_no_results(connect: Connect) -> None:
+    factory = await connect()
+    if factory.capabilities.results:
+        pytest.skip("this backend keeps results")
+    with pytest.raises(aio_keuss.ConfigError, match="result_ttl"):
+        await factory.queue("q1", result_ttl=5)
+    with pytest.raises(aio_keuss.ConfigError, match="result_ttl"):
+        await connect(result_ttl=5)
+    q = await factory.queue("q1")
+    with pytest.raises(aio_keuss.NotSupportedError):
+        await q.result("some-id")
+    with pytest.raises(aio_keuss.NotSupportedError):
+        await q.push_and_wait(1, timeout=1)
+    assert (await q.sizes()).total == 0
+
+
+@pytest.mark.parametrize("bad", [-1, float("nan"), 1e10, "5", True])
+async def test_a_bad_result_ttl_is_a_config_error(connect: Connect, bad: object) -> None:
+    factory = await connect()
+    with pytest.raises(aio_keuss.ConfigError):
+        await factory.queue("q1", result_ttl=bad)
+
+
+async def test_result_ttl_is_recorded_with_the_other_options(connect: Connect) -> None:
+    factory = await _results_factory(connect)
+    await factory.queue("q1", result_ttl=30)
+    assert (await factory.list())["q1"]["result_ttl"] == 30
+
+
+async def test_push_and_wait_needs_a_result_ttl_before_it_pushes(connect: Connect) -> None:
+    factory = await _results_factory(connect)
+    q = await factory.queue("q1")
+    with pytest.raises(aio_keuss.ConfigError, match="result_ttl"):
+        await q.push_and_wait({"a": 1}, timeout=1)
+    message = await q.push(1)
+    with pytest.raises(aio_keuss.ConfigError, match="result_ttl"):
+        await q.ok(message, result=1)
+    assert (await q.sizes()).total == 1  # only the push of this test
+
+
+# results after consuming ------------------------------------------------------------------
+
+
+async def test_a_handler_value_is_kept_and_read_back(connect: Connect) -> None:
+    factory = await _results_factory(connect)
+    q = await factory.queue("q1", result_ttl=TTL)
+    message_id = await q.push({"n": 21})
+    assert await q.result(message_id) is None  # not handled yet: looked once
+
+    async def handler(message: Message) -> dict[str, Any]:
+        return {"double": message.payload["n"] * 2, "raw": None}
+
+    async with q.consume(handler):
+        found = await q.result(message_id, timeout=GUARD)
+    assert isinstance(found, JobResult)
+    assert found == JobResult(message_id, True, {"double": 42, "raw": None}, None, found.finished)
+    assert found.finished.tzinfo is not None
+    assert await q.result(message_id) == found  # kept: read again at once
+
+
+async def test_push_and_wait_returns_the_handler_value(connect: Connect) -> None:
+    factory = await _results_factory(connect)
+    q = await factory.queue("q1", result_ttl=TTL)
+    async with q.consume(lambda m: m.payload.upper()):
+        assert await q.push_and_wait("hello", timeout=GUARD) == "HELLO"
+        assert await q.push_and_wait(b"\x00bytes", timeout=GUARD) == b"\x00BYTES"
+
+
+async def test_none_is_a_result(connect: Connect) -> None:
+    factory = await _results_factory(connect)
+    q = await factory.queue("q1", result_ttl=TTL)
+    async with q.consume(lambda m: None):
+        assert await q.push_and_wait(1, timeout=GUARD) is None
+
+
+async def test_push_and_wait_across_two_factories(connect: Connect) -> None:
+    """Two processes' worth: the waiter's factory and the consumer's share only the backend."""
+    waiter = await _results_factory(connect)
+    needs(waiter, "shared")
+    worker = await connect(poll_interval=60.0)
+    asking = await waiter.queue("q1", result_ttl=TTL)
+    serving = await worker.queue("q1", result_ttl=TTL)
+    async with serving.consume(lambda m: m.payload + 1, concurrency=2):
+        got = await asyncio.gather(
+            *(asyncio.wait_for(asking.push_and_wait(n), GUARD) for n in range(10))
+        )
+    assert got == list(range(1, 11))
+    # a reader with no result_ttl of its own reads them too
+    reader = await (await connect()).queue("q1")
+    message_id = await asking.push(41)
+    async with serving.consume(lambda m: m.payload + 1):
+        found = await reader.result(message_id, timeout=GUARD)
+    assert found is not None and found.value == 42
+
+
+async def test_a_batch_handler_value_is_each_message_result(connect: Connect) -> None:
+    factory = await _results_factory(connect, max_wait_time=0.2)
+    q = await factory.queue("q1", result_ttl=TTL)
+    needs(q, "reserve")
+    ids = await q.push_many([1, 2, 3])
+
+    async def handler(messages: list[Message]) -> int:
+        return sum(m.payload for m in messages)
+
+    seen: list[JobResult | None] = []
+    async with q.consume(handler, batch=3):
+        for message_id in ids:
+            seen.append(await q.result(message_id, timeout=GUARD))
+    values = [found.value for found in seen if found is not None]
+    assert len(values) == 3 and len(set(values)) == 1  # the one value of one batch...
+    assert values[0] in (1, 2, 3, 3, 5, 6)  # ... or of its first messages, gathered first
+
+
+async def test_a_value_that_cannot_be_stored_still_oks_the_message(
+    connect: Connect, caplog: pytest.LogCaptureFixture
+) -> None:
+    factory = await _results_factory(connect)
+    q = await factory.queue("q1", result_ttl=TTL)
+    needs(q, "reserve")
+    with caplog.at_level(logging.WARNING, "aio_keuss.queue"):
+        async with q.consume(lambda m: object()):
+            with pytest.raises(JobFailedError, match="not storable") as raised:
+                await q.push_and_wait(1, timeout=GUARD)
+    assert raised.value.error is not None and "not storable" in raised.value.error
+    assert (await q.sizes()).total == 0  # ok-ed: the work is done
+    assert "not storable" in caplog.text
+
+
+async def test_ok_with_a_result_and_ok_many_with_results(connect: Connect) -> None:
+    factory = await _results_factory(connect)
+    q = await factory.queue("q1", result_ttl=TTL)
+    needs(q, "reserve")
+    first, *rest = await q.push_many([0, 1, 2])
+    message = await q.reserve(timeout=GUARD)
+    assert message is not None and message.id == first
+    assert await q.ok(message, result=[1, "two"])
+    held = await q.reserve_many(2, timeout=GUARD)
+    assert await q.ok_many(held, results=["a", b"b"]) == [True, True]
+    found = [await q.result(i) for i in (first, *rest)]
+    assert [f.value for f in found if f is not None] == [[1, "two"], "a", b"b"]
+
+
+async def test_bad_results_are_refused_before_anything_is_written(connect: Connect) -> None:
+    factory = await _results_factory(connect)
+    q = await factory.queue("q1", result_ttl=TTL)
+    needs(q, "reserve")
+    await q.push_many([1, 2])
+    held = await q.reserve_many(2, timeout=GUARD)
+    with pytest.raises(aio_keuss.InvalidPayloadError):
+        await q.ok(held[0], result={1, 2})
+    with pytest.raises(aio_keuss.InvalidPayloadError):
+        await q.ok_many(held, results=[1, float("nan")])
+    with pytest.raises(aio_keuss.InvalidInputError):
+        await q.ok_many(held, results=[1])
+    with pytest.raises(aio_keuss.InvalidInputError):
+        await q.ko(held[0], error=42)  # type: ignore[arg-type]
+    assert (await q.sizes()).reserved == 2  # no ok, no ko went through
+    assert [await q.result(m) for m in held] == [None, None]
+
+
+# failures ---------------------------------------------------------------------------------
+
+
+async def test_a_final_handler_failure_is_kept(connect: Connect) -> None:
+    factory = await _results_factory(connect, deadletter={"max_ko": 1})
+    q = await factory.queue("q1", result_ttl=TTL)
+    needs(q, "reserve")
+
+    def handler(message: Message) -> None:
+        raise ValueError(f"boom {message.tries}")
+
+    async with q.consume(handler, retry_delay=0.01, max_retry_delay=0.01):
+        with pytest.raises(JobFailedError) as raised:
+            await q.push_and_wait(1, timeout=GUARD)
+    assert raised.value.error == "ValueError: boom 1"  # its last try's exception
+    assert raised.value.id is not None
+
+
+async def test_a_ko_that_deadletters_keeps_a_failure(connect: Connect) -> None:
+    factory = await _results_factory(connect, deadletter={"max_ko": 0})
+    q = await factory.queue("q1", result_ttl=TTL)
+    needs(q, "reserve")
+    first, second = await q.push_many([1, 2])
+    held = await q.reserve_many(2, timeout=GUARD)
+    by_id = {m.id: m for m in held}
+    assert await q.ko(by_id[first], error="bad input") is aio_keuss.KoResult.DEADLETTERED
+    assert await q.ko(by_id[second]) is aio_keuss.KoResult.DEADLETTERED
+    one, two = await q.result(first), await q.result(second)
+    assert one is not None and (one.ok, one.value, one.error) == (False, None, "bad input")
+    assert two is not None and two.ok is False and two.error == "failed after 1 tries"
+
+
+async def test_a_ko_that_rolls_back_keeps_nothing(connect: Connect) -> None:
+    factory = await _results_factory(connect)
+    q = await factory.queue("q1", result_ttl=TTL)
+    needs(q, "reserve")
+    message_id = await q.push(1)
+    message = await q.reserve(timeout=GUARD)
+    assert message is not None
+    assert await q.ko(message, delay=0, error="later") is aio_keuss.KoResult.ROLLED_BACK
+    assert await q.result(message_id) is None
+
+
+async def test_a_removed_message_fails_its_waiters(connect: Connect) -> None:
+    factory = await _results_factory(connect)
+    q = await factory.queue("q1", result_ttl=TTL)
+    needs(q, "remove")
+    message_id = await q.push(1, delay=3600 if q.capabilities.delay else 0.0)
+    waiting = asyncio.ensure_future(q.result(message_id, timeout=GUARD))
+    await asyncio.sleep(0)
+    assert await q.remove(message_id)
+    found = await waiting
+    assert found is not None and (found.ok, found.error) == (False, "removed")
+    assert not await q.remove(message_id)  # nothing removed: the result stays as it was
+
+
+# waiting ----------------------------------------------------------------------------------
+
+
+async def test_a_timeout_leaves_the_message_queued(connect: Connect) -> None:
+    factory = await _results_factory(connect)
+    q = await factory.queue("q1", result_ttl=TTL)
+    with pytest.raises(ResultTimeoutError) as raised:
+        await q.push_and_wait({"a": 1}, timeout=0.2)
+    assert isinstance(raised.value, TimeoutError)
+    assert isinstance(raised.value, aio_keuss.KeussError)
+    assert (await q.sizes()).total == 1
+    assert await q.result(raised.value.id, timeout=0.05) is None
+
+
+async def test_results_expire(connect: Connect) -> None:
+    factory = await _results_factory(connect)
+    q = await factory.queue("q1", result_ttl=0.05)
+    needs(q, "reserve")
+    message_id = await q.push(1)
+    message = await q.reserve(timeout=GUARD)
+    assert message is not None
+    await q.ok(message, result="short-lived")
+
+    async def gone() -> bool:
+        return await q.result(message_id) is None
+
+    await _until(gone)
+
+
+async def test_a_lost_signal_costs_only_the_poll_interval(connect: Connect) -> None:
+    """The consumer's factory announces nothing: the waiter finds the result on its poll."""
+    waiter = await _results_factory(connect, poll_interval=0.2)
+    q = await waiter.queue("q1", result_ttl=TTL)
+    silent = waiter
+    if waiter.capabilities.shared:
+        silent = await connect(poll_interval=60.0)
+    silent.signal.results = lambda queue, ids: None  # type: ignore[method-assign]
+    serving = await silent.queue("q1", result_ttl=TTL)
+    async with serving.consume(lambda m: m.payload * 3):
+        assert await q.push_and_wait(3, timeout=GUARD) == 9
+
+
+async def test_concurrent_waiters_share_round_trips(connect: Connect) -> None:
+    factory = await _results_factory(connect)
+    q = await factory.queue("q1", result_ttl=TTL)
+    needs(q, "reserve")
+    store = await _store_of(factory)
+    calls: list[int] = []
+    get = store.get
+
+    async def counted(queue: str, ids: Sequence[str]) -> list[bytes | None]:
+        calls.append(len(ids))
+        return await get(queue, ids)
+
+    store.get = counted  # type: ignore[method-assign]
+    ids = await q.push_many(list(range(50)))
+    waits = [asyncio.ensure_future(q.result(i, timeout=GUARD)) for i in ids]
+    held = await q.reserve_many(50, timeout=GUARD)
+    while len(held) < 50:
+        held += await q.reserve_many(50 - len(held), timeout=GUARD)
+    await q.ok_many(held, results=[m.payload for m in held])
+    found = await asyncio.gather(*waits)
+    assert sorted(f.value for f in found if f is not None) == list(range(50))
+    assert max(calls) == 50  # every id waited for, in one get
+    assert len(calls) <= 5  # not one get per waiter
+
+
+async def test_an_undecodable_result_is_a_failure_not_an_exception(
+    connect: Connect, caplog: pytest.LogCaptureFixture
+) -> None:
+    factory = await _results_factory(connect)
+    q = await factory.queue("q1", result_ttl=TTL)
+    store = await _store_of(factory)
+    await store.put("q1", [("alien", b"\xff not ours")], TTL)
+    with caplog.at_level(logging.WARNING, "aio_keuss.queue"):
+        found = await q.result("alien")
+    assert found is not None and found.ok is False
+    assert found.error is not None and "could not be read" in found.error
+    assert "alien" in caplog.text
+
+
+async def test_a_pipeline_station_keeps_no_result(connect: Connect) -> None:
+    factory = await _results_factory(connect)
+    needs(factory, "move")
+    done = asyncio.Event()
+
+    async def store(message: Message) -> None:  # None: kept, it would read as a result
+        done.set()
+
+    pipeline = factory.pipeline("p", queue_options={"incoming": {"result_ttl": TTL}}).sink(
+        "incoming", store
+    )
+    incoming = await factory.queue("incoming", result_ttl=TTL)
+    message_id = await incoming.push(1)
+    async with pipeline.run():
+        await asyncio.wait_for(done.wait(), GUARD)
+
+        async def handled() -> bool:
+            return (await incoming.sizes()).total == 0
+
+        await _until(handled)
+    assert await incoming.result(message_id) is None
