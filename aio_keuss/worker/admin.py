@@ -355,6 +355,27 @@ async def _find(factory: Factory, args: argparse.Namespace, out: Output) -> int:
     return EXIT_OK
 
 
+async def _result(factory: Factory, args: argparse.Namespace, out: Output) -> int:
+    _require(factory, "results")
+    check_known_id(args.id)
+    q = await _open(factory, args.queue)
+    found = await q.result(args.id, timeout=args.wait)
+    if found is None:
+        out.emit(None, [])
+        print(f"aio-keuss result: no result for {args.id!r} in {args.queue!r}", file=sys.stderr)
+        return EXIT_NOT_FOUND
+    out.emit(
+        {
+            "id": found.id,
+            "ok": found.ok,
+            "value": found.value,
+            "error": found.error,
+            "finished": found.finished,
+        }
+    )
+    return EXIT_OK
+
+
 async def _push(factory: Factory, args: argparse.Namespace, out: Output) -> int:
     if args.payload is not None:
         payloads = [_json_arg(args.payload, "the payload")]
@@ -608,6 +629,10 @@ def add_commands(commands: Any) -> None:
     p.add_argument("queue")
     p.add_argument("id")
     p.add_argument("--deadletter", default=DEADLETTER, help="deadletter queue to look in too")
+    p = command("result", _result, "the kept result of a message (exit 4 if none)")
+    p.add_argument("queue")
+    p.add_argument("id")
+    p.add_argument("--wait", type=_seconds, default=0.0, help="seconds to wait for it")
     p = command("push", _push, "push JSON payloads: one argument, or one per line on stdin")
     p.add_argument("queue")
     p.add_argument("payload", nargs="?", help="a JSON payload (default: read stdin)")

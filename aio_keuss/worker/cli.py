@@ -70,6 +70,11 @@ def _parser() -> argparse.ArgumentParser:
     add("--timeout", help="seconds a handler may run before it is cancelled and ko-ed")
     add("--grace", help="seconds running handlers get to finish on SIGTERM (default 30)")
     add("--prefetch", help="messages reserved ahead of free handlers, per queue (default 0)")
+    add(
+        "--result-ttl",
+        help="seconds the queues keep what the handler returned, for push_and_wait (default 0:"
+        " none kept)",
+    )
     add("--log-level", help="debug, info (default), warning, error")
     add("--health-port", help="serve GET /healthz and /metrics on this port")
     add("--health-host", help="the address they are served on (default 127.0.0.1)")
@@ -107,6 +112,7 @@ def _flags(args: argparse.Namespace) -> dict[str, Any]:
         "timeout": args.timeout,
         "grace": args.grace,
         "prefetch": args.prefetch,
+        "result_ttl": args.result_ttl,
         "log_level": args.log_level,
         "health_port": args.health_port,
         "health_host": args.health_host,
@@ -128,6 +134,7 @@ async def _run(settings: WorkerSettings) -> None:
         timeout=settings.timeout,
         grace=settings.grace,
         prefetch=settings.prefetch,
+        queue_options={"result_ttl": settings.result_ttl} if settings.result_ttl else None,
         health_port=settings.health_port,
         health_host=settings.health_host,
         **settings.connect_options(),

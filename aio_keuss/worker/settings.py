@@ -46,6 +46,9 @@ class WorkerSettings:
     timeout: float | None = None
     grace: float = 30.0
     prefetch: int = 0
+    result_ttl: float = 0.0
+    """Seconds the consumed queues keep what their handler returned (the queue option
+    ``result_ttl``, for ``Queue.push_and_wait`` elsewhere); 0: none kept."""
     log_level: str = "info"
     health_port: int | None = None
     health_host: str = "127.0.0.1"
@@ -268,7 +271,7 @@ def _check(raw: Mapping[str, Any]) -> dict[str, Any]:
             value = _int(value, name, 0, 10_000)
         elif name == "health_port":
             value = _int(value, name, 0, 65_535)
-        elif name in ("timeout", "grace"):
+        elif name in ("timeout", "grace", "result_ttl"):
             value = _seconds(value, name)
             if name == "timeout" and value == 0:
                 raise ConfigError("timeout must be > 0 seconds")

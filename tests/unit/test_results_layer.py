@@ -1,0 +1,305 @@
+"""The queue layer's part of results, on the memory backend: the body encoding, the routing
+of "result" signals, the factory's store (made once, closed with it), a backend without
+results, closing under a waiter, the sync shim, the worker setting and the admin command."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import io
+import json
+import logging
+from collections.abc import Sequence
+from dataclasses import replace
+from typing import Any
+
+import orjson
+import pytest
+
+import aio_keuss
+from aio_keuss import sync
+from aio_keuss.contract import Backend
+from aio_keuss.factory import Factory, check_results
+from aio_keuss.memory import MemoryBackend
+from aio_keuss.options import QueueOptions
+from aio_keuss.outcomes import (
+    MAX_ERROR_CHARS,
+    decode_result,
+    encode_failure,
+    encode_success,
+    exception_text,
+)
+from aio_keuss.results import MemoryResults, ResultStore
+from aio_keuss.signal import MAX_SIGNAL_IDS, RESULTS_ROUTE, LocalSignalBus, Signal, SignalBus
+from aio_keuss.stats import MemoryStats
+from aio_keuss.worker import admin
+from aio_keuss.worker.settings import resolve
+
+pytestmark = pytest.mark.timeout(60)
+
+GUARD = 30.0
+
+
+# encoding ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("value", [None, 0, "text", b"\x00\n\xff", {"a": [1, 2.5, None]}, []])
+def test_a_success_round_trips(value: Any) -> None:
+    found = decode_result("q", "id1", encode_success(value, 1_700_000_000.5))
+    assert (found.id, found.ok, found.value, found.error) == ("id1", True, value, None)
+    assert found.finished.timestamp() == 1_700_000_000.5
+    assert found.finished.tzinfo is not None
+
+
+def test_a_failure_round_trips_and_its_error_is_bounded() -> None:
+    found = decode_result("q", "id1", encode_failure("x" * 5000))
+    assert (found.ok, found.value) == (False, None)
+    assert found.error is not None and len(found.error) == MAX_ERROR_CHARS
+
+
+def test_an_unencodable_value_is_refused() -> None:
+    with pytest.raises(aio_keuss.InvalidPayloadError):
+        encode_success(object())
+
+
+@pytest.mark.parametrize(
+    "body",
+    [b"", b"\xff", b"[]", b'{"ok": true}', b'{"ok": true, "error": null, "finished": 1}'],
+)
+def test_a_body_this_library_did_not_write_reads_as_a_failure(
+    body: bytes, caplog: pytest.LogCaptureFixture
+) -> None:
+    with caplog.at_level(logging.WARNING, "aio_keuss.queue"):
+        found = decode_result("q", "id1", body)
+    assert found.ok is False and found.error is not None
+    assert "could not be read" in found.error and "id1" in caplog.text
+
+
+def test_exception_text_names_the_type_and_survives_a_broken_str() -> None:
+    class Broken(Exception):
+        def __str__(self) -> str:
+            raise RuntimeError("no")
+
+    assert exception_text(ValueError("boom")) == "ValueError: boom"
+    assert exception_text(KeyError()) == "KeyError"
+    assert exception_text(Broken()).startswith("Broken: ")
+
+
+# signals ----------------------------------------------------------------------------------
+
+
+class _Recording(SignalBus):
+    """A bus whose transport records what it would send."""
+
+    def __init__(self) -> None:
+        super().__init__(debounce=0.0)
+        self.sent: list[dict[str, Any]] = []
+
+    async def _publish(self, payload: bytes) -> None:
+        assert len(payload) <= 8000  # PostgreSQL's NOTIFY bound
+        self.sent.append(orjson.loads(payload))
+
+
+async def test_result_signals_reach_result_listeners_and_not_queue_listeners() -> None:
+    bus = _Recording()
+    heard: list[Signal] = []
+    queue_heard: list[Signal] = []
+    bus.subscribe_results("q1", heard.append)
+    bus.subscribe("q1", queue_heard.append)
+    bus.results("q1", ["a", "b"])
+    await bus.published()
+    assert [s.ids for s in heard] == [["a", "b"]] and not queue_heard
+    (sent,) = bus.sent
+    assert sent["k"] == "result" and sent["i"] == ["a", "b"]
+    # a release that knows no results routes by the queue field: no queue is named so
+    with pytest.raises(aio_keuss.InvalidQueueNameError):
+        aio_keuss.options.check_queue_name(sent["q"])
+    # another process's, received
+    other = _Recording()
+    got: list[Signal] = []
+    other.subscribe_results("q1", got.append)
+    other._receive(orjson.dumps(sent))
+    assert [s.ids for s in got] == [["a", "b"]]
+    await bus.close()
+    await other.close()
+
+
+async def test_many_or_long_ids_are_sent_without_ids() -> None:
+    bus = _Recording()
+    bus.results("q1", [str(n) for n in range(MAX_SIGNAL_IDS + 1)])
+    bus.results("q1", ["x" * 1000] * 10)  # 10 kB of ids
+    await bus.published()
+    assert [("i" in sent) for sent in bus.sent] == [False, False]
+    await bus.close()
+
+
+async def test_a_malformed_ids_field_wakes_every_waiter() -> None:
+    bus = _Recording()
+    got: list[Signal] = []
+    bus.subscribe_results("q1", got.append)
+    payload = {"o": "elsewhere", "q": RESULTS_ROUTE + "q1", "k": "result", "i": [1, 2]}
+    bus._receive(orjson.dumps(payload))
+    assert [s.ids for s in got] == [None]
+    await bus.close()
+
+
+# the factory's store ----------------------------------------------------------------------
+
+
+class _CountingResults(MemoryResults):
+    def __init__(self) -> None:
+        super().__init__()
+        self.opened = self.closed = 0
+        self.gets: list[int] = []
+
+    async def open(self) -> None:
+        self.opened += 1
+
+    async def close(self) -> None:
+        self.closed += 1
+
+    async def get(self, queue: str, ids: Sequence[str]) -> list[bytes | None]:
+        self.gets.append(len(ids))
+        return await super().get(queue, ids)
+
+
+class _CountingBackend(MemoryBackend):
+    made: list[_CountingResults]
+
+    def result_store(self) -> ResultStore:
+        store = _CountingResults()
+        self.made.append(store)
+        return store
+
+
+class _NoResultsBackend(MemoryBackend):
+    """A backend whose database keeps no results."""
+
+    capabilities = replace(MemoryBackend.capabilities, results=False)
+    result_store = Backend.result_store  # type: ignore[assignment]
+
+
+def _factory(backend: Backend, bus: SignalBus | None = None) -> Factory:
+    return Factory(backend, bus or LocalSignalBus(), MemoryStats(), QueueOptions(), None)
+
+
+async def test_the_store_is_made_once_when_first_needed_and_closed_with_the_factory() -> None:
+    backend = _CountingBackend({})
+    backend.made = []
+    factory = _factory(backend)
+    plain = await factory.queue("plain")
+    assert backend.made == []  # no queue needs it yet
+    assert await plain.result("x") is None  # a reader without result_ttl makes it
+    await factory.queue("kept", result_ttl=60)
+    await factory.queue("also", result_ttl=60)
+    (store,) = backend.made
+    assert store.opened == 1
+    await factory.close()
+    assert store.closed == 1
+
+
+async def test_a_backend_without_results_refuses_them_before_anything_is_written() -> None:
+    assert _NoResultsBackend.capabilities.results is False
+    with pytest.raises(aio_keuss.ConfigError, match="result_ttl"):
+        check_results(_NoResultsBackend)
+    factory = _factory(_NoResultsBackend({}))
+    with pytest.raises(aio_keuss.ConfigError, match="result_ttl"):
+        await factory.queue("q1", result_ttl=5)
+    assert "q1" not in await factory.list()
+    q = await factory.queue("q1")
+    with pytest.raises(aio_keuss.NotSupportedError):
+        await q.result("x", timeout=1)
+    with pytest.raises(aio_keuss.NotSupportedError):
+        await q.push_and_wait(1)
+    assert (await q.sizes()).total == 0
+    await factory.close()
+
+
+async def test_a_wait_ends_with_closed_error_when_its_queue_closes() -> None:
+    factory = _factory(MemoryBackend({}))
+    q = await factory.queue("q1", result_ttl=60)
+    waiting = asyncio.ensure_future(q.result("never", timeout=GUARD))
+    await asyncio.sleep(0.01)
+    await q.close()
+    with pytest.raises(aio_keuss.ClosedError):
+        await waiting
+    await factory.close()
+
+
+async def test_many_waiters_of_one_queue_share_their_gets() -> None:
+    backend = _CountingBackend({})
+    backend.made = []
+    factory = _factory(backend)
+    q = await factory.queue("q1", result_ttl=60, poll_interval=60)
+    ids = await q.push_many(list(range(100)))
+    waits = [asyncio.ensure_future(q.result(i, timeout=GUARD)) for i in ids]
+    held = await q.reserve_many(100, timeout=GUARD)
+    await q.ok_many(held, results=[m.payload for m in held])
+    found = await asyncio.gather(*waits)
+    assert [f.value for f in found if f is not None] == list(range(100))
+    (store,) = backend.made
+    assert max(store.gets) == 100 and len(store.gets) <= 3
+    await factory.close()
+
+
+class _Deaf(LocalSignalBus):
+    """Loses every result signal."""
+
+    def results(self, queue: str, ids: Sequence[str]) -> None:
+        pass
+
+
+async def test_a_lost_result_signal_is_made_up_for_by_the_poll() -> None:
+    factory = _factory(MemoryBackend({}), _Deaf())
+    q = await factory.queue("q1", result_ttl=60, poll_interval=0.05)
+    async with q.consume(lambda m: m.payload * 2):
+        assert await q.push_and_wait(4, timeout=GUARD) == 8
+    await factory.close()
+
+
+# the sync shim, the worker, the admin command ---------------------------------------------
+
+
+def test_the_sync_shim_keeps_and_waits_for_results() -> None:
+    with sync.connect("memory") as factory:
+        q = factory.queue("q1", result_ttl=60)
+        message_id = q.push(1)
+        message = q.reserve(timeout=GUARD)
+        assert message is not None
+        assert q.ok(message, result={"done": True})
+        found = q.result(message_id)
+        assert found is not None and found.value == {"done": True}
+        second = q.push(2)
+        held = q.reserve(timeout=GUARD)
+        assert held is not None
+        assert q.ko(held, error="nope") is aio_keuss.KoResult.ROLLED_BACK
+        assert q.result(second) is None
+        with pytest.raises(aio_keuss.ResultTimeoutError):
+            q.push_and_wait(3, timeout=0.05)
+
+
+def test_the_worker_takes_a_result_ttl() -> None:
+    base = {"handler": "m:f", "queues": ["q"]}
+    assert resolve({**base, "result_ttl": "30"}, {}).result_ttl == 30.0
+    assert resolve(base, {"AIO_KEUSS_RESULT_TTL": "7.5"}).result_ttl == 7.5
+    assert resolve(base, {}).result_ttl == 0.0
+    with pytest.raises(aio_keuss.ConfigError, match="result_ttl"):
+        resolve({**base, "result_ttl": "-1"}, {})
+
+
+async def test_the_admin_result_command() -> None:
+    factory = _factory(MemoryBackend({}))
+    q = await factory.queue("q1", result_ttl=60)
+    message_id = await q.push(1)
+    message = await q.reserve(timeout=GUARD)
+    assert message is not None
+    await q.ok(message, result=b"raw")
+    out = io.StringIO()
+    args = argparse.Namespace(queue="q1", id=message_id, wait=0.0)
+    assert await admin._result(factory, args, admin.Output(True, out)) == admin.EXIT_OK
+    shown = json.loads(out.getvalue())
+    assert (shown["id"], shown["ok"], shown["value"]) == (message_id, True, {"base64": "cmF3"})
+    args = argparse.Namespace(queue="q1", id="missing", wait=0.0)
+    code = await admin._result(factory, args, admin.Output(True, io.StringIO()))
+    assert code == admin.EXIT_NOT_FOUND
+    await factory.close()
