@@ -66,7 +66,7 @@ from .errors import (
 from .message import Message
 from .metrics import Histogram, QueueMetrics
 from .options import check_seconds
-from .outcomes import exception_text
+from .outcomes import NO_RESULT, exception_text
 from .renewals import Renewals
 from .types import Capabilities, KoResult
 
@@ -380,6 +380,13 @@ class Source(Protocol):
     ) -> Awaitable[KoResult]:
         """``failure``: why it failed, kept as its result where the queue keeps results
         and this ko ends it for good (None: nothing is kept)."""
+
+    def keep(
+        self, messages: list[Message], value: Any, failure: str | None
+    ) -> Awaitable[None] | None:
+        """Keep the result of popped messages (no ok carries it): ``value`` for each, or
+        ``failure`` when it is not None and ``value`` is left out; None (nothing to await)
+        where the queue keeps no results or there is nothing to keep."""
 
     def extend_many(self, messages: list[Message]) -> Awaitable[list[bool]]:
         """Extend these reservations by ``reserve_delay`` from now (see :mod:`.renewals`)."""
@@ -938,6 +945,8 @@ class Consumer(StoppedOnExit):
             self.queue.handler_failed(message, failure)
             if self._reserve:
                 await self._ko(message, failure)
+            else:
+                await self._keep_popped([message], failure=self._failure_text(failure))
             return
         self._ran(started, "ok")
         self.handled += 1
@@ -947,6 +956,18 @@ class Consumer(StoppedOnExit):
             await self._ok_later(message, result)
         elif self._reserve:
             await self._acknowledge("ok", message, self.queue.ok(message, result))
+        else:
+            await self._keep_popped([message], result)
+
+    async def _keep_popped(
+        self, messages: list[Message], value: Any = NO_RESULT, failure: str | None = None
+    ) -> None:
+        """Popped messages (a backend without reserve) have no ok to carry their result:
+        kept on their own, where the queue keeps results (a failure logged as an outage's)."""
+        work = self.queue.keep(messages, value, failure)
+        if work is not None:
+            with contextlib.suppress(ClosedError):
+                await self._acknowledge_all("keep", messages, work)
 
     async def _ok_later(self, message: Message, value: Any) -> None:
         """Queue the ok of a handled message for a sender task (no task per message: oks
@@ -1068,6 +1089,8 @@ class Consumer(StoppedOnExit):
             self.queue.handler_failed(messages[0], failure)
             if self._reserve:
                 await asyncio.gather(*(self._ko(m, failure) for m in messages))
+            else:
+                await self._keep_popped(messages, failure=self._failure_text(failure))
             return
         self._ran(started, "ok")
         self.handled += len(messages)
@@ -1075,6 +1098,8 @@ class Consumer(StoppedOnExit):
             # the one return value is each message's result
             values = [result] * len(messages)
             await self._acknowledge_all("ok", messages, self.queue.ok_many(messages, values))
+        else:
+            await self._keep_popped(messages, result)
 
     async def _held_back(self, messages: list[Message], exc: RateLimited, started: float) -> bool:
         """A handler's ``RateLimited``: the queue's deliveries held, its messages given back

@@ -1410,6 +1410,17 @@ class Queue:
         await self._result_writes.put(bodies)
         return await self.ok_many(messages)
 
+    async def _keep_popped(self, messages: list[Message], value: Any, failure: str | None) -> None:
+        """The results of popped messages a consumer handled (no ok carries them): the
+        handler's value, or its failure (a popped message is not delivered again)."""
+        assert self._result_writes is not None  # (the link calls this only then)
+        if value is NO_RESULT:
+            body = encode_failure(failure or "failed")
+            kept = [(m.id, body) for m in messages]
+        else:
+            kept = [(m.id, self._handled_body(m.id, value)) for m in messages]
+        await self._result_writes.put(kept)
+
     async def _keep_failure(self, message_id: str, error: str) -> None:
         """A failure result for a message that will never finish (deadlettered, removed),
         so that its waiters do not wait for ever. What failed to be kept is logged: the
@@ -2336,6 +2347,14 @@ class _ConsumerLink:
         self, message: Message, delay: float | None, failure: str | None = None
     ) -> Awaitable[KoResult]:
         return self._queue._ko(message, delay, failure, keep=failure is not None)
+
+    def keep(
+        self, messages: list[Message], value: Any, failure: str | None
+    ) -> Awaitable[None] | None:
+        queue = self._queue
+        if queue._result_writes is None or (value is NO_RESULT and failure is None):
+            return None
+        return queue._keep_popped(messages, value, failure)
 
     def extend_many(self, messages: list[Message]) -> Awaitable[list[bool]]:
         return self._queue.extend_many(messages)

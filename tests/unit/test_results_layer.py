@@ -17,7 +17,7 @@ import orjson
 import pytest
 
 import aio_keuss
-from aio_keuss import sync
+from aio_keuss import Message, sync
 from aio_keuss.contract import Backend
 from aio_keuss.factory import Factory, check_results
 from aio_keuss.memory import MemoryBackend
@@ -302,4 +302,28 @@ async def test_the_admin_result_command() -> None:
     args = argparse.Namespace(queue="q1", id="missing", wait=0.0)
     code = await admin._result(factory, args, admin.Output(True, io.StringIO()))
     assert code == admin.EXIT_NOT_FOUND
+    await factory.close()
+
+
+class _PopOnly(MemoryBackend):
+    """A backend without reserve (as redis-list): consumers pop, and no ok carries a result."""
+
+    capabilities = replace(MemoryBackend.capabilities, reserve=False)
+
+
+async def test_popped_messages_keep_their_results_too() -> None:
+    factory = _factory(_PopOnly({}))
+    q = await factory.queue("q1", result_ttl=60)
+
+    def handler(message: Message) -> int:
+        if message.payload < 0:
+            raise ValueError("negative")
+        return message.payload * 10
+
+    async with q.consume(handler):
+        assert await q.push_and_wait(2, timeout=GUARD) == 20
+        with pytest.raises(aio_keuss.JobFailedError, match="ValueError: negative"):
+            await q.push_and_wait(-1, timeout=GUARD)
+    async with q.consume(lambda messages: len(messages), batch=2):
+        assert await q.push_and_wait(5, timeout=GUARD) == 1
     await factory.close()
