@@ -244,6 +244,10 @@ class Fetched:
     next_mature: float | None
 
 
+FinishedDeadletters = Callable[[str, int, list[str]], None]
+"""Told of deadletter moves a store finished by itself: (deadletter queue, count, the ids
+of the messages moved); see ``Store.on_finished_deadletter``."""
+
 OneTake = tuple[
     Callable[[], "asyncio.Future[Any] | None"],
     Callable[[Any], tuple[list[Stored], float | None]],
@@ -508,9 +512,10 @@ class Store(ABC):
         deadletter move another process began (see the bucket stores), with no ko of
         their own to carry it. Others ignore it: each ko brings the plan it needs."""
 
-    def on_finished_deadletter(self, listener: Callable[[str, int], None]) -> None:
+    def on_finished_deadletter(self, listener: FinishedDeadletters) -> None:
         """For stores that finish deadletter moves another process began (see
-        :meth:`on_deadletter`): ``listener(deadletter queue, count)`` once such copies are
+        :meth:`on_deadletter`): ``listener(deadletter queue, count, ids)`` (the ids of the
+        messages moved, whose failure a queue keeping results keeps) once such copies are
         written and their slots marked, so the queue counts and signals them as it does
         after a ko that deadlettered (no ko of its own answers for them). Others ignore it."""
 

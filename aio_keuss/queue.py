@@ -1423,18 +1423,25 @@ class Queue:
 
     async def _keep_failure(self, message_id: str, error: str) -> None:
         """A failure result for a message that will never finish (deadlettered, removed),
-        so that its waiters do not wait for ever. What failed to be kept is logged: the
-        ko or remove it follows is done and stays done."""
+        so that its waiters do not wait for ever (see ``_keep_failures``)."""
+        await self._keep_failures([message_id], error)
+
+    async def _keep_failures(self, ids: Sequence[str], error: str) -> None:
+        """Failure results of messages that will never finish. What failed to be kept is
+        logged: the ko, remove or deadletter it follows is done and stays done."""
         writes = self._result_writes
         if writes is None:
             return
+        body = encode_failure(error)
         try:
-            await writes.put([(message_id, encode_failure(error))])
+            await writes.put([(message_id, body) for message_id in ids])
         except Exception as exc:
             log.warning(
-                "queue %r: failure result of %r not kept (%r): its waiters wait for their timeout",
+                "queue %r: failure results of %d messages (like %r) not kept (%r): their"
+                " waiters wait for their timeout",
                 self.name,
-                message_id,
+                len(ids),
+                ids[0],
                 exc,
             )
 
@@ -1534,13 +1541,17 @@ class Queue:
         work.raise_held()
         return results
 
-    def _deadlettered(self, queue: str, count: int) -> None:
+    def _deadlettered(self, queue: str, count: int, ids: Sequence[str] = ()) -> None:
         """Messages now in deadletter queue ``queue``: counted here and there, and the
         consumers waiting on it told, in every process. A ko's, and those of a move another
-        process began that this one's store finished (``Store.on_finished_deadletter``)."""
+        process began that this one's store finished (``Store.on_finished_deadletter``),
+        whose ``ids`` no ko answers for: their failures are kept here, where the queue keeps
+        results, so that their waiters do not wait for ever."""
         self._stats.incr(self.name, "deadletter", count)
         self._stats.incr(queue, "put", count)
         self._signal.insert(queue, time.time(), count)
+        if ids and self._result_writes is not None and not self._closed:
+            self._in_background(self._keep_failures(ids, "failed for good (deadlettered)"))
 
     async def move(
         self,

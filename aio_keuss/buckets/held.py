@@ -89,9 +89,9 @@ class HeldBucket:
         self.lost = False  # someone else took the lease over
         self.last_used = now
         self.lease_until = 0.0
-        # (version, deadletter queue) of each deadletter move finished here and not yet
-        # counted: counted once a write of that version lands (``_count_finished``).
-        self.uncounted: list[tuple[int, str]] = []
+        # (version, deadletter queue, message id) of each deadletter move finished here and
+        # not yet counted: counted once a write of that version lands (``_count_finished``).
+        self.uncounted: list[tuple[int, str, str]] = []
         # When this store may next try to copy its slots on their way to the deadletter
         # queue (a previous holder's move whose copy failed here; see ``COPY_RETRY_FIRST``).
         self.copy_due = 0.0
@@ -109,11 +109,15 @@ class HeldBucket:
 
         write.add_done_callback(ended)
 
+    def slot_id(self, slot: int) -> str:
+        """The id of the message in ``slot``."""
+        return f"{self.id}-{slot}"
+
     def message(self, slot: int, tries: int, mature: float) -> Stored:
         p, h = self.payload_at, self.headers_at
         blob = self.blob
         return Stored(
-            f"{self.id}-{slot}",
+            self.slot_id(slot),
             blob[p[slot] : p[slot + 1]],
             blob[h[slot] : h[slot + 1]],
             tries,

@@ -20,6 +20,7 @@ import time
 from collections.abc import Callable, Iterable, Mapping
 
 from ..coalesce import Uncancellable
+from ..contract import FinishedDeadletters
 from .codec import AVAILABLE
 from .held import HeldBucket
 from .settings import (
@@ -44,7 +45,7 @@ class StateWriter:
     _leaving: dict[str, HeldBucket]
     _flusher: asyncio.Task[None] | None
     _visible: Callable[[float], None] | None
-    _finished: Callable[[str, int], None] | None
+    _finished: FinishedDeadletters | None
     _copying: set[tuple[str, int]]
 
     async def _sync(
@@ -169,13 +170,17 @@ class StateWriter:
         move, by whoever's mark is stored: a mark is stored once, under the lease of the
         holder that finished the move, and every other holder's is refused (a ko's result
         counts the ko's own moves, see the store's ``_deadletter``)."""
-        stored = [queue for version, queue in bucket.uncounted if version <= bucket.persisted]
+        persisted = bucket.persisted
+        stored = [(queue, i) for version, queue, i in bucket.uncounted if version <= persisted]
         if not stored:
             return
-        bucket.uncounted = [e for e in bucket.uncounted if e[0] > bucket.persisted]
+        bucket.uncounted = [e for e in bucket.uncounted if e[0] > persisted]
         if self._finished is not None:
-            for queue in dict.fromkeys(stored):
-                self._finished(queue, stored.count(queue))
+            by_queue: dict[str, list[str]] = {}
+            for queue, message_id in stored:
+                by_queue.setdefault(queue, []).append(message_id)
+            for queue, ids in by_queue.items():
+                self._finished(queue, len(ids), ids)
 
     async def _finish_deadletters(self, buckets: Iterable[HeldBucket]) -> None:
         """The store's: copies of slots a previous holder left on their way to the

@@ -141,7 +141,17 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple
 
 from ..coalesce import Finishing, Uncancellable, stop_task, to_the_end
-from ..contract import Ack, DeadletterPlan, Extend, Fetched, LoopTurns, Nack, Store, Stored
+from ..contract import (
+    Ack,
+    DeadletterPlan,
+    Extend,
+    Fetched,
+    FinishedDeadletters,
+    LoopTurns,
+    Nack,
+    Store,
+    Stored,
+)
 from ..message import append_headers
 from ..options import DEFAULT_DEADLETTER_QUEUE
 from ..types import Capabilities, KoResult, Sizes
@@ -243,7 +253,7 @@ class BucketStore(PushSide, StateWriter, Store):
         # not start the backoff over (see ``COPY_RETRY_FIRST``)
         self._copy_retries: dict[str, tuple[int, float]] = {}
         self._plan: DeadletterPlan | None = None  # this queue's (``on_deadletter``)
-        self._finished: Callable[[str, int], None] | None = None  # on_finished_deadletter
+        self._finished: FinishedDeadletters | None = None  # on_finished_deadletter
         self._storage_next: float | None = None
         self._flusher: asyncio.Task[None] | None = None
         self._visible: Callable[[float], None] | None = None
@@ -739,7 +749,9 @@ class BucketStore(PushSide, StateWriter, Store):
             # stores it (or, refused, by whoever then finishes the move).
             for m in moving:
                 if m.bucket.states[m.slot] == DONE:
-                    m.bucket.uncounted.append((m.bucket.version, plan.queue))
+                    m.bucket.uncounted.append(
+                        (m.bucket.version, plan.queue, m.bucket.slot_id(m.slot))
+                    )
             raise
         # A bucket taken over while the copy was on its way (this holder stalled past its
         # lease): the taker read the slot as on its way, and finishes the move and counts
@@ -781,7 +793,7 @@ class BucketStore(PushSide, StateWriter, Store):
                     # (see ``_count_finished``), never before: a mark refused (this store
                     # stalled past its lease in turn) leaves the move to the next holder,
                     # which reads the slot as on its way and counts it.
-                    bucket.uncounted.append((bucket.version, target))
+                    bucket.uncounted.append((bucket.version, target, bucket.slot_id(slot)))
         return list(touched.values())
 
     def _give_back_moving(self, moving: list[_Moving]) -> None:
@@ -872,7 +884,7 @@ class BucketStore(PushSide, StateWriter, Store):
     def on_deadletter(self, plan: DeadletterPlan | None) -> None:
         self._plan = plan
 
-    def on_finished_deadletter(self, listener: Callable[[str, int], None]) -> None:
+    def on_finished_deadletter(self, listener: FinishedDeadletters) -> None:
         self._finished = listener
 
     async def _write_dead(self, queue: str, buckets: list[NewBucket]) -> None:

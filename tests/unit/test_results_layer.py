@@ -327,3 +327,16 @@ async def test_popped_messages_keep_their_results_too() -> None:
     async with q.consume(lambda messages: len(messages), batch=2):
         assert await q.push_and_wait(5, timeout=GUARD) == 1
     await factory.close()
+
+
+async def test_a_deadletter_move_a_store_finished_by_itself_keeps_failures() -> None:
+    """A bucket store finishing a move another process began tells the queue its ids
+    (``Store.on_finished_deadletter``): no ko answers for them, so the queue keeps them."""
+    factory = _factory(MemoryBackend({}))
+    q = await factory.queue("q1", result_ttl=60)
+    q._deadlettered("__deadletter__", 2, ["b1-0", "b1-3"])
+    for message_id in ("b1-0", "b1-3"):
+        found = await q.result(message_id, timeout=GUARD)
+        assert found is not None and found.ok is False
+        assert found.error == "failed for good (deadlettered)"
+    await factory.close()
