@@ -1470,7 +1470,8 @@ class Queue:
         outcome = await self._rollbacks.submit(Nack(message_id, tries, seconds, True, token))
         if outcome is KoResult.DEADLETTERED and keep and self._result_writes is not None:
             if error is None:
-                error = "failed for good" if tries is None else f"failed after {tries + 1} tries"
+                deliveries = None if tries is None else tries + 1
+                error = f"failed after {deliveries} deliveries" if deliveries else "failed for good"
             await self._keep_failure(message_id, error)
         return outcome
 

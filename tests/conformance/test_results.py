@@ -244,7 +244,7 @@ async def test_a_ko_that_deadletters_keeps_a_failure(connect: Connect) -> None:
     assert await q.ko(by_id[second]) is aio_keuss.KoResult.DEADLETTERED
     one, two = await q.result(first), await q.result(second)
     assert one is not None and (one.ok, one.value, one.error) == (False, None, "bad input")
-    assert two is not None and two.ok is False and two.error == "failed after 1 tries"
+    assert two is not None and two.ok is False and two.error == "failed after 1 deliveries"
 
 
 async def test_a_ko_that_rolls_back_keeps_nothing(connect: Connect) -> None:
