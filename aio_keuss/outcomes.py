@@ -130,6 +130,7 @@ class ResultWrites:
         self._store = store
         self._ttl = ttl
         self._signal = signal
+        self._max_batch = max_batch
         self._puts: Coalescer[list[tuple[str, bytes]], None] = Coalescer(
             self._put_batch,
             max_batch=max_batch,
@@ -139,9 +140,15 @@ class ResultWrites:
         )
 
     async def put(self, results: list[tuple[str, bytes]]) -> None:
-        """Keep ``(id, body)`` results; returns once they are kept (raises if they are not)."""
-        if results:
-            await self._puts.submit(results)
+        """Keep ``(id, body)`` results, in puts of at most ``max_batch``; returns once they
+        are kept (raises if any is not)."""
+        size = self._max_batch
+        if len(results) <= size:
+            if results:
+                await self._puts.submit(results)
+            return
+        chunks = [results[i : i + size] for i in range(0, len(results), size)]
+        await asyncio.gather(*(self._puts.submit(chunk) for chunk in chunks))
 
     async def _put_batch(self, requests: list[list[tuple[str, bytes]]]) -> list[None]:
         results = requests[0] if len(requests) == 1 else [r for req in requests for r in req]

@@ -340,3 +340,28 @@ async def test_a_deadletter_move_a_store_finished_by_itself_keeps_failures() -> 
         assert found is not None and found.ok is False
         assert found.error == "failed for good (deadlettered)"
     await factory.close()
+
+
+async def test_many_results_are_put_in_batches_of_max_batch() -> None:
+    backend = _CountingBackend({})
+    backend.made = []
+    factory = _factory(backend)
+    q = await factory.queue("q1", result_ttl=60, max_batch=10)
+    store = await factory._results.get()
+    puts: list[int] = []
+    put = store.put
+
+    async def counted(queue: str, results: Sequence[tuple[str, bytes]], ttl: float) -> None:
+        puts.append(len(results))
+        await put(queue, results, ttl)
+
+    store.put = counted  # type: ignore[method-assign]
+    ids = await q.push_many(list(range(25)))
+    held: list[Message] = []
+    while len(held) < 25:
+        held += await q.reserve_many(25, timeout=GUARD)
+    await q.ok_many(held, results=[m.payload for m in held])
+    assert max(puts) <= 10 and sum(puts) == 25
+    found = [await q.result(i) for i in ids]
+    assert [f.value for f in found if f is not None] == list(range(25))
+    await factory.close()
