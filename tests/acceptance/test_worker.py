@@ -28,6 +28,7 @@ from black_hole import Silent
 from own_servers import free_port, own_redis
 
 import aio_keuss
+from aio_keuss.registry import load_backend
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -49,6 +50,9 @@ JOBS = textwrap.dedent(
     async def hang(message):
         note("start", message)
         await asyncio.sleep(3600)
+
+    def triple(message):
+        return message.payload["n"] * 3
 
     class nested:
         @staticmethod
@@ -542,3 +546,20 @@ def test_the_priorities_and_rate_limit_example_runs() -> None:
     )
     assert done.returncode == 0, done.stdout + done.stderr
     assert "35 delivered" in done.stdout
+
+
+@pytest.mark.parametrize("how", ["flag", "environment"])
+async def test_a_worker_with_a_result_ttl_answers_push_and_wait(
+    workdir: Path, prefix: str, workers: list[Worker], how: str
+) -> None:
+    if not load_backend("redis-oq").capabilities.results:
+        pytest.skip("redis-oq keeps no results in this build")
+    flag = ["--result-ttl", "60"] if how == "flag" else []
+    env = {"AIO_KEUSS_RESULT_TTL": "60"} if how == "environment" else None
+    worker = Worker(workdir, *_redis_args(prefix, *flag, handler="jobs:triple"), env=env)
+    workers.append(worker)
+    async with aio_keuss.connect("redis-oq", url=REDIS_URL, prefix=prefix) as factory:
+        q = await factory.queue("jobs", result_ttl=60)
+        assert await q.push_and_wait({"n": 4}, timeout=60) == 12
+    worker.signal(signal.SIGTERM)
+    assert worker.finish() == 0, worker.output
