@@ -418,9 +418,6 @@ async def test_a_push_refused_for_its_id_or_delay_records_no_queue(redis_cli: Cl
 
 async def test_promote_reschedule_and_priority_change_a_waiting_message(redis_cli: Cli) -> None:
     cli = redis_cli
-    async with cli.connect() as factory:
-        if not factory.capabilities.reschedule:
-            pytest.skip("redis-oq has no reschedule on this branch yet")
     (later,) = (await cli.json("push", "jobs", '"later"', "--delay", "3600"))["ids"]
     done = await cli.json("promote", "jobs", later)
     assert done == {"queue": "jobs", "id": later, "changed": True}
@@ -449,3 +446,30 @@ async def test_promote_reschedule_and_priority_refuse_before_writing(redis_cli: 
     assert (await cli.run("priority", "jobs", "x", "40000")).returncode == 2
     assert (await cli.run("promote", "jobs", "a\x01b" * 400)).returncode == 2
     assert (await cli.json("list")) == []  # nothing was written by the failures
+
+
+async def test_result_on_redis(redis_cli: Cli) -> None:
+    await _result_prints_a_kept_result_or_exits_4(redis_cli)
+
+
+async def test_result_on_postgres(postgres_cli: Cli) -> None:
+    await _result_prints_a_kept_result_or_exits_4(postgres_cli)
+
+
+async def _result_prints_a_kept_result_or_exits_4(cli: Cli) -> None:
+    """``result``: exit 5 where the backend keeps none, else the result, or exit 4."""
+    async with cli.connect() as factory:
+        if not factory.capabilities.results:
+            missing = await cli.run("result", "jobs", "some-id")
+            assert missing.returncode == 5, missing.stderr  # not supported
+            return
+        q = await factory.queue("jobs", result_ttl=600)
+        message_id = await q.push({"n": 1})
+        message = await q.reserve(timeout=30)
+        assert message is not None
+        await q.ok(message, result={"total": 3})
+    shown = await cli.json("result", "jobs", message_id)
+    assert (shown["id"], shown["ok"], shown["value"]) == (message_id, True, {"total": 3})
+    assert shown["error"] is None and shown["finished"]
+    missing = await cli.run("result", "jobs", "nowhere", "--json", "--wait", "0.1")
+    assert missing.returncode == 4 and json.loads(missing.stdout) is None
