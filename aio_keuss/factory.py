@@ -211,6 +211,7 @@ class Factory:
             limiter = self._limiter(name, options)  # refused before anything is written
             if options.result_ttl:
                 check_results(self.backend)
+                await self._results.get()  # made now: one that cannot open fails the open
             if replacing is not None:
                 await self._unheld(replacing)
                 closing = True
@@ -229,8 +230,6 @@ class Factory:
                 self._results.get if self.capabilities.results else None,
             )
             await queue._open()
-            if options.result_ttl:  # made now: a store that cannot open fails the open
-                await self._results.get()
             await self.stats_store.save_options(name, options.as_dict(), replace=not sibling)
         except BaseException as exc:
             if replacing is not None and not closing:  # still open: as it was

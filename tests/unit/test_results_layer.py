@@ -365,3 +365,27 @@ async def test_many_results_are_put_in_batches_of_max_batch() -> None:
     found = [await q.result(i) for i in ids]
     assert [f.value for f in found if f is not None] == list(range(25))
     await factory.close()
+
+
+class _FailingOnce(MemoryResults):
+    opens = 0
+
+    async def open(self) -> None:
+        type(self).opens += 1
+        if type(self).opens == 1:
+            raise aio_keuss.KeussConnectionError("the server is away")
+
+
+class _FailingOnceBackend(MemoryBackend):
+    def result_store(self) -> ResultStore:
+        return _FailingOnce()
+
+
+async def test_a_store_that_cannot_open_fails_the_queue_open_and_is_tried_again() -> None:
+    factory = _factory(_FailingOnceBackend({}))
+    with pytest.raises(aio_keuss.KeussConnectionError):
+        await factory.queue("q1", result_ttl=60)
+    assert "q1" not in await factory.list()  # nothing recorded
+    q = await factory.queue("q1", result_ttl=60)  # the next open tries again
+    assert await q.result("x") is None
+    await factory.close()
