@@ -201,6 +201,7 @@ CASES: list[BackendCase] = [
                 "test_chaos",
                 "test_extend",
                 "test_priority",  # a replay copies the priority the history kept
+                "test_amend_store",  # an amend is an update: the history records nothing
             }
         ),
     ),
