@@ -72,6 +72,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import operator
 import os
 import time
@@ -273,6 +274,20 @@ def _waiting(message_id: str, now: float, scheduled_only: bool = False) -> Docum
     return {"$and": [{"_id": message_id, "mature": mature}, free]}
 
 
+def _kept(timestamp: float) -> float:
+    """``timestamp`` cut (never rounded up) to 15 significant digits, as a server that keeps
+    no more of a double stores it (nx-27017, see :func:`_near`): what is written is read
+    back as it was, so a promote's mature time, ``now``, reads as no later than ``now``.
+    Rounded up (half of the times), the next request of the call (a promote's
+    ``scheduled_only``) found the message promoted still scheduled. The cut costs at most
+    10 microseconds of a time of today; a server that keeps the whole double loses
+    nothing more."""
+    if timestamp <= 0:
+        return timestamp
+    scale = 10.0 ** (14 - math.floor(math.log10(timestamp)))
+    return math.floor(timestamp * scale) / scale
+
+
 def _amended(amend: Amend, now: float) -> Document:
     """The update of an amend: its mature time ``now + delay`` (when given) and its
     priority as a push stores it (see ``BY_PRIORITY``: the other field, or both for 0,
@@ -284,7 +299,7 @@ def _amended(amend: Amend, now: float) -> Document:
     changed: Document = {"reserved": False}
     removed: Document = {"owner": ""}
     if amend.delay is not None:
-        changed["mature"] = now + amend.delay
+        changed["mature"] = _kept(now + amend.delay)
     if amend.priority is not None:
         fields = _priority_fields(amend.priority)
         changed.update(fields)
@@ -1421,10 +1436,13 @@ class MongoStore(Store):
         same commands as ``update_one`` and sends each document back, unused here.
 
         Times come from the client's clock, as every time of this backend (see
-        :mod:`aio_keuss.mongo.connection`); amends of one call get mature times one
-        microsecond apart, as the messages of one push batch. Amends of one message in one
-        call are applied in their order, each after the one before (a round trip more for
-        each repeat): sent at once, they landed in any order. A priority other than 0 makes
+        :mod:`aio_keuss.mongo.connection`): one ``now`` for the whole call, as the other
+        stores read one clock per call, so that every request judges a reservation lapsed
+        or a message scheduled against that same instant. A new mature time is written as
+        :func:`_kept` makes it, so that the next request of the call reads back the time
+        written (see there). Amends of one message in one call are applied in their order,
+        each after the one before (a round trip more for each repeat): sent at once, they
+        landed in any order. A priority other than 0 makes
         the queue's index of ``BY_PRIORITY`` first, as a prioritized push does (only the
         first time: ``ensure_priority`` remembers it)."""
         if not amends:
@@ -1439,7 +1457,7 @@ class MongoStore(Store):
 
         async def in_turn(indexes: list[int]) -> None:
             for i in indexes:
-                done[i] = await self._amend_one(amends[i], now + i * TIE_STEP)
+                done[i] = await self._amend_one(amends[i], now)
 
         await asyncio.gather(*(in_turn(indexes) for indexes in calls.values()))
         return done
