@@ -302,3 +302,47 @@ async def test_amend_on_a_cluster() -> None:
             assert [m.id for m in await q.pop_many(5, timeout=1)] == [now]
     finally:
         await _drop_redis_cluster_prefix(options)
+
+
+async def test_a_message_set_aside_by_a_cluster_deadletter_is_not_amended() -> None:
+    """On a cluster a deadletter is three steps: the ko sets the message aside (not held,
+    due a minute later, so nothing takes it meanwhile), copies it into the deadletter queue,
+    then drops it here. Between them it is no waiting message: a promote that made it ready
+    let a consumer take it while its copy went to the deadletter queue (handed out and
+    deadlettered both), where a remove's delete only leaves the copy."""
+    reason = start_redis_cluster()
+    if reason:
+        pytest.skip(reason)
+    options = _redis_cluster(new_token())
+    try:
+        async with aio_keuss.connect("redis-oq", deadletter={"max_ko": 0}, **options) as factory:
+            q = await factory.queue("work")
+            mid = await q.push("poison")
+            held = await q.reserve(timeout=5)
+            assert held is not None
+            store = q._store
+            copying, go_on = asyncio.Event(), asyncio.Event()
+            move_deferred = store._move_deferred
+
+            async def paused(rows: list[object], queue: str) -> None:
+                copying.set()
+                await go_on.wait()
+                await move_deferred(rows, queue)
+
+            store._move_deferred = paused
+            ko = asyncio.ensure_future(q.ko(held))
+            async with asyncio.timeout(60):
+                await copying.wait()
+            flags = await store.amend([Amend(mid, delay=0, scheduled_only=True)])
+            taken = await q.pop(timeout=0)
+            go_on.set()
+            assert await ko == aio_keuss.KoResult.DEADLETTERED
+            dead = await factory.queue("__deadletter__")
+            assert (flags, taken, await q.total_size(), await dead.total_size()) == (
+                [False],
+                None,
+                0,
+                1,
+            )
+    finally:
+        await _drop_redis_cluster_prefix(options)
