@@ -719,7 +719,8 @@ end
 return flags
 """
 
-# KEYS: due msg held of the queue [, due msg of the deadletter queue when mode is 'move'].
+# KEYS: due msg held of the queue, then due msg of the deadletter queue when mode is 'move',
+# the queue's ``aside`` when it is 'defer'.
 # ARGV: mode ('' = no deadletter, 'move', 'defer'), max_ko, deadletter header text without
 # x-dl-tries, then per nack: id, tries held ('' = no guard), delay, count try ('1' / '0').
 # Reply: 0 missing / 1 rolled back / 2 deadlettered / 3 to move (defer), per nack; then for
@@ -758,6 +759,9 @@ for i = 4, #ARGV, 4 do
         redis.call('SREM', KEYS[3], id)  -- first, a write that cannot grow memory
         redis.call('HSET', KEYS[2], id, with_tries(rec, tries))
         redis.call('ZADD', level_key(KEYS[1], prio_of(rec)), now + DEFER_HOLD, id)
+        -- no waiting message either: an amend that made it ready let a consumer take it
+        -- while its copy went to the deadletter queue (see _AMEND)
+        redis.call('ZADD', KEYS[4], now + DEFER_HOLD, id)
         flags[#flags + 1] = 3
       end
     else
@@ -772,14 +776,15 @@ for _, v in ipairs(deferred) do flags[#flags + 1] = v end
 return flags
 """
 
-# Cluster deadletter, last step. KEYS: due msg held. ARGV per message: id, tries counted.
-# Deletes each message a deferred rollback set aside (not held, the tries it wrote), once
-# its copy is in the deadletter queue; one taken again since (held, or ko-ed: other tries)
-# stays. Reply: 1 / 0 per message.
+# Cluster deadletter, last step. KEYS: due msg held aside. ARGV per message: id, tries
+# counted. Deletes each message a deferred rollback set aside (not held, the tries it
+# wrote), once its copy is in the deadletter queue; one taken again since (held, or ko-ed:
+# other tries) stays. Either way its set-aside ends. Reply: 1 / 0 per message.
 _DROP_DEFERRED = """
 local gone, records, flags = {}, {}, {}
 for i = 1, #ARGV, 2 do
   local id = ARGV[i]
+  redis.call('ZREM', KEYS[4], id)  -- first, a write that cannot grow memory (prelude)
   local rec = redis.call('HGET', KEYS[2], id)
   if rec and redis.call('SISMEMBER', KEYS[3], id) == 0
       and tries_of(rec) == tonumber(ARGV[i + 1]) then
@@ -844,9 +849,11 @@ forget(gone)
 return flags
 """
 
-# KEYS: due msg held. ARGV per amend: id, delay ('' = its mature time stays), priority ('' =
-# it stays), scheduled only ('1' / ''). Reply: 1 / 0 per amend. A message is amendable where
-# _REMOVE would delete it: queued at any level, and not held with its deadline ahead. One
+# KEYS: due msg held aside. ARGV per amend: id, delay ('' = its mature time stays), priority
+# ('' = it stays), scheduled only ('1' / ''). Reply: 1 / 0 per amend. A message is amendable
+# where _REMOVE would delete it: queued at any level, and not held with its deadline ahead,
+# nor set aside by a cluster deadletter between its copy and its drop (listed in ``aside``
+# until then, or for the minute a crash leaves it there: see _ROLLBACK). One
 # whose reservation lapsed (held, its deadline past) is waiting there: the amend ends that
 # reservation as a take would, its delivery counted as a try in its record (what peek shows
 # already), so its last holder's ok / ko no longer passes the guard. The amends run in ARGV
@@ -870,7 +877,10 @@ for i = 1, #ARGV, 4 do
   local id, delay, prio, only = ARGV[i], ARGV[i + 1], ARGV[i + 2], ARGV[i + 3] == '1'
   local key, score, rec = locate_one(id)
   local held = key and redis.call('SISMEMBER', KEYS[3], id) == 1
-  if not key or (held and tonumber(score) > now) or (only and tonumber(score) <= now) then
+  local aside = key and redis.call('ZSCORE', KEYS[4], id)
+  aside = aside and tonumber(aside) > now
+  if not key or aside or (held and tonumber(score) > now)
+      or (only and tonumber(score) <= now) then
     flags[#flags + 1] = 0
   else
     rec = rec or redis.call('HGET', KEYS[2], id)
@@ -1488,6 +1498,8 @@ class RedisOQStore(RedisOQVisibility, Store):
         self._backend = backend
         self._keys = backend.queue_keys(name)
         self._insert_keys = [*self._keys, backend.key(name, "d")]
+        self._aside_keys = [*self._keys, backend.key(name, "aside")]
+        """What a cluster deadletter set aside reads too (see ``_ROLLBACK``, ``_AMEND``)."""
         self._new_keys = self._keys[:2]  # what the one-message insert touches
         self._dedup_window = options.dedup_window
         self._run = backend.run_script
@@ -1616,6 +1628,8 @@ class RedisOQStore(RedisOQVisibility, Store):
             mode = "move" if self._backend.one_slot else "defer"
             if mode == "move":
                 keys = keys + self._backend.queue_keys(deadletter.queue)[:2]
+            else:
+                keys = self._aside_keys
             extra = deadletter.headers(0, time.time())
             del extra["x-dl-tries"]  # the script appends it, counted on the server
             head = [mode, deadletter.max_ko, orjson.dumps(extra)[1:-1]]
@@ -1665,7 +1679,7 @@ class RedisOQStore(RedisOQVisibility, Store):
         args: list[Any] = []
         for m_id, _, _, tries, _ in moved:
             args += (m_id, tries)
-        await self._run(DROP_DEFERRED, self._keys, args)
+        await self._run(DROP_DEFERRED, self._aside_keys, args)
 
     async def close(self) -> None:
         """Let the cluster deadletters begun here end before the connection closes. Bounded
@@ -1727,7 +1741,7 @@ class RedisOQStore(RedisOQVisibility, Store):
                     "1" if a.scheduled_only else "",
                 )
             )
-        flags = await self._run(AMEND, self._keys, args)
+        flags = await self._run(AMEND, self._aside_keys, args)
         return [flag == 1 for flag in flags]
 
     async def sizes(self) -> Sizes:
