@@ -9,6 +9,9 @@ Keys of a queue ``q`` (all tagged ``{q}``, so one cluster slot holds the whole q
   them with one variadic HMGET / HDEL. Each call a script makes costs the server about a
   microsecond, the larger part of a one-message script's time.
 - ``held``: SET of reserved ids.
+- ``aside``: ZSET id -> the end of its set-aside, for a message a cluster deadletter is
+  copying into the deadletter queue (see Move and deadletter below): not waiting meanwhile,
+  so no amend makes it ready. Emptied by the deadletter's last step.
 - ``d``: ZSET id -> dedup expiry for ids the user chose; purged lazily on the next such push,
   so an id stays refused for the dedup window even after its message was consumed.
 - ``due:<p>``: for a message of priority p other than 0, what ``due`` is for those of 0;
