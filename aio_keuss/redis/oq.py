@@ -1369,8 +1369,9 @@ end
 return reply
 """
 
-# KEYS: due msg held. ARGV: reserve delay, then ids. Reply: per id, the tries its holder
-# presents, or -1 when it is missing or under an active reservation.
+# KEYS: due msg held aside. ARGV: reserve delay, then ids. Reply: per id, the tries its
+# holder presents, or -1 when it is missing, under an active reservation or set aside by a
+# cluster deadletter (see _AMEND: its holder's move would leave it in both queues).
 _HOLD = """
 local now = server_now()
 local deadline = now + tonumber(ARGV[1])
@@ -1379,7 +1380,9 @@ for i = 2, #ARGV do
   local id = ARGV[i]
   local key, score, rec = locate_one(id)
   local held = redis.call('SISMEMBER', KEYS[3], id) == 1
-  if not score or (held and tonumber(score) > now) then
+  local aside = redis.call('ZSCORE', KEYS[4], id)
+  aside = aside and tonumber(aside) > now
+  if not score or aside or (held and tonumber(score) > now) then
     reply[#reply + 1] = -1
   else
     rec = rec or redis.call('HGET', KEYS[2], id)
@@ -1456,6 +1459,7 @@ class RedisOQVisibility:
     """peek / locate / hold of a redis-oq queue (mixed into :class:`RedisOQStore`)."""
 
     _keys: list[str]
+    _aside_keys: list[str]
     _run: Any
 
     async def peek(self, state: str, after: Cursor | None, limit: int) -> PeekPage:
@@ -1474,7 +1478,7 @@ class RedisOQVisibility:
     async def hold(self, ids: Sequence[str], reserve_delay: float) -> list[Held | None]:
         if not ids:
             return []
-        reply = await self._run(HOLD, self._keys, [reserve_delay, *ids])
+        reply = await self._run(HOLD, self._aside_keys, [reserve_delay, *ids])
         return [None if tries < 0 else Held(int(tries)) for tries in reply]
 
 
