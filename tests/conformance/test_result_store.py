@@ -1,0 +1,192 @@
+"""The result store's contract (``aio_keuss.results.ResultStore``), the same on every
+backend that has one: bodies are opaque bytes kept by (queue, id), a put again replaces
+and renews, an expired result is never read, every id the library can hand out (up to
+``MAX_KNOWN_ID_LENGTH`` characters, anything but NUL) keeps its own result, and batches
+far past each database's per-statement limits go through. Through a real factory's
+backend, as the queue layer reaches it."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+import pytest
+
+import aio_keuss
+from aio_keuss.message import MAX_KNOWN_ID_LENGTH
+from aio_keuss.results import ResultStore
+
+pytestmark = pytest.mark.timeout(180)
+
+Connect = Callable[..., Awaitable[aio_keuss.Factory]]
+LONG = 3600.0
+"""A ttl no test outlives."""
+
+
+@pytest.fixture
+async def store(connect: Connect) -> AsyncIterator[ResultStore]:
+    factory = await connect(stats="memory")
+    if not factory.capabilities.results:
+        pytest.skip("this backend keeps no results")
+    made = factory.backend.result_store()
+    await made.open()
+    yield made
+    await made.close()
+
+
+async def eventually(check: Callable[[], Awaitable[bool]], guard: float = 120.0) -> None:
+    """Poll ``check`` until it holds; the guard only keeps a broken store from hanging."""
+    async with asyncio.timeout(guard):
+        while not await check():  # noqa: ASYNC110 - no database tells of an expiry
+            await asyncio.sleep(0.05)
+
+
+async def test_bodies_come_back_as_bytes_in_the_order_asked(store: ResultStore) -> None:
+    every_byte = bytes(range(256)) * 4
+    await store.put("q1", [("a", b"one"), ("b", b""), ("c", every_byte)], LONG)
+    found = await store.get("q1", ["c", "missing", "a", "b", "a"])
+    assert found == [every_byte, None, b"one", b"", b"one"]
+    assert all(type(body) is bytes for body in found if body is not None)
+    assert await store.get("q1", []) == []
+    await store.put("q1", [], LONG)  # nothing to put: nothing happens
+
+
+async def test_a_put_again_replaces_the_body_and_an_id_twice_keeps_its_last(
+    store: ResultStore,
+) -> None:
+    await store.put("q1", [("a", b"first"), ("b", b"b1")], LONG)
+    await store.put("q1", [("a", b"second"), ("b", b"b2"), ("a", b"third")], LONG)
+    assert await store.get("q1", ["a", "b"]) == [b"third", b"b2"]
+
+
+async def test_a_put_again_starts_the_ttl_anew(store: ResultStore) -> None:
+    await store.put("q1", [("a", b"short"), ("b", b"short")], 0.05)
+    await store.put("q1", [("a", b"long")], LONG)
+
+    async def b_gone() -> bool:
+        return await store.get("q1", ["b"]) == [None]
+
+    await eventually(b_gone)
+    assert await store.get("q1", ["a"]) == [b"long"]
+
+
+async def test_a_result_expires(store: ResultStore) -> None:
+    await store.put("q1", [("a", b"x"), ("b", b"y")], 0.05)
+
+    async def gone() -> bool:
+        return await store.get("q1", ["a", "b"]) == [None, None]
+
+    await eventually(gone)
+
+
+ODD_IDS = [
+    "a:b",
+    "a/b",
+    "{x}y",
+    "}",
+    "a b",
+    "line\nbreak",
+    "tab\there",
+    "%s%%",
+    "'; drop table results; --",
+    "\\",
+    "\u202e\u2066",
+    "\U0001f600" * 3,
+    "é",
+    "e\u0301",  # not normalized: another id than "é"
+    "x" * MAX_KNOWN_ID_LENGTH,
+    "\U0001f600" * MAX_KNOWN_ID_LENGTH,
+]
+
+
+async def test_every_id_the_library_hands_out_keeps_its_own_result(store: ResultStore) -> None:
+    await store.put("q1", [(i, f"{n}".encode()) for n, i in enumerate(ODD_IDS)], LONG)
+    found = await store.get("q1", ODD_IDS)
+    assert found == [f"{n}".encode() for n in range(len(ODD_IDS))]
+    await store.put("q1", [(ODD_IDS[-1], b"one")], LONG)  # one id alone: other paths
+    assert await store.get("q1", [ODD_IDS[-1]]) == [b"one"]
+
+
+async def test_queues_and_ids_a_joined_key_would_mix_stay_apart(store: ResultStore) -> None:
+    pairs = [("q1", "a:b"), ("q1:a", "b"), ("q1", "a/b"), ("q1:result", "x"), ("q1", "}:x")]
+    pairs += [("q1", "result:x"), ("q1.a", "b"), ("q1", ".a")]
+    for n, (queue, message_id) in enumerate(pairs):
+        await store.put(queue, [(message_id, str(n).encode())], LONG)
+    for n, (queue, message_id) in enumerate(pairs):
+        assert await store.get(queue, [message_id]) == [str(n).encode()]
+    assert await store.get("q2", ["a:b"]) == [None]
+
+
+async def test_a_batch_past_each_databases_statement_limits_goes_in_one_call(
+    store: ResultStore,
+) -> None:
+    """20,000 results: past Lua's unpack stack (about 8,000), SQLite's 32,766 bound
+    variables (four a row), PostgreSQL's 65,535 parameters (four a row)."""
+    results = [(f"id-{n}", n.to_bytes(4, "big")) for n in range(20_000)]
+    await store.put("q1", results, LONG)
+    found = await store.get("q1", [i for i, _ in results])
+    assert found == [body for _, body in results]
+
+
+async def test_a_get_of_ids_past_a_database_command_s_size_answers(store: ResultStore) -> None:
+    """Ids of the longest kind, more of them than one 16 MiB command holds (MongoDB's
+    limit on a command document): a put and a get still answer, in order."""
+    ids = [f"{n:08}" + "x" * (MAX_KNOWN_ID_LENGTH - 8) for n in range(17_000)]
+    await store.put("q1", [(i, i[:8].encode()) for i in ids], LONG)
+    found = await store.get("q1", [*ids, "missing"])
+    assert found == [*(i[:8].encode() for i in ids), None]
+
+
+async def test_large_bodies_round_trip(store: ResultStore) -> None:
+    big = bytes(range(256)) * (4 * 2**20 // 256)  # 4 MiB each
+    await store.put("q1", [("a", big), ("b", big[::-1])], LONG)
+    assert await store.get("q1", ["a", "b"]) == [big, big[::-1]]
+
+
+async def test_concurrent_puts_of_one_id_leave_one_whole_body(store: ResultStore) -> None:
+    """Two deliveries of one message ok-ed at once: no error, and each id ends with the
+    body of one put or the other, never a mix or nothing."""
+    ids = [f"m{n}" for n in range(50)]
+
+    async def put(tag: bytes, order: list[str]) -> None:
+        await store.put("q1", [(i, tag + i.encode()) for i in order], LONG)
+
+    await asyncio.gather(*(put(b"%d:" % k, ids if k % 2 else ids[::-1]) for k in range(8)))
+    found = await store.get("q1", ids)
+    for message_id, body in zip(ids, found, strict=True):
+        assert body is not None
+        tag, _, rest = body.partition(b":")
+        assert rest == message_id.encode() and int(tag) in range(8)
+
+
+async def test_a_cancelled_put_leaves_each_result_whole_or_absent(store: ResultStore) -> None:
+    ids = [f"m{n}" for n in range(200)]
+    await store.put("q1", [(i, b"old") for i in ids], LONG)
+    for _ in range(5):
+        put = asyncio.ensure_future(store.put("q1", [(i, b"new" * 100) for i in ids], LONG))
+        await asyncio.sleep(0)
+        put.cancel()
+        await asyncio.gather(put, return_exceptions=True)
+        for body in await store.get("q1", ids):
+            assert body in (b"old", b"new" * 100)
+    await store.put("q1", [("after", b"x")], LONG)  # still usable
+    assert await store.get("q1", ["after"]) == [b"x"]
+
+
+async def test_close_while_puts_and_their_cleanup_run(connect: Connect) -> None:
+    """A store closed with puts under way (and the background cleanup the first put
+    starts) closes without hanging and leaves no task behind."""
+    factory = await connect(stats="memory")
+    if not factory.capabilities.results:
+        pytest.skip("this backend keeps no results")
+    store = factory.backend.result_store()
+    await store.open()
+    await store.put("q1", [("a", b"x")], 0.01)  # the first put: a cleanup, where any
+    puts = [asyncio.ensure_future(store.put("q1", [(f"m{n}", b"y")], LONG)) for n in range(5)]
+    await asyncio.gather(*puts, return_exceptions=True)
+    async with asyncio.timeout(60):
+        await store.close()
+    await asyncio.sleep(0)
+    pending = [t for t in asyncio.all_tasks() if "result" in t.get_name().lower()]
+    pending = [t for t in pending if not t.done()]
+    assert pending == []
