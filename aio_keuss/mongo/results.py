@@ -12,7 +12,8 @@ are ``q1/a:b`` and ``q1:a/b``.
   manual's "Upsert with Unique Index"). Not a replacement: a server speaking the protocol
   (nx-27017) refuses to replace a document holding binary data.
 - get: one ``find`` by ``_id`` with ``expires > now``, its first batch sized to hold every
-  id asked for (a cursor's first batch is 101 documents by default).
+  id asked for (a cursor's first batch is 101 documents by default); a get of more ids than
+  one command holds (megabytes of them) takes one ``find`` per slice.
 - expiry: a TTL index on ``expires`` (``expireAfterSeconds: 0``, the MongoDB manual's
   "Expire Data from Collections by Setting TTL"), made once per backend. MongoDB's TTL
   monitor runs about once a minute, and a server speaking the protocol may run none; so
@@ -60,6 +61,29 @@ SWEEP_BATCH = 1000
 """Most documents one delete of a sweep removes."""
 SWEEP_BATCHES = 100
 """Most deletes one sweep makes: past that, the rest waits for the next sweep."""
+
+
+GET_KEYS_BYTES = 8 * 2**20
+"""Most bytes of ``_id`` one ``find`` of a get names: a command is one BSON document of
+at most 16 MiB (MongoDB manual, "MongoDB Limits and Thresholds"), and a get of more ids
+than that holds (17,000 of the longest ids a message may have) was refused by the driver
+(``DocumentTooLarge``, not even one of the library's errors). Half of it leaves room for
+the rest of the command and each element's BSON overhead."""
+
+
+def _slices(keys: list[str]) -> list[list[str]]:
+    """``keys`` in order, cut into runs of at most :data:`GET_KEYS_BYTES` bytes (one run,
+    the usual case, for all but the largest gets)."""
+    runs: list[list[str]] = [[]]
+    size = 0
+    for key in keys:
+        length = len(key.encode()) + 16  # the element's type, index name, length, NUL
+        if size + length > GET_KEYS_BYTES and runs[-1]:
+            runs.append([])
+            size = 0
+        runs[-1].append(key)
+        size += length
+    return runs
 
 
 def result_key(queue: str, message_id: str) -> str:
@@ -140,15 +164,20 @@ class MongoResults(ResultStore):
 
     @translated
     async def get(self, queue: str, ids: Sequence[str]) -> list[bytes | None]:
+        """One ``find`` of every id, against one clock reading; ids too many for one
+        command (see :data:`GET_KEYS_BYTES`) take one ``find`` per slice of them."""
         if not ids:
             return []
         keys = list(dict.fromkeys(result_key(queue, i) for i in ids))
-        cursor = self._coll.find(
-            {"_id": {"$in": keys}, "expires": {"$gt": _date(time.time())}},
-            {"body": 1},
-            batch_size=len(keys),
-        )
-        found = {doc["_id"]: _body(doc.get("body")) async for doc in cursor}
+        now = _date(time.time())
+        found: dict[str, bytes] = {}
+        for some in _slices(keys):
+            cursor = self._coll.find(
+                {"_id": {"$in": some}, "expires": {"$gt": now}},
+                {"body": 1},
+                batch_size=len(some),
+            )
+            found.update({doc["_id"]: _body(doc.get("body")) async for doc in cursor})
         return [found.get(result_key(queue, i)) for i in ids]
 
     def _maybe_sweep(self) -> None:
