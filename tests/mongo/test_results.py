@@ -314,3 +314,26 @@ async def test_errors_leave_as_the_library_s(database: str) -> None:
 
 def _far() -> datetime:
     return datetime.now(UTC) + timedelta(hours=1)
+
+
+async def test_a_close_cancelled_while_it_stops_a_sweep_stays_cancelled(
+    open_store: Open, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The caller's cancellation (a factory close past its grace) is not taken for the
+    sweep's own: it leaves the close as a cancellation, not as a normal return."""
+    store = await open_store()
+    started = asyncio.Event()
+
+    async def slow_sweep() -> int:
+        started.set()
+        await asyncio.Event().wait()  # a sweep under way, until cancelled
+        return 0
+
+    monkeypatch.setattr(store, "sweep", slow_sweep)
+    await store.put("q1", [("a", b"x")], 600.0)  # a store's first put sweeps
+    await started.wait()
+    closing = asyncio.ensure_future(store.close())
+    await asyncio.sleep(0)  # the close cancelled the sweep and waits for its end
+    closing.cancel()
+    await asyncio.gather(closing, return_exceptions=True)
+    assert closing.cancelled()
