@@ -30,7 +30,6 @@ clock ahead of the writer's by s seconds ends a result up to s seconds early.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import Sequence
@@ -40,6 +39,7 @@ from typing import TYPE_CHECKING, Any
 from bson import json_util
 from pymongo import ASCENDING, UpdateOne
 
+from ..coalesce import stop_task
 from ..errors import InvalidPayloadError
 from ..results import ResultStore
 from .connection import Once, translated
@@ -126,11 +126,12 @@ class MongoResults(ResultStore):
         await self._ensure_index()
 
     async def close(self) -> None:
+        """Stop a sweep under way. Not ``suppress(CancelledError)`` around ``await task``:
+        that also swallowed a cancellation of the close itself (a factory close past its
+        grace), which then returned as if it had finished."""
         task, self._sweeping = self._sweeping, None
-        if task is not None and not task.done():
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        if task is not None:
+            await stop_task(task)
 
     async def _ensure_index(self) -> None:
         """The TTL index, made once per backend (see :class:`Once`): ``open`` makes it, a
