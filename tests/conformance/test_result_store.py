@@ -190,3 +190,19 @@ async def test_close_while_puts_and_their_cleanup_run(connect: Connect) -> None:
     pending = [t for t in asyncio.all_tasks() if "result" in t.get_name().lower()]
     pending = [t for t in pending if not t.done()]
     assert pending == []
+
+
+async def test_a_put_finishing_after_close_starts_no_background_work(connect: Connect) -> None:
+    """A put still under way when the store closes (an ok racing the factory's close)
+    must not start a cleanup that nothing will stop: it would run on a connection being
+    closed, or be destroyed pending at exit."""
+    factory = await connect(stats="memory")
+    if not factory.capabilities.results:
+        pytest.skip("this backend keeps no results")
+    store = factory.backend.result_store()
+    await store.open()
+    await store.close()  # before its first put, which is when a store cleans up at once
+    before = asyncio.all_tasks()
+    await store.put("q1", [("b", b"y")], LONG)
+    started = [t for t in asyncio.all_tasks() - before if not t.done()]
+    assert started == []
