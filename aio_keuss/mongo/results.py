@@ -121,6 +121,7 @@ class MongoResults(ResultStore):
         self.sweep_interval = SWEEP_INTERVAL
         self._next_sweep = 0.0  # monotonic: the first put sweeps
         self._sweeping: asyncio.Task[int] | None = None
+        self._closed = False
 
     async def open(self) -> None:
         await self._ensure_index()
@@ -128,7 +129,9 @@ class MongoResults(ResultStore):
     async def close(self) -> None:
         """Stop a sweep under way. Not ``suppress(CancelledError)`` around ``await task``:
         that also swallowed a cancellation of the close itself (a factory close past its
-        grace), which then returned as if it had finished."""
+        grace), which then returned as if it had finished. A put still under way starts
+        none once closed (nothing would stop it)."""
+        self._closed = True
         task, self._sweeping = self._sweeping, None
         if task is not None:
             await stop_task(task)
@@ -184,7 +187,9 @@ class MongoResults(ResultStore):
     def _maybe_sweep(self) -> None:
         """Start a sweep in the background when one is due and none is running."""
         now = time.monotonic()
-        if now < self._next_sweep or (self._sweeping is not None and not self._sweeping.done()):
+        if self._closed or now < self._next_sweep:
+            return
+        if self._sweeping is not None and not self._sweeping.done():
             return
         self._next_sweep = now + self.sweep_interval
         self._sweeping = asyncio.ensure_future(self._sweep_logged())

@@ -50,9 +50,12 @@ class PostgresResults(ResultStore):
         self.cleanup_batch = CLEANUP_BATCH
         self._last_cleanup = -math.inf  # the first put starts one
         self._cleanup: asyncio.Task[None] | None = None
+        self._closed = False
 
     async def close(self) -> None:
-        """Stop a cleanup under way: it holds a connection of the backend, about to close."""
+        """Stop a cleanup under way: it holds a connection of the backend, about to close.
+        A put still under way starts none once closed (nothing would stop it)."""
+        self._closed = True
         if self._cleanup is not None:
             await stop_task(self._cleanup)
             self._cleanup = None
@@ -88,7 +91,7 @@ class PostgresResults(ResultStore):
         when ``cleanup_period`` is infinite), and none is running (a slow one is not
         doubled)."""
         now = time.monotonic()
-        if now - self._last_cleanup <= self.cleanup_period:
+        if self._closed or now - self._last_cleanup <= self.cleanup_period:
             return
         if self._cleanup is not None and not self._cleanup.done():
             return

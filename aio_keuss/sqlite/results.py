@@ -52,9 +52,12 @@ class SqliteResults(ResultStore):
         self.reclaim_every = RECLAIM_EVERY
         self._next_reclaim = 0.0  # monotonic time of the next sweep: the first put's
         self._reclaiming: asyncio.Task[int] | None = None
+        self._closed = False
 
     async def close(self) -> None:
-        """Stop a sweep under way; the batch the thread is running still commits."""
+        """Stop a sweep under way; the batch the thread is running still commits. A put
+        still under way starts none once closed (nothing would stop it)."""
+        self._closed = True
         task, self._reclaiming = self._reclaiming, None
         if task is not None and not task.done():
             task.cancel()
@@ -110,7 +113,9 @@ class SqliteResults(ResultStore):
     def _reclaim_if_due(self) -> None:
         """Start a sweep in the background if none ran for ``reclaim_every`` seconds."""
         now = time.monotonic()
-        if now < self._next_reclaim or (self._reclaiming and not self._reclaiming.done()):
+        if self._closed or now < self._next_reclaim:
+            return
+        if self._reclaiming and not self._reclaiming.done():
             return
         self._next_reclaim = now + self.reclaim_every
         self._reclaiming = asyncio.create_task(self._sweep(), name="aio-keuss results sweep")
