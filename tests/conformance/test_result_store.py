@@ -206,3 +206,52 @@ async def test_a_put_finishing_after_close_starts_no_background_work(connect: Co
     await store.put("q1", [("b", b"y")], LONG)
     started = [t for t in asyncio.all_tasks() - before if not t.done()]
     assert started == []
+
+
+async def test_a_ttl_of_the_longest_time_option_keeps_and_a_tiny_one_expires(
+    store: ResultStore,
+) -> None:
+    """``result_ttl`` is checked like the other time options: up to 1e9 s (about 31.7
+    years), and any positive value however small."""
+    await store.put("q1", [("long", b"x")], 1e9)
+    await store.put("q1", [("tiny", b"y"), ("tiny2", b"z")], 1e-6)
+    assert await store.get("q1", ["long"]) == [b"x"]
+
+    async def gone() -> bool:
+        return await store.get("q1", ["tiny", "tiny2"]) == [None, None]
+
+    await eventually(gone)
+    assert await store.get("q1", ["long"]) == [b"x"]
+
+
+async def _clean_up(store: ResultStore) -> None:
+    """One full reclaim of expired results, by whichever method the store has."""
+    for name in ("clean_up_once", "reclaim", "sweep"):
+        method = getattr(store, name, None)
+        if method is not None:
+            await method()
+            return
+    pytest.skip("this store reclaims on its own (Redis expiry, the memory heap)")
+
+
+async def test_a_cleanup_racing_puts_that_renew_expired_results_deletes_none_of_them(
+    store: ResultStore,
+) -> None:
+    """Results expired, then put again (a redelivered message ok-ed again) while a
+    cleanup deletes what has expired: every renewed result is still there after."""
+    ids = [f"m{n}" for n in range(1500)]
+    for round_ in range(3):
+        await store.put("q1", [(i, b"old") for i in ids], 0.01)
+
+        async def expired() -> bool:
+            return set(await store.get("q1", ids)) == {None}
+
+        await eventually(expired)
+        new = b"new%d" % round_
+        halves = [ids[: len(ids) // 2], ids[len(ids) // 2 :]]
+        await asyncio.gather(
+            _clean_up(store),
+            *(store.put("q1", [(i, new) for i in half], LONG) for half in halves),
+            _clean_up(store),
+        )
+        assert set(await store.get("q1", ids)) == {new}
