@@ -42,7 +42,7 @@ from .outcomes import NO_RESULT
 from .queue import Queue
 from .registry import backend_names
 from .repeat import Repeat, Repeater
-from .types import Capabilities, JobResult, KoResult, MessageView, Page, Sizes, State
+from .types import CancelResult, Capabilities, JobResult, KoResult, MessageView, Page, Sizes, State
 from .worker import run_worker
 
 try:
@@ -72,6 +72,7 @@ __all__ = [
     "KeussConnectionError",
     "KeussError",
     "KoResult",
+    "CancelResult",
     "MAX_PRIORITY",
     "MIN_PRIORITY",
     "Message",

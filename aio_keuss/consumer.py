@@ -45,12 +45,13 @@ import math
 import random
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, Literal, Protocol, Self, cast
 
 from . import observe
+from .cancels import POLL_SHARE, CancelWatch, request_ttl
 from .contract import Stored
 from .deadlines import Deadlines, Limit
 from .errors import (
@@ -68,6 +69,7 @@ from .metrics import Histogram, QueueMetrics
 from .options import check_seconds
 from .outcomes import NO_RESULT, exception_text
 from .renewals import Renewals
+from .signal import Signal
 from .types import Capabilities, KoResult
 
 log = logging.getLogger("aio_keuss.consumer")
@@ -414,6 +416,33 @@ class Source(Protocol):
     def stopped(self, consumer: Consumer) -> None:
         """The consumer has stopped: the queue no longer waits for it on close."""
 
+    # cancelling (see aio_keuss.cancels)
+
+    @property
+    def hears_cancels(self) -> bool:
+        """Whether messages of this queue can be cancelled while held (the backend keeps
+        results, where the requests are left)."""
+        ...
+
+    @property
+    def polls_cancels(self) -> bool:
+        """Whether consumers also look the requests up while handlers run (a queue with
+        ``result_ttl``: one without pays nothing)."""
+        ...
+
+    def subscribe_cancels(self, listener: Callable[[Signal], None]) -> Callable[[], None]:
+        """Hear the "cancel" signals of the queue; returns the unsubscribe."""
+        ...
+
+    async def cancel_requests(self, ids: list[str]) -> list[str]:
+        """Those of ``ids`` a cancel request names."""
+        ...
+
+    def cancelled(self, messages: list[Message], keep: bool) -> Awaitable[None]:
+        """Messages stopped on request: their failure results kept (``keep``, where the
+        queue keeps results), then ok-ed."""
+        ...
+
 
 @dataclass(frozen=True, slots=True)
 class ConsumerStatus:
@@ -448,6 +477,9 @@ class ConsumerStatus:
     """Reservations found lapsed and taken by another consumer while their handler ran
     (its message may be handled twice: raise ``reserve_delay``, or check why the extensions
     did not reach the backend in time)."""
+    cancelled: int = 0
+    """Messages cancelled (``Queue.cancel``) while this consumer held them: their handler
+    stopped, or never started."""
 
 
 def check_settings(
@@ -585,6 +617,10 @@ class Consumer(StoppedOnExit):
         self.deadlettered = 0
         self.rate_limited = 0
         """Messages given back because their handler raised ``RateLimited``."""
+        self.cancelled = 0
+        """Messages stopped, or never started, because they were cancelled."""
+        self._handler_tasks: dict[str, asyncio.Task[Any]] = {}
+        """The task running the handler of each message of ``busy``."""
         self.durations = Histogram()
         """Seconds each handler ran, whatever its outcome."""
         # Kept: on Python 3.11 asyncio.get_running_loop() costs a getpid() call.
@@ -596,6 +632,7 @@ class Consumer(StoppedOnExit):
             self._renewals = Renewals(
                 queue.name, queue.reserve_delay, queue.extend_many, loop, self.busy
             )
+        self._cancels = self._watch_cancels()
         self._workers = [loop.create_task(self._run_worker()) for _ in range(concurrency)]
 
     @property
@@ -631,6 +668,7 @@ class Consumer(StoppedOnExit):
             reconnecting_for=None if outage.since is None else time.monotonic() - outage.since,
             extended=0 if self._renewals is None else self._renewals.extended,
             lapsed=0 if self._renewals is None else self._renewals.lapsed,
+            cancelled=self.cancelled,
         )
 
     def metrics(self) -> QueueMetrics:
@@ -645,6 +683,7 @@ class Consumer(StoppedOnExit):
             deadlettered=self.deadlettered,
             in_flight=self._in_flight,
             durations=self.durations,
+            cancelled=self.cancelled,
         )
 
     def runs_in(self, task: asyncio.Task[Any]) -> bool:
@@ -719,6 +758,8 @@ class Consumer(StoppedOnExit):
         await _bounded(self._workers)  # the others are acknowledging what they handled
         if self._renewals is not None:
             await self._renewals.close()
+        if self._cancels is not None:
+            await self._cancels.close()
         await _bounded(self._acks)
         try:
             async with asyncio.timeout(ACK_WAIT):
@@ -783,6 +824,10 @@ class Consumer(StoppedOnExit):
                 self._waiting.discard(task)
             if not message:  # only on drain or close, as there is no timeout
                 return
+            if self._cancels is not None:
+                message = self._unless_cancelled(message, task)
+                if not message:
+                    continue
             self._in_flight += 1
             busy = self.busy
             first = message[0] if isinstance(message, list) else message
@@ -813,6 +858,8 @@ class Consumer(StoppedOnExit):
                     for m in message:
                         if busy.get(m.id) is m:
                             del busy[m.id]
+                if self._cancels is not None:
+                    self._ran_in(message, None)
 
     async def _next(self) -> Message | list[Message] | None:
         """A message to handle: from the prefetch buffer, else from the queue (with
@@ -931,6 +978,8 @@ class Consumer(StoppedOnExit):
                         deadline = self._deadlines.start(task)
                         result = await self._deadlines.watch(deadline, result)
         except asyncio.CancelledError:
+            if await self._stopped_on_request(task, [message], started):
+                return
             self._ran(started, "cancelled")
             if self._reserve:
                 await asyncio.shield(
@@ -938,6 +987,8 @@ class Consumer(StoppedOnExit):
                 )
             raise
         except Exception as exc:
+            if await self._stopped_on_request(task, [message], started):
+                return
             if isinstance(exc, RateLimited) and await self._held_back([message], exc, started):
                 return
             failure = self._failure(exc, deadline, started)
@@ -948,6 +999,8 @@ class Consumer(StoppedOnExit):
             else:
                 await self._keep_popped([message], failure=self._failure_text(failure))
             return
+        if self._cancels is not None:
+            self._cancels.taken(task)  # asked, but it finished: its outcome stands
         self._ran(started, "ok")
         self.handled += 1
         if self._settle is not None:
@@ -1073,6 +1126,8 @@ class Consumer(StoppedOnExit):
                         deadline = self._deadlines.start(task)
                         result = await self._deadlines.watch(deadline, result)
         except asyncio.CancelledError:
+            if await self._stopped_on_request(task, messages, started):
+                return
             self._ran(started, "cancelled")
             if self._reserve:
                 # one call: released one each at once, in any order, a sharded queue's
@@ -1082,6 +1137,8 @@ class Consumer(StoppedOnExit):
                 )
             raise
         except Exception as exc:
+            if await self._stopped_on_request(task, messages, started):
+                return
             if isinstance(exc, RateLimited) and await self._held_back(messages, exc, started):
                 return
             failure = self._failure(exc, deadline, started)
@@ -1092,6 +1149,8 @@ class Consumer(StoppedOnExit):
             else:
                 await self._keep_popped(messages, failure=self._failure_text(failure))
             return
+        if self._cancels is not None:
+            self._cancels.taken(task)  # asked, but it finished: its outcome stands
         self._ran(started, "ok")
         self.handled += len(messages)
         if self._reserve:
@@ -1140,3 +1199,105 @@ class Consumer(StoppedOnExit):
             what = f"{len(messages)} messages" if many else f"message {messages[0].id}"
             outage.failed(exc, generation, f"{doing} of {what}")
             return None
+
+    # cancelling (see aio_keuss.cancels) ---------------------------------------------------
+
+    def _watch_cancels(self) -> CancelWatch | None:
+        """What hears the cancel requests of the queue, where its messages can be cancelled
+        while held; looking them up while handlers run too on a queue with ``result_ttl``."""
+        queue = self.queue
+        if not queue.hears_cancels:
+            return None
+        delay = queue.reserve_delay
+        return CancelWatch(
+            queue.name,
+            queue.subscribe_cancels,
+            queue.cancel_requests,
+            self._held_ids,
+            self._on_cancel,
+            delay * POLL_SHARE if queue.polls_cancels else None,
+            request_ttl(delay),
+        )
+
+    def _held_ids(self) -> list[str]:
+        """The ids of the messages this consumer holds: running, and prefetched."""
+        return [*self.busy, *(m.id for m, _ in self._buffer)]
+
+    def _ran_in(self, message: Message | list[Message], task: asyncio.Task[Any] | None) -> None:
+        """Note (``task``) or forget (None) the task running the handler of ``message``,
+        which a cancel request cancels."""
+        tasks = self._handler_tasks
+        for m in message if isinstance(message, list) else (message,):
+            if task is not None:
+                tasks[m.id] = task
+            elif self.busy.get(m.id) is None:  # not a later delivery another worker runs
+                tasks.pop(m.id, None)
+
+    def _on_cancel(self, ids: Sequence[str]) -> None:
+        """Stop what this consumer holds of ``ids``: a running handler's task is cancelled
+        (its worker then ok-s the message, see ``_stopped_on_request``); a prefetched message
+        is ok-ed without running."""
+        watch = self._cancels
+        assert watch is not None
+        named = set(ids)
+        for message_id in named & self.busy.keys():
+            task = self._handler_tasks.get(message_id)
+            if task is not None and task in self._handling:
+                watch.cancel(task, [message_id])
+        buffer = self._buffer
+        if any(m.id in named for m, _ in buffer):
+            unstarted = [m for m, _ in buffer if m.id in named]
+            left = [(m, until) for m, until in buffer if m.id not in named]
+            buffer.clear()  # in place: a worker waiting in ``_next`` holds it
+            buffer.extend(left)
+            for m in unstarted:
+                self._kept.pop(m.id, None)
+            self._tracked(self._settle_cancelled(unstarted))
+
+    def _unless_cancelled(
+        self, message: Message | list[Message], task: asyncio.Task[Any]
+    ) -> Message | list[Message] | None:
+        """What is left to run of what a worker took, once the messages a request heard
+        of already named are ok-ed unstarted; what runs is noted as run by ``task``."""
+        watch = self._cancels
+        assert watch is not None
+        batch = message if isinstance(message, list) else [message]
+        asked = [m for m in batch if watch.asked(m.id)]
+        if asked:
+            self._tracked(self._settle_cancelled(asked))
+            batch = [m for m in batch if not watch.asked(m.id)]
+            if not batch:
+                return None
+            message = batch if isinstance(message, list) else batch[0]
+        self._ran_in(message, task)
+        watch.wake()
+        return message
+
+    async def _settle_cancelled(self, messages: list[Message]) -> None:
+        """ok messages stopped on request, keeping their failure results (not a pipeline
+        station's: its queue's results are not its own to keep)."""
+        self.cancelled += len(messages)
+        with contextlib.suppress(ClosedError):
+            cancelled = self.queue.cancelled(messages, self._settle is None)
+            await self._acknowledge_all("ok", messages, cancelled)
+
+    async def _stopped_on_request(
+        self, task: asyncio.Task[Any], messages: list[Message], started: float
+    ) -> bool:
+        """Whether a handler ended (raised) because a cancel request cancelled its task:
+        then the messages named are ok-ed, done for good, and the rest of a batch given back
+        at no try. A stop asked meanwhile still stops the worker (CancelledError)."""
+        named = None if self._cancels is None else self._cancels.taken(task)
+        if named is None:
+            return False
+        self._ran(started, "cancelled")
+        stopped = [m for m in messages if m.id in named]
+        others = [m for m in messages if m.id not in named]
+        work: list[Awaitable[Any]] = [self._settle_cancelled(stopped)]
+        if others:
+            back = self.queue.release(others) if self._reserve else self.queue.put_back(others)
+            work.append(self._acknowledge_all("release", others, back))
+        await asyncio.shield(asyncio.gather(*work))
+        if task.cancelling():
+            raise asyncio.CancelledError
+        return True

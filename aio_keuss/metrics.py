@@ -76,6 +76,7 @@ class QueueMetrics:
     deadlettered: int
     in_flight: int
     durations: Histogram
+    cancelled: int = 0
 
 
 @dataclass(slots=True)
@@ -108,6 +109,7 @@ _COUNTERS = (
     ("timed_out", "Handlers cancelled for running past the handler timeout."),
     ("retried", "Messages a failed handler put back for another try."),
     ("deadlettered", "Messages a failed handler sent to the deadletter queue."),
+    ("cancelled", "Messages whose handler a cancel stopped, or that it kept from starting."),
 )
 
 

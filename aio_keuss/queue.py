@@ -28,6 +28,13 @@ from itertools import repeat
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from . import observe, visibility
+from .cancels import (
+    cancelled_text,
+    check_reason,
+    decode_request,
+    encode_request,
+    request_ttl,
+)
 from .coalesce import Coalescer, RunToEnd, replied
 from .consumer import (
     BatchHandler,
@@ -110,7 +117,8 @@ from .outcomes import (
     encode_success,
 )
 from .repeat import Repeater, RepeatPlan
-from .types import Capabilities, JobResult, KoResult, MessageView, Page, Sizes
+from .results import cancel_space
+from .types import CancelResult, Capabilities, JobResult, KoResult, MessageView, Page, Sizes
 from .visibility import SiblingQueue
 from .wakeups import Wakeups
 
@@ -1668,10 +1676,78 @@ class Queue:
         self._check_open()
         self._require("remove")
         message_id = _target(message)[0]
+        return await self._remove(message_id, "removed")
+
+    async def _remove(self, message_id: str, failure: str) -> bool:
+        """``remove``, keeping ``failure`` as the result of what it removed."""
         (removed,) = await self._store.remove([message_id])
         if removed:  # its waiters are told it will never finish
-            await self._keep_failure(message_id, "removed")
+            await self._keep_failure(message_id, failure)
         return removed
+
+    # cancelling (see aio_keuss.cancels) --------------------------------------------------
+
+    async def cancel(self, message: Message | str, reason: str | None = None) -> CancelResult:
+        """Cancel a message, waiting or running (saq's and arq's ``job.abort()``).
+
+        Waiting, it is removed (where ``capabilities.remove``): ``REMOVED``. Under a
+        reservation, its holder is asked to stop it (needs ``capabilities.results``): a
+        request is left in the backend, a signal names it to every process, and the
+        consumer holding it cancels its handler's task (the handler sees
+        ``CancelledError``), then ok-s it, done for good: ``REQUESTED``. ``MISSING`` when
+        it is nowhere to be found and no request was left; a backend that cannot look
+        (no ``capabilities.peek``) leaves the request and answers ``REQUESTED`` for any id.
+        On a queue with ``result_ttl``, its failure result says ``"cancelled"`` (with
+        ``": <reason>"``). ``reason``: a str of at most 1,000 characters, or None."""
+        self._check_open()
+        message_id = _target(message)[0]
+        text = check_reason(reason)
+        capabilities = self.capabilities
+        if not capabilities.remove and not capabilities.results:
+            raise NotSupportedError(f"queue {self.name!r}: this backend cannot cancel")
+        if capabilities.remove and await self._remove(message_id, cancelled_text(text)):
+            return CancelResult.REMOVED
+        if self._result_store is None:  # nothing can stop a running handler here
+            return CancelResult.MISSING
+        if capabilities.peek:
+            (row,) = await self._store.locate([message_id])
+            if row is None or row.state == "processed":
+                return CancelResult.MISSING
+        store = await self._result_store()
+        ttl = request_ttl(self.options.reserve_delay)
+        await store.put(cancel_space(self.name), [(message_id, encode_request(text))], ttl)
+        self._signal.cancels(self.name, [message_id])
+        return CancelResult.REQUESTED
+
+    async def _cancel_requests(self, ids: list[str]) -> dict[str, str | None]:
+        """The reasons of the cancel requests left for ``ids`` (those with one), in round
+        trips of at most ``max_batch`` ids."""
+        if self._result_store is None or not ids:
+            return {}
+        store = await self._result_store()
+        space, size, found = cancel_space(self.name), self.options.max_batch, {}
+        for start in range(0, len(ids), size):
+            chunk = ids[start : start + size]
+            for message_id, body in zip(chunk, await store.get(space, chunk), strict=True):
+                if body is not None:
+                    found[message_id] = decode_request(body)
+        return found
+
+    async def _cancelled(self, messages: list[Message], keep: bool) -> None:
+        """Messages a consumer stopped, or never started, on request: their failure results
+        kept (``keep``, on a queue with ``result_ttl``), their reasons read back from the
+        requests, then ok-ed (popped ones have no ok), done for good."""
+        writes = self._result_writes
+        if keep and writes is not None:
+            try:
+                reasons = await self._cancel_requests([m.id for m in messages])
+            except Exception as exc:  # the failure is still kept, without its reason
+                log.debug("queue %r: cancel reasons not read: %r", self.name, exc)
+                reasons = {}
+            kept = [(m.id, encode_failure(cancelled_text(reasons.get(m.id)))) for m in messages]
+            await writes.put(kept)
+        if self.capabilities.reserve:
+            await self.ok_many(messages)
 
     # changing waiting messages (promote, reschedule, change_priority) ------------------
 
@@ -2388,3 +2464,22 @@ class _ConsumerLink:
     def stopped(self, consumer: Consumer) -> None:
         self._queue._consumers.discard(consumer)
         self._queue._handler_failures.flush()
+
+    # cancelling
+
+    @property
+    def hears_cancels(self) -> bool:
+        return self._queue._result_store is not None
+
+    @property
+    def polls_cancels(self) -> bool:
+        return self._queue._result_writes is not None
+
+    def subscribe_cancels(self, listener: Callable[[Signal], None]) -> Callable[[], None]:
+        return self._queue._signal.subscribe_cancels(self._queue.name, listener)
+
+    async def cancel_requests(self, ids: list[str]) -> list[str]:
+        return list(await self._queue._cancel_requests(ids))
+
+    def cancelled(self, messages: list[Message], keep: bool) -> Awaitable[None]:
+        return self._queue._cancelled(messages, keep)

@@ -15,6 +15,22 @@ import time
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 
+CANCEL_SPACE = ":"
+"""What the result-store name of a queue's cancel requests starts with (see
+:func:`cancel_space`)."""
+
+
+def cancel_space(queue: str) -> str:
+    """The result-store name under which ``Queue.cancel`` leaves the requests to stop
+    messages of ``queue``: ``":" + queue``, which no queue can take (a queue name cannot start
+    with ``:``, see ``options.check_queue_name``), so a request never reads as a result."""
+    return CANCEL_SPACE + queue
+
+
+def space_queue(name: str) -> str:
+    """The queue a result-store name belongs to: itself, or the queue of a cancel space."""
+    return name[len(CANCEL_SPACE) :] if name.startswith(CANCEL_SPACE) else name
+
 
 class ResultStore(ABC):
     """Results by (queue, id), each kept ``ttl`` seconds from when it was put.

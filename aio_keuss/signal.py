@@ -33,13 +33,17 @@ from .coalesce import stop_task
 
 log = logging.getLogger("aio_keuss.signal")
 
-SignalKind = Literal["insert", "pause", "resume", "resync", "result"]
+SignalKind = Literal["insert", "pause", "resume", "resync", "result", "cancel"]
 
 RESULTS_ROUTE = "?results "
 """What a "result" signal's queue field starts with (the queue's name follows): no queue
 name can start with ``?`` (see ``options.check_queue_name``), so a listener of a release
 that knows no results, which routes signals by that field, finds nobody to wake: its
 consumers are never woken by results (a result put is frequent, one per ok)."""
+CANCELS_ROUTE = "?cancel "
+"""What a "cancel" signal's queue field starts with (the queue's name follows), routed apart
+from the queue's listeners as results are (see :data:`RESULTS_ROUTE`): a release that
+knows no cancel drops it, and only the consumers holding messages of that queue hear it."""
 MAX_SIGNAL_IDS = 64
 """Most ids a "result" signal names; beyond, it names none and every waiter looks."""
 MAX_SIGNAL_BYTES = 7000
@@ -77,7 +81,8 @@ class Signal:
     """How many messages an insert announces (it wakes that many waiting consumers);
     None: unknown, which wakes them all."""
     ids: list[str] | None = None
-    """The messages a "result" signal announces results of; None: unknown (all look)."""
+    """The messages a "result" signal announces results of, or a "cancel" signal asks to
+    stop; None: unknown (all look)."""
 
 
 Listener = Callable[[Signal], None]
@@ -200,6 +205,19 @@ class SignalBus:
         waiters of each id are woken by its own), never blocks."""
         named = list(ids) if len(ids) <= MAX_SIGNAL_IDS else None
         signal = Signal(RESULTS_ROUTE + queue, "result", ids=named)
+        self._deliver(signal)
+        self._send(signal)
+
+    def subscribe_cancels(self, queue: str, listener: Listener) -> Callable[[], None]:
+        """Hear the "cancel" signals of ``queue`` (and, as any listener, the resyncs after
+        the transport was away: a cancel sent meanwhile went unheard)."""
+        return self.subscribe(CANCELS_ROUTE + queue, listener)
+
+    def cancels(self, queue: str, ids: Sequence[str]) -> None:
+        """Ask the holders of ``ids`` of ``queue`` to stop them (``Queue.cancel``); never
+        debounced, never blocks."""
+        named = list(ids) if len(ids) <= MAX_SIGNAL_IDS else None
+        signal = Signal(CANCELS_ROUTE + queue, "cancel", ids=named)
         self._deliver(signal)
         self._send(signal)
 

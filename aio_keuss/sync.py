@@ -55,7 +55,7 @@ from .message import UNCHANGED, Headers, Message, NewMessage, Payload, Unchanged
 from .outcomes import NO_RESULT
 from .queue import CANCELLED_CLOSE_GRACE, Queue
 from .repeat import Repeater
-from .types import Capabilities, JobResult, KoResult, MessageView, Page, Sizes
+from .types import CancelResult, Capabilities, JobResult, KoResult, MessageView, Page, Sizes
 
 __all__ = ["SyncFactory", "SyncQueue", "connect"]
 
@@ -853,6 +853,10 @@ class SyncQueue:
 
     def change_priority(self, message: Message | str, priority: int) -> bool:
         return self._call(self.queue.change_priority, message, priority)
+
+    def cancel(self, message: Message | str, reason: str | None = None) -> CancelResult:
+        """Blocking :meth:`Queue.cancel`."""
+        return self._call(self.queue.cancel, message, reason)
 
     # results --------------------------------------------------------------------------
 

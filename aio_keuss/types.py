@@ -57,6 +57,18 @@ class Capabilities:
     ``Queue.push_and_wait``; see ``Backend.result_store``)."""
 
 
+class CancelResult(enum.IntEnum):
+    """Outcome of ``Queue.cancel``; falsy only when nothing was found to cancel."""
+
+    MISSING = 0
+    """Nothing to cancel was found, and no request was left."""
+    REMOVED = 1
+    """It was waiting: removed, as ``remove`` does."""
+    REQUESTED = 2
+    """It is under a reservation (or may be: a backend that cannot look says so for any
+    id): its holder is asked to stop it."""
+
+
 class KoResult(enum.IntEnum):
     """Outcome of a ko; falsy only when nothing was done."""
 

@@ -23,7 +23,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from ..options import check_queue_name
-from ..results import ResultStore
+from ..results import ResultStore, space_queue
 from .connection import Script
 
 if TYPE_CHECKING:
@@ -54,7 +54,8 @@ class RedisResults(ResultStore):
         self._backend = backend
 
     def _keys(self, queue: str, ids: Sequence[str]) -> list[str]:
-        head = self._backend.key(check_queue_name(queue), "result") + ":"
+        check_queue_name(space_queue(queue))  # a queue's results, or its cancel requests
+        head = self._backend.key(queue, "result") + ":"
         return [head + message_id for message_id in ids]
 
     async def put(self, queue: str, results: Sequence[tuple[str, bytes]], ttl: float) -> None:

@@ -60,6 +60,7 @@ def health(consumers: Sequence[Consumer], repeaters: Sequence[Repeater] = ()) ->
                 "handled": s.handled,
                 "failed": s.failed,
                 "timed_out": s.timed_out,
+                "cancelled": s.cancelled,
                 "retried": s.retried,
                 "deadlettered": s.deadlettered,
                 "extended": s.extended,

@@ -1,0 +1,324 @@
+"""Conformance: ``Queue.cancel`` (saq's and arq's ``job.abort()``, procrastinate's
+``cancel_job(abort=True)``). A waiting message is removed; a running one's handler is
+stopped by whichever consumer holds it, in this process or another, and the message is
+done for good; a prefetched one never runs.
+
+Every backend runs it, skipping by capability: removing needs ``remove``; stopping a held
+message needs ``results`` (the requests are kept in the result store) and ``reserve`` (a
+popped message is nowhere to be found). Nothing here times the backend: waits that must
+end have generous hang guards.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import pytest
+from conftest import Connect, needs
+
+import aio_keuss
+from aio_keuss import CancelResult, JobResult, Message
+
+pytestmark = pytest.mark.timeout(120)
+
+GUARD = 30.0
+"""Hang guard of a wait that must end."""
+TTL = 600.0
+"""A result_ttl no test outlives."""
+
+
+async def _until(condition: Callable[[], Awaitable[bool]], guard: float = GUARD) -> None:
+    async def poll() -> None:
+        while True:
+            if await condition():
+                return
+            await asyncio.sleep(0.02)
+
+    await asyncio.wait_for(poll(), guard)
+
+
+async def _kept(q: aio_keuss.Queue, message_id: str) -> JobResult:
+    found = await q.result(message_id, timeout=GUARD)
+    assert found is not None
+    return found
+
+
+async def _gone(q: aio_keuss.Queue) -> None:
+    async def empty() -> bool:
+        return (await q.sizes()).total == 0
+
+    await _until(empty)
+
+
+class Blocked:
+    """A handler that waits for ever (until cancelled), noting what it saw."""
+
+    def __init__(self) -> None:
+        self.started: dict[str, asyncio.Event] = {}
+        self.cancelled: list[str] = []
+        self.ran: list[str] = []
+
+    def began(self, message_id: str) -> asyncio.Event:
+        return self.started.setdefault(message_id, asyncio.Event())
+
+    async def __call__(self, message: Message) -> None:
+        self.ran.append(message.id)
+        self.began(message.id).set()
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            self.cancelled.append(message.id)
+            raise
+
+
+async def _held_factory(connect: Connect, **options: Any) -> aio_keuss.Factory:
+    factory = await connect(**{"poll_interval": 60.0, **options})
+    needs(factory, "results", "reserve")
+    return factory
+
+
+# waiting messages ---------------------------------------------------------------------------
+
+
+async def test_a_waiting_message_is_removed(connect: Connect) -> None:
+    factory = await connect(poll_interval=60.0)
+    q = await factory.queue("q1", **({"result_ttl": TTL} if factory.capabilities.results else {}))
+    needs(q, "remove")
+    message_id = await q.push(1, delay=3600 if q.capabilities.delay else 0.0)
+    outcome: list[CancelResult] = []
+
+    async def removed() -> bool:  # (a bucket store's push is visible once flushed)
+        outcome.append(await q.cancel(message_id, reason="not needed"))
+        return outcome[-1] is CancelResult.REMOVED
+
+    await _until(removed)
+    assert (await q.sizes()).total == 0
+    if factory.capabilities.results:
+        found = await _kept(q, message_id)
+        assert (found.ok, found.error) == (False, "cancelled: not needed")
+
+
+async def test_a_waiting_message_without_reason_says_cancelled(connect: Connect) -> None:
+    factory = await connect(poll_interval=60.0)
+    needs(factory, "results", "remove")
+    q = await factory.queue("q1", result_ttl=TTL)
+    message_id = await q.push(1, delay=3600 if q.capabilities.delay else 0.0)
+
+    async def removed() -> bool:
+        return await q.cancel(message_id) is CancelResult.REMOVED
+
+    await _until(removed)
+    assert (await _kept(q, message_id)).error == "cancelled"
+
+
+async def test_nothing_to_cancel(connect: Connect) -> None:
+    factory = await connect(poll_interval=60.0)
+    q = await factory.queue("q1")
+    capabilities = q.capabilities
+    if not capabilities.remove and not capabilities.results:
+        with pytest.raises(aio_keuss.NotSupportedError):
+            await q.cancel("nowhere")
+        return
+    outcome = await q.cancel("nowhere")
+    if capabilities.peek or not capabilities.results:
+        assert outcome is CancelResult.MISSING
+        assert not outcome
+    else:  # a backend that cannot look leaves the request
+        assert outcome is CancelResult.REQUESTED
+
+
+@pytest.mark.parametrize("bad", [42, b"bytes", "x" * 1001])
+async def test_a_bad_reason_is_refused_before_anything(connect: Connect, bad: object) -> None:
+    factory = await connect(poll_interval=60.0)
+    q = await factory.queue("q1")
+    message_id = await q.push(1)
+    with pytest.raises(aio_keuss.InvalidInputError):
+        await q.cancel(message_id, reason=bad)  # type: ignore[arg-type]
+    with pytest.raises(aio_keuss.InvalidIdError):
+        await q.cancel(42)  # type: ignore[arg-type]
+    assert (await q.sizes()).total == 1
+
+
+async def test_a_reason_of_1000_characters_is_kept_whole(connect: Connect) -> None:
+    factory = await connect(poll_interval=60.0)
+    needs(factory, "results", "remove")
+    q = await factory.queue("q1", result_ttl=TTL)
+    message_id = await q.push(1, delay=3600 if q.capabilities.delay else 0.0)
+    reason = "r" * 1000
+
+    async def removed() -> bool:
+        return await q.cancel(message_id, reason=reason) is CancelResult.REMOVED
+
+    await _until(removed)
+    error = (await _kept(q, message_id)).error
+    assert error is not None and error.startswith("cancelled: r")
+
+
+# running handlers ---------------------------------------------------------------------------
+
+
+async def _stopped_while_running(canceller: aio_keuss.Queue, serving: aio_keuss.Queue) -> None:
+    handler = Blocked()
+    message_id = await serving.push({"work": 1})
+    async with serving.consume(handler) as consumer:
+        await asyncio.wait_for(handler.began(message_id).wait(), GUARD)
+        assert await canceller.cancel(message_id, reason="user asked") is CancelResult.REQUESTED
+        found = await _kept(canceller, message_id)
+        assert (found.ok, found.error) == (False, "cancelled: user asked")
+        await _gone(serving)
+        assert handler.cancelled == [message_id]
+        assert consumer.status().cancelled == 1
+    assert handler.ran == [message_id]  # done for good: never delivered again
+
+
+async def test_a_running_handler_is_stopped(connect: Connect) -> None:
+    factory = await _held_factory(connect)
+    q = await factory.queue("q1", result_ttl=TTL)
+    await _stopped_while_running(q, q)
+
+
+async def test_a_running_handler_is_stopped_from_another_factory(connect: Connect) -> None:
+    factory = await _held_factory(connect)
+    needs(factory, "shared")
+    other = await connect(poll_interval=60.0)
+    serving = await factory.queue("q1", result_ttl=TTL)
+    asking = await other.queue("q1", result_ttl=TTL)
+    await _stopped_while_running(asking, serving)
+
+
+async def test_a_running_handler_is_stopped_on_a_queue_without_result_ttl(
+    connect: Connect,
+) -> None:
+    factory = await _held_factory(connect)
+    q = await factory.queue("q1")
+    handler = Blocked()
+    message_id = await q.push(1)
+    async with q.consume(handler) as consumer:
+        await asyncio.wait_for(handler.began(message_id).wait(), GUARD)
+        assert await q.cancel(message_id) is CancelResult.REQUESTED
+        await _gone(q)
+        assert handler.cancelled == [message_id]
+        assert consumer.status().cancelled == 1
+
+
+async def test_a_lost_signal_is_made_up_for_while_the_handler_runs(connect: Connect) -> None:
+    """The canceller's bus announces no cancel: the holder finds the request on its own,
+    looking the requests of what it holds up while its handlers run."""
+    factory = await _held_factory(connect)
+    asking_factory = await connect(poll_interval=60.0) if factory.capabilities.shared else factory
+    asking_factory.signal.cancels = lambda queue, ids: None  # type: ignore[method-assign]
+    serving = await factory.queue("q1", result_ttl=TTL, reserve_delay=2.0)
+    asking = await asking_factory.queue("q1", result_ttl=TTL, reserve_delay=2.0)
+    handler = Blocked()
+    message_id = await serving.push(1)
+    async with serving.consume(handler):
+        await asyncio.wait_for(handler.began(message_id).wait(), GUARD)
+        assert await asking.cancel(message_id) is CancelResult.REQUESTED
+        assert (await _kept(asking, message_id)).error == "cancelled"
+        await _gone(serving)
+    assert handler.cancelled == [message_id]
+
+
+async def test_a_prefetched_message_never_runs(connect: Connect) -> None:
+    factory = await _held_factory(connect)
+    q = await factory.queue("q1", result_ttl=TTL)
+    first, second, third = await q.push_many([1, 2, 3])
+    handler = Blocked()
+    async with q.consume(handler, prefetch=2):
+        await asyncio.wait_for(handler.began(first).wait(), GUARD)
+        assert await q.cancel(second, reason="late") in (
+            CancelResult.REMOVED,
+            CancelResult.REQUESTED,
+        )
+        assert (await _kept(q, second)).error == "cancelled: late"
+        assert await q.cancel(first) is CancelResult.REQUESTED  # frees the only worker
+        await asyncio.wait_for(handler.began(third).wait(), GUARD)
+        assert await q.cancel(third) is CancelResult.REQUESTED
+        await _gone(q)
+    assert second not in handler.ran
+    assert handler.cancelled == [first, third]
+
+
+async def test_a_batch_handler_is_stopped_and_the_rest_of_its_batch_given_back(
+    connect: Connect,
+) -> None:
+    factory = await _held_factory(connect, max_wait_time=0.2)
+    q = await factory.queue("q1", result_ttl=TTL)
+    ids = await q.push_many([1, 2, 3])
+    first_batch: list[str] = []
+    started = asyncio.Event()
+    cancelled = asyncio.Event()
+
+    async def handler(messages: list[Message]) -> str:
+        if first_batch:
+            return "handled"
+        first_batch.extend(m.id for m in messages)
+        started.set()
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            cancelled.set()
+            raise
+        return "never"
+
+    async with q.consume(handler, batch=3) as consumer:
+        await asyncio.wait_for(started.wait(), GUARD)
+        named = first_batch[0]
+        assert await q.cancel(named) is CancelResult.REQUESTED
+        await asyncio.wait_for(cancelled.wait(), GUARD)
+        results = {message_id: await _kept(q, message_id) for message_id in ids}
+        await _gone(q)
+        assert consumer.status().cancelled == 1
+    assert results[named].error == "cancelled"
+    others = [results[i] for i in ids if i != named]
+    assert [(r.ok, r.value) for r in others] == [(True, "handled"), (True, "handled")]
+
+
+async def test_a_handler_that_ignores_cancellation_keeps_its_result(connect: Connect) -> None:
+    factory = await _held_factory(connect)
+    q = await factory.queue("q1", result_ttl=TTL)
+    message_id = await q.push(1)
+    started, heard, go_on = asyncio.Event(), asyncio.Event(), asyncio.Event()
+
+    async def handler(message: Message) -> str:
+        started.set()
+        try:
+            await go_on.wait()
+        except asyncio.CancelledError:  # ignored: it goes on working
+            heard.set()
+            await go_on.wait()
+        return "finished anyway"
+
+    async with q.consume(handler):
+        await asyncio.wait_for(started.wait(), GUARD)
+        assert await q.cancel(message_id) is CancelResult.REQUESTED
+        await asyncio.wait_for(heard.wait(), GUARD)
+        go_on.set()
+        found = await _kept(q, message_id)
+        await _gone(q)
+    assert (found.ok, found.value) == (True, "finished anyway")
+
+
+async def test_a_handler_stopped_cleans_up_and_its_worker_goes_on(connect: Connect) -> None:
+    factory = await _held_factory(connect)
+    q = await factory.queue("q1", result_ttl=TTL)
+    first = await q.push("block")
+    cleaned = asyncio.Event()
+    started = asyncio.Event()
+
+    async def handler(message: Message) -> str:
+        if message.payload == "block":
+            started.set()
+            try:
+                await asyncio.Event().wait()
+            finally:
+                cleaned.set()
+        return message.payload.upper()
+
+    async with q.consume(handler):
+        await asyncio.wait_for(started.wait(), GUARD)
+        assert await q.cancel(first) is CancelResult.REQUESTED
+        await asyncio.wait_for(cleaned.wait(), GUARD)
+        assert await asyncio.wait_for(q.push_and_wait("next"), GUARD) == "NEXT"
