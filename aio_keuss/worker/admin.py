@@ -23,6 +23,11 @@ a waiting message where it stands (``Queue.promote``, ``reschedule``, ``change_p
 exit 4 when it is not waiting (gone, under an active reservation, or for ``promote`` ready
 already), 5 where the backend has no ``reschedule``.
 
+``cancel QUEUE ID [--reason TEXT]`` cancels a message (``Queue.cancel``) and says what it
+did: ``removed`` (it was waiting) or ``requested`` (its holder is asked to stop it), exit
+0; exit 4 when there was nothing to cancel, 5 where the backend can neither remove nor
+keep requests.
+
 Opening a queue records its options in the backend; these commands open a queue with the
 options recorded there already, so looking at a queue never changes them.
 """
@@ -42,6 +47,7 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from datetime import UTC, datetime
 from typing import Any, TextIO
 
+from ..cancels import check_reason
 from ..errors import (
     ConfigError,
     InvalidInputError,
@@ -62,7 +68,7 @@ from ..message import (
 )
 from ..options import QUEUE_OPTION_NAMES, check_queue_name
 from ..queue import Queue
-from ..types import MessageView, Page
+from ..types import CancelResult, MessageView, Page
 from ..visibility import check_replay, check_requeue
 from .settings import connection_settings, option_value
 
@@ -598,6 +604,22 @@ def _positive(text: str) -> int:
     return value
 
 
+async def _cancel(factory: Factory, args: argparse.Namespace, out: Output) -> int:
+    """Checked before the queue is opened, as the amend commands are."""
+    message_id = check_known_id(args.id)
+    reason = check_reason(args.reason)
+    capabilities = factory.capabilities
+    if not capabilities.remove and not capabilities.results:
+        raise NotSupportedError(f"backend {factory.backend_name!r} cannot cancel")
+    q = await _open(factory, args.queue)
+    outcome = await q.cancel(message_id, reason)
+    out.emit({"queue": q.name, "id": message_id, "outcome": outcome.name.lower()})
+    if outcome is CancelResult.MISSING:
+        print(f"aio-keuss cancel: nothing to cancel for {message_id!r}", file=sys.stderr)
+        return EXIT_NOT_FOUND
+    return EXIT_OK
+
+
 def _seconds(text: str) -> float:
     value = float(text)
     if not 0 <= value < 1e9:
@@ -696,6 +718,10 @@ def _add_amend_commands(command: Callable[[str, Command, str], argparse.Argument
     p.add_argument("queue")
     p.add_argument("id")
     p.add_argument("priority", type=int, help="higher first among ready messages")
+    p = command("cancel", _cancel, "remove a waiting message, or stop its running handler")
+    p.add_argument("queue")
+    p.add_argument("id")
+    p.add_argument("--reason", help="kept in its failure result (at most 1,000 characters)")
 
 
 def run(args: argparse.Namespace, environ: Mapping[str, str] = os.environ) -> int:
