@@ -322,3 +322,25 @@ async def test_a_handler_stopped_cleans_up_and_its_worker_goes_on(connect: Conne
         assert await q.cancel(first) is CancelResult.REQUESTED
         await asyncio.wait_for(cleaned.wait(), GUARD)
         assert await asyncio.wait_for(q.push_and_wait("next"), GUARD) == "NEXT"
+
+
+async def test_a_request_is_honoured_by_a_later_holder(connect: Connect) -> None:
+    """The holder asked went away (its reservation lapses); the consumer that takes the
+    message next never heard the signal, and finds the request while the handler runs."""
+    factory = await _held_factory(connect)
+    needs(factory, "reservation_expiry")
+    q = await factory.queue("q1", result_ttl=TTL, reserve_delay=1.0)
+    message_id = await q.push(1)
+
+    async def reserved() -> bool:
+        return await q.reserve(timeout=0) is not None
+
+    await _until(reserved)  # by a holder that never acknowledges it
+    assert await q.cancel(message_id, reason="stale") is CancelResult.REQUESTED
+    handler = Blocked()
+    async with q.consume(handler) as consumer:
+        found = await _kept(q, message_id)
+        await _gone(q)
+        assert consumer.status().cancelled == 1
+    assert found.error == "cancelled: stale"
+    assert handler.cancelled == handler.ran == [message_id]
