@@ -133,6 +133,11 @@ class CancelWatch:
         while len(heard) > MAX_HEARD:
             heard.popitem(last=False)
 
+    @property
+    def heard_any(self) -> bool:
+        """Whether any id is remembered (most of the time none: :meth:`asked` is skipped)."""
+        return bool(self._heard)
+
     def asked(self, message_id: str) -> bool:
         """Whether ``message_id`` was named by a request heard of, not yet expired."""
         until = self._heard.get(message_id)

@@ -1262,7 +1262,7 @@ class Consumer(StoppedOnExit):
         watch = self._cancels
         assert watch is not None
         batch = message if isinstance(message, list) else [message]
-        asked = [m for m in batch if watch.asked(m.id)]
+        asked = [m for m in batch if watch.asked(m.id)] if watch.heard_any else None
         if asked:
             self._tracked(self._settle_cancelled(asked))
             batch = [m for m in batch if not watch.asked(m.id)]
