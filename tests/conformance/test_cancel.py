@@ -344,3 +344,41 @@ async def test_a_request_is_honoured_by_a_later_holder(connect: Connect) -> None
         assert consumer.status().cancelled == 1
     assert found.error == "cancelled: stale"
     assert handler.cancelled == handler.ran == [message_id]
+
+
+async def test_a_pipeline_station_is_stopped(connect: Connect) -> None:
+    factory = await _held_factory(connect)
+    needs(factory, "move")
+    handler = Blocked()
+    pipeline = factory.pipeline("p").sink("incoming", handler)
+    incoming = await factory.queue("incoming")
+    message_id = await incoming.push(1)
+    async with pipeline.run():
+        await asyncio.wait_for(handler.began(message_id).wait(), GUARD)
+        assert await incoming.cancel(message_id) is CancelResult.REQUESTED
+        await _gone(incoming)
+    assert handler.cancelled == [message_id]
+
+
+async def test_a_queue_without_result_ttl_never_looks_requests_up(connect: Connect) -> None:
+    """Its consumers hear the signals only: no round trip of theirs while handlers run."""
+    factory = await _held_factory(connect)
+    q = await factory.queue("q1", reserve_delay=1.0)
+    store = await factory._results.get()
+    looked: list[str] = []
+    get = store.get
+
+    async def counted(queue: str, ids: Any) -> list[bytes | None]:
+        looked.append(queue)
+        return await get(queue, ids)
+
+    store.get = counted  # type: ignore[method-assign]
+    handler = Blocked()
+    message_id = await q.push(1)
+    async with q.consume(handler):
+        await asyncio.wait_for(handler.began(message_id).wait(), GUARD)
+        await asyncio.sleep(1.0)  # four of the rounds a queue with result_ttl would look in
+        assert looked == []
+        assert await q.cancel(message_id) is CancelResult.REQUESTED
+        await _gone(q)
+    assert looked == []

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from aio_keuss import InvalidInputError
+import aio_keuss
+import aio_keuss.sync
+from aio_keuss import CancelResult, InvalidInputError
 from aio_keuss.cancels import (
     cancelled_text,
     check_reason,
@@ -66,3 +68,13 @@ async def test_cancel_signals_reach_only_their_listeners_and_travel_with_ids() -
     assert [(s.kind, s.ids) for s in other_heard] == [("cancel", ["a"])]
     await bus.close()
     await other.close()
+
+
+def test_the_sync_shim_cancels() -> None:
+    with aio_keuss.sync.connect("memory") as factory:
+        q = factory.queue("jobs")
+        waiting = q.push(1, delay=3600)
+        assert q.cancel(waiting, reason="no") is CancelResult.REMOVED
+        assert q.cancel(waiting) is CancelResult.MISSING
+        with pytest.raises(InvalidInputError):
+            q.cancel("x", reason=3)  # type: ignore[arg-type]
