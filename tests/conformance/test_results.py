@@ -193,6 +193,40 @@ async def test_a_value_that_cannot_be_stored_still_oks_the_message(
     assert "not storable" in caplog.text
 
 
+TOO_LARGE = 16 * 2**20
+"""Bytes no MongoDB document holds (MongoDB manual, "MongoDB Limits and Thresholds")."""
+
+
+async def test_a_value_too_large_to_keep_still_oks_the_message(
+    connect: Connect, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Encodable, but more than the store keeps: as for a value that cannot be encoded,
+    the message is ok-ed (a retry would redo the work, and fail alike for ever) and a
+    failure saying so is kept; an ``ok(result=...)`` of such a value is refused before
+    anything is written, and a concurrent ok's result is not lost with it."""
+    factory = await _results_factory(connect, max_wait_time=0.2)
+    if "mongo" not in factory.backend_name:
+        pytest.skip("only MongoDB bounds the size of a result")
+    q = await factory.queue("q1", result_ttl=TTL)
+    with caplog.at_level(logging.WARNING, "aio_keuss.queue"):
+        async with q.consume(lambda m: b"x" * TOO_LARGE if m.payload else 1):
+            with pytest.raises(JobFailedError, match="not storable") as raised:
+                await q.push_and_wait(True, timeout=GUARD)
+            assert await q.push_and_wait(False, timeout=GUARD) == 1
+    assert raised.value.error is not None and "not storable" in raised.value.error
+    assert (await q.sizes()).total == 0
+    ids = await q.push_many([1, 2])
+    big, small = sorted(await _reserve_all(q, 2), key=lambda m: m.payload)
+    too_big = q.ok(big, result=b"x" * TOO_LARGE)
+    fine = q.ok(small, result="fine")
+    done = await asyncio.gather(too_big, fine, return_exceptions=True)
+    assert isinstance(done[0], aio_keuss.InvalidPayloadError)
+    assert done[1] is True
+    assert await q.result(ids[0]) is None
+    found = await q.result(ids[1])
+    assert found is not None and found.value == "fine"
+
+
 async def test_ok_with_a_result_and_ok_many_with_results(connect: Connect) -> None:
     factory = await _results_factory(connect)
     q = await factory.queue("q1", result_ttl=TTL)
