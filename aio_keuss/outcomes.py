@@ -28,7 +28,7 @@ from typing import Any, Final
 import orjson
 
 from .coalesce import Coalescer
-from .errors import ClosedError
+from .errors import ClosedError, InvalidPayloadError
 from .message import decode_payload, encode_payload
 from .results import ResultStore
 from .signal import Signal, SignalBus
@@ -51,6 +51,13 @@ NO_RESULT: Final = NoResult.NO_RESULT
 
 StoreGetter = Callable[[], Awaitable[ResultStore]]
 """The factory's result store, made and opened the first time it is asked for."""
+
+Unstorable = Callable[[str, str], bytes]
+"""What a consumer keeps instead of a result too large for the store: ``(id, why)`` -> a
+failure's body (the work is done: the message is ok-ed all the same)."""
+
+_UNREAD: Final = -1
+"""``ResultWrites``'s bound before it has asked the store for it."""
 
 
 def error_text(text: str) -> str:
@@ -131,6 +138,7 @@ class ResultWrites:
         self._ttl = ttl
         self._signal = signal
         self._max_batch = max_batch
+        self._most: int | None = _UNREAD  # the store's max_body_bytes, once read
         self._puts: Coalescer[list[tuple[str, bytes]], None] = Coalescer(
             self._put_batch,
             max_batch=max_batch,
@@ -139,9 +147,16 @@ class ResultWrites:
             run_in_caller=run_in_caller,
         )
 
-    async def put(self, results: list[tuple[str, bytes]]) -> None:
+    async def put(
+        self, results: list[tuple[str, bytes]], unstorable: Unstorable | None = None
+    ) -> None:
         """Keep ``(id, body)`` results, in puts of at most ``max_batch``; returns once they
-        are kept (raises if any is not)."""
+        are kept (raises if any is not). A body longer than the store keeps is refused
+        with ``InvalidPayloadError`` before anything is put, or, given ``unstorable``,
+        replaced by what that returns: one too long would fail the store's whole put,
+        shared with the results of other callers."""
+        if results:
+            results = await self._bounded(results, unstorable)
         size = self._max_batch
         if len(results) <= size:
             if results:
@@ -149,6 +164,25 @@ class ResultWrites:
             return
         chunks = [results[i : i + size] for i in range(0, len(results), size)]
         await asyncio.gather(*(self._puts.submit(chunk) for chunk in chunks))
+
+    async def _bounded(
+        self, results: list[tuple[str, bytes]], unstorable: Unstorable | None
+    ) -> list[tuple[str, bytes]]:
+        """``results`` within the store's ``max_body_bytes`` (see :meth:`put`)."""
+        most = self._most
+        if most == _UNREAD:
+            most = self._most = (await self._store()).max_body_bytes
+        if most is None or all(len(body) <= most for _, body in results):
+            return results
+        bounded: list[tuple[str, bytes]] = []
+        for message_id, body in results:
+            if len(body) > most:
+                why = f"{len(body)} bytes encoded, more than the {most} this backend keeps"
+                if unstorable is None:
+                    raise InvalidPayloadError(f"result of {message_id!r} not storable: {why}")
+                body = unstorable(message_id, why)
+            bounded.append((message_id, body))
+        return bounded
 
     async def _put_batch(self, requests: list[list[tuple[str, bytes]]]) -> list[None]:
         results = requests[0] if len(requests) == 1 else [r for req in requests for r in req]

@@ -112,6 +112,7 @@ from .outcomes import (
     ResultWaits,
     ResultWrites,
     StoreGetter,
+    Unstorable,
     decode_result,
     encode_failure,
     encode_success,
@@ -1367,14 +1368,19 @@ class Queue:
         return await self._in_chunks(self._commits, acks)
 
     async def _ok_keeping(
-        self, message: Message | str, encode: Callable[[Any], bytes], value: Any
+        self,
+        message: Message | str,
+        encode: Callable[[Any], bytes],
+        value: Any,
+        unstorable: Unstorable | None = None,
     ) -> bool:
-        """``ok`` with a result: kept first (see :meth:`ok`)."""
+        """``ok`` with a result: kept first (see :meth:`ok`); ``unstorable``: see
+        ``ResultWrites.put``."""
         self._check_open()
         self._require("reserve")
         message_id = _target(message)[0]
         writes = self._writes("ok(result=...)")
-        await writes.put([(message_id, encode(value))])
+        await writes.put([(message_id, encode(value))], unstorable)
         return await self.ok(message)
 
     def _writes(self, what: str) -> ResultWrites:
@@ -1392,19 +1398,25 @@ class Queue:
         try:
             return encode_success(value)
         except InvalidPayloadError as exc:
-            log.warning(
-                "queue %r: the handler's return value for %r is not storable: %s",
-                self.name,
-                message_id,
-                exc,
-            )
-            return encode_failure(f"result not storable: {exc}")
+            return self._unstorable(message_id, str(exc))
+
+    def _unstorable(self, message_id: str, why: str) -> bytes:
+        """The failure a consumer keeps for a handler's value that cannot be kept (see
+        ``_handled_body``): the payload rules refuse it, or it is longer than the result
+        store keeps."""
+        log.warning(
+            "queue %r: the handler's return value for %r is not storable: %s",
+            self.name,
+            message_id,
+            why,
+        )
+        return encode_failure(f"result not storable: {why}")
 
     async def _ok_handled(self, message: Message, value: Any) -> bool:
         """A consumer's ok of a handled message on a queue with a ``result_ttl``: its
         handler's value kept first."""
         return await self._ok_keeping(
-            message, lambda kept: self._handled_body(message.id, kept), value
+            message, lambda kept: self._handled_body(message.id, kept), value, self._unstorable
         )
 
     async def _ok_many_handled(self, messages: list[Message], values: list[Any]) -> list[bool]:
@@ -1415,7 +1427,7 @@ class Queue:
             (m.id, self._handled_body(m.id, value))
             for m, value in zip(messages, values, strict=True)
         ]
-        await self._result_writes.put(bodies)
+        await self._result_writes.put(bodies, self._unstorable)
         return await self.ok_many(messages)
 
     async def _keep_popped(self, messages: list[Message], value: Any, failure: str | None) -> None:
@@ -1427,7 +1439,7 @@ class Queue:
             kept = [(m.id, body) for m in messages]
         else:
             kept = [(m.id, self._handled_body(m.id, value)) for m in messages]
-        await self._result_writes.put(kept)
+        await self._result_writes.put(kept, self._unstorable)
 
     async def _keep_failure(self, message_id: str, error: str) -> None:
         """A failure result for a message that will never finish (deadlettered, removed),

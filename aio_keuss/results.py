@@ -42,6 +42,11 @@ class ResultStore(ABC):
     without bound while results keep being put.
     """
 
+    max_body_bytes: int | None = None
+    """Longest body a put takes (None: no bound short of the database's own). The queue
+    layer refuses a longer one before it is put, where it would fail the whole put it
+    shares with the results of other messages."""
+
     async def open(self) -> None:
         """Make what the store needs (a table, an index); called once before first use."""
 

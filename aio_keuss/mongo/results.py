@@ -115,6 +115,8 @@ def _check_sizes(results: Sequence[tuple[str, bytes]]) -> None:
 class MongoResults(ResultStore):
     """The results of one MongoDB backend's queues (see the module's docstring)."""
 
+    max_body_bytes = MAX_BODY_BYTES
+
     def __init__(self, backend: MongoConnection, indexed: Once) -> None:
         self._coll: Collection = backend.collection("results")
         self._indexed = indexed
