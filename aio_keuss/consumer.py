@@ -360,6 +360,12 @@ class Source(Protocol):
         """Seconds a reservation lasts."""
         ...
 
+    @property
+    def keeps_results(self) -> bool:
+        """Whether handlers' values and final failures are kept (a ``result_ttl``): fixed
+        when the queue opens. Without, the consumer passes none, at no cost per message."""
+        ...
+
     async def next(
         self, outage: Outage, n: int, gather: bool = False, kept: dict[str, Stored] | None = None
     ) -> list[Message]:
@@ -594,6 +600,7 @@ class Consumer(StoppedOnExit):
         self._retry_delay = retry_delay
         self._max_retry_delay = max_retry_delay
         self._reserve = queue.capabilities.reserve
+        self._keeps = queue.keeps_results and settle is None  # (a station keeps none)
         self._stopping = False
         self._stop_asked = asyncio.Event()  # ends a backoff the worker waits itself
         self._stopper: asyncio.Task[None] | None = None  # a stop a handler asked for
@@ -996,7 +1003,7 @@ class Consumer(StoppedOnExit):
             self.queue.handler_failed(message, failure)
             if self._reserve:
                 await self._ko(message, failure)
-            else:
+            elif self._keeps:
                 await self._keep_popped([message], failure=self._failure_text(failure))
             return
         if self._cancels is not None:
@@ -1008,8 +1015,9 @@ class Consumer(StoppedOnExit):
         elif self._reserve and self._prefetch:
             await self._ok_later(message, result)
         elif self._reserve:
-            await self._acknowledge("ok", message, self.queue.ok(message, result))
-        else:
+            ok = self.queue.ok(message, result) if self._keeps else self.queue.ok(message)
+            await self._acknowledge("ok", message, ok)
+        elif self._keeps:
             await self._keep_popped([message], result)
 
     async def _keep_popped(
@@ -1030,7 +1038,8 @@ class Consumer(StoppedOnExit):
                 self._ok_room = asyncio.Event()
             await self._ok_room.wait()
         self._oks.append(message)
-        self._ok_values.append(value)
+        if self._keeps:
+            self._ok_values.append(value)
         self._oks_unanswered += 1
         if self._ok_senders < OK_SENDERS:
             self._ok_senders += 1
@@ -1042,7 +1051,9 @@ class Consumer(StoppedOnExit):
         try:
             while self._oks:
                 batch, self._oks = self._oks, []
-                values, self._ok_values = self._ok_values, []
+                values = None
+                if self._keeps:
+                    values, self._ok_values = self._ok_values, []
                 try:
                     # closed under them (by a handler of this consumer): they come back when
                     # their reservations expire; a ClosedError here was never retrieved
@@ -1071,9 +1082,9 @@ class Consumer(StoppedOnExit):
 
     def _failure_text(self, failure: Exception) -> str | None:
         """What a failure result keeps of a handler's last exception (``"ExcType:
-        message"``, bounded); None for a pipeline station, whose queue keeps no results
-        of its own."""
-        return None if self._settle is not None else exception_text(failure)
+        message"``, bounded); None where none is kept (a pipeline station's queue keeps no
+        results of its own)."""
+        return exception_text(failure) if self._keeps else None
 
     async def _ko(self, message: Message, failure: Exception) -> None:
         """ko after a failure, with capped exponential backoff by the message's tries. A
@@ -1146,7 +1157,7 @@ class Consumer(StoppedOnExit):
             self.queue.handler_failed(messages[0], failure)
             if self._reserve:
                 await asyncio.gather(*(self._ko(m, failure) for m in messages))
-            else:
+            elif self._keeps:
                 await self._keep_popped(messages, failure=self._failure_text(failure))
             return
         if self._cancels is not None:
@@ -1155,9 +1166,9 @@ class Consumer(StoppedOnExit):
         self.handled += len(messages)
         if self._reserve:
             # the one return value is each message's result
-            values = [result] * len(messages)
+            values = [result] * len(messages) if self._keeps else None
             await self._acknowledge_all("ok", messages, self.queue.ok_many(messages, values))
-        else:
+        elif self._keeps:
             await self._keep_popped(messages, result)
 
     async def _held_back(self, messages: list[Message], exc: RateLimited, started: float) -> bool:

@@ -2424,6 +2424,10 @@ class _ConsumerLink:
     def reserve_delay(self) -> float:
         return self._queue.options.reserve_delay
 
+    @property
+    def keeps_results(self) -> bool:
+        return self._queue._result_writes is not None
+
     async def next(
         self, outage: Outage, n: int, gather: bool = False, kept: dict[str, Stored] | None = None
     ) -> list[Message]:
