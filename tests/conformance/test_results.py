@@ -227,6 +227,31 @@ async def test_a_value_too_large_to_keep_still_oks_the_message(
     assert found is not None and found.value == "fine"
 
 
+async def test_a_popped_message_whose_handler_is_cut_short_keeps_a_failure(
+    connect: Connect,
+) -> None:
+    """A consumer stopped past its grace cancels its handlers; a reserved message goes
+    back, but a popped one is gone for good: its failure is kept, as a deadlettered
+    message's is, so that its waiters do not wait for ever."""
+    factory = await _results_factory(connect)
+    q = await factory.queue("q1", result_ttl=TTL)
+    if q.capabilities.reserve:
+        pytest.skip("a reserved message goes back: it may still finish")
+    started = asyncio.Event()
+
+    async def handler(message: Message) -> None:
+        started.set()
+        await asyncio.sleep(3600)
+
+    consumer = q.consume(handler)
+    message_id = await q.push(1)
+    await asyncio.wait_for(started.wait(), GUARD)
+    await consumer.stop(grace=0.05)
+    found = await q.result(message_id, timeout=GUARD)
+    assert found is not None and found.ok is False
+    assert found.error is not None and "cancelled" in found.error
+
+
 async def test_ok_with_a_result_and_ok_many_with_results(connect: Connect) -> None:
     factory = await _results_factory(connect)
     q = await factory.queue("q1", result_ttl=TTL)
