@@ -74,6 +74,9 @@ from .types import Capabilities, KoResult
 
 log = logging.getLogger("aio_keuss.consumer")
 
+CUT_SHORT = "cancelled: its consumer stopped before the handler finished"
+"""The failure kept for a popped message whose handler a stop cancelled (it is gone)."""
+
 Handler = Callable[[Message], Awaitable[Any] | Any]
 BatchHandler = Callable[[list[Message]], Awaitable[Any] | Any]
 """What ``consume(batch=N)`` calls: with a list of up to N messages."""
@@ -992,6 +995,8 @@ class Consumer(StoppedOnExit):
                 await asyncio.shield(
                     self._acknowledge("release", message, self.queue.release([message]))
                 )
+            elif self._keeps:  # popped: gone for good, so its waiters are told
+                await asyncio.shield(self._keep_popped([message], failure=CUT_SHORT))
             raise
         except Exception as exc:
             if await self._stopped_on_request(task, [message], started):
@@ -1146,6 +1151,8 @@ class Consumer(StoppedOnExit):
                 await asyncio.shield(
                     self._acknowledge_all("release", messages, self.queue.release(messages))
                 )
+            elif self._keeps:
+                await asyncio.shield(self._keep_popped(messages, failure=CUT_SHORT))
             raise
         except Exception as exc:
             if await self._stopped_on_request(task, messages, started):

@@ -247,6 +247,7 @@ async def test_a_popped_message_whose_handler_is_cut_short_keeps_a_failure(
     message_id = await q.push(1)
     await asyncio.wait_for(started.wait(), GUARD)
     await consumer.stop(grace=0.05)
+    assert (await q.sizes()).total == 0  # gone, not put back
     found = await q.result(message_id, timeout=GUARD)
     assert found is not None and found.ok is False
     assert found.error is not None and "cancelled" in found.error
