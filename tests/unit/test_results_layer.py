@@ -242,6 +242,51 @@ async def test_many_waiters_of_one_queue_share_their_gets() -> None:
     await factory.close()
 
 
+class _GetFailingOnce(MemoryResults):
+    """A store whose first get fails, as one does while its server is away."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.failed = False
+
+    async def get(self, queue: str, ids: Sequence[str]) -> list[bytes | None]:
+        if not self.failed:
+            self.failed = True
+            raise aio_keuss.BackendError("server away")
+        return await super().get(queue, ids)
+
+
+class _GetFailingOnceBackend(MemoryBackend):
+    def result_store(self) -> ResultStore:
+        return _GetFailingOnce()
+
+
+async def test_a_failed_look_fails_its_waits_and_not_the_later_ones() -> None:
+    factory = _factory(_GetFailingOnceBackend({}))
+    q = await factory.queue("q1", result_ttl=60, poll_interval=60)
+    with pytest.raises(aio_keuss.BackendError, match="away"):
+        await asyncio.wait_for(q.result("x", timeout=None), GUARD)
+    async with q.consume(lambda m: m.payload * 2):  # the shared task still serves waits
+        assert await asyncio.wait_for(q.push_and_wait(4), GUARD) == 8
+    await factory.close()
+
+
+async def test_a_cancelled_wait_leaves_the_others_sharing_its_round_trips() -> None:
+    factory = _factory(MemoryBackend({}))
+    q = await factory.queue("q1", result_ttl=60, poll_interval=60)
+    message_id = await q.push(1)
+    waits = [asyncio.ensure_future(q.result(message_id, timeout=None)) for _ in range(4)]
+    await asyncio.sleep(0.01)
+    waits[0].cancel()
+    waits[2].cancel()
+    (held,) = await q.reserve_many(1, timeout=GUARD)
+    await q.ok(held, result="v")
+    for wait in (waits[1], waits[3]):
+        found = await asyncio.wait_for(wait, GUARD)
+        assert found is not None and found.value == "v"
+    await factory.close()
+
+
 class _Deaf(LocalSignalBus):
     """Loses every result signal."""
 
