@@ -348,6 +348,20 @@ async def test_a_removed_message_fails_its_waiters(connect: Connect) -> None:
 # waiting ----------------------------------------------------------------------------------
 
 
+async def test_a_short_wait_still_finds_a_result_already_kept(connect: Connect) -> None:
+    """A wait looks at least once, however short its timeout (shorter than a round trip):
+    else it read None for a result that a look (``timeout=0``) finds."""
+    factory = await _results_factory(connect)
+    q = await factory.queue("q1", result_ttl=TTL)
+    needs(q, "reserve")
+    message_id = await q.push(1)
+    (held,) = await _reserve_all(q, 1)
+    await q.ok(held, result="kept")
+    assert await q.result(message_id, timeout=1e-6) is not None
+    found = await q.result(message_id, timeout=1e-6)  # a wait of its own, the task idle
+    assert found is not None and found.value == "kept"
+
+
 async def test_a_timeout_leaves_the_message_queued(connect: Connect) -> None:
     factory = await _results_factory(connect)
     q = await factory.queue("q1", result_ttl=TTL)
