@@ -209,6 +209,8 @@ class ResultWaits:
         self._waiting: dict[str, list[asyncio.Future[bytes]]] = {}
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
+        self._begun = 0  # looks the task began, and of those, the ones that ended
+        self._ended = 0
         self._closed = False
         self._unsubscribe = signal.subscribe_results(queue, self._on_signal)
 
@@ -230,11 +232,19 @@ class ResultWaits:
         waiter: asyncio.Future[bytes] = asyncio.get_running_loop().create_future()
         self._waiting.setdefault(message_id, []).append(waiter)
         self._wake.set()  # the task looks again, this id with the others
+        first = self._begun + 1  # the first look of the task that includes this id
         if self._task is None:
             self._task = asyncio.get_running_loop().create_task(self._run())
         try:
             done, _ = await asyncio.wait((waiter,), timeout=timeout)
-            return waiter.result() if done else None
+            if done:
+                return waiter.result()
+            if self._ended < first:
+                # A timeout shorter than a round trip: none looked for it yet, and a
+                # result already kept would read None, where a look finds it.
+                (body,) = await self.look([message_id])
+                return body
+            return None
         finally:
             self._drop(message_id, waiter)
 
@@ -258,11 +268,14 @@ class ResultWaits:
             while self._waiting:
                 self._wake.clear()  # what is announced from now on is looked at again
                 ids = list(self._waiting)
+                self._begun += 1
                 try:
                     bodies = await self.look(ids)
                 except Exception as exc:
                     self._fail(ids, exc)
                     continue
+                finally:
+                    self._ended = self._begun
                 for message_id, body in zip(ids, bodies, strict=True):
                     if body is not None:
                         for waiter in self._waiting.pop(message_id, ()):
