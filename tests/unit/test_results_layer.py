@@ -9,6 +9,7 @@ import asyncio
 import io
 import json
 import logging
+import pickle
 from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
@@ -434,3 +435,15 @@ async def test_a_store_that_cannot_open_fails_the_queue_open_and_is_tried_again(
     q = await factory.queue("q1", result_ttl=60)  # the next open tries again
     assert await q.result("x") is None
     await factory.close()
+
+
+@pytest.mark.parametrize(
+    "error",
+    [aio_keuss.JobFailedError("m1", "ValueError: no"), aio_keuss.ResultTimeoutError("m2", 3.0)],
+)
+def test_result_errors_survive_pickling(error: Exception) -> None:
+    """They cross process boundaries (a process pool's task that waited for a result);
+    an exception unpickles by calling its class with its ``args``."""
+    copy = pickle.loads(pickle.dumps(error))
+    assert type(copy) is type(error) and str(copy) == str(error)
+    assert vars(copy) == vars(error)
