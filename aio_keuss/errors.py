@@ -113,6 +113,10 @@ class JobFailedError(KeussError):
         self.id = message_id
         self.error = error
 
+    def __reduce__(self) -> tuple[type[JobFailedError], tuple[str, str | None]]:
+        """Unpickled by calling the class with these (its ``args`` are the text only)."""
+        return type(self), (self.id, self.error)
+
 
 class ResultTimeoutError(KeussError, TimeoutError):
     """``push_and_wait`` (or ``result`` with a timeout) saw no result within its timeout;
@@ -121,6 +125,11 @@ class ResultTimeoutError(KeussError, TimeoutError):
     def __init__(self, message_id: str, timeout: float) -> None:
         super().__init__(f"no result for message {message_id!r} within {timeout} s")
         self.id = message_id
+        self.timeout = timeout
+
+    def __reduce__(self) -> tuple[type[ResultTimeoutError], tuple[str, float]]:
+        """Unpickled by calling the class with these (its ``args`` are the text only)."""
+        return type(self), (self.id, self.timeout)
 
 
 class ClosedError(KeussError):
