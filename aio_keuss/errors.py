@@ -31,6 +31,11 @@ class MissingDependencyError(ConfigError, ImportError):
         who = needed_by or f"the {extra!r} backend"
         super().__init__(f"{who} needs the {module!r} package: pip install 'aio-keuss[{extra}]'")
         self.extra = extra
+        self._made_with = (extra, module, needed_by)
+
+    def __reduce__(self) -> tuple[type[MissingDependencyError], tuple[str, str, str | None]]:
+        """Unpickled by calling the class with these (its ``args`` are the text only)."""
+        return type(self), self._made_with
 
 
 class InvalidInputError(KeussError, ValueError):
@@ -102,6 +107,10 @@ class RateLimited(KeussError):
     def __init__(self, seconds: float, message: str | None = None) -> None:
         super().__init__(message or f"rate limited for {seconds} s")
         self.seconds = seconds
+
+    def __reduce__(self) -> tuple[type[RateLimited], tuple[float, str]]:
+        """Unpickled by calling the class with these (its ``args`` are the text only)."""
+        return type(self), (self.seconds, str(self))
 
 
 class JobFailedError(KeussError):
