@@ -1,0 +1,85 @@
+"""A promote whose caller is cancelled after the database did it, before its reply came
+back: consumers of other processes must still be woken, as for a push (its signal), or
+they sleep until their poll interval while the message is ready.
+
+MongoDB's calls are interruptible (PyMongo gives up the wait on a cancellation), so the
+write stands while its caller never learns it. The reply is held back
+by a TCP proxy (``ReplyGate``) so that the cancellation lands exactly there. Time bounds
+are hang guards only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+from urllib.parse import urlsplit, urlunsplit
+
+import pytest
+from backends import _drop_mongo_database, new_token
+from mongo_server import MONGO_URL, start_mongo
+from reply_gate import ReplyGate
+
+import aio_keuss
+
+pytestmark = pytest.mark.timeout(120)
+
+HANG_GUARD = 60.0
+LATER = 3600.0
+"""A delay no test outlives (longer than the consumer's poll interval too)."""
+
+
+def _through(url: str, gate: ReplyGate) -> str:
+    parts = urlsplit(url)
+    credentials = parts.netloc.rsplit("@", 1)[0] + "@" if "@" in parts.netloc else ""
+    return urlunsplit(parts._replace(netloc=f"{credentials}127.0.0.1:{gate.port}"))
+
+
+def _mongo() -> tuple[str, dict[str, Any], Callable[[ReplyGate], dict[str, Any]]]:
+    reason = start_mongo()
+    if reason:
+        pytest.skip(reason)
+    options = {"url": MONGO_URL, "database": f"akt_{new_token()}"}
+
+    def gated(gate: ReplyGate) -> dict[str, Any]:
+        return {**options, "url": _through(MONGO_URL, gate) + "/?directConnection=true"}
+
+    return "mongo", options, gated
+
+
+@pytest.fixture
+async def backend() -> AsyncIterator[tuple[str, dict[str, Any], dict[str, Any], ReplyGate]]:
+    name, direct, gated = _mongo()
+    host, port = urlsplit(direct["url"]).hostname, urlsplit(direct["url"]).port
+    gate = ReplyGate(host or "127.0.0.1", port or 27017)
+    try:
+        yield name, direct, gated(gate), gate
+    finally:
+        gate.open()
+        await _drop_mongo_database(direct)
+
+
+async def test_a_promote_cancelled_once_done_still_wakes_other_processes(
+    backend: tuple[str, dict[str, Any], dict[str, Any], ReplyGate],
+) -> None:
+    name, direct, gated, gate = backend
+    async with (
+        aio_keuss.connect(name, **direct, poll_interval=300.0) as consuming,
+        aio_keuss.connect(name, **gated, poll_interval=300.0) as promoting,
+    ):
+        consumer, promoter = await consuming.queue("jobs"), await promoting.queue("jobs")
+        message_id = await promoter.push("x", delay=LATER)
+        waiter = asyncio.create_task(consumer.pop(timeout=None))  # woken by a signal only
+        await asyncio.sleep(0.3)  # it took nothing and sleeps (an order, not a bound)
+        gate.shut()
+        promote = asyncio.create_task(promoter.promote(message_id))
+        for _ in range(6000):  # the server did it; its reply is held
+            if (await consumer.sizes()).size:
+                break
+            await asyncio.sleep(0.01)
+        promote.cancel()
+        gate.open()
+        with pytest.raises(asyncio.CancelledError):
+            await promote
+        got = await asyncio.wait_for(waiter, HANG_GUARD)
+        assert got is not None and got.id == message_id
