@@ -35,7 +35,7 @@ from .cancels import (
     encode_request,
     request_ttl,
 )
-from .coalesce import Coalescer, RunToEnd, replied
+from .coalesce import Coalescer, RunToEnd, replied, to_the_end
 from .consumer import (
     BatchHandler,
     Consumer,
@@ -1804,12 +1804,23 @@ class Queue:
         if priority is not None:
             self._require("priority")
         amend = Amend(message_id, delay, priority, scheduled_only)
-        work = RunToEnd(self._store.amend([amend]))
+        work = RunToEnd(self._amend_to_the_end([amend]))
         (changed,) = await work
         if changed and delay is not None:
             self._signal.insert(self.name, time.time() + delay, 1)
         work.raise_held()
         return changed
+
+    async def _amend_to_the_end(self, amends: list[Amend]) -> list[bool]:
+        """The store's amend, not cut short by its caller's cancellation: on a store whose
+        round trips a cancellation interrupts (asyncpg, PyMongo give up the wait), the write
+        stands once sent while its caller never learns it, and its signal was never sent:
+        consumers of other processes slept to their poll interval by a message made ready.
+        Run to its end, its answer comes back and ``RunToEnd`` holds the cancellation until
+        the signal is out (a store whose replies refuse cancellation needs no task)."""
+        if self._store.uninterruptible:
+            return await self._store.amend(amends)
+        return await to_the_end(self._store.amend(amends))
 
     # results ----------------------------------------------------------------------------
 
