@@ -1,5 +1,6 @@
-"""``aio-keuss list | info | peek | find | push | pop | move | requeue | purge | pause |
-resume | history | replay | stats | pipelines | remove-pipeline``: look into queues and
+"""``aio-keuss list | info | peek | find | push | pop | move | requeue | purge | promote |
+reschedule | priority | pause | resume | history | replay | stats | pipelines |
+remove-pipeline``: look into queues and
 repair them from a shell, on the same console script as the worker.
 
 Every command takes the worker's connection settings (``--backend``, ``--url``,
