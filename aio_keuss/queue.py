@@ -156,6 +156,7 @@ Held = tuple[int, str | None]
 
 
 Item = TypeVar("Item")
+Done = TypeVar("Done")
 
 
 class Queue:
@@ -1691,7 +1692,15 @@ class Queue:
         return await self._remove(message_id, "removed")
 
     async def _remove(self, message_id: str, failure: str) -> bool:
-        """``remove``, keeping ``failure`` as the result of what it removed."""
+        """``remove``, keeping ``failure`` as the result of what it removed. Both run to
+        their end (see :meth:`_uncut`): a remove cancelled once the store did it still tells
+        the message's waiters it will never finish, else they would wait for ever."""
+        work = RunToEnd(self._uncut(self._removed(message_id, failure)))
+        removed = await work
+        work.raise_held()
+        return removed
+
+    async def _removed(self, message_id: str, failure: str) -> bool:
         (removed,) = await self._store.remove([message_id])
         if removed:  # its waiters are told it will never finish
             await self._keep_failure(message_id, failure)
@@ -1804,23 +1813,25 @@ class Queue:
         if priority is not None:
             self._require("priority")
         amend = Amend(message_id, delay, priority, scheduled_only)
-        work = RunToEnd(self._amend_to_the_end([amend]))
+        work = RunToEnd(self._uncut(self._store.amend([amend])))
         (changed,) = await work
         if changed and delay is not None:
             self._signal.insert(self.name, time.time() + delay, 1)
         work.raise_held()
         return changed
 
-    async def _amend_to_the_end(self, amends: list[Amend]) -> list[bool]:
-        """The store's amend, not cut short by its caller's cancellation: on a store whose
-        round trips a cancellation interrupts (asyncpg, PyMongo give up the wait), the write
-        stands once sent while its caller never learns it, and its signal was never sent:
-        consumers of other processes slept to their poll interval by a message made ready.
-        Run to its end, its answer comes back and ``RunToEnd`` holds the cancellation until
-        the signal is out (a store whose replies refuse cancellation needs no task)."""
+    async def _uncut(self, work: Coroutine[Any, Any, Done]) -> Done:
+        """``work`` not cut short by its caller's cancellation, for writes whose aftermath
+        must follow them (an amend's signal, a remove's failure result): on a store whose
+        round trips a cancellation interrupts (asyncpg, PyMongo give up the wait), the
+        write stands once sent while its caller never learns it, and consumers of other
+        processes slept to their poll interval by a message made ready, waiters of a
+        removed one for ever. Run as a task to its end, its answer comes back and
+        ``RunToEnd`` holds the cancellation until the aftermath is done (a store whose
+        replies refuse cancellation needs no task)."""
         if self._store.uninterruptible:
-            return await self._store.amend(amends)
-        return await to_the_end(self._store.amend(amends))
+            return await work
+        return await to_the_end(work)
 
     # results ----------------------------------------------------------------------------
 

@@ -83,3 +83,34 @@ async def test_a_promote_cancelled_once_done_still_wakes_other_processes(
             await promote
         got = await asyncio.wait_for(waiter, HANG_GUARD)
         assert got is not None and got.id == message_id
+
+
+async def test_a_remove_cancelled_once_done_still_keeps_its_failure(
+    backend: tuple[str, dict[str, Any], dict[str, Any], ReplyGate],
+) -> None:
+    """The same for a remove on a queue keeping results: its waiters are told the message
+    will never finish (its failure result), else they wait for ever."""
+    name, direct, gated, gate = backend
+    async with (
+        aio_keuss.connect(name, **direct, poll_interval=300.0) as reading,
+        aio_keuss.connect(name, **gated, poll_interval=300.0) as removing,
+    ):
+        reader = await reading.queue("jobs", result_ttl=600)
+        remover = await removing.queue("jobs", result_ttl=600)
+        message_id = await remover.push("x", delay=LATER)
+        waiter = asyncio.create_task(reader.result(message_id, timeout=None))
+        # connections opened now, so that the remove finds one in the pool: one opened
+        # while the gate is shut never gets its handshake's reply
+        await asyncio.gather(*(remover.sizes() for _ in range(4)))
+        gate.shut()
+        remove = asyncio.create_task(remover.remove(message_id))
+        for _ in range(6000):  # the server did it; its reply is held
+            if not (await reader.sizes()).total:
+                break
+            await asyncio.sleep(0.01)
+        remove.cancel()
+        gate.open()
+        with pytest.raises(asyncio.CancelledError):
+            await remove
+        got = await asyncio.wait_for(waiter, HANG_GUARD)
+        assert got is not None and not got.ok and got.error == "removed"
