@@ -382,3 +382,28 @@ async def test_a_queue_without_result_ttl_never_looks_requests_up(connect: Conne
         assert await q.cancel(message_id) is CancelResult.REQUESTED
         await _gone(q)
     assert looked == []
+
+
+async def test_a_request_once_honoured_does_not_cancel_a_later_push_of_its_id(
+    connect: Connect,
+) -> None:
+    """An explicit id pushed again once its dedup window is over is a new message: the
+    request that stopped the first one was used up, and neither the consumer that heard
+    it nor a look at the requests stops the new one."""
+    factory = await _held_factory(connect)
+    needs(factory, "idempotent")
+    q = await factory.queue("q1", result_ttl=TTL, reserve_delay=1.0, dedup_window=0.2)
+    handler = Blocked()
+    async with q.consume(handler) as consumer:
+        await q.push("first", id="order-1")
+        await asyncio.wait_for(handler.began("order-1").wait(), GUARD)
+        assert await q.cancel("order-1") is CancelResult.REQUESTED
+        await _gone(q)
+        assert (await _kept(q, "order-1")).error == "cancelled"
+        await asyncio.sleep(0.5)  # past the dedup window: the same id is a new message
+        handler.started.clear()
+        await q.push("second", id="order-1")
+        await asyncio.wait_for(handler.began("order-1").wait(), GUARD)
+        await asyncio.sleep(1.0)  # four looks at the requests while it runs
+        assert handler.cancelled == ["order-1"]
+        assert consumer.status().cancelled == 1
