@@ -22,7 +22,7 @@ import asyncio
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable, Collection, Sequence
+from collections.abc import Awaitable, Callable, Collection, Iterable, Sequence
 from typing import Any
 
 import orjson
@@ -63,6 +63,12 @@ def cancelled_text(reason: str | None) -> str:
 def encode_request(reason: str | None) -> bytes:
     """A request's body: its reason as JSON (``null`` for none), never empty."""
     return orjson.dumps(reason)
+
+
+USED = b"false"
+"""What a request is overwritten with once its message was stopped: used up, so that an
+explicit id pushed again later (past its ``dedup_window``) is a new message no look at the
+requests stops. (A request's body is a reason or ``null``, never ``false``.)"""
 
 
 def decode_request(body: bytes) -> str | None:
@@ -147,6 +153,11 @@ class CancelWatch:
             return True
         del self._heard[message_id]
         return False
+
+    def forget(self, ids: Iterable[str]) -> None:
+        """Ids whose request is used up (their message stopped) or gone."""
+        for message_id in ids:
+            self._heard.pop(message_id, None)
 
     # the handlers' tasks ----------------------------------------------------------------
 

@@ -835,9 +835,12 @@ class Consumer(StoppedOnExit):
             if not message:  # only on drain or close, as there is no timeout
                 return
             if self._cancels is not None:
-                message = self._unless_cancelled(message, task)
-                if not message:
-                    continue
+                if self._cancels.heard_any:  # rarely: most of the time no request is heard
+                    message = await self._unless_cancelled(message)
+                    if not message:
+                        continue
+                self._ran_in(message, task)
+                self._cancels.wake()
             self._in_flight += 1
             busy = self.busy
             first = message[0] if isinstance(message, list) else message
@@ -1272,29 +1275,39 @@ class Consumer(StoppedOnExit):
                 self._kept.pop(m.id, None)
             self._tracked(self._settle_cancelled(unstarted))
 
-    def _unless_cancelled(
-        self, message: Message | list[Message], task: asyncio.Task[Any]
+    async def _unless_cancelled(
+        self, message: Message | list[Message]
     ) -> Message | list[Message] | None:
-        """What is left to run of what a worker took, once the messages a request heard
-        of already named are ok-ed unstarted; what runs is noted as run by ``task``."""
+        """What is left to run of what a worker took, once the messages a request heard of
+        named are ok-ed unstarted. Heard of is a hint: the requests are looked up first, as
+        one may have been used up since (its message stopped by another holder, then its
+        id pushed again past its ``dedup_window``: a new message); an outage trusts it."""
         watch = self._cancels
         assert watch is not None
         batch = message if isinstance(message, list) else [message]
-        asked = [m for m in batch if watch.asked(m.id)] if watch.heard_any else None
-        if asked:
-            self._tracked(self._settle_cancelled(asked))
-            batch = [m for m in batch if not watch.asked(m.id)]
-            if not batch:
-                return None
-            message = batch if isinstance(message, list) else batch[0]
-        self._ran_in(message, task)
-        watch.wake()
-        return message
+        asked = [m.id for m in batch if watch.asked(m.id)]
+        if not asked:
+            return message
+        try:
+            standing = set(await self.queue.cancel_requests(asked))
+        except Exception as exc:
+            log.debug("queue %r: cancel requests not looked up: %r", self.queue.name, exc)
+            standing = set(asked)
+        watch.forget(i for i in asked if i not in standing)
+        if not standing:
+            return message
+        self._tracked(self._settle_cancelled([m for m in batch if m.id in standing]))
+        batch = [m for m in batch if m.id not in standing]
+        if not batch:
+            return None
+        return batch if isinstance(message, list) else batch[0]
 
     async def _settle_cancelled(self, messages: list[Message]) -> None:
         """ok messages stopped on request, keeping their failure results (not a pipeline
         station's: its queue's results are not its own to keep)."""
         self.cancelled += len(messages)
+        if self._cancels is not None:  # done with: a later push of the id is a new message
+            self._cancels.forget(m.id for m in messages)
         with contextlib.suppress(ClosedError):
             cancelled = self.queue.cancelled(messages, self._settle is None)
             await self._acknowledge_all("ok", messages, cancelled)

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from . import observe, visibility
 from .cancels import (
+    USED,
     cancelled_text,
     check_reason,
     decode_request,
@@ -1750,7 +1751,7 @@ class Queue:
         for start in range(0, len(ids), size):
             chunk = ids[start : start + size]
             for message_id, body in zip(chunk, await store.get(space, chunk), strict=True):
-                if body is not None:
+                if body is not None and body != USED:
                     found[message_id] = decode_request(body)
         return found
 
@@ -1767,8 +1768,23 @@ class Queue:
                 reasons = {}
             kept = [(m.id, encode_failure(cancelled_text(reasons.get(m.id)))) for m in messages]
             await writes.put(kept)
+        done = [m.id for m in messages]
         if self.capabilities.reserve:
-            await self.ok_many(messages)
+            flags = await self.ok_many(messages)
+            done = [m.id for m, ok in zip(messages, flags, strict=True) if ok]
+        await self._use_up_requests(done)
+
+    async def _use_up_requests(self, ids: list[str]) -> None:
+        """The requests that stopped ``ids`` (done for good now) are used up: a later push
+        of one of these ids (past its ``dedup_window``) is a new message, which no consumer
+        finding a request, or remembering one it heard of, must stop. Where the ok was
+        refused (another holder took the message after a lapse), the request stands, for
+        that holder to honour."""
+        if self._result_store is None or not ids:
+            return
+        store = await self._result_store()
+        ttl = request_ttl(self.options.reserve_delay)
+        await store.put(cancel_space(self.name), [(i, USED) for i in ids], ttl)
 
     # changing waiting messages (promote, reschedule, change_priority) ------------------
 
