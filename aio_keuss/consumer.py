@@ -629,7 +629,10 @@ class Consumer(StoppedOnExit):
         """Messages given back because their handler raised ``RateLimited``."""
         self.cancelled = 0
         """Messages stopped, or never started, because they were cancelled."""
-        self._handler_tasks: dict[str, asyncio.Task[Any]] = {}
+        self._running: dict[asyncio.Task[Any], Message | list[Message]] = {}
+        """What each worker task runs (or ran last: it is one to cancel only while in
+        ``_handling``). One entry per worker, replaced for each message: no allocation per
+        message where nobody cancels."""
         """The task running the handler of each message of ``busy``."""
         self.durations = Histogram()
         """Seconds each handler ran, whatever its outcome."""
@@ -839,7 +842,7 @@ class Consumer(StoppedOnExit):
                     message = await self._unless_cancelled(message)
                     if not message:
                         continue
-                self._ran_in(message, task)
+                self._running[task] = message
                 self._cancels.wake()
             self._in_flight += 1
             busy = self.busy
@@ -871,8 +874,6 @@ class Consumer(StoppedOnExit):
                     for m in message:
                         if busy.get(m.id) is m:
                             del busy[m.id]
-                if self._cancels is not None:
-                    self._ran_in(message, None)
 
     async def _next(self) -> Message | list[Message] | None:
         """A message to handle: from the prefetch buffer, else from the queue (with
@@ -1244,16 +1245,6 @@ class Consumer(StoppedOnExit):
         """The ids of the messages this consumer holds: running, and prefetched."""
         return [*self.busy, *(m.id for m, _ in self._buffer)]
 
-    def _ran_in(self, message: Message | list[Message], task: asyncio.Task[Any] | None) -> None:
-        """Note (``task``) or forget (None) the task running the handler of ``message``,
-        which a cancel request cancels."""
-        tasks = self._handler_tasks
-        for m in message if isinstance(message, list) else (message,):
-            if task is not None:
-                tasks[m.id] = task
-            elif self.busy.get(m.id) is None:  # not a later delivery another worker runs
-                tasks.pop(m.id, None)
-
     def _on_cancel(self, ids: Sequence[str]) -> None:
         """Stop what this consumer holds of ``ids``: a running handler's task is cancelled
         (its worker then ok-s the message, see ``_stopped_on_request``); a prefetched message
@@ -1261,10 +1252,13 @@ class Consumer(StoppedOnExit):
         watch = self._cancels
         assert watch is not None
         named = set(ids)
-        for message_id in named & self.busy.keys():
-            task = self._handler_tasks.get(message_id)
-            if task is not None and task in self._handling:
-                watch.cancel(task, [message_id])
+        for task, running in self._running.items():
+            if task not in self._handling:
+                continue
+            batch = running if isinstance(running, list) else (running,)
+            stop = [m.id for m in batch if m.id in named]
+            if stop:
+                watch.cancel(task, stop)
         buffer = self._buffer
         if any(m.id in named for m, _ in buffer):
             unstarted = [m for m, _ in buffer if m.id in named]
