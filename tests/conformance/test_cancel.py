@@ -407,3 +407,62 @@ async def test_a_request_once_honoured_does_not_cancel_a_later_push_of_its_id(
         await asyncio.sleep(1.0)  # four looks at the requests while it runs
         assert handler.cancelled == ["order-1"]
         assert consumer.status().cancelled == 1
+
+
+async def test_the_rest_of_a_stopped_batch_costs_no_try(connect: Connect) -> None:
+    factory = await _held_factory(connect, max_wait_time=0.2)
+    q = await factory.queue("q1", result_ttl=TTL)
+    ids = await q.push_many([1, 2, 3])
+    tries: dict[str, list[int]] = {}
+    started = asyncio.Event()
+
+    async def handler(messages: list[Message]) -> None:
+        for m in messages:
+            tries.setdefault(m.id, []).append(m.tries)
+        if not started.is_set():
+            started.set()
+            await asyncio.Event().wait()
+
+    async with q.consume(handler, batch=3):
+        await asyncio.wait_for(started.wait(), GUARD)
+        named = next(iter(tries))
+        assert await q.cancel(named) is CancelResult.REQUESTED
+        await _gone(q)
+    others = [i for i in ids if i != named]
+    assert all(len(tries[i]) == 2 and tries[i][1] == tries[i][0] for i in others), tries
+    assert tries[named] == [tries[named][0]]
+
+
+async def test_a_request_heard_while_its_id_is_looked_up_stands(connect: Connect) -> None:
+    """A consumer that heard an id named (no request left: a stale hint) looks the request
+    up before skipping the message it took; a request left and signalled during that look
+    (which read before it was put) must still stop the message."""
+    from aio_keuss.cancels import encode_request, request_ttl
+    from aio_keuss.results import cancel_space
+
+    factory = await _held_factory(connect)
+    q = await factory.queue("q1")  # no result_ttl: no look while the handler runs
+    store = await factory._results.get()
+    look = q._cancel_requests
+
+    async def late(ids: list[str]) -> dict[str, str | None]:
+        found = await look(ids)  # read before the request is left
+        ttl = request_ttl(q.options.reserve_delay)
+        await store.put(cancel_space(q.name), [(i, encode_request(None)) for i in ids], ttl)
+        factory.signal.cancels(q.name, ids)
+        return found
+
+    q._cancel_requests = late  # type: ignore[method-assign]
+    handler = Blocked()
+    async with q.consume(handler) as consumer:
+        factory.signal.cancels(q.name, ["job-1"])  # heard of before it exists
+
+        async def counted() -> bool:
+            return consumer.status().cancelled == 1
+
+        await q.push(1, id="job-1" if q.capabilities.idempotent else None)
+        if not q.capabilities.idempotent:
+            pytest.skip("needs an explicit id")
+        await _until(counted)
+        await _gone(q)
+    assert handler.ran == []
