@@ -154,6 +154,15 @@ class CancelWatch:
         del self._heard[message_id]
         return False
 
+    def mark(self, message_id: str) -> float | None:
+        """When the request heard of for ``message_id`` is forgotten (None: none heard):
+        a later mark means it was heard of again."""
+        return self._heard.get(message_id)
+
+    def marks(self, ids: Sequence[str]) -> list[float | None]:
+        """:meth:`mark` of each of ``ids``."""
+        return [self._heard.get(i) for i in ids]
+
     def forget(self, ids: Iterable[str]) -> None:
         """Ids whose request is used up (their message stopped) or gone."""
         for message_id in ids:

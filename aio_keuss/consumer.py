@@ -1282,11 +1282,14 @@ class Consumer(StoppedOnExit):
         asked = [m.id for m in batch if watch.asked(m.id)]
         if not asked:
             return message
+        heard = watch.marks(asked)
         try:
             standing = set(await self.queue.cancel_requests(asked))
         except Exception as exc:
             log.debug("queue %r: cancel requests not looked up: %r", self.queue.name, exc)
             standing = set(asked)
+        # heard of again during the look (a request it may have missed): it stands
+        standing.update(i for i, mark in zip(asked, heard, strict=True) if watch.mark(i) != mark)
         watch.forget(i for i in asked if i not in standing)
         if not standing:
             return message
