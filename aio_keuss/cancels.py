@@ -13,7 +13,9 @@ every id it holds up, in one round trip, every quarter of ``reserve_delay`` whil
 handlers run (so a lost signal costs at most that); after the signal transport was away
 it looks once, whatever the queue. Ids it heard named but did not hold are remembered for
 as long as a request lives, so one it takes later (a fetch under way as the signal came)
-is not run.
+is not run (once the request is read back: it may have been used up meanwhile). A request
+that stopped its message is used up (overwritten with :data:`USED`), so that an explicit id
+pushed again past its ``dedup_window`` is a new message nothing stops.
 """
 
 from __future__ import annotations
