@@ -466,3 +466,22 @@ async def test_a_request_heard_while_its_id_is_looked_up_stands(connect: Connect
         await _until(counted)
         await _gone(q)
     assert handler.ran == []
+
+
+async def test_a_cancel_during_a_stops_grace_ends_the_message(connect: Connect) -> None:
+    """Stopping with a grace, a handler cancelled on request meanwhile: its message is
+    ok-ed (done for good, its result kept), not given back, and the stop ends."""
+    factory = await _held_factory(connect)
+    q = await factory.queue("q1", result_ttl=TTL)
+    handler = Blocked()
+    message_id = await q.push(1)
+    consumer = q.consume(handler)
+    await asyncio.wait_for(handler.began(message_id).wait(), GUARD)
+    stopping = asyncio.ensure_future(consumer.stop(grace=GUARD))
+    await asyncio.sleep(0.1)
+    assert await q.cancel(message_id, reason="grace") is CancelResult.REQUESTED
+    await asyncio.wait_for(stopping, GUARD)
+    assert (await _kept(q, message_id)).error == "cancelled: grace"
+    await _gone(q)
+    assert handler.cancelled == [message_id]
+    assert consumer.status().cancelled == 1
