@@ -30,6 +30,7 @@ from typing import Any
 import orjson
 
 from .errors import InvalidInputError
+from .message import Message
 from .signal import Signal
 
 log = logging.getLogger("aio_keuss.consumer")
@@ -155,6 +156,12 @@ class CancelWatch:
             return True
         del self._heard[message_id]
         return False
+
+    def names_any(self, message: Message | list[Message]) -> bool:
+        """Whether a request heard of names ``message`` (or one of a batch)."""
+        if isinstance(message, list):
+            return any(self.asked(m.id) for m in message)
+        return self.asked(message.id)
 
     def mark(self, message_id: str) -> float | None:
         """When the request heard of for ``message_id`` is forgotten (None: none heard):

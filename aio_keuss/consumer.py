@@ -838,7 +838,8 @@ class Consumer(StoppedOnExit):
             if not message:  # only on drain or close, as there is no timeout
                 return
             if self._cancels is not None:
-                if self._cancels.heard_any:  # rarely: most of the time no request is heard
+                # rarely: most of the time no request is heard, and heard ones name others
+                if self._cancels.heard_any and self._cancels.names_any(message):
                     message = await self._unless_cancelled(message)
                     if not message:
                         continue
