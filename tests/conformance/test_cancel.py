@@ -485,3 +485,32 @@ async def test_a_cancel_during_a_stops_grace_ends_the_message(connect: Connect) 
     await _gone(q)
     assert handler.cancelled == [message_id]
     assert consumer.status().cancelled == 1
+
+
+async def test_a_handler_past_its_timeout_is_still_stopped_on_request(connect: Connect) -> None:
+    """Its timeout cancelled it and it is still cleaning up when the request comes: the
+    request wins (the message is done for good, its result says cancelled), not a ko."""
+    factory = await _held_factory(connect)
+    q = await factory.queue("q1", result_ttl=TTL)
+    message_id = await q.push(1)
+    timed_out, stopped = asyncio.Event(), asyncio.Event()
+
+    async def handler(message: Message) -> None:
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            timed_out.set()
+            try:
+                await asyncio.Event().wait()  # a long cleanup
+            except asyncio.CancelledError:
+                stopped.set()
+                raise
+
+    async with q.consume(handler, timeout=0.2) as consumer:
+        await asyncio.wait_for(timed_out.wait(), GUARD)
+        assert await q.cancel(message_id, reason="late") is CancelResult.REQUESTED
+        await asyncio.wait_for(stopped.wait(), GUARD)
+        assert (await _kept(q, message_id)).error == "cancelled: late"
+        await _gone(q)
+        status = consumer.status()
+        assert (status.cancelled, status.failed) == (1, 0)
