@@ -110,7 +110,19 @@ class Coalescer(Generic[Req, Res]):
         """The result of ``request``, run with others' in a batch or alone (see the
         module's docstring). ``one``: the store's own (send, read) for this request (see
         ``Store.one_take``), used where the request runs alone in the caller's task."""
-        if one is not None and (reply := self.send_one(one[0])) is not None:
+        free = not self._running if self._crowded else self._running < self._concurrency
+        reply: asyncio.Future[Any] | None = None
+        if one is not None and self._inline and free and not self._pending:
+            # ``send_one``, inline: a pop's or a reserve's every call passes here
+            self._running += 1
+            try:
+                reply = one[0]()
+            except BaseException:
+                self._ran_inline()
+                raise
+            if reply is None:
+                self._running -= 1  # nothing was queued meanwhile: no batch to start
+        if reply is not None and one is not None:
             # The reply refuses cancellation: a cancellation lands once it is in, and what
             # it took is handed back as a batch's would be. Awaited here, with no coroutine
             # between the caller and the reply (what ``RunToEnd`` does for a batch, at a
@@ -131,7 +143,6 @@ class Coalescer(Generic[Req, Res]):
                 raise
             self._ran_inline()
             return one[1](raw)
-        free = not self._running if self._crowded else self._running < self._concurrency
         if self._inline and free and not self._pending:
             # In the caller's task, here rather than in a coroutine of its own: one frame
             # fewer on the hot path of every call that finds a free slot.

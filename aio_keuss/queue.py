@@ -562,7 +562,8 @@ class Queue:
         then costs two coroutine frames and the batch bookkeeping fewer (redis-oq, 3
         clients: 9 % of a pop's client instructions, counted with callgrind); with the
         store's own one-message call (``one``, see ``Store.one_take``), a quarter more."""
-        if self._closed or not getattr(self.capabilities, doing):
+        # A store's one-message take exists only where the queue has the capability
+        if self._closed or (one is None and not getattr(self.capabilities, doing)):
             self._check_open()
             self._require(doing)
         seconds = None if timeout is None else check_seconds(timeout, "timeout")
@@ -570,15 +571,27 @@ class Queue:
             stored = await self._wait_for(source, 1, seconds, None, doing)
         else:
             deadline = None if seconds is None else time.monotonic() + seconds
-            drains, announced = self._drains, self._wakeups.announced  # taken before trying
+            wakeups = self._wakeups
+            drains, announced = self._drains, wakeups.announced  # taken before trying
             stored, next_mature = await source.submit(1, one)
             if stored:
-                self._after_take(stored, 1, next_mature)
+                # ``_after_take`` for one message, inline (the hot path of every pop and
+                # reserve): more look ready unless the next falls due later; a wake-up only
+                # where someone sleeps.
+                if next_mature is None or next_mature <= time.time() + CLOCK_SLACK:
+                    if wakeups.sleepers:
+                        wakeups.wake(1)
+                else:
+                    self._hand_on(next_mature)
             else:
                 tried = (drains, announced, next_mature, deadline)
                 stored = await self._wait_for(source, 1, seconds, None, doing, tried=tried)
-        if not self._handed_out(source, stored, counter):
+        # ``_handed_out``, inline
+        if not stored or (self._closed and source is self._reserves):
             return None
+        self._stats.incr(self.name, counter, 1)
+        if observe.active is not None:
+            observe.active.delivered(self.name, stored)
         s = stored[0]
         if kept is not None:
             kept[s.id] = s
@@ -1339,14 +1352,27 @@ class Queue:
         # its reply refuses cancellation, so once the reply is in, this caller's commit is
         # done and recorded as ``_commit_batch`` records it, cancelled meanwhile or not.
         try:
-            await reply
-        finally:
+            raw = await reply
+        except BaseException:
             commits.ran_one()
-            if replied(reply):
-                self._forget((Ack(message_id, tries),))
-                if one[1](reply.result()):
-                    self._stats.incr(self.name, "commit", 1)
-        return one[1](reply.result())
+            if replied(reply):  # a cancellation that landed once the reply was in
+                self._committed_one(message_id, tries, one[1](reply.result()))
+            raise
+        commits.ran_one()
+        return self._committed_one(message_id, tries, one[1](raw))
+
+    def _committed_one(self, message_id: str, tries: int | None, done: bool) -> bool:
+        """A one-message commit's reply is in: recorded as ``_commit_batch`` records one,
+        without an ``Ack`` made for ``_forget``."""
+        held = self._held
+        noted = held.pop(message_id, None)
+        if noted is None:
+            self._held_before.pop(message_id, None)
+        elif tries is not None and tries != noted[0]:
+            held[message_id] = noted  # a stale holder's ack: our newer reservation stands
+        if done:
+            self._stats.incr(self.name, "commit", 1)
+        return done
 
     async def ok_many(
         self, messages: Sequence[Message | str], results: Sequence[Any] | None = None

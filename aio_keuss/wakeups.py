@@ -52,10 +52,11 @@ class Waiter:
 class Wakeups:
     """The consumers sleeping on one queue, the longest-sleeping first."""
 
-    __slots__ = ("_line", "_loop", "announced")
+    __slots__ = ("_line", "_loop", "announced", "sleepers")
 
     def __init__(self) -> None:
         self._line: dict[Waiter, None] = {}  # insertion-ordered
+        self.sleepers = self._line  # read only: falsy when nobody sleeps, at no call
         # Looked up once: on Python 3.11 asyncio.get_running_loop() costs a getpid() call.
         self._loop: asyncio.AbstractEventLoop | None = None
         self.announced = 0
