@@ -113,6 +113,11 @@ def _read_one(key: str, elements: list[bytes] | None) -> tuple[list[Stored], flo
     """An ``RPOP key 1`` reply, as ``get(1)`` reads it."""
     if not elements:
         return [], None
+    if len(elements) == 1:  # a lone pop's (always, but for a server that ignored 1)
+        try:  # without ``_unpack_all``'s loop
+            return [_unpack(elements[0])], time.time()
+        except Exception:
+            return [_unpack_or_wrap(elements[0], key)], time.time()
     return _unpack_all(elements, key), time.time()
 
 

@@ -529,7 +529,12 @@ def _stored(flat: list[Any], start: int) -> list[Stored]:
 
 
 def _read_got(flat: list[Any]) -> tuple[list[Stored], float | None]:
-    """A get's or a reserve's reply: its messages, and whether more look ready (now)."""
+    """A get's or a reserve's reply: its messages, and whether more look ready (now). One
+    message (a lone pop's or reserve's) is read without ``_stored``'s loop."""
+    if len(flat) == 6:
+        _, message_id, payload, headers, tries, mature = flat
+        one = [Stored(message_id.decode(), payload, headers, int(tries), float(mature))]
+        return one, time.time() if flat[0] else None
     return _stored(flat, 1), time.time() if flat[0] else None
 
 
