@@ -1719,9 +1719,13 @@ class Queue:
         return await self._remove(message_id, "removed")
 
     async def _remove(self, message_id: str, failure: str) -> bool:
-        """``remove``, keeping ``failure`` as the result of what it removed. Both run to
-        their end (see :meth:`_uncut`): a remove cancelled once the store did it still tells
-        the message's waiters it will never finish, else they would wait for ever."""
+        """``remove``, keeping ``failure`` as the result of what it removed. On a queue
+        keeping results both run to their end (see :meth:`_uncut`): a remove cancelled once
+        the store did it still tells the message's waiters it will never finish, else they
+        would wait for ever."""
+        if self._result_writes is None:  # no aftermath: a cancelled wait stops it
+            (removed,) = await self._store.remove([message_id])
+            return removed
         work = RunToEnd(self._uncut(self._removed(message_id, failure)))
         removed = await work
         work.raise_held()
