@@ -407,6 +407,7 @@ async def test_a_request_once_honoured_does_not_cancel_a_later_push_of_its_id(
         await asyncio.sleep(1.0)  # four looks at the requests while it runs
         assert handler.cancelled == ["order-1"]
         assert consumer.status().cancelled == 1
+        await consumer.stop(grace=0)  # the second one waits for ever: not for the grace
 
 
 async def test_the_rest_of_a_stopped_batch_costs_no_try(connect: Connect) -> None:
