@@ -12,11 +12,11 @@ end have generous hang guards.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable
 from typing import Any
 
 import pytest
 from conftest import Connect, needs
+from polling import until
 
 import aio_keuss
 from aio_keuss import CancelResult, JobResult, Message
@@ -29,16 +29,6 @@ TTL = 600.0
 """A result_ttl no test outlives."""
 
 
-async def _until(condition: Callable[[], Awaitable[bool]], guard: float = GUARD) -> None:
-    async def poll() -> None:
-        while True:
-            if await condition():
-                return
-            await asyncio.sleep(0.02)
-
-    await asyncio.wait_for(poll(), guard)
-
-
 async def _kept(q: aio_keuss.Queue, message_id: str) -> JobResult:
     found = await q.result(message_id, timeout=GUARD)
     assert found is not None
@@ -49,7 +39,7 @@ async def _gone(q: aio_keuss.Queue) -> None:
     async def empty() -> bool:
         return (await q.sizes()).total == 0
 
-    await _until(empty)
+    await until(empty, GUARD)
 
 
 class Blocked:
@@ -93,7 +83,7 @@ async def test_a_waiting_message_is_removed(connect: Connect) -> None:
         outcome.append(await q.cancel(message_id, reason="not needed"))
         return outcome[-1] is CancelResult.REMOVED
 
-    await _until(removed)
+    await until(removed, GUARD)
     assert (await q.sizes()).total == 0
     if factory.capabilities.results:
         found = await _kept(q, message_id)
@@ -109,7 +99,7 @@ async def test_a_waiting_message_without_reason_says_cancelled(connect: Connect)
     async def removed() -> bool:
         return await q.cancel(message_id) is CancelResult.REMOVED
 
-    await _until(removed)
+    await until(removed, GUARD)
     assert (await _kept(q, message_id)).error == "cancelled"
 
 
@@ -151,7 +141,7 @@ async def test_a_reason_of_1000_characters_is_kept_whole(connect: Connect) -> No
     async def removed() -> bool:
         return await q.cancel(message_id, reason=reason) is CancelResult.REMOVED
 
-    await _until(removed)
+    await until(removed, GUARD)
     error = (await _kept(q, message_id)).error
     assert error is not None and error.startswith("cancelled: r")
 
@@ -335,7 +325,7 @@ async def test_a_request_is_honoured_by_a_later_holder(connect: Connect) -> None
     async def reserved() -> bool:
         return await q.reserve(timeout=0) is not None
 
-    await _until(reserved)  # by a holder that never acknowledges it
+    await until(reserved, GUARD)  # by a holder that never acknowledges it
     assert await q.cancel(message_id, reason="stale") is CancelResult.REQUESTED
     handler = Blocked()
     async with q.consume(handler) as consumer:
@@ -464,7 +454,7 @@ async def test_a_request_heard_while_its_id_is_looked_up_stands(connect: Connect
         await q.push(1, id="job-1" if q.capabilities.idempotent else None)
         if not q.capabilities.idempotent:
             pytest.skip("needs an explicit id")
-        await _until(counted)
+        await until(counted, GUARD)
         await _gone(q)
     assert handler.ran == []
 

@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 from backends import BackendCase
+from polling import until
 
 import aio_keuss
 from aio_keuss.message import MAX_KNOWN_ID_LENGTH
@@ -23,6 +24,9 @@ pytestmark = pytest.mark.timeout(180)
 Connect = Callable[..., Awaitable[aio_keuss.Factory]]
 LONG = 3600.0
 """A ttl no test outlives."""
+
+POLL_GUARD = 120.0
+"""Hang guard of a wait for what a store does in its own time (an expiry)."""
 
 
 @pytest.fixture
@@ -41,13 +45,6 @@ def not_on_a_cluster(case: BackendCase) -> None:
     single-Redis ones, and their cleanup (a scan of every node) would take half a minute."""
     if case.id.endswith("-cluster"):
         pytest.skip("run on the single Redis; the same code")
-
-
-async def eventually(check: Callable[[], Awaitable[bool]], guard: float = 120.0) -> None:
-    """Poll ``check`` until it holds; the guard only keeps a broken store from hanging."""
-    async with asyncio.timeout(guard):
-        while not await check():  # noqa: ASYNC110 - no database tells of an expiry
-            await asyncio.sleep(0.05)
 
 
 async def test_bodies_come_back_as_bytes_in_the_order_asked(store: ResultStore) -> None:
@@ -75,7 +72,7 @@ async def test_a_put_again_starts_the_ttl_anew(store: ResultStore) -> None:
     async def b_gone() -> bool:
         return await store.get("q1", ["b"]) == [None]
 
-    await eventually(b_gone)
+    await until(b_gone, POLL_GUARD)
     assert await store.get("q1", ["a"]) == [b"long"]
 
 
@@ -85,7 +82,7 @@ async def test_a_result_expires(store: ResultStore) -> None:
     async def gone() -> bool:
         return await store.get("q1", ["a", "b"]) == [None, None]
 
-    await eventually(gone)
+    await until(gone, POLL_GUARD)
 
 
 ODD_IDS = [
@@ -241,7 +238,7 @@ async def test_a_ttl_of_the_longest_time_option_keeps_and_a_tiny_one_expires(
     async def gone() -> bool:
         return await store.get("q1", ["tiny", "tiny2"]) == [None, None]
 
-    await eventually(gone)
+    await until(gone, POLL_GUARD)
     assert await store.get("q1", ["long"]) == [b"x"]
 
 
@@ -267,7 +264,7 @@ async def test_a_cleanup_racing_puts_that_renew_expired_results_deletes_none_of_
         async def expired() -> bool:
             return set(await store.get("q1", ids)) == {None}
 
-        await eventually(expired)
+        await until(expired, POLL_GUARD)
         new = b"new%d" % round_
         halves = [ids[: len(ids) // 2], ids[len(ids) // 2 :]]
         await asyncio.gather(

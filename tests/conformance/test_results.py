@@ -13,11 +13,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import pytest
 from conftest import Connect, needs
+from polling import until
 
 import aio_keuss
 from aio_keuss import JobFailedError, JobResult, Message, ResultTimeoutError
@@ -29,16 +30,6 @@ GUARD = 30.0
 """Hang guard of a wait that must end."""
 TTL = 600.0
 """A result_ttl no test outlives."""
-
-
-async def _until(condition: Callable[[], Awaitable[bool]], guard: float = GUARD) -> None:
-    async def poll() -> None:
-        while True:
-            if await condition():
-                return
-            await asyncio.sleep(0.02)
-
-    await asyncio.wait_for(poll(), guard)
 
 
 async def _results_factory(connect: Connect, **options: Any) -> aio_keuss.Factory:
@@ -339,7 +330,7 @@ async def test_a_removed_message_fails_its_waiters(connect: Connect) -> None:
     async def removed() -> bool:  # (a bucket store's push is visible once flushed)
         return await q.remove(message_id)
 
-    await _until(removed)
+    await until(removed, GUARD)
     found = await waiting
     assert found is not None and (found.ok, found.error) == (False, "removed")
     assert not await q.remove(message_id)  # nothing removed: the result stays as it was
@@ -385,7 +376,7 @@ async def test_results_expire(connect: Connect) -> None:
     async def gone() -> bool:
         return await q.result(message_id) is None
 
-    await _until(gone)
+    await until(gone, GUARD)
 
 
 async def test_a_lost_signal_costs_only_the_poll_interval(connect: Connect) -> None:
@@ -457,5 +448,5 @@ async def test_a_pipeline_station_keeps_no_result(connect: Connect) -> None:
         async def handled() -> bool:
             return (await incoming.sizes()).total == 0
 
-        await _until(handled)
+        await until(handled, GUARD)
     assert await incoming.result(message_id) is None

@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 from backends import new_token
 from mongo_server import MONGO_URL, start_mongo
+from polling import until
 
 import aio_keuss
 from aio_keuss.mongo import results as results_module
@@ -25,6 +26,9 @@ pymongo = pytest.importorskip("pymongo")
 pytestmark = pytest.mark.timeout(180)
 
 BACKENDS = ["mongo", "mongo-history", "bucket-mongo"]
+
+POLL_GUARD = 120.0
+"""Hang guard of a wait for what a store does in its own time (an expiry)."""
 
 
 @pytest.fixture
@@ -101,14 +105,6 @@ async def swept(store: MongoResults) -> None:
         await store._sweeping
 
 
-async def eventually(check: Callable[[], Awaitable[bool]], hang_guard: float = 120.0) -> None:
-    """Poll ``check`` until it holds; the deadline only stops a hang."""
-    deadline = time.monotonic() + hang_guard
-    while not await check():
-        assert time.monotonic() < deadline, "still not so"
-        await asyncio.sleep(0.05)
-
-
 @pytest.mark.parametrize("backend", BACKENDS)
 async def test_every_mongo_backend_keeps_results_in_its_results_collection(
     database: str, client: Any, open_store: Open, backend: str
@@ -171,7 +167,7 @@ async def test_a_second_put_replaces_the_first_and_its_expiry(open_store: Open) 
     async def gone() -> bool:
         return await store.get("q", ["a", "b"]) == [None, None]
 
-    await eventually(gone)
+    await until(gone, POLL_GUARD)
     assert await store.get("q", ["c"]) == [b"two"]
 
 
@@ -208,7 +204,7 @@ async def test_expired_results_are_never_read_and_the_sweep_deletes_them(
     async def expired() -> bool:
         return await store.get("short", ["s0", "s1", "s2"]) == [None, None, None]
 
-    await eventually(expired)
+    await until(expired, POLL_GUARD)
     coll = client[database][store._coll.name]
     assert await coll.count_documents({}) == 4  # expired, not read, still there
     assert await store.sweep() == 3
@@ -233,7 +229,7 @@ async def test_a_sweep_deletes_in_bounded_batches(
     async def expired() -> bool:
         return await store.get("many", ["id-0", "id-99"]) == [None, None]
 
-    await eventually(expired)
+    await until(expired, POLL_GUARD)
     commands.sent.clear()
     assert await store.sweep() == 100
     finds = [command for name, command in commands.sent if name == "find"]
@@ -256,7 +252,7 @@ async def test_puts_sweep_in_the_background_at_most_once_per_interval(
     async def expired() -> bool:
         return await store.get("old", ["a", "b"]) == [None, None]
 
-    await eventually(expired)
+    await until(expired, POLL_GUARD)
     await store.put("kept", [("c", b"x")], 600.0)  # within the interval: no sweep
     assert store._sweeping is first
     coll = client[database][store._coll.name]
@@ -268,7 +264,7 @@ async def test_puts_sweep_in_the_background_at_most_once_per_interval(
     async def reclaimed() -> bool:
         return await coll.count_documents({}) == 3
 
-    await eventually(reclaimed)
+    await until(reclaimed, POLL_GUARD)
 
 
 async def test_a_body_another_program_stored_is_read_as_bytes(

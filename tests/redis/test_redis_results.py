@@ -5,8 +5,7 @@ the real servers, each test under its own key prefix."""
 
 from __future__ import annotations
 
-import asyncio
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -14,6 +13,7 @@ import pytest
 import redis.asyncio as aioredis
 from backends import REDIS_URL, _drop_redis_prefix, new_token
 from own_servers import own_redis
+from polling import until
 from redis_cluster import _drop_redis_cluster_prefix, _redis_cluster, start_redis_cluster
 
 import aio_keuss
@@ -27,6 +27,9 @@ pytestmark = pytest.mark.timeout(120)
 REDIS_BACKENDS = ["redis-list", "redis-oq", "redis-reliable", "redis-sharded", "bucket-redis"]
 QUIET = {"stats": "memory", "signal": "local"}
 """Options that keep a factory to what a test looks at: no stats flushes, no subscription."""
+
+POLL_GUARD = 60.0
+"""Hang guard of a wait for what a store does in its own time (an expiry)."""
 
 
 @pytest.fixture
@@ -55,13 +58,6 @@ async def results_of(
             yield factory, store
         finally:
             await store.close()
-
-
-async def eventually(check: Callable[[], Awaitable[bool]], guard: float = 60.0) -> None:
-    """Poll ``check`` until it holds; ``guard`` only keeps a broken store from hanging."""
-    async with asyncio.timeout(guard):
-        while not await check():  # noqa: ASYNC110 - Redis tells nobody of an expiry
-            await asyncio.sleep(0.02)
 
 
 def count_round_trips(factory: Factory) -> list[str]:
@@ -168,7 +164,7 @@ async def test_a_result_is_gone_once_its_ttl_passes(prefix: str, count: int) -> 
         async def gone() -> bool:
             return await store.get("jobs", ids) == [None] * count
 
-        await eventually(gone)
+        await until(gone, POLL_GUARD)
         assert await store.get("jobs", ["long"]) == [b"kept"]
 
 
