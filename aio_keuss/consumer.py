@@ -452,6 +452,11 @@ class Source(Protocol):
         queue keeps results), then ok-ed."""
         ...
 
+    def use_up(self, ids: list[str]) -> Awaitable[None]:
+        """The requests of ``ids``, whose messages ended though their handlers were asked
+        to stop, are used up (as those of messages stopped are, by :meth:`cancelled`)."""
+        ...
+
 
 @dataclass(frozen=True, slots=True)
 class ConsumerStatus:
@@ -591,6 +596,9 @@ class Consumer(StoppedOnExit):
         # messages wait in ``_oks`` for one of at most OK_SENDERS sender tasks; at most
         # OK_ROOM * (concurrency + prefetch) are unanswered (queued or in flight) at a time.
         self._oks: list[Message] = []
+        # ids among ``_oks`` whose handler was asked to stop (and went on): their requests
+        # are used up once their ok lands (see ``_use_up``); most of the time empty
+        self._asked: set[str] = set()
         self._ok_values: list[Any] = []  # what each one's handler returned (its result)
         self._oks_unanswered = 0
         self._ok_limit = OK_ROOM * (concurrency + prefetch)
@@ -1016,19 +1024,27 @@ class Consumer(StoppedOnExit):
             elif self._keeps:
                 await self._keep_popped([message], failure=self._failure_text(failure))
             return
-        if self._cancels is not None:
-            self._cancels.taken(task)  # asked, but it finished: its outcome stands
+        # asked, but it finished: its outcome stands, and the request is used up after it
+        asked = None if self._cancels is None else self._cancels.taken(task)
         self._ran(started, "ok")
         self.handled += 1
         if self._settle is not None:
-            await self._acknowledge("settle", message, self._settle(message, result))
+            settled = await self._acknowledge("settle", message, self._settle(message, result))
+            if asked is not None and settled is not None and settled is not False:
+                await self._use_up([message])
         elif self._reserve and self._prefetch:
+            if asked is not None:
+                self._asked.add(message.id)
             await self._ok_later(message, result)
         elif self._reserve:
             ok = self.queue.ok(message, result) if self._keeps else self.queue.ok(message)
-            await self._acknowledge("ok", message, ok)
-        elif self._keeps:
-            await self._keep_popped([message], result)
+            if await self._acknowledge("ok", message, ok) and asked is not None:
+                await self._use_up([message])
+        else:
+            if self._keeps:
+                await self._keep_popped([message], result)
+            if asked is not None:  # popped: gone for good
+                await self._use_up([message])
 
     async def _keep_popped(
         self, messages: list[Message], value: Any = NO_RESULT, failure: str | None = None
@@ -1064,17 +1080,21 @@ class Consumer(StoppedOnExit):
                 values = None
                 if self._keeps:
                     values, self._ok_values = self._ok_values, []
+                flags: list[bool] | None = None
                 try:
                     # closed under them (by a handler of this consumer): they come back when
                     # their reservations expire; a ClosedError here was never retrieved
                     with contextlib.suppress(ClosedError):
-                        await self._acknowledge_all("ok", batch, self.queue.ok_many(batch, values))
+                        ok = self.queue.ok_many(batch, values)
+                        flags = await self._acknowledge_all("ok", batch, ok)
                 finally:
                     self._oks_unanswered -= len(batch)
                     room = self._ok_room
                     if room is not None and self._oks_unanswered < self._ok_limit:
                         self._ok_room = None
                         room.set()
+                if self._asked:
+                    await self._use_up_asked(batch, flags)
         finally:
             self._ok_senders -= 1
 
@@ -1172,16 +1192,23 @@ class Consumer(StoppedOnExit):
             elif self._keeps:
                 await self._keep_popped(messages, failure=self._failure_text(failure))
             return
-        if self._cancels is not None:
-            self._cancels.taken(task)  # asked, but it finished: its outcome stands
+        # asked, but it finished: its outcome stands, and the requests are used up after it
+        asked = None if self._cancels is None else self._cancels.taken(task)
         self._ran(started, "ok")
         self.handled += len(messages)
         if self._reserve:
             # the one return value is each message's result
             values = [result] * len(messages) if self._keeps else None
-            await self._acknowledge_all("ok", messages, self.queue.ok_many(messages, values))
-        elif self._keeps:
-            await self._keep_popped(messages, result)
+            ok = self.queue.ok_many(messages, values)
+            flags = await self._acknowledge_all("ok", messages, ok)
+            if asked is not None and flags:
+                done = zip(messages, flags, strict=True)
+                await self._use_up([m for m, ok in done if ok and m.id in asked])
+        else:
+            if self._keeps:
+                await self._keep_popped(messages, result)
+            if asked is not None:  # popped: gone for good
+                await self._use_up([m for m in messages if m.id in asked])
 
     async def _held_back(self, messages: list[Message], exc: RateLimited, started: float) -> bool:
         """A handler's ``RateLimited``: the queue's deliveries held, its messages given back
@@ -1309,6 +1336,31 @@ class Consumer(StoppedOnExit):
         with contextlib.suppress(ClosedError):
             cancelled = self.queue.cancelled(messages, self._settle is None)
             await self._acknowledge_all("ok", messages, cancelled)
+
+    async def _use_up_asked(self, batch: list[Message], flags: list[bool] | None) -> None:
+        """The oks of ``batch`` landed (``flags``; None: not sent): the requests of those
+        whose handler was asked to stop are used up, where the ok was taken."""
+        asked, done = self._asked, []
+        for index, message in enumerate(batch):
+            if message.id in asked:
+                asked.discard(message.id)
+                if flags is not None and flags[index]:
+                    done.append(message)
+        await self._use_up(done)
+
+    async def _use_up(self, messages: list[Message]) -> None:
+        """Messages ended (ok-ed) though their handler was asked to stop (it shielded itself
+        from the cancellation, or swallowed it): the requests that asked are used up, as
+        those of messages stopped are (see ``Source.cancelled``). Left, one would stop a
+        later push of the id (past its ``dedup_window``) for as long as it lives. Where the
+        ok was refused, the request stands, for the message's next holder to honour."""
+        if not messages:
+            return
+        if self._cancels is not None:  # done with: a later push of the id is a new message
+            self._cancels.forget(m.id for m in messages)
+        with contextlib.suppress(ClosedError):
+            use_up = self.queue.use_up([m.id for m in messages])
+            await self._acknowledge_all("cancel request use-up", messages, use_up)
 
     async def _stopped_on_request(
         self, task: asyncio.Task[Any], messages: list[Message], started: float

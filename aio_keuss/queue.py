@@ -1805,11 +1805,12 @@ class Queue:
         await self._use_up_requests(done)
 
     async def _use_up_requests(self, ids: list[str]) -> None:
-        """The requests that stopped ``ids`` (done for good now) are used up: a later push
-        of one of these ids (past its ``dedup_window``) is a new message, which no consumer
-        finding a request, or remembering one it heard of, must stop. Where the ok was
-        refused (another holder took the message after a lapse), the request stands, for
-        that holder to honour."""
+        """The requests that reached ``ids`` (done for good now: stopped, or finished by a
+        handler that went on when asked to stop) are used up: a later push of one of these
+        ids (past its ``dedup_window``) is a new message, which no consumer finding a
+        request, or remembering one it heard of, must stop. Where the ok was refused
+        (another holder took the message after a lapse), the request stands, for that
+        holder to honour."""
         if self._result_store is None or not ids:
             return
         store = await self._result_store()
@@ -2567,3 +2568,6 @@ class _ConsumerLink:
 
     def cancelled(self, messages: list[Message], keep: bool) -> Awaitable[None]:
         return self._queue._cancelled(messages, keep)
+
+    def use_up(self, ids: list[str]) -> Awaitable[None]:
+        return self._queue._use_up_requests(ids)

@@ -400,6 +400,60 @@ async def test_a_request_once_honoured_does_not_cancel_a_later_push_of_its_id(
         await consumer.stop(grace=0)  # the second one waits for ever: not for the grace
 
 
+@pytest.mark.parametrize("settings", [{}, {"prefetch": 2}, {"batch": 2}], ids=str)
+async def test_a_request_a_handler_ignored_is_used_up(
+    connect: Connect, settings: dict[str, Any]
+) -> None:
+    """The handler shielded itself from the cancellation and returned: its message is
+    ok-ed as handled, and the request that asked it to stop is used up all the same, so
+    that the id pushed again past its dedup window is a new message that runs."""
+    from aio_keuss.cancels import USED
+    from aio_keuss.results import cancel_space
+
+    factory = await _held_factory(connect, max_wait_time=0.2)
+    needs(factory, "idempotent")
+    q = await factory.queue("q1", result_ttl=TTL, dedup_window=0.2)
+    store = await factory._results.get()
+    ran: list[str] = []
+    started, heard, go_on = asyncio.Event(), asyncio.Event(), asyncio.Event()
+
+    async def work(payload: str) -> str:
+        ran.append(payload)
+        if payload == "first":
+            started.set()
+            try:
+                await go_on.wait()
+            except asyncio.CancelledError:  # ignored: it goes on working
+                heard.set()
+                await go_on.wait()
+        return payload
+
+    async def handler(message: Message | list[Message]) -> str:
+        if isinstance(message, list):
+            return "+".join([await work(m.payload) for m in message])
+        return await work(message.payload)
+
+    async def used_up() -> bool:
+        return await store.get(cancel_space(q.name), ["order-1"]) == [USED]
+
+    async with q.consume(handler, **settings) as consumer:
+        await q.push("first", id="order-1")
+        await asyncio.wait_for(started.wait(), GUARD)
+        assert await q.cancel("order-1") is CancelResult.REQUESTED
+        await asyncio.wait_for(heard.wait(), GUARD)
+        go_on.set()
+        await _gone(q)
+        await until(used_up, GUARD)
+        await asyncio.sleep(0.5)  # past the dedup window: the same id is a new message
+
+        async def ended() -> bool:
+            return len(ran) == 2 or consumer.status().cancelled > 0
+
+        await q.push("second", id="order-1")
+        await until(ended, GUARD)
+        assert (ran, consumer.status().cancelled) == (["first", "second"], 0)
+
+
 async def test_the_rest_of_a_stopped_batch_costs_no_try(connect: Connect) -> None:
     factory = await _held_factory(connect, max_wait_time=0.2)
     q = await factory.queue("q1", result_ttl=TTL)
