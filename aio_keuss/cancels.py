@@ -14,8 +14,10 @@ handlers run (so a lost signal costs at most that); after the signal transport w
 it looks once, whatever the queue. Ids it heard named but did not hold are remembered for
 as long as a request lives, so one it takes later (a fetch under way as the signal came)
 is not run (once the request is read back: it may have been used up meanwhile). A request
-that stopped its message is used up (overwritten with :data:`USED`), so that an explicit id
-pushed again past its ``dedup_window`` is a new message nothing stops.
+that reached its message is used up (overwritten with :data:`USED`) once the message is
+done, stopped or ok-ed after a handler that went on when asked to stop, so that an explicit
+id pushed again past its ``dedup_window`` is a new message nothing stops; ``Queue.cancel``
+uses up its own request when the message finished before the request landed.
 """
 
 from __future__ import annotations
@@ -69,7 +71,7 @@ def encode_request(reason: str | None) -> bytes:
 
 
 USED = b"false"
-"""What a request is overwritten with once its message was stopped: used up, so that an
+"""What a request is overwritten with once its message is done: used up, so that an
 explicit id pushed again later (past its ``dedup_window``) is a new message no look at the
 requests stops. (A request's body is a reason or ``null``, never ``false``.)"""
 

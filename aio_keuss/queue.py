@@ -1747,10 +1747,20 @@ class Queue:
         request is left in the backend, a signal names it to every process, and the
         consumer holding it cancels its handler's task (the handler sees
         ``CancelledError``), then ok-s it, done for good: ``REQUESTED``. ``MISSING`` when
-        it is nowhere to be found and no request was left; a backend that cannot look
+        it is nowhere to be found and no request is left; a backend that cannot look
         (no ``capabilities.peek``) leaves the request and answers ``REQUESTED`` for any id.
         On a queue with ``result_ttl``, its failure result says ``"cancelled"`` (with
-        ``": <reason>"``). ``reason``: a str of at most 1,000 characters, or None."""
+        ``": <reason>"``). ``reason``: a str of at most 1,000 characters, or None.
+
+        A message may end (its handler returned, its ok landed) between the look that
+        found it held and the request landing: then nothing holds it to use the request
+        up, which would stop a later push of its id. The message is looked up again once
+        the request is in (before the signal, which could otherwise have it stopped in
+        between); gone, the request is used up at once and the answer is ``MISSING``: the
+        message was not stopped, it finished, and no request is left. ``REQUESTED`` would
+        promise a stop that cannot come. (A consumer that looks the requests up on its own
+        may find the request in that moment and stop the message: rarely, ``MISSING``
+        then names a message that was stopped, as its failure result says.)"""
         self._check_open()
         message_id = _target(message)[0]
         text = check_reason(reason)
@@ -1761,15 +1771,22 @@ class Queue:
             return CancelResult.REMOVED
         if self._result_store is None:  # nothing can stop a running handler here
             return CancelResult.MISSING
-        if capabilities.peek:
-            (row,) = await self._store.locate([message_id])
-            if row is None or row.state == "processed":
-                return CancelResult.MISSING
+        if capabilities.peek and not await self._held_still(message_id):
+            return CancelResult.MISSING
         store = await self._result_store()
         ttl = request_ttl(self.options.reserve_delay)
         await store.put(cancel_space(self.name), [(message_id, encode_request(text))], ttl)
+        if capabilities.peek and not await self._held_still(message_id):
+            await self._use_up_requests([message_id])
+            return CancelResult.MISSING
         self._signal.cancels(self.name, [message_id])
         return CancelResult.REQUESTED
+
+    async def _held_still(self, message_id: str) -> bool:
+        """Whether the message is still in the queue, not processed (a request for it may
+        still reach it)."""
+        (row,) = await self._store.locate([message_id])
+        return row is not None and row.state != "processed"
 
     async def _cancel_requests(self, ids: list[str]) -> dict[str, str | None]:
         """The reasons of the cancel requests left for ``ids`` (those with one), in round

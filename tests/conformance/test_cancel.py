@@ -454,6 +454,35 @@ async def test_a_request_a_handler_ignored_is_used_up(
         assert (ran, consumer.status().cancelled) == (["first", "second"], 0)
 
 
+async def test_a_message_finished_as_its_request_lands_is_missing(connect: Connect) -> None:
+    """The message is ok-ed between the cancel's look-up and its request landing (the
+    result store's put is made to wait for that ok): the cancel looks again, uses its
+    request up, and says it stopped nothing."""
+    from aio_keuss.cancels import USED
+    from aio_keuss.results import cancel_space
+
+    factory = await _held_factory(connect)
+    needs(factory, "peek")
+    q = await factory.queue("q1", result_ttl=TTL)
+    message_id = await q.push(1)
+
+    async def reserved() -> bool:
+        return await q.reserve(timeout=0) is not None
+
+    await until(reserved, GUARD)
+    store = await factory._results.get()
+    put = store.put
+
+    async def finished_first(queue: str, results: Any, ttl: float) -> None:
+        if queue == cancel_space(q.name) and results[0][1] != USED:
+            assert await q.ok(message_id)
+        await put(queue, results, ttl)
+
+    store.put = finished_first  # type: ignore[method-assign]
+    assert await q.cancel(message_id) is CancelResult.MISSING
+    assert await store.get(cancel_space(q.name), [message_id]) == [USED]
+
+
 async def test_the_rest_of_a_stopped_batch_costs_no_try(connect: Connect) -> None:
     factory = await _held_factory(connect, max_wait_time=0.2)
     q = await factory.queue("q1", result_ttl=TTL)

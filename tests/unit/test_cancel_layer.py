@@ -3,12 +3,15 @@ checks and encoding, and the routing of "cancel" signals."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 import aio_keuss
 import aio_keuss.sync
 from aio_keuss import CancelResult, InvalidInputError
 from aio_keuss.cancels import (
+    USED,
     cancelled_text,
     check_reason,
     decode_request,
@@ -78,3 +81,40 @@ def test_the_sync_shim_cancels() -> None:
         assert q.cancel(waiting) is CancelResult.MISSING
         with pytest.raises(InvalidInputError):
             q.cancel("x", reason=3)  # type: ignore[arg-type]
+
+
+async def _requests(factory: aio_keuss.Factory, queue: str, ids: list[str]) -> list[bytes | None]:
+    store = await factory._results.get()
+    return await store.get(cancel_space(queue), ids)
+
+
+async def test_a_message_that_ends_as_its_request_is_left_uses_the_request_up() -> None:
+    """The message is ok-ed between the cancel's look-up and its request landing: nothing
+    holds it any more to use the request up, so the cancel does, and says it stopped
+    nothing; a later push of the id past its dedup window is left alone."""
+    async with aio_keuss.connect("memory", poll_interval=60.0) as factory:
+        q = await factory.queue("jobs", result_ttl=600.0)
+        message_id = await q.push(1, id="job-1")
+        message = await q.reserve(timeout=0)
+        assert message is not None and message.id == message_id
+        store = await factory._results.get()
+        put = store.put
+
+        async def finished_first(queue: str, results: Any, ttl: float) -> None:
+            if queue == cancel_space(q.name) and results[0][1] != USED:
+                assert await q.ok(message)  # the handler returned as the request was left
+            await put(queue, results, ttl)
+
+        store.put = finished_first  # type: ignore[method-assign]
+        assert await q.cancel(message_id) is CancelResult.MISSING
+        assert await _requests(factory, q.name, [message_id]) == [USED]
+
+
+async def test_a_request_that_reached_its_message_stands() -> None:
+    """The second look finds the message still held: the request is left for its holder."""
+    async with aio_keuss.connect("memory", poll_interval=60.0) as factory:
+        q = await factory.queue("jobs", result_ttl=600.0)
+        message_id = await q.push(1)
+        assert await q.reserve(timeout=0) is not None
+        assert await q.cancel(message_id, reason="why") is CancelResult.REQUESTED
+        assert await _requests(factory, q.name, [message_id]) == [encode_request("why")]
