@@ -30,6 +30,7 @@ from .errors import (
     NotSupportedError,
     PipelineError,
     RateLimited,
+    ResultMissingError,
     ResultTimeoutError,
     TooManyConsumersError,
 )
@@ -84,6 +85,7 @@ __all__ = [
     "Page",
     "Queue",
     "RateLimited",
+    "ResultMissingError",
     "ResultTimeoutError",
     "NO_RESULT",
     "Repeat",

@@ -141,6 +141,25 @@ class ResultTimeoutError(KeussError, TimeoutError):
         return type(self), (self.id, self.timeout)
 
 
+class ResultMissingError(KeussError):
+    """``push_and_wait`` with an ``id`` the queue refused as a duplicate (a message with
+    that id is still queued, or its ``dedup_window`` is not over), where that earlier
+    message has finished and no result of it is kept (it kept none, or it expired after
+    ``result_ttl``): none will ever come, so waiting would be for nothing (arq's
+    ``ResultNotFound``). Raised only where the backend can tell (see ``push_and_wait``)."""
+
+    def __init__(self, message_id: str) -> None:
+        super().__init__(
+            f"message {message_id!r} was pushed before and has finished, and no result of it"
+            " is kept"
+        )
+        self.id = message_id
+
+    def __reduce__(self) -> tuple[type[ResultMissingError], tuple[str]]:
+        """Unpickled by calling the class with these (its ``args`` are the text only)."""
+        return type(self), (self.id,)
+
+
 class ClosedError(KeussError):
     """The factory or queue was closed; open a new one to go on."""
 

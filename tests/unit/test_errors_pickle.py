@@ -17,6 +17,7 @@ def test_the_errors_with_their_own_arguments_pickle() -> None:
         errors.MissingDependencyError("spark", "pyspark", needed_by="the Spark source"),
         errors.JobFailedError("id-1", "boom"),
         errors.ResultTimeoutError("id-2", 3.0),
+        errors.ResultMissingError("id-3"),
     ]
     for error in made:
         copy = pickle.loads(pickle.dumps(error))
@@ -26,7 +27,13 @@ def test_the_errors_with_their_own_arguments_pickle() -> None:
 
 
 def test_every_other_error_pickles_with_its_text() -> None:
-    own_init = {"RateLimited", "MissingDependencyError", "JobFailedError", "ResultTimeoutError"}
+    own_init = {
+        "RateLimited",
+        "MissingDependencyError",
+        "JobFailedError",
+        "ResultTimeoutError",
+        "ResultMissingError",
+    }
     for name in dir(errors):
         kind = getattr(errors, name)
         if not (isinstance(kind, type) and issubclass(kind, errors.KeussError)):
