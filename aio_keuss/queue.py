@@ -76,6 +76,7 @@ from .errors import (
     JobFailedError,
     KeussError,
     NotSupportedError,
+    ResultMissingError,
     ResultTimeoutError,
 )
 from .ids import new_id
@@ -343,6 +344,25 @@ class Queue:
                 self._stats.incr(self.name, "put", 1)
                 self._signal.insert(self.name, time.time() + entry.delay, 1)  # its mature time
         return entry.id
+
+    async def _push_queued(self, entry: Entry) -> bool:
+        """:meth:`push` of a made entry, saying whether it was queued (False: its id was
+        refused as a duplicate), for ``push_and_wait``. ``push`` does the same inline, one
+        coroutine and one flag fewer on its hot path: the two must stay in step."""
+        inserts, one = self._inserts, self._one_insert
+        if one is None or (reply := inserts.send_one(one[0], entry)) is None:
+            (queued,) = await inserts.submit([entry])
+            return queued
+        queued = False
+        try:
+            await reply
+        finally:
+            inserts.ran_one()
+            if replied(reply) and one[1](reply.result()):
+                queued = True
+                self._stats.incr(self.name, "put", 1)
+                self._signal.insert(self.name, time.time() + entry.delay, 1)  # its mature time
+        return queued
 
     async def push_many(
         self,
@@ -1929,21 +1949,58 @@ class Queue:
         """Push a message, then wait for what its handler returns (``JobFailedError`` if it
         fails for good, ``ResultTimeoutError`` past ``timeout``: the message stays queued).
         Needs ``result_ttl`` on this queue, and on the consumers' queue objects, which keep
-        the results."""
+        the results.
+
+        An ``id`` refused as a duplicate joins the earlier message: its result is awaited.
+        Where that message has finished with no result kept (none, or expired), none can
+        come: ``ResultMissingError``, at once, whatever ``timeout`` (see ``_joined``)."""
         self._check_open()
         seconds = check_timeout(timeout)
         self._require("results")
         self._writes("push_and_wait")
-        message_id = await self.push(
-            payload, delay=delay, headers=headers, id=id, priority=priority
-        )
-        body = await self._waits().wait(message_id, seconds)
+        entry = self._entry(payload, self._delay(delay), encode_headers(headers), id, priority)
+        queued = await self._push_queued(entry)
+        message_id = entry.id  # read after the insert: a store may give the id it made
+        if queued:  # a new message: no result can be kept yet
+            body = await self._waits().wait(message_id, seconds)
+        else:
+            body = await self._joined(message_id, seconds)
         if body is None:
             raise ResultTimeoutError(message_id, seconds or 0.0)
         outcome = decode_result(self.name, message_id, body)
         if not outcome.ok:
             raise JobFailedError(message_id, outcome.error)
         return outcome.value
+
+    async def _joined(self, message_id: str, timeout: float | None) -> bytes | None:
+        """The result of the earlier message a duplicate push joined, as ``ResultWaits.wait``
+        gives it; ``ResultMissingError`` where that message has finished with no result
+        kept. Only a backend that keeps a message until its ok (reserve) and can look it up
+        (peek) can tell: the result is written before the ok that deletes the message, so
+        a message gone from the store has its result kept already, if it ever will. Hence
+        the order: the result (kept: the usual join, one round trip), then where the
+        message is, then, gone, the result once more (written between the first two
+        looks). Elsewhere (no peek: nothing to look with; no reserve: a popped message is
+        out of the store while its handler runs) the wait goes on as for any result, up
+        to its timeout. A message removed or deadlettered just before may raise this
+        rather than ``JobFailedError``: its failure is kept after it left."""
+        waits = self._waits()
+        capabilities = self.capabilities
+        if not (capabilities.reserve and capabilities.peek):
+            return await waits.wait(message_id, timeout)
+        loop = asyncio.get_running_loop()
+        deadline = None if timeout is None else loop.time() + timeout
+        (body,) = await waits.look([message_id])
+        if body is not None:
+            return body
+        (row,) = await self._store.locate([message_id])
+        if row is None or row.state == "processed":
+            (body,) = await waits.look([message_id])
+            if body is None:
+                raise ResultMissingError(message_id)
+            return body
+        left = None if deadline is None else max(0.0, deadline - loop.time())
+        return await waits.wait(message_id, left)
 
     def _waits(self) -> ResultWaits:
         if self._result_waits is None:

@@ -874,7 +874,8 @@ class SyncQueue:
         id: str | None = None,
         priority: int = 0,
     ) -> Any:
-        """Blocking :meth:`Queue.push_and_wait`."""
+        """Blocking :meth:`Queue.push_and_wait`; its errors (``JobFailedError``,
+        ``ResultTimeoutError``, ``ResultMissingError``) are raised here as they are."""
         return self._call(
             self.queue.push_and_wait,
             payload,

@@ -21,7 +21,13 @@ from conftest import Connect, needs
 from polling import until
 
 import aio_keuss
-from aio_keuss import JobFailedError, JobResult, Message, ResultTimeoutError
+from aio_keuss import (
+    JobFailedError,
+    JobResult,
+    Message,
+    ResultMissingError,
+    ResultTimeoutError,
+)
 from aio_keuss.results import ResultStore
 
 pytestmark = pytest.mark.timeout(120)
@@ -377,6 +383,109 @@ async def test_results_expire(connect: Connect) -> None:
         return await q.result(message_id) is None
 
     await until(gone, GUARD)
+
+
+# an id pushed again: joining the first message -------------------------------------------
+
+
+async def _note_looks(factory: aio_keuss.Factory) -> set[str]:
+    """The ids the factory's result store is asked for from now on: a waiter's push is
+    done once its id is asked for (nothing else tells a caller's push was refused)."""
+    store = await _store_of(factory)
+    looked: set[str] = set()
+    get = store.get
+
+    async def noted(queue: str, ids: Sequence[str]) -> list[bytes | None]:
+        looked.update(ids)
+        return await get(queue, ids)
+
+    store.get = noted  # type: ignore[method-assign]
+    return looked
+
+
+async def test_a_duplicate_push_and_wait_gets_the_first_message_value(connect: Connect) -> None:
+    """An id still queued is not queued again: the second caller waits for the first
+    message's result (a job id enqueued twice runs once, as in arq and BullMQ)."""
+    factory = await _results_factory(connect)
+    q = await factory.queue("q1", result_ttl=TTL)
+    needs(q, "idempotent", "reserve")
+    looked = await _note_looks(factory)
+    await q.push("first", id="job-1")
+    (held,) = await _reserve_all(q, 1)  # taken, not finished: still in the queue
+    joining = asyncio.ensure_future(q.push_and_wait("second", id="job-1", timeout=GUARD))
+
+    async def waiting() -> bool:
+        return joining.done() or "job-1" in looked
+
+    await until(waiting, GUARD)
+    assert not joining.done()  # the first message is still there: its result may come
+    assert await q.ok(held, result=held.payload.upper())
+    assert await asyncio.wait_for(joining, GUARD) == "FIRST"
+    assert (await q.sizes()).total == 0  # the second push queued nothing
+
+
+@pytest.mark.parametrize("kept", ["nothing", "an expired result"])
+async def test_a_duplicate_push_and_wait_of_a_finished_message_with_no_result_raises(
+    connect: Connect, kept: str
+) -> None:
+    """The first message finished and its result is gone (never kept, or expired): no
+    result can come, and the waiter is told so at once, whatever its timeout (arq's
+    ``ResultNotFound``), where the backend keeps a message until its ok."""
+    factory = await _results_factory(connect)
+    expiring = kept == "an expired result"
+    q = await factory.queue("q1", result_ttl=0.05 if expiring else TTL)
+    needs(q, "idempotent", "reserve", "peek")
+    await q.push(1, id="job-1")
+    (held,) = await _reserve_all(q, 1)
+    if expiring:
+        assert await q.ok(held, result="short-lived")
+
+        async def gone() -> bool:
+            return await q.result("job-1") is None
+
+        await until(gone, GUARD)
+    else:
+        assert await q.ok(held)  # no result kept
+    with pytest.raises(ResultMissingError) as raised:
+        await asyncio.wait_for(q.push_and_wait(2, id="job-1"), GUARD)  # timeout=None
+    assert raised.value.id == "job-1"
+    assert isinstance(raised.value, aio_keuss.KeussError)
+    assert (await q.sizes()).total == 0  # refused as a duplicate: nothing queued
+    with pytest.raises(ResultMissingError):
+        await asyncio.wait_for(q.push_and_wait(2, id="job-1", timeout=GUARD), GUARD)
+
+
+async def test_a_duplicate_push_and_wait_of_a_finished_message_gets_its_kept_result(
+    connect: Connect,
+) -> None:
+    factory = await _results_factory(connect)
+    q = await factory.queue("q1", result_ttl=TTL)
+    needs(q, "idempotent", "reserve")
+    await q.push(1, id="job-1")
+    (held,) = await _reserve_all(q, 1)
+    assert await q.ok(held, result="done")
+    assert await asyncio.wait_for(q.push_and_wait(2, id="job-1"), GUARD) == "done"
+
+
+async def test_a_duplicate_push_and_wait_waits_where_the_backend_cannot_tell(
+    connect: Connect,
+) -> None:
+    """Without reserve and peek a finished message cannot be told from one whose handler
+    still runs (a popped message is out of the store): the waiter waits, as for any
+    result, up to its timeout."""
+    factory = await _results_factory(connect)
+    q = await factory.queue("q1", result_ttl=TTL)
+    needs(q, "idempotent")
+    if q.capabilities.reserve and q.capabilities.peek:
+        pytest.skip("this backend can tell a finished message")
+    await q.push(1, id="job-1")
+    if q.capabilities.reserve:  # finished, no result kept
+        (held,) = await _reserve_all(q, 1)
+        assert await q.ok(held)
+    else:  # out of the store, as while a consumer's handler runs
+        assert await q.pop(timeout=GUARD) is not None
+    with pytest.raises(ResultTimeoutError):
+        await q.push_and_wait(2, id="job-1", timeout=0.2)
 
 
 async def test_a_lost_signal_costs_only_the_poll_interval(connect: Connect) -> None:

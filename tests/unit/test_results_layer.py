@@ -303,6 +303,35 @@ async def test_a_lost_result_signal_is_made_up_for_by_the_poll() -> None:
     await factory.close()
 
 
+async def test_push_and_wait_asks_where_its_message_is_only_for_a_duplicate_without_result() -> (
+    None
+):
+    """A new message's wait, and that of a duplicate whose earlier message's result is
+    kept, cost no round trip more than the push and the result's look."""
+    factory = _factory(MemoryBackend({}))
+    q = await factory.queue("q1", result_ttl=60, poll_interval=60)
+    located: list[list[str]] = []
+    locate = q._store.locate
+
+    async def counted(ids: Sequence[str]) -> list[Any]:
+        located.append(list(ids))
+        return await locate(ids)
+
+    q._store.locate = counted  # type: ignore[method-assign]
+    async with q.consume(lambda m: m.payload * 2):
+        assert await q.push_and_wait(4, timeout=GUARD) == 8
+        assert await q.push_and_wait(5, id="job", timeout=GUARD) == 10
+        assert await q.push_and_wait(6, id="job", timeout=GUARD) == 10  # joined: kept
+    assert located == []
+    await q.push(7, id="done")
+    (held,) = await q.reserve_many(1, timeout=GUARD)
+    assert await q.ok(held)  # no result kept
+    with pytest.raises(aio_keuss.ResultMissingError):
+        await q.push_and_wait(8, id="done", timeout=GUARD)
+    assert located == [["done"]]
+    await factory.close()
+
+
 # the sync shim, the worker, the admin command ---------------------------------------------
 
 
@@ -322,6 +351,12 @@ def test_the_sync_shim_keeps_and_waits_for_results() -> None:
         assert q.result(second) is None
         with pytest.raises(aio_keuss.ResultTimeoutError):
             q.push_and_wait(3, timeout=0.05)
+        other = factory.queue("q2", result_ttl=60)
+        other.push(1, id="job")
+        done = other.reserve(timeout=GUARD)
+        assert done is not None and other.ok(done)  # finished, no result kept
+        with pytest.raises(aio_keuss.ResultMissingError):  # raised through the shim
+            other.push_and_wait(2, id="job", timeout=GUARD)
 
 
 def test_the_worker_takes_a_result_ttl() -> None:
@@ -439,7 +474,11 @@ async def test_a_store_that_cannot_open_fails_the_queue_open_and_is_tried_again(
 
 @pytest.mark.parametrize(
     "error",
-    [aio_keuss.JobFailedError("m1", "ValueError: no"), aio_keuss.ResultTimeoutError("m2", 3.0)],
+    [
+        aio_keuss.JobFailedError("m1", "ValueError: no"),
+        aio_keuss.ResultTimeoutError("m2", 3.0),
+        aio_keuss.ResultMissingError("m3"),
+    ],
 )
 def test_result_errors_survive_pickling(error: Exception) -> None:
     """They cross process boundaries (a process pool's task that waited for a result);
