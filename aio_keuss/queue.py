@@ -339,16 +339,13 @@ class Queue:
         try:
             await reply
         finally:
-            inserts.ran_one()
-            if replied(reply) and one[1](reply.result()):
-                self._stats.incr(self.name, "put", 1)
-                self._signal.insert(self.name, time.time() + entry.delay, 1)  # its mature time
+            self._one_inserted(reply, entry)
         return entry.id
 
     async def _push_queued(self, entry: Entry) -> bool:
         """:meth:`push` of a made entry, saying whether it was queued (False: its id was
         refused as a duplicate), for ``push_and_wait``. ``push`` does the same inline, one
-        coroutine and one flag fewer on its hot path: the two must stay in step."""
+        coroutine fewer on its hot path."""
         inserts, one = self._inserts, self._one_insert
         if one is None or (reply := inserts.send_one(one[0], entry)) is None:
             (queued,) = await inserts.submit([entry])
@@ -357,12 +354,19 @@ class Queue:
         try:
             await reply
         finally:
-            inserts.ran_one()
-            if replied(reply) and one[1](reply.result()):
-                queued = True
-                self._stats.incr(self.name, "put", 1)
-                self._signal.insert(self.name, time.time() + entry.delay, 1)  # its mature time
+            queued = self._one_inserted(reply, entry)
         return queued
+
+    def _one_inserted(self, reply: asyncio.Future[Any], entry: Entry) -> bool:
+        """The end of a one-message insert sent on its own (see :meth:`push`): whether the
+        store took it, counted and signalled if so (its mature time)."""
+        one = self._one_insert
+        self._inserts.ran_one()
+        if one is not None and replied(reply) and one[1](reply.result()):
+            self._stats.incr(self.name, "put", 1)
+            self._signal.insert(self.name, time.time() + entry.delay, 1)
+            return True
+        return False
 
     async def push_many(
         self,
