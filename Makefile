@@ -24,7 +24,7 @@ services:
 	bash tests/services.sh
 
 test: $(VENV)/.stamp-$(TEST_EXTRAS) services
-	$(PY) -m pytest -q -p no:cacheprovider -n 2 --dist loadgroup --durations=30 $(PYTEST_ARGS)
+	$(PY) -m pytest -q -p no:cacheprovider -n 4 --dist loadgroup --durations=30 $(PYTEST_ARGS)
 
 lint: $(VENV)/.stamp-$(TEST_EXTRAS)
 	$(PY) -m ruff check aio_keuss tests bench examples

@@ -12,7 +12,8 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import pytest
-from backends import BackendCase
+from backends import CASES, BackendCase
+from conftest import usable_case
 from polling import until
 
 import aio_keuss
@@ -27,6 +28,16 @@ LONG = 3600.0
 
 POLL_GUARD = 120.0
 """Hang guard of a wait for what a store does in its own time (an expiry)."""
+
+
+STORE_CASES = ("memory", "redis-oq", "redis-oq-cluster", "postgres", "sqlite", "mongo")
+"""One case per result store: a store belongs to a database, not to a backend (the
+sharded, bucket and history backends of a database keep their results in its store)."""
+
+
+@pytest.fixture(params=[c for c in CASES if c.id in STORE_CASES], ids=lambda c: c.id)
+def case(request: pytest.FixtureRequest) -> BackendCase:
+    return usable_case(request)
 
 
 @pytest.fixture
