@@ -157,6 +157,27 @@ async def test_the_deadletter_queue_asked_for_with_options_while_others_open(
     assert (await factory.list())["__deadletter__"]["reserve_delay"] == 45.0
 
 
+async def test_the_options_a_claim_reopens_the_deadletter_queue_with_are_in_effect(
+    connect: Connect,
+) -> None:
+    """The claim reopens the queue with the user's options: the queue object has them, and
+    so must what its store does with them. A sharded backend keeps one store per name, and
+    handed the reopened queue the factory's own, made with the defaults: its dedup window
+    (an hour by default) still kept a consumed id out although the user asked for none."""
+    factory = await connect(deadletter={"max_ko": 0}, poll_interval=5.0)
+    needs(factory, "idempotent")
+    await factory.queue("work")  # opens the deadletter queue for its routing, by default
+    dl = await factory.queue("__deadletter__", dedup_window=0)
+    assert dl.options.dedup_window == 0
+    await dl.push("first", id="k")
+    popped = await dl.pop(timeout=10)
+    assert popped is not None and popped.payload == "first"
+    assert await dl.push("second", id="k") == "k"  # no window: the id is free once consumed
+    assert await dl.total_size() == 1
+    popped = await dl.pop(timeout=10)
+    assert popped is not None and popped.payload == "second"
+
+
 async def test_a_deadletter_queue_asked_for_with_the_defaults_keeps_them(
     connect: Connect,
 ) -> None:
