@@ -546,6 +546,29 @@ async def test_a_message_being_deadlettered_is_not_swept_back(sharded: Connect) 
     assert await q.total_size() == 0
 
 
+async def test_a_claimed_queue_s_store_has_the_options_it_was_claimed_with(
+    sharded: Connect,
+) -> None:
+    """The backend kept one store per name: the claim's reopen of the deadletter queue got
+    the store of the factory's own open, with the defaults (its dedup window, the
+    ``poll_interval`` its consumer place is renewed by). The reopened queue's store has its
+    options, and is the one a ko past max_ko copies into."""
+    factory = await sharded(deadletter={"max_ko": 0})
+    q = await factory.queue("work")
+    opened = store_of(factory.open_queues()[-1])
+    assert opened.name == "__deadletter__"
+    dl = await factory.queue("__deadletter__", dedup_window=0, poll_interval=2.0)
+    assert store_of(dl) is not opened
+    assert store_of(dl).options == dl.options
+    await q.push("poison")
+    held = await q.reserve(timeout=30)
+    assert held is not None
+    assert await q.ko(held) == aio_keuss.KoResult.DEADLETTERED
+    assert await backend_of(factory).store_of("__deadletter__", q.options) is store_of(dl)
+    copy = await dl.pop(timeout=30)
+    assert copy is not None and copy.payload == "poison"
+
+
 async def test_a_deadletter_a_close_gives_up_on_still_ends_in_one_queue(
     sharded: Connect, case: BackendCase, monkeypatch: pytest.MonkeyPatch
 ) -> None:
