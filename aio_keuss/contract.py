@@ -733,7 +733,10 @@ class Backend(ABC):
 
     @abstractmethod
     async def store(self, queue: str, options: QueueOptions) -> Store:
-        """Make (creating storage on first use) the store of one queue."""
+        """Make (creating storage on first use) the store of one queue, with ``options``.
+        Called once for each queue object the factory opens, and a queue may open again
+        under its name with other options (a claim, see ``Factory.queue``): the store made
+        must act on these, not on those of an earlier open."""
 
     def signal_bus(self, debounce: float) -> SignalBus:
         """The signal bus of this backend's own database; in-process by default."""

@@ -133,11 +133,11 @@ class Factory:
         reopened one. Why not the other ways round: the options cannot change on the queue
         object in place (``max_batch`` sizes its batching, ``reserve_delay`` its one-message
         reserve, ``rate_limit`` its limiter, ``dedup_window`` and ``reserve_delay`` its
-        store's own state), and the old one cannot close later, beside the reopened one: a
-        backend may hand both the same store (the sharded ones keep one per name), which
-        that close would shut under the reopened queue. So this ask waits for those calls
-        (as the close of any queue waits for its round trips in flight): a long replay into
-        the queue holds it back that long."""
+        store's own state: each open gets a store made with its options), and the old one
+        cannot close later, beside the reopened one: nothing promises that two opens of one
+        name share nothing a close shuts (the sharded backends find a queue's store by its
+        name). So this ask waits for those calls (as the close of any queue waits for its
+        round trips in flight): a long replay into the queue holds it back that long."""
         name = found.name
         if self._closed:  # closed while this ask opened it (and closing it with the others)
             raise ClosedError("factory is closed")

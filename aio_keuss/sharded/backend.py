@@ -63,13 +63,27 @@ class ShardedBackend(Backend):
         await super().close()
 
     async def store(self, queue: str, options: QueueOptions) -> Store:
-        return await self.store_of(queue, options)
+        """A store of its own for each queue object opened, with that queue's options, and
+        from then on the one :meth:`store_of` finds. A queue may open again under one name:
+        the factory reopens one it opened by itself with the defaults once the user asks
+        for it with options of their own (its claim). Handed the store of the first open,
+        the reopened queue would push with that open's ``dedup_window`` and renew its
+        consumer place by that open's ``poll_interval``, whatever it was opened with."""
+        store = await self._new_store(queue, options)
+        self._stores[queue] = store
+        return store
 
     async def store_of(self, queue: str, options: QueueOptions) -> ShardedStore:
-        """The store of ``queue``, writing its metadata record on first use."""
+        """The store of ``queue`` (the deadletter queue a rollback copies into), made with
+        ``options`` if no queue object of it was opened yet."""
         found = self._stores.get(queue)
         if found is not None:
             return found
+        store = await self._new_store(queue, options)
+        return self._stores.setdefault(queue, store)  # a queue's own store opened meanwhile
+
+    async def _new_store(self, queue: str, options: QueueOptions) -> ShardedStore:
+        """A store of ``queue``, writing its metadata record on first use."""
         wanted = self.sharded.shards
         record = meta.record(wanted, options, self.sharded)
         adopted = meta.Adopted.of(await self.storage.touch(queue, record, meta.life(self.sharded)))
@@ -77,9 +91,7 @@ class ShardedBackend(Backend):
             raise ConfigError(
                 f"queue {queue!r} was created with {adopted.shards} shards, not {wanted}"
             )
-        store = ShardedStore(queue, options, self.storage, self.sharded, adopted, self.store_of)
-        self._stores[queue] = store
-        return store
+        return ShardedStore(queue, options, self.storage, self.sharded, adopted, self.store_of)
 
     async def queue_info(self, queue: str) -> dict[str, Any] | None:
         """The queue's metadata record (None once it expired or was never written)."""
