@@ -1767,24 +1767,36 @@ class Queue:
         """Cancel a message, waiting or running (saq's and arq's ``job.abort()``).
 
         Waiting, it is removed (where ``capabilities.remove``): ``REMOVED``. Under a
-        reservation, its holder is asked to stop it (needs ``capabilities.results``): a
-        request is left in the backend, a signal names it to every process, and the
-        consumer holding it cancels its handler's task (the handler sees
-        ``CancelledError``), then ok-s it, done for good: ``REQUESTED``. ``MISSING`` when
-        it is nowhere to be found and no request is left; a backend that cannot look
-        (no ``capabilities.peek``) leaves the request and answers ``REQUESTED`` for any id.
+        reservation (or popped and running), its holder is asked to stop it (needs
+        ``capabilities.results``): a request is left in the backend, a signal names it to
+        every process, and the consumer holding it cancels its handler's task (the handler
+        sees ``CancelledError``), then ok-s it, done for good: ``REQUESTED``. ``MISSING`` when
+        it is nowhere to be found and no request is left. A backend that cannot look
+        (no ``capabilities.peek``) leaves the request and answers ``REQUESTED`` for any id;
+        so does a backend without ``capabilities.reserve``: a popped message is out of the
+        store while its handler runs, so not finding it does not mean nothing runs it (nor,
+        found waiting, that nobody pops it before a removal that such a backend may lack).
         On a queue with ``result_ttl``, its failure result says ``"cancelled"`` (with
         ``": <reason>"``). ``reason``: a str of at most 1,000 characters, or None.
 
-        A message may end (its handler returned, its ok landed) between the look that
-        found it held and the request landing: then nothing holds it to use the request
-        up, which would stop a later push of its id. The message is looked up again once
-        the request is in (before the signal, which could otherwise have it stopped in
-        between); gone, the request is used up at once and the answer is ``MISSING``: the
-        message was not stopped, it finished, and no request is left. ``REQUESTED`` would
-        promise a stop that cannot come. (A consumer that looks the requests up on its own
-        may find the request in that moment and stop the message: rarely, ``MISSING``
-        then names a message that was stopped, as its failure result says.)"""
+        A request that reaches nothing (the id never pushed, or its message done) is kept
+        for its lifetime (twice ``reserve_delay``, plus a minute), then expires. Without
+        idempotent ids no later push takes the same id, so it stops nothing. A backend
+        without reserve but with idempotent ids would stop a push of that explicit id made
+        within that lifetime (past its ``dedup_window``): cancel only an id that may still
+        run there, or push it again only once the request expired.
+
+        A message may end (its handler returned, its ok landed) between the look that found
+        it held and the request landing: then nothing holds it to use the request up, which
+        would stop a later push of its id. Where the first look was made, the message is
+        looked up again once the request is in (before the signal, which could otherwise
+        have it stopped in between); gone, the request is used up at once and the answer is
+        ``MISSING``: the message was not stopped, it finished, and no request is left.
+        ``REQUESTED`` would promise a stop that cannot come. (A consumer that looks the
+        requests up on its own may find the request in that moment and stop the message:
+        rarely, ``MISSING`` then names a message that was stopped, as its failure result
+        says.) Found still held with its handler returned and its ok on its way, the
+        message's consumer, told of the request, uses it up once that ok lands."""
         self._check_open()
         message_id = _target(message)[0]
         text = check_reason(reason)
@@ -1795,12 +1807,15 @@ class Queue:
             return CancelResult.REMOVED
         if self._result_store is None:  # nothing can stop a running handler here
             return CancelResult.MISSING
-        if capabilities.peek and not await self._held_still(message_id):
+        # only a reservation stays in the store while its handler runs: without reserve, a
+        # look that finds nothing says nothing (and neither look is paid for)
+        looks = capabilities.peek and capabilities.reserve
+        if looks and not await self._held_still(message_id):
             return CancelResult.MISSING
         store = await self._result_store()
         ttl = request_ttl(self.options.reserve_delay)
         await store.put(cancel_space(self.name), [(message_id, encode_request(text))], ttl)
-        if capabilities.peek and not await self._held_still(message_id):
+        if looks and not await self._held_still(message_id):
             await self._use_up_requests([message_id])
             return CancelResult.MISSING
         self._signal.cancels(self.name, [message_id])

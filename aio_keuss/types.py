@@ -65,8 +65,9 @@ class CancelResult(enum.IntEnum):
     REMOVED = 1
     """It was waiting: removed, as ``remove`` does."""
     REQUESTED = 2
-    """It is under a reservation (or may be: a backend that cannot look says so for any
-    id): its holder is asked to stop it."""
+    """It is under a reservation (or may be: a backend that cannot look, or one without
+    reserve, whose popped messages are out of the store while they run, says so for any
+    id it does not remove): its holder is asked to stop it."""
 
 
 class KoResult(enum.IntEnum):
