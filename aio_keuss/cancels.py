@@ -15,9 +15,10 @@ it looks once, whatever the queue. Ids it heard named but did not hold are remem
 as long as a request lives, so one it takes later (a fetch under way as the signal came)
 is not run (once the request is read back: it may have been used up meanwhile). A request
 that reached its message is used up (overwritten with :data:`USED`) once the message is
-done, stopped or ok-ed after a handler that went on when asked to stop, so that an explicit
-id pushed again past its ``dedup_window`` is a new message nothing stops; ``Queue.cancel``
-uses up its own request when the message finished before the request landed.
+done: stopped, or ok-ed after a handler that went on when asked to stop or had returned as
+the request came (its ok on its way), so that an explicit id pushed again past its
+``dedup_window`` is a new message nothing stops; ``Queue.cancel`` uses up its own request
+when the message finished before the request landed.
 """
 
 from __future__ import annotations

@@ -596,9 +596,15 @@ class Consumer(StoppedOnExit):
         # messages wait in ``_oks`` for one of at most OK_SENDERS sender tasks; at most
         # OK_ROOM * (concurrency + prefetch) are unanswered (queued or in flight) at a time.
         self._oks: list[Message] = []
-        # ids among ``_oks`` whose handler was asked to stop (and went on): their requests
-        # are used up once their ok lands (see ``_use_up``); most of the time empty
+        self._oks_out: list[list[Message]] = []  # the batches of oks in flight
+        # ids among ``_oks`` and ``_oks_out`` whose handler was asked to stop (and went on),
+        # or that a request named once it had returned: their requests are used up once
+        # their ok lands (see ``_use_up``); most of the time empty
         self._asked: set[str] = set()
+        # ids a request named once their handler had ended, while their worker still
+        # acknowledges them: used up once an ok lands, forgotten by the worker after any
+        # other outcome (the request stands for the next holder); most of the time empty
+        self._late: set[str] = set()
         self._ok_values: list[Any] = []  # what each one's handler returned (its result)
         self._oks_unanswered = 0
         self._ok_limit = OK_ROOM * (concurrency + prefetch)
@@ -874,6 +880,11 @@ class Consumer(StoppedOnExit):
                 log.exception("queue %r: consumer failed on message %s", queue.name, first.id)
             finally:
                 self._in_flight -= 1
+                if self._late:  # named once its handler ended: used up on an ok, else stands
+                    if isinstance(message, list):
+                        self._late.difference_update(m.id for m in message)
+                    else:
+                        self._late.discard(message.id)
                 # only its own entry: another worker may run a later delivery of the same id
                 # (this one's reservation lapsed), whose entry must stay
                 if not isinstance(message, list):
@@ -1025,25 +1036,31 @@ class Consumer(StoppedOnExit):
                 await self._keep_popped([message], failure=self._failure_text(failure))
             return
         # asked, but it finished: its outcome stands, and the request is used up after it
+        # (as one that named it while its ok was on its way: ``_late``)
         asked = None if self._cancels is None else self._cancels.taken(task)
         self._ran(started, "ok")
         self.handled += 1
+        late = self._late
         if self._settle is not None:
             settled = await self._acknowledge("settle", message, self._settle(message, result))
-            if asked is not None and settled is not None and settled is not False:
+            done = settled is not None and settled is not False
+            if done and (asked is not None or (late and message.id in late)):
                 await self._use_up([message])
         elif self._reserve and self._prefetch:
             if asked is not None:
                 self._asked.add(message.id)
             await self._ok_later(message, result)
+            if late and message.id in late:  # named as it waited for room: queued now
+                self._asked.add(message.id)
         elif self._reserve:
             ok = self.queue.ok(message, result) if self._keeps else self.queue.ok(message)
-            if await self._acknowledge("ok", message, ok) and asked is not None:
+            done = await self._acknowledge("ok", message, ok)
+            if done and (asked is not None or (late and message.id in late)):
                 await self._use_up([message])
         else:
             if self._keeps:
                 await self._keep_popped([message], result)
-            if asked is not None:  # popped: gone for good
+            if asked is not None or (late and message.id in late):  # popped: gone for good
                 await self._use_up([message])
 
     async def _keep_popped(
@@ -1074,9 +1091,11 @@ class Consumer(StoppedOnExit):
             sender.add_done_callback(self._acks.discard)
 
     async def _send_oks(self) -> None:
+        out = self._oks_out
         try:
             while self._oks:
                 batch, self._oks = self._oks, []
+                out.append(batch)
                 values = None
                 if self._keeps:
                     values, self._ok_values = self._ok_values, []
@@ -1088,6 +1107,7 @@ class Consumer(StoppedOnExit):
                         ok = self.queue.ok_many(batch, values)
                         flags = await self._acknowledge_all("ok", batch, ok)
                 finally:
+                    del out[next(i for i, b in enumerate(out) if b is batch)]
                     self._oks_unanswered -= len(batch)
                     room = self._ok_room
                     if room is not None and self._oks_unanswered < self._ok_limit:
@@ -1193,6 +1213,7 @@ class Consumer(StoppedOnExit):
                 await self._keep_popped(messages, failure=self._failure_text(failure))
             return
         # asked, but it finished: its outcome stands, and the requests are used up after it
+        # (as those that named one while the oks were on their way: ``_late``)
         asked = None if self._cancels is None else self._cancels.taken(task)
         self._ran(started, "ok")
         self.handled += len(messages)
@@ -1201,14 +1222,21 @@ class Consumer(StoppedOnExit):
             values = [result] * len(messages) if self._keeps else None
             ok = self.queue.ok_many(messages, values)
             flags = await self._acknowledge_all("ok", messages, ok)
-            if asked is not None and flags:
+            if flags and (asked is not None or self._late):
+                named = self._named(asked)
                 done = zip(messages, flags, strict=True)
-                await self._use_up([m for m, ok in done if ok and m.id in asked])
+                await self._use_up([m for m, ok in done if ok and m.id in named])
         else:
             if self._keeps:
                 await self._keep_popped(messages, result)
-            if asked is not None:  # popped: gone for good
-                await self._use_up([m for m in messages if m.id in asked])
+            if asked is not None or self._late:  # popped: gone for good
+                named = self._named(asked)
+                await self._use_up([m for m in messages if m.id in named])
+
+    def _named(self, asked: list[str] | None) -> set[str]:
+        """The ids whose request is to be used up once a batch's handler returned: those
+        that asked it to stop as it ran, and those named once it had returned."""
+        return self._late if asked is None else {*asked, *self._late}
 
     async def _held_back(self, messages: list[Message], exc: RateLimited, started: float) -> bool:
         """A handler's ``RateLimited``: the queue's deliveries held, its messages given back
@@ -1276,17 +1304,25 @@ class Consumer(StoppedOnExit):
     def _on_cancel(self, ids: Sequence[str]) -> None:
         """Stop what this consumer holds of ``ids``: a running handler's task is cancelled
         (its worker then ok-s the message, see ``_stopped_on_request``); a prefetched message
-        is ok-ed without running."""
+        is ok-ed without running. One whose handler returned is not stopped: where its ok is
+        on its way (sent, queued, or to be sent by its worker), the request is used up once
+        the ok lands, as nothing else would (the cancel saw the message still held)."""
         watch = self._cancels
         assert watch is not None
         named = set(ids)
+        busy = self.busy
         for task, running in self._running.items():
-            if task not in self._handling:
-                continue
             batch = running if isinstance(running, list) else (running,)
             stop = [m.id for m in batch if m.id in named]
-            if stop:
+            if not stop:
+                continue
+            if task in self._handling:
                 watch.cancel(task, stop)
+            else:  # its handler ended; still busy: its worker acknowledges it (see _late)
+                self._late.update(m.id for m in batch if m.id in named and busy.get(m.id) is m)
+        if self._oks_unanswered:  # handled, their oks queued or in flight (prefetch)
+            for oks in (self._oks, *self._oks_out):
+                self._asked.update(m.id for m in oks if m.id in named)
         buffer = self._buffer
         if any(m.id in named for m, _ in buffer):
             unstarted = [m for m, _ in buffer if m.id in named]
