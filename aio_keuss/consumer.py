@@ -1375,7 +1375,8 @@ class Consumer(StoppedOnExit):
 
     async def _use_up_asked(self, batch: list[Message], flags: list[bool] | None) -> None:
         """The oks of ``batch`` landed (``flags``; None: not sent): the requests of those
-        whose handler was asked to stop are used up, where the ok was taken."""
+        whose handler was asked to stop, or that a request named once it had returned, are
+        used up, where the ok was taken (refused, the request stands for the next holder)."""
         asked, done = self._asked, []
         for index, message in enumerate(batch):
             if message.id in asked:
