@@ -597,3 +597,61 @@ async def test_a_handler_past_its_timeout_is_still_stopped_on_request(connect: C
         await _gone(q)
         status = consumer.status()
         assert (status.cancelled, status.failed) == (1, 0)
+
+
+@pytest.mark.parametrize("settings", [{}, {"prefetch": 2}, {"batch": 2}], ids=str)
+async def test_a_request_heard_while_the_ok_is_on_its_way_is_used_up(
+    connect: Connect, settings: dict[str, Any]
+) -> None:
+    """The handler returned and its ok is held on its way as the cancel comes: the cancel
+    finds the message still reserved, leaves its request and signals; the consumer, its
+    handler done, uses the request up once the ok lands, so that the id pushed again past
+    its dedup window is a new message that runs."""
+    from aio_keuss.cancels import USED
+    from aio_keuss.results import cancel_space
+
+    factory = await _held_factory(connect, max_wait_time=0.2)
+    needs(factory, "idempotent")
+    q = await factory.queue("q1", dedup_window=0.2)
+    store = await factory._results.get()
+    held, release = asyncio.Event(), asyncio.Event()
+    ok, ok_many = q.ok, q.ok_many
+
+    async def gate() -> None:
+        if not release.is_set():
+            held.set()
+            await release.wait()
+
+    async def held_ok(message: Any) -> bool:
+        await gate()
+        return await ok(message)
+
+    async def held_ok_many(messages: Any) -> list[bool]:
+        await gate()
+        return await ok_many(messages)
+
+    q.ok = held_ok  # type: ignore[method-assign]
+    q.ok_many = held_ok_many  # type: ignore[method-assign]
+    ran: list[str] = []
+
+    async def handler(message: Message | list[Message]) -> None:
+        ran.extend(m.payload for m in (message if isinstance(message, list) else [message]))
+
+    async def used_up() -> bool:
+        return await store.get(cancel_space(q.name), ["order-1"]) == [USED]
+
+    async with q.consume(handler, **settings) as consumer:
+        await q.push("first", id="order-1")
+        await asyncio.wait_for(held.wait(), GUARD)
+        assert await q.cancel("order-1") is CancelResult.REQUESTED
+        release.set()
+        await until(used_up, GUARD)
+        await _gone(q)
+        await asyncio.sleep(0.5)  # past the dedup window: the same id is a new message
+
+        async def ended() -> bool:
+            return len(ran) == 2 or consumer.status().cancelled > 0
+
+        await q.push("second", id="order-1")
+        await until(ended, GUARD)
+        assert (ran, consumer.status().cancelled) == (["first", "second"], 0)
