@@ -13,6 +13,7 @@ left. Nothing here times the backend: waits that must end have generous hang gua
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import pytest
@@ -416,13 +417,7 @@ async def test_a_request_a_handler_ignored_is_used_up(
     """The handler shielded itself from the cancellation and returned: its message is
     ok-ed as handled, and the request that asked it to stop is used up all the same, so
     that the id pushed again past its dedup window is a new message that runs."""
-    from aio_keuss.cancels import USED
-    from aio_keuss.results import cancel_space
-
-    factory = await _held_factory(connect, max_wait_time=0.2)
-    needs(factory, "idempotent")
-    q = await factory.queue("q1", result_ttl=TTL, dedup_window=0.2)
-    store = await factory._results.get()
+    q, used_up = await _reused_id_queue(connect, result_ttl=TTL)
     ran: list[str] = []
     started, heard, go_on = asyncio.Event(), asyncio.Event(), asyncio.Event()
 
@@ -442,9 +437,6 @@ async def test_a_request_a_handler_ignored_is_used_up(
             return "+".join([await work(m.payload) for m in message])
         return await work(message.payload)
 
-    async def used_up() -> bool:
-        return await store.get(cancel_space(q.name), ["order-1"]) == [USED]
-
     async with q.consume(handler, **settings) as consumer:
         await q.push("first", id="order-1")
         await asyncio.wait_for(started.wait(), GUARD)
@@ -453,14 +445,7 @@ async def test_a_request_a_handler_ignored_is_used_up(
         go_on.set()
         await _gone(q)
         await until(used_up, GUARD)
-        await asyncio.sleep(0.5)  # past the dedup window: the same id is a new message
-
-        async def ended() -> bool:
-            return len(ran) == 2 or consumer.status().cancelled > 0
-
-        await q.push("second", id="order-1")
-        await until(ended, GUARD)
-        assert (ran, consumer.status().cancelled) == (["first", "second"], 0)
+        await _a_later_push_runs(q, consumer, ran)
 
 
 async def test_a_message_finished_as_its_request_lands_is_missing(connect: Connect) -> None:
@@ -607,13 +592,7 @@ async def test_a_request_heard_while_the_ok_is_on_its_way_is_used_up(
     finds the message still reserved, leaves its request and signals; the consumer, its
     handler done, uses the request up once the ok lands, so that the id pushed again past
     its dedup window is a new message that runs."""
-    from aio_keuss.cancels import USED
-    from aio_keuss.results import cancel_space
-
-    factory = await _held_factory(connect, max_wait_time=0.2)
-    needs(factory, "idempotent")
-    q = await factory.queue("q1", dedup_window=0.2)
-    store = await factory._results.get()
+    q, used_up = await _reused_id_queue(connect)
     held, release = asyncio.Event(), asyncio.Event()
     ok, ok_many = q.ok, q.ok_many
 
@@ -637,9 +616,6 @@ async def test_a_request_heard_while_the_ok_is_on_its_way_is_used_up(
     async def handler(message: Message | list[Message]) -> None:
         ran.extend(m.payload for m in (message if isinstance(message, list) else [message]))
 
-    async def used_up() -> bool:
-        return await store.get(cancel_space(q.name), ["order-1"]) == [USED]
-
     async with q.consume(handler, **settings) as consumer:
         await q.push("first", id="order-1")
         await asyncio.wait_for(held.wait(), GUARD)
@@ -647,11 +623,37 @@ async def test_a_request_heard_while_the_ok_is_on_its_way_is_used_up(
         release.set()
         await until(used_up, GUARD)
         await _gone(q)
-        await asyncio.sleep(0.5)  # past the dedup window: the same id is a new message
+        await _a_later_push_runs(q, consumer, ran)
 
-        async def ended() -> bool:
-            return len(ran) == 2 or consumer.status().cancelled > 0
 
-        await q.push("second", id="order-1")
-        await until(ended, GUARD)
-        assert (ran, consumer.status().cancelled) == (["first", "second"], 0)
+async def _a_later_push_runs(q: aio_keuss.Queue, consumer: Any, ran: list[str]) -> None:
+    """Past the queue's dedup window (0.2 s), "order-1" pushed again is a new message, which
+    the used-up request does not stop: it runs after "first"."""
+    await asyncio.sleep(0.5)
+
+    async def ended() -> bool:
+        return len(ran) == 2 or consumer.status().cancelled > 0
+
+    await q.push("second", id="order-1")
+    await until(ended, GUARD)
+    assert (ran, consumer.status().cancelled) == (["first", "second"], 0)
+
+
+async def _reused_id_queue(
+    connect: Connect, **options: Any
+) -> tuple[aio_keuss.Queue, Callable[[], Awaitable[bool]]]:
+    """Queue "q1" of a factory that signals little (see ``_held_factory``), with a dedup
+    window of 0.2 s, for a test that pushes "order-1" again once its request is used up;
+    and the check that it is (skipped where ids cannot be given)."""
+    from aio_keuss.cancels import USED
+    from aio_keuss.results import cancel_space
+
+    factory = await _held_factory(connect, max_wait_time=0.2)
+    needs(factory, "idempotent")
+    q = await factory.queue("q1", dedup_window=0.2, **options)
+    store = await factory._results.get()
+
+    async def used_up() -> bool:
+        return await store.get(cancel_space(q.name), ["order-1"]) == [USED]
+
+    return q, used_up

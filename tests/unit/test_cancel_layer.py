@@ -122,59 +122,6 @@ async def test_a_request_that_reached_its_message_stands() -> None:
         assert await _requests(factory, q.name, [message_id]) == [encode_request("why")]
 
 
-@pytest.mark.parametrize("settings", [{}, {"prefetch": 2}, {"batch": 2}], ids=str)
-async def test_a_cancel_heard_while_the_ok_is_on_its_way_uses_the_request_up(
-    settings: dict[str, Any],
-) -> None:
-    """The handler returned; its ok is held on its way (queued for a batched send, or in
-    flight) as the cancel comes: the message is still reserved, so the cancel leaves its
-    request and signals, and the consumer, whose handler is done, uses the request up once
-    the ok lands, so that the id pushed again past its dedup window is a new message."""
-    guard = 30.0
-    async with aio_keuss.connect("memory", poll_interval=60.0, max_wait_time=0.2) as factory:
-        q = await factory.queue("jobs", dedup_window=0.2)
-        held, release = asyncio.Event(), asyncio.Event()
-        ok, ok_many = q.ok, q.ok_many
-
-        async def gate() -> None:
-            if not release.is_set():
-                held.set()
-                await release.wait()
-
-        async def held_ok(message: Any) -> bool:
-            await gate()
-            return await ok(message)
-
-        async def held_ok_many(messages: Any) -> list[bool]:
-            await gate()
-            return await ok_many(messages)
-
-        q.ok = held_ok  # type: ignore[method-assign]
-        q.ok_many = held_ok_many  # type: ignore[method-assign]
-        ran: list[str] = []
-
-        async def handler(message: Message | list[Message]) -> None:
-            ran.extend(m.payload for m in (message if isinstance(message, list) else [message]))
-
-        async def used_up() -> bool:
-            return await _requests(factory, q.name, ["order-1"]) == [USED]
-
-        async with q.consume(handler, **settings) as consumer:
-            await q.push("first", id="order-1")
-            await asyncio.wait_for(held.wait(), guard)
-            assert await q.cancel("order-1") is CancelResult.REQUESTED
-            release.set()
-            await until(used_up, guard)
-            await asyncio.sleep(0.5)  # past the dedup window: the same id is a new message
-
-            async def ended() -> bool:
-                return len(ran) == 2 or consumer.status().cancelled > 0
-
-            await q.push("second", id="order-1")
-            await until(ended, guard)
-            assert (ran, consumer.status().cancelled) == (["first", "second"], 0)
-
-
 async def test_a_cancel_heard_while_the_ok_is_queued_uses_the_request_up() -> None:
     """With prefetch, oks go out in the background, at most two round trips at once: both
     held, the next handled message's ok waits in the queue as the cancel comes; its request
