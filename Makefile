@@ -8,7 +8,7 @@ BENCH_ARGS ?=
 PEERS_ARGS ?=
 PEERS := bench/peers
 
-.PHONY: demo test lint bench bench-peers bench-spark services clean
+.PHONY: demo test lint bench bench-instructions bench-peers bench-spark services clean
 
 # One stamp per set of extras, so `make demo` installs little and `make test` everything.
 $(VENV)/.stamp-%: pyproject.toml
@@ -34,6 +34,18 @@ lint: $(VENV)/.stamp-$(TEST_EXTRAS)
 
 bench: $(VENV)/.stamp-$(TEST_EXTRAS) services
 	$(PY) -m bench --backend $(BACKEND) $(BENCH_ARGS)
+
+# Client instructions per message under callgrind, repeatable where timings are not
+# (docs/benchmarks.md); e.g. BACKEND=redis-oq,postgres BENCH_ARGS="--rows pop,consume --base main".
+# Installs Debian's valgrind (the tool and callgrind.h) and gcc when missing.
+bench-instructions: $(VENV)/.stamp-$(TEST_EXTRAS) services
+	@if ! command -v valgrind >/dev/null || ! command -v gcc >/dev/null \
+	    || ! [ -f /usr/include/valgrind/callgrind.h ]; then \
+	  sudo=$$([ "$$(id -u)" = 0 ] || echo sudo); \
+	  $$sudo apt-get update -qq && \
+	  $$sudo env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq valgrind gcc >/dev/null; \
+	fi
+	$(PY) -m bench.instructions --backend $(BACKEND) $(BENCH_ARGS)
 
 # aio-keuss beside Keuss 2.0.6 (Node), saq, arq, procrastinate and the servers' own limits, in one
 # sitting, interleaved over repetitions (docs/benchmarks.md); e.g. PEERS_ARGS="--reps 3 --messages 20000".
