@@ -657,3 +657,53 @@ async def _reused_id_queue(
         return await store.get(cancel_space(q.name), ["order-1"]) == [USED]
 
     return q, used_up
+
+
+async def test_a_request_heard_while_a_failed_message_is_deadlettered_is_used_up(
+    connect: Connect,
+) -> None:
+    """The handler failed on its last try and the ko that deadletters the message is on
+    its way as the cancel comes: the cancel finds the message still reserved, leaves its
+    request and signals. Once the ko lands the message is done here for good, as after an
+    ok, so its consumer uses the request up: left, it would stop the id pushed again past
+    its dedup window."""
+    from aio_keuss.cancels import USED
+    from aio_keuss.results import cancel_space
+
+    factory = await _held_factory(connect, max_wait_time=0.2, deadletter={"max_ko": 0})
+    needs(factory, "idempotent")
+    q = await factory.queue("q1", dedup_window=0.2)
+    store = await factory._results.get()
+
+    async def used_up() -> bool:
+        return await store.get(cancel_space(q.name), ["order-1"]) == [USED]
+
+    held, release = asyncio.Event(), asyncio.Event()
+    ko = q._ko  # what the consumer's ko calls
+
+    async def held_ko(message: Any, *args: Any, **kwargs: Any) -> Any:
+        held.set()
+        await release.wait()
+        return await ko(message, *args, **kwargs)
+
+    q._ko = held_ko  # type: ignore[method-assign]
+    ran: list[str] = []
+
+    async def handler(message: Message) -> None:
+        ran.append(message.payload)
+        if message.payload == "first":
+            raise RuntimeError("poison")
+
+    async with q.consume(handler, retry_delay=0.0) as consumer:
+        await q.push("first", id="order-1")
+        await asyncio.wait_for(held.wait(), GUARD)
+        assert await q.cancel("order-1") is CancelResult.REQUESTED
+        release.set()
+
+        async def deadlettered() -> bool:
+            return consumer.deadlettered == 1
+
+        await until(deadlettered, GUARD)
+        await until(used_up, GUARD)
+        await _gone(q)
+        await _a_later_push_runs(q, consumer, ran)
