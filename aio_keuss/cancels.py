@@ -16,7 +16,8 @@ as long as a request lives, so one it takes later (a fetch under way as the sign
 is not run (once the request is read back: it may have been used up meanwhile). A request
 that reached its message is used up (overwritten with :data:`USED`) once the message is
 done: stopped, or ok-ed after a handler that went on when asked to stop or had returned as
-the request came (its ok on its way), so that an explicit id pushed again past its
+the request came (its ok on its way), or deadlettered by the ko of a handler that had
+failed as the request came, so that an explicit id pushed again past its
 ``dedup_window`` is a new message nothing stops; ``Queue.cancel`` uses up its own request
 when the message finished before the request landed.
 """

@@ -1147,11 +1147,11 @@ class Consumer(StoppedOnExit):
         queue = self.queue
         text = self._failure_text(failure)
         if queue.capabilities.delay:
-            self._count(await self._acknowledge("ko", message, queue.ko(message, delay, text)))
+            await self._ko_landed(message, queue.ko(message, delay, text))
             return
         hold = min(delay, queue.reserve_delay / 2)
         if hold <= 0 or self._stopping:
-            self._count(await self._acknowledge("ko", message, queue.ko(message, None, text)))
+            await self._ko_landed(message, queue.ko(message, None, text))
             return
         later = self._loop.create_task(self._ko_after(message, hold, text))
         self._acks.add(later)  # stop waits for them, and ends their wait
@@ -1163,6 +1163,16 @@ class Consumer(StoppedOnExit):
         with contextlib.suppress(ClosedError):  # as for the oks of _send_oks
             ko = self.queue.ko(message, None, text)
             self._count(await self._acknowledge("ko", message, ko))
+
+    async def _ko_landed(self, message: Message, ko: Awaitable[KoResult]) -> None:
+        """A worker's ko, counted. One that deadletters the message ends it here for good,
+        as an ok does: a request that named it once its handler had failed (``_late``) is
+        used up then, as nothing else would (the cancel saw it still held). Rolled back,
+        the request stands for its next holder."""
+        outcome = await self._acknowledge("ko", message, ko)
+        self._count(outcome)
+        if outcome == KoResult.DEADLETTERED and self._late and message.id in self._late:
+            await self._use_up([message])
 
     def _count(self, outcome: Any) -> None:
         if outcome == KoResult.DEADLETTERED:
