@@ -148,8 +148,17 @@ class CancelWatch:
 
     @property
     def heard_any(self) -> bool:
-        """Whether any id is remembered (most of the time none: :meth:`asked` is skipped)."""
-        return bool(self._heard)
+        """Whether any id is remembered (most of the time none: :meth:`asked` is skipped).
+        Those expired are dropped here, from the oldest (all are remembered for as long,
+        so the order heard in is the order they expire in): once every request heard of
+        has expired, messages taken are no longer looked up, whatever the size cap."""
+        heard = self._heard
+        if not heard:
+            return False
+        now = time.monotonic()
+        while heard and next(iter(heard.values())) <= now:
+            heard.popitem(last=False)
+        return bool(heard)
 
     def asked(self, message_id: str) -> bool:
         """Whether ``message_id`` was named by a request heard of, not yet expired."""
@@ -168,8 +177,8 @@ class CancelWatch:
         return self.asked(message.id)
 
     def mark(self, message_id: str) -> float | None:
-        """When the request heard of for ``message_id`` is forgotten (None: none heard):
-        a later mark means it was heard of again."""
+        """When the request heard of for ``message_id`` is forgotten (None: none heard, or
+        forgotten since): a later mark means it was heard of again."""
         return self._heard.get(message_id)
 
     def marks(self, ids: Sequence[str]) -> list[float | None]:

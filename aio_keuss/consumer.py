@@ -1362,8 +1362,13 @@ class Consumer(StoppedOnExit):
         except Exception as exc:
             log.debug("queue %r: cancel requests not looked up: %r", self.queue.name, exc)
             standing = set(asked)
-        # heard of again during the look (a request it may have missed): it stands
-        standing.update(i for i, mark in zip(asked, heard, strict=True) if watch.mark(i) != mark)
+        # heard of again during the look (a request it may have missed): it stands; one
+        # forgotten meanwhile (expired, or used up) was not heard again: the look tells
+        standing.update(
+            i
+            for i, mark in zip(asked, heard, strict=True)
+            if (again := watch.mark(i)) is not None and again != mark
+        )
         watch.forget(i for i in asked if i not in standing)
         if not standing:
             return message

@@ -14,6 +14,7 @@ import aio_keuss.sync
 from aio_keuss import CancelResult, InvalidInputError, Message
 from aio_keuss.cancels import (
     USED,
+    CancelWatch,
     cancelled_text,
     check_reason,
     decode_request,
@@ -173,3 +174,34 @@ async def test_a_cancel_heard_while_the_ok_is_queued_uses_the_request_up() -> No
             await q.push("second", id="order-1")
             await until(ended, guard)
             assert (ran, consumer.status().cancelled) == (["a", "b", "first", "second"], 0)
+
+
+async def test_heard_ids_are_forgotten_once_their_requests_expire() -> None:
+    """Ids heard named and not held are remembered only as long as a request lives: once
+    all have expired, nothing is remembered, so that a message taken later is not looked
+    up again (a single cancel must not cost every later message a look for good)."""
+    listeners: list[Any] = []
+
+    def subscribe(listener: Any) -> Any:
+        listeners.append(listener)
+        return lambda: None
+
+    async def look(ids: list[str]) -> list[str]:
+        return []
+
+    remember = 0.05
+    watch = CancelWatch("jobs", subscribe, look, list, lambda ids: None, None, remember)
+    try:
+        assert not watch.heard_any
+        listeners[0](Signal("jobs", "cancel", ids=["a", "b"]))
+        listeners[0](Signal("jobs", "cancel", ids=["c"]))
+        assert watch.asked("c") or not watch.heard_any  # heard (unless already expired)
+
+        async def forgotten() -> bool:
+            return not watch.heard_any
+
+        await until(forgotten, 30.0)
+        assert not watch._heard  # dropped, not merely skipped
+        assert not watch.asked("a") and watch.marks(["a", "b", "c"]) == [None, None, None]
+    finally:
+        await watch.close()
