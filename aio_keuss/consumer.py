@@ -603,8 +603,10 @@ class Consumer(StoppedOnExit):
         self._asked: set[str] = set()
         # ids a request named once their handler had ended, while their worker still
         # acknowledges them: used up once an ok lands, forgotten by the worker after any
-        # other outcome (the request stands for the next holder); most of the time empty
-        self._late: set[str] = set()
+        # other outcome (the request stands for the next holder); most of the time empty.
+        # By id, the delivery named: one consumer may hold an id twice (a lapsed reservation
+        # delivered again as its ok was on its way), and each worker minds only its own
+        self._late: dict[str, Message] = {}
         self._ok_values: list[Any] = []  # what each one's handler returned (its result)
         self._oks_unanswered = 0
         self._ok_limit = OK_ROOM * (concurrency + prefetch)
@@ -880,20 +882,20 @@ class Consumer(StoppedOnExit):
                 log.exception("queue %r: consumer failed on message %s", queue.name, first.id)
             finally:
                 self._in_flight -= 1
-                if self._late:  # named once its handler ended: used up on an ok, else stands
-                    if isinstance(message, list):
-                        self._late.difference_update(m.id for m in message)
-                    else:
-                        self._late.discard(message.id)
-                # only its own entry: another worker may run a later delivery of the same id
-                # (this one's reservation lapsed), whose entry must stay
+                # only its own entries: another worker may run a later delivery of the same
+                # id (this one's reservation lapsed), whose entries must stay
+                late = self._late  # named once its handler ended: used up on an ok, else stands
                 if not isinstance(message, list):
                     if busy.get(message.id) is message:
                         del busy[message.id]
+                    if late and late.get(message.id) is message:
+                        del late[message.id]
                 else:
                     for m in message:
                         if busy.get(m.id) is m:
                             del busy[m.id]
+                        if late and late.get(m.id) is m:
+                            del late[m.id]
 
     async def _next(self) -> Message | list[Message] | None:
         """A message to handle: from the prefetch buffer, else from the queue (with
@@ -1044,23 +1046,24 @@ class Consumer(StoppedOnExit):
         if self._settle is not None:
             settled = await self._acknowledge("settle", message, self._settle(message, result))
             done = settled is not None and settled is not False
-            if done and (asked is not None or (late and message.id in late)):
+            if done and (asked is not None or (late and late.get(message.id) is message)):
                 await self._use_up([message])
         elif self._reserve and self._prefetch:
             if asked is not None:
                 self._asked.add(message.id)
             await self._ok_later(message, result)
-            if late and message.id in late:  # named as it waited for room: queued now
+            if late and late.get(message.id) is message:  # named as it waited for room: queued now
                 self._asked.add(message.id)
         elif self._reserve:
             ok = self.queue.ok(message, result) if self._keeps else self.queue.ok(message)
             done = await self._acknowledge("ok", message, ok)
-            if done and (asked is not None or (late and message.id in late)):
+            if done and (asked is not None or (late and late.get(message.id) is message)):
                 await self._use_up([message])
         else:
             if self._keeps:
                 await self._keep_popped([message], result)
-            if asked is not None or (late and message.id in late):  # popped: gone for good
+            # popped: gone for good
+            if asked is not None or (late and late.get(message.id) is message):
                 await self._use_up([message])
 
     async def _keep_popped(
@@ -1171,7 +1174,7 @@ class Consumer(StoppedOnExit):
         the request stands for its next holder."""
         outcome = await self._acknowledge("ko", message, ko)
         self._count(outcome)
-        if outcome == KoResult.DEADLETTERED and self._late and message.id in self._late:
+        if outcome == KoResult.DEADLETTERED and self._late.get(message.id) is message:
             await self._use_up([message])
 
     def _count(self, outcome: Any) -> None:
@@ -1233,20 +1236,22 @@ class Consumer(StoppedOnExit):
             ok = self.queue.ok_many(messages, values)
             flags = await self._acknowledge_all("ok", messages, ok)
             if flags and (asked is not None or self._late):
-                named = self._named(asked)
+                named = self._named(asked, messages)
                 done = zip(messages, flags, strict=True)
                 await self._use_up([m for m, ok in done if ok and m.id in named])
         else:
             if self._keeps:
                 await self._keep_popped(messages, result)
             if asked is not None or self._late:  # popped: gone for good
-                named = self._named(asked)
+                named = self._named(asked, messages)
                 await self._use_up([m for m in messages if m.id in named])
 
-    def _named(self, asked: list[str] | None) -> set[str]:
+    def _named(self, asked: list[str] | None, messages: list[Message]) -> set[str]:
         """The ids whose request is to be used up once a batch's handler returned: those
         that asked it to stop as it ran, and those named once it had returned."""
-        return self._late if asked is None else {*asked, *self._late}
+        late = self._late
+        named = {m.id for m in messages if late.get(m.id) is m}
+        return named if asked is None else named.union(asked)
 
     async def _held_back(self, messages: list[Message], exc: RateLimited, started: float) -> bool:
         """A handler's ``RateLimited``: the queue's deliveries held, its messages given back
@@ -1329,7 +1334,7 @@ class Consumer(StoppedOnExit):
             if task in self._handling:
                 watch.cancel(task, stop)
             else:  # its handler ended; still busy: its worker acknowledges it (see _late)
-                self._late.update(m.id for m in batch if m.id in named and busy.get(m.id) is m)
+                self._late.update((m.id, m) for m in batch if m.id in named and busy.get(m.id) is m)
         if self._oks_unanswered:  # handled, their oks queued or in flight (prefetch)
             for oks in (self._oks, *self._oks_out):
                 self._asked.update(m.id for m in oks if m.id in named)

@@ -205,3 +205,58 @@ async def test_heard_ids_are_forgotten_once_their_requests_expire() -> None:
         assert not watch.asked("a") and watch.marks(["a", "b", "c"]) == [None, None, None]
     finally:
         await watch.close()
+
+
+async def test_a_lapsed_delivery_ending_leaves_the_late_mark_of_its_redelivery() -> None:
+    """One consumer holds an id twice: the first delivery's ok waits as its reservation
+    lapses, and its redelivery is handled by another worker, whose ok waits too. A cancel
+    names the id then, for the newer delivery (the one held). The older worker's end must
+    not drop that mark: the newer ok lands, and uses the request up."""
+    guard = 30.0
+    async with aio_keuss.connect("memory", reserve_delay=0.5, poll_interval=0.05) as factory:
+        q = await factory.queue("jobs")
+        gates = [asyncio.Event(), asyncio.Event()]
+        oks: list[Message] = []
+        ok = q.ok
+
+        async def held_ok(message: Message, *args: Any) -> bool:
+            oks.append(message)
+            await gates[len(oks) - 1].wait()
+            return await ok(message, *args)
+
+        q.ok = held_ok  # type: ignore[method-assign]
+
+        deliveries: list[Message] = []
+
+        async def handler(message: Message) -> None:
+            deliveries.append(message)
+            if len(deliveries) == 2:  # held through the test, as renewals would
+                assert await q.extend(message, 600.0)
+
+        async with q.consume(handler, concurrency=2, renew=False) as consumer:
+            await q.push("x", id="job-1")
+
+            async def both_held() -> bool:  # lapsed as its ok waited, delivered again
+                return len(oks) == 2
+
+            await until(both_held, guard)
+            assert oks == deliveries and oks[0] is not oks[1]
+            assert await q.cancel("job-1") is CancelResult.REQUESTED
+
+            async def marked() -> bool:
+                return "job-1" in consumer._late
+
+            await until(marked, guard)
+            gates[0].set()  # the lapsed delivery's ok: refused, its worker ends
+
+            async def older_ended() -> bool:
+                return consumer._in_flight == 1
+
+            await until(older_ended, guard)
+            gates[1].set()
+
+            async def newer_ended() -> bool:
+                return consumer._in_flight == 0
+
+            await until(newer_ended, guard)
+            assert await _requests(factory, q.name, ["job-1"]) == [USED]
