@@ -178,10 +178,6 @@ class Soak:
     factory_options: dict[str, Any] = field(default_factory=dict)
     copies_of_own_ids: bool = False
     """See :attr:`Ledger.copies_of_own_ids`."""
-    mongo_lease: float | None = None
-    """MongoDB's claim leases for this run instead of their 30 s: a pop's claim whose delete
-    was lost, and a pushed id's claim whose insert was, come back within the run rather
-    than after a wait that checks nothing more (pops past half the lease are renewed)."""
 
 
 SOAKS = [
@@ -189,7 +185,7 @@ SOAKS = [
     Soak("redis-reliable", released_on_failed_ok=True, factory_options={"heartbeat_ttl": 3.0}),
     Soak("redis-list", reserve=False, own_ids=False, rate=0.2),
     Soak("postgres"),
-    Soak("mongo", copies_of_own_ids=True, mongo_lease=2 * RESERVE_DELAY),
+    Soak("mongo", copies_of_own_ids=True),
 ]
 
 
@@ -295,15 +291,9 @@ async def _raw(backend: str, options: dict[str, Any], ids: list[str]) -> Any:
 
 @pytest.mark.parametrize("soak", SOAKS, ids=lambda s: s.backend)
 async def test_faults_lose_nothing_acknowledged_and_hand_nothing_out_twice(
-    soak: Soak, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+    soak: Soak, caplog: pytest.LogCaptureFixture
 ) -> None:
     caplog.set_level(logging.ERROR)
-    if soak.mongo_lease is not None:
-        from aio_keuss.mongo import store
-
-        monkeypatch.setattr(store, "CLAIM_LEASE", soak.mongo_lease)
-        monkeypatch.setattr(store, "LATE_POP", soak.mongo_lease / 2)
-        monkeypatch.setattr(store, "DEDUP_LEASE", soak.mongo_lease)
     loop = asyncio.get_running_loop()
     async with _proxied(soak) as (proxy, direct_options, options):
         factory = await aio_keuss.connect(soak.backend, poll_interval=1.0, **options)
