@@ -1127,15 +1127,18 @@ class Queue:
 
     def _forget(self, done: Sequence[Ack] | Sequence[Nack]) -> None:
         """These reservations were acknowledged (or found gone): not ours to give back."""
-        held = self._held
         for item in done:
-            noted = held.pop(item.id, None)
-            if noted is None:
-                self._held_before.pop(item.id, None)
-            elif (item.token is not None and item.token != noted[1]) or (
-                item.tries is not None and item.tries != noted[0]
-            ):
-                held[item.id] = noted  # a stale holder's ack: our newer reservation stands
+            self._forget_one(item.id, item.tries, item.token)
+
+    def _forget_one(self, message_id: str, tries: int | None, token: str | None) -> None:
+        """One reservation acknowledged (or found gone), unless by a stale holder (another
+        ``tries`` or ``token`` than ours): our newer reservation then stands."""
+        held = self._held
+        noted = held.pop(message_id, None)
+        if noted is None:
+            self._held_before.pop(message_id, None)
+        elif (token is not None and token != noted[1]) or (tries is not None and tries != noted[0]):
+            held[message_id] = noted
 
     async def _give_back(self, busy: set[str]) -> None:
         """On close: reservations handed out here that nobody acknowledged go back at once,
@@ -1388,12 +1391,7 @@ class Queue:
     def _committed_one(self, message_id: str, tries: int | None, done: bool) -> bool:
         """A one-message commit's reply is in: recorded as ``_commit_batch`` records one,
         without an ``Ack`` made for ``_forget``."""
-        held = self._held
-        noted = held.pop(message_id, None)
-        if noted is None:
-            self._held_before.pop(message_id, None)
-        elif tries is not None and tries != noted[0]:
-            held[message_id] = noted  # a stale holder's ack: our newer reservation stands
+        self._forget_one(message_id, tries, None)
         if done:
             self._stats.incr(self.name, "commit", 1)
         return done
@@ -1810,20 +1808,20 @@ class Queue:
         # only a reservation stays in the store while its handler runs: without reserve, a
         # look that finds nothing says nothing (and neither look is paid for)
         looks = capabilities.peek and capabilities.reserve
-        if looks and not await self._held_still(message_id):
+        if looks and not await self._still_queued(message_id):
             return CancelResult.MISSING
         store = await self._result_store()
         ttl = request_ttl(self.options.reserve_delay)
         await store.put(cancel_space(self.name), [(message_id, encode_request(text))], ttl)
-        if looks and not await self._held_still(message_id):
+        if looks and not await self._still_queued(message_id):
             await self._use_up_requests([message_id])
             return CancelResult.MISSING
         self._signal.cancels(self.name, [message_id])
         return CancelResult.REQUESTED
 
-    async def _held_still(self, message_id: str) -> bool:
-        """Whether the message is still in the queue, not processed (a request for it may
-        still reach it)."""
+    async def _still_queued(self, message_id: str) -> bool:
+        """Whether the message is still in the queue, not processed: a cancel request may
+        still reach it, a result may still come for it."""
         (row,) = await self._store.locate([message_id])
         return row is not None and row.state != "processed"
 
@@ -2012,8 +2010,7 @@ class Queue:
         (body,) = await waits.look([message_id])
         if body is not None:
             return body
-        (row,) = await self._store.locate([message_id])
-        if row is None or row.state == "processed":
+        if not await self._still_queued(message_id):
             (body,) = await waits.look([message_id])
             if body is None:
                 raise ResultMissingError(message_id)
