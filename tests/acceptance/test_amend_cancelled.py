@@ -11,7 +11,7 @@ are hang guards only.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
@@ -59,6 +59,24 @@ async def backend() -> AsyncIterator[tuple[str, dict[str, Any], dict[str, Any], 
         await _drop_mongo_database(direct)
 
 
+async def _cancelled_once_done(
+    gate: ReplyGate, call: Coroutine[Any, Any, Any], done: Callable[[], Awaitable[bool]]
+) -> None:
+    """Run ``call`` with its replies held at ``gate``, cancel it once ``done`` sees that the
+    server did it (its reply still held), then let the replies through: the call ends
+    cancelled."""
+    gate.shut()
+    task = asyncio.create_task(call)
+    for _ in range(6000):  # the server did it; its reply is held
+        if await done():
+            break
+        await asyncio.sleep(0.01)
+    task.cancel()
+    gate.open()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+
+
 async def test_a_promote_cancelled_once_done_still_wakes_other_processes(
     backend: tuple[str, dict[str, Any], dict[str, Any], ReplyGate],
 ) -> None:
@@ -71,16 +89,11 @@ async def test_a_promote_cancelled_once_done_still_wakes_other_processes(
         message_id = await promoter.push("x", delay=LATER)
         waiter = asyncio.create_task(consumer.pop(timeout=None))  # woken by a signal only
         await asyncio.sleep(0.3)  # it took nothing and sleeps (an order, not a bound)
-        gate.shut()
-        promote = asyncio.create_task(promoter.promote(message_id))
-        for _ in range(6000):  # the server did it; its reply is held
-            if (await consumer.sizes()).size:
-                break
-            await asyncio.sleep(0.01)
-        promote.cancel()
-        gate.open()
-        with pytest.raises(asyncio.CancelledError):
-            await promote
+
+        async def promoted() -> bool:
+            return bool((await consumer.sizes()).size)
+
+        await _cancelled_once_done(gate, promoter.promote(message_id), promoted)
         got = await asyncio.wait_for(waiter, HANG_GUARD)
         assert got is not None and got.id == message_id
 
@@ -102,15 +115,10 @@ async def test_a_remove_cancelled_once_done_still_keeps_its_failure(
         # connections opened now, so that the remove finds one in the pool: one opened
         # while the gate is shut never gets its handshake's reply
         await asyncio.gather(*(remover.sizes() for _ in range(4)))
-        gate.shut()
-        remove = asyncio.create_task(remover.remove(message_id))
-        for _ in range(6000):  # the server did it; its reply is held
-            if not (await reader.sizes()).total:
-                break
-            await asyncio.sleep(0.01)
-        remove.cancel()
-        gate.open()
-        with pytest.raises(asyncio.CancelledError):
-            await remove
+
+        async def removed() -> bool:
+            return not (await reader.sizes()).total
+
+        await _cancelled_once_done(gate, remover.remove(message_id), removed)
         got = await asyncio.wait_for(waiter, HANG_GUARD)
         assert got is not None and not got.ok and got.error == "removed"
