@@ -12,7 +12,7 @@ import pytest
 
 pytest.importorskip("pymongo")
 
-from aio_keuss.mongo.store import _kept  # noqa: E402
+from aio_keuss.mongo.store import _kept
 
 
 @pytest.mark.parametrize(
