@@ -146,7 +146,8 @@ class ResultMissingError(KeussError):
     that id is still queued, or its ``dedup_window`` is not over), where that earlier
     message has finished and no result of it is kept (it kept none, or it expired after
     ``result_ttl``): none will ever come, so waiting would be for nothing (arq's
-    ``ResultNotFound``). Raised only where the backend can tell (see ``push_and_wait``)."""
+    ``ResultNotFound``). Raised only where the backend can tell, once a short grace passed
+    for a failure kept just after the message left (see ``push_and_wait``)."""
 
     def __init__(self, message_id: str) -> None:
         super().__init__(

@@ -150,6 +150,12 @@ GATHER_SHARE = 0.5
 HELD_CHECK = 1024
 """Reservations held unacknowledged between two checks for expired ones (see ``_rotate_held``)."""
 
+LEAVE_GRACE = 5.0
+"""Seconds a duplicate ``push_and_wait`` still waits for the result of an earlier message it
+found gone with none kept, before ``ResultMissingError``: a remove, a cancel that removes, or
+a ko that deadletters keeps the failure just after the message left (see ``Queue._joined``),
+one round trip of theirs later, normally."""
+
 FetchResult = tuple[list[Stored], float | None]
 Limiter = Callable[[int, float, float], Awaitable[RateGrant]]
 """A rate-limited queue's ``Backend.rate_take`` with its name and rule: (count, hold, end)."""
@@ -1970,7 +1976,8 @@ class Queue:
 
         An ``id`` refused as a duplicate joins the earlier message: its result is awaited.
         Where that message has finished with no result kept (none, or expired), none can
-        come: ``ResultMissingError``, at once, whatever ``timeout`` (see ``_joined``)."""
+        come: ``ResultMissingError``, once a short grace (``LEAVE_GRACE`` seconds) passed
+        with none kept, whatever ``timeout`` beyond it (see ``_joined``)."""
         self._check_open()
         seconds = check_timeout(timeout)
         self._require("results")
@@ -1993,14 +2000,24 @@ class Queue:
         """The result of the earlier message a duplicate push joined, as ``ResultWaits.wait``
         gives it; ``ResultMissingError`` where that message has finished with no result
         kept. Only a backend that keeps a message until its ok (reserve) and can look it up
-        (peek) can tell: the result is written before the ok that deletes the message, so
-        a message gone from the store has its result kept already, if it ever will. Hence
-        the order: the result (kept: the usual join, one round trip), then where the
-        message is, then, gone, the result once more (written between the first two
-        looks). Elsewhere (no peek: nothing to look with; no reserve: a popped message is
-        out of the store while its handler runs) the wait goes on as for any result, up
-        to its timeout. A message removed or deadlettered just before may raise this
-        rather than ``JobFailedError``: its failure is kept after it left."""
+        (peek) can tell. Hence the order: the result (kept: the usual join, one round trip),
+        then where the message is, then, gone, the result once more.
+
+        An ok keeps the result before it deletes the message, so one gone after an ok has
+        its result kept already, if it ever will. Not so a message that left otherwise: a
+        remove (or a cancel that removes) and a ko that deadletters keep its failure once
+        it left (before, the message might not leave: a remove finds it reserved, a ko's
+        reservation lapsed, and a failure kept would be read meanwhile as its result). So
+        the second look is a wait of ``LEAVE_GRACE`` seconds, woken by the failure's signal
+        (and a last look for one whose signal was lost): a message that finished with
+        none kept costs its waiter that grace. A ``timeout`` that ends within the grace
+        ends the wait as any other (None: ``ResultTimeoutError``), since a failure may
+        still come. A remover that stalls beyond the grace (or dies before the failure is
+        kept) leaves ``ResultMissingError``.
+
+        Elsewhere (no peek: nothing to look with; no reserve: a popped message is out of
+        the store while its handler runs) the wait goes on as for any result, up to its
+        timeout."""
         waits = self._waits()
         capabilities = self.capabilities
         if not (capabilities.reserve and capabilities.peek):
@@ -2010,13 +2027,17 @@ class Queue:
         (body,) = await waits.look([message_id])
         if body is not None:
             return body
-        if not await self._still_queued(message_id):
-            (body,) = await waits.look([message_id])
-            if body is None:
-                raise ResultMissingError(message_id)
-            return body
+        still = await self._still_queued(message_id)
         left = None if deadline is None else max(0.0, deadline - loop.time())
-        return await waits.wait(message_id, left)
+        if still:
+            return await waits.wait(message_id, left)
+        grace = LEAVE_GRACE if left is None else min(LEAVE_GRACE, left)
+        body = await waits.wait(message_id, grace)
+        if body is None:
+            (body,) = await waits.look([message_id])
+        if body is not None or grace < LEAVE_GRACE:
+            return body
+        raise ResultMissingError(message_id)
 
     def _waits(self) -> ResultWaits:
         if self._result_waits is None:

@@ -21,6 +21,7 @@ from conftest import Connect, needs
 from polling import until
 
 import aio_keuss
+import aio_keuss.queue
 from aio_keuss import (
     JobFailedError,
     JobResult,
@@ -426,11 +427,13 @@ async def test_a_duplicate_push_and_wait_gets_the_first_message_value(connect: C
 
 @pytest.mark.parametrize("kept", ["nothing", "an expired result"])
 async def test_a_duplicate_push_and_wait_of_a_finished_message_with_no_result_raises(
-    connect: Connect, kept: str
+    connect: Connect, kept: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The first message finished and its result is gone (never kept, or expired): no
-    result can come, and the waiter is told so at once, whatever its timeout (arq's
+    result can come, and the waiter is told so once the grace for a failure kept just
+    after a removal has passed (made short here), whatever its timeout beyond it (arq's
     ``ResultNotFound``), where the backend keeps a message until its ok."""
+    monkeypatch.setattr(aio_keuss.queue, "LEAVE_GRACE", 0.05)
     factory = await _results_factory(connect)
     expiring = kept == "an expired result"
     q = await factory.queue("q1", result_ttl=0.05 if expiring else TTL)
@@ -453,6 +456,93 @@ async def test_a_duplicate_push_and_wait_of_a_finished_message_with_no_result_ra
     assert (await q.sizes()).total == 0  # refused as a duplicate: nothing queued
     with pytest.raises(ResultMissingError):
         await asyncio.wait_for(q.push_and_wait(2, id="job-1", timeout=GUARD), GUARD)
+    # A timeout within the grace ends the wait first: a failure might still have come.
+    monkeypatch.setattr(aio_keuss.queue, "LEAVE_GRACE", GUARD)
+    with pytest.raises(ResultTimeoutError):
+        await asyncio.wait_for(q.push_and_wait(2, id="job-1", timeout=0.05), GUARD)
+
+
+class _HeldPut:
+    """The factory's result store with the puts of one id held back: ``entered`` is set once
+    one began (the message has left, its failure is being kept), and each waits for
+    ``release``; the looks of that id that returned are counted in ``looks``."""
+
+    def __init__(self, store: ResultStore, queue: str, message_id: str) -> None:
+        self.entered = asyncio.Event()
+        self.release = asyncio.Event()
+        self.looks = 0
+        put, get = store.put, store.get
+
+        async def held_put(space: str, results: Sequence[tuple[str, bytes]], ttl: float) -> None:
+            if space == queue and any(i == message_id for i, _ in results):
+                self.entered.set()
+                await self.release.wait()
+            await put(space, results, ttl)
+
+        async def counted_get(space: str, ids: Sequence[str]) -> list[bytes | None]:
+            found = await get(space, ids)
+            if space == queue and message_id in ids:
+                self.looks += 1
+            return found
+
+        store.put = held_put  # type: ignore[method-assign]
+        store.get = counted_get  # type: ignore[method-assign]
+
+
+async def _join_while_held(q: aio_keuss.Queue, held: _HeldPut, leaving: Any) -> Any:
+    """A duplicate push_and_wait of ``job-1`` made while its message has left the queue
+    (``leaving``, its remove, cancel or ko, is out) and its failure result is not yet kept:
+    the failure is let through once the joiner has looked for the result twice (before
+    and after finding the message gone), and the joiner's outcome returned."""
+    await asyncio.wait_for(held.entered.wait(), GUARD)
+    joining = asyncio.ensure_future(q.push_and_wait(2, id="job-1", timeout=GUARD))
+
+    async def looked_twice() -> bool:
+        return joining.done() or held.looks >= 2
+
+    await until(looked_twice, GUARD)
+    held.release.set()
+    await asyncio.wait_for(leaving, GUARD)
+    return await asyncio.wait_for(joining, GUARD)
+
+
+@pytest.mark.parametrize("how", ["remove", "cancel"])
+async def test_a_duplicate_push_and_wait_of_a_message_just_removed_fails_with_it(
+    connect: Connect, how: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A remove (or a cancel that removes) keeps the message's failure just after the
+    message left: a duplicate that finds it gone before that failure is kept waits for it
+    (a bounded grace, made long here) and fails with it, not with ResultMissingError."""
+    monkeypatch.setattr(aio_keuss.queue, "LEAVE_GRACE", GUARD)
+    factory = await _results_factory(connect)
+    q = await factory.queue("q1", result_ttl=TTL)
+    needs(q, "idempotent", "reserve", "peek", "remove")
+    await q.push(1, id="job-1", delay=3600 if q.capabilities.delay else 0.0)
+    held = _HeldPut(await _store_of(factory), "q1", "job-1")
+    leaving = asyncio.ensure_future(q.remove("job-1") if how == "remove" else q.cancel("job-1"))
+    with pytest.raises(JobFailedError) as raised:
+        await _join_while_held(q, held, leaving)
+    assert raised.value.error == ("removed" if how == "remove" else "cancelled")
+    assert leaving.result() in (True, aio_keuss.CancelResult.REMOVED)
+
+
+async def test_a_duplicate_push_and_wait_of_a_message_just_deadlettered_fails_with_it(
+    connect: Connect, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A ko that deadletters keeps the failure once the message moved: a duplicate that
+    finds it gone in between waits for that failure (see the remove case above)."""
+    monkeypatch.setattr(aio_keuss.queue, "LEAVE_GRACE", GUARD)
+    factory = await _results_factory(connect, deadletter={"max_ko": 0})
+    q = await factory.queue("q1", result_ttl=TTL)
+    needs(q, "idempotent", "reserve", "peek")
+    await q.push(1, id="job-1")
+    (message,) = await _reserve_all(q, 1)
+    held = _HeldPut(await _store_of(factory), "q1", "job-1")
+    leaving = asyncio.ensure_future(q.ko(message, error="bad input"))
+    with pytest.raises(JobFailedError) as raised:
+        await _join_while_held(q, held, leaving)
+    assert raised.value.error == "bad input"
+    assert leaving.result() is aio_keuss.KoResult.DEADLETTERED
 
 
 async def test_a_duplicate_push_and_wait_of_a_finished_message_gets_its_kept_result(

@@ -18,6 +18,7 @@ import orjson
 import pytest
 
 import aio_keuss
+import aio_keuss.queue
 from aio_keuss import Message, sync
 from aio_keuss.contract import Backend
 from aio_keuss.factory import Factory, check_results
@@ -303,11 +304,12 @@ async def test_a_lost_result_signal_is_made_up_for_by_the_poll() -> None:
     await factory.close()
 
 
-async def test_push_and_wait_asks_where_its_message_is_only_for_a_duplicate_without_result() -> (
-    None
-):
+async def test_push_and_wait_asks_where_its_message_is_only_for_a_duplicate_without_result(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """A new message's wait, and that of a duplicate whose earlier message's result is
     kept, cost no round trip more than the push and the result's look."""
+    monkeypatch.setattr(aio_keuss.queue, "LEAVE_GRACE", 0.05)  # its ResultMissingError
     factory = _factory(MemoryBackend({}))
     q = await factory.queue("q1", result_ttl=60, poll_interval=60)
     located: list[list[str]] = []
@@ -335,7 +337,8 @@ async def test_push_and_wait_asks_where_its_message_is_only_for_a_duplicate_with
 # the sync shim, the worker, the admin command ---------------------------------------------
 
 
-def test_the_sync_shim_keeps_and_waits_for_results() -> None:
+def test_the_sync_shim_keeps_and_waits_for_results(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(aio_keuss.queue, "LEAVE_GRACE", 0.05)  # its ResultMissingError
     with sync.connect("memory") as factory:
         q = factory.queue("q1", result_ttl=60)
         message_id = q.push(1)
