@@ -561,6 +561,16 @@ class Store(ABC):
         """Where each message is (a processed one too, on a history store), None if gone."""
         raise NotSupportedError(f"{type(self).__name__} cannot peek")
 
+    tells_queued: bool = False
+    """True when :meth:`queued` answers though the store cannot :meth:`locate` (no
+    ``Capabilities.peek``): it can tell a message still in the queue from one gone, without
+    showing it. Where there is peek, :meth:`queued` answers from :meth:`locate`."""
+
+    async def queued(self, ids: Sequence[str]) -> list[bool]:
+        """Whether each message is still in the queue, not processed (a cancel request may
+        still reach it, a result may still come for it), in one round trip."""
+        return [row is not None and row.state != "processed" for row in await self.locate(ids)]
+
     async def hold(self, ids: Sequence[str], reserve_delay: float) -> list[Held | None]:
         """Reserve these messages, if not under an active reservation, until now +
         ``reserve_delay``: per id what a holder presents to :meth:`move` / :meth:`commit`

@@ -1828,8 +1828,8 @@ class Queue:
     async def _still_queued(self, message_id: str) -> bool:
         """Whether the message is still in the queue, not processed: a cancel request may
         still reach it, a result may still come for it."""
-        (row,) = await self._store.locate([message_id])
-        return row is not None and row.state != "processed"
+        (queued,) = await self._store.queued([message_id])
+        return queued
 
     async def _cancel_requests(self, ids: list[str]) -> dict[str, str | None]:
         """The reasons of the cancel requests left for ``ids`` (those with one), in round
@@ -2000,8 +2000,9 @@ class Queue:
         """The result of the earlier message a duplicate push joined, as ``ResultWaits.wait``
         gives it; ``ResultMissingError`` where that message has finished with no result
         kept. Only a backend that keeps a message until its ok (reserve) and can look it up
-        (peek) can tell. Hence the order: the result (kept: the usual join, one round trip),
-        then where the message is, then, gone, the result once more.
+        (peek, or a store that ``tells_queued``: the sharded ones) can tell. Hence the
+        order: the result (kept: the usual join, one round trip), then where the message
+        is, then, gone, the result once more.
 
         An ok keeps the result before it deletes the message, so one gone after an ok has
         its result kept already, if it ever will. Not so a message that left otherwise: a
@@ -2020,7 +2021,7 @@ class Queue:
         timeout."""
         waits = self._waits()
         capabilities = self.capabilities
-        if not (capabilities.reserve and capabilities.peek):
+        if not (capabilities.reserve and (capabilities.peek or self._store.tells_queued)):
             return await waits.wait(message_id, timeout)
         loop = asyncio.get_running_loop()
         deadline = None if timeout is None else loop.time() + timeout

@@ -153,6 +153,10 @@ class RedisShardStorage(ShardStorage):
         ]
         return Fired(messages, reply[0], reply[1], _time(reply[2]))
 
+    async def queued(self, queue: str, shard: int, ids: Sequence[str]) -> list[bool]:
+        base, keys = self._shard(queue, shard)
+        return [flag == 1 for flag in await self._run(lua.QUEUED, keys, [base, *ids])]
+
     async def commit(self, queue: str, shard: int, acks: Sequence[Ack]) -> list[bool]:
         base, keys = self._shard(queue, shard)
         args: list[Any] = [base]

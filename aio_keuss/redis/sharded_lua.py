@@ -1072,6 +1072,18 @@ redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
 return 1
 """
 
+# KEYS: m ix. ARGV: base, then the ids. Reply: 1 / 0 per id, whether it has a record in the
+# shard: its index entry, if current (as INSERT's duplicate check reads it; a stale entry met
+# is dropped, as there).
+_QUEUED = """
+local base = ARGV[1]
+local out = {}
+for i = 2, #ARGV do
+  out[#out + 1] = queued(base, ARGV[i]) and 1 or 0
+end
+return out
+"""
+
 SHARD_SCRIPTS = tuple(
     Script(_PRELUDE + body)
     for body in (
@@ -1085,12 +1097,23 @@ SHARD_SCRIPTS = tuple(
         _NEXT_DEADLINE,
         _SWEEP,
         _SHOVEL,
+        _QUEUED,
     )
 )
 """The scripts that work on one shard (on a cluster, each guarded: see ``CLUSTER_GUARDED``)."""
-INSERT, FIRE, COMMIT, EXTEND, ROLLBACK, DROP_DOOMED, SIZES, NEXT_DEADLINE, SWEEP, SHOVEL = (
-    SHARD_SCRIPTS
-)
+(
+    INSERT,
+    FIRE,
+    COMMIT,
+    EXTEND,
+    ROLLBACK,
+    DROP_DOOMED,
+    SIZES,
+    NEXT_DEADLINE,
+    SWEEP,
+    SHOVEL,
+    QUEUED,
+) = SHARD_SCRIPTS
 READY_ADD, READY_DROP, READY_HEAD, ENROL, LEASE, RELEASE, META, LIST = (
     Script(body)
     for body in (_READY_ADD, _READY_DROP, _READY_HEAD, _ENROL, _LEASE, _RELEASE, _META, _LIST)

@@ -300,6 +300,10 @@ class MemoryShardStorage(ShardStorage):
             await _pass()
         return loaded
 
+    async def queued(self, queue: str, shard: int, ids: Sequence[str]) -> list[bool]:
+        where = self._shard(queue, shard).where
+        return [message_id in where for message_id in ids]
+
     def _load(
         self,
         queue: str,

@@ -274,6 +274,14 @@ class ShardStorage(ABC):
         """
 
     @abstractmethod
+    async def queued(self, queue: str, shard: int, ids: Sequence[str]) -> list[bool]:
+        """Whether each id has a record in the shard (magazine, sideline or schedule; fired
+        and not yet committed counts), as the duplicate check of :meth:`load` reads it; a
+        stale index entry met on the way may be dropped, nothing else written.
+
+        Needs: the id index of :meth:`load`, read in one step."""
+
+    @abstractmethod
     async def fire(self, queue: str, shard: int, n: int, reserve_delay: float | None) -> Fired:
         """Take up to ``n`` records from the fire pointer, atomically on the shard.
 

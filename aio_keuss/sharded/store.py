@@ -358,6 +358,13 @@ class ShardedStore(Store):
     async def commit(self, acks: Sequence[Ack]) -> list[bool]:
         return await self._flags_by_shard(acks, [a.id for a in acks], self._storage.commit)
 
+    tells_queued = True
+
+    async def queued(self, ids: Sequence[str]) -> list[bool]:
+        """A message's shard is a function of its id: one step on each shard asked (one,
+        for the one id a duplicate ``push_and_wait`` asks about), reading its id index."""
+        return await self._flags_by_shard(list(ids), list(ids), self._storage.queued)
+
     async def extend(self, extends: Sequence[Extend]) -> list[bool]:
         """One step per shard, side by side, as :meth:`commit`: each moves the deadline the
         sweeper goes by, so a reservation extended past its first deadline is not sidelined

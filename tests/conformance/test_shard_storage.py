@@ -91,6 +91,29 @@ async def test_an_explicit_id_is_refused_while_queued_and_within_its_window(
     assert (await st.load("q", 0, [entry("y", dedup=True)], 0.0, None)).flags == [True]
 
 
+async def test_queued_says_which_ids_have_a_record_in_the_shard(st: ShardStorage) -> None:
+    """What a duplicate ``push_and_wait`` asks (is the earlier message finished?): an id
+    has a record while it waits, is scheduled, is fired and not committed, is sidelined, or
+    is set aside for its deadletter copy; not once committed, popped or dropped."""
+    ids = ["a", "b", "c", "d", "e"]
+    loads = [entry("a", dedup=True), entry("b", delay=FAR), *map(entry, "cde")]
+    await st.load("q", 0, loads, 60.0, None)
+    assert await st.queued("q", 0, [*ids, "z"]) == [True] * 5 + [False]
+    a, c = (await st.fire("q", 0, 2, FAR)).messages
+    d, e = (await st.fire("q", 0, 2, 0.0)).messages  # deadline: now
+    assert [m.id for m in (a, c, d, e)] == ["a", "c", "d", "e"]
+    assert await st.queued("q", 0, ids) == [True] * 5  # fired, not committed
+    assert await st.commit("q", 0, [Ack("a", a.tries)]) == [True]
+    assert (await st.sweep("q", 0, 1000)).sidelined == 2  # d and e lapsed
+    done = await st.rollback("q", 0, [Nack("c", c.tries, 0.0)], 0)
+    assert done.results == [KoResult.DEADLETTERED]  # set aside for its copy
+    assert await st.queued("q", 0, ids) == [False, True, True, True, True]
+    assert await st.drop_doomed("q", 0, done.doomed) == [True]
+    assert (await st.shovel("q", 0, 1000)).moved == 2
+    assert await fire_ids(st, 0, 5) == ["d", "e"]  # popped
+    assert await st.queued("q", 0, ids) == [False, True, False, False, False]
+
+
 async def test_a_put_back_keeps_its_mature_time_and_tries_and_is_refused_while_queued(
     st: ShardStorage,
 ) -> None:
