@@ -76,16 +76,32 @@ async def test_delayed_messages_come_out_by_mature_time(queue: aio_keuss.Queue) 
     pushed = time.monotonic()  # before "soon": it cannot mature sooner than 0.3 s on
     await queue.push("soon", delay=0.3)
     await queue.push("now")
-    assert await queue.sched_size() == 2
+
+    def matured() -> bool:
+        return time.monotonic() - pushed >= 0.25
+
+    # "soon" is scheduled only while its 0.3 s run, and a busy machine may get to ask only
+    # after them: each answer is checked against the time it came back by.
+    scheduled = await queue.sched_size()
+    assert scheduled == 2 or matured(), "not scheduled in its delay"
     nmt = await queue.next_mature_t()
     assert nmt is not None and nmt.tzinfo is not None
-    assert (await queue.pop(timeout=1)).payload == "now"  # type: ignore[union-attr]
-    assert await queue.pop(timeout=0) is None
-    soon = await queue.pop(timeout=5)
-    late = await queue.pop(timeout=5)
-    assert soon is not None and soon.payload == "soon"
-    assert late is not None and late.payload == "late"
-    assert late.mature >= soon.mature
+    first = await queue.pop(timeout=1)
+    assert first is not None
+    # once "soon" matured too, a store whose order holds within a shard only may hand it first
+    assert first.payload == "now" or (not queue.capabilities.fifo and matured())
+    early = await queue.pop(timeout=0)
+    assert early is None or matured(), "popped before its delay"
+    got = [first] if early is None else [first, early]
+    while len(got) < 3:
+        message = await queue.pop(timeout=5)
+        assert message is not None
+        got.append(message)
+    if queue.capabilities.fifo:
+        assert [m.payload for m in got] == ["now", "soon", "late"]
+    by = {m.payload: m for m in got}
+    assert sorted(by) == ["late", "now", "soon"]
+    assert by["late"].mature >= by["soon"].mature
     assert time.monotonic() - pushed >= 0.25  # a slow machine only makes this longer
 
 
