@@ -198,8 +198,8 @@ async def test_waiting_for_a_delayed_message_wakes_on_time(connect: Connect) -> 
     factory = await connect(poll_interval=30.0)
     needs(factory, "delay")
     q = await factory.queue("q1")
+    start = time.monotonic()  # before the push: the message cannot mature sooner than 0.5 s on
     await q.push("later", delay=0.5)
-    start = time.monotonic()
     message = await q.pop(timeout=20)
     elapsed = time.monotonic() - start
     assert message is not None and message.payload == "later"
