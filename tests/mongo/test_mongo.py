@@ -98,7 +98,9 @@ async def test_consumer_in_another_process_wakes_on_push(open_factory: Open, dat
         await q.push(time.time())
         line = await asyncio.wait_for(process.stdout.readline(), 10)
         latency = json.loads(line)["latency"]
-        assert latency < 0.5, latency  # functional bound; typically a few ms
+        # woken, not polled (the poll interval is 30 s): typically a few ms, but a busy
+        # machine may take seconds to push, deliver and fetch, so the bound is generous
+        assert latency < 15.0, latency
     finally:
         if process.returncode is None:
             process.kill()

@@ -125,7 +125,9 @@ async def test_consumer_in_another_process_wakes_on_push(open_factory: Open, pre
         await q.push(time.time())
         line = await asyncio.wait_for(process.stdout.readline(), 10)
         word, latency = line.split()
-        assert word == b"got" and float(latency) < 0.5  # only the signal explains this
+        # only the signal explains this (the poll interval is 30 s); a busy machine may
+        # take seconds to push, deliver and fetch, so the bound is generous
+        assert word == b"got" and float(latency) < 15.0
     finally:
         if process.returncode is None:
             process.kill()

@@ -180,7 +180,7 @@ async def test_a_consumer_in_another_process_wakes_on_a_push(
     await asyncio.sleep(0.5)  # it is waiting by now
     await q.push(time.time())
     latency = (await _result(worker))["latency"]
-    assert latency < 1.0  # looks at an idle file are at most 0.1 s apart
+    assert latency < 15.0  # woken by a look at the file, not polled (30 s); generous bound
 
 
 async def test_a_factory_in_this_process_wakes_on_another_factorys_push(
@@ -193,7 +193,7 @@ async def test_a_factory_in_this_process_wakes_on_another_factorys_push(
     await (await producer.queue("jobs")).push("hello")
     message = await waiting
     assert message is not None and message.payload == "hello"
-    assert time.monotonic() - started < 1.0
+    assert time.monotonic() - started < 15.0  # woken, not polled: the poll interval is 30 s
 
 
 # durability -------------------------------------------------------------------------------
