@@ -224,7 +224,9 @@ async def test_handlers_past_the_grace_are_cancelled_and_their_messages_given_ba
     worker.signal(signal.SIGTERM)
     signalled = time.monotonic()
     assert worker.finish() == 0, worker.output
-    assert time.monotonic() - signalled < 3 + 1
+    # cut at its 3 s grace, not waited for: exited well before twice the grace (the rest
+    # is slack for a busy machine's cancel, give-back and interpreter exit)
+    assert time.monotonic() - signalled < 2 * 3
     left, reserved, tries = await _left(prefix)
     assert (left, reserved) == (6, 0)  # back at once, not after reserve_delay
     assert tries == [0] * 6  # and at no cost of a try
