@@ -597,10 +597,14 @@ class Consumer(StoppedOnExit):
         # OK_ROOM * (concurrency + prefetch) are unanswered (queued or in flight) at a time.
         self._oks: list[Message] = []
         self._oks_out: list[list[Message]] = []  # the batches of oks in flight
-        # ids among ``_oks`` and ``_oks_out`` whose handler was asked to stop (and went on),
-        # or that a request named once it had returned: their requests are used up once
-        # their ok lands (see ``_use_up``); most of the time empty
-        self._asked: set[str] = set()
+        # the deliveries among ``_oks`` and ``_oks_out`` whose handler was asked to stop (and
+        # went on), or that a request named once it had returned: their requests are used up
+        # once their ok lands (see ``_use_up``); most of the time empty. Keyed by the
+        # delivery (``id()`` of the Message, kept alive by the entry), not by the message's
+        # id, as ``_late`` is: one consumer may have two oks of an id out (a lapsed
+        # reservation delivered again as its ok was on its way), and the refused ok of the
+        # older must not drop the newer's mark
+        self._asked: dict[int, Message] = {}
         # ids a request named once their handler had ended, while their worker still
         # acknowledges them: used up once an ok lands, forgotten by the worker after any
         # other outcome (the request stands for the next holder); most of the time empty.
@@ -1050,10 +1054,10 @@ class Consumer(StoppedOnExit):
                 await self._use_up([message])
         elif self._reserve and self._prefetch:
             if asked is not None:
-                self._asked.add(message.id)
+                self._asked[id(message)] = message
             await self._ok_later(message, result)
             if late and late.get(message.id) is message:  # named as it waited for room: queued now
-                self._asked.add(message.id)
+                self._asked[id(message)] = message
         elif self._reserve:
             ok = self.queue.ok(message, result) if self._keeps else self.queue.ok(message)
             done = await self._acknowledge("ok", message, ok)
@@ -1337,7 +1341,7 @@ class Consumer(StoppedOnExit):
                 self._late.update((m.id, m) for m in batch if m.id in named and busy.get(m.id) is m)
         if self._oks_unanswered:  # handled, their oks queued or in flight (prefetch)
             for oks in (self._oks, *self._oks_out):
-                self._asked.update(m.id for m in oks if m.id in named)
+                self._asked.update((id(m), m) for m in oks if m.id in named)
         buffer = self._buffer
         if any(m.id in named for m, _ in buffer):
             unstarted = [m for m, _ in buffer if m.id in named]
@@ -1396,13 +1400,12 @@ class Consumer(StoppedOnExit):
     async def _use_up_asked(self, batch: list[Message], flags: list[bool] | None) -> None:
         """The oks of ``batch`` landed (``flags``; None: not sent): the requests of those
         whose handler was asked to stop, or that a request named once it had returned, are
-        used up, where the ok was taken (refused, the request stands for the next holder)."""
+        used up, where the ok was taken (refused, the request stands for the next holder).
+        Each delivery's ok answers for its own mark only (see ``_asked``)."""
         asked, done = self._asked, []
         for index, message in enumerate(batch):
-            if message.id in asked:
-                asked.discard(message.id)
-                if flags is not None and flags[index]:
-                    done.append(message)
+            if asked.pop(id(message), None) is not None and flags is not None and flags[index]:
+                done.append(message)
         await self._use_up(done)
 
     async def _use_up(self, messages: list[Message]) -> None:

@@ -707,3 +707,64 @@ async def test_a_request_heard_while_a_failed_message_is_deadlettered_is_used_up
         await until(used_up, GUARD)
         await _gone(q)
         await _a_later_push_runs(q, consumer, ran)
+
+
+async def test_a_request_heard_while_two_deliveries_oks_are_on_their_way_is_used_up(
+    connect: Connect,
+) -> None:
+    """With prefetch, the first delivery's ok is held on its way until its reservation
+    lapses and the same consumer takes the message again; the second delivery's ok is held
+    too as the cancel comes (the message is still reserved: the request is left). The
+    first ok is refused (its reservation is gone), the second taken: the request is used
+    up then. Marks kept by id alone let the refused ok drop the second delivery's."""
+    q, used_up = await _reused_id_queue(connect, reserve_delay=1.0)
+    needs(q, "reservation_expiry")
+    gates: list[tuple[int, asyncio.Event, asyncio.Future[list[bool]]]] = []
+    ok_many = q.ok_many
+
+    async def held_ok_many(messages: list[Message]) -> list[bool]:
+        gate = asyncio.Event()
+        landed: asyncio.Future[list[bool]] = asyncio.get_running_loop().create_future()
+        gates.append((messages[0].tries, gate, landed))
+        await gate.wait()
+        try:
+            flags = await ok_many(messages)
+        except Exception as exc:
+            landed.set_exception(exc)
+            raise
+        landed.set_result(flags)
+        return flags
+
+    q.ok_many = held_ok_many  # type: ignore[method-assign]
+    ran: list[tuple[str, int]] = []
+
+    async def handler(message: Message) -> None:
+        ran.append((message.payload, message.tries))
+
+    async def both_held() -> bool:
+        return len(gates) == 2
+
+    async with q.consume(handler, prefetch=2) as consumer:
+        await q.push("first", id="order-1")
+        await until(both_held, GUARD)  # the second after the first's reservation lapsed
+        (first_tries, first, first_landed), (second_tries, second, _) = gates
+        assert second_tries > first_tries
+        assert await q.cancel("order-1") is CancelResult.REQUESTED
+        first.set()
+        assert await asyncio.wait_for(first_landed, GUARD) == [False]
+        second.set()
+        await until(used_up, GUARD)
+        await _gone(q)
+        assert consumer.status().cancelled == 0
+        await asyncio.sleep(0.5)  # past the dedup window: the same id is a new message
+
+        async def ended() -> bool:
+            return len(ran) == 3 or consumer.status().cancelled > 0
+
+        gates.clear()
+        await q.push("second", id="order-1")
+        await until(ended, GUARD)
+        for _, gate, _ in gates:
+            gate.set()
+        assert [payload for payload, _ in ran] == ["first", "first", "second"]
+        assert consumer.status().cancelled == 0
