@@ -161,6 +161,18 @@ class _HandlerScope:
         raise HandlerAborted(f"the handler raised {describe(exc)}") from exc
 
 
+class _KoHold:
+    """A failed message whose ko waits out its retry backoff in a task of its own (a
+    backend without delays), its worker gone on; ``named``: a cancel request named it
+    meanwhile (or once its handler had failed, before the hold began)."""
+
+    __slots__ = ("message", "named")
+
+    def __init__(self, message: Message, named: bool) -> None:
+        self.message = message
+        self.named = named
+
+
 async def _bounded(tasks: set[asyncio.Task[Any]] | list[asyncio.Task[None]]) -> None:
     """Wait for ``tasks`` at most ``ACK_WAIT`` seconds, then cancel what is left and wait
     for it to end."""
@@ -617,6 +629,10 @@ class Consumer(StoppedOnExit):
         self._ok_room: asyncio.Event | None = None
         self._ok_senders = 0
         self._acks: set[asyncio.Task[Any]] = set()  # the sender tasks
+        # failed messages whose ko is held for the retry backoff (see ``_ko``): their worker
+        # no longer holds them, so a cancel request heard meanwhile is noted here, and used
+        # up if the ko deadletters; by delivery, as ``_asked``; most of the time empty
+        self._ko_holds: set[_KoHold] = set()
         self.queue = queue
         self.concurrency = concurrency
         self._handler = handler
@@ -1160,26 +1176,36 @@ class Consumer(StoppedOnExit):
         if hold <= 0 or self._stopping:
             await self._ko_landed(message, queue.ko(message, None, text))
             return
-        later = self._loop.create_task(self._ko_after(message, hold, text))
+        # named once its handler failed (a RateLimited not applied awaited): its worker
+        # forgets that as it ends, the hold keeps it
+        late = self._late
+        kept = _KoHold(message, bool(late) and late.get(message.id) is message)
+        holds = self._ko_holds
+        holds.add(kept)  # now: a cancel heard before the task first runs finds it
+        later = self._loop.create_task(self._ko_after(kept, hold, text))
         self._acks.add(later)  # stop waits for them, and ends their wait
         later.add_done_callback(self._acks.discard)
+        later.add_done_callback(lambda _: holds.discard(kept))  # (cancelled unstarted too)
 
-    async def _ko_after(self, message: Message, hold: float, text: str | None) -> None:
+    async def _ko_after(self, kept: _KoHold, hold: float, text: str | None) -> None:
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self._stop_asked.wait(), hold)
         with contextlib.suppress(ClosedError):  # as for the oks of _send_oks
-            ko = self.queue.ko(message, None, text)
-            self._count(await self._acknowledge("ko", message, ko))
+            await self._ko_landed(kept.message, self.queue.ko(kept.message, None, text), kept)
 
-    async def _ko_landed(self, message: Message, ko: Awaitable[KoResult]) -> None:
-        """A worker's ko, counted. One that deadletters the message ends it here for good,
-        as an ok does: a request that named it once its handler had failed (``_late``) is
-        used up then, as nothing else would (the cancel saw it still held). Rolled back,
-        the request stands for its next holder."""
+    async def _ko_landed(
+        self, message: Message, ko: Awaitable[KoResult], kept: _KoHold | None = None
+    ) -> None:
+        """A ko, counted. One that deadletters the message ends it here for good, as an ok
+        does: a request that named it once its handler had failed (``_late``, or noted on
+        its hold, ``kept``) is used up then, as nothing else would (the cancel saw it still
+        held). Rolled back, the request stands for its next holder."""
         outcome = await self._acknowledge("ko", message, ko)
         self._count(outcome)
-        if outcome == KoResult.DEADLETTERED and self._late.get(message.id) is message:
-            await self._use_up([message])
+        if outcome == KoResult.DEADLETTERED:
+            named = self._late.get(message.id) is message if kept is None else kept.named
+            if named:
+                await self._use_up([message])
 
     def _count(self, outcome: Any) -> None:
         if outcome == KoResult.DEADLETTERED:
@@ -1317,15 +1343,21 @@ class Consumer(StoppedOnExit):
         )
 
     def _held_ids(self) -> list[str]:
-        """The ids of the messages this consumer holds: running, and prefetched."""
-        return [*self.busy, *(m.id for m, _ in self._buffer)]
+        """The ids of the messages this consumer holds: running, prefetched, and failed
+        with their ko held for the retry backoff."""
+        return [
+            *self.busy,
+            *(m.id for m, _ in self._buffer),
+            *(kept.message.id for kept in self._ko_holds),
+        ]
 
     def _on_cancel(self, ids: Sequence[str]) -> None:
         """Stop what this consumer holds of ``ids``: a running handler's task is cancelled
         (its worker then ok-s the message, see ``_stopped_on_request``); a prefetched message
         is ok-ed without running. One whose handler returned is not stopped: where its ok is
         on its way (sent, queued, or to be sent by its worker), the request is used up once
-        the ok lands, as nothing else would (the cancel saw the message still held)."""
+        the ok lands, as nothing else would (the cancel saw the message still held); where
+        its handler failed, once its ko deadletters it (held for the retry backoff too)."""
         watch = self._cancels
         assert watch is not None
         named = set(ids)
@@ -1339,6 +1371,9 @@ class Consumer(StoppedOnExit):
                 watch.cancel(task, stop)
             else:  # its handler ended; still busy: its worker acknowledges it (see _late)
                 self._late.update((m.id, m) for m in batch if m.id in named and busy.get(m.id) is m)
+        for kept in self._ko_holds:  # failed, their ko held for the retry backoff
+            if kept.message.id in named:
+                kept.named = True
         if self._oks_unanswered:  # handled, their oks queued or in flight (prefetch)
             for oks in (self._oks, *self._oks_out):
                 self._asked.update((id(m), m) for m in oks if m.id in named)
