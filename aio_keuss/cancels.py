@@ -18,12 +18,12 @@ that reached its message is used up (overwritten with :data:`USED`) once the mes
 done: stopped, or ok-ed after a handler that went on when asked to stop or had returned as
 the request came (its ok on its way), or deadlettered by the ko of a handler that had
 failed as the request came (that ko held for the retry backoff too, where the backend has
-no delays), so that an explicit id pushed again past its
-``dedup_window`` is a new message nothing stops; ``Queue.cancel`` uses up its own request
-when the message finished before the request landed. Marks are kept per delivery, not per
-id: one consumer may hold an id twice (a lapsed reservation delivered again while the first
-delivery's ok was on its way), and the older delivery's refused ok must not drop the
-newer's mark.
+no delays), or popped (no reserve) and done with, its handler returned or failed, so that
+an explicit id pushed again past its ``dedup_window`` is a new message nothing stops;
+``Queue.cancel`` uses up its own request when the message finished before the request
+landed. Marks are kept per delivery, not per id: one consumer may hold an id twice (a
+lapsed reservation delivered again while the first delivery's ok was on its way), and
+the older delivery's refused ok must not drop the newer's mark.
 """
 
 from __future__ import annotations

@@ -618,8 +618,9 @@ class Consumer(StoppedOnExit):
         # older must not drop the newer's mark
         self._asked: dict[int, Message] = {}
         # ids a request named once their handler had ended, while their worker still
-        # acknowledges them: used up once an ok lands, forgotten by the worker after any
-        # other outcome (the request stands for the next holder); most of the time empty.
+        # acknowledges them: used up once the message ends for good (an ok lands, a ko
+        # deadletters it, or it was popped), forgotten by the worker after any other
+        # outcome (the request stands for the next holder); most of the time empty.
         # By id, the delivery named: one consumer may hold an id twice (a lapsed reservation
         # delivered again as its ok was on its way), and each worker minds only its own
         self._late: dict[str, Message] = {}
@@ -1054,8 +1055,13 @@ class Consumer(StoppedOnExit):
             self.queue.handler_failed(message, failure)
             if self._reserve:
                 await self._ko(message, failure)
-            elif self._keeps:
+                return
+            if self._keeps:
                 await self._keep_popped([message], failure=self._failure_text(failure))
+            # popped: gone for good, as after a return (a request heard meanwhile: used up)
+            late = self._late
+            if late and late.get(message.id) is message:
+                await self._use_up([message])
             return
         # asked, but it finished: its outcome stands, and the request is used up after it
         # (as one that named it while its ok was on its way: ``_late``)
@@ -1252,8 +1258,12 @@ class Consumer(StoppedOnExit):
             self.queue.handler_failed(messages[0], failure)
             if self._reserve:
                 await asyncio.gather(*(self._ko(m, failure) for m in messages))
-            elif self._keeps:
+                return
+            if self._keeps:
                 await self._keep_popped(messages, failure=self._failure_text(failure))
+            if self._late:  # popped: gone for good, as after a return
+                named = self._named(None, messages)
+                await self._use_up([m for m in messages if m.id in named])
             return
         # asked, but it finished: its outcome stands, and the requests are used up after it
         # (as those that named one while the oks were on their way: ``_late``)
@@ -1277,8 +1287,9 @@ class Consumer(StoppedOnExit):
                 await self._use_up([m for m in messages if m.id in named])
 
     def _named(self, asked: list[str] | None, messages: list[Message]) -> set[str]:
-        """The ids whose request is to be used up once a batch's handler returned: those
-        that asked it to stop as it ran, and those named once it had returned."""
+        """The ids whose request is to be used up once a batch's handler ended and its
+        messages ended for good: those that asked it to stop as it ran (``asked``), and
+        those named once it had ended."""
         late = self._late
         named = {m.id for m in messages if late.get(m.id) is m}
         return named if asked is None else named.union(asked)

@@ -770,3 +770,49 @@ async def test_a_request_heard_while_two_deliveries_oks_are_on_their_way_is_used
             gate.set()
         assert [payload for payload, _ in ran] == ["first", "first", "second"]
         assert consumer.status().cancelled == 0
+
+
+@pytest.mark.parametrize("batch", [0, 2], ids=["one", "batch"])
+async def test_a_request_heard_once_a_popped_messages_handler_failed_is_used_up(
+    connect: Connect, batch: int
+) -> None:
+    """Without reserve the message is out of the store from its pop: a cancel leaves its
+    request whatever it finds. Heard while the consumer is still done-ing a message whose
+    handler failed (its failure result on its way), the request is used up, as after a
+    handler that returned: the message is gone for good, nothing else would. (No backend
+    without reserve takes explicit ids yet, so there the request left stopped no later
+    push; the consumers that heard it still remembered it until it expired.)"""
+    from aio_keuss.cancels import USED
+    from aio_keuss.results import cancel_space
+
+    factory = await _running_factory(connect, max_wait_time=0.2)
+    if factory.capabilities.reserve:
+        pytest.skip("a reserved message's failure is a ko (see the deadletter test)")
+    q = await factory.queue("q1", result_ttl=TTL)
+    store = await factory._results.get()
+    held, release = asyncio.Event(), asyncio.Event()
+    keep = q._keep_popped
+
+    async def held_keep(messages: Any, *args: Any, **kwargs: Any) -> Any:
+        held.set()
+        await release.wait()
+        return await keep(messages, *args, **kwargs)
+
+    q._keep_popped = held_keep  # type: ignore[method-assign]
+
+    async def handler(message: Message | list[Message]) -> None:
+        raise RuntimeError("poison")
+
+    message_id = await q.push(1)
+    async with q.consume(handler, batch=batch) as consumer:
+        await asyncio.wait_for(held.wait(), GUARD)
+        assert await q.cancel(message_id) is CancelResult.REQUESTED
+        release.set()
+
+        async def used_up() -> bool:
+            return await store.get(cancel_space(q.name), [message_id]) == [USED]
+
+        await until(used_up, GUARD)
+        assert (await _kept(q, message_id)).error == "RuntimeError: poison"
+        status = consumer.status()
+        assert (status.failed, status.cancelled) == (1, 0)
