@@ -26,4 +26,6 @@ os.register_at_fork(after_in_child=_new_id_prefix)  # a forked child must not re
 def new_id() -> str:
     """Time-ordered (nanoseconds, hex), then a per-process random prefix and a counter:
     unique across processes without a system call per id."""
-    return f"{time.time_ns():x}{_id_prefix}{next(_id_counter):x}"
+    # printf-style: the same text as an f-string's ``:x`` at about two thirds of the cost
+    # (no format-spec parse per field), on every push
+    return "%x%s%x" % (time.time_ns(), _id_prefix, next(_id_counter))  # noqa: UP031
