@@ -94,7 +94,9 @@ class SignalBus:
     def __init__(self, debounce: float = 0.05) -> None:
         self.debounce = debounce
         self.origin = os.urandom(8).hex()
-        self._listeners: dict[str, set[Listener]] = {}
+        # Tuples, replaced on the rare subscribe and unsubscribe: every push delivers, and a
+        # listener may unsubscribe while it is called, so a set would be copied per delivery.
+        self._listeners: dict[str, tuple[Listener, ...]] = {}
         self._windows: dict[str, tuple[float, int | None] | None] = {}
         self._publishing: set[asyncio.Task[None]] = set()
         self._closed = False
@@ -164,13 +166,17 @@ class SignalBus:
             await asyncio.wait(tuple(self._publishing))
 
     def subscribe(self, queue: str, listener: Listener) -> Callable[[], None]:
-        self._listeners.setdefault(queue, set()).add(listener)
+        listeners = self._listeners.get(queue, ())
+        if listener not in listeners:
+            self._listeners[queue] = (*listeners, listener)
 
         def unsubscribe() -> None:
-            listeners = self._listeners.get(queue)
-            if listeners is not None:
-                listeners.discard(listener)
-                if not listeners:
+            listeners = self._listeners.get(queue, ())
+            if listener in listeners:
+                kept = tuple(other for other in listeners if other != listener)
+                if kept:
+                    self._listeners[queue] = kept
+                else:
                     del self._listeners[queue]
 
         return unsubscribe
@@ -314,7 +320,7 @@ class SignalBus:
     # internals --------------------------------------------------------------------------
 
     def _deliver(self, signal: Signal) -> None:
-        for listener in tuple(self._listeners.get(signal.queue, ())):
+        for listener in self._listeners.get(signal.queue, ()):
             try:
                 listener(signal)
             except Exception:  # a listener's bug must not stop the others

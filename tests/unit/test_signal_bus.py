@@ -167,3 +167,35 @@ async def test_close_during_backoff_and_cancelled_open_leave_no_task() -> None:
     with pytest.raises(asyncio.CancelledError):
         await opening
     assert stuck.running == 0 and stuck._listener is None
+
+
+async def test_listeners_are_a_set_each_told_once_even_if_one_leaves_while_called() -> None:
+    """A listener subscribed twice is told once and leaves with one unsubscribe; one that
+    unsubscribes another while it is told does not keep it from this signal, only from the
+    next (the listeners are read as they were when the signal went out)."""
+    bus = SignalBus()
+    heard: list[str] = []
+    first = bus.subscribe("q", lambda s: heard.append("first"))
+
+    def second(signal: Signal) -> None:
+        heard.append("second")
+        leave_third()
+
+    def third(signal: Signal) -> None:
+        heard.append("third")
+
+    bus.subscribe("q", second)
+    leave_second = bus.subscribe("q", second)
+    leave_third = bus.subscribe("q", third)
+    bus.insert("q", 0.0, 1)
+    assert sorted(heard) == ["first", "second", "third"]
+    heard.clear()
+    bus.insert("q", 0.0, 1)
+    assert sorted(heard) == ["first", "second"]
+    heard.clear()
+    leave_second()
+    first()
+    bus.insert("q", 0.0, 1)
+    assert heard == []
+    assert "q" not in bus._listeners  # nothing left behind for a queue nobody hears
+    await bus.close()
