@@ -2399,6 +2399,10 @@ class Queue:
 
     def _on_signal(self, signal: Signal) -> None:
         kind = signal.kind
+        if kind == "insert":  # one per push: told apart first
+            if not self._paused:
+                self._wakeups.announce(signal.count)
+            return
         if kind == "pause" or kind == "resume":
             # Taken at once, then confirmed from the stored flag: signals of one process
             # may arrive out of order (each is published on its own), and a pause heard
@@ -2412,7 +2416,7 @@ class Queue:
         elif kind == "resync" and not self._closed:
             self._in_background(self._resync_paused())
         if not self._paused:
-            self._wakeups.announce(signal.count if kind == "insert" else None)
+            self._wakeups.announce(None)
 
     async def _resync_paused(self) -> None:
         """The paused flag read again, unless a pause or resume is heard meanwhile (it is

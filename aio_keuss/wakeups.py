@@ -87,7 +87,10 @@ class Wakeups:
         """New messages (``count`` of them; None: unknown), a resume, a drain or a close:
         sleepers wake to cover ``count``; what they cannot cover (too few asleep, or an
         unknown count) is left to the consumers fetching now, who then look again."""
-        if self.wake(count):
+        if not self._line:  # nobody asleep, as on every push of a busy queue: no call
+            if count is None or count > 0:
+                self.announced += 1
+        elif self.wake(count):
             self.announced += 1
 
     def wake(self, count: int | None) -> bool:

@@ -159,6 +159,15 @@ async def test_the_line_wakes_the_longest_sleeping_until_the_count_is_covered() 
     await asyncio.gather(a, b, c, e)
 
 
+async def test_with_nobody_asleep_what_is_announced_is_left_to_those_fetching() -> None:
+    line = Wakeups()
+    line.announce(2)
+    line.announce(None)  # an unknown count, a resume, a drain or a close
+    assert line.announced == 2
+    line.announce(0)  # nothing new: those fetching need not look again
+    assert line.announced == 2
+
+
 async def test_remote_signals_carry_their_count_and_merge_it_in_the_window() -> None:
     bus = RecordingBus(debounce=0.05)
     bus.insert("q", 5.0, 3)
