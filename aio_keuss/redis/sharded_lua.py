@@ -1073,13 +1073,34 @@ return 1
 """
 
 # KEYS: m ix. ARGV: base, then the ids. Reply: 1 / 0 per id, whether it has a record in the
-# shard: its index entry, if current (as INSERT's duplicate check reads it; a stale entry met
-# is dropped, as there).
+# shard a result may still come for: its index entry, if current (as INSERT's duplicate check
+# reads it; a stale entry met is dropped, as there), but for a record past its end of life
+# that no one holds (not in the magazine with a reservation deadline, as COMMIT's guard
+# reads it): never delivered, deleted where a step meets it. An older version's entry ('s',
+# no pointer) counts as it stands.
 _QUEUED = """
 local base = ARGV[1]
+local now = server_now()
 local out = {}
 for i = 2, #ARGV do
-  out[#out + 1] = queued(base, ARGV[i]) and 1 or 0
+  local id = ARGV[i]
+  local live = queued(base, id)
+  if live then
+    local at = redis.call('HGET', KEYS[2], id)
+    local kind, rest = string.sub(at, 1, 1), string.sub(at, 2)
+    local key = base .. 'r:' .. at
+    if kind == 's' then
+      key = base .. 's:' .. rest
+    elseif kind == 'z' then
+      key = base .. 'q:' .. rest
+    end
+    local rec = redis.pcall('HMGET', key, 'x', 'e')
+    if at ~= 's' and not rec.err and dead(rec[2], now)
+        and not (kind ~= 's' and kind ~= 'z' and rec[1]) then
+      live = false
+    end
+  end
+  out[#out + 1] = live and 1 or 0
 end
 return out
 """

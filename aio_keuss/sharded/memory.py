@@ -196,6 +196,23 @@ class _Shard:
                 del self.windows[mid]
         return entry.id in self.windows
 
+    def live(self, message_id: str, now: float) -> bool:
+        """Whether ``message_id`` has a record a result may still come for: one no one
+        holds past its end of life is never delivered (deleted where it is met), though
+        its id keeps its entry, and the duplicate check its refusal, until then."""
+        at = self.where.get(message_id)
+        if at is None:
+            return False
+        if isinstance(at, int):
+            record = self.magazine.get(at)
+            if record is not None and record.deadline is not None:
+                return True  # held: its holder may still ok it
+        elif at == SIDELINED:
+            record = next((r for r in self.sideline.values() if r.id == message_id), None)
+        else:
+            record = self.waiting.get(int(at[1:]))
+        return record is None or not record.dead(now)
+
     def held(self, message_id: str, tries: int | None) -> tuple[int, _Record] | None:
         at = self.where.get(message_id)
         if not isinstance(at, int):
@@ -301,8 +318,9 @@ class MemoryShardStorage(ShardStorage):
         return loaded
 
     async def queued(self, queue: str, shard: int, ids: Sequence[str]) -> list[bool]:
-        where = self._shard(queue, shard).where
-        return [message_id in where for message_id in ids]
+        s = self._shard(queue, shard)
+        now = time.time()
+        return [s.live(message_id, now) for message_id in ids]
 
     def _load(
         self,

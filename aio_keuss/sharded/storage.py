@@ -276,8 +276,11 @@ class ShardStorage(ABC):
     @abstractmethod
     async def queued(self, queue: str, shard: int, ids: Sequence[str]) -> list[bool]:
         """Whether each id has a record in the shard (magazine, sideline or schedule; fired
-        and not yet committed counts), as the duplicate check of :meth:`load` reads it; a
-        stale index entry met on the way may be dropped, nothing else written.
+        and not yet committed counts), as the duplicate check of :meth:`load` reads it, that
+        a result may still come for: not one past its end of life (message TTL) that no one
+        holds, which is never delivered, though its entry stays (and refuses its id) until a
+        step meets and deletes it. A stale index entry met on the way may be dropped,
+        nothing else written.
 
         Needs: the id index of :meth:`load`, read in one step."""
 

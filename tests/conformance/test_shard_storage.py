@@ -114,6 +114,25 @@ async def test_queued_says_which_ids_have_a_record_in_the_shard(st: ShardStorage
     assert await st.queued("q", 0, ids) == [False, True, False, False, False]
 
 
+async def test_queued_counts_no_record_past_its_end_of_life_but_a_held_one(
+    st: ShardStorage,
+) -> None:
+    """A record past its end of life that no one holds will never be delivered (the first
+    step to meet it deletes it), so no result can come for it: not queued, though its id
+    still has its entry. One fired by a reserve before its end still is: its holder's ok
+    commits it, and keeps its result first."""
+    await st.load("q", 0, [entry("held")], 60.0, 2.0)
+    (held,) = (await st.fire("q", 0, 1, FAR)).messages
+    assert held.id == "held" and held.expires is not None
+    dead = [entry("waiting", dedup=True), entry("later", delay=FAR)]
+    await st.load("q", 0, dead, 60.0, 0.0)  # their life ends as they are stored
+    assert await st.queued("q", 0, ["held", "waiting", "later"]) == [True, False, False]
+    await asyncio.sleep(max(0.0, held.expires - time.time()) + 0.1)  # past its end too
+    assert await st.queued("q", 0, ["held", "waiting", "later"]) == [True, False, False]
+    assert await st.commit("q", 0, [Ack("held", held.tries)]) == [True]
+    assert await st.queued("q", 0, ["held"]) == [False]
+
+
 async def test_a_put_back_keeps_its_mature_time_and_tries_and_is_refused_while_queued(
     st: ShardStorage,
 ) -> None:

@@ -22,6 +22,7 @@ from conftest import Connect, usable_case
 from sharded_checks import assert_metadata_of_q
 
 import aio_keuss
+import aio_keuss.queue
 from aio_keuss.contract import Ack, Entry
 from aio_keuss.message import EMPTY_HEADERS
 from aio_keuss.registry import load_backend
@@ -713,6 +714,25 @@ async def test_a_message_put_back_after_a_cancelled_pop_keeps_its_end_of_life(
     # (given a new life at the put-back, it would live until 3.5 s after the push at least)
     assert await q.pop(timeout=0) is None
     assert sum(shard.expired for shard in await store_of(q).shard_sizes()) == 1
+
+
+@pytest.mark.parametrize("where", ["waiting", "scheduled"])
+async def test_a_duplicate_push_and_wait_of_a_message_past_its_ttl_is_told_none_comes(
+    sharded: Connect, where: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A message past its end of life is never delivered (deleted where it is met, maybe
+    much later: a delayed one once it matures), so no result can come for it: a duplicate
+    ``push_and_wait`` joining it raises ResultMissingError once the grace passed (made
+    short here), as for any message finished with none kept, instead of waiting for
+    ever."""
+    monkeypatch.setattr(aio_keuss.queue, "LEAVE_GRACE", 0.05)
+    factory = await sharded(sweeper=False, message_ttl=0.2)
+    q = await factory.queue("q", result_ttl=600.0)
+    await q.push(1, id="job-1", delay=3600.0 if where == "scheduled" else 0.0)
+    pushed = time.time()
+    await asyncio.sleep(max(0.0, pushed + 0.3 - time.time()))  # past its end of life
+    with pytest.raises(aio_keuss.ResultMissingError):
+        await asyncio.wait_for(q.push_and_wait(2, id="job-1"), 20.0)  # timeout=None
 
 
 async def test_messages_within_their_ttl_are_delivered(sharded: Connect) -> None:
