@@ -282,7 +282,8 @@ class ShardStorage(ABC):
         step meets and deletes it. A stale index entry met on the way may be dropped,
         nothing else written.
 
-        Needs: the id index of :meth:`load`, read in one step."""
+        Needs: the id index of :meth:`load` and the record an entry names (its end of life,
+        whether held), read in one step."""
 
     @abstractmethod
     async def fire(self, queue: str, shard: int, n: int, reserve_delay: float | None) -> Fired:
