@@ -304,6 +304,48 @@ async def test_a_lost_result_signal_is_made_up_for_by_the_poll() -> None:
     await factory.close()
 
 
+async def test_a_joiner_in_its_grace_finds_a_failure_whose_signal_was_lost(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A duplicate that found its earlier message just removed waits the grace for the
+    failure kept after it; with that failure's signal lost and no poll due within the
+    grace, the look at the grace's end still finds it: a lost signal costs latency only."""
+    monkeypatch.setattr(aio_keuss.queue, "LEAVE_GRACE", 5.0)
+    factory = _factory(MemoryBackend({}), _Deaf())
+    q = await factory.queue("q1", result_ttl=60, poll_interval=60)
+    await q.push(1, id="job", delay=3600)
+    store = await factory._results.get()
+    entered, release, looked = asyncio.Event(), asyncio.Event(), asyncio.Event()
+    looks = 0
+    put, get = store.put, store.get
+
+    async def held_put(space: str, results: Sequence[tuple[str, bytes]], ttl: float) -> None:
+        entered.set()
+        await release.wait()
+        await put(space, results, ttl)
+
+    async def counted_get(space: str, ids: Sequence[str]) -> list[bytes | None]:
+        nonlocal looks
+        found = await get(space, ids)
+        looks += "job" in ids
+        if looks >= 2:  # looked before and after finding it gone
+            looked.set()
+        return found
+
+    store.put = held_put  # type: ignore[method-assign]
+    store.get = counted_get  # type: ignore[method-assign]
+    removing = asyncio.ensure_future(q.remove("job"))
+    await asyncio.wait_for(entered.wait(), GUARD)  # gone, its failure not kept yet
+    joining = asyncio.ensure_future(q.push_and_wait(2, id="job", timeout=GUARD))
+    await asyncio.wait_for(looked.wait(), GUARD)
+    release.set()
+    assert await asyncio.wait_for(removing, GUARD) is True
+    with pytest.raises(aio_keuss.JobFailedError) as raised:
+        await asyncio.wait_for(joining, GUARD)
+    assert raised.value.error == "removed"
+    await factory.close()
+
+
 async def test_push_and_wait_asks_where_its_message_is_only_for_a_duplicate_without_result(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
