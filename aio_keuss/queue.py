@@ -2016,6 +2016,12 @@ class Queue:
         still come. A remover that stalls beyond the grace (or dies before the failure is
         kept) leaves ``ResultMissingError``.
 
+        A message found still queued is looked for again each ``poll_interval`` while
+        its result is awaited: one that then finishes with none kept (an ok without a
+        result, a consumer that keeps none) is told as above, not awaited for ever; one
+        found gone, with no failure kept in the grace, is looked for once more, since it
+        may be back (a cancelled pop puts its messages back).
+
         Elsewhere (no peek: nothing to look with; no reserve: a popped message is out of
         the store while its handler runs) the wait goes on as for any result, up to its
         timeout."""
@@ -2025,20 +2031,30 @@ class Queue:
             return await waits.wait(message_id, timeout)
         loop = asyncio.get_running_loop()
         deadline = None if timeout is None else loop.time() + timeout
-        (body,) = await waits.look([message_id])
-        if body is not None:
-            return body
-        still = await self._still_queued(message_id)
-        left = None if deadline is None else max(0.0, deadline - loop.time())
-        if still:
-            return await waits.wait(message_id, left)
-        grace = LEAVE_GRACE if left is None else min(LEAVE_GRACE, left)
-        body = await waits.wait(message_id, grace)
-        if body is None:
+        recheck = self.options.poll_interval
+        while True:
             (body,) = await waits.look([message_id])
-        if body is not None or grace < LEAVE_GRACE:
-            return body
-        raise ResultMissingError(message_id)
+            if body is not None:
+                return body
+            still = await self._still_queued(message_id)
+            left = None if deadline is None else max(0.0, deadline - loop.time())
+            if still:
+                if left is not None and left <= recheck:
+                    return await waits.wait(message_id, left)
+                body = await waits.wait(message_id, recheck)
+                if body is not None:
+                    return body
+                continue  # where is it now? finished with none kept, nothing will come
+            grace = LEAVE_GRACE if left is None else min(LEAVE_GRACE, left)
+            body = await waits.wait(message_id, grace)
+            if body is None:
+                (body,) = await waits.look([message_id])
+            if body is not None or grace < LEAVE_GRACE:
+                return body
+            if not await self._still_queued(message_id):
+                raise ResultMissingError(message_id)
+            # back in the queue (a pop cancelled before its reply was handed over puts
+            # its messages back): its result may come after all
 
     def _waits(self) -> ResultWaits:
         if self._result_waits is None:

@@ -438,6 +438,32 @@ async def test_a_duplicate_push_and_wait_gets_the_first_message_value(connect: C
     assert (await q.sizes()).total == 0  # the second push queued nothing
 
 
+async def test_a_joiner_of_a_held_message_that_then_finishes_with_no_result_is_told(
+    connect: Connect, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The joiner found the earlier message still queued (held by a consumer) and waits;
+    that message then finishes with no result kept (an ok without one): none can come, so
+    the joiner, looking again where the message is each poll interval, is told so rather
+    than left waiting for ever (no timeout given)."""
+    monkeypatch.setattr(aio_keuss.queue, "LEAVE_GRACE", 0.05)
+    factory = await _results_factory(connect, poll_interval=0.2)
+    q = await factory.queue("q1", result_ttl=TTL)
+    _needs_telling_finished(q)
+    looked = await _note_looks(factory)
+    await q.push(1, id="job-1")
+    (held,) = await _reserve_all(q, 1)
+    joining = asyncio.ensure_future(q.push_and_wait(2, id="job-1"))  # timeout=None
+
+    async def waiting() -> bool:
+        return joining.done() or "job-1" in looked
+
+    await until(waiting, GUARD)
+    assert not joining.done()
+    assert await q.ok(held)  # no result kept
+    with pytest.raises(ResultMissingError):
+        await asyncio.wait_for(joining, GUARD)
+
+
 @pytest.mark.parametrize("kept", ["nothing", "an expired result"])
 async def test_a_duplicate_push_and_wait_of_a_finished_message_with_no_result_raises(
     connect: Connect, kept: str, monkeypatch: pytest.MonkeyPatch

@@ -346,6 +346,43 @@ async def test_a_joiner_in_its_grace_finds_a_failure_whose_signal_was_lost(
     await factory.close()
 
 
+async def test_a_joiner_that_found_its_message_gone_looks_again_before_it_gives_up(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A message can be out of the queue for a moment and back (a pop cancelled before its
+    reply was handed over puts it back): a joiner that found it gone, and no failure kept
+    within the grace, looks where it is once more and, finding it queued again, waits for
+    its result rather than raising ResultMissingError."""
+    monkeypatch.setattr(aio_keuss.queue, "LEAVE_GRACE", 0.05)
+    factory = _factory(MemoryBackend({}))
+    q = await factory.queue("q1", result_ttl=60, poll_interval=0.2)
+    await q.push(1, id="job")
+    looks = 0  # the first look finds it gone; the next ones see the store
+    still_queued = q._still_queued
+    looked_again = asyncio.Event()
+
+    async def out_for_a_moment(message_id: str) -> bool:
+        nonlocal looks
+        looks += 1
+        if looks == 1:
+            return False
+        looked_again.set()
+        return await still_queued(message_id)
+
+    q._still_queued = out_for_a_moment  # type: ignore[method-assign]
+    joining = asyncio.ensure_future(q.push_and_wait(2, id="job", timeout=GUARD))
+    (held,) = await q.reserve_many(1, timeout=GUARD)
+    again = asyncio.ensure_future(looked_again.wait())
+    done, _ = await asyncio.wait(
+        [joining, again], timeout=GUARD, return_when=asyncio.FIRST_COMPLETED
+    )
+    again.cancel()
+    assert joining not in done  # it did not give up after its grace
+    assert await q.ok(held, result="done")
+    assert await asyncio.wait_for(joining, GUARD) == "done"
+    await factory.close()
+
+
 async def test_push_and_wait_asks_where_its_message_is_only_for_a_duplicate_without_result(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -372,7 +409,7 @@ async def test_push_and_wait_asks_where_its_message_is_only_for_a_duplicate_with
     assert await q.ok(held)  # no result kept
     with pytest.raises(aio_keuss.ResultMissingError):
         await q.push_and_wait(8, id="done", timeout=GUARD)
-    assert located == [["done"]]
+    assert located == [["done"], ["done"]]  # gone, then, past the grace, gone still
     await factory.close()
 
 
