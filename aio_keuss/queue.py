@@ -2019,8 +2019,9 @@ class Queue:
         A message found still queued is looked for again each ``poll_interval`` while
         its result is awaited: one that then finishes with none kept (an ok without a
         result, a consumer that keeps none) is told as above, not awaited for ever; one
-        found gone, with no failure kept in the grace, is looked for once more, since it
-        may be back (a cancelled pop puts its messages back).
+        found gone, with no failure kept in the grace, is looked for once more, then its
+        result, since it may be back (a cancelled pop puts its messages back) or even
+        back and ok-ed.
 
         Elsewhere (no peek: nothing to look with; no reserve: a popped message is out of
         the store while its handler runs) the wait goes on as for any result, up to its
@@ -2047,11 +2048,16 @@ class Queue:
                 continue  # where is it now? finished with none kept, nothing will come
             grace = LEAVE_GRACE if left is None else min(LEAVE_GRACE, left)
             body = await waits.wait(message_id, grace)
-            if body is None:
-                (body,) = await waits.look([message_id])
+            if body is not None:
+                return body
+            if grace >= LEAVE_GRACE:
+                # where it is, then its result: an ok keeps the result before the message
+                # leaves, so one back in the queue and ok-ed meanwhile has it kept by then
+                still = await self._still_queued(message_id)
+            (body,) = await waits.look([message_id])  # (a failure whose signal was lost)
             if body is not None or grace < LEAVE_GRACE:
                 return body
-            if not await self._still_queued(message_id):
+            if not still:
                 raise ResultMissingError(message_id)
             # back in the queue (a pop cancelled before its reply was handed over puts
             # its messages back): its result may come after all

@@ -383,6 +383,35 @@ async def test_a_joiner_that_found_its_message_gone_looks_again_before_it_gives_
     await factory.close()
 
 
+async def test_a_joiner_finds_the_result_of_a_message_back_and_finished_as_it_looked_where(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A joiner that found its message gone looks where it is once more after the grace;
+    the message may have come back and been ok-ed with a result just before that look
+    (tells it gone): an ok keeps the result before the message leaves, so the result is
+    looked for after it, and the joiner gets it rather than ResultMissingError."""
+    monkeypatch.setattr(aio_keuss.queue, "LEAVE_GRACE", 0.05)
+    factory = _factory(MemoryBackend({}))
+    q = await factory.queue("q1", result_ttl=60, poll_interval=60)
+    await q.push(1, id="job")
+    (held,) = await q.reserve_many(1, timeout=GUARD)
+    looks = 0
+    still_queued = q._still_queued
+
+    async def back_and_done(message_id: str) -> bool:
+        nonlocal looks
+        looks += 1
+        if looks == 1:  # out for a moment (a cancelled pop puts it back)
+            return False
+        if looks == 2:  # back, taken and ok-ed with a result just as this look goes out
+            assert await q.ok(held, result="done")
+        return await still_queued(message_id)
+
+    q._still_queued = back_and_done  # type: ignore[method-assign]
+    assert await q.push_and_wait(2, id="job", timeout=GUARD) == "done"
+    await factory.close()
+
+
 async def test_push_and_wait_asks_where_its_message_is_only_for_a_duplicate_without_result(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
