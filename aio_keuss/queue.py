@@ -2017,11 +2017,11 @@ class Queue:
         kept) leaves ``ResultMissingError``.
 
         A message found still queued is looked for again each ``poll_interval`` while
-        its result is awaited: one that then finishes with none kept (an ok without a
-        result, a consumer that keeps none) is told as above, not awaited for ever; one
-        found gone, with no failure kept in the grace, is looked for once more, then its
-        result, since it may be back (a cancelled pop puts its messages back) or even
-        back and ok-ed.
+        its result is awaited (in one wait, its looks shared: see ``_while_queued``): one
+        that then finishes with none kept (an ok without a result, a consumer that keeps
+        none) is told as above, not awaited for ever; one found gone, with no failure kept
+        in the grace, is looked for once more, then its result, since it may be back (a
+        cancelled pop puts its messages back) or even back and ok-ed.
 
         Elsewhere (no peek: nothing to look with; no reserve: a popped message is out of
         the store while its handler runs) the wait goes on as for any result, up to its
@@ -2032,20 +2032,16 @@ class Queue:
             return await waits.wait(message_id, timeout)
         loop = asyncio.get_running_loop()
         deadline = None if timeout is None else loop.time() + timeout
-        recheck = self.options.poll_interval
+        (body,) = await waits.look([message_id])
+        if body is not None:
+            return body
+        queued = await self._still_queued(message_id)
         while True:
-            (body,) = await waits.look([message_id])
-            if body is not None:
-                return body
-            still = await self._still_queued(message_id)
-            left = None if deadline is None else max(0.0, deadline - loop.time())
-            if still:
-                if left is not None and left <= recheck:
-                    return await waits.wait(message_id, left)
-                body = await waits.wait(message_id, recheck)
-                if body is not None:
+            if queued:
+                body, queued = await self._while_queued(waits, message_id, deadline)
+                if queued:  # its result, or the timeout's end
                     return body
-                continue  # where is it now? finished with none kept, nothing will come
+            left = None if deadline is None else max(0.0, deadline - loop.time())
             grace = LEAVE_GRACE if left is None else min(LEAVE_GRACE, left)
             body = await waits.wait(message_id, grace)
             if body is not None:
@@ -2053,14 +2049,42 @@ class Queue:
             if grace >= LEAVE_GRACE:
                 # where it is, then its result: an ok keeps the result before the message
                 # leaves, so one back in the queue and ok-ed meanwhile has it kept by then
-                still = await self._still_queued(message_id)
+                queued = await self._still_queued(message_id)
             (body,) = await waits.look([message_id])  # (a failure whose signal was lost)
             if body is not None or grace < LEAVE_GRACE:
                 return body
-            if not still:
+            if not queued:
                 raise ResultMissingError(message_id)
             # back in the queue (a pop cancelled before its reply was handed over puts
             # its messages back): its result may come after all
+
+    async def _while_queued(
+        self, waits: ResultWaits, message_id: str, deadline: float | None
+    ) -> tuple[bytes | None, bool]:
+        """Wait for the result of a joined message found still queued, asking where it is
+        each ``poll_interval``: (its body, True), or (None, True) once ``deadline`` passed,
+        or (None, False) once it is found gone. One wait all along: its result is looked
+        for by the queue's one waiting task, with every other wait (a new wait at each
+        recheck, and a look of its own, cost two round trips more each, none shared)."""
+        loop = asyncio.get_running_loop()
+        left = None if deadline is None else max(0.0, deadline - loop.time())
+        waiting = asyncio.ensure_future(waits.wait(message_id, left))
+        recheck = self.options.poll_interval
+        try:
+            while True:
+                done, _ = await asyncio.wait((waiting,), timeout=recheck)
+                if done:
+                    return waiting.result(), True
+                still = await self._still_queued(message_id)
+                if waiting.done():
+                    return waiting.result(), True
+                if not still:  # the grace's wait looks for a result kept as it left
+                    return None, False
+        finally:
+            if not waiting.done():
+                waiting.cancel()
+            elif not waiting.cancelled():
+                waiting.exception()  # retrieved: raised above, or dropped with the caller
 
     def _waits(self) -> ResultWaits:
         if self._result_waits is None:

@@ -16,6 +16,7 @@ from typing import Any
 
 import orjson
 import pytest
+from polling import until
 
 import aio_keuss
 import aio_keuss.queue
@@ -378,6 +379,49 @@ async def test_a_joiner_that_found_its_message_gone_looks_again_before_it_gives_
     )
     again.cancel()
     assert joining not in done  # it did not give up after its grace
+    assert await q.ok(held, result="done")
+    assert await asyncio.wait_for(joining, GUARD) == "done"
+    await factory.close()
+
+
+async def test_a_joiner_of_a_held_message_waits_with_the_shared_looks_between_its_rechecks(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A joiner that found its message still queued asks where it is each poll interval,
+    and only that: its result is looked for by the queue's one waiting task, with every
+    other wait, as for a new message. (Looking for it itself, and entering a new wait, at
+    each recheck cost two round trips more per poll interval and joiner, none shared.)"""
+    factory = _factory(MemoryBackend({}))
+    q = await factory.queue("q1", result_ttl=60, poll_interval=0.05)
+    await q.push(1, id="job")
+    (held,) = await q.reserve_many(1, timeout=GUARD)
+    waits = q._waits()
+    entered = 0
+    wait = waits.wait
+
+    async def counted_wait(message_id: str, timeout: float | None) -> bytes | None:
+        nonlocal entered
+        entered += 1
+        return await wait(message_id, timeout)
+
+    waits.wait = counted_wait  # type: ignore[method-assign]
+    rechecks = 0
+    still_queued = q._still_queued
+
+    async def counted_recheck(message_id: str) -> bool:
+        nonlocal rechecks
+        rechecks += 1
+        return await still_queued(message_id)
+
+    q._still_queued = counted_recheck  # type: ignore[method-assign]
+    joining = asyncio.ensure_future(q.push_and_wait(2, id="job", timeout=GUARD))
+
+    async def rechecked() -> bool:
+        return joining.done() or rechecks >= 4
+
+    await until(rechecked, GUARD)
+    assert not joining.done()
+    assert entered == 1  # one wait, through every recheck
     assert await q.ok(held, result="done")
     assert await asyncio.wait_for(joining, GUARD) == "done"
     await factory.close()
