@@ -15,6 +15,7 @@ _CREDENTIALS = re.compile(r"//[^/?#]*@")
 MAX_SECONDS = 1e9
 """Longest delay, timeout or duration accepted anywhere (about 31.7 years); see
 :func:`check_seconds`."""
+_MAX_WHOLE_SECONDS = int(MAX_SECONDS)
 MAX_COUNT = 2**31 - 1
 """Largest count option (``max_batch``, deadletter ``max_ko``, ``failed_max``): counts meet
 PostgreSQL ``integer`` columns and parameters, which hold up to 2**31 - 1."""
@@ -57,8 +58,14 @@ def check_seconds(value: object, what: str) -> float:
     is written. The comparison is exact for ints too big for a float (10**400 is refused,
     not an ``OverflowError``); NaN and infinities fail it as well.
     """
-    if type(value) is float and 0.0 <= value <= MAX_SECONDS:  # the usual case, checked first
+    # The usual cases first, by exact type: a float, or an int (``timeout=10``) compared
+    # with an int bound. An int taken through the ``isinstance`` checks below and compared
+    # with the float bound cost twice as many instructions (callgrind: some 1,300 more per
+    # call, 2 % of all a pop's client work per message).
+    if type(value) is float and 0.0 <= value <= MAX_SECONDS:
         return value
+    if type(value) is int and 0 <= value <= _MAX_WHOLE_SECONDS:
+        return float(value)
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise InvalidDelayError(f"{what} must be a number of seconds, not {brief(value)}")
     if not 0 <= value <= MAX_SECONDS:  # int or float compared exactly: no OverflowError
