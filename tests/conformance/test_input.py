@@ -482,11 +482,19 @@ async def test_edge_payloads_and_headers_round_trip(queue: aio_keuss.Queue) -> N
 TOO_LONG: list[Any] = [10**400, MAX_SECONDS * 1.5, 1e17, 2.6e11, math.inf, math.nan]
 
 
+class Seconds(enum.IntEnum):
+    TEN = 10
+
+
 def test_check_seconds_bound() -> None:
     assert check_seconds(0, "d") == 0.0
     assert check_seconds(MAX_SECONDS, "d") == MAX_SECONDS
     assert check_seconds(int(MAX_SECONDS), "d") == MAX_SECONDS
-    for bad in [*TOO_LONG, -1, -(10**400), True, "1", None]:
+    # an int, by its exact type or a subclass's way, comes back a float of the same value
+    assert [(type(s), s) for s in (check_seconds(10, "d"), check_seconds(Seconds.TEN, "d"))] == [
+        (float, 10.0)
+    ] * 2
+    for bad in [*TOO_LONG, int(MAX_SECONDS) + 1, -1, -(10**400), True, "1", None]:
         with pytest.raises(aio_keuss.InvalidDelayError):
             check_seconds(bad, "delay")
     with pytest.raises(aio_keuss.InvalidDelayError, match="an int of"):
