@@ -36,6 +36,7 @@ from ..errors import (
     translating,
 )
 from ..options import BackendOptions, check_int, without_password
+from .spelling import spelling
 from .sql import migrations, queries
 
 try:
@@ -646,6 +647,9 @@ class PostgresConnection(Backend):
     def _run(self, method: str, query: str, args: tuple[Any, ...]) -> Any:
         if self._held is None:
             return getattr(self.pool, method)(query, *args)  # raises: not open
+        written = spelling(query)  # a small batch's arrays sent as scalars (see spelling)
+        if written is not None and (spelled := written.apply(args)) is not None:
+            query, args = spelled[0], tuple(spelled[1])
         return self._held.run(method, query, args)
 
     @asynccontextmanager
