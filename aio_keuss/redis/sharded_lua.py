@@ -254,15 +254,17 @@ end
 -- id, a refused ok / ko, the sweep's look over the index), so the id can be pushed again
 -- and the index does not keep it for ever. One naming a key of another type counts
 -- (``adopt`` renames it when met).
+-- The key of the record an index entry ``at`` (other than a legacy 's') names, and its
+-- kind: 's' a slot of the ring, 'z' a scheduled record, else a record held aside.
+local function entry_key(base, at)
+  local kind, rest = string.sub(at, 1, 1), string.sub(at, 2)
+  if kind == 's' then return base .. 's:' .. rest, kind end
+  if kind == 'z' then return base .. 'q:' .. rest, kind end
+  return base .. 'r:' .. at, kind
+end
 local function current(base, id, at)
   if at == 's' then return legacy(base, id) end
-  local kind, rest = string.sub(at, 1, 1), string.sub(at, 2)
-  local key = base .. 'r:' .. at
-  if kind == 's' then
-    key = base .. 's:' .. rest
-  elseif kind == 'z' then
-    key = base .. 'q:' .. rest
-  end
+  local key = entry_key(base, at)
   local named = redis.pcall('HGET', key, 'i')
   if type(named) == 'table' and named.err or named == id then return true end
   redis.call('HDEL', KEYS[2], id)
@@ -1087,13 +1089,7 @@ for i = 2, #ARGV do
   local live = queued(base, id)
   if live then
     local at = redis.call('HGET', KEYS[2], id)
-    local kind, rest = string.sub(at, 1, 1), string.sub(at, 2)
-    local key = base .. 'r:' .. at
-    if kind == 's' then
-      key = base .. 's:' .. rest
-    elseif kind == 'z' then
-      key = base .. 'q:' .. rest
-    end
+    local key, kind = entry_key(base, at)
     local rec = redis.pcall('HMGET', key, 'x', 'e')
     if at ~= 's' and not rec.err and dead(rec[2], now)
         and not (kind ~= 's' and kind ~= 'z' and rec[1]) then
