@@ -169,10 +169,43 @@ def _wait_listening(process: subprocess.Popen[bytes], port: int, log: str) -> No
 
 
 _ATTEMPTS = 5
+
+
+class _OwnServer:
+    """What the servers of a test's own share: the first start moves to another port if a
+    program outside the suite took this one; a restart (whose clients know the port) fails
+    then. A server class gives ``port`` and ``_start`` (raising PortTaken), and
+    ``_set_port`` when its settings name the port."""
+
+    port: int
+    _started: bool = False
+
+    def start(self) -> None:
+        """Start the server (see the class)."""
+        for attempt in range(_ATTEMPTS):
+            try:
+                self._start()
+            except PortTaken:
+                if self._started or attempt == _ATTEMPTS - 1:
+                    raise
+                release_port(self.port)
+                self.port = free_port()
+                self._set_port()
+            else:
+                self._started = True
+                return
+
+    def _start(self) -> None:
+        raise NotImplementedError
+
+    def _set_port(self) -> None:
+        """Settings naming the port made again after it moved (none by default)."""
+
+
 """Ports a server tries before its start fails (each taken by a program outside the suite)."""
 
 
-class OwnRedis:
+class OwnRedis(_OwnServer):
     """A ``redis-server`` of the test's own; ``stop()`` / ``start()`` make an outage.
 
     ``extra`` are more ``--option value`` arguments (e.g. persistence for a restart that
@@ -192,21 +225,6 @@ class OwnRedis:
     @property
     def url(self) -> str:
         return f"redis://127.0.0.1:{self.port}/0"
-
-    def start(self) -> None:
-        """Start the server; the first start moves to another port if a program outside the
-        suite took this one, a restart (whose clients know the port) fails then."""
-        for attempt in range(_ATTEMPTS):
-            try:
-                self._start()
-            except PortTaken:
-                if self._started or attempt == _ATTEMPTS - 1:
-                    raise
-                release_port(self.port)
-                self.port = free_port()
-            else:
-                self._started = True
-                return
 
     def _start(self) -> None:
         log = os.path.join(self.dir, "output")
@@ -256,7 +274,7 @@ def _postgres_bin(tool: str) -> str | None:
     return found[-1] if found else shutil.which(tool)
 
 
-class OwnPostgres:
+class OwnPostgres(_OwnServer):
     """A PostgreSQL cluster of the test's own (``initdb`` in a temporary directory, trust
     authentication, database ``test``); ``stop()`` / ``start()`` make an outage. As root the
     server runs as the ``postgres`` user, since PostgreSQL refuses to run as root."""
@@ -293,22 +311,6 @@ class OwnPostgres:
         if os.geteuid() == 0:
             command = ("runuser", "-u", "postgres", "--", *command)
         subprocess.run(command, check=True, capture_output=True, timeout=120)
-
-    def start(self) -> None:
-        """Start the server; the first start moves to another port if a program outside the
-        suite took this one, a restart (whose clients know the port) fails then."""
-        for attempt in range(_ATTEMPTS):
-            try:
-                self._start()
-            except PortTaken:
-                if self._started or attempt == _ATTEMPTS - 1:
-                    raise
-                release_port(self.port)
-                self.port = free_port()
-                self._set_port()
-            else:
-                self._started = True
-                return
 
     def _start(self) -> None:
         log = os.path.join(self.dir, "log")
@@ -407,7 +409,7 @@ def _nx_command() -> str | None:
     return str(beside) if beside.exists() else shutil.which("nx-27017")
 
 
-class OwnMongo:
+class OwnMongo(_OwnServer):
     """An nx-27017 (the MongoDB wire-protocol server the suite uses) of the test's own, with
     its data in memory: ``stop()`` / ``start()`` make an outage, and a restart empties it."""
 
@@ -424,21 +426,6 @@ class OwnMongo:
     @property
     def url(self) -> str:
         return f"mongodb://127.0.0.1:{self.port}"
-
-    def start(self) -> None:
-        """Start the server; the first start moves to another port if a program outside the
-        suite took this one, a restart (whose clients know the port) fails then."""
-        for attempt in range(_ATTEMPTS):
-            try:
-                self._start()
-            except PortTaken:
-                if self._started or attempt == _ATTEMPTS - 1:
-                    raise
-                release_port(self.port)
-                self.port = free_port()
-            else:
-                self._started = True
-                return
 
     def _start(self) -> None:
         log = os.path.join(self.dir, "output")
