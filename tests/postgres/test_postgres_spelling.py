@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
-from backends import POSTGRES_URL, new_token
+from backends import POSTGRES_URL, _drop_postgres_schema, new_token
 
 import aio_keuss
 from aio_keuss.postgres.spelling import SPELLED_OUT_ROWS, spelling
@@ -35,11 +35,7 @@ async def factory() -> AsyncIterator[aio_keuss.Factory]:
         yield opened
     finally:
         await opened.close()
-        connection = await asyncpg.connect(POSTGRES_URL)
-        try:
-            await connection.execute(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
-        finally:
-            await connection.close()
+        await _drop_postgres_schema({"url": POSTGRES_URL, "schema": schema})
 
 
 def test_array_parameters_are_written_out_and_the_others_renumbered() -> None:
