@@ -30,7 +30,25 @@ SPELLED_OUT_ROWS = 4
 each connection (asyncpg caches 100 by default), and the batches of a few callers are
 what pays the array encoding most per message."""
 
-_PARAMETER = re.compile(r"\$(\d+)(?:::(\w+)(\[\])?)?")
+_TOKEN = re.compile(
+    r"""
+    '(?:[^']|'')*'                  # a string constant ('' a quote in it)
+    | [eE]'(?:[^'\\]|\\.|'')*'      # an escape string constant (\' a quote in it)
+    | "(?:[^"]|"")*"                # a quoted identifier
+    | --[^\n]*                      # a comment
+    | /\*[\s\S]*?\*/
+    | \$(?P<tag>(?:[^\W\d]\w*)?)\$[\s\S]*?\$(?P=tag)\$  # a dollar-quoted string constant
+    | [^\W\d][\w$]*                 # an identifier or key word: may hold $ and digits
+    | \$(?P<number>\d+)(?:::(?P<type>\w+)(?P<array>\[\](?!\s*\[))?)?  # a parameter
+    """,
+    re.VERBOSE,
+)
+"""What the server reads as a parameter (``$n``, its cast when it is a simple ``::type`` or
+``::type[]``), and what it does not: the constants, quoted identifiers, comments and
+identifiers a ``$`` and digits may appear in (PostgreSQL manual, "Lexical Structure"), each
+matched whole so that nothing inside it is taken for a parameter. A cast to an array of more
+dimensions (``::text[][]``) is not an array parameter: an ``ARRAY[...]`` of scalars would
+not be its value."""
 
 
 @dataclass(frozen=True)
@@ -67,12 +85,12 @@ def spelling(query: str) -> Spelling | None:
     """The spelling of ``query``, None for one without array parameters, or one whose
     array parameter appears anywhere without its ``::type[]`` cast (which a written-out
     form could not give its elements' type)."""
-    found = list(_PARAMETER.finditer(query))
+    found = [m for m in _TOKEN.finditer(query) if m["number"]]
     if not found:
         return None
-    count = max(int(m[1]) for m in found)
-    arrays = {int(m[1]) for m in found if m[3]}
-    if not arrays or any(int(m[1]) in arrays and not m[3] for m in found):
+    count = max(int(m["number"]) for m in found)
+    arrays = {int(m["number"]) for m in found if m["array"]}
+    if not arrays or any(int(m["number"]) in arrays and not m["array"] for m in found):
         return None
     forms = tuple(
         _written_out(query, count, arrays, rows) for rows in range(1, SPELLED_OUT_ROWS + 1)
@@ -90,10 +108,12 @@ def _written_out(query: str, count: int, arrays: set[int], rows: int) -> str:
         number += rows if old in arrays else 1
 
     def replace(match: re.Match[str]) -> str:
-        old = int(match[1])
+        if not match["number"]:
+            return match[0]  # not a parameter: kept as it is
+        old = int(match["number"])
         new = first[old]
         if old not in arrays:
-            return f"${new}" + match[0][len(match[1]) + 1 :]
-        return "ARRAY[" + ", ".join(f"${new + i}::{match[2]}" for i in range(rows)) + "]"
+            return f"${new}" + match[0][len(match["number"]) + 1 :]
+        return "ARRAY[" + ", ".join(f"${new + i}::{match['type']}" for i in range(rows)) + "]"
 
-    return _PARAMETER.sub(replace, query)
+    return _TOKEN.sub(replace, query)

@@ -74,6 +74,57 @@ def test_a_statement_using_an_array_parameter_without_its_cast_is_not_written_ou
     assert spelling("SELECT x FROM unnest($1::text[]) WHERE cardinality($1) > 0") is None
 
 
+@pytest.mark.parametrize(
+    ("query", "expected"),
+    [
+        # a string literal, a quoted identifier, comments, a dollar-quoted string: text the
+        # server does not read as parameters, kept as it is
+        (
+            "SELECT '$2::text[] $3', x FROM unnest($1::text[]) AS x WHERE x <> $2",
+            "SELECT '$2::text[] $3', x FROM unnest(ARRAY[$1::text, $2::text]) AS x WHERE x <> $3",
+        ),
+        (
+            "SELECT E'\\'$2', x AS \"a$2\" FROM unnest($1::text[]) AS x WHERE x <> $2",
+            "SELECT E'\\'$2', x AS \"a$2\" FROM unnest(ARRAY[$1::text, $2::text]) AS x"
+            " WHERE x <> $3",
+        ),
+        (
+            "SELECT x -- $2::text[]\nFROM unnest($1::text[]) /* $2 */ AS x WHERE x <> $2",
+            "SELECT x -- $2::text[]\nFROM unnest(ARRAY[$1::text, $2::text]) /* $2 */ AS x"
+            " WHERE x <> $3",
+        ),
+        (
+            "SELECT $$ $2 $$, $q$ $2::text[] $q$, x FROM unnest($1::text[]) AS x WHERE x <> $2",
+            "SELECT $$ $2 $$, $q$ $2::text[] $q$, x FROM unnest(ARRAY[$1::text, $2::text]) AS x"
+            " WHERE x <> $3",
+        ),
+        # an unquoted identifier may hold $ and digits (PostgreSQL manual, "Identifiers and
+        # Key Words"): not a parameter
+        (
+            "SELECT x AS a$2 FROM unnest($1::text[]) AS x WHERE x <> $2",
+            "SELECT x AS a$2 FROM unnest(ARRAY[$1::text, $2::text]) AS x WHERE x <> $3",
+        ),
+    ],
+)
+def test_only_the_parameters_the_server_reads_are_rewritten(query: str, expected: str) -> None:
+    written = spelling(query)
+    assert written is not None
+    assert written.arrays == (True, False)
+    assert written.forms[1] == expected
+
+
+@pytest.mark.parametrize(
+    "query",
+    [
+        "SELECT $1::text[][]",  # two dimensions: not one ARRAY[...] of scalars
+        "SELECT $1::text[] [1]",
+        "SELECT cardinality($1::text[]), $1::text[][]",
+    ],
+)
+def test_an_array_cast_followed_by_more_brackets_is_not_written_out(query: str) -> None:
+    assert spelling(query) is None
+
+
 async def test_every_written_out_form_is_its_statement(factory: aio_keuss.Factory) -> None:
     """Prepared on the server: the parameters' types, in the order the arguments are laid
     out, and the result columns are those of the statement as written."""
