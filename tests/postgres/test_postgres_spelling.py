@@ -4,6 +4,7 @@ columns), and a statement answers the same whichever form carries it."""
 
 from __future__ import annotations
 
+import re
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -134,6 +135,9 @@ async def test_every_written_out_form_is_its_statement(factory: aio_keuss.Factor
         for name, statement in queries(db.quoted_schema).items():
             written = spelling(statement)
             if written is None:
+                # one taking an array parameter is written out, unless it uses one without
+                # its cast: that a batch of a few would pay the array encoding again
+                assert not re.search(r"\$\d+::\w+\[\]", statement), name
                 continue
             prepared = await connection.prepare(statement)
             params = [t.name for t in prepared.get_parameters()]
