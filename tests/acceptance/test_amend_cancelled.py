@@ -88,6 +88,10 @@ async def test_a_promote_cancelled_once_done_still_wakes_other_processes(
         consumer, promoter = await consuming.queue("jobs"), await promoting.queue("jobs")
         message_id = await promoter.push("x", delay=LATER)
         waiter = asyncio.create_task(consumer.pop(timeout=None))  # woken by a signal only
+        # connections opened now, as in the remove case below: one the promote would open
+        # while the gate is shut (its push's signal still holding the first) never gets its
+        # handshake's reply, and the promote never reaches the server
+        await asyncio.gather(*(promoter.sizes() for _ in range(4)))
         await asyncio.sleep(0.3)  # it took nothing and sleeps (an order, not a bound)
 
         async def promoted() -> bool:
