@@ -94,15 +94,10 @@ class StatsStore(ABC):
 
     def incr(self, queue: str, counter: str, n: int = 1) -> None:
         """Count ``n`` events. The one place where metrics (:mod:`aio_keuss.observe`), when
-        enabled, see them. The counting is :meth:`_add`'s, inline: every pop, reserve, ok
-        and push counts, and the call to it cost a third as much again as the counting
-        (callgrind). A store that overrides ``_add`` overrides this too (``MemoryStats``)."""
+        enabled, see them; the counting itself is :meth:`_add`."""
         if observe.active is not None:
             observe.active.count(queue, counter, n)
-        if n:
-            if not self._buffer:
-                self._dirty.set()
-            self._buffer[queue][counter] += n
+        self._add(queue, counter, n)
 
     def uncount(self, queue: str, counter: str, n: int) -> None:
         """Take back ``n`` events of ``counter``: messages counted as taken (``get``,
@@ -369,12 +364,6 @@ class MemoryStats(StatsStore):
         )
         self._paused: set[str] = set()
         self._options: dict[str, dict[str, Any]] = {}
-
-    def incr(self, queue: str, counter: str, n: int = 1) -> None:
-        """``StatsStore.incr`` with this store's own ``_add``, inline as there."""
-        if observe.active is not None:
-            observe.active.count(queue, counter, n)
-        self._counters[queue][counter] += n
 
     def _add(self, queue: str, counter: str, n: int) -> None:
         self._counters[queue][counter] += n
