@@ -2446,9 +2446,16 @@ class Queue:
     def _on_signal(self, signal: Signal) -> None:
         kind = signal.kind
         if kind == "insert":  # one per push: told apart first
-            if not self._paused:
-                self._wakeups.announce(signal.count)
-            return
+            count = signal.count
+        else:
+            count = None
+            self._on_control_signal(kind)
+        if not self._paused:
+            self._wakeups.announce(count)
+
+    def _on_control_signal(self, kind: str) -> None:
+        """A signal other than an insert: a pause, a resume or a resync reads the paused
+        flag again."""
         if kind == "pause" or kind == "resume":
             # Taken at once, then confirmed from the stored flag: signals of one process
             # may arrive out of order (each is published on its own), and a pause heard
@@ -2461,8 +2468,6 @@ class Queue:
                 self._in_background(self._resync_paused())
         elif kind == "resync" and not self._closed:
             self._in_background(self._resync_paused())
-        if not self._paused:
-            self._wakeups.announce(None)
 
     async def _resync_paused(self) -> None:
         """The paused flag read again, unless a pause or resume is heard meanwhile (it is
