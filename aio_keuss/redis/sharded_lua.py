@@ -270,10 +270,32 @@ local function current(base, id, at)
   redis.call('HDEL', KEYS[2], id)
   return false
 end
--- Whether ``id`` is queued: its index entry, if ``current``.
-local function queued(base, id)
+-- Whether the record of ``id`` may still get a result, and so refuses a push of it (INSERT,
+-- QUEUED): its index entry, if ``current``, but for a record past its end of life that no
+-- one holds (not in the magazine with a reservation deadline, as COMMIT's guard reads it),
+-- never to be delivered: for such a one, false and its entry (for ``bury``). An older
+-- version's entry ('s', no pointer) counts as it stands, and so does a key of another type.
+local function standing(base, id, now)
   local at = redis.call('HGET', KEYS[2], id)
-  return at and current(base, id, at) or false
+  if not at or not current(base, id, at) then return false end
+  if at == 's' then return true end
+  local key, kind = entry_key(base, at)
+  local rec = redis.pcall('HMGET', key, 'x', 'e')
+  if rec.err or not dead(rec[2], now) then return true end
+  if kind ~= 's' and kind ~= 'z' and rec[1] then return true end  -- held
+  return false, at
+end
+-- Delete the record of ``id`` its entry ``at`` names, one ``standing`` found past its end of
+-- life and held by no one, counted expired: in the step of the push taking its id, so that
+-- nothing of it is left to fire, shovel or load, nor for a step meeting it later to drop the
+-- new record's entry. A magazine or sideline slot is left empty, as an acknowledged one is
+-- (the walks pass over it; counted as the dead record was until its pointer passes it).
+local function bury(base, id, at)
+  local key, kind = entry_key(base, at)
+  redis.call('DEL', key)
+  redis.call('HDEL', KEYS[2], id)
+  if kind == 'z' then redis.call('ZREM', KEYS[4], string.sub(at, 2)) end
+  redis.call('HINCRBY', KEYS[1], 'e', 1)
 end
 -- Put a record aside until ``due``: it waits in the shard's schedule (KEYS[4] = z).
 -- Its name in the schedule is the sequence number zero-padded to a fixed width, so records
@@ -388,10 +410,13 @@ end
 # a mature time are put-backs of a cancelled pop, loaded back where they were fired from by
 # put_back; those with no room there, a held reservation just behind, go to the load
 # pointer), then 9 per entry: id, payload, headers,
-# tries, check ('' = an id the queue made: unique by construction; 'c' = refused while
-# queued; 'd' = also refused within the dedup window), mature ('' = now), delay (seconds;
-# > 0: scheduled), end of life ('' = now + TTL; a put-back keeps its own), place (a
-# put-back's place in the shard's order as fired; '' = unknown, before any other).
+# tries, check ('' = an id the queue made: unique by construction; 'c' = refused while its
+# id's record is ``standing``; 'd' = also refused within the dedup window), mature ('' =
+# now), delay (seconds; > 0: scheduled), end of life ('' = now + TTL; a put-back keeps its
+# own), place (a put-back's place in the shard's order as fired; '' = unknown, before any
+# other). A record of the id past its end of life that no one holds refuses nothing by
+# itself (a push goes in or not whether or not a step deleted it yet): an entry accepted
+# over it deletes it here (``bury``).
 # Reply: {version after, 1 if the caller must announce the shard (its magazine was empty and
 # got a record: whoever loaded the first record of a non-empty one announced it already),
 # earliest mature time scheduled by this call ('' = none), then 1 / 0 per entry}.
@@ -418,9 +443,10 @@ local function write(key, i)
 end
 for i = 5, #ARGV, 9 do
   local id, check = ARGV[i], ARGV[i + 4]
-  local fresh = true
+  local fresh, stands, dead_at = true, false, nil
   if check ~= '' then
-    if seen[id] or queued(base, id) then
+    if not seen[id] then stands, dead_at = standing(base, id, now) end
+    if seen[id] or stands then
       fresh = false
     elseif check == 'd' then
       if not purged then
@@ -432,6 +458,7 @@ for i = 5, #ARGV, 9 do
   end
   if fresh then
     seen[id] = true
+    if dead_at then bury(base, id, dead_at) end
     if check == 'd' then redis.call('ZADD', KEYS[3], fmt(now + window), id) end
     local one = {id = id, i = i}
     if front and ARGV[i + 5] ~= '' then
@@ -1075,28 +1102,15 @@ return 1
 """
 
 # KEYS: m ix. ARGV: base, then the ids. Reply: 1 / 0 per id, whether it has a record in the
-# shard a result may still come for: its index entry, if current (as INSERT's duplicate check
-# reads it; a stale entry met is dropped, as there), but for a record past its end of life
-# that no one holds (not in the magazine with a reservation deadline, as COMMIT's guard
-# reads it): never delivered, deleted where a step meets it. An older version's entry ('s',
-# no pointer) counts as it stands.
+# shard a result may still come for, ``standing`` (as INSERT's duplicate check reads it; a
+# stale entry met is dropped, as there): not one past its end of life that no one holds,
+# never delivered (deleted where a step meets it, or by a push of its id).
 _QUEUED = """
 local base = ARGV[1]
 local now = server_now()
 local out = {}
 for i = 2, #ARGV do
-  local id = ARGV[i]
-  local live = queued(base, id)
-  if live then
-    local at = redis.call('HGET', KEYS[2], id)
-    local key, kind = entry_key(base, at)
-    local rec = redis.pcall('HMGET', key, 'x', 'e')
-    if at ~= 's' and not rec.err and dead(rec[2], now)
-        and not (kind ~= 's' and kind ~= 'z' and rec[1]) then
-      live = false
-    end
-  end
-  out[#out + 1] = live and 1 or 0
+  out[#out + 1] = standing(base, ARGV[i], now) and 1 or 0
 end
 return out
 """

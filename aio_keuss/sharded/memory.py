@@ -57,10 +57,6 @@ PROMOTE = 1000
 PURGE = 1000
 """Expired records at the magazine's head ``sizes`` deletes at most."""
 
-SIDELINED = "s"
-"""Where an id's record is while it waits in the sideline (else its pointer, or
-``"z<seq>"`` while scheduled)."""
-
 
 async def _pass() -> None:
     """One pass of the event loop, taken before an operation's work (a load's after it, so
@@ -106,7 +102,7 @@ class _Shard:
         self.sideline: dict[int, _Record] = {}
         self.waiting: dict[int, _Record] = {}  # by schedule sequence
         self.schedule: list[tuple[float, int]] = []  # heap of (mature, sequence)
-        self.where: dict[str, int | str] = {}
+        self.where: dict[str, int | str] = {}  # id -> pointer, "s<pointer>" or "z<seq>"
         self.windows: dict[str, float] = {}  # explicit id -> end of its dedup window
         self.window_ends: list[tuple[float, str]] = []  # heap, to purge ended windows
         self.stepped: list[tuple[float, int]] = []
@@ -185,7 +181,11 @@ class _Shard:
                 self.put(record)
 
     def duplicate(self, entry: Entry, now: float) -> bool:
-        if entry.id in self.where:
+        """Whether ``entry`` is refused: its id has a record that is :meth:`live`, or (an
+        explicit id) was pushed within its dedup window. A record of the id no one holds
+        past its end of life refuses nothing by itself: an accepted entry replaces it (see
+        :meth:`bury`), as it would find nothing once a step had deleted it."""
+        if self.live(entry.id, now):
             return True
         if not entry.dedup:
             return False
@@ -197,9 +197,9 @@ class _Shard:
         return entry.id in self.windows
 
     def live(self, message_id: str, now: float) -> bool:
-        """Whether ``message_id`` has a record a result may still come for: one no one
-        holds past its end of life is never delivered (deleted where it is met), though
-        its id keeps its entry, and the duplicate check its refusal, until then."""
+        """Whether ``message_id`` has a record a result may still come for: not one no one
+        holds past its end of life, which is never delivered (deleted where it is met, or
+        replaced by a push of its id)."""
         at = self.where.get(message_id)
         if at is None:
             return False
@@ -207,11 +207,39 @@ class _Shard:
             record = self.magazine.get(at)
             if record is not None and record.deadline is not None:
                 return True  # held: its holder may still ok it
-        elif at == SIDELINED:
-            record = next((r for r in self.sideline.values() if r.id == message_id), None)
         else:
-            record = self.waiting.get(int(at[1:]))
+            record = self.aside(at)
         return record is None or not record.dead(now)
+
+    def aside(self, at: str) -> _Record | None:
+        """The record an index entry names outside the magazine: ``s<pointer>`` in the
+        sideline, ``z<seq>`` in the schedule."""
+        if at[0] == "s":
+            return self.sideline.get(int(at[1:]))
+        return self.waiting.get(int(at[1:]))
+
+    def bury(self, message_id: str, now: float) -> None:
+        """Delete the record of ``message_id`` past its end of life that no one holds (one
+        :meth:`live` says is not), if any, counted expired: the step of the push that takes
+        its id, so nothing of it is left to fire, shovel, promote or count, nor to forget
+        the new record's index entry when met. In the magazine its slot is left empty, as
+        an acknowledged one is (the walks pass over it; ``sizes`` counts it as ready, as
+        it counted the dead record, until the fire pointer passes it)."""
+        at = self.where.get(message_id)
+        if at is None:
+            return
+        if isinstance(at, int):
+            record = self.magazine.pop(at, None)
+        elif at[0] == "s":
+            record = self.sideline.pop(int(at[1:]), None)
+        else:
+            seq = int(at[1:])
+            record = self.waiting.pop(seq, None)
+            self.schedule = [item for item in self.schedule if item[1] != seq]
+            heapq.heapify(self.schedule)
+        del self.where[message_id]
+        if record is not None and record.dead(now):
+            self.expired += 1
 
     def held(self, message_id: str, tries: int | None) -> tuple[int, _Record] | None:
         at = self.where.get(message_id)
@@ -234,7 +262,7 @@ class _Shard:
             self.expired += 1
             return 0
         self.sideline[self.side_load] = record
-        self.where[record.id] = SIDELINED
+        self.where[record.id] = f"s{self.side_load}"
         self.side_load += 1
         self.swept += 1
         return 1
@@ -346,6 +374,8 @@ class MemoryShardStorage(ShardStorage):
                 flags.append(False)
                 continue
             seen.add(e.id)
+            if checked:  # a dead record of its id, if any, goes in this step
+                s.bury(e.id, now)
             if e.mature is None:  # a push: its life counts from now
                 record = _Record(e.id, e.payload, e.headers, e.tries, now, end)
             else:  # a put-back keeps the end of life it had

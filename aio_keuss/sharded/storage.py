@@ -245,13 +245,18 @@ class ShardStorage(ABC):
     ) -> Loaded:
         """Store ``entries`` in order, atomically on the shard.
 
-        An entry with ``dedup`` (an explicit id) is refused while a record with its id is in
-        the shard (magazine, sideline or schedule) or within the dedup window of an earlier
-        push of that id (expired windows are purged first); an accepted one opens a window
-        of ``dedup_window`` seconds. An entry with ``mature`` set (a put-back) is refused
-        while its id is in the shard, and is loaded now whatever its ``delay``, keeping its
-        ``mature`` and ``tries``, and ``expires`` as its end of life when given (a TTL counts
-        from the push, not from a put-back). Any other entry's id is unique by construction.
+        An entry with ``dedup`` (an explicit id) is refused while its id has a record in the
+        shard (magazine, sideline or schedule) that :meth:`queued` counts, or within the
+        dedup window of an earlier push of that id (expired windows are purged first); an
+        accepted one opens a window of ``dedup_window`` seconds. An entry with ``mature``
+        set (a put-back) is refused while its id has such a record, and is loaded now
+        whatever its ``delay``, keeping its ``mature`` and ``tries``, and ``expires`` as its
+        end of life when given (a TTL counts from the push, not from a put-back). Any other
+        entry's id is unique by construction. A record past its end of life that no one
+        holds refuses nothing by itself (whether a push goes in must not hang on when a
+        step meets and deletes it): an entry accepted over it deletes it in this step,
+        counted expired, so that nothing of it is left to fire, shovel or count, nor for a
+        step meeting it later to drop the new record's index entry.
 
         An accepted entry with ``delay`` > 0 goes to the schedule, mature at now + delay;
         the others are loaded at the load pointer, which advances by one each. With
@@ -270,7 +275,8 @@ class ShardStorage(ABC):
         raises the shard's version as a load does.
 
         Needs: two loads never get the same pointer; the duplicate check and the index
-        entry of an id are one step (on Aerospike, a create-only map put or record write).
+        entry of an id are one step (on Aerospike, a create-only map put or record write),
+        and so are the delete of a dead record it replaces and the new record's entry.
         """
 
     @abstractmethod
@@ -278,9 +284,9 @@ class ShardStorage(ABC):
         """Whether each id has a record in the shard (magazine, sideline or schedule; fired
         and not yet committed counts), as the duplicate check of :meth:`load` reads it, that
         a result may still come for: not one past its end of life (message TTL) that no one
-        holds, which is never delivered, though its entry stays (and refuses its id) until a
-        step meets and deletes it. A stale index entry met on the way may be dropped,
-        nothing else written.
+        holds, which is never delivered (deleted where a step meets it, or by a push of its
+        id). One held stays counted past its end: its holder may still commit it. A stale
+        index entry met on the way may be dropped, nothing else written.
 
         Needs: the id index of :meth:`load` and the record an entry names (its end of life,
         whether held), read in one step."""

@@ -45,6 +45,11 @@ def entry(mid: str, **fields: Any) -> Entry:
     return Entry(mid, f"p-{mid}".encode(), b'{"h":1}', **fields)
 
 
+def renewed(mid: str, **fields: Any) -> Entry:
+    """A later message of id ``mid``, told apart by its payload."""
+    return Entry(mid, b"new", b'{"h":1}', **fields)
+
+
 async def fire_ids(st: ShardStorage, shard: int, n: int, delay: float | None = None) -> list[str]:
     return [m.id for m in (await st.fire("q", shard, n, delay)).messages]
 
@@ -131,6 +136,126 @@ async def test_queued_counts_no_record_past_its_end_of_life_but_a_held_one(
     assert await st.queued("q", 0, ["held", "waiting", "later"]) == [True, False, False]
     assert await st.commit("q", 0, [Ack("held", held.tries)]) == [True]
     assert await st.queued("q", 0, ["held"]) == [False]
+
+
+async def test_a_record_past_its_end_of_life_no_one_holds_refuses_no_push_of_its_id(
+    st: ShardStorage,
+) -> None:
+    """A record past its end of life that no one holds is never delivered and, as
+    :meth:`queued` says, no result can come for it: a push of its id is not refused for it
+    (it was, until a step met and deleted the record: whether a push went in hung on the
+    sweep's timing). The push deletes it in the same step, wherever it waits: the index
+    then names the new record, the dead one is counted expired once, and nothing of it is
+    left to fire or to count as ready or scheduled. The dedup window still refuses, as it
+    does once the record is gone, and so does a put-back's check only while queued."""
+    # waiting at the head of the magazine (its window 0: over at once)
+    await st.load("q", 0, [entry("x", dedup=True)], 0.0, 0.0)  # dead as it is stored
+    assert await st.queued("q", 0, ["x"]) == [False]
+    assert (await st.load("q", 0, [renewed("x", dedup=True)], 0.0, FAR)).flags == [True]
+    assert await st.queued("q", 0, ["x"]) == [True]  # the new record
+    sizes = await st.sizes("q", 0)
+    assert (sizes.ready, sizes.scheduled, sizes.expired) == (1, 0, 1)
+    assert [(m.id, m.payload) for m in (await st.fire("q", 0, 5, None)).messages] == [("x", b"new")]
+    assert await st.queued("q", 0, ["x"]) == [False]
+    # behind a live record
+    await st.load("q", 1, [entry("alive")], 0.0, FAR)
+    await st.load("q", 1, [entry("y", dedup=True)], 0.0, 0.0)
+    assert (await st.load("q", 1, [renewed("y", dedup=True)], 0.0, FAR)).flags == [True]
+    fired = (await st.fire("q", 1, 5, None)).messages
+    assert [(m.id, m.payload) for m in fired] == [("alive", b"p-alive"), ("y", b"new")]
+    assert await fire_ids(st, 1, 5) == []
+    assert (await st.sizes("q", 1)).expired == 1
+    # scheduled, replaced by a scheduled one, then by one loaded now
+    await st.load("q", 2, [entry("s", dedup=True, delay=FAR)], 0.0, 0.0)
+    assert await st.queued("q", 2, ["s"]) == [False]
+    later = renewed("s", dedup=True, delay=FAR)
+    assert (await st.load("q", 2, [later], 0.0, FAR)).flags == [True]
+    sizes = await st.sizes("q", 2)
+    assert (sizes.ready, sizes.scheduled, sizes.expired) == (0, 1, 1)
+    assert (await st.load("q", 2, [entry("s", dedup=True)], 0.0, FAR)).flags == [False]
+    await st.load("q", 3, [entry("t", dedup=True, delay=FAR)], 0.0, 0.0)
+    assert (await st.load("q", 3, [renewed("t", dedup=True)], 0.0, FAR)).flags == [True]
+    sizes = await st.sizes("q", 3)
+    assert (sizes.ready, sizes.scheduled, sizes.expired) == (1, 0, 1)
+    assert sizes.next_scheduled is None
+    fired = (await st.fire("q", 3, 5, None)).messages
+    assert [(m.id, m.payload) for m in fired] == [("t", b"new")]
+    # within its window: refused, before and after a step deleted the dead record
+    await st.load("q", 4, [entry("w", dedup=True)], FAR, 0.0)
+    assert await st.queued("q", 4, ["w"]) == [False]
+    assert (await st.load("q", 4, [entry("w", dedup=True)], FAR, FAR)).flags == [False]
+    assert (await st.sizes("q", 4)).expired == 1  # the purge deleted it
+    assert (await st.load("q", 4, [entry("w", dedup=True)], FAR, FAR)).flags == [False]
+    # a put-back (checked while queued only) of an id whose record is dead
+    await st.load("q", 5, [entry("p")], 0.0, 0.0)
+    back = renewed("p", mature=1234.5, tries=2)
+    assert (await st.load("q", 5, [back], 0.0, FAR)).flags == [True]
+    (message,) = (await st.fire("q", 5, 5, None)).messages
+    assert (message.id, message.payload, message.tries) == ("p", b"new", 2)
+    assert (await st.sizes("q", 5)).expired == 1
+
+
+async def _reserved_with_an_end(st: ShardStorage, shard: int, mid: str, sweep: bool) -> Stored:
+    """``mid`` loaded with a message TTL (its window 0) and reserved with a deadline passed
+    at once, then swept into the sideline (``sweep``), all before its end of life: where
+    the machine was slower than that (it expired first, and was deleted), again with a
+    longer TTL. The message as fired."""
+    ttl = 0.5
+    while True:
+        await st.load("q", shard, [entry(mid, dedup=True)], 0.0, ttl)
+        fired = (await st.fire("q", shard, 1, 0.0)).messages
+        if fired and (not sweep or (await st.sweep("q", shard, 1000)).moved == 1):
+            return fired[0]
+        ttl *= 2
+        assert ttl < 1000, "never reserved before its end of life"
+
+
+async def test_a_sidelined_record_past_its_end_of_life_is_replaced_by_a_push_of_its_id(
+    st: ShardStorage,
+) -> None:
+    """Swept into the sideline (held by no one), then past its end of life: a push of its
+    id goes in and deletes it in the same step, so the shovel brings back nothing of it
+    (the new message is fired once, with its own tries) and it is counted expired once."""
+    await _reserved_with_an_end(st, 0, "d", sweep=True)
+
+    async def dead() -> bool:
+        return await st.queued("q", 0, ["d"]) == [False]
+
+    await until(dead)
+    assert (await st.load("q", 0, [entry("d", dedup=True)], 0.0, FAR)).flags == [True]
+    assert await st.queued("q", 0, ["d"]) == [True]
+    assert (await st.sizes("q", 0)).expired == 1
+    await st.shovel("q", 0, 1000)
+    sizes = await st.sizes("q", 0)
+    assert (sizes.ready, sizes.sidelined, sizes.shoveled, sizes.expired) == (1, 0, 0, 1)
+    (message,) = (await st.fire("q", 0, 5, None)).messages
+    assert (message.id, message.tries) == ("d", 0)
+    await st.sweep("q", 0, 1000)
+    await st.shovel("q", 0, 1000)
+    assert await fire_ids(st, 0, 5) == []
+    assert await st.queued("q", 0, ["d"]) == [False]
+
+
+async def test_a_held_record_past_its_end_of_life_refuses_a_push_of_its_id(
+    st: ShardStorage,
+) -> None:
+    """Its holder may still ok it (the guard of commit asks nothing of its life), past its
+    reservation deadline too while the sweep has not met it: the record is queued, and
+    refuses its id until the ok; then the id goes in."""
+    held = await _reserved_with_an_end(st, 0, "h", sweep=False)
+    assert held.expires is not None
+    end = held.expires
+
+    async def dead() -> bool:
+        return time.time() > end + 0.05
+
+    await until(dead)
+    assert await st.queued("q", 0, ["h"]) == [True]
+    assert (await st.load("q", 0, [entry("h", dedup=True)], 0.0, FAR)).flags == [False]
+    assert await st.commit("q", 0, [Ack("h", held.tries)]) == [True]
+    assert (await st.load("q", 0, [entry("h", dedup=True)], 0.0, FAR)).flags == [True]
+    assert await st.queued("q", 0, ["h"]) == [True]
+    assert (await st.sizes("q", 0)).expired == 0
 
 
 async def test_a_put_back_keeps_its_mature_time_and_tries_and_is_refused_while_queued(

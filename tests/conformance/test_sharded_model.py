@@ -735,6 +735,37 @@ async def test_a_duplicate_push_and_wait_of_a_message_past_its_ttl_is_told_none_
         await asyncio.wait_for(q.push_and_wait(2, id="job-1"), 20.0)  # timeout=None
 
 
+@pytest.mark.parametrize("where", ["waiting", "scheduled"])
+async def test_an_id_past_its_ttl_and_its_window_is_queued_again_swept_or_not(
+    sharded: Connect, where: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A message past its end of life that no one holds is never delivered: past the dedup
+    window a push of its id is queued as it is once the sweeper deleted the message (it was
+    refused until then, so a push went in or not by the sweep's timing). ``push_and_wait``
+    then waits for the new message, not the dead one, and it is delivered once. The first
+    message's life ends as it is stored (the store's copy of the queue's TTL made 0 for its
+    push), so nothing waits on the clock; no sweeper runs."""
+    monkeypatch.setattr(aio_keuss.queue, "LEAVE_GRACE", 0.05)  # a join of the dead one: told
+    factory = await sharded(sweeper=False, message_ttl=3600.0)
+    q = await factory.queue("q", dedup_window=0.0, result_ttl=600.0)
+    store = store_of(q)
+    store._ttl = 0.0
+    await q.push(1, id="job-1", delay=3600.0 if where == "scheduled" else 0.0)
+    store._ttl = 3600.0
+    assert await store.queued(["job-1"]) == [False]  # past its end, not deleted yet
+    payloads: list[int] = []
+
+    def handler(message: aio_keuss.Message) -> int:
+        payloads.append(message.payload)
+        return int(message.payload) * 10
+
+    async with q.consume(handler):
+        assert await asyncio.wait_for(q.push_and_wait(2, id="job-1"), 20.0) == 20
+    assert payloads == [2]
+    assert await q.sizes() == Sizes(0, 0, 0, 0)  # nothing of the dead one left
+    assert sum(shard.expired for shard in await store.shard_sizes()) == 1
+
+
 async def test_messages_within_their_ttl_are_delivered(sharded: Connect) -> None:
     q = await (await sharded(message_ttl=3600.0)).queue("long")
     await q.push_many(list(range(5)))
