@@ -88,7 +88,8 @@ async def run_worker(
     under the pipeline's per-queue options (see ``Pipeline.run``'s ``queue_defaults``).
     ``grace``: seconds running handlers get to finish once a stop is asked for.
     ``health_port``: serve ``/healthz`` and ``/metrics`` there (0 picks a free port), on
-    ``health_host``; metrics (:mod:`aio_keuss.observe`) are then enabled from the start, and
+    ``health_host``, bound before connecting (one it cannot serve raises before any
+    handler starts); metrics (:mod:`aio_keuss.observe`) are then enabled from the start, and
     disabled at the end unless they already were.
 
     ``repeats``: :class:`~aio_keuss.Repeat` specs, all checked before anything connects
@@ -134,6 +135,18 @@ async def run_worker(
         )
     if factory is not None and options:
         raise InvalidInputError("backend options are for a worker that connects by itself")
+    consumers: list[Consumer] = []
+    repeaters: list[Repeater] = []
+    health: HealthServer | None = None
+    if health_port is not None:
+        # Bound before connecting, so before any consumer takes a message or a repeat
+        # pushes: bound once they ran, an address it cannot serve stopped a worker whose
+        # handlers had begun (popped messages they held were lost). Until the consumers
+        # start, /healthz answers 503 (none runs yet).
+        health = HealthServer(
+            lambda: consumers, health_host, health_port, repeaters=lambda: repeaters
+        )
+        await health.start()
     stop = stop or asyncio.Event()
     now = asyncio.Event()
     # Before connecting: a SIGTERM during a slow connect (a server that accepts and does not
@@ -143,15 +156,16 @@ async def run_worker(
         own = None if factory is not None else await _connect_unless_stopped(stop, backend, options)
     except BaseException:
         restore()
+        if health is not None:
+            await health.close()
         raise
     opened = factory or own
     if opened is None:
         restore()
+        if health is not None:
+            await health.close()
         log.info("worker %d stopped while connecting", os.getpid())
         return
-    consumers: list[Consumer] = []
-    repeaters: list[Repeater] = []
-    health: HealthServer | None = None
     stopped = False
     global _counting_workers
     counting = health_port is not None and (observe.active is None or _counting_workers > 0)
@@ -193,11 +207,6 @@ async def run_worker(
             for queue in to_consume:
                 consumer = queue.consume(handler, concurrency, timeout=timeout, prefetch=prefetch)
                 consumers.append(consumer)
-        if health_port is not None:
-            health = HealthServer(
-                lambda: consumers, health_host, health_port, repeaters=lambda: repeaters
-            )
-            await health.start()
         if names:
             log.info(
                 "worker %d consuming %s (%d per queue) on %s",

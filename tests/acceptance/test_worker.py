@@ -12,6 +12,7 @@ import asyncio
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
@@ -306,6 +307,39 @@ def test_bad_settings_exit_2_with_a_message(
     worker = Worker(workdir, "jobs:slow", *args, env={"AIO_KEUSS_BACKEND": "memory"})
     assert worker.finish() == 2, worker.output
     assert says in worker.output and "Traceback" not in worker.output
+
+
+@pytest.mark.parametrize(
+    ("health", "code", "says"),
+    [
+        (("--health-host", "192.0.2.1"), 2, "cannot serve the health endpoint on 192.0.2.1"),
+        ((), 1, "address already in use"),
+    ],
+)
+async def test_a_health_endpoint_that_cannot_be_served_stops_the_worker_before_it_takes_a_message(
+    workdir: Path, prefix: str, health: tuple[str, ...], code: int, says: str
+) -> None:
+    """A health address that is not this machine's (exit 2) or a port still in use (exit
+    1) stops the worker before any handler starts: it was bound once the consumers ran,
+    and on a backend that pops (redis-list) the messages their handlers had begun were cut
+    by the exit, and lost."""
+    async with aio_keuss.connect("redis-list", url=REDIS_URL, prefix=prefix) as factory:
+        await (await factory.queue("jobs")).push_many([{"n": n} for n in range(6)])
+    taken = socket.socket()
+    try:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = str(taken.getsockname()[1])
+        args = [*_redis_args(prefix, "--concurrency", "3", handler="jobs:hang"), *health]
+        args[args.index("redis-oq")] = "redis-list"
+        worker = Worker(workdir, *args, "--health-port", port)
+        assert await asyncio.to_thread(worker.finish) == code, worker.output
+    finally:
+        taken.close()
+    assert says in worker.output and "Traceback" not in worker.output
+    assert worker.events("start") == []
+    async with aio_keuss.connect("redis-list", url=REDIS_URL, prefix=prefix) as factory:
+        assert await (await factory.queue("jobs")).size() == 6
 
 
 def test_a_pipeline_that_cannot_be_built_is_named(workdir: Path) -> None:
