@@ -194,6 +194,20 @@ def retryable(exc: BaseException) -> bool:
     return isinstance(exc, Exception) and not isinstance(exc, _NOT_RETRIED)
 
 
+def refused(exc: BaseException) -> bool:
+    """Whether ``exc``, or an error that led to it, is a refused connection: the server was
+    not reached, so the call sent nothing and may be made again without running twice
+    (which a call whose reply was lost may have done)."""
+    seen: BaseException | None = exc
+    for _ in range(16):  # a chain, not a cycle
+        if seen is None:
+            return False
+        if isinstance(seen, ConnectionRefusedError):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
+
+
 def retry_backoff(failures: int) -> float:
     """Seconds to wait after ``failures`` (0, 1, ...) failures in a row: "equal jitter", half
     of the capped exponential step plus a random share of the other half, so retries spread
@@ -421,10 +435,14 @@ class Source(Protocol):
         order)."""
 
     def put_back(
-        self, messages: list[Message], kept: Mapping[str, Stored] | None = None
+        self,
+        messages: list[Message],
+        kept: Mapping[str, Stored] | None = None,
+        retry_for: float = 0.0,
     ) -> Awaitable[None]:
         """Put popped messages no handler started back in the queue (without reserve),
-        keeping the end of life and place noted in ``kept`` (see :meth:`next`)."""
+        keeping the end of life and place noted in ``kept`` (see :meth:`next`); tried
+        again for up to ``retry_for`` seconds while the server refuses connections."""
 
     def rate_limited(self, messages: list[Message], seconds: object) -> Awaitable[bool]:
         """A handler raised ``RateLimited(seconds)``: hold the queue's deliveries in every
@@ -834,7 +852,9 @@ class Consumer(StoppedOnExit):
                 popped = [m for m, _ in self._buffer]
                 self._buffer.clear()
                 kept, self._kept = self._kept, {}
-                back = self.queue.put_back(popped, kept)
+                # a stop during a server restart: tried again while it refuses connections
+                # (nothing sent), within the stop's bound for acknowledgements
+                back = self.queue.put_back(popped, kept, ACK_WAIT)
                 await self._acknowledge_all("put back", popped, back)
 
     async def _run_worker(self) -> None:

@@ -45,6 +45,7 @@ from .consumer import (
     Outage,
     Settle,
     check_settings,
+    refused,
     retry_backoff,
 )
 from .contract import (
@@ -74,6 +75,7 @@ from .errors import (
     InvalidInputError,
     InvalidPayloadError,
     JobFailedError,
+    KeussConnectionError,
     KeussError,
     NotSupportedError,
     ResultMissingError,
@@ -1005,13 +1007,16 @@ class Queue:
         entries = [_back_entry(s) for s in result[0]]
         return self._hand_back(self._insert_back(entries), len(entries), "popped messages")
 
-    async def _insert_back(self, entries: list[Entry]) -> None:
+    async def _insert_back(self, entries: list[Entry], until: float | None = None) -> None:
         """Put popped messages back in the store. One the store refuses finds its id taken:
         its dedup window over, the id was pushed again while the message was out. Dropped,
         it was lost; it goes back under the name a move would give it (``<id>.pb``, then
-        ``<id>.pb.2``, ...), as every store names a moved message whose id is taken."""
+        ``<id>.pb.2``, ...), as every store names a moved message whose id is taken.
+        ``until``: while the server refuses connections, each insert is tried again until
+        then (monotonic time), nothing having been sent: popped messages whose put-back
+        fails are gone for good, and a stop during a server restart would lose them."""
         originals = [entry.id for entry in entries]
-        flags = await self._store.insert(entries)
+        flags = await self._insert_retrying(entries, until)
         for clash in range(1, MAX_RENAMES + 1):
             if all(flags):
                 return
@@ -1020,11 +1025,35 @@ class Queue:
             entries = [entries[k] for k in refused]
             for entry, message_id in zip(entries, originals, strict=True):
                 entry.id = moved_id(message_id, PUT_BACK_TAG, clash)
-            flags = await self._store.insert(entries)
+            flags = await self._insert_retrying(entries, until)
         if not all(flags):
             raise KeussError(
                 f"no free name for {len(entries)} messages put back, like {entries[0].id!r}"
             )
+
+    async def _insert_retrying(self, entries: list[Entry], until: float | None) -> list[bool]:
+        """``store.insert(entries)``, tried again with backoff until ``until`` while it fails
+        on a refused connection (see ``consumer.refused``: nothing was sent, so it cannot
+        store them twice); one WARNING for the wait."""
+        failures = 0
+        while True:
+            try:
+                return await self._store.insert(entries)
+            except KeussConnectionError as exc:
+                left = -1.0 if until is None else until - time.monotonic()
+                if left <= 0 or not refused(exc):
+                    raise
+                if not failures:
+                    log.warning(
+                        "queue %r: put back of %d popped messages refused (%s); trying again"
+                        " for up to %.0f s",
+                        self.name,
+                        len(entries),
+                        exc,
+                        left,
+                    )
+                await asyncio.sleep(min(retry_backoff(failures), left))
+                failures += 1
 
     def _noted(self, message_id: str) -> Held | None:
         """The reservation of ``message_id`` noted as handed out here (see ``_hold``)."""
@@ -1066,14 +1095,18 @@ class Queue:
             )
 
     async def _put_back_unhandled(
-        self, messages: Sequence[Message], kept: Mapping[str, Stored] | None = None
+        self,
+        messages: Sequence[Message],
+        kept: Mapping[str, Stored] | None = None,
+        retry_for: float = 0.0,
     ) -> None:
         """Popped for a consumer that stopped before a handler took them (a backend without
         reserve), or for a sync caller interrupted before it got them: back where they were,
         as a cancelled pop's are. ``kept``: what the store handed out, by id, noted when
         they were taken (``_pop_kept``, ``_next``): a Message carries neither the end of
         life (message TTL) nor the place a put-back must keep; one not noted there is
-        rebuilt from the Message, given a new end of life."""
+        rebuilt from the Message, given a new end of life. ``retry_for``: seconds an insert
+        the server refused (see ``_insert_back``) is tried again for."""
         found = {} if kept is None else kept
         entries = [
             _back_entry(s)
@@ -1090,7 +1123,8 @@ class Queue:
         ]
         # nobody saw them, whether or not the put-back lands: counted when taken again
         self._stats.uncount(self.name, "get", len(entries))
-        await self._put_back(self._insert_back(entries), len(entries))
+        until = time.monotonic() + retry_for if retry_for > 0 else None
+        await self._put_back(self._insert_back(entries, until), len(entries))
 
     async def _release_all(self, messages: Sequence[Message], *, unseen: bool = False) -> None:
         """Give back reservations, costing no try, in as few calls as ``max_batch`` allows
@@ -2703,9 +2737,12 @@ class _ConsumerLink:
         return self._queue._release_all(messages, unseen=unseen)
 
     def put_back(
-        self, messages: list[Message], kept: Mapping[str, Stored] | None = None
+        self,
+        messages: list[Message],
+        kept: Mapping[str, Stored] | None = None,
+        retry_for: float = 0.0,
     ) -> Awaitable[None]:
-        return self._queue._put_back_unhandled(messages, kept)
+        return self._queue._put_back_unhandled(messages, kept, retry_for)
 
     def handler_failed(self, message: Message, exc: Exception) -> None:
         self._queue._handler_failures.report(message, exc)

@@ -21,6 +21,7 @@ from conftest import Connect, needs
 from own_servers import own_mongo, own_postgres, own_redis
 
 import aio_keuss
+import aio_keuss.consumer as consumer_module
 from aio_keuss import Message
 
 pytestmark = pytest.mark.timeout(240)
@@ -401,6 +402,40 @@ async def test_prefetch_oks_are_all_in_when_stop_returns(connect: Connect) -> No
     assert sorted(handled) == list(range(300))
     assert await q.total_size() == 0  # every ok landed: nothing left reserved
     assert (await q.stats())["commit"] == 300
+
+
+async def test_popped_prefetched_messages_go_back_once_the_server_is_back_during_a_stop(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A backend without reserve (redis-list) pops what a consumer prefetches: a stop puts
+    those back, or they are lost. Asked while the server is down (a restart under way), that
+    put-back was tried once, refused, logged as "retrying with backoff", and the messages
+    were gone; a refused connection sent nothing, so it is tried again within the stop's
+    bound for acknowledgements (lengthened here, so that the test does not race it)."""
+    monkeypatch.setattr(consumer_module, "ACK_WAIT", DEADLINE)
+    caplog.set_level(logging.WARNING, logger=OUTAGE_LOGGER)
+    with own_redis() as server:
+        async with aio_keuss.connect("redis-list", url=server.url, prefix="pb") as factory:
+            q = await factory.queue("jobs")
+            await q.push_many(list(range(11)))
+            started = asyncio.Event()
+
+            async def hang(message: Message) -> None:
+                started.set()
+                await asyncio.Event().wait()
+
+            consumer = q.consume(hang, concurrency=1, prefetch=10)  # 1 handled, 10 prefetched
+            await asyncio.wait_for(started.wait(), DEADLINE)
+            await eventually(lambda: len(consumer._buffer) == 10, "the prefetch")
+            await asyncio.to_thread(server.stop)
+            stopping = asyncio.ensure_future(consumer.stop(0))
+            await eventually(
+                lambda: any("put back of 10" in r.getMessage() for r in caplog.records),
+                "the refused put-back",
+            )
+            await asyncio.to_thread(server.start)  # emptied: only what is put back is there
+            await asyncio.wait_for(stopping, DEADLINE)
+            assert await q.size() == 10
 
 
 async def test_redis_reliable_close_with_the_server_away_closes_every_queue() -> None:
