@@ -454,27 +454,54 @@ async def _stop(
         await halting
 
 
+_Stops = list[tuple[asyncio.Event, asyncio.Event]]
+_signalled: dict[asyncio.AbstractEventLoop, tuple[list[signal.Signals], _Stops]] = {}
+"""The signals installed on each loop, and the ``(stop, now)`` events of the workers
+running there: a loop has one handler per signal, so its workers share it. Each installing
+its own, one replaced another's (a SIGTERM stopped only the last worker started), and the
+first to end removed the handler the others counted on (the next SIGTERM killed the
+process)."""
+
+
 def _on_signals(stop: asyncio.Event, now: asyncio.Event) -> Any:
-    """SIGTERM / SIGINT set ``stop``; one more sets ``now``. Returns the undo."""
+    """SIGTERM / SIGINT set ``stop``; one more sets ``now`` (for every worker of the loop).
+    Returns the undo."""
     loop = asyncio.get_running_loop()
-    installed: list[signal.Signals] = []
-
-    def received(signum: signal.Signals) -> None:
-        if stop.is_set():
-            log.warning("%s again: stopping at once", signum.name)
-            now.set()
-        else:
-            log.info("%s: stopping (no new messages; running handlers may finish)", signum.name)
-            stop.set()
-
-    for signum in STOP_SIGNALS:
-        with contextlib.suppress(ValueError, RuntimeError, NotImplementedError):
-            # not in the main thread, or no signals on this platform's loop
-            loop.add_signal_handler(signum, received, signum)
-            installed.append(signum)
+    shared = _signalled.get(loop)
+    if shared is None:
+        installed: list[signal.Signals] = []
+        for signum in STOP_SIGNALS:
+            with contextlib.suppress(ValueError, RuntimeError, NotImplementedError):
+                # not in the main thread, or no signals on this platform's loop
+                loop.add_signal_handler(signum, _received, loop, signum)
+                installed.append(signum)
+        if not installed:
+            return lambda: None
+        shared = _signalled[loop] = (installed, [])
+    installed, workers = shared
+    mine = (stop, now)
+    workers.append(mine)
 
     def restore() -> None:
-        for signum in installed:
-            loop.remove_signal_handler(signum)
+        if mine not in workers:
+            return
+        workers.remove(mine)
+        if not workers and _signalled.get(loop) is shared:
+            del _signalled[loop]
+            for signum in installed:
+                loop.remove_signal_handler(signum)
 
     return restore
+
+
+def _received(loop: asyncio.AbstractEventLoop, signum: signal.Signals) -> None:
+    workers = _signalled[loop][1] if loop in _signalled else []
+    if workers and all(stop.is_set() for stop, _ in workers):
+        log.warning("%s again: stopping at once", signum.name)
+    else:
+        log.info("%s: stopping (no new messages; running handlers may finish)", signum.name)
+    for stop, now in workers:
+        if stop.is_set():
+            now.set()
+        else:
+            stop.set()

@@ -66,10 +66,16 @@ JOBS = textwrap.dedent(
 class Worker:
     """One ``aio-keuss worker`` process and the log its handlers write."""
 
-    def __init__(self, directory: Path, *args: str, env: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        directory: Path,
+        *args: str,
+        env: dict[str, str] | None = None,
+        command: tuple[str, ...] = ("-m", "aio_keuss", "worker"),
+    ) -> None:
         self.log = directory / "handled.jsonl"
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "aio_keuss", "worker", *args],
+            [sys.executable, *command, *args],
             cwd=directory,
             env={**os.environ, "JOBS_LOG": str(self.log), **(env or {})},
             stdout=subprocess.PIPE,
@@ -249,6 +255,48 @@ async def test_a_second_sigint_stops_at_once(
     assert "stopping now" in worker.output
     left, reserved, tries = await _left(prefix)
     assert (left, reserved, tries) == (2, 0, [0, 0])
+
+
+TWO_WORKERS = textwrap.dedent(
+    """
+    import asyncio, sys
+    import aio_keuss
+    from jobs import hang
+
+    async def main(url, prefix):
+        async with aio_keuss.connect("redis-oq", url=url, prefix=prefix) as factory:
+            await asyncio.gather(
+                aio_keuss.run_worker(hang, "jobs", factory=factory, grace=1),
+                aio_keuss.run_worker(hang, "emails", factory=factory, grace=1),
+            )
+
+    asyncio.run(main(sys.argv[1], sys.argv[2]))
+    """
+)
+
+
+async def test_one_sigterm_stops_every_run_worker_of_the_process(
+    workdir: Path, prefix: str
+) -> None:
+    """Two ``run_worker`` side by side in one script (a handler each): each installed the
+    loop's SIGTERM handler over the other's, so a SIGTERM stopped only the last one, and
+    the first, its handler removed with the other's, was killed by the next (status 143)
+    with its messages held."""
+    async with aio_keuss.connect("redis-oq", url=REDIS_URL, prefix=prefix) as factory:
+        for name in ("jobs", "emails"):
+            await (await factory.queue(name)).push_many([{"n": 1}, {"n": 2}])
+    (workdir / "two.py").write_text(TWO_WORKERS)
+    worker = Worker(workdir, REDIS_URL, prefix, command=("two.py",))
+    try:
+        worker.wait_for("start", 2)  # one handler of each worker runs
+        worker.signal(signal.SIGTERM)
+        assert await asyncio.to_thread(worker.finish) == 0, worker.output
+    finally:
+        await asyncio.to_thread(worker.kill)
+    async with aio_keuss.connect("redis-oq", url=REDIS_URL, prefix=prefix) as factory:
+        for name in ("jobs", "emails"):
+            q = await factory.queue(name)
+            assert (await q.size(), await q.resv_size()) == (2, 0), name  # given back
 
 
 async def test_a_handler_past_its_timeout_is_cancelled_and_ko_ed(
