@@ -63,6 +63,21 @@ class ResultStore(ABC):
         """The unexpired body of each id of ``queue`` (None where there is none), in order,
         in one round trip."""
 
+    async def replace(
+        self, queue: str, swaps: Sequence[tuple[str, bytes, bytes]], ttl: float
+    ) -> None:
+        """For each ``(id, old, new)`` of ``queue``: where the unexpired body of ``id`` is
+        ``old``, it becomes ``new``, kept ``ttl`` seconds; any other body (or none) is left
+        as it is. A compare-and-set, in one round trip: the cancel requests are used up
+        with it, so that a request written in between (for a later message of the same id)
+        is never overwritten. Each store does it atomically; this default, for a store that
+        does not, reads and then puts, so that a body written between the two is lost."""
+        if not swaps:
+            return
+        found = await self.get(queue, [message_id for message_id, _, _ in swaps])
+        same = [(i, new) for (i, old, new), body in zip(swaps, found, strict=True) if body == old]
+        await self.put(queue, same, ttl)
+
 
 class MemoryResults(ResultStore):
     """Results kept in this process (the memory backends): a dict, and a heap of expiry
@@ -73,6 +88,9 @@ class MemoryResults(ResultStore):
         self._expiries: list[tuple[float, tuple[str, str]]] = []
 
     async def put(self, queue: str, results: Sequence[tuple[str, bytes]], ttl: float) -> None:
+        self._put(queue, results, ttl)
+
+    def _put(self, queue: str, results: Sequence[tuple[str, bytes]], ttl: float) -> None:
         now = time.monotonic()
         self._reclaim(now)
         expires = now + ttl
@@ -88,6 +106,24 @@ class MemoryResults(ResultStore):
             kept = self._bodies.get((queue, message_id))
             found.append(kept[1] if kept is not None and kept[0] > now else None)
         return found
+
+    async def replace(
+        self, queue: str, swaps: Sequence[tuple[str, bytes, bytes]], ttl: float
+    ) -> None:
+        """Atomic: no await between the look and the write."""
+        now = time.monotonic()
+        bodies = self._bodies
+        self._put(
+            queue,
+            [
+                (message_id, new)
+                for message_id, old, new in swaps
+                if (kept := bodies.get((queue, message_id))) is not None
+                and kept[0] > now
+                and kept[1] == old
+            ],
+            ttl,
+        )
 
     def _reclaim(self, now: float) -> None:
         expiries = self._expiries

@@ -1,16 +1,22 @@
 """Job results in MongoDB: one document per (queue, id) in ``<prefix>_results``.
 
-A document is ``{_id: "<queue>/<id>", body: <binary>, expires: <date>}``. Queue names
-never contain ``/`` (letters, digits and ``_ . : -``), so the first ``/`` of an ``_id``
-ends the queue name whatever the message id holds: ``q1`` + ``a:b`` and ``q1:a`` + ``b``
-are ``q1/a:b`` and ``q1:a/b``.
+A document is ``{_id: "<queue>/<id>", body: <binary>, digest: <text>, expires: <date>}``.
+Queue names never contain ``/`` (letters, digits and ``_ . : -``), so the first ``/`` of
+an ``_id`` ends the queue name whatever the message id holds: ``q1`` + ``a:b`` and
+``q1:a`` + ``b`` are ``q1/a:b`` and ``q1:a/b``.
 
 - put: one ``update`` command of upserts (``bulk_write``, ``ordered=False``; PyMongo splits
-  one past the server's 48 MB message into several), each a ``$set`` of the body and
-  expiry, so each result is written whole and a second put of an id replaces the first.
-  An upsert racing another of the same ``_id`` is retried by the server (MongoDB 4.2+, the
-  manual's "Upsert with Unique Index"). Not a replacement: a server speaking the protocol
-  (nx-27017) refuses to replace a document holding binary data.
+  one past the server's 48 MB message into several), each a ``$set`` of the body, its
+  digest and expiry, so each result is written whole and a second put of an id replaces
+  the first. An upsert racing another of the same ``_id`` is retried by the server
+  (MongoDB 4.2+, the manual's "Upsert with Unique Index"). Not a replacement: a server
+  speaking the protocol (nx-27017) refuses to replace a document holding binary data.
+- replace: one ``update`` command of updates, no upserts, each matching its document only
+  while it holds the old body, unexpired; a single document's update is atomic (the
+  MongoDB manual, "Atomicity and Transactions"), so a put landing first makes it match
+  nothing. The body is matched by its ``digest`` (BLAKE2b, 128 bits, as hex), which every
+  put writes beside it: nx-27017 matches no binary value in a filter (not by equality,
+  ``$eq``, ``$in`` nor ``$expr``). A document written without one is never replaced.
 - get: one ``find`` by ``_id`` with ``expires > now``, its first batch sized to hold every
   id asked for (a cursor's first batch is 101 documents by default); a get of more ids than
   one command holds (megabytes of them) takes one ``find`` per slice.
@@ -30,6 +36,7 @@ clock ahead of the writer's by s seconds ends a result up to s seconds early.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import time
 from collections.abc import Sequence
@@ -93,6 +100,11 @@ def result_key(queue: str, message_id: str) -> str:
 
 def _date(timestamp: float) -> datetime:
     return datetime.fromtimestamp(timestamp, UTC)
+
+
+def _digest(body: bytes) -> str:
+    """What a replace matches a body by (see the module's docstring)."""
+    return hashlib.blake2b(body, digest_size=16).hexdigest()
 
 
 def _body(value: Any) -> bytes:
@@ -159,7 +171,7 @@ class MongoResults(ResultStore):
             [
                 UpdateOne(
                     {"_id": result_key(queue, message_id)},
-                    {"$set": {"body": body, "expires": expires}},
+                    {"$set": {"body": body, "digest": _digest(body), "expires": expires}},
                     upsert=True,
                 )
                 for message_id, body in last.items()
@@ -167,6 +179,30 @@ class MongoResults(ResultStore):
             ordered=False,
         )
         self._maybe_sweep()
+
+    @translated
+    async def replace(
+        self, queue: str, swaps: Sequence[tuple[str, bytes, bytes]], ttl: float
+    ) -> None:
+        if not swaps:
+            return
+        _check_sizes([(message_id, new) for message_id, _, new in swaps])
+        now = time.time()
+        expires = _date(now + ttl)
+        await self._coll.bulk_write(
+            [
+                UpdateOne(
+                    {
+                        "_id": result_key(queue, message_id),
+                        "digest": _digest(old),
+                        "expires": {"$gt": _date(now)},
+                    },
+                    {"$set": {"body": new, "digest": _digest(new), "expires": expires}},
+                )
+                for message_id, old, new in swaps
+            ],
+            ordered=False,
+        )
 
     @translated
     async def get(self, queue: str, ids: Sequence[str]) -> list[bytes | None]:

@@ -74,6 +74,18 @@ class PostgresResults(ResultStore):
         await self._db.execute(self._sql["results_put"], queue, ids, bodies, float(ttl))
         self._maybe_clean_up()
 
+    async def replace(
+        self, queue: str, swaps: Sequence[tuple[str, bytes, bytes]], ttl: float
+    ) -> None:
+        """One update of every row, in order of id, as a put's (see :meth:`put`)."""
+        if not swaps:
+            return
+        last = {message_id: (old, new) for message_id, old, new in swaps}
+        ids = sorted(last)
+        olds = [last[message_id][0] for message_id in ids]
+        news = [last[message_id][1] for message_id in ids]
+        await self._db.execute(self._sql["results_replace"], queue, ids, olds, news, float(ttl))
+
     async def get(self, queue: str, ids: Sequence[str]) -> list[bytes | None]:
         if not ids:
             return []

@@ -39,6 +39,20 @@ for i = 1, #KEYS do redis.call('SET', KEYS[i], ARGV[i + 1], 'PX', ms) end
 return #KEYS
 """)
 
+# KEYS: the results' keys. ARGV: milliseconds to keep them, then per key the body it must
+# hold and the body it then takes. Redis runs a script whole, nothing in between (Redis
+# manual, "Scripting with Lua"): a compare-and-set. A missing key's GET is false, never
+# equal to a body.
+_REPLACE = Script("""
+local ms = ARGV[1]
+for i = 1, #KEYS do
+  if redis.call('GET', KEYS[i]) == ARGV[2 * i] then
+    redis.call('SET', KEYS[i], ARGV[2 * i + 1], 'PX', ms)
+  end
+end
+return #KEYS
+""")
+
 
 def milliseconds(ttl: float) -> int:
     """``ttl`` seconds as the whole milliseconds ``PX`` takes, rounded up (a result is
@@ -67,6 +81,15 @@ class RedisResults(ResultStore):
             await self._backend.execute("SET", keys[0], results[0][1], "PX", ms)
             return
         await self._backend.run_script(_PUT, keys, [ms, *(body for _, body in results)])
+
+    async def replace(
+        self, queue: str, swaps: Sequence[tuple[str, bytes, bytes]], ttl: float
+    ) -> None:
+        if not swaps:
+            return
+        keys = self._keys(queue, [message_id for message_id, _, _ in swaps])
+        bodies = [body for _, old, new in swaps for body in (old, new)]
+        await self._backend.run_script(_REPLACE, keys, [milliseconds(ttl), *bodies])
 
     async def get(self, queue: str, ids: Sequence[str]) -> list[bytes | None]:
         if not ids:

@@ -75,6 +75,21 @@ class SqliteResults(ResultStore):
         await self._db.write(write)
         self._reclaim_if_due()
 
+    async def replace(
+        self, queue: str, swaps: Sequence[tuple[str, bytes, bytes]], ttl: float
+    ) -> None:
+        if not swaps:
+            return
+        clock, replace = self._sql["result_clock"], self._sql["result_replace"]
+
+        def write(c: sqlite3.Connection) -> None:
+            now = c.execute(clock).fetchone()[0]
+            c.executemany(
+                replace, [(new, now + ttl, queue, id_, old, now) for id_, old, new in swaps]
+            )
+
+        await self._db.write(write)
+
     async def get(self, queue: str, ids: Sequence[str]) -> list[bytes | None]:
         """One call on the database thread: a primary-key lookup per id (a prepared
         statement, kept by ``sqlite3``'s statement cache), against one clock reading. No

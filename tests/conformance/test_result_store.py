@@ -284,3 +284,38 @@ async def test_a_cleanup_racing_puts_that_renew_expired_results_deletes_none_of_
             _clean_up(store),
         )
         assert set(await store.get("q1", ids)) == {new}
+
+
+async def test_a_replace_writes_only_over_the_body_it_names(store: ResultStore) -> None:
+    """A compare-and-set (how cancel requests are used up): each id's body is replaced
+    only while it is the old one given; another body, a missing one or an expired one is
+    left as it is (an expired one never comes back)."""
+    await store.put("q1", [("a", b"old"), ("b", b"other"), ("gone", b"old")], LONG)
+    await store.put("q1", [("gone", b"old")], 0.05)
+    await store.replace(
+        "q1",
+        [("a", b"old", b"new"), ("b", b"old", b"new"), ("c", b"old", b"new")],
+        LONG,
+    )
+    assert await store.get("q1", ["a", "b", "c"]) == [b"new", b"other", None]
+    await store.replace("q2", [("a", b"new", b"elsewhere")], LONG)  # another queue's
+    assert await store.get("q1", ["a"]) == [b"new"]
+    assert await store.get("q2", ["a"]) == [None]
+
+    async def expired() -> bool:
+        return await store.get("q1", ["gone"]) == [None]
+
+    await until(expired, POLL_GUARD)
+    await store.replace("q1", [("gone", b"old", b"back")], LONG)
+    assert await store.get("q1", ["gone"]) == [None]
+    await store.replace("q1", [], LONG)  # nothing to replace: nothing happens
+
+
+async def test_a_replace_sets_the_ttl_of_what_it_writes(store: ResultStore) -> None:
+    await store.put("q1", [("a", b"old"), ("b", b"old")], LONG)
+    await store.replace("q1", [("a", b"old", b"new"), ("b", b"old", b"short")], 0.05)
+
+    async def gone() -> bool:
+        return await store.get("q1", ["a", "b"]) == [None, None]
+
+    await until(gone, POLL_GUARD)

@@ -696,6 +696,17 @@ SELECT $1, p.id, p.body, clock_timestamp() + make_interval(secs => $4::float8)
 FROM unnest($2::text[], $3::bytea[]) AS p(id, body)
 ON CONFLICT (queue, id) DO UPDATE SET body = EXCLUDED.body, expires = EXCLUDED.expires
 
+-- name: results_replace
+-- For each ($2 id, $3 old, $4 new) of queue $1: where the unexpired body of id is old, it
+-- becomes new, expiring $5 seconds after it is written (a compare-and-set: the row is
+-- locked as it is updated, and a put committed meanwhile is re-read before the body is
+-- compared, PostgreSQL manual, "Transaction Isolation", READ COMMITTED). The ids are
+-- distinct: the caller keeps the last of each.
+UPDATE {s}.results AS r
+SET body = p.new, expires = clock_timestamp() + make_interval(secs => $5::float8)
+FROM unnest($2::text[], $3::bytea[], $4::bytea[]) AS p(id, old, new)
+WHERE r.queue = $1 AND r.id = p.id AND r.body = p.old AND r.expires > now()
+
 -- name: results_get
 -- The unexpired results of ids $2 of queue $1 (an id without one has no row).
 SELECT id, body FROM {s}.results

@@ -275,6 +275,13 @@ SELECT (julianday('now') - 2440587.5) * 86400.0
 INSERT INTO results (queue, id, body, expires) VALUES (?, ?, ?, ?)
 ON CONFLICT (queue, id) DO UPDATE SET body = excluded.body, expires = excluded.expires
 
+-- name: result_replace
+-- One result's body replaced where its unexpired body is the one given, with a new
+-- expiry: (body, expires, queue, id, old, now). Run inside the write transaction of the
+-- batch, so nothing comes between the compare and the write.
+UPDATE results SET body = ?, expires = ?
+WHERE queue = ? AND id = ? AND body = ? AND expires > ?
+
 -- name: result_get
 -- One unexpired result by its primary key: (queue, id, now).
 SELECT body FROM results WHERE queue = ? AND id = ? AND expires > ?
