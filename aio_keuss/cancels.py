@@ -18,18 +18,37 @@ that reached its message is used up (overwritten with :data:`USED`) once the mes
 done: stopped, or ok-ed after a handler that went on when asked to stop or had returned as
 the request came (its ok on its way), or deadlettered by the ko of a handler that had
 failed as the request came (that ko held for the retry backoff too, where the backend has
-no delays), or popped (no reserve) and done with, its handler returned or failed, so that
-an explicit id pushed again past its ``dedup_window`` is a new message nothing stops;
-``Queue.cancel`` uses up its own request when the message finished before the request
-landed. Marks are kept per delivery, not per id: one consumer may hold an id twice (a
-lapsed reservation delivered again while the first delivery's ok was on its way), and
-the older delivery's refused ok must not drop the newer's mark.
+no delays), or popped (no reserve) and done with, its handler returned, failed or cut
+short by a stop, so that an explicit id pushed again past its ``dedup_window`` is a new
+message nothing stops; ``Queue.cancel`` uses up its own request when the message finished
+before the request landed. Marks are kept per delivery, not per id: one consumer may hold
+an id twice (a lapsed reservation delivered again while the first delivery's ok was on its
+way), and the older delivery's refused ok must not drop the newer's mark.
+
+The cancel's second look may find the message held with its ok (or a ko that deadletters
+it) on its way, and that ok land before the signal reaches its consumer: the consumer then
+hears of a request for an id it no longer holds. It remembers the ids it took last (as
+many as it remembers heard ids), and for one of those it holds no more in any way, uses
+the request up then (where the store tells whether a message is in the queue: with
+peek, or the sharded backends' look).
+
+A use-up never overwrites a request meant for a later message of the same id (pushed
+again past its ``dedup_window``, and cancelled): each request's body carries a nonce, so
+none is like another, and a use-up reads the request, then writes :data:`USED` over it
+only while it is still that body (``ResultStore.replace``, a compare-and-set). A request
+is written only once its cancel found its message in the queue, so one read while no
+message of its id is in the queue reached a message that is done; a use-up after an ok
+the consumer did not see the request before looks the id up between the read and the
+write, and leaves the request where a message of the id is in the queue again (it may be
+that message's). A request is then left standing only where the id was pushed again in
+that moment (it lapses, see :func:`request_ttl`), or where no look tells.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import secrets
 import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Collection, Iterable, Sequence
@@ -72,8 +91,11 @@ def cancelled_text(reason: str | None) -> str:
 
 
 def encode_request(reason: str | None) -> bytes:
-    """A request's body: its reason as JSON (``null`` for none), never empty."""
-    return orjson.dumps(reason)
+    """A request's body: its reason and a nonce, as a JSON object, never empty. The nonce
+    makes every request's body its own, so that whoever uses a request up can write over
+    that one request only, never over a later one left for the same id with the same
+    reason (see ``ResultStore.replace``)."""
+    return orjson.dumps({"reason": reason, "nonce": secrets.token_hex(8)})
 
 
 USED = b"false"
@@ -83,11 +105,13 @@ requests stops. (A request's body is a reason or ``null``, never ``false``.)"""
 
 
 def decode_request(body: bytes) -> str | None:
-    """A request's reason; one this library did not write has none."""
+    """A request's reason; one this library did not write has none. A bare JSON string is
+    the reason too (the form of requests written before they carried a nonce)."""
     try:
-        reason = orjson.loads(body)
+        request = orjson.loads(body)
     except orjson.JSONDecodeError:
         return None
+    reason = request.get("reason") if isinstance(request, dict) else request
     return reason if isinstance(reason, str) else None
 
 

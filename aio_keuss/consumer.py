@@ -51,7 +51,7 @@ from types import TracebackType
 from typing import Any, Literal, Protocol, Self, cast
 
 from . import observe
-from .cancels import POLL_SHARE, CancelWatch, request_ttl
+from .cancels import MAX_HEARD, POLL_SHARE, CancelWatch, request_ttl
 from .contract import Stored
 from .deadlines import Deadlines, Limit
 from .errors import (
@@ -482,9 +482,12 @@ class Source(Protocol):
         queue keeps results), then ok-ed."""
         ...
 
-    def use_up(self, ids: list[str]) -> Awaitable[None]:
+    def use_up(self, ids: list[str], *, told_only: bool = False) -> Awaitable[list[str]]:
         """The requests of ``ids``, whose messages ended though their handlers were asked
-        to stop, are used up (as those of messages stopped are, by :meth:`cancelled`)."""
+        to stop, are used up (as those of messages stopped are, by :meth:`cancelled`);
+        the ids whose request was. ``told_only``: a request heard of once its message was
+        done, used up only where the store tells that no message of its id is in the queue
+        (else it may be a later one's)."""
         ...
 
 
@@ -642,6 +645,11 @@ class Consumer(StoppedOnExit):
         # By id, the delivery named: one consumer may hold an id twice (a lapsed reservation
         # delivered again as its ok was on its way), and each worker minds only its own
         self._late: dict[str, Message] = {}
+        # the ids of the last messages taken (the bound of the heard ids): a request heard
+        # of once one of them was done, and no longer held, was left as it ended (its ok or
+        # ko landed between the cancel's second look and the signal), and nothing else
+        # uses it up (see ``_finished_named``); one append a message
+        self._took: deque[str] = deque(maxlen=MAX_HEARD)
         self._ok_values: list[Any] = []  # what each one's handler returned (its result)
         self._oks_unanswered = 0
         self._ok_limit = OK_ROOM * (concurrency + prefetch)
@@ -907,8 +915,10 @@ class Consumer(StoppedOnExit):
             first = message[0] if isinstance(message, list) else message
             if isinstance(message, list):
                 busy.update((m.id, m) for m in message)
+                self._took.extend(m.id for m in message)
             else:
                 busy[message.id] = message
+                self._took.append(message.id)
             renewals = self._renewals
             if renewals is not None and renewals.idle:
                 renewals.wake()
@@ -1062,8 +1072,8 @@ class Consumer(StoppedOnExit):
                 await asyncio.shield(
                     self._acknowledge("release", message, self.queue.release([message]))
                 )
-            elif self._keeps:  # popped: gone for good, so its waiters are told
-                await asyncio.shield(self._keep_popped([message], failure=CUT_SHORT))
+            else:
+                await asyncio.shield(self._cut_short([message]))
             raise
         except Exception as exc:
             if await self._stopped_on_request(task, [message], started):
@@ -1121,6 +1131,17 @@ class Consumer(StoppedOnExit):
         if work is not None:
             with contextlib.suppress(ClosedError):
                 await self._acknowledge_all("keep", messages, work)
+
+    async def _cut_short(self, messages: list[Message]) -> None:
+        """Popped messages whose handler a stop cancelled: gone for good, so their waiters
+        are told (where the queue keeps results), and the requests that named them once
+        their handler had ended (heard as the failure was on its way) are used up, as after
+        a handler that returned or failed: nothing else would."""
+        if self._keeps:
+            await self._keep_popped(messages, failure=CUT_SHORT)
+        if self._late:
+            named = self._named(None, messages)
+            await self._use_up([m for m in messages if m.id in named])
 
     async def _ok_later(self, message: Message, value: Any) -> None:
         """Queue the ok of a handled message for a sender task (no task per message: oks
@@ -1265,8 +1286,8 @@ class Consumer(StoppedOnExit):
                 await asyncio.shield(
                     self._acknowledge_all("release", messages, self.queue.release(messages))
                 )
-            elif self._keeps:
-                await asyncio.shield(self._keep_popped(messages, failure=CUT_SHORT))
+            else:
+                await asyncio.shield(self._cut_short(messages))
             raise
         except Exception as exc:
             if await self._stopped_on_request(task, messages, started):
@@ -1417,6 +1438,38 @@ class Consumer(StoppedOnExit):
             for m in unstarted:
                 self._kept.pop(m.id, None)
             self._tracked(self._settle_cancelled(unstarted))
+        if self._took:
+            self._finished_named(named)
+
+    def _finished_named(self, named: set[str]) -> None:
+        """Of the ids a request named, those this consumer took and holds no more in any
+        way: their message ended here (or was given back, or its reservation lapsed). One
+        whose ok or deadlettering ko landed after the cancel's second look, with the signal
+        still on its way, ended with its request standing, which nothing else uses up: its
+        request is used up where the store tells that no message of its id is in the queue
+        any more (see ``Queue._use_up_requests``), so a later push of the id is not
+        stopped. Given back or lapsed, the message is still in the queue: left alone."""
+        held = set(self._held_ids())
+        if self._oks_unanswered:
+            held.update(m.id for oks in (self._oks, *self._oks_out) for m in oks)
+        gone = named.difference(held)
+        if gone:
+            gone.intersection_update(self._took)
+        if gone:
+            self._tracked(self._use_up_finished(sorted(gone)))
+
+    async def _use_up_finished(self, ids: list[str]) -> None:
+        """:meth:`_finished_named`'s use-up; a failure leaves the requests standing, as
+        they were (they lapse in their time)."""
+        try:
+            used = await self.queue.use_up(ids, told_only=True)
+        except ClosedError:
+            return
+        except Exception as exc:
+            log.debug("queue %r: cancel requests not used up: %r", self.queue.name, exc)
+            return
+        if used and self._cancels is not None:
+            self._cancels.forget(used)
 
     async def _unless_cancelled(
         self, message: Message | list[Message]

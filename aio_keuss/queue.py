@@ -1834,7 +1834,10 @@ class Queue:
         requests up on its own may find the request in that moment and stop the message:
         rarely, ``MISSING`` then names a message that was stopped, as its failure result
         says.) Found still held with its handler returned and its ok on its way, the
-        message's consumer, told of the request, uses it up once that ok lands."""
+        message's consumer, told of the request, uses it up once that ok lands, or, where
+        the ok landed before the signal reached it, as it hears of the request for a
+        message it no longer holds. No use-up overwrites a request left since for a later
+        message of the same id (see ``aio_keuss.cancels``)."""
         self._check_open()
         message_id = _target(message)[0]
         text = check_reason(reason)
@@ -1852,9 +1855,11 @@ class Queue:
             return CancelResult.MISSING
         store = await self._result_store()
         ttl = request_ttl(self.options.reserve_delay)
-        await store.put(cancel_space(self.name), [(message_id, encode_request(text))], ttl)
+        space, request = cancel_space(self.name), encode_request(text)
+        await store.put(space, [(message_id, request)], ttl)
         if looks and not await self._still_queued(message_id):
-            await self._use_up_requests([message_id])
+            # this request only: another cancel's, written since, stands for its message
+            await store.replace(space, [(message_id, request, USED)], ttl)
             return CancelResult.MISSING
         self._signal.cancels(self.name, [message_id])
         return CancelResult.REQUESTED
@@ -1898,18 +1903,53 @@ class Queue:
             done = [m.id for m, ok in zip(messages, flags, strict=True) if ok]
         await self._use_up_requests(done)
 
-    async def _use_up_requests(self, ids: list[str]) -> None:
+    async def _use_up_requests(self, ids: list[str], *, told_only: bool = False) -> list[str]:
         """The requests that reached ``ids`` (done for good now: stopped, or finished by a
-        handler that went on when asked to stop) are used up: a later push of one of these
-        ids (past its ``dedup_window``) is a new message, which no consumer finding a
-        request, or remembering one it heard of, must stop. Where the ok was refused
-        (another holder took the message after a lapse), the request stands, for that
-        holder to honour."""
+        handler that went on when asked to stop, or heard of by the consumer that finished
+        them once they were) are used up: a later push of one of these ids (past its
+        ``dedup_window``) is a new message, which no consumer finding a request, or
+        remembering one it heard of, must stop. Where the ok was refused (another holder
+        took the message after a lapse), the caller leaves the request, for that holder to
+        honour. Returns the ids whose request it found standing and wrote over (where
+        still the one read).
+
+        Never a request left for a later message of the same id: each request read is
+        overwritten only if it is still that one (``ResultStore.replace``, a request's body
+        being its own, see ``encode_request``), and only where no message of its id is in
+        the queue once it was read. A request is written only once its cancel found its
+        message in the queue, so a request read while no message of its id is there any
+        more reached one that is done, whichever it was. Where one is there again (the id
+        pushed again past its ``dedup_window``, between the end of the first and this
+        look), the request read may be the new message's: it is left. A store that cannot
+        tell whether a message is in the queue (no peek, or no reserve: a popped message
+        is out of the store while it runs) has its requests used up on the read alone,
+        except with ``told_only``: the request of a message heard of once it was done may
+        then be a later message's as well, and is left (it lapses in its time)."""
         if self._result_store is None or not ids:
-            return
+            return []
+        capabilities = self.capabilities
+        tells = capabilities.reserve and (capabilities.peek or self._store.tells_queued)
+        if told_only and not tells:
+            return []
         store = await self._result_store()
-        ttl = request_ttl(self.options.reserve_delay)
-        await store.put(cancel_space(self.name), [(i, USED) for i in ids], ttl)
+        space, ttl = cancel_space(self.name), request_ttl(self.options.reserve_delay)
+        used: list[str] = []
+        size = self.options.max_batch
+        for start in range(0, len(ids), size):
+            chunk = list(dict.fromkeys(ids[start : start + size]))
+            bodies = await store.get(space, chunk)
+            standing = [
+                (i, body)
+                for i, body in zip(chunk, bodies, strict=True)
+                if body is not None and body != USED
+            ]
+            if standing and tells:
+                queued = await self._store.queued([i for i, _ in standing])
+                standing = [s for s, back in zip(standing, queued, strict=True) if not back]
+            if standing:
+                await store.replace(space, [(i, body, USED) for i, body in standing], ttl)
+                used.extend(i for i, _ in standing)
+        return used
 
     # changing waiting messages (promote, reschedule, change_priority) ------------------
 
@@ -2773,5 +2813,5 @@ class _ConsumerLink:
     def cancelled(self, messages: list[Message], keep: bool) -> Awaitable[None]:
         return self._queue._cancelled(messages, keep)
 
-    def use_up(self, ids: list[str]) -> Awaitable[None]:
-        return self._queue._use_up_requests(ids)
+    def use_up(self, ids: list[str], *, told_only: bool = False) -> Awaitable[list[str]]:
+        return self._queue._use_up_requests(ids, told_only=told_only)

@@ -361,7 +361,11 @@ async def test_a_pipeline_station_is_stopped(connect: Connect) -> None:
 
 
 async def test_a_queue_without_result_ttl_never_looks_requests_up(connect: Connect) -> None:
-    """Its consumers hear the signals only: no round trip of theirs while handlers run."""
+    """Its consumers hear the signals only: no round trip of theirs while handlers run.
+    The one request that stopped a message is read once it is done, to be used up."""
+    from aio_keuss.cancels import USED
+    from aio_keuss.results import cancel_space
+
     factory = await _held_factory(connect)
     q = await factory.queue("q1", reserve_delay=1.0)
     store = await factory._results.get()
@@ -381,7 +385,12 @@ async def test_a_queue_without_result_ttl_never_looks_requests_up(connect: Conne
         assert looked == []
         assert await q.cancel(message_id) is CancelResult.REQUESTED
         await _gone(q)
-    assert looked == []
+
+        async def used_up() -> bool:
+            return await get(cancel_space(q.name), [message_id]) == [USED]
+
+        await until(used_up, GUARD)
+    assert looked == [cancel_space(q.name)]
 
 
 async def test_a_request_once_honoured_does_not_cancel_a_later_push_of_its_id(
@@ -816,3 +825,187 @@ async def test_a_request_heard_once_a_popped_messages_handler_failed_is_used_up(
         assert (await _kept(q, message_id)).error == "RuntimeError: poison"
         status = consumer.status()
         assert (status.failed, status.cancelled) == (1, 0)
+
+
+def _signal_once(
+    q: aio_keuss.Queue, first: Callable[[], Awaitable[None]]
+) -> list[asyncio.Task[None]]:
+    """The cancel's "cancel" signal held back (in this process and to the others) until
+    ``first`` has run: a signal slow to reach its consumer, made certain."""
+    bus = q._signal
+    cancels = bus.cancels
+    sent: list[asyncio.Task[None]] = []
+
+    def held_back(queue: str, ids: Any) -> None:
+        async def later() -> None:
+            await first()
+            cancels(queue, ids)
+
+        sent.append(asyncio.get_running_loop().create_task(later()))
+
+    bus.cancels = held_back  # type: ignore[method-assign]
+    return sent
+
+
+def _lets_go(consumer: Any, message_id: str) -> Callable[[], Awaitable[bool]]:
+    """Whether ``consumer`` no longer holds ``message_id`` in any way: not running, not
+    prefetched, no ok or held ko of it on its way."""
+
+    async def gone() -> bool:
+        return message_id not in consumer._held_ids() and not consumer._oks_unanswered
+
+    return gone
+
+
+@pytest.mark.parametrize("settings", [{}, {"prefetch": 2}, {"batch": 2}], ids=str)
+async def test_a_request_heard_once_the_ok_landed_is_used_up(
+    connect: Connect, settings: dict[str, Any]
+) -> None:
+    """The handler returned and its ok is on its way as the cancel comes: both of the
+    cancel's looks find the message still reserved, so the request is left and signalled;
+    the ok then lands before the signal reaches the consumer, which no longer holds the
+    message as it hears it. It handled the message, whose request stands: it uses the
+    request up, so that the id pushed again past its dedup window is a new message that
+    runs."""
+    q, used_up = await _reused_id_queue(connect)
+    held, release, landed = asyncio.Event(), asyncio.Event(), asyncio.Event()
+    ok, ok_many = q.ok, q.ok_many
+
+    async def gate(work: Awaitable[Any]) -> Any:
+        held.set()
+        await release.wait()
+        try:
+            return await work
+        finally:
+            landed.set()
+
+    async def held_ok(message: Any) -> bool:
+        return bool(await gate(ok(message)))
+
+    async def held_ok_many(messages: Any, *args: Any) -> list[bool]:
+        return list(await gate(ok_many(messages, *args)))
+
+    q.ok = held_ok  # type: ignore[method-assign]
+    q.ok_many = held_ok_many  # type: ignore[method-assign]
+    ran: list[str] = []
+
+    async def handler(message: Message | list[Message]) -> None:
+        ran.extend(m.payload for m in (message if isinstance(message, list) else [message]))
+
+    async with q.consume(handler, **settings) as consumer:
+
+        async def ok_lands_first() -> None:
+            release.set()
+            await asyncio.wait_for(landed.wait(), GUARD)
+            await until(_lets_go(consumer, "order-1"), GUARD)
+
+        sent = _signal_once(q, ok_lands_first)
+        await q.push("first", id="order-1")
+        await asyncio.wait_for(held.wait(), GUARD)
+        assert await q.cancel("order-1") is CancelResult.REQUESTED
+        await asyncio.wait_for(asyncio.gather(*sent), GUARD)
+        await until(used_up, GUARD)
+        await _gone(q)
+        await _a_later_push_runs(q, consumer, ran)
+
+
+@pytest.mark.parametrize("retry_delay", [0.0, 0.5], ids=["at-once", "held"])
+async def test_a_request_heard_once_a_failed_message_was_deadlettered_is_used_up(
+    connect: Connect, retry_delay: float
+) -> None:
+    """As above, with the ko that deadletters a message whose handler failed on its last
+    try (held for the retry backoff, on a backend without delays): it lands before the
+    consumer hears the signal, and the consumer uses the request up."""
+    from aio_keuss.cancels import USED
+    from aio_keuss.results import cancel_space
+
+    factory = await _held_factory(connect, max_wait_time=0.2, deadletter={"max_ko": 0})
+    needs(factory, "idempotent")
+    q = await factory.queue("q1", dedup_window=0.2)
+    store = await factory._results.get()
+
+    async def used_up() -> bool:
+        return await store.get(cancel_space(q.name), ["order-1"]) == [USED]
+
+    held, release, landed = asyncio.Event(), asyncio.Event(), asyncio.Event()
+    ko = q._ko  # what the consumer's ko calls
+
+    async def held_ko(message: Any, *args: Any, **kwargs: Any) -> Any:
+        held.set()
+        await release.wait()
+        try:
+            return await ko(message, *args, **kwargs)
+        finally:
+            landed.set()
+
+    q._ko = held_ko  # type: ignore[method-assign]
+    ran: list[str] = []
+
+    async def handler(message: Message) -> None:
+        ran.append(message.payload)
+        if message.payload == "first":
+            raise RuntimeError("poison")
+
+    async with q.consume(handler, retry_delay=retry_delay) as consumer:
+
+        async def ko_lands_first() -> None:
+            release.set()
+            await asyncio.wait_for(landed.wait(), GUARD)
+            await until(_lets_go(consumer, "order-1"), GUARD)
+
+        sent = _signal_once(q, ko_lands_first)
+        await q.push("first", id="order-1")
+        await asyncio.wait_for(held.wait(), GUARD)
+        assert await q.cancel("order-1") is CancelResult.REQUESTED
+        await asyncio.wait_for(asyncio.gather(*sent), GUARD)
+        assert consumer.deadlettered == 1
+        await until(used_up, GUARD)
+        await _gone(q)
+        await _a_later_push_runs(q, consumer, ran)
+
+
+@pytest.mark.parametrize("batch", [0, 2], ids=["one", "batch"])
+async def test_a_request_heard_as_a_stop_cuts_a_popped_message_short_is_used_up(
+    connect: Connect, batch: int
+) -> None:
+    """Without reserve, a stop past its grace cancels a popped message's handler: the
+    message is gone for good, its failure kept as cut short. A request heard while that
+    failure is on its way named a message that is done: it is used up, as after a handler
+    that returned or failed."""
+    from aio_keuss.cancels import USED
+    from aio_keuss.results import cancel_space
+
+    factory = await _running_factory(connect, max_wait_time=0.2)
+    if factory.capabilities.reserve:
+        pytest.skip("a reserved message a stop cuts short is given back, not done")
+    q = await factory.queue("q1", result_ttl=TTL)
+    store = await factory._results.get()
+    held, release = asyncio.Event(), asyncio.Event()
+    keep = q._keep_popped
+
+    async def held_keep(messages: Any, *args: Any, **kwargs: Any) -> Any:
+        held.set()
+        await release.wait()
+        return await keep(messages, *args, **kwargs)
+
+    q._keep_popped = held_keep  # type: ignore[method-assign]
+    handler = Blocked()
+
+    async def handle(message: Message | list[Message]) -> None:
+        await handler(message[0] if isinstance(message, list) else message)
+
+    message_id = await q.push(1)
+    consumer = q.consume(handle, batch=batch)
+    await asyncio.wait_for(handler.began(message_id).wait(), GUARD)
+    stopping = asyncio.get_running_loop().create_task(consumer.stop(grace=0))
+    await asyncio.wait_for(held.wait(), GUARD)
+    assert await q.cancel(message_id) is CancelResult.REQUESTED
+    release.set()
+    await asyncio.wait_for(stopping, GUARD)
+
+    async def used_up() -> bool:
+        return await store.get(cancel_space(q.name), [message_id]) == [USED]
+
+    await until(used_up, GUARD)
+    assert (await _kept(q, message_id)).error.startswith("cancelled: its consumer stopped")
+    assert handler.cancelled == [message_id]

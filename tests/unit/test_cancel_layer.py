@@ -120,7 +120,60 @@ async def test_a_request_that_reached_its_message_stands() -> None:
         message_id = await q.push(1)
         assert await q.reserve(timeout=0) is not None
         assert await q.cancel(message_id, reason="why") is CancelResult.REQUESTED
-        assert await _requests(factory, q.name, [message_id]) == [encode_request("why")]
+        (body,) = await _requests(factory, q.name, [message_id])
+        assert body is not None and decode_request(body) == "why"
+
+
+def test_every_request_has_a_body_of_its_own() -> None:
+    """Two requests with one reason differ: a use-up writes over the one it read only."""
+    assert encode_request("why") != encode_request("why")
+    assert decode_request(b'"why"') == "why"  # a request written before the nonce
+    assert decode_request(b"null") is None
+    assert decode_request(USED) is None
+
+
+async def test_a_request_left_for_a_later_push_of_its_id_is_not_used_up() -> None:
+    """A use-up by a consumer that heard of a request once its message was done reads
+    the request, then looks the id up: pushed again (past its dedup window) and under a
+    reservation, the request may be the new message's, and is left for its holder."""
+    async with aio_keuss.connect("memory", poll_interval=60.0) as factory:
+        q = await factory.queue("jobs", result_ttl=600.0, dedup_window=0.0)
+        await q.push(1, id="job-1")
+        first = await q.reserve(timeout=0)
+        assert first is not None and await q.ok(first)
+        await q.push(2, id="job-1")
+        assert await q.reserve(timeout=0) is not None
+        assert await q.cancel("job-1", reason="new") is CancelResult.REQUESTED
+        assert await q._use_up_requests(["job-1"], told_only=True) == []
+        (body,) = await _requests(factory, q.name, ["job-1"])
+        assert body is not None and decode_request(body) == "new"
+
+
+async def test_a_use_up_spares_a_request_written_after_its_read() -> None:
+    """The request read is overwritten only while it is still that one: another cancel's,
+    written between the read and the write, stands."""
+    async with aio_keuss.connect("memory", poll_interval=60.0) as factory:
+        q = await factory.queue("jobs", result_ttl=600.0, dedup_window=0.0)
+        await q.push(1, id="job-1")
+        held = await q.reserve(timeout=0)
+        assert held is not None
+        assert await q.cancel("job-1", reason="old") is CancelResult.REQUESTED
+        assert await q.ok(held)
+        store = await factory._results.get()
+        get = store.get
+
+        async def then_another(queue: str, ids: Any) -> list[bytes | None]:
+            found = await get(queue, ids)
+            await store.put(queue, [("job-1", encode_request("newer"))], 600.0)
+            return found
+
+        store.get = then_another  # type: ignore[method-assign]
+        assert await q._use_up_requests(["job-1"], told_only=True) == ["job-1"]
+        store.get = get  # type: ignore[method-assign]
+        (body,) = await _requests(factory, q.name, ["job-1"])
+        assert body is not None and decode_request(body) == "newer"
+        assert await q._use_up_requests(["job-1"], told_only=True) == ["job-1"]
+        assert await _requests(factory, q.name, ["job-1"]) == [USED]
 
 
 async def test_a_cancel_heard_while_the_ok_is_queued_uses_the_request_up() -> None:
