@@ -17,6 +17,7 @@ import random
 import signal
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
 import urllib.request
@@ -25,7 +26,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from backends import POSTGRES_URL, REDIS_URL, _drop_postgres_schema, _drop_redis_prefix, new_token
+from backends import (
+    POSTGRES_URL,
+    REDIS_URL,
+    _drop_postgres_schema,
+    _drop_redis_prefix,
+    _drop_sqlite_file,
+    new_token,
+)
 from own_servers import free_port
 
 import aio_keuss
@@ -90,6 +98,12 @@ def _postgres(token: str) -> tuple[str, dict[str, Any], list[str], Callable[...,
     return "postgres", options, flags, _drop_postgres_schema
 
 
+def _sqlite(token: str) -> tuple[str, dict[str, Any], list[str], Callable[..., Any]]:
+    # several worker processes on one file: WAL, the busy timeout, a SIGKILL mid-commit
+    path = os.path.join(tempfile.gettempdir(), f"akp-{token}.db")
+    return "sqlite", {"path": path}, ["--url", f"sqlite:///{path}"], _drop_sqlite_file
+
+
 class Station:
     """One worker process; ``ready`` once its health endpoint answers 200 (its signal
     handlers are installed by then, so a SIGTERM stops it cleanly)."""
@@ -136,7 +150,9 @@ async def _until_ready(worker: Station, deadline: float) -> None:
         await asyncio.sleep(0.05)
 
 
-@pytest.mark.parametrize("setup", [_redis, _postgres], ids=["redis-oq", "postgres"])
+@pytest.mark.parametrize(
+    "setup", [_redis, _postgres, _sqlite], ids=["redis-oq", "postgres", "sqlite"]
+)
 async def test_sigkilled_stations_lose_and_duplicate_nothing(
     tmp_path: Path, setup: Callable[[str], Any]
 ) -> None:

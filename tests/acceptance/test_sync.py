@@ -27,7 +27,7 @@ from aio_keuss.message import Message
 from aio_keuss.pipeline import Forward
 from aio_keuss.queue import Queue
 
-SYNC_IDS = ("memory", "redis-oq", "postgres")
+SYNC_IDS = ("memory", "redis-oq", "postgres", "sqlite")
 
 # Indirect parametrization of conftest's ``case`` fixture: only these three are set up
 # (the cluster case would otherwise start a Redis Cluster just to be skipped).
