@@ -691,7 +691,7 @@ def in_transaction(connection: sqlite3.Connection, work: Work[T]) -> T:
     return result
 
 
-def _in_snapshot(connection: sqlite3.Connection, work: Work[T]) -> T:
+def in_snapshot(connection: sqlite3.Connection, work: Work[T]) -> T:
     """Run ``work``'s reads in one read transaction (a deferred ``BEGIN``, then ended), so
     that they see the file as it was at one moment: outside one each statement sees the
     latest commit, and another process's commit can fall between two of them (SQLite
@@ -709,7 +709,7 @@ def _version(connection: sqlite3.Connection, known: int) -> int:
     """The schema version of the file, refusing (ConfigError) a file another program
     marked as its own, or one a newer aio-keuss migrated past the ``known`` steps. These
     are the first reads of the file: one that is not a database fails here too. Its reads
-    are to see one state of the file (:func:`_in_snapshot`, or the migrating transaction):
+    are to see one state of the file (:func:`in_snapshot`, or the migrating transaction):
     the marks read before another process's migration committed and the tables after it
     looked like another program's tables."""
     owner = connection.execute("PRAGMA application_id").fetchone()[0]
@@ -763,7 +763,7 @@ def _setup(connection: sqlite3.Connection, options: SqliteOptions, memory: bool)
     journal_size_limit")."""
     steps = migrations()
     known = steps[-1][0] if steps else 0
-    version = _in_snapshot(connection, lambda connection: _version(connection, known))
+    version = in_snapshot(connection, lambda connection: _version(connection, known))
     wal = None
     if not memory:
         mode = connection.execute("PRAGMA journal_mode = WAL").fetchone()[0]

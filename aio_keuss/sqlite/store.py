@@ -68,7 +68,7 @@ from ..results import ResultStore
 from ..signal import LocalSignalBus, SignalBus
 from ..stats import StatsStore
 from ..types import Capabilities, KoResult, Sizes
-from .connection import LONGEST_ROW, SqliteConnection
+from .connection import LONGEST_ROW, SqliteConnection, in_snapshot
 from .limiter import rate_take
 from .results import SqliteResults
 from .signal import SqliteSignalBus
@@ -358,7 +358,10 @@ class SqliteStore(Store):
         queue instead, a peek read every message of the other states first, holding the
         database thread, and so every call of the factory, for as long (a third of a second
         a million messages). A page reads up to ``limit`` rows of each priority the queue
-        has and keeps the ``limit`` first of them."""
+        has and keeps the ``limit`` first of them, all in one read transaction
+        (:func:`~.connection.in_snapshot`): outside one, each walk saw the latest commit,
+        and a message another process moved to a lower priority between two walks was
+        listed twice in one page (one moved to a higher priority: not at all)."""
         start = (-math.inf, -1) if after is None else (after[0], int(after[1]))
 
         def peek(c: sqlite3.Connection) -> PeekPage:
@@ -380,7 +383,7 @@ class SqliteStore(Store):
             cursor = None if last is None else (float(last[5]), str(last[0]))
             return PeekPage([_peeked(r, now) for r in rows], cursor)
 
-        return await self._db.read(peek)
+        return await self._db.read(lambda c: in_snapshot(c, peek))
 
     def _priorities(self, c: sqlite3.Connection) -> list[int]:
         """The priorities the queue's messages have, highest first: a seek each."""

@@ -781,6 +781,41 @@ async def test_a_peek_lists_every_priority_in_mature_order_page_by_page(
     assert seen == pushed
 
 
+async def test_a_peek_sees_one_state_of_the_file_across_its_priorities(
+    open_factory: Open, database: str
+) -> None:
+    """A peek walks the queue's priorities one statement each: another process changing a
+    message's priority between two walks made one page list it twice (seen in its old
+    priority's walk, then in its new one's), or not at all the other way round. The other
+    process is played here by a connection of its own that commits the change as the
+    second walk starts (SQLite's trace callback: before that statement reads anything)."""
+    factory = await open_factory(signal="local", stats="memory")
+    backend = factory.backend
+    q = await factory.queue("peeked")
+    moved = await q.push("moved", priority=5)
+    await q.push("stays", priority=0)
+    other = sqlite3.connect(database, isolation_level=None, check_same_thread=False)
+    walks = 0
+
+    def trace(statement: str) -> None:
+        nonlocal walks
+        if "WHEN 'scheduled'" in statement:  # a walk of one priority (query "peek")
+            walks += 1
+            if walks == 2:  # the walk of priority 0 begins: the change commits first
+                other.execute("UPDATE messages SET priority = 0 WHERE id = ?", (moved,))
+
+    await backend.read(lambda c: c.set_trace_callback(trace))
+    try:
+        views = await q.peek(10)
+    finally:
+        await backend.read(lambda c: c.set_trace_callback(None))
+        other.close()
+    assert walks == 2
+    ids = [view.message.id for view in views]
+    assert sorted(ids) == sorted(set(ids)), ids  # no message twice in one page
+    assert len(ids) == 2, ids
+
+
 def test_the_queries_of_the_take_and_the_peek_search_the_index() -> None:
     """What SQLite plans for them (EXPLAIN QUERY PLAN): searches of the (queue, priority,
     mature, seq) index, never a scan of the table nor a sort."""
