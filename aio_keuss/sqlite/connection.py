@@ -753,6 +753,30 @@ def _migrate(connection: sqlite3.Connection, known: int) -> None:
     in_transaction(connection, apply)
 
 
+def _check_writable(connection: sqlite3.Connection) -> None:
+    """Refuse (ConfigError) a file this process may read but not write. SQLite opens one
+    read-only without a word ("sqlite3_open_v2": read-write "if possible, or reading only
+    if the file is write protected by the operating system"), and ``sqlite3`` cannot ask
+    which it got (``sqlite3_db_readonly`` is not exposed), so a write is tried: the
+    ``user_version`` set to what it is, in a write transaction rolled back, which leaves
+    the file as it was. Otherwise the open succeeded and the first write of every queue
+    failed. Taking the write lock, it waits for another process's writer like any write."""
+    connection.execute("BEGIN IMMEDIATE")
+    try:
+        version = connection.execute("PRAGMA user_version").fetchone()[0]
+        connection.execute(f"PRAGMA user_version = {version:d}")
+    except sqlite3.Error as exc:
+        if _code(exc) != sqlite3.SQLITE_READONLY:
+            raise
+        raise ConfigError(
+            f"the database file is read-only for this process ({exc}): its permissions,"
+            " its owner, or a read-only file system; the queues need to write to it"
+        ) from exc
+    finally:
+        if connection.in_transaction:
+            connection.execute("ROLLBACK")
+
+
 def _setup(connection: sqlite3.Connection, options: SqliteOptions, memory: bool) -> str | None:
     """Check the file is ours (or new) before anything is written to it, then WAL,
     durability, and the schema steps it lacks. Answers the WAL file's name, for the
@@ -766,6 +790,7 @@ def _setup(connection: sqlite3.Connection, options: SqliteOptions, memory: bool)
     version = in_snapshot(connection, lambda connection: _version(connection, known))
     wal = None
     if not memory:
+        _check_writable(connection)
         mode = connection.execute("PRAGMA journal_mode = WAL").fetchone()[0]
         if str(mode).lower() != "wal":
             raise ConfigError(f"the database could not be put in WAL mode (it is in {mode})")

@@ -346,6 +346,69 @@ async def test_a_directory_is_refused(tmp_path: Path) -> None:
     assert _files(tmp_path) == {}
 
 
+_OPEN_READ_ONLY = r"""
+import asyncio, sys
+import aio_keuss
+
+async def main(path):
+    try:
+        factory = await aio_keuss.connect("sqlite", path=path)
+    except aio_keuss.ConfigError as exc:
+        print("refused:", exc)
+        return
+    async with factory:
+        try:
+            await factory.queue("jobs")
+        except aio_keuss.KeussError as exc:
+            print(f"opened, then {type(exc).__name__}: {exc}")
+            return
+        print("opened and written")
+
+asyncio.run(main(sys.argv[1]))
+"""
+
+
+def _open_read_only(path: Path) -> str:
+    """What a process that may read ``path`` but not write it makes of it (the last line
+    of the script above). As root, whom file modes do not stop, the file is bound read-only
+    over itself in a mount namespace of the child's own (``unshare``, mount(8) "bind
+    mounts"): a read-only file system refuses root a write too."""
+    python = [sys.executable, "-c", _OPEN_READ_ONLY, str(path)]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    if os.geteuid() != 0:
+        path.chmod(0o444)
+        command = python
+    else:
+        bind = f'mount --bind {path} {path} && mount -o remount,bind,ro {path} && exec "$@"'
+        command = ["unshare", "--user", "--map-root-user", "--mount", "sh", "-c", bind, "-"]
+        probe = subprocess.run([*command, "true"], capture_output=True, check=False)
+        if probe.returncode != 0:
+            pytest.skip(f"no read-only bind mount here: {probe.stderr.decode().strip()}")
+        command += python
+    try:
+        done = subprocess.run(command, capture_output=True, env=env, timeout=60, check=False)
+    finally:
+        path.chmod(0o644)
+    assert done.returncode == 0, done.stderr.decode()
+    return done.stdout.decode().strip().splitlines()[-1]
+
+
+async def test_a_file_it_may_not_write_is_refused_at_connect(
+    open_factory: Open, database: str
+) -> None:
+    """SQLite opens a file it may not write read-only without a word (sqlite3_open_v2:
+    "or reading only if the file is write protected by the operating system"): the
+    connect succeeded, and the first write (opening a queue, which records its options)
+    failed. It is refused at connect, as a file that is not a database is."""
+    async with await open_factory() as factory:
+        await (await factory.queue("jobs")).push("kept")
+    outcome = _open_read_only(Path(database))
+    assert outcome.startswith("refused:"), outcome
+    assert "read-only" in outcome, outcome
+    async with await open_factory() as factory:  # left as it was
+        assert await (await factory.queue("jobs")).pop(timeout=0) is not None
+
+
 async def test_a_file_that_is_not_a_database_is_refused_untouched(tmp_path: Path) -> None:
     path = tmp_path / "notes.txt"
     path.write_bytes(b"not a database, " * 512)
