@@ -687,7 +687,7 @@ def test_an_interrupted_pop_on_a_sharded_queue_keeps_the_end_of_life(
 
 @pytest.mark.parametrize(
     "case",
-    [c for c in CASES if c.id in ("redis-oq", "postgres")],
+    [c for c in CASES if c.id in ("redis-oq", "postgres", "sqlite")],
     indirect=True,
     ids=lambda c: c.id,
 )
@@ -1209,7 +1209,7 @@ class _Handovers(set[Any]):
 
 @pytest.mark.parametrize(
     "case",
-    [c for c in CASES if c.id in ("redis-oq", "postgres")],
+    [c for c in CASES if c.id in ("redis-oq", "postgres", "sqlite")],
     indirect=True,
     ids=lambda c: c.id,
 )
