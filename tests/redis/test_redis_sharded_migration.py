@@ -1,14 +1,26 @@
 """redis-sharded on Redis Cluster while a shard's hash slot migrates: its scripts touch record
 keys they cannot declare, so they must not run half on one node and half on the other.
-Runs on the suite's cluster (redis_cluster.PORTS); each test moves one slot and puts it back,
-one test at a time (one xdist worker runs the module): side by side, each reconfigured the
-shared cluster while the other read its slots' owners, and "dedup" went missing twice in
-runs of the sharded tests on two workers (never with the module alone, loaded or not; the
-cause was not pinned down).
+Runs on the suite's cluster (redis_cluster.PORTS); each test moves one slot and puts it back.
+
+Two migrations of one slot at once break each other (each moves the other's keys, and a
+node told to give the slot up while it still holds a key refuses): the module once moved
+the slot of ``{q#0}`` and counted on ``--dist loadgroup`` to run one test at a time. Under a
+plain ``-n 2`` (or a second run sharing the cluster) both tests migrated that slot side by
+side, and the ko test's first push met the other's migration: TRYAGAIN until redis-py gave
+up ("TTL exhausted"), with the signal listener cut ("Connection closed by server": redis-py's
+cluster client closes all its connections itself on every fifth MOVED reply), in 2 of 10
+runs ("dedup" missing in the fire test, seen in two-worker runs, fits the same cause). And
+``{q#0}`` is the first shard of the queue ``q`` other cluster tests use: a migration made
+them fail too. So the tests move a slot no other test's queue uses (``QUEUE``), one at a
+time on this machine (``_one_migration_at_a_time``, a lock next to the cluster's data,
+whoever runs them).
 """
 
 from __future__ import annotations
 
+import asyncio
+import fcntl
+import os
 import subprocess
 from collections.abc import AsyncIterator
 
@@ -19,6 +31,9 @@ import aio_keuss
 from aio_keuss.errors import KeussError
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.xdist_group("slot-migration")]
+
+QUEUE = "slot-moves"
+"""The queue whose first shard's slot the tests move: no other test's queue hashes there."""
 
 
 def _cli(port: int, *args: object) -> str:
@@ -90,7 +105,27 @@ class Migration:
 
 
 @pytest.fixture
-async def cluster_factory() -> AsyncIterator[tuple[aio_keuss.Factory, str]]:
+async def _one_migration_at_a_time() -> AsyncIterator[None]:
+    """Held from before the queue is made until after the slot is back: an exclusive lock
+    on a file next to the cluster's data, so no other test of this module, in any worker
+    or process using this cluster, moves the slot meanwhile."""
+    import redis_cluster
+
+    os.makedirs(redis_cluster.DATA_DIR, exist_ok=True)
+    fd = os.open(
+        os.path.join(redis_cluster.DATA_DIR, "slot-migration.lock"), os.O_CREAT | os.O_RDWR
+    )
+    try:
+        await asyncio.to_thread(fcntl.flock, fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
+
+
+@pytest.fixture
+async def cluster_factory(
+    _one_migration_at_a_time: None,
+) -> AsyncIterator[tuple[aio_keuss.Factory, str]]:
     import redis_cluster
 
     reason = redis_cluster.start_redis_cluster()
@@ -111,14 +146,14 @@ async def cluster_factory() -> AsyncIterator[tuple[aio_keuss.Factory, str]]:
 async def _queue_with_every_declared_key(
     factory: aio_keuss.Factory, prefix: str
 ) -> tuple[aio_keuss.Queue, Migration]:
-    """Queue ``q`` of one shard whose declared keys all exist (else Redis itself answers
+    """Queue ``QUEUE`` of one shard whose declared keys all exist (else Redis itself answers
     TRYAGAIN during a migration), and a migration of its slot, not yet started."""
     import redis_cluster
 
-    q = await factory.queue("q", reserve_delay=30)
+    q = await factory.queue(QUEUE, reserve_delay=30)
     await q.push("dedup", id="explicit-0")  # the shard's dedup ZSET exists
     await q.push("later", delay=3600)  # and its schedule
-    slot = int(_cli(redis_cluster.PORTS[0], "cluster", "keyslot", f"{prefix}:{{q#0}}:m"))
+    slot = int(_cli(redis_cluster.PORTS[0], "cluster", "keyslot", f"{prefix}:{{{QUEUE}#0}}:m"))
     return q, Migration(redis_cluster.PORTS[0], slot)
 
 
@@ -129,7 +164,7 @@ async def test_a_fire_on_the_importing_node_loses_no_record(
     q, migration = await _queue_with_every_declared_key(factory, prefix)
     for n in range(3):
         await q.push(n)
-    base = f"{prefix}:{{q#0}}:"
+    base = f"{prefix}:{{{QUEUE}#0}}:"
     migration.start()
     try:
         migration.move([base + k for k in ("m", "ix", "d", "z")])  # the records not yet
