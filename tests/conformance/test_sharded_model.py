@@ -23,7 +23,7 @@ from sharded_checks import assert_metadata_of_q
 
 import aio_keuss
 import aio_keuss.queue
-from aio_keuss.contract import Ack, Entry
+from aio_keuss.contract import Ack, Entry, Nack
 from aio_keuss.message import EMPTY_HEADERS
 from aio_keuss.registry import load_backend
 from aio_keuss.sharded.backend import ShardedBackend
@@ -276,6 +276,58 @@ async def test_a_lost_hint_on_a_quiet_shard_is_restored_by_the_repair_pass(
     assert await ready_shards(backend.storage, "q") == [2]
     message = await q.pop(timeout=5)
     assert message is not None and message.payload == "stranded"
+    await leader.stop()
+
+
+async def test_a_ko_whose_reply_is_lost_comes_back_once(
+    sharded: Connect, case: BackendCase, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A ko's rollback run by the storage whose reply never came: on a cluster redis-py's
+    client closes all its connections itself on every fifth MOVED reply (a slot moving), and
+    the commands in flight then fail with "Connection closed by server". The ko raises, and
+    its second step (the ready hint) is not taken; the message must neither vanish (the
+    sweeper announces the shard again) nor be held twice (the stale holder's retry, ok and
+    close find another's reservation, not theirs)."""
+    if not case.shared:
+        pytest.skip("a second factory does not see an in-process storage")
+    factory = await sharded(sweeper=False, reserve_delay=60.0)
+    backend = backend_of(factory)
+    storage = backend.storage
+    q = await factory.queue("q")
+    mid = await q.push("victim")
+    held = await q.reserve(timeout=30)
+    assert held is not None and held.id == mid
+    shard = shard_of(mid, 4)
+    assert await ready_shards(storage, "q") == []  # the fire emptied the shard
+    rollback = storage.rollback
+
+    async def reply_lost(*args: Any) -> Any:
+        monkeypatch.undo()
+        await rollback(*args)  # the storage ran it
+        raise aio_keuss.KeussConnectionError("ConnectionError: Connection closed by server.")
+
+    monkeypatch.setattr(storage, "rollback", reply_lost)
+    with pytest.raises(aio_keuss.KeussConnectionError):
+        await q.ko(held)
+    # the holder's retry, ok and close, sent as q sends them (a retry through q would
+    # also make q forget the reservation, and its close give nothing back)
+    store, missing = store_of(q), [aio_keuss.KoResult.MISSING]
+    assert await store.rollback([Nack(mid, held.tries, 0.0)], None) == missing  # done already
+    leader = Sweeper(storage, backend.sharded, lambda *_: None)
+    for _ in range(REPAIR_PASSES + 1):
+        await leader.step()
+        if shard in await ready_shards(storage, "q"):
+            break
+    assert await ready_shards(storage, "q") == [shard]
+    other = await (await sharded(sweeper=False, reserve_delay=60.0)).queue("q")
+    again = await other.reserve(timeout=30)
+    assert again is not None and again.id == mid and again.tries == held.tries + 1
+    assert await store.rollback([Nack(mid, held.tries, 0.0)], None) == missing
+    assert await store.commit([Ack(mid, held.tries)]) == [False]
+    await factory.close()  # gives back what q still counts as its own: refused
+    assert await other.reserve(timeout=0) is None
+    assert await other.ok(again)
+    assert await other.sizes() == Sizes(0, 0, 0, 0)
     await leader.stop()
 
 
