@@ -495,13 +495,17 @@ def _on_signals(stop: asyncio.Event, now: asyncio.Event) -> Any:
 
 
 def _received(loop: asyncio.AbstractEventLoop, signum: signal.Signals) -> None:
-    workers = _signalled[loop][1] if loop in _signalled else []
-    if workers and all(stop.is_set() for stop, _ in workers):
+    workers = list(_signalled[loop][1]) if loop in _signalled else []
+    # Each worker's state read before this signal sets anything: workers given one
+    # ``stop`` event share it, and one read after the first was stopped here took this
+    # first signal for a second one (stopping at once, its handlers cut).
+    stopping = [stop.is_set() for stop, _ in workers]
+    if workers and all(stopping):
         log.warning("%s again: stopping at once", signum.name)
     else:
         log.info("%s: stopping (no new messages; running handlers may finish)", signum.name)
-    for stop, now in workers:
-        if stop.is_set():
+    for (stop, now), was_stopping in zip(workers, stopping, strict=True):
+        if was_stopping:
             now.set()
         else:
             stop.set()

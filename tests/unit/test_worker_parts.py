@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import signal
 import socket
 import struct
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +22,7 @@ from aio_keuss.errors import ConfigError, InvalidInputError
 from aio_keuss.metrics import Histogram, QueueMetrics, prometheus_text
 from aio_keuss.pipeline import Forward, Pipeline
 from aio_keuss.worker import cli
+from aio_keuss.worker import run as worker_run
 from aio_keuss.worker.health import HealthServer, health
 from aio_keuss.worker.settings import resolve
 
@@ -860,3 +863,74 @@ def test_replace_pipeline_set_for_a_handler_worker_is_refused_saying_where_and_w
     assert "--replace-pipeline is for" in capsys.readouterr().err
     monkeypatch.setenv("AIO_KEUSS_REPLACE_PIPELINE", "false")  # off: nothing to refuse
     assert cli.main(handler) == 3
+
+
+async def test_one_sigterm_stops_workers_sharing_a_stop_event_gracefully() -> None:
+    """Two ``run_worker`` side by side given the same ``stop`` event (one stop for the
+    process) share the signal handler: a first SIGTERM sets that event for the first worker,
+    and the second worker, seeing it set, took the signal as its second and stopped at once,
+    cancelling its running handler instead of giving it its grace. A second SIGTERM still
+    hurries both."""
+    loop = asyncio.get_running_loop()
+    if threading.current_thread() is not threading.main_thread():
+        pytest.skip("needs the loop's signal handlers")
+    release = asyncio.Event()
+    started: list[str] = []
+    ended: dict[str, str] = {}
+
+    async def wait(message: Message) -> None:
+        started.append(message.payload)
+        try:
+            await release.wait()
+        except asyncio.CancelledError:
+            ended[message.payload] = "cancelled"
+            raise
+        ended[message.payload] = "done"
+
+    async with aio_keuss.connect("memory") as factory:
+        await (await factory.queue("a")).push("a")
+        await (await factory.queue("b")).push("b")
+        stop = asyncio.Event()
+        workers = asyncio.gather(
+            aio_keuss.run_worker(wait, "a", factory=factory, grace=3600, stop=stop),
+            aio_keuss.run_worker(wait, "b", factory=factory, grace=3600, stop=stop),
+        )
+        try:
+            while len(started) < 2:  # noqa: ASYNC110
+                await asyncio.sleep(0.01)
+            signal.raise_signal(signal.SIGTERM)
+            await asyncio.wait_for(stop.wait(), 30)
+            (_, stops) = worker_run._signalled[loop]
+            assert [now.is_set() for _, now in stops] == [False, False]  # not hurried
+            release.set()
+            await asyncio.wait_for(workers, 60)
+        finally:
+            release.set()
+            stop.set()
+            await asyncio.wait_for(asyncio.gather(workers, return_exceptions=True), 60)
+        assert ended == {"a": "done", "b": "done"}
+        assert loop not in worker_run._signalled
+
+        # a second signal hurries every worker (each cancels its handler)
+        await (await factory.queue("a")).push("a")
+        await (await factory.queue("b")).push("b")
+        started.clear()
+        ended.clear()
+        release.clear()
+        stop = asyncio.Event()
+        workers = asyncio.gather(
+            aio_keuss.run_worker(wait, "a", factory=factory, grace=3600, stop=stop),
+            aio_keuss.run_worker(wait, "b", factory=factory, grace=3600, stop=stop),
+        )
+        try:
+            while len(started) < 2:  # noqa: ASYNC110
+                await asyncio.sleep(0.01)
+            signal.raise_signal(signal.SIGTERM)
+            await asyncio.wait_for(stop.wait(), 30)
+            signal.raise_signal(signal.SIGTERM)
+            await asyncio.wait_for(workers, 60)
+        finally:
+            release.set()
+            stop.set()
+            await asyncio.wait_for(asyncio.gather(workers, return_exceptions=True), 60)
+        assert ended == {"a": "cancelled", "b": "cancelled"}
