@@ -197,12 +197,14 @@ def retryable(exc: BaseException) -> bool:
 def refused(exc: BaseException) -> bool:
     """Whether ``exc``, or an error that led to it, is a refused connection: the server was
     not reached, so the call sent nothing and may be made again without running twice
-    (which a call whose reply was lost may have done)."""
+    (which a call whose reply was lost may have done). Over a unix socket a server that is
+    down (stopped, restarting) has removed its socket file: a connect then finds no file
+    (ENOENT) rather than a refusal, and sent nothing either."""
     seen: BaseException | None = exc
     for _ in range(16):  # a chain, not a cycle
         if seen is None:
             return False
-        if isinstance(seen, ConnectionRefusedError):
+        if isinstance(seen, ConnectionRefusedError | FileNotFoundError):
             return True
         seen = seen.__cause__ or seen.__context__
     return False

@@ -13,6 +13,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -428,6 +429,41 @@ async def test_popped_prefetched_messages_go_back_once_the_server_is_back_during
             await asyncio.wait_for(started.wait(), DEADLINE)
             await eventually(lambda: len(consumer._buffer) == 10, "the prefetch")
             await asyncio.to_thread(server.stop)
+            stopping = asyncio.ensure_future(consumer.stop(0))
+            await eventually(
+                lambda: any("put back of 10" in r.getMessage() for r in caplog.records),
+                "the refused put-back",
+            )
+            await asyncio.to_thread(server.start)  # emptied: only what is put back is there
+            await asyncio.wait_for(stopping, DEADLINE)
+            assert await q.size() == 10
+
+
+async def test_popped_prefetched_messages_go_back_over_a_unix_socket_once_the_server_is_back(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """As above, over a unix socket: a stopped server removes its socket file, so a connect
+    meanwhile finds no file (ENOENT), not a refusal. Nothing was sent either way, yet the
+    put-back was tried once and the messages were lost."""
+    monkeypatch.setattr(consumer_module, "ACK_WAIT", DEADLINE)
+    caplog.set_level(logging.WARNING, logger=OUTAGE_LOGGER)
+    path = tmp_path / "redis.sock"
+    with own_redis("--unixsocket", str(path), "--unixsocketperm", "700") as server:
+        url = f"unix://{path}"
+        async with aio_keuss.connect("redis-list", url=url, prefix="pb") as factory:
+            q = await factory.queue("jobs")
+            await q.push_many(list(range(11)))
+            started = asyncio.Event()
+
+            async def hang(message: Message) -> None:
+                started.set()
+                await asyncio.Event().wait()
+
+            consumer = q.consume(hang, concurrency=1, prefetch=10)  # 1 handled, 10 prefetched
+            await asyncio.wait_for(started.wait(), DEADLINE)
+            await eventually(lambda: len(consumer._buffer) == 10, "the prefetch")
+            await asyncio.to_thread(server.stop)
+            assert not path.exists()
             stopping = asyncio.ensure_future(consumer.stop(0))
             await eventually(
                 lambda: any("put back of 10" in r.getMessage() for r in caplog.records),
