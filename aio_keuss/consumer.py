@@ -199,12 +199,16 @@ def refused(exc: BaseException) -> bool:
     not reached, so the call sent nothing and may be made again without running twice
     (which a call whose reply was lost may have done). Over a unix socket a server that is
     down (stopped, restarting) has removed its socket file: a connect then finds no file
-    (ENOENT) rather than a refusal, and sent nothing either."""
+    (ENOENT) rather than a refusal, and sent nothing either. A server that answered it
+    cannot serve the call now (``KeussConnectionError.ran_nothing``: a restarted one still
+    loading its data, ...) did not run it either."""
     seen: BaseException | None = exc
     for _ in range(16):  # a chain, not a cycle
         if seen is None:
             return False
         if isinstance(seen, ConnectionRefusedError | FileNotFoundError):
+            return True
+        if isinstance(seen, KeussConnectionError) and seen.ran_nothing:
             return True
         seen = seen.__cause__ or seen.__context__
     return False

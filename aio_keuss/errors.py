@@ -69,6 +69,12 @@ class NotSupportedError(KeussError):
 class KeussConnectionError(KeussError, ConnectionError):
     """The server could not be reached or the connection was lost mid-operation."""
 
+    ran_nothing: bool = False
+    """True where the server is known not to have run the call: it answered that it
+    cannot serve it now (on Redis a LOADING reply while a restarted server loads its data,
+    BUSY while a script runs past its time, ...), so the call may be made again without
+    running twice."""
+
 
 class BackendError(KeussError):
     """The server answered with an error the library did not expect."""

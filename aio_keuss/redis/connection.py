@@ -152,11 +152,24 @@ class ScriptMissing(BackendError):
     :meth:`RedisConnection.run_script` loads it and runs it again."""
 
 
+def _not_run(exc: BaseException) -> bool:
+    """Whether ``exc`` is an error reply saying the server cannot serve the command now, so
+    did not run it (see ``_NOT_READY_CODES``)."""
+    if isinstance(exc, (redis_errors.BusyLoadingError, *_NOT_READY_ERRORS)):
+        return True
+    return (
+        isinstance(exc, redis_errors.ResponseError)
+        and str(exc).split(" ", 1)[0] in _NOT_READY_CODES
+    )
+
+
 def _ours(exc: Exception) -> KeussError | None:
     """The error of ours a redis-py (or socket) error becomes; None for any other."""
     text = f"{type(exc).__name__}: {exc}"
     if _is_connection_error(exc):
-        return KeussConnectionError(text)
+        error = KeussConnectionError(text)
+        error.ran_nothing = _not_run(exc)
+        return error
     if isinstance(exc, redis_errors.NoScriptError):
         return ScriptMissing(text)
     if isinstance(exc, redis_errors.RedisError | redis_errors.RedisClusterException):

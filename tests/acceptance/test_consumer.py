@@ -474,6 +474,58 @@ async def test_popped_prefetched_messages_go_back_over_a_unix_socket_once_the_se
             assert await q.size() == 10
 
 
+async def test_popped_prefetched_messages_go_back_once_the_server_serves_again(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """As above, with a server that answers but cannot serve the put-back yet: one still
+    loading its data after a restart answers LOADING, one running a long script BUSY (the
+    one made here: it needs no timing). Such a reply says the command was not run, so it is
+    tried again too; it was tried once and the messages were lost."""
+    import redis
+
+    monkeypatch.setattr(consumer_module, "ACK_WAIT", DEADLINE)
+    caplog.set_level(logging.WARNING, logger=OUTAGE_LOGGER)
+    with own_redis("--busy-reply-threshold", "50") as server:
+        async with aio_keuss.connect("redis-list", url=server.url, prefix="pb") as factory:
+            q = await factory.queue("jobs")
+            await q.push_many(list(range(11)))
+            started = asyncio.Event()
+
+            async def hang(message: Message) -> None:
+                started.set()
+                await asyncio.Event().wait()
+
+            consumer = q.consume(hang, concurrency=1, prefetch=10)  # 1 handled, 10 prefetched
+            await asyncio.wait_for(started.wait(), DEADLINE)
+            await eventually(lambda: len(consumer._buffer) == 10, "the prefetch")
+            other = redis.Redis(port=server.port)
+
+            def busy() -> None:
+                with contextlib.suppress(redis.ResponseError):  # killed
+                    redis.Redis(port=server.port).eval("while true do end", 0)
+
+            looping = asyncio.ensure_future(asyncio.to_thread(busy))
+
+            def answers_busy() -> bool:
+                try:
+                    other.ping()
+                except redis.ResponseError as exc:
+                    return str(exc).startswith("BUSY")
+                return False
+
+            await eventually(answers_busy, "the busy server")
+            stopping = asyncio.ensure_future(consumer.stop(0))
+            await eventually(
+                lambda: any("put back of 10" in r.getMessage() for r in caplog.records),
+                "the put-back refused",
+            )
+            await asyncio.to_thread(other.script_kill)
+            await asyncio.wait_for(looping, DEADLINE)
+            await asyncio.wait_for(stopping, DEADLINE)
+            other.close()
+            assert await q.size() == 10
+
+
 async def test_redis_reliable_close_with_the_server_away_closes_every_queue() -> None:
     """README: if the server is down at close, reservations come back when they expire.
     Closing must not raise, and must still stop every queue's consumers."""
