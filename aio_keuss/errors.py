@@ -70,10 +70,11 @@ class KeussConnectionError(KeussError, ConnectionError):
     """The server could not be reached or the connection was lost mid-operation."""
 
     ran_nothing: bool = False
-    """True where the server is known not to have run the call: it answered that it
-    cannot serve it now (on Redis a LOADING reply while a restarted server loads its data,
-    BUSY while a script runs past its time, ...), so the call may be made again without
-    running twice."""
+    """True where the server is known not to have run the command that failed: it
+    answered that it cannot serve it now (on Redis a LOADING reply while a restarted server
+    loads its data, BUSY while a script runs past its time, ...). Only a call of that one
+    command may be made again without running twice: of a call of several, those before it
+    may have run."""
 
 
 class BackendError(KeussError):

@@ -1034,7 +1034,9 @@ class Queue:
     async def _insert_retrying(self, entries: list[Entry], until: float | None) -> list[bool]:
         """``store.insert(entries)``, tried again with backoff until ``until`` while it fails
         on a refused connection (see ``consumer.refused``: nothing was sent, so it cannot
-        store them twice); one WARNING for the wait."""
+        store them twice); one WARNING for the wait. Sound only where the insert of
+        put-backs is one command (redis-list's RPUSH, the one backend that pops): a refusal
+        met by a later command of several would not tell that the earlier ones did not run."""
         failures = 0
         while True:
             try:
