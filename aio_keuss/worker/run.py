@@ -104,7 +104,8 @@ async def run_worker(
     Returns once every consumer has stopped and every message it held is acknowledged or
     given back. Raises :class:`~aio_keuss.ConsumerFailedError` (after stopping the others)
     when a consumer's worker, or a repeat, stops on an error not worth retrying. Signal
-    handlers are installed only while it runs, in the main thread.
+    handlers are installed only while it runs, in the main thread; those found there before
+    (the loop's, or Python's) are put back when it returns (on asyncio's loop).
     """
     names = [queues] if isinstance(queues, str) else list(queues)
     specs = _checked_repeats(repeats)
@@ -455,12 +456,36 @@ async def _stop(
 
 
 _Stops = list[tuple[asyncio.Event, asyncio.Event]]
-_signalled: dict[asyncio.AbstractEventLoop, tuple[list[signal.Signals], _Stops]] = {}
-"""The signals installed on each loop, and the ``(stop, now)`` events of the workers
-running there: a loop has one handler per signal, so its workers share it. Each installing
-its own, one replaced another's (a SIGTERM stopped only the last worker started), and the
-first to end removed the handler the others counted on (the next SIGTERM killed the
-process)."""
+_signalled: dict[asyncio.AbstractEventLoop, tuple[list[Callable[[], None]], _Stops]] = {}
+"""The undo of the signal handlers installed on each loop, and the ``(stop, now)`` events of
+the workers running there: a loop has one handler per signal, so its workers share it. Each
+installing its own, one replaced another's (a SIGTERM stopped only the last worker
+started), and the first to end removed the handler the others counted on (the next SIGTERM
+killed the process)."""
+
+
+def _install(loop: asyncio.AbstractEventLoop, signum: signal.Signals) -> Callable[[], None]:
+    """Install the workers' handler of ``signum`` on ``loop``; returns the undo, which puts
+    back the handler found there. Removing the loop's handler leaves the signal to its
+    default action (asyncio's ``remove_signal_handler``): an application's own handler,
+    the loop's or Python's (``asyncio.run`` sets one for SIGINT), was gone once the workers
+    ended, and its next SIGTERM killed the process. The loop's own is read from asyncio's
+    loop (another loop's is not known: left as before)."""
+    own = getattr(loop, "_signal_handlers", None)
+    loops = own.get(signum) if isinstance(own, dict) else None
+    python = signal.getsignal(signum)
+    loop.add_signal_handler(signum, _received, loop, signum)
+
+    def undo() -> None:
+        loop.remove_signal_handler(signum)
+        if isinstance(loops, asyncio.Handle):
+            if not loops.cancelled():
+                callback = cast(Any, loops)._callback  # asyncio keeps it there
+                loop.add_signal_handler(signum, callback, *loops._args)
+        elif isinstance(own, dict) and python is not None:
+            signal.signal(signum, python)
+
+    return undo
 
 
 def _on_signals(stop: asyncio.Event, now: asyncio.Event) -> Any:
@@ -469,12 +494,11 @@ def _on_signals(stop: asyncio.Event, now: asyncio.Event) -> Any:
     loop = asyncio.get_running_loop()
     shared = _signalled.get(loop)
     if shared is None:
-        installed: list[signal.Signals] = []
+        installed: list[Callable[[], None]] = []
         for signum in STOP_SIGNALS:
             with contextlib.suppress(ValueError, RuntimeError, NotImplementedError):
                 # not in the main thread, or no signals on this platform's loop
-                loop.add_signal_handler(signum, _received, loop, signum)
-                installed.append(signum)
+                installed.append(_install(loop, signum))
         if not installed:
             return lambda: None
         shared = _signalled[loop] = (installed, [])
@@ -488,8 +512,8 @@ def _on_signals(stop: asyncio.Event, now: asyncio.Event) -> Any:
         workers.remove(mine)
         if not workers and _signalled.get(loop) is shared:
             del _signalled[loop]
-            for signum in installed:
-                loop.remove_signal_handler(signum)
+            for undo in reversed(installed):
+                undo()
 
     return restore
 

@@ -934,3 +934,42 @@ async def test_one_sigterm_stops_workers_sharing_a_stop_event_gracefully() -> No
             stop.set()
             await asyncio.wait_for(asyncio.gather(workers, return_exceptions=True), 60)
         assert ended == {"a": "cancelled", "b": "cancelled"}
+
+
+async def test_the_signal_handlers_there_before_a_worker_are_there_after_it() -> None:
+    """A worker installs its SIGTERM / SIGINT handlers while it runs, and removing them left
+    the signals to their default action: an application's own handler (the loop's, or
+    Python's, as ``asyncio.run`` sets for SIGINT) was gone once the worker returned, and
+    the next SIGTERM killed the process instead of reaching it."""
+    loop = asyncio.get_running_loop()
+    if threading.current_thread() is not threading.main_thread():
+        pytest.skip("needs the loop's signal handlers")
+    heard: list[str] = []
+
+    def python_level(signum: int, frame: object) -> None:
+        heard.append("python")
+
+    before = (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM))
+    loop.add_signal_handler(signal.SIGTERM, heard.append, "loop")
+    signal.signal(signal.SIGINT, python_level)
+    try:
+        async with aio_keuss.connect("memory") as factory:
+            for _ in range(2):  # the second over what the first left
+                stop = asyncio.Event()
+                worker = asyncio.create_task(
+                    aio_keuss.run_worker(lambda m: None, "a", factory=factory, stop=stop)
+                )
+                while loop not in worker_run._signalled:  # noqa: ASYNC110
+                    await asyncio.sleep(0.01)
+                stop.set()
+                await asyncio.wait_for(worker, 60)
+                assert signal.getsignal(signal.SIGINT) is python_level
+                assert signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL  # would kill
+                signal.raise_signal(signal.SIGTERM)  # heard by the loop's handler
+                while "loop" not in heard:  # noqa: ASYNC110
+                    await asyncio.sleep(0.01)
+                heard.clear()
+    finally:
+        loop.remove_signal_handler(signal.SIGTERM)
+        signal.signal(signal.SIGINT, before[0])
+        signal.signal(signal.SIGTERM, before[1])
