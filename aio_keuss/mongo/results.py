@@ -16,7 +16,13 @@ an ``_id`` ends the queue name whatever the message id holds: ``q1`` + ``a:b`` a
   MongoDB manual, "Atomicity and Transactions"), so a put landing first makes it match
   nothing. The body is matched by its ``digest`` (BLAKE2b, 128 bits, as hex), which every
   put writes beside it: nx-27017 matches no binary value in a filter (not by equality,
-  ``$eq``, ``$in`` nor ``$expr``). A document written without one is never replaced.
+  ``$eq``, ``$in`` nor ``$expr``). A document without one was written by a release that
+  kept none (a rolling upgrade): it is replaced whatever its body, as such a release used
+  up its cancel requests itself (a plain put), since its body cannot be matched; the
+  update that replaces it writes a digest, so the next replace matches by it again. Such
+  a release writing over a body this one wrote leaves the older body's digest beside it:
+  its body is then not replaced (a cancel request lapses in its time), and a replace of
+  the older body, read before, writes over it.
 - get: one ``find`` by ``_id`` with ``expires > now``, its first batch sized to hold every
   id asked for (a cursor's first batch is 101 documents by default); a get of more ids than
   one command holds (megabytes of them) takes one ``find`` per slice.
@@ -189,20 +195,18 @@ class MongoResults(ResultStore):
         _check_sizes([(message_id, new) for message_id, _, new in swaps])
         now = time.time()
         expires = _date(now + ttl)
-        await self._coll.bulk_write(
-            [
-                UpdateOne(
-                    {
-                        "_id": result_key(queue, message_id),
-                        "digest": _digest(old),
-                        "expires": {"$gt": _date(now)},
-                    },
-                    {"$set": {"body": new, "digest": _digest(new), "expires": expires}},
-                )
-                for message_id, old, new in swaps
-            ],
-            ordered=False,
-        )
+        alive = {"$gt": _date(now)}
+        writes = []
+        for message_id, old, new in swaps:
+            key, change = (
+                result_key(queue, message_id),
+                {"$set": {"body": new, "digest": _digest(new), "expires": expires}},
+            )
+            writes.append(UpdateOne({"_id": key, "digest": _digest(old), "expires": alive}, change))
+            # written by a release that kept no digest (see the module's docstring)
+            unsigned = {"_id": key, "digest": {"$exists": False}, "expires": alive}
+            writes.append(UpdateOne(unsigned, change))
+        await self._coll.bulk_write(writes, ordered=False)
 
     @translated
     async def get(self, queue: str, ids: Sequence[str]) -> list[bytes | None]:

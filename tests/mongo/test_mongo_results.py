@@ -333,3 +333,24 @@ async def test_a_close_cancelled_while_it_stops_a_sweep_stays_cancelled(
     closing.cancel()
     await asyncio.gather(closing, return_exceptions=True)
     assert closing.cancelled()
+
+
+async def test_a_replace_uses_up_a_body_an_older_release_wrote_without_a_digest(
+    database: str, client: Any, open_store: Open
+) -> None:
+    """A rolling upgrade: a cancel request written by a release that kept no digest (a
+    bare reason, ``$set`` of body and expiry only) is used up by this release's replace,
+    as that release used its requests up itself; one this release wrote is still matched
+    by its digest only."""
+    store = await open_store()
+    coll = client[database][store._coll.name]
+    await coll.update_one(
+        {"_id": result_key(":q", "a")},
+        {"$set": {"body": b'"why"', "expires": _far()}},
+        upsert=True,
+    )
+    await store.put(":q", [("b", b"mine")], 600.0)
+    await store.replace(":q", [("a", b'"why"', b"false"), ("b", b"other", b"false")], 600.0)
+    assert await store.get(":q", ["a", "b"]) == [b"false", b"mine"]
+    await store.replace(":q", [("a", b"false", b"again")], 600.0)  # now a digest of its own
+    assert await store.get(":q", ["a"]) == [b"again"]
