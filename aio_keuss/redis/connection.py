@@ -147,6 +147,33 @@ def command_retries(client: object) -> int | None:
     return None
 
 
+CLUSTER_REINITIALIZE_STEPS = 0
+"""The ``reinitialize_steps`` of the cluster clients built here: no MOVED reply makes
+redis-py reload the whole topology.
+
+redis-py's cluster client counts the MOVED replies it meets, across every task sharing it,
+and on each ``reinitialize_steps``-th (5 by default) it closes the client
+(``RedisCluster.aclose``: every connection to every node, at once) so that its next command
+loads the topology again. Connections are shared by all the tasks of the process, so
+whatever another task had in flight was cut ("Connection closed by server"): a pop's script
+that had run lost its messages with its reply, a push that was stored raised, and the
+signal listener's subscription dropped, during every slot migration. With 0, redis-py's
+documented way "to avoid reinitializing the cluster on moved errors" (the ``RedisCluster``
+docstring), each MOVED only points its slot at the node the reply names, where the
+command is sent again (a redirected command did not run), so the slot map is learnt slot
+by slot, one redirection each, and no connection is closed. A topology redis-py must
+reload (a node gone: a connection error) still is, by the next command; a CLUSTERDOWN
+reply still closes every connection (redis-py offers no option there)."""
+
+
+def command_reinitializes(client: object) -> int | None:
+    """Every how many MOVED replies ``client`` (a redis-py cluster client) closes all its
+    connections (see ``CLUSTER_REINITIALIZE_STEPS``); None where it never does."""
+    if isinstance(client, RedisCluster) and client.reinitialize_steps:
+        return int(client.reinitialize_steps)
+    return None
+
+
 class ScriptMissing(BackendError):
     """NOSCRIPT: the server lacks a script (restarted, or its script cache was flushed);
     :meth:`RedisConnection.run_script` loads it and runs it again."""
@@ -708,18 +735,35 @@ class RedisConnection(Backend):
         KeussConnectionError, and what the command may have left reserved comes back when
         its reservation ends. On a cluster, MOVED and ASK are still followed and the
         topology reloaded after a connection error (by the next command): a redirected
-        command did not run on the node that refused it."""
+        command did not run on the node that refused it. No number of MOVED replies closes
+        the connections other tasks use (``CLUSTER_REINITIALIZE_STEPS``)."""
         cluster, url = self.config.cluster, self.config.url
         try:
             if cluster:
-                return RedisCluster.from_url(url, decode_responses=False, retry=_no_retry())
+                return RedisCluster.from_url(
+                    url,
+                    decode_responses=False,
+                    retry=_no_retry(),
+                    reinitialize_steps=CLUSTER_REINITIALIZE_STEPS,
+                )
             return aioredis.Redis.from_url(url, decode_responses=False, retry=_no_retry())
         except ValueError as exc:  # a query argument redis-py cannot read
             raise ConfigError(f"url: {exc}") from exc
 
     def _warn_of_retries(self) -> None:
         """The user's client is theirs to configure (never changed here); say what its
-        retries risk, once, as the backend is made."""
+        retries (and, on a cluster, its reloads of the topology) risk, once, as the backend
+        is made."""
+        steps = command_reinitializes(self.client)
+        if steps:
+            log.warning(
+                "%s: the Redis Cluster client passed as client= closes every connection it "
+                "holds on every %dth MOVED reply (reinitialize_steps), as a slot migrates: "
+                "commands other tasks have in flight then fail, and a pop whose reply is "
+                "cut loses its messages. Pass a client made with reinitialize_steps=0",
+                self.name,
+                steps,
+            )
         retries = command_retries(self.client)
         if not retries or self.replay_hazard is None:
             return

@@ -282,9 +282,11 @@ async def test_a_lost_hint_on_a_quiet_shard_is_restored_by_the_repair_pass(
 async def test_a_ko_whose_reply_is_lost_comes_back_once(
     sharded: Connect, case: BackendCase, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A ko's rollback run by the storage whose reply never came: on a cluster redis-py's
-    client closes all its connections itself on every fifth MOVED reply (a slot moving), and
-    the commands in flight then fail with "Connection closed by server". The ko raises, and
+    """A ko's rollback run by the storage whose reply never came: a connection lost, or on a
+    cluster a CLUSTERDOWN reply or, with a client passed with redis-py's default
+    ``reinitialize_steps``, every fifth MOVED reply (a slot moving), on which redis-py
+    closes all its connections itself and the commands in flight then fail with
+    "Connection closed by server". The ko raises, and
     its second step (the ready hint) is not taken; the message must neither vanish (the
     sweeper announces the shard again) nor be held twice (the stale holder's retry, ok and
     close find another's reservation, not theirs)."""

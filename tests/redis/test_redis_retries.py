@@ -87,6 +87,7 @@ async def _moved_is_followed(prefix: str) -> None:
         client = f.backend.client  # type: ignore[attr-defined]
         assert isinstance(client, RedisCluster)
         assert client.retry.get_retries() == 0
+        assert client.reinitialize_steps == 0  # no MOVED closes its connections
         # queues spread over the three masters, reached from a client that has never seen
         # their slots moved to: each queue works, wherever its slot is
         queues = [await f.queue(f"q{n}") for n in range(12)]
@@ -158,6 +159,32 @@ async def test_a_users_cluster_client_that_retries_is_warned_about(
                 async with aio_keuss.connect("redis-oq", client=client, prefix=prefix):
                     pass
             assert ("Retry(NoBackoff(), 0)" in caplog.text) is warned, caplog.text
+        finally:
+            await client.aclose()
+
+
+async def test_a_users_cluster_client_that_reloads_on_moved_is_warned_about(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """redis-py's cluster client closes every connection on every fifth MOVED reply by
+    default, cutting what other tasks have in flight while a slot migrates; the library
+    builds its own with ``reinitialize_steps=0`` and says so of a client it was given."""
+    from redis.asyncio.cluster import RedisCluster
+
+    reason = start_redis_cluster()
+    if reason:
+        pytest.skip(reason)
+    prefix = f"akrt-{new_token()}"  # nothing is written: no keys to drop
+    for steps, warned in ((None, True), (0, False)):
+        extra = {} if steps is None else {"reinitialize_steps": steps}
+        client = RedisCluster.from_url(CLUSTER_URL, retry=Retry(NoBackoff(), 0), **extra)
+        caplog.clear()
+        try:
+            with caplog.at_level(logging.WARNING, logger="aio_keuss"):
+                async with aio_keuss.connect("redis-sharded", client=client, prefix=prefix):
+                    pass
+            assert ("reinitialize_steps=0" in caplog.text) is warned, caplog.text
+            assert client.reinitialize_steps == (5 if steps is None else steps)  # untouched
         finally:
             await client.aclose()
 
