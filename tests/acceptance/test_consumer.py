@@ -405,6 +405,34 @@ async def test_prefetch_oks_are_all_in_when_stop_returns(connect: Connect) -> No
     assert (await q.stats())["commit"] == 300
 
 
+async def _holding_ten_prefetched(q: Any) -> Any:
+    """A consumer of eleven messages on a backend without reserve: one handler hangs on the
+    first, the ten others wait popped in its prefetch buffer."""
+    await q.push_many(list(range(11)))
+    started = asyncio.Event()
+
+    async def hang(message: Message) -> None:
+        started.set()
+        await asyncio.Event().wait()
+
+    consumer = q.consume(hang, concurrency=1, prefetch=10)
+    await asyncio.wait_for(started.wait(), DEADLINE)
+    await eventually(lambda: len(consumer._buffer) == 10, "the prefetch")
+    return consumer
+
+
+async def _stop_until_the_put_back_is_refused(
+    consumer: Any, caplog: pytest.LogCaptureFixture
+) -> asyncio.Future[Any]:
+    """The consumer's stop, begun, once its put-back of the ten was refused (logged)."""
+    stopping = asyncio.ensure_future(consumer.stop(0))
+    await eventually(
+        lambda: any("put back of 10" in r.getMessage() for r in caplog.records),
+        "the refused put-back",
+    )
+    return stopping
+
+
 async def test_popped_prefetched_messages_go_back_once_the_server_is_back_during_a_stop(
     caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -418,22 +446,9 @@ async def test_popped_prefetched_messages_go_back_once_the_server_is_back_during
     with own_redis() as server:
         async with aio_keuss.connect("redis-list", url=server.url, prefix="pb") as factory:
             q = await factory.queue("jobs")
-            await q.push_many(list(range(11)))
-            started = asyncio.Event()
-
-            async def hang(message: Message) -> None:
-                started.set()
-                await asyncio.Event().wait()
-
-            consumer = q.consume(hang, concurrency=1, prefetch=10)  # 1 handled, 10 prefetched
-            await asyncio.wait_for(started.wait(), DEADLINE)
-            await eventually(lambda: len(consumer._buffer) == 10, "the prefetch")
+            consumer = await _holding_ten_prefetched(q)
             await asyncio.to_thread(server.stop)
-            stopping = asyncio.ensure_future(consumer.stop(0))
-            await eventually(
-                lambda: any("put back of 10" in r.getMessage() for r in caplog.records),
-                "the refused put-back",
-            )
+            stopping = await _stop_until_the_put_back_is_refused(consumer, caplog)
             await asyncio.to_thread(server.start)  # emptied: only what is put back is there
             await asyncio.wait_for(stopping, DEADLINE)
             assert await q.size() == 10
@@ -452,23 +467,10 @@ async def test_popped_prefetched_messages_go_back_over_a_unix_socket_once_the_se
         url = f"unix://{path}"
         async with aio_keuss.connect("redis-list", url=url, prefix="pb") as factory:
             q = await factory.queue("jobs")
-            await q.push_many(list(range(11)))
-            started = asyncio.Event()
-
-            async def hang(message: Message) -> None:
-                started.set()
-                await asyncio.Event().wait()
-
-            consumer = q.consume(hang, concurrency=1, prefetch=10)  # 1 handled, 10 prefetched
-            await asyncio.wait_for(started.wait(), DEADLINE)
-            await eventually(lambda: len(consumer._buffer) == 10, "the prefetch")
+            consumer = await _holding_ten_prefetched(q)
             await asyncio.to_thread(server.stop)
             assert not path.exists()
-            stopping = asyncio.ensure_future(consumer.stop(0))
-            await eventually(
-                lambda: any("put back of 10" in r.getMessage() for r in caplog.records),
-                "the refused put-back",
-            )
+            stopping = await _stop_until_the_put_back_is_refused(consumer, caplog)
             await asyncio.to_thread(server.start)  # emptied: only what is put back is there
             await asyncio.wait_for(stopping, DEADLINE)
             assert await q.size() == 10
@@ -488,16 +490,7 @@ async def test_popped_prefetched_messages_go_back_once_the_server_serves_again(
     with own_redis("--busy-reply-threshold", "50") as server:
         async with aio_keuss.connect("redis-list", url=server.url, prefix="pb") as factory:
             q = await factory.queue("jobs")
-            await q.push_many(list(range(11)))
-            started = asyncio.Event()
-
-            async def hang(message: Message) -> None:
-                started.set()
-                await asyncio.Event().wait()
-
-            consumer = q.consume(hang, concurrency=1, prefetch=10)  # 1 handled, 10 prefetched
-            await asyncio.wait_for(started.wait(), DEADLINE)
-            await eventually(lambda: len(consumer._buffer) == 10, "the prefetch")
+            consumer = await _holding_ten_prefetched(q)
             other = redis.Redis(port=server.port)
 
             def busy() -> None:
@@ -514,11 +507,7 @@ async def test_popped_prefetched_messages_go_back_once_the_server_serves_again(
                 return False
 
             await eventually(answers_busy, "the busy server")
-            stopping = asyncio.ensure_future(consumer.stop(0))
-            await eventually(
-                lambda: any("put back of 10" in r.getMessage() for r in caplog.records),
-                "the put-back refused",
-            )
+            stopping = await _stop_until_the_put_back_is_refused(consumer, caplog)
             await asyncio.to_thread(other.script_kill)
             await asyncio.wait_for(looping, DEADLINE)
             await asyncio.wait_for(stopping, DEADLINE)
