@@ -781,6 +781,21 @@ async def test_a_request_heard_while_two_deliveries_oks_are_on_their_way_is_used
         assert consumer.status().cancelled == 0
 
 
+def _hold_keep_popped(q: Any) -> tuple[asyncio.Event, asyncio.Event]:
+    """Gate the queue's keeping of popped messages' outcomes: the first event is set when
+    one is on its way, which waits until the second is set."""
+    held, release = asyncio.Event(), asyncio.Event()
+    keep = q._keep_popped
+
+    async def held_keep(messages: Any, *args: Any, **kwargs: Any) -> Any:
+        held.set()
+        await release.wait()
+        return await keep(messages, *args, **kwargs)
+
+    q._keep_popped = held_keep
+    return held, release
+
+
 @pytest.mark.parametrize("batch", [0, 2], ids=["one", "batch"])
 async def test_a_request_heard_once_a_popped_messages_handler_failed_is_used_up(
     connect: Connect, batch: int
@@ -799,15 +814,7 @@ async def test_a_request_heard_once_a_popped_messages_handler_failed_is_used_up(
         pytest.skip("a reserved message's failure is a ko (see the deadletter test)")
     q = await factory.queue("q1", result_ttl=TTL)
     store = await factory._results.get()
-    held, release = asyncio.Event(), asyncio.Event()
-    keep = q._keep_popped
-
-    async def held_keep(messages: Any, *args: Any, **kwargs: Any) -> Any:
-        held.set()
-        await release.wait()
-        return await keep(messages, *args, **kwargs)
-
-    q._keep_popped = held_keep  # type: ignore[method-assign]
+    held, release = _hold_keep_popped(q)
 
     async def handler(message: Message | list[Message]) -> None:
         raise RuntimeError("poison")
@@ -980,15 +987,7 @@ async def test_a_request_heard_as_a_stop_cuts_a_popped_message_short_is_used_up(
         pytest.skip("a reserved message a stop cuts short is given back, not done")
     q = await factory.queue("q1", result_ttl=TTL)
     store = await factory._results.get()
-    held, release = asyncio.Event(), asyncio.Event()
-    keep = q._keep_popped
-
-    async def held_keep(messages: Any, *args: Any, **kwargs: Any) -> Any:
-        held.set()
-        await release.wait()
-        return await keep(messages, *args, **kwargs)
-
-    q._keep_popped = held_keep  # type: ignore[method-assign]
+    held, release = _hold_keep_popped(q)
     handler = Blocked()
 
     async def handle(message: Message | list[Message]) -> None:
