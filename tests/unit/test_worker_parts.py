@@ -887,7 +887,10 @@ async def test_one_sigterm_stops_workers_sharing_a_stop_event_gracefully() -> No
             raise
         ended[message.payload] = "done"
 
-    async with aio_keuss.connect("memory") as factory:
+    async def two_workers_running(
+        factory: aio_keuss.Factory,
+    ) -> tuple[asyncio.Event, asyncio.Future[Any]]:
+        """Workers of queues a and b given one stop event, each running a handler."""
         await (await factory.queue("a")).push("a")
         await (await factory.queue("b")).push("b")
         stop = asyncio.Event()
@@ -895,9 +898,13 @@ async def test_one_sigterm_stops_workers_sharing_a_stop_event_gracefully() -> No
             aio_keuss.run_worker(wait, "a", factory=factory, grace=3600, stop=stop),
             aio_keuss.run_worker(wait, "b", factory=factory, grace=3600, stop=stop),
         )
+        while len(started) < 2:  # noqa: ASYNC110
+            await asyncio.sleep(0.01)
+        return stop, workers
+
+    async with aio_keuss.connect("memory") as factory:
+        stop, workers = await two_workers_running(factory)
         try:
-            while len(started) < 2:  # noqa: ASYNC110
-                await asyncio.sleep(0.01)
             signal.raise_signal(signal.SIGTERM)
             await asyncio.wait_for(stop.wait(), 30)
             (_, stops) = worker_run._signalled[loop]
@@ -912,19 +919,11 @@ async def test_one_sigterm_stops_workers_sharing_a_stop_event_gracefully() -> No
         assert loop not in worker_run._signalled
 
         # a second signal hurries every worker (each cancels its handler)
-        await (await factory.queue("a")).push("a")
-        await (await factory.queue("b")).push("b")
         started.clear()
         ended.clear()
         release.clear()
-        stop = asyncio.Event()
-        workers = asyncio.gather(
-            aio_keuss.run_worker(wait, "a", factory=factory, grace=3600, stop=stop),
-            aio_keuss.run_worker(wait, "b", factory=factory, grace=3600, stop=stop),
-        )
+        stop, workers = await two_workers_running(factory)
         try:
-            while len(started) < 2:  # noqa: ASYNC110
-                await asyncio.sleep(0.01)
             signal.raise_signal(signal.SIGTERM)
             await asyncio.wait_for(stop.wait(), 30)
             signal.raise_signal(signal.SIGTERM)
