@@ -25,7 +25,7 @@ from collections.abc import (
 )
 from datetime import datetime
 from itertools import repeat
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 from . import observe, visibility
 from .cancels import (
@@ -165,7 +165,7 @@ Held = tuple[int, str | None]
 """A reservation handed out here: the tries and the store's token it was given."""
 
 
-Item = TypeVar("Item")
+Items = TypeVar("Items", bound=Sequence[Any])
 Done = TypeVar("Done")
 
 
@@ -233,7 +233,7 @@ class Queue:
         batch, depth = options.max_batch, store.batch_concurrency
         in_caller, uninterruptible = store.run_in_caller, store.uninterruptible
         max_insert_bytes = store.max_insert_bytes
-        self._inserts: Coalescer[list[Entry], list[bool]] = Coalescer(
+        self._inserts: Coalescer[Sequence[Entry], list[bool]] = Coalescer(
             self._insert_batch,
             max_batch=batch,
             weight=len,
@@ -400,9 +400,10 @@ class Queue:
         seconds = self._delay(delay)
         encoded_headers = encode_headers(headers)
         # A bulk load (a Spark write) spends its client time here: the payloads and ids are
-        # checked a batch at a time, and the entries made with no Python frame per message.
+        # checked a batch at a time, and the entries made with no Python frame per message
+        # (a bulk load's only if the store asks for them: see BulkLoad).
         blobs = encode_payloads(payloads)
-        entries: list[Entry]
+        entries: Sequence[Entry]
         if checked is None:
             new_ids = [new_id() for _ in blobs]
             entries = list(map(Entry, new_ids, blobs, repeat(encoded_headers), repeat(seconds)))
@@ -414,8 +415,8 @@ class Queue:
                 self._require("idempotent")
             entries = BulkLoad(checked, blobs, encoded_headers, seconds, priority)
         if self._store.max_message_bytes is not None:
-            for entry in entries:
-                self._check_size(entry.payload, entry.headers)
+            for blob in blobs:
+                self._check_size(blob, encoded_headers)
         # Where batches run in tasks (PostgreSQL, MongoDB), chunks submitted together may run
         # side by side (another caller's request starts a second batch task) and be stamped
         # in any order: a later chunk could then come out first. One after the other there.
@@ -426,17 +427,18 @@ class Queue:
 
     async def _in_chunks(
         self,
-        coalescer: Coalescer[list[Item], list[bool]],
-        items: list[Item],
+        coalescer: Coalescer[Items, list[bool]],
+        items: Items,
         *,
         ordered: bool = False,
     ) -> list[bool]:
         """Submit a caller's list in pieces of ``max_batch``; the flags of all, in order.
-        With ``ordered``, each piece is submitted once the one before it is done."""
+        With ``ordered``, each piece is submitted once the one before it is done. A piece is
+        a slice of ``items``: a list's a list, a bulk load's a bulk load."""
         size = self.options.max_batch
         if len(items) <= size:
             return await coalescer.submit(items) if items else []
-        chunks = [items[i : i + size] for i in range(0, len(items), size)]
+        chunks = [cast(Items, items[i : i + size]) for i in range(0, len(items), size)]
         if ordered:
             return [flag for chunk in chunks for flag in await coalescer.submit(chunk)]
         done = await asyncio.gather(*(coalescer.submit(chunk) for chunk in chunks))
@@ -487,7 +489,8 @@ class Queue:
         self._require("idempotent")
         return Entry(checked, blob, headers, delay, dedup=True, priority=priority)
 
-    async def _insert_batch(self, requests: list[list[Entry]]) -> list[list[bool]]:
+    async def _insert_batch(self, requests: list[Sequence[Entry]]) -> list[list[bool]]:
+        entries: Sequence[Entry]
         if len(requests) == 1:
             entries = requests[0]
         else:
@@ -2655,10 +2658,12 @@ def _more_ready(stored: list[Stored], wanted: int, next_mature: float | None) ->
     return next_mature <= time.time() + CLOCK_SLACK
 
 
-def _earliest(entries: list[Entry]) -> float:
+def _earliest(entries: Sequence[Entry]) -> float:
     """When the first of these inserted entries matures (a push's own, or a bulk load's,
-    without a loop)."""
-    if len(entries) == 1 or type(entries) is BulkLoad:
+    without a loop, nor making its entries)."""
+    if type(entries) is BulkLoad:
+        return time.time() + entries.delay
+    if len(entries) == 1:
         first = entries[0]
         return first.mature if first.mature is not None else time.time() + first.delay
     now = time.time()
@@ -2671,7 +2676,7 @@ def _listed(value: object) -> bool:
     return isinstance(value, Sequence) and not isinstance(value, str | bytes | bytearray)
 
 
-def _entry_bytes(entries: list[Entry]) -> int:
+def _entry_bytes(entries: Sequence[Entry]) -> int:
     """Payload and header bytes of one push's entries (the store's insert bound)."""
     return sum(len(e.payload) + len(e.headers) for e in entries)
 

@@ -60,6 +60,7 @@ from ..contract import (
     Store,
     Stored,
     bulk_columns,
+    bulk_head,
     check_seq_cursor,
 )
 from ..errors import ConfigError, KeussError
@@ -183,14 +184,8 @@ class PostgresStore(Store):
             return []
         if (bulk_load := bulk_columns(entries)) is not None:
             ids, payloads = bulk_load
-            bulk = (
-                self.name,
-                ids,
-                payloads,
-                entries[0].headers,
-                entries[0].delay,
-                self.options.dedup_window,
-            )
+            head, delay = bulk_head(entries)
+            bulk = (self.name, ids, payloads, head, delay, self.options.dedup_window)
             if await self._db.execute_unless_duplicate(self._sql["insert_dedup_bulk_new"], *bulk):
                 return [True] * len(entries)
             rows = await self._db.fetch(self._sql["insert_dedup_bulk"], *bulk)

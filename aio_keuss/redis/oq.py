@@ -78,6 +78,7 @@ from ..contract import (
     Store,
     Stored,
     bulk_columns,
+    bulk_head,
     deadletter_tag,
     moved_id,
 )
@@ -1541,10 +1542,10 @@ class RedisOQStore(RedisOQVisibility, Store):
                 return [True]
         if (columns := bulk_columns(entries)) is not None:
             ids, payloads = columns
-            first = entries[0]
+            headers, delay = bulk_head(entries)
             ranks = _ranks(ids)
-            args: list[Any] = [self._dedup_window, first.delay, "" if ranks is None else 1]
-            head = record(b"", first.headers)  # every record of the batch begins alike
+            args: list[Any] = [self._dedup_window, delay, "" if ranks is None else 1]
+            head = record(b"", headers)  # every record of the batch begins alike
             records = map(head.__add__, payloads)
             if ranks is None:
                 args.extend(chain.from_iterable(zip(ids, records, strict=True)))
