@@ -83,6 +83,7 @@ from .errors import (
 )
 from .ids import new_id
 from .message import (
+    EMPTY_HEADERS,
     UNCHANGED,
     UNDECODABLE,
     Headers,
@@ -391,18 +392,45 @@ class Queue:
         if not _listed(payloads):
             raise InvalidInputError("push_many takes a sequence (list, tuple) of payloads")
         priority = self._priority(priority)
-        checked: list[str] | None = None
-        if ids is not None:
-            if not _listed(ids) or len(ids) != len(payloads):
-                # a set or a generator would pair ids with payloads in no defined order
-                raise InvalidInputError("ids must be a sequence (list, tuple) as long as payloads")
-            checked = check_ids(ids)
+        checked = self._bulk_ids(ids, len(payloads))
         seconds = self._delay(delay)
         encoded_headers = encode_headers(headers)
         # A bulk load (a Spark write) spends its client time here: the payloads and ids are
         # checked a batch at a time, and the entries made with no Python frame per message
         # (a bulk load's only if the store asks for them: see BulkLoad).
         blobs = encode_payloads(payloads)
+        return await self._push_blobs(blobs, checked, encoded_headers, seconds, priority)
+
+    async def _push_encoded(
+        self, blobs: list[bytes], *, ids: Sequence[str] | None = None, priority: int = 0
+    ) -> list[str]:
+        """``push_many`` of payloads already encoded, no headers, no delay: ``blobs`` are
+        what ``encode_payload`` makes of payloads its checks pass, made by a caller that
+        knows them to (the Spark writer's rows of JSON-native columns, encoded by Arrow a
+        batch at a time). Everything else is checked as ``push_many`` checks it."""
+        self._check_open()
+        priority = self._priority(priority)
+        checked = self._bulk_ids(ids, len(blobs))
+        return await self._push_blobs(blobs, checked, EMPTY_HEADERS, 0.0, priority)
+
+    def _bulk_ids(self, ids: Sequence[str] | None, count: int) -> list[str] | None:
+        if ids is None:
+            return None
+        if not _listed(ids) or len(ids) != count:
+            # a set or a generator would pair ids with payloads in no defined order
+            raise InvalidInputError("ids must be a sequence (list, tuple) as long as payloads")
+        return check_ids(ids)
+
+    async def _push_blobs(
+        self,
+        blobs: list[bytes],
+        checked: list[str] | None,
+        encoded_headers: bytes,
+        seconds: float,
+        priority: int,
+    ) -> list[str]:
+        """The rest of ``push_many`` once its arguments are checked and its payloads
+        encoded."""
         entries: Sequence[Entry]
         if checked is None:
             new_ids = [new_id() for _ in blobs]

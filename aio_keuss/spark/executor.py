@@ -163,6 +163,8 @@ class _Batch:
     headers: list[Headers | None] = field(default_factory=list)
     delays: list[float] = field(default_factory=list)
     priorities: list[int] = field(default_factory=list)
+    encoded: bool = False
+    """``payloads`` are the blobs ``encode_payload`` would make (see :func:`_payload_blobs`)."""
 
 
 IN_FLIGHT = 3
@@ -184,6 +186,8 @@ class _Pusher:
         self.pushed = 0
         self._pending: deque[tuple[Future[Any], _Batch]] = deque()
         self._rest: list[Any] = []
+        self._rest_blobs: list[bytes] = []
+        self._rest_keys: list[Any] | None = None
         self._make_plain = False
         meta = (spec.headers_column, spec.delay_column, spec.priority_column)
         self._per_message = any(c is not None for c in meta)
@@ -193,12 +197,61 @@ class _Pusher:
         """Push ``rows`` (dicts, or Rows), ``batch_size`` to a push: what is left over waits
         for the next rows (Arrow batches need not be multiples of ``batch_size``)."""
         size = self.spec.batch_size
+        self._send_rest_blobs()
         if self._rest:
             rows = self._rest + rows
         end = len(rows) - len(rows) % size
         for start in range(0, end, size):
             self._send(self._batch(rows[start : start + size]))
         self._rest = rows[end:]
+
+    def add_encoded(self, blobs: list[bytes], keys: list[Any] | None) -> None:
+        """:meth:`add_many` of rows already encoded (see :func:`_payload_blobs`), ``keys``
+        their ``id_column`` values. What is left over of rows of the other kind goes first,
+        in a batch of its own, so that rows keep their order and index."""
+        size = self.spec.batch_size
+        if self._rest:
+            rest, self._rest = self._rest, []
+            self._send(self._batch(rest))
+        if self._rest_blobs:
+            blobs = self._rest_blobs + blobs
+            if keys is not None and self._rest_keys is not None:
+                keys = self._rest_keys + keys
+        end = len(blobs) - len(blobs) % size
+        for start in range(0, end, size):
+            some = None if keys is None else keys[start : start + size]
+            self._send(self._encoded_batch(blobs[start : start + size], some))
+        self._rest_blobs = blobs[end:]
+        self._rest_keys = None if keys is None else keys[end:]
+
+    def _send_rest_blobs(self) -> None:
+        if self._rest_blobs:
+            blobs, self._rest_blobs = self._rest_blobs, []
+            self._send(self._encoded_batch(blobs, self._rest_keys))
+
+    def _encoded_batch(self, blobs: list[bytes], keys: list[Any] | None) -> _Batch:
+        batch = _Batch(payloads=blobs, encoded=True)
+        if keys is not None:
+            batch.ids = self._column_ids(keys)
+        elif self.id_base is not None:
+            batch.ids = self._index_ids(len(blobs))
+        self.index += len(blobs)
+        return batch
+
+    def _column_ids(self, keys: list[Any]) -> list[str]:
+        """The ids of rows from ``self.index`` on, from their ``id_column`` values."""
+        for offset, key in enumerate(keys):
+            if key is None or key == "":
+                raise InvalidIdError(f"row {self.index + offset} has no value in id_column")
+            if key != key:  # every NaN would be the id "nan": one message for them all
+                raise InvalidIdError(f"row {self.index + offset} has NaN in id_column")
+        prefix = self.spec.id_prefix
+        return [f"{prefix}{key}" for key in keys]
+
+    def _index_ids(self, count: int) -> list[str]:
+        """The ids of ``count`` rows from ``self.index`` on, from the id base."""
+        base = self.id_base
+        return [f"{base}:{i}" for i in range(self.index, self.index + count)]
 
     def _batch(self, rows: list[Any]) -> _Batch:
         spec = self.spec
@@ -229,17 +282,10 @@ class _Pusher:
         if self._make_plain:
             batch.payloads = [_plain(p) for p in batch.payloads]
         if spec.id_column is not None:
-            column, prefix = spec.id_column, spec.id_prefix
-            keys = [row[column] for row in rows]
-            for offset, key in enumerate(keys):
-                if key is None or key == "":
-                    raise InvalidIdError(f"row {self.index + offset} has no value in id_column")
-                if key != key:  # every NaN would be the id "nan": one message for them all
-                    raise InvalidIdError(f"row {self.index + offset} has NaN in id_column")
-            batch.ids = [f"{prefix}{key}" for key in keys]
+            column = spec.id_column
+            batch.ids = self._column_ids([row[column] for row in rows])
         elif self.id_base is not None:
-            base = self.id_base
-            batch.ids = [f"{base}:{i}" for i in range(self.index, self.index + len(rows))]
+            batch.ids = self._index_ids(len(rows))
         if self._per_message:
             if spec.headers_column is not None:
                 column = spec.headers_column
@@ -267,6 +313,8 @@ class _Pusher:
             self._settle(*self._pending.popleft())
 
     def _start(self, batch: _Batch) -> Future[Any]:
+        if batch.encoded:
+            return self.queue.call_soon(_push_encoded, batch, self.spec.priority)
         if not self._per_message:
             if self.spec.priority:
                 return self.queue.call_soon(_push_many_at, batch, self.spec.priority)
@@ -277,6 +325,8 @@ class _Pusher:
         try:
             future.result()
         except InvalidPayloadError:
+            if batch.encoded:  # JSON-native columns: made plain they would be the same
+                raise
             # Timestamps, decimals... made plain only when needed: the fast path stays lean.
             # Bad input is refused before anything is written, so pushing again is safe.
             # The columns stay what they are: later batches are made plain before sending.
@@ -289,12 +339,13 @@ class _Pusher:
         """Wait for every batch on the wire; the first failure is raised once all are
         done (a retried task pushes the same ids again: nothing doubles)."""
         failure: BaseException | None = None
-        if self._rest:
-            rest, self._rest = self._rest, []
-            try:
+        try:
+            self._send_rest_blobs()
+            if self._rest:
+                rest, self._rest = self._rest, []
                 self._send(self._batch(rest))
-            except BaseException as exc:
-                failure = exc
+        except BaseException as exc:
+            failure = exc
         while self._pending:
             future, batch = self._pending.popleft()
             try:
@@ -324,6 +375,11 @@ async def _push_many_at(queue: Queue, batch: _Batch, priority: int) -> list[str]
     return await queue.push_many(batch.payloads, ids=batch.ids or None, priority=priority)
 
 
+async def _push_encoded(queue: Queue, batch: _Batch, priority: int) -> list[str]:
+    """Rows already encoded (see :func:`_payload_blobs`): ``push_many`` without encoding."""
+    return await queue._push_encoded(batch.payloads, ids=batch.ids or None, priority=priority)
+
+
 async def _push_each(queue: Queue, batch: _Batch) -> list[str]:
     """Messages with their own headers / delay / priority, through ``Queue.push_each``:
     every one is checked as a push checks it before any is written, then they go in together
@@ -349,11 +405,14 @@ def _pusher(spec: WriteSpec, id_base: str | None) -> _Pusher:
     return _Pusher(spec, id_base)
 
 
-def _push_lists(spec: WriteSpec, lists: Iterable[list[Any]], id_base: str | None) -> int:
+def _push_lists(spec: WriteSpec, lists: Iterable[list[Any] | _Encoded], id_base: str | None) -> int:
     pusher = _pusher(spec, id_base)
     try:
         for rows in lists:
-            pusher.add_many(rows)
+            if isinstance(rows, _Encoded):
+                pusher.add_encoded(rows.blobs, rows.keys)
+            else:
+                pusher.add_many(rows)
     except BaseException:
         pusher.abandon()
         raise
@@ -382,8 +441,115 @@ def push_arrow_batches(spec: WriteSpec, batches: Iterable[Any], id_base: str | N
     """Like :func:`push_rows` for Arrow record batches: ``to_pylist`` builds the row dicts
     of a whole batch in C, several times faster than Spark's Row objects. Arrow gives a map
     as a list of (key, value) pairs, which an empty map cannot be told from an empty array
-    by: columns holding a map are made dicts by their type (an empty map was ``[]``)."""
-    return _push_lists(spec, (_rows_of(batch) for batch in batches), id_base)
+    by: columns holding a map are made dicts by their type (an empty map was ``[]``).
+
+    Where the row is the payload and its columns are all of types whose JSON Arrow can
+    write as orjson does (see :func:`_payload_blobs`), no row dict is made at all."""
+    whole_rows = spec.payload_column is None and not any(
+        getattr(spec, what) is not None
+        for what in ("headers_column", "delay_column", "priority_column")
+    )
+
+    def lists() -> Iterator[list[dict[str, Any]] | _Encoded]:
+        for batch in batches:
+            blobs = None
+            # (an id column the rows lack is refused the row way, naming the option)
+            if whole_rows and spec.id_column in (None, *batch.schema.names):
+                blobs = _payload_blobs(batch)
+            if blobs is None:
+                yield _rows_of(batch)
+                continue
+            keys = None
+            if spec.id_column is not None:
+                keys = batch.column(spec.id_column).to_pylist()
+            yield _Encoded(blobs, keys)
+
+    return _push_lists(spec, lists(), id_base)
+
+
+@dataclass(slots=True)
+class _Encoded:
+    """An Arrow batch's rows as payload blobs, and their ``id_column`` values."""
+
+    blobs: list[bytes]
+    keys: list[Any] | None
+
+
+_NEEDS_ESCAPE = bytes(sorted(set(range(256)) - set(range(0x20)) - set(b'"\\')))
+"""Every byte but those orjson escapes in a str (the controls, quote and backslash):
+``translate`` deleting these leaves only bytes that would need escaping."""
+
+
+def _payload_blobs(batch: Any) -> list[bytes] | None:
+    """The payload blobs (``encode_payload``'s, byte for byte) of a record batch's rows, its
+    columns' JSON written by Arrow's string kernels a batch at a time; or None where orjson
+    and the payload checks are needed: a column of any type but integers, booleans, nulls
+    and strings that need no escaping (no control character, quote or backslash), or
+    columns that would not make a dict of their own (none, or two of one name).
+
+    Made from the rows, each blob is ``b"J" + orjson.dumps(row)``: keys in column order,
+    integers in decimal, ``true`` / ``false`` / ``null``, a str as its UTF-8 between quotes
+    (orjson escapes nothing else), no spaces. to_pylist, orjson and the check that the
+    payload would come back as itself were most of a Spark write task's client time;
+    these columns pass that check whatever they hold."""
+    import pyarrow as pa  # type: ignore[import-untyped]
+    import pyarrow.compute as pc  # type: ignore[import-untyped]
+
+    names = batch.schema.names
+    if not names or len(set(names)) != len(names) or batch.num_rows == 0:
+        return None
+    # Arrow joins strings of one type: large ones if any column is (Spark's
+    # useLargeVarTypes), which holds the others too
+    large = any(pa.types.is_large_string(kind) for kind in batch.schema.types)
+    text_type = pa.large_string() if large else pa.string()
+    parts: list[Any] = []
+    literal = "J{"
+    for name, column in zip(names, batch.columns, strict=True):
+        kind = column.type
+        literal += orjson.dumps(name).decode() + ":"
+        if pa.types.is_integer(kind):
+            text = pc.cast(column, text_type)
+        elif pa.types.is_boolean(kind):
+            text = pc.if_else(column, pa.scalar("true", text_type), pa.scalar("false", text_type))
+        elif pa.types.is_null(kind):
+            literal += "null,"
+            continue
+        elif pa.types.is_string(kind) or pa.types.is_large_string(kind):
+            if not _plain_text(column):
+                return None
+            if column.type != text_type:
+                column = pc.cast(column, text_type)
+            if column.null_count == 0:  # the quotes go with the literals around
+                parts += [literal + '"', column]
+                literal = '",'
+                continue
+            quote = pa.scalar('"', text_type)
+            text = pc.binary_join_element_wise(quote, column, quote, pa.scalar("", text_type))
+        else:
+            return None
+        if column.null_count:
+            text = pc.fill_null(text, pa.scalar("null", text_type))
+        parts += [literal, text]
+        literal = ","
+    parts.append(literal[:-1] + "}")
+    texts = [pa.scalar(part, text_type) if isinstance(part, str) else part for part in parts]
+    joined = pc.binary_join_element_wise(*texts, pa.scalar("", text_type))
+    blobs: list[bytes] = pc.cast(joined, pa.large_binary() if large else pa.binary()).to_pylist()
+    return blobs
+
+
+def _plain_text(column: Any) -> bool:
+    """Whether no str of a string column needs escaping in JSON. Looks at the bytes the
+    column's values span (a null's may hold anything: at worst the batch goes the slow
+    way)."""
+    _, offsets, data = column.buffers()
+    if data is None or len(column) == 0:
+        return True
+    import pyarrow as pa
+
+    spans = memoryview(offsets).cast("q" if pa.types.is_large_string(column.type) else "i")
+    start, end = spans[column.offset], spans[column.offset + len(column)]
+    return not bytes(memoryview(data)[start:end]).translate(None, _NEEDS_ESCAPE)
 
 
 def _rows_of(batch: Any) -> list[dict[str, Any]]:
@@ -397,7 +563,7 @@ def _rows_of(batch: Any) -> list[dict[str, Any]]:
 
 
 def _holds_map(kind: Any) -> bool:
-    import pyarrow as pa  # type: ignore[import-untyped]
+    import pyarrow as pa
 
     if pa.types.is_map(kind):
         return True

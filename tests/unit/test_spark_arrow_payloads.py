@@ -1,0 +1,139 @@
+"""The Spark writer's Arrow payloads: what it encodes from the columns a batch at a time must
+be, byte for byte, what the queue makes of the rows' dicts; what it cannot (floats,
+timestamps, maps, strings that need escaping...) goes the row way, and the messages come
+out the same either way."""
+
+from __future__ import annotations
+
+import datetime as dt
+from typing import Any
+
+import pytest
+
+pa = pytest.importorskip("pyarrow")
+
+import aio_keuss  # noqa: E402
+from aio_keuss import spark as keuss_spark  # noqa: E402
+from aio_keuss.message import encode_payload  # noqa: E402
+from aio_keuss.spark.executor import _payload_blobs, _rows_of  # noqa: E402
+
+
+def _batch(**columns: Any) -> Any:
+    return pa.RecordBatch.from_pydict(columns)
+
+
+ENCODED = {
+    "ints": _batch(
+        a=pa.array([0, -1, 2**63 - 1, -(2**63), None], pa.int64()),
+        b=pa.array([1, 2, 3, None, 5], pa.int8()),
+        c=pa.array([2**64 - 1, 0, None, 7, 8], pa.uint64()),
+    ),
+    "strings": _batch(
+        s=pa.array(["", "é", "x\u2028y", "\U0001f600", "a/b'c"]),
+        t=pa.array(["x", None, "z", "", "\x7f"]),
+    ),
+    "large strings beside others": _batch(
+        s=pa.array(["a", "b", None], pa.large_string()),
+        n=pa.array([1, None, 3], pa.int32()),
+        u=pa.array(["p", "q", "r"], pa.string()),
+    ),
+    "bools and nulls": _batch(
+        b=pa.array([True, False, None]),
+        z=pa.array([None, None, None], pa.null()),
+        k=pa.array([None, None, None], pa.null()),
+    ),
+    "keys that need escaping": _batch(**{'a"b': pa.array([1, 2]), "c\\d\n": pa.array(["x", "y"])}),
+    "one column": _batch(only=pa.array(["v", "w"])),
+    "a slice": _batch(s=pa.array(["q", "r", "s", "t"]), n=pa.array([1, 2, 3, 4])).slice(1, 2),
+}
+
+
+@pytest.mark.parametrize("name", ENCODED)
+def test_encoded_columns_are_the_blobs_of_the_rows(name: str) -> None:
+    batch = ENCODED[name]
+    blobs = _payload_blobs(batch)
+    assert blobs is not None
+    assert blobs == [encode_payload(row) for row in batch.to_pylist()]
+
+
+LEFT_TO_ROWS = {
+    "a quote": _batch(s=pa.array(['say "hi"', "b"])),
+    "a backslash": _batch(s=pa.array(["a\\b", "b"])),
+    "a newline": _batch(s=pa.array(["a\nb", "b"])),
+    "a NUL": _batch(s=pa.array(["a\x00b", "b"])),
+    "floats": _batch(f=pa.array([1.5, 2.0])),
+    "timestamps": _batch(t=pa.array([dt.datetime(2026, 1, 1)], pa.timestamp("us"))),
+    "a map": _batch(m=pa.array([[("k", 1)]], pa.map_(pa.string(), pa.int64()))),
+    "a list": _batch(values=pa.array([[1, 2]])),
+    "a struct": _batch(s=pa.array([{"x": 1}])),
+    "binary": _batch(b=pa.array([b"x"], pa.binary())),
+    "dictionary strings": _batch(d=pa.array(["a", "b"]).dictionary_encode()),
+    "two columns of one name": pa.RecordBatch.from_arrays(
+        [pa.array([1]), pa.array([2])], names=["x", "x"]
+    ),
+    "no rows": _batch(s=pa.array([], pa.string())),
+}
+
+
+@pytest.mark.parametrize("name", LEFT_TO_ROWS)
+def test_what_arrow_cannot_write_as_orjson_does_is_left_to_the_rows(name: str) -> None:
+    assert _payload_blobs(LEFT_TO_ROWS[name]) is None
+
+
+def _drain(queue: Any) -> list[tuple[str, Any]]:
+    taken: list[tuple[str, Any]] = []
+    while batch := queue.pop_many(1000, timeout=0):
+        taken += [(m.id, m.payload) for m in batch]
+    return taken
+
+
+@pytest.mark.parametrize("id_column", [None, "n"])
+def test_encoded_and_row_batches_mixed_keep_order_ids_and_payloads(
+    id_column: str | None,
+) -> None:
+    """Batches of both kinds in one partition, of sizes not multiples of ``batch_size``:
+    every row once, in order, with the id of its index (or column) and its row as payload."""
+    plain = [_batch(n=pa.array(range(k, k + 7)), s=pa.array([f"r{i}" for i in range(k, k + 7)]))
+             for k in (0, 14)]  # fmt: skip
+    escaped = _batch(n=pa.array(range(7, 14)), s=pa.array([f'q"{i}' for i in range(7, 14)]))
+    batches = [plain[0], escaped, plain[1]]
+    assert _payload_blobs(escaped) is None and _payload_blobs(plain[0]) is not None
+    spec = keuss_spark.WriteSpec(
+        backend="memory", queue="mixed", batch_size=5, id_column=id_column, id_prefix="p-"
+    )
+    try:
+        assert keuss_spark.push_arrow_batches(spec, batches, "job:3") == 21
+        queue = keuss_spark.executor_queue("memory", "mixed", {})
+        taken = _drain(queue)
+    finally:
+        keuss_spark.close_executor_factories()
+    rows = [row for batch in batches for row in _rows_of(batch)]
+    ids = [f"job:3:{i}" if id_column is None else f"p-{i}" for i in range(21)]
+    assert sorted(taken) == sorted(zip(ids, rows, strict=True))
+    assert [payload for _, payload in taken] == rows
+
+
+def test_an_encoded_batch_refused_by_the_store_fails_with_the_store_error() -> None:
+    """A blob too large for the store is refused as the row would be: the task fails with
+    InvalidPayloadError, and nothing of the batch is written."""
+    big = _batch(s=pa.array(["x" * 2000, "y"]))
+    assert _payload_blobs(big) is not None
+    spec = keuss_spark.WriteSpec(backend="memory", queue="big", batch_size=5)
+    try:
+        queue = keuss_spark.executor_queue("memory", "big", {})
+        store = queue.queue._store
+        store.max_message_bytes = 1000
+        with pytest.raises(aio_keuss.InvalidPayloadError):
+            keuss_spark.push_arrow_batches(spec, [big], "job:0")
+        assert _drain(queue) == []
+    finally:
+        keuss_spark.close_executor_factories()
+
+
+def test_an_id_column_the_batch_lacks_is_a_config_error_naming_the_option() -> None:
+    spec = keuss_spark.WriteSpec(backend="memory", queue="lacking", id_column="key")
+    try:
+        with pytest.raises(aio_keuss.ConfigError, match="id_column 'key'"):
+            keuss_spark.push_arrow_batches(spec, [_batch(n=pa.array([1, 2]))], "job:0")
+    finally:
+        keuss_spark.close_executor_factories()
