@@ -3,6 +3,7 @@
     .venv/bin/python -m bench.spark_cpu --backend redis-oq --rows 100000
     .venv/bin/python -m bench.spark_cpu --profile 25          # cProfile, top 25 by own time
     .venv/bin/python -m bench.spark_cpu --callgrind           # client instructions per row
+    .venv/bin/python -m bench.spark_cpu --server-callgrind    # Redis's instructions per row
 
 ``bench.spark_write`` gives rows/s of a whole ``local[2]`` job, which on a shared machine
 spreads widely from run to run and mixes the JVM's work, the Python workers' and the
@@ -25,6 +26,10 @@ functions of most own time, merged. ``--callgrind`` counts the instructions of t
 process over the timed partition (every thread) as ``bench.instructions`` does, with
 ``valgrind --tool=callgrind --instr-atstart=no``; the count repeats within about half a per
 cent whatever else the machine runs, where CPU times wander by several per cent.
+``--server-callgrind`` starts a redis-server of its own under callgrind and counts its
+instructions over the timed partition (``callgrind_control -z`` before it, ``-d`` after):
+what a change to the scripts saves the server, to about half a per cent (a Debian
+redis-server has no symbols, so the count is a total, not a breakdown).
 """
 
 from __future__ import annotations
@@ -43,7 +48,7 @@ import sys
 import tempfile
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -105,8 +110,9 @@ def remove_prefix(url: str, prefix: str) -> None:
 
 
 @contextlib.contextmanager
-def own_redis() -> Iterator[str]:
-    """A redis-server of this run's own on a free port (no persistence), stopped after."""
+def own_redis(wrapper: Sequence[str] = (), pids: list[int] | None = None) -> Iterator[str]:
+    """A redis-server of this run's own on a free port (no persistence), stopped after;
+    ``wrapper``: what runs it (valgrind); its process id is appended to ``pids``."""
     binary = shutil.which("redis-server")
     if binary is None:
         raise SystemExit("redis-server is not installed")
@@ -115,15 +121,18 @@ def own_redis() -> Iterator[str]:
         port = sock.getsockname()[1]
     with tempfile.TemporaryDirectory(prefix="akcpu-redis-") as directory:
         server = subprocess.Popen(
-            [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+            [*wrapper, binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
              "--appendonly", "no", "--dir", directory],
             stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
         )  # fmt: skip
+        if pids is not None:
+            pids.append(server.pid)
         try:
             url = f"redis://127.0.0.1:{port}/0"
             import redis
 
-            for _ in range(200):
+            for _ in range(1200):
                 try:
                     redis.Redis.from_url(url).ping()
                     break
@@ -169,6 +178,8 @@ def run(args: argparse.Namespace, start: Callable[[], None], stop: Callable[[], 
             profiles = [cProfile.Profile(), loop_profile]
         before = server_counters(args.url) if args.backend.startswith("redis") else {}
         cpu, own, wall = time.process_time(), time.thread_time(), time.perf_counter()
+        if getattr(args, "server_zero", None):
+            args.server_zero()
         start()
         if profiles:
             profiles[0].enable()
@@ -176,6 +187,8 @@ def run(args: argparse.Namespace, start: Callable[[], None], stop: Callable[[], 
         if profiles:
             profiles[0].disable()
         stop()
+        if getattr(args, "server_dump", None):
+            args.server_dump()
         cpu, own = time.process_time() - cpu, time.thread_time() - own
         wall = time.perf_counter() - wall
         after = server_counters(args.url) if args.backend.startswith("redis") else {}
@@ -251,11 +264,31 @@ def main() -> None:
     parser.add_argument("--set", action="append", default=[], metavar="OPTION=VALUE")
     parser.add_argument("--profile", type=int, default=0, metavar="N")
     parser.add_argument("--callgrind", action="store_true")
+    parser.add_argument(
+        "--server-callgrind",
+        action="store_true",
+        help="run a redis-server of its own under callgrind: its instructions per row",
+    )
     parser.add_argument("--dumps", help="with --callgrind: keep the dump at this path")
     parser.add_argument("--helper", help=argparse.SUPPRESS)  # the callgrind child's
     args = parser.parse_args()
     with contextlib.ExitStack() as stack:
-        if args.own_redis:
+        if args.server_callgrind:
+            # the server's instructions over the timed partition only: zeroed before it,
+            # dumped after (callgrind_control, Valgrind manual, "Callgrind")
+            dumps = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="akcpu-sv-")))
+            out = dumps / "server.cg"
+            wrapper = ["valgrind", "--tool=callgrind", f"--callgrind-out-file={out}"]
+            pids: list[int] = []
+            args.url = stack.enter_context(own_redis(wrapper, pids))
+
+            def server(flag: str) -> None:
+                subprocess.run(["callgrind_control", flag, str(pids[0])], capture_output=True)
+
+            args.server_zero = lambda: server("-z")
+            args.server_dump = lambda: server("-d")
+            args.server_out = out
+        elif args.own_redis:
             args.url = stack.enter_context(own_redis())
         if args.callgrind:
             result = callgrind(args)
@@ -266,6 +299,13 @@ def main() -> None:
                 library = ctypes.CDLL(args.helper)
                 start, stop = library.counting_start, library.counting_stop
             result = run(args, start, stop)
+        if args.server_callgrind:
+            from bench.instructions import callgrind_total
+
+            dump = Path(f"{args.server_out}.1")
+            result["server_instructions_per_row"] = callgrind_total(dump) / args.rows
+            if args.dumps:
+                shutil.copy(dump, args.dumps + ".server")
     if args.helper:
         print(RESULT_MARK + json.dumps(result), flush=True)
     else:
