@@ -516,7 +516,10 @@ end
 # entry: id, record (and its rank when ranked). _INSERT for a bulk load (see
 # ``contract.bulk_columns``): every id the user's, so each is looked up in z and d, two
 # arguments an entry instead of five, and the mature and expiry times formatted once for
-# the batch (once per step when ranked). Reply: 1 / 0 per entry.
+# the batch (once per step when ranked). Unranked, the ids rise (the client sends ranks
+# otherwise), so no two are alike: no table of those seen is kept. Reply: the positions
+# (1-based) of the entries refused, none for a load all new: a reply of a flag per entry
+# cost the server and the client more than the rest of the reply's handling.
 _INSERT_BULK = """
 local now = server_now()
 local expires = fmt(now + tonumber(ARGV[1]))
@@ -530,15 +533,16 @@ local steps, last = 0, nil
 local queued = queued_of(KEYS[1], ids)
 redis.call('ZREMRANGEBYSCORE', KEYS[4], '-inf', now)
 local held = read_chunked('ZMSCORE', KEYS[4], ids)
-local seen, flags = {}, {}
+local seen, refused, r = {}, {}, 0
 local zadd, dset, z, fresh = {}, {}, 0, 0
 for k = 1, n do
   local id = ids[k]
-  if queued[k] or held[k] or seen[id] then
-    flags[k] = 0
+  if queued[k] or held[k] or (stride == 3 and seen[id]) then
+    r = r + 1
+    refused[r] = k
   else
-    seen[id] = true  -- a repeat later in this batch is refused
     if stride == 3 then
+      seen[id] = true  -- a repeat later in this batch is refused
       local rank = tonumber(ARGV[4 + (k - 1) * 3 + 2])
       if last and rank < last then
         steps = steps + 1
@@ -549,7 +553,6 @@ for k = 1, n do
     zadd[z + 1] = mature; zadd[z + 2] = id
     dset[z + 1] = expires; dset[z + 2] = id
     z = z + 2
-    flags[k] = 1
     fresh = fresh + 1
   end
 end
@@ -561,9 +564,11 @@ if stride == 2 and fresh == n then
     redis.call('HSET', KEYS[2], unpack(ARGV, i, math.min(i + CHUNK - 1, #ARGV)))
   end
 else
-  local mset, m = {}, 0
+  local mset, m, next_refused = {}, 0, 1
   for k = 1, n do
-    if flags[k] == 1 then
+    if refused[next_refused] == k then
+      next_refused = next_refused + 1
+    else
       mset[m + 1] = ids[k]; mset[m + 2] = ARGV[4 + (k - 1) * stride + 1]
       m = m + 2
     end
@@ -571,7 +576,7 @@ else
   run_chunked('HSET', KEYS[2], mset)
 end
 run_chunked('ZADD', KEYS[4], dset)
-return flags
+return refused
 """
 
 # KEYS: due msg held d. ARGV: dedup window, ranked ('' = no, the ids rise), then per entry: id,
@@ -1551,8 +1556,11 @@ class RedisOQStore(RedisOQVisibility, Store):
                 args.extend(chain.from_iterable(zip(ids, records, strict=True)))
             else:
                 args.extend(chain.from_iterable(zip(ids, records, ranks, strict=True)))
-            flags = await self._run(INSERT_BULK, self._insert_keys, args)
-            return [flag == 1 for flag in flags]
+            refused = await self._run(INSERT_BULK, self._insert_keys, args)
+            flags = [True] * len(ids)
+            for k in refused:
+                flags[k - 1] = False
+            return flags
         return await self._insert(entries, check_all=False)
 
     async def _insert(self, entries: Sequence[Entry], *, check_all: bool) -> list[bool]:

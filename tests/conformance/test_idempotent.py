@@ -75,3 +75,31 @@ async def test_push_many_ids_against_queued_remembered_and_repeated(connect: Con
         payloads.update((m.id, m.payload) for m in got)
     assert payloads == {"b": "queued", "c": 3, "d": 5, "e": 1, "f": 3}
     assert (await q.stats())["put"] == 6
+
+
+async def test_push_many_of_rising_ids_refuses_those_queued_or_remembered(
+    connect: Connect,
+) -> None:
+    """Ids that rise and are all distinct (a Spark partition's): some queued, some consumed
+    within the window, first, inside and last; the others go in, in order, counted once."""
+    factory = await connect(dedup_window=60.0)
+    needs(factory, "idempotent")
+    q = await factory.queue("q1")
+    for key in ("k1", "k4"):  # consumed, remembered within the window
+        await q.push("consumed", id=key)
+        assert (await q.pop(timeout=1)) is not None
+    for key in ("k0", "k6"):
+        await q.push("queued", id=key)
+    ids = [f"k{i}" for i in range(7)]
+    assert await q.push_many(list(range(7)), ids=ids) == ids
+    taken = []
+    while (got := await q.pop_many(10, timeout=0)) != []:
+        taken += [(m.id, m.payload) for m in got]
+    assert sorted(taken) == [
+        ("k0", "queued"),
+        ("k2", 2),
+        ("k3", 3),
+        ("k5", 5),
+        ("k6", "queued"),
+    ]
+    assert (await q.stats())["put"] == 7
