@@ -419,21 +419,24 @@ def check_ids(message_ids: Sequence[object], longest: int = MAX_ID_LENGTH) -> li
     """:func:`check_id` of each, in order, raising for the first one refused. A batch of
     plain str ids is checked as a whole: the rules hold for every id exactly when they hold
     for the ids joined (``isprintable`` and the space are per character), so a few calls in C
-    serve the batch (a bulk load, a Spark write, sends thousands)."""
+    serve the batch (a bulk load, a Spark write, sends thousands). ASCII text (generated ids
+    are) is printable and free of spaces exactly when deleting the bytes ``!`` to ``~`` from
+    it leaves nothing, at half the cost of ``isprintable``'s look-ups in Unicode's tables."""
     if set(map(type, message_ids)) == _ONLY_STR:
         ids = cast("list[str]", list(message_ids))
         joined = "".join(ids)
         lengths = list(map(len, ids))
-        if (
-            joined.isprintable()
-            and " " not in joined
-            and 0 < min(lengths) <= max(lengths) <= longest
-        ):
+        if joined.isascii():
+            plain = not joined.encode().translate(None, _PRINTABLE_ASCII_BUT_SPACE)
+        else:
+            plain = joined.isprintable() and " " not in joined
+        if plain and 0 < min(lengths) <= max(lengths) <= longest:
             return ids
     return [check_id(message_id, longest) for message_id in message_ids]
 
 
 _ONLY_STR = {str}
+_PRINTABLE_ASCII_BUT_SPACE = bytes(range(0x21, 0x7F))
 
 
 def check_tries(tries: object) -> int:

@@ -692,6 +692,24 @@ def test_ids_checked_together_are_refused_as_each_alone() -> None:
     assert check_ids(["x" * 1000], MAX_KNOWN_ID_LENGTH) == ["x" * 1000]
 
 
+def test_ascii_ids_checked_together_are_refused_as_each_alone() -> None:
+    """Ids all ASCII (a Spark write's) are checked by another way than the others: every
+    ASCII character, inside an id among plain ones, is taken or refused as check_id does."""
+    fine = [f"job-1:{k}" for k in range(20)]
+    assert check_ids(fine) == fine
+    for code in range(128):
+        odd = f"a{chr(code)}b"
+        ids = [*fine[:7], odd, *fine[8:]]
+        try:
+            check_id(odd)
+        except aio_keuss.InvalidIdError as alone:
+            with pytest.raises(aio_keuss.InvalidIdError) as together:
+                check_ids(ids)
+            assert str(together.value) == str(alone)
+        else:
+            assert check_ids(ids) == ids
+
+
 async def test_hand_built_messages_are_validated(queue: aio_keuss.Queue) -> None:
     needs(queue, "reserve")
     await queue.push("x")
