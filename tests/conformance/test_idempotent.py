@@ -103,3 +103,25 @@ async def test_push_many_of_rising_ids_refuses_those_queued_or_remembered(
         ("k6", "queued"),
     ]
     assert (await q.stats())["put"] == 7
+
+
+@pytest.mark.parametrize(
+    "ids",
+    [["k1", "k2", "k2", "k2", "k3"], ["k3", "k2", "k3", "k1", "k2"]],
+    ids=["never falling", "falling"],
+)
+async def test_push_many_refuses_the_repeats_of_a_batch_whatever_its_order(
+    connect: Connect, ids: list[str]
+) -> None:
+    """The first of each id goes in, the later ones are refused: next to it (ids that never
+    fall, as a Spark partition's) or anywhere after it."""
+    factory = await connect(dedup_window=60.0)
+    needs(factory, "idempotent")
+    q = await factory.queue("q1")
+    assert await q.push_many(list(range(5)), ids=ids) == ids
+    taken = []
+    while (got := await q.pop_many(10, timeout=0)) != []:
+        taken += [(m.id, m.payload) for m in got]
+    first = {key: ids.index(key) for key in ids}
+    assert sorted(taken) == sorted(first.items())
+    assert (await q.stats())["put"] == 3
