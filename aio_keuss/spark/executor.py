@@ -485,7 +485,8 @@ def _payload_blobs(batch: Any) -> list[bytes] | None:
     columns' JSON written by Arrow's string kernels a batch at a time; or None where orjson
     and the payload checks are needed: a column of any type but integers, booleans, nulls
     and strings that need no escaping (no control character, quote or backslash), or
-    columns that would not make a dict of their own (none, or two of one name).
+    columns that would not make a dict of their own (none, or two of one name), or only
+    columns of the null type, or a Table rather than a record batch.
 
     Made from the rows, each blob is ``b"J" + orjson.dumps(row)``: keys in column order,
     integers in decimal, ``true`` / ``false`` / ``null``, a str as its UTF-8 between quotes
@@ -495,6 +496,8 @@ def _payload_blobs(batch: Any) -> list[bytes] | None:
     import pyarrow as pa  # type: ignore[import-untyped]
     import pyarrow.compute as pc  # type: ignore[import-untyped]
 
+    if not isinstance(batch, pa.RecordBatch):  # a Table's columns are chunked
+        return None
     names = batch.schema.names
     if not names or len(set(names)) != len(names) or batch.num_rows == 0:
         return None
@@ -531,6 +534,8 @@ def _payload_blobs(batch: Any) -> list[bytes] | None:
             text = pc.fill_null(text, pa.scalar("null", text_type))
         parts += [literal, text]
         literal = ","
+    if not parts:  # columns all of the null type: nothing to join
+        return None
     parts.append(literal[:-1] + "}")
     texts = [pa.scalar(part, text_type) if isinstance(part, str) else part for part in parts]
     joined = pc.binary_join_element_wise(*texts, pa.scalar("", text_type))

@@ -72,6 +72,8 @@ LEFT_TO_ROWS = {
         [pa.array([1]), pa.array([2])], names=["x", "x"]
     ),
     "no rows": _batch(s=pa.array([], pa.string())),
+    "only nulls": _batch(z=pa.array([None, None], pa.null())),
+    "a table": pa.Table.from_pydict({"s": pa.array(["a", "b"])}),
 }
 
 
