@@ -864,6 +864,26 @@ def _lets_go(consumer: Any, message_id: str) -> Callable[[], Awaitable[bool]]:
     return gone
 
 
+async def _cancel_heard_once_it_landed(
+    q: Any, consumer: Any, held: asyncio.Event, release: asyncio.Event, landed: asyncio.Event
+) -> None:
+    """Push ``order-1`` and cancel it while the consumer's outcome of it is held at a gate
+    (``held`` set on arrival, waiting for ``release``, ``landed`` set once done): the cancel
+    finds it reserved and leaves a request, then the outcome lands before the cancel's
+    signal reaches the consumer, which by then holds the message in no way."""
+
+    async def lands_first() -> None:
+        release.set()
+        await asyncio.wait_for(landed.wait(), GUARD)
+        await until(_lets_go(consumer, "order-1"), GUARD)
+
+    sent = _signal_once(q, lands_first)
+    await q.push("first", id="order-1")
+    await asyncio.wait_for(held.wait(), GUARD)
+    assert await q.cancel("order-1") is CancelResult.REQUESTED
+    await asyncio.wait_for(asyncio.gather(*sent), GUARD)
+
+
 @pytest.mark.parametrize("settings", [{}, {"prefetch": 2}, {"batch": 2}], ids=str)
 async def test_a_request_heard_once_the_ok_landed_is_used_up(
     connect: Connect, settings: dict[str, Any]
@@ -900,17 +920,7 @@ async def test_a_request_heard_once_the_ok_landed_is_used_up(
         ran.extend(m.payload for m in (message if isinstance(message, list) else [message]))
 
     async with q.consume(handler, **settings) as consumer:
-
-        async def ok_lands_first() -> None:
-            release.set()
-            await asyncio.wait_for(landed.wait(), GUARD)
-            await until(_lets_go(consumer, "order-1"), GUARD)
-
-        sent = _signal_once(q, ok_lands_first)
-        await q.push("first", id="order-1")
-        await asyncio.wait_for(held.wait(), GUARD)
-        assert await q.cancel("order-1") is CancelResult.REQUESTED
-        await asyncio.wait_for(asyncio.gather(*sent), GUARD)
+        await _cancel_heard_once_it_landed(q, consumer, held, release, landed)
         await until(used_up, GUARD)
         await _gone(q)
         await _a_later_push_runs(q, consumer, ran)
@@ -954,17 +964,7 @@ async def test_a_request_heard_once_a_failed_message_was_deadlettered_is_used_up
             raise RuntimeError("poison")
 
     async with q.consume(handler, retry_delay=retry_delay) as consumer:
-
-        async def ko_lands_first() -> None:
-            release.set()
-            await asyncio.wait_for(landed.wait(), GUARD)
-            await until(_lets_go(consumer, "order-1"), GUARD)
-
-        sent = _signal_once(q, ko_lands_first)
-        await q.push("first", id="order-1")
-        await asyncio.wait_for(held.wait(), GUARD)
-        assert await q.cancel("order-1") is CancelResult.REQUESTED
-        await asyncio.wait_for(asyncio.gather(*sent), GUARD)
+        await _cancel_heard_once_it_landed(q, consumer, held, release, landed)
         assert consumer.deadlettered == 1
         await until(used_up, GUARD)
         await _gone(q)
