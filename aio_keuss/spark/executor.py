@@ -484,7 +484,7 @@ def _payload_blobs(batch: Any) -> list[bytes] | None:
     """The payload blobs (``encode_payload``'s, byte for byte) of a record batch's rows, its
     columns' JSON written by Arrow's string kernels a batch at a time; or None where orjson
     and the payload checks are needed: a column of any type but integers, booleans, nulls
-    and strings that need no escaping (no control character, quote or backslash), or
+    and UTF-8 strings that need no escaping (no control character, quote or backslash), or
     columns that would not make a dict of their own (none, or two of one name), or only
     columns of the null type, or a Table rather than a record batch.
 
@@ -544,9 +544,16 @@ def _payload_blobs(batch: Any) -> list[bytes] | None:
 
 
 def _plain_text(column: Any) -> bool:
-    """Whether no str of a string column needs escaping in JSON. Looks at the bytes the
-    column's values span (a null's may hold anything: at worst the batch goes the slow
-    way)."""
+    """Whether every str of a string column is UTF-8 that needs no escaping in JSON. Looks
+    at the bytes the column's values span (a null's may hold anything: at worst the batch
+    goes the slow way).
+
+    Arrow does not check that a string column is UTF-8, nor does Spark (``CAST(binary AS
+    STRING)`` keeps any bytes): written as they are, such bytes would make a blob no
+    consumer can decode, where the row way fails the write (``to_pylist`` cannot make them
+    a str). ASCII is UTF-8 whatever the cuts between values; other text is checked value by
+    value (Arrow's full validation), since values valid together may not be one by one (a
+    character cut between two)."""
     _, offsets, data = column.buffers()
     if data is None or len(column) == 0:
         return True
@@ -554,7 +561,15 @@ def _plain_text(column: Any) -> bool:
 
     spans = memoryview(offsets).cast("q" if pa.types.is_large_string(column.type) else "i")
     start, end = spans[column.offset], spans[column.offset + len(column)]
-    return not bytes(memoryview(data)[start:end]).translate(None, _NEEDS_ESCAPE)
+    text = bytes(memoryview(data)[start:end])
+    if text.translate(None, _NEEDS_ESCAPE):
+        return False
+    if not text.isascii():
+        try:
+            column.validate(full=True)
+        except pa.ArrowInvalid:
+            return False
+    return True
 
 
 def _rows_of(batch: Any) -> list[dict[str, Any]]:

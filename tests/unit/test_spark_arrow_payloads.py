@@ -6,6 +6,7 @@ out the same either way."""
 from __future__ import annotations
 
 import datetime as dt
+import random
 from typing import Any
 
 import pytest
@@ -20,6 +21,15 @@ from aio_keuss.spark.executor import _payload_blobs, _rows_of  # noqa: E402
 
 def _batch(**columns: Any) -> Any:
     return pa.RecordBatch.from_pydict(columns)
+
+
+def _raw_strings(data: bytes, ends: list[int], kind: Any = None) -> Any:
+    """A string column of ``data`` cut at ``ends``, its bytes unchecked: what Spark hands over
+    for a string it never validated (``CAST(binary AS STRING)``)."""
+    kind = pa.string() if kind is None else kind
+    width = pa.int64() if pa.types.is_large_string(kind) else pa.int32()
+    offsets = pa.array([0, *ends], width).buffers()[1]
+    return pa.Array.from_buffers(kind, len(ends), [None, offsets, pa.py_buffer(data)])
 
 
 ENCODED = {
@@ -74,12 +84,76 @@ LEFT_TO_ROWS = {
     "no rows": _batch(s=pa.array([], pa.string())),
     "only nulls": _batch(z=pa.array([None, None], pa.null())),
     "a table": pa.Table.from_pydict({"s": pa.array(["a", "b"])}),
+    "bytes that are not UTF-8": _batch(s=_raw_strings(b"\xff\xfeok", [2, 4])),
+    "large, not UTF-8": _batch(s=_raw_strings(b"ok\xc3", [2, 3], pa.large_string())),
+    "a character split between two values": _batch(s=_raw_strings(b"\xc3\xa9", [1, 2])),
 }
 
 
 @pytest.mark.parametrize("name", LEFT_TO_ROWS)
 def test_what_arrow_cannot_write_as_orjson_does_is_left_to_the_rows(name: str) -> None:
     assert _payload_blobs(LEFT_TO_ROWS[name]) is None
+
+
+_TEXTS = ["", "a", "é", "\U0001f600", "x\u2028y", "\x7f", "a/b'c", "\xa0", "\ufeff", "日本", "\x85"]
+_ESCAPED = ['q"', "b\\s", "n\n", "\x00", "\x1f", "\t"]
+_NAMES = ["a", "", "é", 'q"', "b\\", "\n", "\x7f", "\u2028", "\U0001f600", "null", ",", "}"]
+_INTS = [pa.int8(), pa.int16(), pa.int32(), pa.int64(), pa.uint8(), pa.uint16(), pa.uint32(),
+         pa.uint64()]  # fmt: skip
+
+
+def _random_column(rng: random.Random, n: int) -> Any:
+    """A column of a type the Arrow way may take, with values at its edges, nulls (or
+    none), text that needs escaping now and then, and null slots over bytes that would."""
+    kind = rng.choice(["int", "bool", "null", "string", "large_string", "null_over_bytes", "raw"])
+    nulls = rng.choice([0.0, 0.3, 1.0])
+
+    def maybe(value: Any) -> Any:
+        return None if rng.random() < nulls else value
+
+    if kind == "int":
+        width = rng.choice(_INTS)
+        bits = width.bit_width
+        lo, hi = (0, 2**bits - 1)
+        if pa.types.is_signed_integer(width):
+            lo, hi = -(2 ** (bits - 1)), 2 ** (bits - 1) - 1
+        values = [rng.choice([lo, hi, 0, rng.randint(lo, hi)]) for _ in range(n)]
+        return pa.array(list(map(maybe, values)), width)
+    if kind == "bool":
+        return pa.array([maybe(rng.random() < 0.5) for _ in range(n)], pa.bool_())
+    if kind == "null":
+        return pa.nulls(n, rng.choice([pa.null(), pa.int64(), pa.string(), pa.bool_()]))
+    text_type = pa.large_string() if kind == "large_string" else pa.string()
+    if kind == "raw":  # bytes as Spark may hand them over, UTF-8 or not
+        data = bytes(rng.choices(b"ab\xc3\xa9\xf0\x9f\x98\x80\xff", k=rng.randint(0, 2 * n)))
+        ends = sorted(rng.choices(range(len(data) + 1), k=n))
+        return _raw_strings(data, [*ends[:-1], len(data)] if ends else [])
+    pool = _TEXTS + (_ESCAPED if rng.random() < 0.3 else [])
+    values = ["".join(rng.choices(pool, k=rng.randint(0, 3))) for _ in range(n)]
+    if kind != "null_over_bytes":
+        return pa.array([maybe(v) for v in values], text_type)
+    full = pa.array([*values, 'x"y'], text_type).slice(0, n)  # a quote past the last value
+    valid = pa.array([rng.random() >= nulls for _ in range(n)] or [True]).buffers()[1]
+    return pa.Array.from_buffers(text_type, n, [valid, *full.buffers()[1:]], offset=full.offset)
+
+
+def test_random_batches_are_encoded_as_their_rows_or_left_to_them() -> None:
+    """Random schemas and values (a fixed seed), whole or sliced: whatever the Arrow way
+    encodes is byte for byte ``encode_payload`` of each row ``to_pylist`` makes."""
+    rng = random.Random(20261201)
+    encoded = 0
+    for _ in range(1500):
+        n = rng.randint(0, 9)
+        names = [rng.choice(_NAMES) for _ in range(rng.randint(1, 4))]
+        batch = pa.RecordBatch.from_arrays([_random_column(rng, n) for _ in names], names=names)
+        if n and rng.random() < 0.5:
+            start = rng.randint(0, n)
+            batch = batch.slice(start, rng.randint(0, n - start))
+        blobs = _payload_blobs(batch)
+        if blobs is not None:
+            encoded += 1
+            assert blobs == [encode_payload(row) for row in batch.to_pylist()], batch.schema
+    assert encoded > 400  # the Arrow way was tried, not only left to the rows
 
 
 def _drain(queue: Any) -> list[tuple[str, Any]]:
@@ -137,5 +211,18 @@ def test_an_id_column_the_batch_lacks_is_a_config_error_naming_the_option() -> N
     try:
         with pytest.raises(aio_keuss.ConfigError, match="id_column 'key'"):
             keuss_spark.push_arrow_batches(spec, [_batch(n=pa.array([1, 2]))], "job:0")
+    finally:
+        keuss_spark.close_executor_factories()
+
+
+def test_a_string_that_is_not_utf8_fails_the_write_and_writes_nothing() -> None:
+    """As the row way always did (Arrow cannot make it a str): a message no consumer could
+    decode is never written."""
+    batch = _batch(n=pa.array([1, 2]), s=_raw_strings(b"ok\xff", [2, 3]))
+    spec = keuss_spark.WriteSpec(backend="memory", queue="not-utf8", batch_size=5)
+    try:
+        with pytest.raises(UnicodeDecodeError):
+            keuss_spark.push_arrow_batches(spec, [batch], "job:0")
+        assert _drain(keuss_spark.executor_queue("memory", "not-utf8", {})) == []
     finally:
         keuss_spark.close_executor_factories()
