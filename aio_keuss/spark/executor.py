@@ -494,7 +494,6 @@ def _payload_blobs(batch: Any) -> list[bytes] | None:
     payload would come back as itself were most of a Spark write task's client time;
     these columns pass that check whatever they hold."""
     import pyarrow as pa  # type: ignore[import-untyped]
-    import pyarrow.compute as pc  # type: ignore[import-untyped]
 
     if not isinstance(batch, pa.RecordBatch):  # a Table's columns are chunked
         return None
@@ -504,10 +503,24 @@ def _payload_blobs(batch: Any) -> list[bytes] | None:
     # Arrow joins strings of one type: large ones if any column is (Spark's
     # useLargeVarTypes), which holds the others too
     large = any(pa.types.is_large_string(kind) for kind in batch.schema.types)
+    try:
+        return _joined(batch, large)
+    except pa.ArrowCapacityError:
+        if large:
+            raise
+    # the rows' JSON is more than a string array holds (2 GiB), though no column is
+    return _joined(batch, True)
+
+
+def _joined(batch: Any, large: bool) -> list[bytes] | None:
+    """:func:`_payload_blobs` of a batch it takes, its text in large strings or not."""
+    import pyarrow as pa
+    import pyarrow.compute as pc  # type: ignore[import-untyped]
+
     text_type = pa.large_string() if large else pa.string()
     parts: list[Any] = []
     literal = "J{"
-    for name, column in zip(names, batch.columns, strict=True):
+    for name, column in zip(batch.schema.names, batch.columns, strict=True):
         kind = column.type
         literal += orjson.dumps(name).decode() + ":"
         if pa.types.is_integer(kind):
