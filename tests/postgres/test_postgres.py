@@ -1618,3 +1618,82 @@ async def test_user_pools_of_serializable_sessions_open_a_new_schema_at_once(sch
         await blocker.close()
         for pool in pools:
             await pool.close()
+
+
+async def _batches_through_every_form(q: aio_keuss.Queue, moved_to: str) -> list[Any]:
+    """Push, reserve, ok, ko and move batches of one to five messages (each size below
+    ``SPELLED_OUT_ROWS`` has a written-out form of its own, five the statement as written),
+    with results kept; the payloads of what was ok-ed or moved, in order."""
+    done: list[Any] = []
+    for size in range(1, 6):
+        await q.push_many([{"size": size, "k": k} for k in range(size)])
+        held = await q.reserve_many(size, timeout=5)
+        assert len(held) == size
+        assert await q.ok_many(held[:1], results=[{"r": size}]) == [True]
+        for message in held[1:2]:
+            assert await q.ko(message) == KoResult.ROLLED_BACK
+        assert all(await q.move_many(held[2:], moved_to))
+        done += [m.payload for m in held[:1]] + [m.payload for m in held[2:]]
+        again = await q.reserve_many(size, timeout=5) if size > 1 else []  # the ko-ed one
+        assert [m.payload for m in again] == [m.payload for m in held[1:2]]
+        assert await q.ok_many(again) == [True] * len(again)
+        done += [m.payload for m in again]
+    return done
+
+
+async def test_every_statement_form_works_after_our_sessions_are_terminated_and_a_column_added(
+    schema: str,
+) -> None:
+    """Another session ends every connection of ours (``pg_terminate_backend``, as an
+    administrator or a failover tool does; the LISTEN connection included) and alters the
+    messages table (another release's migration adds a column): the prepared statements of
+    every form, written-out small batches included, are prepared afresh on the new
+    connections, whose result rows changed shape; calls fail only with
+    ``KeussConnectionError`` while the dead connections are found, and a waiting consumer
+    is woken by a push again, not by its 30 s poll."""
+    app = f"akt_app_{new_token()}"
+    url = f"{POSTGRES_URL}{'&' if '?' in POSTGRES_URL else '?'}application_name={app}"
+    factory = await aio_keuss.connect("postgres", url=url, schema=schema, poll_interval=30.0)
+    producer = await aio_keuss.connect(
+        "postgres", url=POSTGRES_URL, schema=schema, signal_debounce=0.0
+    )
+    admin = await asyncpg.connect(POSTGRES_URL)
+    try:
+        q = await factory.queue("q", result_ttl=60, reserve_delay=60)
+        first = await _batches_through_every_form(q, "moved")
+        ours = "SELECT pid FROM pg_stat_activity WHERE application_name = $1"
+        pids = [row["pid"] for row in await admin.fetch(ours, app)]
+        assert len(pids) >= 2  # the pool's and the listener's
+        await admin.execute(f'ALTER TABLE "{schema}".messages ADD COLUMN from_a_migration int')
+        await admin.execute("SELECT pg_terminate_backend(pid) FROM unnest($1::int[]) AS pid", pids)
+        alive = "SELECT count(*) FROM pg_stat_activity WHERE pid = ANY($1)"
+        while await admin.fetchval(alive, pids):  # noqa: ASYNC110
+            await asyncio.sleep(0.05)
+        failures: list[BaseException] = []
+        for _ in range(100):  # until every dead connection is found and replaced
+            probes = await asyncio.gather(*(q.size() for _ in range(12)), return_exceptions=True)
+            failures += [p for p in probes if isinstance(p, BaseException)]
+            if not any(isinstance(p, BaseException) for p in probes):
+                break
+        assert all(isinstance(f, aio_keuss.KeussConnectionError) for f in failures), failures
+        second = await _batches_through_every_form(q, "moved")
+        assert sorted(map(json.dumps, second)) == sorted(map(json.dumps, first))
+        moved = await factory.queue("moved")
+        assert await moved.total_size() == 2 * sum(max(0, s - 2) for s in range(1, 6))
+
+        listening = "SELECT count(*) FROM pg_stat_activity WHERE application_name = $1"
+        # its last statement: the LISTEN, or the liveness check after it
+        listening += " AND (query LIKE 'LISTEN%' OR query = 'SELECT 1') AND NOT pid = ANY($2)"
+        while not await admin.fetchval(listening, app, pids):  # noqa: ASYNC110 (listener back)
+            await asyncio.sleep(0.05)
+        waiting = asyncio.create_task(q.pop(timeout=25))
+        await asyncio.sleep(0.3)  # waiting
+        await (await producer.queue("q")).push("wake")
+        started = time.monotonic()
+        got = await asyncio.wait_for(waiting, 25)
+        assert got is not None and got.payload == "wake"
+        assert time.monotonic() - started < 15.0  # woken, not polled
+    finally:
+        await admin.close()
+        await producer.close()
+        await factory.close()
