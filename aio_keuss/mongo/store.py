@@ -551,9 +551,11 @@ class MongoStore(Store):
 
     # variant hooks ------------------------------------------------------------------------
 
-    def _consumed(self, now: float, held: bool = False) -> Document | None:
+    def _consumed(self, now: float, held: bool = False, mark: str | None = None) -> Document | None:
         """The update that ends a consumed message; None = delete it (mongo). ``held``: it
-        ends under a reservation (ok, move, deadletter), whose try the count includes."""
+        ends under a reservation (ok, move, deadletter), whose try the count includes.
+        ``mark``: a token the record keeps, to tell what one call ended (see
+        :meth:`_ended_here`)."""
         return None
 
     async def _make_room(
@@ -570,10 +572,12 @@ class MongoStore(Store):
         session: AsyncClientSession | None = None,
         *,
         held: bool = False,
+        mark: str | None = None,
     ) -> int:
         """End every message matching ``filter`` (delete, or mark processed); how many.
-        ``held``: ``filter`` matches reserved messages only (see :meth:`_consumed`)."""
-        update = self._consumed(now, held)
+        ``held``: ``filter`` matches reserved messages only; ``mark``: see
+        :meth:`_consumed`."""
+        update = self._consumed(now, held, mark)
         if update is None:
             deleted = await self._coll.delete_many(filter, session=session)
             return deleted.deleted_count
@@ -1153,13 +1157,14 @@ class MongoStore(Store):
                 held[ack.id] = (found[0], ack.token)
             results.append(ok)
         if held:
-            ended = await self._finish(_by_tries(held), now, held=True)
+            mark = os.urandom(8).hex()
+            ended = await self._finish(_by_tries(held), now, held=True, mark=mark)
             if ended != len(held):
-                ours = await self._ended_here(list(held), ended)
+                ours = await self._ended_here(list(held), ended, mark)
                 results = [done and ack.id in ours for done, ack in zip(results, acks, strict=True)]
         return results
 
-    async def _ended_here(self, ids: list[str], ended: int) -> set[str]:
+    async def _ended_here(self, ids: list[str], ended: int, mark: str) -> set[str]:
         """Which of ``ids`` a batch ok's end (delete, or mark processed) ended, when it
         counted ``ended`` of them, fewer than all: something changed between the read and
         the end. A message stops matching the filter without being ended when its
@@ -1172,8 +1177,12 @@ class MongoStore(Store):
         output ``n``), so the counts decide: as many gone as ended here are all ours; more,
         and which are ours is unknown, so none is answered True. True tells the holder, and
         the ``commit`` count, that this ok ended the message, which another consumer may
-        be handling; a False for one it did end costs only that count (the message is gone,
-        as its holder asked). One more read, after a short count only."""
+        be handling; a False for one it did end tells its holder it was not acked (the
+        message is gone, as it asked, but the holder may handle it as not done). The other
+        end is often the same holder's: an ok whose caller was cancelled, sent again in
+        another batch while the first send was still under way. mongo-history's records
+        keep the batch's ``mark`` and tell (see :class:`MongoHistoryStore`). One more read,
+        after a short count only."""
         cursor = self._coll.find({"_id": {"$in": ids}, **LIVE}, {"_id": 1})
         live = {doc["_id"] for doc in await cursor.to_list()}
         gone = set(ids) - live
@@ -1567,14 +1576,22 @@ class MongoStore(Store):
 class MongoHistoryStore(MongoStore):
     """Consumed messages stay, marked ``processed``, until the TTL index expires them."""
 
-    def _consumed(self, now: float, held: bool = False) -> Document | None:
+    def _consumed(self, now: float, held: bool = False, mark: str | None = None) -> Document | None:
         """Marked processed. A reserve counted its try up front: a message ended under a
         reservation gives it back, so that its record shows what its holder was given
-        (as a pop's shows what the pop was given)."""
-        done: Document = {
-            "$set": {"processed": _date(now), "mature": FAR_FUTURE, "reserved": False}
-        }
+        (as a pop's shows what the pop was given). ``mark`` is kept as ``ended_by``."""
+        ended: Document = {"processed": _date(now), "mature": FAR_FUTURE, "reserved": False}
+        if mark is not None:
+            ended["ended_by"] = mark
+        done: Document = {"$set": ended}
         return {**done, "$inc": {"tries": -1}} if held else done
+
+    async def _ended_here(self, ids: list[str], ended: int, mark: str) -> set[str]:
+        """The records this batch ok marked: exactly those it ended, whatever else ended
+        the others meanwhile. One moved aside since (its id pushed again, see
+        :meth:`_make_room`) is not found by its id, and is answered False."""
+        cursor = self._coll.find({"_id": {"$in": ids}, "ended_by": mark}, {"_id": 1})
+        return {doc["_id"] for doc in await cursor.to_list()}
 
     async def _make_room(
         self, coll: Collection, docs: list[Document], revive: set[str]
@@ -1592,7 +1609,7 @@ class MongoHistoryStore(MongoStore):
                 doc = wanted[old_id]  # same payload and headers as the record's
                 back = {k: doc[k] for k in ("mature", "tries", "reserved")}
                 replaced = await coll.update_one(
-                    consumed, {"$set": back, "$unset": {"processed": ""}}
+                    consumed, {"$set": back, "$unset": {"processed": "", "ended_by": ""}}
                 )
                 if replaced.matched_count:
                     revived.add(old_id)
