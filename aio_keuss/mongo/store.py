@@ -548,6 +548,10 @@ class MongoStore(Store):
         """Token -> ids it claimed, of stored messages whose claims could not be settled."""
         self._moving = Finishing()
         """Moves past their claim, without a transaction: copying there, then deleting here."""
+        self._acking: dict[int, tuple[set[str], asyncio.Future[None]]] = {}
+        """Commits under way here, by number (in the order they began): the ids other
+        commits here ended meanwhile (each answered True there), and when it ends."""
+        self._acks_begun = 0
 
     # variant hooks ------------------------------------------------------------------------
 
@@ -1135,6 +1139,23 @@ class MongoStore(Store):
     async def commit(self, acks: Sequence[Ack]) -> list[bool]:
         if not acks:
             return []
+        number = self._acks_begun
+        self._acks_begun += 1
+        ending = asyncio.get_running_loop().create_future()
+        self._acking[number] = (set(), ending)
+        try:
+            results = await self._commit(acks, number)
+            done = {ack.id for ack, ok in zip(acks, results, strict=True) if ok}
+            for other, (elsewhere, _) in self._acking.items():
+                if other != number:
+                    elsewhere.update(done)
+            return results
+        finally:
+            del self._acking[number]
+            ending.set_result(None)
+
+    async def _commit(self, acks: Sequence[Ack], number: int) -> list[bool]:
+        """``commit``, as the commit numbered ``number`` here (see ``_acking``)."""
         now = time.time()
         if len(acks) == 1:
             ack = acks[0]
@@ -1160,11 +1181,11 @@ class MongoStore(Store):
             mark = os.urandom(8).hex()
             ended = await self._finish(_by_tries(held), now, held=True, mark=mark)
             if ended != len(held):
-                ours = await self._ended_here(list(held), ended, mark)
+                ours = await self._ended_here(list(held), ended, mark, number)
                 results = [done and ack.id in ours for done, ack in zip(results, acks, strict=True)]
         return results
 
-    async def _ended_here(self, ids: list[str], ended: int, mark: str) -> set[str]:
+    async def _ended_here(self, ids: list[str], ended: int, mark: str, number: int) -> set[str]:
         """Which of ``ids`` a batch ok's end (delete, or mark processed) ended, when it
         counted ``ended`` of them, fewer than all: something changed between the read and
         the end. A message stops matching the filter without being ended when its
@@ -1181,11 +1202,17 @@ class MongoStore(Store):
         message is gone, as it asked, but the holder may handle it as not done). The other
         end is often the same holder's: an ok whose caller was cancelled, sent again in
         another batch while the first send was still under way. mongo-history's records
-        keep the batch's ``mark`` and tell (see :class:`MongoHistoryStore`). One more read,
-        after a short count only."""
+        keep the batch's ``mark`` and tell (see :class:`MongoHistoryStore`). On mongo, the
+        ones another commit of this store ended (and answered True for) are not ours: the
+        commits here that began before this one (``number``) are waited for first (those
+        begun later may wait for this one: not the other way round). A send from another
+        process still makes it unknown. One more read, after a short count only."""
+        earlier = [end for other, (_, end) in self._acking.items() if other < number]
+        if earlier:
+            await asyncio.wait(earlier)
         cursor = self._coll.find({"_id": {"$in": ids}, **LIVE}, {"_id": 1})
         live = {doc["_id"] for doc in await cursor.to_list()}
-        gone = set(ids) - live
+        gone = set(ids) - live - self._acking[number][0]
         return gone if len(gone) == ended else set()
 
     @translated
@@ -1586,7 +1613,7 @@ class MongoHistoryStore(MongoStore):
         done: Document = {"$set": ended}
         return {**done, "$inc": {"tries": -1}} if held else done
 
-    async def _ended_here(self, ids: list[str], ended: int, mark: str) -> set[str]:
+    async def _ended_here(self, ids: list[str], ended: int, mark: str, number: int) -> set[str]:
         """The records this batch ok marked: exactly those it ended, whatever else ended
         the others meanwhile. One moved aside since (its id pushed again, see
         :meth:`_make_room`) is not found by its id, and is answered False."""
