@@ -201,7 +201,9 @@ def refused(exc: BaseException) -> bool:
     down (stopped, restarting) has removed its socket file: a connect then finds no file
     (ENOENT) rather than a refusal, and sent nothing either. A server that answered it
     cannot serve the call now (``KeussConnectionError.ran_nothing``: a restarted one still
-    loading its data, ...) did not run it either."""
+    loading its data, ...) did not run it either, nor was a call sent whose connection
+    failed to open (``ran_nothing`` too: every address of a host name refusing, which
+    asyncio reports as one ``OSError`` with no errno)."""
     seen: BaseException | None = exc
     for _ in range(16):  # a chain, not a cycle
         if seen is None:

@@ -72,9 +72,10 @@ class KeussConnectionError(KeussError, ConnectionError):
     ran_nothing: bool = False
     """True where the server is known not to have run the command that failed: it
     answered that it cannot serve it now (on Redis a LOADING reply while a restarted server
-    loads its data, BUSY while a script runs past its time, ...). Only a call of that one
-    command may be made again without running twice: of a call of several, those before it
-    may have run."""
+    loads its data, BUSY while a script runs past its time, ...), or the command was never
+    sent, the connection to send it on failing to open (refused at every address of the
+    host, timed out, ...). Only a call of that one command may be made again without
+    running twice: of a call of several, those before it may have run."""
 
 
 class BackendError(KeussError):

@@ -204,6 +204,18 @@ def _ours(exc: Exception) -> KeussError | None:
     return None
 
 
+def _unsent(exc: Exception) -> KeussError | None:
+    """What a failure to connect (or to authenticate and select the database) before a
+    command was written becomes: a connection error says that nothing of the command ran,
+    whatever the failure was. Every address of a host name refusing is one of them: asyncio
+    then raises a plain ``OSError`` listing the attempts, with no errno and no refusal to
+    recognise in its chain (``loop.create_connection`` in Python's asyncio documentation)."""
+    ours = _ours(exc)
+    if isinstance(ours, KeussConnectionError):
+        ours.ran_nothing = True
+    return ours
+
+
 async def translated(call: Awaitable[_T]) -> _T:
     """Await a call into redis-py; its errors leave as ours. Used only in this module: the
     rest of the package reaches the server through :class:`RedisConnection`'s methods."""
@@ -427,7 +439,13 @@ class _FastLane:
         return self._connect_and_send(packed, script)
 
     async def _connect_and_send(self, packed: bytes, script: Script | None) -> Any:
-        protocol = await translated(self._connect())
+        try:
+            protocol = await self._connect()
+        except KeussConnectionError as exc:  # lost during the handshake
+            exc.ran_nothing = True
+            raise
+        except Exception as exc:
+            raise_translated(exc, _unsent)
         if script is None:
             return await protocol.send(packed)
         return await protocol.send_script(script, packed)

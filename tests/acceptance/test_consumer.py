@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import socket
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -512,6 +513,46 @@ async def test_popped_prefetched_messages_go_back_once_the_server_serves_again(
             await asyncio.wait_for(looping, DEADLINE)
             await asyncio.wait_for(stopping, DEADLINE)
             other.close()
+            assert await q.size() == 10
+
+
+TWO_ADDRESSES = "two-addresses.ak.test"
+"""A host name resolving to the IPv6 then the IPv4 loopback address, as ``localhost`` does
+on many machines (``.test`` is reserved for testing, RFC 2606)."""
+
+
+def _resolving_to_both_loopbacks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``TWO_ADDRESSES`` made to resolve so, through the resolver asyncio calls: this
+    machine's ``localhost`` may have one address only. The connections are real."""
+    real = socket.getaddrinfo
+
+    def getaddrinfo(host: Any, *args: Any, **kwargs: Any) -> Any:
+        if host != TWO_ADDRESSES:
+            return real(host, *args, **kwargs)
+        return [*real("::1", *args, **kwargs), *real("127.0.0.1", *args, **kwargs)]
+
+    monkeypatch.setattr(socket, "getaddrinfo", getaddrinfo)
+
+
+async def test_popped_prefetched_messages_go_back_when_every_address_of_the_host_refused(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """As above, with a host name of two addresses (``localhost`` as ::1 and 127.0.0.1):
+    asyncio tries each, and when all refuse it raises one ``OSError`` listing them, with no
+    errno and no refusal in its chain. Nothing was sent, yet the put-back was not tried
+    again and the messages were lost."""
+    monkeypatch.setattr(consumer_module, "ACK_WAIT", DEADLINE)
+    caplog.set_level(logging.WARNING, logger=OUTAGE_LOGGER)
+    _resolving_to_both_loopbacks(monkeypatch)
+    with own_redis() as server:  # listening on 127.0.0.1 only: ::1 refuses
+        url = f"redis://{TWO_ADDRESSES}:{server.port}/0"
+        async with aio_keuss.connect("redis-list", url=url, prefix="pb") as factory:
+            q = await factory.queue("jobs")
+            consumer = await _holding_ten_prefetched(q)
+            await asyncio.to_thread(server.stop)
+            stopping = await _stop_until_the_put_back_is_refused(consumer, caplog)
+            await asyncio.to_thread(server.start)  # emptied: only what is put back is there
+            await asyncio.wait_for(stopping, DEADLINE)
             assert await q.size() == 10
 
 
