@@ -43,7 +43,7 @@ try:
     import redis.asyncio as aioredis
     from redis import exceptions as redis_errors
     from redis.asyncio.cluster import RedisCluster
-    from redis.asyncio.connection import parse_url
+    from redis.asyncio.connection import AbstractConnection, parse_url
     from redis.asyncio.retry import Retry
     from redis.backoff import NoBackoff
 except ImportError as exc:  # pragma: no cover - depends on the environment
@@ -216,13 +216,46 @@ def _unsent(exc: Exception) -> KeussError | None:
     return ours
 
 
-async def translated(call: Awaitable[_T]) -> _T:
-    """Await a call into redis-py; its errors leave as ours. Used only in this module: the
+_CONNECTING = frozenset(
+    method.__code__
+    for name in ("connect", "connect_check_health")
+    if (method := getattr(AbstractConnection, name, None)) is not None
+)
+"""The code of redis-py's opening of a connection (with its handshake: AUTH, SELECT), which
+a command is sent only after."""
+
+
+def _while_connecting(exc: BaseException) -> bool:
+    """Whether redis-py raised ``exc`` while opening the connection to send a command on:
+    its traceback goes through that opening. A redis-py error says no more (a refusal at
+    every address of a host name is asyncio's errno-less ``OSError`` in its context, see
+    :func:`_unsent`); a version of redis-py that opens connections elsewhere makes this
+    False, which only gives up a retry."""
+    trace = exc.__traceback__
+    while trace is not None:
+        if trace.tb_frame.f_code in _CONNECTING:
+            return True
+        trace = trace.tb_next
+    return False
+
+
+def _ours_sent_once(exc: Exception) -> KeussError | None:
+    """:func:`_ours` for a client that sends a command once (no retries): a failure to open
+    the connection then means it was never sent."""
+    ours = _ours(exc)
+    if isinstance(ours, KeussConnectionError) and _while_connecting(exc):
+        ours.ran_nothing = True
+    return ours
+
+
+async def translated(call: Awaitable[_T], sent_once: bool = False) -> _T:
+    """Await a call into redis-py; its errors leave as ours. ``sent_once``: the client sends
+    a command once, whatever happens to it (see ``_no_retry``). Used only in this module: the
     rest of the package reaches the server through :class:`RedisConnection`'s methods."""
     try:
         return await call
     except Exception as exc:
-        raise_translated(exc, _ours)
+        raise_translated(exc, _ours_sent_once if sent_once else _ours)
 
 
 class _Reply(asyncio.Future[Any]):
@@ -735,6 +768,7 @@ class RedisConnection(Backend):
         self.client: RedisClient = self.config.client or self._make_client()
         if not self._owns_client:
             self._warn_of_retries()
+        self._sends_once = self._owns_client or command_retries(self.client) == 0
         self.cluster = isinstance(self.client, RedisCluster)
         self._tag = "" if self.config.hash_tag is None else "{" + self.config.hash_tag + "}:"
         self._lane = self._make_lane()
@@ -839,7 +873,7 @@ class RedisConnection(Backend):
         """
         if self._lane is not None:
             return self._lane.call(args)
-        return translated(self.client.execute_command(*args))
+        return translated(self.client.execute_command(*args), self._sends_once)
 
     def run_script(
         self, script: Script, keys: Sequence[str], args: Sequence[Any]

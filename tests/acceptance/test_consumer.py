@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import socket
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -21,6 +20,7 @@ import pytest
 from backends import REDIS_URL, _drop_redis_prefix, new_token
 from conftest import Connect, needs
 from own_servers import own_mongo, own_postgres, own_redis
+from two_addresses import TWO_ADDRESSES, resolving_to_both
 
 import aio_keuss
 import aio_keuss.consumer as consumer_module
@@ -516,24 +516,6 @@ async def test_popped_prefetched_messages_go_back_once_the_server_serves_again(
             assert await q.size() == 10
 
 
-TWO_ADDRESSES = "two-addresses.ak.test"
-"""A host name resolving to the IPv6 then the IPv4 loopback address, as ``localhost`` does
-on many machines (``.test`` is reserved for testing, RFC 2606)."""
-
-
-def _resolving_to_both_loopbacks(monkeypatch: pytest.MonkeyPatch) -> None:
-    """``TWO_ADDRESSES`` made to resolve so, through the resolver asyncio calls: this
-    machine's ``localhost`` may have one address only. The connections are real."""
-    real = socket.getaddrinfo
-
-    def getaddrinfo(host: Any, *args: Any, **kwargs: Any) -> Any:
-        if host != TWO_ADDRESSES:
-            return real(host, *args, **kwargs)
-        return [*real("::1", *args, **kwargs), *real("127.0.0.1", *args, **kwargs)]
-
-    monkeypatch.setattr(socket, "getaddrinfo", getaddrinfo)
-
-
 async def test_popped_prefetched_messages_go_back_when_every_address_of_the_host_refused(
     caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -543,7 +525,7 @@ async def test_popped_prefetched_messages_go_back_when_every_address_of_the_host
     again and the messages were lost."""
     monkeypatch.setattr(consumer_module, "ACK_WAIT", DEADLINE)
     caplog.set_level(logging.WARNING, logger=OUTAGE_LOGGER)
-    _resolving_to_both_loopbacks(monkeypatch)
+    resolving_to_both(monkeypatch)
     with own_redis() as server:  # listening on 127.0.0.1 only: ::1 refuses
         url = f"redis://{TWO_ADDRESSES}:{server.port}/0"
         async with aio_keuss.connect("redis-list", url=url, prefix="pb") as factory:
