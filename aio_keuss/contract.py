@@ -488,6 +488,12 @@ class Store(ABC):
     retry would store them twice). One push larger than this still goes in one call. Moves
     carrying new payloads are bounded the same way."""
 
+    message_ttl: float | None = None
+    """Seconds a message lives from its push where the store ends messages of its own accord
+    (the sharded backends' ``message_ttl``), or None: it is never delivered past that, even
+    if its delay kept it scheduled until then, so a repeat pushes its occurrences late
+    enough to outlive their time."""
+
     def __init__(self, name: str, options: QueueOptions) -> None:
         self.name = name
         self.options = options

@@ -1423,7 +1423,7 @@ class Queue:
                 payload, delay=delay, headers=headers, id=message_id, priority=entry.priority
             )
 
-        repeater = Repeater(plan, self.name, push, self._repeaters.discard)
+        repeater = Repeater(plan, self.name, push, self._repeaters.discard, self._store.message_ttl)
         self._repeaters.add(repeater)
         return repeater
 

@@ -12,7 +12,11 @@ repeat without a leader or a lock:
   delivered once however many processes push it.
 - The repeater keeps the NEXT occurrence already queued: it pushes the first one after now
   when it starts, then sleeps until that time and pushes the one after. A process that dies
-  leaves its next occurrence queued, so a restart within a period loses nothing.
+  leaves its next occurrence queued, so a restart within a period loses nothing. On a queue
+  whose messages expire a set time after their push (the sharded backends' ``message_ttl``)
+  an occurrence queued a period ahead would end before its time, never delivered: there it
+  is pushed no sooner than half that TTL before its time (a process dying before then
+  leaves it to the other processes running the repeat, or to a restart before its time).
 
 Every push of occurrence ``t`` is made between the occurrence before it and ``t`` itself (a
 push that keeps failing is given up at ``t``, the occurrence skipped), so the dedup holds as
@@ -62,6 +66,11 @@ it, so a clock stepped by NTP or a suspended machine delays an occurrence by at 
 DEDUP_MARGIN = 60.0
 """Seconds of clock skew and round trip that ``dedup_window`` should leave above the longest
 gap between occurrences (see :meth:`RepeatPlan.dedup_warning`)."""
+
+TTL_LEAD = 0.5
+"""On a queue whose messages live ``message_ttl`` seconds from their push, an occurrence is
+pushed at most this share of it before its time (rather than up to a whole period before,
+when it would end unseen): it then has the rest of its life to be taken once due."""
 
 Push = Callable[[float, Headers, str], Awaitable[Any]]
 """Pushes the repeat's payload with a delay, headers and id (``Queue.push``, bound)."""
@@ -175,6 +184,7 @@ class Repeater(StoppedOnExit):
         queue: str,
         push: Push,
         stopped: Callable[[Repeater], None],
+        message_ttl: float | None = None,
     ) -> None:
         self.key = plan.key
         self.queue = queue
@@ -182,6 +192,7 @@ class Repeater(StoppedOnExit):
         self._plan = plan
         self._push = push
         self._stopped = stopped
+        self._lead = None if message_ttl is None else message_ttl * TTL_LEAD
         self.pushed = 0
         """Occurrences this repeater pushed (a push another process had made counts too:
         the queue dropped it as a duplicate)."""
@@ -236,6 +247,8 @@ class Repeater(StoppedOnExit):
         try:
             t = self.schedule.next_after(time.time())
             while True:
+                if self._lead is not None:  # pushed sooner, it would end before its time
+                    await _sleep_until(t - self._lead)
                 if await self._push_occurrence(t):
                     await _sleep_until(t)
                 # after a late wake (a loaded loop, a suspended machine) what fell due meanwhile

@@ -102,6 +102,7 @@ class ShardedStore(Store):
         self._store_of = store_of
         self.shards = adopted.shards
         self._ttl = adopted.message_ttl
+        self.message_ttl = adopted.message_ttl or None
         self._max_consumers = adopted.max_consumers
         self._window = options.dedup_window
         self._turn = random.randrange(self.shards)

@@ -827,6 +827,26 @@ async def test_messages_within_their_ttl_are_delivered(sharded: Connect) -> None
     assert sorted(m.payload for m in got) == list(range(5))
 
 
+async def test_a_repeat_longer_than_the_ttl_still_delivers_its_occurrences(
+    sharded: Connect,
+) -> None:
+    """A repeat keeps its next occurrence queued, pushed up to a whole period before its
+    time; a message's TTL counts from its push, so an occurrence pushed a period ahead on a
+    queue whose TTL is shorter would end before it matured, and every one be lost while the
+    repeater counted it pushed. Each is pushed late enough to outlive its time. No time is
+    asserted: a loaded machine that misses one only makes the wait longer."""
+    q = await (await sharded(message_ttl=2.0)).queue("ticks")
+    async with q.repeat("tick", "x", every=3.0):
+        got: set[str] = set()
+        deadline = time.monotonic() + 30.0
+        while len(got) < 2:
+            assert time.monotonic() < deadline, f"occurrences delivered: {sorted(got)}"
+            message = await q.pop(timeout=0.5)
+            if message is not None:
+                got.add(message.id)
+    assert all(m.startswith("tick@") for m in got)
+
+
 # consumers, cancellation -----------------------------------------------------------------
 
 
