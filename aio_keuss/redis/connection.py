@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib
+import inspect
 import logging
 import operator
 import re
@@ -125,6 +127,26 @@ def _no_retry() -> Retry:
     """redis-py's documented way to turn its retries off ("Retry Helpers" in the redis-py
     docs): a command is sent once, whatever happens to its reply."""
     return Retry(NoBackoff(), 0)
+
+
+def _pool_checks_connections() -> dict[str, Any]:
+    """Keyword arguments for the redis-py clients built here that turn redis-py's
+    maintenance notifications off, where this redis-py has them (none elsewhere).
+
+    Before handing out a pooled connection, redis-py checks that the server has not closed
+    it (a restart, a ``timeout`` reaping idle clients, CLIENT KILL) and opens a new one if
+    it has. redis-py 8.1's asyncio pool skips that check while maintenance notifications
+    are on, and under RESP3, its default, they are on ("auto") unless turned off (redis-py
+    issue #4252): the first command after a restart was then written on the closed
+    connection and failed with "Connection closed by server", which cannot tell that it
+    never ran, so a stop's put-back of popped messages was dropped. The notifications serve
+    managed Redis's planned maintenance (relaxed timeouts, early reconnects); a connection
+    error here is handled either way."""
+    init = getattr(aioredis.ConnectionPool, "__init__", None)
+    if init is None or "maint_notifications_config" not in inspect.signature(init).parameters:
+        return {}
+    config = importlib.import_module("redis.maint_notifications").MaintNotificationsConfig
+    return {"maint_notifications_config": config(enabled=False)}
 
 
 def command_retries(client: object) -> int | None:
@@ -788,7 +810,9 @@ class RedisConnection(Backend):
         its reservation ends. On a cluster, MOVED and ASK are still followed and the
         topology reloaded after a connection error (by the next command): a redirected
         command did not run on the node that refused it. No number of MOVED replies closes
-        the connections other tasks use (``CLUSTER_REINITIALIZE_STEPS``)."""
+        the connections other tasks use (``CLUSTER_REINITIALIZE_STEPS``). A single node's
+        pool checks a connection is still open before handing it out
+        (``_pool_checks_connections``)."""
         cluster, url = self.config.cluster, self.config.url
         try:
             if cluster:
@@ -798,7 +822,9 @@ class RedisConnection(Backend):
                     retry=_no_retry(),
                     reinitialize_steps=CLUSTER_REINITIALIZE_STEPS,
                 )
-            return aioredis.Redis.from_url(url, decode_responses=False, retry=_no_retry())
+            return aioredis.Redis.from_url(
+                url, decode_responses=False, retry=_no_retry(), **_pool_checks_connections()
+            )
         except ValueError as exc:  # a query argument redis-py cannot read
             raise ConfigError(f"url: {exc}") from exc
 

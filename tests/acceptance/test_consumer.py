@@ -455,6 +455,27 @@ async def test_popped_prefetched_messages_go_back_once_the_server_is_back_during
             assert await q.size() == 10
 
 
+async def test_popped_prefetched_messages_go_back_through_redis_py_after_a_restart() -> None:
+    """As above, through redis-py (which a query option in the URL makes the backend use),
+    with the server restarted before the stop. redis-py 8.1's pool handed the put-back the
+    connection the old server had closed, without its check for a closed connection
+    (skipped while maintenance notifications are on, their default under RESP3): the
+    put-back failed with "Connection closed by server", was taken for a command that may
+    have run, and the ten messages were lost. The restart blocks the loop, so that no
+    other command (a stats flush, a read of the paused flag) meets the closed connection
+    first and the put-back is the first command after it."""
+    with own_redis() as server:
+        url = server.url + "?socket_keepalive=true"
+        async with aio_keuss.connect("redis-list", url=url, prefix="pb") as factory:
+            assert not factory.backend.has_fast_lane  # type: ignore[attr-defined]
+            q = await factory.queue("jobs")
+            consumer = await _holding_ten_prefetched(q)
+            server.stop()
+            server.start()  # emptied: only what is put back is there
+            await asyncio.wait_for(consumer.stop(0), DEADLINE)
+            assert await q.size() == 10
+
+
 async def test_popped_prefetched_messages_go_back_over_a_unix_socket_once_the_server_is_back(
     caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
