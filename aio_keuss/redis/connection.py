@@ -42,6 +42,7 @@ from ..options import BackendOptions, check_bool, without_password
 
 try:
     import hiredis
+    import redis
     import redis.asyncio as aioredis
     from redis import exceptions as redis_errors
     from redis.asyncio.cluster import RedisCluster
@@ -147,6 +148,22 @@ def _pool_checks_connections() -> dict[str, Any]:
         return {}
     config = importlib.import_module("redis.maint_notifications").MaintNotificationsConfig
     return {"maint_notifications_config": config(enabled=False)}
+
+
+SKIPS_CLOSED_CHECK = ("8.1.0",)
+"""The redis-py releases whose asyncio pool hands out a connection the server closed
+without noticing it while maintenance notifications are on (redis-py issue #4252; fixed
+after 8.1.0)."""
+
+
+def skips_closed_check(client: object) -> bool:
+    """Whether ``client`` (a standalone redis-py client) hands out pooled connections the
+    server closed (a restart) unchecked: its maintenance notifications are on, and this
+    redis-py is one of ``SKIPS_CLOSED_CHECK`` (see ``_pool_checks_connections``)."""
+    if not isinstance(client, aioredis.Redis) or redis.__version__ not in SKIPS_CLOSED_CHECK:
+        return False
+    enabled = getattr(client.connection_pool, "maint_notifications_enabled", None)
+    return bool(enabled is not None and enabled())
 
 
 def command_retries(client: object) -> int | None:
@@ -830,8 +847,8 @@ class RedisConnection(Backend):
 
     def _warn_of_retries(self) -> None:
         """The user's client is theirs to configure (never changed here); say what its
-        retries (and, on a cluster, its reloads of the topology) risk, once, as the backend
-        is made."""
+        retries (and, on a cluster, its reloads of the topology; on a redis-py that skips
+        it, the missing check for a closed connection) risk, once, as the backend is made."""
         steps = command_reinitializes(self.client)
         if steps:
             log.warning(
@@ -841,6 +858,17 @@ class RedisConnection(Backend):
                 "cut loses its messages. Pass a client made with reinitialize_steps=0",
                 self.name,
                 steps,
+            )
+        if skips_closed_check(self.client):
+            log.warning(
+                "%s: the Redis client passed as client= has redis-py's maintenance "
+                "notifications on (the default under RESP3), with which redis-py %s hands out "
+                "a pooled connection the server closed (a restart) unchecked: the first "
+                "command on it then fails, and a stop's put-back of popped messages is lost. "
+                "Pass a client made with maint_notifications_config="
+                "MaintNotificationsConfig(enabled=False) (redis.maint_notifications)",
+                self.name,
+                redis.__version__,
             )
         retries = command_retries(self.client)
         if not retries or self.replay_hazard is None:

@@ -14,11 +14,20 @@ Each test restarts a private server (``own_servers``); the shared one is never t
 from __future__ import annotations
 
 import asyncio
+import importlib
+import logging
+from typing import Any
 
 import pytest
-from backends import new_token
+import redis
+import redis.asyncio as aioredis
+from backends import REDIS_URL, new_token
 from own_servers import own_redis
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
 
+import aio_keuss
+from aio_keuss.redis import connection as redis_connection
 from aio_keuss.redis.list import RedisListBackend
 
 pytestmark = pytest.mark.timeout(120)
@@ -42,3 +51,48 @@ async def test_the_first_command_after_a_restart_runs(query: str) -> None:
             assert await backend.execute("LLEN", f"{backend.prefix}:list") == 1
         finally:
             await backend.close()
+
+
+def _users_client(url: str, **kwargs: Any) -> aioredis.Redis:
+    return aioredis.Redis.from_url(url, retry=Retry(NoBackoff(), 0), **kwargs)
+
+
+async def test_a_users_client_that_skips_the_check_is_warned_about(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The library never changes a client it was given: it says what the notifications
+    risk there, and how to turn them off."""
+    client = _users_client(REDIS_URL)
+    try:
+        if not redis_connection.skips_closed_check(client):
+            pytest.skip(f"redis-py {redis.__version__} checks pooled connections")
+        with caplog.at_level(logging.WARNING, logger="aio_keuss"):
+            async with aio_keuss.connect("redis-list", client=client, prefix=f"rs-{new_token()}"):
+                pass
+        warnings = [r for r in caplog.records if "MaintNotificationsConfig" in r.getMessage()]
+        assert len(warnings) == 1, caplog.text
+        assert client.connection_pool.maint_notifications_enabled()  # untouched
+    finally:
+        await client.aclose()
+
+
+async def test_a_users_client_made_as_the_warning_says_survives_a_restart(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Made so, a client of the user's is not warned about and sends the first command
+    after a restart on a new connection."""
+    config = importlib.import_module("redis.maint_notifications").MaintNotificationsConfig
+    with own_redis() as server:
+        client = _users_client(server.url, maint_notifications_config=config(enabled=False))
+        try:
+            with caplog.at_level(logging.WARNING, logger="aio_keuss"):
+                backend = RedisListBackend({"client": client, "prefix": f"rs-{new_token()}"})
+            assert "MaintNotificationsConfig" not in caplog.text
+            await backend.open()
+            await asyncio.to_thread(server.stop)
+            await asyncio.to_thread(server.start)  # emptied
+            await backend.execute("RPUSH", f"{backend.prefix}:list", "x")
+            assert await backend.execute("LLEN", f"{backend.prefix}:list") == 1
+            await backend.close()
+        finally:
+            await client.aclose()
