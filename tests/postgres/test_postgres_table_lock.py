@@ -1,0 +1,147 @@
+"""postgres behind a lock on the messages table that another session holds (a migration's
+``ALTER TABLE``, ``VACUUM FULL``, ``CLUSTER``, a ``LOCK TABLE`` left open: ACCESS EXCLUSIVE,
+PostgreSQL manual, "Explicit Locking"): a pop or reserve keeps its caller's timeout and
+answers "nothing" (``None`` / ``[]``) while the lock is held, taking nothing; once the lock
+goes, the messages are all there, each delivered once. Pushes, oks and kos have no timeout:
+they wait for the lock, and land once it goes.
+
+Each test works in its own schema, dropped afterwards. The lock is released only after the
+call under test returned (or a guard far past its timeout passed), so no assertion times
+the machine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from typing import Any
+
+import pytest
+from backends import POSTGRES_URL, new_token
+
+import aio_keuss
+
+asyncpg = pytest.importorskip("asyncpg")
+
+pytestmark = pytest.mark.timeout(120)
+
+GUARD = 20.0
+"""How long a call with a timeout of a second at most may take before the test calls it
+hung (and releases the lock)."""
+HELD_A_WHILE = 1.0
+"""How long calls that must wait are left behind the lock before it is released."""
+
+
+@pytest.fixture
+async def schema() -> AsyncIterator[str]:
+    try:
+        connection = await asyncpg.connect(POSTGRES_URL, timeout=3)
+    except (OSError, asyncpg.PostgresError, TimeoutError):
+        pytest.skip(f"no PostgreSQL at {POSTGRES_URL}")
+    await connection.close()
+    name = f"akt_{new_token()}"
+    yield name
+    connection = await asyncpg.connect(POSTGRES_URL)
+    try:
+        await connection.execute(f'DROP SCHEMA IF EXISTS "{name}" CASCADE')
+    finally:
+        await connection.close()
+
+
+@pytest.fixture
+async def factory(schema: str) -> AsyncIterator[aio_keuss.Factory]:
+    opened = await aio_keuss.connect(
+        "postgres", url=POSTGRES_URL, schema=schema, stats="memory", signal="local"
+    )
+    try:
+        yield opened
+    finally:
+        await opened.close()
+
+
+@asynccontextmanager
+async def locked(schema: str) -> AsyncIterator[None]:
+    """The messages table under ACCESS EXCLUSIVE, held by a session of the test's own until
+    the block ends (a migration's lock, as ``ALTER TABLE`` or ``VACUUM FULL`` take it)."""
+    holder = await asyncpg.connect(POSTGRES_URL)
+    try:
+        await holder.execute(f'BEGIN; LOCK TABLE "{schema}".messages IN ACCESS EXCLUSIVE MODE')
+        yield
+        await holder.execute("ROLLBACK")
+    finally:
+        await holder.close()  # ends the lock, should the block have raised
+
+
+Take = Callable[[Any, float], Awaitable[Any]]
+TAKES: dict[str, Take] = {
+    "reserve": lambda q, timeout: q.reserve(timeout=timeout),
+    "pop": lambda q, timeout: q.pop(timeout=timeout),
+    "reserve_many": lambda q, timeout: q.reserve_many(5, timeout=timeout),
+    "pop_many": lambda q, timeout: q.pop_many(5, timeout=timeout),
+}
+
+
+@pytest.mark.parametrize("timeout", [0.0, 0.5])
+@pytest.mark.parametrize("take", sorted(TAKES))
+async def test_a_take_behind_a_table_lock_keeps_its_timeout(
+    factory: aio_keuss.Factory, schema: str, take: str, timeout: float
+) -> None:
+    """It waited for the lock, past its timeout, for as long as the lock was held. It now
+    answers nothing while the lock is held, and took nothing: the message is there, on its
+    first delivery, once the lock goes."""
+    q = await factory.queue("jobs")
+    await q.push({"n": 1})
+    async with locked(schema):
+        call = asyncio.create_task(TAKES[take](q, timeout))
+        done, _ = await asyncio.wait([call], timeout=GUARD)
+        assert done, f"{take}(timeout={timeout}) still waiting {GUARD} s behind the lock"
+        assert not call.result(), call.result()  # None or []
+    sizes = await q.sizes()
+    assert (sizes.total, sizes.reserved) == (1, 0), sizes
+    message = await q.reserve(timeout=GUARD)
+    assert message is not None and message.payload == {"n": 1}
+    assert message.tries == 0  # the take behind the lock reserved nothing
+    assert await q.ok(message)
+
+
+@pytest.mark.parametrize("take", ["reserve", "pop"])
+async def test_a_take_without_a_timeout_waits_out_the_lock(
+    factory: aio_keuss.Factory, schema: str, take: str
+) -> None:
+    """No timeout: the take waits while the lock is held (looking again now and then), and
+    gets the message once it goes."""
+    q = await factory.queue("jobs")
+    await q.push({"n": 1})
+    async with locked(schema):
+        call = asyncio.create_task(getattr(q, take)())
+        await asyncio.sleep(HELD_A_WHILE)
+        assert not call.done(), call  # neither failed nor answered nothing
+    message = await asyncio.wait_for(call, GUARD)
+    assert message is not None and message.payload == {"n": 1}
+    if take == "reserve":
+        assert message.tries == 0
+        assert await q.ok(message)
+    assert (await q.sizes()).total == 0
+
+
+async def test_push_ok_and_ko_wait_for_the_lock_and_land(
+    factory: aio_keuss.Factory, schema: str
+) -> None:
+    """They have no timeout: behind the lock they wait (no error), and once it goes each
+    has done its work."""
+    q = await factory.queue("jobs")
+    await q.push_many([{"n": 1}, {"n": 2}])
+    first, second = await q.reserve_many(2, timeout=GUARD)
+    async with locked(schema):
+        calls = [
+            asyncio.create_task(q.push({"n": 3})),
+            asyncio.create_task(q.ok(first)),
+            asyncio.create_task(q.ko(second, delay=0)),
+        ]
+        await asyncio.sleep(HELD_A_WHILE)
+        assert not any(call.done() for call in calls), calls
+    pushed, oked, koed = await asyncio.wait_for(asyncio.gather(*calls), GUARD)
+    assert isinstance(pushed, str) and oked is True and koed, (pushed, oked, koed)
+    left = sorted(m.payload["n"] for m in await q.pop_many(10, timeout=0))
+    assert left == [2, 3]
