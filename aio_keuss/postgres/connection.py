@@ -36,6 +36,7 @@ from ..errors import (
     translating,
 )
 from ..options import BackendOptions, check_int, without_password
+from . import lockwait
 from .spelling import spelling
 from .sql import migrations, queries
 
@@ -219,10 +220,17 @@ def _idle_timeout_off(connection: Any) -> str:
 async def _light_reset(connection: Any) -> None:
     """Pool release hook. asyncpg's default reset costs one more round trip per statement
     (UNLISTEN *, RESET ALL, ...); our statements leave no session state behind (one implicit
-    transaction each, transaction-local settings only), so only a stray transaction, e.g.
-    from a cancelled call, needs undoing."""
+    transaction each, transaction-local settings only) but a take's bound on lock waits
+    (see :mod:`.lockwait`), so only that, or a stray transaction, e.g. from a cancelled
+    call, needs undoing."""
+    undo: list[str] = []
     if connection.is_in_transaction():
-        await connection.execute("ROLLBACK")
+        undo.append("ROLLBACK")
+    if lockwait.is_bound(connection):
+        undo.append(lockwait.UNBIND)
+    if undo:
+        await connection.execute("; ".join(undo))
+        lockwait.forget(connection)
 
 
 SERVER_SETTINGS = {
@@ -337,6 +345,8 @@ class _HeldConnections:
     ) -> None:
         self._pool = pool
         self._limit = limit
+        # ``setup``: a user's pool, whose reset on release (``RESET ALL``) is not ours, and
+        # also undoes a take's bound; our own pool's reset (``_light_reset``) undoes it
         self._setup = setup
         self._idle: list[Any] = []
         self._held = 0
@@ -346,7 +356,12 @@ class _HeldConnections:
         # nothing takes from ``_idle`` any more and a pool's close waits for it.
         self._closed = False
 
-    async def run(self, method: str, query: str, args: tuple[Any, ...]) -> Any:
+    async def run(
+        self, method: str, query: str, args: tuple[Any, ...], bounded: bool = False
+    ) -> Any:
+        """``method(query, *args)`` on a held connection. ``bounded``: a take, which waits
+        at most ``lockwait.TAKE_LOCK_WAIT`` for a lock (asyncpg's LockNotAvailableError past
+        it); any other statement waits for as long as the lock is held."""
         connection = self._take_idle()
         held = True
         if connection is None:
@@ -366,7 +381,18 @@ class _HeldConnections:
                     self._let_go(connection, exc, held)
                     raise
         try:
-            result = await getattr(connection, method)(query, *args)
+            if bounded and not lockwait.is_bound(connection):
+                await lockwait.bind(connection)  # once: it stays so while held
+            try:
+                result = await getattr(connection, method)(query, *args)
+            except asyncpg.LockNotAvailableError:
+                if bounded or not lockwait.is_bound(connection):
+                    raise
+                # A statement with no timeout on a connection set for takes, past their
+                # bound: it did nothing (one statement, rolled back), so it goes again on
+                # the connection reset, and waits for the lock.
+                await lockwait.unbind(connection)
+                result = await getattr(connection, method)(query, *args)
         except BaseException as exc:
             if held and not self._closed and _fit_to_keep(connection, exc):
                 self._idle.append(connection)
@@ -401,6 +427,8 @@ class _HeldConnections:
         task.add_done_callback(self._handing_back.pop)
 
     async def _release(self, connection: Any, failure: BaseException | None = None) -> None:
+        if self._setup is not None:
+            lockwait.forget(connection)  # the user's pool resets it (RESET ALL)
         if (
             failure is not None
             and not isinstance(failure, asyncio.CancelledError)
@@ -651,13 +679,25 @@ class PostgresConnection(Backend):
     async def fetchval(self, query: str, *args: Any) -> Any:
         return await self._run("fetchval", query, args)
 
-    def _run(self, method: str, query: str, args: tuple[Any, ...]) -> Any:
+    @translated
+    async def fetch_take(self, query: str, *args: Any) -> list[Any] | None:
+        """``fetch`` for a pop or reserve: None when a lock another session holds (a
+        migration's, ``VACUUM FULL``'s) kept it waiting past ``lockwait.TAKE_LOCK_WAIT``.
+        The server then ended it (SQLSTATE 55P03) before it changed anything: nothing was
+        taken, and the caller may look again."""
+        try:
+            rows: list[Any] = await self._run("fetch", query, args, bounded=True)
+        except asyncpg.LockNotAvailableError:
+            return None
+        return rows
+
+    def _run(self, method: str, query: str, args: tuple[Any, ...], bounded: bool = False) -> Any:
         if self._held is None:
             return getattr(self.pool, method)(query, *args)  # raises: not open
         written = spelling(query)  # a small batch's arrays sent as scalars (see spelling)
         if written is not None and (spelled := written.apply(args)) is not None:
             query, args = spelled[0], tuple(spelled[1])
-        return self._held.run(method, query, args)
+        return self._held.run(method, query, args, bounded)
 
     @asynccontextmanager
     async def transaction(self) -> AsyncIterator[Any]:

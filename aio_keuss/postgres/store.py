@@ -120,11 +120,20 @@ def _by_bytes(entries: Sequence[Entry], most: int) -> list[Sequence[Entry]]:
     return groups
 
 
-def _fetched(rows: list[Any]) -> Fetched:
+def _fetched(rows: list[Any] | None) -> Fetched:
     """Rows of get / reserve: messages (NULL id when none) each carrying next_in, the
     seconds from the server's now to the next mature time, made a time on our clock (the
     wait loop sleeps on it: a client clock off the server's must not wake that much early
-    or late)."""
+    or late).
+
+    None: the take gave up on a table lock another session holds (see
+    ``PostgresConnection.fetch_take``), having taken nothing. Messages may be ready behind
+    it, so the next mature time is now: a caller with a timeout looks again until it ends,
+    the wait loop backing off between looks (a lock held long is looked past less and less
+    often, up to the queue's ``poll_interval``), rather than sleeping out its timeout or
+    waiting for the lock."""
+    if rows is None:
+        return Fetched([], time.time())
     next_in = rows[0][5] if rows else None
     next_mature = None if next_in is None else time.time() + next_in
     messages = [
@@ -226,13 +235,13 @@ class PostgresStore(Store):
 
     async def get(self, n: int) -> Fetched:
         # to its end: a cancellation (the loop ending) must not lose what the DELETE took
-        rows = await to_the_end(self._db.fetch(self._sql["get"], self.name, n))
+        rows = await to_the_end(self._db.fetch_take(self._sql["get"], self.name, n))
         return _fetched(rows)
 
     async def reserve(self, n: int, reserve_delay: float) -> Fetched:
         # to its end: what it reserved is then given back, not left reserved
-        rows = await to_the_end(self._db.fetch(self._sql["reserve"], self.name, n, reserve_delay))
-        return _fetched(rows)
+        take = self._db.fetch_take(self._sql["reserve"], self.name, n, reserve_delay)
+        return _fetched(await to_the_end(take))
 
     async def commit(self, acks: Sequence[Ack]) -> list[bool]:
         if not acks:

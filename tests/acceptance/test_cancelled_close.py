@@ -157,7 +157,18 @@ async def test_a_cancelled_close_waits_for_a_silent_server_only_so_long(
             await case.cleanup(options)
 
 
-async def test_a_cancelled_close_lets_a_batch_in_flight_end_on_postgres() -> None:
+def _takes_wait_for_locks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A take waits for a table lock as long as it is held, as every take did before they
+    gave up after ``lockwait.TAKE_LOCK_WAIT``: the tests here hold a pop in flight by a
+    lock, for as long as they need it there."""
+    from aio_keuss.postgres import lockwait
+
+    monkeypatch.setattr(lockwait, "BIND", "SET lock_timeout = 0")
+
+
+async def test_a_cancelled_close_lets_a_batch_in_flight_end_on_postgres(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """On PostgreSQL a pop runs in a batch task, whose statement a cancellation interrupts
     (asyncpg cancels it: where the server had already run it, the messages it deleted are
     lost). A close cancelled while it waits for that batch cancelled it along with the
@@ -168,6 +179,7 @@ async def test_a_cancelled_close_lets_a_batch_in_flight_end_on_postgres() -> Non
     reason = case.available()
     if reason:
         pytest.skip(reason)
+    _takes_wait_for_locks(monkeypatch)
     options = {**case.options(new_token()), "stats": "memory", "signal": "local"}
     blocker = None
     try:
@@ -218,6 +230,7 @@ async def test_a_cancelled_close_past_its_grace_ends_with_a_batch_stuck_on_postg
     if reason:
         pytest.skip(reason)
     monkeypatch.setattr(aio_keuss.queue, "CANCELLED_CLOSE_GRACE", 0.2)
+    _takes_wait_for_locks(monkeypatch)
     options = {**case.options(new_token()), "stats": "memory", "signal": "local"}
     blocker = None
     try:

@@ -145,3 +145,52 @@ async def test_push_ok_and_ko_wait_for_the_lock_and_land(
     assert isinstance(pushed, str) and oked is True and koed, (pushed, oked, koed)
     left = sorted(m.payload["n"] for m in await q.pop_many(10, timeout=0))
     assert left == [2, 3]
+
+
+@pytest.mark.parametrize("own_pool", [True, False])
+async def test_a_borrowed_connection_is_bounded_for_a_take_and_reset_on_its_way_back(
+    schema: str, own_pool: bool
+) -> None:
+    """A take that finds every held connection busy borrows one from the pool: set for the
+    take (each time: the pool's reset, ours or a user's ``RESET ALL``, undid it), and given
+    back with the session's own ``lock_timeout``, so the pool's other users (a user's
+    statements, a migration) keep waiting for locks as they did."""
+    pool = None if own_pool else await asyncpg.create_pool(POSTGRES_URL, min_size=0, max_size=2)
+    options: dict[str, Any] = (
+        {"url": POSTGRES_URL, "min_pool_size": 0, "max_pool_size": 2}
+        if pool is None
+        else {"pool": pool}
+    )
+    fresh = await asyncpg.connect(POSTGRES_URL)
+    try:
+        default = await fresh.fetchval("SHOW lock_timeout")
+    finally:
+        await fresh.close()
+    try:
+        async with aio_keuss.connect(
+            "postgres", schema=schema, stats="memory", signal="local", **options
+        ) as factory:
+            q = await factory.queue("jobs")
+            await q.push({"n": 1})
+            held = factory.backend._held  # type: ignore[attr-defined]
+            for _ in range(1000):  # the push's connection may still be on its way back
+                if held._idle:
+                    break
+                await asyncio.sleep(0.01)
+            busy = held._idle.pop()  # the one connection held, busy: a take borrows
+            try:
+                for _ in range(2):
+                    async with locked(schema):
+                        assert await asyncio.wait_for(q.reserve(timeout=0), GUARD) is None
+                    for _ in range(1000):
+                        if not held._handing_back:
+                            break
+                        await asyncio.sleep(0.01)
+                    async with factory.backend.pool.acquire() as connection:  # type: ignore[attr-defined]
+                        assert await connection.fetchval("SHOW lock_timeout") == default
+            finally:
+                held._idle.append(busy)
+            assert (await q.reserve(timeout=GUARD)) is not None
+    finally:
+        if pool is not None:
+            await pool.close()
