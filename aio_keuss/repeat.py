@@ -19,7 +19,8 @@ repeat without a leader or a lock:
   leaves it to the other processes running the repeat, or to a restart before its time).
 
 Every push of occurrence ``t`` is made between the occurrence before it and ``t`` itself (a
-push that keeps failing is given up at ``t``, the occurrence skipped), so the dedup holds as
+push that keeps failing is given up at ``t``, the occurrence skipped; a repeater woken past
+``t`` skips it), so the dedup holds as
 long as ``dedup_window`` outlasts the longest gap between two occurrences; ``repeat()`` logs a
 warning when it does not. Occurrences that fell due while no repeater ran are not made up,
 as with cron: a repeat is a schedule of future pushes, not a ledger of past ones.
@@ -249,6 +250,9 @@ class Repeater(StoppedOnExit):
             while True:
                 if self._lead is not None:  # pushed sooner, it would end before its time
                     await _sleep_until(t - self._lead)
+                    if time.time() >= t:  # woken past it: skipped, as after a late wake below
+                        t = self.schedule.next_after(time.time())
+                        continue
                 if await self._push_occurrence(t):
                     await _sleep_until(t)
                 # after a late wake (a loaded loop, a suspended machine) what fell due meanwhile

@@ -847,6 +847,35 @@ async def test_a_repeat_longer_than_the_ttl_still_delivers_its_occurrences(
     assert all(m.startswith("tick@") for m in got)
 
 
+async def test_a_repeat_woken_past_an_occurrence_does_not_push_it_late(
+    sharded: Connect,
+) -> None:
+    """On a queue with a message TTL the repeater sleeps until shortly before each
+    occurrence, then pushes it. Woken only after its time (a loop held up, a suspended
+    machine), it must skip it, as it skips what fell due while it slept until the one
+    before: pushed late, another process's copy may have been consumed past what the dedup
+    window covers, and it would be delivered twice. The loop is held up here for longer than
+    a period while the repeater sleeps before an occurrence; the first occurrence it pushes
+    afterwards must lie after the hold-up (no duration is asserted)."""
+    every = 3.0
+    q = await (await sharded(message_ttl=2.0)).queue("ticks")
+    async with q.repeat("tick", "x", every=every) as repeater:
+        await asyncio.sleep(0.1)  # its task started: it computed its first occurrence
+        # wait until it sleeps before an occurrence: none pushed, or the last one past
+        deadline = time.monotonic() + 60.0
+        while repeater.next_at is not None and repeater.next_at.timestamp() > time.time():
+            assert time.monotonic() < deadline, "the repeater never got past an occurrence"
+            await asyncio.sleep(0.05)
+        pushed = repeater.pushed
+        time.sleep(every + 0.5)  # noqa: ASYNC251 - the loop held up past that occurrence
+        held_until = time.time()
+        while repeater.pushed == pushed:
+            assert time.monotonic() < deadline + 60.0, "no occurrence pushed after the hold-up"
+            await asyncio.sleep(0.05)
+        assert repeater.next_at is not None
+        assert repeater.next_at.timestamp() > held_until, (repeater.next_at, held_until)
+
+
 # consumers, cancellation -----------------------------------------------------------------
 
 
