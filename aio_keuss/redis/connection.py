@@ -174,16 +174,39 @@ def command_retries(client: object) -> int | None:
     A standalone client's commands get their connection's retry policy: the ``retry`` of
     the connection keyword arguments, else one retry when ``retry_on_error`` or
     ``retry_on_timeout`` is given, else none (redis-py's ``Connection``). A cluster client
-    retries at its own level (its nodes' connections never do)."""
+    retries at its own level (its nodes' connections never do): by its ``retry`` since
+    redis-py 6.0, by its ``cluster_error_retry_attempts`` before, whatever ``retry`` said
+    (see ``_cluster_attempts_off``)."""
     if isinstance(client, RedisCluster):
-        return int(client.retry.get_retries())
+        attempts = getattr(client, "cluster_error_retry_attempts", None)
+        return int(attempts) if attempts is not None else _retries(client.retry)
     if isinstance(client, aioredis.Redis):
         kwargs = client.connection_pool.connection_kwargs
         retry = kwargs.get("retry")
         if retry is not None:
-            return int(retry.get_retries())
+            return _retries(retry)
         return 1 if kwargs.get("retry_on_error") or kwargs.get("retry_on_timeout") else 0
     return None
+
+
+def _retries(retry: Retry) -> int:
+    """How many times ``retry`` tries again: redis-py before 6.0 has no ``get_retries``."""
+    get = getattr(retry, "get_retries", None)
+    return int(get() if get is not None else retry._retries)
+
+
+def _cluster_attempts_off(client: RedisCluster) -> RedisCluster:
+    """``client`` (built here) made to send a command once on the redis-py releases before
+    6.0 too: their cluster client sends a command again after a connection error up to
+    ``cluster_error_retry_attempts`` times (3 by default), which its ``retry`` does not
+    govern (redis-py 6.0.0 deprecated that argument: "configure the 'retry' object
+    instead"). A command whose reply was lost when its node stopped was then sent again,
+    and the refused connect of that second attempt made it look never sent: a stop's
+    put-back tried again on it stored its messages twice. Read on every command there, so set after construction;
+    later releases have no such attribute (passing the argument only warns there)."""
+    if getattr(client, "cluster_error_retry_attempts", None) is not None:
+        setattr(client, "cluster_error_retry_attempts", 0)  # noqa: B010 - absent from 6.0 on
+    return client
 
 
 CLUSTER_REINITIALIZE_STEPS = 0
@@ -833,11 +856,13 @@ class RedisConnection(Backend):
         cluster, url = self.config.cluster, self.config.url
         try:
             if cluster:
-                return RedisCluster.from_url(
-                    url,
-                    decode_responses=False,
-                    retry=_no_retry(),
-                    reinitialize_steps=CLUSTER_REINITIALIZE_STEPS,
+                return _cluster_attempts_off(
+                    RedisCluster.from_url(
+                        url,
+                        decode_responses=False,
+                        retry=_no_retry(),
+                        reinitialize_steps=CLUSTER_REINITIALIZE_STEPS,
+                    )
                 )
             return aioredis.Redis.from_url(
                 url, decode_responses=False, retry=_no_retry(), **_pool_checks_connections()
