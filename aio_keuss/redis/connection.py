@@ -202,8 +202,9 @@ def _cluster_attempts_off(client: RedisCluster) -> RedisCluster:
     govern (redis-py 6.0.0 deprecated that argument: "configure the 'retry' object
     instead"). A command whose reply was lost when its node stopped was then sent again,
     and the refused connect of that second attempt made it look never sent: a stop's
-    put-back tried again on it stored its messages twice. Read on every command there, so set after construction;
-    later releases have no such attribute (passing the argument only warns there)."""
+    put-back tried again on it stored its messages twice. It is read on every command
+    there, so setting it after construction serves; later releases have no such attribute
+    (passing the argument only warns there)."""
     if getattr(client, "cluster_error_retry_attempts", None) is not None:
         setattr(client, "cluster_error_retry_attempts", 0)  # noqa: B010 - absent from 6.0 on
     return client
@@ -832,6 +833,10 @@ class RedisConnection(Backend):
             self._warn_of_retries()
         self._sends_once = self._owns_client or command_retries(self.client) == 0
         self.cluster = isinstance(self.client, RedisCluster)
+        if self.cluster and not hasattr(RedisCluster, "pubsub"):
+            # the signal listener subscribes through the cluster client, which redis-py's
+            # asyncio RedisCluster offers from 8.0 on; earlier, consumers would never be woken
+            raise ConfigError("a Redis Cluster needs redis-py 8.0 or later (its pubsub)")
         self._tag = "" if self.config.hash_tag is None else "{" + self.config.hash_tag + "}:"
         self._lane = self._make_lane()
         if not self.one_slot:  # a script cannot reach two queues: no move between them
