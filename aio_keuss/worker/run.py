@@ -153,27 +153,19 @@ async def run_worker(
     # Before connecting: a SIGTERM during a slow connect (a server that accepts and does not
     # answer) would otherwise kill the process by the signal's default action.
     restore = _on_signals(stop, now)
+    own: Factory | None = None
+    stopped = counting = False
+    global _counting_workers
     try:
         own = None if factory is not None else await _connect_unless_stopped(stop, backend, options)
-    except BaseException:
-        restore()
-        if health is not None:
-            await health.close()
-        raise
-    opened = factory or own
-    if opened is None:
-        restore()
-        if health is not None:
-            await health.close()
-        log.info("worker %d stopped while connecting", os.getpid())
-        return
-    stopped = False
-    global _counting_workers
-    counting = health_port is not None and (observe.active is None or _counting_workers > 0)
-    if counting:
-        observe.enable()
-        _counting_workers += 1
-    try:
+        opened = factory or own
+        if opened is None:
+            log.info("worker %d stopped while connecting", os.getpid())
+            return
+        counting = health_port is not None and (observe.active is None or _counting_workers > 0)
+        if counting:
+            observe.enable()
+            _counting_workers += 1
         stations = None if source is None else _pipeline(source, opened)
         running = None
         to_consume: list[Queue] = []
