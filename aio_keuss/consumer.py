@@ -369,6 +369,12 @@ ACK_WAIT = 10.0
 """Longest a stop waits, past its grace, for acknowledgements already on their way (the ok
 of a handler that returned, prefetched messages given back): a server that never answers
 must not hold a stop for ever. What is cut short comes back when its reservation expires."""
+ABANDON_WAIT = 5.0
+"""Longest a stop waits for the workers it cancelled once ``ACK_WAIT`` is over: a handler
+that swallows every cancellation (catches ``CancelledError`` and goes on) is then abandoned,
+logged, instead of holding the stop, and the process, for ever (what a second Ctrl-C does to
+uvicorn and Celery). Its messages are not given back: another consumer would take them while
+it may still run; they come back when their reservations, no longer extended, expire."""
 OK_SENDERS = 2
 """Background ok round trips a consumer with prefetch keeps out at once: while one is
 answered, the oks of the messages handled meanwhile go out together in the other."""
@@ -677,6 +683,8 @@ class Consumer(StoppedOnExit):
         self._keeps = queue.keeps_results and settle is None  # (a station keeps none)
         self._stopping = False
         self._stop_asked = asyncio.Event()  # ends a backoff the worker waits itself
+        # set once a stop has ended: every worker ended, or was abandoned (see ABANDON_WAIT)
+        self._ended = asyncio.Event()
         self._stopper: asyncio.Task[None] | None = None  # a stop a handler asked for
         self._waiting: set[asyncio.Task[None]] = set()
         # Workers running their handler: the only ones a stop past its grace cancels (one
@@ -783,7 +791,18 @@ class Consumer(StoppedOnExit):
     async def wait(self) -> None:
         """Run until stopped (or the queue closes). Cancelling this wait leaves the
         workers running."""
-        await asyncio.wait(self._workers)
+        await self._end(None)
+
+    async def _end(self, timeout: float | None) -> None:
+        """Until every worker has ended, or a stop has (abandoning any left, see
+        ``ABANDON_WAIT``), for ``timeout`` seconds at most."""
+        every = asyncio.ensure_future(asyncio.wait(self._workers))
+        ended = asyncio.ensure_future(self._ended.wait())
+        try:
+            await asyncio.wait((every, ended), timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            every.cancel()  # (not the workers: a cancelled asyncio.wait leaves them be)
+            ended.cancel()
 
     async def wait_failure(self) -> Exception:
         """Wait until a worker stops on an error not worth retrying; returns that error
@@ -794,12 +813,15 @@ class Consumer(StoppedOnExit):
 
     async def stop(self, grace: float | None = 30.0) -> None:
         """Stop taking messages; wait ``grace`` seconds for running handlers, then cancel them
-        (their messages go back at once). Called by one of this consumer's own handlers,
+        (their messages go back at once); one that goes on once cancelled is abandoned after
+        ``ABANDON_WAIT``, its message left reserved. Called by one of this consumer's own handlers,
         it cannot wait for that handler to end: it starts the stop and returns. ``grace``:
         seconds in [0, 1e9], or None to wait as long as the handlers run; anything else is
         refused (:class:`InvalidDelayError`) before the stop begins."""
         if grace is not None:
             grace = check_seconds(grace, "grace")
+        if self._ended.is_set():
+            return  # stopped already (leaving alone the handlers it abandoned, if any)
         if asyncio.current_task() in self._workers:
             self._stopping = True
             if self._stopper is None:
@@ -816,14 +838,17 @@ class Consumer(StoppedOnExit):
             self._acks.add(giving_back)  # _stopped waits for it
             giving_back.add_done_callback(self._acks.discard)
         try:
-            _, late = await asyncio.wait(self._workers, timeout=grace)
+            await self._end(grace)
         except asyncio.CancelledError:
             # the caller is cancelled during the grace (a shutdown timeout, a second ^C):
             # stop at once rather than leave the workers unsupervised and the prefetched
             # messages held until their reservations expire
-            await asyncio.shield(self._stopped({t for t in self._workers if not t.done()}))
+            if not self._ended.is_set():
+                await asyncio.shield(self._stopped({t for t in self._workers if not t.done()}))
             raise
-        ending = asyncio.ensure_future(self._stopped(late))
+        if self._ended.is_set():
+            return  # another stop (one with less grace) ended it meanwhile
+        ending = asyncio.ensure_future(self._stopped({t for t in self._workers if not t.done()}))
         try:
             await asyncio.shield(ending)
         except asyncio.CancelledError:
@@ -839,7 +864,8 @@ class Consumer(StoppedOnExit):
         for task in late:
             if task in self._handling:
                 task.cancel()
-        await _bounded(self._workers)  # the others are acknowledging what they handled
+        abandoned = await self._workers_end()
+        # (renewals stop even for the abandoned: their reservations expire, and they come back)
         if self._renewals is not None:
             await self._renewals.close()
         if self._cancels is not None:
@@ -850,7 +876,40 @@ class Consumer(StoppedOnExit):
                 await self._give_back()
         except TimeoutError:
             log.warning("queue %r: prefetched messages not given back in time", self.queue.name)
-        self.queue.stopped(self)
+        if not abandoned:
+            # else it stays known to its queue, whose close gives back what nobody
+            # acknowledged but what it holds (``busy``)
+            self.queue.stopped(self)
+        self._ended.set()
+
+    async def _workers_end(self) -> bool:
+        """Wait ``ACK_WAIT`` seconds at most for the workers (the others are acknowledging
+        what they handled), then cancel those left and wait ``ABANDON_WAIT`` more: those
+        still running then are abandoned, logged with the messages they hold. Whether some
+        were."""
+        _, late = await asyncio.wait(self._workers, timeout=ACK_WAIT)
+        if late:
+            for task in late:
+                task.cancel()
+            _, late = await asyncio.wait(late, timeout=ABANDON_WAIT)
+        # their outcomes seen, so that asyncio does not report them as never retrieved
+        await asyncio.gather(*(t for t in self._workers if t not in late), return_exceptions=True)
+        if not late:
+            return False
+        fate = (
+            "left reserved until their reservations expire"
+            if self._reserve
+            else "popped: lost unless their handlers end"
+        )
+        log.error(
+            "queue %r: %d handlers went on after being cancelled; abandoned running, their "
+            "messages %s (%s, not given back while these may still run)",
+            self.queue.name,
+            len(late),
+            ", ".join(sorted(self.busy)) or "(none)",  # only theirs are left in it
+            fate,
+        )
+        return True
 
     async def _give_back(self) -> None:
         """Give back what was prefetched and never started, at once, costing no try."""

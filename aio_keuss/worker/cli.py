@@ -11,7 +11,6 @@ the unit file" (2) from "the database is down" (3), and restart only on the latt
 from __future__ import annotations
 
 import argparse
-import asyncio
 import logging
 import sys
 from collections.abc import Sequence
@@ -26,7 +25,7 @@ from ..errors import (
     NotSupportedError,
 )
 from ..loading import add_connection_flags, import_callable
-from . import admin
+from . import admin, loop
 from .run import pipeline_source, run_worker
 from .settings import REPEAT_FORM, WorkerSettings, connection_settings, option_value, resolve
 
@@ -148,7 +147,8 @@ def _connection(args: argparse.Namespace) -> tuple[str, dict[str, Any]]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run the command; returns its exit code."""
+    """Run the command; returns its exit code. A worker that abandoned handlers which went on
+    after being cancelled ends the process here, with that code (see ``loop``)."""
     args = _parser().parse_args(argv)
     if args.command == "dashboard":
         return dashboard_command.run(args, _connection)
@@ -169,8 +169,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         level=settings.log_level.upper(),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
+    code = _serve(settings)
+    loop.exit_if_abandoned(code)
+    return code
+
+
+def _serve(settings: WorkerSettings) -> int:
+    """Run the worker; returns the command's exit code."""
     try:
-        asyncio.run(_run(settings))
+        loop.run(_run(settings))  # not asyncio.run: see that module
     except KeussConnectionError as exc:
         log.error("cannot reach the backend at start: %s", exc)
         return EXIT_UNREACHABLE

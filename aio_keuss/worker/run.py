@@ -6,7 +6,11 @@ stop``): the first SIGTERM or SIGINT stops taking new messages and gives running
 ``grace`` seconds to finish; handlers still running then are cancelled and their messages
 given back at once, costing no try, so another worker takes them without waiting for a
 reservation to expire. A second signal skips the rest of the grace (still giving the
-messages back). Messages prefetched and never started are given back the same way.
+messages back). Messages prefetched and never started are given back the same way. A
+handler that goes on once cancelled (it swallows ``CancelledError``) is abandoned after a
+short bound, logged, and the worker returns without it, as a second Ctrl-C makes uvicorn
+and Celery exit: its message is not given back, as two consumers would then hold it at
+once, and comes back when its reservation, no longer extended, expires.
 
 A worker may also run repeats (``repeats=``): what arq's ``cron_jobs``, BullMQ's repeatable
 jobs and procrastinate's periodic tasks give a worker process. They start once the worker
@@ -102,7 +106,9 @@ async def run_worker(
     or consumer starts.
 
     Returns once every consumer has stopped and every message it held is acknowledged or
-    given back. Raises :class:`~aio_keuss.ConsumerFailedError` (after stopping the others)
+    given back, but for the handlers abandoned as they went on after being cancelled: those
+    run on in the loop (the command exits without them), their messages left reserved.
+    Raises :class:`~aio_keuss.ConsumerFailedError` (after stopping the others)
     when a consumer's worker, or a repeat, stops on an error not worth retrying. Signal
     handlers are installed only while it runs, in the main thread; those found there before
     (the loop's, or Python's) are put back when it returns (on asyncio's loop).

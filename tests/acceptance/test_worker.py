@@ -52,6 +52,17 @@ JOBS = textwrap.dedent(
         note("start", message)
         await asyncio.sleep(3600)
 
+    async def stubborn(message):
+        # swallows every cancellation: never ends
+        note("start", message)
+        with LOG.open("a") as log:
+            log.write(json.dumps({"kind": "id", "n": message.id}) + "\\n")
+        while True:
+            try:
+                await asyncio.sleep(1)
+            except asyncio.CancelledError:
+                note("cancelled", message)
+
     def triple(message):
         return message.payload["n"] * 3
 
@@ -255,6 +266,39 @@ async def test_a_second_sigint_stops_at_once(
     assert "stopping now" in worker.output
     left, reserved, tries = await _left(prefix)
     assert (left, reserved, tries) == (2, 0, [0, 0])
+
+
+async def test_a_handler_that_swallows_cancellation_is_abandoned_not_given_back(
+    workdir: Path, prefix: str, workers: list[Worker]
+) -> None:
+    """A handler that catches every ``CancelledError`` and goes on kept the worker alive
+    past the second signal, for ever. It is abandoned now: logged, its message left reserved
+    (given back while its handler may still run, two consumers would hold it at once), and
+    the process exits; the message comes back once its reservation expires."""
+    await _push(prefix, [{"n": n} for n in range(3)])
+    port = free_port()
+    args = ["--grace", "600", "--health-port", str(port), "--option", "reserve_delay=40"]
+    worker = Worker(workdir, *_redis_args(prefix, *args, handler="jobs:stubborn"))
+    workers.append(worker)
+    worker.wait_for("id", 1)
+    [taken] = worker.events("id")
+    worker.signal(signal.SIGTERM)
+    await _status_becomes(port, 503)  # the first signal was heard: the consumer stops
+    worker.signal(signal.SIGTERM)
+    worker.wait_for("cancelled", 1)  # and swallowed by the handler
+    assert worker.finish(seconds=120) == 0, worker.output
+    [line] = [line for line in worker.output.splitlines() if taken in line]
+    assert " ERROR " in line and "'jobs'" in line, worker.output
+    left, reserved, tries = await _left(prefix)
+    assert (left, reserved, tries) == (2, 1, [0, 0])  # the others untouched, it still reserved
+    async with aio_keuss.connect("redis-oq", url=REDIS_URL, prefix=prefix) as factory:
+        q = await factory.queue("jobs")
+        deadline = time.monotonic() + 120
+        back: list[aio_keuss.Message] = []
+        while not back and time.monotonic() < deadline:
+            back = await q.pop_many(10, timeout=0)
+            await asyncio.sleep(0.2)
+        assert [m.id for m in back] == [taken]  # back once its reservation expired
 
 
 TWO_WORKERS = textwrap.dedent(
