@@ -274,7 +274,7 @@ async def test_a_handler_that_swallows_cancellation_is_abandoned_not_given_back(
     """A handler that catches every ``CancelledError`` and goes on kept the worker alive
     past the second signal, for ever. It is abandoned now: logged, its message left reserved
     (given back while its handler may still run, two consumers would hold it at once), and
-    the process exits; the message comes back once its reservation expires."""
+    the process exits."""
     await _push(prefix, [{"n": n} for n in range(3)])
     port = free_port()
     args = ["--grace", "600", "--health-port", str(port), "--option", "reserve_delay=40"]
@@ -290,15 +290,9 @@ async def test_a_handler_that_swallows_cancellation_is_abandoned_not_given_back(
     [line] = [line for line in worker.output.splitlines() if taken in line]
     assert " ERROR " in line and "'jobs'" in line, worker.output
     left, reserved, tries = await _left(prefix)
-    assert (left, reserved, tries) == (2, 1, [0, 0])  # the others untouched, it still reserved
-    async with aio_keuss.connect("redis-oq", url=REDIS_URL, prefix=prefix) as factory:
-        q = await factory.queue("jobs")
-        deadline = time.monotonic() + 120
-        back: list[aio_keuss.Message] = []
-        while not back and time.monotonic() < deadline:
-            back = await q.pop_many(10, timeout=0)
-            await asyncio.sleep(0.2)
-        assert [m.id for m in back] == [taken]  # back once its reservation expired
+    # the others untouched, it still reserved: it comes back once that expires, as any
+    # reservation nobody renews (the lifecycle conformance tests)
+    assert (left, reserved, tries) == (2, 1, [0, 0])
 
 
 TWO_WORKERS = textwrap.dedent(
