@@ -205,6 +205,30 @@ async def _proxied(soak: Soak) -> AsyncIterator[tuple[FaultProxy, dict[str, Any]
             await case.cleanup(direct)
 
 
+def _mongo_paced_for_a_test(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Shorten two waits a MongoDB run spends mostly idle, neither of them what is checked.
+
+    - After a network error PyMongo marks the server unknown, and every operation waits in
+      server selection for the monitor's next check, at least ``MIN_HEARTBEAT_INTERVAL``
+      (0.5 s) after its last one (the Server Discovery and Monitoring specification's
+      ``minHeartbeatFrequencyMS``): with some 70 faults that was 40 s of the producers' time,
+      against 5 s at 0.05 s. The knob is the one PyMongo's own test suite turns; it is read
+      when a client's monitors start, so it is set before connecting.
+    - A pop whose delete was cut leaves its message claimed for ``CLAIM_LEASE`` (30 s), and
+      the run waits for the pop queue to empty: the claim lapsing is what brings it back.
+      A lease of ``RESERVE_DELAY`` still lapses the same way; it is the margin the reserve
+      side already trusts for a take and its ok under load, and a pop slower than half of
+      it renews its claim before the delete (``LATE_POP``), as with the longer lease.
+    """
+    import pymongo.common
+
+    from aio_keuss.mongo import store
+
+    monkeypatch.setattr(pymongo.common, "MIN_HEARTBEAT_INTERVAL", 0.05)
+    monkeypatch.setattr(store, "CLAIM_LEASE", RESERVE_DELAY)
+    monkeypatch.setattr(store, "LATE_POP", RESERVE_DELAY / 2)
+
+
 async def _retrying(ledger: Ledger, kind: str, call: Callable[[], Awaitable[Any]]) -> Any:
     while True:
         try:
@@ -298,9 +322,11 @@ async def _raw(backend: str, options: dict[str, Any], ids: list[str]) -> Any:
 
 @pytest.mark.parametrize("soak", SOAKS, ids=lambda s: s.backend)
 async def test_faults_lose_nothing_acknowledged_and_hand_nothing_out_twice(
-    soak: Soak, caplog: pytest.LogCaptureFixture
+    soak: Soak, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     caplog.set_level(logging.ERROR)
+    if soak.backend.startswith("mongo"):
+        _mongo_paced_for_a_test(monkeypatch)
     loop = asyncio.get_running_loop()
     async with _proxied(soak) as (proxy, direct_options, options):
         factory = await aio_keuss.connect(soak.backend, poll_interval=1.0, **options)
