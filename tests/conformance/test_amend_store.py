@@ -235,7 +235,12 @@ async def test_a_batch_past_a_scripts_argument_limit_is_applied_whole(
     factory: aio_keuss.Factory,
 ) -> None:
     """Redis' Lua unpack() stops near 8000 values, PostgreSQL at 65,535 parameters: a
-    batch of 12,000 amends (48,000 values) is applied whole, in one call."""
+    batch of 12,000 amends (48,000 values) is applied whole, in one call. Not on MongoDB:
+    its amend is one ``update_one`` per message (a command of one filter and one update
+    each), so no number of them crosses a limit, and 12,000 of them against the suite's
+    protocol server took 20 s of a loaded run to show what the small batches here show."""
+    if factory.backend_name.startswith("mongo"):
+        pytest.skip("one update per amend: no argument limit to cross")
     store = await _store(factory)
     ids = [f"m{k:05d}" for k in range(6000)]
     for start in range(0, len(ids), 1000):
