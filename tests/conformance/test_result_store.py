@@ -138,8 +138,13 @@ async def test_a_batch_past_each_databases_statement_limits_goes_in_one_call(
     store: ResultStore, case: BackendCase
 ) -> None:
     """20,000 results: past Lua's unpack stack (about 8,000), SQLite's 32,766 bound
-    variables (four a row), PostgreSQL's 65,535 parameters (four a row)."""
+    variables (four a row), PostgreSQL's 65,535 parameters (four a row). Not on MongoDB,
+    which has no such limit: a put is one bulk of upserts that the driver splits past
+    100,000 writes or 48 MB (MongoDB manual, "MongoDB Limits and Thresholds"), and the
+    get's limit, 16 MiB of ids, is crossed by the next test."""
     not_on_a_cluster(case)
+    if case.id == "mongo":
+        pytest.skip("no per-statement limit below 100,000 writes; the get's is tested next")
     results = [(f"id-{n}", n.to_bytes(4, "big")) for n in range(20_000)]
     await store.put("q1", results, LONG)
     found = await store.get("q1", [i for i, _ in results])
@@ -150,12 +155,18 @@ async def test_a_get_of_ids_past_a_database_command_s_size_answers(
     store: ResultStore, case: BackendCase
 ) -> None:
     """Ids of the longest kind, more of them than one 16 MiB command holds (MongoDB's
-    limit on a command document): a put and a get still answer, in order."""
+    limit on a command document): a get still answers, in order. One id in ten is stored,
+    spread over the whole get, so that every part of it is seen to find its own; storing
+    all 17,000 crossed no other limit (a put's upserts go out as a document sequence, split
+    by the driver past 48 MB) and cost most of the test's time on the suite's protocol
+    server."""
     not_on_a_cluster(case)
     ids = [f"{n:08}" + "x" * (MAX_KNOWN_ID_LENGTH - 8) for n in range(17_000)]
-    await store.put("q1", [(i, i[:8].encode()) for i in ids], LONG)
+    stored = ids[::10]
+    await store.put("q1", [(i, i[:8].encode()) for i in stored], LONG)
     found = await store.get("q1", [*ids, "missing"])
-    assert found == [*(i[:8].encode() for i in ids), None]
+    kept = set(stored)
+    assert found == [*(i[:8].encode() if i in kept else None for i in ids), None]
 
 
 async def test_large_bodies_round_trip(store: ResultStore) -> None:
