@@ -345,8 +345,8 @@ class _HeldConnections:
     ) -> None:
         self._pool = pool
         self._limit = limit
-        # ``setup``: a user's pool, whose reset on release (``RESET ALL``) is not ours, and
-        # also undoes a take's bound; our own pool's reset (``_light_reset``) undoes it
+        # ``setup``: a user's pool, whose reset on release is not ours: a take's bound is
+        # undone before it (``_unbind_for_user``); our own pool's (``_light_reset``) undoes it
         self._setup = setup
         self._idle: list[Any] = []
         self._held = 0
@@ -428,7 +428,7 @@ class _HeldConnections:
 
     async def _release(self, connection: Any, failure: BaseException | None = None) -> None:
         if self._setup is not None:
-            lockwait.forget(connection)  # the user's pool resets it (RESET ALL)
+            await self._unbind_for_user(connection, failure)
         if (
             failure is not None
             and not isinstance(failure, asyncio.CancelledError)
@@ -441,6 +441,23 @@ class _HeldConnections:
                 connection.terminate()
         with contextlib.suppress(Exception):
             await self._pool.release(connection)
+
+    @staticmethod
+    async def _unbind_for_user(connection: Any, failure: BaseException | None) -> None:
+        """A session set for takes goes back to a user's pool as the user had it. The
+        pool's reset need not undo the setting: asyncpg's ``reset=`` runs in place of its
+        ``RESET ALL`` (asyncpg, "Connection Pools"), and the user's own statements on the
+        session then gave up on any lock held 0.1 s. Reset here, where the session is
+        free for a statement; one whose statement was cancelled is not yet (the pool's
+        release waits for the server to end it), and is left to the pool's reset."""
+        if lockwait.is_bound(connection) and (failure is None or _fit_to_keep(connection, failure)):
+            try:
+                await lockwait.unbind(connection)
+            except Exception:
+                # not known to be reset: closed, the pool opens another in its place
+                with contextlib.suppress(Exception):
+                    connection.terminate()
+        lockwait.forget(connection)
 
     async def close(self) -> None:
         """Give every held connection back (a pool waits for its connections on close).

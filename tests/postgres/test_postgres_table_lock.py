@@ -194,3 +194,37 @@ async def test_a_borrowed_connection_is_bounded_for_a_take_and_reset_on_its_way_
     finally:
         if pool is not None:
             await pool.close()
+
+
+async def test_a_pool_of_yours_with_its_own_reset_gets_its_sessions_back_as_they_were(
+    schema: str,
+) -> None:
+    """A pool passed with a ``reset=`` of its own (asyncpg's, run in place of ``RESET ALL``)
+    got back the sessions the backend had held with the takes' ``lock_timeout`` of 0.1 s
+    still set: the user's own statements on them then failed on any lock held that long
+    ("canceling statement due to lock timeout"), where they had waited."""
+
+    async def keep_settings(connection: Any) -> None:
+        """A reset that leaves the session's settings as they are."""
+
+    size = 4
+    pool = await asyncpg.create_pool(POSTGRES_URL, min_size=0, max_size=size, reset=keep_settings)
+    try:
+        async with pool.acquire() as connection:
+            default = await connection.fetchval("SHOW lock_timeout")
+        async with aio_keuss.connect(
+            "postgres", pool=pool, schema=schema, stats="memory", signal="local"
+        ) as factory:
+            q = await factory.queue("jobs")
+            await q.push({"n": 1})
+            message = await q.reserve(timeout=GUARD)
+            assert message is not None and await q.ok(message)
+        sessions = [await pool.acquire() for _ in range(size)]  # every one the pool has
+        try:
+            shown = [await session.fetchval("SHOW lock_timeout") for session in sessions]
+        finally:
+            for session in sessions:
+                await pool.release(session)
+        assert shown == [default] * size
+    finally:
+        await pool.close()
