@@ -228,3 +228,49 @@ async def test_a_pool_of_yours_with_its_own_reset_gets_its_sessions_back_as_they
         assert shown == [default] * size
     finally:
         await pool.close()
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="not fixed: a take that finds every pool connection taken by statements waiting"
+    " for the lock waits for a connection, unbounded, for as long as the lock is held",
+)
+async def test_a_take_keeps_its_timeout_when_waiting_statements_hold_every_connection(
+    schema: str,
+) -> None:
+    """Pushes (and oks, kos) behind the lock wait for it, each on a connection of the pool:
+    as many of them as the pool has connections (here 3, pushes to queues of their own, so
+    that none is batched with another) leave a take none to run on, and its wait for one is
+    the client's, which ``lock_timeout`` does not bound."""
+    size = 3
+    async with aio_keuss.connect(
+        "postgres",
+        url=POSTGRES_URL,
+        schema=schema,
+        stats="memory",
+        signal="local",
+        min_pool_size=0,
+        max_pool_size=size,
+    ) as factory:
+        q = await factory.queue("jobs")
+        await q.push({"n": 1})
+        others = [await factory.queue(f"other{i}") for i in range(size)]
+        watcher = await asyncpg.connect(POSTGRES_URL)
+        try:
+            async with locked(schema):
+                pushes = [asyncio.create_task(other.push({"n": 2})) for other in others]
+                waiting = (
+                    "SELECT count(*) FROM pg_locks WHERE NOT granted"
+                    f" AND relation = '\"{schema}\".messages'::regclass"
+                )
+                for _ in range(2000):  # every connection of the pool waits for the lock
+                    if await watcher.fetchval(waiting) >= size:
+                        break
+                    await asyncio.sleep(0.01)
+                call = asyncio.create_task(q.pop(timeout=0.5))
+                done, _ = await asyncio.wait([call], timeout=GUARD)
+            assert done, f"pop(timeout=0.5) still waiting {GUARD} s behind the lock"
+            assert call.result() is None
+            await asyncio.wait_for(asyncio.gather(*pushes), GUARD)
+        finally:
+            await watcher.close()
