@@ -268,8 +268,10 @@ async def test_a_take_keeps_its_timeout_when_waiting_statements_hold_every_conne
                         break
                     await asyncio.sleep(0.01)
                 call = asyncio.create_task(q.pop(timeout=0.5))
-                done, _ = await asyncio.wait([call], timeout=GUARD)
-            assert done, f"pop(timeout=0.5) still waiting {GUARD} s behind the lock"
+                # (short while it is a known failure: the wait is all the test's cost; a fix
+                # makes it pass, strict xfail then fails, and GUARD goes back here)
+                done, _ = await asyncio.wait([call], timeout=3.0)
+            assert done, "pop(timeout=0.5) still waiting 3 s behind the lock"
             assert call.result() is None
             await asyncio.wait_for(asyncio.gather(*pushes), GUARD)
         finally:
