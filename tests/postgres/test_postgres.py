@@ -40,35 +40,6 @@ ROOT = Path(__file__).resolve().parents[2]
 Open = Callable[..., Awaitable[aio_keuss.Factory]]
 
 
-async def _server_up() -> bool:
-    try:
-        connection = await asyncpg.connect(POSTGRES_URL, timeout=3)
-    except (OSError, asyncpg.PostgresError, TimeoutError):
-        return False
-    await connection.close()
-    return True
-
-
-@pytest.fixture
-async def schema() -> AsyncIterator[str]:
-    if not await _server_up():
-        pytest.skip(f"no PostgreSQL at {POSTGRES_URL}")
-    name = f"akt_{new_token()}"
-    yield name
-    for _ in range(50):  # the restart test may leave the server still starting up
-        try:
-            connection = await asyncpg.connect(POSTGRES_URL, timeout=3)
-            break
-        except (OSError, asyncpg.PostgresError, TimeoutError):
-            await asyncio.sleep(0.2)
-    else:
-        return
-    try:
-        await connection.execute(f'DROP SCHEMA IF EXISTS "{name}" CASCADE')
-    finally:
-        await connection.close()
-
-
 @pytest.fixture
 async def open_factory(schema: str) -> AsyncIterator[Open]:
     """Factories on the test's schema, closed after the test."""

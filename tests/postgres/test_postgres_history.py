@@ -5,24 +5,16 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
 from urllib.parse import urlsplit, urlunsplit
 
 import asyncpg
 import pytest
-from backends import POSTGRES_URL, _drop_postgres_schema, new_token
+from backends import POSTGRES_URL, new_token
 
 import aio_keuss
 from aio_keuss import State
 
 pytestmark = pytest.mark.timeout(120)
-
-
-@pytest.fixture
-async def schema() -> AsyncIterator[str]:
-    name = f"akt_{new_token()}"
-    yield name
-    await _drop_postgres_schema({"url": POSTGRES_URL, "schema": name})
 
 
 async def _history_rows(schema: str) -> list[str]:

@@ -8,11 +8,11 @@ Each test works in its own schema, dropped afterwards.
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from backends import POSTGRES_URL, new_token
+from backends import POSTGRES_URL
 
 import aio_keuss
 from aio_keuss.contract import Entry
@@ -21,22 +21,6 @@ from aio_keuss.postgres.sql import migrations, queries
 asyncpg = pytest.importorskip("asyncpg")
 
 pytestmark = pytest.mark.timeout(120)
-
-
-@pytest.fixture
-async def schema() -> AsyncIterator[str]:
-    try:
-        connection = await asyncpg.connect(POSTGRES_URL, timeout=3)
-    except (OSError, asyncpg.PostgresError, TimeoutError):
-        pytest.skip(f"no PostgreSQL at {POSTGRES_URL}")
-    await connection.close()
-    name = f"akt_{new_token()}"
-    yield name
-    connection = await asyncpg.connect(POSTGRES_URL)
-    try:
-        await connection.execute(f'DROP SCHEMA IF EXISTS "{name}" CASCADE')
-    finally:
-        await connection.close()
 
 
 async def _migrated_to(schema: str, last: int) -> None:

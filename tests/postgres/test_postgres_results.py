@@ -14,7 +14,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import pytest
-from backends import POSTGRES_URL, new_token
+from backends import POSTGRES_URL
 
 import aio_keuss
 from aio_keuss.postgres.results import PostgresResults
@@ -29,22 +29,6 @@ BACKENDS = ["postgres", "bucket-postgres"]
 HANG_GUARD = 60.0
 """Seconds a wait for something that must happen eventually may take before the test fails
 (a guard against hanging, not a bound on how long it should take)."""
-
-
-@pytest.fixture
-async def schema() -> AsyncIterator[str]:
-    try:
-        connection = await asyncpg.connect(POSTGRES_URL, timeout=3)
-    except (OSError, asyncpg.PostgresError, TimeoutError):
-        pytest.skip(f"no PostgreSQL at {POSTGRES_URL}")
-    await connection.close()
-    name = f"akt_{new_token()}"
-    yield name
-    connection = await asyncpg.connect(POSTGRES_URL)
-    try:
-        await connection.execute(f'DROP SCHEMA IF EXISTS "{name}" CASCADE')
-    finally:
-        await connection.close()
 
 
 Opened = tuple[aio_keuss.Factory, PostgresResults]

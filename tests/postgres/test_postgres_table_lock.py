@@ -18,7 +18,7 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 import pytest
-from backends import POSTGRES_URL, new_token
+from backends import POSTGRES_URL
 
 import aio_keuss
 
@@ -31,22 +31,6 @@ GUARD = 20.0
 hung (and releases the lock)."""
 HELD_A_WHILE = 1.0
 """How long calls that must wait are left behind the lock before it is released."""
-
-
-@pytest.fixture
-async def schema() -> AsyncIterator[str]:
-    try:
-        connection = await asyncpg.connect(POSTGRES_URL, timeout=3)
-    except (OSError, asyncpg.PostgresError, TimeoutError):
-        pytest.skip(f"no PostgreSQL at {POSTGRES_URL}")
-    await connection.close()
-    name = f"akt_{new_token()}"
-    yield name
-    connection = await asyncpg.connect(POSTGRES_URL)
-    try:
-        await connection.execute(f'DROP SCHEMA IF EXISTS "{name}" CASCADE')
-    finally:
-        await connection.close()
 
 
 @pytest.fixture
