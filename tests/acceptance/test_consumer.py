@@ -422,6 +422,19 @@ async def _holding_ten_prefetched(q: Any) -> Any:
     return consumer
 
 
+async def _put_back_while_stopped(server: Any, url: str, caplog: pytest.LogCaptureFixture) -> None:
+    """Ten messages prefetched (popped) from ``server`` through ``url``, the server stopped,
+    the consumer's stop refused meanwhile, the server started again empty: all ten are back."""
+    async with aio_keuss.connect("redis-list", url=url, prefix="pb") as factory:
+        q = await factory.queue("jobs")
+        consumer = await _holding_ten_prefetched(q)
+        await asyncio.to_thread(server.stop)
+        stopping = await _stop_until_the_put_back_is_refused(consumer, caplog)
+        await asyncio.to_thread(server.start)  # emptied: only what is put back is there
+        await asyncio.wait_for(stopping, DEADLINE)
+        assert await q.size() == 10
+
+
 async def _stop_until_the_put_back_is_refused(
     consumer: Any, caplog: pytest.LogCaptureFixture
 ) -> asyncio.Future[Any]:
@@ -445,14 +458,7 @@ async def test_popped_prefetched_messages_go_back_once_the_server_is_back_during
     monkeypatch.setattr(consumer_module, "ACK_WAIT", DEADLINE)
     caplog.set_level(logging.WARNING, logger=OUTAGE_LOGGER)
     with own_redis() as server:
-        async with aio_keuss.connect("redis-list", url=server.url, prefix="pb") as factory:
-            q = await factory.queue("jobs")
-            consumer = await _holding_ten_prefetched(q)
-            await asyncio.to_thread(server.stop)
-            stopping = await _stop_until_the_put_back_is_refused(consumer, caplog)
-            await asyncio.to_thread(server.start)  # emptied: only what is put back is there
-            await asyncio.wait_for(stopping, DEADLINE)
-            assert await q.size() == 10
+        await _put_back_while_stopped(server, server.url, caplog)
 
 
 async def test_popped_prefetched_messages_go_back_through_redis_py_after_a_restart() -> None:
@@ -548,15 +554,7 @@ async def test_popped_prefetched_messages_go_back_when_every_address_of_the_host
     caplog.set_level(logging.WARNING, logger=OUTAGE_LOGGER)
     resolving_to_both(monkeypatch)
     with own_redis() as server:  # listening on 127.0.0.1 only: ::1 refuses
-        url = f"redis://{TWO_ADDRESSES}:{server.port}/0"
-        async with aio_keuss.connect("redis-list", url=url, prefix="pb") as factory:
-            q = await factory.queue("jobs")
-            consumer = await _holding_ten_prefetched(q)
-            await asyncio.to_thread(server.stop)
-            stopping = await _stop_until_the_put_back_is_refused(consumer, caplog)
-            await asyncio.to_thread(server.start)  # emptied: only what is put back is there
-            await asyncio.wait_for(stopping, DEADLINE)
-            assert await q.size() == 10
+        await _put_back_while_stopped(server, f"redis://{TWO_ADDRESSES}:{server.port}/0", caplog)
 
 
 async def test_redis_reliable_close_with_the_server_away_closes_every_queue() -> None:
