@@ -23,6 +23,8 @@ from ..loading import add_connection_flags
 from .security import TOKEN_ENV, check_bind
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_UNREACHABLE = 0, 1, 2, 3
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+"""The names ``--log-level`` takes, as the worker's: the levels of Python's logging module."""
 
 log = logging.getLogger("aio_keuss.dashboard")
 
@@ -90,6 +92,10 @@ def run(args: argparse.Namespace, connection: Connection) -> int:
             raise ConfigError(f"--port must be in [0, 65535], not {args.port}")
         if not 0.2 <= args.sample_seconds <= 3600:
             raise ConfigError("--sample-seconds must be in [0.2, 3600]")
+        if str(args.log_level).lower() not in LOG_LEVELS:  # else a traceback from logging
+            raise ConfigError(
+                f"--log-level must be one of {', '.join(LOG_LEVELS)}, not {args.log_level!r}"
+            )
         backend, options = connection(args)
         try:
             import aiohttp  # noqa: F401

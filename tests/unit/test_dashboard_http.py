@@ -7,6 +7,8 @@ sets every header itself (a browser would not let a test forge Origin or Sec-Fet
 
 from __future__ import annotations
 
+import os
+import subprocess
 import sys
 from collections.abc import AsyncIterator
 from typing import Any
@@ -98,6 +100,24 @@ def test_the_command_refuses_a_public_address_without_a_token(
 def test_the_command_exits_2_for_a_bad_deadletter_queue_name() -> None:
     """Bad settings exit 2 (the name was refused by a non-config error: exit 1)."""
     assert cli_main(["dashboard", "--backend", "memory", "--deadletter-queue", "bad name"]) == 2
+
+
+@pytest.mark.parametrize("level", ["bogus", "10", ""])
+def test_the_command_exits_2_for_an_unknown_log_level(level: str) -> None:
+    """Refused as a usage error before anything is served, as the worker's --log-level is
+    (it was logging's ValueError, a traceback and exit 1). A process of its own: under
+    pytest the root logger has handlers already, and logging.basicConfig does nothing."""
+    argv = ["dashboard", "--backend", "memory", "--port", "0", "--log-level", level]
+    done = subprocess.run(
+        [sys.executable, "-m", "aio_keuss", *argv],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+    )
+    assert done.returncode == 2, done.stderr
+    assert "--log-level" in done.stderr
+    assert "Traceback" not in done.stderr
 
 
 def test_the_command_names_the_extra_when_aiohttp_is_missing(
