@@ -407,6 +407,10 @@ async def _push(factory: Factory, args: argparse.Namespace, out: Output) -> int:
         _require(factory, "delay")
     if check_priority(args.priority):
         _require(factory, "priority")
+    if not payloads:  # an empty stdin: nothing to write, so no queue to record either
+        check_queue_name(args.queue)
+        out.emit({"ids": []}, [])
+        return EXIT_OK
     q = await _open(factory, args.queue, create=True)
     ids = await q.push_many(
         payloads,

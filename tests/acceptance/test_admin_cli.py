@@ -413,6 +413,17 @@ async def test_a_push_refused_for_its_id_or_delay_records_no_queue(redis_cli: Cl
     assert (await cli.json("list")) == [] and (await plain.json("list")) == []
 
 
+async def test_a_push_of_no_lines_pushes_nothing_and_records_no_queue(redis_cli: Cli) -> None:
+    """An empty stdin (an empty file, a filter that matched nothing) pushes nothing: it
+    opened the queue first, and so recorded a name nobody pushed into (a typo among them)
+    in ``list`` and the dashboard."""
+    cli = redis_cli
+    for stdin in ("", "\n  \n"):
+        assert await cli.json("push", "typo", stdin=stdin) == {"ids": []}
+    assert (await cli.run("push", "bad name!", stdin="")).returncode == 2
+    assert (await cli.json("list")) == []
+
+
 # promote, reschedule, priority ---------------------------------------------------------------
 
 
