@@ -756,7 +756,14 @@ def check_redis_url(url: object, cluster: bool) -> str:
         raise bad("the scheme must be redis://, rediss:// or unix://")
     if url[len(scheme) + 1 : len(scheme) + 3] != "//":
         raise bad(f"expected {scheme}:// then the host (or for unix://, the socket path)")
-    databases = parse_qs(parts.query, keep_blank_values=True).get("db", [])
+    query = parse_qs(parts.query, keep_blank_values=True)
+    unknown = sorted(set(query) - _query_names(scheme, cluster))
+    if unknown:
+        raise bad(
+            f"redis-py takes no query argument {', '.join(map(repr, unknown))} in a"
+            f" {scheme}:// URL{' for Redis Cluster' if cluster else ''}"
+        )
+    databases = query.get("db", [])
     if scheme == "unix":
         if cluster:
             raise bad("Redis Cluster needs a redis:// or rediss:// URL")
@@ -777,6 +784,37 @@ def check_redis_url(url: object, cluster: bool) -> str:
         if cluster and int(db) != 0:
             raise bad("Redis Cluster has only database 0")
     return url
+
+
+def _query_names(scheme: str, cluster: bool) -> frozenset[str]:
+    """The query arguments redis-py can pass on for a URL of ``scheme``: ``from_url`` hands
+    every one it does not know to the client's constructor as a keyword (the pool's and the
+    connection class's for one node, ``RedisCluster``'s for a cluster), which fails with a
+    bare ``TypeError`` at the first command (redis-py docs, "Connecting to Redis": URL
+    query arguments). Read from the constructors' signatures, so a redis-py that adds one
+    needs no change here."""
+    if cluster:
+        constructors: tuple[type, ...] = (RedisCluster,)
+    else:
+        connection = {
+            "redis": aioredis.Connection,
+            "rediss": aioredis.SSLConnection,
+            "unix": aioredis.UnixDomainSocketConnection,
+        }[scheme]
+        constructors = (aioredis.ConnectionPool, connection)
+    names: set[str] = set()
+    for constructor in constructors:
+        for cls in constructor.__mro__:
+            init = vars(cls).get("__init__")
+            if init is None:
+                continue
+            names.update(
+                name
+                for name, parameter in inspect.signature(init).parameters.items()
+                if name != "self"
+                and parameter.kind in (parameter.POSITIONAL_OR_KEYWORD, parameter.KEYWORD_ONLY)
+            )
+    return frozenset(names)
 
 
 @dataclass(frozen=True)

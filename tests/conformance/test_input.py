@@ -859,6 +859,11 @@ BAD_URLS: list[tuple[str, str]] = [
     ("redis-oq", "redis://127.0.0.1:6379/0?db=x"),
     ("redis-oq", "redis://127.0.0.1:6379/0?socket_timeout=never"),
     ("redis-oq", "unix://"),
+    # a query argument no redis-py connection takes: a TypeError traceback at the first
+    # command (exit 1 from the admin commands, not 2)
+    ("redis-oq", "redis://:secret@127.0.0.1:6379/0?bogus=1"),
+    ("redis-list", "redis://127.0.0.1:6379/0?ssl_cert_reqs=none"),  # TLS only: rediss://
+    ("redis-reliable", "unix:///tmp/redis.sock?socket_keepalive=true"),  # TCP only
     ("redis-oq", "unix://127.0.0.1/tmp/redis.sock"),
     ("redis-list", "rediss:/127.0.0.1"),
     ("redis-reliable", "127.0.0.1:6379"),
@@ -892,7 +897,7 @@ async def test_bad_urls_are_refused_before_connecting(backend: str, url: str) ->
 
 
 async def test_redis_cluster_urls_have_database_0_only() -> None:
-    for url in ["redis://127.0.0.1:1/1", "unix:///tmp/redis.sock"]:
+    for url in ["redis://127.0.0.1:1/1", "unix:///tmp/redis.sock", "redis://127.0.0.1:1?bogus=1"]:
         with pytest.raises(aio_keuss.ConfigError):
             await (await aio_keuss.connect("redis-oq", url=url, cluster=True)).close()
 
@@ -908,8 +913,12 @@ def test_redis_url_forms_redis_py_documents_are_accepted() -> None:
         "rediss://cache.example:6380/0",
         "unix:///var/run/redis.sock",
         "unix://:secret@/var/run/redis.sock?db=1",
+        "redis://127.0.0.1?client_name=app&max_connections=5&health_check_interval=2",
+        "rediss://cache.example:6380/0?ssl_cert_reqs=none&ssl_check_hostname=false",
     ]:
         assert check_redis_url(url, cluster=False) == url
+    for url in ["redis://127.0.0.1:6379/0?client_name=app", "rediss://c.example?ssl_ca_certs=x"]:
+        assert check_redis_url(url, cluster=True) == url
 
 
 async def test_good_redis_url_variants_connect() -> None:
