@@ -757,6 +757,9 @@ def check_redis_url(url: object, cluster: bool) -> str:
     if url[len(scheme) + 1 : len(scheme) + 3] != "//":
         raise bad(f"expected {scheme}:// then the host (or for unix://, the socket path)")
     query = parse_qs(parts.query, keep_blank_values=True)
+    ours = sorted(set(query) & _SET_HERE)
+    if ours:
+        raise bad(f"{', '.join(map(repr, ours))} is set by aio-keuss, not in the URL")
     unknown = sorted(set(query) - _query_names(scheme, cluster))
     if unknown:
         raise bad(
@@ -784,6 +787,23 @@ def check_redis_url(url: object, cluster: bool) -> str:
         if cluster and int(db) != 0:
             raise bad("Redis Cluster has only database 0")
     return url
+
+
+_SET_HERE = frozenset(
+    {
+        "connection_class",
+        "decode_responses",
+        "encoding",
+        "encoding_errors",
+        "maint_notifications_config",
+        "reinitialize_steps",
+        "retry",
+    }
+)
+"""Client arguments the library sets itself (see ``_make_client``) or relies on at their
+defaults: redis-py lets a URL's query override the keywords its caller passed, so
+``?decode_responses=true`` handed the stores str replies where they read bytes, and
+``?encoding=`` wrote str keys and arguments as other bytes than every other client's."""
 
 
 def _query_names(scheme: str, cluster: bool) -> frozenset[str]:

@@ -864,6 +864,11 @@ BAD_URLS: list[tuple[str, str]] = [
     ("redis-oq", "redis://:secret@127.0.0.1:6379/0?bogus=1"),
     ("redis-list", "redis://127.0.0.1:6379/0?ssl_cert_reqs=none"),  # TLS only: rediss://
     ("redis-reliable", "unix:///tmp/redis.sock?socket_keepalive=true"),  # TCP only
+    # what the library sets on its own client, which the URL overrode: replies came back
+    # decoded (an AttributeError traceback on the first read), str keys encoded otherwise
+    ("redis-oq", "redis://127.0.0.1:6379/0?decode_responses=true"),
+    ("redis-list", "redis://127.0.0.1:6379/0?encoding=latin-1"),
+    ("redis-oq", "unix:///tmp/redis.sock?retry=5"),
     ("redis-oq", "unix://127.0.0.1/tmp/redis.sock"),
     ("redis-list", "rediss:/127.0.0.1"),
     ("redis-reliable", "127.0.0.1:6379"),
@@ -897,7 +902,13 @@ async def test_bad_urls_are_refused_before_connecting(backend: str, url: str) ->
 
 
 async def test_redis_cluster_urls_have_database_0_only() -> None:
-    for url in ["redis://127.0.0.1:1/1", "unix:///tmp/redis.sock", "redis://127.0.0.1:1?bogus=1"]:
+    for url in [
+        "redis://127.0.0.1:1/1",
+        "unix:///tmp/redis.sock",
+        "redis://127.0.0.1:1?bogus=1",
+        "redis://127.0.0.1:1?decode_responses=1",
+        "redis://127.0.0.1:1?reinitialize_steps=1",
+    ]:
         with pytest.raises(aio_keuss.ConfigError):
             await (await aio_keuss.connect("redis-oq", url=url, cluster=True)).close()
 
