@@ -632,6 +632,15 @@ def _seconds(text: str) -> float:
     return value
 
 
+def _interval(text: str) -> float:
+    """Seconds between two rounds of a watch: above 0 (0 would ask the backend in a loop
+    with no pause)."""
+    value = _seconds(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be seconds > 0, not {text}")
+    return value
+
+
 def add_commands(commands: Any) -> None:
     """Add the admin commands to the console script's subcommands."""
     common = [_connection_flags()]
@@ -701,7 +710,7 @@ def add_commands(commands: Any) -> None:
     p.add_argument("--to", help="the queue to push them into (default: the same)")
     p = command("stats", _stats, "counters and sizes of queues")
     p.add_argument("queues", nargs="*")
-    p.add_argument("--watch", type=_seconds, help="print again every so many seconds")
+    p.add_argument("--watch", type=_interval, help="print again every so many seconds")
     p.add_argument("--count", type=_positive, help="with --watch: stop after so many prints")
     command("pipelines", _pipelines, "stored pipelines: topology and queue sizes")
     command(

@@ -296,6 +296,9 @@ async def test_exit_codes_scripts_can_trust(redis_cli: Cli) -> None:
     assert bad_json.returncode == 2 and "not JSON" in bad_json.stderr
     bad_flag = await cli.run("peek", "jobs", "-n", "0")
     assert bad_flag.returncode == 2
+    # a watch every 0 s would ask the backend for its stats in a loop with no pause
+    no_pause = await cli.run("stats", "jobs", "--watch", "0", "--count", "2")
+    assert no_pause.returncode == 2 and "--watch" in no_pause.stderr, no_pause.stderr
     unsupported = await cli.run("history", "jobs")
     assert unsupported.returncode == 5 and "has no history" in unsupported.stderr
     assert (await cli.json("list")) == []  # nothing was written by the failures
