@@ -659,6 +659,13 @@ class Store(ABC):
     async def flush(self) -> None:
         """Write out anything buffered (bucket stores); others have nothing to do."""
 
+    def keep_reserved(self, ids: Iterable[str]) -> None:
+        """Before ``close``: the reservations of ``ids`` are still held by handlers that run
+        on (abandoned by their consumer's stop). A store whose close gives back what it
+        holds must leave these to come back when they expire, as a crash would: given back
+        at once, another consumer would handle them while those handlers still run. The
+        others keep every reservation through their close anyway."""
+
     async def close(self) -> None:
         """Release per-queue resources; the backend owns the connection."""
 

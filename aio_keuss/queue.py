@@ -2533,9 +2533,12 @@ class Queue:
             for task in done:  # their failures were logged; seen, so asyncio does not again
                 if not task.cancelled():
                     task.exception()
-        # a consumer still here was cut short (its stop did not end): the messages its
-        # handlers hold are theirs still
-        await self._give_back({i for consumer in self._consumers for i in consumer.busy})
+        # a consumer still here was cut short (its stop did not end, or abandoned handlers
+        # that went on once cancelled): the messages its handlers hold are theirs still
+        busy = {i for consumer in self._consumers for i in consumer.busy}
+        await self._give_back(busy)
+        if busy:
+            self._store.keep_reserved(busy)
         await self._store.close()
 
     def _coalescers(self) -> tuple[Coalescer[Any, Any], ...]:

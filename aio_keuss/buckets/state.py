@@ -47,6 +47,7 @@ class StateWriter:
     _visible: Callable[[float], None] | None
     _finished: FinishedDeadletters | None
     _copying: set[tuple[str, int]]
+    _kept_reserved: dict[str, set[int]]
 
     async def _sync(
         self,
@@ -245,8 +246,12 @@ class StateWriter:
         leaving = [self._held_buckets[i] for i in final]
         for bucket in leaving:
             if release_all:  # close: reservations go back without a try
-                for slot in bucket.deadline:
+                kept = self._kept_reserved.get(bucket.id, ())
+                for slot, deadline in bucket.deadline.items():
                     bucket.states[slot] = AVAILABLE
+                    if slot in kept:  # its handler runs on: back once it would have lapsed
+                        bucket.tries[slot] += 1
+                        bucket.mature[slot] = max(bucket.mature[slot], deadline)
                 bucket.deadline.clear()
                 bucket.version += 1
                 # this store's pace of deadletter copies is no other's: worth leasing at once

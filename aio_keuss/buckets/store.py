@@ -248,6 +248,8 @@ class BucketStore(PushSide, StateWriter, Store):
         self._leases: set[asyncio.Future[None]] = set()  # every lease in flight (close waits)
         self._deadlettering = Finishing()  # deadletter writes and their marks (close waits)
         self._copying: set[tuple[str, int]] = set()  # (bucket id, slot) being deadlettered
+        # bucket id -> slots whose reservations close leaves to expire (see keep_reserved)
+        self._kept_reserved: dict[str, set[int]] = {}
         # bucket id -> (failures, next try) of a previous holder's deadletter copy that
         # failed here: kept when the bucket is given back, so that leasing it again does
         # not start the backoff over (see ``COPY_RETRY_FIRST``)
@@ -984,6 +986,14 @@ class BucketStore(PushSide, StateWriter, Store):
         return min(times) if times else None
 
     # shutdown ------------------------------------------------------------------------
+
+    def keep_reserved(self, ids: Iterable[str]) -> None:
+        """The close gives these slots back available only from their reservation's
+        deadline, with the try it cost, as a lapsed reservation (see ``Store``)."""
+        for message_id in ids:
+            bucket_id, _, slot = message_id.rpartition("-")
+            if bucket_id and slot.isdigit():
+                self._kept_reserved.setdefault(bucket_id, set()).add(int(slot))
 
     async def close(self) -> None:
         """Refuse further calls (ClosedError), write what is buffered, then give every

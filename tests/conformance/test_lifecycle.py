@@ -7,6 +7,7 @@ functional limits, never performance assertions.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import time
 from collections.abc import Awaitable, Callable, Sequence
@@ -690,6 +691,49 @@ async def test_a_handler_closing_its_queue_keeps_its_message_from_other_consumer
     finally:
         finish.set()
         await asyncio.wait_for(consumer.wait(), 30)
+
+
+async def test_a_handler_abandoned_by_a_stop_keeps_its_message_through_the_close(
+    connect: Connect, case: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A handler that goes on once cancelled is abandoned by its consumer's stop, its
+    message left reserved: the factory's close that follows (the worker command's) must not
+    give it back either, or another consumer handles it while that handler still runs. A
+    bucket store gave every reservation of its leased buckets back as it closed."""
+    kinds = ("redis-oq", "redis-reliable", "redis-sharded", "postgres", "mongo", "sqlite")
+    if case.id not in (*kinds, "bucket-redis", "bucket-postgres", "bucket-mongo"):
+        pytest.skip("run on one backend of each kind")
+    monkeypatch.setattr(aio_keuss.consumer, "ACK_WAIT", 0.2)
+    monkeypatch.setattr(aio_keuss.consumer, "ABANDON_WAIT", 0.2)
+    first = await connect(poll_interval=5.0)
+    needs(first, "reserve")
+    second = await connect(poll_interval=5.0)
+    q1 = await first.queue("jobs", reserve_delay=600)
+    q2 = await second.queue("jobs", reserve_delay=600)
+    await q2.push("held")
+    started = asyncio.Event()
+    finish = asyncio.Event()
+    ended = asyncio.Event()
+
+    async def stubborn(message: Message) -> None:
+        started.set()
+        try:
+            while not finish.is_set():
+                with contextlib.suppress(asyncio.CancelledError):  # goes on
+                    await asyncio.sleep(0.05)
+        finally:
+            ended.set()
+
+    consumer = q1.consume(stubborn)
+    try:
+        await asyncio.wait_for(started.wait(), 30)
+        await asyncio.wait_for(consumer.stop(0), 30)  # abandons it
+        assert not ended.is_set()
+        await asyncio.wait_for(first.close(), 30)
+        assert await q2.reserve_many(1, timeout=0.5) == []  # not given to anyone else
+    finally:
+        finish.set()
+        await asyncio.wait_for(ended.wait(), 30)
 
 
 @pytest.mark.parametrize("closing", ["queue", "factory"])
