@@ -374,7 +374,8 @@ ABANDON_WAIT = 5.0
 that swallows every cancellation (catches ``CancelledError`` and goes on) is then abandoned,
 logged, instead of holding the stop, and the process, for ever (what a second Ctrl-C does to
 uvicorn and Celery). Its messages are not given back: another consumer would take them while
-it may still run; they come back when their reservations, no longer extended, expire."""
+it may still run; their reservations are extended while it runs in this process, and they
+come back when those expire after it ended (or the process did)."""
 OK_SENDERS = 2
 """Background ok round trips a consumer with prefetch keeps out at once: while one is
 answered, the oks of the messages handled meanwhile go out together in the other."""
@@ -686,6 +687,7 @@ class Consumer(StoppedOnExit):
         # set once a stop has ended: every worker ended, or was abandoned (see ABANDON_WAIT)
         self._ended = asyncio.Event()
         self._stopper: asyncio.Task[None] | None = None  # a stop a handler asked for
+        self._outliving: asyncio.Task[None] | None = None  # see _outlived
         self._waiting: set[asyncio.Task[None]] = set()
         # Workers running their handler: the only ones a stop past its grace cancels (one
         # whose handler returned finishes its ok / ko: cancelling it could drop the ok).
@@ -865,8 +867,12 @@ class Consumer(StoppedOnExit):
             if task in self._handling:
                 task.cancel()
         abandoned = await self._workers_end()
-        # (renewals stop even for the abandoned: their reservations expire, and they come back)
-        if self._renewals is not None:
+        if abandoned:
+            # they run on in this loop: their reservations are still extended while they do
+            # (else another consumer took their messages meanwhile), and no longer once
+            # they end, or the process does
+            self._outliving = self._loop.create_task(self._outlived())
+        elif self._renewals is not None:
             await self._renewals.close()
         if self._cancels is not None:
             await self._cancels.close()
@@ -881,6 +887,12 @@ class Consumer(StoppedOnExit):
             # acknowledged but what it holds (``busy``)
             self.queue.stopped(self)
         self._ended.set()
+
+    async def _outlived(self) -> None:
+        """Once the workers a stop abandoned have ended after all: no more extensions."""
+        await asyncio.wait(self._workers)
+        if self._renewals is not None:
+            await self._renewals.close()
 
     async def _workers_end(self) -> bool:
         """Wait ``ACK_WAIT`` seconds at most for the workers (the others are acknowledging
@@ -897,7 +909,7 @@ class Consumer(StoppedOnExit):
         if not late:
             return False
         fate = (
-            "left reserved until their reservations expire"
+            "left reserved, extended while these run"
             if self._reserve
             else "popped: lost unless their handlers end"
         )

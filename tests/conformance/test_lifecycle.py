@@ -736,6 +736,48 @@ async def test_a_handler_abandoned_by_a_stop_keeps_its_message_through_the_close
         await asyncio.wait_for(ended.wait(), 30)
 
 
+async def test_a_handler_abandoned_by_a_stop_keeps_its_reservation_while_it_runs(
+    connect: Connect, case: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A stop abandons a handler that goes on once cancelled, its queue left open (the
+    consumer stopped alone, or a worker given a factory it does not close): the handler
+    runs on in the loop, so its reservation is still extended, else it lapsed and another
+    consumer handled the message at the same time. The consumer's, the same on every
+    backend that extends: two kinds of store run it."""
+    if case.id not in ("redis-oq", "postgres"):
+        pytest.skip("run on two backends")
+    monkeypatch.setattr(aio_keuss.consumer, "ACK_WAIT", 0.2)
+    monkeypatch.setattr(aio_keuss.consumer, "ABANDON_WAIT", 0.2)
+    first = await connect(poll_interval=5.0)
+    second = await connect(poll_interval=5.0)
+    q1 = await first.queue("jobs", reserve_delay=6)
+    q2 = await second.queue("jobs", reserve_delay=6)
+    await q2.push("held")
+    started = asyncio.Event()
+    finish = asyncio.Event()
+    ended = asyncio.Event()
+
+    async def stubborn(message: Message) -> None:
+        started.set()
+        try:
+            while not finish.is_set():
+                with contextlib.suppress(asyncio.CancelledError):  # goes on
+                    await asyncio.sleep(0.05)
+        finally:
+            ended.set()
+
+    consumer = q1.consume(stubborn)
+    try:
+        await asyncio.wait_for(started.wait(), 30)
+        await asyncio.wait_for(consumer.stop(0), 30)  # abandons it
+        await asyncio.sleep(9)  # past its reservation, had it not been extended
+        assert not ended.is_set()
+        assert await q2.reserve_many(1, timeout=0) == []  # not given to anyone else
+    finally:
+        finish.set()
+        await asyncio.wait_for(ended.wait(), 30)
+
+
 @pytest.mark.parametrize("closing", ["queue", "factory"])
 async def test_a_handler_closing_its_queue_lets_the_other_handlers_acknowledge_first(
     connect: Connect, case: Any, closing: str
