@@ -731,6 +731,7 @@ async def test_a_handler_abandoned_by_a_stop_keeps_its_message_through_the_close
         assert not ended.is_set()
         await asyncio.wait_for(first.close(), 30)
         assert await q2.reserve_many(1, timeout=0.5) == []  # not given to anyone else
+        assert (await q2.sizes()).total == 1  # nor lost: back once its reservation expires
     finally:
         finish.set()
         await asyncio.wait_for(ended.wait(), 30)
