@@ -1237,15 +1237,28 @@ async def test_a_batch_ok_is_true_for_its_own_when_a_resent_ok_ends_another_firs
     assert await q.size() == 0 and await q.resv_size() == 0
 
 
+class _Awaited(asyncio.Future[None]):
+    """A future that tells when something begins to wait for it (``asyncio.wait``, an
+    ``await``: both add a done callback)."""
+
+    def __init__(self, awaited: asyncio.Event) -> None:
+        super().__init__()
+        self._awaited = awaited
+
+    def add_done_callback(self, fn: Any, *, context: Any = None) -> None:
+        self._awaited.set()
+        super().add_done_callback(fn, context=context)
+
+
 @pytest.mark.parametrize("backend", ["mongo", "mongo-history"])
 async def test_a_batch_ok_waits_for_an_earlier_ok_whose_end_landed_before_its_reply(
     open_factory: Open, backend: str
 ) -> None:
     """As above, the first send's end landing between the batch's read and its end, and
-    its reply held until the batch's short count begins: the batch still learns which
-    message that commit ended (it waits for the commits of its store begun before it;
-    here the reply also lands during the short count's read, so this does not pin the
-    wait)."""
+    its reply held until the batch has read what is gone after its short count (or waits
+    for that send): the batch still learns which message that send ended, as it waits
+    for the commits of its store begun before it. Without the wait it read both gone, one
+    counted, and answered False for its own message too."""
     q = await (await open_factory(backend, stats="memory")).queue("resent")
     await q.push_many(["a", "b"], ids=["a", "b"])
     held = await q.reserve_many(2, timeout=0)
@@ -1257,6 +1270,11 @@ async def test_a_batch_ok_waits_for_an_earlier_ok_whose_end_landed_before_its_re
 
     async def gated(filter: Any, *args: Any, **kwargs: Any) -> Any:
         if "$in" not in str(filter):  # the first send of a's ok
+            number = min(store._acking)  # its end, watched: the batch may wait for it
+            elsewhere, ending = store._acking[number]
+            awaited = _Awaited(a_replies)
+            ending.add_done_callback(lambda _: awaited.set_result(None))
+            store._acking[number] = (elsewhere, awaited)
             a_sent.set()
             await batch_read.wait()
             count = await finish(filter, *args, **kwargs)
@@ -1268,8 +1286,9 @@ async def test_a_batch_ok_waits_for_an_earlier_ok_whose_end_landed_before_its_re
         return await finish(filter, *args, **kwargs)
 
     async def short_count(*args: Any) -> Any:
-        a_replies.set()  # (lands only once the batch waits)
-        return await ended_here(*args)
+        ours = await ended_here(*args)
+        a_replies.set()  # the batch has read what is gone: a's reply lands only now
+        return ours
 
     store._finish, store._ended_here = gated, short_count
     first = asyncio.ensure_future(q.ok(a))
