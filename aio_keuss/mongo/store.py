@@ -38,8 +38,9 @@ Operations (``now`` = client clock; "live" = not yet consumed):
   and then deletes what it claimed, so a consumer dying in between loses nothing: the message
   comes back after the lease. A pop of either size hands over only what that delete removed
   (see ``MongoStore._delete_claimed``).
-- ok: delete (n > 1: read the holders' counts, then one ``delete_many``; after a short count,
-  which of them are gone, by id).
+- ok: delete (n > 1: one ``update_many`` claims what the acks' guards match, under a per-batch
+  token, then one ``delete_many`` of what carries it; after a short claim, which carry it, by
+  id: see :meth:`MongoStore._commit_many`).
 - ko: update (reserved false, mature = now + delay); past ``max_ko`` a deadletter move.
 - remove: delete unless under an active reservation (``reserved and mature > now``).
 - amend: one ``update_one`` per message, all sent at once, each under remove's rule (see
@@ -401,6 +402,23 @@ def _guard_many(ids: list[str], tries: int, owner: str | None) -> Document:
     return clause
 
 
+def _acked(acks: Sequence[Ack]) -> Document:
+    """One filter over the reservations a batch ok names, each ack's :func:`_guard`: one
+    clause per count and token (the acks of one reserve share its token)."""
+    groups: dict[tuple[int | None, str | None], list[str]] = {}
+    for ack in acks:
+        ids = groups.setdefault((ack.tries, ack.token), [])
+        if ack.id not in ids:
+            ids.append(ack.id)
+    clauses = []
+    for (tries, token), ids in groups.items():
+        clause = _guard(ids[0], tries, token)
+        if len(ids) > 1:
+            clause["_id"] = {"$in": ids}
+        clauses.append(clause)
+    return clauses[0] if len(clauses) == 1 else {"$or": clauses}
+
+
 def _dup_indexes(exc: mongo_errors.BulkWriteError) -> set[int]:
     """Indexes refused as duplicates; any other write error is re-raised."""
     refused = set()
@@ -548,10 +566,6 @@ class MongoStore(Store):
         """Token -> ids it claimed, of stored messages whose claims could not be settled."""
         self._moving = Finishing()
         """Moves past their claim, without a transaction: copying there, then deleting here."""
-        self._acking: dict[int, tuple[set[str], asyncio.Future[None]]] = {}
-        """Commits under way here, by number (in the order they began): the ids other
-        commits here ended meanwhile (each answered True there), and when it ends."""
-        self._acks_begun = 0
 
     # variant hooks ------------------------------------------------------------------------
 
@@ -559,7 +573,7 @@ class MongoStore(Store):
         """The update that ends a consumed message; None = delete it (mongo). ``held``: it
         ends under a reservation (ok, move, deadletter), whose try the count includes.
         ``mark``: a token the record keeps, to tell what one call ended (see
-        :meth:`_ended_here`)."""
+        :meth:`MongoHistoryStore._commit_many`)."""
         return None
 
     async def _make_room(
@@ -1139,80 +1153,69 @@ class MongoStore(Store):
     async def commit(self, acks: Sequence[Ack]) -> list[bool]:
         if not acks:
             return []
-        number = self._acks_begun
-        self._acks_begun += 1
-        ending = asyncio.get_running_loop().create_future()
-        self._acking[number] = (set(), ending)
-        try:
-            results = await self._commit(acks, number)
-            done = {ack.id for ack, ok in zip(acks, results, strict=True) if ok}
-            for other, (elsewhere, _) in self._acking.items():
-                if other != number:
-                    elsewhere.update(done)
-            return results
-        finally:
-            del self._acking[number]
-            ending.set_result(None)
-
-    async def _commit(self, acks: Sequence[Ack], number: int) -> list[bool]:
-        """``commit``, as the commit numbered ``number`` here (see ``_acking``)."""
         now = time.time()
         if len(acks) == 1:
             ack = acks[0]
             guard = _guard(ack.id, ack.tries, ack.token)
             return [await self._finish(guard, now, held=True) == 1]
+        return await self._commit_many(acks, now)
+
+    async def _commit_many(self, acks: Sequence[Ack], now: float) -> list[bool]:
+        """A batch ok (several callers' acks in one call), each caller told whether its own
+        ok ended its message, whatever else ended the batch's other messages meanwhile: the
+        same holder's ok sent again after a cancellation (in this process or another),
+        another consumer's once a reservation lapsed, a remove. A delete reports how many
+        documents it removed, never which (MongoDB manual, the ``delete`` command's output
+        ``n``), and leaves nothing to read back; so the batch first *claims* what it may
+        end, one ``update_many`` whose filter is each ack's guard: it writes the batch's
+        token as ``acker``, moves ``owner`` aside (to ``acked_owner``), so that no
+        holder's ok, ko, move or renewal matches any more, and starts a claim lease
+        (``mature``), so that no reserve, pop or remove takes a lapsed one. Then it deletes
+        what carries its token. Two round trips, as the read and the delete they replace;
+        a third, a read of what carries the token, only when the claim counted fewer than
+        the batch's ids (some were ended, or taken, before it) or an id came twice (which
+        ack named it is told by its owner and count before the claim). A process dying
+        between the claim and the delete leaves its messages to come back at the lease's
+        end, as an ok never sent would. Only what guards on no token can still end a
+        claimed message before that delete (an ok by bare id, a move claimed before);
+        then the counts decide (see :meth:`_gone_here`)."""
+        mark = os.urandom(8).hex()
         ids = list({a.id: None for a in acks})
-        where = {"_id": {"$in": ids}, "reserved": True}
-        cursor = self._coll.find(where, {"tries": 1, "owner": 1})
-        stored = {d["_id"]: (_tries(d["tries"]), d.get("owner")) for d in await cursor.to_list()}
-        held: dict[str, Holding] = {}
-        results = []
+        update: Document = {
+            "$set": {"acker": mark, "mature": now + CLAIM_LEASE},
+            "$rename": {"owner": "acked_owner"},
+        }
+        claimed = (await self._coll.update_many(_acked(acks), update)).modified_count
+        if not claimed:
+            return [False] * len(acks)
+        before: dict[str, Holding | None] = dict.fromkeys(ids)
+        if claimed != len(ids) or len(ids) < len(acks):
+            mine = {"_id": {"$in": ids}, "acker": mark}
+            cursor = self._coll.find(mine, {"tries": 1, "acked_owner": 1})
+            before = {
+                d["_id"]: (_tries(d["tries"]), d.get("acked_owner")) for d in await cursor.to_list()
+            }
+        ending = {"_id": {"$in": list(before)}, "acker": mark, "owner": {"$exists": False}}
+        ended = await self._finish(ending, now, held=True)
+        ours = set(before) if ended == len(before) else await self._gone_here(list(before), ended)
+        results: list[bool] = []
         for ack in acks:
-            found = stored.get(ack.id)
-            ok = (
-                found is not None
-                and ack.id not in held
-                and _names(ack.tries, ack.token, found[0], found[1])
-            )
-            if ok and found is not None:
-                held[ack.id] = (found[0], ack.token)
+            held = before.get(ack.id)
+            ok = ack.id in ours and (held is None or _names(ack.tries, ack.token, *held))
+            if ok:
+                ours.discard(ack.id)  # (one ack per message is the one that ended it)
             results.append(ok)
-        if held:
-            mark = os.urandom(8).hex()
-            ended = await self._finish(_by_tries(held), now, held=True, mark=mark)
-            if ended != len(held):
-                ours = await self._ended_here(list(held), ended, mark, number)
-                results = [done and ack.id in ours for done, ack in zip(results, acks, strict=True)]
         return results
 
-    async def _ended_here(self, ids: list[str], ended: int, mark: str, number: int) -> set[str]:
-        """Which of ``ids`` a batch ok's end (delete, or mark processed) ended, when it
-        counted ``ended`` of them, fewer than all: something changed between the read and
-        the end. A message stops matching the filter without being ended when its
-        reservation lapsed and another consumer reserved it (a new count, a new owner):
-        what is still live was not ended here. What is gone (deleted, or processed) was
-        ended here or by something else in between: the same holder's concurrent ok, move
-        or deadletter of that reservation, a remove once it lapsed, another consumer that
-        reserved it and ended it too. A delete or an update reports how many documents it
-        changed, never which (MongoDB manual, the ``delete`` and ``update`` commands'
-        output ``n``), so the counts decide: as many gone as ended here are all ours; more,
-        and which are ours is unknown, so none is answered True. True tells the holder, and
-        the ``commit`` count, that this ok ended the message, which another consumer may
-        be handling; a False for one it did end tells its holder it was not acked (the
-        message is gone, as it asked, but the holder may handle it as not done). The other
-        end is often the same holder's: an ok whose caller was cancelled, sent again in
-        another batch while the first send was still under way. mongo-history's records
-        keep the batch's ``mark`` and tell (see :class:`MongoHistoryStore`). On mongo, the
-        ones another commit of this store ended (and answered True for) are not ours: the
-        commits here that began before this one (``number``) are waited for first (those
-        begun later may wait for this one: not the other way round). A send from another
-        process still makes it unknown. One more read, after a short count only."""
-        earlier = [end for other, (_, end) in self._acking.items() if other < number]
-        if earlier:
-            await asyncio.wait(earlier)
+    async def _gone_here(self, ids: list[str], ended: int) -> set[str]:
+        """Which of ``ids``, claimed by a batch ok, its delete removed when it counted
+        ``ended``, fewer: one still live was taken once the claim's lease lapsed, not
+        ended here; what is gone was ended here or by something that guards on no token.
+        As many gone as ended here are all ours; more, and which are ours is unknown, so
+        none is answered True (True tells the holder, and the ``commit`` count, that this
+        ok ended the message)."""
         cursor = self._coll.find({"_id": {"$in": ids}, **LIVE}, {"_id": 1})
-        live = {doc["_id"] for doc in await cursor.to_list()}
-        gone = set(ids) - live - self._acking[number][0]
+        gone = set(ids) - {doc["_id"] for doc in await cursor.to_list()}
         return gone if len(gone) == ended else set()
 
     @translated
@@ -1613,12 +1616,40 @@ class MongoHistoryStore(MongoStore):
         done: Document = {"$set": ended}
         return {**done, "$inc": {"tries": -1}} if held else done
 
-    async def _ended_here(self, ids: list[str], ended: int, mark: str, number: int) -> set[str]:
-        """The records this batch ok marked: exactly those it ended, whatever else ended
-        the others meanwhile. One moved aside since (its id pushed again, see
-        :meth:`_make_room`) is not found by its id, and is answered False."""
-        cursor = self._coll.find({"_id": {"$in": ids}, "ended_by": mark}, {"_id": 1})
-        return {doc["_id"] for doc in await cursor.to_list()}
+    async def _commit_many(self, acks: Sequence[Ack], now: float) -> list[bool]:
+        """A batch ok: one read of the holders' counts and owners, then one update marking
+        processed the messages still so held, each record keeping the batch's token as
+        ``ended_by``. Should something else end one of them between the read and the
+        update (the same holder's ok sent again, another consumer's once a reservation
+        lapsed), the update counts fewer, and the records marked with the token are
+        exactly those this batch ended: one more read, after a short count only. A record
+        moved aside since (its id pushed again, see :meth:`_make_room`) is not found by
+        its id, and is answered False."""
+        ids = list({a.id: None for a in acks})
+        where = {"_id": {"$in": ids}, "reserved": True}
+        cursor = self._coll.find(where, {"tries": 1, "owner": 1})
+        stored = {d["_id"]: (_tries(d["tries"]), d.get("owner")) for d in await cursor.to_list()}
+        held: dict[str, Holding] = {}
+        results = []
+        for ack in acks:
+            found = stored.get(ack.id)
+            ok = (
+                found is not None
+                and ack.id not in held
+                and _names(ack.tries, ack.token, found[0], found[1])
+            )
+            if ok and found is not None:
+                held[ack.id] = (found[0], ack.token)
+            results.append(ok)
+        if held:
+            mark = os.urandom(8).hex()
+            ended = await self._finish(_by_tries(held), now, held=True, mark=mark)
+            if ended != len(held):
+                marked = {"_id": {"$in": list(held)}, "ended_by": mark}
+                found_ids = await self._coll.find(marked, {"_id": 1}).to_list()
+                ours = {doc["_id"] for doc in found_ids}
+                results = [done and ack.id in ours for done, ack in zip(results, acks, strict=True)]
+        return results
 
     async def _make_room(
         self, coll: Collection, docs: list[Document], revive: set[str]

@@ -1164,19 +1164,58 @@ async def test_a_holder_s_ok_after_its_move_failed_past_the_claim_still_commits(
     assert await q.total_size() == 0
 
 
+Write = Callable[..., Awaitable[Any]]
+
+
+class _Writes:
+    """A store's real collection (every call goes to the server), with ``before`` run
+    once ahead of the first write of a batch ok (a filter over several ids): what lands
+    there lands after the batch's read, if it reads, and before any write of its own.
+    ``alone``, when given, runs each write of one message (an ok of one) in its place."""
+
+    def __init__(
+        self,
+        coll: Any,
+        before: Callable[[], Awaitable[None]],
+        alone: Callable[..., Awaitable[Any]] | None = None,
+    ) -> None:
+        self._coll = coll
+        self._before: Callable[[], Awaitable[None]] | None = before
+        self._alone = alone
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._coll, name)
+
+    async def _write(self, write: Write, filter: Any, *args: Any, **kwargs: Any) -> Any:
+        if "$in" not in str(filter):
+            if self._alone is not None:
+                return await self._alone(write, filter, *args, **kwargs)
+        elif self._before is not None:
+            before, self._before = self._before, None
+            await before()
+        return await write(filter, *args, **kwargs)
+
+    async def update_many(self, filter: Any, *args: Any, **kwargs: Any) -> Any:
+        return await self._write(self._coll.update_many, filter, *args, **kwargs)
+
+    async def delete_many(self, filter: Any, *args: Any, **kwargs: Any) -> Any:
+        return await self._write(self._coll.delete_many, filter, *args, **kwargs)
+
+
 @pytest.mark.parametrize("backend", ["mongo", "mongo-history"])
 @pytest.mark.parametrize("ended_there", [False, True], ids=["held-there", "ended-there"])
 async def test_a_batch_ok_is_false_for_a_message_taken_over_between_its_read_and_its_end(
     open_factory: Open, backend: str, ended_there: bool
 ) -> None:
-    """A batch ok reads its messages' counts and owners, then ends (deletes, or marks
-    processed) the valid ones with one filter. A message whose reservation lapsed and that
-    another consumer reserved in between no longer matched that filter, so it was not
-    ended; yet the short count's read-back, finding it no longer under the filter, answered
-    True for it (and counted a commit). The holder is told False; the new holder's ok ends
-    it. Should the new holder end it before the batch's end lands, two messages are gone
-    and one was ended here: mongo-history's records tell which (the batch's mark), so that
-    one is answered True; on mongo, deleted, which one is unknown, so neither is."""
+    """A batch ok ends (deletes, or marks processed) the valid ones of its messages with
+    one filter. A message whose reservation lapsed and that another consumer reserved
+    before that no longer matched it, so it was not ended; yet a short count's read-back,
+    finding it no longer under the filter, once answered True for it (and counted a
+    commit). The holder is told False; the new holder's ok ends it. Should the new holder
+    end it first, the batch's own message is still answered True: mongo-history's
+    records keep the batch's mark, and mongo's batch claims what it may end before it
+    deletes what it claimed (before, deleting two of which one was ended here, it knew
+    neither was ours and answered False for both)."""
     q = await (await open_factory(backend, stats="memory")).queue("raced")
     other = await (await open_factory(backend, stats="memory")).queue("raced")
     await q.push_many(["a", "b"], ids=["a", "b"])
@@ -1184,26 +1223,46 @@ async def test_a_batch_ok_is_false_for_a_message_taken_over_between_its_read_and
     assert sorted(m.id for m in held) == ["a", "b"]
     a, b = sorted(held, key=lambda m: m.id)
     store: Any = q._store  # type: ignore[attr-defined]
-    finish = store._finish
     taken: list[aio_keuss.Message | None] = []
 
-    async def taken_over_first(*args: Any, **kwargs: Any) -> Any:
-        store._finish = finish
+    async def taken_over() -> None:
         # b's reservation lapses, and the other consumer reserves it: after the read
         await store._coll.update_one({"_id": b.id}, {"$set": {"mature": time.time() - 60}})
         taken.append(theirs := await other.reserve(timeout=0))
         if ended_there:
             assert theirs is not None and await other.ok(theirs) is True
-        return await finish(*args, **kwargs)
 
-    store._finish = taken_over_first
-    told = not ended_there or backend == "mongo-history"
-    assert await q.ok_many([a, b]) == [told, False]
+    store._coll = _Writes(store._coll, taken_over)
+    assert await q.ok_many([a, b]) == [True, False]
     (theirs,) = taken
     assert theirs is not None and theirs.id == b.id and theirs.tries == b.tries + 1
-    assert (await q.stats())["commit"] == (1 if told else 0)
+    assert (await q.stats())["commit"] == 1
     if not ended_there:
         assert await other.ok(theirs) is True
+    assert await q.size() == 0 and await q.resv_size() == 0
+
+
+@pytest.mark.parametrize("backend", ["mongo", "mongo-history"])
+async def test_a_batch_ok_is_true_for_its_own_when_another_process_ends_one_first(
+    open_factory: Open, backend: str
+) -> None:
+    """The holder's ok of one message of a batch sent again from another process (another
+    factory, the same reservation) lands after the batch's read and before its end: that
+    ok ends the message and is answered True there; the batch's other message is ended
+    here, and its caller is answered True too (mongo answered False for both: two gone,
+    one deleted here, and no telling which)."""
+    q = await (await open_factory(backend, stats="memory")).queue("elsewhere")
+    other = await (await open_factory(backend, stats="memory")).queue("elsewhere")
+    await q.push_many(["a", "b"], ids=["a", "b"])
+    a, b = sorted(await q.reserve_many(2, timeout=0), key=lambda m: m.id)
+    store: Any = q._store  # type: ignore[attr-defined]
+
+    async def ended_elsewhere() -> None:
+        assert await other.ok(a) is True
+
+    store._coll = _Writes(store._coll, ended_elsewhere)
+    assert await q.ok_many([a, b]) == [False, True]
+    assert (await q.stats())["commit"] == 1
     assert await q.size() == 0 and await q.resv_size() == 0
 
 
@@ -1212,90 +1271,64 @@ async def test_a_batch_ok_is_true_for_its_own_when_a_resent_ok_ends_another_firs
     open_factory: Open, backend: str
 ) -> None:
     """A holder whose ok was cancelled sends it again, in another batch: the first send
-    is still under way, and lands between the second batch's read and its end, which then
-    ends one message of two. Both are gone, one ended here: mongo-history's record tells
-    which (the batch's mark on it), so the message this batch ended is answered True. A
-    False for an ok of a reservation its caller holds tells the caller it was not acked
-    (seen in the chaos test, mongo-history, max_batch 3). mongo deletes, and keeps
-    nothing to tell by: there, the other commits of the same store tell what they
-    ended."""
+    is still under way, and lands after the second batch's read and before its end, which
+    then ends one message of two. The message this batch ended is answered True (seen
+    False in the chaos test, mongo-history, max_batch 3: a False for an ok of a
+    reservation its caller holds tells the caller it was not acked)."""
     q = await (await open_factory(backend, stats="memory")).queue("resent")
     await q.push_many(["a", "b"], ids=["a", "b"])
     held = await q.reserve_many(2, timeout=0)
     a, b = sorted(held, key=lambda m: m.id)
     store: Any = q._store  # type: ignore[attr-defined]
-    finish = store._finish
 
-    async def first_send_lands(*args: Any, **kwargs: Any) -> Any:
-        store._finish = finish
+    async def first_send_lands() -> None:
         assert await q.ok(a) is True  # the first send of a's ok, its caller cancelled
-        return await finish(*args, **kwargs)
 
-    store._finish = first_send_lands
+    store._coll = _Writes(store._coll, first_send_lands)
     assert await q.ok_many([a, b]) == [False, True]
     assert (await q.stats())["commit"] == 2
     assert await q.size() == 0 and await q.resv_size() == 0
 
 
-class _Awaited(asyncio.Future[None]):
-    """A future that tells when something begins to wait for it (``asyncio.wait``, an
-    ``await``: both add a done callback)."""
-
-    def __init__(self, awaited: asyncio.Event) -> None:
-        super().__init__()
-        self._awaited = awaited
-
-    def add_done_callback(self, fn: Any, *, context: Any = None) -> None:
-        self._awaited.set()
-        super().add_done_callback(fn, context=context)
-
-
 @pytest.mark.parametrize("backend", ["mongo", "mongo-history"])
-async def test_a_batch_ok_waits_for_an_earlier_ok_whose_end_landed_before_its_reply(
+async def test_a_batch_ok_needs_no_reply_of_an_earlier_ok_whose_end_landed_first(
     open_factory: Open, backend: str
 ) -> None:
-    """As above, the first send's end landing between the batch's read and its end, and
-    its reply held until the batch has read what is gone after its short count (or waits
-    for that send): the batch still learns which message that send ended, as it waits
-    for the commits of its store begun before it. Without the wait it read both gone, one
-    counted, and answered False for its own message too."""
+    """As above, the first send's end landing before the batch's end, and its reply held
+    until the batch has answered: the batch still tells which message it ended, from what
+    it finds in the database alone. (mongo once learned it from that send's reply, so
+    waited for the commits of its store begun before it; without the wait it answered
+    False for both.)"""
     q = await (await open_factory(backend, stats="memory")).queue("resent")
     await q.push_many(["a", "b"], ids=["a", "b"])
     held = await q.reserve_many(2, timeout=0)
     a, b = sorted(held, key=lambda m: m.id)
     store: Any = q._store  # type: ignore[attr-defined]
-    finish, ended_here = store._finish, store._ended_here
-    a_sent, batch_read = asyncio.Event(), asyncio.Event()
-    a_ended, a_replies = asyncio.Event(), asyncio.Event()
+    a_sent, batch_ends = asyncio.Event(), asyncio.Event()
+    a_ended, batch_answered = asyncio.Event(), asyncio.Event()
 
-    async def gated(filter: Any, *args: Any, **kwargs: Any) -> Any:
-        if "$in" not in str(filter):  # the first send of a's ok
-            number = min(store._acking)  # its end, watched: the batch may wait for it
-            elsewhere, ending = store._acking[number]
-            awaited = _Awaited(a_replies)
-            ending.add_done_callback(lambda _: awaited.set_result(None))
-            store._acking[number] = (elsewhere, awaited)
-            a_sent.set()
-            await batch_read.wait()
-            count = await finish(filter, *args, **kwargs)
-            a_ended.set()
-            await a_replies.wait()
-            return count
-        batch_read.set()
+    async def first_send(write: Write, *args: Any, **kwargs: Any) -> Any:
+        a_sent.set()
+        await batch_ends.wait()
+        result = await write(*args, **kwargs)
+        a_ended.set()
+        await batch_answered.wait()  # its reply held
+        return result
+
+    async def lands_first() -> None:
+        batch_ends.set()
         await a_ended.wait()
-        return await finish(filter, *args, **kwargs)
 
-    async def short_count(*args: Any) -> Any:
-        ours = await ended_here(*args)
-        a_replies.set()  # the batch has read what is gone: a's reply lands only now
-        return ours
-
-    store._finish, store._ended_here = gated, short_count
+    store._coll = _Writes(store._coll, lands_first, first_send)
     first = asyncio.ensure_future(q.ok(a))
-    async with asyncio.timeout(60):  # (a gate never opened fails, not hangs)
-        await a_sent.wait()
-        assert await q.ok_many([a, b]) == [False, True]
-        assert await first is True
+    try:
+        async with asyncio.timeout(60):  # (a batch waiting for that reply fails, not hangs)
+            await a_sent.wait()
+            answered = await q.ok_many([a, b])
+    finally:
+        batch_answered.set()
+    assert answered == [False, True]
+    assert await first is True
     assert (await q.stats())["commit"] == 2
     assert await q.size() == 0 and await q.resv_size() == 0
 
