@@ -40,7 +40,7 @@ import os
 import signal
 import threading
 from collections.abc import AsyncGenerator, Awaitable, Callable, Iterator, Mapping, Sequence
-from concurrent.futures import Future
+from concurrent.futures import Future, InvalidStateError
 from datetime import datetime
 from types import FrameType, TracebackType
 from typing import Any, TypeVar, cast
@@ -384,7 +384,7 @@ class SyncFactory:
         """
         future = self._start(func, *args)
         try:
-            return future.result()
+            return _outcome(future)
         except BaseException:
             # Interrupted (KeyboardInterrupt) while waiting: cancel the task too. A no-op
             # when the future already holds the coroutine's own exception.
@@ -425,7 +425,7 @@ class SyncFactory:
             # inside the try: anyio's start_task_soon waits for the task to be spawned, and
             # an interruption there leaves it running for nobody
             future: Future[T] = self._start(_take, taking, queue, give_back, func)
-            result = future.result()
+            result = _outcome(future)
             if not _settle_once(taking):  # given back by the queue's close meanwhile
                 result = cast(T, [] if isinstance(result, list) else None)
             if taking.settle is not None:
@@ -514,7 +514,7 @@ class SyncFactory:
         if self.closed:
             raise ClosedError("factory is closed" if self._closed else "factory of the parent")
         try:
-            return self._portal.start_task_soon(func, *args)
+            return self._portal.start_task_soon(_contained, func, *args)
         except RuntimeError as exc:  # the loop stopped under us: closed by another thread
             if self.closed:
                 raise ClosedError("factory is closed") from exc
@@ -530,7 +530,7 @@ class SyncFactory:
         """Start ``await func(*args)`` on the loop thread and return at once; ``result()`` on
         the future waits for it. Lets a producer prepare its next batch while the last one
         is on the wire (a Spark executor pushing a partition)."""
-        return self._start(func, *args)
+        return _unwrapping(self._start(func, *args))
 
     def queue(self, name: str, **options: Any) -> SyncQueue:
         """Blocking :meth:`Factory.queue`: the queue ``name``, created on first use."""
@@ -615,6 +615,63 @@ class SyncFactory:
         tb: TracebackType | None,
     ) -> None:
         self.close()
+
+
+class _Carried(Exception):
+    """A BaseException that is not an Exception (SystemExit, KeyboardInterrupt, ...)
+    raised by a coroutine run for a caller, on its way to that caller's thread."""
+
+    def __init__(self, exc: BaseException) -> None:
+        super().__init__(repr(exc))
+        self.exc = exc
+
+
+async def _contained(func: Callable[..., Awaitable[T]], *args: Any) -> T:
+    """``await func(*args)``, a BaseException it raises (a ``sys.exit()`` in a coroutine
+    given to ``call``) carried as an Exception: anyio's portal hands such an exception to
+    the caller and also re-raises it into the task group running the portal (anyio
+    documentation, "Calling asynchronous code from an external thread"), which ended the
+    loop thread every factory of the process uses. A cancellation is left as it is: it is
+    the portal's own, from a caller's ``future.cancel()``."""
+    try:
+        return await func(*args)
+    except (Exception, asyncio.CancelledError):
+        raise
+    except BaseException as exc:
+        raise _Carried(exc) from None
+
+
+def _outcome(future: Future[T]) -> T:
+    """``future.result()``, a carried BaseException raised as itself (see ``_contained``)."""
+    try:
+        return future.result()
+    except _Carried as carried:
+        raise carried.exc from None
+
+
+def _unwrapping(future: Future[T]) -> Future[T]:
+    """A future settled as ``future`` is, a carried BaseException as itself (see
+    ``_contained``); cancelling it cancels ``future`` (and so the task)."""
+    outer: Future[T] = Future()
+
+    def copy(done: Future[T]) -> None:
+        if done.cancelled():
+            outer.cancel()
+            return
+        exc = done.exception()
+        with contextlib.suppress(InvalidStateError):  # cancelled by its holder meanwhile
+            if exc is None:
+                outer.set_result(done.result())
+            else:
+                outer.set_exception(exc.exc if isinstance(exc, _Carried) else exc)
+
+    def cancel(done: Future[T]) -> None:
+        if done.cancelled():
+            future.cancel()
+
+    outer.add_done_callback(cancel)
+    future.add_done_callback(copy)
+    return outer
 
 
 async def _settling(done: Future[None], work: Callable[[], Awaitable[None]]) -> None:

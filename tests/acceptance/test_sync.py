@@ -362,6 +362,36 @@ def test_connect_or_close_on_the_loop_thread_is_a_library_error() -> None:
     assert portal_threads() == []
 
 
+@pytest.mark.parametrize("raised", [SystemExit(3), KeyboardInterrupt(), GeneratorExit()])
+def test_a_base_exception_from_a_called_coroutine_leaves_the_loop_thread_running(
+    raised: BaseException,
+) -> None:
+    """A coroutine given to ``call`` (or ``call_soon``) that raises SystemExit (a script's
+    ``sys.exit()`` in it) or another BaseException: its caller gets it, as before, but
+    anyio's portal also re-raised it into the loop thread's task group, which ended the
+    loop thread: another thread's waiting reserve got concurrent.futures.CancelledError,
+    every later call anyio's RuntimeError ("This portal is not running"), and the close a
+    LoopThreadError, for the life of the process."""
+    with sync.connect("memory") as factory:
+        q = factory.queue("jobs")
+        waited: list[Message | None] = []
+        waiter = threading.Thread(target=lambda: waited.append(q.reserve(timeout=30)))
+        waiter.start()
+
+        async def boom() -> None:
+            raise raised
+
+        with pytest.raises(type(raised)):
+            factory.call(boom)
+        with pytest.raises(type(raised)):
+            factory.call_soon(boom).result()
+        q.push({"a": 1})  # the loop thread still runs: the waiting reserve gets it
+        waiter.join()
+        assert [m.payload for m in waited if m is not None] == [{"a": 1}]
+        assert waited[0] is not None and q.ok(waited[0])
+    assert portal_threads() == []
+
+
 def test_loop_thread_lives_while_any_factory_is_open() -> None:
     baseline = threading.active_count()
     assert portal_threads() == []
