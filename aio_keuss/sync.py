@@ -63,6 +63,13 @@ T = TypeVar("T")
 
 log = logging.getLogger("aio_keuss.sync")
 
+EXIT_CLOSE_WAIT = CANCELLED_CLOSE_GRACE
+"""Seconds the close of a factory nobody closed may take at interpreter exit before it is
+cancelled: the async close waits for the round trips in flight, which with a server that
+went silent (a network partition, a host that hangs) never end, and the process never
+exited. Cancelled, the rest of the close is bounded by the async close's own grace
+(``CANCELLED_CLOSE_GRACE``)."""
+
 
 class _Runtime:
     """The process's one loop thread and who uses it.
@@ -148,7 +155,7 @@ class _Runtime:
         reservations released by the async close), then stop the loop thread."""
         for factory in _aside(self._open_now):
             with contextlib.suppress(Exception):
-                factory.close()
+                factory._close_once(EXIT_CLOSE_WAIT)
         _aside(self._stop)
 
     def _open_now(self) -> list[SyncFactory]:
@@ -582,7 +589,8 @@ class SyncFactory:
         finally:
             self._closers.discard(me)
 
-    def _close_once(self) -> None:
+    def _close_once(self, wait: float | None = None) -> None:
+        """The close, by one thread; ``wait``: seconds before it is cancelled (at exit)."""
         with self._close_lock:  # held throughout: a second close returns once this one ends
             if self._closed:
                 return
@@ -599,8 +607,22 @@ class SyncFactory:
                     # by then under way) waits for this one; a future start_task_soon
                     # returns would exist only once the handler returned
                     self._closing = closing = Future[None]()
-                    self._portal.start_task_soon(_settling, closing, self.factory.close)
-                closing.result()
+                    task = self._portal.start_task_soon(_settling, closing, self.factory.close)
+                if wait is None:
+                    closing.result()
+                    return
+                try:
+                    closing.result(timeout=wait)
+                except TimeoutError:
+                    log.warning(
+                        "%r: close at exit given up after %s s (a server that does not"
+                        " answer?): cancelled, the rest of it is bounded",
+                        self,
+                        wait,
+                    )
+                    task.cancel()
+                    with contextlib.suppress(Exception, asyncio.CancelledError):
+                        closing.result()
             finally:
                 if self._closed:  # else interrupted before anything changed: still open
                     _runtime.release(self._generation)

@@ -392,6 +392,73 @@ def test_a_base_exception_from_a_called_coroutine_leaves_the_loop_thread_running
     assert portal_threads() == []
 
 
+_EXIT_WITH_A_SILENT_SERVER = """
+import asyncio, sys, threading, time
+import aio_keuss.queue
+from aio_keuss import sync
+
+sync.EXIT_CLOSE_WAIT = 0.5  # the test's own bounds, not the defaults' 10 s each
+aio_keuss.queue.CANCELLED_CLOSE_GRACE = 0.5
+silent = threading.Event()
+ports = []
+
+async def handle(reader, writer):
+    to_reader, to_writer = await asyncio.open_connection("127.0.0.1", 6379)
+
+    async def pipe(src, dst):
+        while data := await src.read(65536):
+            if not silent.is_set():  # then a server that hangs: nothing more, either way
+                dst.write(data)
+                await dst.drain()
+
+    await asyncio.gather(pipe(reader, to_writer), pipe(to_reader, writer))
+
+async def proxy():
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    ports.append(server.sockets[0].getsockname()[1])
+    await asyncio.Event().wait()
+
+threading.Thread(target=asyncio.run, args=(proxy(),), daemon=True).start()
+while not ports:
+    time.sleep(0.01)
+factory = sync.connect("redis-oq", url=f"redis://127.0.0.1:{ports[0]}/0", prefix=sys.argv[1])
+q = factory.queue("jobs")
+q.push(1)
+first = q.reserve(timeout=5)
+assert first is not None and q.ok(first)
+waiting = threading.Thread(target=q.reserve, daemon=True)  # a consumer, never closed
+waiting.start()
+silent.set()
+time.sleep(0.2)
+print("exiting", flush=True)
+"""
+
+
+def test_the_exit_with_a_consumer_waiting_on_a_silent_server_ends(tmp_path: Path) -> None:
+    """A script (a Spark executor, a cron job) ends with a sync consumer still waiting and
+    its server silent (a network partition, a host that hangs): the factories nobody
+    closed are closed at exit, and that close waited for the round trip in flight without
+    end, so the process never exited. Past its wait the close is cancelled, which bounds
+    the rest (the async close's cancelled grace), and the process exits."""
+    script = tmp_path / "exit_silent.py"
+    script.write_text(_EXIT_WITH_A_SILENT_SERVER)
+    prefix = f"akt-{new_token()}"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    try:
+        done = subprocess.run(
+            [sys.executable, str(script), prefix],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,  # hung for good without the bound (minutes here)
+        )
+    finally:
+        asyncio.run(_drop_redis_prefix({"url": REDIS_URL, "prefix": prefix}))
+    assert done.returncode == 0, done.stderr
+    assert "exiting" in done.stdout
+    assert "close at exit given up" in done.stderr
+
+
 def test_loop_thread_lives_while_any_factory_is_open() -> None:
     baseline = threading.active_count()
     assert portal_threads() == []
