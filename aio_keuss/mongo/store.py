@@ -402,9 +402,35 @@ def _guard_many(ids: list[str], tries: int, owner: str | None) -> Document:
     return clause
 
 
-def _acked(acks: Sequence[Ack]) -> Document:
+def _claimed_for(message_id: str, tries: int | None, token: str) -> Document:
+    """The message a batch ok claimed for the reservation ``tries`` and ``token`` name,
+    and has not ended (its delete failed, its reply was lost, or it has not landed yet):
+    still reserved with that count, the token moved aside as ``acked_owner`` and no
+    ``owner`` since (a reserve of it once the claim's lease lapsed writes one, and a
+    give-back or amend clears ``reserved``). The same ok sent again ends it: refused, the
+    message came back after the lease and was delivered again though handled."""
+    clause: Document = {"_id": message_id, "reserved": True}
+    if tries is not None:
+        clause["tries"] = tries + 1
+    clause.update({"acked_owner": token, "owner": {"$exists": False}})
+    return clause
+
+
+def _ok_guard(message_id: str, tries: int | None, token: str | None) -> Document:
+    """What an ok of one reservation may end: :func:`_guard`, or the message a batch ok
+    claimed for that same reservation (see :func:`_claimed_for`). Without a token the
+    guard names no owner and matches a claimed message already."""
+    guard = _guard(message_id, tries, token)
+    if token is None:
+        return guard
+    return {"$or": [guard, _claimed_for(message_id, tries, token)]}
+
+
+def _acked(acks: Sequence[Ack], mark: str | None = None) -> Document | None:
     """One filter over the reservations a batch ok names, each ack's :func:`_guard`: one
-    clause per count and token (the acks of one reserve share its token)."""
+    clause per count and token (the acks of one reserve share its token). With ``mark``,
+    instead, what :func:`_claimed_for` matches of the acks with a token, and not yet
+    claimed under ``mark``; None when no ack has a token."""
     groups: dict[tuple[int | None, str | None], list[str]] = {}
     for ack in acks:
         ids = groups.setdefault((ack.tries, ack.token), [])
@@ -412,10 +438,14 @@ def _acked(acks: Sequence[Ack]) -> Document:
             ids.append(ack.id)
     clauses = []
     for (tries, token), ids in groups.items():
-        clause = _guard(ids[0], tries, token)
-        if len(ids) > 1:
-            clause["_id"] = {"$in": ids}
-        clauses.append(clause)
+        named: Any = ids[0] if len(ids) == 1 else {"$in": ids}
+        if mark is None:
+            clauses.append({**_guard(ids[0], tries, token), "_id": named})
+        elif token is not None:
+            claimed = _claimed_for(ids[0], tries, token)
+            clauses.append({**claimed, "_id": named, "acker": {"$ne": mark}})
+    if not clauses:
+        return None
     return clauses[0] if len(clauses) == 1 else {"$or": clauses}
 
 
@@ -1156,7 +1186,7 @@ class MongoStore(Store):
         now = time.time()
         if len(acks) == 1:
             ack = acks[0]
-            guard = _guard(ack.id, ack.tries, ack.token)
+            guard = _ok_guard(ack.id, ack.tries, ack.token)
             return [await self._finish(guard, now, held=True) == 1]
         return await self._commit_many(acks, now)
 
@@ -1177,15 +1207,30 @@ class MongoStore(Store):
         ack named it is told by its owner and count before the claim). A process dying
         between the claim and the delete leaves its messages to come back at the lease's
         end, as an ok never sent would. Only what guards on no token can still end a
-        claimed message before that delete (an ok by bare id, a move claimed before);
-        then the counts decide (see :meth:`_gone_here`)."""
+        claimed message before that delete (an ok by bare id, a move claimed before, the
+        same reservation's ok sent again: see below); then the counts decide (see
+        :meth:`_gone_here`). A ko by bare id landing between the two gives the message
+        back, and the delete, which asks for it still reserved, leaves it.
+
+        A claim whose delete failed (or whose reply was lost) is finished by the same ok
+        sent again, the consumer's retry or its caller's (:func:`_claimed_for`): only when
+        the claim fell short of the batch's ids, a second update, of those claimed for
+        the same reservations, that takes them over under this batch's token."""
         mark = os.urandom(8).hex()
         ids = list({a.id: None for a in acks})
         update: Document = {
             "$set": {"acker": mark, "mature": now + CLAIM_LEASE},
             "$rename": {"owner": "acked_owner"},
         }
-        claimed = (await self._coll.update_many(_acked(acks), update)).modified_count
+        guards = _acked(acks)
+        assert guards is not None
+        claimed = (await self._coll.update_many(guards, update)).modified_count
+        if claimed < len(ids) and (again := _acked(acks, mark)) is not None:
+            # claimed before for the same reservations, not ended (see _claimed_for): a
+            # second update, as ``$rename`` of a missing ``owner`` must not touch
+            # ``acked_owner`` (MongoDB leaves it; nx-27017 writes null there)
+            renewed = {"$set": update["$set"]}
+            claimed += (await self._coll.update_many(again, renewed)).modified_count
         if not claimed:
             return [False] * len(acks)
         before: dict[str, Holding | None] = dict.fromkeys(ids)
@@ -1195,7 +1240,13 @@ class MongoStore(Store):
             before = {
                 d["_id"]: (_tries(d["tries"]), d.get("acked_owner")) for d in await cursor.to_list()
             }
-        ending = {"_id": {"$in": list(before)}, "acker": mark, "owner": {"$exists": False}}
+        # still reserved: a ko by bare id landing after the claim gave the message back
+        ending = {
+            "_id": {"$in": list(before)},
+            "acker": mark,
+            "owner": {"$exists": False},
+            "reserved": True,
+        }
         ended = await self._finish(ending, now, held=True)
         ours = set(before) if ended == len(before) else await self._gone_here(list(before), ended)
         results: list[bool] = []

@@ -1,0 +1,144 @@
+"""A ``mongo`` batch ok claims what it may end (``acker``, ``owner`` moved to
+``acked_owner``, a claim lease on ``mature``), then deletes what carries its token: what
+happens to a message left in that claimed state (the delete failed, or has not landed yet).
+
+Runs on the server of ``tests/mongo_server.py``. The failed delete is a write this wrapper
+of the store's real collection refuses before sending it (as a connection cut would); every
+other call goes to the server. No timed assertions.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+from backends import new_token
+from mongo_server import MONGO_URL, start_mongo
+
+import aio_keuss
+from aio_keuss import KoResult
+from aio_keuss.errors import KeussError
+
+pymongo = pytest.importorskip("pymongo")
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.fixture
+async def queue() -> AsyncIterator[aio_keuss.Queue]:
+    reason = start_mongo()
+    if reason:
+        pytest.skip(reason)
+    database = f"akt_{new_token()}"
+    factory = await aio_keuss.connect(
+        "mongo", url=MONGO_URL, database=database, poll_interval=30.0, stats="memory"
+    )
+    yield await factory.queue("claimed")
+    await factory.close()
+    client: Any = pymongo.AsyncMongoClient(MONGO_URL)
+    await client.drop_database(database)
+    await client.close()
+
+
+class _DeleteFails:
+    """The store's real collection, whose next ``delete_many`` of a batch ok's claim (its
+    filter names ``acker``) fails without reaching the server."""
+
+    def __init__(self, coll: Any) -> None:
+        self._coll = coll
+        self.failed = False
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._coll, name)
+
+    async def delete_many(self, filter: Any, *args: Any, **kwargs: Any) -> Any:
+        if not self.failed and "acker" in str(filter):
+            self.failed = True
+            raise pymongo.errors.AutoReconnect("connection cut (test)")
+        return await self._coll.delete_many(filter, *args, **kwargs)
+
+
+async def _claimed_not_ended(q: aio_keuss.Queue) -> list[aio_keuss.Message]:
+    """Two messages reserved, a batch ok of both whose claim landed and whose delete failed."""
+    await q.push_many(["a", "b"], ids=["a", "b"])
+    held = sorted(await q.reserve_many(2, timeout=0), key=lambda m: m.id)
+    assert [m.id for m in held] == ["a", "b"]
+    store: Any = q._store  # type: ignore[attr-defined]
+    real, cut = store._coll, _DeleteFails(store._coll)
+    store._coll = cut
+    try:
+        with pytest.raises(KeussError):
+            await q.ok_many(held)
+    finally:
+        store._coll = real
+    assert cut.failed
+    assert await real.count_documents({"acker": {"$exists": True}}) == 2
+    return held
+
+
+@pytest.mark.parametrize("resend", ["batch", "one-by-one"])
+async def test_an_ok_sent_again_after_the_claim_landed_and_the_delete_failed_ends_it(
+    queue: aio_keuss.Queue, resend: str
+) -> None:
+    """The claim of a batch ok landed, its delete failed: the holder (or its consumer's
+    retry) sends the same oks again. They end the messages and are answered True; they
+    answered False (the claim had moved the owner token the guard asks for), and the
+    messages came back after the claim's lease, delivered again though handled."""
+    a, b = await _claimed_not_ended(queue)
+    if resend == "batch":
+        assert await queue.ok_many([a, b]) == [True, True]
+    else:
+        assert await queue.ok(a) is True
+        assert await queue.ok(b) is True
+    assert (await queue.stats())["commit"] == 2
+    assert await queue.total_size() == 0
+
+
+async def test_an_ok_sent_again_by_a_stale_holder_does_not_end_a_claimed_message(
+    queue: aio_keuss.Queue,
+) -> None:
+    """Only the reservation the claim was made for: a holder with another count (a stale
+    one, or a forged one) is refused, and the message stays claimed."""
+    a, b = await _claimed_not_ended(queue)
+    a = dataclasses.replace(a, tries=a.tries + 1)
+    object.__setattr__(a, "_token", b._token)  # (one reserve: one token for both)
+    assert await queue.ok_many([a, b]) == [False, True]
+    assert await queue.ok(a) is False
+    assert await queue.total_size() == 1
+
+
+async def test_a_ko_by_id_racing_a_batch_ok_s_claim_is_not_also_deleted(
+    queue: aio_keuss.Queue,
+) -> None:
+    """A ko by bare id (no count, no token) lands between a batch ok's claim and its
+    delete and gives the message back: the batch's delete must not then remove the message
+    the ko was told it put back (it did: both were answered as done, the message gone)."""
+    await queue.push_many(["a", "b"], ids=["a", "b"])
+    held = sorted(await queue.reserve_many(2, timeout=0), key=lambda m: m.id)
+    store: Any = queue._store  # type: ignore[attr-defined]
+    real = store._coll
+    kos: list[KoResult] = []
+
+    class _KoFirst:
+        def __getattr__(self, name: str) -> Any:
+            return getattr(real, name)
+
+        async def delete_many(self, filter: Any, *args: Any, **kwargs: Any) -> Any:
+            if "acker" in str(filter) and not kos:
+                kos.append(await queue.ko("a", 0))
+            return await real.delete_many(filter, *args, **kwargs)
+
+    store._coll = _KoFirst()
+    try:
+        done = await queue.ok_many(held)
+    finally:
+        store._coll = real
+    (ko,) = kos
+    if ko is KoResult.ROLLED_BACK:
+        assert done == [False, True]
+        assert await queue.total_size() == 1
+    else:
+        assert done == [True, True]
+        assert await queue.total_size() == 0
