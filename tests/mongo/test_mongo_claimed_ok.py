@@ -10,6 +10,7 @@ other call goes to the server. No timed assertions.
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -19,6 +20,7 @@ from mongo_server import MONGO_URL, start_mongo
 
 import aio_keuss
 from aio_keuss import KoResult
+from aio_keuss.contract import Amend
 from aio_keuss.errors import KeussError
 
 pymongo = pytest.importorskip("pymongo")
@@ -142,3 +144,37 @@ async def test_a_ko_by_id_racing_a_batch_ok_s_claim_is_not_also_deleted(
     else:
         assert done == [True, True]
         assert await queue.total_size() == 0
+
+
+async def test_a_late_delete_of_a_lapsed_claim_leaves_the_message_an_amend_made_waiting(
+    queue: aio_keuss.Queue,
+) -> None:
+    """A batch ok's delete lands after its claim's lease lapsed, and an amend (the rule
+    of remove: a lapsed reservation is waiting) changed the message meanwhile: it is
+    waiting, not reserved, and holds no owner. The delete, which asked only for the
+    batch's token and no owner, removed that waiting message, and the batch answered True
+    for a message it no longer held."""
+    await queue.push_many(["a", "b"], ids=["a", "b"])
+    held = sorted(await queue.reserve_many(2, timeout=0), key=lambda m: m.id)
+    store: Any = queue._store  # type: ignore[attr-defined]
+    real = store._coll
+    amended: list[bool] = []
+
+    class _LapsedFirst:
+        def __getattr__(self, name: str) -> Any:
+            return getattr(real, name)
+
+        async def delete_many(self, filter: Any, *args: Any, **kwargs: Any) -> Any:
+            if "acker" in str(filter) and not amended:
+                await real.update_one({"_id": "a"}, {"$set": {"mature": time.time() - 60}})
+                amended.extend(await store.amend([Amend("a", delay=3600)]))
+            return await real.delete_many(filter, *args, **kwargs)
+
+    store._coll = _LapsedFirst()
+    try:
+        done = await queue.ok_many(held)
+    finally:
+        store._coll = real
+    assert amended == [True]
+    assert done == [False, True]
+    assert await queue.total_size() == 1
