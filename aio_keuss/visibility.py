@@ -22,6 +22,7 @@ primitives for it (:meth:`Store.peek`, :meth:`Store.locate`, :meth:`Store.hold`,
 
 from __future__ import annotations
 
+import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import AbstractAsyncContextManager
 from datetime import datetime
@@ -201,12 +202,13 @@ async def requeue(
         for start in range(0, len(wanted), queue.options.max_batch):
             chunk = wanted[start : start + queue.options.max_batch]
             found = await store.locate(chunk)
-            targets = {
-                row.message.id: origin or _origin_of(row)
+            rows = {
+                row.message.id: row
                 for row in found
                 if row is not None and row.state != State.RESERVED
             }
-            moved.update(await _hold_and_move(queue, targets))
+            targets = {i: origin or _origin_of(row) for i, row in rows.items()}
+            moved.update(await _hold_and_move(queue, targets, rows))
         return moved
     assert origin is not None
     # The walk keeps no snapshot: a message moved back and deadlettered again while it goes
@@ -217,14 +219,14 @@ async def requeue(
     cursor: Cursor | None = None
     while True:
         page = await store.peek("all", cursor, queue.options.max_batch)
-        targets = {
-            row.message.id: origin
+        rows = {
+            row.message.id: row
             for row in page.rows
             if row.state != State.RESERVED
             and row.message.id not in done
             and _origin_of(row) == origin
         }
-        now_moved = await _hold_and_move(queue, targets)
+        now_moved = await _hold_and_move(queue, dict.fromkeys(rows, origin), rows)
         moved.update(now_moved)
         done.update(now_moved)
         done.update(now_moved.values())
@@ -245,18 +247,39 @@ def _origin_of(row: Peeked) -> str | None:
         return None
 
 
-async def _hold_and_move(queue: Queue, targets: dict[str, str | None]) -> dict[str, str]:
+def _still_due_in(row: Peeked, now: float) -> float:
+    """The delay that keeps a message due when it was: a scheduled one still has its time
+    ahead of it; a ready one moves ready. Read before the hold, which makes the message due
+    again when the hold lapses (so the hold's time is no guide)."""
+    return max(0.0, row.at - now) if row.state == State.SCHEDULED else 0.0
+
+
+async def _hold_and_move(
+    queue: Queue, targets: dict[str, str | None], rows: dict[str, Peeked]
+) -> dict[str, str]:
+    """Hold each message and move it to its target, due when it was due here: a message
+    pushed with a delay and moved before it was due lost its delay and went ready at once,
+    which nobody moving it (the admin command ``move``) asked for."""
     plans = {i: t for i, t in targets.items() if t is not None and t != queue.name}
     if not plans:
         return {}
     for target in sorted(set(plans.values())):  # recorded before anything moves there
         await queue._open_target(target)
     ids = list(plans)
+    now = time.time()
+    delays = {i: _still_due_in(rows[i], now) for i in ids}
     holds = await queue._store.hold(ids, HOLD_SECONDS)
     # The move asks for the hold's token too: once the hold lapsed, another consumer's take
     # of the message can carry the very count the hold was handed.
     moves = [
-        Move(message_id, held.tries, plans[message_id], tag=REQUEUE_TAG, token=held.token)
+        Move(
+            message_id,
+            held.tries,
+            plans[message_id],
+            delay=delays[message_id],
+            tag=REQUEUE_TAG,
+            token=held.token,
+        )
         for message_id, held in zip(ids, holds, strict=True)
         if held is not None
     ]

@@ -229,6 +229,28 @@ async def test_requeue_and_move_on_postgres(postgres_cli: Cli) -> None:
     assert found["tries"] == 0 and found["state"] == "ready"
 
 
+async def test_move_keeps_a_scheduled_message_scheduled_on_redis(redis_cli: Cli) -> None:
+    await _move_keeps_a_scheduled_message_scheduled(redis_cli)
+
+
+async def test_move_keeps_a_scheduled_message_scheduled_on_postgres(postgres_cli: Cli) -> None:
+    await _move_keeps_a_scheduled_message_scheduled(postgres_cli)
+
+
+async def _move_keeps_a_scheduled_message_scheduled(cli: Cli) -> None:
+    """``move`` of a message pushed with a delay and not yet due made it ready at once in
+    the target queue: its delay was lost. It stays scheduled there, due when it was."""
+    async with cli.connect() as factory:
+        q = await factory.queue("jobs")
+        later = await q.push({"n": 1}, delay=3600)
+    moved = await cli.json("move", "jobs", "elsewhere", later)
+    assert moved == {"moved": {later: later}}
+    found = await cli.json("find", "elsewhere", later)
+    assert found["state"] == "scheduled", found
+    popped = await cli.run("pop", "elsewhere")
+    assert popped.returncode == 4, popped.stdout  # nothing due
+
+
 async def test_history_and_replay_on_mongo_history(history_cli: Cli) -> None:
     cli = history_cli
     pushed = (await cli.json("push", "done", stdin="1\n2\n"))["ids"]

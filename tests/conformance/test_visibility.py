@@ -664,3 +664,23 @@ async def test_a_walk_of_one_state_lists_that_state_only_whatever_the_cursor(
             page = await q.page(state="ready", after=held.cursor, limit=10)
             assert all(v.state is State.READY for v in page.items), page.items
     assert await q.total_size() == 3 + caps.delay
+
+
+async def test_requeue_keeps_a_scheduled_message_scheduled(connect: Connect) -> None:
+    """The admin command ``move`` goes through ``requeue``: a message pushed with a delay
+    and not yet due was moved ready at once, its delay lost. It stays scheduled, due when it
+    was (the hold that moves it changes its due time, not what the move gives it)."""
+    factory = await connect(poll_interval=5.0)
+    needs(factory, "reserve", "peek", "hold", "move", "delay")
+    q = await factory.queue("jobs")
+    later = await q.push({"n": 1}, delay=3600)
+    now = await q.push({"n": 2})
+    moved = await q.requeue([later, now], origin="elsewhere")
+    assert moved == {later: later, now: now}
+    other = await factory.queue("elsewhere")
+    found = await other.find(later)
+    assert found is not None and found.state == "scheduled", found
+    assert found.at is not None and found.at.timestamp() > time.time() + 3000
+    ready = await other.find(now)
+    assert ready is not None and ready.state == "ready", ready
+    assert (await other.sched_size(), await other.size()) == (1, 1)
