@@ -11,6 +11,7 @@ from .errors import ConfigError, InvalidDelayError, InvalidQueueNameError
 
 _QUEUE_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.:\-]{0,127}")
 _CREDENTIALS = re.compile(r"//[^/?#]*@")
+_QUERY_PASSWORD = re.compile(r"([?&](?:ssl)?password=)[^&#]*", re.IGNORECASE)
 
 MAX_SECONDS = 1e9
 """Longest delay, timeout or duration accepted anywhere (about 31.7 years); see
@@ -31,8 +32,10 @@ def brief(value: object) -> str:
 
 
 def without_password(url: str) -> str:
-    """A connection URL fit for an error message: its password (``//user:secret@``) masked."""
-    return _CREDENTIALS.sub("//***@", url, count=1)
+    """A connection URL fit for an error message: its password (``//user:secret@``, and a
+    ``?password=`` or ``?sslpassword=`` query parameter, as PostgreSQL and Redis URLs take
+    one) masked."""
+    return _QUERY_PASSWORD.sub(r"\1***", _CREDENTIALS.sub("//***@", url, count=1))
 
 
 def check_queue_name(name: object) -> str:

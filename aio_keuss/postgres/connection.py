@@ -19,6 +19,7 @@ import asyncio
 import contextlib
 import logging
 import re
+import urllib.parse
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -138,7 +139,8 @@ def check_postgres_url(url: object) -> str:
             f"url {shown!r}: expected postgresql:// or postgres:// then the host (see the"
             " PostgreSQL manual's connection URIs)"
         )
-    hosts = re.split(r"[/?#]", rest, maxsplit=1)[0].rpartition("@")[2]
+    authority = re.split(r"[/?#]", rest, maxsplit=1)[0]
+    hosts = authority.rpartition("@")[2]
     for host in hosts.split(","):
         if host.startswith("["):  # an IPv6 address: [::1]:5432
             address_end = host.find("]")
@@ -148,9 +150,109 @@ def check_postgres_url(url: object) -> str:
             port = port[1:]
         else:
             port = host.partition(":")[2]
-        if port and not (port.isascii() and port.isdigit() and 1 <= int(port) <= 65535):
-            raise ConfigError(f"url {shown!r}: the port must be an int in 1..65535, not {port!r}")
+        _check_port(port, shown)
+    _check_query(url, authority, shown)
     return url
+
+
+ASYNCPG_PARAMETERS = frozenset(
+    {
+        "host",
+        "port",
+        "dbname",
+        "database",
+        "user",
+        "password",
+        "passfile",
+        "service",
+        "sslmode",
+        "sslcert",
+        "sslkey",
+        "sslrootcert",
+        "sslnegotiation",
+        "sslcrl",
+        "sslpassword",
+        "ssl_min_protocol_version",
+        "ssl_max_protocol_version",
+        "target_session_attrs",
+        "krbsrvname",
+        "gsslib",
+    }
+)
+"""The URL query parameters asyncpg reads itself (its DSN parsing, asyncpg 0.30-0.32);
+every other one it sends to the server as a setting of the session."""
+
+_SETTING_REFUSALS: tuple[type[BaseException], ...] = (
+    asyncpg.exceptions.UndefinedObjectError,  # 42704: unrecognized configuration parameter
+    asyncpg.exceptions.InvalidParameterValueError,  # 22023: a bad value for it
+    asyncpg.exceptions.CantChangeRuntimeParamError,  # 55P02: only at server start
+    asyncpg.exceptions.InsufficientPrivilegeError,  # 42501: a superuser's setting
+)
+"""How the server refuses a session setting at connect (PostgreSQL manual, "PostgreSQL
+Error Codes"); with settings in the URL's query, a ConfigError naming them."""
+
+
+def url_settings(url: str) -> list[str]:
+    """The query parameters of ``url`` that asyncpg sends to the server as settings."""
+    try:
+        query = urllib.parse.parse_qs(urllib.parse.urlsplit(url).query)
+    except ValueError:
+        return []
+    return [name for name in query if name not in ASYNCPG_PARAMETERS]
+
+
+def _check_port(port: str, shown: str) -> None:
+    if port and not (port.isascii() and port.isdigit() and 1 <= int(port) <= 65535):
+        raise ConfigError(f"url {shown!r}: the port must be an int in 1..65535, not {port!r}")
+
+
+def _check_query(url: str, authority: str, shown: str) -> None:
+    """The URL's ``?param=value`` part, as asyncpg reads it (its docs, ``connect``: the
+    parameters it knows -- host, port, dbname, user, password, sslmode, ... -- and every
+    other one sent to the server as a setting for the session). Refused here:
+
+    - a malformed query (asyncpg: a bare ``ValueError`` at connect);
+    - ``host`` / ``port`` / ``dbname`` / ``database`` / ``user`` / ``password`` given in
+      the query while the URL's own parts give it already: asyncpg then keeps the URL's
+      and silently ignores the query's (libpq takes the query's), so
+      ``postgresql://db/app?port=5433`` connected to 5432;
+    - a port that is not an int in 1..65535 (asyncpg: a bare ``ValueError``);
+    - one of the server settings aio-keuss sets itself (``SERVER_SETTINGS``): ours
+      override the URL's, so the user's was silently dropped.
+
+    Other settings are the server's to judge (a custom ``app.x`` is accepted by any, a
+    name depends on its version): its refusal at connect becomes a ConfigError in
+    ``open``. Values asyncpg checks itself (``sslmode``, ``target_session_attrs``, ...)
+    are refused by it before it connects, a ConfigError too."""
+    try:
+        parts = urllib.parse.urlsplit(url)
+        query = urllib.parse.parse_qs(parts.query, strict_parsing=True) if parts.query else {}
+    except ValueError as exc:
+        raise ConfigError(f"url {shown!r}: malformed query ({exc})") from None
+    credentials, at, host_part = authority.rpartition("@")
+    user, _, password = credentials.partition(":")
+    given = {
+        "host": bool(host_part),
+        "port": bool(host_part),
+        "dbname": bool(parts.path),
+        "database": bool(parts.path),
+        "user": bool(at and user),
+        "password": bool(at and password),
+    }
+    for name, values in query.items():
+        if given.get(name):
+            raise ConfigError(
+                f"url {shown!r}: ?{name}= is ignored by asyncpg when the URL itself gives"
+                f" the {name} (before the ?): give it there only"
+            )
+        if name == "port" and not given["port"]:
+            for port in values[-1].split(","):
+                _check_port(port, shown)
+        if name in SERVER_SETTINGS:
+            raise ConfigError(
+                f"url {shown!r}: ?{name}= is a server setting aio-keuss sets itself"
+                f" ({name}={SERVER_SETTINGS[name]!r}) and would override"
+            )
 
 
 @dataclass(frozen=True)
@@ -527,15 +629,26 @@ class PostgresConnection(Backend):
     @translated
     async def open(self) -> None:
         if self._pool is None:
-            self._pool = await asyncpg.create_pool(
-                self.url,
-                min_size=self.config.min_pool_size,
-                max_size=self.config.max_pool_size,
-                server_settings=SERVER_SETTINGS,
-                init=_session_init,
-                reset=_light_reset,
-                statement_cache_size=STATEMENT_CACHE,
-            )
+            try:
+                self._pool = await asyncpg.create_pool(
+                    self.url,
+                    min_size=self.config.min_pool_size,
+                    max_size=self.config.max_pool_size,
+                    server_settings=SERVER_SETTINGS,
+                    init=_session_init,
+                    reset=_light_reset,
+                    statement_cache_size=STATEMENT_CACHE,
+                )
+            except _SETTING_REFUSALS as exc:
+                settings = url_settings(self.url)
+                if not settings:
+                    raise
+                raise ConfigError(
+                    f"url {without_password(self.url)!r}: the server refused a setting at"
+                    f" connect ({type(exc).__name__}: {exc}); asyncpg sends the query"
+                    f" parameters it does not know itself ({', '.join(settings)}) to the"
+                    " server as settings"
+                ) from exc
         # Our own pool: all but two of its connections may be held (the two serve
         # transactions and the rest). A user's pool is shared with the user: half of it.
         # The user's pool has its own settings: ours are SET on what we hold, and the

@@ -251,6 +251,18 @@ async def _move_keeps_a_scheduled_message_scheduled(cli: Cli) -> None:
     assert popped.returncode == 4, popped.stdout  # nothing due
 
 
+async def test_a_bad_postgres_url_query_is_usage(postgres_cli: Cli) -> None:
+    """A URL query asyncpg ignored (``?port=`` beside a host), or a server setting the
+    server refuses at connect (``?bogus=1``: asyncpg sends what it does not know as one),
+    is bad usage (exit 2), not a failure (1), and the password stays hidden."""
+    for query in ("port=abc", "bogus=1"):
+        url = f"{POSTGRES_URL}?{query}".replace("@", ":s3cret@", 1)
+        bad = Cli("postgres", {**postgres_cli.options, "url": url})
+        done = await bad.run("info", "jobs")
+        assert done.returncode == 2, (query, done.returncode, done.stderr)
+        assert query.partition("=")[0] in done.stderr and "s3cret" not in done.stderr
+
+
 async def test_history_and_replay_on_mongo_history(history_cli: Cli) -> None:
     cli = history_cli
     pushed = (await cli.json("push", "done", stdin="1\n2\n"))["ids"]

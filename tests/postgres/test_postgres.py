@@ -356,6 +356,81 @@ async def test_bad_options_and_unreachable_server() -> None:
         await aio_keuss.connect("postgres", url="postgresql://postgres@127.0.0.1:1/test")
 
 
+def _with_query(url: str, query: str, *, host: bool = True) -> str:
+    """``url`` with ``query``; with ``host`` False, its host and port go in the query."""
+    parts = urlsplit(url)
+    if host:
+        return urlunsplit(parts._replace(query=query))
+    netloc = parts.netloc.rpartition("@")
+    where = f"host={parts.hostname}&port={parts.port or 5432}"
+    return urlunsplit(
+        parts._replace(netloc=netloc[0] + netloc[1], query=f"{where}&{query}" if query else where)
+    )
+
+
+@pytest.mark.parametrize(
+    ("query", "host", "said"),
+    [
+        ("port=abc", False, "port"),  # asyncpg: a bare ValueError at connect
+        ("port=0", False, "port"),
+        ("port=abc", True, "port"),  # asyncpg ignores it when the URL names a host
+        ("port=5433", True, "port"),  # ... even a good one: it connected to 5432
+        ("host=elsewhere", True, "host"),
+        ("dbname=other", True, "dbname"),  # the path names the database already
+        ("user=other", True, "user"),
+        ("bogus", True, "query"),  # asyncpg: a bare ValueError "bad query field"
+        ("jit=on", True, "jit"),  # a setting of ours: silently overridden before
+        ("default_transaction_isolation=serializable", True, "default_transaction_isolation"),
+    ],
+)
+def test_a_bad_url_query_is_a_config_error_before_connecting(
+    query: str, host: bool, said: str
+) -> None:
+    """Refused when the options are made, before any connection, its password not shown."""
+    url = _with_query(POSTGRES_URL, query, host=host).replace("@", ":s3cret@", 1)
+    with pytest.raises(aio_keuss.ConfigError, match=said) as caught:
+        pg_connection.PostgresConnectionOptions(url=url)
+    assert "s3cret" not in str(caught.value)
+    in_query = _with_query(POSTGRES_URL, f"password=s3cret&{query}", host=host)
+    with pytest.raises(aio_keuss.ConfigError, match=said) as caught:
+        pg_connection.PostgresConnectionOptions(url=in_query)
+    assert "s3cret" not in str(caught.value)
+
+
+def test_url_queries_asyncpg_takes_are_accepted() -> None:
+    for url in [
+        "postgresql:///test?host=/var/run/postgresql",
+        "postgresql://u@/test?host=db.example&port=5433",
+        "postgres://db.example?dbname=test&user=u&password=p",
+        "postgresql://u:p@h1:5432,h2:5433/db?sslmode=require&target_session_attrs=read-write",
+        "postgresql://h/db?application_name=x&options=-c%20search_path%3Dx&app.custom=1",
+        "postgresql://h/db?passfile=/tmp/pgpass&sslrootcert=/tmp/ca.pem&service=s",
+    ]:
+        assert pg_connection.check_postgres_url(url) == url
+
+
+async def test_url_query_parameters_asyncpg_takes_are_kept(schema: str) -> None:
+    """Host and port in the query (no host in the URL), and what asyncpg passes on as
+    server settings: application_name, options."""
+    url = _with_query(
+        POSTGRES_URL, "application_name=akt-url&options=-c%20work_mem%3D8MB", host=False
+    )
+    async with aio_keuss.connect("postgres", url=url, schema=schema) as factory:
+        q = await factory.queue("jobs")
+        await q.push(1)
+        assert (await q.pop(timeout=5)) is not None
+
+
+async def test_a_setting_the_server_refuses_is_a_config_error(schema: str) -> None:
+    """asyncpg sends the URL's query parameters it does not know as server settings (its
+    docs, ``connect``): a typo is refused by the server at connect, a ConfigError."""
+    for query, said in (("bogus=1", "bogus"), ("work_mem=lots", "work_mem")):
+        url = _with_query(POSTGRES_URL, query).replace("@", ":s3cret@", 1)
+        with pytest.raises(aio_keuss.ConfigError, match=said) as caught:
+            await aio_keuss.connect("postgres", url=url, schema=schema)
+        assert "s3cret" not in str(caught.value)
+
+
 async def test_user_pool_is_used_and_left_open(schema: str) -> None:
     pool = await asyncpg.create_pool(POSTGRES_URL, min_size=1, max_size=3)
     try:
