@@ -54,6 +54,7 @@ try:
     from pymongo import errors as mongo_errors
     from pymongo.asynchronous.collection import AsyncCollection
     from pymongo.asynchronous.database import AsyncDatabase
+    from pymongo.uri_parser import split_options
 except ImportError as exc:  # pragma: no cover - depends on the environment
     raise MissingDependencyError("mongo", exc.name or "pymongo") from exc
 
@@ -189,7 +190,43 @@ def check_mongo_url(url: object) -> str:
         raise ConfigError(
             f"url {without_password(url)!r}: expected mongodb:// or mongodb+srv:// then the host"
         )
+    _check_url_options(url)
     return url
+
+
+OWN_CLIENT_OPTIONS = {
+    "tz_aware": "aio-keuss reads dates as aware datetimes",
+    "serverselectiontimeoutms": "give the server_selection_timeout option instead",
+}
+"""What the client made here is given as keyword arguments, which take precedence over the
+URL's options (PyMongo's ``MongoClient`` docs): given in the URL too, it was ignored."""
+
+
+def _check_url_options(url: str) -> None:
+    """Refuse a URL option PyMongo does not know, or a value it cannot take, before the
+    client is made. PyMongo's client only warns of either and goes on without the option
+    (``UserWarning: Unknown option``), so ``?maxPoolSiz=5`` or ``?readPreference=primery``
+    ran with the default and a warning easy to miss; its own parser, asked not to warn,
+    refuses them. The error names the option, never its value (it may be a credential)."""
+    shown = without_password(url)
+    query = url.partition("?")[2]
+    if not query:
+        return
+    try:
+        split_options(query, validate=True, warn=False)
+    except (mongo_errors.ConfigurationError, ValueError, TypeError) as exc:
+        for piece in re.split(r"[&;]", query):
+            name = piece.partition("=")[0]
+            try:
+                split_options(piece, validate=True, warn=False)
+            except (mongo_errors.ConfigurationError, ValueError, TypeError) as bad:
+                raise ConfigError(f"url {shown!r}: option {name!r}: {bad}") from None
+        raise ConfigError(f"url {shown!r}: {exc}") from None
+    for piece in re.split(r"[&;]", query):
+        name = piece.partition("=")[0]
+        why = OWN_CLIENT_OPTIONS.get(name.lower())
+        if why is not None:
+            raise ConfigError(f"url {shown!r}: option {name!r} is set by aio-keuss ({why})")
 
 
 @dataclass(frozen=True)

@@ -40,6 +40,7 @@ from aio_keuss.message import (
     encode_payload,
     encode_payloads,
 )
+from aio_keuss.mongo.connection import check_mongo_url
 from aio_keuss.options import MAX_COUNT, MAX_SECONDS, brief, check_seconds
 from aio_keuss.redis.connection import check_redis_url
 
@@ -886,6 +887,15 @@ BAD_URLS: list[tuple[str, str]] = [
     ("mongo", "mongodb://"),
     ("mongo-history", "mongodb://127.0.0.1:port"),
     ("bucket-mongo", "mongodb+srv://host.example:27017"),  # +srv takes no port
+    # PyMongo only warns of an unknown option, or a bad value of a known one, and then
+    # connects without it: a typo went by with the option's default
+    ("mongo", "mongodb://u:secret@127.0.0.1:27017/?maxPoolSiz=5"),
+    ("mongo", "mongodb://127.0.0.1:27017/?maxPoolSize=abc"),
+    ("mongo-history", "mongodb://127.0.0.1:27017/?readPreference=primery"),
+    ("bucket-mongo", "mongodb://127.0.0.1:27017/?retryWrites=maybe&password=secret"),
+    # what aio-keuss gives the client itself, which overrides the URL's
+    ("mongo", "mongodb://127.0.0.1:27017/?tz_aware=false"),
+    ("mongo", "mongodb://127.0.0.1:27017/?serverSelectionTimeoutMS=100"),
     ("sqlite", "file:///tmp/akt.db"),
     ("sqlite", "sqlite:/tmp/akt.db"),
     ("sqlite", "sqlite://host/tmp/akt.db"),
@@ -899,6 +909,16 @@ async def test_bad_urls_are_refused_before_connecting(backend: str, url: str) ->
     with pytest.raises(aio_keuss.ConfigError, match="url") as raised:
         await (await aio_keuss.connect(backend, url=url)).close()
     assert "secret" not in str(raised.value)
+
+
+def test_mongo_url_options_pymongo_takes_are_accepted() -> None:
+    for url in [
+        "mongodb://127.0.0.1:27017/?maxPoolSize=5&appName=x&directConnection=true",
+        "mongodb://u:p@a.example,b.example/db?replicaSet=rs0&readPreference=secondaryPreferred",
+        "mongodb://127.0.0.1/?w=majority;wtimeoutMS=100;retryWrites=false",
+        "mongodb+srv://cluster.example/?tls=true&authSource=admin",
+    ]:
+        assert check_mongo_url(url) == url
 
 
 async def test_redis_cluster_urls_have_database_0_only() -> None:
