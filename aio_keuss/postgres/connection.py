@@ -241,9 +241,10 @@ def _check_query(url: str, authority: str, shown: str) -> None:
     }
     for name, values in query.items():
         if given.get(name):
+            part = "host" if name == "port" else name  # a host given, asyncpg's port is its
             raise ConfigError(
                 f"url {shown!r}: ?{name}= is ignored by asyncpg when the URL itself gives"
-                f" the {name} (before the ?): give it there only"
+                f" the {part} (before the ?): give it there only"
             )
         if name == "port" and not given["port"]:
             for port in values[-1].split(","):
