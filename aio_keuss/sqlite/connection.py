@@ -88,6 +88,11 @@ MIN_SIGNAL_POLL = 0.001
 (at most ``IDLE_SLOWDOWN`` times this apart), so a microsecond kept one CPU core busy for
 as long as the factory was open, for wake-ups no finer than the event loop's timers."""
 MAX_SIGNAL_POLL = 10.0
+THREAD_END_WAIT = 5.0
+"""Longest a close waits for its stopped database thread to end (it only closes the
+connection, which checkpoints the WAL when it is the last one)."""
+THREAD_END_LOOK = 0.002
+"""Seconds between two looks of that wait."""
 LONGEST_ROW = 1_000_000_000 - 65_536
 """SQLite's default ``SQLITE_MAX_LENGTH`` bounds a string, a BLOB and a whole row at
 1,000,000,000 bytes (SQLite documentation, "Limits In SQLite"): a message's payload and
@@ -443,6 +448,18 @@ class _Thread:
 
     def stop(self) -> None:
         self._calls.put(None)
+
+    async def ended_within(self, bound: float) -> None:
+        """Wait, without blocking the loop, until the thread has ended (it was stopped),
+        ``bound`` seconds at most. A stopped thread only closes its connection and returns,
+        but it does so in its own time: a close that returned before it had, left it to be
+        counted by whoever looks at the process's threads next (a fork, a test)."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + bound
+        # looked at, not signalled: a thread is still alive (and listed) for a moment after
+        # its last line runs, so only is_alive() tells it has gone
+        while self._thread.is_alive() and loop.time() < deadline:  # noqa: ASYNC110
+            await asyncio.sleep(THREAD_END_LOOK)
 
     def close_connection(self, connection: sqlite3.Connection) -> None:
         """The close's call, run on this thread: the watch and the checkpoint are dropped
@@ -847,6 +864,7 @@ class SqliteConnection(Backend):
                     await thread.submit(thread.close_connection)
         finally:  # a close cancelled while the thread closed the connection: it still ends
             thread.stop()
+        await thread.ended_within(THREAD_END_WAIT)
 
     def _running(self) -> _Thread:
         if self._thread is None:

@@ -1335,3 +1335,14 @@ async def test_a_stats_flush_cancelled_on_the_database_thread_lands_once(
         other.close()
     await store.close()  # its last flush sends what is not known to have landed
     assert (await factory.stats_store.counters("q"))["put"] == 7  # neither lost nor twice
+
+
+async def test_a_closed_factory_leaves_no_database_thread(database: str) -> None:
+    """A close returns once its database thread has ended, not as soon as it was told to:
+    a caller counting threads after a close (a test, a fork, an embedding host) found it
+    still there."""
+    for _ in range(20):
+        factory = await aio_keuss.connect("sqlite", path=database)
+        await (await factory.queue("jobs")).push(1)
+        await factory.close()
+        assert not [t for t in threading.enumerate() if t.name.startswith("aio-keuss sqlite")]
