@@ -70,6 +70,11 @@ went silent (a network partition, a host that hangs) never end, and the process 
 exited. Cancelled, the rest of the close is bounded by the async close's own grace
 (``CANCELLED_CLOSE_GRACE``)."""
 
+EXIT_GRACE_WAIT = CANCELLED_CLOSE_GRACE
+"""Seconds the close cancelled at exit (see ``EXIT_CLOSE_WAIT``) may take to finish in its
+grace (give back the reservations held, write out what is buffered) before it is cancelled
+for good: a step of it may wait on a server that does not answer past the grace."""
+
 
 class _Runtime:
     """The process's one loop thread and who uses it.
@@ -607,7 +612,10 @@ class SyncFactory:
                     # by then under way) waits for this one; a future start_task_soon
                     # returns would exist only once the handler returned
                     self._closing = closing = Future[None]()
-                    task = self._portal.start_task_soon(_settling, closing, self.factory.close)
+                    running: list[asyncio.Task[Any]] = []
+                    task = self._portal.start_task_soon(
+                        _settling, closing, self.factory.close, running
+                    )
                 if wait is None:
                     closing.result()
                     return
@@ -620,9 +628,19 @@ class SyncFactory:
                         self,
                         wait,
                     )
-                    task.cancel()
+                    # Cancelled once, as a shutdown timeout does: the portal's own cancel
+                    # (its future's cancel()) cancels its task again on every loop
+                    # iteration until it ends, which cut the close's grace at once
+                    # (reservations held stayed reserved, buffered writes were dropped).
+                    if self._loop is not None:
+                        with contextlib.suppress(RuntimeError):  # the loop already stopped
+                            self._loop.call_soon_threadsafe(_cancel_once, running)
                     with contextlib.suppress(Exception, asyncio.CancelledError):
-                        closing.result()
+                        try:
+                            closing.result(timeout=EXIT_GRACE_WAIT)
+                        except TimeoutError:
+                            task.cancel()  # the portal's: again until the task ends
+                            closing.result()
             finally:
                 if self._closed:  # else interrupted before anything changed: still open
                     _runtime.release(self._generation)
@@ -696,14 +714,30 @@ def _unwrapping(future: Future[T]) -> Future[T]:
     return outer
 
 
-async def _settling(done: Future[None], work: Callable[[], Awaitable[None]]) -> None:
-    """``await work()``, its outcome copied into ``done`` (see ``SyncFactory._close_once``)."""
+async def _settling(
+    done: Future[None],
+    work: Callable[[], Awaitable[None]],
+    running: list[asyncio.Task[Any]] | None = None,
+) -> None:
+    """``await work()``, its outcome copied into ``done`` (see ``SyncFactory._close_once``);
+    the task running it is put in ``running``, for a cancellation of its own."""
+    task = asyncio.current_task()
+    if running is not None and task is not None:
+        running.append(task)
     try:
         await work()
     except BaseException as exc:
         done.set_exception(exc)
         raise
     done.set_result(None)
+
+
+def _cancel_once(running: list[asyncio.Task[Any]]) -> None:
+    """Cancel the close's task once (see ``SyncFactory._close_once``): a close cancelled
+    once still finishes in its grace, one cancelled again gives the rest up at once
+    (``Factory.close``)."""
+    for task in running:
+        task.cancel()
 
 
 class SyncQueue:

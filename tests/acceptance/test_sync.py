@@ -398,6 +398,7 @@ import aio_keuss.queue
 from aio_keuss import sync
 
 sync.EXIT_CLOSE_WAIT = 0.5  # the test's own bounds, not the defaults' 10 s each
+sync.EXIT_GRACE_WAIT = 0.5
 aio_keuss.queue.CANCELLED_CLOSE_GRACE = 0.5
 silent = threading.Event()
 ports = []
