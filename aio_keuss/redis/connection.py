@@ -757,7 +757,11 @@ def check_redis_url(url: object, cluster: bool) -> str:
     if url[len(scheme) + 1 : len(scheme) + 3] != "//":
         raise bad(f"expected {scheme}:// then the host (or for unix://, the socket path)")
     query = parse_qs(parts.query, keep_blank_values=True)
-    ours = sorted(set(query) & _SET_HERE)
+    ours = sorted(
+        name
+        for name in set(query) & _SET_HERE
+        if [value.lower() for value in query[name]] != [_DEFAULT_HERE.get(name)]
+    )
     if ours:
         raise bad(f"{', '.join(map(repr, ours))} is set by aio-keuss, not in the URL")
     unknown = sorted(set(query) - _query_names(scheme, cluster))
@@ -804,6 +808,9 @@ _SET_HERE = frozenset(
 defaults: redis-py lets a URL's query override the keywords its caller passed, so
 ``?decode_responses=true`` handed the stores str replies where they read bytes, and
 ``?encoding=`` wrote str keys and arguments as other bytes than every other client's."""
+_DEFAULT_HERE = {"encoding": "utf-8", "encoding_errors": "strict"}
+"""Values of those a URL may still give, once each: they are what the library relies on
+(redis-py's defaults), so a URL written for another client keeps working."""
 
 
 def _query_names(scheme: str, cluster: bool) -> frozenset[str]:

@@ -726,3 +726,15 @@ async def test_the_fast_lane_keeps_its_tcp_connection_alive(open_factory: Open) 
     for option, value in keepalive.socket_options().items():
         assert sock.getsockopt(socket.IPPROTO_TCP, option) == value
     assert await q.pop(timeout=0) is not None
+
+
+async def test_a_url_giving_the_default_encoding_still_works(open_factory: Open) -> None:
+    """``?encoding=utf-8`` (and ``encoding_errors=strict``), redis-py's defaults, are what
+    the library relies on: a URL written for another client that spells them out is taken,
+    while another encoding is refused (the input conformance tests)."""
+    url = f"{REDIS_URL}?encoding=UTF-8&encoding_errors=strict"
+    factory = await open_factory(url=url)
+    q = await factory.queue("jobs")
+    await q.push({"é": 1})
+    message = await q.pop(timeout=0)
+    assert message is not None and message.payload == {"é": 1}
