@@ -6,7 +6,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-from collections.abc import AsyncIterator, Generator, Mapping, Sequence
+import logging
+from collections.abc import AsyncIterator, Coroutine, Generator, Mapping, Sequence
 from types import TracebackType
 from typing import Any
 
@@ -15,12 +16,14 @@ from .contract import Backend, RateRule
 from .errors import ClosedError, ConfigError
 from .options import QUEUE_OPTION_NAMES, DeadletterOptions, QueueOptions, check_queue_name
 from .pipeline import Pipeline, check_pipeline_name
-from .queue import Closing, Limiter, Queue
+from .queue import CANCELLED_CLOSE_GRACE, Closing, Limiter, Queue
 from .registry import load_backend
 from .results import ResultStore
 from .signal import LocalSignalBus, SignalBus
 from .stats import MemoryStats, StatsStore
 from .types import Capabilities, Sizes
+
+log = logging.getLogger(__name__)
 
 _FACTORY_OPTIONS = frozenset({"signal", "stats", "deadletter", "signal_debounce"})
 
@@ -334,7 +337,10 @@ class Factory:
         wait for it. Cancelled (a shutdown timeout), it skips the handlers' grace but still
         lets each queue finish for up to ``CANCELLED_CLOSE_GRACE`` seconds before the
         connection closes: a round trip in flight would lose its reply, and the reservations
-        held would stay out of reach until they expire.
+        held would stay out of reach until they expire. The stats store's last write and the
+        signals still on their way out get what is left of that grace, no more: past it the
+        last counters are dropped (a WARNING) and the signals too (another process's waiter
+        then finds the messages by its poll), never a message.
         """
         owner = self._closing.task is None
         if owner:
@@ -408,6 +414,10 @@ class Factory:
         """``close``'s work; ``cut_short``: the rest of a close cancelled before it began,
         without the consumers' grace (bounded as a cancelled close)."""
         self._close_begun = True
+        loop = asyncio.get_running_loop()
+        # when a cancelled close's grace ends: the queues' closes, then the stats store's last
+        # write and the signals on their way out share it (a silent server answers neither)
+        grace_end = loop.time() + CANCELLED_CLOSE_GRACE if cut_short else None
         try:
             stops: Sequence[BaseException | None] = ()
             try:
@@ -415,6 +425,7 @@ class Factory:
                     stops = await self._stop_consumers()
             except asyncio.CancelledError:
                 cut_short = True  # the queues' closes are bounded as cancelled ones
+                grace_end = loop.time() + CANCELLED_CLOSE_GRACE
                 raise
             finally:
                 self._siblings_open = False
@@ -424,15 +435,23 @@ class Factory:
                 # then the queues close, side by side: one failing to close (its server
                 # away) must not keep the others open; after a cancelled stop too, so that
                 # each still gives back what it holds before the backend closes under it
-                try:
-                    closes = await asyncio.gather(
-                        *(
-                            queue._shut(cut_short=True) if cut_short else queue.close()
-                            for queue in queues
-                        ),
-                        return_exceptions=True,
+                closing = [
+                    asyncio.ensure_future(
+                        queue._shut(cut_short=True) if cut_short else queue.close()
                     )
+                    for queue in queues
+                ]
+                try:
+                    # not gather: cancelled, it raised only once every queue's grace was
+                    # over, and the grace's start, which bounds what follows, was unknown
+                    if closing:
+                        await asyncio.wait(closing)
+                    closes = [None if t.cancelled() else t.exception() for t in closing]
                 except asyncio.CancelledError:
+                    grace_end = loop.time() + CANCELLED_CLOSE_GRACE
+                    for task in closing:
+                        task.cancel()
+                    await asyncio.gather(*closing, return_exceptions=True)
                     # Cancelled before a queue's close had run its first step, that close
                     # never ran (a task cancelled before it starts runs nothing): it runs now
                     # as the rest of a cancelled close, bounded alike; one under way is
@@ -447,10 +466,11 @@ class Factory:
                     raise result
         finally:
             try:
-                await self.stats_store.close()  # raises when the server is away at close
+                # raises when the server is away at close
+                await _within(self.stats_store.close(), grace_end, "the stats store's close")
             finally:
                 try:
-                    await self.signal.close()  # ... and the listener must still stop
+                    await self.signal.close(grace_end)  # ... and the listener must still stop
                 finally:
                     try:
                         await self._results.close()
@@ -467,6 +487,29 @@ class Factory:
         tb: TracebackType | None,
     ) -> None:
         await self.close()
+
+
+async def _within(step: Coroutine[Any, Any, None], deadline: float | None, what: str) -> None:
+    """Run ``step`` of a close; with a ``deadline`` (a cancelled close's grace, the loop's
+    clock), stop waiting for it there: a server that stopped answering never ends it, and
+    a command already sent is only let go some time after its cancellation (Redis runs it
+    whatever the caller does). What it had still to write is lost (the last counters of
+    the stats store); the backend's close then ends it."""
+    if deadline is None:
+        await step
+        return
+    task = asyncio.ensure_future(step)
+    try:
+        timeout = max(0.0, deadline - asyncio.get_running_loop().time())
+        done, _ = await asyncio.wait({task}, timeout=timeout)
+    except BaseException:
+        task.cancel()
+        raise
+    if done:
+        task.result()
+        return
+    task.cancel()
+    log.warning("cancelled close: %s given up (no answer within the grace)", what)
 
 
 class _Connecting:

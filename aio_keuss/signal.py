@@ -135,15 +135,29 @@ class SignalBus:
             self._listener = None
             listener.result()
 
-    async def close(self) -> None:
+    async def close(self, deadline: float | None = None) -> None:
+        """Send what is still to go out, then stop the listener. ``deadline`` (the loop's
+        clock): a cancelled close's grace, past which the signals still on their way out
+        are dropped, not waited for: a server that stopped answering never takes them, and
+        a lost signal only costs a waiter in another process its poll interval."""
         # Trailing signals of open debounce windows go out now: once closed, the window's
         # timer would drop them (the last announcement of a burst, e.g. what a queue
         # closing just before gave back).
         self._send_trailing()
         self._windows.clear()
         self._closed = True
-        await self._sent()
-        await self._stop_listener()
+        try:
+            if deadline is None:
+                await self._sent()
+            elif self._publishing:
+                loop = asyncio.get_running_loop()
+                timeout = max(0.0, deadline - loop.time())
+                await asyncio.wait(tuple(self._publishing), timeout=timeout)
+                for task in tuple(self._publishing):
+                    task.cancel()  # given up: not left pending as the loop closes
+                    log.debug("signal publish dropped at a cancelled close")
+        finally:
+            await self._stop_listener()
 
     async def published(self) -> None:
         """Send the trailing signals of open debounce windows now, and wait for the signals
