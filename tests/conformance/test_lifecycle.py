@@ -10,7 +10,7 @@ import asyncio
 import contextlib
 import itertools
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any
 
 import pytest
@@ -18,7 +18,7 @@ from backends import BackendCase
 from conftest import Connect, needs
 
 import aio_keuss
-from aio_keuss import Message
+from aio_keuss import Message, Queue
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -693,23 +693,20 @@ async def test_a_handler_closing_its_queue_keeps_its_message_from_other_consumer
         await asyncio.wait_for(consumer.wait(), 30)
 
 
-async def test_a_handler_abandoned_by_a_stop_keeps_its_message_through_the_close(
-    connect: Connect, case: Any, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """A handler that goes on once cancelled is abandoned by its consumer's stop, its
-    message left reserved: the factory's close that follows (the worker command's) must not
-    give it back either, or another consumer handles it while that handler still runs. A
-    bucket store gave every reservation of its leased buckets back as it closed."""
-    kinds = ("redis-oq", "redis-reliable", "redis-sharded", "postgres", "mongo", "sqlite")
-    if case.id not in (*kinds, "bucket-redis", "bucket-postgres", "bucket-mongo"):
-        pytest.skip("run on one backend of each kind")
+@contextlib.asynccontextmanager
+async def _a_handler_abandoned(
+    connect: Connect, monkeypatch: pytest.MonkeyPatch, reserve_delay: float
+) -> AsyncIterator[tuple[aio_keuss.Factory, Queue, asyncio.Event]]:
+    """One message held by a handler that goes on once cancelled, which its consumer's stop
+    (its waits shortened) abandoned: yields the consumer's factory, the queue as another
+    factory sees it, and the event set once the handler ends (it is let end after)."""
     monkeypatch.setattr(aio_keuss.consumer, "ACK_WAIT", 0.2)
     monkeypatch.setattr(aio_keuss.consumer, "ABANDON_WAIT", 0.2)
     first = await connect(poll_interval=5.0)
     needs(first, "reserve")
     second = await connect(poll_interval=5.0)
-    q1 = await first.queue("jobs", reserve_delay=600)
-    q2 = await second.queue("jobs", reserve_delay=600)
+    q1 = await first.queue("jobs", reserve_delay=reserve_delay)
+    q2 = await second.queue("jobs", reserve_delay=reserve_delay)
     await q2.push("held")
     started = asyncio.Event()
     finish = asyncio.Event()
@@ -728,13 +725,27 @@ async def test_a_handler_abandoned_by_a_stop_keeps_its_message_through_the_close
     try:
         await asyncio.wait_for(started.wait(), 30)
         await asyncio.wait_for(consumer.stop(0), 30)  # abandons it
+        yield first, q2, ended
+    finally:
+        finish.set()
+        await asyncio.wait_for(ended.wait(), 30)
+
+
+async def test_a_handler_abandoned_by_a_stop_keeps_its_message_through_the_close(
+    connect: Connect, case: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A handler that goes on once cancelled is abandoned by its consumer's stop, its
+    message left reserved: the factory's close that follows (the worker command's) must not
+    give it back either, or another consumer handles it while that handler still runs. A
+    bucket store gave every reservation of its leased buckets back as it closed."""
+    kinds = ("redis-oq", "redis-reliable", "redis-sharded", "postgres", "mongo", "sqlite")
+    if case.id not in (*kinds, "bucket-redis", "bucket-postgres", "bucket-mongo"):
+        pytest.skip("run on one backend of each kind")
+    async with _a_handler_abandoned(connect, monkeypatch, 600) as (first, q2, ended):
         assert not ended.is_set()
         await asyncio.wait_for(first.close(), 30)
         assert await q2.reserve_many(1, timeout=0.5) == []  # not given to anyone else
         assert (await q2.sizes()).total == 1  # nor lost: back once its reservation expires
-    finally:
-        finish.set()
-        await asyncio.wait_for(ended.wait(), 30)
 
 
 async def test_a_handler_abandoned_by_a_stop_keeps_its_reservation_while_it_runs(
@@ -747,36 +758,10 @@ async def test_a_handler_abandoned_by_a_stop_keeps_its_reservation_while_it_runs
     backend that extends: two kinds of store run it."""
     if case.id not in ("redis-oq", "postgres"):
         pytest.skip("run on two backends")
-    monkeypatch.setattr(aio_keuss.consumer, "ACK_WAIT", 0.2)
-    monkeypatch.setattr(aio_keuss.consumer, "ABANDON_WAIT", 0.2)
-    first = await connect(poll_interval=5.0)
-    second = await connect(poll_interval=5.0)
-    q1 = await first.queue("jobs", reserve_delay=6)
-    q2 = await second.queue("jobs", reserve_delay=6)
-    await q2.push("held")
-    started = asyncio.Event()
-    finish = asyncio.Event()
-    ended = asyncio.Event()
-
-    async def stubborn(message: Message) -> None:
-        started.set()
-        try:
-            while not finish.is_set():
-                with contextlib.suppress(asyncio.CancelledError):  # goes on
-                    await asyncio.sleep(0.05)
-        finally:
-            ended.set()
-
-    consumer = q1.consume(stubborn)
-    try:
-        await asyncio.wait_for(started.wait(), 30)
-        await asyncio.wait_for(consumer.stop(0), 30)  # abandons it
+    async with _a_handler_abandoned(connect, monkeypatch, 6) as (_, q2, ended):
         await asyncio.sleep(9)  # past its reservation, had it not been extended
         assert not ended.is_set()
         assert await q2.reserve_many(1, timeout=0) == []  # not given to anyone else
-    finally:
-        finish.set()
-        await asyncio.wait_for(ended.wait(), 30)
 
 
 @pytest.mark.parametrize("closing", ["queue", "factory"])
