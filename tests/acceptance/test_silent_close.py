@@ -1,0 +1,100 @@
+"""A close cancelled once (a shutdown timeout) while the server has gone silent: it must end
+within its documented bound, and lose nothing that was acknowledged."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+from backends import (
+    POSTGRES_URL,
+    REDIS_URL,
+    _drop_postgres_schema,
+    _drop_redis_prefix,
+    new_token,
+)
+from black_hole import BlackHole
+
+import aio_keuss
+from aio_keuss import stats
+
+
+@dataclass(frozen=True)
+class Silent:
+    backend: str
+    port: int
+    url: str
+    options: Callable[[], dict[str, Any]]
+    drop: Callable[[dict[str, Any]], Awaitable[None]]
+    guard: float
+    """Generous: the documented bound is a cancelled close's grace (10 s), and on PostgreSQL
+    the pool's close after it (10 s more)."""
+
+
+CASES = [
+    Silent(
+        "redis-oq",
+        6379,
+        REDIS_URL,
+        lambda: {"prefix": f"akr-{new_token()}"},
+        _drop_redis_prefix,
+        30.0,
+    ),
+    Silent(
+        "postgres",
+        5432,
+        POSTGRES_URL,
+        lambda: {"schema": f"akt_{new_token()}"},
+        _drop_postgres_schema,
+        40.0,
+    ),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.backend)
+async def test_a_cancelled_close_ends_when_the_server_goes_silent(
+    case: Silent, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # the counters stay buffered until the close, whose last write then meets the silence
+    monkeypatch.setattr(stats.StatsStore, "flush_interval", 3600.0)
+    options = case.options()
+    hole = BlackHole("127.0.0.1", case.port, b"")  # every connection that sent anything
+    await hole.start()
+    url = case.url.replace(f"127.0.0.1:{case.port}", f"127.0.0.1:{hole.port}")
+    # signal_debounce: the pushes' trailing signal goes out at close
+    factory = await aio_keuss.connect(case.backend, url=url, signal_debounce=59.0, **options)
+    closing: asyncio.Task[None] | None = None
+    try:
+        q = await factory.queue("silent", reserve_delay=1.0)
+        for n in range(4):
+            await q.push(n)
+        popped = await q.pop()
+        done = await q.reserve()
+        held = await q.reserve()
+        assert popped is not None and done is not None and held is not None
+        await q.ok(done)
+        hole.swallow()  # the server answers nothing more, the connections stay open
+        closing = asyncio.ensure_future(factory.close())
+        await asyncio.sleep(0.5)
+        closing.cancel()  # once, as asyncio.wait_for(factory.close(), 5) does
+        ended, _ = await asyncio.wait({closing}, timeout=case.guard)
+        assert ended, "a close cancelled once never ended"
+    finally:
+        if closing is not None and not closing.done():
+            closing.cancel()
+            await asyncio.wait({closing}, timeout=case.guard)
+        hole.close()
+    after = await aio_keuss.connect(case.backend, url=case.url, **options)
+    try:
+        q = await after.queue("silent", reserve_delay=1.0)
+        left = []
+        while (message := await q.pop(timeout=5)) is not None:
+            left.append(message.payload)
+        # the popped and ok-ed ones stay gone; the one held comes back on expiry
+        assert sorted(left) == sorted({0, 1, 2, 3} - {popped.payload, done.payload})
+    finally:
+        await after.close()
+        await case.drop({"url": case.url, **options})
