@@ -27,12 +27,18 @@ if TYPE_CHECKING:
 
 
 def _columns(increments: Increments) -> tuple[list[str], list[str], list[int]]:
+    """The upsert's rows, sorted by queue then counter: two stores' flushes of the same
+    counters lock those rows in the order they are written, and listed in each store's own
+    order (the order it first counted them in) two flushes at once took them in opposite
+    orders and deadlocked, the server aborting one (PostgreSQL manual, "Deadlocks": lock
+    rows in a consistent order)."""
     queues: list[str] = []
     names: list[str] = []
     values: list[int] = []
-    for queue, counters in increments.items():
-        for name, value in counters.items():
-            if value:
+    for queue in sorted(increments):
+        counters = increments[queue]
+        for name in sorted(counters):
+            if value := counters[name]:
                 queues.append(queue)
                 names.append(name)
                 values.append(value)

@@ -1747,3 +1747,29 @@ async def test_every_statement_form_works_after_our_sessions_are_terminated_and_
         await admin.close()
         await producer.close()
         await factory.close()
+
+
+async def test_stats_flushes_of_two_factories_never_deadlock(schema: str) -> None:
+    """Two factories flushing the same counters, each listing them in its own order (the
+    order they were first counted in): one upsert each, and two upserts that take the same
+    rows' locks in opposite orders deadlock (PostgreSQL manual, "Deadlocks": the server
+    then aborts one). A flush writes its rows in one order, whoever sends it."""
+    names = [f"c{n}" for n in range(40)]
+    one = await aio_keuss.connect("postgres", url=POSTGRES_URL, schema=schema)
+    two = await aio_keuss.connect("postgres", url=POSTGRES_URL, schema=schema)
+    try:
+        for q in ("a", "b"):
+            await one.queue(q)
+        for _ in range(30):
+            for name in names:
+                for q in ("a", "b"):
+                    one.stats_store.incr(q, name)
+            for name in reversed(names):
+                for q in ("b", "a"):
+                    two.stats_store.incr(q, name)
+            await asyncio.gather(one.stats_store.flush(), two.stats_store.flush())
+        counters = await one.stats_store.counters("a")
+        assert all(counters[name] == 60 for name in names)
+    finally:
+        await one.close()
+        await two.close()
