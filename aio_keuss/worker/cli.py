@@ -4,8 +4,10 @@ the command line of the worker.
 Exit codes: 0 after a clean stop (SIGTERM / SIGINT), 2 for bad settings (an unknown flag, a
 bad value, a handler that cannot be imported, a pipeline or its file's stations that cannot,
 a repeat the backend cannot run), found before connecting where they can be, 3 when the
-backend cannot be reached at start, 1 for anything unexpected. A supervisor can tell "fix
-the unit file" (2) from "the database is down" (3), and restart only on the latter.
+backend cannot be reached at start, 1 for anything unexpected, 70 (``EX_SOFTWARE`` of BSD's
+sysexits.h) after a stop that abandoned handlers which went on once cancelled (their
+messages left reserved). A supervisor can tell "fix the unit file" (2) from "the database
+is down" (3), and restart only on the latter, and sees a stop that could not end cleanly.
 """
 
 from __future__ import annotations
@@ -30,6 +32,8 @@ from .run import pipeline_source, run_worker
 from .settings import REPEAT_FORM, WorkerSettings, connection_settings, option_value, resolve
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_UNREACHABLE = 0, 1, 2, 3
+EXIT_ABANDONED = 70
+"""A stop that abandoned handlers: 0 would tell a supervisor that all ended cleanly."""
 
 log = logging.getLogger("aio_keuss.worker")
 
@@ -148,7 +152,8 @@ def _connection(args: argparse.Namespace) -> tuple[str, dict[str, Any]]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command; returns its exit code. A worker that abandoned handlers which went on
-    after being cancelled ends the process here, with that code (see ``loop``)."""
+    after being cancelled ends the process here, with that code, or ``EXIT_ABANDONED`` for
+    a stop that would have exited 0 (see ``loop``)."""
     args = _parser().parse_args(argv)
     if args.command == "dashboard":
         return dashboard_command.run(args, _connection)
@@ -170,7 +175,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
     code = _serve(settings)
-    loop.exit_if_abandoned(code)
+    loop.exit_if_abandoned(code or EXIT_ABANDONED)
     return code
 
 
