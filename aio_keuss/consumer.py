@@ -173,15 +173,26 @@ class _KoHold:
         self.named = named
 
 
-async def _bounded(tasks: set[asyncio.Task[Any]] | list[asyncio.Task[None]]) -> None:
+async def _bounded(
+    tasks: set[asyncio.Task[Any]] | list[asyncio.Task[None]], abandon: float | None = None
+) -> set[asyncio.Task[Any]]:
     """Wait for ``tasks`` at most ``ACK_WAIT`` seconds, then cancel what is left and wait
-    for it to end."""
+    for it to end: as long as it takes, or ``abandon`` seconds at most (a task that
+    swallows its cancellation must not hold a stop for ever). Returns the tasks still
+    running then (none without ``abandon``); the others' outcomes are retrieved, so that
+    asyncio does not report them as never retrieved."""
     if not tasks:
-        return
+        return set()
     _, late = await asyncio.wait(set(tasks), timeout=ACK_WAIT)
     for task in late:
         task.cancel()
-    await asyncio.gather(*tasks, return_exceptions=True)
+    if abandon is None:
+        await asyncio.gather(*tasks, return_exceptions=True)
+        return set()
+    if late:
+        _, late = await asyncio.wait(late, timeout=abandon)
+    await asyncio.gather(*(t for t in tasks if t not in late), return_exceptions=True)
+    return late
 
 
 async def _awaited(work: Awaitable[Any]) -> Any:
@@ -899,13 +910,7 @@ class Consumer(StoppedOnExit):
         what they handled), then cancel those left and wait ``ABANDON_WAIT`` more: those
         still running then are abandoned, logged with the messages they hold. Whether some
         were."""
-        _, late = await asyncio.wait(self._workers, timeout=ACK_WAIT)
-        if late:
-            for task in late:
-                task.cancel()
-            _, late = await asyncio.wait(late, timeout=ABANDON_WAIT)
-        # their outcomes seen, so that asyncio does not report them as never retrieved
-        await asyncio.gather(*(t for t in self._workers if t not in late), return_exceptions=True)
+        late = await _bounded(self._workers, ABANDON_WAIT)
         if not late:
             return False
         fate = (
