@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import importlib
 import inspect
 import logging
@@ -143,11 +144,19 @@ def _pool_checks_connections() -> dict[str, Any]:
     never ran, so a stop's put-back of popped messages was dropped. The notifications serve
     managed Redis's planned maintenance (relaxed timeouts, early reconnects); a connection
     error here is handled either way."""
-    init = getattr(aioredis.ConnectionPool, "__init__", None)
-    if init is None or "maint_notifications_config" not in inspect.signature(init).parameters:
+    if not _has_maint_notifications():
         return {}
     config = importlib.import_module("redis.maint_notifications").MaintNotificationsConfig
+    # built for each client, as before: no config object shared between pools
     return {"maint_notifications_config": config(enabled=False)}
+
+
+@functools.cache
+def _has_maint_notifications() -> bool:
+    """Whether this redis-py's asyncio pool takes ``maint_notifications_config``: read once,
+    not on every connect (the installed redis-py does not change while the process runs)."""
+    init = getattr(aioredis.ConnectionPool, "__init__", None)
+    return init is not None and "maint_notifications_config" in inspect.signature(init).parameters
 
 
 SKIPS_CLOSED_CHECK = ("8.1.0",)
@@ -813,13 +822,15 @@ _DEFAULT_HERE = {"encoding": "utf-8", "encoding_errors": "strict"}
 (redis-py's defaults), so a URL written for another client keeps working."""
 
 
+@functools.cache  # a few (scheme, cluster) pairs; the signatures are read once for each
 def _query_names(scheme: str, cluster: bool) -> frozenset[str]:
     """The query arguments redis-py can pass on for a URL of ``scheme``: ``from_url`` hands
     every one it does not know to the client's constructor as a keyword (the pool's and the
     connection class's for one node, ``RedisCluster``'s for a cluster), which fails with a
     bare ``TypeError`` at the first command (redis-py docs, "Connecting to Redis": URL
     query arguments). Read from the constructors' signatures, so a redis-py that adds one
-    needs no change here."""
+    needs no change here; once per process for each scheme (the installed redis-py does
+    not change under it)."""
     if cluster:
         constructors: tuple[type, ...] = (RedisCluster,)
     else:
