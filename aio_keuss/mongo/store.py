@@ -346,6 +346,33 @@ def _as_read(doc: Document) -> Document:
     return held
 
 
+def _ok_claim_free(now: float) -> Document:
+    """Not under a batch ok's running claim (``acker`` written, ``owner`` moved aside, its
+    lease ahead): see :func:`_yielding`."""
+    return {
+        "$or": [
+            {"acker": {"$exists": False}},
+            {"owner": {"$exists": True}},
+            {"mature": {"$lte": now}},
+        ]
+    }
+
+
+def _yielding(guard: Document, now: float) -> Document:
+    """``guard`` of an ok, ko or move naming no reservation (no ``owner``: by bare id),
+    kept off a message a batch ok of its holder has claimed while that claim runs. A
+    delete reports only how many it removed (MongoDB manual, the ``delete`` command's
+    ``n``): a bare-id call ending a claimed message before the batch's delete left the
+    batch two gone for one deleted, and it answered False for both, the one it ended
+    too. The holder's ok came first and ends the message; the bare-id call is refused
+    (False, ``MISSING``, not moved), so exactly one caller is told it ended it. A lapsed
+    claim (its process died) yields to nothing. A guard naming the owner never matches
+    a claimed message (the claim moved ``owner`` aside), and is left as it is."""
+    if "owner" in guard:
+        return guard
+    return {"$and": [guard, _ok_claim_free(now)]}
+
+
 def _unclaimed(guard: Document, now: float) -> Document:
     """``guard``, unless another move (or deadletter) has claimed the message and its claim
     still runs. Without transactions a move is claim, insert, delete; the claim leaves the
@@ -355,7 +382,9 @@ def _unclaimed(guard: Document, now: float) -> Document:
     (its mover died) does not keep the message from being moved once it is delivered again.
     ``$and``, not sibling fields: see :meth:`MongoStore.remove`."""
     free = {"$or": [{"moving": {"$exists": False}}, {"moving": {"$lte": now}}]}
-    return {"$and": [guard, free]}
+    if "owner" in guard:
+        return {"$and": [guard, free]}
+    return {"$and": [guard, free, _ok_claim_free(now)]}  # see _yielding
 
 
 def _move_claim(token: str, now: float) -> Document:
@@ -416,17 +445,17 @@ def _claimed_for(message_id: str, tries: int | None, token: str) -> Document:
     return clause
 
 
-def _ok_guard(message_id: str, tries: int | None, token: str | None) -> Document:
+def _ok_guard(message_id: str, tries: int | None, token: str | None, now: float) -> Document:
     """What an ok of one reservation may end: :func:`_guard`, or the message a batch ok
     claimed for that same reservation (see :func:`_claimed_for`). Without a token the
-    guard names no owner and matches a claimed message already."""
+    guard names no owner, and yields to a running claim (see :func:`_yielding`)."""
     guard = _guard(message_id, tries, token)
     if token is None:
-        return guard
+        return _yielding(guard, now)
     return {"$or": [guard, _claimed_for(message_id, tries, token)]}
 
 
-def _acked(acks: Sequence[Ack], mark: str | None = None) -> Document | None:
+def _acked(acks: Sequence[Ack], now: float, mark: str | None = None) -> Document | None:
     """One filter over the reservations a batch ok names, each ack's :func:`_guard`: one
     clause per count and token (the acks of one reserve share its token). With ``mark``,
     instead, what :func:`_claimed_for` matches of the acks with a token, and not yet
@@ -440,7 +469,7 @@ def _acked(acks: Sequence[Ack], mark: str | None = None) -> Document | None:
     for (tries, token), ids in groups.items():
         named: Any = ids[0] if len(ids) == 1 else {"$in": ids}
         if mark is None:
-            clauses.append({**_guard(ids[0], tries, token), "_id": named})
+            clauses.append(_yielding({**_guard(ids[0], tries, token), "_id": named}, now))
         elif token is not None:
             claimed = _claimed_for(ids[0], tries, token)
             clauses.append({**claimed, "_id": named, "acker": {"$ne": mark}})
@@ -1186,7 +1215,7 @@ class MongoStore(Store):
         now = time.time()
         if len(acks) == 1:
             ack = acks[0]
-            guard = _ok_guard(ack.id, ack.tries, ack.token)
+            guard = _ok_guard(ack.id, ack.tries, ack.token, now)
             return [await self._finish(guard, now, held=True) == 1]
         return await self._commit_many(acks, now)
 
@@ -1206,11 +1235,12 @@ class MongoStore(Store):
         the batch's ids (some were ended, or taken, before it) or an id came twice (which
         ack named it is told by its owner and count before the claim). A process dying
         between the claim and the delete leaves its messages to come back at the lease's
-        end, as an ok never sent would. Only what guards on no token can still end a
-        claimed message before that delete (an ok by bare id, a move claimed before, the
-        same reservation's ok sent again: see below); then the counts decide (see
-        :meth:`_gone_here`). A ko by bare id landing between the two gives the message
-        back, and the delete, which asks for it still reserved, leaves it.
+        end, as an ok never sent would. While the claim runs, an ok, ko or move by bare
+        id yields to it (see :func:`_yielding`): only the same reservation's ok sent
+        again (see below) can end a claimed message before that delete, and a holder
+        is then told True by both (see :meth:`_gone_here`). Once the claim lapsed, a ko
+        by bare id may give the message back: the delete, which asks for it still
+        reserved, leaves it.
 
         A claim whose delete failed (or whose reply was lost) is finished by the same ok
         sent again, the consumer's retry or its caller's (:func:`_claimed_for`): only when
@@ -1222,10 +1252,10 @@ class MongoStore(Store):
             "$set": {"acker": mark, "mature": now + CLAIM_LEASE},
             "$rename": {"owner": "acked_owner"},
         }
-        guards = _acked(acks)
+        guards = _acked(acks, now)
         assert guards is not None
         claimed = (await self._coll.update_many(guards, update)).modified_count
-        if claimed < len(ids) and (again := _acked(acks, mark)) is not None:
+        if claimed < len(ids) and (again := _acked(acks, now, mark)) is not None:
             # claimed before for the same reservations, not ended (see _claimed_for): a
             # second update, as ``$rename`` of a missing ``owner`` must not touch
             # ``acked_owner`` (MongoDB leaves it; nx-27017 writes null there)
@@ -1248,7 +1278,10 @@ class MongoStore(Store):
             "reserved": True,
         }
         ended = await self._finish(ending, now, held=True)
-        ours = set(before) if ended == len(before) else await self._gone_here(list(before), ended)
+        if ended == len(before):
+            ours = set(before)
+        else:
+            ours = await self._gone_here(list(before), ended, now)
         results: list[bool] = []
         for ack in acks:
             held = before.get(ack.id)
@@ -1258,16 +1291,23 @@ class MongoStore(Store):
             results.append(ok)
         return results
 
-    async def _gone_here(self, ids: list[str], ended: int) -> set[str]:
-        """Which of ``ids``, claimed by a batch ok, its delete removed when it counted
-        ``ended``, fewer: one still live was taken once the claim's lease lapsed, not
-        ended here; what is gone was ended here or by something that guards on no token.
-        As many gone as ended here are all ours; more, and which are ours is unknown, so
-        none is answered True (True tells the holder, and the ``commit`` count, that this
-        ok ended the message)."""
+    async def _gone_here(self, ids: list[str], ended: int, claimed_at: float) -> set[str]:
+        """Which of ``ids``, claimed by a batch ok at ``claimed_at``, its holders may be
+        told it ended when its delete counted ``ended``, fewer: one still live was taken
+        once the claim's lease lapsed (or given back by a ko once it had), not ended here.
+        As many gone as ended here are all ours. More: while the claim runs, only its
+        own delete and the same reservations' oks sent again end a claimed message
+        (calls by bare id yield to it, see :func:`_yielding`), so each gone one was ended
+        for the holder that asked, by this call or by its own retry: all are answered
+        True (they answered False, the ones this delete ended too). Once the claim may
+        have lapsed (``LATE_POP`` after it, the margin a pop allows for other clients'
+        clocks), another consumer may have taken and ended one, and which are ours is
+        unknown: none is answered True (two consumers told they ended one message)."""
         cursor = self._coll.find({"_id": {"$in": ids}, **LIVE}, {"_id": 1})
         gone = set(ids) - {doc["_id"] for doc in await cursor.to_list()}
-        return gone if len(gone) == ended else set()
+        if len(gone) == ended or time.time() < claimed_at + LATE_POP:
+            return gone
+        return set()
 
     @translated
     async def extend(self, extends: Sequence[Extend]) -> list[bool]:
@@ -1361,7 +1401,8 @@ class MongoStore(Store):
         return min(now, _epoch(server)) if isinstance(server, datetime | str) else now
 
     async def _rollback_one(self, nack: Nack, plan: DeadletterPlan | None, now: float) -> KoResult:
-        guard = _guard(nack.id, nack.tries, nack.token)
+        held = _guard(nack.id, nack.tries, nack.token)
+        guard = _yielding(held, now)
         update: Document = {"$set": {"reserved": False, "mature": now + nack.delay}}
         if not nack.count_try:
             update["$inc"] = {"tries": -1}  # gone back unseen: the delivery does not count
@@ -1370,9 +1411,8 @@ class MongoStore(Store):
             return KoResult.ROLLED_BACK if released.matched_count else KoResult.MISSING
         # stored tries = failed deliveries, this one included
         if nack.tries is None or nack.tries + 1 <= plan.max_ko:
-            released = await self._coll.update_one(
-                {**guard, "tries": guard.get("tries", {"$lte": plan.max_ko})}, update
-            )
+            counted = {**held, "tries": held.get("tries", {"$lte": plan.max_ko})}
+            released = await self._coll.update_one(_yielding(counted, now), update)
             if released.matched_count:
                 return KoResult.ROLLED_BACK
         doc = await self._coll.find_one(guard)

@@ -20,7 +20,7 @@ from mongo_server import MONGO_URL, start_mongo
 
 import aio_keuss
 from aio_keuss import KoResult
-from aio_keuss.contract import Amend
+from aio_keuss.contract import Ack, Amend, Move
 from aio_keuss.errors import KeussError
 
 pymongo = pytest.importorskip("pymongo")
@@ -115,8 +115,9 @@ async def test_a_ko_by_id_racing_a_batch_ok_s_claim_is_not_also_deleted(
     queue: aio_keuss.Queue,
 ) -> None:
     """A ko by bare id (no count, no token) lands between a batch ok's claim and its
-    delete and gives the message back: the batch's delete must not then remove the message
-    the ko was told it put back (it did: both were answered as done, the message gone)."""
+    delete. It gave the message back, and the batch's delete removed the message the ko
+    was told it put back (both were answered as done, the message gone); now the ko
+    yields to the holder's ok under way: refused, and the batch ends both."""
     await queue.push_many(["a", "b"], ids=["a", "b"])
     held = sorted(await queue.reserve_many(2, timeout=0), key=lambda m: m.id)
     store: Any = queue._store  # type: ignore[attr-defined]
@@ -137,13 +138,9 @@ async def test_a_ko_by_id_racing_a_batch_ok_s_claim_is_not_also_deleted(
         done = await queue.ok_many(held)
     finally:
         store._coll = real
-    (ko,) = kos
-    if ko is KoResult.ROLLED_BACK:
-        assert done == [False, True]
-        assert await queue.total_size() == 1
-    else:
-        assert done == [True, True]
-        assert await queue.total_size() == 0
+    assert kos == [KoResult.MISSING]
+    assert done == [True, True]
+    assert await queue.total_size() == 0
 
 
 async def test_a_late_delete_of_a_lapsed_claim_leaves_the_message_an_amend_made_waiting(
@@ -178,3 +175,95 @@ async def test_a_late_delete_of_a_lapsed_claim_leaves_the_message_an_amend_made_
     assert amended == [True]
     assert done == [False, True]
     assert await queue.total_size() == 1
+
+
+async def _ok_many_with(queue: aio_keuss.Queue, between: Any) -> list[bool]:
+    """``ok_many`` of the two messages ``a`` and ``b`` reserved together, ``between``
+    (awaited with the store and the held messages) run once the batch's claim landed and
+    before its delete is sent: the interleaving of a call from elsewhere, made exact."""
+    await queue.push_many(["a", "b"], ids=["a", "b"])
+    held = sorted(await queue.reserve_many(2, timeout=0), key=lambda m: m.id)
+    store: Any = queue._store  # type: ignore[attr-defined]
+    real = store._coll
+    ran: list[bool] = []
+
+    class _Between:
+        def __getattr__(self, name: str) -> Any:
+            return getattr(real, name)
+
+        async def delete_many(self, filter: Any, *args: Any, **kwargs: Any) -> Any:
+            if "acker" in str(filter) and not ran:
+                ran.append(True)
+                store._coll = real  # the call between goes straight to the server
+                await between(store, held)
+            return await real.delete_many(filter, *args, **kwargs)
+
+    store._coll = _Between()
+    try:
+        done = await queue.ok_many(held)
+    finally:
+        store._coll = real
+    assert ran == [True]
+    return done
+
+
+async def test_an_ok_by_bare_id_between_a_batch_s_claim_and_delete_leaves_it_to_the_batch(
+    queue: aio_keuss.Queue,
+) -> None:
+    """An ok by bare id (no count, no token: another client's, or an admin's) lands
+    between a batch ok's claim and its delete. It ended the claimed message, and the
+    batch, finding two gone for one deleted, answered False for both: its caller of ``b``,
+    whose ok ended ``b``, was told it had not. The holder's ok, under way, ends the
+    message; the ok by id is refused, so that exactly one caller is told it ended it."""
+    bare: list[list[bool]] = []
+
+    async def bare_ok(store: Any, held: list[aio_keuss.Message]) -> None:
+        bare.append(await store.commit([Ack("a", None, None)]))
+        bare.append(await store.commit([Ack("a", None, None), Ack("b", None, None)]))
+
+    done = await _ok_many_with(queue, bare_ok)
+    assert bare == [[False], [False, False]]
+    assert done == [True, True]
+    assert (await queue.stats())["commit"] == 2
+    assert await queue.total_size() == 0
+
+
+@pytest.mark.parametrize("resend", ["one", "batch"])
+async def test_an_ok_sent_again_between_a_batch_s_claim_and_delete_leaves_both_true(
+    queue: aio_keuss.Queue, resend: str
+) -> None:
+    """The same reservation's ok sent again (a retry of the holder, this process or
+    another) lands between the batch's claim and its delete and ends ``a``, as it must
+    once the first delete failed. The batch then found two gone for one deleted and
+    answered False for both, ``b`` too, which it ended. Both calls are the one holder's,
+    for the one reservation: each is told its message was ended."""
+    again: list[list[bool]] = []
+
+    async def ok_again(store: Any, held: list[aio_keuss.Message]) -> None:
+        a = held[0]
+        acks = [Ack(a.id, a.tries, a._token)]  # type: ignore[attr-defined]
+        if resend == "batch":
+            acks.append(Ack("c", None, None))  # (not there: a batch of two, one claimed)
+        again.append(await store.commit(acks))
+
+    done = await _ok_many_with(queue, ok_again)
+    assert again == [[True] if resend == "one" else [True, False]]
+    assert done == [True, True]
+    assert await queue.total_size() == 0
+
+
+async def test_a_move_by_bare_id_between_a_batch_s_claim_and_delete_leaves_it_to_the_batch(
+    queue: aio_keuss.Queue,
+) -> None:
+    """A move by bare id landing between the claim and the delete took the claimed
+    message to another queue: the batch answered False for both it and the one it
+    ended. The holder's ok, under way, ends it; the move is refused."""
+    moved: list[str | None] = []
+
+    async def move(store: Any, held: list[aio_keuss.Message]) -> None:
+        moved.extend(await store.move([Move("a", None, "elsewhere")]))
+
+    done = await _ok_many_with(queue, move)
+    assert moved == [None]
+    assert done == [True, True]
+    assert await queue.total_size() == 0
