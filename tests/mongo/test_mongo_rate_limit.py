@@ -93,3 +93,25 @@ async def test_racing_steps_of_two_clients_lose_none(database: str) -> None:
         await asyncio.gather(*gives)
         after = await first.backend.rate_take("race", rule, 20, 0.0)
         assert after.granted == 10
+
+
+async def test_many_racing_takers_of_two_clients_never_exceed_the_limit(database: str) -> None:
+    """300 takes of 1 to 3 grants at once, half through each of two factories (two
+    ``AsyncMongoClient`` instances), then 40 give-backs and 120 takes racing: the grants
+    are counted, not timed (one grant each 720 s, so none falls due during the test).
+    The takes get exactly the burst, never more; the give-backs are none of them lost."""
+    rule = RateRule(50, 36000.0, 50)
+    async with (
+        aio_keuss.connect("mongo", url=MONGO_URL, database=database) as first,
+        aio_keuss.connect("mongo", url=MONGO_URL, database=database) as second,
+    ):
+        assert first.backend.client is not second.backend.client  # type: ignore[attr-defined]
+        sides = (first, second)
+        takes = [sides[k % 2].backend.rate_take("many", rule, 1 + k % 3, 0.0) for k in range(300)]
+        grants = await asyncio.gather(*takes)
+        assert sum(g.granted for g in grants) == 50
+        gives = [f.backend.rate_take("many", rule, -1, 0.0) for f in sides * 20]
+        await asyncio.gather(*gives)
+        retakes = [f.backend.rate_take("many", rule, 1, 0.0) for f in sides * 60]
+        again = await asyncio.gather(*retakes)
+        assert sum(g.granted for g in again) == 40
