@@ -267,3 +267,32 @@ async def test_a_move_by_bare_id_between_a_batch_s_claim_and_delete_leaves_it_to
     assert moved == [None]
     assert done == [True, True]
     assert await queue.total_size() == 0
+
+
+async def test_a_claim_left_by_a_crash_between_claim_and_delete_is_delivered_after_its_lease(
+    queue: aio_keuss.Queue,
+) -> None:
+    """A process died between a batch ok's claim and its delete (here: the delete never
+    sent), and no one sends the oks again. Its messages are held by the claim, as by a
+    reservation, until the lease ends (an older release, which knows no claim, reads them
+    so too: reserved, due later, no owner); then they are delivered again, counted as a
+    further try, and the new holder's oks, one and batch, end them, its ko and bare-id
+    calls act on them. The dead holder's late oks are refused. The lease's end is written
+    into the documents (``mature``) rather than waited for."""
+    a, b = await _claimed_not_ended(queue)
+    store: Any = queue._store  # type: ignore[attr-defined]
+    assert await queue.reserve_many(2, timeout=0) == []  # held by the claim
+    assert await queue.remove(a.id) is False
+    claimed = await store._coll.find({}).to_list()
+    assert all(d["reserved"] and "owner" not in d and d["mature"] > time.time() for d in claimed)
+    await store._coll.update_many({}, {"$set": {"mature": time.time() - 1}})  # the lease ends
+    again = sorted(await queue.reserve_many(2, timeout=0), key=lambda m: m.id)
+    assert [(m.id, m.tries) for m in again] == [("a", a.tries + 1), ("b", b.tries + 1)]
+    assert await queue.ok_many([a, b]) == [False, False]  # the dead holder's, late
+    assert await queue.ok(a) is False
+    assert await queue.ko(again[1], 0) is KoResult.ROLLED_BACK
+    assert await queue.ok_many([again[0]]) == [True]
+    (b_again,) = await queue.reserve_many(2, timeout=0)
+    assert await queue.ok(b_again.id) is True  # by bare id: the stale claim's fields do not hold it
+    assert await queue.total_size() == 0
+    assert (await queue.stats())["commit"] == 2
