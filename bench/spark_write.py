@@ -11,6 +11,12 @@ timed writes (3 by default), each into a queue of its own (the rows of earlier o
 in a queue that grows); prints each and the median: backend, rows, seconds, rows/s
 (``--json``: one JSON record a line, ``run`` naming the rep or the median). ``--set
 OPTION=VALUE`` passes a data source option (``--set write_mode=each``).
+
+``--cpu`` adds, for each timed write, the CPU time (user + system, from ``/proc/<pid>/stat``,
+see proc(5)) every process spent during it, per row, grouped as ``redis`` (the server:
+also every other client's work on a shared one), ``java`` (Spark's JVM), ``python`` (Spark's
+Python workers and daemons) and ``other`` (the rest of the machine): on a shared machine
+rows/s wander, and this tells which of them ate the cores.
 """
 
 from __future__ import annotations
@@ -56,6 +62,44 @@ async def cleanup(backend: str, options: dict[str, Any]) -> None:
         await client.aclose()
 
 
+def cpu_ticks() -> dict[int, tuple[int, str]]:
+    """Every process's user + system clock ticks so far, and what it runs (Linux only)."""
+    found: dict[int, tuple[int, str]] = {}
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat") as stat:
+                fields = stat.read()
+            with open(f"/proc/{name}/cmdline", "rb") as cmdline:
+                command = cmdline.read(200).replace(b"\0", b" ").decode(errors="replace")
+        except OSError:  # it ended meanwhile
+            continue
+        rest = fields[fields.rindex(")") + 2 :].split()  # fields 3 on; utime, stime: 14, 15
+        found[int(name)] = (int(rest[11]) + int(rest[12]), command)
+    return found
+
+
+def cpu_by_group(before: dict[int, tuple[int, str]], rows: int) -> dict[str, float]:
+    """Microseconds of CPU a row since ``before``, by group (see the module's docstring)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    groups: dict[str, float] = {"redis": 0.0, "java": 0.0, "python": 0.0, "other": 0.0}
+    for pid, (ticks, command) in cpu_ticks().items():
+        spent = ticks - before.get(pid, (0, ""))[0]
+        if spent <= 0:
+            continue
+        if "redis-server" in command:
+            group = "redis"
+        elif "java" in command:
+            group = "java"
+        elif "pyspark" in command:
+            group = "python"
+        else:
+            group = "other"
+        groups[group] += spent / tick / rows * 1e6
+    return {name: round(value, 2) for name, value in groups.items()}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--backend", default="redis-oq")
@@ -64,6 +108,7 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=1000)
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--json", action="store_true")
+    parser.add_argument("--cpu", action="store_true", help="CPU us a row, by process group")
     parser.add_argument(
         "--set",
         action="append",
@@ -109,15 +154,21 @@ def main() -> None:
         writer.save()
         return time.perf_counter() - started
 
-    def report(label: str, seconds: float) -> None:
+    def report(label: str, seconds: float, cpu: dict[str, float] | None = None) -> None:
         rate = args.rows / seconds
         if args.json:
             row = {"backend": args.backend, "rows": args.rows, "seconds": seconds}
-            print(json.dumps({**row, "rows_per_s": rate, "run": label}))
+            extra_fields = {} if cpu is None else {"cpu_us_per_row": cpu}
+            print(json.dumps({**row, "rows_per_s": rate, "run": label, **extra_fields}))
         else:
+            shares = (
+                ""
+                if cpu is None
+                else "  CPU us/row " + " ".join(f"{name} {value}" for name, value in cpu.items())
+            )
             print(
                 f"{args.backend:<12} {label:<6} rows {args.rows:>8,}  {seconds:6.2f} s"
-                f"  {rate:>10,.0f} rows/s",
+                f"  {rate:>10,.0f} rows/s{shares}",
                 flush=True,
             )
 
@@ -127,8 +178,9 @@ def main() -> None:
         warmup.count()  # cached like the timed frame, so the warm-up runs the same plan
         write(warmup, "warmup")
         for rep in range(1, args.reps + 1):
+            before = cpu_ticks() if args.cpu else {}
             times.append(write(df, f"bench{rep}"))
-            report(f"rep {rep}", times[-1])
+            report(f"rep {rep}", times[-1], cpu_by_group(before, args.rows) if args.cpu else None)
     finally:
         spark.stop()
         keuss_spark.close_executor_factories()
