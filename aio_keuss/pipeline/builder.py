@@ -54,7 +54,7 @@ class Pipeline:
     ) -> None:
         self.factory = factory
         self.name = check_pipeline_name(name)
-        self.acyclic = acyclic
+        self.acyclic = _checked_acyclic(self.name, acyclic)
         self.queue_options = _checked_queue_options(factory, queue_options)
         self._links: list[Link] = []
 
@@ -394,6 +394,14 @@ def check_pipeline_name(name: object, longest: int | None = MAX_PIPELINE_NAME) -
             f" not {name!r}"
         )
     return name
+
+
+def _checked_acyclic(name: str, acyclic: object) -> bool:
+    """``acyclic`` as given, a bool: a truthy "false" refused every cycle, and was stored
+    with the topology as it was, where a description (``from_dict``) refuses it."""
+    if not isinstance(acyclic, bool):
+        raise PipelineError(f"pipeline {name!r}: acyclic must be True or False, not {acyclic!r}")
+    return acyclic
 
 
 def _checked_replace(replace: object) -> bool:

@@ -378,6 +378,10 @@ async def test_bad_pipeline_input_is_refused_before_anything_is_opened_or_stored
     for options in ({"in": 5}, {"in": "xy"}, {"in": {"max_batch": 0}}, {"in": {"nope": 1}}, [1]):
         with pytest.raises(aio_keuss.ConfigError):
             factory.pipeline("checked", queue_options=options)  # type: ignore[arg-type]
+    # a truthy "false" refused cycles and was stored as it was (a description says no)
+    for acyclic in ("false", "no", 1, None):
+        with pytest.raises(aio_keuss.PipelineError, match="acyclic"):
+            factory.pipeline("checked", acyclic=acyclic)  # type: ignore[arg-type]
     for name in ("", "a\x00b", "a\ud800b", "x" * 129, 5):
         with pytest.raises(aio_keuss.PipelineError):
             factory.pipeline(name)  # type: ignore[arg-type]
