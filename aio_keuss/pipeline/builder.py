@@ -25,7 +25,14 @@ from ..errors import InvalidInputError, NotSupportedError, PipelineError
 from ..message import Message
 from ..options import check_queue_name
 from . import graph
-from .links import ChoiceLink, DirectLink, Link, Sink, StationSettings
+from .links import (
+    ChoiceLink,
+    DirectLink,
+    Link,
+    Sink,
+    StationSettings,
+    station_settings,
+)
 from .steps import Settlement
 
 if TYPE_CHECKING:
@@ -33,8 +40,6 @@ if TYPE_CHECKING:
     from ..queue import Queue
 
 log = logging.getLogger("aio_keuss.pipeline")
-
-STATION_SETTINGS = frozenset(StationSettings.__dataclass_fields__)
 
 
 class Pipeline:
@@ -444,13 +449,7 @@ def _checked_queue_defaults(factory: Factory, given: Mapping[str, Any] | None) -
 
 
 def _settings(given: Mapping[str, Any], station: str) -> StationSettings:
-    unknown = set(given) - STATION_SETTINGS
-    if unknown:
-        raise PipelineError(
-            f"station {station!r}: unknown setting(s) {sorted(unknown)}; "
-            f"known: {sorted(STATION_SETTINGS)}"
-        )
-    return StationSettings(**given)
+    return station_settings(None, dict(given), station)
 
 
 def _station_doc(link: Link) -> dict[str, Any]:

@@ -36,6 +36,33 @@ class StationSettings:
         }
 
 
+STATION_SETTINGS = frozenset(StationSettings.__dataclass_fields__)
+
+
+def station_settings(
+    settings: StationSettings | None, given: dict[str, Any], station: str
+) -> StationSettings:
+    """A station's settings: ``settings``, or the keywords ``given`` (those of the builder's
+    ``link`` / ``choice`` / ``sink``, taken by the stations built by hand too), not both.
+    Anything else is a :class:`PipelineError` naming the station, before anything is stored
+    (a dict given as ``settings`` failed with an AttributeError once the run began)."""
+    unknown = set(given) - STATION_SETTINGS
+    if unknown:
+        raise PipelineError(
+            f"station {station!r}: unknown setting(s) {sorted(unknown)}; "
+            f"known: {sorted(STATION_SETTINGS)}"
+        )
+    if settings is None:
+        return StationSettings(**given)
+    if not isinstance(settings, StationSettings):
+        raise PipelineError(
+            f"station {station!r}: settings must be a StationSettings, not {settings!r}"
+        )
+    if given:
+        raise PipelineError(f"station {station!r}: settings given twice (settings= and {given})")
+    return settings
+
+
 @dataclass(frozen=True)
 class Link:
     """A station: consumes ``source`` with ``handler``. ``name`` defaults to the source."""
@@ -68,6 +95,16 @@ class Link:
             )
         if not callable(self.handler):
             raise PipelineError(f"station {self.name!r}: handler must be callable")
+        if not isinstance(self.settings, StationSettings):
+            raise PipelineError(
+                f"station {self.name!r}: settings must be a StationSettings, not {self.settings!r}"
+            )
+        spec = self.handler_spec
+        if spec is not None and (not isinstance(spec, str) or not all(spec.partition(":")[::2])):
+            # stored with the topology, which from_dict imports it from
+            raise PipelineError(
+                f"station {self.name!r}: handler_spec must be 'module:function', not {spec!r}"
+            )
         if self.source in self.destinations:
             raise PipelineError(
                 f"station {self.name!r}: {self.source!r} is its own input; "
@@ -91,7 +128,8 @@ class Link:
 
 class DirectLink(Link):
     """``source`` -> ``destination``: the handler returns :class:`Forward` (``to`` left out
-    or naming the destination) or :data:`Drop`."""
+    or naming the destination) or :data:`Drop`. Settings as keywords (``concurrency=``...),
+    as the builder's ``link`` takes them, or as ``settings``."""
 
     kind = "direct"
 
@@ -104,10 +142,10 @@ class DirectLink(Link):
         name: str = "",
         settings: StationSettings | None = None,
         handler_spec: str | None = None,
+        **given: Any,
     ) -> None:
-        super().__init__(
-            source, handler, (destination,), name, settings or StationSettings(), handler_spec
-        )
+        settings = station_settings(settings, given, name or source)
+        super().__init__(source, handler, (destination,), name, settings, handler_spec)
 
     def settle(self, result: Any) -> Settlement:
         if isinstance(result, _Drop):
@@ -139,6 +177,7 @@ class ChoiceLink(Link):
         name: str = "",
         settings: StationSettings | None = None,
         handler_spec: str | None = None,
+        **given: Any,
     ) -> None:
         if isinstance(destinations, str) or not destinations:
             raise PipelineError(
@@ -149,7 +188,7 @@ class ChoiceLink(Link):
             handler,
             tuple(destinations),
             name,
-            settings or StationSettings(),
+            station_settings(settings, given, name or source),
             handler_spec,
         )
 
@@ -183,8 +222,10 @@ class Sink(Link):
         name: str = "",
         settings: StationSettings | None = None,
         handler_spec: str | None = None,
+        **given: Any,
     ) -> None:
-        super().__init__(source, handler, (), name, settings or StationSettings(), handler_spec)
+        settings = station_settings(settings, given, name or source)
+        super().__init__(source, handler, (), name, settings, handler_spec)
 
     def settle(self, result: Any) -> Settlement:
         if result is None or isinstance(result, _Drop):

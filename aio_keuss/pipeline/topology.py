@@ -26,8 +26,8 @@ from typing import TYPE_CHECKING, Any
 from ..errors import PipelineError
 from ..loading import import_callable, read_toml
 from ..options import QueueOptions
-from .builder import STATION_SETTINGS, Pipeline, _settings, check_shape, queues_of
-from .links import ChoiceLink, DirectLink, Link, Sink
+from .builder import Pipeline, _settings, check_shape, queues_of
+from .links import STATION_SETTINGS, ChoiceLink, DirectLink, Link, Sink
 
 if TYPE_CHECKING:
     from ..factory import Factory

@@ -15,7 +15,17 @@ from conftest import Connect, needs
 
 import aio_keuss
 from aio_keuss import Message
-from aio_keuss.pipeline import Drop, Forward, Pipeline, from_dict, load
+from aio_keuss.pipeline import (
+    ChoiceLink,
+    DirectLink,
+    Drop,
+    Forward,
+    Pipeline,
+    Sink,
+    StationSettings,
+    from_dict,
+    load,
+)
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -576,3 +586,40 @@ async def test_a_closed_factory_refuses_to_store_or_list_pipelines(
             await call()
     if case.shared:
         assert await (await connect()).pipelines() == {}
+
+
+async def test_stations_built_by_hand_take_their_settings_as_the_builder_does(
+    connect: Connect,
+) -> None:
+    """``DirectLink(src, dst, handler, concurrency=...)`` (the README's stations take the
+    builder's settings): a TypeError before; and a ``settings`` or ``handler_spec`` of the
+    wrong type is a PipelineError before anything is stored (an AttributeError once the run
+    began, or a handler name of 5 stored with the topology)."""
+    factory = await connect(poll_interval=5.0)
+    needs(factory, "move")
+    pipeline = factory.pipeline("by-hand").add(
+        DirectLink("in", "out", _forward, concurrency=2, timeout=30)
+    )
+    pipeline.add(Sink("out", _forward_nothing, name="end", prefetch=1))
+    pipeline.add(ChoiceLink("x", ["y", "z"], _forward, max_retry_delay=5))
+    async with pipeline.run() as running:
+        assert [s.concurrency for s in running.status()] == [2, 1, 1]
+    stations = (await factory.pipelines())["by-hand"]["stations"]
+    assert [(s.get("concurrency"), s.get("timeout")) for s in stations] == [
+        (2, 30),
+        (None, None),
+        (None, None),
+    ]
+    assert stations[1]["prefetch"] == 1 and stations[2]["max_retry_delay"] == 5
+    for bad in (
+        lambda: DirectLink("a", "b", _forward, concurency=2),
+        lambda: DirectLink("a", "b", _forward, settings={"concurrency": 2}),  # type: ignore[arg-type]
+        lambda: DirectLink(
+            "a", "b", _forward, settings=StationSettings(concurrency=2), concurrency=3
+        ),
+        lambda: Sink("a", _forward, handler_spec=5),  # type: ignore[arg-type]
+        lambda: ChoiceLink("a", ["b"], _forward, handler_spec="no function"),
+    ):
+        with pytest.raises(aio_keuss.PipelineError):
+            bad()
+    assert set(await factory.pipelines()) == {"by-hand"}
