@@ -489,7 +489,9 @@ def _station(link: Link, queue: Queue) -> tuple[Handler, Any]:
                 settlement.headers,
                 settlement.delay,
             )
-        except InvalidInputError as exc:  # a payload or headers that cannot be stored
+        except (InvalidInputError, NotSupportedError) as exc:
+            # a payload or headers that cannot be stored, a delay the backend cannot keep:
+            # an answer the station cannot carry out, as a destination it does not lead to
             raise PipelineError(f"station {link.name!r}: cannot forward: {exc}") from exc
 
     async def settle(message: Message, plan: Move | None) -> Any:

@@ -140,6 +140,36 @@ async def test_a_bad_answer_is_a_pipeline_error_naming_the_station(
         assert await (await factory.queue(queue)).total_size() == 0
 
 
+async def test_a_delay_the_backend_cannot_keep_is_a_pipeline_error_naming_the_station(
+    connect: Connect, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A ``Forward(delay=...)`` on a backend without delays (redis-reliable) is an answer the
+    station cannot carry out, as a destination it does not lead to: a PipelineError naming
+    the station, not the queue's bare NotSupportedError."""
+    factory = await connect(poll_interval=5.0, deadletter={"max_ko": 0})
+    needs(factory, "move")
+    if factory.capabilities.delay:
+        pytest.skip("this backend keeps delays")
+
+    async def later(message: Message) -> Forward:
+        return Forward(delay=5)
+
+    pipeline = factory.pipeline("later").link("in", "out", later, name="delayer")
+    await (await factory.queue("in")).push("a")
+    dead = await factory.queue("__deadletter__")
+    with caplog.at_level(logging.DEBUG, logger="aio_keuss"):
+        async with pipeline.run(retry_delay=0.01, max_retry_delay=0.02):
+
+            async def in_deadletter() -> bool:
+                return await dead.size() == 1
+
+            await _until(in_deadletter)
+    failures = [r for r in caplog.records if "handler failed" in r.getMessage()]
+    assert failures and all("PipelineError" in r.getMessage() for r in failures)
+    assert all("station 'delayer'" in r.getMessage() for r in failures)
+    assert await (await factory.queue("out")).total_size() == 0
+
+
 async def test_drop_ends_a_message_anywhere_and_a_cycle_can_be_left(connect: Connect) -> None:
     factory = await connect(poll_interval=5.0)
     needs(factory, "move")
