@@ -149,8 +149,22 @@ class Pipeline:
         over it, deliberately (as ``factory.remove_pipeline`` then a start does, or
         ``run(replace=True)``)."""
         replace = _checked_replace(replace)
+        self._check_moves()  # a topology no process of this backend could run: not stored
         self.stations()  # a station's settings are stored too: what run refuses is not
         await self._store(replace)
+
+    def _check_moves(self) -> None:
+        """Refuse, with :class:`NotSupportedError`, a backend that cannot move a message
+        between queues atomically: a station could not hand its messages on there."""
+        factory = self.factory
+        if not factory.capabilities.move:
+            hint = ""
+            if getattr(factory.backend, "cluster", False):
+                hint = " (on Redis Cluster, connect with hash_tag= to keep its queues in one slot)"
+            raise NotSupportedError(
+                f"pipeline {self.name!r}: backend {factory.backend_name!r} cannot move a "
+                f"message between queues atomically{hint}"
+            )
 
     async def _store(self, replace: bool) -> None:
         """``save``'s write, for a caller that checked the stations already (a run's start)."""
@@ -268,15 +282,7 @@ class PipelineRun:
         its repeats push). Returns each station with its settings."""
         pipeline = self.pipeline
         pipeline.validate()
-        factory = pipeline.factory
-        if not factory.capabilities.move:
-            hint = ""
-            if getattr(factory.backend, "cluster", False):
-                hint = " (on Redis Cluster, connect with hash_tag= to keep its queues in one slot)"
-            raise NotSupportedError(
-                f"pipeline {pipeline.name!r}: backend {factory.backend_name!r} cannot move a "
-                f"message between queues atomically{hint}"
-            )
+        pipeline._check_moves()
         return pipeline.stations(self.defaults, queue_defaults=self.queue_defaults)
 
     def _options_of(self, name: str) -> dict[str, Any] | None:

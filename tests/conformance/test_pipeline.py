@@ -389,6 +389,10 @@ async def test_backends_that_cannot_move_refuse_pipelines(connect: Connect, case
     with pytest.raises(aio_keuss.NotSupportedError, match=f"'nope'.*{says}"):
         async with pipeline.run():
             pass
+    # save() stored a topology no process of this backend can run (listed, drawn)
+    for replace in (False, True):
+        with pytest.raises(aio_keuss.NotSupportedError, match=f"'nope'.*{says}"):
+            await pipeline.save(replace=replace)
     assert await factory.pipelines() == {}  # refused before anything was stored
 
 
