@@ -1434,7 +1434,7 @@ class MongoStore(Store):
         async def one(move: Move) -> str | None:
             guard = _guard(move.id, move.tries, move.token)
             if self._backend.transactions:
-                doc = await self._coll.find_one(guard)
+                doc = await self._coll.find_one(_yielding(guard, now))
                 return None if doc is None else await self._move_doc(doc, move, now)
             # Without transactions the claim is taken with the read: one round trip.
             token = os.urandom(8).hex()
@@ -1470,7 +1470,9 @@ class MongoStore(Store):
         target = self._backend.queue_collection(move.queue)
         held = _as_read(doc)
         if self._backend.transactions:
-            return await self._move_in_transaction(held, target, moved, names, now)
+            # a batch ok may have claimed a message read with no owner since: see _yielding
+            yielding = _yielding(held, now)
+            return await self._move_in_transaction(yielding, target, moved, names, now)
         token = claimed
         if token is None:
             token = os.urandom(8).hex()

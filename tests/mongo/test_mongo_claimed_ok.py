@@ -296,3 +296,68 @@ async def test_a_claim_left_by_a_crash_between_claim_and_delete_is_delivered_aft
     assert await queue.ok(b_again.id) is True  # by bare id: the stale claim's fields do not hold it
     assert await queue.total_size() == 0
     assert (await queue.stats())["commit"] == 2
+
+
+async def test_a_move_by_bare_id_in_a_transaction_between_a_batch_s_claim_and_delete_is_refused(
+    queue: aio_keuss.Queue,
+) -> None:
+    """The move of the test above, on a server with transactions (a replica set: here
+    ``transactions=True``, the same path): its read took the claimed message, and the
+    transaction deleted it here and inserted it there. The batch, finding ``a`` gone while
+    its claim ran, answered True for it too: the message was both ended by the holder's ok
+    and moved. It yields to the claim as the move without transactions does."""
+    moved: list[str | None] = []
+
+    async def move(store: Any, held: list[aio_keuss.Message]) -> None:
+        backend = store._backend
+        was, backend.transactions = backend.transactions, True
+        try:
+            moved.extend(await store.move([Move("a", None, "elsewhere")]))
+        finally:
+            backend.transactions = was
+
+    done = await _ok_many_with(queue, move)
+    assert moved == [None]
+    assert done == [True, True]
+    assert await queue.total_size() == 0
+
+
+async def test_a_deadletter_read_before_a_bare_batch_ok_s_claim_does_not_take_it_in_a_transaction(
+    queue: aio_keuss.Queue,
+) -> None:
+    """A message reserved with no owner (an older release's reserve) is read by a ko by
+    bare id past ``max_ko`` (its deadletter move), then claimed by a batch ok by bare ids
+    before the move's transaction. The transaction's delete asked for the reservation as
+    read (id, count, reserved), which the claim leaves: it moved the claimed message, and
+    the batch, finding it gone while its claim ran, answered True for it as well."""
+    await queue.push_many(["a", "b"], ids=["a", "b"])
+    store: Any = queue._store  # type: ignore[attr-defined]
+    real = store._coll
+    await real.update_many({}, {"$set": {"reserved": True, "mature": time.time() + 600}})
+    await real.update_many({}, {"$inc": {"tries": 1}})
+    read = await real.find_one({"_id": "a"})
+    moved: list[str | None] = []
+
+    class _Between:
+        def __getattr__(self, name: str) -> Any:
+            return getattr(real, name)
+
+        async def delete_many(self, filter: Any, *args: Any, **kwargs: Any) -> Any:
+            if "acker" in str(filter) and not moved:
+                store._coll = real
+                backend = store._backend
+                was, backend.transactions = backend.transactions, True
+                try:
+                    moved.append(await store._move_doc(read, Move("a", None, "dead"), time.time()))
+                finally:
+                    backend.transactions = was
+            return await real.delete_many(filter, *args, **kwargs)
+
+    store._coll = _Between()
+    try:
+        done = await store.commit([Ack("a", None, None), Ack("b", None, None)])
+    finally:
+        store._coll = real
+    assert moved == [None]
+    assert done == [True, True]
+    assert await queue.total_size() == 0
