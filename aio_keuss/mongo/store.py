@@ -359,7 +359,7 @@ def _ok_claim_free(now: float) -> Document:
 
 
 def _yielding(guard: Document, now: float) -> Document:
-    """``guard`` of an ok, ko or move naming no reservation (no ``owner``: by bare id),
+    """``guard`` of an ok, ko, move or extend naming no reservation (no ``owner``: by bare id),
     kept off a message a batch ok of its holder has claimed while that claim runs. A
     delete reports only how many it removed (MongoDB manual, the ``delete`` command's
     ``n``): a bare-id call ending a claimed message before the batch's delete left the
@@ -1235,8 +1235,8 @@ class MongoStore(Store):
         the batch's ids (some were ended, or taken, before it) or an id came twice (which
         ack named it is told by its owner and count before the claim). A process dying
         between the claim and the delete leaves its messages to come back at the lease's
-        end, as an ok never sent would. While the claim runs, an ok, ko or move by bare
-        id yields to it (see :func:`_yielding`): only the same reservation's ok sent
+        end, as an ok never sent would. While the claim runs, an ok, ko, move or extend
+        by bare id yields to it (see :func:`_yielding`): only the same reservation's ok sent
         again (see below) can end a claimed message before that delete, and a holder
         is then told True by both (see :meth:`_gone_here`). Once the claim lapsed, a ko
         by bare id may give the message back: the delete, which asks for it still
@@ -1328,7 +1328,8 @@ class MongoStore(Store):
 
         async def one_length(seconds: float, group: list[Extend]) -> None:
             until = now + seconds
-            guards = [_guard(e.id, e.tries, e.token) for e in group]
+            # by bare id: not a batch ok's claim, whose lease (mature) this would rewrite
+            guards = [_yielding(_guard(e.id, e.tries, e.token), now) for e in group]
             held = guards[0] if len(guards) == 1 else {"$or": guards}
             updated = await self._coll.update_many(held, {"$set": {"mature": until}})
             if updated.matched_count == len(group):

@@ -9,6 +9,7 @@ other call goes to the server. No timed assertions.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import time
 from collections.abc import AsyncIterator
@@ -20,7 +21,7 @@ from mongo_server import MONGO_URL, start_mongo
 
 import aio_keuss
 from aio_keuss import KoResult
-from aio_keuss.contract import Ack, Amend, Move
+from aio_keuss.contract import Ack, Amend, Extend, Move
 from aio_keuss.errors import KeussError
 
 pymongo = pytest.importorskip("pymongo")
@@ -359,5 +360,31 @@ async def test_a_deadletter_read_before_a_bare_batch_ok_s_claim_does_not_take_it
     finally:
         store._coll = real
     assert moved == [None]
+    assert done == [True, True]
+    assert await queue.total_size() == 0
+
+
+async def test_an_extend_by_bare_id_between_a_batch_s_claim_and_delete_keeps_the_lease(
+    queue: aio_keuss.Queue,
+) -> None:
+    """An extend by bare id (no count, no token) landing between a batch ok's claim and
+    its delete rewrote the claim's lease (``mature``) to its own, shorter, end: another
+    consumer then reserved ``a`` and ended it with its ok, and the batch, finding ``a``
+    gone while its claim ran, answered True for it too (two consumers told they ended
+    one message). The extend yields to the claim as an ok by bare id does."""
+    extended: list[bool] = []
+    other: list[list[bool]] = []
+
+    async def extend_then_take(store: Any, held: list[aio_keuss.Message]) -> None:
+        extended.extend(await store.extend([Extend("a", None, 1e-3)]))
+        taken = await store.reserve(1, 30.0)
+        while extended == [True] and not taken.messages:  # (the extended end: 1 ms)
+            await asyncio.sleep(0.01)
+            taken = await store.reserve(1, 30.0)
+        other.extend([await store.commit([Ack(m.id, m.tries, m.token)]) for m in taken.messages])
+
+    done = await _ok_many_with(queue, extend_then_take)
+    assert extended == [False]
+    assert other == []
     assert done == [True, True]
     assert await queue.total_size() == 0
