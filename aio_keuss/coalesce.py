@@ -17,10 +17,14 @@ A free slot is then worth more to the batch the next callers form than to one ca
 alone, so a lone call runs in its caller only while nothing is in flight; and, with
 ``run_in_caller`` (round trips that pipeline), the callers queued are shared out over the
 free slots, ``MIN_SHARE`` at least to a batch, rather than all sent in the first one.
-Without it, 32 clients on four slots settled into one batch of 29 and three one-caller
+Without that, 32 clients on four slots settled into one batch of 29 and three one-caller
 round trips, each of those a ``write()`` and a reply of its own (32 clients on redis-oq and
 redis-reliable, interleaved runs: push +19 to +32 %, pop +23 to +60 %, reserve + ok +30 %;
-3 clients, PostgreSQL and the memory store unchanged).
+3 clients, PostgreSQL and the memory store unchanged). A share that would leave fewer
+than ``MIN_SHARE`` behind takes them too: 32 clients were shared as 10, 10, 10 and 2, and
+the rounds after mostly cycled through batches of 10, 8, 7, 4 and 3 (6.4 callers a round
+trip); with it most runs settle into three batches (10.6 a round trip, with 10-15 % less
+client and Redis CPU a message on 32-client reserve + ok), the others into that cycle.
 
 Cancellation: a queued request cancelled before its batch starts is dropped; one whose
 caller is cancelled after the store did the work has its result handed to ``on_orphan``,
@@ -256,6 +260,9 @@ class Coalescer(Generic[Req, Res]):
         # rest, each started now (see "Crowding" in the module's docstring).
         slots = self._concurrency - self._running + 1 if self._spread else 1
         share = max(MIN_SHARE, -(-len(self._pending) // slots)) if slots > 1 else len(self._pending)
+        if len(self._pending) - share < MIN_SHARE:
+            # what this share would leave is too few for a batch of its own: take it too
+            share = len(self._pending)
         while self._pending and len(batch) < share:
             request, future = self._pending[0]
             if future.done():  # cancelled before it was sent: nothing to do

@@ -546,6 +546,39 @@ async def test_a_crowd_is_shared_out_over_the_free_slots() -> None:
     await coalescer.wait_idle()
 
 
+async def test_a_share_leaves_no_crowd_too_small_for_a_batch_of_its_own() -> None:
+    """32 callers on four slots were shared out as 10, 10, 10 and 2, and the batches of the
+    next rounds, formed as callers came back, cycled through 10, 8, 7, 4 and 3: 6.4 callers
+    a round trip where 11 fit. A share that would leave fewer than MIN_SHARE callers takes
+    them too: 10, 10 and 12."""
+    batches: list[list[int]] = []
+    replies: list[asyncio.Future[None]] = []
+
+    async def run(requests: list[int]) -> list[int]:
+        batches.append(requests)
+        reply = asyncio.get_running_loop().create_future()
+        replies.append(reply)
+        await reply
+        return requests
+
+    coalescer: Coalescer[int, int] = Coalescer(run, max_batch=100, concurrency=4)
+    first = [asyncio.create_task(coalescer.submit(i)) for i in range(-4, 0)]  # slots full
+    await asyncio.sleep(0)
+    crowd = [asyncio.create_task(coalescer.submit(i)) for i in range(1, 33)]
+    await asyncio.sleep(0)
+    for reply in replies:
+        reply.set_result(None)
+    await asyncio.gather(*first)
+    for _ in range(5):
+        await asyncio.sleep(0)
+    assert [len(b) for b in batches[4:]] == [MIN_SHARE, MIN_SHARE, 32 - 2 * MIN_SHARE]
+    for reply in replies:
+        if not reply.done():
+            reply.set_result(None)
+    assert await asyncio.gather(*crowd) == list(range(1, 33))
+    await coalescer.wait_idle()
+
+
 async def test_where_each_call_is_a_commit_a_crowd_goes_in_one_batch() -> None:
     batches: list[list[int]] = []
 
