@@ -791,6 +791,19 @@ class Consumer(StoppedOnExit):
             cancelled=self.cancelled,
         )
 
+    @property
+    def abandoned(self) -> bool:
+        """Whether handlers a stop abandoned (they went on once cancelled) still run: their
+        reservations are extended meanwhile, through the queue's connection, which must stay
+        open for that (see :meth:`outlived`)."""
+        return self._outliving is not None and not self._outliving.done()
+
+    async def outlived(self) -> None:
+        """Until the handlers a stop abandoned have ended after all, their extensions
+        stopped (at once if it abandoned none): then their queue can close."""
+        if self._outliving is not None:
+            await asyncio.shield(self._outliving)
+
     def runs_in(self, task: asyncio.Task[Any]) -> bool:
         """Whether ``task`` is one of this consumer's workers, the tasks its handlers run in
         (a stop or close they ask for cannot wait for them)."""

@@ -28,7 +28,7 @@ from ..errors import (
 )
 from ..loading import add_connection_flags, import_callable
 from . import admin, loop
-from .run import pipeline_source, run_worker
+from .run import left_open, pipeline_source, run_worker
 from .settings import REPEAT_FORM, WorkerSettings, connection_settings, option_value, resolve
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_UNREACHABLE = 0, 1, 2, 3
@@ -152,8 +152,9 @@ def _connection(args: argparse.Namespace) -> tuple[str, dict[str, Any]]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command; returns its exit code. A worker that abandoned handlers which went on
-    after being cancelled ends the process here, with that code, or ``EXIT_ABANDONED`` for
-    a stop that would have exited 0 (see ``loop``)."""
+    after being cancelled ends the process with that code, or ``EXIT_ABANDONED`` for a stop
+    that would have exited 0: in its loop (``_serving``), or here for tasks found going on
+    only as the loop ended (see ``loop``)."""
     args = _parser().parse_args(argv)
     if args.command == "dashboard":
         return dashboard_command.run(args, _connection)
@@ -182,7 +183,25 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _serve(settings: WorkerSettings) -> int:
     """Run the worker; returns the command's exit code."""
     try:
-        loop.run(_run(settings))  # not asyncio.run: see that module
+        return loop.run(_serving(settings))  # not asyncio.run: see that module
+    except KeyboardInterrupt:  # a SIGINT before the handlers were installed
+        return EXIT_OK
+
+
+async def _serving(settings: WorkerSettings) -> int:
+    """Run the worker in the loop; returns the command's exit code, or exits the process
+    at once (still in the loop: ``loop.exit_running``) if the worker left its connection open
+    for handlers it abandoned, which run on: closing it, or ending the loop, would stop the
+    extensions of their reservations while the process lives on."""
+    code = await _outcome(settings)
+    if left_open():
+        await loop.exit_running(code or EXIT_ABANDONED)
+    return code
+
+
+async def _outcome(settings: WorkerSettings) -> int:
+    try:
+        await _run(settings)
     except KeussConnectionError as exc:
         log.error("cannot reach the backend at start: %s", exc)
         return EXIT_UNREACHABLE
@@ -193,8 +212,6 @@ def _serve(settings: WorkerSettings) -> int:
     except KeussError as exc:
         log.error("worker failed: %r", exc)
         return EXIT_FAILED
-    except KeyboardInterrupt:  # a SIGINT before the handlers were installed
-        return EXIT_OK
     return EXIT_OK
 
 

@@ -4,21 +4,30 @@
 every one of them to end (Python's asyncio documentation, "Runners"). A handler that
 swallows its cancellation (catches ``CancelledError`` and goes on), which ``run_worker``
 abandons after a second signal, then kept the process alive for ever after the worker had
-stopped. Here those tasks get ``LEFT_WAIT`` seconds to end, and the process exits without
-the ones that do not: at once, as a process killed would, once its logs are written (left to
-the interpreter's exit, each was closed as it was collected, running its handler's cleanup
-and the consumer's failure path on a closed loop). That exit (``os._exit``) skips the
-interpreter's finalization, atexit hooks included, so those run first, for ``ATEXIT_WAIT``
-seconds at most: an exporter's last flush (OpenTelemetry's SDK flushes its providers from an
-atexit hook) or the sync API's close of its factories, but not a hook held for ever by a
-lock the abandoned handler's thread holds (the atexit documentation: "functions registered
-are not called when the program is killed ... or when os._exit() is called").
+stopped. Such a process now exits without them, as a process killed would, once its logs are
+written and its atexit hooks ran: ``os._exit`` skips the interpreter's finalization, atexit
+hooks included (the atexit documentation: "functions registered are not called when the
+program is killed ... or when os._exit() is called"), so those run first, in a thread given
+``ATEXIT_WAIT`` seconds: an exporter's last flush (OpenTelemetry's SDK flushes its providers
+from an atexit hook) or the sync API's close of its factories, but not a hook held for ever
+by a lock the abandoned handler's thread holds.
 
-The abandoned handlers' reservations are no longer extended by then: the extensions go
-through the connection ``run_worker`` closed as it returned (its queues' close), and none
-can go out once it is closed. From that close to the exit is ``LEFT_WAIT``, up to twice
-``LEFT_WAIT`` for the loop's shutdown and up to ``ATEXIT_WAIT`` (see the README's
-*Stopping*).
+Handlers ``run_worker`` abandoned are known as it returns: it leaves its connection open, as
+their reservations are extended through it while they run (closed, another consumer got
+their messages while they still ran them, as the process lived up to 20 s more), and the
+command calls :func:`exit_running` at once, in the loop still running: the atexit hooks run
+while the loop goes on extending those reservations, and the process exits with the
+extensions still going, skipping the leftover tasks, the loop's shutdown and the
+connection's close. Another consumer gets those messages only once their reservations
+expire, ``reserve_delay`` after their last extension: after the process has exited (see
+the README's *Stopping*).
+
+Other tasks left that swallow their cancellation (one a handler started, say) are only found
+once the worker returned:
+they get ``LEFT_WAIT`` seconds to end once cancelled, and the process exits without the ones
+that do not (:func:`exit_if_abandoned`), after the loop's shutdown (left to the
+interpreter's exit, each was closed as it was collected, running its cleanup on a closed
+loop).
 """
 
 from __future__ import annotations
@@ -30,8 +39,8 @@ import logging
 import os
 import sys
 import threading
-from collections.abc import Coroutine
-from typing import Any, TypeVar
+from collections.abc import Callable, Coroutine
+from typing import Any, NoReturn, TypeVar
 
 log = logging.getLogger("aio_keuss.worker")
 
@@ -98,20 +107,48 @@ def exit_if_abandoned(code: int) -> None:
     rest of the interpreter's finalization (see the module's docstring)."""
     if not _abandoned:
         return
-    _run_atexit_hooks()
+    hooks = _atexit_hooks(lambda: None)
+    hooks.join(ATEXIT_WAIT)
+    if hooks.is_alive():
+        log.warning("exiting without waiting longer for the atexit hooks")
+    _exit(code)
+
+
+async def exit_running(code: int) -> NoReturn:
+    """End the process with ``code`` from within its running loop, once the atexit hooks
+    ran (``ATEXIT_WAIT`` seconds at most) while the loop goes on: for handlers abandoned
+    with their reservations still extended, which must not stop before the process does
+    (see the module's docstring)."""
+    loop = asyncio.get_running_loop()
+    ran = asyncio.Event()
+    _atexit_hooks(lambda: loop.call_soon_threadsafe(ran.set))
+    try:
+        await asyncio.wait_for(ran.wait(), ATEXIT_WAIT)
+    except TimeoutError:
+        log.warning("exiting without waiting longer for the atexit hooks")
+    _exit(code)
+
+
+def _atexit_hooks(then: Callable[[], object]) -> threading.Thread:
+    """Start running the atexit hooks, then ``then``, in a daemon thread: a hook that never
+    returns (blocked on what an abandoned handler holds) is left to ``os._exit``, which ends
+    its thread with the process, instead of holding the exit for ever."""
+
+    def run_them() -> None:
+        try:
+            atexit._run_exitfuncs()
+        finally:
+            then()
+
+    hooks = threading.Thread(target=run_them, name="atexit hooks", daemon=True)
+    hooks.start()
+    return hooks
+
+
+def _exit(code: int) -> NoReturn:
+    """Flush the logs and the output, and exit without the interpreter's finalization."""
     logging.shutdown()
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(OSError, ValueError):  # closed, or a broken pipe
             stream.flush()
     os._exit(code)
-
-
-def _run_atexit_hooks() -> None:
-    """Run the atexit hooks, in a daemon thread given ``ATEXIT_WAIT`` seconds: a hook that
-    does not return then (blocked on what an abandoned handler holds) is left to ``os._exit``,
-    which ends its thread with the process, instead of holding the exit for ever."""
-    hooks = threading.Thread(target=atexit._run_exitfuncs, name="atexit hooks", daemon=True)
-    hooks.start()
-    hooks.join(ATEXIT_WAIT)
-    if hooks.is_alive():
-        log.warning("exiting without waiting longer for the atexit hooks")

@@ -10,7 +10,8 @@ messages back). Messages prefetched and never started are given back the same wa
 handler that goes on once cancelled (it swallows ``CancelledError``) is abandoned after a
 short bound, logged, and the worker returns without it, as a second Ctrl-C makes uvicorn
 and Celery exit: its message is not given back, as two consumers would then hold it at
-once, and comes back when its reservation, no longer extended, expires.
+once, and comes back when its reservation, extended while the handler runs (the worker's
+connection stays open for that), expires after it ends, or after the process does.
 
 A worker may also run repeats (``repeats=``): what arq's ``cron_jobs``, BullMQ's repeatable
 jobs and procrastinate's periodic tasks give a worker process. They start once the worker
@@ -107,7 +108,9 @@ async def run_worker(
 
     Returns once every consumer has stopped and every message it held is acknowledged or
     given back, but for the handlers abandoned as they went on after being cancelled: those
-    run on in the loop (the command exits without them), their messages left reserved.
+    run on in the loop (the command exits without them), their messages left reserved and
+    extended while they do; a factory the worker opened stays open for that, and closes
+    once they end.
     Raises :class:`~aio_keuss.ConsumerFailedError` (after stopping the others)
     when a consumer's worker, or a repeat, stops on an error not worth retrying. Signal
     handlers are installed only while it runs, in the main thread; those found there before
@@ -160,7 +163,7 @@ async def run_worker(
     # answer) would otherwise kill the process by the signal's default action.
     restore = _on_signals(stop, now)
     own: Factory | None = None
-    stopped = counting = False
+    stopped = counting = kept_open = False
     global _counting_workers
     try:
         own = None if factory is not None else await _connect_unless_stopped(stop, backend, options)
@@ -243,8 +246,44 @@ async def run_worker(
                 if not _counting_workers:
                     observe.disable()
             if own is not None:
-                await own.close()
-    log.info("worker %d stopped", os.getpid())
+                kept_open = any(consumer.abandoned for consumer in consumers)
+                if kept_open:
+                    _close_once_outlived(own, consumers)
+                else:
+                    await own.close()
+    log.info(
+        "worker %d stopped%s",
+        os.getpid(),
+        ", its connection left open for the abandoned handlers" if kept_open else "",
+    )
+
+
+def left_open() -> bool:
+    """Whether a worker of the running loop returned with its own factory left open for the
+    handlers it abandoned, which still run: the worker command then exits at once (see
+    :mod:`.loop`), as closing it would end their extensions."""
+    loop = asyncio.get_running_loop()
+    return any(closing.get_loop() is loop for closing in _left_open)
+
+
+_left_open: set[asyncio.Task[None]] = set()
+"""The closes put off by :func:`_close_once_outlived` (kept here: a loop keeps only weak
+references to its tasks)."""
+
+
+def _close_once_outlived(factory: Factory, consumers: Sequence[Consumer]) -> None:
+    """Close ``factory`` once the handlers the consumers' stops abandoned have ended, not
+    now: their reservations are extended through its connection while they run (closed,
+    another consumer would get their messages while they still run them)."""
+
+    async def close() -> None:
+        for consumer in consumers:
+            await consumer.outlived()
+        await factory.close()
+
+    closing = asyncio.get_running_loop().create_task(close())
+    _left_open.add(closing)
+    closing.add_done_callback(_left_open.discard)
 
 
 def pipeline_source(source: PipelineSource) -> PipelineSource:

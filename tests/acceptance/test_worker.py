@@ -9,6 +9,7 @@ that a busy machine cannot miss it by accident).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -30,6 +31,7 @@ from own_servers import free_port, own_redis
 
 import aio_keuss
 from aio_keuss.registry import load_backend
+from aio_keuss.worker import run as worker_run
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -300,6 +302,82 @@ async def test_a_handler_that_swallows_cancellation_is_abandoned_not_given_back(
     # the others untouched, it still reserved: it comes back once that expires, as any
     # reservation nobody renews (the lifecycle conformance tests)
     assert (left, reserved, tries) == (2, 1, [0, 0])
+
+
+async def test_an_abandoned_handler_s_message_goes_to_nobody_else_while_its_process_lives(
+    workdir: Path, prefix: str, workers: list[Worker]
+) -> None:
+    """The abandoned handler runs on until the process exits, so its message must stay
+    reserved until then. Its extensions went through the connection the worker closed as it
+    returned, and the process lived up to 20 s more (leftover tasks, the loop's shutdown,
+    the atexit hooks): with a short ``reserve_delay`` another consumer reserved the message
+    while the first still ran it. Here a consumer of another connection tries all along, and
+    must get it only once the worker's process is gone (and then get it: not lost)."""
+    await _push(prefix, [{"n": 0}])
+    port = free_port()
+    args = ["--grace", "600", "--health-port", str(port), "--option", "reserve_delay=2"]
+    worker = Worker(workdir, *_redis_args(prefix, *args, handler="jobs:stubborn"))
+    workers.append(worker)
+    worker.wait_for("id", 1)
+    [taken] = worker.events("id")
+    worker.signal(signal.SIGTERM)
+    await _status_becomes(port, 503)
+    worker.signal(signal.SIGTERM)
+    worker.wait_for("cancelled", 1)
+    async with aio_keuss.connect("redis-oq", url=REDIS_URL, prefix=prefix) as factory:
+        other = await factory.queue("jobs", reserve_delay=60)
+        while True:
+            got = await other.reserve_many(1, timeout=0)
+            # read after the reserve: its reservation lapses reserve_delay after its last
+            # extension, which its process sent before it exited (it is a zombie by then)
+            alive = worker.process.poll() is None
+            if got:
+                assert not alive, "reserved while the worker still ran"
+                break
+            if not alive:  # gone: its reservation lapses within reserve_delay
+                got = await other.reserve_many(1, timeout=30)
+                assert got, "the abandoned message was lost"
+                break
+            await asyncio.sleep(0.05)
+        assert [m.id for m in got] == [taken]
+    assert worker.finish(seconds=120) == 70, worker.output
+    assert worker.events("atexit") == [0], worker.output
+
+
+async def test_run_worker_closes_the_connection_it_kept_for_abandoned_handlers_once_they_end(
+    prefix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A worker that abandoned a handler leaves its own connection open while that handler
+    runs on (its reservation is extended through it), and closes it once that handler ends
+    after all: its ok goes through it first, so the message is not handled again."""
+    monkeypatch.setattr(aio_keuss.consumer, "ACK_WAIT", 0.2)
+    monkeypatch.setattr(aio_keuss.consumer, "ABANDON_WAIT", 0.2)
+    await _push(prefix, [{"n": 0}])
+    started, finish = asyncio.Event(), asyncio.Event()
+
+    async def stubborn(message: aio_keuss.Message) -> None:
+        started.set()
+        while not finish.is_set():
+            with contextlib.suppress(asyncio.CancelledError):  # goes on
+                await asyncio.sleep(0.05)
+
+    stop = asyncio.Event()
+    worker = asyncio.ensure_future(
+        aio_keuss.run_worker(
+            stubborn, "jobs", backend="redis-oq", url=REDIS_URL, prefix=prefix, grace=0, stop=stop
+        )
+    )
+    try:
+        await asyncio.wait_for(started.wait(), 30)
+        stop.set()
+        await asyncio.wait_for(worker, 60)  # returns, the handler abandoned
+        assert worker_run.left_open()
+        [closing] = worker_run._left_open
+    finally:
+        finish.set()
+    await asyncio.wait_for(asyncio.shield(closing), 60)
+    assert not worker_run.left_open()
+    assert await _left(prefix) == (0, 0, [])  # acknowledged, not left to come back
 
 
 TWO_WORKERS = textwrap.dedent(
