@@ -14,7 +14,13 @@ from typing import Any
 from . import observe
 from .contract import Backend, RateRule
 from .errors import ClosedError, ConfigError
-from .options import QUEUE_OPTION_NAMES, DeadletterOptions, QueueOptions, check_queue_name
+from .options import (
+    QUEUE_OPTION_NAMES,
+    DeadletterOptions,
+    QueueOptions,
+    check_queue_name,
+    check_seconds,
+)
 from .pipeline import Pipeline, check_pipeline_name
 from .queue import CANCELLED_CLOSE_GRACE, Closing, Limiter, Queue
 from .registry import load_backend
@@ -26,6 +32,13 @@ from .types import Capabilities, Sizes
 log = logging.getLogger(__name__)
 
 _FACTORY_OPTIONS = frozenset({"signal", "stats", "deadletter", "signal_debounce"})
+
+CLOSE_TIMEOUT = 60.0
+"""Seconds :meth:`Factory.close` spends by default on its ordinary course (the consumers'
+handlers finishing, within their 30 s stop grace; the queues giving back what nobody
+acknowledged; the stats store's last write; the signals on their way out) before it goes on
+as a cancelled close does: a server that accepts connections but stopped answering never
+ends any of them, and a close that never returns holds up a process's shutdown for good."""
 
 
 class Factory:
@@ -63,6 +76,7 @@ class Factory:
         # close): the closes called meanwhile wait for it
         self._rest: asyncio.Future[None] | None = None
         self._results = _ResultStoreOnce(backend)
+        self._timed_out = False  # the close was cancelled by its timeout (see close)
         observe.track(self)  # weakly: metrics read the sizes of its open queues
 
     @property
@@ -326,7 +340,7 @@ class Factory:
         self._check_open()
         return await self.stats_store.remove_pipeline(checked)
 
-    async def close(self) -> None:
+    async def close(self, timeout: float | None = CLOSE_TIMEOUT) -> None:
         """Drain and close every queue, then the stats store, signal bus and connection.
 
         Each queue first stops its consumers (their running handlers finish and acknowledge),
@@ -341,11 +355,24 @@ class Factory:
         signals still on their way out get what is left of that grace, no more: past it the
         last counters are dropped (a WARNING) and the signals too (another process's waiter
         then finds the messages by its poll), never a message.
+
+        ``timeout`` (seconds, default ``CLOSE_TIMEOUT``; None: no limit) bounds a close that
+        nobody cancels the same way: past it the close is cancelled once, with a WARNING,
+        and goes on as a cancelled close (so it ends at most ``CANCELLED_CLOSE_GRACE``
+        seconds later, plus the connection's own bounded close), then returns without
+        raising. Without it, a server that accepts connections but stopped answering (hung,
+        stopped, behind a dropped connection) kept the close waiting for good. It is the
+        timeout of the close this call begins; a close called while one is under way waits
+        for that one.
         """
+        if timeout is not None:  # refused before anything closes
+            timeout = check_seconds(timeout, "timeout")
         owner = self._closing.task is None
         if owner:
             self._closed = True
             self._closing.begin(self._close())
+            if timeout is not None:
+                self._time_out_after(timeout)
         elif not self._closing.under_way and not self._rest_due():
             return
         queues = list(self._queues.values())
@@ -361,12 +388,36 @@ class Factory:
                 # starts runs nothing): no queue closed, the reservations held stayed
                 # reserved and the backend open. It runs here, as a cancelled close.
                 await self._run_rest()
+            task = asyncio.current_task()
+            if owner and self._timed_out and (task is None or not task.cancelling()):
+                return  # cancelled by its timeout, not by our caller: it is over
             raise
         # A close joined here returns once the close is over: one whose task its owner's
         # cancellation ended before it ran a step is then still to run, or running in the
         # owner's task (or, should the owner not wait for it, here).
         if self._rest_due():
             await self._run_rest()
+
+    def _time_out_after(self, timeout: float) -> None:
+        """Cancel the close's task once, ``timeout`` seconds from now, if it is still
+        running: as a caller's shutdown timeout does, so that the rest of the close is
+        bounded as a cancelled close's is."""
+        closing = self._closing.task
+        assert closing is not None
+
+        def time_out() -> None:
+            if closing.done():
+                return
+            self._timed_out = True
+            log.warning(
+                "factory close: not over after its timeout of %s s (a server that does not"
+                " answer?): it goes on as a cancelled close, bounded",
+                timeout,
+            )
+            closing.cancel()
+
+        timer = asyncio.get_running_loop().call_later(timeout, time_out)
+        closing.add_done_callback(lambda _: timer.cancel())
 
     def _rest_due(self) -> bool:
         """Whether the close's task was cancelled before it ran a step, and the close it
@@ -465,12 +516,13 @@ class Factory:
                 if isinstance(result, Exception):
                     raise result
         finally:
+            grace = _Grace(grace_end)
             try:
                 # raises when the server is away at close
-                await _within(self.stats_store.close(), grace_end, "the stats store's close")
+                await grace.within(self.stats_store.close(), "the stats store's close")
             finally:
                 try:
-                    await self.signal.close(grace_end)  # ... and the listener must still stop
+                    await self.signal.close(grace.end)  # ... and the listener must still stop
                 finally:
                     try:
                         await self._results.close()
@@ -489,27 +541,51 @@ class Factory:
         await self.close()
 
 
-async def _within(step: Coroutine[Any, Any, None], deadline: float | None, what: str) -> None:
-    """Run ``step`` of a close; with a ``deadline`` (a cancelled close's grace, the loop's
-    clock), stop waiting for it there: a server that stopped answering never ends it, and
-    a command already sent is only let go some time after its cancellation (Redis runs it
-    whatever the caller does). What it had still to write is lost (the last counters of
-    the stats store); the backend's close then ends it."""
-    if deadline is None:
-        await step
-        return
-    task = asyncio.ensure_future(step)
-    try:
-        timeout = max(0.0, deadline - asyncio.get_running_loop().time())
-        done, _ = await asyncio.wait({task}, timeout=timeout)
-    except BaseException:
-        task.cancel()
-        raise
-    if done:
+class _Grace:
+    """When a cancelled close's grace ends (the loop's clock; None while the close is not
+    cancelled), for the steps after the queues' closes: the stats store's last write, then
+    the signals on their way out, which share what is left of it."""
+
+    def __init__(self, end: float | None) -> None:
+        self.end = end
+
+    async def within(self, step: Coroutine[Any, Any, None], what: str) -> None:
+        """Run ``step`` of a close; once the grace began, stop waiting for it at its end: a
+        server that stopped answering never ends it, and a command already sent is only let
+        go some time after its cancellation (Redis runs it whatever the caller does). What
+        it had still to write is lost (the last counters of the stats store); the backend's
+        close then ends it. Cancelled while it runs without a grace (a close cancelled, or
+        timed out, just as the queues had closed), the grace begins then, and the
+        cancellation is raised once the step ended or was given up: cancelling the step
+        itself lost its write with no WARNING, and the signals after it were then waited
+        for without limit."""
+        loop = asyncio.get_running_loop()
+        task = asyncio.ensure_future(step)
+        cancelled: asyncio.CancelledError | None = None
+        while True:
+            timeout = None if self.end is None else max(0.0, self.end - loop.time())
+            try:
+                done, _ = await asyncio.wait({task}, timeout=timeout)
+            except asyncio.CancelledError as exc:
+                if self.end is not None:  # cancelled again, in the grace
+                    task.cancel()
+                    raise
+                cancelled = exc
+                self.end = loop.time() + CANCELLED_CLOSE_GRACE
+                continue
+            break
+        if not done:
+            task.cancel()
+            log.warning("cancelled close: %s given up (no answer within the grace)", what)
+            if cancelled is not None:
+                raise cancelled
+            return
+        if cancelled is not None:
+            failure = None if task.cancelled() else task.exception()
+            if failure is not None:  # the cancellation is raised in its place
+                log.warning("cancelled close: %s failed: %r", what, failure)
+            raise cancelled
         task.result()
-        return
-    task.cancel()
-    log.warning("cancelled close: %s given up (no answer within the grace)", what)
 
 
 class _Connecting:

@@ -49,9 +49,10 @@ from anyio.from_thread import BlockingPortal, start_blocking_portal
 
 from .contract import Stored
 from .errors import ClosedError, LoopThreadError
-from .factory import Factory
+from .factory import CLOSE_TIMEOUT, Factory
 from .factory import connect as _async_connect
 from .message import UNCHANGED, Headers, Message, NewMessage, Payload, Unchanged
+from .options import check_seconds
 from .outcomes import NO_RESULT
 from .queue import CANCELLED_CLOSE_GRACE, Queue
 from .repeat import Repeater
@@ -560,10 +561,14 @@ class SyncFactory:
         """Blocking :meth:`Factory.remove_pipeline`."""
         return self.call(self.factory.remove_pipeline, name)
 
-    def close(self) -> None:
+    def close(self, timeout: float | None = CLOSE_TIMEOUT) -> None:
         """Close the async factory (drains its queues); the last factory stops the loop.
         Idempotent, and a no-op for a factory inherited from the parent of a fork. A close
-        called while another thread's is under way waits for it, as the async close does."""
+        called while another thread's is under way waits for it, as the async close does.
+        ``timeout``: as :meth:`Factory.close`'s (past it, the close goes on as a cancelled
+        one, bounded, so it returns even when the server stopped answering)."""
+        if timeout is not None:  # refused before anything closes
+            timeout = check_seconds(timeout, "timeout")
         if self._generation != _runtime.generation:
             # Inherited from the parent of a fork: nothing to close here, and its close lock
             # may be held by a parent thread that does not exist in this process.
@@ -590,12 +595,13 @@ class SyncFactory:
             return
         try:  # added inside: a Ctrl-C right after the add would leave it there
             self._closers.add(me)
-            self._close_once()
+            self._close_once(timeout=timeout)
         finally:
             self._closers.discard(me)
 
-    def _close_once(self, wait: float | None = None) -> None:
-        """The close, by one thread; ``wait``: seconds before it is cancelled (at exit)."""
+    def _close_once(self, wait: float | None = None, timeout: float | None = CLOSE_TIMEOUT) -> None:
+        """The close, by one thread; ``wait``: seconds before it is cancelled (at exit);
+        ``timeout``: the async close's own (see :meth:`Factory.close`)."""
         with self._close_lock:  # held throughout: a second close returns once this one ends
             if self._closed:
                 return
@@ -614,7 +620,13 @@ class SyncFactory:
                     self._closing = closing = Future[None]()
                     running: list[asyncio.Task[Any]] = []
                     task = self._portal.start_task_soon(
-                        _settling, closing, self.factory.close, running
+                        _settling,
+                        closing,
+                        # the default passed as such: a close wrapped without it still runs
+                        self.factory.close
+                        if timeout == CLOSE_TIMEOUT
+                        else functools.partial(self.factory.close, timeout=timeout),
+                        running,
                     )
                 if wait is None:
                     closing.result()
