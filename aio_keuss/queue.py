@@ -204,6 +204,9 @@ class Queue:
         self._rate_due = 0.0
         self._rate_asked = 0  # limiter calls sent, and the last one whose answer is kept
         self._rate_heard = 0
+        # a push woke a consumer the limiter had refused, which slept on (see
+        # ``_sleep_rate_spent``): a grant given back wakes the sleepers then
+        self._rate_missed = False
         self._targets: set[str] = set()  # queues moved into, opened through the factory
         self._paused = False
         self._wakeups = Wakeups()
@@ -901,6 +904,7 @@ class Queue:
             wait = min(end - time.monotonic(), self._rate_due - time.time())
             if wait <= 0:
                 return woken
+            self._rate_missed = True  # a grant given back meanwhile wakes it (_on_grant_back)
 
     def _hand_on(self, due: float) -> None:
         """A consumer that knew something falls due at ``due`` (epoch seconds) left before
@@ -951,12 +955,16 @@ class Queue:
         """A take of a rate-limited queue: at most what the limiter grants of ``n``. What
         was granted but found no message goes back to the limiter (else consumers polling
         an empty queue spent the limit on nothing), before the take returns: a round trip
-        more only when the queue ran short. The give-back wakes nobody (two idle consumers
-        would wake each other for ever): a consumer of another process that found the
-        limit spent meanwhile sleeps until the limiter's next grant or its poll interval.
-        The next mature time answered is no sooner than the limiter's next grant while none
-        is due: a consumer that found nothing sleeps until then, and one leaving first
-        hands that time on (``_hand_on``), as it does a message's mature time."""
+        more only when the queue ran short. A give-back of the last grant due is
+        announced (``SignalBus.granted``): a consumer that the limiter refused meanwhile,
+        in any process, slept until the limiter's next grant (an hour away with an hourly
+        limit), pushes or not, and the message pushed next waited that long though the
+        limit allowed it. The announcement wakes nobody by itself (two idle consumers would
+        wake each other for ever): it makes the grant due again for such a consumer, and
+        wakes those that a push woke meanwhile and that slept on (see
+        ``_on_grant_back``). The next mature time answered is no sooner than the limiter's
+        next grant while none is due: a consumer that found nothing sleeps until then, and
+        one leaving first hands that time on (``_hand_on``), as it does a message's mature time."""
         grant = await self._ask_limiter(n, 0.0)
         due = time.time() + grant.wait  # the limiter's next grant, on our clock
         if not grant.granted:
@@ -964,7 +972,11 @@ class Queue:
         fetched = await take(grant.granted)
         unused = grant.granted - len(fetched.messages)
         if unused:  # here, not in the background: the next take must find them back
-            await self._give_back_grants(unused, grant.end)
+            back = await self._give_back_grants(unused, grant.end)
+            if grant.wait > 0 and back is not None and back.wait <= 0:
+                # this take spent the last grant due (others were refused meanwhile),
+                # and one is due again now
+                self._signal.granted(self.name)
         if grant.wait <= 0 or fetched.next_mature is None:
             return fetched
         return Fetched(fetched.messages, max(fetched.next_mature, due))
@@ -982,13 +994,28 @@ class Queue:
             self._rate_due = time.time() + grant.wait
         return grant
 
-    async def _give_back_grants(self, count: int, end: float) -> None:
+    async def _give_back_grants(self, count: int, end: float) -> RateGrant | None:
         """``count`` grants of a take whose answer said ``end`` (see ``contract.rate_step``:
-        only what is still ahead of the limiter's clock comes back)."""
+        only what is still ahead of the limiter's clock comes back): the limiter's answer,
+        None where it failed."""
         try:
-            await self._ask_limiter(-count, 0.0, end)
+            return await self._ask_limiter(-count, 0.0, end)
         except Exception as exc:  # they are lost: fewer deliveries for a while, never more
             log.debug("queue %r: %d unused rate grants not given back: %r", self.name, count, exc)
+            return None
+
+    def _on_grant_back(self) -> None:
+        """A take (of any process) gave back the grants it found no message for, after it
+        had spent the last one due: one is due again. A consumer the limiter refused
+        meanwhile takes at its next wake-up, not the limiter's next grant; one that a push
+        woke meanwhile, and that slept on, is woken now. Only then: woken for nothing, two
+        idle consumers would take and give back, and wake each other, for ever."""
+        if self._limiter is None:
+            return
+        self._rate_due = 0.0
+        if self._rate_missed and not self._paused:
+            self._rate_missed = False
+            self._wakeups.announce(None)
 
     async def _rate_limited(self, messages: list[Message], seconds: object) -> bool:
         """A handler raised ``RateLimited(seconds)``: every process's deliveries of this
@@ -2557,6 +2584,9 @@ class Queue:
         kind = signal.kind
         if kind == "insert":  # one per push: told apart first
             count = signal.count
+        elif kind == "grant":  # wakes only whom it concerns
+            self._on_grant_back()
+            return
         else:
             count = None
             self._on_control_signal(kind)

@@ -33,7 +33,7 @@ from .coalesce import stop_task
 
 log = logging.getLogger("aio_keuss.signal")
 
-SignalKind = Literal["insert", "pause", "resume", "resync", "result", "cancel"]
+SignalKind = Literal["insert", "pause", "resume", "resync", "result", "cancel", "grant"]
 
 RESULTS_ROUTE = "?results "
 """What a "result" signal's queue field starts with (the queue's name follows): no queue
@@ -238,6 +238,14 @@ class SignalBus:
         debounced, never blocks."""
         named = list(ids) if len(ids) <= MAX_SIGNAL_IDS else None
         signal = Signal(CANCELS_ROUTE + queue, "cancel", ids=named)
+        self._deliver(signal)
+        self._send(signal)
+
+    def granted(self, queue: str) -> None:
+        """Announce that a take gave back the rate grants it found no message for, having
+        spent the last one due: the consumers the limiter refused meanwhile may take again
+        (see ``Queue._on_grant_back``); never debounced."""
+        signal = Signal(queue, "grant")
         self._deliver(signal)
         self._send(signal)
 

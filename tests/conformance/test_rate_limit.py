@@ -14,6 +14,7 @@ behaviour, and the long waits are hang guards.
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from collections.abc import Awaitable, Callable
 
@@ -408,3 +409,50 @@ async def test_grants_given_back_late_lend_nothing_to_the_takes_made_since(
     after = await backend.rate_take("late", rule, 1, 0.0)
     if time.monotonic() - asked < rule.interval - 0.1:  # all within the other's interval
         assert after.granted == 0 and after.wait > 0  # before: granted beside the other's
+
+
+async def test_a_grant_given_back_unused_wakes_a_consumer_it_kept_waiting(
+    connect: Connect,
+) -> None:
+    """A take holds the only grant and finds nothing; a consumer of another factory asks
+    meanwhile and is refused (the next grant an hour away). Once the grant is given back,
+    a message pushed must reach that consumer, not wait for its 30 s timeout: it slept until
+    the limiter's next grant, and the give-back told nobody. Ordered by events; the bound
+    is half the consumer's timeout, far above any latency."""
+    first = await connect(poll_interval=30.0)
+    needs(first, "rate_limit", "shared")
+    second = await connect(poll_interval=30.0)
+    q1 = await first.queue("given-back", rate_limit=1, rate_period=HOUR, rate_burst=1)
+    q2 = await second.queue("given-back", rate_limit=1, rate_period=HOUR, rate_burst=1)
+    holding, release, refused = asyncio.Event(), asyncio.Event(), asyncio.Event()
+    give_back, ask = q1._give_back_grants, q2._ask_limiter
+
+    async def held(count: int, end: float) -> RateGrant | None:
+        holding.set()  # the grant taken, nothing found
+        await release.wait()
+        return await give_back(count, end)
+
+    async def noted(count: int, hold: float, end: float = math.inf) -> RateGrant:
+        grant = await ask(count, hold, end)
+        if count > 0 and not grant.granted:
+            refused.set()
+        return grant
+
+    q1._give_back_grants = held  # type: ignore[method-assign]
+    q2._ask_limiter = noted  # type: ignore[method-assign]
+    taking = asyncio.ensure_future(q1.pop(timeout=0))
+    waiting: asyncio.Future[Message | None] | None = None
+    try:
+        await asyncio.wait_for(holding.wait(), GUARD)
+        waiting = asyncio.ensure_future(q2.pop(timeout=30.0))
+        await asyncio.wait_for(refused.wait(), GUARD)
+        release.set()
+        assert await asyncio.wait_for(taking, GUARD) is None
+        await q1.push("after the give-back")
+        message = await asyncio.wait_for(waiting, 15.0)
+        assert message is not None and message.payload == "after the give-back"
+    finally:
+        release.set()
+        for task in (taking, waiting):
+            if task is not None:
+                task.cancel()
