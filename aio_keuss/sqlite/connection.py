@@ -844,9 +844,14 @@ class SqliteConnection(Backend):
         config, memory = self.config, self.memory
         try:
             wal = await thread.submit(lambda connection: _setup(connection, config, memory))
-        except BaseException:
+        except BaseException as exc:
             self._thread = None
             thread.stop()
+            if isinstance(exc, Exception):
+                # as a close does: a refused connect that returned before its thread had
+                # ended left one more thread per failed attempt for whoever counts them
+                # (a retry loop, a fork); a cancelled one only stops it
+                await thread.ended_within(THREAD_END_WAIT)
             raise
         if wal is not None:
             thread.checkpoint(wal)

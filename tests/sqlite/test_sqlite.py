@@ -1346,3 +1346,16 @@ async def test_a_closed_factory_leaves_no_database_thread(database: str) -> None
         await (await factory.queue("jobs")).push(1)
         await factory.close()
         assert not [t for t in threading.enumerate() if t.name.startswith("aio-keuss sqlite")]
+
+
+async def test_a_failed_connect_leaves_no_database_thread(tmp_path: Path) -> None:
+    """A connect refused at open (here: a file that is not a database) raises once its
+    database thread has ended, as a close returns once it has: the thread was told to stop
+    and left running, so a caller counting threads after the refusal (a retry loop, a fork,
+    a test) found one more per failed connect."""
+    path = tmp_path / "notes.txt"
+    path.write_bytes(b"not a database, " * 512)
+    for _ in range(20):
+        with pytest.raises(aio_keuss.ConfigError):
+            await aio_keuss.connect("sqlite", path=str(path))
+        assert not [t for t in threading.enumerate() if t.name.startswith("aio-keuss sqlite")]
