@@ -127,12 +127,32 @@ WHERE queue = ?1 AND id = ?2 AND NOT (reserved = 1 AND mature > ?5)
   AND (NOT ?6 OR mature > ?5)
 
 -- name: sizes
--- (queue, now): ready, total, scheduled, reserved.
-SELECT coalesce(sum(mature <= ?2), 0),
-       count(*),
-       coalesce(sum(mature > ?2 AND reserved = 0), 0),
-       coalesce(sum(mature > ?2 AND reserved = 1), 0)
-FROM messages WHERE queue = ?1
+-- (queue, now): ready, total, scheduled, reserved, in one statement (one snapshot). The
+-- total is a count of the queue's index entries alone, never its rows (a covering index
+-- scan); what is past now (scheduled or reserved) is one range of the index per priority,
+-- walked as in "next_mature", and only those rows are read, for their reserved flag. Ready
+-- is the rest: everything not past now. Summed over every row of the queue instead, a
+-- sizes() read each message of a backlog, holding the factory's one database thread, and
+-- so its every call, several times as long.
+WITH RECURSIVE level(priority) AS (
+    SELECT (SELECT priority FROM messages WHERE queue = ?1
+            ORDER BY priority DESC LIMIT 1)
+    UNION ALL
+    SELECT (SELECT priority FROM messages WHERE queue = ?1 AND priority < level.priority
+            ORDER BY priority DESC LIMIT 1)
+    FROM level WHERE level.priority IS NOT NULL
+), later(n, reserved) AS (
+    SELECT (SELECT count(*) FROM messages
+            WHERE queue = ?1 AND priority = level.priority AND mature > ?2),
+           (SELECT coalesce(sum(reserved), 0) FROM messages
+            WHERE queue = ?1 AND priority = level.priority AND mature > ?2)
+    FROM level WHERE level.priority IS NOT NULL
+), counts(total, n, reserved) AS (
+    SELECT (SELECT count(*) FROM messages WHERE queue = ?1),
+           (SELECT coalesce(sum(n), 0) FROM later),
+           (SELECT coalesce(sum(reserved), 0) FROM later)
+)
+SELECT total - n, total, n - reserved, reserved FROM counts
 
 -- name: peek
 -- Look without taking: up to ?5 messages of priority ?8 in state ?4 past the cursor (?2
