@@ -51,6 +51,30 @@ CASES = [
         _drop_postgres_schema,
         40.0,
     ),
+    pytest.param(
+        Silent(
+            "bucket-redis",
+            6379,
+            REDIS_URL,
+            lambda: {
+                "prefix": f"akr-{new_token()}",
+                "bucket_max_wait": 0.02,
+                "state_flush_period": 0.05,
+            },
+            _drop_redis_prefix,
+            30.0,
+        ),
+        marks=pytest.mark.xfail(
+            strict=True,
+            reason=(
+                "unfixed: BucketStore.close() (aio_keuss/buckets/store.py), run by the queue"
+                " after its cancelled close's grace is over, writes the held buckets back"
+                " through Redis's fast lane, whose reply on a silent server is never"
+                " answered and, never cancelled, never given up: the close never ends"
+            ),
+        ),
+        id="bucket-redis",
+    ),
 ]
 
 
@@ -67,6 +91,7 @@ async def test_a_cancelled_close_ends_when_the_server_goes_silent(
     # signal_debounce: the pushes' trailing signal goes out at close
     factory = await aio_keuss.connect(case.backend, url=url, signal_debounce=59.0, **options)
     closing: asyncio.Task[None] | None = None
+    ended: set[asyncio.Task[None]] = set()
     try:
         q = await factory.queue("silent", reserve_delay=1.0)
         for n in range(4):
@@ -83,10 +108,12 @@ async def test_a_cancelled_close_ends_when_the_server_goes_silent(
         ended, _ = await asyncio.wait({closing}, timeout=case.guard)
         assert ended, "a close cancelled once never ended"
     finally:
-        if closing is not None and not closing.done():
+        hole.close()
+        if closing is not None and not closing.done():  # its connections dropped: it ends
             closing.cancel()
             await asyncio.wait({closing}, timeout=case.guard)
-        hole.close()
+        if not ended:  # what the hung close left; else the check below drops it
+            await case.drop({"url": case.url, **options})
     after = await aio_keuss.connect(case.backend, url=case.url, **options)
     try:
         q = await after.queue("silent", reserve_delay=1.0)
