@@ -67,6 +67,11 @@ PUSH_WRITERS = 4
 PIPELINED_CALLS = 4
 """Calls of one kind in flight at once where they run in the caller's task."""
 ACK_ON_BUFFER_RETRIES = 5
+CLOSE_BOUND = 10.0
+"""Seconds a store's close spends at most writing back (its buffer, its leased buckets).
+On a server that stopped answering a write's reply never comes, and on Redis's own
+connection a reply refuses cancellation until it gives up (10 s after it is cancelled): the
+close, unbounded, never ended, not even once its queue's cancelled close had given up."""
 BUFFERED_BUCKETS = 2 * PUSH_WRITERS
 """``ack_on_buffer``: full buckets' worth of acknowledged, unwritten messages beyond which a
 push waits for a write (backpressure), so that the loss window of a crash stays about this

@@ -152,6 +152,7 @@ from ..contract import (
     Store,
     Stored,
 )
+from ..errors import KeussConnectionError
 from ..message import append_headers
 from ..options import DEFAULT_DEADLETTER_QUEUE
 from ..types import Capabilities, KoResult, Sizes
@@ -163,6 +164,7 @@ from .settings import (
     BUFFERED_AT_LEAST,
     BUFFERED_BUCKETS,
     CAPABILITIES,
+    CLOSE_BOUND,
     COPY_RETRY_FIRST,
     COPY_RETRY_MAX,
     LEASE_AT_LEAST,
@@ -1003,7 +1005,10 @@ class BucketStore(PushSide, StateWriter, Store):
         Ends while other tasks keep pushing or acknowledging: they are refused from the
         start, so there is a last bucket to write. A write that fails is tried again a few
         times (a short outage); then close raises, and what was not written is a crash's
-        cost (see the module docstring)."""
+        cost (see the module docstring). So does a close whose writes take more than
+        ``CLOSE_BOUND`` seconds in all (a server that stopped answering): unbounded, it
+        waited for a reply that never came, so a queue's close, even cancelled, never
+        ended."""
         if self._shut:
             return
         # Refused from now on; but only a close that ended is done: one cancelled (a shutdown
@@ -1015,42 +1020,57 @@ class BucketStore(PushSide, StateWriter, Store):
         failure: Exception | None = None
         try:
             # a deadletter written there and not yet marked done here would be given back
-            # with the buckets below: in both queues
+            # with the buckets below: in both queues (bounded by the wait itself)
             await self._deadlettering.wait(
                 self.name, "deadletter writes given up: their messages may be in both queues"
             )
-            try:
-                await self.flush()
-            except Exception as exc:  # give the leases back all the same
-                failure = exc
-            while self._writer_tasks:  # no new one starts: nothing is pushed any more
-                await asyncio.gather(*self._writer_tasks, return_exceptions=True)
-            while self._leases:
-                # A lease begun before the close (a remove's, of a bucket held nowhere: no
-                # queue call waits for it) takes buckets the loop below must give back;
-                # landing after it, they stayed leased until the lease lapsed.
-                await asyncio.gather(*self._leases, return_exceptions=True)
-            if self._flusher is not None:
-                # A state write of the flusher in flight holds the buckets it gives back
-                # (out of those the loop below looks at): were it to fail after the loop
-                # found nothing left, they would stay stored, their oks undone once the
-                # lease lapsed. Stopped first, its write lands or puts them back.
-                await stop_task(self._flusher)
-            attempt = 0
-            while self._held_buckets or self._departing:
-                try:
-                    await self._flush_state(release_all=True)
-                except Exception:
-                    attempt += 1
-                    if attempt >= ACK_ON_BUFFER_RETRIES:
-                        raise
-                    await asyncio.sleep(0.1 * 2**attempt)
+            async with asyncio.timeout(CLOSE_BOUND):
+                failure = await self._give_everything_back()
+        except TimeoutError:
+            raise KeussConnectionError(
+                f"queue {self.name!r}: close gave up writing back after {CLOSE_BOUND:g} s"
+                " (the server did not answer): the buckets still leased come back once"
+                " their lease lapses, and what was buffered is lost"
+            ) from None
         finally:
             if self._flusher is not None:
                 await stop_task(self._flusher)
         self._shut = True
         if failure is not None:
             raise failure
+
+    async def _give_everything_back(self) -> Exception | None:
+        """The close's writes, once the deadletter moves under way ended: the buffer, then
+        every leased bucket given back. Answers the buffer's failure (the leases are given
+        back all the same)."""
+        failure: Exception | None = None
+        try:
+            await self.flush()
+        except Exception as exc:  # give the leases back all the same
+            failure = exc
+        while self._writer_tasks:  # no new one starts: nothing is pushed any more
+            await asyncio.gather(*self._writer_tasks, return_exceptions=True)
+        while self._leases:
+            # A lease begun before the close (a remove's, of a bucket held nowhere: no
+            # queue call waits for it) takes buckets the loop below must give back;
+            # landing after it, they stayed leased until the lease lapsed.
+            await asyncio.gather(*self._leases, return_exceptions=True)
+        if self._flusher is not None:
+            # A state write of the flusher in flight holds the buckets it gives back
+            # (out of those the loop below looks at): were it to fail after the loop
+            # found nothing left, they would stay stored, their oks undone once the
+            # lease lapsed. Stopped first, its write lands or puts them back.
+            await stop_task(self._flusher)
+        attempt = 0
+        while self._held_buckets or self._departing:
+            try:
+                await self._flush_state(release_all=True)
+            except Exception:
+                attempt += 1
+                if attempt >= ACK_ON_BUFFER_RETRIES:
+                    raise
+                await asyncio.sleep(0.1 * 2**attempt)
+        return failure
 
 
 class BucketBackend:
