@@ -800,9 +800,13 @@ class Consumer(StoppedOnExit):
 
     async def outlived(self) -> None:
         """Until the handlers a stop abandoned have ended after all, their extensions
-        stopped (at once if it abandoned none): then their queue can close."""
+        stopped (at once if it abandoned none): then their queue can close. Their workers
+        are waited for themselves, not only the task that waits for them: as the loop ends
+        (``asyncio.run`` cancels every task left) that task is cancelled too, while the
+        handlers may still run and give their messages back through the queue."""
         if self._outliving is not None:
-            await asyncio.shield(self._outliving)
+            await asyncio.wait(self._workers)  # (a cancelled wait leaves them be)
+            await asyncio.wait((self._outliving,))
 
     def runs_in(self, task: asyncio.Task[Any]) -> bool:
         """Whether ``task`` is one of this consumer's workers, the tasks its handlers run in

@@ -276,9 +276,21 @@ def _close_once_outlived(factory: Factory, consumers: Sequence[Consumer]) -> Non
     now: their reservations are extended through its connection while they run (closed,
     another consumer would get their messages while they still run them)."""
 
-    async def close() -> None:
+    async def outlived() -> None:
         for consumer in consumers:
             await consumer.outlived()
+
+    async def close() -> None:
+        try:
+            await outlived()
+        except asyncio.CancelledError:
+            # The loop is ending: ``asyncio.run`` cancels every task left (the abandoned
+            # handlers too) and runs the loop until they end (Python's asyncio documentation,
+            # "Runners"). Still closed once they have: cancelled for good, the connection
+            # was left open, a signal's publish destroyed pending, the last counters lost.
+            await outlived()
+            await factory.close()
+            raise
         await factory.close()
 
     closing = asyncio.get_running_loop().create_task(close())

@@ -380,6 +380,73 @@ async def test_run_worker_closes_the_connection_it_kept_for_abandoned_handlers_o
     assert await _left(prefix) == (0, 0, [])  # acknowledged, not left to come back
 
 
+LOOP_ENDS = textwrap.dedent(
+    """
+    import asyncio, sys
+    import aio_keuss
+    import aio_keuss.consumer
+
+    aio_keuss.consumer.ACK_WAIT = aio_keuss.consumer.ABANDON_WAIT = 0.2
+
+    async def main(url, prefix):
+        started, returned = asyncio.Event(), asyncio.Event()
+
+        async def stubborn(message):
+            # swallows the stop's cancellation; returns on the one asyncio.run sends at
+            # its end, the message then acknowledged
+            started.set()
+            while True:
+                try:
+                    await asyncio.sleep(0.05)
+                except asyncio.CancelledError:
+                    if returned.is_set():
+                        return
+
+        stop = asyncio.Event()
+        worker = asyncio.ensure_future(
+            aio_keuss.run_worker(
+                stubborn, "jobs", backend="redis-oq", url=url, prefix=prefix, grace=0, stop=stop
+            )
+        )
+        await started.wait()
+        stop.set()
+        await worker  # returns, the handler abandoned
+        returned.set()
+
+    asyncio.run(main(sys.argv[1], sys.argv[2]))
+    """
+)
+
+
+async def test_run_worker_closes_the_connection_it_kept_when_the_loop_ends_first(
+    workdir: Path, prefix: str
+) -> None:
+    """``asyncio.run`` returning while a handler run_worker abandoned still runs cancels
+    every task left, the close it put off too, and waits for them: the handler then ends,
+    and its message is acknowledged through the connection kept open. That close was
+    cancelled for good, so the connection was never closed: the last counters (its commit)
+    were lost, its socket left unclosed (a ResourceWarning), a signal's publish at times
+    destroyed pending. It must close once the handler has ended."""
+    await _push(prefix, [{"n": 0}])
+    script = workdir / "loop_ends.py"
+    script.write_text(LOOP_ENDS)
+    done = await asyncio.to_thread(
+        subprocess.run,
+        [sys.executable, "-W", "always::ResourceWarning", str(script), REDIS_URL, prefix],
+        cwd=workdir,
+        capture_output=True,
+        timeout=120,
+    )
+    errors = done.stderr.decode(errors="replace")
+    assert done.returncode == 0, errors
+    assert "Task was destroyed but it is pending" not in errors, errors
+    assert "unclosed" not in errors, errors
+    async with aio_keuss.connect("redis-oq", url=REDIS_URL, prefix=prefix) as factory:
+        stats = await (await factory.queue("jobs")).stats()
+    assert await _left(prefix) == (0, 0, [])  # acknowledged as its handler returned
+    assert (stats["reserve"], stats["commit"]) == (1, 1), stats
+
+
 TWO_WORKERS = textwrap.dedent(
     """
     import asyncio, sys
