@@ -37,6 +37,7 @@ import atexit
 import contextlib
 import logging
 import os
+import signal
 import sys
 import threading
 from collections.abc import Callable, Coroutine
@@ -121,11 +122,23 @@ async def exit_running(code: int) -> NoReturn:
     (see the module's docstring)."""
     loop = asyncio.get_running_loop()
     ran = asyncio.Event()
+    # One more SIGINT / SIGTERM meanwhile exits now: the worker's own handlers are gone, and
+    # Python's raised KeyboardInterrupt out of the loop, whose end stopped the extensions
+    # while the process lived on (leftover tasks, shutdown, the hooks once more).
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        with contextlib.suppress(ValueError, RuntimeError, NotImplementedError):
+            # not in the main thread, or no signals on this platform's loop
+            loop.add_signal_handler(signum, _signalled, signum, code)
     _atexit_hooks(lambda: loop.call_soon_threadsafe(ran.set))
     try:
         await asyncio.wait_for(ran.wait(), ATEXIT_WAIT)
     except TimeoutError:
         log.warning("exiting without waiting longer for the atexit hooks")
+    _exit(code)
+
+
+def _signalled(signum: signal.Signals, code: int) -> NoReturn:
+    log.warning("%s again: exiting without waiting longer for the atexit hooks", signum.name)
     _exit(code)
 
 
