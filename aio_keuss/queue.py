@@ -1765,22 +1765,25 @@ class Queue:
         self._require("move")
         if isinstance(messages, (str, Message)) or not isinstance(messages, Sequence):
             raise InvalidInputError("move_many takes a sequence of messages or ids")
-        plans = [self._move_plan(m, queue, UNCHANGED, headers, delay) for m in messages]
-        if not plans:
+        if not messages:  # checked all the same: bad input is refused whatever the length
+            self._move_plan(None, queue, UNCHANGED, headers, delay)
             return []
+        plans = [self._move_plan(m, queue, UNCHANGED, headers, delay) for m in messages]
         await self._open_target(plans[0].queue)
         return list(await asyncio.gather(*(self._moves.submit(plan) for plan in plans)))
 
     def _move_plan(
         self,
-        message: Message | str,
+        message: Message | str | None,
         queue: str,
         payload: Payload | Unchanged,
         headers: Headers | None,
         delay: float,
     ) -> Move:
-        """A checked move: every argument refused here, before anything is written."""
-        message_id, tries, token = _target(message)
+        """A checked move: every argument refused here, before anything is written.
+        ``message`` None checks the rest only (an empty ``move_many``): the plan is not
+        for submitting."""
+        message_id, tries, token = ("", None, None) if message is None else _target(message)
         destination = check_queue_name(queue)
         if destination == self.name:
             raise InvalidInputError(f"move: {queue!r} is this queue; use ko to put it back")

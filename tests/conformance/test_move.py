@@ -185,6 +185,37 @@ async def test_move_many_moves_what_is_held_and_nothing_else(connect: Connect) -
     assert (await q.stats())["commit"] == 6 and (await dst.stats())["put"] == 5
 
 
+async def test_empty_batches_check_their_arguments_as_full_ones(connect: Connect) -> None:
+    """An empty list is no excuse for bad arguments: the typed error a one-message batch
+    gets (move_many([], "bad name!") returned [] unchecked)."""
+    factory = await connect(poll_interval=5.0)
+    q = await factory.queue("src")
+    if factory.capabilities.reserve and factory.capabilities.move:
+        with pytest.raises(aio_keuss.InvalidQueueNameError):
+            await q.move_many([], "bad name!")
+        with pytest.raises(aio_keuss.InvalidInputError):
+            await q.move_many([], "src")  # its own queue
+        with pytest.raises(aio_keuss.InvalidHeadersError):
+            await q.move_many([], "dst", headers={"k": object()})  # type: ignore[dict-item]
+        with pytest.raises(aio_keuss.InvalidDelayError):
+            await q.move_many([], "dst", delay=-1)
+    with pytest.raises(aio_keuss.InvalidDelayError):
+        await q.push_many([], delay=-1)
+    with pytest.raises(aio_keuss.InvalidHeadersError):
+        await q.push_many([], headers={"k": object()})  # type: ignore[dict-item]
+    with pytest.raises(aio_keuss.InvalidInputError):
+        await q.push_many([], priority=10**6)
+    with pytest.raises(aio_keuss.InvalidInputError):
+        await q.push_many([], ids=["a"])
+    if factory.capabilities.reserve:
+        with pytest.raises(aio_keuss.InvalidInputError):
+            await q.ok_many([], results=[1])
+    if factory.capabilities.reserve and factory.capabilities.extend:
+        with pytest.raises(aio_keuss.InvalidDelayError):
+            await q.extend_many([], -1)
+    assert await q.total_size() == 0
+
+
 async def test_concurrent_moves_share_round_trips_and_each_lands_once(connect: Connect) -> None:
     factory = await connect(poll_interval=5.0)
     needs(factory, "reserve", "move")
