@@ -313,7 +313,16 @@ class PipelineRun:
                     raise PipelineError(f"station {link.name!r}: {exc}") from exc
                 self.consumers.append(consumer)
         except BaseException:
-            await self.stop(0.0)
+            # The stations started are stopped and let go, and the run may be started
+            # again: else it stayed marked as running ("already running") with nothing
+            # running. Its queues are opened afresh then (one may be the closed queue
+            # whose consumer could not start).
+            try:
+                await self.stop(0.0)
+            finally:
+                self.consumers = []
+                self._queues = None
+                self._started = False
             raise
         return self
 

@@ -304,6 +304,26 @@ async def test_a_run_whose_start_was_refused_can_be_started_again(connect: Conne
         await run.stop(0.0)
 
 
+async def test_a_run_whose_station_failed_to_start_is_not_left_marked_running(
+    connect: Connect,
+) -> None:
+    """A station whose consumer could not start (its queue closed) once an earlier one had
+    started: the run was stopped but stayed marked as running, so starting it again said
+    "already running" (a PipelineError) rather than why it cannot start."""
+    factory = await connect(poll_interval=5.0)
+    needs(factory, "move")
+    pipeline = factory.pipeline("etl").link("raw", "clean", _forward).sink("clean", _forward)
+    run = pipeline.run()
+    queues = await run._prepare()  # what start opens (a worker opens them first too)
+    await queues["clean"].close()  # the second station's queue: its consumer cannot start
+    with pytest.raises(aio_keuss.ClosedError, match="'clean' is closed"):
+        await run.start()
+    assert run.consumers == []  # the first station, started, was stopped and let go
+    with pytest.raises(aio_keuss.ClosedError, match="'clean' is closed"):
+        await run.start()  # the factory still hands out that closed queue: said so again
+    assert run.consumers == []
+
+
 async def _forward(message: Message) -> Forward:
     return Forward()
 
