@@ -364,8 +364,9 @@ class Move:
     The guard is the one of :class:`Ack`: with ``tries`` set, only while the message is
     still reserved with that count (and under ``token``, when set). In ``queue`` it starts
     over (tries 0), due after ``delay``, with ``payload`` instead of its own when given
-    (already encoded), and the ``headers`` added to its own (a repeated key takes the new
-    value). Its id is kept unless ``queue`` already holds one like it; then
+    (already encoded), and the ``headers`` merged into its own, each key stored once (a
+    repeated key takes the new value; appended, they grew with every pass of a cycle).
+    Its id is kept unless ``queue`` already holds one like it; then
     :func:`moved_id` names it, with ``tag``.
     """
 

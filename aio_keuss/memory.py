@@ -45,7 +45,7 @@ from .contract import (
     deadletter_tag,
     moved_id,
 )
-from .message import append_headers
+from .message import merge_headers
 from .results import MemoryResults, ResultStore
 from .types import Capabilities, KoResult, Sizes
 
@@ -339,7 +339,7 @@ class MemoryStore(Store):
         queue under the first free name of the shared rename rule."""
         del self._data.records[record.id]
         payload = record.payload if move.payload is None else move.payload
-        headers = append_headers(record.headers, move.headers) if move.headers else record.headers
+        headers = merge_headers(record.headers, move.headers) if move.headers else record.headers
         target = self._backend.data(move.queue)
         entry = Entry(record.id, payload, headers, move.delay, priority=record.priority)
         clash = 0

@@ -347,6 +347,22 @@ def append_headers(encoded: bytes, extra: Headers) -> bytes:
     return body + b"," + addition + b"}"
 
 
+def merge_headers(encoded: bytes, extra: Headers) -> bytes:
+    """The encoded headers with ``extra`` merged in, each key once: a repeated key takes the
+    added value, in the place the key had (as :func:`append_headers`' text decodes). A move
+    appended instead, so a message moved round a cyclic pipeline carried stored headers
+    growing with every pass. Stored headers that are no JSON object (another program's, or
+    empty) take :func:`append_headers`; a key an earlier release repeated is kept once, with
+    its last value (the one a decode read)."""
+    try:
+        stored = orjson.loads(encoded)
+    except orjson.JSONDecodeError:
+        return append_headers(encoded, extra)
+    if not isinstance(stored, dict):
+        return append_headers(encoded, extra)
+    return orjson.dumps({**stored, **extra})
+
+
 def check_id(message_id: object, longest: int = MAX_ID_LENGTH) -> str:
     """Return the id if it is well formed, else raise :class:`InvalidIdError`. ``longest``:
     :data:`MAX_ID_LENGTH` for an id a push chooses, :data:`MAX_KNOWN_ID_LENGTH` for one

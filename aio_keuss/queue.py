@@ -1736,8 +1736,9 @@ class Queue:
         """Move a message you hold to another queue of this backend, in one atomic step.
 
         It leaves this queue and enters ``queue`` as a new delivery (tries 0), due after
-        ``delay``, with ``payload`` instead of its own when given and ``headers`` added to
-        its own. It keeps its id unless ``queue`` already holds one by that name; it is then
+        ``delay``, with ``payload`` instead of its own when given and ``headers`` merged
+        into its own (a key it has takes the new value, stored once). It keeps its id
+        unless ``queue`` already holds one by that name; it is then
         renamed ``<id>.mv``, ``<id>.mv.2``, ... Returns the id it has in ``queue``, or None
         when it was no longer yours (acknowledged, or its reservation expired and it went to
         another consumer): then nothing moved. As with :meth:`ok`, a :class:`Message`

@@ -110,7 +110,7 @@ from ..contract import (
     moved_id,
 )
 from ..errors import ConfigError
-from ..message import EMPTY_HEADERS, MAX_PRIORITY, MAX_TRIES, MIN_PRIORITY, append_headers
+from ..message import EMPTY_HEADERS, MAX_PRIORITY, MAX_TRIES, MIN_PRIORITY, merge_headers
 from ..types import Capabilities, KoResult, Sizes
 from .backend import MongoBackend
 from .connection import (
@@ -1458,7 +1458,7 @@ class MongoStore(Store):
         headers = _headers(doc)
         moved: Document = {
             "payload": _payload(doc) if move.payload is None else move.payload,
-            "headers": append_headers(headers, move.headers) if move.headers else headers,
+            "headers": merge_headers(headers, move.headers) if move.headers else headers,
             "mature": now + move.delay,
             "tries": 0,
             "reserved": False,

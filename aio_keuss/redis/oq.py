@@ -87,6 +87,7 @@ from ..message import EMPTY_HEADERS, UNDECODABLE, encode_headers, encode_payload
 from ..types import Capabilities, KoResult, Sizes
 from .backend import RedisBackend
 from .connection import GIVE_BACK_REPLAY, Script
+from .headers_lua import WITH_HEADERS
 
 log = logging.getLogger("aio_keuss.redis_oq")
 
@@ -385,17 +386,9 @@ local function forget(ids, held, records)
   run_chunked('HDEL', KEYS[2], ids)
   run_chunked('SREM', KEYS[3], held or ids)
 end
--- Header JSON ``headers`` with the members of ``added`` (JSON text without braces, '' =
--- none) appended. Stored headers of whitespace only, or an object of it (``{ }``), as
--- another program may write them, take a new object; whitespace after the closing brace
--- is cut first.
-local function with_headers(headers, added)
-  if added == '' then return headers end
-  if headers == '{}' or headers == '' then return '{' .. added .. '}' end
-  if string.sub(headers, -1) ~= '}' then headers = string.match(headers, '^(.-)%s*$') end
-  if string.find(headers, '^%s*{?%s*}?$') then return '{' .. added .. '}' end
-  return string.sub(headers, 1, -2) .. ',' .. added .. '}'
-end
+"""
+    + WITH_HEADERS
+    + """
 -- The one move body (Queue.move and deadletter): take held message ``id`` out of this
 -- queue into the queue whose due, msg keys are given, due at ``due``, with ``payload`` (nil:
 -- its own) and ``added`` header text ('' = none) added to its headers, renamed by the rule

@@ -87,6 +87,7 @@ from ..options import check_count
 from ..types import Capabilities, KoResult, Sizes
 from .backend import RedisBackend
 from .connection import RedisOptions, Script
+from .headers_lua import WITH_HEADERS
 
 if TYPE_CHECKING:
     from ..options import QueueOptions
@@ -114,21 +115,17 @@ end
 # The one move body (Queue.move and deadletter), for a message already taken off the
 # processing list: its body moves under the destination base (``dst``), renamed by the rule
 # of every backend if the id is taken there (<id>, <id>.<tag>, <id>.<tag>.2, ...), with
-# ``payload`` (nil: its own) and ``added`` header text ('' = none; appended to stored headers
-# '{}', empty or of whitespace only, as another program may write them, as a new object;
-# whitespace after the closing brace cut first), tries 0, and its id
+# ``payload`` (nil: its own) and ``added`` header text ('' = none) merged into its stored
+# headers (see ``with_headers``), tries 0, and its id
 # goes to the end of the destination's pending list.
-_MOVE_TO = """
+_MOVE_TO = (
+    WITH_HEADERS
+    + """
 local function move_to(id, body, dst, dst_pending, payload, added, tag, stamp)
   local b = redis.call('HMGET', body, 'p', 'h')
   redis.call('DEL', body)
   local headers = b[2]
-  if added ~= '' then
-    if not headers then headers = '' end
-    if string.sub(headers, -1) ~= '}' then headers = string.match(headers, '^(.-)%s*$') end
-    if string.find(headers, '^%s*{?%s*}?$') then headers = '{' .. added .. '}'
-    else headers = string.sub(headers, 1, -2) .. ',' .. added .. '}' end
-  end
+  if added ~= '' then headers = with_headers(headers, added) end
   local target, clash = id, 0
   while redis.call('EXISTS', dst .. 'msg:' .. target) == 1 do
     clash = clash + 1
@@ -141,6 +138,7 @@ local function move_to(id, body, dst, dst_pending, payload, added, tag, stamp)
   return target
 end
 """
+)
 
 # KEYS: pending. ARGV: base, dedup_window_ms, then 6 per entry:
 #   id, payload, headers, tries, dedup ('1'/'0'), mature ('' = now, else a put-back's time).

@@ -63,7 +63,7 @@ from ..contract import (
     deadletter_tag,
     moved_id,
 )
-from ..message import MAX_PRIORITY, append_headers
+from ..message import MAX_PRIORITY, merge_headers
 from ..results import ResultStore
 from ..signal import LocalSignalBus, SignalBus
 from ..stats import StatsStore
@@ -280,7 +280,7 @@ class SqliteStore(Store):
         if move.payload is not None:
             payload = move.payload
         if move.headers:
-            headers = append_headers(headers, move.headers)
+            headers = merge_headers(headers, move.headers)
         taken, base = self._sql["name_taken"], move.id
         name, clash = base, 0
         while c.execute(taken, (move.queue, name, seq)).fetchone():

@@ -15,7 +15,8 @@ from conftest import Connect, needs
 
 import aio_keuss
 from aio_keuss import KoResult
-from aio_keuss.message import MAX_ID_LENGTH
+from aio_keuss.contract import Entry
+from aio_keuss.message import MAX_ID_LENGTH, encode_payload
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -214,6 +215,75 @@ async def test_empty_batches_check_their_arguments_as_full_ones(connect: Connect
         with pytest.raises(aio_keuss.InvalidDelayError):
             await q.extend_many([], -1)
     assert await q.total_size() == 0
+
+
+async def _stored_headers(queue: aio_keuss.Queue, message_id: str) -> bytes:
+    """The headers as the store keeps them (encoded), read without taking the message."""
+    (found,) = await queue._store.locate([message_id])
+    assert found is not None
+    return found.message.headers
+
+
+async def test_a_message_moved_round_and_round_keeps_its_headers_bounded(
+    connect: Connect,
+) -> None:
+    """A move appended its headers to the stored ones: a message going round a cyclic
+    pipeline (or moved back and forth) carried stored headers growing with every pass,
+    though the decoded ones were right (a repeated key took the later value). Stored by an
+    earlier release that appended, a repeated key is read as before and merged at its next
+    move."""
+    factory = await connect(poll_interval=5.0)
+    needs(factory, "reserve", "move", "peek")
+    ping = await factory.queue("ping")
+    pong = await factory.queue("pong")
+    earlier = b'{"origin":"web","hop":0,"hop":1, "nested":{"a":[1,"},"]}}'
+    assert await ping._store.insert([Entry("m1", encode_payload("x"), earlier, 0.0)])
+    here, there = ping, pong
+    for turn in range(200):
+        held = await here.reserve(timeout=5)
+        assert held is not None and held.id == "m1"
+        if turn == 0:
+            assert held.headers == {"origin": "web", "hop": 1, "nested": {"a": [1, "},"]}}
+        assert await here.move(held, there.name, headers={"hop": turn, "via": here.name}) == "m1"
+        here, there = there, here
+    stored = await _stored_headers(here, "m1")
+    assert len(stored) < 2 * len(earlier)  # 200 passes: thousands of bytes when appended
+    arrived = await here.reserve(timeout=5)
+    assert arrived is not None
+    assert arrived.headers == {
+        "origin": "web",
+        "hop": 199,
+        "nested": {"a": [1, "},"]},
+        "via": "pong",
+    }
+    assert list(arrived.headers) == ["origin", "hop", "nested", "via"]  # as appended read
+
+
+@pytest.mark.parametrize(
+    ("written", "read"),
+    [
+        (b' {\n "a" : 1 ,\t"a":"x\\"}" , "b":[ ] } \n', {"a": 2, "b": [], "c": True}),
+        (b"{ }", {"a": 2, "c": True}),
+        (b"", {"a": 2, "c": True}),
+    ],
+    ids=["spaced", "empty-object", "empty"],
+)
+async def test_headers_another_program_wrote_are_merged_into_on_a_move(
+    connect: Connect, written: bytes, read: dict[str, Any]
+) -> None:
+    """Stored headers spelled another way (whitespace, a repeated key, a quote in a string)
+    are merged into, each key once; empty ones take the added headers."""
+    factory = await connect(poll_interval=5.0)
+    needs(factory, "reserve", "move", "peek")
+    q = await factory.queue("src")
+    dst = await factory.queue("dst")
+    assert await q._store.insert([Entry("m1", encode_payload("x"), written, 0.0)])
+    held = await q.reserve(timeout=5)
+    assert held is not None
+    assert await q.move(held, "dst", headers={"a": 2, "c": True}) == "m1"
+    assert (await _stored_headers(dst, "m1")).count(b'"a"') == 1
+    arrived = await dst.reserve(timeout=5)
+    assert arrived is not None and arrived.headers == read
 
 
 async def test_concurrent_moves_share_round_trips_and_each_lands_once(connect: Connect) -> None:

@@ -290,8 +290,9 @@ RETURNING m.id, m.tries
 -- The one body of a move, used by move and by rollback's deadletter: each row of the CTE
 -- "moving" (id, target, payload, headers, delay, tag) goes to queue target in place: tries
 -- 0, mature now + delay, its payload replaced if one is given (NULL = keep), the headers
--- added to its own as message.append_headers does (JSON object text without the opening
--- brace, NULL = none; stored headers '{}', empty or of whitespace and braces only, as
+-- (JSON object text without the opening brace, NULL = none) merged into its own by
+-- merged_headers, each key once; stored headers that are no JSON object have them added
+-- as message.append_headers does (stored headers '{}', empty or of whitespace and braces only, as
 -- another program may write them, take a new object: cutting the last byte of empty ones
 -- was a negative length; JSON whitespace around the object is cut first), and renamed by
 -- moved_id when the id is taken there. Answers the old and the new id of each message
@@ -305,12 +306,15 @@ SET queue = v.target,
     mature = extract(epoch from now())::float8 + v.delay,
     payload = coalesce(v.payload, m.payload),
     headers = CASE WHEN v.headers IS NULL THEN m.headers
-                   WHEN m.headers = '\x7b7d'::bytea
-                        OR length(btrim(m.headers, '\x7b7d20090a0d'::bytea)) = 0
-                        THEN '\x7b'::bytea || v.headers
-                   ELSE substring(btrim(m.headers, '\x20090a0d'::bytea)
-                                  FROM 1 FOR length(btrim(m.headers, '\x20090a0d'::bytea)) - 1)
-                        || '\x2c'::bytea || v.headers
+              ELSE coalesce(
+                  {s}.merged_headers(m.headers, v.headers),
+                  CASE WHEN m.headers = '\x7b7d'::bytea
+                            OR length(btrim(m.headers, '\x7b7d20090a0d'::bytea)) = 0
+                            THEN '\x7b'::bytea || v.headers
+                       ELSE substring(btrim(m.headers, '\x20090a0d'::bytea)
+                                      FROM 1 FOR length(btrim(m.headers, '\x20090a0d'::bytea)) - 1)
+                            || '\x2c'::bytea || v.headers
+                  END)
               END
 FROM moving v
 WHERE m.queue = $1 AND m.id = v.id
