@@ -29,7 +29,7 @@ import orjson
 from ..errors import InvalidInputError, KeussError
 from ..factory import Factory
 from ..message import visible
-from ..options import QUEUE_OPTION_NAMES, check_queue_name
+from ..options import DEFAULT_DEADLETTER_QUEUE, QUEUE_OPTION_NAMES, check_queue_name
 from ..queue import Queue
 from ..types import PEEK_STATES, MessageView
 
@@ -74,17 +74,23 @@ def message_data(found: MessageView) -> dict[str, Any]:
 
 
 class Board:
-    """The dashboard's view of one backend."""
+    """The dashboard's view of one backend. ``deadletter`` is the queue the deadletter view
+    shows: by default the one the factory's ``deadletter`` option names (a factory
+    connected with ``deadletter={"queue": "failed"}`` sends failed messages there, and a
+    view of ``__deadletter__`` would show none of them), else ``__deadletter__``."""
 
     def __init__(
         self,
         factory: Factory,
         *,
-        deadletter: str = "__deadletter__",
+        deadletter: str | None = None,
         sample_every: float = 5.0,
         keep: float = 600.0,
     ) -> None:
         self.factory = factory
+        if deadletter is None:  # where this factory's kos send messages, else the default
+            configured = factory.deadletter
+            deadletter = DEFAULT_DEADLETTER_QUEUE if configured is None else configured.queue
         self.deadletter = check_queue_name(deadletter)
         self.sample_every = sample_every
         self._samples: deque[tuple[float, dict[str, tuple[int, int, int]]]] = deque(

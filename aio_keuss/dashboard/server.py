@@ -68,7 +68,9 @@ class Dashboard:
     """The dashboard of one factory: ``await start()`` (or ``async with``), then ``stop()``.
 
     ``host`` defaults to loopback; any other address needs ``token``. ``port=0`` takes a
-    free port (read it back from :attr:`port`). The factory stays the caller's to close.
+    free port (read it back from :attr:`port`). ``deadletter`` defaults to the factory's
+    deadletter queue (see :class:`~aio_keuss.dashboard.board.Board`). The factory stays the
+    caller's to close.
     """
 
     def __init__(
@@ -78,7 +80,7 @@ class Dashboard:
         host: str = "127.0.0.1",
         port: int = 8080,
         token: str | None = None,
-        deadletter: str = "__deadletter__",
+        deadletter: str | None = None,
         sample_every: float = 5.0,
     ) -> None:
         security.check_bind(host, token)

@@ -477,3 +477,49 @@ async def test_promote_makes_a_scheduled_message_ready_once(
         assert (await promote(b'{"queue": "nope", "id": "x"}'))[0] == 404
     finally:
         await dashboard.stop()
+
+
+@pytest.mark.parametrize("backend", ["memory", "redis-oq"])
+async def test_the_deadletter_view_shows_the_factorys_own_deadletter_queue(
+    backend: str, client: Any
+) -> None:
+    """A factory connected with ``deadletter={"queue": "failed"}`` sends failed messages
+    there; ``Dashboard(factory)`` showed ``__deadletter__`` instead ("no deadletter queue on
+    this backend yet") while they piled up in ``failed``, and Requeue all named the wrong
+    queue. It now takes the factory's deadletter queue unless told another."""
+    pytest.importorskip("redis", reason="the redis extra is not installed")
+    from backends import REDIS_URL, _drop_redis_prefix, new_token
+
+    options: dict[str, Any] = {}
+    if backend == "redis-oq":
+        options = {"url": REDIS_URL, "prefix": f"akdashdl{new_token()}"}
+    try:
+        async with aio_keuss.connect(
+            backend, deadletter={"max_ko": 0, "queue": "failed"}, **options
+        ) as factory:
+            jobs = await factory.queue("jobs")
+            await jobs.push({"n": 1})
+            message = await jobs.reserve(timeout=5)
+            assert message is not None
+            await jobs.ko(message)
+            dashboard = await _started(factory)
+            try:
+                async with client.get(dashboard.url + "api/state") as response:
+                    state = (await response.json())["result"]
+                assert state["deadletter"] == "failed"
+                assert [q["name"] for q in state["queues"] if q["deadletter"]] == ["failed"]
+                async with client.post(
+                    dashboard.url + "api/requeue",
+                    data=b'{"queue": "failed", "ids": null}',
+                    headers=_post_headers(dashboard),
+                ) as response:
+                    assert response.status == 200
+                    assert (await response.json())["result"] == {message.id: message.id}
+            finally:
+                await dashboard.stop()
+            # told another, it shows that one
+            other = Dashboard(factory, port=0, sample_every=60, deadletter="elsewhere")
+            assert other.board.deadletter == "elsewhere"
+    finally:
+        if options:
+            await _drop_redis_prefix(options)
