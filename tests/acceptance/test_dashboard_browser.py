@@ -500,3 +500,42 @@ async def test_dashboard_refuses_requests_without_the_token(
             assert response.status == 200
             assert "token" not in page.url  # the cookie carries it from now on
             await expect(_row(page, "visible").locator("td.ready")).to_have_text("1", timeout=WAIT)
+
+
+async def test_a_deadlettered_row_shows_what_the_message_holds_now(
+    browser: Any, redis_options: dict[str, Any]
+) -> None:
+    """The deadletter view kept each row as first drawn, by id: a message requeued (here to
+    another queue) and deadlettered again between two refreshes kept its old row, "Failed
+    in" naming the queue it failed in before and its old tries and headers. Rows are drawn
+    again when what the server sends for them changes. The page's peeks of the deadletter
+    queue are held while the message goes round, so it is there at every refresh."""
+    async with aio_keuss.connect("redis-oq", deadletter={"max_ko": 0}, **redis_options) as factory:
+        jobs = await factory.queue("jobs")
+        other = await factory.queue("other")
+        dead = await factory.queue("__deadletter__")
+        dead_id = await _ko_to_deadletter(jobs, {"n": 1})
+        async with Dashboard(factory, port=0, sample_every=3600) as dashboard:
+            page = await _page(browser)
+            await page.goto(dashboard.url)
+            dead_row = page.locator(f'#deadletter tr[data-id="{dead_id}"]')
+            await expect(dead_row.locator("td.from")).to_have_text("jobs", timeout=WAIT)
+
+            release = asyncio.Event()
+
+            async def hold(route: Any) -> None:
+                await release.wait()
+                await route.continue_()
+
+            pattern = re.compile(r"/api/messages\?queue=__deadletter__&")
+            await page.route(pattern, hold)
+            assert await dead.requeue([dead_id], origin="other") == {dead_id: dead_id}
+            message = await other.reserve(timeout=5)
+            assert message is not None and message.id == dead_id
+            await other.ko(message)
+            found = await dead.find(dead_id)
+            assert found is not None and found.queue == "__deadletter__"
+            await page.unroute(pattern)
+            release.set()
+            await expect(dead_row.locator("td.from")).to_have_text("other", timeout=WAIT)
+            await expect(dead_row.locator("pre").first).to_contain_text("x-dl-from-queue: other")

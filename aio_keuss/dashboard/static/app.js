@@ -278,16 +278,22 @@
     const seen = new Set();
     for (const m of messages) {
       seen.add(m.id);
-      let row = deadRows.get(m.id);
-      if (!row) {
-        row = deadRow(m);
-        deadRows.set(m.id, row);
+      // kept while the message is as drawn (a row being clicked is not replaced under the
+      // pointer); drawn again when it changed: requeued and deadlettered again between two
+      // refreshes, it failed elsewhere, with other tries and headers, under the same id
+      const drawn = JSON.stringify(m);
+      let kept = deadRows.get(m.id);
+      if (!kept || kept.drawn !== drawn) {
+        const row = deadRow(m);
+        if (kept) kept.row.replaceWith(row);
+        kept = { row, drawn };
+        deadRows.set(m.id, kept);
       }
-      body.appendChild(row);
+      body.appendChild(kept.row);
     }
-    for (const [id, row] of deadRows) {
+    for (const [id, kept] of deadRows) {
       if (!seen.has(id)) {
-        row.remove();
+        kept.row.remove();
         deadRows.delete(id);
       }
     }
