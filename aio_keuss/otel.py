@@ -15,6 +15,8 @@ provider are bound to the real one once it is set).
 
 from __future__ import annotations
 
+import contextlib
+import weakref
 from collections.abc import Callable, Iterable, Sequence
 from importlib import metadata
 from typing import TYPE_CHECKING
@@ -44,9 +46,11 @@ def enable_opentelemetry(
     ``meter_provider``: where the instruments are created; by default the global one
     (``opentelemetry.metrics.get_meter_provider()``). ``delivery_latency=False`` leaves out
     the delivery latency histogram, the one instrument recorded once per delivered message
-    (a few microseconds each with the SDK). Calling it again replaces the
-    instruments of the previous call (which then report nothing); ``aio_keuss.disable_metrics``
-    stops both. Raises :class:`~aio_keuss.MissingDependencyError` without the ``otel`` extra.
+    (a few microseconds each with the SDK). Calling it again with another provider replaces
+    the instruments of the previous call (which then report nothing); with the same provider,
+    its instruments go on reporting (with the new ``delivery_latency``; after a
+    ``disable_metrics``, counts start again from 0). ``aio_keuss.disable_metrics`` stops
+    all. Raises :class:`~aio_keuss.MissingDependencyError` without the ``otel`` extra.
     """
     try:
         from opentelemetry import metrics
@@ -56,21 +60,32 @@ def enable_opentelemetry(
     for old in [s for s in registry.sinks if isinstance(s, _OtelSink)]:
         registry.sinks.remove(old)
     provider = meter_provider or metrics.get_meter_provider()
-    registry.sinks.append(_OtelSink(registry, provider, delivery_latency))
+    sink = _made.get(provider)
+    if sink is None:
+        sink = _OtelSink(provider)
+        with contextlib.suppress(TypeError):  # a provider that takes no weak reference
+            _made[provider] = sink
+    sink.bind(registry, delivery_latency)
+    registry.sinks.append(sink)
+
+
+_made: weakref.WeakKeyDictionary[MeterProvider, _OtelSink] = weakref.WeakKeyDictionary()
+"""The instruments made on each provider, reused by a later call on it: the SDK answers a
+second ``create_observable_counter`` of a name with the instrument it has, and drops the
+callbacks given again (OpenTelemetry specification, "Metrics API", duplicate instrument
+registration: the first one is returned), so new instruments there would never report."""
 
 
 class _OtelSink:
     """The instruments of one ``enable_opentelemetry`` call, reporting while its registry
     is the active one and it is still the registry's sink."""
 
-    def __init__(
-        self, registry: observe.Registry, provider: MeterProvider, delivery_latency: bool
-    ) -> None:
+    def __init__(self, provider: MeterProvider) -> None:
         from opentelemetry.metrics import Observation
 
-        self._registry = registry
+        self._registry: observe.Registry | None = None
         self._observation = Observation
-        meter = provider.get_meter(METER_NAME, _version())
+        self._meter = meter = provider.get_meter(METER_NAME, _version())
         for name, counters, description in QUEUE_COUNTERS:
             meter.create_observable_counter(
                 f"aio_keuss.queue.{name}",
@@ -85,13 +100,7 @@ class _OtelSink:
             description="Messages in the queue by state (ready, scheduled, reserved).",
         )
         self._latency: Histogram | None = None
-        if delivery_latency:
-            self._latency = _histogram(
-                meter,
-                "aio_keuss.queue.delivery_latency",
-                "From when a message became deliverable to when it was handed out.",
-                LATENCY_BUCKETS,
-            )
+        self._made_latency: Histogram | None = None
         self._durations = _histogram(
             meter,
             "aio_keuss.handler.duration",
@@ -100,8 +109,22 @@ class _OtelSink:
         )
         self._attributes: dict[str, dict[str, str]] = {}
 
+    def bind(self, registry: observe.Registry, delivery_latency: bool) -> None:
+        """Report ``registry`` from now on (a call on a provider that has the instruments
+        already); the latency histogram is made the first time it is asked for."""
+        self._registry = registry
+        if delivery_latency and self._made_latency is None:
+            self._made_latency = _histogram(
+                self._meter,
+                "aio_keuss.queue.delivery_latency",
+                "From when a message became deliverable to when it was handed out.",
+                LATENCY_BUCKETS,
+            )
+        self._latency = self._made_latency if delivery_latency else None
+
     def _live(self) -> bool:
-        return observe.active is self._registry and self in self._registry.sinks
+        registry = self._registry
+        return registry is not None and observe.active is registry and self in registry.sinks
 
     def _counter(
         self, counters: tuple[str, ...]
@@ -109,6 +132,7 @@ class _OtelSink:
         def observe_counter(options: CallbackOptions) -> Iterable[Observation]:
             if not self._live():
                 return []
+            assert self._registry is not None  # (live)
             found = list(self._registry.series.values())  # one step under the GIL
             return [self._observation(s.total(*counters), self._queue(s.queue)) for s in found]
 
@@ -117,6 +141,7 @@ class _OtelSink:
     def _sizes(self, options: CallbackOptions) -> Iterable[Observation]:
         if not self._live():
             return []
+        assert self._registry is not None  # (live)
         found = []
         for queue, sizes in self._registry.cached_sizes().items():
             values = (sizes.size, sizes.scheduled, sizes.reserved)

@@ -187,6 +187,36 @@ async def test_a_new_opentelemetry_call_replaces_the_old_instruments() -> None:
         assert "aio_keuss.queue.pushed" not in otel_points(second)
 
 
+async def test_a_new_opentelemetry_call_on_the_same_provider_keeps_reporting() -> None:
+    """The OpenTelemetry SDK hands back the instrument already registered under a name on
+    a meter, and drops the callbacks given again: a second ``enable_opentelemetry`` on the
+    same provider (called twice, or again after ``disable_metrics``) left the first call's
+    callbacks, which report nothing once replaced, so every counter and the sizes gauge
+    went silent for good. Counts start again from the new enable, as documented."""
+    reader = otel_export.InMemoryMetricReader()
+    provider = otel_sdk.MeterProvider(metric_readers=[reader])
+    aio_keuss.enable_opentelemetry(provider)
+    async with aio_keuss.connect("memory") as factory:
+        q = await factory.queue("jobs")
+        await q.push(1)
+        assert point(otel_points(reader)["aio_keuss.queue.pushed"], queue="jobs").value == 1
+        aio_keuss.enable_opentelemetry(provider)
+        await q.push(2)
+        assert point(otel_points(reader)["aio_keuss.queue.pushed"], queue="jobs").value == 2
+        aio_keuss.disable_metrics()
+        aio_keuss.enable_opentelemetry(provider, delivery_latency=False)
+        await q.push(3)
+        assert await q.pop() is not None
+        registry = observe.active
+        assert registry is not None
+        await registry.refresh_sizes(max_age=0)
+        points = otel_points(reader)
+        assert point(points["aio_keuss.queue.pushed"], queue="jobs").value == 1
+        assert point(points["aio_keuss.queue.delivered"], queue="jobs").value == 1
+        ready = point(points["aio_keuss.queue.messages"], queue="jobs", state="ready")
+        assert ready.value == 2
+
+
 async def test_the_worker_endpoint_shows_queue_metrics_while_it_runs() -> None:
     port = free_port()
     stop = asyncio.Event()
