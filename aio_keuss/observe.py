@@ -242,15 +242,33 @@ active: Registry | None = None
 """The registry while metrics are enabled; None (nothing counted) otherwise."""
 
 
-def enable() -> Registry:
-    """Start counting this process's queue events (from now on); idempotent."""
-    global active
+kept = False
+"""Whether metrics were enabled by a caller (not only by a worker serving ``/metrics``):
+then a worker that stops leaves them enabled."""
+
+
+def enable(*, keep: bool = True) -> Registry:
+    """Start counting this process's queue events (from now on); idempotent. ``keep=False``
+    is the worker's: enabled for as long as it serves ``/metrics``, then :func:`release`
+    disables them unless someone enabled them meanwhile (an application's
+    ``enable_metrics`` or ``enable_opentelemetry`` must not end with the worker)."""
+    global active, kept
     if active is None:
         active = Registry()
+    if keep:
+        kept = True
     return active
+
+
+def release() -> None:
+    """The worker that enabled counting (``keep=False``) stopped: disabled, unless a caller
+    enabled metrics meanwhile."""
+    if not kept:
+        disable()
 
 
 def disable() -> None:
     """Stop counting and forget what was counted; exporters see nothing more."""
-    global active
+    global active, kept
     active = None
+    kept = False

@@ -173,7 +173,7 @@ async def run_worker(
             return
         counting = health_port is not None and (observe.active is None or _counting_workers > 0)
         if counting:
-            observe.enable()
+            observe.enable(keep=False)
             _counting_workers += 1
         stations = None if source is None else _pipeline(source, opened)
         running = None
@@ -244,7 +244,7 @@ async def run_worker(
             if counting:
                 _counting_workers -= 1
                 if not _counting_workers:
-                    observe.disable()
+                    observe.release()  # unless the application enabled them meanwhile
             if own is not None:
                 kept_open = any(consumer.abandoned for consumer in consumers)
                 if kept_open:

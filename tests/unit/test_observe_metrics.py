@@ -242,6 +242,38 @@ async def test_the_worker_endpoint_shows_queue_metrics_while_it_runs() -> None:
     assert observe.active is None  # the worker enabled metrics, and disabled them after
 
 
+async def test_metrics_enabled_while_a_worker_counts_outlive_that_worker() -> None:
+    """A worker serving /metrics enables counting and disables it when it stops, when it
+    was the one that enabled it. An application that called ``enable_metrics`` (or
+    ``enable_opentelemetry``) while such a worker ran lost its metrics when the worker
+    stopped: the registry was dropped, nothing was counted any more and its OpenTelemetry
+    instruments went silent. What the application enabled now stays enabled."""
+    port = free_port()
+    stop = asyncio.Event()
+    handled = asyncio.Event()
+
+    async def handle(message: Message) -> None:
+        handled.set()
+
+    reader = otel_export.InMemoryMetricReader()
+    async with aio_keuss.connect("memory") as factory:
+        q = await factory.queue("jobs")
+        await q.push("x")
+        worker = asyncio.create_task(
+            aio_keuss.run_worker(handle, "jobs", factory=factory, health_port=port, stop=stop)
+        )
+        await handled.wait()
+        registry = aio_keuss.enable_metrics()
+        aio_keuss.enable_opentelemetry(otel_sdk.MeterProvider(metric_readers=[reader]))
+        stop.set()
+        await worker
+        assert observe.active is registry
+        await q.push("y")
+        # counted from the worker's start, which came after the first push
+        assert registry.series["jobs"].counts["put"] == 1
+        assert point(otel_points(reader)["aio_keuss.queue.pushed"], queue="jobs").value == 1
+
+
 def _get(port: int, path: str) -> str:
     """GET from the worker, which may not listen yet (it starts serving after its consumers)."""
     for _ in range(300):
