@@ -48,8 +48,9 @@ def add_parser(commands: Any) -> None:
     add("--token", default=None, help=f"access token (better: the {TOKEN_ENV} variable)")
     add(
         "--deadletter-queue",
-        default="__deadletter__",
-        help="the deadletter queue's name (default __deadletter__)",
+        default=None,  # the connection's deadletter option may name it (see Board)
+        help="the deadletter queue's name (default: the one the connection's deadletter "
+        "option names, else __deadletter__)",
     )
     add("--sample-seconds", type=float, default=5.0, help="seconds between rate samples")
     add("--log-level", default="info", help="debug, info (default), warning, error")

@@ -32,6 +32,7 @@ from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
+import orjson
 import pytest
 from backends import CASES, REDIS_URL, BackendCase, _drop_redis_prefix, new_token
 
@@ -539,3 +540,25 @@ async def test_a_deadlettered_row_shows_what_the_message_holds_now(
             release.set()
             await expect(dead_row.locator("td.from")).to_have_text("other", timeout=WAIT)
             await expect(dead_row.locator("pre").first).to_contain_text("x-dl-from-queue: other")
+
+
+async def test_the_command_shows_the_deadletter_queue_its_connection_names(
+    redis_options: dict[str, Any],
+) -> None:
+    """``aio-keuss dashboard`` reads the connection as the worker does (flags, environment,
+    --config), ``deadletter`` option included: connected with a deadletter queue named
+    ``failed``, it still showed ``__deadletter__`` unless --deadletter-queue said otherwise
+    as well. It now shows the one the connection names; the flag still wins."""
+    dead = '{"max_ko": 0, "queue": "failed"}'
+    async with aio_keuss.connect(
+        "redis-oq", deadletter={"max_ko": 0, "queue": "failed"}, **redis_options
+    ) as factory:
+        await _ko_to_deadletter(await factory.queue("jobs"), {"n": 1})
+    flags = ["--backend", "redis-oq", "--url", redis_options["url"]]
+    flags += ["--option", f"prefix={redis_options['prefix']}", "--option", f"deadletter={dead}"]
+    for extra, shown in (([], "failed"), (["--deadletter-queue", "jobs"], "jobs")):
+        with _command(*flags, *extra) as process:
+            url = await _served_url(process)
+            with await asyncio.to_thread(urllib.request.urlopen, url + "api/state") as answer:
+                state = orjson.loads(answer.read())["result"]
+            assert state["deadletter"] == shown
