@@ -562,3 +562,26 @@ async def test_the_command_shows_the_deadletter_queue_its_connection_names(
             with await asyncio.to_thread(urllib.request.urlopen, url + "api/state") as answer:
                 state = orjson.loads(answer.read())["result"]
             assert state["deadletter"] == shown
+
+
+async def test_a_requeue_that_moved_nothing_says_so(
+    browser: Any, redis_options: dict[str, Any]
+) -> None:
+    """Requeue leaves alone a message whose ``x-dl-from-queue`` names no queue (anyone may
+    push into a deadletter queue), one under an active reservation and one gone meanwhile,
+    and answers with what it moved: nothing. The page said "done" all the same, the row
+    still there, as if it had worked. It now says the message was not requeued, as
+    Promote does for a message no longer scheduled."""
+    async with aio_keuss.connect("redis-oq", deadletter={"max_ko": 0}, **redis_options) as factory:
+        dead = await factory.queue("__deadletter__")
+        stray = await dead.push({"n": 1}, headers={"x-dl-from-queue": "not a queue!"})
+        async with Dashboard(factory, port=0, sample_every=3600) as dashboard:
+            page = await _page(browser)
+            await page.goto(dashboard.url)
+            row = page.locator(f'#deadletter tr[data-id="{stray}"]')
+            await expect(row.locator("td.from")).to_have_text("not a queue!", timeout=WAIT)
+            await row.locator("button.requeue").click()
+            await expect(page.locator("#status")).to_have_class("bad", timeout=WAIT)
+            await expect(page.locator("#status")).to_contain_text("not requeued")
+            found = await dead.find(stray)
+            assert found is not None and found.queue == "__deadletter__"

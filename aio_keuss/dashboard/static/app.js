@@ -244,8 +244,14 @@
     const actions = el("td");
     const button = el("button", { type: "button", class: "requeue" }, "Requeue");
     button.disabled = !state.capabilities.requeue;
-    button.addEventListener("click", () => act(button, () =>
-      api("/api/requeue", { queue: state.deadletter, ids: [m.id] })));
+    button.addEventListener("click", () => act(button, async () => {
+      // the answer names what moved: nothing for a message held by a consumer, gone, or
+      // whose x-dl-from-queue names no queue
+      const moved = await api("/api/requeue", { queue: state.deadletter, ids: [m.id] });
+      if (!Object.prototype.hasOwnProperty.call(moved, m.id)) {
+        throw new Error("not requeued (held by a consumer, gone, or no valid x-dl-from-queue)");
+      }
+    }));
     actions.appendChild(button);
     row.appendChild(actions);
     return row;
@@ -428,15 +434,21 @@
 
   // the loop -----------------------------------------------------------------------------
 
+  // An action's outcome, shown instead of "updated ..." by the next refreshes: the refresh
+  // that follows every action replaced a failure at once, before anyone could read it.
+  let notice = null;
+  const NOTICE_REFRESHES = 5;
+
   async function act(button, work) {
     button.disabled = true;
     try {
       await work();
-      status("done", false);
+      notice = { text: "done", bad: false, left: 1 };
     } catch (error) {
-      status(`failed: ${error.message}`, true);
+      notice = { text: `failed: ${error.message}`, bad: true, left: NOTICE_REFRESHES };
     } finally {
       button.disabled = false;
+      status(notice.text, notice.bad);
       await refresh();
     }
   }
@@ -451,7 +463,12 @@
       drawPipelines();
       await drawDeadletter();
       await drawPeek();
-      status(`updated ${new Date().toLocaleTimeString()}`, false);
+      if (notice !== null && notice.left > 0) {
+        notice.left -= 1;
+        status(notice.text, notice.bad);
+      } else {
+        status(`updated ${new Date().toLocaleTimeString()}`, false);
+      }
       // how many refreshes completed: lets a test wait for one that began after a change
       document.body.setAttribute("data-refreshes", String(++refreshes));
     } catch (error) {
