@@ -311,8 +311,16 @@ HOST_ZONE = "localtime"
 
 
 def zone(tz: object) -> ZoneInfo:
-    """The IANA zone named ``tz`` (or ``tz`` itself, a ``ZoneInfo``)."""
+    """The IANA zone named ``tz`` (or ``tz`` itself, a ``ZoneInfo``). The host's own zone is
+    refused in both forms: ``ZoneInfo("localtime")`` is as much each machine's own as the
+    name is (``zoneinfo`` loads it from the zone directory like any key)."""
     if isinstance(tz, ZoneInfo):
+        if tz.key == HOST_ZONE:
+            raise InvalidInputError(
+                f"tz ZoneInfo({HOST_ZONE!r}) is each machine's own zone, so processes on"
+                " different machines would compute different instants (and message ids):"
+                " name the IANA zone"
+            )
         return tz
     if not isinstance(tz, str) or not tz:
         raise InvalidInputError(f"tz must be an IANA time zone name (str), not {brief(tz)}")

@@ -12,6 +12,7 @@ import asyncio
 import logging
 import time
 from datetime import datetime
+from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
 import pytest
 from backends import BackendCase
@@ -189,6 +190,24 @@ async def test_bad_input_is_refused_before_anything_is_written(queue: aio_keuss.
         key, payload = arguments.pop("key"), arguments.pop("payload")
         with pytest.raises(error):
             queue.repeat(key, payload, **arguments)  # type: ignore[arg-type]
+    await asyncio.sleep(0.1)
+    assert await queue.total_size() == 0
+
+
+def _host_zone() -> ZoneInfo:
+    """The host's own zone as a ``ZoneInfo`` (skipped where the zone directory has none)."""
+    try:
+        return ZoneInfo("localtime")
+    except (ZoneInfoNotFoundError, ValueError):
+        pytest.skip("no 'localtime' in this system's zone directory")
+
+
+async def test_the_host_zone_is_refused_as_a_zoneinfo_too(queue: aio_keuss.Queue) -> None:
+    """Refused as the name "localtime" is, before anything is written: each machine's own
+    zone would make processes on machines in different zones fire every occurrence at
+    different instants, under different ids, so the dedup could not keep one."""
+    with pytest.raises(aio_keuss.InvalidInputError, match="tz"):
+        queue.repeat("k", 1, cron="0 0 * * *", tz=_host_zone())
     await asyncio.sleep(0.1)
     assert await queue.total_size() == 0
 

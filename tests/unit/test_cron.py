@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from datetime import UTC, date, datetime, timedelta
-from zoneinfo import ZoneInfo
+from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
 import pytest
 
@@ -331,6 +331,19 @@ def test_bad_tz(value: object) -> None:
         zone(value)
     with pytest.raises(InvalidInputError, match="tz"):
         parse_cron("* * * * *", value)
+
+
+def test_the_host_zone_is_refused_as_a_zoneinfo_too() -> None:
+    # ZoneInfo("localtime") is each machine's own zone, as the name is: processes on
+    # machines in different zones would fire (and name) every occurrence differently
+    try:
+        host = ZoneInfo("localtime")
+    except (ZoneInfoNotFoundError, ValueError):
+        pytest.skip("no 'localtime' in this system's zone directory")
+    with pytest.raises(InvalidInputError, match="tz"):
+        zone(host)
+    with pytest.raises(InvalidInputError, match="tz"):
+        parse_cron("0 12 * * *", host)
 
 
 def test_zone_instances_and_names() -> None:
