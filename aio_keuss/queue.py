@@ -873,6 +873,10 @@ class Queue:
                 if wakeups.announced != announced and not (failed or self._paused or spent):
                     continue  # something was announced while we fetched: look again
                 if spent:
+                    if wakeups.announced != announced:
+                        # a push came while the limiter refused us: as one heard asleep,
+                        # a grant given back must wake us (``_on_grant_back``)
+                        self._rate_missed = True
                     woken = await self._sleep_rate_spent(n, wait, drains)
                 else:
                     woken = await wakeups.sleep(n, wait)
