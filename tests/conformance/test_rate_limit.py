@@ -509,3 +509,48 @@ async def test_a_grant_given_back_wakes_a_consumer_a_push_reached_while_it_was_r
         for task in (taking, waiting):
             if task is not None:
                 task.cancel()
+
+
+async def test_grants_given_back_do_not_keep_idle_consumers_waking_each_other(
+    connect: Connect,
+) -> None:
+    """Four factories, three consumers each, a limit of two a second: twelve messages pushed
+    in a burst (refused consumers note the pushes), all taken, then the queue idles. A grant
+    given back wakes the consumers a push woke meanwhile, whose takes give back in turn: each
+    give-back must not set up the next wake, or the idle consumers wake one another (and
+    publish a signal each time) for good. Counted, not timed: over the whole run, a few per
+    message and consumer at most (a wake storm publishes thousands within the quiet
+    window, which only bounds how long it is watched)."""
+    factories = [await connect(poll_interval=30.0) for _ in range(4)]
+    needs(factories[0], "rate_limit", "shared")
+    published = 0
+    queues: list[aio_keuss.Queue] = []
+    for factory in factories:
+        queues.append(await factory.queue("storm", rate_limit=2, rate_period=1.0, rate_burst=2))
+        granted = factory.signal.granted
+
+        def counted(queue: str, granted: Callable[[str], None] = granted) -> None:
+            nonlocal published
+            published += 1
+            granted(queue)
+
+        factory.signal.granted = counted  # type: ignore[method-assign]
+    got: list[object] = []
+
+    async def consume(q: aio_keuss.Queue) -> None:
+        while True:
+            message = await q.pop(timeout=30.0)
+            if message is not None:
+                got.append(message.payload)
+
+    consumers = [asyncio.ensure_future(consume(q)) for q in queues for _ in range(3)]
+    try:
+        for n in range(12):
+            await queues[n % 4].push(n)
+        await _until(lambda: len(got) == 12)
+        await asyncio.sleep(3 * QUIET)  # quiet: a storm goes on through it
+        assert published <= 4 * (12 + len(consumers))
+    finally:
+        for task in consumers:
+            task.cancel()
+        await asyncio.gather(*consumers, return_exceptions=True)
