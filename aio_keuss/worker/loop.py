@@ -105,41 +105,64 @@ def _end_left(loop: asyncio.AbstractEventLoop) -> None:
 def exit_if_abandoned(code: int) -> None:
     """End the process with ``code`` now if tasks outlived the loop: run the atexit hooks
     (``ATEXIT_WAIT`` seconds at most), flush the logs and the output, and exit without the
-    rest of the interpreter's finalization (see the module's docstring)."""
+    rest of the interpreter's finalization (see the module's docstring).
+
+    Whatever happens on the way, it ends in ``os._exit``: one more SIGINT raises
+    ``KeyboardInterrupt`` in the wait for the hooks (the worker's signal handlers are gone),
+    and left to the interpreter's exit the process ran the hooks again, those that had run
+    twice, and waited for one that does not return for ever."""
     if not _abandoned:
         return
-    hooks = _atexit_hooks(lambda: None)
-    hooks.join(ATEXIT_WAIT)
-    if hooks.is_alive():
-        log.warning("exiting without waiting longer for the atexit hooks")
-    _exit(code)
+    try:
+        hooks = _atexit_hooks(lambda: None)
+        hooks.join(ATEXIT_WAIT)
+        if hooks.is_alive():
+            log.warning("exiting without waiting longer for the atexit hooks")
+    except KeyboardInterrupt:
+        log.warning("interrupted: exiting without waiting longer for the atexit hooks")
+    finally:
+        _exit(code)
 
 
 async def exit_running(code: int) -> NoReturn:
     """End the process with ``code`` from within its running loop, once the atexit hooks
     ran (``ATEXIT_WAIT`` seconds at most) while the loop goes on: for handlers abandoned
     with their reservations still extended, which must not stop before the process does
-    (see the module's docstring)."""
+    (see the module's docstring).
+
+    One more SIGINT or SIGTERM (the worker's handlers are gone) cuts the wait short, and
+    whatever ends the wait (a ``KeyboardInterrupt`` or a cancellation, say) it ends in
+    ``os._exit(code)``: a SIGINT left to Python's handler raised ``KeyboardInterrupt`` out
+    of the loop, whose end cancelled this wait, and the command then ran the hooks a second
+    time and waited for one that never returns for ever (Python's signal documentation:
+    the default SIGINT handler raises ``KeyboardInterrupt`` in the main thread)."""
     loop = asyncio.get_running_loop()
     ran = asyncio.Event()
-    # One more SIGINT / SIGTERM meanwhile exits now: the worker's own handlers are gone, and
-    # Python's raised KeyboardInterrupt out of the loop, whose end stopped the extensions
-    # while the process lived on (leftover tasks, shutdown, the hooks once more).
-    for signum in (signal.SIGINT, signal.SIGTERM):
-        with contextlib.suppress(ValueError, RuntimeError, NotImplementedError):
-            # not in the main thread, or no signals on this platform's loop
-            loop.add_signal_handler(signum, _signalled, signum, code)
-    _atexit_hooks(lambda: loop.call_soon_threadsafe(ran.set))
+    interrupted: list[int] = []
+
+    def interrupt(signum: int) -> None:
+        interrupted.append(signum)
+        ran.set()
+
     try:
-        await asyncio.wait_for(ran.wait(), ATEXIT_WAIT)
-    except TimeoutError:
-        log.warning("exiting without waiting longer for the atexit hooks")
-    _exit(code)
-
-
-def _signalled(signum: signal.Signals, code: int) -> NoReturn:
-    log.warning("%s again: exiting without waiting longer for the atexit hooks", signum.name)
-    _exit(code)
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            # not in the main thread (nor on Windows): the finally below still exits
+            with contextlib.suppress(ValueError, RuntimeError, NotImplementedError):
+                loop.add_signal_handler(signum, interrupt, signum)
+        _atexit_hooks(lambda: loop.call_soon_threadsafe(ran.set))
+        try:
+            await asyncio.wait_for(ran.wait(), ATEXIT_WAIT)
+        except TimeoutError:
+            log.warning("exiting without waiting longer for the atexit hooks")
+        if interrupted:
+            log.warning(
+                "interrupted (%s): exiting without waiting longer for the atexit hooks",
+                signal.Signals(interrupted[0]).name,
+            )
+    except (KeyboardInterrupt, asyncio.CancelledError):
+        log.warning("interrupted: exiting without waiting longer for the atexit hooks")
+    finally:
+        _exit(code)
 
 
 def _atexit_hooks(then: Callable[[], object]) -> threading.Thread:
@@ -160,8 +183,10 @@ def _atexit_hooks(then: Callable[[], object]) -> threading.Thread:
 
 def _exit(code: int) -> NoReturn:
     """Flush the logs and the output, and exit without the interpreter's finalization."""
-    logging.shutdown()
-    for stream in (sys.stdout, sys.stderr):
-        with contextlib.suppress(OSError, ValueError):  # closed, or a broken pipe
-            stream.flush()
-    os._exit(code)
+    try:
+        logging.shutdown()
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(OSError, ValueError):  # closed, or a broken pipe
+                stream.flush()
+    finally:  # even if one more SIGINT interrupts the flush
+        os._exit(code)
