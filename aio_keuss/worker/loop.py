@@ -87,7 +87,13 @@ def _end_left(loop: asyncio.AbstractEventLoop) -> None:
         return
     for task in left:
         task.cancel()
+    # known as outliving the loop until they end: one more SIGINT during this wait (the
+    # worker's signal handlers are gone) raises KeyboardInterrupt out of it, and the
+    # command must still exit without them (exit_if_abandoned), not through the
+    # interpreter's exit, which waits for the atexit hooks and threads without bound
+    _abandoned.extend(left)
     done, pending = loop.run_until_complete(asyncio.wait(left, timeout=LEFT_WAIT))
+    _abandoned[:] = [task for task in _abandoned if task not in done]
     for task in done:
         if not task.cancelled() and task.exception() is not None:
             loop.call_exception_handler(
@@ -98,7 +104,6 @@ def _end_left(loop: asyncio.AbstractEventLoop) -> None:
                 }
             )
     if pending:
-        _abandoned.extend(pending)
         log.warning("exiting with %d tasks that went on after being cancelled", len(pending))
 
 

@@ -74,6 +74,25 @@ JOBS = textwrap.dedent(
             except asyncio.CancelledError:
                 note("cancelled", message)
 
+    lingering = set()
+
+    async def linger(message):
+        # swallows every cancellation: never ends
+        while True:
+            try:
+                await asyncio.sleep(1)
+            except asyncio.CancelledError:
+                note("cancelled", message)
+
+    async def spawns(message):
+        # returns at once, leaving a task of its own that never ends (found only as the
+        # loop ends), and atexit hooks as stubborn's
+        atexit.register(threading.Event().wait)
+        atexit.register(note, "atexit", message)
+        task = asyncio.get_running_loop().create_task(linger(message))
+        lingering.add(task)
+        note("done", message)
+
     def triple(message):
         return message.payload["n"] * 3
 
@@ -377,6 +396,31 @@ async def test_a_signal_while_the_atexit_hooks_run_still_exits_70_and_runs_them_
     assert worker.events("atexit") == [0], worker.output
     assert "exiting without waiting longer for the atexit hooks" in worker.output
     assert await _left(prefix) == (0, 1, [])  # still reserved, not given back
+
+
+async def test_a_signal_while_a_task_left_gets_its_last_seconds_still_exits_70(
+    workdir: Path, prefix: str, workers: list[Worker]
+) -> None:
+    """A task a handler left, which swallows its cancellation, is found only as the loop
+    ends, and gets ``LEFT_WAIT`` seconds once cancelled. It was recorded as outliving the
+    loop only after that wait: one more SIGINT during it raised KeyboardInterrupt out of
+    the loop with nothing recorded, the command took it for a SIGINT before the worker
+    started, and exited 0 through the interpreter's exit, which waited for an atexit hook
+    that never returns for ever. ``LEFT_WAIT`` is 600 s here, so the signal comes during
+    that wait: 70, the hooks bounded and run once."""
+    await _push(prefix, [{"n": 0}])
+    worker = Worker(
+        workdir,
+        *_redis_args(prefix, "--grace", "600", handler="jobs:spawns"),
+        env={"JOBS_LEFT_WAIT": "600"},
+    )
+    workers.append(worker)
+    worker.wait_for("done", 1)
+    worker.signal(signal.SIGTERM)  # a clean stop: the handler has returned
+    worker.wait_for("cancelled", 1, seconds=120)  # the loop's end cancelled the task left
+    worker.signal(signal.SIGINT)
+    assert worker.finish() == 70, worker.output
+    assert worker.events("atexit") == [0], worker.output
 
 
 async def test_run_worker_closes_the_connection_it_kept_for_abandoned_handlers_once_they_end(
