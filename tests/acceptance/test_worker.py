@@ -74,6 +74,25 @@ JOBS = textwrap.dedent(
             except asyncio.CancelledError:
                 note("cancelled", message)
 
+    async def relents(message):
+        # swallows the stop's cancellation and the one after ACK_WAIT, then ends as soon as
+        # its consumer abandoned it
+        abandoned = asyncio.Event()
+
+        class Seen(logging.Handler):
+            def emit(self, record):
+                if "abandoned running" in record.getMessage():
+                    abandoned.set()
+
+        logging.getLogger("aio_keuss.consumer").addHandler(Seen())
+        note("start", message)
+        while not abandoned.is_set():
+            try:
+                await abandoned.wait()
+            except asyncio.CancelledError:
+                note("cancelled", message)
+        note("ended", message)
+
     lingering = set()
 
     async def linger(message):
@@ -421,6 +440,27 @@ async def test_a_signal_while_a_task_left_gets_its_last_seconds_still_exits_70(
     worker.signal(signal.SIGINT)
     assert worker.finish() == 70, worker.output
     assert worker.events("atexit") == [0], worker.output
+
+
+async def test_a_handler_that_ends_as_it_is_abandoned_still_exits_70(
+    workdir: Path, prefix: str, workers: list[Worker]
+) -> None:
+    """A handler the stop abandoned (logged at ERROR) that ends at once after all left
+    nothing running once the worker returned: the command exited 0, as after a clean stop.
+    A stop that abandoned handlers is 70 (EX_SOFTWARE) whether they end later or not."""
+    await _push(prefix, [{"n": 0}])
+    port = free_port()
+    args = ["--grace", "600", "--health-port", str(port), "--option", "reserve_delay=40"]
+    worker = Worker(workdir, *_redis_args(prefix, *args, handler="jobs:relents"))
+    workers.append(worker)
+    worker.wait_for("start", 1)
+    worker.signal(signal.SIGTERM)
+    await _status_becomes(port, 503)  # the first signal was heard: the consumer stops
+    worker.signal(signal.SIGTERM)
+    assert worker.finish(seconds=120) == 70, worker.output
+    assert worker.events("cancelled") == [0, 0], worker.output
+    assert worker.events("ended") == [0], worker.output
+    assert " ERROR aio_keuss.consumer: queue 'jobs'" in worker.output
 
 
 async def test_run_worker_closes_the_connection_it_kept_for_abandoned_handlers_once_they_end(
