@@ -23,11 +23,12 @@ expire, ``reserve_delay`` after their last extension: after the process has exit
 the README's *Stopping*).
 
 Other tasks left that swallow their cancellation (one a handler started, say) are only found
-once the worker returned:
-they get ``LEFT_WAIT`` seconds to end once cancelled, and the process exits without the ones
-that do not (:func:`exit_if_abandoned`), after the loop's shutdown (left to the
-interpreter's exit, each was closed as it was collected, running its cleanup on a closed
-loop).
+once the worker returned: they get ``LEFT_WAIT`` seconds to end once cancelled, and the
+process exits without the ones that do not (:func:`exit_if_abandoned`), after the loop's
+shutdown (left to the interpreter's exit, each was closed as it was collected, running its
+cleanup on a closed loop). So it does without threads of the loop's default executor still
+running ``LEFT_WAIT`` seconds after the loop's end: a handler's ``asyncio.to_thread`` call
+goes on once cancelled, and the interpreter's exit joins such threads, for ever if they block.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ import signal
 import sys
 import threading
 from collections.abc import Callable, Coroutine
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, NoReturn, TypeVar
 
 log = logging.getLogger("aio_keuss.worker")
@@ -56,11 +58,19 @@ ATEXIT_WAIT = 5.0
 _abandoned: list[asyncio.Task[Any]] = []
 """Tasks that outlived their loop (the log named what they held)."""
 
+_threads_left = False
+"""Whether threads of the loop's default executor outlived it: a handler's
+``asyncio.to_thread`` call goes on once its task is cancelled (a thread cannot be), and
+those threads are not daemons: the interpreter's exit joins them (the
+``concurrent.futures`` documentation), for ever if they block."""
+
 
 def run(main: Coroutine[Any, Any, T]) -> T:
     """Run ``main`` in a new event loop, then close it as ``asyncio.run`` does, except that
     the tasks left get ``LEFT_WAIT`` seconds to end once cancelled, not for ever."""
     loop = asyncio.new_event_loop()
+    executor = ThreadPoolExecutor(thread_name_prefix="asyncio")
+    loop.set_default_executor(executor)  # kept, to shut it down within a bound (_shut_down)
     try:
         asyncio.set_event_loop(loop)
         return loop.run_until_complete(main)
@@ -68,7 +78,7 @@ def run(main: Coroutine[Any, Any, T]) -> T:
         try:
             _end_left(loop)
             loop.run_until_complete(_within(loop.shutdown_asyncgens()))
-            loop.run_until_complete(_within(loop.shutdown_default_executor()))
+            _shut_down(executor)
         finally:
             asyncio.set_event_loop(None)
             loop.close()
@@ -79,6 +89,28 @@ async def _within(work: Coroutine[Any, Any, None]) -> None:
         await asyncio.wait_for(work, LEFT_WAIT)
     except TimeoutError:
         log.warning("exiting without waiting longer for the loop's shutdown")
+
+
+def _shut_down(executor: ThreadPoolExecutor) -> None:
+    """Wait ``LEFT_WAIT`` seconds at most for the default executor's threads to end.
+
+    ``loop.shutdown_default_executor`` cannot be bounded before Python 3.12: cancelled, it
+    still joins the thread that waits for them (asyncio's source, ``base_events.py``), so a
+    handler's ``asyncio.to_thread(time.sleep, 3600)`` held the loop's end for an hour. Those
+    left are known before the wait, so that one more SIGINT during it still exits without
+    them (see :func:`exit_if_abandoned`)."""
+    global _threads_left
+    _threads_left = True
+    ending = threading.Thread(target=executor.shutdown, name="executor shutdown", daemon=True)
+    ending.start()
+    ending.join(LEFT_WAIT)
+    if ending.is_alive():
+        log.warning(
+            "exiting without the threads of the loop's default executor still running "
+            "(an asyncio.to_thread call that went on once its task was cancelled)"
+        )
+    else:
+        _threads_left = False
 
 
 def _end_left(loop: asyncio.AbstractEventLoop) -> None:
@@ -108,7 +140,8 @@ def _end_left(loop: asyncio.AbstractEventLoop) -> None:
 
 
 def exit_if_abandoned(code: int) -> None:
-    """End the process with ``code`` now if tasks outlived the loop: run the atexit hooks
+    """End the process with ``code`` now if tasks, or threads of its default executor,
+    outlived the loop: run the atexit hooks
     (``ATEXIT_WAIT`` seconds at most), flush the logs and the output, and exit without the
     rest of the interpreter's finalization (see the module's docstring).
 
@@ -116,7 +149,7 @@ def exit_if_abandoned(code: int) -> None:
     ``KeyboardInterrupt`` in the wait for the hooks (the worker's signal handlers are gone),
     and left to the interpreter's exit the process ran the hooks again, those that had run
     twice, and waited for one that does not return for ever."""
-    if not _abandoned:
+    if not _abandoned and not _threads_left:
         return
     try:
         hooks = _atexit_hooks(lambda: None)

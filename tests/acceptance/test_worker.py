@@ -37,7 +37,7 @@ pytestmark = pytest.mark.timeout(180)
 
 JOBS = textwrap.dedent(
     """
-    import asyncio, atexit, json, logging, os, pathlib, threading
+    import asyncio, atexit, json, logging, os, pathlib, threading, time
 
     LOG = pathlib.Path(os.environ["JOBS_LOG"])
 
@@ -111,6 +111,11 @@ JOBS = textwrap.dedent(
         task = asyncio.get_running_loop().create_task(linger(message))
         lingering.add(task)
         note("done", message)
+
+    async def blocked(message):
+        # cancelled, its await ends but not the thread, which sleeps on
+        note("start", message)
+        await asyncio.to_thread(time.sleep, 3600)
 
     def triple(message):
         return message.payload["n"] * 3
@@ -461,6 +466,28 @@ async def test_a_handler_that_ends_as_it_is_abandoned_still_exits_70(
     assert worker.events("cancelled") == [0, 0], worker.output
     assert worker.events("ended") == [0], worker.output
     assert " ERROR aio_keuss.consumer: queue 'jobs'" in worker.output
+
+
+async def test_a_handler_s_thread_that_goes_on_does_not_hold_the_exit(
+    workdir: Path, prefix: str, workers: list[Worker]
+) -> None:
+    """A handler blocked in ``asyncio.to_thread`` ends once cancelled, but its thread (one
+    of the loop's default executor, not a daemon) goes on: the loop's shutdown gave up on it
+    after its bound, and the command then exited through the interpreter's exit, which
+    joins every such thread, for ever. The command exits 70 now without it, saying so."""
+    await _push(prefix, [{"n": 0}])
+    port = free_port()
+    args = ["--grace", "600", "--health-port", str(port)]
+    worker = Worker(workdir, *_redis_args(prefix, *args, handler="jobs:blocked"))
+    workers.append(worker)
+    worker.wait_for("start", 1)
+    worker.signal(signal.SIGTERM)
+    await _status_becomes(port, 503)  # the first signal was heard: the consumer stops
+    worker.signal(signal.SIGTERM)  # cancels the handler: its message goes back
+    assert worker.finish(seconds=120) == 70, worker.output
+    assert "threads of the loop's default executor" in worker.output
+    left, reserved, _ = await _left(prefix)
+    assert (left, reserved) == (1, 0)
 
 
 async def test_run_worker_closes_the_connection_it_kept_for_abandoned_handlers_once_they_end(
