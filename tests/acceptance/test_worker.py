@@ -490,6 +490,43 @@ async def test_a_handler_s_thread_that_goes_on_does_not_hold_the_exit(
     assert (left, reserved) == (1, 0)
 
 
+CANCELLED_EXIT = textwrap.dedent(
+    """
+    import asyncio, atexit, threading
+    from aio_keuss.worker import loop
+
+    loop.ATEXIT_WAIT = 600.0
+    atexit.register(threading.Event().wait)  # never returns
+    atexit.register(print, "atexit", flush=True)
+
+    async def main():
+        exiting = asyncio.ensure_future(loop.exit_running(70))
+        await asyncio.sleep(0.5)
+        exiting.cancel()  # as the loop's end cancels it after a KeyboardInterrupt
+        await asyncio.sleep(3600)
+
+    loop.run(main())
+    """
+)
+
+
+def test_exit_running_cancelled_while_the_hooks_run_still_exits_with_its_code(
+    tmp_path: Path,
+) -> None:
+    """``exit_running`` cancelled during its wait for the atexit hooks (the loop's end
+    cancels every task after a KeyboardInterrupt) let the cancellation through: the process
+    went on to the interpreter's exit, ran the hooks again and waited for the one that never
+    returns for ever. It ends in ``os._exit`` with its code whatever ends the wait."""
+    script = tmp_path / "cancelled_exit.py"
+    script.write_text(CANCELLED_EXIT)
+    done = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=60, check=False
+    )
+    assert done.returncode == 70, done.stdout + done.stderr
+    assert done.stdout.count("atexit") == 1, done.stdout
+    assert "interrupted: exiting without waiting longer" in done.stderr
+
+
 async def test_run_worker_closes_the_connection_it_kept_for_abandoned_handlers_once_they_end(
     prefix: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
