@@ -153,7 +153,7 @@ from ..contract import (
     Stored,
 )
 from ..errors import KeussConnectionError
-from ..message import append_headers
+from ..message import merge_headers
 from ..options import DEFAULT_DEADLETTER_QUEUE
 from ..types import Capabilities, KoResult, Sizes
 from .codec import AVAILABLE, DEADLETTERING, DONE, HANDED_OUT, U32, encode_blob, encode_state
@@ -701,12 +701,14 @@ class BucketStore(PushSide, StateWriter, Store):
         """One bucket per deadlettered message, named after its slot: whoever writes the copy
         (this holder, or whoever took the bucket over while the copy was on its way) writes
         the same bucket, which an insert stores once. One message each also keeps every
-        copy within the storage's byte bound."""
+        copy within the storage's byte bound. The x-dl-* headers are merged into the stored
+        ones, each key once (appended, a message deadlettered again and again carried one
+        more set each time)."""
         copies = []
         for bucket, slot in slots:
             tries = bucket.tries[slot]
             stored = bucket.message(slot, tries, now)
-            headers = append_headers(stored.headers, plan.headers(tries, now))
+            headers = merge_headers(stored.headers, plan.headers(tries, now))
             copies.append(
                 NewBucket(
                     f"{bucket.id}.dl{slot}",
