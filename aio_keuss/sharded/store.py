@@ -46,7 +46,7 @@ from ..contract import (
     moved_id,
 )
 from ..errors import TooManyConsumersError
-from ..message import append_headers
+from ..message import merge_headers
 from ..types import KoResult, Sizes
 from . import meta
 from .settings import (
@@ -427,11 +427,12 @@ class ShardedStore(Store):
         """Copy into the deadletter queue, then drop here what the rollback set aside (see
         :class:`Doomed`): a crash between the two steps leaves a duplicate (it comes back
         after the hold), never a loss. An id already there is renamed by the rule every
-        backend follows."""
+        backend follows. The x-dl-* headers are merged into the stored ones, each key once:
+        appended, a message deadlettered again and again carried one more set each time."""
         target = await self._store_of(plan.queue, self.options)
         now = time.time()
         pending = [
-            (d.id, append_headers(d.headers, plan.headers(d.tries, now)), d.payload, d.tries)
+            (d.id, merge_headers(d.headers, plan.headers(d.tries, now)), d.payload, d.tries)
             for d in doomed
         ]
         clash = 0

@@ -11,7 +11,6 @@ from collections.abc import Sequence
 from datetime import UTC, datetime
 
 import pytest
-from backends import BackendCase
 from conftest import Connect, drain_all, needs, needs_reserve
 
 import aio_keuss
@@ -98,7 +97,7 @@ async def test_no_deadletter_without_max_ko(queue: aio_keuss.Queue) -> None:
 
 
 async def test_a_message_deadlettered_round_and_round_keeps_its_headers_bounded(
-    connect: Connect, case: BackendCase, request: pytest.FixtureRequest
+    connect: Connect,
 ) -> None:
     """The backends that copy a deadlettered message into the deadletter queue (buckets,
     sharded, redis-reliable on a cluster) appended the x-dl-* headers to the stored ones:
@@ -106,12 +105,6 @@ async def test_a_message_deadlettered_round_and_round_keeps_its_headers_bounded(
     to the work queue, a requeue) carried one more set with every round, the stored text
     growing though it decoded right. The deadletter merges them, each key once, as a move
     does."""
-    if case.name == "redis-sharded":
-        request.applymarker(
-            pytest.mark.xfail(
-                strict=True, reason="sharded/store.py _deadletter appends the x-dl-* headers"
-            )
-        )
     work = await connect(deadletter={"max_ko": 0, "queue": "dead"}, poll_interval=5.0)
     needs(work, "reserve", "shared")
     back = await connect(deadletter={"max_ko": 0, "queue": "jobs"}, poll_interval=5.0)
