@@ -82,7 +82,7 @@ from ..contract import (
     position_cursor,
 )
 from ..errors import ConfigError, NotSupportedError
-from ..message import append_headers
+from ..message import merge_headers
 from ..options import check_count
 from ..types import Capabilities, KoResult, Sizes
 from .backend import RedisBackend
@@ -783,11 +783,14 @@ class RedisReliableStore(Store):
         """Cluster mode: copy into the deadletter queue (its own slot), then drop here.
 
         The message stays in this consumer's processing list until the copy exists, so a
-        crash in between recovers it (and may deadletter it twice), never loses it.
+        crash in between recovers it (and may deadletter it twice), never loses it. The
+        x-dl-* headers are merged into the stored ones, each key once, as the one-slot
+        script's ``with_headers`` does (appended, a message deadlettered again and again
+        carried one more set each time).
         """
         now = time.time()
         entries = [
-            Entry(mid, payload, append_headers(headers, plan.headers(tries, now)))
+            Entry(mid, payload, merge_headers(headers, plan.headers(tries, now)))
             for _, mid, payload, headers, tries in deferred
         ]
         dl_base = self._backend.key(plan.queue) + ":"

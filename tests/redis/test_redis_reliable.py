@@ -26,6 +26,7 @@ from redis_cluster import _drop_redis_cluster_prefix, _redis_cluster, start_redi
 
 import aio_keuss
 from aio_keuss.contract import Entry
+from aio_keuss.message import decode_headers
 from aio_keuss.registry import load_backend
 from aio_keuss.types import KoResult, Sizes
 
@@ -419,6 +420,52 @@ async def test_on_redis_cluster_deadletter_crosses_slots() -> None:
             m = await q.reserve(timeout=1)
             assert m is not None and await q.ok(m)
             assert await q.sizes() == Sizes(0, 0, 0, 0)
+    finally:
+        await redis_cluster._drop_redis_cluster_prefix(options)
+
+
+async def test_on_redis_cluster_a_message_deadlettered_round_and_round_keeps_its_headers() -> None:
+    """The cluster deadletter (the copy into the deadletter queue's own slot) appended the
+    x-dl-* headers to the stored ones: a message deadlettered again and again (the
+    deadletter queue's consumers fail it back to the work queue) carried one more set per
+    round, the stored text growing though it decoded right. They are merged, each key once,
+    as the one-slot script does."""
+    import redis_cluster
+
+    reason = redis_cluster.start_redis_cluster()
+    if reason:
+        pytest.skip(reason)
+    options = {"url": redis_cluster.CLUSTER_URL, "cluster": True, "prefix": f"akt-rr-{new_token()}"}
+    try:
+        async with (
+            aio_keuss.connect(
+                "redis-reliable",
+                heartbeat_ttl=TTL,
+                deadletter={"max_ko": 0, "queue": "dlq"},
+                **options,
+            ) as work,
+            aio_keuss.connect(
+                "redis-reliable",
+                heartbeat_ttl=TTL,
+                deadletter={"max_ko": 0, "queue": "q1"},
+                **options,
+            ) as back,
+        ):
+            here, there = await work.queue("q1"), await back.queue("dlq")
+            await here.push({"a": 1}, headers={"k": "v"})
+            for turn in range(50):
+                m = await here.reserve(timeout=1)
+                assert m is not None and await here.ko(m) == KoResult.DEADLETTERED, turn
+                here, there = there, here
+            (stored,) = (await here._store.get(1)).messages  # read raw: the encoded headers
+            assert stored.headers.count(b'"x-dl-tries"') == 1, stored.headers
+            headers = decode_headers(stored.headers)
+            assert list(headers) == ["k", "x-dl-from-queue", "x-dl-t", "x-dl-tries"]
+            assert [headers["k"], headers["x-dl-from-queue"], headers["x-dl-tries"]] == [
+                "v",
+                "dlq",
+                1,
+            ]
     finally:
         await redis_cluster._drop_redis_cluster_prefix(options)
 
