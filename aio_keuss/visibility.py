@@ -33,10 +33,10 @@ from .errors import InvalidInputError
 from .ids import new_id
 from .message import (
     MAX_KNOWN_ID_LENGTH,
-    append_headers,
     check_known_id,
     decode_headers,
     decode_message,
+    merge_headers,
     salvage_message,
     to_datetime,
 )
@@ -343,13 +343,16 @@ async def replay(
 
 
 async def _copy(target: Queue, found: list[Peeked]) -> list[str]:
+    """Push copies of ``found`` into ``target``. ``x-replay-of`` is merged into the stored
+    headers, each key once: appended, a copy replayed again and again (a replay of the
+    replays) carried one more ``x-replay-of`` each time."""
     if not found:
         return []
     entries = [  # a copy keeps the priority, where the history kept it
         Entry(
             new_id(),
             r.message.payload,
-            append_headers(r.message.headers, {REPLAY_OF: i}),
+            merge_headers(r.message.headers, {REPLAY_OF: i}),
             priority=r.message.priority,
         )
         for r in found

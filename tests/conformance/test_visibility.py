@@ -19,6 +19,7 @@ from conftest import Connect, needs, sizes_of
 
 import aio_keuss
 from aio_keuss import KoResult, State
+from aio_keuss.message import decode_headers
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -468,6 +469,30 @@ async def test_history_lists_processed_messages_and_replay_copies_them(
     assert all(m.headers["k"] == "v" for m in again)
     everything = await q.replay(since=start)
     assert len(everything) == 5 and await q.size() == 5
+
+
+async def test_a_copy_replayed_round_and_round_keeps_its_headers_bounded(
+    factory: aio_keuss.Factory,
+) -> None:
+    """A replay appended x-replay-of to the stored headers: a copy consumed and replayed
+    again (a replay of the replays) carried one more x-replay-of with every round, the
+    stored text growing though it decoded right. The replay merges it, each key once."""
+    needs(factory, "history")
+    q = await factory.queue("loop")
+    mid = await q.push("x", headers={"k": "v"})
+    previous = mid
+    for _ in range(50):
+        popped = await q.pop(timeout=5)
+        assert popped is not None and popped.id == mid
+        previous = mid
+        (mid,) = await q.replay([mid])
+    (row,) = await q._store.locate([mid])
+    assert row is not None
+    stored = row.message.headers  # as the store keeps them, encoded
+    assert stored.count(b'"x-replay-of"') == 1, stored
+    assert decode_headers(stored) == {"k": "v", "x-replay-of": previous}
+    again = await q.pop(timeout=5)
+    assert again is not None and again.headers == {"k": "v", "x-replay-of": previous}
 
 
 async def test_replay_of_an_id_named_twice_makes_one_copy(factory: aio_keuss.Factory) -> None:
