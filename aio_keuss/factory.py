@@ -128,14 +128,33 @@ class Factory:
     async def _current(self, name: str, options: QueueOptions, *, sibling: bool = False) -> Queue:
         """The queue open under ``name`` now, opened (see :meth:`_open_queue`) if none is.
         An open this one joined may be claimed and replaced before this ask resumes: it
-        then gets the queue replacing it, never the one being closed."""
+        then gets the queue replacing it, never the one being closed. One the user closed
+        (``queue.close()``) is dropped once its close ends, and the name opened afresh:
+        handed out again, it raised ClosedError on every call for good."""
         while True:
             found = self._queues.get(name)
             if found is not None:
-                return found
+                if not await self._closed_by_user(found):
+                    return found
+                if self._queues.get(name) is found:
+                    del self._queues[name]
+                    self._unclaimed.discard(name)
+                continue
             found = await self._open_queue(name, options, sibling=sibling)
             if self._queues.get(name) is found:
                 return found
+
+    async def _closed_by_user(self, queue: Queue) -> bool:
+        """Whether ``queue`` was closed by its own ``close()``, waiting for a close under way
+        to end. Not while the running task is one of its handlers (that close waits for the
+        handler): the closing queue is handed out then, and refuses calls as before."""
+        closing = queue._closing.task
+        if closing is None or queue._runs_a_handler():
+            return False
+        if not closing.done():
+            with contextlib.suppress(Exception):  # its failure is its closer's to hear
+                await queue._closing.wait(owner=False)
+        return queue._closed
 
     async def _claim(self, found: Queue, options: QueueOptions) -> Queue:
         """The user's first ask for a queue the factory opened by itself: it is theirs from

@@ -947,3 +947,22 @@ async def test_a_closed_factory_refuses_to_list_its_queues(connect: Connect) -> 
     await factory.close()
     with pytest.raises(aio_keuss.ClosedError):
         await factory.list()
+
+
+async def test_a_closed_queue_is_opened_afresh_by_the_factory(connect: Connect) -> None:
+    """``queue.close()`` let go of the queue, but the factory kept handing out that closed
+    object: ``factory.queue(name)`` after it raised ClosedError on every call, for good
+    (a pipeline run whose queue was closed could not be started again). The factory now
+    opens the name afresh, with the options asked for; the closed object stays closed."""
+    factory = await connect()
+    q = await factory.queue("a")
+    await q.push(1)
+    await q.close()
+    again = await factory.queue("a")
+    assert again is not q
+    await again.push(2)
+    with pytest.raises(aio_keuss.ClosedError):
+        await q.push(3)
+    assert await again.total_size() == 2
+    assert await factory.queue("a") is again
+    assert q not in factory.open_queues() and again in factory.open_queues()
