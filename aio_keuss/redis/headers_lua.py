@@ -30,6 +30,8 @@ local function json_string_end(s, i)
     j = c + 2
   end
 end
+local FAST_STRING = '^("[^"\\\\]*")[ \\t\\n\\r]*:[ \\t\\n\\r]*("[^"\\\\]*")[ \\t\\n\\r]*([,}])'
+local FAST_SCALAR = '^("[^"\\\\]*")[ \\t\\n\\r]*:[ \\t\\n\\r]*([%w%.%+%-]+)[ \\t\\n\\r]*([,}])'
 -- The members of JSON object text ``s``: its keys (their JSON text) in order of first
 -- appearance, and each key's last value text; nil when ``s`` is not an object read so.
 local function json_members(s)
@@ -43,6 +45,20 @@ local function json_members(s)
     return keys, values
   end
   while true do
+    -- The usual member at once (a key and a string or scalar value, no escapes, no
+    -- nesting): one match, not a scan, since it runs for every member of every move.
+    local _, last, key, value, sep = string.find(s, FAST_STRING, i)
+    if not last then _, last, key, value, sep = string.find(s, FAST_SCALAR, i) end
+    if last then
+      if values[key] == nil then keys[#keys + 1] = key end
+      values[key] = value
+      if sep == '}' then
+        if json_skip(s, last + 1) then return nil end
+        return keys, values
+      end
+      i = json_skip(s, last + 1)
+      if not i then return nil end
+    else
     if string.sub(s, i, i) ~= '"' then return nil end
     local e = json_string_end(s, i)
     if not e then return nil end
@@ -80,6 +96,7 @@ local function json_members(s)
     end
     i = json_skip(s, stop + 1)
     if not i then return nil end
+    end
   end
 end
 -- Header JSON ``headers`` with the members of ``added`` (JSON text without braces, '' =
