@@ -411,66 +411,23 @@ async def test_grants_given_back_late_lend_nothing_to_the_takes_made_since(
         assert after.granted == 0 and after.wait > 0  # before: granted beside the other's
 
 
+@pytest.mark.parametrize("pushed_while_refused", [False, True], ids=["after", "meanwhile"])
 async def test_a_grant_given_back_unused_wakes_a_consumer_it_kept_waiting(
-    connect: Connect,
+    connect: Connect, pushed_while_refused: bool
 ) -> None:
     """A take holds the only grant and finds nothing; a consumer of another factory asks
     meanwhile and is refused (the next grant an hour away). Once the grant is given back,
     a message pushed must reach that consumer, not wait for its 30 s timeout: it slept until
-    the limiter's next grant, and the give-back told nobody. Ordered by events; the bound
-    is half the consumer's timeout, far above any latency."""
+    the limiter's next grant, and the give-back told nobody. ``meanwhile``: the push comes
+    while the refused consumer's limiter call is still on its way back (announced to it
+    before it sleeps, not while it sleeps): it slept on without noting that a push had
+    come, so the give-back woke nobody. Ordered by events; the bound is half the
+    consumer's timeout, far above any latency."""
     first = await connect(poll_interval=30.0)
     needs(first, "rate_limit", "shared")
     second = await connect(poll_interval=30.0)
     q1 = await first.queue("given-back", rate_limit=1, rate_period=HOUR, rate_burst=1)
     q2 = await second.queue("given-back", rate_limit=1, rate_period=HOUR, rate_burst=1)
-    holding, release, refused = asyncio.Event(), asyncio.Event(), asyncio.Event()
-    give_back, ask = q1._give_back_grants, q2._ask_limiter
-
-    async def held(count: int, end: float) -> RateGrant | None:
-        holding.set()  # the grant taken, nothing found
-        await release.wait()
-        return await give_back(count, end)
-
-    async def noted(count: int, hold: float, end: float = math.inf) -> RateGrant:
-        grant = await ask(count, hold, end)
-        if count > 0 and not grant.granted:
-            refused.set()
-        return grant
-
-    q1._give_back_grants = held  # type: ignore[method-assign]
-    q2._ask_limiter = noted  # type: ignore[method-assign]
-    taking = asyncio.ensure_future(q1.pop(timeout=0))
-    waiting: asyncio.Future[Message | None] | None = None
-    try:
-        await asyncio.wait_for(holding.wait(), GUARD)
-        waiting = asyncio.ensure_future(q2.pop(timeout=30.0))
-        await asyncio.wait_for(refused.wait(), GUARD)
-        release.set()
-        assert await asyncio.wait_for(taking, GUARD) is None
-        await q1.push("after the give-back")
-        message = await asyncio.wait_for(waiting, 15.0)
-        assert message is not None and message.payload == "after the give-back"
-    finally:
-        release.set()
-        for task in (taking, waiting):
-            if task is not None:
-                task.cancel()
-
-
-async def test_a_grant_given_back_wakes_a_consumer_a_push_reached_while_it_was_refused(
-    connect: Connect,
-) -> None:
-    """As above, but the push comes while the refused consumer's limiter call is still on
-    its way back (announced to it before it sleeps, not while it sleeps): it slept on
-    without noting that a push had come, so the give-back woke nobody and the message
-    waited for its 30 s timeout. Ordered by events; the bound is half the consumer's
-    timeout, far above any latency."""
-    first = await connect(poll_interval=30.0)
-    needs(first, "rate_limit", "shared")
-    second = await connect(poll_interval=30.0)
-    q1 = await first.queue("pushed-meanwhile", rate_limit=1, rate_period=HOUR, rate_burst=1)
-    q2 = await second.queue("pushed-meanwhile", rate_limit=1, rate_period=HOUR, rate_burst=1)
     holding, release, refused, pushed = (asyncio.Event() for _ in range(4))
     give_back, ask = q1._give_back_grants, q2._ask_limiter
 
@@ -483,7 +440,8 @@ async def test_a_grant_given_back_wakes_a_consumer_a_push_reached_while_it_was_r
         grant = await ask(count, hold, end)
         if count > 0 and not grant.granted and not refused.is_set():
             refused.set()
-            await pushed.wait()  # the answer is back once the push was announced here
+            if pushed_while_refused:
+                await pushed.wait()  # the answer is back once the push was announced here
         return grant
 
     q1._give_back_grants = held  # type: ignore[method-assign]
@@ -494,15 +452,18 @@ async def test_a_grant_given_back_wakes_a_consumer_a_push_reached_while_it_was_r
         await asyncio.wait_for(holding.wait(), GUARD)
         waiting = asyncio.ensure_future(q2.pop(timeout=30.0))
         await asyncio.wait_for(refused.wait(), GUARD)
-        announced = q2._wakeups.announced
-        await q1.push("while refused")
-        await _until(lambda: q2._wakeups.announced != announced)
-        pushed.set()
-        await _until(lambda: len(q2._wakeups) > 0)  # asleep again, refused
+        if pushed_while_refused:
+            announced = q2._wakeups.announced
+            await q1.push("the message")
+            await _until(lambda: q2._wakeups.announced != announced)
+            pushed.set()
+            await _until(lambda: len(q2._wakeups) > 0)  # asleep again, refused
         release.set()
         assert await asyncio.wait_for(taking, GUARD) is None
+        if not pushed_while_refused:
+            await q1.push("the message")
         message = await asyncio.wait_for(waiting, 15.0)
-        assert message is not None and message.payload == "while refused"
+        assert message is not None and message.payload == "the message"
     finally:
         pushed.set()
         release.set()
