@@ -501,46 +501,55 @@ async def test_work_run_to_its_end_raises_the_held_cancellation_once_done() -> N
     assert done == ["after the reply", "the caller's own follow-up"]
 
 
+class _HeldReplies:
+    """A store whose every batch waits until the test answers it: the batches show how the
+    callers queued meanwhile were shared out."""
+
+    def __init__(self) -> None:
+        self.batches: list[list[int]] = []
+        self.replies: list[asyncio.Future[None]] = []
+
+    async def run(self, requests: list[int]) -> list[int]:
+        self.batches.append(requests)
+        reply = asyncio.get_running_loop().create_future()
+        self.replies.append(reply)
+        await reply
+        return requests
+
+    def answer_all(self) -> None:
+        for reply in self.replies:
+            if not reply.done():
+                reply.set_result(None)
+
+
+async def _turns(n: int) -> None:
+    for _ in range(n):
+        await asyncio.sleep(0)
+
+
 async def test_a_crowd_is_shared_out_over_the_free_slots() -> None:
     """32 clients on four slots settled into one batch of 29 and three one-caller round
     trips. Once a batch carries a crowd, the callers queued are shared out over the free
     slots (MIN_SHARE at least each), and callers no longer take free slots one by one while
     anything is in flight."""
-    batches: list[list[int]] = []
-    replies: list[asyncio.Future[None]] = []
-
-    async def run(requests: list[int]) -> list[int]:
-        batches.append(requests)
-        reply = asyncio.get_running_loop().create_future()
-        replies.append(reply)
-        await reply
-        return requests
-
-    def answer_all() -> None:
-        for reply in replies:
-            if not reply.done():
-                reply.set_result(None)
-
-    async def turns(n: int) -> None:
-        for _ in range(n):
-            await asyncio.sleep(0)
-
-    coalescer: Coalescer[int, int] = Coalescer(run, max_batch=100, concurrency=4)
+    store = _HeldReplies()
+    batches = store.batches
+    coalescer: Coalescer[int, int] = Coalescer(store.run, max_batch=100, concurrency=4)
     first = [asyncio.create_task(coalescer.submit(i)) for i in range(4)]  # four lone calls
-    await turns(1)
+    await _turns(1)
     crowd = [asyncio.create_task(coalescer.submit(i)) for i in range(4, 34)]
-    await turns(1)
+    await _turns(1)
     assert [len(b) for b in batches] == [1, 1, 1, 1]
-    answer_all()
+    store.answer_all()
     await asyncio.gather(*first)
-    await turns(5)
+    await _turns(5)
     assert [len(b) for b in batches[4:]] == [MIN_SHARE] * 3  # side by side, not 30 in one
     # Callers asking in one loop iteration while the crowd is in flight share one batch,
     # instead of each taking a free slot alone.
     more = [asyncio.create_task(coalescer.submit(i)) for i in range(100, 105)]
-    await turns(3)
+    await _turns(3)
     assert batches[7:] == [list(range(100, 105))]
-    answer_all()
+    store.answer_all()
     assert await asyncio.gather(*crowd) == list(range(4, 34))
     assert await asyncio.gather(*more) == list(range(100, 105))
     await coalescer.wait_idle()
@@ -551,30 +560,18 @@ async def test_a_share_leaves_no_crowd_too_small_for_a_batch_of_its_own() -> Non
     next rounds, formed as callers came back, cycled through 10, 8, 7, 4 and 3: 6.4 callers
     a round trip where 11 fit. A share that would leave fewer than MIN_SHARE callers takes
     them too: 10, 10 and 12."""
-    batches: list[list[int]] = []
-    replies: list[asyncio.Future[None]] = []
-
-    async def run(requests: list[int]) -> list[int]:
-        batches.append(requests)
-        reply = asyncio.get_running_loop().create_future()
-        replies.append(reply)
-        await reply
-        return requests
-
-    coalescer: Coalescer[int, int] = Coalescer(run, max_batch=100, concurrency=4)
+    store = _HeldReplies()
+    coalescer: Coalescer[int, int] = Coalescer(store.run, max_batch=100, concurrency=4)
     first = [asyncio.create_task(coalescer.submit(i)) for i in range(-4, 0)]  # slots full
-    await asyncio.sleep(0)
+    await _turns(1)
     crowd = [asyncio.create_task(coalescer.submit(i)) for i in range(1, 33)]
-    await asyncio.sleep(0)
-    for reply in replies:
-        reply.set_result(None)
+    await _turns(1)
+    store.answer_all()
     await asyncio.gather(*first)
-    for _ in range(5):
-        await asyncio.sleep(0)
-    assert [len(b) for b in batches[4:]] == [MIN_SHARE, MIN_SHARE, 32 - 2 * MIN_SHARE]
-    for reply in replies:
-        if not reply.done():
-            reply.set_result(None)
+    await _turns(5)
+    shares = [len(b) for b in store.batches[4:]]
+    assert shares == [MIN_SHARE, MIN_SHARE, 32 - 2 * MIN_SHARE]
+    store.answer_all()
     assert await asyncio.gather(*crowd) == list(range(1, 33))
     await coalescer.wait_idle()
 
