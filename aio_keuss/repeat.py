@@ -20,7 +20,7 @@ repeat without a leader or a lock:
 
 Every push of occurrence ``t`` is made between the occurrence before it and ``t`` itself (a
 push that keeps failing is given up at ``t``, the occurrence skipped; a repeater woken past
-``t`` skips it), so the dedup holds as
+``t`` skips it, counting it in ``missed`` and logging a warning), so the dedup holds as
 long as ``dedup_window`` outlasts the longest gap between two occurrences; ``repeat()`` logs a
 warning when it does not. Occurrences that fell due while no repeater ran are not made up,
 as with cron: a repeat is a schedule of future pushes, not a ledger of past ones.
@@ -42,7 +42,7 @@ from datetime import datetime
 from typing import Any
 
 from .consumer import Outage, State, StoppedOnExit, retry_backoff
-from .cron import Schedule, every, parse_cron, zone
+from .cron import Every, Schedule, every, parse_cron, zone
 from .errors import ClosedError, InvalidHeadersError, InvalidInputError
 from .message import (
     Headers,
@@ -72,6 +72,11 @@ TTL_LEAD = 0.5
 """On a queue whose messages live ``message_ttl`` seconds from their push, an occurrence is
 pushed at most this share of it before its time (rather than up to a whole period before,
 when it would end unseen): it then has the rest of its life to be taken once due."""
+
+clock: Callable[[], float] = time.time
+"""The wall clock occurrences are read on (seconds since the epoch): a module global, read at
+each use, so that a test can step it past occurrences (a late wake, a suspended machine)
+instead of waiting for, or provoking, one."""
 
 Push = Callable[[float, Headers, str], Awaitable[Any]]
 """Pushes the repeat's payload with a delay, headers and id (``Queue.push``, bound)."""
@@ -162,7 +167,7 @@ class Repeat:
         but what only the backend knows (explicit ids and delays, a message size limit)."""
         check_queue_name(self.queue)
         plan = RepeatPlan.make(self.key, self.every, self.cron, self.tz, self.headers)
-        first = plan.schedule.next_after(time.time())
+        first = plan.schedule.next_after(clock())
         # in the order a push checks them, so input bad twice raises what q.repeat raises
         encode_headers(plan.headers_at(first))
         encode_payload(self.payload)
@@ -198,7 +203,8 @@ class Repeater(StoppedOnExit):
         """Occurrences this repeater pushed (a push another process had made counts too:
         the queue dropped it as a duplicate)."""
         self.missed = 0
-        """Occurrences given up because every push of theirs failed until their time."""
+        """Occurrences not pushed: given up because every push of theirs failed until their
+        time, or skipped by a wake past them (a loaded loop, a suspended machine)."""
         self.next_at: datetime | None = None
         """The occurrence pushed last (or being pushed): the next one to be delivered."""
         self.failure: Exception | None = None
@@ -246,23 +252,59 @@ class Repeater(StoppedOnExit):
 
     async def _run(self) -> None:
         try:
-            t = self.schedule.next_after(time.time())
+            t = self.schedule.next_after(clock())
             while True:
                 if self._lead is not None:  # pushed sooner, it would end before its time
                     await _sleep_until(t - self._lead)
-                    if time.time() >= t:  # woken past it: skipped, as after a late wake below
-                        t = self.schedule.next_after(time.time())
+                    if clock() >= t:  # woken past it: skipped, as after a late wake below
+                        t = await self._following(t, skipped=1)
                         continue
                 if await self._push_occurrence(t):
                     await _sleep_until(t)
-                # after a late wake (a loaded loop, a suspended machine) what fell due meanwhile
-                # is not made up, as with cron
-                t = self.schedule.next_after(max(t, time.time()))
+                t = await self._following(t)
         except ClosedError:
             log.debug("queue %r: repeat %r stops: the queue closed", self.queue, self.key)
         except Exception as exc:  # not worth retrying (a refused push): stop, loudly
             self.failure = exc
             log.exception("queue %r: repeat %r stopped", self.queue, self.key)
+
+    async def _following(self, t: float, skipped: int = 0) -> float:
+        """The occurrence to push after ``t`` (pushed, given up, or ``skipped`` already):
+        the first one after now. After a late wake (a loaded loop, a long pause, a
+        suspended machine) what fell due meanwhile is not made up, as with cron, but each
+        occurrence so skipped counts in ``missed`` and the wake is logged once, so that a
+        schedule that silently lost runs shows in the counters and the log."""
+        now = clock()
+        following = self.schedule.next_after(max(t, now))
+        skipped += await self._between(t, following)
+        if skipped:
+            self.missed += skipped
+            log.warning(
+                "queue %r: repeat %r woke %.1f s after occurrence %s was due: %d %s skipped"
+                " (not made up)",
+                self.queue,
+                self.key,
+                now - t,
+                self._plan.message_id(t),
+                skipped,
+                "occurrence" if skipped == 1 else "occurrences",
+            )
+        return following
+
+    async def _between(self, after: float, before: float) -> int:
+        """How many occurrences lie strictly between the occurrences ``after`` and
+        ``before``: by division for ``every``, else walked (a few microseconds each, the
+        loop given a turn now and then: a year's suspend of a minutely cron is 525,600)."""
+        if isinstance(self.schedule, Every):
+            return max(0, round((before - after) / self.schedule.seconds) - 1)
+        count = 0
+        t = self.schedule.next_after(after)
+        while t < before:
+            count += 1
+            if count % 10_000 == 0:
+                await asyncio.sleep(0)
+            t = self.schedule.next_after(t)
+        return count
 
     async def _push_occurrence(self, t: float) -> bool:
         """Push occurrence ``t``, retrying with backoff until it is in or its time has come
@@ -273,14 +315,14 @@ class Repeater(StoppedOnExit):
         while True:
             generation = self._outage.generation
             try:
-                await self._push(max(0.0, t - time.time()), headers, message_id)
+                await self._push(max(0.0, t - clock()), headers, message_id)
             except ClosedError:
                 raise
             except Exception as exc:
                 self._outage.failed(exc, generation, "push")  # raises what cannot heal
                 pause = retry_backoff(self._failures)
                 self._failures += 1
-                left = t - time.time()
+                left = t - clock()
                 if left <= pause:
                     await asyncio.sleep(max(0.0, left))
                     self.missed += 1
@@ -302,7 +344,7 @@ class Repeater(StoppedOnExit):
 async def _sleep_until(t: float) -> None:
     """Sleep until the wall clock reads ``t`` (asyncio sleeps on the monotonic clock)."""
     while True:
-        left = t - time.time()
+        left = t - clock()
         if left <= 0:
             return
         await asyncio.sleep(min(left, LONGEST_NAP))

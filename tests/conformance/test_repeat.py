@@ -19,6 +19,7 @@ from backends import BackendCase
 from conftest import Connect, needs
 
 import aio_keuss
+import aio_keuss.repeat
 from aio_keuss import Message
 
 pytestmark = pytest.mark.timeout(90)
@@ -293,3 +294,39 @@ async def test_a_worker_repeats_with_a_priority_or_refuses_the_backend(connect: 
         return
     await asyncio.wait_for(running, 2 * WAIT)
     assert seen and set(seen) == {5}
+
+
+async def test_a_late_wake_counts_and_logs_the_occurrences_it_skips(
+    queue: aio_keuss.Queue, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A repeater woken more than a period late (a loaded loop, a long pause, a suspended
+    machine) skips what fell due meanwhile (not made up, as the README says), and counts
+    each skipped occurrence in ``missed``. The clock the repeater reads is the test's: it
+    stands still until the test steps it past ten occurrences, so nothing here depends on
+    how fast the machine is."""
+    _repeatable(queue)
+    period = 60.0
+    now = [(time.time() // period) * period + 1.0]  # just after an occurrence
+    monkeypatch.setattr(aio_keuss.repeat, "clock", lambda: now[0])
+    monkeypatch.setattr(aio_keuss.repeat, "LONGEST_NAP", 0.05)  # reads the clock often
+    with caplog.at_level(logging.WARNING, logger="aio_keuss.repeat"):
+        repeater = queue.repeat("late", 1, every=period)
+        deadline = time.monotonic() + WAIT
+        while repeater.pushed < 1:
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.01)
+        assert repeater.next_at is not None
+        first = repeater.next_at.timestamp()
+        assert first == now[0] - 1.0 + period
+        now[0] = first + 10.5 * period  # woken 10.5 periods late: 10 skipped
+        while repeater.pushed < 2:
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.01)
+        await repeater.stop()
+    assert repeater.next_at is not None and repeater.next_at.timestamp() == first + 11 * period
+    assert repeater.missed == 10
+    (record,) = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert "10 occurrences" in record.getMessage() and "'late'" in record.getMessage()
+    if queue.capabilities.remove:
+        for t in (first, first + 11 * period):
+            assert await queue.remove(f"late@{round(t * 1000)}")
