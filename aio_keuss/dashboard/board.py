@@ -2,7 +2,9 @@
 
 Queues come from ``factory.list()`` (every queue any process opened on the backend), each
 opened here with the options it was recorded with: opening a queue records its options, so
-opening it with this process's defaults would overwrite what the application set.
+opening it with this process's defaults would overwrite what the application set. Recorded
+options that fail to apply here (a value a newer release allows) leave the queue opened with
+the defaults without recording them.
 
 Rates come from the shared counters (``Queue.stats``): a background task samples them every
 ``sample_every`` seconds and keeps the last ``keep`` seconds, so the chart has a history as
@@ -120,9 +122,11 @@ class Board:
                 options = {k: v for k, v in listed[name].items() if k in QUEUE_OPTION_NAMES}
                 try:
                     self._queues[name] = await self.factory.queue(name, **options)
-                except KeussError as exc:  # e.g. opened meanwhile with other options
-                    log.debug("queue %r opened with defaults: %s", name, exc)
-                    self._queues[name] = await self.factory.queue(name)
+                except KeussError as exc:  # e.g. options a newer release recorded
+                    # shown all the same, opened with the defaults as a move reaches a queue:
+                    # not recorded over what the application recorded (factory.queue would)
+                    log.debug("queue %r opened with defaults, unrecorded: %s", name, exc)
+                    self._queues[name] = await self.factory._sibling(name)
         return {name: self._queues[name] for name in sorted(listed)}
 
     async def queue(self, name: object) -> Queue:

@@ -1,0 +1,56 @@
+"""The dashboard's Board on real servers, without a browser: what reading a backend through
+it leaves in that backend.
+
+The Board opens every listed queue with the options the application recorded for it, since
+opening a queue records its options. Options that fail to apply (a value a newer release
+recorded that this one refuses, or one written by hand) must not be replaced by the
+dashboard's defaults as it falls back to opening the queue with them: the application's
+processes would reopen it with those.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+from backends import CASES, BackendCase, new_token
+
+import aio_keuss
+from aio_keuss.dashboard.board import Board  # the Board itself needs no aiohttp
+
+pytestmark = pytest.mark.timeout(120)
+
+BOARD_CASES = [case for case in CASES if case.id in ("redis-oq", "postgres", "mongo")]
+
+
+@pytest.fixture(params=BOARD_CASES, ids=lambda case: case.id)
+async def backend(request: pytest.FixtureRequest) -> AsyncIterator[tuple[str, dict[str, Any]]]:
+    case: BackendCase = request.param
+    reason = case.available()
+    if reason:
+        pytest.skip(reason)
+    options = case.options(new_token())
+    yield case.name, options
+    if case.cleanup is not None:
+        await case.cleanup(options)
+
+
+async def test_recorded_options_that_fail_to_apply_are_left_as_recorded(
+    backend: tuple[str, dict[str, Any]],
+) -> None:
+    name, options = backend
+    async with aio_keuss.connect(name, **options) as app:
+        jobs = await app.queue("jobs", max_batch=7)
+        await jobs.push({"n": 1})
+        recorded = (await app.list())["jobs"]
+        assert recorded["max_batch"] == 7
+        # what this release refuses: as if recorded by one that allows it, or by hand
+        refused = {**recorded, "max_batch": 0}
+        await app.stats_store.save_options("jobs", refused)
+    async with aio_keuss.connect(name, **options) as viewer:
+        board = Board(viewer, sample_every=3600)
+        state = await board.state()
+        assert [row["name"] for row in state["queues"]] == ["jobs"]
+        assert state["queues"][0]["size"] == 1  # shown all the same, opened with the defaults
+        assert (await viewer.list())["jobs"] == refused  # and not recorded over
