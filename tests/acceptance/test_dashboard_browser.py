@@ -585,3 +585,51 @@ async def test_a_requeue_that_moved_nothing_says_so(
             await expect(page.locator("#status")).to_contain_text("not requeued")
             found = await dead.find(stray)
             assert found is not None and found.queue == "__deadletter__"
+
+
+STATUSES = """() => {
+    window.statuses = [];
+    new MutationObserver(() => {
+        window.statuses.push(document.getElementById("status").textContent);
+    }).observe(document.body, { attributes: true, attributeFilter: ["data-refreshes"] });
+}"""
+"""Records the status each completed refresh leaves, read as it completes (the observer runs
+before any other refresh can): which refreshes showed an outcome, without timing any."""
+
+
+async def test_requeue_all_says_how_many_moved_and_keeps_a_shortfall_shown(
+    browser: Any, redis_options: dict[str, Any]
+) -> None:
+    """Requeue all said "done" whatever moved, the count the server answers never shown:
+    with one message of two whose x-dl-from-queue names no queue, half stayed in the
+    deadletter queue unsaid. It now says how many moved of how many, and a shortfall is
+    a failure shown over the refreshes that follow, as for a single Requeue."""
+    async with aio_keuss.connect("redis-oq", deadletter={"max_ko": 0}, **redis_options) as factory:
+        dead = await factory.queue("__deadletter__")
+        stray = await dead.push({"n": 1}, headers={"x-dl-from-queue": "not a queue!"})
+        failed = await _ko_to_deadletter(await factory.queue("orders"), {"n": 2})
+        async with Dashboard(factory, port=0, sample_every=3600) as dashboard:
+            page = await _page(browser)
+            await page.goto(dashboard.url)
+            for message_id in (stray, failed):
+                row = page.locator(f'#deadletter tr[data-id="{message_id}"]')
+                await expect(row).to_be_visible(timeout=WAIT)
+            await page.evaluate(STATUSES)
+            await page.locator("#dl-requeue-all").click()
+            status = page.locator("#status")
+            await expect(status).to_contain_text("requeued 1 of 2", timeout=WAIT)
+            await expect(status).to_have_class("bad")
+            await page.wait_for_function(  # until a refresh after the outcome's says "updated"
+                """() => {
+                    const first = window.statuses.findIndex((s) => s.includes("requeued 1 of 2"));
+                    return first >= 0 && window.statuses.slice(first).some(
+                        (s) => s.startsWith("updated"));
+                }""",
+                timeout=WAIT * 2,
+            )
+            statuses = await page.evaluate("window.statuses")
+            shown = [s for s in statuses if "requeued 1 of 2" in s]
+            assert len(shown) == 5, statuses  # the failure stays over five refreshes
+            found = await dead.find(stray)
+            assert found is not None and found.queue == "__deadletter__"
+            assert await (await factory.queue("orders")).find(failed) is not None

@@ -442,8 +442,8 @@
   async function act(button, work) {
     button.disabled = true;
     try {
-      await work();
-      notice = { text: "done", bad: false, left: 1 };
+      const outcome = await work(); // what it did, when more than "done" can say
+      notice = { text: outcome || "done", bad: false, left: 1 };
     } catch (error) {
       notice = { text: `failed: ${error.message}`, bad: true, left: NOTICE_REFRESHES };
     } finally {
@@ -483,8 +483,22 @@
     document.getElementById("peek-section").hidden = true;
   });
   document.getElementById("peek-state").addEventListener("change", drawPeek);
+  // A requeue of all takes the first REQUEUE_MAX ready messages (Board.REQUEUE_MAX) and
+  // answers with those that moved: fewer than the ready ones last shown is a failure, shown
+  // as a single Requeue's is, since what stayed (held by a consumer, gone, or with no valid
+  // x-dl-from-queue) is otherwise unsaid.
+  const REQUEUE_MAX = 1000;
   document.getElementById("dl-requeue-all").addEventListener("click", (event) =>
-    act(event.currentTarget, () => api("/api/requeue", { queue: state.deadletter, ids: null })));
+    act(event.currentTarget, async () => {
+      const row = state.queues.find((q) => q.name === state.deadletter);
+      const ready = Math.min(row ? row.size : 0, REQUEUE_MAX);
+      const moved = Object.keys(await api("/api/requeue", { queue: state.deadletter, ids: null }));
+      if (moved.length < ready) {
+        throw new Error(`requeued ${moved.length} of ${ready} (the rest held by a consumer,`
+          + " gone, or with no valid x-dl-from-queue)");
+      }
+      return `requeued ${moved.length}`;
+    }));
 
   refresh();
   setInterval(() => {
