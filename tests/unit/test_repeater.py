@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 import pytest
 
-from aio_keuss import InvalidInputError, KeussConnectionError, Repeater
+from aio_keuss import InvalidInputError, KeussConnectionError, Repeater, repeat
 from aio_keuss.message import Headers
 from aio_keuss.repeat import RepeatPlan, occurrence_id
 
@@ -138,3 +138,29 @@ async def test_a_stop_cancelled_before_it_ran_still_stops_it() -> None:
     assert repeater.state == "stopped"
     await asyncio.wait_for(repeater.wait(), WAIT)  # not still sleeping towards its next push
     assert stopped == [repeater] and push.calls == 1
+
+
+@pytest.mark.parametrize("cron", [None, "* * * * *"], ids=["every", "cron"])
+async def test_a_late_wake_before_a_ttl_lead_push_counts_what_it_skips(
+    monkeypatch: pytest.MonkeyPatch, cron: str | None
+) -> None:
+    """On a queue with a ``message_ttl`` an occurrence is pushed only a share of it before
+    its time: a wake past the occurrence skips it and those after (counted by division for
+    ``every``, walked for a cron). The repeater's clock is the test's: it stands still
+    until stepped."""
+    period = 60.0
+    now = [(time.time() // period) * period + 1.0]
+    monkeypatch.setattr(repeat, "clock", lambda: now[0])
+    monkeypatch.setattr(repeat, "LONGEST_NAP", 0.01)
+    push = Pushes()
+    plan = RepeatPlan.make("k", None if cron else period, cron, "UTC", {})
+    repeater = Repeater(plan, "q", push, lambda _: None, message_ttl=20.0)  # pushed 10 s before
+    await asyncio.sleep(0)  # its task's first step: ``first`` found, asleep till its lead
+    first = now[0] - 1.0 + period
+    now[0] = first + 10.5 * period  # asleep until 10 s before ``first``: 11 skipped
+    await _until(lambda: repeater.missed > 0)
+    assert repeater.missed == 11 and push.calls == 0
+    now[0] = first + 11 * period - 5.0  # within the lead of the next one
+    await _until(lambda: repeater.pushed == 1)
+    await repeater.stop()
+    assert push.ids == [occurrence_id("k", first + 11 * period)] and repeater.missed == 11
