@@ -2476,7 +2476,15 @@ class Queue:
             # reservations the user held stayed reserved until ``reserve_delay``, and a
             # store holding state of its own (a bucket store's leased buckets) kept it until
             # its lease lapsed.
-            await self._in_grace(self._finish_close())
+            try:
+                await self._in_grace(self._finish_close())
+            except Exception as exc:
+                # the store's close gave up too (a bucket store past its bound on a silent
+                # server): raised in place of the cancellation, it swallowed the caller's
+                # cancel (a TaskGroup, a shutdown timeout saw a failure where it cancelled)
+                log.warning(
+                    "queue %r: cancelled close: the store's close failed: %r", self.name, exc
+                )
             raise
 
     async def _in_grace(self, rest: Coroutine[Any, Any, None]) -> asyncio.CancelledError | None:
@@ -2499,10 +2507,17 @@ class Queue:
                 self.name,
                 exc,
             )
-            return exc if isinstance(exc, asyncio.CancelledError) else None
-        finally:
+            given_up = exc if isinstance(exc, asyncio.CancelledError) else None
+        else:
+            given_up = None
+        try:
             await self._store.close()
-        return None
+        except Exception as exc:
+            if given_up is None:
+                raise
+            # cancelled again: the cancellation is the answer, not the store's failure
+            log.warning("queue %r: cancelled close: the store's close failed: %r", self.name, exc)
+        return given_up
 
     async def _stop_consumers(self) -> None:
         """Stop every consumer, side by side: their in-flight handlers finish and acknowledge.

@@ -122,3 +122,37 @@ async def test_a_cancelled_close_ends_when_the_server_goes_silent(
     finally:
         await after.close()
         await case.drop({"url": case.url, **options})
+
+
+async def test_a_queue_close_cancelled_on_a_silent_bucket_server_ends_cancelled() -> None:
+    """A queue's close cancelled once ends as cancelled, even when the bucket store's close
+    under it gives up its writes (KeussConnectionError past its bound): raised in place of
+    the cancellation, the caller's cancel was swallowed (a TaskGroup or a shutdown then saw
+    a connection failure where it cancelled)."""
+    options = {"prefix": f"akr-{new_token()}", "bucket_max_wait": 0.02, "state_flush_period": 0.05}
+    hole = BlackHole("127.0.0.1", 6379, b"")
+    await hole.start()
+    url = REDIS_URL.replace("127.0.0.1:6379", f"127.0.0.1:{hole.port}")
+    factory = await aio_keuss.connect("bucket-redis", url=url, signal_debounce=59.0, **options)
+    closing: asyncio.Task[None] | None = None
+    try:
+        q = await factory.queue("silent", reserve_delay=1.0)
+        for n in range(4):
+            await q.push(n)
+        done = await q.reserve()
+        assert done is not None and await q.reserve() is not None
+        await q.ok(done)
+        hole.swallow()
+        closing = asyncio.ensure_future(q.close())
+        await asyncio.sleep(0.5)
+        closing.cancel()
+        ended, _ = await asyncio.wait({closing}, timeout=90.0)
+        assert ended, "a close cancelled once never ended"
+        assert closing.cancelled(), f"ended with {closing.exception()!r}, not cancelled"
+    finally:
+        hole.close()
+        if closing is not None and not closing.done():
+            closing.cancel()
+            await asyncio.wait({closing}, timeout=90.0)
+        await factory.close(timeout=2.0)
+        await _drop_redis_prefix({"url": REDIS_URL, **options})
