@@ -30,12 +30,25 @@ class Silent:
     options: Callable[[], dict[str, Any]]
     drop: Callable[[dict[str, Any]], Awaitable[None]]
     guard: float
-    """Generous: the documented bound is a cancelled close's grace (10 s), and on PostgreSQL
-    the pool's close after it (10 s more)."""
+    """A hang guard, not a timing assertion: twice the documented bound, which is a
+    cancelled close's grace (10 s), and on PostgreSQL the pool's close after it (10 s
+    more)."""
     oks_written: bool = True
     """Whether an ok that returned is stored: a bucket store's oks are written by its state
     flusher, and one the silent server never took is undone with the lease (README,
     "Buckets and outages")."""
+
+
+UNFIXED = {
+    "bucket-redis": "unfixed: each reply the silent server never sent waits out the fast"
+    " lane's own 10 s cancel grace, one after the other (the queue's drain, its close's"
+    " write-backs, the state flusher): the close ends after 40 to 65 s, not within 10 s"
+}
+
+
+def _mark_unfixed(case: Silent, request: pytest.FixtureRequest) -> None:
+    if case.backend in UNFIXED:
+        request.applymarker(pytest.mark.xfail(strict=True, reason=UNFIXED[case.backend]))
 
 
 CASES = [
@@ -65,9 +78,22 @@ CASES = [
             "state_flush_period": 0.05,
         },
         _drop_redis_prefix,
-        # the store's close gives up its writes too (CLOSE_BOUND, then the fast lane's
-        # cancel grace for the write in flight and for the state flusher's)
-        70.0,
+        # the replies still awaited once the grace is spent are given up with the
+        # connection, not each after its own cancel grace (50 to 65 s in all before)
+        20.0,
+        oks_written=False,
+    ),
+    Silent(
+        "bucket-postgres",
+        5432,
+        POSTGRES_URL,
+        lambda: {
+            "schema": f"akt_{new_token()}",
+            "bucket_max_wait": 0.02,
+            "state_flush_period": 0.05,
+        },
+        _drop_postgres_schema,
+        40.0,
         oks_written=False,
     ),
 ]
@@ -75,8 +101,9 @@ CASES = [
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.backend)
 async def test_a_cancelled_close_ends_when_the_server_goes_silent(
-    case: Silent, monkeypatch: pytest.MonkeyPatch
+    case: Silent, monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest
 ) -> None:
+    _mark_unfixed(case, request)
     # the counters stay buffered until the close, whose last write then meets the silence
     monkeypatch.setattr(stats.StatsStore, "flush_interval", 3600.0)
     options = case.options()
@@ -117,8 +144,77 @@ async def test_a_cancelled_close_ends_when_the_server_goes_silent(
             left.append(message.payload)
         # the popped and ok-ed ones stay gone (an ok a bucket store never wrote comes
         # back); the one held comes back on expiry
-        gone = {popped.payload, done.payload} if case.oks_written else {popped.payload}
-        assert sorted(left) == sorted({0, 1, 2, 3} - gone)
+        await _check_left(case, left, popped.payload, done.payload)
+    finally:
+        await after.close()
+        await case.drop({"url": case.url, **options})
+
+
+async def _check_left(case: Silent, left: list[Any], popped: Any, done: Any) -> None:
+    """The popped one stays gone, the held one is back; the ok-ed one stays gone where oks
+    are written as they return, and on a bucket store either (its ok came back unless a
+    state write reached the server before the silence): never an acknowledged loss."""
+    if case.oks_written:
+        assert sorted(left) == sorted({0, 1, 2, 3} - {popped, done})
+    else:
+        assert sorted(left) in (
+            sorted({0, 1, 2, 3} - {popped, done}),
+            sorted({0, 1, 2, 3} - {popped}),
+        )
+
+
+TIMEOUT = 2.0
+"""An uncancelled close's own timeout in the test below: short, so the guard stays short."""
+
+
+@pytest.mark.parametrize(
+    "case",
+    [c for c in CASES if c.backend.startswith("bucket-")],
+    ids=lambda c: c.backend,
+)
+async def test_a_close_nobody_cancels_ends_past_its_timeout_on_a_silent_server(
+    case: Silent, monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest
+) -> None:
+    """``close(timeout=...)`` goes on as a cancelled close once its timeout is spent: it
+    ends within the timeout and the grace after it (README: a close nobody cancels is
+    bounded too), and returns without raising."""
+    _mark_unfixed(case, request)
+    monkeypatch.setattr(stats.StatsStore, "flush_interval", 3600.0)
+    options = case.options()
+    hole = BlackHole("127.0.0.1", case.port, b"")
+    await hole.start()
+    url = case.url.replace(f"127.0.0.1:{case.port}", f"127.0.0.1:{hole.port}")
+    factory = await aio_keuss.connect(case.backend, url=url, signal_debounce=59.0, **options)
+    closing: asyncio.Task[None] | None = None
+    ended: set[asyncio.Task[None]] = set()
+    try:
+        q = await factory.queue("silent", reserve_delay=1.0)
+        for n in range(4):
+            await q.push(n)
+        popped = await q.pop()
+        done = await q.reserve()
+        held = await q.reserve()
+        assert popped is not None and done is not None and held is not None
+        await q.ok(done)
+        hole.swallow()
+        closing = asyncio.ensure_future(factory.close(timeout=TIMEOUT))
+        ended, _ = await asyncio.wait({closing}, timeout=TIMEOUT + case.guard)
+        assert ended, "a close with a timeout never ended"
+        closing.result()  # past its timeout it returns, without raising
+    finally:
+        hole.close()
+        if closing is not None and not closing.done():
+            closing.cancel()
+            await asyncio.wait({closing}, timeout=case.guard)
+        if not ended:
+            await case.drop({"url": case.url, **options})
+    after = await aio_keuss.connect(case.backend, url=case.url, **options)
+    try:
+        q = await after.queue("silent", reserve_delay=1.0)
+        left = []
+        while (message := await q.pop(timeout=5)) is not None:
+            left.append(message.payload)
+        await _check_left(case, left, popped.payload, done.payload)
     finally:
         await after.close()
         await case.drop({"url": case.url, **options})
