@@ -806,6 +806,14 @@ class Backend(ABC):
     async def close(self) -> None:
         """Close what ``open`` opened (never a client the user passed in)."""
 
+    def abandon(self) -> None:
+        """A cancelled close's grace is spent: give up at once every call still waiting
+        for the server, and refuse (``ClosedError``) every later one, until :meth:`close`.
+        Only for a connection whose calls outlast their cancellation (Redis's own, see
+        ``aio_keuss.redis.connection``): there each reply a silent server never sent kept
+        its caller for its own cancel grace, one after the other, so a cancelled close
+        ended minutes late. Elsewhere a cancelled call ends at once: nothing to do."""
+
     @abstractmethod
     async def store(self, queue: str, options: QueueOptions) -> Store:
         """Make (creating storage on first use) the store of one queue, with ``options``.

@@ -488,6 +488,12 @@ class Factory:
         # when a cancelled close's grace ends: the queues' closes, then the stats store's last
         # write and the signals on their way out share it (a silent server answers neither)
         grace_end = loop.time() + CANCELLED_CLOSE_GRACE if cut_short else None
+        # Once the grace is spent, what still waits for the server is given up at once with
+        # the connection (``Backend.abandon``): on Redis each reply a silent server never
+        # sent held its caller for its own cancel grace, one after the other (the queue's
+        # drain, the bucket store's write-backs, its state flusher), and a cancelled close
+        # of bucket-redis ended after a minute rather than within its grace.
+        abandon: asyncio.TimerHandle | None = None
         try:
             stops: Sequence[BaseException | None] = ()
             try:
@@ -502,6 +508,8 @@ class Factory:
                 while self._opening:  # opened by a handler's move while it finished
                     await asyncio.wait(list(self._opening.values()))
                 queues = list(self._queues.values())
+                if grace_end is not None:
+                    abandon = loop.call_at(grace_end, self.backend.abandon)
                 # then the queues close, side by side: one failing to close (its server
                 # away) must not keep the others open; after a cancelled stop too, so that
                 # each still gives back what it holds before the backend closes under it
@@ -519,6 +527,7 @@ class Factory:
                     closes = [None if t.cancelled() else t.exception() for t in closing]
                 except asyncio.CancelledError:
                     grace_end = loop.time() + CANCELLED_CLOSE_GRACE
+                    abandon = loop.call_at(grace_end, self.backend.abandon)
                     for task in closing:
                         task.cancel()
                     await asyncio.gather(*closing, return_exceptions=True)
@@ -546,7 +555,11 @@ class Factory:
                     try:
                         await self._results.close()
                     finally:
-                        await self.backend.close()
+                        try:
+                            await self.backend.close()
+                        finally:
+                            if abandon is not None:
+                                abandon.cancel()
 
     async def __aenter__(self) -> Factory:
         return self

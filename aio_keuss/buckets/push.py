@@ -345,7 +345,9 @@ class PushSide:
             try:
                 await self._storage.insert_buckets(self.name, encoded)
             except Exception as exc:
-                if attempt + 1 < attempts:
+                # a connection given up by a cancelled close (``Backend.abandon``) refuses
+                # every retry: their backoff only kept the close past its bound
+                if attempt + 1 < attempts and not isinstance(exc, ClosedError):
                     await asyncio.sleep(0.1 * 2**attempt)
                     continue
                 if self._settings.ack_on_buffer:

@@ -152,7 +152,7 @@ from ..contract import (
     Store,
     Stored,
 )
-from ..errors import KeussConnectionError
+from ..errors import ClosedError, KeussConnectionError
 from ..message import merge_headers
 from ..options import DEFAULT_DEADLETTER_QUEUE
 from ..types import Capabilities, KoResult, Sizes
@@ -1067,6 +1067,11 @@ class BucketStore(PushSide, StateWriter, Store):
         while self._held_buckets or self._departing:
             try:
                 await self._flush_state(release_all=True)
+            except ClosedError:
+                # the connection itself was given up (a cancelled close's grace is spent,
+                # see ``Backend.abandon``): no retry gets through, and its 3 s of backoff
+                # only kept the close past its bound
+                raise
             except Exception:
                 attempt += 1
                 if attempt >= ACK_ON_BUFFER_RETRIES:

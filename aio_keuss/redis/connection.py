@@ -33,6 +33,7 @@ from .. import cpu, keepalive
 from ..contract import Backend
 from ..errors import (
     BackendError,
+    ClosedError,
     ConfigError,
     KeussConnectionError,
     KeussError,
@@ -522,6 +523,7 @@ class _FastLane:
         self._write_mode = write_mode
         self._protocol: _LaneProtocol | None = None
         self._connecting: asyncio.Lock | None = None
+        self._abandoned = False
 
     def call(self, args: Sequence[Any]) -> Awaitable[Any]:
         """Send one command; the reply (an error reply raises) is what the result awaits.
@@ -556,6 +558,8 @@ class _FastLane:
         return await protocol.send_script(script, packed)
 
     async def _connect(self) -> _LaneProtocol:
+        if self._abandoned:  # never again: the factory is closing (see ``abandon``)
+            raise ClosedError("the factory's close gave up its connection to Redis")
         if self._connecting is None:
             self._connecting = asyncio.Lock()
         async with self._connecting:
@@ -600,6 +604,19 @@ class _FastLane:
             self._protocol.flush()
             self._protocol.transport.close()
         self._protocol = None
+
+    def abandon(self) -> None:
+        """Fail every reply still awaited, at once, and refuse to connect again. A caller
+        cancelled while waiting for a reply waits for it up to ``CANCEL_GRACE`` (see
+        :class:`_Reply`); once a cancelled close's grace is spent, a server that stopped
+        answering left each such wait, one after the other, to run its whole grace."""
+        self._abandoned = True
+        protocol, self._protocol = self._protocol, None
+        if protocol is None:
+            return
+        protocol._fail(ClosedError("the factory's close gave up its connection to Redis"))
+        if protocol.transport is not None:
+            protocol.transport.abort()
 
 
 _pack_command: Callable[[Any], bytes] = hiredis.pack_command  # its stubs say a 1-tuple
@@ -1014,6 +1031,12 @@ class RedisConnection(Backend):
             self._lane.close()
         if self._owns_client:
             await self.client.aclose()
+
+    def abandon(self) -> None:
+        """See :meth:`Backend.abandon`: the fast lane's replies refuse cancellation for a
+        while; redis-py's calls end once cancelled."""
+        if self._lane is not None:
+            self._lane.abandon()
 
     def key(self, queue: str, *parts: str) -> str:
         """``prefix:{queue}:part:...``: the braces make one cluster slot per queue. With

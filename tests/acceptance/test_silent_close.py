@@ -39,18 +39,6 @@ class Silent:
     "Buckets and outages")."""
 
 
-UNFIXED = {
-    "bucket-redis": "unfixed: each reply the silent server never sent waits out the fast"
-    " lane's own 10 s cancel grace, one after the other (the queue's drain, its close's"
-    " write-backs, the state flusher): the close ends after 40 to 65 s, not within 10 s"
-}
-
-
-def _mark_unfixed(case: Silent, request: pytest.FixtureRequest) -> None:
-    if case.backend in UNFIXED:
-        request.applymarker(pytest.mark.xfail(strict=True, reason=UNFIXED[case.backend]))
-
-
 CASES = [
     Silent(
         "redis-oq",
@@ -101,9 +89,8 @@ CASES = [
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.backend)
 async def test_a_cancelled_close_ends_when_the_server_goes_silent(
-    case: Silent, monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest
+    case: Silent, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    _mark_unfixed(case, request)
     # the counters stay buffered until the close, whose last write then meets the silence
     monkeypatch.setattr(stats.StatsStore, "flush_interval", 3600.0)
     options = case.options()
@@ -173,12 +160,11 @@ TIMEOUT = 2.0
     ids=lambda c: c.backend,
 )
 async def test_a_close_nobody_cancels_ends_past_its_timeout_on_a_silent_server(
-    case: Silent, monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest
+    case: Silent, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """``close(timeout=...)`` goes on as a cancelled close once its timeout is spent: it
     ends within the timeout and the grace after it (README: a close nobody cancels is
     bounded too), and returns without raising."""
-    _mark_unfixed(case, request)
     monkeypatch.setattr(stats.StatsStore, "flush_interval", 3600.0)
     options = case.options()
     hole = BlackHole("127.0.0.1", case.port, b"")
