@@ -25,6 +25,7 @@ async def test_a_plain_close_ends_when_the_server_goes_silent(
     # With reservations held the queue's give-back meets the silence first; with only
     # counters buffered the queues close without a round trip and the stats store's last
     # write meets it (then the signals still on their way out).
+    case.started()
     monkeypatch.setattr(stats.StatsStore, "flush_interval", 3600.0)
     options = case.options()
     hole = BlackHole("127.0.0.1", case.port, b"")

@@ -12,11 +12,14 @@ import pytest
 from backends import (
     POSTGRES_URL,
     REDIS_URL,
+    _drop_mongo_database,
     _drop_postgres_schema,
     _drop_redis_prefix,
     new_token,
 )
 from black_hole import BlackHole
+from mongo_server import MONGO_URL, start_mongo
+from mongo_server import PORT as MONGO_PORT
 
 import aio_keuss
 import aio_keuss.buckets.store
@@ -40,6 +43,13 @@ class Silent:
     """Whether an ok that returned is stored: a bucket store's oks are written by its state
     flusher, and one the silent server never took is undone with the lease (README,
     "Buckets and outages")."""
+    start: Callable[[], str | None] = lambda: None
+    """Starts the server the tests start themselves; a reason to skip, or None."""
+
+    def started(self) -> None:
+        reason = self.start()
+        if reason is not None:
+            pytest.skip(reason)
 
 
 CASES = [
@@ -87,6 +97,20 @@ CASES = [
         40.0,
         oks_written=False,
     ),
+    Silent(
+        "bucket-mongo",
+        MONGO_PORT,
+        MONGO_URL,
+        lambda: {
+            "database": f"akt_{new_token()}",
+            "bucket_max_wait": 0.02,
+            "state_flush_period": 0.05,
+        },
+        _drop_mongo_database,
+        20.0,
+        oks_written=False,
+        start=start_mongo,
+    ),
 ]
 
 
@@ -95,6 +119,7 @@ async def test_a_cancelled_close_ends_when_the_server_goes_silent(
     case: Silent, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # the counters stay buffered until the close, whose last write then meets the silence
+    case.started()
     monkeypatch.setattr(stats.StatsStore, "flush_interval", 3600.0)
     options = case.options()
     hole = BlackHole("127.0.0.1", case.port, b"")  # every connection that sent anything
