@@ -370,10 +370,12 @@ class Factory:
         wait for it. Cancelled (a shutdown timeout), it skips the handlers' grace but still
         lets each queue finish for up to ``CANCELLED_CLOSE_GRACE`` seconds before the
         connection closes: a round trip in flight would lose its reply, and the reservations
-        held would stay out of reach until they expire. The stats store's last write and the
-        signals still on their way out get what is left of that grace, no more: past it the
-        last counters are dropped (a WARNING) and the signals too (another process's waiter
-        then finds the messages by its poll), never a message.
+        held would stay out of reach until they expire. Past it the calls still waiting for
+        the server are given up with the connection at once (``Backend.abandon``), not each
+        after a grace of its own. The stats store's last write and the signals still on
+        their way out get what is left of that grace, no more: past it the last counters
+        are dropped (a WARNING) and the signals too (another process's waiter then finds
+        the messages by its poll), never a message.
 
         ``timeout`` (seconds, default ``CLOSE_TIMEOUT``; None: no limit) bounds a close that
         nobody cancels the same way: past it the close is cancelled once, with a WARNING,

@@ -335,7 +335,8 @@ class _Reply(asyncio.Future[Any]):
     """The reply to a command already on the wire. Redis executes the command whatever the
     caller does, so cancelling the wait would only lose its result (messages a pop took):
     a cancellation instead takes effect when the reply is in (see ``coalesce.RunToEnd``),
-    or after ``CANCEL_GRACE`` seconds if Redis does not answer."""
+    or after ``CANCEL_GRACE`` seconds if Redis does not answer, or at once when a
+    cancelled close's grace is spent (``_FastLane.abandon``)."""
 
     _grace: asyncio.TimerHandle | None = None
 

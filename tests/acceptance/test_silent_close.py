@@ -59,7 +59,7 @@ CASES = [
         REDIS_URL,
         lambda: {"prefix": f"akr-{new_token()}"},
         _drop_redis_prefix,
-        30.0,
+        20.0,
     ),
     Silent(
         "postgres",
