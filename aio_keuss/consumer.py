@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import inspect
 import logging
 import math
@@ -123,6 +124,20 @@ def _asked_to_stop() -> bool:
     opposed to a handler raising a ``CancelledError`` it got from something it awaited."""
     task = asyncio.current_task()
     return task is None or task.cancelling() > 0
+
+
+_IN_HANDLER: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "aio_keuss_in_handler", default=False
+)
+"""Set in every consumer worker task, and so in the tasks its handler starts (a task
+created copies its creator's context: Python's ``asyncio.create_task`` documentation)."""
+
+
+def in_handler() -> bool:
+    """Whether the running code is a consumer's handler, or a task one started
+    (``asyncio.gather``, ``asyncio.wait_for`` on Python 3.11): a close it waited for may
+    wait for that very handler (see ``Factory._current``)."""
+    return _IN_HANDLER.get()
 
 
 class _HandlerScope:
@@ -967,6 +982,7 @@ class Consumer(StoppedOnExit):
                 await self._acknowledge_all("put back", popped, back)
 
     async def _run_worker(self) -> None:
+        _IN_HANDLER.set(True)  # this task's own context: see in_handler
         try:
             await self._work()
         except asyncio.CancelledError:

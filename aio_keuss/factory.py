@@ -12,6 +12,7 @@ from types import TracebackType
 from typing import Any
 
 from . import observe
+from .consumer import in_handler
 from .contract import Backend, RateRule
 from .errors import ClosedError, ConfigError
 from .options import (
@@ -146,12 +147,17 @@ class Factory:
 
     async def _closed_by_user(self, queue: Queue) -> bool:
         """Whether ``queue`` was closed by its own ``close()``, waiting for a close under way
-        to end. Not while the running task is one of its handlers (that close waits for the
-        handler): the closing queue is handed out then, and refuses calls as before."""
+        to end. Not from a consumer's handler, or a task one started, while the close is
+        under way: that close may wait for the handler (its own queue's; or another queue's
+        whose handler waits for this handler's queue to close), and the two waited for each
+        other until the stop's grace cancelled the handlers. The closing queue is handed out
+        then, and refuses calls as before; a move into it is made by the source's store."""
         closing = queue._closing.task
         if closing is None or queue._runs_a_handler():
             return False
         if not closing.done():
+            if in_handler():
+                return False
             with contextlib.suppress(Exception):  # its failure is its closer's to hear
                 await queue._closing.wait(owner=False)
         return queue._closed

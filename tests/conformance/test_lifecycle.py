@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 from backends import BackendCase
-from conftest import Connect, needs
+from conftest import Connect, drain_all, needs
 
 import aio_keuss
 from aio_keuss import Message, Queue
@@ -966,3 +966,70 @@ async def test_a_closed_queue_is_opened_afresh_by_the_factory(connect: Connect) 
     assert await again.total_size() == 2
     assert await factory.queue("a") is again
     assert q not in factory.open_queues() and again in factory.open_queues()
+
+
+async def test_a_handler_asking_for_a_closing_queue_does_not_hold_up_its_close(
+    connect: Connect,
+) -> None:
+    """``factory.queue(name)`` waits for a close of that queue under way, then opens it
+    afresh. Asked from a handler in a task of its own (``asyncio.gather`` in a handler,
+    ``asyncio.wait_for`` on Python 3.11), whose queue's close waits for that handler, the
+    two waited for each other until the consumer's stop grace (30 s) cancelled the
+    handler: it gets the closing queue at once, as its own worker task does."""
+    factory = await connect()
+    q = await factory.queue("a")
+    await q.push(1)
+    started, go = asyncio.Event(), asyncio.Event()
+    got: list[aio_keuss.Queue] = []
+
+    async def handler(message: aio_keuss.Message) -> None:
+        started.set()
+        await go.wait()
+        got.extend(await asyncio.gather(factory.queue("a")))
+
+    q.consume(handler)
+    await started.wait()
+    closing = asyncio.ensure_future(q.close())
+    await asyncio.sleep(0)  # the close began: it waits for the handler
+    go.set()
+    await closing
+    assert got == [q]  # not cancelled by the stop's grace: it went on with the closing queue
+    again = await factory.queue("a")
+    assert again is not q and await again.total_size() == 0  # the message was acknowledged
+
+
+async def test_handlers_moving_into_each_others_closing_queue_do_not_hold_up_the_closes(
+    connect: Connect,
+) -> None:
+    """Two queues closed together, each one's handler moving its message into the other
+    (a first move into a queue opens it through the factory): each waited for the other's
+    close, which waited for that handler, until the stop grace (30 s) cancelled both
+    handlers and nothing moved."""
+    factory = await connect()
+    needs(factory, "move")
+    a, b = await factory.queue("a"), await factory.queue("b")
+    await a.push("from a")
+    await b.push("from b")
+    started = [asyncio.Event(), asyncio.Event()]
+    go = asyncio.Event()
+    moved: list[str | None] = []
+
+    def mover(source: aio_keuss.Queue, target: str, ready: asyncio.Event) -> Any:
+        async def handler(message: aio_keuss.Message) -> None:
+            ready.set()
+            await go.wait()
+            moved.append(await source.move(message, target))
+
+        return handler
+
+    a.consume(mover(a, "b", started[0]))
+    b.consume(mover(b, "a", started[1]))
+    await asyncio.gather(*(event.wait() for event in started))
+    closing = asyncio.ensure_future(asyncio.gather(a.close(), b.close()))
+    await asyncio.sleep(0)
+    go.set()
+    await closing
+    assert len(moved) == 2 and None not in moved  # both handlers finished: both moved
+    again_a, again_b = await factory.queue("a"), await factory.queue("b")
+    assert [m.payload for m in await drain_all(again_a)] == ["from b"]
+    assert [m.payload for m in await drain_all(again_b)] == ["from a"]
