@@ -309,8 +309,13 @@ class Factory:
             raise ClosedError("factory is closed")
 
     def open_queues(self) -> list[Queue]:
-        """The queues this factory has open now (none once it is closed)."""
-        return [] if self._closed else list(self._queues.values())
+        """The queues this factory has open now (none once it is closed). Not one closed
+        by its own ``close()``, kept in the map until the next ``queue(name)`` drops it:
+        the metrics read the sizes of these, one per name over every factory, and that
+        closed one hid another factory's open queue of the name."""
+        if self._closed:
+            return []
+        return [queue for queue in self._queues.values() if not queue._closed]
 
     def _claimed_options(self) -> dict[str, QueueOptions]:
         """The options of the open queues asked for through :meth:`queue`: those it would

@@ -1033,3 +1033,24 @@ async def test_handlers_moving_into_each_others_closing_queue_do_not_hold_up_the
     again_a, again_b = await factory.queue("a"), await factory.queue("b")
     assert [m.payload for m in await drain_all(again_a)] == ["from b"]
     assert [m.payload for m in await drain_all(again_b)] == ["from a"]
+
+
+async def test_a_closed_queue_is_not_listed_open_nor_hides_another_factorys_sizes(
+    connect: Connect,
+) -> None:
+    """``factory.open_queues()`` listed a queue closed with ``queue.close()`` until the
+    next ``factory.queue(name)``. The metrics read the sizes of every factory's open
+    queues, one per name: the closed one was picked, its read failed, and the size of that
+    queue, open and holding a message in another factory, was left out of the gauge."""
+    closed_in, open_in = await connect(), await connect()
+    q = await closed_in.queue("a")
+    await q.close()
+    assert q not in closed_in.open_queues()
+    other = await open_in.queue("a")
+    await other.push(1)
+    registry = aio_keuss.enable_metrics()
+    try:
+        sizes = await registry.refresh_sizes(max_age=0)
+    finally:
+        aio_keuss.observe.disable()
+    assert sizes["a"].total == 1
