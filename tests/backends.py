@@ -13,10 +13,11 @@ import importlib
 import os
 import tempfile
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import pytest
 from mongo_server import MONGO_URL, start_mongo
 from redis_cluster import _drop_redis_cluster_prefix, _redis_cluster, start_redis_cluster
 
@@ -59,6 +60,20 @@ class BackendCase:
                 _SETUP_DONE[self.id] = self.setup()
             return _SETUP_DONE[self.id]
         return None
+
+    @contextlib.asynccontextmanager
+    async def keys(self) -> AsyncIterator[dict[str, Any]]:
+        """The case's options for one test's own keys, removed after; the test is skipped
+        where the case is not usable here."""
+        reason = self.available()
+        if reason:
+            pytest.skip(reason)
+        options = self.options(new_token())
+        try:
+            yield options
+        finally:
+            if self.cleanup is not None:
+                await self.cleanup(options)
 
 
 _SETUP_DONE: dict[str, str | None] = {}

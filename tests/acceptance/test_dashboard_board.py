@@ -14,7 +14,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
-from backends import CASES, BackendCase, new_token
+from backends import CASES, BackendCase
 
 import aio_keuss
 from aio_keuss.dashboard.board import Board  # the Board itself needs no aiohttp
@@ -27,13 +27,8 @@ BOARD_CASES = [case for case in CASES if case.id in ("redis-oq", "postgres", "mo
 @pytest.fixture(params=BOARD_CASES, ids=lambda case: case.id)
 async def backend(request: pytest.FixtureRequest) -> AsyncIterator[tuple[str, dict[str, Any]]]:
     case: BackendCase = request.param
-    reason = case.available()
-    if reason:
-        pytest.skip(reason)
-    options = case.options(new_token())
-    yield case.name, options
-    if case.cleanup is not None:
-        await case.cleanup(options)
+    async with case.keys() as options:
+        yield case.name, options
 
 
 async def test_recorded_options_that_fail_to_apply_are_left_as_recorded(

@@ -420,13 +420,8 @@ COMMAND_CASES = [case for case in CASES if case.id in ("redis-oq", "postgres", "
 @pytest.fixture(params=COMMAND_CASES, ids=lambda case: case.id)
 async def served_case(request: pytest.FixtureRequest) -> AsyncIterator[tuple[str, dict[str, Any]]]:
     case: BackendCase = request.param
-    reason = case.available()
-    if reason:
-        pytest.skip(reason)
-    options = case.options(new_token())
-    yield case.name, options
-    if case.cleanup is not None:
-        await case.cleanup(options)
+    async with case.keys() as options:
+        yield case.name, options
 
 
 def _backend_flags(name: str, options: dict[str, Any]) -> list[str]:
