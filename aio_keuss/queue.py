@@ -2427,7 +2427,9 @@ class Queue:
         closes its queues for you. Called by a handler of one of this queue's consumers, it
         cannot wait for that handler to end: it starts the close and returns (as
         ``consumer.stop()`` does), and the close lets every handler finish and acknowledge
-        before it gives anything back. Closes called while one is under way wait for it.
+        before it gives anything back. Closes called while one is under way wait for it. One
+        that failed (the server away) may be called again: it runs again, each step picking
+        up where the failed one stopped.
         Cancelled, it still finishes (calls in flight end, reservations go back) for up to
         ``CANCELLED_CLOSE_GRACE`` seconds, or until cancelled again."""
         await self._shut(cut_short=False)
@@ -2438,7 +2440,14 @@ class Queue:
         cancelled close, bounded alike, not left to wait for round trips in flight without
         end."""
         begun = self._closing.task
-        owner = begun is None or (begun.cancelled() and not self._closed)  # (again, as before)
+        # Begun again after one cancelled before the queue counted as closed (a cancelled
+        # one past that point closed the store in its grace), or one that failed (its server
+        # away): that one returned at once, and the store stayed open for good.
+        owner = (
+            begun is None
+            or (begun.cancelled() and not self._closed)
+            or (begun.done() and not begun.cancelled() and begun.exception() is not None)
+        )
         if owner:
             self._closing.begin(self._close(cut_short))
         elif not self._closing.under_way:
@@ -2682,6 +2691,7 @@ class Closing:
         return self.task is not None and not self.task.done()
 
     def begin(self, close: Coroutine[Any, Any, None]) -> None:
+        self._awaited = False  # (begun again after a failure: by a handler, nobody waits)
         self.task = asyncio.get_running_loop().create_task(close)
         self.task.add_done_callback(self._ended)
 

@@ -17,12 +17,18 @@ class BlackHole:
         self.marker = marker
         self.listeners: list[dict[str, bool]] = []
         self.port = 0
+        self.down = False  # see ``cut``
+        self._writers: list[asyncio.StreamWriter] = []
 
     async def start(self) -> None:
         self.server = await asyncio.start_server(self._handle, "127.0.0.1", 0)
         self.port = self.server.sockets[0].getsockname()[1]
 
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if self.down:
+            writer.transport.abort()
+            return
+        self._writers.append(writer)
         to_reader, to_writer = await asyncio.open_connection(*self.target)
         state = {"listen": False, "hole": False}
         self.listeners.append(state)
@@ -52,6 +58,17 @@ class BlackHole:
         for state in held:
             state["hole"] = True
         return len(held)
+
+    def cut(self) -> None:
+        """The server goes down: every connection through here is reset, and so is each new
+        one at once, until :meth:`restore` (a server that stopped, then started again)."""
+        self.down = True
+        for writer in self._writers:
+            writer.transport.abort()
+        self._writers.clear()
+
+    def restore(self) -> None:
+        self.down = False
 
     def close(self) -> None:
         self.server.close()

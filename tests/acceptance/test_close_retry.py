@@ -1,0 +1,56 @@
+"""A queue's close that failed (its server down) is called again once the server is back:
+it must finish the close, not return at once with the store still open."""
+
+from __future__ import annotations
+
+import pytest
+from backends import REDIS_URL, _drop_redis_prefix, new_token
+from black_hole import BlackHole
+
+import aio_keuss
+from aio_keuss.errors import KeussConnectionError
+
+
+async def test_a_close_that_failed_is_finished_by_the_next_one() -> None:
+    """The drain of a bucket store's close writes the state of its leased buckets (an ok
+    not written yet); the server down, that write fails and the close raises before the
+    queue counts as closed. Called again once the server is back, the close returned at
+    once (the first one was over) and the store was never closed: the ok was never
+    written, the reservation never given back, and the leased bucket stayed out of reach
+    of every other process until its lease lapsed (``reserve_delay`` here)."""
+    options = {
+        "prefix": f"akr-{new_token()}",
+        "state_flush_period": 3600.0,  # the ok stays unwritten until the close
+        "reserve_delay": 3600.0,
+    }
+    hole = BlackHole("127.0.0.1", 6379, b"")
+    await hole.start()
+    url = REDIS_URL.replace("127.0.0.1:6379", f"127.0.0.1:{hole.port}")
+    factory = await aio_keuss.connect("bucket-redis", url=url, **options)
+    try:
+        q = await factory.queue("retry")
+        for n in range(3):
+            await q.push(n)
+        done = await q.reserve()
+        held = await q.reserve()
+        assert done is not None and held is not None
+        assert await q.ok(done)
+        hole.cut()
+        with pytest.raises(KeussConnectionError):
+            await q.close()
+        hole.restore()
+        await q.close()  # finishes the close: the ok written, the reservation given back
+    finally:
+        hole.restore()
+        await factory.close()
+        hole.close()
+    after = await aio_keuss.connect("bucket-redis", url=REDIS_URL, **options)
+    try:
+        q = await after.queue("retry")
+        left = []
+        while (message := await q.pop(timeout=1)) is not None:
+            left.append(message.payload)
+        assert sorted(left) == sorted({0, 1, 2} - {done.payload})
+    finally:
+        await after.close()
+        await _drop_redis_prefix({"url": REDIS_URL, **options})
