@@ -115,9 +115,15 @@ class Board:
     # queues ---------------------------------------------------------------------------
 
     async def _listed(self) -> dict[str, Queue]:
-        """Every listed queue, opened here once with its recorded options."""
+        """Every listed queue, opened here once with its recorded options, and again once
+        the application closed it (``queue.close()`` on the object its factory hands out,
+        this one): kept, the closed queue failed every read (ClosedError), where the
+        factory opens the name afresh."""
         listed = await self.factory.list()
         async with self._opening:
+            for name, queue in list(self._queues.items()):
+                if queue._closed or queue._closing.under_way:
+                    del self._queues[name]
             for name in sorted(set(listed) - set(self._queues)):
                 options = {k: v for k, v in listed[name].items() if k in QUEUE_OPTION_NAMES}
                 try:

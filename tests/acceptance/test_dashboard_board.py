@@ -49,3 +49,21 @@ async def test_recorded_options_that_fail_to_apply_are_left_as_recorded(
         assert [row["name"] for row in state["queues"]] == ["jobs"]
         assert state["queues"][0]["size"] == 1  # shown all the same, opened with the defaults
         assert (await viewer.list())["jobs"] == refused  # and not recorded over
+
+
+async def test_a_queue_closed_by_the_application_is_shown_reopened(
+    backend: tuple[str, dict[str, Any]],
+) -> None:
+    """The board keeps the queues it opened; the application closing one of them (the same
+    factory hands out one queue object per name) left the board reading the closed one,
+    and every state read failed with ClosedError until the process restarted."""
+    name, options = backend
+    async with aio_keuss.connect(name, **options) as factory:
+        jobs = await factory.queue("jobs")
+        await jobs.push({"n": 1})
+        board = Board(factory, sample_every=3600)
+        assert [row["name"] for row in (await board.state())["queues"]] == ["jobs"]
+        await jobs.close()
+        state = await board.state()
+        assert [row["size"] for row in state["queues"]] == [1]
+        await board.sample()  # the sampler reads them too
