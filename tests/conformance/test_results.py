@@ -283,6 +283,22 @@ async def test_bad_results_are_refused_before_anything_is_written(connect: Conne
     assert [await q.result(m) for m in held] == [None, None]
 
 
+async def test_a_ko_error_that_is_not_utf8_is_refused_before_the_deadletter(
+    connect: Connect,
+) -> None:
+    """A lone surrogate in ``error`` cannot be kept (JSON is UTF-8): it was found only once
+    the ko had deadlettered the message, and raised orjson's raw TypeError."""
+    factory = await _results_factory(connect, deadletter={"max_ko": 0})
+    q = await factory.queue("q1", result_ttl=TTL)
+    needs(q, "reserve")
+    await q.push_many([1, 2])
+    held = await _reserve_all(q, 2)
+    with pytest.raises(aio_keuss.InvalidInputError):
+        await q.ko(held[0], error="bad \ud800 input")
+    assert (await q.sizes()).reserved == 2  # the ko did not go through
+    assert [await q.result(m) for m in held] == [None, None]
+
+
 # failures ---------------------------------------------------------------------------------
 
 
