@@ -72,6 +72,9 @@ def exception_text(exc: BaseException) -> str:
     ``__str__`` may)."""
     try:
         said = str(exc)
+        # kept as JSON, which is UTF-8: a lone surrogate (a name decoded with
+        # ``surrogateescape``) is written as its escape rather than failing the final ko
+        said = said.encode("utf-8", "backslashreplace").decode()
     except Exception:
         said = "(its message could not be read)"
     return error_text(f"{type(exc).__name__}: {said}" if said else type(exc).__name__)

@@ -317,6 +317,29 @@ async def test_a_final_handler_failure_is_kept(connect: Connect) -> None:
     assert raised.value.id is not None
 
 
+async def test_a_final_handler_failure_with_a_lone_surrogate_is_kept(connect: Connect) -> None:
+    """An exception's message may hold a lone surrogate (a file name decoded with
+    ``surrogateescape``): its final ko must still go through and keep a failure."""
+    factory = await _results_factory(connect, deadletter={"max_ko": 0})
+    q = await factory.queue("q1", result_ttl=TTL)
+    needs(q, "reserve")
+
+    def handler(message: Message) -> None:
+        raise ValueError("no file b\udcff")
+
+    # the handler's failure is logged as it is: no capture of that may reach a pytest-xdist
+    # report, which cannot carry a lone surrogate
+    logging.disable(logging.CRITICAL)
+    try:
+        async with q.consume(handler, retry_delay=0.01, max_retry_delay=0.01):
+            with pytest.raises(JobFailedError) as raised:
+                await q.push_and_wait(1, timeout=GUARD)
+    finally:
+        logging.disable(logging.NOTSET)
+    assert raised.value.error == "ValueError: no file b\\udcff"
+    assert (await q.sizes()).total == 0  # deadlettered, not left reserved
+
+
 async def test_a_ko_that_deadletters_keeps_a_failure(connect: Connect) -> None:
     factory = await _results_factory(connect, deadletter={"max_ko": 0})
     q = await factory.queue("q1", result_ttl=TTL)
