@@ -73,7 +73,8 @@ MAX_HEARD = 4096
 
 
 def check_reason(reason: object) -> str | None:
-    """A cancel's reason: None, or a str of at most :data:`MAX_REASON_CHARS` characters."""
+    """A cancel's reason: None, or a str of valid UTF-8 of at most :data:`MAX_REASON_CHARS`
+    characters."""
     if reason is None:
         return None
     if not isinstance(reason, str):
@@ -82,6 +83,10 @@ def check_reason(reason: object) -> str | None:
         raise InvalidInputError(
             f"reason must be at most {MAX_REASON_CHARS} characters, not {len(reason)}"
         )
+    try:  # the request and the failure kept are JSON, which is UTF-8 (RFC 8259, 8.1)
+        reason.encode()
+    except UnicodeEncodeError as exc:
+        raise InvalidInputError(f"reason must be valid UTF-8: {exc.reason}") from None
     return reason
 
 

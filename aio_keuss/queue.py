@@ -1883,7 +1883,7 @@ class Queue:
         store while its handler runs, so not finding it does not mean nothing runs it (nor,
         found waiting, that nobody pops it before a removal that such a backend may lack).
         On a queue with ``result_ttl``, its failure result says ``"cancelled"`` (with
-        ``": <reason>"``). ``reason``: a str of at most 1,000 characters, or None.
+        ``": <reason>"``). ``reason``: a str of valid UTF-8 of at most 1,000 characters, or None.
 
         A request that reaches nothing (the id never pushed, or its message done) is kept
         for its lifetime (twice ``reserve_delay``, plus a minute), then expires. Without

@@ -129,10 +129,14 @@ async def test_nothing_to_cancel(connect: Connect) -> None:
         assert outcome is CancelResult.REQUESTED
 
 
-@pytest.mark.parametrize("bad", [42, b"bytes", "x" * 1001])
+@pytest.mark.parametrize(
+    "bad", [42, b"bytes", "x" * 1001, "not \ud800 UTF-8"], ids=["int", "bytes", "long", "surrogate"]
+)
 async def test_a_bad_reason_is_refused_before_anything(connect: Connect, bad: object) -> None:
+    """A lone surrogate was found only by the JSON of the request or of the failure kept,
+    as a raw TypeError, after a waiting message had been removed."""
     factory = await connect(poll_interval=60.0)
-    q = await factory.queue("q1")
+    q = await factory.queue("q1", **({"result_ttl": TTL} if factory.capabilities.results else {}))
     message_id = await q.push(1)
     with pytest.raises(aio_keuss.InvalidInputError):
         await q.cancel(message_id, reason=bad)  # type: ignore[arg-type]
