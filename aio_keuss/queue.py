@@ -316,6 +316,11 @@ class Queue:
                 run_in_caller=in_caller,
             )
         self._unsubscribe = signal.subscribe(name, self._on_signal)
+        # Grant signals come on a route of their own, which older releases never hear
+        # (see ``signal.GRANTS_ROUTE``); only a rate-limited queue has a use for them.
+        self._unsubscribe_grants: Callable[[], None] | None = None
+        if limiter is not None:
+            self._unsubscribe_grants = signal.subscribe_grants(name, self._on_grant_signal)
         store.on_visible(lambda mature: signal.insert(name, mature))
         store.on_orphaned_insert(self._inserted_for_nobody)
         store.on_finished_deadletter(self._deadlettered)
@@ -2561,6 +2566,8 @@ class Queue:
                 self._due_handle = None
             self._wakeups.announce(None)
             self._unsubscribe()
+            if self._unsubscribe_grants is not None:
+                self._unsubscribe_grants()
             if self._result_waits is not None:
                 await self._result_waits.close()
         for coalescer in self._coalescers():
@@ -2616,14 +2623,20 @@ class Queue:
         kind = signal.kind
         if kind == "insert":  # one per push: told apart first
             count = signal.count
-        elif kind == "grant":  # wakes only whom it concerns
-            self._on_grant_back()
+        elif kind == "grant":  # sent on its own route (``_on_grant_signal``), never here
             return
         else:
             count = None
             self._on_control_signal(kind)
         if not self._paused:
             self._wakeups.announce(count)
+
+    def _on_grant_signal(self, signal: Signal) -> None:
+        """A signal on the queue's grant route: a grant given back wakes only whom it
+        concerns (``_on_grant_back``). The resyncs and wake-ups a transport sends every
+        route after an outage are the queue route's business, heard there too."""
+        if signal.kind == "grant":
+            self._on_grant_back()
 
     def _on_control_signal(self, kind: str) -> None:
         """A signal other than an insert: a pause, a resume or a resync reads the paused

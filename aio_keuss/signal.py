@@ -44,6 +44,12 @@ CANCELS_ROUTE = "?cancel "
 """What a "cancel" signal's queue field starts with (the queue's name follows), routed apart
 from the queue's listeners as results are (see :data:`RESULTS_ROUTE`): a release that
 knows no cancel drops it, and only the consumers holding messages of that queue hear it."""
+GRANTS_ROUTE = "?grant "
+"""What a "grant" signal's queue field starts with (the queue's name follows), routed apart
+from the queue's listeners as results are (see :data:`RESULTS_ROUTE`): a release that knows
+no grant signal takes any kind it does not know on the queue's own route for a wake-up of
+all its consumers of that queue, each then costing a limiter round trip; on this route it
+finds nobody to wake and drops it."""
 MAX_SIGNAL_IDS = 64
 """Most ids a "result" signal names; beyond, it names none and every waiter looks."""
 MAX_SIGNAL_BYTES = 7000
@@ -241,11 +247,16 @@ class SignalBus:
         self._deliver(signal)
         self._send(signal)
 
+    def subscribe_grants(self, queue: str, listener: Listener) -> Callable[[], None]:
+        """Hear the "grant" signals of ``queue`` (and, as any listener, the resyncs and
+        wake-ups after the transport was away, which the queue's own route carries too)."""
+        return self.subscribe(GRANTS_ROUTE + queue, listener)
+
     def granted(self, queue: str) -> None:
         """Announce that a take gave back the rate grants it found no message for, having
         spent the last one due: the consumers the limiter refused meanwhile may take again
-        (see ``Queue._on_grant_back``); never debounced."""
-        signal = Signal(queue, "grant")
+        (see ``Queue._on_grant_back``); never debounced. Sent on :data:`GRANTS_ROUTE`."""
+        signal = Signal(GRANTS_ROUTE + queue, "grant")
         self._deliver(signal)
         self._send(signal)
 

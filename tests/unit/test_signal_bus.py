@@ -199,3 +199,53 @@ async def test_listeners_are_a_set_each_told_once_even_if_one_leaves_while_calle
     assert heard == []
     assert "q" not in bus._listeners  # nothing left behind for a queue nobody hears
     await bus.close()
+
+
+class _Published(SignalBus):
+    """A bus whose transport keeps what it would send to other processes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sent: list[bytes] = []
+
+    async def _publish(self, payload: bytes) -> None:
+        self.sent.append(payload)
+
+
+def _older_release_wakes(signal: Signal, paused: bool = False) -> bool:
+    """Whether a queue of a release before the grant signal (7e26c7d's
+    ``Queue._on_signal``, subscribed on the queue's name) woke its consumers on ``signal``:
+    an insert woke ``count`` of them, any other kind read as a control signal (a kind it does
+    not know does nothing there) and then woke them all, unless the queue was paused."""
+    if signal.kind == "insert":
+        return not paused and signal.count != 0
+    return not paused
+
+
+async def test_a_grant_signal_is_dropped_by_an_older_releases_queue_listener() -> None:
+    """During a rolling upgrade, the grant signal this release publishes (a give-back of the
+    last grant due) reaches processes of a release that knows no grant signal: routed on
+    the queue's own name, each of them woke all its consumers of that queue, every one then
+    costing a limiter round trip for nothing. Routed apart (as results and cancels are), no
+    queue listener of theirs hears it, while this release's grant listeners still do."""
+    new = _Published()
+    new.granted("q1")
+    await new.published()
+    (payload,) = new.sent
+    # an older release's bus: the same _receive, its queue listener subscribed on the name
+    older = SignalBus()
+    heard: list[Signal] = []
+    older.subscribe("q1", heard.append)
+    older._receive(payload)
+    assert not any(_older_release_wakes(signal) for signal in heard), heard
+    # this release's processes hear it on the grant route, not on the queue's own
+    other = SignalBus()
+    grants: list[Signal] = []
+    queue_heard: list[Signal] = []
+    other.subscribe_grants("q1", grants.append)
+    other.subscribe("q1", queue_heard.append)
+    other._receive(payload)
+    assert [s.kind for s in grants] == ["grant"] and not queue_heard
+    await new.close()
+    await older.close()
+    await other.close()
