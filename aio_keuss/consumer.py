@@ -813,6 +813,13 @@ class Consumer(StoppedOnExit):
         open for that (see :meth:`outlived`)."""
         return self._outliving is not None and not self._outliving.done()
 
+    @property
+    def stop_abandoned(self) -> bool:
+        """Whether its stop abandoned handlers (they went on once cancelled), whether or not
+        they still run: what a supervisor reports (the worker command's exit 70), which must
+        not hang on whether they happened to end before it looked (:attr:`abandoned`)."""
+        return self._outliving is not None
+
     async def outlived(self) -> None:
         """Until the handlers a stop abandoned have ended after all, their extensions
         stopped (at once if it abandoned none): then their queue can close. Their workers

@@ -28,7 +28,7 @@ from ..errors import (
 )
 from ..loading import add_connection_flags, import_callable
 from . import admin, loop
-from .run import left_open, pipeline_source, run_worker
+from .run import abandoned_handlers, left_open, pipeline_source, run_worker
 from .settings import REPEAT_FORM, WorkerSettings, connection_settings, option_value, resolve
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_UNREACHABLE = 0, 1, 2, 3
@@ -193,10 +193,17 @@ async def _serving(settings: WorkerSettings) -> int:
     at once (still in the loop: ``loop.exit_running``) if the worker left its connection open
     for handlers it abandoned, which run on: closing it, or ending the loop, would stop the
     extensions of their reservations while the process lives on."""
-    code = await _outcome(settings)
+    code = _exit_code(await _outcome(settings))
     if left_open():
-        await loop.exit_running(code or EXIT_ABANDONED)
+        await loop.exit_running(code)
     return code
+
+
+def _exit_code(outcome: int) -> int:
+    """The command's exit code for the worker's ``outcome``, in its loop once it returned:
+    ``EXIT_ABANDONED`` for a stop that would have exited 0 but abandoned handlers, whether
+    they still run (the connection left open) or ended since."""
+    return outcome or (EXIT_ABANDONED if abandoned_handlers() else EXIT_OK)
 
 
 async def _outcome(settings: WorkerSettings) -> int:

@@ -28,6 +28,7 @@ import contextlib
 import logging
 import os
 import signal
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, cast
 
@@ -245,6 +246,8 @@ async def run_worker(
                 _counting_workers -= 1
                 if not _counting_workers:
                     observe.release()  # unless the application enabled them meanwhile
+            if any(consumer.stop_abandoned for consumer in consumers):
+                _abandoning.add(asyncio.get_running_loop())
             if own is not None:
                 kept_open = any(consumer.abandoned for consumer in consumers)
                 if kept_open:
@@ -265,6 +268,18 @@ def left_open() -> bool:
     loop = asyncio.get_running_loop()
     return any(closing.get_loop() is loop for closing in _left_open)
 
+
+def abandoned_handlers() -> bool:
+    """Whether a worker of the running loop abandoned handlers as it stopped (they went on
+    once cancelled), whether or not they still run: the worker command then exits 70. Not
+    :func:`left_open`, which holds only while they run: one that ended between its
+    abandonment and the worker's return left a stop that did abandon it exiting 0."""
+    return asyncio.get_running_loop() in _abandoning
+
+
+_abandoning: weakref.WeakSet[asyncio.AbstractEventLoop] = weakref.WeakSet()
+"""The loops whose workers abandoned handlers as they stopped (weakly: a loop closed and
+dropped is forgotten)."""
 
 _left_open: set[asyncio.Task[None]] = set()
 """The closes put off by :func:`_close_once_outlived` (kept here: a loop keeps only weak

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import os
 import signal
 import socket
@@ -31,6 +32,7 @@ from own_servers import free_port, own_redis
 
 import aio_keuss
 from aio_keuss.registry import load_backend
+from aio_keuss.worker import cli
 from aio_keuss.worker import run as worker_run
 
 pytestmark = pytest.mark.timeout(180)
@@ -561,6 +563,60 @@ async def test_run_worker_closes_the_connection_it_kept_for_abandoned_handlers_o
     await asyncio.wait_for(asyncio.shield(closing), 60)
     assert not worker_run.left_open()
     assert await _left(prefix) == (0, 0, [])  # acknowledged, not left to come back
+
+
+async def test_a_stop_whose_abandoned_handler_ended_before_the_worker_returned_exits_70(
+    prefix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The exit code says whether a stop abandoned handlers, not whether they still run as
+    the worker returns: a handler that ends in the gap between its abandonment (the ERROR
+    log) and run_worker's end got exit 0 after a stop that did abandon it. Here it ends at
+    that log, and the stop is followed by a wait for it (the gap, made certain); the
+    connection it kept is then closed at once, as before, and the command exits 70."""
+    monkeypatch.setattr(aio_keuss.consumer, "ACK_WAIT", 0.2)
+    monkeypatch.setattr(aio_keuss.consumer, "ABANDON_WAIT", 0.2)
+    await _push(prefix, [{"n": 0}])
+    started, abandoned = asyncio.Event(), asyncio.Event()
+
+    class _Abandoned(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if "abandoned running" in record.getMessage():
+                abandoned.set()
+
+    async def stubborn(message: aio_keuss.Message) -> None:
+        started.set()
+        while not abandoned.is_set():
+            with contextlib.suppress(asyncio.CancelledError):  # goes on once cancelled
+                await asyncio.sleep(0.05)
+
+    stop_consumers = worker_run._stop
+
+    async def stop_then_outlived(consumers: Any, *args: Any) -> None:
+        await stop_consumers(consumers, *args)
+        for consumer in consumers:  # the abandoned handler ends before the worker returns
+            await asyncio.wait_for(consumer.outlived(), 30)
+
+    monkeypatch.setattr(worker_run, "_stop", stop_then_outlived)
+    watching = _Abandoned()
+    logging.getLogger("aio_keuss.consumer").addHandler(watching)
+    stop = asyncio.Event()
+    options: dict[str, Any] = {"url": REDIS_URL, "prefix": prefix}
+    try:
+        worker = asyncio.ensure_future(
+            aio_keuss.run_worker(
+                stubborn, "jobs", backend="redis-oq", grace=0, stop=stop, **options
+            )
+        )
+        await asyncio.wait_for(started.wait(), 30)
+        stop.set()
+        await asyncio.wait_for(worker, 60)
+    finally:
+        logging.getLogger("aio_keuss.consumer").removeHandler(watching)
+    assert abandoned.is_set()
+    assert not worker_run.left_open()  # closed at once: nothing ran on it
+    assert cli._exit_code(cli.EXIT_OK) == cli.EXIT_ABANDONED
+    assert cli._exit_code(cli.EXIT_FAILED) == cli.EXIT_FAILED
+    assert await _left(prefix) == (0, 0, [])  # its ok went through before the close
 
 
 LOOP_ENDS = textwrap.dedent(
