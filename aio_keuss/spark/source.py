@@ -55,8 +55,9 @@ from pyspark.sql.datasource import (
 from pyspark.sql.types import StructType
 
 from .. import sync
-from ..errors import ConfigError
+from ..errors import ConfigError, InvalidInputError
 from ..message import Message
+from ..options import check_queue_name
 from ..types import Capabilities
 from .executor import executor_factory, push_arrow_batches, push_rows
 from .spec import (
@@ -221,9 +222,14 @@ class ReadSpec:
         if mode == "reserve" and not capabilities.reserve:
             raise ConfigError(f"backend {backend!r} cannot reserve: use read_mode=pop")
         max_rows = lowered.get("max_rows")
+        queue = required(lowered, "queue")
+        try:  # here, not only by the driver's connect check, which is cached per options
+            check_queue_name(queue)
+        except InvalidInputError as exc:
+            raise ConfigError(str(exc)) from exc
         return cls(
             backend=backend,
-            queue=required(lowered, "queue"),
+            queue=queue,
             options=connect_options(lowered, WRITE_OPTIONS | READ_OPTIONS, backend),
             read_mode=mode,
             max_rows=None if max_rows in (None, "") else parse_positive_int(max_rows, "max_rows"),

@@ -323,6 +323,24 @@ def test_bad_read_options_fail_on_the_driver(target: tuple[str, dict[str, Any]])
     KeussDataSource(good).reader(None)  # type: ignore[arg-type]
 
 
+def test_a_bad_queue_name_fails_a_read_on_the_driver_after_a_good_read(
+    target: tuple[str, dict[str, Any]],
+) -> None:
+    """The driver's connect check is done once per connect options, whatever the queue: a
+    read of an invalid queue name after any read or write with the same options was
+    accepted, and failed in every task on the executors instead."""
+    from aio_keuss.spark.source import KeussDataSource
+
+    backend, opts = target
+    good = {"backend": backend, "queue": "read-good", **{k: str(v) for k, v in opts.items()}}
+    KeussDataSource(good).reader(None)  # type: ignore[arg-type]
+    bad = KeussDataSource({**good, "queue": "no such name!"})
+    with pytest.raises(aio_keuss.ConfigError, match="queue name"):
+        bad.reader(None)  # type: ignore[arg-type]
+    with pytest.raises(aio_keuss.ConfigError, match="queue name"):
+        bad.streamReader(None)  # type: ignore[arg-type]
+
+
 def test_flag_and_count_options_given_as_spark_strings_reach_connect(
     target: tuple[str, dict[str, Any]],
 ) -> None:
