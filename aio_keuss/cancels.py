@@ -57,7 +57,7 @@ from typing import Any
 import orjson
 
 from .errors import InvalidInputError
-from .message import Message
+from .message import Message, check_text
 from .signal import Signal
 
 log = logging.getLogger("aio_keuss.consumer")
@@ -83,11 +83,7 @@ def check_reason(reason: object) -> str | None:
         raise InvalidInputError(
             f"reason must be at most {MAX_REASON_CHARS} characters, not {len(reason)}"
         )
-    try:  # the request and the failure kept are JSON, which is UTF-8 (RFC 8259, 8.1)
-        reason.encode()
-    except UnicodeEncodeError as exc:
-        raise InvalidInputError(f"reason must be valid UTF-8: {exc.reason}") from None
-    return reason
+    return check_text(reason, "reason")  # the request and the failure kept are JSON
 
 
 def cancelled_text(reason: str | None) -> str:

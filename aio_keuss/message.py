@@ -431,6 +431,19 @@ def check_known_id(message_id: object) -> str:
     return message_id
 
 
+def check_text(value: object, what: str) -> str:
+    """A text kept as JSON (a ko's ``error``, a cancel's ``reason``): a ``str`` of valid
+    UTF-8, refused before anything is sent. JSON text is UTF-8 (RFC 8259, section 8.1), so a
+    str with a lone surrogate could only fail once its message had been acted on."""
+    if not isinstance(value, str):
+        raise InvalidInputError(f"{what} must be a str or None, not {type(value).__name__}")
+    try:
+        value.encode()
+    except UnicodeEncodeError as exc:
+        raise InvalidInputError(f"{what} must be valid UTF-8: {exc.reason}") from None
+    return value
+
+
 def check_ids(message_ids: Sequence[object], longest: int = MAX_ID_LENGTH) -> list[str]:
     """:func:`check_id` of each, in order, raising for the first one refused. A batch of
     plain str ids is checked as a whole: the rules hold for every id exactly when they hold

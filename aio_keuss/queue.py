@@ -95,6 +95,7 @@ from .message import (
     check_ids,
     check_known_id,
     check_priority,
+    check_text,
     check_tries,
     decode_message,
     decode_payload,
@@ -1641,7 +1642,7 @@ class Queue:
         self._require("reserve")
         message_id, tries, token = _target(message)
         if error is not None:
-            _check_error(error)
+            check_text(error, "error")  # before the ko: kept as a failure result
         if delay is None:  # a retry polynomial of many tries must not pass the bound either
             seconds = min(self._store.default_ko_delay(tries), MAX_SECONDS)
         else:
@@ -2763,18 +2764,6 @@ def _more_ready(stored: list[Stored], wanted: int, next_mature: float | None) ->
     if next_mature is None:
         return len(stored) == wanted
     return next_mature <= time.time() + CLOCK_SLACK
-
-
-def _check_error(error: object) -> None:
-    """A ko's ``error``, refused before the ko is sent: a failure result keeps it as JSON
-    text, which is UTF-8 (RFC 8259, section 8.1), so a str with a lone surrogate could only
-    fail once the message was already deadlettered."""
-    if not isinstance(error, str):
-        raise InvalidInputError(f"error must be a str or None, not {type(error).__name__}")
-    try:
-        error.encode()
-    except UnicodeEncodeError as exc:
-        raise InvalidInputError(f"error must be valid UTF-8: {exc.reason}") from None
 
 
 def _earliest(entries: Sequence[Entry]) -> float:
