@@ -131,7 +131,9 @@ class Factory:
         An open this one joined may be claimed and replaced before this ask resumes: it
         then gets the queue replacing it, never the one being closed. One the user closed
         (``queue.close()``) is dropped once its close ends, and the name opened afresh:
-        handed out again, it raised ClosedError on every call for good."""
+        handed out again, it raised ClosedError on every call for good. One whose close
+        failed after it counted as closed is closed again first (see
+        :meth:`_closed_by_user`)."""
         while True:
             found = self._queues.get(name)
             if found is not None:
@@ -151,7 +153,16 @@ class Factory:
         under way: that close may wait for the handler (its own queue's; or another queue's
         whose handler waits for this handler's queue to close), and the two waited for each
         other until the stop's grace cancelled the handlers. The closing queue is handed out
-        then, and refuses calls as before; a move into it is made by the source's store."""
+        then, and refuses calls as before; a move into it is made by the source's store.
+
+        One whose close failed after it counted as closed (the server away during its
+        store's last writes: a bucket store's write-back, its oks not written yet) is closed
+        again here, and this ask fails as that close does: dropped, nothing closed it again,
+        not even the factory's close, and the reservations it held and the buckets it had
+        leased stayed out of every process's reach until they expired. Not opened afresh
+        beside it either: nothing promises that two opens of one name share nothing a close
+        shuts (see :meth:`_claim`). Shielded: this ask cancelled, the close goes on (a
+        cancelled close that failed again in its grace is not run again)."""
         closing = queue._closing.task
         if closing is None or queue._runs_a_handler():
             return False
@@ -160,6 +171,8 @@ class Factory:
                 return False
             with contextlib.suppress(Exception):  # its failure is its closer's to hear
                 await queue._closing.wait(owner=False)
+        if queue._closed and queue._closing.failed:
+            await asyncio.shield(queue.close())  # raises if it fails again
         return queue._closed
 
     async def _claim(self, found: Queue, options: QueueOptions) -> Queue:
@@ -310,7 +323,8 @@ class Factory:
 
     def open_queues(self) -> list[Queue]:
         """The queues this factory has open now (none once it is closed). Not one closed
-        by its own ``close()``, kept in the map until the next ``queue(name)`` drops it:
+        by its own ``close()``, kept in the map until the next ``queue(name)`` drops it (or,
+        its close failed, closes it again and then drops it):
         the metrics read the sizes of these, one per name over every factory, and that
         closed one hid another factory's open queue of the name."""
         if self._closed:

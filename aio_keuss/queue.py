@@ -2449,11 +2449,7 @@ class Queue:
         # Begun again after one cancelled before the queue counted as closed (a cancelled
         # one past that point closed the store in its grace), or one that failed (its server
         # away): that one returned at once, and the store stayed open for good.
-        owner = (
-            begun is None
-            or (begun.cancelled() and not self._closed)
-            or (begun.done() and not begun.cancelled() and begun.exception() is not None)
-        )
+        owner = begun is None or (begun.cancelled() and not self._closed) or self._closing.failed
         if owner:
             self._closing.begin(self._close(cut_short))
         elif not self._closing.under_way:
@@ -2703,6 +2699,17 @@ class Closing:
     @property
     def under_way(self) -> bool:
         return self.task is not None and not self.task.done()
+
+    @property
+    def failed(self) -> bool:
+        """Whether it ended raising (its server away): a close called again runs again."""
+        task = self.task
+        return (
+            task is not None
+            and task.done()
+            and not task.cancelled()
+            and task.exception() is not None
+        )
 
     def begin(self, close: Coroutine[Any, Any, None]) -> None:
         self._awaited = False  # (begun again after a failure: by a handler, nobody waits)
