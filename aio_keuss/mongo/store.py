@@ -358,6 +358,14 @@ def _ok_claim_free(now: float) -> Document:
     }
 
 
+def _under_claim(doc: Document) -> bool:
+    """Whether a document read is claimed by a batch ok (``acker`` written, ``owner`` moved
+    aside), its lease running or not: an extension never leaves one so (see
+    :meth:`MongoStore.extend`), so one read back at the extension's end was refused, and its
+    end is the claim's lease."""
+    return "acker" in doc and "owner" not in doc
+
+
 def _yielding(guard: Document, now: float) -> Document:
     """``guard`` of an ok, ko, move or extend naming no reservation (no ``owner``: by bare id),
     kept off a message a batch ok of its holder has claimed while that claim runs. A
@@ -1315,9 +1323,13 @@ class MongoStore(Store):
         ``reserve_delay``): each guard as ok's. A message under its holder's own move claim
         is extended too (refused, the holder's renewals took it for one another consumer
         took; should the mover die between copy and delete, the copy left here comes back
-        at the extended end rather than the claim's). Every message it extends gets the
-        very same end, which tells them when the update matched fewer than asked: one read
-        of those, only then (within half a second of it, see :func:`_near`)."""
+        at the extended end rather than the claim's). A batch ok's claim whose lease lapsed
+        (its process died before the delete) is extended as the reservation it ended: the
+        claim's ``acker`` goes, so the message no longer reads as claimed (see
+        :func:`_yielding`) and that batch's late delete leaves it. Every message it extends
+        gets the very same end, which tells them when the update matched fewer than asked:
+        one read of those, only then (within half a second of it, see :func:`_near`), but
+        for a claim read back, whose lease may end there too (see :func:`_under_claim`)."""
         if not extends:
             return []
         now = time.time()
@@ -1331,13 +1343,17 @@ class MongoStore(Store):
             # by bare id: not a batch ok's claim, whose lease (mature) this would rewrite
             guards = [_yielding(_guard(e.id, e.tries, e.token), now) for e in group]
             held = guards[0] if len(guards) == 1 else {"$or": guards}
-            updated = await self._coll.update_many(held, {"$set": {"mature": until}})
+            # a lapsed claim (its batch died before its delete) extended by bare id is held
+            # as a reservation: left ``acker`` with the lease ahead, it read as claimed again
+            extension = {"$set": {"mature": until}, "$unset": {"acker": ""}}
+            updated = await self._coll.update_many(held, extension)
             if updated.matched_count == len(group):
                 extended[seconds] = None
                 return
             ids = list({e.id for e in group})
             mine = {"_id": {"$in": ids}, "mature": _near(until, 0.5), "reserved": True}
-            extended[seconds] = await self._coll.find(mine, {"tries": 1, "owner": 1}).to_list()
+            shown = {"tries": 1, "owner": 1, "acker": 1}
+            extended[seconds] = await self._coll.find(mine, shown).to_list()
 
         await asyncio.gather(*(one_length(s, g) for s, g in by_length.items()))
         results = []
@@ -1348,6 +1364,7 @@ class MongoStore(Store):
                 or any(
                     d["_id"] == extend.id
                     and _names(extend.tries, extend.token, _tries(d["tries"]), d.get("owner"))
+                    and not _under_claim(d)
                     for d in docs
                 )
             )

@@ -23,6 +23,7 @@ import aio_keuss
 from aio_keuss import KoResult
 from aio_keuss.contract import Ack, Amend, Extend, Move
 from aio_keuss.errors import KeussError
+from aio_keuss.mongo.store import CLAIM_LEASE
 
 pymongo = pytest.importorskip("pymongo")
 
@@ -386,5 +387,44 @@ async def test_an_extend_by_bare_id_between_a_batch_s_claim_and_delete_keeps_the
     done = await _ok_many_with(queue, extend_then_take)
     assert extended == [False]
     assert other == []
+    assert done == [True, True]
+    assert await queue.total_size() == 0
+
+
+async def test_an_extend_by_bare_id_of_a_lapsed_claim_holds_it_as_a_reservation(
+    queue: aio_keuss.Queue,
+) -> None:
+    """A process died between a batch ok's claim and its delete, the lease lapsed, and an
+    extend by bare id (no count, no token) takes the message as a reservation, as it
+    does a lapsed one. It rewrote the lease itself: the message read as claimed again
+    (``acker`` left, no ``owner``, the lease ahead), so the extender's own calls by bare
+    id (its next renewal, its ok) yielded to a claim no one runs, and the message came
+    back at the extended end, delivered again though handled. Now the extended message
+    is an ordinary reservation; the dead batch's late delete no longer ends it."""
+    a, _ = await _claimed_not_ended(queue)
+    store: Any = queue._store  # type: ignore[attr-defined]
+    await store._coll.update_many({}, {"$set": {"mature": time.time() - 1}})  # the lease ends
+    assert await queue.extend(a.id, 600) is True
+    assert await queue.extend(a.id, 600) is True  # its next renewal
+    late = {"_id": a.id, "acker": {"$exists": True}, "owner": {"$exists": False}}
+    assert await store._coll.count_documents(late) == 0
+    assert await queue.ok(a.id) is True
+    assert await store._coll.count_documents({"_id": a.id}) == 0
+
+
+async def test_an_extend_by_bare_id_as_long_as_the_claim_s_lease_is_refused(
+    queue: aio_keuss.Queue,
+) -> None:
+    """The extend of the test above asks for as long as the claim's lease: its update,
+    refused, left ``a`` at an end within half a second of its own, and the read of what
+    it extended (every message it extends gets the very same end) took the claim's for
+    its own: it answered True for a message the holder's ok was ending."""
+    extended: list[bool] = []
+
+    async def extend(store: Any, held: list[aio_keuss.Message]) -> None:
+        extended.extend(await store.extend([Extend("a", None, CLAIM_LEASE)]))
+
+    done = await _ok_many_with(queue, extend)
+    assert extended == [False]
     assert done == [True, True]
     assert await queue.total_size() == 0
