@@ -59,8 +59,9 @@ Deadletter: on a replica set / mongos (``transactions``) the move is one transac
 it is ordered so that nothing is lost: the source is first re-claimed for a lease (a crash now
 means the message comes back to its queue), then inserted into the deadletter queue, then
 deleted (a crash now means one duplicate, never a loss). The claim writes its token as
-``mover``, leaving the holder's ``owner``: the holder's ok or ko still acts on a message whose
-move failed past its claim.
+``mover``, leaving the holder's ``owner``: while it runs the holder's ok or ko is refused
+(the move took the reservation first), and once a move that failed past its claim gave it
+back (or it lapsed) they act on the message again.
 
 mongo-history (:class:`MongoHistoryStore`) keeps consumed messages: pop, ok, remove and the
 source side of a deadletter move set ``processed`` (a date) and push ``mature`` to
@@ -381,24 +382,33 @@ def _yielding(guard: Document, now: float) -> Document:
     return {"$and": [guard, _ok_claim_free(now)]}
 
 
+def _not_moving(now: float) -> Document:
+    """Not under a move's running claim (see :func:`_unclaimed`)."""
+    return {"$or": [{"moving": {"$exists": False}}, {"moving": {"$lte": now}}]}
+
+
 def _unclaimed(guard: Document, now: float) -> Document:
-    """``guard``, unless another move (or deadletter) has claimed the message and its claim
-    still runs. Without transactions a move is claim, insert, delete; the claim leaves the
-    message reserved with the holder's count (its holder's guard still matches it), so
-    without this a second move of the same held message (``move_many([m, m])``, two moves
-    to two queues at once) claimed it again and inserted a second copy. A claim that lapsed
-    (its mover died) does not keep the message from being moved once it is delivered again.
-    ``$and``, not sibling fields: see :meth:`MongoStore.remove`."""
-    free = {"$or": [{"moving": {"$exists": False}}, {"moving": {"$lte": now}}]}
+    """``guard``, unless a move (or deadletter) has claimed the message and its claim still
+    runs. Without transactions a move is claim, insert, delete; the claim leaves the
+    message reserved with the holder's count and owner (its holder's guard still matches
+    it), so without this a second move of the same held message (``move_many([m, m])``,
+    two moves to two queues at once) claimed it again and inserted a second copy, and the
+    holder's own ok or ko sent at once (from another task) ended or gave back the message
+    the move then copied on: told done, and moved too. The move took the reservation
+    first; the other call is refused, as where a move is one atomic step. A claim that
+    lapsed (its mover died) does not keep the message from being ended, or moved once it
+    is delivered again; a move whose copy failed gives its claim back at once (see
+    :meth:`MongoStore._copy_then_delete`). ``$and``, not sibling fields: see
+    :meth:`MongoStore.remove`."""
     if "owner" in guard:
-        return {"$and": [guard, free]}
-    return {"$and": [guard, free, _ok_claim_free(now)]}  # see _yielding
+        return {"$and": [guard, _not_moving(now)]}
+    return {"$and": [guard, _not_moving(now), _ok_claim_free(now)]}  # see _yielding
 
 
 def _move_claim(token: str, now: float) -> Document:
     """A move's claim of a held message: for ``CLAIM_LEASE`` seconds, under ``token`` (as
-    ``mover``: the holder's ``owner`` stays, so that its ok or ko still acts once a move
-    failed past its claim, as it did when the guard was the count alone)."""
+    ``mover``: the holder's ``owner`` stays, so that its ok or ko acts again once a move
+    that failed past its claim gave it back or it lapsed, see :func:`_unclaimed`)."""
     lease_end = now + CLAIM_LEASE
     return {"$set": {"mature": lease_end, "mover": token, "moving": lease_end}}
 
@@ -455,19 +465,22 @@ def _claimed_for(message_id: str, tries: int | None, token: str) -> Document:
 
 def _ok_guard(message_id: str, tries: int | None, token: str | None, now: float) -> Document:
     """What an ok of one reservation may end: :func:`_guard`, or the message a batch ok
-    claimed for that same reservation (see :func:`_claimed_for`). Without a token the
-    guard names no owner, and yields to a running claim (see :func:`_yielding`)."""
+    claimed for that same reservation (see :func:`_claimed_for`); not while a move has
+    claimed it (see :func:`_unclaimed`). Without a token the guard names no owner, and
+    yields to a batch ok's running claim too (see :func:`_yielding`)."""
     guard = _guard(message_id, tries, token)
     if token is None:
-        return _yielding(guard, now)
-    return {"$or": [guard, _claimed_for(message_id, tries, token)]}
+        return _unclaimed(guard, now)
+    either = {"$or": [guard, _claimed_for(message_id, tries, token)]}
+    return {"$and": [either, _not_moving(now)]}
 
 
 def _acked(acks: Sequence[Ack], now: float, mark: str | None = None) -> Document | None:
-    """One filter over the reservations a batch ok names, each ack's :func:`_guard`: one
-    clause per count and token (the acks of one reserve share its token). With ``mark``,
-    instead, what :func:`_claimed_for` matches of the acks with a token, and not yet
-    claimed under ``mark``; None when no ack has a token."""
+    """One filter over the reservations a batch ok names, each ack's :func:`_guard` (off a
+    move's running claim, see :func:`_unclaimed`): one clause per count and token (the
+    acks of one reserve share its token). With ``mark``, instead, what
+    :func:`_claimed_for` matches of the acks with a token, and not yet claimed under
+    ``mark``; None when no ack has a token."""
     groups: dict[tuple[int | None, str | None], list[str]] = {}
     for ack in acks:
         ids = groups.setdefault((ack.tries, ack.token), [])
@@ -477,10 +490,10 @@ def _acked(acks: Sequence[Ack], now: float, mark: str | None = None) -> Document
     for (tries, token), ids in groups.items():
         named: Any = ids[0] if len(ids) == 1 else {"$in": ids}
         if mark is None:
-            clauses.append(_yielding({**_guard(ids[0], tries, token), "_id": named}, now))
+            clauses.append(_unclaimed({**_guard(ids[0], tries, token), "_id": named}, now))
         elif token is not None:
-            claimed = _claimed_for(ids[0], tries, token)
-            clauses.append({**claimed, "_id": named, "acker": {"$ne": mark}})
+            claimed = {**_claimed_for(ids[0], tries, token), "_id": named, "acker": {"$ne": mark}}
+            clauses.append({"$and": [claimed, _not_moving(now)]})
     if not clauses:
         return None
     return clauses[0] if len(clauses) == 1 else {"$or": clauses}
@@ -1420,7 +1433,7 @@ class MongoStore(Store):
 
     async def _rollback_one(self, nack: Nack, plan: DeadletterPlan | None, now: float) -> KoResult:
         held = _guard(nack.id, nack.tries, nack.token)
-        guard = _yielding(held, now)
+        guard = _unclaimed(held, now)  # not what a move of it took first
         update: Document = {"$set": {"reserved": False, "mature": now + nack.delay}}
         if not nack.count_try:
             update["$inc"] = {"tries": -1}  # gone back unseen: the delivery does not count
@@ -1430,7 +1443,7 @@ class MongoStore(Store):
         # stored tries = failed deliveries, this one included
         if nack.tries is None or nack.tries + 1 <= plan.max_ko:
             counted = {**held, "tries": held.get("tries", {"$lte": plan.max_ko})}
-            released = await self._coll.update_one(_yielding(counted, now), update)
+            released = await self._coll.update_one(_unclaimed(counted, now), update)
             if released.matched_count:
                 return KoResult.ROLLED_BACK
         doc = await self._coll.find_one(guard)
@@ -1513,12 +1526,22 @@ class MongoStore(Store):
         names: list[str],
         now: float,
     ) -> str:
-        """Copy there, then delete here what is still under this move's claim ``mine``."""
-        for name in names:
-            if (await self._insert_docs(target, [{"_id": name, **moved}]))[0]:
-                break
-        else:  # pragma: no cover - MOVE_NAMES earlier lives of one id
-            raise ConfigError(f"no free id for {mine['_id']!r} in {queue!r}")
+        """Copy there, then delete here what is still under this move's claim ``mine``. A
+        copy the server refused gives the claim back, so that the holder's ok or ko acts on
+        its message at once (they yield to a running claim, see :func:`_unclaimed`); one
+        that may have landed (its reply lost) keeps it, to lapse: its holder's ok would end
+        a message that then stood in the other queue."""
+        try:
+            for name in names:
+                if (await self._insert_docs(target, [{"_id": name, **moved}]))[0]:
+                    break
+            else:  # pragma: no cover - MOVE_NAMES earlier lives of one id
+                raise ConfigError(f"no free id for {mine['_id']!r} in {queue!r}")
+        except (ConfigError, mongo_errors.DocumentTooLarge, mongo_errors.OperationFailure) as exc:
+            if not isinstance(exc, mongo_errors.WriteConcernError):
+                with contextlib.suppress(mongo_errors.PyMongoError):  # else it lapses
+                    await self._coll.update_one(mine, {"$unset": {"mover": "", "moving": ""}})
+            raise
         await self._finish(mine, now, held=True)
         return name
 
@@ -1732,7 +1755,8 @@ class MongoHistoryStore(MongoStore):
         processed the messages still so held, each record keeping the batch's token as
         ``ended_by``. Should something else end one of them between the read and the
         update (the same holder's ok sent again, another consumer's once a reservation
-        lapsed), the update counts fewer, and the records marked with the token are
+        lapsed; a move that claimed one, see :func:`_unclaimed`, keeps it from this
+        update), the update counts fewer, and the records marked with the token are
         exactly those this batch ended: one more read, after a short count only. A record
         moved aside since (its id pushed again, see :meth:`_make_room`) is not found by
         its id, and is answered False."""
@@ -1754,7 +1778,8 @@ class MongoHistoryStore(MongoStore):
             results.append(ok)
         if held:
             mark = os.urandom(8).hex()
-            ended = await self._finish(_by_tries(held), now, held=True, mark=mark)
+            ending = {"$and": [_by_tries(held), _not_moving(now)]}  # see _unclaimed
+            ended = await self._finish(ending, now, held=True, mark=mark)
             if ended != len(held):
                 marked = {"_id": {"$in": list(held)}, "ended_by": mark}
                 found_ids = await self._coll.find(marked, {"_id": 1}).to_list()

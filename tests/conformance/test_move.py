@@ -399,3 +399,25 @@ async def test_a_message_moved_twice_at_once_lands_once(connect: Connect) -> Non
     assert await dst.total_size() + await other.total_size() == 2
     arrived = await dst.pop_many(10, timeout=0) + await other.pop_many(10, timeout=0)
     assert sorted(m.payload for m in arrived) == ["to two queues", "twice to one queue"]
+
+
+async def test_a_holder_s_ok_or_ko_and_its_move_at_once_do_not_both_act(connect: Connect) -> None:
+    """The holder of a message sends its ok (or ko) and a move of it at once (two tasks):
+    one of them takes the reservation, the other finds it no longer held. On MongoDB
+    without transactions both acted: the move's claim left the holder's guard matching,
+    the ok ended the message (True) and the move copied it on (moved), so a message
+    acknowledged as done went on to the next queue; a ko was told it gave back what the
+    move then took."""
+    factory = await connect(poll_interval=5.0)
+    needs(factory, "reserve", "move")
+    q = await factory.queue("src")
+    dst = await factory.queue("dst")
+    await q.push_many(["ok or move", "ko or move"])
+    first, second = sorted(await q.reserve_many(2, timeout=5), key=lambda m: str(m.payload))
+    ended, moved = await asyncio.gather(q.ok(second), q.move(second, "dst"))
+    assert (ended, moved) in [(True, None), (False, second.id)]
+    delay = 3600.0 if factory.capabilities.delay else 0.0
+    back, moved_too = await asyncio.gather(q.ko(first, delay=delay), q.move(first, "dst"))
+    assert (back, moved_too) in [(KoResult.ROLLED_BACK, None), (KoResult.MISSING, first.id)]
+    assert await dst.total_size() == sum(m is not None for m in (moved, moved_too))
+    assert await q.total_size() == (1 if back else 0)

@@ -1164,6 +1164,78 @@ async def test_a_holder_s_ok_after_its_move_failed_past_the_claim_still_commits(
     assert await q.total_size() == 0
 
 
+async def test_a_move_whose_copy_may_have_landed_keeps_its_claim(open_factory: Open) -> None:
+    """A copy whose reply was lost may stand in the other queue: the move keeps its claim
+    (a running claim refuses the holder's ok, which would end a message copied on), and
+    the message comes back here once it lapses (a duplicate, never a loss)."""
+    q = await (await open_factory("mongo", transactions=False)).queue("from")
+    await q.push("job")
+    message = await q.reserve(timeout=0)
+    assert message is not None
+    store: Any = q._store  # type: ignore[attr-defined]
+    insert_docs = store._insert_docs
+
+    async def landed_unanswered(coll: Any, *args: Any, **kwargs: Any) -> Any:
+        if coll.name != store._coll.name:
+            await insert_docs(coll, *args, **kwargs)
+            raise pymongo.errors.AutoReconnect("reply lost (test)")
+        return await insert_docs(coll, *args, **kwargs)
+
+    store._insert_docs = landed_unanswered
+    with pytest.raises(aio_keuss.KeussError):
+        await q.move(message, "to")
+    store._insert_docs = insert_docs
+    assert await q.ok(message) is False
+    await store._coll.update_one({}, {"$set": {"moving": 0.0, "mature": 0.0}})  # it lapses
+    again = await q.reserve(timeout=0)
+    assert again is not None and again.id == message.id
+    assert await q.ok(again)
+
+
+@pytest.mark.parametrize("backend", ["mongo", "mongo-history"])
+@pytest.mark.parametrize("call", ["ok", "ok_many", "ko", "bare ok"])
+async def test_a_holder_s_own_ok_or_ko_between_its_move_s_claim_and_copy_is_refused(
+    open_factory: Open, backend: str, call: str
+) -> None:
+    """Without transactions a move claims the held message, copies it, then deletes it;
+    the claim left the holder's own guard matching, so its ok (or ko) sent at once from
+    another task, landing between the claim and the copy, ended the message (or gave it
+    back) and was told so, and the move copied it on all the same: a message acknowledged
+    as done went on to the next queue. The move took the reservation first: the ok or
+    ko is refused, as on every other backend (one of the two acts)."""
+    q = await (await open_factory(backend, transactions=False)).queue("from")
+    to = await (await open_factory(backend)).queue("to")
+    await q.push_many(["job", "other"], ids=["a", "b"])
+    held = sorted(await q.reserve_many(2, timeout=0), key=lambda m: m.id)
+    message = held[0]
+    store: Any = q._store  # type: ignore[attr-defined]
+    insert_docs = store._insert_docs
+    between: list[Any] = []
+
+    async def holder_first(coll: Any, *args: Any, **kwargs: Any) -> Any:
+        if coll.name != store._coll.name and not between:
+            if call == "ok":
+                between.append(await q.ok(message))
+            elif call == "ok_many":
+                between.append(await q.ok_many(held))
+            elif call == "ko":
+                between.append(await q.ko(message, delay=3600))
+            else:
+                between.append(await q.ok(message.id))
+        return await insert_docs(coll, *args, **kwargs)
+
+    store._insert_docs = holder_first
+    try:
+        moved = await q.move(message, "to")
+    finally:
+        store._insert_docs = insert_docs
+    refused = [False, True] if call == "ok_many" else KoResult.MISSING if call == "ko" else False
+    assert between == [refused]
+    assert moved == message.id
+    assert await q.total_size() == (1 if call != "ok_many" else 0)
+    assert [m.id for m in await to.pop_many(2, timeout=0)] == [message.id]
+
+
 Write = Callable[..., Awaitable[Any]]
 
 
