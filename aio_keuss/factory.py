@@ -553,8 +553,13 @@ class Factory:
                         await asyncio.wait(closing)
                     closes = [None if t.cancelled() else t.exception() for t in closing]
                 except asyncio.CancelledError:
-                    grace_end = loop.time() + CANCELLED_CLOSE_GRACE
-                    abandon = loop.call_at(grace_end, self.backend.abandon)
+                    if grace_end is None:
+                        grace_end = loop.time() + CANCELLED_CLOSE_GRACE
+                    # Cancelled again (a close cancelled already, or cut short): the grace
+                    # under way holds, not a new one, and its give-up is set. Set anew, it
+                    # replaced the first, never cancelled, which ran after the close ended.
+                    if abandon is None:
+                        abandon = loop.call_at(grace_end, self.backend.abandon)
                     for task in closing:
                         task.cancel()
                     await asyncio.gather(*closing, return_exceptions=True)

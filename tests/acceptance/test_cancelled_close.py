@@ -535,3 +535,49 @@ async def test_a_close_past_its_grace_hands_a_user_s_pool_back_every_connection(
         pool.terminate()
         if case.cleanup is not None:
             await case.cleanup(options)
+
+
+async def test_a_cancelled_close_cancelled_again_gives_up_no_connection_after_it_ended(
+    case_options: tuple[BackendCase, dict[str, Any]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A cancelled close gives up its connection (``Backend.abandon``) once its grace is
+    spent, unless it ended before. Cancelled again while its queues closed, it scheduled
+    that give-up a second time, over the first, which it never cancelled: ``abandon`` ran
+    on the backend after the close had ended, a call its contract makes only during a
+    close whose grace is spent."""
+    import aio_keuss.factory
+
+    case, options = case_options
+    # the grace is waited out below: short, and longer than this close takes
+    monkeypatch.setattr(aio_keuss.factory, "CANCELLED_CLOSE_GRACE", 2.0)
+    factory = await aio_keuss.connect(case.name, **options)
+    q = await factory.queue("again", reserve_delay=3600.0)
+    await q.push_many([{"n": n} for n in range(MESSAGES)])
+    ended = False
+    given_up: list[bool] = []  # for each give-up: whether the close had ended
+    abandon = factory.backend.abandon
+
+    def recording() -> None:
+        given_up.append(ended)
+        abandon()
+
+    factory.backend.abandon = recording  # type: ignore[method-assign]
+    hold, release = _holder(factory, case, options)
+    hold()
+    taking = asyncio.create_task(q.pop_many(2))
+    await asyncio.sleep(0)  # the call is sent; its reply is held
+    closing = asyncio.create_task(factory.close())
+    await asyncio.sleep(0)  # in close; the close's own task has not run a step
+    closing.cancel()  # it runs in this task then, as a cancelled close
+    await until_closed(q)  # the factory waits for the queue's close, itself for the pop
+    closing.cancel()  # again
+    await asyncio.sleep(0.05)
+    release()
+    outcome = await asyncio.gather(closing, return_exceptions=True)
+    ended = True
+    assert isinstance(outcome[0], asyncio.CancelledError)
+    await asyncio.gather(taking, return_exceptions=True)
+    # past the grace (a give-up pending is due by then), and one more turn of the loop
+    await asyncio.sleep(aio_keuss.factory.CANCELLED_CLOSE_GRACE)
+    await asyncio.sleep(0)
+    assert True not in given_up, "the connection was given up after the close ended"
