@@ -12,7 +12,6 @@ from types import TracebackType
 from typing import Any
 
 from . import observe
-from .consumer import in_handler
 from .contract import Backend, RateRule
 from .errors import ClosedError, ConfigError
 from .options import (
@@ -137,7 +136,7 @@ class Factory:
         while True:
             found = self._queues.get(name)
             if found is not None:
-                if not await self._closed_by_user(found):
+                if not await found._closed_by_own_close():
                     return found
                 if self._queues.get(name) is found:
                     del self._queues[name]
@@ -146,34 +145,6 @@ class Factory:
             found = await self._open_queue(name, options, sibling=sibling)
             if self._queues.get(name) is found:
                 return found
-
-    async def _closed_by_user(self, queue: Queue) -> bool:
-        """Whether ``queue`` was closed by its own ``close()``, waiting for a close under way
-        to end. Not from a consumer's handler, or a task one started, while the close is
-        under way: that close may wait for the handler (its own queue's; or another queue's
-        whose handler waits for this handler's queue to close), and the two waited for each
-        other until the stop's grace cancelled the handlers. The closing queue is handed out
-        then, and refuses calls as before; a move into it is made by the source's store.
-
-        One whose close failed after it counted as closed (the server away during its
-        store's last writes: a bucket store's write-back, its oks not written yet) is closed
-        again here, and this ask fails as that close does: dropped, nothing closed it again,
-        not even the factory's close, and the reservations it held and the buckets it had
-        leased stayed out of every process's reach until they expired. Not opened afresh
-        beside it either: nothing promises that two opens of one name share nothing a close
-        shuts (see :meth:`_claim`). Shielded: this ask cancelled, the close goes on (a
-        cancelled close that failed again in its grace is not run again)."""
-        closing = queue._closing.task
-        if closing is None or queue._runs_a_handler():
-            return False
-        if not closing.done():
-            if in_handler():
-                return False
-            with contextlib.suppress(Exception):  # its failure is its closer's to hear
-                await queue._closing.wait(owner=False)
-        if queue._closed and queue._closing.failed:
-            await asyncio.shield(queue.close())  # raises if it fails again
-        return queue._closed
 
     async def _claim(self, found: Queue, options: QueueOptions) -> Queue:
         """The user's first ask for a queue the factory opened by itself: it is theirs from

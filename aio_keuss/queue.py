@@ -9,6 +9,7 @@ deadlettering happens here.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import math
 import sys
@@ -45,6 +46,7 @@ from .consumer import (
     Outage,
     Settle,
     check_settings,
+    in_handler,
     refused,
     retry_backoff,
 )
@@ -2464,6 +2466,35 @@ class Queue:
         calls): a close it waited for would wait for that very handler."""
         task = asyncio.current_task()
         return task is not None and any(c.runs_in(task) for c in self._consumers)
+
+    async def _closed_by_own_close(self) -> bool:
+        """Whether this queue was closed by its own ``close()``, waiting for a close under
+        way to end: its factory then opens the name afresh rather than hand it out. Not
+        from a consumer's handler, or a task one started, while the close is under way:
+        that close may wait for the handler (this queue's; or another queue's whose handler
+        waits for this queue to close), and the two waited for each other until the stop's
+        grace cancelled the handlers. The closing queue is handed out then, and refuses
+        calls as before; a move into it is made by the source's store.
+
+        One whose close failed after it counted as closed (the server away during its
+        store's last writes: a bucket store's write-back, its oks not written yet) is closed
+        again here, and this ask fails as that close does: dropped, nothing closed it again,
+        not even the factory's close, and the reservations it held and the buckets it had
+        leased stayed out of every process's reach until they expired. Not opened afresh
+        beside it either: nothing promises that two opens of one name share nothing a close
+        shuts. Shielded: this ask cancelled, the close goes on (a cancelled close that
+        failed again in its grace is not run again)."""
+        closing = self._closing.task
+        if closing is None or self._runs_a_handler():
+            return False
+        if not closing.done():
+            if in_handler():
+                return False
+            with contextlib.suppress(Exception):  # its failure is its closer's to hear
+                await self._closing.wait(owner=False)
+        if self._closed and self._closing.failed:
+            await asyncio.shield(self.close())  # raises if it fails again
+        return self._closed
 
     def _stop_taking(self) -> None:
         for consumer in self._consumers:
