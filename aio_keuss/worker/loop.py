@@ -101,15 +101,12 @@ def _shut_down(executor: ThreadPoolExecutor) -> None:
     them (see :func:`exit_if_abandoned`)."""
     global _threads_left
     _threads_left = True
-    ending = threading.Thread(target=executor.shutdown, name="executor shutdown", daemon=True)
-    ending.start()
-    ending.join(LEFT_WAIT)
-    if ending.is_alive():
-        log.warning(
-            "exiting without the threads of the loop's default executor still running "
-            "(an asyncio.to_thread call that went on once its task was cancelled)"
-        )
-    else:
+    if _ended_within(
+        _in_daemon(executor.shutdown, "executor shutdown"),
+        LEFT_WAIT,
+        "exiting without the threads of the loop's default executor still running "
+        "(an asyncio.to_thread call that went on once its task was cancelled)",
+    ):
         _threads_left = False
 
 
@@ -152,10 +149,11 @@ def exit_if_abandoned(code: int) -> None:
     if not _abandoned and not _threads_left:
         return
     try:
-        hooks = _atexit_hooks(lambda: None)
-        hooks.join(ATEXIT_WAIT)
-        if hooks.is_alive():
-            log.warning("exiting without waiting longer for the atexit hooks")
+        _ended_within(
+            _atexit_hooks(lambda: None),
+            ATEXIT_WAIT,
+            "exiting without waiting longer for the atexit hooks",
+        )
     except KeyboardInterrupt:
         log.warning("interrupted: exiting without waiting longer for the atexit hooks")
     finally:
@@ -214,9 +212,25 @@ def _atexit_hooks(then: Callable[[], object]) -> threading.Thread:
         finally:
             then()
 
-    hooks = threading.Thread(target=run_them, name="atexit hooks", daemon=True)
-    hooks.start()
-    return hooks
+    return _in_daemon(run_them, "atexit hooks")
+
+
+def _in_daemon(target: Callable[[], object], name: str) -> threading.Thread:
+    """Start ``target`` in a daemon thread: one that never ends is left to the process's
+    exit (``os._exit``, or the interpreter's, which joins no daemon thread)."""
+    thread = threading.Thread(target=target, name=name, daemon=True)
+    thread.start()
+    return thread
+
+
+def _ended_within(thread: threading.Thread, seconds: float, warning: str) -> bool:
+    """Wait ``seconds`` at most for ``thread`` to end; whether it did. Past the bound,
+    ``warning`` is logged and the thread left to run."""
+    thread.join(seconds)
+    if thread.is_alive():
+        log.warning(warning)
+        return False
+    return True
 
 
 def _exit(code: int) -> NoReturn:
