@@ -296,17 +296,19 @@ def _close_once_outlived(factory: Factory, consumers: Sequence[Consumer]) -> Non
             await consumer.outlived()
 
     async def close() -> None:
+        cancelled: asyncio.CancelledError | None = None
         try:
             await outlived()
-        except asyncio.CancelledError:
+        except asyncio.CancelledError as exc:
             # The loop is ending: ``asyncio.run`` cancels every task left (the abandoned
             # handlers too) and runs the loop until they end (Python's asyncio documentation,
             # "Runners"). Still closed once they have: cancelled for good, the connection
             # was left open, a signal's publish destroyed pending, the last counters lost.
+            cancelled = exc
             await outlived()
-            await factory.close()
-            raise
         await factory.close()
+        if cancelled is not None:
+            raise cancelled
 
     closing = asyncio.get_running_loop().create_task(close())
     _left_open.add(closing)
