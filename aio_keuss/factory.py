@@ -132,7 +132,7 @@ class Factory:
         (``queue.close()``) is dropped once its close ends, and the name opened afresh:
         handed out again, it raised ClosedError on every call for good. One whose close
         failed after it counted as closed is closed again first (see
-        :meth:`_closed_by_user`)."""
+        ``Queue._closed_by_own_close``)."""
         while True:
             found = self._queues.get(name)
             if found is not None:
