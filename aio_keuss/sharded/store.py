@@ -304,7 +304,13 @@ class ShardedStore(Store):
     async def _fire(self, n: int, reserve_delay: float | None) -> Fetched:
         """Fire from the next ``n / FIRE_SHARE`` shards of the rotation (``n`` shared among
         them). The rotation is read from the ready index when it runs out or is ``REFRESH``
-        old, so a fire is one step in the steady state; a shard found empty leaves both."""
+        old, so a fire is one step in the steady state; a shard found empty leaves both.
+        The index may name shards with nothing to fire (a hint that came late: a sweep step
+        read before a fire emptied the shard announces it after that fire's drop), so a
+        fetch that found nothing goes on through the shards of its fresh read it has not
+        fired from yet, each such hint costing one step once: stopping at the first empty
+        slice answered nothing while another shard held a ready message, and a
+        ``pop(timeout=0)`` took the queue for empty."""
         await self._touch()
         self._fetched_at = time.monotonic()
         if self._fetched_at >= self._enrol_at:
@@ -313,16 +319,21 @@ class ShardedStore(Store):
         messages: list[Stored] = []
         left = False
         fresh = False
+        untried: set[int] = set()  # shards of the fresh read not fired from yet
         head: float | None = None
-        for _ in range(3):
+        for _ in range(3 + self.shards):
             if not self._rotation or time.monotonic() >= self._refresh_at:
+                if fresh and not untried:
+                    break  # the fresh read was walked whole
                 self._rotation, head = await self._candidates()
                 fresh = True
+                untried = set(self._rotation)
             rotation = self._rotation
             if not rotation:
                 break
             chosen = rotation[: -(-n // FIRE_SHARE)]
             self._rotation = rotation[len(chosen) :] + chosen
+            untried.difference_update(chosen)
             share, extra = divmod(n, len(chosen))
             fired = await self._each(
                 [
@@ -341,7 +352,7 @@ class ShardedStore(Store):
                 gone = {mark.shard for mark in emptied}
                 self._rotation = [s for s in self._rotation if s not in gone]
                 await self._storage.ready_drop(self.name, emptied)
-            if messages or fresh:
+            if messages or (fresh and not untried):
                 break
         if left or self._rotation:
             return Fetched(messages, time.time())

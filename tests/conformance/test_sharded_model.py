@@ -206,6 +206,25 @@ async def test_a_lost_ready_hint_is_restored_by_the_sweeper(sharded: Connect) ->
     assert message is not None and message.payload == "stranded"
 
 
+async def test_a_look_past_stale_hints_finds_the_ready_shard(sharded: Connect) -> None:
+    """The ready index may name shards with nothing left to fire: a sweep step read before a
+    fire emptied its shard announces it after the fire's drop (the sweeper's hint comes
+    late), as may a push racing a consumer. A fetch that met only such shards in its first
+    slice of a fresh read answered nothing, though another shard of that read held a ready
+    message: ``pop(timeout=0)`` said the queue was empty."""
+    factory = await sharded(sweeper=False)
+    storage = backend_of(factory).storage
+    q = await factory.queue("q")
+    for attempt in range(12):  # the rotation starts at a random shard of the read
+        mid = await q.push(attempt)
+        home = shard_of(mid, 4)
+        stale = [ReadyMark(s, 0) for s in range(4) if s != home]
+        await storage.ready_add("q", stale)  # late hints of shards with nothing in them
+        message = await q.pop(timeout=0)
+        assert message is not None and message.payload == attempt, attempt
+    assert await q.sizes() == Sizes(0, 0, 0, 0)
+
+
 class CountedSweeps:
     """Counts the sweep steps a storage runs, per shard (the real steps still run)."""
 
