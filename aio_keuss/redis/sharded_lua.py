@@ -310,15 +310,22 @@ local function schedule(key, base, id, due)
   redis.call('HSET', KEYS[2], id, 'z' .. name)
   return 'z' .. name
 end
--- Load the matured scheduled records (at most ``most``) at the load pointer.
+-- Load the matured scheduled records (at most ``most``) at the load pointer. One past its
+-- end of life is deleted instead, counted expired: loaded behind live records, it counted
+-- as ready until the fire pointer reached it (FIRE and SIZES both promote).
 local function promote(base, now, most)
   local due = redis.call('ZRANGE', KEYS[4], '-inf', fmt(now), 'BYSCORE', 'LIMIT', 0, most)
   if #due == 0 then return end
   local l = meta({'l'})[1]
+  local expired = 0
   for _, q in ipairs(due) do
     local key = base .. 'q:' .. q
-    local id = read(key, false, 'i')[1] or renamed(key, now)
-    if id then
+    local rec = read(key, false, 'i', 'e')
+    local id = rec[1] or renamed(key, now)
+    if id and rec[1] and dead(rec[2], now) then
+      drop(key, id)
+      expired = expired + 1
+    elseif id then
       redis.call('RENAME', key, base .. 'r:' .. ptr(l))
       redis.call('HSET', KEYS[2], id, ptr(l))
       l = l + 1
@@ -326,6 +333,7 @@ local function promote(base, now, most)
   end
   redis.call('ZREM', KEYS[4], unpack(due))
   redis.call('HSET', KEYS[1], 'l', ptr(l))
+  if expired > 0 then redis.call('HINCRBY', KEYS[1], 'e', expired) end
 end
 -- The shard's version (see the module docstring) and its next mature time ('' = none).
 local function version()
@@ -769,16 +777,18 @@ local function purge(base, now, most)
 end
 """
 
-# KEYS: m ix - z. ARGV: base. Purges the expired head first, so expired messages (but those
-# reloaded behind a live one) do not count. Reply: {ready (in the magazine, and scheduled
-# but mature), fired and not acknowledged, sidelined, load pointer, swept ever, shoveled
-# ever, sweep pointer, fire pointer, expired ever, scheduled (not mature yet), next mature
-# scheduled ('' = none)}.
+# KEYS: m ix - z. ARGV: base. Loads the matured scheduled records (deleting those past their
+# end of life) and purges the expired head first, so expired messages (but those reloaded
+# behind a live one, and scheduled ones not due yet) do not count. Reply: {ready (in the
+# magazine, and scheduled but mature), fired and not acknowledged, sidelined, load pointer,
+# swept ever, shoveled ever, sweep pointer, fire pointer, expired ever, scheduled (not
+# mature yet), next mature scheduled ('' = none)}.
 _SIZES = (
     _PURGE
     + """
 local now = server_now()
 first_write()
+promote(ARGV[1], now, 1000)
 purge(ARGV[1], now, 1000)
 local m = meta({'l', 'f', 'r', 'sl', 'sf', 'n', 'v', 'w', 'e'})
 local matured = redis.call('ZCOUNT', KEYS[4], '-inf', fmt(now))

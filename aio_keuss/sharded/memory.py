@@ -171,13 +171,20 @@ class _Shard:
         self.where[record.id] = f"z{seq}"
 
     def promote(self, now: float) -> None:
-        """Load the matured scheduled records (up to PROMOTE)."""
+        """Load the matured scheduled records (up to PROMOTE); one past its end of life is
+        deleted instead (counted expired), as Redis's promote does: loaded, it counted as
+        ready until the fire pointer reached it."""
         for _ in range(PROMOTE):
             if not self.schedule or self.schedule[0][0] > now:
                 return
             _, seq = heapq.heappop(self.schedule)
             record = self.waiting.pop(seq, None)
-            if record is not None:
+            if record is None:
+                continue
+            if record.dead(now):
+                self.forget(record)
+                self.expired += 1
+            else:
                 self.put(record)
 
     def duplicate(self, entry: Entry, now: float) -> bool:
@@ -532,6 +539,7 @@ class MemoryShardStorage(ShardStorage):
     async def sizes(self, queue: str, shard: int) -> ShardSizes:
         s = self._shard(queue, shard)
         now = time.time()
+        s.promote(now)  # a matured record past its end of life is deleted, not counted
         s.purge(now, PURGE)
         matured = sum(1 for due, _ in s.schedule if due <= now)
         return ShardSizes(

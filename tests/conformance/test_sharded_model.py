@@ -765,6 +765,25 @@ async def test_expired_messages_are_never_delivered_nor_counted(sharded: Connect
     assert expired == 10
 
 
+async def test_delayed_messages_past_their_ttl_are_not_counted_once_due(sharded: Connect) -> None:
+    """A delayed push, and a ko with a delay, whose end of life came before their time:
+    once due they waited in the schedule, dead, and ``sizes`` counted them as ready (and
+    ``next_mature_t`` said now) until a consumer fired on their shard."""
+    factory = await sharded(message_ttl=0.3, sweeper=False)
+    q = await factory.queue("late")
+    await q.push("delayed", delay=0.5)
+    await q.push("failed")
+    message = await q.reserve(timeout=1)
+    assert message is not None
+    assert await q.ko(message, delay=0.5)
+    await asyncio.sleep(0.7)  # past both ends of life and both due times
+    assert await q.sizes() == Sizes(0, 0, 0, 0)
+    assert await q.next_mature_t() is None
+    expired = sum(shard.expired for shard in await store_of(q).shard_sizes())
+    assert expired == 2
+    assert await q.pop(timeout=0) is None
+
+
 async def test_a_message_put_back_after_a_cancelled_pop_keeps_its_end_of_life(
     sharded: Connect,
 ) -> None:
