@@ -306,6 +306,18 @@ class MongoConnection(Backend):
     async def open(self) -> None:
         try:
             hello = await self.client.admin.command("hello")
+        except RuntimeError as exc:
+            await self.close()
+            if self._owns_client or "event loop" not in str(exc):
+                raise
+            # PyMongo binds an AsyncMongoClient to the loop it was made on and refuses any
+            # other (the blocking shim's loop thread, a second ``asyncio.run``) with a bare
+            # RuntimeError: a typed error, saying what to do, instead
+            raise ConfigError(
+                "client= was made on another event loop than the one this factory runs on"
+                f" ({exc}): make the client on this loop, or pass url= (the blocking"
+                " aio_keuss.sync runs the factory on a loop thread of its own)"
+            ) from exc
         except BaseException:
             await self.close()
             raise

@@ -586,6 +586,21 @@ class _HeldConnections:
                 connection.terminate()
 
 
+def _refuse_another_loop(pool: asyncpg.Pool) -> None:
+    """Refuse a user's pool made on another event loop than the running one: asyncpg binds
+    a pool and its connections to the loop they were made on, so from this one (the blocking
+    shim's loop thread, a second ``asyncio.run``) its connections were driven from two loops
+    at once, the user's pool left broken and the error a misleading connection failure
+    ("another operation is in progress")."""
+    made_on = getattr(pool, "_loop", None)
+    if made_on is not None and made_on is not asyncio.get_running_loop():
+        raise ConfigError(
+            "pool= was made on another event loop than the one this factory runs on (asyncpg"
+            " binds a pool to its loop): make the pool on this loop, or pass url= (the"
+            " blocking aio_keuss.sync runs the factory on a loop thread of its own)"
+        )
+
+
 class PostgresConnection(Backend):
     """The pool (made here, or the user's), the schema, and the statements, for every
     PostgreSQL role; the only way they reach the server."""
@@ -629,6 +644,8 @@ class PostgresConnection(Backend):
 
     @translated
     async def open(self) -> None:
+        if self._pool is not None:
+            _refuse_another_loop(self._pool)
         if self._pool is None:
             try:
                 self._pool = await asyncpg.create_pool(

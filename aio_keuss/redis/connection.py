@@ -321,6 +321,34 @@ def _ours_sent_once(exc: Exception) -> KeussError | None:
     return ours
 
 
+def _another_loop() -> ConfigError:
+    return ConfigError(
+        "client= was made (and connected) on another event loop than the one this factory runs"
+        " on (redis-py binds its connections to their loop): make the client on this loop,"
+        " or pass url= (the blocking aio_keuss.sync runs the factory on a loop thread of its"
+        " own)"
+    )
+
+
+def _refuse_another_loop(client: Any) -> None:
+    """Refuse a user's client whose pooled connections belong to another event loop than
+    the running one (the blocking shim's loop thread, a second ``asyncio.run``), before any
+    command: one sent on them was written from this loop into the other's transport, and
+    its reply, awaited here on the other loop's stream, raised redis-py's raw
+    ``RuntimeError`` ("attached to a different loop"). Best effort, by what redis-py keeps
+    (a cluster client's nodes are not looked at): the open's first command catches the rest."""
+    running = asyncio.get_running_loop()
+    pool = getattr(client, "connection_pool", None)
+    connections = [
+        *getattr(pool, "_available_connections", ()),
+        *getattr(pool, "_in_use_connections", ()),
+    ]
+    for connection in connections:
+        made_on = getattr(getattr(connection, "_reader", None), "_loop", None)
+        if made_on is not None and made_on is not running:
+            raise _another_loop()
+
+
 async def translated(call: Awaitable[_T], sent_once: bool = False) -> _T:
     """Await a call into redis-py; its errors leave as ours. ``sent_once``: the client sends
     a command once, whatever happens to it (see ``_no_retry``). Used only in this module: the
@@ -1023,7 +1051,16 @@ class RedisConnection(Backend):
         return self._lane is not None
 
     async def open(self) -> None:
-        await translated(self.client.ping())
+        if self._owns_client:
+            await translated(self.client.ping())
+        else:
+            _refuse_another_loop(self.client)
+            try:
+                await translated(self.client.ping())
+            except RuntimeError as exc:  # a connection the check above could not see
+                if "loop" not in str(exc):
+                    raise
+                raise _another_loop() from exc
         if self._lane is not None:
             await self._lane.call(("PING",))
 

@@ -1375,3 +1375,71 @@ def test_a_ctrl_c_after_the_claim_with_another_threads_close_between_loses_nothi
     with sync.connect(backend, **opts) as again:
         sizes = again.queue("jobs").sizes()
         assert (sizes.total, sizes.reserved) == (1, 0), sizes
+
+
+@pytest.mark.parametrize(
+    "case",
+    [c for c in CASES if c.id in ("redis-oq", "postgres", "mongo")],
+    indirect=True,
+    ids=lambda c: c.id,
+)
+def test_a_pool_or_client_of_another_event_loop_is_refused(case: BackendCase) -> None:
+    """A ``pool=`` / ``client=`` made on the application's own event loop and given to the
+    shim (whose loop is its own thread's) can never be used there: asyncpg, redis-py and
+    PyMongo bind their connections to the loop they were made on. It was used all the
+    same: the PostgreSQL backend raised a misleading connection error ("another operation
+    is in progress") after driving the user's pool from two loops at once, the Redis and
+    MongoDB backends a raw ``RuntimeError``. Now a ``ConfigError`` saying so, before
+    anything is written, the user's pool or client still working on its own loop."""
+    backend, opts = case.name, case.options(new_token())
+    own = asyncio.new_event_loop()
+    runner = threading.Thread(target=own.run_forever, name="the application's loop")
+    runner.start()
+
+    def on_own(work: Any) -> Any:
+        return asyncio.run_coroutine_threadsafe(work, own).result(timeout=30)
+
+    async def make() -> Any:
+        if backend == "postgres":
+            import asyncpg
+
+            pool = await asyncpg.create_pool(opts["url"], min_size=1, max_size=2)
+            await pool.fetchval("SELECT 1")
+            return pool
+        if backend == "mongo":
+            from pymongo import AsyncMongoClient
+
+            mongo: Any = AsyncMongoClient(opts["url"])
+            await mongo.admin.command("ping")
+            return mongo
+        import redis.asyncio as aioredis
+        from redis.maint_notifications import MaintNotificationsConfig
+
+        client = aioredis.Redis.from_url(
+            opts["url"], maint_notifications_config=MaintNotificationsConfig(enabled=False)
+        )
+        await client.ping()
+        return client
+
+    given = on_own(make())
+    try:
+        extra = {"pool": given} if backend == "postgres" else {"client": given}
+        rest = {k: v for k, v in opts.items() if k != "url"}
+        with pytest.raises(aio_keuss.ConfigError, match="event loop"):
+            sync.connect(backend, **rest, **extra)
+        assert portal_threads() == []
+        if backend == "postgres":
+            assert on_own(given.fetchval("SELECT to_regnamespace($1) IS NULL", opts["schema"]))
+        elif backend == "mongo":
+            assert on_own(given.admin.command("ping"))["ok"]
+            assert opts["database"] not in on_own(given.list_database_names())
+        else:
+            assert on_own(given.ping())
+            assert on_own(given.keys(opts["prefix"] + "*")) == []
+    finally:
+        on_own(given.close() if backend != "redis-oq" else given.aclose())
+        own.call_soon_threadsafe(own.stop)
+        runner.join()
+        own.close()
+        if case.cleanup is not None:
+            asyncio.run(case.cleanup(opts))
