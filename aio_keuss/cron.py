@@ -232,8 +232,14 @@ class Cron:
                     wall = wall.replace(minute=0) + timedelta(hours=1)
                 continue
             return wall
-        # parse_cron refuses expressions no date satisfies: not reached
-        raise InvalidInputError(f"cron expression {self.expression!r} matches no date")
+        # parse_cron refuses expressions no date satisfies, so only one whose every wall
+        # time is skipped by the zone (02:00 on the last Sunday of March in the European
+        # Union's zones) gets here, from next_after, after _SEARCH_YEARS of them
+        raise InvalidInputError(
+            f"cron expression {self.expression!r} matches no time that exists in"
+            f" {self.tz.key or self.tz}: each wall-clock time it names is one the zone skips"
+            " when its clocks go forward, so it would never fire"
+        )
 
 
 Schedule = Every | Cron

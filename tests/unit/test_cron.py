@@ -127,6 +127,21 @@ def test_dst_gap_is_skipped_madrid() -> None:
     ]
 
 
+def test_a_schedule_only_of_skipped_walls_is_refused_for_its_zone() -> None:
+    """02:00 on the last Sunday of March is the hour the European Union's zones skip every
+    year, so this schedule never fires there: it was refused as one that "matches no date"
+    (from a branch whose comment said parse_cron made it unreachable), which it does, in
+    any zone. The message now names the zone, whose skipped hour is the reason."""
+    expression = "0 2 25-31 3 */7"  # */7 of day-of-week: Sunday, days ANDed
+    assert (
+        parse_cron(expression, "UTC").next_after(0)
+        == datetime(1970, 3, 29, 2, tzinfo=UTC).timestamp()
+    )
+    berlin = parse_cron(expression, "Europe/Berlin")
+    with pytest.raises(InvalidInputError, match="exists in Europe/Berlin"):
+        berlin.next_after(datetime(2026, 1, 1, tzinfo=UTC).timestamp())
+
+
 def test_dst_overlap_fires_once_madrid() -> None:
     # 2026-10-25: Europe/Madrid goes back from 03:00 to 02:00; 02:xx happens twice
     walls = _walls("*/20 * * * *", "2026-10-25 01:30", 8, "Europe/Madrid")
