@@ -339,10 +339,13 @@ def _refuse_another_loop(client: Any) -> None:
     (a cluster client's nodes are not looked at): the open's first command catches the rest."""
     running = asyncio.get_running_loop()
     pool = getattr(client, "connection_pool", None)
-    connections = [
-        *getattr(pool, "_available_connections", ()),
-        *getattr(pool, "_in_use_connections", ()),
-    ]
+    try:
+        connections = [
+            *getattr(pool, "_available_connections", ()),
+            *getattr(pool, "_in_use_connections", ()),
+        ]
+    except RuntimeError:  # changed while read: by another thread, whose loop uses them
+        raise _another_loop() from None
     for connection in connections:
         made_on = getattr(getattr(connection, "_reader", None), "_loop", None)
         if made_on is not None and made_on is not running:
