@@ -784,6 +784,33 @@ async def test_delayed_messages_past_their_ttl_are_not_counted_once_due(sharded:
     assert await q.pop(timeout=0) is None
 
 
+async def test_a_delayed_message_loaded_by_sizes_is_fired_once(sharded: Connect) -> None:
+    """``sizes`` loads the due scheduled records (so one past its end of life is not
+    counted): a record it loaded into a magazine its consumer emptied before the record's
+    time is still found by the ready index (the emptying consumer left the shard there,
+    due at that time), and fired once."""
+    factory = await sharded(sweeper=False)
+    storage = backend_of(factory).storage
+    q = await factory.queue("loaded")
+    key = {"x-shard-key": "k"}
+    await q.push("now", headers=key)
+    await q.push("later", headers=key, delay=0.3)
+    message = await q.pop(timeout=0)  # empties the shard, leaving it due at 0.3 s
+    assert message is not None and message.payload == "now"
+    assert await ready_shards(storage, "loaded") == []
+    await until(lambda: _has_ready_shard(storage, "loaded"))
+    assert await q.sizes() == Sizes(1, 1, 0, 0)  # loaded into the magazine
+    assert await q.sizes() == Sizes(1, 1, 0, 0)  # and not again
+    message = await q.pop(timeout=0)
+    assert message is not None and message.payload == "later"
+    assert await q.pop(timeout=0) is None
+    assert await q.sizes() == Sizes(0, 0, 0, 0)
+
+
+async def _has_ready_shard(storage: ShardStorage, queue: str) -> bool:
+    return bool(await ready_shards(storage, queue))
+
+
 async def test_a_message_put_back_after_a_cancelled_pop_keeps_its_end_of_life(
     sharded: Connect,
 ) -> None:
