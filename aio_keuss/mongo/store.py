@@ -408,9 +408,16 @@ def _unclaimed(guard: Document, now: float) -> Document:
 def _move_claim(token: str, now: float) -> Document:
     """A move's claim of a held message: for ``CLAIM_LEASE`` seconds, under ``token`` (as
     ``mover``: the holder's ``owner`` stays, so that its ok or ko acts again once a move
-    that failed past its claim gave it back or it lapsed, see :func:`_unclaimed`)."""
+    that failed past its claim gave it back or it lapsed, see :func:`_unclaimed`). A
+    batch ok's lapsed claim (its process died or stalled before the delete) taken by a
+    move by bare id loses its ``acker``: left with the lease ahead it read as claimed
+    again (see :func:`_yielding`), and that batch's late delete, which asks for it,
+    ended the message the move was copying on."""
     lease_end = now + CLAIM_LEASE
-    return {"$set": {"mature": lease_end, "mover": token, "moving": lease_end}}
+    return {
+        "$set": {"mature": lease_end, "mover": token, "moving": lease_end},
+        "$unset": {"acker": ""},
+    }
 
 
 def _claimed(message_id: str, token: str, doc: Document) -> Document:

@@ -428,3 +428,87 @@ async def test_an_extend_by_bare_id_as_long_as_the_claim_s_lease_is_refused(
     assert extended == [False]
     assert done == [True, True]
     assert await queue.total_size() == 0
+
+
+async def test_a_move_by_bare_id_of_a_lapsed_claim_whose_copy_failed_leaves_no_claim(
+    queue: aio_keuss.Queue,
+) -> None:
+    """A process died between a batch ok's claim and its delete, the lease lapsed, and a
+    move by bare id takes the message (as it takes a lapsed reservation); its copy is
+    refused, and the move gives its claim back. The claim of the move rewrote the lease
+    and left ``acker``: the message read as claimed by a batch ok again, so every call by
+    bare id (ok, ko, move, extend) was refused until that lease ended, and the dead
+    batch's late delete could still end it. Now it is an ordinary reservation again."""
+    a, _ = await _claimed_not_ended(queue)
+    store: Any = queue._store  # type: ignore[attr-defined]
+    await store._coll.update_many({}, {"$set": {"mature": time.time() - 1}})  # the lease ends
+    insert_docs = store._insert_docs
+
+    async def refused_there(coll: Any, *args: Any, **kwargs: Any) -> Any:
+        if coll.name != store._coll.name:
+            raise pymongo.errors.OperationFailure("copy refused", 2)
+        return await insert_docs(coll, *args, **kwargs)
+
+    store._insert_docs = refused_there
+    try:
+        with pytest.raises(KeussError):
+            await queue.move(a.id, "to")
+    finally:
+        store._insert_docs = insert_docs
+    late = {"_id": a.id, "acker": {"$exists": True}, "owner": {"$exists": False}}
+    assert await store._coll.count_documents(late) == 0
+    assert await queue.ok(a.id) is True
+    assert await store._coll.count_documents({"_id": a.id}) == 0
+
+
+async def test_a_lapsed_batch_s_late_delete_does_not_end_what_a_move_by_bare_id_copies(
+    queue: aio_keuss.Queue,
+) -> None:
+    """A batch ok's claim lapsed before its delete was sent (a slow process), and a move
+    by bare id took ``a`` (as it takes a lapsed reservation). The batch's delete, landing
+    between the move's claim and its copy, still matched ``a`` (the move's claim left
+    ``acker``): it ended ``a`` and answered True, and the move copied ``a`` on and
+    answered moved: acknowledged as done, and in the next queue too. The move took the
+    message first: the batch is refused ``a``."""
+    await queue.push_many(["a", "b"], ids=["a", "b"])
+    held = sorted(await queue.reserve_many(2, timeout=0), key=lambda m: m.id)
+    store: Any = queue._store  # type: ignore[attr-defined]
+    real, insert_docs = store._coll, store._insert_docs
+    claimed, copying, answered = asyncio.Event(), asyncio.Event(), asyncio.Event()
+
+    class _DeleteWaits:
+        def __getattr__(self, name: str) -> Any:
+            return getattr(real, name)
+
+        async def delete_many(self, filter: Any, *args: Any, **kwargs: Any) -> Any:
+            if "acker" in str(filter) and not claimed.is_set():
+                claimed.set()
+                await copying.wait()
+            return await real.delete_many(filter, *args, **kwargs)
+
+    async def copy_after_the_delete(coll: Any, *args: Any, **kwargs: Any) -> Any:
+        if coll.name != real.name:
+            copying.set()
+            await answered.wait()  # the batch's delete landed, and its reads after it
+        return await insert_docs(coll, *args, **kwargs)
+
+    async def ok_many() -> list[bool]:
+        try:
+            return await queue.ok_many(held)
+        finally:
+            answered.set()
+
+    store._coll = _DeleteWaits()
+    store._insert_docs = copy_after_the_delete
+    try:
+        batch = asyncio.create_task(ok_many())
+        await claimed.wait()
+        await real.update_many({}, {"$set": {"mature": time.time() - 1}})  # the lease ends
+        moved = await queue.move("a", "to")
+        done = await batch
+    finally:
+        store._coll, store._insert_docs = real, insert_docs
+    assert moved == "a"
+    assert done == [False, True]
+    assert await queue.total_size() == 0
+    assert await store._backend.queue_collection("to").count_documents({}) == 1
