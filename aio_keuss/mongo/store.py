@@ -1537,7 +1537,11 @@ class MongoStore(Store):
         copy the server refused gives the claim back, so that the holder's ok or ko acts on
         its message at once (they yield to a running claim, see :func:`_unclaimed`); one
         that may have landed (its reply lost) keeps it, to lapse: its holder's ok would end
-        a message that then stood in the other queue."""
+        a message that then stood in the other queue. A delete that found nothing to end
+        gives up the claim too (one more round trip, then only): another consumer
+        reserved the message once its end passed (the holder's renewal rewrites
+        ``mature``, not ``moving``), and kept, the running claim refused that consumer's
+        ok and sent the message round once more (the copy landed: a duplicate already)."""
         try:
             for name in names:
                 if (await self._insert_docs(target, [{"_id": name, **moved}]))[0]:
@@ -1549,7 +1553,11 @@ class MongoStore(Store):
                 with contextlib.suppress(mongo_errors.PyMongoError):  # else it lapses
                     await self._coll.update_one(mine, {"$unset": {"mover": "", "moving": ""}})
             raise
-        await self._finish(mine, now, held=True)
+        if not await self._finish(mine, now, held=True):
+            await self._coll.update_one(
+                {"_id": mine["_id"], "mover": mine["mover"]},
+                {"$unset": {"mover": "", "moving": ""}},
+            )
         return name
 
     @translated

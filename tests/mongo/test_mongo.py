@@ -26,7 +26,7 @@ from polling import until
 
 import aio_keuss
 from aio_keuss import KoResult
-from aio_keuss.contract import Entry, Held
+from aio_keuss.contract import Ack, Entry, Held
 from aio_keuss.message import EMPTY_HEADERS, encode_payload
 from aio_keuss.mongo import store as store_module
 
@@ -1234,6 +1234,44 @@ async def test_a_holder_s_own_ok_or_ko_between_its_move_s_claim_and_copy_is_refu
     assert moved == message.id
     assert await q.total_size() == (1 if call != "ok_many" else 0)
     assert [m.id for m in await to.pop_many(2, timeout=0)] == [message.id]
+
+
+@pytest.mark.parametrize("backend", ["mongo", "mongo-history"])
+async def test_a_move_whose_message_another_consumer_took_leaves_it_to_that_consumer(
+    open_factory: Open, backend: str
+) -> None:
+    """Without transactions a move claims the held message (its lease on ``mature`` and
+    ``moving``, the holder's owner left); the holder's renewal, landing meanwhile, rewrites
+    ``mature`` to its own, shorter, end. Should the copy take longer than that, another
+    consumer reserves the message, and the move's delete (asking for the holder's owner)
+    leaves it: a duplicate, the copy having landed. The move then left its running claim
+    (``moving``) on that consumer's reservation, and its ok, refused as if moved, sent the
+    message round once more. The move that no longer holds the message gives its claim
+    up."""
+    q = await (await open_factory(backend, transactions=False)).queue("from")
+    await q.push("job")
+    message = await q.reserve(timeout=0)
+    assert message is not None
+    store: Any = q._store  # type: ignore[attr-defined]
+    insert_docs = store._insert_docs
+    taken: list[Any] = []
+
+    async def taken_meanwhile(coll: Any, *args: Any, **kwargs: Any) -> Any:
+        if coll.name != store._coll.name and not taken:
+            # the holder's renewal, then its end passing (as if the copy were slow)
+            assert await q.extend(message, 3600)
+            await store._coll.update_one({}, {"$set": {"mature": time.time() - 1}})
+            taken.extend((await store.reserve(1, 3600.0)).messages)
+        return await insert_docs(coll, *args, **kwargs)
+
+    store._insert_docs = taken_meanwhile
+    try:
+        assert await q.move(message, "to") == message.id
+    finally:
+        store._insert_docs = insert_docs
+    (theirs,) = taken
+    assert await store.commit([Ack(theirs.id, theirs.tries, theirs.token)]) == [True]
+    assert await q.total_size() == 0
 
 
 Write = Callable[..., Awaitable[Any]]
