@@ -1502,9 +1502,14 @@ class MongoStore(Store):
             **_priority_fields(_priority(doc)),
         }
         names = [moved_id(doc["_id"], move.tag, clash) for clash in range(MOVE_NAMES)]
-        await self._backend.ensure_indexes(move.queue)
-        if _priority(doc):
-            await self._backend.ensure_priority(move.queue)
+        try:
+            await self._backend.ensure_indexes(move.queue)
+            if _priority(doc):
+                await self._backend.ensure_priority(move.queue)
+        except Exception:
+            if claimed is not None:  # nothing copied yet: see _copy_then_delete
+                await self._give_claim_back(_claimed(doc["_id"], claimed, doc))
+            raise
         target = self._backend.queue_collection(move.queue)
         held = _as_read(doc)
         if self._backend.transactions:
@@ -1550,8 +1555,7 @@ class MongoStore(Store):
                 raise ConfigError(f"no free id for {mine['_id']!r} in {queue!r}")
         except (ConfigError, mongo_errors.DocumentTooLarge, mongo_errors.OperationFailure) as exc:
             if not isinstance(exc, mongo_errors.WriteConcernError):
-                with contextlib.suppress(mongo_errors.PyMongoError):  # else it lapses
-                    await self._coll.update_one(mine, {"$unset": {"mover": "", "moving": ""}})
+                await self._give_claim_back(mine)
             raise
         if not await self._finish(mine, now, held=True):
             await self._coll.update_one(
@@ -1559,6 +1563,14 @@ class MongoStore(Store):
                 {"$unset": {"mover": "", "moving": ""}},
             )
         return name
+
+    async def _give_claim_back(self, mine: Document) -> None:
+        """Give back the move claim ``mine`` of a move that failed with nothing copied: the
+        holder's ok or ko, which yield to a running claim (see :func:`_unclaimed`), act on
+        the message at once again, rather than once the claim's lease ends. When this fails
+        too, the claim lapses."""
+        with contextlib.suppress(mongo_errors.PyMongoError):
+            await self._coll.update_one(mine, {"$unset": {"mover": "", "moving": ""}})
 
     @translated
     async def close(self) -> None:

@@ -1164,6 +1164,40 @@ async def test_a_holder_s_ok_after_its_move_failed_past_the_claim_still_commits(
     assert await q.total_size() == 0
 
 
+@pytest.mark.parametrize("backend", ["mongo", "mongo-history"])
+async def test_a_holder_s_ok_after_its_move_failed_before_the_copy_still_commits(
+    open_factory: Open, backend: str
+) -> None:
+    """Without transactions a move claims the held message with its read, then (for a
+    message with a priority) makes the other queue's priority index, copies, and deletes.
+    Making the index failed (an outage, a refusal) with nothing copied, and the claim was
+    kept: the holder's ok, refused while a move claim runs, was refused for the claim's
+    whole lease, and the message came back then, delivered again though handled. A move
+    that failed before its copy gives its claim back, as one whose copy the server refused
+    does."""
+    q = await (await open_factory(backend, transactions=False)).queue("from")
+    await q.push("job", priority=3)
+    message = await q.reserve(timeout=0)
+    assert message is not None
+    store: Any = q._store  # type: ignore[attr-defined]
+    backend_: Any = store._backend
+    ensure_priority = backend_.ensure_priority
+
+    async def refused(queue: str) -> None:
+        if queue == "to":
+            raise pymongo.errors.AutoReconnect("createIndexes cut (test)")
+        await ensure_priority(queue)
+
+    backend_.ensure_priority = refused
+    try:
+        with pytest.raises(aio_keuss.KeussError):
+            await q.move(message, "to")
+    finally:
+        backend_.ensure_priority = ensure_priority
+    assert await q.ok(message)
+    assert await q.total_size() == 0
+
+
 async def test_a_move_whose_copy_may_have_landed_keeps_its_claim(open_factory: Open) -> None:
     """A copy whose reply was lost may stand in the other queue: the move keeps its claim
     (a running claim refuses the holder's ok, which would end a message copied on), and
