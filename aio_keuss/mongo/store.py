@@ -1558,14 +1558,13 @@ class MongoStore(Store):
                 await self._give_claim_back(mine)
             raise
         if not await self._finish(mine, now, held=True):
-            await self._coll.update_one(
-                {"_id": mine["_id"], "mover": mine["mover"]},
-                {"$unset": {"mover": "", "moving": ""}},
-            )
+            # the copy landed all the same: a failure here fails no move, the claim lapses
+            await self._give_claim_back({"_id": mine["_id"], "mover": mine["mover"]})
         return name
 
     async def _give_claim_back(self, mine: Document) -> None:
-        """Give back the move claim ``mine`` of a move that failed with nothing copied: the
+        """Give back the move claim ``mine`` (a move that failed with nothing copied, or
+        whose message another consumer holds by now, see :meth:`_copy_then_delete`): the
         holder's ok or ko, which yield to a running claim (see :func:`_unclaimed`), act on
         the message at once again, rather than once the claim's lease ends. When this fails
         too, the claim lapses."""
