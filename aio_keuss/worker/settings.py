@@ -298,8 +298,8 @@ def _check(raw: Mapping[str, Any]) -> dict[str, Any]:
 def from_file(path: str) -> dict[str, Any]:
     """The settings of a TOML file: the names of :class:`WorkerSettings` (``queues`` a list,
     ``options`` a table), at the top or under ``[worker]``, and ``[[repeat]]`` tables. Those
-    may follow a ``[worker]`` table at the top, where TOML puts them (``[[worker.repeat]]``
-    is the same)."""
+    and ``[options]`` may follow a ``[worker]`` table at the top, where TOML puts them
+    (``[[worker.repeat]]`` and ``[worker.options]`` are the same)."""
     data = read_toml(path, "config file")
     section = data.get("worker", data)
     if not isinstance(section, dict):
@@ -307,12 +307,22 @@ def from_file(path: str) -> dict[str, Any]:
     section = dict(section)
     if "queue" in section:
         section["queues"] = section.pop("queue")
-    if "worker" in data and "repeat" in data:
-        if "repeat" in section:
+    if "worker" in data:
+        # TOML puts a table written after [worker] at the top, beside it: [[repeat]] and
+        # [options] belong to the worker there too; anything else beside it would be
+        # silently dropped (a backend above [worker], say), so it is refused
+        for name, table in (("repeat", "[[{}]]"), ("options", "[{}]")):
+            if name in data:
+                if name in section:
+                    top, nested = table.format(name), table.format("worker." + name)
+                    raise ConfigError(f"config file {path!r}: both {top} and {nested}")
+                section[name] = data[name]
+        beside = sorted(set(data) - {"worker", "repeat", "options"})
+        if beside:
             raise ConfigError(
-                f"config file {path!r}: repeats in both [[repeat]] and [[worker.repeat]]"
+                f"config file {path!r}: {', '.join(map(repr, beside))} outside [worker]:"
+                " give the settings at the top or under [worker], not both"
             )
-        section["repeat"] = data["repeat"]
     if "repeat" in section:
         if "repeats" in section:
             raise ConfigError(f"config file {path!r}: give repeat or repeats, not both")

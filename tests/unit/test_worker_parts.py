@@ -972,3 +972,31 @@ async def test_the_signal_handlers_there_before_a_worker_are_there_after_it() ->
         loop.remove_signal_handler(signal.SIGTERM)
         signal.signal(signal.SIGINT, before[0])
         signal.signal(signal.SIGTERM, before[1])
+
+
+def test_a_config_file_s_settings_beside_its_worker_table_are_read_or_refused(
+    tmp_path: Path,
+) -> None:
+    """TOML puts an ``[options]`` table written after ``[worker]`` at the top, beside it, as
+    it does ``[[repeat]]`` tables: read as the worker's options, not dropped (the worker
+    connected without its ``prefix`` or ``schema``, to other queues). A setting at the top
+    beside ``[worker]`` (``backend`` above the table) was dropped too (the worker ran on
+    ``memory``): now refused, as an unknown name is."""
+    config = tmp_path / "w.toml"
+    config.write_text(
+        '[worker]\nhandler = "m:f"\nbackend = "redis-oq"\nqueues = ["jobs"]\n'
+        '[options]\nprefix = "app"\n'
+    )
+    settings = resolve({"config": str(config)}, {})
+    assert settings.connect_options() == {"prefix": "app"}
+    both = tmp_path / "both.toml"
+    both.write_text(
+        '[worker]\nhandler = "m:f"\nqueues = ["jobs"]\n[worker.options]\nprefix = "a"\n'
+        '[options]\nschema = "s"\n'
+    )
+    with pytest.raises(ConfigError, match=r"both \[options\] and \[worker.options\]"):
+        resolve({"config": str(both)}, {})
+    above = tmp_path / "above.toml"
+    above.write_text('backend = "redis-oq"\n[worker]\nhandler = "m:f"\nqueues = ["jobs"]\n')
+    with pytest.raises(ConfigError, match=r"'backend' outside \[worker\]"):
+        resolve({"config": str(above)}, {})
