@@ -202,13 +202,33 @@ async def _open(factory: Factory, name: str, *, create: bool = False) -> Queue:
     """The queue, opened with the options recorded for it (so they stay as they are).
     Opening records a queue in the backend: only a command that writes into it (``create``)
     may open one the backend does not know; the others answer not found and leave no
-    record of a mistyped name."""
+    record of a mistyped name. Recorded options this release refuses leave the queue
+    opened with the defaults, its record as it was."""
     known = await factory.list()
     if name not in known and not create:
         check_queue_name(name)  # a bad name is bad usage, not a missing queue
         raise _NoSuchQueue(f"no queue named {name!r} on this backend")
     options = {k: v for k, v in known.get(name, {}).items() if k in QUEUE_OPTION_NAMES}
-    return await factory.queue(name, **options)
+    try:
+        return await factory.queue(name, **options)
+    except (ConfigError, InvalidInputError, NotSupportedError) as exc:
+        if name not in known:
+            raise  # no record to keep: nothing of ours but the defaults was given
+        # options this release refuses (a newer one recorded them, or a hand did): opened
+        # with the defaults, unrecorded, as the dashboard does, rather than failing every
+        # command that reads the queue (list and stats among them) as bad usage
+        if name not in _defaulted:  # once, not at every round of stats --watch
+            _defaulted.add(name)
+            print(
+                f"aio-keuss: queue {name!r} opened with the defaults, its recorded options"
+                f" left as they are: {exc}",
+                file=sys.stderr,
+            )
+        return await factory._sibling(name)
+
+
+_defaulted: set[str] = set()
+"""Queues :func:`_open` opened with the defaults in this process (said once)."""
 
 
 def _require(factory: Factory, *capabilities: str) -> None:

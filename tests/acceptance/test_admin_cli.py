@@ -521,3 +521,45 @@ async def _result_prints_a_kept_result_or_exits_4(cli: Cli) -> None:
     assert shown["error"] is None and shown["finished"]
     missing = await cli.run("result", "jobs", "nowhere", "--json", "--wait", "0.1")
     assert missing.returncode == 4 and json.loads(missing.stdout) is None
+
+
+@pytest.fixture(params=["redis-oq", "postgres"])
+async def sql_or_redis_cli(request: pytest.FixtureRequest) -> AsyncIterator[Cli]:
+    if request.param == "redis-oq":
+        options = {"url": REDIS_URL, "prefix": f"akt-{new_token()}"}
+        yield Cli("redis-oq", options)
+        await _drop_redis_prefix(options)
+    else:
+        options = {"url": POSTGRES_URL, "schema": f"akt_{new_token()}"}
+        yield Cli("postgres", options)
+        await _drop_postgres_schema(options)
+
+
+async def test_a_queue_whose_recorded_options_fail_to_apply_is_still_looked_at(
+    sql_or_redis_cli: Cli,
+) -> None:
+    """Options a newer release recorded that this one refuses (or ones written by hand):
+    the commands opened every queue with its recorded options, so one such queue made
+    ``list`` and ``stats`` fail for every queue, and ``info`` / ``peek`` of it, exit 2 as
+    if the command were misused. Now such a queue is opened with the defaults, as the
+    dashboard does, and its record left as it was (a note on stderr says so)."""
+    cli = sql_or_redis_cli
+    async with cli.connect() as app:
+        jobs = await app.queue("jobs", max_batch=7)
+        await jobs.push({"n": 1})
+        await (await app.queue("other")).push({"n": 2})
+        refused = {**(await app.list())["jobs"], "max_batch": 0}
+        await app.stats_store.save_options("jobs", refused)
+    listed = await cli.run("list", "--json")
+    assert listed.returncode == 0, listed.stderr
+    assert [(row["queue"], row["size"]) for row in json.loads(listed.stdout)] == [
+        ("jobs", 1),
+        ("other", 1),
+    ]
+    assert "'jobs'" in listed.stderr and "defaults" in listed.stderr
+    stats = await cli.json("stats")
+    assert [row["queue"] for row in stats] == ["jobs", "other"]
+    peeked = await cli.json("peek", "jobs")
+    assert [item["payload"] for item in peeked["items"]] == [{"n": 1}]
+    async with cli.connect() as app:
+        assert (await app.list())["jobs"]["max_batch"] == 0  # left as recorded
