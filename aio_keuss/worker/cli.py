@@ -29,7 +29,7 @@ from ..errors import (
 from ..loading import add_connection_flags, import_callable
 from . import admin, loop
 from .run import abandoned_handlers, left_open, pipeline_source, run_worker
-from .settings import REPEAT_FORM, WorkerSettings, connection_settings, option_value, resolve
+from .settings import REPEAT_FORM, WorkerSettings, connection_settings, option_flags, resolve
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_UNREACHABLE = 0, 1, 2, 3
 EXIT_ABANDONED = 70
@@ -97,12 +97,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _flags(args: argparse.Namespace) -> dict[str, Any]:
-    options: dict[str, Any] = {}
-    for item in args.option:
-        key, sep, value = item.partition("=")
-        if not sep or not key:
-            raise ConfigError(f"--option takes KEY=VALUE, not {item!r}")
-        options[key.strip()] = option_value(value)
+    options = option_flags(args.option)
     return {
         "config": args.config,
         "handler": args.handler,

@@ -353,6 +353,19 @@ def option_value(text: str) -> Any:
         return text
 
 
+def option_flags(items: Sequence[str]) -> dict[str, Any]:
+    """The backend options of ``--option KEY=VALUE`` flags. A key of blanks is refused
+    here, naming the flag: stripped, it became an option named '' that the backend
+    refused without a name to show."""
+    options: dict[str, Any] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise ConfigError(f"--option takes KEY=VALUE, not {item!r}")
+        options[key.strip()] = option_value(value)
+    return options
+
+
 def resolve(flags: Mapping[str, Any], environ: Mapping[str, str] = os.environ) -> WorkerSettings:
     """Flags over environment over file over defaults."""
     config = flags.get("config") or environ.get(ENV_PREFIX + "CONFIG")
@@ -402,20 +415,16 @@ def resolve(flags: Mapping[str, Any], environ: Mapping[str, str] = os.environ) -
 
 
 def connection_settings(
-    flags: Mapping[str, Any], option_flags: Sequence[str], environ: Mapping[str, str] = os.environ
+    flags: Mapping[str, Any],
+    option_items: Sequence[str],
+    environ: Mapping[str, str] = os.environ,
 ) -> tuple[str, dict[str, Any]]:
     """(backend, connect options) of the admin commands: the worker's connection settings
     (``backend``, ``url``, ``options``) with the same precedence, the rest ignored."""
     config = flags.get("config") or environ.get(ENV_PREFIX + "CONFIG")
     wanted = {"backend", "url", "options"}
     layers = [(config and from_file(config)) or {}, from_environment(environ), dict(flags)]
-    options: dict[str, Any] = {}
-    for item in option_flags:
-        key, sep, value = item.partition("=")
-        if not sep or not key:
-            raise ConfigError(f"--option takes KEY=VALUE, not {item!r}")
-        options[key.strip()] = option_value(value)
-    layers.append({"options": options})
+    layers.append({"options": option_flags(option_items)})
     merged: dict[str, Any] = {}
     for layer in layers:
         picked = {k: v for k, v in layer.items() if k in wanted and v is not None}

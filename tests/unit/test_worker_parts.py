@@ -1000,3 +1000,16 @@ def test_a_config_file_s_settings_beside_its_worker_table_are_read_or_refused(
     above.write_text('backend = "redis-oq"\n[worker]\nhandler = "m:f"\nqueues = ["jobs"]\n')
     with pytest.raises(ConfigError, match=r"'backend' outside \[worker\]"):
         resolve({"config": str(above)}, {})
+
+
+@pytest.mark.parametrize("item", ["=1", " =1", "\t= x", "prefix"])
+def test_an_option_flag_without_a_key_is_refused_saying_so(
+    item: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--option ' =1'`` passed the KEY=VALUE check (a key of blanks) and, stripped, became
+    an option named '' that the backend then refused as ``unknown option(s) for backend
+    'memory': `` (no name); the worker and the admin commands now refuse it as they refuse
+    ``=1``, naming the flag."""
+    for argv in (["worker", "json:dumps", "--queue", "q"], ["list"]):
+        assert cli.main([*argv, "--option", item]) == 2
+        assert f"--option takes KEY=VALUE, not {item!r}" in capsys.readouterr().err
