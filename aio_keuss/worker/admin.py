@@ -198,13 +198,22 @@ class _NoSuchQueue(KeussError):
     """A command that only looks or takes named a queue the backend does not know."""
 
 
-async def _open(factory: Factory, name: str, *, create: bool = False) -> Queue:
+async def _open(
+    factory: Factory,
+    name: str,
+    *,
+    create: bool = False,
+    known: Mapping[str, Mapping[str, Any]] | None = None,
+) -> Queue:
     """The queue, opened with the options recorded for it (so they stay as they are).
     Opening records a queue in the backend: only a command that writes into it (``create``)
     may open one the backend does not know; the others answer not found and leave no
     record of a mistyped name. Recorded options this release refuses leave the queue
-    opened with the defaults, its record as it was."""
-    known = await factory.list()
+    opened with the defaults, its record as it was. ``known``: the backend's listing, read
+    already by a command opening every queue of it (read here, once per queue, the listing
+    of N queues was read N times)."""
+    if known is None:
+        known = await factory.list()
     if name not in known and not create:
         check_queue_name(name)  # a bad name is bad usage, not a missing queue
         raise _NoSuchQueue(f"no queue named {name!r} on this backend")
@@ -315,8 +324,9 @@ def _read_line() -> str:
 
 async def _list(factory: Factory, args: argparse.Namespace, out: Output) -> int:
     rows = []
-    for name in sorted(await factory.list()):
-        q = await _open(factory, name)
+    known = await factory.list()
+    for name in sorted(known):
+        q = await _open(factory, name, known=known)
         sizes = await q.sizes()
         rows.append(
             {
@@ -564,10 +574,11 @@ async def _replay(factory: Factory, args: argparse.Namespace, out: Output) -> in
 async def _stats(factory: Factory, args: argparse.Namespace, out: Output) -> int:
     rounds = 0
     while True:
-        names = args.queues or sorted(await factory.list())
+        known = await factory.list()
+        names = args.queues or sorted(known)
         rows = []
         for name in names:
-            q = await _open(factory, name)
+            q = await _open(factory, name, known=known)
             sizes = await q.sizes()
             rows.append(
                 {"queue": name, "size": sizes.size, "total": sizes.total, **await q.stats()}
