@@ -108,7 +108,14 @@ class HealthServer:
     async def start(self) -> None:
         """Listen. An address no host here has (it does not resolve, or is not ours) is a
         :class:`ConfigError`, a setting to fix (exit 2); anything else, a port still held by
-        the process being replaced among them, a :class:`KeussError` (exit 1)."""
+        the process being replaced among them, a :class:`KeussError` (exit 1). A blank
+        host is refused too: asyncio listens on every interface for ``""``, which a blank
+        ``AIO_KEUSS_HEALTH_HOST=`` would have opened to the network unasked."""
+        if not self.host.strip():
+            raise ConfigError(
+                f"health host {self.host!r} is blank: give an address (127.0.0.1 is the"
+                " default; 0.0.0.0 for every interface)"
+            )
         try:
             self._server = await asyncio.start_server(self._serve, self.host, self.port)
         except OSError as exc:

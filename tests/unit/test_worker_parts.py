@@ -1013,3 +1013,22 @@ def test_an_option_flag_without_a_key_is_refused_saying_so(
     for argv in (["worker", "json:dumps", "--queue", "q"], ["list"]):
         assert cli.main([*argv, "--option", item]) == 2
         assert f"--option takes KEY=VALUE, not {item!r}" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("host", ["", "  "])
+async def test_a_blank_health_host_is_refused_not_every_interface(host: str) -> None:
+    """asyncio listens on every interface for a host of ``""``: an
+    ``AIO_KEUSS_HEALTH_HOST=`` left blank in a unit or compose file served ``/healthz`` and
+    ``/metrics`` on 0.0.0.0 and [::] instead of the default loopback, logged as
+    ``http://:PORT``. Refused now (a ConfigError: the command's exit 2), before connecting;
+    every interface is 0.0.0.0, said so."""
+    server = HealthServer(lambda: [], host, 0)
+    with pytest.raises(ConfigError, match=r"0\.0\.0\.0"):
+        await server.start()
+    await server.close()
+
+    async def never(message: Message) -> None:
+        raise AssertionError("nothing is consumed")
+
+    with pytest.raises(ConfigError, match="health host"):
+        await aio_keuss.run_worker(never, ["q"], health_port=0, health_host=host)
