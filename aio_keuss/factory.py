@@ -184,6 +184,18 @@ class Factory:
         check_queue_name(name)
         return await self._current(name, self.defaults_for(name), sibling=True)
 
+    async def _recorded(self, name: str, options: Mapping[str, Any]) -> Queue:
+        """A queue the backend knows, opened by a tool that looks at queues (the admin
+        commands) with ``options``, those recorded for it: not recorded again, as a
+        :meth:`_sibling` is not. Recorded again, the record was replaced by this release's
+        view of it, losing the options a newer release recorded that this one does not
+        know. Options this release refuses raise, as for :meth:`queue`."""
+        if self._closed:
+            raise ClosedError("factory is closed")
+        check_queue_name(name)
+        queue_options = self.defaults_for(name).updated(dict(options))
+        return await self._current(name, queue_options, sibling=True)
+
     @contextlib.asynccontextmanager
     async def _using(self, name: str) -> AsyncIterator[Queue]:
         """:meth:`_sibling`, held for one call that uses it (a replay's copies, a find's

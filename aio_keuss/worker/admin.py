@@ -217,12 +217,13 @@ async def _open(
     if name not in known and not create:
         check_queue_name(name)  # a bad name is bad usage, not a missing queue
         raise _NoSuchQueue(f"no queue named {name!r} on this backend")
-    options = {k: v for k, v in known.get(name, {}).items() if k in QUEUE_OPTION_NAMES}
+    if name not in known:
+        return await factory.queue(name)  # a command writing into it: recorded
+    options = {k: v for k, v in known[name].items() if k in QUEUE_OPTION_NAMES}
     try:
-        return await factory.queue(name, **options)
+        # not recorded again: the record may hold options a newer release added
+        return await factory._recorded(name, options)
     except (ConfigError, InvalidInputError, NotSupportedError) as exc:
-        if name not in known:
-            raise  # no record to keep: nothing of ours but the defaults was given
         # options this release refuses (a newer one recorded them, or a hand did): opened
         # with the defaults, unrecorded, as the dashboard does, rather than failing every
         # command that reads the queue (list and stats among them) as bad usage

@@ -563,3 +563,23 @@ async def test_a_queue_whose_recorded_options_fail_to_apply_is_still_looked_at(
     assert [item["payload"] for item in peeked["items"]] == [{"n": 1}]
     async with cli.connect() as app:
         assert (await app.list())["jobs"]["max_batch"] == 0  # left as recorded
+
+
+async def test_looking_at_a_queue_keeps_options_this_release_does_not_know(
+    sql_or_redis_cli: Cli,
+) -> None:
+    """The commands open a queue with the options recorded for it "so looking at a queue
+    never changes them", but the open recorded them again, whole: a name this release does
+    not know (one a newer release recorded) was dropped from the record by a mere ``list``
+    or ``info``. A queue the backend knows is now opened without being recorded again."""
+    cli = sql_or_redis_cli
+    async with cli.connect() as app:
+        jobs = await app.queue("jobs", max_batch=7)
+        await jobs.push({"n": 1})
+        newer = {**(await app.list())["jobs"], "newer_option": 5}
+        await app.stats_store.save_options("jobs", newer)
+    for command in (["list"], ["info", "jobs"], ["peek", "jobs"], ["stats"], ["push", "jobs", "2"]):
+        done = await cli.run(*command)
+        assert done.returncode == 0, (command, done.stderr)
+        async with cli.connect() as app:
+            assert (await app.list())["jobs"] == newer, command
