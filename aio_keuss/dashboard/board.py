@@ -4,7 +4,8 @@ Queues come from ``factory.list()`` (every queue any process opened on the backe
 opened here with the options it was recorded with: opening a queue records its options, so
 opening it with this process's defaults would overwrite what the application set. Recorded
 options that fail to apply here (a value a newer release allows) leave the queue opened with
-the defaults without recording them.
+the defaults without recording them. A queue the backend knows is opened without being
+recorded again: the record may hold options a newer release added.
 
 Rates come from the shared counters (``Queue.stats``): a background task samples them every
 ``sample_every`` seconds and keeps the last ``keep`` seconds, so the chart has a history as
@@ -126,8 +127,8 @@ class Board:
                     del self._queues[name]
             for name in sorted(set(listed) - set(self._queues)):
                 options = {k: v for k, v in listed[name].items() if k in QUEUE_OPTION_NAMES}
-                try:
-                    self._queues[name] = await self.factory.queue(name, **options)
+                try:  # not recorded again: the record may hold a newer release's options
+                    self._queues[name] = await self.factory._recorded(name, options)
                 except KeussError as exc:  # e.g. options a newer release recorded
                     # shown all the same, opened with the defaults as a move reaches a queue:
                     # not recorded over what the application recorded (factory.queue would)

@@ -67,3 +67,22 @@ async def test_a_queue_closed_by_the_application_is_shown_reopened(
         state = await board.state()
         assert [row["size"] for row in state["queues"]] == [1]
         await board.sample()  # the sampler reads them too
+
+
+async def test_recorded_options_this_release_does_not_know_are_kept(
+    backend: tuple[str, dict[str, Any]],
+) -> None:
+    """Opening a listed queue with its recorded options recorded them again, whole: an
+    option a newer release recorded, unknown here, was dropped from the record by the
+    board's first look. A queue the board opens is now not recorded again."""
+    name, options = backend
+    async with aio_keuss.connect(name, **options) as app:
+        jobs = await app.queue("jobs", max_batch=7)
+        await jobs.push({"n": 1})
+        newer = {**(await app.list())["jobs"], "newer_option": 5}
+        await app.stats_store.save_options("jobs", newer)
+    async with aio_keuss.connect(name, **options) as viewer:
+        board = Board(viewer, sample_every=3600)
+        state = await board.state()
+        assert [row["size"] for row in state["queues"]] == [1]
+        assert (await viewer.list())["jobs"] == newer
