@@ -187,10 +187,9 @@ class Factory:
     async def _recorded(self, name: str, options: Mapping[str, Any]) -> Queue:
         """A queue the backend knows, opened by a tool that looks at queues (the admin
         commands, the dashboard) with ``options``, those recorded for it: not recorded
-        again, as a
-        :meth:`_sibling` is not. Recorded again, the record was replaced by this release's
-        view of it, losing the options a newer release recorded that this one does not
-        know. Options this release refuses raise, as for :meth:`queue`."""
+        again, as a :meth:`_sibling` is not. Recorded again, the record was replaced by
+        this release's view of it, losing the options a newer release recorded that this
+        one does not know. Options this release refuses raise, as for :meth:`queue`."""
         if self._closed:
             raise ClosedError("factory is closed")
         check_queue_name(name)
