@@ -306,6 +306,8 @@ def from_file(path: str) -> dict[str, Any]:
         raise ConfigError(f"config file {path!r}: [worker] must be a table")
     section = dict(section)
     if "queue" in section:
+        if "queues" in section:
+            raise ConfigError(f"config file {path!r}: give queue or queues, not both")
         section["queues"] = section.pop("queue")
     if "worker" in data:
         # TOML puts a table written after [worker] at the top, beside it: [[repeat]] and

@@ -1032,3 +1032,12 @@ async def test_a_blank_health_host_is_refused_not_every_interface(host: str) -> 
 
     with pytest.raises(ConfigError, match="health host"):
         await aio_keuss.run_worker(never, ["q"], health_port=0, health_host=host)
+
+
+def test_a_config_file_giving_queue_and_queues_is_refused(tmp_path: Path) -> None:
+    """``queue`` is read as ``queues`` in the file; given both, ``queue`` silently won, the
+    queues of ``queues`` left unconsumed. Refused, as ``repeat`` beside ``repeats`` is."""
+    config = tmp_path / "w.toml"
+    config.write_text('handler = "m:f"\nqueues = ["a", "b"]\nqueue = "c"\n')
+    with pytest.raises(ConfigError, match="queue or queues, not both"):
+        resolve({"config": str(config)}, {})
