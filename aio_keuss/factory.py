@@ -70,6 +70,9 @@ class Factory:
         # While a close waits for the running handlers: a queue one of them reaches (a move's
         # target) still opens, and is closed with the others.
         self._siblings_open = False
+        # Past the close's wait for the queues still opening (its grace spent, or cancelled
+        # again): one whose open completes later is closed by that open (see _open_queue).
+        self._opens_left = False
         self._closing = Closing("factory")
         self._close_begun = False  # its task ran a step (see close)
         # The close run by a caller after its task was cancelled before it ran a step (see
@@ -280,6 +283,15 @@ class Factory:
             raise
         finally:
             del self._opening[name]
+        if self._opens_left:
+            # the factory's close no longer waits for this open (see _close_opened): closed
+            # here, not handed out open over a closed backend, nor left open for good
+            error = ClosedError("factory is closed")
+            future.set_exception(error)
+            future.exception()  # retrieved: the awaiting callers re-raise it themselves
+            with contextlib.suppress(Exception):  # (its backend closed meanwhile)
+                await queue._shut(cut_short=True)
+            raise ClosedError("factory is closed")
         self._queues[name] = queue
         if sibling:
             self._unclaimed.add(name)
@@ -490,6 +502,19 @@ class Factory:
             return_exceptions=True,
         )
 
+    async def _close_opened(self, opening: asyncio.Future[Queue], end: float | None) -> None:
+        """Close the queue whose open ``opening`` is under way, once open, as the rest of a
+        cancelled close: waited for until ``end`` (its grace's) only, past which its open
+        closes it (see :meth:`_open_queue`)."""
+        timeout = None if end is None else max(0.0, end - asyncio.get_running_loop().time())
+        await asyncio.wait({opening}, timeout=timeout)
+        if not opening.done():  # given up (cancelled again: see _close's last step)
+            self._opens_left = True
+            return
+        if opening.cancelled() or opening.exception() is not None:
+            return  # no queue made
+        await opening.result()._shut(cut_short=True)
+
     async def _close(self, cut_short: bool = False) -> None:
         """``close``'s work; ``cut_short``: the rest of a close cancelled before it began,
         without the consumers' grace (bounded as a cancelled close)."""
@@ -514,9 +539,22 @@ class Factory:
                 grace_end = loop.time() + CANCELLED_CLOSE_GRACE
                 raise
             finally:
-                self._siblings_open = False
-                while self._opening:  # opened by a handler's move while it finished
-                    await asyncio.wait(list(self._opening.values()))
+                self._siblings_open = False  # no queue begins to open from here on
+                # opened by a move as the consumers stopped (a handler's, or a task's): closed
+                # with the others, once open
+                opening = list(self._opening.values())
+                cancelled: asyncio.CancelledError | None = None
+                if opening and not cut_short:
+                    try:
+                        await asyncio.wait(opening)
+                    except asyncio.CancelledError as exc:
+                        # Cancelled here, the close left at once: no queue closed, and the
+                        # backend closed under them. They close as after a cancelled stop.
+                        cut_short, cancelled = True, exc
+                        grace_end = loop.time() + CANCELLED_CLOSE_GRACE
+                # still opening in a cancelled close: waited for within its grace only (an
+                # open on a server that stopped answering never ends), beside the closes
+                opening = [future for future in opening if not future.done()]
                 queues = list(self._queues.values())
                 if grace_end is not None:
                     abandon = loop.call_at(grace_end, self.backend.abandon)
@@ -528,6 +566,10 @@ class Factory:
                         queue._shut(cut_short=True) if cut_short else queue.close()
                     )
                     for queue in queues
+                ]
+                closing += [
+                    asyncio.ensure_future(self._close_opened(future, grace_end))
+                    for future in opening
                 ]
                 try:
                     # not gather: cancelled, it raised only once every queue's grace was
@@ -552,13 +594,17 @@ class Factory:
                     # waited for. Else the backend closed under the calls in flight.
                     await asyncio.gather(
                         *(queue._shut(cut_short=True) for queue in queues),
+                        *(self._close_opened(future, grace_end) for future in opening),
                         return_exceptions=True,
                     )
                     raise
+                if cancelled is not None:
+                    raise cancelled
             for result in (*stops, *closes):
                 if isinstance(result, Exception):
                     raise result
         finally:
+            self._opens_left = True  # (none is left past here)
             grace = _Grace(grace_end)
             try:
                 # raises when the server is away at close

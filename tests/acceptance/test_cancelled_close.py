@@ -581,3 +581,114 @@ async def test_a_cancelled_close_cancelled_again_gives_up_no_connection_after_it
     await asyncio.sleep(aio_keuss.factory.CANCELLED_CLOSE_GRACE)
     await asyncio.sleep(0)
     assert True not in given_up, "the connection was given up after the close ended"
+
+
+def _held_opens(factory: aio_keuss.Factory, name: str) -> tuple[asyncio.Event, asyncio.Event]:
+    """(opening, let_open): queue ``name``'s open, once begun (``opening`` set), waits for
+    ``let_open`` before it makes the queue's store: an open the test holds at that point."""
+    opening, let_open = asyncio.Event(), asyncio.Event()
+    make = factory.backend.store
+
+    async def store(queue: str, options: Any) -> Any:
+        if queue == name:
+            opening.set()
+            await let_open.wait()
+        return await make(queue, options)
+
+    factory.backend.store = store  # type: ignore[method-assign]
+    return opening, let_open
+
+
+async def _until(condition: Callable[[], bool]) -> None:
+    """Until ``condition`` holds: watched rather than timed (10 s at most)."""
+    for _ in range(1000):
+        if condition():
+            return
+        await asyncio.sleep(0.01)
+
+
+async def test_a_close_cancelled_while_a_queue_opens_still_closes_every_queue(
+    case_options: tuple[BackendCase, dict[str, Any]],
+) -> None:
+    """Once the consumers are stopped the close waits for the queues still opening (a move
+    made meanwhile opens its target), then closes them with the others. Cancelled during
+    that wait, it closed no queue at all: the backend closed under them, the reservations
+    the user held stayed reserved until ``reserve_delay``, and the queue opened meanwhile
+    was left open. It now closes them as a cancelled close does, the one that opened too."""
+    case, options = case_options
+    factory = await aio_keuss.connect(case.name, **options)
+    opening, let_open = _held_opens(factory, "target")
+    q = await factory.queue("jobs", reserve_delay=3600.0)
+    await q.push_many([{"n": n} for n in range(3)])
+    held = await q.reserve_many(3)  # the user's, never acknowledged
+    assert len(held) == 3
+    handling, finish = asyncio.Event(), asyncio.Event()
+
+    async def handler(message: aio_keuss.Message) -> None:
+        handling.set()
+        await finish.wait()
+
+    q.consume(handler)
+    await q.push({"n": 3})
+    await asyncio.wait_for(handling.wait(), 10)
+    closing = asyncio.create_task(factory.close())
+    await _until(lambda: factory._siblings_open)  # the close waits for the handler
+    moving = asyncio.create_task(q.move(held[0], "target"))  # opens its target
+    await asyncio.wait_for(opening.wait(), 10)
+    finish.set()  # the consumers stop; the close then waits for the target's open
+    await _until(lambda: not factory._siblings_open)
+    assert not closing.done() and "target" in factory._opening
+    closing.cancel()  # as asyncio.timeout around the close would
+    await asyncio.sleep(0.05)
+    let_open.set()
+    outcome = await asyncio.gather(closing, return_exceptions=True)
+    assert isinstance(outcome[0], asyncio.CancelledError)
+    await asyncio.gather(moving, return_exceptions=True)
+    ready, sizes = await _left_in(case, options, "jobs")
+    moved, _ = await _left_in(case, options, "target")
+    assert sizes.total == 0, sizes  # nothing left reserved for a closed queue
+    assert set(ready) | set(moved) == {m.id for m in held}
+    target = factory._queues.get("target")
+    assert target is None or target._closed, "the queue opened meanwhile was left open"
+
+
+@pytest.mark.parametrize("begun", [True, False], ids=["begun", "before-its-task-ran"])
+async def test_a_close_cancelled_while_a_queue_opens_ends_in_its_grace(
+    case_options: tuple[BackendCase, dict[str, Any]], monkeypatch: pytest.MonkeyPatch, begun: bool
+) -> None:
+    """A cancelled close waited for a queue's open (a move's target, opened as the close
+    began) without bound, its grace unheeded: an open that does not end (a server that
+    stopped answering) held the close for good. It now waits for it within the grace,
+    closes the other queues meanwhile, and ends; the open, once it completes, closes the
+    queue it made and fails, rather than hand out a queue open over a closed backend.
+    Cancelled once the close's task waits for the open, or before that task ran a step
+    (the close then runs in the caller's task, cut short)."""
+    import aio_keuss.factory
+
+    case, options = case_options
+    monkeypatch.setattr(aio_keuss.factory, "CANCELLED_CLOSE_GRACE", 1.0)
+    factory = await aio_keuss.connect(case.name, **options)
+    opening, let_open = _held_opens(factory, "target")
+    q = await factory.queue("jobs", reserve_delay=3600.0)
+    await q.push_many([{"n": n} for n in range(3)])
+    held = await q.reserve_many(3)
+    moving = asyncio.create_task(q.move(held[0], "target"))
+    await asyncio.wait_for(opening.wait(), 10)
+    closing = asyncio.create_task(factory.close())
+    if begun:
+        await _until(lambda: factory._close_begun)  # it waits for the target's open
+    else:
+        await asyncio.sleep(0)  # in close; the close's own task has not run a step
+    closing.cancel()
+    done, _ = await asyncio.wait({closing}, timeout=30)
+    assert closing in done, "the close waits for the open for good"
+    assert closing.cancelled()
+    assert not moving.done()  # the open is still held: the close ended without it
+    let_open.set()
+    (failure,) = await asyncio.gather(moving, return_exceptions=True)
+    assert isinstance(failure, aio_keuss.ClosedError), failure
+    target = factory._queues.get("target")
+    assert target is None or target._closed, "the queue opened late was left open"
+    ready, sizes = await _left_in(case, options, "jobs")
+    assert sizes.total == 0, sizes
+    assert set(ready) == {m.id for m in held}
