@@ -698,10 +698,15 @@ class RateState:
     ``tat``: GCRA's theoretical arrival time, epoch seconds on the backend's clock: a
     grant is due while ``now >= tat - (burst - 1) * interval``. ``until``: deliveries are
     held until then (a handler's :class:`aio_keuss.RateLimited`). A state whose both times
-    are past is the same as none: a backend may let it expire then."""
+    are past is the same as none: a backend may let it expire then. ``refused``: how many
+    takes it refused (granted fewer than asked) since it was made, which tells a take that
+    gives grants back whether another was refused since it took them (see
+    :attr:`RateGrant.refused`); it restarts from 0 with a state expired, when no take is out.
+    """
 
     tat: float = 0.0
     until: float = 0.0
+    refused: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -716,6 +721,10 @@ class RateGrant:
     """The limiter's ``tat`` after the step (epoch seconds, the backend's clock): the end of
     the time its grants took up, which a give-back of them brings back (see
     :func:`rate_step`)."""
+    refused: int = 0
+    """The limiter's count of refused takes after the step (:attr:`RateState.refused`): a
+    give-back that answers another count than its take did came after a refusal, and only
+    then is there a consumer for it to tell (``Queue._limited``)."""
 
 
 def rate_step(
@@ -742,19 +751,24 @@ def rate_step(
       between), the part gone by was spent: the step moved ``tat`` on since for the takes
       made meanwhile, and taking every interval off its end lent their grants a second
       time. Only ever what a take of the same caller granted.
+
+    A take granted fewer than its ``count`` counts one refusal more (``refused``).
     """
     interval = rule.interval
     until = max(state.until, now + hold) if hold > 0 else state.until
     tat = max(state.tat, now)
     granted = 0
+    refused = state.refused
     if count > 0 and now >= until:
         due = math.floor((now + rule.burst * interval - tat) / interval + RATE_SLACK)
         granted = max(0, min(count, due))
         tat += granted * interval
     elif count < 0:
         tat = max(tat - min(-count * interval, max(0.0, end - now)), now)
+    if granted < count:
+        refused += 1
     wait = max(0.0, until - now, tat - (rule.burst - 1) * interval - now)
-    return RateState(tat, until), RateGrant(granted, wait, tat)
+    return RateState(tat, until, refused), RateGrant(granted, wait, tat, refused)
 
 
 class LocalRates:

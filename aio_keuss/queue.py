@@ -145,6 +145,15 @@ CLOCK_SLACK = 1.0
 """Seconds ahead of now a message's mature time still counts as "ready now"."""
 
 
+DUE_SLACK = 0.001
+"""Seconds off a grant a give-back still counts as making it due (see ``Queue._limited``):
+a refused consumer hears of it later than that. The limiter's times carry rounding beyond
+its own ``RATE_SLACK`` where a server keeps fewer digits of a double than it was given (a
+MongoDB look-alike that keeps 15 significant digits of an updated one moves an epoch time
+by microseconds), and the give-back that brought the limiter back to now then answered a
+wait of microseconds: announced only at 0, the refused consumer slept on until the
+limiter's next grant."""
+
 CANCELLED_CLOSE_GRACE = 10.0
 """Seconds a cancelled close still spends finishing: waiting for the round trips in flight,
 giving back the reservations nobody acknowledged (see ``Queue._close``)."""
@@ -967,11 +976,14 @@ class Queue:
         """A take of a rate-limited queue: at most what the limiter grants of ``n``. What
         was granted but found no message goes back to the limiter (else consumers polling
         an empty queue spent the limit on nothing), before the take returns: a round trip
-        more only when the queue ran short. A give-back of the last grant due is
-        announced (``SignalBus.granted``): a consumer that the limiter refused meanwhile,
-        in any process, slept until the limiter's next grant (an hour away with an hourly
-        limit), pushes or not, and the message pushed next waited that long though the
-        limit allowed it. The announcement wakes nobody by itself (two idle consumers would
+        more only when the queue ran short. A give-back that makes a grant due again is
+        announced (``SignalBus.granted``) if the limiter refused a take since this one
+        (its count of refusals moved, ``RateGrant.refused``): a consumer it refused, in any
+        process, slept until the limiter's next grant (an hour away with an hourly limit),
+        pushes or not, and the message pushed next waited that long though the limit
+        allowed it. With nobody refused, nobody is to be told: an idle consumer's every
+        poll takes a grant and gives it back, and published a signal each time. The
+        announcement wakes nobody by itself (two idle consumers would
         wake each other for ever): it makes the grant due again for such a consumer, and
         wakes those that a push woke meanwhile and that slept on (see
         ``_on_grant_back``). The next mature time answered is no sooner than the limiter's
@@ -985,9 +997,8 @@ class Queue:
         unused = grant.granted - len(fetched.messages)
         if unused:  # here, not in the background: the next take must find them back
             back = await self._give_back_grants(unused, grant.end)
-            if grant.wait > 0 and back is not None and back.wait <= 0:
-                # this take spent the last grant due (others were refused meanwhile),
-                # and one is due again now
+            if back is not None and back.wait <= DUE_SLACK and back.refused != grant.refused:
+                # a take was refused since this one, and a grant is due again now
                 self._signal.granted(self.name)
         if grant.wait <= 0 or fetched.next_mature is None:
             return fetched
@@ -1017,8 +1028,8 @@ class Queue:
             return None
 
     def _on_grant_back(self) -> None:
-        """A take (of any process) gave back the grants it found no message for, after it
-        had spent the last one due: one is due again. A consumer the limiter refused
+        """A take (of any process) gave back the grants it found no message for, after the
+        limiter refused another take: one is due again. A consumer the limiter refused
         meanwhile takes at its next wake-up, not the limiter's next grant; one that a push
         woke meanwhile, and that slept on, is woken now. Only then: woken for nothing, two
         idle consumers would take and give back, and wake each other, for ever."""

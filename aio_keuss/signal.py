@@ -253,8 +253,8 @@ class SignalBus:
         return self.subscribe(GRANTS_ROUTE + queue, listener)
 
     def granted(self, queue: str) -> None:
-        """Announce that a take gave back the rate grants it found no message for, having
-        spent the last one due: the consumers the limiter refused meanwhile may take again
+        """Announce that a take gave back the rate grants it found no message for, after
+        the limiter refused another take: the consumers the limiter refused meanwhile may take again
         (see ``Queue._on_grant_back``); never debounced. Sent on :data:`GRANTS_ROUTE`."""
         signal = Signal(GRANTS_ROUTE + queue, "grant")
         self._deliver(signal)

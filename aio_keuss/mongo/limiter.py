@@ -1,10 +1,11 @@
 """The queues' rate limiters in MongoDB: ``contract.rate_step`` on one document per queue.
 
-``<prefix>_rates`` holds ``{_id: queue, t, u, v, expires}``: ``t`` (GCRA's theoretical
-arrival time) and ``u`` (held until) in epoch seconds, ``v`` the token of the step that
-wrote it, ``expires`` the later of the two times as a date under a TTL index (MongoDB
-manual, "Expire Data from Collections by Setting TTL"), so an idle queue's limiter leaves
-nothing behind: a state whose both times are past is the same as none.
+``<prefix>_rates`` holds ``{_id: queue, t, u, r, v, expires}``: ``t`` (GCRA's theoretical
+arrival time) and ``u`` (held until) in epoch seconds, ``r`` the count of takes refused
+(``RateState.refused``; none in a document written before it was kept: 0), ``v`` the
+token of the step that wrote it, ``expires`` the later of the two times as a date under a
+TTL index (MongoDB manual, "Expire Data from Collections by Setting TTL"), so an idle
+queue's limiter leaves nothing behind: a state whose both times are past is the same as none.
 
 A step is a compare-and-set on that document: read it, run ``rate_step`` in Python, write
 the new state only where ``v`` is still the token read (an insert where there was none,
@@ -64,7 +65,7 @@ class MongoRates:
         while True:
             doc = await self._coll.find_one({"_id": queue})
             now = time.time()
-            state = RateState() if doc is None else RateState(float(doc["t"]), float(doc["u"]))
+            state = RateState() if doc is None else _state(doc)
             new, grant = rate_step(state, now, rule, count, hold, end)
             if await self._write(queue, doc, new, now):
                 return grant
@@ -73,7 +74,7 @@ class MongoRates:
         """Put ``new`` where ``doc`` (None: no document) was read; False if another step
         wrote in between. A state all past is stored as no document; one the step left as
         it was is not written (the step then took effect at its read)."""
-        if doc is not None and new == RateState(float(doc["t"]), float(doc["u"])):
+        if doc is not None and new == _state(doc):
             return True
         last = max(new.tat, new.until)
         if last <= now:
@@ -84,6 +85,7 @@ class MongoRates:
         fields = {
             "t": new.tat,
             "u": new.until,
+            "r": new.refused,
             "v": new_id(),
             "expires": datetime.fromtimestamp(last + EXPIRY_SLACK, UTC),
         }
@@ -95,3 +97,7 @@ class MongoRates:
             return True
         updated = await self._coll.update_one({"_id": queue, "v": doc["v"]}, {"$set": fields})
         return updated.matched_count == 1
+
+
+def _state(doc: Document) -> RateState:
+    return RateState(float(doc["t"]), float(doc["u"]), int(doc.get("r", 0)))

@@ -61,7 +61,9 @@ class PostgresBackend(PostgresConnection):
             self.sql["rate_take"], queue, rule.interval, rule.burst, count, hold, RATE_SLACK, end
         )
         self._reclaim_when_due()
-        return RateGrant(int(row["granted"]), float(row["wait"]), float(row["tat"]))
+        return RateGrant(
+            int(row["granted"]), float(row["wait"]), float(row["tat"]), int(row["refused"])
+        )
 
     def _reclaim_when_due(self) -> None:
         now = time.monotonic()

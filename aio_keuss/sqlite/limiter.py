@@ -1,8 +1,9 @@
 """A queue's rate limiter in SQLite: ``contract.rate_step`` on one row of ``rates``.
 
-The row, keyed by the queue's name, holds the limiter's two times (``tat``, ``held_until``)
-in epoch seconds on SQLite's clock (``julianday('now')``, to the millisecond: SQLite keeps
-no finer time, and ``unixepoch('subsec')`` needs 3.42). Every process sharing the file runs
+The row, keyed by the queue's name, holds the limiter's count of refused takes
+(``refused``) and its two times (``tat``, ``held_until``) in epoch seconds on SQLite's
+clock (``julianday('now')``, to the millisecond: SQLite keeps no finer time, and
+``unixepoch('subsec')`` needs 3.42). Every process sharing the file runs
 on the machine that holds it, so they share that clock whatever else they do.
 
 The step is one write transaction (``BEGIN IMMEDIATE``, see :mod:`.connection`): one
@@ -32,12 +33,12 @@ async def rate_take(
     sql = db.sql
 
     def step(c: sqlite3.Connection) -> RateGrant:
-        now, tat, until = c.execute(sql["rate_state"], (queue,)).fetchone()
-        state = RateState() if tat is None else RateState(tat, until)
+        now, tat, until, refused = c.execute(sql["rate_state"], (queue,)).fetchone()
+        state = RateState() if tat is None else RateState(tat, until, refused)
         new, grant = rate_step(state, now, rule, count, hold, end)
         if max(new.tat, new.until) > now:
             if new != state:
-                c.execute(sql["rate_save"], (queue, new.tat, new.until))
+                c.execute(sql["rate_save"], (queue, new.tat, new.until, new.refused))
             if tat is None:
                 c.execute(sql["rate_purge"], (now,))
         elif tat is not None:

@@ -515,3 +515,37 @@ async def test_grants_given_back_do_not_keep_idle_consumers_waking_each_other(
         for task in consumers:
             task.cancel()
         await asyncio.gather(*consumers, return_exceptions=True)
+
+
+async def test_an_idle_consumer_publishes_no_grant_signal_per_poll(connect: Connect) -> None:
+    """A take of an idle rate-limited queue spends the only grant due (a burst of one),
+    finds nothing and gives it back: nobody was refused meanwhile, so nobody is to be told.
+    Each such give-back published a "grant" signal, one per poll of every idle consumer,
+    for as long as the queue idled. A consumer refused meanwhile is still told (see
+    ``test_a_grant_given_back_unused_wakes_a_consumer_it_kept_waiting``). Counted: polls
+    that do not wait (timeout 0), each one take and one give-back."""
+    factory = await connect(poll_interval=60.0)
+    needs(factory, "rate_limit")
+    q = await factory.queue("idle-grants", rate_limit=1, rate_period=HOUR, rate_burst=1)
+    published = 0
+    granted = factory.signal.granted
+
+    def counted(queue: str) -> None:
+        nonlocal published
+        published += 1
+        granted(queue)
+
+    factory.signal.granted = counted  # type: ignore[method-assign]
+    heard: list[object] = []
+    unsubscribe = factory.signal.subscribe_grants("idle-grants", heard.append)
+    try:
+        for _ in range(5):
+            assert await q.pop(timeout=0) is None
+        if q.capabilities.reserve:
+            assert await q.reserve(timeout=0) is None
+        await q.push("then a message")  # the limit was not spent on the polls
+        got = await q.pop(timeout=GUARD)
+        assert got is not None and got.payload == "then a message"
+        assert published == 0 and not [s for s in heard if getattr(s, "kind", None) == "grant"]
+    finally:
+        unsubscribe()

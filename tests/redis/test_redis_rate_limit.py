@@ -35,7 +35,7 @@ async def test_the_limiter_is_one_key_of_the_queue_that_expires_once_idle(
         key = f"{prefix}:{{jobs}}:rate"
         try:
             state = await client.hgetall(key)
-            assert set(state) == {b"t", b"u"}
+            assert set(state) == {b"t", b"u", b"r"}
             # one grant of five an hour: the state matters for 720 s, and lives that long
             assert 0 < await client.pttl(key) <= 721_000
             # a time on the server's clock, in microseconds

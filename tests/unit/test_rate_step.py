@@ -106,3 +106,23 @@ def test_grants_given_back_late_give_back_only_what_is_still_ahead() -> None:
     state, _ = rate_step(state, T0, RateRule(3, 3600.0, 3), -2, 0.0, end=taken.end)
     _, again = rate_step(state, T0, RateRule(3, 3600.0, 3), 5, 0.0)
     assert again.granted == 2
+
+
+def test_the_limiter_counts_the_takes_it_refuses() -> None:
+    """A take granted fewer than it asked counts one refusal (``refused``), a take granted
+    all, a give-back or a hold none: a give-back whose answer counts more refusals than its
+    take's came after a consumer was refused (``Queue._limited`` announces only those)."""
+    rule = RateRule(1, 3600.0, 1)
+    state, taken = rate_step(RateState(), T0, rule, 1, 0.0)
+    assert (taken.granted, taken.refused) == (1, 0)
+    state, back = rate_step(state, T0 + 1, rule, -1, 0.0, taken.end)
+    assert back.refused == 0  # nobody refused meanwhile: nothing to announce
+    state, taken = rate_step(state, T0 + 2, rule, 1, 0.0)
+    state, refused = rate_step(state, T0 + 3, rule, 1, 0.0)
+    assert (refused.granted, refused.refused) == (0, 1)
+    state, back = rate_step(state, T0 + 4, rule, -1, 0.0, taken.end)
+    assert back.refused == 1 and back.wait == 0
+    state, partial = rate_step(state, T0 + 5, rule, 3, 0.0)
+    assert (partial.granted, partial.refused) == (1, 2)
+    state, held = rate_step(state, T0 + 6, rule, 0, 60.0)
+    assert held.refused == 2

@@ -559,14 +559,15 @@ WHERE ctid = ANY(ARRAY(
 -- not flattened into its parent: it is one row, computed once).
 
 -- name: _rate_step
--- The new state from prev(tat, held_until), the old one: the columns stepped, held_until,
--- tat and granted.
+-- The new state from prev(tat, held_until, refused), the old one: the columns stepped,
+-- held_until, tat, granted and refused (one more for a take granted fewer than it asked).
 SELECT c.now AS stepped, u.held_until,
     CASE WHEN $4::int > 0 AND c.now >= u.held_until THEN t.tat + g.granted * $2::float8
          WHEN $4::int < 0 THEN greatest(
              t.tat - least(-$4::int * $2::float8, greatest(0, $7::float8 - c.now)), c.now)
          ELSE t.tat END AS tat,
-    g.granted
+    g.granted,
+    prev.refused + CASE WHEN g.granted < $4::int THEN 1 ELSE 0 END AS refused
 FROM (SELECT extract(epoch from clock_timestamp())::float8 AS now) c,
 LATERAL (SELECT CASE WHEN $5::float8 > 0 THEN greatest(prev.held_until, c.now + $5::float8)
                      ELSE prev.held_until END AS held_until) u,
@@ -581,15 +582,16 @@ LATERAL (SELECT CASE WHEN $4::int > 0 AND c.now >= u.held_until
 -- any later one updates it under its row lock (ON CONFLICT DO UPDATE), so concurrent steps
 -- of every process take turns on it. Answers granted, and wait: the seconds from the step
 -- until the next grant falls due (0: one is due already).
-INSERT INTO {s}.rate_limits AS r (queue, stepped, held_until, tat, granted)
-SELECT $1, n.stepped, n.held_until, n.tat, n.granted
-FROM (SELECT 0::float8 AS tat, 0::float8 AS held_until) prev, LATERAL ({_rate_step}) n
-ON CONFLICT (queue) DO UPDATE SET (stepped, held_until, tat, granted) = (
-    SELECT n.stepped, n.held_until, n.tat, n.granted
-    FROM (SELECT r.tat, r.held_until) prev, LATERAL ({_rate_step}) n
+INSERT INTO {s}.rate_limits AS r (queue, stepped, held_until, tat, granted, refused)
+SELECT $1, n.stepped, n.held_until, n.tat, n.granted, n.refused
+FROM (SELECT 0::float8 AS tat, 0::float8 AS held_until, 0::bigint AS refused) prev,
+    LATERAL ({_rate_step}) n
+ON CONFLICT (queue) DO UPDATE SET (stepped, held_until, tat, granted, refused) = (
+    SELECT n.stepped, n.held_until, n.tat, n.granted, n.refused
+    FROM (SELECT r.tat, r.held_until, r.refused) prev, LATERAL ({_rate_step}) n
 )
 RETURNING r.granted, greatest(0, r.held_until - r.stepped,
-    r.tat - ($3::int - 1) * $2::float8 - r.stepped) AS wait, r.tat
+    r.tat - ($3::int - 1) * $2::float8 - r.stepped) AS wait, r.tat, r.refused
 
 -- name: rate_reclaim
 -- Drop up to $1 limiter rows whose two times are past: such a row is the state of none,

@@ -252,12 +252,14 @@ DELETE FROM pipelines WHERE name = ?
 -- "now" (SQLite documentation, "Date And Time Functions": 'now' is the same for every use
 -- within one sqlite3_step). julianday holds whole milliseconds; rounded back to them, the
 -- epoch seconds are exact to the millisecond rather than a double's rounding of a day count.
-SELECT round((julianday('now') - 2440587.5) * 86400000.0) / 1000.0, r.tat, r.held_until
+SELECT round((julianday('now') - 2440587.5) * 86400000.0) / 1000.0, r.tat, r.held_until,
+    r.refused
 FROM (SELECT 1) LEFT JOIN rates AS r ON r.queue = ?
 
 -- name: rate_save
-INSERT INTO rates (queue, tat, held_until) VALUES (?, ?, ?)
-ON CONFLICT (queue) DO UPDATE SET tat = excluded.tat, held_until = excluded.held_until
+INSERT INTO rates (queue, tat, held_until, refused) VALUES (?, ?, ?, ?)
+ON CONFLICT (queue) DO UPDATE SET tat = excluded.tat, held_until = excluded.held_until,
+    refused = excluded.refused
 
 -- name: rate_forget
 DELETE FROM rates WHERE queue = ?
