@@ -95,3 +95,23 @@ async def test_a_file_of_the_previous_schema_gets_the_rates_table(tmp_path: Path
         assert "jobs" in _rows(path)
     with contextlib.closing(sqlite3.connect(path)) as migrated:
         assert migrated.execute("PRAGMA user_version").fetchone()[0] == migrations()[-1][0]
+
+
+async def test_a_file_of_the_previous_schema_gets_the_refusal_count_and_keeps_its_limiters(
+    tmp_path: Path,
+) -> None:
+    """Step 006 adds the limiter's count of refused takes to ``rates``: a limiter row
+    written before reads as none refused, and is stepped on as it was (its grant spent)."""
+    path = tmp_path / "queues.db"
+    rule = RateRule(1, 3600.0, 1)
+    async with aio_keuss.connect("sqlite", path=str(path)) as factory:
+        assert (await factory.backend.rate_take("jobs", rule, 1, 0.0)).granted == 1
+    with contextlib.closing(sqlite3.connect(path)) as old:  # as step 005 left it
+        old.execute("ALTER TABLE rates DROP COLUMN refused")
+        old.execute("PRAGMA user_version = 5")
+        old.commit()
+    async with aio_keuss.connect("sqlite", path=str(path)) as factory:
+        refused = await factory.backend.rate_take("jobs", rule, 1, 0.0)
+        assert (refused.granted, refused.refused) == (0, 1)
+    with contextlib.closing(sqlite3.connect(path)) as migrated:
+        assert migrated.execute("PRAGMA user_version").fetchone()[0] == migrations()[-1][0]
