@@ -13,6 +13,7 @@ is down" (3), and restart only on the latter, and sees a stop that could not end
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
 import sys
 from collections.abc import Sequence
@@ -176,18 +177,24 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _serve(settings: WorkerSettings) -> int:
-    """Run the worker; returns the command's exit code."""
+    """Run the worker; returns the command's exit code. A SIGINT while the worker's signal
+    handlers are not in place (before it installs them, or once it removed them as it
+    returns, before ``loop.exit_running`` installs its own) is Python's KeyboardInterrupt
+    out of the loop: 0, but 70 after a stop that abandoned handlers (recorded before the
+    worker removed its handlers), as the command exits then without it."""
+    ran: list[asyncio.AbstractEventLoop] = []
     try:
-        return loop.run(_serving(settings))  # not asyncio.run: see that module
-    except KeyboardInterrupt:  # a SIGINT before the handlers were installed
-        return EXIT_OK
+        return loop.run(_serving(settings, ran))  # not asyncio.run: see that module
+    except KeyboardInterrupt:
+        return EXIT_ABANDONED if ran and abandoned_handlers(ran[0]) else EXIT_OK
 
 
-async def _serving(settings: WorkerSettings) -> int:
-    """Run the worker in the loop; returns the command's exit code, or exits the process
-    at once (still in the loop: ``loop.exit_running``) if the worker left its connection open
-    for handlers it abandoned, which run on: closing it, or ending the loop, would stop the
-    extensions of their reservations while the process lives on."""
+async def _serving(settings: WorkerSettings, ran: list[asyncio.AbstractEventLoop]) -> int:
+    """Run the worker in the loop (noted in ``ran``); returns the command's exit code, or
+    exits the process at once (still in the loop: ``loop.exit_running``) if the worker left
+    its connection open for handlers it abandoned, which run on: closing it, or ending the
+    loop, would stop the extensions of their reservations while the process lives on."""
+    ran.append(asyncio.get_running_loop())
     code = _exit_code(await _outcome(settings))
     if left_open():
         await loop.exit_running(code)

@@ -235,6 +235,11 @@ async def run_worker(
                 f"{_runner(failed)} stopped on {describe(cast(Exception, failed.failure))}"
             ) from failed.failure
     finally:
+        # recorded before the signal handlers go: a SIGINT from then on is Python's
+        # KeyboardInterrupt, which may cut the closes below short, and the command still
+        # reads it (``abandoned_handlers``) to exit 70
+        if any(consumer.stop_abandoned for consumer in consumers):
+            _abandoning.add(asyncio.get_running_loop())
         restore()
         try:
             if (consumers or repeaters) and not stopped:  # cancelled or failed above
@@ -269,12 +274,13 @@ def left_open() -> bool:
     return any(closing.get_loop() is loop for closing in _left_open)
 
 
-def abandoned_handlers() -> bool:
-    """Whether a worker of the running loop abandoned handlers as it stopped (they went on
-    once cancelled), whether or not they still run: the worker command then exits 70. Not
-    :func:`left_open`, which holds only while they run: one that ended between its
-    abandonment and the worker's return left a stop that did abandon it exiting 0."""
-    return asyncio.get_running_loop() in _abandoning
+def abandoned_handlers(loop: asyncio.AbstractEventLoop | None = None) -> bool:
+    """Whether a worker of ``loop`` (default: the running loop) abandoned handlers as it
+    stopped (they went on once cancelled), whether or not they still run: the worker
+    command then exits 70. Not :func:`left_open`, which holds only while they run: one that
+    ended between its abandonment and the worker's return left a stop that did abandon it
+    exiting 0."""
+    return (loop or asyncio.get_running_loop()) in _abandoning
 
 
 _abandoning: weakref.WeakSet[asyncio.AbstractEventLoop] = weakref.WeakSet()

@@ -52,6 +52,19 @@ JOBS = textwrap.dedent(
         with LOG.open("a") as log:
             log.write(json.dumps({"kind": kind, "n": message.payload["n"]}) + "\\n")
 
+    if "JOBS_HOLD_HEALTH_CLOSE" in os.environ:
+        # the worker's end, once its signal handlers are removed, held open: the health
+        # server's close notes that it began, then waits
+        from aio_keuss.worker import health
+
+        async def held_close(self, close=health.HealthServer.close):
+            with LOG.open("a") as log:
+                log.write(json.dumps({"kind": "health-closing", "n": 0}) + "\\n")
+            await asyncio.sleep(3600)
+            await close(self)
+
+        health.HealthServer.close = held_close
+
     async def slow(message):
         note("start", message)
         await asyncio.sleep(message.payload["sleep"])
@@ -447,6 +460,35 @@ async def test_a_signal_while_a_task_left_gets_its_last_seconds_still_exits_70(
     worker.signal(signal.SIGINT)
     assert worker.finish() == 70, worker.output
     assert worker.events("atexit") == [0], worker.output
+
+
+async def test_a_sigint_after_the_workers_handlers_are_removed_still_exits_70(
+    workdir: Path, prefix: str, workers: list[Worker]
+) -> None:
+    """The worker removes its SIGTERM / SIGINT handlers as it returns, before the health
+    server's and the connection's close, and the command's exit installs its own only
+    after: a SIGINT in between is Python's KeyboardInterrupt out of the loop, which the
+    command took for a SIGINT before the worker started (exit 0) even after a stop that
+    abandoned a handler (which has ended since: nothing is left running to make it 70).
+    The gap is held open here (the health server's close waits), so the signal lands in
+    it."""
+    await _push(prefix, [{"n": 0}])
+    port = free_port()
+    args = ["--grace", "600", "--health-port", str(port), "--option", "reserve_delay=40"]
+    worker = Worker(
+        workdir,
+        *_redis_args(prefix, *args, handler="jobs:relents"),
+        env={"JOBS_HOLD_HEALTH_CLOSE": "1"},
+    )
+    workers.append(worker)
+    worker.wait_for("start", 1)
+    worker.signal(signal.SIGTERM)
+    await _status_becomes(port, 503)  # the first signal was heard: the consumer stops
+    worker.signal(signal.SIGTERM)
+    worker.wait_for("health-closing", 1, seconds=120)  # the handler was abandoned, ended
+    worker.signal(signal.SIGINT)
+    assert worker.finish(seconds=120) == 70, worker.output
+    assert worker.events("ended") == [0], worker.output
 
 
 async def test_a_handler_that_ends_as_it_is_abandoned_still_exits_70(
