@@ -2448,7 +2448,8 @@ class Queue:
         ``consumer.stop()`` does), and the close lets every handler finish and acknowledge
         before it gives anything back. Closes called while one is under way wait for it. One
         that failed (the server away) may be called again: it runs again, each step picking
-        up where the failed one stopped.
+        up where the failed one stopped; so does one after a cancelled close whose store's
+        close failed in its grace (the cancelled caller heard only the cancellation).
         Cancelled, it still finishes (calls in flight end, reservations go back) for up to
         ``CANCELLED_CLOSE_GRACE`` seconds, or until cancelled again."""
         await self._shut(cut_short=False)
@@ -2461,7 +2462,8 @@ class Queue:
         begun = self._closing.task
         # Begun again after one cancelled before the queue counted as closed (a cancelled
         # one past that point closed the store in its grace), or one that failed (its server
-        # away): that one returned at once, and the store stayed open for good.
+        # away; or cancelled, its store's close failed in its grace): that one returned at
+        # once, and the store stayed open for good.
         owner = begun is None or (begun.cancelled() and not self._closed) or self._closing.failed
         if owner:
             self._closing.begin(self._close(cut_short))
@@ -2493,8 +2495,9 @@ class Queue:
         not even the factory's close, and the reservations it held and the buckets it had
         leased stayed out of every process's reach until they expired. Not opened afresh
         beside it either: nothing promises that two opens of one name share nothing a close
-        shuts. Shielded: this ask cancelled, the close goes on (a cancelled close that
-        failed again in its grace is not run again)."""
+        shuts. So is one whose close was cancelled once it counted as closed, its store's
+        close failing in the grace (see ``Closing.store_failed``). Shielded: this ask
+        cancelled, the close goes on, not cut short to its grace."""
         closing = self._closing.task
         if closing is None or self._runs_a_handler():
             return False
@@ -2566,6 +2569,9 @@ class Queue:
         try:
             await self._store.close()
         except Exception as exc:
+            # the close counts as failed, cancelled or not: run again by the next one (the
+            # factory's ask for the name, its close), else the store stayed open for good
+            self._closing.store_failed()
             if given_up is None:
                 raise
             # cancelled again: the cancellation is the answer, not the store's failure
@@ -2737,6 +2743,7 @@ class Closing:
         self._what = what
         self.task: asyncio.Task[None] | None = None
         self._awaited = False  # a caller waits for it (and gets its failure)
+        self._store_failed = False  # see ``store_failed``
 
     @property
     def under_way(self) -> bool:
@@ -2744,17 +2751,26 @@ class Closing:
 
     @property
     def failed(self) -> bool:
-        """Whether it ended raising (its server away): a close called again runs again."""
+        """Whether it ended raising (its server away), or cancelled once its store's close
+        had failed (see :meth:`store_failed`): a close called again runs again."""
         task = self.task
-        return (
-            task is not None
-            and task.done()
-            and not task.cancelled()
-            and task.exception() is not None
-        )
+        if task is None or not task.done():
+            return False
+        if task.cancelled():
+            return self._store_failed
+        return task.exception() is not None
+
+    def store_failed(self) -> None:
+        """The store's close failed in a cancelled close's grace: only logged there (the
+        cancellation is what its caller hears), so the close ended cancelled and, the queue
+        counting as closed, nothing ran it again; the store's unwritten state (a bucket
+        store's leased buckets, its oks) stayed out of every process's reach until its
+        lease lapsed."""
+        self._store_failed = True
 
     def begin(self, close: Coroutine[Any, Any, None]) -> None:
         self._awaited = False  # (begun again after a failure: by a handler, nobody waits)
+        self._store_failed = False
         self.task = asyncio.get_running_loop().create_task(close)
         self.task.add_done_callback(self._ended)
 

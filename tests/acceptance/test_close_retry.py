@@ -3,6 +3,8 @@ it must finish the close, not return at once with the store still open."""
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 from backends import REDIS_URL, _drop_redis_prefix, new_token
 from black_hole import BlackHole
@@ -100,6 +102,63 @@ async def test_a_close_that_failed_after_the_queue_counted_as_closed_is_not_forg
     finally:
         hole.restore()
         await factory.close()  # closes what is still open, the failed close's queue too
+        hole.close()
+    after = await aio_keuss.connect("bucket-redis", url=REDIS_URL, **options)
+    try:
+        q = await after.queue("retry")
+        left = []
+        while (message := await q.pop(timeout=1)) is not None:
+            left.append(message.payload)
+        assert sorted(left) == [0, 1, 2]  # the reservation given back, the bucket too
+    finally:
+        await after.close()
+        await _drop_redis_prefix({"url": REDIS_URL, **options})
+
+
+@pytest.mark.parametrize("closed_again_by", ["queue.close", "factory.queue", "factory.close"])
+async def test_a_cancelled_close_whose_store_close_failed_is_not_forgotten(
+    closed_again_by: str,
+) -> None:
+    """A close cancelled (a shutdown timeout) once the queue counted as closed finishes in
+    its grace, closing the store; the server down, that close fails too, and was only
+    logged: the close ended cancelled, so neither ``queue.close()`` nor the next
+    ``factory.queue(name)`` nor ``factory.close()`` ran it again. The name was opened
+    afresh beside it, and the reservation held and the leased bucket stayed out of reach
+    of every process until the lease lapsed (``reserve_delay`` here). The failure in the
+    grace now counts as a failed close: closed again as one that raised."""
+    options = {
+        "prefix": f"akr-{new_token()}",
+        "state_flush_period": 3600.0,
+        "reserve_delay": 3600.0,
+    }
+    hole = BlackHole("127.0.0.1", 6379, b"")
+    await hole.start()
+    url = REDIS_URL.replace("127.0.0.1:6379", f"127.0.0.1:{hole.port}")
+    factory = await aio_keuss.connect("bucket-redis", url=url, **options)
+    try:
+        q = await factory.queue("retry")
+        for n in range(3):
+            await q.push(n)
+        held = await q.reserve()
+        assert held is not None
+        await q.drain()  # the reservation written: the close's drain has no round trip
+        hole.cut()
+        closing = asyncio.ensure_future(q.close())
+        while not q._closed and not closing.done():  # noqa: ASYNC110 - nothing tells of it
+            await asyncio.sleep(0)
+        assert not closing.done()  # counts as closed, its store's close retrying its writes
+        closing.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await closing  # its grace over: the store's close failed there too
+        hole.restore()
+        if closed_again_by == "queue.close":
+            await q.close()  # runs again, as after a close that raised
+        elif closed_again_by == "factory.queue":
+            again = await factory.queue("retry")  # closes the one that failed first
+            assert again is not q
+    finally:
+        hole.restore()
+        await factory.close()  # closes what is still open, the cancelled close's queue too
         hole.close()
     after = await aio_keuss.connect("bucket-redis", url=REDIS_URL, **options)
     try:
