@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import math
 import sys
@@ -2507,7 +2508,14 @@ class Queue:
             with contextlib.suppress(Exception):  # its failure is its closer's to hear
                 await self._closing.wait(owner=False)
         if self._closed and self._closing.failed:
-            await asyncio.shield(self.close())  # raises if it fails again
+            again = asyncio.ensure_future(self.close())
+            try:
+                await asyncio.shield(again)  # raises if it fails again
+            except asyncio.CancelledError:
+                # nobody waits for it now: a failure is logged as a close nobody waits for
+                # (else asyncio's "Task exception was never retrieved", whenever collected)
+                again.add_done_callback(functools.partial(_failure_logged, self.name))
+                raise
         return self._closed
 
     def _stop_taking(self) -> None:
@@ -2795,6 +2803,16 @@ class Closing:
         exc = closing.exception()  # retrieved: a close a handler began may be awaited by nobody
         if exc is not None and not self._awaited:
             log.warning("%s: close failed: %r", self._what, exc)
+
+
+def _failure_logged(name: str, close: asyncio.Future[None]) -> None:
+    """The failure of queue ``name``'s ``close`` that its asker, cancelled, does not hear: a
+    WARNING, as for a close nobody waits for (see ``Closing``)."""
+    if close.cancelled():
+        return
+    exc = close.exception()
+    if exc is not None:
+        log.warning("queue %r: close failed: %r", name, exc)
 
 
 def _latest_batches_first(nacks: list[Nack], size: int) -> Iterator[list[Nack]]:

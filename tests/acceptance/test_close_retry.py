@@ -4,6 +4,7 @@ it must finish the close, not return at once with the store still open."""
 from __future__ import annotations
 
 import asyncio
+import gc
 
 import pytest
 from backends import REDIS_URL, _drop_redis_prefix, new_token
@@ -167,6 +168,66 @@ async def test_a_cancelled_close_whose_store_close_failed_is_not_forgotten(
         while (message := await q.pop(timeout=1)) is not None:
             left.append(message.payload)
         assert sorted(left) == [0, 1, 2]  # the reservation given back, the bucket too
+    finally:
+        await after.close()
+        await _drop_redis_prefix({"url": REDIS_URL, **options})
+
+
+async def test_a_close_again_whose_asker_was_cancelled_reports_its_failure(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """``factory.queue(name)`` closes again, shielded, a queue whose close failed after it
+    counted as closed; cancelled meanwhile, the ask leaves that close running, and nobody
+    waits for it any more. The server still down, its failure went to asyncio's "Task
+    exception was never retrieved" (an ERROR with a traceback, whenever the task was
+    collected), not to the WARNING a close nobody waits for logs; still closed again by
+    ``factory.close()`` once the server is back."""
+    options = {
+        "prefix": f"akr-{new_token()}",
+        "state_flush_period": 3600.0,
+        "reserve_delay": 3600.0,
+    }
+    hole = BlackHole("127.0.0.1", 6379, b"")
+    await hole.start()
+    url = REDIS_URL.replace("127.0.0.1:6379", f"127.0.0.1:{hole.port}")
+    factory = await aio_keuss.connect("bucket-redis", url=url, **options)
+    try:
+        q = await factory.queue("retry")
+        for n in range(3):
+            await q.push(n)
+        held = await q.reserve()
+        assert held is not None
+        await q.drain()  # the reservation written: the close's drain has no round trip
+        hole.cut()
+        with pytest.raises(KeussConnectionError):
+            await q.close()
+        first = q._closing.task
+        asking = asyncio.ensure_future(factory.queue("retry"))
+        while q._closing.task is first:  # noqa: ASYNC110 - nothing tells of it
+            await asyncio.sleep(0)
+        asking.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await asking
+        again = q._closing.task
+        assert again is not None
+        await asyncio.wait({again})  # the close the ask began fails, the server down
+        assert again.exception() is not None
+        del again, first
+        gc.collect()
+        assert "never retrieved" not in caplog.text
+        assert "'retry': close failed" in caplog.text
+        hole.restore()
+    finally:
+        hole.restore()
+        await factory.close()  # closes it again, the server back
+        hole.close()
+    after = await aio_keuss.connect("bucket-redis", url=REDIS_URL, **options)
+    try:
+        q = await after.queue("retry")
+        left = []
+        while (message := await q.pop(timeout=1)) is not None:
+            left.append(message.payload)
+        assert sorted(left) == [0, 1, 2]
     finally:
         await after.close()
         await _drop_redis_prefix({"url": REDIS_URL, **options})
