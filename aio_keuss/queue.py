@@ -127,7 +127,7 @@ from .outcomes import (
     encode_success,
 )
 from .repeat import Repeater, RepeatPlan
-from .results import cancel_space
+from .results import cancel_space, leave_space
 from .types import CancelResult, Capabilities, JobResult, KoResult, MessageView, Page, Sizes
 from .visibility import SiblingQueue
 from .wakeups import Wakeups
@@ -170,7 +170,17 @@ LEAVE_GRACE = 5.0
 """Seconds a duplicate ``push_and_wait`` still waits for the result of an earlier message it
 found gone with none kept, before ``ResultMissingError``: a remove, a cancel that removes, or
 a ko that deadletters keeps the failure just after the message left (see ``Queue._joined``),
-one round trip of theirs later, normally."""
+one round trip of theirs later, normally; longer where they noted it on its way (see
+``LEAVE_NOTE_TTL``)."""
+
+LEAVE_NOTE_TTL = 60.0
+"""Seconds the note a remove leaves before removing (see ``Queue._note_leaving``) is kept:
+while it is, a duplicate ``push_and_wait`` that found the message gone with no failure kept
+goes on waiting for that failure past ``LEAVE_GRACE``; a remover that died (or stalls
+longer) holds its joiners that long at most."""
+
+LEAVING = b"leaving"
+"""The body of a leave note (see ``leave_space``)."""
 
 FetchResult = tuple[list[Stored], float | None]
 Limiter = Callable[[int, float, float], Awaitable[RateGrant]]
@@ -1620,6 +1630,35 @@ class Queue:
         so that its waiters do not wait for ever (see ``_keep_failures``)."""
         await self._keep_failures([message_id], error)
 
+    async def _note_leaving(self, message_id: str) -> None:
+        """Note, before a remove, that a failure may be kept for the message once it left:
+        a duplicate ``push_and_wait`` that finds it gone with none kept waits for it while
+        the note lasts (``LEAVE_NOTE_TTL``), not only ``LEAVE_GRACE`` (see ``_joined``), so
+        a remover slow to keep it (a stalled process) still has its failure reach them.
+        Written before the remove, as a failure cannot be (the remove may find the message
+        reserved and leave it): a note that stays for nothing only makes such a joiner wait
+        longer for a message that finished with no result kept. Not written, it is logged:
+        the remove goes on, its joiners have the grace only."""
+        assert self._result_store is not None  # (kept results: a store to keep them)
+        try:
+            store = await self._result_store()
+            await store.put(leave_space(self.name), [(message_id, LEAVING)], LEAVE_NOTE_TTL)
+        except Exception as exc:
+            log.warning(
+                "queue %r: leave note of %r not kept (%r): a duplicate push_and_wait may"
+                " miss its failure",
+                self.name,
+                message_id,
+                exc,
+            )
+
+    async def _leaving(self, message_id: str) -> bool:
+        """Whether a remove noted that a failure may still be kept for the message."""
+        assert self._result_store is not None
+        store = await self._result_store()
+        (note,) = await store.get(leave_space(self.name), [message_id])
+        return note is not None
+
     async def _keep_failures(self, ids: Sequence[str], error: str) -> None:
         """Failure results of messages that will never finish. What failed to be kept is
         logged: the ko, remove or deadletter it follows is done and stays done."""
@@ -1644,7 +1683,9 @@ class Queue:
     ) -> KoResult:
         """Roll a reservation back (due again after ``delay``), or deadletter it past max_ko.
         On a queue with ``result_ttl``, a ko that deadletters keeps a failure result, with
-        ``error`` as its reason (default: how many deliveries failed)."""
+        ``error`` as its reason (default: how many deliveries failed); one that may
+        deadletter (past ``max_ko``, or given an id) first notes it in the result store, for
+        a duplicate ``push_and_wait`` (see ``_note_leaving``)."""
         return await self._ko(message, delay, error, keep=True)
 
     async def _ko(
@@ -1661,6 +1702,14 @@ class Queue:
             seconds = min(self._store.default_ko_delay(tries), MAX_SECONDS)
         else:
             seconds = self._delay(delay)
+        plan = self._deadletter
+        if (  # a ko that may deadletter: its failure is kept once the message left
+            keep
+            and self._result_writes is not None
+            and plan is not None
+            and (tries is None or tries + 1 > plan.max_ko)
+        ):
+            await self._note_leaving(message_id)
         outcome = await self._rollbacks.submit(Nack(message_id, tries, seconds, True, token))
         if outcome is KoResult.DEADLETTERED and keep and self._result_writes is not None:
             if error is None:
@@ -1882,6 +1931,7 @@ class Queue:
         return removed
 
     async def _removed(self, message_id: str, failure: str) -> bool:
+        await self._note_leaving(message_id)
         (removed,) = await self._store.remove([message_id])
         if removed:  # its waiters are told it will never finish
             await self._keep_failure(message_id, failure)
@@ -2139,7 +2189,8 @@ class Queue:
         An ``id`` refused as a duplicate joins the earlier message: its result is awaited.
         Where that message has finished with no result kept (none, or expired), none can
         come: ``ResultMissingError``, once a short grace (``LEAVE_GRACE`` seconds) passed
-        with none kept, whatever ``timeout`` beyond it (see ``_joined``)."""
+        with none kept, or longer while a remove noted that a failure is on its way (see
+        ``_joined``), whatever ``timeout`` beyond it."""
         self._check_open()
         seconds = check_timeout(timeout)
         self._require("results")
@@ -2175,8 +2226,14 @@ class Queue:
         (and a last look for one whose signal was lost): a message that finished with
         none kept costs its waiter that grace. A ``timeout`` that ends within the grace
         ends the wait as any other (None: ``ResultTimeoutError``), since a failure may
-        still come. A remover that stalls beyond the grace (or dies before the failure is
-        kept) leaves ``ResultMissingError``.
+        still come. A remover may stall beyond the grace (a slow or paused process), so
+        each notes before it removes (or before a ko that may deadletter) that a failure
+        may follow (see ``_note_leaving``): a joiner that finds the message gone with none
+        kept past the grace, and that note still there, waits another grace, and so on
+        while the note lasts (``LEAVE_NOTE_TTL``), up to its ``timeout``. A remover that
+        dies before keeping the failure (or stalls longer than the note lasts) leaves
+        ``ResultMissingError`` then; a note whose remove found the message held and left
+        it, later finished with no result kept, delays ``ResultMissingError`` as long.
 
         A message found still queued is looked for again each ``poll_interval`` while
         its result is awaited (in one wait, its looks shared: see ``_while_queued``): one
@@ -2215,10 +2272,11 @@ class Queue:
             (body,) = await waits.look([message_id])  # (a failure whose signal was lost)
             if body is not None or grace < LEAVE_GRACE:
                 return body
-            if not queued:
+            if not queued and not await self._leaving(message_id):
                 raise ResultMissingError(message_id)
             # back in the queue (a pop cancelled before its reply was handed over puts
-            # its messages back): its result may come after all
+            # its messages back): its result may come after all; or gone, with a remove
+            # noted as on its way: the failure it keeps may come after all
 
     async def _while_queued(
         self, waits: ResultWaits, message_id: str, deadline: float | None

@@ -27,9 +27,22 @@ def cancel_space(queue: str) -> str:
     return CANCEL_SPACE + queue
 
 
+LEAVE_SPACE = "-"
+"""What the result-store name of a queue's leave notes starts with (see :func:`leave_space`)."""
+
+
+def leave_space(queue: str) -> str:
+    """The result-store name under which a remove of a message of ``queue`` notes, just
+    before it, that a failure result may follow its message's leaving: ``"-" + queue``,
+    which no queue can take either (nor a cancel space), so a note never reads as a result
+    or a request."""
+    return LEAVE_SPACE + queue
+
+
 def space_queue(name: str) -> str:
-    """The queue a result-store name belongs to: itself, or the queue of a cancel space."""
-    return name[len(CANCEL_SPACE) :] if name.startswith(CANCEL_SPACE) else name
+    """The queue a result-store name belongs to: itself, or the queue of a cancel space or
+    of a leave space."""
+    return name[1:] if name.startswith((CANCEL_SPACE, LEAVE_SPACE)) else name
 
 
 class ResultStore(ABC):

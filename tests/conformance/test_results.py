@@ -29,7 +29,7 @@ from aio_keuss import (
     ResultMissingError,
     ResultTimeoutError,
 )
-from aio_keuss.results import ResultStore
+from aio_keuss.results import ResultStore, leave_space
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -622,6 +622,66 @@ async def test_a_duplicate_push_and_wait_of_a_message_just_deadlettered_fails_wi
         await _join_while_held(q, held, leaving)
     assert raised.value.error == "bad input"
     assert leaving.result() is aio_keuss.KoResult.DEADLETTERED
+
+
+@pytest.mark.parametrize("how", ["remove", "cancel", "deadletter"])
+async def test_a_duplicate_push_and_wait_gets_a_failure_kept_past_the_grace(
+    connect: Connect, how: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A remover (or a ko that deadletters) that keeps the failure later than the grace
+    after the message left (a stalled process) still has it reach a duplicate that found
+    the message gone: the note it left before the message left tells the joiner a failure
+    is on its way. Ordered by events: the failure is let through only once the joiner,
+    past its grace (made short here), asked for that note."""
+    monkeypatch.setattr(aio_keuss.queue, "LEAVE_GRACE", 0.05)
+    deadletters = how == "deadletter"
+    factory = await _results_factory(
+        connect, **({"deadletter": {"max_ko": 0}} if deadletters else {})
+    )
+    q = await factory.queue("q1", result_ttl=TTL)
+    _needs_telling_finished(q)
+    if deadletters:
+        await q.push(1, id="job-1")
+        (message,) = await _reserve_all(q, 1)
+    else:
+        needs(q, "remove")
+        await q.push(1, id="job-1", delay=3600 if q.capabilities.delay else 0.0)
+    store = await _store_of(factory)
+    held = _HeldPut(store, "q1", "job-1")
+    noted = 0
+    get = store.get
+
+    async def counted_get(space: str, ids: Sequence[str]) -> list[bytes | None]:
+        nonlocal noted
+        found = await get(space, ids)
+        noted += space == leave_space("q1") and "job-1" in ids
+        return found
+
+    store.get = counted_get  # type: ignore[method-assign]
+    if deadletters:
+        leaving = asyncio.ensure_future(q.ko(message, error="bad input"))
+    else:
+        leaving = asyncio.ensure_future(q.remove("job-1") if how == "remove" else q.cancel("job-1"))
+    try:
+        await asyncio.wait_for(held.entered.wait(), GUARD)  # gone, its failure not kept
+        joining = asyncio.ensure_future(q.push_and_wait(2, id="job-1", timeout=GUARD))
+
+        async def past_the_grace() -> bool:
+            return joining.done() or noted >= 1
+
+        await until(past_the_grace, GUARD)
+        held.release.set()
+        with pytest.raises(JobFailedError) as raised:
+            await asyncio.wait_for(joining, GUARD)
+    finally:
+        held.release.set()
+    expected = {"remove": "removed", "cancel": "cancelled", "deadletter": "bad input"}[how]
+    assert raised.value.error == expected
+    assert await asyncio.wait_for(leaving, GUARD) in (
+        True,
+        aio_keuss.CancelResult.REMOVED,
+        aio_keuss.KoResult.DEADLETTERED,
+    )
 
 
 async def test_a_duplicate_push_and_wait_of_a_finished_message_gets_its_kept_result(
