@@ -181,10 +181,18 @@ class _Runtime:
         by another parent thread at fork time would never be released. Start afresh, never
         touching the parent's portal (calling it would block forever).
 
-        The parent's exit stack is kept referenced forever: were it garbage collected, the
-        ``start_blocking_portal`` generator inside would be closed, and its ``finally`` would
-        call the dead portal and join a thread that does not exist here, hanging the child.
+        The parent's exit stack is kept referenced, so that it is not finalized in the
+        middle of the child's work, but the interpreter's finalization frees it all the same
+        (a normal exit clears the modules' globals): the ``start_blocking_portal`` generator
+        inside is then closed, and its ``finally`` calls the portal to stop it, which waited
+        for ever for the parent's loop thread, not running here, and the child's exit hung.
+        So the portal is marked stopped here, as its own ``stop`` marks it (anyio's
+        ``BlockingPortal``): that call then raises ``RuntimeError``, which the generator
+        ignores, and its join of the loop thread returns at once, ``threading`` having
+        marked the parent's other threads as stopped in the child.
         """
+        if self.portal is not None:
+            self.portal._event_loop_thread_id = None
         _inherited.append((self.stack, self.portal, self.open))
         self.lock = threading.Lock()
         self.stack = None

@@ -1443,3 +1443,59 @@ def test_a_pool_or_client_of_another_event_loop_is_refused(case: BackendCase) ->
         own.close()
         if case.cleanup is not None:
             asyncio.run(case.cleanup(opts))
+
+
+# A fork while another thread waits in a blocking reserve; the child ends normally:
+# ``python -c FORKED_DURING_RESERVE <backend> <options json>``. It prints how the child ended.
+FORKED_DURING_RESERVE = r"""
+import faulthandler, json, os, sys, threading
+import aio_keuss
+from aio_keuss import sync
+
+backend, options = sys.argv[1], json.loads(sys.argv[2])
+factory = sync.connect(backend, **options)
+queue = factory.queue("jobs")
+got = []
+waiter = threading.Thread(target=lambda: got.append(queue.reserve(timeout=120)))
+waiter.start()
+
+
+def waiting(frame):  # the waiter is in reserve, waiting for the loop thread's answer
+    while frame is not None and frame.f_code.co_name != "_outcome":
+        frame = frame.f_back
+    return frame is not None
+
+
+while waiter.ident is None or not waiting(sys._current_frames().get(waiter.ident)):
+    threading.Event().wait(0.01)
+pid = os.fork()
+if pid == 0:  # the child: refuses the parent's factory, then exits as a program does
+    faulthandler.dump_traceback_later(30, exit=True)  # a hang ends with status 1
+    try:
+        queue.push("from the child")
+    except aio_keuss.ClosedError:
+        sys.exit(0)
+    sys.exit(2)
+_, status = os.waitpid(pid, 0)
+queue.push("for the waiter")
+waiter.join()
+factory.close()
+print(json.dumps({"child": os.waitstatus_to_exitcode(status), "reserved": got[0].payload}))
+"""
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+@pytest.mark.parametrize("backend", ["memory", "redis-oq"])
+def test_a_child_forked_while_a_thread_waits_in_reserve_exits(backend: str) -> None:
+    """A child forked while another thread of the parent waited in ``reserve`` hung in its
+    normal exit (``sys.exit``, the end of the program): at the interpreter's finalization
+    the parent's portal, kept referenced by the shim, was freed with the module, and its
+    ``start_blocking_portal`` generator, closed, asked the parent's loop thread (which does
+    not exist in a child) to stop and waited for ever. Now the child exits, status 0."""
+    options = {"url": REDIS_URL, "prefix": f"aks-{new_token()}"} if backend != "memory" else {}
+    try:
+        done = _program(FORKED_DURING_RESERVE, backend, json.dumps(options), limit=90)
+    finally:
+        if options:
+            asyncio.run(_drop_redis_prefix(options))
+    assert json.loads(done.stdout) == {"child": 0, "reserved": "for the waiter"}
