@@ -533,7 +533,12 @@ class SyncFactory:
 
     def _start(self, func: Callable[..., Awaitable[T]], *args: Any) -> Future[T]:
         if self.closed:
-            raise ClosedError("factory is closed" if self._closed else "factory of the parent")
+            if self._closed:
+                raise ClosedError("factory is closed")
+            raise ClosedError(
+                "factory of the parent process, inherited across fork(): its loop thread"
+                " does not run in this process; connect again in the child"
+            )
         try:
             return self._portal.start_task_soon(_contained, func, *args)
         except RuntimeError as exc:  # the loop stopped under us: closed by another thread

@@ -1446,7 +1446,8 @@ def test_a_pool_or_client_of_another_event_loop_is_refused(case: BackendCase) ->
 
 
 # A fork while another thread waits in a blocking reserve; the child ends normally:
-# ``python -c FORKED_DURING_RESERVE <backend> <options json>``. It prints how the child ended.
+# ``python -c FORKED_DURING_RESERVE <backend> <options json>``. It prints how the child ended
+# (0: exited, having been refused the parent's factory with an error saying to connect again).
 FORKED_DURING_RESERVE = r"""
 import faulthandler, json, os, sys, threading
 import aio_keuss
@@ -1473,8 +1474,8 @@ if pid == 0:  # the child: refuses the parent's factory, then exits as a program
     faulthandler.dump_traceback_later(30, exit=True)  # a hang ends with status 1
     try:
         queue.push("from the child")
-    except aio_keuss.ClosedError:
-        sys.exit(0)
+    except aio_keuss.ClosedError as exc:  # saying why, and what to do
+        sys.exit(0 if "fork" in str(exc) and "connect again" in str(exc) else 3)
     sys.exit(2)
 _, status = os.waitpid(pid, 0)
 queue.push("for the waiter")
