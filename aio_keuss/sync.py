@@ -235,7 +235,8 @@ def _aside(work: Callable[[], T]) -> T:
 
 
 _inherited: list[object] = []
-"""What a forked child got from its parent and must never finalize (see ``forget``)."""
+"""What a forked child got from its parent, kept from being finalized while the child works
+(only the interpreter's finalization frees it; see ``forget``)."""
 
 _runtime = _Runtime()
 atexit.register(_runtime.shutdown)
