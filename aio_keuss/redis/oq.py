@@ -1436,9 +1436,13 @@ def _peeked_rows(values: list[Any]) -> list[Peeked | None]:
 def _read_one(reply: list[Any]) -> tuple[list[Stored], float | None]:
     """A one-message get / reserve reply (see ``Store.one_take``): the next mature time
     as ``_fetched`` reads it, then the message's id, record, mature time and bump, if one
-    was ready."""
+    was ready. A message taken comes with the head ``0`` (more look ready now): read
+    without parsing it as a float (about 650 client instructions), the same time."""
     head = reply[0]
-    next_mature = None if head is None else time.time() + float(head)
+    if head == b"0":
+        next_mature: float | None = time.time()
+    else:
+        next_mature = None if head is None else time.time() + float(head)
     if len(reply) == 5:
         _, message_id, rec, mature, bump = reply
         try:
