@@ -46,6 +46,7 @@ messages a store had already taken would be lost.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections import deque
 from collections.abc import Callable, Coroutine, Generator
@@ -63,10 +64,16 @@ Req = TypeVar("Req")
 Res = TypeVar("Res")
 T = TypeVar("T")
 
+LATE_REPLIES: list[Callable[[asyncio.Future[Any]], asyncio.Future[Any] | None]] = []
+"""Where a store whose one-message calls (see ``OneCall``) reply with plain futures, which
+do not refuse cancellation, finds the future that gets the reply of one cancelled with its
+caller, and refuses cancellation (see :func:`settled`); None for a future it does not know."""
+
 OneCall = tuple[Callable[[], "asyncio.Future[Any] | None"], Callable[[Any], T]]
 """A store's own one-request call, as (send, read): ``send()`` puts the request on the wire
-at once and returns the future of its reply, which refuses cancellation (or None: it
-cannot now); ``read(reply)`` is the request's result."""
+at once and returns the future of its reply, which refuses cancellation, or whose
+cancellation with its caller is followed by :func:`settled` (or None: it cannot now);
+``read(reply)`` is the request's result."""
 
 
 class Coalescer(Generic[Req, Res]):
@@ -134,6 +141,7 @@ class Coalescer(Generic[Req, Res]):
             try:
                 raw = await reply
             except asyncio.CancelledError as cancelled:
+                reply = await settled(reply)
                 self._ran_inline()
                 if replied(reply):
                     try:
@@ -382,6 +390,26 @@ class Coalescer(Generic[Req, Res]):
         self._back_tasks.add(task)
         task.add_done_callback(self._handed_back)
         await asyncio.shield(task)
+
+
+async def settled(reply: asyncio.Future[Any]) -> asyncio.Future[Any]:
+    """A one-message call's reply future (see ``OneCall``) once a cancellation came out of
+    awaiting it, as one that refuses cancellation would stand: in, given up or failed. A
+    plain future (which costs its awaiter less, see ``LATE_REPLIES``) was cancelled with
+    its caller while the command ran: the future its store swapped in gets the reply, and
+    is awaited here (cancelled again meanwhile or not: it refuses, up to its grace), so that
+    the caller's cancellation lands once the reply is in, as with one that refuses. Any
+    other future is returned as it is."""
+    if not reply.cancelled():
+        return reply
+    for late_reply in LATE_REPLIES:
+        late = late_reply(reply)
+        if late is not None:
+            # failed, given up or cancelled again: the caller's to judge (see ``replied``)
+            with contextlib.suppress(Exception, asyncio.CancelledError):
+                await late
+            return late
+    return reply
 
 
 def replied(reply: asyncio.Future[Any]) -> bool:

@@ -522,10 +522,12 @@ class Store(ABC):
         ``read(reply)`` is what ``get(1)`` / ``reserve(1, ...)`` would have returned, as
         ``(messages, next_mature)``. None here: the store has no such call.
 
-        Only for an ``uninterruptible`` store whose reply futures refuse cancellation: the
-        queue awaits the future directly, and a caller cancelled once the reply is in
-        still has what was taken put back. No coroutine then runs between a pop and its
-        reply, a cost a busy queue otherwise pays on every message."""
+        Only for an ``uninterruptible`` store whose reply futures refuse cancellation, or
+        are plain futures whose store gives, once one is cancelled with its caller, the
+        future that gets its reply (``coalesce.LATE_REPLIES``; a plain future costs its
+        awaiter less): the queue awaits the future directly, and a caller cancelled before
+        or once the reply is in still has what was taken put back. No coroutine then runs
+        between a pop and its reply, a cost a busy queue otherwise pays on every message."""
         return None
 
     def one_commit(self) -> OneCommit | None:

@@ -38,7 +38,7 @@ from .cancels import (
     encode_request,
     request_ttl,
 )
-from .coalesce import Coalescer, RunToEnd, replied, to_the_end
+from .coalesce import Coalescer, RunToEnd, replied, settled, to_the_end
 from .consumer import (
     BatchHandler,
     Consumer,
@@ -378,6 +378,9 @@ class Queue:
         # reply is in, the message is counted and signalled, this caller cancelled or not.
         try:
             await reply
+        except asyncio.CancelledError:
+            reply = await settled(reply)
+            raise
         finally:
             self._one_inserted(reply, entry)
         return entry.id
@@ -393,6 +396,9 @@ class Queue:
         queued = False
         try:
             await reply
+        except asyncio.CancelledError:
+            reply = await settled(reply)
+            raise
         finally:
             queued = self._one_inserted(reply, entry)
         return queued
@@ -1514,7 +1520,9 @@ class Queue:
         # done and recorded as ``_commit_batch`` records it, cancelled meanwhile or not.
         try:
             raw = await reply
-        except BaseException:
+        except BaseException as error:
+            if isinstance(error, asyncio.CancelledError):
+                reply = await settled(reply)
             commits.ran_one()
             if replied(reply):  # a cancellation that landed once the reply was in
                 self._committed_one(message_id, tries, one[1](reply.result()))
