@@ -87,6 +87,8 @@ from .errors import (
 from .ids import new_id
 from .message import (
     EMPTY_HEADERS,
+    MAX_KNOWN_ID_LENGTH,
+    MAX_TRIES,
     UNCHANGED,
     UNDECODABLE,
     Headers,
@@ -1506,7 +1508,21 @@ class Queue:
         if self._closed or not self.capabilities.reserve:
             self._check_open()
             self._require("reserve")
-        message_id, tries, token = _target(message)
+        # ``_target``'s checks of a Message's id and tries, inline (the hot path of every ok:
+        # three Python calls fewer, about 1 % of a reserve + ok's client instructions);
+        # whatever fails one of them, or is no Message, is checked there and refused.
+        tries: int | None
+        if (
+            type(message) is Message
+            and type(message_id := message.id) is str
+            and 0 < len(message_id) <= MAX_KNOWN_ID_LENGTH
+            and message_id.isprintable()
+            and type(tries := message.tries) is int
+            and 0 <= tries <= MAX_TRIES
+        ):
+            token = message._token
+        else:
+            message_id, tries, token = _target(message)
         commits, one = self._commits, self._one_commit
         if (
             one is None
