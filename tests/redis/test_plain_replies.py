@@ -147,9 +147,9 @@ async def test_a_pop_cancelled_while_its_reply_is_held_gives_its_message_back() 
     message it took back (not lost), then ends cancelled."""
     gate = ReplyGate("127.0.0.1", 6379)
     url = f"redis://127.0.0.1:{gate.port}/0"
-    async with aio_keuss.connect("redis-oq", url=url, prefix="akplain") as factory:
-        q = await factory.queue("q")
-        try:
+    try:
+        async with aio_keuss.connect("redis-oq", url=url, prefix="akplain") as factory:
+            q = await factory.queue("q")
             await q.push("kept")
             gate.shut()
             task = asyncio.ensure_future(q.pop(timeout=5))
@@ -167,6 +167,7 @@ async def test_a_pop_cancelled_while_its_reply_is_held_gives_its_message_back() 
                 await task
             again = await q.pop(timeout=5)
             assert again is not None and again.payload == "kept"
-        finally:
-            gate.open()
-            await _drop_redis_prefix({"url": REDIS_URL, "prefix": "akplain"})
+    finally:
+        gate.open()
+        # after the factory's close, which writes the queue's counters
+        await _drop_redis_prefix({"url": REDIS_URL, "prefix": "akplain"})
