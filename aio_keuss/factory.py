@@ -94,15 +94,18 @@ class Factory:
         """The queue called ``name``, created on first use. One Queue object per name and
         factory: asking again with different options is an error. A queue this factory
         opened by itself with the defaults (the deadletter queue, for the routing of any
-        queue; a move's or a replay's target) is not asked for yet: the first ask with
-        options of its own reopens it with them."""
+        queue; a move's or a replay's target), or with its recorded options for a tool
+        looking at it (the dashboard), is not asked for yet: the first ask reopens it with
+        its options, the defaults for an ask giving none."""
         if self._closed:
             raise ClosedError("factory is closed")
         check_queue_name(name)
         queue_options = self.defaults_for(name).updated(options)
         found = await self._current(name, queue_options)
         if name in self._unclaimed:  # (also when this ask joined the factory's own open)
-            found = await self._claim(found, queue_options if options else found.options)
+            # with the options asked for, the defaults when none are: one a looking tool
+            # opened with its recorded options (see ``_recorded``) is no ask of the user's
+            found = await self._claim(found, queue_options)
         if self._closed:  # closed while it opened (the close waited for it, and closed it)
             raise ClosedError("factory is closed")
         if options and found.options != queue_options:
@@ -192,7 +195,9 @@ class Factory:
         commands, the dashboard) with ``options``, those recorded for it: not recorded
         again, as a :meth:`_sibling` is not. Recorded again, the record was replaced by
         this release's view of it, losing the options a newer release recorded that this
-        one does not know. Options this release refuses raise, as for :meth:`queue`."""
+        one does not know. Options this release refuses raise, as for :meth:`queue`. Not
+        claimed: the application's first :meth:`queue` of it, with options or without,
+        reopens it with what it asks for, as if the tool had not looked."""
         if self._closed:
             raise ClosedError("factory is closed")
         check_queue_name(name)

@@ -242,3 +242,24 @@ async def test_a_pipeline_s_sizes_read_across_the_claim_of_a_queue_it_reaches(
 
 async def _one_pipeline() -> dict[str, dict[str, Any]]:
     return {"p": {"queues": ["tgt"]}}
+
+
+async def test_a_queue_the_dashboard_looked_at_opens_with_the_defaults_for_a_plain_ask() -> None:
+    """A queue a looking tool (the dashboard beside the application, on its factory) opened
+    with the options recorded for it is not asked for: the application's
+    ``factory.queue(name)`` then got it with those recorded options, not the defaults it
+    asked for (nor recorded them, as it does without the dashboard), and a later ask
+    giving the defaults was refused as already open with other options."""
+    from aio_keuss.dashboard.board import Board  # the Board itself needs no aiohttp
+
+    async with aio_keuss.connect("memory") as factory:
+        defaults = factory.defaults.as_dict()
+        # as an earlier run of the application, with max_batch=7, recorded it
+        await factory.stats_store.save_options("jobs", {**defaults, "max_batch": 7})
+        board = Board(factory, sample_every=3600)
+        await board.state()
+        jobs = await factory.queue("jobs")
+        assert jobs.options == factory.defaults
+        assert (await factory.list())["jobs"] == defaults
+        assert await factory.queue("jobs", max_batch=defaults["max_batch"]) is jobs
+        assert [row["name"] for row in (await board.state())["queues"]] == ["jobs"]
