@@ -121,11 +121,19 @@ class Board:
         this one): kept, the closed queue failed every read (ClosedError), where the
         factory opens the name afresh."""
         listed = await self.factory.list()
+        names = []
+        for name in sorted(listed):
+            try:  # a name this release refuses cannot be opened at all: not shown
+                names.append(check_queue_name(name))
+            except InvalidInputError as exc:  # (a newer release allowed it, or a hand)
+                log.debug("queue %r left out: %s", name, exc)
         async with self._opening:
             for name, queue in list(self._queues.items()):
                 if queue._closed or queue._closing.under_way:
                     del self._queues[name]
-            for name in sorted(set(listed) - set(self._queues)):
+            for name in names:
+                if name in self._queues:
+                    continue
                 options = {k: v for k, v in listed[name].items() if k in QUEUE_OPTION_NAMES}
                 try:  # not recorded again: the record may hold a newer release's options
                     self._queues[name] = await self.factory._recorded(name, options)
@@ -134,7 +142,7 @@ class Board:
                     # not recorded over what the application recorded (factory.queue would)
                     log.debug("queue %r opened with defaults, unrecorded: %s", name, exc)
                     self._queues[name] = await self.factory._sibling(name)
-        return {name: self._queues[name] for name in sorted(listed)}
+        return {name: self._queues[name] for name in names}
 
     async def queue(self, name: object) -> Queue:
         checked = check_queue_name(name)

@@ -212,10 +212,10 @@ async def _open(
     opened with the defaults, its record as it was. ``known``: the backend's listing, read
     already by a command opening every queue of it (read here, once per queue, the listing
     of N queues was read N times)."""
+    check_queue_name(name)  # a bad name is bad usage, not a missing queue (nor options)
     if known is None:
         known = await factory.list()
     if name not in known and not create:
-        check_queue_name(name)  # a bad name is bad usage, not a missing queue
         raise _NoSuchQueue(f"no queue named {name!r} on this backend")
     if name not in known:
         return await factory.queue(name)  # a command writing into it: recorded
@@ -227,18 +227,35 @@ async def _open(
         # options this release refuses (a newer one recorded them, or a hand did): opened
         # with the defaults, unrecorded, as the dashboard does, rather than failing every
         # command that reads the queue (list and stats among them) as bad usage
-        if name not in _defaulted:  # once, not at every round of stats --watch
-            _defaulted.add(name)
-            print(
-                f"aio-keuss: queue {name!r} opened with the defaults, its recorded options"
-                f" left as they are: {exc}",
-                file=sys.stderr,
-            )
+        _note(
+            f"queue {name!r} opened with the defaults, its recorded options left as they are: {exc}"
+        )
         return await factory._sibling(name)
 
 
-_defaulted: set[str] = set()
-"""Queues :func:`_open` opened with the defaults in this process (said once)."""
+def _openable(known: Mapping[str, Any]) -> list[str]:
+    """The listed queues a command over all of them opens, sorted. One recorded under a
+    name this release refuses (a newer release allowed it, or a hand wrote it) cannot be
+    opened at all: it is left out, with a note, rather than failing the command for every
+    queue as bad usage."""
+    names = []
+    for name in sorted(known):
+        try:
+            names.append(check_queue_name(name))
+        except InvalidInputError as exc:
+            _note(f"queue {name!r} left out: {exc}")
+    return names
+
+
+def _note(text: str) -> None:
+    """Say ``text`` on stderr, once per process (not at every round of stats --watch)."""
+    if text not in _said:
+        _said.add(text)
+        print(f"aio-keuss: {text}", file=sys.stderr)
+
+
+_said: set[str] = set()
+"""The notes :func:`_note` said in this process."""
 
 
 def _require(factory: Factory, *capabilities: str) -> None:
@@ -326,7 +343,7 @@ def _read_line() -> str:
 async def _list(factory: Factory, args: argparse.Namespace, out: Output) -> int:
     rows = []
     known = await factory.list()
-    for name in sorted(known):
+    for name in _openable(known):
         q = await _open(factory, name, known=known)
         sizes = await q.sizes()
         rows.append(
@@ -576,7 +593,7 @@ async def _stats(factory: Factory, args: argparse.Namespace, out: Output) -> int
     rounds = 0
     while True:
         known = await factory.list()
-        names = args.queues or sorted(known)
+        names = args.queues or _openable(known)
         rows = []
         for name in names:
             q = await _open(factory, name, known=known)

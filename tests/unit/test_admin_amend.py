@@ -6,7 +6,10 @@ from __future__ import annotations
 import io
 import json
 
+import pytest
+
 import aio_keuss
+from aio_keuss.errors import InvalidInputError
 from aio_keuss.worker import admin, cli
 
 
@@ -59,3 +62,27 @@ async def test_list_and_stats_read_the_backend_s_queues_once_not_once_per_queue(
         code, rows = await _run(factory, "stats")
         assert code == 0 and isinstance(rows, list) and len(rows) == 20
         assert reads == 1
+
+
+async def test_list_and_stats_leave_out_a_recorded_name_this_release_refuses(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """A queue recorded under a name this release refuses (by a newer release allowing it,
+    or by hand) cannot be opened at all: it failed ``list`` and ``stats`` for every queue,
+    as bad usage, after a note saying it was opened with the defaults. It is now left out,
+    said once on stderr; asked for by name, it is still bad usage."""
+    async with aio_keuss.connect("memory") as factory:
+        await (await factory.queue("jobs")).push(1)
+        recorded = (await factory.list())["jobs"]
+        await factory.stats_store.save_options("a queue/with space", recorded)
+        code, rows = await _run(factory, "list")
+        assert code == 0 and isinstance(rows, list)
+        assert [row["queue"] for row in rows] == ["jobs"]
+        err = capsys.readouterr().err
+        assert "'a queue/with space'" in err and "defaults" not in err
+        code, rows = await _run(factory, "stats")
+        assert code == 0 and isinstance(rows, list)
+        assert [row["queue"] for row in rows] == ["jobs"]
+        with pytest.raises(InvalidInputError, match="invalid queue name"):
+            await _run(factory, "info", "a queue/with space")
+        assert "defaults" not in capsys.readouterr().err
