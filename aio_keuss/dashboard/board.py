@@ -25,16 +25,19 @@ import itertools
 import logging
 import time
 from collections import deque
-from typing import Any
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
 
 import orjson
 
-from ..errors import InvalidInputError, KeussError
+from ..errors import ClosedError, InvalidInputError, KeussError
 from ..factory import Factory
 from ..message import visible
 from ..options import DEFAULT_DEADLETTER_QUEUE, QUEUE_OPTION_NAMES, check_queue_name
 from ..queue import Queue
 from ..types import PEEK_STATES, MessageView
+
+T = TypeVar("T")
 
 log = logging.getLogger("aio_keuss.dashboard")
 
@@ -151,9 +154,21 @@ class Board:
             raise UnknownQueueError(f"no queue {checked!r} on this backend")
         return found
 
+    async def _read(self, read: Callable[[dict[str, Queue]], Awaitable[T]]) -> T:
+        """``read`` of the listed queues, again if one closed under it: the application's
+        first ``factory.queue`` of a queue opened here (not asked for, see
+        ``Factory._recorded``) reopens it with the options asked for, closing this open;
+        listed again, the reopened queue is read."""
+        try:
+            return await read(await self._listed())
+        except ClosedError:  # (the factory closed: raised again)
+            return await read(await self._listed())
+
+    async def _rows(self, queues: dict[str, Queue]) -> list[dict[str, Any]]:
+        return await asyncio.gather(*(self._row(name, queue) for name, queue in queues.items()))
+
     async def state(self) -> dict[str, Any]:
-        queues = await self._listed()
-        rows = await asyncio.gather(*(self._row(name, queue) for name, queue in queues.items()))
+        rows = await self._read(self._rows)
         pipelines = await self.factory.pipelines()
         capabilities = self.factory.capabilities
         return {

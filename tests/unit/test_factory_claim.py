@@ -263,3 +263,22 @@ async def test_a_queue_the_dashboard_looked_at_opens_with_the_defaults_for_a_pla
         assert (await factory.list())["jobs"] == defaults
         assert await factory.queue("jobs", max_batch=defaults["max_batch"]) is jobs
         assert [row["name"] for row in (await board.state())["queues"]] == ["jobs"]
+
+
+async def test_the_dashboard_s_state_reads_across_the_application_s_claim() -> None:
+    """The application's first ask of a queue the dashboard opened (with its recorded
+    options) reopens it with the options asked for, closing the dashboard's open: a
+    state() reading it meanwhile failed with ClosedError (a failed page refresh). It
+    reads the reopened queue now."""
+    from aio_keuss.dashboard.board import Board  # the Board itself needs no aiohttp
+
+    async with aio_keuss.connect("memory") as factory:
+        defaults = factory.defaults.as_dict()
+        await factory.stats_store.save_options("jobs", {**defaults, "max_batch": 7})
+        board = Board(factory, sample_every=3600)
+        await board.state()
+        state, jobs = await asyncio.wait_for(
+            asyncio.gather(board.state(), factory.queue("jobs")), HANG_GUARD
+        )
+        assert [row["name"] for row in state["queues"]] == ["jobs"]
+        assert jobs.options == factory.defaults
