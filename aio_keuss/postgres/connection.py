@@ -428,6 +428,16 @@ def _warn_no_autovacuum(schema: str) -> None:
 CLOSE_GRACE = 10.0
 """How long a close waits for the pool's connections to come back before it terminates them."""
 
+TAKE_CONNECTION_WAIT = lockwait.TAKE_LOCK_WAIT
+"""Longest a take waits for a connection from the pool: statements waiting for a lock on
+the table (pushes, oks, ...: they have no timeout) may hold every connection of the pool for
+as long as the lock is held, and a take queued behind them waited as long, past its
+caller's timeout. Past it the take answers "nothing now", as past ``TAKE_LOCK_WAIT``."""
+
+
+class NoConnectionInTime(Exception):
+    """A take found no connection within ``TAKE_CONNECTION_WAIT``: it sent nothing."""
+
 
 class _HeldConnections:
     """Connections taken from the pool once and kept, for the one-statement calls.
@@ -437,10 +447,11 @@ class _HeldConnections:
     ``SELECT 1`` at 3 clients: about 50 us of CPU through the pool, 10-17 us on a held
     connection). A held connection is idle between statements and used by one call at a
     time, like a pooled one; when all are busy and no more may be held, a call falls back
-    on the pool, which queues it. A server error leaves a connection fit to keep; one a
-    call was cancelled on goes back to the pool, whose release waits for asyncpg's
-    cancellation of the statement (asyncpg, "Connection Pools"); one that failed in any
-    other way is closed, and the pool opens a new one in its place.
+    on the pool, which queues it (a take for ``TAKE_CONNECTION_WAIT`` at most). A server
+    error leaves a connection fit to keep; one a call was cancelled on goes back to the
+    pool, whose release waits for asyncpg's cancellation of the statement (asyncpg,
+    "Connection Pools"); one that failed in any other way is closed, and the pool opens a
+    new one in its place.
     """
 
     def __init__(
@@ -454,6 +465,10 @@ class _HeldConnections:
         self._idle: list[Any] = []
         self._held = 0
         self._handing_back: dict[asyncio.Task[None], Any] = {}  # the task -> its connection
+        # Acquires from the pool that a take stopped waiting for (see ``_acquire_for_take``):
+        # the next take waits on one of them rather than queueing another; one that lands
+        # unclaimed goes back to the pool at once.
+        self._late: set[asyncio.Task[Any]] = set()
         # Set by close: a statement still running then (a pop runs to its end past its
         # caller's cancellation) gives its connection back to the pool once done, since
         # nothing takes from ``_idle`` any more and a pool's close waits for it.
@@ -464,19 +479,26 @@ class _HeldConnections:
     ) -> Any:
         """``method(query, *args)`` on a held connection. ``bounded``: a take, which waits
         at most ``lockwait.TAKE_LOCK_WAIT`` for a lock (asyncpg's LockNotAvailableError past
-        it); any other statement waits for as long as the lock is held."""
+        it) and ``TAKE_CONNECTION_WAIT`` for a connection (NoConnectionInTime); any other
+        statement waits for as long as the lock is held, and for a connection as long."""
         connection = self._take_idle()
         held = True
         if connection is None:
-            held = self._held < self._limit
-            if held:
-                self._held += 1
-            try:
-                connection = await self._pool.acquire()
-            except BaseException:
+            if bounded:
+                connection = await self._acquire_for_take()
+                held = self._held < self._limit
                 if held:
-                    self._held -= 1
-                raise
+                    self._held += 1
+            else:
+                held = self._held < self._limit
+                if held:
+                    self._held += 1
+                try:
+                    connection = await self._pool.acquire()
+                except BaseException:
+                    if held:
+                        self._held -= 1
+                    raise
             if self._setup is not None:  # borrowed ones too: the isolation level matters
                 try:
                     await self._setup(connection)
@@ -510,6 +532,53 @@ class _HeldConnections:
             # (a pop's DELETE committed): its result must reach the caller all the same.
             self._let_go(connection, None, held)
         return result
+
+    async def _acquire_for_take(self) -> Any:
+        """A connection from the pool for a take, waited for ``TAKE_CONNECTION_WAIT`` at
+        most (NoConnectionInTime past it, nothing sent). The acquire runs in a task of its
+        own, which the wait's end does not cancel: a cancelled acquire gives up the
+        connection asyncpg may be opening for it (a connect slower than the wait was given
+        up at every look, for ever). Left to run, it is kept in ``_late`` for the next take
+        to wait on, so a take looking again and again queues one acquire, not one a look;
+        landed unclaimed, its connection goes back to the pool (``_late_landed``), so none
+        is kept from the statements queued there for it."""
+        if self._late:
+            acquiring = self._late.pop()
+        else:
+            acquiring = asyncio.get_running_loop().create_task(self._acquire())
+            acquiring.add_done_callback(self._late_landed)
+        try:
+            done, _ = await asyncio.wait((acquiring,), timeout=TAKE_CONNECTION_WAIT)
+        except BaseException:  # cancelled: the connection, when it comes, is not lost
+            self._orphan(acquiring)
+            raise
+        if not done:
+            self._orphan(acquiring)
+            raise NoConnectionInTime
+        if acquiring.cancelled():  # a late one, by a close
+            raise NoConnectionInTime
+        return acquiring.result()
+
+    async def _acquire(self) -> Any:
+        return await self._pool.acquire()
+
+    def _orphan(self, acquiring: asyncio.Task[Any]) -> None:
+        """An acquire no take waits for any more: to ``_late``, and back to the pool once
+        it lands (at once, if it already has; cancelled, if we are closing)."""
+        self._late.add(acquiring)
+        if acquiring.done():
+            self._late_landed(acquiring)
+        elif self._closed:
+            acquiring.cancel()
+
+    def _late_landed(self, acquiring: asyncio.Task[Any]) -> None:
+        """An acquire ended: if no take claimed it, its connection goes back to the pool."""
+        if acquiring not in self._late:
+            return  # claimed, or being waited for, by a take
+        self._late.discard(acquiring)
+        if acquiring.cancelled() or acquiring.exception() is not None:
+            return  # nothing acquired (the failure is seen here: nobody else reads it)
+        self._let_go(acquiring.result(), None, held=False)
 
     def _take_idle(self) -> Any:
         while self._idle:
@@ -571,16 +640,20 @@ class _HeldConnections:
         idle, self._idle = self._idle, []
         for connection in idle:
             self._let_go(connection, None)
-        while self._handing_back:
+        while self._handing_back or self._late:
+            for acquiring in self._late:
+                acquiring.cancel()  # a late take's: one that landed meanwhile goes back
             # Not gather: cancelled (a close past its grace), it would cancel the hand-backs,
             # whose tasks then left ``_handing_back`` before ``terminate`` read it, and
             # asyncpg's release, shielded, waited on with nothing to end it.
-            await asyncio.wait(list(self._handing_back))
+            await asyncio.wait([*self._handing_back, *self._late])
 
     def terminate(self) -> None:
         """Close at once the connections still on their way back: each waits for the
         server to end a cancelled statement, which a server that stopped answering never
         does. The pool replaces a terminated connection."""
+        for acquiring in self._late:
+            acquiring.cancel()
         for connection in self._handing_back.values():
             with contextlib.suppress(Exception):
                 connection.terminate()
@@ -832,10 +905,12 @@ class PostgresConnection(Backend):
         """``fetch`` for a pop or reserve: None when a lock another session holds (a
         migration's, ``VACUUM FULL``'s) kept it waiting past ``lockwait.TAKE_LOCK_WAIT``.
         The server then ended it (SQLSTATE 55P03) before it changed anything: nothing was
-        taken, and the caller may look again."""
+        taken, and the caller may look again. None too when no connection came within
+        ``TAKE_CONNECTION_WAIT`` (statements waiting for such a lock may hold them all):
+        nothing was sent."""
         try:
             rows: list[Any] = await self._run("fetch", query, args, bounded=True)
-        except asyncpg.LockNotAvailableError:
+        except (asyncpg.LockNotAvailableError, NoConnectionInTime):
             return None
         return rows
 

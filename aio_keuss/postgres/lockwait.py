@@ -35,7 +35,8 @@ from typing import Any
 TAKE_LOCK_WAIT = 0.1
 """Longest a take waits for a lock, in seconds: past it the take answers "nothing now",
 and a caller with a timeout looks again until that timeout, which it thus overruns by this
-much at most."""
+much at most (twice this, for a look that first waited as long for a connection: the
+connection's ``TAKE_CONNECTION_WAIT``)."""
 
 BIND = f"SET lock_timeout = '{round(TAKE_LOCK_WAIT * 1000)}ms'"
 UNBIND = "RESET lock_timeout"

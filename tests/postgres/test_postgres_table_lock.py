@@ -214,18 +214,15 @@ async def test_a_pool_of_yours_with_its_own_reset_gets_its_sessions_back_as_they
         await pool.close()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="not fixed: a take that finds every pool connection taken by statements waiting"
-    " for the lock waits for a connection, unbounded, for as long as the lock is held",
-)
 async def test_a_take_keeps_its_timeout_when_waiting_statements_hold_every_connection(
     schema: str,
 ) -> None:
     """Pushes (and oks, kos) behind the lock wait for it, each on a connection of the pool:
     as many of them as the pool has connections (here 3, pushes to queues of their own, so
     that none is batched with another) leave a take none to run on, and its wait for one is
-    the client's, which ``lock_timeout`` does not bound."""
+    the client's, which ``lock_timeout`` does not bound: it waited, past its timeout, until
+    the lock went. It now waits a while for a connection at each look, then answers
+    nothing, having taken nothing; the pushes land once the lock goes, each once."""
     size = 3
     async with aio_keuss.connect(
         "postgres",
@@ -252,11 +249,76 @@ async def test_a_take_keeps_its_timeout_when_waiting_statements_hold_every_conne
                         break
                     await asyncio.sleep(0.01)
                 call = asyncio.create_task(q.pop(timeout=0.5))
-                # (short while it is a known failure: the wait is all the test's cost; a fix
-                # makes it pass, strict xfail then fails, and GUARD goes back here)
-                done, _ = await asyncio.wait([call], timeout=3.0)
-            assert done, "pop(timeout=0.5) still waiting 3 s behind the lock"
+                done, _ = await asyncio.wait([call], timeout=GUARD)
+            assert done, f"pop(timeout=0.5) still waiting {GUARD} s behind the lock"
             assert call.result() is None
             await asyncio.wait_for(asyncio.gather(*pushes), GUARD)
         finally:
             await watcher.close()
+        # each push landed once, and the pop took nothing
+        assert [(await other.sizes()).total for other in others] == [1] * size
+        message = await q.pop(timeout=GUARD)
+        assert message is not None and message.payload == {"n": 1}
+        await _every_connection_back(factory)
+
+
+async def _every_connection_back(factory: aio_keuss.Factory) -> None:
+    """Wait until the pool has back every connection the backend does not hold: none was
+    kept by a take that stopped waiting for it."""
+    held = factory.backend._held  # type: ignore[attr-defined]
+    pool = factory.backend.pool  # type: ignore[attr-defined]
+    for _ in range(2000):
+        if not held._late and not held._handing_back:
+            break
+        await asyncio.sleep(0.01)
+    assert not held._late and not held._handing_back
+    assert pool.get_size() - pool.get_idle_size() == held._held
+
+
+async def test_a_take_without_a_timeout_waits_for_a_connection_and_gives_it_back_cancelled(
+    schema: str,
+) -> None:
+    """With every connection taken by pushes waiting for the lock, a pop without a timeout
+    looks again and again (each look's wait for a connection bounded), then, cancelled,
+    leaves no connection out of the pool once the lock goes, and has taken nothing."""
+    size = 3
+    async with aio_keuss.connect(
+        "postgres",
+        url=POSTGRES_URL,
+        schema=schema,
+        stats="memory",
+        signal="local",
+        min_pool_size=0,
+        max_pool_size=size,
+    ) as factory:
+        q = await factory.queue("jobs")
+        await q.push({"n": 1})
+        others = [await factory.queue(f"other{i}") for i in range(size)]
+        watcher = await asyncpg.connect(POSTGRES_URL)
+        try:
+            async with locked(schema):
+                pushes = [asyncio.create_task(other.push({"n": 2})) for other in others]
+                waiting = (
+                    "SELECT count(*) FROM pg_locks WHERE NOT granted"
+                    f" AND relation = '\"{schema}\".messages'::regclass"
+                )
+                for _ in range(2000):  # every connection of the pool waits for the lock
+                    if await watcher.fetchval(waiting) >= size:
+                        break
+                    await asyncio.sleep(0.01)
+                call = asyncio.create_task(q.pop())
+                await asyncio.sleep(HELD_A_WHILE)
+                assert not call.done(), call  # neither failed nor answered nothing
+                call.cancel()
+                with pytest.raises(asyncio.CancelledError):
+                    await asyncio.wait_for(call, GUARD)
+            await asyncio.wait_for(asyncio.gather(*pushes), GUARD)
+        finally:
+            await watcher.close()
+        # the pop's last look may have got a connection once the lock went, and taken the
+        # message after its caller was cancelled: it then puts it back
+        message = await q.pop(timeout=GUARD)
+        assert message is not None and message.payload == {"n": 1}
+        assert await q.pop(timeout=0) is None
+        assert [(await other.sizes()).total for other in others] == [1] * size
+        await _every_connection_back(factory)
