@@ -280,7 +280,8 @@ async def test_a_take_without_a_timeout_waits_for_a_connection_and_gives_it_back
 ) -> None:
     """With every connection taken by pushes waiting for the lock, a pop without a timeout
     looks again and again (each look's wait for a connection bounded), then, cancelled,
-    leaves no connection out of the pool once the lock goes, and has taken nothing."""
+    leaves no connection out of the pool once the lock goes, and has lost nothing; so does
+    a take's statement cancelled while it waits for a connection."""
     size = 3
     async with aio_keuss.connect(
         "postgres",
@@ -312,6 +313,13 @@ async def test_a_take_without_a_timeout_waits_for_a_connection_and_gives_it_back
                 call.cancel()
                 with pytest.raises(asyncio.CancelledError):
                     await asyncio.wait_for(call, GUARD)
+                # a take's statement cancelled itself while it waits for a connection (a
+                # close past its grace cancels so): what comes later goes back to the pool
+                take = asyncio.create_task(factory.backend.fetch_take("SELECT 1"))  # type: ignore[attr-defined]
+                await asyncio.sleep(0)  # waiting for a connection
+                take.cancel()
+                with pytest.raises(asyncio.CancelledError):
+                    await take
             await asyncio.wait_for(asyncio.gather(*pushes), GUARD)
         finally:
             await watcher.close()
