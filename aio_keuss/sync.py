@@ -189,11 +189,13 @@ class _Runtime:
         So the portal is marked stopped here, as its own ``stop`` marks it (anyio's
         ``BlockingPortal``): that call then raises ``RuntimeError``, which the generator
         ignores, and its join of the loop thread returns at once, ``threading`` having
-        marked the parent's other threads as stopped in the child.
+        marked the parent's other threads as stopped in the child. That mark is an
+        attribute private to anyio (there from anyio 4.0 on): only tried, last, so that a
+        portal that cannot take it (slots in a later anyio) still has the parent forgotten,
+        the child's exit alone left to hang as before.
         """
-        if self.portal is not None:
-            self.portal._event_loop_thread_id = None
-        _inherited.append((self.stack, self.portal, self.open))
+        portal = self.portal
+        _inherited.append((self.stack, portal, self.open))
         self.lock = threading.Lock()
         self.stack = None
         self.portal = None
@@ -202,6 +204,9 @@ class _Runtime:
         self.generation += 1
         self.loop_thread = None
         self.loop = None
+        if portal is not None:
+            with contextlib.suppress(AttributeError):
+                portal._event_loop_thread_id = None
 
 
 def _aside(work: Callable[[], T]) -> T:

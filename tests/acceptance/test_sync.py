@@ -1500,3 +1500,30 @@ def test_a_child_forked_while_a_thread_waits_in_reserve_exits(backend: str) -> N
         if options:
             asyncio.run(_drop_redis_prefix(options))
     assert json.loads(done.stdout) == {"child": 0, "reserved": "for the waiter"}
+
+
+class _SlottedPortal:
+    """A portal of an anyio that keeps no ``_event_loop_thread_id`` (slots, or another
+    name for it): the fork hook cannot mark it stopped."""
+
+    __slots__ = ("stopped",)
+
+
+def test_the_fork_hook_forgets_the_parent_whatever_anyio_s_portal_holds() -> None:
+    """The child's fork hook marks the parent's portal stopped through an attribute private
+    to anyio (``BlockingPortal._event_loop_thread_id``, present from anyio 4.0 on). Where a
+    portal could not take it (a later anyio with slots), the hook raised AttributeError
+    before forgetting the parent: the child kept its lock (maybe held by a thread that
+    does not exist there) and its portal, and hung at its first call. Now the parent is
+    forgotten first and the mark is only tried. (A runtime of its own, no fork: the hook is
+    a method, called here as ``os.register_at_fork`` calls it.)"""
+    runtime = sync._Runtime()
+    held = runtime.lock
+    held.acquire()  # a parent thread's, at the fork
+    runtime.portal = _SlottedPortal()  # type: ignore[assignment]
+    runtime.users, before = 1, runtime.generation
+    runtime.forget()
+    assert runtime.portal is None
+    assert runtime.users == 0
+    assert runtime.generation == before + 1
+    assert runtime.lock is not held and runtime.lock.acquire(blocking=False)
