@@ -340,6 +340,15 @@ class Queue:
                 concurrency=depth,
                 run_in_caller=in_caller,
             )
+        # Where a duplicate push_and_wait can be (idempotent ids) and can find its message
+        # gone (see ``_joined``): only there is a leave note read, one write more on a
+        # remove, a cancel or a last ko (see ``_note_leaving``)
+        self._notes_leaving = (
+            self._result_writes is not None
+            and capabilities.idempotent
+            and capabilities.reserve
+            and (capabilities.peek or store.tells_queued)
+        )
         self._unsubscribe = signal.subscribe(name, self._on_signal)
         # Grant signals come on a route of their own, which older releases never hear
         # (see ``signal.GRANTS_ROUTE``); only a rate-limited queue has a use for them.
@@ -1662,7 +1671,9 @@ class Queue:
         Written before the remove, as a failure cannot be (the remove may find the message
         reserved and leave it): a note that stays for nothing only makes such a joiner wait
         longer for a message that finished with no result kept. Not written, it is logged:
-        the remove goes on, its joiners have the grace only."""
+        the remove goes on, its joiners have the grace only. Written only where a joiner
+        can read it (``_notes_leaving``): not on the bucket backends (no idempotent ids, so
+        no duplicate to join), nor where a message found gone cannot be told."""
         assert self._result_store is not None  # (kept results: a store to keep them)
         try:
             store = await self._result_store()
@@ -1729,7 +1740,7 @@ class Queue:
         plan = self._deadletter
         if (  # a ko that may deadletter: its failure is kept once the message left
             keep
-            and self._result_writes is not None
+            and self._notes_leaving
             and plan is not None
             and (tries is None or tries + 1 > plan.max_ko)
         ):
@@ -1955,7 +1966,8 @@ class Queue:
         return removed
 
     async def _removed(self, message_id: str, failure: str) -> bool:
-        await self._note_leaving(message_id)
+        if self._notes_leaving:
+            await self._note_leaving(message_id)
         (removed,) = await self._store.remove([message_id])
         if removed:  # its waiters are told it will never finish
             await self._keep_failure(message_id, failure)

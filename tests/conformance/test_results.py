@@ -684,6 +684,35 @@ async def test_a_duplicate_push_and_wait_gets_a_failure_kept_past_the_grace(
     )
 
 
+@pytest.mark.parametrize("how", ["remove", "cancel", "deadletter"])
+async def test_no_leave_note_is_written_where_no_duplicate_can_read_it(
+    connect: Connect, how: str
+) -> None:
+    """The note a remove (or a ko that may deadletter) leaves for a duplicate
+    ``push_and_wait`` is one write more on its path: written only where such a duplicate
+    can be and can read it (idempotent ids, and a message found gone: reserve with peek,
+    or a store that tells). The bucket backends (no idempotent ids) wrote it on every
+    remove, cancel and last ko for nobody."""
+    deadletters = how == "deadletter"
+    factory = await _results_factory(
+        connect, **({"deadletter": {"max_ko": 0}} if deadletters else {})
+    )
+    q = await factory.queue("q1", result_ttl=TTL)
+    if q.capabilities.idempotent and _tells_finished(q):
+        pytest.skip("a duplicate push_and_wait reads the note here")
+    needs(q, "reserve" if deadletters else "remove")
+    message_id = await q.push(1, delay=0.0 if deadletters or not q.capabilities.delay else 3600)
+    if deadletters:
+        (message,) = await _reserve_all(q, 1)
+        assert await q.ko(message, error="bad input") is aio_keuss.KoResult.DEADLETTERED
+    elif how == "remove":
+        await q.remove(message_id)  # (found or not: the note came before)
+    else:
+        await q.cancel(message_id)
+    store = await _store_of(factory)
+    assert await store.get(leave_space("q1"), [message_id]) == [None]
+
+
 async def test_a_duplicate_push_and_wait_of_a_finished_message_gets_its_kept_result(
     connect: Connect,
 ) -> None:
