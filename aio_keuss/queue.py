@@ -148,15 +148,6 @@ CLOCK_SLACK = 1.0
 """Seconds ahead of now a message's mature time still counts as "ready now"."""
 
 
-DUE_SLACK = 0.001
-"""Seconds off a grant a give-back still counts as making it due (see ``Queue._limited``):
-a refused consumer hears of it later than that. The limiter's times carry rounding beyond
-its own ``RATE_SLACK`` where a server keeps fewer digits of a double than it was given (a
-MongoDB look-alike that keeps 15 significant digits of an updated one moves an epoch time
-by microseconds), and the give-back that brought the limiter back to now then answered a
-wait of microseconds: announced only at 0, the refused consumer slept on until the
-limiter's next grant."""
-
 CANCELLED_CLOSE_GRACE = 10.0
 """Seconds a cancelled close still spends finishing: waiting for the round trips in flight,
 giving back the reservations nobody acknowledged (see ``Queue._close``)."""
@@ -1004,12 +995,15 @@ class Queue:
         """A take of a rate-limited queue: at most what the limiter grants of ``n``. What
         was granted but found no message goes back to the limiter (else consumers polling
         an empty queue spent the limit on nothing), before the take returns: a round trip
-        more only when the queue ran short. A give-back that makes a grant due again is
-        announced (``SignalBus.granted``) if the limiter refused a take since this one
-        (its count of refusals moved, ``RateGrant.refused``): a consumer it refused, in any
-        process, slept until the limiter's next grant (an hour away with an hourly limit),
-        pushes or not, and the message pushed next waited that long though the limit
-        allowed it. With nobody refused, nobody is to be told: an idle consumer's every
+        more only when the queue ran short. A give-back is announced (``SignalBus.granted``)
+        if the limiter refused a take since this one (its count of refusals moved,
+        ``RateGrant.refused``): a consumer it refused, in any process, slept until the
+        limiter's next grant (an hour away with an hourly limit), pushes or not, and the
+        message pushed next waited that long though the limit allowed it. Whether a grant
+        is due at once or not: held by a handler's ``RateLimited``, the give-back still
+        brought the next grant from an hour away to the hold's end, and the refused
+        consumer, told nothing, slept past it (told, it asks again and learns the new
+        time). With nobody refused, nobody is to be told: an idle consumer's every
         poll takes a grant and gives it back, and published a signal each time. The
         announcement wakes nobody by itself (two idle consumers would
         wake each other for ever): it makes the grant due again for such a consumer, and
@@ -1025,8 +1019,9 @@ class Queue:
         unused = grant.granted - len(fetched.messages)
         if unused:  # here, not in the background: the next take must find them back
             back = await self._give_back_grants(unused, grant.end)
-            if back is not None and back.wait <= DUE_SLACK and back.refused != grant.refused:
-                # a take was refused since this one, and a grant is due again now
+            if back is not None and back.refused != grant.refused:
+                # a take was refused since this one: its consumer sleeps until the next
+                # grant it was told of, which the give-back may have brought nearer
                 self._signal.granted(self.name)
         if grant.wait <= 0 or fetched.next_mature is None:
             return fetched
@@ -1057,10 +1052,12 @@ class Queue:
 
     def _on_grant_back(self) -> None:
         """A take (of any process) gave back the grants it found no message for, after the
-        limiter refused another take: one is due again. A consumer the limiter refused
-        meanwhile takes at its next wake-up, not the limiter's next grant; one that a push
-        woke meanwhile, and that slept on, is woken now. Only then: woken for nothing, two
-        idle consumers would take and give back, and wake each other, for ever."""
+        limiter refused another take: one may be due again, or sooner than the refusal
+        said. A consumer the limiter refused meanwhile takes at its next wake-up (refused
+        again, it learns when the next grant falls due), not the limiter's next grant it
+        was told of; one that a push woke meanwhile, and that slept on, is woken now. Only
+        then: woken for nothing, two idle consumers would take and give back, and wake each
+        other, for ever."""
         if self._limiter is None:
             return
         self._rate_due = 0.0

@@ -472,6 +472,56 @@ async def test_a_grant_given_back_unused_wakes_a_consumer_it_kept_waiting(
                 task.cancel()
 
 
+async def test_a_grant_given_back_while_held_wakes_a_consumer_it_kept_waiting(
+    connect: Connect,
+) -> None:
+    """As ``test_a_grant_given_back_unused_wakes_a_consumer_it_kept_waiting``, but a
+    handler's ``RateLimited`` holds the limiter (a few seconds) when the grant comes back:
+    the give-back leaves no grant due before the hold ends, yet brings the next one from an
+    hour away to the hold's end. It was announced only if a grant was due at once, so
+    nobody was told: the refused consumer slept on until the limiter's next grant, an hour
+    after the hold had ended, and so did the message pushed after it. Ordered by events;
+    the bound is half the consumer's timeout, far above the hold and any latency."""
+    first = await connect(poll_interval=30.0)
+    needs(first, "rate_limit", "shared")
+    second = await connect(poll_interval=30.0)
+    q1 = await first.queue("held-back", rate_limit=1, rate_period=HOUR, rate_burst=1)
+    q2 = await second.queue("held-back", rate_limit=1, rate_period=HOUR, rate_burst=1)
+    holding, release, refused = (asyncio.Event() for _ in range(3))
+    give_back, ask = q1._give_back_grants, q2._ask_limiter
+
+    async def held(count: int, end: float) -> RateGrant | None:
+        holding.set()  # the grant taken, nothing found
+        await release.wait()
+        return await give_back(count, end)
+
+    async def noted(count: int, hold: float, end: float = math.inf) -> RateGrant:
+        grant = await ask(count, hold, end)
+        if count > 0 and not grant.granted:
+            refused.set()
+        return grant
+
+    q1._give_back_grants = held  # type: ignore[method-assign]
+    q2._ask_limiter = noted  # type: ignore[method-assign]
+    taking = asyncio.ensure_future(q1.pop(timeout=0))
+    waiting: asyncio.Future[Message | None] | None = None
+    try:
+        await asyncio.wait_for(holding.wait(), GUARD)
+        waiting = asyncio.ensure_future(q2.pop(timeout=30.0))
+        await asyncio.wait_for(refused.wait(), GUARD)
+        await q1._ask_limiter(0, 3.0)  # as a handler's RateLimited(3) does
+        release.set()
+        assert await asyncio.wait_for(taking, GUARD) is None
+        await q1.push("the message")
+        message = await asyncio.wait_for(waiting, 15.0)
+        assert message is not None and message.payload == "the message"
+    finally:
+        release.set()
+        for task in (taking, waiting):
+            if task is not None:
+                task.cancel()
+
+
 async def test_grants_given_back_do_not_keep_idle_consumers_waking_each_other(
     connect: Connect,
 ) -> None:
