@@ -223,6 +223,7 @@ class Queue:
         # a push woke a consumer the limiter had refused, which slept on (see
         # ``_sleep_rate_spent``): a grant given back wakes the sleepers then
         self._rate_missed = False
+        self._rate_backs = 0  # give-backs announced to us (``_on_grant_back``)
         self._targets: set[str] = set()  # queues moved into, opened through the factory
         self._paused = False
         self._wakeups = Wakeups()
@@ -1030,14 +1031,20 @@ class Queue:
     async def _ask_limiter(self, count: int, hold: float, end: float = math.inf) -> RateGrant:
         """One step of the queue's limiter, its answer's next grant kept in ``_rate_due``
         unless a later step's answer came in first (the steps of one process may answer
-        out of order, on a pool of connections)."""
+        out of order, on a pool of connections). Not if a give-back was announced while it
+        was on its way: announcements come on another connection, so one may be heard
+        before the answer of a step the limiter took before that give-back; keeping the
+        answer's next grant over it, a consumer it refused slept until then (an hour away
+        with an hourly limit) though the grant was back. One is due then, as the
+        announcement said: refused again, the next answer tells."""
         assert self._limiter is not None
         self._rate_asked += 1
         asked = self._rate_asked
+        backs = self._rate_backs
         grant = await self._limiter(count, hold, end)
         if asked > self._rate_heard:
             self._rate_heard = asked
-            self._rate_due = time.time() + grant.wait
+            self._rate_due = time.time() + grant.wait if self._rate_backs == backs else 0.0
         return grant
 
     async def _give_back_grants(self, count: int, end: float) -> RateGrant | None:
@@ -1060,6 +1067,7 @@ class Queue:
         other, for ever."""
         if self._limiter is None:
             return
+        self._rate_backs += 1
         self._rate_due = 0.0
         if self._rate_missed and not self._paused:
             self._rate_missed = False

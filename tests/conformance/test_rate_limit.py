@@ -472,6 +472,61 @@ async def test_a_grant_given_back_unused_wakes_a_consumer_it_kept_waiting(
                 task.cancel()
 
 
+async def test_a_grant_given_back_heard_before_the_refusal_still_wakes_its_consumer(
+    connect: Connect,
+) -> None:
+    """As ``test_a_grant_given_back_unused_wakes_a_consumer_it_kept_waiting``, but the
+    give-back's announcement reaches the refused consumer's process before the limiter's
+    answer that refused it (they come on different connections): the answer's next grant,
+    an hour away, was then kept over the announcement, and the consumer slept until then,
+    the message pushed after it too. Ordered by events; the bound is half the consumer's
+    timeout, far above any latency."""
+    first = await connect(poll_interval=30.0)
+    needs(first, "rate_limit", "shared")
+    second = await connect(poll_interval=30.0)
+    q1 = await first.queue("heard-first", rate_limit=1, rate_period=HOUR, rate_burst=1)
+    q2 = await second.queue("heard-first", rate_limit=1, rate_period=HOUR, rate_burst=1)
+    holding, release, refused, heard = (asyncio.Event() for _ in range(4))
+    give_back, limiter = q1._give_back_grants, q2._limiter
+    assert limiter is not None
+
+    async def held(count: int, end: float) -> RateGrant | None:
+        holding.set()  # the grant taken, nothing found
+        await release.wait()
+        return await give_back(count, end)
+
+    async def late(count: int, hold: float, end: float) -> RateGrant:
+        grant = await limiter(count, hold, end)
+        if count > 0 and not grant.granted and not refused.is_set():
+            refused.set()
+            await heard.wait()  # the answer comes in once the give-back was heard here
+        return grant
+
+    q1._give_back_grants = held  # type: ignore[method-assign]
+    q2._limiter = late
+    unsubscribe = second.signal.subscribe_grants("heard-first", lambda _: heard.set())
+    taking = asyncio.ensure_future(q1.pop(timeout=0))
+    waiting: asyncio.Future[Message | None] | None = None
+    try:
+        await asyncio.wait_for(holding.wait(), GUARD)
+        waiting = asyncio.ensure_future(q2.pop(timeout=30.0))
+        await asyncio.wait_for(refused.wait(), GUARD)
+        release.set()
+        assert await asyncio.wait_for(taking, GUARD) is None
+        await asyncio.wait_for(heard.wait(), GUARD)
+        await _until(lambda: len(q2._wakeups) > 0)  # asleep, refused
+        await q1.push("the message")
+        message = await asyncio.wait_for(waiting, 15.0)
+        assert message is not None and message.payload == "the message"
+    finally:
+        unsubscribe()
+        heard.set()
+        release.set()
+        for task in (taking, waiting):
+            if task is not None:
+                task.cancel()
+
+
 async def test_a_grant_given_back_while_held_wakes_a_consumer_it_kept_waiting(
     connect: Connect,
 ) -> None:
