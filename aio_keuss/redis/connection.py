@@ -22,6 +22,7 @@ import inspect
 import logging
 import operator
 import re
+import threading
 import time
 import weakref
 from collections import deque
@@ -393,7 +394,10 @@ def _late(loop: asyncio.AbstractEventLoop) -> _Reply:
 _Future = asyncio.Future
 _PROTOCOLS: weakref.WeakSet[_LaneProtocol] = weakref.WeakSet()
 """Every fast-lane protocol, for ``late_reply`` to find a plain future in (seldom: only
-after a cancellation)."""
+after a cancellation). Of every loop of the process: loops in other threads (the sync
+shim's, an application's) add theirs while one looks, so it is read and added to under
+``_PROTOCOLS_LOCK``, and each protocol's queue of replies is read by its own loop only."""
+_PROTOCOLS_LOCK = threading.Lock()
 
 
 def late_reply(future: asyncio.Future[Any]) -> asyncio.Future[Any] | None:
@@ -403,7 +407,10 @@ def late_reply(future: asyncio.Future[Any]) -> asyncio.Future[Any] | None:
     ``coalesce.LATE_REPLIES``."""
     if type(future) is not _Future or not future.cancelled():
         return None
-    for protocol in _PROTOCOLS:
+    loop = future.get_loop()
+    with _PROTOCOLS_LOCK:
+        protocols = [protocol for protocol in _PROTOCOLS if protocol._loop is loop]
+    for protocol in protocols:
         late = protocol._parked.pop(future, None)
         if late is not None:
             return late
@@ -476,7 +483,8 @@ class _LaneProtocol(asyncio.Protocol):
         self._each = write_mode == "each"
         self._gathered: list[bytes] = []
         self._flush_due = False
-        _PROTOCOLS.add(self)
+        with _PROTOCOLS_LOCK:
+            _PROTOCOLS.add(self)
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         # No isinstance check: uvloop's transports do not derive from asyncio's classes.

@@ -11,6 +11,8 @@ connection alike.
 from __future__ import annotations
 
 import asyncio
+import sys
+import threading
 from collections.abc import AsyncIterator
 
 import pytest
@@ -171,3 +173,51 @@ async def test_a_pop_cancelled_while_its_reply_is_held_gives_its_message_back() 
         gate.open()
         # after the factory's close, which writes the queue's counters
         await _drop_redis_prefix({"url": REDIS_URL, "prefix": "akplain"})
+
+
+async def test_another_threads_loop_busy_on_its_connections_leaves_late_reply_alone() -> None:
+    """A process may run loops in several threads (the sync shim's, the application's):
+    finding the future a cancelled reply goes to looks at this loop's connections only.
+    Reading another loop's, which its thread changes meanwhile (a command sent, a reply
+    in, a connection made), raised RuntimeError (deque mutated during iteration) into the
+    cancelled caller, whose reply was then parked for nobody (a pop's message lost).
+    Thread switches made frequent for the while, so that one lands mid-look."""
+    stop = threading.Event()
+    ready = threading.Event()
+
+    def busy() -> None:
+        async def main() -> None:
+            lanes = []
+            for _ in range(32):
+                lanes.append(redis_connection._FastLane({"host": "127.0.0.1", "port": 6379}))
+                await lanes[-1].call(("PING",))
+            ready.set()
+            try:
+                while not stop.is_set():
+                    await asyncio.gather(*(la.call(("PING",)) for la in lanes for _ in range(100)))
+            finally:
+                for la in lanes:
+                    la.close()
+
+        asyncio.run(main())
+
+    thread = threading.Thread(target=busy, daemon=True)
+    thread.start()
+    lane = redis_connection._FastLane({"host": "127.0.0.1", "port": 6379}, "first")
+    interval = sys.getswitchinterval()
+    try:
+        await lane.call(("PING",))
+        await asyncio.get_running_loop().run_in_executor(None, ready.wait)
+        sys.setswitchinterval(1e-6)
+        bound = _bound(lane, False)
+        for _ in range(2000):
+            reply = bound.send_now("x")
+            assert reply is not None and reply.cancel()
+            late = redis_connection.late_reply(reply)
+            assert late is not None
+            assert await late == b"x"
+    finally:
+        sys.setswitchinterval(interval)
+        stop.set()
+        await asyncio.get_running_loop().run_in_executor(None, thread.join)
+        lane.close()
