@@ -18,6 +18,7 @@ import pytest
 from backends import REDIS_URL, _drop_redis_prefix, new_token
 
 import aio_keuss
+from aio_keuss.redis import connection as redis_connection
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -50,6 +51,11 @@ async def _cancelled_after(call: Any, turns: int) -> Any:
         return None
 
 
+def _nothing_parked() -> bool:
+    """No reply of a cancelled call left parked for nobody (kept as long as its connection)."""
+    return not any(protocol._parked for protocol in list(redis_connection._PROTOCOLS))
+
+
 async def _drain(take: Any) -> list[Any]:
     out = []
     while (message := await take(timeout=0)) is not None:
@@ -75,6 +81,7 @@ async def test_pops_cancelled_anywhere_lose_no_message(factory: Any) -> None:
     await asyncio.gather(*(caller() for _ in range(CALLERS)))
     got += [m.payload for m in await _drain(q.pop)]
     assert sorted(got) == sorted(pushed)
+    assert _nothing_parked()
 
 
 @pytest.mark.parametrize("factory", ["redis-oq", "redis-reliable"], indirect=True)
@@ -113,6 +120,7 @@ async def test_reserves_and_oks_cancelled_anywhere_lose_or_double_no_message(
         done.append(message.id)
     assert len(done) == len(set(done)) == MESSAGES
     assert await q.size() == 0
+    assert _nothing_parked()
 
 
 @pytest.mark.parametrize("factory", ["redis-list", "redis-oq", "redis-reliable"], indirect=True)
@@ -134,3 +142,4 @@ async def test_pushes_cancelled_anywhere_are_written_once_or_not(factory: Any) -
     out = [m.payload for m in await _drain(q.pop)]
     assert len(out) == len(set(out))  # none written twice
     assert sure <= set(out) <= tried
+    assert _nothing_parked()
