@@ -575,7 +575,10 @@ class _LaneProtocol(asyncio.Protocol):
         ``coalesce.settled``)."""
         if self.transport is None or self.transport.is_closing():
             raise KeussConnectionError("connection to Redis lost")
-        future = self._loop.create_future()
+        # asyncio's own class, not the loop's ``create_future`` (which a loop may make of a
+        # class of its own): cancelled, it must be one ``late_reply`` and ``data_received``
+        # know, else its reply would be dropped
+        future: asyncio.Future[Any] = _Future(loop=self._loop)
         self._waiting.append((future, script, packed))
         self._write(packed)
         return future

@@ -14,6 +14,7 @@ import asyncio
 import sys
 import threading
 from collections.abc import AsyncIterator
+from typing import Any
 
 import pytest
 import redis.asyncio as aioredis
@@ -221,3 +222,48 @@ async def test_another_threads_loop_busy_on_its_connections_leaves_late_reply_al
         stop.set()
         await asyncio.get_running_loop().run_in_executor(None, thread.join)
         lane.close()
+
+
+class _OwnFuture(asyncio.Future[Any]):
+    """A loop's own class of future, as an instrumented loop may make."""
+
+
+class _OwnFutureLoop(asyncio.SelectorEventLoop):
+    def create_future(self) -> asyncio.Future[Any]:
+        return _OwnFuture(loop=self)
+
+
+def test_a_pop_cancelled_on_a_loop_with_futures_of_its_own_gives_its_message_back() -> None:
+    """A loop whose ``create_future`` makes a class of its own: the reply future of a
+    one-message call is still one ``late_reply`` knows, so a pop cancelled while its reply
+    is held waits for it and puts the message back. Made by the loop, it was a future the
+    connection did not recognise once cancelled: its reply was dropped, the message lost."""
+
+    async def main() -> None:
+        gate = ReplyGate("127.0.0.1", 6379)
+        url = f"redis://127.0.0.1:{gate.port}/0"
+        try:
+            async with aio_keuss.connect("redis-oq", url=url, prefix="akownloop") as factory:
+                q = await factory.queue("q")
+                await q.push("kept")
+                gate.shut()
+                task = asyncio.ensure_future(q.pop(timeout=5))
+                protocol = factory.backend._lane._protocol  # type: ignore[attr-defined]
+
+                async def sent() -> bool:
+                    return bool(protocol._waiting)
+
+                await until(sent, guard=20)  # its reply is held
+                task.cancel()
+                await asyncio.sleep(0)
+                gate.open()
+                with pytest.raises(asyncio.CancelledError):
+                    await task
+                again = await q.pop(timeout=5)
+                assert again is not None and again.payload == "kept"
+        finally:
+            gate.open()
+            await _drop_redis_prefix({"url": REDIS_URL, "prefix": "akownloop"})
+
+    with asyncio.Runner(loop_factory=_OwnFutureLoop) as runner:
+        runner.run(main())
