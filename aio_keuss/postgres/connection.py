@@ -469,6 +469,11 @@ class _HeldConnections:
         # the next take waits on one of them rather than queueing another; one that lands
         # unclaimed goes back to the pool at once.
         self._late: set[asyncio.Task[Any]] = set()
+        # How the last of them failed, landed with no take waiting for it (a server that
+        # does not answer fails a connect only at the pool's timeout, after the take gave
+        # up): the next take that finds no connection in time raises it, where it answered
+        # "nothing now", look after look, and its caller never saw the server was away.
+        self._late_failure: BaseException | None = None
         # Set by close: a statement still running then (a pop runs to its end past its
         # caller's cancellation) gives its connection back to the pool once done, since
         # nothing takes from ``_idle`` any more and a pool's close waits for it.
@@ -524,6 +529,7 @@ class _HeldConnections:
             else:
                 self._let_go(connection, exc, held)
             raise
+        self._late_failure = None  # the server answers: a connect's failure is old news
         if held and not self._closed:
             self._idle.append(connection)
         else:  # borrowed for this statement only, as Pool.fetch would (or closed meanwhile)
@@ -549,6 +555,9 @@ class _HeldConnections:
         two (about 50 us here, as much as the pool's own acquire and release)."""
         if self._setup is None and not self._late and self._pool.get_idle_size():
             return await self._pool.acquire()
+        # Reported by this take if it finds no connection in time either; forgotten if it
+        # does, or if a statement succeeded meanwhile (the failure is then stale).
+        failure, self._late_failure = self._late_failure, None
         if self._late:
             acquiring = self._late.pop()
         else:
@@ -558,9 +567,13 @@ class _HeldConnections:
             done, _ = await asyncio.wait((acquiring,), timeout=TAKE_CONNECTION_WAIT)
         except BaseException:  # cancelled: the connection, when it comes, is not lost
             self._orphan(acquiring)
+            if self._late_failure is None:
+                self._late_failure = failure  # nor the failure, for the next take
             raise
         if not done:
             self._orphan(acquiring)
+            if failure is not None:
+                raise failure
             raise NoConnectionInTime
         if acquiring.cancelled():  # a late one, by a close
             raise NoConnectionInTime
@@ -583,8 +596,13 @@ class _HeldConnections:
         if acquiring not in self._late:
             return  # claimed, or being waited for, by a take
         self._late.discard(acquiring)
-        if acquiring.cancelled() or acquiring.exception() is not None:
-            return  # nothing acquired (the failure is seen here: nobody else reads it)
+        if acquiring.cancelled():
+            return  # by a close: nothing acquired
+        failure = acquiring.exception()  # read here, so never logged as unretrieved
+        if failure is not None:
+            self._late_failure = failure  # for the next take to report
+            return
+        self._late_failure = None
         self._let_go(acquiring.result(), None, held=False)
 
     def _take_idle(self) -> Any:

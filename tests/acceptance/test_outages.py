@@ -14,8 +14,10 @@ import asyncio
 import contextlib
 import logging
 import os
+import signal
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -491,3 +493,54 @@ async def test_a_factory_closed_with_its_server_away_raises_a_typed_error() -> N
         server.stop(kill=True)
         with pytest.raises(KeussConnectionError):
             await factory.close()
+
+
+async def test_postgres_take_reports_a_connect_that_failed_after_it_stopped_waiting() -> None:
+    """A take waits for a connection for a short while only; the connect it stopped waiting
+    for goes on, and may fail when no take is waiting for it (a server that does not answer
+    fails a connect only at the pool's ``timeout``). That failure is the next take's to
+    report: a consumer polling a server that cannot be reached looked again and again,
+    answered nothing each time and never saw the error its backoff and health check go by.
+    The server here accepts connections and answers none (its postmaster stopped), after its
+    sessions were ended."""
+    asyncpg = pytest.importorskip("asyncpg")
+    with own_postgres() as server:
+        pool = await asyncpg.create_pool(server.url, min_size=1, max_size=4, timeout=0.5)
+        factory = await aio_keuss.connect("postgres", pool=pool, schema="take_unreachable")
+        killer = await asyncpg.connect(server.url)
+        pid_file = Path(server.dir, "data", "postmaster.pid")
+        postmaster = int((await asyncio.to_thread(pid_file.read_text)).split("\n", 1)[0])
+        try:
+            q = await factory.queue("q")
+            await q.push("x")  # a working connection would take it
+            os.kill(postmaster, signal.SIGSTOP)
+            try:
+                await killer.execute(
+                    "SELECT pg_terminate_backend(pid) FROM pg_stat_activity"
+                    " WHERE pid <> pg_backend_pid() AND backend_type = 'client backend'"
+                )
+                # The ended sessions may first fail a take or two; then a take finds none
+                # in time, and its connect fails (past the pool's timeout) while we wait.
+                for _ in range(100):
+                    with contextlib.suppress(KeussConnectionError):
+                        if await q.pop(timeout=0) is None:
+                            break
+                else:
+                    pytest.fail("no take went to the pool for a connection")
+                await asyncio.sleep(1.0)  # longer than the connect's timeout, as a backoff
+                reported: list[BaseException] = []
+                for _ in range(5):
+                    try:
+                        assert await q.pop(timeout=0) is None
+                    except KeussConnectionError as exc:
+                        reported.append(exc)
+                        break
+                    await asyncio.sleep(1.0)
+                assert reported, "every take answered nothing, the failed connects unreported"
+                assert reported[0].__cause__ is not None
+            finally:
+                os.kill(postmaster, signal.SIGCONT)
+        finally:
+            await killer.close()
+            await factory.close()
+            await pool.close()
