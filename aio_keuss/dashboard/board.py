@@ -155,14 +155,33 @@ class Board:
         return found
 
     async def _read(self, read: Callable[[dict[str, Queue]], Awaitable[T]]) -> T:
-        """``read`` of the listed queues, again if one closed under it: the application's
-        first ``factory.queue`` of a queue opened here (not asked for, see
+        """``read`` of the listed queues, again as long as one closed under it: the
+        application's first ``factory.queue`` of a queue opened here (not asked for, see
         ``Factory._recorded``) reopens it with the options asked for, closing this open;
-        listed again, the reopened queue is read."""
-        try:
-            return await read(await self._listed())
-        except ClosedError:  # (the factory closed: raised again)
-            return await read(await self._listed())
+        listed again, the reopened queue is read. Again each time: a worker opening its
+        queues one by one (a pipeline's stations) closes one under each read. It ends, as
+        each queue is claimed once; a ClosedError with none of them closed (the factory
+        closed) is raised."""
+        while True:
+            queues = await self._listed()
+            try:
+                return await read(queues)
+            except ClosedError:
+                if not any(q._closed or q._closing.under_way for q in queues.values()):
+                    raise
+
+    async def _one(self, name: object, read: Callable[[Queue], Awaitable[T]]) -> T:
+        """``read`` of the listed queue ``name`` (see :meth:`_read`): a peek, pause or
+        promote failed with ClosedError when the application's first ask reopened it."""
+        checked = check_queue_name(name)
+
+        async def one(queues: dict[str, Queue]) -> T:
+            found = queues.get(checked)
+            if found is None:
+                raise UnknownQueueError(f"no queue {checked!r} on this backend")
+            return await read(found)
+
+        return await self._read(one)
 
     async def _rows(self, queues: dict[str, Queue]) -> list[dict[str, Any]]:
         return await asyncio.gather(*(self._row(name, queue) for name, queue in queues.items()))
@@ -206,19 +225,20 @@ class Board:
             raise InvalidInputError(f"state must be one of {', '.join(sorted(PEEK_STATES))}")
         if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= PEEK_MAX:
             raise InvalidInputError(f"n must be an int in [1, {PEEK_MAX}]")
-        queue = await self.queue(name)
-        return [message_data(found) for found in await queue.peek(n, state=state)]
+        found = await self._one(name, lambda queue: queue.peek(n, state=state))
+        return [message_data(message) for message in found]
 
     async def pause(self, name: object, paused: bool) -> bool:
-        queue = await self.queue(name)
-        await (queue.pause() if paused else queue.resume())
-        return await queue.is_paused()
+        async def pause(queue: Queue) -> bool:
+            await (queue.pause() if paused else queue.resume())
+            return await queue.is_paused()
+
+        return await self._one(name, pause)
 
     async def promote(self, name: object, message_id: object) -> bool:
         """Make a scheduled message ready now; False when it is no longer scheduled (taken,
         removed, or ready meanwhile: the page showed an older peek)."""
-        queue = await self.queue(name)
-        return await queue.promote(message_id)  # type: ignore[arg-type]  # checked there
+        return await self._one(name, lambda queue: queue.promote(message_id))  # type: ignore[arg-type]  # checked there
 
     async def requeue(self, name: object, ids: object) -> dict[str, str]:
         """Move deadlettered messages back where they failed: ``ids``, or every one when

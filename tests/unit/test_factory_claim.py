@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 import aio_keuss
-from aio_keuss.contract import Entry, Peeked, Store
+from aio_keuss.contract import Cursor, Entry, Peeked, PeekPage, Store
 from aio_keuss.factory import Factory
 from aio_keuss.memory import MemoryStore
 from aio_keuss.options import QueueOptions
@@ -79,6 +79,10 @@ class ShutStore(MemoryStore):
     async def sizes(self) -> Sizes:
         await self._through("sizes")
         return await super().sizes()
+
+    async def peek(self, state: str, after: Cursor | None, limit: int) -> PeekPage:
+        await self._through("peek")
+        return await super().peek(state, after, limit)
 
     async def close(self) -> None:
         self.shut = True
@@ -282,3 +286,57 @@ async def test_the_dashboard_s_state_reads_across_the_application_s_claim() -> N
         )
         assert [row["name"] for row in state["queues"]] == ["jobs"]
         assert jobs.options == factory.defaults
+
+
+async def _looked_at(factory: Factory, *names: str) -> Any:
+    """A dashboard on ``factory`` that has opened ``names``, recorded with max_batch 7 (as
+    an earlier run of the application recorded them)."""
+    from aio_keuss.dashboard.board import Board  # the Board itself needs no aiohttp
+
+    defaults = factory.defaults.as_dict()
+    for name in names:
+        await factory.stats_store.save_options(name, {**defaults, "max_batch": 7})
+    board = Board(factory, sample_every=3600)
+    await board.state()
+    return board
+
+
+async def test_the_dashboard_s_state_reads_across_two_claims_one_after_the_other(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A worker opening its queues one by one beside the dashboard (a pipeline's stations)
+    claims each: state() read again once when one closed under it, and failed with
+    ClosedError when the next claim closed another queue under that second read."""
+    async with aio_keuss.connect("memory") as factory:
+        stores = _shut_stores(monkeypatch, factory)
+        board = await _looked_at(factory, "a", "b")
+        first = stores.hold("a", "sizes")
+        reading = asyncio.ensure_future(board.state())
+        await asyncio.wait_for(first.entered.wait(), HANG_GUARD)
+        second = stores.hold("b", "sizes")  # held in the read after the first claim
+        await asyncio.wait_for(factory.queue("a"), HANG_GUARD)
+        first.go.set()
+        await asyncio.wait_for(second.entered.wait(), HANG_GUARD)
+        await asyncio.wait_for(factory.queue("b"), HANG_GUARD)
+        second.go.set()
+        state = await asyncio.wait_for(reading, HANG_GUARD)
+        assert [row["name"] for row in state["queues"]] == ["a", "b"]
+
+
+async def test_a_dashboard_peek_reads_across_the_application_s_claim(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A peek from the dashboard into a queue it opened, while the application's first
+    ``factory.queue(name)`` reopens that queue with the defaults: the peek failed with
+    ClosedError (the page's peek answered an error); it reads the reopened queue now."""
+    async with aio_keuss.connect("memory") as factory:
+        stores = _shut_stores(monkeypatch, factory)
+        board = await _looked_at(factory, "jobs")
+        gate = stores.hold("jobs", "peek")
+        peeking = asyncio.ensure_future(board.peek("jobs", "ready", 5))
+        await asyncio.wait_for(gate.entered.wait(), HANG_GUARD)
+        jobs = await asyncio.wait_for(factory.queue("jobs"), HANG_GUARD)
+        await jobs.push("in")
+        gate.go.set()
+        found = await asyncio.wait_for(peeking, HANG_GUARD)
+        assert [row["payload"] for row in found] == ['"in"']  # (shown as JSON)
