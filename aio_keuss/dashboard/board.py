@@ -242,26 +242,31 @@ class Board:
 
     async def requeue(self, name: object, ids: object) -> dict[str, str]:
         """Move deadlettered messages back where they failed: ``ids``, or every one when
-        ``ids`` is None (the first :data:`REQUEUE_MAX`)."""
-        queue = await self.queue(name)
+        ``ids`` is None (the first :data:`REQUEUE_MAX`). The deadletter queue is held
+        meanwhile, as a replay holds its target (see ``Factory._using``): the application's
+        first ask of it, reopening the factory's own open, waits for the requeue to end.
+        Closed under it, the requeue failed (ClosedError) past the batches it had moved:
+        not one read to try again, as the others here are."""
+        checked = (await self.queue(name)).name  # known, and opened as it was recorded
         await self._listed()  # origins open with their recorded options, not the defaults
-        if ids is None:
-            chosen: list[str] = []
-            async for found in queue.browse(state="ready", page_size=REQUEUE_MAX):
-                chosen.append(found.message.id)
-                if len(chosen) == REQUEUE_MAX:
-                    break
-        elif (
+        if ids is not None and not (
             isinstance(ids, list)
             and len(ids) <= REQUEUE_MAX
             and all(isinstance(i, str) for i in ids)
         ):
-            chosen = list(ids)
-        else:
             raise InvalidInputError(f"ids must be a list of at most {REQUEUE_MAX} strings")
-        if not chosen:
-            return {}
-        return await queue.requeue(chosen)
+        async with self.factory._using(checked) as queue:
+            if ids is None:
+                chosen: list[str] = []
+                async for found in queue.browse(state="ready", page_size=REQUEUE_MAX):
+                    chosen.append(found.message.id)
+                    if len(chosen) == REQUEUE_MAX:
+                        break
+            else:
+                chosen = list(ids)
+            if not chosen:
+                return {}
+            return await queue.requeue(chosen)
 
     # rates ----------------------------------------------------------------------------
 

@@ -340,3 +340,38 @@ async def test_a_dashboard_peek_reads_across_the_application_s_claim(
         gate.go.set()
         found = await asyncio.wait_for(peeking, HANG_GUARD)
         assert [row["payload"] for row in found] == ['"in"']  # (shown as JSON)
+
+
+async def test_a_dashboard_requeue_ends_across_the_claim_of_the_deadletter_queue(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A requeue from the dashboard goes through the deadletter queue's messages batch by
+    batch, in the factory's own open of that queue. The application's first
+    ``factory.queue("__deadletter__", **options)`` closed that open under it: its next batch
+    failed (ClosedError) after the first had moved, and the page's requeue answered an
+    error. The claim now waits for the requeue, as it waits for a replay into a queue."""
+    from aio_keuss.dashboard.board import Board  # the Board itself needs no aiohttp
+
+    async with aio_keuss.connect("memory", max_batch=1, deadletter={"max_ko": 1}) as factory:
+        stores = _shut_stores(monkeypatch, factory)
+        work = await factory.queue("work")
+        await work.push_many(["a", "b"])
+        while (message := await work.reserve(timeout=0)) is not None:
+            await work.ko(message)  # past max_ko: deadlettered
+        board = Board(factory, sample_every=3600)
+        dead = await board.peek("__deadletter__", "all", 10)
+        ids = [row["id"] for row in dead]
+        assert len(ids) == 2
+        first = stores.hold("__deadletter__", "locate")
+        requeuing = asyncio.ensure_future(board.requeue("__deadletter__", ids))
+        await asyncio.wait_for(first.entered.wait(), HANG_GUARD)
+        second = stores.hold("__deadletter__", "locate")  # its second batch
+        first.go.set()
+        await asyncio.wait_for(second.entered.wait(), HANG_GUARD)
+        claiming = asyncio.ensure_future(factory.queue("__deadletter__", reserve_delay=45.0))
+        await _turns(50)  # the claim goes as far as it can meanwhile
+        second.go.set()
+        moved = await asyncio.wait_for(requeuing, HANG_GUARD)
+        assert sorted(moved) == sorted(ids)
+        assert (await asyncio.wait_for(claiming, HANG_GUARD)).options.reserve_delay == 45.0
+        assert (await work.sizes()).size == 2
