@@ -271,12 +271,18 @@ class Board:
     # rates ----------------------------------------------------------------------------
 
     async def sample(self) -> None:
+        """One point of the chart, read as :meth:`_read` does: a queue the application
+        claimed under it cost the sample (a warning saying the backend was away)."""
+        counts = await self._read(self._counts)
+        self._samples.append((time.time(), counts))
+
+    async def _counts(self, queues: dict[str, Queue]) -> dict[str, tuple[int, int, int]]:
         counts: dict[str, tuple[int, int, int]] = {}
-        for name, queue in (await self._listed()).items():
+        for name, queue in queues.items():
             counters = await queue.stats()
             size = (await queue.sizes()).total
             counts[name] = (counters["put"], counters["commit"] + counters["get"], size)
-        self._samples.append((time.time(), counts))
+        return counts
 
     async def _sample_forever(self) -> None:
         while True:

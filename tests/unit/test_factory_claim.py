@@ -375,3 +375,22 @@ async def test_a_dashboard_requeue_ends_across_the_claim_of_the_deadletter_queue
         assert sorted(moved) == sorted(ids)
         assert (await asyncio.wait_for(claiming, HANG_GUARD)).options.reserve_delay == 45.0
         assert (await work.sizes()).size == 2
+
+
+async def test_a_dashboard_sample_reads_across_the_application_s_claim(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The dashboard's sampler reads every listed queue; the application's first ask of one
+    it opened closed that open under the read: the sample failed (ClosedError, logged as
+    the backend being away) and the chart lost its point. It reads the reopened queue."""
+    async with aio_keuss.connect("memory") as factory:
+        stores = _shut_stores(monkeypatch, factory)
+        board = await _looked_at(factory, "jobs")
+        gate = stores.hold("jobs", "sizes")
+        sampling = asyncio.ensure_future(board.sample())
+        await asyncio.wait_for(gate.entered.wait(), HANG_GUARD)
+        jobs = await asyncio.wait_for(factory.queue("jobs"), HANG_GUARD)
+        await jobs.push("in")
+        gate.go.set()
+        await asyncio.wait_for(sampling, HANG_GUARD)
+        assert [counts["jobs"][2] for _, counts in board._samples] == [1]
