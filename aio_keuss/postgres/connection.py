@@ -428,6 +428,15 @@ def _warn_no_autovacuum(schema: str) -> None:
 CLOSE_GRACE = 10.0
 """How long a close waits for the pool's connections to come back before it terminates them."""
 
+_IDLE_HANDED_OUT_FIRST = tuple(
+    int(part) for part in re.findall(r"\d+", asyncpg.__version__)[:2]
+) >= (0, 32)
+"""Whether this asyncpg's pool hands out a connected idle connection before one it has to
+open (its holder queue prefers them, as 0.32's does): only then does a pool with one idle
+hand it out without a connect, which a take's shortcut past its bounded wait relies on.
+Older releases hand out the last one given back, connected or not (one closed after its
+idle lifetime, or terminated on release), and its connect had no bound."""
+
 TAKE_CONNECTION_WAIT = lockwait.TAKE_LOCK_WAIT
 """Longest a take waits for a connection from the pool: statements waiting for a lock on
 the table (pushes, oks, ...: they have no timeout) may hold every connection of the pool for
@@ -549,11 +558,16 @@ class _HeldConnections:
         landed unclaimed, its connection goes back to the pool (``_late_landed``), so none
         is kept from the statements queued there for it.
 
-        Our own pool with a connection idle hands it out at once (asyncpg marks a connected
-        one in use in the step that takes it from its queue; our pool has no ``setup=``
+        Our own pool with a connection idle hands it out at once (asyncpg 0.32 marks a
+        connected one in use in the step that takes it from its queue; our pool has no ``setup=``
         to await between the two): taken so, with no task, which costs a loop iteration or
         two (about 50 us here, as much as the pool's own acquire and release)."""
-        if self._setup is None and not self._late and self._pool.get_idle_size():
+        if (
+            _IDLE_HANDED_OUT_FIRST
+            and self._setup is None
+            and not self._late
+            and self._pool.get_idle_size()
+        ):
             return await self._pool.acquire()
         # Reported by this take if it finds no connection in time either; forgotten if it
         # does, or if a statement succeeded meanwhile (the failure is then stale).
