@@ -12,7 +12,7 @@ from types import TracebackType
 from typing import Any
 
 from . import observe
-from .contract import Backend, RateRule
+from .contract import Backend, RateRule, Store
 from .errors import ClosedError, ConfigError
 from .options import (
     QUEUE_OPTION_NAMES,
@@ -253,6 +253,8 @@ class Factory:
         future: asyncio.Future[Queue] = asyncio.get_running_loop().create_future()
         self._opening[name] = future
         closing = False  # ``replacing``'s close begun
+        store: Store | None = None
+        queue: Queue | None = None
         try:
             limiter = self._limiter(name, options)  # refused before anything is written
             if options.result_ttl:
@@ -278,13 +280,19 @@ class Factory:
             await queue._open()
             await self.stats_store.save_options(name, options.as_dict(), replace=not sibling)
         except BaseException as exc:
-            if replacing is not None and not closing:  # still open: as it was
-                self._queues[name] = replacing
-                self._unclaimed.add(name)
-                future.set_result(replacing)
-            else:
-                future.set_exception(exc)
-                future.exception()  # retrieved: the awaiting callers re-raise it themselves
+            try:
+                if store is not None:
+                    # before the open ends: a factory's close waiting for it closes the
+                    # backend after (see _close_opened)
+                    await _close_unopened(name, store, queue)
+            finally:
+                if replacing is not None and not closing:  # still open: as it was
+                    self._queues[name] = replacing
+                    self._unclaimed.add(name)
+                    future.set_result(replacing)
+                else:
+                    future.set_exception(exc)
+                    future.exception()  # retrieved: the awaiting callers re-raise it
             raise
         finally:
             del self._opening[name]
@@ -637,6 +645,22 @@ class Factory:
         tb: TracebackType | None,
     ) -> None:
         await self.close()
+
+
+async def _close_unopened(name: str, store: Store, queue: Queue | None) -> None:
+    """Close what an open that failed, or was cancelled, had made: its store, and the queue
+    over it (its signal subscriptions). Nothing else holds them: left as they were, the
+    store stayed open (a bucket store's state, its flusher) and the queue went on hearing
+    the queue's signals for good. Closed as the rest of a cancelled close, bounded alike
+    (the server may be what failed the open); a failure to close is logged, the open's own
+    failure is what its caller hears."""
+    try:
+        if queue is not None:
+            await queue._shut(cut_short=True)
+        else:
+            await store.close()
+    except Exception as exc:
+        log.warning("queue %r: a failed open's store did not close: %r", name, exc)
 
 
 class _Grace:

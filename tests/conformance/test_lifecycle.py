@@ -1054,3 +1054,58 @@ async def test_a_closed_queue_is_not_listed_open_nor_hides_another_factorys_size
     finally:
         aio_keuss.observe.disable()
     assert sizes["a"].total == 1
+
+
+@pytest.mark.parametrize("step", ["is_paused", "save_options"])
+@pytest.mark.parametrize("how", ["fails", "cancelled"])
+async def test_an_open_failing_after_its_store_was_made_closes_that_store(
+    connect: Connect, case: Any, step: str, how: str
+) -> None:
+    """An open whose queue was made (its store, its signal subscription) but whose last
+    steps failed (the stats store's read of the pause, or its record of the options: the
+    server away) or were cancelled (a caller's timeout around ``factory.queue``) left that
+    store open and the queue subscribed to the signals for good: nothing held the Queue any
+    more to close it, not even the factory's close. It now closes the queue it made."""
+    if case.id not in _ONE_OF_EACH_KIND:
+        pytest.skip("the factory's open, the same over every kind of store")
+    factory = await connect()
+    closed: list[str] = []
+    make = factory.backend.store
+
+    async def store(name: str, options: Any) -> Any:
+        made = await make(name, options)
+        close = made.close
+
+        async def recording() -> None:
+            closed.append(name)
+            await close()
+
+        made.close = recording  # type: ignore[method-assign]
+        return made
+
+    factory.backend.store = store  # type: ignore[method-assign]
+    reached, hold = asyncio.Event(), asyncio.Event()
+    original = getattr(factory.stats_store, step)
+
+    async def failing(*args: Any, **kwargs: Any) -> Any:
+        reached.set()
+        if how == "fails":
+            raise aio_keuss.KeussConnectionError("the server is away")
+        await hold.wait()
+        return await original(*args, **kwargs)
+
+    setattr(factory.stats_store, step, failing)
+    opening = asyncio.create_task(factory.queue("a"))
+    await asyncio.wait_for(reached.wait(), 10)
+    if how == "cancelled":
+        opening.cancel()
+    (outcome,) = await asyncio.gather(opening, return_exceptions=True)
+    expected = aio_keuss.KeussConnectionError if how == "fails" else asyncio.CancelledError
+    assert isinstance(outcome, expected), outcome
+    assert set(closed) == {"a"}, "the store made for the failed open was left open"
+    assert "a" not in factory.signal._listeners, "the failed open's queue still listens"
+    setattr(factory.stats_store, step, original)
+    q = await factory.queue("a")  # opened afresh
+    await q.push(1)
+    assert await q.total_size() == 1
+    await factory.close()
