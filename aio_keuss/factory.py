@@ -7,7 +7,7 @@ import asyncio
 import contextlib
 import functools
 import logging
-from collections.abc import AsyncIterator, Coroutine, Generator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Coroutine, Generator, Mapping, Sequence
 from types import TracebackType
 from typing import Any
 
@@ -521,7 +521,7 @@ class Factory:
         closes it (see :meth:`_open_queue`)."""
         timeout = None if end is None else max(0.0, end - asyncio.get_running_loop().time())
         await asyncio.wait({opening}, timeout=timeout)
-        if not opening.done():  # given up (cancelled again: see _close's last step)
+        if not opening.done():  # given up (cancelled again: see _close_queues)
             self._opens_left = True
             return
         if opening.cancelled() or opening.exception() is not None:
@@ -530,110 +530,112 @@ class Factory:
 
     async def _close(self, cut_short: bool = False) -> None:
         """``close``'s work; ``cut_short``: the rest of a close cancelled before it began,
-        without the consumers' grace (bounded as a cancelled close)."""
+        without the consumers' grace (bounded as a cancelled close). Three steps, each run
+        whatever the one before raised: the consumers stop, every queue closes, then the
+        connection and what shares it."""
         self._close_begun = True
-        loop = asyncio.get_running_loop()
-        # when a cancelled close's grace ends: the queues' closes, then the stats store's last
-        # write and the signals on their way out share it (a silent server answers neither)
-        grace_end = loop.time() + CANCELLED_CLOSE_GRACE if cut_short else None
-        # Once the grace is spent, what still waits for the server is given up at once with
-        # the connection (``Backend.abandon``): on Redis each reply a silent server never
-        # sent held its caller for its own cancel grace, one after the other (the queue's
-        # drain, the bucket store's write-backs, its state flusher), and a cancelled close
-        # of bucket-redis ended after a minute rather than within its grace.
-        abandon: asyncio.TimerHandle | None = None
+        # a cancelled close's grace: the queues' closes, then the stats store's last write
+        # and the signals on their way out share it (a silent server answers neither)
+        grace = _Grace()
+        if cut_short:
+            grace.begin()
         try:
             stops: Sequence[BaseException | None] = ()
             try:
                 if not cut_short:
                     stops = await self._stop_consumers()
             except asyncio.CancelledError:
-                cut_short = True  # the queues' closes are bounded as cancelled ones
-                grace_end = loop.time() + CANCELLED_CLOSE_GRACE
+                grace.begin()  # the queues' closes are bounded as cancelled ones
                 raise
             finally:
-                self._siblings_open = False  # no queue begins to open from here on
-                # opened by a move as the consumers stopped (a handler's, or a task's): closed
-                # with the others, once open
-                opening = list(self._opening.values())
-                cancelled: asyncio.CancelledError | None = None
-                if opening and not cut_short:
-                    try:
-                        await asyncio.wait(opening)
-                    except asyncio.CancelledError as exc:
-                        # Cancelled here, the close left at once: no queue closed, and the
-                        # backend closed under them. They close as after a cancelled stop.
-                        cut_short, cancelled = True, exc
-                        grace_end = loop.time() + CANCELLED_CLOSE_GRACE
-                # still opening in a cancelled close: waited for within its grace only (an
-                # open on a server that stopped answering never ends), beside the closes
-                opening = [future for future in opening if not future.done()]
-                queues = list(self._queues.values())
-                if grace_end is not None:
-                    abandon = loop.call_at(grace_end, self.backend.abandon)
-                # then the queues close, side by side: one failing to close (its server
-                # away) must not keep the others open; after a cancelled stop too, so that
-                # each still gives back what it holds before the backend closes under it
-                closing = [
-                    asyncio.ensure_future(
-                        queue._shut(cut_short=True) if cut_short else queue.close()
-                    )
-                    for queue in queues
-                ]
-                closing += [
-                    asyncio.ensure_future(self._close_opened(future, grace_end))
-                    for future in opening
-                ]
-                try:
-                    # not gather: cancelled, it raised only once every queue's grace was
-                    # over, and the grace's start, which bounds what follows, was unknown
-                    if closing:
-                        await asyncio.wait(closing)
-                    closes = [None if t.cancelled() else t.exception() for t in closing]
-                except asyncio.CancelledError:
-                    if grace_end is None:
-                        grace_end = loop.time() + CANCELLED_CLOSE_GRACE
-                    # Cancelled again (a close cancelled already, or cut short): the grace
-                    # under way holds, not a new one, and its give-up is set. Set anew, it
-                    # replaced the first, never cancelled, which ran after the close ended.
-                    if abandon is None:
-                        abandon = loop.call_at(grace_end, self.backend.abandon)
-                    for task in closing:
-                        task.cancel()
-                    await asyncio.gather(*closing, return_exceptions=True)
-                    # Cancelled before a queue's close had run its first step, that close
-                    # never ran (a task cancelled before it starts runs nothing): it runs now
-                    # as the rest of a cancelled close, bounded alike; one under way is
-                    # waited for. Else the backend closed under the calls in flight.
-                    await asyncio.gather(
-                        *(queue._shut(cut_short=True) for queue in queues),
-                        *(self._close_opened(future, grace_end) for future in opening),
-                        return_exceptions=True,
-                    )
-                    raise
-                if cancelled is not None:
-                    raise cancelled
+                closes = await self._close_queues(grace)
             for result in (*stops, *closes):
                 if isinstance(result, Exception):
                     raise result
         finally:
             self._opens_left = True  # (none is left past here)
-            grace = _Grace(grace_end)
             try:
-                # raises when the server is away at close
-                await grace.within(self.stats_store.close(), "the stats store's close")
+                await self._close_connection(grace)
+            finally:
+                grace.cancel_give_up()
+
+    async def _close_queues(self, grace: _Grace) -> Sequence[BaseException | None]:
+        """Close every queue, once the consumers are stopped (or their stop was cancelled):
+        side by side, each close's failure returned. As a cancelled close once ``grace``
+        began, and past its end the connection is given up (see :meth:`_Grace.give_up`).
+        Cancelled, every queue still closes, as the rest of a cancelled close, before this
+        raises: else the backend closed under the calls in flight."""
+        self._siblings_open = False  # no queue begins to open from here on
+        # opened by a move as the consumers stopped (a handler's, or a task's): closed with
+        # the others, once open
+        opening = list(self._opening.values())
+        cancelled: asyncio.CancelledError | None = None
+        if opening and grace.end is None:
+            try:
+                await asyncio.wait(opening)
+            except asyncio.CancelledError as exc:
+                # Cancelled here, the close left at once: no queue closed, and the backend
+                # closed under them. They close as after a cancelled stop.
+                cancelled = exc
+                grace.begin()
+        # still opening in a cancelled close: waited for within its grace only (an open on
+        # a server that stopped answering never ends), beside the closes
+        opening = [future for future in opening if not future.done()]
+        queues = list(self._queues.values())
+        cut_short = grace.end is not None
+        if cut_short:
+            grace.give_up(self.backend.abandon)
+        # one failing to close (its server away) must not keep the others open; after a
+        # cancelled stop too, so that each still gives back what it holds before the
+        # backend closes under it
+        closing = [
+            asyncio.ensure_future(queue._shut(cut_short=True) if cut_short else queue.close())
+            for queue in queues
+        ]
+        closing += [
+            asyncio.ensure_future(self._close_opened(future, grace.end)) for future in opening
+        ]
+        try:
+            # not gather: cancelled, it raised only once every queue's grace was over, and
+            # the grace's start, which bounds what follows, was unknown
+            if closing:
+                await asyncio.wait(closing)
+        except asyncio.CancelledError:
+            # Cancelled again (a close cancelled already, or cut short): the grace under way
+            # holds, not a new one, and so does its one give-up.
+            grace.begin()
+            grace.give_up(self.backend.abandon)
+            for task in closing:
+                task.cancel()
+            await asyncio.gather(*closing, return_exceptions=True)
+            # Cancelled before a queue's close had run its first step, that close never ran
+            # (a task cancelled before it starts runs nothing): it runs now as the rest of a
+            # cancelled close, bounded alike; one under way is waited for.
+            await asyncio.gather(
+                *(queue._shut(cut_short=True) for queue in queues),
+                *(self._close_opened(future, grace.end) for future in opening),
+                return_exceptions=True,
+            )
+            raise
+        if cancelled is not None:
+            raise cancelled
+        return [None if task.cancelled() else task.exception() for task in closing]
+
+    async def _close_connection(self, grace: _Grace) -> None:
+        """The last of a close, once the queues are closed: the stats store's last write,
+        the signals on their way out (both within what is left of ``grace``), the result
+        store, then the backend's connection; each closes whatever the one before raised."""
+        try:
+            # raises when the server is away at close
+            await grace.within(self.stats_store.close(), "the stats store's close")
+        finally:
+            try:
+                await self.signal.close(grace.end)  # ... and the listener must still stop
             finally:
                 try:
-                    await self.signal.close(grace.end)  # ... and the listener must still stop
+                    await self._results.close()
                 finally:
-                    try:
-                        await self._results.close()
-                    finally:
-                        try:
-                            await self.backend.close()
-                        finally:
-                            if abandon is not None:
-                                abandon.cancel()
+                    await self.backend.close()
 
     async def __aenter__(self) -> Factory:
         return self
@@ -665,11 +667,35 @@ async def _close_unopened(name: str, store: Store, queue: Queue | None) -> None:
 
 class _Grace:
     """When a cancelled close's grace ends (the loop's clock; None while the close is not
-    cancelled), for the steps after the queues' closes: the stats store's last write, then
-    the signals on their way out, which share what is left of it."""
+    cancelled): the queues' closes, then the stats store's last write and the signals on
+    their way out, which share what is left of it."""
 
-    def __init__(self, end: float | None) -> None:
-        self.end = end
+    def __init__(self) -> None:
+        self.end: float | None = None
+        self._give_up: asyncio.TimerHandle | None = None
+
+    def begin(self) -> None:
+        """The grace begins now, unless it has: cancelled again, the grace under way holds
+        (the README bounds a cancelled close by it, 'or until it is cancelled again')."""
+        if self.end is None:
+            self.end = asyncio.get_running_loop().time() + CANCELLED_CLOSE_GRACE
+
+    def give_up(self, abandon: Callable[[], None]) -> None:
+        """Run ``abandon`` (``Backend.abandon``) when the grace ends, unless the close ended
+        first (see :meth:`cancel_give_up`): once the grace is spent, what still waits for
+        the server is given up at once with the connection. On Redis each reply a silent
+        server never sent held its caller for its own cancel grace, one after the other
+        (the queue's drain, the bucket store's write-backs, its state flusher), and a
+        cancelled close of bucket-redis ended after a minute rather than within its grace.
+        Set once: set again (cancelled again), it replaced the first, never cancelled,
+        which then ran after the close had ended."""
+        if self._give_up is None and self.end is not None:
+            self._give_up = asyncio.get_running_loop().call_at(self.end, abandon)
+
+    def cancel_give_up(self) -> None:
+        """The close is over: nothing is given up any more."""
+        if self._give_up is not None:
+            self._give_up.cancel()
 
     async def within(self, step: Coroutine[Any, Any, None], what: str) -> None:
         """Run ``step`` of a close; once the grace began, stop waiting for it at its end: a
@@ -693,7 +719,7 @@ class _Grace:
                     task.cancel()
                     raise
                 cancelled = exc
-                self.end = loop.time() + CANCELLED_CLOSE_GRACE
+                self.begin()
                 continue
             break
         if not done:
