@@ -291,6 +291,14 @@ class Factory:
                     self._unclaimed.add(name)
                     future.set_result(replacing)
                 else:
+                    if replacing is not None and replacing._closing.failed:
+                        # Its close failed (the server away): kept as it was, its close run
+                        # again by the next ask (see Queue._closed_by_own_close, _claim) or
+                        # the factory's close. Dropped, nothing closed it again, and what it
+                        # held (a bucket store's leased buckets) stayed out of reach until
+                        # the lease lapsed.
+                        self._queues[name] = replacing
+                        self._unclaimed.add(name)
                     future.set_exception(exc)
                     future.exception()  # retrieved: the awaiting callers re-raise it
             raise

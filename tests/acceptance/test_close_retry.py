@@ -231,3 +231,60 @@ async def test_a_close_again_whose_asker_was_cancelled_reports_its_failure(
     finally:
         await after.close()
         await _drop_redis_prefix({"url": REDIS_URL, **options})
+
+
+@pytest.mark.parametrize("asked_again", ["server back", "server away"])
+async def test_a_close_that_failed_after_the_queue_counted_as_closed_is_not_forgotten(
+    asked_again: str,
+) -> None:
+    """The drain has nothing left to write (the leased bucket's state is written), so the
+    queue counts as closed; the bucket store's close under it then fails to give the bucket
+    back (the server down). The next ``factory.queue(name)`` dropped that queue and opened
+    the name afresh: nothing closed its store again, not even ``factory.close()``, and the
+    reservation held and the leased bucket stayed out of reach of every process until the
+    lease lapsed (``reserve_delay`` here). The ask now closes it first; the server still
+    down, the ask fails as that close does, and ``factory.close()`` closes it once the
+    server is back."""
+    options = {
+        "prefix": f"akr-{new_token()}",
+        "state_flush_period": 3600.0,
+        "reserve_delay": 3600.0,
+    }
+    hole = BlackHole("127.0.0.1", 6379, b"")
+    await hole.start()
+    url = REDIS_URL.replace("127.0.0.1:6379", f"127.0.0.1:{hole.port}")
+    factory = await aio_keuss.connect("bucket-redis", url=url, **options)
+    try:
+        q = await factory.queue("retry")
+        for n in range(3):
+            await q.push(n)
+        held = await q.reserve()
+        assert held is not None
+        await q.drain()  # the reservation written: the close's drain has no round trip
+        hole.cut()
+        with pytest.raises(KeussConnectionError):
+            await q.close()
+        with pytest.raises(ClosedError):  # it counted as closed
+            await q.size()
+        if asked_again == "server back":
+            hole.restore()
+            again = await factory.queue("retry")  # closes the one that failed first
+            assert again is not q
+        else:
+            with pytest.raises(KeussConnectionError):
+                await factory.queue("retry")
+            hole.restore()
+    finally:
+        hole.restore()
+        await factory.close()  # closes what is still open, the failed close's queue too
+        hole.close()
+    after = await aio_keuss.connect("bucket-redis", url=REDIS_URL, **options)
+    try:
+        q = await after.queue("retry")
+        left = []
+        while (message := await q.pop(timeout=1)) is not None:
+            left.append(message.payload)
+        assert sorted(left) == [0, 1, 2]  # the reservation given back, the bucket too
+    finally:
+        await after.close()
+        await _drop_redis_prefix({"url": REDIS_URL, **options})
