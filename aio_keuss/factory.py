@@ -448,8 +448,12 @@ class Factory:
             if owner and self._rest_due():
                 # Cancelled before the close's task ran a step (a task cancelled before it
                 # starts runs nothing): no queue closed, the reservations held stayed
-                # reserved and the backend open. It runs here, as a cancelled close.
-                await self._run_rest()
+                # reserved and the backend open. It runs here, as a cancelled close; its
+                # failure (the server away) is logged, the cancellation raised.
+                try:
+                    await self._run_rest()
+                except Exception as exc:
+                    log.warning("cancelled close failed: %r", exc)
             task = asyncio.current_task()
             if owner and self._timed_out and (task is None or not task.cancelling()):
                 return  # cancelled by its timeout, not by our caller: it is over
@@ -547,6 +551,7 @@ class Factory:
         grace = _Grace()
         if cut_short:
             grace.begin()
+        cancelled: asyncio.CancelledError | None = None
         try:
             stops: Sequence[BaseException | None] = ()
             try:
@@ -560,10 +565,20 @@ class Factory:
             for result in (*stops, *closes):
                 if isinstance(result, Exception):
                     raise result
+        except asyncio.CancelledError as exc:
+            cancelled = exc
+            raise
         finally:
             self._opens_left = True  # (none is left past here)
             try:
                 await self._close_connection(grace)
+            except Exception as exc:
+                if cancelled is None:
+                    raise
+                # Cancelled: the cancellation is the answer, not the connection's failure
+                # (the server away), which raised in its place swallowed the caller's
+                # cancel (a TaskGroup, a shutdown timeout saw a failure where it cancelled).
+                log.warning("cancelled close: the connection's close failed: %r", exc)
             finally:
                 grace.cancel_give_up()
 

@@ -233,18 +233,18 @@ async def test_a_close_again_whose_asker_was_cancelled_reports_its_failure(
         await _drop_redis_prefix({"url": REDIS_URL, **options})
 
 
-@pytest.mark.parametrize("asked_again", ["server back", "server away"])
-async def test_a_close_that_failed_after_the_queue_counted_as_closed_is_not_forgotten(
-    asked_again: str,
+@pytest.mark.parametrize("asked_again", [True, False], ids=["asked-again", "factory-close"])
+async def test_a_tool_s_queue_whose_close_failed_as_the_user_claimed_it_is_not_forgotten(
+    asked_again: bool,
 ) -> None:
-    """The drain has nothing left to write (the leased bucket's state is written), so the
-    queue counts as closed; the bucket store's close under it then fails to give the bucket
-    back (the server down). The next ``factory.queue(name)`` dropped that queue and opened
-    the name afresh: nothing closed its store again, not even ``factory.close()``, and the
-    reservation held and the leased bucket stayed out of reach of every process until the
-    lease lapsed (``reserve_delay`` here). The ask now closes it first; the server still
-    down, the ask fails as that close does, and ``factory.close()`` closes it once the
-    server is back."""
+    """A queue the factory opened by itself (here a tool's, as the admin commands open one;
+    a move's target, the deadletter queue) is closed when the user first asks for it with
+    other options, and the name reopened with them. That close failing once the queue
+    counted as closed (the bucket store's give-back, the server down), the ask failed and
+    the queue, already out of the factory's map, was forgotten: nothing closed it again,
+    not even ``factory.close()``, and the reservation it held and its leased bucket stayed
+    out of every process's reach until the lease lapsed. It is now kept, closed again by
+    the next ask or by the factory's close, as a queue whose own close failed is."""
     options = {
         "prefix": f"akr-{new_token()}",
         "state_flush_period": 3600.0,
@@ -255,7 +255,7 @@ async def test_a_close_that_failed_after_the_queue_counted_as_closed_is_not_forg
     url = REDIS_URL.replace("127.0.0.1:6379", f"127.0.0.1:{hole.port}")
     factory = await aio_keuss.connect("bucket-redis", url=url, **options)
     try:
-        q = await factory.queue("retry")
+        q = await factory._recorded("retry", {})  # opened by a tool, not asked for
         for n in range(3):
             await q.push(n)
         held = await q.reserve()
@@ -263,17 +263,11 @@ async def test_a_close_that_failed_after_the_queue_counted_as_closed_is_not_forg
         await q.drain()  # the reservation written: the close's drain has no round trip
         hole.cut()
         with pytest.raises(KeussConnectionError):
-            await q.close()
-        with pytest.raises(ClosedError):  # it counted as closed
-            await q.size()
-        if asked_again == "server back":
-            hole.restore()
-            again = await factory.queue("retry")  # closes the one that failed first
-            assert again is not q
-        else:
-            with pytest.raises(KeussConnectionError):
-                await factory.queue("retry")
-            hole.restore()
+            await factory.queue("retry", reserve_delay=1800.0)  # closes the tool's first
+        hole.restore()
+        if asked_again:  # closes the tool's again, then opens the user's
+            again = await factory.queue("retry", reserve_delay=1800.0)
+            assert again is not q and again.options.reserve_delay == 1800.0
     finally:
         hole.restore()
         await factory.close()  # closes what is still open, the failed close's queue too
@@ -287,4 +281,41 @@ async def test_a_close_that_failed_after_the_queue_counted_as_closed_is_not_forg
         assert sorted(left) == [0, 1, 2]  # the reservation given back, the bucket too
     finally:
         await after.close()
+        await _drop_redis_prefix({"url": REDIS_URL, **options})
+
+
+@pytest.mark.parametrize("begun", [True, False], ids=["begun", "before-its-task-ran"])
+async def test_a_cancelled_factory_close_ends_cancelled_when_the_server_is_away(
+    begun: bool,
+) -> None:
+    """A ``factory.close()`` cancelled (a shutdown timeout, ``asyncio.timeout`` around it)
+    on a server that went away ended with the connection's failure, KeussConnectionError,
+    raised in place of the cancellation: the caller's cancel was swallowed (a TaskGroup, a
+    timeout saw a failure where it cancelled), as a queue's cancelled close did before its
+    store's failure was logged instead. Cancelled once its task ran a step (the closes of
+    the stats store and connection failed then), or before (the close then runs in the
+    caller's task, and failed there). It now ends cancelled, the failure logged."""
+    options = {"prefix": f"akr-{new_token()}", "state_flush_period": 3600.0}
+    hole = BlackHole("127.0.0.1", 6379, b"")
+    await hole.start()
+    url = REDIS_URL.replace("127.0.0.1:6379", f"127.0.0.1:{hole.port}")
+    factory = await aio_keuss.connect("bucket-redis", url=url, **options)
+    try:
+        q = await factory.queue("away")
+        await q.push(1)
+        await q.drain()
+        hole.cut()
+        closing = asyncio.create_task(factory.close())
+        await asyncio.sleep(0)  # in close; its task has not run a step
+        if begun:
+            for _ in range(10_000):  # its first step, then it waits: cancelled there
+                if factory._close_begun:
+                    break
+                await asyncio.sleep(0)
+        closing.cancel()
+        (outcome,) = await asyncio.gather(closing, return_exceptions=True)
+        assert isinstance(outcome, asyncio.CancelledError), repr(outcome)
+    finally:
+        hole.restore()
+        hole.close()
         await _drop_redis_prefix({"url": REDIS_URL, **options})
