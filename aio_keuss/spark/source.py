@@ -617,6 +617,28 @@ def _check_integral(schema: StructType, column: str | None) -> None:
         )
 
 
+def _check_meta_types(schema: StructType, spec: WriteSpec) -> None:
+    """A delay column holds numbers, a headers column JSON text, structs or maps (or nulls
+    only): another type (a delay as text or timestamps, headers as numbers) would fail every
+    task at its first non-null row, after the job started."""
+    from pyspark.sql.types import MapType, NullType, NumericType, StringType, StructType
+
+    wanted: tuple[tuple[str | None, str, tuple[type, ...], str], ...] = (
+        (spec.delay_column, "delay_column", (NumericType, NullType), "a number column"),
+        (
+            spec.headers_column,
+            "headers_column",
+            (StringType, StructType, MapType, NullType),
+            "a string (JSON object text), struct or map column",
+        ),
+    )
+    for column, what, kinds, expected in wanted:
+        if column is not None and not isinstance(schema[column].dataType, kinds):
+            raise ConfigError(
+                f"{what} {column!r} is {schema[column].dataType.simpleString()}, not {expected}"
+            )
+
+
 class KeussDataSource(DataSource):
     """``format("aio_keuss")``; options: ``backend``, ``queue``, the backend's connect
     options (``url``, ``prefix``, ``schema``, ``reserve_delay``...) and those of the
@@ -633,6 +655,7 @@ class KeussDataSource(DataSource):
         spec = WriteSpec.from_options(self.options)
         spec.check(schema.fieldNames())
         _check_integral(schema, spec.priority_column)
+        _check_meta_types(schema, spec)
         spec.check_priority(_check_connect(spec).priority)
         return spec
 

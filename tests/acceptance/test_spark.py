@@ -1031,6 +1031,41 @@ def test_a_priority_column_must_be_an_integer_column() -> None:
         KeussDataSource(options).writer(_columns(p=kind), False)
 
 
+def test_delay_and_headers_columns_of_a_type_no_row_could_hold_are_refused_on_the_driver() -> None:
+    """A delay column of text, timestamps or booleans, or a headers column of numbers,
+    arrays or bytes, failed every task at its first non-null row (InvalidDelayError,
+    InvalidHeadersError), after the job started: the driver refuses them (on memory; no
+    task runs here). A column of nulls only is no delay, no headers."""
+    from pyspark.sql import types
+
+    from aio_keuss.spark.source import KeussDataSource
+
+    delay = {"backend": "memory", "queue": "typed", "delay_column": "d"}
+    for kind in (types.StringType(), types.TimestampType(), types.BooleanType()):
+        with pytest.raises(aio_keuss.ConfigError, match="delay_column 'd' is"):
+            KeussDataSource(delay).writer(_columns(d=kind), False)
+    for kind in (
+        types.IntegerType(),
+        types.LongType(),
+        types.DoubleType(),
+        types.FloatType(),
+        types.DecimalType(6, 3),
+        types.NullType(),
+    ):
+        KeussDataSource(delay).writer(_columns(d=kind), False)
+    headers = {"backend": "memory", "queue": "typed", "headers_column": "h"}
+    for kind in (types.LongType(), types.ArrayType(types.StringType()), types.BinaryType()):
+        with pytest.raises(aio_keuss.ConfigError, match="headers_column 'h' is"):
+            KeussDataSource(headers).writer(_columns(h=kind), False)
+    for kind in (
+        types.StringType(),
+        types.MapType(types.StringType(), types.StringType()),
+        types.StructType([types.StructField("k", types.StringType())]),
+        types.NullType(),
+    ):
+        KeussDataSource(headers).writer(_columns(h=kind), False)
+
+
 def test_rows_without_priorities_keep_the_push_many_path(
     pusher_target: tuple[str, dict[str, Any]], monkeypatch: pytest.MonkeyPatch
 ) -> None:
