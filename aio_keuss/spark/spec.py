@@ -17,7 +17,7 @@ import orjson
 
 from ..errors import ConfigError, InvalidInputError, NotSupportedError
 from ..message import Message, check_priority
-from ..options import QUEUE_OPTION_NAMES, check_queue_name
+from ..options import QUEUE_OPTION_NAMES, QueueOptions, check_queue_name
 from ..registry import load_backend
 
 FORMAT = "aio_keuss"
@@ -58,14 +58,17 @@ COLUMN_OPTIONS = (
     "priority_column",
     "id_column",
 )
-# Spark options are strings: these connect options are converted back to numbers.
+# Spark options are strings: these connect options are converted back to numbers, counts
+# (max_batch, rate_limit, rate_burst: connect refuses a float) to ints, seconds to floats.
 # The bucket backends' optional seconds default to None, which tells no type.
-_FLOAT_OPTIONS = frozenset(QUEUE_OPTION_NAMES - {"max_batch"}) | {
+_INT_OPTIONS = frozenset(
+    name for name, default in QueueOptions().as_dict().items() if isinstance(default, int)
+)
+_FLOAT_OPTIONS = frozenset(QUEUE_OPTION_NAMES - _INT_OPTIONS) | {
     "signal_debounce",
     "reject_delta_factor",
     "reject_timeout_grace",
 }
-_INT_OPTIONS = frozenset({"max_batch"})
 _JSON_OPTIONS = frozenset({"deadletter"})
 # Options Spark itself adds to a data source's options.
 _SPARK_OWN = frozenset({"path", "checkpointlocation", "queryname"})

@@ -365,6 +365,31 @@ def test_flag_and_count_options_given_as_spark_strings_reach_connect(
         keuss_spark.WriteSpec.from_options({**strings, next(iter(typed)): "maybe"})
 
 
+def test_rate_limit_options_given_as_spark_strings_reach_connect_as_counts(
+    target: tuple[str, dict[str, Any]],
+) -> None:
+    """``rate_limit`` and ``rate_burst`` are counts: Spark's strings were made floats, which
+    ``connect`` refuses (``rate_limit must be an int``), so no read or write through the
+    data source could limit its queue's deliveries. The limit reaches the queue."""
+    from aio_keuss.spark.source import KeussDataSource, ReadSpec
+
+    backend, opts = target
+    strings = {"backend": backend, "queue": "limited", **opts}
+    strings.update({"rate_limit": "100", "rate_burst": "5", "rate_period": "2"})
+    strings = {key: str(value) for key, value in strings.items()}
+    limits = {"rate_limit": 100, "rate_burst": 5, "rate_period": 2.0}
+    assert keuss_spark.WriteSpec.from_options(strings).options == {**opts, **limits}
+    spec = ReadSpec.from_options(strings)
+    assert spec.options == {**opts, **limits}
+    assert all(type(spec.options[key]) is type(value) for key, value in limits.items())
+    KeussDataSource(strings).reader(None)  # type: ignore[arg-type]  # connects on the driver
+    with sync.connect(backend, **spec.options) as factory:
+        options = factory.queue("limited").queue.options
+        assert (options.rate_limit, options.rate_burst, options.rate_period) == (100, 5, 2.0)
+    with pytest.raises(aio_keuss.ConfigError, match="rate_limit"):
+        ReadSpec.from_options({**strings, "rate_limit": "1.5"})
+
+
 def test_stream_write_replayed_batch_does_not_duplicate(
     spark: SparkSession, target: tuple[str, dict[str, Any]], tmp_path: Path
 ) -> None:
