@@ -639,6 +639,45 @@ def _check_meta_types(schema: StructType, spec: WriteSpec) -> None:
             )
 
 
+def _holds_binary(kind: Any) -> bool:
+    from pyspark.sql.types import ArrayType, BinaryType, MapType, StructType
+
+    if isinstance(kind, BinaryType):
+        return True
+    if isinstance(kind, StructType):
+        return any(_holds_binary(field.dataType) for field in kind.fields)
+    if isinstance(kind, ArrayType):
+        return _holds_binary(kind.elementType)
+    if isinstance(kind, MapType):
+        return _holds_binary(kind.keyType) or _holds_binary(kind.valueType)
+    return False
+
+
+def _check_no_binary_in_json(schema: StructType, spec: WriteSpec) -> None:
+    """JSON has no bytes: a binary value inside a payload made of the row, or of a struct,
+    array or map column, fails every task at its first non-null one (the queue refuses the
+    payload), after the job started. A binary payload column is a bytes payload."""
+    if spec.payload_column is not None:
+        kind = schema[spec.payload_column].dataType
+        columns = [] if _is_binary(kind) else [(spec.payload_column, kind)]
+    else:
+        meta = {spec.headers_column, spec.delay_column, spec.priority_column}
+        columns = [(f.name, f.dataType) for f in schema.fields if f.name not in meta]
+    for name, kind in columns:
+        if _holds_binary(kind):
+            raise ConfigError(
+                f"column {name!r} is {kind.simpleString()}: JSON has no bytes, so no payload"
+                " holding it can be stored; encode it first (base64(...)), or name a binary"
+                " column as payload_column (a bytes payload)"
+            )
+
+
+def _is_binary(kind: Any) -> bool:
+    from pyspark.sql.types import BinaryType
+
+    return isinstance(kind, BinaryType)
+
+
 class KeussDataSource(DataSource):
     """``format("aio_keuss")``; options: ``backend``, ``queue``, the backend's connect
     options (``url``, ``prefix``, ``schema``, ``reserve_delay``...) and those of the
@@ -656,6 +695,7 @@ class KeussDataSource(DataSource):
         spec.check(schema.fieldNames())
         _check_integral(schema, spec.priority_column)
         _check_meta_types(schema, spec)
+        _check_no_binary_in_json(schema, spec)
         spec.check_priority(_check_connect(spec).priority)
         return spec
 

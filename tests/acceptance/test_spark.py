@@ -1091,6 +1091,39 @@ def test_delay_and_headers_columns_of_a_type_no_row_could_hold_are_refused_on_th
         KeussDataSource(headers).writer(_columns(h=kind), False)
 
 
+def test_binary_inside_a_json_payload_is_refused_on_the_driver() -> None:
+    """A binary column in the row made the payload, or inside a struct, array or map of the
+    payload column, failed every task at its first non-null value (JSON has no bytes:
+    InvalidPayloadError), after the job started: the driver refuses it, naming the column
+    (on memory; no task runs here). A binary payload column is a bytes payload; a binary
+    column taken as the delay's, headers' or priority's is no part of the payload."""
+    from pyspark.sql import types
+
+    from aio_keuss.spark.source import KeussDataSource
+
+    binary = types.BinaryType()
+    nested = {
+        "b": binary,
+        "s": types.StructType([types.StructField("k", binary)]),
+        "a": types.ArrayType(binary),
+        "m": types.MapType(types.StringType(), binary),
+    }
+    for name, kind in nested.items():
+        whole_row = {"backend": "memory", "queue": "typed"}
+        with pytest.raises(aio_keuss.ConfigError, match=f"column {name!r}"):
+            KeussDataSource(whole_row).writer(_columns(**{name: kind}), False)
+        if name != "b":
+            as_payload = {**whole_row, "payload_column": name}
+            with pytest.raises(aio_keuss.ConfigError, match=f"column {name!r}"):
+                KeussDataSource(as_payload).writer(_columns(**{name: kind}), False)
+    KeussDataSource({"backend": "memory", "queue": "typed", "payload_column": "b"}).writer(
+        _columns(b=binary), False
+    )
+    KeussDataSource(
+        {"backend": "memory", "queue": "typed", "payload_column": "n", "id_column": "b"}
+    ).writer(_columns(b=binary), False)
+
+
 def test_rows_without_priorities_keep_the_push_many_path(
     pusher_target: tuple[str, dict[str, Any]], monkeypatch: pytest.MonkeyPatch
 ) -> None:
