@@ -130,6 +130,19 @@ def _json_value(value: Any, what: str) -> Any:
     return value
 
 
+def _headers_value(value: Any, what: str) -> Any:
+    """A headers column's value: JSON object text as it is; a struct or map (a dict here)
+    without its null fields, which are no header (as ``to_json`` of the struct omits them),
+    its timestamps and decimals text, as in a payload (a header is a str, int, float or
+    bool: those failed the task at the first row holding one)."""
+    if isinstance(value, str):
+        return _json_value(value, what) or None
+    headers = _json_value(value, what)
+    if isinstance(headers, dict):
+        headers = {str(k): _plain(v) for k, v in headers.items() if v is not None}
+    return headers or None
+
+
 def _seconds(value: Any) -> Any:
     """A delay column's value: null is no delay; a DECIMAL (what Spark SQL makes of a literal
     such as 0.5) is taken as its float; anything else goes to the queue's own check."""
@@ -289,7 +302,7 @@ class _Pusher:
         if self._per_message:
             if spec.headers_column is not None:
                 column = spec.headers_column
-                batch.headers = [_json_value(row[column], column) or None for row in rows]
+                batch.headers = [_headers_value(row[column], column) for row in rows]
             else:
                 batch.headers = [None] * len(rows)
             if spec.delay_column is not None:

@@ -1199,6 +1199,37 @@ def test_the_priority_option_holds_beside_a_headers_or_delay_column(
     assert [(m.payload["n"], m.priority) for m in taken] == [(1, 7), (1, 7), (0, 0)]
 
 
+def test_a_struct_or_map_headers_column_keeps_its_nulls_timestamps_and_decimals(
+    pusher_target: tuple[str, dict[str, Any]],
+) -> None:
+    """A struct (or map) headers column with a null field, a timestamp or a decimal failed the
+    task at its first such row (InvalidHeadersError: a header is a str, int, float or bool),
+    where the same struct through to_json() went in: its null fields omitted. Now a null is
+    no header, and timestamps and decimals are text, as in a payload. The executor's path
+    (rows as Arrow and Spark's Rows give them), without Spark."""
+    import datetime as dt
+    import decimal
+
+    from pyspark.sql import Row
+
+    backend, opts = pusher_target
+    spec = keuss_spark.WriteSpec(
+        backend=backend, queue="heads", options=opts, headers_column="h", batch_size=2
+    )
+    when = dt.datetime(2026, 1, 2, 3, 4, 5, tzinfo=dt.UTC)
+    given = {"a": None, "b": 1, "t": when, "d": decimal.Decimal("1.10"), "s": "x"}
+    rows: list[Any] = [
+        {"n": 0, "h": given},
+        {"n": 1, "h": {"only": None}},
+        Row(n=2, h=Row(**given)),
+        {"n": 3, "h": None},
+    ]
+    assert keuss_spark.push_rows(spec, rows, "heads:0") == 4
+    expected = {"b": 1, "t": "2026-01-02T03:04:05+00:00", "d": "1.10", "s": "x"}
+    taken = sorted(_taken(backend, opts, "heads"), key=lambda m: m.payload["n"])
+    assert [m.headers for m in taken] == [expected, {}, expected, {}]
+
+
 def test_a_bad_priority_in_one_row_fails_before_its_batch_is_written(
     pusher_target: tuple[str, dict[str, Any]],
 ) -> None:
