@@ -52,7 +52,7 @@ from pyspark.sql.datasource import (
     InputPartition,
     WriterCommitMessage,
 )
-from pyspark.sql.types import StructType
+from pyspark.sql.types import ArrayType, BinaryType, MapType, StructType
 
 from .. import sync
 from ..errors import ConfigError, InvalidInputError
@@ -617,11 +617,14 @@ def _check_integral(schema: StructType, column: str | None) -> None:
         )
 
 
+_NOT_A_HEADER: tuple[type, ...] = (ArrayType, BinaryType, MapType, StructType)
+
+
 def _check_meta_types(schema: StructType, spec: WriteSpec) -> None:
     """A delay column holds numbers, a headers column JSON text, structs or maps (or nulls
     only): another type (a delay as text or timestamps, headers as numbers) would fail every
     task at its first non-null row, after the job started."""
-    from pyspark.sql.types import MapType, NullType, NumericType, StringType, StructType
+    from pyspark.sql.types import NullType, NumericType, StringType
 
     wanted: tuple[tuple[str | None, str, tuple[type, ...], str], ...] = (
         (spec.delay_column, "delay_column", (NumericType, NullType), "a number column"),
@@ -636,6 +639,20 @@ def _check_meta_types(schema: StructType, spec: WriteSpec) -> None:
         if column is not None and not isinstance(schema[column].dataType, kinds):
             raise ConfigError(
                 f"{what} {column!r} is {schema[column].dataType.simpleString()}, not {expected}"
+            )
+    if spec.headers_column is None:
+        return
+    kind = schema[spec.headers_column].dataType
+    values = []
+    if isinstance(kind, StructType):
+        values = [field.dataType for field in kind.fields]
+    elif isinstance(kind, MapType):
+        values = [kind.valueType]
+    for value in values:  # a header is one value: a struct, array, map or bytes is none
+        if isinstance(value, _NOT_A_HEADER):
+            raise ConfigError(
+                f"headers_column {spec.headers_column!r} is {kind.simpleString()}: a header is"
+                f" text, a number, a boolean, a date or a timestamp, not {value.simpleString()}"
             )
 
 

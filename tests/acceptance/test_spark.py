@@ -1082,10 +1082,26 @@ def test_delay_and_headers_columns_of_a_type_no_row_could_hold_are_refused_on_th
     for kind in (types.LongType(), types.ArrayType(types.StringType()), types.BinaryType()):
         with pytest.raises(aio_keuss.ConfigError, match="headers_column 'h' is"):
             KeussDataSource(headers).writer(_columns(h=kind), False)
+    nested = [types.ArrayType(types.StringType()), types.BinaryType(), types.StructType([])]
+    for inner in nested:  # a header is one value
+        for kind in (
+            types.StructType(
+                [types.StructField("k", types.StringType()), types.StructField("x", inner)]
+            ),
+            types.MapType(types.StringType(), inner),
+        ):
+            with pytest.raises(aio_keuss.ConfigError, match="headers_column 'h' is"):
+                KeussDataSource(headers).writer(_columns(h=kind), False)
     for kind in (
         types.StringType(),
         types.MapType(types.StringType(), types.StringType()),
-        types.StructType([types.StructField("k", types.StringType())]),
+        types.StructType(
+            [
+                types.StructField("k", types.StringType()),
+                types.StructField("t", types.TimestampType()),
+                types.StructField("d", types.DecimalType(6, 2)),
+            ]
+        ),
         types.NullType(),
     ):
         KeussDataSource(headers).writer(_columns(h=kind), False)
