@@ -128,26 +128,15 @@ def _push(spec: WriteSpec, items: Iterator[Any], id_base: str | None) -> int:
     return push_rows(spec, itertools.chain((first,), items), id_base)
 
 
-_checked_lock = threading.Lock()
-_checked: dict[str, Capabilities] = {}
-
-
 def _check_connect(spec: WriteSpec | ReadSpec) -> Capabilities:
-    """Open (and close) a factory on the driver once per option set, so an unknown option,
-    bad URL or unreachable server fails the query before any task writes or reads. Returns
-    what the opened factory can do: options may take a capability away (a Redis cluster
-    has no ``move``), which the backend's class does not tell."""
-    key = repr((spec.backend, sorted(spec.options.items())))
-    with _checked_lock:
-        known = _checked.get(key)
-    if known is not None:
-        return known
+    """Open (and close) a factory on the driver for each query, so an unknown option, bad
+    URL or unreachable server fails it before any task writes or reads (once per option
+    set, a server gone since an earlier query of the driver passed, and every task failed).
+    Returns what the opened factory can do: options may take a capability away (a Redis
+    cluster has no ``move``), which the backend's class does not tell."""
     with sync.connect(spec.backend, **spec.options) as factory:
         factory.queue(spec.queue)
-        capabilities = factory.capabilities
-    with _checked_lock:
-        _checked[key] = capabilities
-    return capabilities
+        return factory.capabilities
 
 
 def _context() -> TaskContext:

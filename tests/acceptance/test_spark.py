@@ -323,6 +323,25 @@ def test_bad_read_options_fail_on_the_driver(target: tuple[str, dict[str, Any]])
     KeussDataSource(good).reader(None)  # type: ignore[arg-type]
 
 
+def test_a_server_gone_since_an_earlier_query_fails_the_next_on_the_driver() -> None:
+    """The driver's connect check was made once per option set: a read or write after the
+    server went away (or a query on the second day of a long-lived driver) passed it, and
+    every task then failed connecting, after the job started. Each query checks again."""
+    from own_servers import own_redis
+
+    from aio_keuss.spark.source import KeussDataSource
+
+    with own_redis() as server:
+        options = {"backend": "redis-oq", "queue": "gone", "url": server.url, "prefix": "akt-g"}
+        KeussDataSource(options).reader(None)  # type: ignore[arg-type]
+        KeussDataSource(options).writer(_columns(), False)
+        server.stop()
+        with pytest.raises(aio_keuss.KeussConnectionError):
+            KeussDataSource(options).reader(None)  # type: ignore[arg-type]
+        with pytest.raises(aio_keuss.KeussConnectionError):
+            KeussDataSource(options).writer(_columns(), False)
+
+
 def test_a_bad_queue_name_fails_a_read_on_the_driver_after_a_good_read(
     target: tuple[str, dict[str, Any]],
 ) -> None:
