@@ -37,6 +37,7 @@ import itertools
 import logging
 import threading
 import uuid
+from collections import Counter
 from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeoutError
@@ -698,6 +699,13 @@ class KeussDataSource(DataSource):
 
     def _write_spec(self, schema: StructType) -> WriteSpec:
         spec = WriteSpec.from_options(self.options)
+        counts = Counter(schema.fieldNames())
+        twice = sorted(name for name, count in counts.items() if count > 1)
+        if twice:  # Spark cannot make their Arrow batches: every task would fail
+            raise ConfigError(
+                f"columns {', '.join(map(repr, twice))} are named twice: give each column"
+                " of a write a name of its own"
+            )
         spec.check(schema.fieldNames())
         _check_integral(schema, spec.priority_column)
         _check_meta_types(schema, spec)

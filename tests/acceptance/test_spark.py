@@ -1159,6 +1159,24 @@ def test_binary_inside_a_json_payload_is_refused_on_the_driver() -> None:
     ).writer(_columns(b=binary), False)
 
 
+def test_columns_of_one_name_are_refused_on_the_driver() -> None:
+    """Two columns of one name (a join, or ``SELECT id AS a, x AS a``) failed every attempt
+    of every task (Spark cannot make the Arrow batch: DUPLICATED_FIELD_NAME_IN_ARROW_STRUCT;
+    rows made into dicts would keep one of them), after the job started: the driver refuses
+    them, naming the column (on memory; no task runs here)."""
+    from pyspark.sql.types import LongType, StructField, StructType
+
+    from aio_keuss.spark.source import KeussDataSource
+
+    schema = StructType([StructField(name, LongType()) for name in ("a", "b", "a")])
+    for extra in ({}, {"payload_column": "b"}):
+        options = {"backend": "memory", "queue": "dup", **extra}
+        with pytest.raises(aio_keuss.ConfigError, match="'a'"):
+            KeussDataSource(options).writer(schema, False)
+        with pytest.raises(aio_keuss.ConfigError, match="'a'"):
+            KeussDataSource(options).streamWriter(schema, False)
+
+
 def test_rows_without_priorities_keep_the_push_many_path(
     pusher_target: tuple[str, dict[str, Any]], monkeypatch: pytest.MonkeyPatch
 ) -> None:
