@@ -53,7 +53,14 @@ from pyspark.sql.datasource import (
     InputPartition,
     WriterCommitMessage,
 )
-from pyspark.sql.types import ArrayType, BinaryType, MapType, StructType
+from pyspark.sql.types import (
+    ArrayType,
+    BinaryType,
+    MapType,
+    StructType,
+    TimestampNTZType,
+    TimestampType,
+)
 
 from .. import sync
 from ..errors import ConfigError, InvalidInputError
@@ -608,12 +615,20 @@ def _check_integral(schema: StructType, column: str | None) -> None:
 
 
 _NOT_A_HEADER: tuple[type, ...] = (ArrayType, BinaryType, MapType, StructType)
+_NOT_AN_ID: tuple[type, ...] = (
+    ArrayType,
+    MapType,
+    StructType,
+    TimestampType,
+    TimestampNTZType,
+)
 
 
 def _check_meta_types(schema: StructType, spec: WriteSpec) -> None:
     """A delay column holds numbers, a headers column JSON text, structs or maps (or nulls
-    only): another type (a delay as text or timestamps, headers as numbers) would fail every
-    task at its first non-null row, after the job started."""
+    only), an id column values whose text has no space: another type (a delay as text or
+    timestamps, headers as numbers, ids of timestamps) would fail every task at its first
+    non-null row, after the job started."""
     from pyspark.sql.types import NullType, NumericType, StringType
 
     wanted: tuple[tuple[str | None, str, tuple[type, ...], str], ...] = (
@@ -629,6 +644,13 @@ def _check_meta_types(schema: StructType, spec: WriteSpec) -> None:
         if column is not None and not isinstance(schema[column].dataType, kinds):
             raise ConfigError(
                 f"{what} {column!r} is {schema[column].dataType.simpleString()}, not {expected}"
+            )
+    if spec.id_column is not None:
+        key = schema[spec.id_column].dataType
+        if isinstance(key, _NOT_AN_ID):  # their text has a space; an id has none
+            raise ConfigError(
+                f"id_column {spec.id_column!r} is {key.simpleString()}: its values' text is"
+                " no message id (it holds spaces); name a string, number or date column"
             )
     if spec.headers_column is None:
         return

@@ -1177,6 +1177,36 @@ def test_columns_of_one_name_are_refused_on_the_driver() -> None:
             KeussDataSource(options).streamWriter(schema, False)
 
 
+def test_an_id_column_whose_values_make_no_id_is_refused_on_the_driver() -> None:
+    """An id is text without spaces: the text of a timestamp ("2026-01-01 00:00:00+00:00"),
+    a struct, a map or an array of two has one, so an id_column of those types failed every
+    task at its first row (InvalidIdError), after the job started: the driver refuses it
+    (on memory; no task runs here)."""
+    from pyspark.sql import types
+
+    from aio_keuss.spark.source import KeussDataSource
+
+    options = {"backend": "memory", "queue": "ids", "id_column": "k", "payload_column": "n"}
+    for kind in (
+        types.TimestampType(),
+        types.TimestampNTZType(),
+        types.StructType([types.StructField("a", types.LongType())]),
+        types.ArrayType(types.LongType()),
+        types.MapType(types.StringType(), types.LongType()),
+    ):
+        with pytest.raises(aio_keuss.ConfigError, match="id_column 'k' is"):
+            KeussDataSource(options).writer(_columns(k=kind), False)
+    for kind in (
+        types.StringType(),
+        types.LongType(),
+        types.DecimalType(8, 2),
+        types.DoubleType(),
+        types.DateType(),
+        types.BooleanType(),
+    ):
+        KeussDataSource(options).writer(_columns(k=kind), False)
+
+
 def test_rows_without_priorities_keep_the_push_many_path(
     pusher_target: tuple[str, dict[str, Any]], monkeypatch: pytest.MonkeyPatch
 ) -> None:
