@@ -668,6 +668,19 @@ def _check_meta_types(schema: StructType, spec: WriteSpec) -> None:
             )
 
 
+def _named_twice(kind: Any) -> list[str]:
+    """The names two fields of one struct share, at any depth of ``kind``."""
+    if isinstance(kind, StructType):
+        counts = Counter(kind.fieldNames())
+        twice = sorted(name for name, count in counts.items() if count > 1)
+        return twice + [n for field in kind.fields for n in _named_twice(field.dataType)]
+    if isinstance(kind, ArrayType):
+        return _named_twice(kind.elementType)
+    if isinstance(kind, MapType):
+        return _named_twice(kind.keyType) + _named_twice(kind.valueType)
+    return []
+
+
 def _holds_binary(kind: Any) -> bool:
     from pyspark.sql.types import ArrayType, BinaryType, MapType, StructType
 
@@ -721,8 +734,7 @@ class KeussDataSource(DataSource):
 
     def _write_spec(self, schema: StructType) -> WriteSpec:
         spec = WriteSpec.from_options(self.options)
-        counts = Counter(schema.fieldNames())
-        twice = sorted(name for name, count in counts.items() if count > 1)
+        twice = _named_twice(schema)
         if twice:  # Spark cannot make their Arrow batches: every task would fail
             raise ConfigError(
                 f"columns {', '.join(map(repr, twice))} are named twice: give each column"

@@ -1164,17 +1164,20 @@ def test_columns_of_one_name_are_refused_on_the_driver() -> None:
     of every task (Spark cannot make the Arrow batch: DUPLICATED_FIELD_NAME_IN_ARROW_STRUCT;
     rows made into dicts would keep one of them), after the job started: the driver refuses
     them, naming the column (on memory; no task runs here)."""
-    from pyspark.sql.types import LongType, StructField, StructType
+    from pyspark.sql.types import ArrayType, LongType, StructField, StructType
 
     from aio_keuss.spark.source import KeussDataSource
 
     schema = StructType([StructField(name, LongType()) for name in ("a", "b", "a")])
+    inner = StructType([StructField(name, LongType()) for name in ("x", "x")])
+    nested = StructType([StructField("b", LongType()), StructField("s", ArrayType(inner))])
     for extra in ({}, {"payload_column": "b"}):
         options = {"backend": "memory", "queue": "dup", **extra}
-        with pytest.raises(aio_keuss.ConfigError, match="'a'"):
-            KeussDataSource(options).writer(schema, False)
-        with pytest.raises(aio_keuss.ConfigError, match="'a'"):
-            KeussDataSource(options).streamWriter(schema, False)
+        for columns, name in ((schema, "'a'"), (nested, "'x'")):
+            with pytest.raises(aio_keuss.ConfigError, match=name):
+                KeussDataSource(options).writer(columns, False)
+            with pytest.raises(aio_keuss.ConfigError, match=name):
+                KeussDataSource(options).streamWriter(columns, False)
 
 
 def test_an_id_column_whose_values_make_no_id_is_refused_on_the_driver() -> None:
