@@ -469,6 +469,11 @@ class Source(Protocol):
     def extend_many(self, messages: list[Message]) -> Awaitable[list[bool]]:
         """Extend these reservations by ``reserve_delay`` from now (see :mod:`.renewals`)."""
 
+    def lost_since(self, taken: float) -> bool:
+        """Where reservations do not expire one by one: whether those taken at ``taken``
+        (``time.monotonic()``) may have been lost since, all at once (see
+        ``Store.lost_since``)."""
+
     def release(self, messages: list[Message], *, unseen: bool = False) -> Awaitable[None]:
         """Give back reservations whose handler was cancelled, or that no handler started
         (``unseen``: not counted as reserved then), costing no try: in one call, so that
@@ -651,7 +656,8 @@ class Consumer(StoppedOnExit):
         self._prefetch = prefetch
         self._batch = batch
         self._settle = settle
-        # prefetched messages, each with the monotonic time its reservation runs out
+        # prefetched messages, each with the monotonic time its reservation runs out; where
+        # reservations do not expire one by one (``_lapses``), the time it was taken
         self._buffer: deque[tuple[Message, float]] = deque()
         # what the store handed out for the popped ones in the buffer (without reserve), by
         # id: a Message has neither the end of life nor the place their put-back keeps
@@ -707,6 +713,9 @@ class Consumer(StoppedOnExit):
         self._retry_delay = retry_delay
         self._max_retry_delay = max_retry_delay
         self._reserve = queue.capabilities.reserve
+        # reservations that do not expire one by one, but may all be lost at once (a
+        # heartbeat that lapsed): a prefetched one is checked before its handler starts
+        self._lapses = self._reserve and not queue.capabilities.reservation_expiry
         self._keeps = queue.keeps_results and settle is None  # (a station keeps none)
         self._stopping = False
         self._stop_asked = asyncio.Event()  # ends a backoff the worker waits itself
@@ -1107,11 +1116,15 @@ class Consumer(StoppedOnExit):
                 continue
             message, until = buffer.popleft()
             self._kept.pop(message.id, None)  # handed to a worker: no longer ours to give back
-            if time.monotonic() < until:
+            if self._lapses:
+                if not self.queue.lost_since(until):  # (``until``: when it was taken)
+                    return message
+            elif time.monotonic() < until:
                 return message
             # most of its reservation ran out while it waited here (all of it, and another
-            # consumer may be handling it already): give it back, costing no try (refused if
-            # someone else holds it now), rather than start a handler it may outlive
+            # consumer may be handling it already), or all may have been lost at once: give
+            # it back, costing no try (refused if someone else holds it now), rather than
+            # start a handler it may outlive, or one beside another consumer's
             log.debug(
                 "queue %r: prefetched message %s waited too long", self.queue.name, message.id
             )
@@ -1141,12 +1154,15 @@ class Consumer(StoppedOnExit):
                 self._loop.call_soon(self._fetch_sent)
                 try:
                     kept = None if self._reserve else self._kept
+                    taken = time.monotonic()
                     got = await self.queue.next(self._outage, self._want(), kept=kept)
                 finally:
                     landed, self._landed = self._landed, asyncio.Event()
                     landed.set()
                 until = math.inf  # handed out while at least half is left
-                if self._reserve and self.queue.capabilities.reservation_expiry:
+                if self._lapses:
+                    until = taken
+                elif self._reserve and self.queue.capabilities.reservation_expiry:
                     until = time.monotonic() + self.queue.reserve_delay / 2
                 self._buffer.extend((message, until) for message in got)
         finally:

@@ -553,6 +553,14 @@ class Store(ABC):
         """Release reservations after their delay, or move them to the deadletter queue."""
         raise NotSupportedError(f"{type(self).__name__} has no reserve")
 
+    def lost_since(self, taken: float) -> bool:
+        """Optional, where reservations do not expire one by one (``reservation_expiry``
+        false) but all of a consumer's at once (its heartbeat lapsed): whether those taken
+        at ``taken`` (``time.monotonic()``, when the reserve was sent) may have been lost
+        since, to be delivered to another consumer. A consumer then gives back, rather than
+        starts, what it prefetched then. False here: nothing lapses but by expiry."""
+        return False
+
     async def extend(self, extends: Sequence[Extend]) -> list[bool]:
         """Optional (``Capabilities.extend``): reservations their holders still hold last
         until now + each one's ``seconds``; false for unknown, unreserved or stale ones.

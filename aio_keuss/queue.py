@@ -3070,6 +3070,9 @@ class _ConsumerLink:
     def extend_many(self, messages: list[Message]) -> Awaitable[list[bool]]:
         return self._queue.extend_many(messages)
 
+    def lost_since(self, taken: float) -> bool:
+        return self._queue._store.lost_since(taken)
+
     def release(self, messages: list[Message], *, unseen: bool = False) -> Awaitable[None]:
         return self._queue._release_all(messages, unseen=unseen)
 

@@ -100,6 +100,12 @@ PEEK_PAGE = 2000
 RECOVER_STEP = 1000
 """Most messages one recovery script call moves, so Redis is never blocked for long."""
 
+LAPSE_SHARE = 5 / 6
+"""Share of ``heartbeat_ttl`` past the last heartbeat refresh after which a consumer counts
+its reservations as possibly lost (its heartbeat may have expired and another consumer's
+recovery taken them): refreshed every third of it, a live consumer is past that only when
+two refreshes in a row failed (an outage) or its event loop was blocked as long."""
+
 # -- Lua -------------------------------------------------------------------------------------
 # Conventions: ARGV[1] is the queue's key base ``prefix:{q}:``; bodies are base..'msg:'..id.
 # Keys built inside a script carry the same hash tag as the declared KEYS, so they live in
@@ -435,12 +441,14 @@ return moved
 # refreshed first by PEXPIRE, a write that cannot grow memory, so that it goes on at
 # maxmemory (noeviction), where a plain SET is refused: else a live consumer would count as
 # dead while Redis is full (see _RESERVE).
+# Returns 0 where the heartbeat was gone (expired: recovery may have taken our list), else 1.
 _BEAT = """
-if redis.call('PEXPIRE', KEYS[1], tonumber(ARGV[2])) == 0 then
+local alive = redis.call('PEXPIRE', KEYS[1], tonumber(ARGV[2]))
+if alive == 0 then
   redis.call('SET', KEYS[1], '1', 'PX', tonumber(ARGV[2]))
 end
 redis.call('SADD', KEYS[2], ARGV[1])
-return 1
+return alive
 """
 
 # KEYS: processing, consumers, heartbeat. ARGV: cid. A clean close: unregister only when
@@ -573,6 +581,11 @@ class RedisReliableStore(Store):
         self._ttl = backend.heartbeat_ttl
         self._ttl_ms = str(max(1, round(self._ttl * 1000)))
         self._tasks: list[asyncio.Task[None]] = []
+        self._refreshed = time.monotonic()
+        """When the last heartbeat refresh that succeeded was sent (see ``lost_since``)."""
+        self._lost_at = -math.inf
+        """When a refresh was sent that found the heartbeat gone, or came after a gap of
+        more than ``LAPSE_SHARE`` of it: reservations taken before may have been lost."""
         self._deferring = Finishing()
         """Cluster deadletters past their set-aside: copying there, then dropping here."""
         self._deadlettering: set[str] = set()
@@ -882,6 +895,7 @@ class RedisReliableStore(Store):
     # heartbeat and recovery --------------------------------------------------------------
 
     def _start(self) -> None:
+        self._refreshed = time.monotonic()  # the reserve about to be sent refreshes it
         self._tasks = [
             asyncio.create_task(self._every(self._ttl / 3, self._beat), name="keuss-heartbeat"),
             asyncio.create_task(self._every(self._ttl / 2, self.recover), name="keuss-recovery"),
@@ -901,7 +915,22 @@ class RedisReliableStore(Store):
 
     async def _beat(self) -> None:
         """Keep this consumer alive and registered (re-registered if recovery took it)."""
-        await self._scripts.beat([self._heartbeat, self._consumers], [self.consumer, self._ttl_ms])
+        sent = time.monotonic()
+        alive = await self._scripts.beat(
+            [self._heartbeat, self._consumers], [self.consumer, self._ttl_ms]
+        )
+        if not alive or sent - self._refreshed > self._ttl * LAPSE_SHARE:
+            self._lost_at = max(self._lost_at, sent)
+        self._refreshed = max(self._refreshed, sent)
+
+    def lost_since(self, taken: float) -> bool:
+        """Whether our heartbeat may have expired since ``taken``: another consumer's
+        recovery may then have given what we reserved to another consumer. Seen once a
+        refresh finds it gone or late, or while none has succeeded for ``LAPSE_SHARE`` of
+        it (an outage, a blocked event loop)."""
+        if taken < self._lost_at:
+            return True
+        return time.monotonic() - self._refreshed > self._ttl * LAPSE_SHARE
 
     async def recover(self) -> int:
         """Give back to ``pending`` what consumers with an expired heartbeat held, each with

@@ -12,6 +12,7 @@ import sys
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import pytest
 from backends import (
@@ -22,6 +23,8 @@ from backends import (
     new_token,
     sizes_after,
 )
+from fault_proxy import BEFORE, FaultProxy
+from polling import until
 from redis_cluster import _drop_redis_cluster_prefix, _redis_cluster, start_redis_cluster
 
 import aio_keuss
@@ -687,3 +690,70 @@ async def test_on_redis_cluster_own_recovery_leaves_a_deadletter_between_its_ste
         assert await sizes_after("redis-reliable", **options) == (0, 1)
     finally:
         await _drop_redis_cluster_prefix(options)
+
+
+async def test_prefetched_messages_recovered_by_another_consumer_are_not_handled(
+    connect: Connect, prefix: str, redis: aioredis.Redis
+) -> None:
+    """A consumer cut off from Redis for longer than ``heartbeat_ttl`` has its processing
+    list recovered by another consumer, which may take those messages at once. What it had
+    prefetched must then not be handed to its own handler once it reaches Redis again (as
+    it was): each message was handled by both consumers at once (its ok refused, but only
+    once the handler had run). Now it gives them back instead, which the holder's tries
+    refuse."""
+    parts = urlsplit(REDIS_URL)
+    proxy = FaultProxy(parts.hostname or "127.0.0.1", parts.port or 6379)
+    try:
+        name = "prefetched-recovered"
+        fa = await connect(url=f"redis://127.0.0.1:{proxy.port}/0")
+        a = await fa.queue(name)
+        b = await (await connect()).queue(name)
+        await a.push_many(["first", "second", "third"])
+        started, gate = asyncio.Event(), asyncio.Event()
+        handled: list[aio_keuss.Message] = []
+
+        async def handler(message: aio_keuss.Message) -> None:
+            handled.append(message)
+            started.set()
+            if len(handled) == 1:
+                await gate.wait()
+
+        consumer = a.consume(handler, prefetch=2)
+        try:
+            await asyncio.wait_for(started.wait(), 10)
+            pending = key(prefix, name, "pending")
+
+            async def prefetched() -> bool:  # the other two
+                return not await redis.llen(pending)
+
+            await until(prefetched, 10)
+            proxy.random(1.0, seed=0, kinds=(BEFORE,))  # A reaches Redis no more
+            heartbeat = key(prefix, name, "heartbeat", a._store.consumer)  # type: ignore[attr-defined]
+
+            async def expired() -> bool:
+                return not await redis.exists(heartbeat)
+
+            await until(expired, 10)
+            taken: list[aio_keuss.Message] = []
+            async with asyncio.timeout(30):  # a guard only
+                while len(taken) < 3:  # recovered (by B's own task, or here), then B's
+                    await b._store.recover()  # type: ignore[attr-defined]
+                    taken += await b.reserve_many(3, timeout=0.2)
+            held = {m.id for m in taken if m.payload != "first"}
+            proxy.calm()
+            gate.set()
+
+            async def settled() -> bool:  # what A prefetched is started or given back
+                return not consumer._buffer and not consumer.status().in_flight  # type: ignore[attr-defined]
+
+            await until(settled, 10)
+            twice = [m.payload for m in handled[1:] if m.id in held]
+            assert not twice, f"handled while another consumer holds them: {twice}"
+            assert all([await b.ok(m) for m in taken]), "the holder's reservations stand"
+        finally:
+            gate.set()
+            proxy.calm()
+            await consumer.stop()
+            await fa.close()
+    finally:
+        proxy.close()
