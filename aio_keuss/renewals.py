@@ -59,7 +59,11 @@ class Renewals:
         """The consumer's running messages by id (it adds and drops them)."""
         self._every = reserve_delay * LOOK_SHARE
         self._looks = 0
-        self._since: dict[str, int] = {}  # id -> the look that first saw it, or extended it
+        # id -> the delivery and the look that first saw it, or extended it: by delivery,
+        # as one found taken by another consumer is never extended again, but a later
+        # delivery of its id to this consumer (taken here again while the stale handler
+        # still ran, so that the id never left ``running``) is extended as any other
+        self._since: dict[str, tuple[Message, int]] = {}
         self._timer: asyncio.TimerHandle | None = None
         self._renewing: asyncio.Task[None] | None = None
         self._closed = False
@@ -86,12 +90,14 @@ class Renewals:
         self._looks = looks = self._looks + 1
         for gone in since.keys() - running.keys():
             del since[gone]
-        for message_id in running:
-            since.setdefault(message_id, looks)
+        for message_id, message in running.items():
+            seen = since.get(message_id)
+            if seen is None or seen[0] is not message:
+                since[message_id] = (message, looks)
         self._timer = self._loop.call_later(self._every, self._look)
         if self._renewing is not None:
             return  # the last extension is still out: those due wait for the next look
-        due = [running[i] for i, seen in since.items() if looks - seen >= LOOKS]
+        due = [message for message, seen in since.values() if looks - seen >= LOOKS]
         if due:
             self._renewing = self._loop.create_task(self._renew(due))
 
@@ -117,10 +123,10 @@ class Renewals:
             if running.get(message.id) is not message:
                 continue  # its handler ended meanwhile
             if ours:
-                since[message.id] = self._looks
+                since[message.id] = (message, self._looks)
                 self.extended += 1
                 continue
-            since[message.id] = NEVER
+            since[message.id] = (message, NEVER)
             self.lapsed += 1
             log.warning(
                 "queue %r: message %s: its reservation lapsed while its handler ran and"

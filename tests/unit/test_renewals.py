@@ -8,6 +8,7 @@ import logging
 from datetime import UTC, datetime
 
 import pytest
+from polling import until
 
 import aio_keuss
 from aio_keuss import Message
@@ -202,3 +203,28 @@ async def test_a_worker_ending_leaves_the_entry_of_a_later_delivery_of_its_id() 
         first_ended.set()
         await consumer.stop()
         assert consumer.busy == {}
+
+
+async def test_a_later_delivery_of_a_lapsed_id_is_extended() -> None:
+    """A reservation found taken by another consumer is not extended again; but a later
+    delivery of the same id to this consumer (given back by that consumer, reserved here
+    again while the stale handler still ran) was not extended either: the mark was kept by
+    id, and the id never left the running ones. Its reservation lapsed in turn, and a third
+    consumer could take the message while it ran."""
+    extender = Extender([False])
+    handlers = Handlers(extender)
+    renewals = handlers.renewals
+    (stale,) = handlers.started("a")
+    await extender.wait_calls(1)
+
+    async def refused() -> bool:  # read once the call returns
+        return renewals.lapsed == 1
+
+    await until(refused, 10)
+    later = _message("a")  # delivered again, while the stale handler runs
+    handlers.running["a"] = later
+    assert handlers.running["a"] is not stale
+    await extender.wait_calls(2)
+    assert extender.asked[1] == ["a"]
+    handlers.ended("a")
+    await renewals.close()
