@@ -431,6 +431,11 @@ class Source(Protocol):
         ...
 
     @property
+    def paused(self) -> bool:
+        """Whether the queue is paused, as this process knows it (see ``Queue.pause``)."""
+        ...
+
+    @property
     def keeps_results(self) -> bool:
         """Whether handlers' values and final failures are kept (a ``result_ttl``): fixed
         when the queue opens. Without, the consumer passes none, at no cost per message."""
@@ -1094,6 +1099,12 @@ class Consumer(StoppedOnExit):
         while True:
             if self._stopping:  # what is left in the buffer goes back (see stop)
                 return None
+            if buffer and self.queue.paused:
+                # deliveries stop on a pause, those of what was prefetched too: given back
+                # at once, costing no try (the fetch that follows waits for the resume);
+                # out of the buffer already, so not cancelled with this wait (see below)
+                await asyncio.shield(self._tracked(self._give_back()))
+                continue
             if buffer and (len(buffer) > self._refill_at or self._fetching.locked()):
                 if self._fetch_unsent:
                     # a fetch was just started: its request goes out first (a handler that

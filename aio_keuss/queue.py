@@ -3032,6 +3032,10 @@ class _ConsumerLink:
         return self._queue.options.reserve_delay
 
     @property
+    def paused(self) -> bool:
+        return self._queue._paused
+
+    @property
     def keeps_results(self) -> bool:
         return self._queue._result_writes is not None
 

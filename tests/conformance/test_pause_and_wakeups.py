@@ -366,3 +366,42 @@ async def test_a_pause_or_resume_heard_out_of_order_ends_in_the_stored_state(
         await asyncio.sleep(0.01)
     got = await q.pop(timeout=0)
     assert (got is None) == stored_paused
+
+
+async def test_a_pause_gives_back_what_a_consumer_prefetched(queue: aio_keuss.Queue) -> None:
+    """Deliveries stop on a pause: a consumer's handlers did not, going on through what it
+    had prefetched (up to ``prefetch`` messages more, each a handler started on a paused
+    queue). Now the messages prefetched are given back (costing no try) once it is paused,
+    and handled after the resume."""
+    await queue.push_many(["first", "second", "third", "fourth"])
+    started, gate = asyncio.Event(), asyncio.Event()
+    handled: list[aio_keuss.Message] = []
+
+    async def handler(message: aio_keuss.Message) -> None:
+        handled.append(message)
+        started.set()
+        if len(handled) == 1:
+            await gate.wait()
+
+    consumer = queue.consume(handler, prefetch=3)
+    try:
+        await asyncio.wait_for(started.wait(), 10)
+        async with asyncio.timeout(10):
+            while await queue.size():  # noqa: ASYNC110 - the other three are prefetched
+                await asyncio.sleep(0.02)
+        await queue.pause()
+        gate.set()
+        async with asyncio.timeout(10):
+            while await queue.size() < 3:  # noqa: ASYNC110 - given back
+                await asyncio.sleep(0.02)
+        assert [m.payload for m in handled] == ["first"]
+        await queue.resume()
+        async with asyncio.timeout(10):
+            while len(handled) < 4:  # noqa: ASYNC110 - taken again
+                await asyncio.sleep(0.02)
+        assert sorted(m.payload for m in handled[1:]) == ["fourth", "second", "third"]
+        if queue.capabilities.reserve:
+            assert all(m.tries == 0 for m in handled)
+    finally:
+        gate.set()
+        await consumer.stop()
