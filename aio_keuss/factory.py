@@ -342,10 +342,12 @@ class Factory:
         by its own ``close()``, kept in the map until the next ``queue(name)`` drops it (or,
         its close failed, closes it again and then drops it):
         the metrics read the sizes of these, one per name over every factory, and that
-        closed one hid another factory's open queue of the name."""
+        closed one hid another factory's open queue of the name. Called from other threads
+        too (an OpenTelemetry collector's): the map is copied in one step under the GIL
+        before it is walked, as the event loop may add a queue meanwhile."""
         if self._closed:
             return []
-        return [queue for queue in self._queues.values() if not queue._closed]
+        return [queue for queue in list(self._queues.values()) if not queue._closed]
 
     def _claimed_options(self) -> dict[str, QueueOptions]:
         """The options of the open queues asked for through :meth:`queue`: those it would

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -329,3 +331,39 @@ def test_queues_of_the_blocking_api_are_read_on_their_own_loop() -> None:
         assert sample(text, "aio_keuss_queue_pushed_total", queue="jobs") == 2
         assert sample(text, "aio_keuss_queue_delivered_total", queue="jobs") == 1
         assert registry.cached_sizes()["jobs"].size == 1  # what a collector thread sees
+
+
+async def test_a_collector_thread_reads_while_the_loop_opens_queues() -> None:
+    """OpenTelemetry collects on its own thread, which lists each factory's open queues
+    while the event loop opens more: that listing once walked the factory's map of queues
+    as it grew, and failed ("dictionary changed size during iteration"), losing the sizes
+    gauge of that collection. A tiny switch interval makes the threads interleave often."""
+    registry = aio_keuss.enable_metrics()
+    errors: list[BaseException] = []
+    done = threading.Event()
+
+    def collect() -> None:
+        while not done.is_set() and not errors:
+            try:
+                registry.cached_sizes()
+            except Exception as exc:  # what the test reports
+                errors.append(exc)
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        async with aio_keuss.connect("memory") as factory:
+            await factory.queue("first")  # tracked: the collector lists its queues
+            collector = threading.Thread(target=collect)
+            collector.start()
+            try:
+                for i in range(2000):
+                    await factory.queue(f"q{i}")
+                    if errors:
+                        break
+            finally:
+                done.set()
+                collector.join()
+    finally:
+        sys.setswitchinterval(interval)
+    assert errors == []
