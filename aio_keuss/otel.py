@@ -49,7 +49,8 @@ def enable_opentelemetry(
     (a few microseconds each with the SDK). Calling it again with another provider replaces
     the instruments of the previous call (which then report nothing); with the same provider,
     its instruments go on reporting (with the new ``delivery_latency``; after a
-    ``disable_metrics``, counts start again from 0). ``aio_keuss.disable_metrics`` stops
+    ``disable_metrics``, counts start again from 0); the global provider is the same one
+    before and after the SDK's is set. ``aio_keuss.disable_metrics`` stops
     all. Raises :class:`~aio_keuss.MissingDependencyError` without the ``otel`` extra.
     """
     try:
@@ -59,12 +60,18 @@ def enable_opentelemetry(
     registry = observe.enable()
     for old in [s for s in registry.sinks if isinstance(s, _OtelSink)]:
         registry.sinks.remove(old)
-    provider = meter_provider or metrics.get_meter_provider()
+    global _global_sink
+    current = metrics.get_meter_provider()
+    provider = meter_provider or current
     sink = _made.get(provider)
+    if sink is None and provider is current:
+        sink = _global_sink  # made on the stand-in this provider replaced, bound to it
     if sink is None:
         sink = _OtelSink(provider)
         with contextlib.suppress(TypeError):  # a provider that takes no weak reference
             _made[provider] = sink
+    if provider is current:
+        _global_sink = sink
     sink.bind(registry, delivery_latency)
     registry.sinks.append(sink)
 
@@ -74,6 +81,13 @@ _made: weakref.WeakKeyDictionary[MeterProvider, _OtelSink] = weakref.WeakKeyDict
 second ``create_observable_counter`` of a name with the instrument it has, and drops the
 callbacks given again (OpenTelemetry specification, "Metrics API", duplicate instrument
 registration: the first one is returned), so new instruments there would never report."""
+
+
+_global_sink: _OtelSink | None = None
+"""The instruments made on the global provider. Until an SDK's provider is set, the global
+one is a stand-in (a proxy) whose instruments are bound to the SDK's once it is set (the
+global provider is set once per process): a later call on the global provider, now the
+SDK's object, reuses them, as new ones of the same names there would never report (above)."""
 
 
 class _OtelSink:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import os
+import subprocess
 import sys
 import threading
 import time
@@ -367,3 +369,53 @@ async def test_a_collector_thread_reads_while_the_loop_opens_queues() -> None:
     finally:
         sys.setswitchinterval(interval)
     assert errors == []
+
+
+_GLOBAL_PROVIDER_SCRIPT = """
+import asyncio
+from opentelemetry import metrics
+from opentelemetry.sdk.metrics import MeterProvider
+from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+import aio_keuss
+from metrics_reading import otel_points, point
+
+async def main():
+    aio_keuss.enable_opentelemetry()  # at start-up, before the SDK is configured
+    reader = InMemoryMetricReader()
+    metrics.set_meter_provider(MeterProvider(metric_readers=[reader]))
+    async with aio_keuss.connect("memory") as factory:
+        q = await factory.queue("jobs")
+        await q.push(1)
+        assert point(otel_points(reader)["aio_keuss.queue.pushed"], queue="jobs").value == 1
+        {again}
+        await q.push(2)
+        pushed = otel_points(reader).get("aio_keuss.queue.pushed", [])
+        assert point(pushed, queue="jobs").value == 2, pushed
+
+asyncio.run(main())
+"""
+
+
+@pytest.mark.parametrize(
+    "again",
+    [
+        "aio_keuss.enable_opentelemetry()",
+        "aio_keuss.enable_opentelemetry(metrics.get_meter_provider())",
+    ],
+    ids=["default", "named"],
+)
+def test_a_second_call_on_the_global_provider_once_it_is_set_keeps_reporting(
+    again: str,
+) -> None:
+    """The global provider is a stand-in until the SDK's is set, and the instruments made
+    on it are then bound to the SDK's: a second call on the global provider, now the SDK's
+    object, made new instruments of the same names there, which the SDK answers with the
+    ones it has (dropping the new callbacks), while the first ones stopped reporting: every
+    counter went silent. Its own process: the global provider is set once per process."""
+    tests = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([tests, *sys.path])}
+    script = _GLOBAL_PROVIDER_SCRIPT.replace("{again}", again)
+    done = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
