@@ -30,7 +30,7 @@ from typing import Any, TypeVar
 
 import orjson
 
-from ..errors import ClosedError, InvalidInputError, KeussError
+from ..errors import ClosedError, ConfigError, InvalidInputError, KeussError
 from ..factory import Factory
 from ..message import visible
 from ..options import DEFAULT_DEADLETTER_QUEUE, QUEUE_OPTION_NAMES, check_queue_name
@@ -46,6 +46,10 @@ PAYLOAD_CHARS = 4000
 BYTES_SHOWN = 256
 PEEK_MAX = 200
 REQUEUE_MAX = 1000
+SAMPLE_EVERY = (0.2, 3600.0)
+"""Seconds allowed between rate samples (the command's ``--sample-seconds`` range): each
+sample reads every queue's counters and sizes, so a shorter interval, 0 or a negative one
+makes the sampler a busy loop on the backend."""
 
 
 class UnknownQueueError(InvalidInputError):
@@ -98,7 +102,13 @@ class Board:
             configured = factory.deadletter
             deadletter = DEFAULT_DEADLETTER_QUEUE if configured is None else configured.queue
         self.deadletter = check_queue_name(deadletter)
-        self.sample_every = sample_every
+        low, high = SAMPLE_EVERY
+        number = isinstance(sample_every, (int, float)) and not isinstance(sample_every, bool)
+        if not (number and low <= sample_every <= high):  # NaN fails the comparison too
+            raise ConfigError(
+                f"sample_every must be in [{low}, {high}] seconds, not {sample_every!r}"
+            )
+        self.sample_every = float(sample_every)
         self._samples: deque[tuple[float, dict[str, tuple[int, int, int]]]] = deque(
             maxlen=max(2, int(keep / sample_every) + 1)
         )

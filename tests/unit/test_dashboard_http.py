@@ -89,6 +89,16 @@ def test_a_short_token_is_refused() -> None:
         security.check_bind("127.0.0.1", "short")
 
 
+@pytest.mark.parametrize("seconds", [0, -1, 0.001, float("nan"), float("inf"), 3601])
+async def test_a_sample_interval_the_command_refuses_is_refused_in_a_program_too(
+    factory: aio_keuss.Factory, seconds: float
+) -> None:
+    """0 failed with a ZeroDivisionError, NaN with a ValueError, and a negative or tiny one
+    made the sampler a busy loop reading every queue's counters and sizes."""
+    with pytest.raises(ConfigError, match="sample"):
+        Dashboard(factory, port=0, sample_every=seconds)
+
+
 def test_the_command_refuses_a_public_address_without_a_token(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
