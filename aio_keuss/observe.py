@@ -100,11 +100,12 @@ def track(factory: QueueSource) -> None:
 
 
 def _tracked() -> dict[asyncio.AbstractEventLoop, list[QueueSource]]:
-    """Open factories by event loop (closed loops left out)."""
+    """Open factories by event loop, left out where the loop is closed or not running: it
+    would never answer a read of sizes, and every scrape would wait for it to time out."""
     by_loop: dict[asyncio.AbstractEventLoop, list[QueueSource]] = {}
     with _factories_lock:
         for factory, loop in _factories.items():
-            if not loop.is_closed() and factory.open_queues():
+            if loop.is_running() and not loop.is_closed() and factory.open_queues():
                 by_loop.setdefault(loop, []).append(factory)
     return by_loop
 

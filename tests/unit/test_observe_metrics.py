@@ -419,3 +419,33 @@ def test_a_second_call_on_the_global_provider_once_it_is_set_keeps_reporting(
         [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120
     )
     assert done.returncode == 0, done.stderr
+
+
+def test_a_loop_that_is_not_running_is_not_asked_for_sizes() -> None:
+    """A factory left open on an event loop that no longer runs (``run_until_complete``
+    returned, the loop not closed) can never read its sizes: every scrape waited for it
+    until the timeout (six seconds), and left a coroutine never awaited."""
+    registry = aio_keuss.enable_metrics()
+    idle = asyncio.new_event_loop()
+
+    async def opened() -> aio_keuss.Factory:
+        factory = await aio_keuss.connect("memory")
+        await factory.queue("idle")
+        return factory
+
+    factory = idle.run_until_complete(opened())
+    try:
+        assert registry.request_sizes() == []  # nothing started that could never finish
+
+        async def scrape() -> str:
+            async with aio_keuss.connect("memory") as running:
+                q = await running.queue("running")
+                await q.push(1)
+                return await registry.prometheus_text()
+
+        text = asyncio.run(scrape())
+        assert sample(text, "aio_keuss_queue_messages", queue="running", state="ready") == 1
+        assert 'queue="idle",state=' not in text
+    finally:
+        idle.run_until_complete(factory.close())
+        idle.close()
