@@ -46,6 +46,9 @@ PAYLOAD_CHARS = 4000
 BYTES_SHOWN = 256
 PEEK_MAX = 200
 REQUEUE_MAX = 1000
+REQUEUE_SCAN_MAX = 10 * REQUEUE_MAX
+"""Ready messages one Requeue all looks at, at most: it walks past those it cannot move
+(no valid ``x-dl-from-queue``) to reach movable ones behind them, bounded per click."""
 SAMPLE_EVERY = (0.2, 3600.0)
 """Seconds allowed between rate samples (the command's ``--sample-seconds`` range): each
 sample reads every queue's counters and sizes, so a shorter interval, 0 or a negative one
@@ -250,9 +253,14 @@ class Board:
         removed, or ready meanwhile: the page showed an older peek)."""
         return await self._one(name, lambda queue: queue.promote(message_id))  # type: ignore[arg-type]  # checked there
 
-    async def requeue(self, name: object, ids: object) -> dict[str, str]:
-        """Move deadlettered messages back where they failed: ``ids``, or every one when
-        ``ids`` is None (the first :data:`REQUEUE_MAX`). The deadletter queue is held
+    async def requeue(self, name: object, ids: object) -> dict[str, Any]:
+        """Move deadlettered messages back where they failed: ``ids`` (answered with id here
+        -> id in its origin), or, when ``ids`` is None, the first :data:`REQUEUE_MAX` ready
+        ones that name a valid origin, found among at most :data:`REQUEUE_SCAN_MAX` (a
+        message without one would otherwise hide those behind it, click after click),
+        answered with ``moved`` (that mapping), ``unmovable`` (passed over for want of a
+        valid ``x-dl-from-queue``) and ``left`` (ready messages the deadletter queue has
+        after: the page's count is one refresh old). The deadletter queue is held
         meanwhile, as a replay holds its target (see ``Factory._using``): the application's
         first ask of it, reopening the factory's own open, waits for the requeue to end.
         Closed under it, the requeue failed (ClosedError) past the batches it had moved:
@@ -266,17 +274,21 @@ class Board:
         ):
             raise InvalidInputError(f"ids must be a list of at most {REQUEUE_MAX} strings")
         async with self.factory._using(checked) as queue:
-            if ids is None:
-                chosen: list[str] = []
-                async for found in queue.browse(state="ready", page_size=REQUEUE_MAX):
+            if ids is not None:
+                return await queue.requeue(list(ids)) if ids else {}
+            chosen: list[str] = []
+            unmovable = 0
+            seen = itertools.count(1)
+            async for found in queue.browse(state="ready", page_size=REQUEUE_MAX):
+                if _movable(found):
                     chosen.append(found.message.id)
-                    if len(chosen) == REQUEUE_MAX:
-                        break
-            else:
-                chosen = list(ids)
-            if not chosen:
-                return {}
-            return await queue.requeue(chosen)
+                else:
+                    unmovable += 1
+                if len(chosen) == REQUEUE_MAX or next(seen) == REQUEUE_SCAN_MAX:
+                    break
+            moved = await queue.requeue(chosen) if chosen else {}
+            left = (await queue.sizes()).size
+            return {"moved": moved, "unmovable": unmovable, "left": left}
 
     # rates ----------------------------------------------------------------------------
 
@@ -315,6 +327,16 @@ class Board:
                     [t1, max(0, put - put0) / span, max(0, done - done0) / span, size]
                 )
         return series
+
+
+def _movable(found: MessageView) -> bool:
+    """Whether ``Queue.requeue`` could move this message: its ``x-dl-from-queue`` header
+    names a valid queue (anyone may push into a deadletter queue, headers and all)."""
+    try:
+        check_queue_name(found.message.headers.get("x-dl-from-queue"))
+    except InvalidInputError:
+        return False
+    return True
 
 
 def _pipeline_data(doc: dict[str, Any]) -> dict[str, Any]:

@@ -14,6 +14,7 @@ Routes (see :mod:`aio_keuss.dashboard.security` for what every request must show
     GET  /api/messages?queue=&state=&n=   a peek, without taking anything
     POST /api/pause | /api/resume         {"queue": name}
     POST /api/requeue           {"queue": deadletter queue, "ids": [...] or null for all}
+                                (null: answered with moved, unmovable and left)
     POST /api/promote           {"queue": name, "id": a scheduled message's id}
 """
 

@@ -303,7 +303,8 @@ async def test_requeue_without_ids_takes_every_deadlettered_message_back(
     assert await dead.total_size() == 3
     dashboard = await _started(factory)
     try:
-        assert len(await _requeue_all_dead(dashboard, client)) == 3
+        answer = await _requeue_all_dead(dashboard, client)
+        assert (len(answer["moved"]), answer["unmovable"], answer["left"]) == (3, 0, 0)
         assert await dead.total_size() == 0
         assert await jobs.total_size() == 3
     finally:
@@ -323,7 +324,8 @@ async def test_requeue_to_a_queue_nobody_opened_creates_it_there(
     assert "ghost" not in await factory.list()
     dashboard = await _started(factory)
     try:
-        assert await _requeue_all_dead(dashboard, client) == {ghost_id: ghost_id}
+        answer = await _requeue_all_dead(dashboard, client)
+        assert answer == {"moved": {ghost_id: ghost_id}, "unmovable": 2, "left": 2}
     finally:
         await dashboard.stop()
     listed = await factory.list()
@@ -524,7 +526,8 @@ async def test_the_deadletter_view_shows_the_factorys_own_deadletter_queue(
                     headers=_post_headers(dashboard),
                 ) as response:
                     assert response.status == 200
-                    assert (await response.json())["result"] == {message.id: message.id}
+                    answer = (await response.json())["result"]
+                    assert answer["moved"] == {message.id: message.id}
             finally:
                 await dashboard.stop()
             # told another, it shows that one
@@ -533,3 +536,30 @@ async def test_the_deadletter_view_shows_the_factorys_own_deadletter_queue(
     finally:
         if options:
             await _drop_redis_prefix(options)
+
+
+async def test_requeue_all_reaches_movable_messages_behind_a_page_of_unmovable_ones(
+    client: Any,
+) -> None:
+    """Requeue all took the first 1,000 ready messages of the deadletter queue and moved
+    those it could: 1,000 with no ``x-dl-from-queue`` at the front hid every movable one
+    behind them, click after click. It now walks past the unmovable ones (a bounded number
+    per click) and answers with what moved, how many it left for want of a valid header, and
+    how many ready messages the deadletter queue still has."""
+    from aio_keuss.dashboard.board import REQUEUE_MAX
+
+    async with aio_keuss.connect("memory") as factory:
+        dead = await factory.queue("__deadletter__")
+        await dead.push_many([{"n": n} for n in range(REQUEUE_MAX)])  # no header
+        movable = [await dead.push({"n": n}, headers={"x-dl-from-queue": "jobs"}) for n in range(3)]
+        dashboard = await _started(factory)
+        try:
+            answer = await _requeue_all_dead(dashboard, client)
+        finally:
+            await dashboard.stop()
+        assert answer == {
+            "moved": {i: i for i in movable},
+            "unmovable": REQUEUE_MAX,
+            "left": REQUEUE_MAX,
+        }
+        assert await (await factory.queue("jobs")).total_size() == 3

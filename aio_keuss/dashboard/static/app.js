@@ -483,21 +483,21 @@
     document.getElementById("peek-section").hidden = true;
   });
   document.getElementById("peek-state").addEventListener("change", drawPeek);
-  // A requeue of all takes the first REQUEUE_MAX ready messages (Board.REQUEUE_MAX) and
-  // answers with those that moved: fewer than the ready ones last shown is a failure, shown
-  // as a single Requeue's is, since what stayed (held by a consumer, gone, or with no valid
-  // x-dl-from-queue) is otherwise unsaid.
-  const REQUEUE_MAX = 1000;
+  // A requeue of all moves up to 1,000 ready messages that name a valid origin, walking past
+  // those that do not (a bounded number per click), and answers with what moved, how many it
+  // passed over (no valid x-dl-from-queue) and how many ready messages are left: the
+  // server's counts, not the last refresh's. Any left is shown as a failure, as a single
+  // Requeue's is, so that what stayed is not unsaid.
   document.getElementById("dl-requeue-all").addEventListener("click", (event) =>
     act(event.currentTarget, async () => {
-      const row = state.queues.find((q) => q.name === state.deadletter);
-      const ready = Math.min(row ? row.size : 0, REQUEUE_MAX);
-      const moved = Object.keys(await api("/api/requeue", { queue: state.deadletter, ids: null }));
-      if (moved.length < ready) {
-        throw new Error(`requeued ${moved.length} of ${ready} (the rest held by a consumer,`
-          + " gone, or with no valid x-dl-from-queue)");
+      const answer = await api("/api/requeue", { queue: state.deadletter, ids: null });
+      const moved = Object.keys(answer.moved).length;
+      if (answer.left > 0) {
+        throw new Error(`requeued ${moved} of ${moved + answer.left} (${answer.unmovable}`
+          + " passed over with no valid x-dl-from-queue; any other left held by a consumer,"
+          + " gone, or beyond this click's reach: click again)");
       }
-      return `requeued ${moved.length}`;
+      return `requeued ${moved}`;
     }));
 
   refresh();
