@@ -55,9 +55,11 @@ class Histogram:
         self.count += 1
 
     def cumulative(self) -> list[tuple[float, int]]:
-        """(upper bound, observations <= it), ending with (inf, count)."""
+        """(upper bound, observations <= it), ending with (inf, count): of a copy of the
+        buckets taken in one step under the GIL, as another event loop thread (the blocking
+        API's) may observe meanwhile, and :attr:`count` may already be past them."""
         found, running = [], 0
-        for bound, n in zip((*self.bounds, math.inf), self.counts, strict=True):
+        for bound, n in zip((*self.bounds, math.inf), self.counts[:], strict=True):
             running += n
             found.append((bound, running))
         return found
@@ -154,10 +156,13 @@ SIZE_STATES = ("ready", "scheduled", "reserved")
 
 
 def _histogram(lines: list[str], metric: str, label: str, histogram: Histogram) -> None:
-    for bound, n in histogram.cumulative():
+    """``_count`` is the ``+Inf`` bucket, which the format requires it to equal: the
+    histogram's own count may include observations made after its buckets were read."""
+    buckets = histogram.cumulative()
+    for bound, n in buckets:
         lines.append(f'{metric}_bucket{{{label},le="{_number(bound)}"}} {n}')
     lines.append(f"{metric}_sum{{{label}}} {_number(histogram.total)}")
-    lines.append(f"{metric}_count{{{label}}} {histogram.count}")
+    lines.append(f"{metric}_count{{{label}}} {buckets[-1][1]}")
 
 
 def queue_text(

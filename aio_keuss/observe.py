@@ -131,7 +131,12 @@ class Registry:
     # what the queue layer reports ---------------------------------------------------
 
     def count(self, queue: str, counter: str, n: int) -> None:
-        """An event of ``q.stats()`` (put, get, reserve, ...), or ``move``."""
+        """An event of ``q.stats()`` (put, get, reserve, ...), or ``move``. No lock, though
+        two event loop threads (the blocking API's beside the application's) may count into
+        one series: an update is one step under the GIL (nothing between reading the count
+        and storing it back lets another thread run), as is a histogram's after its bucket
+        is found. A build without the GIL would need one here and in :meth:`delivered` and
+        :meth:`handled`."""
         if n:
             series = self.series.get(queue) or self.queue(queue)
             series.counts[counter] += n

@@ -19,6 +19,7 @@ from own_servers import free_port
 
 import aio_keuss
 from aio_keuss import Message, observe
+from aio_keuss.metrics import queue_text
 
 otel_sdk = pytest.importorskip("opentelemetry.sdk.metrics")
 otel_export = pytest.importorskip("opentelemetry.sdk.metrics.export")
@@ -369,6 +370,86 @@ async def test_a_collector_thread_reads_while_the_loop_opens_queues() -> None:
     finally:
         sys.setswitchinterval(interval)
     assert errors == []
+
+
+def test_two_event_loop_threads_add_to_one_series_without_losing_counts() -> None:
+    """The blocking API runs its own event loop thread beside the application's, and both
+    count into the series of a queue name they share, with no lock: each update is one
+    step under the GIL (no call between reading a count and storing it back). A tiny switch
+    interval makes the threads interleave often; every event must be counted."""
+    from aio_keuss import sync
+
+    registry = aio_keuss.enable_metrics()
+    n = 2000
+
+    def blocking() -> None:
+        with sync.connect("memory") as factory:
+            q = factory.queue("jobs")
+            for i in range(n):
+                q.push(i)
+                message = q.reserve()
+                assert message is not None
+                assert q.ok(message)
+
+    async def asynchronous() -> None:
+        async with aio_keuss.connect("memory") as factory:
+            q = await factory.queue("jobs")
+            for i in range(n):
+                await q.push(i)
+                message = await q.reserve()
+                assert message is not None
+                assert await q.ok(message)
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        threads = [
+            threading.Thread(target=blocking),
+            threading.Thread(target=asyncio.run, args=(asynchronous(),)),
+        ]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    finally:
+        sys.setswitchinterval(interval)
+    series = registry.series["jobs"]
+    assert (series.total("put"), series.total("reserve"), series.total("commit")) == (
+        2 * n,
+        2 * n,
+        2 * n,
+    )
+    assert series.latency.count == 2 * n
+
+
+def test_a_histogram_read_while_another_thread_observes_stays_consistent() -> None:
+    """A scrape renders a histogram bucket by bucket while another event loop thread (the
+    blocking API's) may observe into it: the ``+Inf`` bucket, the sum of the buckets read,
+    then fell short of ``_count``, read after, which the exposition format requires equal
+    (OpenMetrics, "Histogram"). ``_count`` is now the count of the buckets rendered. A tiny
+    switch interval makes the threads interleave often; the first mismatch fails."""
+    registry = aio_keuss.enable_metrics()
+    registry.handled("jobs", 0.003, "ok")
+    stop = threading.Event()
+
+    def observe_forever() -> None:
+        while not stop.is_set():
+            registry.handled("jobs", 0.003, "ok")
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    observer = threading.Thread(target=observe_forever)
+    observer.start()
+    try:
+        for _ in range(3000):
+            text = queue_text(list(registry.series.values()), {})
+            name = "aio_keuss_handler_duration_seconds"
+            every = sample(text, f"{name}_bucket", queue="jobs", le="+Inf")
+            assert every == sample(text, f"{name}_count", queue="jobs"), text
+    finally:
+        stop.set()
+        observer.join()
+        sys.setswitchinterval(interval)
 
 
 _GLOBAL_PROVIDER_SCRIPT = """
