@@ -265,6 +265,11 @@ class Factory:
                 closing = True
                 await replacing.close()
             store = await self.backend.store(name, options)
+            if self._opens_left:
+                # the factory's close gave this open up and may have ended: the queue's
+                # open would ask a closed backend (on Redis a closed client may open a
+                # connection nothing closes); the store made closes below
+                raise ClosedError("factory is closed")
             queue = Queue(
                 name,
                 options,

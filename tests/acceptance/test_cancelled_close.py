@@ -692,3 +692,50 @@ async def test_a_close_cancelled_while_a_queue_opens_ends_in_its_grace(
     ready, sizes = await _left_in(case, options, "jobs")
     assert sizes.total == 0, sizes
     assert set(ready) == {m.id for m in held}
+
+
+async def test_an_open_ending_after_the_close_asks_the_closed_backend_nothing_more(
+    case_options: tuple[BackendCase, dict[str, Any]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An open the close gave up (held past its grace) and that made its store once the
+    close had ended went on with the queue's open over the closed backend: it read the
+    queue's pause and recorded its options (on Redis a closed client may open a connection
+    that nothing closes), and only then found the factory closed. It now stops once its
+    store is made: the store closes, the open fails with ClosedError, nothing else is
+    asked."""
+    import aio_keuss.factory
+
+    case, options = case_options
+    monkeypatch.setattr(aio_keuss.factory, "CANCELLED_CLOSE_GRACE", 1.0)
+    factory = await aio_keuss.connect(case.name, **options)
+    opening, let_open = _held_opens(factory, "target")
+    asked: list[str] = []  # the stats store's calls for the target, once the close ended
+    stats = factory.stats_store
+    is_paused, save_options = stats.is_paused, stats.save_options
+
+    async def paused(queue: str) -> bool:
+        if queue == "target" and closing.done():
+            asked.append("is_paused")
+        return await is_paused(queue)
+
+    async def save(queue: str, *args: Any, **kwargs: Any) -> None:
+        if queue == "target" and closing.done():
+            asked.append("save_options")
+        await save_options(queue, *args, **kwargs)
+
+    stats.is_paused = paused  # type: ignore[method-assign]
+    stats.save_options = save  # type: ignore[method-assign]
+    q = await factory.queue("jobs", reserve_delay=3600.0)
+    await q.push({"n": 0})
+    (held,) = await q.reserve_many(1)
+    moving = asyncio.create_task(q.move(held, "target"))
+    await asyncio.wait_for(opening.wait(), 10)
+    closing = asyncio.create_task(factory.close())
+    await _until(lambda: factory._close_begun)  # it waits for the target's open
+    closing.cancel()
+    done, _ = await asyncio.wait({closing}, timeout=30)
+    assert closing in done, "the close waits for the open for good"
+    let_open.set()
+    (failure,) = await asyncio.gather(moving, return_exceptions=True)
+    assert isinstance(failure, aio_keuss.ClosedError), failure
+    assert asked == [], f"asked the closed backend {asked} for an open given up"
