@@ -4,7 +4,10 @@ it must finish the close, not return at once with the store still open."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
+from collections.abc import AsyncIterator
+from typing import Any
 
 import pytest
 from backends import REDIS_URL, _drop_redis_prefix, new_token
@@ -14,16 +17,18 @@ import aio_keuss
 from aio_keuss.errors import ClosedError, KeussConnectionError
 
 
-async def test_a_close_that_failed_is_finished_by_the_next_one() -> None:
-    """The drain of a bucket store's close writes the state of its leased buckets (an ok
-    not written yet); the server down, that write fails and the close raises before the
-    queue counts as closed. Called again once the server is back, the close returned at
-    once (the first one was over) and the store was never closed: the ok was never
-    written, the reservation never given back, and the leased bucket stayed out of reach
-    of every other process until its lease lapsed (``reserve_delay`` here)."""
-    options = {
+@contextlib.asynccontextmanager
+async def _bucket_redis_behind_a_hole() -> AsyncIterator[
+    tuple[aio_keuss.Factory, BlackHole, dict[str, Any]]
+]:
+    """A bucket-redis factory reaching the server through a proxy the test can cut, its
+    state written only at close (an ok or a reservation stays unwritten until then) and
+    its reservations kept for an hour (what a failed close forgets stays out of reach).
+    On the way out the server comes back and the factory closes: what is still open, a
+    failed close's queue too."""
+    options: dict[str, Any] = {
         "prefix": f"akr-{new_token()}",
-        "state_flush_period": 3600.0,  # the ok stays unwritten until the close
+        "state_flush_period": 3600.0,
         "reserve_delay": 3600.0,
     }
     hole = BlackHole("127.0.0.1", 6379, b"")
@@ -31,6 +36,45 @@ async def test_a_close_that_failed_is_finished_by_the_next_one() -> None:
     url = REDIS_URL.replace("127.0.0.1:6379", f"127.0.0.1:{hole.port}")
     factory = await aio_keuss.connect("bucket-redis", url=url, **options)
     try:
+        yield factory, hole, options
+    finally:
+        hole.restore()
+        await factory.close()
+        hole.close()
+
+
+async def _hold_one_of_three(q: aio_keuss.Queue) -> None:
+    """Three messages pushed, one reserved, and that reservation written: the close's own
+    drain then has no round trip, and the queue counts as closed before its store's close."""
+    for n in range(3):
+        await q.push(n)
+    assert await q.reserve() is not None
+    await q.drain()
+
+
+async def _left_after(options: dict[str, Any]) -> list[Any]:
+    """The payloads a new factory (straight to the server) can pop from queue "retry",
+    sorted; the test's keys dropped."""
+    after = await aio_keuss.connect("bucket-redis", url=REDIS_URL, **options)
+    try:
+        q = await after.queue("retry")
+        left = []
+        while (message := await q.pop(timeout=1)) is not None:
+            left.append(message.payload)
+        return sorted(left)
+    finally:
+        await after.close()
+        await _drop_redis_prefix({"url": REDIS_URL, **options})
+
+
+async def test_a_close_that_failed_is_finished_by_the_next_one() -> None:
+    """The drain of a bucket store's close writes the state of its leased buckets (an ok
+    not written yet); the server down, that write fails and the close raises before the
+    queue counts as closed. Called again once the server is back, the close returned at
+    once (the first one was over) and the store was never closed: the ok was never
+    written, the reservation never given back, and the leased bucket stayed out of reach
+    of every other process until its lease lapsed (``reserve_delay`` here)."""
+    async with _bucket_redis_behind_a_hole() as (factory, hole, options):
         q = await factory.queue("retry")
         for n in range(3):
             await q.push(n)
@@ -43,20 +87,7 @@ async def test_a_close_that_failed_is_finished_by_the_next_one() -> None:
             await q.close()
         hole.restore()
         await q.close()  # finishes the close: the ok written, the reservation given back
-    finally:
-        hole.restore()
-        await factory.close()
-        hole.close()
-    after = await aio_keuss.connect("bucket-redis", url=REDIS_URL, **options)
-    try:
-        q = await after.queue("retry")
-        left = []
-        while (message := await q.pop(timeout=1)) is not None:
-            left.append(message.payload)
-        assert sorted(left) == sorted({0, 1, 2} - {done.payload})
-    finally:
-        await after.close()
-        await _drop_redis_prefix({"url": REDIS_URL, **options})
+    assert await _left_after(options) == sorted({0, 1, 2} - {done.payload})
 
 
 @pytest.mark.parametrize("asked_again", ["server back", "server away"])
@@ -71,22 +102,9 @@ async def test_a_close_that_failed_after_the_queue_counted_as_closed_is_not_forg
     lease lapsed (``reserve_delay`` here). The ask now closes it first; the server still
     down, the ask fails as that close does, and ``factory.close()`` closes it once the
     server is back."""
-    options = {
-        "prefix": f"akr-{new_token()}",
-        "state_flush_period": 3600.0,
-        "reserve_delay": 3600.0,
-    }
-    hole = BlackHole("127.0.0.1", 6379, b"")
-    await hole.start()
-    url = REDIS_URL.replace("127.0.0.1:6379", f"127.0.0.1:{hole.port}")
-    factory = await aio_keuss.connect("bucket-redis", url=url, **options)
-    try:
+    async with _bucket_redis_behind_a_hole() as (factory, hole, options):
         q = await factory.queue("retry")
-        for n in range(3):
-            await q.push(n)
-        held = await q.reserve()
-        assert held is not None
-        await q.drain()  # the reservation written: the close's drain has no round trip
+        await _hold_one_of_three(q)
         hole.cut()
         with pytest.raises(KeussConnectionError):
             await q.close()
@@ -100,20 +118,7 @@ async def test_a_close_that_failed_after_the_queue_counted_as_closed_is_not_forg
             with pytest.raises(KeussConnectionError):
                 await factory.queue("retry")
             hole.restore()
-    finally:
-        hole.restore()
-        await factory.close()  # closes what is still open, the failed close's queue too
-        hole.close()
-    after = await aio_keuss.connect("bucket-redis", url=REDIS_URL, **options)
-    try:
-        q = await after.queue("retry")
-        left = []
-        while (message := await q.pop(timeout=1)) is not None:
-            left.append(message.payload)
-        assert sorted(left) == [0, 1, 2]  # the reservation given back, the bucket too
-    finally:
-        await after.close()
-        await _drop_redis_prefix({"url": REDIS_URL, **options})
+    assert await _left_after(options) == [0, 1, 2]  # the reservation given back, the bucket too
 
 
 @pytest.mark.parametrize("closed_again_by", ["queue.close", "factory.queue", "factory.close"])
@@ -127,22 +132,9 @@ async def test_a_cancelled_close_whose_store_close_failed_is_not_forgotten(
     afresh beside it, and the reservation held and the leased bucket stayed out of reach
     of every process until the lease lapsed (``reserve_delay`` here). The failure in the
     grace now counts as a failed close: closed again as one that raised."""
-    options = {
-        "prefix": f"akr-{new_token()}",
-        "state_flush_period": 3600.0,
-        "reserve_delay": 3600.0,
-    }
-    hole = BlackHole("127.0.0.1", 6379, b"")
-    await hole.start()
-    url = REDIS_URL.replace("127.0.0.1:6379", f"127.0.0.1:{hole.port}")
-    factory = await aio_keuss.connect("bucket-redis", url=url, **options)
-    try:
+    async with _bucket_redis_behind_a_hole() as (factory, hole, options):
         q = await factory.queue("retry")
-        for n in range(3):
-            await q.push(n)
-        held = await q.reserve()
-        assert held is not None
-        await q.drain()  # the reservation written: the close's drain has no round trip
+        await _hold_one_of_three(q)
         hole.cut()
         closing = asyncio.ensure_future(q.close())
         while not q._closed and not closing.done():  # noqa: ASYNC110 - nothing tells of it
@@ -157,20 +149,7 @@ async def test_a_cancelled_close_whose_store_close_failed_is_not_forgotten(
         elif closed_again_by == "factory.queue":
             again = await factory.queue("retry")  # closes the one that failed first
             assert again is not q
-    finally:
-        hole.restore()
-        await factory.close()  # closes what is still open, the cancelled close's queue too
-        hole.close()
-    after = await aio_keuss.connect("bucket-redis", url=REDIS_URL, **options)
-    try:
-        q = await after.queue("retry")
-        left = []
-        while (message := await q.pop(timeout=1)) is not None:
-            left.append(message.payload)
-        assert sorted(left) == [0, 1, 2]  # the reservation given back, the bucket too
-    finally:
-        await after.close()
-        await _drop_redis_prefix({"url": REDIS_URL, **options})
+    assert await _left_after(options) == [0, 1, 2]  # the reservation given back, the bucket too
 
 
 async def test_a_close_again_whose_asker_was_cancelled_reports_its_failure(
@@ -182,22 +161,9 @@ async def test_a_close_again_whose_asker_was_cancelled_reports_its_failure(
     exception was never retrieved" (an ERROR with a traceback, whenever the task was
     collected), not to the WARNING a close nobody waits for logs; still closed again by
     ``factory.close()`` once the server is back."""
-    options = {
-        "prefix": f"akr-{new_token()}",
-        "state_flush_period": 3600.0,
-        "reserve_delay": 3600.0,
-    }
-    hole = BlackHole("127.0.0.1", 6379, b"")
-    await hole.start()
-    url = REDIS_URL.replace("127.0.0.1:6379", f"127.0.0.1:{hole.port}")
-    factory = await aio_keuss.connect("bucket-redis", url=url, **options)
-    try:
+    async with _bucket_redis_behind_a_hole() as (factory, hole, options):
         q = await factory.queue("retry")
-        for n in range(3):
-            await q.push(n)
-        held = await q.reserve()
-        assert held is not None
-        await q.drain()  # the reservation written: the close's drain has no round trip
+        await _hold_one_of_three(q)
         hole.cut()
         with pytest.raises(KeussConnectionError):
             await q.close()
@@ -217,20 +183,7 @@ async def test_a_close_again_whose_asker_was_cancelled_reports_its_failure(
         assert "never retrieved" not in caplog.text
         assert "'retry': close failed" in caplog.text
         hole.restore()
-    finally:
-        hole.restore()
-        await factory.close()  # closes it again, the server back
-        hole.close()
-    after = await aio_keuss.connect("bucket-redis", url=REDIS_URL, **options)
-    try:
-        q = await after.queue("retry")
-        left = []
-        while (message := await q.pop(timeout=1)) is not None:
-            left.append(message.payload)
-        assert sorted(left) == [0, 1, 2]
-    finally:
-        await after.close()
-        await _drop_redis_prefix({"url": REDIS_URL, **options})
+    assert await _left_after(options) == [0, 1, 2]
 
 
 @pytest.mark.parametrize("asked_again", [True, False], ids=["asked-again", "factory-close"])
@@ -245,22 +198,9 @@ async def test_a_tool_s_queue_whose_close_failed_as_the_user_claimed_it_is_not_f
     not even ``factory.close()``, and the reservation it held and its leased bucket stayed
     out of every process's reach until the lease lapsed. It is now kept, closed again by
     the next ask or by the factory's close, as a queue whose own close failed is."""
-    options = {
-        "prefix": f"akr-{new_token()}",
-        "state_flush_period": 3600.0,
-        "reserve_delay": 3600.0,
-    }
-    hole = BlackHole("127.0.0.1", 6379, b"")
-    await hole.start()
-    url = REDIS_URL.replace("127.0.0.1:6379", f"127.0.0.1:{hole.port}")
-    factory = await aio_keuss.connect("bucket-redis", url=url, **options)
-    try:
+    async with _bucket_redis_behind_a_hole() as (factory, hole, options):
         q = await factory._recorded("retry", {})  # opened by a tool, not asked for
-        for n in range(3):
-            await q.push(n)
-        held = await q.reserve()
-        assert held is not None
-        await q.drain()  # the reservation written: the close's drain has no round trip
+        await _hold_one_of_three(q)
         hole.cut()
         with pytest.raises(KeussConnectionError):
             await factory.queue("retry", reserve_delay=1800.0)  # closes the tool's first
@@ -268,20 +208,7 @@ async def test_a_tool_s_queue_whose_close_failed_as_the_user_claimed_it_is_not_f
         if asked_again:  # closes the tool's again, then opens the user's
             again = await factory.queue("retry", reserve_delay=1800.0)
             assert again is not q and again.options.reserve_delay == 1800.0
-    finally:
-        hole.restore()
-        await factory.close()  # closes what is still open, the failed close's queue too
-        hole.close()
-    after = await aio_keuss.connect("bucket-redis", url=REDIS_URL, **options)
-    try:
-        q = await after.queue("retry")
-        left = []
-        while (message := await q.pop(timeout=1)) is not None:
-            left.append(message.payload)
-        assert sorted(left) == [0, 1, 2]  # the reservation given back, the bucket too
-    finally:
-        await after.close()
-        await _drop_redis_prefix({"url": REDIS_URL, **options})
+    assert await _left_after(options) == [0, 1, 2]  # the reservation given back, the bucket too
 
 
 @pytest.mark.parametrize("begun", [True, False], ids=["begun", "before-its-task-ran"])
