@@ -681,36 +681,37 @@ def _named_twice(kind: Any) -> list[str]:
     return []
 
 
-def _holds_binary(kind: Any) -> bool:
-    from pyspark.sql.types import ArrayType, BinaryType, MapType, StructType
+def _bytes_in_every_row(kind: Any) -> bool:
+    """Whether every non-null value of ``kind`` holds bytes: a binary, or a struct with a
+    field that cannot be null holding them. An array or map may be empty, so none does."""
+    from pyspark.sql.types import BinaryType, StructType
 
     if isinstance(kind, BinaryType):
         return True
     if isinstance(kind, StructType):
-        return any(_holds_binary(field.dataType) for field in kind.fields)
-    if isinstance(kind, ArrayType):
-        return _holds_binary(kind.elementType)
-    if isinstance(kind, MapType):
-        return _holds_binary(kind.keyType) or _holds_binary(kind.valueType)
+        return any(not f.nullable and _bytes_in_every_row(f.dataType) for f in kind.fields)
     return False
 
 
 def _check_no_binary_in_json(schema: StructType, spec: WriteSpec) -> None:
-    """JSON has no bytes: a binary value inside a payload made of the row, or of a struct,
-    array or map column, fails every task at its first non-null one (the queue refuses the
-    payload), after the job started. A binary payload column is a bytes payload."""
+    """JSON has no bytes: a binary value inside a payload made of the row, or of a struct
+    column, fails every task at its first row (the queue refuses the payload), after the job
+    started, where the schema says no row can be without one. A binary that may be null is
+    let through (a DataFrame read from a queue has a ``payload_bytes`` column, null for every
+    JSON message: written whole into another queue, it worked): a task fails at its first
+    bytes value then. A binary payload column is a bytes payload."""
     if spec.payload_column is not None:
-        kind = schema[spec.payload_column].dataType
-        columns = [] if _is_binary(kind) else [(spec.payload_column, kind)]
+        field = schema[spec.payload_column]
+        fields = [] if _is_binary(field.dataType) else [field]
     else:
         meta = {spec.headers_column, spec.delay_column, spec.priority_column}
-        columns = [(f.name, f.dataType) for f in schema.fields if f.name not in meta]
-    for name, kind in columns:
-        if _holds_binary(kind):
+        fields = [f for f in schema.fields if f.name not in meta]
+    for field in fields:
+        if not field.nullable and _bytes_in_every_row(field.dataType):
             raise ConfigError(
-                f"column {name!r} is {kind.simpleString()}: JSON has no bytes, so no payload"
-                " holding it can be stored; encode it first (base64(...)), or name a binary"
-                " column as payload_column (a bytes payload)"
+                f"column {field.name!r} is {field.dataType.simpleString()}, never null: JSON"
+                " has no bytes, so no payload holding it can be stored; encode it first"
+                " (base64(...)), or name a binary column as payload_column (a bytes payload)"
             )
 
 

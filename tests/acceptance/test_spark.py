@@ -1127,36 +1127,72 @@ def test_delay_and_headers_columns_of_a_type_no_row_could_hold_are_refused_on_th
 
 
 def test_binary_inside_a_json_payload_is_refused_on_the_driver() -> None:
-    """A binary column in the row made the payload, or inside a struct, array or map of the
-    payload column, failed every task at its first non-null value (JSON has no bytes:
+    """A binary column in the row made the payload, or a field of a struct payload column,
+    that cannot be null failed every task at its first row (JSON has no bytes:
     InvalidPayloadError), after the job started: the driver refuses it, naming the column
-    (on memory; no task runs here). A binary payload column is a bytes payload; a binary
-    column taken as the delay's, headers' or priority's is no part of the payload."""
+    (on memory; no task runs here). One that may be null (or in an array or map, which may
+    be empty) may hold no bytes in any row, and passes. A binary payload column is a bytes
+    payload; a binary column taken as the delay's, headers' or priority's is no part of the
+    payload."""
     from pyspark.sql import types
 
     from aio_keuss.spark.source import KeussDataSource
 
+    def schema(name: str, kind: Any, nullable: bool) -> Any:
+        return types.StructType(
+            [types.StructField("n", types.LongType()), types.StructField(name, kind, nullable)]
+        )
+
     binary = types.BinaryType()
-    nested = {
+    always = {
         "b": binary,
-        "s": types.StructType([types.StructField("k", binary)]),
-        "a": types.ArrayType(binary),
-        "m": types.MapType(types.StringType(), binary),
+        "s": types.StructType([types.StructField("k", binary, False)]),
     }
-    for name, kind in nested.items():
-        whole_row = {"backend": "memory", "queue": "typed"}
+    maybe = {
+        "s": types.StructType([types.StructField("k", binary)]),
+        "a": types.ArrayType(binary, False),
+        "m": types.MapType(types.StringType(), binary, False),
+    }
+    whole_row = {"backend": "memory", "queue": "typed"}
+    for name, kind in always.items():
         with pytest.raises(aio_keuss.ConfigError, match=f"column {name!r}"):
-            KeussDataSource(whole_row).writer(_columns(**{name: kind}), False)
+            KeussDataSource(whole_row).writer(schema(name, kind, False), False)
+        KeussDataSource(whole_row).writer(schema(name, kind, True), False)
         if name != "b":
             as_payload = {**whole_row, "payload_column": name}
             with pytest.raises(aio_keuss.ConfigError, match=f"column {name!r}"):
-                KeussDataSource(as_payload).writer(_columns(**{name: kind}), False)
-    KeussDataSource({"backend": "memory", "queue": "typed", "payload_column": "b"}).writer(
-        _columns(b=binary), False
+                KeussDataSource(as_payload).writer(schema(name, kind, False), False)
+    for name, kind in maybe.items():
+        KeussDataSource(whole_row).writer(schema(name, kind, False), False)
+        as_payload = {**whole_row, "payload_column": name}
+        KeussDataSource(as_payload).writer(schema(name, kind, False), False)
+    as_bytes = {**whole_row, "payload_column": "b"}
+    KeussDataSource(as_bytes).writer(schema("b", binary, False), False)
+    KeussDataSource({**whole_row, "payload_column": "n", "id_column": "b"}).writer(
+        schema("b", binary, False), False
     )
-    KeussDataSource(
-        {"backend": "memory", "queue": "typed", "payload_column": "n", "id_column": "b"}
-    ).writer(_columns(b=binary), False)
+
+
+def test_rows_read_from_a_queue_are_written_whole_into_another(
+    spark: SparkSession, target: tuple[str, dict[str, Any]]
+) -> None:
+    """A DataFrame read from a queue, written whole (each row the payload) into another
+    queue: its ``payload_bytes`` column is binary but null for every JSON message, and the
+    write worked until the driver refused any binary column inside a JSON payload. A binary
+    column that may be null passes the driver (a task fails at its first bytes value)."""
+    backend, opts = target
+    with sync.connect(backend, **opts) as factory:
+        factory.queue("src").push_many([{"n": n} for n in range(5)])
+    read = spark.read.format("aio_keuss").option("backend", backend).option("queue", "src")
+    for key, value in opts.items():
+        read = read.option(key, str(value))
+    rows = read.load().cache()
+    assert rows.count() == 5
+    _writer(rows, backend, opts, "audit").save()
+    payloads = _drain(backend, opts, "audit")
+    assert sorted(orjson.loads(p["payload"])["n"] for p in payloads) == list(range(5))
+    assert all(p["payload_bytes"] is None for p in payloads)
+    rows.unpersist()
 
 
 def test_columns_of_one_name_are_refused_on_the_driver() -> None:
