@@ -1135,20 +1135,35 @@ class Consumer(StoppedOnExit):
             # most of its reservation ran out while it waited here (all of it, and another
             # consumer may be handling it already), or all may have been lost at once: give
             # it back, costing no try (refused if someone else holds it now), rather than
-            # start a handler it may outlive, or one beside another consumer's
+            # start a handler it may outlive, or one beside another consumer's. Those behind
+            # it that are past it too go with it, in one call (the buffer is in the order
+            # they were taken): one release each, awaited in turn, cost a round trip per
+            # prefetched message before this worker handled anything again
+            late = [message]
+            while buffer and self._stale(buffer[0][1]):
+                late.append(buffer.popleft()[0])
+                self._kept.pop(late[-1].id, None)
             log.debug(
-                "queue %r: prefetched message %s waited too long", self.queue.name, message.id
+                "queue %r: %d prefetched messages waited too long, like %s",
+                self.queue.name,
+                len(late),
+                message.id,
             )
             # out of the buffer already: a stop cancelling this wait must not cancel it,
             # and waits for it (see _stopped), as for the other give-backs: left unowned,
             # it could still be out as the queue's close gave the same reservation back
             await asyncio.shield(
                 self._tracked(
-                    self._acknowledge(
-                        "release", message, self.queue.release([message], unseen=True)
-                    )
+                    self._acknowledge_all("release", late, self.queue.release(late, unseen=True))
                 )
             )
+
+    def _stale(self, until: float) -> bool:
+        """Whether a prefetched message with this ``until`` (see ``_buffer``) is to be given
+        back rather than started."""
+        if self._lapses:
+            return self.queue.lost_since(until)
+        return time.monotonic() >= until
 
     async def _fetch(self, starving: bool) -> None:
         """Fill the prefetch buffer: when it ran dry, or early (``starving`` False), once no

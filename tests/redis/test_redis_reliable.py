@@ -9,6 +9,7 @@ import importlib.util
 import os
 import signal
 import sys
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -757,3 +758,43 @@ async def test_prefetched_messages_recovered_by_another_consumer_are_not_handled
             await fa.close()
     finally:
         proxy.close()
+
+
+async def test_prefetched_messages_a_lapse_gives_back_go_back_in_one_call(
+    connect: Connect, prefix: str
+) -> None:
+    """Once this consumer's heartbeat may have lapsed (here its event loop was blocked past
+    5/6 of ``heartbeat_ttl``), everything it had prefetched is to be given back, all taken
+    before then. Each went back in a release of its own, awaited in turn by the one worker
+    before it handled anything again: ``prefetch`` round trips. Now in one call."""
+    name = "lapse-gives-back-at-once"
+    factory = await connect()
+    q = await factory.queue(name)
+    await q.push_many([f"m{i}" for i in range(21)])
+    store: Any = q._store  # type: ignore[attr-defined]
+    rollback = store.rollback
+    calls: list[int] = []
+
+    async def counted(nacks: Any, *args: Any) -> Any:
+        calls.append(len(nacks))
+        return await rollback(nacks, *args)
+
+    store.rollback = counted
+    handled: list[str] = []
+
+    async def handler(message: aio_keuss.Message) -> None:
+        if not handled:
+            time.sleep(TTL)  # noqa: ASYNC251 (the event loop blocked: no heartbeat refresh)
+        handled.append(message.payload)
+
+    consumer = q.consume(handler, prefetch=20)
+    try:
+
+        async def all_handled() -> bool:
+            return len(set(handled)) == 21
+
+        await until(all_handled, 30)
+    finally:
+        await consumer.stop()
+    assert calls, "what was prefetched before the lapse was given back"
+    assert len(calls) == 1, f"one release for all, not {len(calls)}: {calls}"
