@@ -3014,10 +3014,15 @@ def _target(message: Message | str) -> tuple[str, int | None, str | None]:
 class _ConsumerLink:
     """The queue as its consumers see it (:class:`aio_keuss.consumer.Source`)."""
 
-    __slots__ = ("_queue",)
+    __slots__ = ("_queue", "lost_since")
+
+    lost_since: Callable[[float], bool]
+    """The store's own (``Store.lost_since``): called for every prefetched message handed
+    out, with no frame of ours in between."""
 
     def __init__(self, queue: Queue) -> None:
         self._queue = queue
+        self.lost_since = queue._store.lost_since
 
     @property
     def name(self) -> str:
@@ -3073,9 +3078,6 @@ class _ConsumerLink:
 
     def extend_many(self, messages: list[Message]) -> Awaitable[list[bool]]:
         return self._queue.extend_many(messages)
-
-    def lost_since(self, taken: float) -> bool:
-        return self._queue._store.lost_since(taken)
 
     def release(self, messages: list[Message], *, unseen: bool = False) -> Awaitable[None]:
         return self._queue._release_all(messages, unseen=unseen)

@@ -581,6 +581,7 @@ class RedisReliableStore(Store):
         self._ttl = backend.heartbeat_ttl
         self._ttl_ms = str(max(1, round(self._ttl * 1000)))
         self._tasks: list[asyncio.Task[None]] = []
+        self._lapse_after = self._ttl * LAPSE_SHARE
         self._refreshed = time.monotonic()
         """When the last heartbeat refresh that succeeded was sent (see ``lost_since``)."""
         self._lost_at = -math.inf
@@ -919,7 +920,7 @@ class RedisReliableStore(Store):
         alive = await self._scripts.beat(
             [self._heartbeat, self._consumers], [self.consumer, self._ttl_ms]
         )
-        if not alive or sent - self._refreshed > self._ttl * LAPSE_SHARE:
+        if not alive or sent - self._refreshed > self._lapse_after:
             self._lost_at = max(self._lost_at, sent)
         self._refreshed = max(self._refreshed, sent)
 
@@ -928,9 +929,7 @@ class RedisReliableStore(Store):
         recovery may then have given what we reserved to another consumer. Seen once a
         refresh finds it gone or late, or while none has succeeded for ``LAPSE_SHARE`` of
         it (an outage, a blocked event loop)."""
-        if taken < self._lost_at:
-            return True
-        return time.monotonic() - self._refreshed > self._ttl * LAPSE_SHARE
+        return taken < self._lost_at or time.monotonic() - self._refreshed > self._lapse_after
 
     async def recover(self) -> int:
         """Give back to ``pending`` what consumers with an expired heartbeat held, each with
