@@ -214,6 +214,38 @@ async def test_a_pool_of_yours_with_its_own_reset_gets_its_sessions_back_as_they
         await pool.close()
 
 
+def _small_pool(schema: str, size: int) -> Any:
+    """Connect (``async with``) a factory over a pool of at most ``size`` connections,
+    none opened ahead."""
+    return aio_keuss.connect(
+        "postgres",
+        url=POSTGRES_URL,
+        schema=schema,
+        stats="memory",
+        signal="local",
+        min_pool_size=0,
+        max_pool_size=size,
+    )
+
+
+async def _pushes_behind_the_lock(
+    schema: str, watcher: Any, others: list[aio_keuss.Queue]
+) -> list[asyncio.Task[Any]]:
+    """Push once to each of ``others`` (queues of their own, so that none is batched with
+    another) while the table is locked, and return once every push waits for the lock,
+    each on a connection of the pool."""
+    pushes = [asyncio.create_task(other.push({"n": 2})) for other in others]
+    waiting = (
+        "SELECT count(*) FROM pg_locks WHERE NOT granted"
+        f" AND relation = '\"{schema}\".messages'::regclass"
+    )
+    for _ in range(2000):  # every connection of the pool waits for the lock
+        if await watcher.fetchval(waiting) >= len(others):
+            break
+        await asyncio.sleep(0.01)
+    return pushes
+
+
 async def test_a_take_keeps_its_timeout_when_waiting_statements_hold_every_connection(
     schema: str,
 ) -> None:
@@ -224,30 +256,14 @@ async def test_a_take_keeps_its_timeout_when_waiting_statements_hold_every_conne
     the lock went. It now waits a while for a connection at each look, then answers
     nothing, having taken nothing; the pushes land once the lock goes, each once."""
     size = 3
-    async with aio_keuss.connect(
-        "postgres",
-        url=POSTGRES_URL,
-        schema=schema,
-        stats="memory",
-        signal="local",
-        min_pool_size=0,
-        max_pool_size=size,
-    ) as factory:
+    async with _small_pool(schema, size) as factory:
         q = await factory.queue("jobs")
         await q.push({"n": 1})
         others = [await factory.queue(f"other{i}") for i in range(size)]
         watcher = await asyncpg.connect(POSTGRES_URL)
         try:
             async with locked(schema):
-                pushes = [asyncio.create_task(other.push({"n": 2})) for other in others]
-                waiting = (
-                    "SELECT count(*) FROM pg_locks WHERE NOT granted"
-                    f" AND relation = '\"{schema}\".messages'::regclass"
-                )
-                for _ in range(2000):  # every connection of the pool waits for the lock
-                    if await watcher.fetchval(waiting) >= size:
-                        break
-                    await asyncio.sleep(0.01)
+                pushes = await _pushes_behind_the_lock(schema, watcher, others)
                 call = asyncio.create_task(q.pop(timeout=0.5))
                 done, _ = await asyncio.wait([call], timeout=GUARD)
             assert done, f"pop(timeout=0.5) still waiting {GUARD} s behind the lock"
@@ -283,30 +299,14 @@ async def test_a_take_without_a_timeout_waits_for_a_connection_and_gives_it_back
     leaves no connection out of the pool once the lock goes, and has lost nothing; so does
     a take's statement cancelled while it waits for a connection."""
     size = 3
-    async with aio_keuss.connect(
-        "postgres",
-        url=POSTGRES_URL,
-        schema=schema,
-        stats="memory",
-        signal="local",
-        min_pool_size=0,
-        max_pool_size=size,
-    ) as factory:
+    async with _small_pool(schema, size) as factory:
         q = await factory.queue("jobs")
         await q.push({"n": 1})
         others = [await factory.queue(f"other{i}") for i in range(size)]
         watcher = await asyncpg.connect(POSTGRES_URL)
         try:
             async with locked(schema):
-                pushes = [asyncio.create_task(other.push({"n": 2})) for other in others]
-                waiting = (
-                    "SELECT count(*) FROM pg_locks WHERE NOT granted"
-                    f" AND relation = '\"{schema}\".messages'::regclass"
-                )
-                for _ in range(2000):  # every connection of the pool waits for the lock
-                    if await watcher.fetchval(waiting) >= size:
-                        break
-                    await asyncio.sleep(0.01)
+                pushes = await _pushes_behind_the_lock(schema, watcher, others)
                 call = asyncio.create_task(q.pop())
                 await asyncio.sleep(HELD_A_WHILE)
                 assert not call.done(), call  # neither failed nor answered nothing
