@@ -16,7 +16,8 @@ from __future__ import annotations
 import asyncio
 import math
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
 
 import pytest
 from conftest import Connect, needs
@@ -411,6 +412,52 @@ async def test_grants_given_back_late_lend_nothing_to_the_takes_made_since(
         assert after.granted == 0 and after.wait > 0  # before: granted beside the other's
 
 
+async def _one_grant_an_hour_on_two_factories(
+    connect: Connect, name: str
+) -> tuple[aio_keuss.Factory, aio_keuss.Queue, aio_keuss.Queue]:
+    """Queue ``name`` opened on two factories (each polling every 30 s), one grant an hour:
+    the second factory, and the queue on the first and on the second."""
+    first = await connect(poll_interval=30.0)
+    needs(first, "rate_limit", "shared")
+    second = await connect(poll_interval=30.0)
+    q1 = await first.queue(name, rate_limit=1, rate_period=HOUR, rate_burst=1)
+    q2 = await second.queue(name, rate_limit=1, rate_period=HOUR, rate_burst=1)
+    return second, q1, q2
+
+
+@asynccontextmanager
+async def _refused_while_a_grant_is_held(
+    q1: aio_keuss.Queue, q2: aio_keuss.Queue, refused: asyncio.Event
+) -> AsyncIterator[
+    tuple[asyncio.Event, asyncio.Future[Message | None], asyncio.Future[Message | None]]
+]:
+    """A take on ``q1`` holds the only grant and finds nothing, its give-back held until
+    the event yielded first is set; meanwhile a pop on ``q2`` (30 s timeout) is refused
+    (the caller's ``refused`` set, by its own hook on ``q2``'s limiter). Yields that event,
+    the take and the pop; on the way out the give-back goes on and both are cancelled."""
+    holding, release = asyncio.Event(), asyncio.Event()
+    give_back = q1._give_back_grants
+
+    async def held(count: int, end: float) -> RateGrant | None:
+        holding.set()  # the grant taken, nothing found
+        await release.wait()
+        return await give_back(count, end)
+
+    q1._give_back_grants = held  # type: ignore[method-assign]
+    taking = asyncio.ensure_future(q1.pop(timeout=0))
+    waiting: asyncio.Future[Message | None] | None = None
+    try:
+        await asyncio.wait_for(holding.wait(), GUARD)
+        waiting = asyncio.ensure_future(q2.pop(timeout=30.0))
+        await asyncio.wait_for(refused.wait(), GUARD)
+        yield release, taking, waiting
+    finally:
+        release.set()
+        for task in (taking, waiting):
+            if task is not None:
+                task.cancel()
+
+
 @pytest.mark.parametrize("pushed_while_refused", [False, True], ids=["after", "meanwhile"])
 async def test_a_grant_given_back_unused_wakes_a_consumer_it_kept_waiting(
     connect: Connect, pushed_while_refused: bool
@@ -423,18 +470,9 @@ async def test_a_grant_given_back_unused_wakes_a_consumer_it_kept_waiting(
     before it sleeps, not while it sleeps): it slept on without noting that a push had
     come, so the give-back woke nobody. Ordered by events; the bound is half the
     consumer's timeout, far above any latency."""
-    first = await connect(poll_interval=30.0)
-    needs(first, "rate_limit", "shared")
-    second = await connect(poll_interval=30.0)
-    q1 = await first.queue("given-back", rate_limit=1, rate_period=HOUR, rate_burst=1)
-    q2 = await second.queue("given-back", rate_limit=1, rate_period=HOUR, rate_burst=1)
-    holding, release, refused, pushed = (asyncio.Event() for _ in range(4))
-    give_back, ask = q1._give_back_grants, q2._ask_limiter
-
-    async def held(count: int, end: float) -> RateGrant | None:
-        holding.set()  # the grant taken, nothing found
-        await release.wait()
-        return await give_back(count, end)
+    _, q1, q2 = await _one_grant_an_hour_on_two_factories(connect, "given-back")
+    refused, pushed = asyncio.Event(), asyncio.Event()
+    ask = q2._ask_limiter
 
     async def noted(count: int, hold: float, end: float = math.inf) -> RateGrant:
         grant = await ask(count, hold, end)
@@ -444,32 +482,23 @@ async def test_a_grant_given_back_unused_wakes_a_consumer_it_kept_waiting(
                 await pushed.wait()  # the answer is back once the push was announced here
         return grant
 
-    q1._give_back_grants = held  # type: ignore[method-assign]
     q2._ask_limiter = noted  # type: ignore[method-assign]
-    taking = asyncio.ensure_future(q1.pop(timeout=0))
-    waiting: asyncio.Future[Message | None] | None = None
     try:
-        await asyncio.wait_for(holding.wait(), GUARD)
-        waiting = asyncio.ensure_future(q2.pop(timeout=30.0))
-        await asyncio.wait_for(refused.wait(), GUARD)
-        if pushed_while_refused:
-            announced = q2._wakeups.announced
-            await q1.push("the message")
-            await _until(lambda: q2._wakeups.announced != announced)
-            pushed.set()
-            await _until(lambda: len(q2._wakeups) > 0)  # asleep again, refused
-        release.set()
-        assert await asyncio.wait_for(taking, GUARD) is None
-        if not pushed_while_refused:
-            await q1.push("the message")
-        message = await asyncio.wait_for(waiting, 15.0)
-        assert message is not None and message.payload == "the message"
+        async with _refused_while_a_grant_is_held(q1, q2, refused) as (release, taking, waiting):
+            if pushed_while_refused:
+                announced = q2._wakeups.announced
+                await q1.push("the message")
+                await _until(lambda: q2._wakeups.announced != announced)
+                pushed.set()
+                await _until(lambda: len(q2._wakeups) > 0)  # asleep again, refused
+            release.set()
+            assert await asyncio.wait_for(taking, GUARD) is None
+            if not pushed_while_refused:
+                await q1.push("the message")
+            message = await asyncio.wait_for(waiting, 15.0)
+            assert message is not None and message.payload == "the message"
     finally:
         pushed.set()
-        release.set()
-        for task in (taking, waiting):
-            if task is not None:
-                task.cancel()
 
 
 async def test_a_grant_given_back_heard_before_the_refusal_still_wakes_its_consumer(
@@ -481,19 +510,10 @@ async def test_a_grant_given_back_heard_before_the_refusal_still_wakes_its_consu
     an hour away, was then kept over the announcement, and the consumer slept until then,
     the message pushed after it too. Ordered by events; the bound is half the consumer's
     timeout, far above any latency."""
-    first = await connect(poll_interval=30.0)
-    needs(first, "rate_limit", "shared")
-    second = await connect(poll_interval=30.0)
-    q1 = await first.queue("heard-first", rate_limit=1, rate_period=HOUR, rate_burst=1)
-    q2 = await second.queue("heard-first", rate_limit=1, rate_period=HOUR, rate_burst=1)
-    holding, release, refused, heard = (asyncio.Event() for _ in range(4))
-    give_back, limiter = q1._give_back_grants, q2._limiter
+    second, q1, q2 = await _one_grant_an_hour_on_two_factories(connect, "heard-first")
+    refused, heard = asyncio.Event(), asyncio.Event()
+    limiter = q2._limiter
     assert limiter is not None
-
-    async def held(count: int, end: float) -> RateGrant | None:
-        holding.set()  # the grant taken, nothing found
-        await release.wait()
-        return await give_back(count, end)
 
     async def late(count: int, hold: float, end: float) -> RateGrant:
         grant = await limiter(count, hold, end)
@@ -502,29 +522,20 @@ async def test_a_grant_given_back_heard_before_the_refusal_still_wakes_its_consu
             await heard.wait()  # the answer comes in once the give-back was heard here
         return grant
 
-    q1._give_back_grants = held  # type: ignore[method-assign]
     q2._limiter = late
     unsubscribe = second.signal.subscribe_grants("heard-first", lambda _: heard.set())
-    taking = asyncio.ensure_future(q1.pop(timeout=0))
-    waiting: asyncio.Future[Message | None] | None = None
     try:
-        await asyncio.wait_for(holding.wait(), GUARD)
-        waiting = asyncio.ensure_future(q2.pop(timeout=30.0))
-        await asyncio.wait_for(refused.wait(), GUARD)
-        release.set()
-        assert await asyncio.wait_for(taking, GUARD) is None
-        await asyncio.wait_for(heard.wait(), GUARD)
-        await _until(lambda: len(q2._wakeups) > 0)  # asleep, refused
-        await q1.push("the message")
-        message = await asyncio.wait_for(waiting, 15.0)
-        assert message is not None and message.payload == "the message"
+        async with _refused_while_a_grant_is_held(q1, q2, refused) as (release, taking, waiting):
+            release.set()
+            assert await asyncio.wait_for(taking, GUARD) is None
+            await asyncio.wait_for(heard.wait(), GUARD)
+            await _until(lambda: len(q2._wakeups) > 0)  # asleep, refused
+            await q1.push("the message")
+            message = await asyncio.wait_for(waiting, 15.0)
+            assert message is not None and message.payload == "the message"
     finally:
         unsubscribe()
         heard.set()
-        release.set()
-        for task in (taking, waiting):
-            if task is not None:
-                task.cancel()
 
 
 async def test_a_grant_given_back_while_held_wakes_a_consumer_it_kept_waiting(
@@ -537,18 +548,9 @@ async def test_a_grant_given_back_while_held_wakes_a_consumer_it_kept_waiting(
     nobody was told: the refused consumer slept on until the limiter's next grant, an hour
     after the hold had ended, and so did the message pushed after it. Ordered by events;
     the bound is half the consumer's timeout, far above the hold and any latency."""
-    first = await connect(poll_interval=30.0)
-    needs(first, "rate_limit", "shared")
-    second = await connect(poll_interval=30.0)
-    q1 = await first.queue("held-back", rate_limit=1, rate_period=HOUR, rate_burst=1)
-    q2 = await second.queue("held-back", rate_limit=1, rate_period=HOUR, rate_burst=1)
-    holding, release, refused = (asyncio.Event() for _ in range(3))
-    give_back, ask = q1._give_back_grants, q2._ask_limiter
-
-    async def held(count: int, end: float) -> RateGrant | None:
-        holding.set()  # the grant taken, nothing found
-        await release.wait()
-        return await give_back(count, end)
+    _, q1, q2 = await _one_grant_an_hour_on_two_factories(connect, "held-back")
+    refused = asyncio.Event()
+    ask = q2._ask_limiter
 
     async def noted(count: int, hold: float, end: float = math.inf) -> RateGrant:
         grant = await ask(count, hold, end)
@@ -556,25 +558,14 @@ async def test_a_grant_given_back_while_held_wakes_a_consumer_it_kept_waiting(
             refused.set()
         return grant
 
-    q1._give_back_grants = held  # type: ignore[method-assign]
     q2._ask_limiter = noted  # type: ignore[method-assign]
-    taking = asyncio.ensure_future(q1.pop(timeout=0))
-    waiting: asyncio.Future[Message | None] | None = None
-    try:
-        await asyncio.wait_for(holding.wait(), GUARD)
-        waiting = asyncio.ensure_future(q2.pop(timeout=30.0))
-        await asyncio.wait_for(refused.wait(), GUARD)
+    async with _refused_while_a_grant_is_held(q1, q2, refused) as (release, taking, waiting):
         await q1._ask_limiter(0, 3.0)  # as a handler's RateLimited(3) does
         release.set()
         assert await asyncio.wait_for(taking, GUARD) is None
         await q1.push("the message")
         message = await asyncio.wait_for(waiting, 15.0)
         assert message is not None and message.payload == "the message"
-    finally:
-        release.set()
-        for task in (taking, waiting):
-            if task is not None:
-                task.cancel()
 
 
 async def test_grants_given_back_do_not_keep_idle_consumers_waking_each_other(
