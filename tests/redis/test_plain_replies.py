@@ -14,6 +14,7 @@ import asyncio
 import sys
 import threading
 from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from typing import Any
 
 import pytest
@@ -144,14 +145,18 @@ async def test_settled_awaits_the_late_future_and_leaves_others_alone(
     assert await coalesce.settled(other) is other  # no store knows it: as it stands
 
 
-async def test_a_pop_cancelled_while_its_reply_is_held_gives_its_message_back() -> None:
-    """The pop's task is cancelled while the server's reply is held back: its plain future
-    is cancelled with it, the caller waits for the reply on the late future, and puts the
-    message it took back (not lost), then ends cancelled."""
+@asynccontextmanager
+async def _a_pop_whose_reply_is_held(
+    prefix: str,
+) -> AsyncIterator[tuple[ReplyGate, aio_keuss.Queue, asyncio.Future[aio_keuss.Message | None]]]:
+    """A redis-oq queue (keys under ``prefix``) reached through a gate, one message pushed,
+    then a pop sent whose reply the gate holds back. Yields the gate, the queue and the
+    pop's task; on the way out the gate opens and the keys go, after the factory's close,
+    which writes the queue's counters."""
     gate = ReplyGate("127.0.0.1", 6379)
     url = f"redis://127.0.0.1:{gate.port}/0"
     try:
-        async with aio_keuss.connect("redis-oq", url=url, prefix="akplain") as factory:
+        async with aio_keuss.connect("redis-oq", url=url, prefix=prefix) as factory:
             q = await factory.queue("q")
             await q.push("kept")
             gate.shut()
@@ -162,18 +167,33 @@ async def test_a_pop_cancelled_while_its_reply_is_held_gives_its_message_back() 
                 return bool(protocol._waiting)
 
             await until(sent, guard=20)  # its reply is held
-            task.cancel()
-            await asyncio.sleep(0.1)
-            assert not task.done()  # waiting for the reply, as one that refuses would
-            gate.open()
-            with pytest.raises(asyncio.CancelledError):
-                await task
-            again = await q.pop(timeout=5)
-            assert again is not None and again.payload == "kept"
+            yield gate, q, task
     finally:
         gate.open()
-        # after the factory's close, which writes the queue's counters
-        await _drop_redis_prefix({"url": REDIS_URL, "prefix": "akplain"})
+        await _drop_redis_prefix({"url": REDIS_URL, "prefix": prefix})
+
+
+async def _ends_cancelled_and_gives_back(
+    gate: ReplyGate, q: aio_keuss.Queue, task: asyncio.Future[aio_keuss.Message | None]
+) -> None:
+    """The reply let through, the cancelled pop ends cancelled and the message it took is
+    back in the queue (not lost)."""
+    gate.open()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    again = await q.pop(timeout=5)
+    assert again is not None and again.payload == "kept"
+
+
+async def test_a_pop_cancelled_while_its_reply_is_held_gives_its_message_back() -> None:
+    """The pop's task is cancelled while the server's reply is held back: its plain future
+    is cancelled with it, the caller waits for the reply on the late future, and puts the
+    message it took back (not lost), then ends cancelled."""
+    async with _a_pop_whose_reply_is_held("akplain") as (gate, q, task):
+        task.cancel()
+        await asyncio.sleep(0.1)
+        assert not task.done()  # waiting for the reply, as one that refuses would
+        await _ends_cancelled_and_gives_back(gate, q, task)
 
 
 async def test_another_threads_loop_busy_on_its_connections_leaves_late_reply_alone() -> None:
@@ -240,30 +260,10 @@ def test_a_pop_cancelled_on_a_loop_with_futures_of_its_own_gives_its_message_bac
     connection did not recognise once cancelled: its reply was dropped, the message lost."""
 
     async def main() -> None:
-        gate = ReplyGate("127.0.0.1", 6379)
-        url = f"redis://127.0.0.1:{gate.port}/0"
-        try:
-            async with aio_keuss.connect("redis-oq", url=url, prefix="akownloop") as factory:
-                q = await factory.queue("q")
-                await q.push("kept")
-                gate.shut()
-                task = asyncio.ensure_future(q.pop(timeout=5))
-                protocol = factory.backend._lane._protocol  # type: ignore[attr-defined]
-
-                async def sent() -> bool:
-                    return bool(protocol._waiting)
-
-                await until(sent, guard=20)  # its reply is held
-                task.cancel()
-                await asyncio.sleep(0)
-                gate.open()
-                with pytest.raises(asyncio.CancelledError):
-                    await task
-                again = await q.pop(timeout=5)
-                assert again is not None and again.payload == "kept"
-        finally:
-            gate.open()
-            await _drop_redis_prefix({"url": REDIS_URL, "prefix": "akownloop"})
+        async with _a_pop_whose_reply_is_held("akownloop") as (gate, q, task):
+            task.cancel()
+            await asyncio.sleep(0)
+            await _ends_cancelled_and_gives_back(gate, q, task)
 
     with asyncio.Runner(loop_factory=_OwnFutureLoop) as runner:
         runner.run(main())
