@@ -21,6 +21,7 @@ from typing import Any
 
 import pytest
 from backends import ko_through_a_cut_close, new_token
+from mongo_copies import copies_refused
 from mongo_server import MONGO_URL, REAL_MONGO_URL, start_mongo
 from polling import until
 
@@ -1137,6 +1138,19 @@ async def test_a_give_back_replayed_after_another_reserved_the_message_leaves_it
     assert await b.total_size() == 0
 
 
+async def _held_without_transactions(
+    open_factory: Open, backend: str, **push: Any
+) -> tuple[aio_keuss.Queue, aio_keuss.Message, Any]:
+    """One message (``push``: its options) pushed to queue ``from`` of a factory without
+    transactions, and reserved: the queue, the message and the queue's store."""
+    q = await (await open_factory(backend, transactions=False)).queue("from")
+    await q.push("job", **push)
+    message = await q.reserve(timeout=0)
+    assert message is not None
+    store: Any = q._store  # type: ignore[attr-defined]
+    return q, message, store
+
+
 @pytest.mark.parametrize("backend", ["mongo", "mongo-history"])
 async def test_a_holder_s_ok_after_its_move_failed_past_the_claim_still_commits(
     open_factory: Open, backend: str
@@ -1144,22 +1158,9 @@ async def test_a_holder_s_ok_after_its_move_failed_past_the_claim_still_commits(
     """Without transactions a move claims the held message, copies it, then deletes it. A
     copy that fails leaves the claim, the message still reserved to its holder: the
     holder's ok (its reservation's own guard) still commits it."""
-    q = await (await open_factory(backend, transactions=False)).queue("from")
-    await q.push("job")
-    message = await q.reserve(timeout=0)
-    assert message is not None
-    store: Any = q._store  # type: ignore[attr-defined]
-    insert_docs = store._insert_docs
-
-    async def refused_there(coll: Any, *args: Any, **kwargs: Any) -> Any:
-        if coll.name != store._coll.name:
-            raise pymongo.errors.OperationFailure("copy refused", 2)
-        return await insert_docs(coll, *args, **kwargs)
-
-    store._insert_docs = refused_there
-    with pytest.raises(aio_keuss.KeussError):
+    q, message, store = await _held_without_transactions(open_factory, backend)
+    with copies_refused(store), pytest.raises(aio_keuss.KeussError):
         await q.move(message, "to")
-    store._insert_docs = insert_docs
     assert await q.ok(message)
     assert await q.total_size() == 0
 
@@ -1175,11 +1176,7 @@ async def test_a_holder_s_ok_after_its_move_failed_before_the_copy_still_commits
     whole lease, and the message came back then, delivered again though handled. A move
     that failed before its copy gives its claim back, as one whose copy the server refused
     does."""
-    q = await (await open_factory(backend, transactions=False)).queue("from")
-    await q.push("job", priority=3)
-    message = await q.reserve(timeout=0)
-    assert message is not None
-    store: Any = q._store  # type: ignore[attr-defined]
+    q, message, store = await _held_without_transactions(open_factory, backend, priority=3)
     backend_: Any = store._backend
     ensure_priority = backend_.ensure_priority
 
@@ -1202,11 +1199,7 @@ async def test_a_move_whose_copy_may_have_landed_keeps_its_claim(open_factory: O
     """A copy whose reply was lost may stand in the other queue: the move keeps its claim
     (a running claim refuses the holder's ok, which would end a message copied on), and
     the message comes back here once it lapses (a duplicate, never a loss)."""
-    q = await (await open_factory("mongo", transactions=False)).queue("from")
-    await q.push("job")
-    message = await q.reserve(timeout=0)
-    assert message is not None
-    store: Any = q._store  # type: ignore[attr-defined]
+    q, message, store = await _held_without_transactions(open_factory, "mongo")
     insert_docs = store._insert_docs
 
     async def landed_unanswered(coll: Any, *args: Any, **kwargs: Any) -> Any:
@@ -1282,11 +1275,7 @@ async def test_a_move_whose_message_another_consumer_took_leaves_it_to_that_cons
     (``moving``) on that consumer's reservation, and its ok, refused as if moved, sent the
     message round once more. The move that no longer holds the message gives its claim
     up."""
-    q = await (await open_factory(backend, transactions=False)).queue("from")
-    await q.push("job")
-    message = await q.reserve(timeout=0)
-    assert message is not None
-    store: Any = q._store  # type: ignore[attr-defined]
+    q, message, store = await _held_without_transactions(open_factory, backend)
     insert_docs = store._insert_docs
     taken: list[Any] = []
 
