@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 from backends import new_token
+from mongo_copies import copies_refused
 from mongo_server import MONGO_URL, start_mongo
 
 import aio_keuss
@@ -442,19 +443,8 @@ async def test_a_move_by_bare_id_of_a_lapsed_claim_whose_copy_failed_leaves_no_c
     a, _ = await _claimed_not_ended(queue)
     store: Any = queue._store  # type: ignore[attr-defined]
     await store._coll.update_many({}, {"$set": {"mature": time.time() - 1}})  # the lease ends
-    insert_docs = store._insert_docs
-
-    async def refused_there(coll: Any, *args: Any, **kwargs: Any) -> Any:
-        if coll.name != store._coll.name:
-            raise pymongo.errors.OperationFailure("copy refused", 2)
-        return await insert_docs(coll, *args, **kwargs)
-
-    store._insert_docs = refused_there
-    try:
-        with pytest.raises(KeussError):
-            await queue.move(a.id, "to")
-    finally:
-        store._insert_docs = insert_docs
+    with copies_refused(store), pytest.raises(KeussError):
+        await queue.move(a.id, "to")
     late = {"_id": a.id, "acker": {"$exists": True}, "owner": {"$exists": False}}
     assert await store._coll.count_documents(late) == 0
     assert await queue.ok(a.id) is True
