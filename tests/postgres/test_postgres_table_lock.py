@@ -228,21 +228,35 @@ def _small_pool(schema: str, size: int) -> Any:
     )
 
 
+async def _a_job_and_others(
+    factory: aio_keuss.Factory, size: int
+) -> tuple[aio_keuss.Queue, list[aio_keuss.Queue]]:
+    """Queue ``jobs`` with one message in it, and ``size`` other queues, empty."""
+    q = await factory.queue("jobs")
+    await q.push({"n": 1})
+    others = [await factory.queue(f"other{i}") for i in range(size)]
+    return q, others
+
+
 async def _pushes_behind_the_lock(
-    schema: str, watcher: Any, others: list[aio_keuss.Queue]
+    schema: str, others: list[aio_keuss.Queue]
 ) -> list[asyncio.Task[Any]]:
     """Push once to each of ``others`` (queues of their own, so that none is batched with
     another) while the table is locked, and return once every push waits for the lock,
-    each on a connection of the pool."""
+    each on a connection of the pool (seen from a connection of its own)."""
     pushes = [asyncio.create_task(other.push({"n": 2})) for other in others]
     waiting = (
         "SELECT count(*) FROM pg_locks WHERE NOT granted"
         f" AND relation = '\"{schema}\".messages'::regclass"
     )
-    for _ in range(2000):  # every connection of the pool waits for the lock
-        if await watcher.fetchval(waiting) >= len(others):
-            break
-        await asyncio.sleep(0.01)
+    watcher = await asyncpg.connect(POSTGRES_URL)
+    try:
+        for _ in range(2000):  # every connection of the pool waits for the lock
+            if await watcher.fetchval(waiting) >= len(others):
+                break
+            await asyncio.sleep(0.01)
+    finally:
+        await watcher.close()
     return pushes
 
 
@@ -257,20 +271,14 @@ async def test_a_take_keeps_its_timeout_when_waiting_statements_hold_every_conne
     nothing, having taken nothing; the pushes land once the lock goes, each once."""
     size = 3
     async with _small_pool(schema, size) as factory:
-        q = await factory.queue("jobs")
-        await q.push({"n": 1})
-        others = [await factory.queue(f"other{i}") for i in range(size)]
-        watcher = await asyncpg.connect(POSTGRES_URL)
-        try:
-            async with locked(schema):
-                pushes = await _pushes_behind_the_lock(schema, watcher, others)
-                call = asyncio.create_task(q.pop(timeout=0.5))
-                done, _ = await asyncio.wait([call], timeout=GUARD)
-            assert done, f"pop(timeout=0.5) still waiting {GUARD} s behind the lock"
-            assert call.result() is None
-            await asyncio.wait_for(asyncio.gather(*pushes), GUARD)
-        finally:
-            await watcher.close()
+        q, others = await _a_job_and_others(factory, size)
+        async with locked(schema):
+            pushes = await _pushes_behind_the_lock(schema, others)
+            call = asyncio.create_task(q.pop(timeout=0.5))
+            done, _ = await asyncio.wait([call], timeout=GUARD)
+        assert done, f"pop(timeout=0.5) still waiting {GUARD} s behind the lock"
+        assert call.result() is None
+        await asyncio.wait_for(asyncio.gather(*pushes), GUARD)
         # each push landed once, and the pop took nothing
         assert [(await other.sizes()).total for other in others] == [1] * size
         message = await q.pop(timeout=GUARD)
@@ -300,29 +308,23 @@ async def test_a_take_without_a_timeout_waits_for_a_connection_and_gives_it_back
     a take's statement cancelled while it waits for a connection."""
     size = 3
     async with _small_pool(schema, size) as factory:
-        q = await factory.queue("jobs")
-        await q.push({"n": 1})
-        others = [await factory.queue(f"other{i}") for i in range(size)]
-        watcher = await asyncpg.connect(POSTGRES_URL)
-        try:
-            async with locked(schema):
-                pushes = await _pushes_behind_the_lock(schema, watcher, others)
-                call = asyncio.create_task(q.pop())
-                await asyncio.sleep(HELD_A_WHILE)
-                assert not call.done(), call  # neither failed nor answered nothing
-                call.cancel()
-                with pytest.raises(asyncio.CancelledError):
-                    await asyncio.wait_for(call, GUARD)
-                # a take's statement cancelled itself while it waits for a connection (a
-                # close past its grace cancels so): what comes later goes back to the pool
-                take = asyncio.create_task(factory.backend.fetch_take("SELECT 1"))  # type: ignore[attr-defined]
-                await asyncio.sleep(0)  # waiting for a connection
-                take.cancel()
-                with pytest.raises(asyncio.CancelledError):
-                    await take
-            await asyncio.wait_for(asyncio.gather(*pushes), GUARD)
-        finally:
-            await watcher.close()
+        q, others = await _a_job_and_others(factory, size)
+        async with locked(schema):
+            pushes = await _pushes_behind_the_lock(schema, others)
+            call = asyncio.create_task(q.pop())
+            await asyncio.sleep(HELD_A_WHILE)
+            assert not call.done(), call  # neither failed nor answered nothing
+            call.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await asyncio.wait_for(call, GUARD)
+            # a take's statement cancelled itself while it waits for a connection (a
+            # close past its grace cancels so): what comes later goes back to the pool
+            take = asyncio.create_task(factory.backend.fetch_take("SELECT 1"))  # type: ignore[attr-defined]
+            await asyncio.sleep(0)  # waiting for a connection
+            take.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await take
+        await asyncio.wait_for(asyncio.gather(*pushes), GUARD)
         # the pop's last look may have got a connection once the lock went, and taken the
         # message after its caller was cancelled: it then puts it back
         message = await q.pop(timeout=GUARD)
