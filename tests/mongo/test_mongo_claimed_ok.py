@@ -392,6 +392,25 @@ async def test_an_extend_by_bare_id_between_a_batch_s_claim_and_delete_keeps_the
     assert await queue.total_size() == 0
 
 
+async def _a_lapsed_claim(queue: aio_keuss.Queue) -> tuple[aio_keuss.Message, Any]:
+    """A batch ok's claim not ended (its process died), its lease lapsed: the claimed
+    message ``a`` and the queue's store."""
+    a, _ = await _claimed_not_ended(queue)
+    store: Any = queue._store  # type: ignore[attr-defined]
+    await store._coll.update_many({}, {"$set": {"mature": time.time() - 1}})  # the lease ends
+    return a, store
+
+
+async def _an_ordinary_reservation(
+    queue: aio_keuss.Queue, store: Any, a: aio_keuss.Message
+) -> None:
+    """``a`` no longer reads as claimed by a batch ok, and its ok by bare id ends it."""
+    late = {"_id": a.id, "acker": {"$exists": True}, "owner": {"$exists": False}}
+    assert await store._coll.count_documents(late) == 0
+    assert await queue.ok(a.id) is True
+    assert await store._coll.count_documents({"_id": a.id}) == 0
+
+
 async def test_an_extend_by_bare_id_of_a_lapsed_claim_holds_it_as_a_reservation(
     queue: aio_keuss.Queue,
 ) -> None:
@@ -402,15 +421,10 @@ async def test_an_extend_by_bare_id_of_a_lapsed_claim_holds_it_as_a_reservation(
     id (its next renewal, its ok) yielded to a claim no one runs, and the message came
     back at the extended end, delivered again though handled. Now the extended message
     is an ordinary reservation; the dead batch's late delete no longer ends it."""
-    a, _ = await _claimed_not_ended(queue)
-    store: Any = queue._store  # type: ignore[attr-defined]
-    await store._coll.update_many({}, {"$set": {"mature": time.time() - 1}})  # the lease ends
+    a, store = await _a_lapsed_claim(queue)
     assert await queue.extend(a.id, 600) is True
     assert await queue.extend(a.id, 600) is True  # its next renewal
-    late = {"_id": a.id, "acker": {"$exists": True}, "owner": {"$exists": False}}
-    assert await store._coll.count_documents(late) == 0
-    assert await queue.ok(a.id) is True
-    assert await store._coll.count_documents({"_id": a.id}) == 0
+    await _an_ordinary_reservation(queue, store, a)
 
 
 async def test_an_extend_by_bare_id_as_long_as_the_claim_s_lease_is_refused(
@@ -440,15 +454,10 @@ async def test_a_move_by_bare_id_of_a_lapsed_claim_whose_copy_failed_leaves_no_c
     and left ``acker``: the message read as claimed by a batch ok again, so every call by
     bare id (ok, ko, move, extend) was refused until that lease ended, and the dead
     batch's late delete could still end it. Now it is an ordinary reservation again."""
-    a, _ = await _claimed_not_ended(queue)
-    store: Any = queue._store  # type: ignore[attr-defined]
-    await store._coll.update_many({}, {"$set": {"mature": time.time() - 1}})  # the lease ends
+    a, store = await _a_lapsed_claim(queue)
     with copies_refused(store), pytest.raises(KeussError):
         await queue.move(a.id, "to")
-    late = {"_id": a.id, "acker": {"$exists": True}, "owner": {"$exists": False}}
-    assert await store._coll.count_documents(late) == 0
-    assert await queue.ok(a.id) is True
-    assert await store._coll.count_documents({"_id": a.id}) == 0
+    await _an_ordinary_reservation(queue, store, a)
 
 
 async def test_a_lapsed_batch_s_late_delete_does_not_end_what_a_move_by_bare_id_copies(
