@@ -36,6 +36,7 @@ from __future__ import annotations
 import itertools
 import logging
 import threading
+import time
 import uuid
 from collections import Counter
 from collections.abc import Iterator, Mapping, Sequence
@@ -147,6 +148,34 @@ def _check_connect(spec: WriteSpec | ReadSpec) -> Capabilities:
         return factory.capabilities
 
 
+STREAM_CHECK_INTERVAL = 60.0
+"""Seconds a stream writer's connect check stands for its later micro-batches."""
+
+_stream_checks_lock = threading.Lock()
+_stream_checks: dict[str, tuple[float, Capabilities]] = {}
+
+
+def _check_stream_connect(spec: WriteSpec, options: Mapping[str, Any]) -> Capabilities:
+    """The connect check of a streaming write: Spark makes the stream writer on the driver
+    twice per micro-batch (to plan the write, then to commit it, each in a Python worker
+    of the driver that lives on across micro-batches), and a factory opened and closed each
+    time cost a small micro-batch a fifth of its time. Nothing Spark hands the
+    writer names the query but its options (with ``checkpointLocation`` when given as one),
+    so the check is kept per option set for ``STREAM_CHECK_INTERVAL`` seconds: a stream's
+    first micro-batch checks, a server gone since fails a later one's tasks, as it would
+    mid-batch. Batch reads and writes check each query (``_check_connect``)."""
+    key = repr((spec.backend, sorted((str(k).lower(), str(v)) for k, v in options.items())))
+    now = time.monotonic()
+    with _stream_checks_lock:
+        known = _stream_checks.get(key)
+    if known is not None and now - known[0] < STREAM_CHECK_INTERVAL:
+        return known[1]
+    capabilities = _check_connect(spec)
+    with _stream_checks_lock:
+        _stream_checks[key] = (time.monotonic(), capabilities)
+    return capabilities
+
+
 def _context() -> TaskContext:
     context = TaskContext.get()
     if context is None:
@@ -220,7 +249,7 @@ class ReadSpec:
             raise ConfigError(f"backend {backend!r} cannot reserve: use read_mode=pop")
         max_rows = lowered.get("max_rows")
         queue = required(lowered, "queue")
-        try:  # here, not only by the driver's connect check, which is cached per options
+        try:  # here, not only by the driver's connect check, which a stream's write keeps a while
             check_queue_name(queue)
         except InvalidInputError as exc:
             raise ConfigError(str(exc)) from exc
@@ -733,7 +762,9 @@ class KeussDataSource(DataSource):
     def schema(self) -> str:
         return READ_SCHEMA
 
-    def _write_spec(self, schema: StructType) -> WriteSpec:
+    def _write_spec(self, schema: StructType, streaming: bool = False) -> WriteSpec:
+        """The write's options and schema checked (each call), then its connection: each
+        batch query, a stream once per ``STREAM_CHECK_INTERVAL``."""
         spec = WriteSpec.from_options(self.options)
         twice = _named_twice(schema)
         if twice:  # Spark cannot make their Arrow batches: every task would fail
@@ -745,7 +776,8 @@ class KeussDataSource(DataSource):
         _check_integral(schema, spec.priority_column)
         _check_meta_types(schema, spec)
         _check_no_binary_in_json(schema, spec)
-        spec.check_priority(_check_connect(spec).priority)
+        check = _check_stream_connect(spec, self.options) if streaming else _check_connect(spec)
+        spec.check_priority(check.priority)
         return spec
 
     def writer(self, schema: StructType, overwrite: bool) -> KeussBatchWriter:
@@ -754,7 +786,7 @@ class KeussDataSource(DataSource):
         return KeussBatchWriter(self._write_spec(schema).with_job_key(new_job_key()))
 
     def streamWriter(self, schema: StructType, overwrite: bool) -> KeussStreamWriter:
-        return KeussStreamWriter(self._write_spec(schema))
+        return KeussStreamWriter(self._write_spec(schema, streaming=True))
 
     def _read_spec(self) -> ReadSpec:
         spec = ReadSpec.from_options(self.options)

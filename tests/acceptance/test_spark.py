@@ -342,6 +342,40 @@ def test_a_server_gone_since_an_earlier_query_fails_the_next_on_the_driver() -> 
             KeussDataSource(options).writer(_columns(), False)
 
 
+def test_a_streaming_write_checks_the_connection_once_not_per_micro_batch() -> None:
+    """Spark makes the stream writer on the driver twice per micro-batch (to plan its write,
+    then to commit it): checking per call opened and closed a factory twice per micro-batch
+    (20-120 ms of a small one). A stream checks it when its writer is first made; the
+    schema and options are still checked per call, and batch writes still connect each."""
+    import redis
+    from own_servers import own_redis
+
+    from aio_keuss.spark.source import KeussDataSource
+
+    with own_redis() as server:
+        client = redis.Redis.from_url(server.url)
+
+        def connections() -> int:
+            return int(client.info("stats")["total_connections_received"])
+
+        options = {"backend": "redis-oq", "queue": "once", "url": server.url, "prefix": "akt-o"}
+        options["checkpointLocation"] = f"/tmp/akt-once-{new_token()}"
+        before = connections()
+        for _ in range(3):  # micro-batches
+            KeussDataSource(options).streamWriter(_columns(), False)
+            KeussDataSource(options).streamWriter(_columns(), False)
+        once = connections() - before
+        assert once >= 1
+        with pytest.raises(aio_keuss.ConfigError):  # still checked per call, no connection
+            KeussDataSource({**options, "priority_column": "nope"}).streamWriter(_columns(), False)
+        for _ in range(3):
+            KeussDataSource(options).streamWriter(_columns(), False)
+        assert connections() - before == once
+        KeussDataSource(options).writer(_columns(), False)  # a batch write connects each time
+        assert connections() - before > once
+        client.close()
+
+
 def test_a_bad_queue_name_fails_a_read_on_the_driver_after_a_good_read(
     target: tuple[str, dict[str, Any]],
 ) -> None:
