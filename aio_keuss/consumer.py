@@ -442,12 +442,18 @@ class Source(Protocol):
         ...
 
     async def next(
-        self, outage: Outage, n: int, gather: bool = False, kept: dict[str, Stored] | None = None
+        self,
+        outage: Outage,
+        n: int,
+        gather: bool = False,
+        kept: dict[str, Stored] | None = None,
+        timeout: float | None = None,
     ) -> list[Message]:
         """The next 1 to ``n`` messages (reserved, or popped without reserve), riding out
-        outages; none once the queue drains or closes. ``gather``: wait up to the queue's
-        ``max_wait_time`` for ``n``. ``kept``: popped ones are noted there by id as the
-        store handed them out, what a put-back of them needs."""
+        outages; none once the queue drains or closes, or ``timeout`` (seconds) passes.
+        ``gather``: wait up to the queue's ``max_wait_time`` for ``n``. ``kept``: popped
+        ones are noted there by id as the store handed them out, what a put-back of them
+        needs."""
 
     def ok(self, message: Message, value: Any = ...) -> Awaitable[bool]:
         """``value``: what the handler returned, kept as the message's result where the
@@ -677,6 +683,9 @@ class Consumer(StoppedOnExit):
         # for every waiting worker cost fewer round trips (32 workers: -4 % with it).
         self._refill_at = prefetch // 2 if 1 < concurrency <= prefetch else 0
         self._starving = 0  # workers that found the buffer empty and wait for a fetch
+        # an early fetch found the queue empty: no other until the buffer runs dry (each
+        # message left would cost a round trip that finds nothing)
+        self._dry = False
         # With prefetch, oks are sent in the background, several to a round trip: handled
         # messages wait in ``_oks`` for one of at most OK_SENDERS sender tasks; at most
         # OK_ROOM * (concurrency + prefetch) are unanswered (queued or in flight) at a time.
@@ -1105,7 +1114,7 @@ class Consumer(StoppedOnExit):
                 # out of the buffer already, so not cancelled with this wait (see below)
                 await asyncio.shield(self._tracked(self._give_back()))
                 continue
-            if buffer and (len(buffer) > self._refill_at or self._fetching.locked()):
+            if buffer and (len(buffer) > self._refill_at or self._fetching.locked() or self._dry):
                 if self._fetch_unsent:
                     # a fetch was just started: its request goes out first (a handler that
                     # never awaits would hand out the rest before it left, and its round
@@ -1121,8 +1130,9 @@ class Consumer(StoppedOnExit):
                     self._starving -= 1
                 continue
             else:  # this worker fetches, for itself and every worker waiting
-                await self._fetch(starving=not buffer)
-                if not buffer:
+                starving = not buffer
+                await self._fetch(starving)
+                if starving and not buffer:
                     return None  # only on drain or close, as there is no timeout
                 continue
             message, until = buffer.popleft()
@@ -1169,7 +1179,10 @@ class Consumer(StoppedOnExit):
         """Fill the prefetch buffer: when it ran dry, or early (``starving`` False), once no
         more than ``_refill_at`` are left, so that the round trip runs while the other
         workers handle those (waiting for it with nothing to do, three workers with
-        short handlers were idle about 30 % of the time on redis-oq)."""
+        short handlers were idle about 30 % of the time on redis-oq). An early one takes
+        only what is ready: waiting for a push, it kept its worker from the messages still
+        buffered (those wait for a push too while the other workers run long handlers), and
+        from seeing a pause."""
         if starving:
             self._starving += 1
         try:
@@ -1181,7 +1194,9 @@ class Consumer(StoppedOnExit):
                 try:
                     kept = None if self._reserve else self._kept
                     taken = time.monotonic()
-                    got = await self.queue.next(self._outage, self._want(), kept=kept)
+                    got = await self.queue.next(
+                        self._outage, self._want(), kept=kept, timeout=None if starving else 0.0
+                    )
                 finally:
                     landed, self._landed = self._landed, asyncio.Event()
                     landed.set()
@@ -1191,6 +1206,7 @@ class Consumer(StoppedOnExit):
                 elif self._reserve and self.queue.capabilities.reservation_expiry:
                     until = time.monotonic() + self.queue.reserve_delay / 2
                 self._buffer.extend((message, until) for message in got)
+                self._dry = not starving and not got
         finally:
             if starving:
                 self._starving -= 1

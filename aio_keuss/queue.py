@@ -3045,9 +3045,14 @@ class _ConsumerLink:
         return self._queue._result_writes is not None
 
     async def next(
-        self, outage: Outage, n: int, gather: bool = False, kept: dict[str, Stored] | None = None
+        self,
+        outage: Outage,
+        n: int,
+        gather: bool = False,
+        kept: dict[str, Stored] | None = None,
+        timeout: float | None = None,
     ) -> list[Message]:
-        return await self._queue._next(None, outage, n, gather, kept)
+        return await self._queue._next(timeout, outage, n, gather, kept)
 
     def ok(self, message: Message, value: Any = NO_RESULT) -> Awaitable[bool]:
         queue = self._queue

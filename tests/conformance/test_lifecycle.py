@@ -638,6 +638,40 @@ async def test_prefetched_messages_popped_without_reserve_are_put_back_on_stop(
     assert left == sorted(left)  # back in their places
 
 
+async def test_an_early_fetch_on_an_empty_queue_leaves_the_buffer_to_the_free_worker(
+    connect: Connect, case: Any
+) -> None:
+    """With two workers and a prefetch, a worker refills the buffer early, once few are
+    left. On an emptied queue that fetch waited for a push with no limit, so while the other
+    worker ran a long handler, the messages still buffered waited for a push too (popped
+    ones in this process only). The free worker now handles every one of them."""
+    if case.id not in ("memory", "redis-oq", "redis-list", "redis-reliable"):
+        pytest.skip("the consumer's, the same on every backend: run on a few")
+    factory = await connect(poll_interval=5.0)
+    q = await factory.queue("jobs")
+    pushed = 12
+    await q.push_many(list(range(pushed)))
+    handled: list[int] = []
+    all_in = asyncio.Event()
+    release = asyncio.Event()
+
+    async def handler(message: Message) -> None:
+        handled.append(message.payload)
+        if len(handled) == pushed:
+            all_in.set()
+        if len(handled) == 1:
+            await release.wait()  # the long handler: its worker takes nothing meanwhile
+
+    consumer = q.consume(handler, concurrency=2, prefetch=5)
+    try:
+        await asyncio.wait_for(all_in.wait(), 30)  # a guard: with the defect, never
+    finally:
+        release.set()
+        await consumer.stop(grace=5)
+    assert sorted(handled) == list(range(pushed))
+    assert await q.size() == 0
+
+
 async def test_a_popped_message_put_back_after_its_id_was_pushed_again_is_kept(
     connect: Connect,
 ) -> None:
