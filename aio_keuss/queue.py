@@ -1673,7 +1673,7 @@ class Queue:
         a duplicate ``push_and_wait`` that finds it gone with none kept waits for it while
         the note lasts (``LEAVE_NOTE_TTL``), not only ``LEAVE_GRACE`` (see ``_joined``), so
         a remover slow to keep it (a stalled process) still has its failure reach them.
-        Written before the remove, as a failure cannot be (the remove may find the message
+        Written with the remove, as a failure cannot be (the remove may find the message
         reserved and leave it): a note that stays for nothing only makes such a joiner wait
         longer for a message that finished with no result kept. Not written, it is logged:
         the remove goes on, its joiners have the grace only. Written only where a joiner
@@ -1972,8 +1972,17 @@ class Queue:
 
     async def _removed(self, message_id: str, failure: str) -> bool:
         if self._notes_leaving:
-            await self._note_leaving(message_id)
-        (removed,) = await self._store.remove([message_id])
+            # side by side with the remove, not a round trip before it: a joiner finding the
+            # message gone before the note lands looks for it again at its grace's end (see
+            # ``_joined``); first, a remove waited for the note's reply before it was even
+            # sent, and one whose replies a slow server held never removed anything
+            noting = asyncio.ensure_future(self._note_leaving(message_id))
+            try:
+                (removed,) = await self._store.remove([message_id])
+            finally:
+                await noting  # (never raises: a note not kept is logged)
+        else:
+            (removed,) = await self._store.remove([message_id])
         if removed:  # its waiters are told it will never finish
             await self._keep_failure(message_id, failure)
         return removed
